@@ -1,0 +1,68 @@
+// Expert-parallel load balancing (design.md §5): placement of logical experts in physical slots,
+// replica choice at dispatch time, and DeepSeek's rebalance algorithm.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "epmoe/config.hpp"
+#include "epmoe/tensor.hpp"
+
+namespace epmoe {
+
+// One layer's placement. P = num_physical slots, rank r owns slots [r*P/ranks, (r+1)*P/ranks).
+class ExpertPlacement {
+ public:
+  ExpertPlacement() = default;
+  // From a phy2log table [P]; every logical expert in [0, num_logical) must appear at least once.
+  ExpertPlacement(std::vector<std::int32_t> phy2log, int num_logical, int num_ranks);
+  // Default placement: slot p holds logical p % E (the R redundant slots replicate experts 0..R-1).
+  static ExpertPlacement initial(int num_logical, int num_physical, int num_ranks);
+
+  int num_logical() const { return num_logical_; }
+  int num_physical() const { return static_cast<int>(phy2log_.size()); }
+  int num_ranks() const { return num_ranks_; }
+  int slots_per_rank() const { return num_physical() / num_ranks_; }
+  int max_replicas() const { return max_replicas_; }
+  int rank_of_slot(int physical) const { return physical / slots_per_rank(); }
+
+  const std::vector<std::int32_t>& phy2log() const { return phy2log_; }
+  const std::vector<std::int32_t>& log2phy() const { return log2phy_; }  // [E, max_replicas], -1 padded
+  const std::vector<std::int32_t>& logcnt() const { return logcnt_; }    // [E]
+
+  // Replica choice for one (token, k) of a token that lives on src_rank.
+  //  static:  the replica on src_rank if there is one, else replica (src_rank % count) — a fixed
+  //           preference per (rank, expert);
+  //  dynamic: replica hash(src_rank, token, k) % count — spreads one expert's tokens over its
+  //           replicas; deterministic, so reruns agree.
+  std::int32_t choose(std::int32_t logical, int src_rank, std::int64_t token, int k,
+                      DispatchAlgorithm algorithm) const;
+
+  // logical_ids [T, K] i32 -> physical_ids (out) [T, K] i32, tokens numbered from token_offset.
+  void map_to_physical(TensorView logical_ids, TensorView physical_ids, int src_rank,
+                       DispatchAlgorithm algorithm, std::int64_t token_offset = 0) const;
+
+ private:
+  std::vector<std::int32_t> phy2log_, log2phy_, logcnt_;
+  int num_logical_ = 0, num_ranks_ = 1, max_replicas_ = 0;
+};
+
+// DeepSeek's EPLB output for every layer.
+struct RebalanceResult {
+  int num_layers = 0, num_logical = 0, num_physical = 0, max_replicas = 0;
+  std::vector<std::int32_t> phy2log;  // [L, P]
+  std::vector<std::int32_t> log2phy;  // [L, E, max_replicas], -1 padded
+  std::vector<std::int32_t> logcnt;   // [L, E]
+};
+
+// DeepSeek's rebalance: hierarchical (pack groups to nodes, replicate within nodes, pack replicas
+// to GPUs) when num_groups % num_nodes == 0, else global (one node, one group).
+//   load: [L][E] per-expert load, non-negative and finite.
+//   num_physical % num_gpus == 0, num_gpus % num_nodes == 0, num_physical >= E.
+RebalanceResult rebalance_experts(const std::vector<std::vector<double>>& load, int num_physical,
+                                  int num_groups, int num_nodes, int num_gpus);
+
+// Placement of one layer of a rebalance result.
+ExpertPlacement placement_from(const RebalanceResult& result, int layer, int num_ranks);
+
+}  // namespace epmoe

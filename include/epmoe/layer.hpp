@@ -1,0 +1,80 @@
+// MoeLayer: router -> EPLB mapping -> dispatch -> runner -> combine, plus the shared expert
+// (design.md §1). On the CPU it serves every rank of an N-rank simulation in one process.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "epmoe/dispatch.hpp"
+#include "epmoe/eplb.hpp"
+#include "epmoe/runner.hpp"
+#include "epmoe/weights.hpp"
+
+namespace epmoe {
+
+struct LayerOptions {
+  Mode mode = Mode::normal;
+  Device device = Device::cpu;
+  Numerics numerics = Numerics::mirror;
+  std::string dispatcher;  // empty: "cpu-local" for one rank, else "cpu-sim"
+};
+
+struct PhaseTimes {  // milliseconds of host wall time, accumulated over forwards
+  double route = 0, quantize = 0, dispatch = 0, experts = 0, combine = 0, shared = 0;
+  double total() const { return route + quantize + dispatch + experts + combine + shared; }
+};
+
+struct ForwardStats {
+  PhaseTimes times;
+  std::int64_t tokens = 0;                 // over all served ranks
+  std::vector<std::int64_t> rows_per_rank; // expert rows each rank computed in the last forward
+  std::int64_t bytes_sent = 0;             // dispatch payload to other ranks, last forward
+};
+
+class MoeLayer {
+ public:
+  MoeLayer(std::shared_ptr<const ModelWeights> weights, LayerOptions options);
+  ~MoeLayer();
+
+  const MoeConfig& config() const;
+  const LayerOptions& options() const { return options_; }
+
+  // x[r]: rank r's tokens [T_r, H] bf16 (finite; T_r <= max_tokens_per_rank in low-latency mode),
+  // y[r] (out): [T_r, H] bf16. One entry per served rank.
+  void forward(std::span<const TensorView> x, std::span<const TensorView> y, ForwardStats* stats = nullptr);
+
+  const ExpertPlacement& placement() const { return placement_; }
+  // Tokens routed to each logical expert, accumulated since construction or the last rebalance.
+  const std::vector<std::int64_t>& expert_load() const { return expert_load_; }
+  // DeepSeek EPLB over the accumulated load; installs the new placement and clears the counters.
+  // nodes: the number of nodes the ranks span (groups % nodes == 0 selects the hierarchical policy).
+  void rebalance(int nodes = 1);
+  void set_placement(ExpertPlacement placement);
+
+ private:
+  std::shared_ptr<const ModelWeights> weights_;
+  LayerOptions options_;
+  ExpertPlacement placement_;
+  std::vector<std::int64_t> expert_load_;
+  std::unique_ptr<Dispatcher> dispatcher_;
+  std::unique_ptr<Runner> runner_;
+};
+
+// Direct single-process evaluation of design.md §1 for tokens x [T, H] bf16 -> y [T, H] (bf16 or
+// f64): route, and for each token Σ_k w·E_k(x) + shared(x), with the same quantized activations
+// and weights and the same rounding points as the layer (numerics = mirror), or in f64 (exact).
+void reference_forward(const ModelWeights& weights, TensorView x, TensorView y, Numerics numerics);
+
+// Error measures of design.md §8 over all elements (bf16, f32 or f64 tensors of equal numel).
+struct ErrorReport {
+  double calc_diff = 0;       // 1 - 2Σxy / Σ(x² + y²)
+  double rel_l2 = 0;          // ‖x - y‖ / ‖y‖
+  std::int64_t non_finite = 0;
+  std::int64_t count = 0;
+  bool within(double tolerance) const { return non_finite == 0 && rel_l2 <= tolerance && calc_diff <= tolerance; }
+};
+ErrorReport compare(TensorView actual, TensorView expected);
+
+}  // namespace epmoe

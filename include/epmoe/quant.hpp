@@ -1,0 +1,44 @@
+// Quantizers and dequantizers (design.md §4). All CPU, all exact definitions that the GPU
+// kernels are checked against bit for bit.
+//
+// Conventions shared by every FP8 quantizer: scale = max(amax, kMinAmax) / 448 in f32, rounded up
+// to a power of two when pow2 scales are asked for; q = fp8(x / scale) with an IEEE f32
+// division, rounded to nearest-even and saturated at ±448. Dequantized value = float(q) * scale.
+#pragma once
+
+#include "epmoe/tensor.hpp"
+
+namespace epmoe {
+
+// Lower bound on amax, so that an all-zero group gets a finite, non-zero scale.
+inline constexpr float kMinAmax = 1e-10f;
+
+// Scale for a group whose absolute maximum is amax (see the conventions above).
+float fp8_scale_for_amax(float amax, bool power_of_two);
+
+// Per-token-group FP8 (1 x group along K).
+//   x [T, K] bf16 or f32, q (out) [T, K] fp8, scales (out) [T, K/group] f32. K % group == 0.
+void quantize_per_token_group_fp8(TensorView x, TensorView q, TensorView scales, int group = 128,
+                                  bool power_of_two = false);
+//   q [T, K] fp8, scales [T, K/group] f32 -> out [T, K] f32
+void dequantize_per_token_group_fp8(TensorView q, TensorView scales, TensorView out, int group = 128);
+
+// 128 x 128 block weight FP8 (DeepSeek-V3 checkpoint format).
+//   w [N, K] f32 or bf16, q (out) [N, K] fp8, scale_inv (out) [ceil(N/128), K/128] f32. K % 128 == 0.
+void quantize_block_fp8(TensorView w, TensorView q, TensorView scale_inv, int block = 128);
+void dequantize_block_fp8(TensorView q, TensorView scale_inv, TensorView out, int block = 128);
+
+// Per-tensor FP8 with a given (static) scale: q = fp8(x / scale).
+//   x [..] bf16 or f32, q (out) same shape fp8. scale must be positive and finite.
+void quantize_per_tensor_fp8(TensorView x, TensorView q, float scale);
+// The scale a per-tensor quantizer would use for x (amax over the whole tensor / 448).
+float per_tensor_fp8_scale(TensorView x);
+void dequantize_per_tensor_fp8(TensorView q, float scale, TensorView out);
+
+// Signed int4 weights with one f32 scale per `group` consecutive K values of each row:
+//   scale = max(amax, kMinAmax) / 7, v = clamp(round_half_even(w / scale), -8, 7).
+//   w [N, K] f32 or bf16, packed (out) [N, K/2] i4x2, scales (out) [N, K/group] f32.
+void quantize_int4_grouped(TensorView w, TensorView packed, TensorView scales, int group = 128);
+void dequantize_int4_grouped(TensorView packed, TensorView scales, TensorView out, int group = 128);
+
+}  // namespace epmoe

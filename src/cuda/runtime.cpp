@@ -1,0 +1,27 @@
+#include "epmoe/cuda/runtime.hpp"
+
+namespace epmoe::cuda {
+
+void throw_cuda_error(cudaError_t status, const char* expr, const char* file, int line) {
+  detail::throw_error(file, line,
+                      fmt::format("CUDA error {} ({}) in {}", cudaGetErrorName(status), cudaGetErrorString(status), expr));
+}
+
+int device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no device" / "no driver" status
+    return 0;
+  }
+  return count;
+}
+
+std::string device_description(int device) {
+  if (device_count() <= device) return "no GPU";
+  cudaDeviceProp prop{};
+  EPMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return fmt::format("{} (sm_{}{}, {} SMs, {:.1f} GiB)", prop.name, prop.major, prop.minor, prop.multiProcessorCount,
+                     static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
+}
+
+}  // namespace epmoe::cuda

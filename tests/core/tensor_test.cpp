@@ -1,0 +1,53 @@
+#include <gtest/gtest.h>
+
+#include "epmoe/tensor.hpp"
+
+namespace epmoe {
+namespace {
+
+TEST(Tensor, ContiguousStridesAndSlices) {
+  HostTensor t(DType::f32, {3, 4});
+  EXPECT_EQ(t.view().stride[0], 4);
+  EXPECT_EQ(t.view().stride[1], 1);
+  EXPECT_EQ(t.numel(), 12);
+  EXPECT_TRUE(t.view().is_contiguous());
+  for (int i = 0; i < 12; ++i) t.data<float>()[i] = static_cast<float>(i);
+  TensorView row = t.view().select(2);
+  EXPECT_EQ(row.rank, 1);
+  EXPECT_EQ(row.as<float>()[1], 9.0f);
+  TensorView rows = t.view().slice_rows(1, 3);
+  EXPECT_EQ(rows.size(0), 2);
+  EXPECT_EQ(rows.as<float>()[0], 4.0f);
+  EXPECT_THROW(t.view().select(3), Error);
+  EXPECT_THROW(t.view().slice_rows(2, 4), Error);
+  EXPECT_THROW((void)t.view().as<double>(), Error);
+}
+
+TEST(Tensor, ValidationNamesArgument) {
+  HostTensor t(DType::bf16, {2, 128});
+  try {
+    expect_shape(t, {2, 256}, "x");
+    FAIL() << "expected a throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("x must have shape [2, 256]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(expect_dtype(t, DType::f32, "x"), Error);
+  EXPECT_NO_THROW(expect_dtype(t, DType::bf16, "x"));
+}
+
+TEST(Tensor, FiniteCheckFindsNaNAndInf) {
+  HostTensor t(DType::f32, {4});
+  for (int i = 0; i < 4; ++i) t.data<float>()[i] = 1.0f + static_cast<float>(i);
+  EXPECT_NO_THROW(expect_finite(t, "t"));
+  t.data<float>()[2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THROW(expect_finite(t, "t"), Error);
+  t.data<float>()[2] = std::numeric_limits<float>::infinity();
+  EXPECT_THROW(expect_finite(t, "t"), Error);
+  HostTensor b(DType::bf16, {2});
+  b.data<bf16>()[0] = bf16::from_float(1.0f);
+  b.data<bf16>()[1] = bf16::from_bits(0x7fc0);
+  EXPECT_THROW(expect_finite(b, "b"), Error);
+}
+
+}  // namespace
+}  // namespace epmoe
