@@ -62,7 +62,9 @@ struct DispatchOutput {
   TensorView row_token;        // [rows] i32 (masked: flattened [E_local * M_max])
   TensorView row_weight;       // [rows] f32
 
-  std::int64_t num_rows() const;  // rows of `rows` viewed as a matrix [num_rows, H]
+  // Rows of the expert output a runner writes for this dispatch: token_major T*K (row t*K + k),
+  // contiguous M_sum, masked E_local * M_max.
+  std::int64_t num_output_rows() const;
 };
 
 struct DispatcherContext {
@@ -90,7 +92,7 @@ class Dispatcher {
   // physical ids out of range, more tokens than the buffers hold, and malformed shapes.
   virtual void dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) = 0;
 
-  // expert_out[i]: bf16 rows in the layout of outputs[i] of the last dispatch ([num_rows, H]).
+  // expert_out[i]: bf16 [outputs[i].num_output_rows(), H] from the runner, for the last dispatch.
   // y[i] (out): [T_i, H] bf16, Σ_k w[t,k]·E_k(x[t]) for rank i's tokens; each rank reduces its
   // own experts' rows per token first and sends home one partial sum per (token, rank).
   virtual void combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) = 0;

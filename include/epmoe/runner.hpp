@@ -28,7 +28,7 @@ class Runner {
  public:
   virtual ~Runner() = default;
   virtual std::string name() const = 0;
-  // in: one rank's dispatch output; out (bf16, [in.num_rows(), H]) receives every valid row.
+  // in: one rank's dispatch output; out (bf16, [in.num_output_rows(), H]) receives every valid row.
   virtual void run(const DispatchOutput& in, TensorView out, int rank) = 0;
 };
 

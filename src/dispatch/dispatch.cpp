@@ -1,0 +1,83 @@
+#include <cmath>
+
+#include "dispatch/dispatch_common.hpp"
+
+namespace epmoe {
+
+std::string_view to_string(Layout layout) {
+  switch (layout) {
+    case Layout::token_major: return "token-major";
+    case Layout::contiguous: return "contiguous";
+    case Layout::masked: return "masked";
+  }
+  return "?";
+}
+
+std::int64_t DispatchOutput::num_output_rows() const {
+  switch (layout) {
+    case Layout::token_major: return local_ids.rank == 2 ? local_ids.size(0) * local_ids.size(1) : 0;
+    case Layout::contiguous: return rows.rank == 2 ? rows.size(0) : 0;
+    case Layout::masked: return rows.rank == 3 ? rows.size(0) * rows.size(1) : 0;
+  }
+  return 0;
+}
+
+std::unique_ptr<Dispatcher> make_dispatcher(const std::string& name, const DispatcherContext& context) {
+  context.config.validate();
+  EPMOE_CHECK(context.first_rank >= 0 && context.num_ranks_served >= 1 &&
+                  context.first_rank + context.num_ranks_served <= context.config.num_ranks,
+              "served ranks [{}, {}) must lie in [0, ranks={})", context.first_rank,
+              context.first_rank + context.num_ranks_served, context.config.num_ranks);
+  return DispatcherRegistry::instance().make(name, context);
+}
+
+namespace detail {
+
+std::int64_t token_payload_bytes(const DispatcherContext& context) {
+  const MoeConfig& c = context.config;
+  std::int64_t bytes = c.hidden * (context.format == ActivationFormat::bf16 ? 2 : 1);
+  if (context.format == ActivationFormat::fp8_group) bytes += c.hidden / 128 * 4;
+  return bytes + c.topk * 8;  // i32 id + f32 weight per k
+}
+
+void validate_dispatch_input(const DispatcherContext& context, const DispatchInput& in, int rank) {
+  const MoeConfig& c = context.config;
+  const std::string r = fmt::format("rank {} ", rank);
+  expect_rank(in.x, 2, r + "x");
+  const std::int64_t T = in.x.size(0);
+  expect_shape(in.x, {T, c.hidden}, r + "x");
+  expect_device(in.x, Device::cpu, r + "x");
+  expect_contiguous(in.x, r + "x");
+  expect_dtype(in.x, context.format == ActivationFormat::bf16 ? DType::bf16 : DType::fp8_e4m3, r + "x");
+  if (context.format == ActivationFormat::fp8_group) {
+    expect_dtype(in.x_scales, DType::f32, r + "x_scales");
+    expect_shape(in.x_scales, {T, c.hidden / 128}, r + "x_scales");
+    expect_contiguous(in.x_scales, r + "x_scales");
+    expect_finite(in.x_scales, r + "x_scales");
+  }
+  if (context.format == ActivationFormat::fp8_tensor) {
+    EPMOE_CHECK(std::isfinite(in.x_tensor_scale) && in.x_tensor_scale > 0,
+                "{}x_tensor_scale must be positive and finite, got {}", r, in.x_tensor_scale);
+  }
+  expect_dtype(in.topk_ids, DType::i32, r + "topk_ids");
+  expect_shape(in.topk_ids, {T, c.topk}, r + "topk_ids");
+  expect_contiguous(in.topk_ids, r + "topk_ids");
+  expect_dtype(in.topk_weights, DType::f32, r + "topk_weights");
+  expect_shape(in.topk_weights, {T, c.topk}, r + "topk_weights");
+  expect_contiguous(in.topk_weights, r + "topk_weights");
+  expect_finite(in.topk_weights, r + "topk_weights");
+  const int P = c.num_physical_experts();
+  for (std::int64_t i = 0; i < T * c.topk; ++i) {
+    const std::int32_t id = in.topk_ids.as<std::int32_t>()[i];
+    EPMOE_CHECK(id >= 0 && id < P, "{}topk_ids[{}][{}] = {} is out of range [0, {})", r, i / c.topk, i % c.topk,
+                id, P);
+  }
+  if (context.mode == Mode::low_latency) {
+    EPMOE_CHECK(T <= c.max_tokens_per_rank,
+                "{}has {} tokens, more than the low-latency buffers hold (max_tokens_per_rank = {})", r, T,
+                c.max_tokens_per_rank);
+  }
+}
+
+}  // namespace detail
+}  // namespace epmoe

@@ -1,0 +1,206 @@
+#include <cmath>
+#include <vector>
+
+#include "epmoe/quant.hpp"
+#include "epmoe/runner.hpp"
+#include "epmoe/weights.hpp"
+
+namespace epmoe {
+
+ActivationFormat activation_format(QuantScheme quant) {
+  switch (quant) {
+    case QuantScheme::fp8: return ActivationFormat::fp8_group;
+    case QuantScheme::w4a8: return ActivationFormat::fp8_tensor;
+    case QuantScheme::none: return ActivationFormat::bf16;
+  }
+  EPMOE_FAIL("unknown quant scheme {}", static_cast<int>(quant));
+}
+
+void ExpertWeights::validate() const {
+  const std::int64_t H = hidden, I = intermediate;
+  EPMOE_CHECK(H > 0 && H % kQuantGroup == 0 && I > 0 && I % kQuantGroup == 0,
+              "expert dims must be positive multiples of {}, got hidden={} intermediate={}", kQuantGroup, H, I);
+  switch (quant) {
+    case QuantScheme::fp8:
+      expect_dtype(w13, DType::fp8_e4m3, "w13");
+      expect_shape(w13, {2 * I, H}, "w13");
+      expect_dtype(w13_scale, DType::f32, "w13_scale");
+      expect_shape(w13_scale, {2 * I / 128, H / 128}, "w13_scale");
+      expect_dtype(w2, DType::fp8_e4m3, "w2");
+      expect_shape(w2, {H, I}, "w2");
+      expect_dtype(w2_scale, DType::f32, "w2_scale");
+      expect_shape(w2_scale, {H / 128, I / 128}, "w2_scale");
+      break;
+    case QuantScheme::w4a8:
+      expect_dtype(w13, DType::i4x2, "w13");
+      expect_shape(w13, {2 * I, H / 2}, "w13");
+      expect_dtype(w13_scale, DType::f32, "w13_scale");
+      expect_shape(w13_scale, {2 * I, H / 128}, "w13_scale");
+      expect_dtype(w2, DType::i4x2, "w2");
+      expect_shape(w2, {H, I / 2}, "w2");
+      expect_dtype(w2_scale, DType::f32, "w2_scale");
+      expect_shape(w2_scale, {H, I / 128}, "w2_scale");
+      break;
+    case QuantScheme::none:
+      expect_dtype(w13, DType::bf16, "w13");
+      expect_shape(w13, {2 * I, H}, "w13");
+      expect_dtype(w2, DType::bf16, "w2");
+      expect_shape(w2, {H, I}, "w2");
+      break;
+  }
+}
+
+std::uint64_t mix64(std::uint64_t x) {
+  // splitmix64 finaliser: a bijection with good avalanche, so (stream, i) pairs never collide.
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+float uniform_pm1(std::uint64_t stream, std::uint64_t i) {
+  const std::uint64_t bits = mix64(stream ^ mix64(i));
+  return static_cast<float>(bits >> 40) * (2.0f / 16777216.0f) - 1.0f;  // 24 random bits
+}
+
+namespace {
+
+enum StreamTag : std::uint64_t { kTagW13 = 1, kTagW2, kTagGate, kTagBias, kTagTokens, kTagShared, kTagCalib };
+
+std::uint64_t stream_id(std::uint64_t seed, std::uint64_t tag, std::uint64_t index) {
+  return mix64(mix64(seed * 0x100000001b3ull + tag) + index);
+}
+
+HostTensor random_matrix(std::uint64_t stream, std::int64_t rows, std::int64_t cols, float bound) {
+  HostTensor w(DType::f32, {rows, cols});
+  float* p = w.data<float>();
+  for (std::int64_t i = 0; i < rows * cols; ++i) p[i] = bound * uniform_pm1(stream, static_cast<std::uint64_t>(i));
+  return w;
+}
+
+// Quantizes an f32 [N, K] matrix into the checkpoint format of `quant`.
+void quantize_matrix(QuantScheme quant, const HostTensor& w, HostTensor& q, HostTensor& scale) {
+  const std::int64_t N = w.size(0), K = w.size(1);
+  switch (quant) {
+    case QuantScheme::fp8:
+      q = HostTensor(DType::fp8_e4m3, {N, K});
+      scale = HostTensor(DType::f32, {(N + 127) / 128, K / 128});
+      quantize_block_fp8(w, q, scale);
+      break;
+    case QuantScheme::w4a8:
+      q = HostTensor(DType::i4x2, {N, K / 2});
+      scale = HostTensor(DType::f32, {N, K / 128});
+      quantize_int4_grouped(w, q, scale);
+      break;
+    case QuantScheme::none: {
+      q = HostTensor(DType::bf16, {N, K});
+      const float* src = w.data<float>();
+      bf16* dst = q.data<bf16>();
+      for (std::int64_t i = 0; i < N * K; ++i) dst[i] = bf16::from_float(src[i]);
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<ExpertWeights> make_synthetic_expert(QuantScheme quant, std::int64_t hidden,
+                                                     std::int64_t intermediate, std::uint64_t seed) {
+  auto e = std::make_unique<ExpertWeights>();
+  e->quant = quant;
+  e->hidden = hidden;
+  e->intermediate = intermediate;
+  {
+    HostTensor w13 = random_matrix(mix64(seed ^ kTagW13), 2 * intermediate, hidden,
+                                   1.0f / std::sqrt(static_cast<float>(hidden)));
+    quantize_matrix(quant, w13, e->w13, e->w13_scale);
+  }
+  {
+    HostTensor w2 = random_matrix(mix64(seed ^ kTagW2), hidden, intermediate,
+                                  1.0f / std::sqrt(static_cast<float>(intermediate)));
+    quantize_matrix(quant, w2, e->w2, e->w2_scale);
+  }
+  e->validate();
+  return e;
+}
+
+SyntheticWeights::SyntheticWeights(const MoeConfig& config, std::uint64_t seed) : config_(config), seed_(seed) {
+  config_.validate();
+  const std::int64_t E = config_.num_experts, H = config_.hidden;
+  // Gate rows of norm ~2 give logits of spread ~3 on the synthetic tokens: routing is far from uniform.
+  HostTensor gate = random_matrix(stream_id(seed, kTagGate, 0), E, H, 2.0f / std::sqrt(static_cast<float>(H)));
+  gate_weight_ = HostTensor(DType::bf16, {E, H});
+  for (std::int64_t i = 0; i < E * H; ++i) gate_weight_.data<bf16>()[i] = bf16::from_float(gate.data<float>()[i]);
+  correction_bias_ = HostTensor(DType::f32, {E});
+  for (std::int64_t e = 0; e < E; ++e)
+    correction_bias_.data<float>()[e] = 0.05f * uniform_pm1(stream_id(seed, kTagBias, 0), static_cast<std::uint64_t>(e));
+
+  if (config_.quant == QuantScheme::w4a8) {
+    // Static activation scales, as a W4AFP8 checkpoint ships them: a1 covers the synthetic token
+    // range; a2 is calibrated on a batch through expert 0 with 2x headroom.
+    a1_scale_ = kSyntheticInputBound / kFp8E4m3Max;
+    const std::int64_t I = config_.intermediate, calib = 32;
+    HostTensor x = synthetic_tokens(config_, seed ^ kTagCalib, /*rank=*/0, calib);
+    const ExpertWeights& e0 = routed_expert(0);
+    HostTensor w13(DType::f32, {2 * I, H});
+    dequantize_int4_grouped(e0.w13, e0.w13_scale, w13);
+    float amax = 0.0f;
+    for (std::int64_t t = 0; t < calib; ++t) {
+      for (std::int64_t j = 0; j < I; ++j) {
+        double g = 0, u = 0;
+        for (std::int64_t h = 0; h < H; ++h) {
+          const double xv = x.data<bf16>()[t * H + h].to_float();
+          g += xv * w13.data<float>()[j * H + h];
+          u += xv * w13.data<float>()[(I + j) * H + h];
+        }
+        amax = std::max(amax, static_cast<float>(std::fabs(g / (1.0 + std::exp(-g)) * u)));
+      }
+    }
+    a2_scale_ = std::max(2.0f * amax, 1e-6f) / kFp8E4m3Max;
+  }
+}
+
+const ExpertWeights& SyntheticWeights::routed_expert(int logical) const {
+  EPMOE_CHECK(logical >= 0 && logical < config_.num_experts, "logical expert id must be in [0, {}), got {}",
+              config_.num_experts, logical);
+  std::lock_guard lock(mutex_);
+  auto& slot = experts_[logical];
+  if (!slot) {
+    slot = make_synthetic_expert(config_.quant, config_.hidden, config_.intermediate,
+                                 stream_id(seed_, kTagW13, static_cast<std::uint64_t>(logical)));
+  }
+  return *slot;
+}
+
+const ExpertWeights& SyntheticWeights::shared_expert() const {
+  EPMOE_CHECK(config_.num_shared_experts > 0, "the config has no shared expert (shared_experts = 0)");
+  std::lock_guard lock(mutex_);
+  if (!shared_) {
+    const QuantScheme quant = config_.quant == QuantScheme::none ? QuantScheme::none : QuantScheme::fp8;
+    shared_ = make_synthetic_expert(quant, config_.hidden, config_.shared_intermediate(),
+                                    stream_id(seed_, kTagShared, 0));
+  }
+  return *shared_;
+}
+
+std::size_t SyntheticWeights::experts_built() const {
+  std::lock_guard lock(mutex_);
+  return experts_.size();
+}
+
+HostTensor synthetic_tokens(const MoeConfig& config, std::uint64_t seed, int rank, std::int64_t tokens) {
+  EPMOE_CHECK(tokens >= 0, "tokens must be >= 0, got {}", tokens);
+  const std::int64_t H = config.hidden;
+  HostTensor x(DType::bf16, {tokens, H});
+  const std::uint64_t stream = stream_id(seed, kTagTokens, static_cast<std::uint64_t>(rank));
+  for (std::int64_t i = 0; i < tokens * H; ++i) {
+    // Mostly moderate values with an occasional outlier channel, as real activations have.
+    float v = uniform_pm1(stream, static_cast<std::uint64_t>(i));
+    v = (i % 97 == 13) ? kSyntheticInputBound * v : v;
+    if (v == 0.0f) v = 0.5f;
+    x.data<bf16>()[i] = bf16::from_float(v);
+  }
+  return x;
+}
+
+}  // namespace epmoe
