@@ -1,0 +1,47 @@
+#include "tools/epmoe/check_util.hpp"
+
+#include <cstring>
+
+namespace epmoe::tools {
+
+CheckResult check_against_reference(const ModelWeights& weights, std::span<const TensorView> x,
+                                    std::span<const TensorView> y, Numerics numerics, double tolerance) {
+  CheckResult result;
+  result.tolerance = tolerance;
+  const std::int64_t H = weights.config().hidden;
+  std::int64_t total = 0;
+  for (const TensorView& xr : x) total += xr.size(0);
+  // Everything in f64 so the overall measure sees every rank's rows together.
+  HostTensor all_actual(DType::f64, {total, H}), all_expected(DType::f64, {total, H});
+  std::int64_t offset = 0;
+  for (std::size_t r = 0; r < x.size(); ++r) {
+    const std::int64_t T = x[r].size(0);
+    HostTensor expected(numerics == Numerics::mirror ? DType::bf16 : DType::f64, {T, H});
+    reference_forward(weights, x[r], expected, numerics);
+    result.per_rank.push_back(compare(y[r], expected));
+    for (std::int64_t i = 0; i < T * H; ++i) {
+      all_actual.data<double>()[offset + i] = y[r].as<bf16>()[i].to_float();
+      all_expected.data<double>()[offset + i] = numerics == Numerics::mirror
+                                                   ? static_cast<double>(expected.data<bf16>()[i].to_float())
+                                                   : expected.data<double>()[i];
+    }
+    offset += T * H;
+  }
+  result.overall = compare(all_actual, all_expected);
+  result.pass = result.overall.within(tolerance);
+  for (const ErrorReport& r : result.per_rank) result.pass = result.pass && r.within(tolerance);
+  return result;
+}
+
+nlohmann::json to_json(const ErrorReport& r) {
+  return {{"rel_l2", r.rel_l2}, {"calc_diff", r.calc_diff}, {"non_finite", r.non_finite}, {"elements", r.count}};
+}
+
+nlohmann::json to_json(const CheckResult& result) {
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (const ErrorReport& r : result.per_rank) per_rank.push_back(to_json(r));
+  return {{"overall", to_json(result.overall)}, {"per_rank", per_rank}, {"tolerance", result.tolerance},
+          {"pass", result.pass}};
+}
+
+}  // namespace epmoe::tools

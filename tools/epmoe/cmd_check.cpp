@@ -1,0 +1,82 @@
+// epmoe check: the layer (the N-rank simulation on the CPU) against the direct evaluation of
+// design.md §1 on the same quantized values; exits 1 when over tolerance.
+#include <cstdio>
+#include <memory>
+
+#include "epmoe/layer.hpp"
+#include "tools/epmoe/check_util.hpp"
+#include "tools/epmoe/commands.hpp"
+#include "tools/epmoe/options.hpp"
+
+namespace epmoe::tools {
+namespace {
+
+struct CheckOptions {
+  ModelOptions model;
+  std::int64_t tokens = 8;
+  std::string mode = "normal", dispatcher, json;
+  double tolerance = 1e-2;
+  bool exact = false;
+};
+
+void run_check(const CheckOptions& o) {
+  const MoeConfig config = build_config(o.model);
+  LayerOptions lo;
+  lo.mode = parse_mode(o.mode);
+  lo.device = resolve_device(o.model.device);
+  lo.dispatcher = o.dispatcher;
+  EPMOE_CHECK(o.tokens >= 0, "tokens must be >= 0, got {}", o.tokens);
+  auto weights = std::make_shared<SyntheticWeights>(config, o.model.seed);
+  MoeLayer layer(weights, lo);
+
+  std::vector<HostTensor> xs, ys;
+  std::vector<TensorView> x, y;
+  for (int r = 0; r < config.num_ranks; ++r) {
+    xs.push_back(synthetic_tokens(config, o.model.seed + 1000, r, o.tokens));
+    ys.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{o.tokens, config.hidden});
+    ys.back().fill_bytes(0xff);  // poison: NaN in bf16, so an unwritten element fails the check
+    x.push_back(xs.back());
+    y.push_back(ys.back());
+  }
+  ForwardStats stats;
+  layer.forward(x, y, &stats);
+  const CheckResult mirror = check_against_reference(*weights, x, y, Numerics::mirror, o.tolerance);
+
+  std::printf("epmoe check: %s\n", config.describe().c_str());
+  std::printf("  mode %s, dispatcher %s, %lld tokens per rank, %zu experts built\n", std::string(to_string(lo.mode)).c_str(),
+              layer.options().dispatcher.c_str(), static_cast<long long>(o.tokens), weights->experts_built());
+  for (std::size_t r = 0; r < mirror.per_rank.size(); ++r)
+    std::printf("  rank %zu: rel_l2 %.3e  calc_diff %.3e  rows %lld\n", r, mirror.per_rank[r].rel_l2,
+                mirror.per_rank[r].calc_diff,
+                static_cast<long long>(r < stats.rows_per_rank.size() ? stats.rows_per_rank[r] : 0));
+  std::printf("  overall vs mirrored reference: rel_l2 %.3e  calc_diff %.3e  (tolerance %.1e)  %s\n",
+              mirror.overall.rel_l2, mirror.overall.calc_diff, o.tolerance, mirror.pass ? "PASS" : "FAIL");
+  nlohmann::json j = {{"config", config.describe()},  {"mode", to_string(lo.mode)},
+                      {"tokens_per_rank", o.tokens},  {"ranks", config.num_ranks},
+                      {"quant", to_string(config.quant)}, {"mirror", to_json(mirror)}};
+  if (o.exact) {
+    // How far the quantized pipeline is from f64 arithmetic on the same quantized inputs (informational).
+    const CheckResult exact = check_against_reference(*weights, x, y, Numerics::exact, 1.0);
+    std::printf("  vs f64 reference (quantization error, informational): rel_l2 %.3e  calc_diff %.3e\n",
+                exact.overall.rel_l2, exact.overall.calc_diff);
+    j["exact"] = to_json(exact);
+  }
+  if (!o.json.empty()) write_text_file(o.json, j.dump(2) + "\n");
+  set_exit_code(mirror.pass ? 0 : 1);
+}
+
+const CommandRegistration kRegistration{20, [](CLI::App& app) {
+  auto options = std::make_shared<CheckOptions>();
+  CLI::App* cmd = app.add_subcommand("check", "Run the layer and the reference on the same inputs; report both error measures");
+  add_model_options(cmd, options->model);
+  cmd->add_option("--tokens", options->tokens, "Tokens per rank")->capture_default_str();
+  cmd->add_option("--mode", options->mode, "normal or low-latency")->capture_default_str();
+  cmd->add_option("--dispatcher", options->dispatcher, "Dispatcher: cpu-sim (default) or cpu-local (one rank)");
+  cmd->add_option("--tolerance", options->tolerance, "Largest allowed rel_l2 and calc_diff")->capture_default_str();
+  cmd->add_flag("--exact", options->exact, "Also report the error against an f64 reference");
+  cmd->add_option("--json", options->json, "Write the results as JSON to FILE ('-' = stdout)");
+  cmd->callback([options] { run_check(*options); });
+}};
+
+}  // namespace
+}  // namespace epmoe::tools

@@ -1,0 +1,195 @@
+// epmoe run: the main job. Builds a seeded synthetic model and serves a stream of forward passes
+// like an inference engine would — a decode phase (low-latency mode) and a prefill phase
+// (normal mode, chunked prompts) — then reports tokens/s, time per phase and the accuracy check.
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include "epmoe/cuda/runtime.hpp"
+#include "epmoe/layer.hpp"
+#include "tools/epmoe/check_util.hpp"
+#include "tools/epmoe/commands.hpp"
+#include "tools/epmoe/options.hpp"
+
+namespace epmoe::tools {
+namespace {
+
+struct RunOptions {
+  ModelOptions model;
+  int steps = 32;
+  std::int64_t tokens = -1;       // decode tokens per rank (default: min(32, max_tokens_per_rank))
+  std::int64_t prompt_tokens = 1000;
+  std::int64_t chunk = 256;
+  std::string mode = "auto", json;
+  double tolerance = 1e-2;
+};
+
+using Clock = std::chrono::steady_clock;
+
+struct PhaseResult {
+  std::string name;
+  Mode mode = Mode::normal;
+  std::int64_t tokens = 0, forwards = 0, bytes_sent = 0;
+  double seconds = 0;
+  PhaseTimes times;
+  CheckResult check;
+};
+
+// Progress on stderr at most once a second, so long runs show they are alive.
+class Progress {
+ public:
+  explicit Progress(std::string label) : label_(std::move(label)), last_(Clock::now()) {}
+  void update(std::int64_t done, std::int64_t total, std::int64_t tokens, double seconds, bool force = false) {
+    const auto now = Clock::now();
+    if (!force && now - last_ < std::chrono::seconds(1)) return;
+    last_ = now;
+    std::fprintf(stderr, "  [%s] %lld/%lld forwards, %lld tokens, %.0f tokens/s\n", label_.c_str(),
+                 static_cast<long long>(done), static_cast<long long>(total), static_cast<long long>(tokens),
+                 seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
+  }
+
+ private:
+  std::string label_;
+  Clock::time_point last_;
+};
+
+// One forward per entry of `tokens_per_forward` (tokens on every rank); checks the first pass
+// against the reference.
+PhaseResult run_phase(const std::string& name, const std::shared_ptr<const ModelWeights>& weights, Mode mode,
+                      Device device, const std::vector<std::int64_t>& tokens_per_forward, std::uint64_t seed,
+                      double tolerance) {
+  const std::int64_t forwards = static_cast<std::int64_t>(tokens_per_forward.size());
+  const MoeConfig& c = weights->config();
+  LayerOptions lo;
+  lo.mode = mode;
+  lo.device = device;
+  MoeLayer layer(weights, lo);
+  PhaseResult result;
+  result.name = name;
+  result.mode = mode;
+  Progress progress(name);
+  ForwardStats stats;
+  for (std::int64_t f = 0; f < forwards; ++f) {
+    const std::int64_t tokens_per_rank = tokens_per_forward[static_cast<std::size_t>(f)];
+    std::vector<HostTensor> xs, ys;
+    std::vector<TensorView> x, y;
+    for (int r = 0; r < c.num_ranks; ++r) {
+      xs.push_back(synthetic_tokens(c, seed + static_cast<std::uint64_t>(f) * 7919u, r, tokens_per_rank));
+      ys.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{tokens_per_rank, c.hidden});
+      ys.back().fill_bytes(0xff);  // poison
+      x.push_back(xs.back());
+      y.push_back(ys.back());
+    }
+    const auto start = Clock::now();
+    layer.forward(x, y, &stats);
+    result.seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    result.bytes_sent += stats.bytes_sent;
+    if (f == 0) result.check = check_against_reference(*weights, x, y, Numerics::mirror, tolerance);
+    progress.update(f + 1, forwards, stats.tokens, result.seconds, f + 1 == forwards);
+  }
+  result.forwards = forwards;
+  result.tokens = stats.tokens;
+  result.times = stats.times;
+  return result;
+}
+
+nlohmann::json to_json(const PhaseResult& p) {
+  const PhaseTimes& t = p.times;
+  return {{"mode", to_string(p.mode)},
+          {"forwards", p.forwards},
+          {"tokens", p.tokens},
+          {"seconds", p.seconds},
+          {"tokens_per_s", p.seconds > 0 ? static_cast<double>(p.tokens) / p.seconds : 0.0},
+          {"dispatch_bytes_sent", p.bytes_sent},
+          {"time_ms",
+           {{"route", t.route}, {"quantize", t.quantize}, {"shared", t.shared}, {"dispatch", t.dispatch},
+            {"experts", t.experts}, {"combine", t.combine}, {"total", t.total()}}},
+          {"check", tools::to_json(p.check)}};
+}
+
+void print_phase(const PhaseResult& p) {
+  const PhaseTimes& t = p.times;
+  const double total = t.total() > 0 ? t.total() : 1.0;
+  std::printf("  %-8s %-11s %6lld forwards %9lld tokens %10.1f tokens/s   check rel_l2 %.2e calc_diff %.2e %s\n",
+              p.name.c_str(), std::string(to_string(p.mode)).c_str(), static_cast<long long>(p.forwards),
+              static_cast<long long>(p.tokens), p.seconds > 0 ? static_cast<double>(p.tokens) / p.seconds : 0.0,
+              p.check.overall.rel_l2, p.check.overall.calc_diff, p.check.pass ? "PASS" : "FAIL");
+  std::printf("           time: route %.1f%%  quantize %.1f%%  shared %.1f%%  dispatch %.1f%%  experts %.1f%%  combine %.1f%%"
+              "  (%.1f ms)\n",
+              100 * t.route / total, 100 * t.quantize / total, 100 * t.shared / total, 100 * t.dispatch / total,
+              100 * t.experts / total, 100 * t.combine / total, t.total());
+}
+
+void run_main(const RunOptions& o) {
+  const MoeConfig config = build_config(o.model);
+  const Device device = resolve_device(o.model.device);
+  EPMOE_CHECK(o.steps >= 0, "steps must be >= 0, got {}", o.steps);
+  EPMOE_CHECK(o.chunk >= 1, "chunk must be >= 1, got {}", o.chunk);
+  EPMOE_CHECK(o.prompt_tokens >= 0, "prompt-tokens must be >= 0, got {}", o.prompt_tokens);
+  EPMOE_CHECK(o.steps > 0 || o.prompt_tokens > 0, "nothing to run: steps and prompt-tokens are both 0");
+  const std::int64_t decode_tokens =
+      o.tokens >= 0 ? o.tokens : std::min<std::int64_t>(32, config.max_tokens_per_rank);
+  const Mode decode_mode = o.mode == "auto" ? Mode::low_latency : parse_mode(o.mode);
+  const Mode prefill_mode = o.mode == "auto" ? Mode::normal : parse_mode(o.mode);
+  if (decode_mode == Mode::low_latency)
+    EPMOE_CHECK(decode_tokens <= config.max_tokens_per_rank,
+                "tokens ({}) must be <= max_tokens_per_rank ({}) in low-latency mode", decode_tokens,
+                config.max_tokens_per_rank);
+  if (prefill_mode == Mode::low_latency)
+    EPMOE_CHECK(o.chunk <= config.max_tokens_per_rank,
+                "chunk ({}) must be <= max_tokens_per_rank ({}) in low-latency mode", o.chunk,
+                config.max_tokens_per_rank);
+
+  std::printf("epmoe run: %s\n", config.describe().c_str());
+  std::printf("  device: %s, %d ranks simulated in one process (GPU present: %s)\n",
+              std::string(device_name(device)).c_str(), config.num_ranks, cuda::device_description(0).c_str());
+  auto weights = std::make_shared<SyntheticWeights>(config, o.model.seed);
+
+  std::vector<PhaseResult> phases;
+  if (o.steps > 0) {
+    phases.push_back(run_phase("decode", weights, decode_mode, device,
+                               std::vector<std::int64_t>(static_cast<std::size_t>(o.steps), decode_tokens),
+                               o.model.seed + 1, o.tolerance));
+  }
+  if (o.prompt_tokens > 0) {
+    std::vector<std::int64_t> chunks;
+    for (std::int64_t done = 0; done < o.prompt_tokens; done += o.chunk) chunks.push_back(std::min(o.chunk, o.prompt_tokens - done));
+    phases.push_back(run_phase("prefill", weights, prefill_mode, device, chunks, o.model.seed + 2, o.tolerance));
+  }
+
+  bool pass = true;
+  nlohmann::json j = {{"device", device_name(device)},
+                      {"config", config.describe()},
+                      {"preset", config.name},
+                      {"ranks", config.num_ranks},
+                      {"quant", to_string(config.quant)}};
+  std::printf("results:\n");
+  for (const PhaseResult& p : phases) {
+    print_phase(p);
+    j[p.name] = to_json(p);
+    pass = pass && p.check.pass;
+  }
+  j["pass"] = pass;
+  std::printf("check against the CPU reference (tolerance %.0e): %s\n", o.tolerance, pass ? "PASS" : "FAIL");
+  if (!o.json.empty()) write_text_file(o.json, j.dump(2) + "\n");
+  set_exit_code(pass ? 0 : 1);
+}
+
+const CommandRegistration kRegistration{10, [](CLI::App& app) {
+  auto options = std::make_shared<RunOptions>();
+  CLI::App* cmd = app.add_subcommand("run", "The main job: a decode and a prefill phase on a synthetic model, "
+                                            "with tokens/s, time per phase and the accuracy check");
+  add_model_options(cmd, options->model);
+  cmd->add_option("--steps", options->steps, "Decode steps")->capture_default_str();
+  cmd->add_option("--tokens", options->tokens, "Decode tokens per rank (default min(32, max_tokens_per_rank))");
+  cmd->add_option("--prompt-tokens", options->prompt_tokens, "Prefill prompt tokens per rank")->capture_default_str();
+  cmd->add_option("--chunk", options->chunk, "Prefill chunk size in tokens per rank")->capture_default_str();
+  cmd->add_option("--mode", options->mode, "auto (decode low-latency, prefill normal), normal or low-latency")
+      ->capture_default_str();
+  cmd->add_option("--tolerance", options->tolerance, "Accuracy check tolerance")->capture_default_str();
+  cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)");
+  cmd->callback([options] { run_main(*options); });
+}};
+
+}  // namespace
+}  // namespace epmoe::tools

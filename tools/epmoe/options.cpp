@@ -1,0 +1,74 @@
+#include "tools/epmoe/options.hpp"
+
+#include <cstdio>
+#include <fstream>
+
+#include "epmoe/cuda/runtime.hpp"
+#include "epmoe/error.hpp"
+#include "epmoe/tensor.hpp"
+
+namespace epmoe::tools {
+
+void add_model_options(CLI::App* cmd, ModelOptions& o) {
+  cmd->add_option("--preset", o.preset, "Model preset: deepseek-v3 or tiny")->capture_default_str();
+  cmd->add_option("--hidden", o.hidden, "Hidden size H (multiple of 128)");
+  cmd->add_option("--intermediate", o.intermediate, "Expert intermediate size I (multiple of 128)");
+  cmd->add_option("--experts", o.experts, "Routed (logical) experts E");
+  cmd->add_option("--topk", o.topk, "Experts per token K");
+  cmd->add_option("--groups", o.groups, "Expert groups for grouped top-k");
+  cmd->add_option("--topk-groups", o.topk_groups, "Groups kept per token");
+  cmd->add_option("--scoring", o.scoring, "Router scoring: sigmoid (noaux_tc) or softmax");
+  cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (fused into one MLP)");
+  cmd->add_option("--ranks", o.ranks, "Expert-parallel ranks")->capture_default_str();
+  cmd->add_option("--redundant-experts", o.redundant_experts, "Redundant expert slots R (EPLB)")->capture_default_str();
+  cmd->add_option("--max-tokens-per-rank", o.max_tokens_per_rank, "Low-latency buffer size in tokens per rank");
+  cmd->add_option("--quant", o.quant, "Quant scheme: fp8, w4a8 or none")->capture_default_str();
+  cmd->add_option("--dispatch-algorithm", o.dispatch_algorithm, "EPLB replica choice: static or dynamic")
+      ->capture_default_str();
+  cmd->add_flag("--pow2-scales", o.pow2_scales, "Round FP8 activation scales to powers of two (UE8M0)");
+  cmd->add_option("--seed", o.seed, "Seed of the synthetic model and inputs")->capture_default_str();
+  cmd->add_option("--device", o.device, "auto, cpu or gpu")->capture_default_str();
+}
+
+MoeConfig build_config(const ModelOptions& o) {
+  MoeConfig c = MoeConfig::preset(o.preset);
+  if (o.hidden >= 0) c.hidden = o.hidden;
+  if (o.intermediate >= 0) c.intermediate = o.intermediate;
+  if (o.experts >= 0) c.num_experts = o.experts;
+  if (o.topk >= 0) c.topk = o.topk;
+  if (o.groups >= 0) c.num_groups = o.groups;
+  if (o.topk_groups >= 0) c.topk_groups = o.topk_groups;
+  if (!o.scoring.empty()) c.scoring = parse_scoring(o.scoring);
+  if (o.shared_experts >= 0) c.num_shared_experts = o.shared_experts;
+  if (o.max_tokens_per_rank >= 0) c.max_tokens_per_rank = o.max_tokens_per_rank;
+  c.num_ranks = o.ranks;
+  c.num_redundant_experts = o.redundant_experts;
+  c.quant = parse_quant(o.quant);
+  c.dispatch_algorithm = parse_dispatch_algorithm(o.dispatch_algorithm);
+  c.power_of_two_scales = o.pow2_scales;
+  c.validate();
+  return c;
+}
+
+Device resolve_device(const std::string& device) {
+  if (device == "cpu") return Device::cpu;
+  if (device == "auto") return Device::cpu;  // the GPU layer backend is not built yet
+  if (device == "gpu") {
+    EPMOE_FAIL("device 'gpu': the GPU layer backend is not built yet ({} present); use --device cpu",
+               cuda::device_description(0));
+  }
+  EPMOE_FAIL("device must be 'auto', 'cpu' or 'gpu', got '{}'", device);
+}
+
+void write_text_file(const std::string& path, const std::string& text) {
+  if (path == "-") {
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    return;
+  }
+  std::ofstream out(path);
+  EPMOE_CHECK(out.good(), "cannot open '{}' for writing", path);
+  out << text;
+  EPMOE_CHECK(out.good(), "cannot write '{}'", path);
+}
+
+}  // namespace epmoe::tools

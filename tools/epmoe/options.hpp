@@ -1,0 +1,34 @@
+// Options every model-building subcommand shares (--preset and the dims, EP and quant choices).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+#include "epmoe/config.hpp"
+#include "epmoe/tensor.hpp"
+
+namespace epmoe::tools {
+
+struct ModelOptions {
+  std::string preset = "tiny";
+  // Overrides of the preset; -1 / empty = keep the preset's value.
+  std::int64_t hidden = -1, intermediate = -1;
+  int experts = -1, topk = -1, groups = -1, topk_groups = -1, shared_experts = -1;
+  int ranks = 2, redundant_experts = 0, max_tokens_per_rank = -1;
+  std::string scoring, quant = "fp8", dispatch_algorithm = "static";
+  bool pow2_scales = false;
+  std::uint64_t seed = 1;
+  std::string device = "auto";
+};
+
+void add_model_options(CLI::App* cmd, ModelOptions& options);
+// The validated config (throws epmoe::Error naming the bad field).
+MoeConfig build_config(const ModelOptions& options);
+// "cpu" or "gpu" for --device auto|cpu|gpu; the GPU layer arrives with the GPU backends.
+Device resolve_device(const std::string& device);
+
+// Writes `text` to `path` ("-" = stdout), throwing epmoe::Error when it cannot.
+void write_text_file(const std::string& path, const std::string& text);
+
+}  // namespace epmoe::tools
