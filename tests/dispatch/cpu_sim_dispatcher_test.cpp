@@ -1,0 +1,251 @@
+// The N-rank simulation's dispatch/combine semantics (design.md §6).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <random>
+#include <set>
+#include <tuple>
+
+#include "epmoe/dispatch.hpp"
+#include "epmoe/quant.hpp"
+
+namespace epmoe {
+namespace {
+
+struct RankBatch {
+  HostTensor x, scales, ids, weights;
+};
+
+// Random fp8 tokens with random distinct physical ids per token.
+std::vector<RankBatch> make_batches(const MoeConfig& c, const std::vector<std::int64_t>& tokens, std::uint32_t seed,
+                                    ActivationFormat format) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> val(-3.0f, 3.0f);
+  std::uniform_int_distribution<int> slot(0, c.num_physical_experts() - 1);
+  std::vector<RankBatch> out;
+  for (std::int64_t T : tokens) {
+    RankBatch b;
+    HostTensor xf(DType::f32, {T, c.hidden});
+    for (std::int64_t i = 0; i < xf.numel(); ++i) xf.data<float>()[i] = val(rng);
+    if (format == ActivationFormat::bf16) {
+      b.x = HostTensor(DType::bf16, {T, c.hidden});
+      for (std::int64_t i = 0; i < xf.numel(); ++i) b.x.data<bf16>()[i] = bf16::from_float(xf.data<float>()[i]);
+    } else {
+      b.x = HostTensor(DType::fp8_e4m3, {T, c.hidden});
+      b.scales = HostTensor(DType::f32, {T, c.hidden / 128});
+      quantize_per_token_group_fp8(xf, b.x, b.scales);
+    }
+    b.ids = HostTensor(DType::i32, {T, c.topk});
+    b.weights = HostTensor(DType::f32, {T, c.topk});
+    for (std::int64_t t = 0; t < T; ++t) {
+      std::set<int> used;
+      for (int k = 0; k < c.topk; ++k) {
+        int id;
+        do id = slot(rng);
+        while (used.count(id));
+        used.insert(id);
+        b.ids.data<std::int32_t>()[t * c.topk + k] = id;
+        b.weights.data<float>()[t * c.topk + k] = 0.1f + 0.2f * static_cast<float>(k);
+      }
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+std::vector<DispatchInput> inputs_of(const std::vector<RankBatch>& batches) {
+  std::vector<DispatchInput> in;
+  for (const RankBatch& b : batches) in.push_back({b.x, b.scales, 1.0f, b.ids, b.weights});
+  return in;
+}
+
+MoeConfig tiny(int ranks, int redundant = 0) {
+  MoeConfig c = MoeConfig::preset("tiny");
+  c.num_ranks = ranks;
+  c.num_redundant_experts = redundant;
+  return c;
+}
+
+class SimDispatch : public ::testing::TestWithParam<std::tuple<int, Mode>> {};
+
+TEST_P(SimDispatch, EveryTokenKReachesItsExpertExactlyOnceAndBytesMatch) {
+  const auto [ranks, mode] = GetParam();
+  const MoeConfig c = tiny(ranks, ranks == 4 ? 4 : 0);
+  std::vector<std::int64_t> tokens;
+  for (int r = 0; r < ranks; ++r) tokens.push_back(r == 1 ? 0 : 17 + 5 * r);  // rank 1 sends nothing
+  const auto batches = make_batches(c, tokens, 42u + static_cast<unsigned>(ranks), ActivationFormat::fp8_group);
+  auto dispatcher = make_dispatcher("cpu-sim", {c, mode, ActivationFormat::fp8_group, 0, ranks});
+  std::vector<DispatchOutput> outs(static_cast<std::size_t>(ranks));
+  dispatcher->dispatch(inputs_of(batches), outs);
+
+  const int L = c.num_local_experts(), K = c.topk;
+  const std::int64_t H = c.hidden;
+  // (src rank, token, k) -> times seen
+  std::map<std::tuple<int, std::int64_t, int>, int> seen;
+  for (int dst = 0; dst < ranks; ++dst) {
+    const DispatchOutput& o = outs[static_cast<std::size_t>(dst)];
+    EXPECT_EQ(o.layout, mode == Mode::normal ? Layout::contiguous : Layout::masked);
+    const std::int64_t rows = o.num_output_rows();
+    for (std::int64_t row = 0; row < rows; ++row) {
+      const std::int32_t recv = o.row_token.as<std::int32_t>()[row];
+      int expert;
+      if (o.layout == Layout::contiguous) {
+        expert = o.m_indices.as<std::int32_t>()[row];
+        EXPECT_EQ(expert < 0, recv < 0);
+      } else {
+        const std::int64_t M = o.rows.size(1);
+        expert = static_cast<int>(row / M);
+        const bool valid = row % M < o.masked_m.as<std::int32_t>()[expert];
+        EXPECT_EQ(valid, recv >= 0);
+      }
+      if (recv < 0) continue;
+      // Find which (src, token) this row holds by its bytes and id: search the sources.
+      const void* data = o.layout == Layout::contiguous ? o.rows.select(row).data
+                                                        : o.rows.select(row / o.rows.size(1)).select(row % o.rows.size(1)).data;
+      int matches = 0;
+      for (int src = 0; src < ranks; ++src) {
+        const RankBatch& b = batches[static_cast<std::size_t>(src)];
+        for (std::int64_t t = 0; t < b.x.size(0); ++t) {
+          for (int k = 0; k < K; ++k) {
+            if (b.ids.data<std::int32_t>()[t * K + k] != dst * L + expert) continue;
+            if (std::memcmp(b.x.view().select(t).data, data, static_cast<std::size_t>(H)) != 0) continue;
+            EXPECT_EQ(o.row_weight.as<float>()[row], b.weights.data<float>()[t * K + k]);
+            ++seen[{src, t, k}];
+            ++matches;
+          }
+        }
+      }
+      EXPECT_EQ(matches, 1) << "row " << row << " of rank " << dst;
+    }
+    if (o.layout == Layout::contiguous) {
+      ASSERT_EQ(o.expert_offsets.size(), static_cast<std::size_t>(L) + 1);
+      for (int j = 0; j < L; ++j) EXPECT_EQ(o.expert_offsets[static_cast<std::size_t>(j)] % kContiguousAlign, 0);
+    }
+  }
+  std::int64_t expected_pairs = 0;
+  for (std::int64_t T : tokens) expected_pairs += T * K;
+  EXPECT_EQ(static_cast<std::int64_t>(seen.size()), expected_pairs);
+  for (const auto& [key, count] : seen) EXPECT_EQ(count, 1);
+
+  // Each token at most once per destination rank.
+  const DispatchStats& stats = dispatcher->last_stats();
+  for (int src = 0; src < ranks; ++src) {
+    const RankBatch& b = batches[static_cast<std::size_t>(src)];
+    std::int64_t expected_sent = 0;
+    for (std::int64_t t = 0; t < b.x.size(0); ++t) {
+      std::set<int> dsts;
+      for (int k = 0; k < K; ++k) dsts.insert(b.ids.data<std::int32_t>()[t * K + k] / L);
+      dsts.erase(src);
+      expected_sent += static_cast<std::int64_t>(dsts.size());
+    }
+    EXPECT_EQ(stats.tokens_sent[static_cast<std::size_t>(src)], expected_sent);
+  }
+}
+
+TEST_P(SimDispatch, IdentityExpertsCombineToWeightedSums) {
+  const auto [ranks, mode] = GetParam();
+  const MoeConfig c = tiny(ranks);
+  const auto batches = make_batches(c, std::vector<std::int64_t>(static_cast<std::size_t>(ranks), 9), 7u, ActivationFormat::bf16);
+  auto dispatcher = make_dispatcher("cpu-sim", {c, mode, ActivationFormat::bf16, 0, ranks});
+  std::vector<DispatchOutput> outs(static_cast<std::size_t>(ranks));
+  dispatcher->dispatch(inputs_of(batches), outs);
+  const std::int64_t H = c.hidden;
+  const int L = c.num_local_experts(), K = c.topk;
+  // "Expert" p multiplies its input by (p + 1) / 16.
+  std::vector<HostTensor> expert_out;
+  std::vector<TensorView> expert_views, y_views;
+  std::vector<HostTensor> ys;
+  for (int r = 0; r < ranks; ++r) {
+    const DispatchOutput& o = outs[static_cast<std::size_t>(r)];
+    expert_out.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{o.num_output_rows(), H});
+    for (std::int64_t row = 0; row < o.num_output_rows(); ++row) {
+      if (o.row_token.as<std::int32_t>()[row] < 0) continue;
+      const int j = o.layout == Layout::contiguous ? o.m_indices.as<std::int32_t>()[row] : static_cast<int>(row / o.rows.size(1));
+      const bf16* src = o.rows.as<bf16>() + row * H;  // both layouts are [rows, H] in memory
+      const float f = static_cast<float>(r * L + j + 1) / 16.0f;
+      for (std::int64_t h = 0; h < H; ++h)
+        expert_out.back().data<bf16>()[row * H + h] = bf16::from_float(src[h].to_float() * f);
+    }
+    expert_views.push_back(expert_out.back());
+    ys.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{9, H});
+    ys.back().fill_bytes(0xff);
+    y_views.push_back(ys.back());
+  }
+  dispatcher->combine(expert_views, y_views);
+  for (int r = 0; r < ranks; ++r) {
+    const RankBatch& b = batches[static_cast<std::size_t>(r)];
+    for (std::int64_t t = 0; t < 9; ++t) {
+      for (std::int64_t h = 0; h < H; ++h) {
+        double expected = 0;
+        for (int k = 0; k < K; ++k) {
+          const int p = b.ids.data<std::int32_t>()[t * K + k];
+          expected += b.weights.data<float>()[t * K + k] *
+                      round_to_bf16(b.x.data<bf16>()[t * H + h].to_float() * static_cast<float>(p + 1) / 16.0f);
+        }
+        const double got = ys[static_cast<std::size_t>(r)].data<bf16>()[t * H + h].to_float();
+        EXPECT_NEAR(got, expected, 2e-2 * std::abs(expected) + 1e-2) << "rank " << r << " token " << t << " h " << h;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(RanksAndModes, SimDispatch,
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Values(Mode::normal, Mode::low_latency)),
+                         [](const auto& info) {
+                           return fmt::format("ranks{}_{}", std::get<0>(info.param),
+                                              std::get<1>(info.param) == Mode::normal ? "normal" : "low_latency");
+                         });
+
+TEST(SimDispatchErrors, LowLatencyRefusesTooManyTokensBeforeSending) {
+  const MoeConfig c = tiny(2);
+  auto dispatcher = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, 2});
+  const auto batches = make_batches(c, {c.max_tokens_per_rank, c.max_tokens_per_rank + 1}, 3u, ActivationFormat::fp8_group);
+  std::vector<DispatchOutput> outs(2);
+  try {
+    dispatcher->dispatch(inputs_of(batches), outs);
+    FAIL() << "expected a throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_tokens_per_rank"), std::string::npos) << e.what();
+  }
+}
+
+TEST(SimDispatchErrors, OutOfRangeIdsAndBadShapesAreRefused) {
+  const MoeConfig c = tiny(2);
+  auto dispatcher = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, 2});
+  auto batches = make_batches(c, {4, 4}, 5u, ActivationFormat::fp8_group);
+  std::vector<DispatchOutput> outs(2);
+  batches[1].ids.data<std::int32_t>()[3] = c.num_physical_experts();
+  try {
+    dispatcher->dispatch(inputs_of(batches), outs);
+    FAIL() << "expected a throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("out of range"), std::string::npos) << e.what();
+  }
+  batches[1].ids.data<std::int32_t>()[3] = -1;
+  EXPECT_THROW(dispatcher->dispatch(inputs_of(batches), outs), Error);
+  batches[1].ids.data<std::int32_t>()[3] = 0;
+  auto inputs = inputs_of(batches);
+  HostTensor wrong(DType::f32, {4, c.topk + 1});
+  inputs[0].topk_weights = wrong;
+  EXPECT_THROW(dispatcher->dispatch(inputs, outs), Error);
+  inputs = inputs_of(batches);
+  inputs[0].x_scales = TensorView{};
+  EXPECT_THROW(dispatcher->dispatch(inputs, outs), Error);
+  batches[0].weights.data<float>()[0] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THROW(dispatcher->dispatch(inputs_of(batches), outs), Error);
+  std::vector<DispatchOutput> one(1);
+  EXPECT_THROW(dispatcher->dispatch(std::span<const DispatchInput>(inputs_of(batches).data(), 1), one), Error);
+}
+
+TEST(SimDispatchErrors, UnknownDispatcherNamesTheKnownOnes) {
+  try {
+    (void)make_dispatcher("nope", {tiny(1), Mode::normal, ActivationFormat::bf16, 0, 1});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cpu-sim"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace epmoe
