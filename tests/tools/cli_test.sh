@@ -1,6 +1,101 @@
 #!/usr/bin/env bash
 # End-to-end checks of the epmoe CLI. $1 is the epmoe binary.
-set -euo pipefail
+# Each check is counted; the last line is "N passed, M failed" and the exit status is non-zero
+# when any check failed.
+set -uo pipefail
 epmoe=$1
-"$epmoe" --help >/dev/null
-echo "1 passed, 0 failed"
+passed=0
+failed=0
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+pass() { passed=$((passed + 1)); }
+fail() {
+  failed=$((failed + 1))
+  echo "FAIL: $1"
+  [[ -s "$tmp/stderr" ]] && sed 's/^/  stderr: /' "$tmp/stderr" | head -20
+}
+# check NAME CMD...: CMD must succeed (its stdout is kept in $tmp/stdout).
+check() {
+  local name=$1
+  shift
+  if "$@" >"$tmp/stdout" 2>"$tmp/stderr"; then pass; else fail "$name"; fi
+}
+# check_fails NAME PATTERN CMD...: CMD must exit non-zero and print PATTERN (grep -E) on stderr.
+check_fails() {
+  local name=$1 pattern=$2
+  shift 2
+  if "$@" >"$tmp/stdout" 2>"$tmp/stderr"; then
+    fail "$name (exited 0)"
+  elif ! grep -Eq -- "$pattern" "$tmp/stderr"; then
+    fail "$name (stderr lacks '$pattern')"
+  else
+    pass
+  fi
+}
+
+check "--help" "$epmoe" --help
+
+# --- eplb -------------------------------------------------------------------------------------
+# 2 layers x 16 experts; expert 5 (layer 0) and expert 12 (layer 1) are hot.
+cat >"$tmp/load.json" <<'JSON'
+{"load": [[10, 12, 9, 11, 10, 400, 8, 10, 12, 9, 11, 10, 10, 9, 11, 10],
+          [5, 6, 5, 7, 5, 6, 5, 7, 5, 6, 5, 7, 300, 6, 5, 7]]}
+JSON
+# Checks the eplb JSON in $1 for L=2, E=16, P=$2: shapes, consistency, hot experts replicated.
+validate_eplb() {
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+P = int(sys.argv[2])
+assert list(doc) == ["phy2log", "log2phy", "logcnt"], list(doc)
+phy2log, log2phy, logcnt = doc["phy2log"], doc["log2phy"], doc["logcnt"]
+assert len(phy2log) == len(log2phy) == len(logcnt) == 2
+for l in range(2):
+    assert len(phy2log[l]) == P and len(logcnt[l]) == 16 and len(log2phy[l]) == 16
+    assert sum(logcnt[l]) == P and min(logcnt[l]) >= 1
+    for e in range(16):
+        slots = [p for p in range(P) if phy2log[l][p] == e]
+        assert len(slots) == logcnt[l][e]
+        row = log2phy[l][e]
+        assert row[:len(slots)] == slots and all(x == -1 for x in row[len(slots):]), (l, e, row)
+assert logcnt[0][5] == max(logcnt[0]) and logcnt[0][5] >= 2, logcnt[0]
+assert logcnt[1][12] == max(logcnt[1]) and logcnt[1][12] >= 2, logcnt[1]
+PY
+}
+# Hierarchical (groups 4 % nodes 2 == 0), to stdout.
+check "eplb hierarchical runs" "$epmoe" eplb --load "$tmp/load.json" --replicas 24 --groups 4 --nodes 2 --gpus 4
+cp "$tmp/stdout" "$tmp/hier.json"
+check "eplb hierarchical output is a consistent placement" validate_eplb "$tmp/hier.json" 24
+# Global (groups 3 % nodes 2 != 0), to --output.
+check "eplb global --output runs" "$epmoe" eplb --load "$tmp/load.json" --replicas 20 --groups 3 --nodes 2 \
+  --gpus 4 --output "$tmp/global.json"
+check "eplb --output leaves stdout empty" test ! -s "$tmp/stdout"
+check "eplb global output is a consistent placement" validate_eplb "$tmp/global.json" 20
+check "eplb is deterministic" bash -c "'$epmoe' eplb --load '$tmp/load.json' --replicas 24 --groups 4 --nodes 2 \
+  --gpus 4 | cmp -s - '$tmp/hier.json'"
+
+# Bad inputs: clear message, non-zero exit.
+echo '{"load": [[1, 2, 3' >"$tmp/bad_json.json"
+echo '{"load": [[1, 2, 3, 4], [1, 2, 3]]}' >"$tmp/ragged.json"
+echo '{"load": [[1, -2, 3, 4]]}' >"$tmp/negative.json"
+echo '{"load": [[1, "x", 3, 4]]}' >"$tmp/string.json"
+echo '{"counts": [[1, 2, 3, 4]]}' >"$tmp/no_load.json"
+echo '{"load": [[1, 2, 3, 4]]}' >"$tmp/small.json"
+check_fails "eplb missing file" "cannot open --load file" \
+  "$epmoe" eplb --load "$tmp/missing.json" --replicas 4
+check_fails "eplb bad JSON" "not valid JSON" "$epmoe" eplb --load "$tmp/bad_json.json" --replicas 4
+check_fails "eplb ragged rows" "load\[1\] has 3 experts" "$epmoe" eplb --load "$tmp/ragged.json" --replicas 4
+check_fails "eplb negative load" "load\[0\]\[1\] = -2 must be finite and non-negative" \
+  "$epmoe" eplb --load "$tmp/negative.json" --replicas 4
+check_fails "eplb non-number load" "load\[0\]\[1\].*must be a number" \
+  "$epmoe" eplb --load "$tmp/string.json" --replicas 4
+check_fails "eplb no load field" "\"load\" field" "$epmoe" eplb --load "$tmp/no_load.json" --replicas 4
+check_fails "eplb replicas < experts" "num_physical \(2\) must be at least" \
+  "$epmoe" eplb --load "$tmp/small.json" --replicas 2
+check_fails "eplb replicas not a multiple of gpus" "multiple of num_gpus" \
+  "$epmoe" eplb --load "$tmp/small.json" --replicas 6 --gpus 4
+check_fails "eplb --replicas required" "replicas" "$epmoe" eplb --load "$tmp/small.json"
+
+echo "$passed passed, $failed failed"
+[[ $failed -eq 0 ]]

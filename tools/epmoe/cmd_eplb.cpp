@@ -1,0 +1,122 @@
+// `epmoe eplb`: DeepSeek's EPLB rebalance of per-expert load counts (design.md §5).
+//   in:  {"load": [[...per expert...], ...per layer...]}
+//   out: {"phy2log": [L][P], "log2phy": [L][E][max_replicas] (-1 padded), "logcnt": [L][E]}
+#include <CLI/CLI.hpp>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "epmoe/eplb.hpp"
+#include "epmoe/error.hpp"
+#include "tools/epmoe/commands.hpp"
+
+namespace epmoe::tools {
+namespace {
+
+struct EplbOptions {
+  std::string load_path;
+  std::string output_path;
+  int replicas = 0;
+  int groups = 1;
+  int nodes = 1;
+  int gpus = 1;
+};
+
+std::vector<std::vector<double>> read_load(const std::string& path) {
+  std::ifstream in(path);
+  EPMOE_CHECK(in.is_open(), "eplb: cannot open --load file '{}'", path);
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    EPMOE_FAIL("eplb: --load file '{}' is not valid JSON: {}", path, e.what());
+  }
+  EPMOE_CHECK(doc.is_object() && doc.contains("load"),
+              "eplb: --load file '{}' must be a JSON object with a \"load\" field ([layers][experts])", path);
+  const nlohmann::json& layers = doc.at("load");
+  EPMOE_CHECK(layers.is_array() && !layers.empty(),
+              "eplb: \"load\" in '{}' must be a non-empty array of layers, each an array of per-expert loads",
+              path);
+  std::vector<std::vector<double>> load;
+  load.reserve(layers.size());
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const nlohmann::json& row = layers[l];
+    EPMOE_CHECK(row.is_array(), "eplb: load[{}] in '{}' must be an array of per-expert loads, got {}", l,
+                path, row.type_name());
+    std::vector<double>& out = load.emplace_back();
+    out.reserve(row.size());
+    for (std::size_t e = 0; e < row.size(); ++e) {
+      EPMOE_CHECK(row[e].is_number(), "eplb: load[{}][{}] in '{}' must be a number, got {}", l, e, path,
+                  row[e].dump());
+      out.push_back(row[e].get<double>());
+    }
+  }
+  return load;
+}
+
+void run_eplb(const EplbOptions& opts) {
+  const std::vector<std::vector<double>> load = read_load(opts.load_path);
+  const RebalanceResult r = rebalance_experts(load, opts.replicas, opts.groups, opts.nodes, opts.gpus);
+
+  const auto L = static_cast<std::size_t>(r.num_layers);
+  const auto E = static_cast<std::size_t>(r.num_logical);
+  const auto P = static_cast<std::size_t>(r.num_physical);
+  const auto R = static_cast<std::size_t>(r.max_replicas);
+  nlohmann::ordered_json phy2log = nlohmann::ordered_json::array();
+  nlohmann::ordered_json log2phy = nlohmann::ordered_json::array();
+  nlohmann::ordered_json logcnt = nlohmann::ordered_json::array();
+  for (std::size_t l = 0; l < L; ++l) {
+    phy2log.push_back(
+        std::vector<std::int32_t>(r.phy2log.begin() + static_cast<std::ptrdiff_t>(l * P),
+                                  r.phy2log.begin() + static_cast<std::ptrdiff_t>((l + 1) * P)));
+    logcnt.push_back(std::vector<std::int32_t>(r.logcnt.begin() + static_cast<std::ptrdiff_t>(l * E),
+                                               r.logcnt.begin() + static_cast<std::ptrdiff_t>((l + 1) * E)));
+    nlohmann::ordered_json experts = nlohmann::ordered_json::array();
+    for (std::size_t e = 0; e < E; ++e) {
+      const auto begin = r.log2phy.begin() + static_cast<std::ptrdiff_t>((l * E + e) * R);
+      experts.push_back(std::vector<std::int32_t>(begin, begin + static_cast<std::ptrdiff_t>(R)));
+    }
+    log2phy.push_back(std::move(experts));
+  }
+  nlohmann::ordered_json out;
+  out["phy2log"] = std::move(phy2log);
+  out["log2phy"] = std::move(log2phy);
+  out["logcnt"] = std::move(logcnt);
+  const std::string text = out.dump() + "\n";
+
+  if (opts.output_path.empty()) {
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+    return;
+  }
+  std::ofstream file(opts.output_path, std::ios::binary | std::ios::trunc);
+  EPMOE_CHECK(file.is_open(), "eplb: cannot open --output file '{}' for writing", opts.output_path);
+  file << text;
+  file.close();
+  EPMOE_CHECK(!file.fail(), "eplb: writing --output file '{}' failed", opts.output_path);
+}
+
+const CommandRegistration kRegisterEplb(40, [](CLI::App& app) {
+  auto opts = std::make_shared<EplbOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "eplb",
+      "Rebalance experts over GPUs from per-expert loads (DeepSeek EPLB); prints the placement as JSON");
+  cmd->add_option("--load", opts->load_path, "JSON file {\"load\": [[per-expert load, ...], ...per layer]}")
+      ->required();
+  cmd->add_option("--replicas", opts->replicas, "physical expert slots P per layer (experts + redundant)")
+      ->required();
+  cmd->add_option("--groups", opts->groups, "expert groups (hierarchical policy when groups % nodes == 0)")
+      ->capture_default_str();
+  cmd->add_option("--nodes", opts->nodes, "nodes")->capture_default_str();
+  cmd->add_option("--gpus", opts->gpus, "GPUs in all (ranks); P must be a multiple")->capture_default_str();
+  cmd->add_option("--output", opts->output_path, "write the JSON here instead of stdout");
+  cmd->callback([opts] { run_eplb(*opts); });
+});
+
+}  // namespace
+}  // namespace epmoe::tools
