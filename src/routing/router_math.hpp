@@ -1,0 +1,101 @@
+// Bit-reproducible f32 math shared by the CPU router and the GPU routing kernel.
+//
+// Everything here uses IEEE-exact basic operations only (round-to-nearest-even +, -, *, /, fused
+// multiply-add, ldexp and comparisons), each spelled out through the rn_* helpers so that nvcc cannot
+// contract a multiply and an add into an FMA behind our back. Compiled by the host compiler and by nvcc
+// (as __host__ __device__), the same operation sequence yields the same bits on both sides.
+#pragma once
+
+#ifndef EPMOE_HD
+#if defined(__CUDACC__)
+#define EPMOE_HD __host__ __device__
+#else
+#define EPMOE_HD
+#endif
+#endif
+
+#if !defined(__CUDA_ARCH__)
+#include <cmath>
+#endif
+
+namespace epmoe::routing {
+
+EPMOE_HD inline float rn_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+EPMOE_HD inline float rn_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+EPMOE_HD inline float rn_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+EPMOE_HD inline float rn_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// x * 2^n with a single rounding (exact unless the result is subnormal or out of range).
+EPMOE_HD inline float rn_ldexp(float x, int n) {
+#if defined(__CUDA_ARCH__)
+  return ldexpf(x, n);
+#else
+  return std::ldexp(x, n);
+#endif
+}
+
+// exp(a) for a <= 0 (a finite or -inf), max error about 1 ulp, subnormal results rounded once.
+//   a = n*ln2 + r, |r| <= ln2/2, with ln2 split into ln2_hi (12 trailing zero bits, so n*ln2_hi is
+//   exact for |n| < 2^12) and ln2_lo (Cody-Waite); exp(r) from its degree-7 Taylor polynomial
+//   (truncation error < 0.1 ulp on |r| <= ln2/2) evaluated by Horner with FMAs; then scaled by 2^n.
+EPMOE_HD inline float exp_nonpositive(float a) {
+  constexpr float kLog2e = 0x1.715476p+0f;   // 1/ln2
+  constexpr float kLn2Hi = 0x1.62e400p-1f;   // 0.693145751953125
+  constexpr float kLn2Lo = 0x1.7f7d1cp-20f;  // ln2 - kLn2Hi
+  constexpr float kRoundMagic = 0x1.8p+23f;  // adding it rounds |v| < 2^22 to an integer
+  constexpr float kUnderflow = -104.0f;      // exp(-104) < 2^-150: rounds to +0
+  if (!(a >= kUnderflow)) return 0.0f;       // includes -inf (NaN is the caller's business)
+  // n = round(a / ln2); fma keeps a*log2e unrounded so that the host and the device agree.
+  const float n = rn_add(rn_fma(a, kLog2e, kRoundMagic), -kRoundMagic);
+  float r = rn_fma(-n, kLn2Hi, a);
+  r = rn_fma(-n, kLn2Lo, r);
+  float p = 0x1.a01a02p-13f;          // 1/5040
+  p = rn_fma(p, r, 0x1.6c16c2p-10f);  // 1/720
+  p = rn_fma(p, r, 0x1.111112p-7f);   // 1/120
+  p = rn_fma(p, r, 0x1.555556p-5f);   // 1/24
+  p = rn_fma(p, r, 0x1.555556p-3f);   // 1/6
+  p = rn_fma(p, r, 0.5f);
+  p = rn_fma(p, r, 1.0f);
+  p = rn_fma(p, r, 1.0f);
+  return rn_ldexp(p, static_cast<int>(n));
+}
+
+// 1 / (1 + exp(-x)) in f32. With e = exp(-|x|) in (0, 1]: 1/(1+e) for x >= 0, e/(1+e) for x < 0
+// (no overflow, full relative accuracy on the tiny side). Saturates to exactly 1 for large x and to
+// +0 below about -104; NaN propagates.
+EPMOE_HD inline float sigmoid_f32(float x) {
+  if (x != x) return x;
+  const float a = x > 0.0f ? -x : x;
+  const float e = exp_nonpositive(a);
+  const float d = rn_add(1.0f, e);
+  return x >= 0.0f ? rn_div(1.0f, d) : rn_div(e, d);
+}
+
+}  // namespace epmoe::routing
