@@ -1,0 +1,147 @@
+// RAII device memory, streams and events, and host <-> device copies of tensors.
+//
+// Everything here allocates only where it says so (constructors, to_host/to_device); the copy
+// helpers and views never allocate, so they are safe on hot paths. Every CUDA call is checked
+// with EPMOE_CUDA_CHECK (epmoe::Error with file:line).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <span>
+
+#include <cuda_runtime_api.h>
+
+#include "epmoe/cuda/launch.hpp"
+#include "epmoe/cuda/runtime.hpp"
+#include "epmoe/tensor.hpp"
+
+namespace epmoe::cuda {
+
+// ---------------------------------------------------------------- DeviceBuffer
+// An owning, move-only block of device memory (cudaMalloc, at least 256-byte aligned).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes);  // zero bytes gives an empty buffer (no allocation)
+  ~DeviceBuffer() { reset(); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+
+  void* data() const { return data_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  std::size_t size() const { return bytes_; }  // bytes
+  bool empty() const { return bytes_ == 0; }
+  void reset();  // frees (cudaFree; errors at teardown are ignored)
+
+  // A contiguous Device::cuda view of the first bytes of the buffer; throws when the shape needs
+  // more bytes than the buffer holds.
+  TensorView view(DType dtype, std::initializer_list<std::int64_t> shape) const;
+  TensorView view(DType dtype, std::span<const std::int64_t> shape) const;
+
+  // Sets every byte (cudaMemsetAsync on `stream`), e.g. to poison an output before a run.
+  void fill_bytes(std::uint8_t byte, cudaStream_t stream = nullptr) const;
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// ---------------------------------------------------------------- DeviceTensor
+// An owning, contiguous device tensor: a DeviceBuffer with its view (the device twin of
+// HostTensor).
+class DeviceTensor {
+ public:
+  DeviceTensor() = default;
+  DeviceTensor(DType dtype, std::initializer_list<std::int64_t> shape);
+  DeviceTensor(DType dtype, std::span<const std::int64_t> shape);
+
+  TensorView view() const { return view_; }
+  operator TensorView() const { return view_; }  // NOLINT: views are the currency of the API
+  template <class T>
+  T* data() const {
+    return view_.as<T>();
+  }
+  std::int64_t numel() const { return view_.numel(); }
+  std::int64_t size(int dim) const { return view_.size(dim); }
+  DType dtype() const { return view_.dtype; }
+  std::size_t nbytes() const { return view_.nbytes(); }
+  bool defined() const { return defined_; }
+  void fill_bytes(std::uint8_t byte, cudaStream_t stream = nullptr) const {
+    buffer_.fill_bytes(byte, stream);
+  }
+
+ private:
+  DeviceBuffer buffer_;
+  TensorView view_;
+  bool defined_ = false;
+};
+
+// ---------------------------------------------------------------- Stream
+// An owning, move-only CUDA stream (non-blocking with respect to the legacy default stream).
+class Stream {
+ public:
+  Stream();
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  Stream(Stream&& other) noexcept;
+  Stream& operator=(Stream&& other) noexcept;
+
+  cudaStream_t get() const { return stream_; }
+  operator cudaStream_t() const { return stream_; }  // NOLINT: passes straight to launchers
+  void synchronize() const;
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// ---------------------------------------------------------------- Event
+// An owning, move-only CUDA event. Timing events by default; pass cudaEventDisableTiming for
+// pure synchronisation.
+class Event {
+ public:
+  explicit Event(unsigned flags = cudaEventDefault);
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  Event(Event&& other) noexcept;
+  Event& operator=(Event&& other) noexcept;
+
+  cudaEvent_t get() const { return event_; }
+  operator cudaEvent_t() const { return event_; }  // NOLINT
+  void record(cudaStream_t stream = nullptr) const;
+  void synchronize() const;
+  // Milliseconds between two recorded, completed events.
+  static float elapsed_ms(const Event& start, const Event& end);
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// ---------------------------------------------------------------- copies
+// Asynchronous copies on `stream` between tensors of the same dtype and shape, both contiguous;
+// the direction follows the views' devices (cpu -> cuda, cuda -> cpu, cuda -> cuda). The host
+// tensor must stay alive until the stream has passed the copy. (With pageable host memory the
+// runtime may finish the copy before returning.)
+void copy(TensorView dst, TensorView src, cudaStream_t stream);
+inline void copy_to_device(TensorView dst_device, TensorView src_host, cudaStream_t stream) {
+  expect_device(dst_device, Device::cuda, "dst");
+  expect_device(src_host, Device::cpu, "src");
+  copy(dst_device, src_host, stream);
+}
+inline void copy_to_host(TensorView dst_host, TensorView src_device, cudaStream_t stream) {
+  expect_device(dst_host, Device::cpu, "dst");
+  expect_device(src_device, Device::cuda, "src");
+  copy(dst_host, src_device, stream);
+}
+// Allocating conveniences for tests and tools (not for hot paths): copy, then wait on `stream`.
+DeviceTensor to_device(TensorView src_host, cudaStream_t stream);
+HostTensor to_host(TensorView src_device, cudaStream_t stream);
+
+}  // namespace epmoe::cuda
