@@ -1,0 +1,93 @@
+// Device helpers shared by the kernels: vector memory access, warp reductions and number-format
+// conversions. The one place for inline PTX; include only from .cuh/.cu device code.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+namespace epmoe::ptx {
+
+// ---------------------------------------------------------------- memory
+// 16-byte load of data that this kernel only reads (read-only path, no L1 allocation: streaming
+// inputs are read once). p must be 16-byte aligned.
+__device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// 16- and 8-byte stores; p must be aligned to the access size.
+__device__ __forceinline__ void st_v4(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void st_v2(void* p, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+
+// ---------------------------------------------------------------- warp reductions
+// Reduce over aligned groups of kWidth consecutive lanes (kWidth a power of two <= 32); every
+// lane of a group gets the result. All 32 lanes of the warp must execute the call.
+template <int kWidth>
+__device__ __forceinline__ float group_max(float v) {
+  static_assert(kWidth >= 1 && kWidth <= 32 && (kWidth & (kWidth - 1)) == 0);
+#pragma unroll
+  for (int offset = kWidth / 2; offset > 0; offset /= 2)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+template <int kWidth>
+__device__ __forceinline__ float group_sum(float v) {
+  static_assert(kWidth >= 1 && kWidth <= 32 && (kWidth & (kWidth - 1)) == 0);
+#pragma unroll
+  for (int offset = kWidth / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Per-16-bit-half unsigned max over aligned groups of kWidth lanes.
+template <int kWidth>
+__device__ __forceinline__ std::uint32_t group_max_u16x2(std::uint32_t v) {
+  static_assert(kWidth >= 1 && kWidth <= 32 && (kWidth & (kWidth - 1)) == 0);
+#pragma unroll
+  for (int offset = kWidth / 2; offset > 0; offset /= 2)
+    v = __vmaxu2(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// ---------------------------------------------------------------- number formats
+// Per-half |x| of two packed bf16 values, as raw bits. Non-negative bf16 bit patterns order like
+// unsigned integers, so __vmaxu2 over these is an exact max of magnitudes (NaN inputs excepted).
+__device__ __forceinline__ std::uint32_t bf16x2_abs_bits(std::uint32_t v) {
+  return v & 0x7fff7fffu;
+}
+
+// The larger 16-bit half of v, as the f32 value of that bf16 bit pattern.
+__device__ __forceinline__ float bf16_bits_max_to_float(std::uint32_t v) {
+  const std::uint32_t m = max(v & 0xffffu, v >> 16);
+  return __uint_as_float(m << 16);
+}
+
+// The two bf16 values of a packed pair as f32 (element 0 is the low half), exactly.
+__device__ __forceinline__ float2 bf16x2_to_float2(std::uint32_t v) {
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+
+// Smallest power of two >= s, exactly, for finite positive normal s.
+__device__ __forceinline__ float round_up_pow2(float s) {
+  std::uint32_t u = __float_as_uint(s);
+  if ((u & 0x007fffffu) != 0u) u = (u & 0xff800000u) + 0x00800000u;
+  return __uint_as_float(u);
+}
+
+// Two f32 values -> two e4m3 bytes (a in the low byte): round to nearest-even, saturating to
+// ±448 (cvt.rn.satfinite.e4m3x2.f32), as __nv_fp8_e4m3(float) does.
+__device__ __forceinline__ std::uint16_t float2_to_e4m3x2(float a, float b) {
+  return static_cast<std::uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
+}
+
+}  // namespace epmoe::ptx
