@@ -1,0 +1,128 @@
+#include "bench/bench.hpp"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <utility>
+
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/launch.hpp"
+
+namespace epmoe::bench {
+
+double time_us(const Launch& launch, int num_sets, cudaStream_t stream, const TimingOptions& options) {
+  EPMOE_CHECK(num_sets >= 1, "num_sets must be >= 1, got {}", num_sets);
+  EPMOE_CHECK(options.iterations >= 1 && options.warmup >= 0, "bad timing options: {} iterations, {} warm-up",
+              options.iterations, options.warmup);
+  int set = 0;
+  auto next_set = [&] {
+    const int s = set;
+    set = (set + 1) % num_sets;
+    return s;
+  };
+  for (int i = 0; i < options.warmup; ++i) launch(next_set(), stream);
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  std::vector<cuda::Event> starts, ends;
+  starts.reserve(static_cast<std::size_t>(options.iterations));
+  ends.reserve(static_cast<std::size_t>(options.iterations));
+  for (int i = 0; i < options.iterations; ++i) {
+    starts.emplace_back();
+    ends.emplace_back();
+  }
+  // Keep the GPU busy while the host queues the timed runs (about 10 µs of host work each).
+  gpu_sleep(stream, std::min(10.0 * options.iterations, 20000.0));
+  for (int i = 0; i < options.iterations; ++i) {
+    starts[static_cast<std::size_t>(i)].record(stream);
+    launch(next_set(), stream);
+    ends[static_cast<std::size_t>(i)].record(stream);
+  }
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> times;
+  times.reserve(starts.size());
+  for (std::size_t i = 0; i < starts.size(); ++i)
+    times.push_back(1e3 * cuda::Event::elapsed_ms(starts[i], ends[i]));
+  std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2), times.end());
+  return times[times.size() / 2];
+}
+
+int rotation_sets(std::size_t bytes_per_set, int max_sets) {
+  const std::size_t target = 2 * cuda::device_props().l2_bytes;
+  if (bytes_per_set == 0) return 1;
+  const std::size_t sets = target / bytes_per_set + 1;
+  return static_cast<int>(std::clamp<std::size_t>(sets, 1, static_cast<std::size_t>(std::max(max_sets, 1))));
+}
+
+Result make_result(std::string bench, Params params, double time_us, double bytes, double flops,
+                   double ceiling_gbps) {
+  Result r;
+  r.bench = std::move(bench);
+  r.params = std::move(params);
+  r.time_us = time_us;
+  r.gbps = time_us > 0 ? bytes / (time_us * 1e3) : 0.0;
+  r.tflops = time_us > 0 ? flops / (time_us * 1e6) : 0.0;
+  r.floor_us = ceiling_gbps > 0 ? bytes / (ceiling_gbps * 1e3) : 0.0;
+  return r;
+}
+
+namespace {
+std::string param_text(const ParamValue& v) {
+  if (const auto* s = std::get_if<std::string>(&v)) return *s;
+  if (const auto* i = std::get_if<std::int64_t>(&v)) return std::to_string(*i);
+  return fmt::format("{:g}", std::get<double>(v));
+}
+}  // namespace
+
+std::string describe(const Result& r) {
+  std::string params;
+  for (const auto& [name, value] : r.params)
+    params += fmt::format("{}{}={}", params.empty() ? "" : " ", name, param_text(value));
+  std::string line =
+      fmt::format("{:<28} {:<52} {:>10.2f} us {:>8.1f} GB/s", r.bench, params, r.time_us, r.gbps);
+  if (r.tflops > 0) line += fmt::format(" {:>7.1f} TFLOP/s", r.tflops);
+  if (r.floor_us > 0) line += fmt::format("  floor {:>8.2f} us  x{:.2f}", r.floor_us, r.time_us / r.floor_us);
+  return line;
+}
+
+std::string git_commit() {
+  std::string commit;
+  if (FILE* pipe = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
+    std::array<char, 128> buf{};
+    while (std::fgets(buf.data(), static_cast<int>(buf.size()), pipe) != nullptr) commit += buf.data();
+    const int status = pclose(pipe);
+    if (status != 0) commit.clear();
+  }
+  while (!commit.empty() && (commit.back() == '\n' || commit.back() == '\r' || commit.back() == ' '))
+    commit.pop_back();
+  if (!commit.empty()) return commit;
+  if (const char* env = std::getenv("EPMOE_COMMIT"); env != nullptr && *env != '\0') return env;
+  return "unknown";
+}
+
+nlohmann::json to_json(const Result& r) {
+  nlohmann::json params = nlohmann::json::object();
+  for (const auto& [name, value] : r.params) {
+    std::visit([&, &key = name](const auto& v) { params[key] = v; }, value);
+  }
+  return {{"bench", r.bench}, {"params", params},   {"time_us", r.time_us},
+          {"gbps", r.gbps},   {"tflops", r.tflops}, {"floor_us", r.floor_us}};
+}
+
+nlohmann::json report_json(const std::vector<Result>& results) {
+  const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  std::array<char, 32> date{};
+  std::strftime(date.data(), date.size(), "%Y-%m-%dT%H:%M:%SZ", &utc);
+  nlohmann::json list = nlohmann::json::array();
+  for (const Result& r : results) list.push_back(to_json(r));
+  return {{"commit", git_commit()},
+          {"device", cuda::device_description()},
+          {"date", date.data()},
+          {"results", list}};
+}
+
+}  // namespace epmoe::bench

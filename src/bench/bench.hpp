@@ -1,0 +1,90 @@
+// Benchmark harness: CUDA-event timing (warm-up, median of many runs, inputs rotated through
+// enough buffer sets to defeat the L2), result records and the JSON report.
+//
+// Methodology (see METHOD.md of the device notes): every timed run is bracketed by its own pair
+// of events; a short GPU sleep before the timed loop lets the host queue the launches ahead of
+// the GPU so that launch gaps stay out of the per-run times; the reported time is the median.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+#include <nlohmann/json.hpp>
+
+#include "epmoe/tensor.hpp"
+
+namespace epmoe::bench {
+
+// Device-to-device copy bandwidth (bytes read + written) measured on an H200 of this workplace:
+// the memory ceiling that floor_us is computed from.
+inline constexpr double kCopyCeilingGBps = 4269.0;
+
+// Parameter values: use the names tokens, ranks, mode, quant, layout, groups, m_per_group, n, k,
+// phase.
+using ParamValue = std::variant<std::string, std::int64_t, double>;
+using Params = std::map<std::string, ParamValue>;
+
+struct Result {
+  std::string bench;  // e.g. "quant.per_token_group"
+  Params params;
+  double time_us = 0;   // median time of one run
+  double gbps = 0;      // bytes moved (read + written) / time
+  double tflops = 0;    // 0 for memory-bound work
+  double floor_us = 0;  // bytes / kCopyCeilingGBps (or the larger of that and the flops floor)
+};
+
+struct TimingOptions {
+  int warmup = 10;       // untimed runs first (module load, caches, clocks)
+  int iterations = 100;  // timed runs; the median is reported
+};
+
+// Enqueues exactly the work to time on `stream`, using input set `set` (of the rotation).
+using Launch = std::function<void(int set, cudaStream_t stream)>;
+
+// Median microseconds of one launch. Runs the launch warmup + iterations times, cycling `set`
+// through [0, num_sets). Throws epmoe::Error on any CUDA error.
+double time_us(const Launch& launch, int num_sets, cudaStream_t stream, const TimingOptions& options = {});
+
+// How many input sets of bytes_per_set bytes to rotate through so that together they exceed
+// twice the L2 of the current device (at least 1, at most max_sets).
+int rotation_sets(std::size_t bytes_per_set, int max_sets = 1024);
+
+// A result with gbps, tflops and floor_us derived from the bytes and flops of one run.
+Result make_result(std::string bench, Params params, double time_us, double bytes, double flops = 0.0,
+                   double ceiling_gbps = kCopyCeilingGBps);
+
+// One human-readable line: name, params, µs, GB/s, floor and time/floor.
+std::string describe(const Result& result);
+
+// The short commit (`git rev-parse --short HEAD`, else $EPMOE_COMMIT, else "unknown").
+std::string git_commit();
+// {"commit", "device", "date" (UTC, ISO 8601), "results": [...]}.
+nlohmann::json report_json(const std::vector<Result>& results);
+nlohmann::json to_json(const Result& result);
+
+// ---------------------------------------------------------------- device helpers (bench.cu)
+// Holds the GPU for about `microseconds` (spinning on the global timer).
+void gpu_sleep(cudaStream_t stream, double microseconds);
+// Fills a bf16 device tensor with pseudo-random non-zero values of varied magnitude (a hash of
+// the index and seed; never all zeros, never NaN or Inf).
+void fill_random_bf16(TensorView x, std::uint64_t seed, cudaStream_t stream);
+
+// ---------------------------------------------------------------- suites (suites.cpp)
+struct SuiteOptions {
+  std::vector<std::int64_t> tokens;              // empty: the suite's defaults
+  bool quick = false;                            // fewer runs and shapes
+  std::function<void(const Result&)> on_result;  // called as each result is measured
+};
+// Device-to-device copy (cudaMemcpyAsync of 2 GiB): the memory ceiling.
+std::vector<Result> run_copy_suite(const SuiteOptions& options);
+// FP8 activation quantizers: per-token-group (both scale layouts) and per-tensor, at
+// T in tokens (default 128, 4096, 16384) and K in {7168, 2048}.
+std::vector<Result> run_quant_suite(const SuiteOptions& options);
+
+}  // namespace epmoe::bench

@@ -1,0 +1,130 @@
+// Benchmark suites: each measures one family of kernels at the shapes that matter and returns
+// its results (bench.hpp).
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bench/bench.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/quant.hpp"
+
+namespace epmoe::bench {
+namespace {
+
+TimingOptions timing_for(const SuiteOptions& options) {
+  TimingOptions t;
+  if (options.quick) {
+    t.warmup = 3;
+    t.iterations = 20;
+  }
+  return t;
+}
+
+void emit(const SuiteOptions& options, std::vector<Result>& results, Result r) {
+  if (options.on_result) options.on_result(r);
+  results.push_back(std::move(r));
+}
+
+}  // namespace
+
+std::vector<Result> run_copy_suite(const SuiteOptions& options) {
+  std::vector<Result> results;
+  cuda::Stream stream;
+  const std::size_t bytes = std::size_t{2} << 30;  // 2 GiB copied: 4 GiB moved
+  const cuda::DeviceBuffer src(bytes), dst(bytes);
+  src.fill_bytes(0x5a, stream);
+  dst.fill_bytes(0xa5, stream);
+  TimingOptions t = timing_for(options);
+  t.iterations = options.quick ? 5 : 20;
+  t.warmup = 2;
+  const double us = time_us(
+      [&](int, cudaStream_t s) {
+        EPMOE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice, s));
+      },
+      1, stream, t);
+  emit(options, results, make_result("copy.d2d", {{"n", static_cast<std::int64_t>(bytes)}}, us, 2.0 * bytes));
+  return results;
+}
+
+std::vector<Result> run_quant_suite(const SuiteOptions& options) {
+  std::vector<Result> results;
+  std::vector<std::int64_t> token_list = options.tokens;
+  if (token_list.empty()) {
+    token_list =
+        options.quick ? std::vector<std::int64_t>{128, 4096} : std::vector<std::int64_t>{128, 4096, 16384};
+  }
+  const TimingOptions timing = timing_for(options);
+  cuda::Stream stream;
+  std::uint64_t seed = 1;
+
+  for (const std::int64_t k : {std::int64_t{7168}, std::int64_t{2048}}) {
+    for (const std::int64_t tokens : token_list) {
+      const std::int64_t groups = k / 128;
+      const std::int64_t tokens_padded = cuda::tma_aligned_tokens(tokens);
+      const std::int64_t elems = tokens * k;
+      const std::size_t set_bytes =
+          static_cast<std::size_t>(elems) * 3 + static_cast<std::size_t>(groups * tokens_padded) * 4;
+      const int sets = rotation_sets(set_bytes);
+      std::vector<cuda::DeviceTensor> xs, qs, ss_token, ss_mn;
+      for (int i = 0; i < sets; ++i) {
+        xs.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{tokens, k});
+        qs.emplace_back(DType::fp8_e4m3, std::initializer_list<std::int64_t>{tokens, k});
+        ss_token.emplace_back(DType::f32, std::initializer_list<std::int64_t>{tokens, groups});
+        ss_mn.emplace_back(DType::f32, std::initializer_list<std::int64_t>{groups, tokens_padded});
+        fill_random_bf16(xs.back(), seed++, stream);
+        qs.back().fill_bytes(0xff, stream);
+      }
+      const cuda::DeviceTensor scale(DType::f32, {1});
+      stream.synchronize();
+
+      const double group_bytes =
+          static_cast<double>(elems) * 3.0 + static_cast<double>(tokens * groups) * 4.0;
+      const Params base{{"tokens", tokens}, {"k", k}, {"groups", groups}};
+      struct Variant {
+        cuda::ScaleLayout layout;
+        bool pow2;
+      };
+      for (const Variant v :
+           {Variant{cuda::ScaleLayout::token_major, false}, Variant{cuda::ScaleLayout::mn_major_tma, true}}) {
+        auto& ss = v.layout == cuda::ScaleLayout::token_major ? ss_token : ss_mn;
+        const double us = time_us(
+            [&](int i, cudaStream_t s) {
+              cuda::quantize_per_token_group_fp8(xs[static_cast<std::size_t>(i)],
+                                                 qs[static_cast<std::size_t>(i)],
+                                                 ss[static_cast<std::size_t>(i)], s, v.layout, v.pow2);
+            },
+            sets, stream, timing);
+        Params p = base;
+        p["quant"] = std::string(v.pow2 ? "fp8_group128_pow2" : "fp8_group128");
+        p["layout"] = std::string(cuda::to_string(v.layout));
+        emit(options, results, make_result("quant.per_token_group", p, us, group_bytes));
+      }
+      {
+        const double us = time_us(
+            [&](int i, cudaStream_t s) {
+              cuda::quantize_per_tensor_fp8(xs[static_cast<std::size_t>(i)], qs[static_cast<std::size_t>(i)],
+                                            0.5f, s);
+            },
+            sets, stream, timing);
+        Params p = base;
+        p["quant"] = std::string("fp8_tensor_static");
+        emit(options, results, make_result("quant.per_tensor", p, us, static_cast<double>(elems) * 3.0));
+      }
+      {
+        const double us = time_us(
+            [&](int i, cudaStream_t s) {
+              cuda::per_tensor_fp8_scale(xs[static_cast<std::size_t>(i)], scale, s);
+            },
+            sets, stream, timing);
+        Params p = base;
+        p["quant"] = std::string("fp8_tensor_scale");
+        emit(options, results,
+             make_result("quant.per_tensor_scale", p, us, static_cast<double>(elems) * 2.0));
+      }
+    }
+  }
+  return results;
+}
+
+}  // namespace epmoe::bench

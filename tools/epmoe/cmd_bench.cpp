@@ -1,0 +1,64 @@
+// epmoe bench: kernel micro-benchmarks on the GPU (src/bench). One line per shape on stdout
+// (time, GB/s, time over the memory floor), and optionally every result as JSON.
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench/bench.hpp"
+#include "epmoe/cuda/runtime.hpp"
+#include "tools/epmoe/commands.hpp"
+#include "tools/epmoe/options.hpp"
+
+namespace epmoe::tools {
+namespace {
+
+struct BenchOptions {
+  std::string what;
+  std::string json;
+  std::vector<std::int64_t> tokens;
+  bool quick = false;
+};
+
+void run_bench(const BenchOptions& o) {
+  EPMOE_CHECK(cuda::device_count() > 0, "epmoe bench needs a CUDA GPU, and none is visible here ({})",
+              cuda::device_description());
+  for (const std::int64_t t : o.tokens)
+    EPMOE_CHECK(t > 0, "--tokens: every count must be positive, got {}", t);
+  std::printf("device: %s\n", cuda::device_description().c_str());
+  std::printf("floor = bytes moved / %.0f GB/s (device-to-device copy ceiling)\n", bench::kCopyCeilingGBps);
+  bench::SuiteOptions so;
+  so.tokens = o.tokens;
+  so.quick = o.quick;
+  so.on_result = [](const bench::Result& r) {
+    std::printf("%s\n", bench::describe(r).c_str());
+    std::fflush(stdout);
+  };
+  std::vector<bench::Result> results;
+  auto append = [&](std::vector<bench::Result> more) {
+    results.insert(results.end(), more.begin(), more.end());
+  };
+  if (o.what == "copy" || o.what == "all") append(bench::run_copy_suite(so));
+  if (o.what == "quant" || o.what == "all") append(bench::run_quant_suite(so));
+  if (!o.json.empty()) write_text_file(o.json, bench::report_json(results).dump(2) + "\n");
+}
+
+const CommandRegistration kRegistration{
+    50, [](CLI::App& app) {
+      auto options = std::make_shared<BenchOptions>();
+      CLI::App* cmd = app.add_subcommand(
+          "bench", "GPU kernel micro-benchmarks: time, GB/s and distance to the memory floor");
+      cmd->add_option("what", options->what,
+                      "What to measure: copy (the memory ceiling), quant (FP8 quantizers), all")
+          ->required()
+          ->check(CLI::IsMember({"copy", "quant", "all"}));
+      cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)");
+      cmd->add_option("--tokens", options->tokens,
+                      "Token counts to measure, e.g. 128,4096 (default: per suite)")
+          ->delimiter(',');
+      cmd->add_flag("--quick", options->quick, "Fewer runs and shapes");
+      cmd->callback([options] { run_bench(*options); });
+    }};
+
+}  // namespace
+}  // namespace epmoe::tools
