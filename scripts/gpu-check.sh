@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# The GPU machine's whole check in one call: build (preset gpu: sm_90a into build-gpu), kernel
+# resource usage, GPU tests, compute-sanitizer on the quant tests, benchmarks, and a summary table.
+#
+# Usage: scripts/gpu-check.sh OUTDIR      (e.g. scripts/gpu-check.sh "$OUT")
+#
+# OUTDIR receives nvidia-smi.txt, configure.log, build.log, ptxas.log (+ ptxas-summary.txt and
+# sass/ when cuobjdump exists), gpu-tests.log, memcheck.log, racecheck.log, initcheck.log,
+# bench.log, bench.json and summary.txt. Every step runs even when an earlier one fails (steps
+# that need the build are skipped without it); the exit status is non-zero when the build, a
+# test or a sanitizer failed.
+set -euo pipefail
+out=${1:?usage: scripts/gpu-check.sh OUTDIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+root=$(pwd)
+jobs=$(nproc)
+
+# Never NVLink multicast on the lent machines (shared hosts); NCCL is not used by this build yet.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+
+declare -A result
+order=()
+# step NAME CMD...: runs CMD, records ok/FAILED (never stops the script).
+step() {
+  local name=$1
+  shift
+  order+=("$name")
+  echo "== $name"
+  local start=$SECONDS
+  if "$@"; then
+    result[$name]="ok ($((SECONDS - start)) s)"
+  else
+    result[$name]="FAILED (exit $?, $((SECONDS - start)) s)"
+  fi
+}
+skip() {
+  order+=("$1")
+  result[$1]="skipped ($2)"
+}
+
+# ---------------------------------------------------------------- the machine
+step nvidia-smi bash -o pipefail -c "nvidia-smi 2>&1 | tee '$out/nvidia-smi.txt'"
+# shellcheck disable=SC2317  # called through step
+nccl_note() {
+  local libs
+  libs=$( (ldconfig -p 2>/dev/null | grep -o 'libnccl\.so[^ ]*' || true; ls /usr/local/cuda/lib64/libnccl* 2>/dev/null || true) | sort -u | tr '\n' ' ')
+  echo "NCCL libraries: ${libs:-none found} (not needed by this build; NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE)"
+}
+step nccl nccl_note
+
+# ---------------------------------------------------------------- build
+step configure bash -o pipefail -c "cmake --preset gpu > '$out/configure.log' 2>&1"
+step build bash -o pipefail -c "cmake --build --preset gpu -j '$jobs' > '$out/build.log' 2>&1"
+built=1
+if [[ ${result[build]} != ok* ]]; then
+  grep -E "FAILED:|error" "$out/build.log" | head -n 20 || true
+  # Something outside the GPU harness may be broken: still build what the GPU steps need.
+  step build-gpu-targets bash -o pipefail -c \
+    "cmake --build --preset gpu -j '$jobs' --target epmoe epmoe_gpu_tests epmoe_cli > '$out/build-gpu-targets.log' 2>&1"
+  [[ ${result[build-gpu-targets]} == ok* ]] || built=0
+fi
+
+# ---------------------------------------------------------------- kernel resources
+if ((built)); then
+  step ptxas bash -o pipefail -c "python3 '$root/scripts/ptxas-report.py' build-gpu '$out/ptxas.log' '$out/sass' | tee '$out/ptxas-summary.txt'"
+else
+  skip ptxas "no build"
+fi
+
+# ---------------------------------------------------------------- tests
+gpu_tests=build-gpu/tests/epmoe_gpu_tests
+if ((built)); then
+  step gpu-tests bash -o pipefail -c "ctest --test-dir build-gpu -L gpu --output-on-failure -j 8 > '$out/gpu-tests.log' 2>&1"
+  grep -E "tests passed|tests failed|\(Failed\)|\(Skipped\)" "$out/gpu-tests.log" | tail -n 20 || true
+  # The quant tests at their small shapes (T <= 128): sanitizers slow kernels down a lot.
+  filter='*Quant*:-*T4097*:*N4097*'
+  sanitizer=$(command -v compute-sanitizer || true)
+  [[ -n $sanitizer || ! -x /usr/local/cuda/bin/compute-sanitizer ]] || sanitizer=/usr/local/cuda/bin/compute-sanitizer
+  if [[ -n $sanitizer ]]; then
+    for tool in memcheck racecheck initcheck; do
+      step "$tool" bash -o pipefail -c "'$sanitizer' --tool $tool --error-exitcode 1 '$gpu_tests' --gtest_filter='$filter' > '$out/$tool.log' 2>&1"
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/$tool.log" | tail -n 3 || true
+    done
+  else
+    skip memcheck "no compute-sanitizer"
+    skip racecheck "no compute-sanitizer"
+    skip initcheck "no compute-sanitizer"
+  fi
+else
+  skip gpu-tests "no build"
+fi
+
+# ---------------------------------------------------------------- benchmarks
+if ((built)); then
+  step bench bash -o pipefail -c "build-gpu/bin/epmoe bench all --json '$out/bench.json' 2>&1 | tee '$out/bench.log'"
+else
+  skip bench "no build"
+fi
+
+# ---------------------------------------------------------------- summary
+{
+  echo
+  echo "==================== gpu-check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), commit $EPMOE_COMMIT)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /' || true
+  printf '%-12s %s\n' step result
+  for name in "${order[@]}"; do printf '%-12s %s\n' "$name" "${result[$name]}"; done
+  if [[ -f $out/gpu-tests.log ]]; then
+    echo "tests:     $(grep -E 'tests passed' "$out/gpu-tests.log" | tail -n 1)"
+    echo "skipped:   $(grep -c '(Skipped)' "$out/gpu-tests.log" || true)"
+    grep -E '\(Failed\)|\(Timeout\)|\(SEGFAULT\)|Exception' "$out/gpu-tests.log" | sed 's/^/  /' | head -n 20 || true
+  fi
+  for tool in memcheck racecheck initcheck; do
+    if [[ -f $out/$tool.log ]]; then
+      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -n 1 || true)"
+    fi
+  done
+  if [[ -f $out/ptxas-summary.txt ]]; then
+    echo "kernels (regs / stack / spills):"
+    sed 's/^/  /' "$out/ptxas-summary.txt" | cut -c1-150
+  fi
+  if [[ -f $out/bench.log ]]; then
+    echo "bench:"
+    grep -E '^(copy|quant)' "$out/bench.log" | sed 's/^/  /' || true
+  fi
+  true
+} | tee "$out/summary.txt"
+
+status=0
+for name in configure build gpu-tests memcheck racecheck initcheck; do
+  [[ ${result[$name]:-} == FAILED* ]] && status=1
+done
+exit "$status"
