@@ -40,33 +40,32 @@ struct fp8_e4m3 {
   static fp8_e4m3 from_float(float f) {
     const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
     const std::uint8_t sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return fp8_e4m3{static_cast<std::uint8_t>(sign | 0x7f)};
-    const float a = std::fabs(f);
-    if (a >= kFp8E4m3Max) return fp8_e4m3{static_cast<std::uint8_t>(sign | 0x7e)};
-    // Quantum of the binade that holds a (subnormals share the quantum of the lowest binade).
-    int exp2 = 0;
-    std::frexp(a, &exp2);                       // a = m * 2^exp2, m in [0.5, 1)
-    const int e = exp2 - 1 < -6 ? -6 : exp2 - 1;  // a in [2^e, 2^(e+1)), clamped to min normal
-    const float quantum = std::ldexp(1.0f, e - 3);
-    const float r = std::nearbyint(a / quantum) * quantum;  // exact: dividing by a power of 2
-    if (r > kFp8E4m3Max) return fp8_e4m3{static_cast<std::uint8_t>(sign | 0x7e)};
-    if (r == 0.0f) return fp8_e4m3{sign};
-    if (r < 0.015625f) {  // subnormal: r = mant * 2^-9
-      return fp8_e4m3{static_cast<std::uint8_t>(sign | static_cast<std::uint8_t>(r * 512.0f))};
+    const std::uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return fp8_e4m3{static_cast<std::uint8_t>(sign | 0x7f)};
+    if (a < 0x3c800000u) {
+      // Below the smallest normal 2^-6: multiples of 2^-9. Scaling by 512 is exact; the
+      // integer rounds to nearest-even (8 lands on the smallest normal, code 0x08).
+      const float scaled = std::bit_cast<float>(a) * 512.0f;
+      return fp8_e4m3{static_cast<std::uint8_t>(sign | static_cast<std::uint8_t>(std::nearbyint(scaled)))};
     }
-    std::frexp(r, &exp2);
-    const int re = exp2 - 1;
-    const int mant = static_cast<int>(std::ldexp(r, 3 - re)) - 8;
-    return fp8_e4m3{static_cast<std::uint8_t>(sign | ((re + 7) << 3) | mant)};
+    // Normal: keep 3 of the 23 mantissa bits, rounding to nearest-even (a carry bumps the exponent).
+    const std::uint32_t rounded = a + 0x7ffffu + ((a >> 20) & 1u);
+    const std::uint32_t exponent = (rounded >> 23) - 120u;  // rebias 127 -> 7
+    const std::uint32_t mant = (rounded >> 20) & 0x7u;
+    if (exponent > 15u || (exponent == 15u && mant == 7u)) return fp8_e4m3{static_cast<std::uint8_t>(sign | 0x7e)};
+    return fp8_e4m3{static_cast<std::uint8_t>(sign | (exponent << 3) | mant)};
   }
 
-  float to_float() const {
-    const float sign = (bits & 0x80) ? -1.0f : 1.0f;
-    const int exponent = (bits >> 3) & 0xf;
-    const int mant = bits & 0x7;
-    if (exponent == 0xf && mant == 0x7) return std::nanf("");
-    if (exponent == 0) return sign * std::ldexp(static_cast<float>(mant), -9);
-    return sign * std::ldexp(static_cast<float>(8 + mant), exponent - 10);
+  // Exact, by assembling the f32 bit pattern (no libm on this hot path of every CPU GEMM).
+  constexpr float to_float() const {
+    const std::uint32_t sign = static_cast<std::uint32_t>(bits & 0x80u) << 24;
+    const std::uint32_t exponent = (bits >> 3) & 0xfu, mant = bits & 0x7u;
+    if (exponent == 0xf && mant == 0x7) return std::bit_cast<float>(sign | 0x7fc00000u);
+    if (exponent == 0) {  // subnormal: mant * 2^-9
+      const float v = static_cast<float>(mant) * (1.0f / 512.0f);
+      return sign ? -v : v;
+    }
+    return std::bit_cast<float>(sign | ((exponent + 120u) << 23) | (mant << 20));
   }
 };
 static_assert(sizeof(fp8_e4m3) == 1);
