@@ -192,9 +192,9 @@ TEST_P(SimDispatch, IdentityExpertsCombineToWeightedSums) {
 
 INSTANTIATE_TEST_SUITE_P(RanksAndModes, SimDispatch,
                          ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Values(Mode::normal, Mode::low_latency)),
-                         [](const auto& info) {
-                           return fmt::format("ranks{}_{}", std::get<0>(info.param),
-                                              std::get<1>(info.param) == Mode::normal ? "normal" : "low_latency");
+                         [](const auto& test_info) {
+                           return fmt::format("ranks{}_{}", std::get<0>(test_info.param),
+                                              std::get<1>(test_info.param) == Mode::normal ? "normal" : "low_latency");
                          });
 
 TEST(SimDispatchErrors, LowLatencyRefusesTooManyTokensBeforeSending) {

@@ -83,10 +83,10 @@ INSTANTIATE_TEST_SUITE_P(
     Tiny, LayerVsReference,
     ::testing::Combine(::testing::Values(1, 2, 4), ::testing::Values(Mode::normal, Mode::low_latency),
                        ::testing::Values(QuantScheme::fp8, QuantScheme::w4a8, QuantScheme::none)),
-    [](const auto& info) {
-      return fmt::format("ranks{}_{}_{}", std::get<0>(info.param),
-                         std::get<1>(info.param) == Mode::normal ? "normal" : "low_latency",
-                         to_string(std::get<2>(info.param)));
+    [](const auto& test_info) {
+      return fmt::format("ranks{}_{}_{}", std::get<0>(test_info.param),
+                         std::get<1>(test_info.param) == Mode::normal ? "normal" : "low_latency",
+                         to_string(std::get<2>(test_info.param)));
     });
 
 TEST(Layer, LocalDispatcherMatchesReference) {

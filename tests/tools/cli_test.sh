@@ -97,5 +97,38 @@ check_fails "eplb replicas not a multiple of gpus" "multiple of num_gpus" \
   "$epmoe" eplb --load "$tmp/small.json" --replicas 6 --gpus 4
 check_fails "eplb --replicas required" "replicas" "$epmoe" eplb --load "$tmp/small.json"
 
+# --- run / check ------------------------------------------------------------------------------
+# The main job at its defaults (tiny preset on the CPU), with JSON a script can read.
+check "run defaults" "$epmoe" run --steps 4 --prompt-tokens 300 --chunk 128 --json "$tmp/run.json"
+check "run JSON" python3 - "$tmp/run.json" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+assert doc["pass"] is True, doc
+for phase, mode in (("decode", "low-latency"), ("prefill", "normal")):
+    p = doc[phase]
+    assert p["mode"] == mode, p
+    assert p["tokens_per_s"] > 0 and p["tokens"] > 0, p
+    assert p["check"]["pass"] is True and p["check"]["overall"]["rel_l2"] < 1e-2, p
+    assert set(p["time_ms"]) >= {"route", "dispatch", "experts", "combine", "shared", "total"}, p
+assert doc["prefill"]["forwards"] == 3 and doc["prefill"]["tokens"] == 600, doc["prefill"]
+PY
+check "run w4a8 dynamic redundant" "$epmoe" run --quant w4a8 --ranks 4 --redundant-experts 4 \
+  --dispatch-algorithm dynamic --steps 2 --prompt-tokens 64
+for ranks in 1 2 4; do
+  for mode in normal low-latency; do
+    for quant in fp8 w4a8 none; do
+      check "check ranks=$ranks $mode $quant" "$epmoe" check --ranks "$ranks" --mode "$mode" --quant "$quant" --tokens 12
+    done
+  done
+done
+check "check cpu-local" "$epmoe" check --ranks 1 --dispatcher cpu-local --exact --json "$tmp/check.json"
+check "check JSON" python3 -c "import json,sys; d=json.load(open('$tmp/check.json')); assert d['mirror']['pass'] and 'exact' in d"
+check "check deepseek-v3 dims, 2 ranks" "$epmoe" check --preset deepseek-v3 --ranks 2 --tokens 2 --mode low-latency
+check_fails "check bad hidden" "hidden must be a positive multiple of 128" "$epmoe" check --hidden 200
+check_fails "check bad preset" "preset must be one of" "$epmoe" check --preset nope
+check_fails "check ranks not dividing slots" "must be a multiple of ranks=3" "$epmoe" check --ranks 3
+check_fails "run too many decode tokens" "max_tokens_per_rank" "$epmoe" run --tokens 65
+check_fails "run gpu without GPU backend" "GPU layer backend" "$epmoe" run --device gpu
+
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]
