@@ -143,6 +143,7 @@ void run_main(const RunOptions& o) {
   std::printf("epmoe run: %s\n", config.describe().c_str());
   std::printf("  device: %s, %d ranks simulated in one process (GPU present: %s)\n",
               std::string(device_name(device)).c_str(), config.num_ranks, cuda::device_description(0).c_str());
+  std::fflush(stdout);  // the header before the progress lines on stderr
   auto weights = std::make_shared<SyntheticWeights>(config, o.model.seed);
 
   std::vector<PhaseResult> phases;
