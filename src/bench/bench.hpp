@@ -81,10 +81,22 @@ struct SuiteOptions {
   bool quick = false;                            // fewer runs and shapes
   std::function<void(const Result&)> on_result;  // called as each result is measured
 };
-// Device-to-device copy (cudaMemcpyAsync of 2 GiB): the memory ceiling.
-std::vector<Result> run_copy_suite(const SuiteOptions& options);
-// FP8 activation quantizers: per-token-group (both scale layouts) and per-tensor, at
-// T in tokens (default 128, 4096, 16384) and K in {7168, 2048}.
-std::vector<Result> run_quant_suite(const SuiteOptions& options);
+using SuiteFn = std::function<std::vector<Result>(const SuiteOptions& options)>;
+
+// Suites register themselves from their own files (`epmoe bench <name>`); `order` sorts them for
+// `epmoe bench all`.
+struct SuiteRegistration {
+  SuiteRegistration(std::string name, std::string help, int order, SuiteFn run);
+};
+struct Suite {
+  std::string name, help;
+  int order = 0;
+  SuiteFn run;
+};
+std::vector<Suite> suites();  // sorted by order
+
+// Shared by the suites: timing options for --quick, and reporting a result as it is measured.
+TimingOptions timing_for(const SuiteOptions& options);
+void emit(const SuiteOptions& options, std::vector<Result>& results, Result r);
 
 }  // namespace epmoe::bench

@@ -1,5 +1,6 @@
 // Benchmark suites: each measures one family of kernels at the shapes that matter and returns
 // its results (bench.hpp).
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -10,7 +11,23 @@
 #include "epmoe/cuda/quant.hpp"
 
 namespace epmoe::bench {
+
 namespace {
+std::vector<Suite>& registry() {
+  static std::vector<Suite> list;
+  return list;
+}
+}  // namespace
+
+SuiteRegistration::SuiteRegistration(std::string name, std::string help, int order, SuiteFn run) {
+  registry().push_back({std::move(name), std::move(help), order, std::move(run)});
+}
+
+std::vector<Suite> suites() {
+  std::vector<Suite> list = registry();
+  std::stable_sort(list.begin(), list.end(), [](const Suite& a, const Suite& b) { return a.order < b.order; });
+  return list;
+}
 
 TimingOptions timing_for(const SuiteOptions& options) {
   TimingOptions t;
@@ -26,8 +43,9 @@ void emit(const SuiteOptions& options, std::vector<Result>& results, Result r) {
   results.push_back(std::move(r));
 }
 
-}  // namespace
+namespace {
 
+// Device-to-device copy (cudaMemcpyAsync of 2 GiB): the memory ceiling.
 std::vector<Result> run_copy_suite(const SuiteOptions& options) {
   std::vector<Result> results;
   cuda::Stream stream;
@@ -47,6 +65,8 @@ std::vector<Result> run_copy_suite(const SuiteOptions& options) {
   return results;
 }
 
+// FP8 activation quantizers: per-token-group (both scale layouts) and per-tensor, at
+// T in tokens (default 128, 4096, 16384) and K in {7168, 2048}.
 std::vector<Result> run_quant_suite(const SuiteOptions& options) {
   std::vector<Result> results;
   std::vector<std::int64_t> token_list = options.tokens;
@@ -127,4 +147,8 @@ std::vector<Result> run_quant_suite(const SuiteOptions& options) {
   return results;
 }
 
+const SuiteRegistration kCopy{"copy", "device-to-device copy: the memory ceiling", 0, run_copy_suite};
+const SuiteRegistration kQuant{"quant", "FP8 activation quantizers", 10, run_quant_suite};
+
+}  // namespace
 }  // namespace epmoe::bench

@@ -38,8 +38,8 @@ void run_bench(const BenchOptions& o) {
   auto append = [&](std::vector<bench::Result> more) {
     results.insert(results.end(), more.begin(), more.end());
   };
-  if (o.what == "copy" || o.what == "all") append(bench::run_copy_suite(so));
-  if (o.what == "quant" || o.what == "all") append(bench::run_quant_suite(so));
+  for (const bench::Suite& suite : bench::suites())
+    if (o.what == suite.name || o.what == "all") append(suite.run(so));
   if (!o.json.empty()) write_text_file(o.json, bench::report_json(results).dump(2) + "\n");
 }
 
@@ -48,10 +48,13 @@ const CommandRegistration kRegistration{
       auto options = std::make_shared<BenchOptions>();
       CLI::App* cmd = app.add_subcommand(
           "bench", "GPU kernel micro-benchmarks: time, GB/s and distance to the memory floor");
-      cmd->add_option("what", options->what,
-                      "What to measure: copy (the memory ceiling), quant (FP8 quantizers), all")
-          ->required()
-          ->check(CLI::IsMember({"copy", "quant", "all"}));
+      std::string help = "What to measure: all";
+      std::vector<std::string> names{"all"};
+      for (const bench::Suite& suite : bench::suites()) {
+        help += ", " + suite.name + " (" + suite.help + ")";
+        names.push_back(suite.name);
+      }
+      cmd->add_option("what", options->what, help)->required()->check(CLI::IsMember(names));
       cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)");
       cmd->add_option("--tokens", options->tokens,
                       "Token counts to measure, e.g. 128,4096 (default: per suite)")
