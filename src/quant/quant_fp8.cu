@@ -50,13 +50,21 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) {
   return (a + b - 1) / b;
 }
 
+// One block per block of work, each thread's loads issued once (kUnroll vectors): the hardware
+// refills SMs as blocks retire, so memory stays busy without a persistent loop's per-iteration
+// load-use bubble. (Measured against the persistent grid in bench/NOTES.md.)
+unsigned oneshot_grid(std::uint64_t work_blocks) {
+  return static_cast<unsigned>(std::clamp<std::uint64_t>(work_blocks, 1, 0x7fffffffu));
+}
+
 template <bool kPow2, bool kMnMajor>
 void launch_per_token_group(const TensorView& x, const TensorView& q, const TensorView& scales,
                             std::uint32_t num_groups, std::uint32_t groups_per_row, std::uint32_t tokens,
                             std::uint32_t tokens_padded, cudaStream_t stream) {
   constexpr auto kernel = &kernels::per_token_group_fp8_kernel<kPow2, kMnMajor>;
-  // One group per half-warp when the work is small; a full device when it is large.
-  const unsigned grid = grid_for<kernel>(ceil_div(num_groups, kQuantThreads / kernels::kLanesPerGroup));
+  // kUnroll groups per half-warp.
+  const unsigned grid =
+      oneshot_grid(ceil_div(num_groups, kQuantThreads / kernels::kLanesPerGroup * kernels::kUnroll));
   kernel<<<grid, kQuantThreads, 0, stream>>>(
       static_cast<const std::uint16_t*>(x.data), static_cast<std::uint8_t*>(q.data),
       static_cast<float*>(scales.data), num_groups, groups_per_row, tokens, tokens_padded);
@@ -67,8 +75,7 @@ void launch_per_tensor(const TensorView& x, const TensorView& q, const float* sc
                        cudaStream_t stream) {
   const auto n = static_cast<std::uint64_t>(x.numel());
   if (n == 0) return;
-  const unsigned grid =
-      grid_for<&kernels::per_tensor_fp8_kernel>(ceil_div(ceil_div(n, kernels::kVec), kQuantThreads));
+  const unsigned grid = oneshot_grid(ceil_div(ceil_div(n, kernels::kVec), kQuantThreads * kernels::kUnroll));
   kernels::per_tensor_fp8_kernel<<<grid, kQuantThreads, 0, stream>>>(
       static_cast<const std::uint16_t*>(x.data), static_cast<std::uint8_t*>(q.data), n, scale_ptr,
       scale_value);
