@@ -6,34 +6,11 @@
 #include <utility>
 #include <vector>
 
+#include "eplb/replica_choice.hpp"
 #include "epmoe/eplb.hpp"
 #include "epmoe/error.hpp"
 
 namespace epmoe {
-namespace {
-
-// The splitmix64 finaliser: a cheap bijective 64-bit mixer with good avalanche.
-constexpr std::uint64_t mix64(std::uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
-
-// Hash of one (src_rank, token, k): the token is mixed first, then combined with rank and k
-// packed into one word and mixed again. Device code that wants to agree with the host must use
-// exactly this function.
-constexpr std::uint64_t replica_hash(int src_rank, std::int64_t token, int k) {
-  const std::uint64_t t = mix64(static_cast<std::uint64_t>(token) + 0x9e3779b97f4a7c15ULL);
-  const std::uint64_t rk = (static_cast<std::uint64_t>(static_cast<std::uint32_t>(src_rank)) << 32) |
-                           static_cast<std::uint64_t>(static_cast<std::uint32_t>(k));
-  return mix64(t ^ rk);
-}
-
-}  // namespace
-
 ExpertPlacement::ExpertPlacement(std::vector<std::int32_t> phy2log, int num_logical, int num_ranks)
     : phy2log_(std::move(phy2log)), num_logical_(num_logical), num_ranks_(num_ranks) {
   EPMOE_CHECK(num_logical > 0, "num_logical must be positive, got {}", num_logical);
@@ -87,18 +64,9 @@ std::int32_t ExpertPlacement::choose(std::int32_t logical, int src_rank, std::in
   const std::int32_t* replicas =
       log2phy_.data() + static_cast<std::size_t>(logical) * static_cast<std::size_t>(max_replicas_);
   const int count = logcnt_[static_cast<std::size_t>(logical)];
-  if (count == 1) return replicas[0];
-
-  if (algorithm == DispatchAlgorithm::static_choice) {
-    const int lo = src_rank * slots_per_rank();
-    const int hi = lo + slots_per_rank();
-    for (int i = 0; i < count; ++i) {
-      if (replicas[i] >= lo && replicas[i] < hi) return replicas[i];
-    }
-    return replicas[src_rank % count];
-  }
-  const std::uint64_t h = replica_hash(src_rank, token, k);
-  return replicas[h % static_cast<std::uint64_t>(count)];
+  // The GPU mapping kernel (eplb_kernels.cuh) makes the same choice through the same function.
+  return eplb::choose_replica(replicas, count, src_rank, slots_per_rank(), token, k,
+                              algorithm == DispatchAlgorithm::dynamic_choice);
 }
 
 void ExpertPlacement::map_to_physical(TensorView logical_ids, TensorView physical_ids, int src_rank,
