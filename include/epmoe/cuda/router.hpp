@@ -1,0 +1,40 @@
+// The router on the GPU (design.md §5): logits -> top-k logical expert ids and weights, one fused
+// kernel. CPU twin: epmoe::route_cpu (epmoe/router.hpp).
+//
+//  - sigmoid scoring (DeepSeek-V3 "noaux_tc"): bit-exact with route_cpu, ids and weights. The
+//    sigmoid is routing::sigmoid_f32 (IEEE-exact operations only), the selections use the same
+//    strict order (higher value first, ties to the lower index, for groups and for experts), and
+//    the weights the same f32 operation sequence (sum of the chosen unbiased scores in selection
+//    order, then each score / sum — 1/K each when the sum is 0 —, times routed_scaling_factor).
+//  - softmax scoring: the same selection and weights, but exp and the softmax sum differ from the
+//    CPU's std::exp and index-order sum, so results agree within f32 rounding (ids agree wherever
+//    the scores are not within rounding of each other), not bitwise.
+//
+// All tensors are Device::cuda views, contiguous; the call only enqueues work on `stream` (no
+// allocation, no host synchronisation, CUDA-graph capturable) and throws epmoe::Error naming the
+// argument when a rule is broken. Inputs must be finite (the CPU checks this, the GPU cannot
+// cheaply): NaN or Inf inputs give unspecified weights, but the ids are still K distinct experts
+// in [0, E).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "epmoe/config.hpp"
+#include "epmoe/tensor.hpp"
+
+namespace epmoe::cuda {
+
+// Limits of the GPU router (on top of MoeConfig::validate): topk <= 32, num_groups <= 32 when
+// groups are used (num_groups > 1 and topk_groups < num_groups), and at most 16 experts per lane,
+// i.e. E <= 512 without groups; with G groups, ceil(E/G / (32 / bit_ceil(G))) <= 16.
+bool route_supports(const MoeConfig& config);
+
+//   logits            [T, E] f32
+//   correction_bias   [E] f32, required for sigmoid scoring (ignored, may be empty, for softmax)
+//   topk_ids    (out) [T, K] i32 logical expert ids, in selection order (decreasing biased score)
+//   topk_weights(out) [T, K] f32
+// T may be 0 (nothing is launched).
+void route(const MoeConfig& config, TensorView logits, TensorView correction_bias, TensorView topk_ids,
+           TensorView topk_weights, cudaStream_t stream);
+
+}  // namespace epmoe::cuda

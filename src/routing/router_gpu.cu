@@ -1,0 +1,156 @@
+// Host launcher of the fused router kernel (router_kernels.cuh); API in epmoe/cuda/router.hpp.
+#include "epmoe/cuda/router.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <limits>
+#include <string_view>
+
+#include "epmoe/cuda/launch.hpp"
+#include "routing/router_kernels.cuh"
+
+namespace epmoe::cuda {
+namespace {
+
+using kernels::kRouterThreads;
+
+void expect_device_tensor(const TensorView& t, DType dtype, std::initializer_list<std::int64_t> shape,
+                          std::string_view name) {
+  expect_device(t, Device::cuda, name);
+  expect_dtype(t, dtype, name);
+  expect_shape(t, shape, name);
+  expect_contiguous(t, name);
+  EPMOE_CHECK(t.numel() == 0 || t.data != nullptr, "{} has no data", name);
+}
+
+// The lane layout of router_kernels.cuh for one config.
+struct Layout {
+  bool grouped = false;
+  int groups = 1;             // G as the kernel sees it (1 when groups are not used)
+  int experts_per_group = 0;  // P
+  int lane_shift = 0;         // log2(lanes per group)
+  int per_lane = 0;           // kV
+};
+
+Layout layout_of(const MoeConfig& c) {
+  Layout l;
+  l.grouped = c.num_groups > 1 && c.topk_groups < c.num_groups;  // all groups kept: plain top-k
+  l.groups = l.grouped ? c.num_groups : 1;
+  l.experts_per_group = c.num_experts / l.groups;
+  if (l.groups > kernels::kRouterMaxGroups) return l;  // per_lane stays 0: unsupported
+  const int lanes_per_group = 32 / static_cast<int>(std::bit_ceil(static_cast<unsigned>(l.groups)));
+  l.lane_shift = std::countr_zero(static_cast<unsigned>(lanes_per_group));
+  l.per_lane = static_cast<int>(
+      std::bit_ceil(static_cast<unsigned>((l.experts_per_group + lanes_per_group - 1) / lanes_per_group)));
+  return l;
+}
+
+// Blocks for `tokens` tokens (one per warp), no more than fit on the device at once (the kernel's
+// warps stride over the rest).
+template <auto kKernel>
+unsigned grid_for(std::uint32_t tokens) {
+  static const int blocks_per_sm = [] {
+    int n = 0;
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kRouterThreads, 0));
+    return std::max(n, 1);
+  }();
+  const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
+  const std::uint64_t wanted =
+      (static_cast<std::uint64_t>(tokens) + kernels::kRouterWarps - 1) / kernels::kRouterWarps;
+  return static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
+}
+
+template <int kV, bool kSigmoid>
+void launch(const kernels::RouterParams& p, cudaStream_t stream) {
+  constexpr auto kernel = &kernels::route_kernel<kV, kSigmoid>;
+  kernel<<<grid_for<kernel>(p.tokens), kRouterThreads, 0, stream>>>(p);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <bool kSigmoid>
+void launch_for(int per_lane, const kernels::RouterParams& p, cudaStream_t stream) {
+  switch (per_lane) {
+    case 1:
+      return launch<1, kSigmoid>(p, stream);
+    case 2:
+      return launch<2, kSigmoid>(p, stream);
+    case 4:
+      return launch<4, kSigmoid>(p, stream);
+    case 8:
+      return launch<8, kSigmoid>(p, stream);
+    case 16:
+      return launch<16, kSigmoid>(p, stream);
+    default:
+      EPMOE_FAIL("router: no kernel for {} experts per lane", per_lane);
+  }
+}
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+}
+
+}  // namespace
+
+bool route_supports(const MoeConfig& c) {
+  if (c.topk > kernels::kRouterMaxTopk) return false;
+  const Layout l = layout_of(c);
+  return l.per_lane >= 1 && l.per_lane <= kernels::kRouterMaxPerLane;
+}
+
+void route(const MoeConfig& config, TensorView logits, TensorView correction_bias, TensorView topk_ids,
+           TensorView topk_weights, cudaStream_t stream) {
+  config.validate();
+  const std::int64_t num_experts = config.num_experts;
+  const std::int64_t k = config.topk;
+  EPMOE_CHECK(k <= kernels::kRouterMaxTopk, "GPU router: topk must be <= {}, got {}", kernels::kRouterMaxTopk,
+              k);
+  const Layout layout = layout_of(config);
+  EPMOE_CHECK(layout.groups <= kernels::kRouterMaxGroups, "GPU router: num_groups must be <= {}, got {}",
+              kernels::kRouterMaxGroups, config.num_groups);
+  EPMOE_CHECK(layout.per_lane <= kernels::kRouterMaxPerLane,
+              "GPU router: {} experts in {} groups need {} experts per lane, more than {}", num_experts,
+              layout.groups, layout.per_lane, kernels::kRouterMaxPerLane);
+
+  expect_rank(logits, 2, "logits");
+  const std::int64_t tokens = logits.shape[0];
+  expect_device_tensor(logits, DType::f32, {tokens, num_experts}, "logits");
+  expect_device_tensor(topk_ids, DType::i32, {tokens, k}, "topk_ids");
+  expect_device_tensor(topk_weights, DType::f32, {tokens, k}, "topk_weights");
+  const bool sigmoid = config.scoring == Scoring::sigmoid;
+  if (sigmoid) {
+    EPMOE_CHECK(!correction_bias.empty_view(), "correction_bias [{}] f32 is required for sigmoid scoring",
+                num_experts);
+    expect_device_tensor(correction_bias, DType::f32, {num_experts}, "correction_bias");
+  }  // softmax scoring ignores correction_bias
+  EPMOE_CHECK(tokens <= std::numeric_limits<std::int32_t>::max(), "logits: too many tokens ({})", tokens);
+  if (tokens == 0) return;
+
+  kernels::RouterParams p{};
+  p.logits = static_cast<const float*>(logits.data);
+  p.bias = sigmoid ? static_cast<const float*>(correction_bias.data) : nullptr;
+  p.ids = static_cast<std::int32_t*>(topk_ids.data);
+  p.weights = static_cast<float*>(topk_weights.data);
+  p.tokens = static_cast<std::uint32_t>(tokens);
+  p.num_experts = config.num_experts;
+  p.topk = config.topk;
+  p.num_groups = layout.groups;
+  p.topk_groups = layout.grouped ? config.topk_groups : 1;
+  p.experts_per_group = layout.experts_per_group;
+  p.lane_shift = layout.lane_shift;
+  p.grouped = layout.grouped;
+  // Lane l holds [l*kV, l*kV + kV) exactly when a group's lanes hold it without padding; rows are
+  // then 16-byte aligned (E is a multiple of kV >= 4) when the base pointers are.
+  p.vector_loads = layout.per_lane >= 4 && (layout.experts_per_group % layout.per_lane) == 0 &&
+                   (layout.experts_per_group / layout.per_lane) == (1 << layout.lane_shift) &&
+                   aligned16(p.logits) && (p.bias == nullptr || aligned16(p.bias));
+  p.renormalize = config.renormalize;
+  p.scaling = config.routed_scaling_factor;
+  if (sigmoid) {
+    launch_for<true>(layout.per_lane, p, stream);
+  } else {
+    launch_for<false>(layout.per_lane, p, stream);
+  }
+}
+
+}  // namespace epmoe::cuda

@@ -1,0 +1,232 @@
+// The fused router kernel (device code; the host launcher is router_gpu.cu, API in
+// epmoe/cuda/router.hpp).
+//
+// One warp per token, many tokens per block, a persistent grid striding over the tokens. Each lane
+// holds kV consecutive experts of one group in registers:
+//   G' = bit_ceil(G) groups of Lg = 32 / G' consecutive lanes; lane l is lane i = l % Lg of group
+//   g = l / Lg and holds experts g*P + i*kV + j, j < kV, of those < g*P + P (P = E / G experts per
+//   group; lanes of groups >= G hold nothing). Without groups, G = 1 and P = E.
+// Experts increase with (lane, j), so "the lowest lane holding the maximum" is "the lowest expert
+// index", the tie rule of route_cpu. For DeepSeek-V3 (E = 256, G = 8) that is lane l holding
+// experts [8l, 8l + 8): two 16-byte loads per lane, a group on 4 lanes.
+//
+// Selections need no shared memory: values are compared through a 32-bit order-preserving key
+// (order_key), the warp maximum of the lanes' best keys is one redux.sync, and the winner is the
+// lowest lane of the ballot of lanes holding it. The winning lane drops its candidate and rescans
+// its kV registers. Top-2 per group is a butterfly merge over the group's Lg lanes.
+#pragma once
+
+#include <cstdint>
+
+#include "routing/router_math.hpp"
+
+namespace epmoe::kernels {
+
+// 4 warps (4 tokens at a time) per block: at small T (decode, T = 128) the tokens spread over
+// 32 SMs with one warp per scheduler, which is what bounds the latency of one warp's token.
+inline constexpr int kRouterThreads = 128;
+inline constexpr int kRouterWarps = kRouterThreads / 32;
+inline constexpr int kRouterMaxTopk = 32;  // lane k holds the k-th choice
+inline constexpr int kRouterMaxGroups = 32;
+inline constexpr int kRouterMaxPerLane = 16;
+
+struct RouterParams {
+  const float* logits;  // [T, E]
+  const float* bias;    // [E] (sigmoid) or nullptr
+  std::int32_t* ids;    // [T, K]
+  float* weights;       // [T, K]
+  std::uint32_t tokens;
+  int num_experts;
+  int topk;
+  int num_groups;         // G (1 when groups are not used)
+  int topk_groups;        // groups kept (== num_groups when groups are not used)
+  int experts_per_group;  // P = E / G
+  int lane_shift;         // log2(Lg), Lg = 32 / bit_ceil(G) lanes per group
+  bool grouped;           // select groups first (G > 1 and topk_groups < G)
+  bool vector_loads;      // lane l holds experts [l*kV, l*kV + kV), 16-byte aligned rows (kV >= 4)
+  bool renormalize;
+  float scaling;  // routed_scaling_factor
+};
+
+// An unsigned key ordered like the float values (-0 taken as +0, as the f32 comparison does; NaN
+// ends up somewhere, but never at 0). 0 is below every key of a non-NaN float: "no candidate".
+__device__ __forceinline__ std::uint32_t order_key(float v) {
+  std::uint32_t u = __float_as_uint(v);
+  u = u == 0x80000000u ? 0u : u;
+  return (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_to_float(std::uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) != 0u ? (key & 0x7fffffffu) : ~key);
+}
+
+// The kV values of one lane, from its slot 0 at `p`; 0 in slots that hold no expert. With
+// `vector`, 16-byte loads (every slot of a used lane valid, p 16-byte aligned).
+template <int kV>
+__device__ __forceinline__ void load_values(const float* p, bool vector, bool lane_used,
+                                            const bool (&valid)[kV], float (&out)[kV]) {
+#pragma unroll
+  for (int j = 0; j < kV; ++j) out[j] = 0.0f;
+  if constexpr (kV >= 4) {
+    if (vector) {
+      if (lane_used) {
+#pragma unroll
+        for (int j = 0; j < kV; j += 4) {
+          const float4 v = __ldg(reinterpret_cast<const float4*>(p + j));
+          out[j] = v.x, out[j + 1] = v.y, out[j + 2] = v.z, out[j + 3] = v.w;
+        }
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kV; ++j)
+    if (valid[j]) out[j] = __ldg(p + j);
+}
+
+template <int kV, bool kSigmoid>
+__global__ void __launch_bounds__(kRouterThreads) route_kernel(const RouterParams p) {
+  static_assert(kV >= 1 && kV <= kRouterMaxPerLane && (kV & (kV - 1)) == 0);
+  using namespace routing;
+  constexpr unsigned kFull = 0xffffffffu;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int group = lane >> p.lane_shift;
+  const int first = (lane & ((1 << p.lane_shift) - 1)) * kV;  // slot 0's index inside the group
+  const int base = group * p.experts_per_group + first;       // slot 0's expert
+  const bool lane_used = group < p.num_groups;
+  bool valid[kV];
+#pragma unroll
+  for (int j = 0; j < kV; ++j) valid[j] = lane_used && first + j < p.experts_per_group;
+
+  float bias[kV];
+  if constexpr (kSigmoid) {
+    load_values<kV>(p.bias + base, p.vector_loads, lane_used, valid, bias);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kV; ++j) bias[j] = 0.0f;
+  }
+
+  const std::uint32_t num_warps = gridDim.x * kRouterWarps;
+  for (std::uint32_t t = (blockIdx.x * kRouterThreads + threadIdx.x) / 32; t < p.tokens; t += num_warps) {
+    // ---- logits
+    const float* row = p.logits + static_cast<std::uint64_t>(t) * static_cast<std::uint32_t>(p.num_experts);
+    float x[kV];
+    load_values<kV>(row + base, p.vector_loads, lane_used, valid, x);
+
+    // ---- scores (the weights come from these) and selection values
+    float score[kV], choice[kV];
+    if constexpr (kSigmoid) {
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        score[j] = sigmoid_f32(x[j]);
+        choice[j] = rn_add(score[j], bias[j]);
+      }
+    } else {
+      std::uint32_t max_key = 0;
+#pragma unroll
+      for (int j = 0; j < kV; ++j)
+        if (valid[j]) max_key = max(max_key, order_key(x[j]));
+      const float max_logit = key_to_float(__reduce_max_sync(kFull, max_key));
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        score[j] = valid[j] ? expf(x[j] - max_logit) : 0.0f;
+        sum += score[j];
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFull, sum, offset);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        score[j] = rn_div(score[j], sum);
+        choice[j] = score[j];
+      }
+    }
+
+    // ---- groups: score each (sigmoid: sum of its top-2 selection values, a tie counting twice;
+    // softmax: its maximum), keep the best topk_groups
+    bool kept = lane_used;
+    if (p.grouped) {
+      const float kNegInf = __int_as_float(static_cast<int>(0xff800000u));
+      float top1 = kNegInf, top2 = kNegInf;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        if (!valid[j]) continue;
+        const float v = choice[j];
+        if (v > top1) {
+          top2 = top1;
+          top1 = v;
+        } else if (v > top2) {
+          top2 = v;
+        }
+      }
+      // Top-2 of the union of the group's lanes: exact (values only, no arithmetic).
+      for (int offset = 1; offset < (1 << p.lane_shift); offset *= 2) {
+        const float o1 = __shfl_xor_sync(kFull, top1, offset);
+        const float o2 = __shfl_xor_sync(kFull, top2, offset);
+        const float second = top1 >= o1 ? fmaxf(top2, o1) : fmaxf(top1, o2);
+        top1 = fmaxf(top1, o1);
+        top2 = second;
+      }
+      const float group_score = kSigmoid ? rn_add(top1, top2) : top1;
+      std::uint32_t key = lane_used && first == 0 ? order_key(group_score) : 0u;  // one lane per group
+      std::uint32_t kept_groups = 0;
+      for (int r = 0; r < p.topk_groups; ++r) {
+        const std::uint32_t best = __reduce_max_sync(kFull, key);
+        const int winner = __ffs(__ballot_sync(kFull, key == best)) - 1;
+        kept_groups |= 1u << (winner >> p.lane_shift);
+        if (lane == winner) key = 0u;
+      }
+      kept = lane_used && ((kept_groups >> group) & 1u) != 0u;
+    }
+
+    // ---- experts: top-K of the kept groups, in order
+    std::uint32_t key[kV];
+#pragma unroll
+    for (int j = 0; j < kV; ++j) key[j] = kept && valid[j] ? order_key(choice[j]) : 0u;
+    std::uint32_t best_key = 0;
+    int best_j = 0;
+    float best_score = 0.0f;
+    auto rescan = [&] {
+      best_key = 0;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        if (key[j] > best_key) {  // strict: the lowest j among equal keys
+          best_key = key[j];
+          best_j = j;
+          best_score = score[j];
+        }
+      }
+    };
+    rescan();
+    float sum = 0.0f;  // the chosen unbiased scores, in selection order
+    int my_id = 0;
+    float my_score = 0.0f;
+    for (int k = 0; k < p.topk; ++k) {
+      const std::uint32_t best = __reduce_max_sync(kFull, best_key);
+      const int winner = __ffs(__ballot_sync(kFull, best_key == best)) - 1;
+      const int id = __shfl_sync(kFull, base + best_j, winner);
+      const float s = __shfl_sync(kFull, best_score, winner);
+      sum = rn_add(sum, s);
+      if (lane == k) {
+        my_id = id;
+        my_score = s;
+      }
+      if (lane == winner) {
+#pragma unroll
+        for (int j = 0; j < kV; ++j)
+          if (j == best_j) key[j] = 0u;
+        rescan();
+      }
+    }
+
+    // ---- weights, as route_cpu: score / sum (1/K each when the sum is 0), times s
+    if (lane < p.topk) {
+      float w = my_score;
+      if (p.renormalize) w = sum > 0.0f ? rn_div(w, sum) : rn_div(1.0f, static_cast<float>(p.topk));
+      const std::uint64_t out = static_cast<std::uint64_t>(t) * static_cast<std::uint32_t>(p.topk) + lane;
+      p.ids[out] = my_id;
+      p.weights[out] = rn_mul(w, p.scaling);
+    }
+  }
+}
+
+}  // namespace epmoe::kernels

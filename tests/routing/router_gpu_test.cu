@@ -1,0 +1,348 @@
+// GPU router against route_cpu: sigmoid (noaux_tc) bit for bit, ids and weights; softmax ids
+// exactly and weights within f32 rounding. Fresh random inputs with ties of every kind, outputs
+// poisoned before each run.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "epmoe/config.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/router.hpp"
+#include "epmoe/router.hpp"
+#include "gpu_test_util.hpp"
+
+namespace epmoe {
+namespace {
+
+using testing::bits_equal;
+using testing::expect_error_mentions;
+
+constexpr std::uint8_t kPoison = 0xff;  // i32 -1, f32 NaN: never a valid output
+
+std::uint64_t fresh_seed() {
+  std::random_device rd;
+  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+}
+
+std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// The configs under test, by name: the two presets and shapes that reach every lane layout of the
+// kernel (experts per lane 1..16, vector and scalar loads, 1..32 groups, all groups kept).
+MoeConfig config_named(const std::string& name) {
+  if (name == "tiny" || name == "deepseek_v3")
+    return MoeConfig::preset(name == "tiny" ? "tiny" : "deepseek-v3");
+  MoeConfig c = MoeConfig::preset("deepseek-v3");
+  c.name = name;
+  auto set = [&c](int e, int k, int g, int kg) {
+    c.num_experts = e, c.topk = k, c.num_groups = g, c.topk_groups = kg;
+  };
+  if (name == "v2_like") set(160, 6, 8, 3);          // 20 experts per group: padded lanes, scalar loads
+  if (name == "flat64") set(64, 6, 1, 1);            // 2 per lane
+  if (name == "flat384") set(384, 8, 1, 1);          // 12 of 16 slots per lane used
+  if (name == "flat512_k32") set(512, 32, 1, 1);     // 16 per lane, top-32
+  if (name == "all_groups_kept") set(256, 8, 8, 8);  // grouped config, plain top-k
+  if (name == "groups32") set(256, 8, 32, 6);        // one lane per group
+  if (name == "groups16") set(128, 8, 16, 4);        // two lanes per group, 4 per lane
+  if (name == "no_renorm") {
+    c.renormalize = false;
+    c.routed_scaling_factor = 1.0f;
+  }
+  if (name.rfind("softmax", 0) == 0) {
+    c.scoring = Scoring::softmax;
+    c.routed_scaling_factor = 1.0f;
+    if (name == "softmax_mixtral") set(8, 2, 1, 1);
+    if (name == "softmax_qwen") set(128, 8, 1, 1);
+    if (name == "softmax_flat64") set(64, 6, 1, 1);
+    if (name == "softmax_grouped") set(256, 8, 8, 4);
+    if (name == "softmax_tiny") set(16, 4, 4, 2);
+  }
+  c.validate();
+  return c;
+}
+
+// Bias: even experts from a small set of values (so that equal scores tie exactly after the
+// bias), odd experts continuous; with `periodic`, every group repeats group 0's bias (so that
+// groups with equal logits tie as groups).
+HostTensor random_bias(const MoeConfig& c, bool periodic, std::mt19937_64& rng) {
+  const int e_count = c.num_experts;
+  const int per_group = e_count / c.num_groups;
+  HostTensor bias(DType::f32, {e_count});
+  float* b = bias.data<float>();
+  std::normal_distribution<float> normal(0.0f, 0.05f);
+  std::uniform_int_distribution<int> pick(0, 3);
+  const float discrete[4] = {0.125f, -0.0625f, 0.25f, 0.03125f};
+  for (int e = 0; e < e_count; ++e) {
+    if (periodic && e >= per_group) {
+      b[e] = b[e % per_group];
+    } else {
+      b[e] = e % 2 == 0 ? discrete[pick(rng)] : normal(rng);
+    }
+  }
+  return bias;
+}
+
+// Sigmoid logits [T, E], rows of kinds that produce every kind of tie and the zero-sum fallback.
+HostTensor random_sigmoid_logits(const MoeConfig& c, std::int64_t tokens, std::mt19937_64& rng) {
+  const int n = c.num_experts;
+  const int per_group = n / c.num_groups;
+  HostTensor logits(DType::f32, {tokens, n});
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::uniform_real_distribution<float> very_negative(-200.0f, -110.0f);
+  std::uniform_real_distribution<float> large(20.0f, 60.0f);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    float* row = logits.data<float>() + t * n;
+    switch (t % 8) {
+      case 1:  // a coarse grid: equal scores, equal biased scores where the bias is equal
+        for (int e = 0; e < n; ++e) row[e] = std::round(normal(rng) * 2.0f) / 4.0f + 0.125f;
+        break;
+      case 2:  // every score underflows to 0: selection by bias alone, weights 1/K (sum == 0)
+        for (int e = 0; e < n; ++e) row[e] = very_negative(rng);
+        break;
+      case 3:  // every score saturates to exactly 1
+        for (int e = 0; e < n; ++e) row[e] = large(rng);
+        break;
+      case 4: {  // one value everywhere
+        const float v = normal(rng);
+        for (int e = 0; e < n; ++e) row[e] = v != 0.0f ? v : 0.5f;
+        break;
+      }
+      case 5:  // half the experts underflow
+        for (int e = 0; e < n; ++e) row[e] = e % 2 == 0 ? very_negative(rng) : normal(rng);
+        break;
+      case 6:  // every group a copy of group 0 (group ties under a periodic bias)
+        for (int e = 0; e < n; ++e) row[e] = e < per_group ? normal(rng) : row[e % per_group];
+        break;
+      case 7:  // near 0: scores near 0.5, many near-ties
+        for (int e = 0; e < n; ++e) row[e] = normal(rng) * 0.005f + 1e-4f;
+        break;
+      default:
+        for (int e = 0; e < n; ++e) row[e] = normal(rng);
+        break;
+    }
+  }
+  return logits;
+}
+
+// Softmax logits: distinct values at least 0.04 apart (a random permutation of a grid plus
+// jitter), so that the selection is decided far above rounding and the GPU must agree exactly.
+HostTensor random_softmax_logits(const MoeConfig& c, std::int64_t tokens, std::mt19937_64& rng) {
+  const int n = c.num_experts;
+  HostTensor logits(DType::f32, {tokens, n});
+  std::vector<int> perm(static_cast<std::size_t>(n));
+  std::uniform_real_distribution<float> jitter(0.0f, 0.01f);
+  std::uniform_real_distribution<float> shift(-20.0f, 20.0f);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    const float offset = shift(rng);
+    float* row = logits.data<float>() + t * n;
+    for (int e = 0; e < n; ++e) row[e] = offset + 0.05f * static_cast<float>(perm[e] - n / 2) + jitter(rng);
+  }
+  return logits;
+}
+
+struct Outputs {
+  HostTensor ids, weights;
+};
+
+Outputs route_on_gpu(const MoeConfig& c, const HostTensor& logits, const HostTensor& bias, bool misaligned) {
+  const std::int64_t tokens = logits.size(0);
+  cuda::Stream stream;
+  // Misaligned: the logits one float past a 256-byte boundary (the kernel's scalar-load path).
+  const cuda::DeviceBuffer logit_buffer(logits.nbytes() + 16);
+  const TensorView dlogits = TensorView::contiguous(logit_buffer.as<float>() + (misaligned ? 1 : 0),
+                                                    DType::f32, {tokens, c.num_experts}, Device::cuda);
+  cuda::copy_to_device(dlogits, logits, stream);
+  const cuda::DeviceTensor dbias = cuda::to_device(bias, stream);
+  const cuda::DeviceTensor dids(DType::i32, {tokens, c.topk});
+  const cuda::DeviceTensor dweights(DType::f32, {tokens, c.topk});
+  dids.fill_bytes(kPoison, stream);
+  dweights.fill_bytes(kPoison, stream);
+  cuda::route(c, dlogits, dbias, dids, dweights, stream);
+  return {cuda::to_host(dids, stream), cuda::to_host(dweights, stream)};
+}
+
+Outputs route_on_cpu(const MoeConfig& c, const HostTensor& logits, const HostTensor& bias) {
+  const std::int64_t tokens = logits.size(0);
+  Outputs out{HostTensor(DType::i32, {tokens, c.topk}), HostTensor(DType::f32, {tokens, c.topk})};
+  out.ids.fill_bytes(kPoison);
+  out.weights.fill_bytes(kPoison);
+  route_cpu(c, logits, bias, out.ids, out.weights);
+  return out;
+}
+
+// ---------------------------------------------------------------- sigmoid: bit-exact
+using SigmoidCase = std::tuple<std::string, std::int64_t, bool>;  // config, T, periodic bias
+
+class RouterSigmoidGpu : public ::testing::TestWithParam<SigmoidCase> {};
+
+void check_sigmoid(const MoeConfig& c, std::int64_t tokens, bool periodic, bool misaligned) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const HostTensor bias = random_bias(c, periodic, rng);
+  const HostTensor logits = random_sigmoid_logits(c, tokens, rng);
+  const Outputs want = route_on_cpu(c, logits, bias);
+  const Outputs got = route_on_gpu(c, logits, bias, misaligned);
+  const std::int64_t k = c.topk;
+  const auto* gi = got.ids.data<std::int32_t>();
+  const auto* wi = want.ids.data<std::int32_t>();
+  const float* gw = got.weights.data<float>();
+  const float* ww = want.weights.data<float>();
+  auto where = [k](std::int64_t i) {
+    return "[" + std::to_string(i / k) + ", " + std::to_string(i % k) + "]";
+  };
+  EXPECT_TRUE(bits_equal(gi, wi, tokens * k, [&](std::int64_t i) {
+    return "ids" + where(i) + " (token kind " + std::to_string(i / k % 8) + "): got " +
+           std::to_string(gi[i]) + ", want " + std::to_string(wi[i]);
+  }));
+  EXPECT_TRUE(bits_equal(gw, ww, tokens * k, [&](std::int64_t i) {
+    return "weights" + where(i) + " (token kind " + std::to_string(i / k % 8) + "): got " +
+           std::to_string(gw[i]) + " (0x" + std::to_string(bits_of(gw[i])) + "), want " +
+           std::to_string(ww[i]) + " (0x" + std::to_string(bits_of(ww[i])) + ")";
+  }));
+}
+
+TEST_P(RouterSigmoidGpu, BitExactWithCpu) {
+  EPMOE_REQUIRE_GPU();
+  const auto& [name, tokens, periodic] = GetParam();
+  check_sigmoid(config_named(name), tokens, periodic, false);
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, RouterSigmoidGpu,
+                         ::testing::Combine(::testing::Values("tiny", "deepseek_v3"),
+                                            ::testing::Values<std::int64_t>(1, 3, 128, 4097, 16384),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<SigmoidCase>& info) {
+                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_periodic_bias" : "_mixed_bias");
+                         });
+
+INSTANTIATE_TEST_SUITE_P(Layouts, RouterSigmoidGpu,
+                         ::testing::Combine(::testing::Values("v2_like", "flat64", "flat384", "flat512_k32",
+                                                              "all_groups_kept", "groups32", "groups16",
+                                                              "no_renorm"),
+                                            ::testing::Values<std::int64_t>(3, 4097), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<SigmoidCase>& info) {
+                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_periodic_bias" : "_mixed_bias");
+                         });
+
+TEST(RouterGpu, MisalignedLogitsTakeTheScalarPath) {
+  EPMOE_REQUIRE_GPU();
+  check_sigmoid(config_named("deepseek_v3"), 1000, true, true);
+  check_sigmoid(config_named("groups16"), 1000, false, true);
+}
+
+// ---------------------------------------------------------------- softmax: within rounding
+using SoftmaxCase = std::tuple<std::string, std::int64_t>;
+
+class RouterSoftmaxGpu : public ::testing::TestWithParam<SoftmaxCase> {};
+
+TEST_P(RouterSoftmaxGpu, MatchesCpuWithinRounding) {
+  EPMOE_REQUIRE_GPU();
+  const auto& [name, tokens] = GetParam();
+  const MoeConfig c = config_named(name);
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const HostTensor logits = random_softmax_logits(c, tokens, rng);
+  const HostTensor no_bias;
+  const Outputs want = route_on_cpu(c, logits, no_bias);
+  const HostTensor bias = random_bias(c, false, rng);  // a bias on the device, to show it is ignored
+  const Outputs got = route_on_gpu(c, logits, bias, false);
+  const std::int64_t k = c.topk;
+  const auto* gi = got.ids.data<std::int32_t>();
+  const auto* wi = want.ids.data<std::int32_t>();
+  EXPECT_TRUE(bits_equal(gi, wi, tokens * k, [&](std::int64_t i) {
+    return "ids[" + std::to_string(i / k) + ", " + std::to_string(i % k) + "]: got " + std::to_string(gi[i]) +
+           ", want " + std::to_string(wi[i]);
+  }));
+  const float* gw = got.weights.data<float>();
+  const float* ww = want.weights.data<float>();
+  double max_rel = 0.0;
+  std::int64_t bad = 0;
+  for (std::int64_t i = 0; i < tokens * k; ++i) {
+    const double rel = std::fabs(static_cast<double>(gw[i]) - ww[i]) / std::max(std::fabs(ww[i]), 1e-30f);
+    if (!std::isfinite(gw[i]) || !(rel <= 1e-5)) ++bad;
+    if (std::isfinite(rel)) max_rel = std::max(max_rel, rel);
+  }
+  EXPECT_EQ(bad, 0) << "weights off by more than 1e-5 relative; max relative error " << max_rel;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RouterSoftmaxGpu,
+                         ::testing::Combine(::testing::Values("softmax_mixtral", "softmax_qwen",
+                                                              "softmax_flat64", "softmax_grouped",
+                                                              "softmax_tiny"),
+                                            ::testing::Values<std::int64_t>(1, 3, 128, 4097)),
+                         [](const ::testing::TestParamInfo<SoftmaxCase>& info) {
+                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param));
+                         });
+
+// ---------------------------------------------------------------- arguments
+TEST(RouterGpu, RefusesBadArguments) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = MoeConfig::preset("deepseek-v3");
+  const std::int64_t t = 5, e = c.num_experts, k = c.topk;
+  cuda::Stream stream;
+  const cuda::DeviceTensor logits(DType::f32, {t, e}), bias(DType::f32, {e});
+  const cuda::DeviceTensor ids(DType::i32, {t, k}), weights(DType::f32, {t, k});
+  const cuda::DeviceTensor bad_dtype(DType::bf16, {t, e}), short_ids(DType::i32, {t, k - 1});
+  const cuda::DeviceTensor i32_weights(DType::i32, {t, k}), short_bias(DType::f32, {e - 1});
+  const cuda::DeviceTensor wrong_experts(DType::f32, {t, e + 1});
+  HostTensor host_logits(DType::f32, {t, e});
+  TensorView strided = logits.view();
+  strided.shape[0] = 2;
+  strided.stride[0] = 2 * e;  // every other row: not contiguous
+
+  expect_error_mentions([&] { cuda::route(c, host_logits, bias, ids, weights, stream); }, "logits");
+  expect_error_mentions([&] { cuda::route(c, bad_dtype, bias, ids, weights, stream); }, "logits");
+  expect_error_mentions([&] { cuda::route(c, wrong_experts, bias, ids, weights, stream); }, "logits");
+  expect_error_mentions([&] { cuda::route(c, strided, bias, ids.view().slice_rows(0, 2), weights, stream); },
+                        "logits");
+  expect_error_mentions([&] { cuda::route(c, logits, bias, short_ids, weights, stream); }, "topk_ids");
+  expect_error_mentions([&] { cuda::route(c, logits, bias, ids, i32_weights, stream); }, "topk_weights");
+  expect_error_mentions([&] { cuda::route(c, logits, TensorView{}, ids, weights, stream); },
+                        "correction_bias");
+  expect_error_mentions([&] { cuda::route(c, logits, short_bias, ids, weights, stream); }, "correction_bias");
+
+  MoeConfig too_many_k = c;
+  too_many_k.topk = 33;
+  too_many_k.num_groups = 1;
+  too_many_k.topk_groups = 1;
+  EXPECT_FALSE(cuda::route_supports(too_many_k));
+  expect_error_mentions([&] { cuda::route(too_many_k, logits, bias, ids, weights, stream); }, "topk");
+  MoeConfig too_many_experts = c;
+  too_many_experts.num_experts = 1024;
+  too_many_experts.num_groups = 1;
+  too_many_experts.topk_groups = 1;
+  EXPECT_FALSE(cuda::route_supports(too_many_experts));
+  expect_error_mentions([&] { cuda::route(too_many_experts, logits, bias, ids, weights, stream); },
+                        "experts per lane");
+  MoeConfig invalid = c;
+  invalid.topk_groups = 9;
+  expect_error_mentions([&] { cuda::route(invalid, logits, bias, ids, weights, stream); }, "topk_groups");
+  EXPECT_TRUE(cuda::route_supports(c));
+  EXPECT_TRUE(cuda::route_supports(MoeConfig::preset("tiny")));
+
+  // T = 0: nothing to do, no error.
+  const cuda::DeviceTensor no_logits(DType::f32, {0, e}), no_ids(DType::i32, {0, k}),
+      no_w(DType::f32, {0, k});
+  EXPECT_NO_THROW(cuda::route(c, no_logits, bias, no_ids, no_w, stream));
+  stream.synchronize();
+}
+
+}  // namespace
+}  // namespace epmoe
