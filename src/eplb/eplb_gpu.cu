@@ -1,0 +1,135 @@
+// Host launcher of the EPLB mapping kernel (eplb_kernels.cuh); API in epmoe/cuda/eplb.hpp.
+#include "epmoe/cuda/eplb.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string_view>
+
+#include "eplb/eplb_kernels.cuh"
+#include "epmoe/cuda/launch.hpp"
+
+namespace epmoe::cuda {
+namespace {
+
+using kernels::kEplbItems;
+using kernels::kEplbThreads;
+
+void expect_device_i32(const TensorView& t, std::string_view name) {
+  expect_device(t, Device::cuda, name);
+  expect_dtype(t, DType::i32, name);
+  expect_contiguous(t, name);
+}
+
+template <auto kKernel>
+unsigned grid_for(std::uint64_t n) {
+  static const int blocks_per_sm = [] {
+    int b = 0;
+    // Occupancy at the most shared memory a block can ask for (2 * kMaxMappedExperts * 4 bytes).
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kKernel, kEplbThreads,
+                                                                   2 * kMaxMappedExperts * sizeof(int)));
+    return std::max(b, 1);
+  }();
+  const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
+  const std::uint64_t wanted = (n + kEplbThreads * kEplbItems - 1) / (kEplbThreads * kEplbItems);
+  return static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
+}
+
+template <bool kDynamic, bool kCount>
+void launch(const kernels::EplbParams& p, cudaStream_t stream) {
+  constexpr auto kernel = &kernels::eplb_map_kernel<kDynamic, kCount>;
+  const std::size_t smem = static_cast<std::size_t>(p.num_logical) * sizeof(int) *
+                           static_cast<std::size_t>((kDynamic ? 0 : 1) + (kCount ? 1 : 0));
+  kernel<<<grid_for<kernel>(p.n), kEplbThreads, smem, stream>>>(p);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+DevicePlacement to_device(const ExpertPlacement& placement, cudaStream_t stream) {
+  EPMOE_CHECK(placement.num_logical() > 0, "to_device: empty ExpertPlacement");
+  const std::int64_t e = placement.num_logical();
+  const std::int64_t r = placement.max_replicas();
+  DevicePlacement d;
+  d.log2phy = DeviceTensor(DType::i32, {e, r});
+  d.logcnt = DeviceTensor(DType::i32, {e});
+  d.num_ranks = placement.num_ranks();
+  d.slots_per_rank = placement.slots_per_rank();
+  auto* log2phy = const_cast<std::int32_t*>(placement.log2phy().data());
+  auto* logcnt = const_cast<std::int32_t*>(placement.logcnt().data());
+  copy_to_device(d.log2phy, TensorView::contiguous(log2phy, DType::i32, {e, r}), stream);
+  copy_to_device(d.logcnt, TensorView::contiguous(logcnt, DType::i32, {e}), stream);
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // the host tables may go away after we return
+  return d;
+}
+
+void map_to_physical(const PlacementView& placement, TensorView logical_ids, TensorView physical_ids,
+                     int src_rank, DispatchAlgorithm algorithm, cudaStream_t stream,
+                     std::int64_t token_offset, TensorView expert_counts) {
+  expect_device_i32(placement.log2phy, "log2phy");
+  expect_rank(placement.log2phy, 2, "log2phy");
+  const std::int64_t num_logical = placement.log2phy.shape[0];
+  const std::int64_t max_replicas = placement.log2phy.shape[1];
+  EPMOE_CHECK(num_logical >= 1 && num_logical <= kMaxMappedExperts,
+              "log2phy: the number of logical experts must be in [1, {}], got {}", kMaxMappedExperts,
+              num_logical);
+  EPMOE_CHECK(max_replicas >= 1, "log2phy: max_replicas must be >= 1, got {}", max_replicas);
+  EPMOE_CHECK(placement.log2phy.data != nullptr, "log2phy has no data");
+  expect_device_i32(placement.logcnt, "logcnt");
+  expect_shape(placement.logcnt, {num_logical}, "logcnt");
+  EPMOE_CHECK(placement.logcnt.data != nullptr, "logcnt has no data");
+  EPMOE_CHECK(placement.num_ranks >= 1, "num_ranks must be >= 1, got {}", placement.num_ranks);
+  EPMOE_CHECK(placement.slots_per_rank >= 1, "slots_per_rank must be >= 1, got {}", placement.slots_per_rank);
+  EPMOE_CHECK(static_cast<std::int64_t>(placement.num_ranks) * placement.slots_per_rank <=
+                  std::numeric_limits<std::int32_t>::max(),
+              "num_ranks * slots_per_rank ({} * {}) overflows an int32", placement.num_ranks,
+              placement.slots_per_rank);
+  EPMOE_CHECK(src_rank >= 0 && src_rank < placement.num_ranks, "src_rank {} is out of range [0, {})",
+              src_rank, placement.num_ranks);
+  EPMOE_CHECK(algorithm == DispatchAlgorithm::static_choice || algorithm == DispatchAlgorithm::dynamic_choice,
+              "unknown dispatch algorithm {}", static_cast<int>(algorithm));
+  EPMOE_CHECK(token_offset >= 0, "token_offset must be non-negative, got {}", token_offset);
+
+  expect_device_i32(logical_ids, "logical_ids");
+  expect_rank(logical_ids, 2, "logical_ids");
+  const std::int64_t tokens = logical_ids.shape[0];
+  const std::int64_t topk = logical_ids.shape[1];
+  expect_device_i32(physical_ids, "physical_ids");
+  expect_shape(physical_ids, {tokens, topk}, "physical_ids");
+  const bool count = !expert_counts.empty_view();
+  if (count) {
+    expect_device(expert_counts, Device::cuda, "expert_counts");
+    expect_dtype(expert_counts, DType::i64, "expert_counts");
+    expect_shape(expert_counts, {num_logical}, "expert_counts");
+    expect_contiguous(expert_counts, "expert_counts");
+    EPMOE_CHECK(expert_counts.data != nullptr, "expert_counts has no data");
+  }
+  const std::int64_t n = tokens * topk;
+  EPMOE_CHECK(n <= std::numeric_limits<std::int32_t>::max(), "logical_ids {} has too many elements",
+              logical_ids.describe());
+  if (n == 0) return;
+  EPMOE_CHECK(logical_ids.data != nullptr, "logical_ids has no data");
+  EPMOE_CHECK(physical_ids.data != nullptr, "physical_ids has no data");
+
+  kernels::EplbParams p{};
+  p.logical = static_cast<const std::int32_t*>(logical_ids.data);
+  p.physical = static_cast<std::int32_t*>(physical_ids.data);
+  p.n = static_cast<std::uint32_t>(n);
+  p.topk = static_cast<std::uint32_t>(topk);
+  p.log2phy = static_cast<const std::int32_t*>(placement.log2phy.data);
+  p.logcnt = static_cast<const std::int32_t*>(placement.logcnt.data);
+  p.num_logical = static_cast<int>(num_logical);
+  p.max_replicas = static_cast<int>(max_replicas);
+  p.src_rank = src_rank;
+  p.slots_per_rank = placement.slots_per_rank;
+  p.token_offset = token_offset;
+  p.counts = count ? static_cast<unsigned long long*>(expert_counts.data) : nullptr;
+  const bool dynamic = algorithm == DispatchAlgorithm::dynamic_choice;
+  if (dynamic) {
+    count ? launch<true, true>(p, stream) : launch<true, false>(p, stream);
+  } else {
+    count ? launch<false, true>(p, stream) : launch<false, false>(p, stream);
+  }
+}
+
+}  // namespace epmoe::cuda

@@ -1,0 +1,101 @@
+// EPLB mapping kernel (device code; host launcher in eplb_gpu.cu, API in epmoe/cuda/eplb.hpp).
+//
+// The [T, K] ids are one flat array of n = T*K elements; each thread takes kEplbItems elements
+// (coalesced: element base + u * stride), issuing all their loads before using any. Static choice
+// depends only on the expert, so each block first tabulates it for every expert in shared memory;
+// dynamic choice hashes (src_rank, token, k) per element. Both go through eplb::choose_replica, the
+// function ExpertPlacement::choose uses. The counters are a per-block shared-memory histogram
+// (shared atomics), added to the global i64 counters once per non-empty bin at the end of the block.
+#pragma once
+
+#include <cstdint>
+
+#include "eplb/replica_choice.hpp"
+
+namespace epmoe::kernels {
+
+inline constexpr int kEplbThreads = 256;
+inline constexpr int kEplbItems = 8;  // elements per thread per pass
+
+struct EplbParams {
+  const std::int32_t* logical;  // [n]
+  std::int32_t* physical;       // [n]
+  std::uint32_t n;              // T * K
+  std::uint32_t topk;           // K
+  const std::int32_t* log2phy;  // [E, max_replicas]
+  const std::int32_t* logcnt;   // [E]
+  int num_logical;              // E
+  int max_replicas;
+  int src_rank;
+  int slots_per_rank;
+  std::int64_t token_offset;
+  unsigned long long* counts;  // [E] or nullptr (kCount == false)
+};
+
+// The physical slot of logical expert e for element `index` (= t * K + k), or -1 when e's replica
+// count is out of range.
+template <bool kDynamic>
+__device__ __forceinline__ std::int32_t choose(const EplbParams& p, int e, std::uint32_t index) {
+  const int count = __ldg(p.logcnt + e);
+  if (count < 1 || count > p.max_replicas) return -1;
+  const std::int32_t* replicas = p.log2phy + static_cast<std::int64_t>(e) * p.max_replicas;
+  std::int64_t token = 0;
+  int k = 0;
+  if constexpr (kDynamic) {
+    const std::uint32_t t = index / p.topk;
+    token = p.token_offset + t;
+    k = static_cast<int>(index - t * p.topk);
+  }
+  return eplb::choose_replica(replicas, count, p.src_rank, p.slots_per_rank, token, k, kDynamic);
+}
+
+template <bool kDynamic, bool kCount>
+__global__ void __launch_bounds__(kEplbThreads) eplb_map_kernel(const EplbParams p) {
+  // [E] static choice (static only), then [E] histogram (kCount only).
+  extern __shared__ std::int32_t smem[];
+  std::int32_t* const table = smem;
+  unsigned* const hist = reinterpret_cast<unsigned*>(smem + (kDynamic ? 0 : p.num_logical));
+  if constexpr (!kDynamic || kCount) {
+    for (int e = static_cast<int>(threadIdx.x); e < p.num_logical; e += kEplbThreads) {
+      if constexpr (!kDynamic) table[e] = choose<false>(p, e, 0);
+      if constexpr (kCount) hist[e] = 0u;
+    }
+    __syncthreads();
+  }
+
+  const std::uint32_t stride = gridDim.x * kEplbThreads;
+  for (std::uint32_t base = blockIdx.x * kEplbThreads + threadIdx.x; base < p.n;
+       base += stride * kEplbItems) {
+    int e[kEplbItems];
+#pragma unroll
+    for (int u = 0; u < kEplbItems; ++u) {
+      const std::uint32_t i = base + u * stride;
+      e[u] = i < p.n ? __ldg(p.logical + i) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kEplbItems; ++u) {
+      const std::uint32_t i = base + u * stride;
+      if (i >= p.n) break;
+      std::int32_t physical = -1;
+      if (e[u] >= 0 && e[u] < p.num_logical) {
+        if constexpr (kDynamic) {
+          physical = choose<true>(p, e[u], i);
+        } else {
+          physical = table[e[u]];
+        }
+        if constexpr (kCount) atomicAdd(hist + e[u], 1u);
+      }
+      p.physical[i] = physical;
+    }
+  }
+
+  if constexpr (kCount) {
+    __syncthreads();
+    for (int e = static_cast<int>(threadIdx.x); e < p.num_logical; e += kEplbThreads) {
+      const unsigned c = hist[e];
+      if (c != 0u) atomicAdd(p.counts + e, static_cast<unsigned long long>(c));
+    }
+  }
+}
+
+}  // namespace epmoe::kernels
