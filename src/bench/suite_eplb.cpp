@@ -1,0 +1,82 @@
+// Benchmark suite "eplb": the GPU logical -> physical mapping with the per-expert token counters
+// (epmoe/cuda/eplb.hpp), DeepSeek-V3 shape (E = 256, K = 8, 8 ranks, 32 redundant slots), static
+// and dynamic replica choice, at T in tokens (default 128, 4096, 16384). Bytes: ids read, physical
+// ids written (the tables and the counters are a few KiB).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bench/bench.hpp"
+#include "epmoe/config.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/eplb.hpp"
+#include "epmoe/eplb.hpp"
+
+namespace epmoe::bench {
+namespace {
+
+// Router-like ids: K distinct experts per token (a hash-driven walk, cheap for millions of ids).
+void fill_ids(std::int32_t* p, std::int64_t tokens, int k, int num_logical, std::uint64_t seed) {
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    std::uint64_t z = (seed << 32) ^ static_cast<std::uint64_t>(t);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const auto start = static_cast<int>(z % static_cast<std::uint64_t>(num_logical));
+    const int step = 2 * static_cast<int>((z >> 32) % 64) + 1;  // odd: distinct ids for power-of-two E
+    for (int j = 0; j < k; ++j) p[t * k + j] = (start + j * step) % num_logical;
+  }
+}
+
+std::vector<Result> run_eplb_suite(const SuiteOptions& options) {
+  std::vector<Result> results;
+  std::vector<std::int64_t> token_list = options.tokens;
+  if (token_list.empty()) {
+    token_list =
+        options.quick ? std::vector<std::int64_t>{128, 4096} : std::vector<std::int64_t>{128, 4096, 16384};
+  }
+  const TimingOptions timing = timing_for(options);
+  cuda::Stream stream;
+  constexpr int kExperts = 256, kTopk = 8, kRanks = 8, kPhysical = 288;
+  const ExpertPlacement placement = ExpertPlacement::initial(kExperts, kPhysical, kRanks);
+  const cuda::DevicePlacement dpl = cuda::to_device(placement, stream);
+  const cuda::DeviceTensor counts(DType::i64, {kExperts});
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(counts.data<std::int64_t>(), 0, counts.nbytes(), stream));
+  std::uint64_t seed = 1;
+
+  for (const std::int64_t tokens : token_list) {
+    const double bytes = static_cast<double>(tokens * kTopk * 8);
+    const int sets = rotation_sets(static_cast<std::size_t>(bytes));
+    std::vector<cuda::DeviceTensor> ids, physical;
+    HostTensor host(DType::i32, {tokens, kTopk});
+    for (int i = 0; i < sets; ++i) {
+      fill_ids(host.data<std::int32_t>(), tokens, kTopk, kExperts, seed++);
+      ids.push_back(cuda::to_device(host, stream));
+      physical.emplace_back(DType::i32, std::initializer_list<std::int64_t>{tokens, kTopk});
+      physical.back().fill_bytes(0xff, stream);
+    }
+    stream.synchronize();
+    for (const DispatchAlgorithm algorithm :
+         {DispatchAlgorithm::static_choice, DispatchAlgorithm::dynamic_choice}) {
+      const double us = time_us(
+          [&](int i, cudaStream_t s) {
+            const auto set = static_cast<std::size_t>(i);
+            cuda::map_to_physical(dpl.view(), ids[set], physical[set], 3, algorithm, s, 0, counts);
+          },
+          sets, stream, timing);
+      const Params p{{"tokens", tokens},
+                     {"n", std::int64_t{kExperts}},
+                     {"k", std::int64_t{kTopk}},
+                     {"ranks", std::int64_t{kRanks}},
+                     {"phase", std::string(to_string(algorithm))}};
+      emit(options, results, make_result("eplb.map_count", p, us, bytes));
+    }
+  }
+  return results;
+}
+
+const SuiteRegistration kEplb{"eplb", "EPLB logical->physical mapping with expert counters, E=256 K=8", 30,
+                              run_eplb_suite};
+
+}  // namespace
+}  // namespace epmoe::bench
