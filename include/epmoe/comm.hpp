@@ -1,0 +1,248 @@
+// Communication runtime (design.md §6): an NCCL communicator per process (one GPU each), the
+// unique id that starts one, symmetric memory windows with peer (LSA) pointers, and bounded waits.
+//
+//   * A Communicator wraps a borrowed ncclComm_t (an inference engine brings its own) or one it
+//     created from a ncclUniqueId (epmoe's tools: `epmoe launch -n N -- cmd` hands each rank
+//     EPMOE_RANK, EPMOE_WORLD_SIZE, EPMOE_LOCAL_RANK and EPMOE_NCCL_ID_FILE; multi-node start-up
+//     passes the id as a file on a shared file system or as 256 hex digits in EPMOE_NCCL_ID).
+//   * At creation it refuses an NCCL library whose version differs from the headers epmoe was
+//     compiled against, and it refuses NVLink multicast: NCCL_NVLS_ENABLE must be 0. When the
+//     variable is unset, an owning Communicator sets it to 0 itself before ncclCommInitRank; a
+//     borrowing one cannot change how the communicator was made and refuses to start unless it is
+//     "0". epmoe never creates multicast objects (no multimem requirements in the device comm).
+//   * Every wait is bounded by timeout_s(): host waits poll the stream and, past the deadline, abort
+//     an owned communicator and throw; device waits (flags of the low-latency kernels) read the
+//     global timer and record {phase, peer} in a host-mapped DeviceErrorRecord, which
+//     check_device_errors() turns into an epmoe::Error. Never a silent hang.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "epmoe/error.hpp"
+
+struct ncclDevComm;  // nccl_device/core.h: only device code needs its contents
+
+namespace epmoe {
+
+// ---------------------------------------------------------------- NCCL library version
+struct NcclVersion {
+  int code = 0;  // NCCL_VERSION_CODE encoding
+  int major = 0, minor = 0, patch = 0;
+  std::string str() const;  // "2.28.9"
+};
+NcclVersion decode_nccl_version(int code);
+// The version of the libnccl loaded into this process (ncclGetVersion) and the file it came from
+// (dladdr on ncclGetVersion; "unknown" when the loader cannot say).
+NcclVersion loaded_nccl_version();
+std::string loaded_nccl_library_path();
+// The message of a mismatch: which library was loaded, which headers epmoe was compiled against,
+// and how to point the loader at a matching libnccl.
+std::string nccl_version_mismatch_message(int loaded_code, int compiled_code, std::string_view library_path);
+// Throws epmoe::Error (the message above) unless the loaded library is the compiled-against one.
+void check_nccl_version();
+
+// ---------------------------------------------------------------- unique ids
+inline constexpr std::size_t kNcclIdHexChars = 2 * NCCL_UNIQUE_ID_BYTES;
+ncclUniqueId new_nccl_id();  // ncclGetUniqueId: this process hosts the bootstrap root
+std::string nccl_id_to_hex(const ncclUniqueId& id);
+// Throws on anything but exactly kNcclIdHexChars hex digits (surrounding whitespace ignored).
+ncclUniqueId nccl_id_from_hex(std::string_view hex);
+// The id as one line of hex in a file (written to a temporary name, then renamed, so readers
+// never see half an id).
+void write_nccl_id_file(const std::string& path, const ncclUniqueId& id);
+// Reads the id, waiting up to wait_s seconds for the file to appear (another node may write it).
+ncclUniqueId read_nccl_id_file(const std::string& path, double wait_s = 0.0);
+
+// ---------------------------------------------------------------- launch environment
+// What `epmoe launch` (or a multi-node start-up script) hands each rank.
+struct LaunchEnvironment {
+  bool present = false;  // EPMOE_WORLD_SIZE is set
+  int rank = 0;          // EPMOE_RANK
+  int world_size = 1;    // EPMOE_WORLD_SIZE
+  int local_rank = 0;    // EPMOE_LOCAL_RANK (default: rank); picks the GPU
+  std::string id_file;   // EPMOE_NCCL_ID_FILE
+  std::string id_hex;    // EPMOE_NCCL_ID (takes precedence over the file)
+
+  // Reads the variables; throws on malformed values (non-numbers, rank outside [0, world_size)).
+  static LaunchEnvironment from_env();
+  // The unique id from EPMOE_NCCL_ID or EPMOE_NCCL_ID_FILE; throws when neither is given.
+  ncclUniqueId unique_id(double wait_s) const;
+};
+
+// NVLink multicast stays off (design.md §6). With may_set, an unset NCCL_NVLS_ENABLE is set to "0"
+// (before the communicator exists); any value but "0" is refused with an epmoe::Error.
+void require_nvls_disabled(bool may_set);
+
+// ---------------------------------------------------------------- phases and device errors
+enum class CommPhase : std::int32_t {
+  none = 0,
+  setup,           // window registration, barriers
+  count_exchange,  // normal mode: counts all-gathered, the host learns them
+  dispatch_send,
+  dispatch_recv,
+  combine_send,
+  combine_recv,
+};
+std::string_view to_string(CommPhase phase);
+
+// Written by device code (host-mapped pinned memory, so the host reads it without a sync).
+struct DeviceErrorRecord {
+  std::int32_t code;    // 0 none; kDeviceErrorTimeout; kDeviceErrorPeerInput
+  std::int32_t phase;   // CommPhase
+  std::int32_t peer;    // the rank waited for (timeout) or the rank that reported bad input
+  std::int32_t rank;    // the rank that recorded it
+  std::int32_t detail;  // timeout: the sequence number waited for; peer input: the peer's status bits
+  std::int32_t pad;
+  std::uint64_t waited_ns;
+};
+// Where kernels report errors: the first reporter wins the claim word (device memory, atomicCAS;
+// atomics on host memory are not portable over PCIe), then writes the record with plain stores and
+// `code` last.
+struct DeviceErrorSink {
+  DeviceErrorRecord* record;  // host-mapped (device address)
+  std::int32_t* claim;        // device memory, 0 while no error is recorded
+};
+inline constexpr std::int32_t kDeviceErrorTimeout = 1;
+inline constexpr std::int32_t kDeviceErrorPeerInput = 2;
+// The message of a recorded error, e.g. "rank 0: timed out after 30.0 s in phase dispatch-recv
+// waiting for rank 1 (arrival flag of sequence 7)".
+std::string describe_device_error(const DeviceErrorRecord& record);
+
+// Status bits a rank reports about its own input (exchanged before any payload moves).
+inline constexpr std::int32_t kInputIdOutOfRange = 1;
+inline constexpr std::int32_t kInputDuplicateId = 2;
+inline constexpr std::int32_t kInputTooManyTokens = 4;
+std::string describe_input_status(std::int32_t status);
+
+// Default bound of every wait: $EPMOE_COMM_TIMEOUT_S seconds, else 60.
+double default_comm_timeout_s();
+
+// ---------------------------------------------------------------- symmetric memory
+class Communicator;
+
+// Device memory registered with the communicator as a symmetric window (ncclMemAlloc +
+// ncclCommWindowRegister with NCCL_WIN_COLL_SYMMETRIC). Its address is fixed for its life, so CUDA
+// graphs that captured it stay valid. Creation and destruction are collective: every rank of the
+// communicator allocates the same size in the same order.
+class SymmetricBuffer {
+ public:
+  ~SymmetricBuffer();
+  SymmetricBuffer(const SymmetricBuffer&) = delete;
+  SymmetricBuffer& operator=(const SymmetricBuffer&) = delete;
+
+  void* local() const { return local_; }
+  std::size_t size() const { return size_; }
+  ncclWindow_t window() const { return window_; }
+  // Device array [size] of this buffer's address on every rank as seen from this GPU (the LSA
+  // pointers of the window; nullptr for ranks outside this rank's LSA team).
+  void* const* peer_pointers_device() const { return peers_device_; }
+  void* peer_pointer(int rank) const;  // the same, on the host (for checks; do not dereference)
+
+ private:
+  friend class Communicator;
+  SymmetricBuffer() = default;
+  std::shared_ptr<Communicator> comm_;
+  void* local_ = nullptr;
+  std::size_t size_ = 0;
+  ncclWindow_t window_ = nullptr;
+  void** peers_device_ = nullptr;
+  std::unique_ptr<void*[]> peers_host_;
+};
+
+// ---------------------------------------------------------------- Communicator
+struct CommOptions {
+  double timeout_s = default_comm_timeout_s();
+  cudaStream_t stream = nullptr;  // borrowed; nullptr: the communicator owns a non-blocking stream
+};
+
+class Communicator : public std::enable_shared_from_this<Communicator> {
+ public:
+  // Owns a new communicator: sets the device, checks the NCCL version and the NVLS setting,
+  // ncclCommInitRank (collective over `size` ranks).
+  static std::shared_ptr<Communicator> create(const ncclUniqueId& id, int rank, int size, int device,
+                                              const CommOptions& options = {});
+  // create() from LaunchEnvironment::from_env(): device = local_rank; waits up to the timeout for
+  // the id file.
+  static std::shared_ptr<Communicator> from_environment(const CommOptions& options = {});
+  // Wraps a communicator the caller made and keeps owning (never finalized or aborted here).
+  static std::shared_ptr<Communicator> borrow(ncclComm_t comm, const CommOptions& options = {});
+
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  bool owned() const { return owned_; }
+  ncclComm_t nccl() const { return comm_; }
+  // All communication is enqueued on this stream; outputs are valid in its order.
+  cudaStream_t stream() const { return stream_; }
+  void set_stream(cudaStream_t stream);
+  double timeout_s() const { return timeout_s_; }
+  void set_timeout_s(double seconds);
+
+  // Host waits, bounded by timeout_s(). On timeout (or an asynchronous NCCL error) an owned
+  // communicator is aborted and epmoe::Error names this rank, the phase and what it waited for.
+  void synchronize(CommPhase phase = CommPhase::none, std::string_view waiting_for = {});
+  void wait_event(cudaEvent_t event, CommPhase phase, std::string_view waiting_for);
+  // ncclAllReduce of one int on stream(), then synchronize(): every rank has reached this point.
+  void barrier();
+
+  // Throws when a kernel recorded an error (a peer that did not arrive in time, bad peer input).
+  // Cheap (reads host-mapped memory, no sync); called by the dispatchers at each entry point.
+  void check_device_errors() const;
+  // Throws when the communicator was aborted after a timeout, or a device error is recorded.
+  void check_usable(std::string_view what) const;
+  DeviceErrorSink device_error_sink() const { return {errors_device_, error_claim_}; }  // for kernels
+  // Clears a recorded error (tests; or recovery once every object that used the communicator
+  // since the error is gone).
+  void reset_device_errors();
+  bool broken() const { return !broken_reason_.empty(); }
+
+  // Collective: allocates and registers `bytes` (rounded up to the allocation granularity) of
+  // symmetric memory, zero-filled, and waits until every rank has zero-filled its part.
+  std::unique_ptr<SymmetricBuffer> alloc_symmetric(std::size_t bytes);
+  // Rank of this process and size of its load/store-accessible (LSA) team: ranks whose memory
+  // this GPU reaches by NVLink loads and stores. Known after the first alloc_symmetric().
+  int lsa_rank() const { return lsa_rank_; }
+  int lsa_size() const { return lsa_size_; }
+  bool all_ranks_lsa() const { return lsa_size_ == size_; }
+  const ncclDevComm* dev_comm() const { return dev_comm_; }
+
+  // The communicator that dispatchers made through the DispatcherRegistry ("nccl-p2p",
+  // "nvlink-ll") use: their DispatcherContext names no communicator.
+  static void set_process_default(std::shared_ptr<Communicator> comm);
+  static std::shared_ptr<Communicator> process_default();  // nullptr when none is set
+
+ private:
+  Communicator() = default;
+  void init_stream(cudaStream_t stream);
+  void init_error_record();
+  void ensure_dev_comm();
+  [[noreturn]] void fail_wait(CommPhase phase, std::string_view waiting_for, const std::string& why);
+
+  ncclComm_t comm_ = nullptr;
+  bool owned_ = false;
+  int rank_ = 0, size_ = 1, device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  bool owns_stream_ = false;
+  double timeout_s_ = 60.0;
+  DeviceErrorRecord* errors_host_ = nullptr;
+  DeviceErrorRecord* errors_device_ = nullptr;
+  std::int32_t* error_claim_ = nullptr;
+  int* barrier_word_ = nullptr;
+  std::string broken_reason_;
+  ncclDevComm* dev_comm_ = nullptr;  // ncclDevCommCreate'd (zero requirements: no barriers, no multimem)
+  int lsa_rank_ = -1, lsa_size_ = 0;
+  cudaEvent_t wait_event_ = nullptr;
+};
+
+}  // namespace epmoe

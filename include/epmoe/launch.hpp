@@ -1,0 +1,54 @@
+// Starting N local ranks of a multi-GPU program (`epmoe launch -n N -- <command...>`).
+//
+// The launcher writes a fresh NCCL unique id to a file (this process then hosts NCCL's bootstrap
+// root, so it stays alive until the ranks exit), starts the command N times, each in its own
+// process group with
+//   EPMOE_RANK, EPMOE_WORLD_SIZE, EPMOE_LOCAL_RANK, EPMOE_LOCAL_WORLD_SIZE, EPMOE_NCCL_ID_FILE,
+//   NCCL_NVLS_ENABLE=0 (NVLink multicast stays off, whatever the caller's environment says)
+// in its environment, forwards every line the ranks print with a "[rank r] " prefix, and waits.
+// When one rank fails (non-zero exit or a signal) the others are stopped (SIGTERM, then SIGKILL
+// after a grace period); past the overall timeout all of them are. Several nodes: run one
+// launcher per node with --world-size and --first-rank; node 0's writes the id file (on a shared
+// file system) or the others get the id in EPMOE_NCCL_ID.
+#pragma once
+
+#include <csignal>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace epmoe {
+
+struct LaunchOptions {
+  int num_ranks = 1;          // processes started here
+  int world_size = 0;         // all ranks of the job; 0: num_ranks
+  int first_rank = 0;         // this launcher's ranks are [first_rank, first_rank + num_ranks)
+  double timeout_s = 0.0;     // overall limit; 0: none
+  double kill_grace_s = 3.0;  // SIGTERM -> SIGKILL
+  // first_rank == 0: the id is written here (default: a temporary file, removed at the end).
+  // Otherwise the id is read from here by the ranks (or from EPMOE_NCCL_ID, inherited).
+  std::string id_file;
+  std::vector<std::string> command;  // argv; searched on PATH
+  // Each complete line a rank prints (without its newline), stdout or stderr. Default: written to
+  // the launcher's stdout / stderr as "[rank r] line".
+  std::function<void(int rank, bool is_stderr, std::string_view line)> on_line;
+  // The launcher's own messages. Default: "[launch] message" on stderr.
+  std::function<void(std::string_view message)> on_note;
+  // Set (e.g. from a SIGINT handler) to stop every rank and return.
+  const volatile std::sig_atomic_t* interrupted = nullptr;
+};
+
+struct LaunchResult {
+  int exit_code = 0;           // 0; the first failing rank's code (128 + signal if killed); 124 on timeout
+  int first_failed_rank = -1;  // -1 when none failed
+  bool timed_out = false;
+  std::vector<int> rank_codes;  // per local rank: exit code, 128 + signal, or -1 if never started
+  std::string id_file;          // the file the id was written to or read from
+};
+
+// Throws epmoe::Error for bad options (no command, num_ranks < 1, ranks outside the world) and
+// when the first process cannot be started; a rank that fails later is reported in the result.
+LaunchResult launch_ranks(const LaunchOptions& options);
+
+}  // namespace epmoe

@@ -1,0 +1,503 @@
+// Communicator, unique ids, the NCCL version check and bounded waits (epmoe/comm.hpp).
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "comm/comm_internal.hpp"
+#include "epmoe/cuda/runtime.hpp"
+
+namespace epmoe {
+
+namespace comm_detail {
+void throw_nccl_error(ncclResult_t status, const char* expr, const char* file, int line) {
+  const char* last = ncclGetLastError(nullptr);
+  detail::throw_error(
+      file, line,
+      fmt::format("NCCL error {} ({}){}{} in {}", static_cast<int>(status), ncclGetErrorString(status),
+                  last != nullptr && *last != '\0' ? ": " : "", last != nullptr ? last : "", expr));
+}
+}  // namespace comm_detail
+
+// ---------------------------------------------------------------- version
+std::string NcclVersion::str() const {
+  return fmt::format("{}.{}.{}", major, minor, patch);
+}
+
+NcclVersion decode_nccl_version(int code) {
+  NcclVersion v;
+  v.code = code;
+  if (code >= 10000) {  // NCCL_VERSION(X,Y,Z) = X*10000 + Y*100 + Z from 2.9 on
+    v.major = code / 10000;
+    v.minor = (code % 10000) / 100;
+    v.patch = code % 100;
+  } else {  // X*1000 + Y*100 + Z before
+    v.major = code / 1000;
+    v.minor = (code % 1000) / 100;
+    v.patch = code % 100;
+  }
+  return v;
+}
+
+NcclVersion loaded_nccl_version() {
+  int code = 0;
+  EPMOE_NCCL_CHECK(ncclGetVersion(&code));
+  return decode_nccl_version(code);
+}
+
+std::string loaded_nccl_library_path() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) != 0 && info.dli_fname != nullptr)
+    return info.dli_fname;
+  return "unknown";
+}
+
+std::string nccl_version_mismatch_message(int loaded_code, int compiled_code, std::string_view library_path) {
+  const NcclVersion loaded = decode_nccl_version(loaded_code), compiled = decode_nccl_version(compiled_code);
+  return fmt::format(
+      "NCCL version mismatch: the library loaded into this process, {}, is NCCL {} (version code {}), but "
+      "epmoe was compiled against the headers of NCCL {} (nccl.h, NCCL_VERSION_CODE {}). epmoe uses the NCCL "
+      "device API (symmetric windows, LSA pointers), whose structures must match the library. Load a "
+      "matching "
+      "libnccl, e.g. LD_LIBRARY_PATH=/path/to/nccl-{}/lib:$LD_LIBRARY_PATH, or rebuild epmoe against the "
+      "headers of the library you load.",
+      library_path, loaded.str(), loaded_code, compiled.str(), compiled_code, compiled.str());
+}
+
+void check_nccl_version() {
+  int code = 0;
+  EPMOE_NCCL_CHECK(ncclGetVersion(&code));
+  EPMOE_CHECK(code == NCCL_VERSION_CODE, "{}",
+              nccl_version_mismatch_message(code, NCCL_VERSION_CODE, loaded_nccl_library_path()));
+}
+
+// ---------------------------------------------------------------- ids
+ncclUniqueId new_nccl_id() {
+  ncclUniqueId id;
+  EPMOE_NCCL_CHECK(ncclGetUniqueId(&id));
+  return id;
+}
+
+std::string nccl_id_to_hex(const ncclUniqueId& id) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string hex(kNcclIdHexChars, '0');
+  for (std::size_t i = 0; i < NCCL_UNIQUE_ID_BYTES; ++i) {
+    const auto b = static_cast<unsigned char>(id.internal[i]);
+    hex[2 * i] = kDigits[b >> 4];
+    hex[2 * i + 1] = kDigits[b & 15];
+  }
+  return hex;
+}
+
+ncclUniqueId nccl_id_from_hex(std::string_view hex) {
+  while (!hex.empty() && std::isspace(static_cast<unsigned char>(hex.front()))) hex.remove_prefix(1);
+  while (!hex.empty() && std::isspace(static_cast<unsigned char>(hex.back()))) hex.remove_suffix(1);
+  EPMOE_CHECK(hex.size() == kNcclIdHexChars,
+              "an NCCL unique id is {} hex digits ({} bytes), got {} characters", kNcclIdHexChars,
+              NCCL_UNIQUE_ID_BYTES, hex.size());
+  auto nibble = [&](std::size_t i) {
+    const char c = hex[i];
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    EPMOE_FAIL("an NCCL unique id is hex digits only; character {} is '{}'", i, c);
+  };
+  ncclUniqueId id;
+  for (std::size_t i = 0; i < NCCL_UNIQUE_ID_BYTES; ++i)
+    id.internal[i] = static_cast<char>((nibble(2 * i) << 4) | nibble(2 * i + 1));
+  return id;
+}
+
+void write_nccl_id_file(const std::string& path, const ncclUniqueId& id) {
+  const std::string tmp = fmt::format("{}.tmp.{}", path, static_cast<long>(getpid()));
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    EPMOE_CHECK(out.is_open(), "cannot write the NCCL id file '{}': {}", tmp, std::strerror(errno));
+    out << nccl_id_to_hex(id) << "\n";
+    out.close();
+    EPMOE_CHECK(!out.fail(), "writing the NCCL id file '{}' failed", tmp);
+  }
+  EPMOE_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '{}' to '{}': {}", tmp, path,
+              std::strerror(errno));
+}
+
+ncclUniqueId read_nccl_id_file(const std::string& path, double wait_s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
+  while (true) {
+    std::ifstream in(path);
+    if (in.is_open()) {
+      std::stringstream text;
+      text << in.rdbuf();
+      try {
+        return nccl_id_from_hex(text.str());
+      } catch (const Error& e) {
+        EPMOE_FAIL("the NCCL id file '{}' does not hold an id: {}", path, e.what());
+      }
+    }
+    EPMOE_CHECK(
+        std::chrono::steady_clock::now() < deadline,
+        "the NCCL id file '{}' does not exist{} (rank 0's launcher writes it; on several nodes it must lie "
+        "on a shared file system, or pass the id as EPMOE_NCCL_ID)",
+        path, wait_s > 0 ? fmt::format(" after waiting {:.1f} s", wait_s) : "");
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// ---------------------------------------------------------------- environment
+namespace {
+int env_int(const char* name, int fallback, bool* found = nullptr) {
+  const char* v = std::getenv(name);
+  if (found != nullptr) *found = v != nullptr;
+  if (v == nullptr) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long x = std::strtol(v, &end, 10);
+  EPMOE_CHECK(end != v && *end == '\0' && errno == 0 && x >= 0 && x <= 1 << 20,
+              "{}='{}' must be a non-negative integer", name, v);
+  return static_cast<int>(x);
+}
+std::string env_str(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? v : "";
+}
+}  // namespace
+
+LaunchEnvironment LaunchEnvironment::from_env() {
+  LaunchEnvironment e;
+  e.world_size = env_int("EPMOE_WORLD_SIZE", 1, &e.present);
+  e.rank = env_int("EPMOE_RANK", 0);
+  bool has_local = false;
+  e.local_rank = env_int("EPMOE_LOCAL_RANK", e.rank, &has_local);
+  e.id_file = env_str("EPMOE_NCCL_ID_FILE");
+  e.id_hex = env_str("EPMOE_NCCL_ID");
+  EPMOE_CHECK(e.world_size >= 1, "EPMOE_WORLD_SIZE must be at least 1, got {}", e.world_size);
+  EPMOE_CHECK(e.rank < e.world_size, "EPMOE_RANK={} must be below EPMOE_WORLD_SIZE={}", e.rank, e.world_size);
+  return e;
+}
+
+ncclUniqueId LaunchEnvironment::unique_id(double wait_s) const {
+  if (!id_hex.empty()) return nccl_id_from_hex(id_hex);
+  EPMOE_CHECK(
+      !id_file.empty(),
+      "no NCCL unique id: set EPMOE_NCCL_ID (256 hex digits) or EPMOE_NCCL_ID_FILE (a file holding them); "
+      "`epmoe launch -n N -- cmd` sets EPMOE_NCCL_ID_FILE");
+  return read_nccl_id_file(id_file, wait_s);
+}
+
+void require_nvls_disabled(bool may_set) {
+  const char* v = std::getenv("NCCL_NVLS_ENABLE");
+  if (v == nullptr) {
+    EPMOE_CHECK(
+        may_set,
+        "NCCL_NVLS_ENABLE is not set: epmoe never uses NVLink multicast (NVLS) and needs NCCL_NVLS_ENABLE=0 "
+        "in "
+        "the environment of a process whose NCCL communicator it borrows (set it before the communicator "
+        "is created)");
+    setenv("NCCL_NVLS_ENABLE", "0", 1);
+    return;
+  }
+  EPMOE_CHECK(
+      std::string_view(v) == "0",
+      "NCCL_NVLS_ENABLE={}: epmoe refuses to run with NVLink multicast (NVLS) enabled; it can put shared "
+      "hosts' GPUs out of service. Set NCCL_NVLS_ENABLE=0 (epmoe launch does)",
+      v);
+}
+
+// ---------------------------------------------------------------- phases, errors
+std::string_view to_string(CommPhase phase) {
+  switch (phase) {
+    case CommPhase::none:
+      return "none";
+    case CommPhase::setup:
+      return "setup";
+    case CommPhase::count_exchange:
+      return "count-exchange";
+    case CommPhase::dispatch_send:
+      return "dispatch-send";
+    case CommPhase::dispatch_recv:
+      return "dispatch-recv";
+    case CommPhase::combine_send:
+      return "combine-send";
+    case CommPhase::combine_recv:
+      return "combine-recv";
+  }
+  return "unknown";
+}
+
+std::string describe_input_status(std::int32_t status) {
+  std::string s;
+  auto add = [&](const char* what) { s += (s.empty() ? "" : ", ") + std::string(what); };
+  if (status & kInputIdOutOfRange) add("a physical expert id out of range");
+  if (status & kInputDuplicateId) add("a token with the same physical expert twice in its top-k");
+  if (status & kInputTooManyTokens) add("more tokens than the buffers hold (max_tokens_per_rank)");
+  if (s.empty()) s = fmt::format("status {:#x}", status);
+  return s;
+}
+
+std::string describe_device_error(const DeviceErrorRecord& r) {
+  const auto phase = to_string(static_cast<CommPhase>(r.phase));
+  if (r.code == kDeviceErrorTimeout)
+    return fmt::format(
+        "rank {}: timed out after {:.1f} s in phase {} waiting for rank {} (arrival flag of sequence {})",
+        r.rank, static_cast<double>(r.waited_ns) * 1e-9, phase, r.peer, r.detail);
+  if (r.code == kDeviceErrorPeerInput)
+    return fmt::format("rank {}: in phase {}, rank {} refused its input ({}); nothing of it was used", r.rank,
+                       phase, r.peer, describe_input_status(r.detail));
+  return fmt::format("rank {}: device error code {} in phase {} (peer {})", r.rank, r.code, phase, r.peer);
+}
+
+double default_comm_timeout_s() {
+  const char* v = std::getenv("EPMOE_COMM_TIMEOUT_S");
+  if (v == nullptr) return 60.0;
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  EPMOE_CHECK(end != v && *end == '\0' && x > 0,
+              "EPMOE_COMM_TIMEOUT_S='{}' must be a positive number of seconds", v);
+  return x;
+}
+
+// ---------------------------------------------------------------- SymmetricBuffer
+SymmetricBuffer::~SymmetricBuffer() {
+  // Collective (deregistration); skipped once the communicator was aborted.
+  if (window_ != nullptr && comm_ && comm_->nccl() != nullptr)
+    (void)ncclCommWindowDeregister(comm_->nccl(), window_);
+  if (local_ != nullptr) (void)ncclMemFree(local_);
+  if (peers_device_ != nullptr) (void)cudaFree(peers_device_);
+}
+
+void* SymmetricBuffer::peer_pointer(int rank) const {
+  EPMOE_CHECK(comm_ && rank >= 0 && rank < comm_->size(), "peer_pointer: rank {} is outside [0, {})", rank,
+              comm_ ? comm_->size() : 0);
+  return peers_host_[static_cast<std::size_t>(rank)];
+}
+
+// ---------------------------------------------------------------- Communicator
+namespace {
+std::mutex g_default_mutex;
+std::shared_ptr<Communicator> g_default;
+}  // namespace
+
+void Communicator::set_process_default(std::shared_ptr<Communicator> comm) {
+  std::lock_guard lock(g_default_mutex);
+  g_default = std::move(comm);
+}
+std::shared_ptr<Communicator> Communicator::process_default() {
+  std::lock_guard lock(g_default_mutex);
+  return g_default;
+}
+
+void Communicator::init_stream(cudaStream_t stream) {
+  if (stream != nullptr) {
+    stream_ = stream;
+  } else {
+    EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    owns_stream_ = true;
+  }
+  EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&wait_event_, cudaEventDisableTiming));
+}
+
+void Communicator::init_error_record() {
+  void* p = nullptr;
+  EPMOE_CUDA_CHECK(cudaHostAlloc(&p, sizeof(DeviceErrorRecord), cudaHostAllocMapped));
+  std::memset(p, 0, sizeof(DeviceErrorRecord));
+  errors_host_ = static_cast<DeviceErrorRecord*>(p);
+  void* d = nullptr;
+  EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
+  errors_device_ = static_cast<DeviceErrorRecord*>(d);
+  EPMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&barrier_word_), 16));
+  EPMOE_CUDA_CHECK(cudaMemset(barrier_word_, 0, 16));
+  EPMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&error_claim_), 16));
+  EPMOE_CUDA_CHECK(cudaMemset(error_claim_, 0, 16));
+}
+
+std::shared_ptr<Communicator> Communicator::create(const ncclUniqueId& id, int rank, int size, int device,
+                                                   const CommOptions& options) {
+  check_nccl_version();
+  require_nvls_disabled(/*may_set=*/true);
+  EPMOE_CHECK(size >= 1 && rank >= 0 && rank < size, "Communicator: rank {} must lie in [0, size={})", rank,
+              size);
+  const int devices = cuda::device_count();
+  EPMOE_CHECK(device >= 0 && device < devices,
+              "Communicator: rank {} wants GPU {}, but {} GPU(s) are visible ({})", rank, device, devices,
+              cuda::device_description());
+  EPMOE_CHECK(options.timeout_s > 0, "Communicator: timeout_s must be positive, got {}", options.timeout_s);
+  std::shared_ptr<Communicator> c(new Communicator());
+  c->rank_ = rank;
+  c->size_ = size;
+  c->device_ = device;
+  c->owned_ = true;
+  c->timeout_s_ = options.timeout_s;
+  EPMOE_CUDA_CHECK(cudaSetDevice(device));
+  c->init_stream(options.stream);
+  c->init_error_record();
+  EPMOE_NCCL_CHECK(ncclCommInitRank(&c->comm_, size, id, rank));
+  return c;
+}
+
+std::shared_ptr<Communicator> Communicator::from_environment(const CommOptions& options) {
+  const LaunchEnvironment env = LaunchEnvironment::from_env();
+  EPMOE_CHECK(env.present,
+              "EPMOE_WORLD_SIZE is not set: start the ranks with `epmoe launch -n N -- <command>` (or set "
+              "EPMOE_RANK, EPMOE_WORLD_SIZE, EPMOE_LOCAL_RANK and EPMOE_NCCL_ID_FILE / EPMOE_NCCL_ID)");
+  return create(env.unique_id(options.timeout_s), env.rank, env.world_size, env.local_rank, options);
+}
+
+std::shared_ptr<Communicator> Communicator::borrow(ncclComm_t comm, const CommOptions& options) {
+  EPMOE_CHECK(comm != nullptr, "Communicator::borrow: the communicator is null");
+  check_nccl_version();
+  require_nvls_disabled(/*may_set=*/false);
+  EPMOE_CHECK(options.timeout_s > 0, "Communicator: timeout_s must be positive, got {}", options.timeout_s);
+  std::shared_ptr<Communicator> c(new Communicator());
+  c->comm_ = comm;
+  c->owned_ = false;
+  c->timeout_s_ = options.timeout_s;
+  EPMOE_NCCL_CHECK(ncclCommUserRank(comm, &c->rank_));
+  EPMOE_NCCL_CHECK(ncclCommCount(comm, &c->size_));
+  EPMOE_NCCL_CHECK(ncclCommCuDevice(comm, &c->device_));
+  EPMOE_CUDA_CHECK(cudaSetDevice(c->device_));
+  c->init_stream(options.stream);
+  c->init_error_record();
+  return c;
+}
+
+Communicator::~Communicator() {
+  if (comm_ != nullptr) comm_detail::destroy_dev_comm(comm_, dev_comm_);
+  if (owned_ && comm_ != nullptr) {
+    (void)ncclCommFinalize(comm_);
+    (void)ncclCommDestroy(comm_);
+  }
+  if (wait_event_ != nullptr) (void)cudaEventDestroy(wait_event_);
+  if (owns_stream_ && stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  if (errors_host_ != nullptr) (void)cudaFreeHost(errors_host_);
+  if (barrier_word_ != nullptr) (void)cudaFree(barrier_word_);
+  if (error_claim_ != nullptr) (void)cudaFree(error_claim_);
+}
+
+void Communicator::set_stream(cudaStream_t stream) {
+  EPMOE_CHECK(stream != nullptr || owns_stream_, "Communicator::set_stream: pass a stream");
+  if (owns_stream_ && stream != nullptr) {
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    EPMOE_CUDA_CHECK(cudaStreamDestroy(stream_));
+    owns_stream_ = false;
+  }
+  if (stream != nullptr) stream_ = stream;
+}
+
+void Communicator::set_timeout_s(double seconds) {
+  EPMOE_CHECK(seconds > 0, "Communicator: timeout_s must be positive, got {}", seconds);
+  timeout_s_ = seconds;
+}
+
+void Communicator::check_usable(std::string_view what) const {
+  EPMOE_CHECK(broken_reason_.empty(), "rank {}: {}: the communicator is unusable after an earlier error: {}",
+              rank_, what, broken_reason_);
+  check_device_errors();
+}
+
+void Communicator::check_device_errors() const {
+  const volatile DeviceErrorRecord* r = errors_host_;
+  if (r == nullptr || r->code == 0) return;
+  DeviceErrorRecord copy;
+  std::memcpy(&copy, const_cast<const DeviceErrorRecord*>(errors_host_), sizeof(copy));
+  EPMOE_FAIL("{}", describe_device_error(copy));
+}
+
+void Communicator::reset_device_errors() {
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (errors_host_ != nullptr) std::memset(errors_host_, 0, sizeof(DeviceErrorRecord));
+  if (error_claim_ != nullptr) EPMOE_CUDA_CHECK(cudaMemset(error_claim_, 0, 16));
+}
+
+void Communicator::fail_wait(CommPhase phase, std::string_view waiting_for, const std::string& why) {
+  std::string msg = fmt::format("rank {}: {} in phase {}{}{}", rank_, why, to_string(phase),
+                                waiting_for.empty() ? "" : " waiting for ", waiting_for);
+  if (owned_ && comm_ != nullptr) {
+    (void)ncclCommAbort(comm_);  // makes the stuck NCCL kernels return
+    comm_ = nullptr;
+    dev_comm_ = nullptr;  // its host struct is leaked on purpose: destroying it would talk to the dead peers
+    msg += "; the communicator was aborted";
+  } else if (!owned_) {
+    msg += "; the communicator is borrowed and was not aborted (the owner may call ncclCommAbort)";
+  }
+  broken_reason_ = msg;
+  EPMOE_FAIL("{}", msg);
+}
+
+void Communicator::wait_event(cudaEvent_t event, CommPhase phase, std::string_view waiting_for) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  const auto deadline = start + std::chrono::duration<double>(timeout_s_);
+  for (int spins = 0;; ++spins) {
+    const cudaError_t q = cudaEventQuery(event);
+    if (q == cudaSuccess) return;
+    if (q != cudaErrorNotReady) EPMOE_CUDA_CHECK(q);
+    if (comm_ != nullptr && (spins & 63) == 0) {
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
+          async != ncclInProgress) {
+        const char* last = ncclGetLastError(comm_);
+        fail_wait(
+            phase, waiting_for,
+            fmt::format("NCCL reported an asynchronous error {} ({}{}{})", static_cast<int>(async),
+                        ncclGetErrorString(async), last != nullptr && *last ? ": " : "", last ? last : ""));
+      }
+    }
+    if (clock::now() > deadline) {
+      check_device_errors();  // a kernel's own timeout says more (which peer) than ours
+      fail_wait(phase, waiting_for, fmt::format("timed out after {:.1f} s", timeout_s_));
+    }
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void Communicator::synchronize(CommPhase phase, std::string_view waiting_for) {
+  EPMOE_CUDA_CHECK(cudaEventRecord(wait_event_, stream_));
+  wait_event(wait_event_, phase, waiting_for);
+  check_device_errors();
+}
+
+void Communicator::barrier() {
+  check_usable("barrier");
+  EPMOE_CUDA_CHECK(cudaSetDevice(device_));
+  EPMOE_NCCL_CHECK(ncclAllReduce(barrier_word_, barrier_word_ + 1, 1, ncclInt32, ncclSum, comm_, stream_));
+  synchronize(CommPhase::setup, size_ > 1 ? "every rank at a barrier" : "");
+}
+
+void Communicator::ensure_dev_comm() {
+  if (dev_comm_ != nullptr) return;
+  dev_comm_ = comm_detail::create_dev_comm(comm_, &lsa_rank_, &lsa_size_);
+}
+
+std::unique_ptr<SymmetricBuffer> Communicator::alloc_symmetric(std::size_t bytes) {
+  check_usable("alloc_symmetric");
+  EPMOE_CHECK(bytes > 0, "alloc_symmetric: size must be positive");
+  EPMOE_CUDA_CHECK(cudaSetDevice(device_));
+  constexpr std::size_t kGranule = std::size_t{2} << 20;
+  bytes = (bytes + kGranule - 1) / kGranule * kGranule;
+  std::unique_ptr<SymmetricBuffer> b(new SymmetricBuffer());
+  b->comm_ = shared_from_this();
+  b->size_ = bytes;
+  EPMOE_NCCL_CHECK(ncclMemAlloc(&b->local_, bytes));
+  EPMOE_NCCL_CHECK(ncclCommWindowRegister(comm_, b->local_, bytes, &b->window_, NCCL_WIN_COLL_SYMMETRIC));
+  ensure_dev_comm();
+  EPMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b->peers_device_),
+                              sizeof(void*) * static_cast<std::size_t>(size_)));
+  comm_detail::fill_peer_pointers(b->window_, rank_, lsa_rank_, lsa_size_, size_, b->peers_device_, stream_);
+  b->peers_host_ = std::make_unique<void*[]>(static_cast<std::size_t>(size_));
+  EPMOE_CUDA_CHECK(cudaMemcpy(b->peers_host_.get(), b->peers_device_,
+                              sizeof(void*) * static_cast<std::size_t>(size_), cudaMemcpyDeviceToHost));
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(b->local_, 0, bytes, stream_));
+  barrier();  // nobody writes into a peer's window before the peer has zeroed it
+  return b;
+}
+
+}  // namespace epmoe

@@ -1,0 +1,48 @@
+// The NCCL device API where epmoe uses it: the device communicator (to learn the LSA team) and
+// the LSA pointers of a symmetric window, read once per window (they are fixed for its life).
+#include <nccl_device.h>
+
+#include <memory>
+
+#include "comm/comm_internal.hpp"
+#include "epmoe/cuda/launch.hpp"
+
+namespace epmoe::comm_detail {
+namespace {
+
+// Peer r of the world is LSA rank lsa_rank + (r - world_rank) when that lies in [0, lsa_size)
+// (LSA teams are consecutive world ranks).
+__global__ void peer_pointers_kernel(ncclWindow_t window, int world_rank, int lsa_rank, int lsa_size,
+                                     int world_size, void** out) {
+  for (int r = static_cast<int>(threadIdx.x); r < world_size; r += static_cast<int>(blockDim.x)) {
+    const int lsa_peer = lsa_rank + (r - world_rank);
+    out[r] = (lsa_peer >= 0 && lsa_peer < lsa_size) ? ncclGetLsaPointer(window, 0, lsa_peer) : nullptr;
+  }
+}
+
+}  // namespace
+
+ncclDevComm* create_dev_comm(ncclComm_t comm, int* lsa_rank, int* lsa_size) {
+  auto dev = std::make_unique<ncclDevComm>();
+  ncclDevCommRequirements reqs{};  // zero: no barriers, no GIN, and never multimem (NVLS stays off)
+  reqs.lsaMultimem = false;
+  EPMOE_NCCL_CHECK(ncclDevCommCreate(comm, &reqs, dev.get()));
+  *lsa_rank = dev->lsaRank;
+  *lsa_size = dev->lsaSize;
+  return dev.release();
+}
+
+void destroy_dev_comm(ncclComm_t comm, ncclDevComm* dev_comm) {
+  if (dev_comm == nullptr) return;
+  (void)ncclDevCommDestroy(comm, dev_comm);  // teardown: errors are not actionable
+  delete dev_comm;
+}
+
+void fill_peer_pointers(ncclWindow_t window, int world_rank, int lsa_rank, int lsa_size, int world_size,
+                        void** out_device, cudaStream_t stream) {
+  peer_pointers_kernel<<<1, 128, 0, stream>>>(window, world_rank, lsa_rank, lsa_size, world_size, out_device);
+  EPMOE_CUDA_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+}  // namespace epmoe::comm_detail

@@ -1,0 +1,196 @@
+// `epmoe launch` (launch_ranks) with trivial commands: exit codes, environment, forwarded output,
+// stopping the other ranks when one fails, the overall timeout.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "epmoe/comm.hpp"
+#include "epmoe/launch.hpp"
+
+namespace epmoe {
+namespace {
+
+struct Captured {
+  std::map<int, std::vector<std::string>> out, err;
+  std::vector<std::string> notes;
+};
+
+LaunchResult run(LaunchOptions o, Captured& c) {
+  o.on_line = [&c](int rank, bool is_stderr, std::string_view line) {
+    (is_stderr ? c.err : c.out)[rank].emplace_back(line);
+  };
+  o.on_note = [&c](std::string_view m) { c.notes.emplace_back(m); };
+  return launch_ranks(o);
+}
+
+LaunchOptions sh(int n, const std::string& script) {
+  LaunchOptions o;
+  o.num_ranks = n;
+  o.command = {"sh", "-c", script};
+  return o;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+TEST(LaunchTest, TrueSucceedsOnEveryRank) {
+  Captured c;
+  LaunchOptions o;
+  o.num_ranks = 3;
+  o.command = {"true"};
+  const LaunchResult r = run(o, c);
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.first_failed_rank, -1);
+  EXPECT_EQ(r.rank_codes, (std::vector<int>{0, 0, 0}));
+  EXPECT_FALSE(r.timed_out);
+}
+
+TEST(LaunchTest, FalseFails) {
+  Captured c;
+  LaunchOptions o;
+  o.num_ranks = 2;
+  o.command = {"false"};
+  const LaunchResult r = run(o, c);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_GE(r.first_failed_rank, 0);
+}
+
+TEST(LaunchTest, TheFailingRanksExitCodeIsReturned) {
+  Captured c;
+  const LaunchResult r = run(sh(2, "exit 3"), c);
+  EXPECT_EQ(r.exit_code, 3);
+  ASSERT_FALSE(c.notes.empty());
+  EXPECT_NE(c.notes[0].find("exited with code 3"), std::string::npos) << c.notes[0];
+}
+
+TEST(LaunchTest, RanksGetTheirEnvironmentAndOneId) {
+  Captured c;
+  const LaunchResult r = run(
+      sh(2,
+         "echo $EPMOE_RANK $EPMOE_WORLD_SIZE $EPMOE_LOCAL_RANK $EPMOE_LOCAL_WORLD_SIZE $NCCL_NVLS_ENABLE; "
+         "cat \"$EPMOE_NCCL_ID_FILE\""),
+      c);
+  ASSERT_EQ(r.exit_code, 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(c.out[rank].size(), 2u) << "rank " << rank;
+    EXPECT_EQ(c.out[rank][0], fmt::format("{} 2 {} 2 0", rank, rank));
+    EXPECT_EQ(c.out[rank][1].size(), kNcclIdHexChars);
+    EXPECT_NO_THROW(nccl_id_from_hex(c.out[rank][1]));
+  }
+  EXPECT_EQ(c.out[0][1], c.out[1][1]) << "every rank reads the same id";
+  EXPECT_NE(access(r.id_file.c_str(), F_OK), 0) << "the temporary id file is removed at the end";
+}
+
+TEST(LaunchTest, StderrAndUnterminatedLinesAreForwardedWithTheirRank) {
+  Captured c;
+  const LaunchResult r = run(sh(2, "echo oops >&2; printf 'no newline'"), c);
+  ASSERT_EQ(r.exit_code, 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(c.err[rank], std::vector<std::string>{"oops"});
+    EXPECT_EQ(c.out[rank], std::vector<std::string>{"no newline"});
+  }
+}
+
+TEST(LaunchTest, OneFailingRankStopsTheOthers) {
+  Captured c;
+  LaunchOptions o = sh(3, "if [ \"$EPMOE_RANK\" = 1 ]; then exit 4; fi; sleep 60");
+  o.kill_grace_s = 1.0;
+  const auto start = std::chrono::steady_clock::now();
+  const LaunchResult r = run(o, c);
+  EXPECT_LT(seconds_since(start), 20.0);
+  EXPECT_EQ(r.exit_code, 4);
+  EXPECT_EQ(r.first_failed_rank, 1);
+  ASSERT_EQ(r.rank_codes.size(), 3u);
+  EXPECT_EQ(r.rank_codes[1], 4);
+  EXPECT_GT(r.rank_codes[0], 128) << "rank 0 was stopped by a signal";
+  EXPECT_GT(r.rank_codes[2], 128);
+}
+
+TEST(LaunchTest, TheTimeoutStopsEveryRank) {
+  Captured c;
+  LaunchOptions o;
+  o.num_ranks = 2;
+  o.command = {"sleep", "60"};
+  o.timeout_s = 0.5;
+  o.kill_grace_s = 1.0;
+  const auto start = std::chrono::steady_clock::now();
+  const LaunchResult r = run(o, c);
+  EXPECT_LT(seconds_since(start), 20.0);
+  EXPECT_EQ(r.exit_code, 124);
+  EXPECT_TRUE(r.timed_out);
+  ASSERT_FALSE(c.notes.empty());
+  EXPECT_NE(c.notes[0].find("timed out"), std::string::npos);
+}
+
+TEST(LaunchTest, AProgramThatDoesNotExistIs127) {
+  Captured c;
+  LaunchOptions o;
+  o.num_ranks = 2;
+  o.command = {"/nonexistent/epmoe-program"};
+  const LaunchResult r = run(o, c);
+  EXPECT_EQ(r.exit_code, 127);
+  ASSERT_FALSE(c.notes.empty());
+  EXPECT_NE(c.notes[0].find("cannot start rank 0"), std::string::npos) << c.notes[0];
+}
+
+TEST(LaunchTest, BadOptionsAreRefused) {
+  Captured c;
+  LaunchOptions o;
+  o.num_ranks = 2;
+  EXPECT_THROW(run(o, c), Error);  // no command
+  o.command = {"true"};
+  o.num_ranks = 0;
+  EXPECT_THROW(run(o, c), Error);
+  o.num_ranks = 2;
+  o.world_size = 2;
+  o.first_rank = 1;
+  EXPECT_THROW(run(o, c), Error);  // ranks [1, 3) do not fit
+}
+
+TEST(LaunchTest, MulticastIsTurnedOffForTheRanks) {
+  const char* old = std::getenv("NCCL_NVLS_ENABLE");
+  const std::string saved = old != nullptr ? old : "";
+  setenv("NCCL_NVLS_ENABLE", "1", 1);
+  Captured c;
+  const LaunchResult r = run(sh(1, "echo $NCCL_NVLS_ENABLE"), c);
+  if (old != nullptr) {
+    setenv("NCCL_NVLS_ENABLE", saved.c_str(), 1);
+  } else {
+    unsetenv("NCCL_NVLS_ENABLE");
+  }
+  ASSERT_EQ(r.exit_code, 0);
+  EXPECT_EQ(c.out[0], std::vector<std::string>{"0"});
+  ASSERT_FALSE(c.notes.empty());
+  EXPECT_NE(c.notes[0].find("overridden"), std::string::npos);
+}
+
+TEST(LaunchTest, SecondNodeReadsTheGivenIdFile) {
+  const std::string path = fmt::format("/tmp/epmoe-launch-test-id-{}", getpid());
+  Captured c;
+  LaunchOptions first = sh(1, "true");
+  first.id_file = path;
+  first.world_size = 2;
+  ASSERT_EQ(run(first, c).exit_code, 0);
+  EXPECT_EQ(access(path.c_str(), F_OK), 0) << "a given id file stays";
+  LaunchOptions second = sh(1, "echo $EPMOE_RANK $EPMOE_WORLD_SIZE $EPMOE_LOCAL_RANK $EPMOE_NCCL_ID_FILE");
+  second.world_size = 2;
+  second.first_rank = 1;
+  second.id_file = path;
+  Captured c2;
+  ASSERT_EQ(run(second, c2).exit_code, 0);
+  EXPECT_EQ(c2.out[1], std::vector<std::string>{fmt::format("1 2 0 {}", path)});
+  EXPECT_NO_THROW(read_nccl_id_file(path));
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace epmoe
