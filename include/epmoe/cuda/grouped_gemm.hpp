@@ -1,0 +1,63 @@
+// FP8 block-scaled grouped GEMM on Hopper (sm_90a), contiguous and masked layouts (design.md §3,
+// §4; issue 4). CPU twin: epmoe/grouped_gemm.hpp.
+//
+//   D[m, n] = Σ_k A[m, k] · B[g(m), n, k]
+//
+// A e4m3 with one f32 scale per (row, 128-wide K block); B e4m3 [G, N, K] with one f32 scale_inv per
+// 128 x 128 block [G, N/128, K/128] (the DeepSeek-V3 checkpoint format); f32 accumulation, promoted
+// with the scales at every 128-wide K block (per-block wgmma accumulators, then acc += sa·sb·partial,
+// as DeepGEMM does); bf16 output.
+//
+// A scales come in either layout of epmoe/cuda/quant.hpp (ScaleLayout), as the per-token-group
+// quantizer writes them; the kernel reads them directly from global memory, so no transform is
+// needed for either:
+//   token_major:  contiguous [M, K/128];               masked [G, M_max, K/128]
+//   mn_major_tma: contiguous [K/128, tma_aligned(M)];  masked [G, K/128, tma_aligned(M_max)]
+//
+// Every call only enqueues one kernel on `stream` (no allocation, no host synchronisation; the
+// masked call reads masked_m on the device, so it can be captured in a CUDA graph). Tensors are
+// Device::cuda views, contiguous; a and b 16-byte aligned, d 4-byte aligned; K and N multiples of
+// 128. Argument errors throw epmoe::Error naming the argument. Needs an sm_90 GPU.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "epmoe/cuda/quant.hpp"
+#include "epmoe/tensor.hpp"
+
+namespace epmoe::cuda {
+
+struct GroupedGemmOptions {
+  // Rows per output tile: 0 picks by grouped_gemm_block_m(); else 64 or 128.
+  int block_m = 0;
+  // At most this many CTAs (persistent, one per SM); 0: every SM of the device.
+  int max_ctas = 0;
+};
+
+// The tile-height heuristic. Contiguous: 128 (blocks are 128-row aligned and large). Masked:
+// 64 when expected_m <= 64 (decode: reading the weights bounds the time and 64-row tiles halve
+// the wasted tensor-core work and the A bytes per weight tile), else 128.
+int grouped_gemm_block_m(bool masked, std::int64_t expected_m);
+
+// Contiguous layout:
+//   a [M, K] fp8_e4m3; a_scales f32 (layout above); b [G, N, K] fp8_e4m3; b_scales [G, N/128, K/128] f32;
+//   m_indices [M] i32: the group of each row, -1 on padding rows; every 128-row block (counted from
+//   row 0) must hold rows of at most one group, as the contiguous layout pads each group to 128.
+//   d [M, N] bf16 (out): rows whose m_indices is -1 are left untouched (ids outside [-1, G) are a
+//   caller error: such rows are left untouched too, or the block is skipped).
+void fp8_grouped_gemm_contiguous(TensorView a, TensorView a_scales, ScaleLayout a_scale_layout, TensorView b,
+                                 TensorView b_scales, TensorView m_indices, TensorView d, cudaStream_t stream,
+                                 const GroupedGemmOptions& options = {});
+
+// Masked layout:
+//   a [G, M_max, K] fp8_e4m3; a_scales f32 (layout above); b [G, N, K]; b_scales [G, N/128, K/128];
+//   masked_m [G] i32 on the device: rows [0, masked_m[g]) of group g are valid (values are clamped
+//   to [0, M_max]); expected_m: a host hint of the typical masked_m (tile choice only).
+//   d [G, M_max, N] bf16 (out): rows >= masked_m[g] are left untouched.
+void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_scale_layout, TensorView b,
+                             TensorView b_scales, TensorView masked_m, std::int64_t expected_m, TensorView d,
+                             cudaStream_t stream, const GroupedGemmOptions& options = {});
+
+}  // namespace epmoe::cuda

@@ -1,0 +1,166 @@
+// Hopper (sm_90a) PTX wrappers: mbarriers, TMA (cp.async.bulk.tensor), wgmma and setmaxnreg.
+// The sibling of ptx.cuh for the Hopper-only machinery; include only from .cuh/.cu device code.
+//
+// Facts these rely on (PTX ISA 8.x, "Asynchronous Warpgroup Level Matrix Operations" and
+// "Tensor Copy"):
+//  - A wgmma shared-memory matrix descriptor is 64 bits: start address >> 4 in bits 0-13, leading
+//    dimension byte offset >> 4 in bits 16-29, stride dimension byte offset >> 4 in bits 32-45,
+//    base offset in bits 49-51 (0 when the swizzle pattern starts 1024-byte aligned), swizzle mode
+//    in bits 62-63 (1 = 128-byte swizzle).
+//  - For a K-major operand in the 128-byte swizzle layout (rows of 128 bytes, 8-row / 1024-byte
+//    swizzle atoms, as TMA writes with CU_TENSOR_MAP_SWIZZLE_128B), the stride byte offset is the
+//    distance between 8-row groups (1024) and the leading byte offset is unused; a K step inside
+//    the 128-byte row advances the start address by the bytes of that step.
+//  - wgmma's f32 accumulator fragment of an m64nN tile: thread t of the warpgroup (warp w = t / 32,
+//    lane l) holds rows 16 w + l / 4 and 16 w + l / 4 + 8, columns 8 j + 2 (l % 4) + {0, 1}:
+//    d[4 j + 0, 1] on the first row, d[4 j + 2, 3] on the second, j < N / 8.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda.h>  // CUtensorMap (the type only: nothing links libcuda)
+
+namespace epmoe::ptx {
+
+// ---------------------------------------------------------------- shared memory addresses
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---------------------------------------------------------------- mbarrier
+__device__ __forceinline__ void mbar_init(std::uint32_t bar, std::uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes barrier initialisation visible to the async proxy (TMA) and the other threads (before a
+// __syncthreads).
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Arrives and adds `bytes` to the transaction count the current phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(std::uint32_t bar, std::uint32_t parity) {
+  std::uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ std::uint64_t global_timer_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A pipeline wait that has not completed after this long is a deadlock (a bug): trap, so that the
+// launch fails with an error instead of hanging the GPU. No legitimate wait comes near it.
+inline constexpr std::uint64_t kMbarWatchdogNs = 10'000'000'000ull;
+
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const std::uint64_t start = global_timer_ns();
+  for (std::uint32_t i = 1;; ++i) {
+    if (mbar_try_wait(bar, parity)) return;
+    if ((i & 1023u) == 0 && global_timer_ns() - start > kMbarWatchdogNs) __trap();
+  }
+}
+
+// ---------------------------------------------------------------- TMA
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
+}
+
+// 2D tiled bulk tensor copy global -> shared (box at coordinates (c0 innermost, c1)), completing
+// on the mbarrier `bar` with its byte count. Out-of-bounds elements are filled with zeros.
+__device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap* map, std::uint32_t bar,
+                                            std::int32_t c0, std::int32_t c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+      "[%4];" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// ---------------------------------------------------------------- setmaxnreg
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// ---------------------------------------------------------------- wgmma
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving accesses to an accumulator register across the wgmma that
+// writes it asynchronously.
+__device__ __forceinline__ void fence_operand(float& r) {
+  asm volatile("" : "+f"(r)::"memory");
+}
+
+// Descriptor of a K-major operand tile in the 128-byte swizzle layout starting at shared address
+// `addr` (1024-byte aligned for the tile; a K offset inside the 128-byte row may be added).
+__device__ __forceinline__ std::uint64_t wgmma_desc_sw128(std::uint32_t addr) {
+  constexpr std::uint64_t kLeading = 16 >> 4;   // unused for swizzled K-major; 1 by convention
+  constexpr std::uint64_t kStride = 1024 >> 4;  // 8 rows of 128 bytes
+  constexpr std::uint64_t kSwizzle128B = 1;
+  return static_cast<std::uint64_t>((addr & 0x3ffffu) >> 4) | (kLeading << 16) | (kStride << 32) |
+         (kSwizzle128B << 62);
+}
+
+// D[64 x 128] (+)= A[64 x 32] · B[128 x 32]^T, e4m3 x e4m3 -> f32, both operands K-major in
+// shared memory; accumulate = false overwrites d.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint64_t desc_a,
+                                                      std::uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
+      "%42, "
+      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
+      "%63}, "
+      "%64, %65, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
+}  // namespace epmoe::ptx

@@ -1,0 +1,246 @@
+// Host launcher of the FP8 block-scaled grouped GEMM (device code in fp8_grouped_gemm_kernel.cuh,
+// API in epmoe/cuda/grouped_gemm.hpp): argument checks, TMA tensor maps, tile choice, launch.
+//
+// Tensor maps are encoded on the host for every call (a few microseconds of CPU work, no device
+// work) with cuTensorMapEncodeTiled, which is looked up through the runtime's driver entry point
+// (cudaGetDriverEntryPointByVersion), so nothing links libcuda. They travel to the kernel by value
+// as __grid_constant__ parameters, which also keeps the launch capturable in a CUDA graph.
+#include "epmoe/cuda/grouped_gemm.hpp"
+
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <string_view>
+
+#include "epmoe/cuda/launch.hpp"
+#include "gemm/fp8_grouped_gemm_kernel.cuh"
+
+namespace epmoe::cuda {
+namespace {
+
+using kernels::GemmTraits;
+using kernels::GroupedGemmParams;
+using kernels::kGemmBlockK;
+using kernels::kGemmBlockN;
+
+constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    EPMOE_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status));
+    EPMOE_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
+                "the CUDA driver does not provide cuTensorMapEncodeTiled (status {})",
+                static_cast<int>(status));
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A 2D map over a row-major byte matrix [rows, cols] (cols contiguous), box [box_rows, 128 bytes],
+// 128-byte swizzle (the wgmma K-major layout), out-of-bounds rows read as zeros.
+CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, int box_rows,
+                        std::string_view name) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};  // bytes between rows
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kGemmBlockK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r =
+      encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box,
+                     element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  EPMOE_CHECK(r == CUDA_SUCCESS,
+              "cuTensorMapEncodeTiled failed for {} ([{}, {}] bytes, box {} rows): error {}", name, rows,
+              cols, box_rows, static_cast<int>(r));
+  return map;
+}
+
+void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name, std::uintptr_t alignment) {
+  expect_dtype(t, dtype, name);
+  expect_device(t, Device::cuda, name);
+  expect_contiguous(t, name);
+  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
+  EPMOE_CHECK(address % alignment == 0, "{} must be {}-byte aligned, got {} at {:#x}", name, alignment,
+              t.describe(), address);
+}
+
+// b [G, N, K] and b_scales [G, N/128, K/128]; returns (G, N, K).
+struct Dims {
+  std::int64_t groups, n, k;
+};
+Dims check_weights(const TensorView& b, const TensorView& b_scales) {
+  expect_device_tensor(b, DType::fp8_e4m3, "b", 16);
+  expect_rank(b, 3, "b");
+  const Dims dims{b.shape[0], b.shape[1], b.shape[2]};
+  EPMOE_CHECK(dims.groups > 0, "b must hold at least one group, got {}", b.describe());
+  EPMOE_CHECK(dims.k > 0 && dims.k % kGemmBlockK == 0, "b: K = {} must be a positive multiple of {}", dims.k,
+              kGemmBlockK);
+  EPMOE_CHECK(dims.n > 0 && dims.n % kGemmBlockN == 0, "b: N = {} must be a positive multiple of {}", dims.n,
+              kGemmBlockN);
+  EPMOE_CHECK(dims.groups * dims.n <= kInt32Max && dims.k <= kInt32Max, "b {} is too large for one launch",
+              b.describe());
+  expect_device_tensor(b_scales, DType::f32, "b_scales", 4);
+  expect_shape(b_scales, {dims.groups, dims.n / 128, dims.k / 128}, "b_scales");
+  return dims;
+}
+
+// Strides of the A scales: (per group, per row, per K block), in elements.
+struct ScaleStrides {
+  std::int64_t group, row, kb;
+};
+ScaleStrides check_a_scales(const TensorView& s, ScaleLayout layout, std::int64_t groups, std::int64_t rows,
+                            std::int64_t kb, bool masked) {
+  expect_device_tensor(s, DType::f32, "a_scales", 4);
+  const std::int64_t padded = tma_aligned_tokens(rows);
+  if (layout == ScaleLayout::token_major) {
+    if (masked) {
+      expect_shape(s, {groups, rows, kb}, "a_scales (token_major)");
+      return {rows * kb, kb, 1};
+    }
+    expect_shape(s, {rows, kb}, "a_scales (token_major)");
+    return {0, kb, 1};
+  }
+  EPMOE_CHECK(layout == ScaleLayout::mn_major_tma, "unknown scale layout {}", static_cast<int>(layout));
+  if (masked) {
+    expect_shape(s, {groups, kb, padded}, "a_scales (mn_major_tma)");
+    return {kb * padded, 1, padded};
+  }
+  expect_shape(s, {kb, padded}, "a_scales (mn_major_tma)");
+  return {0, 1, padded};
+}
+
+void check_device() {
+  const DeviceProps& props = device_props();
+  EPMOE_CHECK(props.cc_major == 9, "the FP8 grouped GEMM needs a Hopper GPU (sm_90), got {} (sm_{}{})",
+              props.name, props.cc_major, props.cc_minor);
+}
+
+int check_block_m(const GroupedGemmOptions& options, bool masked, std::int64_t expected_m) {
+  EPMOE_CHECK(options.block_m == 0 || options.block_m == 64 || options.block_m == 128,
+              "options.block_m must be 0 (automatic), 64 or 128, got {}", options.block_m);
+  EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
+  return options.block_m != 0 ? options.block_m : grouped_gemm_block_m(masked, expected_m);
+}
+
+template <int kBlockM>
+void launch(const TensorView& a, std::int64_t a_rows, const TensorView& b, const GroupedGemmParams& params,
+            std::int64_t max_tiles, const GroupedGemmOptions& options, cudaStream_t stream) {
+  using Traits = GemmTraits<kBlockM>;
+  constexpr auto kernel = &kernels::fp8_grouped_gemm_kernel<kBlockM>;
+  const DeviceProps& props = device_props();
+  // The dynamic shared-memory limit is raised once per device.
+  static std::atomic<std::uint64_t> raised{0};
+  const std::uint64_t bit = std::uint64_t{1} << (props.device % 64);
+  if ((raised.load(std::memory_order_acquire) & bit) == 0) {
+    EPMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+    raised.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  const CUtensorMap tma_a = make_tma_2d(a.data, a_rows, params.k, kBlockM, "a");
+  const CUtensorMap tma_b =
+      make_tma_2d(b.data, static_cast<std::int64_t>(params.groups) * params.n, params.k, kGemmBlockN, "b");
+  std::int64_t ctas = props.sm_count;
+  if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
+  ctas = std::clamp<std::int64_t>(max_tiles, 1, ctas);
+  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(tma_a, tma_b, params);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+int grouped_gemm_block_m(bool masked, std::int64_t expected_m) {
+  return masked && expected_m <= 64 ? 64 : 128;
+}
+
+void fp8_grouped_gemm_contiguous(TensorView a, TensorView a_scales, ScaleLayout a_scale_layout, TensorView b,
+                                 TensorView b_scales, TensorView m_indices, TensorView d, cudaStream_t stream,
+                                 const GroupedGemmOptions& options) {
+  const Dims w = check_weights(b, b_scales);
+  expect_device_tensor(a, DType::fp8_e4m3, "a", 16);
+  expect_rank(a, 2, "a");
+  const std::int64_t M = a.shape[0];
+  expect_shape(a, {M, w.k}, "a (K of b)");
+  const ScaleStrides ss = check_a_scales(a_scales, a_scale_layout, 1, M, w.k / 128, false);
+  expect_device_tensor(m_indices, DType::i32, "m_indices", 4);
+  expect_shape(m_indices, {M}, "m_indices");
+  expect_device_tensor(d, DType::bf16, "d", 4);
+  expect_shape(d, {M, w.n}, "d");
+  const int block_m = check_block_m(options, false, 0);
+  EPMOE_CHECK(M + 128 <= kInt32Max, "a {} has too many rows for one launch", a.describe());
+  if (M == 0) return;
+  check_device();
+
+  GroupedGemmParams p{};
+  p.sa = static_cast<const float*>(a_scales.data);
+  p.sa_group_stride = ss.group;
+  p.sa_row_stride = ss.row;
+  p.sa_kb_stride = ss.kb;
+  p.sb = static_cast<const float*>(b_scales.data);
+  p.m_indices = static_cast<const std::int32_t*>(m_indices.data);
+  p.masked_m = nullptr;
+  p.d = static_cast<__nv_bfloat16*>(d.data);
+  p.rows = static_cast<std::int32_t>(M);
+  p.n = static_cast<std::int32_t>(w.n);
+  p.k = static_cast<std::int32_t>(w.k);
+  p.groups = static_cast<std::int32_t>(w.groups);
+  p.m_blocks = static_cast<std::int32_t>((M + block_m - 1) / block_m);
+  const std::int64_t tiles = static_cast<std::int64_t>(p.m_blocks) * (w.n / kGemmBlockN);
+  EPMOE_CHECK(tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", tiles);
+  p.total_tiles = static_cast<std::int32_t>(tiles);
+  if (block_m == 64) {
+    launch<64>(a, M, b, p, tiles, options, stream);
+  } else {
+    launch<128>(a, M, b, p, tiles, options, stream);
+  }
+}
+
+void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_scale_layout, TensorView b,
+                             TensorView b_scales, TensorView masked_m, std::int64_t expected_m, TensorView d,
+                             cudaStream_t stream, const GroupedGemmOptions& options) {
+  const Dims w = check_weights(b, b_scales);
+  expect_device_tensor(a, DType::fp8_e4m3, "a", 16);
+  expect_rank(a, 3, "a");
+  const std::int64_t M_max = a.shape[1];
+  expect_shape(a, {w.groups, M_max, w.k}, "a (G and K of b)");
+  const ScaleStrides ss = check_a_scales(a_scales, a_scale_layout, w.groups, M_max, w.k / 128, true);
+  expect_device_tensor(masked_m, DType::i32, "masked_m", 4);
+  expect_shape(masked_m, {w.groups}, "masked_m");
+  expect_device_tensor(d, DType::bf16, "d", 4);
+  expect_shape(d, {w.groups, M_max, w.n}, "d");
+  EPMOE_CHECK(expected_m >= 0, "expected_m must be >= 0, got {}", expected_m);
+  const int block_m = check_block_m(options, true, expected_m);
+  EPMOE_CHECK(w.groups * (M_max + 128) <= kInt32Max, "a {} has too many rows for one launch", a.describe());
+  if (M_max == 0) return;
+  check_device();
+
+  GroupedGemmParams p{};
+  p.sa = static_cast<const float*>(a_scales.data);
+  p.sa_group_stride = ss.group;
+  p.sa_row_stride = ss.row;
+  p.sa_kb_stride = ss.kb;
+  p.sb = static_cast<const float*>(b_scales.data);
+  p.m_indices = nullptr;
+  p.masked_m = static_cast<const std::int32_t*>(masked_m.data);
+  p.d = static_cast<__nv_bfloat16*>(d.data);
+  p.rows = static_cast<std::int32_t>(M_max);
+  p.n = static_cast<std::int32_t>(w.n);
+  p.k = static_cast<std::int32_t>(w.k);
+  p.groups = static_cast<std::int32_t>(w.groups);
+  p.m_blocks = static_cast<std::int32_t>((M_max + block_m - 1) / block_m);
+  const std::int64_t max_tiles = w.groups * p.m_blocks * (w.n / kGemmBlockN);
+  EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
+  p.total_tiles = 0;  // read on the device
+  if (block_m == 64) {
+    launch<64>(a, w.groups * M_max, b, p, max_tiles, options, stream);
+  } else {
+    launch<128>(a, w.groups * M_max, b, p, max_tiles, options, stream);
+  }
+}
+
+}  // namespace epmoe::cuda

@@ -1,0 +1,323 @@
+// FP8 block-scaled grouped GEMM for Hopper (device code; host launcher in fp8_grouped_gemm.cu,
+// API in epmoe/cuda/grouped_gemm.hpp).
+//
+//   D[m, n] = Σ_kb sa[m, kb] · sb[g(m), n/128, kb] · Σ_{k in kb} A[m, k] · B[g(m), n, k]
+//
+// One persistent CTA per SM, warp-specialised:
+//   - warpgroup 0 (the producer; one warp of it works): walks the tile schedule and, per 128-wide
+//     K block, waits for a free pipeline stage (its "empty" mbarrier), then TMA-loads the A tile
+//     [kBlockM x 128] and the B tile [128 x 128] (both K-major, 128-byte swizzled) into it, and
+//     arms the stage's "full" mbarrier with the bytes to expect;
+//   - warpgroups 1.. (the consumers, 64 rows of the tile each): wait on "full", issue four
+//     wgmma m64n128k32 (e4m3 x e4m3 -> f32) into a per-K-block accumulator, wait for them, free
+//     the stage (one arrive per warp on "empty"), and promote: acc += sa·sb · partial (f32), as
+//     DeepGEMM does. After the last K block, the f32 accumulators go to bf16 and straight to
+//     global memory (only rows that belong to the tile's group).
+// The schedule is static (tile t goes to CTA t mod gridDim.x); both roles walk it identically
+// and skip the same tiles, so their pipeline stages and phases stay in lockstep.
+//
+// Layouts. Contiguous: A [M, K], m_indices [M]; every 128-row block (from row 0) holds rows of
+// at most one group (its group is the max of its m_indices; all -1: the block is skipped); a row
+// is written only when m_indices[row] equals that group. Masked: A [G * M_max, K] viewed flat; the
+// group's valid rows are [0, min(masked_m[g], M_max)), read on the device (no host sync).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "cuda/ptx_hopper.cuh"
+
+namespace epmoe::kernels {
+
+inline constexpr int kGemmBlockN = 128;  // columns of a tile (one weight-scale block)
+inline constexpr int kGemmBlockK = 128;  // K per pipeline stage (one scale block; one 128-byte row)
+inline constexpr int kGemmBandN = 8;     // n-blocks per band of the contiguous tile order
+
+template <int kBlockM>
+struct GemmTraits {
+  static_assert(kBlockM == 64 || kBlockM == 128);
+  static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kStages = kBlockM == 128 ? 6 : 8;
+  static constexpr int kABytes = kBlockM * kGemmBlockK;
+  static constexpr int kBBytes = kGemmBlockN * kGemmBlockK;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  // 1024 bytes of slack to align the swizzled tiles to 1024, then the tiles, then the barriers.
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+};
+
+struct GroupedGemmParams {
+  const float* sa;  // A scales: sa[g * sa_group_stride + row * sa_row_stride + kb * sa_kb_stride]
+  std::int64_t sa_group_stride;  // masked: per group; contiguous: 0
+  std::int64_t sa_row_stride;    // row within the group (masked) or within A (contiguous)
+  std::int64_t sa_kb_stride;
+  const float* sb;                // [G, N/128, K/128]
+  const std::int32_t* m_indices;  // contiguous layout: [M]; masked: nullptr
+  const std::int32_t* masked_m;   // masked layout: [G]; contiguous: nullptr
+  __nv_bfloat16* d;               // [rows_total, N]
+  std::int32_t rows;              // contiguous: M; masked: M_max
+  std::int32_t n, k, groups;
+  std::int32_t m_blocks;     // contiguous: ceil(M / kBlockM); masked: ceil(M_max / kBlockM)
+  std::int32_t total_tiles;  // contiguous: m_blocks * N/128; masked: unused (read on the device)
+};
+
+// One output tile.
+struct GemmTile {
+  std::int32_t group;        // B group
+  std::int32_t n_block;      // columns [128 n_block, 128 n_block + 128)
+  std::int32_t row0;         // first row of the tile in A's (flattened) rows
+  std::int32_t seg_row0;     // first row of the tile's group segment (masked: g * M_max; else 0)
+  std::int32_t row_end;      // rows >= row_end are never valid
+  std::int32_t scale_group;  // masked: g; contiguous: 0 (selects the A-scale slab)
+};
+
+// The static persistent schedule. next() is warp-collective: every lane of the calling warp must
+// call it (the contiguous layout reduces a block's m_indices over the warp).
+template <int kBlockM>
+class GemmScheduler {
+ public:
+  __device__ explicit GemmScheduler(const GroupedGemmParams& p)
+      : m_indices_(p.m_indices),
+        masked_m_(p.masked_m),
+        rows_(p.rows),
+        groups_(p.groups),
+        m_blocks_(p.m_blocks),
+        total_tiles_(p.total_tiles),
+        n_blocks_(p.n / kGemmBlockN),
+        t_(static_cast<std::int32_t>(blockIdx.x)) {
+    if (masked_m_ != nullptr) load_segment();
+  }
+
+  __device__ bool next(GemmTile& tile) {
+    return masked_m_ != nullptr ? next_masked(tile) : next_contiguous(tile);
+  }
+
+ private:
+  // Contiguous: bands of kGemmBandN n-blocks; inside a band the n-blocks vary fastest, so a wave
+  // of CTAs shares a few A blocks and one band of B.
+  __device__ bool next_contiguous(GemmTile& tile) {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    while (t_ < total_tiles_) {
+      const std::int32_t t = t_;
+      t_ += static_cast<std::int32_t>(gridDim.x);
+      const std::int32_t band_tiles = m_blocks_ * kGemmBandN;
+      const std::int32_t band = t / band_tiles;
+      const std::int32_t r = t - band * band_tiles;
+      const std::int32_t first_n = band * kGemmBandN;
+      const std::int32_t width = min(kGemmBandN, n_blocks_ - first_n);
+      const std::int32_t m_block = r / width;
+      const std::int32_t row0 = m_block * kBlockM;
+      std::int32_t g = -1;
+#pragma unroll
+      for (int i = 0; i < kBlockM / 32; ++i) {
+        const std::int32_t row = row0 + i * 32 + lane;
+        if (row < rows_) g = max(g, __ldg(m_indices_ + row));
+      }
+      g = __reduce_max_sync(0xffffffffu, g);
+      if (g < 0 || g >= groups_) continue;  // padding only (or ids out of range): nothing to do
+      tile = GemmTile{g, first_n + (r - m_block * width), row0, 0, rows_, 0};
+      return true;
+    }
+    return false;
+  }
+
+  // Masked: only the valid m-blocks of each group are enumerated (group-major, then n-block,
+  // then m-block), so skipped rows cost nothing and the CTAs stay balanced.
+  __device__ bool next_masked(GemmTile& tile) {
+    while (g_ < groups_ && t_ >= seg_start_ + seg_tiles_) {
+      seg_start_ += seg_tiles_;
+      ++g_;
+      if (g_ < groups_) load_segment();
+    }
+    if (g_ >= groups_) return false;
+    const std::int32_t r = t_ - seg_start_;
+    t_ += static_cast<std::int32_t>(gridDim.x);
+    const std::int32_t m_block = r % seg_m_blocks_;
+    const std::int32_t seg_row0 = g_ * rows_;
+    tile = GemmTile{g_, r / seg_m_blocks_, seg_row0 + m_block * kBlockM, seg_row0, seg_row0 + seg_count_, g_};
+    return true;
+  }
+
+  __device__ void load_segment() {
+    seg_count_ = min(max(__ldg(masked_m_ + g_), 0), rows_);
+    seg_m_blocks_ = (seg_count_ + kBlockM - 1) / kBlockM;
+    seg_tiles_ = seg_m_blocks_ * n_blocks_;
+  }
+
+  // Copies, not a reference: taking the address of a kernel parameter would copy it to the stack.
+  const std::int32_t* m_indices_;
+  const std::int32_t* masked_m_;
+  std::int32_t rows_, groups_, m_blocks_, total_tiles_, n_blocks_;
+  std::int32_t t_;
+  std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
+};
+
+__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+template <int kBlockM>
+__global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
+    fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
+                            const __grid_constant__ CUtensorMap tma_b, const GroupedGemmParams p) {
+  using Traits = GemmTraits<kBlockM>;
+  constexpr int kStages = Traits::kStages;
+
+  extern __shared__ __align__(1024) std::uint8_t smem_raw[];
+  const std::uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
+  const std::uint32_t smem_a = smem_base;                             // kStages x [kBlockM x 128]
+  const std::uint32_t smem_b = smem_a + kStages * Traits::kABytes;    // kStages x [128 x 128]
+  const std::uint32_t full_bar = smem_b + kStages * Traits::kBBytes;  // kStages x 8 bytes
+  const std::uint32_t empty_bar = full_bar + kStages * 8;             // kStages x 8 bytes
+
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int32_t num_kb = p.k / kGemmBlockK;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(full_bar + 8 * s, 1);                        // the producer's arrive + bytes
+      ptx::mbar_init(empty_bar + 8 * s, Traits::kConsumers * 4);  // one arrive per consumer warp
+    }
+    ptx::fence_barrier_init();
+  }
+  if (threadIdx.x == 32) {
+    ptx::prefetch_tensormap(&tma_a);
+    ptx::prefetch_tensormap(&tma_b);
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // ------------------------------------------------------------ producer warpgroup
+    if constexpr (Traits::kConsumers > 1) ptx::setmaxnreg_dec<Traits::kProducerRegs>();
+    if (warp != 0) return;
+    GemmScheduler<kBlockM> scheduler(p);
+    GemmTile tile;
+    int stage = 0;
+    std::uint32_t phase = 0;
+    while (scheduler.next(tile)) {
+      const std::int32_t b_row = tile.group * p.n + tile.n_block * kGemmBlockN;
+      for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+        if (lane == 0) {
+          ptx::mbar_wait(empty_bar + 8 * stage, phase ^ 1u);
+          ptx::mbar_arrive_expect_tx(full_bar + 8 * stage, Traits::kStageBytes);
+          ptx::tma_load_2d(smem_a + stage * Traits::kABytes, &tma_a, full_bar + 8 * stage, kb * kGemmBlockK,
+                           tile.row0);
+          ptx::tma_load_2d(smem_b + stage * Traits::kBBytes, &tma_b, full_bar + 8 * stage, kb * kGemmBlockK,
+                           b_row);
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1u;
+        }
+      }
+      __syncwarp();
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------- consumer warpgroups
+  if constexpr (Traits::kConsumers > 1) ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
+  const int consumer = warp / 4 - 1;  // which 64 rows of the tile
+  const int warp_in_group = warp % 4;
+  const int row_in_tile = consumer * 64 + warp_in_group * 16 + lane / 4;  // and + 8
+  const int col_in_tile = (lane % 4) * 2;
+
+  GemmScheduler<kBlockM> scheduler(p);
+  GemmTile tile;
+  int stage = 0;
+  std::uint32_t phase = 0;
+  float acc[64];
+  float part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) part[i] = 0.0f;
+
+  while (scheduler.next(tile)) {
+    const std::int32_t row_a = tile.row0 + row_in_tile;
+    const std::int32_t row_b = row_a + 8;
+    bool valid_a = row_a < tile.row_end;
+    bool valid_b = row_b < tile.row_end;
+    if (p.m_indices != nullptr) {
+      valid_a = valid_a && __ldg(p.m_indices + row_a) == tile.group;
+      valid_b = valid_b && __ldg(p.m_indices + row_b) == tile.group;
+    }
+    const float* sa_base = p.sa + tile.scale_group * p.sa_group_stride;
+    const float* sa_a = sa_base + static_cast<std::int64_t>(row_a - tile.seg_row0) * p.sa_row_stride;
+    const float* sa_b = sa_base + static_cast<std::int64_t>(row_b - tile.seg_row0) * p.sa_row_stride;
+    const float* sb =
+        p.sb + (static_cast<std::int64_t>(tile.group) * (p.n / kGemmBlockN) + tile.n_block) * num_kb;
+
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    float scale_a = valid_a ? __ldg(sa_a) : 0.0f;
+    float scale_b = valid_b ? __ldg(sa_b) : 0.0f;
+    float scale_w = __ldg(sb);
+
+    for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+      ptx::mbar_wait(full_bar + 8 * stage, phase);
+      const std::uint32_t a_tile = smem_a + stage * Traits::kABytes + consumer * 64 * kGemmBlockK;
+      const std::uint32_t b_tile = smem_b + stage * Traits::kBBytes;
+#pragma unroll
+      for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
+        ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a_tile + kk * 32),
+                                   ptx::wgmma_desc_sw128(b_tile + kk * 32), kk > 0);
+      }
+      ptx::wgmma_commit();
+
+      // The next K block's scales, loaded while the tensor cores work.
+      float next_a = 0.0f, next_b = 0.0f, next_w = 0.0f;
+      if (kb + 1 < num_kb) {
+        const std::int64_t off = static_cast<std::int64_t>(kb + 1) * p.sa_kb_stride;
+        next_a = valid_a ? __ldg(sa_a + off) : 0.0f;
+        next_b = valid_b ? __ldg(sa_b + off) : 0.0f;
+        next_w = __ldg(sb + kb + 1);
+      }
+
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
+      if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);  // this warp is done with the stage
+
+      const float s_a = scale_a * scale_w;
+      const float s_b = scale_b * scale_w;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        acc[4 * j + 0] = fmaf(s_a, part[4 * j + 0], acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(s_a, part[4 * j + 1], acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(s_b, part[4 * j + 2], acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(s_b, part[4 * j + 3], acc[4 * j + 3]);
+      }
+      scale_a = next_a;
+      scale_b = next_b;
+      scale_w = next_w;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+
+    // Epilogue: bf16 pairs straight to global memory, valid rows only.
+    __nv_bfloat16* d_col = p.d + tile.n_block * kGemmBlockN + col_in_tile;
+    if (valid_a) {
+      auto* out = reinterpret_cast<std::uint32_t*>(d_col + static_cast<std::int64_t>(row_a) * p.n);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]);
+    }
+    if (valid_b) {
+      auto* out = reinterpret_cast<std::uint32_t*>(d_col + static_cast<std::int64_t>(row_b) * p.n);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+  }
+}
+
+}  // namespace epmoe::kernels
