@@ -1,0 +1,456 @@
+// The FP8 block-scaled grouped GEMM on the GPU against its CPU reference (f64): fresh random FP8
+// inputs for every run (never zeros), outputs poisoned (0xff) before the run, relative L2 error
+// <= 5e-3 over the valid rows, no NaN/Inf, and every skipped row still poisoned afterwards.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <ostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/grouped_gemm.hpp"
+#include "epmoe/grouped_gemm.hpp"
+#include "gpu_test_util.hpp"
+
+namespace epmoe {
+namespace {
+
+using cuda::ScaleLayout;
+using testing::expect_error_mentions;
+
+constexpr double kTolerance = 5e-3;
+constexpr std::uint16_t kPoison = 0xffff;  // bf16 NaN: never a valid output
+
+std::uint64_t fresh_seed() {
+  std::random_device rd;
+  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+}
+
+// e4m3 normal numbers of random sign, exponent and mantissa (never zero, never NaN).
+void fill_random_fp8(std::uint8_t* p, std::int64_t n, std::mt19937_64& rng) {
+  std::uint64_t bits = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (i % 4 == 0) bits = rng();
+    const auto r = static_cast<unsigned>(bits >> (16 * (i % 4))) & 0xffffu;
+    const unsigned exponent = 3 + (r >> 8) % 9;  // 3..11: 2^-4 .. 2^4
+    p[i] = static_cast<std::uint8_t>(((r & 1u) << 7) | (exponent << 3) | ((r >> 1) & 7u));
+  }
+}
+
+// Positive f32 scales spread over a few octaves.
+void fill_random_scales(float* p, std::int64_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(1.0f, 2.0f);
+  std::uniform_int_distribution<int> e(-10, -4);
+  for (std::int64_t i = 0; i < n; ++i) p[i] = std::ldexp(u(rng), e(rng));
+}
+
+// Token-major [rows, kb] -> MN-major TMA-aligned [kb, tma_aligned(rows)] (padding 0).
+void to_mn_major(const float* token_major, std::int64_t rows, std::int64_t kb, float* out) {
+  const std::int64_t padded = cuda::tma_aligned_tokens(rows);
+  for (std::int64_t j = 0; j < kb; ++j)
+    for (std::int64_t t = 0; t < padded; ++t) out[j * padded + t] = t < rows ? token_major[t * kb + j] : 0.0f;
+}
+
+struct Weights {
+  HostTensor b, b_scales;
+};
+Weights random_weights(std::int64_t groups, std::int64_t n, std::int64_t k, std::mt19937_64& rng) {
+  Weights w{HostTensor(DType::fp8_e4m3, {groups, n, k}), HostTensor(DType::f32, {groups, n / 128, k / 128})};
+  fill_random_fp8(static_cast<std::uint8_t*>(w.b.view().data), w.b.numel(), rng);
+  fill_random_scales(w.b_scales.data<float>(), w.b_scales.numel(), rng);
+  return w;
+}
+
+// Compares got (bf16 [rows, n] flattened) against the f64 reference on the rows where valid[row];
+// every other row must still hold the poison.
+void check_output(const HostTensor& got, const HostTensor& ref, const std::vector<bool>& valid,
+                  std::int64_t n) {
+  const bf16* g = got.data<bf16>();
+  const double* r = ref.data<double>();
+  double err2 = 0, ref2 = 0, dot = 0, sum2 = 0;
+  std::int64_t non_finite = 0, overwritten = 0, checked = 0;
+  std::ostringstream first;
+  for (std::size_t row = 0; row < valid.size(); ++row) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      const std::int64_t i = static_cast<std::int64_t>(row) * n + j;
+      if (!valid[row]) {
+        if (g[i].bits != kPoison) {
+          if (overwritten++ < 4) first << " row " << row << " col " << j << " = " << g[i].to_float() << ";";
+        }
+        continue;
+      }
+      const double x = g[i].to_float(), y = r[i];
+      if (!std::isfinite(x)) {
+        if (non_finite++ < 4) first << " non-finite at row " << row << " col " << j << ";";
+        continue;
+      }
+      err2 += (x - y) * (x - y);
+      ref2 += y * y;
+      dot += x * y;
+      sum2 += x * x + y * y;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(non_finite, 0) << first.str();
+  EXPECT_EQ(overwritten, 0) << "skipped rows were written:" << first.str();
+  if (checked == 0) return;
+  const double rel = std::sqrt(err2 / ref2);
+  const double calc_diff = 1.0 - 2.0 * dot / sum2;
+  EXPECT_LE(rel, kTolerance) << "relative L2 error over " << checked << " values (calc_diff " << calc_diff
+                             << ")";
+  EXPECT_LE(calc_diff, kTolerance);
+  std::printf("    rel_l2 %.3g, calc_diff %.3g over %lld values\n", rel, calc_diff,
+              static_cast<long long>(checked));
+}
+
+// ---------------------------------------------------------------- contiguous
+struct ContiguousCase {
+  std::string name;
+  std::vector<std::int64_t> group_rows;  // valid rows per group; each group padded to 128
+  std::int64_t n, k;
+  ScaleLayout layout;
+  int block_m = 0;                   // 0: heuristic
+  std::int64_t trailing_blocks = 0;  // all-padding 128-row blocks at the end (a worst-case sized buffer)
+  bool holes = false;                // also put -1 rows inside groups' rows
+};
+
+void PrintTo(const ContiguousCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class GroupedGemmContiguousGpu : public ::testing::TestWithParam<ContiguousCase> {};
+
+TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
+  EPMOE_REQUIRE_GPU();
+  const ContiguousCase& c = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto G = static_cast<std::int64_t>(c.group_rows.size());
+  const std::int64_t N = c.n, K = c.k, KB = K / 128;
+
+  // m_indices: each group's rows, then -1 up to the next multiple of 128.
+  std::vector<std::int32_t> ids;
+  for (std::int64_t g = 0; g < G; ++g) {
+    const std::int64_t rows = c.group_rows[static_cast<std::size_t>(g)];
+    const std::int64_t padded = (rows + 127) / 128 * 128;
+    for (std::int64_t r = 0; r < padded; ++r) {
+      const bool hole = c.holes && r < rows && r % 7 == 3;
+      ids.push_back(r < rows && !hole ? static_cast<std::int32_t>(g) : -1);
+    }
+  }
+  for (std::int64_t i = 0; i < 128 * c.trailing_blocks; ++i) ids.push_back(-1);
+  const auto M = static_cast<std::int64_t>(ids.size());
+  ASSERT_GT(M, 0);
+
+  HostTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {M, KB}), m_indices(DType::i32, {M});
+  auto* a_bytes = static_cast<std::uint8_t*>(a.view().data);
+  fill_random_fp8(a_bytes, M * K, rng);
+  fill_random_scales(sa.data<float>(), M * KB, rng);
+  std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
+  std::vector<bool> valid(static_cast<std::size_t>(M));
+  for (std::int64_t m = 0; m < M; ++m) {
+    valid[static_cast<std::size_t>(m)] = ids[static_cast<std::size_t>(m)] >= 0;
+    // Padding rows hold NaN codes: nothing of them may leak into valid rows.
+    if (!valid[static_cast<std::size_t>(m)]) std::memset(a_bytes + m * K, 0x7f, static_cast<std::size_t>(K));
+  }
+  const Weights w = random_weights(G, N, K, rng);
+
+  HostTensor ref(DType::f64, {M, N});
+  grouped_gemm_contiguous_cpu(a, sa, w.b, w.b_scales, m_indices, ref);
+
+  HostTensor sa_mn;
+  TensorView sa_gpu = sa.view();  // token-major as is
+  if (c.layout == ScaleLayout::mn_major_tma) {
+    sa_mn = HostTensor(DType::f32, {KB, cuda::tma_aligned_tokens(M)});
+    to_mn_major(sa.data<float>(), M, KB, sa_mn.data<float>());
+    sa_gpu = sa_mn.view();
+  }
+  cuda::Stream stream;
+  const cuda::DeviceTensor da = cuda::to_device(a, stream), dsa = cuda::to_device(sa_gpu, stream),
+                           db = cuda::to_device(w.b, stream), dsb = cuda::to_device(w.b_scales, stream),
+                           dids = cuda::to_device(m_indices, stream);
+  const cuda::DeviceTensor dd(DType::bf16, {M, N});
+  dd.fill_bytes(0xff, stream);
+  cuda::GroupedGemmOptions options;
+  options.block_m = c.block_m;
+  cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
+  const HostTensor got = cuda::to_host(dd, stream);
+  check_output(got, ref, valid, N);
+
+  // The same inputs again (poisoned first): bit-identical (no races, no dependence on leftovers).
+  dd.fill_bytes(0xff, stream);
+  cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
+  const HostTensor again = cuda::to_host(dd, stream);
+  EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "two runs differ";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GroupedGemmContiguousGpu,
+    ::testing::Values(
+        // DeepSeek-V3 gate_up: an empty expert and a single-row expert.
+        ContiguousCase{"N4096_K7168_empty_and_single_row", {1, 0, 130}, 4096, 7168, ScaleLayout::token_major},
+        // DeepSeek-V3 down, MN-major scales as the GPU quantizer writes them.
+        ContiguousCase{"N7168_K2048_mn_major", {150, 0, 64, 33}, 7168, 2048, ScaleLayout::mn_major_tma},
+        // A non-power-of-two N, forced 64-row tiles.
+        ContiguousCase{"N1536_K7168_block64", {128, 257}, 1536, 7168, ScaleLayout::token_major, 64},
+        // One valid row in the whole batch, in a worst-case sized buffer (trailing empty blocks).
+        ContiguousCase{
+            "N1536_K2048_single_row_trailing", {0, 1}, 1536, 2048, ScaleLayout::mn_major_tma, 0, 3},
+        // Many small groups with -1 rows inside them too.
+        ContiguousCase{"N1536_K2048_many_groups_holes",
+                       {5, 17, 0, 128, 1, 90, 0, 33},
+                       1536,
+                       2048,
+                       ScaleLayout::token_major,
+                       0,
+                       1,
+                       true}),
+    [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
+
+// ---------------------------------------------------------------- masked
+struct MaskedCase {
+  std::string name;
+  std::int64_t m_max;
+  std::vector<std::int32_t> masked_m;
+  std::int64_t n, k;
+  ScaleLayout layout;
+  int block_m = 0;
+};
+
+void PrintTo(const MaskedCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+struct MaskedInputs {
+  HostTensor a, sa, sa_mn, counts;  // sa_mn: the MN-major copy of sa, when asked for
+  Weights w;
+  TensorView sa_gpu() const { return sa_mn.defined() ? sa_mn.view() : sa.view(); }
+};
+
+MaskedInputs masked_inputs(std::int64_t G, std::int64_t M_max, std::int64_t N, std::int64_t K,
+                           ScaleLayout layout, const std::vector<std::int32_t>& counts,
+                           std::mt19937_64& rng) {
+  const std::int64_t KB = K / 128;
+  MaskedInputs in{HostTensor(DType::fp8_e4m3, {G, M_max, K}), HostTensor(DType::f32, {G, M_max, KB}),
+                  HostTensor(), HostTensor(DType::i32, {G}), random_weights(G, N, K, rng)};
+  auto* a_bytes = static_cast<std::uint8_t*>(in.a.view().data);
+  fill_random_fp8(a_bytes, in.a.numel(), rng);
+  fill_random_scales(in.sa.data<float>(), in.sa.numel(), rng);
+  for (std::int64_t g = 0; g < G; ++g) {
+    in.counts.data<std::int32_t>()[g] = counts[static_cast<std::size_t>(g)];
+    // Rows past the count hold NaN codes: nothing of them may leak into valid rows.
+    for (std::int64_t r = counts[static_cast<std::size_t>(g)]; r < M_max; ++r)
+      std::memset(a_bytes + (g * M_max + r) * K, 0x7f, static_cast<std::size_t>(K));
+  }
+  if (layout == ScaleLayout::mn_major_tma) {
+    const std::int64_t padded = cuda::tma_aligned_tokens(M_max);
+    in.sa_mn = HostTensor(DType::f32, {G, KB, padded});
+    for (std::int64_t g = 0; g < G; ++g)
+      to_mn_major(in.sa.data<float>() + g * M_max * KB, M_max, KB, in.sa_mn.data<float>() + g * KB * padded);
+  }
+  return in;
+}
+
+std::vector<bool> masked_valid(const std::vector<std::int32_t>& counts, std::int64_t M_max) {
+  std::vector<bool> valid;
+  for (const std::int32_t c : counts)
+    for (std::int64_t r = 0; r < M_max; ++r) valid.push_back(r < c);
+  return valid;
+}
+
+class GroupedGemmMaskedGpu : public ::testing::TestWithParam<MaskedCase> {};
+
+TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
+  EPMOE_REQUIRE_GPU();
+  const MaskedCase& c = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto G = static_cast<std::int64_t>(c.masked_m.size());
+  const std::int64_t N = c.n, K = c.k, M_max = c.m_max;
+  const MaskedInputs in = masked_inputs(G, M_max, N, K, c.layout, c.masked_m, rng);
+
+  HostTensor ref(DType::f64, {G, M_max, N});
+  grouped_gemm_masked_cpu(in.a, in.sa, in.w.b, in.w.b_scales, in.counts, ref);
+
+  std::int64_t expected_m = 0;
+  for (const std::int32_t m : c.masked_m) expected_m += m;
+  expected_m /= G;
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor da = cuda::to_device(in.a, stream), dsa = cuda::to_device(in.sa_gpu(), stream),
+                           db = cuda::to_device(in.w.b, stream), dsb = cuda::to_device(in.w.b_scales, stream),
+                           dcounts = cuda::to_device(in.counts, stream);
+  const cuda::DeviceTensor dd(DType::bf16, {G, M_max, N});
+  dd.fill_bytes(0xff, stream);
+  cuda::GroupedGemmOptions options;
+  options.block_m = c.block_m;
+  cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
+  const HostTensor got = cuda::to_host(dd, stream);
+  check_output(got, ref, masked_valid(c.masked_m, M_max), N);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GroupedGemmMaskedGpu,
+    ::testing::Values(
+        // M_max not a multiple of the tile; an empty group and a single-row group.
+        MaskedCase{"N4096_K2048_mmax200", 200, {0, 1, 200, 77}, 4096, 2048, ScaleLayout::token_major},
+        MaskedCase{"N4096_K2048_mmax200_block64_mn_major",
+                   200,
+                   {0, 1, 200, 77},
+                   4096,
+                   2048,
+                   ScaleLayout::mn_major_tma,
+                   64},
+        // Decode-like: a few rows per group, DeepSeek-V3 down shape with K = 7168.
+        MaskedCase{"N7168_K7168_decode", 72, {72, 0, 9}, 7168, 7168, ScaleLayout::mn_major_tma},
+        MaskedCase{
+            "N1536_K7168_mmax300_block128", 300, {300, 129}, 1536, 7168, ScaleLayout::token_major, 128},
+        // Nothing valid at all: nothing may be written.
+        MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048, ScaleLayout::token_major}),
+    [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
+
+// The masked GEMM captured once in a CUDA graph, replayed with new counts written on the device in
+// between: no host sync and no host-side knowledge of the counts.
+TEST(GroupedGemmGpuMisc, MaskedReplaysInACudaGraph) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::int64_t G = 3, M_max = 96, N = 1536, K = 2048;
+  const std::vector<std::int32_t> first{5, 96, 0}, second{0, 33, 64};
+  const MaskedInputs in = masked_inputs(G, M_max, N, K, ScaleLayout::token_major, {96, 96, 96}, rng);
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor da = cuda::to_device(in.a, stream), dsa = cuda::to_device(in.sa_gpu(), stream),
+                           db = cuda::to_device(in.w.b, stream), dsb = cuda::to_device(in.w.b_scales, stream);
+  const cuda::DeviceTensor dcounts(DType::i32, {G}), dd(DType::bf16, {G, M_max, N});
+  // One plain run first: one-time host work (driver entry point, shared-memory attribute) stays
+  // out of the capture.
+  dcounts.fill_bytes(0x00, stream);
+  cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts, 32, dd, stream);
+  stream.synchronize();
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts, 32, dd, stream);
+  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (const auto* counts : {&first, &second}) {
+    HostTensor hc(DType::i32, {G});
+    std::memcpy(hc.data<std::int32_t>(), counts->data(), static_cast<std::size_t>(G) * sizeof(std::int32_t));
+    cuda::copy_to_device(dcounts, hc, stream);
+    dd.fill_bytes(0xff, stream);
+    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const HostTensor got = cuda::to_host(dd, stream);
+    HostTensor ref(DType::f64, {G, M_max, N});
+    grouped_gemm_masked_cpu(in.a, in.sa, in.w.b, in.w.b_scales, hc, ref);
+    check_output(got, ref, masked_valid(*counts, M_max), N);
+  }
+  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
+  EPMOE_REQUIRE_GPU();
+  cuda::Stream stream;
+  const std::int64_t G = 2, M = 256, N = 256, K = 256;
+  const cuda::DeviceTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {M, K / 128}),
+      sa_mn(DType::f32, {K / 128, M}), b(DType::fp8_e4m3, {G, N, K}), sb(DType::f32, {G, N / 128, K / 128}),
+      ids(DType::i32, {M}), d(DType::bf16, {M, N});
+  a.fill_bytes(0x38, stream);  // 1.0 everywhere: initialised inputs
+  b.fill_bytes(0x38, stream);
+  sa.fill_bytes(0x3c, stream);  // about 0.0117
+  sa_mn.fill_bytes(0x3c, stream);
+  sb.fill_bytes(0x3c, stream);
+  ids.fill_bytes(0x00, stream);  // every row in group 0
+  EXPECT_NO_THROW(cuda::fp8_grouped_gemm_contiguous(a, sa, ScaleLayout::token_major, b, sb, ids, d, stream));
+  EXPECT_NO_THROW(
+      cuda::fp8_grouped_gemm_contiguous(a, sa_mn, ScaleLayout::mn_major_tma, b, sb, ids, d, stream));
+
+  using cuda::fp8_grouped_gemm_contiguous;
+  const auto tm = ScaleLayout::token_major;
+  expect_error_mentions(
+      [&] { fp8_grouped_gemm_contiguous(a, sa, ScaleLayout::mn_major_tma, b, sb, ids, d, stream); },
+      "a_scales (mn_major_tma) must have shape [2, 256]");
+  const cuda::DeviceTensor a_bf16(DType::bf16, {M, K});
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a_bf16, sa, tm, b, sb, ids, d, stream); },
+                        "a must have dtype fp8_e4m3");
+  const cuda::DeviceTensor a_k(DType::fp8_e4m3, {M, 384});
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a_k, sa, tm, b, sb, ids, d, stream); },
+                        "a (K of b)");
+  const cuda::DeviceTensor b_k(DType::fp8_e4m3, {G, N, 200});
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b_k, sb, ids, d, stream); },
+                        "K = 200 must be a positive multiple of 128");
+  const cuda::DeviceTensor b_n(DType::fp8_e4m3, {G, 192, K});
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b_n, sb, ids, d, stream); },
+                        "N = 192 must be a positive multiple of 128");
+  const cuda::DeviceTensor sb_bad(DType::f32, {G, N / 128, K / 64});
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb_bad, ids, d, stream); },
+                        "b_scales must have shape");
+  const cuda::DeviceTensor ids_bad(DType::i64, {M});
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids_bad, d, stream); },
+                        "m_indices must have dtype i32");
+  const cuda::DeviceTensor d_bad(DType::bf16, {M, 2 * N});
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d_bad, stream); },
+                        "d must have shape");
+  const cuda::DeviceTensor d_f32(DType::f32, {M, N});
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d_f32, stream); },
+                        "d must have dtype bf16");
+  const HostTensor a_host(DType::fp8_e4m3, {M, K});
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a_host, sa, tm, b, sb, ids, d, stream); },
+                        "a must live on cuda");
+  // Misaligned (TMA needs 16-byte aligned global addresses) and non-contiguous views.
+  const cuda::DeviceBuffer raw(static_cast<std::size_t>(M * K) + 64);
+  TensorView a_off = raw.view(DType::fp8_e4m3, {M, K});
+  a_off.data = static_cast<std::byte*>(a_off.data) + 8;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a_off, sa, tm, b, sb, ids, d, stream); },
+                        "a must be 16-byte aligned");
+  TensorView a_strided = a.view();
+  a_strided.stride[0] = 2 * K;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a_strided, sa, tm, b, sb, ids, d, stream); },
+                        "a must be contiguous");
+  cuda::GroupedGemmOptions bad_tile;
+  bad_tile.block_m = 96;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_tile); },
+                        "options.block_m must be 0 (automatic), 64 or 128");
+
+  // Masked.
+  const std::int64_t M_max = 100;
+  const cuda::DeviceTensor am(DType::fp8_e4m3, {G, M_max, K}), sam(DType::f32, {G, M_max, K / 128}),
+      sam_mn(DType::f32, {G, K / 128, cuda::tma_aligned_tokens(M_max)}), counts(DType::i32, {G}),
+      dm(DType::bf16, {G, M_max, N});
+  am.fill_bytes(0x38, stream);
+  sam.fill_bytes(0x3c, stream);
+  sam_mn.fill_bytes(0x3c, stream);
+  counts.fill_bytes(0x00, stream);
+  using cuda::fp8_grouped_gemm_masked;
+  EXPECT_NO_THROW(fp8_grouped_gemm_masked(am, sam, tm, b, sb, counts, 8, dm, stream));
+  EXPECT_NO_THROW(
+      fp8_grouped_gemm_masked(am, sam_mn, ScaleLayout::mn_major_tma, b, sb, counts, 8, dm, stream));
+  const cuda::DeviceTensor am_g(DType::fp8_e4m3, {G + 1, M_max, K});
+  expect_error_mentions([&] { fp8_grouped_gemm_masked(am_g, sam, tm, b, sb, counts, 8, dm, stream); },
+                        "a (G and K of b)");
+  expect_error_mentions([&] { fp8_grouped_gemm_masked(am, sam_mn, tm, b, sb, counts, 8, dm, stream); },
+                        "a_scales (token_major) must have shape [2, 100, 2]");
+  const cuda::DeviceTensor counts_bad(DType::i32, {G + 1});
+  expect_error_mentions([&] { fp8_grouped_gemm_masked(am, sam, tm, b, sb, counts_bad, 8, dm, stream); },
+                        "masked_m must have shape [2]");
+  expect_error_mentions([&] { fp8_grouped_gemm_masked(am, sam, tm, b, sb, counts, -1, dm, stream); },
+                        "expected_m must be >= 0");
+  expect_error_mentions([&] { fp8_grouped_gemm_masked(a, sa, tm, b, sb, counts, 8, d, stream); },
+                        "a must have rank 3");
+  stream.synchronize();
+}
+
+}  // namespace
+}  // namespace epmoe
