@@ -1,0 +1,202 @@
+// Benchmark suite "gemm": the FP8 block-scaled grouped GEMM (epmoe/cuda/grouped_gemm.hpp) at every
+// shape of DeepGEMM's tables in anchors.md, with DeepGEMM 2.6.1's time beside ours.
+//
+// Shapes as DeepGEMM's own tests make them: contiguous, each group gets m_per_group * U(0.7, 1.3)
+// rows, padded to 128 with -1 rows; masked, masked_m[g] = expected_m * U(0.7, 1.3) (at most max_m).
+// Group sizes come from a fixed seed, so every run measures the same problem. TFLOPS count valid
+// rows only; bytes = weights + valid activation rows + valid output rows (bf16), as anchors.md
+// counts them. A scales are MN-major (the layout the GPU quantizer writes for the kernel).
+// floor_us = max(bytes / copy ceiling, flops / 1979 TFLOP/s); deepgemm_us / time_us > 1 means
+// faster than DeepGEMM.
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench.hpp"
+#include "bench/suite_gemm_fill.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/grouped_gemm.hpp"
+
+namespace epmoe::bench {
+namespace {
+
+constexpr double kFp8PeakTflops = 1979.0;  // dense FP8 tensor-core peak (datasheet; anchors.md)
+
+struct Anchor {
+  bool masked;
+  std::int64_t groups;
+  std::int64_t m;           // contiguous: m per group; masked: max_m
+  std::int64_t expected_m;  // masked only
+  std::int64_t n, k;
+  double deepgemm_us;
+};
+
+// DeepGEMM 2.6.1 on one H200 (132 SMs), FP8 e4m3, 1x128 activation scales, 128x128 weight scales,
+// bf16 output: the "time" column of the two DeepGEMM tables of ../shared/anchors.md
+// (measured 2026-11-30).
+constexpr Anchor kAnchors[] = {
+    // contiguous: groups x m/group, n x k
+    {false, 32, 256, 0, 4096, 7168, 476},
+    {false, 32, 256, 0, 7168, 2048, 250},
+    {false, 32, 1024, 0, 4096, 7168, 1605},
+    {false, 32, 1024, 0, 7168, 2048, 760},
+    {false, 128, 128, 0, 4096, 7168, 1340},
+    {false, 128, 128, 0, 7168, 2048, 677},
+    {false, 8, 4096, 0, 4096, 7168, 1564},
+    {false, 8, 4096, 0, 7168, 2048, 782},
+    {false, 4, 8192, 0, 4096, 7168, 1298},
+    {false, 4, 8192, 0, 7168, 2048, 684},
+    // masked: groups, max_m, expected m, n x k
+    {true, 128, 256, 8, 4096, 7168, 971},
+    {true, 128, 256, 8, 7168, 2048, 485},
+    {true, 128, 256, 16, 4096, 7168, 970},
+    {true, 128, 256, 16, 7168, 2048, 487},
+    {true, 32, 1024, 32, 4096, 7168, 241},
+    {true, 32, 1024, 32, 7168, 2048, 132},
+    {true, 32, 1024, 128, 4096, 7168, 319},
+    {true, 32, 1024, 128, 7168, 2048, 179},
+    {true, 32, 4096, 192, 4096, 7168, 373},
+    {true, 32, 4096, 192, 7168, 2048, 205},
+};
+
+// Row counts per group, DeepGEMM-style: int(m * U(0.7, 1.3)).
+std::vector<std::int64_t> group_sizes(const Anchor& s, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.7, 1.3);
+  const std::int64_t mean = s.masked ? s.expected_m : s.m;
+  std::vector<std::int64_t> sizes;
+  for (std::int64_t g = 0; g < s.groups; ++g) {
+    auto rows = static_cast<std::int64_t>(static_cast<double>(mean) * u(rng));
+    if (s.masked) rows = std::min(rows, s.m);
+    sizes.push_back(rows);
+  }
+  return sizes;
+}
+
+Result finish(std::string name, Params params, double us, double bytes, double flops, const Anchor& s) {
+  Result r = make_result(std::move(name), std::move(params), us, bytes, flops);
+  r.floor_us = std::max(r.floor_us, flops / (kFp8PeakTflops * 1e6));
+  r.params["deepgemm_us"] = s.deepgemm_us;
+  r.params["vs_deepgemm"] = us > 0 ? s.deepgemm_us / us : 0.0;
+  return r;
+}
+
+void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& options,
+                    std::vector<Result>& results) {
+  const std::vector<std::int64_t> sizes = group_sizes(s, seed);
+  std::vector<std::int32_t> ids;
+  std::int64_t valid = 0;
+  for (std::size_t g = 0; g < sizes.size(); ++g) {
+    const std::int64_t padded = (sizes[g] + 127) / 128 * 128;
+    for (std::int64_t r = 0; r < padded; ++r) ids.push_back(r < sizes[g] ? static_cast<std::int32_t>(g) : -1);
+    valid += sizes[g];
+  }
+  const auto M = static_cast<std::int64_t>(ids.size());
+  const std::int64_t G = s.groups, N = s.n, K = s.k, KB = K / 128;
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {KB, cuda::tma_aligned_tokens(M)}),
+      b(DType::fp8_e4m3, {G, N, K}), sb(DType::f32, {G, N / 128, KB}), m_indices(DType::i32, {M}),
+      d(DType::bf16, {M, N});
+  fill_random_fp8(a, seed + 1, stream);
+  fill_random_scales(sa, seed + 2, stream);
+  fill_random_fp8(b, seed + 3, stream);
+  fill_random_scales(sb, seed + 4, stream);
+  HostTensor host_ids(DType::i32, {M});
+  std::copy(ids.begin(), ids.end(), host_ids.data<std::int32_t>());
+  cuda::copy_to_device(m_indices, host_ids, stream);
+  d.fill_bytes(0xff, stream);
+  stream.synchronize();
+
+  const int block_m = cuda::grouped_gemm_block_m(false, s.m);
+  const double us = time_us(
+      [&](int, cudaStream_t st) {
+        cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d, st);
+      },
+      1, stream, timing_for(options));
+  const double flops = 2.0 * static_cast<double>(valid) * static_cast<double>(N) * static_cast<double>(K);
+  const double bytes =
+      static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
+  const Params p{{"layout", std::string("contiguous")},
+                 {"quant", std::string("fp8")},
+                 {"groups", G},
+                 {"m_per_group", s.m},
+                 {"n", N},
+                 {"k", K},
+                 {"valid_m", valid},
+                 {"block_m", static_cast<std::int64_t>(block_m)}};
+  emit(options, results, finish("gemm.contiguous", p, us, bytes, flops, s));
+}
+
+void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options,
+                std::vector<Result>& results) {
+  const std::vector<std::int64_t> sizes = group_sizes(s, seed);
+  const std::int64_t G = s.groups, M_max = s.m, N = s.n, K = s.k, KB = K / 128;
+  std::int64_t valid = 0;
+  HostTensor counts(DType::i32, {G});
+  for (std::int64_t g = 0; g < G; ++g) {
+    counts.data<std::int32_t>()[g] = static_cast<std::int32_t>(sizes[static_cast<std::size_t>(g)]);
+    valid += sizes[static_cast<std::size_t>(g)];
+  }
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor a(DType::fp8_e4m3, {G, M_max, K}),
+      sa(DType::f32, {G, KB, cuda::tma_aligned_tokens(M_max)}), b(DType::fp8_e4m3, {G, N, K}),
+      sb(DType::f32, {G, N / 128, KB}), masked_m(DType::i32, {G}), d(DType::bf16, {G, M_max, N});
+  fill_random_fp8(a, seed + 1, stream);
+  fill_random_scales(sa, seed + 2, stream);
+  fill_random_fp8(b, seed + 3, stream);
+  fill_random_scales(sb, seed + 4, stream);
+  cuda::copy_to_device(masked_m, counts, stream);
+  d.fill_bytes(0xff, stream);
+  stream.synchronize();
+
+  const double flops = 2.0 * static_cast<double>(valid) * static_cast<double>(N) * static_cast<double>(K);
+  const double bytes =
+      static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
+  // The heuristic's tile first, then the other one (as "gemm.masked.alt") to keep the choice honest.
+  const int chosen = cuda::grouped_gemm_block_m(true, s.expected_m);
+  for (const int block_m : {chosen, chosen == 64 ? 128 : 64}) {
+    cuda::GroupedGemmOptions o;
+    o.block_m = block_m;
+    const double us = time_us(
+        [&](int, cudaStream_t st) {
+          cuda::fp8_grouped_gemm_masked(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, masked_m, s.expected_m,
+                                        d, st, o);
+        },
+        1, stream, timing_for(options));
+    const Params p{{"layout", std::string("masked")},
+                   {"quant", std::string("fp8")},
+                   {"groups", G},
+                   {"m_per_group", s.expected_m},
+                   {"max_m", M_max},
+                   {"n", N},
+                   {"k", K},
+                   {"valid_m", valid},
+                   {"block_m", static_cast<std::int64_t>(block_m)}};
+    emit(options, results,
+         finish(block_m == chosen ? "gemm.masked" : "gemm.masked.alt", p, us, bytes, flops, s));
+  }
+}
+
+std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
+  std::vector<Result> results;
+  std::uint64_t seed = 2026;
+  for (const Anchor& s : kAnchors) {
+    seed += 101;
+    if (s.masked) {
+      run_masked(s, seed, options, results);
+    } else {
+      run_contiguous(s, seed, options, results);
+    }
+  }
+  return results;
+}
+
+const SuiteRegistration kGemm{"gemm", "FP8 block-scaled grouped GEMM vs DeepGEMM (anchors.md)", 70,
+                              run_gemm_suite};
+
+}  // namespace
+}  // namespace epmoe::bench
