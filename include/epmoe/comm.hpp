@@ -186,7 +186,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // All communication is enqueued on this stream; outputs are valid in its order.
   cudaStream_t stream() const { return stream_; }
   void set_stream(cudaStream_t stream);
+  // Bound of device-side waits; host waits allow host_wait_limit_s() = 1.5 * timeout_s() + 1 s, so
+  // that a kernel's own timeout, which names the peer, is seen first.
   double timeout_s() const { return timeout_s_; }
+  double host_wait_limit_s() const { return timeout_s_ * 1.5 + 1.0; }
   void set_timeout_s(double seconds);
 
   // Host waits, bounded by timeout_s(). On timeout (or an asynchronous NCCL error) an owned

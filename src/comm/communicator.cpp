@@ -435,7 +435,10 @@ void Communicator::fail_wait(CommPhase phase, std::string_view waiting_for, cons
 void Communicator::wait_event(cudaEvent_t event, CommPhase phase, std::string_view waiting_for) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const auto deadline = start + std::chrono::duration<double>(timeout_s_);
+  // Longer than the device-side bound, so that a kernel's own timeout (which names the peer) is
+  // reported first.
+  const double limit_s = host_wait_limit_s();
+  const auto deadline = start + std::chrono::duration<double>(limit_s);
   for (int spins = 0;; ++spins) {
     const cudaError_t q = cudaEventQuery(event);
     if (q == cudaSuccess) return;
@@ -453,7 +456,7 @@ void Communicator::wait_event(cudaEvent_t event, CommPhase phase, std::string_vi
     }
     if (clock::now() > deadline) {
       check_device_errors();  // a kernel's own timeout says more (which peer) than ours
-      fail_wait(phase, waiting_for, fmt::format("timed out after {:.1f} s", timeout_s_));
+      fail_wait(phase, waiting_for, fmt::format("timed out after {:.1f} s", limit_s));
     }
     if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }

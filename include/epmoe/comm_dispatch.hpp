@@ -1,0 +1,56 @@
+// GPU dispatchers over a Communicator (design.md §6). Each serves exactly one rank: the rank of
+// its communicator; every call is collective over the communicator's ranks, and all work is
+// enqueued on Communicator::stream() (outputs are valid in that stream's order).
+//
+//   "nccl-p2p"  the portable transport: ncclSend/ncclRecv inside ncclGroupStart/End, so it runs
+//               wherever NCCL runs, across nodes too. The counts are computed on the device and
+//               all-gathered first; the host learns them once per dispatch (it sizes the exchange
+//               and the contiguous layout). Normal mode -> contiguous layout; low-latency mode ->
+//               masked layout (through the same host sync: not graph capturable).
+//   "nvlink-ll" the low-latency transport over NVLink loads/stores (symmetric window, LSA
+//               pointers): each token is written once per destination rank straight into the
+//               peer's window, with a per-(source rank) arrival flag carrying a sequence number
+//               kept on the device; masked layout; no host sync, no allocation, CUDA-graph
+//               capturable; send and receive halves launch separately. Needs every rank in one LSA
+//               team (one NVLink domain).
+//
+// Both produce exactly the CPU simulation's layout ("cpu-sim": rows, scales, weights, m_indices /
+// masked_m and row_token, byte for byte) and combine the same way (per token, rows summed in f32
+// in row order and rounded once to bf16 on the expert rank; partial sums added in rank order at
+// home). Made through the DispatcherRegistry they use Communicator::process_default().
+#pragma once
+
+#include <memory>
+
+#include "epmoe/comm.hpp"
+#include "epmoe/dispatch.hpp"
+
+namespace epmoe {
+
+std::unique_ptr<Dispatcher> make_nccl_p2p_dispatcher(const DispatcherContext& context,
+                                                     std::shared_ptr<Communicator> comm);
+
+// The low-latency dispatcher's halves. dispatch() = dispatch_send() + dispatch_recv() and
+// combine() = combine_send() + combine_recv(); the calls must alternate in that order.
+//   dispatch_send: routes and writes this rank's tokens into the peers' windows, raises the flags.
+//   dispatch_recv: waits (bounded) for every source's flag, fans the tokens out to the masked
+//                  layout. num_recv_tokens is -1 (known only on the device); expected_m is an
+//                  estimate (T * ranks * top-k / physical experts) that needs no sync.
+//   combine_send:  per received token one bf16 partial sum into its home rank's window, flags.
+//   combine_recv:  waits (bounded) and adds the partial sums into y.
+// A rank whose input is refused (too many tokens, bad ids) still raises its flags with an error
+// status, so that its peers record the error instead of waiting; it throws after sending.
+class LowLatencyDispatcher : public Dispatcher {
+ public:
+  virtual void dispatch_send(const DispatchInput& input) = 0;
+  virtual void dispatch_recv(DispatchOutput& output) = 0;
+  virtual void combine_send(const TensorView& expert_out) = 0;
+  virtual void combine_recv(const TensorView& y) = 0;
+  // Bytes of symmetric memory this dispatcher registered.
+  virtual std::size_t window_bytes() const = 0;
+};
+
+std::unique_ptr<LowLatencyDispatcher> make_nvlink_ll_dispatcher(const DispatcherContext& context,
+                                                                std::shared_ptr<Communicator> comm);
+
+}  // namespace epmoe

@@ -1,0 +1,593 @@
+// Expert-parallel dispatch / combine kernels (see ep_kernels.hpp for the data flow).
+#include "comm/ep_kernels.hpp"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "epmoe/cuda/launch.hpp"
+
+namespace epmoe::comm_detail {
+
+EpGeometry EpGeometry::make(const MoeConfig& c, ActivationFormat format, int rank, int T_max) {
+  EpGeometry g;
+  g.N = c.num_ranks;
+  g.me = rank;
+  g.P = c.num_physical_experts();
+  g.L = c.num_local_experts();
+  g.K = c.topk;
+  g.H = c.hidden;
+  g.G = format == ActivationFormat::fp8_group ? static_cast<int>(c.hidden / 128) : 0;
+  g.elt = format == ActivationFormat::bf16 ? 2 : 1;
+  g.T_max = T_max;
+  g.W = std::max(1, (T_max + 31) / 32);
+  auto up16 = [](std::int64_t x) { return (x + 15) / 16 * 16; };
+  g.x_bytes = g.H * g.elt;
+  g.meta_off = up16(g.x_bytes + 4 * static_cast<std::int64_t>(g.G));
+  g.row_stride = up16(g.meta_off + 12 * static_cast<std::int64_t>(g.K));
+  g.partial_bytes = g.H * 2;
+  EPMOE_CHECK(g.K >= 1 && g.K <= kMaxTopK, "the GPU dispatchers support top-k up to {}, got {}", kMaxTopK,
+              g.K);
+  EPMOE_CHECK(g.P <= kMaxPhysicalExperts, "the GPU dispatchers support up to {} physical experts, got {}",
+              kMaxPhysicalExperts, g.P);
+  const std::int64_t place_smem =
+      4 * (3 * static_cast<std::int64_t>(g.N) + 2 + static_cast<std::int64_t>(g.L) * g.N +
+           2 * static_cast<std::int64_t>(g.L));
+  EPMOE_CHECK(place_smem <= 48 * 1024,
+              "the GPU dispatchers' tables need {} bytes of shared memory for {} ranks x {} "
+              "local experts, more than 48 KiB",
+              place_smem, g.N, g.L);
+  EPMOE_CHECK(g.x_bytes % 16 == 0, "hidden * element size must be a multiple of 16 bytes, got {}", g.x_bytes);
+  return g;
+}
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFull = 0xffffffffu;
+
+// ---------------------------------------------------------------- memory-model helpers
+__device__ __forceinline__ std::uint64_t globaltimer() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ std::uint32_t ld_acquire_sys(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_v4(const void* p) {
+  return *static_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void st_v4(void* p, uint4 v) {
+  *static_cast<uint4*>(p) = v;
+}
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+__device__ void record_error(const DeviceErrorSink& sink, int code, CommPhase phase, int peer, int me,
+                             int detail, std::uint64_t waited_ns) {
+  if (sink.claim == nullptr || atomicCAS(sink.claim, 0, 1) != 0) return;
+  volatile DeviceErrorRecord* r = sink.record;
+  r->phase = static_cast<std::int32_t>(phase);
+  r->peer = peer;
+  r->rank = me;
+  r->detail = detail;
+  r->waited_ns = waited_ns;
+  __threadfence_system();
+  r->code = code;
+  __threadfence_system();
+}
+
+// Waits until *flag reaches `expect` (sequence numbers compare modulo 2^32). Gives up after the
+// timeout (recording which peer did not arrive) or as soon as another wait has given up.
+__device__ bool wait_flag(const std::uint32_t* flag, std::uint32_t expect, const FlagSync& sync,
+                          CommPhase phase, int me, int peer) {
+  const std::uint64_t start = globaltimer();
+  for (std::uint32_t spins = 0;; ++spins) {
+    if (static_cast<std::int32_t>(ld_acquire_sys(flag) - expect) >= 0) return true;
+    if ((spins & 1023u) == 1023u) {
+      const std::uint64_t waited = globaltimer() - start;
+      if (waited > sync.timeout_ns) {
+        record_error(sync.errors, kDeviceErrorTimeout, phase, peer, me, static_cast<int>(expect), waited);
+        return false;
+      }
+      if (*static_cast<volatile std::int32_t*>(sync.errors.claim) != 0) return false;
+    }
+  }
+}
+
+// Last-block pattern: every thread has fenced its own stores; returns true in the block that
+// finished last (and resets the counter for the next call).
+__device__ bool finish_block(std::int32_t* done) {
+  __shared__ bool last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1;
+    if (last) *done = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence_system();
+  return last;
+}
+
+__device__ __forceinline__ bool bucket_has(const std::uint32_t* bitmaps, int W, int bucket, std::int64_t t) {
+  return (bitmaps[static_cast<std::int64_t>(bucket) * W + (t >> 5)] >> (t & 31)) & 1u;
+}
+__device__ __forceinline__ int bucket_slot(const std::uint32_t* bitmaps, const std::int32_t* prefix, int W,
+                                           int bucket, std::int64_t t) {
+  const std::int64_t w = static_cast<std::int64_t>(bucket) * W + (t >> 5);
+  return prefix[w] + __popc(bitmaps[w] & ((1u << (t & 31)) - 1u));
+}
+
+__device__ __forceinline__ float bf16_at(const uint4& v, int q) {
+  const std::uint32_t w = (&v.x)[q >> 1];
+  return __uint_as_float((q & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+__device__ __forceinline__ uint4 pack_bf16(const float (&a)[8]) {
+  uint4 v;
+  std::uint32_t* w = &v.x;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const std::uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(a[2 * i]));
+    const std::uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(a[2 * i + 1]));
+    w[i] = lo | (hi << 16);
+  }
+  return v;
+}
+
+// Exclusive scan of one int per thread over the block; *total gets the sum.
+__device__ int block_exclusive_scan(int v, int* total) {
+  __shared__ int warp_sums[32];
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int warps = (static_cast<int>(blockDim.x) + 31) >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFull, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int s = lane < warps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, s, o);
+      if (lane >= o) s += y;
+    }
+    warp_sums[lane] = s;
+  }
+  __syncthreads();
+  *total = warp_sums[warps - 1];
+  return (warp > 0 ? warp_sums[warp - 1] : 0) + x - v;
+}
+
+// ---------------------------------------------------------------- route
+__global__ void __launch_bounds__(kThreads)
+    route_kernel(EpGeometry g, const std::int32_t* ids, std::int64_t T, std::uint32_t* bitmaps,
+                 std::int32_t* count_row) {
+  const std::int64_t items = T * g.K;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < items;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t t = i / g.K;
+    const int k = static_cast<int>(i % g.K);
+    const int id = ids[i];
+    if (id < 0 || id >= g.P) {
+      atomicOr(&count_row[g.status_index()], kInputIdOutOfRange);
+      continue;
+    }
+    bool duplicate = false;
+    for (int k2 = 0; k2 < k; ++k2) duplicate |= ids[t * g.K + k2] == id;
+    if (duplicate) {
+      atomicOr(&count_row[g.status_index()], kInputDuplicateId);
+      continue;
+    }
+    const std::uint32_t bit = 1u << (t & 31);
+    atomicOr(&bitmaps[static_cast<std::int64_t>(id / g.L) * g.W + (t >> 5)], bit);
+    atomicOr(&bitmaps[static_cast<std::int64_t>(g.N + id) * g.W + (t >> 5)], bit);
+  }
+}
+
+// One block per bucket: exclusive popcount prefix over its words; the total into the count row.
+__global__ void __launch_bounds__(kThreads)
+    scan_kernel(EpGeometry g, const std::uint32_t* bitmaps, std::int32_t* prefix, std::int32_t* count_row,
+                std::int64_t T, std::int32_t host_status, std::uint32_t scale_bits) {
+  const int bucket = static_cast<int>(blockIdx.x);
+  const int per = (g.W + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int begin = std::min(g.W, static_cast<int>(threadIdx.x) * per), end = std::min(g.W, begin + per);
+  const std::uint32_t* words = bitmaps + static_cast<std::int64_t>(bucket) * g.W;
+  int local = 0;
+  for (int w = begin; w < end; ++w) local += __popc(words[w]);
+  int total = 0;
+  int running = block_exclusive_scan(local, &total);
+  for (int w = begin; w < end; ++w) {
+    prefix[static_cast<std::int64_t>(bucket) * g.W + w] = running;
+    running += __popc(words[w]);
+  }
+  if (threadIdx.x == 0) {
+    count_row[bucket] = total;  // tokens per destination (bucket < N), rows per physical expert
+    if (bucket == 0) {
+      if (host_status != 0) atomicOr(&count_row[g.status_index()], host_status);
+      count_row[g.status_index() + 1] = static_cast<std::int32_t>(T);
+      count_row[g.status_index() + 2] = static_cast<std::int32_t>(scale_bits);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- send
+__global__ void __launch_bounds__(kThreads) send_kernel(EpGeometry g, SendArgs a) {
+  __shared__ char* target[kWarps][kMaxTopK];
+  __shared__ int target_rank[kWarps][kMaxTopK];
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const bool lsa = a.sync.seq != nullptr;
+  const std::uint32_t s = lsa ? *a.sync.seq + 1u : 0u;
+  const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(s & 1u) * a.sync.parity_stride : 0;
+  const int status = a.count_row[g.status_index()];
+  const std::int64_t vecs = g.x_bytes / 16;
+
+  if (status == 0) {
+    for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; t < a.T;
+         t += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+      int n = 0;  // destinations of token t, in rank order
+      for (int d0 = 0; d0 < g.N; d0 += 32) {
+        const int d = d0 + lane;
+        const bool has = d < g.N && bucket_has(a.bitmaps, g.W, d, t);
+        const unsigned m = __ballot_sync(kFull, has);
+        if (has) {
+          const int pos = n + __popc(m & lanemask_lt());
+          const int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
+          target[warp][pos] = a.dest[d] + parity_bytes + static_cast<std::int64_t>(j) * g.row_stride;
+          target_rank[warp][pos] = d;
+        }
+        n += __popc(m);
+      }
+      __syncwarp();
+      int id = -1, slot_e = 0;
+      float w = 0.0f;
+      if (lane < g.K) {
+        id = a.ids[t * g.K + lane];
+        w = a.weights[t * g.K + lane];
+        slot_e = bucket_slot(a.bitmaps, a.prefix, g.W, g.N + id, t);
+      }
+      const char* xrow = static_cast<const char*>(a.x) + t * g.x_bytes;
+      for (std::int64_t v = lane; v < vecs; v += 32) {
+        const uint4 val = ld_v4(xrow + v * 16);
+        for (int i = 0; i < n; ++i) st_v4(target[warp][i] + v * 16, val);
+      }
+      for (int c = lane; c < g.G; c += 32) {
+        const float sc = a.scales[t * g.G + c];
+        for (int i = 0; i < n; ++i) reinterpret_cast<float*>(target[warp][i] + g.x_bytes)[c] = sc;
+      }
+      if (lane < g.K) {
+        for (int i = 0; i < n; ++i) {
+          std::int32_t* meta = reinterpret_cast<std::int32_t*>(target[warp][i] + g.meta_off) + 3 * lane;
+          meta[0] = id / g.L == target_rank[warp][i] ? id % g.L : -1;
+          meta[1] = slot_e;
+          meta[2] = __float_as_int(w);
+        }
+      }
+      __syncwarp();
+    }
+  }
+  if (a.header == nullptr) return;
+
+  // NVLink: the block that finishes last tells every destination what it got, then raises the flags.
+  if (!finish_block(a.sync.done)) return;
+  const std::int64_t parity_ints = parity_bytes / 4;
+  for (int d = 0; d < g.N; ++d) {
+    std::int32_t* h = a.header[d] + parity_ints;
+    for (int e = static_cast<int>(threadIdx.x); e < g.L; e += static_cast<int>(blockDim.x))
+      h[kHeaderCounts + e] = status != 0 ? 0 : a.count_row[g.N + d * g.L + e];
+    if (threadIdx.x == 0) {
+      h[kHeaderStatus] = status;
+      h[kHeaderTokens] = status != 0 ? 0 : a.count_row[d];
+      h[kHeaderT] = static_cast<std::int32_t>(a.T);
+    }
+  }
+  __threadfence_system();
+  __syncthreads();
+  for (int d = static_cast<int>(threadIdx.x); d < g.N; d += static_cast<int>(blockDim.x))
+    st_release_sys(reinterpret_cast<std::uint32_t*>(a.header[d] + parity_ints + kHeaderFlag), s);
+}
+
+// ---------------------------------------------------------------- place
+__global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs a) {
+  extern __shared__ int smem[];
+  int* tok = smem;                // [N]
+  int* roff = tok + g.N;          // [N + 1] first received token of each source
+  int* ok = roff + g.N + 1;       // [N]
+  int* base = ok + g.N;           // [L * N] rows of expert e from sources before s
+  int* total = base + g.L * g.N;  // [L]
+  int* eoff = total + g.L;        // [L + 1] contiguous: first row of each expert
+  __shared__ int target_row[kWarps][kMaxTopK];
+
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int nthreads = static_cast<int>(blockDim.x);
+  const bool lsa = a.sync.seq != nullptr;
+  const std::uint32_t s = lsa ? *a.sync.seq + 1u : 0u;
+  const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(s & 1u) * a.sync.parity_stride : 0;
+  auto field = [&](int src, int f) -> const volatile std::int32_t* {
+    return a.header + static_cast<std::int64_t>(src) * a.header_stride + f + parity_bytes / 4;
+  };
+
+  for (int src = tid; src < g.N; src += nthreads) {
+    bool good = true;
+    if (lsa)
+      good = wait_flag(
+          reinterpret_cast<const std::uint32_t*>(const_cast<const std::int32_t*>(field(src, a.flag_field))),
+          s, a.sync, CommPhase::dispatch_recv, g.me, src);
+    const int status = good ? *field(src, a.status_field) : 0;
+    if (good && status != 0) {
+      if (blockIdx.x == 0)
+        record_error(a.sync.errors, kDeviceErrorPeerInput, CommPhase::dispatch_recv, src, g.me, status, 0);
+      good = false;
+    }
+    tok[src] = good ? *field(src, a.tokens_field) : 0;
+    ok[src] = good;
+  }
+  __syncthreads();
+  for (int i = tid; i < g.L * g.N; i += nthreads) {
+    const int e = i / g.N, src = i % g.N;
+    base[i] = ok[src] ? *field(src, a.counts_field + e) : 0;
+  }
+  __syncthreads();
+  for (int e = tid; e < g.L; e += nthreads) {
+    int acc = 0;
+    for (int src = 0; src < g.N; ++src) {
+      const int c = base[e * g.N + src];
+      base[e * g.N + src] = acc;
+      acc += c;
+    }
+    total[e] = acc;
+  }
+  if (tid == 0) {
+    int acc = 0;
+    for (int src = 0; src < g.N; ++src) {
+      roff[src] = acc;
+      acc += tok[src];
+    }
+    roff[g.N] = acc;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    std::int64_t acc = 0;
+    for (int e = 0; e < g.L; ++e) {
+      eoff[e] = static_cast<int>(acc);
+      if (a.contiguous) acc += (total[e] + 127) / 128 * 128;
+    }
+    eoff[g.L] = static_cast<int>(acc);
+  }
+  __syncthreads();
+
+  const int R = roff[g.N];
+  const std::int64_t vecs = g.x_bytes / 16;
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; r < R;
+       r += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    int src = 0;
+    while (r >= roff[src + 1]) ++src;
+    const int j = static_cast<int>(r - roff[src]);
+    const char* slot = a.slots + parity_bytes + (static_cast<std::int64_t>(src) * g.T_max + j) * g.row_stride;
+    int row = -1;
+    if (lane < g.K) {
+      const std::int32_t* meta = reinterpret_cast<const std::int32_t*>(slot + g.meta_off) + 3 * lane;
+      const int e = meta[0], slot_e = meta[1];
+      const float w = __int_as_float(meta[2]);
+      if (e >= 0 && e < g.L) {
+        const std::int64_t m = static_cast<std::int64_t>(base[e * g.N + src]) + slot_e;
+        const std::int64_t candidate = a.contiguous ? eoff[e] + m : e * a.M_max + m;
+        if (m < total[e] && candidate < a.max_rows) row = static_cast<int>(candidate);
+      }
+      a.recv_rows[r * g.K + lane] = row;
+      if (row >= 0) {
+        a.row_token[row] = static_cast<std::int32_t>(r);
+        a.row_weight[row] = w;
+        if (a.contiguous) a.m_indices[row] = e;
+      }
+    }
+    if (lane == 0) {
+      a.recv_src[r] = src;
+      a.recv_slot[r] = j;
+    }
+    const unsigned m = __ballot_sync(kFull, row >= 0);
+    const int n = __popc(m);
+    if (row >= 0) target_row[warp][__popc(m & lanemask_lt())] = row;
+    __syncwarp();
+    for (std::int64_t v = lane; v < vecs; v += 32) {
+      const uint4 val = ld_v4(slot + v * 16);
+      for (int i = 0; i < n; ++i)
+        st_v4(a.rows + static_cast<std::int64_t>(target_row[warp][i]) * g.x_bytes + v * 16, val);
+    }
+    for (int c = lane; c < g.G; c += 32) {
+      const float sc = reinterpret_cast<const float*>(slot + g.x_bytes)[c];
+      for (int i = 0; i < n; ++i) a.out_scales[static_cast<std::int64_t>(target_row[warp][i]) * g.G + c] = sc;
+    }
+    __syncwarp();
+  }
+
+  // Rows that hold no token: -1 (contiguous padding; masked rows past masked_m).
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * nthreads + tid;
+  const std::int64_t gthreads = static_cast<std::int64_t>(gridDim.x) * nthreads;
+  if (a.contiguous) {
+    const std::int64_t rows = eoff[g.L];
+    for (std::int64_t row = gtid; row < rows; row += gthreads) {
+      int lo = 0, hi = g.L - 1;  // the expert whose block holds `row`: last e with eoff[e] <= row
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (eoff[mid] <= row)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      if (row >= eoff[lo] + total[lo]) {
+        a.row_token[row] = -1;
+        a.m_indices[row] = -1;
+      }
+    }
+  } else {
+    const std::int64_t rows = static_cast<std::int64_t>(g.L) * a.M_max;
+    for (std::int64_t row = gtid; row < rows; row += gthreads)
+      if (row % a.M_max >= total[row / a.M_max]) a.row_token[row] = -1;
+  }
+  if (blockIdx.x == 0) {
+    if (!a.contiguous)
+      for (int e = tid; e < g.L; e += nthreads) a.masked_m[e] = total[e];
+    if (tid == 0) *a.recv_total = R;
+  }
+  if (lsa && finish_block(a.sync.done) && tid == 0) *a.sync.seq = s;
+}
+
+// ---------------------------------------------------------------- reduce (expert side of combine)
+__global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceArgs a) {
+  __shared__ int rows_s[kWarps][kMaxTopK];
+  __shared__ float w_s[kWarps][kMaxTopK];
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const bool lsa = a.sync.seq != nullptr;
+  const std::uint32_t c = lsa ? *a.sync.seq + 1u : 0u;
+  const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(c & 1u) * a.sync.parity_stride : 0;
+  const int R = *a.recv_total;
+  const std::int64_t vecs = g.partial_bytes / 16;
+  const auto* out = static_cast<const char*>(a.expert_out);
+
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; r < R;
+       r += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    const int row = lane < g.K ? a.recv_rows[r * g.K + lane] : -1;
+    // Rows in ascending order (expert order, as the CPU simulation sums them).
+    int rank = 0;
+    for (int i = 0; i < g.K; ++i) {
+      const int other = __shfl_sync(kFull, row, i);
+      rank += other >= 0 && other < row;
+    }
+    const int n = __popc(__ballot_sync(kFull, row >= 0));
+    if (row >= 0) {
+      rows_s[warp][rank] = row;
+      w_s[warp][rank] = a.row_weight[row];
+    }
+    __syncwarp();
+    char* dest =
+        a.dest[a.recv_src[r]] + parity_bytes + static_cast<std::int64_t>(a.recv_slot[r]) * g.partial_bytes;
+    for (std::int64_t v = lane; v < vecs; v += 32) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int i = 0; i < n; ++i) {
+        const uint4 x = ld_v4(out + static_cast<std::int64_t>(rows_s[warp][i]) * g.partial_bytes + v * 16);
+        const float w = w_s[warp][i];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, bf16_at(x, q)));
+      }
+      st_v4(dest + v * 16, pack_bf16(acc));
+    }
+    __syncwarp();
+  }
+  if (a.flag == nullptr) return;
+  if (!finish_block(a.sync.done)) return;
+  for (int d = tid; d < g.N; d += static_cast<int>(blockDim.x))
+    st_release_sys(a.flag[d] + parity_bytes / 4, c);
+}
+
+// ---------------------------------------------------------------- home (token side of combine)
+__global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a) {
+  __shared__ const char* part[kWarps][kMaxTopK];
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const bool lsa = a.sync.seq != nullptr;
+  const std::uint32_t c = lsa ? *a.sync.seq + 1u : 0u;
+  const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(c & 1u) * a.sync.parity_stride : 0;
+  if (lsa) {
+    for (int d = tid; d < g.N; d += static_cast<int>(blockDim.x))
+      wait_flag(a.flags + parity_bytes / 4 + d * a.flag_stride, c, a.sync, CommPhase::combine_recv, g.me, d);
+    __syncthreads();
+  }
+  const std::int64_t vecs = g.partial_bytes / 16;
+  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; t < a.T;
+       t += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    int n = 0;
+    for (int d0 = 0; d0 < g.N; d0 += 32) {
+      const int d = d0 + lane;
+      const bool has = d < g.N && bucket_has(a.bitmaps, g.W, d, t);
+      const unsigned m = __ballot_sync(kFull, has);
+      if (has) {
+        const int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
+        part[warp][n + __popc(m & lanemask_lt())] =
+            a.partials + parity_bytes + (static_cast<std::int64_t>(d) * g.T_max + j) * g.partial_bytes;
+      }
+      n += __popc(m);
+    }
+    __syncwarp();
+    char* y = static_cast<char*>(a.y) + t * g.partial_bytes;
+    for (std::int64_t v = lane; v < vecs; v += 32) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int i = 0; i < n; ++i) {
+        const uint4 x = ld_v4(part[warp][i] + v * 16);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], bf16_at(x, q));
+      }
+      st_v4(y + v * 16, pack_bf16(acc));
+    }
+    __syncwarp();
+  }
+  if (lsa && finish_block(a.sync.done) && tid == 0) *a.sync.seq = c;
+}
+
+unsigned grid_for(std::int64_t warps_of_work) {
+  const std::int64_t cap = static_cast<std::int64_t>(cuda::device_props().sm_count) * 4;
+  return static_cast<unsigned>(std::clamp<std::int64_t>((warps_of_work + kWarps - 1) / kWarps, 1, cap));
+}
+
+}  // namespace
+
+void launch_route(const EpGeometry& g, const std::int32_t* ids, std::int64_t T, std::int32_t host_status,
+                  float tensor_scale, std::uint32_t* bitmaps, std::int32_t* prefix, std::int32_t* count_row,
+                  cudaStream_t stream) {
+  const std::int64_t buckets = g.N + g.P;
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(bitmaps, 0, sizeof(std::uint32_t) * buckets * g.W, stream));
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(count_row, 0, sizeof(std::int32_t) * g.count_row_len(), stream));
+  const std::int64_t routed_T = host_status != 0 ? 0 : T;  // nothing is routed from a refused input
+  if (routed_T > 0) {
+    const std::int64_t items = routed_T * g.K;
+    const auto grid = static_cast<unsigned>(std::clamp<std::int64_t>(
+        (items + kThreads - 1) / kThreads, 1, static_cast<std::int64_t>(cuda::device_props().sm_count) * 8));
+    route_kernel<<<grid, kThreads, 0, stream>>>(g, ids, routed_T, bitmaps, count_row);
+    EPMOE_CUDA_CHECK_LAUNCH();
+  }
+  std::uint32_t scale_bits = 0;
+  static_assert(sizeof(scale_bits) == sizeof(tensor_scale));
+  std::memcpy(&scale_bits, &tensor_scale, sizeof(scale_bits));
+  scan_kernel<<<static_cast<unsigned>(buckets), kThreads, 0, stream>>>(g, bitmaps, prefix, count_row, T,
+                                                                       host_status, scale_bits);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream) {
+  send_kernel<<<grid_for(a.T), kThreads, 0, stream>>>(g, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream) {
+  const std::size_t smem =
+      sizeof(int) * (static_cast<std::size_t>(g.N) * 3 + 1 + static_cast<std::size_t>(g.L) * g.N +
+                     2 * static_cast<std::size_t>(g.L) + 1);
+  place_kernel<<<grid_for(static_cast<std::int64_t>(g.N) * g.T_max), kThreads, smem, stream>>>(g, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_reduce(const EpGeometry& g, const ReduceArgs& a, cudaStream_t stream) {
+  reduce_kernel<<<grid_for(static_cast<std::int64_t>(g.N) * g.T_max), kThreads, 0, stream>>>(g, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream) {
+  home_kernel<<<grid_for(a.T), kThreads, 0, stream>>>(g, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace epmoe::comm_detail

@@ -1,0 +1,140 @@
+// Kernels of expert-parallel dispatch and combine, shared by the NCCL point-to-point transport
+// ("nccl-p2p") and the NVLink load/store transport ("nvlink-ll"). Host-side declarations.
+//
+// One rank's view (N ranks, L local experts each, P = N*L physical experts, top-K):
+//
+//   route    ids [T, K] -> bitmaps [N + P][W] (bit t of bucket b: token t goes to destination
+//            rank b (b < N) / to physical expert b - N), their exclusive popcount prefixes, and a
+//            count row {tokens per destination [N], rows per physical expert [P], status, T, ...}.
+//            A token's slot in a bucket is the number of earlier tokens in it: stable, so every
+//            destination receives tokens in source order, as the CPU simulation orders them.
+//   send     each token once per destination rank: a payload row {x, scales, K x (local expert or
+//            -1, slot among the sender's tokens of that expert, weight)} into slot j of this rank's
+//            region on the destination (NCCL: a local send buffer; NVLink: the peer's window).
+//   place    on the receiver: regions ordered by source rank; token j of source s is received
+//            token r = (tokens of sources < s) + j; its rows go to expert e at
+//            (contiguous: offset of e, blocks padded to 128 | masked: e * M_max) + (rows of e from
+//            sources < s) + its slot: exactly the CPU simulation's order.
+//   reduce   on the expert rank: per received token, the weighted sum of its rows (f32, rows in
+//            ascending order, rounded once to bf16), into its slot of the source's region.
+//   home     per token, the partial sums of its destination ranks added in rank order (f32), bf16.
+//
+// With a FlagSync (NVLink transport) the senders signal per-(source rank) arrival flags carrying a
+// sequence number kept on the device (no host sync, graph capturable); two parities of every
+// window region alternate between calls. Every wait is bounded (DeviceErrorSink on timeout).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "epmoe/comm.hpp"
+#include "epmoe/config.hpp"
+#include "epmoe/weights.hpp"
+
+#ifdef __CUDACC__
+#define EPMOE_COMM_HD __host__ __device__
+#else
+#define EPMOE_COMM_HD
+#endif
+
+namespace epmoe::comm_detail {
+
+inline constexpr int kMaxTopK = 32;
+inline constexpr int kMaxPhysicalExperts = 8192;
+
+struct EpGeometry {
+  int N = 1, me = 0, L = 1, P = 1, K = 1;
+  int G = 0;  // scale groups per row (fp8_group), else 0
+  std::int64_t H = 0;
+  int elt = 1;                                             // bytes per activation element
+  int T_max = 0, W = 1;                                    // W: 32-bit words per bucket bitmap
+  std::int64_t x_bytes = 0, meta_off = 0, row_stride = 0;  // payload row layout, 16-byte multiples
+  std::int64_t partial_bytes = 0;                          // one bf16 partial sum: H * 2
+
+  EPMOE_COMM_HD int count_row_len() const { return N + P + 4; }
+  EPMOE_COMM_HD int status_index() const { return N + P; }
+  static EpGeometry make(const MoeConfig& config, ActivationFormat format, int rank, int T_max);
+};
+
+// The NVLink transport's flag protocol; all null / zero for the NCCL transport.
+struct FlagSync {
+  std::uint32_t* seq = nullptr;    // this call uses s = *seq + 1 and parity s & 1
+  std::int32_t* done = nullptr;    // finished-block counter of the last-block pattern
+  std::int64_t parity_stride = 0;  // bytes between the two parities of every window region
+  DeviceErrorSink errors{};
+  std::uint64_t timeout_ns = 0;
+};
+
+void launch_route(const EpGeometry& g, const std::int32_t* ids, std::int64_t T, std::int32_t host_status,
+                  float tensor_scale, std::uint32_t* bitmaps, std::int32_t* prefix, std::int32_t* count_row,
+                  cudaStream_t stream);
+
+struct SendArgs {
+  const void* x = nullptr;
+  const float* scales = nullptr;
+  const std::int32_t* ids = nullptr;
+  const float* weights = nullptr;
+  std::int64_t T = 0;
+  const std::uint32_t* bitmaps = nullptr;
+  const std::int32_t* prefix = nullptr;
+  const std::int32_t* count_row = nullptr;
+  char* const* dest = nullptr;            // [N]: slot 0 of this rank's region on each destination
+  std::int32_t* const* header = nullptr;  // [N] NVLink: this rank's header on each destination
+  FlagSync sync;
+};
+// NVLink header of a source on a destination: {flag, status, tokens, T, rows per local expert [L]}.
+inline constexpr int kHeaderFlag = 0, kHeaderStatus = 1, kHeaderTokens = 2, kHeaderT = 3, kHeaderCounts = 4;
+void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream);
+
+struct PlaceArgs {
+  // What each source told this rank: field f of source s is
+  // header[s * header_stride + f + parity * parity_stride / 4] for f in {flag_field (NVLink only,
+  // -1 otherwise), status_field, tokens_field, counts_field + e}.
+  const std::int32_t* header = nullptr;
+  std::int64_t header_stride = 0;
+  int flag_field = -1, status_field = 0, tokens_field = 0, counts_field = 0;
+  const char* slots = nullptr;  // slot j of source s: slots + parity * ps + (s * T_max + j) * row_stride
+  bool contiguous = true;
+  std::int64_t M_max = 0;     // masked
+  std::int64_t max_rows = 0;  // rows the output buffers hold
+  char* rows = nullptr;
+  float* out_scales = nullptr;
+  std::int32_t* m_indices = nullptr;  // contiguous
+  std::int32_t* masked_m = nullptr;   // masked
+  std::int32_t* row_token = nullptr;
+  float* row_weight = nullptr;
+  std::int32_t* recv_rows = nullptr;   // [N * T_max, K]
+  std::int32_t* recv_src = nullptr;    // [N * T_max]
+  std::int32_t* recv_slot = nullptr;   // [N * T_max]
+  std::int32_t* recv_total = nullptr;  // [1]
+  FlagSync sync;
+};
+void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream);
+
+struct ReduceArgs {
+  const void* expert_out = nullptr;  // bf16 [rows, H]
+  const float* row_weight = nullptr;
+  const std::int32_t* recv_rows = nullptr;
+  const std::int32_t* recv_src = nullptr;
+  const std::int32_t* recv_slot = nullptr;
+  const std::int32_t* recv_total = nullptr;
+  char* const* dest = nullptr;           // [N]: slot 0 of this rank's partial region on each source
+  std::uint32_t* const* flag = nullptr;  // [N] NVLink: this rank's combine flag on each source
+  FlagSync sync;
+};
+void launch_reduce(const EpGeometry& g, const ReduceArgs& a, cudaStream_t stream);
+
+struct HomeArgs {
+  const char* partials = nullptr;  // from d, slot j: partials + parity * ps + (d * T_max + j) * partial_bytes
+  const std::uint32_t* flags = nullptr;  // NVLink: flag of d at flags + parity * ps / 4 + d * flag_stride
+  std::int64_t flag_stride = 0;          // in 32-bit words
+  const std::uint32_t* bitmaps = nullptr;
+  const std::int32_t* prefix = nullptr;
+  std::int64_t T = 0;
+  void* y = nullptr;  // bf16 [T, H]
+  FlagSync sync;
+};
+void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream);
+
+}  // namespace epmoe::comm_detail

@@ -1,0 +1,158 @@
+#include "comm/gpu_dispatcher_base.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+namespace epmoe::comm_detail {
+
+GpuDispatcherBase::GpuDispatcherBase(std::string name, const DispatcherContext& context,
+                                     std::shared_ptr<Communicator> comm)
+    : name_(std::move(name)), context_(context), comm_(std::move(comm)) {
+  const MoeConfig& c = context.config;
+  c.validate();
+  EPMOE_CHECK(
+      comm_ != nullptr,
+      "{} needs a Communicator: create one (Communicator::from_environment() under `epmoe launch`) and pass "
+      "it, or register it with Communicator::set_process_default() before making the dispatcher by name",
+      name_);
+  EPMOE_CHECK(c.num_ranks == comm_->size(), "{}: the config has {} ranks, the communicator {}", name_,
+              c.num_ranks, comm_->size());
+  EPMOE_CHECK(context.num_ranks_served == 1 && context.first_rank == comm_->rank(),
+              "{} serves exactly one rank, its communicator's ({}); the context asks for ranks [{}, {})",
+              name_, comm_->rank(), context.first_rank, context.first_rank + context.num_ranks_served);
+  EPMOE_CHECK(c.max_tokens_per_rank >= 1, "{}: max_tokens_per_rank must be positive", name_);
+  enter("construction");
+  g_ = EpGeometry::make(c, context.format, comm_->rank(), c.max_tokens_per_rank);
+
+  const std::int64_t buckets = g_.N + g_.P;
+  bitmaps_ = cuda::DeviceBuffer(sizeof(std::uint32_t) * static_cast<std::size_t>(buckets * g_.W));
+  prefix_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(buckets * g_.W));
+  count_row_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(g_.count_row_len()));
+
+  const std::int64_t slots = static_cast<std::int64_t>(g_.N) * g_.T_max;
+  M_max_ = c.masked_max_m();
+  if (contiguous()) {
+    max_rows_ = slots * std::min(g_.K, g_.L) + static_cast<std::int64_t>(g_.L) * (kContiguousAlign - 1);
+    m_indices_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(max_rows_));
+  } else {
+    max_rows_ = static_cast<std::int64_t>(g_.L) * M_max_;
+    masked_m_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(g_.L));
+  }
+  rows_ = cuda::DeviceBuffer(static_cast<std::size_t>(max_rows_ * g_.x_bytes));
+  if (g_.G > 0) scales_ = cuda::DeviceBuffer(sizeof(float) * static_cast<std::size_t>(max_rows_ * g_.G));
+  row_token_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(max_rows_));
+  row_weight_ = cuda::DeviceBuffer(sizeof(float) * static_cast<std::size_t>(max_rows_));
+  recv_rows_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(slots * g_.K));
+  recv_src_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(slots));
+  recv_slot_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(slots));
+  recv_total_ = cuda::DeviceBuffer(16);
+  recv_total_.fill_bytes(0, comm_->stream());
+  stats_.tokens_sent.assign(1, 0);
+  stats_.bytes_sent.assign(1, 0);
+  stats_.rows_received.assign(1, 0);
+}
+
+void GpuDispatcherBase::enter(std::string_view what) const {
+  comm_->check_usable(fmt::format("{} {}", name_, what));
+  EPMOE_CUDA_CHECK(cudaSetDevice(comm_->device()));
+}
+
+std::int64_t GpuDispatcherBase::validate_input(const DispatchInput& in) const {
+  const MoeConfig& c = context_.config;
+  const std::string r = fmt::format("{}: rank {} ", name_, comm_->rank());
+  auto device_tensor = [&](const TensorView& t, DType dtype, std::int64_t rows, std::int64_t cols,
+                           const std::string& what) {
+    expect_dtype(t, dtype, r + what);
+    expect_shape(t, {rows, cols}, r + what);
+    if (rows == 0) return;
+    expect_device(t, Device::cuda, r + what);
+    expect_contiguous(t, r + what);
+    EPMOE_CHECK(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, "{}{} must be 16-byte aligned", r, what);
+  };
+  expect_rank(in.x, 2, r + "x");
+  const std::int64_t T = in.x.size(0);
+  device_tensor(in.x, row_dtype(), T, c.hidden, "x");
+  if (context_.format == ActivationFormat::fp8_group)
+    device_tensor(in.x_scales, DType::f32, T, c.hidden / 128, "x_scales");
+  if (context_.format == ActivationFormat::fp8_tensor)
+    EPMOE_CHECK(std::isfinite(in.x_tensor_scale) && in.x_tensor_scale > 0,
+                "{}x_tensor_scale must be positive and finite, got {}", r, in.x_tensor_scale);
+  device_tensor(in.topk_ids, DType::i32, T, c.topk, "topk_ids");
+  device_tensor(in.topk_weights, DType::f32, T, c.topk, "topk_weights");
+  return T;
+}
+
+void GpuDispatcherBase::validate_combine(const TensorView& expert_out, const TensorView& y) const {
+  EPMOE_CHECK(dispatched_, "{}: combine needs a dispatch first", name_);
+  const std::string r = fmt::format("{}: rank {} ", name_, comm_->rank());
+  const std::int64_t rows = contiguous() ? -1 : max_rows_;
+  expect_dtype(expert_out, DType::bf16, r + "expert_out");
+  expect_rank(expert_out, 2, r + "expert_out");
+  if (rows >= 0) expect_shape(expert_out, {rows, context_.config.hidden}, r + "expert_out");
+  if (expert_out.numel() > 0) {
+    expect_device(expert_out, Device::cuda, r + "expert_out");
+    expect_contiguous(expert_out, r + "expert_out");
+  }
+  expect_dtype(y, DType::bf16, r + "y");
+  expect_shape(y, {last_T_, context_.config.hidden}, r + "y");
+  if (last_T_ > 0) {
+    expect_device(y, Device::cuda, r + "y");
+    expect_contiguous(y, r + "y");
+  }
+}
+
+PlaceArgs GpuDispatcherBase::place_outputs() const {
+  PlaceArgs a;
+  a.contiguous = contiguous();
+  a.M_max = M_max_;
+  a.max_rows = max_rows_;
+  a.rows = rows_.as<char>();
+  a.out_scales = scales_.as<float>();
+  a.m_indices = m_indices_.as<std::int32_t>();
+  a.masked_m = masked_m_.as<std::int32_t>();
+  a.row_token = row_token_.as<std::int32_t>();
+  a.row_weight = row_weight_.as<float>();
+  a.recv_rows = recv_rows_.as<std::int32_t>();
+  a.recv_src = recv_src_.as<std::int32_t>();
+  a.recv_slot = recv_slot_.as<std::int32_t>();
+  a.recv_total = recv_total_.as<std::int32_t>();
+  return a;
+}
+
+void GpuDispatcherBase::fill_output(DispatchOutput& out, std::int64_t rows, std::int64_t recv_tokens,
+                                    float tensor_scale, std::vector<std::int64_t> expert_offsets,
+                                    std::int64_t expected_m) const {
+  const std::int64_t H = context_.config.hidden;
+  out = DispatchOutput{};
+  out.format = context_.format;
+  out.num_local_experts = g_.L;
+  out.num_recv_tokens = recv_tokens;
+  out.tensor_scale = context_.format == ActivationFormat::fp8_tensor ? tensor_scale : 1.0f;
+  if (contiguous()) {
+    out.layout = Layout::contiguous;
+    out.rows = rows_.view(row_dtype(), {rows, H});
+    if (g_.G > 0) out.scales = scales_.view(DType::f32, {rows, g_.G});
+    out.m_indices = m_indices_.view(DType::i32, {rows});
+    out.expert_offsets = std::move(expert_offsets);
+    out.row_token = row_token_.view(DType::i32, {rows});
+    out.row_weight = row_weight_.view(DType::f32, {rows});
+  } else {
+    out.layout = Layout::masked;
+    out.rows = rows_.view(row_dtype(), {g_.L, M_max_, H});
+    if (g_.G > 0) out.scales = scales_.view(DType::f32, {g_.L, M_max_, g_.G});
+    out.masked_m = masked_m_.view(DType::i32, {g_.L});
+    out.expected_m = expected_m;
+    out.row_token = row_token_.view(DType::i32, {max_rows_});
+    out.row_weight = row_weight_.view(DType::f32, {max_rows_});
+  }
+}
+
+cuda::DeviceBuffer upload_pointers(const std::vector<void*>& pointers) {
+  cuda::DeviceBuffer b(sizeof(void*) * pointers.size());
+  EPMOE_CUDA_CHECK(
+      cudaMemcpy(b.data(), pointers.data(), sizeof(void*) * pointers.size(), cudaMemcpyHostToDevice));
+  return b;
+}
+
+}  // namespace epmoe::comm_detail

@@ -1,0 +1,57 @@
+// What the GPU dispatchers share: the checks of their context and inputs, the routing workspace
+// and the receive-side buffers of both layouts.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/ep_kernels.hpp"
+#include "epmoe/comm.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/dispatch.hpp"
+
+namespace epmoe::comm_detail {
+
+class GpuDispatcherBase {
+ protected:
+  GpuDispatcherBase(std::string name, const DispatcherContext& context, std::shared_ptr<Communicator> comm);
+
+  // Shapes, dtypes, device and alignment of one rank's input; returns T.
+  std::int64_t validate_input(const DispatchInput& in) const;
+  void validate_combine(const TensorView& expert_out, const TensorView& y) const;
+  // Makes the communicator's device current and throws if an earlier error left it unusable.
+  void enter(std::string_view what) const;
+
+  DType row_dtype() const {
+    return context_.format == ActivationFormat::bf16 ? DType::bf16 : DType::fp8_e4m3;
+  }
+  bool contiguous() const { return context_.mode == Mode::normal; }
+  // The output of the last dispatch (views into the buffers below).
+  void fill_output(DispatchOutput& out, std::int64_t rows_or_m_sum, std::int64_t recv_tokens,
+                   float tensor_scale, std::vector<std::int64_t> expert_offsets,
+                   std::int64_t expected_m) const;
+  PlaceArgs place_outputs() const;
+
+  std::string name_;
+  DispatcherContext context_;
+  std::shared_ptr<Communicator> comm_;
+  EpGeometry g_;
+  std::int64_t max_rows_ = 0;  // contiguous: N * T_max * min(K, L) + L * 127; masked: L * M_max
+  std::int64_t M_max_ = 0;
+
+  // Routing (persists from a dispatch to its combine).
+  cuda::DeviceBuffer bitmaps_, prefix_, count_row_;
+  // Receive side.
+  cuda::DeviceBuffer rows_, scales_, m_indices_, masked_m_, row_token_, row_weight_;
+  cuda::DeviceBuffer recv_rows_, recv_src_, recv_slot_, recv_total_;
+  std::int64_t last_T_ = 0;
+  bool dispatched_ = false;
+  DispatchStats stats_;
+};
+
+// dest[d] table of N device pointers.
+cuda::DeviceBuffer upload_pointers(const std::vector<void*>& pointers);
+
+}  // namespace epmoe::comm_detail

@@ -1,0 +1,211 @@
+// "nvlink-ll": low-latency dispatch / combine over NVLink loads and stores into a symmetric
+// window (epmoe/comm_dispatch.hpp).
+//
+// Window of every rank, two parities (calls alternate between them, so a fast rank's next call
+// never overwrites what a slow rank is still reading):
+//   parity p: [headers: N x {flag, status, tokens, T, rows per local expert [L]}]
+//             [token slots: N x T_max x payload row]      (source s writes region s)
+//             [combine flags: N x 16 bytes]
+//             [partial sums: N x T_max x H bf16]           (expert rank d writes region d)
+// Sequence numbers live on the device (one for dispatch, one for combine): a call uses s = seq + 1
+// and parity s & 1, the receiving kernel's last block stores seq = s. Nothing depends on the host,
+// so the four halves can be captured in CUDA graphs and replayed.
+#include <algorithm>
+
+#include "comm/comm_internal.hpp"
+#include "comm/gpu_dispatcher_base.hpp"
+#include "epmoe/comm_dispatch.hpp"
+
+namespace epmoe {
+namespace {
+
+std::int64_t up(std::int64_t x, std::int64_t a) {
+  return (x + a - 1) / a * a;
+}
+
+class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDispatcherBase {
+ public:
+  NvlinkLlDispatcher(const DispatcherContext& context, std::shared_ptr<Communicator> comm)
+      : GpuDispatcherBase("nvlink-ll", context, std::move(comm)) {
+    EPMOE_CHECK(context.mode == Mode::low_latency,
+                "nvlink-ll serves low-latency mode (masked layout); use nccl-p2p for normal mode");
+    const std::int64_t N = g_.N, me = g_.me;
+    header_ints_ = up(comm_detail::kHeaderCounts + g_.L, 4);
+    hdr_off_ = 0;
+    slot_off_ = up(hdr_off_ + N * header_ints_ * 4, 256);
+    cflag_off_ = up(slot_off_ + N * g_.T_max * g_.row_stride, 256);
+    cslot_off_ = up(cflag_off_ + N * 16, 256);
+    parity_stride_ = up(cslot_off_ + N * g_.T_max * g_.partial_bytes, 4096);
+    window_ = comm_->alloc_symmetric(static_cast<std::size_t>(2 * parity_stride_));  // collective, zeroed
+    EPMOE_CHECK(
+        comm_->all_ranks_lsa(),
+        "nvlink-ll needs every rank's memory reachable by NVLink loads and stores, but this rank's LSA team "
+        "has {} of the {} ranks; use nccl-p2p",
+        comm_->lsa_size(), comm_->size());
+
+    std::vector<void*> send_dest, send_hdr, reduce_dest, reduce_flag;
+    for (int d = 0; d < g_.N; ++d) {
+      auto* peer = static_cast<char*>(window_->peer_pointer(d));
+      EPMOE_CHECK(peer != nullptr, "nvlink-ll: no load/store pointer to rank {}'s window", d);
+      send_dest.push_back(peer + slot_off_ + me * g_.T_max * g_.row_stride);
+      send_hdr.push_back(peer + hdr_off_ + me * header_ints_ * 4);
+      reduce_dest.push_back(peer + cslot_off_ + me * g_.T_max * g_.partial_bytes);
+      reduce_flag.push_back(peer + cflag_off_ + me * 16);
+    }
+    send_dest_ = comm_detail::upload_pointers(send_dest);
+    send_hdr_ = comm_detail::upload_pointers(send_hdr);
+    reduce_dest_ = comm_detail::upload_pointers(reduce_dest);
+    reduce_flag_ = comm_detail::upload_pointers(reduce_flag);
+    sync_state_ = cuda::DeviceBuffer(64);  // [0] dispatch seq, [1] combine seq, [4..8) done counters
+    sync_state_.fill_bytes(0, comm_->stream());
+    comm_->barrier();  // every rank's state is ready before anyone sends
+  }
+
+  std::string name() const override { return name_; }
+  Layout layout() const override { return Layout::masked; }
+  const DispatcherContext& context() const override { return context_; }
+  const DispatchStats& last_stats() const override { return stats_; }
+  std::size_t window_bytes() const override { return window_->size(); }
+
+  void dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) override {
+    EPMOE_CHECK(inputs.size() == 1 && outputs.size() == 1,
+                "nvlink-ll serves one rank: pass one input and one output, got {} and {}", inputs.size(),
+                outputs.size());
+    dispatch_send(inputs[0]);
+    dispatch_recv(outputs[0]);
+  }
+
+  void combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) override {
+    EPMOE_CHECK(expert_out.size() == 1 && y.size() == 1,
+                "nvlink-ll serves one rank: pass one expert output and one y, got {} and {}",
+                expert_out.size(), y.size());
+    combine_send(expert_out[0]);
+    combine_recv(y[0]);
+  }
+
+  void dispatch_send(const DispatchInput& in) override {
+    enter("dispatch_send");
+    const std::int64_t T = validate_input(in);
+    const std::int32_t host_status = T > g_.T_max ? kInputTooManyTokens : 0;
+    const cudaStream_t stream = comm_->stream();
+    comm_detail::launch_route(g_, in.topk_ids.as<std::int32_t>(), T, host_status, in.x_tensor_scale,
+                              bitmaps_.as<std::uint32_t>(), prefix_.as<std::int32_t>(),
+                              count_row_.as<std::int32_t>(), stream);
+    comm_detail::SendArgs s;
+    s.x = in.x.data;
+    s.scales = g_.G > 0 ? in.x_scales.as<float>() : nullptr;
+    s.ids = in.topk_ids.as<std::int32_t>();
+    s.weights = in.topk_weights.as<float>();
+    s.T = host_status != 0 ? 0 : T;
+    s.bitmaps = bitmaps_.as<std::uint32_t>();
+    s.prefix = prefix_.as<std::int32_t>();
+    s.count_row = count_row_.as<std::int32_t>();
+    s.dest = send_dest_.as<char* const>();
+    s.header = send_hdr_.as<std::int32_t* const>();
+    s.sync = sync(0, 4);
+    comm_detail::launch_send(g_, s, stream);
+    tensor_scale_ = in.x_tensor_scale;
+    last_T_ = host_status != 0 ? 0 : T;
+    dispatched_ = false;
+    // The peers got an error status instead of tokens; now refuse here too.
+    EPMOE_CHECK(host_status == 0,
+                "nvlink-ll: rank {} has {} tokens, more than the buffers hold (max_tokens_per_rank = {})",
+                g_.me, T, g_.T_max);
+    sent_ = true;
+  }
+
+  void dispatch_recv(DispatchOutput& out) override {
+    enter("dispatch_recv");
+    EPMOE_CHECK(sent_, "nvlink-ll: dispatch_recv needs a dispatch_send first");
+    comm_detail::PlaceArgs p = place_outputs();
+    p.header = reinterpret_cast<const std::int32_t*>(static_cast<const char*>(window_->local()) + hdr_off_);
+    p.header_stride = header_ints_;
+    p.flag_field = comm_detail::kHeaderFlag;
+    p.status_field = comm_detail::kHeaderStatus;
+    p.tokens_field = comm_detail::kHeaderTokens;
+    p.counts_field = comm_detail::kHeaderCounts;
+    p.slots = static_cast<const char*>(window_->local()) + slot_off_;
+    p.sync = sync(0, 5);
+    comm_detail::launch_place(g_, p, comm_->stream());
+    const std::int64_t estimate =
+        std::max<std::int64_t>(1, (last_T_ * g_.N * g_.K + g_.P - 1) / std::max(1, g_.P));
+    fill_output(out, max_rows_, -1, tensor_scale_, {}, estimate);
+    sent_ = false;
+    dispatched_ = true;
+  }
+
+  void combine_send(const TensorView& expert_out) override {
+    enter("combine_send");
+    EPMOE_CHECK(dispatched_, "nvlink-ll: combine_send needs a dispatch first");
+    expect_dtype(expert_out, DType::bf16, "nvlink-ll: expert_out");
+    expect_shape(expert_out, {max_rows_, context_.config.hidden}, "nvlink-ll: expert_out");
+    expect_device(expert_out, Device::cuda, "nvlink-ll: expert_out");
+    expect_contiguous(expert_out, "nvlink-ll: expert_out");
+    comm_detail::ReduceArgs r;
+    r.expert_out = expert_out.data;
+    r.row_weight = row_weight_.as<float>();
+    r.recv_rows = recv_rows_.as<std::int32_t>();
+    r.recv_src = recv_src_.as<std::int32_t>();
+    r.recv_slot = recv_slot_.as<std::int32_t>();
+    r.recv_total = recv_total_.as<std::int32_t>();
+    r.dest = reduce_dest_.as<char* const>();
+    r.flag = reduce_flag_.as<std::uint32_t* const>();
+    r.sync = sync(1, 6);
+    comm_detail::launch_reduce(g_, r, comm_->stream());
+    combine_sent_ = true;
+  }
+
+  void combine_recv(const TensorView& y) override {
+    enter("combine_recv");
+    EPMOE_CHECK(combine_sent_, "nvlink-ll: combine_recv needs a combine_send first");
+    expect_dtype(y, DType::bf16, "nvlink-ll: y");
+    expect_shape(y, {last_T_, context_.config.hidden}, "nvlink-ll: y");
+    if (last_T_ > 0) {
+      expect_device(y, Device::cuda, "nvlink-ll: y");
+      expect_contiguous(y, "nvlink-ll: y");
+    }
+    comm_detail::HomeArgs h;
+    h.partials = static_cast<const char*>(window_->local()) + cslot_off_;
+    h.flags = reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(window_->local()) + cflag_off_);
+    h.flag_stride = 4;
+    h.bitmaps = bitmaps_.as<std::uint32_t>();
+    h.prefix = prefix_.as<std::int32_t>();
+    h.T = last_T_;
+    h.y = y.data;
+    h.sync = sync(1, 7);
+    comm_detail::launch_home(g_, h, comm_->stream());
+    combine_sent_ = false;
+  }
+
+ private:
+  comm_detail::FlagSync sync(int seq_index, int done_index) const {
+    comm_detail::FlagSync s;
+    s.seq = sync_state_.as<std::uint32_t>() + seq_index;
+    s.done = sync_state_.as<std::int32_t>() + done_index;
+    s.parity_stride = parity_stride_;
+    s.errors = comm_->device_error_sink();
+    s.timeout_ns = static_cast<std::uint64_t>(comm_->timeout_s() * 1e9);
+    return s;
+  }
+
+  std::unique_ptr<SymmetricBuffer> window_;
+  std::int64_t header_ints_ = 0, hdr_off_ = 0, slot_off_ = 0, cflag_off_ = 0, cslot_off_ = 0,
+               parity_stride_ = 0;
+  cuda::DeviceBuffer send_dest_, send_hdr_, reduce_dest_, reduce_flag_, sync_state_;
+  float tensor_scale_ = 1.0f;
+  bool sent_ = false, combine_sent_ = false;
+};
+
+const DispatcherRegistry::Registration kRegistration{
+    "nvlink-ll", [](const DispatcherContext& c) -> std::unique_ptr<Dispatcher> {
+      return make_nvlink_ll_dispatcher(c, Communicator::process_default());
+    }};
+
+}  // namespace
+
+std::unique_ptr<LowLatencyDispatcher> make_nvlink_ll_dispatcher(const DispatcherContext& context,
+                                                                std::shared_ptr<Communicator> comm) {
+  return std::make_unique<NvlinkLlDispatcher>(context, std::move(comm));
+}
+
+}  // namespace epmoe
