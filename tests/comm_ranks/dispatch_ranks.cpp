@@ -1,0 +1,413 @@
+// The GPU dispatchers against the CPU simulation, on every rank of the world communicator.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "epmoe/comm_dispatch.hpp"
+#include "ranks_util.hpp"
+
+namespace epmoe::ranks {
+namespace {
+
+enum class Transport { p2p_normal, p2p_low_latency, nvlink_ll };
+
+std::string name_of(Transport t) {
+  switch (t) {
+    case Transport::p2p_normal:
+      return "nccl-p2p normal";
+    case Transport::p2p_low_latency:
+      return "nccl-p2p low-latency";
+    case Transport::nvlink_ll:
+      return "nvlink-ll";
+  }
+  return "?";
+}
+Mode mode_of(Transport t) {
+  return t == Transport::p2p_normal ? Mode::normal : Mode::low_latency;
+}
+
+cudaStream_t stream() {
+  return world().stream();
+}
+
+// tiny (or DeepSeek-V3) dims over the world's ranks; with 2+ ranks, redundant slots too.
+MoeConfig test_config(int max_tokens, bool deepseek = false) {
+  MoeConfig c = MoeConfig::preset(deepseek ? "deepseek-v3" : "tiny");
+  const int N = world().size();
+  c.num_ranks = N;
+  c.num_redundant_experts = (N - c.num_experts % N) % N + (N > 1 && !deepseek ? N : 0);
+  c.max_tokens_per_rank = max_tokens;
+  return c;
+}
+
+std::unique_ptr<Dispatcher> make(Transport t, const MoeConfig& c, ActivationFormat f) {
+  const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1};
+  if (t == Transport::nvlink_ll) return make_nvlink_ll_dispatcher(ctx, world_ptr());
+  return make_nccl_p2p_dispatcher(ctx, world_ptr());
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// One dispatch + combine on `d`, checked against cpu-sim run over every rank's inputs.
+void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const std::vector<RankInput>& in,
+                 const std::string& what) {
+  SCOPED_TRACE(what);
+  const int N = c.num_ranks, me = world().rank();
+  const Mode mode = d.context().mode;
+  auto sim = make_dispatcher("cpu-sim", {c, mode, f, 0, N});
+  std::vector<DispatchInput> views;
+  for (const RankInput& r : in) views.push_back(r.view());
+  std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
+  sim->dispatch(views, want);
+
+  const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+  const DispatchInput dev_view = dev.view();
+  std::vector<DispatchOutput> got(1);
+  d.dispatch({&dev_view, 1}, got);
+  const HostOutput host = download(got[0], stream());
+  expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], what);
+  if (d.name() == "nccl-p2p") {
+    EXPECT_EQ(d.last_stats().tokens_sent.at(0),
+              sim->last_stats().tokens_sent.at(static_cast<std::size_t>(me)));
+    EXPECT_EQ(d.last_stats().bytes_sent.at(0), sim->last_stats().bytes_sent.at(static_cast<std::size_t>(me)));
+    EXPECT_EQ(d.last_stats().rows_received.at(0),
+              sim->last_stats().rows_received.at(static_cast<std::size_t>(me)));
+    EXPECT_EQ(host.view.expected_m, want[static_cast<std::size_t>(me)].expected_m);
+  }
+
+  // Combine: the same stand-in expert outputs on both sides.
+  std::vector<HostTensor> sim_out, ys;
+  std::vector<TensorView> sim_out_views, y_views;
+  for (int r = 0; r < N; ++r) {
+    sim_out.push_back(fake_expert_out(want[static_cast<std::size_t>(r)], c));
+    ys.emplace_back(DType::bf16,
+                    std::initializer_list<std::int64_t>{in[static_cast<std::size_t>(r)].x.size(0), c.hidden});
+  }
+  for (int r = 0; r < N; ++r) {
+    sim_out_views.push_back(sim_out[static_cast<std::size_t>(r)]);
+    y_views.push_back(ys[static_cast<std::size_t>(r)]);
+  }
+  sim->combine(sim_out_views, y_views);
+  const cuda::DeviceTensor out_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
+  const std::int64_t T = in[static_cast<std::size_t>(me)].x.size(0);
+  const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
+  y_dev.fill_bytes(0xff, stream());  // poison: every element must be written
+  const TensorView out_view = out_dev.view(), y_view = y_dev.view();
+  d.combine({&out_view, 1}, {&y_view, 1});
+  world().synchronize(CommPhase::none, "the combine to finish");
+  const HostTensor y = cuda::to_host(y_dev, stream());
+  const Diff diff = compare_bf16(y, ys[static_cast<std::size_t>(me)]);
+  EXPECT_EQ(diff.non_finite, 0);
+  EXPECT_LE(diff.rel_l2, 1e-2);
+  if (diff.bit_mismatches != 0)
+    std::printf("  note: %s combine: %lld of %lld elements differ in bits from cpu-sim (rel_l2 %.3g)\n",
+                what.c_str(), static_cast<long long>(diff.bit_mismatches), static_cast<long long>(y.numel()),
+                diff.rel_l2);
+}
+
+std::vector<std::int64_t> per_rank(const std::function<std::int64_t(int)>& f) {
+  std::vector<std::int64_t> t;
+  for (int r = 0; r < world().size(); ++r) t.push_back(f(r));
+  return t;
+}
+
+class Transports : public ::testing::TestWithParam<Transport> {};
+
+TEST_P(Transports, UnevenRoutingAndARankThatSendsNothing) {
+  const MoeConfig c = test_config(64);
+  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+  const auto tokens = per_rank([](int r) -> std::int64_t { return r == 1 ? 0 : 9 + 13 * r; });
+  check_round(*d, c, ActivationFormat::fp8_group,
+              make_inputs(c, ActivationFormat::fp8_group, tokens, 11, Routing::random),
+              name_of(GetParam()) + " uneven");
+}
+
+TEST_P(Transports, NoTokensAnywhere) {
+  const MoeConfig c = test_config(64);
+  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+  check_round(
+      *d, c, ActivationFormat::fp8_group,
+      make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 0; }), 12, Routing::random),
+      name_of(GetParam()) + " T = 0");
+}
+
+TEST_P(Transports, MaxTokensEverywhere) {
+  const MoeConfig c = test_config(64);
+  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+  check_round(
+      *d, c, ActivationFormat::fp8_group,
+      make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 64; }), 13, Routing::random),
+      name_of(GetParam()) + " T = max");
+}
+
+TEST_P(Transports, AllTokensToTheSameExperts) {
+  const MoeConfig c = test_config(64);
+  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+  check_round(*d, c, ActivationFormat::fp8_group,
+              make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 40 + r; }), 14,
+                          Routing::same_experts),
+              name_of(GetParam()) + " same experts");
+}
+
+TEST_P(Transports, OnlyRankZerosExpertsSoTheOthersReceiveNothing) {
+  const MoeConfig c = test_config(64);
+  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+  check_round(*d, c, ActivationFormat::fp8_group,
+              make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 30 - r; }), 15,
+                          Routing::first_rank_only),
+              name_of(GetParam()) + " rank 0's experts only");
+}
+
+TEST_P(Transports, RepeatedCallsReuseTheBuffers) {
+  const MoeConfig c = test_config(64);
+  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+  for (int round = 0; round < 5; ++round) {
+    const auto tokens = per_rank([&](int r) -> std::int64_t { return (round * 17 + r * 23) % 65; });
+    const Routing routing = round == 3 ? Routing::same_experts : Routing::random;
+    check_round(
+        *d, c, ActivationFormat::fp8_group,
+        make_inputs(c, ActivationFormat::fp8_group, tokens, 100u + static_cast<unsigned>(round), routing),
+        fmt::format("{} round {}", name_of(GetParam()), round));
+  }
+}
+
+TEST_P(Transports, DeepSeekDims) {
+  const MoeConfig c = test_config(64, /*deepseek=*/true);
+  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+  check_round(*d, c, ActivationFormat::fp8_group,
+              make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 48 + 16 * r; }), 16,
+                          Routing::random),
+              name_of(GetParam()) + " deepseek-v3 dims");
+}
+
+TEST_P(Transports, Bf16AndPerTensorFp8) {
+  for (const ActivationFormat f : {ActivationFormat::bf16, ActivationFormat::fp8_tensor}) {
+    const MoeConfig c = test_config(32);
+    auto d = make(GetParam(), c, f);
+    check_round(*d, c, f, make_inputs(c, f, per_rank([](int r) { return 20 + 3 * r; }), 17, Routing::random),
+                fmt::format("{} format {}", name_of(GetParam()),
+                            f == ActivationFormat::bf16 ? "bf16" : "fp8 per tensor"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Comm, Transports,
+                         ::testing::Values(Transport::p2p_normal, Transport::p2p_low_latency,
+                                           Transport::nvlink_ll),
+                         [](const ::testing::TestParamInfo<Transport>& p) {
+                           switch (p.param) {
+                             case Transport::p2p_normal:
+                               return std::string("NcclP2pNormal");
+                             case Transport::p2p_low_latency:
+                               return std::string("NcclP2pLowLatency");
+                             case Transport::nvlink_ll:
+                               return std::string("NvlinkLl");
+                           }
+                           return std::string("unknown");
+                         });
+
+// ---------------------------------------------------------------- refusals
+TEST(CommNcclP2p, BadInputOnOneRankIsRefusedOnEveryRankAndTheNextCallWorks) {
+  const MoeConfig c = test_config(32);
+  auto d = make(Transport::p2p_normal, c, ActivationFormat::fp8_group);
+  const int N = world().size(), me = world().rank(), bad = N - 1;
+  for (const bool too_many : {false, true}) {
+    auto in =
+        make_inputs(c, ActivationFormat::fp8_group,
+                    per_rank([&](int r) { return too_many && r == bad ? 33 : 20; }), 18, Routing::random);
+    if (!too_many) in[static_cast<std::size_t>(bad)].ids.data<std::int32_t>()[5] = c.num_physical_experts();
+    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+    const DispatchInput view = dev.view();
+    std::vector<DispatchOutput> out(1);
+    const std::string m = error_of([&] { d->dispatch({&view, 1}, out); });
+    EXPECT_NE(m.find(fmt::format("rank {} has", bad)), std::string::npos) << m;
+    EXPECT_NE(m.find(too_many ? "more tokens" : "out of range"), std::string::npos) << m;
+  }
+  check_round(
+      *d, c, ActivationFormat::fp8_group,
+      make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 25; }), 19, Routing::random),
+      "nccl-p2p after refusals");
+}
+
+TEST(CommNvlinkLl, TooManyTokensOnOneRankIsReportedToItsPeers) {
+  const int N = world().size(), me = world().rank();
+  if (N < 2) return;  // needs a peer
+  {
+    const MoeConfig c = test_config(32);
+    auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+    auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return r == 0 ? 33 : 10; }),
+                          20, Routing::random);
+    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+    const DispatchInput view = dev.view();
+    std::vector<DispatchOutput> out(1);
+    std::string m = error_of([&] {
+      d->dispatch({&view, 1}, out);
+      world().synchronize(CommPhase::none, "the dispatch");
+    });
+    if (me == 0) {
+      EXPECT_NE(m.find("more than the buffers hold"), std::string::npos) << m;
+    } else {
+      EXPECT_NE(m.find("rank 0 refused its input"), std::string::npos) << m;
+      EXPECT_NE(m.find("more tokens"), std::string::npos) << m;
+    }
+    world().reset_device_errors();
+    world().barrier();
+  }  // the dispatcher (its window) goes, collectively
+  world().barrier();
+}
+
+TEST(CommNvlinkLl, APeerThatNeverArrivesIsATimeoutNamingIt) {
+  const int N = world().size(), me = world().rank();
+  if (N < 2) return;
+  const double saved = world().timeout_s();
+  world().set_timeout_s(0.5);
+  {
+    const MoeConfig c = test_config(32);
+    auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+    if (me == 0) {
+      auto in =
+          make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 10; }), 21, Routing::random);
+      const DeviceInput dev = to_device(in[0], stream());
+      const DispatchInput view = dev.view();
+      std::vector<DispatchOutput> out(1);
+      const std::string m = error_of([&] {
+        d->dispatch({&view, 1}, out);  // the other ranks never dispatch
+        world().synchronize(CommPhase::none, "the dispatch");
+      });
+      EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
+      EXPECT_NE(m.find("dispatch-recv"), std::string::npos) << m;
+      EXPECT_NE(m.find("waiting for rank"), std::string::npos) << m;
+      EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
+      world().reset_device_errors();
+    }
+    world().set_timeout_s(saved);
+    world().barrier();
+  }
+  world().barrier();
+}
+
+// ---------------------------------------------------------------- low latency: halves, graphs
+TEST(CommNvlinkLl, HalvesWithOtherWorkInBetween) {
+  const MoeConfig c = test_config(64);
+  const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
+  auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
+  const int N = world().size(), me = world().rank();
+  const auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 50 - 7 * r; }), 22,
+                              Routing::random);
+  auto sim = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, N});
+  std::vector<DispatchInput> views;
+  for (const RankInput& r : in) views.push_back(r.view());
+  std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
+  sim->dispatch(views, want);
+  const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+  const cuda::DeviceBuffer other(std::size_t{64} << 20);
+  d->dispatch_send(dev.view());
+  other.fill_bytes(0x3c, stream());  // unrelated work between the halves
+  DispatchOutput out;
+  d->dispatch_recv(out);
+  const HostOutput host = download(out, stream());
+  expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "halves");
+}
+
+TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
+  const MoeConfig c = test_config(64);
+  const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
+  auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
+  const int N = world().size(), me = world().rank();
+  const auto tokens = per_rank([](int r) { return 37 + 5 * r; });
+  std::vector<RankInput> first = make_inputs(c, ActivationFormat::fp8_group, tokens, 30, Routing::random);
+  DeviceInput dev = to_device(first[static_cast<std::size_t>(me)], stream());
+  const std::int64_t rows = static_cast<std::int64_t>(c.num_local_experts()) * c.masked_max_m();
+  const cuda::DeviceTensor out_dev(DType::bf16, {rows, c.hidden});
+  const cuda::DeviceTensor y_dev(DType::bf16, {tokens[static_cast<std::size_t>(me)], c.hidden});
+
+  DispatchOutput out;
+  cudaGraph_t g_dispatch = nullptr, g_combine = nullptr;
+  cudaGraphExec_t e_dispatch = nullptr, e_combine = nullptr;
+  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+  d->dispatch_send(dev.view());
+  d->dispatch_recv(out);
+  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &g_dispatch));
+  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+  d->combine_send(out_dev.view());
+  d->combine_recv(y_dev.view());
+  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &g_combine));
+  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&e_dispatch, g_dispatch, 0));
+  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&e_combine, g_combine, 0));
+
+  for (int replay = 0; replay < 4; ++replay) {
+    SCOPED_TRACE(fmt::format("replay {}", replay));
+    const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 31u + static_cast<unsigned>(replay),
+                                replay == 2 ? Routing::same_experts : Routing::random);
+    copy_into(dev, in[static_cast<std::size_t>(me)], stream());
+    auto sim = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, N});
+    std::vector<DispatchInput> views;
+    for (const RankInput& r : in) views.push_back(r.view());
+    std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
+    sim->dispatch(views, want);
+
+    EPMOE_CUDA_CHECK(cudaGraphLaunch(e_dispatch, stream()));
+    const HostOutput host = download(out, stream());
+    expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "graph dispatch");
+
+    std::vector<HostTensor> sim_out, ys;
+    std::vector<TensorView> so, yv;
+    for (int r = 0; r < N; ++r) {
+      sim_out.push_back(fake_expert_out(want[static_cast<std::size_t>(r)], c));
+      ys.emplace_back(DType::bf16,
+                      std::initializer_list<std::int64_t>{tokens[static_cast<std::size_t>(r)], c.hidden});
+    }
+    for (int r = 0; r < N; ++r) {
+      so.push_back(sim_out[static_cast<std::size_t>(r)]);
+      yv.push_back(ys[static_cast<std::size_t>(r)]);
+    }
+    sim->combine(so, yv);
+    const HostTensor mine = fake_expert_out(host.view, c);
+    cuda::copy(out_dev.view(), mine, stream());
+    y_dev.fill_bytes(0xff, stream());
+    EPMOE_CUDA_CHECK(cudaGraphLaunch(e_combine, stream()));
+    world().synchronize(CommPhase::none, "the combine graph");
+    const HostTensor y = cuda::to_host(y_dev.view(), stream());
+    const Diff diff = compare_bf16(y, ys[static_cast<std::size_t>(me)]);
+    EXPECT_EQ(diff.non_finite, 0);
+    EXPECT_LE(diff.rel_l2, 1e-2);
+  }
+  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(e_dispatch));
+  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(e_combine));
+  EPMOE_CUDA_CHECK(cudaGraphDestroy(g_dispatch));
+  EPMOE_CUDA_CHECK(cudaGraphDestroy(g_combine));
+}
+
+// ---------------------------------------------------------------- the communicator itself
+TEST(CommWorld, BarrierAndASymmetricWindowThatEveryRankWritesInto) {
+  const int N = world().size(), me = world().rank();
+  world().barrier();
+  auto buf = world().alloc_symmetric(std::size_t{1} << 20);
+  EXPECT_GE(buf->size(), std::size_t{1} << 20);
+  EXPECT_GE(world().lsa_size(), 1);
+  std::printf("  LSA team: rank %d of %d (world %d)\n", world().lsa_rank(), world().lsa_size(), N);
+  if (!world().all_ranks_lsa()) return;
+  const std::int32_t mine = 1000 + me;
+  for (int d = 0; d < N; ++d) {
+    ASSERT_NE(buf->peer_pointer(d), nullptr);
+    EPMOE_CUDA_CHECK(
+        cudaMemcpy(static_cast<char*>(buf->peer_pointer(d)) + 4 * me, &mine, 4, cudaMemcpyHostToDevice));
+  }
+  world().barrier();
+  std::vector<std::int32_t> got(static_cast<std::size_t>(N));
+  EPMOE_CUDA_CHECK(
+      cudaMemcpy(got.data(), buf->local(), 4 * static_cast<std::size_t>(N), cudaMemcpyDeviceToHost));
+  for (int r = 0; r < N; ++r)
+    EXPECT_EQ(got[static_cast<std::size_t>(r)], 1000 + r) << "written by rank " << r;
+  world().barrier();
+}
+
+}  // namespace
+}  // namespace epmoe::ranks
