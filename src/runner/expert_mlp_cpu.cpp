@@ -8,6 +8,7 @@
 
 #include "epmoe/quant.hpp"
 #include "epmoe/runner.hpp"
+#include "epmoe/silu_quant.hpp"
 
 namespace epmoe {
 
@@ -118,27 +119,28 @@ void expert_mlp_cpu(const ExpertWeights& weights, ActivationFormat format, Tenso
         a2[static_cast<std::size_t>(m * I + j)] = g / (1.0 + std::exp(-g)) * u;
       }
   } else {
-    HostTensor act(DType::f32, {rows, I});
-    for (std::int64_t m = 0; m < rows; ++m)
-      for (std::int64_t j = 0; j < I; ++j) {
-        // GEMM1 writes bf16; SiLU·mul runs in f32 on those values.
-        const float g = round_to_bf16(static_cast<float>(h[static_cast<std::size_t>(m * 2 * I + j)]));
-        const float u = round_to_bf16(static_cast<float>(h[static_cast<std::size_t>(m * 2 * I + I + j)]));
-        act.data<float>()[m * I + j] = g / (1.0f + std::exp(-g)) * u;
-      }
+    // GEMM1 writes bf16; SiLU·mul runs in f32 on those values and is quantized as the GEMM2 input
+    // (silu_mul_quant_cpu: the definition the GPU kernel matches bit for bit).
+    HostTensor h_bf16(DType::bf16, {rows, 2 * I});
+    for (std::int64_t i = 0; i < rows * 2 * I; ++i)
+      h_bf16.data<bf16>()[i] = bf16::from_float(static_cast<float>(h[static_cast<std::size_t>(i)]));
+    const ActQuant quant{format, power_of_two_scales, a2_scale};
     switch (format) {
-      case ActivationFormat::bf16:
-        for (std::int64_t i = 0; i < rows * I; ++i) a2[static_cast<std::size_t>(i)] = round_to_bf16(act.data<float>()[i]);
+      case ActivationFormat::bf16: {
+        HostTensor q(DType::bf16, {rows, I});
+        silu_mul_quant_cpu(h_bf16, q, TensorView{}, quant);
+        a2 = dequantize_activations(format, q, TensorView{}, 1.0f);
         break;
+      }
       case ActivationFormat::fp8_group: {
         HostTensor q(DType::fp8_e4m3, {rows, I}), s(DType::f32, {rows, I / 128});
-        quantize_per_token_group_fp8(act, q, s, 128, power_of_two_scales);
+        silu_mul_quant_cpu(h_bf16, q, s, quant);
         a2 = dequantize_activations(format, q, s, 1.0f);
         break;
       }
       case ActivationFormat::fp8_tensor: {
         HostTensor q(DType::fp8_e4m3, {rows, I});
-        quantize_per_tensor_fp8(act, q, a2_scale);
+        silu_mul_quant_cpu(h_bf16, q, TensorView{}, quant);
         a2 = dequantize_activations(format, q, TensorView{}, a2_scale);
         break;
       }
