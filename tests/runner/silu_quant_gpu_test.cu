@@ -1,0 +1,476 @@
+// GPU fused SiLU·mul + FP8 quantization against the CPU reference (epmoe/silu_quant.hpp), bit for
+// bit: every byte of q and every bit of every scale, over the whole output buffers (rows that are
+// not processed must keep the poison both sides start from), fresh random inputs per run.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <ostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/silu_quant.hpp"
+#include "epmoe/silu_quant.hpp"
+#include "gpu_test_util.hpp"
+
+namespace epmoe {
+namespace {
+
+using cuda::Fp8Scaling;
+using cuda::ScaleLayout;
+using testing::bits_equal;
+using testing::expect_error_mentions;
+
+constexpr std::uint8_t kPoison = 0xff;  // fp8 0xff and f32 0xffffffff are NaN: never a valid output
+
+std::uint64_t fresh_seed() {
+  std::random_device rd;
+  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+}
+
+std::string hex(std::uint32_t v) {
+  std::ostringstream s;
+  s << "0x" << std::hex << v;
+  return s.str();
+}
+
+// The quantization variants the kernel has.
+enum class Variant { group, group_mn, pow2, pow2_mn, tensor_host, tensor_device };
+const char* name_of(Variant v) {
+  switch (v) {
+    case Variant::group:
+      return "group";
+    case Variant::group_mn:
+      return "group_mn";
+    case Variant::pow2:
+      return "pow2";
+    case Variant::pow2_mn:
+      return "pow2_mn";
+    case Variant::tensor_host:
+      return "tensor_host";
+    case Variant::tensor_device:
+      return "tensor_device";
+  }
+  return "?";
+}
+bool is_group(Variant v) {
+  return v != Variant::tensor_host && v != Variant::tensor_device;
+}
+bool is_mn(Variant v) {
+  return v == Variant::group_mn || v == Variant::pow2_mn;
+}
+bool is_pow2(Variant v) {
+  return v == Variant::pow2 || v == Variant::pow2_mn;
+}
+
+// Random bf16 GEMM1 output rows [rows, 2I]: per row N(0, sigma^2) with sigma in 2^[-8, 6]; some rows
+// have an exact-zero group (the kMinAmax clamp) and scattered exact / negative zeros. Never all zero.
+HostTensor random_h(std::int64_t rows, std::int64_t inter, std::mt19937_64& rng) {
+  HostTensor h(DType::bf16, {rows, 2 * inter});
+  bf16* p = h.data<bf16>();
+  std::uniform_int_distribution<int> exponent(-8, 6);
+  std::uniform_int_distribution<int> percent(0, 99);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::normal_distribution<float> normal(0.0f, std::ldexp(1.0f, exponent(rng)));
+    bf16* row = p + r * 2 * inter;
+    for (std::int64_t j = 0; j < 2 * inter; ++j) {
+      float v = 0.0f;
+      while (v == 0.0f) v = bf16::from_float(normal(rng)).to_float();
+      const int c = percent(rng);
+      row[j] = c == 0 ? bf16::from_float(0.0f) : c == 1 ? bf16::from_bits(0x8000) : bf16::from_float(v);
+    }
+    if (r % 5 == 3 && r > 0) {  // group 0 of act exactly zero: gate = 0 there
+      for (std::int64_t j = 0; j < 128; ++j) row[j] = bf16::from_float(0.0f);
+    }
+  }
+  return h;
+}
+
+// A static per-tensor scale that saturates a few values.
+float static_scale_for(const HostTensor& h) {
+  float amax = 0.0f;
+  const std::int64_t inter = h.size(h.view().rank - 1) / 2, rows = h.numel() / (2 * inter);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < inter; ++j)
+      amax = std::max(amax, std::fabs(silu_mul(h.data<bf16>()[r * 2 * inter + j].to_float(),
+                                               h.data<bf16>()[r * 2 * inter + inter + j].to_float())));
+  return std::max(amax, 1e-6f) / 400.0f;
+}
+
+ActQuant cpu_quant(Variant v, float tensor_scale) {
+  return is_group(v) ? ActQuant{ActivationFormat::fp8_group, is_pow2(v), 1.0f}
+                     : ActQuant{ActivationFormat::fp8_tensor, false, tensor_scale};
+}
+
+cuda::SiluQuantOptions gpu_options(Variant v, float tensor_scale, const cuda::DeviceTensor& device_scale) {
+  cuda::SiluQuantOptions o;
+  if (is_group(v)) {
+    o.scaling = Fp8Scaling::per_token_group;
+    o.power_of_two = is_pow2(v);
+    o.scale_layout = is_mn(v) ? ScaleLayout::mn_major_tma : ScaleLayout::token_major;
+  } else {
+    o.scaling = Fp8Scaling::per_tensor;
+    o.tensor_scale = tensor_scale;
+    if (v == Variant::tensor_device) o.tensor_scale_device = device_scale;
+  }
+  return o;
+}
+
+// CPU token-major scales (poison where untouched) in the MN-major TMA layout of `experts` blocks
+// (1 for contiguous) of `rows` rows: poison stays poison, TMA padding is 0.
+HostTensor to_mn_major(const HostTensor& s, std::int64_t experts, std::int64_t rows, std::int64_t groups) {
+  const std::int64_t padded = cuda::tma_aligned_tokens(rows);
+  HostTensor out(DType::f32, {experts, groups, padded});
+  for (std::int64_t e = 0; e < experts; ++e)
+    for (std::int64_t g = 0; g < groups; ++g)
+      for (std::int64_t r = 0; r < padded; ++r)
+        out.data<float>()[(e * groups + g) * padded + r] =
+            r < rows ? s.data<float>()[(e * rows + r) * groups + g] : 0.0f;
+  return out;
+}
+
+void expect_same_bytes(const HostTensor& got, const HostTensor& want, const std::string& what,
+                       std::int64_t row_bytes) {
+  ASSERT_EQ(got.nbytes(), want.nbytes()) << what;
+  const auto* g = static_cast<const std::uint8_t*>(got.view().data);
+  const auto* w = static_cast<const std::uint8_t*>(want.view().data);
+  EXPECT_TRUE(bits_equal(g, w, static_cast<std::int64_t>(got.nbytes()), [&](std::int64_t i) {
+    return what + " byte " + std::to_string(i) + " (row " + std::to_string(i / row_bytes) + ", byte " +
+           std::to_string(i % row_bytes) + "): got " + hex(g[i]) + ", want " + hex(w[i]);
+  }));
+}
+
+void expect_same_f32(const HostTensor& got, const HostTensor& want, const std::string& what) {
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  const auto* g = reinterpret_cast<const std::uint32_t*>(got.data<float>());
+  const auto* w = reinterpret_cast<const std::uint32_t*>(want.data<float>());
+  EXPECT_TRUE(bits_equal(g, w, got.numel(), [&](std::int64_t i) {
+    return what + "[" + std::to_string(i) + "]: got " + hex(g[i]) + ", want " + hex(w[i]);
+  }));
+}
+
+// ---------------------------------------------------------------- contiguous
+
+// `counts[e]` valid rows per expert, each block padded to 128, plus `tail` rows of -1 (the unused
+// capacity of a worst-case buffer).
+HostTensor m_indices_for(const std::vector<std::int64_t>& counts, std::int64_t tail) {
+  std::vector<std::int32_t> m;
+  for (std::size_t e = 0; e < counts.size(); ++e) {
+    const std::int64_t padded = (counts[e] + 127) / 128 * 128;
+    for (std::int64_t r = 0; r < padded; ++r) m.push_back(r < counts[e] ? static_cast<std::int32_t>(e) : -1);
+  }
+  for (std::int64_t r = 0; r < tail; ++r) m.push_back(-1);
+  HostTensor t(DType::i32, {static_cast<std::int64_t>(m.size())});
+  std::copy(m.begin(), m.end(), t.data<std::int32_t>());
+  return t;
+}
+
+void run_contiguous(const HostTensor& m_indices, std::int64_t inter, Variant v, std::mt19937_64& rng) {
+  SCOPED_TRACE(std::string("contiguous ") + name_of(v));
+  const std::int64_t rows = m_indices.size(0), groups = inter / 128;
+  const HostTensor h = random_h(rows, inter, rng);
+  const float tensor_scale = static_scale_for(h);
+
+  HostTensor q_ref(DType::fp8_e4m3, {rows, inter}), s_ref(DType::f32, {rows, groups});
+  q_ref.fill_bytes(kPoison);
+  s_ref.fill_bytes(kPoison);
+  silu_mul_quant_contiguous_cpu(h, m_indices, q_ref, s_ref, cpu_quant(v, tensor_scale));
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor dh = cuda::to_device(h, stream);
+  const cuda::DeviceTensor dm = cuda::to_device(m_indices, stream);
+  const cuda::DeviceTensor dq(DType::fp8_e4m3, {rows, inter});
+  const cuda::DeviceTensor ds = is_mn(v)
+                                    ? cuda::DeviceTensor(DType::f32, {groups, cuda::tma_aligned_tokens(rows)})
+                                    : cuda::DeviceTensor(DType::f32, {rows, groups});
+  HostTensor scale_host(DType::f32, {1});
+  scale_host.data<float>()[0] = tensor_scale;
+  const cuda::DeviceTensor dscale = cuda::to_device(scale_host, stream);
+  dq.fill_bytes(kPoison, stream);
+  ds.fill_bytes(kPoison, stream);
+  cuda::silu_mul_quant_contiguous(dh, dm, dq, ds, gpu_options(v, tensor_scale, dscale), stream);
+  const HostTensor q = cuda::to_host(dq, stream);
+  const HostTensor s = cuda::to_host(ds, stream);
+
+  expect_same_bytes(q, q_ref, "q", inter);
+  if (is_group(v)) {
+    if (is_mn(v)) {
+      expect_same_f32(s, to_mn_major(s_ref, 1, rows, groups), "scales (mn)");
+    } else {
+      expect_same_f32(s, s_ref, "scales");
+    }
+  } else {
+    const auto* b = static_cast<const std::uint8_t*>(s.view().data);
+    EXPECT_TRUE(std::all_of(b, b + s.nbytes(), [](std::uint8_t x) { return x == kPoison; }))
+        << "per-tensor mode wrote scales";
+  }
+}
+
+// (valid rows spread over experts, I, experts)
+using ContiguousCase = std::tuple<std::int64_t, std::int64_t, int>;
+class SiluMulQuantGpuContiguous : public ::testing::TestWithParam<ContiguousCase> {};
+
+TEST_P(SiluMulQuantGpuContiguous, BitExactWithCpu) {
+  EPMOE_REQUIRE_GPU();
+  const auto [valid, inter, experts] = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  // Random counts (some experts empty), then a capacity tail.
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
+  for (std::int64_t i = 0; i < valid; ++i) counts[rng() % static_cast<std::uint64_t>(experts)] += 1;
+  const HostTensor m_indices = m_indices_for(counts, 128 + static_cast<std::int64_t>(rng() % 7));
+  for (const Variant v : {Variant::group, Variant::group_mn, Variant::pow2, Variant::pow2_mn,
+                          Variant::tensor_host, Variant::tensor_device})
+    run_contiguous(m_indices, inter, v, rng);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SiluMulQuantGpuContiguous,
+                         ::testing::Values(ContiguousCase{1, 2048, 8}, ContiguousCase{3, 2048, 8},
+                                           ContiguousCase{128, 2048, 16}, ContiguousCase{4096, 2048, 128},
+                                           ContiguousCase{300, 256, 5}, ContiguousCase{77, 128, 1}),
+                         [](const ::testing::TestParamInfo<ContiguousCase>& info) {
+                           return std::string("R") + std::to_string(std::get<0>(info.param)) + "_I" +
+                                  std::to_string(std::get<1>(info.param)) + "_E" +
+                                  std::to_string(std::get<2>(info.param));
+                         });
+
+TEST(SiluMulQuantGpuContiguousMisc, AllPaddingAndOneExpert) {
+  EPMOE_REQUIRE_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  // Every row padding: nothing written (but the MN-major TMA padding).
+  const HostTensor none = m_indices_for({0, 0, 0}, 130);
+  for (const Variant v : {Variant::group, Variant::group_mn, Variant::tensor_host})
+    run_contiguous(none, 256, v, rng);
+  // All rows to one expert, the last of 64.
+  std::vector<std::int64_t> counts(64, 0);
+  counts[63] = 1000;
+  const HostTensor one = m_indices_for(counts, 3);
+  for (const Variant v : {Variant::group, Variant::pow2_mn, Variant::tensor_device})
+    run_contiguous(one, 2048, v, rng);
+}
+
+// ---------------------------------------------------------------- masked
+
+void run_masked(const std::vector<std::int32_t>& masked_m, std::int64_t m_max, std::int64_t inter, Variant v,
+                std::mt19937_64& rng) {
+  SCOPED_TRACE(std::string("masked ") + name_of(v) + " M_max " + std::to_string(m_max));
+  const auto experts = static_cast<std::int64_t>(masked_m.size());
+  const std::int64_t groups = inter / 128;
+  const HostTensor h2 = random_h(experts * m_max, inter, rng);
+  TensorView h = h2.view();
+  h.rank = 3;
+  h.shape = {experts, m_max, 2 * inter, 0};
+  h.stride = {m_max * 2 * inter, 2 * inter, 1, 0};
+  HostTensor mm(DType::i32, {experts});
+  std::copy(masked_m.begin(), masked_m.end(), mm.data<std::int32_t>());
+  const float tensor_scale = static_scale_for(h2);
+
+  HostTensor q_ref(DType::fp8_e4m3, {experts, m_max, inter}), s_ref(DType::f32, {experts, m_max, groups});
+  q_ref.fill_bytes(kPoison);
+  s_ref.fill_bytes(kPoison);
+  silu_mul_quant_masked_cpu(h, mm, q_ref, s_ref, cpu_quant(v, tensor_scale));
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor dh2 = cuda::to_device(h2, stream);
+  TensorView dh = dh2.view();
+  dh.rank = 3;
+  dh.shape = h.shape;
+  dh.stride = h.stride;
+  const cuda::DeviceTensor dmm = cuda::to_device(mm, stream);
+  const cuda::DeviceTensor dq(DType::fp8_e4m3, {experts, m_max, inter});
+  const cuda::DeviceTensor ds =
+      is_mn(v) ? cuda::DeviceTensor(DType::f32, {experts, groups, cuda::tma_aligned_tokens(m_max)})
+               : cuda::DeviceTensor(DType::f32, {experts, m_max, groups});
+  HostTensor scale_host(DType::f32, {1});
+  scale_host.data<float>()[0] = tensor_scale;
+  const cuda::DeviceTensor dscale = cuda::to_device(scale_host, stream);
+  dq.fill_bytes(kPoison, stream);
+  ds.fill_bytes(kPoison, stream);
+  cuda::silu_mul_quant_masked(dh, dmm, dq, ds, gpu_options(v, tensor_scale, dscale), stream);
+  const HostTensor q = cuda::to_host(dq, stream);
+  const HostTensor s = cuda::to_host(ds, stream);
+
+  expect_same_bytes(q, q_ref, "q", inter);
+  if (is_group(v)) {
+    if (is_mn(v)) {
+      expect_same_f32(s, to_mn_major(s_ref, experts, m_max, groups), "scales (mn)");
+    } else {
+      expect_same_f32(s, s_ref, "scales");
+    }
+  }
+}
+
+// (E, M_max, I, valid-row mode: 0 random, 1 all zero, 2 all to one expert, 3 all full)
+const char* mode_name(int mode) {
+  static const char* const kNames[] = {"random", "zero", "one", "full"};
+  return kNames[mode];
+}
+using MaskedCase = std::tuple<int, std::int64_t, std::int64_t, int>;
+class SiluMulQuantGpuMasked : public ::testing::TestWithParam<MaskedCase> {};
+
+TEST_P(SiluMulQuantGpuMasked, BitExactWithCpu) {
+  EPMOE_REQUIRE_GPU();
+  const auto [experts, m_max, inter, mode] = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<std::int32_t> masked_m(static_cast<std::size_t>(experts), 0);
+  for (std::size_t e = 0; e < masked_m.size(); ++e) {
+    switch (mode) {
+      case 0:
+        masked_m[e] = rng() % 4 == 0 ? 0 : static_cast<std::int32_t>(rng() % (m_max + 1));
+        break;
+      case 2:
+        masked_m[e] = e == masked_m.size() / 2 ? static_cast<std::int32_t>(m_max) : 0;
+        break;
+      case 3:
+        masked_m[e] = static_cast<std::int32_t>(m_max);
+        break;
+      default:
+        break;
+    }
+  }
+  for (const Variant v : {Variant::group, Variant::group_mn, Variant::pow2, Variant::pow2_mn,
+                          Variant::tensor_host, Variant::tensor_device})
+    run_masked(masked_m, m_max, inter, v, rng);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SiluMulQuantGpuMasked,
+                         ::testing::Values(MaskedCase{8, 1, 2048, 3}, MaskedCase{8, 3, 2048, 0},
+                                           MaskedCase{16, 128, 2048, 0}, MaskedCase{4, 4096, 2048, 2},
+                                           MaskedCase{5, 37, 256, 0}, MaskedCase{6, 10, 128, 1},
+                                           MaskedCase{1, 130, 256, 3}),
+                         [](const ::testing::TestParamInfo<MaskedCase>& info) {
+                           return std::string("E") + std::to_string(std::get<0>(info.param)) + "_M" +
+                                  std::to_string(std::get<1>(info.param)) + "_I" +
+                                  std::to_string(std::get<2>(info.param)) + "_" +
+                                  mode_name(std::get<3>(info.param));
+                         });
+
+// masked_m outside [0, M_max] is clamped on the GPU (the CPU refuses it).
+TEST(SiluMulQuantGpuMaskedMisc, ClampsMaskedM) {
+  EPMOE_REQUIRE_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  const std::int64_t experts = 3, m_max = 5, inter = 128;
+  const HostTensor h2 = random_h(experts * m_max, inter, rng);
+  cuda::Stream stream;
+  const cuda::DeviceTensor dh2 = cuda::to_device(h2, stream);
+  TensorView dh = dh2.view();
+  dh.rank = 3;
+  dh.shape = {experts, m_max, 2 * inter, 0};
+  dh.stride = {m_max * 2 * inter, 2 * inter, 1, 0};
+  HostTensor mm(DType::i32, {experts});
+  mm.data<std::int32_t>()[0] = -4;
+  mm.data<std::int32_t>()[1] = 99;
+  mm.data<std::int32_t>()[2] = 2;
+  const cuda::DeviceTensor dmm = cuda::to_device(mm, stream);
+  const cuda::DeviceTensor dq(DType::fp8_e4m3, {experts, m_max, inter});
+  const cuda::DeviceTensor ds(DType::f32, {experts, m_max, 1});
+  dq.fill_bytes(kPoison, stream);
+  cuda::silu_mul_quant_masked(dh, dmm, dq, ds, {}, stream);
+  const HostTensor q = cuda::to_host(dq, stream);
+
+  // The CPU with the clamped counts {0, M_max, 2}.
+  TensorView h = h2.view();
+  h.rank = 3;
+  h.shape = dh.shape;
+  h.stride = dh.stride;
+  HostTensor mm_clamped(DType::i32, {experts});
+  mm_clamped.data<std::int32_t>()[0] = 0;
+  mm_clamped.data<std::int32_t>()[1] = static_cast<std::int32_t>(m_max);
+  mm_clamped.data<std::int32_t>()[2] = 2;
+  HostTensor q_ref(DType::fp8_e4m3, {experts, m_max, inter}), s_ref(DType::f32, {experts, m_max, 1});
+  q_ref.fill_bytes(kPoison);
+  silu_mul_quant_masked_cpu(h, mm_clamped, q_ref, s_ref, {});
+  expect_same_bytes(q, q_ref, "q", inter);
+}
+
+// ---------------------------------------------------------------- arguments
+
+TEST(SiluMulQuantGpuMisc, RefusesBadArguments) {
+  EPMOE_REQUIRE_GPU();
+  cuda::Stream stream;
+  const cuda::DeviceTensor h(DType::bf16, {4, 512});
+  const cuda::DeviceTensor m(DType::i32, {4});
+  const cuda::DeviceTensor q(DType::fp8_e4m3, {4, 256});
+  const cuda::DeviceTensor s(DType::f32, {4, 2});
+  const cuda::DeviceTensor s_mn(DType::f32, {2, 4});
+  h.fill_bytes(0x3c, stream);
+  m.fill_bytes(0, stream);
+  cuda::SiluQuantOptions group;
+  EXPECT_NO_THROW(cuda::silu_mul_quant_contiguous(h, m, q, s, group, stream));
+  cuda::SiluQuantOptions mn;
+  mn.scale_layout = ScaleLayout::mn_major_tma;
+  EXPECT_NO_THROW(cuda::silu_mul_quant_contiguous(h, m, q, s_mn, mn, stream));
+
+  const cuda::DeviceTensor h_f32(DType::f32, {4, 512});
+  expect_error_mentions([&] { cuda::silu_mul_quant_contiguous(h_f32, m, q, s, group, stream); },
+                        "h must have dtype bf16");
+  const cuda::DeviceTensor h_odd(DType::bf16, {4, 384});
+  expect_error_mentions([&] { cuda::silu_mul_quant_contiguous(h_odd, m, q, s, group, stream); },
+                        "twice a positive multiple of 128");
+  const cuda::DeviceTensor q_bad(DType::fp8_e4m3, {4, 512});
+  expect_error_mentions([&] { cuda::silu_mul_quant_contiguous(h, m, q_bad, s, group, stream); },
+                        "q must have shape");
+  expect_error_mentions([&] { cuda::silu_mul_quant_contiguous(h, m, q, s_mn, group, stream); },
+                        "scales (token_major) must have shape [4, 2]");
+  expect_error_mentions([&] { cuda::silu_mul_quant_contiguous(h, m, q, s, mn, stream); },
+                        "scales (mn_major_tma) must have shape [2, 4]");
+  const cuda::DeviceTensor m_bad(DType::i32, {5});
+  expect_error_mentions([&] { cuda::silu_mul_quant_contiguous(h, m_bad, q, s, group, stream); },
+                        "m_indices must have shape");
+  const HostTensor m_host(DType::i32, {4});
+  expect_error_mentions([&] { cuda::silu_mul_quant_contiguous(h, m_host, q, s, group, stream); },
+                        "m_indices must live on cuda");
+  cuda::SiluQuantOptions tensor;
+  tensor.scaling = Fp8Scaling::per_tensor;
+  tensor.tensor_scale = 0.0f;
+  expect_error_mentions([&] { cuda::silu_mul_quant_contiguous(h, m, q, TensorView{}, tensor, stream); },
+                        "tensor_scale must be positive");
+  const cuda::DeviceTensor two(DType::f32, {2});
+  tensor.tensor_scale_device = two;
+  expect_error_mentions([&] { cuda::silu_mul_quant_contiguous(h, m, q, TensorView{}, tensor, stream); },
+                        "exactly one");
+  TensorView h_off = h.view();
+  h_off.data = static_cast<std::byte*>(h_off.data) + 8;
+  h_off.shape[0] = 3;
+  const cuda::DeviceTensor m3(DType::i32, {3});
+  const cuda::DeviceTensor q3(DType::fp8_e4m3, {3, 256});
+  const cuda::DeviceTensor s3(DType::f32, {3, 2});
+  expect_error_mentions([&] { cuda::silu_mul_quant_contiguous(h_off, m3, q3, s3, group, stream); },
+                        "16-byte aligned");
+
+  // Masked.
+  const cuda::DeviceTensor h3(DType::bf16, {2, 3, 256});
+  const cuda::DeviceTensor mm(DType::i32, {2});
+  const cuda::DeviceTensor qm(DType::fp8_e4m3, {2, 3, 128});
+  const cuda::DeviceTensor sm(DType::f32, {2, 3, 1});
+  h3.fill_bytes(0x3c, stream);
+  mm.fill_bytes(0, stream);
+  EXPECT_NO_THROW(cuda::silu_mul_quant_masked(h3, mm, qm, sm, group, stream));
+  expect_error_mentions([&] { cuda::silu_mul_quant_masked(h, mm, qm, sm, group, stream); },
+                        "h must have rank 3");
+  const cuda::DeviceTensor mm_bad(DType::i32, {3});
+  expect_error_mentions([&] { cuda::silu_mul_quant_masked(h3, mm_bad, qm, sm, group, stream); },
+                        "masked_m must have shape");
+  const cuda::DeviceTensor sm_mn_bad(DType::f32, {2, 1, 3});
+  expect_error_mentions([&] { cuda::silu_mul_quant_masked(h3, mm, qm, sm_mn_bad, mn, stream); },
+                        "scales (mn_major_tma) must have shape [2, 1, 4]");
+  const cuda::DeviceTensor h_many(DType::bf16, {1025, 1, 256});
+  const cuda::DeviceTensor mm_many(DType::i32, {1025});
+  const cuda::DeviceTensor q_many(DType::fp8_e4m3, {1025, 1, 128});
+  const cuda::DeviceTensor s_many(DType::f32, {1025, 1, 1});
+  expect_error_mentions([&] { cuda::silu_mul_quant_masked(h_many, mm_many, q_many, s_many, group, stream); },
+                        "must lie in [1, 1024]");
+  stream.synchronize();
+}
+
+}  // namespace
+}  // namespace epmoe
