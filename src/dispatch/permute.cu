@@ -1,0 +1,324 @@
+// Host launchers of the permutation and weighted-gather kernels (permute_kernels.cuh); API in
+// epmoe/cuda/permute.hpp.
+#include "epmoe/cuda/permute.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string_view>
+
+#include "dispatch/permute_kernels.cuh"
+#include "epmoe/cuda/launch.hpp"
+
+namespace epmoe::cuda {
+namespace {
+
+using kernels::kPermuteThreads;
+
+static_assert(kPermuteMaxExperts == kernels::kPermuteExpertsMax);
+static_assert(kPermuteMaxTopk == 32);  // a lane per k
+
+constexpr std::int64_t kI32Max = std::numeric_limits<std::int32_t>::max();
+
+// A contiguous device tensor of `dtype` whose data pointer is `align`-byte aligned.
+void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name, std::uintptr_t align = 4) {
+  expect_dtype(t, dtype, name);
+  expect_device(t, Device::cuda, name);
+  expect_contiguous(t, name);
+  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
+  EPMOE_CHECK(address % align == 0, "{} must be {}-byte aligned, got {} at {:#x}", name, align, t.describe(),
+              address);
+}
+
+template <auto kKernel>
+unsigned grid_for(std::uint64_t work_blocks, int threads = kPermuteThreads) {
+  static const int blocks_per_sm = [threads] {
+    int n = 0;
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, 0));
+    return std::max(n, 1);
+  }();
+  const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
+  return static_cast<unsigned>(std::clamp<std::uint64_t>(work_blocks, 1, resident));
+}
+
+std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) {
+  return (a + b - 1) / b;
+}
+
+std::int64_t chunks_for(std::int64_t entries) {
+  return static_cast<std::int64_t>(ceil_div(static_cast<std::uint64_t>(entries), kernels::kPermuteChunk));
+}
+
+struct InShape {
+  std::int64_t tokens = 0, hidden = 0, groups = 0, topk = 0, vecs_per_row = 0;
+  bool fp8 = false;
+};
+
+InShape check_input(const PermuteInput& in) {
+  expect_rank(in.x, 2, "x");
+  EPMOE_CHECK(in.x.dtype == DType::fp8_e4m3 || in.x.dtype == DType::bf16,
+              "x must have dtype fp8_e4m3 or bf16, got {}", in.x.describe());
+  expect_device_tensor(in.x, in.x.dtype, "x", 16);
+  InShape s;
+  s.tokens = in.x.shape[0];
+  s.hidden = in.x.shape[1];
+  s.groups = s.hidden / 128;
+  s.fp8 = in.x.dtype == DType::fp8_e4m3;
+  EPMOE_CHECK(s.hidden > 0 && s.hidden % 128 == 0, "x: H = {} must be a positive multiple of 128", s.hidden);
+  s.vecs_per_row = s.hidden * static_cast<std::int64_t>(dtype_size(in.x.dtype)) / 16;
+  if (s.fp8) {
+    expect_device_tensor(in.x_scales, DType::f32, "x_scales");
+    expect_shape(in.x_scales, {s.tokens, s.groups}, "x_scales");
+  }
+  expect_rank(in.topk_ids, 2, "topk_ids");
+  expect_device_tensor(in.topk_ids, DType::i32, "topk_ids");
+  EPMOE_CHECK(in.topk_ids.shape[0] == s.tokens, "topk_ids must have {} rows (x's tokens), got {}", s.tokens,
+              in.topk_ids.describe());
+  s.topk = in.topk_ids.shape[1];
+  EPMOE_CHECK(s.topk >= 1 && s.topk <= kPermuteMaxTopk, "topk_ids: K = {} must lie in [1, {}]", s.topk,
+              kPermuteMaxTopk);
+  EPMOE_CHECK(s.tokens * s.topk <= kI32Max && s.tokens * s.vecs_per_row <= kI32Max,
+              "x {} with K = {} is too large for one launch", in.x.describe(), s.topk);
+  return s;
+}
+
+void check_experts(std::int64_t experts, std::string_view what) {
+  EPMOE_CHECK(experts >= 1 && experts <= kPermuteMaxExperts, "{}: E = {} must lie in [1, {}]", what, experts,
+              kPermuteMaxExperts);
+}
+
+void check_workspace(const TensorView& workspace, std::int64_t entries, std::int64_t experts) {
+  expect_device_tensor(workspace, DType::u8, "workspace", 16);
+  const std::size_t need = permute_workspace_bytes(entries, static_cast<int>(experts));
+  EPMOE_CHECK(workspace.nbytes() >= need,
+              "workspace must hold at least {} bytes for T*K = {} and E = {}, got {}", need, entries, experts,
+              workspace.describe());
+}
+
+void check_i32(const TensorView& t, std::initializer_list<std::int64_t> shape, std::string_view name) {
+  expect_device_tensor(t, DType::i32, name);
+  expect_shape(t, shape, name);
+}
+
+// The scales of the rows: token-major [lead..., rows, G] or MN-major [lead..., G, pad(rows)].
+// Returns scale_ld (MN-major: the padded row count).
+std::int64_t check_out_scales(const TensorView& scales, ScaleLayout layout, std::int64_t experts,
+                              std::int64_t rows, std::int64_t groups) {
+  expect_device_tensor(scales, DType::f32, "scales");
+  const std::int64_t padded = tma_aligned_tokens(rows);
+  if (layout == ScaleLayout::token_major) {
+    if (experts == 0) {
+      expect_shape(scales, {rows, groups}, "scales (token_major)");
+    } else {
+      expect_shape(scales, {experts, rows, groups}, "scales (token_major)");
+    }
+    return 0;
+  }
+  EPMOE_CHECK(layout == ScaleLayout::mn_major_tma, "unknown scale layout {}", static_cast<int>(layout));
+  if (experts == 0) {
+    expect_shape(scales, {groups, padded}, "scales (mn_major_tma)");
+  } else {
+    expect_shape(scales, {experts, groups, padded}, "scales (mn_major_tma)");
+  }
+  return padded;
+}
+
+// 0.0f into the MN-major TMA padding: `columns` columns of scale_ld floats, each padded from `valid`.
+void zero_scale_padding(const TensorView& scales, std::int64_t columns, std::int64_t valid,
+                        std::int64_t scale_ld, cudaStream_t stream) {
+  if (scale_ld == valid || columns == 0) return;
+  EPMOE_CUDA_CHECK(cudaMemset2DAsync(
+      static_cast<float*>(scales.data) + valid, static_cast<std::size_t>(scale_ld) * 4, 0,
+      static_cast<std::size_t>(scale_ld - valid) * 4, static_cast<std::size_t>(columns), stream));
+}
+
+// Launches 1-3 (count, scan, rank + fill).
+// offsets / counts (contiguous) and masked_m (masked) are the scan's outputs.
+template <bool kMasked>
+void launch_index(const InShape& s, const PermuteInput& in, const TensorView& workspace, std::int64_t experts,
+                  kernels::PermuteRankParams rank, std::int32_t* offsets, std::int32_t* counts,
+                  std::int32_t* masked_m, cudaStream_t stream) {
+  const std::int64_t entries = s.tokens * s.topk;
+  const auto chunks = static_cast<std::uint32_t>(chunks_for(entries));
+  auto* hist = static_cast<std::int32_t*>(workspace.data);
+  const auto e = static_cast<std::uint32_t>(experts);
+  const auto* ids = static_cast<const std::int32_t*>(in.topk_ids.data);
+  if (chunks > 0) {
+    kernels::permute_count_kernel<<<chunks, kPermuteThreads, 0, stream>>>(
+        ids, static_cast<std::uint32_t>(entries), e, hist);
+    EPMOE_CUDA_CHECK_LAUNCH();
+  }
+  kernels::permute_scan_kernel<kMasked><<<1, kernels::kPermuteScanThreads, 0, stream>>>(
+      hist, chunks, e, rank.m_max, offsets, counts, masked_m);
+  EPMOE_CUDA_CHECK_LAUNCH();
+  rank.ids = ids;
+  rank.entries = static_cast<std::uint32_t>(entries);
+  rank.experts = e;
+  rank.chunks = chunks;
+  rank.chunk_base = hist;
+  constexpr auto kernel = &kernels::permute_rank_kernel<kMasked>;
+  const unsigned fill_blocks = grid_for<kernel>(ceil_div(rank.total_rows, 4 * kPermuteThreads));
+  kernel<<<chunks + fill_blocks, kPermuteThreads, 0, stream>>>(rank);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+// Launch 4 (copy).
+template <bool kScales, bool kMnMajor, bool kMasked>
+void launch_copy_variant(const kernels::PermuteCopyParams& p, cudaStream_t stream) {
+  constexpr auto kernel = &kernels::permute_copy_kernel<kScales, kMnMajor, kMasked>;
+  const std::uint64_t warps = static_cast<std::uint64_t>(p.tokens) * p.segments;
+  kernel<<<grid_for<kernel>(ceil_div(warps, kernels::kPermuteWarps)), kPermuteThreads, 0, stream>>>(p);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <bool kMasked>
+void launch_copy(const InShape& s, const PermuteInput& in, const TensorView& rows, const TensorView& scales,
+                 const TensorView& src_row, ScaleLayout layout, std::int64_t scale_ld, std::int64_t m_max,
+                 cudaStream_t stream) {
+  if (s.tokens == 0) return;
+  kernels::PermuteCopyParams p{};
+  p.x = static_cast<const uint4*>(in.x.data);
+  p.x_scales = s.fp8 ? static_cast<const float*>(in.x_scales.data) : nullptr;
+  p.src_row = static_cast<const std::int32_t*>(src_row.data);
+  p.tokens = static_cast<std::uint32_t>(s.tokens);
+  p.topk = static_cast<std::uint32_t>(s.topk);
+  p.vecs_per_row = static_cast<std::uint32_t>(s.vecs_per_row);
+  p.segments = static_cast<std::uint32_t>(ceil_div(p.vecs_per_row, 32 * kernels::kPermuteCopyVecs));
+  p.groups = static_cast<std::uint32_t>(s.groups);
+  p.rows = static_cast<uint4*>(rows.data);
+  p.scales = s.fp8 ? static_cast<float*>(scales.data) : nullptr;
+  p.scale_ld = static_cast<std::uint32_t>(scale_ld);
+  p.m_max = static_cast<std::uint32_t>(m_max);
+  EPMOE_CHECK(static_cast<std::uint64_t>(p.tokens) * p.segments <= std::numeric_limits<std::uint32_t>::max(),
+              "x {} has too many segments for one launch", in.x.describe());
+  if (!s.fp8) {
+    launch_copy_variant<false, false, kMasked>(p, stream);
+  } else if (layout == ScaleLayout::token_major) {
+    launch_copy_variant<true, false, kMasked>(p, stream);
+  } else {
+    launch_copy_variant<true, true, kMasked>(p, stream);
+  }
+}
+
+}  // namespace
+
+std::size_t permute_workspace_bytes(std::int64_t max_entries, int num_experts) {
+  EPMOE_CHECK(max_entries >= 0 && max_entries <= kI32Max, "max_entries = {} must lie in [0, 2^31)",
+              max_entries);
+  check_experts(num_experts, "permute_workspace_bytes");
+  const std::size_t bytes =
+      static_cast<std::size_t>(chunks_for(max_entries)) * static_cast<std::size_t>(num_experts) * 4;
+  return std::max<std::size_t>((bytes + 15) / 16 * 16, 16);
+}
+
+void permute_contiguous(const PermuteInput& in, const ContiguousLayout& out, TensorView workspace,
+                        cudaStream_t stream, ScaleLayout scale_layout) {
+  const InShape s = check_input(in);
+  expect_rank(out.expert_offsets, 1, "expert_offsets");
+  const std::int64_t experts = out.expert_offsets.shape[0] - 1;
+  check_experts(experts, "expert_offsets");
+  check_i32(out.expert_offsets, {experts + 1}, "expert_offsets");
+  check_i32(out.counts, {experts}, "counts");
+  expect_rank(out.rows, 2, "rows");
+  const std::int64_t m = out.rows.shape[0];
+  expect_device_tensor(out.rows, in.x.dtype, "rows", 16);
+  expect_shape(out.rows, {m, s.hidden}, "rows");
+  const std::int64_t need = contiguous_capacity(s.tokens * s.topk, static_cast<int>(experts));
+  EPMOE_CHECK(m >= need, "rows must have at least contiguous_capacity(T*K = {}, E = {}) = {} rows, got {}",
+              s.tokens * s.topk, experts, need, out.rows.describe());
+  EPMOE_CHECK(tma_aligned_tokens(m) <= kI32Max, "rows {} has too many rows", out.rows.describe());
+  const std::int64_t scale_ld = s.fp8 ? check_out_scales(out.scales, scale_layout, 0, m, s.groups) : 0;
+  check_i32(out.m_indices, {m}, "m_indices");
+  check_i32(out.row_src, {m}, "row_src");
+  check_i32(out.src_row, {s.tokens, s.topk}, "src_row");
+  check_workspace(workspace, s.tokens * s.topk, experts);
+
+  kernels::PermuteRankParams rank{};
+  auto* offsets = static_cast<std::int32_t*>(out.expert_offsets.data);
+  auto* counts = static_cast<std::int32_t*>(out.counts.data);
+  rank.offsets = offsets;
+  rank.counts = counts;
+  rank.src_row = static_cast<std::int32_t*>(out.src_row.data);
+  rank.row_src = static_cast<std::int32_t*>(out.row_src.data);
+  rank.m_indices = static_cast<std::int32_t*>(out.m_indices.data);
+  rank.total_rows = static_cast<std::uint32_t>(m);
+  launch_index<false>(s, in, workspace, experts, rank, offsets, counts, nullptr, stream);
+  launch_copy<false>(s, in, out.rows, out.scales, out.src_row, scale_layout, scale_ld, 0, stream);
+  if (s.fp8 && scale_layout == ScaleLayout::mn_major_tma)
+    zero_scale_padding(out.scales, s.groups, m, scale_ld, stream);
+}
+
+void permute_masked(const PermuteInput& in, const MaskedLayout& out, TensorView workspace,
+                    cudaStream_t stream, ScaleLayout scale_layout) {
+  const InShape s = check_input(in);
+  expect_rank(out.masked_m, 1, "masked_m");
+  const std::int64_t experts = out.masked_m.shape[0];
+  check_experts(experts, "masked_m");
+  check_i32(out.masked_m, {experts}, "masked_m");
+  expect_rank(out.rows, 3, "rows");
+  const std::int64_t m_max = out.rows.shape[1];
+  expect_device_tensor(out.rows, in.x.dtype, "rows", 16);
+  expect_shape(out.rows, {experts, m_max, s.hidden}, "rows");
+  EPMOE_CHECK(m_max >= 1 && experts * tma_aligned_tokens(m_max) <= kI32Max,
+              "rows {}: M_max must be positive and E * M_max must fit in i32", out.rows.describe());
+  const std::int64_t scale_ld =
+      s.fp8 ? check_out_scales(out.scales, scale_layout, experts, m_max, s.groups) : 0;
+  check_i32(out.row_src, {experts, m_max}, "row_src");
+  check_i32(out.src_row, {s.tokens, s.topk}, "src_row");
+  check_workspace(workspace, s.tokens * s.topk, experts);
+
+  kernels::PermuteRankParams rank{};
+  rank.m_max = static_cast<std::int32_t>(m_max);
+  rank.src_row = static_cast<std::int32_t*>(out.src_row.data);
+  rank.row_src = static_cast<std::int32_t*>(out.row_src.data);
+  rank.total_rows = static_cast<std::uint32_t>(experts * m_max);
+  auto* masked_m = static_cast<std::int32_t*>(out.masked_m.data);
+  rank.masked_m = masked_m;
+  launch_index<true>(s, in, workspace, experts, rank, nullptr, nullptr, masked_m, stream);
+  launch_copy<true>(s, in, out.rows, out.scales, out.src_row, scale_layout, scale_ld, m_max, stream);
+  if (s.fp8 && scale_layout == ScaleLayout::mn_major_tma)
+    zero_scale_padding(out.scales, experts * s.groups, m_max, scale_ld, stream);
+}
+
+void gather_weighted(TensorView expert_out, TensorView src_row, TensorView topk_weights, TensorView y,
+                     cudaStream_t stream) {
+  EPMOE_CHECK(expert_out.rank == 2 || expert_out.rank == 3, "expert_out must have rank 2 or 3, got {}",
+              expert_out.describe());
+  expect_device_tensor(expert_out, DType::bf16, "expert_out", 16);
+  const std::int64_t hidden = expert_out.shape[expert_out.rank - 1];
+  EPMOE_CHECK(hidden > 0 && hidden % 8 == 0, "expert_out: H = {} must be a positive multiple of 8", hidden);
+  const std::int64_t rows = expert_out.numel() / hidden;
+  expect_rank(src_row, 2, "src_row");
+  expect_device_tensor(src_row, DType::i32, "src_row");
+  const std::int64_t tokens = src_row.shape[0], topk = src_row.shape[1];
+  EPMOE_CHECK(topk >= 1 && topk <= kPermuteMaxTopk, "src_row: K = {} must lie in [1, {}]", topk,
+              kPermuteMaxTopk);
+  expect_device_tensor(topk_weights, DType::f32, "topk_weights");
+  expect_shape(topk_weights, {tokens, topk}, "topk_weights");
+  expect_device_tensor(y, DType::bf16, "y", 16);
+  expect_shape(y, {tokens, hidden}, "y");
+  const std::int64_t vecs_per_row = hidden / 8;
+  const std::int64_t segments = static_cast<std::int64_t>(ceil_div(vecs_per_row, 32 * kernels::kGatherVecs));
+  EPMOE_CHECK(rows <= kI32Max && tokens * topk <= kI32Max && tokens * segments <= kI32Max,
+              "expert_out {} / src_row {} too large for one launch", expert_out.describe(),
+              src_row.describe());
+  if (tokens == 0) return;
+
+  kernels::GatherParams p{};
+  p.rows = static_cast<const uint4*>(expert_out.data);
+  p.num_rows = static_cast<std::uint32_t>(rows);
+  p.src_row = static_cast<const std::int32_t*>(src_row.data);
+  p.weights = static_cast<const float*>(topk_weights.data);
+  p.tokens = static_cast<std::uint32_t>(tokens);
+  p.topk = static_cast<std::uint32_t>(topk);
+  p.vecs_per_row = static_cast<std::uint32_t>(vecs_per_row);
+  p.segments = static_cast<std::uint32_t>(segments);
+  p.y = static_cast<uint4*>(y.data);
+  constexpr auto kernel = &kernels::gather_weighted_kernel;
+  const unsigned grid =
+      grid_for<kernel>(ceil_div(static_cast<std::uint64_t>(tokens * segments), kernels::kPermuteWarps));
+  kernel<<<grid, kPermuteThreads, 0, stream>>>(p);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace epmoe::cuda
