@@ -1,0 +1,299 @@
+// Benchmark suite "comm": expert-parallel dispatch and combine across ranks (issue 6 bars).
+//
+// Needs 2+ ranks, one process per GPU: `epmoe launch -n 2 -- epmoe bench comm` (each rank prints
+// and, with --json, writes its own results: give each rank its own file, e.g.
+// `epmoe launch -n 2 -- sh -c 'epmoe bench comm --json comm-rank$EPMOE_RANK.json'`). Started any
+// other way (or with fewer GPUs than ranks) it says so and measures nothing.
+//
+//   normal mode   4096 tokens per rank, DeepSeek-V3 (H = 7168, top-8 of 256), FP8 dispatch / bf16
+//                 combine over nccl-p2p; and ncclAlltoAll moving the same bytes per peer.
+//   low latency   1, 32, 64, 128, 256 tokens per rank (buffers sized to the batch), graph-replayed,
+//                 over nvlink-ll and nccl-p2p; plus the send halves of nvlink-ll alone.
+// GB/s counts the bytes a rank sends to other ranks (token payloads: x + scales + ids + weights
+// for dispatch, bf16 partial sums for combine) over the median time of one call; floor_us is those
+// bytes at the measured NVLink P2P rate (396 GB/s).
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <set>
+
+#include "bench/bench.hpp"
+#include "comm/comm_internal.hpp"
+#include "dispatch/dispatch_common.hpp"
+#include "epmoe/comm_dispatch.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
+
+namespace epmoe::bench {
+namespace {
+
+constexpr double kNvlinkGBps = 396.0;
+
+struct Inputs {
+  cuda::DeviceTensor x, scales, ids, weights;
+  std::int64_t tokens_out = 0;  // tokens of this rank that go to other ranks
+  std::int64_t tokens_in = 0;   // tokens of other ranks that come to this rank
+  DispatchInput view() const { return {x.view(), scales.view(), 1.0f, ids.view(), weights.view()}; }
+};
+
+// Every rank's ids from the same seed (so each rank knows what it will receive), uniform top-K
+// distinct experts; x random bf16 bits reinterpreted as fp8, scales 1.
+Inputs make_inputs(const MoeConfig& c, std::int64_t T, int me, std::uint64_t seed, cudaStream_t stream) {
+  const int N = c.num_ranks, K = c.topk, P = c.num_physical_experts(), L = c.num_local_experts();
+  Inputs in;
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> any(0, P - 1);
+  HostTensor ids(DType::i32, {T, K}), weights(DType::f32, {T, K});
+  for (int r = 0; r < N; ++r) {
+    for (std::int64_t t = 0; t < T; ++t) {
+      std::set<int> used, ranks;
+      for (int k = 0; k < K; ++k) {
+        int id;
+        do id = any(rng);
+        while (used.count(id));
+        used.insert(id);
+        ranks.insert(id / L);
+        if (r == me) {
+          ids.data<std::int32_t>()[t * K + k] = id;
+          weights.data<float>()[t * K + k] = 1.0f / static_cast<float>(K);
+        }
+      }
+      if (r == me) in.tokens_out += static_cast<std::int64_t>(ranks.size()) - (ranks.count(me) ? 1 : 0);
+      if (r != me && ranks.count(me)) in.tokens_in += 1;
+    }
+  }
+  in.ids = cuda::to_device(ids, stream);
+  in.weights = cuda::to_device(weights, stream);
+  in.x = cuda::DeviceTensor(DType::fp8_e4m3, {T, c.hidden});
+  in.scales = cuda::DeviceTensor(DType::f32, {T, c.hidden / 128});
+  if (T > 0) {
+    // Any bytes will do for the payload: fill through a bf16 view of the same memory.
+    fill_random_bf16(TensorView::contiguous(in.x.view().data, DType::bf16, {T, c.hidden / 2}, Device::cuda),
+                     seed, stream);
+    HostTensor ones(DType::f32, {T, c.hidden / 128});
+    for (std::int64_t i = 0; i < ones.numel(); ++i) ones.data<float>()[i] = 1.0f;
+    cuda::copy(in.scales.view(), ones, stream);
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  return in;
+}
+
+MoeConfig deepseek(int ranks, int max_tokens) {
+  MoeConfig c = MoeConfig::preset("deepseek-v3");
+  c.num_ranks = ranks;
+  c.max_tokens_per_rank = max_tokens;
+  return c;
+}
+
+Params params(const std::string& transport, const std::string& mode, const std::string& phase, std::int64_t T,
+              const Communicator& comm) {
+  return {{"transport", transport}, {"mode", mode},       {"phase", phase}, {"tokens", T},
+          {"ranks", comm.size()},   {"rank", comm.rank()}};
+}
+
+// Times `launch` with every rank starting together.
+double timed(Communicator& comm, const Launch& launch, const TimingOptions& t) {
+  comm.barrier();
+  const double us = time_us(launch, 1, comm.stream(), t);
+  comm.check_device_errors();
+  return us;
+}
+
+cudaGraphExec_t capture(cudaStream_t stream, const std::function<void()>& enqueue) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  enqueue();
+  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  return exec;
+}
+
+void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options,
+                 std::vector<Result>& results) {
+  const TimingOptions timing = timing_for(options);
+  const cudaStream_t stream = comm.stream();
+  const MoeConfig c = deepseek(comm.size(), static_cast<int>(T));
+  const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, comm.rank(), 1};
+  const Inputs in = make_inputs(c, T, comm.rank(), 7, stream);
+  const double dispatch_bytes =
+      static_cast<double>(in.tokens_out) * static_cast<double>(detail::token_payload_bytes(ctx));
+  const double combine_bytes = static_cast<double>(in.tokens_in) * static_cast<double>(c.hidden) * 2.0;
+
+  auto d = make_nccl_p2p_dispatcher(ctx, comm.shared_from_this());
+  const DispatchInput view = in.view();
+  std::vector<DispatchOutput> out(1);
+  d->dispatch({&view, 1}, out);
+  const double us_dispatch = timed(
+      comm,
+      [&](int, cudaStream_t) {
+        d->dispatch({&view, 1}, out);
+      },
+      timing);
+  emit(options, results,
+       make_result("comm.dispatch", params("nccl-p2p", "normal", "dispatch", T, comm), us_dispatch,
+                   dispatch_bytes, 0.0, kNvlinkGBps));
+
+  const cuda::DeviceTensor expert_out(DType::bf16,
+                                      {std::max<std::int64_t>(out[0].num_output_rows(), 1), c.hidden});
+  fill_random_bf16(expert_out.view(), 11, stream);
+  const TensorView eo = expert_out.view().slice_rows(0, out[0].num_output_rows());
+  const cuda::DeviceTensor y(DType::bf16, {T, c.hidden});
+  const TensorView yv = y.view();
+  const double us_combine = timed(
+      comm,
+      [&](int, cudaStream_t) {
+        d->combine({&eo, 1}, {&yv, 1});
+      },
+      timing);
+  emit(options, results,
+       make_result("comm.combine", params("nccl-p2p", "normal", "combine", T, comm), us_combine,
+                   combine_bytes, 0.0, kNvlinkGBps));
+  d.reset();
+
+  // ncclAlltoAll moving the same bytes to each peer (its own share is a local copy).
+  const int N = comm.size();
+  for (const auto& [phase, bytes] : {std::pair<std::string, double>{"dispatch", dispatch_bytes},
+                                     std::pair<std::string, double>{"combine", combine_bytes}}) {
+    const auto per_peer = static_cast<std::size_t>(bytes / std::max(1, N - 1));
+    if (per_peer == 0) continue;
+    const cuda::DeviceBuffer send(per_peer * static_cast<std::size_t>(N)),
+        recv(per_peer * static_cast<std::size_t>(N));
+    send.fill_bytes(0x5a, stream);
+    const double us = timed(
+        comm,
+        [&](int, cudaStream_t s) {
+          EPMOE_NCCL_CHECK(ncclAlltoAll(send.data(), recv.data(), per_peer, ncclUint8, comm.nccl(), s));
+        },
+        timing);
+    emit(options, results,
+         make_result("comm.alltoall", params("nccl-alltoall", "normal", phase, T, comm), us,
+                     static_cast<double>(per_peer) * (N - 1), 0.0, kNvlinkGBps));
+  }
+}
+
+void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options,
+                 std::vector<Result>& results) {
+  const TimingOptions timing = timing_for(options);
+  const cudaStream_t stream = comm.stream();
+  const MoeConfig c = deepseek(comm.size(), static_cast<int>(T));
+  const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, comm.rank(), 1};
+  const Inputs in = make_inputs(c, T, comm.rank(), 100 + static_cast<std::uint64_t>(T), stream);
+  const double dispatch_bytes =
+      static_cast<double>(in.tokens_out) * static_cast<double>(detail::token_payload_bytes(ctx));
+  const double combine_bytes = static_cast<double>(in.tokens_in) * static_cast<double>(c.hidden) * 2.0;
+  const std::int64_t rows = static_cast<std::int64_t>(c.num_local_experts()) * c.masked_max_m();
+  const cuda::DeviceTensor expert_out(DType::bf16, {rows, c.hidden});
+  fill_random_bf16(expert_out.view(), 12, stream);
+  const cuda::DeviceTensor y(DType::bf16, {T, c.hidden});
+  const DispatchInput view = in.view();
+  const TensorView eo = expert_out.view(), yv = y.view();
+
+  for (const std::string transport : {"nvlink-ll", "nccl-p2p"}) {
+    std::vector<DispatchOutput> out(1);
+    if (transport == "nvlink-ll") {
+      std::unique_ptr<LowLatencyDispatcher> d;
+      try {
+        d = make_nvlink_ll_dispatcher(ctx, comm.shared_from_this());
+      } catch (const Error& e) {
+        std::printf("comm: nvlink-ll unavailable here: %s\n", e.what());
+        continue;
+      }
+      d->dispatch({&view, 1}, out);
+      d->combine({&eo, 1}, {&yv, 1});
+      const cudaGraphExec_t g_dispatch = capture(stream, [&] { d->dispatch({&view, 1}, out); });
+      const cudaGraphExec_t g_combine = capture(stream, [&] { d->combine({&eo, 1}, {&yv, 1}); });
+      const cudaGraphExec_t g_dsend = capture(stream, [&] { d->dispatch_send(view); });
+      const cudaGraphExec_t g_csend = capture(stream, [&] { d->combine_send(eo); });
+      auto replay = [](cudaGraphExec_t g) {
+        return [g](int, cudaStream_t s) { EPMOE_CUDA_CHECK(cudaGraphLaunch(g, s)); };
+      };
+      const double us_d = timed(comm, replay(g_dispatch), timing);
+      emit(options, results,
+           make_result("comm.dispatch", params(transport, "low_latency", "dispatch", T, comm), us_d,
+                       dispatch_bytes, 0.0, kNvlinkGBps));
+      const double us_c = timed(comm, replay(g_combine), timing);
+      emit(options, results,
+           make_result("comm.combine", params(transport, "low_latency", "combine", T, comm), us_c,
+                       combine_bytes, 0.0, kNvlinkGBps));
+      // Send halves alone (they wait for nobody, so they can repeat without their receive half).
+      const double us_ds = timed(comm, replay(g_dsend), timing);
+      emit(options, results,
+           make_result("comm.dispatch_send", params(transport, "low_latency", "dispatch_send", T, comm),
+                       us_ds, dispatch_bytes, 0.0, kNvlinkGBps));
+      const double us_cs = timed(comm, replay(g_csend), timing);
+      emit(options, results,
+           make_result("comm.combine_send", params(transport, "low_latency", "combine_send", T, comm), us_cs,
+                       combine_bytes, 0.0, kNvlinkGBps));
+      // Bring every rank back to a completed call before the dispatcher goes.
+      d->dispatch({&view, 1}, out);
+      d->combine({&eo, 1}, {&yv, 1});
+      comm.synchronize(CommPhase::none, "the last low-latency call");
+      for (cudaGraphExec_t g : {g_dispatch, g_combine, g_dsend, g_csend})
+        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g));
+    } else {
+      auto d = make_nccl_p2p_dispatcher(ctx, comm.shared_from_this());
+      d->dispatch({&view, 1}, out);
+      const double us_d = timed(
+          comm,
+          [&](int, cudaStream_t) {
+            d->dispatch({&view, 1}, out);
+          },
+          timing);
+      emit(options, results,
+           make_result("comm.dispatch", params(transport, "low_latency", "dispatch", T, comm), us_d,
+                       dispatch_bytes, 0.0, kNvlinkGBps));
+      const double us_c = timed(
+          comm,
+          [&](int, cudaStream_t) {
+            d->combine({&eo, 1}, {&yv, 1});
+          },
+          timing);
+      emit(options, results,
+           make_result("comm.combine", params(transport, "low_latency", "combine", T, comm), us_c,
+                       combine_bytes, 0.0, kNvlinkGBps));
+    }
+    comm.synchronize(CommPhase::none, "the benchmark");
+  }
+}
+
+std::vector<Result> run_comm_suite(const SuiteOptions& options) {
+  std::vector<Result> results;
+  std::shared_ptr<Communicator> comm = Communicator::process_default();
+  if (!comm) {
+    const LaunchEnvironment env = LaunchEnvironment::from_env();
+    if (!env.present || env.world_size < 2) {
+      std::printf(
+          "comm: skipped: needs 2+ ranks, one process per GPU: epmoe launch -n 2 -- epmoe bench comm\n");
+      return results;
+    }
+    if (cuda::device_count() < env.world_size) {
+      std::printf("comm: skipped: %d ranks need as many GPUs, %d visible\n", env.world_size,
+                  cuda::device_count());
+      return results;
+    }
+    comm = Communicator::from_environment();
+  }
+  if (comm->size() < 2) {
+    std::printf("comm: skipped: the communicator has 1 rank; run under epmoe launch -n 2\n");
+    return results;
+  }
+  std::printf("comm: rank %d of %d, NCCL %s (%s)\n", comm->rank(), comm->size(),
+              loaded_nccl_version().str().c_str(), loaded_nccl_library_path().c_str());
+  normal_mode(*comm, options.quick ? 1024 : 4096, options, results);
+  std::vector<std::int64_t> ll = options.tokens;
+  if (ll.empty())
+    ll = options.quick ? std::vector<std::int64_t>{1, 128} : std::vector<std::int64_t>{1, 32, 64, 128, 256};
+  for (const std::int64_t T : ll) low_latency(*comm, T, options, results);
+  comm->barrier();
+  return results;
+}
+
+const SuiteRegistration kComm{
+    "comm",
+    "EP dispatch/combine across ranks (needs epmoe launch -n 2): normal 4096 tokens vs "
+    "ncclAlltoAll, low-latency 1..256 tokens graph-replayed",
+    80, run_comm_suite};
+
+}  // namespace
+}  // namespace epmoe::bench
