@@ -59,7 +59,8 @@ struct TensorView {
   static TensorView contiguous(void* data, DType dtype, std::span<const std::int64_t> shape,
                                Device device = Device::cpu);
 
-  bool empty_view() const { return data == nullptr && numel() == 0; }
+  // No data: a default-constructed view (an absent optional argument) or zero elements.
+  bool empty_view() const { return data == nullptr && (rank == 0 || numel() == 0); }
   std::int64_t numel() const;
   std::int64_t size(int dim) const;
   bool is_contiguous() const;

@@ -23,6 +23,13 @@ TEST(Tensor, ContiguousStridesAndSlices) {
   EXPECT_THROW((void)t.view().as<double>(), Error);
 }
 
+TEST(Tensor, EmptyViewMeansAbsent) {
+  EXPECT_TRUE(TensorView{}.empty_view());  // an optional argument left out
+  EXPECT_TRUE(TensorView::contiguous(nullptr, DType::f32, {0, 4}).empty_view());
+  HostTensor t(DType::f32, {2});
+  EXPECT_FALSE(t.view().empty_view());
+}
+
 TEST(Tensor, ValidationNamesArgument) {
   HostTensor t(DType::bf16, {2, 128});
   try {
