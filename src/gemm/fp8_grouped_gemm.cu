@@ -27,6 +27,8 @@ using kernels::kGemmBlockK;
 using kernels::kGemmBlockN;
 
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+// Rows of the small A box (tiles with at most this many valid rows: decode).
+constexpr int kSmallABoxRows = 32;
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -45,16 +47,15 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 // A 2D map over a row-major byte matrix [rows, cols] (cols contiguous), box [box_rows, 128 bytes],
 // 128-byte swizzle (the wgmma K-major layout), out-of-bounds rows read as zeros.
 CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, int box_rows,
-                        std::string_view name) {
+                        std::string_view name, CUtensorMapL2promotion promotion) {
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};  // bytes between rows
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(kGemmBlockK), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r =
-      encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box,
-                     element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
+                                    strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   EPMOE_CHECK(r == CUDA_SUCCESS,
               "cuTensorMapEncodeTiled failed for {} ([{}, {}] bytes, box {} rows): error {}", name, rows,
               cols, box_rows, static_cast<int>(r));
@@ -125,11 +126,15 @@ int check_block_m(const GroupedGemmOptions& options, bool masked, std::int64_t e
   EPMOE_CHECK(options.block_m == 0 || options.block_m == 64 || options.block_m == 128,
               "options.block_m must be 0 (automatic), 64 or 128, got {}", options.block_m);
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
+  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 2, "options.ablation must be 0, 1 or 2, got {}",
+              options.ablation);
+  EPMOE_CHECK(options.l2_promotion >= 0 && options.l2_promotion <= 2,
+              "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
   return options.block_m != 0 ? options.block_m : grouped_gemm_block_m(masked, expected_m);
 }
 
 template <int kBlockM>
-void launch(const TensorView& a, std::int64_t a_rows, const TensorView& b, const GroupedGemmParams& params,
+void launch(const TensorView& a, std::int64_t a_rows, const TensorView& b, GroupedGemmParams params,
             std::int64_t max_tiles, const GroupedGemmOptions& options, cudaStream_t stream) {
   using Traits = GemmTraits<kBlockM>;
   constexpr auto kernel = &kernels::fp8_grouped_gemm_kernel<kBlockM>;
@@ -142,13 +147,26 @@ void launch(const TensorView& a, std::int64_t a_rows, const TensorView& b, const
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
     raised.fetch_or(bit, std::memory_order_acq_rel);
   }
-  const CUtensorMap tma_a = make_tma_2d(a.data, a_rows, params.k, kBlockM, "a");
-  const CUtensorMap tma_b =
-      make_tma_2d(b.data, static_cast<std::int64_t>(params.groups) * params.n, params.k, kGemmBlockN, "b");
+  EPMOE_CHECK(options.stages >= 0 && options.stages <= Traits::kStages,
+              "options.stages must be 0 (all) or 1..{} for {}-row tiles, got {}", Traits::kStages, kBlockM,
+              options.stages);
+  params.stages = options.stages > 0 ? options.stages : Traits::kStages;
+  params.ablation = options.ablation;
+  params.a_small_rows = options.small_a_box ? std::min(kSmallABoxRows, kBlockM) : 0;
+  constexpr CUtensorMapL2promotion kPromotions[] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                    CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B};
+  const CUtensorMapL2promotion promotion = kPromotions[options.l2_promotion];
+  const CUtensorMap tma_a = make_tma_2d(a.data, a_rows, params.k, kBlockM, "a", promotion);
+  const CUtensorMap tma_a_small =
+      make_tma_2d(a.data, a_rows, params.k, std::max(params.a_small_rows, 8), "a (small box)", promotion);
+  const CUtensorMap tma_b = make_tma_2d(b.data, static_cast<std::int64_t>(params.groups) * params.n, params.k,
+                                        kGemmBlockN, "b", promotion);
   std::int64_t ctas = props.sm_count;
   if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
   ctas = std::clamp<std::int64_t>(max_tiles, 1, ctas);
-  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(tma_a, tma_b, params);
+  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(tma_a, tma_a_small,
+                                                                                        tma_b, params);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -193,11 +211,8 @@ void fp8_grouped_gemm_contiguous(TensorView a, TensorView a_scales, ScaleLayout 
   const std::int64_t tiles = static_cast<std::int64_t>(p.m_blocks) * (w.n / kGemmBlockN);
   EPMOE_CHECK(tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", tiles);
   p.total_tiles = static_cast<std::int32_t>(tiles);
-  if (block_m == 64) {
-    launch<64>(a, M, b, p, tiles, options, stream);
-  } else {
-    launch<128>(a, M, b, p, tiles, options, stream);
-  }
+  block_m == 64 ? launch<64>(a, M, b, p, tiles, options, stream)
+                : launch<128>(a, M, b, p, tiles, options, stream);
 }
 
 void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_scale_layout, TensorView b,
@@ -236,11 +251,9 @@ void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_sc
   const std::int64_t max_tiles = w.groups * p.m_blocks * (w.n / kGemmBlockN);
   EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
   p.total_tiles = 0;  // read on the device
-  if (block_m == 64) {
-    launch<64>(a, w.groups * M_max, b, p, max_tiles, options, stream);
-  } else {
-    launch<128>(a, w.groups * M_max, b, p, max_tiles, options, stream);
-  }
+  const std::int64_t a_rows = w.groups * M_max;
+  block_m == 64 ? launch<64>(a, a_rows, b, p, max_tiles, options, stream)
+                : launch<128>(a, a_rows, b, p, max_tiles, options, stream);
 }
 
 }  // namespace epmoe::cuda

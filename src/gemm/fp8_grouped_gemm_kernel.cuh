@@ -61,8 +61,11 @@ struct GroupedGemmParams {
   __nv_bfloat16* d;               // [rows_total, N]
   std::int32_t rows;              // contiguous: M; masked: M_max
   std::int32_t n, k, groups;
-  std::int32_t m_blocks;     // contiguous: ceil(M / kBlockM); masked: ceil(M_max / kBlockM)
-  std::int32_t total_tiles;  // contiguous: m_blocks * N/128; masked: unused (read on the device)
+  std::int32_t m_blocks;      // contiguous: ceil(M / kBlockM); masked: ceil(M_max / kBlockM)
+  std::int32_t total_tiles;   // contiguous: m_blocks * N/128; masked: unused (read on the device)
+  std::int32_t stages;        // pipeline stages in use, 1..GemmTraits::kStages
+  std::int32_t a_small_rows;  // rows of tma_a_small's box: tiles using no more rows load only those
+  std::int32_t ablation;      // kAblate*: timing experiments only
 };
 
 // One output tile.
@@ -73,6 +76,7 @@ struct GemmTile {
   std::int32_t seg_row0;     // first row of the tile's group segment (masked: g * M_max; else 0)
   std::int32_t row_end;      // rows >= row_end are never valid
   std::int32_t scale_group;  // masked: g; contiguous: 0 (selects the A-scale slab)
+  std::int32_t rows_used;    // 1 + the last tile row that may be valid (A rows past it need no load)
 };
 
 // The static persistent schedule. next() is warp-collective: every lane of the calling warp must
@@ -111,15 +115,21 @@ class GemmScheduler {
       const std::int32_t width = min(kGemmBandN, n_blocks_ - first_n);
       const std::int32_t m_block = r / width;
       const std::int32_t row0 = m_block * kBlockM;
-      std::int32_t g = -1;
+      std::int32_t g = -1, ids[kBlockM / 32];
 #pragma unroll
       for (int i = 0; i < kBlockM / 32; ++i) {
         const std::int32_t row = row0 + i * 32 + lane;
-        if (row < rows_) g = max(g, __ldg(m_indices_ + row));
+        ids[i] = row < rows_ ? __ldg(m_indices_ + row) : -1;
+        g = max(g, ids[i]);
       }
       g = __reduce_max_sync(0xffffffffu, g);
       if (g < 0 || g >= groups_) continue;  // padding only (or ids out of range): nothing to do
-      tile = GemmTile{g, first_n + (r - m_block * width), row0, 0, rows_, 0};
+      std::int32_t last = 0;
+#pragma unroll
+      for (int i = 0; i < kBlockM / 32; ++i)
+        if (ids[i] == g) last = i * 32 + lane + 1;
+      last = __reduce_max_sync(0xffffffffu, last);
+      tile = GemmTile{g, first_n + (r - m_block * width), row0, 0, rows_, 0, last};
       return true;
     }
     return false;
@@ -138,7 +148,13 @@ class GemmScheduler {
     t_ += static_cast<std::int32_t>(gridDim.x);
     const std::int32_t m_block = r % seg_m_blocks_;
     const std::int32_t seg_row0 = g_ * rows_;
-    tile = GemmTile{g_, r / seg_m_blocks_, seg_row0 + m_block * kBlockM, seg_row0, seg_row0 + seg_count_, g_};
+    tile = GemmTile{g_,
+                    r / seg_m_blocks_,
+                    seg_row0 + m_block * kBlockM,
+                    seg_row0,
+                    seg_row0 + seg_count_,
+                    g_,
+                    min(kBlockM, seg_count_ - m_block * kBlockM)};
     return true;
   }
 
@@ -161,9 +177,60 @@ __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const std::uint32_t*>(&v);
 }
 
+template <int kN>
+__device__ __forceinline__ void fence_all(float (&r)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) ptx::fence_operand(r[i]);
+}
+
+// The pipeline position (stage, phase) that producer and consumers advance in lockstep.
+struct PipeState {
+  int stage = 0;
+  std::uint32_t phase = 0;
+  __device__ void advance(int stages) {
+    if (++stage == stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Everything one consumer thread needs about its two rows of the current tile.
+struct ConsumerRows {
+  const float* sa_a;  // A scales of row a (K block 0), or nullptr when the row is not valid
+  const float* sa_b;
+  const float* sb;  // weight scales of the tile's (group, n-block), K block 0
+  std::int64_t kb_stride;
+  __device__ void load(std::int32_t kb, float& a, float& b, float& w) const {
+    const std::int64_t off = static_cast<std::int64_t>(kb) * kb_stride;
+    a = sa_a != nullptr ? __ldg(sa_a + off) : 0.0f;
+    b = sa_b != nullptr ? __ldg(sa_b + off) : 0.0f;
+    w = __ldg(sb + kb);
+  }
+};
+
+// acc += (sa·sw) · part on row a (even registers pairs 4j, 4j+1) and (sb·sw) · part on row b.
+__device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64], float a, float b,
+                                        float w) {
+  const float s_a = a * w, s_b = b * w;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    acc[4 * j + 0] = fmaf(s_a, part[4 * j + 0], acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(s_a, part[4 * j + 1], acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(s_b, part[4 * j + 2], acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(s_b, part[4 * j + 3], acc[4 * j + 3]);
+  }
+}
+
+// Ablation modes (GroupedGemmParams::ablation): timing experiments only, the output is garbage.
+inline constexpr int kAblateNone = 0;
+inline constexpr int kAblateMath = 1;   // consumers skip the wgmma and the promotion
+inline constexpr int kAblateLoads = 2;  // the producer arms the full barriers without loading
+
 template <int kBlockM>
 __global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
+                            const __grid_constant__ CUtensorMap tma_a_small,
                             const __grid_constant__ CUtensorMap tma_b, const GroupedGemmParams p) {
   using Traits = GemmTraits<kBlockM>;
   constexpr int kStages = Traits::kStages;
@@ -178,6 +245,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int32_t num_kb = p.k / kGemmBlockK;
+  const int stages = p.stages;  // in use, <= kStages
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -189,6 +257,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
   }
   if (threadIdx.x == 32) {
     ptx::prefetch_tensormap(&tma_a);
+    ptx::prefetch_tensormap(&tma_a_small);
     ptx::prefetch_tensormap(&tma_b);
   }
   __syncthreads();
@@ -199,23 +268,28 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
     if (warp != 0) return;
     GemmScheduler<kBlockM> scheduler(p);
     GemmTile tile;
-    int stage = 0;
-    std::uint32_t phase = 0;
+    PipeState pipe;
     while (scheduler.next(tile)) {
       const std::int32_t b_row = tile.group * p.n + tile.n_block * kGemmBlockN;
+      // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest of
+      // the A tile in shared memory is stale, and feeds only rows that are never stored.
+      const bool small = tile.rows_used <= p.a_small_rows;
+      const CUtensorMap* map_a = small ? &tma_a_small : &tma_a;
+      const std::uint32_t bytes =
+          small ? p.a_small_rows * kGemmBlockK + Traits::kBBytes : Traits::kStageBytes;
       for (std::int32_t kb = 0; kb < num_kb; ++kb) {
         if (lane == 0) {
-          ptx::mbar_wait(empty_bar + 8 * stage, phase ^ 1u);
-          ptx::mbar_arrive_expect_tx(full_bar + 8 * stage, Traits::kStageBytes);
-          ptx::tma_load_2d(smem_a + stage * Traits::kABytes, &tma_a, full_bar + 8 * stage, kb * kGemmBlockK,
-                           tile.row0);
-          ptx::tma_load_2d(smem_b + stage * Traits::kBBytes, &tma_b, full_bar + 8 * stage, kb * kGemmBlockK,
-                           b_row);
+          const std::uint32_t full = full_bar + 8 * pipe.stage;
+          ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+          if (p.ablation == kAblateLoads) {
+            ptx::mbar_arrive(full);
+          } else {
+            ptx::mbar_arrive_expect_tx(full, bytes);
+            ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, kb * kGemmBlockK, tile.row0);
+            ptx::tma_load_2d(smem_b + pipe.stage * Traits::kBBytes, &tma_b, full, kb * kGemmBlockK, b_row);
+          }
         }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1u;
-        }
+        pipe.advance(stages);
       }
       __syncwarp();
     }
@@ -231,12 +305,37 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
 
   GemmScheduler<kBlockM> scheduler(p);
   GemmTile tile;
-  int stage = 0;
-  std::uint32_t phase = 0;
+  PipeState pipe;
   float acc[64];
   float part[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) part[i] = 0.0f;
+
+  // Waits for the next stage and issues its four wgmma (one commit group) into `part`. (A variant
+  // with two per-K-block accumulators, the next block's wgmma overlapping this one's promotion, needs
+  // about 60 registers more than the 232 a consumer has: it spilled. Not worth it here.)
+  auto issue = [&] {
+    ptx::mbar_wait(full_bar + 8 * pipe.stage, pipe.phase);
+    const std::uint32_t a_tile = smem_a + pipe.stage * Traits::kABytes + consumer * 64 * kGemmBlockK;
+    const std::uint32_t b_tile = smem_b + pipe.stage * Traits::kBBytes;
+    fence_all(part);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
+      ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a_tile + kk * 32),
+                                 ptx::wgmma_desc_sw128(b_tile + kk * 32), kk > 0);
+    }
+    ptx::wgmma_commit();
+    pipe.advance(stages);
+  };
+  // After the wait for the group: frees its stage (one arrive per warp), then promotes. The
+  // second fence keeps the promotion after the arrive, so the producer gets the stage back early.
+  auto retire = [&](int stage, float a, float b, float w) {
+    fence_all(part);
+    if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
+    fence_all(part);
+    promote(acc, part, a, b, w);
+  };
 
   while (scheduler.next(tile)) {
     const std::int32_t row_a = tile.row0 + row_in_tile;
@@ -248,60 +347,37 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
       valid_b = valid_b && __ldg(p.m_indices + row_b) == tile.group;
     }
     const float* sa_base = p.sa + tile.scale_group * p.sa_group_stride;
-    const float* sa_a = sa_base + static_cast<std::int64_t>(row_a - tile.seg_row0) * p.sa_row_stride;
-    const float* sa_b = sa_base + static_cast<std::int64_t>(row_b - tile.seg_row0) * p.sa_row_stride;
-    const float* sb =
-        p.sb + (static_cast<std::int64_t>(tile.group) * (p.n / kGemmBlockN) + tile.n_block) * num_kb;
+    ConsumerRows rows;
+    rows.sa_a =
+        valid_a ? sa_base + static_cast<std::int64_t>(row_a - tile.seg_row0) * p.sa_row_stride : nullptr;
+    rows.sa_b =
+        valid_b ? sa_base + static_cast<std::int64_t>(row_b - tile.seg_row0) * p.sa_row_stride : nullptr;
+    rows.sb = p.sb + (static_cast<std::int64_t>(tile.group) * (p.n / kGemmBlockN) + tile.n_block) * num_kb;
+    rows.kb_stride = p.sa_kb_stride;
 
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    float scale_a = valid_a ? __ldg(sa_a) : 0.0f;
-    float scale_b = valid_b ? __ldg(sa_b) : 0.0f;
-    float scale_w = __ldg(sb);
 
-    for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-      ptx::mbar_wait(full_bar + 8 * stage, phase);
-      const std::uint32_t a_tile = smem_a + stage * Traits::kABytes + consumer * 64 * kGemmBlockK;
-      const std::uint32_t b_tile = smem_b + stage * Traits::kBBytes;
-#pragma unroll
-      for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
-        ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a_tile + kk * 32),
-                                   ptx::wgmma_desc_sw128(b_tile + kk * 32), kk > 0);
+    if (p.ablation == kAblateMath) {
+      for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+        ptx::mbar_wait(full_bar + 8 * pipe.stage, pipe.phase);
+        if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * pipe.stage);
+        pipe.advance(stages);
       }
-      ptx::wgmma_commit();
-
-      // The next K block's scales, loaded while the tensor cores work.
-      float next_a = 0.0f, next_b = 0.0f, next_w = 0.0f;
-      if (kb + 1 < num_kb) {
-        const std::int64_t off = static_cast<std::int64_t>(kb + 1) * p.sa_kb_stride;
-        next_a = valid_a ? __ldg(sa_a + off) : 0.0f;
-        next_b = valid_b ? __ldg(sa_b + off) : 0.0f;
-        next_w = __ldg(sb + kb + 1);
-      }
-
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
-      if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);  // this warp is done with the stage
-
-      const float s_a = scale_a * scale_w;
-      const float s_b = scale_b * scale_w;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        acc[4 * j + 0] = fmaf(s_a, part[4 * j + 0], acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(s_a, part[4 * j + 1], acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(s_b, part[4 * j + 2], acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(s_b, part[4 * j + 3], acc[4 * j + 3]);
-      }
-      scale_a = next_a;
-      scale_b = next_b;
-      scale_w = next_w;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1u;
+    } else {
+      float a, b, w;
+      rows.load(0, a, b, w);
+      for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+        const int stage = pipe.stage;
+        issue();
+        // The next K block's scales, loaded while the tensor cores work.
+        float next_a = 0.0f, next_b = 0.0f, next_w = 0.0f;
+        if (kb + 1 < num_kb) rows.load(kb + 1, next_a, next_b, next_w);
+        ptx::wgmma_wait<0>();
+        retire(stage, a, b, w);
+        a = next_a;
+        b = next_b;
+        w = next_w;
       }
     }
 

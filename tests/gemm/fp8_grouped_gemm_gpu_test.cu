@@ -222,6 +222,7 @@ struct MaskedCase {
   std::int64_t n, k;
   ScaleLayout layout;
   int block_m = 0;
+  bool small_a_box = true;
 };
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
@@ -292,6 +293,7 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   dd.fill_bytes(0xff, stream);
   cuda::GroupedGemmOptions options;
   options.block_m = c.block_m;
+  options.small_a_box = c.small_a_box;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
@@ -302,13 +304,14 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         // M_max not a multiple of the tile; an empty group and a single-row group.
         MaskedCase{"N4096_K2048_mmax200", 200, {0, 1, 200, 77}, 4096, 2048, ScaleLayout::token_major},
-        MaskedCase{"N4096_K2048_mmax200_block64_mn_major",
+        MaskedCase{"N4096_K2048_mmax200_block64_mn_major_full_a_box",
                    200,
                    {0, 1, 200, 77},
                    4096,
                    2048,
                    ScaleLayout::mn_major_tma,
-                   64},
+                   64,
+                   false},
         // Decode-like: a few rows per group, DeepSeek-V3 down shape with K = 7168.
         MaskedCase{"N7168_K7168_decode", 72, {72, 0, 9}, 7168, 7168, ScaleLayout::mn_major_tma},
         MaskedCase{
@@ -423,6 +426,14 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   bad_tile.block_m = 96;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_tile); },
                         "options.block_m must be 0 (automatic), 64 or 128");
+  cuda::GroupedGemmOptions bad_stages;
+  bad_stages.stages = 99;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_stages); },
+                        "options.stages must be 0 (all) or 1..");
+  cuda::GroupedGemmOptions bad_l2;
+  bad_l2.l2_promotion = 3;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_l2); },
+                        "options.l2_promotion must be 0, 1 or 2");
 
   // Masked.
   const std::int64_t M_max = 100;

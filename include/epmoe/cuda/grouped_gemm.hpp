@@ -34,6 +34,17 @@ struct GroupedGemmOptions {
   int block_m = 0;
   // At most this many CTAs (persistent, one per SM); 0: every SM of the device.
   int max_ctas = 0;
+
+  // Tuning and timing experiments (the bench); the defaults are the tuned choice.
+  // Pipeline stages: 0 = as many as fit in shared memory, else 1 .. that many.
+  int stages = 0;
+  // Tiles with at most 32 valid rows load only those rows of A (decode).
+  bool small_a_box = true;
+  // L2 promotion of the TMA loads: 0 = 256 bytes, 1 = none, 2 = 128 bytes.
+  int l2_promotion = 0;
+  // 0: off. 1: skip the tensor-core work and the promotion; 2: skip the loads (the pipeline still
+  // runs). Both leave garbage in d: for locating a bottleneck only.
+  int ablation = 0;
 };
 
 // The tile-height heuristic. Contiguous: 128 (blocks are 128-row aligned and large). Masked:
