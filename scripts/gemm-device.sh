@@ -5,7 +5,8 @@
 # hang costs minutes, not the lease.
 #
 # Usage: scripts/gemm-device.sh OUTDIR [--full]    (run from the source root; e.g. "$OUT")
-# OUTDIR receives build.log, gpu-tests.log, memcheck.log, sass.txt, bench.log, gemm.json.
+# OUTDIR receives build.log, gpu-tests.log, memcheck.log, sass.txt, bench.log, gemm.json, dmon.txt.
+# EPMOE_BENCH_GEMM_EXPERIMENTS=1 in the environment adds the bench's timing experiments.
 set -uo pipefail
 out=${1:?usage: scripts/gemm-device.sh OUTDIR [--full]}
 mode=${2:-}
@@ -54,11 +55,19 @@ if command -v cuobjdump > /dev/null || [[ -x /usr/local/cuda/bin/cuobjdump ]]; t
 fi
 
 if ((rc_tests != 124)); then
+  stamp baseline
+  # The card's FP8 rate through cuBLAS (PyTorch), as a yardstick for this machine on this day.
+  timeout 60 python3 scripts/fp8-matmul-baseline.py 2>&1 | tail -n 3
   stamp bench
   quick=--quick
   [[ $mode == --full ]] && quick=
+  nvidia-smi dmon -s pc -d 1 > "$out/dmon.txt" 2>&1 &
+  dmon=$!
   timeout 240 build-gpu/bin/epmoe bench gemm $quick --json "$out/gemm.json" > "$out/bench.log" 2>&1
   echo "bench exit: $?"
+  kill "$dmon" 2> /dev/null
   cat "$out/bench.log"
+  echo "clocks and power during the bench (nvidia-smi dmon, every 3rd second):"
+  awk 'NR <= 2 || NR % 3 == 0' "$out/dmon.txt" | head -n 40
 fi
 stamp done

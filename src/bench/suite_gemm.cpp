@@ -7,9 +7,11 @@
 // rows only; bytes = weights + valid activation rows + valid output rows (bf16), as anchors.md
 // counts them. A scales are MN-major (the layout the GPU quantizer writes for the kernel).
 // floor_us = max(bytes / copy ceiling, flops / 1979 TFLOP/s); deepgemm_us / time_us > 1 means
-// faster than DeepGEMM.
+// faster than DeepGEMM. EPMOE_BENCH_GEMM_EXPERIMENTS=1 adds timing experiments (ablations, pipeline
+// depth, half the SMs, L2 promotion) on three of the shapes, as ".exp.*" lines.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -83,7 +85,38 @@ Result finish(std::string name, Params params, double us, double bytes, double f
   return r;
 }
 
-void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& options,
+// One timed configuration of a shape: a name suffix ("" for the main line) and the options.
+struct Variant {
+  std::string suffix;
+  cuda::GroupedGemmOptions options;
+};
+
+// Timing experiments (EPMOE_BENCH_GEMM_EXPERIMENTS=1): ablations that locate the bottleneck
+// (no tensor-core work, no loads), pipeline depth, half the SMs, L2 promotion, the A box.
+std::vector<Variant> experiments(bool masked) {
+  std::vector<Variant> v;
+  auto add = [&](std::string name, auto&& set) {
+    cuda::GroupedGemmOptions o;
+    set(o);
+    v.push_back({".exp." + std::move(name), o});
+  };
+  add("no_math", [](auto& o) { o.ablation = 1; });
+  add("no_loads", [](auto& o) { o.ablation = 2; });
+  add("stages2", [](auto& o) { o.stages = 2; });
+  add("stages4", [](auto& o) { o.stages = 4; });
+  add("half_sms", [](auto& o) { o.max_ctas = 66; });
+  add("l2_none", [](auto& o) { o.l2_promotion = 1; });
+  add("l2_128", [](auto& o) { o.l2_promotion = 2; });
+  if (masked) add("full_a_box", [](auto& o) { o.small_a_box = false; });
+  return v;
+}
+
+bool experiments_enabled() {
+  const char* e = std::getenv("EPMOE_BENCH_GEMM_EXPERIMENTS");
+  return e != nullptr && *e != '\0' && *e != '0';
+}
+
+void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, bool experiment,
                     std::vector<Result>& results) {
   const std::vector<std::int64_t> sizes = group_sizes(s, seed);
   std::vector<std::int32_t> ids;
@@ -110,27 +143,34 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   d.fill_bytes(0xff, stream);
   stream.synchronize();
 
-  const int block_m = cuda::grouped_gemm_block_m(false, s.m);
-  const double us = time_us(
-      [&](int, cudaStream_t st) {
-        cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d, st);
-      },
-      1, stream, timing_for(options));
   const double flops = 2.0 * static_cast<double>(valid) * static_cast<double>(N) * static_cast<double>(K);
   const double bytes =
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
-  const Params p{{"layout", std::string("contiguous")},
-                 {"quant", std::string("fp8")},
-                 {"groups", G},
-                 {"m_per_group", s.m},
-                 {"n", N},
-                 {"k", K},
-                 {"valid_m", valid},
-                 {"block_m", static_cast<std::int64_t>(block_m)}};
-  emit(options, results, finish("gemm.contiguous", p, us, bytes, flops, s));
+  std::vector<Variant> variants{{"", {}}};
+  if (experiment) {
+    for (Variant& v : experiments(false)) variants.push_back(std::move(v));
+  }
+  for (const Variant& v : variants) {
+    const double us = time_us(
+        [&](int, cudaStream_t st) {
+          cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d, st,
+                                            v.options);
+        },
+        1, stream, timing_for(options));
+    const int block_m = v.options.block_m != 0 ? v.options.block_m : cuda::grouped_gemm_block_m(false, s.m);
+    const Params p{{"layout", std::string("contiguous")},
+                   {"quant", std::string("fp8")},
+                   {"groups", G},
+                   {"m_per_group", s.m},
+                   {"n", N},
+                   {"k", K},
+                   {"valid_m", valid},
+                   {"block_m", static_cast<std::int64_t>(block_m)}};
+    emit(options, results, finish("gemm.contiguous" + v.suffix, p, us, bytes, flops, s));
+  }
 }
 
-void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options,
+void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, bool experiment,
                 std::vector<Result>& results) {
   const std::vector<std::int64_t> sizes = group_sizes(s, seed);
   const std::int64_t G = s.groups, M_max = s.m, N = s.n, K = s.k, KB = K / 128;
@@ -156,17 +196,21 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   const double flops = 2.0 * static_cast<double>(valid) * static_cast<double>(N) * static_cast<double>(K);
   const double bytes =
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
-  // The heuristic's tile first, then the other one (as "gemm.masked.alt") to keep the choice honest.
+  // The heuristic's tile first, then the other one (".alt") to keep the choice honest.
   const int chosen = cuda::grouped_gemm_block_m(true, s.expected_m);
-  for (const int block_m : {chosen, chosen == 64 ? 128 : 64}) {
-    cuda::GroupedGemmOptions o;
-    o.block_m = block_m;
+  std::vector<Variant> variants{{"", {}}, {".alt", {}}};
+  variants[1].options.block_m = chosen == 64 ? 128 : 64;
+  if (experiment) {
+    for (Variant& v : experiments(true)) variants.push_back(std::move(v));
+  }
+  for (const Variant& v : variants) {
     const double us = time_us(
         [&](int, cudaStream_t st) {
           cuda::fp8_grouped_gemm_masked(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, masked_m, s.expected_m,
-                                        d, st, o);
+                                        d, st, v.options);
         },
         1, stream, timing_for(options));
+    const int block_m = v.options.block_m != 0 ? v.options.block_m : chosen;
     const Params p{{"layout", std::string("masked")},
                    {"quant", std::string("fp8")},
                    {"groups", G},
@@ -176,20 +220,28 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
                    {"k", K},
                    {"valid_m", valid},
                    {"block_m", static_cast<std::int64_t>(block_m)}};
-    emit(options, results,
-         finish(block_m == chosen ? "gemm.masked" : "gemm.masked.alt", p, us, bytes, flops, s));
+    emit(options, results, finish("gemm.masked" + v.suffix, p, us, bytes, flops, s));
   }
+}
+
+// The shapes the experiments run on: a large and a small contiguous one, the decode point.
+bool experiment_shape(const Anchor& s) {
+  return (!s.masked && s.groups == 8 && s.n == 4096) ||
+         (!s.masked && s.groups == 32 && s.m == 256 && s.n == 7168) ||
+         (s.masked && s.groups == 128 && s.expected_m == 8 && s.n == 4096);
 }
 
 std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   std::vector<Result> results;
+  const bool experiments_on = experiments_enabled();
   std::uint64_t seed = 2026;
   for (const Anchor& s : kAnchors) {
     seed += 101;
+    const bool experiment = experiments_on && experiment_shape(s);
     if (s.masked) {
-      run_masked(s, seed, options, results);
+      run_masked(s, seed, options, experiment, results);
     } else {
-      run_contiguous(s, seed, options, results);
+      run_contiguous(s, seed, options, experiment, results);
     }
   }
   return results;
