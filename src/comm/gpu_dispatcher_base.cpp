@@ -55,7 +55,9 @@ GpuDispatcherBase::GpuDispatcherBase(std::string name, const DispatcherContext& 
 
 void GpuDispatcherBase::enter(std::string_view what) const {
   comm_->check_usable(fmt::format("{} {}", name_, what));
-  EPMOE_CUDA_CHECK(cudaSetDevice(comm_->device()));
+  int current = -1;
+  EPMOE_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != comm_->device()) EPMOE_CUDA_CHECK(cudaSetDevice(comm_->device()));
 }
 
 std::int64_t GpuDispatcherBase::validate_input(const DispatchInput& in) const {

@@ -61,6 +61,11 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     comm_->barrier();  // every rank's state is ready before anyone sends
   }
 
+  ~NvlinkLlDispatcher() override {
+    // Nothing of ours may still run when the window goes (every device wait is bounded).
+    (void)cudaStreamSynchronize(comm_->stream());
+  }
+
   std::string name() const override { return name_; }
   Layout layout() const override { return Layout::masked; }
   const DispatcherContext& context() const override { return context_; }
