@@ -13,6 +13,8 @@
 //               kept on the device; masked layout; no host sync, no allocation, CUDA-graph
 //               capturable; send and receive halves launch separately. Needs every rank in one LSA
 //               team (one NVLink domain).
+//   "nvlink"    the same transport, also in normal mode (contiguous layout, one host sync in
+//               dispatch_recv to learn the expert offsets).
 //
 // Both produce exactly the CPU simulation's layout ("cpu-sim": rows, scales, weights, m_indices /
 // masked_m and row_token, byte for byte) and combine the same way (per token, rows summed in f32
@@ -52,5 +54,11 @@ class LowLatencyDispatcher : public Dispatcher {
 
 std::unique_ptr<LowLatencyDispatcher> make_nvlink_ll_dispatcher(const DispatcherContext& context,
                                                                 std::shared_ptr<Communicator> comm);
+
+// "nvlink": the same transport in either mode. Normal mode produces the contiguous layout; its
+// dispatch_recv learns the expert offsets with one bounded host sync (they size the output), so
+// it is not graph capturable; low-latency mode is exactly "nvlink-ll".
+std::unique_ptr<LowLatencyDispatcher> make_nvlink_dispatcher(const DispatcherContext& context,
+                                                             std::shared_ptr<Communicator> comm);
 
 }  // namespace epmoe

@@ -6,7 +6,8 @@
 // other way (or with fewer GPUs than ranks) it says so and measures nothing.
 //
 //   normal mode   4096 tokens per rank, DeepSeek-V3 (H = 7168, top-8 of 256), FP8 dispatch / bf16
-//                 combine over nccl-p2p; and ncclAlltoAll moving the same bytes per peer.
+//                 combine over nvlink (LSA stores, one host sync per dispatch) and nccl-p2p; and
+//                 ncclAlltoAll moving the same bytes per peer.
 //   low latency   1, 32, 64, 128, 256 tokens per rank (buffers sized to the batch), graph-replayed,
 //                 over nvlink-ll and nccl-p2p; plus the send halves of nvlink-ll alone.
 // GB/s counts the bytes a rank sends to other ranks (token payloads: x + scales + ids + weights
@@ -120,36 +121,45 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
       static_cast<double>(in.tokens_out) * static_cast<double>(detail::token_payload_bytes(ctx));
   const double combine_bytes = static_cast<double>(in.tokens_in) * static_cast<double>(c.hidden) * 2.0;
 
-  auto d = make_nccl_p2p_dispatcher(ctx, comm.shared_from_this());
   const DispatchInput view = in.view();
-  std::vector<DispatchOutput> out(1);
-  d->dispatch({&view, 1}, out);
-  const double us_dispatch = timed(
-      comm,
-      [&](int, cudaStream_t) {
-        d->dispatch({&view, 1}, out);
-      },
-      timing);
-  emit(options, results,
-       make_result("comm.dispatch", params("nccl-p2p", "normal", "dispatch", T, comm), us_dispatch,
-                   dispatch_bytes, 0.0, kNvlinkGBps));
-
-  const cuda::DeviceTensor expert_out(DType::bf16,
-                                      {std::max<std::int64_t>(out[0].num_output_rows(), 1), c.hidden});
-  fill_random_bf16(expert_out.view(), 11, stream);
-  const TensorView eo = expert_out.view().slice_rows(0, out[0].num_output_rows());
   const cuda::DeviceTensor y(DType::bf16, {T, c.hidden});
   const TensorView yv = y.view();
-  const double us_combine = timed(
-      comm,
-      [&](int, cudaStream_t) {
-        d->combine({&eo, 1}, {&yv, 1});
-      },
-      timing);
-  emit(options, results,
-       make_result("comm.combine", params("nccl-p2p", "normal", "combine", T, comm), us_combine,
-                   combine_bytes, 0.0, kNvlinkGBps));
-  d.reset();
+  for (const std::string transport : {"nvlink", "nccl-p2p"}) {
+    std::unique_ptr<Dispatcher> d;
+    try {
+      d = transport == "nvlink"
+              ? std::unique_ptr<Dispatcher>(make_nvlink_dispatcher(ctx, comm.shared_from_this()))
+              : make_nccl_p2p_dispatcher(ctx, comm.shared_from_this());
+    } catch (const Error& e) {
+      std::printf("comm: %s unavailable here: %s\n", transport.c_str(), e.what());
+      continue;
+    }
+    std::vector<DispatchOutput> out(1);
+    d->dispatch({&view, 1}, out);
+    const double us_dispatch = timed(
+        comm,
+        [&](int, cudaStream_t) {
+          d->dispatch({&view, 1}, out);
+        },
+        timing);
+    emit(options, results,
+         make_result("comm.dispatch", params(transport, "normal", "dispatch", T, comm), us_dispatch,
+                     dispatch_bytes, 0.0, kNvlinkGBps));
+    const cuda::DeviceTensor expert_out(DType::bf16,
+                                        {std::max<std::int64_t>(out[0].num_output_rows(), 1), c.hidden});
+    fill_random_bf16(expert_out.view(), 11, stream);
+    const TensorView eo = expert_out.view().slice_rows(0, out[0].num_output_rows());
+    const double us_combine = timed(
+        comm,
+        [&](int, cudaStream_t) {
+          d->combine({&eo, 1}, {&yv, 1});
+        },
+        timing);
+    emit(options, results,
+         make_result("comm.combine", params(transport, "normal", "combine", T, comm), us_combine,
+                     combine_bytes, 0.0, kNvlinkGBps));
+    comm.synchronize(CommPhase::none, "the benchmark");
+  }
 
   // ncclAlltoAll moving the same bytes to each peer (its own share is a local copy).
   const int N = comm.size();

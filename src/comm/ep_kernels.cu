@@ -443,6 +443,8 @@ __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs
   if (blockIdx.x == 0) {
     if (!a.contiguous)
       for (int e = tid; e < g.L; e += nthreads) a.masked_m[e] = total[e];
+    if (a.expert_offsets != nullptr)
+      for (int e = tid; e <= g.L; e += nthreads) a.expert_offsets[e] = eoff[e];
     if (tid == 0) *a.recv_total = R;
   }
   if (lsa && finish_block(a.sync.done) && tid == 0) *a.sync.seq = s;

@@ -104,10 +104,11 @@ struct PlaceArgs {
   std::int32_t* masked_m = nullptr;   // masked
   std::int32_t* row_token = nullptr;
   float* row_weight = nullptr;
-  std::int32_t* recv_rows = nullptr;   // [N * T_max, K]
-  std::int32_t* recv_src = nullptr;    // [N * T_max]
-  std::int32_t* recv_slot = nullptr;   // [N * T_max]
-  std::int32_t* recv_total = nullptr;  // [1]
+  std::int32_t* recv_rows = nullptr;       // [N * T_max, K]
+  std::int32_t* recv_src = nullptr;        // [N * T_max]
+  std::int32_t* recv_slot = nullptr;       // [N * T_max]
+  std::int32_t* recv_total = nullptr;      // [1]
+  std::int32_t* expert_offsets = nullptr;  // [L + 1] contiguous, optional: first row of each expert
   FlagSync sync;
 };
 void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream);

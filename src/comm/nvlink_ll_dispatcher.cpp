@@ -1,5 +1,6 @@
-// "nvlink-ll": low-latency dispatch / combine over NVLink loads and stores into a symmetric
-// window (epmoe/comm_dispatch.hpp).
+// "nvlink-ll" / "nvlink": dispatch / combine over NVLink loads and stores into a symmetric window
+// (epmoe/comm_dispatch.hpp). Low-latency mode (masked layout) has no host sync; normal mode
+// ("nvlink" only; contiguous layout) learns the expert offsets in dispatch_recv.
 //
 // Window of every rank, two parities (calls alternate between them, so a fast rank's next call
 // never overwrites what a slow rank is still reading):
@@ -25,10 +26,12 @@ std::int64_t up(std::int64_t x, std::int64_t a) {
 
 class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDispatcherBase {
  public:
-  NvlinkLlDispatcher(const DispatcherContext& context, std::shared_ptr<Communicator> comm)
-      : GpuDispatcherBase("nvlink-ll", context, std::move(comm)) {
-    EPMOE_CHECK(context.mode == Mode::low_latency,
-                "nvlink-ll serves low-latency mode (masked layout); use nccl-p2p for normal mode");
+  NvlinkLlDispatcher(const std::string& name, const DispatcherContext& context,
+                     std::shared_ptr<Communicator> comm, bool allow_normal)
+      : GpuDispatcherBase(name, context, std::move(comm)) {
+    EPMOE_CHECK(
+        allow_normal || context.mode == Mode::low_latency,
+        "nvlink-ll serves low-latency mode (masked layout); use \"nvlink\" or nccl-p2p for normal mode");
     const std::int64_t N = g_.N, me = g_.me;
     header_ints_ = up(comm_detail::kHeaderCounts + g_.L, 4);
     hdr_off_ = 0;
@@ -37,16 +40,15 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     cslot_off_ = up(cflag_off_ + N * 16, 256);
     parity_stride_ = up(cslot_off_ + N * g_.T_max * g_.partial_bytes, 4096);
     window_ = comm_->alloc_symmetric(static_cast<std::size_t>(2 * parity_stride_));  // collective, zeroed
-    EPMOE_CHECK(
-        comm_->all_ranks_lsa(),
-        "nvlink-ll needs every rank's memory reachable by NVLink loads and stores, but this rank's LSA team "
-        "has {} of the {} ranks; use nccl-p2p",
-        comm_->lsa_size(), comm_->size());
+    EPMOE_CHECK(comm_->all_ranks_lsa(),
+                "{} needs every rank's memory reachable by NVLink loads and stores, but this rank's LSA team "
+                "has {} of the {} ranks; use nccl-p2p",
+                name_, comm_->lsa_size(), comm_->size());
 
     std::vector<void*> send_dest, send_hdr, reduce_dest, reduce_flag;
     for (int d = 0; d < g_.N; ++d) {
       auto* peer = static_cast<char*>(window_->peer_pointer(d));
-      EPMOE_CHECK(peer != nullptr, "nvlink-ll: no load/store pointer to rank {}'s window", d);
+      EPMOE_CHECK(peer != nullptr, "{}: no load/store pointer to rank {}'s window", name_, d);
       send_dest.push_back(peer + slot_off_ + me * g_.T_max * g_.row_stride);
       send_hdr.push_back(peer + hdr_off_ + me * header_ints_ * 4);
       reduce_dest.push_back(peer + cslot_off_ + me * g_.T_max * g_.partial_bytes);
@@ -58,23 +60,31 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     reduce_flag_ = comm_detail::upload_pointers(reduce_flag);
     sync_state_ = cuda::DeviceBuffer(64);  // [0] dispatch seq, [1] combine seq, [4..8) done counters
     sync_state_.fill_bytes(0, comm_->stream());
+    if (contiguous()) {
+      // Normal mode: the host learns the expert offsets once per dispatch (they size the output).
+      offsets_dev_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(g_.L + 1));
+      void* host = nullptr;
+      EPMOE_CUDA_CHECK(cudaMallocHost(&host, sizeof(std::int32_t) * static_cast<std::size_t>(g_.L + 2)));
+      offsets_host_ = static_cast<std::int32_t*>(host);
+    }
     comm_->barrier();  // every rank's state is ready before anyone sends
   }
 
   ~NvlinkLlDispatcher() override {
     // Nothing of ours may still run when the window goes (every device wait is bounded).
     (void)cudaStreamSynchronize(comm_->stream());
+    if (offsets_host_ != nullptr) (void)cudaFreeHost(offsets_host_);
   }
 
   std::string name() const override { return name_; }
-  Layout layout() const override { return Layout::masked; }
+  Layout layout() const override { return contiguous() ? Layout::contiguous : Layout::masked; }
   const DispatcherContext& context() const override { return context_; }
   const DispatchStats& last_stats() const override { return stats_; }
   std::size_t window_bytes() const override { return window_->size(); }
 
   void dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) override {
     EPMOE_CHECK(inputs.size() == 1 && outputs.size() == 1,
-                "nvlink-ll serves one rank: pass one input and one output, got {} and {}", inputs.size(),
+                "{} serves one rank: pass one input and one output, got {} and {}", name_, inputs.size(),
                 outputs.size());
     dispatch_send(inputs[0]);
     dispatch_recv(outputs[0]);
@@ -114,14 +124,14 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     dispatched_ = false;
     // The peers got an error status instead of tokens; now refuse here too.
     EPMOE_CHECK(host_status == 0,
-                "nvlink-ll: rank {} has {} tokens, more than the buffers hold (max_tokens_per_rank = {})",
+                "{}: rank {} has {} tokens, more than the buffers hold (max_tokens_per_rank = {})", name_,
                 g_.me, T, g_.T_max);
     sent_ = true;
   }
 
   void dispatch_recv(DispatchOutput& out) override {
     enter("dispatch_recv");
-    EPMOE_CHECK(sent_, "nvlink-ll: dispatch_recv needs a dispatch_send first");
+    EPMOE_CHECK(sent_, "{}: dispatch_recv needs a dispatch_send first", name_);
     comm_detail::PlaceArgs p = place_outputs();
     p.header = reinterpret_cast<const std::int32_t*>(static_cast<const char*>(window_->local()) + hdr_off_);
     p.header_stride = header_ints_;
@@ -131,21 +141,38 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     p.counts_field = comm_detail::kHeaderCounts;
     p.slots = static_cast<const char*>(window_->local()) + slot_off_;
     p.sync = sync(0, 5);
+    if (contiguous()) p.expert_offsets = offsets_dev_.as<std::int32_t>();
     comm_detail::launch_place(g_, p, comm_->stream());
-    const std::int64_t estimate =
-        std::max<std::int64_t>(1, (last_T_ * g_.N * g_.K + g_.P - 1) / std::max(1, g_.P));
-    fill_output(out, max_rows_, -1, tensor_scale_, {}, estimate);
     sent_ = false;
+    if (contiguous()) {
+      // One bounded host sync: the contiguous layout's size and offsets.
+      const cudaStream_t stream = comm_->stream();
+      EPMOE_CUDA_CHECK(cudaMemcpyAsync(offsets_host_, offsets_dev_.data(), offsets_dev_.size(),
+                                       cudaMemcpyDeviceToHost, stream));
+      EPMOE_CUDA_CHECK(cudaMemcpyAsync(offsets_host_ + g_.L + 1, recv_total_.data(), sizeof(std::int32_t),
+                                       cudaMemcpyDeviceToHost, stream));
+      comm_->synchronize(CommPhase::dispatch_recv, "the tokens of every rank");
+      std::vector<std::int64_t> offsets(offsets_host_, offsets_host_ + g_.L + 1);
+      const std::int64_t m_sum = offsets.back();
+      fill_output(out, m_sum, offsets_host_[g_.L + 1], tensor_scale_, std::move(offsets), 0);
+    } else {
+      const std::int64_t estimate =
+          std::max<std::int64_t>(1, (last_T_ * g_.N * g_.K + g_.P - 1) / std::max(1, g_.P));
+      fill_output(out, max_rows_, -1, tensor_scale_, {}, estimate);
+    }
+    output_rows_ = out.num_output_rows();
     dispatched_ = true;
   }
 
   void combine_send(const TensorView& expert_out) override {
     enter("combine_send");
-    EPMOE_CHECK(dispatched_, "nvlink-ll: combine_send needs a dispatch first");
-    expect_dtype(expert_out, DType::bf16, "nvlink-ll: expert_out");
-    expect_shape(expert_out, {max_rows_, context_.config.hidden}, "nvlink-ll: expert_out");
-    expect_device(expert_out, Device::cuda, "nvlink-ll: expert_out");
-    expect_contiguous(expert_out, "nvlink-ll: expert_out");
+    EPMOE_CHECK(dispatched_, "{}: combine_send needs a dispatch first", name_);
+    expect_dtype(expert_out, DType::bf16, name_ + ": expert_out");
+    expect_shape(expert_out, {output_rows_, context_.config.hidden}, name_ + ": expert_out");
+    if (output_rows_ > 0) {
+      expect_device(expert_out, Device::cuda, name_ + ": expert_out");
+      expect_contiguous(expert_out, name_ + ": expert_out");
+    }
     comm_detail::ReduceArgs r;
     r.expert_out = expert_out.data;
     r.row_weight = row_weight_.as<float>();
@@ -162,12 +189,12 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
 
   void combine_recv(const TensorView& y) override {
     enter("combine_recv");
-    EPMOE_CHECK(combine_sent_, "nvlink-ll: combine_recv needs a combine_send first");
-    expect_dtype(y, DType::bf16, "nvlink-ll: y");
-    expect_shape(y, {last_T_, context_.config.hidden}, "nvlink-ll: y");
+    EPMOE_CHECK(combine_sent_, "{}: combine_recv needs a combine_send first", name_);
+    expect_dtype(y, DType::bf16, name_ + ": y");
+    expect_shape(y, {last_T_, context_.config.hidden}, name_ + ": y");
     if (last_T_ > 0) {
-      expect_device(y, Device::cuda, "nvlink-ll: y");
-      expect_contiguous(y, "nvlink-ll: y");
+      expect_device(y, Device::cuda, name_ + ": y");
+      expect_contiguous(y, name_ + ": y");
     }
     comm_detail::HomeArgs h;
     h.partials = static_cast<const char*>(window_->local()) + cslot_off_;
@@ -197,6 +224,9 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::int64_t header_ints_ = 0, hdr_off_ = 0, slot_off_ = 0, cflag_off_ = 0, cslot_off_ = 0,
                parity_stride_ = 0;
   cuda::DeviceBuffer send_dest_, send_hdr_, reduce_dest_, reduce_flag_, sync_state_;
+  cuda::DeviceBuffer offsets_dev_;
+  std::int32_t* offsets_host_ = nullptr;
+  std::int64_t output_rows_ = 0;
   float tensor_scale_ = 1.0f;
   bool sent_ = false, combine_sent_ = false;
 };
@@ -205,12 +235,21 @@ const DispatcherRegistry::Registration kRegistration{
     "nvlink-ll", [](const DispatcherContext& c) -> std::unique_ptr<Dispatcher> {
       return make_nvlink_ll_dispatcher(c, Communicator::process_default());
     }};
+const DispatcherRegistry::Registration kRegistrationNormal{
+    "nvlink", [](const DispatcherContext& c) -> std::unique_ptr<Dispatcher> {
+      return make_nvlink_dispatcher(c, Communicator::process_default());
+    }};
 
 }  // namespace
 
 std::unique_ptr<LowLatencyDispatcher> make_nvlink_ll_dispatcher(const DispatcherContext& context,
                                                                 std::shared_ptr<Communicator> comm) {
-  return std::make_unique<NvlinkLlDispatcher>(context, std::move(comm));
+  return std::make_unique<NvlinkLlDispatcher>("nvlink-ll", context, std::move(comm), /*allow_normal=*/false);
+}
+
+std::unique_ptr<LowLatencyDispatcher> make_nvlink_dispatcher(const DispatcherContext& context,
+                                                             std::shared_ptr<Communicator> comm) {
+  return std::make_unique<NvlinkLlDispatcher>("nvlink", context, std::move(comm), /*allow_normal=*/true);
 }
 
 }  // namespace epmoe

@@ -10,7 +10,7 @@
 namespace epmoe::ranks {
 namespace {
 
-enum class Transport { p2p_normal, p2p_low_latency, nvlink_ll };
+enum class Transport { p2p_normal, p2p_low_latency, nvlink_ll, nvlink_normal };
 
 std::string name_of(Transport t) {
   switch (t) {
@@ -20,11 +20,13 @@ std::string name_of(Transport t) {
       return "nccl-p2p low-latency";
     case Transport::nvlink_ll:
       return "nvlink-ll";
+    case Transport::nvlink_normal:
+      return "nvlink normal";
   }
   return "?";
 }
 Mode mode_of(Transport t) {
-  return t == Transport::p2p_normal ? Mode::normal : Mode::low_latency;
+  return t == Transport::p2p_normal || t == Transport::nvlink_normal ? Mode::normal : Mode::low_latency;
 }
 
 cudaStream_t stream() {
@@ -44,6 +46,7 @@ MoeConfig test_config(int max_tokens, bool deepseek = false) {
 std::unique_ptr<Dispatcher> make(Transport t, const MoeConfig& c, ActivationFormat f) {
   const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1};
   if (t == Transport::nvlink_ll) return make_nvlink_ll_dispatcher(ctx, world_ptr());
+  if (t == Transport::nvlink_normal) return make_nvlink_dispatcher(ctx, world_ptr());
   return make_nccl_p2p_dispatcher(ctx, world_ptr());
 }
 
@@ -200,7 +203,7 @@ TEST_P(Transports, Bf16AndPerTensorFp8) {
 
 INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                          ::testing::Values(Transport::p2p_normal, Transport::p2p_low_latency,
-                                           Transport::nvlink_ll),
+                                           Transport::nvlink_ll, Transport::nvlink_normal),
                          [](const ::testing::TestParamInfo<Transport>& p) {
                            switch (p.param) {
                              case Transport::p2p_normal:
@@ -209,6 +212,8 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                                return std::string("NcclP2pLowLatency");
                              case Transport::nvlink_ll:
                                return std::string("NvlinkLl");
+                             case Transport::nvlink_normal:
+                               return std::string("NvlinkNormal");
                            }
                            return std::string("unknown");
                          });
