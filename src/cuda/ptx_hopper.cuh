@@ -97,6 +97,24 @@ __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap
       : "memory");
 }
 
+// ---------------------------------------------------------------- cp.async (4-byte copies)
+// Asynchronous global -> shared copy of 4 bytes (no register is involved, so nothing waits on it).
+__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// An arrive on `bar` that happens once all of this thread's earlier cp.async have landed; it counts
+// toward the barrier's expected arrivals (.noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(std::uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ float ld_shared_f32(std::uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 // ---------------------------------------------------------------- setmaxnreg
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {

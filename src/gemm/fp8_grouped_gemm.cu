@@ -24,7 +24,6 @@ namespace {
 using kernels::GemmTraits;
 using kernels::GroupedGemmParams;
 using kernels::kGemmBlockK;
-using kernels::kGemmBlockN;
 
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 // Rows of the small A box (tiles with at most this many valid rows: decode).
@@ -82,10 +81,9 @@ Dims check_weights(const TensorView& b, const TensorView& b_scales) {
   EPMOE_CHECK(dims.groups > 0, "b must hold at least one group, got {}", b.describe());
   EPMOE_CHECK(dims.k > 0 && dims.k % kGemmBlockK == 0, "b: K = {} must be a positive multiple of {}", dims.k,
               kGemmBlockK);
-  EPMOE_CHECK(dims.n > 0 && dims.n % kGemmBlockN == 0, "b: N = {} must be a positive multiple of {}", dims.n,
-              kGemmBlockN);
-  EPMOE_CHECK(dims.groups * dims.n <= kInt32Max && dims.k <= kInt32Max, "b {} is too large for one launch",
-              b.describe());
+  EPMOE_CHECK(dims.n > 0 && dims.n % 128 == 0, "b: N = {} must be a positive multiple of 128", dims.n);
+  EPMOE_CHECK(dims.groups * dims.n <= kInt32Max && dims.k <= kInt32Max && b_scales.numel() <= kInt32Max,
+              "b {} is too large for one launch", b.describe());
   expect_device_tensor(b_scales, DType::f32, "b_scales", 4);
   expect_shape(b_scales, {dims.groups, dims.n / 128, dims.k / 128}, "b_scales");
   return dims;
@@ -98,6 +96,7 @@ struct ScaleStrides {
 ScaleStrides check_a_scales(const TensorView& s, ScaleLayout layout, std::int64_t groups, std::int64_t rows,
                             std::int64_t kb, bool masked) {
   expect_device_tensor(s, DType::f32, "a_scales", 4);
+  EPMOE_CHECK(s.numel() <= kInt32Max, "a_scales {} is too large for one launch", s.describe());
   const std::int64_t padded = tma_aligned_tokens(rows);
   if (layout == ScaleLayout::token_major) {
     if (masked) {
@@ -122,22 +121,42 @@ void check_device() {
               props.name, props.cc_major, props.cc_minor);
 }
 
-int check_block_m(const GroupedGemmOptions& options, bool masked, std::int64_t expected_m) {
+// The tile of this call: options, else the heuristic.
+GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::int64_t expected_m,
+                         std::int64_t n) {
   EPMOE_CHECK(options.block_m == 0 || options.block_m == 64 || options.block_m == 128,
               "options.block_m must be 0 (automatic), 64 or 128, got {}", options.block_m);
+  EPMOE_CHECK(options.block_n == 0 || options.block_n == 128 || options.block_n == 256,
+              "options.block_n must be 0 (automatic), 128 or 256, got {}", options.block_n);
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
   EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 2, "options.ablation must be 0, 1 or 2, got {}",
               options.ablation);
   EPMOE_CHECK(options.l2_promotion >= 0 && options.l2_promotion <= 2,
               "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
-  return options.block_m != 0 ? options.block_m : grouped_gemm_block_m(masked, expected_m);
+  GemmTileShape tile = grouped_gemm_tile(masked, expected_m, n);
+  if (options.block_m != 0) tile.block_m = options.block_m;
+  if (options.block_n != 0) tile.block_n = options.block_n;
+  // A forced height without a forced width: the heuristic's width for that height.
+  if (options.block_m != 0 && options.block_n == 0)
+    tile.block_n = tile.block_m == 128 && n % 256 == 0 ? 256 : 128;
+  EPMOE_CHECK(n % tile.block_n == 0, "N = {} must be a multiple of options.block_n = {}", n, tile.block_n);
+  EPMOE_CHECK(!(tile.block_m == 64 && tile.block_n == 256), "64 x 256 tiles are not built; use block_n 128");
+  return tile;
 }
 
-template <int kBlockM>
-void launch(const TensorView& a, std::int64_t a_rows, const TensorView& b, GroupedGemmParams params,
-            std::int64_t max_tiles, const GroupedGemmOptions& options, cudaStream_t stream) {
-  using Traits = GemmTraits<kBlockM>;
-  constexpr auto kernel = &kernels::fp8_grouped_gemm_kernel<kBlockM>;
+// The layout-specific parts of a launch.
+struct Problem {
+  GroupedGemmParams params;         // everything but the tile-dependent fields
+  std::int64_t a_rows;              // rows of A viewed as a 2D [a_rows, K] tensor
+  std::int64_t tile_rows;           // contiguous: M; masked: M_max (per group)
+  std::int64_t groups_in_schedule;  // masked: G (upper bound of the tiles); contiguous: 1
+};
+
+template <int kBlockM, int kBlockN>
+void launch(const TensorView& a, const TensorView& b, Problem problem, const GroupedGemmOptions& options,
+            cudaStream_t stream) {
+  using Traits = GemmTraits<kBlockM, kBlockN>;
+  constexpr auto kernel = &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN>;
   const DeviceProps& props = device_props();
   // The dynamic shared-memory limit is raised once per device.
   static std::atomic<std::uint64_t> raised{0};
@@ -148,8 +167,13 @@ void launch(const TensorView& a, std::int64_t a_rows, const TensorView& b, Group
     raised.fetch_or(bit, std::memory_order_acq_rel);
   }
   EPMOE_CHECK(options.stages >= 0 && options.stages <= Traits::kStages,
-              "options.stages must be 0 (all) or 1..{} for {}-row tiles, got {}", Traits::kStages, kBlockM,
-              options.stages);
+              "options.stages must be 0 (all) or 1..{} for {} x {} tiles, got {}", Traits::kStages, kBlockM,
+              kBlockN, options.stages);
+  GroupedGemmParams& params = problem.params;
+  params.m_blocks = static_cast<std::int32_t>((problem.tile_rows + kBlockM - 1) / kBlockM);
+  const std::int64_t max_tiles = problem.groups_in_schedule * params.m_blocks * (params.n / kBlockN);
+  EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
+  params.total_tiles = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_tiles);
   params.stages = options.stages > 0 ? options.stages : Traits::kStages;
   params.ablation = options.ablation;
   params.a_small_rows = options.small_a_box ? std::min(kSmallABoxRows, kBlockM) : 0;
@@ -157,11 +181,11 @@ void launch(const TensorView& a, std::int64_t a_rows, const TensorView& b, Group
                                                     CU_TENSOR_MAP_L2_PROMOTION_NONE,
                                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B};
   const CUtensorMapL2promotion promotion = kPromotions[options.l2_promotion];
-  const CUtensorMap tma_a = make_tma_2d(a.data, a_rows, params.k, kBlockM, "a", promotion);
-  const CUtensorMap tma_a_small =
-      make_tma_2d(a.data, a_rows, params.k, std::max(params.a_small_rows, 8), "a (small box)", promotion);
+  const CUtensorMap tma_a = make_tma_2d(a.data, problem.a_rows, params.k, kBlockM, "a", promotion);
+  const CUtensorMap tma_a_small = make_tma_2d(a.data, problem.a_rows, params.k,
+                                              std::max(params.a_small_rows, 8), "a (small box)", promotion);
   const CUtensorMap tma_b = make_tma_2d(b.data, static_cast<std::int64_t>(params.groups) * params.n, params.k,
-                                        kGemmBlockN, "b", promotion);
+                                        kBlockN, "b", promotion);
   std::int64_t ctas = props.sm_count;
   if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
   ctas = std::clamp<std::int64_t>(max_tiles, 1, ctas);
@@ -170,10 +194,22 @@ void launch(const TensorView& a, std::int64_t a_rows, const TensorView& b, Group
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
+void launch(GemmTileShape tile, const TensorView& a, const TensorView& b, const Problem& problem,
+            const GroupedGemmOptions& options, cudaStream_t stream) {
+  if (tile.block_m == 64) {
+    launch<64, 128>(a, b, problem, options, stream);
+  } else if (tile.block_n == 256) {
+    launch<128, 256>(a, b, problem, options, stream);
+  } else {
+    launch<128, 128>(a, b, problem, options, stream);
+  }
+}
+
 }  // namespace
 
-int grouped_gemm_block_m(bool masked, std::int64_t expected_m) {
-  return masked && expected_m <= 64 ? 64 : 128;
+GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n) {
+  if (masked && expected_m <= 64) return {64, 128};
+  return {128, n % 256 == 0 ? 256 : 128};
 }
 
 void fp8_grouped_gemm_contiguous(TensorView a, TensorView a_scales, ScaleLayout a_scale_layout, TensorView b,
@@ -189,16 +225,17 @@ void fp8_grouped_gemm_contiguous(TensorView a, TensorView a_scales, ScaleLayout 
   expect_shape(m_indices, {M}, "m_indices");
   expect_device_tensor(d, DType::bf16, "d", 4);
   expect_shape(d, {M, w.n}, "d");
-  const int block_m = check_block_m(options, false, 0);
+  const GemmTileShape tile = check_tile(options, false, 0, w.n);
   EPMOE_CHECK(M + 128 <= kInt32Max, "a {} has too many rows for one launch", a.describe());
   if (M == 0) return;
   check_device();
 
-  GroupedGemmParams p{};
+  Problem problem{};
+  GroupedGemmParams& p = problem.params;
   p.sa = static_cast<const float*>(a_scales.data);
-  p.sa_group_stride = ss.group;
-  p.sa_row_stride = ss.row;
-  p.sa_kb_stride = ss.kb;
+  p.sa_group_stride = static_cast<std::int32_t>(ss.group);
+  p.sa_row_stride = static_cast<std::int32_t>(ss.row);
+  p.sa_kb_stride = static_cast<std::int32_t>(ss.kb);
   p.sb = static_cast<const float*>(b_scales.data);
   p.m_indices = static_cast<const std::int32_t*>(m_indices.data);
   p.masked_m = nullptr;
@@ -207,12 +244,10 @@ void fp8_grouped_gemm_contiguous(TensorView a, TensorView a_scales, ScaleLayout 
   p.n = static_cast<std::int32_t>(w.n);
   p.k = static_cast<std::int32_t>(w.k);
   p.groups = static_cast<std::int32_t>(w.groups);
-  p.m_blocks = static_cast<std::int32_t>((M + block_m - 1) / block_m);
-  const std::int64_t tiles = static_cast<std::int64_t>(p.m_blocks) * (w.n / kGemmBlockN);
-  EPMOE_CHECK(tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", tiles);
-  p.total_tiles = static_cast<std::int32_t>(tiles);
-  block_m == 64 ? launch<64>(a, M, b, p, tiles, options, stream)
-                : launch<128>(a, M, b, p, tiles, options, stream);
+  problem.a_rows = M;
+  problem.tile_rows = M;
+  problem.groups_in_schedule = 1;
+  launch(tile, a, b, problem, options, stream);
 }
 
 void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_scale_layout, TensorView b,
@@ -229,16 +264,17 @@ void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_sc
   expect_device_tensor(d, DType::bf16, "d", 4);
   expect_shape(d, {w.groups, M_max, w.n}, "d");
   EPMOE_CHECK(expected_m >= 0, "expected_m must be >= 0, got {}", expected_m);
-  const int block_m = check_block_m(options, true, expected_m);
+  const GemmTileShape tile = check_tile(options, true, expected_m, w.n);
   EPMOE_CHECK(w.groups * (M_max + 128) <= kInt32Max, "a {} has too many rows for one launch", a.describe());
   if (M_max == 0) return;
   check_device();
 
-  GroupedGemmParams p{};
+  Problem problem{};
+  GroupedGemmParams& p = problem.params;
   p.sa = static_cast<const float*>(a_scales.data);
-  p.sa_group_stride = ss.group;
-  p.sa_row_stride = ss.row;
-  p.sa_kb_stride = ss.kb;
+  p.sa_group_stride = static_cast<std::int32_t>(ss.group);
+  p.sa_row_stride = static_cast<std::int32_t>(ss.row);
+  p.sa_kb_stride = static_cast<std::int32_t>(ss.kb);
   p.sb = static_cast<const float*>(b_scales.data);
   p.m_indices = nullptr;
   p.masked_m = static_cast<const std::int32_t*>(masked_m.data);
@@ -247,13 +283,10 @@ void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_sc
   p.n = static_cast<std::int32_t>(w.n);
   p.k = static_cast<std::int32_t>(w.k);
   p.groups = static_cast<std::int32_t>(w.groups);
-  p.m_blocks = static_cast<std::int32_t>((M_max + block_m - 1) / block_m);
-  const std::int64_t max_tiles = w.groups * p.m_blocks * (w.n / kGemmBlockN);
-  EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
-  p.total_tiles = 0;  // read on the device
-  const std::int64_t a_rows = w.groups * M_max;
-  block_m == 64 ? launch<64>(a, a_rows, b, p, max_tiles, options, stream)
-                : launch<128>(a, a_rows, b, p, max_tiles, options, stream);
+  problem.a_rows = w.groups * M_max;
+  problem.tile_rows = M_max;
+  problem.groups_in_schedule = w.groups;
+  launch(tile, a, b, problem, options, stream);
 }
 
 }  // namespace epmoe::cuda

@@ -3,25 +3,30 @@
 //
 //   D[m, n] = Σ_kb sa[m, kb] · sb[g(m), n/128, kb] · Σ_{k in kb} A[m, k] · B[g(m), n, k]
 //
-// One persistent CTA per SM, warp-specialised:
-//   - warpgroup 0 (the producer; one warp of it works): walks the tile schedule and, per 128-wide
-//     K block, waits for a free pipeline stage (its "empty" mbarrier), then TMA-loads the A tile
-//     [kBlockM x 128] and the B tile [128 x 128] (both K-major, 128-byte swizzled) into it, and
-//     arms the stage's "full" mbarrier with the bytes to expect;
-//   - warpgroups 1.. (the consumers, 64 rows of the tile each): wait on "full", issue four
-//     wgmma m64n128k32 (e4m3 x e4m3 -> f32) into a per-K-block accumulator, wait for them, free
-//     the stage (one arrive per warp on "empty"), and promote: acc += sa·sb · partial (f32), as
-//     DeepGEMM does. After the last K block, the f32 accumulators go to bf16 and straight to
-//     global memory (only rows that belong to the tile's group).
-// The schedule is static (tile t goes to CTA t mod gridDim.x); both roles walk it identically
-// and skip the same tiles, so their pipeline stages and phases stay in lockstep.
+// One persistent CTA per SM, warp-specialised, tiles of kBlockM x kBlockN (64 x 128, 128 x 128 or
+// 128 x 256), 128 of K per pipeline stage:
+//   - warpgroup 0 (the producer; one warp of it works): walks the tile schedule and, per K block,
+//     waits for a free stage (its "empty" mbarrier), TMA-loads the A tile [kBlockM x 128] and the B
+//     tile [kBlockN x 128] (K-major, 128-byte swizzled) into it, and copies the K block's scales
+//     (sa of the tile's rows, sb of its 128-column blocks) into the stage with cp.async; the
+//     stage's "full" mbarrier completes when the TMA bytes and every lane's copies have landed;
+//   - warpgroups 1.. (the consumers, 64 rows of the tile each): wait on "full", read the stage's
+//     scales, and per 128 columns issue four wgmma m64n128k32 (e4m3 x e4m3 -> f32) into a per-K-
+//     block accumulator, wait for them, free the stage after the last (one arrive per warp on
+//     "empty"), and promote: acc += sa·sb · partial (f32), as DeepGEMM does. After the last K
+//     block, the f32 accumulators go to bf16 and straight to global memory (valid rows only).
+// No consumer touches global memory inside the K loop: scales come with the stage, so nothing
+// waits on a load's latency there.
+// The schedule is static (tile t goes to CTA t mod gridDim.x); both roles walk it identically and
+// skip the same tiles, so their pipeline stages and phases stay in lockstep.
 //
-// Layouts. Contiguous: A [M, K], m_indices [M]; every 128-row block (from row 0) holds rows of
-// at most one group (its group is the max of its m_indices; all -1: the block is skipped); a row
-// is written only when m_indices[row] equals that group. Masked: A [G * M_max, K] viewed flat; the
+// Layouts. Contiguous: A [M, K], m_indices [M]; every 128-row block (from row 0) holds rows of at
+// most one group (its group is the max of its m_indices; all -1: the block is skipped); a row is
+// written only when m_indices[row] equals that group. Masked: A [G * M_max, K] viewed flat; the
 // group's valid rows are [0, min(masked_m[g], M_max)), read on the device (no host sync).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cuda.h>
@@ -31,30 +36,35 @@
 
 namespace epmoe::kernels {
 
-inline constexpr int kGemmBlockN = 128;  // columns of a tile (one weight-scale block)
-inline constexpr int kGemmBlockK = 128;  // K per pipeline stage (one scale block; one 128-byte row)
-inline constexpr int kGemmBandN = 8;     // n-blocks per band of the contiguous tile order
+inline constexpr int kGemmBlockK = 128;         // K per pipeline stage (one scale block; a 128-byte row)
+inline constexpr int kGemmWaveN = 128;          // columns per wgmma wave (one weight-scale block)
+inline constexpr int kGemmBandColumns = 1024;   // columns per band of the contiguous tile order
+inline constexpr int kGemmSmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
 
-template <int kBlockM>
+template <int kBlockM, int kBlockN>
 struct GemmTraits {
-  static_assert(kBlockM == 64 || kBlockM == 128);
-  static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
+  static_assert((kBlockM == 64 || kBlockM == 128) && (kBlockN == 128 || kBlockN == 256));
+  static constexpr int kConsumers = kBlockM / 64;      // consumer warpgroups
+  static constexpr int kWaves = kBlockN / kGemmWaveN;  // 128-column waves per consumer and K block
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kStages = kBlockM == 128 ? 6 : 8;
   static constexpr int kABytes = kBlockM * kGemmBlockK;
-  static constexpr int kBBytes = kGemmBlockN * kGemmBlockK;
+  static constexpr int kBBytes = kBlockN * kGemmBlockK;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  // 1024 bytes of slack to align the swizzled tiles to 1024, then the tiles, then the barriers.
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8;
+  // Per stage: sa of the tile's rows, then sb of its waves (padded to 16 bytes).
+  static constexpr int kScaleFloats = kBlockM + 4;
+  static constexpr int kScaleBytes = kScaleFloats * 4;
+  // 1024 bytes of slack to align the swizzled tiles, the tiles, the scales, the barriers.
+  static constexpr int kStages = std::min(8, (kGemmSmemBudget - 1024) / (kStageBytes + kScaleBytes + 16));
+  static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + kScaleBytes + 16);
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 };
 
 struct GroupedGemmParams {
   const float* sa;  // A scales: sa[g * sa_group_stride + row * sa_row_stride + kb * sa_kb_stride]
-  std::int64_t sa_group_stride;  // masked: per group; contiguous: 0
-  std::int64_t sa_row_stride;    // row within the group (masked) or within A (contiguous)
-  std::int64_t sa_kb_stride;
+  std::int32_t sa_group_stride;  // masked: per group; contiguous: 0 (all offsets fit in 31 bits)
+  std::int32_t sa_row_stride;    // row within the group (masked) or within A (contiguous)
+  std::int32_t sa_kb_stride;
   const float* sb;                // [G, N/128, K/128]
   const std::int32_t* m_indices;  // contiguous layout: [M]; masked: nullptr
   const std::int32_t* masked_m;   // masked layout: [G]; contiguous: nullptr
@@ -62,7 +72,7 @@ struct GroupedGemmParams {
   std::int32_t rows;              // contiguous: M; masked: M_max
   std::int32_t n, k, groups;
   std::int32_t m_blocks;      // contiguous: ceil(M / kBlockM); masked: ceil(M_max / kBlockM)
-  std::int32_t total_tiles;   // contiguous: m_blocks * N/128; masked: unused (read on the device)
+  std::int32_t total_tiles;   // contiguous: m_blocks * N/kBlockN; masked: unused (read on the device)
   std::int32_t stages;        // pipeline stages in use, 1..GemmTraits::kStages
   std::int32_t a_small_rows;  // rows of tma_a_small's box: tiles using no more rows load only those
   std::int32_t ablation;      // kAblate*: timing experiments only
@@ -71,7 +81,7 @@ struct GroupedGemmParams {
 // One output tile.
 struct GemmTile {
   std::int32_t group;        // B group
-  std::int32_t n_block;      // columns [128 n_block, 128 n_block + 128)
+  std::int32_t n_block;      // columns [kBlockN n_block, kBlockN (n_block + 1))
   std::int32_t row0;         // first row of the tile in A's (flattened) rows
   std::int32_t seg_row0;     // first row of the tile's group segment (masked: g * M_max; else 0)
   std::int32_t row_end;      // rows >= row_end are never valid
@@ -80,56 +90,52 @@ struct GemmTile {
 };
 
 // The static persistent schedule. next() is warp-collective: every lane of the calling warp must
-// call it (the contiguous layout reduces a block's m_indices over the warp).
-template <int kBlockM>
+// call it (the contiguous layout reduces a block's m_indices over the warp). Only the walking state
+// lives in registers; the problem is read from the (grid-constant) kernel parameters.
+template <int kBlockM, int kBlockN>
 class GemmScheduler {
  public:
-  __device__ explicit GemmScheduler(const GroupedGemmParams& p)
-      : m_indices_(p.m_indices),
-        masked_m_(p.masked_m),
-        rows_(p.rows),
-        groups_(p.groups),
-        m_blocks_(p.m_blocks),
-        total_tiles_(p.total_tiles),
-        n_blocks_(p.n / kGemmBlockN),
-        t_(static_cast<std::int32_t>(blockIdx.x)) {
-    if (masked_m_ != nullptr) load_segment();
+  __device__ explicit GemmScheduler(const GroupedGemmParams& p) : t_(static_cast<std::int32_t>(blockIdx.x)) {
+    if (p.masked_m != nullptr) load_segment(p);
   }
 
-  __device__ bool next(GemmTile& tile) {
-    return masked_m_ != nullptr ? next_masked(tile) : next_contiguous(tile);
+  __device__ bool next(GemmTile& tile, const GroupedGemmParams& p) {
+    return p.masked_m != nullptr ? next_masked(tile, p) : next_contiguous(tile, p);
   }
 
  private:
-  // Contiguous: bands of kGemmBandN n-blocks; inside a band the n-blocks vary fastest, so a wave
-  // of CTAs shares a few A blocks and one band of B.
-  __device__ bool next_contiguous(GemmTile& tile) {
+  // Contiguous: bands of kBand n-blocks (1024 columns); inside a band the n-blocks vary fastest, so
+  // a wave of CTAs shares a few A blocks and one band of B.
+  static constexpr int kBand = kGemmBandColumns / kBlockN;
+
+  __device__ bool next_contiguous(GemmTile& tile, const GroupedGemmParams& p) {
     const int lane = static_cast<int>(threadIdx.x % 32);
-    while (t_ < total_tiles_) {
+    const std::int32_t n_blocks = p.n / kBlockN;
+    while (t_ < p.total_tiles) {
       const std::int32_t t = t_;
       t_ += static_cast<std::int32_t>(gridDim.x);
-      const std::int32_t band_tiles = m_blocks_ * kGemmBandN;
+      const std::int32_t band_tiles = p.m_blocks * kBand;
       const std::int32_t band = t / band_tiles;
       const std::int32_t r = t - band * band_tiles;
-      const std::int32_t first_n = band * kGemmBandN;
-      const std::int32_t width = min(kGemmBandN, n_blocks_ - first_n);
+      const std::int32_t first_n = band * kBand;
+      const std::int32_t width = min(kBand, n_blocks - first_n);
       const std::int32_t m_block = r / width;
       const std::int32_t row0 = m_block * kBlockM;
       std::int32_t g = -1, ids[kBlockM / 32];
 #pragma unroll
       for (int i = 0; i < kBlockM / 32; ++i) {
         const std::int32_t row = row0 + i * 32 + lane;
-        ids[i] = row < rows_ ? __ldg(m_indices_ + row) : -1;
+        ids[i] = row < p.rows ? __ldg(p.m_indices + row) : -1;
         g = max(g, ids[i]);
       }
       g = __reduce_max_sync(0xffffffffu, g);
-      if (g < 0 || g >= groups_) continue;  // padding only (or ids out of range): nothing to do
+      if (g < 0 || g >= p.groups) continue;  // padding only (or ids out of range): nothing to do
       std::int32_t last = 0;
 #pragma unroll
       for (int i = 0; i < kBlockM / 32; ++i)
         if (ids[i] == g) last = i * 32 + lane + 1;
       last = __reduce_max_sync(0xffffffffu, last);
-      tile = GemmTile{g, first_n + (r - m_block * width), row0, 0, rows_, 0, last};
+      tile = GemmTile{g, first_n + (r - m_block * width), row0, 0, p.rows, 0, last};
       return true;
     }
     return false;
@@ -137,17 +143,17 @@ class GemmScheduler {
 
   // Masked: only the valid m-blocks of each group are enumerated (group-major, then n-block,
   // then m-block), so skipped rows cost nothing and the CTAs stay balanced.
-  __device__ bool next_masked(GemmTile& tile) {
-    while (g_ < groups_ && t_ >= seg_start_ + seg_tiles_) {
+  __device__ bool next_masked(GemmTile& tile, const GroupedGemmParams& p) {
+    while (g_ < p.groups && t_ >= seg_start_ + seg_tiles_) {
       seg_start_ += seg_tiles_;
       ++g_;
-      if (g_ < groups_) load_segment();
+      if (g_ < p.groups) load_segment(p);
     }
-    if (g_ >= groups_) return false;
+    if (g_ >= p.groups) return false;
     const std::int32_t r = t_ - seg_start_;
     t_ += static_cast<std::int32_t>(gridDim.x);
     const std::int32_t m_block = r % seg_m_blocks_;
-    const std::int32_t seg_row0 = g_ * rows_;
+    const std::int32_t seg_row0 = g_ * p.rows;
     tile = GemmTile{g_,
                     r / seg_m_blocks_,
                     seg_row0 + m_block * kBlockM,
@@ -158,16 +164,12 @@ class GemmScheduler {
     return true;
   }
 
-  __device__ void load_segment() {
-    seg_count_ = min(max(__ldg(masked_m_ + g_), 0), rows_);
+  __device__ void load_segment(const GroupedGemmParams& p) {
+    seg_count_ = min(max(__ldg(p.masked_m + g_), 0), p.rows);
     seg_m_blocks_ = (seg_count_ + kBlockM - 1) / kBlockM;
-    seg_tiles_ = seg_m_blocks_ * n_blocks_;
+    seg_tiles_ = seg_m_blocks_ * (p.n / kBlockN);
   }
 
-  // Copies, not a reference: taking the address of a kernel parameter would copy it to the stack.
-  const std::int32_t* m_indices_;
-  const std::int32_t* masked_m_;
-  std::int32_t rows_, groups_, m_blocks_, total_tiles_, n_blocks_;
   std::int32_t t_;
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
 };
@@ -195,21 +197,7 @@ struct PipeState {
   }
 };
 
-// Everything one consumer thread needs about its two rows of the current tile.
-struct ConsumerRows {
-  const float* sa_a;  // A scales of row a (K block 0), or nullptr when the row is not valid
-  const float* sa_b;
-  const float* sb;  // weight scales of the tile's (group, n-block), K block 0
-  std::int64_t kb_stride;
-  __device__ void load(std::int32_t kb, float& a, float& b, float& w) const {
-    const std::int64_t off = static_cast<std::int64_t>(kb) * kb_stride;
-    a = sa_a != nullptr ? __ldg(sa_a + off) : 0.0f;
-    b = sa_b != nullptr ? __ldg(sa_b + off) : 0.0f;
-    w = __ldg(sb + kb);
-  }
-};
-
-// acc += (sa·sw) · part on row a (even registers pairs 4j, 4j+1) and (sb·sw) · part on row b.
+// acc += (sa·sw) · part on row a (registers 4j, 4j+1) and (sb·sw) · part on row b (4j+2, 4j+3).
 __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64], float a, float b,
                                         float w) {
   const float s_a = a * w, s_b = b * w;
@@ -225,22 +213,25 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64
 // Ablation modes (GroupedGemmParams::ablation): timing experiments only, the output is garbage.
 inline constexpr int kAblateNone = 0;
 inline constexpr int kAblateMath = 1;   // consumers skip the wgmma and the promotion
-inline constexpr int kAblateLoads = 2;  // the producer arms the full barriers without loading
+inline constexpr int kAblateLoads = 2;  // the producer arms the full barriers without loading A and B
 
-template <int kBlockM>
-__global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
+template <int kBlockM, int kBlockN>
+__global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                             const __grid_constant__ CUtensorMap tma_a_small,
-                            const __grid_constant__ CUtensorMap tma_b, const GroupedGemmParams p) {
-  using Traits = GemmTraits<kBlockM>;
+                            const __grid_constant__ CUtensorMap tma_b,
+                            const __grid_constant__ GroupedGemmParams p) {
+  using Traits = GemmTraits<kBlockM, kBlockN>;
   constexpr int kStages = Traits::kStages;
+  constexpr int kWaves = Traits::kWaves;
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   const std::uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
-  const std::uint32_t smem_a = smem_base;                             // kStages x [kBlockM x 128]
-  const std::uint32_t smem_b = smem_a + kStages * Traits::kABytes;    // kStages x [128 x 128]
-  const std::uint32_t full_bar = smem_b + kStages * Traits::kBBytes;  // kStages x 8 bytes
-  const std::uint32_t empty_bar = full_bar + kStages * 8;             // kStages x 8 bytes
+  const std::uint32_t smem_a = smem_base;                                      // kStages x [kBlockM x 128]
+  const std::uint32_t smem_b = smem_a + kStages * Traits::kABytes;             // kStages x [kBlockN x 128]
+  const std::uint32_t smem_scales = smem_b + kStages * Traits::kBBytes;        // kStages x kScaleFloats f32
+  const std::uint32_t full_bar = smem_scales + kStages * Traits::kScaleBytes;  // kStages x 8 bytes
+  const std::uint32_t empty_bar = full_bar + kStages * 8;                      // kStages x 8 bytes
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -250,7 +241,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(full_bar + 8 * s, 1);                        // the producer's arrive + bytes
+      ptx::mbar_init(full_bar + 8 * s, 1 + 32);                   // TMA arrive (+ bytes), 32 copy arrives
       ptx::mbar_init(empty_bar + 8 * s, Traits::kConsumers * 4);  // one arrive per consumer warp
     }
     ptx::fence_barrier_init();
@@ -264,34 +255,59 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
 
   if (warp < 4) {
     // ------------------------------------------------------------ producer warpgroup
+    // Warp 0 issues the TMA loads, warp 1 copies the scales; both walk the same schedule.
     if constexpr (Traits::kConsumers > 1) ptx::setmaxnreg_dec<Traits::kProducerRegs>();
-    if (warp != 0) return;
-    GemmScheduler<kBlockM> scheduler(p);
+    if (warp > 1) return;
+    GemmScheduler<kBlockM, kBlockN> scheduler(p);
     GemmTile tile;
     PipeState pipe;
-    while (scheduler.next(tile)) {
-      const std::int32_t b_row = tile.group * p.n + tile.n_block * kGemmBlockN;
-      // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest of
-      // the A tile in shared memory is stale, and feeds only rows that are never stored.
-      const bool small = tile.rows_used <= p.a_small_rows;
-      const CUtensorMap* map_a = small ? &tma_a_small : &tma_a;
-      const std::uint32_t bytes =
-          small ? p.a_small_rows * kGemmBlockK + Traits::kBBytes : Traits::kStageBytes;
-      for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-        if (lane == 0) {
-          const std::uint32_t full = full_bar + 8 * pipe.stage;
-          ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
-          if (p.ablation == kAblateLoads) {
-            ptx::mbar_arrive(full);
-          } else {
-            ptx::mbar_arrive_expect_tx(full, bytes);
-            ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, kb * kGemmBlockK, tile.row0);
-            ptx::tma_load_2d(smem_b + pipe.stage * Traits::kBBytes, &tma_b, full, kb * kGemmBlockK, b_row);
+    if (warp == 0) {
+      while (scheduler.next(tile, p)) {
+        const std::int32_t b_row = tile.group * p.n + tile.n_block * kBlockN;
+        // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest
+        // of the A tile in shared memory is stale, and feeds only rows that are never stored.
+        const bool small = tile.rows_used <= p.a_small_rows;
+        const CUtensorMap* map_a = small ? &tma_a_small : &tma_a;
+        const std::uint32_t bytes =
+            small ? p.a_small_rows * kGemmBlockK + Traits::kBBytes : Traits::kStageBytes;
+        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+          if (lane == 0) {
+            const std::uint32_t full = full_bar + 8 * pipe.stage;
+            ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+            if (p.ablation == kAblateLoads) {
+              ptx::mbar_arrive(full);
+            } else {
+              ptx::mbar_arrive_expect_tx(full, bytes);
+              ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, kb * kGemmBlockK,
+                               tile.row0);
+              ptx::tma_load_2d(smem_b + pipe.stage * Traits::kBBytes, &tma_b, full, kb * kGemmBlockK, b_row);
+            }
           }
+          pipe.advance(stages);
         }
-        pipe.advance(stages);
+        __syncwarp();
       }
-      __syncwarp();
+    } else {
+      while (scheduler.next(tile, p)) {
+        // This lane's scale sources (32-bit element offsets; the launcher checks they fit): A rows
+        // local0 + 32 i of the tile, B wave `lane`.
+        const std::int32_t local0 = tile.row0 - tile.seg_row0 + lane;
+        std::int32_t sa_off = tile.scale_group * p.sa_group_stride + local0 * p.sa_row_stride;
+        const std::int32_t sb_off = (tile.group * (p.n / kGemmWaveN) + tile.n_block * kWaves + lane) * num_kb;
+        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+          ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+          const std::uint32_t scales = smem_scales + pipe.stage * Traits::kScaleBytes + 4 * lane;
+#pragma unroll
+          for (int i = 0; i < kBlockM / 32; ++i) {
+            if (local0 + i * 32 < p.rows)
+              ptx::cp_async_4(scales + 4 * 32 * i, p.sa + sa_off + i * 32 * p.sa_row_stride);
+          }
+          if (lane < kWaves) ptx::cp_async_4(scales + 4 * kBlockM, p.sb + sb_off + kb);
+          ptx::cp_async_mbar_arrive_noinc(full_bar + 8 * pipe.stage);  // once this lane's copies land
+          sa_off += p.sa_kb_stride;
+          pipe.advance(stages);
+        }
+      }
     }
     return;
   }
@@ -303,41 +319,17 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
   const int row_in_tile = consumer * 64 + warp_in_group * 16 + lane / 4;  // and + 8
   const int col_in_tile = (lane % 4) * 2;
 
-  GemmScheduler<kBlockM> scheduler(p);
+  GemmScheduler<kBlockM, kBlockN> scheduler(p);
   GemmTile tile;
   PipeState pipe;
-  float acc[64];
+  float acc[kWaves][64];
   float part[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) part[i] = 0.0f;
 
-  // Waits for the next stage and issues its four wgmma (one commit group) into `part`. (A variant
-  // with two per-K-block accumulators, the next block's wgmma overlapping this one's promotion, needs
-  // about 60 registers more than the 232 a consumer has: it spilled. Not worth it here.)
-  auto issue = [&] {
-    ptx::mbar_wait(full_bar + 8 * pipe.stage, pipe.phase);
-    const std::uint32_t a_tile = smem_a + pipe.stage * Traits::kABytes + consumer * 64 * kGemmBlockK;
-    const std::uint32_t b_tile = smem_b + pipe.stage * Traits::kBBytes;
-    fence_all(part);
-    ptx::wgmma_fence();
+  while (scheduler.next(tile, p)) {
+    // (Set here, not once before the loop: the wgmma asm reads part, so a value from before the
+    // loop would keep 64 registers live through the epilogue and the scheduler.)
 #pragma unroll
-    for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
-      ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a_tile + kk * 32),
-                                 ptx::wgmma_desc_sw128(b_tile + kk * 32), kk > 0);
-    }
-    ptx::wgmma_commit();
-    pipe.advance(stages);
-  };
-  // After the wait for the group: frees its stage (one arrive per warp), then promotes. The
-  // second fence keeps the promotion after the arrive, so the producer gets the stage back early.
-  auto retire = [&](int stage, float a, float b, float w) {
-    fence_all(part);
-    if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
-    fence_all(part);
-    promote(acc, part, a, b, w);
-  };
-
-  while (scheduler.next(tile)) {
+    for (int i = 0; i < 64; ++i) part[i] = 0.0f;
     const std::int32_t row_a = tile.row0 + row_in_tile;
     const std::int32_t row_b = row_a + 8;
     bool valid_a = row_a < tile.row_end;
@@ -346,52 +338,66 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM>::kThreads, 1)
       valid_a = valid_a && __ldg(p.m_indices + row_a) == tile.group;
       valid_b = valid_b && __ldg(p.m_indices + row_b) == tile.group;
     }
-    const float* sa_base = p.sa + tile.scale_group * p.sa_group_stride;
-    ConsumerRows rows;
-    rows.sa_a =
-        valid_a ? sa_base + static_cast<std::int64_t>(row_a - tile.seg_row0) * p.sa_row_stride : nullptr;
-    rows.sa_b =
-        valid_b ? sa_base + static_cast<std::int64_t>(row_b - tile.seg_row0) * p.sa_row_stride : nullptr;
-    rows.sb = p.sb + (static_cast<std::int64_t>(tile.group) * (p.n / kGemmBlockN) + tile.n_block) * num_kb;
-    rows.kb_stride = p.sa_kb_stride;
-
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int w = 0; w < kWaves; ++w) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[w][i] = 0.0f;
+    }
 
-    if (p.ablation == kAblateMath) {
-      for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-        ptx::mbar_wait(full_bar + 8 * pipe.stage, pipe.phase);
-        if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * pipe.stage);
+    for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+      const int stage = pipe.stage;
+      ptx::mbar_wait(full_bar + 8 * stage, pipe.phase);
+      if (p.ablation == kAblateMath) {
+        if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
         pipe.advance(stages);
+        continue;
       }
-    } else {
-      float a, b, w;
-      rows.load(0, a, b, w);
-      for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-        const int stage = pipe.stage;
-        issue();
-        // The next K block's scales, loaded while the tensor cores work.
-        float next_a = 0.0f, next_b = 0.0f, next_w = 0.0f;
-        if (kb + 1 < num_kb) rows.load(kb + 1, next_a, next_b, next_w);
+      // This K block's scales, read before the stage is given back.
+      const std::uint32_t scales = smem_scales + stage * Traits::kScaleBytes;
+      const float s_a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;
+      const float s_b = valid_b ? ptx::ld_shared_f32(scales + 4 * (row_in_tile + 8)) : 0.0f;
+      float s_w[kWaves];
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) s_w[w] = ptx::ld_shared_f32(scales + 4 * (kBlockM + w));
+
+      const std::uint32_t a_tile = smem_a + stage * Traits::kABytes + consumer * 64 * kGemmBlockK;
+      const std::uint32_t b_tile = smem_b + stage * Traits::kBBytes;
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) {
+        fence_all(part);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
+          ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a_tile + kk * 32),
+                                     ptx::wgmma_desc_sw128(b_tile + w * kGemmWaveN * kGemmBlockK + kk * 32),
+                                     kk > 0);
+        }
+        ptx::wgmma_commit();
         ptx::wgmma_wait<0>();
-        retire(stage, a, b, w);
-        a = next_a;
-        b = next_b;
-        w = next_w;
+        fence_all(part);
+        // After the last wave this warp is done with the stage; the fences keep the promotion
+        // after the arrive, so the producer gets the stage back early.
+        if (w == kWaves - 1 && lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
+        fence_all(part);
+        promote(acc[w], part, s_a, s_b, s_w[w]);
       }
+      pipe.advance(stages);
     }
 
     // Epilogue: bf16 pairs straight to global memory, valid rows only.
-    __nv_bfloat16* d_col = p.d + tile.n_block * kGemmBlockN + col_in_tile;
-    if (valid_a) {
-      auto* out = reinterpret_cast<std::uint32_t*>(d_col + static_cast<std::int64_t>(row_a) * p.n);
 #pragma unroll
-      for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]);
-    }
-    if (valid_b) {
-      auto* out = reinterpret_cast<std::uint32_t*>(d_col + static_cast<std::int64_t>(row_b) * p.n);
+    for (int w = 0; w < kWaves; ++w) {
+      __nv_bfloat16* d_col = p.d + tile.n_block * kBlockN + w * kGemmWaveN + col_in_tile;
+      if (valid_a) {
+        auto* out = reinterpret_cast<std::uint32_t*>(d_col + static_cast<std::int64_t>(row_a) * p.n);
 #pragma unroll
-      for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]);
+        for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[w][4 * j + 0], acc[w][4 * j + 1]);
+      }
+      if (valid_b) {
+        auto* out = reinterpret_cast<std::uint32_t*>(d_col + static_cast<std::int64_t>(row_b) * p.n);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[w][4 * j + 2], acc[w][4 * j + 3]);
+      }
     }
   }
 }

@@ -9,8 +9,8 @@
 // as DeepGEMM does); bf16 output.
 //
 // A scales come in either layout of epmoe/cuda/quant.hpp (ScaleLayout), as the per-token-group
-// quantizer writes them; the kernel reads them directly from global memory, so no transform is
-// needed for either:
+// quantizer writes them; a producer warp copies each K block's scales into shared memory beside the
+// tiles (cp.async, element by element), so no transform is needed for either:
 //   token_major:  contiguous [M, K/128];               masked [G, M_max, K/128]
 //   mn_major_tma: contiguous [K/128, tma_aligned(M)];  masked [G, K/128, tma_aligned(M_max)]
 //
@@ -30,8 +30,11 @@
 namespace epmoe::cuda {
 
 struct GroupedGemmOptions {
-  // Rows per output tile: 0 picks by grouped_gemm_block_m(); else 64 or 128.
+  // Rows per output tile: 0 picks by grouped_gemm_tile(); else 64 or 128.
   int block_m = 0;
+  // Columns per output tile: 0 picks by grouped_gemm_tile(); else 128 or 256 (N a multiple of it;
+  // 256 with 128-row tiles only).
+  int block_n = 0;
   // At most this many CTAs (persistent, one per SM); 0: every SM of the device.
   int max_ctas = 0;
 
@@ -47,10 +50,16 @@ struct GroupedGemmOptions {
   int ablation = 0;
 };
 
-// The tile-height heuristic. Contiguous: 128 (blocks are 128-row aligned and large). Masked:
-// 64 when expected_m <= 64 (decode: reading the weights bounds the time and 64-row tiles halve
-// the wasted tensor-core work and the A bytes per weight tile), else 128.
-int grouped_gemm_block_m(bool masked, std::int64_t expected_m);
+// The tile heuristic (block_m x block_n). Masked with expected_m <= 64 (decode): 64 x 128 (reading
+// the weights bounds the time; 64-row tiles halve the wasted tensor-core work and A traffic).
+// Otherwise 128 x 256 when N % 256 == 0 (a quarter less L2 -> shared-memory traffic per flop than
+// 128 x 128: each consumer warpgroup runs two 128-column waves per K block), else 128 x 128.
+// Options that force only block_m get that height's width: 64 -> 128, 128 -> as above.
+struct GemmTileShape {
+  int block_m = 128;
+  int block_n = 128;
+};
+GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n);
 
 // Contiguous layout:
 //   a [M, K] fp8_e4m3; a_scales f32 (layout above); b [G, N, K] fp8_e4m3; b_scales [G, N/128, K/128] f32;
