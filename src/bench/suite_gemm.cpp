@@ -146,7 +146,13 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   const double flops = 2.0 * static_cast<double>(valid) * static_cast<double>(N) * static_cast<double>(K);
   const double bytes =
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
+  // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
+  const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
   std::vector<Variant> variants{{"", {}}};
+  if (chosen.block_n == 256) {
+    variants.push_back({".alt", {}});
+    variants.back().options.block_n = 128;
+  }
   if (experiment) {
     for (Variant& v : experiments(false)) variants.push_back(std::move(v));
   }
@@ -157,15 +163,16 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
                                             v.options);
         },
         1, stream, timing_for(options));
-    const int block_m = v.options.block_m != 0 ? v.options.block_m : cuda::grouped_gemm_block_m(false, s.m);
-    const Params p{{"layout", std::string("contiguous")},
-                   {"quant", std::string("fp8")},
-                   {"groups", G},
-                   {"m_per_group", s.m},
-                   {"n", N},
-                   {"k", K},
-                   {"valid_m", valid},
-                   {"block_m", static_cast<std::int64_t>(block_m)}};
+    const Params p{
+        {"layout", std::string("contiguous")},
+        {"quant", std::string("fp8")},
+        {"groups", G},
+        {"m_per_group", s.m},
+        {"n", N},
+        {"k", K},
+        {"valid_m", valid},
+        {"block_m", static_cast<std::int64_t>(v.options.block_m != 0 ? v.options.block_m : chosen.block_m)},
+        {"block_n", static_cast<std::int64_t>(v.options.block_n != 0 ? v.options.block_n : chosen.block_n)}};
     emit(options, results, finish("gemm.contiguous" + v.suffix, p, us, bytes, flops, s));
   }
 }
@@ -196,10 +203,21 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   const double flops = 2.0 * static_cast<double>(valid) * static_cast<double>(N) * static_cast<double>(K);
   const double bytes =
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
-  // The heuristic's tile first, then the other one (".alt") to keep the choice honest.
-  const int chosen = cuda::grouped_gemm_block_m(true, s.expected_m);
-  std::vector<Variant> variants{{"", {}}, {".alt", {}}};
-  variants[1].options.block_m = chosen == 64 ? 128 : 64;
+  // The heuristic's tile first, then the others (".alt*") to keep the choice honest.
+  const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(true, s.expected_m, N);
+  std::vector<Variant> variants{{"", {}}};
+  if (chosen.block_m == 64) {
+    variants.push_back({".alt", {}});
+    variants.back().options.block_m = 128;  // the heuristic's 128-row tile
+  } else {
+    variants.push_back({".alt", {}});
+    variants.back().options.block_m = 64;
+    variants.back().options.block_n = 128;
+    if (chosen.block_n == 256) {
+      variants.push_back({".alt_n", {}});
+      variants.back().options.block_n = 128;
+    }
+  }
   if (experiment) {
     for (Variant& v : experiments(true)) variants.push_back(std::move(v));
   }
@@ -210,7 +228,10 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
                                         d, st, v.options);
         },
         1, stream, timing_for(options));
-    const int block_m = v.options.block_m != 0 ? v.options.block_m : chosen;
+    cuda::GemmTileShape tile = chosen;
+    if (v.options.block_m != 0) tile = cuda::grouped_gemm_tile(v.options.block_m == 128, 1000, N);
+    if (v.options.block_m == 64) tile = {64, 128};
+    if (v.options.block_n != 0) tile.block_n = v.options.block_n;
     const Params p{{"layout", std::string("masked")},
                    {"quant", std::string("fp8")},
                    {"groups", G},
@@ -219,7 +240,8 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
                    {"n", N},
                    {"k", K},
                    {"valid_m", valid},
-                   {"block_m", static_cast<std::int64_t>(block_m)}};
+                   {"block_m", static_cast<std::int64_t>(tile.block_m)},
+                   {"block_n", static_cast<std::int64_t>(tile.block_n)}};
     emit(options, results, finish("gemm.masked" + v.suffix, p, us, bytes, flops, s));
   }
 }

@@ -118,6 +118,7 @@ struct ContiguousCase {
   int block_m = 0;                   // 0: heuristic
   std::int64_t trailing_blocks = 0;  // all-padding 128-row blocks at the end (a worst-case sized buffer)
   bool holes = false;                // also put -1 rows inside groups' rows
+  int block_n = 0;                   // 0: heuristic (256 where N allows)
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -180,6 +181,7 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   dd.fill_bytes(0xff, stream);
   cuda::GroupedGemmOptions options;
   options.block_m = c.block_m;
+  options.block_n = c.block_n;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -203,15 +205,19 @@ INSTANTIATE_TEST_SUITE_P(
         // One valid row in the whole batch, in a worst-case sized buffer (trailing empty blocks).
         ContiguousCase{
             "N1536_K2048_single_row_trailing", {0, 1}, 1536, 2048, ScaleLayout::mn_major_tma, 0, 3},
-        // Many small groups with -1 rows inside them too.
-        ContiguousCase{"N1536_K2048_many_groups_holes",
+        // Many small groups with -1 rows inside them too; 128 x 128 tiles.
+        ContiguousCase{"N1536_K2048_many_groups_holes_block_n128",
                        {5, 17, 0, 128, 1, 90, 0, 33},
                        1536,
                        2048,
                        ScaleLayout::token_major,
                        0,
                        1,
-                       true}),
+                       true,
+                       128},
+        // DeepSeek-V3 gate_up with 128 x 128 tiles.
+        ContiguousCase{
+            "N4096_K7168_block_n128", {77, 200}, 4096, 7168, ScaleLayout::mn_major_tma, 0, 0, false, 128}),
     [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- masked
@@ -223,6 +229,7 @@ struct MaskedCase {
   ScaleLayout layout;
   int block_m = 0;
   bool small_a_box = true;
+  int block_n = 0;
 };
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
@@ -293,6 +300,7 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   dd.fill_bytes(0xff, stream);
   cuda::GroupedGemmOptions options;
   options.block_m = c.block_m;
+  options.block_n = c.block_n;
   options.small_a_box = c.small_a_box;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
@@ -314,8 +322,16 @@ INSTANTIATE_TEST_SUITE_P(
                    false},
         // Decode-like: a few rows per group, DeepSeek-V3 down shape with K = 7168.
         MaskedCase{"N7168_K7168_decode", 72, {72, 0, 9}, 7168, 7168, ScaleLayout::mn_major_tma},
-        MaskedCase{
-            "N1536_K7168_mmax300_block128", 300, {300, 129}, 1536, 7168, ScaleLayout::token_major, 128},
+        // 128 x 128 tiles (the heuristic's pick here is 128 x 256).
+        MaskedCase{"N1536_K7168_mmax300_block128x128",
+                   300,
+                   {300, 129},
+                   1536,
+                   7168,
+                   ScaleLayout::token_major,
+                   128,
+                   true,
+                   128},
         // Nothing valid at all: nothing may be written.
         MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048, ScaleLayout::token_major}),
     [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
@@ -422,6 +438,15 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   a_strided.stride[0] = 2 * K;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a_strided, sa, tm, b, sb, ids, d, stream); },
                         "a must be contiguous");
+  cuda::GroupedGemmOptions bad_n;
+  bad_n.block_n = 192;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_n); },
+                        "options.block_n must be 0 (automatic), 128 or 256");
+  cuda::GroupedGemmOptions tile_64x256;
+  tile_64x256.block_m = 64;
+  tile_64x256.block_n = 256;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, tile_64x256); },
+                        "64 x 256 tiles are not built");
   cuda::GroupedGemmOptions bad_tile;
   bad_tile.block_m = 96;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_tile); },
