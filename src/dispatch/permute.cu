@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <utility>
 #include <string_view>
 
 #include "dispatch/permute_kernels.cuh"
@@ -43,6 +45,34 @@ unsigned grid_for(std::uint64_t work_blocks, int threads = kPermuteThreads) {
 
 std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) {
   return (a + b - 1) / b;
+}
+
+// Timing experiments only (read once): EPMOE_PERMUTE_EXPERIMENT bit 0 = persistent copy grid (at most
+// one wave, warps loop) instead of one block per 8 segments, bit 1 = no programmatic dependent launch.
+unsigned experiment_bits() {
+  static const unsigned bits = [] {
+    const char* v = std::getenv("EPMOE_PERMUTE_EXPERIMENT");
+    return v == nullptr ? 0u : static_cast<unsigned>(std::atoi(v));
+  }();
+  return bits;
+}
+
+// kernel<<<grid, kPermuteThreads, 0, stream>>>(args...) as a programmatic dependent launch: its
+// blocks may start while the stream's previous kernel runs (they wait in permute_grid_wait).
+template <class... Params, class... Args>
+void launch_dependent(void (*kernel)(Params...), unsigned grid, unsigned threads, cudaStream_t stream,
+                      Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = (experiment_bits() & 2u) != 0 ? 0 : 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 std::int64_t chunks_for(std::int64_t entries) {
@@ -132,8 +162,9 @@ void zero_scale_padding(const TensorView& scales, std::int64_t columns, std::int
       static_cast<std::size_t>(scale_ld - valid) * 4, static_cast<std::size_t>(columns), stream));
 }
 
-// Launches 1-3 (count, scan, rank + fill).
-// offsets / counts (contiguous) and masked_m (masked) are the scan's outputs.
+// Launches 1-3 (count, scan, rank), count + fused scan/rank for up to kPermuteInlineScanChunks
+// chunks, or the one-block version of all three for small batches. offsets / counts (contiguous)
+// and masked_m (masked) are the scan's outputs.
 template <bool kMasked>
 void launch_index(const InShape& s, const PermuteInput& in, const TensorView& workspace, std::int64_t experts,
                   kernels::PermuteRankParams rank, std::int32_t* offsets, std::int32_t* counts,
@@ -142,41 +173,48 @@ void launch_index(const InShape& s, const PermuteInput& in, const TensorView& wo
   const auto chunks = static_cast<std::uint32_t>(chunks_for(entries));
   auto* hist = static_cast<std::int32_t*>(workspace.data);
   const auto e = static_cast<std::uint32_t>(experts);
-  const auto* ids = static_cast<const std::int32_t*>(in.topk_ids.data);
-  if (chunks > 0) {
-    kernels::permute_count_kernel<<<chunks, kPermuteThreads, 0, stream>>>(
-        ids, static_cast<std::uint32_t>(entries), e, hist);
-    EPMOE_CUDA_CHECK_LAUNCH();
-  }
-  kernels::permute_scan_kernel<kMasked><<<1, kernels::kPermuteScanThreads, 0, stream>>>(
-      hist, chunks, e, rank.m_max, offsets, counts, masked_m);
-  EPMOE_CUDA_CHECK_LAUNCH();
-  rank.ids = ids;
+  rank.ids = static_cast<const std::int32_t*>(in.topk_ids.data);
   rank.entries = static_cast<std::uint32_t>(entries);
   rank.experts = e;
   rank.chunks = chunks;
   rank.chunk_base = hist;
-  constexpr auto kernel = &kernels::permute_rank_kernel<kMasked>;
-  const unsigned fill_blocks = grid_for<kernel>(ceil_div(rank.total_rows, 4 * kPermuteThreads));
-  kernel<<<chunks + fill_blocks, kPermuteThreads, 0, stream>>>(rank);
-  EPMOE_CUDA_CHECK_LAUNCH();
+  rank.offsets = offsets;
+  if (chunks <= kernels::kPermuteSmallChunks) {
+    launch_dependent(&kernels::permute_index_small_kernel<kMasked>, 1, kPermuteThreads, stream, rank, offsets,
+                     counts, masked_m);
+    return;
+  }
+  launch_dependent(&kernels::permute_count_kernel, chunks, kPermuteThreads, stream, rank.ids, rank.entries, e,
+                   hist);
+  if (chunks <= kernels::kPermuteInlineScanChunks) {
+    launch_dependent(&kernels::permute_scan_rank_kernel<kMasked>, chunks, kPermuteThreads, stream, rank,
+                     offsets, counts, masked_m);
+    return;
+  }
+  launch_dependent(&kernels::permute_scan_kernel<kMasked>, 1, kernels::kPermuteScanThreads, stream, hist,
+                   chunks, e, rank.m_max, offsets, counts, masked_m);
+  launch_dependent(&kernels::permute_rank_kernel<kMasked>, chunks, kPermuteThreads, stream, rank);
 }
 
-// Launch 4 (copy).
+// Launch 4 (copy, with the fill blocks first).
 template <bool kScales, bool kMnMajor, bool kMasked>
-void launch_copy_variant(const kernels::PermuteCopyParams& p, cudaStream_t stream) {
+void launch_copy_variant(kernels::PermuteCopyParams p, cudaStream_t stream) {
   constexpr auto kernel = &kernels::permute_copy_kernel<kScales, kMnMajor, kMasked>;
   const std::uint64_t warps = static_cast<std::uint64_t>(p.tokens) * p.segments;
-  kernel<<<grid_for<kernel>(ceil_div(warps, kernels::kPermuteWarps)), kPermuteThreads, 0, stream>>>(p);
-  EPMOE_CUDA_CHECK_LAUNCH();
+  const std::uint64_t blocks = ceil_div(warps, kernels::kPermuteWarps);
+  const std::uint64_t copy_blocks =
+      warps == 0 ? 0 : ((experiment_bits() & 1u) != 0 ? grid_for<kernel>(blocks) : blocks);
+  p.fill_blocks = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
+      ceil_div(p.total_rows, 4 * kPermuteThreads), 1, static_cast<std::uint64_t>(device_props().sm_count)));
+  EPMOE_CHECK(p.fill_blocks + copy_blocks <= 0x7fffffffu, "too many blocks for one launch");
+  launch_dependent(kernel, static_cast<unsigned>(p.fill_blocks + copy_blocks), kPermuteThreads, stream, p);
 }
 
+// p: the fill fields already set.
 template <bool kMasked>
 void launch_copy(const InShape& s, const PermuteInput& in, const TensorView& rows, const TensorView& scales,
                  const TensorView& src_row, ScaleLayout layout, std::int64_t scale_ld, std::int64_t m_max,
-                 cudaStream_t stream) {
-  if (s.tokens == 0) return;
-  kernels::PermuteCopyParams p{};
+                 kernels::PermuteCopyParams p, cudaStream_t stream) {
   p.x = static_cast<const uint4*>(in.x.data);
   p.x_scales = s.fp8 ? static_cast<const float*>(in.x_scales.data) : nullptr;
   p.src_row = static_cast<const std::int32_t*>(src_row.data);
@@ -233,17 +271,20 @@ void permute_contiguous(const PermuteInput& in, const ContiguousLayout& out, Ten
   check_i32(out.src_row, {s.tokens, s.topk}, "src_row");
   check_workspace(workspace, s.tokens * s.topk, experts);
 
-  kernels::PermuteRankParams rank{};
   auto* offsets = static_cast<std::int32_t*>(out.expert_offsets.data);
   auto* counts = static_cast<std::int32_t*>(out.counts.data);
-  rank.offsets = offsets;
-  rank.counts = counts;
+  kernels::PermuteRankParams rank{};
   rank.src_row = static_cast<std::int32_t*>(out.src_row.data);
   rank.row_src = static_cast<std::int32_t*>(out.row_src.data);
-  rank.m_indices = static_cast<std::int32_t*>(out.m_indices.data);
-  rank.total_rows = static_cast<std::uint32_t>(m);
   launch_index<false>(s, in, workspace, experts, rank, offsets, counts, nullptr, stream);
-  launch_copy<false>(s, in, out.rows, out.scales, out.src_row, scale_layout, scale_ld, 0, stream);
+  kernels::PermuteCopyParams fill{};
+  fill.experts = static_cast<std::uint32_t>(experts);
+  fill.total_rows = static_cast<std::uint32_t>(m);
+  fill.offsets = offsets;
+  fill.counts = counts;
+  fill.m_indices = static_cast<std::int32_t*>(out.m_indices.data);
+  fill.row_src = rank.row_src;
+  launch_copy<false>(s, in, out.rows, out.scales, out.src_row, scale_layout, scale_ld, 0, fill, stream);
   if (s.fp8 && scale_layout == ScaleLayout::mn_major_tma)
     zero_scale_padding(out.scales, s.groups, m, scale_ld, stream);
 }
@@ -267,15 +308,18 @@ void permute_masked(const PermuteInput& in, const MaskedLayout& out, TensorView 
   check_i32(out.src_row, {s.tokens, s.topk}, "src_row");
   check_workspace(workspace, s.tokens * s.topk, experts);
 
+  auto* masked_m = static_cast<std::int32_t*>(out.masked_m.data);
   kernels::PermuteRankParams rank{};
   rank.m_max = static_cast<std::int32_t>(m_max);
   rank.src_row = static_cast<std::int32_t*>(out.src_row.data);
   rank.row_src = static_cast<std::int32_t*>(out.row_src.data);
-  rank.total_rows = static_cast<std::uint32_t>(experts * m_max);
-  auto* masked_m = static_cast<std::int32_t*>(out.masked_m.data);
-  rank.masked_m = masked_m;
   launch_index<true>(s, in, workspace, experts, rank, nullptr, nullptr, masked_m, stream);
-  launch_copy<true>(s, in, out.rows, out.scales, out.src_row, scale_layout, scale_ld, m_max, stream);
+  kernels::PermuteCopyParams fill{};
+  fill.experts = static_cast<std::uint32_t>(experts);
+  fill.total_rows = static_cast<std::uint32_t>(experts * m_max);
+  fill.masked_m = masked_m;
+  fill.row_src = rank.row_src;
+  launch_copy<true>(s, in, out.rows, out.scales, out.src_row, scale_layout, scale_ld, m_max, fill, stream);
   if (s.fp8 && scale_layout == ScaleLayout::mn_major_tma)
     zero_scale_padding(out.scales, experts * s.groups, m_max, scale_ld, stream);
 }

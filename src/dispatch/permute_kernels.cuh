@@ -1,6 +1,6 @@
 // Expert permutation and weighted-gather kernels (device code; host launchers in permute.cu).
 //
-// Permutation, four launches, deterministic (no output depends on the order atomics land in):
+// Permutation, deterministic (no output depends on the order atomics land in):
 //   1. count:   one block per chunk of kPermuteChunk entries (i = t*K + k): the chunk's per-expert
 //               histogram (shared-memory atomics: only the counts matter) -> hist[chunk][E].
 //   2. scan:    one block, a thread per expert: hist[c][e] becomes the exclusive running sum over
@@ -9,11 +9,21 @@
 //   3. rank:    one block per chunk: each warp ranks its 128 entries stably (match_any + popc over
 //               4 rounds of 32, per-warp counters in shared memory), an exclusive scan over the 8
 //               warps per expert gives each entry's rank inside the chunk, so row = expert offset +
-//               chunk base + rank: src_row[i] and row_src[row]. Extra blocks fill m_indices and the
-//               row_src of rows that hold no entry.
-//   4. copy:    a warp per (token, 2 KB segment): the token's segment is read once into registers
-//               (16-byte loads) and written to each of its K rows; the segment-0 warp also copies
-//               the token's scales.
+//               chunk base + rank: src_row[i] and row_src[row].
+//   2+3 fused for up to kPermuteInlineScanChunks chunks (T <= 32768 at K = 8): one block per chunk
+//               reads the whole histogram (chunks x E counts from L2, all loads in flight at once),
+//               so that it has its own chunk bases and the totals (block 0 writes offsets / counts
+//               or masked_m), then ranks its chunk; no serial scan over chunks, one launch less.
+//   1-3 for small batches (<= kPermuteSmallChunks chunks, e.g. T <= 256 at K = 8): one block does
+//               the count, the scan and the chunks' ranks in order (one launch instead of three).
+//   4. copy:    a warp per (token, segment of 32 x kVecs 16-byte vectors): the token's segment is
+//               read once into registers and written to each of its K rows; the segment-0 warp also
+//               copies the token's scales. A few leading blocks fill m_indices and the row_src of
+//               the rows that hold no entry. One block per 8 segments (no persistent loop), 7168-byte
+//               fp8 rows in 2 segments of 3.5 KB.
+// Each launch after the first is a programmatic dependent launch (PDL, permute.cu): its blocks are
+// scheduled while the previous kernel runs and wait in griddepcontrol.wait until it has finished
+// and its writes are visible, so the launch gaps between the 3-4 kernels overlap.
 // Gather: a warp per (token, 1 KB segment of y): the K rows' segments are loaded (4 k's at a time,
 // 8 independent 16-byte loads per lane) and accumulated in f32 in k order with separately rounded
 // multiply and add (the CPU's operation sequence), then rounded to bf16.
@@ -34,15 +44,28 @@ inline constexpr int kPermuteRounds = 4;                                // entri
 inline constexpr int kPermuteChunk = kPermuteThreads * kPermuteRounds;  // 1024 entries
 inline constexpr int kPermuteExpertsMax = 1024;
 inline constexpr int kPermuteScanThreads = kPermuteExpertsMax;  // scan: a thread per expert
-inline constexpr int kPermuteCopyVecs = 4;  // 16-byte vectors per lane per copy segment (2 KB)
+inline constexpr int kPermuteCopyVecs = 7;  // 16-byte vectors per lane per copy segment (3.5 KB)
 inline constexpr int kGatherVecs = 2;       // 16-byte vectors per lane per gather segment (1 KB)
 inline constexpr int kGatherKBatch = 4;     // rows loaded together
+
+// ---------------------------------------------------------------- PDL
+// Programmatic dependent launch: wait until the preceding kernel of the stream has completed and its
+// writes are visible (returns at once when this kernel was launched without the PDL attribute) ...
+__device__ __forceinline__ void permute_grid_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+// ... and let the next kernel's blocks be scheduled now (they wait for this one in permute_grid_wait).
+__device__ __forceinline__ void permute_grid_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 // ---------------------------------------------------------------- 1. count
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_count_kernel(const std::int32_t* __restrict__ ids, std::uint32_t entries, std::uint32_t experts,
                          std::int32_t* __restrict__ hist) {
   __shared__ int counts[kPermuteExpertsMax];
+  permute_grid_wait();
+  permute_grid_launch_dependents();
   for (std::uint32_t e = threadIdx.x; e < experts; e += kPermuteThreads) counts[e] = 0;
   __syncthreads();
   const std::uint32_t begin = blockIdx.x * kPermuteChunk;
@@ -68,6 +91,8 @@ __global__ void __launch_bounds__(kPermuteScanThreads)
                         std::int32_t m_max, std::int32_t* __restrict__ offsets,
                         std::int32_t* __restrict__ counts, std::int32_t* __restrict__ masked_m) {
   constexpr int kBatch = 16;  // independent loads in flight
+  permute_grid_wait();
+  permute_grid_launch_dependents();
   const std::uint32_t e = threadIdx.x;
   int run = 0;
   if (e < experts) {
@@ -99,79 +124,40 @@ __global__ void __launch_bounds__(kPermuteScanThreads)
   }
 }
 
-// ---------------------------------------------------------------- 3. rank (+ fill)
+// ---------------------------------------------------------------- 3. rank
 struct PermuteRankParams {
   const std::int32_t* ids;
   std::uint32_t entries, experts, chunks;
-  const std::int32_t* chunk_base;  // hist after the scan
-  const std::int32_t* offsets;     // contiguous
-  const std::int32_t* counts;      // contiguous
-  const std::int32_t* masked_m;    // masked
+  const std::int32_t* chunk_base;  // hist after the scan (multi-block path)
+  const std::int32_t* offsets;     // contiguous: expert block starts (multi-block path)
   std::int32_t m_max;              // masked
   std::int32_t* src_row;
   std::int32_t* row_src;
-  std::int32_t* m_indices;   // contiguous
-  std::uint32_t total_rows;  // M (contiguous) or E * M_max (masked)
 };
 
-// Largest e in [0, experts) with starts[e] <= row, given starts[0] <= row.
-__device__ __forceinline__ std::uint32_t permute_find_block(const int* starts, std::uint32_t experts,
-                                                            int row) {
-  std::uint32_t lo = 0, hi = experts;
-  while (hi - lo > 1) {
-    const std::uint32_t mid = (lo + hi) / 2;
-    if (starts[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
+using PermuteWarpCounts = int[kPermuteWarps][kPermuteExpertsMax];
 
-template <bool kMasked>
-__global__ void __launch_bounds__(kPermuteThreads) permute_rank_kernel(PermuteRankParams p) {
-  __shared__ int warp_count[kPermuteWarps][kPermuteExpertsMax];
+// Ranks chunk `chunk`'s entries stably by expert. On return (after a __syncthreads) id[r] is the
+// expert of this lane's entry in round r (-1: skipped), rank[r] its rank among the same expert's
+// entries of its warp, and warp_count[w][e] the number of expert e's entries in warps < w of the
+// chunk, so that an entry's rank inside the chunk is warp_count[warp][id] + rank; on_total(e, n)
+// is called with the chunk's count n of each expert e. Each warp owns 128 consecutive entries,
+// round r at + 32 r + lane, so (warp, round, lane) order is entry order.
+template <class OnTotal>
+__device__ __forceinline__ void permute_rank_chunk(const PermuteRankParams& p, std::uint32_t chunk,
+                                                   PermuteWarpCounts& warp_count, int (&id)[kPermuteRounds],
+                                                   int (&rank)[kPermuteRounds], OnTotal on_total) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
-  if (blockIdx.x >= p.chunks) {
-    // Fill: the rows that hold no entry.
-    const std::uint32_t fill_blocks = gridDim.x - p.chunks;
-    const std::uint32_t first = (blockIdx.x - p.chunks) * kPermuteThreads + threadIdx.x;
-    if constexpr (kMasked) {
-      for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kPermuteThreads) {
-        const std::uint32_t e = row / static_cast<std::uint32_t>(p.m_max);
-        const int m = static_cast<int>(row - e * static_cast<std::uint32_t>(p.m_max));
-        if (m >= __ldg(p.masked_m + e)) p.row_src[row] = -1;
-      }
-    } else {
-      int* starts = &warp_count[0][0];
-      for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads)
-        starts[e] = __ldg(p.offsets + e);
-      __syncthreads();
-      for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kPermuteThreads) {
-        const std::uint32_t e = permute_find_block(starts, p.experts, static_cast<int>(row));
-        const bool valid = static_cast<int>(row) < starts[e] + __ldg(p.counts + e);
-        p.m_indices[row] = valid ? static_cast<int>(e) : -1;
-        if (!valid) p.row_src[row] = -1;
-      }
-    }
-    return;
-  }
-
   for (std::uint32_t i = threadIdx.x; i < kPermuteWarps * p.experts; i += kPermuteThreads)
     warp_count[i / p.experts][i % p.experts] = 0;
-  __syncthreads();
-
-  // Warp w's entries: [chunk start + 128 w, + 128), round r at + 32 r + lane.
-  const std::uint32_t first = blockIdx.x * kPermuteChunk + warp * (32 * kPermuteRounds) + lane;
-  int id[kPermuteRounds], rank[kPermuteRounds];
+  const std::uint32_t first = chunk * kPermuteChunk + warp * (32 * kPermuteRounds) + lane;
 #pragma unroll
   for (int r = 0; r < kPermuteRounds; ++r) {
     const std::uint32_t i = first + 32 * r;
     const int v = i < p.entries ? __ldg(p.ids + i) : -1;
     id[r] = static_cast<std::uint32_t>(v) < p.experts ? v : -1;
   }
+  __syncthreads();  // counters zeroed
   const std::uint32_t lanes_below = (1u << lane) - 1u;
 #pragma unroll
   for (int r = 0; r < kPermuteRounds; ++r) {
@@ -193,20 +179,32 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_rank_kernel(PermuteRa
       warp_count[w][e] = run;
       run += v;
     }
+    on_total(e, run);
   }
   __syncthreads();
-  const std::int32_t* base = p.chunk_base + static_cast<std::uint64_t>(blockIdx.x) * p.experts;
+}
+
+// src_row / row_src of this lane's entries of chunk `chunk`, given each expert's first row
+// start(e) (contiguous) and its number of entries before this chunk base(e).
+template <bool kMasked, class Start, class Base>
+__device__ __forceinline__ void permute_write_rows(const PermuteRankParams& p, std::uint32_t chunk,
+                                                   const PermuteWarpCounts& warp_count,
+                                                   const int (&id)[kPermuteRounds],
+                                                   const int (&rank)[kPermuteRounds], Start start,
+                                                   Base base) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const std::uint32_t first = chunk * kPermuteChunk + warp * (32 * kPermuteRounds) + lane;
 #pragma unroll
   for (int r = 0; r < kPermuteRounds; ++r) {
     const std::uint32_t i = first + 32 * r;
     if (i >= p.entries) continue;
     int row = -1;
     if (id[r] >= 0) {
-      const int rel = __ldg(base + id[r]) + warp_count[warp][id[r]] + rank[r];
+      const int rel = base(id[r]) + warp_count[warp][id[r]] + rank[r];
       if constexpr (kMasked) {
-        row = rel < p.m_max ? id[r] * p.m_max + rel : -1;
+        row = rel < p.m_max ? id[r] * p.m_max + rel : -1;  // past M_max: dropped
       } else {
-        row = __ldg(p.offsets + id[r]) + rel;
+        row = start(id[r]) + rel;
       }
     }
     p.src_row[i] = row;
@@ -214,25 +212,264 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_rank_kernel(PermuteRa
   }
 }
 
-// ---------------------------------------------------------------- 4. copy
+// Multi-block path: one block per chunk, bases from the scan.
+template <bool kMasked>
+__global__ void __launch_bounds__(kPermuteThreads) permute_rank_kernel(PermuteRankParams p) {
+  __shared__ PermuteWarpCounts warp_count;
+  permute_grid_wait();
+  permute_grid_launch_dependents();
+  int id[kPermuteRounds], rank[kPermuteRounds];
+  permute_rank_chunk(p, blockIdx.x, warp_count, id, rank, [](std::uint32_t, int) {});
+  const std::int32_t* base = p.chunk_base + static_cast<std::uint64_t>(blockIdx.x) * p.experts;
+  permute_write_rows<kMasked>(
+      p, blockIdx.x, warp_count, id, rank, [&](int e) { return __ldg(p.offsets + e); },
+      [&](int e) { return __ldg(base + e); });
+}
+
+// Scan + rank fused (at most kPermuteInlineScanChunks chunks): block c sums the histogram of all
+// chunks itself (chunks < c into its bases, all into the totals; integer sums, so the order the
+// shared-memory atomics land in does not matter), derives the expert offsets (contiguous) with a
+// block scan, and ranks chunk c. Block 0 writes offsets / counts (contiguous) or masked_m (masked).
+// Writes exactly what kernels 2 and 3 write.
+inline constexpr std::uint32_t kPermuteInlineScanChunks = 256;
+
+template <bool kMasked>
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_scan_rank_kernel(PermuteRankParams p, std::int32_t* __restrict__ offsets,
+                             std::int32_t* __restrict__ counts, std::int32_t* __restrict__ masked_m) {
+  using BlockScan = cub::BlockScan<int, kPermuteThreads>;
+  constexpr int kPerThread = kPermuteExpertsMax / kPermuteThreads;
+  constexpr int kBatch = 8;  // histogram loads in flight per thread
+  __shared__ PermuteWarpCounts warp_count;
+  __shared__ int base[kPermuteExpertsMax];   // entries of each expert in the chunks before this one
+  __shared__ int start[kPermuteExpertsMax];  // totals, then (contiguous) each expert's first row
+  __shared__ typename BlockScan::TempStorage scan_storage;
+
+  permute_grid_wait();
+  permute_grid_launch_dependents();
+  for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = start[e] = 0;
+  __syncthreads();
+  const std::uint32_t n = p.chunks * p.experts;  // <= 256 * 1024
+  const std::uint32_t before = blockIdx.x * p.experts;
+  for (std::uint32_t i0 = threadIdx.x; i0 < n; i0 += kBatch * kPermuteThreads) {
+    int v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const std::uint32_t i = i0 + u * kPermuteThreads;
+      v[u] = i < n ? __ldcg(p.chunk_base + i) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const std::uint32_t i = i0 + u * kPermuteThreads;
+      if (i >= n || v[u] == 0) continue;
+      const std::uint32_t e = i % p.experts;
+      atomicAdd(&start[e], v[u]);
+      if (i < before) atomicAdd(&base[e], v[u]);
+    }
+  }
+  __syncthreads();
+  int total[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const std::uint32_t e = threadIdx.x * kPerThread + j;
+    total[j] = e < p.experts ? start[e] : 0;
+  }
+  if constexpr (kMasked) {
+    if (blockIdx.x == 0) {
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        const std::uint32_t e = threadIdx.x * kPerThread + j;
+        if (e < p.experts) masked_m[e] = min(total[j], p.m_max);
+      }
+    }
+  } else {
+    int offset[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) offset[j] = (total[j] + 127) / 128 * 128;
+    int aggregate = 0;
+    BlockScan(scan_storage).ExclusiveSum(offset, offset, aggregate);  // (syncs: every total read)
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const std::uint32_t e = threadIdx.x * kPerThread + j;
+      if (e >= p.experts) continue;
+      start[e] = offset[j];
+      if (blockIdx.x == 0) {
+        offsets[e] = offset[j];
+        counts[e] = total[j];
+      }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) offsets[p.experts] = aggregate;
+  }
+  // (permute_rank_chunk's first __syncthreads publishes start)
+  int id[kPermuteRounds], rank[kPermuteRounds];
+  permute_rank_chunk(p, blockIdx.x, warp_count, id, rank, [](std::uint32_t, int) {});
+  permute_write_rows<kMasked>(
+      p, blockIdx.x, warp_count, id, rank, [&](int e) { return start[e]; }, [&](int e) { return base[e]; });
+}
+
+// Small batches (at most kPermuteSmallChunks chunks): count, scan and rank in one block, one
+// launch instead of three; the chunks go in order, with running per-expert bases in shared memory.
+// Writes exactly what kernels 1-3 write.
+inline constexpr std::uint32_t kPermuteSmallChunks = 2;
+
+template <bool kMasked>
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_index_small_kernel(PermuteRankParams p, std::int32_t* __restrict__ offsets,
+                               std::int32_t* __restrict__ counts, std::int32_t* __restrict__ masked_m) {
+  using BlockScan = cub::BlockScan<int, kPermuteThreads>;
+  constexpr int kPerThread = kPermuteExpertsMax / kPermuteThreads;
+  __shared__ PermuteWarpCounts warp_count;
+  __shared__ int base[kPermuteExpertsMax];         // totals, then the running expert-relative base
+  __shared__ int chunk_total[kPermuteExpertsMax];  // this chunk's count of each expert
+  __shared__ int start[kPermuteExpertsMax];        // contiguous: first row of each expert
+  __shared__ typename BlockScan::TempStorage scan_storage;
+
+  permute_grid_wait();
+  permute_grid_launch_dependents();
+  for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = 0;
+  __syncthreads();
+  for (std::uint32_t i = threadIdx.x; i < p.entries; i += kPermuteThreads) {
+    const int v = __ldg(p.ids + i);
+    if (static_cast<std::uint32_t>(v) < p.experts) atomicAdd(&base[v], 1);
+  }
+  __syncthreads();
+  int total[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const std::uint32_t e = threadIdx.x * kPerThread + j;
+    total[j] = e < p.experts ? base[e] : 0;
+  }
+  if constexpr (kMasked) {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const std::uint32_t e = threadIdx.x * kPerThread + j;
+      if (e < p.experts) masked_m[e] = min(total[j], p.m_max);
+    }
+  } else {
+    int offset[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) offset[j] = (total[j] + 127) / 128 * 128;
+    int aggregate = 0;
+    BlockScan(scan_storage).ExclusiveSum(offset, offset, aggregate);
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const std::uint32_t e = threadIdx.x * kPerThread + j;
+      if (e < p.experts) {
+        offsets[e] = offset[j];
+        counts[e] = total[j];
+        start[e] = offset[j];
+      }
+    }
+    if (threadIdx.x == 0) offsets[p.experts] = aggregate;
+  }
+  __syncthreads();  // every total read: base becomes the running base
+  for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = 0;
+
+  for (std::uint32_t chunk = 0; chunk < p.chunks; ++chunk) {
+    int id[kPermuteRounds], rank[kPermuteRounds];
+    // (its first __syncthreads also publishes base)
+    permute_rank_chunk(p, chunk, warp_count, id, rank, [&](std::uint32_t e, int n) { chunk_total[e] = n; });
+    permute_write_rows<kMasked>(
+        p, chunk, warp_count, id, rank, [&](int e) { return start[e]; }, [&](int e) { return base[e]; });
+    __syncthreads();  // every entry has read base and warp_count
+    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] += chunk_total[e];
+  }
+}
+
+// ---------------------------------------------------------------- 4. copy (+ fill)
 struct PermuteCopyParams {
   const uint4* x;         // [T, vecs_per_row]
   const float* x_scales;  // [T, groups] (fp8)
   const std::int32_t* src_row;
   std::uint32_t tokens, topk, vecs_per_row, segments, groups;
-  uint4* rows;             // [rows, vecs_per_row]
-  float* scales;           // token-major [rows, groups] or MN-major
-  std::uint32_t scale_ld;  // MN-major: padded rows of one scale column
-  std::uint32_t m_max;     // masked MN-major: rows per expert
+  uint4* rows;                // [rows, vecs_per_row]
+  float* scales;              // token-major [rows, groups] or MN-major
+  std::uint32_t scale_ld;     // MN-major: padded rows of one scale column
+  std::uint32_t m_max;        // masked: rows per expert
+  std::uint32_t fill_blocks;  // blocks [0, fill_blocks) fill, the others copy
+  std::uint32_t chunk_bytes;  // bulk copy: bytes per unit (the last chunk of a row may be shorter)
+  // Fill: the rows that hold no entry get m_indices = -1 (contiguous) and row_src = -1.
+  std::uint32_t experts, total_rows;  // total_rows: M (contiguous) or E * M_max (masked)
+  const std::int32_t* offsets;        // contiguous
+  const std::int32_t* counts;         // contiguous
+  const std::int32_t* masked_m;       // masked
+  std::int32_t* m_indices;            // contiguous
+  std::int32_t* row_src;
 };
+
+// Largest e in [0, experts) with starts[e] <= row, given starts[0] <= row.
+__device__ __forceinline__ std::uint32_t permute_find_block(const int* starts, std::uint32_t experts,
+                                                            int row) {
+  std::uint32_t lo = 0, hi = experts;
+  while (hi - lo > 1) {
+    const std::uint32_t mid = (lo + hi) / 2;
+    if (starts[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// The fill blocks of the copy kernel: rows that hold no entry (disjoint from those the rank step wrote).
+template <bool kMasked, int kThreads = kPermuteThreads>
+__device__ __forceinline__ void permute_fill(const PermuteCopyParams& p) {
+  const std::uint32_t fill_blocks = p.fill_blocks;
+  const std::uint32_t first = blockIdx.x * kThreads + threadIdx.x;
+  if constexpr (kMasked) {
+    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kThreads) {
+      const std::uint32_t e = row / p.m_max;
+      if (static_cast<int>(row - e * p.m_max) >= __ldg(p.masked_m + e)) p.row_src[row] = -1;
+    }
+  } else {
+    __shared__ int starts[kPermuteExpertsMax];
+    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kThreads) starts[e] = __ldg(p.offsets + e);
+    __syncthreads();
+    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kThreads) {
+      const std::uint32_t e = permute_find_block(starts, p.experts, static_cast<int>(row));
+      const bool valid = static_cast<int>(row) < starts[e] + __ldg(p.counts + e);
+      p.m_indices[row] = valid ? static_cast<int>(e) : -1;
+      if (!valid) p.row_src[row] = -1;
+    }
+  }
+}
+
+// The scales of token t into its rows (my_row: lane k < K holds row k, -1 for none; all 32 lanes).
+template <bool kMnMajor, bool kMasked>
+__device__ __forceinline__ void permute_copy_scales(const PermuteCopyParams& p, std::uint32_t t, int my_row,
+                                                    int lane) {
+  for (std::uint32_t g0 = 0; g0 < p.groups; g0 += 32) {
+    const std::uint32_t g = g0 + lane;
+    const float sv = g < p.groups ? __ldg(p.x_scales + static_cast<std::uint64_t>(t) * p.groups + g) : 0.0f;
+    for (std::uint32_t k = 0; k < p.topk; ++k) {
+      const int row = __shfl_sync(0xffffffffu, my_row, static_cast<int>(k));
+      if (row < 0 || g >= p.groups) continue;
+      const auto r = static_cast<std::uint32_t>(row);
+      if constexpr (!kMnMajor) {
+        p.scales[static_cast<std::uint64_t>(r) * p.groups + g] = sv;
+      } else if constexpr (kMasked) {
+        const std::uint32_t e = r / p.m_max;
+        p.scales[(static_cast<std::uint64_t>(e) * p.groups + g) * p.scale_ld + (r - e * p.m_max)] = sv;
+      } else {
+        p.scales[static_cast<std::uint64_t>(g) * p.scale_ld + r] = sv;
+      }
+    }
+  }
+}
 
 template <bool kScales, bool kMnMajor, bool kMasked>
 __global__ void __launch_bounds__(kPermuteThreads) permute_copy_kernel(PermuteCopyParams p) {
+  permute_grid_wait();
+  if (blockIdx.x < p.fill_blocks) {  // first, so that they run beside the copy, not after it
+    permute_fill<kMasked>(p);
+    return;
+  }
   const int lane = threadIdx.x % 32;
-  const std::uint32_t num_warps = gridDim.x * kPermuteWarps;
+  const std::uint32_t block = blockIdx.x - p.fill_blocks;
+  const std::uint32_t num_warps = (gridDim.x - p.fill_blocks) * kPermuteWarps;
   const std::uint32_t items = p.tokens * p.segments;
-  for (std::uint32_t item = (blockIdx.x * kPermuteThreads + threadIdx.x) / 32; item < items;
-       item += num_warps) {
+  for (std::uint32_t item = (block * kPermuteThreads + threadIdx.x) / 32; item < items; item += num_warps) {
     const std::uint32_t t = item / p.segments;
     const std::uint32_t s = item - t * p.segments;
     const int my_row = static_cast<std::uint32_t>(lane) < p.topk ? __ldg(p.src_row + t * p.topk + lane) : -1;
@@ -258,27 +495,121 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_copy_kernel(PermuteCo
     }
 
     if constexpr (kScales) {
-      if (s != 0) continue;
-      for (std::uint32_t g0 = 0; g0 < p.groups; g0 += 32) {
-        const std::uint32_t g = g0 + lane;
-        const float sv =
-            g < p.groups ? __ldg(p.x_scales + static_cast<std::uint64_t>(t) * p.groups + g) : 0.0f;
-        for (std::uint32_t k = 0; k < p.topk; ++k) {
-          const int row = __shfl_sync(0xffffffffu, my_row, static_cast<int>(k));
-          if (row < 0 || g >= p.groups) continue;
-          const auto r = static_cast<std::uint32_t>(row);
-          if constexpr (!kMnMajor) {
-            p.scales[static_cast<std::uint64_t>(r) * p.groups + g] = sv;
-          } else if constexpr (kMasked) {
-            const std::uint32_t e = r / p.m_max;
-            p.scales[(static_cast<std::uint64_t>(e) * p.groups + g) * p.scale_ld + (r - e * p.m_max)] = sv;
-          } else {
-            p.scales[static_cast<std::uint64_t>(g) * p.scale_ld + r] = sv;
-          }
-        }
-      }
+      if (s == 0) permute_copy_scales<kMnMajor, kMasked>(p, t, my_row, lane);
     }
   }
+}
+
+// ---------------------------------------------------------------- 4'. copy through the bulk copy engine
+// (experiment) Each warp streams (token, chunk) units u = warp + i W (chunk: <= kBulkChunkMax bytes
+// of the row) through a ring of kBulkStages shared-memory stages: lane 0 loads unit u into its stage
+// with one cp.async.bulk (completing on the stage's mbarrier), then writes it to the token's K rows
+// with K bulk stores, and refills the stage of the previous unit once its stores have read it
+// (cp.async.bulk.wait_group.read 1). The other lanes read the rows and copy the scales.
+inline constexpr int kBulkThreads = 128;
+inline constexpr int kBulkWarps = kBulkThreads / 32;
+inline constexpr int kBulkStages = 3;
+inline constexpr std::uint32_t kBulkChunkMax = 8192;
+
+__device__ __forceinline__ std::uint32_t permute_smem_addr(const void* ptr) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void permute_bulk_load(std::uint32_t dst, const void* src, std::uint32_t bytes,
+                                                  std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void permute_bulk_wait(std::uint32_t bar, std::uint32_t parity) {
+  for (std::uint64_t tries = 0;; ++tries) {
+    std::uint32_t done = 0;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    if (done != 0u) return;
+    if (tries > (1ull << 28)) __trap();  // a lost completion: fail loudly rather than hang
+  }
+}
+
+template <bool kScales, bool kMnMajor, bool kMasked>
+__global__ void __launch_bounds__(kBulkThreads) permute_copy_bulk_kernel(PermuteCopyParams p) {
+  extern __shared__ __align__(128) std::uint8_t stage_mem[];
+  __shared__ __align__(8) std::uint64_t bars[kBulkWarps][kBulkStages];
+  permute_grid_wait();
+  if (blockIdx.x < p.fill_blocks) {
+    permute_fill<kMasked, kBulkThreads>(p);
+    return;
+  }
+  const int lane = threadIdx.x % 32, warp_in_block = threadIdx.x / 32;
+  const std::uint32_t warp = (blockIdx.x - p.fill_blocks) * kBulkWarps + warp_in_block;
+  const std::uint32_t num_warps = (gridDim.x - p.fill_blocks) * kBulkWarps;
+  const std::uint32_t chunks = p.segments;  // chunks per row
+  const std::uint32_t units = p.tokens * chunks;
+  const std::uint32_t row_bytes = p.vecs_per_row * 16u, chunk_bytes = p.chunk_bytes;
+  const std::uint32_t stage0 = permute_smem_addr(stage_mem) + warp_in_block * kBulkStages * chunk_bytes;
+  const std::uint32_t bar0 = permute_smem_addr(&bars[warp_in_block][0]);
+  const auto* x = reinterpret_cast<const std::uint8_t*>(p.x);
+  auto* rows = reinterpret_cast<std::uint8_t*>(p.rows);
+  auto unit_src = [&](std::uint32_t u, std::uint32_t& bytes) {
+    const std::uint32_t t = u / chunks, c = u - t * chunks;
+    bytes = min(chunk_bytes, row_bytes - c * chunk_bytes);
+    return x + static_cast<std::uint64_t>(t) * row_bytes + c * chunk_bytes;
+  };
+  if (lane == 0) {
+    for (int s = 0; s < kBulkStages; ++s)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8u * s) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int s = 0; s < kBulkStages; ++s) {
+      const std::uint32_t u = warp + s * num_warps;
+      if (u >= units) break;
+      std::uint32_t bytes;
+      const std::uint8_t* src = unit_src(u, bytes);
+      permute_bulk_load(stage0 + s * chunk_bytes, src, bytes, bar0 + 8u * s);
+    }
+  }
+  __syncwarp();
+  std::uint32_t i = 0;
+  for (std::uint32_t u = warp; u < units; u += num_warps, ++i) {
+    const std::uint32_t t = u / chunks, c = u - t * chunks;
+    const int my_row = static_cast<std::uint32_t>(lane) < p.topk ? __ldg(p.src_row + t * p.topk + lane) : -1;
+    const std::uint32_t s = i % kBulkStages;
+    if (lane == 0) {
+      permute_bulk_wait(bar0 + 8u * s, (i / kBulkStages) & 1u);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    const std::uint32_t bytes = min(chunk_bytes, row_bytes - c * chunk_bytes);
+    for (std::uint32_t k = 0; k < p.topk; ++k) {
+      const int row = __shfl_sync(0xffffffffu, my_row, static_cast<int>(k));
+      if (lane == 0 && row >= 0) {
+        std::uint8_t* dst = rows + static_cast<std::uint64_t>(row) * row_bytes + c * chunk_bytes;
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                     "r"(stage0 + s * chunk_bytes), "r"(bytes)
+                     : "memory");
+      }
+    }
+    if (lane == 0) {
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      // Refill the previous unit's stage once its stores have read it.
+      const std::uint32_t next = u + (kBulkStages - 1) * num_warps;
+      if (i >= 1 && next < units) {
+        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+        const std::uint32_t ps = (i - 1) % kBulkStages;
+        std::uint32_t nbytes;
+        const std::uint8_t* src = unit_src(next, nbytes);
+        permute_bulk_load(stage0 + ps * chunk_bytes, src, nbytes, bar0 + 8u * ps);
+      }
+    }
+    if constexpr (kScales) {
+      if (c == 0) permute_copy_scales<kMnMajor, kMasked>(p, t, my_row, lane);
+    }
+  }
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 // ---------------------------------------------------------------- gather
