@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kRouterThreads) route_kernel(const RouterParam
     if constexpr (kSigmoid) {
 #pragma unroll
       for (int j = 0; j < kV; ++j) {
-        score[j] = sigmoid_f32(x[j]);
+        score[j] = sigmoid_f32_fast(x[j]);
         choice[j] = rn_add(score[j], bias[j]);
       }
     } else {

@@ -14,7 +14,9 @@
 #endif
 #endif
 
+#include <cstdint>
 #if !defined(__CUDA_ARCH__)
+#include <bit>
 #include <cmath>
 #endif
 
@@ -49,6 +51,38 @@ EPMOE_HD inline float rn_fma(float a, float b, float c) {
   return __fmaf_rn(a, b, c);
 #else
   return std::fma(a, b, c);
+#endif
+}
+
+EPMOE_HD inline float rn_max(float a, float b) {  // exact; the non-NaN one when one is NaN
+#if defined(__CUDA_ARCH__)
+  return fmaxf(a, b);
+#else
+  return std::fmax(a, b);
+#endif
+}
+
+EPMOE_HD inline float neg_abs(float x) {  // -|x|, exact
+#if defined(__CUDA_ARCH__)
+  return -fabsf(x);
+#else
+  return -std::fabs(x);
+#endif
+}
+
+EPMOE_HD inline std::uint32_t f32_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  return std::bit_cast<std::uint32_t>(x);
+#endif
+}
+
+EPMOE_HD inline float f32_from_bits(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return std::bit_cast<float>(u);
 #endif
 }
 
@@ -96,6 +130,41 @@ EPMOE_HD inline float sigmoid_f32(float x) {
   const float e = exp_nonpositive(a);
   const float d = rn_add(1.0f, e);
   return x >= 0.0f ? rn_div(1.0f, d) : rn_div(e, d);
+}
+
+// sigmoid_f32 in fewer operations (the GPU router's version), bit for bit the same on every
+// non-NaN input (NaN gives 0 here): the same rounded operations on the same values, rearranged.
+//  - The range test is a clamp: a = max(-|x|, -104). exp_nonpositive(-104) rounds to +0, as every
+//    a < -104 does there; -|x| differs from sigmoid_f32's a only for x = +0 (-0 instead of +0),
+//    which gives the same n, r and p.
+//  - No ldexp: the polynomial runs on coefficients scaled by 2^64 (p' = 2^64 p exactly: every
+//    intermediate is normal, so each rounding commutes with the power-of-two scale); n is added to
+//    p's exponent field as an integer (2^(64 + n) p is normal for n in [-151, 0], so this is exact),
+//    and the final multiply by 2^-64 rounds once, as ldexp does (subnormal results included). The
+//    integer n comes straight from the bits of t = a*log2e + 1.5*2^23: bits(t) = 0x4b400000 + n,
+//    whose low 9 bits shifted left by 23 are n << 23 modulo 2^32.
+//  - One division, 1/d or e/d.
+EPMOE_HD inline float sigmoid_f32_fast(float x) {
+  constexpr float kLog2e = 0x1.715476p+0f;
+  constexpr float kLn2Hi = 0x1.62e400p-1f;
+  constexpr float kLn2Lo = 0x1.7f7d1cp-20f;
+  constexpr float kRoundMagic = 0x1.8p+23f;
+  const float a = rn_max(neg_abs(x), -104.0f);
+  const float t = rn_fma(a, kLog2e, kRoundMagic);
+  const float n = rn_add(t, -kRoundMagic);
+  float r = rn_fma(-n, kLn2Hi, a);
+  r = rn_fma(-n, kLn2Lo, r);
+  float p = 0x1.a01a02p+51f;          // 2^64 / 5040
+  p = rn_fma(p, r, 0x1.6c16c2p+54f);  // 2^64 / 720
+  p = rn_fma(p, r, 0x1.111112p+57f);  // 2^64 / 120
+  p = rn_fma(p, r, 0x1.555556p+59f);  // 2^64 / 24
+  p = rn_fma(p, r, 0x1.555556p+61f);  // 2^64 / 6
+  p = rn_fma(p, r, 0x1p+63f);
+  p = rn_fma(p, r, 0x1p+64f);
+  p = rn_fma(p, r, 0x1p+64f);
+  const float e = rn_mul(f32_from_bits(f32_bits(p) + (f32_bits(t) << 23)), 0x1p-64f);
+  const float d = rn_add(1.0f, e);
+  return rn_div(x >= 0.0f ? 1.0f : e, d);
 }
 
 }  // namespace epmoe::routing

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <iostream>
 #include <limits>
@@ -84,6 +85,31 @@ TEST(RouterSigmoid, SaturatesWithoutNaNOrInf) {
   for (float x : {1e-30f, -1e-30f, 1e-3f, -1e-3f, 0.5f, -0.5f, 10.0f, -10.0f, -87.0f, -90.0f}) {
     EXPECT_LE(ulp_error(router_sigmoid(x), sigmoid_ref(x)), 3.0) << x;
   }
+}
+
+// sigmoid_f32_fast (the GPU router's) must give sigmoid_f32's bits on every non-NaN input (checked
+// once over all 2^32 patterns; here every 61st pattern, which visits every exponent, both signs,
+// the subnormal-result range and the clamp, plus the edges).
+TEST(RouterSigmoid, FastVersionBitIdentical) {
+  std::int64_t checked = 0;
+  for (std::uint64_t u = 0; u < (1ull << 32); u += 61) {
+    const float x = std::bit_cast<float>(static_cast<std::uint32_t>(u));
+    if (std::isnan(x)) continue;
+    ++checked;
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(routing::sigmoid_f32_fast(x)),
+              std::bit_cast<std::uint32_t>(routing::sigmoid_f32(x)))
+        << "x = " << x << " (0x" << std::hex << u << ")";
+  }
+  EXPECT_GT(checked, 70000000);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float x :
+       {0.0f, -0.0f, inf, -inf, 104.0f, -104.0f, std::nextafter(-104.0f, 0.0f), -103.62f, -87.3f, -87.4f,
+        0x1p-149f, -0x1p-149f, std::numeric_limits<float>::max(), -std::numeric_limits<float>::max()}) {
+    EXPECT_EQ(std::bit_cast<std::uint32_t>(routing::sigmoid_f32_fast(x)),
+              std::bit_cast<std::uint32_t>(routing::sigmoid_f32(x)))
+        << x;
+  }
+  EXPECT_EQ(routing::sigmoid_f32_fast(std::numeric_limits<float>::quiet_NaN()), 0.0f);
 }
 
 // ------------------------------------------------------------------ brute-force reference

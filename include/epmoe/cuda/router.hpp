@@ -2,7 +2,7 @@
 // kernel. CPU twin: epmoe::route_cpu (epmoe/router.hpp).
 //
 //  - sigmoid scoring (DeepSeek-V3 "noaux_tc"): bit-exact with route_cpu, ids and weights. The
-//    sigmoid is routing::sigmoid_f32 (IEEE-exact operations only), the selections use the same
+//    sigmoid is routing::sigmoid_f32_fast (sigmoid_f32 bit for bit), the selections use the same
 //    strict order (higher value first, ties to the lower index, for groups and for experts), and
 //    the weights the same f32 operation sequence (sum of the chosen unbiased scores in selection
 //    order, then each score / sum — 1/K each when the sum is 0 —, times routed_scaling_factor).
