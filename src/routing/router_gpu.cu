@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <string_view>
 
@@ -90,6 +91,39 @@ bool aligned16(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
 }
 
+// route_g8_kernel's shape: sigmoid, 8 groups of 32 experts, at most 4 kept, K <= min(8, 2 * kept)
+// (the candidate threshold needs 2 * kept >= K known values), 16-byte aligned logits and bias.
+// Below kRouterG8MinTokens the general kernel (a warp per token) is faster: both are latency-bound
+// there and its chain per warp is shorter (H200: 6.7 vs 8.2 us at T = 128; 12.4 vs 10.1 us at
+// T = 4096; the switch point between is not measured). EPMOE_ROUTER_G8=0 takes the general kernel
+// at every T (to time one against the other).
+inline constexpr std::uint32_t kRouterG8MinTokens = 1024;
+
+bool route_g8_eligible(const MoeConfig& c, const kernels::RouterParams& p) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("EPMOE_ROUTER_G8");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return enabled && p.tokens >= kRouterG8MinTokens && c.scoring == Scoring::sigmoid && p.grouped &&
+         c.num_experts == 256 && c.num_groups == 8 && c.topk_groups <= 4 && c.topk <= 8 &&
+         c.topk <= 2 * c.topk_groups && aligned16(p.logits) && aligned16(p.bias);
+}
+
+void launch_g8(const kernels::RouterParams& p, cudaStream_t stream) {
+  constexpr auto kernel = &kernels::route_g8_kernel;
+  static const int blocks_per_sm = [] {
+    int n = 0;
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kernels::kRouterG8Threads, 0));
+    return std::max(n, 1);
+  }();
+  const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
+  const std::uint64_t quads = (static_cast<std::uint64_t>(p.tokens) + 3) / 4;
+  const std::uint64_t wanted = (quads + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
+  const auto grid = static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
+  kernel<<<grid, kernels::kRouterG8Threads, 0, stream>>>(p);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 bool route_supports(const MoeConfig& c) {
@@ -146,7 +180,9 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
                    aligned16(p.logits) && (p.bias == nullptr || aligned16(p.bias));
   p.renormalize = config.renormalize;
   p.scaling = config.routed_scaling_factor;
-  if (sigmoid) {
+  if (route_g8_eligible(config, p)) {
+    launch_g8(p, stream);
+  } else if (sigmoid) {
     launch_for<true>(layout.per_lane, p, stream);
   } else {
     launch_for<false>(layout.per_lane, p, stream);
