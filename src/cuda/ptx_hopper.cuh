@@ -1,4 +1,5 @@
-// Hopper (sm_90a) PTX wrappers: mbarriers, TMA (cp.async.bulk.tensor), wgmma and setmaxnreg.
+// Hopper (sm_90a) PTX wrappers: mbarriers, TMA (cp.async.bulk.tensor, multicast too), clusters, named
+// barriers, wgmma and setmaxnreg.
 // The sibling of ptx.cuh for the Hopper-only machinery; include only from .cuh/.cu device code.
 //
 // Facts these rely on (PTX ISA 8.x, "Asynchronous Warpgroup Level Matrix Operations" and
@@ -95,6 +96,65 @@ __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap
       "[%4];" ::"r"(dst),
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
+}
+
+// The same copy delivered to every CTA of the cluster in `cta_mask` (bit r: rank r), at the same
+// shared-memory offset in each, completing on the mbarrier at `bar`'s offset in each.
+__device__ __forceinline__ void tma_load_2d_multicast(std::uint32_t dst, const CUtensorMap* map,
+                                                      std::uint32_t bar, std::int32_t c0, std::int32_t c1,
+                                                      std::uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], "
+      "[%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
+      : "memory");
+}
+
+// ---------------------------------------------------------------- clusters
+__device__ __forceinline__ std::uint32_t cluster_cta_rank() {
+  std::uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster (exited threads excepted) arrives, then waits for all;
+// orders the shared-memory operations (mbarrier ones included) before it cluster-wide.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Arrives on the mbarrier at shared offset `bar` of the cluster's CTA `rank`. Default semantics
+// (release at CTA scope), as CUTLASS's ClusterBarrier does: ".release.cluster" compiles to a
+// MEMBAR.ALL.GPU before the arrive, which waits for every earlier global store of the thread (seen
+// on sm_90a with nvcc 13.0; it made the clustered kernel 1.7x slower). An arrive that only tells
+// "this stage's shared memory was read" (by wgmma, already waited for) needs no more.
+__device__ __forceinline__ void mbar_arrive_cluster(std::uint32_t bar, std::uint32_t rank) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+}
+
+// ---------------------------------------------------------------- named barriers
+// bar.sync / bar.arrive on hardware barrier `id` (1..15; 0 is __syncthreads) for `count` threads
+// (a multiple of 32): sync waits until `count` threads arrived, arrive only counts itself.
+__device__ __forceinline__ void named_bar_sync(std::uint32_t id, std::uint32_t count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(std::uint32_t id, std::uint32_t count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+// ---------------------------------------------------------------- global stores
+// One 16-byte store (ptr 16-byte aligned).
+__device__ __forceinline__ void st_global_v4(void* ptr, std::uint32_t a, std::uint32_t b, std::uint32_t c,
+                                             std::uint32_t d) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
 }
 
 // ---------------------------------------------------------------- cp.async (4-byte copies)

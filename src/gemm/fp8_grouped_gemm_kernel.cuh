@@ -5,20 +5,31 @@
 //
 // One persistent CTA per SM, warp-specialised, tiles of kBlockM x kBlockN (64 x 128, 128 x 128 or
 // 128 x 256), 128 of K per pipeline stage:
-//   - warpgroup 0 (the producer; one warp of it works): walks the tile schedule and, per K block,
-//     waits for a free stage (its "empty" mbarrier), TMA-loads the A tile [kBlockM x 128] and the B
-//     tile [kBlockN x 128] (K-major, 128-byte swizzled) into it, and copies the K block's scales
-//     (sa of the tile's rows, sb of its 128-column blocks) into the stage with cp.async; the
-//     stage's "full" mbarrier completes when the TMA bytes and every lane's copies have landed;
+//   - warpgroup 0 (the producer; two warps of it work): warp 0 walks the tile schedule and, per K
+//     block, waits for a free stage (its "empty" mbarrier) and TMA-loads the A tile [kBlockM x 128]
+//     and the B tile [kBlockN x 128] (K-major, 128-byte swizzled) into it; warp 1 copies the K
+//     block's scales (sa of the tile's rows, sb of its 128-column blocks) into the stage with
+//     cp.async; the stage's "full" mbarrier completes when the TMA bytes and every lane's copies
+//     have landed;
 //   - warpgroups 1.. (the consumers, 64 rows of the tile each): wait on "full", read the stage's
-//     scales, and per 128 columns issue four wgmma m64n128k32 (e4m3 x e4m3 -> f32) into a per-K-
-//     block accumulator, wait for them, free the stage after the last (one arrive per warp on
-//     "empty"), and promote: acc += sa·sb · partial (f32), as DeepGEMM does. After the last K
-//     block, the f32 accumulators go to bf16 and straight to global memory (valid rows only).
+//     scales, and per 128 columns (a "wave") issue four wgmma m64n128k32 (e4m3 x e4m3 -> f32) into
+//     a per-K-block accumulator, wait for them, free the stage after the last (one arrive per warp
+//     on "empty"), and promote: acc += sa·sb · partial (f32), as DeepGEMM does. After the last K
+//     block, the f32 accumulators go to bf16 and to global memory (valid rows only), 16 bytes per
+//     store after a transpose inside each quad of lanes.
+// Ping-pong (p.pingpong, off by default): the two consumer warpgroups issue their waves in turn
+// (named barriers 1 and 2 pass the turn), meant to run one warpgroup's promotion under the other's
+// wgmma; measured 13% slower than leaving them alone (bench/NOTES.md, v3), kept for experiments.
+// Clusters of two CTAs along N (p.cluster == 2): the two CTAs of a cluster compute the tiles
+// (m, 2u) and (m, 2u + 1), which share the A tile: each CTA loads one 64-row half of it and the TMA
+// multicasts it into both CTAs' shared memory (a sixth less L2 -> SM traffic for 128 x 256 tiles).
+// A stage is refilled only once the consumers of both CTAs freed it (they arrive on both CTAs'
+// "empty" barriers).
 // No consumer touches global memory inside the K loop: scales come with the stage, so nothing
 // waits on a load's latency there.
-// The schedule is static (tile t goes to CTA t mod gridDim.x); both roles walk it identically and
-// skip the same tiles, so their pipeline stages and phases stay in lockstep.
+// The schedule is static (work unit u goes to cluster u mod the number of clusters); all roles of
+// both CTAs of a cluster walk it identically and skip the same units, so their pipeline stages and
+// phases stay in lockstep.
 //
 // Layouts. Contiguous: A [M, K], m_indices [M]; every 128-row block (from row 0) holds rows of at
 // most one group (its group is the max of its m_indices; all -1: the block is skipped); a row is
@@ -48,6 +59,7 @@ struct GemmTraits {
   static constexpr int kWaves = kBlockN / kGemmWaveN;  // 128-column waves per consumer and K block
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kABytes = kBlockM * kGemmBlockK;
+  static constexpr int kAHalfBytes = kABytes / 2;  // one CTA's share of A in a cluster of two
   static constexpr int kBBytes = kBlockN * kGemmBlockK;
   static constexpr int kStageBytes = kABytes + kBBytes;
   // Per stage: sa of the tile's rows, then sb of its waves (padded to 16 bytes).
@@ -71,11 +83,14 @@ struct GroupedGemmParams {
   __nv_bfloat16* d;               // [rows_total, N]
   std::int32_t rows;              // contiguous: M; masked: M_max
   std::int32_t n, k, groups;
-  std::int32_t m_blocks;      // contiguous: ceil(M / kBlockM); masked: ceil(M_max / kBlockM)
-  std::int32_t total_tiles;   // contiguous: m_blocks * N/kBlockN; masked: unused (read on the device)
-  std::int32_t stages;        // pipeline stages in use, 1..GemmTraits::kStages
-  std::int32_t a_small_rows;  // rows of tma_a_small's box: tiles using no more rows load only those
-  std::int32_t ablation;      // kAblate*: timing experiments only
+  std::int32_t m_blocks;         // contiguous: ceil(M / kBlockM); masked: ceil(M_max / kBlockM)
+  std::int32_t total_units;      // contiguous: m_blocks * N/(kBlockN cluster); masked: unused (on the device)
+  std::int32_t stages;           // pipeline stages in use, 1..GemmTraits::kStages
+  std::int32_t a_small_rows;     // rows of tma_a_part's box: tiles using no more rows load only those
+  std::int32_t cluster;          // CTAs per cluster along N (1 or 2; 2: A multicast, tma_a_part = 64 rows)
+  std::int32_t pingpong;         // 1: the two consumer warpgroups issue their wgmma waves in turn
+  std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
+  std::int32_t ablation;         // kAblate*: timing experiments only
 };
 
 // One output tile.
@@ -89,13 +104,17 @@ struct GemmTile {
   std::int32_t rows_used;    // 1 + the last tile row that may be valid (A rows past it need no load)
 };
 
-// The static persistent schedule. next() is warp-collective: every lane of the calling warp must
-// call it (the contiguous layout reduces a block's m_indices over the warp). Only the walking state
-// lives in registers; the problem is read from the (grid-constant) kernel parameters.
+// The static persistent schedule over work units: a unit is p.cluster tiles side by side along N
+// (one per CTA of a cluster: rank r takes n-block cluster * n_unit + r). next() is warp-collective:
+// every lane of the calling warp must call it (the contiguous layout reduces a block's m_indices
+// over the warp). Only the walking state lives in registers; the problem is read from the
+// (grid-constant) kernel parameters.
 template <int kBlockM, int kBlockN>
 class GemmScheduler {
  public:
-  __device__ explicit GemmScheduler(const GroupedGemmParams& p) : t_(static_cast<std::int32_t>(blockIdx.x)) {
+  __device__ explicit GemmScheduler(const GroupedGemmParams& p)
+      : t_(static_cast<std::int32_t>(blockIdx.x) / p.cluster),
+        rank_(static_cast<std::int32_t>(blockIdx.x) % p.cluster) {
     if (p.masked_m != nullptr) load_segment(p);
   }
 
@@ -104,21 +123,22 @@ class GemmScheduler {
   }
 
  private:
-  // Contiguous: bands of kBand n-blocks (1024 columns); inside a band the n-blocks vary fastest, so
+  // Contiguous: bands of kBand n-blocks (1024 columns); inside a band the n-units vary fastest, so
   // a wave of CTAs shares a few A blocks and one band of B.
   static constexpr int kBand = kGemmBandColumns / kBlockN;
 
   __device__ bool next_contiguous(GemmTile& tile, const GroupedGemmParams& p) {
     const int lane = static_cast<int>(threadIdx.x % 32);
-    const std::int32_t n_blocks = p.n / kBlockN;
-    while (t_ < p.total_tiles) {
+    const std::int32_t n_units = p.n / (kBlockN * p.cluster);
+    const std::int32_t band_units = kBand / p.cluster;
+    while (t_ < p.total_units) {
       const std::int32_t t = t_;
-      t_ += static_cast<std::int32_t>(gridDim.x);
-      const std::int32_t band_tiles = p.m_blocks * kBand;
+      t_ += static_cast<std::int32_t>(gridDim.x) / p.cluster;
+      const std::int32_t band_tiles = p.m_blocks * band_units;
       const std::int32_t band = t / band_tiles;
       const std::int32_t r = t - band * band_tiles;
-      const std::int32_t first_n = band * kBand;
-      const std::int32_t width = min(kBand, n_blocks - first_n);
+      const std::int32_t first_n = band * band_units;
+      const std::int32_t width = min(band_units, n_units - first_n);
       const std::int32_t m_block = r / width;
       const std::int32_t row0 = m_block * kBlockM;
       std::int32_t g = -1, ids[kBlockM / 32];
@@ -135,7 +155,7 @@ class GemmScheduler {
       for (int i = 0; i < kBlockM / 32; ++i)
         if (ids[i] == g) last = i * 32 + lane + 1;
       last = __reduce_max_sync(0xffffffffu, last);
-      tile = GemmTile{g, first_n + (r - m_block * width), row0, 0, p.rows, 0, last};
+      tile = GemmTile{g, (first_n + (r - m_block * width)) * p.cluster + rank_, row0, 0, p.rows, 0, last};
       return true;
     }
     return false;
@@ -151,11 +171,11 @@ class GemmScheduler {
     }
     if (g_ >= p.groups) return false;
     const std::int32_t r = t_ - seg_start_;
-    t_ += static_cast<std::int32_t>(gridDim.x);
+    t_ += static_cast<std::int32_t>(gridDim.x) / p.cluster;
     const std::int32_t m_block = r % seg_m_blocks_;
     const std::int32_t seg_row0 = g_ * p.rows;
     tile = GemmTile{g_,
-                    r / seg_m_blocks_,
+                    (r / seg_m_blocks_) * p.cluster + rank_,
                     seg_row0 + m_block * kBlockM,
                     seg_row0,
                     seg_row0 + seg_count_,
@@ -167,10 +187,10 @@ class GemmScheduler {
   __device__ void load_segment(const GroupedGemmParams& p) {
     seg_count_ = min(max(__ldg(p.masked_m + g_), 0), p.rows);
     seg_m_blocks_ = (seg_count_ + kBlockM - 1) / kBlockM;
-    seg_tiles_ = seg_m_blocks_ * (p.n / kBlockN);
+    seg_tiles_ = seg_m_blocks_ * (p.n / (kBlockN * p.cluster));
   }
 
-  std::int32_t t_;
+  std::int32_t t_, rank_;
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
 };
 
@@ -215,10 +235,39 @@ inline constexpr int kAblateNone = 0;
 inline constexpr int kAblateMath = 1;   // consumers skip the wgmma and the promotion
 inline constexpr int kAblateLoads = 2;  // the producer arms the full barriers without loading A and B
 
+// Named barriers passing the wgmma turn between the two consumer warpgroups (ping-pong): consumer c
+// waits on kTurnBarrier + c before issuing a wave and arrives on the other's after issuing it.
+inline constexpr std::uint32_t kTurnBarrier = 1;
+
+// Transposes 4 x 4 words across the 4 lanes of a quad (q = lane % 4): on return w[k] holds what
+// lane k held in w[q] (two rounds of xor shuffles, two words each).
+__device__ __forceinline__ void quad_transpose(std::uint32_t (&w)[4], int q) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const bool hi = (q & 2) != 0;
+    const std::uint32_t got = __shfl_xor_sync(0xffffffffu, hi ? w[k] : w[k + 2], 2);
+    if (hi) {
+      w[k] = got;
+    } else {
+      w[k + 2] = got;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; k += 2) {
+    const bool odd = (q & 1) != 0;
+    const std::uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[k] : w[k + 1], 1);
+    if (odd) {
+      w[k] = got;
+    } else {
+      w[k + 1] = got;
+    }
+  }
+}
+
 template <int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
-                            const __grid_constant__ CUtensorMap tma_a_small,
+                            const __grid_constant__ CUtensorMap tma_a_part,
                             const __grid_constant__ CUtensorMap tma_b,
                             const __grid_constant__ GroupedGemmParams p) {
   using Traits = GemmTraits<kBlockM, kBlockN>;
@@ -237,27 +286,34 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int32_t num_kb = p.k / kGemmBlockK;
   const int stages = p.stages;  // in use, <= kStages
+  const bool clustered = p.cluster > 1;
+  const std::uint32_t rank = static_cast<std::uint32_t>(blockIdx.x) % static_cast<std::uint32_t>(p.cluster);
 
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(full_bar + 8 * s, 1 + 32);                   // TMA arrive (+ bytes), 32 copy arrives
-      ptx::mbar_init(empty_bar + 8 * s, Traits::kConsumers * 4);  // one arrive per consumer warp
+      ptx::mbar_init(full_bar + 8 * s, 1 + 32);  // TMA arrive (+ bytes), 32 copy arrives
+      // One arrive per consumer warp of every CTA of the cluster.
+      ptx::mbar_init(empty_bar + 8 * s, Traits::kConsumers * 4 * p.cluster);
     }
     ptx::fence_barrier_init();
   }
   if (threadIdx.x == 32) {
     ptx::prefetch_tensormap(&tma_a);
-    ptx::prefetch_tensormap(&tma_a_small);
+    ptx::prefetch_tensormap(&tma_a_part);
     ptx::prefetch_tensormap(&tma_b);
   }
-  __syncthreads();
+  // The peer CTA's TMA and arrives reach this CTA's barriers only once they are initialised.
+  if (clustered) {
+    ptx::cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
   if (warp < 4) {
     // ------------------------------------------------------------ producer warpgroup
     // Warp 0 issues the TMA loads, warp 1 copies the scales; both walk the same schedule.
     if constexpr (Traits::kConsumers > 1) ptx::setmaxnreg_dec<Traits::kProducerRegs>();
-    if (warp > 1) return;
     GemmScheduler<kBlockM, kBlockN> scheduler(p);
     GemmTile tile;
     PipeState pipe;
@@ -266,8 +322,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         const std::int32_t b_row = tile.group * p.n + tile.n_block * kBlockN;
         // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest
         // of the A tile in shared memory is stale, and feeds only rows that are never stored.
+        // (Never in a cluster, where tma_a_part is this CTA's 64-row half of A.)
         const bool small = tile.rows_used <= p.a_small_rows;
-        const CUtensorMap* map_a = small ? &tma_a_small : &tma_a;
+        const CUtensorMap* map_a = small ? &tma_a_part : &tma_a;
         const std::uint32_t bytes =
             small ? p.a_small_rows * kGemmBlockK + Traits::kBBytes : Traits::kStageBytes;
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
@@ -277,9 +334,16 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             if (p.ablation == kAblateLoads) {
               ptx::mbar_arrive(full);
             } else {
+              // Both halves of A (this CTA's and the peer's multicast) count toward this barrier.
               ptx::mbar_arrive_expect_tx(full, bytes);
-              ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, kb * kGemmBlockK,
-                               tile.row0);
+              if (clustered) {
+                ptx::tma_load_2d_multicast(smem_a + pipe.stage * Traits::kABytes + rank * Traits::kAHalfBytes,
+                                           &tma_a_part, full, kb * kGemmBlockK,
+                                           tile.row0 + static_cast<std::int32_t>(rank) * (kBlockM / 2), 0x3);
+              } else {
+                ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, kb * kGemmBlockK,
+                                 tile.row0);
+              }
               ptx::tma_load_2d(smem_b + pipe.stage * Traits::kBBytes, &tma_b, full, kb * kGemmBlockK, b_row);
             }
           }
@@ -287,7 +351,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         }
         __syncwarp();
       }
-    } else {
+    } else if (warp == 1) {
       while (scheduler.next(tile, p)) {
         // This lane's scale sources (32-bit element offsets; the launcher checks they fit): A rows
         // local0 + 32 i of the tile, B wave `lane`.
@@ -309,96 +373,149 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         }
       }
     }
-    return;
-  }
+    // Neither CTA of a cluster leaves while the other may still arrive on its barriers (the last
+    // remote "empty" arrives) or multicast into its shared memory. (In both branches: no code
+    // follows the if/else whose roles set different register counts.)
+    if (clustered) ptx::cluster_sync();
+  } else {
+    // ------------------------------------------------------------ consumer warpgroups
+    if constexpr (Traits::kConsumers > 1) ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
+    const int consumer = warp / 4 - 1;  // which 64 rows of the tile
+    const int warp_in_group = warp % 4;
+    const int row_in_tile = consumer * 64 + warp_in_group * 16 + lane / 4;  // and + 8
+    const int col_in_tile = (lane % 4) * 2;
+    // Ping-pong between the two consumer warpgroups (never under the math ablation, which issues
+    // no wgmma). Consumer 1 hands the first turn to consumer 0.
+    const bool ordered = Traits::kConsumers == 2 && p.pingpong != 0 && p.ablation != kAblateMath;
+    const std::uint32_t my_turn = kTurnBarrier + static_cast<std::uint32_t>(consumer);
+    const std::uint32_t their_turn = kTurnBarrier + static_cast<std::uint32_t>(consumer ^ 1);
+    if (ordered && consumer == 1) ptx::named_bar_arrive(their_turn, 256);
 
-  // -------------------------------------------------------------- consumer warpgroups
-  if constexpr (Traits::kConsumers > 1) ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
-  const int consumer = warp / 4 - 1;  // which 64 rows of the tile
-  const int warp_in_group = warp % 4;
-  const int row_in_tile = consumer * 64 + warp_in_group * 16 + lane / 4;  // and + 8
-  const int col_in_tile = (lane % 4) * 2;
+    GemmScheduler<kBlockM, kBlockN> scheduler(p);
+    GemmTile tile;
+    PipeState pipe;
+    float acc[kWaves][64];
+    float part[1][64];  // one per-K-block partial (a second one does not fit: see bench/NOTES.md)
 
-  GemmScheduler<kBlockM, kBlockN> scheduler(p);
-  GemmTile tile;
-  PipeState pipe;
-  float acc[kWaves][64];
-  float part[64];
-
-  while (scheduler.next(tile, p)) {
-    // (Set here, not once before the loop: the wgmma asm reads part, so a value from before the
-    // loop would keep 64 registers live through the epilogue and the scheduler.)
+    while (scheduler.next(tile, p)) {
+      // (Set here, not once before the loop: the wgmma asm reads part, so a value from before the
+      // loop would keep these registers live through the epilogue and the scheduler.)
 #pragma unroll
-    for (int i = 0; i < 64; ++i) part[i] = 0.0f;
-    const std::int32_t row_a = tile.row0 + row_in_tile;
-    const std::int32_t row_b = row_a + 8;
-    bool valid_a = row_a < tile.row_end;
-    bool valid_b = row_b < tile.row_end;
-    if (p.m_indices != nullptr) {
-      valid_a = valid_a && __ldg(p.m_indices + row_a) == tile.group;
-      valid_b = valid_b && __ldg(p.m_indices + row_b) == tile.group;
-    }
-#pragma unroll
-    for (int w = 0; w < kWaves; ++w) {
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[w][i] = 0.0f;
-    }
-
-    for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-      const int stage = pipe.stage;
-      ptx::mbar_wait(full_bar + 8 * stage, pipe.phase);
-      if (p.ablation == kAblateMath) {
-        if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
-        pipe.advance(stages);
-        continue;
+      for (int i = 0; i < 64; ++i) part[0][i] = 0.0f;
+      const std::int32_t row_a = tile.row0 + row_in_tile;
+      const std::int32_t row_b = row_a + 8;
+      bool valid_a = row_a < tile.row_end;
+      bool valid_b = row_b < tile.row_end;
+      if (p.m_indices != nullptr) {
+        valid_a = valid_a && __ldg(p.m_indices + row_a) == tile.group;
+        valid_b = valid_b && __ldg(p.m_indices + row_b) == tile.group;
       }
-      // This K block's scales, read before the stage is given back.
-      const std::uint32_t scales = smem_scales + stage * Traits::kScaleBytes;
-      const float s_a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;
-      const float s_b = valid_b ? ptx::ld_shared_f32(scales + 4 * (row_in_tile + 8)) : 0.0f;
-      float s_w[kWaves];
-#pragma unroll
-      for (int w = 0; w < kWaves; ++w) s_w[w] = ptx::ld_shared_f32(scales + 4 * (kBlockM + w));
-
-      const std::uint32_t a_tile = smem_a + stage * Traits::kABytes + consumer * 64 * kGemmBlockK;
-      const std::uint32_t b_tile = smem_b + stage * Traits::kBBytes;
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
-        fence_all(part);
-        ptx::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
-          ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a_tile + kk * 32),
-                                     ptx::wgmma_desc_sw128(b_tile + w * kGemmWaveN * kGemmBlockK + kk * 32),
-                                     kk > 0);
-        }
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-        fence_all(part);
-        // After the last wave this warp is done with the stage; the fences keep the promotion
-        // after the arrive, so the producer gets the stage back early.
-        if (w == kWaves - 1 && lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
-        fence_all(part);
-        promote(acc[w], part, s_a, s_b, s_w[w]);
+        for (int i = 0; i < 64; ++i) acc[w][i] = 0.0f;
       }
-      pipe.advance(stages);
-    }
 
-    // Epilogue: bf16 pairs straight to global memory, valid rows only.
+      // This warp is done with a stage: it may be refilled (in every CTA of the cluster: the peer's
+      // half of A lives here too).
+      const auto free_stage = [&](int stage) {
+        if (lane == 0) {
+          ptx::mbar_arrive(empty_bar + 8 * stage);
+          if (clustered) ptx::mbar_arrive_cluster(empty_bar + 8 * stage, rank ^ 1u);
+        }
+      };
+
+      if (p.ablation == kAblateMath) {
+        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+          ptx::mbar_wait(full_bar + 8 * pipe.stage, pipe.phase);
+          free_stage(pipe.stage);
+          pipe.advance(stages);
+        }
+      } else {
+        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+          const int stage = pipe.stage;
+          ptx::mbar_wait(full_bar + 8 * stage, pipe.phase);
+          // This K block's scales, read before the stage is given back.
+          const std::uint32_t scales = smem_scales + stage * Traits::kScaleBytes;
+          const float s_a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;
+          const float s_b = valid_b ? ptx::ld_shared_f32(scales + 4 * (row_in_tile + 8)) : 0.0f;
+          float s_w[kWaves];
 #pragma unroll
-    for (int w = 0; w < kWaves; ++w) {
-      __nv_bfloat16* d_col = p.d + tile.n_block * kBlockN + w * kGemmWaveN + col_in_tile;
-      if (valid_a) {
-        auto* out = reinterpret_cast<std::uint32_t*>(d_col + static_cast<std::int64_t>(row_a) * p.n);
+          for (int w = 0; w < kWaves; ++w) s_w[w] = ptx::ld_shared_f32(scales + 4 * (kBlockM + w));
+
+          const std::uint32_t a_tile = smem_a + stage * Traits::kABytes + consumer * 64 * kGemmBlockK;
+          const std::uint32_t b_tile = smem_b + stage * Traits::kBBytes;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[w][4 * j + 0], acc[w][4 * j + 1]);
+          for (int w = 0; w < kWaves; ++w) {
+            if (ordered) ptx::named_bar_sync(my_turn, 256);
+            fence_all(part[0]);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
+              ptx::wgmma_m64n128k32_e4m3(
+                  part[0], ptx::wgmma_desc_sw128(a_tile + kk * 32),
+                  ptx::wgmma_desc_sw128(b_tile + w * kGemmWaveN * kGemmBlockK + kk * 32), kk > 0);
+            }
+            ptx::wgmma_commit();
+            if (ordered) ptx::named_bar_arrive(their_turn, 256);
+            ptx::wgmma_wait<0>();
+            fence_all(part[0]);
+            // After the last wave this warp is done with the stage; the fences keep the promotion
+            // after the arrive, so the producers get the stage back early.
+            if (w == kWaves - 1) free_stage(stage);
+            fence_all(part[0]);
+            promote(acc[w], part[0], s_a, s_b, s_w[w]);
+          }
+          pipe.advance(stages);
+        }
       }
-      if (valid_b) {
-        auto* out = reinterpret_cast<std::uint32_t*>(d_col + static_cast<std::int64_t>(row_b) * p.n);
+
+      // Epilogue: bf16 to global memory, valid rows only.
+      if (p.vector_epilogue != 0) {
+        // Per row and 32 columns, the quad's lanes hold 2 columns of each 8 (j = 4 i + k): after the
+        // transpose lane q holds the 8 columns of j = 4 i + q and stores them as one 16-byte word,
+        // so each store instruction writes 64 contiguous bytes of 8 rows.
+        const int q = lane % 4;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[w][4 * j + 2], acc[w][4 * j + 3]);
+        for (int w = 0; w < kWaves; ++w) {
+          __nv_bfloat16* d_col = p.d + tile.n_block * kBlockN + w * kGemmWaveN;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const bool valid = h == 0 ? valid_a : valid_b;
+            __nv_bfloat16* d_row = d_col + static_cast<std::int64_t>(h == 0 ? row_a : row_b) * p.n;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              std::uint32_t words[4];
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const int j = 4 * i + k;
+                words[k] = pack_bf16x2(acc[w][4 * j + 2 * h], acc[w][4 * j + 2 * h + 1]);
+              }
+              quad_transpose(words, q);
+              if (valid) ptx::st_global_v4(d_row + 8 * (4 * i + q), words[0], words[1], words[2], words[3]);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int w = 0; w < kWaves; ++w) {
+          __nv_bfloat16* d_col = p.d + tile.n_block * kBlockN + w * kGemmWaveN + col_in_tile;
+          if (valid_a) {
+            auto* out = reinterpret_cast<std::uint32_t*>(d_col + static_cast<std::int64_t>(row_a) * p.n);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[w][4 * j + 0], acc[w][4 * j + 1]);
+          }
+          if (valid_b) {
+            auto* out = reinterpret_cast<std::uint32_t*>(d_col + static_cast<std::int64_t>(row_b) * p.n);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[w][4 * j + 2], acc[w][4 * j + 3]);
+          }
+        }
       }
     }
+    // Consumer 1's last hand-over is consumer 0's to take: every bar.arrive meets its bar.sync.
+    if (ordered && consumer == 0) ptx::named_bar_sync(my_turn, 256);
+    if (clustered) ptx::cluster_sync();
   }
 }
 

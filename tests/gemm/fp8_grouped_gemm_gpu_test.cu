@@ -119,6 +119,9 @@ struct ContiguousCase {
   std::int64_t trailing_blocks = 0;  // all-padding 128-row blocks at the end (a worst-case sized buffer)
   bool holes = false;                // also put -1 rows inside groups' rows
   int block_n = 0;                   // 0: heuristic (256 where N allows)
+  int cluster = 0;                   // 0: heuristic (2 where the column tiles pair up)
+  bool pingpong = false;
+  bool vector_epilogue = true;
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -182,6 +185,9 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   cuda::GroupedGemmOptions options;
   options.block_m = c.block_m;
   options.block_n = c.block_n;
+  options.cluster = c.cluster;
+  options.pingpong = c.pingpong;
+  options.vector_epilogue = c.vector_epilogue;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -217,7 +223,45 @@ INSTANTIATE_TEST_SUITE_P(
                        128},
         // DeepSeek-V3 gate_up with 128 x 128 tiles.
         ContiguousCase{
-            "N4096_K7168_block_n128", {77, 200}, 4096, 7168, ScaleLayout::mn_major_tma, 0, 0, false, 128}),
+            "N4096_K7168_block_n128", {77, 200}, 4096, 7168, ScaleLayout::mn_major_tma, 0, 0, false, 128},
+        // An odd number of column tiles (5 x 128): no cluster.
+        ContiguousCase{"N640_K2048_odd_column_tiles", {200, 77}, 640, 2048, ScaleLayout::token_major},
+        // No cluster with ping-pong and 16-byte stores; a cluster with ping-pong; then the v2 paths
+        // (no cluster, no ping-pong, 4-byte stores) with holes.
+        ContiguousCase{"N4096_K2048_cluster1_pingpong",
+                       {130, 250},
+                       4096,
+                       2048,
+                       ScaleLayout::mn_major_tma,
+                       0,
+                       0,
+                       false,
+                       0,
+                       1,
+                       true},
+        ContiguousCase{"N1536_K2048_cluster2_pingpong",
+                       {130, 0, 200},
+                       1536,
+                       2048,
+                       ScaleLayout::token_major,
+                       0,
+                       0,
+                       false,
+                       0,
+                       2,
+                       true},
+        ContiguousCase{"N7168_K2048_v2_paths_holes",
+                       {150, 0, 64, 33},
+                       7168,
+                       2048,
+                       ScaleLayout::token_major,
+                       0,
+                       1,
+                       true,
+                       0,
+                       1,
+                       false,
+                       false}),
     [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- masked
@@ -230,6 +274,9 @@ struct MaskedCase {
   int block_m = 0;
   bool small_a_box = true;
   int block_n = 0;
+  int cluster = 0;
+  bool pingpong = false;
+  bool vector_epilogue = true;
 };
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
@@ -302,6 +349,9 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.block_m = c.block_m;
   options.block_n = c.block_n;
   options.small_a_box = c.small_a_box;
+  options.cluster = c.cluster;
+  options.pingpong = c.pingpong;
+  options.vector_epilogue = c.vector_epilogue;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
@@ -333,7 +383,32 @@ INSTANTIATE_TEST_SUITE_P(
                    true,
                    128},
         // Nothing valid at all: nothing may be written.
-        MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048, ScaleLayout::token_major}),
+        MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048, ScaleLayout::token_major},
+        // 128 x 256 tiles in a cluster with ping-pong (the default for masked: neither), and the v2
+        // paths.
+        MaskedCase{"N4096_K2048_mmax200_cluster2_pingpong",
+                   200,
+                   {3, 200, 0, 140},
+                   4096,
+                   2048,
+                   ScaleLayout::token_major,
+                   128,
+                   true,
+                   0,
+                   2,
+                   true},
+        MaskedCase{"N4096_K2048_mmax200_v2_paths",
+                   200,
+                   {3, 200, 0, 140},
+                   4096,
+                   2048,
+                   ScaleLayout::mn_major_tma,
+                   128,
+                   true,
+                   0,
+                   1,
+                   false,
+                   false}),
     [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
 
 // The masked GEMM captured once in a CUDA graph, replayed with new counts written on the device in
@@ -455,6 +530,19 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   bad_stages.stages = 99;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_stages); },
                         "options.stages must be 0 (all) or 1..");
+  cuda::GroupedGemmOptions bad_cluster;
+  bad_cluster.cluster = 3;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_cluster); },
+                        "options.cluster must be 0 (automatic), 1 or 2");
+  cuda::GroupedGemmOptions cluster_64;
+  cluster_64.cluster = 2;
+  cluster_64.block_m = 64;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, cluster_64); },
+                        "options.cluster = 2 needs 128-row tiles");
+  cuda::GroupedGemmOptions cluster_odd;  // N = 256 with 256-wide tiles: one column tile
+  cluster_odd.cluster = 2;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, cluster_odd); },
+                        "options.cluster = 2 needs an even number of column tiles");
   cuda::GroupedGemmOptions bad_l2;
   bad_l2.l2_promotion = 3;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_l2); },

@@ -16,7 +16,7 @@
 //
 // Every call only enqueues one kernel on `stream` (no allocation, no host synchronisation; the
 // masked call reads masked_m on the device, so it can be captured in a CUDA graph). Tensors are
-// Device::cuda views, contiguous; a and b 16-byte aligned, d 4-byte aligned; K and N multiples of
+// Device::cuda views, contiguous; a, b and d 16-byte aligned; K and N multiples of
 // 128. Argument errors throw epmoe::Error naming the argument. Needs an sm_90 GPU.
 #pragma once
 
@@ -48,6 +48,16 @@ struct GroupedGemmOptions {
   // 0: off. 1: skip the tensor-core work and the promotion; 2: skip the loads (the pipeline still
   // runs). Both leave garbage in d: for locating a bottleneck only.
   int ablation = 0;
+  // CTAs per cluster along N: 0 = automatic (contiguous layout with 128-row tiles and an even
+  // N / block_n: 2; else 1), 1, or 2 (each pair of CTAs computes two neighbouring column tiles and
+  // shares the A tile through TMA multicast; 128-row tiles and an even N / block_n only).
+  int cluster = 0;
+  // 128-row tiles: the two consumer warpgroups issue their tensor-core work in turn (ping-pong).
+  // Off by default: measured 13% slower than leaving them alone (bench/NOTES.md, v3).
+  bool pingpong = false;
+  // 16-byte output stores after a transpose across lanes (else 4-byte stores straight from the
+  // accumulator layout).
+  bool vector_epilogue = true;
 };
 
 // The tile heuristic (block_m x block_n). Masked with expected_m <= 64 (decode): 64 x 128 (reading
