@@ -5,7 +5,8 @@
 # hang costs minutes, not the lease.
 #
 # Usage: scripts/gemm-device.sh OUTDIR [--full]    (run from the source root; e.g. "$OUT")
-# OUTDIR receives build.log, gpu-tests.log, memcheck.log, sass.txt, bench.log, gemm.json, dmon.txt.
+# OUTDIR receives build.log, gpu-tests.log, memcheck.log, sass.txt, bench.log, gemm.json (the clocks
+# during the bench and the SASS summary are printed).
 # EPMOE_BENCH_GEMM_EXPERIMENTS=1 in the environment adds the bench's timing experiments.
 set -uo pipefail
 out=${1:?usage: scripts/gemm-device.sh OUTDIR [--full]}
@@ -28,7 +29,7 @@ fi
 
 stamp gpu-tests
 tests=build-gpu/tests/epmoe_gpu_tests
-timeout 180 "$tests" --gtest_filter='*GroupedGemm*' > "$out/gpu-tests.log" 2>&1
+timeout 100 "$tests" --gtest_filter='*GroupedGemm*' > "$out/gpu-tests.log" 2>&1
 rc_tests=$?
 grep -E "^\[  (PASSED|FAILED) |^\[       OK|^\[  FAILED|rel_l2|Failure|error|seed" "$out/gpu-tests.log" | head -n 60
 echo "gpu tests exit: $rc_tests"
@@ -36,7 +37,7 @@ echo "gpu tests exit: $rc_tests"
 if ((rc_tests != 124)); then
   stamp memcheck
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  timeout 150 "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
+  timeout 90 "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
     --gtest_filter='*GroupedGemmMaskedGpu*all_empty*:*GroupedGemmMaskedGpu*block64*:*GroupedGemmContiguousGpu*single_row_trailing*:*GroupedGemmContiguousGpu*holes_block_n128*' \
     > "$out/memcheck.log" 2>&1
   echo "memcheck exit: $?"
@@ -63,11 +64,13 @@ if ((rc_tests != 124)); then
   [[ $mode == --full ]] && quick=
   nvidia-smi dmon -s pc -d 1 > "$out/dmon.txt" 2>&1 &
   dmon=$!
-  timeout 240 build-gpu/bin/epmoe bench gemm $quick --json "$out/gemm.json" > "$out/bench.log" 2>&1
+  timeout 150 build-gpu/bin/epmoe bench gemm $quick --json "$out/gemm.json" > "$out/bench.log" 2>&1
   echo "bench exit: $?"
   kill "$dmon" 2> /dev/null
   cat "$out/bench.log"
   echo "clocks and power during the bench (nvidia-smi dmon, every 3rd second):"
   awk 'NR <= 2 || NR % 3 == 0' "$out/dmon.txt" | head -n 40
+  # At most 8 files come back from the device tool: what is printed above need not.
+  rm -f "$out/dmon.txt" "$out/sass-summary.txt"
 fi
 stamp done

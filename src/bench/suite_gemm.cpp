@@ -7,8 +7,12 @@
 // rows only; bytes = weights + valid activation rows + valid output rows (bf16), as anchors.md
 // counts them. A scales are MN-major (the layout the GPU quantizer writes for the kernel).
 // floor_us = max(bytes / copy ceiling, flops / 1979 TFLOP/s); deepgemm_us / time_us > 1 means
-// faster than DeepGEMM. EPMOE_BENCH_GEMM_EXPERIMENTS=1 adds timing experiments (ablations, pipeline
-// depth, half the SMs, L2 promotion) on three of the shapes, as ".exp.*" lines.
+// faster than DeepGEMM. Rows with 128-row tiles are also timed in the v2 configuration (".v2": no
+// cluster, no ping-pong, 4-byte stores), with the other cluster size (".c1" contiguous, ".c2"
+// masked) and (contiguous) with the ping-pong on (".pingpong"), side by side with the main line.
+// EPMOE_BENCH_GEMM_EXPERIMENTS=1 adds timing experiments (ablations with and without the cluster
+// and the ping-pong, each v3 choice flipped, pipeline depth, half the SMs) on three of the shapes,
+// as ".exp.*" lines.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -91,6 +95,31 @@ struct Variant {
   cuda::GroupedGemmOptions options;
 };
 
+// Timed beside the main line in the same run: the v2 kernel's configuration (".v2": no cluster,
+// no ping-pong, 4-byte stores), the other cluster size (".c1", ".c2") and the ping-pong on.
+Variant v2_variant() {
+  Variant v{".v2", {}};
+  v.options.cluster = 1;
+  v.options.pingpong = false;
+  v.options.vector_epilogue = false;
+  return v;
+}
+Variant c1_variant() {
+  Variant v{".c1", {}};
+  v.options.cluster = 1;
+  return v;
+}
+Variant c2_variant() {
+  Variant v{".c2", {}};
+  v.options.cluster = 2;
+  return v;
+}
+Variant pingpong_variant() {
+  Variant v{".pingpong", {}};
+  v.options.pingpong = true;
+  return v;
+}
+
 // Timing experiments (EPMOE_BENCH_GEMM_EXPERIMENTS=1): ablations that locate the bottleneck
 // (no tensor-core work, no loads), pipeline depth, half the SMs, L2 promotion, the A box.
 std::vector<Variant> experiments(bool masked) {
@@ -102,11 +131,27 @@ std::vector<Variant> experiments(bool masked) {
   };
   add("no_math", [](auto& o) { o.ablation = 1; });
   add("no_loads", [](auto& o) { o.ablation = 2; });
+  add("no_loads_pingpong", [](auto& o) {
+    o.ablation = 2;
+    o.pingpong = true;
+  });
+  add("no_math_cluster1", [](auto& o) {
+    o.ablation = 1;
+    o.cluster = 1;
+  });
+  add("no_loads_cluster1", [](auto& o) {
+    o.ablation = 2;
+    o.cluster = 1;
+  });
+  add("no_loads_cluster1_pingpong", [](auto& o) {
+    o.ablation = 2;
+    o.cluster = 1;
+    o.pingpong = true;
+  });
+  add("pingpong", [](auto& o) { o.pingpong = true; });
+  add("scalar_epilogue", [](auto& o) { o.vector_epilogue = false; });
   add("stages2", [](auto& o) { o.stages = 2; });
-  add("stages4", [](auto& o) { o.stages = 4; });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
-  add("l2_none", [](auto& o) { o.l2_promotion = 1; });
-  add("l2_128", [](auto& o) { o.l2_promotion = 2; });
   if (masked) add("full_a_box", [](auto& o) { o.small_a_box = false; });
   return v;
 }
@@ -148,7 +193,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
-  std::vector<Variant> variants{{"", {}}};
+  std::vector<Variant> variants{{"", {}}, c1_variant(), pingpong_variant(), v2_variant()};
   if (chosen.block_n == 256) {
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;
@@ -206,6 +251,10 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   // The heuristic's tile first, then the others (".alt*") to keep the choice honest.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(true, s.expected_m, N);
   std::vector<Variant> variants{{"", {}}};
+  if (chosen.block_m == 128) {
+    variants.push_back(c2_variant());
+    variants.push_back(v2_variant());
+  }
   if (chosen.block_m == 64) {
     variants.push_back({".alt", {}});
     variants.back().options.block_m = 128;  // the heuristic's 128-row tile
