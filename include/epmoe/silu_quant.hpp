@@ -1,10 +1,10 @@
 // SiLU·mul + quantization of the GEMM2 input (design.md §1, §4): the step between the two grouped
-// GEMMs of the routed experts. CPU reference; the GPU twin (epmoe/cuda/silu_quant.hpp) is bit-exact
-// with it.
+// GEMMs of the routed experts. CPU reference and definition; the GPU twin (epmoe/cuda/silu_quant.hpp)
+// uses a faster SiLU and matches it within tolerance (one e4m3 step at rounding boundaries).
 //
 // The input is GEMM1's bf16 output h [.., 2I]: gate = columns [0, I), up = columns [I, 2I). Per
-// element act = silu(gate) * up in f32 (silu_mul below: IEEE-exact operations only, so the host and
-// the device agree bit for bit), then
+// element act = silu(gate) * up in f32 (silu_mul below: IEEE-exact operations only, reproducible on
+// any host), then
 //   fp8_group:  per row, per group of 128 channels, scale = max(amax, kMinAmax) / 448 (optionally
 //               rounded up to a power of two), q = e4m3(act / scale) — quantize_per_token_group_fp8;
 //   fp8_tensor: q = e4m3(act / tensor_scale) with one static scale — quantize_per_tensor_fp8;
@@ -24,7 +24,8 @@ struct ActQuant {
   float tensor_scale = 1.0f;  // fp8_tensor: the static scale (a2_scale); positive and finite
 };
 
-// silu(gate) * up in f32, the exact bits every SiLU·mul of epmoe produces (src/runner/silu_math.hpp).
+// silu(gate) * up in f32, the exact bits every CPU SiLU·mul of epmoe produces (src/runner/silu_math.hpp;
+// the GPU kernels approximate it to ~1e-6 relative).
 float silu_mul(float gate, float up);
 
 // Every row: h [rows, 2I] bf16 (I % 128 == 0) -> q [rows, I] (fp8_e4m3, or bf16 for format bf16),

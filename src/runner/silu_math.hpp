@@ -1,4 +1,7 @@
-// SiLU·mul in f32 with the same bits on the host and on the device.
+// SiLU·mul in f32 with the same bits on the host and on the device: the definition of the CPU
+// reference (silu_quant_cpu.cpp, expert_mlp_cpu.cpp). The GPU SiLU·mul + quantization kernel uses a
+// fast approximation of it instead (silu_quant_kernels.cuh: silu_mul_fast) and takes only
+// div_markstein from here.
 //
 // act = silu(g) * u, silu(g) = g / (1 + exp(-g)), evaluated with IEEE-exact basic operations only
 // (round-to-nearest-even +, *, /, fused multiply-add and exact bit manipulation), each spelled out

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <string_view>
 
@@ -18,6 +19,10 @@ using kernels::kSiluThreads;
 using kernels::SiluScaleMode;
 
 static_assert(kSiluQuantMaxExperts == kernels::kSiluMaxExperts);
+
+// (row, group) items (and MN-major scale entries) per launch: below 2^31, so that the kernels'
+// positions a few steps past the end stay within 32 bits.
+constexpr std::int64_t kMaxItems = std::numeric_limits<std::int32_t>::max();
 
 void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name) {
   expect_dtype(t, dtype, name);
@@ -115,26 +120,37 @@ Plan plan_for(const TensorView& h, const TensorView& q, const TensorView& scales
   return plan;
 }
 
-template <SiluScaleMode kMode, bool kMn>
-void launch_contiguous(const Plan& plan, const std::int32_t* m_indices, std::uint32_t rows,
-                       cudaStream_t stream) {
-  constexpr auto kernel = &kernels::silu_quant_contiguous_kernel<kMode, kMn>;
-  // Each warp takes 32 candidate items per pass: a block covers 256 items.
-  const std::uint64_t items = static_cast<std::uint64_t>(rows) * plan.params.groups;
-  const unsigned grid = grid_for<kernel>(ceil_div(items, kSiluThreads));
-  kernel<<<grid, kSiluThreads, 0, stream>>>(plan.params, m_indices, rows);
+// The persistent kernel of one variant over plan.params (rows, validity source set): at most one
+// wave, and no more warps than there are (kSlots steps of) items.
+template <class Cfg, SiluScaleMode kMode, bool kMn, bool kMasked>
+void launch_config(const Plan& plan, cudaStream_t stream) {
+  constexpr auto kernel = &kernels::silu_quant_kernel<Cfg, kMode, kMn, kMasked>;
+  const std::uint64_t items = static_cast<std::uint64_t>(plan.params.rows) * plan.params.groups;
+  const std::uint64_t per_block =
+      static_cast<std::uint64_t>(kernels::kSiluWarps) * Cfg::kItemsPerWarp * Cfg::kSlots;
+  kernel<<<grid_for<kernel>(ceil_div(items, per_block)), kSiluThreads, 0, stream>>>(plan.params);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-template <SiluScaleMode kMode, bool kMn>
-void launch_masked(const Plan& plan, const std::int32_t* masked_m, std::uint32_t experts, std::uint32_t m_max,
-                   cudaStream_t stream) {
-  constexpr auto kernel = &kernels::silu_quant_masked_kernel<kMode, kMn>;
-  // At most experts * m_max * groups items, one per half-warp: 16 per block and pass.
-  const std::uint64_t items = static_cast<std::uint64_t>(experts) * m_max * plan.params.groups;
-  const unsigned grid = grid_for<kernel>(ceil_div(items, 2 * kernels::kSiluWarps));
-  kernel<<<grid, kSiluThreads, 0, stream>>>(plan.params, masked_m, experts, m_max);
-  EPMOE_CUDA_CHECK_LAUNCH();
+// Timing experiments only: EPMOE_SILU_CONFIG = 2 picks another kernel shape (read once; bench/NOTES.md).
+int experiment_config() {
+  static const int config = [] {
+    const char* v = std::getenv("EPMOE_SILU_CONFIG");
+    return v == nullptr ? 0 : std::atoi(v);
+  }();
+  return config;
+}
+
+template <SiluScaleMode kMode, bool kMn, bool kMasked>
+void launch(const Plan& plan, cudaStream_t stream) {
+  switch (experiment_config()) {
+    case 2:
+      launch_config<kernels::SiluConfig<8, 3, 2>, kMode, kMn, kMasked>(plan, stream);
+      break;
+    default:
+      launch_config<kernels::SiluDefaultConfig, kMode, kMn, kMasked>(plan, stream);
+      break;
+  }
 }
 
 // Calls fn.template operator()<mode, mn_major>() for the plan's run-time choices.
@@ -161,17 +177,15 @@ void silu_mul_quant_contiguous(TensorView h, TensorView m_indices, TensorView q,
                                const SiluQuantOptions& options, cudaStream_t stream) {
   expect_rank(h, 2, "h");
   const std::int64_t rows = h.shape[0];
-  const Plan plan = plan_for(h, q, scales, options, 2, 0, rows);
+  Plan plan = plan_for(h, q, scales, options, 2, 0, rows);
   expect_device_tensor(m_indices, DType::i32, "m_indices");
   expect_shape(m_indices, {rows}, "m_indices");
-  EPMOE_CHECK(rows * plan.params.groups <= std::numeric_limits<std::uint32_t>::max() &&
-                  tma_aligned_tokens(rows) <= std::numeric_limits<std::int32_t>::max(),
+  EPMOE_CHECK(tma_aligned_tokens(rows) * plan.params.groups <= kMaxItems,
               "h {} has too many (row, group) items for one launch", h.describe());
   if (rows == 0) return;
-  const auto* m = static_cast<const std::int32_t*>(m_indices.data);
-  const auto r = static_cast<std::uint32_t>(rows);
-  dispatch_variant(
-      plan, [&]<SiluScaleMode kMode, bool kMn>() { launch_contiguous<kMode, kMn>(plan, m, r, stream); });
+  plan.params.rows = static_cast<std::uint32_t>(rows);
+  plan.params.m_indices = static_cast<const std::int32_t*>(m_indices.data);
+  dispatch_variant(plan, [&]<SiluScaleMode kMode, bool kMn>() { launch<kMode, kMn, false>(plan, stream); });
 }
 
 void silu_mul_quant_masked(TensorView h, TensorView masked_m, TensorView q, TensorView scales,
@@ -180,19 +194,19 @@ void silu_mul_quant_masked(TensorView h, TensorView masked_m, TensorView q, Tens
   const std::int64_t experts = h.shape[0], m_max = h.shape[1];
   EPMOE_CHECK(experts >= 1 && experts <= kSiluQuantMaxExperts, "h: E = {} must lie in [1, {}]", experts,
               kSiluQuantMaxExperts);
-  const Plan plan = plan_for(h, q, scales, options, 3, experts, m_max);
+  Plan plan = plan_for(h, q, scales, options, 3, experts, m_max);
   expect_device_tensor(masked_m, DType::i32, "masked_m");
   expect_shape(masked_m, {experts}, "masked_m");
-  EPMOE_CHECK(
-      experts * tma_aligned_tokens(m_max) * plan.params.groups <= std::numeric_limits<std::uint32_t>::max(),
-      "h {} has too many (row, group) items for one launch", h.describe());
+  EPMOE_CHECK(experts * tma_aligned_tokens(m_max) * plan.params.groups <= kMaxItems,
+              "h {} has too many (row, group) items for one launch", h.describe());
   if (m_max == 0) {
     return;  // no rows, and no scale padding (tma_aligned_tokens(0) == 0)
   }
-  const auto* mm = static_cast<const std::int32_t*>(masked_m.data);
-  const auto e = static_cast<std::uint32_t>(experts), mx = static_cast<std::uint32_t>(m_max);
-  dispatch_variant(
-      plan, [&]<SiluScaleMode kMode, bool kMn>() { launch_masked<kMode, kMn>(plan, mm, e, mx, stream); });
+  plan.params.rows = static_cast<std::uint32_t>(experts * m_max);
+  plan.params.masked_m = static_cast<const std::int32_t*>(masked_m.data);
+  plan.params.experts = static_cast<std::uint32_t>(experts);
+  plan.params.m_max = static_cast<std::uint32_t>(m_max);
+  dispatch_variant(plan, [&]<SiluScaleMode kMode, bool kMn>() { launch<kMode, kMn, true>(plan, stream); });
 }
 
 }  // namespace epmoe::cuda

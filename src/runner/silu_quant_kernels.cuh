@@ -1,25 +1,30 @@
 // Fused SiLU·mul + FP8 quantization kernels (device code; host launchers in silu_quant.cu).
 //
-// Memory-bound (per output element: 4 bytes of bf16 read, 1 byte of fp8 written): a half-warp owns
-// one (row, 128-channel group) item; each of its 16 lanes loads 16 bytes of gate and 16 of up
-// (8 values each), computes 8 act values (silu_math.hpp, the CPU's exact operation sequence), and
-// the group's amax is a 4-step shuffle reduction. Two items per half-warp are in flight per step.
-// Grids are persistent and stride over the work.
+// Numerics. act = silu(gate) * up uses the fast device formula silu_mul_fast below (ex2.approx and
+// rcp.approx, relative error ~1e-6), not the CPU's IEEE-exact operation sequence
+// (runner/silu_math.hpp, the definition): act may differ from the CPU's in the last bits, so q may
+// differ by one e4m3 step where act lands next to a rounding boundary, and a group scale by an ulp
+// or so. Given act, the quantization is exact (the CPU's): scale = max(amax, kMinAmax) / 448
+// correctly rounded (optionally rounded up to a power of two), q = e4m3(RN(act / scale)).
 //
-// Contiguous layout: rows whose m_indices is -1 (padding, often most rows at small batches) must
-// cost next to nothing. Each warp looks at 32 candidate items at once (one m_indices load per lane,
-// a ballot), then processes only the valid ones, two half-warps at a time. Candidates are
-// interleaved across warps (candidate c of warp w is item base + c * num_warps + w), so valid work
-// is spread over all warps whatever the padding pattern.
-//
-// Masked layout: each block scans masked_m (clamped to [0, M_max]) into a shared prefix, so the
-// grid strides over exactly the valid (row, group) items; an item's expert is a binary search in
-// that prefix.
+// Memory-bound (per output element: 4 bytes of bf16 read, 1 byte of fp8 written). kLanes lanes
+// (SiluConfig) own one (row, 128-channel group) item; each lane holds kVecs 16-byte vectors of gate
+// and as many of up. The grid is persistent and software-pipelined: warp w takes items
+// P (w + k W) + sub at steps k = 0, 1, ... (P = 32 / kLanes items per warp and step, sub = lane /
+// kLanes, W warps), and keeps kSlots steps' loads in flight: slot d holds step k's vectors while
+// the next kSlots - 1 steps load; as soon as step k's vectors are turned into act, slot d is refilled
+// with step k + kSlots, then step k is reduced, quantized and stored. No per-step load-use bubble,
+// no block launch per item, no dependent load on the critical path:
+//   contiguous: a row is valid when m_indices[row] >= 0; m_indices is prefetched kSlots steps
+//               before the row's vectors are requested (padding rows load nothing and, when a whole
+//               warp's items are padding, cost a few instructions);
+//   masked:     row = e * M_max + m is valid when m < min(max(masked_m[e], 0), M_max), masked_m held
+//               in shared memory.
+// Item -> (row, group j) and row -> (expert e, m) advance incrementally per step (a constant
+// quotient and remainder plus one carry), no division in the loop.
 #pragma once
 
 #include <cstdint>
-
-#include <cub/block/block_scan.cuh>
 
 #include "cuda/ptx.cuh"
 #include "runner/silu_math.hpp"
@@ -29,95 +34,120 @@ namespace epmoe::kernels {
 inline constexpr int kSiluThreads = 256;
 inline constexpr int kSiluWarps = kSiluThreads / 32;
 inline constexpr int kSiluGroup = 128;        // channels per scale
-inline constexpr int kSiluVec = 8;            // bf16 values per 16-byte vector
-inline constexpr int kSiluUnroll = 2;         // items per half-warp per step
-inline constexpr int kSiluMaxExperts = 1024;  // masked: the shared prefix holds E + 1 entries
+inline constexpr int kSiluMaxExperts = 1024;  // masked: masked_m in shared memory
 inline constexpr float kSiluFp8Max = 448.0f;
 inline constexpr float kSiluMinAmax = 1e-10f;  // == epmoe::kMinAmax
 
 enum class SiluScaleMode : int { group, group_pow2, tensor };
 
+// The kernel's shape: kLanes lanes per (row, group) item, kSlots steps in flight per warp, register
+// budget from kMinBlocks resident blocks per SM.
+template <int kLanesT, int kSlotsT, int kMinBlocksT>
+struct SiluConfig {
+  static constexpr int kLanes = kLanesT;
+  static constexpr int kItemsPerWarp = 32 / kLanes;      // P
+  static constexpr int kVecs = kSiluGroup / 8 / kLanes;  // 16-byte vectors of gate per lane
+  static constexpr int kVals = 8 * kVecs;                // act values per lane and item
+  static constexpr int kSlots = kSlotsT;
+  static constexpr int kMinBlocks = kMinBlocksT;
+};
+using SiluDefaultConfig = SiluConfig<8, 2, 3>;  // 64 bytes per lane and slot, <= 85 registers
+
 struct SiluQuantParams {
-  const std::uint16_t* h;         // GEMM1 output rows [.., 2I] bf16
-  std::uint8_t* q;                // [.., I] fp8
+  const std::uint16_t* h;         // GEMM1 output rows [rows, 2I] bf16
+  std::uint8_t* q;                // [rows, I] fp8
   float* scales;                  // group modes: token-major or MN-major (scale_ld)
   const float* tensor_scale_ptr;  // tensor mode: device scale, or nullptr ...
   float tensor_scale;             // ... and then this one
-  std::uint32_t groups;           // I / 128
+  std::uint32_t groups;           // G = I / 128
   std::uint32_t scale_ld;         // MN-major: the padded row count of one scale column
+  std::uint32_t rows;             // contiguous: M; masked: E * M_max
+  const std::int32_t* m_indices;  // contiguous: [M]
+  const std::int32_t* masked_m;   // masked: [E]
+  std::uint32_t experts, m_max;   // masked
 };
 
-// act[0..8) = silu(gate) * up for 8 packed bf16 gate and up values (element 0 in the low half).
-__device__ __forceinline__ void silu_mul_vec8(uint4 gate, uint4 up, float (&out)[8]) {
-  const std::uint32_t g[4] = {gate.x, gate.y, gate.z, gate.w};
-  const std::uint32_t u[4] = {up.x, up.y, up.z, up.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 gf = ptx::bf16x2_to_float2(g[i]);
-    const float2 uf = ptx::bf16x2_to_float2(u[i]);
-    out[2 * i] = act::silu_mul(gf.x, uf.x);
-    out[2 * i + 1] = act::silu_mul(gf.y, uf.y);
+// silu(g) * u on the device: e = 2^(-g log2 e) = exp(-g) (ex2.approx.ftz, ~2 ulp, plus the
+// rounding of its argument: relative error <= |g| 2^-24), r = 1 / (1 + e) (rcp.approx.ftz, ~1 ulp),
+// act = (g r) u. g -> +inf: e = 0, r = 1; g < -88.7: e = +inf, r = 0, g r = -0 (the exact silu is
+// below 1e-36 there); g r never overflows, so act overflows only where the exact value does.
+__device__ __forceinline__ float silu_mul_fast(float g, float u) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return (g * r) * u;
+}
+
+// a / s correctly rounded for s = group scale (or a clamped a in tensor mode): Markstein's division
+// with y = RN(1/s) (runner/silu_math.hpp, act::div_markstein; exact for the quantizer's operands).
+__device__ __forceinline__ float silu_div(float a, float s, float y) {
+  return act::div_markstein(a, s, y);
+}
+
+// RN(amax / 448), bit-identical with the IEEE division for every amax >= kMinAmax (Markstein with
+// RN(1/448); checked exhaustively on the host for every f32 in [kMinAmax, FLT_MAX]).
+__device__ __forceinline__ float silu_scale_for(float amax) {
+  constexpr float kInv448 = 1.0f / 448.0f;  // RN(1/448)
+  return act::div_markstein(fmaxf(amax, kSiluMinAmax), kSiluFp8Max, kInv448);
+}
+
+// 2^-k for s = 2^k with both normal (exact).
+__device__ __forceinline__ float silu_pow2_inverse(float s) {
+  return __uint_as_float((254u << 23) - __float_as_uint(s));
+}
+
+// Per-warp position in the item space, advanced by `step` items at a time.
+struct SiluPos {
+  std::uint32_t item, row, j;  // item = row * G + j
+  std::uint32_t e, m;          // masked: row = e * M_max + m
+};
+
+struct SiluStride {
+  std::uint32_t step;      // items per step (all warps)
+  std::uint32_t drow, dj;  // step = drow * G + dj
+  std::uint32_t de, dm;    // masked: drow = de * M_max + dm
+};
+
+template <bool kMasked>
+__device__ __forceinline__ SiluPos silu_pos_at(std::uint32_t item, std::uint32_t groups,
+                                               std::uint32_t m_max) {
+  SiluPos p;
+  p.item = item;
+  p.row = item / groups;
+  p.j = item - p.row * groups;
+  if constexpr (kMasked) {
+    p.e = p.row / m_max;
+    p.m = p.row - p.e * m_max;
+  } else {
+    p.e = p.m = 0;
+  }
+  return p;
+}
+
+template <bool kMasked>
+__device__ __forceinline__ void silu_advance(SiluPos& p, const SiluStride& s, std::uint32_t groups,
+                                             std::uint32_t m_max) {
+  p.item += s.step;
+  p.j += s.dj;
+  const std::uint32_t carry = p.j >= groups ? 1u : 0u;
+  p.j -= carry * groups;
+  p.row += s.drow + carry;
+  if constexpr (kMasked) {
+    p.m += s.dm + carry;
+    const std::uint32_t carry_e = p.m >= m_max ? 1u : 0u;
+    p.m -= carry_e * m_max;
+    p.e += s.de + carry_e;
   }
 }
 
-// The scale of a group whose 8-value slices the 16 lanes of each half-warp hold (all 32 lanes must
-// call); tensor mode: the static scale. Same operations as epmoe::fp8_scale_for_amax.
-template <SiluScaleMode kMode>
-__device__ __forceinline__ float silu_group_scale(const float (&a)[8], float tensor_scale) {
-  if constexpr (kMode == SiluScaleMode::tensor) {
-    return tensor_scale;
-  } else {
-    float m = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(a[i]));
-    m = ptx::group_max<16>(m);
-    float s = __fdiv_rn(fmaxf(m, kSiluMinAmax), kSiluFp8Max);
-    if constexpr (kMode == SiluScaleMode::group_pow2) s = ptx::round_up_pow2(s);
-    return s;
-  }
-}
-
-// 8 f32 -> 8 e4m3 bytes, q = e4m3(a / s), bit-identical with the CPU's IEEE division:
-//   group_pow2: a * (1/s); 1/s is exact for a power of two, so the product is the same real number
-//               as a / s, rounded once.
-//   group:      Markstein's division (act::div_markstein) with the correctly rounded reciprocal
-//               y = RN(1/s), one per group: q0 = RN(a y), r = a - s q0 (exact by fma), q = RN(q0 +
-//               r y) = RN(a / s) whenever r does not underflow, i.e. for |a| above ~2^-100; below,
-//               s >= kMinAmax / 448 ~ 2^-42 makes |a / s| < 2^-58, which e4m3 rounds to (signed)
-//               zero either way. |a| <= amax bounds |a / s| by ~448: no overflow. 4 operations
-//               instead of a full division (~9 with its range check).
-//   tensor:     the IEEE division itself (a static scale may be far from amax / 448).
-template <SiluScaleMode kMode>
-__device__ __forceinline__ uint2 silu_quantize_vec8(const float (&a)[8], float s) {
-  float v[8];
-  if constexpr (kMode == SiluScaleMode::group_pow2) {
-    const float inv = __fdiv_rn(1.0f, s);  // exact for a power of two
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(a[i], inv);
-  } else if constexpr (kMode == SiluScaleMode::group) {
-    const float y = __frcp_rn(s);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = act::div_markstein(a[i], s, y);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = __fdiv_rn(a[i], s);
-  }
-  uint2 out;
-  out.x = static_cast<std::uint32_t>(ptx::float2_to_e4m3x2(v[0], v[1])) |
-          (static_cast<std::uint32_t>(ptx::float2_to_e4m3x2(v[2], v[3])) << 16);
-  out.y = static_cast<std::uint32_t>(ptx::float2_to_e4m3x2(v[4], v[5])) |
-          (static_cast<std::uint32_t>(ptx::float2_to_e4m3x2(v[6], v[7])) << 16);
-  return out;
-}
-
-template <SiluScaleMode kMode>
-__device__ __forceinline__ float silu_tensor_scale(const SiluQuantParams& p) {
-  if constexpr (kMode == SiluScaleMode::tensor) {
-    return p.tensor_scale_ptr != nullptr ? *p.tensor_scale_ptr : p.tensor_scale;
-  } else {
-    return 0.0f;
-  }
-}
+// One step's item of this lane and its loaded vectors.
+template <int kVecs>
+struct SiluSlot {
+  uint4 gate[kVecs], up[kVecs];
+  std::uint32_t item;  // q at item * 128, token-major scale at item
+  std::uint32_t sidx;  // MN-major: the scale's index
+  bool valid;
+};
 
 // Block 0 writes 0.0f into the TMA padding of MN-major scales: `columns` columns of scale_ld
 // entries, each padded from `valid` to scale_ld.
@@ -131,174 +161,180 @@ __device__ __forceinline__ void silu_zero_scale_padding(float* scales, std::uint
   }
 }
 
-// ---------------------------------------------------------------- contiguous
-// h [rows, 2I]; item = row * groups + j (< 2^32, checked by the launcher).
-template <SiluScaleMode kMode, bool kMnMajor>
-__global__ void __launch_bounds__(kSiluThreads)
-    silu_quant_contiguous_kernel(SiluQuantParams p, const std::int32_t* __restrict__ m_indices,
-                                 std::uint32_t rows) {
-  const int lane = threadIdx.x % 32;
-  const int half = lane / 16;
-  const int hl = lane % 16;
-  const std::uint32_t warp = (blockIdx.x * kSiluThreads + threadIdx.x) / 32;
-  const std::uint32_t num_warps = gridDim.x * kSiluWarps;
-  const std::uint32_t groups = p.groups;
-  const std::uint64_t inter = static_cast<std::uint64_t>(groups) * kSiluGroup;
-  const float tensor_scale = silu_tensor_scale<kMode>(p);
-  if constexpr (kMnMajor) silu_zero_scale_padding(p.scales, groups, rows, p.scale_ld);
-
-  const std::uint32_t items = rows * groups;
-  for (std::uint64_t base = 0; base < items; base += 32ull * num_warps) {
-    const std::uint64_t candidate = base + static_cast<std::uint64_t>(lane) * num_warps + warp;
-    bool valid = false;
-    if (candidate < items) valid = __ldg(m_indices + static_cast<std::uint32_t>(candidate) / groups) >= 0;
-    std::uint32_t mask = __ballot_sync(0xffffffffu, valid);
-    while (mask != 0u) {  // warp-uniform
-      // The next 2 * kSiluUnroll valid candidates: half-warp h takes the (2u + h)-th.
-      std::uint32_t row[kSiluUnroll], j[kSiluUnroll];
-      bool has[kSiluUnroll];
-#pragma unroll
-      for (int u = 0; u < kSiluUnroll; ++u) {
-        const int c0 = __ffs(static_cast<int>(mask)) - 1;
-        mask &= mask - 1u;
-        const int c1 = __ffs(static_cast<int>(mask)) - 1;
-        mask &= mask - 1u;
-        const int c = half != 0 ? c1 : c0;
-        has[u] = c >= 0;
-        const auto item =
-            static_cast<std::uint32_t>(base + static_cast<std::uint64_t>(has[u] ? c : 0) * num_warps + warp);
-        row[u] = item / groups;
-        j[u] = item - row[u] * groups;
-      }
-      uint4 gate[kSiluUnroll], up[kSiluUnroll];
-#pragma unroll
-      for (int u = 0; u < kSiluUnroll; ++u) {
-        if (has[u]) {
-          const std::uint16_t* src = p.h + row[u] * 2 * inter + j[u] * kSiluGroup + hl * kSiluVec;
-          gate[u] = ptx::ld_nc_v4(src);
-          up[u] = ptx::ld_nc_v4(src + inter);
-        } else {
-          gate[u] = make_uint4(0, 0, 0, 0);
-          up[u] = make_uint4(0, 0, 0, 0);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kSiluUnroll; ++u) {
-        float a[8];
-        silu_mul_vec8(gate[u], up[u], a);
-        const float s = silu_group_scale<kMode>(a, tensor_scale);  // all lanes: shuffles
-        if (!has[u]) continue;
-        ptx::st_v2(p.q + row[u] * inter + j[u] * kSiluGroup + hl * kSiluVec, silu_quantize_vec8<kMode>(a, s));
-        if constexpr (kMode != SiluScaleMode::tensor) {
-          if (hl == 0) {
-            if constexpr (kMnMajor) {
-              p.scales[static_cast<std::uint64_t>(j[u]) * p.scale_ld + row[u]] = s;
-            } else {
-              p.scales[static_cast<std::uint64_t>(row[u]) * groups + j[u]] = s;
-            }
-          }
-        }
-      }
-    }
+// Grid: persistent, at most one wave; items = rows * G < 2^31 (checked by the launcher, so that
+// positions a few steps past the end do not wrap).
+template <class Cfg, SiluScaleMode kMode, bool kMnMajor, bool kMasked>
+__global__ void __launch_bounds__(kSiluThreads, Cfg::kMinBlocks) silu_quant_kernel(SiluQuantParams p) {
+  constexpr int kSiluLanes = Cfg::kLanes, kSiluItemsPerWarp = Cfg::kItemsPerWarp, kSiluVecs = Cfg::kVecs;
+  constexpr int kSiluVals = Cfg::kVals, kSiluSlots = Cfg::kSlots;
+  using Slot = SiluSlot<kSiluVecs>;
+  __shared__ std::uint32_t valid_m[kMasked ? kSiluMaxExperts : 1];  // masked: clamped masked_m
+  if constexpr (kMasked) {
+    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kSiluThreads)
+      valid_m[e] = static_cast<std::uint32_t>(min(max(__ldg(p.masked_m + e), 0), static_cast<int>(p.m_max)));
+    __syncthreads();
   }
-}
-
-// ---------------------------------------------------------------- masked
-// Largest e in [0, experts) with prefix[e] <= r, given prefix[0] <= r < prefix[experts].
-__device__ __forceinline__ std::uint32_t silu_find_expert(const std::uint32_t* prefix, std::uint32_t experts,
-                                                          std::uint32_t r) {
-  std::uint32_t lo = 0, hi = experts;
-  while (hi - lo > 1) {
-    const std::uint32_t mid = (lo + hi) / 2;
-    if (prefix[mid] <= r) {
-      lo = mid;
+  const std::uint32_t groups = p.groups;
+  const std::uint32_t inter = groups * kSiluGroup;
+  if constexpr (kMnMajor) {
+    if constexpr (kMasked) {
+      silu_zero_scale_padding(p.scales, p.experts * groups, p.m_max, p.scale_ld);
     } else {
-      hi = mid;
+      silu_zero_scale_padding(p.scales, groups, p.rows, p.scale_ld);
     }
   }
-  return lo;
-}
 
-// h [experts, m_max, 2I]; the valid items are numbered r * groups + j over the compacted rows r
-// (expert by expert), r < Σ min(masked_m, m_max) (experts * m_max * groups < 2^32, checked by the
-// launcher).
-template <SiluScaleMode kMode, bool kMnMajor>
-__global__ void __launch_bounds__(kSiluThreads)
-    silu_quant_masked_kernel(SiluQuantParams p, const std::int32_t* __restrict__ masked_m,
-                             std::uint32_t experts, std::uint32_t m_max) {
-  using BlockScan = cub::BlockScan<std::uint32_t, kSiluThreads>;
-  constexpr int kPerThread = kSiluMaxExperts / kSiluThreads;
-  __shared__ typename BlockScan::TempStorage scan_storage;
-  __shared__ std::uint32_t prefix[kSiluMaxExperts + 1];
-
-  std::uint32_t counts[kPerThread];
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const std::uint32_t e = threadIdx.x * kPerThread + i;
-    const int c = e < experts ? __ldg(masked_m + e) : 0;
-    counts[i] = static_cast<std::uint32_t>(min(max(c, 0), static_cast<int>(m_max)));
+  float tensor_scale = 0.0f, tensor_y = 0.0f, tensor_lim = 0.0f;
+  if constexpr (kMode == SiluScaleMode::tensor) {
+    tensor_scale = p.tensor_scale_ptr != nullptr ? __ldg(p.tensor_scale_ptr) : p.tensor_scale;
+    tensor_y = __frcp_rn(tensor_scale);
+    tensor_lim = 512.0f * tensor_scale;  // |act| above it saturates either way (and q0 stays finite)
   }
-  std::uint32_t total = 0;
-  BlockScan(scan_storage).ExclusiveSum(counts, counts, total);
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const std::uint32_t e = threadIdx.x * kPerThread + i;
-    if (e < experts) prefix[e] = counts[i];
-  }
-  if (threadIdx.x == 0) prefix[experts] = total;
-  __syncthreads();
-
-  const std::uint32_t groups = p.groups;
-  const std::uint64_t inter = static_cast<std::uint64_t>(groups) * kSiluGroup;
-  const float tensor_scale = silu_tensor_scale<kMode>(p);
-  if constexpr (kMnMajor) silu_zero_scale_padding(p.scales, experts * groups, m_max, p.scale_ld);
 
   const int lane = threadIdx.x % 32;
-  const int half = lane / 16;
-  const int hl = lane % 16;
+  const std::uint32_t sub = static_cast<std::uint32_t>(lane) / kSiluLanes;
+  const std::uint32_t sl = static_cast<std::uint32_t>(lane) % kSiluLanes;
   const std::uint32_t warp = (blockIdx.x * kSiluThreads + threadIdx.x) / 32;
   const std::uint32_t num_warps = gridDim.x * kSiluWarps;
-  const std::uint32_t items = total * groups;
-  const std::uint64_t step = 2ull * num_warps;
-  for (std::uint64_t base = 2ull * warp; base < items; base += step * kSiluUnroll) {  // warp-uniform bound
-    std::uint32_t e[kSiluUnroll], m[kSiluUnroll], j[kSiluUnroll];
-    bool has[kSiluUnroll];
-    uint4 gate[kSiluUnroll], up[kSiluUnroll];
-#pragma unroll
-    for (int u = 0; u < kSiluUnroll; ++u) {
-      const std::uint64_t g = base + half + u * step;
-      has[u] = g < items;
-      const std::uint32_t item = has[u] ? static_cast<std::uint32_t>(g) : 0u;
-      const std::uint32_t r = item / groups;
-      j[u] = item - r * groups;
-      e[u] = has[u] ? silu_find_expert(prefix, experts, r) : 0u;
-      m[u] = r - prefix[e[u]];
-      if (has[u]) {
-        const std::uint16_t* src = p.h + (static_cast<std::uint64_t>(e[u]) * m_max + m[u]) * 2 * inter +
-                                   j[u] * kSiluGroup + hl * kSiluVec;
-        gate[u] = ptx::ld_nc_v4(src);
-        up[u] = ptx::ld_nc_v4(src + inter);
+  const std::uint32_t items = p.rows * groups;
+  const std::uint32_t m_max = p.m_max;
+
+  SiluStride st;
+  st.step = kSiluItemsPerWarp * num_warps;
+  st.drow = st.step / groups;
+  st.dj = st.step - st.drow * groups;
+  if constexpr (kMasked) {
+    st.de = st.drow / m_max;
+    st.dm = st.drow - st.de * m_max;
+  } else {
+    st.de = st.dm = 0;
+  }
+
+  // a: the next step to load; b (contiguous): the next step whose m_indices to prefetch.
+  const std::uint32_t first = kSiluItemsPerWarp * warp + sub;
+  SiluPos a = silu_pos_at<kMasked>(first, groups, m_max);
+  SiluPos b = a;
+  int mi[kSiluSlots];  // contiguous: m_indices of the step that slot d loads next
+
+  auto prefetch_m = [&](int& out) {
+    if constexpr (!kMasked) {
+      out = b.row < p.rows ? __ldg(p.m_indices + b.row) : -1;
+      silu_advance<false>(b, st, groups, m_max);
+    } else {
+      out = 0;
+    }
+  };
+  auto issue = [&](Slot& s, int m_index) {
+    bool valid;
+    if constexpr (kMasked) {
+      valid = a.row < p.rows && a.m < valid_m[a.e];
+    } else {
+      valid = m_index >= 0;
+    }
+    s.valid = valid;
+    s.item = a.item;
+    if constexpr (kMnMajor) {
+      if constexpr (kMasked) {
+        s.sidx = (a.e * groups + a.j) * p.scale_ld + a.m;
       } else {
-        gate[u] = make_uint4(0, 0, 0, 0);
-        up[u] = make_uint4(0, 0, 0, 0);
+        s.sidx = a.j * p.scale_ld + a.row;
+      }
+    } else {
+      s.sidx = 0;
+    }
+    if (valid) {
+      const std::uint16_t* src = p.h + static_cast<std::uint64_t>(a.item) * kSiluGroup +
+                                 static_cast<std::uint64_t>(a.row) * inter + sl * 8;
+#pragma unroll
+      for (int v = 0; v < kSiluVecs; ++v) {
+        s.gate[v] = ptx::ld_nc_v4(src + v * kSiluLanes * 8);
+        s.up[v] = ptx::ld_nc_v4(src + inter + v * kSiluLanes * 8);
       }
     }
+    silu_advance<kMasked>(a, st, groups, m_max);
+  };
+
+  Slot slot[kSiluSlots];
 #pragma unroll
-    for (int u = 0; u < kSiluUnroll; ++u) {
-      float a[8];
-      silu_mul_vec8(gate[u], up[u], a);
-      const float s = silu_group_scale<kMode>(a, tensor_scale);  // all lanes: shuffles
-      if (!has[u]) continue;
-      const std::uint64_t flat = static_cast<std::uint64_t>(e[u]) * m_max + m[u];
-      ptx::st_v2(p.q + flat * inter + j[u] * kSiluGroup + hl * kSiluVec, silu_quantize_vec8<kMode>(a, s));
-      if constexpr (kMode != SiluScaleMode::tensor) {
-        if (hl == 0) {
-          if constexpr (kMnMajor) {
-            p.scales[(static_cast<std::uint64_t>(e[u]) * groups + j[u]) * p.scale_ld + m[u]] = s;
-          } else {
-            p.scales[flat * groups + j[u]] = s;
+  for (int d = 0; d < kSiluSlots; ++d) {
+#pragma unroll
+    for (int v = 0; v < kSiluVecs; ++v) slot[d].gate[v] = slot[d].up[v] = make_uint4(0, 0, 0, 0);
+    prefetch_m(mi[d]);
+  }
+#pragma unroll
+  for (int d = 0; d < kSiluSlots; ++d) {
+    issue(slot[d], mi[d]);
+    prefetch_m(mi[d]);
+  }
+
+  for (std::uint32_t base = kSiluItemsPerWarp * warp;;) {
+#pragma unroll
+    for (int d = 0; d < kSiluSlots; ++d) {
+      if (base >= items) return;  // warp-uniform: every item of this warp and later steps is past the end
+      base += st.step;
+      Slot& s = slot[d];
+      const bool valid = s.valid;
+      const std::uint32_t item = s.item, sidx = s.sidx;
+      if (__any_sync(0xffffffffu, valid)) {
+        float act[kSiluVals];
+#pragma unroll
+        for (int v = 0; v < kSiluVecs; ++v) {
+          const std::uint32_t g[4] = {s.gate[v].x, s.gate[v].y, s.gate[v].z, s.gate[v].w};
+          const std::uint32_t u[4] = {s.up[v].x, s.up[v].y, s.up[v].z, s.up[v].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 gf = ptx::bf16x2_to_float2(g[i]);
+            const float2 uf = ptx::bf16x2_to_float2(u[i]);
+            act[8 * v + 2 * i] = silu_mul_fast(gf.x, uf.x);
+            act[8 * v + 2 * i + 1] = silu_mul_fast(gf.y, uf.y);
           }
         }
+        issue(s, mi[d]);  // the slot's vectors are consumed: refill it
+        prefetch_m(mi[d]);
+
+        float scale, y;
+        if constexpr (kMode == SiluScaleMode::tensor) {
+          scale = tensor_scale;
+          y = tensor_y;
+#pragma unroll
+          for (int i = 0; i < kSiluVals; ++i) act[i] = fminf(fmaxf(act[i], -tensor_lim), tensor_lim);
+        } else {
+          float m = 0.0f;
+#pragma unroll
+          for (int i = 0; i < kSiluVals; ++i) m = fmaxf(m, fabsf(act[i]));
+          m = ptx::group_max<kSiluLanes>(m);
+          scale = silu_scale_for(m);
+          if constexpr (kMode == SiluScaleMode::group_pow2) {
+            scale = ptx::round_up_pow2(scale);
+            y = silu_pow2_inverse(scale);
+          } else {
+            y = __frcp_rn(scale);
+          }
+        }
+        if (valid) {
+          std::uint8_t* dst = p.q + static_cast<std::uint64_t>(item) * kSiluGroup + sl * 8;
+#pragma unroll
+          for (int v = 0; v < kSiluVecs; ++v) {
+            float x[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              const float a_i = act[8 * v + i];
+              x[i] = kMode == SiluScaleMode::group_pow2 ? a_i * y : silu_div(a_i, scale, y);
+            }
+            uint2 out;
+            out.x = static_cast<std::uint32_t>(ptx::float2_to_e4m3x2(x[0], x[1])) |
+                    (static_cast<std::uint32_t>(ptx::float2_to_e4m3x2(x[2], x[3])) << 16);
+            out.y = static_cast<std::uint32_t>(ptx::float2_to_e4m3x2(x[4], x[5])) |
+                    (static_cast<std::uint32_t>(ptx::float2_to_e4m3x2(x[6], x[7])) << 16);
+            ptx::st_v2(dst + v * kSiluLanes * 8, out);
+          }
+          if constexpr (kMode != SiluScaleMode::tensor) {
+            if (sl == 0) p.scales[kMnMajor ? sidx : item] = scale;
+          }
+        }
+      } else {
+        issue(s, mi[d]);
+        prefetch_m(mi[d]);
       }
     }
   }

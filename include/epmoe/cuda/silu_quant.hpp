@@ -1,14 +1,19 @@
 // Fused SiLU·mul + FP8 quantization of the GEMM2 input on the GPU, for the contiguous and the masked
-// layout (design.md §3, §4). Bit-exact with the CPU reference epmoe/silu_quant.hpp: act =
-// silu(gate) * up with the shared IEEE-exact f32 formula (src/runner/silu_math.hpp), then the FP8
-// quantizer conventions of epmoe/quant.hpp (scale = max(amax, kMinAmax) / 448, optionally rounded up
-// to a power of two; q = e4m3(act / scale), round to nearest-even, saturating).
+// layout (design.md §3, §4). The CPU reference epmoe/silu_quant.hpp is the definition; the GPU
+// matches it within tolerance, not bit for bit: act = silu(gate) * up is computed with a fast
+// approximation (exp2 and reciprocal approximations, relative error ~1e-6 instead of the CPU's
+// IEEE-exact f32 sequence), then quantized exactly as the CPU quantizes a given act (the conventions
+// of epmoe/quant.hpp: scale = max(amax, kMinAmax) / 448, correctly rounded, optionally rounded up to
+// a power of two; q = e4m3(RN(act / scale)), round to nearest-even, saturating). So a q byte may
+// differ from the CPU's by one e4m3 step where act lies next to a rounding boundary, and a group
+// scale by a few ulp (a power-of-two scale by a factor of 2 where amax / 448 lies next to a power
+// of two); dequantized values agree within design.md §8 (tests/runner/silu_quant_gpu_test.cu).
 //
 // h is GEMM1's bf16 output with gate = columns [0, I) and up = columns [I, 2I), I % 128 == 0. Every
 // tensor is a contiguous Device::cuda view with a 16-byte aligned data pointer; the calls only
 // enqueue work on `stream` (no allocation, no host synchronisation; CUDA-graph capturable) and throw
 // epmoe::Error naming the argument when a rule is broken. A non-finite act gives an unspecified (but
-// in-bounds) result.
+// in-bounds) result; so does a per-tensor scale below 2^-92 (the division by it is exact above).
 #pragma once
 
 #include <cstdint>
