@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
-#include <utility>
 #include <string_view>
+#include <utility>
 
 #include "dispatch/permute_kernels.cuh"
 #include "epmoe/cuda/launch.hpp"
@@ -48,7 +48,9 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) {
 }
 
 // Timing experiments only (read once): EPMOE_PERMUTE_EXPERIMENT bit 0 = persistent copy grid (at most
-// one wave, warps loop) instead of one block per 8 segments, bit 1 = no programmatic dependent launch.
+// one wave, warps loop) instead of one block per 8 segments, bit 1 = no programmatic dependent launch,
+// bit 3 = streaming (.cs) stores of the rows. (Bit 2 was a copy through the bulk copy engine, removed:
+// bench/NOTES.md.)
 unsigned experiment_bits() {
   static const unsigned bits = [] {
     const char* v = std::getenv("EPMOE_PERMUTE_EXPERIMENT");
@@ -57,11 +59,13 @@ unsigned experiment_bits() {
   return bits;
 }
 
-// kernel<<<grid, kPermuteThreads, 0, stream>>>(args...) as a programmatic dependent launch: its
-// blocks may start while the stream's previous kernel runs (they wait in permute_grid_wait).
+// kernel<<<grid, threads, 0, stream>>>(args...), as a programmatic dependent launch when `dependent`
+// (the stream's previous work is one of our kernels): its blocks may start while that kernel runs
+// (they wait in permute_grid_wait). The first kernel of a call is launched plainly (whatever the
+// caller enqueued before it, a copy say, is simply waited for).
 template <class... Params, class... Args>
-void launch_dependent(void (*kernel)(Params...), unsigned grid, unsigned threads, cudaStream_t stream,
-                      Args&&... args) {
+void launch_dependent(bool dependent, void (*kernel)(Params...), unsigned grid, unsigned threads,
+                      cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(threads);
@@ -69,7 +73,8 @@ void launch_dependent(void (*kernel)(Params...), unsigned grid, unsigned threads
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = (experiment_bits() & 2u) != 0 ? 0 : 1;
+  attribute[0].val.programmaticStreamSerializationAllowed =
+      dependent && (experiment_bits() & 2u) == 0 ? 1 : 0;
   config.attrs = attribute;
   config.numAttrs = 1;
   EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
@@ -180,20 +185,20 @@ void launch_index(const InShape& s, const PermuteInput& in, const TensorView& wo
   rank.chunk_base = hist;
   rank.offsets = offsets;
   if (chunks <= kernels::kPermuteSmallChunks) {
-    launch_dependent(&kernels::permute_index_small_kernel<kMasked>, 1, kPermuteThreads, stream, rank, offsets,
-                     counts, masked_m);
-    return;
-  }
-  launch_dependent(&kernels::permute_count_kernel, chunks, kPermuteThreads, stream, rank.ids, rank.entries, e,
-                   hist);
-  if (chunks <= kernels::kPermuteInlineScanChunks) {
-    launch_dependent(&kernels::permute_scan_rank_kernel<kMasked>, chunks, kPermuteThreads, stream, rank,
+    launch_dependent(false, &kernels::permute_index_small_kernel<kMasked>, 1, kPermuteThreads, stream, rank,
                      offsets, counts, masked_m);
     return;
   }
-  launch_dependent(&kernels::permute_scan_kernel<kMasked>, 1, kernels::kPermuteScanThreads, stream, hist,
-                   chunks, e, rank.m_max, offsets, counts, masked_m);
-  launch_dependent(&kernels::permute_rank_kernel<kMasked>, chunks, kPermuteThreads, stream, rank);
+  launch_dependent(false, &kernels::permute_count_kernel, chunks, kPermuteThreads, stream, rank.ids,
+                   rank.entries, e, hist);
+  if (chunks <= kernels::kPermuteInlineScanChunks) {
+    launch_dependent(true, &kernels::permute_scan_rank_kernel<kMasked>, chunks, kPermuteThreads, stream, rank,
+                     offsets, counts, masked_m);
+    return;
+  }
+  launch_dependent(true, &kernels::permute_scan_kernel<kMasked>, 1, kernels::kPermuteScanThreads, stream,
+                   hist, chunks, e, rank.m_max, offsets, counts, masked_m);
+  launch_dependent(true, &kernels::permute_rank_kernel<kMasked>, chunks, kPermuteThreads, stream, rank);
 }
 
 // Launch 4 (copy, with the fill blocks first).
@@ -207,7 +212,9 @@ void launch_copy_variant(kernels::PermuteCopyParams p, cudaStream_t stream) {
   p.fill_blocks = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
       ceil_div(p.total_rows, 4 * kPermuteThreads), 1, static_cast<std::uint64_t>(device_props().sm_count)));
   EPMOE_CHECK(p.fill_blocks + copy_blocks <= 0x7fffffffu, "too many blocks for one launch");
-  launch_dependent(kernel, static_cast<unsigned>(p.fill_blocks + copy_blocks), kPermuteThreads, stream, p);
+  p.streaming_stores = (experiment_bits() & 8u) != 0 ? 1u : 0u;
+  launch_dependent(true, kernel, static_cast<unsigned>(p.fill_blocks + copy_blocks), kPermuteThreads, stream,
+                   p);
 }
 
 // p: the fill fields already set.

@@ -16,11 +16,11 @@
 //               or masked_m), then ranks its chunk; no serial scan over chunks, one launch less.
 //   1-3 for small batches (<= kPermuteSmallChunks chunks, e.g. T <= 256 at K = 8): one block does
 //               the count, the scan and the chunks' ranks in order (one launch instead of three).
-//   4. copy:    a warp per (token, segment of 32 x kVecs 16-byte vectors): the token's segment is
-//               read once into registers and written to each of its K rows; the segment-0 warp also
-//               copies the token's scales. A few leading blocks fill m_indices and the row_src of
-//               the rows that hold no entry. One block per 8 segments (no persistent loop), 7168-byte
-//               fp8 rows in 2 segments of 3.5 KB.
+//   4. copy:    a warp per (token, segment of 32 x kPermuteCopyVecs 16-byte vectors): the token's
+//               rows, its segment and (segment-0 warp) its scales are loaded at once (one memory
+//               latency per warp), then written to each of its K rows. A few leading blocks fill
+//               m_indices and the row_src of the rows that hold no entry. One block per 8 segments
+//               (no persistent loop), 7168-byte fp8 rows in 2 segments of 3.5 KB.
 // Each launch after the first is a programmatic dependent launch (PDL, permute.cu): its blocks are
 // scheduled while the previous kernel runs and wait in griddepcontrol.wait until it has finished
 // and its writes are visible, so the launch gaps between the 3-4 kernels overlap.
@@ -382,12 +382,12 @@ struct PermuteCopyParams {
   const float* x_scales;  // [T, groups] (fp8)
   const std::int32_t* src_row;
   std::uint32_t tokens, topk, vecs_per_row, segments, groups;
-  uint4* rows;                // [rows, vecs_per_row]
-  float* scales;              // token-major [rows, groups] or MN-major
-  std::uint32_t scale_ld;     // MN-major: padded rows of one scale column
-  std::uint32_t m_max;        // masked: rows per expert
-  std::uint32_t fill_blocks;  // blocks [0, fill_blocks) fill, the others copy
-  std::uint32_t chunk_bytes;  // bulk copy: bytes per unit (the last chunk of a row may be shorter)
+  uint4* rows;                     // [rows, vecs_per_row]
+  float* scales;                   // token-major [rows, groups] or MN-major
+  std::uint32_t scale_ld;          // MN-major: padded rows of one scale column
+  std::uint32_t m_max;             // masked: rows per expert
+  std::uint32_t fill_blocks;       // blocks [0, fill_blocks) fill, the others copy
+  std::uint32_t streaming_stores;  // (experiment) rows written with st.global.cs
   // Fill: the rows that hold no entry get m_indices = -1 (contiguous) and row_src = -1.
   std::uint32_t experts, total_rows;  // total_rows: M (contiguous) or E * M_max (masked)
   const std::int32_t* offsets;        // contiguous
@@ -413,20 +413,20 @@ __device__ __forceinline__ std::uint32_t permute_find_block(const int* starts, s
 }
 
 // The fill blocks of the copy kernel: rows that hold no entry (disjoint from those the rank step wrote).
-template <bool kMasked, int kThreads = kPermuteThreads>
+template <bool kMasked>
 __device__ __forceinline__ void permute_fill(const PermuteCopyParams& p) {
   const std::uint32_t fill_blocks = p.fill_blocks;
-  const std::uint32_t first = blockIdx.x * kThreads + threadIdx.x;
+  const std::uint32_t first = blockIdx.x * kPermuteThreads + threadIdx.x;
   if constexpr (kMasked) {
-    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kThreads) {
+    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kPermuteThreads) {
       const std::uint32_t e = row / p.m_max;
       if (static_cast<int>(row - e * p.m_max) >= __ldg(p.masked_m + e)) p.row_src[row] = -1;
     }
   } else {
     __shared__ int starts[kPermuteExpertsMax];
-    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kThreads) starts[e] = __ldg(p.offsets + e);
+    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) starts[e] = __ldg(p.offsets + e);
     __syncthreads();
-    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kThreads) {
+    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kPermuteThreads) {
       const std::uint32_t e = permute_find_block(starts, p.experts, static_cast<int>(row));
       const bool valid = static_cast<int>(row) < starts[e] + __ldg(p.counts + e);
       p.m_indices[row] = valid ? static_cast<int>(e) : -1;
@@ -472,9 +472,8 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_copy_kernel(PermuteCo
   for (std::uint32_t item = (block * kPermuteThreads + threadIdx.x) / 32; item < items; item += num_warps) {
     const std::uint32_t t = item / p.segments;
     const std::uint32_t s = item - t * p.segments;
+    // Every load first (rows, data, scales: one memory latency per item, not three in a row).
     const int my_row = static_cast<std::uint32_t>(lane) < p.topk ? __ldg(p.src_row + t * p.topk + lane) : -1;
-    if (__ballot_sync(0xffffffffu, my_row >= 0) == 0u) continue;  // warp-uniform
-
     const std::uint32_t v0 = s * 32 * kPermuteCopyVecs + lane;
     const uint4* src = p.x + static_cast<std::uint64_t>(t) * p.vecs_per_row;
     uint4 v[kPermuteCopyVecs];
@@ -483,6 +482,15 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_copy_kernel(PermuteCo
       const std::uint32_t idx = v0 + 32 * u;
       v[u] = idx < p.vecs_per_row ? ptx::ld_nc_v4(src + idx) : make_uint4(0, 0, 0, 0);
     }
+    float sv[2] = {0.0f, 0.0f};  // scales g = lane, lane + 32 (G <= 64; larger G: loaded in the loop)
+    const bool scales_here = kScales && s == 0;
+    if (scales_here && p.groups <= 64) {
+      const float* xs = p.x_scales + static_cast<std::uint64_t>(t) * p.groups;
+      if (static_cast<std::uint32_t>(lane) < p.groups) sv[0] = __ldg(xs + lane);
+      if (static_cast<std::uint32_t>(lane) + 32 < p.groups) sv[1] = __ldg(xs + lane + 32);
+    }
+    if (__ballot_sync(0xffffffffu, my_row >= 0) == 0u) continue;  // warp-uniform: no rows
+
     for (std::uint32_t k = 0; k < p.topk; ++k) {
       const int row = __shfl_sync(0xffffffffu, my_row, static_cast<int>(k));
       if (row < 0) continue;  // warp-uniform
@@ -490,126 +498,32 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_copy_kernel(PermuteCo
 #pragma unroll
       for (int u = 0; u < kPermuteCopyVecs; ++u) {
         const std::uint32_t idx = v0 + 32 * u;
-        if (idx < p.vecs_per_row) dst[idx] = v[u];
+        if (idx >= p.vecs_per_row) continue;
+        if (p.streaming_stores != 0u) {
+          __stcs(dst + idx, v[u]);
+        } else {
+          dst[idx] = v[u];
+        }
+      }
+      if (scales_here && p.groups <= 64) {
+        const auto r = static_cast<std::uint32_t>(row);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const std::uint32_t g = static_cast<std::uint32_t>(lane) + 32u * h;
+          if (g >= p.groups) continue;
+          if constexpr (!kMnMajor) {
+            p.scales[static_cast<std::uint64_t>(r) * p.groups + g] = sv[h];
+          } else if constexpr (kMasked) {
+            const std::uint32_t e = r / p.m_max;
+            p.scales[(static_cast<std::uint64_t>(e) * p.groups + g) * p.scale_ld + (r - e * p.m_max)] = sv[h];
+          } else {
+            p.scales[static_cast<std::uint64_t>(g) * p.scale_ld + r] = sv[h];
+          }
+        }
       }
     }
-
-    if constexpr (kScales) {
-      if (s == 0) permute_copy_scales<kMnMajor, kMasked>(p, t, my_row, lane);
-    }
+    if (scales_here && p.groups > 64) permute_copy_scales<kMnMajor, kMasked>(p, t, my_row, lane);
   }
-}
-
-// ---------------------------------------------------------------- 4'. copy through the bulk copy engine
-// (experiment) Each warp streams (token, chunk) units u = warp + i W (chunk: <= kBulkChunkMax bytes
-// of the row) through a ring of kBulkStages shared-memory stages: lane 0 loads unit u into its stage
-// with one cp.async.bulk (completing on the stage's mbarrier), then writes it to the token's K rows
-// with K bulk stores, and refills the stage of the previous unit once its stores have read it
-// (cp.async.bulk.wait_group.read 1). The other lanes read the rows and copy the scales.
-inline constexpr int kBulkThreads = 128;
-inline constexpr int kBulkWarps = kBulkThreads / 32;
-inline constexpr int kBulkStages = 3;
-inline constexpr std::uint32_t kBulkChunkMax = 8192;
-
-__device__ __forceinline__ std::uint32_t permute_smem_addr(const void* ptr) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-__device__ __forceinline__ void permute_bulk_load(std::uint32_t dst, const void* src, std::uint32_t bytes,
-                                                  std::uint32_t bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
-__device__ __forceinline__ void permute_bulk_wait(std::uint32_t bar, std::uint32_t parity) {
-  for (std::uint64_t tries = 0;; ++tries) {
-    std::uint32_t done = 0;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    if (done != 0u) return;
-    if (tries > (1ull << 28)) __trap();  // a lost completion: fail loudly rather than hang
-  }
-}
-
-template <bool kScales, bool kMnMajor, bool kMasked>
-__global__ void __launch_bounds__(kBulkThreads) permute_copy_bulk_kernel(PermuteCopyParams p) {
-  extern __shared__ __align__(128) std::uint8_t stage_mem[];
-  __shared__ __align__(8) std::uint64_t bars[kBulkWarps][kBulkStages];
-  permute_grid_wait();
-  if (blockIdx.x < p.fill_blocks) {
-    permute_fill<kMasked, kBulkThreads>(p);
-    return;
-  }
-  const int lane = threadIdx.x % 32, warp_in_block = threadIdx.x / 32;
-  const std::uint32_t warp = (blockIdx.x - p.fill_blocks) * kBulkWarps + warp_in_block;
-  const std::uint32_t num_warps = (gridDim.x - p.fill_blocks) * kBulkWarps;
-  const std::uint32_t chunks = p.segments;  // chunks per row
-  const std::uint32_t units = p.tokens * chunks;
-  const std::uint32_t row_bytes = p.vecs_per_row * 16u, chunk_bytes = p.chunk_bytes;
-  const std::uint32_t stage0 = permute_smem_addr(stage_mem) + warp_in_block * kBulkStages * chunk_bytes;
-  const std::uint32_t bar0 = permute_smem_addr(&bars[warp_in_block][0]);
-  const auto* x = reinterpret_cast<const std::uint8_t*>(p.x);
-  auto* rows = reinterpret_cast<std::uint8_t*>(p.rows);
-  auto unit_src = [&](std::uint32_t u, std::uint32_t& bytes) {
-    const std::uint32_t t = u / chunks, c = u - t * chunks;
-    bytes = min(chunk_bytes, row_bytes - c * chunk_bytes);
-    return x + static_cast<std::uint64_t>(t) * row_bytes + c * chunk_bytes;
-  };
-  if (lane == 0) {
-    for (int s = 0; s < kBulkStages; ++s)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8u * s) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    for (int s = 0; s < kBulkStages; ++s) {
-      const std::uint32_t u = warp + s * num_warps;
-      if (u >= units) break;
-      std::uint32_t bytes;
-      const std::uint8_t* src = unit_src(u, bytes);
-      permute_bulk_load(stage0 + s * chunk_bytes, src, bytes, bar0 + 8u * s);
-    }
-  }
-  __syncwarp();
-  std::uint32_t i = 0;
-  for (std::uint32_t u = warp; u < units; u += num_warps, ++i) {
-    const std::uint32_t t = u / chunks, c = u - t * chunks;
-    const int my_row = static_cast<std::uint32_t>(lane) < p.topk ? __ldg(p.src_row + t * p.topk + lane) : -1;
-    const std::uint32_t s = i % kBulkStages;
-    if (lane == 0) {
-      permute_bulk_wait(bar0 + 8u * s, (i / kBulkStages) & 1u);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    }
-    const std::uint32_t bytes = min(chunk_bytes, row_bytes - c * chunk_bytes);
-    for (std::uint32_t k = 0; k < p.topk; ++k) {
-      const int row = __shfl_sync(0xffffffffu, my_row, static_cast<int>(k));
-      if (lane == 0 && row >= 0) {
-        std::uint8_t* dst = rows + static_cast<std::uint64_t>(row) * row_bytes + c * chunk_bytes;
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-                     "r"(stage0 + s * chunk_bytes), "r"(bytes)
-                     : "memory");
-      }
-    }
-    if (lane == 0) {
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      // Refill the previous unit's stage once its stores have read it.
-      const std::uint32_t next = u + (kBulkStages - 1) * num_warps;
-      if (i >= 1 && next < units) {
-        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-        const std::uint32_t ps = (i - 1) % kBulkStages;
-        std::uint32_t nbytes;
-        const std::uint8_t* src = unit_src(next, nbytes);
-        permute_bulk_load(stage0 + ps * chunk_bytes, src, nbytes, bar0 + 8u * ps);
-      }
-    }
-    if constexpr (kScales) {
-      if (c == 0) permute_copy_scales<kMnMajor, kMasked>(p, t, my_row, lane);
-    }
-  }
-  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 // ---------------------------------------------------------------- gather

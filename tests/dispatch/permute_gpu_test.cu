@@ -208,7 +208,10 @@ const auto kCases = ::testing::Values(
     PermuteCase{300, 256, 4, 5, true, Routing::one_expert},
     PermuteCase{2100, 128, 8, 3, true, Routing::skip_some}, PermuteCase{37, 384, 3, 7, false, Routing::none},
     PermuteCase{0, 256, 2, 4, true, Routing::random}, PermuteCase{50, 128, 32, 1024, true, Routing::random},
-    PermuteCase{9, 128, 1, 1, false, Routing::random});
+    PermuteCase{9, 128, 1, 1, false, Routing::random},
+    // Many chunks: the fused scan + rank with E > 256 experts, and the separate scan (> 256 chunks).
+    PermuteCase{2000, 128, 16, 1000, true, Routing::random},
+    PermuteCase{40000, 128, 8, 16, false, Routing::skip_some});
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PermuteGpuContiguous, kCases,
                          [](const ::testing::TestParamInfo<PermuteCase>& info) {
