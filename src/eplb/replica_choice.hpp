@@ -5,13 +5,7 @@
 
 #include <cstdint>
 
-#ifndef EPMOE_HD
-#if defined(__CUDACC__)
-#define EPMOE_HD __host__ __device__
-#else
-#define EPMOE_HD
-#endif
-#endif
+#include "cuda/hd.hpp"
 
 namespace epmoe::eplb {
 

@@ -6,13 +6,7 @@
 // (as __host__ __device__), the same operation sequence yields the same bits on both sides.
 #pragma once
 
-#ifndef EPMOE_HD
-#if defined(__CUDACC__)
-#define EPMOE_HD __host__ __device__
-#else
-#define EPMOE_HD
-#endif
-#endif
+#include "cuda/hd.hpp"
 
 #include <cstdint>
 #if !defined(__CUDA_ARCH__)
