@@ -19,13 +19,7 @@
 
 #include <cstdint>
 
-#ifndef EPMOE_HD
-#if defined(__CUDACC__)
-#define EPMOE_HD __host__ __device__
-#else
-#define EPMOE_HD
-#endif
-#endif
+#include "cuda/hd.hpp"
 
 #if !defined(__CUDA_ARCH__)
 #include <bit>
