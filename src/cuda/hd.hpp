@@ -9,3 +9,45 @@
 #define EPMOE_HD
 #endif
 #endif
+
+#if !defined(__CUDA_ARCH__)
+#include <cmath>
+#endif
+
+namespace epmoe::detail {
+
+// Round-to-nearest-even f32 operations spelled out, so that nvcc cannot contract a multiply and an
+// add into an FMA: the same operation sequence gives the same bits on the host and the device.
+EPMOE_HD inline float rn_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+EPMOE_HD inline float rn_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+EPMOE_HD inline float rn_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+EPMOE_HD inline float rn_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+}  // namespace epmoe::detail

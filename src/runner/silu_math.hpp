@@ -28,37 +28,10 @@
 
 namespace epmoe::act {
 
-EPMOE_HD inline float rn_add(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-EPMOE_HD inline float rn_mul(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-EPMOE_HD inline float rn_div(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
-EPMOE_HD inline float rn_fma(float a, float b, float c) {
-#if defined(__CUDA_ARCH__)
-  return __fmaf_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
+using detail::rn_add;
+using detail::rn_div;
+using detail::rn_fma;
+using detail::rn_mul;
 
 EPMOE_HD inline float copy_sign(float magnitude, float sign) {
 #if defined(__CUDA_ARCH__)
