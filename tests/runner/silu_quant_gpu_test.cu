@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <ostream>
 #include <random>
@@ -40,7 +41,9 @@ using testing::expect_error_mentions;
 
 constexpr std::uint8_t kPoison = 0xff;  // fp8 0xff and f32 0xffffffff are NaN: never a valid output
 
+// Fresh per test, printed on failure; EPMOE_TEST_SEED=<n> replays one.
 std::uint64_t fresh_seed() {
+  if (const char* fixed = std::getenv("EPMOE_TEST_SEED")) return std::strtoull(fixed, nullptr, 10);
   std::random_device rd;
   return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
 }
