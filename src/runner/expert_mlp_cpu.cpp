@@ -4,6 +4,8 @@
 // and its f32 scale is exact in f64), so the only roundings are the ones the GPU pipeline has
 // at its quantization points (Numerics::mirror), or none at all (Numerics::exact).
 #include <cmath>
+#include <algorithm>
+#include <thread>
 #include <vector>
 
 #include "epmoe/quant.hpp"
@@ -63,20 +65,38 @@ std::vector<double> dequantize_activations(ActivationFormat format, TensorView x
   return a;
 }
 
-// out[m, n] = Σ_k a[m, k] * W[n, k] in f64.
+// out[m, n] = Σ_k a[m, k] * W[n, k] in f64. Output columns are split over the cores for large
+// problems; each element is still summed by one thread in k order, so results do not depend on
+// the thread count.
 std::vector<double> gemm_f64(QuantScheme quant, const HostTensor& w, const HostTensor& scale, const std::vector<double>& a,
                              std::int64_t rows, std::int64_t N, std::int64_t K) {
   std::vector<double> out(static_cast<std::size_t>(rows * N));
-  std::vector<double> wrow(static_cast<std::size_t>(K));
-  for (std::int64_t n = 0; n < N; ++n) {
-    dequantize_weight_row(quant, w, scale, n, K, wrow.data());
-    for (std::int64_t m = 0; m < rows; ++m) {
-      const double* am = a.data() + m * K;
-      double acc = 0;
-      for (std::int64_t k = 0; k < K; ++k) acc += am[k] * wrow[static_cast<std::size_t>(k)];
-      out[static_cast<std::size_t>(m * N + n)] = acc;
+  auto columns = [&](std::int64_t n_begin, std::int64_t n_end) {
+    std::vector<double> wrow(static_cast<std::size_t>(K));
+    for (std::int64_t n = n_begin; n < n_end; ++n) {
+      dequantize_weight_row(quant, w, scale, n, K, wrow.data());
+      for (std::int64_t m = 0; m < rows; ++m) {
+        const double* am = a.data() + m * K;
+        double acc = 0;
+        for (std::int64_t k = 0; k < K; ++k) acc += am[k] * wrow[static_cast<std::size_t>(k)];
+        out[static_cast<std::size_t>(m * N + n)] = acc;
+      }
     }
+  };
+  // Below ~4M multiply-adds a thread costs more than it saves.
+  const std::int64_t work = (rows + 1) * N * K;
+  const auto threads = static_cast<std::int64_t>(
+      std::min<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()), std::max<std::int64_t>(1, work >> 22)));
+  if (threads <= 1) {
+    columns(0, N);
+    return out;
   }
+  std::vector<std::thread> pool;
+  const std::int64_t per = (N + threads - 1) / threads;
+  for (std::int64_t t = 1; t < threads; ++t)
+    pool.emplace_back(columns, std::min(N, t * per), std::min(N, (t + 1) * per));
+  columns(0, std::min(N, per));
+  for (std::thread& t : pool) t.join();
   return out;
 }
 
