@@ -10,7 +10,9 @@
 #endif
 #endif
 
+#include <cstdint>
 #if !defined(__CUDA_ARCH__)
+#include <bit>
 #include <cmath>
 #endif
 
@@ -47,6 +49,23 @@ EPMOE_HD inline float rn_fma(float a, float b, float c) {
   return __fmaf_rn(a, b, c);
 #else
   return std::fma(a, b, c);
+#endif
+}
+
+
+EPMOE_HD inline std::uint32_t f32_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  return std::bit_cast<std::uint32_t>(x);
+#endif
+}
+
+EPMOE_HD inline float f32_from_bits(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return std::bit_cast<float>(u);
 #endif
 }
 

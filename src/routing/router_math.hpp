@@ -37,21 +37,8 @@ EPMOE_HD inline float neg_abs(float x) {  // -|x|, exact
 #endif
 }
 
-EPMOE_HD inline std::uint32_t f32_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  return std::bit_cast<std::uint32_t>(x);
-#endif
-}
-
-EPMOE_HD inline float f32_from_bits(std::uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  return std::bit_cast<float>(u);
-#endif
-}
+using detail::f32_bits;
+using detail::f32_from_bits;
 
 // x * 2^n with a single rounding (exact unless the result is subnormal or out of range).
 EPMOE_HD inline float rn_ldexp(float x, int n) {

@@ -41,21 +41,8 @@ EPMOE_HD inline float copy_sign(float magnitude, float sign) {
 #endif
 }
 
-EPMOE_HD inline std::uint32_t float_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  return std::bit_cast<std::uint32_t>(f);
-#endif
-}
-
-EPMOE_HD inline float bits_float(std::uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  return std::bit_cast<float>(u);
-#endif
-}
+using detail::f32_bits;
+using detail::f32_from_bits;
 
 // exp(a) for a <= 0, about 1 ulp; 0 below a = -87 (where exp(a) < 2^-125; silu never needs more:
 // there 1 + e == 1 and g * e is below 1e-35).
@@ -84,8 +71,8 @@ EPMOE_HD inline float exp_nonpositive(float a) {
   p = rn_fma(p, r, 1.0f);
   p = rn_fma(p, r, 1.0f);
   // n = bits(t) - bits(magic), in [-126, 0]; 2^n = bits (n + 127) << 23.
-  const std::uint32_t biased = float_bits(t) - float_bits(kRoundMagic) + 127u;
-  return rn_mul(p, bits_float(biased << 23));
+  const std::uint32_t biased = f32_bits(t) - f32_bits(kRoundMagic) + 127u;
+  return rn_mul(p, f32_from_bits(biased << 23));
 }
 
 // silu(g) = g / (1 + exp(-g)) (see the header comment for the formula per sign).
