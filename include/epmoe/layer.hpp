@@ -66,6 +66,9 @@ class MoeLayer {
 // f64): route, and for each token Σ_k w·E_k(x) + shared(x), with the same quantized activations
 // and weights and the same rounding points as the layer (numerics = mirror), or in f64 (exact).
 void reference_forward(const ModelWeights& weights, TensorView x, TensorView y, Numerics numerics);
+// The same, routed from given gate logits [T, E] f32 (host) instead of the CPU's own: those of a
+// GPU forward, whose gate GEMM sums in another order (epmoe/cuda/gate.hpp says why).
+void reference_forward(const ModelWeights& weights, TensorView x, TensorView logits, TensorView y, Numerics numerics);
 
 // Error measures of design.md §8 over all elements (bf16, f32 or f64 tensors of equal numel).
 struct ErrorReport {

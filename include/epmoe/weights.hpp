@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -52,6 +53,11 @@ class ModelWeights {
 // first use, so a run at DeepSeek-V3 dims holds only the experts it touches.
 class SyntheticWeights final : public ModelWeights {
  public:
+  // Builds one expert from (quant, hidden, intermediate, expert seed); must give exactly the tensors
+  // make_synthetic_expert gives (e.g. generated on a GPU and copied back, which is faster).
+  using ExpertFactory =
+      std::function<std::unique_ptr<ExpertWeights>(QuantScheme, std::int64_t, std::int64_t, std::uint64_t)>;
+
   SyntheticWeights(const MoeConfig& config, std::uint64_t seed);
   const MoeConfig& config() const override { return config_; }
   const ExpertWeights& routed_expert(int logical) const override;
@@ -61,6 +67,13 @@ class SyntheticWeights final : public ModelWeights {
   float a1_scale() const override { return a1_scale_; }
   float a2_scale() const override { return a2_scale_; }
   std::size_t experts_built() const;
+  std::uint64_t seed() const { return seed_; }
+  // The seed make_synthetic_expert gets for a routed expert, and for the shared expert (whose quant
+  // is fp8 unless the model is unquantized).
+  std::uint64_t expert_seed(int logical) const;
+  std::uint64_t shared_seed() const;
+  // Replaces how experts not built yet are built (call before the first routed_expert()).
+  void set_expert_factory(ExpertFactory factory) { factory_ = std::move(factory); }
 
  private:
   MoeConfig config_;
@@ -70,6 +83,7 @@ class SyntheticWeights final : public ModelWeights {
   mutable std::mutex mutex_;
   mutable std::unordered_map<int, std::unique_ptr<ExpertWeights>> experts_;
   mutable std::unique_ptr<ExpertWeights> shared_;
+  ExpertFactory factory_;
 };
 
 // Builds one expert in `quant` format from seeded f32 values (uniform in ±bound, bound = 1/sqrt(K)).

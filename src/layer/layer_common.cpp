@@ -10,6 +10,12 @@ void route_tokens(const ModelWeights& weights, TensorView x, HostTensor& ids, Ho
   const std::int64_t T = x.size(0);
   HostTensor logits(DType::f32, {T, c.num_experts});
   router_logits_cpu(x, weights.gate_weight(), logits);
+  route_from_logits(weights, logits, ids, topk_weights);
+}
+
+void route_from_logits(const ModelWeights& weights, TensorView logits, HostTensor& ids, HostTensor& topk_weights) {
+  const MoeConfig& c = weights.config();
+  const std::int64_t T = logits.size(0);
   ids = HostTensor(DType::i32, {T, c.topk});
   topk_weights = HostTensor(DType::f32, {T, c.topk});
   route_cpu(c, logits, weights.correction_bias(), ids, topk_weights);

@@ -11,6 +11,10 @@
 namespace epmoe {
 
 void reference_forward(const ModelWeights& weights, TensorView x, TensorView y, Numerics numerics) {
+  reference_forward(weights, x, TensorView{}, y, numerics);
+}
+
+void reference_forward(const ModelWeights& weights, TensorView x, TensorView logits, TensorView y, Numerics numerics) {
   const MoeConfig& c = weights.config();
   const std::int64_t H = c.hidden;
   expect_rank(x, 2, "x");
@@ -25,7 +29,15 @@ void reference_forward(const ModelWeights& weights, TensorView x, TensorView y, 
   const int K = c.topk;
 
   HostTensor ids, topk_weights;
-  detail::route_tokens(weights, x, ids, topk_weights);
+  if (logits.empty_view()) {
+    detail::route_tokens(weights, x, ids, topk_weights);
+  } else {
+    expect_shape(logits, {T, c.num_experts}, "logits");
+    expect_dtype(logits, DType::f32, "logits");
+    expect_device(logits, Device::cpu, "logits");
+    expect_contiguous(logits, "logits");
+    detail::route_from_logits(weights, logits, ids, topk_weights);
+  }
   const ActivationFormat format = activation_format(c.quant);
   const detail::QuantizedTokens q = detail::quantize_tokens(format, x, weights.a1_scale(), c.power_of_two_scales);
   const DType out_dtype = numerics == Numerics::mirror ? DType::bf16 : DType::f64;

@@ -4,6 +4,7 @@
 #include "epmoe/quant.hpp"
 #include "epmoe/runner.hpp"
 #include "epmoe/weights.hpp"
+#include "weights/synthetic_math.hpp"
 
 namespace epmoe {
 
@@ -50,22 +51,13 @@ void ExpertWeights::validate() const {
   }
 }
 
-std::uint64_t mix64(std::uint64_t x) {
-  // splitmix64 finaliser: a bijection with good avalanche, so (stream, i) pairs never collide.
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+std::uint64_t mix64(std::uint64_t x) { return detail::synth_mix64(x); }
 
-float uniform_pm1(std::uint64_t stream, std::uint64_t i) {
-  const std::uint64_t bits = mix64(stream ^ mix64(i));
-  return static_cast<float>(bits >> 40) * (2.0f / 16777216.0f) - 1.0f;  // 24 random bits
-}
+float uniform_pm1(std::uint64_t stream, std::uint64_t i) { return detail::synth_uniform_pm1(stream, i); }
 
 namespace {
 
-enum StreamTag : std::uint64_t { kTagW13 = 1, kTagW2, kTagGate, kTagBias, kTagTokens, kTagShared, kTagCalib };
+using namespace detail;  // the stream tags
 
 std::uint64_t stream_id(std::uint64_t seed, std::uint64_t tag, std::uint64_t index) {
   return mix64(mix64(seed * 0x100000001b3ull + tag) + index);
@@ -166,8 +158,8 @@ const ExpertWeights& SyntheticWeights::routed_expert(int logical) const {
   std::lock_guard lock(mutex_);
   auto& slot = experts_[logical];
   if (!slot) {
-    slot = make_synthetic_expert(config_.quant, config_.hidden, config_.intermediate,
-                                 stream_id(seed_, kTagW13, static_cast<std::uint64_t>(logical)));
+    slot = factory_ ? factory_(config_.quant, config_.hidden, config_.intermediate, expert_seed(logical))
+                    : make_synthetic_expert(config_.quant, config_.hidden, config_.intermediate, expert_seed(logical));
   }
   return *slot;
 }
@@ -177,11 +169,19 @@ const ExpertWeights& SyntheticWeights::shared_expert() const {
   std::lock_guard lock(mutex_);
   if (!shared_) {
     const QuantScheme quant = config_.quant == QuantScheme::none ? QuantScheme::none : QuantScheme::fp8;
-    shared_ = make_synthetic_expert(quant, config_.hidden, config_.shared_intermediate(),
-                                    stream_id(seed_, kTagShared, 0));
+    shared_ = factory_ ? factory_(quant, config_.hidden, config_.shared_intermediate(), shared_seed())
+                       : make_synthetic_expert(quant, config_.hidden, config_.shared_intermediate(), shared_seed());
   }
   return *shared_;
 }
+
+std::uint64_t SyntheticWeights::expert_seed(int logical) const {
+  EPMOE_CHECK(logical >= 0 && logical < config_.num_experts, "logical expert id must be in [0, {}), got {}",
+              config_.num_experts, logical);
+  return stream_id(seed_, kTagW13, static_cast<std::uint64_t>(logical));
+}
+
+std::uint64_t SyntheticWeights::shared_seed() const { return stream_id(seed_, kTagShared, 0); }
 
 std::size_t SyntheticWeights::experts_built() const {
   std::lock_guard lock(mutex_);

@@ -10,19 +10,10 @@
 #include "tools/epmoe/check_util.hpp"
 #include "tools/epmoe/commands.hpp"
 #include "tools/epmoe/options.hpp"
+#include "tools/epmoe/run.hpp"
 
 namespace epmoe::tools {
 namespace {
-
-struct RunOptions {
-  ModelOptions model;
-  int steps = 32;
-  std::int64_t tokens = -1;       // decode tokens per rank (default: min(32, max_tokens_per_rank))
-  std::int64_t prompt_tokens = 1000;
-  std::int64_t chunk = 256;
-  std::string mode = "auto", json;
-  double tolerance = 1e-2;
-};
 
 using Clock = std::chrono::steady_clock;
 
@@ -121,14 +112,17 @@ void print_phase(const PhaseResult& p) {
 }
 
 void run_main(const RunOptions& o) {
-  const MoeConfig config = build_config(o.model);
-  const Device device = resolve_device(o.model.device);
-  EPMOE_CHECK(o.steps >= 0, "steps must be >= 0, got {}", o.steps);
-  EPMOE_CHECK(o.chunk >= 1, "chunk must be >= 1, got {}", o.chunk);
+  const Device device = resolve_device(o.model.device, /*gpu_path=*/true);
+  if (device == Device::cuda) {
+    run_gpu_main(o);
+    return;
+  }
+  const MoeConfig config = build_config(o.model, device);
+  const int steps = o.steps >= 0 ? o.steps : 32;
   EPMOE_CHECK(o.prompt_tokens >= 0, "prompt-tokens must be >= 0, got {}", o.prompt_tokens);
-  EPMOE_CHECK(o.steps > 0 || o.prompt_tokens > 0, "nothing to run: steps and prompt-tokens are both 0");
-  const std::int64_t decode_tokens =
-      o.tokens >= 0 ? o.tokens : std::min<std::int64_t>(32, config.max_tokens_per_rank);
+  EPMOE_CHECK(steps > 0 || o.prompt_tokens > 0, "nothing to run: steps and prompt-tokens are both 0");
+  const std::int64_t decode_tokens = o.tokens >= 0 ? o.tokens : std::min<std::int64_t>(32, config.max_tokens_per_rank);
+  const std::int64_t chunk = o.chunk > 0 ? o.chunk : 256;
   const Mode decode_mode = o.mode == "auto" ? Mode::low_latency : parse_mode(o.mode);
   const Mode prefill_mode = o.mode == "auto" ? Mode::normal : parse_mode(o.mode);
   if (decode_mode == Mode::low_latency)
@@ -136,8 +130,8 @@ void run_main(const RunOptions& o) {
                 "tokens ({}) must be <= max_tokens_per_rank ({}) in low-latency mode", decode_tokens,
                 config.max_tokens_per_rank);
   if (prefill_mode == Mode::low_latency)
-    EPMOE_CHECK(o.chunk <= config.max_tokens_per_rank,
-                "chunk ({}) must be <= max_tokens_per_rank ({}) in low-latency mode", o.chunk,
+    EPMOE_CHECK(chunk <= config.max_tokens_per_rank,
+                "chunk ({}) must be <= max_tokens_per_rank ({}) in low-latency mode", chunk,
                 config.max_tokens_per_rank);
 
   std::printf("epmoe run: %s\n", config.describe().c_str());
@@ -147,14 +141,14 @@ void run_main(const RunOptions& o) {
   auto weights = std::make_shared<SyntheticWeights>(config, o.model.seed);
 
   std::vector<PhaseResult> phases;
-  if (o.steps > 0) {
+  if (steps > 0) {
     phases.push_back(run_phase("decode", weights, decode_mode, device,
-                               std::vector<std::int64_t>(static_cast<std::size_t>(o.steps), decode_tokens),
+                               std::vector<std::int64_t>(static_cast<std::size_t>(steps), decode_tokens),
                                o.model.seed + 1, o.tolerance));
   }
   if (o.prompt_tokens > 0) {
     std::vector<std::int64_t> chunks;
-    for (std::int64_t done = 0; done < o.prompt_tokens; done += o.chunk) chunks.push_back(std::min(o.chunk, o.prompt_tokens - done));
+    for (std::int64_t done = 0; done < o.prompt_tokens; done += chunk) chunks.push_back(std::min(chunk, o.prompt_tokens - done));
     phases.push_back(run_phase("prefill", weights, prefill_mode, device, chunks, o.model.seed + 2, o.tolerance));
   }
 
@@ -181,10 +175,17 @@ const CommandRegistration kRegistration{10, [](CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("run", "The main job: a decode and a prefill phase on a synthetic model, "
                                             "with tokens/s, time per phase and the accuracy check");
   add_model_options(cmd, options->model);
-  cmd->add_option("--steps", options->steps, "Decode steps")->capture_default_str();
-  cmd->add_option("--tokens", options->tokens, "Decode tokens per rank (default min(32, max_tokens_per_rank))");
-  cmd->add_option("--prompt-tokens", options->prompt_tokens, "Prefill prompt tokens per rank")->capture_default_str();
-  cmd->add_option("--chunk", options->chunk, "Prefill chunk size in tokens per rank")->capture_default_str();
+  cmd->add_option("--steps", options->steps, "Decode steps (default: 32 on the CPU, 1000 on GPUs)");
+  cmd->add_option("--tokens", options->tokens,
+                  "Decode tokens per rank (default: CPU min(32, max_tokens_per_rank); GPU concurrency / ranks)");
+  cmd->add_option("--concurrency", options->concurrency, "GPU: decode requests over all ranks")->capture_default_str();
+  cmd->add_option("--prompt-tokens", options->prompt_tokens, "Prefill prompt length in tokens")->capture_default_str();
+  cmd->add_option("--prompts", options->prompts,
+                  "GPU: prompts per rank in the prefill phase (default: concurrency / ranks)");
+  cmd->add_option("--chunk", options->chunk, "Prefill chunk size in tokens per rank (default: CPU 256, GPU 4096)");
+  cmd->add_flag("!--no-graphs", options->graphs, "GPU: run decode eagerly instead of replaying CUDA graphs");
+  cmd->add_option("--check-tokens", options->check_tokens, "GPU: tokens per rank checked against the CPU reference")
+      ->capture_default_str();
   cmd->add_option("--mode", options->mode, "auto (decode low-latency, prefill normal), normal or low-latency")
       ->capture_default_str();
   cmd->add_option("--tolerance", options->tolerance, "Accuracy check tolerance")->capture_default_str();

@@ -21,5 +21,13 @@ void register_commands(CLI::App& app) {
   for (auto& [order, add] : list) add(app);
 }
 int exit_code() { return g_exit_code; }
+namespace {
+std::vector<std::string>& args() {
+  static std::vector<std::string> list;
+  return list;
+}
+}  // namespace
+void set_program_args(int argc, char** argv) { args().assign(argv, argv + argc); }
+const std::vector<std::string>& program_args() { return args(); }
 void set_exit_code(int code) { g_exit_code = code; }
 }  // namespace epmoe::tools

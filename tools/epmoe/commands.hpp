@@ -4,6 +4,8 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <string>
+#include <vector>
 
 namespace epmoe::tools {
 
@@ -15,6 +17,9 @@ struct CommandRegistration {
 
 void register_commands(CLI::App& app);
 int exit_code();
+// The command line as main() received it (a multi-GPU run re-executes itself once per GPU).
+void set_program_args(int argc, char** argv);
+const std::vector<std::string>& program_args();
 void set_exit_code(int code);
 
 }  // namespace epmoe::tools

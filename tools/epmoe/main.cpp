@@ -8,6 +8,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"epmoe: expert-parallel Mixture-of-Experts layer for DeepSeek-V3/R1-class models"};
   app.require_subcommand(1);
+  epmoe::tools::set_program_args(argc, argv);
   epmoe::tools::register_commands(app);
   try {
     app.parse(argc, argv);

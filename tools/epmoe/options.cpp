@@ -1,5 +1,6 @@
 #include "tools/epmoe/options.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
@@ -19,7 +20,7 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
   cmd->add_option("--topk-groups", o.topk_groups, "Groups kept per token");
   cmd->add_option("--scoring", o.scoring, "Router scoring: sigmoid (noaux_tc) or softmax");
   cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (fused into one MLP)");
-  cmd->add_option("--ranks", o.ranks, "Expert-parallel ranks")->capture_default_str();
+  cmd->add_option("--ranks", o.ranks, "Expert-parallel ranks (default: the GPUs present for a GPU run, else 2)");
   cmd->add_option("--redundant-experts", o.redundant_experts, "Redundant expert slots R (EPLB)")->capture_default_str();
   cmd->add_option("--max-tokens-per-rank", o.max_tokens_per_rank, "Low-latency buffer size in tokens per rank");
   cmd->add_option("--quant", o.quant, "Quant scheme: fp8, w4a8 or none")->capture_default_str();
@@ -30,7 +31,12 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
   cmd->add_option("--device", o.device, "auto, cpu or gpu")->capture_default_str();
 }
 
-MoeConfig build_config(const ModelOptions& o) {
+int resolve_ranks(const ModelOptions& o, Device device) {
+  if (o.ranks >= 0) return o.ranks;
+  return device == Device::cuda ? std::max(1, cuda::device_count()) : 2;
+}
+
+MoeConfig build_config(const ModelOptions& o, Device device) {
   MoeConfig c = MoeConfig::preset(o.preset);
   if (o.hidden >= 0) c.hidden = o.hidden;
   if (o.intermediate >= 0) c.intermediate = o.intermediate;
@@ -41,7 +47,7 @@ MoeConfig build_config(const ModelOptions& o) {
   if (!o.scoring.empty()) c.scoring = parse_scoring(o.scoring);
   if (o.shared_experts >= 0) c.num_shared_experts = o.shared_experts;
   if (o.max_tokens_per_rank >= 0) c.max_tokens_per_rank = o.max_tokens_per_rank;
-  c.num_ranks = o.ranks;
+  c.num_ranks = resolve_ranks(o, device);
   c.num_redundant_experts = o.redundant_experts;
   c.quant = parse_quant(o.quant);
   c.dispatch_algorithm = parse_dispatch_algorithm(o.dispatch_algorithm);
@@ -50,12 +56,13 @@ MoeConfig build_config(const ModelOptions& o) {
   return c;
 }
 
-Device resolve_device(const std::string& device) {
+Device resolve_device(const std::string& device, bool gpu_path) {
   if (device == "cpu") return Device::cpu;
-  if (device == "auto") return Device::cpu;  // the GPU layer backend is not built yet
+  if (device == "auto") return gpu_path && cuda::device_count() > 0 ? Device::cuda : Device::cpu;
   if (device == "gpu") {
-    EPMOE_FAIL("device 'gpu': the GPU layer backend is not built yet ({} present); use --device cpu",
-               cuda::device_description(0));
+    EPMOE_CHECK(gpu_path, "device 'gpu': this command runs on the CPU only; use --device cpu");
+    EPMOE_CHECK(cuda::device_count() > 0, "device 'gpu': no CUDA device is present; use --device cpu or auto");
+    return Device::cuda;
   }
   EPMOE_FAIL("device must be 'auto', 'cpu' or 'gpu', got '{}'", device);
 }

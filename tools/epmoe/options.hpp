@@ -15,7 +15,7 @@ struct ModelOptions {
   // Overrides of the preset; -1 / empty = keep the preset's value.
   std::int64_t hidden = -1, intermediate = -1;
   int experts = -1, topk = -1, groups = -1, topk_groups = -1, shared_experts = -1;
-  int ranks = 2, redundant_experts = 0, max_tokens_per_rank = -1;
+  int ranks = -1, redundant_experts = 0, max_tokens_per_rank = -1;
   std::string scoring, quant = "fp8", dispatch_algorithm = "static";
   bool pow2_scales = false;
   std::uint64_t seed = 1;
@@ -24,9 +24,12 @@ struct ModelOptions {
 
 void add_model_options(CLI::App* cmd, ModelOptions& options);
 // The validated config (throws epmoe::Error naming the bad field).
-MoeConfig build_config(const ModelOptions& options);
-// "cpu" or "gpu" for --device auto|cpu|gpu; the GPU layer arrives with the GPU backends.
-Device resolve_device(const std::string& device);
+MoeConfig build_config(const ModelOptions& options, Device device = Device::cpu);
+// "cpu" or "gpu" for --device auto|cpu|gpu. auto picks the GPU when one is present and the command
+// has a GPU path (gpu_path), else the CPU; "gpu" without a GPU (or a GPU path) is refused.
+Device resolve_device(const std::string& device, bool gpu_path = false);
+// --ranks when given, else the default: the GPUs present for a GPU run, 2 for the CPU simulation.
+int resolve_ranks(const ModelOptions& options, Device device);
 
 // Writes `text` to `path` ("-" = stdout), throwing epmoe::Error when it cannot.
 void write_text_file(const std::string& path, const std::string& text);

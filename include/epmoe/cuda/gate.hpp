@@ -1,0 +1,32 @@
+// The router's gate GEMM on the GPU: logits [T, E] f32 = x [T, H] bf16 · gate_weight [E, H]^T bf16,
+// through cuBLAS (tensor cores, f32 accumulation). CPU twin: epmoe::router_logits_cpu, which sums
+// in index order: the two agree to f32 rounding, not bitwise, so a token whose top-k choice is a
+// near tie may pick another expert. Checks of a GPU forward therefore route the CPU reference
+// from the GPU's logits (reference_forward's `logits` argument); the router itself is bit-exact
+// given the logits (epmoe/cuda/router.hpp).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/tensor.hpp"
+
+namespace epmoe::cuda {
+
+class GateGemm {
+ public:
+  GateGemm();  // creates a cuBLAS handle and its workspace on the current device
+  ~GateGemm();
+  GateGemm(const GateGemm&) = delete;
+  GateGemm& operator=(const GateGemm&) = delete;
+
+  // Contiguous Device::cuda views; T may be 0. Only enqueues work on `stream` (no allocation: the
+  // workspace is fixed, so the call can be captured in a CUDA graph).
+  void run(TensorView x, TensorView gate_weight, TensorView logits, cudaStream_t stream);
+
+ private:
+  void* handle_ = nullptr;  // cublasHandle_t
+  DeviceBuffer workspace_;
+};
+
+}  // namespace epmoe::cuda

@@ -1,0 +1,120 @@
+// The MoE layer on GPUs (design.md §1): gate GEMM -> router -> EPLB mapping (with per-expert load
+// counters) -> FP8 quantization -> dispatch -> expert GEMMs (GEMM1, SiLU·mul + FP8, GEMM2) ->
+// combine, plus the shared expert on its own stream, overlapped with dispatch and the routed GEMMs.
+// One object per process and GPU (rank); every call is collective over the communicator's ranks.
+//
+//   one rank:  no communication; the permutation kernels build the layout (contiguous in normal
+//              mode, masked in low-latency mode) and the weighted gather is the combine.
+//   N ranks:   the NVLink dispatchers of epmoe/comm_dispatch.hpp ("nvlink" in normal mode, whose
+//              receive learns the row counts with one host sync; "nvlink-ll" in low-latency mode,
+//              with no host sync at all), or "nccl-p2p".
+//
+// Low-latency forwards are CUDA-graph capturable: forward_graph() captures one graph per batch size
+// on first use (or capture_graphs() ahead of time) and replays it, with the input and output
+// copied through static buffers. Expert weights live in fixed slots; rebalance() rewrites the slots
+// whose expert changed in place, so captured graphs stay valid.
+//
+// Quant schemes: fp8 (DeepSeek-V3 block-scaled weights, per-token-group activations). W4A8 and
+// unquantized models are refused here for now (the W4A8 GEMM lands with issue 5).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "epmoe/comm.hpp"
+#include "epmoe/config.hpp"
+#include "epmoe/eplb.hpp"
+#include "epmoe/tensor.hpp"
+#include "epmoe/weights.hpp"
+
+namespace epmoe::cuda {
+
+struct GpuLayerOptions {
+  Mode mode = Mode::low_latency;
+  // The largest batch (tokens on this rank) of one forward; sizes every buffer. 0: the config's
+  // max_tokens_per_rank. Low-latency mode refuses more than max_tokens_per_rank.
+  std::int64_t max_tokens = 0;
+  // "auto" (one rank: "local"; N ranks: "nvlink" in normal mode, "nvlink-ll" in low-latency mode),
+  // "local", "nvlink", "nvlink-ll" or "nccl-p2p".
+  std::string dispatcher = "auto";
+  // The shared expert on its own stream, overlapped with dispatch and the routed experts.
+  bool overlap_shared = true;
+  // Per-phase CUDA events on eager forwards (adds one host sync per forward to read them).
+  bool timing = false;
+};
+
+// Milliseconds measured with CUDA events, accumulated over timed eager forwards.
+struct GpuPhaseTimes {
+  double route = 0;     // gate GEMM, top-k, EPLB mapping, FP8 quantization of the tokens
+  double dispatch = 0;  // to the expert owners (permutation alone on one rank)
+  double gemm = 0;      // GEMM1, SiLU·mul + FP8 quantization, GEMM2
+  double combine = 0;   // weighted results home, plus the shared expert's add
+  double shared = 0;    // the shared expert (its own stream: overlapped, not part of total)
+  double total = 0;     // the whole forward on the main stream
+  std::int64_t forwards = 0;
+};
+
+class GpuMoeLayer {
+ public:
+  // comm: nullptr for one rank (config.num_ranks must be 1), else config.num_ranks must equal
+  // comm->size() and the layer serves comm->rank() on comm->device(), enqueuing on comm->stream().
+  GpuMoeLayer(std::shared_ptr<const ModelWeights> weights, GpuLayerOptions options,
+              std::shared_ptr<Communicator> comm = nullptr);
+  ~GpuMoeLayer();
+  GpuMoeLayer(const GpuMoeLayer&) = delete;
+  GpuMoeLayer& operator=(const GpuMoeLayer&) = delete;
+
+  const MoeConfig& config() const;
+  const GpuLayerOptions& options() const;
+  int rank() const;
+  int num_ranks() const;
+  std::int64_t max_tokens() const;
+  cudaStream_t stream() const;  // where forward() enqueues; outputs are valid in its order
+
+  // x [T, H] bf16, y (out) [T, H] bf16, contiguous Device::cuda views, T <= max_tokens(); every rank
+  // calls it (T may differ per rank, and may be 0). Enqueues on stream(); returns without waiting,
+  // except for the host sync of the "nvlink" / "nccl-p2p" receive in normal mode.
+  void forward(TensorView x, TensorView y);
+
+  // The same through a CUDA graph captured for this T (low-latency mode only; the first call for a
+  // T captures, later calls replay). x and y may be any device tensors: they are copied into and
+  // out of the layer's static buffers inside the stream order.
+  void forward_graph(TensorView x, TensorView y);
+  void capture_graphs(std::span<const std::int64_t> batch_sizes);
+  std::size_t graphs_captured() const;
+
+  // The gate logits [T, E] f32 of the last forward (device view; valid until the next forward):
+  // the CPU reference routes from these (epmoe/cuda/gate.hpp says why).
+  TensorView last_logits() const;
+
+  const GpuPhaseTimes& times() const;
+  void reset_times();
+  void set_timing(bool on);  // GpuLayerOptions::timing, for the following forwards
+
+  // Device memory the layer holds, in bytes: all of it, and the communication + layout part
+  // (symmetric windows, receive-side layout, routing and permutation buffers).
+  std::size_t device_bytes() const;
+  std::size_t comm_layout_bytes() const;
+
+  // Tokens routed to each logical expert since construction or the last rebalance, summed over the
+  // ranks (collective; synchronises the stream).
+  std::vector<std::int64_t> expert_load();
+  // DeepSeek EPLB over expert_load() (collective): installs the new placement on every rank, rewrites
+  // the local slots whose expert changed in place, clears the counters. Returns the slots rewritten
+  // on this rank.
+  int rebalance(int nodes = 1);
+  const ExpertPlacement& placement() const;
+  // Installs a placement (every rank must pass the same one); rewrites the changed local slots.
+  int set_placement(const ExpertPlacement& placement);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace epmoe::cuda

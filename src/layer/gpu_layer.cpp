@@ -1,0 +1,580 @@
+// The GPU MoE layer (epmoe/cuda/layer.hpp): buffers sized once at construction, one stream order
+// per forward, and the shared expert forked onto a second stream.
+#include <algorithm>
+#include <map>
+
+#include "epmoe/comm_dispatch.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/eplb.hpp"
+#include "epmoe/cuda/gate.hpp"
+#include "epmoe/cuda/grouped_gemm.hpp"
+#include "epmoe/cuda/layer.hpp"
+#include "epmoe/cuda/permute.hpp"
+#include "epmoe/cuda/quant.hpp"
+#include "epmoe/cuda/router.hpp"
+#include "epmoe/cuda/silu_quant.hpp"
+#include "epmoe/cuda/synthetic.hpp"
+#include "epmoe/permute.hpp"
+#include "layer/layer_kernels.hpp"
+
+namespace epmoe::cuda {
+namespace {
+
+TensorView reshape(const TensorView& t, std::initializer_list<std::int64_t> shape) {
+  TensorView v = TensorView::contiguous(t.data, t.dtype, shape, Device::cuda);
+  EPMOE_CHECK(v.numel() <= t.numel() || t.data == nullptr, "internal: view {} exceeds {}", v.describe(), t.describe());
+  return v;
+}
+
+// The first `rows` rows of a [R, ...] device tensor, as [rows, ...].
+TensorView rows_of(const DeviceTensor& t, std::int64_t rows) { return t.view().slice_rows(0, rows); }
+
+class GraphExec {
+ public:
+  GraphExec() = default;
+  explicit GraphExec(cudaGraph_t graph) : graph_(graph) {
+    EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~GraphExec() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+  GraphExec(const GraphExec&) = delete;
+  GraphExec& operator=(const GraphExec&) = delete;
+  void launch(cudaStream_t stream) const { EPMOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+enum EventId { kStart, kRouted, kDispatched, kComputed, kCombined, kNumEvents };
+
+}  // namespace
+
+struct GpuMoeLayer::Impl {
+  std::shared_ptr<const ModelWeights> weights;
+  const SyntheticWeights* synthetic = nullptr;
+  MoeConfig c;
+  GpuLayerOptions o;
+  std::shared_ptr<Communicator> comm;
+  int rank = 0, ranks = 1, L = 0, E = 0, K = 0, P = 0;
+  std::int64_t H = 0, I = 0, Is = 0, T_max = 0, M_max = 0, R_max = 0;
+  std::string dispatcher_name;
+
+  Stream own_stream;
+  cudaStream_t s0 = nullptr;
+  Stream s1;
+  Event fork{cudaEventDisableTiming}, join{cudaEventDisableTiming};
+  std::vector<Event> events;  // kNumEvents on s0, then the shared expert's start and end on s1
+  GpuPhaseTimes times;
+
+  std::unique_ptr<GateGemm> gate;
+  DeviceTensor gate_weight, correction_bias;
+
+  // Routing.
+  DeviceTensor logits, topk_ids, topk_weights, physical_ids, expert_counts, q, q_scales;
+  ExpertPlacement placement;
+  DeviceTensor log2phy, logcnt;  // fixed width P - E + 1 (the most replicas any placement can have)
+  std::int64_t last_T = 0;
+
+  // Routed experts in this rank's L slots, and the shared expert.
+  DeviceTensor w13, w13_scale, w2, w2_scale;
+  std::vector<int> slot_logical;
+  DeviceTensor sw13, sw13_scale, sw2, sw2_scale, shared_m, shared_h, shared_a2, shared_a2_scales, shared_out;
+
+  // Dispatch: a dispatcher (N ranks) or the local permutation (one rank).
+  std::unique_ptr<Dispatcher> dispatcher;
+  LowLatencyDispatcher* ll = nullptr;  // the same object when it has send / receive halves
+  DeviceTensor perm_workspace, perm_rows, perm_scales, perm_m_indices, perm_row_src, perm_src_row, perm_offsets,
+      perm_counts;
+
+  // Runner workspace: GEMM1 output, GEMM2 input (+ scales), expert output; routed combine result.
+  DeviceTensor h, a2, a2_scales, expert_out, y_routed;
+
+  // Graphs.
+  DeviceTensor x_static, y_static;
+  std::map<std::int64_t, std::unique_ptr<GraphExec>> graphs;
+  bool capturing = false;
+
+  Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions options, std::shared_ptr<Communicator> cm);
+  void load_slot(int local_slot, int logical);
+  void load_shared();
+  int install_placement(const ExpertPlacement& p);
+  void forward(TensorView x, TensorView y);
+  void shared_forward(std::int64_t T, cudaStream_t stream);
+  DispatchOutput dispatch(std::int64_t T);
+  void run_experts(const DispatchOutput& d);
+  void combine(const DispatchOutput& d, std::int64_t T, TensorView y);
+  std::size_t comm_layout_bytes() const;
+  std::size_t device_bytes() const;
+};
+
+GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions options,
+                        std::shared_ptr<Communicator> cm)
+    : weights(std::move(w)), o(std::move(options)), comm(std::move(cm)) {
+  EPMOE_CHECK(weights != nullptr, "GpuMoeLayer needs weights");
+  c = weights->config();
+  c.validate();
+  EPMOE_CHECK(c.quant == QuantScheme::fp8,
+              "GpuMoeLayer: quant '{}' is not available on the GPU yet (fp8 is; W4A8 arrives with its GEMM)",
+              to_string(c.quant));
+  synthetic = dynamic_cast<const SyntheticWeights*>(weights.get());
+  if (comm) {
+    EPMOE_CHECK(c.num_ranks == comm->size(), "config.num_ranks ({}) must equal the communicator's size ({})",
+                c.num_ranks, comm->size());
+    rank = comm->rank();
+    ranks = comm->size();
+    EPMOE_CUDA_CHECK(cudaSetDevice(comm->device()));
+    s0 = comm->stream();
+  } else {
+    EPMOE_CHECK(c.num_ranks == 1, "GpuMoeLayer without a communicator serves one rank; config.num_ranks is {}",
+                c.num_ranks);
+    s0 = own_stream.get();
+  }
+  E = c.num_experts;
+  K = c.topk;
+  P = c.num_physical_experts();
+  L = c.num_local_experts();
+  H = c.hidden;
+  I = c.intermediate;
+  Is = c.shared_intermediate();
+  T_max = o.max_tokens > 0 ? o.max_tokens : c.max_tokens_per_rank;
+  EPMOE_CHECK(T_max >= 1, "max_tokens must be >= 1, got {}", T_max);
+  if (o.mode == Mode::low_latency)
+    EPMOE_CHECK(T_max <= c.max_tokens_per_rank,
+                "max_tokens ({}) must be <= max_tokens_per_rank ({}) in low-latency mode", T_max,
+                c.max_tokens_per_rank);
+  EPMOE_CHECK(route_supports(c), "the GPU router does not support this config ({})", c.describe());
+  const bool normal = o.mode == Mode::normal;
+
+  dispatcher_name = o.dispatcher;
+  if (dispatcher_name == "auto") dispatcher_name = ranks == 1 ? "local" : (normal ? "nvlink" : "nvlink-ll");
+  EPMOE_CHECK(dispatcher_name == "local" || dispatcher_name == "nvlink" || dispatcher_name == "nvlink-ll" ||
+                  dispatcher_name == "nccl-p2p",
+              "dispatcher must be auto, local, nvlink, nvlink-ll or nccl-p2p, got '{}'", dispatcher_name);
+  EPMOE_CHECK((dispatcher_name == "local") == (ranks == 1),
+              "dispatcher '{}' does not fit {} rank(s): 'local' serves exactly one rank", dispatcher_name, ranks);
+  EPMOE_CHECK(dispatcher_name != "nvlink-ll" || !normal, "dispatcher 'nvlink-ll' serves low-latency mode only");
+
+  for (int i = 0; i < kNumEvents + 2; ++i) events.emplace_back();
+  gate = std::make_unique<GateGemm>();
+  gate_weight = to_device(weights->gate_weight(), s0);
+  correction_bias = to_device(weights->correction_bias(), s0);
+
+  logits = DeviceTensor(DType::f32, {T_max, E});
+  topk_ids = DeviceTensor(DType::i32, {T_max, K});
+  topk_weights = DeviceTensor(DType::f32, {T_max, K});
+  physical_ids = DeviceTensor(DType::i32, {T_max, K});
+  expert_counts = DeviceTensor(DType::i64, {E});
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(expert_counts.data<std::int64_t>(), 0, expert_counts.nbytes(), s0));
+  q = DeviceTensor(DType::fp8_e4m3, {T_max, H});
+  q_scales = DeviceTensor(DType::f32, {T_max, H / 128});
+
+  // Expert slots, then the placement (which fills them).
+  w13 = DeviceTensor(DType::fp8_e4m3, {L, 2 * I, H});
+  w13_scale = DeviceTensor(DType::f32, {L, 2 * I / 128, H / 128});
+  w2 = DeviceTensor(DType::fp8_e4m3, {L, H, I});
+  w2_scale = DeviceTensor(DType::f32, {L, H / 128, I / 128});
+  slot_logical.assign(static_cast<std::size_t>(L), -1);
+  log2phy = DeviceTensor(DType::i32, {E, P - E + 1});
+  logcnt = DeviceTensor(DType::i32, {E});
+  install_placement(ExpertPlacement::initial(E, P, ranks));
+  if (c.num_shared_experts > 0) load_shared();
+
+  // Dispatch.
+  if (dispatcher_name == "local") {
+    M_max = T_max;  // an expert gets each token at most once
+    R_max = normal ? contiguous_capacity(T_max * K, L) : L * M_max;
+    perm_workspace = DeviceTensor(DType::u8, {static_cast<std::int64_t>(permute_workspace_bytes(T_max * K, L))});
+    perm_rows = DeviceTensor(DType::fp8_e4m3, {R_max, H});
+    perm_scales = DeviceTensor(DType::f32, {R_max, H / 128});
+    perm_row_src = DeviceTensor(DType::i32, {R_max});
+    perm_src_row = DeviceTensor(DType::i32, {T_max, K});
+    if (normal) {
+      perm_m_indices = DeviceTensor(DType::i32, {R_max});
+      perm_offsets = DeviceTensor(DType::i32, {L + 1});
+      perm_counts = DeviceTensor(DType::i32, {L});
+    } else {
+      perm_counts = DeviceTensor(DType::i32, {L});  // masked_m
+    }
+  } else {
+    MoeConfig dc = c;
+    dc.max_tokens_per_rank = static_cast<int>(T_max);
+    const DispatcherContext context{dc, o.mode, ActivationFormat::fp8_group, rank, 1};
+    if (dispatcher_name == "nccl-p2p") {
+      dispatcher = make_nccl_p2p_dispatcher(context, comm);
+    } else {
+      auto d = dispatcher_name == "nvlink" ? make_nvlink_dispatcher(context, comm) : make_nvlink_ll_dispatcher(context, comm);
+      ll = d.get();
+      dispatcher = std::move(d);
+    }
+    M_max = dc.masked_max_m();
+    // The receive side's bound (src/comm/gpu_dispatcher_base.hpp): each of N * T_max tokens at most
+    // min(K, L) rows here, plus each expert block's padding.
+    R_max = normal ? static_cast<std::int64_t>(ranks) * T_max * std::min(K, L) + L * 127 : L * M_max;
+  }
+  h = DeviceTensor(DType::bf16, {R_max, 2 * I});
+  a2 = DeviceTensor(DType::fp8_e4m3, {R_max, I});
+  a2_scales = DeviceTensor(DType::f32, {R_max, I / 128});
+  expert_out = DeviceTensor(DType::bf16, {R_max, H});
+  y_routed = DeviceTensor(DType::bf16, {T_max, H});
+  if (!normal) {
+    x_static = DeviceTensor(DType::bf16, {T_max, H});
+    y_static = DeviceTensor(DType::bf16, {T_max, H});
+  }
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));
+}
+
+void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {
+  const TensorView dw13 = w13.view().select(local_slot), ds13 = w13_scale.view().select(local_slot);
+  const TensorView dw2 = w2.view().select(local_slot), ds2 = w2_scale.view().select(local_slot);
+  if (synthetic) {
+    // Bit-identical with the host tensors routed_expert() would build, without building them.
+    synthetic_expert_fp8(synthetic->expert_seed(logical), H, I, dw13, ds13, dw2, ds2, s0);
+  } else {
+    const ExpertWeights& e = weights->routed_expert(logical);
+    copy_to_device(dw13, e.w13, s0);
+    copy_to_device(ds13, e.w13_scale, s0);
+    copy_to_device(dw2, e.w2, s0);
+    copy_to_device(ds2, e.w2_scale, s0);
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));
+  }
+  slot_logical[static_cast<std::size_t>(local_slot)] = logical;
+}
+
+void GpuMoeLayer::Impl::load_shared() {
+  sw13 = DeviceTensor(DType::fp8_e4m3, {1, 2 * Is, H});
+  sw13_scale = DeviceTensor(DType::f32, {1, 2 * Is / 128, H / 128});
+  sw2 = DeviceTensor(DType::fp8_e4m3, {1, H, Is});
+  sw2_scale = DeviceTensor(DType::f32, {1, H / 128, Is / 128});
+  if (synthetic) {
+    synthetic_expert_fp8(synthetic->shared_seed(), H, Is, sw13.view().select(0), sw13_scale.view().select(0),
+                         sw2.view().select(0), sw2_scale.view().select(0), s0);
+  } else {
+    const ExpertWeights& e = weights->shared_expert();
+    EPMOE_CHECK(e.quant == QuantScheme::fp8, "the GPU layer's shared expert must be fp8, got {}", to_string(e.quant));
+    copy_to_device(sw13.view().select(0), e.w13, s0);
+    copy_to_device(sw13_scale.view().select(0), e.w13_scale, s0);
+    copy_to_device(sw2.view().select(0), e.w2, s0);
+    copy_to_device(sw2_scale.view().select(0), e.w2_scale, s0);
+  }
+  shared_m = DeviceTensor(DType::i32, {1});
+  shared_h = DeviceTensor(DType::bf16, {T_max, 2 * Is});
+  shared_a2 = DeviceTensor(DType::fp8_e4m3, {T_max, Is});
+  shared_a2_scales = DeviceTensor(DType::f32, {T_max, Is / 128});
+  shared_out = DeviceTensor(DType::bf16, {T_max, H});
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));
+}
+
+int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
+  EPMOE_CHECK(p.num_logical() == E && p.num_physical() == P && p.num_ranks() == ranks,
+              "placement must have {} logical experts, {} slots and {} ranks, got {}, {} and {}", E, P, ranks,
+              p.num_logical(), p.num_physical(), p.num_ranks());
+  int rewritten = 0;
+  for (int s = 0; s < L; ++s) {
+    const int logical = p.phy2log()[static_cast<std::size_t>(rank * L + s)];
+    if (slot_logical[static_cast<std::size_t>(s)] != logical) {
+      load_slot(s, logical);
+      ++rewritten;
+    }
+  }
+  // The tables in place, padded to the fixed width with -1.
+  const std::int64_t width = P - E + 1;
+  std::vector<std::int32_t> table(static_cast<std::size_t>(E * width), -1);
+  for (int e = 0; e < E; ++e)
+    for (int r = 0; r < p.max_replicas(); ++r)
+      table[static_cast<std::size_t>(e * width + r)] = p.log2phy()[static_cast<std::size_t>(e * p.max_replicas() + r)];
+  std::vector<std::int32_t> counts = p.logcnt();
+  copy_to_device(log2phy, TensorView::contiguous(table.data(), DType::i32, {E, width}), s0);
+  copy_to_device(logcnt, TensorView::contiguous(counts.data(), DType::i32, {E}), s0);
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));  // the host tables go away
+  placement = p;
+  return rewritten;
+}
+
+void GpuMoeLayer::Impl::shared_forward(std::int64_t T, cudaStream_t ss) {
+  // One group of T rows through the masked grouped GEMM (masked_m written in the stream order, so a
+  // captured graph carries it).
+  const TensorView a = reshape(q.view(), {1, T, H}), as = reshape(q_scales.view(), {1, T, H / 128});
+  const TensorView hh = reshape(shared_h.view(), {1, T, 2 * Is});
+  const TensorView a2v = reshape(shared_a2.view(), {1, T, Is}), a2s = reshape(shared_a2_scales.view(), {1, T, Is / 128});
+  layer_detail::fill_i32(shared_m, static_cast<std::int32_t>(T), ss);
+  fp8_grouped_gemm_masked(a, as, ScaleLayout::token_major, sw13, sw13_scale, shared_m, T, hh, ss);
+  SiluQuantOptions so;
+  so.power_of_two = c.power_of_two_scales;
+  silu_mul_quant_masked(hh, shared_m, a2v, a2s, so, ss);
+  fp8_grouped_gemm_masked(a2v, a2s, ScaleLayout::token_major, sw2, sw2_scale, shared_m, T,
+                          reshape(shared_out.view(), {1, T, H}), ss);
+}
+
+DispatchOutput GpuMoeLayer::Impl::dispatch(std::int64_t T) {
+  DispatchOutput d;
+  if (!dispatcher) {
+    const PermuteInput in{rows_of(q, T), rows_of(q_scales, T), rows_of(physical_ids, T)};
+    d.format = ActivationFormat::fp8_group;
+    d.num_local_experts = L;
+    d.num_recv_tokens = T;
+    if (o.mode == Mode::normal) {
+      const ContiguousLayout out{perm_rows,      perm_scales,       perm_m_indices, perm_row_src,
+                                 rows_of(perm_src_row, T), perm_offsets, perm_counts};
+      permute_contiguous(in, out, perm_workspace, s0);
+      d.layout = Layout::contiguous;
+      d.rows = perm_rows;
+      d.scales = perm_scales;
+      d.m_indices = perm_m_indices;
+    } else {
+      const MaskedLayout out{reshape(perm_rows.view(), {L, M_max, H}), reshape(perm_scales.view(), {L, M_max, H / 128}),
+                             perm_counts, reshape(perm_row_src.view(), {L, M_max}), rows_of(perm_src_row, T)};
+      permute_masked(in, out, perm_workspace, s0);
+      d.layout = Layout::masked;
+      d.rows = out.rows;
+      d.scales = out.scales;
+      d.masked_m = perm_counts;
+      d.expected_m = std::max<std::int64_t>(1, (T * K + L - 1) / L);
+    }
+    return d;
+  }
+  const DispatchInput in{rows_of(q, T), rows_of(q_scales, T), 1.0f, rows_of(physical_ids, T), rows_of(topk_weights, T)};
+  if (ll) {
+    ll->dispatch_send(in);
+    ll->dispatch_recv(d);
+  } else {
+    std::span<DispatchOutput> outs(&d, 1);
+    dispatcher->dispatch(std::span<const DispatchInput>(&in, 1), outs);
+  }
+  return d;
+}
+
+void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d) {
+  SiluQuantOptions so;
+  so.power_of_two = c.power_of_two_scales;
+  if (d.layout == Layout::contiguous) {
+    const std::int64_t M = d.rows.size(0);
+    EPMOE_CHECK(M <= R_max, "internal: {} contiguous rows exceed the runner's {}", M, R_max);
+    if (M == 0) return;
+    fp8_grouped_gemm_contiguous(d.rows, d.scales, ScaleLayout::token_major, w13, w13_scale, d.m_indices,
+                                rows_of(h, M), s0);
+    silu_mul_quant_contiguous(rows_of(h, M), d.m_indices, rows_of(a2, M), rows_of(a2_scales, M), so, s0);
+    fp8_grouped_gemm_contiguous(rows_of(a2, M), rows_of(a2_scales, M), ScaleLayout::token_major, w2, w2_scale,
+                                d.m_indices, rows_of(expert_out, M), s0);
+  } else {
+    EPMOE_CHECK(d.layout == Layout::masked, "internal: the runner takes contiguous or masked layouts");
+    const std::int64_t G = d.rows.size(0), M = d.rows.size(1);
+    EPMOE_CHECK(G == L && G * M <= R_max, "internal: masked layout [{}, {}] exceeds the runner's buffers", G, M);
+    const TensorView hh = reshape(h.view(), {G, M, 2 * I});
+    const TensorView a2v = reshape(a2.view(), {G, M, I}), a2s = reshape(a2_scales.view(), {G, M, I / 128});
+    fp8_grouped_gemm_masked(d.rows, d.scales, ScaleLayout::token_major, w13, w13_scale, d.masked_m, d.expected_m, hh,
+                            s0);
+    silu_mul_quant_masked(hh, d.masked_m, a2v, a2s, so, s0);
+    fp8_grouped_gemm_masked(a2v, a2s, ScaleLayout::token_major, w2, w2_scale, d.masked_m, d.expected_m,
+                            reshape(expert_out.view(), {G, M, H}), s0);
+  }
+}
+
+void GpuMoeLayer::Impl::combine(const DispatchOutput& d, std::int64_t T, TensorView y) {
+  if (!dispatcher) {
+    gather_weighted(rows_of(expert_out, d.num_output_rows()), rows_of(perm_src_row, T), rows_of(topk_weights, T), y, s0);
+    return;
+  }
+  const TensorView out = rows_of(expert_out, d.num_output_rows());
+  if (ll) {
+    ll->combine_send(out);
+    ll->combine_recv(y);
+  } else {
+    dispatcher->combine(std::span<const TensorView>(&out, 1), std::span<const TensorView>(&y, 1));
+  }
+}
+
+void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
+  expect_rank(x, 2, "x");
+  const std::int64_t T = x.size(0);
+  expect_shape(x, {T, H}, "x");
+  expect_dtype(x, DType::bf16, "x");
+  expect_device(x, Device::cuda, "x");
+  expect_contiguous(x, "x");
+  expect_shape(y, {T, H}, "y");
+  expect_dtype(y, DType::bf16, "y");
+  expect_device(y, Device::cuda, "y");
+  expect_contiguous(y, "y");
+  EPMOE_CHECK(T <= T_max, "x has {} tokens, more than the layer's buffers hold (max_tokens = {})", T, T_max);
+  last_T = T;
+  const bool timed = o.timing && !capturing;
+  auto mark = [&](int id, cudaStream_t s) {
+    if (timed) events[static_cast<std::size_t>(id)].record(s);
+  };
+  if (T == 0 && !dispatcher) return;
+
+  mark(kStart, s0);
+  gate->run(x, gate_weight, rows_of(logits, T), s0);
+  route(c, rows_of(logits, T), correction_bias, rows_of(topk_ids, T), rows_of(topk_weights, T), s0);
+  const PlacementView pv{log2phy, logcnt, ranks, L};
+  map_to_physical(pv, rows_of(topk_ids, T), rows_of(physical_ids, T), rank, c.dispatch_algorithm, s0, 0,
+                  expert_counts);
+  quantize_per_token_group_fp8(x, rows_of(q, T), rows_of(q_scales, T), s0, ScaleLayout::token_major,
+                               c.power_of_two_scales);
+  mark(kRouted, s0);
+
+  // The shared expert: forked onto s1 (overlapped with dispatch and the routed experts), or inline.
+  const bool shared = c.num_shared_experts > 0 && T > 0;
+  if (shared) {
+    cudaStream_t ss = s0;
+    if (o.overlap_shared) {
+      ss = s1.get();
+      fork.record(s0);
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(ss, fork, 0));
+    }
+    mark(kNumEvents, ss);
+    shared_forward(T, ss);
+    mark(kNumEvents + 1, ss);
+    if (o.overlap_shared) join.record(ss);
+  }
+
+  const DispatchOutput d = dispatch(T);
+  mark(kDispatched, s0);
+  run_experts(d);
+  mark(kComputed, s0);
+  if (shared) {
+    combine(d, T, rows_of(y_routed, T));
+    if (o.overlap_shared) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, join, 0));
+    layer_detail::add_bf16(rows_of(y_routed, T), rows_of(shared_out, T), y, s0);
+  } else {
+    combine(d, T, y);
+  }
+  mark(kCombined, s0);
+
+  if (timed) {
+    events[kCombined].synchronize();
+    auto ms = [&](int a, int b) {
+      return static_cast<double>(Event::elapsed_ms(events[static_cast<std::size_t>(a)], events[static_cast<std::size_t>(b)]));
+    };
+    times.route += ms(kStart, kRouted);
+    times.dispatch += ms(kRouted, kDispatched);
+    times.gemm += ms(kDispatched, kComputed);
+    times.combine += ms(kComputed, kCombined);
+    times.total += ms(kStart, kCombined);
+    if (shared) times.shared += ms(kNumEvents, kNumEvents + 1);
+    ++times.forwards;
+  }
+}
+
+std::size_t GpuMoeLayer::Impl::comm_layout_bytes() const {
+  std::size_t bytes = 0;
+  for (const DeviceTensor* t : {&logits, &topk_ids, &topk_weights, &physical_ids, &expert_counts, &q, &q_scales, &log2phy,
+                                &logcnt, &perm_workspace, &perm_rows, &perm_scales, &perm_m_indices, &perm_row_src,
+                                &perm_src_row, &perm_offsets, &perm_counts})
+    bytes += t->nbytes();
+  if (ll) bytes += ll->window_bytes();
+  return bytes;
+}
+
+std::size_t GpuMoeLayer::Impl::device_bytes() const {
+  std::size_t bytes = comm_layout_bytes();
+  for (const DeviceTensor* t : {&gate_weight, &correction_bias, &w13, &w13_scale, &w2, &w2_scale, &sw13, &sw13_scale, &sw2,
+                                &sw2_scale, &shared_m, &shared_h, &shared_a2, &shared_a2_scales, &shared_out, &h, &a2,
+                                &a2_scales, &expert_out, &y_routed, &x_static, &y_static})
+    bytes += t->nbytes();
+  return bytes;
+}
+
+// ---------------------------------------------------------------- GpuMoeLayer
+
+GpuMoeLayer::GpuMoeLayer(std::shared_ptr<const ModelWeights> weights, GpuLayerOptions options,
+                         std::shared_ptr<Communicator> comm)
+    : impl_(std::make_unique<Impl>(std::move(weights), std::move(options), std::move(comm))) {}
+
+GpuMoeLayer::~GpuMoeLayer() = default;
+
+const MoeConfig& GpuMoeLayer::config() const { return impl_->c; }
+const GpuLayerOptions& GpuMoeLayer::options() const { return impl_->o; }
+int GpuMoeLayer::rank() const { return impl_->rank; }
+int GpuMoeLayer::num_ranks() const { return impl_->ranks; }
+std::int64_t GpuMoeLayer::max_tokens() const { return impl_->T_max; }
+cudaStream_t GpuMoeLayer::stream() const { return impl_->s0; }
+const GpuPhaseTimes& GpuMoeLayer::times() const { return impl_->times; }
+void GpuMoeLayer::reset_times() { impl_->times = GpuPhaseTimes{}; }
+void GpuMoeLayer::set_timing(bool on) { impl_->o.timing = on; }
+std::size_t GpuMoeLayer::device_bytes() const { return impl_->device_bytes(); }
+std::size_t GpuMoeLayer::comm_layout_bytes() const { return impl_->comm_layout_bytes(); }
+const ExpertPlacement& GpuMoeLayer::placement() const { return impl_->placement; }
+std::size_t GpuMoeLayer::graphs_captured() const { return impl_->graphs.size(); }
+
+TensorView GpuMoeLayer::last_logits() const { return rows_of(impl_->logits, impl_->last_T); }
+
+void GpuMoeLayer::forward(TensorView x, TensorView y) { impl_->forward(x, y); }
+
+void GpuMoeLayer::capture_graphs(std::span<const std::int64_t> batch_sizes) {
+  Impl& m = *impl_;
+  EPMOE_CHECK(m.o.mode == Mode::low_latency, "CUDA graphs serve the low-latency mode (normal mode syncs the host)");
+  for (const std::int64_t T : batch_sizes) {
+    EPMOE_CHECK(T >= 0 && T <= m.T_max, "graph batch size {} must be in [0, {}]", T, m.T_max);
+    if (m.graphs.count(T)) continue;
+    cudaGraph_t graph = nullptr;
+    m.capturing = true;
+    EPMOE_CUDA_CHECK(cudaStreamBeginCapture(m.s0, cudaStreamCaptureModeThreadLocal));
+    try {
+      m.forward(rows_of(m.x_static, T), rows_of(m.y_static, T));
+    } catch (...) {
+      cudaStreamEndCapture(m.s0, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      m.capturing = false;
+      throw;
+    }
+    EPMOE_CUDA_CHECK(cudaStreamEndCapture(m.s0, &graph));
+    m.capturing = false;
+    m.graphs.emplace(T, std::make_unique<GraphExec>(graph));
+  }
+}
+
+void GpuMoeLayer::forward_graph(TensorView x, TensorView y) {
+  Impl& m = *impl_;
+  expect_rank(x, 2, "x");
+  const std::int64_t T = x.size(0);
+  expect_shape(x, {T, m.H}, "x");
+  expect_dtype(x, DType::bf16, "x");
+  expect_device(x, Device::cuda, "x");
+  expect_contiguous(x, "x");
+  expect_shape(y, {T, m.H}, "y");
+  expect_dtype(y, DType::bf16, "y");
+  expect_device(y, Device::cuda, "y");
+  expect_contiguous(y, "y");
+  EPMOE_CHECK(T <= m.T_max, "x has {} tokens, more than the layer's buffers hold (max_tokens = {})", T, m.T_max);
+  const std::int64_t sizes[] = {T};
+  capture_graphs(sizes);
+  if (x.data != m.x_static.view().data)
+    EPMOE_CUDA_CHECK(cudaMemcpyAsync(m.x_static.view().data, x.data, x.nbytes(), cudaMemcpyDeviceToDevice, m.s0));
+  m.graphs.at(T)->launch(m.s0);
+  m.last_T = T;
+  if (y.data != m.y_static.view().data)
+    EPMOE_CUDA_CHECK(cudaMemcpyAsync(y.data, m.y_static.view().data, y.nbytes(), cudaMemcpyDeviceToDevice, m.s0));
+}
+
+std::vector<std::int64_t> GpuMoeLayer::expert_load() {
+  Impl& m = *impl_;
+  DeviceTensor sum(DType::i64, {m.E});
+  if (m.comm && m.ranks > 1) {
+    EPMOE_CHECK(ncclAllReduce(m.expert_counts.data<std::int64_t>(), sum.data<std::int64_t>(), static_cast<std::size_t>(m.E),
+                              ncclInt64, ncclSum, m.comm->nccl(), m.s0) == ncclSuccess,
+                "expert_load: ncclAllReduce of the expert counters failed");
+  } else {
+    EPMOE_CUDA_CHECK(cudaMemcpyAsync(sum.data<std::int64_t>(), m.expert_counts.data<std::int64_t>(), sum.nbytes(),
+                                     cudaMemcpyDeviceToDevice, m.s0));
+  }
+  HostTensor host = to_host(sum, m.s0);
+  return std::vector<std::int64_t>(host.data<std::int64_t>(), host.data<std::int64_t>() + m.E);
+}
+
+int GpuMoeLayer::rebalance(int nodes) {
+  Impl& m = *impl_;
+  const std::vector<std::int64_t> load = expert_load();
+  std::vector<std::vector<double>> l(1, std::vector<double>(load.begin(), load.end()));
+  const RebalanceResult result = rebalance_experts(l, m.P, m.c.num_groups, nodes, m.ranks);
+  const int rewritten = m.install_placement(placement_from(result, 0, m.ranks));
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(m.expert_counts.data<std::int64_t>(), 0, m.expert_counts.nbytes(), m.s0));
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(m.s0));
+  return rewritten;
+}
+
+int GpuMoeLayer::set_placement(const ExpertPlacement& placement) { return impl_->install_placement(placement); }
+
+}  // namespace epmoe::cuda

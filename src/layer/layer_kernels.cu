@@ -1,0 +1,55 @@
+#include "cuda/ptx.cuh"
+#include "epmoe/cuda/launch.hpp"
+#include "layer/layer_kernels.hpp"
+
+namespace epmoe::layer_detail {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ std::uint32_t add_bf16x2(std::uint32_t a, std::uint32_t b) {
+  const float2 fa = ptx::bf16x2_to_float2(a), fb = ptx::bf16x2_to_float2(b);
+  const __nv_bfloat162 r = __floats2bfloat162_rn(__fadd_rn(fa.x, fb.x), __fadd_rn(fa.y, fb.y));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    add_bf16_kernel(const uint4* __restrict__ a, const uint4* __restrict__ b, uint4* y, std::uint64_t vectors) {
+  for (std::uint64_t i = blockIdx.x * static_cast<std::uint64_t>(kThreads) + threadIdx.x; i < vectors;
+       i += static_cast<std::uint64_t>(gridDim.x) * kThreads) {
+    const uint4 va = a[i], vb = b[i];
+    y[i] = make_uint4(add_bf16x2(va.x, vb.x), add_bf16x2(va.y, vb.y), add_bf16x2(va.z, vb.z), add_bf16x2(va.w, vb.w));
+  }
+}
+
+__global__ void fill_i32_kernel(std::int32_t* dst, std::int32_t value) { *dst = value; }
+
+}  // namespace
+
+void add_bf16(TensorView a, TensorView b, TensorView y, cudaStream_t stream) {
+  for (const auto& [t, name] : {std::pair{a, "a"}, {b, "b"}, {y, "y"}}) {
+    expect_dtype(t, DType::bf16, name);
+    expect_device(t, Device::cuda, name);
+    expect_contiguous(t, name);
+    EPMOE_CHECK(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, "{} must be 16-byte aligned", name);
+  }
+  EPMOE_CHECK(a.numel() == b.numel() && a.numel() == y.numel(), "add_bf16: a, b and y must have equal sizes, got {}, {}, {}",
+              a.numel(), b.numel(), y.numel());
+  EPMOE_CHECK(a.numel() % 8 == 0, "add_bf16: the element count must be a multiple of 8, got {}", a.numel());
+  const std::uint64_t vectors = static_cast<std::uint64_t>(a.numel()) / 8;
+  if (vectors == 0) return;
+  const int sms = cuda::device_props().sm_count;
+  const auto blocks = static_cast<unsigned>(std::min<std::uint64_t>((vectors + kThreads - 1) / kThreads, 8ull * sms));
+  add_bf16_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint4*>(a.data), static_cast<const uint4*>(b.data),
+                                                   static_cast<uint4*>(y.data), vectors);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void fill_i32(TensorView dst, std::int32_t value, cudaStream_t stream) {
+  expect_dtype(dst, DType::i32, "dst");
+  expect_device(dst, Device::cuda, "dst");
+  fill_i32_kernel<<<1, 1, 0, stream>>>(dst.as<std::int32_t>(), value);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace epmoe::layer_detail

@@ -1,0 +1,19 @@
+// Small kernels of the GPU layer (src/layer/gpu_layer.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "epmoe/tensor.hpp"
+
+namespace epmoe::layer_detail {
+
+// y = bf16(f32(a) + f32(b)) element-wise (the CPU layer's shared-expert add); bf16 tensors of equal
+// numel (a multiple of 8), 16-byte aligned. y may alias a.
+void add_bf16(TensorView a, TensorView b, TensorView y, cudaStream_t stream);
+
+// dst[0] = value (i32 on the device): a constant that a captured graph re-writes on every replay.
+void fill_i32(TensorView dst, std::int32_t value, cudaStream_t stream);
+
+}  // namespace epmoe::layer_detail

@@ -1,0 +1,192 @@
+// The GPU layer on one GPU against the CPU reference (mirror numerics, routed from the GPU's gate
+// logits), eager against graph replay, and before against after a rebalance; the synthetic GPU
+// weights against the CPU's, and the gate GEMM against the CPU's.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/gate.hpp"
+#include "epmoe/cuda/layer.hpp"
+#include "epmoe/cuda/synthetic.hpp"
+#include "epmoe/layer.hpp"
+#include "epmoe/router.hpp"
+#include "gpu_test_util.hpp"
+
+namespace epmoe {
+namespace {
+
+using cuda::DeviceTensor;
+using testing::bits_equal;
+
+MoeConfig one_rank(std::string_view preset, int redundant = 0, int max_tokens = 32) {
+  MoeConfig c = MoeConfig::preset(preset);
+  c.num_ranks = 1;
+  c.num_redundant_experts = redundant;
+  c.max_tokens_per_rank = max_tokens;
+  c.validate();
+  return c;
+}
+
+std::shared_ptr<SyntheticWeights> gpu_synthetic(const MoeConfig& c, std::uint64_t seed) {
+  auto w = std::make_shared<SyntheticWeights>(c, seed);
+  w->set_expert_factory(cuda::gpu_expert_factory(0));
+  return w;
+}
+
+template <class T>
+::testing::AssertionResult same_bits(const HostTensor& got, const HostTensor& want, const char* what) {
+  if (got.numel() != want.numel()) return ::testing::AssertionFailure() << what << ": sizes differ";
+  return bits_equal(got.data<T>(), want.data<T>(), got.numel(),
+                    [&](std::int64_t i) { return std::string(what) + " element " + std::to_string(i); });
+}
+
+TEST(SyntheticGpu, Fp8ExpertBitIdenticalWithCpu) {
+  EPMOE_REQUIRE_GPU();
+  const std::pair<std::int64_t, std::int64_t> dims[] = {{256, 128}, {7168, 2048}};
+  for (const auto& [H, I] : dims) {
+    SCOPED_TRACE(::testing::Message() << "H=" << H << " I=" << I);
+    const std::uint64_t seed = 0x1234 + static_cast<std::uint64_t>(H);
+    const auto cpu = make_synthetic_expert(QuantScheme::fp8, H, I, seed);
+    const auto gpu = cuda::gpu_expert_factory(0)(QuantScheme::fp8, H, I, seed);
+    EXPECT_TRUE(same_bits<std::uint8_t>(gpu->w13, cpu->w13, "w13"));
+    EXPECT_TRUE(same_bits<float>(gpu->w13_scale, cpu->w13_scale, "w13_scale"));
+    EXPECT_TRUE(same_bits<std::uint8_t>(gpu->w2, cpu->w2, "w2"));
+    EXPECT_TRUE(same_bits<float>(gpu->w2_scale, cpu->w2_scale, "w2_scale"));
+  }
+}
+
+TEST(GateGemmGpu, MatchesCpuToF32Rounding) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = one_rank("deepseek-v3");
+  SyntheticWeights w(c, 7);
+  const std::int64_t T = 37;
+  const HostTensor x = synthetic_tokens(c, 11, 0, T);
+  HostTensor want(DType::f32, {T, c.num_experts});
+  router_logits_cpu(x, w.gate_weight(), want);
+  cuda::Stream stream;
+  DeviceTensor dx = cuda::to_device(x, stream), dg = cuda::to_device(w.gate_weight(), stream);
+  DeviceTensor dl(DType::f32, {T, c.num_experts});
+  dl.fill_bytes(0xff, stream);
+  cuda::GateGemm gate;
+  gate.run(dx, dg, dl, stream);
+  const HostTensor got = cuda::to_host(dl, stream);
+  const ErrorReport r = compare(got, want);
+  EXPECT_EQ(r.non_finite, 0);
+  EXPECT_LE(r.rel_l2, 1e-5);  // 7168-term f32 sums in another order; the products are exact
+  testing::expect_error_mentions([&] { gate.run(dx, dg, dx, stream); }, "logits");
+}
+
+struct Forward {
+  HostTensor y, logits;
+};
+
+Forward run_gpu(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph) {
+  cudaStream_t s = layer.stream();
+  DeviceTensor dx = cuda::to_device(x, s);
+  DeviceTensor dy(DType::bf16, {x.size(0), x.size(1)});
+  dy.fill_bytes(0xff, s);  // NaN: every element must be written
+  if (graph) {
+    layer.forward_graph(dx, dy);
+  } else {
+    layer.forward(dx, dy);
+  }
+  Forward f;
+  f.y = cuda::to_host(dy, s);
+  f.logits = cuda::to_host(layer.last_logits(), s);
+  return f;
+}
+
+void expect_matches_reference(const ModelWeights& w, const HostTensor& x, const Forward& f) {
+  HostTensor ref(DType::bf16, {x.size(0), x.size(1)});
+  reference_forward(w, x, f.logits, ref, Numerics::mirror);
+  const ErrorReport r = compare(f.y, ref);
+  EXPECT_EQ(r.non_finite, 0);
+  EXPECT_LE(r.rel_l2, 1e-2);
+  EXPECT_LE(r.calc_diff, 1e-3);
+}
+
+struct LayerCase {
+  const char* preset;
+  Mode mode;
+  std::int64_t tokens;
+  int redundant;
+};
+
+class GpuLayerOneRank : public ::testing::TestWithParam<LayerCase> {};
+
+TEST_P(GpuLayerOneRank, MatchesReferenceEagerAndGraph) {
+  EPMOE_REQUIRE_GPU();
+  const LayerCase p = GetParam();
+  const MoeConfig c = one_rank(p.preset, p.redundant);
+  auto w = gpu_synthetic(c, 3);
+  cuda::GpuLayerOptions o;
+  o.mode = p.mode;
+  o.max_tokens = p.mode == Mode::normal ? std::max<std::int64_t>(p.tokens, 1) : 0;
+  cuda::GpuMoeLayer layer(w, o);
+  const HostTensor x = synthetic_tokens(c, 5, 0, p.tokens);
+  const Forward eager = run_gpu(layer, x, false);
+  expect_matches_reference(*w, x, eager);
+  // Repeats reuse the buffers; graph replays give the same bits.
+  EXPECT_TRUE(same_bits<bf16>(run_gpu(layer, x, false).y, eager.y, "eager repeat"));
+  if (p.mode == Mode::low_latency) {
+    EXPECT_TRUE(same_bits<bf16>(run_gpu(layer, x, true).y, eager.y, "graph"));
+    EXPECT_TRUE(same_bits<bf16>(run_gpu(layer, x, true).y, eager.y, "graph replay"));
+    EXPECT_EQ(layer.graphs_captured(), 1u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuLayerOneRank,
+                         ::testing::Values(LayerCase{"tiny", Mode::low_latency, 1, 0},
+                                           LayerCase{"tiny", Mode::low_latency, 32, 0},
+                                           LayerCase{"tiny", Mode::low_latency, 19, 4},
+                                           LayerCase{"tiny", Mode::normal, 100, 0},
+                                           LayerCase{"tiny", Mode::normal, 7, 4},
+                                           LayerCase{"deepseek-v3", Mode::low_latency, 4, 0},
+                                           LayerCase{"deepseek-v3", Mode::normal, 6, 32}),
+                         [](const auto& case_info) {
+                           return std::string(case_info.param.preset[0] == 't' ? "tiny" : "dsv3") + "_" +
+                                  (case_info.param.mode == Mode::normal ? "normal" : "ll") + "_T" +
+                                  std::to_string(case_info.param.tokens) + "_R" + std::to_string(case_info.param.redundant);
+                         });
+
+TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = one_rank("tiny", 4);
+  auto w = gpu_synthetic(c, 9);
+  cuda::GpuMoeLayer layer(w, {});
+  const HostTensor x = synthetic_tokens(c, 21, 0, 32);
+  const Forward before = run_gpu(layer, x, true);
+  for (int i = 0; i < 3; ++i) run_gpu(layer, x, true);
+  const std::vector<std::int64_t> load = layer.expert_load();
+  std::int64_t total = 0;
+  for (std::int64_t v : load) total += v;
+  EXPECT_EQ(total, 4 * 32 * c.topk);  // every (token, k) of four forwards counted once
+  const int rewritten = layer.rebalance();
+  EXPECT_GT(rewritten, 0);
+  for (std::int64_t v : layer.expert_load()) EXPECT_EQ(v, 0);
+  // The captured graph stays valid (slots rewritten in place) and gives the same bits.
+  EXPECT_TRUE(same_bits<bf16>(run_gpu(layer, x, true).y, before.y, "graph after rebalance"));
+  EXPECT_TRUE(same_bits<bf16>(run_gpu(layer, x, false).y, before.y, "eager after rebalance"));
+}
+
+TEST(GpuLayer, RefusesBadInput) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = one_rank("tiny");
+  auto w = gpu_synthetic(c, 1);
+  cuda::GpuMoeLayer layer(w, {});
+  DeviceTensor x(DType::bf16, {33, c.hidden}), y(DType::bf16, {33, c.hidden});
+  testing::expect_error_mentions([&] { layer.forward(x, y); }, "max_tokens");
+  DeviceTensor xf(DType::f32, {4, c.hidden});
+  testing::expect_error_mentions([&] { layer.forward(xf, y.view().slice_rows(0, 4)); }, "x");
+  MoeConfig q = c;
+  q.quant = QuantScheme::w4a8;
+  testing::expect_error_mentions([&] { cuda::GpuMoeLayer bad(std::make_shared<SyntheticWeights>(q, 1), {}); }, "w4a8");
+  cuda::GpuLayerOptions big;
+  big.max_tokens = 64;
+  testing::expect_error_mentions([&] { cuda::GpuMoeLayer bad(w, big); }, "max_tokens_per_rank");
+}
+
+}  // namespace
+}  // namespace epmoe

@@ -1,0 +1,29 @@
+// `epmoe run`: options shared by the CPU simulation (cmd_run.cpp) and the GPU run (run_gpu.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "tools/epmoe/options.hpp"
+
+namespace epmoe::tools {
+
+struct RunOptions {
+  ModelOptions model;
+  int steps = -1;               // decode steps; -1: 32 on the CPU, 1000 on GPUs
+  std::int64_t tokens = -1;     // decode tokens per rank; -1: CPU min(32, max_tokens_per_rank), GPU concurrency / ranks
+  std::int64_t concurrency = 128;  // GPU: decode requests over all ranks (the seed's benchmark)
+  std::int64_t prompt_tokens = 1000;
+  std::int64_t prompts = -1;    // GPU: prompts per rank; -1: concurrency / ranks
+  std::int64_t chunk = -1;      // prefill chunk per rank; -1: CPU 256, GPU 4096
+  std::string mode = "auto", json;
+  double tolerance = 1e-2;
+  bool graphs = true;           // GPU: decode through CUDA graphs
+  std::int64_t check_tokens = 4;  // GPU: tokens per rank and phase checked against the CPU reference
+};
+
+// The GPU run: one process per GPU (re-executes itself under the launcher when several GPUs and no
+// launcher environment), the seed's decode and prefill phases, results on rank 0.
+void run_gpu_main(const RunOptions& options);
+
+}  // namespace epmoe::tools

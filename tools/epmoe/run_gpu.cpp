@@ -1,0 +1,336 @@
+// `epmoe run` on GPUs: the seed's benchmark at the layer. One process per GPU (the command re-executes
+// itself under the launcher when it finds several GPUs and no launcher environment), DeepSeek-V3-class
+// synthetic weights generated on the device, a decode phase (low-latency mode, CUDA graphs) and a
+// prefill phase (normal mode, chunked prompts), each checked against the CPU reference on a sample.
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <memory>
+
+#include "epmoe/comm.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/layer.hpp"
+#include "epmoe/cuda/runtime.hpp"
+#include "epmoe/cuda/synthetic.hpp"
+#include "epmoe/launch.hpp"
+#include "epmoe/layer.hpp"
+#include "tools/epmoe/check_util.hpp"
+#include "tools/epmoe/commands.hpp"
+#include "tools/epmoe/run.hpp"
+
+namespace epmoe::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+const Clock::time_point g_process_start = Clock::now();  // static initialisation: the process start
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string self_executable() {
+  char buf[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  EPMOE_CHECK(n > 0, "cannot find this program's path (/proc/self/exe)");
+  return std::string(buf, static_cast<std::size_t>(n));
+}
+
+// One rank's results for one phase, as a flat array of doubles (all-gathered over the ranks).
+struct PhaseStats {
+  double seconds = 0, forwards = 0, tokens = 0;
+  double route = 0, dispatch = 0, gemm = 0, combine = 0, shared = 0, total = 0;  // ms per eager forward
+  double rel_l2 = 0, calc_diff = 0, non_finite = 0, checked = 0, pass = 1, first_forward_s = 0;
+  static constexpr int kFields = 15;
+  std::array<double, kFields> pack() const {
+    return {seconds, forwards, tokens, route, dispatch, gemm, combine, shared, total, rel_l2, calc_diff, non_finite,
+            checked, pass, first_forward_s};
+  }
+  static PhaseStats unpack(const double* v) {
+    PhaseStats s;
+    double* fields[kFields] = {&s.seconds,  &s.forwards, &s.tokens,    &s.route,      &s.dispatch,
+                               &s.gemm,     &s.combine,  &s.shared,    &s.total,      &s.rel_l2,
+                               &s.calc_diff, &s.non_finite, &s.checked, &s.pass,      &s.first_forward_s};
+    for (int i = 0; i < kFields; ++i) *fields[i] = v[i];
+    return s;
+  }
+};
+
+// Every rank's stats, in rank order (collective).
+std::vector<PhaseStats> gather(const PhaseStats& mine, const std::shared_ptr<Communicator>& comm) {
+  if (!comm || comm->size() == 1) return {mine};
+  const int n = comm->size();
+  const auto packed = mine.pack();
+  cuda::DeviceTensor send(DType::f64, {PhaseStats::kFields}), recv(DType::f64, {n, PhaseStats::kFields});
+  cuda::copy_to_device(send, TensorView::contiguous(const_cast<double*>(packed.data()), DType::f64, {PhaseStats::kFields}),
+                       comm->stream());
+  EPMOE_CHECK(ncclAllGather(send.data<double>(), recv.data<double>(), PhaseStats::kFields, ncclFloat64, comm->nccl(),
+                            comm->stream()) == ncclSuccess,
+              "ncclAllGather of the run statistics failed");
+  const HostTensor all = cuda::to_host(recv, comm->stream());
+  std::vector<PhaseStats> out;
+  for (int r = 0; r < n; ++r) out.push_back(PhaseStats::unpack(all.data<double>() + r * PhaseStats::kFields));
+  return out;
+}
+
+struct PhasePlan {
+  std::string name;
+  Mode mode = Mode::low_latency;
+  std::vector<std::int64_t> tokens_per_forward;  // this rank
+  bool graphs = false;
+  std::uint64_t seed = 0;
+};
+
+PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWeights>& weights,
+                     const std::shared_ptr<Communicator>& comm, const RunOptions& o, bool first_phase) {
+  const MoeConfig& c = weights->config();
+  const int rank = comm ? comm->rank() : 0;
+  const bool root = rank == 0;
+  std::int64_t T_max = 1;
+  for (std::int64_t t : plan.tokens_per_forward) T_max = std::max(T_max, t);
+  cuda::GpuLayerOptions lo;
+  lo.mode = plan.mode;
+  lo.max_tokens = T_max;
+  cuda::GpuMoeLayer layer(weights, lo, comm);
+  cudaStream_t s = layer.stream();
+  const std::int64_t H = c.hidden;
+
+  // A pool of distinct input batches on the device (generated once, outside the timed loop).
+  constexpr int kPool = 4;
+  std::vector<HostTensor> host_x;
+  std::vector<cuda::DeviceTensor> pool;
+  for (int b = 0; b < kPool; ++b) {
+    host_x.push_back(synthetic_tokens(c, plan.seed + static_cast<std::uint64_t>(b) * 7919u, rank, T_max));
+    pool.push_back(cuda::to_device(host_x.back(), s));
+  }
+  cuda::DeviceTensor y(DType::bf16, {T_max, H});
+  auto x_rows = [&](std::size_t f, std::int64_t T) { return pool[f % kPool].view().slice_rows(0, T); };
+
+  PhaseStats st;
+  // 1. The first forward, eager, poisoned output: the accuracy sample.
+  const std::int64_t T0 = plan.tokens_per_forward.front();
+  y.fill_bytes(0xff, s);
+  layer.forward(x_rows(0, T0), y.view().slice_rows(0, T0));
+  const HostTensor y0 = cuda::to_host(y.view().slice_rows(0, T0), s);
+  const HostTensor logits0 = cuda::to_host(layer.last_logits(), s);
+  if (first_phase) st.first_forward_s = seconds_since(g_process_start);
+
+  // 2. The phase breakdown from a few eager forwards timed with CUDA events.
+  layer.set_timing(true);
+  for (std::size_t f = 0; f < 3 && f < plan.tokens_per_forward.size(); ++f) {
+    const std::int64_t T = plan.tokens_per_forward[f];
+    layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
+  }
+  layer.set_timing(false);
+  const cuda::GpuPhaseTimes& t = layer.times();
+  const double n = std::max<double>(1.0, static_cast<double>(t.forwards));
+  st.route = t.route / n;
+  st.dispatch = t.dispatch / n;
+  st.gemm = t.gemm / n;
+  st.combine = t.combine / n;
+  st.shared = t.shared / n;
+  st.total = t.total / n;
+
+  // 3. Graphs captured ahead of the timed loop (one per batch size).
+  if (plan.graphs) {
+    std::vector<std::int64_t> sizes(plan.tokens_per_forward.begin(), plan.tokens_per_forward.end());
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    layer.capture_graphs(sizes);
+    layer.forward_graph(x_rows(0, T0), y.view().slice_rows(0, T0));  // warm replay
+  }
+
+  // 4. The timed phase.
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (comm && comm->size() > 1) comm->barrier();
+  const auto start = Clock::now();
+  auto last_note = start;
+  const std::size_t forwards = plan.tokens_per_forward.size();
+  std::int64_t tokens = 0;
+  for (std::size_t f = 0; f < forwards; ++f) {
+    const std::int64_t T = plan.tokens_per_forward[f];
+    if (plan.graphs) {
+      layer.forward_graph(x_rows(f, T), y.view().slice_rows(0, T));
+    } else {
+      layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
+    }
+    tokens += T;
+    if (f % 64 == 63 || f + 1 == forwards) {
+      EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      const auto now = Clock::now();
+      if (root && (now - last_note > std::chrono::seconds(1) || f + 1 == forwards)) {
+        last_note = now;
+        const double el = std::chrono::duration<double>(now - start).count();
+        std::fprintf(stderr, "  [%s] %zu/%zu forwards, %.0f tokens/s on this rank\n", plan.name.c_str(), f + 1, forwards,
+                     el > 0 ? static_cast<double>(tokens) / el : 0.0);
+      }
+    }
+  }
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  st.seconds = seconds_since(start);
+  st.forwards = static_cast<double>(forwards);
+  st.tokens = static_cast<double>(tokens);
+
+  // 5. The accuracy check of the first forward on a sample of tokens (the CPU reference, routed from
+  // the GPU's logits).
+  const std::int64_t S = std::min(o.check_tokens, T0);
+  if (S > 0) {
+    const TensorView xs = host_x[0].view().slice_rows(0, S);
+    HostTensor ref(DType::bf16, {S, H});
+    reference_forward(*weights, xs, logits0.view().slice_rows(0, S), ref, Numerics::mirror);
+    const ErrorReport r = compare(y0.view().slice_rows(0, S), ref);
+    st.rel_l2 = r.rel_l2;
+    st.calc_diff = r.calc_diff;
+    st.non_finite = static_cast<double>(r.non_finite);
+    st.checked = static_cast<double>(S);
+    st.pass = r.within(o.tolerance) ? 1 : 0;
+  }
+  return st;
+}
+
+nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& ranks, std::int64_t ranks_n) {
+  double max_s = 0, tokens = 0, rel = 0, cd = 0, nf = 0;
+  bool pass = true;
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (const PhaseStats& r : ranks) {
+    max_s = std::max(max_s, r.seconds);
+    tokens += r.tokens;
+    rel = std::max(rel, r.rel_l2);
+    cd = std::max(cd, r.calc_diff);
+    nf += r.non_finite;
+    pass = pass && r.pass > 0;
+    per_rank.push_back({{"seconds", r.seconds},
+                        {"tokens", r.tokens},
+                        {"ms_per_forward",
+                         {{"route", r.route}, {"dispatch", r.dispatch}, {"gemm", r.gemm}, {"combine", r.combine},
+                          {"shared_overlapped", r.shared}, {"total", r.total},
+                          {"idle", std::max(0.0, r.total - r.route - r.dispatch - r.gemm - r.combine)}}},
+                        {"check", {{"tokens", r.checked}, {"rel_l2", r.rel_l2}, {"calc_diff", r.calc_diff},
+                                   {"non_finite", r.non_finite}, {"pass", r.pass > 0}}}});
+  }
+  const double forwards = ranks.front().forwards;
+  return {{"mode", to_string(plan.mode)},
+          {"graphs", plan.graphs},
+          {"ranks", ranks_n},
+          {"forwards", forwards},
+          {"tokens", tokens},
+          {"seconds", max_s},
+          {"tokens_per_s", max_s > 0 ? tokens / max_s : 0.0},
+          {"ms_per_forward", forwards > 0 ? 1e3 * max_s / forwards : 0.0},
+          {"check", {{"rel_l2", rel}, {"calc_diff", cd}, {"non_finite", nf}, {"pass", pass}}},
+          {"per_rank", per_rank}};
+}
+
+void print_phase(const std::string& name, const nlohmann::json& j) {
+  std::printf("  %-8s %-11s %5.0f forwards %9.0f tokens %11.1f tokens/s %8.3f ms/forward  check rel_l2 %.2e %s\n",
+              name.c_str(), j["mode"].get<std::string>().c_str(), j["forwards"].get<double>(), j["tokens"].get<double>(),
+              j["tokens_per_s"].get<double>(), j["ms_per_forward"].get<double>(), j["check"]["rel_l2"].get<double>(),
+              j["check"]["pass"].get<bool>() ? "PASS" : "FAIL");
+  const auto& r0 = j["per_rank"][0]["ms_per_forward"];
+  std::printf("           rank 0 eager forward: route %.3f  dispatch %.3f  gemm %.3f  combine %.3f  idle %.3f  = %.3f ms"
+              " (shared expert %.3f ms, overlapped)\n",
+              r0["route"].get<double>(), r0["dispatch"].get<double>(), r0["gemm"].get<double>(),
+              r0["combine"].get<double>(), r0["idle"].get<double>(), r0["total"].get<double>(),
+              r0["shared_overlapped"].get<double>());
+}
+
+void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Communicator> comm) {
+  const int rank = comm ? comm->rank() : 0;
+  const int ranks = config.num_ranks;
+  const int device = comm ? comm->device() : 0;
+  EPMOE_CUDA_CHECK(cudaSetDevice(device));
+  const bool root = rank == 0;
+  if (root) {
+    std::printf("epmoe run: %s\n", config.describe().c_str());
+    std::printf("  device: gpu, %d rank(s), one process per GPU: %s\n", ranks, cuda::device_description(device).c_str());
+    std::fflush(stdout);
+  }
+  auto weights = std::make_shared<SyntheticWeights>(config, o.model.seed);
+  weights->set_expert_factory(cuda::gpu_expert_factory(device));
+
+  const int steps = o.steps >= 0 ? o.steps : 1000;
+  const std::int64_t decode_tokens =
+      o.tokens >= 0 ? o.tokens : std::max<std::int64_t>(1, o.concurrency / std::max(1, ranks));
+  const std::int64_t chunk = o.chunk > 0 ? o.chunk : 4096;
+  const std::int64_t prompts = o.prompts >= 0 ? o.prompts : std::max<std::int64_t>(1, o.concurrency / std::max(1, ranks));
+  EPMOE_CHECK(o.mode == "auto", "--mode: the GPU run uses low-latency mode for decode and normal mode for prefill "
+                                "(auto); got '{}'", o.mode);
+  EPMOE_CHECK(decode_tokens <= config.max_tokens_per_rank,
+              "decode tokens per rank ({}) must be <= max_tokens_per_rank ({}); raise --max-tokens-per-rank",
+              decode_tokens, config.max_tokens_per_rank);
+
+  std::vector<PhasePlan> plans;
+  if (steps > 0)
+    plans.push_back({"decode", Mode::low_latency, std::vector<std::int64_t>(static_cast<std::size_t>(steps), decode_tokens),
+                     o.graphs, o.model.seed + 1});
+  if (o.prompt_tokens > 0 && prompts > 0) {
+    PhasePlan p{"prefill", Mode::normal, {}, false, o.model.seed + 2};
+    const std::int64_t total = prompts * o.prompt_tokens;
+    for (std::int64_t done = 0; done < total; done += chunk) p.tokens_per_forward.push_back(std::min(chunk, total - done));
+    plans.push_back(std::move(p));
+  }
+  EPMOE_CHECK(!plans.empty(), "nothing to run: steps and prompt-tokens are both 0");
+
+  nlohmann::json j = {{"device", "gpu"},
+                      {"gpu", cuda::device_description(device)},
+                      {"config", config.describe()},
+                      {"preset", config.name},
+                      {"ranks", ranks},
+                      {"quant", to_string(config.quant)},
+                      {"decode_tokens_per_rank", decode_tokens},
+                      {"prefill_chunk", chunk},
+                      {"prompts_per_rank", prompts},
+                      {"prompt_tokens", o.prompt_tokens}};
+  bool pass = true;
+  std::vector<std::pair<std::string, nlohmann::json>> printed;
+  for (std::size_t i = 0; i < plans.size(); ++i) {
+    const PhaseStats mine = run_phase(plans[i], weights, comm, o, i == 0);
+    const std::vector<PhaseStats> all = gather(mine, comm);
+    nlohmann::json pj = phase_json(plans[i], all, ranks);
+    if (i == 0) pj["first_forward_s_after_start"] = all.front().first_forward_s;
+    pass = pass && pj["check"]["pass"].get<bool>();
+    j[plans[i].name] = pj;
+    printed.emplace_back(plans[i].name, pj);
+  }
+  j["pass"] = pass;
+  if (root) {
+    std::printf("results:\n");
+    for (const auto& [name, pj] : printed) print_phase(name, pj);
+    if (j.contains("decode")) std::printf("  first forward done %.2f s after start-up\n", j["decode"]["first_forward_s_after_start"].get<double>());
+    std::printf("check against the CPU reference (%lld tokens per rank and phase, tolerance %.0e): %s\n",
+                static_cast<long long>(o.check_tokens), o.tolerance, pass ? "PASS" : "FAIL");
+    if (!o.json.empty()) write_text_file(o.json, j.dump(2) + "\n");
+  }
+  set_exit_code(pass ? 0 : 1);
+}
+
+}  // namespace
+
+void run_gpu_main(const RunOptions& o) {
+  const MoeConfig config = build_config(o.model, Device::cuda);
+  const int gpus = cuda::device_count();
+  const LaunchEnvironment env = LaunchEnvironment::from_env();
+  if (config.num_ranks == 1 && !env.present) {
+    run_rank(o, config, nullptr);
+    return;
+  }
+  if (!env.present) {
+    // One process per GPU: this command again under the launcher.
+    EPMOE_CHECK(config.num_ranks <= gpus, "--ranks {} needs {} GPUs, {} present", config.num_ranks, config.num_ranks,
+                gpus);
+    LaunchOptions lo;
+    lo.num_ranks = config.num_ranks;
+    lo.command = program_args();
+    lo.command.at(0) = self_executable();
+    const LaunchResult r = launch_ranks(lo);
+    set_exit_code(r.exit_code);
+    return;
+  }
+  EPMOE_CHECK(env.world_size == config.num_ranks, "the launcher started {} ranks but --ranks is {}", env.world_size,
+              config.num_ranks);
+  auto comm = Communicator::from_environment();
+  run_rank(o, config, comm);
+}
+
+}  // namespace epmoe::tools
