@@ -72,6 +72,10 @@ class SyntheticWeights final : public ModelWeights {
   // is fp8 unless the model is unquantized).
   std::uint64_t expert_seed(int logical) const;
   std::uint64_t shared_seed() const;
+  // A Zipf-like expert load for EPLB experiments: the expert of popularity rank j (a seeded
+  // permutation) gets strength * -ln(1 + j) added to its correction bias, so the router prefers the
+  // popular ones (bias changes selection only, not the weights). Call before the weights are used.
+  void skew_routing(double strength);
   // Replaces how experts not built yet are built (call before the first routed_expert()).
   void set_expert_factory(ExpertFactory factory) { factory_ = std::move(factory); }
 

@@ -73,7 +73,7 @@ struct GpuMoeLayer::Impl {
   DeviceTensor gate_weight, correction_bias;
 
   // Routing.
-  DeviceTensor logits, topk_ids, topk_weights, physical_ids, expert_counts, q, q_scales;
+  DeviceTensor logits, topk_ids, topk_weights, physical_ids, expert_counts, slot_counts, q, q_scales;
   ExpertPlacement placement;
   DeviceTensor log2phy, logcnt;  // fixed width P - E + 1 (the most replicas any placement can have)
   std::int64_t last_T = 0;
@@ -83,14 +83,21 @@ struct GpuMoeLayer::Impl {
   std::vector<int> slot_logical;
   DeviceTensor sw13, sw13_scale, sw2, sw2_scale, shared_m, shared_h, shared_a2, shared_a2_scales, shared_out;
 
-  // Dispatch: a dispatcher (N ranks) or the local permutation (one rank).
-  std::unique_ptr<Dispatcher> dispatcher;
-  LowLatencyDispatcher* ll = nullptr;  // the same object when it has send / receive halves
+  // Dispatch: a dispatcher per micro-batch (N ranks; two with two-batch overlap) or the local
+  // permutation (one rank).
+  std::unique_ptr<Dispatcher> dispatchers[2];
+  LowLatencyDispatcher* lls[2] = {nullptr, nullptr};  // the same objects when they have send / receive halves
+  Dispatcher* dispatcher = nullptr;                   // dispatchers[0]
+  bool tbo = false;
+  Stream s2;  // two-batch overlap: the compute stream
+  Event dispatched[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
+  Event computed[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
+  GroupedGemmOptions gemm_options;
   DeviceTensor perm_workspace, perm_rows, perm_scales, perm_m_indices, perm_row_src, perm_src_row, perm_offsets,
       perm_counts;
 
   // Runner workspace: GEMM1 output, GEMM2 input (+ scales), expert output; routed combine result.
-  DeviceTensor h, a2, a2_scales, expert_out, y_routed;
+  DeviceTensor h, a2, a2_scales, expert_out, expert_out2, y_routed;
 
   // Graphs.
   DeviceTensor x_static, y_static;
@@ -103,9 +110,9 @@ struct GpuMoeLayer::Impl {
   int install_placement(const ExpertPlacement& p);
   void forward(TensorView x, TensorView y);
   void shared_forward(std::int64_t T, cudaStream_t stream);
-  DispatchOutput dispatch(std::int64_t T);
-  void run_experts(const DispatchOutput& d);
-  void combine(const DispatchOutput& d, std::int64_t T, TensorView y);
+  DispatchOutput dispatch(int part, std::int64_t row0, std::int64_t T);
+  void run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t stream);
+  void combine(int part, const DispatchOutput& d, std::int64_t row0, std::int64_t T, TensorView y);
   std::size_t comm_layout_bytes() const;
   std::size_t device_bytes() const;
 };
@@ -167,7 +174,9 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   topk_weights = DeviceTensor(DType::f32, {T_max, K});
   physical_ids = DeviceTensor(DType::i32, {T_max, K});
   expert_counts = DeviceTensor(DType::i64, {E});
+  slot_counts = DeviceTensor(DType::i64, {P});
   EPMOE_CUDA_CHECK(cudaMemsetAsync(expert_counts.data<std::int64_t>(), 0, expert_counts.nbytes(), s0));
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(slot_counts.data<std::int64_t>(), 0, slot_counts.nbytes(), s0));
   q = DeviceTensor(DType::fp8_e4m3, {T_max, H});
   q_scales = DeviceTensor(DType::f32, {T_max, H / 128});
 
@@ -199,20 +208,31 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
       perm_counts = DeviceTensor(DType::i32, {L});  // masked_m
     }
   } else {
+    tbo = o.tbo && normal;
+    // With two-batch overlap each dispatcher carries one micro-batch: half the tokens.
+    const std::int64_t T_part = tbo ? (T_max + 1) / 2 : T_max;
     MoeConfig dc = c;
-    dc.max_tokens_per_rank = static_cast<int>(T_max);
+    dc.max_tokens_per_rank = static_cast<int>(T_part);
     const DispatcherContext context{dc, o.mode, ActivationFormat::fp8_group, rank, 1};
-    if (dispatcher_name == "nccl-p2p") {
-      dispatcher = make_nccl_p2p_dispatcher(context, comm);
-    } else {
-      auto d = dispatcher_name == "nvlink" ? make_nvlink_dispatcher(context, comm) : make_nvlink_ll_dispatcher(context, comm);
-      ll = d.get();
-      dispatcher = std::move(d);
+    for (int part = 0; part < (tbo ? 2 : 1); ++part) {  // collective: every rank creates them in this order
+      if (dispatcher_name == "nccl-p2p") {
+        dispatchers[part] = make_nccl_p2p_dispatcher(context, comm);
+      } else {
+        auto d = dispatcher_name == "nvlink" ? make_nvlink_dispatcher(context, comm)
+                                             : make_nvlink_ll_dispatcher(context, comm);
+        lls[part] = d.get();
+        dispatchers[part] = std::move(d);
+      }
     }
+    dispatcher = dispatchers[0].get();
     M_max = dc.masked_max_m();
-    // The receive side's bound (src/comm/gpu_dispatcher_base.hpp): each of N * T_max tokens at most
+    // The receive side's bound (src/comm/gpu_dispatcher_base.hpp): each of N * T_part tokens at most
     // min(K, L) rows here, plus each expert block's padding.
-    R_max = normal ? static_cast<std::int64_t>(ranks) * T_max * std::min(K, L) + L * 127 : L * M_max;
+    R_max = normal ? static_cast<std::int64_t>(ranks) * T_part * std::min(K, L) + L * 127 : L * M_max;
+    if (tbo) {
+      expert_out2 = DeviceTensor(DType::bf16, {R_max, H});
+      gemm_options.max_ctas = std::max(1, device_props().sm_count - std::max(0, o.tbo_comm_sms));
+    }
   }
   h = DeviceTensor(DType::bf16, {R_max, 2 * I});
   a2 = DeviceTensor(DType::fp8_e4m3, {R_max, I});
@@ -300,15 +320,15 @@ void GpuMoeLayer::Impl::shared_forward(std::int64_t T, cudaStream_t ss) {
   const TensorView hh = reshape(shared_h.view(), {1, T, 2 * Is});
   const TensorView a2v = reshape(shared_a2.view(), {1, T, Is}), a2s = reshape(shared_a2_scales.view(), {1, T, Is / 128});
   layer_detail::fill_i32(shared_m, static_cast<std::int32_t>(T), ss);
-  fp8_grouped_gemm_masked(a, as, ScaleLayout::token_major, sw13, sw13_scale, shared_m, T, hh, ss);
+  fp8_grouped_gemm_masked(a, as, ScaleLayout::token_major, sw13, sw13_scale, shared_m, T, hh, ss, gemm_options);
   SiluQuantOptions so;
   so.power_of_two = c.power_of_two_scales;
   silu_mul_quant_masked(hh, shared_m, a2v, a2s, so, ss);
   fp8_grouped_gemm_masked(a2v, a2s, ScaleLayout::token_major, sw2, sw2_scale, shared_m, T,
-                          reshape(shared_out.view(), {1, T, H}), ss);
+                          reshape(shared_out.view(), {1, T, H}), ss, gemm_options);
 }
 
-DispatchOutput GpuMoeLayer::Impl::dispatch(std::int64_t T) {
+DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int64_t T) {
   DispatchOutput d;
   if (!dispatcher) {
     const PermuteInput in{rows_of(q, T), rows_of(q_scales, T), rows_of(physical_ids, T)};
@@ -335,18 +355,19 @@ DispatchOutput GpuMoeLayer::Impl::dispatch(std::int64_t T) {
     }
     return d;
   }
-  const DispatchInput in{rows_of(q, T), rows_of(q_scales, T), 1.0f, rows_of(physical_ids, T), rows_of(topk_weights, T)};
-  if (ll) {
+  auto part_rows = [&](const DeviceTensor& t) { return t.view().slice_rows(row0, row0 + T); };
+  const DispatchInput in{part_rows(q), part_rows(q_scales), 1.0f, part_rows(physical_ids), part_rows(topk_weights)};
+  if (LowLatencyDispatcher* ll = lls[part]) {
     ll->dispatch_send(in);
     ll->dispatch_recv(d);
   } else {
     std::span<DispatchOutput> outs(&d, 1);
-    dispatcher->dispatch(std::span<const DispatchInput>(&in, 1), outs);
+    dispatchers[part]->dispatch(std::span<const DispatchInput>(&in, 1), outs);
   }
   return d;
 }
 
-void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d) {
+void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t ss) {
   SiluQuantOptions so;
   so.power_of_two = c.power_of_two_scales;
   if (d.layout == Layout::contiguous) {
@@ -354,10 +375,10 @@ void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d) {
     EPMOE_CHECK(M <= R_max, "internal: {} contiguous rows exceed the runner's {}", M, R_max);
     if (M == 0) return;
     fp8_grouped_gemm_contiguous(d.rows, d.scales, ScaleLayout::token_major, w13, w13_scale, d.m_indices,
-                                rows_of(h, M), s0);
-    silu_mul_quant_contiguous(rows_of(h, M), d.m_indices, rows_of(a2, M), rows_of(a2_scales, M), so, s0);
+                                rows_of(h, M), ss, gemm_options);
+    silu_mul_quant_contiguous(rows_of(h, M), d.m_indices, rows_of(a2, M), rows_of(a2_scales, M), so, ss);
     fp8_grouped_gemm_contiguous(rows_of(a2, M), rows_of(a2_scales, M), ScaleLayout::token_major, w2, w2_scale,
-                                d.m_indices, rows_of(expert_out, M), s0);
+                                d.m_indices, rows_of(out, M), ss, gemm_options);
   } else {
     EPMOE_CHECK(d.layout == Layout::masked, "internal: the runner takes contiguous or masked layouts");
     const std::int64_t G = d.rows.size(0), M = d.rows.size(1);
@@ -365,24 +386,26 @@ void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d) {
     const TensorView hh = reshape(h.view(), {G, M, 2 * I});
     const TensorView a2v = reshape(a2.view(), {G, M, I}), a2s = reshape(a2_scales.view(), {G, M, I / 128});
     fp8_grouped_gemm_masked(d.rows, d.scales, ScaleLayout::token_major, w13, w13_scale, d.masked_m, d.expected_m, hh,
-                            s0);
-    silu_mul_quant_masked(hh, d.masked_m, a2v, a2s, so, s0);
+                            ss, gemm_options);
+    silu_mul_quant_masked(hh, d.masked_m, a2v, a2s, so, ss);
     fp8_grouped_gemm_masked(a2v, a2s, ScaleLayout::token_major, w2, w2_scale, d.masked_m, d.expected_m,
-                            reshape(expert_out.view(), {G, M, H}), s0);
+                            reshape(out.view(), {G, M, H}), ss, gemm_options);
   }
 }
 
-void GpuMoeLayer::Impl::combine(const DispatchOutput& d, std::int64_t T, TensorView y) {
+void GpuMoeLayer::Impl::combine(int part, const DispatchOutput& d, std::int64_t row0, std::int64_t T, TensorView y) {
+  const DeviceTensor& out_buffer = part == 0 ? expert_out : expert_out2;
   if (!dispatcher) {
-    gather_weighted(rows_of(expert_out, d.num_output_rows()), rows_of(perm_src_row, T), rows_of(topk_weights, T), y, s0);
+    gather_weighted(rows_of(out_buffer, d.num_output_rows()), rows_of(perm_src_row, T), rows_of(topk_weights, T), y, s0);
     return;
   }
-  const TensorView out = rows_of(expert_out, d.num_output_rows());
-  if (ll) {
+  (void)row0;
+  const TensorView out = rows_of(out_buffer, d.num_output_rows());
+  if (LowLatencyDispatcher* ll = lls[part]) {
     ll->combine_send(out);
     ll->combine_recv(y);
   } else {
-    dispatcher->combine(std::span<const TensorView>(&out, 1), std::span<const TensorView>(&y, 1));
+    dispatchers[part]->combine(std::span<const TensorView>(&out, 1), std::span<const TensorView>(&y, 1));
   }
 }
 
@@ -411,6 +434,7 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
   const PlacementView pv{log2phy, logcnt, ranks, L};
   map_to_physical(pv, rows_of(topk_ids, T), rows_of(physical_ids, T), rank, c.dispatch_algorithm, s0, 0,
                   expert_counts);
+  layer_detail::count_ids(rows_of(physical_ids, T), slot_counts, s0);
   quantize_per_token_group_fp8(x, rows_of(q, T), rows_of(q_scales, T), s0, ScaleLayout::token_major,
                                c.power_of_two_scales);
   mark(kRouted, s0);
@@ -430,16 +454,36 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
     if (o.overlap_shared) join.record(ss);
   }
 
-  const DispatchOutput d = dispatch(T);
-  mark(kDispatched, s0);
-  run_experts(d);
-  mark(kComputed, s0);
+  const TensorView y_out = shared ? rows_of(y_routed, T) : y;
+  if (!tbo) {
+    const DispatchOutput d = dispatch(0, 0, T);
+    mark(kDispatched, s0);
+    run_experts(d, expert_out, s0);
+    mark(kComputed, s0);
+    combine(0, d, 0, T, y_out);
+  } else {
+    // Two micro-batches: B's dispatch overlaps A's GEMMs, A's combine overlaps B's GEMMs.
+    const std::int64_t T_a = (T + 1) / 2, T_b = T - T_a;
+    const DispatchOutput da = dispatch(0, 0, T_a);
+    dispatched[0].record(s0);
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s2, dispatched[0], 0));
+    run_experts(da, expert_out, s2);
+    computed[0].record(s2);
+    const DispatchOutput db = dispatch(1, T_a, T_b);
+    mark(kDispatched, s0);
+    dispatched[1].record(s0);
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s2, dispatched[1], 0));
+    run_experts(db, expert_out2, s2);
+    computed[1].record(s2);
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[0], 0));
+    combine(0, da, 0, T_a, y_out.slice_rows(0, T_a));
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[1], 0));
+    mark(kComputed, s0);
+    combine(1, db, T_a, T_b, y_out.slice_rows(T_a, T));
+  }
   if (shared) {
-    combine(d, T, rows_of(y_routed, T));
     if (o.overlap_shared) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, join, 0));
     layer_detail::add_bf16(rows_of(y_routed, T), rows_of(shared_out, T), y, s0);
-  } else {
-    combine(d, T, y);
   }
   mark(kCombined, s0);
 
@@ -448,6 +492,8 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
     auto ms = [&](int a, int b) {
       return static_cast<double>(Event::elapsed_ms(events[static_cast<std::size_t>(a)], events[static_cast<std::size_t>(b)]));
     };
+    // With two-batch overlap the phases overlap: dispatch ends with B's dispatch, gemm with B's
+    // GEMMs (A's combine inside it), combine is B's.
     times.route += ms(kStart, kRouted);
     times.dispatch += ms(kRouted, kDispatched);
     times.gemm += ms(kDispatched, kComputed);
@@ -460,11 +506,12 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
 
 std::size_t GpuMoeLayer::Impl::comm_layout_bytes() const {
   std::size_t bytes = 0;
-  for (const DeviceTensor* t : {&logits, &topk_ids, &topk_weights, &physical_ids, &expert_counts, &q, &q_scales, &log2phy,
+  for (const DeviceTensor* t : {&logits, &topk_ids, &topk_weights, &physical_ids, &expert_counts, &slot_counts, &q, &q_scales, &log2phy,
                                 &logcnt, &perm_workspace, &perm_rows, &perm_scales, &perm_m_indices, &perm_row_src,
                                 &perm_src_row, &perm_offsets, &perm_counts})
     bytes += t->nbytes();
-  if (ll) bytes += ll->window_bytes();
+  for (const LowLatencyDispatcher* ll : lls)
+    if (ll) bytes += ll->window_bytes();
   return bytes;
 }
 
@@ -472,7 +519,7 @@ std::size_t GpuMoeLayer::Impl::device_bytes() const {
   std::size_t bytes = comm_layout_bytes();
   for (const DeviceTensor* t : {&gate_weight, &correction_bias, &w13, &w13_scale, &w2, &w2_scale, &sw13, &sw13_scale, &sw2,
                                 &sw2_scale, &shared_m, &shared_h, &shared_a2, &shared_a2_scales, &shared_out, &h, &a2,
-                                &a2_scales, &expert_out, &y_routed, &x_static, &y_static})
+                                &a2_scales, &expert_out, &expert_out2, &y_routed, &x_static, &y_static})
     bytes += t->nbytes();
   return bytes;
 }
@@ -549,19 +596,33 @@ void GpuMoeLayer::forward_graph(TensorView x, TensorView y) {
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(y.data, m.y_static.view().data, y.nbytes(), cudaMemcpyDeviceToDevice, m.s0));
 }
 
-std::vector<std::int64_t> GpuMoeLayer::expert_load() {
-  Impl& m = *impl_;
-  DeviceTensor sum(DType::i64, {m.E});
-  if (m.comm && m.ranks > 1) {
-    EPMOE_CHECK(ncclAllReduce(m.expert_counts.data<std::int64_t>(), sum.data<std::int64_t>(), static_cast<std::size_t>(m.E),
-                              ncclInt64, ncclSum, m.comm->nccl(), m.s0) == ncclSuccess,
-                "expert_load: ncclAllReduce of the expert counters failed");
+namespace {
+// A device i64 counter array summed over the ranks, on the host (collective).
+std::vector<std::int64_t> sum_over_ranks(const DeviceTensor& counts, const std::shared_ptr<Communicator>& comm,
+                                         cudaStream_t stream) {
+  const std::int64_t n = counts.numel();
+  DeviceTensor sum(DType::i64, {n});
+  if (comm && comm->size() > 1) {
+    EPMOE_CHECK(ncclAllReduce(counts.data<std::int64_t>(), sum.data<std::int64_t>(), static_cast<std::size_t>(n),
+                              ncclInt64, ncclSum, comm->nccl(), stream) == ncclSuccess,
+                "ncclAllReduce of the load counters failed");
   } else {
-    EPMOE_CUDA_CHECK(cudaMemcpyAsync(sum.data<std::int64_t>(), m.expert_counts.data<std::int64_t>(), sum.nbytes(),
-                                     cudaMemcpyDeviceToDevice, m.s0));
+    EPMOE_CUDA_CHECK(cudaMemcpyAsync(sum.data<std::int64_t>(), counts.data<std::int64_t>(), sum.nbytes(),
+                                     cudaMemcpyDeviceToDevice, stream));
   }
-  HostTensor host = to_host(sum, m.s0);
-  return std::vector<std::int64_t>(host.data<std::int64_t>(), host.data<std::int64_t>() + m.E);
+  HostTensor host = to_host(sum, stream);
+  return std::vector<std::int64_t>(host.data<std::int64_t>(), host.data<std::int64_t>() + n);
+}
+}  // namespace
+
+std::vector<std::int64_t> GpuMoeLayer::expert_load() { return sum_over_ranks(impl_->expert_counts, impl_->comm, impl_->s0); }
+std::vector<std::int64_t> GpuMoeLayer::slot_load() { return sum_over_ranks(impl_->slot_counts, impl_->comm, impl_->s0); }
+
+void GpuMoeLayer::reset_load() {
+  Impl& m = *impl_;
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(m.expert_counts.data<std::int64_t>(), 0, m.expert_counts.nbytes(), m.s0));
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(m.slot_counts.data<std::int64_t>(), 0, m.slot_counts.nbytes(), m.s0));
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(m.s0));
 }
 
 int GpuMoeLayer::rebalance(int nodes) {
@@ -570,8 +631,7 @@ int GpuMoeLayer::rebalance(int nodes) {
   std::vector<std::vector<double>> l(1, std::vector<double>(load.begin(), load.end()));
   const RebalanceResult result = rebalance_experts(l, m.P, m.c.num_groups, nodes, m.ranks);
   const int rewritten = m.install_placement(placement_from(result, 0, m.ranks));
-  EPMOE_CUDA_CHECK(cudaMemsetAsync(m.expert_counts.data<std::int64_t>(), 0, m.expert_counts.nbytes(), m.s0));
-  EPMOE_CUDA_CHECK(cudaStreamSynchronize(m.s0));
+  reset_load();
   return rewritten;
 }
 

@@ -16,4 +16,8 @@ void add_bf16(TensorView a, TensorView b, TensorView y, cudaStream_t stream);
 // dst[0] = value (i32 on the device): a constant that a captured graph re-writes on every replay.
 void fill_i32(TensorView dst, std::int32_t value, cudaStream_t stream);
 
+// counts[ids[i]] += 1 for every id in [0, counts.size(0)) (ids: i32 device tensor of any shape;
+// counts: i64 [P] on the device).
+void count_ids(TensorView ids, TensorView counts, cudaStream_t stream);
+
 }  // namespace epmoe::layer_detail

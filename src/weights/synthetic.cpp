@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -179,6 +180,20 @@ std::uint64_t SyntheticWeights::expert_seed(int logical) const {
   EPMOE_CHECK(logical >= 0 && logical < config_.num_experts, "logical expert id must be in [0, {}), got {}",
               config_.num_experts, logical);
   return stream_id(seed_, kTagW13, static_cast<std::uint64_t>(logical));
+}
+
+void SyntheticWeights::skew_routing(double strength) {
+  EPMOE_CHECK(std::isfinite(strength) && strength >= 0, "routing skew must be finite and >= 0, got {}", strength);
+  const int E = config_.num_experts;
+  std::vector<int> order(static_cast<std::size_t>(E));
+  for (int e = 0; e < E; ++e) order[static_cast<std::size_t>(e)] = e;
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    return mix64(seed_ ^ (0x5eed0000ull + static_cast<std::uint64_t>(a))) <
+           mix64(seed_ ^ (0x5eed0000ull + static_cast<std::uint64_t>(b)));
+  });
+  for (int j = 0; j < E; ++j)
+    correction_bias_.data<float>()[order[static_cast<std::size_t>(j)]] +=
+        static_cast<float>(-strength * std::log1p(static_cast<double>(j)));
 }
 
 std::uint64_t SyntheticWeights::shared_seed() const { return stream_id(seed_, kTagShared, 0); }

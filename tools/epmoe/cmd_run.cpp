@@ -186,6 +186,11 @@ const CommandRegistration kRegistration{10, [](CLI::App& app) {
   cmd->add_flag("!--no-graphs", options->graphs, "GPU: run decode eagerly instead of replaying CUDA graphs");
   cmd->add_option("--check-tokens", options->check_tokens, "GPU: tokens per rank checked against the CPU reference")
       ->capture_default_str();
+  cmd->add_flag("!--no-tbo", options->tbo, "GPU: prefill without two-batch overlap (and without the comparison run)");
+  cmd->add_option("--zipf", options->zipf, "GPU: Zipf-like routing skew strength (0: none)")->capture_default_str();
+  cmd->add_flag("--rebalance", options->rebalance,
+                "GPU: after the decode loop, rebalance experts (EPLB) on the recorded load and run the loop again");
+  cmd->add_option("--trace", options->trace, "GPU: write a Chrome-trace / Perfetto timeline of one forward per phase and rank");
   cmd->add_option("--mode", options->mode, "auto (decode low-latency, prefill normal), normal or low-latency")
       ->capture_default_str();
   cmd->add_option("--tolerance", options->tolerance, "Accuracy check tolerance")->capture_default_str();

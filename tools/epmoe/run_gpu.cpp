@@ -42,16 +42,25 @@ struct PhaseStats {
   double seconds = 0, forwards = 0, tokens = 0;
   double route = 0, dispatch = 0, gemm = 0, combine = 0, shared = 0, total = 0;  // ms per eager forward
   double rel_l2 = 0, calc_diff = 0, non_finite = 0, checked = 0, pass = 1, first_forward_s = 0;
-  static constexpr int kFields = 15;
+  double eager_seconds = 0;         // the same forwards without graphs (decode with graphs only)
+  double load_max_over_mean = 0;    // tokens per GPU over the timed loop (from the slot counters)
+  double rebalanced_seconds = 0, rebalanced_load_max_over_mean = 0, slots_rewritten = 0;  // --rebalance
+  static constexpr int kFields = 20;
   std::array<double, kFields> pack() const {
-    return {seconds, forwards, tokens, route, dispatch, gemm, combine, shared, total, rel_l2, calc_diff, non_finite,
-            checked, pass, first_forward_s};
+    return {seconds, forwards,       tokens,        route,
+            dispatch, gemm,          combine,       shared,
+            total,    rel_l2,        calc_diff,     non_finite,
+            checked,  pass,          first_forward_s, eager_seconds,
+            load_max_over_mean, rebalanced_seconds, rebalanced_load_max_over_mean, slots_rewritten};
   }
   static PhaseStats unpack(const double* v) {
     PhaseStats s;
-    double* fields[kFields] = {&s.seconds,  &s.forwards, &s.tokens,    &s.route,      &s.dispatch,
-                               &s.gemm,     &s.combine,  &s.shared,    &s.total,      &s.rel_l2,
-                               &s.calc_diff, &s.non_finite, &s.checked, &s.pass,      &s.first_forward_s};
+    double* fields[kFields] = {&s.seconds,  &s.forwards,     &s.tokens,        &s.route,
+                               &s.dispatch, &s.gemm,         &s.combine,       &s.shared,
+                               &s.total,    &s.rel_l2,       &s.calc_diff,     &s.non_finite,
+                               &s.checked,  &s.pass,         &s.first_forward_s, &s.eager_seconds,
+                               &s.load_max_over_mean, &s.rebalanced_seconds, &s.rebalanced_load_max_over_mean,
+                               &s.slots_rewritten};
     for (int i = 0; i < kFields; ++i) *fields[i] = v[i];
     return s;
   }
@@ -80,7 +89,24 @@ struct PhasePlan {
   std::vector<std::int64_t> tokens_per_forward;  // this rank
   bool graphs = false;
   std::uint64_t seed = 0;
+  bool tbo = true;
+  bool eager_compare = false;  // graphs: also time the same forwards eagerly
+  bool rebalance = false;      // after the timed loop: EPLB rebalance, then the loop again
+  bool check = true;
 };
+
+// max / mean of the tokens each GPU received (sums of its slots' counts).
+double load_imbalance(const std::vector<std::int64_t>& slot_load, int ranks) {
+  const std::size_t per_rank = slot_load.size() / static_cast<std::size_t>(ranks);
+  double max = 0, sum = 0;
+  for (int r = 0; r < ranks; ++r) {
+    double t = 0;
+    for (std::size_t i = 0; i < per_rank; ++i) t += static_cast<double>(slot_load[r * per_rank + i]);
+    max = std::max(max, t);
+    sum += t;
+  }
+  return sum > 0 ? max / (sum / ranks) : 0.0;
+}
 
 PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWeights>& weights,
                      const std::shared_ptr<Communicator>& comm, const RunOptions& o, bool first_phase) {
@@ -92,6 +118,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   cuda::GpuLayerOptions lo;
   lo.mode = plan.mode;
   lo.max_tokens = T_max;
+  lo.tbo = plan.tbo;
   cuda::GpuMoeLayer layer(weights, lo, comm);
   cudaStream_t s = layer.stream();
   const std::int64_t H = c.hidden;
@@ -141,40 +168,54 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
     layer.forward_graph(x_rows(0, T0), y.view().slice_rows(0, T0));  // warm replay
   }
 
-  // 4. The timed phase.
-  EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (comm && comm->size() > 1) comm->barrier();
-  const auto start = Clock::now();
-  auto last_note = start;
+  // 4. The timed phase (and, on request, the same eagerly, and again after a rebalance).
   const std::size_t forwards = plan.tokens_per_forward.size();
   std::int64_t tokens = 0;
-  for (std::size_t f = 0; f < forwards; ++f) {
-    const std::int64_t T = plan.tokens_per_forward[f];
-    if (plan.graphs) {
-      layer.forward_graph(x_rows(f, T), y.view().slice_rows(0, T));
-    } else {
-      layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
-    }
-    tokens += T;
-    if (f % 64 == 63 || f + 1 == forwards) {
-      EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
-      const auto now = Clock::now();
-      if (root && (now - last_note > std::chrono::seconds(1) || f + 1 == forwards)) {
-        last_note = now;
-        const double el = std::chrono::duration<double>(now - start).count();
-        std::fprintf(stderr, "  [%s] %zu/%zu forwards, %.0f tokens/s on this rank\n", plan.name.c_str(), f + 1, forwards,
-                     el > 0 ? static_cast<double>(tokens) / el : 0.0);
+  for (std::int64_t t_f : plan.tokens_per_forward) tokens += t_f;
+  auto timed_loop = [&](bool graphs, std::size_t count, const char* label) {
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    if (comm && comm->size() > 1) comm->barrier();
+    const auto start = Clock::now();
+    auto last_note = start;
+    std::int64_t done_tokens = 0;
+    for (std::size_t f = 0; f < count; ++f) {
+      const std::int64_t T = plan.tokens_per_forward[f];
+      if (graphs) {
+        layer.forward_graph(x_rows(f, T), y.view().slice_rows(0, T));
+      } else {
+        layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
+      }
+      done_tokens += T;
+      if (f % 64 == 63 || f + 1 == count) {
+        EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+        const auto now = Clock::now();
+        if (root && (now - last_note > std::chrono::seconds(1) || f + 1 == count)) {
+          last_note = now;
+          const double el = std::chrono::duration<double>(now - start).count();
+          std::fprintf(stderr, "  [%s%s] %zu/%zu forwards, %.0f tokens/s on this rank\n", plan.name.c_str(), label, f + 1,
+                       count, el > 0 ? static_cast<double>(done_tokens) / el : 0.0);
+        }
       }
     }
-  }
-  EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
-  st.seconds = seconds_since(start);
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    return seconds_since(start);
+  };
+  const int ranks = layer.num_ranks();
+  layer.reset_load();
+  st.seconds = timed_loop(plan.graphs, forwards, "");
+  st.load_max_over_mean = load_imbalance(layer.slot_load(), ranks);
   st.forwards = static_cast<double>(forwards);
   st.tokens = static_cast<double>(tokens);
+  if (plan.graphs && plan.eager_compare) st.eager_seconds = timed_loop(false, forwards, " eager");
+  if (plan.rebalance) {
+    st.slots_rewritten = layer.rebalance();
+    st.rebalanced_seconds = timed_loop(plan.graphs, forwards, " after rebalance");
+    st.rebalanced_load_max_over_mean = load_imbalance(layer.slot_load(), ranks);
+  }
 
   // 5. The accuracy check of the first forward on a sample of tokens (the CPU reference, routed from
   // the GPU's logits).
-  const std::int64_t S = std::min(o.check_tokens, T0);
+  const std::int64_t S = plan.check ? std::min(o.check_tokens, T0) : 0;
   if (S > 0) {
     const TensorView xs = host_x[0].view().slice_rows(0, S);
     HostTensor ref(DType::bf16, {S, H});
@@ -210,7 +251,28 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
                                    {"non_finite", r.non_finite}, {"pass", r.pass > 0}}}});
   }
   const double forwards = ranks.front().forwards;
-  return {{"mode", to_string(plan.mode)},
+  const PhaseStats& r0 = ranks.front();
+  double eager_max = 0, rebal_max = 0, rewritten = 0;
+  for (const PhaseStats& r : ranks) {
+    eager_max = std::max(eager_max, r.eager_seconds);
+    rebal_max = std::max(rebal_max, r.rebalanced_seconds);
+    rewritten += r.slots_rewritten;
+  }
+  nlohmann::json extra = nlohmann::json::object();
+  extra["load_max_over_mean"] = r0.load_max_over_mean;
+  if (eager_max > 0) {
+    extra["eager_ms_per_forward"] = 1e3 * eager_max / forwards;
+    extra["graph_speedup"] = max_s > 0 ? eager_max / max_s : 0.0;
+  }
+  if (plan.rebalance) {
+    extra["rebalance"] = {{"slots_rewritten", rewritten},
+                          {"before", {{"ms_per_forward", 1e3 * max_s / forwards}, {"load_max_over_mean", r0.load_max_over_mean}}},
+                          {"after",
+                           {{"ms_per_forward", 1e3 * rebal_max / forwards},
+                            {"load_max_over_mean", r0.rebalanced_load_max_over_mean}}},
+                          {"speedup", rebal_max > 0 ? max_s / rebal_max : 0.0}};
+  }
+  nlohmann::json j = {{"mode", to_string(plan.mode)},
           {"graphs", plan.graphs},
           {"ranks", ranks_n},
           {"forwards", forwards},
@@ -219,7 +281,30 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
           {"tokens_per_s", max_s > 0 ? tokens / max_s : 0.0},
           {"ms_per_forward", forwards > 0 ? 1e3 * max_s / forwards : 0.0},
           {"check", {{"rel_l2", rel}, {"calc_diff", cd}, {"non_finite", nf}, {"pass", pass}}},
+          {"tbo", plan.tbo && plan.mode == Mode::normal && ranks_n > 1},
           {"per_rank", per_rank}};
+  j.update(extra);
+  return j;
+}
+
+// One eager forward per phase and rank as Chrome-trace "complete" events (pid = rank, tid 0 = the
+// main stream's phases, tid 1 = the shared expert's stream), from the per-phase CUDA-event times.
+nlohmann::json trace_events(const std::string& phase, const std::vector<PhaseStats>& ranks, double offset_us) {
+  nlohmann::json events = nlohmann::json::array();
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    const PhaseStats& s = ranks[r];
+    double t = offset_us;
+    const std::pair<const char*, double> steps[] = {
+        {"route", s.route}, {"dispatch", s.dispatch}, {"gemm", s.gemm}, {"combine", s.combine}};
+    for (const auto& [name, ms] : steps) {
+      events.push_back({{"name", phase + " " + name}, {"ph", "X"}, {"ts", t}, {"dur", 1e3 * ms},
+                        {"pid", r}, {"tid", 0}});
+      t += 1e3 * ms;
+    }
+    events.push_back({{"name", phase + " shared expert"}, {"ph", "X"}, {"ts", offset_us + 1e3 * s.route},
+                      {"dur", 1e3 * s.shared}, {"pid", r}, {"tid", 1}});
+  }
+  return events;
 }
 
 void print_phase(const std::string& name, const nlohmann::json& j) {
@@ -248,6 +333,7 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   }
   auto weights = std::make_shared<SyntheticWeights>(config, o.model.seed);
   weights->set_expert_factory(cuda::gpu_expert_factory(device));
+  if (o.zipf > 0) weights->skew_routing(o.zipf);
 
   const int steps = o.steps >= 0 ? o.steps : 1000;
   const std::int64_t decode_tokens =
@@ -263,12 +349,18 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   std::vector<PhasePlan> plans;
   if (steps > 0)
     plans.push_back({"decode", Mode::low_latency, std::vector<std::int64_t>(static_cast<std::size_t>(steps), decode_tokens),
-                     o.graphs, o.model.seed + 1});
+                     o.graphs, o.model.seed + 1, false, o.graphs, o.rebalance, true});
   if (o.prompt_tokens > 0 && prompts > 0) {
-    PhasePlan p{"prefill", Mode::normal, {}, false, o.model.seed + 2};
+    PhasePlan p{"prefill", Mode::normal, {}, false, o.model.seed + 2, o.tbo, false, false, true};
     const std::int64_t total = prompts * o.prompt_tokens;
     for (std::int64_t done = 0; done < total; done += chunk) p.tokens_per_forward.push_back(std::min(chunk, total - done));
-    plans.push_back(std::move(p));
+    plans.push_back(p);
+    if (o.tbo && ranks > 1) {  // the same without two-batch overlap, for the comparison
+      p.name = "prefill-no-tbo";
+      p.tbo = false;
+      p.check = false;
+      plans.push_back(std::move(p));
+    }
   }
   EPMOE_CHECK(!plans.empty(), "nothing to run: steps and prompt-tokens are both 0");
 
@@ -284,6 +376,8 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
                       {"prompt_tokens", o.prompt_tokens}};
   bool pass = true;
   std::vector<std::pair<std::string, nlohmann::json>> printed;
+  nlohmann::json trace = nlohmann::json::array();
+  double trace_offset_us = 0;
   for (std::size_t i = 0; i < plans.size(); ++i) {
     const PhaseStats mine = run_phase(plans[i], weights, comm, o, i == 0);
     const std::vector<PhaseStats> all = gather(mine, comm);
@@ -292,6 +386,19 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
     pass = pass && pj["check"]["pass"].get<bool>();
     j[plans[i].name] = pj;
     printed.emplace_back(plans[i].name, pj);
+    for (auto& e : trace_events(plans[i].name, all, trace_offset_us)) trace.push_back(e);
+    trace_offset_us += 1e3 * (all.front().total + 1.0);
+  }
+  if (j.contains("prefill") && j.contains("prefill-no-tbo")) {
+    // Two-batch overlap against the same forwards without it, and against the GEMM time alone (the
+    // eager breakdown of the run without overlap, where the GEMMs run by themselves).
+    const double with = j["prefill"]["ms_per_forward"].get<double>();
+    const double without = j["prefill-no-tbo"]["ms_per_forward"].get<double>();
+    double gemm = 0;
+    for (const auto& r : j["prefill-no-tbo"]["per_rank"]) gemm = std::max(gemm, r["ms_per_forward"]["gemm"].get<double>());
+    j["prefill"]["tbo_speedup"] = with > 0 ? without / with : 0.0;
+    j["prefill"]["gemm_alone_ms"] = gemm;
+    j["prefill"]["layer_over_gemm"] = gemm > 0 ? with / gemm : 0.0;
   }
   j["pass"] = pass;
   if (root) {
@@ -300,7 +407,23 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
     if (j.contains("decode")) std::printf("  first forward done %.2f s after start-up\n", j["decode"]["first_forward_s_after_start"].get<double>());
     std::printf("check against the CPU reference (%lld tokens per rank and phase, tolerance %.0e): %s\n",
                 static_cast<long long>(o.check_tokens), o.tolerance, pass ? "PASS" : "FAIL");
+    if (j.contains("decode") && j["decode"].contains("graph_speedup"))
+      std::printf("  decode: CUDA graphs %.2fx faster than eager (%.3f vs %.3f ms/forward)\n",
+                  j["decode"]["graph_speedup"].get<double>(), j["decode"]["ms_per_forward"].get<double>(),
+                  j["decode"]["eager_ms_per_forward"].get<double>());
+    if (j.contains("decode") && j["decode"].contains("rebalance")) {
+      const auto& rb = j["decode"]["rebalance"];
+      std::printf("  decode: EPLB rebalance rewrote %.0f slots; tokens per GPU max/mean %.3f -> %.3f; %.3f -> %.3f ms/forward\n",
+                  rb["slots_rewritten"].get<double>(), rb["before"]["load_max_over_mean"].get<double>(),
+                  rb["after"]["load_max_over_mean"].get<double>(), rb["before"]["ms_per_forward"].get<double>(),
+                  rb["after"]["ms_per_forward"].get<double>());
+    }
+    if (j.contains("prefill") && j["prefill"].contains("tbo_speedup"))
+      std::printf("  prefill: two-batch overlap %.2fx faster than without; layer %.2fx its GEMM time alone (%.3f ms)\n",
+                  j["prefill"]["tbo_speedup"].get<double>(), j["prefill"]["layer_over_gemm"].get<double>(),
+                  j["prefill"]["gemm_alone_ms"].get<double>());
     if (!o.json.empty()) write_text_file(o.json, j.dump(2) + "\n");
+    if (!o.trace.empty()) write_text_file(o.trace, nlohmann::json{{"traceEvents", trace}}.dump() + "\n");
   }
   set_exit_code(pass ? 0 : 1);
 }

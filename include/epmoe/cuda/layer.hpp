@@ -46,6 +46,12 @@ struct GpuLayerOptions {
   bool overlap_shared = true;
   // Per-phase CUDA events on eager forwards (adds one host sync per forward to read them).
   bool timing = false;
+  // Two-batch overlap (normal mode, N ranks): the batch splits into two micro-batches, each with its
+  // own dispatcher buffers; one's dispatch and combine run on the communication stream while the
+  // other's expert GEMMs run on a compute stream, whose persistent GEMMs leave tbo_comm_sms SMs to
+  // the communication kernels. (Low-latency two-batch overlap is not built yet.)
+  bool tbo = true;
+  int tbo_comm_sms = 24;
 };
 
 // Milliseconds measured with CUDA events, accumulated over timed eager forwards.
@@ -109,6 +115,11 @@ class GpuMoeLayer {
   // on this rank.
   int rebalance(int nodes = 1);
   const ExpertPlacement& placement() const;
+  // (token, k) entries sent to each physical slot since construction, the last rebalance or
+  // reset_load(), summed over the ranks (collective; synchronises the stream). Tokens per GPU are
+  // the sums over each rank's slots.
+  std::vector<std::int64_t> slot_load();
+  void reset_load();  // clears the expert and slot counters
   // Installs a placement (every rank must pass the same one); rewrites the changed local slots.
   int set_placement(const ExpertPlacement& placement);
 
