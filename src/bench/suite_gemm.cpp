@@ -392,10 +392,10 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options,
   const cuda::W4A8TileShape chosen = cuda::w4a8_gemm_tile(s.masked, s.expected_m);
   std::vector<cuda::W4A8TileShape> tiles{chosen};
   if (s.masked) {
-    for (const cuda::W4A8TileShape t : {cuda::W4A8TileShape{16, 4}, cuda::W4A8TileShape{16, 2},
-                                        cuda::W4A8TileShape{32, 4}, cuda::W4A8TileShape{64, 2}}) {
-      const bool near =
-          s.expected_m <= 24 ? t.block_m <= 32 : (t.block_m == 64 || (t.block_m == 32 && t.consumers == 4));
+    for (const cuda::W4A8TileShape t :
+         {cuda::W4A8TileShape{16, 4}, cuda::W4A8TileShape{16, 2}, cuda::W4A8TileShape{32, 4},
+          cuda::W4A8TileShape{32, 2}, cuda::W4A8TileShape{64, 2}}) {
+      const bool near = s.expected_m <= 24 ? t.block_m <= 32 : t.block_m == 64;
       if (near && (t.block_m != chosen.block_m || t.consumers != chosen.consumers)) tiles.push_back(t);
     }
   }

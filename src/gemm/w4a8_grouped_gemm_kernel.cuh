@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -264,53 +265,107 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
     W4A8Tile tile;
     W4A8Pipe pipe;
     float acc[kAcc];
-    float part[kAcc];
+    // Partial accumulators: two (the next K block's wgmma runs while the last one is folded) where
+    // the registers allow (32 x 256 tiles with two spilled 40 bytes at 112 registers), else one.
+    constexpr int kParts = kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
+    float part[kParts][kAcc];
+    std::uint32_t frag[2][4][4];  // converted weights of two K blocks (wgmma A operands)
+    float s_lo[2], s_hi[2];       // their scales (rows row_in_panel and + 8)
+    using I0 = std::integral_constant<int, 0>;
+    using I1 = std::integral_constant<int, 1>;
+
+    // Waits for the stage at `at`, loads this thread's codes and scales of it, converts into frag[B].
+    const auto load = [&](auto b, const W4A8Pipe& at) {
+      constexpr int B = decltype(b)::value;
+      ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
+      const std::uint32_t w_addr =
+          smem_w + at.stage * Traits::kWBytes + consumer * w4a8::kPanelBytes + t * 16;
+      const uint4 v0 = ptx::ld_shared_v4(w_addr);
+      const uint4 v1 = ptx::ld_shared_v4(w_addr + 2048);
+      const std::uint32_t s_addr =
+          smem_s + at.stage * Traits::kSBytes + consumer * w4a8::kPanelScaleBytes + 4 * row_in_panel;
+      s_lo[B] = ptx::ld_shared_f32(s_addr);
+      s_hi[B] = ptx::ld_shared_f32(s_addr + 4 * 8);
+      w4a8_convert8(v0.x, frag[B][0][0], frag[B][0][1]);
+      w4a8_convert8(v0.y, frag[B][0][2], frag[B][0][3]);
+      w4a8_convert8(v0.z, frag[B][1][0], frag[B][1][1]);
+      w4a8_convert8(v0.w, frag[B][1][2], frag[B][1][3]);
+      w4a8_convert8(v1.x, frag[B][2][0], frag[B][2][1]);
+      w4a8_convert8(v1.y, frag[B][2][2], frag[B][2][3]);
+      w4a8_convert8(v1.z, frag[B][3][0], frag[B][3][1]);
+      w4a8_convert8(v1.w, frag[B][3][2], frag[B][3][3]);
+    };
+    // Issues the K block in frag[B] against the activation tile of `stage` into part[P].
+    const auto issue = [&](auto b, auto pp, int stage) {
+      constexpr int B = decltype(b)::value, P = decltype(pp)::value;
+      const std::uint32_t a_tile = smem_a + stage * Traits::kABytes;
+      w4a8_fence_all(part[P]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        ptx::wgmma_m64k32_rs_e4m3<kBM>(part[P], frag[B][s], ptx::wgmma_desc_sw128(a_tile + s * 32), s > 0);
+      ptx::wgmma_commit();
+    };
+    // After the wgmma into part[P] completed: frees `stage` and folds part[P] with scales B.
+    const auto fold = [&](auto pp, auto b, int stage) {
+      constexpr int P = decltype(pp)::value, B = decltype(b)::value;
+      w4a8_fence_all(part[P]);
+      if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
+      w4a8_fence_all(part[P]);
+#pragma unroll
+      for (int j = 0; j < kAcc / 4; ++j) {
+        acc[4 * j + 0] = fmaf(s_lo[B], part[P][4 * j + 0], acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(s_lo[B], part[P][4 * j + 1], acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(s_hi[B], part[P][4 * j + 2], acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(s_hi[B], part[P][4 * j + 3], acc[4 * j + 3]);
+      }
+    };
 
     while (scheduler.next(tile, p)) {
 #pragma unroll
-      for (int i = 0; i < kAcc; ++i) {
-        acc[i] = 0.0f;
-        part[i] = 0.0f;
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+#pragma unroll
+      for (int P = 0; P < kParts; ++P) {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) part[P][i] = 0.0f;
       }
-      for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+      // K block kb uses frag[kb % 2]; its conversion runs while block kb - 1's wgmma do. With two
+      // partials, block kb's wgmma also run while block kb - 1 is folded (wait_group 1).
+      int prev_stage = 0;
+      load(I0{}, pipe);
+      const auto step = [&](auto b, std::int32_t kb) {
+        constexpr int B = decltype(b)::value;
+        using Other = std::integral_constant<int, B ^ 1>;
         const int stage = pipe.stage;
-        ptx::mbar_wait(full_bar + 8 * stage, pipe.phase);
-        const std::uint32_t w_addr = smem_w + stage * Traits::kWBytes + consumer * w4a8::kPanelBytes + t * 16;
-        const uint4 v0 = ptx::ld_shared_v4(w_addr);
-        const uint4 v1 = ptx::ld_shared_v4(w_addr + 2048);
-        const std::uint32_t s_addr =
-            smem_s + stage * Traits::kSBytes + consumer * w4a8::kPanelScaleBytes + 4 * row_in_panel;
-        const float s_lo = ptx::ld_shared_f32(s_addr);
-        const float s_hi = ptx::ld_shared_f32(s_addr + 4 * 8);
-        std::uint32_t frag[4][4];
-        w4a8_convert8(v0.x, frag[0][0], frag[0][1]);
-        w4a8_convert8(v0.y, frag[0][2], frag[0][3]);
-        w4a8_convert8(v0.z, frag[1][0], frag[1][1]);
-        w4a8_convert8(v0.w, frag[1][2], frag[1][3]);
-        w4a8_convert8(v1.x, frag[2][0], frag[2][1]);
-        w4a8_convert8(v1.y, frag[2][2], frag[2][3]);
-        w4a8_convert8(v1.z, frag[3][0], frag[3][1]);
-        w4a8_convert8(v1.w, frag[3][2], frag[3][3]);
-
-        const std::uint32_t a_tile = smem_a + stage * Traits::kABytes;
-        w4a8_fence_all(part);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-          ptx::wgmma_m64k32_rs_e4m3<kBM>(part, frag[s], ptx::wgmma_desc_sw128(a_tile + s * 32), s > 0);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-        w4a8_fence_all(part);
-        if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
-        w4a8_fence_all(part);
-#pragma unroll
-        for (int j = 0; j < kAcc / 4; ++j) {
-          acc[4 * j + 0] = fmaf(s_lo, part[4 * j + 0], acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(s_lo, part[4 * j + 1], acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(s_hi, part[4 * j + 2], acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(s_hi, part[4 * j + 3], acc[4 * j + 3]);
+        W4A8Pipe next = pipe;
+        next.advance(stages);
+        if constexpr (kParts == 2) {
+          issue(b, b, stage);
+          if (kb > 0) {
+            ptx::wgmma_wait<1>();
+            fold(Other{}, Other{}, prev_stage);
+          }
+          if (kb + 1 < num_kb) load(Other{}, next);
+        } else {
+          issue(b, I0{}, stage);
+          if (kb + 1 < num_kb) load(Other{}, next);
+          ptx::wgmma_wait<0>();
+          fold(I0{}, b, stage);
         }
-        pipe.advance(stages);
+        prev_stage = stage;
+        pipe = next;
+      };
+      for (std::int32_t kb = 0; kb < num_kb; kb += 2) {
+        step(I0{}, kb);
+        if (kb + 1 < num_kb) step(I1{}, kb + 1);
+      }
+      if constexpr (kParts == 2) {
+        ptx::wgmma_wait<0>();
+        if (((num_kb - 1) & 1) == 0) {
+          fold(I0{}, I0{}, prev_stage);
+        } else {
+          fold(I1{}, I1{}, prev_stage);
+        }
       }
 
       // Epilogue. acc[4 j + 2 h + e] is D^T[n0 + 8 h, m0 + e] (n0 this thread's weight row, m0 =

@@ -243,6 +243,10 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N640_K7168_block128", 300, {300, 129, 7}, 640, 7168, 128},
         // N not a multiple of 256: the heuristic falls back to 128-row weight tiles.
         MaskedCase{"N640_K2048_decode_n_not_256", 24, {24, 9}, 640, 2048},
+        // An odd number of K blocks (the last one folded from the second partial), and a single one.
+        MaskedCase{"N1536_K1152_odd_k_blocks", 20, {20, 7}, 1536, 1152},
+        MaskedCase{"N640_K128_one_k_block_block64", 70, {70, 5}, 640, 128, 64},
+        MaskedCase{"N512_K384_odd_k_blocks_block32_consumers4", 40, {40, 31}, 512, 384, 32, 4},
         // masked_m = M_max everywhere, and nothing valid at all.
         MaskedCase{"N1536_K2048_all_full", 16, {16, 16, 16}, 1536, 2048},
         MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048}),
@@ -317,6 +321,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ContiguousCase{"N4096_K7168_empty_and_single_row", {1, 0, 130}, 4096, 7168},
                       ContiguousCase{"N7168_K2048", {150, 0, 64, 33}, 7168, 2048},
                       ContiguousCase{"N1536_K2048_single_row_trailing", {0, 1}, 1536, 2048, 3},
+                      ContiguousCase{"N1536_K1152_odd_k_blocks", {130, 7}, 1536, 1152},
                       ContiguousCase{
                           "N640_K2048_many_groups_holes", {5, 17, 0, 128, 1, 90, 0, 33}, 640, 2048, 1, true}),
     [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
