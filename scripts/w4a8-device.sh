@@ -6,6 +6,8 @@
 #
 # Usage: scripts/w4a8-device.sh OUTDIR [--no-bench]   (run from the source root; e.g. "$OUT")
 # OUTDIR receives build.log (tail), gpu-tests.log, memcheck.log, ptxas.txt, bench.log, w4a8.json.
+# On the shared device machine, unpack the tree into a directory of its own: files left in a shared
+# one by another checkout are globbed into the build and can break it.
 set -uo pipefail
 out=${1:?usage: scripts/w4a8-device.sh OUTDIR [--no-bench]}
 mode=${2:-}
