@@ -47,4 +47,17 @@ void grouped_gemm_contiguous_cpu(TensorView a, TensorView a_scales, TensorView b
 void grouped_gemm_masked_cpu(TensorView a, TensorView a_scales, TensorView b, TensorView b_scales,
                              TensorView masked_m, TensorView d);
 
+// W4A8 (DeepSeek-R1-W4AFP8 format, design.md §4): e4m3 activations with one static per-tensor
+// scale, signed int4 weights w i4x2 [G, N, K/2] (two per byte, element 2i in the low nibble) with
+// one f32 scale per 128 consecutive K of each row, w_scales [G, N, K/128]. In f64:
+//
+//   D[m, n] = a_scale · Σ_kb  w_scales[g, n, kb] · Σ_{k in block kb} a[m, k] · w[g, n, k]
+//
+// (each block sum exact), rounded once to bf16 (or written unrounded to an f64 d). Rows outside
+// every group are left untouched, as above. a_scale must be positive and finite.
+void w4a8_grouped_gemm_contiguous_cpu(TensorView a, float a_scale, TensorView w, TensorView w_scales,
+                                      TensorView m_indices, TensorView d);
+void w4a8_grouped_gemm_masked_cpu(TensorView a, float a_scale, TensorView w, TensorView w_scales,
+                                  TensorView masked_m, TensorView d);
+
 }  // namespace epmoe

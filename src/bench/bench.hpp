@@ -79,6 +79,7 @@ void fill_random_bf16(TensorView x, std::uint64_t seed, cudaStream_t stream);
 struct SuiteOptions {
   std::vector<std::int64_t> tokens;              // empty: the suite's defaults
   bool quick = false;                            // fewer runs and shapes
+  std::string quant;                             // suites with variants per scheme: "" = default
   std::function<void(const Result&)> on_result;  // called as each result is measured
 };
 using SuiteFn = std::function<std::vector<Result>(const SuiteOptions& options)>;

@@ -10,6 +10,10 @@
 // faster than DeepGEMM. Rows with 128-row tiles are also timed in the v2 configuration (".v2": no
 // cluster, no ping-pong, 4-byte stores), with the other cluster size (".c1" contiguous, ".c2"
 // masked) and (contiguous) with the ping-pong on (".pingpong"), side by side with the main line.
+// `--quant w4a8` times the W4A8 kernel (epmoe/cuda/w4a8_gemm.hpp) on the same rows instead, and the
+// FP8 kernel's main line beside it in the same run: "gemm.<layout>.w4a8*" lines carry
+// time_vs_fp8 = W4A8 time / FP8 time. W4A8 bytes = int4 weights + their scales + valid activation
+// and output rows.
 // EPMOE_BENCH_GEMM_EXPERIMENTS=1 adds timing experiments (ablations with and without the cluster
 // and the ping-pong, each v3 choice flipped, pipeline depth, half the SMs) on three of the shapes,
 // as ".exp.*" lines.
@@ -24,6 +28,7 @@
 #include "bench/suite_gemm_fill.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/grouped_gemm.hpp"
+#include "epmoe/cuda/w4a8_gemm.hpp"
 
 namespace epmoe::bench {
 namespace {
@@ -295,6 +300,135 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   }
 }
 
+// --quant w4a8: the W4A8 kernel on an anchor row (its tile heuristic and a few alternatives), and
+// the FP8 kernel's main line on the same problem (same group sizes, same activation bytes).
+void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options,
+              std::vector<Result>& results) {
+  const std::vector<std::int64_t> sizes = group_sizes(s, seed);
+  const std::int64_t G = s.groups, N = s.n, K = s.k, KB = K / 128;
+  std::vector<std::int32_t> ids;  // contiguous
+  HostTensor counts(DType::i32, {G});
+  std::int64_t valid = 0;
+  for (std::int64_t g = 0; g < G; ++g) {
+    const std::int64_t rows = sizes[static_cast<std::size_t>(g)];
+    valid += rows;
+    counts.data<std::int32_t>()[g] = static_cast<std::int32_t>(rows);
+    const std::int64_t padded = (rows + 127) / 128 * 128;
+    if (!s.masked)
+      for (std::int64_t r = 0; r < padded; ++r) ids.push_back(r < rows ? static_cast<std::int32_t>(g) : -1);
+  }
+  const std::int64_t rows_total = s.masked ? G * s.m : static_cast<std::int64_t>(ids.size());
+  const std::int64_t sa_rows = s.masked ? s.m : rows_total;
+
+  cuda::Stream stream;
+  // Inputs of both kernels. The activations are one tensor viewed in either layout.
+  const cuda::DeviceTensor a(DType::fp8_e4m3, {rows_total, K}), d(DType::bf16, {rows_total, N}),
+      layout_ids(DType::i32, {s.masked ? G : rows_total});
+  const cuda::DeviceTensor sa(DType::f32, {s.masked ? G : 1, KB, cuda::tma_aligned_tokens(sa_rows)});
+  const cuda::DeviceTensor b(DType::fp8_e4m3, {G, N, K}), sb(DType::f32, {G, N / 128, KB});
+  const cuda::DeviceTensor w(DType::i4x2, {G, N, K / 2}), ws(DType::f32, {G, N, KB}),
+      pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, KB});
+  fill_random_fp8(a, seed + 1, stream);
+  fill_random_scales(sa, seed + 2, stream);
+  fill_random_fp8(b, seed + 3, stream);
+  fill_random_scales(sb, seed + 4, stream);
+  TensorView w_bytes = w.view();
+  w_bytes.dtype = DType::u8;  // random bytes: every int4 value
+  fill_random_fp8(w_bytes, seed + 5, stream);
+  fill_random_scales(ws, seed + 6, stream);
+  cuda::w4a8_prepare_weights(w, ws, pw, ps, stream);
+  if (s.masked) {
+    cuda::copy_to_device(layout_ids, counts, stream);
+  } else {
+    HostTensor host_ids(DType::i32, {rows_total});
+    std::copy(ids.begin(), ids.end(), host_ids.data<std::int32_t>());
+    cuda::copy_to_device(layout_ids, host_ids, stream);
+  }
+  d.fill_bytes(0xff, stream);
+  stream.synchronize();
+
+  TensorView a_view = a.view(), d_view = d.view(), sa_view = sa.view();
+  if (s.masked) {
+    a_view.rank = 3;
+    a_view.shape = {G, s.m, K, 0};
+    a_view.stride = {s.m * K, K, 1, 0};
+    d_view.rank = 3;
+    d_view.shape = {G, s.m, N, 0};
+    d_view.stride = {s.m * N, N, 1, 0};
+  } else {
+    sa_view.rank = 2;
+    sa_view.shape = {KB, cuda::tma_aligned_tokens(sa_rows), 0, 0};
+    sa_view.stride = {cuda::tma_aligned_tokens(sa_rows), 1, 0, 0};
+  }
+  const double flops = 2.0 * static_cast<double>(valid) * static_cast<double>(N) * static_cast<double>(K);
+  const double act_out = static_cast<double>(valid) * static_cast<double>(K + 2 * N);
+  const double fp8_bytes = static_cast<double>(G * N * K) + act_out;
+  const double w4_bytes = static_cast<double>(G * N * K / 2) + static_cast<double>(G * N * KB * 4) + act_out;
+  Params base{{"layout", std::string(s.masked ? "masked" : "contiguous")},
+              {"groups", G},
+              {"m_per_group", s.masked ? s.expected_m : s.m},
+              {"n", N},
+              {"k", K},
+              {"valid_m", valid}};
+  if (s.masked) base["max_m"] = s.m;
+  const std::string name = s.masked ? "gemm.masked" : "gemm.contiguous";
+
+  const double fp8_us = time_us(
+      [&](int, cudaStream_t st) {
+        if (s.masked) {
+          cuda::fp8_grouped_gemm_masked(a_view, sa_view, cuda::ScaleLayout::mn_major_tma, b, sb, layout_ids,
+                                        s.expected_m, d_view, st);
+        } else {
+          cuda::fp8_grouped_gemm_contiguous(a_view, sa_view, cuda::ScaleLayout::mn_major_tma, b, sb,
+                                            layout_ids, d_view, st);
+        }
+      },
+      1, stream, timing_for(options));
+  Params fp8_params = base;
+  fp8_params["quant"] = std::string("fp8");
+  emit(options, results, finish(name, fp8_params, fp8_us, fp8_bytes, flops, s));
+
+  // The heuristic's tile first, then alternatives (".b<rows>c<consumers>").
+  const cuda::W4A8TileShape chosen = cuda::w4a8_gemm_tile(s.masked, s.expected_m);
+  std::vector<cuda::W4A8TileShape> tiles{chosen};
+  if (s.masked) {
+    for (const cuda::W4A8TileShape t :
+         {cuda::W4A8TileShape{16, 4}, cuda::W4A8TileShape{16, 2}, cuda::W4A8TileShape{32, 4},
+          cuda::W4A8TileShape{32, 2}, cuda::W4A8TileShape{64, 2}}) {
+      const bool near = s.expected_m <= 24 ? t.block_m <= 32 : t.block_m == 64;
+      if (near && (t.block_m != chosen.block_m || t.consumers != chosen.consumers)) tiles.push_back(t);
+    }
+  }
+  for (std::size_t i = 0; i < tiles.size(); ++i) {
+    cuda::W4A8GemmOptions o;
+    o.block_m = tiles[i].block_m;
+    o.consumers = tiles[i].consumers;
+    const double us = time_us(
+        [&](int, cudaStream_t st) {
+          if (s.masked) {
+            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, st,
+                                           o);
+          } else {
+            cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, pw, ps, layout_ids, d_view, st, o);
+          }
+        },
+        1, stream, timing_for(options));
+    Params p = base;
+    p["quant"] = std::string("w4a8");
+    p["block_m"] = static_cast<std::int64_t>(tiles[i].block_m);
+    p["block_n"] = static_cast<std::int64_t>(64 * tiles[i].consumers);
+    p["fp8_us"] = fp8_us;
+    p["time_vs_fp8"] = fp8_us > 0 ? us / fp8_us : 0.0;
+    const std::string suffix =
+        i == 0 ? ".w4a8"
+               : ".w4a8.b" + std::to_string(tiles[i].block_m) + "c" + std::to_string(tiles[i].consumers);
+    Result r = finish(name + suffix, p, us, w4_bytes, flops, s);
+    r.params.erase("vs_deepgemm");
+    r.params.erase("deepgemm_us");
+    emit(options, results, std::move(r));
+  }
+}
+
 // The shapes the experiments run on: a large and a small contiguous one, the decode point.
 bool experiment_shape(const Anchor& s) {
   return (!s.masked && s.groups == 8 && s.n == 4096) ||
@@ -309,7 +443,9 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   for (const Anchor& s : kAnchors) {
     seed += 101;
     const bool experiment = experiments_on && experiment_shape(s);
-    if (s.masked) {
+    if (options.quant == "w4a8") {
+      run_w4a8(s, seed, options, results);
+    } else if (s.masked) {
       run_masked(s, seed, options, experiment, results);
     } else {
       run_contiguous(s, seed, options, experiment, results);
@@ -318,8 +454,9 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   return results;
 }
 
-const SuiteRegistration kGemm{"gemm", "FP8 block-scaled grouped GEMM vs DeepGEMM (anchors.md)", 70,
-                              run_gemm_suite};
+const SuiteRegistration kGemm{
+    "gemm", "FP8 block-scaled grouped GEMM vs DeepGEMM (anchors.md); --quant w4a8: W4A8 vs FP8", 70,
+    run_gemm_suite};
 
 }  // namespace
 }  // namespace epmoe::bench

@@ -18,6 +18,7 @@ struct BenchOptions {
   std::string json;
   std::vector<std::int64_t> tokens;
   bool quick = false;
+  std::string quant;
 };
 
 void run_bench(const BenchOptions& o) {
@@ -30,6 +31,7 @@ void run_bench(const BenchOptions& o) {
   bench::SuiteOptions so;
   so.tokens = o.tokens;
   so.quick = o.quick;
+  so.quant = o.quant;
   so.on_result = [](const bench::Result& r) {
     std::printf("%s\n", bench::describe(r).c_str());
     std::fflush(stdout);
@@ -60,6 +62,11 @@ const CommandRegistration kRegistration{
                       "Token counts to measure, e.g. 128,4096 (default: per suite)")
           ->delimiter(',');
       cmd->add_flag("--quick", options->quick, "Fewer runs and shapes");
+      cmd->add_option(
+             "--quant", options->quant,
+             "Quantization scheme of the suites that have several (gemm: fp8 (default) or w4a8, which "
+             "also times the FP8 kernel on the same rows and prints the ratio)")
+          ->check(CLI::IsMember({"fp8", "w4a8"}));
       cmd->callback([options] { run_bench(*options); });
     }};
 

@@ -1,0 +1,88 @@
+// W4A8 grouped GEMM on Hopper (sm_90a): signed int4 weights x FP8 e4m3 activations, contiguous and
+// masked layouts (design.md §3, §4; issue 5). CPU twin: epmoe/grouped_gemm.hpp (w4a8_*_cpu).
+//
+//   D[m, n] = a_scale · Σ_kb s[g(m), n, kb] · Σ_{k in block kb} A[m, k] · Q[g(m), n, k]
+//
+// A e4m3 with one static per-tensor scale; Q signed int4, two per byte (the checkpoint's i4x2
+// [G, N, K/2], element 2i in the low nibble); s f32, one per 128 consecutive K of each row
+// ([G, N, K/128]); f32 accumulation, each 128-K block's partial sum scaled by s in f32; bf16 output.
+//
+// The weights are prepared once (w4a8_prepare_weights) into a packed order that the kernel converts
+// to e4m3 in registers with two prmt and one xor per four values; the packed tensors have the same
+// shapes, dtypes and byte counts as the checkpoint's. Every GEMM call only enqueues one kernel on
+// `stream` (no allocation, no host synchronisation; the masked call reads masked_m on the device and
+// can be captured in a CUDA graph). Tensors are Device::cuda views, contiguous; a, the weights and d
+// 16-byte aligned; K and N multiples of 128. Argument errors throw epmoe::Error naming the
+// argument. Needs an sm_90 GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "epmoe/tensor.hpp"
+
+namespace epmoe::cuda {
+
+struct W4A8GemmOptions {
+  // Activation rows per tile (the wgmma N): 0 picks by w4a8_gemm_tile(); else 16, 32, 64 or 128
+  // (contiguous: 128 only, one 128-row block of m_indices per tile).
+  int block_m = 0;
+  // Consumer warpgroups per CTA, 64 weight rows each: 0 picks; else 2 or 4 (4 with block_m <= 64).
+  int consumers = 0;
+  // At most this many CTAs (persistent, one per SM); 0: every SM of the device.
+  int max_ctas = 0;
+  // Pipeline stages: 0 = as many as fit (at most 16), else 1 .. that many.
+  int stages = 0;
+};
+
+struct W4A8TileShape {
+  int block_m = 128;  // activation rows per tile
+  int consumers = 2;  // weight rows per tile = 64 * consumers
+};
+// Masked with expected_m <= 12: 16 activation rows x 256 weight rows (decode: reading the weights
+// bounds the time, the small tile wastes no tensor work); <= 24: 32 x 256; <= 48: 64 x 256; else,
+// and contiguous: 128 x 128.
+W4A8TileShape w4a8_gemm_tile(bool masked, std::int64_t expected_m);
+
+// Sizes of the prepared tensors (equal to the checkpoint's): packed_w i4x2 [G, N, K/2], packed_scales
+// f32 [G, N, K/128].
+std::size_t w4a8_packed_weight_bytes(std::int64_t groups, std::int64_t n, std::int64_t k);
+std::size_t w4a8_packed_scale_bytes(std::int64_t groups, std::int64_t n, std::int64_t k);
+
+// Once per checkpoint: w_int4 i4x2 [G, N, K/2] and w_scales f32 [G, N, K/128] (device) -> packed_w
+// i4x2 [G, N, K/2] and packed_scales f32 [G, N, K/128] (device, distinct from the inputs) in the
+// kernel's order. Scales must be finite (not checked on the device: the CPU packer checks them).
+void w4a8_prepare_weights(TensorView w_int4, TensorView w_scales, TensorView packed_w,
+                          TensorView packed_scales, cudaStream_t stream);
+// The inverse (tests): packed -> checkpoint order.
+void w4a8_unprepare_weights(TensorView packed_w, TensorView packed_scales, TensorView w_int4,
+                            TensorView w_scales, cudaStream_t stream);
+
+// The same two transforms on host tensors (CPU reference of the device ones; bit-identical).
+void w4a8_prepare_weights_cpu(TensorView w_int4, TensorView w_scales, TensorView packed_w,
+                              TensorView packed_scales);
+void w4a8_unprepare_weights_cpu(TensorView packed_w, TensorView packed_scales, TensorView w_int4,
+                                TensorView w_scales);
+
+// a_scale: the static per-tensor activation scale, a host float, unless a_scale_device is given
+// (non-empty: f32 [1] on the device, read by the kernel).
+
+// Masked layout:
+//   a [G, M_max, K] fp8_e4m3; packed_w, packed_scales as prepared; masked_m [G] i32 on the device:
+//   rows [0, masked_m[g]) of group g are valid (clamped to [0, M_max]); expected_m: a host hint of
+//   the typical masked_m (tile choice only). d [G, M_max, N] bf16 (out): other rows are untouched.
+void w4a8_grouped_gemm_masked(TensorView a, float a_scale, TensorView a_scale_device, TensorView packed_w,
+                              TensorView packed_scales, TensorView masked_m, std::int64_t expected_m,
+                              TensorView d, cudaStream_t stream, const W4A8GemmOptions& options = {});
+
+// Contiguous layout:
+//   a [M, K] fp8_e4m3; m_indices [M] i32: the group of each row, -1 on padding rows; every 128-row
+//   block (from row 0) holds rows of at most one group. d [M, N] bf16 (out): rows whose m_indices
+//   is not the block's group are untouched.
+void w4a8_grouped_gemm_contiguous(TensorView a, float a_scale, TensorView a_scale_device, TensorView packed_w,
+                                  TensorView packed_scales, TensorView m_indices, TensorView d,
+                                  cudaStream_t stream, const W4A8GemmOptions& options = {});
+
+}  // namespace epmoe::cuda

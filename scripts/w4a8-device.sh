@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The W4A8 grouped GEMM's whole device check in one call (issue 5): build the GPU targets, the W4A8
+# and FP8 grouped GEMM GPU tests, compute-sanitizer memcheck on two small W4A8 tests, ptxas resource
+# usage and a SASS summary of the W4A8 kernels, and `epmoe bench gemm --quant w4a8`. Every step has
+# its own time limit.
+#
+# Usage: scripts/w4a8-device.sh OUTDIR [--no-bench]   (run from the source root; e.g. "$OUT")
+# OUTDIR receives build.log (tail), gpu-tests.log, memcheck.log, ptxas.txt, bench.log, w4a8.json.
+# On the shared device machine, unpack the tree into a directory of its own: files left in a shared
+# one by another checkout are globbed into the build and can break it.
+set -uo pipefail
+out=${1:?usage: scripts/w4a8-device.sh OUTDIR [--no-bench]}
+mode=${2:-}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2> /dev/null || echo unknown)}
+start=$SECONDS
+stamp() { echo "== $1 ($((SECONDS - start)) s)"; }
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader || true
+stamp build
+cmake --preset gpu > "$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; exit 1; }
+if ! timeout 300 cmake --build --preset gpu -j "$(nproc)" --target epmoe_gpu_tests epmoe_cli >> "$out/build.log" 2>&1; then
+  grep -E "error|FAILED" "$out/build.log" | head -n 30
+  exit 1
+fi
+tail -n 3 "$out/build.log"
+
+stamp gpu-tests
+tests=build-gpu/tests/epmoe_gpu_tests
+timeout 200 "$tests" --gtest_filter='*W4A8*:*GroupedGemm*' > "$out/gpu-tests.log" 2>&1
+rc_tests=$?
+grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|rel_l2|Failure|error|seed|Expected|Which is|differ" "$out/gpu-tests.log" | head -n 80
+echo "gpu tests exit: $rc_tests"
+
+if ((rc_tests != 124)); then
+  stamp memcheck
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  timeout 120 "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
+    --gtest_filter='*W4A8GemmMaskedGpu*block16_consumers2*:*W4A8GemmContiguousGpu*holes*:*W4A8GemmMaskedGpu*all_empty*' \
+    > "$out/memcheck.log" 2>&1
+  echo "memcheck exit: $?"
+  grep -E "ERROR SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/memcheck.log" | tail -n 4
+fi
+
+stamp ptxas
+cmd=$(python3 -c "
+import json
+for e in json.load(open('build-gpu/compile_commands.json')):
+    if e['file'].endswith('src/gemm/w4a8_grouped_gemm.cu'):
+        print(e['command'])
+")
+(cd build-gpu && eval "${cmd/-o CMakeFiles*/-o /tmp/w4a8.o} -Xptxas -v" 2>&1) | c++filt |
+  grep -E "Compiling entry|spill|Used|wgmma|serializ" | sed 's/ptxas info    : //' > "$out/ptxas.txt"
+grep -E "Used|spill" "$out/ptxas.txt" | paste - - | sed -E 's/ +/ /g' | head -n 20
+dump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
+"$dump" -sass /tmp/w4a8.o 2> /dev/null |
+  grep -oE "Function : [^ ]+|QGMMA[.A-Z0-9x]*|LDL[.A-Z0-9]*|STL[.A-Z0-9]*|UTMALDG[.A-Z0-9]*|UBLKCP[.A-Z0-9]*|PRMT|WARPGROUP[.A-Z]*" |
+  awk '/Function/{f=$3; next} {c[f" "$0]++} END {for (k in c) print c[k], k}' | sort -k2 | tee -a "$out/ptxas.txt" | head -n 40
+
+if [[ $mode != --no-bench && $rc_tests != 124 ]]; then
+  stamp bench
+  timeout 200 build-gpu/bin/epmoe bench gemm --quant w4a8 --quick --json "$out/w4a8.json" > "$out/bench.log" 2>&1
+  echo "bench exit: $?"
+  sed -E 's/ +/ /g' "$out/bench.log"
+fi
+stamp done

@@ -1,0 +1,376 @@
+// Host side of the W4A8 grouped GEMM (device code in w4a8_grouped_gemm_kernel.cuh, API in
+// epmoe/cuda/w4a8_gemm.hpp): argument checks, weight preparation (device and CPU), the TMA map of
+// the activations, tile choice, launch.
+//
+// The activation tensor map is encoded on the host for every call (cuTensorMapEncodeTiled, looked up
+// through the runtime's driver entry point, so nothing links libcuda) and travels by value as a
+// __grid_constant__ parameter, which keeps the launch capturable in a CUDA graph. Weights and scales
+// are plain bulk copies (no tensor map).
+#include "epmoe/cuda/w4a8_gemm.hpp"
+
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string_view>
+
+#include "epmoe/cuda/launch.hpp"
+#include "gemm/w4a8_grouped_gemm_kernel.cuh"
+
+namespace epmoe::cuda {
+namespace {
+
+using kernels::W4A8Params;
+using kernels::W4A8Traits;
+
+constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+constexpr std::int64_t kBlockK = w4a8::kBlockK;
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    EPMOE_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status));
+    EPMOE_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
+                "the CUDA driver does not provide cuTensorMapEncodeTiled (status {})",
+                static_cast<int>(status));
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A 2D map over the activations, a row-major byte matrix [rows, k], box [box_rows, 128 bytes],
+// 128-byte swizzle (the wgmma K-major layout), out-of-bounds rows read as zeros.
+CUtensorMap make_tma_a(const void* base, std::int64_t rows, std::int64_t k, int box_rows) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r =
+      encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box,
+                     element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  EPMOE_CHECK(r == CUDA_SUCCESS,
+              "cuTensorMapEncodeTiled failed for a ([{}, {}] bytes, box {} rows): error {}", rows, k,
+              box_rows, static_cast<int>(r));
+  return map;
+}
+
+void expect_tensor(const TensorView& t, DType dtype, Device device, std::string_view name,
+                   std::uintptr_t alignment) {
+  expect_dtype(t, dtype, name);
+  expect_device(t, device, name);
+  expect_contiguous(t, name);
+  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
+  EPMOE_CHECK(address % alignment == 0, "{} must be {}-byte aligned, got {} at {:#x}", name, alignment,
+              t.describe(), address);
+}
+
+struct Dims {
+  std::int64_t groups, n, k;
+};
+
+// Weights i4x2 [G, N, K/2] and scales f32 [G, N, K/128] (checkpoint or packed: the same shapes).
+Dims check_weight_pair(const TensorView& w, const TensorView& s, Device device, std::string_view w_name,
+                       std::string_view s_name) {
+  expect_tensor(w, DType::i4x2, device, w_name, 16);
+  expect_rank(w, 3, w_name);
+  const Dims dims{w.shape[0], w.shape[1], 2 * w.shape[2]};
+  EPMOE_CHECK(dims.groups > 0, "{} must hold at least one group, got {}", w_name, w.describe());
+  EPMOE_CHECK(dims.k > 0 && dims.k % kBlockK == 0,
+              "{}: K = {} (2 x its last dimension) must be a positive multiple of {}", w_name, dims.k,
+              kBlockK);
+  EPMOE_CHECK(dims.n > 0 && dims.n % 128 == 0, "{}: N = {} must be a positive multiple of 128", w_name,
+              dims.n);
+  expect_tensor(s, DType::f32, device, s_name, 16);
+  expect_shape(s, {dims.groups, dims.n, dims.k / kBlockK}, s_name);
+  return dims;
+}
+
+void check_device() {
+  const DeviceProps& props = device_props();
+  EPMOE_CHECK(props.cc_major == 9, "the W4A8 grouped GEMM needs a Hopper GPU (sm_90), got {} (sm_{}{})",
+              props.name, props.cc_major, props.cc_minor);
+}
+
+W4A8TileShape check_tile(const W4A8GemmOptions& options, bool masked, std::int64_t expected_m,
+                         std::int64_t n) {
+  EPMOE_CHECK(options.block_m == 0 || options.block_m == 16 || options.block_m == 32 ||
+                  options.block_m == 64 || options.block_m == 128,
+              "options.block_m must be 0 (automatic), 16, 32, 64 or 128, got {}", options.block_m);
+  EPMOE_CHECK(masked || options.block_m == 0 || options.block_m == 128,
+              "options.block_m must be 0 or 128 for the contiguous layout, got {}", options.block_m);
+  EPMOE_CHECK(options.consumers == 0 || options.consumers == 2 || options.consumers == 4,
+              "options.consumers must be 0 (automatic), 2 or 4, got {}", options.consumers);
+  EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
+  EPMOE_CHECK(options.stages >= 0, "options.stages must be >= 0, got {}", options.stages);
+  W4A8TileShape tile = w4a8_gemm_tile(masked, expected_m);
+  if (options.block_m != 0) {
+    tile.block_m = options.block_m;
+    tile.consumers = options.block_m <= 32 ? 4 : 2;
+  }
+  if (options.consumers != 0) tile.consumers = options.consumers;
+  // N must be a multiple of the tile's weight rows; fall back to 128-row tiles.
+  if (options.consumers == 0 && n % (64 * tile.consumers) != 0) tile.consumers = 2;
+  EPMOE_CHECK(tile.consumers == 2 || tile.block_m <= 32,
+              "options.consumers = 4 needs block_m <= 32, got block_m = {}", tile.block_m);
+  EPMOE_CHECK(n % (64 * tile.consumers) == 0, "N = {} must be a multiple of {} for options.consumers = {}", n,
+              64 * tile.consumers, tile.consumers);
+  return tile;
+}
+
+struct Problem {
+  W4A8Params params;
+  std::int64_t a_rows;     // rows of A viewed as [a_rows, K]
+  std::int64_t tile_rows;  // contiguous: M; masked: M_max
+  std::int64_t schedule_groups;
+};
+
+template <int kBM, int kConsumers>
+void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
+  using Traits = W4A8Traits<kBM, kConsumers>;
+  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers>;
+  const DeviceProps& props = device_props();
+  static std::atomic<std::uint64_t> raised{0};
+  const std::uint64_t bit = std::uint64_t{1} << (props.device % 64);
+  if ((raised.load(std::memory_order_acquire) & bit) == 0) {
+    EPMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+    raised.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  EPMOE_CHECK(options.stages <= Traits::kStages,
+              "options.stages must be 0 (all) or 1..{} for this tile, got {}", Traits::kStages,
+              options.stages);
+  W4A8Params& params = problem.params;
+  const std::int64_t m_blocks = (problem.tile_rows + kBM - 1) / kBM;
+  const std::int64_t max_tiles = problem.schedule_groups * m_blocks * (params.n / Traits::kTileN);
+  EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
+  params.total_tiles = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_tiles);
+  params.stages = options.stages > 0 ? options.stages : Traits::kStages;
+  const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, params.k, kBM);
+  std::int64_t ctas = props.sm_count;
+  if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
+  ctas = std::clamp<std::int64_t>(ctas, 1, std::max<std::int64_t>(max_tiles, 1));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(Traits::kThreads);
+  config.dynamicSmemBytes = Traits::kSmemBytes;
+  config.stream = stream;
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, params));
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch(W4A8TileShape tile, const TensorView& a, const Problem& problem, const W4A8GemmOptions& options,
+            cudaStream_t stream) {
+  if (tile.consumers == 4) {
+    if (tile.block_m == 16) return launch<16, 4>(a, problem, options, stream);
+    return launch<32, 4>(a, problem, options, stream);
+  }
+  switch (tile.block_m) {
+    case 16:
+      return launch<16, 2>(a, problem, options, stream);
+    case 32:
+      return launch<32, 2>(a, problem, options, stream);
+    case 64:
+      return launch<64, 2>(a, problem, options, stream);
+    default:
+      return launch<128, 2>(a, problem, options, stream);
+  }
+}
+
+// Checks shared by both layouts; fills the weight and scale fields of p.
+Dims check_common(const TensorView& a, float a_scale, const TensorView& a_scale_device,
+                  const TensorView& packed_w, const TensorView& packed_scales, const TensorView& d,
+                  W4A8Params& p) {
+  const Dims w = check_weight_pair(packed_w, packed_scales, Device::cuda, "packed_w", "packed_scales");
+  EPMOE_CHECK(w.groups * w.n * (w.k / 2) < (std::int64_t{1} << 40), "packed_w {} is too large",
+              packed_w.describe());
+  EPMOE_CHECK(w.n <= kInt32Max / 2 && w.k <= kInt32Max / 2, "packed_w {} is too large for one launch",
+              packed_w.describe());
+  expect_tensor(a, DType::fp8_e4m3, Device::cuda, "a", 16);
+  expect_tensor(d, DType::bf16, Device::cuda, "d", 16);
+  p.a_scale_ptr = nullptr;
+  p.a_scale = a_scale;
+  if (a_scale_device.empty_view()) {
+    EPMOE_CHECK(std::isfinite(a_scale) && a_scale > 0.0f, "a_scale must be positive and finite, got {}",
+                a_scale);
+  } else {
+    expect_tensor(a_scale_device, DType::f32, Device::cuda, "a_scale_device", 4);
+    expect_shape(a_scale_device, {1}, "a_scale_device");
+    p.a_scale_ptr = static_cast<const float*>(a_scale_device.data);
+  }
+  p.w = static_cast<const std::uint8_t*>(packed_w.data);
+  p.ws = static_cast<const float*>(packed_scales.data);
+  p.d = static_cast<__nv_bfloat16*>(d.data);
+  p.n = static_cast<std::int32_t>(w.n);
+  p.k = static_cast<std::int32_t>(w.k);
+  p.groups = static_cast<std::int32_t>(w.groups);
+  return w;
+}
+
+// The byte-for-byte transform of the CPU packer (the device kernel's twin).
+void transform_cpu(const std::uint8_t* src, const float* src_scales, std::uint8_t* dst, float* dst_scales,
+                   const Dims& dims, bool inverse) {
+  const std::int64_t half_k = dims.k / 2, kb_count = dims.k / kBlockK;
+  for (std::int64_t group = 0; group < dims.groups; ++group) {
+    for (std::int64_t row = 0; row < dims.n; ++row) {
+      const std::int64_t base = (group * dims.n + row) * half_k;
+      for (std::int64_t i = 0; i < half_k; ++i) {
+        const w4a8::NibblePos pos = w4a8::packed_position(row, 2 * i, kb_count);
+        const std::int64_t packed = group * dims.n * half_k + pos.byte;
+        if (!inverse) {
+          const std::uint8_t b = src[base + i];
+          dst[packed] = static_cast<std::uint8_t>(w4a8::encode_int4(unpack_int4_lo(b)) |
+                                                  (w4a8::encode_int4(unpack_int4_hi(b)) << 4));
+        } else {
+          const std::uint8_t b = src[packed];
+          dst[base + i] = pack_int4(w4a8::decode_int4(b & 0xfu), w4a8::decode_int4(b >> 4u));
+        }
+      }
+      for (std::int64_t kb = 0; kb < kb_count; ++kb) {
+        const std::int64_t plain = (group * dims.n + row) * kb_count + kb;
+        const std::int64_t packed = group * dims.n * kb_count + w4a8::packed_scale_index(row, kb, kb_count);
+        if (!inverse) {
+          dst_scales[packed] = src_scales[plain];
+        } else {
+          dst_scales[plain] = src_scales[packed];
+        }
+      }
+    }
+  }
+}
+
+void prepare_device(const TensorView& src, const TensorView& src_scales, const TensorView& dst,
+                    const TensorView& dst_scales, bool inverse, cudaStream_t stream) {
+  const Dims dims = check_weight_pair(src, src_scales, Device::cuda, inverse ? "packed_w" : "w_int4",
+                                      inverse ? "packed_scales" : "w_scales");
+  const Dims out = check_weight_pair(dst, dst_scales, Device::cuda, inverse ? "w_int4" : "packed_w",
+                                     inverse ? "w_scales" : "packed_scales");
+  EPMOE_CHECK(out.groups == dims.groups && out.n == dims.n && out.k == dims.k,
+              "the output weights {} must have the shape of the input weights {}", dst.describe(),
+              src.describe());
+  EPMOE_CHECK(src.data != dst.data && src_scales.data != dst_scales.data,
+              "the prepared tensors must not alias the inputs");
+  const std::int64_t items = dims.groups * dims.n * (dims.k / 2 + dims.k / kBlockK);
+  const std::int64_t blocks = std::clamp<std::int64_t>((items + 255) / 256, 1, device_props().sm_count * 16);
+  kernels::w4a8_prepare_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      static_cast<const std::uint8_t*>(src.data), static_cast<const float*>(src_scales.data),
+      static_cast<std::uint8_t*>(dst.data), static_cast<float*>(dst_scales.data), dims.groups, dims.n, dims.k,
+      inverse);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void prepare_host(const TensorView& src, const TensorView& src_scales, const TensorView& dst,
+                  const TensorView& dst_scales, bool inverse) {
+  const Dims dims = check_weight_pair(src, src_scales, Device::cpu, inverse ? "packed_w" : "w_int4",
+                                      inverse ? "packed_scales" : "w_scales");
+  const Dims out = check_weight_pair(dst, dst_scales, Device::cpu, inverse ? "w_int4" : "packed_w",
+                                     inverse ? "w_scales" : "packed_scales");
+  EPMOE_CHECK(out.groups == dims.groups && out.n == dims.n && out.k == dims.k,
+              "the output weights {} must have the shape of the input weights {}", dst.describe(),
+              src.describe());
+  EPMOE_CHECK(src.data != dst.data && src_scales.data != dst_scales.data,
+              "the prepared tensors must not alias the inputs");
+  const auto* s = static_cast<const float*>(src_scales.data);
+  for (std::int64_t i = 0; i < src_scales.numel(); ++i)
+    EPMOE_CHECK(std::isfinite(s[i]), "{}[{}] = {} must be finite", inverse ? "packed_scales" : "w_scales", i,
+                s[i]);
+  transform_cpu(static_cast<const std::uint8_t*>(src.data), s, static_cast<std::uint8_t*>(dst.data),
+                static_cast<float*>(dst_scales.data), dims, inverse);
+}
+
+}  // namespace
+
+W4A8TileShape w4a8_gemm_tile(bool masked, std::int64_t expected_m) {
+  if (!masked) return {128, 2};
+  if (expected_m <= 12) return {16, 4};
+  if (expected_m <= 24) return {32, 4};
+  if (expected_m <= 48) return {64, 2};
+  return {128, 2};
+}
+
+std::size_t w4a8_packed_weight_bytes(std::int64_t groups, std::int64_t n, std::int64_t k) {
+  return static_cast<std::size_t>(groups * n * (k / 2));
+}
+std::size_t w4a8_packed_scale_bytes(std::int64_t groups, std::int64_t n, std::int64_t k) {
+  return static_cast<std::size_t>(groups * n * (k / kBlockK)) * sizeof(float);
+}
+
+void w4a8_prepare_weights(TensorView w_int4, TensorView w_scales, TensorView packed_w,
+                          TensorView packed_scales, cudaStream_t stream) {
+  prepare_device(w_int4, w_scales, packed_w, packed_scales, false, stream);
+}
+
+void w4a8_unprepare_weights(TensorView packed_w, TensorView packed_scales, TensorView w_int4,
+                            TensorView w_scales, cudaStream_t stream) {
+  prepare_device(packed_w, packed_scales, w_int4, w_scales, true, stream);
+}
+
+void w4a8_prepare_weights_cpu(TensorView w_int4, TensorView w_scales, TensorView packed_w,
+                              TensorView packed_scales) {
+  prepare_host(w_int4, w_scales, packed_w, packed_scales, false);
+}
+
+void w4a8_unprepare_weights_cpu(TensorView packed_w, TensorView packed_scales, TensorView w_int4,
+                                TensorView w_scales) {
+  prepare_host(packed_w, packed_scales, w_int4, w_scales, true);
+}
+
+void w4a8_grouped_gemm_masked(TensorView a, float a_scale, TensorView a_scale_device, TensorView packed_w,
+                              TensorView packed_scales, TensorView masked_m, std::int64_t expected_m,
+                              TensorView d, cudaStream_t stream, const W4A8GemmOptions& options) {
+  Problem problem{};
+  W4A8Params& p = problem.params;
+  const Dims w = check_common(a, a_scale, a_scale_device, packed_w, packed_scales, d, p);
+  expect_rank(a, 3, "a");
+  const std::int64_t M_max = a.shape[1];
+  expect_shape(a, {w.groups, M_max, w.k}, "a (G and K of packed_w)");
+  expect_tensor(masked_m, DType::i32, Device::cuda, "masked_m", 4);
+  expect_shape(masked_m, {w.groups}, "masked_m");
+  expect_shape(d, {w.groups, M_max, w.n}, "d");
+  EPMOE_CHECK(expected_m >= 0, "expected_m must be >= 0, got {}", expected_m);
+  const W4A8TileShape tile = check_tile(options, true, expected_m, w.n);
+  EPMOE_CHECK(w.groups * (M_max + 128) <= kInt32Max, "a {} has too many rows for one launch", a.describe());
+  if (M_max == 0) return;
+  check_device();
+  p.m_indices = nullptr;
+  p.masked_m = static_cast<const std::int32_t*>(masked_m.data);
+  p.rows = static_cast<std::int32_t>(M_max);
+  problem.a_rows = w.groups * M_max;
+  problem.tile_rows = M_max;
+  problem.schedule_groups = w.groups;
+  launch(tile, a, problem, options, stream);
+}
+
+void w4a8_grouped_gemm_contiguous(TensorView a, float a_scale, TensorView a_scale_device, TensorView packed_w,
+                                  TensorView packed_scales, TensorView m_indices, TensorView d,
+                                  cudaStream_t stream, const W4A8GemmOptions& options) {
+  Problem problem{};
+  W4A8Params& p = problem.params;
+  const Dims w = check_common(a, a_scale, a_scale_device, packed_w, packed_scales, d, p);
+  expect_rank(a, 2, "a");
+  const std::int64_t M = a.shape[0];
+  expect_shape(a, {M, w.k}, "a (K of packed_w)");
+  expect_tensor(m_indices, DType::i32, Device::cuda, "m_indices", 4);
+  expect_shape(m_indices, {M}, "m_indices");
+  expect_shape(d, {M, w.n}, "d");
+  const W4A8TileShape tile = check_tile(options, false, 0, w.n);
+  EPMOE_CHECK(M + 128 <= kInt32Max, "a {} has too many rows for one launch", a.describe());
+  if (M == 0) return;
+  check_device();
+  p.m_indices = static_cast<const std::int32_t*>(m_indices.data);
+  p.masked_m = nullptr;
+  p.rows = static_cast<std::int32_t>(M);
+  problem.a_rows = M;
+  problem.tile_rows = M;
+  problem.schedule_groups = 1;
+  launch(tile, a, problem, options, stream);
+}
+
+}  // namespace epmoe::cuda

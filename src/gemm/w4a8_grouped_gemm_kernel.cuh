@@ -1,0 +1,437 @@
+// W4A8 grouped GEMM for Hopper (device code; host launcher and weight preparation in
+// w4a8_grouped_gemm.cu, API in epmoe/cuda/w4a8_gemm.hpp, packed layout in w4a8_layout.hpp).
+//
+//   D[m, n] = a_scale · Σ_kb s[g(m), n, kb] · Σ_{k in kb} A[m, k] · Q[g(m), n, k]
+//
+// Computed transposed, D^T = Q · A^T: wgmma takes only its A operand from registers, so the int4
+// weights (the big operand in decode) are the A operand, converted to e4m3 in registers, and the
+// activation tile (kBM rows x 128 K, e4m3, TMA-loaded with the 128-byte swizzle) is the B operand
+// with wgmma N = kBM (16 .. 128). The per-(row, K block) weight scale then scales accumulator rows:
+// each K block's four m64nNk32 steps go into a partial accumulator, folded into the total in f32
+// (acc += s[n, kb] · part), and a_scale is applied at the end.
+//
+// One persistent CTA per SM, warp-specialised, tiles of kBM activation rows x 64 kConsumers weight
+// rows, 128 K per pipeline stage:
+//   - warp 0 (the producer) walks the tile schedule and, per K block, waits for a free stage and
+//     fills it: the activation tile (TMA, 2D map over A), and per consumer its weight panel's 4096
+//     packed bytes and 64 scales (two bulk copies each), all completing on the stage's "full"
+//     mbarrier;
+//   - consumer warpgroup c (64 weight rows): per K block, two 16-byte shared loads give each thread
+//     its 64 int4 codes, prmt/xor turn them into 16 registers of e4m3, four wgmma m64nNk32 (A from
+//     registers) accumulate the partial product, the stage is given back (one arrive per warp on
+//     "empty") and the partial folded into the total with the two scales of the thread's rows. The
+//     epilogue swaps values between neighbouring lanes so that each lane stores two consecutive
+//     columns of one output row (4-byte bf16x2 stores), valid rows only.
+//
+// Layouts. Contiguous: A [M, K], m_indices [M]; every 128-row block (from row 0) holds rows of at
+// most one group (its group is the max of its m_indices; all -1: the block is skipped); a row is
+// written only when m_indices[row] equals that group. Masked: A [G * M_max, K] viewed flat; group
+// g's valid rows are [0, min(masked_m[g], M_max)), read on the device; only their kBM-row blocks
+// are scheduled.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "cuda/ptx_hopper.cuh"
+#include "gemm/w4a8_layout.hpp"
+
+namespace epmoe::kernels {
+
+inline constexpr int kW4SmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
+
+template <int kBM, int kConsumers>
+struct W4A8Traits {
+  static_assert(kBM == 16 || kBM == 32 || kBM == 64 || kBM == 128);
+  static_assert(kConsumers == 2 || (kConsumers == 4 && kBM <= 32));
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kTileN = w4a8::kPanelRows * kConsumers;  // weight rows per tile
+  static constexpr int kABytes = kBM * w4a8::kBlockK;           // a multiple of 1024 (swizzle atoms)
+  static constexpr int kWBytes = kConsumers * w4a8::kPanelBytes;
+  static constexpr int kSBytes = kConsumers * w4a8::kPanelScaleBytes;
+  static constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
+  static constexpr int kStages = std::min(16, (kW4SmemBudget - 1024) / (kStageBytes + 16));
+  static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + 16);
+  static constexpr int kAcc = kBM / 2;  // f32 accumulator registers per thread (m64 x kBM)
+  // setmaxnreg: the registers given up by the producer warpgroup go to the consumers (the totals
+  // equal the launch allocation: 384 x 168 and 640 x 96).
+  static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 112;
+};
+
+struct W4A8Params {
+  const std::uint8_t* w;     // packed weights [G][N/64][K/128][4096]
+  const float* ws;           // packed scales [G][N/64][K/128][64]
+  const float* a_scale_ptr;  // f32 [1] on the device, or nullptr: a_scale
+  float a_scale;
+  const std::int32_t* m_indices;  // contiguous layout: [M]; masked: nullptr
+  const std::int32_t* masked_m;   // masked layout: [G]; contiguous: nullptr
+  __nv_bfloat16* d;               // [rows_total, N]
+  std::int32_t rows;              // contiguous: M; masked: M_max
+  std::int32_t n, k, groups;
+  std::int32_t total_tiles;  // contiguous: ceil(M / kBM) * N / kTileN; masked: unused
+  std::int32_t stages;       // pipeline stages in use, 1..W4A8Traits::kStages
+};
+
+struct W4A8Tile {
+  std::int32_t group;
+  std::int32_t n_tile;   // weight rows [kTileN n_tile, kTileN (n_tile + 1))
+  std::int32_t row0;     // first activation row of the tile in A's (flattened) rows
+  std::int32_t row_end;  // rows >= row_end are never valid
+};
+
+// The static persistent schedule (tile t goes to CTA t mod gridDim.x). next() is warp-collective
+// for the contiguous layout (a block's m_indices are reduced over the warp).
+template <int kBM, int kTileN>
+class W4A8Scheduler {
+ public:
+  __device__ explicit W4A8Scheduler(const W4A8Params& p) : t_(static_cast<std::int32_t>(blockIdx.x)) {
+    if (p.masked_m != nullptr) load_segment(p);
+  }
+
+  __device__ bool next(W4A8Tile& tile, const W4A8Params& p) {
+    return p.masked_m != nullptr ? next_masked(tile, p) : next_contiguous(tile, p);
+  }
+
+ private:
+  // Contiguous: the weight tiles vary fastest, so the CTAs of one wave share a few activation blocks
+  // and one group's weights.
+  __device__ bool next_contiguous(W4A8Tile& tile, const W4A8Params& p) {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const std::int32_t n_tiles = p.n / kTileN;
+    while (t_ < p.total_tiles) {
+      const std::int32_t t = t_;
+      t_ += static_cast<std::int32_t>(gridDim.x);
+      const std::int32_t m_block = t / n_tiles;
+      const std::int32_t row0 = m_block * kBM;
+      std::int32_t g = -1;
+#pragma unroll
+      for (int i = 0; i * 32 < kBM; ++i) {
+        const std::int32_t row = row0 + i * 32 + lane;
+        if (i * 32 + lane < kBM && row < p.rows) g = max(g, __ldg(p.m_indices + row));
+      }
+      g = __reduce_max_sync(0xffffffffu, g);
+      if (g < 0 || g >= p.groups) continue;  // padding only (or ids out of range): nothing to do
+      tile = W4A8Tile{g, t - m_block * n_tiles, row0, p.rows};
+      return true;
+    }
+    return false;
+  }
+
+  // Masked: only the valid m-blocks of each group are enumerated (group-major, then weight tile,
+  // then m-block).
+  __device__ bool next_masked(W4A8Tile& tile, const W4A8Params& p) {
+    while (g_ < p.groups && t_ >= seg_start_ + seg_tiles_) {
+      seg_start_ += seg_tiles_;
+      ++g_;
+      if (g_ < p.groups) load_segment(p);
+    }
+    if (g_ >= p.groups) return false;
+    const std::int32_t r = t_ - seg_start_;
+    t_ += static_cast<std::int32_t>(gridDim.x);
+    const std::int32_t m_block = r % seg_m_blocks_;
+    const std::int32_t seg_row0 = g_ * p.rows;
+    tile = W4A8Tile{g_, r / seg_m_blocks_, seg_row0 + m_block * kBM, seg_row0 + seg_count_};
+    return true;
+  }
+
+  __device__ void load_segment(const W4A8Params& p) {
+    seg_count_ = min(max(__ldg(p.masked_m + g_), 0), p.rows);
+    seg_m_blocks_ = (seg_count_ + kBM - 1) / kBM;
+    seg_tiles_ = seg_m_blocks_ * (p.n / kTileN);
+  }
+
+  std::int32_t t_;
+  std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
+};
+
+struct W4A8Pipe {
+  int stage = 0;
+  std::uint32_t phase = 0;
+  __device__ void advance(int stages) {
+    if (++stage == stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Four codes (low 16 bits of w) -> four e4m3 values (w4a8_layout.hpp).
+__device__ __forceinline__ std::uint32_t w4a8_convert4(std::uint32_t w) {
+  return ptx::prmt(w4a8::kLut1Lo, w4a8::kLut1Hi, w) ^ ptx::prmt(w4a8::kLut2Lo, w4a8::kLut2Hi, w ^ 0x8888u);
+}
+
+// One packed word (registers r, r + 1 of a step: low and high 16 bits) -> two fragment registers.
+__device__ __forceinline__ void w4a8_convert8(std::uint32_t w, std::uint32_t& lo, std::uint32_t& hi) {
+  const std::uint32_t x = w ^ 0x88888888u;
+  lo = ptx::prmt(w4a8::kLut1Lo, w4a8::kLut1Hi, w) ^ ptx::prmt(w4a8::kLut2Lo, w4a8::kLut2Hi, x);
+  hi = ptx::prmt(w4a8::kLut1Lo, w4a8::kLut1Hi, w >> 16) ^ ptx::prmt(w4a8::kLut2Lo, w4a8::kLut2Hi, x >> 16);
+}
+
+template <int kN>
+__device__ __forceinline__ void w4a8_fence_all(float (&r)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) ptx::fence_operand(r[i]);
+}
+
+__device__ __forceinline__ std::uint32_t w4a8_pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+template <int kBM, int kConsumers>
+__global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
+    w4a8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
+                             const __grid_constant__ W4A8Params p) {
+  using Traits = W4A8Traits<kBM, kConsumers>;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kAcc = Traits::kAcc;
+  constexpr int kTileN = Traits::kTileN;
+
+  extern __shared__ __align__(1024) std::uint8_t smem_raw[];
+  const std::uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
+  const std::uint32_t smem_a = smem_base;                             // kStages x [kBM x 128]
+  const std::uint32_t smem_w = smem_a + kStages * Traits::kABytes;    // kStages x kConsumers x 4096
+  const std::uint32_t smem_s = smem_w + kStages * Traits::kWBytes;    // kStages x kConsumers x 64 f32
+  const std::uint32_t full_bar = smem_s + kStages * Traits::kSBytes;  // kStages x 8 bytes
+  const std::uint32_t empty_bar = full_bar + kStages * 8;             // kStages x 8 bytes
+
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int32_t num_kb = p.k / w4a8::kBlockK;
+  const int stages = p.stages;
+
+  if (threadIdx.x == 0) {
+#pragma unroll 1
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(full_bar + 8 * s, 1);                // the producer's arrive (+ bytes)
+      ptx::mbar_init(empty_bar + 8 * s, kConsumers * 4);  // one arrive per consumer warp
+    }
+    ptx::fence_barrier_init();
+  }
+  if (threadIdx.x == 32) ptx::prefetch_tensormap(&tma_a);
+  __syncthreads();
+
+  if (warp < 4) {
+    // ------------------------------------------------------------ producer warpgroup (warp 0 works)
+    ptx::setmaxnreg_dec<Traits::kProducerRegs>();
+    if (warp == 0) {
+      W4A8Scheduler<kBM, kTileN> scheduler(p);
+      W4A8Tile tile;
+      W4A8Pipe pipe;
+      const std::int64_t n_panels = p.n / w4a8::kPanelRows;
+      while (scheduler.next(tile, p)) {
+        const std::int64_t panel0 =
+            tile.group * n_panels + static_cast<std::int64_t>(tile.n_tile) * kConsumers;
+        const std::uint8_t* w_src = p.w + panel0 * num_kb * w4a8::kPanelBytes;
+        const float* s_src = p.ws + panel0 * num_kb * w4a8::kPanelRows;
+        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+          if (lane == 0) {
+            const std::uint32_t full = full_bar + 8 * pipe.stage;
+            ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+            ptx::mbar_arrive_expect_tx(full, Traits::kStageBytes);
+            ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, &tma_a, full, kb * w4a8::kBlockK,
+                             tile.row0);
+#pragma unroll
+            for (int c = 0; c < kConsumers; ++c) {
+              const std::int64_t chunk = static_cast<std::int64_t>(c) * num_kb + kb;
+              ptx::bulk_load(smem_w + pipe.stage * Traits::kWBytes + c * w4a8::kPanelBytes,
+                             w_src + chunk * w4a8::kPanelBytes, w4a8::kPanelBytes, full);
+              ptx::bulk_load(smem_s + pipe.stage * Traits::kSBytes + c * w4a8::kPanelScaleBytes,
+                             s_src + chunk * w4a8::kPanelRows, w4a8::kPanelScaleBytes, full);
+            }
+          }
+          pipe.advance(stages);
+        }
+        __syncwarp();
+      }
+    }
+  } else {
+    // ------------------------------------------------------------ consumer warpgroups
+    ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
+    const int consumer = warp / 4 - 1;  // which 64 weight rows of the tile
+    const int t = static_cast<int>(threadIdx.x % 128);
+    const int warp_in_group = t / 32;
+    const int g = lane / 4, q = lane % 4;
+    const int row_in_panel = warp_in_group * 16 + g;  // and + 8
+    const bool odd = (g & 1) != 0;
+    const float a_scale = p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale;
+
+    W4A8Scheduler<kBM, kTileN> scheduler(p);
+    W4A8Tile tile;
+    W4A8Pipe pipe;
+    float acc[kAcc];
+    // Partial accumulators: two (the next K block's wgmma runs while the last one is folded) where
+    // the registers allow (32 x 256 tiles with two spilled 40 bytes at 112 registers), else one.
+    constexpr int kParts = kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
+    float part[kParts][kAcc];
+    std::uint32_t frag[2][4][4];  // converted weights of two K blocks (wgmma A operands)
+    float s_lo[2], s_hi[2];       // their scales (rows row_in_panel and + 8)
+    using I0 = std::integral_constant<int, 0>;
+    using I1 = std::integral_constant<int, 1>;
+
+    // Waits for the stage at `at`, loads this thread's codes and scales of it, converts into frag[B].
+    const auto load = [&](auto b, const W4A8Pipe& at) {
+      constexpr int B = decltype(b)::value;
+      ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
+      const std::uint32_t w_addr =
+          smem_w + at.stage * Traits::kWBytes + consumer * w4a8::kPanelBytes + t * 16;
+      const uint4 v0 = ptx::ld_shared_v4(w_addr);
+      const uint4 v1 = ptx::ld_shared_v4(w_addr + 2048);
+      const std::uint32_t s_addr =
+          smem_s + at.stage * Traits::kSBytes + consumer * w4a8::kPanelScaleBytes + 4 * row_in_panel;
+      s_lo[B] = ptx::ld_shared_f32(s_addr);
+      s_hi[B] = ptx::ld_shared_f32(s_addr + 4 * 8);
+      w4a8_convert8(v0.x, frag[B][0][0], frag[B][0][1]);
+      w4a8_convert8(v0.y, frag[B][0][2], frag[B][0][3]);
+      w4a8_convert8(v0.z, frag[B][1][0], frag[B][1][1]);
+      w4a8_convert8(v0.w, frag[B][1][2], frag[B][1][3]);
+      w4a8_convert8(v1.x, frag[B][2][0], frag[B][2][1]);
+      w4a8_convert8(v1.y, frag[B][2][2], frag[B][2][3]);
+      w4a8_convert8(v1.z, frag[B][3][0], frag[B][3][1]);
+      w4a8_convert8(v1.w, frag[B][3][2], frag[B][3][3]);
+    };
+    // Issues the K block in frag[B] against the activation tile of `stage` into part[P].
+    const auto issue = [&](auto b, auto pp, int stage) {
+      constexpr int B = decltype(b)::value, P = decltype(pp)::value;
+      const std::uint32_t a_tile = smem_a + stage * Traits::kABytes;
+      w4a8_fence_all(part[P]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        ptx::wgmma_m64k32_rs_e4m3<kBM>(part[P], frag[B][s], ptx::wgmma_desc_sw128(a_tile + s * 32), s > 0);
+      ptx::wgmma_commit();
+    };
+    // After the wgmma into part[P] completed: frees `stage` and folds part[P] with scales B.
+    const auto fold = [&](auto pp, auto b, int stage) {
+      constexpr int P = decltype(pp)::value, B = decltype(b)::value;
+      w4a8_fence_all(part[P]);
+      if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
+      w4a8_fence_all(part[P]);
+#pragma unroll
+      for (int j = 0; j < kAcc / 4; ++j) {
+        acc[4 * j + 0] = fmaf(s_lo[B], part[P][4 * j + 0], acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(s_lo[B], part[P][4 * j + 1], acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(s_hi[B], part[P][4 * j + 2], acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(s_hi[B], part[P][4 * j + 3], acc[4 * j + 3]);
+      }
+    };
+
+    while (scheduler.next(tile, p)) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+#pragma unroll
+      for (int P = 0; P < kParts; ++P) {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) part[P][i] = 0.0f;
+      }
+      // K block kb uses frag[kb % 2]; its conversion runs while block kb - 1's wgmma do. With two
+      // partials, block kb's wgmma also run while block kb - 1 is folded (wait_group 1).
+      int prev_stage = 0;
+      load(I0{}, pipe);
+      const auto step = [&](auto b, std::int32_t kb) {
+        constexpr int B = decltype(b)::value;
+        using Other = std::integral_constant<int, B ^ 1>;
+        const int stage = pipe.stage;
+        W4A8Pipe next = pipe;
+        next.advance(stages);
+        if constexpr (kParts == 2) {
+          issue(b, b, stage);
+          if (kb > 0) {
+            ptx::wgmma_wait<1>();
+            fold(Other{}, Other{}, prev_stage);
+          }
+          if (kb + 1 < num_kb) load(Other{}, next);
+        } else {
+          issue(b, I0{}, stage);
+          if (kb + 1 < num_kb) load(Other{}, next);
+          ptx::wgmma_wait<0>();
+          fold(I0{}, b, stage);
+        }
+        prev_stage = stage;
+        pipe = next;
+      };
+      for (std::int32_t kb = 0; kb < num_kb; kb += 2) {
+        step(I0{}, kb);
+        if (kb + 1 < num_kb) step(I1{}, kb + 1);
+      }
+      if constexpr (kParts == 2) {
+        ptx::wgmma_wait<0>();
+        if (((num_kb - 1) & 1) == 0) {
+          fold(I0{}, I0{}, prev_stage);
+        } else {
+          fold(I1{}, I1{}, prev_stage);
+        }
+      }
+
+      // Epilogue. acc[4 j + 2 h + e] is D^T[n0 + 8 h, m0 + e] (n0 this thread's weight row, m0 =
+      // 8 j + 2 q). Lanes g and g ^ 1 (lane ^ 4) hold neighbouring weight rows: after one exchange
+      // the even lane holds columns (n, n + 1) of activation row m0 and the odd lane those of m0 + 1.
+      const std::int32_t n0 = tile.n_tile * kTileN + consumer * w4a8::kPanelRows + row_in_panel;
+#pragma unroll
+      for (int j = 0; j < kAcc / 4; ++j) {
+        const std::int32_t m = 8 * j + 2 * q + (odd ? 1 : 0);
+        const std::int32_t row = tile.row0 + m;
+        bool valid = row < tile.row_end;
+        if (valid && p.m_indices != nullptr) valid = __ldg(p.m_indices + row) == tile.group;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float x0 = acc[4 * j + 2 * h] * a_scale, x1 = acc[4 * j + 2 * h + 1] * a_scale;
+          const float recv = __shfl_xor_sync(0xffffffffu, odd ? x0 : x1, 4);
+          const std::uint32_t pair = odd ? w4a8_pack_bf16x2(recv, x1) : w4a8_pack_bf16x2(x0, recv);
+          const std::int32_t col = n0 + 8 * h - (odd ? 1 : 0);
+          if (valid)
+            *reinterpret_cast<std::uint32_t*>(p.d + static_cast<std::int64_t>(row) * p.n + col) = pair;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- weight preparation
+// One thread step per checkpoint byte (two int4 values, k = 2 i and 2 i + 1 of row n), which lands
+// whole in one packed byte (w4a8_layout.hpp: both values are nibbles j, j + 1 of one word).
+__global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src,
+                                    const float* __restrict__ src_scales, std::uint8_t* __restrict__ dst,
+                                    float* __restrict__ dst_scales, std::int64_t groups, std::int64_t n,
+                                    std::int64_t k, bool inverse) {
+  const std::int64_t half_k = k / 2, kb_count = k / w4a8::kBlockK;
+  const std::int64_t bytes = groups * n * half_k, scales = groups * n * kb_count;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes + scales;
+       i += stride) {
+    if (i < bytes) {
+      const std::int64_t group = i / (n * half_k), rest = i % (n * half_k);
+      const std::int64_t row = rest / half_k, kk = 2 * (rest % half_k);
+      const w4a8::NibblePos pos = w4a8::packed_position(row, kk, kb_count);
+      const std::int64_t packed = group * n * half_k + pos.byte;
+      if (!inverse) {
+        const std::uint32_t b = src[i];
+        const int lo = static_cast<int>(static_cast<std::int8_t>(b << 4)) >> 4;
+        const int hi = static_cast<int>(static_cast<std::int8_t>(b)) >> 4;
+        dst[packed] = static_cast<std::uint8_t>(w4a8::encode_int4(lo) | (w4a8::encode_int4(hi) << 4));
+      } else {
+        const std::uint32_t b = src[packed];
+        const int lo = w4a8::decode_int4(b & 0xfu), hi = w4a8::decode_int4(b >> 4);
+        dst[i] = static_cast<std::uint8_t>((static_cast<unsigned>(lo) & 0xfu) |
+                                           ((static_cast<unsigned>(hi) & 0xfu) << 4));
+      }
+    } else {
+      const std::int64_t j = i - bytes;
+      const std::int64_t group = j / (n * kb_count), rest = j % (n * kb_count);
+      const std::int64_t row = rest / kb_count, kb = rest % kb_count;
+      const std::int64_t packed = group * n * kb_count + w4a8::packed_scale_index(row, kb, kb_count);
+      if (!inverse) {
+        dst_scales[packed] = src_scales[j];
+      } else {
+        dst_scales[j] = src_scales[packed];
+      }
+    }
+  }
+}
+
+}  // namespace epmoe::kernels

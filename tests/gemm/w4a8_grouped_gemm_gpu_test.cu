@@ -1,0 +1,460 @@
+// The W4A8 grouped GEMM on the GPU against its CPU reference (f64, from the checkpoint-order int4
+// weights and the same FP8 activations): fresh random inputs for every run (never zeros; int4 values
+// over all of [-8, 7]), outputs poisoned (0xff) before the run, relative L2 error <= 5e-3 over the
+// valid rows, no NaN/Inf, every skipped row still poisoned afterwards. Also: the device weight
+// preparation equals the CPU packer byte for byte and its inverse round-trips, graph replay of the
+// masked call with new counts, and argument checks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <ostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/w4a8_gemm.hpp"
+#include "epmoe/grouped_gemm.hpp"
+#include "gpu_test_util.hpp"
+
+namespace epmoe {
+namespace {
+
+using testing::expect_error_mentions;
+
+constexpr double kTolerance = 5e-3;
+constexpr std::uint16_t kPoison = 0xffff;  // bf16 NaN: never a valid output
+
+std::uint64_t fresh_seed() {
+  std::random_device rd;
+  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+}
+
+// e4m3 normal numbers of random sign, exponent and mantissa (never zero, never NaN).
+void fill_random_fp8(std::uint8_t* p, std::int64_t n, std::mt19937_64& rng) {
+  std::uint64_t bits = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (i % 4 == 0) bits = rng();
+    const auto r = static_cast<unsigned>(bits >> (16 * (i % 4))) & 0xffffu;
+    const unsigned exponent = 3 + (r >> 8) % 9;  // 3..11: 2^-4 .. 2^4
+    p[i] = static_cast<std::uint8_t>(((r & 1u) << 7) | (exponent << 3) | ((r >> 1) & 7u));
+  }
+}
+
+struct Weights {
+  HostTensor w, s;  // checkpoint order: i4x2 [G, N, K/2], f32 [G, N, K/128]
+};
+Weights random_weights(std::int64_t G, std::int64_t N, std::int64_t K, std::mt19937_64& rng) {
+  Weights w{HostTensor(DType::i4x2, {G, N, K / 2}), HostTensor(DType::f32, {G, N, K / 128})};
+  auto* b = static_cast<std::uint8_t*>(w.w.view().data);
+  std::uint64_t bits = 0;
+  for (std::int64_t i = 0; i < w.w.numel(); ++i) {
+    if (i % 8 == 0) bits = rng();
+    b[i] = static_cast<std::uint8_t>(bits >> (8 * (i % 8)));  // every int4 value, -8 included
+  }
+  std::uniform_real_distribution<float> u(1.0f, 2.0f);
+  std::uniform_int_distribution<int> e(-10, -4);
+  for (std::int64_t i = 0; i < w.s.numel(); ++i) w.s.data<float>()[i] = std::ldexp(u(rng), e(rng));
+  return w;
+}
+
+struct DeviceWeights {
+  cuda::DeviceTensor w, s;
+};
+DeviceWeights prepare(const Weights& host, cuda::Stream& stream) {
+  const cuda::DeviceTensor dw = cuda::to_device(host.w, stream), ds = cuda::to_device(host.s, stream);
+  DeviceWeights out{cuda::DeviceTensor(DType::i4x2, {host.w.size(0), host.w.size(1), host.w.size(2)}),
+                    cuda::DeviceTensor(DType::f32, {host.s.size(0), host.s.size(1), host.s.size(2)})};
+  cuda::w4a8_prepare_weights(dw, ds, out.w, out.s, stream);
+  stream.synchronize();
+  return out;
+}
+
+float random_a_scale(std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(0.5f, 2.0f);
+  return u(rng) * 0.01f;
+}
+
+void check_output(const HostTensor& got, const HostTensor& ref, const std::vector<bool>& valid,
+                  std::int64_t n) {
+  const bf16* g = got.data<bf16>();
+  const double* r = ref.data<double>();
+  double err2 = 0, ref2 = 0, dot = 0, sum2 = 0;
+  std::int64_t non_finite = 0, overwritten = 0, checked = 0;
+  std::ostringstream first;
+  for (std::size_t row = 0; row < valid.size(); ++row) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      const std::int64_t i = static_cast<std::int64_t>(row) * n + j;
+      if (!valid[row]) {
+        if (g[i].bits != kPoison) {
+          if (overwritten++ < 4) first << " row " << row << " col " << j << " = " << g[i].to_float() << ";";
+        }
+        continue;
+      }
+      const double x = g[i].to_float(), y = r[i];
+      if (!std::isfinite(x)) {
+        if (non_finite++ < 4) first << " non-finite at row " << row << " col " << j << ";";
+        continue;
+      }
+      err2 += (x - y) * (x - y);
+      ref2 += y * y;
+      dot += x * y;
+      sum2 += x * x + y * y;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(non_finite, 0) << first.str();
+  EXPECT_EQ(overwritten, 0) << "skipped rows were written:" << first.str();
+  if (checked == 0) return;
+  const double rel = std::sqrt(err2 / ref2);
+  const double calc_diff = 1.0 - 2.0 * dot / sum2;
+  EXPECT_LE(rel, kTolerance) << "relative L2 error over " << checked << " values (calc_diff " << calc_diff
+                             << ")";
+  EXPECT_LE(calc_diff, kTolerance);
+  std::printf("    rel_l2 %.3g, calc_diff %.3g over %lld values\n", rel, calc_diff,
+              static_cast<long long>(checked));
+}
+
+TEST(W4A8GemmGpu, PreparationMatchesTheCpuPackerAndRoundTrips) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::int64_t G = 3, N = 384, K = 640;
+  const Weights host = random_weights(G, N, K, rng);
+  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, K / 128});
+  cuda::w4a8_prepare_weights_cpu(host.w, host.s, pw, ps);
+  cuda::Stream stream;
+  const DeviceWeights dev = prepare(host, stream);
+  const HostTensor got_w = cuda::to_host(dev.w, stream), got_s = cuda::to_host(dev.s, stream);
+  EXPECT_EQ(std::memcmp(got_w.view().data, pw.view().data, pw.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(got_s.view().data, ps.view().data, ps.nbytes()), 0);
+  const cuda::DeviceTensor back_w(DType::i4x2, {G, N, K / 2}), back_s(DType::f32, {G, N, K / 128});
+  cuda::w4a8_unprepare_weights(dev.w, dev.s, back_w, back_s, stream);
+  const HostTensor bw = cuda::to_host(back_w, stream), bs = cuda::to_host(back_s, stream);
+  EXPECT_EQ(std::memcmp(bw.view().data, host.w.view().data, bw.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(bs.view().data, host.s.view().data, bs.nbytes()), 0);
+}
+
+// ---------------------------------------------------------------- masked
+struct MaskedCase {
+  std::string name;
+  std::int64_t m_max;
+  std::vector<std::int32_t> masked_m;
+  std::int64_t n, k;
+  int block_m = 0;
+  int consumers = 0;
+  bool device_scale = false;
+};
+void PrintTo(const MaskedCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+struct MaskedInputs {
+  HostTensor a, counts;
+  Weights w;
+};
+MaskedInputs masked_inputs(std::int64_t G, std::int64_t M_max, std::int64_t N, std::int64_t K,
+                           const std::vector<std::int32_t>& counts, std::mt19937_64& rng) {
+  MaskedInputs in{HostTensor(DType::fp8_e4m3, {G, M_max, K}), HostTensor(DType::i32, {G}),
+                  random_weights(G, N, K, rng)};
+  auto* a_bytes = static_cast<std::uint8_t*>(in.a.view().data);
+  fill_random_fp8(a_bytes, in.a.numel(), rng);
+  for (std::int64_t g = 0; g < G; ++g) {
+    in.counts.data<std::int32_t>()[g] = counts[static_cast<std::size_t>(g)];
+    // Rows past the count hold NaN codes: nothing of them may leak into valid rows.
+    for (std::int64_t r = counts[static_cast<std::size_t>(g)]; r < M_max; ++r)
+      std::memset(a_bytes + (g * M_max + r) * K, 0x7f, static_cast<std::size_t>(K));
+  }
+  return in;
+}
+
+std::vector<bool> masked_valid(const std::vector<std::int32_t>& counts, std::int64_t M_max) {
+  std::vector<bool> valid;
+  for (const std::int32_t c : counts)
+    for (std::int64_t r = 0; r < M_max; ++r) valid.push_back(r < c);
+  return valid;
+}
+
+class W4A8GemmMaskedGpu : public ::testing::TestWithParam<MaskedCase> {};
+
+TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
+  EPMOE_REQUIRE_GPU();
+  const MaskedCase& c = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto G = static_cast<std::int64_t>(c.masked_m.size());
+  const std::int64_t N = c.n, K = c.k, M_max = c.m_max;
+  const MaskedInputs in = masked_inputs(G, M_max, N, K, c.masked_m, rng);
+  const float a_scale = random_a_scale(rng);
+
+  HostTensor ref(DType::f64, {G, M_max, N});
+  w4a8_grouped_gemm_masked_cpu(in.a, a_scale, in.w.w, in.w.s, in.counts, ref);
+
+  std::int64_t expected_m = 0;
+  for (const std::int32_t m : c.masked_m) expected_m += m;
+  expected_m /= G;
+
+  cuda::Stream stream;
+  const DeviceWeights dw = prepare(in.w, stream);
+  const cuda::DeviceTensor da = cuda::to_device(in.a, stream), dcounts = cuda::to_device(in.counts, stream);
+  cuda::DeviceTensor dscale;
+  if (c.device_scale) {
+    HostTensor hs(DType::f32, {1});
+    hs.data<float>()[0] = a_scale;
+    dscale = cuda::to_device(hs, stream);
+  }
+  const cuda::DeviceTensor dd(DType::bf16, {G, M_max, N});
+  dd.fill_bytes(0xff, stream);
+  cuda::W4A8GemmOptions options;
+  options.block_m = c.block_m;
+  options.consumers = c.consumers;
+  // With a device scale the host float is garbage: the kernel must not read it.
+  const float host_scale = c.device_scale ? std::nanf("") : a_scale;
+  const TensorView scale_view = c.device_scale ? dscale.view() : TensorView{};
+  cuda::w4a8_grouped_gemm_masked(da, host_scale, scale_view, dw.w, dw.s, dcounts, expected_m, dd, stream,
+                                 options);
+  const HostTensor got = cuda::to_host(dd, stream);
+  check_output(got, ref, masked_valid(c.masked_m, M_max), N);
+
+  dd.fill_bytes(0xff, stream);
+  cuda::w4a8_grouped_gemm_masked(da, host_scale, scale_view, dw.w, dw.s, dcounts, expected_m, dd, stream,
+                                 options);
+  const HostTensor again = cuda::to_host(dd, stream);
+  EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "two runs differ";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, W4A8GemmMaskedGpu,
+    ::testing::Values(
+        // Decode, gate_up: 16 x 256 tiles, an empty group, groups past one 16-row block.
+        MaskedCase{"N4096_K7168_decode", 40, {8, 0, 13, 40, 1}, 4096, 7168},
+        // Decode, down: 7168 x 2048, 32 x 256 tiles, a device a_scale.
+        MaskedCase{"N7168_K2048_decode_block32_device_scale", 48, {20, 5, 48, 0}, 7168, 2048, 32, 0, true},
+        // Every tile shape: 16 / 32 with 2 consumers, 64, 128.
+        MaskedCase{"N1536_K2048_block16_consumers2", 37, {37, 3, 0, 17}, 1536, 2048, 16, 2},
+        MaskedCase{"N1536_K2048_block32_consumers2", 70, {70, 33, 1}, 1536, 2048, 32, 2},
+        MaskedCase{"N1536_K2048_block64", 130, {130, 0, 64, 65}, 1536, 2048, 64},
+        MaskedCase{"N640_K7168_block128", 300, {300, 129, 7}, 640, 7168, 128},
+        // N not a multiple of 256: the heuristic falls back to 128-row weight tiles.
+        MaskedCase{"N640_K2048_decode_n_not_256", 24, {24, 9}, 640, 2048},
+        // An odd number of K blocks (the last one folded from the second partial), and a single one.
+        MaskedCase{"N1536_K1152_odd_k_blocks", 20, {20, 7}, 1536, 1152},
+        MaskedCase{"N640_K128_one_k_block_block64", 70, {70, 5}, 640, 128, 64},
+        MaskedCase{"N512_K384_odd_k_blocks_block32_consumers4", 40, {40, 31}, 512, 384, 32, 4},
+        // masked_m = M_max everywhere, and nothing valid at all.
+        MaskedCase{"N1536_K2048_all_full", 16, {16, 16, 16}, 1536, 2048},
+        MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048}),
+    [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
+
+// ---------------------------------------------------------------- contiguous
+struct ContiguousCase {
+  std::string name;
+  std::vector<std::int64_t> group_rows;  // valid rows per group; each group padded to 128
+  std::int64_t n, k;
+  std::int64_t trailing_blocks = 0;  // all-padding 128-row blocks at the end
+  bool holes = false;                // -1 rows inside groups' rows too
+};
+void PrintTo(const ContiguousCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class W4A8GemmContiguousGpu : public ::testing::TestWithParam<ContiguousCase> {};
+
+TEST_P(W4A8GemmContiguousGpu, MatchesCpuReference) {
+  EPMOE_REQUIRE_GPU();
+  const ContiguousCase& c = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto G = static_cast<std::int64_t>(c.group_rows.size());
+  const std::int64_t N = c.n, K = c.k;
+  std::vector<std::int32_t> ids;
+  for (std::int64_t g = 0; g < G; ++g) {
+    const std::int64_t rows = c.group_rows[static_cast<std::size_t>(g)];
+    const std::int64_t padded = (rows + 127) / 128 * 128;
+    for (std::int64_t r = 0; r < padded; ++r) {
+      const bool hole = c.holes && r < rows && r % 7 == 3;
+      ids.push_back(r < rows && !hole ? static_cast<std::int32_t>(g) : -1);
+    }
+  }
+  for (std::int64_t i = 0; i < 128 * c.trailing_blocks; ++i) ids.push_back(-1);
+  const auto M = static_cast<std::int64_t>(ids.size());
+  ASSERT_GT(M, 0);
+
+  HostTensor a(DType::fp8_e4m3, {M, K}), m_indices(DType::i32, {M});
+  auto* a_bytes = static_cast<std::uint8_t*>(a.view().data);
+  fill_random_fp8(a_bytes, M * K, rng);
+  std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
+  std::vector<bool> valid(static_cast<std::size_t>(M));
+  for (std::int64_t m = 0; m < M; ++m) {
+    valid[static_cast<std::size_t>(m)] = ids[static_cast<std::size_t>(m)] >= 0;
+    if (!valid[static_cast<std::size_t>(m)]) std::memset(a_bytes + m * K, 0x7f, static_cast<std::size_t>(K));
+  }
+  const Weights w = random_weights(G, N, K, rng);
+  const float a_scale = random_a_scale(rng);
+  HostTensor ref(DType::f64, {M, N});
+  w4a8_grouped_gemm_contiguous_cpu(a, a_scale, w.w, w.s, m_indices, ref);
+
+  cuda::Stream stream;
+  const DeviceWeights dw = prepare(w, stream);
+  const cuda::DeviceTensor da = cuda::to_device(a, stream), dids = cuda::to_device(m_indices, stream);
+  const cuda::DeviceTensor dd(DType::bf16, {M, N});
+  dd.fill_bytes(0xff, stream);
+  cuda::w4a8_grouped_gemm_contiguous(da, a_scale, {}, dw.w, dw.s, dids, dd, stream);
+  const HostTensor got = cuda::to_host(dd, stream);
+  check_output(got, ref, valid, N);
+
+  dd.fill_bytes(0xff, stream);
+  cuda::w4a8_grouped_gemm_contiguous(da, a_scale, {}, dw.w, dw.s, dids, dd, stream);
+  const HostTensor again = cuda::to_host(dd, stream);
+  EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "two runs differ";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, W4A8GemmContiguousGpu,
+    ::testing::Values(ContiguousCase{"N4096_K7168_empty_and_single_row", {1, 0, 130}, 4096, 7168},
+                      ContiguousCase{"N7168_K2048", {150, 0, 64, 33}, 7168, 2048},
+                      ContiguousCase{"N1536_K2048_single_row_trailing", {0, 1}, 1536, 2048, 3},
+                      ContiguousCase{"N1536_K1152_odd_k_blocks", {130, 7}, 1536, 1152},
+                      ContiguousCase{
+                          "N640_K2048_many_groups_holes", {5, 17, 0, 128, 1, 90, 0, 33}, 640, 2048, 1, true}),
+    [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
+
+// The masked GEMM captured once in a CUDA graph, replayed with new counts written on the device.
+TEST(W4A8GemmGpuMisc, MaskedReplaysInACudaGraph) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::int64_t G = 3, M_max = 24, N = 1536, K = 2048;
+  const std::vector<std::int32_t> first{5, 24, 0}, second{0, 13, 17};
+  const MaskedInputs in = masked_inputs(G, M_max, N, K, {24, 24, 24}, rng);
+  const float a_scale = random_a_scale(rng);
+
+  cuda::Stream stream;
+  const DeviceWeights dw = prepare(in.w, stream);
+  const cuda::DeviceTensor da = cuda::to_device(in.a, stream);
+  const cuda::DeviceTensor dcounts(DType::i32, {G}), dd(DType::bf16, {G, M_max, N});
+  dcounts.fill_bytes(0x00, stream);
+  cuda::w4a8_grouped_gemm_masked(da, a_scale, {}, dw.w, dw.s, dcounts, 8, dd, stream);
+  stream.synchronize();
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cuda::w4a8_grouped_gemm_masked(da, a_scale, {}, dw.w, dw.s, dcounts, 8, dd, stream);
+  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const auto* counts : {&first, &second}) {
+    HostTensor hc(DType::i32, {G});
+    std::memcpy(hc.data<std::int32_t>(), counts->data(), static_cast<std::size_t>(G) * sizeof(std::int32_t));
+    cuda::copy_to_device(dcounts, hc, stream);
+    dd.fill_bytes(0xff, stream);
+    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const HostTensor got = cuda::to_host(dd, stream);
+    HostTensor ref(DType::f64, {G, M_max, N});
+    w4a8_grouped_gemm_masked_cpu(in.a, a_scale, in.w.w, in.w.s, hc, ref);
+    check_output(got, ref, masked_valid(*counts, M_max), N);
+  }
+  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+TEST(W4A8GemmGpuMisc, RefusesBadArguments) {
+  EPMOE_REQUIRE_GPU();
+  cuda::Stream stream;
+  const std::int64_t G = 2, M_max = 20, N = 256, K = 256;
+  const cuda::DeviceTensor a(DType::fp8_e4m3, {G, M_max, K}), w(DType::i4x2, {G, N, K / 2}),
+      s(DType::f32, {G, N, K / 128}), counts(DType::i32, {G}), d(DType::bf16, {G, M_max, N});
+  a.fill_bytes(0x38, stream);
+  w.fill_bytes(0x11, stream);
+  s.fill_bytes(0x3c, stream);
+  counts.fill_bytes(0x00, stream);
+  using cuda::w4a8_grouped_gemm_masked;
+  EXPECT_NO_THROW(w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream));
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 0.0f, {}, w, s, counts, 8, d, stream); },
+                        "a_scale must be positive and finite");
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, std::nanf(""), {}, w, s, counts, 8, d, stream); },
+                        "a_scale must be positive and finite");
+  const cuda::DeviceTensor scale2(DType::f32, {2});
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, scale2, w, s, counts, 8, d, stream); },
+                        "a_scale_device must have shape [1]");
+  const cuda::DeviceTensor w_k(DType::i4x2, {G, N, 100});
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w_k, s, counts, 8, d, stream); },
+                        "packed_w: K = 200 (2 x its last dimension) must be a positive multiple of 128");
+  const cuda::DeviceTensor w_n(DType::i4x2, {G, 192, K / 2});
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w_n, s, counts, 8, d, stream); },
+                        "packed_w: N = 192 must be a positive multiple of 128");
+  const cuda::DeviceTensor w_fp8(DType::fp8_e4m3, {G, N, K / 2});
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w_fp8, s, counts, 8, d, stream); },
+                        "packed_w must have dtype i4x2");
+  const cuda::DeviceTensor s_bad(DType::f32, {G, N / 128, K / 128});
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s_bad, counts, 8, d, stream); },
+                        "packed_scales must have shape [2, 256, 2]");
+  const cuda::DeviceTensor a_k(DType::fp8_e4m3, {G, M_max, 2 * K});
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a_k, 1.0f, {}, w, s, counts, 8, d, stream); },
+                        "a (G and K of packed_w)");
+  const cuda::DeviceTensor counts_bad(DType::i32, {G + 1});
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts_bad, 8, d, stream); },
+                        "masked_m must have shape [2]");
+  const cuda::DeviceTensor d_f32(DType::f32, {G, M_max, N});
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d_f32, stream); },
+                        "d must have dtype bf16");
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, -1, d, stream); },
+                        "expected_m must be >= 0");
+  cuda::W4A8GemmOptions bad_m;
+  bad_m.block_m = 48;
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, bad_m); },
+                        "options.block_m must be 0 (automatic), 16, 32, 64 or 128");
+  cuda::W4A8GemmOptions bad_c;
+  bad_c.block_m = 64;
+  bad_c.consumers = 4;
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, bad_c); },
+                        "options.consumers = 4 needs block_m <= 32");
+  cuda::W4A8GemmOptions bad_stages;
+  bad_stages.stages = 99;
+  expect_error_mentions(
+      [&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, bad_stages); },
+      "options.stages must be 0 (all) or 1..");
+  const HostTensor a_host(DType::fp8_e4m3, {G, M_max, K});
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a_host, 1.0f, {}, w, s, counts, 8, d, stream); },
+                        "a must live on cuda");
+
+  // Contiguous.
+  const std::int64_t M = 256;
+  const cuda::DeviceTensor ac(DType::fp8_e4m3, {M, K}), ids(DType::i32, {M}), dc(DType::bf16, {M, N});
+  ac.fill_bytes(0x38, stream);
+  ids.fill_bytes(0x00, stream);
+  using cuda::w4a8_grouped_gemm_contiguous;
+  EXPECT_NO_THROW(w4a8_grouped_gemm_contiguous(ac, 1.0f, {}, w, s, ids, dc, stream));
+  const cuda::DeviceTensor ids_bad(DType::i32, {M + 1});
+  expect_error_mentions([&] { w4a8_grouped_gemm_contiguous(ac, 1.0f, {}, w, s, ids_bad, dc, stream); },
+                        "m_indices must have shape [256]");
+  cuda::W4A8GemmOptions small;
+  small.block_m = 16;
+  expect_error_mentions([&] { w4a8_grouped_gemm_contiguous(ac, 1.0f, {}, w, s, ids, dc, stream, small); },
+                        "options.block_m must be 0 or 128 for the contiguous layout");
+  const cuda::DeviceBuffer raw(static_cast<std::size_t>(M * K) + 64);
+  TensorView a_off = raw.view(DType::fp8_e4m3, {M, K});
+  a_off.data = static_cast<std::byte*>(a_off.data) + 8;
+  expect_error_mentions([&] { w4a8_grouped_gemm_contiguous(a_off, 1.0f, {}, w, s, ids, dc, stream); },
+                        "a must be 16-byte aligned");
+
+  // Preparation.
+  const cuda::DeviceTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, K / 128});
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights(w, s, w, ps, stream); },
+                        "must not alias the inputs");
+  const cuda::DeviceTensor pw_small(DType::i4x2, {G, N - 128, K / 2});
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights(w, s, pw_small, ps, stream); },
+                        "packed_scales must have shape");
+  stream.synchronize();
+}
+
+}  // namespace
+}  // namespace epmoe

@@ -1,0 +1,201 @@
+// The W4A8 packed weight layout and its int4 -> e4m3 codes, on the CPU: every code converts to the
+// exact e4m3 of its int4 value through the kernel's prmt/xor sequence (prmt modelled on the host),
+// the CPU packer and its inverse round-trip, and a thread-by-thread model of the kernel's loads
+// finds every weight where the wgmma A fragment wants it. Plus the W4A8 CPU reference against a
+// direct evaluation, and argument checks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "epmoe/cuda/w4a8_gemm.hpp"
+#include "epmoe/grouped_gemm.hpp"
+#include "gemm/w4a8_layout.hpp"
+#include "gpu_test_util.hpp"
+
+namespace epmoe {
+namespace {
+
+using testing::expect_error_mentions;
+
+std::uint32_t model_prmt(std::uint32_t a, std::uint32_t b, std::uint32_t sel) {
+  return w4a8::prmt_model(a, b, sel);
+}
+
+TEST(W4A8Codes, EveryInt4ConvertsToItsExactE4m3) {
+  for (int v = kInt4Min; v <= kInt4Max; ++v) {
+    const std::uint32_t c = w4a8::encode_int4(v);
+    ASSERT_LT(c, 16u);
+    EXPECT_EQ(w4a8::decode_int4(c), v);
+    // The same code in all four nibbles of the half word: four equal bytes.
+    const std::uint32_t e = w4a8::codes_to_e4m3x4(c * 0x1111u, model_prmt);
+    const std::uint8_t want = fp8_e4m3::from_float(static_cast<float>(v)).bits;
+    for (int j = 0; j < 4; ++j) EXPECT_EQ((e >> (8 * j)) & 0xffu, want) << "v = " << v << " byte " << j;
+    EXPECT_EQ(fp8_e4m3::from_bits(static_cast<std::uint8_t>(e & 0xffu)).to_float(), static_cast<float>(v));
+  }
+  // Mixed codes: each byte follows its own nibble.
+  for (int trial = 0; trial < 1000; ++trial) {
+    const int v[4] = {trial % 16 - 8, (trial / 16) % 16 - 8, (trial * 7) % 16 - 8, (trial * 11 + 3) % 16 - 8};
+    std::uint32_t w = 0;
+    for (int j = 0; j < 4; ++j) w |= w4a8::encode_int4(v[j]) << (4 * j);
+    const std::uint32_t e = w4a8::codes_to_e4m3x4(w | 0xabcd0000u, model_prmt);  // high half ignored
+    for (int j = 0; j < 4; ++j)
+      EXPECT_EQ((e >> (8 * j)) & 0xffu, fp8_e4m3::from_float(static_cast<float>(v[j])).bits);
+  }
+}
+
+struct Checkpoint {
+  HostTensor w, s;
+};
+Checkpoint random_checkpoint(std::int64_t G, std::int64_t N, std::int64_t K, std::mt19937_64& rng) {
+  Checkpoint c{HostTensor(DType::i4x2, {G, N, K / 2}), HostTensor(DType::f32, {G, N, K / 128})};
+  auto* w = static_cast<std::uint8_t*>(c.w.view().data);
+  for (std::int64_t i = 0; i < c.w.numel(); ++i) w[i] = static_cast<std::uint8_t>(rng());
+  std::uniform_real_distribution<float> u(0.5f, 2.0f);
+  for (std::int64_t i = 0; i < c.s.numel(); ++i) c.s.data<float>()[i] = u(rng) * 1e-3f;
+  return c;
+}
+
+TEST(W4A8Pack, RoundTripsAndIsAPermutation) {
+  std::mt19937_64 rng(7);
+  const std::int64_t G = 2, N = 256, K = 384;
+  const Checkpoint c = random_checkpoint(G, N, K, rng);
+  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, K / 128});
+  cuda::w4a8_prepare_weights_cpu(c.w, c.s, pw, ps);
+  HostTensor w2(DType::i4x2, {G, N, K / 2}), s2(DType::f32, {G, N, K / 128});
+  cuda::w4a8_unprepare_weights_cpu(pw, ps, w2, s2);
+  EXPECT_EQ(std::memcmp(c.w.view().data, w2.view().data, c.w.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(c.s.view().data, s2.view().data, c.s.nbytes()), 0);
+  // Every byte position is hit exactly once.
+  std::vector<int> hits(static_cast<std::size_t>(N * K / 2));
+  for (std::int64_t n = 0; n < N; ++n)
+    for (std::int64_t k = 0; k < K; k += 2) {
+      const w4a8::NibblePos pos = w4a8::packed_position(n, k, K / 128);
+      ASSERT_FALSE(pos.high);
+      ASSERT_TRUE(pos.byte >= 0 && pos.byte < N * K / 2);
+      ++hits[static_cast<std::size_t>(pos.byte)];
+      EXPECT_EQ(w4a8::packed_position(n, k + 1, K / 128).byte, pos.byte);
+      EXPECT_TRUE(w4a8::packed_position(n, k + 1, K / 128).high);
+    }
+  for (const int h : hits) ASSERT_EQ(h, 1);
+  std::vector<int> scale_hits(static_cast<std::size_t>(N * K / 128));
+  for (std::int64_t n = 0; n < N; ++n)
+    for (std::int64_t kb = 0; kb < K / 128; ++kb)
+      ++scale_hits[static_cast<std::size_t>(w4a8::packed_scale_index(n, kb, K / 128))];
+  for (const int h : scale_hits) ASSERT_EQ(h, 1);
+}
+
+// The kernel's view: thread t of the warpgroup loads 16 bytes at t * 16 and at 2048 + t * 16 of a
+// (panel, K block) chunk, converts word 2 (s % 2) + khalf into registers (r = 2 khalf, 2 khalf + 1)
+// of step s, and wgmma reads register r, byte j as A[row, k] with the m64nNk32 fragment layout.
+TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
+  std::mt19937_64 rng(11);
+  const std::int64_t G = 1, N = 128, K = 256, KB = K / 128;
+  const Checkpoint c = random_checkpoint(G, N, K, rng);
+  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, K / 128});
+  cuda::w4a8_prepare_weights_cpu(c.w, c.s, pw, ps);
+  const auto* packed = static_cast<const std::uint8_t*>(pw.view().data);
+  const auto* plain = static_cast<const std::uint8_t*>(c.w.view().data);
+  std::int64_t checked = 0;
+  for (std::int64_t panel = 0; panel < N / 64; ++panel) {
+    for (std::int64_t kb = 0; kb < KB; ++kb) {
+      const std::uint8_t* chunk = packed + (panel * KB + kb) * w4a8::kPanelBytes;
+      for (int t = 0; t < 128; ++t) {
+        std::uint32_t words[8];
+        std::memcpy(words, chunk + t * 16, 16);
+        std::memcpy(words + 4, chunk + 2048 + t * 16, 16);
+        const int warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
+        for (int s = 0; s < 4; ++s) {
+          for (int khalf = 0; khalf < 2; ++khalf) {
+            const std::uint32_t w = words[(s / 2) * 4 + (s % 2) * 2 + khalf];
+            const std::uint32_t regs[2] = {w4a8::codes_to_e4m3x4(w, model_prmt),
+                                           w4a8::codes_to_e4m3x4(w >> 16, model_prmt)};
+            for (int rhalf = 0; rhalf < 2; ++rhalf) {
+              for (int j = 0; j < 4; ++j) {
+                const std::int64_t row = panel * 64 + warp * 16 + g + 8 * rhalf;
+                const std::int64_t k = kb * 128 + s * 32 + khalf * 16 + 4 * q + j;
+                const int v = unpack_int4(plain + row * (K / 2), k);
+                const auto got = static_cast<std::uint8_t>(regs[rhalf] >> (8 * j));
+                ASSERT_EQ(got, fp8_e4m3::from_float(static_cast<float>(v)).bits)
+                    << "panel " << panel << " kb " << kb << " thread " << t << " step " << s << " row " << row
+                    << " k " << k;
+                ++checked;
+              }
+            }
+          }
+        }
+        // The two scales of the thread's rows.
+        const float* scales = ps.data<float>() + (panel * KB + kb) * 64;
+        EXPECT_EQ(scales[warp * 16 + g], c.s.data<float>()[(panel * 64 + warp * 16 + g) * KB + kb]);
+        EXPECT_EQ(scales[warp * 16 + g + 8], c.s.data<float>()[(panel * 64 + warp * 16 + g + 8) * KB + kb]);
+      }
+    }
+  }
+  EXPECT_EQ(checked, N * K);
+}
+
+TEST(W4A8Pack, RefusesBadArguments) {
+  const HostTensor w(DType::i4x2, {2, 128, 128}), s(DType::f32, {2, 128, 2});
+  HostTensor pw(DType::i4x2, {2, 128, 128}), ps(DType::f32, {2, 128, 2});
+  std::memset(s.view().data, 0, s.nbytes());
+  EXPECT_NO_THROW(cuda::w4a8_prepare_weights_cpu(w, s, pw, ps));
+  const HostTensor w_k(DType::i4x2, {2, 128, 100});
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w_k, s, pw, ps); },
+                        "w_int4: K = 200 (2 x its last dimension) must be a positive multiple of 128");
+  const HostTensor w_n(DType::i4x2, {2, 100, 128});
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w_n, s, pw, ps); },
+                        "w_int4: N = 100 must be a positive multiple of 128");
+  const HostTensor w_u8(DType::u8, {2, 128, 128});
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w_u8, s, pw, ps); },
+                        "w_int4 must have dtype i4x2");
+  const HostTensor s_bad(DType::f32, {2, 128, 4});
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_bad, pw, ps); },
+                        "w_scales must have shape");
+  HostTensor s_nan(DType::f32, {2, 128, 2});
+  std::memset(s_nan.view().data, 0, s_nan.nbytes());
+  s_nan.data<float>()[5] = std::nanf("");
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_nan, pw, ps); },
+                        "w_scales[5] = nan must be finite");
+  const HostTensor pw_small(DType::i4x2, {1, 128, 128});
+  const HostTensor ps_small(DType::f32, {1, 128, 2});
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s, pw_small, ps_small); },
+                        "must have the shape of the input weights");
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s, w, ps); }, "must not alias the inputs");
+}
+
+TEST(W4A8Reference, MatchesADirectSum) {
+  std::mt19937_64 rng(3);
+  const std::int64_t G = 2, M_max = 5, N = 8, K = 256;
+  const Checkpoint c = random_checkpoint(G, N, K, rng);
+  HostTensor a(DType::fp8_e4m3, {G, M_max, K}), counts(DType::i32, {G}), d(DType::f64, {G, M_max, N});
+  auto* ab = static_cast<std::uint8_t*>(a.view().data);
+  for (std::int64_t i = 0; i < a.numel(); ++i) ab[i] = static_cast<std::uint8_t>(0x30 + rng() % 0x20);
+  counts.data<std::int32_t>()[0] = 5;
+  counts.data<std::int32_t>()[1] = 2;
+  for (std::int64_t i = 0; i < d.numel(); ++i) d.data<double>()[i] = -1234.5;
+  const float a_scale = 0.37f;
+  w4a8_grouped_gemm_masked_cpu(a, a_scale, c.w, c.s, counts, d);
+  const auto* w = static_cast<const std::uint8_t*>(c.w.view().data);
+  for (std::int64_t g = 0; g < G; ++g)
+    for (std::int64_t m = 0; m < M_max; ++m)
+      for (std::int64_t n = 0; n < N; ++n) {
+        const double got = d.data<double>()[(g * M_max + m) * N + n];
+        if (m >= counts.data<std::int32_t>()[g]) {
+          EXPECT_EQ(got, -1234.5);
+          continue;
+        }
+        double want = 0;
+        for (std::int64_t k = 0; k < K; ++k)
+          want += static_cast<double>(fp8_e4m3::from_bits(ab[(g * M_max + m) * K + k]).to_float()) *
+                  unpack_int4(w + (g * N + n) * (K / 2), k) *
+                  static_cast<double>(c.s.data<float>()[(g * N + n) * 2 + k / 128]) *
+                  static_cast<double>(a_scale);
+        EXPECT_NEAR(got, want, 1e-9 * std::abs(want) + 1e-12);
+      }
+}
+
+}  // namespace
+}  // namespace epmoe
