@@ -93,6 +93,7 @@ struct GpuMoeLayer::Impl {
   Event dispatched[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   Event computed[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   GroupedGemmOptions gemm_options;
+  std::size_t dispatcher_bytes = 0;  // device memory the dispatchers took (windows, receive-side layout)
   DeviceTensor perm_workspace, perm_rows, perm_scales, perm_m_indices, perm_row_src, perm_src_row, perm_offsets,
       perm_counts;
 
@@ -214,6 +215,8 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     MoeConfig dc = c;
     dc.max_tokens_per_rank = static_cast<int>(T_part);
     const DispatcherContext context{dc, o.mode, ActivationFormat::fp8_group, rank, 1};
+    std::size_t free_before = 0, free_after = 0, total = 0;
+    EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
     for (int part = 0; part < (tbo ? 2 : 1); ++part) {  // collective: every rank creates them in this order
       if (dispatcher_name == "nccl-p2p") {
         dispatchers[part] = make_nccl_p2p_dispatcher(context, comm);
@@ -224,6 +227,8 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
         dispatchers[part] = std::move(d);
       }
     }
+    EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+    dispatcher_bytes = free_before > free_after ? free_before - free_after : 0;
     dispatcher = dispatchers[0].get();
     M_max = dc.masked_max_m();
     // The receive side's bound (src/comm/gpu_dispatcher_base.hpp): each of N * T_part tokens at most
@@ -510,13 +515,11 @@ std::size_t GpuMoeLayer::Impl::comm_layout_bytes() const {
                                 &logcnt, &perm_workspace, &perm_rows, &perm_scales, &perm_m_indices, &perm_row_src,
                                 &perm_src_row, &perm_offsets, &perm_counts})
     bytes += t->nbytes();
-  for (const LowLatencyDispatcher* ll : lls)
-    if (ll) bytes += ll->window_bytes();
-  return bytes;
+  return bytes + dispatcher_bytes;
 }
 
 std::size_t GpuMoeLayer::Impl::device_bytes() const {
-  std::size_t bytes = comm_layout_bytes();
+  std::size_t bytes = comm_layout_bytes();  // includes the dispatchers' memory
   for (const DeviceTensor* t : {&gate_weight, &correction_bias, &w13, &w13_scale, &w2, &w2_scale, &sw13, &sw13_scale, &sw2,
                                 &sw2_scale, &shared_m, &shared_h, &shared_a2, &shared_a2_scales, &shared_out, &h, &a2,
                                 &a2_scales, &expert_out, &expert_out2, &y_routed, &x_static, &y_static})
