@@ -119,6 +119,25 @@ double timed(Communicator& comm, const Launch& launch, const TimingOptions& t) {
   return us;
 }
 
+// The last call's phases (comm_detail::read_trace), in µs after the routing started.
+void print_trace(const std::string& what) {
+  std::uint64_t t[comm_detail::kTraceSlots];
+  comm_detail::read_trace(t);
+  static const char* const kNames[] = {"route",  "send",       "count_flag", "send_copied",  "send_end",
+                                       "place",  "counts",     "own_done",   "arrived",      "place_end",
+                                       "reduce", "reduce_end", "home",       "home_arrived", "home_end"};
+  std::string line = "trace " + what + ":";
+  const std::uint64_t t0 = t[comm_detail::kTraceRouteStart];
+  for (int i = 0; i < comm_detail::kTraceSlots; ++i) {
+    if (t[i] == 0 || t[i] < t0 || t[i] - t0 > 10'000'000) continue;
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " %s %.1f", kNames[i], 1e-3 * static_cast<double>(t[i] - t0));
+    line += buf;
+  }
+  std::printf("%s\n", line.c_str());
+  comm_detail::reset_trace();
+}
+
 cudaGraphExec_t capture(cudaStream_t stream, const std::function<void()>& enqueue) {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -175,9 +194,11 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
       // The send kernel's SMs: the default first, then a sweep (every rank sets the same).
       const char* before = std::getenv("EPMOE_COMM_SEND_SMS");
       const std::string keep = before != nullptr ? before : "";
-      for (const int sms : {0, 16, 32, 48}) {
+      for (const int sms : {0, 16, 32, 48, 64, 96}) {
         if (sms > 0) setenv("EPMOE_COMM_SEND_SMS", std::to_string(sms).c_str(), 1);
+        comm_detail::reset_trace();
         const double us = time_dispatch();
+        print_trace("nvlink normal dispatch sms " + std::to_string(comm_detail::send_blocks(T)));
         emit(options, results,
              make_result("comm.dispatch",
                          params(transport, "normal", "dispatch", T, comm, sms_of(comm_detail::send_blocks(T)),
@@ -195,6 +216,7 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
             nv->dispatch_recv(out[0]);
           },
           timing);
+      print_trace("nvlink normal dispatch halves");
       emit(options, results,
            make_result("comm.dispatch",
                        params("nvlink-halves", "normal", "dispatch", T, comm,
@@ -215,6 +237,8 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
           d->combine({&eo, 1}, {&yv, 1});
         },
         timing);
+    // The reduce / home stamps of the last combine, against the last dispatch's routing start.
+    if (nv != nullptr) print_trace("nvlink normal combine (after the last dispatch)");
     emit(options, results,
          make_result("comm.combine", params(transport, "normal", "combine", T, comm, work_sms, work_sms),
                      us_combine, combine_bytes, 0.0, kNvlinkGBps));
@@ -275,7 +299,9 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       auto replay = [](cudaGraphExec_t g) {
         return [g](int, cudaStream_t s) { EPMOE_CUDA_CHECK(cudaGraphLaunch(g, s)); };
       };
+      comm_detail::reset_trace();
       const double us_d = timed(comm, replay(g_dispatch), timing);
+      print_trace("nvlink-ll dispatch T " + std::to_string(T));
       emit(options, results,
            make_result(
                "comm.dispatch",
@@ -283,6 +309,7 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                       sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                us_d, dispatch_bytes, 0.0, kNvlinkGBps));
       const double us_c = timed(comm, replay(g_combine), timing);
+      print_trace("nvlink-ll combine T " + std::to_string(T) + " (after the last dispatch)");
       emit(options, results,
            make_result("comm.combine",
                        params(transport, "low_latency", "combine", T, comm,

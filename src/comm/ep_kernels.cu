@@ -50,11 +50,24 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 
+// Phase stamps of the last call (globaltimer ns; read by the benchmark through read_trace).
+__device__ unsigned long long g_trace[kTraceSlots];
+
 // ---------------------------------------------------------------- memory-model helpers
 __device__ __forceinline__ std::uint64_t globaltimer() {
   std::uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+__device__ __forceinline__ void stamp(int slot) {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  g_trace[slot] = t;
+}
+__device__ __forceinline__ void stamp_max(int slot) {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  atomicMax(&g_trace[slot], static_cast<unsigned long long>(t));
 }
 __device__ __forceinline__ std::uint32_t ld_acquire_sys(const std::uint32_t* p) {
   std::uint32_t v;
@@ -276,6 +289,7 @@ __global__ void __launch_bounds__(kThreads)
     scan_kernel(EpGeometry g, const std::uint32_t* bitmaps, std::int32_t* prefix, std::int32_t* count_row,
                 std::int64_t T, std::int32_t host_status, std::uint32_t scale_bits) {
   const int bucket = static_cast<int>(blockIdx.x);
+  if (bucket == 0 && threadIdx.x == 0) stamp(kTraceRouteStart);
   const int per = (g.W + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
   const int begin = std::min(g.W, static_cast<int>(threadIdx.x) * per), end = std::min(g.W, begin + per);
   const std::uint32_t* words = bitmaps + static_cast<std::int64_t>(bucket) * g.W;
@@ -309,6 +323,7 @@ __global__ void __launch_bounds__(kRouteSmallThreads)
   extern __shared__ std::uint32_t sbits[];
   __shared__ int status;
   const int tid = static_cast<int>(threadIdx.x);
+  if (tid == 0) stamp(kTraceRouteStart);
   const int buckets = g.N + g.P;
   const int words = buckets * g.W;
   for (int i = tid; i < words; i += kRouteSmallThreads) sbits[i] = 0;
@@ -352,6 +367,7 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   const std::int64_t vecs = g.x_bytes / 16;
   const std::int64_t parity_ints = parity_bytes / 4;
 
+  if (block == 0 && threadIdx.x == 0) stamp(kTraceSendStart);
   if (a.header != nullptr && block == 0) {
     for (int d = 0; d < g.N; ++d) {
       std::int32_t* h = a.header[d] + parity_ints;
@@ -367,6 +383,7 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
     __syncthreads();
     for (int d = static_cast<int>(threadIdx.x); d < g.N; d += static_cast<int>(blockDim.x))
       st_release_sys(reinterpret_cast<std::uint32_t*>(a.header[d] + parity_ints + kHeaderCountFlag), s);
+    if (threadIdx.x == 0) stamp(kTraceCountFlag);
   }
 
   if (status == 0) {
@@ -410,6 +427,7 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
       __syncwarp();
     }
   }
+  if (threadIdx.x == 0) stamp_max(kTraceSendCopied);
   if (a.header == nullptr) return;
 
   // NVLink: the block that finishes last raises the arrival flags and advances the send sequence
@@ -417,7 +435,10 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   if (!finish_block(a.sync.done, nblocks)) return;
   for (int d = static_cast<int>(threadIdx.x); d < g.N; d += static_cast<int>(blockDim.x))
     st_release_sys(reinterpret_cast<std::uint32_t*>(a.header[d] + parity_ints + kHeaderFlag), s);
-  if (threadIdx.x == 0) *a.sync.seq = s;
+  if (threadIdx.x == 0) {
+    *a.sync.seq = s;
+    stamp(kTraceSendEnd);
+  }
 }
 
 __global__ void __launch_bounds__(kSendThreads) send_kernel(EpGeometry g, SendArgs a) {
@@ -449,6 +470,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     return reinterpret_cast<const std::uint32_t*>(const_cast<const std::int32_t*>(field(src, f)));
   };
 
+  if (block == 0 && tid == 0) stamp(kTracePlaceStart);
   for (int src = tid; src < g.N; src += nthreads) {
     bool good = true;
     if (lsa)
@@ -496,6 +518,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   }
   __syncthreads();
   const int R = roff[g.N];
+  if (block == 0 && tid == 0) stamp(kTraceCounts);
   if (block == 0 && a.host_offsets != nullptr) {
     // The host learns the layout now, while the rows are still being copied.
     for (int e = tid; e <= g.L; e += nthreads) a.host_offsets[e] = eoff[e];
@@ -563,11 +586,13 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
                   a.own_scales + t * g.G);
     }
   }
+  if (tid == 0) stamp_max(kTraceOwnDone);
   if (lsa) {
     for (int src = tid; src < g.N; src += nthreads)
       if (ok[src] && tok[src] > 0 && !(own && src == g.me))
         wait_flag(flag_of(src, a.flag_field), s, a.sync, CommPhase::dispatch_recv, g.me, src);
     __syncthreads();
+    if (tid == 0) stamp_max(kTraceArrived);
   }
   for (std::int64_t r = wid; r < R; r += wstride) {
     int src = 0;
@@ -617,6 +642,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
       for (int e = tid; e <= g.L; e += nthreads) a.expert_offsets[e] = eoff[e];
     if (tid == 0) *a.recv_total = R;
   }
+  if (tid == 0) stamp_max(kTracePlaceEnd);
   if (lsa && finish_block(a.sync.done, nblocks) && tid == 0) *a.sync.seq = s;
 }
 
@@ -646,6 +672,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
   const bool lsa = a.sync.seq != nullptr;
   const std::uint32_t c = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(c & 1u) * a.sync.parity_stride : 0;
+  if (blockIdx.x == 0 && tid == 0) stamp(kTraceReduceStart);
   const int R = *a.recv_total;
   const std::int64_t vecs = g.partial_bytes / 16;
   const auto* out = static_cast<const char*>(a.expert_out);
@@ -670,6 +697,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
     weighted_sum_rows(rows_s[warp], w_s[warp], n, dest, vecs, lane);
     __syncwarp();
   }
+  if (tid == 0) stamp_max(kTraceReduceEnd);
   if (a.flag == nullptr) return;
   if (!finish_block(a.sync.done, static_cast<int>(gridDim.x))) return;
   for (int d = tid; d < g.N; d += static_cast<int>(blockDim.x))
@@ -683,10 +711,12 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
   const bool lsa = a.sync.seq != nullptr;
   const std::uint32_t c = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(c & 1u) * a.sync.parity_stride : 0;
+  if (blockIdx.x == 0 && tid == 0) stamp(kTraceHomeStart);
   if (lsa) {
     for (int d = tid; d < g.N; d += static_cast<int>(blockDim.x))
       wait_flag(a.flags + parity_bytes / 4 + d * a.flag_stride, c, a.sync, CommPhase::combine_recv, g.me, d);
     __syncthreads();
+    if (tid == 0) stamp_max(kTraceHomeArrived);
   }
   const std::int64_t vecs = g.partial_bytes / 16;
   for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; t < a.T;
@@ -707,6 +737,7 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
     weighted_sum_rows(part[warp], nullptr, n, static_cast<char*>(a.y) + t * g.partial_bytes, vecs, lane);
     __syncwarp();
   }
+  if (tid == 0) stamp_max(kTraceHomeEnd);
   if (lsa && finish_block(a.sync.done, static_cast<int>(gridDim.x)) && tid == 0) *a.sync.seq = c;
 }
 
@@ -716,6 +747,16 @@ unsigned grid_for(std::int64_t warps_of_work) {
 }
 
 }  // namespace
+
+void read_trace(std::uint64_t (&out)[kTraceSlots]) {
+  static_assert(sizeof(unsigned long long) == sizeof(std::uint64_t));
+  EPMOE_CUDA_CHECK(cudaMemcpyFromSymbol(out, g_trace, sizeof(out)));
+}
+
+void reset_trace() {
+  const std::uint64_t zero[kTraceSlots] = {};
+  EPMOE_CUDA_CHECK(cudaMemcpyToSymbol(g_trace, zero, sizeof(zero)));
+}
 
 int work_blocks(std::int64_t warps) {
   return static_cast<int>(grid_for(warps));

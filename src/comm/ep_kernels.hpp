@@ -103,6 +103,31 @@ void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream);
 // SMs): EPMOE_COMM_SEND_SMS if set, else min(24, SMs); `T` tokens.
 inline constexpr int kSendThreads = 256;
 int send_blocks(std::int64_t T);
+// Phase stamps (globaltimer, ns) that the kernels of this process leave behind: the start of the
+// scan / one-block route, send (block 0 start, count flags raised, last block's copies done, arrival
+// flags raised), place (block 0 start, layout known, last block's own tokens done, arrival seen,
+// last block done), reduce (start, last block done), home (start, flags seen, last block done).
+// For the benchmark's breakdown; "max" slots are atomicMax over blocks (reset_trace zeroes them).
+enum TraceSlot : int {
+  kTraceRouteStart,
+  kTraceSendStart,
+  kTraceCountFlag,
+  kTraceSendCopied,
+  kTraceSendEnd,
+  kTracePlaceStart,
+  kTraceCounts,
+  kTraceOwnDone,
+  kTraceArrived,
+  kTracePlaceEnd,
+  kTraceReduceStart,
+  kTraceReduceEnd,
+  kTraceHomeStart,
+  kTraceHomeArrived,
+  kTraceHomeEnd,
+  kTraceSlots
+};
+void read_trace(std::uint64_t (&out)[kTraceSlots]);
+void reset_trace();
 // Blocks (256 threads) of the place / reduce / home kernels for `warps` warp-sized work items.
 int work_blocks(std::int64_t warps);
 
