@@ -23,7 +23,7 @@ echo "== silu_quant GPU tests"
 } >"$out/silu-tests.log" 2>&1
 grep -E "PASSED|FAILED|tests ran" "$out/silu-tests.log" | sort | uniq -c
 echo "== ${ranks}-rank communication tests"
-timeout 300 build-gpu/bin/epmoe launch -n "$ranks" --timeout 280 -- build-gpu/tests/epmoe_comm_tests \
+timeout 150 build-gpu/bin/epmoe launch -n "$ranks" --timeout 140 -- build-gpu/tests/epmoe_comm_tests \
   >"$out/comm-tests.log" 2>&1 || status=1
 grep -E "PASSED|FAILED|SKIPPED|rror" "$out/comm-tests.log" | tail -n 40
 echo "== bench comm"

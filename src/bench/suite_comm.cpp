@@ -209,6 +209,18 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
         else
           setenv("EPMOE_COMM_SEND_SMS", keep.c_str(), 1);
       }
+      {
+        setenv("EPMOE_COMM_CHUNKS", "0", 1);  // place waits for each source's last token
+        comm_detail::reset_trace();
+        const double us = time_dispatch();
+        print_trace("nvlink normal dispatch, no arrival counters");
+        unsetenv("EPMOE_COMM_CHUNKS");
+        emit(options, results,
+             make_result("comm.dispatch",
+                         params("nvlink-nochunks", "normal", "dispatch", T, comm,
+                                sms_of(comm_detail::send_blocks(T)), work_sms),
+                         us, dispatch_bytes, 0.0, kNvlinkGBps));
+      }
       const double us_halves = timed(
           comm,
           [&](int, cudaStream_t) {

@@ -189,8 +189,8 @@ __device__ int block_exclusive_scan(int v, int* total) {
 }
 
 // ---------------------------------------------------------------- batched copies
-// Vectors per lane that a copy loop loads before it stores any (8 x 16 bytes: 4 KB per warp).
-constexpr int kBatch = 8;
+// Vectors per lane that a copy loop loads before it stores any (14 x 16 bytes: 7 KB per warp).
+constexpr int kBatch = 14;  // a whole 7168-byte fp8 row per warp in one round trip
 
 // Copies `vecs` 16-byte vectors from src to each of dst[0..n) (a warp; lane-strided).
 __device__ __forceinline__ void copy_fanout(const char* src, char* const* dst, int n, std::int64_t vecs,
@@ -359,6 +359,7 @@ constexpr int kSendWarps = kSendThreads / 32;
 __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int nblocks) {
   __shared__ char* target[kSendWarps][kMaxTopK];
   __shared__ int target_rank[kSendWarps][kMaxTopK];
+  __shared__ int target_slot[kSendWarps][kMaxTopK];
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const bool lsa = a.sync.seq != nullptr;
   const std::uint32_t s = lsa ? *a.sync.seq + 1u : 0u;
@@ -399,6 +400,7 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
           const int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
           target[warp][pos] = a.dest[d] + parity_bytes + static_cast<std::int64_t>(j) * g.row_stride;
           target_rank[warp][pos] = d;
+          target_slot[warp][pos] = j;
         }
         n += __popc(m);
       }
@@ -423,6 +425,14 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
           meta[1] = slot_e;
           meta[2] = __float_as_int(w);
         }
+      }
+      if (a.chunks != nullptr) {
+        // Every lane's stores reach the destination before its chunk counter moves.
+        __threadfence_system();
+        __syncwarp();
+        if (lane < n)
+          atomicAdd_system(
+              a.chunks[target_rank[warp][lane]] + parity_ints + target_slot[warp][lane] / kArrivalChunk, 1u);
       }
       __syncwarp();
     }
@@ -508,13 +518,19 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     roff[g.N] = acc;
   }
   __syncthreads();
-  if (tid == 0) {
-    std::int64_t acc = 0;
-    for (int e = 0; e < g.L; ++e) {
-      eoff[e] = static_cast<int>(acc);
-      if (a.contiguous) acc += (total[e] + 127) / 128 * 128;
+  {
+    // eoff: exclusive scan of the padded totals, nthreads experts at a time.
+    int carry = 0;
+    for (int e0 = 0; e0 < g.L; e0 += nthreads) {
+      const int e = e0 + tid;
+      const int v = e < g.L && a.contiguous ? (total[e] + 127) / 128 * 128 : 0;
+      int sum = 0;
+      const int x = block_exclusive_scan(v, &sum);
+      if (e < g.L) eoff[e] = carry + x;
+      carry += sum;
+      __syncthreads();
     }
-    eoff[g.L] = static_cast<int>(acc);
+    if (tid == 0) eoff[g.L] = carry;
   }
   __syncthreads();
   const int R = roff[g.N];
@@ -587,7 +603,8 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     }
   }
   if (tid == 0) stamp_max(kTraceOwnDone);
-  if (lsa) {
+  const bool chunked = lsa && a.chunks != nullptr;
+  if (lsa && !chunked) {
     for (int src = tid; src < g.N; src += nthreads)
       if (ok[src] && tok[src] > 0 && !(own && src == g.me))
         wait_flag(flag_of(src, a.flag_field), s, a.sync, CommPhase::dispatch_recv, g.me, src);
@@ -600,6 +617,14 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     if (own && src == g.me) continue;
     const int j = static_cast<int>(r - roff[src]);
     const char* slot = a.slots + parity_bytes + (static_cast<std::int64_t>(src) * g.T_max + j) * g.row_stride;
+    if (chunked) {
+      // The chunk of slot j is complete once all its tokens (64, fewer in the source's last) are in.
+      const int c = j / kArrivalChunk;
+      const int want = min(kArrivalChunk, tok[src] - c * kArrivalChunk);
+      const std::uint32_t* counter =
+          a.chunks + parity_bytes / 4 + static_cast<std::int64_t>(src) * a.n_chunks + c;
+      wait_flag(counter, static_cast<std::uint32_t>(want), a.sync, CommPhase::dispatch_recv, g.me, src);
+    }
     int e = -1, slot_e = 0;
     float w = 0.0f;
     if (lane < g.K) {
@@ -643,7 +668,15 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     if (tid == 0) *a.recv_total = R;
   }
   if (tid == 0) stamp_max(kTracePlaceEnd);
-  if (lsa && finish_block(a.sync.done, nblocks) && tid == 0) *a.sync.seq = s;
+  if (lsa && finish_block(a.sync.done, nblocks)) {
+    // Every block has read its tokens: zero this parity's arrival counters for the call after next
+    // (the senders reach this parity again only after this rank's next count flag).
+    if (chunked)
+      for (int i = tid; i < g.N * a.n_chunks; i += nthreads) a.chunks[parity_bytes / 4 + i] = 0;
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0) *a.sync.seq = s;
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs a) {

@@ -50,6 +50,10 @@
 namespace epmoe::comm_detail {
 
 inline constexpr int kMaxTopK = 32;
+// NVLink: tokens per arrival counter. The sender bumps the counter of a token's slot chunk on its
+// destination once the token is written; place copies a chunk's tokens as soon as it is complete
+// (instead of after the source's last token), and its last block zeroes the counters again.
+inline constexpr int kArrivalChunk = 64;
 inline constexpr int kMaxPhysicalExperts = 8192;
 
 struct EpGeometry {
@@ -91,7 +95,9 @@ struct SendArgs {
   char* const* dest = nullptr;            // [N]: slot 0 of this rank's region on each destination
   std::int32_t* const* header = nullptr;  // [N] NVLink: this rank's header on each destination
   bool skip_self = false;                 // place reads this rank's own tokens from x (PlaceArgs::own_x)
-  int blocks = 0;                         // grid; 0: send_blocks(T)
+  std::uint32_t* const* chunks =
+      nullptr;     // [N] NVLink, optional: this rank's arrival counters on each destination
+  int blocks = 0;  // grid; 0: send_blocks(T)
   FlagSync sync;
 };
 // NVLink header of a source on a destination:
@@ -140,6 +146,10 @@ struct PlaceArgs {
   std::int64_t header_stride = 0;
   int flag_field = -1, count_flag_field = -1, status_field = 0, tokens_field = 0, counts_field = 0;
   const char* slots = nullptr;  // slot j of source s: slots + parity * ps + (s * T_max + j) * row_stride
+  // Optional (NVLink): arrival counters, source s at chunks + parity * ps / 4 + s * n_chunks; place
+  // waits per chunk instead of for the source's arrival flag.
+  std::uint32_t* chunks = nullptr;
+  int n_chunks = 0;
   bool contiguous = true;
   std::int64_t M_max = 0;     // masked
   std::int64_t max_rows = 0;  // rows the output buffers hold

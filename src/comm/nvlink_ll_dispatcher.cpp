@@ -8,6 +8,7 @@
 //             [token slots: N x T_max x payload row]      (source s writes region s)
 //             [combine flags: N x 16 bytes]
 //             [partial sums: N x T_max x H bf16]           (expert rank d writes region d)
+//             [arrival counters: N x ceil(T_max / 64)]    (source s bumps region s per token written)
 // Sequence numbers live on the device (send, receive and combine): a call uses s = seq + 1 and
 // parity s & 1, the kernel's last block stores seq = s. Nothing depends on the host, so the four
 // halves can be captured in CUDA graphs and replayed.
@@ -21,6 +22,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <string>
 #include <thread>
 
 #include "comm/comm_internal.hpp"
@@ -48,14 +51,16 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     slot_off_ = up(hdr_off_ + N * header_ints_ * 4, 256);
     cflag_off_ = up(slot_off_ + N * g_.T_max * g_.row_stride, 256);
     cslot_off_ = up(cflag_off_ + N * 16, 256);
-    parity_stride_ = up(cslot_off_ + N * g_.T_max * g_.partial_bytes, 4096);
+    n_chunks_ = (g_.T_max + comm_detail::kArrivalChunk - 1) / comm_detail::kArrivalChunk;
+    chunk_off_ = up(cslot_off_ + N * g_.T_max * g_.partial_bytes, 256);
+    parity_stride_ = up(chunk_off_ + N * n_chunks_ * 4, 4096);
     window_ = comm_->alloc_symmetric(static_cast<std::size_t>(2 * parity_stride_));  // collective, zeroed
     EPMOE_CHECK(comm_->all_ranks_lsa(),
                 "{} needs every rank's memory reachable by NVLink loads and stores, but this rank's LSA team "
                 "has {} of the {} ranks; use nccl-p2p",
                 name_, comm_->lsa_size(), comm_->size());
 
-    std::vector<void*> send_dest, send_hdr, reduce_dest, reduce_flag;
+    std::vector<void*> send_dest, send_hdr, reduce_dest, reduce_flag, send_chunks;
     for (int d = 0; d < g_.N; ++d) {
       auto* peer = static_cast<char*>(window_->peer_pointer(d));
       EPMOE_CHECK(peer != nullptr, "{}: no load/store pointer to rank {}'s window", name_, d);
@@ -63,11 +68,13 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       send_hdr.push_back(peer + hdr_off_ + me * header_ints_ * 4);
       reduce_dest.push_back(peer + cslot_off_ + me * g_.T_max * g_.partial_bytes);
       reduce_flag.push_back(peer + cflag_off_ + me * 16);
+      send_chunks.push_back(peer + chunk_off_ + me * n_chunks_ * 4);
     }
     send_dest_ = comm_detail::upload_pointers(send_dest);
     send_hdr_ = comm_detail::upload_pointers(send_hdr);
     reduce_dest_ = comm_detail::upload_pointers(reduce_dest);
     reduce_flag_ = comm_detail::upload_pointers(reduce_flag);
+    send_chunks_ = comm_detail::upload_pointers(send_chunks);
     // [0] receive seq, [1] combine seq, [2] send seq, [4..8) done counters
     sync_state_ = cuda::DeviceBuffer(64);
     sync_state_.fill_bytes(0, comm_->stream());
@@ -138,6 +145,8 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     s.dest = send_dest_.as<char* const>();
     s.header = send_hdr_.as<std::int32_t* const>();
     s.skip_self = whole;
+    chunked_ = chunks_enabled();
+    s.chunks = chunked_ ? send_chunks_.as<std::uint32_t* const>() : nullptr;
     s.sync = sync(2, 4);
     own_direct_ = whole && host_status == 0;
     if (own_direct_) {
@@ -169,6 +178,10 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     p.count_flag_field = comm_detail::kHeaderCountFlag;
     p.counts_field = comm_detail::kHeaderCounts;
     p.slots = static_cast<const char*>(window_->local()) + slot_off_;
+    if (chunked_) {
+      p.chunks = reinterpret_cast<std::uint32_t*>(static_cast<char*>(window_->local()) + chunk_off_);
+      p.n_chunks = static_cast<int>(n_chunks_);
+    }
     p.sync = sync(0, 5);
     if (own != nullptr && own_direct_) {
       p.own_x = own->x.data;
@@ -288,9 +301,17 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   }
 
   std::unique_ptr<SymmetricBuffer> window_;
-  std::int64_t header_ints_ = 0, hdr_off_ = 0, slot_off_ = 0, cflag_off_ = 0, cslot_off_ = 0,
-               parity_stride_ = 0;
-  cuda::DeviceBuffer send_dest_, send_hdr_, reduce_dest_, reduce_flag_, sync_state_;
+  // Arrival counters per 64 tokens (on unless EPMOE_COMM_CHUNKS=0: then place waits for each
+  // source's last token); read at each dispatch_send, the same on every rank.
+  static bool chunks_enabled() {
+    const char* env = std::getenv("EPMOE_COMM_CHUNKS");
+    return env == nullptr || std::string(env) != "0";
+  }
+
+  std::int64_t header_ints_ = 0, hdr_off_ = 0, slot_off_ = 0, cflag_off_ = 0, cslot_off_ = 0, chunk_off_ = 0,
+               parity_stride_ = 0, n_chunks_ = 0;
+  bool chunked_ = true;
+  cuda::DeviceBuffer send_dest_, send_hdr_, reduce_dest_, reduce_flag_, send_chunks_, sync_state_;
   cuda::DeviceBuffer offsets_dev_;
   std::int32_t* offsets_host_ = nullptr;
   std::int32_t* offsets_mapped_ = nullptr;
