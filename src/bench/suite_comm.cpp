@@ -347,7 +347,7 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       emit(options, results,
            make_result(
                "comm.dispatch",
-               params(transport, "low_latency", "dispatch", T, comm, sms_of(comm_detail::send_blocks(T)),
+               params(transport, "low_latency", "dispatch", T, comm, sms_of(comm_detail::work_blocks(T)),
                       sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                us_d, dispatch_bytes, 0.0, kNvlinkGBps));
       const double us_c = timed(
