@@ -45,6 +45,7 @@ runs=(
   "decode128|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0"
   "decode32|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 32 --steps 500 --prompt-tokens 0"
   "prefill8192|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192"
+  "prefill8192-comm48|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192 --tbo-comm-sms 48"
   "one-gpu|--preset deepseek-v3 --redundant-experts 32 --ranks 1 --steps 200 --prompts 8"
   "zipf-rebalance|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0 --zipf ${EPMOE_ZIPF:-0.5} --rebalance"
 )
@@ -68,7 +69,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/run-*.json")):
         runs[os.path.basename(f)[4:-5]] = {"error": str(e)}
 dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.split("\n")[0]
 json.dump({"commit": os.environ.get("EPMOE_COMMIT", "unknown"), "device": dev, "ranks": int(os.environ.get("EPMOE_RANKS", "0")),
-           "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%MZ"), "runs": runs}, open(sys.argv[2], "w"), indent=1)
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), "runs": runs}, open(sys.argv[2], "w"), indent=1)
 PY
 stamp done
 exit $status
