@@ -105,6 +105,12 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   const DispatcherContext& context() const override { return context_; }
   const DispatchStats& last_stats() const override { return stats_; }
   std::size_t window_bytes() const override { return window_->size(); }
+  std::size_t device_bytes() const override {
+    std::size_t bytes = base_buffer_bytes() + window_->size();
+    for (const cuda::DeviceBuffer* b : {&send_dest_, &send_hdr_, &reduce_dest_, &reduce_flag_, &send_chunks_, &sync_state_, &offsets_dev_})
+      bytes += b->size();
+    return bytes;
+  }
 
   void dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) override {
     EPMOE_CHECK(inputs.size() == 1 && outputs.size() == 1,

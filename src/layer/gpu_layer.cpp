@@ -93,7 +93,8 @@ struct GpuMoeLayer::Impl {
   Event dispatched[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   Event computed[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   GroupedGemmOptions gemm_options;
-  std::size_t dispatcher_bytes = 0;  // device memory the dispatchers took (windows, receive-side layout)
+  std::size_t dispatcher_bytes = 0;  // the dispatchers' own buffers and windows (Dispatcher::device_bytes)
+  std::size_t dispatcher_setup_bytes = 0;  // device memory their creation took in all (NCCL's too)
   DeviceTensor perm_workspace, perm_rows, perm_scales, perm_m_indices, perm_row_src, perm_src_row, perm_offsets,
       perm_counts;
 
@@ -228,7 +229,9 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
       }
     }
     EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
-    dispatcher_bytes = free_before > free_after ? free_before - free_after : 0;
+    dispatcher_setup_bytes = free_before > free_after ? free_before - free_after : 0;
+    for (const auto& d : dispatchers)
+      if (d) dispatcher_bytes += d->device_bytes();
     dispatcher = dispatchers[0].get();
     M_max = dc.masked_max_m();
     // The receive side's bound (src/comm/gpu_dispatcher_base.hpp): each of N * T_part tokens at most
@@ -325,12 +328,17 @@ void GpuMoeLayer::Impl::shared_forward(std::int64_t T, cudaStream_t ss) {
   const TensorView hh = reshape(shared_h.view(), {1, T, 2 * Is});
   const TensorView a2v = reshape(shared_a2.view(), {1, T, Is}), a2s = reshape(shared_a2_scales.view(), {1, T, Is / 128});
   layer_detail::fill_i32(shared_m, static_cast<std::int32_t>(T), ss);
-  fp8_grouped_gemm_masked(a, as, ScaleLayout::token_major, sw13, sw13_scale, shared_m, T, hh, ss, gemm_options);
+  // Decode batches: 64-row tiles, so that the one group spreads over 4x more CTAs (with 128 x 256
+  // tiles a 128-token batch gave 16 CTAs, each streaming its slice of the 44 MB of weights alone,
+  // measured 0.68 ms beside the routed GEMMs).
+  GroupedGemmOptions go = gemm_options;
+  if (T <= 256) go.block_m = 64;
+  fp8_grouped_gemm_masked(a, as, ScaleLayout::token_major, sw13, sw13_scale, shared_m, T, hh, ss, go);
   SiluQuantOptions so;
   so.power_of_two = c.power_of_two_scales;
   silu_mul_quant_masked(hh, shared_m, a2v, a2s, so, ss);
   fp8_grouped_gemm_masked(a2v, a2s, ScaleLayout::token_major, sw2, sw2_scale, shared_m, T,
-                          reshape(shared_out.view(), {1, T, H}), ss, gemm_options);
+                          reshape(shared_out.view(), {1, T, H}), ss, go);
 }
 
 DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int64_t T) {
@@ -546,6 +554,7 @@ void GpuMoeLayer::reset_times() { impl_->times = GpuPhaseTimes{}; }
 void GpuMoeLayer::set_timing(bool on) { impl_->o.timing = on; }
 std::size_t GpuMoeLayer::device_bytes() const { return impl_->device_bytes(); }
 std::size_t GpuMoeLayer::comm_layout_bytes() const { return impl_->comm_layout_bytes(); }
+std::size_t GpuMoeLayer::dispatcher_setup_bytes() const { return impl_->dispatcher_setup_bytes; }
 const ExpertPlacement& GpuMoeLayer::placement() const { return impl_->placement; }
 std::size_t GpuMoeLayer::graphs_captured() const { return impl_->graphs.size(); }
 

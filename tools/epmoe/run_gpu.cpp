@@ -45,15 +45,15 @@ struct PhaseStats {
   double eager_seconds = 0;         // the same forwards without graphs (decode with graphs only)
   double load_max_over_mean = 0;    // tokens per GPU over the timed loop (from the slot counters)
   double rebalanced_seconds = 0, rebalanced_load_max_over_mean = 0, slots_rewritten = 0;  // --rebalance
-  double device_gb = 0, comm_layout_gb = 0;
-  static constexpr int kFields = 22;
+  double device_gb = 0, comm_layout_gb = 0, dispatcher_setup_gb = 0;
+  static constexpr int kFields = 23;
   std::array<double, kFields> pack() const {
     return {seconds, forwards,       tokens,        route,
             dispatch, gemm,          combine,       shared,
             total,    rel_l2,        calc_diff,     non_finite,
             checked,  pass,          first_forward_s, eager_seconds,
             load_max_over_mean, rebalanced_seconds, rebalanced_load_max_over_mean, slots_rewritten,
-            device_gb, comm_layout_gb};
+            device_gb, comm_layout_gb, dispatcher_setup_gb};
   }
   static PhaseStats unpack(const double* v) {
     PhaseStats s;
@@ -62,7 +62,8 @@ struct PhaseStats {
                                &s.total,    &s.rel_l2,       &s.calc_diff,     &s.non_finite,
                                &s.checked,  &s.pass,         &s.first_forward_s, &s.eager_seconds,
                                &s.load_max_over_mean, &s.rebalanced_seconds, &s.rebalanced_load_max_over_mean,
-                               &s.slots_rewritten, &s.device_gb, &s.comm_layout_gb};
+                               &s.slots_rewritten, &s.device_gb, &s.comm_layout_gb,
+                               &s.dispatcher_setup_gb};
     for (int i = 0; i < kFields; ++i) *fields[i] = v[i];
     return s;
   }
@@ -140,6 +141,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   PhaseStats st;
   st.device_gb = static_cast<double>(layer.device_bytes()) / 1e9;
   st.comm_layout_gb = static_cast<double>(layer.comm_layout_bytes()) / 1e9;
+  st.dispatcher_setup_gb = static_cast<double>(layer.dispatcher_setup_bytes()) / 1e9;
   // 1. The first forward, eager, poisoned output: the accuracy sample.
   const std::int64_t T0 = plan.tokens_per_forward.front();
   y.fill_bytes(0xff, s);
@@ -267,6 +269,7 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
   extra["load_max_over_mean"] = r0.load_max_over_mean;
   extra["device_gb_per_rank"] = r0.device_gb;
   extra["comm_layout_gb_per_rank"] = r0.comm_layout_gb;
+  extra["dispatcher_setup_gb_per_rank"] = r0.dispatcher_setup_gb;
   if (eager_max > 0) {
     extra["eager_ms_per_forward"] = 1e3 * eager_max / forwards;
     extra["graph_speedup"] = max_s > 0 ? eager_max / max_s : 0.0;
