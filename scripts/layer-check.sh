@@ -31,6 +31,13 @@ if [[ $tests != --no-tests ]]; then
   stamp gpu-tests
   timeout 420 ctest --test-dir build-gpu -L gpu -E CommGpu --output-on-failure -j 8 >"$out/tests.log" 2>&1 || status=1
   grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)" "$out/tests.log" | tail -n 20
+  stamp "compute-sanitizer (layer tests, tiny model)"
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/epmoe_gpu_tests \
+      --gtest_filter='*GpuLayerOneRank*tiny*:GpuLayer.*' >"$tmp/$tool.log" 2>&1 || status=1
+    echo "$tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$tmp/$tool.log" | tr '\n' ' ' | cut -c1-200)"
+    tail -n 5 "$tmp/$tool.log" >>"$out/tests.log"
+  done
   if ((ranks > 1)); then
     stamp "$ranks-rank tests"
     timeout 300 build-gpu/bin/epmoe launch -n "$ranks" --timeout 280 -- build-gpu/tests/epmoe_comm_tests \
@@ -46,6 +53,7 @@ runs=(
   "decode32|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 32 --steps 500 --prompt-tokens 0"
   "prefill8192|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192 --tbo"
   "prefill8192-comm48|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192 --tbo --tbo-comm-sms 48"
+  "decode128-w4a8|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --quant w4a8 --tokens 128 --steps 300 --prompt-tokens 1000 --prompts 8"
   "one-gpu|--preset deepseek-v3 --redundant-experts 32 --ranks 1 --steps 200 --prompts 8"
   "zipf-rebalance|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0 --zipf ${EPMOE_ZIPF:-0.5} --rebalance"
 )

@@ -48,8 +48,13 @@ bool same_bits(const HostTensor& a, const HostTensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.view().data, b.view().data, a.nbytes()) == 0;
 }
 
-MoeConfig config_for(std::string_view preset, int redundant, int max_tokens) {
-  MoeConfig c = MoeConfig::preset(preset);
+// Test parameters: "preset/quant".
+std::string_view preset_of(std::string_view p) { return p.substr(0, p.find('/')); }
+QuantScheme quant_of(std::string_view p) { return parse_quant(p.substr(p.find('/') + 1)); }
+
+MoeConfig config_for(std::string_view param, int redundant, int max_tokens) {
+  MoeConfig c = MoeConfig::preset(preset_of(param));
+  c.quant = quant_of(param);
   c.num_ranks = world().size();
   c.num_redundant_experts = redundant;
   c.max_tokens_per_rank = max_tokens;
@@ -66,7 +71,7 @@ std::shared_ptr<SyntheticWeights> weights_for(const MoeConfig& c) {
 class LayerRanks : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(LayerRanks, LowLatencyEagerAndGraphMatchTheReference) {
-  const bool big = std::string_view(GetParam()) == "deepseek-v3";
+  const bool big = preset_of(GetParam()) == "deepseek-v3";
   const MoeConfig c = config_for(GetParam(), big ? 32 : 4, big ? 8 : 32);
   auto w = weights_for(c);
   cuda::GpuLayerOptions o;
@@ -86,7 +91,7 @@ TEST_P(LayerRanks, LowLatencyEagerAndGraphMatchTheReference) {
 }
 
 TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
-  const bool big = std::string_view(GetParam()) == "deepseek-v3";
+  const bool big = preset_of(GetParam()) == "deepseek-v3";
   const MoeConfig c = config_for(GetParam(), big ? 32 : 4, 128);
   auto w = weights_for(c);
   const std::int64_t T = big ? 6 + world().rank() : 100 + 7 * world().rank();
@@ -110,8 +115,12 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
   EXPECT_TRUE(same_bits(forward(layer, x, false).y, plain.y)) << "a repeated overlapped forward differs";
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, LayerRanks, ::testing::Values("tiny", "deepseek-v3"),
-                         [](const auto& param_info) { return std::string(param_info.param[0] == 't' ? "tiny" : "dsv3"); });
+INSTANTIATE_TEST_SUITE_P(Models, LayerRanks,
+                         ::testing::Values("tiny/fp8", "deepseek-v3/fp8", "tiny/w4a8", "deepseek-v3/w4a8"),
+                         [](const auto& param_info) {
+                           const std::string_view p = param_info.param;
+                           return std::string(p[0] == 't' ? "tiny_" : "dsv3_") + std::string(p.substr(p.find('/') + 1));
+                         });
 
 }  // namespace
 }  // namespace epmoe::ranks
