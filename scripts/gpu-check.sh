@@ -4,7 +4,7 @@
 #
 # Usage: scripts/gpu-check.sh OUTDIR      (e.g. scripts/gpu-check.sh "$OUT")
 #
-# OUTDIR receives summary.txt, bench.json and logs.tar.gz (nvidia-smi.txt, configure.log,
+# OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, configure.log,
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
 # memcheck.log, racecheck.log, initcheck.log, bench.log). Every step runs even when an earlier one fails (steps
 # that need the build are skipped without it); the exit status is non-zero when the build, a
@@ -100,6 +100,17 @@ else
   skip bench "no build"
 fi
 
+# ---------------------------------------------------------------- the layer (epmoe run)
+# The MoE layer at DeepSeek-V3 dims on every GPU present, in the configurations of issue 7's bars
+# (scripts/layer-check.sh; its tests already ran above).
+if ((built)); then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || echo 1)
+  step layer bash -o pipefail -c "bash scripts/layer-check.sh '$out/layer' '$gpus' --no-tests > '$out/layer.log' 2>&1"
+  grep -E "^(\[rank 0\] )?  (decode|prefill)" "$out/layer/runs.log" 2>/dev/null | cut -c1-160 || true
+else
+  skip layer "no build"
+fi
+
 # ---------------------------------------------------------------- summary
 {
   echo
@@ -121,6 +132,10 @@ fi
     echo "kernels (regs / stack / spills):"
     sed 's/^/  /' "$out/ptxas-summary.txt" | cut -c1-150
   fi
+  if [[ -f $out/layer/runs.log ]]; then
+    echo "layer (epmoe run):"
+    grep -E "^(\[rank 0\] )?  (decode|prefill)" "$out/layer/runs.log" | sed 's/^/  /' | cut -c1-170 || true
+  fi
   if [[ -f $out/bench.log ]]; then
     echo "bench:"
     grep -E ' us ' "$out/bench.log" | sed 's/^/  /' || true
@@ -130,11 +145,12 @@ fi
 
 # The device tool returns at most 8 files: keep summary.txt and bench.json beside one archive
 # of every log.
-(cd "$out" && tar czf logs.tar.gz --exclude=logs.tar.gz --exclude=summary.txt --exclude=bench.json . &&
-  find . -mindepth 1 ! -name logs.tar.gz ! -name summary.txt ! -name bench.json -delete) || true
+[[ -f $out/layer/layer.json ]] && cp "$out/layer/layer.json" "$out/layer.json"
+(cd "$out" && tar czf logs.tar.gz --exclude=logs.tar.gz --exclude=summary.txt --exclude=bench.json --exclude=layer.json . &&
+  find . -mindepth 1 ! -name logs.tar.gz ! -name summary.txt ! -name bench.json ! -name layer.json -delete) || true
 
 status=0
-for name in configure build gpu-tests memcheck racecheck initcheck; do
+for name in configure build gpu-tests memcheck racecheck initcheck layer; do
   [[ ${result[$name]:-} == FAILED* ]] && status=1
 done
 exit "$status"

@@ -11,7 +11,7 @@
 namespace epmoe::tools {
 
 void add_model_options(CLI::App* cmd, ModelOptions& o) {
-  cmd->add_option("--preset", o.preset, "Model preset: deepseek-v3 or tiny")->capture_default_str();
+  cmd->add_option("--preset", o.preset, "Model preset: deepseek-v3 or tiny (default: deepseek-v3 on GPUs, tiny on the CPU)");
   cmd->add_option("--hidden", o.hidden, "Hidden size H (multiple of 128)");
   cmd->add_option("--intermediate", o.intermediate, "Expert intermediate size I (multiple of 128)");
   cmd->add_option("--experts", o.experts, "Routed (logical) experts E");
@@ -21,7 +21,8 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
   cmd->add_option("--scoring", o.scoring, "Router scoring: sigmoid (noaux_tc) or softmax");
   cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (fused into one MLP)");
   cmd->add_option("--ranks", o.ranks, "Expert-parallel ranks (default: the GPUs present for a GPU run, else 2)");
-  cmd->add_option("--redundant-experts", o.redundant_experts, "Redundant expert slots R (EPLB)")->capture_default_str();
+  cmd->add_option("--redundant-experts", o.redundant_experts,
+                  "Redundant expert slots R (EPLB; default: 32 on GPUs, as the seed's set-up, 0 on the CPU)");
   cmd->add_option("--max-tokens-per-rank", o.max_tokens_per_rank, "Low-latency buffer size in tokens per rank");
   cmd->add_option("--quant", o.quant, "Quant scheme: fp8, w4a8 or none")->capture_default_str();
   cmd->add_option("--dispatch-algorithm", o.dispatch_algorithm, "EPLB replica choice: static or dynamic")
@@ -37,7 +38,8 @@ int resolve_ranks(const ModelOptions& o, Device device) {
 }
 
 MoeConfig build_config(const ModelOptions& o, Device device) {
-  MoeConfig c = MoeConfig::preset(o.preset);
+  const bool gpu = device == Device::cuda;
+  MoeConfig c = MoeConfig::preset(o.preset.empty() ? (gpu ? "deepseek-v3" : "tiny") : o.preset);
   if (o.hidden >= 0) c.hidden = o.hidden;
   if (o.intermediate >= 0) c.intermediate = o.intermediate;
   if (o.experts >= 0) c.num_experts = o.experts;
@@ -48,7 +50,7 @@ MoeConfig build_config(const ModelOptions& o, Device device) {
   if (o.shared_experts >= 0) c.num_shared_experts = o.shared_experts;
   if (o.max_tokens_per_rank >= 0) c.max_tokens_per_rank = o.max_tokens_per_rank;
   c.num_ranks = resolve_ranks(o, device);
-  c.num_redundant_experts = o.redundant_experts;
+  c.num_redundant_experts = o.redundant_experts >= 0 ? o.redundant_experts : (gpu ? 32 : 0);
   c.quant = parse_quant(o.quant);
   c.dispatch_algorithm = parse_dispatch_algorithm(o.dispatch_algorithm);
   c.power_of_two_scales = o.pow2_scales;

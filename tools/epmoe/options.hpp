@@ -11,11 +11,11 @@
 namespace epmoe::tools {
 
 struct ModelOptions {
-  std::string preset = "tiny";
+  std::string preset;  // empty: deepseek-v3 for a GPU run, tiny on the CPU
   // Overrides of the preset; -1 / empty = keep the preset's value.
   std::int64_t hidden = -1, intermediate = -1;
   int experts = -1, topk = -1, groups = -1, topk_groups = -1, shared_experts = -1;
-  int ranks = -1, redundant_experts = 0, max_tokens_per_rank = -1;
+  int ranks = -1, redundant_experts = -1, max_tokens_per_rank = -1;  // redundant -1: GPU run 32, CPU 0
   std::string scoring, quant = "fp8", dispatch_algorithm = "static";
   bool pow2_scales = false;
   std::uint64_t seed = 1;
