@@ -99,7 +99,8 @@ check_fails "eplb --replicas required" "replicas" "$epmoe" eplb --load "$tmp/sma
 
 # --- run / check ------------------------------------------------------------------------------
 # The main job at its defaults (tiny preset on the CPU), with JSON a script can read.
-check "run defaults" "$epmoe" run --steps 4 --prompt-tokens 300 --chunk 128 --json "$tmp/run.json"
+# The CPU path of `epmoe run` (--device cpu: on a GPU machine auto would pick the GPUs).
+check "run defaults" "$epmoe" run --device cpu --steps 4 --prompt-tokens 300 --chunk 128 --json "$tmp/run.json"
 check "run JSON" python3 - "$tmp/run.json" <<'PY'
 import json, sys
 doc = json.load(open(sys.argv[1]))
@@ -112,7 +113,7 @@ for phase, mode in (("decode", "low-latency"), ("prefill", "normal")):
     assert set(p["time_ms"]) >= {"route", "dispatch", "experts", "combine", "shared", "total"}, p
 assert doc["prefill"]["forwards"] == 3 and doc["prefill"]["tokens"] == 600, doc["prefill"]
 PY
-check "run w4a8 dynamic redundant" "$epmoe" run --quant w4a8 --ranks 4 --redundant-experts 4 \
+check "run w4a8 dynamic redundant" "$epmoe" run --device cpu --quant w4a8 --ranks 4 --redundant-experts 4 \
   --dispatch-algorithm dynamic --steps 2 --prompt-tokens 64
 for ranks in 1 2 4; do
   for mode in normal low-latency; do
@@ -127,7 +128,10 @@ check "check deepseek-v3 dims, 2 ranks" "$epmoe" check --preset deepseek-v3 --ra
 check_fails "check bad hidden" "hidden must be a positive multiple of 128" "$epmoe" check --hidden 200
 check_fails "check bad preset" "preset must be one of" "$epmoe" check --preset nope
 check_fails "check ranks not dividing slots" "must be a multiple of ranks=3" "$epmoe" check --ranks 3
-check_fails "run too many decode tokens" "max_tokens_per_rank" "$epmoe" run --tokens 65
+check_fails "run too many decode tokens" "max_tokens_per_rank" "$epmoe" run --device cpu --tokens 65
+check "check 8 ranks low-latency" "$epmoe" check --ranks 8 --mode low-latency --tokens 12
+check "check 8 ranks normal w4a8 dynamic" "$epmoe" check --ranks 8 --mode normal --quant w4a8 --redundant-experts 8 \
+  --dispatch-algorithm dynamic --tokens 12
 if ! nvidia-smi -L > /dev/null 2>&1; then
   check_fails "run gpu without a GPU" "no CUDA device" "$epmoe" run --device gpu
 fi

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The scale-out runs of issue 8 in one call, for a machine with 4 or 8 GPUs: build, the multi-rank
+# tests on every GPU, `epmoe bench comm` (normal 4096 tokens per rank, low-latency 1..256) and the
+# layer (`epmoe run`: decode and prefill, FP8 and W4A8, 32 redundant experts, dynamic dispatch as
+# in the seed's set-up, two-batch overlap timed against none). Run from the source root in a
+# directory of its own.
+#
+# Usage: scripts/scaleout-check.sh OUTDIR [RANKS]     (RANKS defaults to the GPUs present)
+# OUTDIR receives tests.log, comm.json (every rank's bench comm results), layer.json, runs.log.
+set -uo pipefail
+out=${1:?usage: scripts/scaleout-check.sh OUTDIR [RANKS]}
+ranks=${2:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+tmp=$(mktemp -d)
+status=0
+echo "== build"
+cmake --preset gpu >"$tmp/configure.log" 2>&1 || { tail -n 30 "$tmp/configure.log"; exit 1; }
+timeout 400 cmake --build --preset gpu -j "$(nproc)" >"$tmp/build.log" 2>&1 || { grep -E "error|FAILED" "$tmp/build.log" | head -n 30; exit 1; }
+echo "== $ranks-rank tests"
+timeout 600 build-gpu/bin/epmoe launch -n "$ranks" --timeout 580 -- build-gpu/tests/epmoe_comm_tests >"$out/tests.log" 2>&1 || status=1
+grep -E "^\[rank 0\] \[  (PASSED|FAILED)" "$out/tests.log" | tail -n 5
+echo "== bench comm"
+timeout 600 build-gpu/bin/epmoe launch -n "$ranks" --timeout 580 -- \
+  sh -c "build-gpu/bin/epmoe bench comm --json $tmp/comm-rank\$EPMOE_RANK.json" >"$tmp/comm.log" 2>&1 || status=1
+grep -E ' us ' "$tmp/comm.log" | grep '^\[rank 0\]' | cut -c1-160
+python3 - "$tmp" "$out/comm.json" <<'PY'
+import glob, json, sys
+ranks = {f.split("rank")[-1].split(".")[0]: json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + "/comm-rank*.json"))}
+json.dump({"ranks": ranks}, open(sys.argv[2], "w"), indent=1)
+PY
+echo "== layer"
+common="--preset deepseek-v3 --redundant-experts 32 --dispatch-algorithm dynamic --ranks $ranks"
+runs=(
+  "fp8|$common --tbo --trace $tmp/trace.json"
+  "w4a8|$common --quant w4a8 --tbo"
+  "fp8-decode128|$common --tokens 128 --steps 300 --prompt-tokens 0"
+  "w4a8-decode128|$common --quant w4a8 --tokens 128 --steps 300 --prompt-tokens 0"
+)
+for r in "${runs[@]}"; do
+  name=${r%%|*}
+  # shellcheck disable=SC2086  # a word list
+  timeout 300 build-gpu/bin/epmoe run ${r#*|} --json "$tmp/run-$name.json" >>"$out/runs.log" 2>&1 || status=1
+  grep -E "^\[rank 0\]   (decode|prefill)" "$out/runs.log" | tail -n 3 | cut -c1-160
+done
+cp "$tmp/trace.json" "$out/trace.json" 2>/dev/null || true
+python3 - "$tmp" "$out/layer.json" "$ranks" <<'PY'
+import datetime, glob, json, os, sys
+runs = {}
+for f in sorted(glob.glob(sys.argv[1] + "/run-*.json")):
+    try:
+        runs[os.path.basename(f)[4:-5]] = json.load(open(f))
+    except Exception as e:
+        runs[os.path.basename(f)[4:-5]] = {"error": str(e)}
+json.dump({"commit": os.environ.get("EPMOE_COMMIT", "unknown"), "ranks": int(sys.argv[3]),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), "runs": runs},
+          open(sys.argv[2], "w"), indent=1)
+PY
+exit $status
