@@ -1,0 +1,117 @@
+// Benchmark suite "layer": the GPU MoE layer (epmoe/cuda/layer.hpp) at DeepSeek-V3 dims with 32
+// redundant experts, on one GPU or, under `epmoe launch -n N -- epmoe bench layer`, on N ranks:
+// decode (low-latency mode, graph replay) at 1, 32, 64 and 128 tokens per rank, and prefill
+// (normal mode) at 4096 and 8192 tokens per rank; --quant fp8 (default) or w4a8; --tokens picks
+// the counts (<= 256: decode, larger: prefill).
+// Floors: decode reads every local expert's weights and the shared expert's once (bytes / 4269
+// GB/s); prefill is the routed + shared GEMM flops at 1979 TFLOP/s (tokens x top-k rows per rank
+// when the load is balanced). `epmoe run` gives the same forward with its accuracy check and the
+// phase breakdown.
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "bench/bench.hpp"
+#include "epmoe/comm.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/layer.hpp"
+#include "epmoe/cuda/runtime.hpp"
+
+namespace epmoe::bench {
+namespace {
+
+constexpr double kPeakTflops = 1979.0;  // H200 dense FP8
+constexpr std::int64_t kMaxDecodeTokens = 256;
+
+// Bytes of one expert MLP's weights and scales (hidden H, intermediate I).
+double expert_bytes(QuantScheme quant, std::int64_t H, std::int64_t I) {
+  if (quant == QuantScheme::w4a8) return 3.0 * H * I / 2 + 4.0 * (2 * I * (H / 128) + H * (I / 128));
+  return 3.0 * H * I + 4.0 * ((2 * I / 128) * (H / 128) + (H / 128) * (I / 128));
+}
+
+std::vector<Result> run_layer_suite(const SuiteOptions& options) {
+  std::vector<Result> results;
+  std::shared_ptr<Communicator> comm = Communicator::process_default();
+  const LaunchEnvironment env = LaunchEnvironment::from_env();
+  if (!comm && env.present && env.world_size > 1) {
+    if (cuda::device_count() < env.world_size) {
+      std::printf("layer: skipped: %d ranks need as many GPUs, %d visible\n", env.world_size, cuda::device_count());
+      return results;
+    }
+    comm = Communicator::from_environment();
+  }
+  const int ranks = comm ? comm->size() : 1;
+  MoeConfig c = MoeConfig::preset("deepseek-v3");
+  c.num_ranks = ranks;
+  c.num_redundant_experts = 32;
+  c.quant = parse_quant(options.quant.empty() ? "fp8" : options.quant);
+  c.max_tokens_per_rank = static_cast<int>(kMaxDecodeTokens);
+  c.validate();
+  auto weights = std::make_shared<SyntheticWeights>(c, 1);  // the layer generates its slots on the device
+
+  std::vector<std::int64_t> decode, prefill;
+  for (const std::int64_t t : options.tokens) (t <= kMaxDecodeTokens ? decode : prefill).push_back(t);
+  if (options.tokens.empty()) {
+    decode = options.quick ? std::vector<std::int64_t>{128} : std::vector<std::int64_t>{1, 32, 64, 128};
+    prefill = options.quick ? std::vector<std::int64_t>{4096} : std::vector<std::int64_t>{4096, 8192};
+  }
+  const std::string quant(to_string(c.quant));
+  const double slot_bytes = expert_bytes(c.quant, c.hidden, c.intermediate);
+  const double shared_bytes = expert_bytes(QuantScheme::fp8, c.hidden, c.shared_intermediate());
+  const double weight_bytes = c.num_local_experts() * slot_bytes + shared_bytes;
+  TimingOptions timing = timing_for(options);
+  timing.iterations = std::min(timing.iterations, 50);
+  constexpr int kSets = 4;
+
+  auto run_mode = [&](Mode mode, const std::vector<std::int64_t>& token_list) {
+    if (token_list.empty()) return;
+    cuda::GpuLayerOptions lo;
+    lo.mode = mode;
+    lo.max_tokens = *std::max_element(token_list.begin(), token_list.end());
+    cuda::GpuMoeLayer layer(weights, lo, comm);
+    cudaStream_t s = layer.stream();
+    std::vector<cuda::DeviceTensor> x;
+    for (int set = 0; set < kSets; ++set) {
+      x.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{lo.max_tokens, c.hidden});
+      fill_random_bf16(x.back(), 100 + static_cast<std::uint64_t>(set), s);
+    }
+    cuda::DeviceTensor y(DType::bf16, {lo.max_tokens, c.hidden});
+    for (const std::int64_t T : token_list) {
+      const bool decode_mode = mode == Mode::low_latency;
+      if (decode_mode) {
+        const std::int64_t sizes[] = {T};
+        layer.capture_graphs(sizes);
+      }
+      const double us = time_us(
+          [&](int set, cudaStream_t) {
+            const TensorView xs = x[static_cast<std::size_t>(set)].view().slice_rows(0, T);
+            if (decode_mode) {
+              layer.forward_graph(xs, y.view().slice_rows(0, T));
+            } else {
+              layer.forward(xs, y.view().slice_rows(0, T));
+            }
+          },
+          kSets, s, timing);
+      const double flops = 2.0 * T * c.hidden * (3.0 * c.topk * c.intermediate + 3.0 * c.shared_intermediate());
+      Params p{{"tokens", T}, {"ranks", static_cast<std::int64_t>(ranks)}, {"mode", std::string(to_string(mode))},
+               {"quant", quant}, {"phase", std::string("forward")}};
+      Result r = make_result(decode_mode ? "layer.decode" : "layer.prefill", std::move(p), us, weight_bytes, flops);
+      if (!decode_mode) r.floor_us = std::max(r.floor_us, flops / (kPeakTflops * 1e6));
+      emit(options, results, r);
+    }
+  };
+  run_mode(Mode::low_latency, decode);
+  run_mode(Mode::normal, prefill);
+  if (comm && ranks > 1) comm->barrier();
+  return results;
+}
+
+const SuiteRegistration kLayer{
+    "layer",
+    "the GPU MoE layer at DeepSeek-V3 dims (1 GPU, or N ranks under epmoe launch): decode 1..128 tokens "
+    "per rank (graph replay), prefill 4096 and 8192",
+    90, run_layer_suite};
+
+}  // namespace
+}  // namespace epmoe::bench
