@@ -73,8 +73,9 @@ struct W4A8Params {
   __nv_bfloat16* d;               // [rows_total, N]
   std::int32_t rows;              // contiguous: M; masked: M_max
   std::int32_t n, k, groups;
-  std::int32_t total_tiles;  // contiguous: ceil(M / kBM) * N / kTileN; masked: unused
-  std::int32_t stages;       // pipeline stages in use, 1..W4A8Traits::kStages
+  std::int32_t total_tiles;   // contiguous: ceil(M / kBM) * N / kTileN; masked: unused
+  std::int32_t stages;        // pipeline stages in use (v3: conversion stages)
+  std::int32_t a_small_rows;  // v3, masked: tiles with at most this many valid rows load only these
 };
 
 struct W4A8Tile {

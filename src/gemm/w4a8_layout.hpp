@@ -85,6 +85,20 @@ EPMOE_HD std::int64_t packed_scale_index(std::int64_t n, std::int64_t kb, std::i
   return ((n / kPanelRows) * kb_count + kb) * kPanelRows + n % kPanelRows;
 }
 
+// v3 (shared-memory conversion, w4a8_smem_gemm_kernel.cuh): thread t of the converter warpgroup
+// holds the same 16 + 16 bytes of a (panel, K block) as above; word u (0..3 from the first 16 bytes,
+// 4..7 from the second) covers k = 16 u + 4 q + j, its low half of row 16 w + g, its high half of
+// row + 8. The e4m3 tile is K-major with the 128-byte swizzle (row r at r * 128, its 16-byte chunk c
+// at chunk c ^ (r % 8)), so the 4 bytes of the low half go to the byte offset below inside the
+// panel's 64 rows (8192 bytes), the high half's 1024 bytes further.
+EPMOE_HD std::uint32_t converter_row_base(int t) {
+  const int g = (t % 32) / 4, q = t % 4;
+  return static_cast<std::uint32_t>((16 * (t / 32) + g) * kBlockK + 16 * g + 4 * q);
+}
+EPMOE_HD std::uint32_t converter_store_offset(int t, int u) {
+  return converter_row_base(t) ^ static_cast<std::uint32_t>(16 * u);  // flips chunk bits 4-6 only
+}
+
 // Host model of prmt (default mode), for the CPU tests of the codes.
 EPMOE_HD std::uint32_t prmt_model(std::uint32_t a, std::uint32_t b, std::uint32_t sel) {
   const std::uint64_t bytes = (static_cast<std::uint64_t>(b) << 32) | a;

@@ -5,6 +5,7 @@
 // direct evaluation, and argument checks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -135,6 +136,69 @@ TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
     }
   }
   EXPECT_EQ(checked, N * K);
+}
+
+// v3: a thread-by-thread model of the converter warpgroup (w4a8_smem_gemm_kernel.cuh) writes every
+// weight's e4m3 exactly once where the 128-byte-swizzled K-major wgmma B tile wants it (row n at
+// n * 128, 16-byte chunk k / 16 at chunk (k / 16) ^ (n % 8)), and each of its 4-byte stores is
+// free of bank conflicts (the 32 lanes hit 32 distinct banks).
+TEST(W4A8Pack, ConverterStoresMatchTheSwizzledTile) {
+  std::mt19937_64 rng(12);
+  const std::int64_t G = 1, N = 256, K = 256, KB = K / 128;
+  const Checkpoint c = random_checkpoint(G, N, K, rng);
+  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, K / 128});
+  cuda::w4a8_prepare_weights_cpu(c.w, c.s, pw, ps);
+  const auto* packed = static_cast<const std::uint8_t*>(pw.view().data);
+  const auto* plain = static_cast<const std::uint8_t*>(c.w.view().data);
+  constexpr int kTileN = 256;  // the converter's tile: kTileN / 64 panels
+  for (std::int64_t kb = 0; kb < KB; ++kb) {
+    std::vector<std::uint8_t> tile(kTileN * 128, 0);
+    std::vector<int> writes(tile.size(), 0);
+    for (int panel = 0; panel < kTileN / 64; ++panel) {
+      const std::uint8_t* chunk = packed + (panel * KB + kb) * w4a8::kPanelBytes;
+      for (int u = 0; u < 8; ++u) {
+        for (int half = 0; half < 2; ++half) {
+          for (int warp = 0; warp < 4; ++warp) {
+            std::vector<int> banks;
+            for (int lane = 0; lane < 32; ++lane) {
+              const int t = warp * 32 + lane;
+              std::uint32_t words[8];
+              std::memcpy(words, chunk + t * 16, 16);
+              std::memcpy(words + 4, chunk + 2048 + t * 16, 16);
+              const std::uint32_t e =
+                  w4a8::codes_to_e4m3x4(half == 0 ? words[u] : words[u] >> 16, model_prmt);
+              const std::uint32_t at = static_cast<std::uint32_t>(panel * 64 * 128) +
+                                       w4a8::converter_store_offset(t, u) + 1024u * half;
+              ASSERT_EQ(at % 4, 0u);
+              ASSERT_LT(at + 4, tile.size() + 1);
+              banks.push_back(static_cast<int>((at / 4) % 32));
+              for (int j = 0; j < 4; ++j) {
+                tile[at + j] = static_cast<std::uint8_t>(e >> (8 * j));
+                ++writes[at + j];
+              }
+            }
+            std::sort(banks.begin(), banks.end());
+            EXPECT_EQ(std::unique(banks.begin(), banks.end()), banks.end())
+                << "bank conflict: panel " << panel << " word " << u << " half " << half << " warp " << warp;
+          }
+        }
+      }
+    }
+    for (int n = 0; n < kTileN; ++n) {
+      for (int k = 0; k < 128; ++k) {
+        const std::size_t at = static_cast<std::size_t>(n * 128 + (((k / 16) ^ (n % 8)) * 16) + k % 16);
+        ASSERT_EQ(writes[at], 1) << "n " << n << " k " << k;
+        const int v = unpack_int4(plain + n * (K / 2), kb * 128 + k);
+        ASSERT_EQ(tile[at], fp8_e4m3::from_float(static_cast<float>(v)).bits)
+            << "kb " << kb << " n " << n << " k " << k;
+      }
+    }
+  }
+  // The scales in packed order are the tile's columns in order (panel-major, 64 rows each): what
+  // the converter copies, column i of the tile from packed index (panel, kb, i % 64).
+  for (std::int64_t kb = 0; kb < KB; ++kb)
+    for (int i = 0; i < kTileN; ++i)
+      EXPECT_EQ(ps.data<float>()[((i / 64) * KB + kb) * 64 + i % 64], c.s.data<float>()[i * KB + kb]);
 }
 
 TEST(W4A8Pack, RefusesBadArguments) {
