@@ -313,7 +313,7 @@ void transform_cpu(const std::uint8_t* src, const float* src_scales, std::uint8_
     for (std::int64_t row = 0; row < dims.n; ++row) {
       const std::int64_t base = (group * dims.n + row) * half_k;
       for (std::int64_t i = 0; i < half_k; ++i) {
-        const w4a8::NibblePos pos = w4a8::packed_position(row, 2 * i, kb_count);
+        const w4a8::NibblePos pos = w4a8::packed_position(row, 2 * i, kb_count, dims.n);
         const std::int64_t packed = group * dims.n * half_k + pos.byte;
         if (!inverse) {
           const std::uint8_t b = src[base + i];
@@ -326,7 +326,8 @@ void transform_cpu(const std::uint8_t* src, const float* src_scales, std::uint8_
       }
       for (std::int64_t kb = 0; kb < kb_count; ++kb) {
         const std::int64_t plain = (group * dims.n + row) * kb_count + kb;
-        const std::int64_t packed = group * dims.n * kb_count + w4a8::packed_scale_index(row, kb, kb_count);
+        const std::int64_t packed =
+            group * dims.n * kb_count + w4a8::packed_scale_index(row, kb, kb_count, dims.n);
         if (!inverse) {
           dst_scales[packed] = src_scales[plain];
         } else {

@@ -12,8 +12,8 @@
 //
 // One persistent CTA per SM, warp-specialised, 128 K per step, two rings of stages:
 //   - raw ring (kRawStages): the packed int4 weights of the tile's kBN / 64 panels (4096 bytes
-//     each) and their scales (256 bytes each), bulk copies by producer warp 0, freed by the
-//     converter;
+//     each) and their scales (256 bytes each), contiguous per K block in the packed layout: two
+//     bulk copies by producer warp 0; freed by the converter;
 //   - conversion ring (stages in use <= kConvStages): the activation tile [kBM x 128] (TMA by
 //     producer warp 1; masked tiles with few valid rows load only a_small_rows of them), the e4m3
 //     weight tile [kBN x 128] and the tile's kBN scales, written by the converter, freed by the
@@ -131,22 +131,20 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
     if (warp == 0) {
       const std::int64_t n_panels = p.n / w4a8::kPanelRows;
       while (scheduler.next(tile, p)) {
-        const std::int64_t panel0 = tile.group * n_panels + static_cast<std::int64_t>(tile.n_tile) * kPanels;
-        const std::uint8_t* w_src = p.w + panel0 * num_kb * w4a8::kPanelBytes;
-        const float* s_src = p.ws + panel0 * num_kb * w4a8::kPanelRows;
+        // The tile's panels are consecutive inside one panel group: per K block one bulk copy of
+        // their weights and one of their scales (w4a8_layout.hpp).
+        const std::int64_t group_chunks = static_cast<std::int64_t>(tile.group) * n_panels * num_kb;
+        const std::int64_t panel0 = static_cast<std::int64_t>(tile.n_tile) * kPanels;
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           if (lane == 0) {
             const std::uint32_t full = raw_full + 8 * pipe.stage;
             ptx::mbar_wait(raw_empty + 8 * pipe.stage, pipe.phase ^ 1u);
             ptx::mbar_arrive_expect_tx(full, Traits::kRawWBytes + Traits::kRawSBytes);
-#pragma unroll
-            for (int c = 0; c < kPanels; ++c) {
-              const std::int64_t chunk = static_cast<std::int64_t>(c) * num_kb + kb;
-              ptx::bulk_load(smem_rw + pipe.stage * Traits::kRawWBytes + c * w4a8::kPanelBytes,
-                             w_src + chunk * w4a8::kPanelBytes, w4a8::kPanelBytes, full);
-              ptx::bulk_load(smem_rs + pipe.stage * Traits::kRawSBytes + c * w4a8::kPanelScaleBytes,
-                             s_src + chunk * w4a8::kPanelRows, w4a8::kPanelScaleBytes, full);
-            }
+            const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
+            ptx::bulk_load(smem_rw + pipe.stage * Traits::kRawWBytes, p.w + chunk * w4a8::kPanelBytes,
+                           Traits::kRawWBytes, full);
+            ptx::bulk_load(smem_rs + pipe.stage * Traits::kRawSBytes, p.ws + chunk * w4a8::kPanelRows,
+                           Traits::kRawSBytes, full);
           }
           pipe.advance(kRawStages);
         }
