@@ -133,6 +133,7 @@ struct Problem {
   std::int64_t tile_rows;  // contiguous: M; masked: M_max
   std::int64_t schedule_groups;
   std::int64_t expected_m;  // masked: the host hint; contiguous: 0
+  std::int32_t ablation;    // v3 timing experiments (W4A8KernelChoice::ablation)
 };
 
 W4A8KernelChoice g_pinned{};  // version 0: none
@@ -211,6 +212,7 @@ void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& opti
   EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
   params.total_tiles = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_tiles);
   params.stages = options.stages > 0 ? options.stages : Traits::kConvStages;
+  params.ablation = problem.ablation;
   // Masked tiles whose valid rows fit a smaller box load only that many activation rows.
   params.a_small_rows = 0;
   if (params.masked_m != nullptr) {
@@ -267,11 +269,15 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   const bool explicit_tile = options.block_m != 0 || options.consumers != 0;
   W4A8KernelChoice c{2};
   if (!explicit_tile) {
-    c = g_pinned.version != 0 ? g_pinned : w4a8_kernel_choice(masked, problem.expected_m, problem.params.n);
+    c = g_pinned.version != 0
+            ? g_pinned
+            : w4a8_kernel_choice(masked, problem.expected_m, problem.params.n, problem.params.k);
   }
-  if (c.version == 3)
-    return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, problem, options,
-                     stream);
+  if (c.version == 3) {
+    Problem with = problem;
+    with.ablation = c.ablation;
+    return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
+  }
   launch(tile, a, problem, options, stream);
 }
 
@@ -379,14 +385,25 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
 
 }  // namespace
 
-W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n) {
-  W4A8KernelChoice c{3};
-  return resolve_v3(c, masked, expected_m, n);
+// Measured (bench/NOTES.md, W4A8 v3; 2026-11-30T1139Z-h200-w4a8-v3.json): the register-operand
+// kernel wins every masked row (decode by 1.4-1.5x) and the contiguous rows with K = 7168 (8-18%);
+// v3's 128 x 256 tiles win the contiguous rows with K = 2048, N = 7168 (0.4-12%).
+W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k) {
+  if (masked || k > 2048 || n % 256 != 0) return W4A8KernelChoice{2};
+  return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
+}
+
+W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, std::int64_t expected_m,
+                                 std::int64_t n) {
+  return resolve_v3(choice, masked, expected_m, n);
 }
 
 void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
   EPMOE_CHECK(choice.version == 0 || choice.version == 2 || choice.version == 3,
               "W4A8 kernel version must be 0, 2 or 3, got {}", choice.version);
+  EPMOE_CHECK(choice.ablation >= 0 && choice.ablation <= 15 && (choice.ablation == 0 || choice.version == 3),
+              "W4A8 ablation bits (0..15) need version 3, got ablation {} with version {}", choice.ablation,
+              choice.version);
   g_pinned = choice;
 }
 

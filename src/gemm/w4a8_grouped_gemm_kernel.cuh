@@ -76,6 +76,7 @@ struct W4A8Params {
   std::int32_t total_tiles;   // contiguous: ceil(M / kBM) * N / kTileN; masked: unused
   std::int32_t stages;        // pipeline stages in use (v3: conversion stages)
   std::int32_t a_small_rows;  // v3, masked: tiles with at most this many valid rows load only these
+  std::int32_t ablation;      // v3: kW4Ablate* bits (timing experiments), else 0
 };
 
 struct W4A8Tile {

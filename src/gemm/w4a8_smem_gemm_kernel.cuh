@@ -75,6 +75,14 @@ struct W4A8SmemTraits {
   static constexpr int kConsumerRegs = kConsumers == 1 ? 232 : (kTwoWaves ? 216 : 208);
 };
 
+// Ablations (W4A8Params::ablation, bits; timing experiments only, the output is garbage): the
+// converter skips the conversion (arrives only), or the proxy fence; the consumers skip the wgmma
+// and the promotion; the producer arms the raw stages without loading the weights.
+inline constexpr int kW4AblateConvert = 1;
+inline constexpr int kW4AblateFence = 2;
+inline constexpr int kW4AblateMath = 4;
+inline constexpr int kW4AblateLoads = 8;
+
 template <int kBM, int kBN, int kWaves>
 __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
     w4a8_smem_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
@@ -139,12 +147,16 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           if (lane == 0) {
             const std::uint32_t full = raw_full + 8 * pipe.stage;
             ptx::mbar_wait(raw_empty + 8 * pipe.stage, pipe.phase ^ 1u);
-            ptx::mbar_arrive_expect_tx(full, Traits::kRawWBytes + Traits::kRawSBytes);
-            const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
-            ptx::bulk_load(smem_rw + pipe.stage * Traits::kRawWBytes, p.w + chunk * w4a8::kPanelBytes,
-                           Traits::kRawWBytes, full);
-            ptx::bulk_load(smem_rs + pipe.stage * Traits::kRawSBytes, p.ws + chunk * w4a8::kPanelRows,
-                           Traits::kRawSBytes, full);
+            if ((p.ablation & kW4AblateLoads) != 0) {
+              ptx::mbar_arrive(full);
+            } else {
+              ptx::mbar_arrive_expect_tx(full, Traits::kRawWBytes + Traits::kRawSBytes);
+              const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
+              ptx::bulk_load(smem_rw + pipe.stage * Traits::kRawWBytes, p.w + chunk * w4a8::kPanelBytes,
+                             Traits::kRawWBytes, full);
+              ptx::bulk_load(smem_rs + pipe.stage * Traits::kRawSBytes, p.ws + chunk * w4a8::kPanelRows,
+                             Traits::kRawSBytes, full);
+            }
           }
           pipe.advance(kRawStages);
         }
@@ -183,8 +195,9 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
         ptx::mbar_wait(conv_empty + 8 * conv.stage, conv.phase ^ 1u);
         const std::uint32_t src = smem_rw + raw.stage * Traits::kRawWBytes + t * 16;
         const std::uint32_t dst = smem_b + conv.stage * Traits::kBBytes;
+        const bool convert = (p.ablation & kW4AblateConvert) == 0;
 #pragma unroll
-        for (int c = 0; c < kPanels; ++c) {
+        for (int c = 0; c < kPanels && convert; ++c) {
           const uint4 v0 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes);
           const uint4 v1 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes + 2048);
           const std::uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
@@ -204,7 +217,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           ptx::st_shared_u32(
               smem_cs + conv.stage * Traits::kCScaleBytes + 4 * i,
               __float_as_uint(ptx::ld_shared_f32(smem_rs + raw.stage * Traits::kRawSBytes + 4 * i)));
-        ptx::fence_proxy_async_shared();
+        if ((p.ablation & kW4AblateFence) == 0) ptx::fence_proxy_async_shared();
         __syncwarp();
         if (lane == 0) {
           ptx::mbar_arrive(raw_empty + 8 * raw.stage);
@@ -245,6 +258,11 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
       for (std::int32_t kb = 0; kb < num_kb; ++kb) {
         const int stage = pipe.stage;
         ptx::mbar_wait(conv_full + 8 * stage, pipe.phase);
+        if ((p.ablation & kW4AblateMath) != 0) {
+          if (lane == 0) ptx::mbar_arrive(conv_empty + 8 * stage);
+          pipe.advance(conv_stages);
+          continue;
+        }
         const std::uint32_t a_tile = smem_a + stage * Traits::kABytes + row_block * 64 * w4a8::kBlockK;
         const std::uint32_t b_tile = smem_b + stage * Traits::kBBytes + col0 * w4a8::kBlockK;
         const auto* scale_ptr =

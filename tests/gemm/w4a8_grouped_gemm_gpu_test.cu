@@ -262,10 +262,13 @@ INSTANTIATE_TEST_SUITE_P(
         // masked_m = M_max everywhere, and nothing valid at all.
         MaskedCase{"N1536_K2048_all_full", 16, {16, 16, 16}, 1536, 2048},
         MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048},
-        // The automatic choice is v3 (64 x 256 tiles up to 64 rows, small activation boxes of 16 /
-        // 32 rows where the hint allows): the register-operand kernel (v2) by its own heuristic,
-        // and every v3 tile pinned.
+        // The automatic choice is the register-operand kernel (v2) for the masked layout
+        // (w4a8_kernel_choice): v2 pinned, and the shared-memory-conversion kernel (v3) with its own
+        // heuristic (64 x 256, activation boxes of 16 / 32 rows where the hint allows) and every
+        // other v3 tile pinned.
         MaskedCase{"N4096_K7168_decode_v2", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, {2}},
+        MaskedCase{"N4096_K7168_decode_v3", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, {3}},
+        MaskedCase{"N640_K2048_decode_n_not_256_v3", 24, {24, 9}, 640, 2048, 0, 0, false, {3}},
         MaskedCase{"N1536_K2048_v3_m64n128", 37, {37, 3, 0, 17}, 1536, 2048, 0, 0, false, {3, 64, 128, 1}},
         MaskedCase{
             "N1536_K2048_v3_m128n256", 130, {130, 0, 64, 65}, 1536, 2048, 0, 0, false, {3, 128, 256, 2}},
@@ -297,7 +300,7 @@ struct ContiguousCase {
   std::int64_t n, k;
   std::int64_t trailing_blocks = 0;  // all-padding 128-row blocks at the end
   bool holes = false;                // -1 rows inside groups' rows too
-  cuda::W4A8KernelChoice pin{};      // version 0: the automatic choice (v3)
+  cuda::W4A8KernelChoice pin{};      // version 0: the automatic choice (v3 for K <= 2048)
 };
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
   *os << c.name;
@@ -364,7 +367,9 @@ INSTANTIATE_TEST_SUITE_P(
         ContiguousCase{"N1536_K2048_single_row_trailing", {0, 1}, 1536, 2048, 3},
         ContiguousCase{"N1536_K1152_odd_k_blocks", {130, 7}, 1536, 1152},
         ContiguousCase{"N640_K2048_many_groups_holes", {5, 17, 0, 128, 1, 90, 0, 33}, 640, 2048, 1, true},
-        // The register-operand kernel (v2) and the other v3 tiles, pinned.
+        // The register-operand kernel (v2), v3's heuristic tile for K = 7168 and the other v3
+        // tiles, pinned.
+        ContiguousCase{"N4096_K7168_v3", {1, 0, 130}, 4096, 7168, 0, false, {3}},
         ContiguousCase{"N7168_K2048_v2", {150, 0, 64, 33}, 7168, 2048, 0, false, {2}},
         ContiguousCase{"N1536_K2048_holes_v2", {5, 130, 0, 33}, 1536, 2048, 1, true, {2}},
         ContiguousCase{
