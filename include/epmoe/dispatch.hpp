@@ -98,6 +98,10 @@ class Dispatcher {
   virtual void combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) = 0;
 
   virtual const DispatchStats& last_stats() const = 0;
+
+  // Device memory this dispatcher holds (communication windows, receive-side layout, routing
+  // workspace), in bytes; 0 for the CPU dispatchers.
+  virtual std::size_t device_bytes() const { return 0; }
 };
 
 using DispatcherRegistry = Registry<Dispatcher, DispatcherContext>;

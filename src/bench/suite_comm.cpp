@@ -12,14 +12,22 @@
 //                 over nvlink-ll and nccl-p2p; plus the send halves of nvlink-ll alone.
 // GB/s counts the bytes a rank sends to other ranks (token payloads: x + scales + ids + weights
 // for dispatch, bf16 partial sums for combine) over the median time of one call; floor_us is those
-// bytes at the measured NVLink P2P rate (396 GB/s).
+// bytes at the measured NVLink P2P rate (396 GB/s). "sms": the SMs of the kernel that writes to the
+// peers (nvlink dispatch: the send kernel, swept over EPMOE_COMM_SEND_SMS; combine: the reduce
+// kernel); "sms_all": the most SMs any kernel of the call spans (place / reduce / home run on every
+// SM: they move the rank's local HBM traffic, the fan-out to the expert rows and the reduction).
+// "nvlink-halves" is dispatch_send + dispatch_recv (send, then place, one stream, own tokens
+// through the window) next to the whole dispatch() call.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <set>
+#include <string>
 
 #include "bench/bench.hpp"
 #include "comm/comm_internal.hpp"
+#include "comm/ep_kernels.hpp"
 #include "dispatch/dispatch_common.hpp"
 #include "epmoe/comm_dispatch.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
@@ -86,9 +94,21 @@ MoeConfig deepseek(int ranks, int max_tokens) {
 }
 
 Params params(const std::string& transport, const std::string& mode, const std::string& phase, std::int64_t T,
-              const Communicator& comm) {
-  return {{"transport", transport}, {"mode", mode},       {"phase", phase}, {"tokens", T},
-          {"ranks", comm.size()},   {"rank", comm.rank()}};
+              const Communicator& comm, int sms = -1, int sms_all = -1) {
+  Params p{{"transport", transport}, {"mode", mode},       {"phase", phase}, {"tokens", T},
+           {"ranks", comm.size()},   {"rank", comm.rank()}};
+  if (sms >= 0) p["sms"] = sms;
+  if (sms_all >= 0) p["sms_all"] = sms_all;
+  return p;
+}
+
+int device_sms() {
+  return cuda::device_props().sm_count;
+}
+// SMs a grid of `blocks` spans (at most one block per SM for the send kernel's 512 threads, all for
+// the work kernels).
+int sms_of(int blocks) {
+  return std::min(blocks, device_sms());
 }
 
 // Times `launch` with every rank starting together.
@@ -97,6 +117,25 @@ double timed(Communicator& comm, const Launch& launch, const TimingOptions& t) {
   const double us = time_us(launch, 1, comm.stream(), t);
   comm.check_device_errors();
   return us;
+}
+
+// The last call's phases (comm_detail::read_trace), in µs after the routing started.
+void print_trace(const std::string& what) {
+  std::uint64_t t[comm_detail::kTraceSlots];
+  comm_detail::read_trace(t);
+  static const char* const kNames[] = {"route",  "send",       "count_flag", "send_copied",  "send_end",
+                                       "place",  "counts",     "own_done",   "arrived",      "place_end",
+                                       "reduce", "reduce_end", "home",       "home_arrived", "home_end"};
+  std::string line = "trace " + what + ":";
+  const std::uint64_t t0 = t[comm_detail::kTraceRouteStart];
+  for (int i = 0; i < comm_detail::kTraceSlots; ++i) {
+    if (t[i] == 0 || t[i] < t0 || t[i] - t0 > 10'000'000) continue;
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " %s %.1f", kNames[i], 1e-3 * static_cast<double>(t[i] - t0));
+    line += buf;
+  }
+  std::printf("%s\n", line.c_str());
+  comm_detail::reset_trace();
 }
 
 cudaGraphExec_t capture(cudaStream_t stream, const std::function<void()>& enqueue) {
@@ -124,27 +163,82 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
   const DispatchInput view = in.view();
   const cuda::DeviceTensor y(DType::bf16, {T, c.hidden});
   const TensorView yv = y.view();
+  const int N = comm.size();
+  const int work_sms = sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(N) * T));
   for (const std::string transport : {"nvlink", "nccl-p2p"}) {
     std::unique_ptr<Dispatcher> d;
+    LowLatencyDispatcher* nv = nullptr;
     try {
-      d = transport == "nvlink"
-              ? std::unique_ptr<Dispatcher>(make_nvlink_dispatcher(ctx, comm.shared_from_this()))
-              : make_nccl_p2p_dispatcher(ctx, comm.shared_from_this());
+      if (transport == "nvlink") {
+        auto ll = make_nvlink_dispatcher(ctx, comm.shared_from_this());
+        nv = ll.get();
+        d = std::move(ll);
+      } else {
+        d = make_nccl_p2p_dispatcher(ctx, comm.shared_from_this());
+      }
     } catch (const Error& e) {
       std::printf("comm: %s unavailable here: %s\n", transport.c_str(), e.what());
       continue;
     }
     std::vector<DispatchOutput> out(1);
     d->dispatch({&view, 1}, out);
-    const double us_dispatch = timed(
-        comm,
-        [&](int, cudaStream_t) {
-          d->dispatch({&view, 1}, out);
-        },
-        timing);
-    emit(options, results,
-         make_result("comm.dispatch", params(transport, "normal", "dispatch", T, comm), us_dispatch,
-                     dispatch_bytes, 0.0, kNvlinkGBps));
+    auto time_dispatch = [&] {
+      return timed(
+          comm,
+          [&](int, cudaStream_t) {
+            d->dispatch({&view, 1}, out);
+          },
+          timing);
+    };
+    if (nv != nullptr) {
+      // The send kernel's SMs: the default first, then a sweep (every rank sets the same).
+      const char* before = std::getenv("EPMOE_COMM_SEND_SMS");
+      const std::string keep = before != nullptr ? before : "";
+      for (const int sms : {0, 16, 32, 48, 64, 96}) {
+        if (sms > 0) setenv("EPMOE_COMM_SEND_SMS", std::to_string(sms).c_str(), 1);
+        comm_detail::reset_trace();
+        const double us = time_dispatch();
+        print_trace("nvlink normal dispatch sms " + std::to_string(comm_detail::send_blocks(T)));
+        emit(options, results,
+             make_result("comm.dispatch",
+                         params(transport, "normal", "dispatch", T, comm, sms_of(comm_detail::send_blocks(T)),
+                                std::max(work_sms, sms_of(comm_detail::send_blocks(T)))),
+                         us, dispatch_bytes, 0.0, kNvlinkGBps));
+        if (keep.empty())
+          unsetenv("EPMOE_COMM_SEND_SMS");
+        else
+          setenv("EPMOE_COMM_SEND_SMS", keep.c_str(), 1);
+      }
+      {
+        setenv("EPMOE_COMM_CHUNKS", "0", 1);  // place waits for each source's last token
+        comm_detail::reset_trace();
+        const double us = time_dispatch();
+        print_trace("nvlink normal dispatch, no arrival counters");
+        unsetenv("EPMOE_COMM_CHUNKS");
+        emit(options, results,
+             make_result("comm.dispatch",
+                         params("nvlink-nochunks", "normal", "dispatch", T, comm,
+                                sms_of(comm_detail::send_blocks(T)), work_sms),
+                         us, dispatch_bytes, 0.0, kNvlinkGBps));
+      }
+      const double us_halves = timed(
+          comm,
+          [&](int, cudaStream_t) {
+            nv->dispatch_send(view);
+            nv->dispatch_recv(out[0]);
+          },
+          timing);
+      print_trace("nvlink normal dispatch halves");
+      emit(options, results,
+           make_result("comm.dispatch",
+                       params("nvlink-halves", "normal", "dispatch", T, comm,
+                              sms_of(comm_detail::send_blocks(T)), work_sms),
+                       us_halves, dispatch_bytes, 0.0, kNvlinkGBps));
+    } else {
+      emit(options, results,
+           make_result("comm.dispatch", params(transport, "normal", "dispatch", T, comm, work_sms, work_sms),
+                       time_dispatch(), dispatch_bytes, 0.0, kNvlinkGBps));
+    }
     const cuda::DeviceTensor expert_out(DType::bf16,
                                         {std::max<std::int64_t>(out[0].num_output_rows(), 1), c.hidden});
     fill_random_bf16(expert_out.view(), 11, stream);
@@ -155,14 +249,15 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
           d->combine({&eo, 1}, {&yv, 1});
         },
         timing);
+    // The reduce / home stamps of the last combine, against the last dispatch's routing start.
+    if (nv != nullptr) print_trace("nvlink normal combine (after the last dispatch)");
     emit(options, results,
-         make_result("comm.combine", params(transport, "normal", "combine", T, comm), us_combine,
-                     combine_bytes, 0.0, kNvlinkGBps));
+         make_result("comm.combine", params(transport, "normal", "combine", T, comm, work_sms, work_sms),
+                     us_combine, combine_bytes, 0.0, kNvlinkGBps));
     comm.synchronize(CommPhase::none, "the benchmark");
   }
 
   // ncclAlltoAll moving the same bytes to each peer (its own share is a local copy).
-  const int N = comm.size();
   for (const auto& [phase, bytes] : {std::pair<std::string, double>{"dispatch", dispatch_bytes},
                                      std::pair<std::string, double>{"combine", combine_bytes}}) {
     const auto per_peer = static_cast<std::size_t>(bytes / std::max(1, N - 1));
@@ -216,22 +311,30 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       auto replay = [](cudaGraphExec_t g) {
         return [g](int, cudaStream_t s) { EPMOE_CUDA_CHECK(cudaGraphLaunch(g, s)); };
       };
+      comm_detail::reset_trace();
       const double us_d = timed(comm, replay(g_dispatch), timing);
+      print_trace("nvlink-ll dispatch T " + std::to_string(T));
       emit(options, results,
-           make_result("comm.dispatch", params(transport, "low_latency", "dispatch", T, comm), us_d,
-                       dispatch_bytes, 0.0, kNvlinkGBps));
+           make_result(
+               "comm.dispatch",
+               params(transport, "low_latency", "dispatch", T, comm, sms_of(comm_detail::send_blocks(T)),
+                      sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
+               us_d, dispatch_bytes, 0.0, kNvlinkGBps));
       const double us_c = timed(comm, replay(g_combine), timing);
+      print_trace("nvlink-ll combine T " + std::to_string(T) + " (after the last dispatch)");
       emit(options, results,
-           make_result("comm.combine", params(transport, "low_latency", "combine", T, comm), us_c,
-                       combine_bytes, 0.0, kNvlinkGBps));
+           make_result("comm.combine",
+                       params(transport, "low_latency", "combine", T, comm,
+                              sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T)),
+                              sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
+                       us_c, combine_bytes, 0.0, kNvlinkGBps));
       // The send halves are not timed alone: the transport checks that halves alternate (a
       // graph of one half replayed on its own is refused), so they need events inside a full cycle.
       // Bring every rank back to a completed call before the dispatcher goes.
       d->dispatch({&view, 1}, out);
       d->combine({&eo, 1}, {&yv, 1});
       comm.synchronize(CommPhase::none, "the last low-latency call");
-      for (cudaGraphExec_t g : {g_dispatch, g_combine})
-        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g));
+      for (cudaGraphExec_t g : {g_dispatch, g_combine}) EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g));
     } else {
       auto d = make_nccl_p2p_dispatcher(ctx, comm.shared_from_this());
       d->dispatch({&view, 1}, out);
@@ -242,8 +345,11 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
           },
           timing);
       emit(options, results,
-           make_result("comm.dispatch", params(transport, "low_latency", "dispatch", T, comm), us_d,
-                       dispatch_bytes, 0.0, kNvlinkGBps));
+           make_result(
+               "comm.dispatch",
+               params(transport, "low_latency", "dispatch", T, comm, sms_of(comm_detail::work_blocks(T)),
+                      sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
+               us_d, dispatch_bytes, 0.0, kNvlinkGBps));
       const double us_c = timed(
           comm,
           [&](int, cudaStream_t) {
@@ -251,8 +357,11 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
           },
           timing);
       emit(options, results,
-           make_result("comm.combine", params(transport, "low_latency", "combine", T, comm), us_c,
-                       combine_bytes, 0.0, kNvlinkGBps));
+           make_result("comm.combine",
+                       params(transport, "low_latency", "combine", T, comm,
+                              sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T)),
+                              sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
+                       us_c, combine_bytes, 0.0, kNvlinkGBps));
     }
     comm.synchronize(CommPhase::none, "the benchmark");
   }

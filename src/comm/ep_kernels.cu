@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "epmoe/cuda/launch.hpp"
@@ -49,11 +50,24 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 
+// Phase stamps of the last call (globaltimer ns; read by the benchmark through read_trace).
+__device__ unsigned long long g_trace[kTraceSlots];
+
 // ---------------------------------------------------------------- memory-model helpers
 __device__ __forceinline__ std::uint64_t globaltimer() {
   std::uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+__device__ __forceinline__ void stamp(int slot) {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  g_trace[slot] = t;
+}
+__device__ __forceinline__ void stamp_max(int slot) {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  atomicMax(&g_trace[slot], static_cast<unsigned long long>(t));
 }
 __device__ __forceinline__ std::uint32_t ld_acquire_sys(const std::uint32_t* p) {
   std::uint32_t v;
@@ -109,12 +123,12 @@ __device__ bool wait_flag(const std::uint32_t* flag, std::uint32_t expect, const
 
 // Last-block pattern: every thread has fenced its own stores; returns true in the block that
 // finished last (and resets the counter for the next call).
-__device__ bool finish_block(std::int32_t* done) {
+__device__ bool finish_block(std::int32_t* done, int nblocks) {
   __shared__ bool last;
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1;
+    last = atomicAdd(done, 1) == nblocks - 1;
     if (last) *done = 0;
   }
   __syncthreads();
@@ -174,30 +188,100 @@ __device__ int block_exclusive_scan(int v, int* total) {
   return (warp > 0 ? warp_sums[warp - 1] : 0) + x - v;
 }
 
+// ---------------------------------------------------------------- batched copies
+// Vectors per lane that a copy loop loads before it stores any (14 x 16 bytes: 7 KB per warp).
+constexpr int kBatch = 14;  // a whole 7168-byte fp8 row per warp in one round trip
+
+// Copies `vecs` 16-byte vectors from src to each of dst[0..n) (a warp; lane-strided).
+__device__ __forceinline__ void copy_fanout(const char* src, char* const* dst, int n, std::int64_t vecs,
+                                            int lane) {
+  for (std::int64_t base = 0; base < vecs; base += 32 * kBatch) {
+    uint4 r[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const std::int64_t v = base + lane + 32 * u;
+      r[u] = v < vecs ? ld_v4(src + v * 16) : make_uint4(0, 0, 0, 0);
+    }
+    for (int i = 0; i < n; ++i) {
+      char* d = dst[i];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const std::int64_t v = base + lane + 32 * u;
+        if (v < vecs) st_v4(d + v * 16, r[u]);
+      }
+    }
+  }
+}
+
+// out = bf16(sum_i w[i] * row_i) over i = 0..n-1 in that order (f32, each product and sum rounded
+// once, as the CPU simulation does; w == nullptr: weight 1, plain sum), for `vecs` vectors of 8.
+// Rows are loaded 4 at a time, 2 vectors per lane each, before any is used.
+__device__ __forceinline__ void weighted_sum_rows(const char* const* rows, const float* w, int n, char* out,
+                                                  std::int64_t vecs, int lane) {
+  constexpr int kU = 2, kR = 4;
+  for (std::int64_t base = 0; base < vecs; base += 32 * kU) {
+    float acc[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = 0.0f;
+    for (int i0 = 0; i0 < n; i0 += kR) {
+      uint4 x[kR][kU];
+#pragma unroll
+      for (int ii = 0; ii < kR; ++ii)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const std::int64_t v = base + lane + 32 * u;
+          x[ii][u] = i0 + ii < n && v < vecs ? ld_v4(rows[i0 + ii] + v * 16) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int ii = 0; ii < kR; ++ii) {
+        if (i0 + ii >= n) break;
+        const float wi = w != nullptr ? w[i0 + ii] : 1.0f;
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+          for (int q = 0; q < 8; ++q)
+            acc[u][q] = w != nullptr ? __fadd_rn(acc[u][q], __fmul_rn(wi, bf16_at(x[ii][u], q)))
+                                     : __fadd_rn(acc[u][q], bf16_at(x[ii][u], q));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::int64_t v = base + lane + 32 * u;
+      if (v < vecs) st_v4(out + v * 16, pack_bf16(acc[u]));
+    }
+  }
+}
+
 // ---------------------------------------------------------------- route
+__device__ __forceinline__ void route_item(const EpGeometry& g, const std::int32_t* ids, std::int64_t i,
+                                           std::uint32_t* bitmaps, int* status) {
+  const std::int64_t t = i / g.K;
+  const int k = static_cast<int>(i % g.K);
+  const int id = ids[i];
+  if (id < 0 || id >= g.P) {
+    atomicOr(status, kInputIdOutOfRange);
+    return;
+  }
+  bool duplicate = false;
+  for (int k2 = 0; k2 < k; ++k2) duplicate |= ids[t * g.K + k2] == id;
+  if (duplicate) {
+    atomicOr(status, kInputDuplicateId);
+    return;
+  }
+  const std::uint32_t bit = 1u << (t & 31);
+  atomicOr(&bitmaps[static_cast<std::int64_t>(id / g.L) * g.W + (t >> 5)], bit);
+  atomicOr(&bitmaps[static_cast<std::int64_t>(g.N + id) * g.W + (t >> 5)], bit);
+}
+
 __global__ void __launch_bounds__(kThreads)
     route_kernel(EpGeometry g, const std::int32_t* ids, std::int64_t T, std::uint32_t* bitmaps,
                  std::int32_t* count_row) {
   const std::int64_t items = T * g.K;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < items;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t t = i / g.K;
-    const int k = static_cast<int>(i % g.K);
-    const int id = ids[i];
-    if (id < 0 || id >= g.P) {
-      atomicOr(&count_row[g.status_index()], kInputIdOutOfRange);
-      continue;
-    }
-    bool duplicate = false;
-    for (int k2 = 0; k2 < k; ++k2) duplicate |= ids[t * g.K + k2] == id;
-    if (duplicate) {
-      atomicOr(&count_row[g.status_index()], kInputDuplicateId);
-      continue;
-    }
-    const std::uint32_t bit = 1u << (t & 31);
-    atomicOr(&bitmaps[static_cast<std::int64_t>(id / g.L) * g.W + (t >> 5)], bit);
-    atomicOr(&bitmaps[static_cast<std::int64_t>(g.N + id) * g.W + (t >> 5)], bit);
-  }
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    route_item(g, ids, i, bitmaps, &count_row[g.status_index()]);
 }
 
 // One block per bucket: exclusive popcount prefix over its words; the total into the count row.
@@ -205,6 +289,7 @@ __global__ void __launch_bounds__(kThreads)
     scan_kernel(EpGeometry g, const std::uint32_t* bitmaps, std::int32_t* prefix, std::int32_t* count_row,
                 std::int64_t T, std::int32_t host_status, std::uint32_t scale_bits) {
   const int bucket = static_cast<int>(blockIdx.x);
+  if (bucket == 0 && threadIdx.x == 0) stamp(kTraceRouteStart);
   const int per = (g.W + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
   const int begin = std::min(g.W, static_cast<int>(threadIdx.x) * per), end = std::min(g.W, begin + per);
   const std::uint32_t* words = bitmaps + static_cast<std::int64_t>(bucket) * g.W;
@@ -226,34 +311,101 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Small shapes (the low-latency path): route and scan in one block, the bitmaps in shared memory;
+// replaces two memsets and two kernels. Same outputs as route + scan.
+constexpr int kRouteSmallThreads = 1024;
+constexpr std::int64_t kRouteSmallWords = 12 * 1024;  // 48 KB of bitmaps
+constexpr std::int64_t kRouteSmallItems = 8 * 1024;
+__global__ void __launch_bounds__(kRouteSmallThreads)
+    route_small_kernel(EpGeometry g, const std::int32_t* ids, std::int64_t T, std::int64_t routed_T,
+                       std::int32_t host_status, std::uint32_t scale_bits, std::uint32_t* bitmaps,
+                       std::int32_t* prefix, std::int32_t* count_row) {
+  extern __shared__ std::uint32_t sbits[];
+  __shared__ int status;
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid == 0) stamp(kTraceRouteStart);
+  const int buckets = g.N + g.P;
+  const int words = buckets * g.W;
+  for (int i = tid; i < words; i += kRouteSmallThreads) sbits[i] = 0;
+  if (tid == 0) status = host_status;
+  __syncthreads();
+  const std::int64_t items = routed_T * g.K;
+  for (std::int64_t i = tid; i < items; i += kRouteSmallThreads) route_item(g, ids, i, sbits, &status);
+  __syncthreads();
+  for (int b = tid; b < buckets; b += kRouteSmallThreads) {
+    int running = 0;
+    for (int w = 0; w < g.W; ++w) {
+      const std::uint32_t v = sbits[b * g.W + w];
+      prefix[static_cast<std::int64_t>(b) * g.W + w] = running;
+      bitmaps[static_cast<std::int64_t>(b) * g.W + w] = v;
+      running += __popc(v);
+    }
+    count_row[b] = running;
+  }
+  if (tid == 0) {
+    count_row[g.status_index()] = status;
+    count_row[g.status_index() + 1] = static_cast<std::int32_t>(T);
+    count_row[g.status_index() + 2] = static_cast<std::int32_t>(scale_bits);
+    count_row[g.status_index() + 3] = 0;
+  }
+}
+
 // ---------------------------------------------------------------- send
-__global__ void __launch_bounds__(kThreads) send_kernel(EpGeometry g, SendArgs a) {
-  __shared__ char* target[kWarps][kMaxTopK];
-  __shared__ int target_rank[kWarps][kMaxTopK];
+// A few blocks of kSendThreads (the SMs it uses are what the issue-6 bar counts); a warp per token.
+// NVLink: block 0 first writes every destination's header and raises its count flag (the receiver
+// can size its layout and place the tokens it has while these arrive); the block that finishes
+// last raises the arrival flags.
+constexpr int kSendWarps = kSendThreads / 32;
+__device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int nblocks) {
+  __shared__ char* target[kSendWarps][kMaxTopK];
+  __shared__ int target_rank[kSendWarps][kMaxTopK];
+  __shared__ int target_slot[kSendWarps][kMaxTopK];
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const bool lsa = a.sync.seq != nullptr;
   const std::uint32_t s = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(s & 1u) * a.sync.parity_stride : 0;
   const int status = a.count_row[g.status_index()];
   const std::int64_t vecs = g.x_bytes / 16;
+  const std::int64_t parity_ints = parity_bytes / 4;
+
+  if (block == 0 && threadIdx.x == 0) stamp(kTraceSendStart);
+  if (a.header != nullptr && block == 0) {
+    for (int d = 0; d < g.N; ++d) {
+      std::int32_t* h = a.header[d] + parity_ints;
+      for (int e = static_cast<int>(threadIdx.x); e < g.L; e += static_cast<int>(blockDim.x))
+        h[kHeaderCounts + e] = status != 0 ? 0 : a.count_row[g.N + d * g.L + e];
+      if (threadIdx.x == 0) {
+        h[kHeaderStatus] = status;
+        h[kHeaderTokens] = status != 0 ? 0 : a.count_row[d];
+        h[kHeaderT] = static_cast<std::int32_t>(a.T);
+      }
+    }
+    __threadfence_system();
+    __syncthreads();
+    for (int d = static_cast<int>(threadIdx.x); d < g.N; d += static_cast<int>(blockDim.x))
+      st_release_sys(reinterpret_cast<std::uint32_t*>(a.header[d] + parity_ints + kHeaderCountFlag), s);
+    if (threadIdx.x == 0) stamp(kTraceCountFlag);
+  }
 
   if (status == 0) {
-    for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; t < a.T;
-         t += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    for (std::int64_t t = static_cast<std::int64_t>(block) * kSendWarps + warp; t < a.T;
+         t += static_cast<std::int64_t>(nblocks) * kSendWarps) {
       int n = 0;  // destinations of token t, in rank order
       for (int d0 = 0; d0 < g.N; d0 += 32) {
         const int d = d0 + lane;
-        const bool has = d < g.N && bucket_has(a.bitmaps, g.W, d, t);
+        const bool has = d < g.N && (!a.skip_self || d != g.me) && bucket_has(a.bitmaps, g.W, d, t);
         const unsigned m = __ballot_sync(kFull, has);
         if (has) {
           const int pos = n + __popc(m & lanemask_lt());
           const int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
           target[warp][pos] = a.dest[d] + parity_bytes + static_cast<std::int64_t>(j) * g.row_stride;
           target_rank[warp][pos] = d;
+          target_slot[warp][pos] = j;
         }
         n += __popc(m);
       }
       __syncwarp();
+      if (n == 0) continue;
       int id = -1, slot_e = 0;
       float w = 0.0f;
       if (lane < g.K) {
@@ -261,11 +413,7 @@ __global__ void __launch_bounds__(kThreads) send_kernel(EpGeometry g, SendArgs a
         w = a.weights[t * g.K + lane];
         slot_e = bucket_slot(a.bitmaps, a.prefix, g.W, g.N + id, t);
       }
-      const char* xrow = static_cast<const char*>(a.x) + t * g.x_bytes;
-      for (std::int64_t v = lane; v < vecs; v += 32) {
-        const uint4 val = ld_v4(xrow + v * 16);
-        for (int i = 0; i < n; ++i) st_v4(target[warp][i] + v * 16, val);
-      }
+      copy_fanout(static_cast<const char*>(a.x) + t * g.x_bytes, target[warp], n, vecs, lane);
       for (int c = lane; c < g.G; c += 32) {
         const float sc = a.scales[t * g.G + c];
         for (int i = 0; i < n; ++i) reinterpret_cast<float*>(target[warp][i] + g.x_bytes)[c] = sc;
@@ -278,33 +426,38 @@ __global__ void __launch_bounds__(kThreads) send_kernel(EpGeometry g, SendArgs a
           meta[2] = __float_as_int(w);
         }
       }
+      if (a.chunks != nullptr) {
+        // Every lane's stores reach the destination before its chunk counter moves.
+        __threadfence_system();
+        __syncwarp();
+        if (lane < n)
+          atomicAdd_system(
+              a.chunks[target_rank[warp][lane]] + parity_ints + target_slot[warp][lane] / kArrivalChunk, 1u);
+      }
       __syncwarp();
     }
   }
+  if (threadIdx.x == 0) stamp_max(kTraceSendCopied);
   if (a.header == nullptr) return;
 
-  // NVLink: the block that finishes last tells every destination what it got, then raises the flags.
-  if (!finish_block(a.sync.done)) return;
-  const std::int64_t parity_ints = parity_bytes / 4;
-  for (int d = 0; d < g.N; ++d) {
-    std::int32_t* h = a.header[d] + parity_ints;
-    for (int e = static_cast<int>(threadIdx.x); e < g.L; e += static_cast<int>(blockDim.x))
-      h[kHeaderCounts + e] = status != 0 ? 0 : a.count_row[g.N + d * g.L + e];
-    if (threadIdx.x == 0) {
-      h[kHeaderStatus] = status;
-      h[kHeaderTokens] = status != 0 ? 0 : a.count_row[d];
-      h[kHeaderT] = static_cast<std::int32_t>(a.T);
-    }
-  }
-  __threadfence_system();
-  __syncthreads();
+  // NVLink: the block that finishes last raises the arrival flags and advances the send sequence
+  // (its own counter: place may run concurrently and advances the receive one).
+  if (!finish_block(a.sync.done, nblocks)) return;
   for (int d = static_cast<int>(threadIdx.x); d < g.N; d += static_cast<int>(blockDim.x))
     st_release_sys(reinterpret_cast<std::uint32_t*>(a.header[d] + parity_ints + kHeaderFlag), s);
+  if (threadIdx.x == 0) {
+    *a.sync.seq = s;
+    stamp(kTraceSendEnd);
+  }
+}
+
+__global__ void __launch_bounds__(kSendThreads) send_kernel(EpGeometry g, SendArgs a) {
+  send_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
 }
 
 // ---------------------------------------------------------------- place
-__global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs a) {
-  extern __shared__ int smem[];
+// smem: the tables, sized as launch_place computes.
+__device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, int nblocks, int* smem) {
   int* tok = smem;                // [N]
   int* roff = tok + g.N;          // [N + 1] first received token of each source
   int* ok = roff + g.N + 1;       // [N]
@@ -312,25 +465,29 @@ __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs
   int* total = base + g.L * g.N;  // [L]
   int* eoff = total + g.L;        // [L + 1] contiguous: first row of each expert
   __shared__ int target_row[kWarps][kMaxTopK];
+  __shared__ char* target[kWarps][kMaxTopK];
 
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const int nthreads = static_cast<int>(blockDim.x);
   const bool lsa = a.sync.seq != nullptr;
+  const bool own = a.own_x != nullptr;
   const std::uint32_t s = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(s & 1u) * a.sync.parity_stride : 0;
   auto field = [&](int src, int f) -> const volatile std::int32_t* {
     return a.header + static_cast<std::int64_t>(src) * a.header_stride + f + parity_bytes / 4;
   };
+  auto flag_of = [&](int src, int f) {
+    return reinterpret_cast<const std::uint32_t*>(const_cast<const std::int32_t*>(field(src, f)));
+  };
 
+  if (block == 0 && tid == 0) stamp(kTracePlaceStart);
   for (int src = tid; src < g.N; src += nthreads) {
     bool good = true;
     if (lsa)
-      good = wait_flag(
-          reinterpret_cast<const std::uint32_t*>(const_cast<const std::int32_t*>(field(src, a.flag_field))),
-          s, a.sync, CommPhase::dispatch_recv, g.me, src);
+      good = wait_flag(flag_of(src, a.count_flag_field), s, a.sync, CommPhase::dispatch_recv, g.me, src);
     const int status = good ? *field(src, a.status_field) : 0;
     if (good && status != 0) {
-      if (blockIdx.x == 0)
+      if (block == 0)
         record_error(a.sync.errors, kDeviceErrorPeerInput, CommPhase::dispatch_recv, src, g.me, status, 0);
       good = false;
     }
@@ -361,29 +518,39 @@ __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs
     roff[g.N] = acc;
   }
   __syncthreads();
-  if (tid == 0) {
-    std::int64_t acc = 0;
-    for (int e = 0; e < g.L; ++e) {
-      eoff[e] = static_cast<int>(acc);
-      if (a.contiguous) acc += (total[e] + 127) / 128 * 128;
+  {
+    // eoff: exclusive scan of the padded totals, nthreads experts at a time.
+    int carry = 0;
+    for (int e0 = 0; e0 < g.L; e0 += nthreads) {
+      const int e = e0 + tid;
+      const int v = e < g.L && a.contiguous ? (total[e] + 127) / 128 * 128 : 0;
+      int sum = 0;
+      const int x = block_exclusive_scan(v, &sum);
+      if (e < g.L) eoff[e] = carry + x;
+      carry += sum;
+      __syncthreads();
     }
-    eoff[g.L] = static_cast<int>(acc);
+    if (tid == 0) eoff[g.L] = carry;
   }
   __syncthreads();
-
   const int R = roff[g.N];
+  if (block == 0 && tid == 0) stamp(kTraceCounts);
+  if (block == 0 && a.host_offsets != nullptr) {
+    // The host learns the layout now, while the rows are still being copied.
+    for (int e = tid; e <= g.L; e += nthreads) a.host_offsets[e] = eoff[e];
+    if (tid == 0) a.host_offsets[g.L + 1] = R;
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0) *static_cast<volatile std::int32_t*>(a.host_offsets + g.L + 2) = a.host_stamp;
+  }
+
   const std::int64_t vecs = g.x_bytes / 16;
-  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; r < R;
-       r += static_cast<std::int64_t>(gridDim.x) * kWarps) {
-    int src = 0;
-    while (r >= roff[src + 1]) ++src;
-    const int j = static_cast<int>(r - roff[src]);
-    const char* slot = a.slots + parity_bytes + (static_cast<std::int64_t>(src) * g.T_max + j) * g.row_stride;
+  // Received token r (source src, slot j): lanes < K hold its (local expert or -1, slot among the
+  // source's tokens of that expert, weight); its payload is x_src / scales_src.
+  auto place_token = [&](std::int64_t r, int src, int j, int e, int slot_e, float w, const char* x_src,
+                         const float* scales_src) {
     int row = -1;
     if (lane < g.K) {
-      const std::int32_t* meta = reinterpret_cast<const std::int32_t*>(slot + g.meta_off) + 3 * lane;
-      const int e = meta[0], slot_e = meta[1];
-      const float w = __int_as_float(meta[2]);
       if (e >= 0 && e < g.L) {
         const std::int64_t m = static_cast<std::int64_t>(base[e * g.N + src]) + slot_e;
         const std::int64_t candidate = a.contiguous ? eoff[e] + m : e * a.M_max + m;
@@ -402,23 +569,76 @@ __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs
     }
     const unsigned m = __ballot_sync(kFull, row >= 0);
     const int n = __popc(m);
-    if (row >= 0) target_row[warp][__popc(m & lanemask_lt())] = row;
-    __syncwarp();
-    for (std::int64_t v = lane; v < vecs; v += 32) {
-      const uint4 val = ld_v4(slot + v * 16);
-      for (int i = 0; i < n; ++i)
-        st_v4(a.rows + static_cast<std::int64_t>(target_row[warp][i]) * g.x_bytes + v * 16, val);
+    if (row >= 0) {
+      const int pos = __popc(m & lanemask_lt());
+      target_row[warp][pos] = row;
+      target[warp][pos] = a.rows + static_cast<std::int64_t>(row) * g.x_bytes;
     }
+    __syncwarp();
+    copy_fanout(x_src, target[warp], n, vecs, lane);
     for (int c = lane; c < g.G; c += 32) {
-      const float sc = reinterpret_cast<const float*>(slot + g.x_bytes)[c];
+      const float sc = scales_src[c];
       for (int i = 0; i < n; ++i) a.out_scales[static_cast<std::int64_t>(target_row[warp][i]) * g.G + c] = sc;
     }
     __syncwarp();
+  };
+
+  const std::int64_t wid = static_cast<std::int64_t>(block) * kWarps + warp;
+  const std::int64_t wstride = static_cast<std::int64_t>(nblocks) * kWarps;
+  if (own && ok[g.me]) {
+    // This rank's own tokens, from the input, while the peers' tokens arrive.
+    for (std::int64_t t = wid; t < a.own_T; t += wstride) {
+      if (!bucket_has(a.bitmaps, g.W, g.me, t)) continue;
+      const int j = bucket_slot(a.bitmaps, a.prefix, g.W, g.me, t);
+      int e = -1, slot_e = 0;
+      float w = 0.0f;
+      if (lane < g.K) {
+        const int id = a.own_ids[t * g.K + lane];
+        w = a.own_weights[t * g.K + lane];
+        slot_e = bucket_slot(a.bitmaps, a.prefix, g.W, g.N + id, t);
+        e = id / g.L == g.me ? id % g.L : -1;
+      }
+      place_token(roff[g.me] + j, g.me, j, e, slot_e, w, static_cast<const char*>(a.own_x) + t * g.x_bytes,
+                  a.own_scales + t * g.G);
+    }
+  }
+  if (tid == 0) stamp_max(kTraceOwnDone);
+  const bool chunked = lsa && a.chunks != nullptr;
+  if (lsa && !chunked) {
+    for (int src = tid; src < g.N; src += nthreads)
+      if (ok[src] && tok[src] > 0 && !(own && src == g.me))
+        wait_flag(flag_of(src, a.flag_field), s, a.sync, CommPhase::dispatch_recv, g.me, src);
+    __syncthreads();
+    if (tid == 0) stamp_max(kTraceArrived);
+  }
+  for (std::int64_t r = wid; r < R; r += wstride) {
+    int src = 0;
+    while (r >= roff[src + 1]) ++src;
+    if (own && src == g.me) continue;
+    const int j = static_cast<int>(r - roff[src]);
+    const char* slot = a.slots + parity_bytes + (static_cast<std::int64_t>(src) * g.T_max + j) * g.row_stride;
+    if (chunked) {
+      // The chunk of slot j is complete once all its tokens (64, fewer in the source's last) are in.
+      const int c = j / kArrivalChunk;
+      const int want = min(kArrivalChunk, tok[src] - c * kArrivalChunk);
+      const std::uint32_t* counter =
+          a.chunks + parity_bytes / 4 + static_cast<std::int64_t>(src) * a.n_chunks + c;
+      wait_flag(counter, static_cast<std::uint32_t>(want), a.sync, CommPhase::dispatch_recv, g.me, src);
+    }
+    int e = -1, slot_e = 0;
+    float w = 0.0f;
+    if (lane < g.K) {
+      const std::int32_t* meta = reinterpret_cast<const std::int32_t*>(slot + g.meta_off) + 3 * lane;
+      e = meta[0];
+      slot_e = meta[1];
+      w = __int_as_float(meta[2]);
+    }
+    place_token(r, src, j, e, slot_e, w, slot, reinterpret_cast<const float*>(slot + g.x_bytes));
   }
 
   // Rows that hold no token: -1 (contiguous padding; masked rows past masked_m).
-  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * nthreads + tid;
-  const std::int64_t gthreads = static_cast<std::int64_t>(gridDim.x) * nthreads;
+  const std::int64_t gtid = static_cast<std::int64_t>(block) * nthreads + tid;
+  const std::int64_t gthreads = static_cast<std::int64_t>(nblocks) * nthreads;
   if (a.contiguous) {
     const std::int64_t rows = eoff[g.L];
     for (std::int64_t row = gtid; row < rows; row += gthreads) {
@@ -440,24 +660,52 @@ __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs
     for (std::int64_t row = gtid; row < rows; row += gthreads)
       if (row % a.M_max >= total[row / a.M_max]) a.row_token[row] = -1;
   }
-  if (blockIdx.x == 0) {
+  if (block == 0) {
     if (!a.contiguous)
       for (int e = tid; e < g.L; e += nthreads) a.masked_m[e] = total[e];
     if (a.expert_offsets != nullptr)
       for (int e = tid; e <= g.L; e += nthreads) a.expert_offsets[e] = eoff[e];
     if (tid == 0) *a.recv_total = R;
   }
-  if (lsa && finish_block(a.sync.done) && tid == 0) *a.sync.seq = s;
+  if (tid == 0) stamp_max(kTracePlaceEnd);
+  if (lsa && finish_block(a.sync.done, nblocks)) {
+    // Every block has read its tokens: zero this parity's arrival counters for the call after next
+    // (the senders reach this parity again only after this rank's next count flag).
+    if (chunked)
+      for (int i = tid; i < g.N * a.n_chunks; i += nthreads) a.chunks[parity_bytes / 4 + i] = 0;
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0) *a.sync.seq = s;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs a) {
+  extern __shared__ int smem[];
+  place_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), smem);
+}
+
+// A whole dispatch in one launch: blocks [0, send_blocks) send, the others place. Every block is
+// resident at once (the launcher caps the grid at the occupancy), so the placing blocks that wait
+// for the peers can never keep this rank's own send blocks from running.
+__global__ void __launch_bounds__(kThreads)
+    dispatch_kernel(EpGeometry g, SendArgs s, PlaceArgs p, int send_blocks) {
+  extern __shared__ int smem[];
+  const int b = static_cast<int>(blockIdx.x);
+  if (b < send_blocks)
+    send_body(g, s, b, send_blocks);
+  else
+    place_body(g, p, b - send_blocks, static_cast<int>(gridDim.x) - send_blocks, smem);
 }
 
 // ---------------------------------------------------------------- reduce (expert side of combine)
 __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceArgs a) {
-  __shared__ int rows_s[kWarps][kMaxTopK];
+  __shared__ const char* rows_s[kWarps][kMaxTopK];
   __shared__ float w_s[kWarps][kMaxTopK];
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const bool lsa = a.sync.seq != nullptr;
   const std::uint32_t c = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(c & 1u) * a.sync.parity_stride : 0;
+  if (blockIdx.x == 0 && tid == 0) stamp(kTraceReduceStart);
   const int R = *a.recv_total;
   const std::int64_t vecs = g.partial_bytes / 16;
   const auto* out = static_cast<const char*>(a.expert_out);
@@ -473,26 +721,18 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
     }
     const int n = __popc(__ballot_sync(kFull, row >= 0));
     if (row >= 0) {
-      rows_s[warp][rank] = row;
+      rows_s[warp][rank] = out + static_cast<std::int64_t>(row) * g.partial_bytes;
       w_s[warp][rank] = a.row_weight[row];
     }
     __syncwarp();
     char* dest =
         a.dest[a.recv_src[r]] + parity_bytes + static_cast<std::int64_t>(a.recv_slot[r]) * g.partial_bytes;
-    for (std::int64_t v = lane; v < vecs; v += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int i = 0; i < n; ++i) {
-        const uint4 x = ld_v4(out + static_cast<std::int64_t>(rows_s[warp][i]) * g.partial_bytes + v * 16);
-        const float w = w_s[warp][i];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, bf16_at(x, q)));
-      }
-      st_v4(dest + v * 16, pack_bf16(acc));
-    }
+    weighted_sum_rows(rows_s[warp], w_s[warp], n, dest, vecs, lane);
     __syncwarp();
   }
+  if (tid == 0) stamp_max(kTraceReduceEnd);
   if (a.flag == nullptr) return;
-  if (!finish_block(a.sync.done)) return;
+  if (!finish_block(a.sync.done, static_cast<int>(gridDim.x))) return;
   for (int d = tid; d < g.N; d += static_cast<int>(blockDim.x))
     st_release_sys(a.flag[d] + parity_bytes / 4, c);
 }
@@ -504,10 +744,12 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
   const bool lsa = a.sync.seq != nullptr;
   const std::uint32_t c = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(c & 1u) * a.sync.parity_stride : 0;
+  if (blockIdx.x == 0 && tid == 0) stamp(kTraceHomeStart);
   if (lsa) {
     for (int d = tid; d < g.N; d += static_cast<int>(blockDim.x))
       wait_flag(a.flags + parity_bytes / 4 + d * a.flag_stride, c, a.sync, CommPhase::combine_recv, g.me, d);
     __syncthreads();
+    if (tid == 0) stamp_max(kTraceHomeArrived);
   }
   const std::int64_t vecs = g.partial_bytes / 16;
   for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; t < a.T;
@@ -525,19 +767,11 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
       n += __popc(m);
     }
     __syncwarp();
-    char* y = static_cast<char*>(a.y) + t * g.partial_bytes;
-    for (std::int64_t v = lane; v < vecs; v += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int i = 0; i < n; ++i) {
-        const uint4 x = ld_v4(part[warp][i] + v * 16);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], bf16_at(x, q));
-      }
-      st_v4(y + v * 16, pack_bf16(acc));
-    }
+    weighted_sum_rows(part[warp], nullptr, n, static_cast<char*>(a.y) + t * g.partial_bytes, vecs, lane);
     __syncwarp();
   }
-  if (lsa && finish_block(a.sync.done) && tid == 0) *a.sync.seq = c;
+  if (tid == 0) stamp_max(kTraceHomeEnd);
+  if (lsa && finish_block(a.sync.done, static_cast<int>(gridDim.x)) && tid == 0) *a.sync.seq = c;
 }
 
 unsigned grid_for(std::int64_t warps_of_work) {
@@ -547,13 +781,48 @@ unsigned grid_for(std::int64_t warps_of_work) {
 
 }  // namespace
 
+void read_trace(std::uint64_t (&out)[kTraceSlots]) {
+  static_assert(sizeof(unsigned long long) == sizeof(std::uint64_t));
+  EPMOE_CUDA_CHECK(cudaMemcpyFromSymbol(out, g_trace, sizeof(out)));
+}
+
+void reset_trace() {
+  const std::uint64_t zero[kTraceSlots] = {};
+  EPMOE_CUDA_CHECK(cudaMemcpyToSymbol(g_trace, zero, sizeof(zero)));
+}
+
+int work_blocks(std::int64_t warps) {
+  return static_cast<int>(grid_for(warps));
+}
+
+int send_blocks(std::int64_t T) {
+  const int sms = cuda::device_props().sm_count;
+  int want = std::min(24, sms);
+  if (const char* env = std::getenv("EPMOE_COMM_SEND_SMS")) {
+    const int v = std::atoi(env);
+    if (v > 0) want = std::min(v, sms);
+  }
+  const std::int64_t needed = (T + kSendWarps - 1) / kSendWarps;
+  return static_cast<int>(std::clamp<std::int64_t>(needed, 1, want));
+}
+
 void launch_route(const EpGeometry& g, const std::int32_t* ids, std::int64_t T, std::int32_t host_status,
                   float tensor_scale, std::uint32_t* bitmaps, std::int32_t* prefix, std::int32_t* count_row,
                   cudaStream_t stream) {
   const std::int64_t buckets = g.N + g.P;
+  const std::int64_t routed_T = host_status != 0 ? 0 : T;  // nothing is routed from a refused input
+  std::uint32_t scale_bits = 0;
+  static_assert(sizeof(scale_bits) == sizeof(tensor_scale));
+  std::memcpy(&scale_bits, &tensor_scale, sizeof(scale_bits));
+  if (buckets * g.W <= kRouteSmallWords && routed_T * g.K <= kRouteSmallItems) {
+    const auto smem = static_cast<std::size_t>(buckets * g.W) * sizeof(std::uint32_t);
+    route_small_kernel<<<1, kRouteSmallThreads, smem, stream>>>(g, ids, T, routed_T, host_status, scale_bits,
+                                                                bitmaps, prefix, count_row);
+    EPMOE_CUDA_CHECK_LAUNCH();
+    return;
+  }
   EPMOE_CUDA_CHECK(cudaMemsetAsync(bitmaps, 0, sizeof(std::uint32_t) * buckets * g.W, stream));
   EPMOE_CUDA_CHECK(cudaMemsetAsync(count_row, 0, sizeof(std::int32_t) * g.count_row_len(), stream));
-  const std::int64_t routed_T = host_status != 0 ? 0 : T;  // nothing is routed from a refused input
   if (routed_T > 0) {
     const std::int64_t items = routed_T * g.K;
     const auto grid = static_cast<unsigned>(std::clamp<std::int64_t>(
@@ -561,25 +830,44 @@ void launch_route(const EpGeometry& g, const std::int32_t* ids, std::int64_t T, 
     route_kernel<<<grid, kThreads, 0, stream>>>(g, ids, routed_T, bitmaps, count_row);
     EPMOE_CUDA_CHECK_LAUNCH();
   }
-  std::uint32_t scale_bits = 0;
-  static_assert(sizeof(scale_bits) == sizeof(tensor_scale));
-  std::memcpy(&scale_bits, &tensor_scale, sizeof(scale_bits));
   scan_kernel<<<static_cast<unsigned>(buckets), kThreads, 0, stream>>>(g, bitmaps, prefix, count_row, T,
                                                                        host_status, scale_bits);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream) {
-  send_kernel<<<grid_for(a.T), kThreads, 0, stream>>>(g, a);
+  const int blocks = a.blocks > 0 ? a.blocks : send_blocks(a.T);
+  send_kernel<<<static_cast<unsigned>(blocks), kSendThreads, 0, stream>>>(g, a);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+std::size_t place_smem(const EpGeometry& g) {
+  return sizeof(int) * (static_cast<std::size_t>(g.N) * 3 + 1 + static_cast<std::size_t>(g.L) * g.N +
+                        2 * static_cast<std::size_t>(g.L) + 1);
+}
+}  // namespace
+
 void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream) {
-  const std::size_t smem =
-      sizeof(int) * (static_cast<std::size_t>(g.N) * 3 + 1 + static_cast<std::size_t>(g.L) * g.N +
-                     2 * static_cast<std::size_t>(g.L) + 1);
-  place_kernel<<<grid_for(static_cast<std::int64_t>(g.N) * g.T_max), kThreads, smem, stream>>>(g, a);
+  place_kernel<<<grid_for(static_cast<std::int64_t>(g.N) * g.T_max), kThreads, place_smem(g), stream>>>(g, a);
   EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+int launch_dispatch(const EpGeometry& g, const SendArgs& s, const PlaceArgs& p, cudaStream_t stream) {
+  const std::size_t smem = place_smem(g);
+  int per_sm = 0;
+  EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_kernel, kThreads, smem));
+  const std::int64_t resident =
+      static_cast<std::int64_t>(std::max(per_sm, 1)) * cuda::device_props().sm_count;
+  const int send = send_blocks(s.T);
+  EPMOE_CHECK(resident > send,
+              "the dispatch kernel fits {} blocks on this GPU, fewer than its {} send blocks + 1", resident,
+              send);
+  const auto place = static_cast<int>(
+      std::min<std::int64_t>(grid_for(static_cast<std::int64_t>(g.N) * g.T_max), resident - send));
+  dispatch_kernel<<<static_cast<unsigned>(send + place), kThreads, smem, stream>>>(g, s, p, send);
+  EPMOE_CUDA_CHECK_LAUNCH();
+  return send + place;
 }
 
 void launch_reduce(const EpGeometry& g, const ReduceArgs& a, cudaStream_t stream) {

@@ -19,9 +19,18 @@
 //            ascending order, rounded once to bf16), into its slot of the source's region.
 //   home     per token, the partial sums of its destination ranks added in rank order (f32), bf16.
 //
-// With a FlagSync (NVLink transport) the senders signal per-(source rank) arrival flags carrying a
-// sequence number kept on the device (no host sync, graph capturable); two parities of every
-// window region alternate between calls. Every wait is bounded (DeviceErrorSink on timeout).
+// With a FlagSync (NVLink transport) the senders signal per-(source rank) flags carrying a sequence
+// number kept on the device (no host sync, graph capturable): a count flag as soon as the header
+// (status, tokens, rows per local expert) is written, at the start of send, and an arrival flag once
+// every token is written; two parities of every window region alternate between calls. Every wait
+// is bounded (DeviceErrorSink on timeout).
+//
+// Copies are latency-bound unless each warp keeps many loads in flight: every copy loop below loads
+// a batch of 16-byte vectors (up to 8 per lane, 4 KB per warp) before it stores or uses any of them.
+//
+// Own tokens: with PlaceArgs::own_x set (a whole dispatch() call, where x stays valid throughout),
+// send skips the rank itself and place reads its own tokens straight from x / ids / weights, while
+// the peers' tokens are still arriving; the bytes placed are the same.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +50,10 @@
 namespace epmoe::comm_detail {
 
 inline constexpr int kMaxTopK = 32;
+// NVLink: tokens per arrival counter. The sender bumps the counter of a token's slot chunk on its
+// destination once the token is written; place copies a chunk's tokens as soon as it is complete
+// (instead of after the source's last token), and its last block zeroes the counters again.
+inline constexpr int kArrivalChunk = 64;
 inline constexpr int kMaxPhysicalExperts = 8192;
 
 struct EpGeometry {
@@ -81,20 +94,62 @@ struct SendArgs {
   const std::int32_t* count_row = nullptr;
   char* const* dest = nullptr;            // [N]: slot 0 of this rank's region on each destination
   std::int32_t* const* header = nullptr;  // [N] NVLink: this rank's header on each destination
+  bool skip_self = false;                 // place reads this rank's own tokens from x (PlaceArgs::own_x)
+  std::uint32_t* const* chunks =
+      nullptr;     // [N] NVLink, optional: this rank's arrival counters on each destination
+  int blocks = 0;  // grid; 0: send_blocks(T)
   FlagSync sync;
 };
-// NVLink header of a source on a destination: {flag, status, tokens, T, rows per local expert [L]}.
-inline constexpr int kHeaderFlag = 0, kHeaderStatus = 1, kHeaderTokens = 2, kHeaderT = 3, kHeaderCounts = 4;
+// NVLink header of a source on a destination:
+// {arrival flag, status, tokens, T, count flag, rows per local expert [L]}.
+inline constexpr int kHeaderFlag = 0, kHeaderStatus = 1, kHeaderTokens = 2, kHeaderT = 3,
+                     kHeaderCountFlag = 4, kHeaderCounts = 5;
 void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream);
+// Blocks of the send kernel (kSendThreads threads each; the block scheduler puts them on distinct
+// SMs): EPMOE_COMM_SEND_SMS if set, else min(24, SMs); `T` tokens.
+inline constexpr int kSendThreads = 256;
+int send_blocks(std::int64_t T);
+// Phase stamps (globaltimer, ns) that the kernels of this process leave behind: the start of the
+// scan / one-block route, send (block 0 start, count flags raised, last block's copies done, arrival
+// flags raised), place (block 0 start, layout known, last block's own tokens done, arrival seen,
+// last block done), reduce (start, last block done), home (start, flags seen, last block done).
+// For the benchmark's breakdown; "max" slots are atomicMax over blocks (reset_trace zeroes them).
+enum TraceSlot : int {
+  kTraceRouteStart,
+  kTraceSendStart,
+  kTraceCountFlag,
+  kTraceSendCopied,
+  kTraceSendEnd,
+  kTracePlaceStart,
+  kTraceCounts,
+  kTraceOwnDone,
+  kTraceArrived,
+  kTracePlaceEnd,
+  kTraceReduceStart,
+  kTraceReduceEnd,
+  kTraceHomeStart,
+  kTraceHomeArrived,
+  kTraceHomeEnd,
+  kTraceSlots
+};
+void read_trace(std::uint64_t (&out)[kTraceSlots]);
+void reset_trace();
+// Blocks (256 threads) of the place / reduce / home kernels for `warps` warp-sized work items.
+int work_blocks(std::int64_t warps);
 
 struct PlaceArgs {
   // What each source told this rank: field f of source s is
   // header[s * header_stride + f + parity * parity_stride / 4] for f in {flag_field (NVLink only,
   // -1 otherwise), status_field, tokens_field, counts_field + e}.
+  // The count flag (NVLink) guards status, tokens and counts; the arrival flag the slots.
   const std::int32_t* header = nullptr;
   std::int64_t header_stride = 0;
-  int flag_field = -1, status_field = 0, tokens_field = 0, counts_field = 0;
+  int flag_field = -1, count_flag_field = -1, status_field = 0, tokens_field = 0, counts_field = 0;
   const char* slots = nullptr;  // slot j of source s: slots + parity * ps + (s * T_max + j) * row_stride
+  // Optional (NVLink): arrival counters, source s at chunks + parity * ps / 4 + s * n_chunks; place
+  // waits per chunk instead of for the source's arrival flag.
+  std::uint32_t* chunks = nullptr;
+  int n_chunks = 0;
   bool contiguous = true;
   std::int64_t M_max = 0;     // masked
   std::int64_t max_rows = 0;  // rows the output buffers hold
@@ -109,9 +164,25 @@ struct PlaceArgs {
   std::int32_t* recv_slot = nullptr;       // [N * T_max]
   std::int32_t* recv_total = nullptr;      // [1]
   std::int32_t* expert_offsets = nullptr;  // [L + 1] contiguous, optional: first row of each expert
+  // Optional, mapped host memory: block 0 writes {first row of each expert [L + 1], received tokens}
+  // and then host_stamp at [L + 2] as soon as the counts are known, before any row is copied.
+  std::int32_t* host_offsets = nullptr;
+  std::int32_t host_stamp = 0;
+  // Own tokens straight from the input (SendArgs::skip_self): x, scales, ids, weights, T and the
+  // routing of this rank.
+  const void* own_x = nullptr;
+  const float* own_scales = nullptr;
+  const std::int32_t* own_ids = nullptr;
+  const float* own_weights = nullptr;
+  std::int64_t own_T = 0;
+  const std::uint32_t* bitmaps = nullptr;
+  const std::int32_t* prefix = nullptr;
   FlagSync sync;
 };
 void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream);
+// Send and place in one launch (a whole dispatch() call): send_blocks(s.T) blocks send, the rest
+// place, the grid capped so that every block is resident. Returns the grid size.
+int launch_dispatch(const EpGeometry& g, const SendArgs& s, const PlaceArgs& p, cudaStream_t stream);
 
 struct ReduceArgs {
   const void* expert_out = nullptr;  // bf16 [rows, H]

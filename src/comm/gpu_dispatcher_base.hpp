@@ -33,6 +33,8 @@ class GpuDispatcherBase {
                    float tensor_scale, std::vector<std::int64_t> expert_offsets,
                    std::int64_t expected_m) const;
   PlaceArgs place_outputs() const;
+  // Bytes of the buffers below.
+  std::size_t base_buffer_bytes() const;
 
   std::string name_;
   DispatcherContext context_;

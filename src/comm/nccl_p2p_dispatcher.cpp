@@ -6,6 +6,7 @@
 // into the own receive region) -> grouped send/recv of the regions -> place (contiguous or
 // masked layout). combine: reduce per received token -> grouped send/recv of the partial sums
 // -> home sums in rank order.
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 
@@ -136,6 +137,9 @@ class NcclP2pDispatcher final : public Dispatcher, comm_detail::GpuDispatcherBas
     s.prefix = prefix_.as<std::int32_t>();
     s.count_row = count_row_.as<std::int32_t>();
     s.dest = dest_.as<char* const>();
+    s.skip_self = true;  // place reads the own tokens from x
+    // Packing into the send buffers is on this transport's critical path: every SM.
+    s.blocks = std::max(1, comm_detail::work_blocks(T));
     comm_detail::launch_send(g_, s, stream);
     exchange(send_, recv_, g_.row_stride, send_tokens_, recv_tokens_);
 
@@ -147,6 +151,13 @@ class NcclP2pDispatcher final : public Dispatcher, comm_detail::GpuDispatcherBas
     p.tokens_field = me;
     p.counts_field = N + me * L;
     p.slots = recv_.as<const char>();
+    p.own_x = in.x.data;
+    p.own_scales = g_.G > 0 ? in.x_scales.as<float>() : nullptr;
+    p.own_ids = in.topk_ids.as<std::int32_t>();
+    p.own_weights = in.topk_weights.as<float>();
+    p.own_T = T;
+    p.bitmaps = bitmaps_.as<std::uint32_t>();
+    p.prefix = prefix_.as<std::int32_t>();
     comm_detail::launch_place(g_, p, stream);
 
     const std::int64_t expected = touched > 0 ? (valid_rows + touched - 1) / touched : 0;
@@ -194,6 +205,11 @@ class NcclP2pDispatcher final : public Dispatcher, comm_detail::GpuDispatcherBas
   }
 
   // Region d of `send` (count_out[d] items of `item` bytes) to rank d, region d of `recv` from it.
+  std::size_t device_bytes() const override {
+    std::size_t bytes = base_buffer_bytes();
+    for (const cuda::DeviceBuffer* b : {&send_, &recv_, &comb_send_, &comb_recv_, &matrix_, &dest_, &comb_dest_}) bytes += b->size();
+    return bytes;
+  }
   void exchange(const cuda::DeviceBuffer& send, const cuda::DeviceBuffer& recv, std::int64_t item,
                 const std::vector<std::int64_t>& count_out, const std::vector<std::int64_t>& count_in) {
     const std::size_t region = static_cast<std::size_t>(g_.T_max) * static_cast<std::size_t>(item);

@@ -8,10 +8,23 @@
 //             [token slots: N x T_max x payload row]      (source s writes region s)
 //             [combine flags: N x 16 bytes]
 //             [partial sums: N x T_max x H bf16]           (expert rank d writes region d)
-// Sequence numbers live on the device (one for dispatch, one for combine): a call uses s = seq + 1
-// and parity s & 1, the receiving kernel's last block stores seq = s. Nothing depends on the host,
-// so the four halves can be captured in CUDA graphs and replayed.
+//             [arrival counters: N x ceil(T_max / 64)]    (source s bumps region s per token written)
+// Sequence numbers live on the device (send, receive and combine): a call uses s = seq + 1 and
+// parity s & 1, the kernel's last block stores seq = s. Nothing depends on the host, so the four
+// halves can be captured in CUDA graphs and replayed.
+//
+// A whole dispatch() call (x valid throughout) is one launch after the routing: a few blocks send
+// (comm_detail::send_blocks: the SMs that write to the peers) while the others place; the own
+// tokens skip the window (send writes only to the peers, place reads them from x). Place sizes the
+// layout from the count flags (raised before any token is sent), places the own tokens, then the
+// peers' as their arrival flags come. Normal mode: place publishes the layout to mapped host
+// memory first, so the host returns as soon as it knows it, while the rows are still being copied.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
 
 #include "comm/comm_internal.hpp"
 #include "comm/gpu_dispatcher_base.hpp"
@@ -38,14 +51,16 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     slot_off_ = up(hdr_off_ + N * header_ints_ * 4, 256);
     cflag_off_ = up(slot_off_ + N * g_.T_max * g_.row_stride, 256);
     cslot_off_ = up(cflag_off_ + N * 16, 256);
-    parity_stride_ = up(cslot_off_ + N * g_.T_max * g_.partial_bytes, 4096);
+    n_chunks_ = (g_.T_max + comm_detail::kArrivalChunk - 1) / comm_detail::kArrivalChunk;
+    chunk_off_ = up(cslot_off_ + N * g_.T_max * g_.partial_bytes, 256);
+    parity_stride_ = up(chunk_off_ + N * n_chunks_ * 4, 4096);
     window_ = comm_->alloc_symmetric(static_cast<std::size_t>(2 * parity_stride_));  // collective, zeroed
     EPMOE_CHECK(comm_->all_ranks_lsa(),
                 "{} needs every rank's memory reachable by NVLink loads and stores, but this rank's LSA team "
                 "has {} of the {} ranks; use nccl-p2p",
                 name_, comm_->lsa_size(), comm_->size());
 
-    std::vector<void*> send_dest, send_hdr, reduce_dest, reduce_flag;
+    std::vector<void*> send_dest, send_hdr, reduce_dest, reduce_flag, send_chunks;
     for (int d = 0; d < g_.N; ++d) {
       auto* peer = static_cast<char*>(window_->peer_pointer(d));
       EPMOE_CHECK(peer != nullptr, "{}: no load/store pointer to rank {}'s window", name_, d);
@@ -53,19 +68,28 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       send_hdr.push_back(peer + hdr_off_ + me * header_ints_ * 4);
       reduce_dest.push_back(peer + cslot_off_ + me * g_.T_max * g_.partial_bytes);
       reduce_flag.push_back(peer + cflag_off_ + me * 16);
+      send_chunks.push_back(peer + chunk_off_ + me * n_chunks_ * 4);
     }
     send_dest_ = comm_detail::upload_pointers(send_dest);
     send_hdr_ = comm_detail::upload_pointers(send_hdr);
     reduce_dest_ = comm_detail::upload_pointers(reduce_dest);
     reduce_flag_ = comm_detail::upload_pointers(reduce_flag);
-    sync_state_ = cuda::DeviceBuffer(64);  // [0] dispatch seq, [1] combine seq, [4..8) done counters
+    send_chunks_ = comm_detail::upload_pointers(send_chunks);
+    // [0] receive seq, [1] combine seq, [2] send seq, [4..8) done counters
+    sync_state_ = cuda::DeviceBuffer(64);
     sync_state_.fill_bytes(0, comm_->stream());
     if (contiguous()) {
-      // Normal mode: the host learns the expert offsets once per dispatch (they size the output).
+      // Normal mode: the host learns the expert offsets once per dispatch (they size the output),
+      // from mapped memory that place writes as soon as it knows them: {offsets [L + 1], tokens, stamp}.
       offsets_dev_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(g_.L + 1));
       void* host = nullptr;
-      EPMOE_CUDA_CHECK(cudaMallocHost(&host, sizeof(std::int32_t) * static_cast<std::size_t>(g_.L + 2)));
+      EPMOE_CUDA_CHECK(cudaHostAlloc(&host, sizeof(std::int32_t) * static_cast<std::size_t>(g_.L + 3),
+                                     cudaHostAllocMapped));
       offsets_host_ = static_cast<std::int32_t*>(host);
+      offsets_host_[g_.L + 2] = 0;
+      void* mapped = nullptr;
+      EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, host, 0));
+      offsets_mapped_ = static_cast<std::int32_t*>(mapped);
     }
     comm_->barrier();  // every rank's state is ready before anyone sends
   }
@@ -81,13 +105,19 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   const DispatcherContext& context() const override { return context_; }
   const DispatchStats& last_stats() const override { return stats_; }
   std::size_t window_bytes() const override { return window_->size(); }
+  std::size_t device_bytes() const override {
+    std::size_t bytes = base_buffer_bytes() + window_->size();
+    for (const cuda::DeviceBuffer* b : {&send_dest_, &send_hdr_, &reduce_dest_, &reduce_flag_, &send_chunks_, &sync_state_, &offsets_dev_})
+      bytes += b->size();
+    return bytes;
+  }
 
   void dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) override {
     EPMOE_CHECK(inputs.size() == 1 && outputs.size() == 1,
                 "{} serves one rank: pass one input and one output, got {} and {}", name_, inputs.size(),
                 outputs.size());
-    dispatch_send(inputs[0]);
-    dispatch_recv(outputs[0]);
+    send(inputs[0], /*whole=*/true);
+    recv(outputs[0], &inputs[0]);
   }
 
   void combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) override {
@@ -98,7 +128,10 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     combine_recv(y[0]);
   }
 
-  void dispatch_send(const DispatchInput& in) override {
+  void dispatch_send(const DispatchInput& in) override { send(in, /*whole=*/false); }
+  void dispatch_recv(DispatchOutput& out) override { recv(out, nullptr); }
+
+  void send(const DispatchInput& in, bool whole) {
     enter("dispatch_send");
     const std::int64_t T = validate_input(in);
     const std::int32_t host_status = T > g_.T_max ? kInputTooManyTokens : 0;
@@ -117,8 +150,17 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     s.count_row = count_row_.as<std::int32_t>();
     s.dest = send_dest_.as<char* const>();
     s.header = send_hdr_.as<std::int32_t* const>();
-    s.sync = sync(0, 4);
-    comm_detail::launch_send(g_, s, stream);
+    s.skip_self = whole;
+    chunked_ = chunks_enabled();
+    s.chunks = chunked_ ? send_chunks_.as<std::uint32_t* const>() : nullptr;
+    s.sync = sync(2, 4);
+    own_direct_ = whole && host_status == 0;
+    if (own_direct_) {
+      pending_send_ = s;  // recv launches it together with place
+    } else {
+      s.skip_self = false;
+      comm_detail::launch_send(g_, s, stream);
+    }
     tensor_scale_ = in.x_tensor_scale;
     last_T_ = host_status != 0 ? 0 : T;
     dispatched_ = false;
@@ -129,7 +171,8 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     sent_ = true;
   }
 
-  void dispatch_recv(DispatchOutput& out) override {
+  // own: the input of a whole dispatch() (own tokens are read from it), else nullptr.
+  void recv(DispatchOutput& out, const DispatchInput* own) {
     enter("dispatch_recv");
     EPMOE_CHECK(sent_, "{}: dispatch_recv needs a dispatch_send first", name_);
     comm_detail::PlaceArgs p = place_outputs();
@@ -138,20 +181,41 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     p.flag_field = comm_detail::kHeaderFlag;
     p.status_field = comm_detail::kHeaderStatus;
     p.tokens_field = comm_detail::kHeaderTokens;
+    p.count_flag_field = comm_detail::kHeaderCountFlag;
     p.counts_field = comm_detail::kHeaderCounts;
     p.slots = static_cast<const char*>(window_->local()) + slot_off_;
+    if (chunked_) {
+      p.chunks = reinterpret_cast<std::uint32_t*>(static_cast<char*>(window_->local()) + chunk_off_);
+      p.n_chunks = static_cast<int>(n_chunks_);
+    }
     p.sync = sync(0, 5);
-    if (contiguous()) p.expert_offsets = offsets_dev_.as<std::int32_t>();
-    comm_detail::launch_place(g_, p, comm_->stream());
+    if (own != nullptr && own_direct_) {
+      p.own_x = own->x.data;
+      p.own_scales = g_.G > 0 ? own->x_scales.as<float>() : nullptr;
+      p.own_ids = own->topk_ids.as<std::int32_t>();
+      p.own_weights = own->topk_weights.as<float>();
+      p.own_T = last_T_;
+      p.bitmaps = bitmaps_.as<std::uint32_t>();
+      p.prefix = prefix_.as<std::int32_t>();
+    }
+    EPMOE_CHECK(own_direct_ == (own != nullptr),
+                "{}: dispatch_recv must follow dispatch_send (and dispatch() "
+                "runs both)",
+                name_);
+    if (contiguous()) {
+      p.expert_offsets = offsets_dev_.as<std::int32_t>();
+      p.host_offsets = offsets_mapped_;
+      p.host_stamp = static_cast<std::int32_t>(++host_stamp_ & 0x7fffffff);
+    }
+    if (own_direct_)
+      comm_detail::launch_dispatch(g_, pending_send_, p, comm_->stream());
+    else
+      comm_detail::launch_place(g_, p, comm_->stream());
     sent_ = false;
     if (contiguous()) {
-      // One bounded host sync: the contiguous layout's size and offsets.
-      const cudaStream_t stream = comm_->stream();
-      EPMOE_CUDA_CHECK(cudaMemcpyAsync(offsets_host_, offsets_dev_.data(), offsets_dev_.size(),
-                                       cudaMemcpyDeviceToHost, stream));
-      EPMOE_CUDA_CHECK(cudaMemcpyAsync(offsets_host_ + g_.L + 1, recv_total_.data(), sizeof(std::int32_t),
-                                       cudaMemcpyDeviceToHost, stream));
-      comm_->synchronize(CommPhase::dispatch_recv, "the tokens of every rank");
+      // One bounded host wait: the contiguous layout's size and offsets, written by place before it
+      // copies any row.
+      wait_offsets(p.host_stamp);
       std::vector<std::int64_t> offsets(offsets_host_, offsets_host_ + g_.L + 1);
       const std::int64_t m_sum = offsets.back();
       fill_output(out, m_sum, offsets_host_[g_.L + 1], tensor_scale_, std::move(offsets), 0);
@@ -162,6 +226,28 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     }
     output_rows_ = out.num_output_rows();
     dispatched_ = true;
+  }
+
+  // Spins (bounded) until place has published the offsets of this call; a device-side error (a peer
+  // that never raised its count flag, a refused input) is reported by its record, a hang by the
+  // stream wait that ends every spin past the device timeout.
+  void wait_offsets(std::int32_t stamp) {
+    const volatile std::int32_t* flag = offsets_host_ + g_.L + 2;
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration<double>(comm_->timeout_s() + 1.0);
+    for (std::uint32_t spins = 0; *flag != stamp; ++spins) {
+      if ((spins & 255u) == 255u) {
+        comm_->check_device_errors();
+        if (std::chrono::steady_clock::now() > deadline) {
+          comm_->synchronize(CommPhase::dispatch_recv, "the token counts of every rank");
+          break;
+        }
+        if (spins > 100000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    comm_->check_device_errors();
+    EPMOE_CHECK(*flag == stamp, "{}: rank {}: place did not publish the layout", name_, g_.me);
   }
 
   void combine_send(const TensorView& expert_out) override {
@@ -221,11 +307,23 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   }
 
   std::unique_ptr<SymmetricBuffer> window_;
-  std::int64_t header_ints_ = 0, hdr_off_ = 0, slot_off_ = 0, cflag_off_ = 0, cslot_off_ = 0,
-               parity_stride_ = 0;
-  cuda::DeviceBuffer send_dest_, send_hdr_, reduce_dest_, reduce_flag_, sync_state_;
+  // Arrival counters per 64 tokens (on unless EPMOE_COMM_CHUNKS=0: then place waits for each
+  // source's last token); read at each dispatch_send, the same on every rank.
+  static bool chunks_enabled() {
+    const char* env = std::getenv("EPMOE_COMM_CHUNKS");
+    return env == nullptr || std::string(env) != "0";
+  }
+
+  std::int64_t header_ints_ = 0, hdr_off_ = 0, slot_off_ = 0, cflag_off_ = 0, cslot_off_ = 0, chunk_off_ = 0,
+               parity_stride_ = 0, n_chunks_ = 0;
+  bool chunked_ = true;
+  cuda::DeviceBuffer send_dest_, send_hdr_, reduce_dest_, reduce_flag_, send_chunks_, sync_state_;
   cuda::DeviceBuffer offsets_dev_;
   std::int32_t* offsets_host_ = nullptr;
+  std::int32_t* offsets_mapped_ = nullptr;
+  std::uint32_t host_stamp_ = 0;
+  comm_detail::SendArgs pending_send_;
+  bool own_direct_ = false;
   std::int64_t output_rows_ = 0;
   float tensor_scale_ = 1.0f;
   bool sent_ = false, combine_sent_ = false;

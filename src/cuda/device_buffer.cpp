@@ -61,6 +61,16 @@ Stream::Stream() {
   EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 }
 
+Stream::Stream(int priority) {
+  EPMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, priority));
+}
+
+int Stream::highest_priority() {
+  int least = 0, greatest = 0;
+  EPMOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  return greatest;
+}
+
 Stream::~Stream() {
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
 }

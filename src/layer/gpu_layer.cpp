@@ -14,6 +14,7 @@
 #include "epmoe/cuda/router.hpp"
 #include "epmoe/cuda/silu_quant.hpp"
 #include "epmoe/cuda/synthetic.hpp"
+#include "epmoe/cuda/w4a8_gemm.hpp"
 #include "epmoe/permute.hpp"
 #include "layer/layer_kernels.hpp"
 
@@ -61,6 +62,13 @@ struct GpuMoeLayer::Impl {
   int rank = 0, ranks = 1, L = 0, E = 0, K = 0, P = 0;
   std::int64_t H = 0, I = 0, Is = 0, T_max = 0, M_max = 0, R_max = 0;
   std::string dispatcher_name;
+  // W4A8: int4 routed experts, per-tensor FP8 activations with the static scales a1 / a2 (the
+  // shared expert stays FP8 block-scaled, with per-token-group activations of its own).
+  bool w4a8 = false;
+  float a1_scale = 1.0f, a2_scale = 1.0f;
+  ActivationFormat format = ActivationFormat::fp8_group;
+  DeviceTensor stage_w13, stage_s13, stage_w2, stage_s2;  // one expert in checkpoint order (W4A8 prepare)
+  DeviceTensor shared_q, shared_q_scales;                 // W4A8: the shared expert's FP8 input
 
   Stream own_stream;
   cudaStream_t s0 = nullptr;
@@ -93,6 +101,8 @@ struct GpuMoeLayer::Impl {
   Event dispatched[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   Event computed[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   GroupedGemmOptions gemm_options;
+  std::size_t dispatcher_bytes = 0;  // the dispatchers' own buffers and windows (Dispatcher::device_bytes)
+  std::size_t dispatcher_setup_bytes = 0;  // device memory their creation took in all (NCCL's too)
   DeviceTensor perm_workspace, perm_rows, perm_scales, perm_m_indices, perm_row_src, perm_src_row, perm_offsets,
       perm_counts;
 
@@ -109,7 +119,7 @@ struct GpuMoeLayer::Impl {
   void load_shared();
   int install_placement(const ExpertPlacement& p);
   void forward(TensorView x, TensorView y);
-  void shared_forward(std::int64_t T, cudaStream_t stream);
+  void shared_forward(TensorView x, std::int64_t T, cudaStream_t stream);
   DispatchOutput dispatch(int part, std::int64_t row0, std::int64_t T);
   void run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t stream);
   void combine(int part, const DispatchOutput& d, std::int64_t row0, std::int64_t T, TensorView y);
@@ -123,9 +133,12 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   EPMOE_CHECK(weights != nullptr, "GpuMoeLayer needs weights");
   c = weights->config();
   c.validate();
-  EPMOE_CHECK(c.quant == QuantScheme::fp8,
-              "GpuMoeLayer: quant '{}' is not available on the GPU yet (fp8 is; W4A8 arrives with its GEMM)",
-              to_string(c.quant));
+  EPMOE_CHECK(c.quant == QuantScheme::fp8 || c.quant == QuantScheme::w4a8,
+              "GpuMoeLayer: quant '{}' is not available on the GPU (fp8 and w4a8 are)", to_string(c.quant));
+  w4a8 = c.quant == QuantScheme::w4a8;
+  a1_scale = weights->a1_scale();
+  a2_scale = weights->a2_scale();
+  format = activation_format(c.quant);
   synthetic = dynamic_cast<const SyntheticWeights*>(weights.get());
   if (comm) {
     EPMOE_CHECK(c.num_ranks == comm->size(), "config.num_ranks ({}) must equal the communicator's size ({})",
@@ -181,10 +194,25 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   q_scales = DeviceTensor(DType::f32, {T_max, H / 128});
 
   // Expert slots, then the placement (which fills them).
-  w13 = DeviceTensor(DType::fp8_e4m3, {L, 2 * I, H});
-  w13_scale = DeviceTensor(DType::f32, {L, 2 * I / 128, H / 128});
-  w2 = DeviceTensor(DType::fp8_e4m3, {L, H, I});
-  w2_scale = DeviceTensor(DType::f32, {L, H / 128, I / 128});
+  if (w4a8) {
+    // Prepared (packed) int4 slots, the checkpoint's shapes (epmoe/cuda/w4a8_gemm.hpp).
+    w13 = DeviceTensor(DType::i4x2, {L, 2 * I, H / 2});
+    w13_scale = DeviceTensor(DType::f32, {L, 2 * I, H / 128});
+    w2 = DeviceTensor(DType::i4x2, {L, H, I / 2});
+    w2_scale = DeviceTensor(DType::f32, {L, H, I / 128});
+    stage_w13 = DeviceTensor(DType::i4x2, {1, 2 * I, H / 2});
+    stage_s13 = DeviceTensor(DType::f32, {1, 2 * I, H / 128});
+    stage_w2 = DeviceTensor(DType::i4x2, {1, H, I / 2});
+    stage_s2 = DeviceTensor(DType::f32, {1, H, I / 128});
+    // The permutation copies per-token-group scales along with fp8 rows; W4A8 has none, so it
+    // copies these zeros (the W4A8 GEMM never reads them).
+    EPMOE_CUDA_CHECK(cudaMemsetAsync(q_scales.data<float>(), 0, q_scales.nbytes(), s0));
+  } else {
+    w13 = DeviceTensor(DType::fp8_e4m3, {L, 2 * I, H});
+    w13_scale = DeviceTensor(DType::f32, {L, 2 * I / 128, H / 128});
+    w2 = DeviceTensor(DType::fp8_e4m3, {L, H, I});
+    w2_scale = DeviceTensor(DType::f32, {L, H / 128, I / 128});
+  }
   slot_logical.assign(static_cast<std::size_t>(L), -1);
   log2phy = DeviceTensor(DType::i32, {E, P - E + 1});
   logcnt = DeviceTensor(DType::i32, {E});
@@ -213,7 +241,9 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     const std::int64_t T_part = tbo ? (T_max + 1) / 2 : T_max;
     MoeConfig dc = c;
     dc.max_tokens_per_rank = static_cast<int>(T_part);
-    const DispatcherContext context{dc, o.mode, ActivationFormat::fp8_group, rank, 1};
+    const DispatcherContext context{dc, o.mode, format, rank, 1};
+    std::size_t free_before = 0, free_after = 0, total = 0;
+    EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
     for (int part = 0; part < (tbo ? 2 : 1); ++part) {  // collective: every rank creates them in this order
       if (dispatcher_name == "nccl-p2p") {
         dispatchers[part] = make_nccl_p2p_dispatcher(context, comm);
@@ -224,6 +254,10 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
         dispatchers[part] = std::move(d);
       }
     }
+    EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+    dispatcher_setup_bytes = free_before > free_after ? free_before - free_after : 0;
+    for (const auto& d : dispatchers)
+      if (d) dispatcher_bytes += d->device_bytes();
     dispatcher = dispatchers[0].get();
     M_max = dc.masked_max_m();
     // The receive side's bound (src/comm/gpu_dispatcher_base.hpp): each of N * T_part tokens at most
@@ -249,7 +283,22 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
 void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {
   const TensorView dw13 = w13.view().select(local_slot), ds13 = w13_scale.view().select(local_slot);
   const TensorView dw2 = w2.view().select(local_slot), ds2 = w2_scale.view().select(local_slot);
-  if (synthetic) {
+  if (w4a8) {
+    // Checkpoint order into the staging expert, then the one-time preparation into the slot.
+    if (synthetic) {
+      synthetic_expert_w4a8(synthetic->expert_seed(logical), H, I, stage_w13.view().select(0), stage_s13.view().select(0),
+                            stage_w2.view().select(0), stage_s2.view().select(0), s0);
+    } else {
+      const ExpertWeights& e = weights->routed_expert(logical);
+      copy_to_device(stage_w13.view().select(0), e.w13, s0);
+      copy_to_device(stage_s13.view().select(0), e.w13_scale, s0);
+      copy_to_device(stage_w2.view().select(0), e.w2, s0);
+      copy_to_device(stage_s2.view().select(0), e.w2_scale, s0);
+    }
+    w4a8_prepare_weights(stage_w13, stage_s13, reshape(dw13, {1, 2 * I, H / 2}), reshape(ds13, {1, 2 * I, H / 128}), s0);
+    w4a8_prepare_weights(stage_w2, stage_s2, reshape(dw2, {1, H, I / 2}), reshape(ds2, {1, H, I / 128}), s0);
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));  // the staging buffer is reused by the next slot
+  } else if (synthetic) {
     // Bit-identical with the host tensors routed_expert() would build, without building them.
     synthetic_expert_fp8(synthetic->expert_seed(logical), H, I, dw13, ds13, dw2, ds2, s0);
   } else {
@@ -280,6 +329,10 @@ void GpuMoeLayer::Impl::load_shared() {
     copy_to_device(sw2_scale.view().select(0), e.w2_scale, s0);
   }
   shared_m = DeviceTensor(DType::i32, {1});
+  if (w4a8) {
+    shared_q = DeviceTensor(DType::fp8_e4m3, {T_max, H});
+    shared_q_scales = DeviceTensor(DType::f32, {T_max, H / 128});
+  }
   shared_h = DeviceTensor(DType::bf16, {T_max, 2 * Is});
   shared_a2 = DeviceTensor(DType::fp8_e4m3, {T_max, Is});
   shared_a2_scales = DeviceTensor(DType::f32, {T_max, Is / 128});
@@ -313,26 +366,37 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
   return rewritten;
 }
 
-void GpuMoeLayer::Impl::shared_forward(std::int64_t T, cudaStream_t ss) {
+void GpuMoeLayer::Impl::shared_forward(TensorView x, std::int64_t T, cudaStream_t ss) {
   // One group of T rows through the masked grouped GEMM (masked_m written in the stream order, so a
   // captured graph carries it).
-  const TensorView a = reshape(q.view(), {1, T, H}), as = reshape(q_scales.view(), {1, T, H / 128});
+  if (w4a8)  // the shared expert is FP8 block-scaled: per-token-group activations of its own
+    quantize_per_token_group_fp8(x, rows_of(shared_q, T), rows_of(shared_q_scales, T), ss, ScaleLayout::token_major,
+                                 c.power_of_two_scales);
+  const DeviceTensor& sq = w4a8 ? shared_q : q;
+  const DeviceTensor& sqs = w4a8 ? shared_q_scales : q_scales;
+  const TensorView a = reshape(sq.view(), {1, T, H}), as = reshape(sqs.view(), {1, T, H / 128});
   const TensorView hh = reshape(shared_h.view(), {1, T, 2 * Is});
   const TensorView a2v = reshape(shared_a2.view(), {1, T, Is}), a2s = reshape(shared_a2_scales.view(), {1, T, Is / 128});
   layer_detail::fill_i32(shared_m, static_cast<std::int32_t>(T), ss);
-  fp8_grouped_gemm_masked(a, as, ScaleLayout::token_major, sw13, sw13_scale, shared_m, T, hh, ss, gemm_options);
+  // Decode batches: 64-row tiles, so that the one group spreads over 4x more CTAs (with 128 x 256
+  // tiles a 128-token batch gave 16 CTAs, each streaming its slice of the 44 MB of weights alone,
+  // measured 0.68 ms beside the routed GEMMs).
+  GroupedGemmOptions go = gemm_options;
+  if (T <= 256) go.block_m = 64;
+  fp8_grouped_gemm_masked(a, as, ScaleLayout::token_major, sw13, sw13_scale, shared_m, T, hh, ss, go);
   SiluQuantOptions so;
   so.power_of_two = c.power_of_two_scales;
   silu_mul_quant_masked(hh, shared_m, a2v, a2s, so, ss);
   fp8_grouped_gemm_masked(a2v, a2s, ScaleLayout::token_major, sw2, sw2_scale, shared_m, T,
-                          reshape(shared_out.view(), {1, T, H}), ss, gemm_options);
+                          reshape(shared_out.view(), {1, T, H}), ss, go);
 }
 
 DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int64_t T) {
   DispatchOutput d;
   if (!dispatcher) {
     const PermuteInput in{rows_of(q, T), rows_of(q_scales, T), rows_of(physical_ids, T)};
-    d.format = ActivationFormat::fp8_group;
+    d.format = format;
+    d.tensor_scale = w4a8 ? a1_scale : 1.0f;
     d.num_local_experts = L;
     d.num_recv_tokens = T;
     if (o.mode == Mode::normal) {
@@ -356,7 +420,8 @@ DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int
     return d;
   }
   auto part_rows = [&](const DeviceTensor& t) { return t.view().slice_rows(row0, row0 + T); };
-  const DispatchInput in{part_rows(q), part_rows(q_scales), 1.0f, part_rows(physical_ids), part_rows(topk_weights)};
+  const DispatchInput in{part_rows(q), w4a8 ? TensorView{} : part_rows(q_scales), w4a8 ? a1_scale : 1.0f,
+                        part_rows(physical_ids), part_rows(topk_weights)};
   if (LowLatencyDispatcher* ll = lls[part]) {
     ll->dispatch_send(in);
     ll->dispatch_recv(d);
@@ -370,6 +435,33 @@ DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int
 void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t ss) {
   SiluQuantOptions so;
   so.power_of_two = c.power_of_two_scales;
+  if (w4a8) {
+    so.scaling = Fp8Scaling::per_tensor;
+    so.tensor_scale = a2_scale;
+  }
+  W4A8GemmOptions wo;
+  wo.max_ctas = gemm_options.max_ctas;
+  if (w4a8 && d.layout == Layout::contiguous) {
+    const std::int64_t M = d.rows.size(0);
+    EPMOE_CHECK(M <= R_max, "internal: {} contiguous rows exceed the runner's {}", M, R_max);
+    if (M == 0) return;
+    w4a8_grouped_gemm_contiguous(d.rows, d.tensor_scale, {}, w13, w13_scale, d.m_indices, rows_of(h, M), ss, wo);
+    silu_mul_quant_contiguous(rows_of(h, M), d.m_indices, rows_of(a2, M), rows_of(a2_scales, M), so, ss);
+    w4a8_grouped_gemm_contiguous(rows_of(a2, M), a2_scale, {}, w2, w2_scale, d.m_indices, rows_of(out, M), ss, wo);
+    return;
+  }
+  if (w4a8) {
+    EPMOE_CHECK(d.layout == Layout::masked, "internal: the runner takes contiguous or masked layouts");
+    const std::int64_t G = d.rows.size(0), M = d.rows.size(1);
+    EPMOE_CHECK(G == L && G * M <= R_max, "internal: masked layout [{}, {}] exceeds the runner's buffers", G, M);
+    const TensorView hh = reshape(h.view(), {G, M, 2 * I});
+    const TensorView a2v = reshape(a2.view(), {G, M, I});
+    w4a8_grouped_gemm_masked(d.rows, d.tensor_scale, {}, w13, w13_scale, d.masked_m, d.expected_m, hh, ss, wo);
+    silu_mul_quant_masked(hh, d.masked_m, a2v, reshape(a2_scales.view(), {G, M, I / 128}), so, ss);
+    w4a8_grouped_gemm_masked(a2v, a2_scale, {}, w2, w2_scale, d.masked_m, d.expected_m, reshape(out.view(), {G, M, H}), ss,
+                             wo);
+    return;
+  }
   if (d.layout == Layout::contiguous) {
     const std::int64_t M = d.rows.size(0);
     EPMOE_CHECK(M <= R_max, "internal: {} contiguous rows exceed the runner's {}", M, R_max);
@@ -435,8 +527,12 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
   map_to_physical(pv, rows_of(topk_ids, T), rows_of(physical_ids, T), rank, c.dispatch_algorithm, s0, 0,
                   expert_counts);
   layer_detail::count_ids(rows_of(physical_ids, T), slot_counts, s0);
-  quantize_per_token_group_fp8(x, rows_of(q, T), rows_of(q_scales, T), s0, ScaleLayout::token_major,
-                               c.power_of_two_scales);
+  if (w4a8) {
+    quantize_per_tensor_fp8(x, rows_of(q, T), a1_scale, s0);
+  } else {
+    quantize_per_token_group_fp8(x, rows_of(q, T), rows_of(q_scales, T), s0, ScaleLayout::token_major,
+                                 c.power_of_two_scales);
+  }
   mark(kRouted, s0);
 
   // The shared expert: forked onto s1 (overlapped with dispatch and the routed experts), or inline.
@@ -449,7 +545,7 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
       EPMOE_CUDA_CHECK(cudaStreamWaitEvent(ss, fork, 0));
     }
     mark(kNumEvents, ss);
-    shared_forward(T, ss);
+    shared_forward(x, T, ss);
     mark(kNumEvents + 1, ss);
     if (o.overlap_shared) join.record(ss);
   }
@@ -510,16 +606,14 @@ std::size_t GpuMoeLayer::Impl::comm_layout_bytes() const {
                                 &logcnt, &perm_workspace, &perm_rows, &perm_scales, &perm_m_indices, &perm_row_src,
                                 &perm_src_row, &perm_offsets, &perm_counts})
     bytes += t->nbytes();
-  for (const LowLatencyDispatcher* ll : lls)
-    if (ll) bytes += ll->window_bytes();
-  return bytes;
+  return bytes + dispatcher_bytes;
 }
 
 std::size_t GpuMoeLayer::Impl::device_bytes() const {
-  std::size_t bytes = comm_layout_bytes();
+  std::size_t bytes = comm_layout_bytes();  // includes the dispatchers' memory
   for (const DeviceTensor* t : {&gate_weight, &correction_bias, &w13, &w13_scale, &w2, &w2_scale, &sw13, &sw13_scale, &sw2,
                                 &sw2_scale, &shared_m, &shared_h, &shared_a2, &shared_a2_scales, &shared_out, &h, &a2,
-                                &a2_scales, &expert_out, &expert_out2, &y_routed, &x_static, &y_static})
+                                &a2_scales, &expert_out, &expert_out2, &stage_w13, &stage_s13, &stage_w2, &stage_s2, &shared_q, &shared_q_scales, &y_routed, &x_static, &y_static})
     bytes += t->nbytes();
   return bytes;
 }
@@ -543,6 +637,7 @@ void GpuMoeLayer::reset_times() { impl_->times = GpuPhaseTimes{}; }
 void GpuMoeLayer::set_timing(bool on) { impl_->o.timing = on; }
 std::size_t GpuMoeLayer::device_bytes() const { return impl_->device_bytes(); }
 std::size_t GpuMoeLayer::comm_layout_bytes() const { return impl_->comm_layout_bytes(); }
+std::size_t GpuMoeLayer::dispatcher_setup_bytes() const { return impl_->dispatcher_setup_bytes; }
 const ExpertPlacement& GpuMoeLayer::placement() const { return impl_->placement; }
 std::size_t GpuMoeLayer::graphs_captured() const { return impl_->graphs.size(); }
 

@@ -321,6 +321,36 @@ TEST(CommNvlinkLl, HalvesWithOtherWorkInBetween) {
   expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "halves");
 }
 
+// Normal mode through the halves (send then place on one stream, own tokens through the window),
+// alternating with whole dispatch() calls (send on a side stream, own tokens read from x): the
+// same bytes either way, and the sequence numbers stay in step.
+TEST(CommNvlinkNormal, HalvesAndWholeCallsAlternate) {
+  const MoeConfig c = test_config(64);
+  const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
+  auto d = make_nvlink_dispatcher(ctx, world_ptr());
+  const int N = world().size(), me = world().rank();
+  const auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 40 + 5 * r; }), 23,
+                              Routing::random);
+  auto sim = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, N});
+  std::vector<DispatchInput> views;
+  for (const RankInput& r : in) views.push_back(r.view());
+  std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
+  sim->dispatch(views, want);
+  const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+  const DispatchInput dev_view = dev.view();
+  for (int round = 0; round < 4; ++round) {
+    std::vector<DispatchOutput> out(1);
+    if (round % 2 == 0) {
+      d->dispatch_send(dev_view);
+      d->dispatch_recv(out[0]);
+    } else {
+      d->dispatch({&dev_view, 1}, out);
+    }
+    const HostOutput host = download(out[0], stream());
+    expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "round " + std::to_string(round));
+  }
+}
+
 TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
   const MoeConfig c = test_config(64);
   const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};

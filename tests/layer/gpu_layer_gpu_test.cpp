@@ -20,8 +20,10 @@ namespace {
 using cuda::DeviceTensor;
 using testing::bits_equal;
 
-MoeConfig one_rank(std::string_view preset, int redundant = 0, int max_tokens = 32) {
+MoeConfig one_rank(std::string_view preset, int redundant = 0, int max_tokens = 32,
+                   QuantScheme quant = QuantScheme::fp8) {
   MoeConfig c = MoeConfig::preset(preset);
+  c.quant = quant;
   c.num_ranks = 1;
   c.num_redundant_experts = redundant;
   c.max_tokens_per_rank = max_tokens;
@@ -42,6 +44,15 @@ template <class T>
                     [&](std::int64_t i) { return std::string(what) + " element " + std::to_string(i); });
 }
 
+// Packed int4 (i4x2) has no element type of its own: compare the bytes.
+::testing::AssertionResult same_raw_bytes(const HostTensor& got, const HostTensor& want, const char* what) {
+  if (got.nbytes() != want.nbytes()) return ::testing::AssertionFailure() << what << ": sizes differ";
+  const auto* g = static_cast<const std::uint8_t*>(got.view().data);
+  const auto* w = static_cast<const std::uint8_t*>(want.view().data);
+  return bits_equal(g, w, static_cast<std::int64_t>(got.nbytes()),
+                    [&](std::int64_t i) { return std::string(what) + " byte " + std::to_string(i); });
+}
+
 TEST(SyntheticGpu, Fp8ExpertBitIdenticalWithCpu) {
   EPMOE_REQUIRE_GPU();
   const std::pair<std::int64_t, std::int64_t> dims[] = {{256, 128}, {7168, 2048}};
@@ -53,6 +64,21 @@ TEST(SyntheticGpu, Fp8ExpertBitIdenticalWithCpu) {
     EXPECT_TRUE(same_bits<fp8_e4m3>(gpu->w13, cpu->w13, "w13"));
     EXPECT_TRUE(same_bits<float>(gpu->w13_scale, cpu->w13_scale, "w13_scale"));
     EXPECT_TRUE(same_bits<fp8_e4m3>(gpu->w2, cpu->w2, "w2"));
+    EXPECT_TRUE(same_bits<float>(gpu->w2_scale, cpu->w2_scale, "w2_scale"));
+  }
+}
+
+TEST(SyntheticGpu, W4a8ExpertBitIdenticalWithCpu) {
+  EPMOE_REQUIRE_GPU();
+  const std::pair<std::int64_t, std::int64_t> dims[] = {{256, 128}, {7168, 2048}};
+  for (const auto& [H, I] : dims) {
+    SCOPED_TRACE(::testing::Message() << "H=" << H << " I=" << I);
+    const std::uint64_t seed = 0x4a8 + static_cast<std::uint64_t>(H);
+    const auto cpu = make_synthetic_expert(QuantScheme::w4a8, H, I, seed);
+    const auto gpu = cuda::gpu_expert_factory(0)(QuantScheme::w4a8, H, I, seed);
+    EXPECT_TRUE(same_raw_bytes(gpu->w13, cpu->w13, "w13"));
+    EXPECT_TRUE(same_bits<float>(gpu->w13_scale, cpu->w13_scale, "w13_scale"));
+    EXPECT_TRUE(same_raw_bytes(gpu->w2, cpu->w2, "w2"));
     EXPECT_TRUE(same_bits<float>(gpu->w2_scale, cpu->w2_scale, "w2_scale"));
   }
 }
@@ -118,6 +144,7 @@ struct LayerCase {
   Mode mode;
   std::int64_t tokens;
   int redundant;
+  QuantScheme quant = QuantScheme::fp8;
 };
 
 class GpuLayerOneRank : public ::testing::TestWithParam<LayerCase> {};
@@ -125,7 +152,7 @@ class GpuLayerOneRank : public ::testing::TestWithParam<LayerCase> {};
 TEST_P(GpuLayerOneRank, MatchesReferenceEagerAndGraph) {
   EPMOE_REQUIRE_GPU();
   const LayerCase p = GetParam();
-  const MoeConfig c = one_rank(p.preset, p.redundant);
+  const MoeConfig c = one_rank(p.preset, p.redundant, 32, p.quant);
   auto w = gpu_synthetic(c, 3);
   cuda::GpuLayerOptions o;
   o.mode = p.mode;
@@ -150,9 +177,14 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuLayerOneRank,
                                            LayerCase{"tiny", Mode::normal, 100, 0},
                                            LayerCase{"tiny", Mode::normal, 7, 4},
                                            LayerCase{"deepseek-v3", Mode::low_latency, 4, 0},
-                                           LayerCase{"deepseek-v3", Mode::normal, 6, 32}),
+                                           LayerCase{"deepseek-v3", Mode::normal, 6, 32},
+                                           LayerCase{"tiny", Mode::low_latency, 32, 4, QuantScheme::w4a8},
+                                           LayerCase{"tiny", Mode::normal, 50, 0, QuantScheme::w4a8},
+                                           LayerCase{"deepseek-v3", Mode::low_latency, 4, 0, QuantScheme::w4a8},
+                                           LayerCase{"deepseek-v3", Mode::normal, 5, 32, QuantScheme::w4a8}),
                          [](const auto& case_info) {
                            return std::string(case_info.param.preset[0] == 't' ? "tiny" : "dsv3") + "_" +
+                                  std::string(to_string(case_info.param.quant)) + "_" +
                                   (case_info.param.mode == Mode::normal ? "normal" : "ll") + "_T" +
                                   std::to_string(case_info.param.tokens) + "_R" + std::to_string(case_info.param.redundant);
                          });
@@ -187,8 +219,8 @@ TEST(GpuLayer, RefusesBadInput) {
   DeviceTensor xf(DType::f32, {4, c.hidden});
   testing::expect_error_mentions([&] { layer.forward(xf, y.view().slice_rows(0, 4)); }, "x");
   MoeConfig q = c;
-  q.quant = QuantScheme::w4a8;
-  testing::expect_error_mentions([&] { cuda::GpuMoeLayer bad(std::make_shared<SyntheticWeights>(q, 1), {}); }, "w4a8");
+  q.quant = QuantScheme::none;
+  testing::expect_error_mentions([&] { cuda::GpuMoeLayer bad(std::make_shared<SyntheticWeights>(q, 1), {}); }, "none");
   cuda::GpuLayerOptions big;
   big.max_tokens = 64;
   testing::expect_error_mentions([&] { cuda::GpuMoeLayer bad(w, big); }, "max_tokens_per_rank");

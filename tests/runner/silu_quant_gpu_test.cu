@@ -10,9 +10,14 @@
 //     amax / 448 sits next to a power of two);
 //   - every dequantized value q * scale within one e4m3 step of the CPU's, and within half a step
 //     (plus the SiLU's error) of the exact silu(g) * u in f64 (saturated values: +-448 * scale);
-//   - ||deq - deq_cpu|| / ||deq_cpu|| <= 5e-3 (design.md §8) and at most 0.1% (+ one group) of the
-//     q bytes differ from the CPU's at all (a scale an ulp off changes every dequantized value of
-//     its group, but hardly any byte).
+//   - ||deq - deq_cpu|| / ||deq_cpu|| <= 5e-3 (design.md §8) over the elements whose CPU quotient
+//     act / scale is not within the fast SiLU's error of an e4m3 rounding tie, and at most 0.1%
+//     (+ one group) of the q bytes differ from the CPU's at all (a scale an ulp off changes every
+//     dequantized value of its group, but hardly any byte). A value at a tie may legitimately round
+//     either way, a whole e4m3 step (6-12%); the per-element check above bounds it. Counted in the
+//     norm, one such flip fails the test on its own where a few large values carry the norm (per-
+//     tensor scale, a handful of rows: one element was 25% of the norm for seed 2744272692736732356,
+//     E8_M1_I2048, error 0.0196). Every other difference still counts in full.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -106,7 +111,11 @@ HostTensor random_h(std::int64_t rows, std::int64_t inter, std::mt19937_64& rng)
   return h;
 }
 
-// A static per-tensor scale that saturates a few values.
+// A static per-tensor scale that saturates a few values: the largest |act| maps to 480 (above e4m3's
+// 448), so the values in [448, 480] * scale saturate. Not amax / 400: that put the largest element
+// exactly on the rounding tie between 384 and 416, where any last-bit difference of the fast SiLU
+// flips it a whole step (8%); with a few rows that one element carries a large share of the norm
+// (seed 2744272692736732356, E8_M1_I2048: 25%, relative error 0.0196).
 float static_scale_for(const HostTensor& h) {
   float amax = 0.0f;
   const std::int64_t inter = h.size(h.view().rank - 1) / 2, rows = h.numel() / (2 * inter);
@@ -114,7 +123,7 @@ float static_scale_for(const HostTensor& h) {
     for (std::int64_t j = 0; j < inter; ++j)
       amax = std::max(amax, std::fabs(silu_mul(h.data<bf16>()[r * 2 * inter + j].to_float(),
                                                h.data<bf16>()[r * 2 * inter + inter + j].to_float())));
-  return std::max(amax, 1e-6f) / 400.0f;
+  return std::max(amax, 1e-6f) / 480.0f;
 }
 
 ActQuant cpu_quant(Variant v, float tensor_scale) {
@@ -148,6 +157,14 @@ struct ScaleIndex {
   }
 };
 
+// Whether the quotient x = act / scale lies within 4e-6 (relative) of an e4m3 rounding boundary: the
+// fast SiLU's relative error (~1e-6) plus a group scale a few ulp off can move it across.
+bool near_e4m3_tie(double x) {
+  const float lo = fp8_e4m3::from_float(static_cast<float>(x * (1.0 - 4e-6))).to_float();
+  const float hi = fp8_e4m3::from_float(static_cast<float>(x * (1.0 + 4e-6))).to_float();
+  return lo != hi;
+}
+
 bool is_fp8_nan(std::uint8_t b) {
   return (b & 0x7f) == 0x7f;
 }
@@ -171,7 +188,7 @@ void expect_matches_reference(const HostTensor& h, const HostTensor& q, const Ho
   const auto* qr = static_cast<const std::uint8_t*>(q_ref.view().data);
   const float* sg = s.data<float>();
   const float* sr = s_ref.data<float>();
-  std::int64_t failures = 0, differing = 0, processed = 0;
+  std::int64_t failures = 0, differing = 0, processed = 0, at_tie = 0;
   double err2 = 0.0, ref2 = 0.0;
   std::ostringstream first;
   auto fail = [&](const std::string& what) {
@@ -213,7 +230,14 @@ void expect_matches_reference(const HostTensor& h, const HostTensor& q, const Ho
         const double deq_ref = static_cast<double>(fp8_e4m3::from_bits(b_ref).to_float()) * scale_ref;
         const double gate = hp[r * 2 * inter + c].to_float(), up = hp[r * 2 * inter + inter + c].to_float();
         const double exact = gate / (1.0 + std::exp(-gate)) * up;
-        err2 += (deq - deq_ref) * (deq - deq_ref);
+        const double quotient =
+            static_cast<double>(silu_mul(static_cast<float>(gate), static_cast<float>(up))) /
+            static_cast<double>(scale_ref);
+        if (deq != deq_ref && near_e4m3_tie(quotient)) {
+          ++at_tie;  // bounded by the one-step check below, not counted in the norm
+        } else {
+          err2 += (deq - deq_ref) * (deq - deq_ref);
+        }
         ref2 += deq_ref * deq_ref;
         if (b != b_ref) ++differing;
         // One e4m3 step at the larger of the two scales (3 mantissa bits; 2^-9 below 2^-6).
@@ -234,7 +258,9 @@ void expect_matches_reference(const HostTensor& h, const HostTensor& q, const Ho
     }
   }
   EXPECT_EQ(failures, 0) << failures << " failures; first:" << first.str();
-  if (ref2 > 0.0) EXPECT_LE(std::sqrt(err2 / ref2), 5e-3) << "relative error against the CPU reference";
+  if (ref2 > 0.0)
+    EXPECT_LE(std::sqrt(err2 / ref2), 5e-3)
+        << "relative error against the CPU reference (" << at_tie << " values at a rounding tie not counted)";
   EXPECT_LE(differing, processed / 1000 + 128) << "q bytes that differ from the CPU's, of " << processed;
 }
 

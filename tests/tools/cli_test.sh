@@ -128,7 +128,10 @@ check_fails "check bad hidden" "hidden must be a positive multiple of 128" "$epm
 check_fails "check bad preset" "preset must be one of" "$epmoe" check --preset nope
 check_fails "check ranks not dividing slots" "must be a multiple of ranks=3" "$epmoe" check --ranks 3
 check_fails "run too many decode tokens" "max_tokens_per_rank" "$epmoe" run --tokens 65
-check_fails "run gpu without GPU backend" "GPU layer backend" "$epmoe" run --device gpu
+if ! nvidia-smi -L > /dev/null 2>&1; then
+  check_fails "run gpu without a GPU" "no CUDA device" "$epmoe" run --device gpu
+fi
+check_fails "check has no GPU path" "runs on the CPU only" "$epmoe" check --device gpu
 
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -186,7 +186,10 @@ const CommandRegistration kRegistration{10, [](CLI::App& app) {
   cmd->add_flag("!--no-graphs", options->graphs, "GPU: run decode eagerly instead of replaying CUDA graphs");
   cmd->add_option("--check-tokens", options->check_tokens, "GPU: tokens per rank checked against the CPU reference")
       ->capture_default_str();
-  cmd->add_flag("!--no-tbo", options->tbo, "GPU: prefill without two-batch overlap (and without the comparison run)");
+  cmd->add_flag("--tbo", options->tbo,
+                "GPU: prefill with two-batch overlap, and the same prefill without it for comparison (N ranks)");
+  cmd->add_option("--tbo-comm-sms", options->tbo_comm_sms, "GPU: SMs the overlapped GEMMs leave to communication")
+      ->capture_default_str();
   cmd->add_option("--zipf", options->zipf, "GPU: Zipf-like routing skew strength (0: none)")->capture_default_str();
   cmd->add_flag("--rebalance", options->rebalance,
                 "GPU: after the decode loop, rebalance experts (EPLB) on the recorded load and run the loop again");

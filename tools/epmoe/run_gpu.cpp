@@ -45,13 +45,15 @@ struct PhaseStats {
   double eager_seconds = 0;         // the same forwards without graphs (decode with graphs only)
   double load_max_over_mean = 0;    // tokens per GPU over the timed loop (from the slot counters)
   double rebalanced_seconds = 0, rebalanced_load_max_over_mean = 0, slots_rewritten = 0;  // --rebalance
-  static constexpr int kFields = 20;
+  double device_gb = 0, comm_layout_gb = 0, dispatcher_setup_gb = 0;
+  static constexpr int kFields = 23;
   std::array<double, kFields> pack() const {
     return {seconds, forwards,       tokens,        route,
             dispatch, gemm,          combine,       shared,
             total,    rel_l2,        calc_diff,     non_finite,
             checked,  pass,          first_forward_s, eager_seconds,
-            load_max_over_mean, rebalanced_seconds, rebalanced_load_max_over_mean, slots_rewritten};
+            load_max_over_mean, rebalanced_seconds, rebalanced_load_max_over_mean, slots_rewritten,
+            device_gb, comm_layout_gb, dispatcher_setup_gb};
   }
   static PhaseStats unpack(const double* v) {
     PhaseStats s;
@@ -60,7 +62,8 @@ struct PhaseStats {
                                &s.total,    &s.rel_l2,       &s.calc_diff,     &s.non_finite,
                                &s.checked,  &s.pass,         &s.first_forward_s, &s.eager_seconds,
                                &s.load_max_over_mean, &s.rebalanced_seconds, &s.rebalanced_load_max_over_mean,
-                               &s.slots_rewritten};
+                               &s.slots_rewritten, &s.device_gb, &s.comm_layout_gb,
+                               &s.dispatcher_setup_gb};
     for (int i = 0; i < kFields; ++i) *fields[i] = v[i];
     return s;
   }
@@ -119,6 +122,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   lo.mode = plan.mode;
   lo.max_tokens = T_max;
   lo.tbo = plan.tbo;
+  lo.tbo_comm_sms = o.tbo_comm_sms;
   cuda::GpuMoeLayer layer(weights, lo, comm);
   cudaStream_t s = layer.stream();
   const std::int64_t H = c.hidden;
@@ -135,6 +139,9 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   auto x_rows = [&](std::size_t f, std::int64_t T) { return pool[f % kPool].view().slice_rows(0, T); };
 
   PhaseStats st;
+  st.device_gb = static_cast<double>(layer.device_bytes()) / 1e9;
+  st.comm_layout_gb = static_cast<double>(layer.comm_layout_bytes()) / 1e9;
+  st.dispatcher_setup_gb = static_cast<double>(layer.dispatcher_setup_bytes()) / 1e9;
   // 1. The first forward, eager, poisoned output: the accuracy sample.
   const std::int64_t T0 = plan.tokens_per_forward.front();
   y.fill_bytes(0xff, s);
@@ -260,6 +267,9 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
   }
   nlohmann::json extra = nlohmann::json::object();
   extra["load_max_over_mean"] = r0.load_max_over_mean;
+  extra["device_gb_per_rank"] = r0.device_gb;
+  extra["comm_layout_gb_per_rank"] = r0.comm_layout_gb;
+  extra["dispatcher_setup_gb_per_rank"] = r0.dispatcher_setup_gb;
   if (eager_max > 0) {
     extra["eager_ms_per_forward"] = 1e3 * eager_max / forwards;
     extra["graph_speedup"] = max_s > 0 ? eager_max / max_s : 0.0;
@@ -452,7 +462,13 @@ void run_gpu_main(const RunOptions& o) {
   }
   EPMOE_CHECK(env.world_size == config.num_ranks, "the launcher started {} ranks but --ranks is {}", env.world_size,
               config.num_ranks);
-  auto comm = Communicator::from_environment();
+  // Communication on a high-priority stream: with two-batch overlap its kernels then get SMs ahead
+  // of the GEMMs queued on the compute streams.
+  EPMOE_CUDA_CHECK(cudaSetDevice(env.local_rank));
+  cuda::Stream comm_stream(cuda::Stream::highest_priority());
+  CommOptions co;
+  co.stream = comm_stream.get();
+  auto comm = Communicator::from_environment(co);
   run_rank(o, config, comm);
 }
 

@@ -87,6 +87,10 @@ class DeviceTensor {
 class Stream {
  public:
   Stream();
+  // With a scheduling priority (cudaStreamCreateWithPriority; lower numbers run first when both
+  // have work ready), e.g. highest_priority() for communication that compute should not starve.
+  explicit Stream(int priority);
+  static int highest_priority();
   ~Stream();
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;

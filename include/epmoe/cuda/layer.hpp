@@ -49,8 +49,9 @@ struct GpuLayerOptions {
   // Two-batch overlap (normal mode, N ranks): the batch splits into two micro-batches, each with its
   // own dispatcher buffers; one's dispatch and combine run on the communication stream while the
   // other's expert GEMMs run on a compute stream, whose persistent GEMMs leave tbo_comm_sms SMs to
-  // the communication kernels. (Low-latency two-batch overlap is not built yet.)
-  bool tbo = true;
+  // the communication kernels. (Low-latency two-batch overlap is not built yet.) Off by default: on
+  // 2 x H200 it measured 0.73-0.84x the speed of running without it (bench/NOTES.md, layer).
+  bool tbo = false;
   int tbo_comm_sms = 24;
 };
 
@@ -106,6 +107,9 @@ class GpuMoeLayer {
   // (symmetric windows, receive-side layout, routing and permutation buffers).
   std::size_t device_bytes() const;
   std::size_t comm_layout_bytes() const;
+  // What creating the dispatchers took from the device's free memory, NCCL's own allocations for
+  // window registration and the device communicator included (cudaMemGetInfo before and after).
+  std::size_t dispatcher_setup_bytes() const;
 
   // Tokens routed to each logical expert since construction or the last rebalance, summed over the
   // ranks (collective; synchronises the stream).

@@ -22,8 +22,14 @@ namespace epmoe::cuda {
 void synthetic_expert_fp8(std::uint64_t seed, std::int64_t hidden, std::int64_t intermediate, TensorView w13,
                           TensorView w13_scale, TensorView w2, TensorView w2_scale, cudaStream_t stream);
 
-// A SyntheticWeights::ExpertFactory that builds FP8 experts on `device` (through a temporary
-// buffer, synchronously) and copies them to the host; other quant schemes are built on the CPU.
+// One W4A8 expert (QuantScheme::w4a8, the checkpoint format, bit-identical with
+// make_synthetic_expert(w4a8, ...): quantize_int4_grouped's scales and round-half-even):
+//   w13 [2I, H/2] i4x2, w13_scale [2I, H/128] f32, w2 [H, I/2] i4x2, w2_scale [H, I/128] f32.
+void synthetic_expert_w4a8(std::uint64_t seed, std::int64_t hidden, std::int64_t intermediate, TensorView w13,
+                           TensorView w13_scale, TensorView w2, TensorView w2_scale, cudaStream_t stream);
+
+// A SyntheticWeights::ExpertFactory that builds FP8 and W4A8 experts on `device` (through a
+// temporary buffer, synchronously) and copies them to the host; unquantized ones on the CPU.
 SyntheticWeights::ExpertFactory gpu_expert_factory(int device);
 
 }  // namespace epmoe::cuda

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The communication work's device check in one short call: builds what it needs, replays the
+# silu_quant GPU tests (with EPMOE_SILU_SEED as EPMOE_TEST_SEED, and fresh seeds), runs the multi-rank
+# communication tests and `epmoe bench comm` under `epmoe launch`. Logs and JSON into OUTDIR.
+#
+# Usage: scripts/comm-quick.sh OUTDIR [RANKS]
+set -uo pipefail
+out=${1:?usage: scripts/comm-quick.sh OUTDIR [RANKS]}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+ranks=${2:-2}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+status=0
+{ cmake --preset gpu >/dev/null && cmake --build --preset gpu -j "$(nproc)" --target epmoe_cli epmoe_gpu_tests \
+  epmoe_comm_tests; } >"$out/build.log" 2>&1 || { tail -n 40 "$out/build.log"; exit 1; }
+echo "== silu_quant GPU tests"
+{
+  EPMOE_TEST_SEED=${EPMOE_SILU_SEED:-2744272692736732356} build-gpu/tests/epmoe_gpu_tests \
+    --gtest_filter='SiluMulQuantGpu*' || status=1
+  build-gpu/tests/epmoe_gpu_tests --gtest_filter='SiluMulQuantGpu*' --gtest_repeat=3 || status=1
+} >"$out/silu-tests.log" 2>&1
+grep -E "PASSED|FAILED|tests ran" "$out/silu-tests.log" | sort | uniq -c
+echo "== ${ranks}-rank communication tests"
+timeout 150 build-gpu/bin/epmoe launch -n "$ranks" --timeout 140 -- build-gpu/tests/epmoe_comm_tests \
+  >"$out/comm-tests.log" 2>&1 || status=1
+grep -E "PASSED|FAILED|SKIPPED|rror" "$out/comm-tests.log" | tail -n 40
+echo "== bench comm"
+timeout 300 build-gpu/bin/epmoe launch -n "$ranks" --timeout 280 -- \
+  sh -c "build-gpu/bin/epmoe bench comm --json $out/comm-rank\$EPMOE_RANK.json" >"$out/bench.log" 2>&1 || status=1
+grep -E ' us |rror' "$out/bench.log" | grep -v '^\[rank 1\]'
+exit $status

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU layer's device check in one call (issue 7): build, every GPU test, the multi-rank tests,
+# and `epmoe run` at DeepSeek-V3 dims in the configurations the issue's bars name. Run from the
+# source root in a directory of its own (files another checkout left in a shared one are globbed
+# into the build).
+#
+# Usage: scripts/layer-check.sh OUTDIR [RANKS] [--no-tests]
+# OUTDIR receives tests.log, runs.log, layer.json ({"commit", "device", "date", "runs": {name: the
+# run's --json}}) and trace.json (the main run's timeline, Chrome trace / Perfetto).
+set -uo pipefail
+out=${1:?usage: scripts/layer-check.sh OUTDIR [RANKS] [--no-tests]}
+ranks=${2:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
+tests=${3:-}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+tmp=$(mktemp -d)
+export EPMOE_RANKS=$ranks
+start=$SECONDS
+stamp() { echo "== $1 ($((SECONDS - start)) s)"; }
+
+stamp build
+cmake --preset gpu >"$tmp/configure.log" 2>&1 || { tail -n 30 "$tmp/configure.log"; exit 1; }
+if ! timeout 400 cmake --build --preset gpu -j "$(nproc)" >"$tmp/build.log" 2>&1; then
+  grep -E "error|FAILED" "$tmp/build.log" | head -n 30
+  exit 1
+fi
+status=0
+if [[ $tests != --no-tests ]]; then
+  stamp gpu-tests
+  timeout 420 ctest --test-dir build-gpu -L gpu -E CommGpu --output-on-failure -j 8 >"$out/tests.log" 2>&1 || status=1
+  grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)" "$out/tests.log" | tail -n 20
+  stamp "compute-sanitizer (layer tests, tiny model)"
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/epmoe_gpu_tests \
+      --gtest_filter='*GpuLayerOneRank*tiny*:GpuLayer.*' >"$tmp/$tool.log" 2>&1 || status=1
+    echo "$tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$tmp/$tool.log" | tr '\n' ' ' | cut -c1-200)"
+    tail -n 5 "$tmp/$tool.log" >>"$out/tests.log"
+  done
+  if ((ranks > 1)); then
+    stamp "$ranks-rank tests"
+    timeout 300 build-gpu/bin/epmoe launch -n "$ranks" --timeout 280 -- build-gpu/tests/epmoe_comm_tests \
+      >>"$out/tests.log" 2>&1 || status=1
+    grep -E "^\[rank 0\] \[  (PASSED|FAILED)" "$out/tests.log" | tail -n 5
+  fi
+fi
+
+# name|arguments: each run's JSON lands in $tmp/run-NAME.json.
+runs=(
+  "main|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --trace $tmp/trace.json"
+  "decode128|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0"
+  "decode32|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 32 --steps 500 --prompt-tokens 0"
+  "prefill8192|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192 --tbo"
+  "prefill8192-comm48|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192 --tbo --tbo-comm-sms 48"
+  "decode128-w4a8|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --quant w4a8 --tokens 128 --steps 300 --prompt-tokens 1000 --prompts 8"
+  "one-gpu|--preset deepseek-v3 --redundant-experts 32 --ranks 1 --steps 200 --prompts 8"
+  "zipf-rebalance|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0 --zipf ${EPMOE_ZIPF:-0.5} --rebalance"
+)
+for r in "${runs[@]}"; do
+  name=${r%%|*}
+  args=${r#*|}
+  stamp "run $name"
+  # shellcheck disable=SC2086  # args is a word list
+  timeout 240 build-gpu/bin/epmoe run $args --json "$tmp/run-$name.json" >>"$out/runs.log" 2>&1 || status=1
+  grep -E "^(\[rank 0\] )?(  (decode|prefill)|  first|check|  decode:|  prefill:)" "$out/runs.log" | tail -n 12
+  echo "--" >>"$out/runs.log"
+done
+cp "$tmp/trace.json" "$out/trace.json" 2>/dev/null || true
+python3 - "$tmp" "$out/layer.json" <<'PY'
+import datetime, glob, json, os, subprocess, sys
+runs = {}
+for f in sorted(glob.glob(sys.argv[1] + "/run-*.json")):
+    try:
+        runs[os.path.basename(f)[4:-5]] = json.load(open(f))
+    except Exception as e:  # a run that failed leaves no or half a file
+        runs[os.path.basename(f)[4:-5]] = {"error": str(e)}
+dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.split("\n")[0]
+json.dump({"commit": os.environ.get("EPMOE_COMMIT", "unknown"), "device": dev, "ranks": int(os.environ.get("EPMOE_RANKS", "0")),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), "runs": runs}, open(sys.argv[2], "w"), indent=1)
+PY
+stamp done
+exit $status
