@@ -5,6 +5,9 @@
 # its own time limit.
 #
 # Usage: scripts/w4a8-device.sh OUTDIR [--no-bench]   (run from the source root; e.g. "$OUT")
+# Knobs (environment): W4A8_TEST_FILTER (gtest filter), W4A8_PTXAS=0 (no -Xptxas -v recompile: SASS
+# from the built object), W4A8_BENCH_S / W4A8_MEMCHECK_S (time limits). The bench runs before
+# memcheck, so that a tight overall limit still brings the numbers back.
 # OUTDIR receives build.log (tail), gpu-tests.log, memcheck.log, ptxas.txt, bench.log, w4a8.json.
 # On the shared device machine, unpack the tree into a directory of its own: files left in a shared
 # one by another checkout are globbed into the build and can break it.
@@ -29,40 +32,44 @@ tail -n 3 "$out/build.log"
 
 stamp gpu-tests
 tests=build-gpu/tests/epmoe_gpu_tests
-timeout 200 "$tests" --gtest_filter='*W4A8*:*GroupedGemm*' > "$out/gpu-tests.log" 2>&1
+timeout "${W4A8_TEST_S:-150}" "$tests" --gtest_filter="${W4A8_TEST_FILTER:-*W4A8*:*GroupedGemm*}" > "$out/gpu-tests.log" 2>&1
 rc_tests=$?
 grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|rel_l2|Failure|error|seed|Expected|Which is|differ" "$out/gpu-tests.log" | head -n 80
 echo "gpu tests exit: $rc_tests"
 
-if ((rc_tests != 124)); then
-  stamp memcheck
-  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  timeout 120 "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
-    --gtest_filter='*W4A8GemmMaskedGpu*block16_consumers2*:*W4A8GemmContiguousGpu*holes*:*W4A8GemmMaskedGpu*all_empty*' \
-    > "$out/memcheck.log" 2>&1
-  echo "memcheck exit: $?"
-  grep -E "ERROR SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/memcheck.log" | tail -n 4
-fi
-
 stamp ptxas
-cmd=$(python3 -c "
+obj=build-gpu/CMakeFiles/epmoe.dir/src/gemm/w4a8_grouped_gemm.cu.o
+if [[ ${W4A8_PTXAS:-1} == 1 ]]; then
+  cmd=$(python3 -c "
 import json
 for e in json.load(open('build-gpu/compile_commands.json')):
     if e['file'].endswith('src/gemm/w4a8_grouped_gemm.cu'):
         print(e['command'])
 ")
-(cd build-gpu && eval "${cmd/-o CMakeFiles*/-o /tmp/w4a8.o} -Xptxas -v" 2>&1) | c++filt |
-  grep -E "Compiling entry|spill|Used|wgmma|serializ" | sed 's/ptxas info    : //' > "$out/ptxas.txt"
-grep -E "Used|spill" "$out/ptxas.txt" | paste - - | sed -E 's/ +/ /g' | head -n 20
+  (cd build-gpu && eval "${cmd/-o CMakeFiles*/-o /tmp/w4a8.o} -Xptxas -v" 2>&1) | c++filt |
+    grep -E "Compiling entry|spill|Used|wgmma|serializ" | sed 's/ptxas info    : //' > "$out/ptxas.txt"
+  grep -E "Used|spill" "$out/ptxas.txt" | paste - - | sed -E 's/ +/ /g' | head -n 20
+  obj=/tmp/w4a8.o
+fi
 dump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
-"$dump" -sass /tmp/w4a8.o 2> /dev/null |
-  grep -oE "Function : [^ ]+|QGMMA[.A-Z0-9x]*|LDL[.A-Z0-9]*|STL[.A-Z0-9]*|UTMALDG[.A-Z0-9]*|UBLKCP[.A-Z0-9]*|PRMT|WARPGROUP[.A-Z]*" |
-  awk '/Function/{f=$3; next} {c[f" "$0]++} END {for (k in c) print c[k], k}' | sort -k2 | tee -a "$out/ptxas.txt" | head -n 40
+"$dump" -sass "$obj" 2> /dev/null |
+  grep -oE "Function : [^ ]+|[QH]GMMA[.A-Z0-9x]*|LDL[.A-Z0-9]*|STL[.A-Z0-9]*|UTMALDG[.A-Z0-9]*|UBLKCP[.A-Z0-9]*|PRMT|STS[.A-Z0-9]*|WARPGROUP[.A-Z]*" |
+  awk '/Function/{f=$3; next} {c[f" "$0]++} END {for (k in c) print c[k], k}' | sort -k2 | tee -a "$out/ptxas.txt" | head -n 60
 
 if [[ $mode != --no-bench && $rc_tests != 124 ]]; then
   stamp bench
-  timeout 200 build-gpu/bin/epmoe bench gemm --quant w4a8 --quick --json "$out/w4a8.json" > "$out/bench.log" 2>&1
+  timeout "${W4A8_BENCH_S:-200}" build-gpu/bin/epmoe bench gemm --quant w4a8 --quick --json "$out/w4a8.json" > "$out/bench.log" 2>&1
   echo "bench exit: $?"
   sed -E 's/ +/ /g' "$out/bench.log"
 fi
+if ((rc_tests != 124)); then
+  stamp memcheck
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  timeout "${W4A8_MEMCHECK_S:-120}" "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
+    --gtest_filter='*W4A8GemmMaskedGpu*block16_consumers2*:*W4A8GemmContiguousGpu*holes*:*W4A8GemmMaskedGpu*all_empty*:*W4A8GemmMaskedGpu*v3_m64n128*:*W4A8GemmMaskedGpu*small_box*:*W4A8GemmMaskedGpu*device_scale*' \
+    > "$out/memcheck.log" 2>&1
+  echo "memcheck exit: $?"
+  grep -E "ERROR SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/memcheck.log" | tail -n 4
+fi
+
 stamp done

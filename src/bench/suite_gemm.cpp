@@ -29,6 +29,7 @@
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/grouped_gemm.hpp"
 #include "epmoe/cuda/w4a8_gemm.hpp"
+#include "gemm/w4a8_kernel_choice.hpp"
 
 namespace epmoe::bench {
 namespace {
@@ -302,7 +303,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
 
 // --quant w4a8: the W4A8 kernel on an anchor row (its tile heuristic and a few alternatives), and
 // the FP8 kernel's main line on the same problem (same group sizes, same activation bytes).
-void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options,
+void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, bool experiment,
               std::vector<Result>& results) {
   const std::vector<std::int64_t> sizes = group_sizes(s, seed);
   const std::int64_t G = s.groups, N = s.n, K = s.k, KB = K / 128;
@@ -388,41 +389,68 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options,
   fp8_params["quant"] = std::string("fp8");
   emit(options, results, finish(name, fp8_params, fp8_us, fp8_bytes, flops, s));
 
-  // The heuristic's tile first, then alternatives (".b<rows>c<consumers>").
-  const cuda::W4A8TileShape chosen = cuda::w4a8_gemm_tile(s.masked, s.expected_m);
-  std::vector<cuda::W4A8TileShape> tiles{chosen};
-  if (s.masked) {
-    for (const cuda::W4A8TileShape t :
-         {cuda::W4A8TileShape{16, 4}, cuda::W4A8TileShape{16, 2}, cuda::W4A8TileShape{32, 4},
-          cuda::W4A8TileShape{32, 2}, cuda::W4A8TileShape{64, 2}}) {
-      const bool near = s.expected_m <= 24 ? t.block_m <= 32 : t.block_m == 64;
-      if (near && (t.block_m != chosen.block_m || t.consumers != chosen.consumers)) tiles.push_back(t);
+  // The automatic choice first (".w4a8"), then whichever of the register-operand kernel (v2, its tile
+  // heuristic: ".w4a8.v2") and the shared-memory-conversion kernel (v3, its tile heuristic:
+  // ".w4a8.v3") it is not, then v3's other tiles (".w4a8.v3.m<rows>n<cols>w<waves>"), pinned
+  // through gemm/w4a8_kernel_choice.hpp.
+  struct W4A8Variant {
+    std::string suffix;
+    cuda::W4A8KernelChoice pin;
+  };
+  const cuda::W4A8KernelChoice chosen = cuda::w4a8_kernel_choice(s.masked, s.expected_m, N, K);
+  const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3({3}, s.masked, s.expected_m, N);
+  std::vector<W4A8Variant> variants{{".w4a8", chosen}};
+  if (chosen.version != 2) variants.push_back({".w4a8.v2", {2}});
+  if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
+  for (const cuda::W4A8KernelChoice c :
+       {cuda::W4A8KernelChoice{3, 64, 256, 1}, cuda::W4A8KernelChoice{3, 64, 128, 1},
+        cuda::W4A8KernelChoice{3, 128, 256, 2}, cuda::W4A8KernelChoice{3, 128, 128, 1}}) {
+    const bool same = c.block_m == v3.block_m && c.block_n == v3.block_n && c.waves == v3.waves;
+    const bool near = s.masked && s.expected_m <= 24 ? c.block_m == 64
+                                                     : (c.block_m == 128 || (s.masked && s.expected_m <= 64));
+    if (!same && near && N % c.block_n == 0)
+      variants.push_back({".w4a8.v3.m" + std::to_string(c.block_m) + "n" + std::to_string(c.block_n) + "w" +
+                              std::to_string(c.waves),
+                          c});
+  }
+  // EPMOE_BENCH_GEMM_EXPERIMENTS: v3 ablations on the experiment shapes (garbage output, timing only).
+  if (experiment) {
+    for (const auto& [label, bits] :
+         {std::pair{"noconvert", 1}, std::pair{"nofence", 2}, std::pair{"nomath", 4}, std::pair{"noload", 8},
+          std::pair{"onlyload", 1 | 4}}) {
+      cuda::W4A8KernelChoice c = v3;
+      c.ablation = bits;
+      variants.push_back({std::string(".w4a8.v3.ablate_") + label, c});
     }
   }
-  for (std::size_t i = 0; i < tiles.size(); ++i) {
-    cuda::W4A8GemmOptions o;
-    o.block_m = tiles[i].block_m;
-    o.consumers = tiles[i].consumers;
+  for (const W4A8Variant& v : variants) {
+    cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);
     const double us = time_us(
         [&](int, cudaStream_t st) {
           if (s.masked) {
-            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, st,
-                                           o);
+            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, st);
           } else {
-            cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, pw, ps, layout_ids, d_view, st, o);
+            cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, pw, ps, layout_ids, d_view, st);
           }
         },
         1, stream, timing_for(options));
+    cuda::w4a8_pin_kernel({});
+    const cuda::W4A8KernelChoice& ran = v.pin;
     Params p = base;
     p["quant"] = std::string("w4a8");
-    p["block_m"] = static_cast<std::int64_t>(tiles[i].block_m);
-    p["block_n"] = static_cast<std::int64_t>(64 * tiles[i].consumers);
+    p["kernel"] = static_cast<std::int64_t>(ran.version);
+    if (ran.version == 3) {
+      p["block_m"] = static_cast<std::int64_t>(ran.block_m);
+      p["block_n"] = static_cast<std::int64_t>(ran.block_n);
+      p["waves"] = static_cast<std::int64_t>(ran.waves);
+    } else {
+      const cuda::W4A8TileShape t = cuda::w4a8_gemm_tile(s.masked, s.expected_m);
+      p["block_m"] = static_cast<std::int64_t>(t.block_m);
+      p["block_n"] = static_cast<std::int64_t>(64 * t.consumers);
+    }
     p["fp8_us"] = fp8_us;
     p["time_vs_fp8"] = fp8_us > 0 ? us / fp8_us : 0.0;
-    const std::string suffix =
-        i == 0 ? ".w4a8"
-               : ".w4a8.b" + std::to_string(tiles[i].block_m) + "c" + std::to_string(tiles[i].consumers);
-    Result r = finish(name + suffix, p, us, w4_bytes, flops, s);
+    Result r = finish(name + v.suffix, p, us, w4_bytes, flops, s);
     r.params.erase("vs_deepgemm");
     r.params.erase("deepgemm_us");
     emit(options, results, std::move(r));
@@ -444,7 +472,7 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
     seed += 101;
     const bool experiment = experiments_on && experiment_shape(s);
     if (options.quant == "w4a8") {
-      run_w4a8(s, seed, options, results);
+      run_w4a8(s, seed, options, experiment, results);
     } else if (s.masked) {
       run_masked(s, seed, options, experiment, results);
     } else {

@@ -262,6 +262,22 @@ __device__ __forceinline__ uint4 ld_shared_v4(std::uint32_t addr) {
   return v;
 }
 
+// 4-byte shared-memory store and 8-byte shared-memory load (addresses aligned to their size).
+__device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ float2 ld_shared_f32x2(std::uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+// Orders this thread's earlier generic-proxy shared-memory writes before later async-proxy accesses
+// (wgmma operand reads, TMA) that are ordered after it (e.g. through an mbarrier arrive / wait).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of {b, a} (a = bytes 0-3,
 // b = bytes 4-7); when bit 3 of that selector nibble is set, the selected byte's top bit is
 // replicated over the whole result byte instead. Only the low 16 bits of sel are used.

@@ -20,6 +20,8 @@
 
 #include "epmoe/cuda/launch.hpp"
 #include "gemm/w4a8_grouped_gemm_kernel.cuh"
+#include "gemm/w4a8_kernel_choice.hpp"
+#include "gemm/w4a8_smem_gemm_kernel.cuh"
 
 namespace epmoe::cuda {
 namespace {
@@ -130,7 +132,11 @@ struct Problem {
   std::int64_t a_rows;     // rows of A viewed as [a_rows, K]
   std::int64_t tile_rows;  // contiguous: M; masked: M_max
   std::int64_t schedule_groups;
+  std::int64_t expected_m;  // masked: the host hint; contiguous: 0
+  std::int32_t ablation;    // v3 timing experiments (W4A8KernelChoice::ablation)
 };
+
+W4A8KernelChoice g_pinned{};  // version 0: none
 
 template <int kBM, int kConsumers>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
@@ -184,6 +190,97 @@ void launch(W4A8TileShape tile, const TensorView& a, const Problem& problem, con
   }
 }
 
+// The shared-memory-conversion kernel (v3).
+template <int kBM, int kBN, int kWaves>
+void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
+  using Traits = kernels::W4A8SmemTraits<kBM, kBN, kWaves>;
+  constexpr auto kernel = &kernels::w4a8_smem_gemm_kernel<kBM, kBN, kWaves>;
+  const DeviceProps& props = device_props();
+  static std::atomic<std::uint64_t> raised{0};
+  const std::uint64_t bit = std::uint64_t{1} << (props.device % 64);
+  if ((raised.load(std::memory_order_acquire) & bit) == 0) {
+    EPMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+    raised.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  EPMOE_CHECK(options.stages <= Traits::kConvStages,
+              "options.stages must be 0 (all) or 1..{} for this tile, got {}", Traits::kConvStages,
+              options.stages);
+  W4A8Params& params = problem.params;
+  const std::int64_t m_blocks = (problem.tile_rows + kBM - 1) / kBM;
+  const std::int64_t max_tiles = problem.schedule_groups * m_blocks * (params.n / kBN);
+  EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
+  params.total_tiles = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_tiles);
+  params.stages = options.stages > 0 ? options.stages : Traits::kConvStages;
+  params.ablation = problem.ablation;
+  // Masked tiles whose valid rows fit a smaller box load only that many activation rows.
+  params.a_small_rows = 0;
+  if (params.masked_m != nullptr) {
+    for (const int rows : {16, 32, 64}) {
+      if (rows < kBM && problem.expected_m <= rows) {
+        params.a_small_rows = rows;
+        break;
+      }
+    }
+  }
+  const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, params.k, kBM);
+  const CUtensorMap tma_a_small =
+      params.a_small_rows > 0 ? make_tma_a(a.data, problem.a_rows, params.k, params.a_small_rows) : tma_a;
+  std::int64_t ctas = props.sm_count;
+  if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
+  ctas = std::clamp<std::int64_t>(ctas, 1, std::max<std::int64_t>(max_tiles, 1));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(Traits::kThreads);
+  config.dynamicSmemBytes = Traits::kSmemBytes;
+  config.stream = stream;
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, tma_a_small, params));
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+// Fills the zeros of a version-3 choice and checks it.
+W4A8KernelChoice resolve_v3(W4A8KernelChoice c, bool masked, std::int64_t expected_m, std::int64_t n) {
+  if (c.block_m == 0) c.block_m = masked && expected_m <= 64 ? 64 : 128;
+  if (c.block_n == 0) c.block_n = n % 256 == 0 ? 256 : 128;
+  if (c.waves == 0) c.waves = c.block_m == 128 && c.block_n == 256 ? 2 : 1;
+  const bool known = (c.block_m == 64 && c.waves == 1 && (c.block_n == 128 || c.block_n == 256)) ||
+                     (c.block_m == 128 && c.block_n == 256 && c.waves == 2) ||
+                     (c.block_m == 128 && c.block_n == 128 && c.waves == 1);
+  EPMOE_CHECK(known, "no W4A8 v3 kernel for block_m = {}, block_n = {}, waves = {}", c.block_m, c.block_n,
+              c.waves);
+  EPMOE_CHECK(n % c.block_n == 0, "N = {} must be a multiple of {} for the W4A8 v3 tile", n, c.block_n);
+  return c;
+}
+
+void launch_v3(const W4A8KernelChoice& c, const TensorView& a, const Problem& problem,
+               const W4A8GemmOptions& options, cudaStream_t stream) {
+  if (c.block_m == 64) {
+    if (c.block_n == 256) return launch_v3<64, 256, 1>(a, problem, options, stream);
+    return launch_v3<64, 128, 1>(a, problem, options, stream);
+  }
+  if (c.block_n == 256) return launch_v3<128, 256, 2>(a, problem, options, stream);
+  return launch_v3<128, 128, 1>(a, problem, options, stream);
+}
+
+// Runs the chosen kernel: explicit tiles are the register-operand kernel's; otherwise the pinned or
+// the heuristic choice.
+void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const W4A8GemmOptions& options,
+         bool masked, cudaStream_t stream) {
+  const bool explicit_tile = options.block_m != 0 || options.consumers != 0;
+  W4A8KernelChoice c{2};
+  if (!explicit_tile) {
+    c = g_pinned.version != 0
+            ? g_pinned
+            : w4a8_kernel_choice(masked, problem.expected_m, problem.params.n, problem.params.k);
+  }
+  if (c.version == 3) {
+    Problem with = problem;
+    with.ablation = c.ablation;
+    return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
+  }
+  launch(tile, a, problem, options, stream);
+}
+
 // Checks shared by both layouts; fills the weight and scale fields of p.
 Dims check_common(const TensorView& a, float a_scale, const TensorView& a_scale_device,
                   const TensorView& packed_w, const TensorView& packed_scales, const TensorView& d,
@@ -222,7 +319,7 @@ void transform_cpu(const std::uint8_t* src, const float* src_scales, std::uint8_
     for (std::int64_t row = 0; row < dims.n; ++row) {
       const std::int64_t base = (group * dims.n + row) * half_k;
       for (std::int64_t i = 0; i < half_k; ++i) {
-        const w4a8::NibblePos pos = w4a8::packed_position(row, 2 * i, kb_count);
+        const w4a8::NibblePos pos = w4a8::packed_position(row, 2 * i, kb_count, dims.n);
         const std::int64_t packed = group * dims.n * half_k + pos.byte;
         if (!inverse) {
           const std::uint8_t b = src[base + i];
@@ -235,7 +332,8 @@ void transform_cpu(const std::uint8_t* src, const float* src_scales, std::uint8_
       }
       for (std::int64_t kb = 0; kb < kb_count; ++kb) {
         const std::int64_t plain = (group * dims.n + row) * kb_count + kb;
-        const std::int64_t packed = group * dims.n * kb_count + w4a8::packed_scale_index(row, kb, kb_count);
+        const std::int64_t packed =
+            group * dims.n * kb_count + w4a8::packed_scale_index(row, kb, kb_count, dims.n);
         if (!inverse) {
           dst_scales[packed] = src_scales[plain];
         } else {
@@ -286,6 +384,28 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
 }
 
 }  // namespace
+
+// Measured (bench/NOTES.md, W4A8 v3; 2026-11-30T1139Z-h200-w4a8-v3.json): the register-operand
+// kernel wins every masked row (decode by 1.4-1.5x) and the contiguous rows with K = 7168 (8-18%);
+// v3's 128 x 256 tiles win the contiguous rows with K = 2048, N = 7168 (0.4-12%).
+W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k) {
+  if (masked || k > 2048 || n % 256 != 0) return W4A8KernelChoice{2};
+  return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
+}
+
+W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, std::int64_t expected_m,
+                                 std::int64_t n) {
+  return resolve_v3(choice, masked, expected_m, n);
+}
+
+void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
+  EPMOE_CHECK(choice.version == 0 || choice.version == 2 || choice.version == 3,
+              "W4A8 kernel version must be 0, 2 or 3, got {}", choice.version);
+  EPMOE_CHECK(choice.ablation >= 0 && choice.ablation <= 15 && (choice.ablation == 0 || choice.version == 3),
+              "W4A8 ablation bits (0..15) need version 3, got ablation {} with version {}", choice.ablation,
+              choice.version);
+  g_pinned = choice;
+}
 
 W4A8TileShape w4a8_gemm_tile(bool masked, std::int64_t expected_m) {
   if (!masked) return {128, 2};
@@ -345,7 +465,8 @@ void w4a8_grouped_gemm_masked(TensorView a, float a_scale, TensorView a_scale_de
   problem.a_rows = w.groups * M_max;
   problem.tile_rows = M_max;
   problem.schedule_groups = w.groups;
-  launch(tile, a, problem, options, stream);
+  problem.expected_m = expected_m;
+  run(tile, a, problem, options, true, stream);
 }
 
 void w4a8_grouped_gemm_contiguous(TensorView a, float a_scale, TensorView a_scale_device, TensorView packed_w,
@@ -370,7 +491,8 @@ void w4a8_grouped_gemm_contiguous(TensorView a, float a_scale, TensorView a_scal
   problem.a_rows = M;
   problem.tile_rows = M;
   problem.schedule_groups = 1;
-  launch(tile, a, problem, options, stream);
+  problem.expected_m = 0;
+  run(tile, a, problem, options, false, stream);
 }
 
 }  // namespace epmoe::cuda

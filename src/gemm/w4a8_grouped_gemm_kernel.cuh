@@ -13,9 +13,9 @@
 // One persistent CTA per SM, warp-specialised, tiles of kBM activation rows x 64 kConsumers weight
 // rows, 128 K per pipeline stage:
 //   - warp 0 (the producer) walks the tile schedule and, per K block, waits for a free stage and
-//     fills it: the activation tile (TMA, 2D map over A), and per consumer its weight panel's 4096
-//     packed bytes and 64 scales (two bulk copies each), all completing on the stage's "full"
-//     mbarrier;
+//     fills it: the activation tile (TMA, 2D map over A), and the tile's packed weight panels (4096
+//     bytes each) and their 64 scales each (one bulk copy each: the panels of a tile are
+//     contiguous per K block), all completing on the stage's "full" mbarrier;
 //   - consumer warpgroup c (64 weight rows): per K block, two 16-byte shared loads give each thread
 //     its 64 int4 codes, prmt/xor turn them into 16 registers of e4m3, four wgmma m64nNk32 (A from
 //     registers) accumulate the partial product, the stage is given back (one arrive per warp on
@@ -64,8 +64,8 @@ struct W4A8Traits {
 };
 
 struct W4A8Params {
-  const std::uint8_t* w;     // packed weights [G][N/64][K/128][4096]
-  const float* ws;           // packed scales [G][N/64][K/128][64]
+  const std::uint8_t* w;     // packed weights [G][N/256][K/128][4][4096] (w4a8_layout.hpp)
+  const float* ws;           // packed scales [G][N/256][K/128][4][64]
   const float* a_scale_ptr;  // f32 [1] on the device, or nullptr: a_scale
   float a_scale;
   const std::int32_t* m_indices;  // contiguous layout: [M]; masked: nullptr
@@ -73,8 +73,10 @@ struct W4A8Params {
   __nv_bfloat16* d;               // [rows_total, N]
   std::int32_t rows;              // contiguous: M; masked: M_max
   std::int32_t n, k, groups;
-  std::int32_t total_tiles;  // contiguous: ceil(M / kBM) * N / kTileN; masked: unused
-  std::int32_t stages;       // pipeline stages in use, 1..W4A8Traits::kStages
+  std::int32_t total_tiles;   // contiguous: ceil(M / kBM) * N / kTileN; masked: unused
+  std::int32_t stages;        // pipeline stages in use (v3: conversion stages)
+  std::int32_t a_small_rows;  // v3, masked: tiles with at most this many valid rows load only these
+  std::int32_t ablation;      // v3: kW4Ablate* bits (timing experiments), else 0
 };
 
 struct W4A8Tile {
@@ -225,10 +227,10 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
       W4A8Pipe pipe;
       const std::int64_t n_panels = p.n / w4a8::kPanelRows;
       while (scheduler.next(tile, p)) {
-        const std::int64_t panel0 =
-            tile.group * n_panels + static_cast<std::int64_t>(tile.n_tile) * kConsumers;
-        const std::uint8_t* w_src = p.w + panel0 * num_kb * w4a8::kPanelBytes;
-        const float* s_src = p.ws + panel0 * num_kb * w4a8::kPanelRows;
+        // The tile's panels are consecutive inside one panel group: per K block one bulk copy of
+        // their weights and one of their scales (w4a8_layout.hpp).
+        const std::int64_t group_chunks = static_cast<std::int64_t>(tile.group) * n_panels * num_kb;
+        const std::int64_t panel0 = static_cast<std::int64_t>(tile.n_tile) * kConsumers;
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
@@ -236,14 +238,11 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
             ptx::mbar_arrive_expect_tx(full, Traits::kStageBytes);
             ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, &tma_a, full, kb * w4a8::kBlockK,
                              tile.row0);
-#pragma unroll
-            for (int c = 0; c < kConsumers; ++c) {
-              const std::int64_t chunk = static_cast<std::int64_t>(c) * num_kb + kb;
-              ptx::bulk_load(smem_w + pipe.stage * Traits::kWBytes + c * w4a8::kPanelBytes,
-                             w_src + chunk * w4a8::kPanelBytes, w4a8::kPanelBytes, full);
-              ptx::bulk_load(smem_s + pipe.stage * Traits::kSBytes + c * w4a8::kPanelScaleBytes,
-                             s_src + chunk * w4a8::kPanelRows, w4a8::kPanelScaleBytes, full);
-            }
+            const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
+            ptx::bulk_load(smem_w + pipe.stage * Traits::kWBytes, p.w + chunk * w4a8::kPanelBytes,
+                           Traits::kWBytes, full);
+            ptx::bulk_load(smem_s + pipe.stage * Traits::kSBytes, p.ws + chunk * w4a8::kPanelRows,
+                           Traits::kSBytes, full);
           }
           pipe.advance(stages);
         }
@@ -407,7 +406,7 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src,
     if (i < bytes) {
       const std::int64_t group = i / (n * half_k), rest = i % (n * half_k);
       const std::int64_t row = rest / half_k, kk = 2 * (rest % half_k);
-      const w4a8::NibblePos pos = w4a8::packed_position(row, kk, kb_count);
+      const w4a8::NibblePos pos = w4a8::packed_position(row, kk, kb_count, n);
       const std::int64_t packed = group * n * half_k + pos.byte;
       if (!inverse) {
         const std::uint32_t b = src[i];
@@ -424,7 +423,7 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src,
       const std::int64_t j = i - bytes;
       const std::int64_t group = j / (n * kb_count), rest = j % (n * kb_count);
       const std::int64_t row = rest / kb_count, kb = rest % kb_count;
-      const std::int64_t packed = group * n * kb_count + w4a8::packed_scale_index(row, kb, kb_count);
+      const std::int64_t packed = group * n * kb_count + w4a8::packed_scale_index(row, kb, kb_count, n);
       if (!inverse) {
         dst_scales[packed] = src_scales[j];
       } else {

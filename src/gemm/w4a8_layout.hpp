@@ -16,8 +16,11 @@
 // 2 (s % 2) + r / 2 holds registers r = 0, 1 (low / high 16 bits) or r = 2, 3, one 4-bit code per
 // value, value j of the register in nibble j of the half word.
 //
-//   packed_w       [G][N / 64][K / 128][4096 bytes]   (the byte count of the checkpoint's [G, N, K/2])
-//   packed_scales  [G][N / 64][K / 128][64] f32       (the count of the checkpoint's [G, N, K/128])
+//   packed_w       [G][N / 256][K / 128][4 panels][4096 bytes]  (the checkpoint's byte count)
+//   packed_scales  [G][N / 256][K / 128][4 panels][64] f32      (the checkpoint's scale count)
+// Panels come in groups of 4 (256 rows; the last group of a matrix holds the N / 64 % 4 rest when
+// N is not a multiple of 256): the chunks of one K block of a 128- or 256-row tile are contiguous,
+// so a stage needs one bulk copy for its weights and one for its scales (panel_chunk below).
 //
 // Codes. A signed int4 v in [-8, 7] is stored as the nibble c = 8 h + i that two prmt lookups and
 // one xor turn into the e4m3 bits of v (every int4 is exact in e4m3):
@@ -45,6 +48,7 @@ inline constexpr int kPanelRows = 64;                         // weight rows per
 inline constexpr int kBlockK = 128;                           // K per scale group and stage
 inline constexpr int kPanelBytes = kPanelRows * kBlockK / 2;  // 4096: one (panel, K block)
 inline constexpr int kPanelScaleBytes = kPanelRows * 4;       // 256: its 64 scales
+inline constexpr int kGroupPanels = 4;                        // panels per group (256 rows)
 
 // Table 1 (slot 0..3 in the low word) and table 2, as prmt's {a, b} operands.
 inline constexpr std::uint32_t kLut1Lo = 0x44403800u;  // e4m3(0), e4m3(1), e4m3(2), e4m3(3)
@@ -63,13 +67,24 @@ EPMOE_HD int decode_int4(std::uint32_t c) {
   return i < 4 ? i + 4 * h : -(i - 3 + 4 * h);
 }
 
+// Index of chunk (panel, K block kb) among one matrix's chunks (4096 bytes / 64 scales each):
+// groups of kGroupPanels panels, K-block-major inside a group. n_panels = N / 64.
+EPMOE_HD std::int64_t panel_chunk(std::int64_t panel, std::int64_t kb, std::int64_t kb_count,
+                                  std::int64_t n_panels) {
+  const std::int64_t group = panel / kGroupPanels, within = panel % kGroupPanels;
+  const std::int64_t rest = n_panels - group * kGroupPanels;
+  const std::int64_t size = rest < kGroupPanels ? rest : kGroupPanels;
+  return group * kGroupPanels * kb_count + kb * size + within;
+}
+
 // Byte offset of weight (n, k) of one group inside that group's packed bytes, and whether it is the
-// high nibble. KB = K / 128.
+// high nibble. KB = K / 128, n_rows = N.
 struct NibblePos {
   std::int64_t byte;
   bool high;
 };
-EPMOE_HD NibblePos packed_position(std::int64_t n, std::int64_t k, std::int64_t kb_count) {
+EPMOE_HD NibblePos packed_position(std::int64_t n, std::int64_t k, std::int64_t kb_count,
+                                   std::int64_t n_rows) {
   const std::int64_t panel = n / kPanelRows, kb = k / kBlockK;
   const int r64 = static_cast<int>(n % kPanelRows), kk = static_cast<int>(k % kBlockK);
   const int w = r64 / 16, g = r64 % 8, rhalf = (r64 % 16) / 8;
@@ -77,12 +92,27 @@ EPMOE_HD NibblePos packed_position(std::int64_t n, std::int64_t k, std::int64_t 
   const int t = w * 32 + g * 4 + q;
   const int nibble = rhalf * 4 + j;  // inside the 32-bit word
   const int offset = (s / 2) * 2048 + t * 16 + ((s % 2) * 2 + khalf) * 4 + nibble / 2;
-  return {(panel * kb_count + kb) * kPanelBytes + offset, (nibble & 1) != 0};
+  return {panel_chunk(panel, kb, kb_count, n_rows / kPanelRows) * kPanelBytes + offset, (nibble & 1) != 0};
 }
 
 // Index of scale (n, kb) of one group inside that group's packed scales.
-EPMOE_HD std::int64_t packed_scale_index(std::int64_t n, std::int64_t kb, std::int64_t kb_count) {
-  return ((n / kPanelRows) * kb_count + kb) * kPanelRows + n % kPanelRows;
+EPMOE_HD std::int64_t packed_scale_index(std::int64_t n, std::int64_t kb, std::int64_t kb_count,
+                                         std::int64_t n_rows) {
+  return panel_chunk(n / kPanelRows, kb, kb_count, n_rows / kPanelRows) * kPanelRows + n % kPanelRows;
+}
+
+// v3 (shared-memory conversion, w4a8_smem_gemm_kernel.cuh): thread t of the converter warpgroup
+// holds the same 16 + 16 bytes of a (panel, K block) as above; word u (0..3 from the first 16 bytes,
+// 4..7 from the second) covers k = 16 u + 4 q + j, its low half of row 16 w + g, its high half of
+// row + 8. The e4m3 tile is K-major with the 128-byte swizzle (row r at r * 128, its 16-byte chunk c
+// at chunk c ^ (r % 8)), so the 4 bytes of the low half go to the byte offset below inside the
+// panel's 64 rows (8192 bytes), the high half's 1024 bytes further.
+EPMOE_HD std::uint32_t converter_row_base(int t) {
+  const int g = (t % 32) / 4, q = t % 4;
+  return static_cast<std::uint32_t>((16 * (t / 32) + g) * kBlockK + 16 * g + 4 * q);
+}
+EPMOE_HD std::uint32_t converter_store_offset(int t, int u) {
+  return converter_row_base(t) ^ static_cast<std::uint32_t>(16 * u);  // flips chunk bits 4-6 only
 }
 
 // Host model of prmt (default mode), for the CPU tests of the codes.

@@ -19,6 +19,7 @@
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/w4a8_gemm.hpp"
 #include "epmoe/grouped_gemm.hpp"
+#include "gemm/w4a8_kernel_choice.hpp"
 #include "gpu_test_util.hpp"
 
 namespace epmoe {
@@ -149,6 +150,16 @@ struct MaskedCase {
   int block_m = 0;
   int consumers = 0;
   bool device_scale = false;
+  cuda::W4A8KernelChoice pin{};  // gemm/w4a8_kernel_choice.hpp: version 0 = the automatic choice
+};
+
+// Pins the W4A8 kernel for the lifetime of the guard.
+class PinKernel {
+ public:
+  explicit PinKernel(const cuda::W4A8KernelChoice& c) { cuda::w4a8_pin_kernel(c); }
+  ~PinKernel() { cuda::w4a8_pin_kernel({}); }
+  PinKernel(const PinKernel&) = delete;
+  PinKernel& operator=(const PinKernel&) = delete;
 };
 void PrintTo(const MaskedCase& c, std::ostream* os) {
   *os << c.name;
@@ -214,6 +225,7 @@ TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   cuda::W4A8GemmOptions options;
   options.block_m = c.block_m;
   options.consumers = c.consumers;
+  const PinKernel pin(c.pin);
   // With a device scale the host float is garbage: the kernel must not read it.
   const float host_scale = c.device_scale ? std::nanf("") : a_scale;
   const TensorView scale_view = c.device_scale ? dscale.view() : TensorView{};
@@ -249,7 +261,36 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N512_K384_odd_k_blocks_block32_consumers4", 40, {40, 31}, 512, 384, 32, 4},
         // masked_m = M_max everywhere, and nothing valid at all.
         MaskedCase{"N1536_K2048_all_full", 16, {16, 16, 16}, 1536, 2048},
-        MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048}),
+        MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048},
+        // The automatic choice is the register-operand kernel (v2) for the masked layout
+        // (w4a8_kernel_choice): v2 pinned, and the shared-memory-conversion kernel (v3) with its own
+        // heuristic (64 x 256, activation boxes of 16 / 32 rows where the hint allows) and every
+        // other v3 tile pinned.
+        MaskedCase{"N4096_K7168_decode_v2", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, {2}},
+        MaskedCase{"N4096_K7168_decode_v3", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, {3}},
+        MaskedCase{"N640_K2048_decode_n_not_256_v3", 24, {24, 9}, 640, 2048, 0, 0, false, {3}},
+        MaskedCase{"N1536_K2048_v3_m64n128", 37, {37, 3, 0, 17}, 1536, 2048, 0, 0, false, {3, 64, 128, 1}},
+        MaskedCase{
+            "N1536_K2048_v3_m128n256", 130, {130, 0, 64, 65}, 1536, 2048, 0, 0, false, {3, 128, 256, 2}},
+        MaskedCase{"N640_K7168_v3_m128n128", 300, {300, 129, 7}, 640, 7168, 0, 0, false, {3, 128, 128, 1}},
+        MaskedCase{"N512_K384_odd_k_blocks_v3_m64n256_device_scale",
+                   70,
+                   {70, 31, 2},
+                   512,
+                   384,
+                   0,
+                   0,
+                   true,
+                   {3, 64, 256, 1}},
+        MaskedCase{"N1536_K1152_v3_m128n256_small_box",
+                   40,
+                   {40, 1, 33, 0},
+                   1536,
+                   1152,
+                   0,
+                   0,
+                   false,
+                   {3, 128, 256, 2}}),
     [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- contiguous
@@ -259,6 +300,7 @@ struct ContiguousCase {
   std::int64_t n, k;
   std::int64_t trailing_blocks = 0;  // all-padding 128-row blocks at the end
   bool holes = false;                // -1 rows inside groups' rows too
+  cuda::W4A8KernelChoice pin{};      // version 0: the automatic choice (v3 for K <= 2048)
 };
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
   *os << c.name;
@@ -306,6 +348,7 @@ TEST_P(W4A8GemmContiguousGpu, MatchesCpuReference) {
   const cuda::DeviceTensor da = cuda::to_device(a, stream), dids = cuda::to_device(m_indices, stream);
   const cuda::DeviceTensor dd(DType::bf16, {M, N});
   dd.fill_bytes(0xff, stream);
+  const PinKernel pin(c.pin);
   cuda::w4a8_grouped_gemm_contiguous(da, a_scale, {}, dw.w, dw.s, dids, dd, stream);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -318,12 +361,21 @@ TEST_P(W4A8GemmContiguousGpu, MatchesCpuReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, W4A8GemmContiguousGpu,
-    ::testing::Values(ContiguousCase{"N4096_K7168_empty_and_single_row", {1, 0, 130}, 4096, 7168},
-                      ContiguousCase{"N7168_K2048", {150, 0, 64, 33}, 7168, 2048},
-                      ContiguousCase{"N1536_K2048_single_row_trailing", {0, 1}, 1536, 2048, 3},
-                      ContiguousCase{"N1536_K1152_odd_k_blocks", {130, 7}, 1536, 1152},
-                      ContiguousCase{
-                          "N640_K2048_many_groups_holes", {5, 17, 0, 128, 1, 90, 0, 33}, 640, 2048, 1, true}),
+    ::testing::Values(
+        ContiguousCase{"N4096_K7168_empty_and_single_row", {1, 0, 130}, 4096, 7168},
+        ContiguousCase{"N7168_K2048", {150, 0, 64, 33}, 7168, 2048},
+        ContiguousCase{"N1536_K2048_single_row_trailing", {0, 1}, 1536, 2048, 3},
+        ContiguousCase{"N1536_K1152_odd_k_blocks", {130, 7}, 1536, 1152},
+        ContiguousCase{"N640_K2048_many_groups_holes", {5, 17, 0, 128, 1, 90, 0, 33}, 640, 2048, 1, true},
+        // The register-operand kernel (v2), v3's heuristic tile for K = 7168 and the other v3
+        // tiles, pinned.
+        ContiguousCase{"N4096_K7168_v3", {1, 0, 130}, 4096, 7168, 0, false, {3}},
+        ContiguousCase{"N7168_K2048_v2", {150, 0, 64, 33}, 7168, 2048, 0, false, {2}},
+        ContiguousCase{"N1536_K2048_holes_v2", {5, 130, 0, 33}, 1536, 2048, 1, true, {2}},
+        ContiguousCase{
+            "N1536_K1152_odd_k_blocks_v3_m128n128", {130, 7}, 1536, 1152, 0, false, {3, 128, 128, 1}},
+        ContiguousCase{
+            "N1536_K2048_holes_v3_m64n256", {5, 130, 0, 33}, 1536, 2048, 1, true, {3, 64, 256, 1}}),
     [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
 
 // The masked GEMM captured once in a CUDA graph, replayed with new counts written on the device.

@@ -5,6 +5,7 @@
 // direct evaluation, and argument checks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -59,9 +60,12 @@ Checkpoint random_checkpoint(std::int64_t G, std::int64_t N, std::int64_t K, std
   return c;
 }
 
-TEST(W4A8Pack, RoundTripsAndIsAPermutation) {
+class W4A8PackN : public ::testing::TestWithParam<std::int64_t> {};
+
+// N = 640: the last panel group holds 2 panels.
+TEST_P(W4A8PackN, RoundTripsAndIsAPermutation) {
   std::mt19937_64 rng(7);
-  const std::int64_t G = 2, N = 256, K = 384;
+  const std::int64_t G = 2, N = GetParam(), K = 384;
   const Checkpoint c = random_checkpoint(G, N, K, rng);
   HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, K / 128});
   cuda::w4a8_prepare_weights_cpu(c.w, c.s, pw, ps);
@@ -73,19 +77,46 @@ TEST(W4A8Pack, RoundTripsAndIsAPermutation) {
   std::vector<int> hits(static_cast<std::size_t>(N * K / 2));
   for (std::int64_t n = 0; n < N; ++n)
     for (std::int64_t k = 0; k < K; k += 2) {
-      const w4a8::NibblePos pos = w4a8::packed_position(n, k, K / 128);
+      const w4a8::NibblePos pos = w4a8::packed_position(n, k, K / 128, N);
       ASSERT_FALSE(pos.high);
       ASSERT_TRUE(pos.byte >= 0 && pos.byte < N * K / 2);
       ++hits[static_cast<std::size_t>(pos.byte)];
-      EXPECT_EQ(w4a8::packed_position(n, k + 1, K / 128).byte, pos.byte);
-      EXPECT_TRUE(w4a8::packed_position(n, k + 1, K / 128).high);
+      EXPECT_EQ(w4a8::packed_position(n, k + 1, K / 128, N).byte, pos.byte);
+      EXPECT_TRUE(w4a8::packed_position(n, k + 1, K / 128, N).high);
     }
   for (const int h : hits) ASSERT_EQ(h, 1);
   std::vector<int> scale_hits(static_cast<std::size_t>(N * K / 128));
   for (std::int64_t n = 0; n < N; ++n)
     for (std::int64_t kb = 0; kb < K / 128; ++kb)
-      ++scale_hits[static_cast<std::size_t>(w4a8::packed_scale_index(n, kb, K / 128))];
+      ++scale_hits[static_cast<std::size_t>(w4a8::packed_scale_index(n, kb, K / 128, N))];
   for (const int h : scale_hits) ASSERT_EQ(h, 1);
+}
+INSTANTIATE_TEST_SUITE_P(N, W4A8PackN, ::testing::Values(256, 640));
+
+// The chunks of one K block of a 128-row tile (and of a 256-row tile when N is a multiple of 256)
+// are consecutive (one bulk copy per stage), and the chunk index is a permutation.
+TEST(W4A8Pack, TileChunksAreContiguous) {
+  for (const std::int64_t N : {128, 384, 640, 4096, 7168}) {
+    for (const std::int64_t KB : {1, 3, 56}) {
+      const std::int64_t P = N / 64;
+      std::vector<int> hits(static_cast<std::size_t>(P * KB));
+      for (std::int64_t panel = 0; panel < P; ++panel)
+        for (std::int64_t kb = 0; kb < KB; ++kb) {
+          const std::int64_t c = w4a8::panel_chunk(panel, kb, KB, P);
+          ASSERT_TRUE(c >= 0 && c < P * KB);
+          ++hits[static_cast<std::size_t>(c)];
+        }
+      for (const int h : hits) ASSERT_EQ(h, 1);
+      for (const std::int64_t tile_panels : {2, 4}) {
+        if (P % tile_panels != 0) continue;
+        for (std::int64_t p0 = 0; p0 < P; p0 += tile_panels)
+          for (std::int64_t kb = 0; kb < KB; ++kb)
+            for (std::int64_t i = 1; i < tile_panels; ++i)
+              ASSERT_EQ(w4a8::panel_chunk(p0 + i, kb, KB, P), w4a8::panel_chunk(p0, kb, KB, P) + i)
+                  << "N " << N << " KB " << KB << " panel " << p0 + i;
+      }
+    }
+  }
 }
 
 // The kernel's view: thread t of the warpgroup loads 16 bytes at t * 16 and at 2048 + t * 16 of a
@@ -102,7 +133,7 @@ TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
   std::int64_t checked = 0;
   for (std::int64_t panel = 0; panel < N / 64; ++panel) {
     for (std::int64_t kb = 0; kb < KB; ++kb) {
-      const std::uint8_t* chunk = packed + (panel * KB + kb) * w4a8::kPanelBytes;
+      const std::uint8_t* chunk = packed + w4a8::panel_chunk(panel, kb, KB, N / 64) * w4a8::kPanelBytes;
       for (int t = 0; t < 128; ++t) {
         std::uint32_t words[8];
         std::memcpy(words, chunk + t * 16, 16);
@@ -128,13 +159,77 @@ TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
           }
         }
         // The two scales of the thread's rows.
-        const float* scales = ps.data<float>() + (panel * KB + kb) * 64;
+        const float* scales = ps.data<float>() + w4a8::panel_chunk(panel, kb, KB, N / 64) * 64;
         EXPECT_EQ(scales[warp * 16 + g], c.s.data<float>()[(panel * 64 + warp * 16 + g) * KB + kb]);
         EXPECT_EQ(scales[warp * 16 + g + 8], c.s.data<float>()[(panel * 64 + warp * 16 + g + 8) * KB + kb]);
       }
     }
   }
   EXPECT_EQ(checked, N * K);
+}
+
+// v3: a thread-by-thread model of the converter warpgroup (w4a8_smem_gemm_kernel.cuh) writes every
+// weight's e4m3 exactly once where the 128-byte-swizzled K-major wgmma B tile wants it (row n at
+// n * 128, 16-byte chunk k / 16 at chunk (k / 16) ^ (n % 8)), and each of its 4-byte stores is
+// free of bank conflicts (the 32 lanes hit 32 distinct banks).
+TEST(W4A8Pack, ConverterStoresMatchTheSwizzledTile) {
+  std::mt19937_64 rng(12);
+  const std::int64_t G = 1, N = 256, K = 256, KB = K / 128;
+  const Checkpoint c = random_checkpoint(G, N, K, rng);
+  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, K / 128});
+  cuda::w4a8_prepare_weights_cpu(c.w, c.s, pw, ps);
+  const auto* packed = static_cast<const std::uint8_t*>(pw.view().data);
+  const auto* plain = static_cast<const std::uint8_t*>(c.w.view().data);
+  constexpr int kTileN = 256;  // the converter's tile: kTileN / 64 panels
+  for (std::int64_t kb = 0; kb < KB; ++kb) {
+    std::vector<std::uint8_t> tile(kTileN * 128, 0);
+    std::vector<int> writes(tile.size(), 0);
+    for (int panel = 0; panel < kTileN / 64; ++panel) {
+      const std::uint8_t* chunk = packed + w4a8::panel_chunk(panel, kb, KB, N / 64) * w4a8::kPanelBytes;
+      for (int u = 0; u < 8; ++u) {
+        for (int half = 0; half < 2; ++half) {
+          for (int warp = 0; warp < 4; ++warp) {
+            std::vector<int> banks;
+            for (int lane = 0; lane < 32; ++lane) {
+              const int t = warp * 32 + lane;
+              std::uint32_t words[8];
+              std::memcpy(words, chunk + t * 16, 16);
+              std::memcpy(words + 4, chunk + 2048 + t * 16, 16);
+              const std::uint32_t e =
+                  w4a8::codes_to_e4m3x4(half == 0 ? words[u] : words[u] >> 16, model_prmt);
+              const std::uint32_t at = static_cast<std::uint32_t>(panel * 64 * 128) +
+                                       w4a8::converter_store_offset(t, u) + 1024u * half;
+              ASSERT_EQ(at % 4, 0u);
+              ASSERT_LT(at + 4, tile.size() + 1);
+              banks.push_back(static_cast<int>((at / 4) % 32));
+              for (int j = 0; j < 4; ++j) {
+                tile[at + j] = static_cast<std::uint8_t>(e >> (8 * j));
+                ++writes[at + j];
+              }
+            }
+            std::sort(banks.begin(), banks.end());
+            EXPECT_EQ(std::unique(banks.begin(), banks.end()), banks.end())
+                << "bank conflict: panel " << panel << " word " << u << " half " << half << " warp " << warp;
+          }
+        }
+      }
+    }
+    for (int n = 0; n < kTileN; ++n) {
+      for (int k = 0; k < 128; ++k) {
+        const std::size_t at = static_cast<std::size_t>(n * 128 + (((k / 16) ^ (n % 8)) * 16) + k % 16);
+        ASSERT_EQ(writes[at], 1) << "n " << n << " k " << k;
+        const int v = unpack_int4(plain + n * (K / 2), kb * 128 + k);
+        ASSERT_EQ(tile[at], fp8_e4m3::from_float(static_cast<float>(v)).bits)
+            << "kb " << kb << " n " << n << " k " << k;
+      }
+    }
+  }
+  // The scales in packed order are the tile's columns in order (panel-major, 64 rows each): what
+  // the converter copies, column i of the tile from packed index (panel, kb, i % 64).
+  for (std::int64_t kb = 0; kb < KB; ++kb)
+    for (int i = 0; i < kTileN; ++i)
+      EXPECT_EQ(ps.data<float>()[w4a8::panel_chunk(i / 64, kb, KB, N / 64) * 64 + i % 64],
+                c.s.data<float>()[i * KB + kb]);
 }
 
 TEST(W4A8Pack, RefusesBadArguments) {

@@ -1,0 +1,40 @@
+// Which W4A8 grouped GEMM kernel an automatic call runs (internal: the bench and the tests pin one;
+// the public API, epmoe/cuda/w4a8_gemm.hpp, only has the automatic choice and the register-operand
+// kernel's explicit tiles).
+//
+//   version 2: the register-operand kernel (w4a8_grouped_gemm_kernel.cuh), tile by
+//              w4a8_gemm_tile() unless options.block_m / options.consumers are given;
+//   version 3: weights converted to e4m3 in shared memory (w4a8_smem_gemm_kernel.cuh), tiles of
+//              block_m (64 or 128) activation rows x block_n (128 or 256) weight columns, each
+//              consumer warpgroup owning 64 rows x 128 waves columns; zeros pick by the heuristic.
+//
+// Calls with options.block_m or options.consumers set always run version 2 (those are its tiles).
+#pragma once
+
+#include <cstdint>
+
+namespace epmoe::cuda {
+
+struct W4A8KernelChoice {
+  int version = 0;   // 0: the heuristic; 2 or 3
+  int block_m = 0;   // version 3 only: 64 or 128 (0: heuristic)
+  int block_n = 0;   // 128 or 256
+  int waves = 0;     // 1 or 2 (128-column waves per consumer)
+  int ablation = 0;  // version 3, timing experiments only (garbage output): bits 1 no conversion,
+                     // 2 no proxy fence, 4 no wgmma / promotion, 8 no weight loads
+};
+
+// The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved
+// (version 3 with its tile, or version 2, whose tile w4a8_gemm_tile() picks).
+W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k);
+
+// A version-3 choice with its zeros filled by v3's own tile heuristic (64 x 256 for masked
+// expected_m <= 64, else 128 x 256 with two waves; 128 columns when N is not a multiple of 256).
+W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, std::int64_t expected_m,
+                                 std::int64_t n);
+
+// Pins the kernel of later automatic calls in this process (version 0 unpins). Not thread-safe:
+// for the bench and the tests.
+void w4a8_pin_kernel(const W4A8KernelChoice& choice);
+
+}  // namespace epmoe::cuda

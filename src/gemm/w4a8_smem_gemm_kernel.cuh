@@ -1,0 +1,340 @@
+// W4A8 grouped GEMM for Hopper, v3: int4 weights converted to e4m3 in shared memory (device code;
+// host launcher in w4a8_grouped_gemm.cu, API in epmoe/cuda/w4a8_gemm.hpp, packed weight layout in
+// w4a8_layout.hpp, shared with the register-operand kernel of w4a8_grouped_gemm_kernel.cuh).
+//
+//   D[m, n] = a_scale · Σ_kb s[g(m), n, kb] · Σ_{k in kb} A[m, k] · Q[g(m), n, k]
+//
+// Not transposed: the activations are the wgmma A operand (m64, kBM rows per tile), the weights the
+// B operand (kBN columns per tile), both K-major in shared memory with the 128-byte swizzle, as in
+// the FP8 kernel (fp8_grouped_gemm_kernel.cuh). The register-operand kernel issues one wgmma per
+// 64 weight rows x 32 K whatever the activation rows; here one m64n128k32 covers 128 weight rows,
+// and a dedicated warpgroup does the int4 -> e4m3 conversion off the consumers' path.
+//
+// One persistent CTA per SM, warp-specialised, 128 K per step, two rings of stages:
+//   - raw ring (kRawStages): the packed int4 weights of the tile's kBN / 64 panels (4096 bytes
+//     each) and their scales (256 bytes each), contiguous per K block in the packed layout: two
+//     bulk copies by producer warp 0; freed by the converter;
+//   - conversion ring (stages in use <= kConvStages): the activation tile [kBM x 128] (TMA by
+//     producer warp 1; masked tiles with few valid rows load only a_small_rows of them), the e4m3
+//     weight tile [kBN x 128] and the tile's kBN scales, written by the converter, freed by the
+//     consumers;
+//   - warpgroup 1 (the converter): per K block, waits for a raw stage and a free conversion stage;
+//     thread t reads its two 16-byte words of each panel (the register-operand kernel's fragment
+//     order: row 16 w + g (+ 8), k = 16 u + 4 q + j for word u), turns each 4-code half word into
+//     4 e4m3 bytes (two prmt, one xor) and stores them at row r, 16-byte chunk u ^ (r % 8), byte
+//     4 q of the swizzled tile (conflict-free: the 32 lanes of a store hit 32 distinct banks);
+//     copies the scales, frees the raw stage, and publishes the conversion stage after
+//     fence.proxy.async (generic-proxy writes read by wgmma);
+//   - consumer warpgroups (kConsumers): consumer c owns activation rows 64 (c / kColGroups) and
+//     kWaves x 128 weight columns from 128 kWaves (c % kColGroups); per wave four wgmma
+//     m64n128k32 into a per-K-block partial, then acc += s[n] · part with the two scales of each
+//     of the thread's column pairs (f32, never re-quantised weights); a_scale in the epilogue,
+//     16-byte bf16 stores after a quad transpose, valid rows only.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "cuda/ptx_hopper.cuh"
+#include "gemm/fp8_grouped_gemm_kernel.cuh"   // quad_transpose, pack_bf16x2, fence_all
+#include "gemm/w4a8_grouped_gemm_kernel.cuh"  // W4A8Params, W4A8Scheduler, W4A8Pipe, w4a8_convert8
+#include "gemm/w4a8_layout.hpp"
+
+namespace epmoe::kernels {
+
+template <int kBM, int kBN, int kWaves>
+struct W4A8SmemTraits {
+  static_assert((kBM == 64 || kBM == 128) && (kBN == 128 || kBN == 256) && (kWaves == 1 || kWaves == 2));
+  static constexpr int kConsN = 128 * kWaves;  // weight columns per consumer
+  static_assert(kBN % kConsN == 0);
+  static constexpr int kColGroups = kBN / kConsN;
+  static constexpr int kConsumers = (kBM / 64) * kColGroups;
+  static constexpr int kThreads = 128 * (2 + kConsumers);
+  static constexpr int kPanels = kBN / w4a8::kPanelRows;
+  static constexpr int kABytes = kBM * w4a8::kBlockK;  // multiples of 1024 (swizzle atoms)
+  static constexpr int kBBytes = kBN * w4a8::kBlockK;
+  static constexpr int kCScaleBytes = kBN * 4;
+  static constexpr int kConvBytes = kABytes + kBBytes + kCScaleBytes + 16;  // + the two barriers
+  static constexpr int kRawWBytes = kPanels * w4a8::kPanelBytes;
+  static constexpr int kRawSBytes = kPanels * w4a8::kPanelScaleBytes;
+  static constexpr int kRawBytes = kRawWBytes + kRawSBytes + 16;
+  static constexpr int kConvStages = kBN == 256 ? 3 : 4;
+  static constexpr int kRawStages =
+      std::min(8, (kW4SmemBudget - 1024 - kConvStages * kConvBytes) / kRawBytes);
+  static_assert(kRawStages >= 2);
+  static constexpr int kSmemBytes = 1024 + kConvStages * kConvBytes + kRawStages * kRawBytes;
+  // setmaxnreg (multiples of 8; the totals stay within the launch allocation, 512 x 128 or
+  // 384 x 168; ptxas: no spills with these, 24 for the producer spilled).
+  static constexpr bool kTwoWaves = kWaves == 2;
+  static constexpr int kProducerRegs = kTwoWaves ? 32 : 40;
+  static constexpr int kConverterRegs = kTwoWaves ? 48 : 56;
+  static constexpr int kConsumerRegs = kConsumers == 1 ? 232 : (kTwoWaves ? 216 : 208);
+};
+
+// Ablations (W4A8Params::ablation, bits; timing experiments only, the output is garbage): the
+// converter skips the conversion (arrives only), or the proxy fence; the consumers skip the wgmma
+// and the promotion; the producer arms the raw stages without loading the weights.
+inline constexpr int kW4AblateConvert = 1;
+inline constexpr int kW4AblateFence = 2;
+inline constexpr int kW4AblateMath = 4;
+inline constexpr int kW4AblateLoads = 8;
+
+template <int kBM, int kBN, int kWaves>
+__global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
+    w4a8_smem_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
+                          const __grid_constant__ CUtensorMap tma_a_small,
+                          const __grid_constant__ W4A8Params p) {
+  using Traits = W4A8SmemTraits<kBM, kBN, kWaves>;
+  constexpr int kConvStages = Traits::kConvStages;
+  constexpr int kRawStages = Traits::kRawStages;
+  constexpr int kPanels = Traits::kPanels;
+
+  extern __shared__ __align__(1024) std::uint8_t smem_raw[];
+  const std::uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
+  const std::uint32_t smem_a = smem_base;                                      // conv stages x [kBM x 128]
+  const std::uint32_t smem_b = smem_a + kConvStages * Traits::kABytes;         // conv stages x [kBN x 128]
+  const std::uint32_t smem_cs = smem_b + kConvStages * Traits::kBBytes;        // conv stages x kBN f32
+  const std::uint32_t smem_rw = smem_cs + kConvStages * Traits::kCScaleBytes;  // raw stages x panels x 4096
+  const std::uint32_t smem_rs = smem_rw + kRawStages * Traits::kRawWBytes;     // raw stages x panels x 64 f32
+  const std::uint32_t raw_full = smem_rs + kRawStages * Traits::kRawSBytes;    // raw stages x 8 bytes
+  const std::uint32_t raw_empty = raw_full + kRawStages * 8;
+  const std::uint32_t conv_full = raw_empty + kRawStages * 8;  // conv stages x 8 bytes
+  const std::uint32_t conv_empty = conv_full + kConvStages * 8;
+
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int32_t num_kb = p.k / w4a8::kBlockK;
+  const int conv_stages = p.stages;  // in use, <= kConvStages
+
+  if (threadIdx.x == 0) {
+#pragma unroll 1
+    for (int s = 0; s < kRawStages; ++s) {
+      ptx::mbar_init(raw_full + 8 * s, 1);   // producer warp 0 (+ bytes)
+      ptx::mbar_init(raw_empty + 8 * s, 4);  // one arrive per converter warp
+    }
+#pragma unroll 1
+    for (int s = 0; s < kConvStages; ++s) {
+      ptx::mbar_init(conv_full + 8 * s, 1 + 4);  // producer warp 1 (+ bytes), converter warps
+      ptx::mbar_init(conv_empty + 8 * s, Traits::kConsumers * 4);  // one arrive per consumer warp
+    }
+    ptx::fence_barrier_init();
+  }
+  if (threadIdx.x == 32) {
+    ptx::prefetch_tensormap(&tma_a);
+    ptx::prefetch_tensormap(&tma_a_small);
+  }
+  __syncthreads();
+
+  W4A8Scheduler<kBM, kBN> scheduler(p);
+  W4A8Tile tile;
+
+  if (warp < 4) {
+    // ------------------------------------------------------------ producer warpgroup (warps 0, 1)
+    ptx::setmaxnreg_dec<Traits::kProducerRegs>();
+    W4A8Pipe pipe;
+    if (warp == 0) {
+      const std::int64_t n_panels = p.n / w4a8::kPanelRows;
+      while (scheduler.next(tile, p)) {
+        // The tile's panels are consecutive inside one panel group: per K block one bulk copy of
+        // their weights and one of their scales (w4a8_layout.hpp).
+        const std::int64_t group_chunks = static_cast<std::int64_t>(tile.group) * n_panels * num_kb;
+        const std::int64_t panel0 = static_cast<std::int64_t>(tile.n_tile) * kPanels;
+        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+          if (lane == 0) {
+            const std::uint32_t full = raw_full + 8 * pipe.stage;
+            ptx::mbar_wait(raw_empty + 8 * pipe.stage, pipe.phase ^ 1u);
+            if ((p.ablation & kW4AblateLoads) != 0) {
+              ptx::mbar_arrive(full);
+            } else {
+              ptx::mbar_arrive_expect_tx(full, Traits::kRawWBytes + Traits::kRawSBytes);
+              const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
+              ptx::bulk_load(smem_rw + pipe.stage * Traits::kRawWBytes, p.w + chunk * w4a8::kPanelBytes,
+                             Traits::kRawWBytes, full);
+              ptx::bulk_load(smem_rs + pipe.stage * Traits::kRawSBytes, p.ws + chunk * w4a8::kPanelRows,
+                             Traits::kRawSBytes, full);
+            }
+          }
+          pipe.advance(kRawStages);
+        }
+        __syncwarp();
+      }
+    } else if (warp == 1) {
+      while (scheduler.next(tile, p)) {
+        // Masked tiles with few valid rows load only the first a_small_rows activation rows: the rest
+        // of the tile in shared memory is stale and feeds only output rows that are never stored.
+        const std::int32_t rows_used = min(kBM, tile.row_end - tile.row0);
+        const bool small = p.masked_m != nullptr && rows_used <= p.a_small_rows;
+        const CUtensorMap* map = small ? &tma_a_small : &tma_a;
+        const std::uint32_t bytes = small ? p.a_small_rows * w4a8::kBlockK : Traits::kABytes;
+        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+          if (lane == 0) {
+            const std::uint32_t full = conv_full + 8 * pipe.stage;
+            ptx::mbar_wait(conv_empty + 8 * pipe.stage, pipe.phase ^ 1u);
+            ptx::mbar_arrive_expect_tx(full, bytes);
+            ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map, full, kb * w4a8::kBlockK, tile.row0);
+          }
+          pipe.advance(conv_stages);
+        }
+        __syncwarp();
+      }
+    }
+  } else if (warp < 8) {
+    // ------------------------------------------------------------ converter warpgroup
+    ptx::setmaxnreg_dec<Traits::kConverterRegs>();
+    const int t = static_cast<int>(threadIdx.x % 128);
+    // Word u's low half goes to row_base ^ 16 u of the panel's e4m3 rows (w4a8_layout.hpp).
+    const std::uint32_t row_base = w4a8::converter_row_base(t);
+    W4A8Pipe raw, conv;
+    while (scheduler.next(tile, p)) {
+      for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+        ptx::mbar_wait(raw_full + 8 * raw.stage, raw.phase);
+        ptx::mbar_wait(conv_empty + 8 * conv.stage, conv.phase ^ 1u);
+        const std::uint32_t src = smem_rw + raw.stage * Traits::kRawWBytes + t * 16;
+        const std::uint32_t dst = smem_b + conv.stage * Traits::kBBytes;
+        const bool convert = (p.ablation & kW4AblateConvert) == 0;
+#pragma unroll
+        for (int c = 0; c < kPanels && convert; ++c) {
+          const uint4 v0 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes);
+          const uint4 v1 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes + 2048);
+          const std::uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+          const std::uint32_t panel = dst + static_cast<std::uint32_t>(c * w4a8::kPanelRows * w4a8::kBlockK);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            std::uint32_t lo, hi;
+            w4a8_convert8(words[u], lo, hi);
+            const std::uint32_t at = panel + (row_base ^ static_cast<std::uint32_t>(16 * u));
+            ptx::st_shared_u32(at, lo);
+            ptx::st_shared_u32(at + 8 * w4a8::kBlockK, hi);
+          }
+        }
+        // The scales, in column order (panel-major, 64 rows each: the packed order).
+#pragma unroll
+        for (int i = t; i < kBN; i += 128)
+          ptx::st_shared_u32(
+              smem_cs + conv.stage * Traits::kCScaleBytes + 4 * i,
+              __float_as_uint(ptx::ld_shared_f32(smem_rs + raw.stage * Traits::kRawSBytes + 4 * i)));
+        if ((p.ablation & kW4AblateFence) == 0) ptx::fence_proxy_async_shared();
+        __syncwarp();
+        if (lane == 0) {
+          ptx::mbar_arrive(raw_empty + 8 * raw.stage);
+          ptx::mbar_arrive(conv_full + 8 * conv.stage);
+        }
+        raw.advance(kRawStages);
+        conv.advance(conv_stages);
+      }
+    }
+  } else {
+    // ------------------------------------------------------------ consumer warpgroups
+    ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
+    const int consumer = warp / 4 - 2;
+    const int row_block = consumer / Traits::kColGroups;                  // which 64 activation rows
+    const int col0 = (consumer % Traits::kColGroups) * Traits::kConsN;    // first weight column
+    const int row_in_tile = row_block * 64 + (warp % 4) * 16 + lane / 4;  // and + 8
+    const int q = lane % 4;
+    const float a_scale = p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale;
+    W4A8Pipe pipe;
+    float acc[kWaves][64];
+    float part[64];
+
+    while (scheduler.next(tile, p)) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) part[i] = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[w][i] = 0.0f;
+      }
+      const std::int32_t row_a = tile.row0 + row_in_tile, row_b = row_a + 8;
+      bool valid_a = row_a < tile.row_end, valid_b = row_b < tile.row_end;
+      if (p.m_indices != nullptr) {
+        valid_a = valid_a && __ldg(p.m_indices + row_a) == tile.group;
+        valid_b = valid_b && __ldg(p.m_indices + row_b) == tile.group;
+      }
+
+      for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+        const int stage = pipe.stage;
+        ptx::mbar_wait(conv_full + 8 * stage, pipe.phase);
+        if ((p.ablation & kW4AblateMath) != 0) {
+          if (lane == 0) ptx::mbar_arrive(conv_empty + 8 * stage);
+          pipe.advance(conv_stages);
+          continue;
+        }
+        const std::uint32_t a_tile = smem_a + stage * Traits::kABytes + row_block * 64 * w4a8::kBlockK;
+        const std::uint32_t b_tile = smem_b + stage * Traits::kBBytes + col0 * w4a8::kBlockK;
+        const auto* scale_ptr =
+            reinterpret_cast<const float2*>(smem_raw + (smem_cs - ptx::smem_addr(smem_raw)) +
+                                            stage * Traits::kCScaleBytes + 4 * (col0 + 2 * q));
+        // (A generic lambda per wave, so that acc[w] is always indexed by a constant.)
+        const auto wave = [&](auto wc) {
+          constexpr int w = decltype(wc)::value;
+          fence_all(part);
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < w4a8::kBlockK / 32; ++kk) {
+            ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a_tile + kk * 32),
+                                       ptx::wgmma_desc_sw128(b_tile + w * 128 * w4a8::kBlockK + kk * 32),
+                                       kk > 0);
+          }
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<0>();
+          fence_all(part);
+          // The scales of this thread's columns 128 w + 8 j + 2 q + {0, 1}. With one wave they are
+          // all read before the stage is given back (32 registers); with two (no registers to spare)
+          // the last wave frees the stage after its promotion.
+          constexpr bool kEarlyFree = kWaves == 1;
+          // (Plain loads, which the compiler may interleave with the promotion.)
+          const float2* sc = scale_ptr + 64 * w;
+          float2 scv[16];
+#pragma unroll
+          for (int j = 0; j < 16; ++j) scv[j] = sc[4 * j];
+          if (kEarlyFree && lane == 0) ptx::mbar_arrive(conv_empty + 8 * stage);
+          fence_all(part);
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            acc[w][4 * j + 0] = fmaf(scv[j].x, part[4 * j + 0], acc[w][4 * j + 0]);
+            acc[w][4 * j + 1] = fmaf(scv[j].y, part[4 * j + 1], acc[w][4 * j + 1]);
+            acc[w][4 * j + 2] = fmaf(scv[j].x, part[4 * j + 2], acc[w][4 * j + 2]);
+            acc[w][4 * j + 3] = fmaf(scv[j].y, part[4 * j + 3], acc[w][4 * j + 3]);
+          }
+          if (!kEarlyFree && w == kWaves - 1) {
+            fence_all(acc[w]);
+            if (lane == 0) ptx::mbar_arrive(conv_empty + 8 * stage);
+          }
+        };
+        wave(std::integral_constant<int, 0>{});
+        if constexpr (kWaves == 2) wave(std::integral_constant<int, 1>{});
+        pipe.advance(conv_stages);
+      }
+
+      // Epilogue: a_scale, bf16, 16-byte stores of valid rows (as the FP8 kernel's).
+      const auto store_wave = [&](auto wc) {
+        constexpr int w = decltype(wc)::value;
+        __nv_bfloat16* d_col = p.d + tile.n_tile * kBN + col0 + w * 128;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const bool valid = h == 0 ? valid_a : valid_b;
+          __nv_bfloat16* d_row = d_col + static_cast<std::int64_t>(h == 0 ? row_a : row_b) * p.n;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            std::uint32_t words[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const int j = 4 * i + k;
+              words[k] = pack_bf16x2(acc[w][4 * j + 2 * h] * a_scale, acc[w][4 * j + 2 * h + 1] * a_scale);
+            }
+            quad_transpose(words, q);
+            if (valid) ptx::st_global_v4(d_row + 8 * (4 * i + q), words[0], words[1], words[2], words[3]);
+          }
+        }
+      };
+      store_wave(std::integral_constant<int, 0>{});
+      if constexpr (kWaves == 2) store_wave(std::integral_constant<int, 1>{});
+    }
+  }
+}
+
+}  // namespace epmoe::kernels
