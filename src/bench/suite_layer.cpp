@@ -36,7 +36,8 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
   const LaunchEnvironment env = LaunchEnvironment::from_env();
   if (!comm && env.present && env.world_size > 1) {
     if (cuda::device_count() < env.world_size) {
-      std::printf("layer: skipped: %d ranks need as many GPUs, %d visible\n", env.world_size, cuda::device_count());
+      std::printf("layer: skipped: %d ranks need as many GPUs, %d visible\n", env.world_size,
+                  cuda::device_count());
       return results;
     }
     comm = Communicator::from_environment();
@@ -77,7 +78,8 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
     const int rank = comm ? comm->rank() : 0;
     std::vector<cuda::DeviceTensor> x;
     for (int set = 0; set < kSets; ++set)
-      x.push_back(cuda::to_device(synthetic_tokens(c, 100 + static_cast<std::uint64_t>(set), rank, lo.max_tokens), s));
+      x.push_back(cuda::to_device(
+          synthetic_tokens(c, 100 + static_cast<std::uint64_t>(set), rank, lo.max_tokens), s));
     cuda::DeviceTensor y(DType::bf16, {lo.max_tokens, c.hidden});
     for (const std::int64_t T : token_list) {
       const bool decode_mode = mode == Mode::low_latency;
@@ -95,10 +97,15 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
             }
           },
           kSets, s, timing);
-      const double flops = 2.0 * T * c.hidden * (3.0 * c.topk * c.intermediate + 3.0 * c.shared_intermediate());
-      Params p{{"tokens", T}, {"ranks", static_cast<std::int64_t>(ranks)}, {"mode", std::string(to_string(mode))},
-               {"quant", quant}, {"phase", std::string("forward")}};
-      Result r = make_result(decode_mode ? "layer.decode" : "layer.prefill", std::move(p), us, weight_bytes, flops);
+      const double flops =
+          2.0 * T * c.hidden * (3.0 * c.topk * c.intermediate + 3.0 * c.shared_intermediate());
+      Params p{{"tokens", T},
+               {"ranks", static_cast<std::int64_t>(ranks)},
+               {"mode", std::string(to_string(mode))},
+               {"quant", quant},
+               {"phase", std::string("forward")}};
+      Result r =
+          make_result(decode_mode ? "layer.decode" : "layer.prefill", std::move(p), us, weight_bytes, flops);
       if (!decode_mode) r.floor_us = std::max(r.floor_us, flops / (kPeakTflops * 1e6));
       emit(options, results, r);
     }

@@ -23,12 +23,15 @@ namespace {
 
 TensorView reshape(const TensorView& t, std::initializer_list<std::int64_t> shape) {
   TensorView v = TensorView::contiguous(t.data, t.dtype, shape, Device::cuda);
-  EPMOE_CHECK(v.numel() <= t.numel() || t.data == nullptr, "internal: view {} exceeds {}", v.describe(), t.describe());
+  EPMOE_CHECK(v.numel() <= t.numel() || t.data == nullptr, "internal: view {} exceeds {}", v.describe(),
+              t.describe());
   return v;
 }
 
 // The first `rows` rows of a [R, ...] device tensor, as [rows, ...].
-TensorView rows_of(const DeviceTensor& t, std::int64_t rows) { return t.view().slice_rows(0, rows); }
+TensorView rows_of(const DeviceTensor& t, std::int64_t rows) {
+  return t.view().slice_rows(0, rows);
+}
 
 class GraphExec {
  public:
@@ -103,8 +106,8 @@ struct GpuMoeLayer::Impl {
   GroupedGemmOptions gemm_options;
   std::size_t dispatcher_bytes = 0;  // the dispatchers' own buffers and windows (Dispatcher::device_bytes)
   std::size_t dispatcher_setup_bytes = 0;  // device memory their creation took in all (NCCL's too)
-  DeviceTensor perm_workspace, perm_rows, perm_scales, perm_m_indices, perm_row_src, perm_src_row, perm_offsets,
-      perm_counts;
+  DeviceTensor perm_workspace, perm_rows, perm_scales, perm_m_indices, perm_row_src, perm_src_row,
+      perm_offsets, perm_counts;
 
   // Runner workspace: GEMM1 output, GEMM2 input (+ scales), expert output; routed combine result.
   DeviceTensor h, a2, a2_scales, expert_out, expert_out2, y_routed;
@@ -148,8 +151,8 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     EPMOE_CUDA_CHECK(cudaSetDevice(comm->device()));
     s0 = comm->stream();
   } else {
-    EPMOE_CHECK(c.num_ranks == 1, "GpuMoeLayer without a communicator serves one rank; config.num_ranks is {}",
-                c.num_ranks);
+    EPMOE_CHECK(c.num_ranks == 1,
+                "GpuMoeLayer without a communicator serves one rank; config.num_ranks is {}", c.num_ranks);
     s0 = own_stream.get();
   }
   E = c.num_experts;
@@ -174,8 +177,10 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
                   dispatcher_name == "nccl-p2p",
               "dispatcher must be auto, local, nvlink, nvlink-ll or nccl-p2p, got '{}'", dispatcher_name);
   EPMOE_CHECK((dispatcher_name == "local") == (ranks == 1),
-              "dispatcher '{}' does not fit {} rank(s): 'local' serves exactly one rank", dispatcher_name, ranks);
-  EPMOE_CHECK(dispatcher_name != "nvlink-ll" || !normal, "dispatcher 'nvlink-ll' serves low-latency mode only");
+              "dispatcher '{}' does not fit {} rank(s): 'local' serves exactly one rank", dispatcher_name,
+              ranks);
+  EPMOE_CHECK(dispatcher_name != "nvlink-ll" || !normal,
+              "dispatcher 'nvlink-ll' serves low-latency mode only");
 
   for (int i = 0; i < kNumEvents + 2; ++i) events.emplace_back();
   gate = std::make_unique<GateGemm>();
@@ -223,7 +228,8 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   if (dispatcher_name == "local") {
     M_max = T_max;  // an expert gets each token at most once
     R_max = normal ? contiguous_capacity(T_max * K, L) : L * M_max;
-    perm_workspace = DeviceTensor(DType::u8, {static_cast<std::int64_t>(permute_workspace_bytes(T_max * K, L))});
+    perm_workspace =
+        DeviceTensor(DType::u8, {static_cast<std::int64_t>(permute_workspace_bytes(T_max * K, L))});
     perm_rows = DeviceTensor(DType::fp8_e4m3, {R_max, H});
     perm_scales = DeviceTensor(DType::f32, {R_max, H / 128});
     perm_row_src = DeviceTensor(DType::i32, {R_max});
@@ -286,8 +292,9 @@ void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {
   if (w4a8) {
     // Checkpoint order into the staging expert, then the one-time preparation into the slot.
     if (synthetic) {
-      synthetic_expert_w4a8(synthetic->expert_seed(logical), H, I, stage_w13.view().select(0), stage_s13.view().select(0),
-                            stage_w2.view().select(0), stage_s2.view().select(0), s0);
+      synthetic_expert_w4a8(synthetic->expert_seed(logical), H, I, stage_w13.view().select(0),
+                            stage_s13.view().select(0), stage_w2.view().select(0), stage_s2.view().select(0),
+                            s0);
     } else {
       const ExpertWeights& e = weights->routed_expert(logical);
       copy_to_device(stage_w13.view().select(0), e.w13, s0);
@@ -295,7 +302,8 @@ void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {
       copy_to_device(stage_w2.view().select(0), e.w2, s0);
       copy_to_device(stage_s2.view().select(0), e.w2_scale, s0);
     }
-    w4a8_prepare_weights(stage_w13, stage_s13, reshape(dw13, {1, 2 * I, H / 2}), reshape(ds13, {1, 2 * I, H / 128}), s0);
+    w4a8_prepare_weights(stage_w13, stage_s13, reshape(dw13, {1, 2 * I, H / 2}),
+                         reshape(ds13, {1, 2 * I, H / 128}), s0);
     w4a8_prepare_weights(stage_w2, stage_s2, reshape(dw2, {1, H, I / 2}), reshape(ds2, {1, H, I / 128}), s0);
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));  // the staging buffer is reused by the next slot
   } else if (synthetic) {
@@ -322,7 +330,8 @@ void GpuMoeLayer::Impl::load_shared() {
                          sw2.view().select(0), sw2_scale.view().select(0), s0);
   } else {
     const ExpertWeights& e = weights->shared_expert();
-    EPMOE_CHECK(e.quant == QuantScheme::fp8, "the GPU layer's shared expert must be fp8, got {}", to_string(e.quant));
+    EPMOE_CHECK(e.quant == QuantScheme::fp8, "the GPU layer's shared expert must be fp8, got {}",
+                to_string(e.quant));
     copy_to_device(sw13.view().select(0), e.w13, s0);
     copy_to_device(sw13_scale.view().select(0), e.w13_scale, s0);
     copy_to_device(sw2.view().select(0), e.w2, s0);
@@ -357,7 +366,8 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
   std::vector<std::int32_t> table(static_cast<std::size_t>(E * width), -1);
   for (int e = 0; e < E; ++e)
     for (int r = 0; r < p.max_replicas(); ++r)
-      table[static_cast<std::size_t>(e * width + r)] = p.log2phy()[static_cast<std::size_t>(e * p.max_replicas() + r)];
+      table[static_cast<std::size_t>(e * width + r)] =
+          p.log2phy()[static_cast<std::size_t>(e * p.max_replicas() + r)];
   std::vector<std::int32_t> counts = p.logcnt();
   copy_to_device(log2phy, TensorView::contiguous(table.data(), DType::i32, {E, width}), s0);
   copy_to_device(logcnt, TensorView::contiguous(counts.data(), DType::i32, {E}), s0);
@@ -370,13 +380,14 @@ void GpuMoeLayer::Impl::shared_forward(TensorView x, std::int64_t T, cudaStream_
   // One group of T rows through the masked grouped GEMM (masked_m written in the stream order, so a
   // captured graph carries it).
   if (w4a8)  // the shared expert is FP8 block-scaled: per-token-group activations of its own
-    quantize_per_token_group_fp8(x, rows_of(shared_q, T), rows_of(shared_q_scales, T), ss, ScaleLayout::token_major,
-                                 c.power_of_two_scales);
+    quantize_per_token_group_fp8(x, rows_of(shared_q, T), rows_of(shared_q_scales, T), ss,
+                                 ScaleLayout::token_major, c.power_of_two_scales);
   const DeviceTensor& sq = w4a8 ? shared_q : q;
   const DeviceTensor& sqs = w4a8 ? shared_q_scales : q_scales;
   const TensorView a = reshape(sq.view(), {1, T, H}), as = reshape(sqs.view(), {1, T, H / 128});
   const TensorView hh = reshape(shared_h.view(), {1, T, 2 * Is});
-  const TensorView a2v = reshape(shared_a2.view(), {1, T, Is}), a2s = reshape(shared_a2_scales.view(), {1, T, Is / 128});
+  const TensorView a2v = reshape(shared_a2.view(), {1, T, Is}),
+                   a2s = reshape(shared_a2_scales.view(), {1, T, Is / 128});
   layer_detail::fill_i32(shared_m, static_cast<std::int32_t>(T), ss);
   // Decode batches: 64-row tiles, so that the one group spreads over 4x more CTAs (with 128 x 256
   // tiles a 128-token batch gave 16 CTAs, each streaming its slice of the 44 MB of weights alone,
@@ -400,16 +411,18 @@ DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int
     d.num_local_experts = L;
     d.num_recv_tokens = T;
     if (o.mode == Mode::normal) {
-      const ContiguousLayout out{perm_rows,      perm_scales,       perm_m_indices, perm_row_src,
-                                 rows_of(perm_src_row, T), perm_offsets, perm_counts};
+      const ContiguousLayout out{
+          perm_rows,    perm_scales, perm_m_indices, perm_row_src, rows_of(perm_src_row, T),
+          perm_offsets, perm_counts};
       permute_contiguous(in, out, perm_workspace, s0);
       d.layout = Layout::contiguous;
       d.rows = perm_rows;
       d.scales = perm_scales;
       d.m_indices = perm_m_indices;
     } else {
-      const MaskedLayout out{reshape(perm_rows.view(), {L, M_max, H}), reshape(perm_scales.view(), {L, M_max, H / 128}),
-                             perm_counts, reshape(perm_row_src.view(), {L, M_max}), rows_of(perm_src_row, T)};
+      const MaskedLayout out{reshape(perm_rows.view(), {L, M_max, H}),
+                             reshape(perm_scales.view(), {L, M_max, H / 128}), perm_counts,
+                             reshape(perm_row_src.view(), {L, M_max}), rows_of(perm_src_row, T)};
       permute_masked(in, out, perm_workspace, s0);
       d.layout = Layout::masked;
       d.rows = out.rows;
@@ -421,7 +434,7 @@ DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int
   }
   auto part_rows = [&](const DeviceTensor& t) { return t.view().slice_rows(row0, row0 + T); };
   const DispatchInput in{part_rows(q), w4a8 ? TensorView{} : part_rows(q_scales), w4a8 ? a1_scale : 1.0f,
-                        part_rows(physical_ids), part_rows(topk_weights)};
+                         part_rows(physical_ids), part_rows(topk_weights)};
   if (LowLatencyDispatcher* ll = lls[part]) {
     ll->dispatch_send(in);
     ll->dispatch_recv(d);
@@ -445,21 +458,25 @@ void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d, const DeviceTensor&
     const std::int64_t M = d.rows.size(0);
     EPMOE_CHECK(M <= R_max, "internal: {} contiguous rows exceed the runner's {}", M, R_max);
     if (M == 0) return;
-    w4a8_grouped_gemm_contiguous(d.rows, d.tensor_scale, {}, w13, w13_scale, d.m_indices, rows_of(h, M), ss, wo);
+    w4a8_grouped_gemm_contiguous(d.rows, d.tensor_scale, {}, w13, w13_scale, d.m_indices, rows_of(h, M), ss,
+                                 wo);
     silu_mul_quant_contiguous(rows_of(h, M), d.m_indices, rows_of(a2, M), rows_of(a2_scales, M), so, ss);
-    w4a8_grouped_gemm_contiguous(rows_of(a2, M), a2_scale, {}, w2, w2_scale, d.m_indices, rows_of(out, M), ss, wo);
+    w4a8_grouped_gemm_contiguous(rows_of(a2, M), a2_scale, {}, w2, w2_scale, d.m_indices, rows_of(out, M), ss,
+                                 wo);
     return;
   }
   if (w4a8) {
     EPMOE_CHECK(d.layout == Layout::masked, "internal: the runner takes contiguous or masked layouts");
     const std::int64_t G = d.rows.size(0), M = d.rows.size(1);
-    EPMOE_CHECK(G == L && G * M <= R_max, "internal: masked layout [{}, {}] exceeds the runner's buffers", G, M);
+    EPMOE_CHECK(G == L && G * M <= R_max, "internal: masked layout [{}, {}] exceeds the runner's buffers", G,
+                M);
     const TensorView hh = reshape(h.view(), {G, M, 2 * I});
     const TensorView a2v = reshape(a2.view(), {G, M, I});
-    w4a8_grouped_gemm_masked(d.rows, d.tensor_scale, {}, w13, w13_scale, d.masked_m, d.expected_m, hh, ss, wo);
-    silu_mul_quant_masked(hh, d.masked_m, a2v, reshape(a2_scales.view(), {G, M, I / 128}), so, ss);
-    w4a8_grouped_gemm_masked(a2v, a2_scale, {}, w2, w2_scale, d.masked_m, d.expected_m, reshape(out.view(), {G, M, H}), ss,
+    w4a8_grouped_gemm_masked(d.rows, d.tensor_scale, {}, w13, w13_scale, d.masked_m, d.expected_m, hh, ss,
                              wo);
+    silu_mul_quant_masked(hh, d.masked_m, a2v, reshape(a2_scales.view(), {G, M, I / 128}), so, ss);
+    w4a8_grouped_gemm_masked(a2v, a2_scale, {}, w2, w2_scale, d.masked_m, d.expected_m,
+                             reshape(out.view(), {G, M, H}), ss, wo);
     return;
   }
   if (d.layout == Layout::contiguous) {
@@ -474,21 +491,24 @@ void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d, const DeviceTensor&
   } else {
     EPMOE_CHECK(d.layout == Layout::masked, "internal: the runner takes contiguous or masked layouts");
     const std::int64_t G = d.rows.size(0), M = d.rows.size(1);
-    EPMOE_CHECK(G == L && G * M <= R_max, "internal: masked layout [{}, {}] exceeds the runner's buffers", G, M);
+    EPMOE_CHECK(G == L && G * M <= R_max, "internal: masked layout [{}, {}] exceeds the runner's buffers", G,
+                M);
     const TensorView hh = reshape(h.view(), {G, M, 2 * I});
     const TensorView a2v = reshape(a2.view(), {G, M, I}), a2s = reshape(a2_scales.view(), {G, M, I / 128});
-    fp8_grouped_gemm_masked(d.rows, d.scales, ScaleLayout::token_major, w13, w13_scale, d.masked_m, d.expected_m, hh,
-                            ss, gemm_options);
+    fp8_grouped_gemm_masked(d.rows, d.scales, ScaleLayout::token_major, w13, w13_scale, d.masked_m,
+                            d.expected_m, hh, ss, gemm_options);
     silu_mul_quant_masked(hh, d.masked_m, a2v, a2s, so, ss);
     fp8_grouped_gemm_masked(a2v, a2s, ScaleLayout::token_major, w2, w2_scale, d.masked_m, d.expected_m,
                             reshape(out.view(), {G, M, H}), ss, gemm_options);
   }
 }
 
-void GpuMoeLayer::Impl::combine(int part, const DispatchOutput& d, std::int64_t row0, std::int64_t T, TensorView y) {
+void GpuMoeLayer::Impl::combine(int part, const DispatchOutput& d, std::int64_t row0, std::int64_t T,
+                                TensorView y) {
   const DeviceTensor& out_buffer = part == 0 ? expert_out : expert_out2;
   if (!dispatcher) {
-    gather_weighted(rows_of(out_buffer, d.num_output_rows()), rows_of(perm_src_row, T), rows_of(topk_weights, T), y, s0);
+    gather_weighted(rows_of(out_buffer, d.num_output_rows()), rows_of(perm_src_row, T),
+                    rows_of(topk_weights, T), y, s0);
     return;
   }
   (void)row0;
@@ -586,7 +606,8 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
   if (timed) {
     events[kCombined].synchronize();
     auto ms = [&](int a, int b) {
-      return static_cast<double>(Event::elapsed_ms(events[static_cast<std::size_t>(a)], events[static_cast<std::size_t>(b)]));
+      return static_cast<double>(
+          Event::elapsed_ms(events[static_cast<std::size_t>(a)], events[static_cast<std::size_t>(b)]));
     };
     // With two-batch overlap the phases overlap: dispatch ends with B's dispatch, gemm with B's
     // GEMMs (A's combine inside it), combine is B's.
@@ -602,18 +623,22 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
 
 std::size_t GpuMoeLayer::Impl::comm_layout_bytes() const {
   std::size_t bytes = 0;
-  for (const DeviceTensor* t : {&logits, &topk_ids, &topk_weights, &physical_ids, &expert_counts, &slot_counts, &q, &q_scales, &log2phy,
-                                &logcnt, &perm_workspace, &perm_rows, &perm_scales, &perm_m_indices, &perm_row_src,
-                                &perm_src_row, &perm_offsets, &perm_counts})
+  for (const DeviceTensor* t :
+       {&logits, &topk_ids, &topk_weights, &physical_ids, &expert_counts, &slot_counts, &q, &q_scales,
+        &log2phy, &logcnt, &perm_workspace, &perm_rows, &perm_scales, &perm_m_indices, &perm_row_src,
+        &perm_src_row, &perm_offsets, &perm_counts})
     bytes += t->nbytes();
   return bytes + dispatcher_bytes;
 }
 
 std::size_t GpuMoeLayer::Impl::device_bytes() const {
   std::size_t bytes = comm_layout_bytes();  // includes the dispatchers' memory
-  for (const DeviceTensor* t : {&gate_weight, &correction_bias, &w13, &w13_scale, &w2, &w2_scale, &sw13, &sw13_scale, &sw2,
-                                &sw2_scale, &shared_m, &shared_h, &shared_a2, &shared_a2_scales, &shared_out, &h, &a2,
-                                &a2_scales, &expert_out, &expert_out2, &stage_w13, &stage_s13, &stage_w2, &stage_s2, &shared_q, &shared_q_scales, &y_routed, &x_static, &y_static})
+  for (const DeviceTensor* t :
+       {&gate_weight, &correction_bias,  &w13,        &w13_scale, &w2,       &w2_scale,
+        &sw13,        &sw13_scale,       &sw2,        &sw2_scale, &shared_m, &shared_h,
+        &shared_a2,   &shared_a2_scales, &shared_out, &h,         &a2,       &a2_scales,
+        &expert_out,  &expert_out2,      &stage_w13,  &stage_s13, &stage_w2, &stage_s2,
+        &shared_q,    &shared_q_scales,  &y_routed,   &x_static,  &y_static})
     bytes += t->nbytes();
   return bytes;
 }
@@ -626,28 +651,61 @@ GpuMoeLayer::GpuMoeLayer(std::shared_ptr<const ModelWeights> weights, GpuLayerOp
 
 GpuMoeLayer::~GpuMoeLayer() = default;
 
-const MoeConfig& GpuMoeLayer::config() const { return impl_->c; }
-const GpuLayerOptions& GpuMoeLayer::options() const { return impl_->o; }
-int GpuMoeLayer::rank() const { return impl_->rank; }
-int GpuMoeLayer::num_ranks() const { return impl_->ranks; }
-std::int64_t GpuMoeLayer::max_tokens() const { return impl_->T_max; }
-cudaStream_t GpuMoeLayer::stream() const { return impl_->s0; }
-const GpuPhaseTimes& GpuMoeLayer::times() const { return impl_->times; }
-void GpuMoeLayer::reset_times() { impl_->times = GpuPhaseTimes{}; }
-void GpuMoeLayer::set_timing(bool on) { impl_->o.timing = on; }
-std::size_t GpuMoeLayer::device_bytes() const { return impl_->device_bytes(); }
-std::size_t GpuMoeLayer::comm_layout_bytes() const { return impl_->comm_layout_bytes(); }
-std::size_t GpuMoeLayer::dispatcher_setup_bytes() const { return impl_->dispatcher_setup_bytes; }
-const ExpertPlacement& GpuMoeLayer::placement() const { return impl_->placement; }
-std::size_t GpuMoeLayer::graphs_captured() const { return impl_->graphs.size(); }
+const MoeConfig& GpuMoeLayer::config() const {
+  return impl_->c;
+}
+const GpuLayerOptions& GpuMoeLayer::options() const {
+  return impl_->o;
+}
+int GpuMoeLayer::rank() const {
+  return impl_->rank;
+}
+int GpuMoeLayer::num_ranks() const {
+  return impl_->ranks;
+}
+std::int64_t GpuMoeLayer::max_tokens() const {
+  return impl_->T_max;
+}
+cudaStream_t GpuMoeLayer::stream() const {
+  return impl_->s0;
+}
+const GpuPhaseTimes& GpuMoeLayer::times() const {
+  return impl_->times;
+}
+void GpuMoeLayer::reset_times() {
+  impl_->times = GpuPhaseTimes{};
+}
+void GpuMoeLayer::set_timing(bool on) {
+  impl_->o.timing = on;
+}
+std::size_t GpuMoeLayer::device_bytes() const {
+  return impl_->device_bytes();
+}
+std::size_t GpuMoeLayer::comm_layout_bytes() const {
+  return impl_->comm_layout_bytes();
+}
+std::size_t GpuMoeLayer::dispatcher_setup_bytes() const {
+  return impl_->dispatcher_setup_bytes;
+}
+const ExpertPlacement& GpuMoeLayer::placement() const {
+  return impl_->placement;
+}
+std::size_t GpuMoeLayer::graphs_captured() const {
+  return impl_->graphs.size();
+}
 
-TensorView GpuMoeLayer::last_logits() const { return rows_of(impl_->logits, impl_->last_T); }
+TensorView GpuMoeLayer::last_logits() const {
+  return rows_of(impl_->logits, impl_->last_T);
+}
 
-void GpuMoeLayer::forward(TensorView x, TensorView y) { impl_->forward(x, y); }
+void GpuMoeLayer::forward(TensorView x, TensorView y) {
+  impl_->forward(x, y);
+}
 
 void GpuMoeLayer::capture_graphs(std::span<const std::int64_t> batch_sizes) {
   Impl& m = *impl_;
-  EPMOE_CHECK(m.o.mode == Mode::low_latency, "CUDA graphs serve the low-latency mode (normal mode syncs the host)");
+  EPMOE_CHECK(m.o.mode == Mode::low_latency,
+              "CUDA graphs serve the low-latency mode (normal mode syncs the host)");
   for (const std::int64_t T : batch_sizes) {
     EPMOE_CHECK(T >= 0 && T <= m.T_max, "graph batch size {} must be in [0, {}]", T, m.T_max);
     if (m.graphs.count(T)) continue;
@@ -680,27 +738,31 @@ void GpuMoeLayer::forward_graph(TensorView x, TensorView y) {
   expect_dtype(y, DType::bf16, "y");
   expect_device(y, Device::cuda, "y");
   expect_contiguous(y, "y");
-  EPMOE_CHECK(T <= m.T_max, "x has {} tokens, more than the layer's buffers hold (max_tokens = {})", T, m.T_max);
+  EPMOE_CHECK(T <= m.T_max, "x has {} tokens, more than the layer's buffers hold (max_tokens = {})", T,
+              m.T_max);
   const std::int64_t sizes[] = {T};
   capture_graphs(sizes);
   if (x.data != m.x_static.view().data)
-    EPMOE_CUDA_CHECK(cudaMemcpyAsync(m.x_static.view().data, x.data, x.nbytes(), cudaMemcpyDeviceToDevice, m.s0));
+    EPMOE_CUDA_CHECK(
+        cudaMemcpyAsync(m.x_static.view().data, x.data, x.nbytes(), cudaMemcpyDeviceToDevice, m.s0));
   m.graphs.at(T)->launch(m.s0);
   m.last_T = T;
   if (y.data != m.y_static.view().data)
-    EPMOE_CUDA_CHECK(cudaMemcpyAsync(y.data, m.y_static.view().data, y.nbytes(), cudaMemcpyDeviceToDevice, m.s0));
+    EPMOE_CUDA_CHECK(
+        cudaMemcpyAsync(y.data, m.y_static.view().data, y.nbytes(), cudaMemcpyDeviceToDevice, m.s0));
 }
 
 namespace {
 // A device i64 counter array summed over the ranks, on the host (collective).
-std::vector<std::int64_t> sum_over_ranks(const DeviceTensor& counts, const std::shared_ptr<Communicator>& comm,
-                                         cudaStream_t stream) {
+std::vector<std::int64_t> sum_over_ranks(const DeviceTensor& counts,
+                                         const std::shared_ptr<Communicator>& comm, cudaStream_t stream) {
   const std::int64_t n = counts.numel();
   DeviceTensor sum(DType::i64, {n});
   if (comm && comm->size() > 1) {
-    EPMOE_CHECK(ncclAllReduce(counts.data<std::int64_t>(), sum.data<std::int64_t>(), static_cast<std::size_t>(n),
-                              ncclInt64, ncclSum, comm->nccl(), stream) == ncclSuccess,
-                "ncclAllReduce of the load counters failed");
+    EPMOE_CHECK(
+        ncclAllReduce(counts.data<std::int64_t>(), sum.data<std::int64_t>(), static_cast<std::size_t>(n),
+                      ncclInt64, ncclSum, comm->nccl(), stream) == ncclSuccess,
+        "ncclAllReduce of the load counters failed");
   } else {
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(sum.data<std::int64_t>(), counts.data<std::int64_t>(), sum.nbytes(),
                                      cudaMemcpyDeviceToDevice, stream));
@@ -710,8 +772,12 @@ std::vector<std::int64_t> sum_over_ranks(const DeviceTensor& counts, const std::
 }
 }  // namespace
 
-std::vector<std::int64_t> GpuMoeLayer::expert_load() { return sum_over_ranks(impl_->expert_counts, impl_->comm, impl_->s0); }
-std::vector<std::int64_t> GpuMoeLayer::slot_load() { return sum_over_ranks(impl_->slot_counts, impl_->comm, impl_->s0); }
+std::vector<std::int64_t> GpuMoeLayer::expert_load() {
+  return sum_over_ranks(impl_->expert_counts, impl_->comm, impl_->s0);
+}
+std::vector<std::int64_t> GpuMoeLayer::slot_load() {
+  return sum_over_ranks(impl_->slot_counts, impl_->comm, impl_->s0);
+}
 
 void GpuMoeLayer::reset_load() {
   Impl& m = *impl_;
@@ -730,6 +796,8 @@ int GpuMoeLayer::rebalance(int nodes) {
   return rewritten;
 }
 
-int GpuMoeLayer::set_placement(const ExpertPlacement& placement) { return impl_->install_placement(placement); }
+int GpuMoeLayer::set_placement(const ExpertPlacement& placement) {
+  return impl_->install_placement(placement);
+}
 
 }  // namespace epmoe::cuda

@@ -13,7 +13,8 @@ void route_tokens(const ModelWeights& weights, TensorView x, HostTensor& ids, Ho
   route_from_logits(weights, logits, ids, topk_weights);
 }
 
-void route_from_logits(const ModelWeights& weights, TensorView logits, HostTensor& ids, HostTensor& topk_weights) {
+void route_from_logits(const ModelWeights& weights, TensorView logits, HostTensor& ids,
+                       HostTensor& topk_weights) {
   const MoeConfig& c = weights.config();
   const std::int64_t T = logits.size(0);
   ids = HostTensor(DType::i32, {T, c.topk});
@@ -25,7 +26,9 @@ QuantizedTokens quantize_tokens(ActivationFormat format, TensorView x, float a1_
   QuantizedTokens out;
   const std::int64_t T = x.size(0), H = x.size(1);
   switch (format) {
-    case ActivationFormat::bf16: out.x = x; break;
+    case ActivationFormat::bf16:
+      out.x = x;
+      break;
     case ActivationFormat::fp8_group:
       out.q = HostTensor(DType::fp8_e4m3, {T, H});
       out.scales = HostTensor(DType::f32, {T, H / 128});
@@ -46,7 +49,8 @@ void shared_expert_forward(const ModelWeights& weights, TensorView x, TensorView
   const MoeConfig& c = weights.config();
   const ExpertWeights& shared = weights.shared_expert();
   // The shared expert is FP8 block-scaled unless the model is unquantized (weights.hpp).
-  const ActivationFormat format = shared.quant == QuantScheme::none ? ActivationFormat::bf16 : ActivationFormat::fp8_group;
+  const ActivationFormat format =
+      shared.quant == QuantScheme::none ? ActivationFormat::bf16 : ActivationFormat::fp8_group;
   const QuantizedTokens q = quantize_tokens(format, x, 1.0f, c.power_of_two_scales);
   expert_mlp_cpu(shared, format, q.x, q.scales, 1.0f, 1.0f, c.power_of_two_scales, numerics, out);
 }

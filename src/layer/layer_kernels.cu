@@ -16,18 +16,23 @@ __device__ __forceinline__ std::uint32_t add_bf16x2(std::uint32_t a, std::uint32
 }
 
 __global__ void __launch_bounds__(kThreads)
-    add_bf16_kernel(const uint4* __restrict__ a, const uint4* __restrict__ b, uint4* y, std::uint64_t vectors) {
+    add_bf16_kernel(const uint4* __restrict__ a, const uint4* __restrict__ b, uint4* y,
+                    std::uint64_t vectors) {
   for (std::uint64_t i = blockIdx.x * static_cast<std::uint64_t>(kThreads) + threadIdx.x; i < vectors;
        i += static_cast<std::uint64_t>(gridDim.x) * kThreads) {
     const uint4 va = a[i], vb = b[i];
-    y[i] = make_uint4(add_bf16x2(va.x, vb.x), add_bf16x2(va.y, vb.y), add_bf16x2(va.z, vb.z), add_bf16x2(va.w, vb.w));
+    y[i] = make_uint4(add_bf16x2(va.x, vb.x), add_bf16x2(va.y, vb.y), add_bf16x2(va.z, vb.z),
+                      add_bf16x2(va.w, vb.w));
   }
 }
 
-__global__ void fill_i32_kernel(std::int32_t* dst, std::int32_t value) { *dst = value; }
+__global__ void fill_i32_kernel(std::int32_t* dst, std::int32_t value) {
+  *dst = value;
+}
 
 __global__ void __launch_bounds__(kThreads)
-    count_ids_kernel(const std::int32_t* __restrict__ ids, std::uint64_t n, unsigned long long* counts, std::int32_t p) {
+    count_ids_kernel(const std::int32_t* __restrict__ ids, std::uint64_t n, unsigned long long* counts,
+                     std::int32_t p) {
   for (std::uint64_t i = blockIdx.x * static_cast<std::uint64_t>(kThreads) + threadIdx.x; i < n;
        i += static_cast<std::uint64_t>(gridDim.x) * kThreads) {
     const std::int32_t id = ids[i];
@@ -44,14 +49,16 @@ void add_bf16(TensorView a, TensorView b, TensorView y, cudaStream_t stream) {
     expect_contiguous(t, name);
     EPMOE_CHECK(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, "{} must be 16-byte aligned", name);
   }
-  EPMOE_CHECK(a.numel() == b.numel() && a.numel() == y.numel(), "add_bf16: a, b and y must have equal sizes, got {}, {}, {}",
-              a.numel(), b.numel(), y.numel());
+  EPMOE_CHECK(a.numel() == b.numel() && a.numel() == y.numel(),
+              "add_bf16: a, b and y must have equal sizes, got {}, {}, {}", a.numel(), b.numel(), y.numel());
   EPMOE_CHECK(a.numel() % 8 == 0, "add_bf16: the element count must be a multiple of 8, got {}", a.numel());
   const std::uint64_t vectors = static_cast<std::uint64_t>(a.numel()) / 8;
   if (vectors == 0) return;
   const int sms = cuda::device_props().sm_count;
-  const auto blocks = static_cast<unsigned>(std::min<std::uint64_t>((vectors + kThreads - 1) / kThreads, 8ull * sms));
-  add_bf16_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint4*>(a.data), static_cast<const uint4*>(b.data),
+  const auto blocks =
+      static_cast<unsigned>(std::min<std::uint64_t>((vectors + kThreads - 1) / kThreads, 8ull * sms));
+  add_bf16_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint4*>(a.data),
+                                                   static_cast<const uint4*>(b.data),
                                                    static_cast<uint4*>(y.data), vectors);
   EPMOE_CUDA_CHECK_LAUNCH();
 }

@@ -14,7 +14,8 @@ void reference_forward(const ModelWeights& weights, TensorView x, TensorView y, 
   reference_forward(weights, x, TensorView{}, y, numerics);
 }
 
-void reference_forward(const ModelWeights& weights, TensorView x, TensorView logits, TensorView y, Numerics numerics) {
+void reference_forward(const ModelWeights& weights, TensorView x, TensorView logits, TensorView y,
+                       Numerics numerics) {
   const MoeConfig& c = weights.config();
   const std::int64_t H = c.hidden;
   expect_rank(x, 2, "x");
@@ -39,7 +40,8 @@ void reference_forward(const ModelWeights& weights, TensorView x, TensorView log
     detail::route_from_logits(weights, logits, ids, topk_weights);
   }
   const ActivationFormat format = activation_format(c.quant);
-  const detail::QuantizedTokens q = detail::quantize_tokens(format, x, weights.a1_scale(), c.power_of_two_scales);
+  const detail::QuantizedTokens q =
+      detail::quantize_tokens(format, x, weights.a1_scale(), c.power_of_two_scales);
   const DType out_dtype = numerics == Numerics::mirror ? DType::bf16 : DType::f64;
   auto value = [&](const HostTensor& t, std::int64_t i) {
     return out_dtype == DType::bf16 ? static_cast<double>(t.data<bf16>()[i].to_float()) : t.data<double>()[i];
@@ -47,7 +49,8 @@ void reference_forward(const ModelWeights& weights, TensorView x, TensorView log
 
   // Each logical expert once, on all the rows that chose it (rows are independent in every format).
   std::vector<std::vector<std::int64_t>> pairs(static_cast<std::size_t>(c.num_experts));
-  for (std::int64_t i = 0; i < T * K; ++i) pairs[static_cast<std::size_t>(ids.data<std::int32_t>()[i])].push_back(i);
+  for (std::int64_t i = 0; i < T * K; ++i)
+    pairs[static_cast<std::size_t>(ids.data<std::int32_t>()[i])].push_back(i);
   std::vector<double> routed(static_cast<std::size_t>(T * H), 0.0);
   const std::size_t row_bytes = static_cast<std::size_t>(H) * dtype_size(q.x.dtype);
   for (int e = 0; e < c.num_experts; ++e) {
@@ -59,10 +62,11 @@ void reference_forward(const ModelWeights& weights, TensorView x, TensorView log
       const std::int64_t t = list[static_cast<std::size_t>(r)] / K;
       std::memcpy(xe.view().select(r).data, q.x.select(t).data, row_bytes);
       if (format == ActivationFormat::fp8_group)
-        std::memcpy(se.data<float>() + r * (H / 128), q.scales.data<float>() + t * (H / 128), (H / 128) * sizeof(float));
+        std::memcpy(se.data<float>() + r * (H / 128), q.scales.data<float>() + t * (H / 128),
+                    (H / 128) * sizeof(float));
     }
-    expert_mlp_cpu(weights.routed_expert(e), format, xe, se, q.tensor_scale, weights.a2_scale(), c.power_of_two_scales,
-                   numerics, ye);
+    expert_mlp_cpu(weights.routed_expert(e), format, xe, se, q.tensor_scale, weights.a2_scale(),
+                   c.power_of_two_scales, numerics, ye);
     for (std::int64_t r = 0; r < n; ++r) {
       const std::int64_t pair = list[static_cast<std::size_t>(r)];
       const double w = topk_weights.data<float>()[pair];
@@ -91,17 +95,21 @@ void reference_forward(const ModelWeights& weights, TensorView x, TensorView log
 namespace {
 double element(const TensorView& t, std::int64_t i) {
   switch (t.dtype) {
-    case DType::bf16: return t.as<bf16>()[i].to_float();
-    case DType::f32: return t.as<float>()[i];
-    case DType::f64: return t.as<double>()[i];
-    default: EPMOE_FAIL("compare() takes bf16, f32 or f64 tensors, got {}", t.describe());
+    case DType::bf16:
+      return t.as<bf16>()[i].to_float();
+    case DType::f32:
+      return t.as<float>()[i];
+    case DType::f64:
+      return t.as<double>()[i];
+    default:
+      EPMOE_FAIL("compare() takes bf16, f32 or f64 tensors, got {}", t.describe());
   }
 }
 }  // namespace
 
 ErrorReport compare(TensorView actual, TensorView expected) {
-  EPMOE_CHECK(actual.numel() == expected.numel(), "compare: actual has {} elements, expected has {}", actual.numel(),
-              expected.numel());
+  EPMOE_CHECK(actual.numel() == expected.numel(), "compare: actual has {} elements, expected has {}",
+              actual.numel(), expected.numel());
   expect_contiguous(actual, "actual");
   expect_contiguous(expected, "expected");
   ErrorReport report;

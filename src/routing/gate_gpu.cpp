@@ -5,11 +5,11 @@
 namespace epmoe::cuda {
 namespace {
 
-#define EPMOE_CUBLAS_CHECK(expr)                                                                              \
-  do {                                                                                                        \
-    const cublasStatus_t epmoe_cublas_status_ = (expr);                                                       \
-    EPMOE_CHECK(epmoe_cublas_status_ == CUBLAS_STATUS_SUCCESS, "{} failed: {} ({}:{})", #expr,               \
-                cublasGetStatusString(epmoe_cublas_status_), __FILE__, __LINE__);                             \
+#define EPMOE_CUBLAS_CHECK(expr)                                                               \
+  do {                                                                                         \
+    const cublasStatus_t epmoe_cublas_status_ = (expr);                                        \
+    EPMOE_CHECK(epmoe_cublas_status_ == CUBLAS_STATUS_SUCCESS, "{} failed: {} ({}:{})", #expr, \
+                cublasGetStatusString(epmoe_cublas_status_), __FILE__, __LINE__);              \
   } while (0)
 
 // cuBLAS's recommended workspace for Hopper (enough for every algorithm it picks).
@@ -47,10 +47,10 @@ void GateGemm::run(TensorView x, TensorView gate_weight, TensorView logits, cuda
   EPMOE_CUBLAS_CHECK(cublasSetWorkspace(handle, workspace_.data(), workspace_.size()));
   const float alpha = 1.0f, beta = 0.0f;
   // Column-major view: logits^T [E, T] = gate [H, E]^T · x^T [H, T].
-  EPMOE_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T),
-                                  static_cast<int>(H), &alpha, gate_weight.data, CUDA_R_16BF, static_cast<int>(H),
-                                  x.data, CUDA_R_16BF, static_cast<int>(H), &beta, logits.data, CUDA_R_32F,
-                                  static_cast<int>(E), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  EPMOE_CUBLAS_CHECK(cublasGemmEx(
+      handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T), static_cast<int>(H), &alpha,
+      gate_weight.data, CUDA_R_16BF, static_cast<int>(H), x.data, CUDA_R_16BF, static_cast<int>(H), &beta,
+      logits.data, CUDA_R_32F, static_cast<int>(E), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace epmoe::cuda

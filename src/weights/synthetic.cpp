@@ -11,9 +11,12 @@ namespace epmoe {
 
 ActivationFormat activation_format(QuantScheme quant) {
   switch (quant) {
-    case QuantScheme::fp8: return ActivationFormat::fp8_group;
-    case QuantScheme::w4a8: return ActivationFormat::fp8_tensor;
-    case QuantScheme::none: return ActivationFormat::bf16;
+    case QuantScheme::fp8:
+      return ActivationFormat::fp8_group;
+    case QuantScheme::w4a8:
+      return ActivationFormat::fp8_tensor;
+    case QuantScheme::none:
+      return ActivationFormat::bf16;
   }
   EPMOE_FAIL("unknown quant scheme {}", static_cast<int>(quant));
 }
@@ -21,7 +24,8 @@ ActivationFormat activation_format(QuantScheme quant) {
 void ExpertWeights::validate() const {
   const std::int64_t H = hidden, I = intermediate;
   EPMOE_CHECK(H > 0 && H % kQuantGroup == 0 && I > 0 && I % kQuantGroup == 0,
-              "expert dims must be positive multiples of {}, got hidden={} intermediate={}", kQuantGroup, H, I);
+              "expert dims must be positive multiples of {}, got hidden={} intermediate={}", kQuantGroup, H,
+              I);
   switch (quant) {
     case QuantScheme::fp8:
       expect_dtype(w13, DType::fp8_e4m3, "w13");
@@ -52,9 +56,13 @@ void ExpertWeights::validate() const {
   }
 }
 
-std::uint64_t mix64(std::uint64_t x) { return detail::synth_mix64(x); }
+std::uint64_t mix64(std::uint64_t x) {
+  return detail::synth_mix64(x);
+}
 
-float uniform_pm1(std::uint64_t stream, std::uint64_t i) { return detail::synth_uniform_pm1(stream, i); }
+float uniform_pm1(std::uint64_t stream, std::uint64_t i) {
+  return detail::synth_uniform_pm1(stream, i);
+}
 
 namespace {
 
@@ -67,7 +75,8 @@ std::uint64_t stream_id(std::uint64_t seed, std::uint64_t tag, std::uint64_t ind
 HostTensor random_matrix(std::uint64_t stream, std::int64_t rows, std::int64_t cols, float bound) {
   HostTensor w(DType::f32, {rows, cols});
   float* p = w.data<float>();
-  for (std::int64_t i = 0; i < rows * cols; ++i) p[i] = bound * uniform_pm1(stream, static_cast<std::uint64_t>(i));
+  for (std::int64_t i = 0; i < rows * cols; ++i)
+    p[i] = bound * uniform_pm1(stream, static_cast<std::uint64_t>(i));
   return w;
 }
 
@@ -117,16 +126,20 @@ std::unique_ptr<ExpertWeights> make_synthetic_expert(QuantScheme quant, std::int
   return e;
 }
 
-SyntheticWeights::SyntheticWeights(const MoeConfig& config, std::uint64_t seed) : config_(config), seed_(seed) {
+SyntheticWeights::SyntheticWeights(const MoeConfig& config, std::uint64_t seed)
+    : config_(config), seed_(seed) {
   config_.validate();
   const std::int64_t E = config_.num_experts, H = config_.hidden;
   // Gate rows of norm ~2 give logits of spread ~3 on the synthetic tokens: routing is far from uniform.
-  HostTensor gate = random_matrix(stream_id(seed, kTagGate, 0), E, H, 2.0f / std::sqrt(static_cast<float>(H)));
+  HostTensor gate =
+      random_matrix(stream_id(seed, kTagGate, 0), E, H, 2.0f / std::sqrt(static_cast<float>(H)));
   gate_weight_ = HostTensor(DType::bf16, {E, H});
-  for (std::int64_t i = 0; i < E * H; ++i) gate_weight_.data<bf16>()[i] = bf16::from_float(gate.data<float>()[i]);
+  for (std::int64_t i = 0; i < E * H; ++i)
+    gate_weight_.data<bf16>()[i] = bf16::from_float(gate.data<float>()[i]);
   correction_bias_ = HostTensor(DType::f32, {E});
   for (std::int64_t e = 0; e < E; ++e)
-    correction_bias_.data<float>()[e] = 0.05f * uniform_pm1(stream_id(seed, kTagBias, 0), static_cast<std::uint64_t>(e));
+    correction_bias_.data<float>()[e] =
+        0.05f * uniform_pm1(stream_id(seed, kTagBias, 0), static_cast<std::uint64_t>(e));
 
   if (config_.quant == QuantScheme::w4a8) {
     // Static activation scales, as a W4AFP8 checkpoint ships them: a1 covers the synthetic token
@@ -160,7 +173,8 @@ const ExpertWeights& SyntheticWeights::routed_expert(int logical) const {
   auto& slot = experts_[logical];
   if (!slot) {
     slot = factory_ ? factory_(config_.quant, config_.hidden, config_.intermediate, expert_seed(logical))
-                    : make_synthetic_expert(config_.quant, config_.hidden, config_.intermediate, expert_seed(logical));
+                    : make_synthetic_expert(config_.quant, config_.hidden, config_.intermediate,
+                                            expert_seed(logical));
   }
   return *slot;
 }
@@ -170,8 +184,9 @@ const ExpertWeights& SyntheticWeights::shared_expert() const {
   std::lock_guard lock(mutex_);
   if (!shared_) {
     const QuantScheme quant = config_.quant == QuantScheme::none ? QuantScheme::none : QuantScheme::fp8;
-    shared_ = factory_ ? factory_(quant, config_.hidden, config_.shared_intermediate(), shared_seed())
-                       : make_synthetic_expert(quant, config_.hidden, config_.shared_intermediate(), shared_seed());
+    shared_ =
+        factory_ ? factory_(quant, config_.hidden, config_.shared_intermediate(), shared_seed())
+                 : make_synthetic_expert(quant, config_.hidden, config_.shared_intermediate(), shared_seed());
   }
   return *shared_;
 }
@@ -183,7 +198,8 @@ std::uint64_t SyntheticWeights::expert_seed(int logical) const {
 }
 
 void SyntheticWeights::skew_routing(double strength) {
-  EPMOE_CHECK(std::isfinite(strength) && strength >= 0, "routing skew must be finite and >= 0, got {}", strength);
+  EPMOE_CHECK(std::isfinite(strength) && strength >= 0, "routing skew must be finite and >= 0, got {}",
+              strength);
   const int E = config_.num_experts;
   std::vector<int> order(static_cast<std::size_t>(E));
   for (int e = 0; e < E; ++e) order[static_cast<std::size_t>(e)] = e;
@@ -196,7 +212,9 @@ void SyntheticWeights::skew_routing(double strength) {
         static_cast<float>(-strength * std::log1p(static_cast<double>(j)));
 }
 
-std::uint64_t SyntheticWeights::shared_seed() const { return stream_id(seed_, kTagShared, 0); }
+std::uint64_t SyntheticWeights::shared_seed() const {
+  return stream_id(seed_, kTagShared, 0);
+}
 
 std::size_t SyntheticWeights::experts_built() const {
   std::lock_guard lock(mutex_);

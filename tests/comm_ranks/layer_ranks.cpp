@@ -11,6 +11,7 @@
 #include "epmoe/cuda/layer.hpp"
 #include "epmoe/cuda/synthetic.hpp"
 #include "epmoe/layer.hpp"
+#include "layer/layer_test_util.hpp"
 #include "ranks_util.hpp"
 
 namespace epmoe::ranks {
@@ -18,30 +19,12 @@ namespace {
 
 using cuda::DeviceTensor;
 
-struct Out {
-  HostTensor y, logits;
-};
-
-Out forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph) {
-  cudaStream_t s = layer.stream();
-  DeviceTensor dx = cuda::to_device(x, s);
-  DeviceTensor dy(DType::bf16, {x.size(0), x.size(1)});
-  dy.fill_bytes(0xff, s);  // NaN until written
-  if (graph) {
-    layer.forward_graph(dx, dy);
-  } else {
-    layer.forward(dx, dy);
-  }
-  return {cuda::to_host(dy, s), cuda::to_host(layer.last_logits(), s)};
-}
+using testing::layer_forward;
+using Out = testing::LayerForward;
 
 void expect_reference(const ModelWeights& w, const HostTensor& x, const Out& o, const char* what) {
-  HostTensor ref(DType::bf16, {x.size(0), x.size(1)});
-  reference_forward(w, x, o.logits, ref, Numerics::mirror);
-  const ErrorReport r = compare(o.y, ref);
-  const double tolerance = w.config().hidden >= 2048 ? 1e-2 : 2e-2;  // see tests/layer/gpu_layer_gpu_test.cpp
-  EXPECT_EQ(r.non_finite, 0) << what;
-  EXPECT_LE(r.rel_l2, tolerance) << what << " on rank " << world().rank();
+  testing::expect_matches_reference(w, x, o,
+                                    std::string(what) + " on rank " + std::to_string(world().rank()));
 }
 
 bool same_bits(const HostTensor& a, const HostTensor& b) {
@@ -49,8 +32,12 @@ bool same_bits(const HostTensor& a, const HostTensor& b) {
 }
 
 // Test parameters: "preset/quant".
-std::string_view preset_of(std::string_view p) { return p.substr(0, p.find('/')); }
-QuantScheme quant_of(std::string_view p) { return parse_quant(p.substr(p.find('/') + 1)); }
+std::string_view preset_of(std::string_view p) {
+  return p.substr(0, p.find('/'));
+}
+QuantScheme quant_of(std::string_view p) {
+  return parse_quant(p.substr(p.find('/') + 1));
+}
 
 MoeConfig config_for(std::string_view param, int redundant, int max_tokens) {
   MoeConfig c = MoeConfig::preset(preset_of(param));
@@ -80,14 +67,16 @@ TEST_P(LayerRanks, LowLatencyEagerAndGraphMatchTheReference) {
   // Different token counts per rank, one rank with a single token.
   const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
   const HostTensor x = synthetic_tokens(c, 33, world().rank(), T);
-  const Out eager = forward(layer, x, false);
+  const Out eager = layer_forward(layer, x, false);
   expect_reference(*w, x, eager, "low-latency eager");
-  EXPECT_TRUE(same_bits(forward(layer, x, true).y, eager.y)) << "graph capture + replay differs from eager";
-  EXPECT_TRUE(same_bits(forward(layer, x, true).y, eager.y)) << "second graph replay differs from eager";
+  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, eager.y))
+      << "graph capture + replay differs from eager";
+  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, eager.y))
+      << "second graph replay differs from eager";
   // A rebalance moves experts between slots in place; the captured graph stays valid and the
   // results do not change.
   layer.rebalance();
-  EXPECT_TRUE(same_bits(forward(layer, x, true).y, eager.y)) << "graph replay after rebalance differs";
+  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, eager.y)) << "graph replay after rebalance differs";
 }
 
 TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
@@ -102,7 +91,7 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
     o.mode = Mode::normal;
     o.max_tokens = 128;
     cuda::GpuMoeLayer layer(w, o, world_ptr());
-    plain = forward(layer, x, false);
+    plain = layer_forward(layer, x, false);
     expect_reference(*w, x, plain, "normal");
   }
   cuda::GpuLayerOptions o;
@@ -110,16 +99,18 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
   o.max_tokens = 128;
   o.tbo = true;
   cuda::GpuMoeLayer layer(w, o, world_ptr());
-  const Out tbo = forward(layer, x, false);
+  const Out tbo = layer_forward(layer, x, false);
   EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the result";
-  EXPECT_TRUE(same_bits(forward(layer, x, false).y, plain.y)) << "a repeated overlapped forward differs";
+  EXPECT_TRUE(same_bits(layer_forward(layer, x, false).y, plain.y))
+      << "a repeated overlapped forward differs";
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, LayerRanks,
                          ::testing::Values("tiny/fp8", "deepseek-v3/fp8", "tiny/w4a8", "deepseek-v3/w4a8"),
                          [](const auto& param_info) {
                            const std::string_view p = param_info.param;
-                           return std::string(p[0] == 't' ? "tiny_" : "dsv3_") + std::string(p.substr(p.find('/') + 1));
+                           return std::string(p[0] == 't' ? "tiny_" : "dsv3_") +
+                                  std::string(p.substr(p.find('/') + 1));
                          });
 
 }  // namespace

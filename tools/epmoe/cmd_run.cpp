@@ -30,7 +30,8 @@ struct PhaseResult {
 class Progress {
  public:
   explicit Progress(std::string label) : label_(std::move(label)), last_(Clock::now()) {}
-  void update(std::int64_t done, std::int64_t total, std::int64_t tokens, double seconds, bool force = false) {
+  void update(std::int64_t done, std::int64_t total, std::int64_t tokens, double seconds,
+              bool force = false) {
     const auto now = Clock::now();
     if (!force && now - last_ < std::chrono::seconds(1)) return;
     last_ = now;
@@ -93,22 +94,30 @@ nlohmann::json to_json(const PhaseResult& p) {
           {"tokens_per_s", p.seconds > 0 ? static_cast<double>(p.tokens) / p.seconds : 0.0},
           {"dispatch_bytes_sent", p.bytes_sent},
           {"time_ms",
-           {{"route", t.route}, {"quantize", t.quantize}, {"shared", t.shared}, {"dispatch", t.dispatch},
-            {"experts", t.experts}, {"combine", t.combine}, {"total", t.total()}}},
+           {{"route", t.route},
+            {"quantize", t.quantize},
+            {"shared", t.shared},
+            {"dispatch", t.dispatch},
+            {"experts", t.experts},
+            {"combine", t.combine},
+            {"total", t.total()}}},
           {"check", tools::to_json(p.check)}};
 }
 
 void print_phase(const PhaseResult& p) {
   const PhaseTimes& t = p.times;
   const double total = t.total() > 0 ? t.total() : 1.0;
-  std::printf("  %-8s %-11s %6lld forwards %9lld tokens %10.1f tokens/s   check rel_l2 %.2e calc_diff %.2e %s\n",
-              p.name.c_str(), std::string(to_string(p.mode)).c_str(), static_cast<long long>(p.forwards),
-              static_cast<long long>(p.tokens), p.seconds > 0 ? static_cast<double>(p.tokens) / p.seconds : 0.0,
-              p.check.overall.rel_l2, p.check.overall.calc_diff, p.check.pass ? "PASS" : "FAIL");
-  std::printf("           time: route %.1f%%  quantize %.1f%%  shared %.1f%%  dispatch %.1f%%  experts %.1f%%  combine %.1f%%"
-              "  (%.1f ms)\n",
-              100 * t.route / total, 100 * t.quantize / total, 100 * t.shared / total, 100 * t.dispatch / total,
-              100 * t.experts / total, 100 * t.combine / total, t.total());
+  std::printf(
+      "  %-8s %-11s %6lld forwards %9lld tokens %10.1f tokens/s   check rel_l2 %.2e calc_diff %.2e %s\n",
+      p.name.c_str(), std::string(to_string(p.mode)).c_str(), static_cast<long long>(p.forwards),
+      static_cast<long long>(p.tokens), p.seconds > 0 ? static_cast<double>(p.tokens) / p.seconds : 0.0,
+      p.check.overall.rel_l2, p.check.overall.calc_diff, p.check.pass ? "PASS" : "FAIL");
+  std::printf(
+      "           time: route %.1f%%  quantize %.1f%%  shared %.1f%%  dispatch %.1f%%  experts %.1f%%  "
+      "combine %.1f%%"
+      "  (%.1f ms)\n",
+      100 * t.route / total, 100 * t.quantize / total, 100 * t.shared / total, 100 * t.dispatch / total,
+      100 * t.experts / total, 100 * t.combine / total, t.total());
 }
 
 void run_main(const RunOptions& o) {
@@ -121,7 +130,8 @@ void run_main(const RunOptions& o) {
   const int steps = o.steps >= 0 ? o.steps : 32;
   EPMOE_CHECK(o.prompt_tokens >= 0, "prompt-tokens must be >= 0, got {}", o.prompt_tokens);
   EPMOE_CHECK(steps > 0 || o.prompt_tokens > 0, "nothing to run: steps and prompt-tokens are both 0");
-  const std::int64_t decode_tokens = o.tokens >= 0 ? o.tokens : std::min<std::int64_t>(32, config.max_tokens_per_rank);
+  const std::int64_t decode_tokens =
+      o.tokens >= 0 ? o.tokens : std::min<std::int64_t>(32, config.max_tokens_per_rank);
   const std::int64_t chunk = o.chunk > 0 ? o.chunk : 256;
   const Mode decode_mode = o.mode == "auto" ? Mode::low_latency : parse_mode(o.mode);
   const Mode prefill_mode = o.mode == "auto" ? Mode::normal : parse_mode(o.mode);
@@ -136,7 +146,8 @@ void run_main(const RunOptions& o) {
 
   std::printf("epmoe run: %s\n", config.describe().c_str());
   std::printf("  device: %s, %d ranks simulated in one process (GPU present: %s)\n",
-              std::string(device_name(device)).c_str(), config.num_ranks, cuda::device_description(0).c_str());
+              std::string(device_name(device)).c_str(), config.num_ranks,
+              cuda::device_description(0).c_str());
   std::fflush(stdout);  // the header before the progress lines on stderr
   auto weights = std::make_shared<SyntheticWeights>(config, o.model.seed);
 
@@ -148,8 +159,10 @@ void run_main(const RunOptions& o) {
   }
   if (o.prompt_tokens > 0) {
     std::vector<std::int64_t> chunks;
-    for (std::int64_t done = 0; done < o.prompt_tokens; done += chunk) chunks.push_back(std::min(chunk, o.prompt_tokens - done));
-    phases.push_back(run_phase("prefill", weights, prefill_mode, device, chunks, o.model.seed + 2, o.tolerance));
+    for (std::int64_t done = 0; done < o.prompt_tokens; done += chunk)
+      chunks.push_back(std::min(chunk, o.prompt_tokens - done));
+    phases.push_back(
+        run_phase("prefill", weights, prefill_mode, device, chunks, o.model.seed + 2, o.tolerance));
   }
 
   bool pass = true;
@@ -170,36 +183,50 @@ void run_main(const RunOptions& o) {
   set_exit_code(pass ? 0 : 1);
 }
 
-const CommandRegistration kRegistration{10, [](CLI::App& app) {
-  auto options = std::make_shared<RunOptions>();
-  CLI::App* cmd = app.add_subcommand("run", "The main job: a decode and a prefill phase on a synthetic model, "
-                                            "with tokens/s, time per phase and the accuracy check");
-  add_model_options(cmd, options->model);
-  cmd->add_option("--steps", options->steps, "Decode steps (default: 32 on the CPU, 1000 on GPUs)");
-  cmd->add_option("--tokens", options->tokens,
-                  "Decode tokens per rank (default: CPU min(32, max_tokens_per_rank); GPU concurrency / ranks)");
-  cmd->add_option("--concurrency", options->concurrency, "GPU: decode requests over all ranks")->capture_default_str();
-  cmd->add_option("--prompt-tokens", options->prompt_tokens, "Prefill prompt length in tokens")->capture_default_str();
-  cmd->add_option("--prompts", options->prompts,
-                  "GPU: prompts per rank in the prefill phase (default: concurrency / ranks)");
-  cmd->add_option("--chunk", options->chunk, "Prefill chunk size in tokens per rank (default: CPU 256, GPU 4096)");
-  cmd->add_flag("!--no-graphs", options->graphs, "GPU: run decode eagerly instead of replaying CUDA graphs");
-  cmd->add_option("--check-tokens", options->check_tokens, "GPU: tokens per rank checked against the CPU reference")
-      ->capture_default_str();
-  cmd->add_flag("--tbo", options->tbo,
-                "GPU: prefill with two-batch overlap, and the same prefill without it for comparison (N ranks)");
-  cmd->add_option("--tbo-comm-sms", options->tbo_comm_sms, "GPU: SMs the overlapped GEMMs leave to communication")
-      ->capture_default_str();
-  cmd->add_option("--zipf", options->zipf, "GPU: Zipf-like routing skew strength (0: none)")->capture_default_str();
-  cmd->add_flag("--rebalance", options->rebalance,
-                "GPU: after the decode loop, rebalance experts (EPLB) on the recorded load and run the loop again");
-  cmd->add_option("--trace", options->trace, "GPU: write a Chrome-trace / Perfetto timeline of one forward per phase and rank");
-  cmd->add_option("--mode", options->mode, "auto (decode low-latency, prefill normal), normal or low-latency")
-      ->capture_default_str();
-  cmd->add_option("--tolerance", options->tolerance, "Accuracy check tolerance")->capture_default_str();
-  cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)");
-  cmd->callback([options] { run_main(*options); });
-}};
+const CommandRegistration kRegistration{
+    10, [](CLI::App& app) {
+      auto options = std::make_shared<RunOptions>();
+      CLI::App* cmd = app.add_subcommand("run",
+                                         "The main job: a decode and a prefill phase on a synthetic model, "
+                                         "with tokens/s, time per phase and the accuracy check");
+      add_model_options(cmd, options->model);
+      cmd->add_option("--steps", options->steps, "Decode steps (default: 32 on the CPU, 1000 on GPUs)");
+      cmd->add_option(
+          "--tokens", options->tokens,
+          "Decode tokens per rank (default: CPU min(32, max_tokens_per_rank); GPU concurrency / ranks)");
+      cmd->add_option("--concurrency", options->concurrency, "GPU: decode requests over all ranks")
+          ->capture_default_str();
+      cmd->add_option("--prompt-tokens", options->prompt_tokens, "Prefill prompt length in tokens")
+          ->capture_default_str();
+      cmd->add_option("--prompts", options->prompts,
+                      "GPU: prompts per rank in the prefill phase (default: concurrency / ranks)");
+      cmd->add_option("--chunk", options->chunk,
+                      "Prefill chunk size in tokens per rank (default: CPU 256, GPU 4096)");
+      cmd->add_flag("!--no-graphs", options->graphs,
+                    "GPU: run decode eagerly instead of replaying CUDA graphs");
+      cmd->add_option("--check-tokens", options->check_tokens,
+                      "GPU: tokens per rank checked against the CPU reference")
+          ->capture_default_str();
+      cmd->add_flag(
+          "--tbo", options->tbo,
+          "GPU: prefill with two-batch overlap, and the same prefill without it for comparison (N ranks)");
+      cmd->add_option("--tbo-comm-sms", options->tbo_comm_sms,
+                      "GPU: SMs the overlapped GEMMs leave to communication")
+          ->capture_default_str();
+      cmd->add_option("--zipf", options->zipf, "GPU: Zipf-like routing skew strength (0: none)")
+          ->capture_default_str();
+      cmd->add_flag(
+          "--rebalance", options->rebalance,
+          "GPU: after the decode loop, rebalance experts (EPLB) on the recorded load and run the loop again");
+      cmd->add_option("--trace", options->trace,
+                      "GPU: write a Chrome-trace / Perfetto timeline of one forward per phase and rank");
+      cmd->add_option("--mode", options->mode,
+                      "auto (decode low-latency, prefill normal), normal or low-latency")
+          ->capture_default_str();
+      cmd->add_option("--tolerance", options->tolerance, "Accuracy check tolerance")->capture_default_str();
+      cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)");
+      cmd->callback([options] { run_main(*options); });
+    }};
 
 }  // namespace
 }  // namespace epmoe::tools

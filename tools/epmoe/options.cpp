@@ -11,7 +11,8 @@
 namespace epmoe::tools {
 
 void add_model_options(CLI::App* cmd, ModelOptions& o) {
-  cmd->add_option("--preset", o.preset, "Model preset: deepseek-v3 or tiny (default: deepseek-v3 on GPUs, tiny on the CPU)");
+  cmd->add_option("--preset", o.preset,
+                  "Model preset: deepseek-v3 or tiny (default: deepseek-v3 on GPUs, tiny on the CPU)");
   cmd->add_option("--hidden", o.hidden, "Hidden size H (multiple of 128)");
   cmd->add_option("--intermediate", o.intermediate, "Expert intermediate size I (multiple of 128)");
   cmd->add_option("--experts", o.experts, "Routed (logical) experts E");
@@ -20,10 +21,12 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
   cmd->add_option("--topk-groups", o.topk_groups, "Groups kept per token");
   cmd->add_option("--scoring", o.scoring, "Router scoring: sigmoid (noaux_tc) or softmax");
   cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (fused into one MLP)");
-  cmd->add_option("--ranks", o.ranks, "Expert-parallel ranks (default: the GPUs present for a GPU run, else 2)");
+  cmd->add_option("--ranks", o.ranks,
+                  "Expert-parallel ranks (default: the GPUs present for a GPU run, else 2)");
   cmd->add_option("--redundant-experts", o.redundant_experts,
                   "Redundant expert slots R (EPLB; default: 32 on GPUs, as the seed's set-up, 0 on the CPU)");
-  cmd->add_option("--max-tokens-per-rank", o.max_tokens_per_rank, "Low-latency buffer size in tokens per rank");
+  cmd->add_option("--max-tokens-per-rank", o.max_tokens_per_rank,
+                  "Low-latency buffer size in tokens per rank");
   cmd->add_option("--quant", o.quant, "Quant scheme: fp8, w4a8 or none")->capture_default_str();
   cmd->add_option("--dispatch-algorithm", o.dispatch_algorithm, "EPLB replica choice: static or dynamic")
       ->capture_default_str();
@@ -63,7 +66,8 @@ Device resolve_device(const std::string& device, bool gpu_path) {
   if (device == "auto") return gpu_path && cuda::device_count() > 0 ? Device::cuda : Device::cpu;
   if (device == "gpu") {
     EPMOE_CHECK(gpu_path, "device 'gpu': this command runs on the CPU only; use --device cpu");
-    EPMOE_CHECK(cuda::device_count() > 0, "device 'gpu': no CUDA device is present; use --device cpu or auto");
+    EPMOE_CHECK(cuda::device_count() > 0,
+                "device 'gpu': no CUDA device is present; use --device cpu or auto");
     return Device::cuda;
   }
   EPMOE_FAIL("device must be 'auto', 'cpu' or 'gpu', got '{}'", device);

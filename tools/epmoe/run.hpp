@@ -10,21 +10,22 @@ namespace epmoe::tools {
 
 struct RunOptions {
   ModelOptions model;
-  int steps = -1;               // decode steps; -1: 32 on the CPU, 1000 on GPUs
-  std::int64_t tokens = -1;     // decode tokens per rank; -1: CPU min(32, max_tokens_per_rank), GPU concurrency / ranks
+  int steps = -1;  // decode steps; -1: 32 on the CPU, 1000 on GPUs
+  std::int64_t tokens =
+      -1;  // decode tokens per rank; -1: CPU min(32, max_tokens_per_rank), GPU concurrency / ranks
   std::int64_t concurrency = 128;  // GPU: decode requests over all ranks (the seed's benchmark)
   std::int64_t prompt_tokens = 1000;
-  std::int64_t prompts = -1;    // GPU: prompts per rank; -1: concurrency / ranks
-  std::int64_t chunk = -1;      // prefill chunk per rank; -1: CPU 256, GPU 4096
+  std::int64_t prompts = -1;  // GPU: prompts per rank; -1: concurrency / ranks
+  std::int64_t chunk = -1;    // prefill chunk per rank; -1: CPU 256, GPU 4096
   std::string mode = "auto", json;
   double tolerance = 1e-2;
-  bool graphs = true;           // GPU: decode through CUDA graphs
+  bool graphs = true;             // GPU: decode through CUDA graphs
   std::int64_t check_tokens = 4;  // GPU: tokens per rank and phase checked against the CPU reference
-  bool tbo = false;             // GPU: two-batch overlap in prefill (N ranks), also timed without it
-  int tbo_comm_sms = 24;        // GPU: SMs the overlapped GEMMs leave to communication
-  double zipf = 0;              // GPU: Zipf-like routing skew (SyntheticWeights::skew_routing)
-  bool rebalance = false;       // GPU: EPLB rebalance after the decode loop, then the loop again
-  std::string trace;            // GPU: Chrome-trace / Perfetto JSON of one forward per phase and rank
+  bool tbo = false;               // GPU: two-batch overlap in prefill (N ranks), also timed without it
+  int tbo_comm_sms = 24;          // GPU: SMs the overlapped GEMMs leave to communication
+  double zipf = 0;                // GPU: Zipf-like routing skew (SyntheticWeights::skew_routing)
+  bool rebalance = false;         // GPU: EPLB rebalance after the decode loop, then the loop again
+  std::string trace;              // GPU: Chrome-trace / Perfetto JSON of one forward per phase and rank
 };
 
 // The GPU run: one process per GPU (re-executes itself under the launcher when several GPUs and no

@@ -28,7 +28,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 const Clock::time_point g_process_start = Clock::now();  // static initialisation: the process start
 
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 std::string self_executable() {
   char buf[PATH_MAX];
@@ -42,27 +44,60 @@ struct PhaseStats {
   double seconds = 0, forwards = 0, tokens = 0;
   double route = 0, dispatch = 0, gemm = 0, combine = 0, shared = 0, total = 0;  // ms per eager forward
   double rel_l2 = 0, calc_diff = 0, non_finite = 0, checked = 0, pass = 1, first_forward_s = 0;
-  double eager_seconds = 0;         // the same forwards without graphs (decode with graphs only)
-  double load_max_over_mean = 0;    // tokens per GPU over the timed loop (from the slot counters)
+  double eager_seconds = 0;       // the same forwards without graphs (decode with graphs only)
+  double load_max_over_mean = 0;  // tokens per GPU over the timed loop (from the slot counters)
   double rebalanced_seconds = 0, rebalanced_load_max_over_mean = 0, slots_rewritten = 0;  // --rebalance
   double device_gb = 0, comm_layout_gb = 0, dispatcher_setup_gb = 0;
   static constexpr int kFields = 23;
   std::array<double, kFields> pack() const {
-    return {seconds, forwards,       tokens,        route,
-            dispatch, gemm,          combine,       shared,
-            total,    rel_l2,        calc_diff,     non_finite,
-            checked,  pass,          first_forward_s, eager_seconds,
-            load_max_over_mean, rebalanced_seconds, rebalanced_load_max_over_mean, slots_rewritten,
-            device_gb, comm_layout_gb, dispatcher_setup_gb};
+    return {seconds,
+            forwards,
+            tokens,
+            route,
+            dispatch,
+            gemm,
+            combine,
+            shared,
+            total,
+            rel_l2,
+            calc_diff,
+            non_finite,
+            checked,
+            pass,
+            first_forward_s,
+            eager_seconds,
+            load_max_over_mean,
+            rebalanced_seconds,
+            rebalanced_load_max_over_mean,
+            slots_rewritten,
+            device_gb,
+            comm_layout_gb,
+            dispatcher_setup_gb};
   }
   static PhaseStats unpack(const double* v) {
     PhaseStats s;
-    double* fields[kFields] = {&s.seconds,  &s.forwards,     &s.tokens,        &s.route,
-                               &s.dispatch, &s.gemm,         &s.combine,       &s.shared,
-                               &s.total,    &s.rel_l2,       &s.calc_diff,     &s.non_finite,
-                               &s.checked,  &s.pass,         &s.first_forward_s, &s.eager_seconds,
-                               &s.load_max_over_mean, &s.rebalanced_seconds, &s.rebalanced_load_max_over_mean,
-                               &s.slots_rewritten, &s.device_gb, &s.comm_layout_gb,
+    double* fields[kFields] = {&s.seconds,
+                               &s.forwards,
+                               &s.tokens,
+                               &s.route,
+                               &s.dispatch,
+                               &s.gemm,
+                               &s.combine,
+                               &s.shared,
+                               &s.total,
+                               &s.rel_l2,
+                               &s.calc_diff,
+                               &s.non_finite,
+                               &s.checked,
+                               &s.pass,
+                               &s.first_forward_s,
+                               &s.eager_seconds,
+                               &s.load_max_over_mean,
+                               &s.rebalanced_seconds,
+                               &s.rebalanced_load_max_over_mean,
+                               &s.slots_rewritten,
+                               &s.device_gb,
+                               &s.comm_layout_gb,
                                &s.dispatcher_setup_gb};
     for (int i = 0; i < kFields; ++i) *fields[i] = v[i];
     return s;
@@ -75,10 +110,11 @@ std::vector<PhaseStats> gather(const PhaseStats& mine, const std::shared_ptr<Com
   const int n = comm->size();
   const auto packed = mine.pack();
   cuda::DeviceTensor send(DType::f64, {PhaseStats::kFields}), recv(DType::f64, {n, PhaseStats::kFields});
-  cuda::copy_to_device(send, TensorView::contiguous(const_cast<double*>(packed.data()), DType::f64, {PhaseStats::kFields}),
-                       comm->stream());
-  EPMOE_CHECK(ncclAllGather(send.data<double>(), recv.data<double>(), PhaseStats::kFields, ncclFloat64, comm->nccl(),
-                            comm->stream()) == ncclSuccess,
+  cuda::copy_to_device(
+      send, TensorView::contiguous(const_cast<double*>(packed.data()), DType::f64, {PhaseStats::kFields}),
+      comm->stream());
+  EPMOE_CHECK(ncclAllGather(send.data<double>(), recv.data<double>(), PhaseStats::kFields, ncclFloat64,
+                            comm->nccl(), comm->stream()) == ncclSuccess,
               "ncclAllGather of the run statistics failed");
   const HostTensor all = cuda::to_host(recv, comm->stream());
   std::vector<PhaseStats> out;
@@ -199,8 +235,8 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
         if (root && (now - last_note > std::chrono::seconds(1) || f + 1 == count)) {
           last_note = now;
           const double el = std::chrono::duration<double>(now - start).count();
-          std::fprintf(stderr, "  [%s%s] %zu/%zu forwards, %.0f tokens/s on this rank\n", plan.name.c_str(), label, f + 1,
-                       count, el > 0 ? static_cast<double>(done_tokens) / el : 0.0);
+          std::fprintf(stderr, "  [%s%s] %zu/%zu forwards, %.0f tokens/s on this rank\n", plan.name.c_str(),
+                       label, f + 1, count, el > 0 ? static_cast<double>(done_tokens) / el : 0.0);
         }
       }
     }
@@ -251,11 +287,19 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
     per_rank.push_back({{"seconds", r.seconds},
                         {"tokens", r.tokens},
                         {"ms_per_forward",
-                         {{"route", r.route}, {"dispatch", r.dispatch}, {"gemm", r.gemm}, {"combine", r.combine},
-                          {"shared_overlapped", r.shared}, {"total", r.total},
+                         {{"route", r.route},
+                          {"dispatch", r.dispatch},
+                          {"gemm", r.gemm},
+                          {"combine", r.combine},
+                          {"shared_overlapped", r.shared},
+                          {"total", r.total},
                           {"idle", std::max(0.0, r.total - r.route - r.dispatch - r.gemm - r.combine)}}},
-                        {"check", {{"tokens", r.checked}, {"rel_l2", r.rel_l2}, {"calc_diff", r.calc_diff},
-                                   {"non_finite", r.non_finite}, {"pass", r.pass > 0}}}});
+                        {"check",
+                         {{"tokens", r.checked},
+                          {"rel_l2", r.rel_l2},
+                          {"calc_diff", r.calc_diff},
+                          {"non_finite", r.non_finite},
+                          {"pass", r.pass > 0}}}});
   }
   const double forwards = ranks.front().forwards;
   const PhaseStats& r0 = ranks.front();
@@ -275,31 +319,34 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
     extra["graph_speedup"] = max_s > 0 ? eager_max / max_s : 0.0;
   }
   if (plan.rebalance) {
-    extra["rebalance"] = {{"slots_rewritten", rewritten},
-                          {"before", {{"ms_per_forward", 1e3 * max_s / forwards}, {"load_max_over_mean", r0.load_max_over_mean}}},
-                          {"after",
-                           {{"ms_per_forward", 1e3 * rebal_max / forwards},
-                            {"load_max_over_mean", r0.rebalanced_load_max_over_mean}}},
-                          {"speedup", rebal_max > 0 ? max_s / rebal_max : 0.0}};
+    extra["rebalance"] = {
+        {"slots_rewritten", rewritten},
+        {"before",
+         {{"ms_per_forward", 1e3 * max_s / forwards}, {"load_max_over_mean", r0.load_max_over_mean}}},
+        {"after",
+         {{"ms_per_forward", 1e3 * rebal_max / forwards},
+          {"load_max_over_mean", r0.rebalanced_load_max_over_mean}}},
+        {"speedup", rebal_max > 0 ? max_s / rebal_max : 0.0}};
   }
   nlohmann::json j = {{"mode", to_string(plan.mode)},
-          {"graphs", plan.graphs},
-          {"ranks", ranks_n},
-          {"forwards", forwards},
-          {"tokens", tokens},
-          {"seconds", max_s},
-          {"tokens_per_s", max_s > 0 ? tokens / max_s : 0.0},
-          {"ms_per_forward", forwards > 0 ? 1e3 * max_s / forwards : 0.0},
-          {"check", {{"rel_l2", rel}, {"calc_diff", cd}, {"non_finite", nf}, {"pass", pass}}},
-          {"tbo", plan.tbo && plan.mode == Mode::normal && ranks_n > 1},
-          {"per_rank", per_rank}};
+                      {"graphs", plan.graphs},
+                      {"ranks", ranks_n},
+                      {"forwards", forwards},
+                      {"tokens", tokens},
+                      {"seconds", max_s},
+                      {"tokens_per_s", max_s > 0 ? tokens / max_s : 0.0},
+                      {"ms_per_forward", forwards > 0 ? 1e3 * max_s / forwards : 0.0},
+                      {"check", {{"rel_l2", rel}, {"calc_diff", cd}, {"non_finite", nf}, {"pass", pass}}},
+                      {"tbo", plan.tbo && plan.mode == Mode::normal && ranks_n > 1},
+                      {"per_rank", per_rank}};
   j.update(extra);
   return j;
 }
 
 // One eager forward per phase and rank as Chrome-trace "complete" events (pid = rank, tid 0 = the
 // main stream's phases, tid 1 = the shared expert's stream), from the per-phase CUDA-event times.
-nlohmann::json trace_events(const std::string& phase, const std::vector<PhaseStats>& ranks, double offset_us) {
+nlohmann::json trace_events(const std::string& phase, const std::vector<PhaseStats>& ranks,
+                            double offset_us) {
   nlohmann::json events = nlohmann::json::array();
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const PhaseStats& s = ranks[r];
@@ -307,27 +354,34 @@ nlohmann::json trace_events(const std::string& phase, const std::vector<PhaseSta
     const std::pair<const char*, double> steps[] = {
         {"route", s.route}, {"dispatch", s.dispatch}, {"gemm", s.gemm}, {"combine", s.combine}};
     for (const auto& [name, ms] : steps) {
-      events.push_back({{"name", phase + " " + name}, {"ph", "X"}, {"ts", t}, {"dur", 1e3 * ms},
-                        {"pid", r}, {"tid", 0}});
+      events.push_back(
+          {{"name", phase + " " + name}, {"ph", "X"}, {"ts", t}, {"dur", 1e3 * ms}, {"pid", r}, {"tid", 0}});
       t += 1e3 * ms;
     }
-    events.push_back({{"name", phase + " shared expert"}, {"ph", "X"}, {"ts", offset_us + 1e3 * s.route},
-                      {"dur", 1e3 * s.shared}, {"pid", r}, {"tid", 1}});
+    events.push_back({{"name", phase + " shared expert"},
+                      {"ph", "X"},
+                      {"ts", offset_us + 1e3 * s.route},
+                      {"dur", 1e3 * s.shared},
+                      {"pid", r},
+                      {"tid", 1}});
   }
   return events;
 }
 
 void print_phase(const std::string& name, const nlohmann::json& j) {
-  std::printf("  %-8s %-11s %5.0f forwards %9.0f tokens %11.1f tokens/s %8.3f ms/forward  check rel_l2 %.2e %s\n",
-              name.c_str(), j["mode"].get<std::string>().c_str(), j["forwards"].get<double>(), j["tokens"].get<double>(),
-              j["tokens_per_s"].get<double>(), j["ms_per_forward"].get<double>(), j["check"]["rel_l2"].get<double>(),
-              j["check"]["pass"].get<bool>() ? "PASS" : "FAIL");
+  std::printf(
+      "  %-8s %-11s %5.0f forwards %9.0f tokens %11.1f tokens/s %8.3f ms/forward  check rel_l2 %.2e %s\n",
+      name.c_str(), j["mode"].get<std::string>().c_str(), j["forwards"].get<double>(),
+      j["tokens"].get<double>(), j["tokens_per_s"].get<double>(), j["ms_per_forward"].get<double>(),
+      j["check"]["rel_l2"].get<double>(), j["check"]["pass"].get<bool>() ? "PASS" : "FAIL");
   const auto& r0 = j["per_rank"][0]["ms_per_forward"];
-  std::printf("           rank 0 eager forward: route %.3f  dispatch %.3f  gemm %.3f  combine %.3f  idle %.3f  = %.3f ms"
-              " (shared expert %.3f ms, overlapped)\n",
-              r0["route"].get<double>(), r0["dispatch"].get<double>(), r0["gemm"].get<double>(),
-              r0["combine"].get<double>(), r0["idle"].get<double>(), r0["total"].get<double>(),
-              r0["shared_overlapped"].get<double>());
+  std::printf(
+      "           rank 0 eager forward: route %.3f  dispatch %.3f  gemm %.3f  combine %.3f  idle %.3f  = "
+      "%.3f ms"
+      " (shared expert %.3f ms, overlapped)\n",
+      r0["route"].get<double>(), r0["dispatch"].get<double>(), r0["gemm"].get<double>(),
+      r0["combine"].get<double>(), r0["idle"].get<double>(), r0["total"].get<double>(),
+      r0["shared_overlapped"].get<double>());
 }
 
 void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Communicator> comm) {
@@ -338,7 +392,8 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   const bool root = rank == 0;
   if (root) {
     std::printf("epmoe run: %s\n", config.describe().c_str());
-    std::printf("  device: gpu, %d rank(s), one process per GPU: %s\n", ranks, cuda::device_description(device).c_str());
+    std::printf("  device: gpu, %d rank(s), one process per GPU: %s\n", ranks,
+                cuda::device_description(device).c_str());
     std::fflush(stdout);
   }
   auto weights = std::make_shared<SyntheticWeights>(config, o.model.seed);
@@ -349,21 +404,26 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   const std::int64_t decode_tokens =
       o.tokens >= 0 ? o.tokens : std::max<std::int64_t>(1, o.concurrency / std::max(1, ranks));
   const std::int64_t chunk = o.chunk > 0 ? o.chunk : 4096;
-  const std::int64_t prompts = o.prompts >= 0 ? o.prompts : std::max<std::int64_t>(1, o.concurrency / std::max(1, ranks));
-  EPMOE_CHECK(o.mode == "auto", "--mode: the GPU run uses low-latency mode for decode and normal mode for prefill "
-                                "(auto); got '{}'", o.mode);
+  const std::int64_t prompts =
+      o.prompts >= 0 ? o.prompts : std::max<std::int64_t>(1, o.concurrency / std::max(1, ranks));
+  EPMOE_CHECK(o.mode == "auto",
+              "--mode: the GPU run uses low-latency mode for decode and normal mode for prefill "
+              "(auto); got '{}'",
+              o.mode);
   EPMOE_CHECK(decode_tokens <= config.max_tokens_per_rank,
               "decode tokens per rank ({}) must be <= max_tokens_per_rank ({}); raise --max-tokens-per-rank",
               decode_tokens, config.max_tokens_per_rank);
 
   std::vector<PhasePlan> plans;
   if (steps > 0)
-    plans.push_back({"decode", Mode::low_latency, std::vector<std::int64_t>(static_cast<std::size_t>(steps), decode_tokens),
-                     o.graphs, o.model.seed + 1, false, o.graphs, o.rebalance, true});
+    plans.push_back({"decode", Mode::low_latency,
+                     std::vector<std::int64_t>(static_cast<std::size_t>(steps), decode_tokens), o.graphs,
+                     o.model.seed + 1, false, o.graphs, o.rebalance, true});
   if (o.prompt_tokens > 0 && prompts > 0) {
     PhasePlan p{"prefill", Mode::normal, {}, false, o.model.seed + 2, o.tbo, false, false, true};
     const std::int64_t total = prompts * o.prompt_tokens;
-    for (std::int64_t done = 0; done < total; done += chunk) p.tokens_per_forward.push_back(std::min(chunk, total - done));
+    for (std::int64_t done = 0; done < total; done += chunk)
+      p.tokens_per_forward.push_back(std::min(chunk, total - done));
     plans.push_back(p);
     if (o.tbo && ranks > 1) {  // the same without two-batch overlap, for the comparison
       p.name = "prefill-no-tbo";
@@ -405,7 +465,8 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
     const double with = j["prefill"]["ms_per_forward"].get<double>();
     const double without = j["prefill-no-tbo"]["ms_per_forward"].get<double>();
     double gemm = 0;
-    for (const auto& r : j["prefill-no-tbo"]["per_rank"]) gemm = std::max(gemm, r["ms_per_forward"]["gemm"].get<double>());
+    for (const auto& r : j["prefill-no-tbo"]["per_rank"])
+      gemm = std::max(gemm, r["ms_per_forward"]["gemm"].get<double>());
     j["prefill"]["tbo_speedup"] = with > 0 ? without / with : 0.0;
     j["prefill"]["gemm_alone_ms"] = gemm;
     j["prefill"]["layer_over_gemm"] = gemm > 0 ? with / gemm : 0.0;
@@ -414,7 +475,9 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   if (root) {
     std::printf("results:\n");
     for (const auto& [name, pj] : printed) print_phase(name, pj);
-    if (j.contains("decode")) std::printf("  first forward done %.2f s after start-up\n", j["decode"]["first_forward_s_after_start"].get<double>());
+    if (j.contains("decode"))
+      std::printf("  first forward done %.2f s after start-up\n",
+                  j["decode"]["first_forward_s_after_start"].get<double>());
     std::printf("check against the CPU reference (%lld tokens per rank and phase, tolerance %.0e): %s\n",
                 static_cast<long long>(o.check_tokens), o.tolerance, pass ? "PASS" : "FAIL");
     if (j.contains("decode") && j["decode"].contains("graph_speedup"))
@@ -423,15 +486,19 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
                   j["decode"]["eager_ms_per_forward"].get<double>());
     if (j.contains("decode") && j["decode"].contains("rebalance")) {
       const auto& rb = j["decode"]["rebalance"];
-      std::printf("  decode: EPLB rebalance rewrote %.0f slots; tokens per GPU max/mean %.3f -> %.3f; %.3f -> %.3f ms/forward\n",
-                  rb["slots_rewritten"].get<double>(), rb["before"]["load_max_over_mean"].get<double>(),
-                  rb["after"]["load_max_over_mean"].get<double>(), rb["before"]["ms_per_forward"].get<double>(),
-                  rb["after"]["ms_per_forward"].get<double>());
+      std::printf(
+          "  decode: EPLB rebalance rewrote %.0f slots; tokens per GPU max/mean %.3f -> %.3f; %.3f -> %.3f "
+          "ms/forward\n",
+          rb["slots_rewritten"].get<double>(), rb["before"]["load_max_over_mean"].get<double>(),
+          rb["after"]["load_max_over_mean"].get<double>(), rb["before"]["ms_per_forward"].get<double>(),
+          rb["after"]["ms_per_forward"].get<double>());
     }
     if (j.contains("prefill") && j["prefill"].contains("tbo_speedup"))
-      std::printf("  prefill: two-batch overlap %.2fx faster than without; layer %.2fx its GEMM time alone (%.3f ms)\n",
-                  j["prefill"]["tbo_speedup"].get<double>(), j["prefill"]["layer_over_gemm"].get<double>(),
-                  j["prefill"]["gemm_alone_ms"].get<double>());
+      std::printf(
+          "  prefill: two-batch overlap %.2fx faster than without; layer %.2fx its GEMM time alone (%.3f "
+          "ms)\n",
+          j["prefill"]["tbo_speedup"].get<double>(), j["prefill"]["layer_over_gemm"].get<double>(),
+          j["prefill"]["gemm_alone_ms"].get<double>());
     if (!o.json.empty()) write_text_file(o.json, j.dump(2) + "\n");
     if (!o.trace.empty()) write_text_file(o.trace, nlohmann::json{{"traceEvents", trace}}.dump() + "\n");
   }
@@ -450,8 +517,8 @@ void run_gpu_main(const RunOptions& o) {
   }
   if (!env.present) {
     // One process per GPU: this command again under the launcher.
-    EPMOE_CHECK(config.num_ranks <= gpus, "--ranks {} needs {} GPUs, {} present", config.num_ranks, config.num_ranks,
-                gpus);
+    EPMOE_CHECK(config.num_ranks <= gpus, "--ranks {} needs {} GPUs, {} present", config.num_ranks,
+                config.num_ranks, gpus);
     LaunchOptions lo;
     lo.num_ranks = config.num_ranks;
     lo.command = program_args();
@@ -460,8 +527,8 @@ void run_gpu_main(const RunOptions& o) {
     set_exit_code(r.exit_code);
     return;
   }
-  EPMOE_CHECK(env.world_size == config.num_ranks, "the launcher started {} ranks but --ranks is {}", env.world_size,
-              config.num_ranks);
+  EPMOE_CHECK(env.world_size == config.num_ranks, "the launcher started {} ranks but --ranks is {}",
+              env.world_size, config.num_ranks);
   // Communication on a high-priority stream: with two-batch overlap its kernels then get SMs ahead
   // of the GEMMs queued on the compute streams.
   EPMOE_CUDA_CHECK(cudaSetDevice(env.local_rank));
