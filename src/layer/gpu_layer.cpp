@@ -121,11 +121,13 @@ struct GpuMoeLayer::Impl {
   void load_slot(int local_slot, int logical);
   void load_shared();
   int install_placement(const ExpertPlacement& p);
+  // x and y [T, H] bf16 contiguous device tensors, T <= T_max; returns T.
+  std::int64_t check_io(const TensorView& x, const TensorView& y) const;
   void forward(TensorView x, TensorView y);
   void shared_forward(TensorView x, std::int64_t T, cudaStream_t stream);
   DispatchOutput dispatch(int part, std::int64_t row0, std::int64_t T);
   void run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t stream);
-  void combine(int part, const DispatchOutput& d, std::int64_t row0, std::int64_t T, TensorView y);
+  void combine(int part, const DispatchOutput& d, std::int64_t T, TensorView y);
   std::size_t comm_layout_bytes() const;
   std::size_t device_bytes() const;
 };
@@ -454,40 +456,33 @@ void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d, const DeviceTensor&
   }
   W4A8GemmOptions wo;
   wo.max_ctas = gemm_options.max_ctas;
-  if (w4a8 && d.layout == Layout::contiguous) {
-    const std::int64_t M = d.rows.size(0);
-    EPMOE_CHECK(M <= R_max, "internal: {} contiguous rows exceed the runner's {}", M, R_max);
-    if (M == 0) return;
-    w4a8_grouped_gemm_contiguous(d.rows, d.tensor_scale, {}, w13, w13_scale, d.m_indices, rows_of(h, M), ss,
-                                 wo);
-    silu_mul_quant_contiguous(rows_of(h, M), d.m_indices, rows_of(a2, M), rows_of(a2_scales, M), so, ss);
-    w4a8_grouped_gemm_contiguous(rows_of(a2, M), a2_scale, {}, w2, w2_scale, d.m_indices, rows_of(out, M), ss,
-                                 wo);
-    return;
-  }
-  if (w4a8) {
-    EPMOE_CHECK(d.layout == Layout::masked, "internal: the runner takes contiguous or masked layouts");
-    const std::int64_t G = d.rows.size(0), M = d.rows.size(1);
-    EPMOE_CHECK(G == L && G * M <= R_max, "internal: masked layout [{}, {}] exceeds the runner's buffers", G,
-                M);
-    const TensorView hh = reshape(h.view(), {G, M, 2 * I});
-    const TensorView a2v = reshape(a2.view(), {G, M, I});
-    w4a8_grouped_gemm_masked(d.rows, d.tensor_scale, {}, w13, w13_scale, d.masked_m, d.expected_m, hh, ss,
-                             wo);
-    silu_mul_quant_masked(hh, d.masked_m, a2v, reshape(a2_scales.view(), {G, M, I / 128}), so, ss);
-    w4a8_grouped_gemm_masked(a2v, a2_scale, {}, w2, w2_scale, d.masked_m, d.expected_m,
-                             reshape(out.view(), {G, M, H}), ss, wo);
-    return;
-  }
+  // One GEMM in the scheme's kernel: FP8 activations with per-token-group scales (a_scales), or with
+  // the static per-tensor scale (a_tensor_scale) against int4 weights.
+  auto gemm_contiguous = [&](TensorView a, TensorView a_scales, float a_tensor_scale, const DeviceTensor& w,
+                             const DeviceTensor& w_scales, TensorView dst) {
+    if (w4a8) {
+      w4a8_grouped_gemm_contiguous(a, a_tensor_scale, {}, w, w_scales, d.m_indices, dst, ss, wo);
+    } else {
+      fp8_grouped_gemm_contiguous(a, a_scales, ScaleLayout::token_major, w, w_scales, d.m_indices, dst, ss,
+                                  gemm_options);
+    }
+  };
+  auto gemm_masked = [&](TensorView a, TensorView a_scales, float a_tensor_scale, const DeviceTensor& w,
+                         const DeviceTensor& w_scales, TensorView dst) {
+    if (w4a8) {
+      w4a8_grouped_gemm_masked(a, a_tensor_scale, {}, w, w_scales, d.masked_m, d.expected_m, dst, ss, wo);
+    } else {
+      fp8_grouped_gemm_masked(a, a_scales, ScaleLayout::token_major, w, w_scales, d.masked_m, d.expected_m,
+                              dst, ss, gemm_options);
+    }
+  };
   if (d.layout == Layout::contiguous) {
     const std::int64_t M = d.rows.size(0);
     EPMOE_CHECK(M <= R_max, "internal: {} contiguous rows exceed the runner's {}", M, R_max);
     if (M == 0) return;
-    fp8_grouped_gemm_contiguous(d.rows, d.scales, ScaleLayout::token_major, w13, w13_scale, d.m_indices,
-                                rows_of(h, M), ss, gemm_options);
+    gemm_contiguous(d.rows, d.scales, d.tensor_scale, w13, w13_scale, rows_of(h, M));
     silu_mul_quant_contiguous(rows_of(h, M), d.m_indices, rows_of(a2, M), rows_of(a2_scales, M), so, ss);
-    fp8_grouped_gemm_contiguous(rows_of(a2, M), rows_of(a2_scales, M), ScaleLayout::token_major, w2, w2_scale,
-                                d.m_indices, rows_of(out, M), ss, gemm_options);
+    gemm_contiguous(rows_of(a2, M), rows_of(a2_scales, M), a2_scale, w2, w2_scale, rows_of(out, M));
   } else {
     EPMOE_CHECK(d.layout == Layout::masked, "internal: the runner takes contiguous or masked layouts");
     const std::int64_t G = d.rows.size(0), M = d.rows.size(1);
@@ -495,23 +490,19 @@ void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d, const DeviceTensor&
                 M);
     const TensorView hh = reshape(h.view(), {G, M, 2 * I});
     const TensorView a2v = reshape(a2.view(), {G, M, I}), a2s = reshape(a2_scales.view(), {G, M, I / 128});
-    fp8_grouped_gemm_masked(d.rows, d.scales, ScaleLayout::token_major, w13, w13_scale, d.masked_m,
-                            d.expected_m, hh, ss, gemm_options);
+    gemm_masked(d.rows, d.scales, d.tensor_scale, w13, w13_scale, hh);
     silu_mul_quant_masked(hh, d.masked_m, a2v, a2s, so, ss);
-    fp8_grouped_gemm_masked(a2v, a2s, ScaleLayout::token_major, w2, w2_scale, d.masked_m, d.expected_m,
-                            reshape(out.view(), {G, M, H}), ss, gemm_options);
+    gemm_masked(a2v, a2s, a2_scale, w2, w2_scale, reshape(out.view(), {G, M, H}));
   }
 }
 
-void GpuMoeLayer::Impl::combine(int part, const DispatchOutput& d, std::int64_t row0, std::int64_t T,
-                                TensorView y) {
+void GpuMoeLayer::Impl::combine(int part, const DispatchOutput& d, std::int64_t T, TensorView y) {
   const DeviceTensor& out_buffer = part == 0 ? expert_out : expert_out2;
   if (!dispatcher) {
     gather_weighted(rows_of(out_buffer, d.num_output_rows()), rows_of(perm_src_row, T),
                     rows_of(topk_weights, T), y, s0);
     return;
   }
-  (void)row0;
   const TensorView out = rows_of(out_buffer, d.num_output_rows());
   if (LowLatencyDispatcher* ll = lls[part]) {
     ll->combine_send(out);
@@ -521,18 +512,21 @@ void GpuMoeLayer::Impl::combine(int part, const DispatchOutput& d, std::int64_t 
   }
 }
 
-void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
+std::int64_t GpuMoeLayer::Impl::check_io(const TensorView& x, const TensorView& y) const {
   expect_rank(x, 2, "x");
   const std::int64_t T = x.size(0);
-  expect_shape(x, {T, H}, "x");
-  expect_dtype(x, DType::bf16, "x");
-  expect_device(x, Device::cuda, "x");
-  expect_contiguous(x, "x");
-  expect_shape(y, {T, H}, "y");
-  expect_dtype(y, DType::bf16, "y");
-  expect_device(y, Device::cuda, "y");
-  expect_contiguous(y, "y");
+  for (const auto& [t, name] : {std::pair{&x, "x"}, std::pair{&y, "y"}}) {
+    expect_shape(*t, {T, H}, name);
+    expect_dtype(*t, DType::bf16, name);
+    expect_device(*t, Device::cuda, name);
+    expect_contiguous(*t, name);
+  }
   EPMOE_CHECK(T <= T_max, "x has {} tokens, more than the layer's buffers hold (max_tokens = {})", T, T_max);
+  return T;
+}
+
+void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
+  const std::int64_t T = check_io(x, y);
   last_T = T;
   const bool timed = o.timing && !capturing;
   auto mark = [&](int id, cudaStream_t s) {
@@ -546,7 +540,6 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
   const PlacementView pv{log2phy, logcnt, ranks, L};
   map_to_physical(pv, rows_of(topk_ids, T), rows_of(physical_ids, T), rank, c.dispatch_algorithm, s0, 0,
                   expert_counts);
-  layer_detail::count_ids(rows_of(physical_ids, T), slot_counts, s0);
   if (w4a8) {
     quantize_per_tensor_fp8(x, rows_of(q, T), a1_scale, s0);
   } else {
@@ -555,20 +548,24 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
   }
   mark(kRouted, s0);
 
-  // The shared expert: forked onto s1 (overlapped with dispatch and the routed experts), or inline.
+  // The shared expert, and the per-slot load count (bookkeeping): forked onto s1, off the critical
+  // path (overlapped with dispatch and the routed experts), or inline. s0 joins s1 before the final
+  // add, so the next forward's mapping cannot overwrite physical_ids under the count.
   const bool shared = c.num_shared_experts > 0 && T > 0;
+  const bool fork_side = shared && o.overlap_shared;
+  cudaStream_t ss = s0;
+  if (fork_side) {
+    ss = s1.get();
+    fork.record(s0);
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(ss, fork, 0));
+  }
+  layer_detail::count_ids(rows_of(physical_ids, T), slot_counts, ss);
   if (shared) {
-    cudaStream_t ss = s0;
-    if (o.overlap_shared) {
-      ss = s1.get();
-      fork.record(s0);
-      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(ss, fork, 0));
-    }
     mark(kNumEvents, ss);
     shared_forward(x, T, ss);
     mark(kNumEvents + 1, ss);
-    if (o.overlap_shared) join.record(ss);
   }
+  if (fork_side) join.record(ss);
 
   const TensorView y_out = shared ? rows_of(y_routed, T) : y;
   if (!tbo) {
@@ -576,7 +573,7 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
     mark(kDispatched, s0);
     run_experts(d, expert_out, s0);
     mark(kComputed, s0);
-    combine(0, d, 0, T, y_out);
+    combine(0, d, T, y_out);
   } else {
     // Two micro-batches: B's dispatch overlaps A's GEMMs, A's combine overlaps B's GEMMs.
     const std::int64_t T_a = (T + 1) / 2, T_b = T - T_a;
@@ -592,13 +589,13 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
     run_experts(db, expert_out2, s2);
     computed[1].record(s2);
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[0], 0));
-    combine(0, da, 0, T_a, y_out.slice_rows(0, T_a));
+    combine(0, da, T_a, y_out.slice_rows(0, T_a));
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[1], 0));
     mark(kComputed, s0);
-    combine(1, db, T_a, T_b, y_out.slice_rows(T_a, T));
+    combine(1, db, T_b, y_out.slice_rows(T_a, T));
   }
   if (shared) {
-    if (o.overlap_shared) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, join, 0));
+    if (fork_side) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, join, 0));
     layer_detail::add_bf16(rows_of(y_routed, T), rows_of(shared_out, T), y, s0);
   }
   mark(kCombined, s0);
@@ -728,18 +725,7 @@ void GpuMoeLayer::capture_graphs(std::span<const std::int64_t> batch_sizes) {
 
 void GpuMoeLayer::forward_graph(TensorView x, TensorView y) {
   Impl& m = *impl_;
-  expect_rank(x, 2, "x");
-  const std::int64_t T = x.size(0);
-  expect_shape(x, {T, m.H}, "x");
-  expect_dtype(x, DType::bf16, "x");
-  expect_device(x, Device::cuda, "x");
-  expect_contiguous(x, "x");
-  expect_shape(y, {T, m.H}, "y");
-  expect_dtype(y, DType::bf16, "y");
-  expect_device(y, Device::cuda, "y");
-  expect_contiguous(y, "y");
-  EPMOE_CHECK(T <= m.T_max, "x has {} tokens, more than the layer's buffers hold (max_tokens = {})", T,
-              m.T_max);
+  const std::int64_t T = m.check_io(x, y);
   const std::int64_t sizes[] = {T};
   capture_graphs(sizes);
   if (x.data != m.x_static.view().data)

@@ -21,7 +21,6 @@ GateGemm::GateGemm() : workspace_(kWorkspaceBytes) {
   cublasHandle_t handle = nullptr;
   EPMOE_CUBLAS_CHECK(cublasCreate(&handle));
   handle_ = handle;
-  EPMOE_CUBLAS_CHECK(cublasSetWorkspace(handle, workspace_.data(), workspace_.size()));
 }
 
 GateGemm::~GateGemm() {
@@ -44,6 +43,7 @@ void GateGemm::run(TensorView x, TensorView gate_weight, TensorView logits, cuda
   if (T == 0) return;
   auto handle = static_cast<cublasHandle_t>(handle_);
   EPMOE_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  // cublasSetStream resets the workspace to cuBLAS's own pool (which may allocate): ours again.
   EPMOE_CUBLAS_CHECK(cublasSetWorkspace(handle, workspace_.data(), workspace_.size()));
   const float alpha = 1.0f, beta = 0.0f;
   // Column-major view: logits^T [E, T] = gate [H, E]^T · x^T [H, T].

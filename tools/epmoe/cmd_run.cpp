@@ -26,25 +26,6 @@ struct PhaseResult {
   CheckResult check;
 };
 
-// Progress on stderr at most once a second, so long runs show they are alive.
-class Progress {
- public:
-  explicit Progress(std::string label) : label_(std::move(label)), last_(Clock::now()) {}
-  void update(std::int64_t done, std::int64_t total, std::int64_t tokens, double seconds,
-              bool force = false) {
-    const auto now = Clock::now();
-    if (!force && now - last_ < std::chrono::seconds(1)) return;
-    last_ = now;
-    std::fprintf(stderr, "  [%s] %lld/%lld forwards, %lld tokens, %.0f tokens/s\n", label_.c_str(),
-                 static_cast<long long>(done), static_cast<long long>(total), static_cast<long long>(tokens),
-                 seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
-  }
-
- private:
-  std::string label_;
-  Clock::time_point last_;
-};
-
 // One forward per entry of `tokens_per_forward` (tokens on every rank); checks the first pass
 // against the reference.
 PhaseResult run_phase(const std::string& name, const std::shared_ptr<const ModelWeights>& weights, Mode mode,

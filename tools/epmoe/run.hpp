@@ -1,7 +1,9 @@
 // `epmoe run`: options shared by the CPU simulation (cmd_run.cpp) and the GPU run (run_gpu.cpp).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 #include "tools/epmoe/options.hpp"
@@ -26,6 +28,27 @@ struct RunOptions {
   double zipf = 0;                // GPU: Zipf-like routing skew (SyntheticWeights::skew_routing)
   bool rebalance = false;         // GPU: EPLB rebalance after the decode loop, then the loop again
   std::string trace;              // GPU: Chrome-trace / Perfetto JSON of one forward per phase and rank
+};
+
+// Progress of a phase on stderr, at most once a second (or when forced), so long runs show they are
+// alive: "  [label] done/total forwards, tokens, tokens/s".
+class Progress {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit Progress(std::string label) : label_(std::move(label)), last_(Clock::now()) {}
+  void update(std::int64_t done, std::int64_t total, std::int64_t tokens, double seconds,
+              bool force = false) {
+    const auto now = Clock::now();
+    if (!force && now - last_ < std::chrono::seconds(1)) return;
+    last_ = now;
+    std::fprintf(stderr, "  [%s] %lld/%lld forwards, %lld tokens, %.0f tokens/s\n", label_.c_str(),
+                 static_cast<long long>(done), static_cast<long long>(total), static_cast<long long>(tokens),
+                 seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
+  }
+
+ private:
+  std::string label_;
+  Clock::time_point last_;
 };
 
 // The GPU run: one process per GPU (re-executes itself under the launcher when several GPUs and no

@@ -9,7 +9,9 @@
 #include <chrono>
 #include <climits>
 #include <cstdio>
+#include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "epmoe/comm.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
@@ -48,77 +50,28 @@ struct PhaseStats {
   double load_max_over_mean = 0;  // tokens per GPU over the timed loop (from the slot counters)
   double rebalanced_seconds = 0, rebalanced_load_max_over_mean = 0, slots_rewritten = 0;  // --rebalance
   double device_gb = 0, comm_layout_gb = 0, dispatcher_setup_gb = 0;
+  // Only doubles: all-gathered as they are laid out (gather()).
   static constexpr int kFields = 23;
-  std::array<double, kFields> pack() const {
-    return {seconds,
-            forwards,
-            tokens,
-            route,
-            dispatch,
-            gemm,
-            combine,
-            shared,
-            total,
-            rel_l2,
-            calc_diff,
-            non_finite,
-            checked,
-            pass,
-            first_forward_s,
-            eager_seconds,
-            load_max_over_mean,
-            rebalanced_seconds,
-            rebalanced_load_max_over_mean,
-            slots_rewritten,
-            device_gb,
-            comm_layout_gb,
-            dispatcher_setup_gb};
-  }
-  static PhaseStats unpack(const double* v) {
-    PhaseStats s;
-    double* fields[kFields] = {&s.seconds,
-                               &s.forwards,
-                               &s.tokens,
-                               &s.route,
-                               &s.dispatch,
-                               &s.gemm,
-                               &s.combine,
-                               &s.shared,
-                               &s.total,
-                               &s.rel_l2,
-                               &s.calc_diff,
-                               &s.non_finite,
-                               &s.checked,
-                               &s.pass,
-                               &s.first_forward_s,
-                               &s.eager_seconds,
-                               &s.load_max_over_mean,
-                               &s.rebalanced_seconds,
-                               &s.rebalanced_load_max_over_mean,
-                               &s.slots_rewritten,
-                               &s.device_gb,
-                               &s.comm_layout_gb,
-                               &s.dispatcher_setup_gb};
-    for (int i = 0; i < kFields; ++i) *fields[i] = v[i];
-    return s;
-  }
 };
+
+static_assert(sizeof(PhaseStats) == PhaseStats::kFields * sizeof(double) &&
+              std::is_trivially_copyable_v<PhaseStats>);
 
 // Every rank's stats, in rank order (collective).
 std::vector<PhaseStats> gather(const PhaseStats& mine, const std::shared_ptr<Communicator>& comm) {
   if (!comm || comm->size() == 1) return {mine};
   const int n = comm->size();
-  const auto packed = mine.pack();
+  PhaseStats local = mine;
   cuda::DeviceTensor send(DType::f64, {PhaseStats::kFields}), recv(DType::f64, {n, PhaseStats::kFields});
-  cuda::copy_to_device(
-      send, TensorView::contiguous(const_cast<double*>(packed.data()), DType::f64, {PhaseStats::kFields}),
-      comm->stream());
+  cuda::copy_to_device(send, TensorView::contiguous(&local, DType::f64, {PhaseStats::kFields}),
+                       comm->stream());
   EPMOE_CHECK(ncclAllGather(send.data<double>(), recv.data<double>(), PhaseStats::kFields, ncclFloat64,
                             comm->nccl(), comm->stream()) == ncclSuccess,
               "ncclAllGather of the run statistics failed");
   const HostTensor all = cuda::to_host(recv, comm->stream());
-  std::vector<PhaseStats> out;
-  for (int r = 0; r < n; ++r) out.push_back(PhaseStats::unpack(all.data<double>() + r * PhaseStats::kFields));
+  std::vector<PhaseStats> out(static_cast<std::size_t>(n));
+  std::memcpy(static_cast<void*>(out.data()), all.data<double>(),
+              all.nbytes());  // trivially copyable (above)
   return out;
 }
 
@@ -219,7 +172,8 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
     if (comm && comm->size() > 1) comm->barrier();
     const auto start = Clock::now();
-    auto last_note = start;
+    // Progress of rank 0, printed as this rank's tokens (the stream synced every 64 forwards).
+    Progress progress(plan.name + label);
     std::int64_t done_tokens = 0;
     for (std::size_t f = 0; f < count; ++f) {
       const std::int64_t T = plan.tokens_per_forward[f];
@@ -231,13 +185,9 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
       done_tokens += T;
       if (f % 64 == 63 || f + 1 == count) {
         EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
-        const auto now = Clock::now();
-        if (root && (now - last_note > std::chrono::seconds(1) || f + 1 == count)) {
-          last_note = now;
-          const double el = std::chrono::duration<double>(now - start).count();
-          std::fprintf(stderr, "  [%s%s] %zu/%zu forwards, %.0f tokens/s on this rank\n", plan.name.c_str(),
-                       label, f + 1, count, el > 0 ? static_cast<double>(done_tokens) / el : 0.0);
-        }
+        if (root)
+          progress.update(static_cast<std::int64_t>(f + 1), static_cast<std::int64_t>(count), done_tokens,
+                          seconds_since(start), f + 1 == count);
       }
     }
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
