@@ -4,7 +4,7 @@
 # source root in a directory of its own (files another checkout left in a shared one are globbed
 # into the build).
 #
-# Usage: scripts/layer-check.sh OUTDIR [RANKS] [--no-tests]
+# Usage: scripts/layer-check.sh OUTDIR [RANKS] [--no-tests]   (EPMOE_LAYER_RUNS: other runs, below)
 # OUTDIR receives tests.log, runs.log, layer.json ({"commit", "device", "date", "runs": {name: the
 # run's --json}}) and trace.json (the main run's timeline, Chrome trace / Perfetto).
 set -uo pipefail
@@ -46,7 +46,8 @@ if [[ $tests != --no-tests ]]; then
   fi
 fi
 
-# name|arguments: each run's JSON lands in $tmp/run-NAME.json.
+# name|arguments: each run's JSON lands in $tmp/run-NAME.json. EPMOE_LAYER_RUNS (one name|arguments
+# per line, $ranks and $tmp expanded) replaces the list (scripts/scaleout-check.sh uses it).
 runs=(
   "main|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --trace $tmp/trace.json"
   "decode128|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0"
@@ -57,6 +58,9 @@ runs=(
   "one-gpu|--preset deepseek-v3 --redundant-experts 32 --ranks 1 --steps 200 --prompts 8"
   "zipf-rebalance|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0 --zipf ${EPMOE_ZIPF:-0.5} --rebalance"
 )
+if [[ -n ${EPMOE_LAYER_RUNS:-} ]]; then
+  mapfile -t runs < <(eval "printf '%s\n' \"$EPMOE_LAYER_RUNS\"" | sed '/^$/d')
+fi
 for r in "${runs[@]}"; do
   name=${r%%|*}
   args=${r#*|}

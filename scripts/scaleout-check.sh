@@ -6,7 +6,8 @@
 # directory of its own.
 #
 # Usage: scripts/scaleout-check.sh OUTDIR [RANKS]     (RANKS defaults to the GPUs present)
-# OUTDIR receives tests.log, comm.json (every rank's bench comm results), layer.json, runs.log.
+# OUTDIR receives tests.log, comm.json (every rank's bench comm results), and from layer-check.sh
+# layer.json, runs.log and trace.json.
 set -uo pipefail
 out=${1:?usage: scripts/scaleout-check.sh OUTDIR [RANKS]}
 ranks=${2:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
@@ -32,30 +33,11 @@ ranks = {f.split("rank")[-1].split(".")[0]: json.load(open(f)) for f in sorted(g
 json.dump({"ranks": ranks}, open(sys.argv[2], "w"), indent=1)
 PY
 echo "== layer"
-common="--preset deepseek-v3 --redundant-experts 32 --dispatch-algorithm dynamic --ranks $ranks"
-runs=(
-  "fp8|$common --tbo --trace $tmp/trace.json"
-  "w4a8|$common --quant w4a8 --tbo"
-  "fp8-decode128|$common --tokens 128 --steps 300 --prompt-tokens 0"
-  "w4a8-decode128|$common --quant w4a8 --tokens 128 --steps 300 --prompt-tokens 0"
-)
-for r in "${runs[@]}"; do
-  name=${r%%|*}
-  # shellcheck disable=SC2086  # a word list
-  timeout 300 build-gpu/bin/epmoe run ${r#*|} --json "$tmp/run-$name.json" >>"$out/runs.log" 2>&1 || status=1
-  grep -E "^\[rank 0\]   (decode|prefill)" "$out/runs.log" | tail -n 3 | cut -c1-160
-done
-cp "$tmp/trace.json" "$out/trace.json" 2>/dev/null || true
-python3 - "$tmp" "$out/layer.json" "$ranks" <<'PY'
-import datetime, glob, json, os, sys
-runs = {}
-for f in sorted(glob.glob(sys.argv[1] + "/run-*.json")):
-    try:
-        runs[os.path.basename(f)[4:-5]] = json.load(open(f))
-    except Exception as e:
-        runs[os.path.basename(f)[4:-5]] = {"error": str(e)}
-json.dump({"commit": os.environ.get("EPMOE_COMMIT", "unknown"), "ranks": int(sys.argv[3]),
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), "runs": runs},
-          open(sys.argv[2], "w"), indent=1)
-PY
+# The layer runs through scripts/layer-check.sh (its build is up to date; tests ran above).
+common='--preset deepseek-v3 --redundant-experts 32 --dispatch-algorithm dynamic --ranks $ranks'
+EPMOE_LAYER_RUNS="fp8|$common --tbo --trace \$tmp/trace.json
+w4a8|$common --quant w4a8 --tbo
+fp8-decode128|$common --tokens 128 --steps 300 --prompt-tokens 0
+w4a8-decode128|$common --quant w4a8 --tokens 128 --steps 300 --prompt-tokens 0" \
+  bash "$(dirname "$0")/layer-check.sh" "$out" "$ranks" --no-tests || status=1
 exit $status
