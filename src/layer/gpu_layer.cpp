@@ -292,7 +292,8 @@ void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {
   const TensorView dw13 = w13.view().select(local_slot), ds13 = w13_scale.view().select(local_slot);
   const TensorView dw2 = w2.view().select(local_slot), ds2 = w2_scale.view().select(local_slot);
   if (w4a8) {
-    // Checkpoint order into the staging expert, then the one-time preparation into the slot.
+    // Checkpoint order into the staging expert, then the one-time preparation into the slot (the next
+    // slot's staging writes follow this preparation in the stream order: no sync needed).
     if (synthetic) {
       synthetic_expert_w4a8(synthetic->expert_seed(logical), H, I, stage_w13.view().select(0),
                             stage_s13.view().select(0), stage_w2.view().select(0), stage_s2.view().select(0),
@@ -307,7 +308,6 @@ void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {
     w4a8_prepare_weights(stage_w13, stage_s13, reshape(dw13, {1, 2 * I, H / 2}),
                          reshape(ds13, {1, 2 * I, H / 128}), s0);
     w4a8_prepare_weights(stage_w2, stage_s2, reshape(dw2, {1, H, I / 2}), reshape(ds2, {1, H, I / 128}), s0);
-    EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));  // the staging buffer is reused by the next slot
   } else if (synthetic) {
     // Bit-identical with the host tensors routed_expert() would build, without building them.
     synthetic_expert_fp8(synthetic->expert_seed(logical), H, I, dw13, ds13, dw2, ds2, s0);
