@@ -36,7 +36,9 @@ if [[ $tests != --no-tests ]]; then
     timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/epmoe_gpu_tests \
       --gtest_filter='*GpuLayerOneRank*tiny*:GpuLayer.*' >"$tmp/$tool.log" 2>&1 || status=1
     echo "$tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$tmp/$tool.log" | tr '\n' ' ' | cut -c1-200)"
-    tail -n 5 "$tmp/$tool.log" >>"$out/tests.log"
+    # The first reports in full (a hazard's kernel, addresses and lines), then the summary.
+    { grep -v -E "^\[ +(RUN|OK) +\]" "$tmp/$tool.log" | grep -E -A 12 "^========= [A-Z]" | head -n 80
+      tail -n 5 "$tmp/$tool.log"; } >>"$out/tests.log"
   done
   if ((ranks > 1)); then
     stamp "$ranks-rank tests"
@@ -51,6 +53,7 @@ fi
 runs=(
   "main|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --trace $tmp/trace.json"
   "decode128|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0"
+  "decode128-tbo|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0 --tbo"
   "decode32|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 32 --steps 500 --prompt-tokens 0"
   "prefill8192|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192 --tbo"
   "prefill8192-comm48|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192 --tbo --tbo-comm-sms 48"

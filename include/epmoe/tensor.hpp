@@ -32,13 +32,34 @@ std::string_view dtype_name(DType dtype);
 
 template <class T>
 constexpr DType dtype_of();
-template <> constexpr DType dtype_of<float>() { return DType::f32; }
-template <> constexpr DType dtype_of<double>() { return DType::f64; }
-template <> constexpr DType dtype_of<bf16>() { return DType::bf16; }
-template <> constexpr DType dtype_of<fp8_e4m3>() { return DType::fp8_e4m3; }
-template <> constexpr DType dtype_of<std::int32_t>() { return DType::i32; }
-template <> constexpr DType dtype_of<std::int64_t>() { return DType::i64; }
-template <> constexpr DType dtype_of<std::uint8_t>() { return DType::u8; }
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::f32;
+}
+template <>
+constexpr DType dtype_of<double>() {
+  return DType::f64;
+}
+template <>
+constexpr DType dtype_of<bf16>() {
+  return DType::bf16;
+}
+template <>
+constexpr DType dtype_of<fp8_e4m3>() {
+  return DType::fp8_e4m3;
+}
+template <>
+constexpr DType dtype_of<std::int32_t>() {
+  return DType::i32;
+}
+template <>
+constexpr DType dtype_of<std::int64_t>() {
+  return DType::i64;
+}
+template <>
+constexpr DType dtype_of<std::uint8_t>() {
+  return DType::u8;
+}
 
 enum class Device : std::uint8_t { cpu, cuda };
 std::string_view device_name(Device device);
@@ -77,6 +98,10 @@ struct TensorView {
   TensorView select(std::int64_t i) const;
   // Rows [begin, end) of the first dimension.
   TensorView slice_rows(std::int64_t begin, std::int64_t end) const;
+  // The first elements of this contiguous view, seen with another row-major shape (at most numel()
+  // elements; any shape of a view without data): a workspace sized for the largest case viewed as
+  // this call's tensor.
+  TensorView reshaped(std::initializer_list<std::int64_t> shape) const;
 };
 
 // Argument validation shared by every entry point: each names the argument and the rule.
@@ -98,7 +123,9 @@ class HostTensor {
   TensorView view() const { return view_; }
   operator TensorView() const { return view_; }  // NOLINT: views are the currency of the API
   template <class T>
-  T* data() const { return view_.as<T>(); }
+  T* data() const {
+    return view_.as<T>();
+  }
   std::int64_t numel() const { return view_.numel(); }
   std::int64_t size(int dim) const { return view_.size(dim); }
   DType dtype() const { return view_.dtype; }

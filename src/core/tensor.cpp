@@ -9,38 +9,56 @@ namespace epmoe {
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::f32: return 4;
-    case DType::f64: return 8;
-    case DType::bf16: return 2;
-    case DType::fp8_e4m3: return 1;
-    case DType::i4x2: return 1;
-    case DType::i32: return 4;
-    case DType::i64: return 8;
-    case DType::u8: return 1;
+    case DType::f32:
+      return 4;
+    case DType::f64:
+      return 8;
+    case DType::bf16:
+      return 2;
+    case DType::fp8_e4m3:
+      return 1;
+    case DType::i4x2:
+      return 1;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
+    case DType::u8:
+      return 1;
   }
   EPMOE_FAIL("unknown dtype {}", static_cast<int>(dtype));
 }
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::f64: return "f64";
-    case DType::bf16: return "bf16";
-    case DType::fp8_e4m3: return "fp8_e4m3";
-    case DType::i4x2: return "i4x2";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-    case DType::u8: return "u8";
+    case DType::f32:
+      return "f32";
+    case DType::f64:
+      return "f64";
+    case DType::bf16:
+      return "bf16";
+    case DType::fp8_e4m3:
+      return "fp8_e4m3";
+    case DType::i4x2:
+      return "i4x2";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
+    case DType::u8:
+      return "u8";
   }
   return "?";
 }
 
-std::string_view device_name(Device device) { return device == Device::cpu ? "cpu" : "cuda"; }
+std::string_view device_name(Device device) {
+  return device == Device::cpu ? "cpu" : "cuda";
+}
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::span<const std::int64_t> shape,
                                   Device device) {
-  EPMOE_CHECK(shape.size() <= static_cast<std::size_t>(kMaxRank), "tensor rank {} exceeds {}",
-              shape.size(), kMaxRank);
+  EPMOE_CHECK(shape.size() <= static_cast<std::size_t>(kMaxRank), "tensor rank {} exceeds {}", shape.size(),
+              kMaxRank);
   TensorView v;
   v.data = data;
   v.dtype = dtype;
@@ -102,11 +120,19 @@ TensorView TensorView::select(std::int64_t i) const {
 
 TensorView TensorView::slice_rows(std::int64_t begin, std::int64_t end) const {
   EPMOE_CHECK(rank >= 1, "slice_rows() on a rank-0 tensor");
-  EPMOE_CHECK(0 <= begin && begin <= end && end <= shape[0], "rows [{}, {}) out of range [0, {})", begin,
-              end, shape[0]);
+  EPMOE_CHECK(0 <= begin && begin <= end && end <= shape[0], "rows [{}, {}) out of range [0, {})", begin, end,
+              shape[0]);
   TensorView v = *this;
   v.data = static_cast<std::byte*>(data) + begin * stride[0] * static_cast<std::int64_t>(dtype_size(dtype));
   v.shape[0] = end - begin;
+  return v;
+}
+
+TensorView TensorView::reshaped(std::initializer_list<std::int64_t> new_shape) const {
+  EPMOE_CHECK(is_contiguous(), "reshaped() needs a contiguous view, got {}", describe());
+  TensorView v = contiguous(data, dtype, new_shape, device);
+  EPMOE_CHECK(v.numel() <= numel() || data == nullptr, "reshaped(): {} elements do not fit in {}", v.numel(),
+              describe());
   return v;
 }
 
@@ -170,11 +196,14 @@ void expect_finite(const TensorView& t, std::string_view name) {
         if (!std::isfinite(v)) fail(i, v);
       }
       break;
-    default: break;  // integer types are always finite
+    default:
+      break;  // integer types are always finite
   }
 }
 
-void HostTensor::Free::operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{64}); }
+void HostTensor::Free::operator()(std::byte* p) const {
+  ::operator delete[](p, std::align_val_t{64});
+}
 
 HostTensor::HostTensor(DType dtype, std::initializer_list<std::int64_t> shape)
     : HostTensor(dtype, std::span<const std::int64_t>(shape.begin(), shape.size())) {}

@@ -7,12 +7,11 @@
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/eplb.hpp"
 #include "epmoe/cuda/gate.hpp"
-#include "epmoe/cuda/grouped_gemm.hpp"
 #include "epmoe/cuda/layer.hpp"
 #include "epmoe/cuda/permute.hpp"
 #include "epmoe/cuda/quant.hpp"
 #include "epmoe/cuda/router.hpp"
-#include "epmoe/cuda/silu_quant.hpp"
+#include "epmoe/cuda/runner.hpp"
 #include "epmoe/cuda/synthetic.hpp"
 #include "epmoe/cuda/w4a8_gemm.hpp"
 #include "epmoe/permute.hpp"
@@ -20,13 +19,6 @@
 
 namespace epmoe::cuda {
 namespace {
-
-TensorView reshape(const TensorView& t, std::initializer_list<std::int64_t> shape) {
-  TensorView v = TensorView::contiguous(t.data, t.dtype, shape, Device::cuda);
-  EPMOE_CHECK(v.numel() <= t.numel() || t.data == nullptr, "internal: view {} exceeds {}", v.describe(),
-              t.describe());
-  return v;
-}
 
 // The first `rows` rows of a [R, ...] device tensor, as [rows, ...].
 TensorView rows_of(const DeviceTensor& t, std::int64_t rows) {
@@ -92,7 +84,8 @@ struct GpuMoeLayer::Impl {
   // Routed experts in this rank's L slots, and the shared expert.
   DeviceTensor w13, w13_scale, w2, w2_scale;
   std::vector<int> slot_logical;
-  DeviceTensor sw13, sw13_scale, sw2, sw2_scale, shared_m, shared_h, shared_a2, shared_a2_scales, shared_out;
+  DeviceTensor sw13, sw13_scale, sw2, sw2_scale, shared_m, shared_out;
+  std::unique_ptr<GpuRunner> shared_runner;  // one group of T rows, masked
 
   // Dispatch: a dispatcher per micro-batch (N ranks; two with two-batch overlap) or the local
   // permutation (one rank).
@@ -103,14 +96,16 @@ struct GpuMoeLayer::Impl {
   Stream s2;  // two-batch overlap: the compute stream
   Event dispatched[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   Event computed[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
-  GroupedGemmOptions gemm_options;
+  int gemm_max_ctas = 0;             // two-batch overlap: the SMs the runners' GEMMs may take (0: all)
   std::size_t dispatcher_bytes = 0;  // the dispatchers' own buffers and windows (Dispatcher::device_bytes)
   std::size_t dispatcher_setup_bytes = 0;  // device memory their creation took in all (NCCL's too)
   DeviceTensor perm_workspace, perm_rows, perm_scales, perm_m_indices, perm_row_src, perm_src_row,
       perm_offsets, perm_counts;
 
-  // Runner workspace: GEMM1 output, GEMM2 input (+ scales), expert output; routed combine result.
-  DeviceTensor h, a2, a2_scales, expert_out, expert_out2, y_routed;
+  // The runner for the dispatcher's layout and the quant scheme (epmoe/cuda/runner.hpp); the expert
+  // output (one per micro-batch) and the routed combine result.
+  std::unique_ptr<GpuRunner> runner;
+  DeviceTensor expert_out, expert_out2, y_routed;
 
   // Graphs.
   DeviceTensor x_static, y_static;
@@ -126,7 +121,16 @@ struct GpuMoeLayer::Impl {
   void forward(TensorView x, TensorView y);
   void shared_forward(TensorView x, std::int64_t T, cudaStream_t stream);
   DispatchOutput dispatch(int part, std::int64_t row0, std::int64_t T);
-  void run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t stream);
+  // Tokens [row0, row0 + T) of this forward, as a dispatcher takes them.
+  DispatchInput dispatch_input(std::int64_t row0, std::int64_t T) const {
+    auto part_rows = [&](const DeviceTensor& t) { return t.view().slice_rows(row0, row0 + T); };
+    return {part_rows(q), w4a8 ? TensorView{} : part_rows(q_scales), w4a8 ? a1_scale : 1.0f,
+            part_rows(physical_ids), part_rows(topk_weights)};
+  }
+  // The routed experts on a dispatch output, into `out` (expert_out or expert_out2).
+  void run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t stream) {
+    runner->run(d, rows_of(out, d.num_output_rows()), stream);
+  }
   void combine(int part, const DispatchOutput& d, std::int64_t T, TensorView y);
   std::size_t comm_layout_bytes() const;
   std::size_t device_bytes() const;
@@ -244,7 +248,7 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
       perm_counts = DeviceTensor(DType::i32, {L});  // masked_m
     }
   } else {
-    tbo = o.tbo && normal;
+    tbo = o.tbo;
     // With two-batch overlap each dispatcher carries one micro-batch: half the tokens.
     const std::int64_t T_part = tbo ? (T_max + 1) / 2 : T_max;
     MoeConfig dc = c;
@@ -273,12 +277,13 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     R_max = normal ? static_cast<std::int64_t>(ranks) * T_part * std::min(K, L) + L * 127 : L * M_max;
     if (tbo) {
       expert_out2 = DeviceTensor(DType::bf16, {R_max, H});
-      gemm_options.max_ctas = std::max(1, device_props().sm_count - std::max(0, o.tbo_comm_sms));
+      gemm_max_ctas = std::max(1, device_props().sm_count - std::max(0, o.tbo_comm_sms));
     }
   }
-  h = DeviceTensor(DType::bf16, {R_max, 2 * I});
-  a2 = DeviceTensor(DType::fp8_e4m3, {R_max, I});
-  a2_scales = DeviceTensor(DType::f32, {R_max, I / 128});
+  runner = make_gpu_runner(normal ? Layout::contiguous : Layout::masked,
+                           GpuRunnerContext{c, SlotWeights{w13, w13_scale, w2, w2_scale}, R_max, a2_scale});
+  runner->set_max_ctas(gemm_max_ctas);
+  if (shared_runner) shared_runner->set_max_ctas(gemm_max_ctas);
   expert_out = DeviceTensor(DType::bf16, {R_max, H});
   y_routed = DeviceTensor(DType::bf16, {T_max, H});
   if (!normal) {
@@ -305,9 +310,9 @@ void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {
       copy_to_device(stage_w2.view().select(0), e.w2, s0);
       copy_to_device(stage_s2.view().select(0), e.w2_scale, s0);
     }
-    w4a8_prepare_weights(stage_w13, stage_s13, reshape(dw13, {1, 2 * I, H / 2}),
-                         reshape(ds13, {1, 2 * I, H / 128}), s0);
-    w4a8_prepare_weights(stage_w2, stage_s2, reshape(dw2, {1, H, I / 2}), reshape(ds2, {1, H, I / 128}), s0);
+    w4a8_prepare_weights(stage_w13, stage_s13, dw13.reshaped({1, 2 * I, H / 2}),
+                         ds13.reshaped({1, 2 * I, H / 128}), s0);
+    w4a8_prepare_weights(stage_w2, stage_s2, dw2.reshaped({1, H, I / 2}), ds2.reshaped({1, H, I / 128}), s0);
   } else if (synthetic) {
     // Bit-identical with the host tensors routed_expert() would build, without building them.
     synthetic_expert_fp8(synthetic->expert_seed(logical), H, I, dw13, ds13, dw2, ds2, s0);
@@ -344,9 +349,10 @@ void GpuMoeLayer::Impl::load_shared() {
     shared_q = DeviceTensor(DType::fp8_e4m3, {T_max, H});
     shared_q_scales = DeviceTensor(DType::f32, {T_max, H / 128});
   }
-  shared_h = DeviceTensor(DType::bf16, {T_max, 2 * Is});
-  shared_a2 = DeviceTensor(DType::fp8_e4m3, {T_max, Is});
-  shared_a2_scales = DeviceTensor(DType::f32, {T_max, Is / 128});
+  MoeConfig sc = c;  // the shared expert is FP8 block-scaled whatever the routed experts are
+  sc.quant = QuantScheme::fp8;
+  shared_runner = make_gpu_runner(
+      Layout::masked, GpuRunnerContext{sc, SlotWeights{sw13, sw13_scale, sw2, sw2_scale}, T_max, 1.0f});
   shared_out = DeviceTensor(DType::bf16, {T_max, H});
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));
 }
@@ -386,22 +392,17 @@ void GpuMoeLayer::Impl::shared_forward(TensorView x, std::int64_t T, cudaStream_
                                  ScaleLayout::token_major, c.power_of_two_scales);
   const DeviceTensor& sq = w4a8 ? shared_q : q;
   const DeviceTensor& sqs = w4a8 ? shared_q_scales : q_scales;
-  const TensorView a = reshape(sq.view(), {1, T, H}), as = reshape(sqs.view(), {1, T, H / 128});
-  const TensorView hh = reshape(shared_h.view(), {1, T, 2 * Is});
-  const TensorView a2v = reshape(shared_a2.view(), {1, T, Is}),
-                   a2s = reshape(shared_a2_scales.view(), {1, T, Is / 128});
   layer_detail::fill_i32(shared_m, static_cast<std::int32_t>(T), ss);
-  // Decode batches: 64-row tiles, so that the one group spreads over 4x more CTAs (with 128 x 256
-  // tiles a 128-token batch gave 16 CTAs, each streaming its slice of the 44 MB of weights alone,
-  // measured 0.68 ms beside the routed GEMMs).
-  GroupedGemmOptions go = gemm_options;
-  if (T <= 256) go.block_m = 64;
-  fp8_grouped_gemm_masked(a, as, ScaleLayout::token_major, sw13, sw13_scale, shared_m, T, hh, ss, go);
-  SiluQuantOptions so;
-  so.power_of_two = c.power_of_two_scales;
-  silu_mul_quant_masked(hh, shared_m, a2v, a2s, so, ss);
-  fp8_grouped_gemm_masked(a2v, a2s, ScaleLayout::token_major, sw2, sw2_scale, shared_m, T,
-                          reshape(shared_out.view(), {1, T, H}), ss, go);
+  DispatchOutput d;  // the masked layout of one group holding all T tokens
+  d.layout = Layout::masked;
+  d.format = ActivationFormat::fp8_group;
+  d.num_local_experts = 1;
+  d.num_recv_tokens = T;
+  d.rows = sq.view().reshaped({1, T, H});
+  d.scales = sqs.view().reshaped({1, T, H / 128});
+  d.masked_m = shared_m;
+  d.expected_m = T;
+  shared_runner->run(d, rows_of(shared_out, T), ss);
 }
 
 DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int64_t T) {
@@ -422,9 +423,9 @@ DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int
       d.scales = perm_scales;
       d.m_indices = perm_m_indices;
     } else {
-      const MaskedLayout out{reshape(perm_rows.view(), {L, M_max, H}),
-                             reshape(perm_scales.view(), {L, M_max, H / 128}), perm_counts,
-                             reshape(perm_row_src.view(), {L, M_max}), rows_of(perm_src_row, T)};
+      const MaskedLayout out{perm_rows.view().reshaped({L, M_max, H}),
+                             perm_scales.view().reshaped({L, M_max, H / 128}), perm_counts,
+                             perm_row_src.view().reshaped({L, M_max}), rows_of(perm_src_row, T)};
       permute_masked(in, out, perm_workspace, s0);
       d.layout = Layout::masked;
       d.rows = out.rows;
@@ -434,9 +435,7 @@ DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int
     }
     return d;
   }
-  auto part_rows = [&](const DeviceTensor& t) { return t.view().slice_rows(row0, row0 + T); };
-  const DispatchInput in{part_rows(q), w4a8 ? TensorView{} : part_rows(q_scales), w4a8 ? a1_scale : 1.0f,
-                         part_rows(physical_ids), part_rows(topk_weights)};
+  const DispatchInput in = dispatch_input(row0, T);
   if (LowLatencyDispatcher* ll = lls[part]) {
     ll->dispatch_send(in);
     ll->dispatch_recv(d);
@@ -445,55 +444,6 @@ DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int
     dispatchers[part]->dispatch(std::span<const DispatchInput>(&in, 1), outs);
   }
   return d;
-}
-
-void GpuMoeLayer::Impl::run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t ss) {
-  SiluQuantOptions so;
-  so.power_of_two = c.power_of_two_scales;
-  if (w4a8) {
-    so.scaling = Fp8Scaling::per_tensor;
-    so.tensor_scale = a2_scale;
-  }
-  W4A8GemmOptions wo;
-  wo.max_ctas = gemm_options.max_ctas;
-  // One GEMM in the scheme's kernel: FP8 activations with per-token-group scales (a_scales), or with
-  // the static per-tensor scale (a_tensor_scale) against int4 weights.
-  auto gemm_contiguous = [&](TensorView a, TensorView a_scales, float a_tensor_scale, const DeviceTensor& w,
-                             const DeviceTensor& w_scales, TensorView dst) {
-    if (w4a8) {
-      w4a8_grouped_gemm_contiguous(a, a_tensor_scale, {}, w, w_scales, d.m_indices, dst, ss, wo);
-    } else {
-      fp8_grouped_gemm_contiguous(a, a_scales, ScaleLayout::token_major, w, w_scales, d.m_indices, dst, ss,
-                                  gemm_options);
-    }
-  };
-  auto gemm_masked = [&](TensorView a, TensorView a_scales, float a_tensor_scale, const DeviceTensor& w,
-                         const DeviceTensor& w_scales, TensorView dst) {
-    if (w4a8) {
-      w4a8_grouped_gemm_masked(a, a_tensor_scale, {}, w, w_scales, d.masked_m, d.expected_m, dst, ss, wo);
-    } else {
-      fp8_grouped_gemm_masked(a, a_scales, ScaleLayout::token_major, w, w_scales, d.masked_m, d.expected_m,
-                              dst, ss, gemm_options);
-    }
-  };
-  if (d.layout == Layout::contiguous) {
-    const std::int64_t M = d.rows.size(0);
-    EPMOE_CHECK(M <= R_max, "internal: {} contiguous rows exceed the runner's {}", M, R_max);
-    if (M == 0) return;
-    gemm_contiguous(d.rows, d.scales, d.tensor_scale, w13, w13_scale, rows_of(h, M));
-    silu_mul_quant_contiguous(rows_of(h, M), d.m_indices, rows_of(a2, M), rows_of(a2_scales, M), so, ss);
-    gemm_contiguous(rows_of(a2, M), rows_of(a2_scales, M), a2_scale, w2, w2_scale, rows_of(out, M));
-  } else {
-    EPMOE_CHECK(d.layout == Layout::masked, "internal: the runner takes contiguous or masked layouts");
-    const std::int64_t G = d.rows.size(0), M = d.rows.size(1);
-    EPMOE_CHECK(G == L && G * M <= R_max, "internal: masked layout [{}, {}] exceeds the runner's buffers", G,
-                M);
-    const TensorView hh = reshape(h.view(), {G, M, 2 * I});
-    const TensorView a2v = reshape(a2.view(), {G, M, I}), a2s = reshape(a2_scales.view(), {G, M, I / 128});
-    gemm_masked(d.rows, d.scales, d.tensor_scale, w13, w13_scale, hh);
-    silu_mul_quant_masked(hh, d.masked_m, a2v, a2s, so, ss);
-    gemm_masked(a2v, a2s, a2_scale, w2, w2_scale, reshape(out.view(), {G, M, H}));
-  }
 }
 
 void GpuMoeLayer::Impl::combine(int part, const DispatchOutput& d, std::int64_t T, TensorView y) {
@@ -574,6 +524,30 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
     run_experts(d, expert_out, s0);
     mark(kComputed, s0);
     combine(0, d, T, y_out);
+  } else if (o.mode == Mode::low_latency && lls[0] != nullptr) {
+    // Two micro-batches through the send / receive halves: both sends go out at once; A's experts
+    // run on s2 while B's receive and, later, A's combine send run on s0; B's experts overlap A's
+    // combine. (Each micro-batch reads the expert weights again: it pays where communication, not
+    // the weight read, bounds a step.)
+    const std::int64_t T_a = (T + 1) / 2, T_b = T - T_a;
+    lls[0]->dispatch_send(dispatch_input(0, T_a));
+    lls[1]->dispatch_send(dispatch_input(T_a, T_b));
+    DispatchOutput d[2];
+    for (int part = 0; part < 2; ++part) {
+      lls[part]->dispatch_recv(d[part]);
+      if (part == 1) mark(kDispatched, s0);
+      dispatched[part].record(s0);
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s2, dispatched[part], 0));
+      run_experts(d[part], part == 0 ? expert_out : expert_out2, s2);
+      computed[part].record(s2);
+    }
+    for (int part = 0; part < 2; ++part) {
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[part], 0));
+      lls[part]->combine_send(rows_of(part == 0 ? expert_out : expert_out2, d[part].num_output_rows()));
+    }
+    mark(kComputed, s0);
+    lls[0]->combine_recv(y_out.slice_rows(0, T_a));
+    lls[1]->combine_recv(y_out.slice_rows(T_a, T));
   } else {
     // Two micro-batches: B's dispatch overlaps A's GEMMs, A's combine overlaps B's GEMMs.
     const std::int64_t T_a = (T + 1) / 2, T_b = T - T_a;
@@ -631,13 +605,12 @@ std::size_t GpuMoeLayer::Impl::comm_layout_bytes() const {
 std::size_t GpuMoeLayer::Impl::device_bytes() const {
   std::size_t bytes = comm_layout_bytes();  // includes the dispatchers' memory
   for (const DeviceTensor* t :
-       {&gate_weight, &correction_bias,  &w13,        &w13_scale, &w2,       &w2_scale,
-        &sw13,        &sw13_scale,       &sw2,        &sw2_scale, &shared_m, &shared_h,
-        &shared_a2,   &shared_a2_scales, &shared_out, &h,         &a2,       &a2_scales,
-        &expert_out,  &expert_out2,      &stage_w13,  &stage_s13, &stage_w2, &stage_s2,
-        &shared_q,    &shared_q_scales,  &y_routed,   &x_static,  &y_static})
+       {&gate_weight, &correction_bias, &w13,       &w13_scale, &w2,       &w2_scale,
+        &sw13,        &sw13_scale,      &sw2,       &sw2_scale, &shared_m, &shared_out,
+        &expert_out,  &expert_out2,     &stage_w13, &stage_s13, &stage_w2, &stage_s2,
+        &shared_q,    &shared_q_scales, &y_routed,  &x_static,  &y_static})
     bytes += t->nbytes();
-  return bytes;
+  return bytes + runner->workspace_bytes() + (shared_runner ? shared_runner->workspace_bytes() : 0);
 }
 
 // ---------------------------------------------------------------- GpuMoeLayer

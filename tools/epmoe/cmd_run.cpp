@@ -190,7 +190,7 @@ const CommandRegistration kRegistration{
           ->capture_default_str();
       cmd->add_flag(
           "--tbo", options->tbo,
-          "GPU: prefill with two-batch overlap, and the same prefill without it for comparison (N ranks)");
+          "GPU: decode and prefill with two-batch overlap, and the same without it for comparison (N ranks)");
       cmd->add_option("--tbo-comm-sms", options->tbo_comm_sms,
                       "GPU: SMs the overlapped GEMMs leave to communication")
           ->capture_default_str();

@@ -287,7 +287,7 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
                       {"tokens_per_s", max_s > 0 ? tokens / max_s : 0.0},
                       {"ms_per_forward", forwards > 0 ? 1e3 * max_s / forwards : 0.0},
                       {"check", {{"rel_l2", rel}, {"calc_diff", cd}, {"non_finite", nf}, {"pass", pass}}},
-                      {"tbo", plan.tbo && plan.mode == Mode::normal && ranks_n > 1},
+                      {"tbo", plan.tbo && ranks_n > 1},
                       {"per_rank", per_rank}};
   j.update(extra);
   return j;
@@ -365,10 +365,26 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
               decode_tokens, config.max_tokens_per_rank);
 
   std::vector<PhasePlan> plans;
-  if (steps > 0)
-    plans.push_back({"decode", Mode::low_latency,
-                     std::vector<std::int64_t>(static_cast<std::size_t>(steps), decode_tokens), o.graphs,
-                     o.model.seed + 1, false, o.graphs, o.rebalance, true});
+  if (steps > 0) {
+    PhasePlan p{"decode",
+                Mode::low_latency,
+                std::vector<std::int64_t>(static_cast<std::size_t>(steps), decode_tokens),
+                o.graphs,
+                o.model.seed + 1,
+                o.tbo,
+                o.graphs,
+                o.rebalance,
+                true};
+    plans.push_back(p);
+    if (o.tbo && ranks > 1) {  // the same without two-batch overlap, for the comparison
+      p.name = "decode-no-tbo";
+      p.tbo = false;
+      p.eager_compare = false;
+      p.rebalance = false;
+      p.check = false;
+      plans.push_back(std::move(p));
+    }
+  }
   if (o.prompt_tokens > 0 && prompts > 0) {
     PhasePlan p{"prefill", Mode::normal, {}, false, o.model.seed + 2, o.tbo, false, false, true};
     const std::int64_t total = prompts * o.prompt_tokens;
@@ -409,6 +425,10 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
     for (auto& e : trace_events(plans[i].name, all, trace_offset_us)) trace.push_back(e);
     trace_offset_us += 1e3 * (all.front().total + 1.0);
   }
+  if (j.contains("decode") && j.contains("decode-no-tbo")) {
+    const double with = j["decode"]["ms_per_forward"].get<double>();
+    j["decode"]["tbo_speedup"] = with > 0 ? j["decode-no-tbo"]["ms_per_forward"].get<double>() / with : 0.0;
+  }
   if (j.contains("prefill") && j.contains("prefill-no-tbo")) {
     // Two-batch overlap against the same forwards without it, and against the GEMM time alone (the
     // eager breakdown of the run without overlap, where the GEMMs run by themselves).
@@ -443,6 +463,10 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
           rb["after"]["load_max_over_mean"].get<double>(), rb["before"]["ms_per_forward"].get<double>(),
           rb["after"]["ms_per_forward"].get<double>());
     }
+    if (j.contains("decode") && j["decode"].contains("tbo_speedup"))
+      std::printf("  decode: two-batch overlap %.2fx faster than without (%.3f vs %.3f ms/forward)\n",
+                  j["decode"]["tbo_speedup"].get<double>(), j["decode"]["ms_per_forward"].get<double>(),
+                  j["decode-no-tbo"]["ms_per_forward"].get<double>());
     if (j.contains("prefill") && j["prefill"].contains("tbo_speedup"))
       std::printf(
           "  prefill: two-batch overlap %.2fx faster than without; layer %.2fx its GEMM time alone (%.3f "

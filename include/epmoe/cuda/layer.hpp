@@ -14,8 +14,10 @@
 // copied through static buffers. Expert weights live in fixed slots; rebalance() rewrites the slots
 // whose expert changed in place, so captured graphs stay valid.
 //
-// Quant schemes: fp8 (DeepSeek-V3 block-scaled weights, per-token-group activations). W4A8 and
-// unquantized models are refused here for now (the W4A8 GEMM lands with issue 5).
+// Quant schemes: fp8 (DeepSeek-V3 block-scaled weights, per-token-group activations) and w4a8 (int4
+// routed experts, FP8 activations with static per-tensor scales; the shared expert stays FP8). The
+// routed experts run through the GPU runner registered for (the dispatcher's layout, the quant
+// scheme): epmoe/cuda/runner.hpp. Unquantized models are refused.
 #pragma once
 
 #include <cstdint>
@@ -46,11 +48,13 @@ struct GpuLayerOptions {
   bool overlap_shared = true;
   // Per-phase CUDA events on eager forwards (adds one host sync per forward to read them).
   bool timing = false;
-  // Two-batch overlap (normal mode, N ranks): the batch splits into two micro-batches, each with its
-  // own dispatcher buffers; one's dispatch and combine run on the communication stream while the
-  // other's expert GEMMs run on a compute stream, whose persistent GEMMs leave tbo_comm_sms SMs to
-  // the communication kernels. (Low-latency two-batch overlap is not built yet.) Off by default: on
-  // 2 x H200 it measured 0.73-0.84x the speed of running without it (bench/NOTES.md, layer).
+  // Two-batch overlap (N ranks): the batch splits into two micro-batches, each with its own
+  // dispatcher buffers; one's dispatch and combine run on the communication stream while the other's
+  // expert GEMMs run on a compute stream, whose persistent GEMMs leave tbo_comm_sms SMs to the
+  // communication kernels. Low-latency mode goes through the dispatcher's send / receive halves
+  // (both sends first) and stays graph capturable. Off by default: on 2 x H200 it measured slower
+  // than running without it (bench/NOTES.md, layer): in prefill the GEMMs lose the SMs the
+  // communication keeps, in decode each micro-batch reads the expert weights again.
   bool tbo = false;
   int tbo_comm_sms = 24;
 };

@@ -1,0 +1,42 @@
+// The W4A8 GPU runner (int4 weights prepared for the kernel, per-128-K weight scales; FP8
+// activations with static per-tensor scales; issue 5's grouped GEMMs), for the contiguous and masked
+// layouts. The GEMM2 input is quantized by the fused SiLU·mul with the static scale a2.
+#include "epmoe/cuda/w4a8_gemm.hpp"
+#include "runner/gpu_runner.hpp"
+
+namespace epmoe::cuda {
+namespace {
+
+class W4A8Runner final : public runner_detail::GroupedMlpRunner {
+ public:
+  using GroupedMlpRunner::GroupedMlpRunner;
+
+ private:
+  W4A8GemmOptions options() const {
+    W4A8GemmOptions o;
+    o.max_ctas = max_ctas_;
+    return o;
+  }
+  void gemm_contiguous(const runner_detail::GemmOperands& g, TensorView m_indices,
+                       cudaStream_t stream) override {
+    w4a8_grouped_gemm_contiguous(g.a, g.a_tensor_scale, {}, g.w, g.w_scales, m_indices, g.d, stream,
+                                 options());
+  }
+  void gemm_masked(const runner_detail::GemmOperands& g, TensorView masked_m, std::int64_t expected_m,
+                   cudaStream_t stream) override {
+    w4a8_grouped_gemm_masked(g.a, g.a_tensor_scale, {}, g.w, g.w_scales, masked_m, expected_m, g.d, stream,
+                             options());
+  }
+  SiluQuantOptions silu_options() const override {
+    SiluQuantOptions so;
+    so.scaling = Fp8Scaling::per_tensor;
+    so.tensor_scale = context_.a2_scale;
+    so.power_of_two = context_.config.power_of_two_scales;
+    return so;
+  }
+};
+
+const runner_detail::LayoutRegistrations<W4A8Runner> kRegistrations{QuantScheme::w4a8};
+
+}  // namespace
+}  // namespace epmoe::cuda
