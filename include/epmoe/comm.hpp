@@ -213,6 +213,16 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Collective: allocates and registers `bytes` (rounded up to the allocation granularity) of
   // symmetric memory, zero-filled, and waits until every rank has zero-filled its part.
   std::unique_ptr<SymmetricBuffer> alloc_symmetric(std::size_t bytes);
+  // Device memory (cudaMemGetInfo deltas on this GPU) that the symmetric allocations so far took, by
+  // step: the buffers themselves (ncclMemAlloc, rounded to the granularity), their window
+  // registration, the device communicator (once), and the barrier after each (NCCL sets up its
+  // collective channels on a communicator's first collective). Says how much of a dispatcher's
+  // footprint is ours and how much NCCL's.
+  struct SetupMemory {
+    std::size_t buffers = 0, window_register = 0, dev_comm = 0, barrier = 0;
+  };
+  const SetupMemory& setup_memory() const { return setup_memory_; }
+
   // Rank of this process and size of its load/store-accessible (LSA) team: ranks whose memory
   // this GPU reaches by NVLink loads and stores. Known after the first alloc_symmetric().
   int lsa_rank() const { return lsa_rank_; }
@@ -246,6 +256,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   ncclDevComm* dev_comm_ = nullptr;  // ncclDevCommCreate'd (zero requirements: no barriers, no multimem)
   int lsa_rank_ = -1, lsa_size_ = 0;
   cudaEvent_t wait_event_ = nullptr;
+  SetupMemory setup_memory_;
 };
 
 }  // namespace epmoe

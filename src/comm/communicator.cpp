@@ -489,9 +489,21 @@ std::unique_ptr<SymmetricBuffer> Communicator::alloc_symmetric(std::size_t bytes
   std::unique_ptr<SymmetricBuffer> b(new SymmetricBuffer());
   b->comm_ = shared_from_this();
   b->size_ = bytes;
+  // Device memory taken by each step, accumulated into setup_memory_ (free memory before minus after).
+  std::size_t free_before = 0, total = 0;
+  EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  auto took = [&](std::size_t& into) {
+    std::size_t free_now = 0;
+    EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_now, &total));
+    into += free_before > free_now ? free_before - free_now : 0;
+    free_before = free_now;
+  };
   EPMOE_NCCL_CHECK(ncclMemAlloc(&b->local_, bytes));
+  took(setup_memory_.buffers);
   EPMOE_NCCL_CHECK(ncclCommWindowRegister(comm_, b->local_, bytes, &b->window_, NCCL_WIN_COLL_SYMMETRIC));
+  took(setup_memory_.window_register);
   ensure_dev_comm();
+  took(setup_memory_.dev_comm);
   EPMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b->peers_device_),
                               sizeof(void*) * static_cast<std::size_t>(size_)));
   comm_detail::fill_peer_pointers(b->window_, rank_, lsa_rank_, lsa_size_, size_, b->peers_device_, stream_);
@@ -499,7 +511,9 @@ std::unique_ptr<SymmetricBuffer> Communicator::alloc_symmetric(std::size_t bytes
   EPMOE_CUDA_CHECK(cudaMemcpy(b->peers_host_.get(), b->peers_device_,
                               sizeof(void*) * static_cast<std::size_t>(size_), cudaMemcpyDeviceToHost));
   EPMOE_CUDA_CHECK(cudaMemsetAsync(b->local_, 0, bytes, stream_));
+  EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   barrier();  // nobody writes into a peer's window before the peer has zeroed it
+  took(setup_memory_.barrier);
   return b;
 }
 

@@ -441,6 +441,13 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
     j["prefill"]["gemm_alone_ms"] = gemm;
     j["prefill"]["layer_over_gemm"] = gemm > 0 ? with / gemm : 0.0;
   }
+  if (comm) {  // this rank's (the root's) symmetric-memory set-up over every phase's dispatchers
+    const Communicator::SetupMemory& m = comm->setup_memory();
+    j["comm_setup_gb"] = {{"buffers", static_cast<double>(m.buffers) / 1e9},
+                          {"window_register", static_cast<double>(m.window_register) / 1e9},
+                          {"dev_comm", static_cast<double>(m.dev_comm) / 1e9},
+                          {"first_barrier", static_cast<double>(m.barrier) / 1e9}};
+  }
   j["pass"] = pass;
   if (root) {
     std::printf("results:\n");
