@@ -120,6 +120,10 @@ struct GpuMoeLayer::Impl {
   std::int64_t check_io(const TensorView& x, const TensorView& y) const;
   void forward(TensorView x, TensorView y);
   void shared_forward(TensorView x, std::int64_t T, cudaStream_t stream);
+  void shared_experts(std::int64_t T, cudaStream_t stream);  // on the tokens shared_forward quantized
+  // The last eager forward's dispatch output without two-batch overlap (time_gemms_alone()).
+  DispatchOutput last_dispatch;
+  bool has_last_dispatch = false;
   DispatchOutput dispatch(int part, std::int64_t row0, std::int64_t T);
   // Tokens [row0, row0 + T) of this forward, as a dispatcher takes them.
   DispatchInput dispatch_input(std::int64_t row0, std::int64_t T) const {
@@ -390,6 +394,10 @@ void GpuMoeLayer::Impl::shared_forward(TensorView x, std::int64_t T, cudaStream_
   if (w4a8)  // the shared expert is FP8 block-scaled: per-token-group activations of its own
     quantize_per_token_group_fp8(x, rows_of(shared_q, T), rows_of(shared_q_scales, T), ss,
                                  ScaleLayout::token_major, c.power_of_two_scales);
+  shared_experts(T, ss);
+}
+
+void GpuMoeLayer::Impl::shared_experts(std::int64_t T, cudaStream_t ss) {
   const DeviceTensor& sq = w4a8 ? shared_q : q;
   const DeviceTensor& sqs = w4a8 ? shared_q_scales : q_scales;
   layer_detail::fill_i32(shared_m, static_cast<std::int32_t>(T), ss);
@@ -520,6 +528,10 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
   const TensorView y_out = shared ? rows_of(y_routed, T) : y;
   if (!tbo) {
     const DispatchOutput d = dispatch(0, 0, T);
+    if (!capturing) {
+      last_dispatch = d;
+      has_last_dispatch = true;
+    }
     mark(kDispatched, s0);
     run_experts(d, expert_out, s0);
     mark(kComputed, s0);
@@ -670,6 +682,27 @@ TensorView GpuMoeLayer::last_logits() const {
 
 void GpuMoeLayer::forward(TensorView x, TensorView y) {
   impl_->forward(x, y);
+}
+
+GpuMoeLayer::GemmTimes GpuMoeLayer::time_gemms_alone(int reps) {
+  Impl& m = *impl_;
+  EPMOE_CHECK(reps >= 1, "time_gemms_alone: reps must be >= 1, got {}", reps);
+  EPMOE_CHECK(m.has_last_dispatch,
+              "time_gemms_alone() needs an eager forward without two-batch overlap first");
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(m.s0));
+  Event start, end;
+  auto time = [&](auto&& step) {
+    step();  // warm-up
+    start.record(m.s0);
+    for (int i = 0; i < reps; ++i) step();
+    end.record(m.s0);
+    end.synchronize();
+    return static_cast<double>(Event::elapsed_ms(start, end)) / reps;
+  };
+  GemmTimes t;
+  t.routed_ms = time([&] { m.run_experts(m.last_dispatch, m.expert_out, m.s0); });
+  if (m.shared_runner && m.last_T > 0) t.shared_ms = time([&] { m.shared_experts(m.last_T, m.s0); });
+  return t;
 }
 
 void GpuMoeLayer::capture_graphs(std::span<const std::int64_t> batch_sizes) {

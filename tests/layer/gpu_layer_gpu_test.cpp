@@ -174,6 +174,24 @@ TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {
   EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, false).y, before.y, "eager after rebalance"));
 }
 
+TEST(GpuLayer, GemmsAloneAreTimedWithoutChangingTheNextForward) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = one_rank("tiny");
+  auto w = gpu_synthetic(c, 3);
+  cuda::GpuLayerOptions o;
+  o.mode = Mode::normal;
+  cuda::GpuMoeLayer layer(w, o);
+  testing::expect_error_mentions([&] { layer.time_gemms_alone(); }, "eager forward");
+  const HostTensor x = synthetic_tokens(c, 23, 0, 20);
+  const testing::LayerForward first = testing::layer_forward(layer, x, false);
+  testing::expect_error_mentions([&] { layer.time_gemms_alone(0); }, "reps");
+  const cuda::GpuMoeLayer::GemmTimes t = layer.time_gemms_alone(3);
+  EXPECT_GT(t.routed_ms, 0.0);
+  EXPECT_GT(t.shared_ms, 0.0);
+  EXPECT_TRUE(
+      same_bits<bf16>(testing::layer_forward(layer, x, false).y, first.y, "forward after the timing"));
+}
+
 TEST(GpuLayer, RefusesBadInput) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = one_rank("tiny");

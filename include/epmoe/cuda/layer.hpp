@@ -103,6 +103,15 @@ class GpuMoeLayer {
   // the CPU reference routes from these (epmoe/cuda/gate.hpp says why).
   TensorView last_logits() const;
 
+  // The expert GEMMs of the last eager forward (without two-batch overlap) run again by themselves,
+  // nothing else on the GPU, `reps` times each after a warm-up: the routed experts (GEMM1, SiLU·mul
+  // + FP8, GEMM2) on its dispatch output, and the shared expert on its tokens. Ms per run; local (no
+  // communication), synchronises the stream. What "the layer's GEMM time alone" means in the bars.
+  struct GemmTimes {
+    double routed_ms = 0, shared_ms = 0;
+  };
+  GemmTimes time_gemms_alone(int reps = 5);
+
   const GpuPhaseTimes& times() const;
   void reset_times();
   void set_timing(bool on);  // GpuLayerOptions::timing, for the following forwards
