@@ -119,15 +119,32 @@ double timed(Communicator& comm, const Launch& launch, const TimingOptions& t) {
   return us;
 }
 
-// The last call's phases (comm_detail::read_trace), in µs after the routing started.
-void print_trace(const std::string& what) {
+// Runs fn with the environment variable `name` set to `value` (every rank sets the same), then
+// restores it.
+template <typename Fn>
+auto with_env(const char* name, const char* value, Fn&& fn) {
+  const char* before = std::getenv(name);
+  const std::string keep = before != nullptr ? before : "";
+  const bool had = before != nullptr;
+  setenv(name, value, 1);
+  auto result = fn();
+  if (had)
+    setenv(name, keep.c_str(), 1);
+  else
+    unsetenv(name);
+  return result;
+}
+
+// The last call's phases (comm_detail::read_trace), in µs after `origin` (the routing's start for
+// a dispatch, the reduce's start for a combine).
+void print_trace(const std::string& what, int origin = comm_detail::kTraceRouteStart) {
   std::uint64_t t[comm_detail::kTraceSlots];
   comm_detail::read_trace(t);
   static const char* const kNames[] = {"route",  "send",       "count_flag", "send_copied",  "send_end",
                                        "place",  "counts",     "own_done",   "arrived",      "place_end",
                                        "reduce", "reduce_end", "home",       "home_arrived", "home_end"};
   std::string line = "trace " + what + ":";
-  const std::uint64_t t0 = t[comm_detail::kTraceRouteStart];
+  const std::uint64_t t0 = t[origin];
   for (int i = 0; i < comm_detail::kTraceSlots; ++i) {
     if (t[i] == 0 || t[i] < t0 || t[i] - t0 > 10'000'000) continue;
     char buf[64];
@@ -210,6 +227,17 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
           setenv("EPMOE_COMM_SEND_SMS", keep.c_str(), 1);
       }
       {
+        // The v3 send (per-lane 16-byte stores, a system fence per token) next to the bulk copies.
+        comm_detail::reset_trace();
+        const double us = with_env("EPMOE_COMM_SEND_BULK", "0", time_dispatch);
+        print_trace("nvlink normal dispatch, per-lane stores (v3 send)");
+        emit(options, results,
+             make_result("comm.dispatch",
+                         params("nvlink-st", "normal", "dispatch", T, comm,
+                                sms_of(comm_detail::send_blocks(T)), work_sms),
+                         us, dispatch_bytes, 0.0, kNvlinkGBps));
+      }
+      {
         setenv("EPMOE_COMM_CHUNKS", "0", 1);  // place waits for each source's last token
         comm_detail::reset_trace();
         const double us = time_dispatch();
@@ -249,8 +277,8 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
           d->combine({&eo, 1}, {&yv, 1});
         },
         timing);
-    // The reduce / home stamps of the last combine, against the last dispatch's routing start.
-    if (nv != nullptr) print_trace("nvlink normal combine (after the last dispatch)");
+    // The reduce / home stamps of the last combine, against its reduce's start.
+    if (nv != nullptr) print_trace("nvlink normal combine", comm_detail::kTraceReduceStart);
     emit(options, results,
          make_result("comm.combine", params(transport, "normal", "combine", T, comm, work_sms, work_sms),
                      us_combine, combine_bytes, 0.0, kNvlinkGBps));
@@ -320,8 +348,23 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                params(transport, "low_latency", "dispatch", T, comm, sms_of(comm_detail::send_blocks(T)),
                       sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                us_d, dispatch_bytes, 0.0, kNvlinkGBps));
+      if (T == 128) {
+        // The v3 send (per-lane stores) in the same graph-replayed call.
+        const cudaGraphExec_t g_st = with_env("EPMOE_COMM_SEND_BULK", "0", [&] {
+          return capture(stream, [&] { d->dispatch({&view, 1}, out); });
+        });
+        const double us_st = timed(comm, replay(g_st), timing);
+        print_trace("nvlink-ll dispatch, per-lane stores (v3 send), T " + std::to_string(T));
+        emit(options, results,
+             make_result("comm.dispatch",
+                         params("nvlink-ll-st", "low_latency", "dispatch", T, comm,
+                                sms_of(comm_detail::send_blocks(T)),
+                                sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
+                         us_st, dispatch_bytes, 0.0, kNvlinkGBps));
+        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_st));
+      }
       const double us_c = timed(comm, replay(g_combine), timing);
-      print_trace("nvlink-ll combine T " + std::to_string(T) + " (after the last dispatch)");
+      print_trace("nvlink-ll combine T " + std::to_string(T), comm_detail::kTraceReduceStart);
       emit(options, results,
            make_result("comm.combine",
                        params(transport, "low_latency", "combine", T, comm,

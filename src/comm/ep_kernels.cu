@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 
+#include "cuda/ptx_hopper.cuh"
 #include "epmoe/cuda/launch.hpp"
 
 namespace epmoe::comm_detail {
@@ -356,7 +358,10 @@ __global__ void __launch_bounds__(kRouteSmallThreads)
 // can size its layout and place the tokens it has while these arrive); the block that finishes
 // last raises the arrival flags.
 constexpr int kSendWarps = kSendThreads / 32;
-__device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int nblocks) {
+#include "comm/ep_send_bulk.cuh"
+
+// smem: the bulk-copy staging area (SendArgs::bulk_warps > 0).
+__device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int nblocks, char* smem) {
   __shared__ char* target[kSendWarps][kMaxTopK];
   __shared__ int target_rank[kSendWarps][kMaxTopK];
   __shared__ int target_slot[kSendWarps][kMaxTopK];
@@ -387,7 +392,9 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
     if (threadIdx.x == 0) stamp(kTraceCountFlag);
   }
 
-  if (status == 0) {
+  if (status == 0 && a.bulk_warps > 0) {
+    send_bulk_rows(g, a, block, nblocks, parity_bytes, smem);
+  } else if (status == 0) {
     for (std::int64_t t = static_cast<std::int64_t>(block) * kSendWarps + warp; t < a.T;
          t += static_cast<std::int64_t>(nblocks) * kSendWarps) {
       int n = 0;  // destinations of token t, in rank order
@@ -452,7 +459,8 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
 }
 
 __global__ void __launch_bounds__(kSendThreads) send_kernel(EpGeometry g, SendArgs a) {
-  send_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
+  extern __shared__ __align__(128) int smem[];
+  send_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), reinterpret_cast<char*>(smem));
 }
 
 // ---------------------------------------------------------------- place
@@ -680,7 +688,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
 }
 
 __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs a) {
-  extern __shared__ int smem[];
+  extern __shared__ __align__(128) int smem[];
   place_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), smem);
 }
 
@@ -689,10 +697,10 @@ __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs
 // for the peers can never keep this rank's own send blocks from running.
 __global__ void __launch_bounds__(kThreads)
     dispatch_kernel(EpGeometry g, SendArgs s, PlaceArgs p, int send_blocks) {
-  extern __shared__ int smem[];
+  extern __shared__ __align__(128) int smem[];
   const int b = static_cast<int>(blockIdx.x);
   if (b < send_blocks)
-    send_body(g, s, b, send_blocks);
+    send_body(g, s, b, send_blocks, reinterpret_cast<char*>(smem));
   else
     place_body(g, p, b - send_blocks, static_cast<int>(gridDim.x) - send_blocks, smem);
 }
@@ -835,26 +843,58 @@ void launch_route(const EpGeometry& g, const std::int32_t* ids, std::int64_t T, 
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream) {
-  const int blocks = a.blocks > 0 ? a.blocks : send_blocks(a.T);
-  send_kernel<<<static_cast<unsigned>(blocks), kSendThreads, 0, stream>>>(g, a);
-  EPMOE_CUDA_CHECK_LAUNCH();
-}
-
 namespace {
 std::size_t place_smem(const EpGeometry& g) {
   return sizeof(int) * (static_cast<std::size_t>(g.N) * 3 + 1 + static_cast<std::size_t>(g.L) * g.N +
                         2 * static_cast<std::size_t>(g.L) + 1);
 }
+
+// Staging of the bulk-copy send: a stage holds x, the scales and one metadata tail per destination
+// rank. The budget keeps the dispatch kernel at its register-bound occupancy (2 blocks of 256
+// threads per SM at ~107 registers): ~100 KB of shared memory per block, static tables included.
+constexpr std::int64_t kBulkSmemBudget = 96 * 1024;
+bool bulk_send_enabled() {
+  const char* env = std::getenv("EPMOE_COMM_SEND_BULK");
+  return env == nullptr || std::string_view(env) != "0";
+}
+// Fills s.bulk_warps / s.bulk_stage_bytes (0: per-lane stores); returns the staging bytes.
+std::size_t plan_bulk_send(const EpGeometry& g, SendArgs& s) {
+  s.bulk_warps = 0;
+  s.bulk_stage_bytes = 0;
+  if (!bulk_send_enabled() || g.N > kBulkMaxDest) return 0;
+  const std::int64_t stage = (g.meta_off + g.N * (g.row_stride - g.meta_off) + 127) / 128 * 128;
+  const auto warps =
+      static_cast<int>(std::min<std::int64_t>(kBulkWarps, kBulkSmemBudget / (kBulkStages * stage)));
+  if (warps < 1) return 0;
+  s.bulk_warps = warps;
+  s.bulk_stage_bytes = static_cast<int>(stage);
+  return static_cast<std::size_t>(warps) * kBulkStages * static_cast<std::size_t>(stage);
+}
+// Lets a kernel take more than 48 KB of dynamic shared memory (an attribute of the current device's
+// function: set at every launch, cheap, and right whichever device the process uses).
+void allow_large_smem(const void* kernel) {
+  EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+}
 }  // namespace
+
+void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream) {
+  allow_large_smem(reinterpret_cast<const void*>(send_kernel));
+  const int blocks = a.blocks > 0 ? a.blocks : send_blocks(a.T);
+  SendArgs s = a;
+  const std::size_t smem = plan_bulk_send(g, s);
+  send_kernel<<<static_cast<unsigned>(blocks), kSendThreads, smem, stream>>>(g, s);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
 
 void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream) {
   place_kernel<<<grid_for(static_cast<std::int64_t>(g.N) * g.T_max), kThreads, place_smem(g), stream>>>(g, a);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-int launch_dispatch(const EpGeometry& g, const SendArgs& s, const PlaceArgs& p, cudaStream_t stream) {
-  const std::size_t smem = place_smem(g);
+int launch_dispatch(const EpGeometry& g, const SendArgs& send_args, const PlaceArgs& p, cudaStream_t stream) {
+  allow_large_smem(reinterpret_cast<const void*>(dispatch_kernel));
+  SendArgs s = send_args;
+  const std::size_t smem = std::max(place_smem(g), plan_bulk_send(g, s));
   int per_sm = 0;
   EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_kernel, kThreads, smem));
   const std::int64_t resident =

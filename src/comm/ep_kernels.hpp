@@ -98,6 +98,9 @@ struct SendArgs {
   std::uint32_t* const* chunks =
       nullptr;     // [N] NVLink, optional: this rank's arrival counters on each destination
   int blocks = 0;  // grid; 0: send_blocks(T)
+  // Set by the launchers: copying warps per send block and bytes per staged payload row of the
+  // bulk-copy send (ep_send_bulk.cuh), or 0: per-lane stores (EPMOE_COMM_SEND_BULK=0).
+  int bulk_warps = 0, bulk_stage_bytes = 0;
   FlagSync sync;
 };
 // NVLink header of a source on a destination:
