@@ -16,6 +16,7 @@
 // peers (nvlink dispatch: the send kernel, swept over EPMOE_COMM_SEND_SMS; combine: the reduce
 // kernel); "sms_all": the most SMs any kernel of the call spans (place / reduce / home run on every
 // SM: they move the rank's local HBM traffic, the fan-out to the expert rows and the reduction).
+// "nvlink-<variant>": the send-path variants of send_variants() (fence batching, bulk copies).
 // "nvlink-halves" is dispatch_send + dispatch_recv (send, then place, one stream, own tokens
 // through the window) next to the whole dispatch() call.
 #include <algorithm>
@@ -24,6 +25,8 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "bench/bench.hpp"
 #include "comm/comm_internal.hpp"
@@ -119,20 +122,46 @@ double timed(Communicator& comm, const Launch& launch, const TimingOptions& t) {
   return us;
 }
 
-// Runs fn with the environment variable `name` set to `value` (every rank sets the same), then
-// restores it.
+// Runs fn with the environment variables `vars` ({name, value}) set (every rank sets the same),
+// then restores them.
+using EnvVars = std::vector<std::pair<std::string, std::string>>;
 template <typename Fn>
-auto with_env(const char* name, const char* value, Fn&& fn) {
-  const char* before = std::getenv(name);
-  const std::string keep = before != nullptr ? before : "";
-  const bool had = before != nullptr;
-  setenv(name, value, 1);
+auto with_env(const EnvVars& vars, Fn&& fn) {
+  std::vector<std::pair<std::string, const char*>> before;
+  std::vector<std::string> keep;
+  keep.reserve(vars.size());
+  for (const auto& [name, value] : vars) {
+    const char* b = std::getenv(name.c_str());
+    keep.push_back(b != nullptr ? b : "");
+    before.emplace_back(name, b != nullptr ? keep.back().c_str() : nullptr);
+    setenv(name.c_str(), value.c_str(), 1);
+  }
   auto result = fn();
-  if (had)
-    setenv(name, keep.c_str(), 1);
-  else
-    unsetenv(name);
+  for (const auto& [name, b] : before) {
+    if (b != nullptr)
+      setenv(name.c_str(), b, 1);
+    else
+      unsetenv(name.c_str());
+  }
   return result;
+}
+
+// Send-path variants timed beside the default (per-lane stores, a fence per 8 tokens): the v3
+// send (a fence per token), fewer fences, and the bulk-copy send (EPMOE_COMM_SEND_BULK=1).
+struct SendVariant {
+  const char* label;
+  EnvVars env;
+};
+const std::vector<SendVariant>& send_variants() {
+  static const std::vector<SendVariant> v = {
+      {"fence1", {{"EPMOE_COMM_FENCE_BATCH", "1"}}},
+      {"fence32", {{"EPMOE_COMM_FENCE_BATCH", "32"}}},
+      {"bulk-lag6", {{"EPMOE_COMM_SEND_BULK", "1"}, {"EPMOE_COMM_BULK_LAG", "6"}}},
+      {"bulk-lag2", {{"EPMOE_COMM_SEND_BULK", "1"}, {"EPMOE_COMM_BULK_LAG", "2"}}},
+      {"bulk-lag6-sms64",
+       {{"EPMOE_COMM_SEND_BULK", "1"}, {"EPMOE_COMM_BULK_LAG", "6"}, {"EPMOE_COMM_SEND_SMS", "64"}}},
+  };
+  return v;
 }
 
 // The last call's phases (comm_detail::read_trace), in µs after `origin` (the routing's start for
@@ -226,15 +255,18 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
         else
           setenv("EPMOE_COMM_SEND_SMS", keep.c_str(), 1);
       }
-      {
-        // The v3 send (per-lane 16-byte stores, a system fence per token) next to the bulk copies.
+      for (const SendVariant& v : send_variants()) {
         comm_detail::reset_trace();
-        const double us = with_env("EPMOE_COMM_SEND_BULK", "0", time_dispatch);
-        print_trace("nvlink normal dispatch, per-lane stores (v3 send)");
+        int sms = 0;
+        const double us = with_env(v.env, [&] {
+          sms = sms_of(comm_detail::send_blocks(T));
+          return time_dispatch();
+        });
+        print_trace(std::string("nvlink normal dispatch ") + v.label);
         emit(options, results,
              make_result("comm.dispatch",
-                         params("nvlink-st", "normal", "dispatch", T, comm,
-                                sms_of(comm_detail::send_blocks(T)), work_sms),
+                         params(std::string("nvlink-") + v.label, "normal", "dispatch", T, comm, sms,
+                                std::max(work_sms, sms)),
                          us, dispatch_bytes, 0.0, kNvlinkGBps));
       }
       {
@@ -349,19 +381,23 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                       sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                us_d, dispatch_bytes, 0.0, kNvlinkGBps));
       if (T == 128) {
-        // The v3 send (per-lane stores) in the same graph-replayed call.
-        const cudaGraphExec_t g_st = with_env("EPMOE_COMM_SEND_BULK", "0", [&] {
-          return capture(stream, [&] { d->dispatch({&view, 1}, out); });
-        });
-        const double us_st = timed(comm, replay(g_st), timing);
-        print_trace("nvlink-ll dispatch, per-lane stores (v3 send), T " + std::to_string(T));
-        emit(options, results,
-             make_result("comm.dispatch",
-                         params("nvlink-ll-st", "low_latency", "dispatch", T, comm,
-                                sms_of(comm_detail::send_blocks(T)),
-                                sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
-                         us_st, dispatch_bytes, 0.0, kNvlinkGBps));
-        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_st));
+        // The send-path variants in the same graph-replayed call (the last one's SMs differ).
+        for (const SendVariant& v : send_variants()) {
+          if (v.env.size() > 2) continue;
+          const cudaGraphExec_t g_v = with_env(v.env, [&] {
+            return capture(stream, [&] { d->dispatch({&view, 1}, out); });
+          });
+          const double us_v = timed(comm, replay(g_v), timing);
+          print_trace(std::string("nvlink-ll dispatch ") + v.label + ", T " + std::to_string(T));
+          emit(options, results,
+               make_result(
+                   "comm.dispatch",
+                   params(std::string("nvlink-ll-") + v.label, "low_latency", "dispatch", T, comm,
+                          sms_of(comm_detail::send_blocks(T)),
+                          sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
+                   us_v, dispatch_bytes, 0.0, kNvlinkGBps));
+          EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_v));
+        }
       }
       const double us_c = timed(comm, replay(g_combine), timing);
       print_trace("nvlink-ll combine T " + std::to_string(T), comm_detail::kTraceReduceStart);

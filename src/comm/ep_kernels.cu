@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <string_view>
 
 #include "cuda/ptx_hopper.cuh"
 #include "epmoe/cuda/launch.hpp"
@@ -365,7 +364,18 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   __shared__ char* target[kSendWarps][kMaxTopK];
   __shared__ int target_rank[kSendWarps][kMaxTopK];
   __shared__ int target_slot[kSendWarps][kMaxTopK];
+  __shared__ std::uint32_t* pending[kSendWarps][32];  // arrival counters to bump after the next fence
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  int npending = 0, batched = 0;
+  auto flush = [&] {
+    if (npending == 0) return;
+    __threadfence_system();  // every lane's rows reach their destinations before a counter moves
+    __syncwarp();
+    if (lane < npending) atomicAdd_system(pending[warp][lane], 1u);
+    __syncwarp();
+    npending = 0;
+    batched = 0;
+  };
   const bool lsa = a.sync.seq != nullptr;
   const std::uint32_t s = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(s & 1u) * a.sync.parity_stride : 0;
@@ -434,15 +444,19 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
         }
       }
       if (a.chunks != nullptr) {
-        // Every lane's stores reach the destination before its chunk counter moves.
-        __threadfence_system();
-        __syncwarp();
+        // The counters of this token's chunks join the warp's pending list; every fence_batch
+        // tokens (or when the list could overflow) every lane's stores are fenced once and the
+        // whole list is bumped: the fence waits for the rows in flight, so one per token (v3)
+        // left each warp a single row on NVLink at a time.
         if (lane < n)
-          atomicAdd_system(
-              a.chunks[target_rank[warp][lane]] + parity_ints + target_slot[warp][lane] / kArrivalChunk, 1u);
+          pending[warp][npending + lane] =
+              a.chunks[target_rank[warp][lane]] + parity_ints + target_slot[warp][lane] / kArrivalChunk;
+        npending += n;
+        if (++batched >= a.fence_batch || npending + min(g.N, 32) > 32) flush();
       }
       __syncwarp();
     }
+    flush();
   }
   if (threadIdx.x == 0) stamp_max(kTraceSendCopied);
   if (a.header == nullptr) return;
@@ -853,15 +867,18 @@ std::size_t place_smem(const EpGeometry& g) {
 // rank. The budget keeps the dispatch kernel at its register-bound occupancy (2 blocks of 256
 // threads per SM at ~107 registers): ~100 KB of shared memory per block, static tables included.
 constexpr std::int64_t kBulkSmemBudget = 96 * 1024;
-bool bulk_send_enabled() {
-  const char* env = std::getenv("EPMOE_COMM_SEND_BULK");
-  return env == nullptr || std::string_view(env) != "0";
+int env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
 }
-// Fills s.bulk_warps / s.bulk_stage_bytes (0: per-lane stores); returns the staging bytes.
+// Fills the send path's tuning (EPMOE_COMM_SEND_BULK=1: bulk copies, bulk_warps / bulk_stage_bytes
+// / bulk_lag; else per-lane stores with fence_batch); returns the bulk staging bytes (0: none).
 std::size_t plan_bulk_send(const EpGeometry& g, SendArgs& s) {
   s.bulk_warps = 0;
   s.bulk_stage_bytes = 0;
-  if (!bulk_send_enabled() || g.N > kBulkMaxDest) return 0;
+  s.bulk_lag = std::clamp(env_int("EPMOE_COMM_BULK_LAG", 6), 0, kBulkMaxLag);
+  s.fence_batch = std::max(1, env_int("EPMOE_COMM_FENCE_BATCH", 8));
+  if (env_int("EPMOE_COMM_SEND_BULK", 0) != 1 || g.N > kBulkMaxDest) return 0;
   const std::int64_t stage = (g.meta_off + g.N * (g.row_stride - g.meta_off) + 127) / 128 * 128;
   const auto warps =
       static_cast<int>(std::min<std::int64_t>(kBulkWarps, kBulkSmemBudget / (kBulkStages * stage)));

@@ -101,6 +101,10 @@ struct SendArgs {
   // Set by the launchers: copying warps per send block and bytes per staged payload row of the
   // bulk-copy send (ep_send_bulk.cuh), or 0: per-lane stores (EPMOE_COMM_SEND_BULK=0).
   int bulk_warps = 0, bulk_stage_bytes = 0;
+  // Bulk path: bulk groups left in flight when the oldest token's counters move
+  // (EPMOE_COMM_BULK_LAG, default 6). Per-lane stores: tokens per warp between system fences
+  // (EPMOE_COMM_FENCE_BATCH, default 8; 1 = v3).
+  int bulk_lag = 6, fence_batch = 8;
   FlagSync sync;
 };
 // NVLink header of a source on a destination:
