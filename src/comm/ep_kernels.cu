@@ -357,6 +357,29 @@ __global__ void __launch_bounds__(kRouteSmallThreads)
 // can size its layout and place the tokens it has while these arrive); the block that finishes
 // last raises the arrival flags.
 constexpr int kSendWarps = kSendThreads / 32;
+
+// Block-wide (every thread): this rank's header on every destination (status, tokens, T, rows per
+// local expert), then, after a system fence, the count flags (sequence number s).
+__device__ void send_headers(const EpGeometry& g, std::int32_t* const* header, const std::int32_t* count_row,
+                             int status, std::int64_t T, std::uint32_t s, std::int64_t parity_ints) {
+  for (int d = 0; d < g.N; ++d) {
+    std::int32_t* h = header[d] + parity_ints;
+    for (int e = static_cast<int>(threadIdx.x); e < g.L; e += static_cast<int>(blockDim.x))
+      h[kHeaderCounts + e] = status != 0 ? 0 : count_row[g.N + d * g.L + e];
+    if (threadIdx.x == 0) {
+      h[kHeaderStatus] = status;
+      h[kHeaderTokens] = status != 0 ? 0 : count_row[d];
+      h[kHeaderT] = static_cast<std::int32_t>(T);
+    }
+  }
+  __threadfence_system();
+  __syncthreads();
+  for (int d = static_cast<int>(threadIdx.x); d < g.N; d += static_cast<int>(blockDim.x))
+    st_release_sys(reinterpret_cast<std::uint32_t*>(header[d] + parity_ints + kHeaderCountFlag), s);
+  if (threadIdx.x == 0) stamp(kTraceCountFlag);
+}
+
+#include "comm/ep_pack.cuh"
 #include "comm/ep_send_bulk.cuh"
 
 // smem: the bulk-copy staging area (SendArgs::bulk_warps > 0).
@@ -384,23 +407,7 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   const std::int64_t parity_ints = parity_bytes / 4;
 
   if (block == 0 && threadIdx.x == 0) stamp(kTraceSendStart);
-  if (a.header != nullptr && block == 0) {
-    for (int d = 0; d < g.N; ++d) {
-      std::int32_t* h = a.header[d] + parity_ints;
-      for (int e = static_cast<int>(threadIdx.x); e < g.L; e += static_cast<int>(blockDim.x))
-        h[kHeaderCounts + e] = status != 0 ? 0 : a.count_row[g.N + d * g.L + e];
-      if (threadIdx.x == 0) {
-        h[kHeaderStatus] = status;
-        h[kHeaderTokens] = status != 0 ? 0 : a.count_row[d];
-        h[kHeaderT] = static_cast<std::int32_t>(a.T);
-      }
-    }
-    __threadfence_system();
-    __syncthreads();
-    for (int d = static_cast<int>(threadIdx.x); d < g.N; d += static_cast<int>(blockDim.x))
-      st_release_sys(reinterpret_cast<std::uint32_t*>(a.header[d] + parity_ints + kHeaderCountFlag), s);
-    if (threadIdx.x == 0) stamp(kTraceCountFlag);
-  }
+  if (a.header != nullptr && block == 0) send_headers(g, a.header, a.count_row, status, a.T, s, parity_ints);
 
   if (status == 0 && a.bulk_warps > 0) {
     send_bulk_rows(g, a, block, nblocks, parity_bytes, smem);
@@ -900,6 +907,12 @@ void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream) {
   SendArgs s = a;
   const std::size_t smem = plan_bulk_send(g, s);
   send_kernel<<<static_cast<unsigned>(blocks), kSendThreads, smem, stream>>>(g, s);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_pack(const EpGeometry& g, const PackArgs& a, cudaStream_t stream) {
+  const int blocks = a.blocks > 0 ? a.blocks : send_blocks(a.T);
+  pack_kernel<<<static_cast<unsigned>(blocks), kSendThreads, 0, stream>>>(g, a);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
