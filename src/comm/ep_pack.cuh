@@ -39,9 +39,12 @@ __global__ void __launch_bounds__(kSendThreads) pack_kernel(EpGeometry g, PackAr
   if (blockIdx.x == 0 && tid == 0 && a.first) stamp(kTraceSendStart);
   if (blockIdx.x == 0 && a.first) send_headers(g, a.header, a.count_row, status, a.T, a.s, parity_ints);
   const std::int64_t vecs = g.x_bytes / 16;
-  for (int d = 0; d < g.N && status == 0; ++d) {
+  for (int d = 0; d < g.N; ++d) {
     if (d == g.me) continue;
-    const std::int64_t count = a.count_row[d];
+    // A refused input sends no rows (count 0), but its counters are still written: every counter
+    // the copy engine delivers holds this call's value (0 where the peer waits for nothing), so a
+    // late copy never leaves a stale count behind for the call after next.
+    const std::int64_t count = status != 0 ? 0 : a.count_row[d];
     const std::int64_t j0 = min(a.slot_begin, count), j1 = min(a.slot_end, count);
     if (blockIdx.x == 0)
       for (std::int64_t c = a.slot_begin / kArrivalChunk + tid; c * kArrivalChunk < a.slot_end;
