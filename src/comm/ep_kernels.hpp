@@ -99,7 +99,7 @@ struct SendArgs {
       nullptr;     // [N] NVLink, optional: this rank's arrival counters on each destination
   int blocks = 0;  // grid; 0: send_blocks(T)
   // Set by the launchers: copying warps per send block and bytes per staged payload row of the
-  // bulk-copy send (ep_send_bulk.cuh), or 0: per-lane stores (EPMOE_COMM_SEND_BULK=0).
+  // bulk-copy send (ep_send_bulk.cuh, EPMOE_COMM_SEND_BULK=1), or 0: per-lane stores (the default).
   int bulk_warps = 0, bulk_stage_bytes = 0;
   // Bulk path: bulk groups left in flight when the oldest token's counters move
   // (EPMOE_COMM_BULK_LAG, default 6). Per-lane stores: tokens per warp between system fences

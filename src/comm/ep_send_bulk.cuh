@@ -12,6 +12,10 @@
 // (v4 run 1 reused a stage only after its group completed, one group late: ~7.7 µs per token per
 // warp, 94 GB/s from 24 SMs.)
 //
+// Measured (bench/NOTES.md, v4 runs 1-3, 2xH200): ~4 GB/s per SM to a peer whatever the lag (94
+// GB/s from 24 SMs, 170 from 64), below per-lane stores (~8 GB/s per SM): the bulk engine's rate to
+// a peer, not completion latency, bounds it. Opt-in for that reason.
+//
 // Per warp: a ring of kBulkStages stages (token i, the warp's i-th token with a peer destination,
 // uses stage i % kBulkStages and is staged kBulkLookahead tokens before it is stored) and a ring
 // of kBulkTables destination tables (token i's ranks and slots, kept until it is signalled).
