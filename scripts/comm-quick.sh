@@ -4,6 +4,9 @@
 # communication tests and `epmoe bench comm` under `epmoe launch`. Logs and JSON into OUTDIR.
 #
 # Usage: scripts/comm-quick.sh OUTDIR [RANKS]
+#   EPMOE_QUICK_COMM_ONLY=1: build and run only the communication tests and bench (no silu tests).
+#   EPMOE_MEMCHECK_FILTER=<gtest filter>: also run those communication tests under compute-sanitizer
+#   memcheck (every rank), log in OUTDIR/memcheck.log.
 set -uo pipefail
 out=${1:?usage: scripts/comm-quick.sh OUTDIR [RANKS]}
 mkdir -p "$out"
@@ -13,8 +16,13 @@ ranks=${2:-2}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 status=0
-{ cmake --preset gpu >/dev/null && cmake --build --preset gpu -j "$(nproc)" --target epmoe_cli epmoe_gpu_tests \
-  epmoe_comm_tests; } >"$out/build.log" 2>&1 || { tail -n 40 "$out/build.log"; exit 1; }
+comm_only=${EPMOE_QUICK_COMM_ONLY:-0}
+targets="epmoe_cli epmoe_comm_tests"
+[ "$comm_only" = 1 ] || targets="$targets epmoe_gpu_tests"
+# shellcheck disable=SC2086
+{ cmake --preset gpu >/dev/null && cmake --build --preset gpu -j "$(nproc)" --target $targets; } \
+  >"$out/build.log" 2>&1 || { tail -n 40 "$out/build.log"; exit 1; }
+[ "$comm_only" = 1 ] || {
 echo "== silu_quant GPU tests"
 {
   EPMOE_TEST_SEED=${EPMOE_SILU_SEED:-2744272692736732356} build-gpu/tests/epmoe_gpu_tests \
@@ -22,10 +30,18 @@ echo "== silu_quant GPU tests"
   build-gpu/tests/epmoe_gpu_tests --gtest_filter='SiluMulQuantGpu*' --gtest_repeat=3 || status=1
 } >"$out/silu-tests.log" 2>&1
 grep -E "PASSED|FAILED|tests ran" "$out/silu-tests.log" | sort | uniq -c
+}
 echo "== ${ranks}-rank communication tests"
 timeout 150 build-gpu/bin/epmoe launch -n "$ranks" --timeout 140 -- build-gpu/tests/epmoe_comm_tests \
   >"$out/comm-tests.log" 2>&1 || status=1
 grep -E "PASSED|FAILED|SKIPPED|rror" "$out/comm-tests.log" | tail -n 40
+if [ -n "${EPMOE_MEMCHECK_FILTER:-}" ]; then
+  echo "== memcheck ${EPMOE_MEMCHECK_FILTER}"
+  timeout 120 build-gpu/bin/epmoe launch -n "$ranks" --timeout 110 -- compute-sanitizer --tool memcheck \
+    --error-exitcode 3 build-gpu/tests/epmoe_comm_tests --gtest_filter="$EPMOE_MEMCHECK_FILTER" \
+    >"$out/memcheck.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | tail -n 6
+fi
 echo "== bench comm"
 timeout 300 build-gpu/bin/epmoe launch -n "$ranks" --timeout 280 -- \
   sh -c "build-gpu/bin/epmoe bench comm --json $out/comm-rank\$EPMOE_RANK.json" >"$out/bench.log" 2>&1 || status=1

@@ -16,6 +16,8 @@
 // peers (nvlink dispatch: the send kernel, swept over EPMOE_COMM_SEND_SMS; combine: the reduce
 // kernel); "sms_all": the most SMs any kernel of the call spans (place / reduce / home run on every
 // SM: they move the rank's local HBM traffic, the fan-out to the expert rows and the reduction).
+// "nvlink-<variant>": the send-path variants of send_variants() (fence batching, bulk copies, copy
+// engines; for "ce" rows "sms" is the pack kernel's, which writes only local memory).
 // "nvlink-halves" is dispatch_send + dispatch_recv (send, then place, one stream, own tokens
 // through the window) next to the whole dispatch() call.
 #include <algorithm>
@@ -24,6 +26,9 @@
 #include <random>
 #include <set>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "bench/bench.hpp"
 #include "comm/comm_internal.hpp"
@@ -119,15 +124,61 @@ double timed(Communicator& comm, const Launch& launch, const TimingOptions& t) {
   return us;
 }
 
-// The last call's phases (comm_detail::read_trace), in µs after the routing started.
-void print_trace(const std::string& what) {
+// Runs fn with the environment variables `vars` ({name, value}) set (every rank sets the same),
+// then restores them.
+using EnvVars = std::vector<std::pair<std::string, std::string>>;
+template <typename Fn>
+auto with_env(const EnvVars& vars, Fn&& fn) {
+  std::vector<std::pair<std::string, const char*>> before;
+  std::vector<std::string> keep;
+  keep.reserve(vars.size());
+  for (const auto& [name, value] : vars) {
+    const char* b = std::getenv(name.c_str());
+    keep.push_back(b != nullptr ? b : "");
+    before.emplace_back(name, b != nullptr ? keep.back().c_str() : nullptr);
+    setenv(name.c_str(), value.c_str(), 1);
+  }
+  auto result = fn();
+  for (const auto& [name, b] : before) {
+    if (b != nullptr)
+      setenv(name.c_str(), b, 1);
+    else
+      unsetenv(name.c_str());
+  }
+  return result;
+}
+
+// Send-path variants timed beside the default (per-lane stores, a fence per 8 tokens): the v3
+// send (a fence per token), fewer fences, and the bulk-copy send (EPMOE_COMM_SEND_BULK=1).
+struct SendVariant {
+  const char* label;
+  EnvVars env;
+};
+const std::vector<SendVariant>& send_variants() {
+  static const std::vector<SendVariant> v = {
+      {"fence1", {{"EPMOE_COMM_FENCE_BATCH", "1"}}},
+      {"fence4", {{"EPMOE_COMM_FENCE_BATCH", "4"}}},
+      {"fence16", {{"EPMOE_COMM_FENCE_BATCH", "16"}}},
+      {"bulk-lag6", {{"EPMOE_COMM_SEND_BULK", "1"}, {"EPMOE_COMM_BULK_LAG", "6"}}},
+      // Normal mode only (the low-latency rows skip them): the copy engines move the rows.
+      {"ce", {{"EPMOE_COMM_SEND_CE", "1"}}},
+      {"ce-pieces4", {{"EPMOE_COMM_SEND_CE", "1"}, {"EPMOE_COMM_CE_PIECES", "4"}}},
+      {"ce-pieces16", {{"EPMOE_COMM_SEND_CE", "1"}, {"EPMOE_COMM_CE_PIECES", "16"}}},
+      {"ce-pack64", {{"EPMOE_COMM_SEND_CE", "1"}, {"EPMOE_COMM_SEND_SMS", "64"}}},
+  };
+  return v;
+}
+
+// The last call's phases (comm_detail::read_trace), in µs after `origin` (the routing's start for
+// a dispatch, the reduce's start for a combine).
+void print_trace(const std::string& what, int origin = comm_detail::kTraceRouteStart) {
   std::uint64_t t[comm_detail::kTraceSlots];
   comm_detail::read_trace(t);
   static const char* const kNames[] = {"route",  "send",       "count_flag", "send_copied",  "send_end",
                                        "place",  "counts",     "own_done",   "arrived",      "place_end",
                                        "reduce", "reduce_end", "home",       "home_arrived", "home_end"};
   std::string line = "trace " + what + ":";
-  const std::uint64_t t0 = t[comm_detail::kTraceRouteStart];
+  const std::uint64_t t0 = t[origin];
   for (int i = 0; i < comm_detail::kTraceSlots; ++i) {
     if (t[i] == 0 || t[i] < t0 || t[i] - t0 > 10'000'000) continue;
     char buf[64];
@@ -209,6 +260,20 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
         else
           setenv("EPMOE_COMM_SEND_SMS", keep.c_str(), 1);
       }
+      for (const SendVariant& v : send_variants()) {
+        comm_detail::reset_trace();
+        int sms = 0;
+        const double us = with_env(v.env, [&] {
+          sms = sms_of(comm_detail::send_blocks(T));
+          return time_dispatch();
+        });
+        print_trace(std::string("nvlink normal dispatch ") + v.label);
+        emit(options, results,
+             make_result("comm.dispatch",
+                         params(std::string("nvlink-") + v.label, "normal", "dispatch", T, comm, sms,
+                                std::max(work_sms, sms)),
+                         us, dispatch_bytes, 0.0, kNvlinkGBps));
+      }
       {
         setenv("EPMOE_COMM_CHUNKS", "0", 1);  // place waits for each source's last token
         comm_detail::reset_trace();
@@ -249,8 +314,8 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
           d->combine({&eo, 1}, {&yv, 1});
         },
         timing);
-    // The reduce / home stamps of the last combine, against the last dispatch's routing start.
-    if (nv != nullptr) print_trace("nvlink normal combine (after the last dispatch)");
+    // The reduce / home stamps of the last combine, against its reduce's start.
+    if (nv != nullptr) print_trace("nvlink normal combine", comm_detail::kTraceReduceStart);
     emit(options, results,
          make_result("comm.combine", params(transport, "normal", "combine", T, comm, work_sms, work_sms),
                      us_combine, combine_bytes, 0.0, kNvlinkGBps));
@@ -320,8 +385,27 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                params(transport, "low_latency", "dispatch", T, comm, sms_of(comm_detail::send_blocks(T)),
                       sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                us_d, dispatch_bytes, 0.0, kNvlinkGBps));
+      if (T == 128) {
+        // The send-path variants in the same graph-replayed call (the last one's SMs differ).
+        for (const SendVariant& v : send_variants()) {
+          if (std::string_view(v.label).starts_with("ce")) continue;
+          const cudaGraphExec_t g_v = with_env(v.env, [&] {
+            return capture(stream, [&] { d->dispatch({&view, 1}, out); });
+          });
+          const double us_v = timed(comm, replay(g_v), timing);
+          print_trace(std::string("nvlink-ll dispatch ") + v.label + ", T " + std::to_string(T));
+          emit(options, results,
+               make_result(
+                   "comm.dispatch",
+                   params(std::string("nvlink-ll-") + v.label, "low_latency", "dispatch", T, comm,
+                          sms_of(comm_detail::send_blocks(T)),
+                          sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
+                   us_v, dispatch_bytes, 0.0, kNvlinkGBps));
+          EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_v));
+        }
+      }
       const double us_c = timed(comm, replay(g_combine), timing);
-      print_trace("nvlink-ll combine T " + std::to_string(T) + " (after the last dispatch)");
+      print_trace("nvlink-ll combine T " + std::to_string(T), comm_detail::kTraceReduceStart);
       emit(options, results,
            make_result("comm.combine",
                        params(transport, "low_latency", "combine", T, comm,

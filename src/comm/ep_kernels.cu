@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cuda/ptx_hopper.cuh"
 #include "epmoe/cuda/launch.hpp"
 
 namespace epmoe::comm_detail {
@@ -356,11 +357,48 @@ __global__ void __launch_bounds__(kRouteSmallThreads)
 // can size its layout and place the tokens it has while these arrive); the block that finishes
 // last raises the arrival flags.
 constexpr int kSendWarps = kSendThreads / 32;
-__device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int nblocks) {
+
+// Block-wide (every thread): this rank's header on every destination (status, tokens, T, rows per
+// local expert), then, after a system fence, the count flags (sequence number s).
+__device__ void send_headers(const EpGeometry& g, std::int32_t* const* header, const std::int32_t* count_row,
+                             int status, std::int64_t T, std::uint32_t s, std::int64_t parity_ints) {
+  for (int d = 0; d < g.N; ++d) {
+    std::int32_t* h = header[d] + parity_ints;
+    for (int e = static_cast<int>(threadIdx.x); e < g.L; e += static_cast<int>(blockDim.x))
+      h[kHeaderCounts + e] = status != 0 ? 0 : count_row[g.N + d * g.L + e];
+    if (threadIdx.x == 0) {
+      h[kHeaderStatus] = status;
+      h[kHeaderTokens] = status != 0 ? 0 : count_row[d];
+      h[kHeaderT] = static_cast<std::int32_t>(T);
+    }
+  }
+  __threadfence_system();
+  __syncthreads();
+  for (int d = static_cast<int>(threadIdx.x); d < g.N; d += static_cast<int>(blockDim.x))
+    st_release_sys(reinterpret_cast<std::uint32_t*>(header[d] + parity_ints + kHeaderCountFlag), s);
+  if (threadIdx.x == 0) stamp(kTraceCountFlag);
+}
+
+#include "comm/ep_pack.cuh"
+#include "comm/ep_send_bulk.cuh"
+
+// smem: the bulk-copy staging area (SendArgs::bulk_warps > 0).
+__device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int nblocks, char* smem) {
   __shared__ char* target[kSendWarps][kMaxTopK];
   __shared__ int target_rank[kSendWarps][kMaxTopK];
   __shared__ int target_slot[kSendWarps][kMaxTopK];
+  __shared__ std::uint32_t* pending[kSendWarps][32];  // arrival counters to bump after the next fence
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  int npending = 0, batched = 0;
+  auto flush = [&] {
+    if (npending == 0) return;
+    __threadfence_system();  // every lane's rows reach their destinations before a counter moves
+    __syncwarp();
+    if (lane < npending) atomicAdd_system(pending[warp][lane], 1u);
+    __syncwarp();
+    npending = 0;
+    batched = 0;
+  };
   const bool lsa = a.sync.seq != nullptr;
   const std::uint32_t s = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(s & 1u) * a.sync.parity_stride : 0;
@@ -369,25 +407,11 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   const std::int64_t parity_ints = parity_bytes / 4;
 
   if (block == 0 && threadIdx.x == 0) stamp(kTraceSendStart);
-  if (a.header != nullptr && block == 0) {
-    for (int d = 0; d < g.N; ++d) {
-      std::int32_t* h = a.header[d] + parity_ints;
-      for (int e = static_cast<int>(threadIdx.x); e < g.L; e += static_cast<int>(blockDim.x))
-        h[kHeaderCounts + e] = status != 0 ? 0 : a.count_row[g.N + d * g.L + e];
-      if (threadIdx.x == 0) {
-        h[kHeaderStatus] = status;
-        h[kHeaderTokens] = status != 0 ? 0 : a.count_row[d];
-        h[kHeaderT] = static_cast<std::int32_t>(a.T);
-      }
-    }
-    __threadfence_system();
-    __syncthreads();
-    for (int d = static_cast<int>(threadIdx.x); d < g.N; d += static_cast<int>(blockDim.x))
-      st_release_sys(reinterpret_cast<std::uint32_t*>(a.header[d] + parity_ints + kHeaderCountFlag), s);
-    if (threadIdx.x == 0) stamp(kTraceCountFlag);
-  }
+  if (a.header != nullptr && block == 0) send_headers(g, a.header, a.count_row, status, a.T, s, parity_ints);
 
-  if (status == 0) {
+  if (status == 0 && a.bulk_warps > 0) {
+    send_bulk_rows(g, a, block, nblocks, parity_bytes, smem);
+  } else if (status == 0) {
     for (std::int64_t t = static_cast<std::int64_t>(block) * kSendWarps + warp; t < a.T;
          t += static_cast<std::int64_t>(nblocks) * kSendWarps) {
       int n = 0;  // destinations of token t, in rank order
@@ -427,15 +451,19 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
         }
       }
       if (a.chunks != nullptr) {
-        // Every lane's stores reach the destination before its chunk counter moves.
-        __threadfence_system();
-        __syncwarp();
+        // The counters of this token's chunks join the warp's pending list; every fence_batch
+        // tokens (or when the list could overflow) every lane's stores are fenced once and the
+        // whole list is bumped: the fence waits for the rows in flight, so one per token (v3)
+        // left each warp a single row on NVLink at a time.
         if (lane < n)
-          atomicAdd_system(
-              a.chunks[target_rank[warp][lane]] + parity_ints + target_slot[warp][lane] / kArrivalChunk, 1u);
+          pending[warp][npending + lane] =
+              a.chunks[target_rank[warp][lane]] + parity_ints + target_slot[warp][lane] / kArrivalChunk;
+        npending += n;
+        if (++batched >= a.fence_batch || npending + min(g.N, 32) > 32) flush();
       }
       __syncwarp();
     }
+    flush();
   }
   if (threadIdx.x == 0) stamp_max(kTraceSendCopied);
   if (a.header == nullptr) return;
@@ -452,7 +480,8 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
 }
 
 __global__ void __launch_bounds__(kSendThreads) send_kernel(EpGeometry g, SendArgs a) {
-  send_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
+  extern __shared__ __align__(128) int smem[];
+  send_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), reinterpret_cast<char*>(smem));
 }
 
 // ---------------------------------------------------------------- place
@@ -680,7 +709,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
 }
 
 __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs a) {
-  extern __shared__ int smem[];
+  extern __shared__ __align__(128) int smem[];
   place_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), smem);
 }
 
@@ -689,10 +718,10 @@ __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs
 // for the peers can never keep this rank's own send blocks from running.
 __global__ void __launch_bounds__(kThreads)
     dispatch_kernel(EpGeometry g, SendArgs s, PlaceArgs p, int send_blocks) {
-  extern __shared__ int smem[];
+  extern __shared__ __align__(128) int smem[];
   const int b = static_cast<int>(blockIdx.x);
   if (b < send_blocks)
-    send_body(g, s, b, send_blocks);
+    send_body(g, s, b, send_blocks, reinterpret_cast<char*>(smem));
   else
     place_body(g, p, b - send_blocks, static_cast<int>(gridDim.x) - send_blocks, smem);
 }
@@ -835,26 +864,67 @@ void launch_route(const EpGeometry& g, const std::int32_t* ids, std::int64_t T, 
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream) {
-  const int blocks = a.blocks > 0 ? a.blocks : send_blocks(a.T);
-  send_kernel<<<static_cast<unsigned>(blocks), kSendThreads, 0, stream>>>(g, a);
-  EPMOE_CUDA_CHECK_LAUNCH();
-}
-
 namespace {
 std::size_t place_smem(const EpGeometry& g) {
   return sizeof(int) * (static_cast<std::size_t>(g.N) * 3 + 1 + static_cast<std::size_t>(g.L) * g.N +
                         2 * static_cast<std::size_t>(g.L) + 1);
 }
+
+// Staging of the bulk-copy send: a stage holds x, the scales and one metadata tail per destination
+// rank. The budget keeps the dispatch kernel at its register-bound occupancy (2 blocks of 256
+// threads per SM at ~107 registers): ~100 KB of shared memory per block, static tables included.
+constexpr std::int64_t kBulkSmemBudget = 96 * 1024;
+int env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
+}
+// Fills the send path's tuning (EPMOE_COMM_SEND_BULK=1: bulk copies, bulk_warps / bulk_stage_bytes
+// / bulk_lag; else per-lane stores with fence_batch); returns the bulk staging bytes (0: none).
+std::size_t plan_bulk_send(const EpGeometry& g, SendArgs& s) {
+  s.bulk_warps = 0;
+  s.bulk_stage_bytes = 0;
+  s.bulk_lag = std::clamp(env_int("EPMOE_COMM_BULK_LAG", 6), 0, kBulkMaxLag);
+  s.fence_batch = std::max(1, env_int("EPMOE_COMM_FENCE_BATCH", 8));
+  if (env_int("EPMOE_COMM_SEND_BULK", 0) != 1 || g.N > kBulkMaxDest) return 0;
+  const std::int64_t stage = (g.meta_off + g.N * (g.row_stride - g.meta_off) + 127) / 128 * 128;
+  const auto warps =
+      static_cast<int>(std::min<std::int64_t>(kBulkWarps, kBulkSmemBudget / (kBulkStages * stage)));
+  if (warps < 1) return 0;
+  s.bulk_warps = warps;
+  s.bulk_stage_bytes = static_cast<int>(stage);
+  return static_cast<std::size_t>(warps) * kBulkStages * static_cast<std::size_t>(stage);
+}
+// Lets a kernel take more than 48 KB of dynamic shared memory (an attribute of the current device's
+// function: set at every launch, cheap, and right whichever device the process uses).
+void allow_large_smem(const void* kernel) {
+  EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+}
 }  // namespace
+
+void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream) {
+  allow_large_smem(reinterpret_cast<const void*>(send_kernel));
+  const int blocks = a.blocks > 0 ? a.blocks : send_blocks(a.T);
+  SendArgs s = a;
+  const std::size_t smem = plan_bulk_send(g, s);
+  send_kernel<<<static_cast<unsigned>(blocks), kSendThreads, smem, stream>>>(g, s);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_pack(const EpGeometry& g, const PackArgs& a, cudaStream_t stream) {
+  const int blocks = a.blocks > 0 ? a.blocks : send_blocks(a.T);
+  pack_kernel<<<static_cast<unsigned>(blocks), kSendThreads, 0, stream>>>(g, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
 
 void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream) {
   place_kernel<<<grid_for(static_cast<std::int64_t>(g.N) * g.T_max), kThreads, place_smem(g), stream>>>(g, a);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-int launch_dispatch(const EpGeometry& g, const SendArgs& s, const PlaceArgs& p, cudaStream_t stream) {
-  const std::size_t smem = place_smem(g);
+int launch_dispatch(const EpGeometry& g, const SendArgs& send_args, const PlaceArgs& p, cudaStream_t stream) {
+  allow_large_smem(reinterpret_cast<const void*>(dispatch_kernel));
+  SendArgs s = send_args;
+  const std::size_t smem = std::max(place_smem(g), plan_bulk_send(g, s));
   int per_sm = 0;
   EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_kernel, kThreads, smem));
   const std::int64_t resident =

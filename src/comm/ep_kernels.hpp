@@ -98,6 +98,13 @@ struct SendArgs {
   std::uint32_t* const* chunks =
       nullptr;     // [N] NVLink, optional: this rank's arrival counters on each destination
   int blocks = 0;  // grid; 0: send_blocks(T)
+  // Set by the launchers: copying warps per send block and bytes per staged payload row of the
+  // bulk-copy send (ep_send_bulk.cuh, EPMOE_COMM_SEND_BULK=1), or 0: per-lane stores (the default).
+  int bulk_warps = 0, bulk_stage_bytes = 0;
+  // Bulk path: bulk groups left in flight when the oldest token's counters move
+  // (EPMOE_COMM_BULK_LAG, default 6). Per-lane stores: tokens per warp between system fences
+  // (EPMOE_COMM_FENCE_BATCH, default 8; 1 = v3).
+  int bulk_lag = 6, fence_batch = 8;
   FlagSync sync;
 };
 // NVLink header of a source on a destination:
@@ -109,6 +116,32 @@ void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream);
 // SMs): EPMOE_COMM_SEND_SMS if set, else min(24, SMs); `T` tokens.
 inline constexpr int kSendThreads = 256;
 int send_blocks(std::int64_t T);
+// Copy-engine send (normal mode, EPMOE_COMM_SEND_CE=1): pack writes this rank's payload rows for
+// each peer into a local staging area, in the peer's slot order, one piece of destination slots
+// [slot_begin, slot_end) per launch; the dispatcher copies each packed piece to the peer with
+// cudaMemcpyAsync on a side stream (the copy engines: no SM writes to the peer), then the piece's
+// arrival counters (want: the tokens of each 64-slot chunk) after it.
+struct PackArgs {
+  const void* x = nullptr;
+  const float* scales = nullptr;
+  const std::int32_t* ids = nullptr;
+  const float* weights = nullptr;
+  std::int64_t T = 0;  // 0 for a refused input
+  const std::uint32_t* bitmaps = nullptr;
+  const std::int32_t* prefix = nullptr;
+  const std::int32_t* count_row = nullptr;
+  char* staging = nullptr;        // destination d's slot j: staging + (d * T_max + j) * row_stride
+  std::uint32_t* want = nullptr;  // [N][n_chunks]
+  int n_chunks = 0;
+  std::int64_t slot_begin = 0, slot_end = 0;
+  std::int32_t* const* header = nullptr;  // [N]: this rank's header on each destination
+  bool first = false, last = false;       // first piece: headers + count flags; last: the sequence
+  std::uint32_t s = 0;                    // this call's send sequence number (the host's mirror)
+  int blocks = 0;                         // grid; 0: send_blocks(T)
+  FlagSync sync;
+};
+void launch_pack(const EpGeometry& g, const PackArgs& a, cudaStream_t stream);
+
 // Phase stamps (globaltimer, ns) that the kernels of this process leave behind: the start of the
 // scan / one-block route, send (block 0 start, count flags raised, last block's copies done, arrival
 // flags raised), place (block 0 start, layout known, last block's own tokens done, arrival seen,

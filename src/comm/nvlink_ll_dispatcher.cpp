@@ -19,10 +19,13 @@
 // layout from the count flags (raised before any token is sent), places the own tokens, then the
 // peers' as their arrival flags come. Normal mode: place publishes the layout to mapped host
 // memory first, so the host returns as soon as it knows it, while the rows are still being copied.
+// EPMOE_COMM_SEND_CE=1 (normal mode): the copy engines move the rows instead of send's SM stores
+// (dispatch_by_copy_engines).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -70,6 +73,10 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       reduce_flag.push_back(peer + cflag_off_ + me * 16);
       send_chunks.push_back(peer + chunk_off_ + me * n_chunks_ * 4);
     }
+    for (int d = 0; d < g_.N; ++d) {
+      send_dest_host_.push_back(static_cast<char*>(send_dest[static_cast<std::size_t>(d)]));
+      send_chunks_host_.push_back(static_cast<std::uint32_t*>(send_chunks[static_cast<std::size_t>(d)]));
+    }
     send_dest_ = comm_detail::upload_pointers(send_dest);
     send_hdr_ = comm_detail::upload_pointers(send_hdr);
     reduce_dest_ = comm_detail::upload_pointers(reduce_dest);
@@ -107,7 +114,8 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::size_t window_bytes() const override { return window_->size(); }
   std::size_t device_bytes() const override {
     std::size_t bytes = base_buffer_bytes() + window_->size();
-    for (const cuda::DeviceBuffer* b : {&send_dest_, &send_hdr_, &reduce_dest_, &reduce_flag_, &send_chunks_, &sync_state_, &offsets_dev_})
+    for (const cuda::DeviceBuffer* b : {&send_dest_, &send_hdr_, &reduce_dest_, &reduce_flag_, &send_chunks_,
+                                        &sync_state_, &offsets_dev_, &staging_, &want_})
       bytes += b->size();
     return bytes;
   }
@@ -155,12 +163,14 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     s.chunks = chunked_ ? send_chunks_.as<std::uint32_t* const>() : nullptr;
     s.sync = sync(2, 4);
     own_direct_ = whole && host_status == 0;
+    by_copy_engines_ = own_direct_ && contiguous() && chunked_ && copy_engines_enabled();
     if (own_direct_) {
       pending_send_ = s;  // recv launches it together with place
     } else {
       s.skip_self = false;
       comm_detail::launch_send(g_, s, stream);
     }
+    ++send_seq_;  // every send advances the device's send sequence by one
     tensor_scale_ = in.x_tensor_scale;
     last_T_ = host_status != 0 ? 0 : T;
     dispatched_ = false;
@@ -207,7 +217,9 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       p.host_offsets = offsets_mapped_;
       p.host_stamp = static_cast<std::int32_t>(++host_stamp_ & 0x7fffffff);
     }
-    if (own_direct_)
+    if (by_copy_engines_)
+      dispatch_by_copy_engines(p);
+    else if (own_direct_)
       comm_detail::launch_dispatch(g_, pending_send_, p, comm_->stream());
     else
       comm_detail::launch_place(g_, p, comm_->stream());
@@ -248,6 +260,79 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     std::atomic_thread_fence(std::memory_order_acquire);
     comm_->check_device_errors();
     EPMOE_CHECK(*flag == stamp, "{}: rank {}: place did not publish the layout", name_, g_.me);
+  }
+
+  // Copy-engine send (EPMOE_COMM_SEND_CE=1, normal mode, whole dispatch() calls): pack kernels lay
+  // out this rank's rows for each peer in local staging memory, a piece of slots per launch; a side
+  // stream copies each piece to the peer's window with cudaMemcpyAsync once it is packed, then the
+  // piece's arrival counters (copies on one stream complete in order, so a peer that sees a counter
+  // sees the rows). Meanwhile place (own tokens from x, then the peers' chunks as their counters
+  // come) runs on the main stream, which finally waits for the side stream: the next call packs
+  // into the same staging memory. The copies cover the first T slots of every peer (the host does
+  // not know how many a peer gets; the rows past its count are not read).
+  void dispatch_by_copy_engines(const comm_detail::PlaceArgs& p) {
+    const cudaStream_t stream = comm_->stream();
+    const std::int64_t T = last_T_, stride = g_.row_stride;
+    if (staging_.empty()) {
+      staging_ = cuda::DeviceBuffer(static_cast<std::size_t>(g_.N * g_.T_max * stride));
+      want_ = cuda::DeviceBuffer(static_cast<std::size_t>(g_.N * n_chunks_) * sizeof(std::uint32_t));
+      ce_stream_.emplace();
+      ce_done_.emplace(cudaEventDisableTiming);
+    }
+    const std::int64_t parity_bytes = static_cast<std::int64_t>(send_seq_ & 1u) * parity_stride_;
+    const std::int64_t pieces = std::clamp<std::int64_t>(env_int("EPMOE_COMM_CE_PIECES", 8), 1, 64);
+    const std::int64_t piece = std::max<std::int64_t>(
+        comm_detail::kArrivalChunk, up((T + pieces - 1) / pieces, comm_detail::kArrivalChunk));
+    const comm_detail::SendArgs& s = pending_send_;
+    comm_detail::PackArgs a;
+    a.x = s.x;
+    a.scales = s.scales;
+    a.ids = s.ids;
+    a.weights = s.weights;
+    a.T = T;
+    a.bitmaps = s.bitmaps;
+    a.prefix = s.prefix;
+    a.count_row = s.count_row;
+    a.staging = staging_.as<char>();
+    a.want = want_.as<std::uint32_t>();
+    a.n_chunks = static_cast<int>(n_chunks_);
+    a.header = s.header;
+    a.s = send_seq_;
+    a.sync = s.sync;
+    std::size_t piece_index = 0;
+    for (std::int64_t begin = 0;; begin += piece) {
+      a.slot_begin = begin;
+      a.slot_end = std::min(T, begin + piece);
+      a.first = begin == 0;
+      a.last = a.slot_end >= T;
+      comm_detail::launch_pack(g_, a, stream);
+      if (a.slot_end > a.slot_begin) {
+        if (piece_index == piece_events_.size()) piece_events_.emplace_back(cudaEventDisableTiming);
+        const cuda::Event& packed = piece_events_[piece_index++];
+        packed.record(stream);
+        EPMOE_CUDA_CHECK(cudaStreamWaitEvent(*ce_stream_, packed, 0));
+        const std::int64_t c0 = a.slot_begin / comm_detail::kArrivalChunk;
+        const std::int64_t c1 = (a.slot_end + comm_detail::kArrivalChunk - 1) / comm_detail::kArrivalChunk;
+        for (int d = 0; d < g_.N; ++d) {
+          if (d == g_.me) continue;
+          EPMOE_CUDA_CHECK(cudaMemcpyAsync(
+              send_dest_host_[static_cast<std::size_t>(d)] + parity_bytes + a.slot_begin * stride,
+              staging_.as<char>() + (d * g_.T_max + a.slot_begin) * stride,
+              static_cast<std::size_t>((a.slot_end - a.slot_begin) * stride), cudaMemcpyDeviceToDevice,
+              *ce_stream_));
+          EPMOE_CUDA_CHECK(
+              cudaMemcpyAsync(reinterpret_cast<char*>(send_chunks_host_[static_cast<std::size_t>(d)]) +
+                                  parity_bytes + c0 * static_cast<std::int64_t>(sizeof(std::uint32_t)),
+                              want_.as<std::uint32_t>() + d * n_chunks_ + c0,
+                              static_cast<std::size_t>(c1 - c0) * sizeof(std::uint32_t),
+                              cudaMemcpyDeviceToDevice, *ce_stream_));
+        }
+      }
+      if (a.last) break;
+    }
+    comm_detail::launch_place(g_, p, stream);
+    ce_done_->record(*ce_stream_);
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, *ce_done_, 0));
   }
 
   void combine_send(const TensorView& expert_out) override {
@@ -309,6 +394,11 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::unique_ptr<SymmetricBuffer> window_;
   // Arrival counters per 64 tokens (on unless EPMOE_COMM_CHUNKS=0: then place waits for each
   // source's last token); read at each dispatch_send, the same on every rank.
+  static int env_int(const char* name, int fallback) {
+    const char* env = std::getenv(name);
+    return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
+  }
+  static bool copy_engines_enabled() { return env_int("EPMOE_COMM_SEND_CE", 0) == 1; }
   static bool chunks_enabled() {
     const char* env = std::getenv("EPMOE_COMM_CHUNKS");
     return env == nullptr || std::string(env) != "0";
@@ -323,7 +413,16 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::int32_t* offsets_mapped_ = nullptr;
   std::uint32_t host_stamp_ = 0;
   comm_detail::SendArgs pending_send_;
-  bool own_direct_ = false;
+  bool own_direct_ = false, by_copy_engines_ = false;
+  // The device's send sequence as the host counts it (one per send; the copy-engine path needs the
+  // parity on the host) and the copy-engine path's buffers, side stream and events.
+  std::uint32_t send_seq_ = 0;
+  std::vector<char*> send_dest_host_;
+  std::vector<std::uint32_t*> send_chunks_host_;
+  cuda::DeviceBuffer staging_, want_;
+  std::optional<cuda::Stream> ce_stream_;
+  std::optional<cuda::Event> ce_done_;
+  std::vector<cuda::Event> piece_events_;
   std::int64_t output_rows_ = 0;
   float tensor_scale_ = 1.0f;
   bool sent_ = false, combine_sent_ = false;

@@ -252,6 +252,39 @@ __device__ __forceinline__ void bulk_load(std::uint32_t dst, const void* src, st
       : "memory");
 }
 
+// Non-tensor bulk copy shared -> global of `bytes` bytes (a multiple of 16; both addresses 16-byte
+// aligned) into this thread's current bulk async-group. `dst` may be a peer GPU's memory mapped
+// for loads and stores (NVLink): the copy engine of the SM then streams the bytes to the peer
+// without a register or a store instruction per 16 bytes.
+__device__ __forceinline__ void bulk_store(void* dst, std::uint32_t src, std::uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                   reinterpret_cast<std::uint64_t>(dst)),
+               "r"(src), "r"(bytes)
+               : "memory");
+}
+// Closes this thread's current bulk async-group.
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Waits until at most kPending of this thread's newest bulk async-groups are still reading their
+// shared-memory source (the older ones' sources may be overwritten).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+// Waits until at most kPending of this thread's newest bulk async-groups are incomplete (the older
+// ones' writes are performed).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+}
+// Orders this thread's completed async-proxy (bulk copy) global writes before its later generic
+// accesses, e.g. the release that publishes them to another GPU (fence_proxy_async_shared, below,
+// is the shared-memory counterpart).
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // 16-byte shared-memory load (addr 16-byte aligned).
 __device__ __forceinline__ uint4 ld_shared_v4(std::uint32_t addr) {
   uint4 v;
