@@ -48,8 +48,11 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) {
 }
 
 // Timing experiments only (read once): EPMOE_PERMUTE_EXPERIMENT bit 0 = persistent copy grid (at most
-// one wave, warps loop) instead of one block per 8 segments, bit 1 = no programmatic dependent launch,
-// bit 3 = streaming (.cs) stores of the rows. (Bit 2 was a copy through the bulk copy engine, removed:
+// one wave, warps loop; v2 kernel only), bit 1 = no programmatic dependent launch, bit 3 = streaming
+// (.cs) stores of the rows, bit 4 = no index launches (the copy alone, on the row maps of the
+// previous call: wrong unless the ids are the same), bit 5 = rows written in token order (t*K + k,
+// contiguous only: the write-pattern ceiling; wrong output), bit 6 = no scales, bit 7 = the v2 copy
+// kernel (a warp per 3.5 KB segment). (Bit 2 was a copy through the bulk copy engine, removed:
 // bench/NOTES.md.)
 unsigned experiment_bits() {
   static const unsigned bits = [] {
@@ -184,6 +187,7 @@ void launch_index(const InShape& s, const PermuteInput& in, const TensorView& wo
   rank.chunks = chunks;
   rank.chunk_base = hist;
   rank.offsets = offsets;
+  if ((experiment_bits() & 16u) != 0) return;
   if (chunks <= kernels::kPermuteSmallChunks) {
     launch_dependent(false, &kernels::permute_index_small_kernel<kMasked>, 1, kPermuteThreads, stream, rank,
                      offsets, counts, masked_m);
@@ -204,17 +208,25 @@ void launch_index(const InShape& s, const PermuteInput& in, const TensorView& wo
 // Launch 4 (copy, with the fill blocks first).
 template <bool kScales, bool kMnMajor, bool kMasked>
 void launch_copy_variant(kernels::PermuteCopyParams p, cudaStream_t stream) {
-  constexpr auto kernel = &kernels::permute_copy_kernel<kScales, kMnMajor, kMasked>;
+  const bool v2 = (experiment_bits() & 128u) != 0;
+  constexpr auto kernel_v2 = &kernels::permute_copy_kernel<kScales, kMnMajor, kMasked>;
+  constexpr auto kernel = &kernels::permute_copy_token_kernel<kScales, kMnMajor, kMasked>;
+  p.segments = static_cast<std::uint32_t>(
+      ceil_div(p.vecs_per_row, 32 * (v2 ? kernels::kPermuteCopyVecs : kernels::kPermuteTokenVecs)));
+  EPMOE_CHECK(static_cast<std::uint64_t>(p.tokens) * p.segments <= std::numeric_limits<std::uint32_t>::max(),
+              "{} tokens of {} vectors have too many segments for one launch", p.tokens, p.vecs_per_row);
   const std::uint64_t warps = static_cast<std::uint64_t>(p.tokens) * p.segments;
   const std::uint64_t blocks = ceil_div(warps, kernels::kPermuteWarps);
   const std::uint64_t copy_blocks =
-      warps == 0 ? 0 : ((experiment_bits() & 1u) != 0 ? grid_for<kernel>(blocks) : blocks);
+      warps == 0 ? 0 : (v2 && (experiment_bits() & 1u) != 0 ? grid_for<kernel_v2>(blocks) : blocks);
   p.fill_blocks = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
       ceil_div(p.total_rows, 4 * kPermuteThreads), 1, static_cast<std::uint64_t>(device_props().sm_count)));
   EPMOE_CHECK(p.fill_blocks + copy_blocks <= 0x7fffffffu, "too many blocks for one launch");
   p.streaming_stores = (experiment_bits() & 8u) != 0 ? 1u : 0u;
-  launch_dependent(true, kernel, static_cast<unsigned>(p.fill_blocks + copy_blocks), kPermuteThreads, stream,
-                   p);
+  p.synthetic_rows = (experiment_bits() & 32u) != 0 && !kMasked ? 1u : 0u;
+  p.skip_scales = (experiment_bits() & 64u) != 0 ? 1u : 0u;
+  launch_dependent(true, v2 ? kernel_v2 : kernel, static_cast<unsigned>(p.fill_blocks + copy_blocks),
+                   kPermuteThreads, stream, p);
 }
 
 // p: the fill fields already set.
@@ -228,14 +240,11 @@ void launch_copy(const InShape& s, const PermuteInput& in, const TensorView& row
   p.tokens = static_cast<std::uint32_t>(s.tokens);
   p.topk = static_cast<std::uint32_t>(s.topk);
   p.vecs_per_row = static_cast<std::uint32_t>(s.vecs_per_row);
-  p.segments = static_cast<std::uint32_t>(ceil_div(p.vecs_per_row, 32 * kernels::kPermuteCopyVecs));
   p.groups = static_cast<std::uint32_t>(s.groups);
   p.rows = static_cast<uint4*>(rows.data);
   p.scales = s.fp8 ? static_cast<float*>(scales.data) : nullptr;
   p.scale_ld = static_cast<std::uint32_t>(scale_ld);
   p.m_max = static_cast<std::uint32_t>(m_max);
-  EPMOE_CHECK(static_cast<std::uint64_t>(p.tokens) * p.segments <= std::numeric_limits<std::uint32_t>::max(),
-              "x {} has too many segments for one launch", in.x.describe());
   if (!s.fp8) {
     launch_copy_variant<false, false, kMasked>(p, stream);
   } else if (layout == ScaleLayout::token_major) {

@@ -388,6 +388,8 @@ struct PermuteCopyParams {
   std::uint32_t m_max;             // masked: rows per expert
   std::uint32_t fill_blocks;       // blocks [0, fill_blocks) fill, the others copy
   std::uint32_t streaming_stores;  // (experiment) rows written with st.global.cs
+  std::uint32_t synthetic_rows;    // (experiment) token t's k-th row written to row t*K + k
+  std::uint32_t skip_scales;       // (experiment) no scale loads or stores
   // Fill: the rows that hold no entry get m_indices = -1 (contiguous) and row_src = -1.
   std::uint32_t experts, total_rows;  // total_rows: M (contiguous) or E * M_max (masked)
   const std::int32_t* offsets;        // contiguous
@@ -524,6 +526,96 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_copy_kernel(PermuteCo
     }
     if (scales_here && p.groups > 64) permute_copy_scales<kMnMajor, kMasked>(p, t, my_row, lane);
   }
+}
+
+// One warp per (token, segment of 32 x kPermuteTokenVecs 16-byte vectors): a whole 7168-byte fp8 row
+// (bf16: 2 segments) and its scales, so the per-token work (row-id load, ballot, K shuffles) is paid
+// once per token, not once per 3.5 KB. The token's data and scales are inputs of the permutation
+// (nothing launched since the first kernel of the call writes them), so they are loaded before
+// permute_grid_wait: under PDL the copy blocks that are resident while the index kernels run (about
+// half of x at T = 16384) already hold their data when the row ids arrive. One item per warp, no
+// loop (the grid covers every item).
+inline constexpr int kPermuteTokenVecs = 14;
+inline constexpr int kPermuteTokenMinBlocks = 3;
+
+template <bool kScales, bool kMnMajor, bool kMasked>
+__global__ void __launch_bounds__(kPermuteThreads, kPermuteTokenMinBlocks)
+    permute_copy_token_kernel(PermuteCopyParams p) {
+  if (blockIdx.x < p.fill_blocks) {  // first, so that they run beside the copy, not after it
+    permute_grid_wait();
+    permute_fill<kMasked>(p);
+    return;
+  }
+  const int lane = threadIdx.x % 32;
+  const std::uint32_t item = ((blockIdx.x - p.fill_blocks) * kPermuteThreads + threadIdx.x) / 32;
+  const bool active = item < p.tokens * p.segments;  // warp-uniform
+  const std::uint32_t t = active ? item / p.segments : 0;
+  const std::uint32_t s = item - t * p.segments;
+  const std::uint32_t v0 = s * 32 * kPermuteTokenVecs + lane;
+  const uint4* src = p.x + static_cast<std::uint64_t>(t) * p.vecs_per_row;
+  // Whole segment inside the row (every fp8 row of H = 7168): no per-vector guards, which would
+  // hold 14 predicates and addresses in registers.
+  const bool full = (s + 1) * 32 * kPermuteTokenVecs <= p.vecs_per_row;  // warp-uniform
+  uint4 v[kPermuteTokenVecs];
+  if (active && full) {
+#pragma unroll
+    for (int u = 0; u < kPermuteTokenVecs; ++u) v[u] = ptx::ld_nc_v4(src + v0 + 32 * u);
+  } else {
+#pragma unroll
+    for (int u = 0; u < kPermuteTokenVecs; ++u) {
+      const std::uint32_t idx = v0 + 32 * u;
+      v[u] = active && idx < p.vecs_per_row ? ptx::ld_nc_v4(src + idx) : make_uint4(0, 0, 0, 0);
+    }
+  }
+  float sv[2] = {0.0f, 0.0f};  // scales g = lane, lane + 32 (G <= 64; larger G: loaded after the rows)
+  const bool scales_here = kScales && active && s == 0 && p.skip_scales == 0u;
+  if (scales_here && p.groups <= 64) {
+    const float* xs = p.x_scales + static_cast<std::uint64_t>(t) * p.groups;
+    if (static_cast<std::uint32_t>(lane) < p.groups) sv[0] = __ldg(xs + lane);
+    if (static_cast<std::uint32_t>(lane) + 32 < p.groups) sv[1] = __ldg(xs + lane + 32);
+  }
+  permute_grid_wait();  // src_row is the rank kernel's output
+  if (!active) return;
+  int my_row = static_cast<std::uint32_t>(lane) < p.topk ? __ldg(p.src_row + t * p.topk + lane) : -1;
+  if (p.synthetic_rows != 0u && my_row >= 0) my_row = static_cast<int>(t * p.topk + lane);  // (experiment)
+  if (__ballot_sync(0xffffffffu, my_row >= 0) == 0u) return;  // warp-uniform: no rows
+
+  for (std::uint32_t k = 0; k < p.topk; ++k) {
+    const int row = __shfl_sync(0xffffffffu, my_row, static_cast<int>(k));
+    if (row < 0) continue;  // warp-uniform
+    uint4* dst = p.rows + static_cast<std::uint64_t>(row) * p.vecs_per_row + v0;
+    if (full && p.streaming_stores == 0u) {
+#pragma unroll
+      for (int u = 0; u < kPermuteTokenVecs; ++u) dst[32 * u] = v[u];
+    } else {
+#pragma unroll
+      for (int u = 0; u < kPermuteTokenVecs; ++u) {
+        if (v0 + 32 * u >= p.vecs_per_row) continue;
+        if (p.streaming_stores != 0u) {
+          __stcs(dst + 32 * u, v[u]);
+        } else {
+          dst[32 * u] = v[u];
+        }
+      }
+    }
+    if (scales_here && p.groups <= 64) {
+      const auto r = static_cast<std::uint32_t>(row);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const std::uint32_t g = static_cast<std::uint32_t>(lane) + 32u * h;
+        if (g >= p.groups) continue;
+        if constexpr (!kMnMajor) {
+          p.scales[static_cast<std::uint64_t>(r) * p.groups + g] = sv[h];
+        } else if constexpr (kMasked) {
+          const std::uint32_t e = r / p.m_max;
+          p.scales[(static_cast<std::uint64_t>(e) * p.groups + g) * p.scale_ld + (r - e * p.m_max)] = sv[h];
+        } else {
+          p.scales[static_cast<std::uint64_t>(g) * p.scale_ld + r] = sv[h];
+        }
+      }
+    }
+  }
+  if (scales_here && p.groups > 64) permute_copy_scales<kMnMajor, kMasked>(p, t, my_row, lane);
 }
 
 // ---------------------------------------------------------------- gather
