@@ -52,8 +52,9 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) {
 // (.cs) stores of the rows, bit 4 = no index launches (the copy alone, on the row maps of the
 // previous call: wrong unless the ids are the same), bit 5 = rows written in token order (t*K + k,
 // contiguous only: the write-pattern ceiling; wrong output), bit 6 = no scales, bit 7 = the v2 copy
-// kernel (a warp per 3.5 KB segment). (Bit 2 was a copy through the bulk copy engine, removed:
-// bench/NOTES.md.)
+// kernel (a warp per 3.5 KB segment), bit 8 / 9 = 128- / 64-thread copy blocks, bit 10 = the copy
+// launched plainly (the index kernels keep PDL), bit 11 = the copy waits before its loads. (Bit 2 was a copy
+// through the bulk copy engine, removed: bench/NOTES.md.)
 unsigned experiment_bits() {
   static const unsigned bits = [] {
     const char* v = std::getenv("EPMOE_PERMUTE_EXPERIMENT");
@@ -187,7 +188,16 @@ void launch_index(const InShape& s, const PermuteInput& in, const TensorView& wo
   rank.chunks = chunks;
   rank.chunk_base = hist;
   rank.offsets = offsets;
-  if ((experiment_bits() & 16u) != 0) return;
+  if ((experiment_bits() & 16u) != 0) {  // the index of these maps and ids once, then the copy alone
+    static const void* last_maps[2] = {nullptr, nullptr};
+    static std::uint32_t last_entries = 0;
+    const bool same =
+        last_maps[0] == rank.src_row && last_maps[1] == rank.row_src && last_entries == rank.entries;
+    last_maps[0] = rank.src_row;
+    last_maps[1] = rank.row_src;
+    last_entries = rank.entries;
+    if (same) return;
+  }
   if (chunks <= kernels::kPermuteSmallChunks) {
     launch_dependent(false, &kernels::permute_index_small_kernel<kMasked>, 1, kPermuteThreads, stream, rank,
                      offsets, counts, masked_m);
@@ -210,23 +220,28 @@ template <bool kScales, bool kMnMajor, bool kMasked>
 void launch_copy_variant(kernels::PermuteCopyParams p, cudaStream_t stream) {
   const bool v2 = (experiment_bits() & 128u) != 0;
   constexpr auto kernel_v2 = &kernels::permute_copy_kernel<kScales, kMnMajor, kMasked>;
-  constexpr auto kernel = &kernels::permute_copy_token_kernel<kScales, kMnMajor, kMasked>;
+  const unsigned threads = (experiment_bits() & 256u) != 0 ? 128 : (experiment_bits() & 512u) != 0 ? 64 : 256;
+  const auto kernel = threads == 128  ? &kernels::permute_copy_token_kernel<kScales, kMnMajor, kMasked, 128>
+                      : threads == 64 ? &kernels::permute_copy_token_kernel<kScales, kMnMajor, kMasked, 64>
+                                      : &kernels::permute_copy_token_kernel<kScales, kMnMajor, kMasked, 256>;
+  const unsigned block_threads = v2 ? kPermuteThreads : threads;
   p.segments = static_cast<std::uint32_t>(
       ceil_div(p.vecs_per_row, 32 * (v2 ? kernels::kPermuteCopyVecs : kernels::kPermuteTokenVecs)));
   EPMOE_CHECK(static_cast<std::uint64_t>(p.tokens) * p.segments <= std::numeric_limits<std::uint32_t>::max(),
               "{} tokens of {} vectors have too many segments for one launch", p.tokens, p.vecs_per_row);
   const std::uint64_t warps = static_cast<std::uint64_t>(p.tokens) * p.segments;
-  const std::uint64_t blocks = ceil_div(warps, kernels::kPermuteWarps);
+  const std::uint64_t blocks = ceil_div(warps, block_threads / 32);
   const std::uint64_t copy_blocks =
       warps == 0 ? 0 : (v2 && (experiment_bits() & 1u) != 0 ? grid_for<kernel_v2>(blocks) : blocks);
   p.fill_blocks = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
-      ceil_div(p.total_rows, 4 * kPermuteThreads), 1, static_cast<std::uint64_t>(device_props().sm_count)));
+      ceil_div(p.total_rows, 4 * block_threads), 1, static_cast<std::uint64_t>(device_props().sm_count)));
   EPMOE_CHECK(p.fill_blocks + copy_blocks <= 0x7fffffffu, "too many blocks for one launch");
   p.streaming_stores = (experiment_bits() & 8u) != 0 ? 1u : 0u;
   p.synthetic_rows = (experiment_bits() & 32u) != 0 && !kMasked ? 1u : 0u;
   p.skip_scales = (experiment_bits() & 64u) != 0 ? 1u : 0u;
-  launch_dependent(true, v2 ? kernel_v2 : kernel, static_cast<unsigned>(p.fill_blocks + copy_blocks),
-                   kPermuteThreads, stream, p);
+  p.wait_first = (experiment_bits() & 2048u) != 0 ? 1u : 0u;
+  launch_dependent((experiment_bits() & 1024u) == 0, v2 ? kernel_v2 : kernel,
+                   static_cast<unsigned>(p.fill_blocks + copy_blocks), block_threads, stream, p);
 }
 
 // p: the fill fields already set.

@@ -390,6 +390,7 @@ struct PermuteCopyParams {
   std::uint32_t streaming_stores;  // (experiment) rows written with st.global.cs
   std::uint32_t synthetic_rows;    // (experiment) token t's k-th row written to row t*K + k
   std::uint32_t skip_scales;       // (experiment) no scale loads or stores
+  std::uint32_t wait_first;        // (experiment) permute_grid_wait before the loads
   // Fill: the rows that hold no entry get m_indices = -1 (contiguous) and row_src = -1.
   std::uint32_t experts, total_rows;  // total_rows: M (contiguous) or E * M_max (masked)
   const std::int32_t* offsets;        // contiguous
@@ -415,20 +416,20 @@ __device__ __forceinline__ std::uint32_t permute_find_block(const int* starts, s
 }
 
 // The fill blocks of the copy kernel: rows that hold no entry (disjoint from those the rank step wrote).
-template <bool kMasked>
+template <bool kMasked, int kThreads = kPermuteThreads>
 __device__ __forceinline__ void permute_fill(const PermuteCopyParams& p) {
   const std::uint32_t fill_blocks = p.fill_blocks;
-  const std::uint32_t first = blockIdx.x * kPermuteThreads + threadIdx.x;
+  const std::uint32_t first = blockIdx.x * kThreads + threadIdx.x;
   if constexpr (kMasked) {
-    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kPermuteThreads) {
+    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kThreads) {
       const std::uint32_t e = row / p.m_max;
       if (static_cast<int>(row - e * p.m_max) >= __ldg(p.masked_m + e)) p.row_src[row] = -1;
     }
   } else {
     __shared__ int starts[kPermuteExpertsMax];
-    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) starts[e] = __ldg(p.offsets + e);
+    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kThreads) starts[e] = __ldg(p.offsets + e);
     __syncthreads();
-    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kPermuteThreads) {
+    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kThreads) {
       const std::uint32_t e = permute_find_block(starts, p.experts, static_cast<int>(row));
       const bool valid = static_cast<int>(row) < starts[e] + __ldg(p.counts + e);
       p.m_indices[row] = valid ? static_cast<int>(e) : -1;
@@ -538,16 +539,17 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_copy_kernel(PermuteCo
 inline constexpr int kPermuteTokenVecs = 14;
 inline constexpr int kPermuteTokenMinBlocks = 3;
 
-template <bool kScales, bool kMnMajor, bool kMasked>
-__global__ void __launch_bounds__(kPermuteThreads, kPermuteTokenMinBlocks)
+template <bool kScales, bool kMnMajor, bool kMasked, int kThreads>
+__global__ void __launch_bounds__(kThreads, kPermuteTokenMinBlocks* kPermuteThreads / kThreads)
     permute_copy_token_kernel(PermuteCopyParams p) {
   if (blockIdx.x < p.fill_blocks) {  // first, so that they run beside the copy, not after it
     permute_grid_wait();
-    permute_fill<kMasked>(p);
+    permute_fill<kMasked, kThreads>(p);
     return;
   }
+  if (p.wait_first != 0u) permute_grid_wait();  // (experiment)
   const int lane = threadIdx.x % 32;
-  const std::uint32_t item = ((blockIdx.x - p.fill_blocks) * kPermuteThreads + threadIdx.x) / 32;
+  const std::uint32_t item = ((blockIdx.x - p.fill_blocks) * kThreads + threadIdx.x) / 32;
   const bool active = item < p.tokens * p.segments;  // warp-uniform
   const std::uint32_t t = active ? item / p.segments : 0;
   const std::uint32_t s = item - t * p.segments;

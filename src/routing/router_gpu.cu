@@ -104,14 +104,27 @@ bool route_g8_eligible(const MoeConfig& c, const kernels::RouterParams& p) {
     const char* v = std::getenv("EPMOE_ROUTER_G8");
     return v == nullptr || std::string_view(v) != "0";
   }();
-  return enabled && p.tokens >= kRouterG8MinTokens && c.scoring == Scoring::sigmoid && p.grouped &&
+  static const std::uint32_t min_tokens = [] {  // EPMOE_ROUTER_G8=all: at every T (to time it)
+    const char* v = std::getenv("EPMOE_ROUTER_G8");
+    return v != nullptr && std::string_view(v) == "all" ? 0u : kRouterG8MinTokens;
+  }();
+  return enabled && p.tokens >= min_tokens && c.scoring == Scoring::sigmoid && p.grouped &&
          c.num_experts == 256 && c.num_groups == 8 && c.topk_groups <= 4 && c.topk <= 8 &&
          c.topk <= 2 * c.topk_groups && aligned16(p.logits) && aligned16(p.bias);
 }
 
+// EPMOE_ROUTER_G8=exact: route_g8_kernel (every sigmoid exact) instead of the sieve (to time them).
+bool g8_sieve() {
+  static const bool sieve = [] {
+    const char* v = std::getenv("EPMOE_ROUTER_G8");
+    return v == nullptr || std::string_view(v) != "exact";
+  }();
+  return sieve;
+}
+
 void launch_g8(const kernels::RouterParams& p, cudaStream_t stream) {
-  constexpr auto kernel = &kernels::route_g8_kernel;
-  static const int blocks_per_sm = [] {
+  const auto kernel = g8_sieve() ? &kernels::route_g8_sieve_kernel : &kernels::route_g8_kernel;
+  static const int blocks_per_sm = [kernel] {
     int n = 0;
     EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kernels::kRouterG8Threads, 0));
     return std::max(n, 1);

@@ -401,4 +401,263 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// route_g8_kernel with a sieve: the same shape, the same outputs bit for bit, but the exact sigmoid
+// (~45 instructions with its division) only for the few experts whose exact value can decide
+// something; every other expert gets a 6-instruction approximation with a proven error bound.
+//  - sigmoid_approx(x) = rcp.approx(1 + ex2.approx(-x log2e)) lies within kRouterSigmoidApproxErr of
+//    sigmoid_f32_fast(x) for every f32 x, NaN included (checked exhaustively on the GPU by a test:
+//    the MUFU approximations are deterministic). With the bias added, every approximate selection
+//    value ca is within delta = err + 2^-22 (|b|max + 2) of the exact one c (two roundings of s + b,
+//    each <= 2^-24 (|b| + 1)). M = 2 delta + 2^-20 (|b|max + 2) is the margin used below (its
+//    slack covers the roundings of the threshold and score arithmetic); M = inf (everything exact)
+//    when a bias is not finite.
+//  - Order statistics move by at most the largest perturbation: a group's approximate top-2 a1, a2
+//    are within delta of the exact t1, t2, so its approximate score a1 + a2 within M of the exact.
+//  - Kept groups: a group is surely ahead of another when its approximate score is more than 2M
+//    higher. A lane knows its group is kept when fewer than kg groups may be ahead of it, and
+//    dropped when at least kg surely are. Otherwise (near-ties; ~1% of random tokens) the token's 8
+//    lanes compute the exact group scores as route_g8_kernel does, from the experts with
+//    ca >= a2 - M only: any other expert is below both approximate top-2 experts exactly, so it is
+//    not among the exact top-2 values.
+//  - Candidates: route_g8_kernel's list is the kept experts with c >= tau = min over kept groups of
+//    t2. tau >= tau' - delta with tau' = min over kept groups of a2, so every one of them has
+//    ca >= tau' - M: the list here (kept experts with ca >= tau' - M, exact keys) holds all of them
+//    plus, perhaps, a few with c < tau, whose keys are below every key of the exact list (>= 2 kg >= K
+//    keys), so they rank >= K and the ranks of the exact list are unchanged.
+//  - The experts to evaluate exactly (all candidates of the warp's 4 tokens, minus those the group
+//    step did) are spread over the warp's 32 lanes through a shared list (about 1.5 per lane) rather
+//    than each lane looping over its own (up to 32 when values tie).
+inline constexpr float kRouterSigmoidApproxErr = 0x1p-18f;
+
+// 1 / (1 + 2^(-x log2e)) with the MUFU ex2 and rcp approximations; the exponent is clamped to 126
+// (NaN becomes 126 too: sigmoid_f32_fast gives 0 for NaN, this gives 2^-126).
+__device__ __forceinline__ float sigmoid_approx(float x) {
+  const float u = fminf(__fmul_rn(x, -0x1.715476p+0f), 126.0f);
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(__fadd_rn(1.0f, e)));
+  return s;
+}
+
+__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
+    route_g8_sieve_kernel(const RouterParams p) {
+  using namespace routing;
+  constexpr unsigned kFull = 0xffffffffu;
+  const float kInf = __int_as_float(0x7f800000);
+  __shared__ float4 bias_s[64];                  // [group][chunk ^ group]
+  __shared__ float4 stage[kRouterG8Warps][256];  // per warp: [token * 8 + group][chunk ^ group]
+  // Per warp: first the list of experts to evaluate exactly (u16 stage positions, <= 512), then the
+  // 4 tokens' candidate keys.
+  __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8Candidates];
+  __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
+
+  for (int i = static_cast<int>(threadIdx.x); i < 64; i += kRouterG8Threads) {
+    const int g = i >> 3, c = i & 7;
+    bias_s[g * 8 + (c ^ g)] = __ldg(reinterpret_cast<const float4*>(p.bias) + i);
+  }
+  __syncthreads();
+
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int tw = lane >> 3;     // token of the quad
+  const int g = lane & 7;       // group
+  const int first = lane & 24;  // lane of the token's group 0
+  const int row = lane;         // tw * 8 + g
+  float4* const X = stage[warp];
+  float* const Xf = reinterpret_cast<float*>(X);
+  const float* const Bf = reinterpret_cast<const float*>(bias_s);
+  std::uint64_t* const L = cand[warp][tw];
+  std::uint16_t* const W = reinterpret_cast<std::uint16_t*>(cand[warp]);
+  std::uint32_t* const S = slot[warp][tw];
+
+  // The margin M from the largest |bias| (lane g scans group g; the 8 groups meet in 3 shuffles).
+  float bmax = 0.0f;
+  bool finite = true;
+  for (int j = 0; j < 32; ++j) {
+    const float b = fabsf(Bf[g * 32 + j]);
+    finite = finite && b <= 0x1.fffffep+127f;
+    bmax = fmaxf(bmax, b);
+  }
+#pragma unroll
+  for (int o = 1; o < 8; o *= 2) bmax = fmaxf(bmax, __shfl_xor_sync(kFull, bmax, o));
+  finite = __all_sync(kFull, finite);
+  const float bslack = __fadd_rn(bmax, 2.0f);
+  const float delta = __fmaf_ru(bslack, 0x1p-22f, kRouterSigmoidApproxErr);
+  float margin = __fmaf_ru(bslack, 0x1p-20f, __fmul_ru(2.0f, delta));
+  if (!finite || !(margin <= 0x1p+100f)) margin = kInf;
+  const float margin2 = __fmul_ru(2.0f, margin);
+
+  const std::uint32_t quads = (p.tokens + 3u) / 4u;
+  const std::uint32_t step = gridDim.x * kRouterG8Warps;
+
+  for (std::uint32_t q = blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp); q < quads;
+       q += step) {
+    const std::uint32_t t0 = q * 4u;
+    // ---- logits: 4 rows, coalesced, into shared memory
+    const float4* const src =
+        reinterpret_cast<const float4*>(p.logits) + static_cast<std::uint64_t>(t0) * 64u;
+    float4 v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      v[i] = t0 + static_cast<std::uint32_t>(i / 2) < p.tokens ? __ldg(src + i * 32 + lane)
+                                                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = i * 4 + (lane >> 3);
+      X[r * 8 + ((lane & 7) ^ (r & 7))] = v[i];
+    }
+    __syncwarp();
+
+    // ---- approximate selection values (registers) and their group top-2
+    float ca[32];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const float4 x = X[row * 8 + (c ^ g)];
+      const float4 b = bias_s[g * 8 + (c ^ g)];
+      ca[4 * c] = __fadd_rn(sigmoid_approx(x.x), b.x);
+      ca[4 * c + 1] = __fadd_rn(sigmoid_approx(x.y), b.y);
+      ca[4 * c + 2] = __fadd_rn(sigmoid_approx(x.z), b.z);
+      ca[4 * c + 3] = __fadd_rn(sigmoid_approx(x.w), b.w);
+    }
+    float a1 = fmaxf(ca[0], ca[1]), a2 = fminf(ca[0], ca[1]);
+#pragma unroll
+    for (int j = 2; j < 32; ++j) {
+      a2 = fmaxf(a2, fminf(a1, ca[j]));
+      a1 = fmaxf(a1, ca[j]);
+    }
+
+    // ---- kept groups: from the approximate scores where they are far enough apart
+    const float ga = __fadd_rn(a1, a2);
+    int sure_above = 0, maybe_above = 0;
+#pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      const float o = __shfl_sync(kFull, ga, first | h);
+      sure_above += __fsub_rn(o, ga) > margin2 ? 1 : 0;
+      maybe_above += h != g && !(__fsub_rn(ga, o) > margin2) ? 1 : 0;
+    }
+    bool kept = maybe_above < p.topk_groups;
+    const bool known = kept || sure_above >= p.topk_groups;
+    std::uint32_t done = 0;  // experts of this lane already evaluated exactly (stage holds s there)
+    const std::uint32_t unknown = __ballot_sync(kFull, !known);
+    if (unknown != 0u) {  // warp-uniform (the shuffles below take every lane)
+      // Exact group scores from the experts that may be among the exact top-2, as route_g8_kernel,
+      // for the tokens with a lane that does not know.
+      const bool exact = ((unknown >> first) & 0xffu) != 0u;
+      const float thr = __fsub_rn(a2, margin);
+      if (exact) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) done |= ca[j] < thr ? 0u : 1u << j;
+      }
+      float t1 = -kInf, t2 = -kInf;
+      for (std::uint32_t m = done; m != 0u; m &= m - 1u) {
+        const int j = __ffs(static_cast<int>(m)) - 1;
+        const int at = row * 32 + ((((j >> 2) ^ g) << 2) | (j & 3));
+        const float s = sigmoid_f32_fast(Xf[at]);
+        Xf[at] = s;
+        const float c = rn_add(s, Bf[g * 32 + (at & 31)]);
+        t2 = fmaxf(t2, fminf(t1, c));
+        t1 = fmaxf(t1, c);
+      }
+      const std::uint32_t gkey = order_key(rn_add(t1, t2));
+      int above = 0;  // groups ahead of this one: higher score, or equal and lower index
+#pragma unroll
+      for (int h = 0; h < 8; ++h) {
+        const std::uint32_t k = __shfl_sync(kFull, gkey, first | h);
+        above += (k > gkey || (k == gkey && h < g)) ? 1 : 0;
+      }
+      if (exact) kept = above < p.topk_groups;
+    }
+
+    // ---- candidates: the kept groups' experts with ca >= tau' - M
+    float tau = kept ? a2 : kInf;
+#pragma unroll
+    for (int o = 1; o < 8; o *= 2) tau = fminf(tau, __shfl_xor_sync(kFull, tau, o));
+    const float thr = __fsub_rn(tau, margin);
+    std::uint32_t mask = 0;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) mask |= ca[j] < thr ? 0u : 1u << j;
+    if (!kept) mask = 0;
+
+    // ---- exact sigmoids of the candidates not yet evaluated, spread over the warp
+    std::uint32_t todo = mask & ~done;
+    const int n_todo = __popc(todo);
+    int end = n_todo;  // inclusive prefix over the warp
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int y = __shfl_up_sync(kFull, end, o);
+      if (lane >= o) end += y;
+    }
+    const int work = __shfl_sync(kFull, end, 31);
+    for (int pos = end - n_todo; todo != 0u; todo &= todo - 1u) {
+      const int j = __ffs(static_cast<int>(todo)) - 1;
+      W[pos++] = static_cast<std::uint16_t>(row * 32 + ((((j >> 2) ^ g) << 2) | (j & 3)));
+    }
+    __syncwarp();
+    for (int i = lane; i < work; i += 32) {
+      const int at = W[i];
+      Xf[at] = sigmoid_f32_fast(Xf[at]);
+    }
+    __syncwarp();  // W read (cand is overwritten next) and the scores stored
+
+    // ---- the token's candidate list: 64-bit keys (order_key(exact value), ~id)
+    mask |= kept ? done : 0u;
+    const int count = __popc(mask);
+    end = count;  // inclusive prefix over the token's lanes
+#pragma unroll
+    for (int o = 1; o < 8; o *= 2) {
+      const int y = __shfl_up_sync(kFull, end, o);
+      if (g >= o) end += y;
+    }
+    const int total = __shfl_sync(kFull, end, first | 7);
+    int pos = end - count;
+    while (mask != 0u) {
+      const int j = __ffs(static_cast<int>(mask)) - 1;
+      mask &= mask - 1u;
+      const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
+      const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
+      L[pos++] =
+          (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
+    }
+    __syncwarp();
+
+    // ---- rank of each candidate = number of larger keys; lane g ranks candidates g, g + 8, ...
+    for (int i = g; i < total; i += 16) {
+      const std::uint64_t a = L[i];
+      const bool has_b = i + 8 < total;
+      const std::uint64_t b = has_b ? L[i + 8] : ~0ull;
+      int rank_a = 0, rank_b = 0;
+#pragma unroll 4
+      for (int k = 0; k < total; ++k) {
+        const std::uint64_t key = L[k];
+        rank_a += key > a ? 1 : 0;
+        rank_b += key > b ? 1 : 0;
+      }
+      if (rank_a < p.topk) S[rank_a] = ~static_cast<std::uint32_t>(a);
+      if (has_b && rank_b < p.topk) S[rank_b] = ~static_cast<std::uint32_t>(b);
+    }
+    __syncwarp();
+
+    // ---- weights, as route_cpu: lane g writes choice g of its token
+    int id = 0;
+    float score = 0.0f;
+    if (g < p.topk) {
+      id = static_cast<int>(S[g]);
+      const int group = id >> 5, j = id & 31;
+      score = Xf[(tw * 8 + group) * 32 + ((((j >> 2) ^ group) << 2) | (j & 3))];
+    }
+    float sum = 0.0f;  // in selection order
+    for (int k = 0; k < p.topk; ++k) sum = rn_add(sum, __shfl_sync(kFull, score, first | k));
+    const std::uint32_t t = t0 + static_cast<std::uint32_t>(tw);
+    if (g < p.topk && t < p.tokens) {
+      float w = score;
+      if (p.renormalize) w = sum > 0.0f ? rn_div(w, sum) : rn_div(1.0f, static_cast<float>(p.topk));
+      const std::uint64_t out = static_cast<std::uint64_t>(t) * static_cast<std::uint32_t>(p.topk) + g;
+      p.ids[out] = id;
+      p.weights[out] = rn_mul(w, p.scaling);
+    }
+    __syncwarp();  // before the next quad overwrites stage, cand and slot
+  }
+}
+
 }  // namespace epmoe::kernels
