@@ -53,7 +53,8 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) {
 // previous call: wrong unless the ids are the same), bit 5 = rows written in token order (t*K + k,
 // contiguous only: the write-pattern ceiling; wrong output), bit 6 = no scales, bit 7 = the v2 copy
 // kernel (a warp per 3.5 KB segment), bit 8 / 9 = 128- / 64-thread copy blocks, bit 10 = the copy
-// launched plainly (the index kernels keep PDL), bit 11 = the copy waits before its loads. (Bit 2 was a copy
+// launched plainly (the index kernels keep PDL), bit 11 = the copy waits before its loads, bit 12 = count
+// and scan + rank as two launches instead of the fused cooperative one. (Bit 2 was a copy
 // through the bulk copy engine, removed: bench/NOTES.md.)
 unsigned experiment_bits() {
   static const unsigned bits = [] {
@@ -171,6 +172,23 @@ void zero_scale_padding(const TensorView& scales, std::int64_t columns, std::int
       static_cast<std::size_t>(scale_ld - valid) * 4, static_cast<std::size_t>(columns), stream));
 }
 
+// Blocks of the fused count + scan + rank kernel that fit on the device at once (its cooperative
+// launch needs them all resident).
+template <bool kMasked>
+std::uint32_t cooperative_blocks() {
+  static const std::uint32_t blocks = [] {
+    int n = 0;
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, &kernels::permute_scan_rank_kernel<kMasked, true>, kPermuteThreads, 0));
+    int cooperative = 0;
+    EPMOE_CUDA_CHECK(cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, current_device()));
+    return cooperative != 0
+               ? static_cast<std::uint32_t>(n) * static_cast<std::uint32_t>(device_props().sm_count)
+               : 0u;
+  }();
+  return blocks;
+}
+
 // Launches 1-3 (count, scan, rank), count + fused scan/rank for up to kPermuteInlineScanChunks
 // chunks, or the one-block version of all three for small batches. offsets / counts (contiguous)
 // and masked_m (masked) are the scan's outputs.
@@ -203,11 +221,27 @@ void launch_index(const InShape& s, const PermuteInput& in, const TensorView& wo
                      offsets, counts, masked_m);
     return;
   }
+  if (chunks <= kernels::kPermuteInlineScanChunks && (experiment_bits() & 4096u) == 0 &&
+      chunks <= cooperative_blocks<kMasked>()) {
+    // Count, scan and rank in one cooperative launch (grid-wide barrier after the count).
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(chunks);
+    config.blockDim = dim3(kPermuteThreads);
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeCooperative;
+    attribute[0].val.cooperative = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, &kernels::permute_scan_rank_kernel<kMasked, true>, rank,
+                                        offsets, counts, masked_m, hist));
+    return;
+  }
   launch_dependent(false, &kernels::permute_count_kernel, chunks, kPermuteThreads, stream, rank.ids,
                    rank.entries, e, hist);
   if (chunks <= kernels::kPermuteInlineScanChunks) {
     launch_dependent(true, &kernels::permute_scan_rank_kernel<kMasked>, chunks, kPermuteThreads, stream, rank,
-                     offsets, counts, masked_m);
+                     offsets, counts, masked_m, nullptr);
     return;
   }
   launch_dependent(true, &kernels::permute_scan_kernel<kMasked>, 1, kernels::kPermuteScanThreads, stream,

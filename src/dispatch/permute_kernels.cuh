@@ -31,6 +31,7 @@
 
 #include <cstdint>
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cub/block/block_scan.cuh>
 
@@ -233,13 +234,17 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_rank_kernel(PermuteRa
 // Writes exactly what kernels 2 and 3 write.
 inline constexpr std::uint32_t kPermuteInlineScanChunks = 256;
 
-template <bool kMasked>
+// kCount: step 1 fused in as well (a cooperative launch, every chunk's block resident): block c
+// writes chunk c's histogram to `hist`, then all blocks meet at a grid-wide barrier (which also
+// makes the histogram visible) before reading it; one launch instead of two, no gap between them.
+template <bool kMasked, bool kCount = false>
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_scan_rank_kernel(PermuteRankParams p, std::int32_t* __restrict__ offsets,
-                             std::int32_t* __restrict__ counts, std::int32_t* __restrict__ masked_m) {
+                             std::int32_t* __restrict__ counts, std::int32_t* __restrict__ masked_m,
+                             std::int32_t* __restrict__ hist = nullptr) {
   using BlockScan = cub::BlockScan<int, kPermuteThreads>;
   constexpr int kPerThread = kPermuteExpertsMax / kPermuteThreads;
-  constexpr int kBatch = 8;  // histogram loads in flight per thread
+  constexpr int kBatch = 32;  // histogram loads in flight per thread (each batch is an L2 round trip)
   __shared__ PermuteWarpCounts warp_count;
   __shared__ int base[kPermuteExpertsMax];   // entries of each expert in the chunks before this one
   __shared__ int start[kPermuteExpertsMax];  // totals, then (contiguous) each expert's first row
@@ -247,6 +252,24 @@ __global__ void __launch_bounds__(kPermuteThreads)
 
   permute_grid_wait();
   permute_grid_launch_dependents();
+  if constexpr (kCount) {
+    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = 0;
+    __syncthreads();
+    const std::uint32_t begin = blockIdx.x * kPermuteChunk;
+    int id[kPermuteRounds];
+#pragma unroll
+    for (int r = 0; r < kPermuteRounds; ++r) {
+      const std::uint32_t i = begin + r * kPermuteThreads + threadIdx.x;
+      id[r] = i < p.entries ? __ldg(p.ids + i) : -1;
+    }
+#pragma unroll
+    for (int r = 0; r < kPermuteRounds; ++r)
+      if (static_cast<std::uint32_t>(id[r]) < p.experts) atomicAdd(&base[id[r]], 1);
+    __syncthreads();
+    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads)
+      hist[static_cast<std::uint64_t>(blockIdx.x) * p.experts + e] = base[e];
+    cooperative_groups::this_grid().sync();
+  }
   for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = start[e] = 0;
   __syncthreads();
   const std::uint32_t n = p.chunks * p.experts;  // <= 256 * 1024

@@ -125,6 +125,13 @@ bool g8_sieve() {
 void launch_g8(const kernels::RouterParams& p, cudaStream_t stream) {
   const auto kernel = g8_sieve() ? &kernels::route_g8_sieve_kernel : &kernels::route_g8_kernel;
   static const int blocks_per_sm = [kernel] {
+    // Ask for the largest shared-memory carveout: 6 blocks of 34 KB need 210 KB of the SM's 228 KB,
+    // which a smaller default carveout would not give (EPMOE_ROUTER_CARVEOUT=0: leave it to the
+    // driver, to time the difference).
+    const char* v = std::getenv("EPMOE_ROUTER_CARVEOUT");
+    if (v == nullptr || std::string_view(v) != "0")
+      EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            cudaSharedmemCarveoutMaxShared));
     int n = 0;
     EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kernels::kRouterG8Threads, 0));
     return std::max(n, 1);
