@@ -47,15 +47,14 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) {
   return (a + b - 1) / b;
 }
 
-// Timing experiments only (read once): EPMOE_PERMUTE_EXPERIMENT bit 0 = persistent copy grid (at most
-// one wave, warps loop; v2 kernel only), bit 1 = no programmatic dependent launch, bit 3 = streaming
-// (.cs) stores of the rows, bit 4 = no index launches (the copy alone, on the row maps of the
-// previous call: wrong unless the ids are the same), bit 5 = rows written in token order (t*K + k,
-// contiguous only: the write-pattern ceiling; wrong output), bit 6 = no scales, bit 7 = the v2 copy
-// kernel (a warp per 3.5 KB segment), bit 8 / 9 = 128- / 64-thread copy blocks, bit 10 = the copy
-// launched plainly (the index kernels keep PDL), bit 11 = the copy waits before its loads, bit 12 = count
-// and scan + rank as two launches instead of the fused cooperative one. (Bit 2 was a copy
-// through the bulk copy engine, removed: bench/NOTES.md.)
+// Timing experiments only (read once): EPMOE_PERMUTE_EXPERIMENT bit 1 = no programmatic dependent
+// launch, bit 4 = no index launches after the first call on the same maps and entry count (the copy
+// alone, on the row maps of that call: wrong unless the ids are the same), bit 5 = rows written in
+// token order (t*K + k, contiguous only: the write-pattern ceiling; wrong output), bit 10 = the copy
+// launched plainly (not PDL), bit 12 = count and scan + rank as two launches instead of the fused
+// cooperative one. (Bits 0, 2, 3 and 7 were a persistent copy grid, the bulk copy engine, streaming
+// stores and the v2 copy kernel; bits 6, 8, 9 and 11 other copy variants; all removed:
+// bench/NOTES.md.)
 unsigned experiment_bits() {
   static const unsigned bits = [] {
     const char* v = std::getenv("EPMOE_PERMUTE_EXPERIMENT");
@@ -189,9 +188,10 @@ std::uint32_t cooperative_blocks() {
   return blocks;
 }
 
-// Launches 1-3 (count, scan, rank), count + fused scan/rank for up to kPermuteInlineScanChunks
-// chunks, or the one-block version of all three for small batches. offsets / counts (contiguous)
-// and masked_m (masked) are the scan's outputs.
+// Launches 1-3 (count, scan, rank): the one-block version of all three for small batches; up to
+// kPermuteInlineScanChunks chunks all three in one cooperative launch when every chunk's block fits
+// on the device at once (else count + fused scan/rank); beyond, three launches. offsets / counts
+// (contiguous) and masked_m (masked) are the scan's outputs.
 template <bool kMasked>
 void launch_index(const InShape& s, const PermuteInput& in, const TensorView& workspace, std::int64_t experts,
                   kernels::PermuteRankParams rank, std::int32_t* offsets, std::int32_t* counts,
@@ -252,30 +252,16 @@ void launch_index(const InShape& s, const PermuteInput& in, const TensorView& wo
 // Launch 4 (copy, with the fill blocks first).
 template <bool kScales, bool kMnMajor, bool kMasked>
 void launch_copy_variant(kernels::PermuteCopyParams p, cudaStream_t stream) {
-  const bool v2 = (experiment_bits() & 128u) != 0;
-  constexpr auto kernel_v2 = &kernels::permute_copy_kernel<kScales, kMnMajor, kMasked>;
-  const unsigned threads = (experiment_bits() & 256u) != 0 ? 128 : (experiment_bits() & 512u) != 0 ? 64 : 256;
-  const auto kernel = threads == 128  ? &kernels::permute_copy_token_kernel<kScales, kMnMajor, kMasked, 128>
-                      : threads == 64 ? &kernels::permute_copy_token_kernel<kScales, kMnMajor, kMasked, 64>
-                                      : &kernels::permute_copy_token_kernel<kScales, kMnMajor, kMasked, 256>;
-  const unsigned block_threads = v2 ? kPermuteThreads : threads;
-  p.segments = static_cast<std::uint32_t>(
-      ceil_div(p.vecs_per_row, 32 * (v2 ? kernels::kPermuteCopyVecs : kernels::kPermuteTokenVecs)));
-  EPMOE_CHECK(static_cast<std::uint64_t>(p.tokens) * p.segments <= std::numeric_limits<std::uint32_t>::max(),
-              "{} tokens of {} vectors have too many segments for one launch", p.tokens, p.vecs_per_row);
   const std::uint64_t warps = static_cast<std::uint64_t>(p.tokens) * p.segments;
-  const std::uint64_t blocks = ceil_div(warps, block_threads / 32);
-  const std::uint64_t copy_blocks =
-      warps == 0 ? 0 : (v2 && (experiment_bits() & 1u) != 0 ? grid_for<kernel_v2>(blocks) : blocks);
-  p.fill_blocks = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
-      ceil_div(p.total_rows, 4 * block_threads), 1, static_cast<std::uint64_t>(device_props().sm_count)));
+  const std::uint64_t copy_blocks = ceil_div(warps, kernels::kPermuteCopyWarps);
+  p.fill_blocks = static_cast<std::uint32_t>(
+      std::clamp<std::uint64_t>(ceil_div(p.total_rows, 4 * kernels::kPermuteCopyThreads), 1,
+                                static_cast<std::uint64_t>(device_props().sm_count)));
   EPMOE_CHECK(p.fill_blocks + copy_blocks <= 0x7fffffffu, "too many blocks for one launch");
-  p.streaming_stores = (experiment_bits() & 8u) != 0 ? 1u : 0u;
-  p.synthetic_rows = (experiment_bits() & 32u) != 0 && !kMasked ? 1u : 0u;
-  p.skip_scales = (experiment_bits() & 64u) != 0 ? 1u : 0u;
-  p.wait_first = (experiment_bits() & 2048u) != 0 ? 1u : 0u;
-  launch_dependent((experiment_bits() & 1024u) == 0, v2 ? kernel_v2 : kernel,
-                   static_cast<unsigned>(p.fill_blocks + copy_blocks), block_threads, stream, p);
+  p.token_order_rows = (experiment_bits() & 32u) != 0 && !kMasked ? 1u : 0u;
+  launch_dependent(
+      (experiment_bits() & 1024u) == 0, &kernels::permute_copy_kernel<kScales, kMnMajor, kMasked>,
+      static_cast<unsigned>(p.fill_blocks + copy_blocks), kernels::kPermuteCopyThreads, stream, p);
 }
 
 // p: the fill fields already set.
@@ -289,11 +275,14 @@ void launch_copy(const InShape& s, const PermuteInput& in, const TensorView& row
   p.tokens = static_cast<std::uint32_t>(s.tokens);
   p.topk = static_cast<std::uint32_t>(s.topk);
   p.vecs_per_row = static_cast<std::uint32_t>(s.vecs_per_row);
+  p.segments = static_cast<std::uint32_t>(ceil_div(p.vecs_per_row, 32 * kernels::kPermuteCopyVecs));
   p.groups = static_cast<std::uint32_t>(s.groups);
   p.rows = static_cast<uint4*>(rows.data);
   p.scales = s.fp8 ? static_cast<float*>(scales.data) : nullptr;
   p.scale_ld = static_cast<std::uint32_t>(scale_ld);
   p.m_max = static_cast<std::uint32_t>(m_max);
+  EPMOE_CHECK(static_cast<std::uint64_t>(p.tokens) * p.segments <= std::numeric_limits<std::uint32_t>::max(),
+              "x {} has too many segments for one launch", in.x.describe());
   if (!s.fp8) {
     launch_copy_variant<false, false, kMasked>(p, stream);
   } else if (layout == ScaleLayout::token_major) {

@@ -104,34 +104,14 @@ bool route_g8_eligible(const MoeConfig& c, const kernels::RouterParams& p) {
     const char* v = std::getenv("EPMOE_ROUTER_G8");
     return v == nullptr || std::string_view(v) != "0";
   }();
-  static const std::uint32_t min_tokens = [] {  // EPMOE_ROUTER_G8=all: at every T (to time it)
-    const char* v = std::getenv("EPMOE_ROUTER_G8");
-    return v != nullptr && std::string_view(v) == "all" ? 0u : kRouterG8MinTokens;
-  }();
-  return enabled && p.tokens >= min_tokens && c.scoring == Scoring::sigmoid && p.grouped &&
+  return enabled && p.tokens >= kRouterG8MinTokens && c.scoring == Scoring::sigmoid && p.grouped &&
          c.num_experts == 256 && c.num_groups == 8 && c.topk_groups <= 4 && c.topk <= 8 &&
          c.topk <= 2 * c.topk_groups && aligned16(p.logits) && aligned16(p.bias);
 }
 
-// EPMOE_ROUTER_G8=exact: route_g8_kernel (every sigmoid exact) instead of the sieve (to time them).
-bool g8_sieve() {
-  static const bool sieve = [] {
-    const char* v = std::getenv("EPMOE_ROUTER_G8");
-    return v == nullptr || std::string_view(v) != "exact";
-  }();
-  return sieve;
-}
-
 void launch_g8(const kernels::RouterParams& p, cudaStream_t stream) {
-  const auto kernel = g8_sieve() ? &kernels::route_g8_sieve_kernel : &kernels::route_g8_kernel;
-  static const int blocks_per_sm = [kernel] {
-    // Ask for the largest shared-memory carveout: 6 blocks of 34 KB need 210 KB of the SM's 228 KB,
-    // which a smaller default carveout would not give (EPMOE_ROUTER_CARVEOUT=0: leave it to the
-    // driver, to time the difference).
-    const char* v = std::getenv("EPMOE_ROUTER_CARVEOUT");
-    if (v == nullptr || std::string_view(v) != "0")
-      EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                            cudaSharedmemCarveoutMaxShared));
+  constexpr auto kernel = &kernels::route_g8_kernel;
+  static const int blocks_per_sm = [] {
     int n = 0;
     EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kernels::kRouterG8Threads, 0));
     return std::max(n, 1);

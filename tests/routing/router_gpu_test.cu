@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -19,7 +18,6 @@
 #include "epmoe/cuda/router.hpp"
 #include "epmoe/router.hpp"
 #include "gpu_test_util.hpp"
-#include "routing/router_kernels.cuh"
 
 namespace epmoe {
 namespace {
@@ -241,47 +239,6 @@ INSTANTIATE_TEST_SUITE_P(Layouts, RouterSigmoidGpu,
                            return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
                                   (std::get<2>(info.param) ? "_periodic_bias" : "_mixed_bias");
                          });
-
-// ---------------------------------------------------------------- the sieve's approximation
-// route_g8_sieve_kernel's exactness rests on |sigmoid_approx(x) - sigmoid_f32_fast(x)| <=
-// kRouterSigmoidApproxErr for every f32 x: checked here on all 2^32 bit patterns (NaN included), the
-// difference taken in f64 (exact for two floats in [0, 1]).
-__global__ void sigmoid_approx_error_kernel(unsigned long long* worst_bits, unsigned int* over) {
-  double worst = 0.0;
-  unsigned int bad = 0;
-  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
-  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (1ull << 32);
-       i += stride) {
-    const float x = __uint_as_float(static_cast<std::uint32_t>(i));
-    const double d = fabs(static_cast<double>(kernels::sigmoid_approx(x)) -
-                          static_cast<double>(routing::sigmoid_f32_fast(x)));
-    worst = d > worst ? d : worst;
-    bad += d <= static_cast<double>(kernels::kRouterSigmoidApproxErr) ? 0u : 1u;  // NaN counts as bad
-  }
-  atomicMax(worst_bits, static_cast<unsigned long long>(__double_as_longlong(worst)));
-  if (bad != 0u) atomicAdd(over, bad);
-}
-
-TEST(RouterGpuSieve, SigmoidApproxWithinItsBoundOnEveryFloat) {
-  EPMOE_REQUIRE_GPU();
-  cuda::Stream stream;
-  const cuda::DeviceBuffer worst(8), over(4);
-  worst.fill_bytes(0, stream);
-  over.fill_bytes(0, stream);
-  sigmoid_approx_error_kernel<<<132 * 16, 256, 0, stream>>>(worst.as<unsigned long long>(),
-                                                            over.as<unsigned int>());
-  EPMOE_CUDA_CHECK_LAUNCH();
-  unsigned long long worst_bits = 0;
-  unsigned int bad = 0;
-  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&worst_bits, worst.data(), 8, cudaMemcpyDeviceToHost, stream));
-  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&bad, over.data(), 4, cudaMemcpyDeviceToHost, stream));
-  stream.synchronize();
-  double w = 0.0;
-  std::memcpy(&w, &worst_bits, 8);
-  std::printf("max |sigmoid_approx - sigmoid_f32_fast| = %.6g (2^%.2f), bound 2^-18\n", w, std::log2(w));
-  EXPECT_EQ(bad, 0u) << "inputs beyond the bound; worst " << w;
-  EXPECT_LE(w, static_cast<double>(kernels::kRouterSigmoidApproxErr));
-}
 
 TEST(RouterGpu, MisalignedLogitsTakeTheScalarPath) {
   EPMOE_REQUIRE_GPU();
