@@ -26,8 +26,7 @@ SuiteRegistration::SuiteRegistration(std::string name, std::string help, int ord
 
 std::vector<Suite> suites() {
   std::vector<Suite> list = registry();
-  std::stable_sort(list.begin(), list.end(),
-                   [](const Suite& a, const Suite& b) { return a.order < b.order; });
+  std::stable_sort(list.begin(), list.end(), [](const Suite& a, const Suite& b) { return a.order < b.order; });
   return list;
 }
 
