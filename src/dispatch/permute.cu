@@ -47,9 +47,13 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) {
   return (a + b - 1) / b;
 }
 
-// Timing experiments only (read once): EPMOE_PERMUTE_EXPERIMENT bit 0 = persistent copy grid (at most
-// one wave, warps loop) instead of one block per 8 segments, bit 1 = no programmatic dependent launch,
-// bit 3 = streaming (.cs) stores of the rows. (Bit 2 was a copy through the bulk copy engine, removed:
+// Timing experiments only (read once): EPMOE_PERMUTE_EXPERIMENT bit 1 = no programmatic dependent
+// launch, bit 4 = no index launches after the first call on the same maps and entry count (the copy
+// alone, on the row maps of that call: wrong unless the ids are the same), bit 5 = rows written in
+// token order (t*K + k, contiguous only: the write-pattern ceiling; wrong output), bit 10 = the copy
+// launched plainly (not PDL), bit 12 = count and scan + rank as two launches instead of the fused
+// cooperative one. (Bits 0, 2, 3 and 7 were a persistent copy grid, the bulk copy engine, streaming
+// stores and the v2 copy kernel; bits 6, 8, 9 and 11 other copy variants; all removed:
 // bench/NOTES.md.)
 unsigned experiment_bits() {
   static const unsigned bits = [] {
@@ -167,9 +171,27 @@ void zero_scale_padding(const TensorView& scales, std::int64_t columns, std::int
       static_cast<std::size_t>(scale_ld - valid) * 4, static_cast<std::size_t>(columns), stream));
 }
 
-// Launches 1-3 (count, scan, rank), count + fused scan/rank for up to kPermuteInlineScanChunks
-// chunks, or the one-block version of all three for small batches. offsets / counts (contiguous)
-// and masked_m (masked) are the scan's outputs.
+// Blocks of the fused count + scan + rank kernel that fit on the device at once (its cooperative
+// launch needs them all resident).
+template <bool kMasked>
+std::uint32_t cooperative_blocks() {
+  static const std::uint32_t blocks = [] {
+    int n = 0;
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, &kernels::permute_scan_rank_kernel<kMasked, true>, kPermuteThreads, 0));
+    int cooperative = 0;
+    EPMOE_CUDA_CHECK(cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, current_device()));
+    return cooperative != 0
+               ? static_cast<std::uint32_t>(n) * static_cast<std::uint32_t>(device_props().sm_count)
+               : 0u;
+  }();
+  return blocks;
+}
+
+// Launches 1-3 (count, scan, rank): the one-block version of all three for small batches; up to
+// kPermuteInlineScanChunks chunks all three in one cooperative launch when every chunk's block fits
+// on the device at once (else count + fused scan/rank); beyond, three launches. offsets / counts
+// (contiguous) and masked_m (masked) are the scan's outputs.
 template <bool kMasked>
 void launch_index(const InShape& s, const PermuteInput& in, const TensorView& workspace, std::int64_t experts,
                   kernels::PermuteRankParams rank, std::int32_t* offsets, std::int32_t* counts,
@@ -184,16 +206,42 @@ void launch_index(const InShape& s, const PermuteInput& in, const TensorView& wo
   rank.chunks = chunks;
   rank.chunk_base = hist;
   rank.offsets = offsets;
+  if ((experiment_bits() & 16u) != 0) {  // the index of these maps and ids once, then the copy alone
+    static const void* last_maps[2] = {nullptr, nullptr};
+    static std::uint32_t last_entries = 0;
+    const bool same =
+        last_maps[0] == rank.src_row && last_maps[1] == rank.row_src && last_entries == rank.entries;
+    last_maps[0] = rank.src_row;
+    last_maps[1] = rank.row_src;
+    last_entries = rank.entries;
+    if (same) return;
+  }
   if (chunks <= kernels::kPermuteSmallChunks) {
     launch_dependent(false, &kernels::permute_index_small_kernel<kMasked>, 1, kPermuteThreads, stream, rank,
                      offsets, counts, masked_m);
+    return;
+  }
+  if (chunks <= kernels::kPermuteInlineScanChunks && (experiment_bits() & 4096u) == 0 &&
+      chunks <= cooperative_blocks<kMasked>()) {
+    // Count, scan and rank in one cooperative launch (grid-wide barrier after the count).
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(chunks);
+    config.blockDim = dim3(kPermuteThreads);
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeCooperative;
+    attribute[0].val.cooperative = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, &kernels::permute_scan_rank_kernel<kMasked, true>, rank,
+                                        offsets, counts, masked_m, hist));
     return;
   }
   launch_dependent(false, &kernels::permute_count_kernel, chunks, kPermuteThreads, stream, rank.ids,
                    rank.entries, e, hist);
   if (chunks <= kernels::kPermuteInlineScanChunks) {
     launch_dependent(true, &kernels::permute_scan_rank_kernel<kMasked>, chunks, kPermuteThreads, stream, rank,
-                     offsets, counts, masked_m);
+                     offsets, counts, masked_m, nullptr);
     return;
   }
   launch_dependent(true, &kernels::permute_scan_kernel<kMasked>, 1, kernels::kPermuteScanThreads, stream,
@@ -204,17 +252,16 @@ void launch_index(const InShape& s, const PermuteInput& in, const TensorView& wo
 // Launch 4 (copy, with the fill blocks first).
 template <bool kScales, bool kMnMajor, bool kMasked>
 void launch_copy_variant(kernels::PermuteCopyParams p, cudaStream_t stream) {
-  constexpr auto kernel = &kernels::permute_copy_kernel<kScales, kMnMajor, kMasked>;
   const std::uint64_t warps = static_cast<std::uint64_t>(p.tokens) * p.segments;
-  const std::uint64_t blocks = ceil_div(warps, kernels::kPermuteWarps);
-  const std::uint64_t copy_blocks =
-      warps == 0 ? 0 : ((experiment_bits() & 1u) != 0 ? grid_for<kernel>(blocks) : blocks);
-  p.fill_blocks = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
-      ceil_div(p.total_rows, 4 * kPermuteThreads), 1, static_cast<std::uint64_t>(device_props().sm_count)));
+  const std::uint64_t copy_blocks = ceil_div(warps, kernels::kPermuteCopyWarps);
+  p.fill_blocks = static_cast<std::uint32_t>(
+      std::clamp<std::uint64_t>(ceil_div(p.total_rows, 4 * kernels::kPermuteCopyThreads), 1,
+                                static_cast<std::uint64_t>(device_props().sm_count)));
   EPMOE_CHECK(p.fill_blocks + copy_blocks <= 0x7fffffffu, "too many blocks for one launch");
-  p.streaming_stores = (experiment_bits() & 8u) != 0 ? 1u : 0u;
-  launch_dependent(true, kernel, static_cast<unsigned>(p.fill_blocks + copy_blocks), kPermuteThreads, stream,
-                   p);
+  p.token_order_rows = (experiment_bits() & 32u) != 0 && !kMasked ? 1u : 0u;
+  launch_dependent(
+      (experiment_bits() & 1024u) == 0, &kernels::permute_copy_kernel<kScales, kMnMajor, kMasked>,
+      static_cast<unsigned>(p.fill_blocks + copy_blocks), kernels::kPermuteCopyThreads, stream, p);
 }
 
 // p: the fill fields already set.

@@ -11,16 +11,20 @@
 //               warps per expert gives each entry's rank inside the chunk, so row = expert offset +
 //               chunk base + rank: src_row[i] and row_src[row].
 //   2+3 fused for up to kPermuteInlineScanChunks chunks (T <= 32768 at K = 8): one block per chunk
-//               reads the whole histogram (chunks x E counts from L2, all loads in flight at once),
+//               reads the whole histogram (chunks x E counts from L2, 32 loads in flight per thread),
 //               so that it has its own chunk bases and the totals (block 0 writes offsets / counts
 //               or masked_m), then ranks its chunk; no serial scan over chunks, one launch less.
+//   1-3 fused the same way when every chunk's block fits on the device at once (the default up to
+//               kPermuteInlineScanChunks): a cooperative launch, each block counts its chunk, a
+//               grid-wide barrier, then 2+3. One index launch instead of two.
 //   1-3 for small batches (<= kPermuteSmallChunks chunks, e.g. T <= 256 at K = 8): one block does
 //               the count, the scan and the chunks' ranks in order (one launch instead of three).
-//   4. copy:    a warp per (token, segment of 32 x kPermuteCopyVecs 16-byte vectors): the token's
-//               rows, its segment and (segment-0 warp) its scales are loaded at once (one memory
-//               latency per warp), then written to each of its K rows. A few leading blocks fill
-//               m_indices and the row_src of the rows that hold no entry. One block per 8 segments
-//               (no persistent loop), 7168-byte fp8 rows in 2 segments of 3.5 KB.
+//   4. copy:    a warp per (token, segment of 32 x kPermuteCopyVecs 16-byte vectors): a whole
+//               7168-byte fp8 row (bf16: 2 segments), so the row-id load and the K shuffles are paid
+//               once per token. The segment and (segment-0 warp) the scales are loaded before the
+//               wait for the index kernel (inputs), then the row ids, then the data goes to each of
+//               the token's K rows. A few leading blocks fill m_indices and the row_src of the rows
+//               that hold no entry. One block per 4 segments (no persistent loop).
 // Each launch after the first is a programmatic dependent launch (PDL, permute.cu): its blocks are
 // scheduled while the previous kernel runs and wait in griddepcontrol.wait until it has finished
 // and its writes are visible, so the launch gaps between the 3-4 kernels overlap.
@@ -31,6 +35,7 @@
 
 #include <cstdint>
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cub/block/block_scan.cuh>
 
@@ -44,9 +49,15 @@ inline constexpr int kPermuteRounds = 4;                                // entri
 inline constexpr int kPermuteChunk = kPermuteThreads * kPermuteRounds;  // 1024 entries
 inline constexpr int kPermuteExpertsMax = 1024;
 inline constexpr int kPermuteScanThreads = kPermuteExpertsMax;  // scan: a thread per expert
-inline constexpr int kPermuteCopyVecs = 7;  // 16-byte vectors per lane per copy segment (3.5 KB)
-inline constexpr int kGatherVecs = 2;       // 16-byte vectors per lane per gather segment (1 KB)
-inline constexpr int kGatherKBatch = 4;     // rows loaded together
+// Copy: a warp per (token, 32 x 14 16-byte vectors = 7 KB, a whole fp8 row of H = 7168; bf16 rows take
+// 2), 4 warps per block (short blocks: less drain at the end of the grid than with 8), 6 blocks per
+// SM (56 data registers per lane, <= 80 in all).
+inline constexpr int kPermuteCopyVecs = 14;
+inline constexpr int kPermuteCopyThreads = 128;
+inline constexpr int kPermuteCopyWarps = kPermuteCopyThreads / 32;
+inline constexpr int kPermuteCopyMinBlocks = 6;
+inline constexpr int kGatherVecs = 2;    // 16-byte vectors per lane per gather segment (1 KB)
+inline constexpr int kGatherKBatch = 4;  // rows loaded together
 
 // ---------------------------------------------------------------- PDL
 // Programmatic dependent launch: wait until the preceding kernel of the stream has completed and its
@@ -233,13 +244,17 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_rank_kernel(PermuteRa
 // Writes exactly what kernels 2 and 3 write.
 inline constexpr std::uint32_t kPermuteInlineScanChunks = 256;
 
-template <bool kMasked>
+// kCount: step 1 fused in as well (a cooperative launch, every chunk's block resident): block c
+// writes chunk c's histogram to `hist`, then all blocks meet at a grid-wide barrier (which also
+// makes the histogram visible) before reading it; one launch instead of two, no gap between them.
+template <bool kMasked, bool kCount = false>
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_scan_rank_kernel(PermuteRankParams p, std::int32_t* __restrict__ offsets,
-                             std::int32_t* __restrict__ counts, std::int32_t* __restrict__ masked_m) {
+                             std::int32_t* __restrict__ counts, std::int32_t* __restrict__ masked_m,
+                             std::int32_t* __restrict__ hist = nullptr) {
   using BlockScan = cub::BlockScan<int, kPermuteThreads>;
   constexpr int kPerThread = kPermuteExpertsMax / kPermuteThreads;
-  constexpr int kBatch = 8;  // histogram loads in flight per thread
+  constexpr int kBatch = 32;  // histogram loads in flight per thread (each batch is an L2 round trip)
   __shared__ PermuteWarpCounts warp_count;
   __shared__ int base[kPermuteExpertsMax];   // entries of each expert in the chunks before this one
   __shared__ int start[kPermuteExpertsMax];  // totals, then (contiguous) each expert's first row
@@ -247,6 +262,24 @@ __global__ void __launch_bounds__(kPermuteThreads)
 
   permute_grid_wait();
   permute_grid_launch_dependents();
+  if constexpr (kCount) {
+    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = 0;
+    __syncthreads();
+    const std::uint32_t begin = blockIdx.x * kPermuteChunk;
+    int id[kPermuteRounds];
+#pragma unroll
+    for (int r = 0; r < kPermuteRounds; ++r) {
+      const std::uint32_t i = begin + r * kPermuteThreads + threadIdx.x;
+      id[r] = i < p.entries ? __ldg(p.ids + i) : -1;
+    }
+#pragma unroll
+    for (int r = 0; r < kPermuteRounds; ++r)
+      if (static_cast<std::uint32_t>(id[r]) < p.experts) atomicAdd(&base[id[r]], 1);
+    __syncthreads();
+    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads)
+      hist[static_cast<std::uint64_t>(blockIdx.x) * p.experts + e] = base[e];
+    cooperative_groups::this_grid().sync();
+  }
   for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = start[e] = 0;
   __syncthreads();
   const std::uint32_t n = p.chunks * p.experts;  // <= 256 * 1024
@@ -387,7 +420,7 @@ struct PermuteCopyParams {
   std::uint32_t scale_ld;          // MN-major: padded rows of one scale column
   std::uint32_t m_max;             // masked: rows per expert
   std::uint32_t fill_blocks;       // blocks [0, fill_blocks) fill, the others copy
-  std::uint32_t streaming_stores;  // (experiment) rows written with st.global.cs
+  std::uint32_t token_order_rows;  // (experiment) token t's k-th row written to row t*K + k
   // Fill: the rows that hold no entry get m_indices = -1 (contiguous) and row_src = -1.
   std::uint32_t experts, total_rows;  // total_rows: M (contiguous) or E * M_max (masked)
   const std::int32_t* offsets;        // contiguous
@@ -415,18 +448,19 @@ __device__ __forceinline__ std::uint32_t permute_find_block(const int* starts, s
 // The fill blocks of the copy kernel: rows that hold no entry (disjoint from those the rank step wrote).
 template <bool kMasked>
 __device__ __forceinline__ void permute_fill(const PermuteCopyParams& p) {
+  constexpr int kThreads = kPermuteCopyThreads;
   const std::uint32_t fill_blocks = p.fill_blocks;
-  const std::uint32_t first = blockIdx.x * kPermuteThreads + threadIdx.x;
+  const std::uint32_t first = blockIdx.x * kThreads + threadIdx.x;
   if constexpr (kMasked) {
-    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kPermuteThreads) {
+    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kThreads) {
       const std::uint32_t e = row / p.m_max;
       if (static_cast<int>(row - e * p.m_max) >= __ldg(p.masked_m + e)) p.row_src[row] = -1;
     }
   } else {
     __shared__ int starts[kPermuteExpertsMax];
-    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) starts[e] = __ldg(p.offsets + e);
+    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kThreads) starts[e] = __ldg(p.offsets + e);
     __syncthreads();
-    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kPermuteThreads) {
+    for (std::uint32_t row = first; row < p.total_rows; row += fill_blocks * kThreads) {
       const std::uint32_t e = permute_find_block(starts, p.experts, static_cast<int>(row));
       const bool valid = static_cast<int>(row) < starts[e] + __ldg(p.counts + e);
       p.m_indices[row] = valid ? static_cast<int>(e) : -1;
@@ -458,72 +492,83 @@ __device__ __forceinline__ void permute_copy_scales(const PermuteCopyParams& p, 
   }
 }
 
+// A warp per (token, segment): the token's data and scales are inputs of the permutation (nothing
+// launched since the first kernel of the call writes them), so they are loaded before
+// permute_grid_wait: under PDL the copy blocks that are resident while the index kernel runs already
+// hold their data when the row ids arrive. Then the row ids (one per lane k < K), and the segment and
+// scales go to each row. One item per warp, no loop (the grid covers every item).
 template <bool kScales, bool kMnMajor, bool kMasked>
-__global__ void __launch_bounds__(kPermuteThreads) permute_copy_kernel(PermuteCopyParams p) {
-  permute_grid_wait();
+__global__ void __launch_bounds__(kPermuteCopyThreads, kPermuteCopyMinBlocks)
+    permute_copy_kernel(PermuteCopyParams p) {
   if (blockIdx.x < p.fill_blocks) {  // first, so that they run beside the copy, not after it
+    permute_grid_wait();
     permute_fill<kMasked>(p);
     return;
   }
   const int lane = threadIdx.x % 32;
-  const std::uint32_t block = blockIdx.x - p.fill_blocks;
-  const std::uint32_t num_warps = (gridDim.x - p.fill_blocks) * kPermuteWarps;
-  const std::uint32_t items = p.tokens * p.segments;
-  for (std::uint32_t item = (block * kPermuteThreads + threadIdx.x) / 32; item < items; item += num_warps) {
-    const std::uint32_t t = item / p.segments;
-    const std::uint32_t s = item - t * p.segments;
-    // Every load first (rows, data, scales: one memory latency per item, not three in a row).
-    const int my_row = static_cast<std::uint32_t>(lane) < p.topk ? __ldg(p.src_row + t * p.topk + lane) : -1;
-    const std::uint32_t v0 = s * 32 * kPermuteCopyVecs + lane;
-    const uint4* src = p.x + static_cast<std::uint64_t>(t) * p.vecs_per_row;
-    uint4 v[kPermuteCopyVecs];
+  const std::uint32_t item = ((blockIdx.x - p.fill_blocks) * kPermuteCopyThreads + threadIdx.x) / 32;
+  const bool active = item < p.tokens * p.segments;  // warp-uniform
+  const std::uint32_t t = active ? item / p.segments : 0;
+  const std::uint32_t s = item - t * p.segments;
+  const std::uint32_t v0 = s * 32 * kPermuteCopyVecs + lane;
+  const uint4* src = p.x + static_cast<std::uint64_t>(t) * p.vecs_per_row;
+  // Whole segment inside the row (every fp8 row of H = 7168): no per-vector guards, which would
+  // hold 14 predicates and addresses in registers.
+  const bool full = (s + 1) * 32 * kPermuteCopyVecs <= p.vecs_per_row;  // warp-uniform
+  uint4 v[kPermuteCopyVecs];
+  if (active && full) {
+#pragma unroll
+    for (int u = 0; u < kPermuteCopyVecs; ++u) v[u] = ptx::ld_nc_v4(src + v0 + 32 * u);
+  } else {
 #pragma unroll
     for (int u = 0; u < kPermuteCopyVecs; ++u) {
       const std::uint32_t idx = v0 + 32 * u;
-      v[u] = idx < p.vecs_per_row ? ptx::ld_nc_v4(src + idx) : make_uint4(0, 0, 0, 0);
+      v[u] = active && idx < p.vecs_per_row ? ptx::ld_nc_v4(src + idx) : make_uint4(0, 0, 0, 0);
     }
-    float sv[2] = {0.0f, 0.0f};  // scales g = lane, lane + 32 (G <= 64; larger G: loaded in the loop)
-    const bool scales_here = kScales && s == 0;
-    if (scales_here && p.groups <= 64) {
-      const float* xs = p.x_scales + static_cast<std::uint64_t>(t) * p.groups;
-      if (static_cast<std::uint32_t>(lane) < p.groups) sv[0] = __ldg(xs + lane);
-      if (static_cast<std::uint32_t>(lane) + 32 < p.groups) sv[1] = __ldg(xs + lane + 32);
-    }
-    if (__ballot_sync(0xffffffffu, my_row >= 0) == 0u) continue;  // warp-uniform: no rows
-
-    for (std::uint32_t k = 0; k < p.topk; ++k) {
-      const int row = __shfl_sync(0xffffffffu, my_row, static_cast<int>(k));
-      if (row < 0) continue;  // warp-uniform
-      uint4* dst = p.rows + static_cast<std::uint64_t>(row) * p.vecs_per_row;
-#pragma unroll
-      for (int u = 0; u < kPermuteCopyVecs; ++u) {
-        const std::uint32_t idx = v0 + 32 * u;
-        if (idx >= p.vecs_per_row) continue;
-        if (p.streaming_stores != 0u) {
-          __stcs(dst + idx, v[u]);
-        } else {
-          dst[idx] = v[u];
-        }
-      }
-      if (scales_here && p.groups <= 64) {
-        const auto r = static_cast<std::uint32_t>(row);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const std::uint32_t g = static_cast<std::uint32_t>(lane) + 32u * h;
-          if (g >= p.groups) continue;
-          if constexpr (!kMnMajor) {
-            p.scales[static_cast<std::uint64_t>(r) * p.groups + g] = sv[h];
-          } else if constexpr (kMasked) {
-            const std::uint32_t e = r / p.m_max;
-            p.scales[(static_cast<std::uint64_t>(e) * p.groups + g) * p.scale_ld + (r - e * p.m_max)] = sv[h];
-          } else {
-            p.scales[static_cast<std::uint64_t>(g) * p.scale_ld + r] = sv[h];
-          }
-        }
-      }
-    }
-    if (scales_here && p.groups > 64) permute_copy_scales<kMnMajor, kMasked>(p, t, my_row, lane);
   }
+  float sv[2] = {0.0f, 0.0f};  // scales g = lane, lane + 32 (G <= 64; larger G: loaded after the rows)
+  const bool scales_here = kScales && active && s == 0;
+  if (scales_here && p.groups <= 64) {
+    const float* xs = p.x_scales + static_cast<std::uint64_t>(t) * p.groups;
+    if (static_cast<std::uint32_t>(lane) < p.groups) sv[0] = __ldg(xs + lane);
+    if (static_cast<std::uint32_t>(lane) + 32 < p.groups) sv[1] = __ldg(xs + lane + 32);
+  }
+  permute_grid_wait();  // src_row is the rank kernel's output
+  if (!active) return;
+  int my_row = static_cast<std::uint32_t>(lane) < p.topk ? __ldg(p.src_row + t * p.topk + lane) : -1;
+  if (p.token_order_rows != 0u && my_row >= 0) my_row = static_cast<int>(t * p.topk + lane);  // (experiment)
+  if (__ballot_sync(0xffffffffu, my_row >= 0) == 0u) return;  // warp-uniform: no rows
+
+  for (std::uint32_t k = 0; k < p.topk; ++k) {
+    const int row = __shfl_sync(0xffffffffu, my_row, static_cast<int>(k));
+    if (row < 0) continue;  // warp-uniform
+    uint4* dst = p.rows + static_cast<std::uint64_t>(row) * p.vecs_per_row + v0;
+    if (full) {
+#pragma unroll
+      for (int u = 0; u < kPermuteCopyVecs; ++u) dst[32 * u] = v[u];
+    } else {
+#pragma unroll
+      for (int u = 0; u < kPermuteCopyVecs; ++u)
+        if (v0 + 32 * u < p.vecs_per_row) dst[32 * u] = v[u];
+    }
+    if (scales_here && p.groups <= 64) {
+      const auto r = static_cast<std::uint32_t>(row);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const std::uint32_t g = static_cast<std::uint32_t>(lane) + 32u * h;
+        if (g >= p.groups) continue;
+        if constexpr (!kMnMajor) {
+          p.scales[static_cast<std::uint64_t>(r) * p.groups + g] = sv[h];
+        } else if constexpr (kMasked) {
+          const std::uint32_t e = r / p.m_max;
+          p.scales[(static_cast<std::uint64_t>(e) * p.groups + g) * p.scale_ld + (r - e * p.m_max)] = sv[h];
+        } else {
+          p.scales[static_cast<std::uint64_t>(g) * p.scale_ld + r] = sv[h];
+        }
+      }
+    }
+  }
+  if (scales_here && p.groups > 64) permute_copy_scales<kMnMajor, kMasked>(p, t, my_row, lane);
 }
 
 // ---------------------------------------------------------------- gather
