@@ -413,7 +413,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
                               std::to_string(c.waves),
                           c});
   }
-  // EPMOE_BENCH_GEMM_EXPERIMENTS: v3 ablations on the experiment shapes (garbage output, timing only).
+  // EPMOE_BENCH_GEMM_EXPERIMENTS: v2 and v3 ablations on the experiment shapes (garbage output,
+  // timing only).
   if (experiment) {
     for (const auto& [label, bits] :
          {std::pair{"noconvert", 1}, std::pair{"nofence", 2}, std::pair{"nomath", 4}, std::pair{"noload", 8},
@@ -421,6 +422,10 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       cuda::W4A8KernelChoice c = v3;
       c.ablation = bits;
       variants.push_back({std::string(".w4a8.v3.ablate_") + label, c});
+      if ((bits & (2 | 4)) != 0) continue;  // v2: no proxy fence, no math ablation
+      c = cuda::W4A8KernelChoice{2};
+      c.ablation = bits;
+      variants.push_back({std::string(".w4a8.v2.ablate_") + label, c});
     }
   }
   for (const W4A8Variant& v : variants) {
@@ -468,8 +473,12 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   std::vector<Result> results;
   const bool experiments_on = experiments_enabled();
   std::uint64_t seed = 2026;
+  // EPMOE_BENCH_GEMM_ONLY=decode: only the masked rows with 128 groups (the W4A8 decode bar).
+  const char* only = std::getenv("EPMOE_BENCH_GEMM_ONLY");
+  const bool decode_only = only != nullptr && std::string(only) == "decode";
   for (const Anchor& s : kAnchors) {
     seed += 101;
+    if (decode_only && !(s.masked && s.groups == 128)) continue;
     const bool experiment = experiments_on && experiment_shape(s);
     if (options.quant == "w4a8") {
       run_w4a8(s, seed, options, experiment, results);

@@ -290,10 +290,24 @@ __device__ __forceinline__ std::uint32_t prmt(std::uint32_t a, std::uint32_t b, 
 // D[64 x N] (+)= A[64 x 32] · B[N x 32]^T, e4m3 x e4m3 -> f32, A from registers (the m64nNk32 A
 // fragment: a[0] row 16 w + l / 4, k 4 (l % 4) + 0..3; a[1] the same k, row + 8; a[2] / a[3] as
 // a[0] / a[1] with k + 16; warp w, lane l of the warpgroup), B K-major in shared memory
-// (descriptor); accumulate = false overwrites d. N = 16, 32, 64 or 128 (d holds N / 2 values).
+// (descriptor); accumulate = false overwrites d. N = 8, 16, 32, 64 or 128 (d holds N / 2 values).
 template <int N>
 __device__ __forceinline__ void wgmma_m64k32_rs_e4m3(float (&d)[N / 2], const std::uint32_t (&a)[4],
                                                      std::uint64_t desc_b, bool accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_rs_e4m3<8>(float (&d)[4], const std::uint32_t (&a)[4],
+                                                        std::uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
 
 template <>
 __device__ __forceinline__ void wgmma_m64k32_rs_e4m3<16>(float (&d)[8], const std::uint32_t (&a)[4],
@@ -374,6 +388,20 @@ __device__ __forceinline__ void wgmma_m64k32_rs_e4m3<128>(float (&d)[64], const 
         "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
         "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
+// ---------------------------------------------------------------- mma.sync (warp level)
+// D[16 x 8] += A[16 x 32] · B[8 x 32]^T, e4m3 x e4m3 -> f32 (sm_89+), the warp-level tensor-core
+// instruction (no warpgroup, no descriptors). Lane l (g = l / 4, q = l % 4): a[0] row g, k 4 q + 0..3;
+// a[1] row g + 8, same k; a[2] / a[3] as a[0] / a[1] with k + 16; b[0] column (B row) g, k 4 q + 0..3;
+// b[1] the same with k + 16; d[0, 1] row g, columns 2 q + {0, 1}; d[2, 3] row g + 8.
+__device__ __forceinline__ void mma_m16n8k32_e4m3(float (&d)[4], const std::uint32_t (&a)[4],
+                                                  const std::uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 }  // namespace epmoe::ptx

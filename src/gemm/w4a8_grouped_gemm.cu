@@ -133,7 +133,7 @@ struct Problem {
   std::int64_t tile_rows;  // contiguous: M; masked: M_max
   std::int64_t schedule_groups;
   std::int64_t expected_m;  // masked: the host hint; contiguous: 0
-  std::int32_t ablation;    // v3 timing experiments (W4A8KernelChoice::ablation)
+  std::int32_t ablation;    // timing experiments (W4A8KernelChoice::ablation)
 };
 
 W4A8KernelChoice g_pinned{};  // version 0: none
@@ -159,6 +159,7 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
   params.total_tiles = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_tiles);
   params.stages = options.stages > 0 ? options.stages : Traits::kStages;
+  params.ablation = problem.ablation;
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, params.k, kBM);
   std::int64_t ctas = props.sm_count;
   if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
@@ -273,12 +274,11 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
             ? g_pinned
             : w4a8_kernel_choice(masked, problem.expected_m, problem.params.n, problem.params.k);
   }
-  if (c.version == 3) {
-    Problem with = problem;
-    with.ablation = c.ablation;
+  Problem with = problem;
+  with.ablation = c.ablation;
+  if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
-  }
-  launch(tile, a, problem, options, stream);
+  launch(tile, a, with, options, stream);
 }
 
 // Checks shared by both layouts; fills the weight and scale fields of p.
@@ -401,9 +401,12 @@ W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, st
 void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
   EPMOE_CHECK(choice.version == 0 || choice.version == 2 || choice.version == 3,
               "W4A8 kernel version must be 0, 2 or 3, got {}", choice.version);
-  EPMOE_CHECK(choice.ablation >= 0 && choice.ablation <= 15 && (choice.ablation == 0 || choice.version == 3),
-              "W4A8 ablation bits (0..15) need version 3, got ablation {} with version {}", choice.ablation,
-              choice.version);
+  EPMOE_CHECK(
+      choice.ablation >= 0 && choice.ablation <= 15 &&
+          (choice.ablation == 0 || choice.version == 3 ||
+           (choice.version == 2 && (choice.ablation & 6) == 0)),
+      "W4A8 ablation bits: 0..15 for version 3, 1 and 8 for version 2, got ablation {} with version {}",
+      choice.ablation, choice.version);
   g_pinned = choice;
 }
 

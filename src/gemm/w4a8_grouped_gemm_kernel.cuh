@@ -76,8 +76,18 @@ struct W4A8Params {
   std::int32_t total_tiles;   // contiguous: ceil(M / kBM) * N / kTileN; masked: unused
   std::int32_t stages;        // pipeline stages in use (v3: conversion stages)
   std::int32_t a_small_rows;  // v3, masked: tiles with at most this many valid rows load only these
-  std::int32_t ablation;      // v3: kW4Ablate* bits (timing experiments), else 0
+  std::int32_t ablation;      // kW4Ablate* bits (timing experiments), else 0
 };
+
+// Ablations (W4A8Params::ablation, bits; timing experiments only, the output is garbage). v3: the
+// converter skips the conversion (arrives only), or the proxy fence; the consumers skip the wgmma
+// and the promotion; the producer arms the raw stages without loading the weights. v2: the
+// consumers use the raw codes as the A fragment (no prmt); the producer loads only the activations
+// (no math ablation: a branch around the wgmma makes ptxas serialise them in every run).
+inline constexpr int kW4AblateConvert = 1;
+inline constexpr int kW4AblateFence = 2;
+inline constexpr int kW4AblateMath = 4;
+inline constexpr int kW4AblateLoads = 8;
 
 struct W4A8Tile {
   std::int32_t group;
@@ -235,14 +245,17 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
             ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
-            ptx::mbar_arrive_expect_tx(full, Traits::kStageBytes);
+            const bool weights = (p.ablation & kW4AblateLoads) == 0;
+            ptx::mbar_arrive_expect_tx(full, weights ? Traits::kStageBytes : Traits::kABytes);
             ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, &tma_a, full, kb * w4a8::kBlockK,
                              tile.row0);
             const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
-            ptx::bulk_load(smem_w + pipe.stage * Traits::kWBytes, p.w + chunk * w4a8::kPanelBytes,
-                           Traits::kWBytes, full);
-            ptx::bulk_load(smem_s + pipe.stage * Traits::kSBytes, p.ws + chunk * w4a8::kPanelRows,
-                           Traits::kSBytes, full);
+            if (weights) {
+              ptx::bulk_load(smem_w + pipe.stage * Traits::kWBytes, p.w + chunk * w4a8::kPanelBytes,
+                             Traits::kWBytes, full);
+              ptx::bulk_load(smem_s + pipe.stage * Traits::kSBytes, p.ws + chunk * w4a8::kPanelRows,
+                             Traits::kSBytes, full);
+            }
           }
           pipe.advance(stages);
         }
@@ -259,6 +272,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
     const int row_in_panel = warp_in_group * 16 + g;  // and + 8
     const bool odd = (g & 1) != 0;
     const float a_scale = p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale;
+    const bool ablate_convert = (p.ablation & kW4AblateConvert) != 0;
 
     W4A8Scheduler<kBM, kTileN> scheduler(p);
     W4A8Tile tile;
@@ -285,6 +299,15 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
           smem_s + at.stage * Traits::kSBytes + consumer * w4a8::kPanelScaleBytes + 4 * row_in_panel;
       s_lo[B] = ptx::ld_shared_f32(s_addr);
       s_hi[B] = ptx::ld_shared_f32(s_addr + 4 * 8);
+      if (ablate_convert) {
+        const std::uint32_t raw[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          frag[B][i / 2][2 * (i % 2)] = raw[i];
+          frag[B][i / 2][2 * (i % 2) + 1] = raw[i] >> 4;
+        }
+        return;
+      }
       w4a8_convert8(v0.x, frag[B][0][0], frag[B][0][1]);
       w4a8_convert8(v0.y, frag[B][0][2], frag[B][0][3]);
       w4a8_convert8(v0.z, frag[B][1][0], frag[B][1][1]);

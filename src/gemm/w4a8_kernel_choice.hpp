@@ -20,8 +20,8 @@ struct W4A8KernelChoice {
   int block_m = 0;   // version 3 only: 64 or 128 (0: heuristic)
   int block_n = 0;   // 128 or 256
   int waves = 0;     // 1 or 2 (128-column waves per consumer)
-  int ablation = 0;  // version 3, timing experiments only (garbage output): bits 1 no conversion,
-                     // 2 no proxy fence, 4 no wgmma / promotion, 8 no weight loads
+  int ablation = 0;  // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
+                     // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
 };
 
 // The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved

@@ -75,14 +75,6 @@ struct W4A8SmemTraits {
   static constexpr int kConsumerRegs = kConsumers == 1 ? 232 : (kTwoWaves ? 216 : 208);
 };
 
-// Ablations (W4A8Params::ablation, bits; timing experiments only, the output is garbage): the
-// converter skips the conversion (arrives only), or the proxy fence; the consumers skip the wgmma
-// and the promotion; the producer arms the raw stages without loading the weights.
-inline constexpr int kW4AblateConvert = 1;
-inline constexpr int kW4AblateFence = 2;
-inline constexpr int kW4AblateMath = 4;
-inline constexpr int kW4AblateLoads = 8;
-
 template <int kBM, int kBN, int kWaves>
 __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
     w4a8_smem_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
