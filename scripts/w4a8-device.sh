@@ -8,7 +8,8 @@
 # Knobs (environment): W4A8_TEST_FILTER (gtest filter), W4A8_PTXAS=0 (no -Xptxas -v recompile: SASS
 # from the built object), W4A8_BENCH_S / W4A8_MEMCHECK_S (time limits), W4A8_PROBE=1 (compile and run
 # bench/probe/tensor_probe.cu first: tensor-core instruction costs), W4A8_RACECHECK=1 (racecheck on
-# small W4A8 tests, hazards printed), W4A8_MEMCHECK=0 (skip memcheck), W4A8_BENCH_ENV (extra
+# small W4A8 tests, hazards printed), W4A8_MEMCHECK=0 (skip memcheck), W4A8_CPU_TESTS=1 (build and
+# run the CPU W4A8 tests too), W4A8_BENCH_ENV (extra
 # environment for the bench, e.g. "EPMOE_BENCH_GEMM_ONLY=decode EPMOE_BENCH_GEMM_EXPERIMENTS=1").
 # The bench runs before memcheck, so that a tight overall limit still brings the numbers back.
 # OUTDIR receives build.log (tail), gpu-tests.log, memcheck.log, ptxas.txt, bench.log, w4a8.json.
@@ -27,7 +28,10 @@ stamp() { echo "== $1 ($((SECONDS - start)) s)"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader || true
 stamp build
 cmake --preset gpu > "$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; exit 1; }
-if ! timeout 300 cmake --build --preset gpu -j "$(nproc)" --target epmoe_gpu_tests epmoe_cli >> "$out/build.log" 2>&1; then
+targets="epmoe_gpu_tests epmoe_cli"
+[[ ${W4A8_CPU_TESTS:-0} == 1 ]] && targets="$targets epmoe_tests"
+# shellcheck disable=SC2086
+if ! timeout 300 cmake --build --preset gpu -j "$(nproc)" --target $targets >> "$out/build.log" 2>&1; then
   grep -E "error|FAILED" "$out/build.log" | head -n 30
   exit 1
 fi
@@ -37,6 +41,11 @@ if [[ ${W4A8_PROBE:-0} == 1 ]]; then
   stamp probe
   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc bench/probe/tensor_probe.cu -o /tmp/w4a8-probe &&
     timeout 60 /tmp/w4a8-probe | tee "$out/probe.log"
+fi
+
+if [[ ${W4A8_CPU_TESTS:-0} == 1 ]]; then
+  stamp cpu-tests
+  timeout 120 build-gpu/tests/epmoe_tests --gtest_filter='*W4A8*' 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is" | head -n 20
 fi
 
 stamp gpu-tests

@@ -28,6 +28,7 @@
 #include "bench/suite_gemm_fill.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/grouped_gemm.hpp"
+#include "epmoe/cuda/launch.hpp"
 #include "epmoe/cuda/w4a8_gemm.hpp"
 #include "gemm/w4a8_kernel_choice.hpp"
 
@@ -396,6 +397,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   struct W4A8Variant {
     std::string suffix;
     cuda::W4A8KernelChoice pin;
+    cuda::W4A8GemmOptions options{};
   };
   const cuda::W4A8KernelChoice chosen = cuda::w4a8_kernel_choice(s.masked, s.expected_m, N, K);
   const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3({3}, s.masked, s.expected_m, N);
@@ -428,14 +430,22 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       variants.push_back({std::string(".w4a8.v2.ablate_") + label, c});
     }
   }
+  // v2 on every SM (max_ctas = SM count) against the default, which trims the CTAs to balance the
+  // tile rounds.
+  if (s.masked && s.groups == 128) {
+    W4A8Variant all_sms{".w4a8.v2.all_sms", {2}};
+    all_sms.options.max_ctas = cuda::device_props().sm_count;
+    variants.push_back(all_sms);
+  }
   for (const W4A8Variant& v : variants) {
     cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);
     const double us = time_us(
         [&](int, cudaStream_t st) {
           if (s.masked) {
-            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, st);
+            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, st,
+                                           v.options);
           } else {
-            cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, pw, ps, layout_ids, d_view, st);
+            cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, pw, ps, layout_ids, d_view, st, v.options);
           }
         },
         1, stream, timing_for(options));

@@ -241,6 +241,20 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint6
       : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
 }
 
+// D[64 x 8] (+)= A[64 x 32] · B[8 x 32]^T, e4m3 x e4m3 -> f32, both operands K-major in shared
+// memory (the W4A8 shared-memory kernel's offset term: B is a constant tile).
+__device__ __forceinline__ void wgmma_m64n8k32_e4m3(float (&d)[4], std::uint64_t desc_a, std::uint64_t desc_b,
+                                                    bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %6, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
 // ---------------------------------------------------------------- bulk copies, shared loads, prmt
 // Non-tensor bulk copy global -> shared of `bytes` bytes (a multiple of 16; both addresses 16-byte
 // aligned), completing on the mbarrier `bar` with its byte count.

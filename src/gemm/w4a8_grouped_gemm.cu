@@ -138,6 +138,31 @@ struct Problem {
 
 W4A8KernelChoice g_pinned{};  // version 0: none
 
+// CTAs for a persistent launch of about `tiles` equal tiles: with options.max_ctas unset, as few as
+// keep the same number of rounds as all SMs would (2048 decode tiles: 128 CTAs x 16 instead of 132
+// CTAs with 68 of them doing a 16th tile while the others idle; a memory-bound kernel streams the
+// same bytes with fewer SMs, so the last round no longer runs at half the bandwidth). Masked:
+// `tiles` is estimated from expected_m (the real counts are on the device).
+std::int64_t persistent_ctas(std::int64_t tiles, std::int64_t max_tiles, const W4A8GemmOptions& options) {
+  const std::int64_t sms = device_props().sm_count;
+  std::int64_t ctas = sms;
+  if (options.max_ctas > 0) {
+    ctas = std::min<std::int64_t>(ctas, options.max_ctas);
+  } else if (tiles > sms) {
+    const std::int64_t rounds = (tiles + sms - 1) / sms;
+    ctas = (tiles + rounds - 1) / rounds;
+  }
+  return std::clamp<std::int64_t>(ctas, 1, std::max<std::int64_t>(max_tiles, 1));
+}
+
+// The tiles a launch is expected to run (masked: every group with expected_m rows).
+std::int64_t expected_tiles(const Problem& problem, int block_m, int block_n) {
+  const std::int64_t rows = problem.params.masked_m != nullptr
+                                ? std::min(problem.expected_m, problem.tile_rows)
+                                : problem.tile_rows;
+  return problem.schedule_groups * ((rows + block_m - 1) / block_m) * (problem.params.n / block_n);
+}
+
 template <int kBM, int kConsumers>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
   using Traits = W4A8Traits<kBM, kConsumers>;
@@ -161,9 +186,7 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   params.stages = options.stages > 0 ? options.stages : Traits::kStages;
   params.ablation = problem.ablation;
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, params.k, kBM);
-  std::int64_t ctas = props.sm_count;
-  if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
-  ctas = std::clamp<std::int64_t>(ctas, 1, std::max<std::int64_t>(max_tiles, 1));
+  const std::int64_t ctas = persistent_ctas(expected_tiles(problem, kBM, Traits::kTileN), max_tiles, options);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(Traits::kThreads);
@@ -227,9 +250,7 @@ void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& opti
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, params.k, kBM);
   const CUtensorMap tma_a_small =
       params.a_small_rows > 0 ? make_tma_a(a.data, problem.a_rows, params.k, params.a_small_rows) : tma_a;
-  std::int64_t ctas = props.sm_count;
-  if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
-  ctas = std::clamp<std::int64_t>(ctas, 1, std::max<std::int64_t>(max_tiles, 1));
+  const std::int64_t ctas = persistent_ctas(expected_tiles(problem, kBM, kBN), max_tiles, options);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(Traits::kThreads);
@@ -311,25 +332,33 @@ Dims check_common(const TensorView& a, float a_scale, const TensorView& a_scale_
   return w;
 }
 
-// The byte-for-byte transform of the CPU packer (the device kernel's twin).
+// The CPU packer (the device kernel's twin): gathers, as w4a8_prepare_kernel.
 void transform_cpu(const std::uint8_t* src, const float* src_scales, std::uint8_t* dst, float* dst_scales,
                    const Dims& dims, bool inverse) {
-  const std::int64_t half_k = dims.k / 2, kb_count = dims.k / kBlockK;
+  const std::int64_t half_k = dims.k / 2, kb_count = dims.k / kBlockK, per_group = dims.n * half_k;
+  const auto int4_at = [&](const std::uint8_t* w, std::int64_t row, std::int64_t k) {
+    const std::uint8_t b = w[row * half_k + k / 2];
+    return k % 2 == 0 ? unpack_int4_lo(b) : unpack_int4_hi(b);
+  };
   for (std::int64_t group = 0; group < dims.groups; ++group) {
-    for (std::int64_t row = 0; row < dims.n; ++row) {
-      const std::int64_t base = (group * dims.n + row) * half_k;
-      for (std::int64_t i = 0; i < half_k; ++i) {
-        const w4a8::NibblePos pos = w4a8::packed_position(row, 2 * i, kb_count, dims.n);
-        const std::int64_t packed = group * dims.n * half_k + pos.byte;
-        if (!inverse) {
-          const std::uint8_t b = src[base + i];
-          dst[packed] = static_cast<std::uint8_t>(w4a8::encode_int4(unpack_int4_lo(b)) |
-                                                  (w4a8::encode_int4(unpack_int4_hi(b)) << 4));
-        } else {
-          const std::uint8_t b = src[packed];
-          dst[base + i] = pack_int4(w4a8::decode_int4(b & 0xfu), w4a8::decode_int4(b >> 4u));
+    const std::uint8_t* s = src + group * per_group;
+    std::uint8_t* d = dst + group * per_group;
+    for (std::int64_t i = 0; i < per_group; ++i) {
+      if (!inverse) {
+        const w4a8::WeightPos at = w4a8::packed_byte_source(i, kb_count, dims.n);
+        d[i] = static_cast<std::uint8_t>(w4a8::encode_int4(int4_at(s, at.n, at.k)) |
+                                         (w4a8::encode_int4(int4_at(s, at.n + 8, at.k)) << 4));
+      } else {
+        const std::int64_t row = i / half_k, k = 2 * (i % half_k);
+        int v[2];
+        for (int e = 0; e < 2; ++e) {
+          const w4a8::NibblePos pos = w4a8::packed_position(row, k + e, kb_count, dims.n);
+          v[e] = w4a8::decode_int4(static_cast<std::uint32_t>(s[pos.byte]) >> (pos.high ? 4 : 0));
         }
+        d[i] = pack_int4(v[0], v[1]);
       }
+    }
+    for (std::int64_t row = 0; row < dims.n; ++row) {
       for (std::int64_t kb = 0; kb < kb_count; ++kb) {
         const std::int64_t plain = (group * dims.n + row) * kb_count + kb;
         const std::int64_t packed =

@@ -6,9 +6,14 @@
 // Computed transposed, D^T = Q · A^T: wgmma takes only its A operand from registers, so the int4
 // weights (the big operand in decode) are the A operand, converted to e4m3 in registers, and the
 // activation tile (kBM rows x 128 K, e4m3, TMA-loaded with the 128-byte swizzle) is the B operand
-// with wgmma N = kBM (16 .. 128). The per-(row, K block) weight scale then scales accumulator rows:
-// each K block's four m64nNk32 steps go into a partial accumulator, folded into the total in f32
-// (acc += s[n, kb] · part), and a_scale is applied at the end.
+// with wgmma N = kBM (16 .. 128). The codes are offset binary (c = v + 8, w4a8_layout.hpp), whose
+// e4m3 bytes are just the masked nibbles (c · 2^-9): each K step is one wgmma with the codes and
+// one with the constant -8 · 2^-9 as A, into the same partial, which then holds 2^-9 Σ A · v. (The
+// conversion was the bottleneck of decode with the prmt table codes: 9 integer instructions per 8
+// weights against 3 now; the extra wgmma per step costs the tensor core ~13 cycles per SM at
+// m64n16k32, bench/NOTES.md.) The per-(row, K block) weight scale then scales accumulator rows:
+// each K block's partial is folded into the total in f32 (acc += s[n, kb] · part), and
+// a_scale · 2^9 is applied at the end.
 //
 // One persistent CTA per SM, warp-specialised, tiles of kBM activation rows x 64 kConsumers weight
 // rows, 128 K per pipeline stage:
@@ -17,9 +22,10 @@
 //     bytes each) and their 64 scales each (one bulk copy each: the panels of a tile are
 //     contiguous per K block), all completing on the stage's "full" mbarrier;
 //   - consumer warpgroup c (64 weight rows): per K block, two 16-byte shared loads give each thread
-//     its 64 int4 codes, prmt/xor turn them into 16 registers of e4m3, four wgmma m64nNk32 (A from
-//     registers) accumulate the partial product, the stage is given back (one arrive per warp on
-//     "empty") and the partial folded into the total with the two scales of the thread's rows. The
+//     its 64 int4 codes, masks turn them into 16 registers of e4m3, four wgmma m64nNk32 with the
+//     offset and four with the codes (A from registers) accumulate the partial product, the stage
+//     is given back (one arrive per warp on "empty") and the partial folded into the total with the
+//     two scales of the thread's rows. The
 //     epilogue swaps values between neighbouring lanes so that each lane stores two consecutive
 //     columns of one output row (4-byte bf16x2 stores), valid rows only.
 //
@@ -82,7 +88,7 @@ struct W4A8Params {
 // Ablations (W4A8Params::ablation, bits; timing experiments only, the output is garbage). v3: the
 // converter skips the conversion (arrives only), or the proxy fence; the consumers skip the wgmma
 // and the promotion; the producer arms the raw stages without loading the weights. v2: the
-// consumers use the raw codes as the A fragment (no prmt); the producer loads only the activations
+// consumers use the raw words as the A fragment (no masks); the producer loads only the activations
 // (no math ablation: a branch around the wgmma makes ptxas serialise them in every run).
 inline constexpr int kW4AblateConvert = 1;
 inline constexpr int kW4AblateFence = 2;
@@ -172,16 +178,11 @@ struct W4A8Pipe {
   }
 };
 
-// Four codes (low 16 bits of w) -> four e4m3 values (w4a8_layout.hpp).
-__device__ __forceinline__ std::uint32_t w4a8_convert4(std::uint32_t w) {
-  return ptx::prmt(w4a8::kLut1Lo, w4a8::kLut1Hi, w) ^ ptx::prmt(w4a8::kLut2Lo, w4a8::kLut2Hi, w ^ 0x8888u);
-}
-
-// One packed word (registers r, r + 1 of a step: low and high 16 bits) -> two fragment registers.
+// One packed word -> two fragment registers (registers r, r + 1 of a step: its low and high
+// nibbles), e4m3 bytes c · 2^-9 of the codes (w4a8_layout.hpp): three integer instructions.
 __device__ __forceinline__ void w4a8_convert8(std::uint32_t w, std::uint32_t& lo, std::uint32_t& hi) {
-  const std::uint32_t x = w ^ 0x88888888u;
-  lo = ptx::prmt(w4a8::kLut1Lo, w4a8::kLut1Hi, w) ^ ptx::prmt(w4a8::kLut2Lo, w4a8::kLut2Hi, x);
-  hi = ptx::prmt(w4a8::kLut1Lo, w4a8::kLut1Hi, w >> 16) ^ ptx::prmt(w4a8::kLut2Lo, w4a8::kLut2Hi, x >> 16);
+  lo = w4a8::codes_lo(w);
+  hi = w4a8::codes_hi(w);
 }
 
 template <int kN>
@@ -271,7 +272,12 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
     const int g = lane / 4, q = lane % 4;
     const int row_in_panel = warp_in_group * 16 + g;  // and + 8
     const bool odd = (g & 1) != 0;
-    const float a_scale = p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale;
+    const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
+    // The offset operand: one register, named four times (a constant would be rematerialised into
+    // four registers per wgmma, each held until the wgmma completes).
+    std::uint32_t offset_word = w4a8::kOffsetE4m3x4;
+    asm volatile("" : "+r"(offset_word));
+    const std::uint32_t offset_frag[4] = {offset_word, offset_word, offset_word, offset_word};
     const bool ablate_convert = (p.ablation & kW4AblateConvert) != 0;
 
     W4A8Scheduler<kBM, kTileN> scheduler(p);
@@ -279,8 +285,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
     W4A8Pipe pipe;
     float acc[kAcc];
     // Partial accumulators: two (the next K block's wgmma runs while the last one is folded) where
-    // the registers allow (32 x 256 tiles with two spilled 40 bytes at 112 registers), else one.
-    constexpr int kParts = kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
+    // the registers allow (with four consumers, 112 registers: 16 x 256 tiles spilled 72 bytes
+    // once the offset wgmma came, 32 x 256 tiles 40 bytes), else one.
+    constexpr int kParts = kBM <= 64 && kConsumers == 2 ? 2 : 1;
     float part[kParts][kAcc];
     std::uint32_t frag[2][4][4];  // converted weights of two K blocks (wgmma A operands)
     float s_lo[2], s_hi[2];       // their scales (rows row_in_panel and + 8)
@@ -324,14 +331,18 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
       w4a8_fence_all(part[P]);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < 4; ++s)
-        ptx::wgmma_m64k32_rs_e4m3<kBM>(part[P], frag[B][s], ptx::wgmma_desc_sw128(a_tile + s * 32), s > 0);
+      for (int s = 0; s < 4; ++s) {
+        const std::uint64_t desc = ptx::wgmma_desc_sw128(a_tile + s * 32);
+        ptx::wgmma_m64k32_rs_e4m3<kBM>(part[P], offset_frag, desc, s > 0);
+        ptx::wgmma_m64k32_rs_e4m3<kBM>(part[P], frag[B][s], desc, true);
+      }
       ptx::wgmma_commit();
     };
     // After the wgmma into part[P] completed: frees `stage` and folds part[P] with scales B.
     const auto fold = [&](auto pp, auto b, int stage) {
       constexpr int P = decltype(pp)::value, B = decltype(b)::value;
       w4a8_fence_all(part[P]);
+      __syncwarp();  // every lane's shared loads of the stage happen before the release
       if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
       w4a8_fence_all(part[P]);
 #pragma unroll
@@ -415,8 +426,15 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
 }
 
 // ---------------------------------------------------------------- weight preparation
-// One thread step per checkpoint byte (two int4 values, k = 2 i and 2 i + 1 of row n), which lands
-// whole in one packed byte (w4a8_layout.hpp: both values are nibbles j, j + 1 of one word).
+// Gathers, so that every output byte is written by one thread: forward, one thread step per packed
+// byte (weights (n, k) and (n + 8, k) of the checkpoint, w4a8_layout.hpp); inverse, one per
+// checkpoint byte (k = 2 i and 2 i + 1 of row n); then one per scale.
+__device__ __forceinline__ int w4a8_checkpoint_int4(const std::uint8_t* __restrict__ w, std::int64_t row,
+                                                    std::int64_t k, std::int64_t half_k) {
+  const std::uint32_t b = w[row * half_k + k / 2];
+  return static_cast<int>(static_cast<std::int8_t>((k % 2 == 0 ? b << 4 : b) & 0xf0u)) >> 4;
+}
+
 __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src,
                                     const float* __restrict__ src_scales, std::uint8_t* __restrict__ dst,
                                     float* __restrict__ dst_scales, std::int64_t groups, std::int64_t n,
@@ -428,19 +446,22 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src,
        i += stride) {
     if (i < bytes) {
       const std::int64_t group = i / (n * half_k), rest = i % (n * half_k);
-      const std::int64_t row = rest / half_k, kk = 2 * (rest % half_k);
-      const w4a8::NibblePos pos = w4a8::packed_position(row, kk, kb_count, n);
-      const std::int64_t packed = group * n * half_k + pos.byte;
+      const std::int64_t base = group * n * half_k;
       if (!inverse) {
-        const std::uint32_t b = src[i];
-        const int lo = static_cast<int>(static_cast<std::int8_t>(b << 4)) >> 4;
-        const int hi = static_cast<int>(static_cast<std::int8_t>(b)) >> 4;
-        dst[packed] = static_cast<std::uint8_t>(w4a8::encode_int4(lo) | (w4a8::encode_int4(hi) << 4));
+        const w4a8::WeightPos at = w4a8::packed_byte_source(rest, kb_count, n);
+        const int lo = w4a8_checkpoint_int4(src + base, at.n, at.k, half_k);
+        const int hi = w4a8_checkpoint_int4(src + base, at.n + 8, at.k, half_k);
+        dst[i] = static_cast<std::uint8_t>(w4a8::encode_int4(lo) | (w4a8::encode_int4(hi) << 4));
       } else {
-        const std::uint32_t b = src[packed];
-        const int lo = w4a8::decode_int4(b & 0xfu), hi = w4a8::decode_int4(b >> 4);
-        dst[i] = static_cast<std::uint8_t>((static_cast<unsigned>(lo) & 0xfu) |
-                                           ((static_cast<unsigned>(hi) & 0xfu) << 4));
+        const std::int64_t row = rest / half_k, kk = 2 * (rest % half_k);
+        std::uint32_t out = 0;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const w4a8::NibblePos pos = w4a8::packed_position(row, kk + e, kb_count, n);
+          const std::uint32_t code = src[base + pos.byte] >> (pos.high ? 4 : 0);
+          out |= (static_cast<std::uint32_t>(w4a8::decode_int4(code)) & 0xfu) << (4 * e);
+        }
+        dst[i] = static_cast<std::uint8_t>(out);
       }
     } else {
       const std::int64_t j = i - bytes;
