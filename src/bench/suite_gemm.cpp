@@ -406,7 +406,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   for (const cuda::W4A8KernelChoice c :
        {cuda::W4A8KernelChoice{3, 64, 256, 1}, cuda::W4A8KernelChoice{3, 64, 128, 1},
-        cuda::W4A8KernelChoice{3, 128, 256, 2}, cuda::W4A8KernelChoice{3, 128, 128, 1}}) {
+        cuda::W4A8KernelChoice{3, 128, 128, 1}}) {
     const bool same = c.block_m == v3.block_m && c.block_n == v3.block_n && c.waves == v3.waves;
     const bool near = s.masked && s.expected_m <= 24 ? c.block_m == 64
                                                      : (c.block_m == 128 || (s.masked && s.expected_m <= 64));
@@ -430,12 +430,18 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       variants.push_back({std::string(".w4a8.v2.ablate_") + label, c});
     }
   }
-  // v2 on every SM (max_ctas = SM count) against the default, which trims the CTAs to balance the
-  // tile rounds.
+  // Decode rows: v2 on every SM (max_ctas = SM count) against the default, which trims the CTAs
+  // to balance the tile rounds, and v2's tile with two consumers (".m<rows>c2": 2 x 64 weight rows,
+  // two partials in flight) against the four-consumer default.
   if (s.masked && s.groups == 128) {
     W4A8Variant all_sms{".w4a8.v2.all_sms", {2}};
     all_sms.options.max_ctas = cuda::device_props().sm_count;
     variants.push_back(all_sms);
+    const cuda::W4A8TileShape t = cuda::w4a8_gemm_tile(true, s.expected_m);
+    W4A8Variant two{".w4a8.v2.m" + std::to_string(t.block_m) + "c2", {2}};
+    two.options.block_m = t.block_m;
+    two.options.consumers = 2;
+    variants.push_back(two);
   }
   for (const W4A8Variant& v : variants) {
     cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);

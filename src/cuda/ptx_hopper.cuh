@@ -241,6 +241,66 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint6
       : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
 }
 
+// D[64 x N] (+)= A[64 x 32] · B[N x 32]^T, e4m3 x e4m3 -> f32, both operands K-major in shared
+// memory; N = 16, 32 or 64 (d holds N / 2 values; N = 128: wgmma_m64n128k32_e4m3 above).
+template <int N>
+__device__ __forceinline__ void wgmma_m64k32_ss_e4m3(float (&d)[N / 2], std::uint64_t desc_a,
+                                                     std::uint64_t desc_b, bool accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<16>(float (&d)[8], std::uint64_t desc_a,
+                                                         std::uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<32>(float (&d)[16], std::uint64_t desc_a,
+                                                         std::uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<64>(float (&d)[32], std::uint64_t desc_a,
+                                                         std::uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<128>(float (&d)[64], std::uint64_t desc_a,
+                                                          std::uint64_t desc_b, bool accumulate) {
+  wgmma_m64n128k32_e4m3(d, desc_a, desc_b, accumulate);
+}
+
 // D[64 x 8] (+)= A[64 x 32] · B[8 x 32]^T, e4m3 x e4m3 -> f32, both operands K-major in shared
 // memory (the W4A8 shared-memory kernel's offset term: B is a constant tile).
 __device__ __forceinline__ void wgmma_m64n8k32_e4m3(float (&d)[4], std::uint64_t desc_a, std::uint64_t desc_b,

@@ -271,7 +271,7 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N640_K2048_decode_n_not_256_v3", 24, {24, 9}, 640, 2048, 0, 0, false, {3}},
         MaskedCase{"N1536_K2048_v3_m64n128", 37, {37, 3, 0, 17}, 1536, 2048, 0, 0, false, {3, 64, 128, 1}},
         MaskedCase{
-            "N1536_K2048_v3_m128n256", 130, {130, 0, 64, 65}, 1536, 2048, 0, 0, false, {3, 128, 256, 2}},
+            "N1536_K2048_v3_m128n128", 130, {130, 0, 64, 65}, 1536, 2048, 0, 0, false, {3, 128, 128, 1}},
         MaskedCase{"N640_K7168_v3_m128n128", 300, {300, 129, 7}, 640, 7168, 0, 0, false, {3, 128, 128, 1}},
         MaskedCase{"N512_K384_odd_k_blocks_v3_m64n256_device_scale",
                    70,
@@ -282,7 +282,7 @@ INSTANTIATE_TEST_SUITE_P(
                    0,
                    true,
                    {3, 64, 256, 1}},
-        MaskedCase{"N1536_K1152_v3_m128n256_small_box",
+        MaskedCase{"N1536_K1152_v3_m128n128_small_box",
                    40,
                    {40, 1, 33, 0},
                    1536,
@@ -290,7 +290,7 @@ INSTANTIATE_TEST_SUITE_P(
                    0,
                    0,
                    false,
-                   {3, 128, 256, 2}}),
+                   {3, 128, 128, 1}}),
     [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- contiguous
