@@ -414,11 +414,13 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
 
 }  // namespace
 
-// Measured (bench/NOTES.md, W4A8 v3; 2026-11-30T1139Z-h200-w4a8-v3.json): the register-operand
-// kernel wins every masked row (decode by 1.4-1.5x) and the contiguous rows with K = 7168 (8-18%);
-// v3's 128 x 256 tiles win the contiguous rows with K = 2048, N = 7168 (0.4-12%).
+// Measured with the offset-binary codes (bench/NOTES.md, W4A8 v4; 2026-11-30T1300Z-h200-w4a8-v4.json):
+// the register-operand kernel wins the decode rows (masked, expected_m <= 24: its 16- and 32-row
+// tiles, 1.3-1.7x faster than v3); v3 wins every other row, masked (64 x 256 for expected_m <= 64,
+// 3-22%) and contiguous (128 x 128, 3-33%: v2's larger tiles pay for the codes' offset term).
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k) {
-  if (masked || k > 2048 || n % 256 != 0) return W4A8KernelChoice{2};
+  static_cast<void>(k);
+  if (masked && expected_m <= 24) return W4A8KernelChoice{2};
   return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
 }
 

@@ -262,8 +262,11 @@ INSTANTIATE_TEST_SUITE_P(
         // masked_m = M_max everywhere, and nothing valid at all.
         MaskedCase{"N1536_K2048_all_full", 16, {16, 16, 16}, 1536, 2048},
         MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048},
-        // The automatic choice is the register-operand kernel (v2) for the masked layout
-        // (w4a8_kernel_choice): v2 pinned, and the shared-memory-conversion kernel (v3) with its own
+        // expected_m 40: the automatic choice is v3 (64 x 256).
+        MaskedCase{"N1536_K2048_expected40_auto", 64, {64, 16, 40}, 1536, 2048},
+        // The automatic choice is the register-operand kernel (v2) for masked decode rows
+        // (expected_m <= 24) and v3 otherwise (w4a8_kernel_choice): v2 pinned, and the
+        // shared-memory-conversion kernel (v3) with its own
         // heuristic (64 x 256, activation boxes of 16 / 32 rows where the hint allows) and every
         // other v3 tile pinned.
         MaskedCase{"N4096_K7168_decode_v2", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, {2}},
@@ -300,7 +303,7 @@ struct ContiguousCase {
   std::int64_t n, k;
   std::int64_t trailing_blocks = 0;  // all-padding 128-row blocks at the end
   bool holes = false;                // -1 rows inside groups' rows too
-  cuda::W4A8KernelChoice pin{};      // version 0: the automatic choice (v3 for K <= 2048)
+  cuda::W4A8KernelChoice pin{};      // version 0: the automatic choice (v3 for the contiguous layout)
 };
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
   *os << c.name;
