@@ -1,5 +1,6 @@
 // Hopper (sm_90a) PTX wrappers: mbarriers, TMA (cp.async.bulk.tensor, multicast too), bulk copies,
-// clusters, named barriers, wgmma (shared-memory and register A operands), setmaxnreg and prmt.
+// clusters, named barriers, wgmma (shared-memory and register A operands), mma.sync e4m3 (the
+// tensor-core probe, bench/probe), setmaxnreg and prmt.
 // The sibling of ptx.cuh for the Hopper-only machinery; include only from .cuh/.cu device code.
 //
 // Facts these rely on (PTX ISA 8.x, "Asynchronous Warpgroup Level Matrix Operations" and
