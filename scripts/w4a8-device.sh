@@ -6,8 +6,12 @@
 #
 # Usage: scripts/w4a8-device.sh OUTDIR [--no-bench]   (run from the source root; e.g. "$OUT")
 # Knobs (environment): W4A8_TEST_FILTER (gtest filter), W4A8_PTXAS=0 (no -Xptxas -v recompile: SASS
-# from the built object), W4A8_BENCH_S / W4A8_MEMCHECK_S (time limits). The bench runs before
-# memcheck, so that a tight overall limit still brings the numbers back.
+# from the built object), W4A8_BENCH_S / W4A8_MEMCHECK_S (time limits), W4A8_PROBE=1 (compile and run
+# bench/probe/tensor_probe.cu first: tensor-core instruction costs), W4A8_RACECHECK=1 (racecheck on
+# small W4A8 tests, hazards printed), W4A8_MEMCHECK=0 (skip memcheck), W4A8_CPU_TESTS=1 (build and
+# run the CPU W4A8 tests too), W4A8_BENCH_ENV (extra
+# environment for the bench, e.g. "EPMOE_BENCH_GEMM_ONLY=decode EPMOE_BENCH_GEMM_EXPERIMENTS=1").
+# The bench runs before memcheck, so that a tight overall limit still brings the numbers back.
 # OUTDIR receives build.log (tail), gpu-tests.log, memcheck.log, ptxas.txt, bench.log, w4a8.json.
 # On the shared device machine, unpack the tree into a directory of its own: files left in a shared
 # one by another checkout are globbed into the build and can break it.
@@ -24,11 +28,25 @@ stamp() { echo "== $1 ($((SECONDS - start)) s)"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader || true
 stamp build
 cmake --preset gpu > "$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; exit 1; }
-if ! timeout 300 cmake --build --preset gpu -j "$(nproc)" --target epmoe_gpu_tests epmoe_cli >> "$out/build.log" 2>&1; then
+targets="epmoe_gpu_tests epmoe_cli"
+[[ ${W4A8_CPU_TESTS:-0} == 1 ]] && targets="$targets epmoe_tests"
+# shellcheck disable=SC2086
+if ! timeout 300 cmake --build --preset gpu -j "$(nproc)" --target $targets >> "$out/build.log" 2>&1; then
   grep -E "error|FAILED" "$out/build.log" | head -n 30
   exit 1
 fi
 tail -n 3 "$out/build.log"
+
+if [[ ${W4A8_PROBE:-0} == 1 ]]; then
+  stamp probe
+  nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc bench/probe/tensor_probe.cu -o /tmp/w4a8-probe &&
+    timeout 60 /tmp/w4a8-probe | tee "$out/probe.log"
+fi
+
+if [[ ${W4A8_CPU_TESTS:-0} == 1 ]]; then
+  stamp cpu-tests
+  timeout 120 build-gpu/tests/epmoe_tests --gtest_filter='*W4A8*' 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is" | head -n 20
+fi
 
 stamp gpu-tests
 tests=build-gpu/tests/epmoe_gpu_tests
@@ -58,13 +76,21 @@ dump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
 
 if [[ $mode != --no-bench && $rc_tests != 124 ]]; then
   stamp bench
-  timeout "${W4A8_BENCH_S:-200}" build-gpu/bin/epmoe bench gemm --quant w4a8 --quick --json "$out/w4a8.json" > "$out/bench.log" 2>&1
+  env ${W4A8_BENCH_ENV:-} timeout "${W4A8_BENCH_S:-200}" build-gpu/bin/epmoe bench gemm --quant w4a8 --quick --json "$out/w4a8.json" > "$out/bench.log" 2>&1
   echo "bench exit: $?"
   sed -E 's/ +/ /g' "$out/bench.log"
 fi
-if ((rc_tests != 124)); then
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [[ ${W4A8_RACECHECK:-0} == 1 ]]; then
+  stamp racecheck
+  timeout "${W4A8_RACECHECK_S:-120}" "$sanitizer" --tool racecheck --print-limit 20 "$tests" \
+    --gtest_filter="${W4A8_RACECHECK_FILTER:-*W4A8GemmMaskedGpu*v3_m64n128*:*W4A8GemmContiguousGpu*N1536_K1152_odd_k_blocks_v3*:*W4A8GemmMaskedGpu*block16_consumers2*}" \
+    > "$out/racecheck.log" 2>&1
+  echo "racecheck exit: $?"
+  grep -E "RACECHECK SUMMARY|hazard|Race|Write|Read|at 0x|in .*kernel|\[  (PASSED|FAILED) " "$out/racecheck.log" | head -n 60
+fi
+if ((rc_tests != 124)) && [[ ${W4A8_MEMCHECK:-1} == 1 ]]; then
   stamp memcheck
-  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   timeout "${W4A8_MEMCHECK_S:-120}" "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
     --gtest_filter='*W4A8GemmMaskedGpu*block16_consumers2*:*W4A8GemmContiguousGpu*holes*:*W4A8GemmMaskedGpu*all_empty*:*W4A8GemmMaskedGpu*v3_m64n128*:*W4A8GemmMaskedGpu*small_box*:*W4A8GemmMaskedGpu*device_scale*' \
     > "$out/memcheck.log" 2>&1

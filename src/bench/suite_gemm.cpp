@@ -28,6 +28,7 @@
 #include "bench/suite_gemm_fill.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/grouped_gemm.hpp"
+#include "epmoe/cuda/launch.hpp"
 #include "epmoe/cuda/w4a8_gemm.hpp"
 #include "gemm/w4a8_kernel_choice.hpp"
 
@@ -396,6 +397,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   struct W4A8Variant {
     std::string suffix;
     cuda::W4A8KernelChoice pin;
+    cuda::W4A8GemmOptions options{};
   };
   const cuda::W4A8KernelChoice chosen = cuda::w4a8_kernel_choice(s.masked, s.expected_m, N, K);
   const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3({3}, s.masked, s.expected_m, N);
@@ -404,7 +406,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   for (const cuda::W4A8KernelChoice c :
        {cuda::W4A8KernelChoice{3, 64, 256, 1}, cuda::W4A8KernelChoice{3, 64, 128, 1},
-        cuda::W4A8KernelChoice{3, 128, 256, 2}, cuda::W4A8KernelChoice{3, 128, 128, 1}}) {
+        cuda::W4A8KernelChoice{3, 128, 128, 1}}) {
     const bool same = c.block_m == v3.block_m && c.block_n == v3.block_n && c.waves == v3.waves;
     const bool near = s.masked && s.expected_m <= 24 ? c.block_m == 64
                                                      : (c.block_m == 128 || (s.masked && s.expected_m <= 64));
@@ -413,7 +415,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
                               std::to_string(c.waves),
                           c});
   }
-  // EPMOE_BENCH_GEMM_EXPERIMENTS: v3 ablations on the experiment shapes (garbage output, timing only).
+  // EPMOE_BENCH_GEMM_EXPERIMENTS: v2 and v3 ablations on the experiment shapes (garbage output,
+  // timing only).
   if (experiment) {
     for (const auto& [label, bits] :
          {std::pair{"noconvert", 1}, std::pair{"nofence", 2}, std::pair{"nomath", 4}, std::pair{"noload", 8},
@@ -421,16 +424,34 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       cuda::W4A8KernelChoice c = v3;
       c.ablation = bits;
       variants.push_back({std::string(".w4a8.v3.ablate_") + label, c});
+      if ((bits & (2 | 4)) != 0) continue;  // v2: no proxy fence, no math ablation
+      c = cuda::W4A8KernelChoice{2};
+      c.ablation = bits;
+      variants.push_back({std::string(".w4a8.v2.ablate_") + label, c});
     }
+  }
+  // Decode rows: v2 on every SM (max_ctas = SM count) against the default, which trims the CTAs
+  // to balance the tile rounds, and v2's tile with two consumers (".m<rows>c2": 2 x 64 weight rows,
+  // two partials in flight) against the four-consumer default.
+  if (s.masked && s.groups == 128) {
+    W4A8Variant all_sms{".w4a8.v2.all_sms", {2}};
+    all_sms.options.max_ctas = cuda::device_props().sm_count;
+    variants.push_back(all_sms);
+    const cuda::W4A8TileShape t = cuda::w4a8_gemm_tile(true, s.expected_m);
+    W4A8Variant two{".w4a8.v2.m" + std::to_string(t.block_m) + "c2", {2}};
+    two.options.block_m = t.block_m;
+    two.options.consumers = 2;
+    variants.push_back(two);
   }
   for (const W4A8Variant& v : variants) {
     cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);
     const double us = time_us(
         [&](int, cudaStream_t st) {
           if (s.masked) {
-            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, st);
+            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, st,
+                                           v.options);
           } else {
-            cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, pw, ps, layout_ids, d_view, st);
+            cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, pw, ps, layout_ids, d_view, st, v.options);
           }
         },
         1, stream, timing_for(options));
@@ -468,8 +489,12 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   std::vector<Result> results;
   const bool experiments_on = experiments_enabled();
   std::uint64_t seed = 2026;
+  // EPMOE_BENCH_GEMM_ONLY=decode: only the masked rows with 128 groups (the W4A8 decode bar).
+  const char* only = std::getenv("EPMOE_BENCH_GEMM_ONLY");
+  const bool decode_only = only != nullptr && std::string(only) == "decode";
   for (const Anchor& s : kAnchors) {
     seed += 101;
+    if (decode_only && !(s.masked && s.groups == 128)) continue;
     const bool experiment = experiments_on && experiment_shape(s);
     if (options.quant == "w4a8") {
       run_w4a8(s, seed, options, experiment, results);

@@ -1,5 +1,6 @@
 // Hopper (sm_90a) PTX wrappers: mbarriers, TMA (cp.async.bulk.tensor, multicast too), bulk copies,
-// clusters, named barriers, wgmma (shared-memory and register A operands), setmaxnreg and prmt.
+// clusters, named barriers, wgmma (shared-memory and register A operands), mma.sync e4m3 (the
+// tensor-core probe, bench/probe), setmaxnreg and prmt.
 // The sibling of ptx.cuh for the Hopper-only machinery; include only from .cuh/.cu device code.
 //
 // Facts these rely on (PTX ISA 8.x, "Asynchronous Warpgroup Level Matrix Operations" and
@@ -241,6 +242,80 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint6
       : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
 }
 
+// D[64 x N] (+)= A[64 x 32] · B[N x 32]^T, e4m3 x e4m3 -> f32, both operands K-major in shared
+// memory; N = 16, 32 or 64 (d holds N / 2 values; N = 128: wgmma_m64n128k32_e4m3 above).
+template <int N>
+__device__ __forceinline__ void wgmma_m64k32_ss_e4m3(float (&d)[N / 2], std::uint64_t desc_a,
+                                                     std::uint64_t desc_b, bool accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<16>(float (&d)[8], std::uint64_t desc_a,
+                                                         std::uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<32>(float (&d)[16], std::uint64_t desc_a,
+                                                         std::uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<64>(float (&d)[32], std::uint64_t desc_a,
+                                                         std::uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<128>(float (&d)[64], std::uint64_t desc_a,
+                                                          std::uint64_t desc_b, bool accumulate) {
+  wgmma_m64n128k32_e4m3(d, desc_a, desc_b, accumulate);
+}
+
+// D[64 x 8] (+)= A[64 x 32] · B[8 x 32]^T, e4m3 x e4m3 -> f32, both operands K-major in shared
+// memory (the W4A8 shared-memory kernel's offset term: B is a constant tile).
+__device__ __forceinline__ void wgmma_m64n8k32_e4m3(float (&d)[4], std::uint64_t desc_a, std::uint64_t desc_b,
+                                                    bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %6, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
 // ---------------------------------------------------------------- bulk copies, shared loads, prmt
 // Non-tensor bulk copy global -> shared of `bytes` bytes (a multiple of 16; both addresses 16-byte
 // aligned), completing on the mbarrier `bar` with its byte count.
@@ -323,10 +398,24 @@ __device__ __forceinline__ std::uint32_t prmt(std::uint32_t a, std::uint32_t b, 
 // D[64 x N] (+)= A[64 x 32] · B[N x 32]^T, e4m3 x e4m3 -> f32, A from registers (the m64nNk32 A
 // fragment: a[0] row 16 w + l / 4, k 4 (l % 4) + 0..3; a[1] the same k, row + 8; a[2] / a[3] as
 // a[0] / a[1] with k + 16; warp w, lane l of the warpgroup), B K-major in shared memory
-// (descriptor); accumulate = false overwrites d. N = 16, 32, 64 or 128 (d holds N / 2 values).
+// (descriptor); accumulate = false overwrites d. N = 8, 16, 32, 64 or 128 (d holds N / 2 values).
 template <int N>
 __device__ __forceinline__ void wgmma_m64k32_rs_e4m3(float (&d)[N / 2], const std::uint32_t (&a)[4],
                                                      std::uint64_t desc_b, bool accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_rs_e4m3<8>(float (&d)[4], const std::uint32_t (&a)[4],
+                                                        std::uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
 
 template <>
 __device__ __forceinline__ void wgmma_m64k32_rs_e4m3<16>(float (&d)[8], const std::uint32_t (&a)[4],
@@ -407,6 +496,20 @@ __device__ __forceinline__ void wgmma_m64k32_rs_e4m3<128>(float (&d)[64], const 
         "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
         "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+}
+
+// ---------------------------------------------------------------- mma.sync (warp level)
+// D[16 x 8] += A[16 x 32] · B[8 x 32]^T, e4m3 x e4m3 -> f32 (sm_89+), the warp-level tensor-core
+// instruction (no warpgroup, no descriptors). Lane l (g = l / 4, q = l % 4): a[0] row g, k 4 q + 0..3;
+// a[1] row g + 8, same k; a[2] / a[3] as a[0] / a[1] with k + 16; b[0] column (B row) g, k 4 q + 0..3;
+// b[1] the same with k + 16; d[0, 1] row g, columns 2 q + {0, 1}; d[2, 3] row g + 8.
+__device__ __forceinline__ void mma_m16n8k32_e4m3(float (&d)[4], const std::uint32_t (&a)[4],
+                                                  const std::uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 }  // namespace epmoe::ptx

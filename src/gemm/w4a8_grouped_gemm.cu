@@ -133,10 +133,35 @@ struct Problem {
   std::int64_t tile_rows;  // contiguous: M; masked: M_max
   std::int64_t schedule_groups;
   std::int64_t expected_m;  // masked: the host hint; contiguous: 0
-  std::int32_t ablation;    // v3 timing experiments (W4A8KernelChoice::ablation)
+  std::int32_t ablation;    // timing experiments (W4A8KernelChoice::ablation)
 };
 
 W4A8KernelChoice g_pinned{};  // version 0: none
+
+// CTAs for a persistent launch of about `tiles` equal tiles: with options.max_ctas unset, as few as
+// keep the same number of rounds as all SMs would (2048 decode tiles: 128 CTAs x 16 instead of 132
+// CTAs with 68 of them doing a 16th tile while the others idle; a memory-bound kernel streams the
+// same bytes with fewer SMs, so the last round no longer runs at half the bandwidth). Masked:
+// `tiles` is estimated from expected_m (the real counts are on the device).
+std::int64_t persistent_ctas(std::int64_t tiles, std::int64_t max_tiles, const W4A8GemmOptions& options) {
+  const std::int64_t sms = device_props().sm_count;
+  std::int64_t ctas = sms;
+  if (options.max_ctas > 0) {
+    ctas = std::min<std::int64_t>(ctas, options.max_ctas);
+  } else if (tiles > sms) {
+    const std::int64_t rounds = (tiles + sms - 1) / sms;
+    ctas = (tiles + rounds - 1) / rounds;
+  }
+  return std::clamp<std::int64_t>(ctas, 1, std::max<std::int64_t>(max_tiles, 1));
+}
+
+// The tiles a launch is expected to run (masked: every group with expected_m rows).
+std::int64_t expected_tiles(const Problem& problem, int block_m, int block_n) {
+  const std::int64_t rows = problem.params.masked_m != nullptr
+                                ? std::min(problem.expected_m, problem.tile_rows)
+                                : problem.tile_rows;
+  return problem.schedule_groups * ((rows + block_m - 1) / block_m) * (problem.params.n / block_n);
+}
 
 template <int kBM, int kConsumers>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
@@ -159,10 +184,9 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
   params.total_tiles = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_tiles);
   params.stages = options.stages > 0 ? options.stages : Traits::kStages;
+  params.ablation = problem.ablation;
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, params.k, kBM);
-  std::int64_t ctas = props.sm_count;
-  if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
-  ctas = std::clamp<std::int64_t>(ctas, 1, std::max<std::int64_t>(max_tiles, 1));
+  const std::int64_t ctas = persistent_ctas(expected_tiles(problem, kBM, Traits::kTileN), max_tiles, options);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(Traits::kThreads);
@@ -226,9 +250,7 @@ void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& opti
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, params.k, kBM);
   const CUtensorMap tma_a_small =
       params.a_small_rows > 0 ? make_tma_a(a.data, problem.a_rows, params.k, params.a_small_rows) : tma_a;
-  std::int64_t ctas = props.sm_count;
-  if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
-  ctas = std::clamp<std::int64_t>(ctas, 1, std::max<std::int64_t>(max_tiles, 1));
+  const std::int64_t ctas = persistent_ctas(expected_tiles(problem, kBM, kBN), max_tiles, options);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(Traits::kThreads);
@@ -241,10 +263,11 @@ void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& opti
 // Fills the zeros of a version-3 choice and checks it.
 W4A8KernelChoice resolve_v3(W4A8KernelChoice c, bool masked, std::int64_t expected_m, std::int64_t n) {
   if (c.block_m == 0) c.block_m = masked && expected_m <= 64 ? 64 : 128;
-  if (c.block_n == 0) c.block_n = n % 256 == 0 ? 256 : 128;
-  if (c.waves == 0) c.waves = c.block_m == 128 && c.block_n == 256 ? 2 : 1;
+  if (c.block_n == 0) c.block_n = c.block_m == 64 && n % 256 == 0 ? 256 : 128;
+  if (c.waves == 0) c.waves = 1;
+  // (128 x 256 with two waves per consumer was retired with the offset-binary codes: its
+  // consumers have no registers left for the offset term, bench/NOTES.md.)
   const bool known = (c.block_m == 64 && c.waves == 1 && (c.block_n == 128 || c.block_n == 256)) ||
-                     (c.block_m == 128 && c.block_n == 256 && c.waves == 2) ||
                      (c.block_m == 128 && c.block_n == 128 && c.waves == 1);
   EPMOE_CHECK(known, "no W4A8 v3 kernel for block_m = {}, block_n = {}, waves = {}", c.block_m, c.block_n,
               c.waves);
@@ -258,7 +281,6 @@ void launch_v3(const W4A8KernelChoice& c, const TensorView& a, const Problem& pr
     if (c.block_n == 256) return launch_v3<64, 256, 1>(a, problem, options, stream);
     return launch_v3<64, 128, 1>(a, problem, options, stream);
   }
-  if (c.block_n == 256) return launch_v3<128, 256, 2>(a, problem, options, stream);
   return launch_v3<128, 128, 1>(a, problem, options, stream);
 }
 
@@ -273,12 +295,11 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
             ? g_pinned
             : w4a8_kernel_choice(masked, problem.expected_m, problem.params.n, problem.params.k);
   }
-  if (c.version == 3) {
-    Problem with = problem;
-    with.ablation = c.ablation;
+  Problem with = problem;
+  with.ablation = c.ablation;
+  if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
-  }
-  launch(tile, a, problem, options, stream);
+  launch(tile, a, with, options, stream);
 }
 
 // Checks shared by both layouts; fills the weight and scale fields of p.
@@ -311,25 +332,33 @@ Dims check_common(const TensorView& a, float a_scale, const TensorView& a_scale_
   return w;
 }
 
-// The byte-for-byte transform of the CPU packer (the device kernel's twin).
+// The CPU packer (the device kernel's twin): gathers, as w4a8_prepare_kernel.
 void transform_cpu(const std::uint8_t* src, const float* src_scales, std::uint8_t* dst, float* dst_scales,
                    const Dims& dims, bool inverse) {
-  const std::int64_t half_k = dims.k / 2, kb_count = dims.k / kBlockK;
+  const std::int64_t half_k = dims.k / 2, kb_count = dims.k / kBlockK, per_group = dims.n * half_k;
+  const auto int4_at = [&](const std::uint8_t* w, std::int64_t row, std::int64_t k) {
+    const std::uint8_t b = w[row * half_k + k / 2];
+    return k % 2 == 0 ? unpack_int4_lo(b) : unpack_int4_hi(b);
+  };
   for (std::int64_t group = 0; group < dims.groups; ++group) {
-    for (std::int64_t row = 0; row < dims.n; ++row) {
-      const std::int64_t base = (group * dims.n + row) * half_k;
-      for (std::int64_t i = 0; i < half_k; ++i) {
-        const w4a8::NibblePos pos = w4a8::packed_position(row, 2 * i, kb_count, dims.n);
-        const std::int64_t packed = group * dims.n * half_k + pos.byte;
-        if (!inverse) {
-          const std::uint8_t b = src[base + i];
-          dst[packed] = static_cast<std::uint8_t>(w4a8::encode_int4(unpack_int4_lo(b)) |
-                                                  (w4a8::encode_int4(unpack_int4_hi(b)) << 4));
-        } else {
-          const std::uint8_t b = src[packed];
-          dst[base + i] = pack_int4(w4a8::decode_int4(b & 0xfu), w4a8::decode_int4(b >> 4u));
+    const std::uint8_t* s = src + group * per_group;
+    std::uint8_t* d = dst + group * per_group;
+    for (std::int64_t i = 0; i < per_group; ++i) {
+      if (!inverse) {
+        const w4a8::WeightPos at = w4a8::packed_byte_source(i, kb_count, dims.n);
+        d[i] = static_cast<std::uint8_t>(w4a8::encode_int4(int4_at(s, at.n, at.k)) |
+                                         (w4a8::encode_int4(int4_at(s, at.n + 8, at.k)) << 4));
+      } else {
+        const std::int64_t row = i / half_k, k = 2 * (i % half_k);
+        int v[2];
+        for (int e = 0; e < 2; ++e) {
+          const w4a8::NibblePos pos = w4a8::packed_position(row, k + e, kb_count, dims.n);
+          v[e] = w4a8::decode_int4(static_cast<std::uint32_t>(s[pos.byte]) >> (pos.high ? 4 : 0));
         }
+        d[i] = pack_int4(v[0], v[1]);
       }
+    }
+    for (std::int64_t row = 0; row < dims.n; ++row) {
       for (std::int64_t kb = 0; kb < kb_count; ++kb) {
         const std::int64_t plain = (group * dims.n + row) * kb_count + kb;
         const std::int64_t packed =
@@ -385,11 +414,13 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
 
 }  // namespace
 
-// Measured (bench/NOTES.md, W4A8 v3; 2026-11-30T1139Z-h200-w4a8-v3.json): the register-operand
-// kernel wins every masked row (decode by 1.4-1.5x) and the contiguous rows with K = 7168 (8-18%);
-// v3's 128 x 256 tiles win the contiguous rows with K = 2048, N = 7168 (0.4-12%).
+// Measured with the offset-binary codes (bench/NOTES.md, W4A8 v4; 2026-11-30T1300Z-h200-w4a8-v4.json):
+// the register-operand kernel wins the decode rows (masked, expected_m <= 24: its 16- and 32-row
+// tiles, 1.3-1.7x faster than v3); v3 wins every other row, masked (64 x 256 for expected_m <= 64,
+// 3-22%) and contiguous (128 x 128, 3-33%: v2's larger tiles pay for the codes' offset term).
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k) {
-  if (masked || k > 2048 || n % 256 != 0) return W4A8KernelChoice{2};
+  static_cast<void>(k);
+  if (masked && expected_m <= 24) return W4A8KernelChoice{2};
   return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
 }
 
@@ -401,9 +432,12 @@ W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, st
 void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
   EPMOE_CHECK(choice.version == 0 || choice.version == 2 || choice.version == 3,
               "W4A8 kernel version must be 0, 2 or 3, got {}", choice.version);
-  EPMOE_CHECK(choice.ablation >= 0 && choice.ablation <= 15 && (choice.ablation == 0 || choice.version == 3),
-              "W4A8 ablation bits (0..15) need version 3, got ablation {} with version {}", choice.ablation,
-              choice.version);
+  EPMOE_CHECK(
+      choice.ablation >= 0 && choice.ablation <= 15 &&
+          (choice.ablation == 0 || choice.version == 3 ||
+           (choice.version == 2 && (choice.ablation & 6) == 0)),
+      "W4A8 ablation bits: 0..15 for version 3, 1 and 8 for version 2, got ablation {} with version {}",
+      choice.ablation, choice.version);
   g_pinned = choice;
 }
 

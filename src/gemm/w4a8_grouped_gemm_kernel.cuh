@@ -6,9 +6,16 @@
 // Computed transposed, D^T = Q · A^T: wgmma takes only its A operand from registers, so the int4
 // weights (the big operand in decode) are the A operand, converted to e4m3 in registers, and the
 // activation tile (kBM rows x 128 K, e4m3, TMA-loaded with the 128-byte swizzle) is the B operand
-// with wgmma N = kBM (16 .. 128). The per-(row, K block) weight scale then scales accumulator rows:
-// each K block's four m64nNk32 steps go into a partial accumulator, folded into the total in f32
-// (acc += s[n, kb] · part), and a_scale is applied at the end.
+// with wgmma N = kBM (16 .. 128). The codes are offset binary (c = v + 8, w4a8_layout.hpp), whose
+// e4m3 bytes are just the masked nibbles (c · 2^-9). The offset term -8 · 2^-9 Σ_k A[m, k]: decode
+// tiles (kBM <= 32) issue per K step one more wgmma, a constant A tile of -8 · 2^-9 from shared
+// memory, into the same partial, which then holds 2^-9 Σ A · v; larger tiles compute it per
+// activation row with m64n8k32 and add it in the promotion (W4A8Traits::kRowOffset). (The
+// conversion was the bottleneck of decode with the prmt table codes: 9 integer instructions per 8
+// weights against 3 now; the extra wgmma per step costs the tensor core ~13 cycles per SM at
+// m64n16k32, bench/NOTES.md.) The per-(row, K block) weight scale then scales accumulator rows:
+// each K block's partial is folded into the total in f32 (acc += s[n, kb] · part), and
+// a_scale · 2^9 is applied at the end.
 //
 // One persistent CTA per SM, warp-specialised, tiles of kBM activation rows x 64 kConsumers weight
 // rows, 128 K per pipeline stage:
@@ -17,9 +24,10 @@
 //     bytes each) and their 64 scales each (one bulk copy each: the panels of a tile are
 //     contiguous per K block), all completing on the stage's "full" mbarrier;
 //   - consumer warpgroup c (64 weight rows): per K block, two 16-byte shared loads give each thread
-//     its 64 int4 codes, prmt/xor turn them into 16 registers of e4m3, four wgmma m64nNk32 (A from
-//     registers) accumulate the partial product, the stage is given back (one arrive per warp on
-//     "empty") and the partial folded into the total with the two scales of the thread's rows. The
+//     its 64 int4 codes, masks turn them into 16 registers of e4m3, four wgmma m64nNk32 with the
+//     codes (A from registers) and the offset wgmma accumulate the partial product, the stage is
+//     given back (one arrive per warp on "empty") and the partial folded into the total with the
+//     two scales of the thread's rows. The
 //     epilogue swaps values between neighbouring lanes so that each lane stores two consecutive
 //     columns of one output row (4-byte bf16x2 stores), valid rows only.
 //
@@ -54,8 +62,20 @@ struct W4A8Traits {
   static constexpr int kWBytes = kConsumers * w4a8::kPanelBytes;
   static constexpr int kSBytes = kConsumers * w4a8::kPanelScaleBytes;
   static constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
-  static constexpr int kStages = std::min(16, (kW4SmemBudget - 1024) / (kStageBytes + 16));
-  static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + 16);
+  // The codes' offset term (w4a8_layout.hpp), -2^-6 Σ_k A[m, k] for every activation row m.
+  // Decode tiles (kBM <= 32): one more wgmma per K step with a constant A tile in shared memory,
+  // 64 rows x 128 bytes of e4m3(-8 · 2^-9) (the steps' 32-byte slices are all alike): as many
+  // wgmma as the weights, cheap at N <= 32. Larger tiles (kRowOffset): that would double the tensor
+  // work, so each consumer gets the offsets of its activation rows from four m64n8k32 per 64 rows
+  // (A = the activation tile, B = 8 constant rows: the first 1024 bytes of the same tile) and
+  // passes them through shared memory to the threads whose columns they are (kBM floats per
+  // consumer, double-buffered), one FADD per accumulator in the promotion.
+  static constexpr bool kRowOffset = kBM >= 64;
+  static constexpr int kOffsetBytes = kRowOffset ? 1024 : w4a8::kPanelRows * w4a8::kBlockK;
+  static constexpr int kRowOffsetBytes = kRowOffset ? kConsumers * 2 * kBM * 4 : 0;
+  static constexpr int kStages =
+      std::min(16, (kW4SmemBudget - 1024 - kOffsetBytes - kRowOffsetBytes) / (kStageBytes + 16));
+  static constexpr int kSmemBytes = 1024 + kOffsetBytes + kRowOffsetBytes + kStages * (kStageBytes + 16);
   static constexpr int kAcc = kBM / 2;  // f32 accumulator registers per thread (m64 x kBM)
   // setmaxnreg: the registers given up by the producer warpgroup go to the consumers (the totals
   // equal the launch allocation: 384 x 168 and 640 x 96).
@@ -76,8 +96,19 @@ struct W4A8Params {
   std::int32_t total_tiles;   // contiguous: ceil(M / kBM) * N / kTileN; masked: unused
   std::int32_t stages;        // pipeline stages in use (v3: conversion stages)
   std::int32_t a_small_rows;  // v3, masked: tiles with at most this many valid rows load only these
-  std::int32_t ablation;      // v3: kW4Ablate* bits (timing experiments), else 0
+  std::int32_t ablation;      // kW4Ablate* bits (timing experiments), else 0
 };
+
+// Ablations (W4A8Params::ablation, bits; timing experiments only, the output is garbage). v3: the
+// converter skips the conversion (arrives only), or the proxy fence; the consumers skip the wgmma
+// and the promotion; the producer arms the raw stages without loading the weights. v2: the
+// producer loads only the activations (no math ablation: a branch around the wgmma makes ptxas
+// serialise them in every run; the no-conversion ablation of run 1, raw words as the A fragment,
+// was taken out again: its branch cost the decode consumers registers).
+inline constexpr int kW4AblateConvert = 1;
+inline constexpr int kW4AblateFence = 2;
+inline constexpr int kW4AblateMath = 4;
+inline constexpr int kW4AblateLoads = 8;
 
 struct W4A8Tile {
   std::int32_t group;
@@ -162,16 +193,11 @@ struct W4A8Pipe {
   }
 };
 
-// Four codes (low 16 bits of w) -> four e4m3 values (w4a8_layout.hpp).
-__device__ __forceinline__ std::uint32_t w4a8_convert4(std::uint32_t w) {
-  return ptx::prmt(w4a8::kLut1Lo, w4a8::kLut1Hi, w) ^ ptx::prmt(w4a8::kLut2Lo, w4a8::kLut2Hi, w ^ 0x8888u);
-}
-
-// One packed word (registers r, r + 1 of a step: low and high 16 bits) -> two fragment registers.
+// One packed word -> two fragment registers (registers r, r + 1 of a step: its low and high
+// nibbles), e4m3 bytes c · 2^-9 of the codes (w4a8_layout.hpp): three integer instructions.
 __device__ __forceinline__ void w4a8_convert8(std::uint32_t w, std::uint32_t& lo, std::uint32_t& hi) {
-  const std::uint32_t x = w ^ 0x88888888u;
-  lo = ptx::prmt(w4a8::kLut1Lo, w4a8::kLut1Hi, w) ^ ptx::prmt(w4a8::kLut2Lo, w4a8::kLut2Hi, x);
-  hi = ptx::prmt(w4a8::kLut1Lo, w4a8::kLut1Hi, w >> 16) ^ ptx::prmt(w4a8::kLut2Lo, w4a8::kLut2Hi, x >> 16);
+  lo = w4a8::codes_lo(w);
+  hi = w4a8::codes_hi(w);
 }
 
 template <int kN>
@@ -196,11 +222,13 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   const std::uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
-  const std::uint32_t smem_a = smem_base;                             // kStages x [kBM x 128]
-  const std::uint32_t smem_w = smem_a + kStages * Traits::kABytes;    // kStages x kConsumers x 4096
-  const std::uint32_t smem_s = smem_w + kStages * Traits::kWBytes;    // kStages x kConsumers x 64 f32
-  const std::uint32_t full_bar = smem_s + kStages * Traits::kSBytes;  // kStages x 8 bytes
-  const std::uint32_t empty_bar = full_bar + kStages * 8;             // kStages x 8 bytes
+  const std::uint32_t smem_offset = smem_base;                         // [64 or 8 x 128] of -2^-6
+  const std::uint32_t smem_rows = smem_offset + Traits::kOffsetBytes;  // kRowOffset: [consumer][2][kBM] f32
+  const std::uint32_t smem_a = smem_rows + Traits::kRowOffsetBytes;    // kStages x [kBM x 128]
+  const std::uint32_t smem_w = smem_a + kStages * Traits::kABytes;     // kStages x kConsumers x 4096
+  const std::uint32_t smem_s = smem_w + kStages * Traits::kWBytes;     // kStages x kConsumers x 64 f32
+  const std::uint32_t full_bar = smem_s + kStages * Traits::kSBytes;   // kStages x 8 bytes
+  const std::uint32_t empty_bar = full_bar + kStages * 8;              // kStages x 8 bytes
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -216,6 +244,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
     ptx::fence_barrier_init();
   }
   if (threadIdx.x == 32) ptx::prefetch_tensormap(&tma_a);
+  for (int i = static_cast<int>(threadIdx.x); i < Traits::kOffsetBytes / 4; i += Traits::kThreads)
+    ptx::st_shared_u32(smem_offset + 4 * i, w4a8::kOffsetE4m3x4);
+  ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (the async proxy)
   __syncthreads();
 
   if (warp < 4) {
@@ -235,14 +266,17 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
             ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
-            ptx::mbar_arrive_expect_tx(full, Traits::kStageBytes);
+            const bool weights = (p.ablation & kW4AblateLoads) == 0;
+            ptx::mbar_arrive_expect_tx(full, weights ? Traits::kStageBytes : Traits::kABytes);
             ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, &tma_a, full, kb * w4a8::kBlockK,
                              tile.row0);
             const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
-            ptx::bulk_load(smem_w + pipe.stage * Traits::kWBytes, p.w + chunk * w4a8::kPanelBytes,
-                           Traits::kWBytes, full);
-            ptx::bulk_load(smem_s + pipe.stage * Traits::kSBytes, p.ws + chunk * w4a8::kPanelRows,
-                           Traits::kSBytes, full);
+            if (weights) {
+              ptx::bulk_load(smem_w + pipe.stage * Traits::kWBytes, p.w + chunk * w4a8::kPanelBytes,
+                             Traits::kWBytes, full);
+              ptx::bulk_load(smem_s + pipe.stage * Traits::kSBytes, p.ws + chunk * w4a8::kPanelRows,
+                             Traits::kSBytes, full);
+            }
           }
           pipe.advance(stages);
         }
@@ -257,23 +291,27 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
     const int warp_in_group = t / 32;
     const int g = lane / 4, q = lane % 4;
     const int row_in_panel = warp_in_group * 16 + g;  // and + 8
-    const bool odd = (g & 1) != 0;
-    const float a_scale = p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale;
 
     W4A8Scheduler<kBM, kTileN> scheduler(p);
     W4A8Tile tile;
     W4A8Pipe pipe;
     float acc[kAcc];
     // Partial accumulators: two (the next K block's wgmma runs while the last one is folded) where
-    // the registers allow (32 x 256 tiles with two spilled 40 bytes at 112 registers), else one.
+    // the registers allow, else one (with four consumers, 112 registers, 32 x 256 tiles spill 4
+    // bytes with two; 16 x 256 tiles fit since the offset operand comes from shared memory).
     constexpr int kParts = kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
     float part[kParts][kAcc];
+    // kRowOffset: per partial, the offset terms of activation rows 64 h + 16 w + g (+ 8) (the
+    // m64n8 fragment: [h][0, 1] row g, [h][2, 3] row g + 8), and which of the two buffers is next.
+    constexpr int kHalves = Traits::kRowOffset ? kBM / 64 : 1;
+    float row_off[kParts][kHalves][4];
+    int row_buf = 0;
+    const std::uint32_t rows_base = smem_rows + static_cast<std::uint32_t>(consumer) * 2 * kBM * 4;
     std::uint32_t frag[2][4][4];  // converted weights of two K blocks (wgmma A operands)
-    float s_lo[2], s_hi[2];       // their scales (rows row_in_panel and + 8)
     using I0 = std::integral_constant<int, 0>;
     using I1 = std::integral_constant<int, 1>;
 
-    // Waits for the stage at `at`, loads this thread's codes and scales of it, converts into frag[B].
+    // Waits for the stage at `at`, loads this thread's codes of it, converts them into frag[B].
     const auto load = [&](auto b, const W4A8Pipe& at) {
       constexpr int B = decltype(b)::value;
       ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
@@ -281,10 +319,6 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
           smem_w + at.stage * Traits::kWBytes + consumer * w4a8::kPanelBytes + t * 16;
       const uint4 v0 = ptx::ld_shared_v4(w_addr);
       const uint4 v1 = ptx::ld_shared_v4(w_addr + 2048);
-      const std::uint32_t s_addr =
-          smem_s + at.stage * Traits::kSBytes + consumer * w4a8::kPanelScaleBytes + 4 * row_in_panel;
-      s_lo[B] = ptx::ld_shared_f32(s_addr);
-      s_hi[B] = ptx::ld_shared_f32(s_addr + 4 * 8);
       w4a8_convert8(v0.x, frag[B][0][0], frag[B][0][1]);
       w4a8_convert8(v0.y, frag[B][0][2], frag[B][0][3]);
       w4a8_convert8(v0.z, frag[B][1][0], frag[B][1][1]);
@@ -299,24 +333,77 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
       constexpr int B = decltype(b)::value, P = decltype(pp)::value;
       const std::uint32_t a_tile = smem_a + stage * Traits::kABytes;
       w4a8_fence_all(part[P]);
-      ptx::wgmma_fence();
+      if constexpr (Traits::kRowOffset) {
 #pragma unroll
-      for (int s = 0; s < 4; ++s)
-        ptx::wgmma_m64k32_rs_e4m3<kBM>(part[P], frag[B][s], ptx::wgmma_desc_sw128(a_tile + s * 32), s > 0);
+        for (int h = 0; h < kHalves; ++h) w4a8_fence_all(row_off[P][h]);
+      }
+      ptx::wgmma_fence();
+      // The offset from shared memory (SS): as a register operand it held registers across the
+      // in-flight groups and spilled the 112-register consumers. Its descriptor is rebuilt per
+      // issue (an opaque copy of the address: hoisted, it held two registers across the K loop).
+      std::uint32_t offset_tile = smem_offset;
+      asm volatile("" : "+r"(offset_tile));
+      const std::uint64_t offset_desc = ptx::wgmma_desc_sw128(offset_tile);
+      if constexpr (Traits::kRowOffset) {
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+          for (int s = 0; s < 4; ++s)
+            ptx::wgmma_m64n8k32_e4m3(row_off[P][h],
+                                     ptx::wgmma_desc_sw128(a_tile + h * 64 * w4a8::kBlockK + s * 32),
+                                     offset_desc, s > 0);
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const std::uint64_t desc = ptx::wgmma_desc_sw128(a_tile + s * 32);
+        if constexpr (!Traits::kRowOffset) ptx::wgmma_m64k32_ss_e4m3<kBM>(part[P], offset_desc, desc, s > 0);
+        ptx::wgmma_m64k32_rs_e4m3<kBM>(part[P], frag[B][s], desc, Traits::kRowOffset ? s > 0 : true);
+      }
       ptx::wgmma_commit();
     };
-    // After the wgmma into part[P] completed: frees `stage` and folds part[P] with scales B.
-    const auto fold = [&](auto pp, auto b, int stage) {
-      constexpr int P = decltype(pp)::value, B = decltype(b)::value;
+    // After the wgmma into part[P] completed: reads the scales of `stage`, frees it and folds part[P].
+    // (The scales are read here, not with the codes: two registers less across the K loop.)
+    const auto fold = [&](auto pp, int stage) {
+      constexpr int P = decltype(pp)::value;
+      const std::uint32_t s_addr =
+          smem_s + stage * Traits::kSBytes + consumer * w4a8::kPanelScaleBytes + 4 * row_in_panel;
+      const float s_lo = ptx::ld_shared_f32(s_addr), s_hi = ptx::ld_shared_f32(s_addr + 4 * 8);
       w4a8_fence_all(part[P]);
+      __syncwarp();  // every lane's shared loads of the stage happen before the release
       if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
       w4a8_fence_all(part[P]);
+      if constexpr (Traits::kRowOffset) {
+        // Offsets by activation row -> by this thread's columns 8 j + 2 q + {0, 1}, through this
+        // consumer's buffer row_buf (the buffer written two folds later is read-free once every
+        // thread has passed the next fold's barrier).
+        const std::uint32_t buf = rows_base + static_cast<std::uint32_t>(row_buf) * kBM * 4;
+        row_buf ^= 1;
+        if (q == 0) {
 #pragma unroll
-      for (int j = 0; j < kAcc / 4; ++j) {
-        acc[4 * j + 0] = fmaf(s_lo[B], part[P][4 * j + 0], acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(s_lo[B], part[P][4 * j + 1], acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(s_hi[B], part[P][4 * j + 2], acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(s_hi[B], part[P][4 * j + 3], acc[4 * j + 3]);
+          for (int h = 0; h < kHalves; ++h) {
+            w4a8_fence_all(row_off[P][h]);
+            ptx::st_shared_u32(buf + 4 * (64 * h + row_in_panel), __float_as_uint(row_off[P][h][0]));
+            ptx::st_shared_u32(buf + 4 * (64 * h + row_in_panel + 8), __float_as_uint(row_off[P][h][2]));
+          }
+        }
+        ptx::named_bar_sync(1 + consumer, 128);
+#pragma unroll
+        for (int j = 0; j < kAcc / 4; ++j) {
+          const float2 o = ptx::ld_shared_f32x2(buf + 4 * (8 * j + 2 * q));
+          acc[4 * j + 0] = fmaf(s_lo, part[P][4 * j + 0] + o.x, acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(s_lo, part[P][4 * j + 1] + o.y, acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(s_hi, part[P][4 * j + 2] + o.x, acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(s_hi, part[P][4 * j + 3] + o.y, acc[4 * j + 3]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kAcc / 4; ++j) {
+          acc[4 * j + 0] = fmaf(s_lo, part[P][4 * j + 0], acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(s_lo, part[P][4 * j + 1], acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(s_hi, part[P][4 * j + 2], acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(s_hi, part[P][4 * j + 3], acc[4 * j + 3]);
+        }
       }
     };
 
@@ -342,14 +429,14 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
           issue(b, b, stage);
           if (kb > 0) {
             ptx::wgmma_wait<1>();
-            fold(Other{}, Other{}, prev_stage);
+            fold(Other{}, prev_stage);
           }
           if (kb + 1 < num_kb) load(Other{}, next);
         } else {
           issue(b, I0{}, stage);
           if (kb + 1 < num_kb) load(Other{}, next);
           ptx::wgmma_wait<0>();
-          fold(I0{}, b, stage);
+          fold(I0{}, stage);
         }
         prev_stage = stage;
         pipe = next;
@@ -361,15 +448,19 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
       if constexpr (kParts == 2) {
         ptx::wgmma_wait<0>();
         if (((num_kb - 1) & 1) == 0) {
-          fold(I0{}, I0{}, prev_stage);
+          fold(I0{}, prev_stage);
         } else {
-          fold(I1{}, I1{}, prev_stage);
+          fold(I1{}, prev_stage);
         }
       }
 
       // Epilogue. acc[4 j + 2 h + e] is D^T[n0 + 8 h, m0 + e] (n0 this thread's weight row, m0 =
       // 8 j + 2 q). Lanes g and g ^ 1 (lane ^ 4) hold neighbouring weight rows: after one exchange
       // the even lane holds columns (n, n + 1) of activation row m0 and the odd lane those of m0 + 1.
+      // (a_scale and the lane parity are looked up here: registers held across the K loop spill
+      // the four-consumer tiles.)
+      const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
+      const bool odd = (g & 1) != 0;
       const std::int32_t n0 = tile.n_tile * kTileN + consumer * w4a8::kPanelRows + row_in_panel;
 #pragma unroll
       for (int j = 0; j < kAcc / 4; ++j) {
@@ -392,8 +483,15 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
 }
 
 // ---------------------------------------------------------------- weight preparation
-// One thread step per checkpoint byte (two int4 values, k = 2 i and 2 i + 1 of row n), which lands
-// whole in one packed byte (w4a8_layout.hpp: both values are nibbles j, j + 1 of one word).
+// Gathers, so that every output byte is written by one thread: forward, one thread step per packed
+// byte (weights (n, k) and (n + 8, k) of the checkpoint, w4a8_layout.hpp); inverse, one per
+// checkpoint byte (k = 2 i and 2 i + 1 of row n); then one per scale.
+__device__ __forceinline__ int w4a8_checkpoint_int4(const std::uint8_t* __restrict__ w, std::int64_t row,
+                                                    std::int64_t k, std::int64_t half_k) {
+  const std::uint32_t b = w[row * half_k + k / 2];
+  return static_cast<int>(static_cast<std::int8_t>((k % 2 == 0 ? b << 4 : b) & 0xf0u)) >> 4;
+}
+
 __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src,
                                     const float* __restrict__ src_scales, std::uint8_t* __restrict__ dst,
                                     float* __restrict__ dst_scales, std::int64_t groups, std::int64_t n,
@@ -405,19 +503,22 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src,
        i += stride) {
     if (i < bytes) {
       const std::int64_t group = i / (n * half_k), rest = i % (n * half_k);
-      const std::int64_t row = rest / half_k, kk = 2 * (rest % half_k);
-      const w4a8::NibblePos pos = w4a8::packed_position(row, kk, kb_count, n);
-      const std::int64_t packed = group * n * half_k + pos.byte;
+      const std::int64_t base = group * n * half_k;
       if (!inverse) {
-        const std::uint32_t b = src[i];
-        const int lo = static_cast<int>(static_cast<std::int8_t>(b << 4)) >> 4;
-        const int hi = static_cast<int>(static_cast<std::int8_t>(b)) >> 4;
-        dst[packed] = static_cast<std::uint8_t>(w4a8::encode_int4(lo) | (w4a8::encode_int4(hi) << 4));
+        const w4a8::WeightPos at = w4a8::packed_byte_source(rest, kb_count, n);
+        const int lo = w4a8_checkpoint_int4(src + base, at.n, at.k, half_k);
+        const int hi = w4a8_checkpoint_int4(src + base, at.n + 8, at.k, half_k);
+        dst[i] = static_cast<std::uint8_t>(w4a8::encode_int4(lo) | (w4a8::encode_int4(hi) << 4));
       } else {
-        const std::uint32_t b = src[packed];
-        const int lo = w4a8::decode_int4(b & 0xfu), hi = w4a8::decode_int4(b >> 4);
-        dst[i] = static_cast<std::uint8_t>((static_cast<unsigned>(lo) & 0xfu) |
-                                           ((static_cast<unsigned>(hi) & 0xfu) << 4));
+        const std::int64_t row = rest / half_k, kk = 2 * (rest % half_k);
+        std::uint32_t out = 0;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const w4a8::NibblePos pos = w4a8::packed_position(row, kk + e, kb_count, n);
+          const std::uint32_t code = src[base + pos.byte] >> (pos.high ? 4 : 0);
+          out |= (static_cast<std::uint32_t>(w4a8::decode_int4(code)) & 0xfu) << (4 * e);
+        }
+        dst[i] = static_cast<std::uint8_t>(out);
       }
     } else {
       const std::int64_t j = i - bytes;

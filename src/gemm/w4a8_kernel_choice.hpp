@@ -19,9 +19,9 @@ struct W4A8KernelChoice {
   int version = 0;   // 0: the heuristic; 2 or 3
   int block_m = 0;   // version 3 only: 64 or 128 (0: heuristic)
   int block_n = 0;   // 128 or 256
-  int waves = 0;     // 1 or 2 (128-column waves per consumer)
-  int ablation = 0;  // version 3, timing experiments only (garbage output): bits 1 no conversion,
-                     // 2 no proxy fence, 4 no wgmma / promotion, 8 no weight loads
+  int waves = 0;     // 1 (128-column waves per consumer; two were retired, bench/NOTES.md)
+  int ablation = 0;  // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
+                     // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
 };
 
 // The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved
@@ -29,7 +29,7 @@ struct W4A8KernelChoice {
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k);
 
 // A version-3 choice with its zeros filled by v3's own tile heuristic (64 x 256 for masked
-// expected_m <= 64, else 128 x 256 with two waves; 128 columns when N is not a multiple of 256).
+// expected_m <= 64, else 128 x 128; 128 columns when N is not a multiple of 256).
 W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, std::int64_t expected_m,
                                  std::int64_t n);
 

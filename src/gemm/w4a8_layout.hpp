@@ -13,8 +13,9 @@
 // (j = 0..3 the byte of the register). Packed, one (panel, K block) is 4096 contiguous bytes, and
 // thread t's 64 values of it are the 16 bytes at t * 16 (steps 0, 1) and the 16 at 2048 + t * 16
 // (steps 2, 3): two conflict-free 16-byte shared-memory loads. Inside those 16 bytes, word
-// 2 (s % 2) + r / 2 holds registers r = 0, 1 (low / high 16 bits) or r = 2, 3, one 4-bit code per
-// value, value j of the register in nibble j of the half word.
+// 2 (s % 2) + r / 2 holds registers r = 0, 1 (r even: r = 0 or 2) as its low and high nibbles:
+// byte j of the word = value j of register r (low nibble) | value j of register r + 1 (high nibble)
+// << 4, i.e. one packed byte holds weights (n, k) and (n + 8, k).
 //
 //   packed_w       [G][N / 256][K / 128][4 panels][4096 bytes]  (the checkpoint's byte count)
 //   packed_scales  [G][N / 256][K / 128][4 panels][64] f32      (the checkpoint's scale count)
@@ -22,16 +23,16 @@
 // N is not a multiple of 256): the chunks of one K block of a 128- or 256-row tile are contiguous,
 // so a stage needs one bulk copy for its weights and one for its scales (panel_chunk below).
 //
-// Codes. A signed int4 v in [-8, 7] is stored as the nibble c = 8 h + i that two prmt lookups and
-// one xor turn into the e4m3 bits of v (every int4 is exact in e4m3):
-//   e4m3(v) = prmt(kLut1, c) ^ prmt(kLut2, c ^ 8)
-// prmt (default mode) returns byte c & 7 of the 8-byte table when bit 3 of c is clear, else that
-// byte's top bit replicated (0x00 or 0xff). Codes c and c ^ 8 share table slot i = c & 7: slot i < 4
-// holds the values i (h = 0) and 4 + i (h = 1), slot i >= 4 the values -(i - 3) and -(i + 1); table 1
-// has e4m3(value for h = 0) in slot i, table 2 has e4m3(value for h = 1), complemented for negative
-// slots. For a positive slot both top bits are 0 and the xor leaves the looked-up byte; for a
-// negative one table 1's top bit is 1, table 2's is 0: h = 0 gives table 1's byte ^ 0x00, h = 1
-// gives 0xff ^ ~e4m3 = e4m3.
+// Codes: offset binary, c = v + 8 in [0, 15] for the signed int4 v in [-8, 7]. The e4m3 byte whose
+// bits are c (bits 7-4 zero) is exactly c · 2^-9: exponent field 0 (subnormal, c < 8) gives
+// c / 8 · 2^-6 and exponent field 1 gives (1 + (c - 8) / 8) · 2^-6, both c · 2^-9. So a packed word
+// w becomes two A-fragment registers with three integer instructions, w & 0x0f0f0f0f and
+// (w >> 4) & 0x0f0f0f0f, instead of a table lookup per value. The offset is taken out on the tensor
+// core: per K block, Σ_k A[m, k] · e4m3(c) + Σ_k A[m, k] · e4m3(-8 · 2^-9) = 2^-9 Σ_k A[m, k] · v,
+// the second sum one more wgmma per K step with a constant operand (kOffsetE4m3x4, -2^-6 is an
+// e4m3 normal; the shared-memory kernel uses a constant B operand of 8 columns instead); the
+// kernels multiply by kCodeScale = 2^9 once, in the epilogue. Every product is exact, as for any
+// e4m3 wgmma; the offset roughly doubles the magnitudes the tensor core sums.
 #pragma once
 
 #include <cstdint>
@@ -50,21 +51,27 @@ inline constexpr int kPanelBytes = kPanelRows * kBlockK / 2;  // 4096: one (pane
 inline constexpr int kPanelScaleBytes = kPanelRows * 4;       // 256: its 64 scales
 inline constexpr int kGroupPanels = 4;                        // panels per group (256 rows)
 
-// Table 1 (slot 0..3 in the low word) and table 2, as prmt's {a, b} operands.
-inline constexpr std::uint32_t kLut1Lo = 0x44403800u;  // e4m3(0), e4m3(1), e4m3(2), e4m3(3)
-inline constexpr std::uint32_t kLut1Hi = 0xc8c4c0b8u;  // e4m3(-1), e4m3(-2), e4m3(-3), e4m3(-4)
-inline constexpr std::uint32_t kLut2Lo = 0x4e4c4a48u;  // e4m3(4), e4m3(5), e4m3(6), e4m3(7)
-inline constexpr std::uint32_t kLut2Hi = 0x2f313335u;  // ~e4m3(-5), ~e4m3(-6), ~e4m3(-7), ~e4m3(-8)
+// Four e4m3(-8 · 2^-9) = -2^-6 bytes (sign, exponent field 1, mantissa 0): the offset operand.
+inline constexpr std::uint32_t kOffsetE4m3x4 = 0x88888888u;
+// The e4m3 value of code c is c / kCodeScale.
+inline constexpr float kCodeScale = 512.0f;
+inline constexpr std::uint32_t kLowNibbles = 0x0f0f0f0fu;
 
 // The code of v in [-8, 7], and back.
 EPMOE_HD std::uint32_t encode_int4(int v) {
-  if (v >= 0) return static_cast<std::uint32_t>(((v >> 2) << 3) | (v & 3));
-  const int a = -v - 1;  // 0..7
-  return static_cast<std::uint32_t>(((a >> 2) << 3) | (4 + (a & 3)));
+  return static_cast<std::uint32_t>(v + 8);
 }
 EPMOE_HD int decode_int4(std::uint32_t c) {
-  const int h = static_cast<int>((c >> 3) & 1u), i = static_cast<int>(c & 7u);
-  return i < 4 ? i + 4 * h : -(i - 3 + 4 * h);
+  return static_cast<int>(c & 0xfu) - 8;
+}
+
+// The two A-fragment registers of one packed word: e4m3 bytes c · 2^-9 of its low nibbles
+// (register r) and of its high nibbles (register r + 1).
+EPMOE_HD std::uint32_t codes_lo(std::uint32_t w) {
+  return w & kLowNibbles;
+}
+EPMOE_HD std::uint32_t codes_hi(std::uint32_t w) {
+  return (w >> 4) & kLowNibbles;
 }
 
 // Index of chunk (panel, K block kb) among one matrix's chunks (4096 bytes / 64 scales each):
@@ -90,9 +97,26 @@ EPMOE_HD NibblePos packed_position(std::int64_t n, std::int64_t k, std::int64_t 
   const int w = r64 / 16, g = r64 % 8, rhalf = (r64 % 16) / 8;
   const int s = kk / 32, k32 = kk % 32, khalf = k32 / 16, q = (k32 % 16) / 4, j = k32 % 4;
   const int t = w * 32 + g * 4 + q;
-  const int nibble = rhalf * 4 + j;  // inside the 32-bit word
-  const int offset = (s / 2) * 2048 + t * 16 + ((s % 2) * 2 + khalf) * 4 + nibble / 2;
-  return {panel_chunk(panel, kb, kb_count, n_rows / kPanelRows) * kPanelBytes + offset, (nibble & 1) != 0};
+  const int offset = (s / 2) * 2048 + t * 16 + ((s % 2) * 2 + khalf) * 4 + j;
+  return {panel_chunk(panel, kb, kb_count, n_rows / kPanelRows) * kPanelBytes + offset, rhalf != 0};
+}
+
+// The inverse for whole bytes: packed byte `byte` of one group holds weight (n, k) in its low
+// nibble and (n + 8, k) in its high nibble.
+struct WeightPos {
+  std::int64_t n, k;
+};
+EPMOE_HD WeightPos packed_byte_source(std::int64_t byte, std::int64_t kb_count, std::int64_t n_rows) {
+  const std::int64_t n_panels = n_rows / kPanelRows;
+  const std::int64_t chunk = byte / kPanelBytes, off = byte % kPanelBytes;
+  const std::int64_t group = chunk / (kGroupPanels * kb_count), rest = chunk % (kGroupPanels * kb_count);
+  const std::int64_t left = n_panels - group * kGroupPanels;
+  const std::int64_t size = left < kGroupPanels ? left : kGroupPanels;
+  const std::int64_t kb = rest / size, panel = group * kGroupPanels + rest % size;
+  const int o = static_cast<int>(off % 2048), t = o / 16, word = (o % 16) / 4, j = o % 4;
+  const int s = 2 * static_cast<int>(off / 2048) + word / 2, khalf = word % 2;
+  const int w = t / 32, g = (t % 32) / 4, q = t % 4;
+  return {panel * kPanelRows + 16 * w + g, kb * kBlockK + 32 * s + 16 * khalf + 4 * q + j};
 }
 
 // Index of scale (n, kb) of one group inside that group's packed scales.
@@ -103,36 +127,16 @@ EPMOE_HD std::int64_t packed_scale_index(std::int64_t n, std::int64_t kb, std::i
 
 // v3 (shared-memory conversion, w4a8_smem_gemm_kernel.cuh): thread t of the converter warpgroup
 // holds the same 16 + 16 bytes of a (panel, K block) as above; word u (0..3 from the first 16 bytes,
-// 4..7 from the second) covers k = 16 u + 4 q + j, its low half of row 16 w + g, its high half of
-// row + 8. The e4m3 tile is K-major with the 128-byte swizzle (row r at r * 128, its 16-byte chunk c
-// at chunk c ^ (r % 8)), so the 4 bytes of the low half go to the byte offset below inside the
-// panel's 64 rows (8192 bytes), the high half's 1024 bytes further.
+// 4..7 from the second) covers k = 16 u + 4 q + j, its low nibbles of row 16 w + g, its high nibbles
+// of row + 8. The e4m3 tile is K-major with the 128-byte swizzle (row r at r * 128, its 16-byte chunk c
+// at chunk c ^ (r % 8)), so the 4 bytes of the low nibbles go to the byte offset below inside
+// the panel's 64 rows (8192 bytes), the high nibbles' 1024 bytes further.
 EPMOE_HD std::uint32_t converter_row_base(int t) {
   const int g = (t % 32) / 4, q = t % 4;
   return static_cast<std::uint32_t>((16 * (t / 32) + g) * kBlockK + 16 * g + 4 * q);
 }
 EPMOE_HD std::uint32_t converter_store_offset(int t, int u) {
   return converter_row_base(t) ^ static_cast<std::uint32_t>(16 * u);  // flips chunk bits 4-6 only
-}
-
-// Host model of prmt (default mode), for the CPU tests of the codes.
-EPMOE_HD std::uint32_t prmt_model(std::uint32_t a, std::uint32_t b, std::uint32_t sel) {
-  const std::uint64_t bytes = (static_cast<std::uint64_t>(b) << 32) | a;
-  std::uint32_t d = 0;
-  for (int i = 0; i < 4; ++i) {
-    const std::uint32_t nib = (sel >> (4 * i)) & 0xfu;
-    std::uint32_t byte = static_cast<std::uint32_t>(bytes >> (8 * (nib & 7u))) & 0xffu;
-    if ((nib & 8u) != 0) byte = (byte & 0x80u) != 0 ? 0xffu : 0x00u;
-    d |= byte << (8 * i);
-  }
-  return d;
-}
-
-// The e4m3 bits of the four codes in the low 16 bits of w (code j -> byte j), with prmt given as
-// a callable (the instruction on the device, prmt_model on the host).
-template <class Prmt>
-EPMOE_HD std::uint32_t codes_to_e4m3x4(std::uint32_t w, Prmt prmt) {
-  return prmt(kLut1Lo, kLut1Hi, w) ^ prmt(kLut2Lo, kLut2Hi, w ^ 0x8888u);
 }
 
 }  // namespace epmoe::w4a8

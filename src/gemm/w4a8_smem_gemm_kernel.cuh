@@ -20,16 +20,18 @@
 //     consumers;
 //   - warpgroup 1 (the converter): per K block, waits for a raw stage and a free conversion stage;
 //     thread t reads its two 16-byte words of each panel (the register-operand kernel's fragment
-//     order: row 16 w + g (+ 8), k = 16 u + 4 q + j for word u), turns each 4-code half word into
-//     4 e4m3 bytes (two prmt, one xor) and stores them at row r, 16-byte chunk u ^ (r % 8), byte
-//     4 q of the swizzled tile (conflict-free: the 32 lanes of a store hit 32 distinct banks);
-//     copies the scales, frees the raw stage, and publishes the conversion stage after
+//     order: row 16 w + g (+ 8), k = 16 u + 4 q + j for word u), masks each word's low and high
+//     nibbles into 4 + 4 e4m3 bytes (codes c · 2^-9, w4a8_layout.hpp) and stores them at row r,
+//     16-byte chunk u ^ (r % 8), byte 4 q of the swizzled tile (conflict-free: the 32 lanes of a store hit 32
+//     distinct banks); copies the scales, frees the raw stage, and publishes the conversion stage after
 //     fence.proxy.async (generic-proxy writes read by wgmma);
 //   - consumer warpgroups (kConsumers): consumer c owns activation rows 64 (c / kColGroups) and
 //     kWaves x 128 weight columns from 128 kWaves (c % kColGroups); per wave four wgmma
-//     m64n128k32 into a per-K-block partial, then acc += s[n] · part with the two scales of each
-//     of the thread's column pairs (f32, never re-quantised weights); a_scale in the epilogue,
-//     16-byte bf16 stores after a quad transpose, valid rows only.
+//     m64n128k32 into a per-K-block partial, and once per K block four m64n8k32 against a constant
+//     tile of e4m3(-8 · 2^-9) (the codes' offset, the same for every column: -2^-6 Σ_k A[row, k]),
+//     then acc += s[n] · (part + offset[row]) with the two scales of each of the thread's column
+//     pairs (f32, never re-quantised weights); a_scale · 2^9 in the epilogue, 16-byte bf16 stores
+//     after a quad transpose, valid rows only.
 #pragma once
 
 #include <algorithm>
@@ -63,10 +65,11 @@ struct W4A8SmemTraits {
   static constexpr int kRawSBytes = kPanels * w4a8::kPanelScaleBytes;
   static constexpr int kRawBytes = kRawWBytes + kRawSBytes + 16;
   static constexpr int kConvStages = kBN == 256 ? 3 : 4;
+  static constexpr int kOffsetBytes = 1024;  // the constant B operand of the offset term (8 x 128)
   static constexpr int kRawStages =
-      std::min(8, (kW4SmemBudget - 1024 - kConvStages * kConvBytes) / kRawBytes);
+      std::min(8, (kW4SmemBudget - 1024 - kOffsetBytes - kConvStages * kConvBytes) / kRawBytes);
   static_assert(kRawStages >= 2);
-  static constexpr int kSmemBytes = 1024 + kConvStages * kConvBytes + kRawStages * kRawBytes;
+  static constexpr int kSmemBytes = 1024 + kOffsetBytes + kConvStages * kConvBytes + kRawStages * kRawBytes;
   // setmaxnreg (multiples of 8; the totals stay within the launch allocation, 512 x 128 or
   // 384 x 168; ptxas: no spills with these, 24 for the producer spilled).
   static constexpr bool kTwoWaves = kWaves == 2;
@@ -74,14 +77,6 @@ struct W4A8SmemTraits {
   static constexpr int kConverterRegs = kTwoWaves ? 48 : 56;
   static constexpr int kConsumerRegs = kConsumers == 1 ? 232 : (kTwoWaves ? 216 : 208);
 };
-
-// Ablations (W4A8Params::ablation, bits; timing experiments only, the output is garbage): the
-// converter skips the conversion (arrives only), or the proxy fence; the consumers skip the wgmma
-// and the promotion; the producer arms the raw stages without loading the weights.
-inline constexpr int kW4AblateConvert = 1;
-inline constexpr int kW4AblateFence = 2;
-inline constexpr int kW4AblateMath = 4;
-inline constexpr int kW4AblateLoads = 8;
 
 template <int kBM, int kBN, int kWaves>
 __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
@@ -95,7 +90,8 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   const std::uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
-  const std::uint32_t smem_a = smem_base;                                      // conv stages x [kBM x 128]
+  const std::uint32_t smem_offset = smem_base;                                 // [8 x 128] of -2^-6
+  const std::uint32_t smem_a = smem_offset + Traits::kOffsetBytes;             // conv stages x [kBM x 128]
   const std::uint32_t smem_b = smem_a + kConvStages * Traits::kABytes;         // conv stages x [kBN x 128]
   const std::uint32_t smem_cs = smem_b + kConvStages * Traits::kBBytes;        // conv stages x kBN f32
   const std::uint32_t smem_rw = smem_cs + kConvStages * Traits::kCScaleBytes;  // raw stages x panels x 4096
@@ -126,6 +122,11 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
   if (threadIdx.x == 32) {
     ptx::prefetch_tensormap(&tma_a);
     ptx::prefetch_tensormap(&tma_a_small);
+  }
+  // The offset operand: every byte e4m3(-8 · 2^-9), read by wgmma (the async proxy).
+  if (threadIdx.x < Traits::kOffsetBytes / 4) {
+    ptx::st_shared_u32(smem_offset + 4 * threadIdx.x, w4a8::kOffsetE4m3x4);
+    ptx::fence_proxy_async_shared();
   }
   __syncthreads();
 
@@ -235,10 +236,11 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
     const int col0 = (consumer % Traits::kColGroups) * Traits::kConsN;    // first weight column
     const int row_in_tile = row_block * 64 + (warp % 4) * 16 + lane / 4;  // and + 8
     const int q = lane % 4;
-    const float a_scale = p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale;
+    const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
     W4A8Pipe pipe;
     float acc[kWaves][64];
     float part[64];
+    float offset[4];  // per K block: -2^-6 Σ_k A[row, k] for rows row_a (0, 1) and row_b (2, 3)
 
     while (scheduler.next(tile, p)) {
 #pragma unroll
@@ -272,7 +274,17 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
         const auto wave = [&](auto wc) {
           constexpr int w = decltype(wc)::value;
           fence_all(part);
+          if constexpr (w == 0) fence_all(offset);
           ptx::wgmma_fence();
+          // The offset term of the codes (w4a8_layout.hpp), once per K block: the same for every
+          // column.
+          if constexpr (w == 0) {
+            // (One descriptor for all four steps: the tile is constant.)
+            const std::uint64_t offset_desc = ptx::wgmma_desc_sw128(smem_offset);
+#pragma unroll
+            for (int kk = 0; kk < w4a8::kBlockK / 32; ++kk)
+              ptx::wgmma_m64n8k32_e4m3(offset, ptx::wgmma_desc_sw128(a_tile + kk * 32), offset_desc, kk > 0);
+          }
 #pragma unroll
           for (int kk = 0; kk < w4a8::kBlockK / 32; ++kk) {
             ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a_tile + kk * 32),
@@ -282,6 +294,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           ptx::wgmma_commit();
           ptx::wgmma_wait<0>();
           fence_all(part);
+          if constexpr (w == 0) fence_all(offset);
           // The scales of this thread's columns 128 w + 8 j + 2 q + {0, 1}. With one wave they are
           // all read before the stage is given back (32 registers); with two (no registers to spare)
           // the last wave frees the stage after its promotion.
@@ -291,17 +304,21 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           float2 scv[16];
 #pragma unroll
           for (int j = 0; j < 16; ++j) scv[j] = sc[4 * j];
-          if (kEarlyFree && lane == 0) ptx::mbar_arrive(conv_empty + 8 * stage);
+          if constexpr (kEarlyFree) {
+            __syncwarp();  // every lane's scale loads happen before the release
+            if (lane == 0) ptx::mbar_arrive(conv_empty + 8 * stage);
+          }
           fence_all(part);
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
-            acc[w][4 * j + 0] = fmaf(scv[j].x, part[4 * j + 0], acc[w][4 * j + 0]);
-            acc[w][4 * j + 1] = fmaf(scv[j].y, part[4 * j + 1], acc[w][4 * j + 1]);
-            acc[w][4 * j + 2] = fmaf(scv[j].x, part[4 * j + 2], acc[w][4 * j + 2]);
-            acc[w][4 * j + 3] = fmaf(scv[j].y, part[4 * j + 3], acc[w][4 * j + 3]);
+            acc[w][4 * j + 0] = fmaf(scv[j].x, part[4 * j + 0] + offset[0], acc[w][4 * j + 0]);
+            acc[w][4 * j + 1] = fmaf(scv[j].y, part[4 * j + 1] + offset[0], acc[w][4 * j + 1]);
+            acc[w][4 * j + 2] = fmaf(scv[j].x, part[4 * j + 2] + offset[2], acc[w][4 * j + 2]);
+            acc[w][4 * j + 3] = fmaf(scv[j].y, part[4 * j + 3] + offset[2], acc[w][4 * j + 3]);
           }
           if (!kEarlyFree && w == kWaves - 1) {
             fence_all(acc[w]);
+            __syncwarp();  // every lane's scale loads happen before the release
             if (lane == 0) ptx::mbar_arrive(conv_empty + 8 * stage);
           }
         };

@@ -262,8 +262,11 @@ INSTANTIATE_TEST_SUITE_P(
         // masked_m = M_max everywhere, and nothing valid at all.
         MaskedCase{"N1536_K2048_all_full", 16, {16, 16, 16}, 1536, 2048},
         MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048},
-        // The automatic choice is the register-operand kernel (v2) for the masked layout
-        // (w4a8_kernel_choice): v2 pinned, and the shared-memory-conversion kernel (v3) with its own
+        // expected_m 40: the automatic choice is v3 (64 x 256).
+        MaskedCase{"N1536_K2048_expected40_auto", 64, {64, 16, 40}, 1536, 2048},
+        // The automatic choice is the register-operand kernel (v2) for masked decode rows
+        // (expected_m <= 24) and v3 otherwise (w4a8_kernel_choice): v2 pinned, and the
+        // shared-memory-conversion kernel (v3) with its own
         // heuristic (64 x 256, activation boxes of 16 / 32 rows where the hint allows) and every
         // other v3 tile pinned.
         MaskedCase{"N4096_K7168_decode_v2", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, {2}},
@@ -271,7 +274,7 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N640_K2048_decode_n_not_256_v3", 24, {24, 9}, 640, 2048, 0, 0, false, {3}},
         MaskedCase{"N1536_K2048_v3_m64n128", 37, {37, 3, 0, 17}, 1536, 2048, 0, 0, false, {3, 64, 128, 1}},
         MaskedCase{
-            "N1536_K2048_v3_m128n256", 130, {130, 0, 64, 65}, 1536, 2048, 0, 0, false, {3, 128, 256, 2}},
+            "N1536_K2048_v3_m128n128", 130, {130, 0, 64, 65}, 1536, 2048, 0, 0, false, {3, 128, 128, 1}},
         MaskedCase{"N640_K7168_v3_m128n128", 300, {300, 129, 7}, 640, 7168, 0, 0, false, {3, 128, 128, 1}},
         MaskedCase{"N512_K384_odd_k_blocks_v3_m64n256_device_scale",
                    70,
@@ -282,7 +285,7 @@ INSTANTIATE_TEST_SUITE_P(
                    0,
                    true,
                    {3, 64, 256, 1}},
-        MaskedCase{"N1536_K1152_v3_m128n256_small_box",
+        MaskedCase{"N1536_K1152_v3_m128n128_small_box",
                    40,
                    {40, 1, 33, 0},
                    1536,
@@ -290,7 +293,7 @@ INSTANTIATE_TEST_SUITE_P(
                    0,
                    0,
                    false,
-                   {3, 128, 256, 2}}),
+                   {3, 128, 128, 1}}),
     [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- contiguous
@@ -300,7 +303,7 @@ struct ContiguousCase {
   std::int64_t n, k;
   std::int64_t trailing_blocks = 0;  // all-padding 128-row blocks at the end
   bool holes = false;                // -1 rows inside groups' rows too
-  cuda::W4A8KernelChoice pin{};      // version 0: the automatic choice (v3 for K <= 2048)
+  cuda::W4A8KernelChoice pin{};      // version 0: the automatic choice (v3 for the contiguous layout)
 };
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
   *os << c.name;

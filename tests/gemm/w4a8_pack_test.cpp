@@ -1,5 +1,5 @@
-// The W4A8 packed weight layout and its int4 -> e4m3 codes, on the CPU: every code converts to the
-// exact e4m3 of its int4 value through the kernel's prmt/xor sequence (prmt modelled on the host),
+// The W4A8 packed weight layout and its int4 -> e4m3 codes, on the CPU: every code converts through
+// the kernel's masks to the e4m3 c · 2^-9 that stands for its int4 value v = c - 8,
 // the CPU packer and its inverse round-trip, and a thread-by-thread model of the kernel's loads
 // finds every weight where the wgmma A fragment wants it. Plus the W4A8 CPU reference against a
 // direct evaluation, and argument checks.
@@ -22,29 +22,40 @@ namespace {
 
 using testing::expect_error_mentions;
 
-std::uint32_t model_prmt(std::uint32_t a, std::uint32_t b, std::uint32_t sel) {
-  return w4a8::prmt_model(a, b, sel);
+// The e4m3 value of a converted byte, as the int4 it stands for: e4m3(byte) · 2^9 - 8.
+double code_value(std::uint32_t byte) {
+  return static_cast<double>(fp8_e4m3::from_bits(static_cast<std::uint8_t>(byte)).to_float()) *
+             static_cast<double>(w4a8::kCodeScale) -
+         8.0;
 }
 
 TEST(W4A8Codes, EveryInt4ConvertsToItsExactE4m3) {
+  // The offset operand is e4m3(-8 · 2^-9).
+  EXPECT_EQ(fp8_e4m3::from_bits(static_cast<std::uint8_t>(w4a8::kOffsetE4m3x4 & 0xffu)).to_float() *
+                w4a8::kCodeScale,
+            -8.0f);
   for (int v = kInt4Min; v <= kInt4Max; ++v) {
     const std::uint32_t c = w4a8::encode_int4(v);
     ASSERT_LT(c, 16u);
     EXPECT_EQ(w4a8::decode_int4(c), v);
-    // The same code in all four nibbles of the half word: four equal bytes.
-    const std::uint32_t e = w4a8::codes_to_e4m3x4(c * 0x1111u, model_prmt);
-    const std::uint8_t want = fp8_e4m3::from_float(static_cast<float>(v)).bits;
-    for (int j = 0; j < 4; ++j) EXPECT_EQ((e >> (8 * j)) & 0xffu, want) << "v = " << v << " byte " << j;
-    EXPECT_EQ(fp8_e4m3::from_bits(static_cast<std::uint8_t>(e & 0xffu)).to_float(), static_cast<float>(v));
+    // The same code in all eight nibbles of a word: four equal bytes in each register.
+    const std::uint32_t w = c * 0x11111111u;
+    for (const std::uint32_t e : {w4a8::codes_lo(w), w4a8::codes_hi(w)})
+      for (int j = 0; j < 4; ++j)
+        EXPECT_EQ(code_value((e >> (8 * j)) & 0xffu), v) << "v = " << v << " byte " << j;
   }
-  // Mixed codes: each byte follows its own nibble.
+  // Mixed codes: each byte follows its own nibble (low nibbles -> codes_lo, high -> codes_hi).
   for (int trial = 0; trial < 1000; ++trial) {
-    const int v[4] = {trial % 16 - 8, (trial / 16) % 16 - 8, (trial * 7) % 16 - 8, (trial * 11 + 3) % 16 - 8};
+    int v[8];
     std::uint32_t w = 0;
-    for (int j = 0; j < 4; ++j) w |= w4a8::encode_int4(v[j]) << (4 * j);
-    const std::uint32_t e = w4a8::codes_to_e4m3x4(w | 0xabcd0000u, model_prmt);  // high half ignored
-    for (int j = 0; j < 4; ++j)
-      EXPECT_EQ((e >> (8 * j)) & 0xffu, fp8_e4m3::from_float(static_cast<float>(v[j])).bits);
+    for (int i = 0; i < 8; ++i) {
+      v[i] = (trial * (2 * i + 1) + 3 * i) % 16 - 8;
+      w |= w4a8::encode_int4(v[i]) << (4 * i);
+    }
+    for (int j = 0; j < 4; ++j) {
+      EXPECT_EQ(code_value((w4a8::codes_lo(w) >> (8 * j)) & 0xffu), v[2 * j]);
+      EXPECT_EQ(code_value((w4a8::codes_hi(w) >> (8 * j)) & 0xffu), v[2 * j + 1]);
+    }
   }
 }
 
@@ -73,16 +84,18 @@ TEST_P(W4A8PackN, RoundTripsAndIsAPermutation) {
   cuda::w4a8_unprepare_weights_cpu(pw, ps, w2, s2);
   EXPECT_EQ(std::memcmp(c.w.view().data, w2.view().data, c.w.nbytes()), 0);
   EXPECT_EQ(std::memcmp(c.s.view().data, s2.view().data, c.s.nbytes()), 0);
-  // Every byte position is hit exactly once.
-  std::vector<int> hits(static_cast<std::size_t>(N * K / 2));
+  // Every nibble position is hit exactly once, and packed_byte_source inverts packed_position:
+  // a byte holds (n, k) low and (n + 8, k) high.
+  std::vector<int> hits(static_cast<std::size_t>(N * K));
   for (std::int64_t n = 0; n < N; ++n)
-    for (std::int64_t k = 0; k < K; k += 2) {
+    for (std::int64_t k = 0; k < K; ++k) {
       const w4a8::NibblePos pos = w4a8::packed_position(n, k, K / 128, N);
-      ASSERT_FALSE(pos.high);
       ASSERT_TRUE(pos.byte >= 0 && pos.byte < N * K / 2);
-      ++hits[static_cast<std::size_t>(pos.byte)];
-      EXPECT_EQ(w4a8::packed_position(n, k + 1, K / 128, N).byte, pos.byte);
-      EXPECT_TRUE(w4a8::packed_position(n, k + 1, K / 128, N).high);
+      ASSERT_EQ(pos.high, n % 16 >= 8);
+      ++hits[static_cast<std::size_t>(2 * pos.byte + (pos.high ? 1 : 0))];
+      const w4a8::WeightPos src = w4a8::packed_byte_source(pos.byte, K / 128, N);
+      ASSERT_EQ(src.n + (pos.high ? 8 : 0), n);
+      ASSERT_EQ(src.k, k);
     }
   for (const int h : hits) ASSERT_EQ(h, 1);
   std::vector<int> scale_hits(static_cast<std::size_t>(N * K / 128));
@@ -121,7 +134,8 @@ TEST(W4A8Pack, TileChunksAreContiguous) {
 
 // The kernel's view: thread t of the warpgroup loads 16 bytes at t * 16 and at 2048 + t * 16 of a
 // (panel, K block) chunk, converts word 2 (s % 2) + khalf into registers (r = 2 khalf, 2 khalf + 1)
-// of step s, and wgmma reads register r, byte j as A[row, k] with the m64nNk32 fragment layout.
+// of step s (low and high nibbles), and wgmma reads register r, byte j as A[row, k] with the m64nNk32
+// fragment layout.
 TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
   std::mt19937_64 rng(11);
   const std::int64_t G = 1, N = 128, K = 256, KB = K / 128;
@@ -142,15 +156,13 @@ TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
         for (int s = 0; s < 4; ++s) {
           for (int khalf = 0; khalf < 2; ++khalf) {
             const std::uint32_t w = words[(s / 2) * 4 + (s % 2) * 2 + khalf];
-            const std::uint32_t regs[2] = {w4a8::codes_to_e4m3x4(w, model_prmt),
-                                           w4a8::codes_to_e4m3x4(w >> 16, model_prmt)};
+            const std::uint32_t regs[2] = {w4a8::codes_lo(w), w4a8::codes_hi(w)};
             for (int rhalf = 0; rhalf < 2; ++rhalf) {
               for (int j = 0; j < 4; ++j) {
                 const std::int64_t row = panel * 64 + warp * 16 + g + 8 * rhalf;
                 const std::int64_t k = kb * 128 + s * 32 + khalf * 16 + 4 * q + j;
                 const int v = unpack_int4(plain + row * (K / 2), k);
-                const auto got = static_cast<std::uint8_t>(regs[rhalf] >> (8 * j));
-                ASSERT_EQ(got, fp8_e4m3::from_float(static_cast<float>(v)).bits)
+                ASSERT_EQ(code_value((regs[rhalf] >> (8 * j)) & 0xffu), v)
                     << "panel " << panel << " kb " << kb << " thread " << t << " step " << s << " row " << row
                     << " k " << k;
                 ++checked;
@@ -195,8 +207,7 @@ TEST(W4A8Pack, ConverterStoresMatchTheSwizzledTile) {
               std::uint32_t words[8];
               std::memcpy(words, chunk + t * 16, 16);
               std::memcpy(words + 4, chunk + 2048 + t * 16, 16);
-              const std::uint32_t e =
-                  w4a8::codes_to_e4m3x4(half == 0 ? words[u] : words[u] >> 16, model_prmt);
+              const std::uint32_t e = half == 0 ? w4a8::codes_lo(words[u]) : w4a8::codes_hi(words[u]);
               const std::uint32_t at = static_cast<std::uint32_t>(panel * 64 * 128) +
                                        w4a8::converter_store_offset(t, u) + 1024u * half;
               ASSERT_EQ(at % 4, 0u);
@@ -219,8 +230,7 @@ TEST(W4A8Pack, ConverterStoresMatchTheSwizzledTile) {
         const std::size_t at = static_cast<std::size_t>(n * 128 + (((k / 16) ^ (n % 8)) * 16) + k % 16);
         ASSERT_EQ(writes[at], 1) << "n " << n << " k " << k;
         const int v = unpack_int4(plain + n * (K / 2), kb * 128 + k);
-        ASSERT_EQ(tile[at], fp8_e4m3::from_float(static_cast<float>(v)).bits)
-            << "kb " << kb << " n " << n << " k " << k;
+        ASSERT_EQ(code_value(tile[at]), v) << "kb " << kb << " n " << n << " k " << k;
       }
     }
   }

@@ -31,7 +31,8 @@ struct W4A8GemmOptions {
   int block_m = 0;
   // Consumer warpgroups per CTA, 64 weight rows each: 0 picks; else 2 or 4 (4 with block_m <= 64).
   int consumers = 0;
-  // At most this many CTAs (persistent, one per SM); 0: every SM of the device.
+  // At most this many CTAs (persistent, one per SM); 0: as few as keep the number of tile rounds
+  // that every SM of the device would run (masked: tiles estimated from expected_m).
   int max_ctas = 0;
   // Pipeline stages: 0 = as many as fit (at most 16), else 1 .. that many.
   int stages = 0;

@@ -1,0 +1,148 @@
+// Tensor-core instruction throughput probe (issue 5, W4A8 decode): how many SM cycles one
+// instruction costs when a CTA per SM issues nothing else, for the shapes a tiny-M W4A8 kernel
+// could use. Not part of the build: scripts/w4a8-device.sh compiles it with nvcc and runs it.
+//
+//   rs  N W P: wgmma m64nNk32 e4m3, A from registers, B (N x 32) in shared memory; W warpgroups per
+//              CTA, each issuing groups of 4 wgmma (one 128-K block) into P partial accumulators
+//              with wait_group P - 1 (P groups in flight per warpgroup);
+//   ss  N W P: the same with A from shared memory (64 x 32);
+//   mma W:     mma.sync m16n8k32 e4m3 (warp level), W warps per CTA, 4 independent accumulators
+//              per warp (the A fragment is m64's per-warp 16-row slice: the same register layout).
+// Printed: SM cycles per instruction (clock64 span of the slowest warp / instructions per SM) and
+// the equivalent int4 weight bytes per cycle per SM (rs/ss: 64 x 32 weights = 1024 bytes per
+// instruction; mma: 16 x 32 = 256 bytes), to compare with the ~13 bytes per cycle per SM that
+// 3.5 TB/s of int4 needs.
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <type_traits>
+
+#include "cuda/ptx_hopper.cuh"
+
+namespace ptx = epmoe::ptx;
+
+constexpr int kIters = 2048;
+
+__device__ std::uint32_t g_sink;
+
+template <int N, bool kRs, int kParts, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles) {
+  __shared__ alignas(1024) std::uint8_t tile[(64 + 256) * 128];  // A (64 x 128) then B (<= 256 x 128)
+  for (int i = static_cast<int>(threadIdx.x); i < (64 + 256) * 128 / 4; i += static_cast<int>(blockDim.x))
+    reinterpret_cast<std::uint32_t*>(tile)[i] = 0x38383838u * ((i & 1) + 1);  // e4m3 1.0 / 2.0 bytes
+  __syncthreads();
+  const std::uint32_t a_smem = ptx::smem_addr(tile), b_smem = a_smem + 64 * 128;
+  std::uint32_t a[4] = {threadIdx.x * 0x01010101u & 0x38383838u, 0x38383838u, 0x30303030u, threadIdx.x};
+  float acc[kParts][N / 2];
+#pragma unroll
+  for (int p = 0; p < kParts; ++p)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) acc[p][i] = 0.0f;
+  const long long t0 = clock64();
+#pragma unroll 1
+  for (int it = 0; it < kIters; ++it) {
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[p][i]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        if constexpr (kRs) {
+          ptx::wgmma_m64k32_rs_e4m3<N>(acc[p], a, ptx::wgmma_desc_sw128(b_smem + 32 * s), true);
+        } else {
+          static_assert(N == 128);
+          ptx::wgmma_m64n128k32_e4m3(acc[p], ptx::wgmma_desc_sw128(a_smem + 32 * s),
+                                     ptx::wgmma_desc_sw128(b_smem + 32 * s), true);
+        }
+      }
+      ptx::wgmma_commit();
+      if constexpr (kParts == 1) ptx::wgmma_wait<0>();
+      if constexpr (kParts == 2) ptx::wgmma_wait<1>();
+      if constexpr (kParts == 4) ptx::wgmma_wait<3>();
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[p][i]);
+    }
+  }
+  ptx::wgmma_wait<0>();
+  const long long t1 = clock64();
+  float s = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kParts; ++p)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) s += acc[p][i];
+  if (s == 1234.5f) g_sink = 1;
+  if (threadIdx.x % 32 == 0) atomicMax(cycles + blockIdx.x, t1 - t0);
+}
+
+__global__ void __launch_bounds__(1024, 1) mma_probe(long long* cycles) {
+  std::uint32_t a[4] = {threadIdx.x * 0x01010101u & 0x38383838u, 0x38383838u, 0x30303030u, threadIdx.x};
+  std::uint32_t b[2] = {0x38383838u, threadIdx.x & 0x30303030u};
+  float acc[4][4] = {};
+  const long long t0 = clock64();
+#pragma unroll 1
+  for (int it = 0; it < kIters * 4; ++it) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) ptx::mma_m16n8k32_e4m3(acc[p], a, b);
+  }
+  const long long t1 = clock64();
+  float s = 0.0f;
+  for (int p = 0; p < 4; ++p)
+    for (int i = 0; i < 4; ++i) s += acc[p][i];
+  if (s == 1234.5f) g_sink = 1;
+  if (threadIdx.x % 32 == 0) atomicMax(cycles + blockIdx.x, t1 - t0);
+}
+
+template <class F>
+void measure(const char* what, int threads, double instr_per_sm, double bytes_per_instr, F kernel, int sms) {
+  long long* d = nullptr;
+  cudaMalloc(&d, sms * sizeof(long long));
+  cudaMemset(d, 0, sms * sizeof(long long));
+  kernel<<<sms, threads>>>(d);  // warm-up
+  cudaMemset(d, 0, sms * sizeof(long long));
+  kernel<<<sms, threads>>>(d);
+  const cudaError_t e = cudaDeviceSynchronize();
+  long long h[1024] = {};
+  cudaMemcpy(h, d, sms * sizeof(long long), cudaMemcpyDeviceToHost);
+  long long mx = 0;
+  for (int i = 0; i < sms; ++i) mx = h[i] > mx ? h[i] : mx;
+  const double per = static_cast<double>(mx) / instr_per_sm;
+  std::printf("%-12s threads %4d  %8.1f cycles/instr/SM  %6.1f int4 B/cycle/SM  %s\n", what, threads, per,
+              bytes_per_instr / per, e == cudaSuccess ? "" : cudaGetErrorString(e));
+  cudaFree(d);
+}
+
+template <int N, bool kRs, int kParts, int kW>
+void wg(int sms) {
+  constexpr int w = kW;
+  char name[64];
+  std::snprintf(name, sizeof name, "%s n%d w%d p%d", kRs ? "rs" : "ss", N, w, kParts);
+  measure(name, 128 * w, static_cast<double>(kIters) * kParts * 4 * w, 1024.0,
+          wgmma_probe<N, kRs, kParts, 128 * kW>, sms);
+}
+
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const auto small = [&](auto w) {
+    constexpr int W = decltype(w)::value;
+    wg<8, true, 1, W>(sms);
+    wg<8, true, 2, W>(sms);
+    wg<8, true, 4, W>(sms);
+    wg<16, true, 1, W>(sms);
+    wg<16, true, 2, W>(sms);
+    wg<16, true, 4, W>(sms);
+    wg<32, true, 2, W>(sms);
+  };
+  small(std::integral_constant<int, 1>{});
+  small(std::integral_constant<int, 2>{});
+  small(std::integral_constant<int, 4>{});
+  wg<128, true, 2, 1>(sms);
+  wg<128, true, 2, 2>(sms);
+  wg<128, false, 2, 1>(sms);
+  wg<128, false, 2, 2>(sms);
+  for (int w : {4, 8, 16, 32})
+    measure((std::string("mma w") + std::to_string(w)).c_str(), 32 * w, static_cast<double>(kIters) * 16 * w,
+            256.0, mma_probe, sms);
+  return 0;
+}
