@@ -7,8 +7,6 @@
 // as __grid_constant__ parameters, which also keeps the launch capturable in a CUDA graph.
 #include "epmoe/cuda/grouped_gemm.hpp"
 
-#include <cudaTypedefs.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -17,6 +15,7 @@
 
 #include "epmoe/cuda/launch.hpp"
 #include "gemm/fp8_grouped_gemm_kernel.cuh"
+#include "gemm/gemm_host.hpp"
 
 namespace epmoe::cuda {
 namespace {
@@ -29,45 +28,10 @@ constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 // Rows of the small A box (tiles with at most this many valid rows: decode).
 constexpr int kSmallABoxRows = 32;
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    EPMOE_CUDA_CHECK(
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status));
-    EPMOE_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
-                "the CUDA driver does not provide cuTensorMapEncodeTiled (status {})",
-                static_cast<int>(status));
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// A 2D map over a row-major byte matrix [rows, cols] (cols contiguous), box [box_rows, 128 bytes],
-// 128-byte swizzle (the wgmma K-major layout), out-of-bounds rows read as zeros.
-CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, int box_rows,
-                        std::string_view name, CUtensorMapL2promotion promotion) {
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};  // bytes between rows
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kGemmBlockK), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
-                                    strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                    CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  EPMOE_CHECK(r == CUDA_SUCCESS,
-              "cuTensorMapEncodeTiled failed for {} ([{}, {}] bytes, box {} rows): error {}", name, rows,
-              cols, box_rows, static_cast<int>(r));
-  return map;
-}
+using gemm_host::make_tma_2d;
 
 void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name, std::uintptr_t alignment) {
-  expect_dtype(t, dtype, name);
-  expect_device(t, Device::cuda, name);
-  expect_contiguous(t, name);
-  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
-  EPMOE_CHECK(address % alignment == 0, "{} must be {}-byte aligned, got {} at {:#x}", name, alignment,
-              t.describe(), address);
+  gemm_host::expect_aligned_tensor(t, dtype, Device::cuda, name, alignment);
 }
 
 // b [G, N, K] and b_scales [G, N/128, K/128]; returns (G, N, K).
@@ -116,9 +80,7 @@ ScaleStrides check_a_scales(const TensorView& s, ScaleLayout layout, std::int64_
 }
 
 void check_device() {
-  const DeviceProps& props = device_props();
-  EPMOE_CHECK(props.cc_major == 9, "the FP8 grouped GEMM needs a Hopper GPU (sm_90), got {} (sm_{}{})",
-              props.name, props.cc_major, props.cc_minor);
+  gemm_host::require_hopper("the FP8 grouped GEMM");
 }
 
 // The tile of this call: options, else the heuristic.
@@ -173,14 +135,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   using Traits = GemmTraits<kBlockM, kBlockN>;
   constexpr auto kernel = &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN>;
   const DeviceProps& props = device_props();
-  // The dynamic shared-memory limit is raised once per device.
-  static std::atomic<std::uint64_t> raised{0};
-  const std::uint64_t bit = std::uint64_t{1} << (props.device % 64);
-  if ((raised.load(std::memory_order_acquire) & bit) == 0) {
-    EPMOE_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
-    raised.fetch_or(bit, std::memory_order_acq_rel);
-  }
+  gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
   EPMOE_CHECK(options.stages >= 0 && options.stages <= Traits::kStages,
               "options.stages must be 0 (all) or 1..{} for {} x {} tiles, got {}", Traits::kStages, kBlockM,
               kBlockN, options.stages);

@@ -8,10 +8,7 @@
 // are plain bulk copies (no tensor map).
 #include "epmoe/cuda/w4a8_gemm.hpp"
 
-#include <cudaTypedefs.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +16,7 @@
 #include <string_view>
 
 #include "epmoe/cuda/launch.hpp"
+#include "gemm/gemm_host.hpp"
 #include "gemm/w4a8_grouped_gemm_kernel.cuh"
 #include "gemm/w4a8_kernel_choice.hpp"
 #include "gemm/w4a8_smem_gemm_kernel.cuh"
@@ -32,47 +30,12 @@ using kernels::W4A8Traits;
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 constexpr std::int64_t kBlockK = w4a8::kBlockK;
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    EPMOE_CUDA_CHECK(
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status));
-    EPMOE_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
-                "the CUDA driver does not provide cuTensorMapEncodeTiled (status {})",
-                static_cast<int>(status));
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// A 2D map over the activations, a row-major byte matrix [rows, k], box [box_rows, 128 bytes],
-// 128-byte swizzle (the wgmma K-major layout), out-of-bounds rows read as zeros.
+// The activations, a row-major byte matrix [rows, k], box [box_rows, 128 bytes].
 CUtensorMap make_tma_a(const void* base, std::int64_t rows, std::int64_t k, int box_rows) {
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r =
-      encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box,
-                     element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  EPMOE_CHECK(r == CUDA_SUCCESS,
-              "cuTensorMapEncodeTiled failed for a ([{}, {}] bytes, box {} rows): error {}", rows, k,
-              box_rows, static_cast<int>(r));
-  return map;
+  return gemm_host::make_tma_2d(base, rows, k, box_rows, "a", CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
-void expect_tensor(const TensorView& t, DType dtype, Device device, std::string_view name,
-                   std::uintptr_t alignment) {
-  expect_dtype(t, dtype, name);
-  expect_device(t, device, name);
-  expect_contiguous(t, name);
-  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
-  EPMOE_CHECK(address % alignment == 0, "{} must be {}-byte aligned, got {} at {:#x}", name, alignment,
-              t.describe(), address);
-}
+using gemm_host::expect_aligned_tensor;
 
 struct Dims {
   std::int64_t groups, n, k;
@@ -81,7 +44,7 @@ struct Dims {
 // Weights i4x2 [G, N, K/2] and scales f32 [G, N, K/128] (checkpoint or packed: the same shapes).
 Dims check_weight_pair(const TensorView& w, const TensorView& s, Device device, std::string_view w_name,
                        std::string_view s_name) {
-  expect_tensor(w, DType::i4x2, device, w_name, 16);
+  expect_aligned_tensor(w, DType::i4x2, device, w_name, 16);
   expect_rank(w, 3, w_name);
   const Dims dims{w.shape[0], w.shape[1], 2 * w.shape[2]};
   EPMOE_CHECK(dims.groups > 0, "{} must hold at least one group, got {}", w_name, w.describe());
@@ -90,15 +53,13 @@ Dims check_weight_pair(const TensorView& w, const TensorView& s, Device device, 
               kBlockK);
   EPMOE_CHECK(dims.n > 0 && dims.n % 128 == 0, "{}: N = {} must be a positive multiple of 128", w_name,
               dims.n);
-  expect_tensor(s, DType::f32, device, s_name, 16);
+  expect_aligned_tensor(s, DType::f32, device, s_name, 16);
   expect_shape(s, {dims.groups, dims.n, dims.k / kBlockK}, s_name);
   return dims;
 }
 
 void check_device() {
-  const DeviceProps& props = device_props();
-  EPMOE_CHECK(props.cc_major == 9, "the W4A8 grouped GEMM needs a Hopper GPU (sm_90), got {} (sm_{}{})",
-              props.name, props.cc_major, props.cc_minor);
+  gemm_host::require_hopper("the W4A8 grouped GEMM");
 }
 
 W4A8TileShape check_tile(const W4A8GemmOptions& options, bool masked, std::int64_t expected_m,
@@ -167,14 +128,7 @@ template <int kBM, int kConsumers>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
   using Traits = W4A8Traits<kBM, kConsumers>;
   constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers>;
-  const DeviceProps& props = device_props();
-  static std::atomic<std::uint64_t> raised{0};
-  const std::uint64_t bit = std::uint64_t{1} << (props.device % 64);
-  if ((raised.load(std::memory_order_acquire) & bit) == 0) {
-    EPMOE_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
-    raised.fetch_or(bit, std::memory_order_acq_rel);
-  }
+  gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
   EPMOE_CHECK(options.stages <= Traits::kStages,
               "options.stages must be 0 (all) or 1..{} for this tile, got {}", Traits::kStages,
               options.stages);
@@ -219,14 +173,7 @@ template <int kBM, int kBN, int kWaves>
 void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
   using Traits = kernels::W4A8SmemTraits<kBM, kBN, kWaves>;
   constexpr auto kernel = &kernels::w4a8_smem_gemm_kernel<kBM, kBN, kWaves>;
-  const DeviceProps& props = device_props();
-  static std::atomic<std::uint64_t> raised{0};
-  const std::uint64_t bit = std::uint64_t{1} << (props.device % 64);
-  if ((raised.load(std::memory_order_acquire) & bit) == 0) {
-    EPMOE_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
-    raised.fetch_or(bit, std::memory_order_acq_rel);
-  }
+  gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
   EPMOE_CHECK(options.stages <= Traits::kConvStages,
               "options.stages must be 0 (all) or 1..{} for this tile, got {}", Traits::kConvStages,
               options.stages);
@@ -311,15 +258,15 @@ Dims check_common(const TensorView& a, float a_scale, const TensorView& a_scale_
               packed_w.describe());
   EPMOE_CHECK(w.n <= kInt32Max / 2 && w.k <= kInt32Max / 2, "packed_w {} is too large for one launch",
               packed_w.describe());
-  expect_tensor(a, DType::fp8_e4m3, Device::cuda, "a", 16);
-  expect_tensor(d, DType::bf16, Device::cuda, "d", 16);
+  expect_aligned_tensor(a, DType::fp8_e4m3, Device::cuda, "a", 16);
+  expect_aligned_tensor(d, DType::bf16, Device::cuda, "d", 16);
   p.a_scale_ptr = nullptr;
   p.a_scale = a_scale;
   if (a_scale_device.empty_view()) {
     EPMOE_CHECK(std::isfinite(a_scale) && a_scale > 0.0f, "a_scale must be positive and finite, got {}",
                 a_scale);
   } else {
-    expect_tensor(a_scale_device, DType::f32, Device::cuda, "a_scale_device", 4);
+    expect_aligned_tensor(a_scale_device, DType::f32, Device::cuda, "a_scale_device", 4);
     expect_shape(a_scale_device, {1}, "a_scale_device");
     p.a_scale_ptr = static_cast<const float*>(a_scale_device.data);
   }
@@ -485,7 +432,7 @@ void w4a8_grouped_gemm_masked(TensorView a, float a_scale, TensorView a_scale_de
   expect_rank(a, 3, "a");
   const std::int64_t M_max = a.shape[1];
   expect_shape(a, {w.groups, M_max, w.k}, "a (G and K of packed_w)");
-  expect_tensor(masked_m, DType::i32, Device::cuda, "masked_m", 4);
+  expect_aligned_tensor(masked_m, DType::i32, Device::cuda, "masked_m", 4);
   expect_shape(masked_m, {w.groups}, "masked_m");
   expect_shape(d, {w.groups, M_max, w.n}, "d");
   EPMOE_CHECK(expected_m >= 0, "expected_m must be >= 0, got {}", expected_m);
@@ -512,7 +459,7 @@ void w4a8_grouped_gemm_contiguous(TensorView a, float a_scale, TensorView a_scal
   expect_rank(a, 2, "a");
   const std::int64_t M = a.shape[0];
   expect_shape(a, {M, w.k}, "a (K of packed_w)");
-  expect_tensor(m_indices, DType::i32, Device::cuda, "m_indices", 4);
+  expect_aligned_tensor(m_indices, DType::i32, Device::cuda, "m_indices", 4);
   expect_shape(m_indices, {M}, "m_indices");
   expect_shape(d, {M, w.n}, "d");
   const W4A8TileShape tile = check_tile(options, false, 0, w.n);

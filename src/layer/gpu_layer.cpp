@@ -527,11 +527,9 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
 
   const TensorView y_out = shared ? rows_of(y_routed, T) : y;
   if (!tbo) {
-    const DispatchOutput d = dispatch(0, 0, T);
-    if (!capturing) {
-      last_dispatch = d;
-      has_last_dispatch = true;
-    }
+    last_dispatch = dispatch(0, 0, T);  // kept (not copied) for time_gemms_alone()
+    has_last_dispatch = has_last_dispatch || !capturing;
+    const DispatchOutput& d = last_dispatch;
     mark(kDispatched, s0);
     run_experts(d, expert_out, s0);
     mark(kComputed, s0);

@@ -19,6 +19,7 @@
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/w4a8_gemm.hpp"
 #include "epmoe/grouped_gemm.hpp"
+#include "gemm/gemm_test_util.hpp"
 #include "gemm/w4a8_kernel_choice.hpp"
 #include "gpu_test_util.hpp"
 
@@ -27,24 +28,12 @@ namespace {
 
 using testing::expect_error_mentions;
 
-constexpr double kTolerance = 5e-3;
-constexpr std::uint16_t kPoison = 0xffff;  // bf16 NaN: never a valid output
-
-std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
-}
-
-// e4m3 normal numbers of random sign, exponent and mantissa (never zero, never NaN).
-void fill_random_fp8(std::uint8_t* p, std::int64_t n, std::mt19937_64& rng) {
-  std::uint64_t bits = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    if (i % 4 == 0) bits = rng();
-    const auto r = static_cast<unsigned>(bits >> (16 * (i % 4))) & 0xffffu;
-    const unsigned exponent = 3 + (r >> 8) % 9;  // 3..11: 2^-4 .. 2^4
-    p[i] = static_cast<std::uint8_t>(((r & 1u) << 7) | (exponent << 3) | ((r >> 1) & 7u));
-  }
-}
+using testing::check_output;
+using testing::fill_random_fp8;
+using testing::fill_random_scales;
+using testing::fresh_seed;
+using testing::kPoison;
+using testing::kTolerance;
 
 struct Weights {
   HostTensor w, s;  // checkpoint order: i4x2 [G, N, K/2], f32 [G, N, K/128]
@@ -57,9 +46,7 @@ Weights random_weights(std::int64_t G, std::int64_t N, std::int64_t K, std::mt19
     if (i % 8 == 0) bits = rng();
     b[i] = static_cast<std::uint8_t>(bits >> (8 * (i % 8)));  // every int4 value, -8 included
   }
-  std::uniform_real_distribution<float> u(1.0f, 2.0f);
-  std::uniform_int_distribution<int> e(-10, -4);
-  for (std::int64_t i = 0; i < w.s.numel(); ++i) w.s.data<float>()[i] = std::ldexp(u(rng), e(rng));
+  fill_random_scales(w.s.data<float>(), w.s.numel(), rng);
   return w;
 }
 
@@ -78,46 +65,6 @@ DeviceWeights prepare(const Weights& host, cuda::Stream& stream) {
 float random_a_scale(std::mt19937_64& rng) {
   std::uniform_real_distribution<float> u(0.5f, 2.0f);
   return u(rng) * 0.01f;
-}
-
-void check_output(const HostTensor& got, const HostTensor& ref, const std::vector<bool>& valid,
-                  std::int64_t n) {
-  const bf16* g = got.data<bf16>();
-  const double* r = ref.data<double>();
-  double err2 = 0, ref2 = 0, dot = 0, sum2 = 0;
-  std::int64_t non_finite = 0, overwritten = 0, checked = 0;
-  std::ostringstream first;
-  for (std::size_t row = 0; row < valid.size(); ++row) {
-    for (std::int64_t j = 0; j < n; ++j) {
-      const std::int64_t i = static_cast<std::int64_t>(row) * n + j;
-      if (!valid[row]) {
-        if (g[i].bits != kPoison) {
-          if (overwritten++ < 4) first << " row " << row << " col " << j << " = " << g[i].to_float() << ";";
-        }
-        continue;
-      }
-      const double x = g[i].to_float(), y = r[i];
-      if (!std::isfinite(x)) {
-        if (non_finite++ < 4) first << " non-finite at row " << row << " col " << j << ";";
-        continue;
-      }
-      err2 += (x - y) * (x - y);
-      ref2 += y * y;
-      dot += x * y;
-      sum2 += x * x + y * y;
-      ++checked;
-    }
-  }
-  EXPECT_EQ(non_finite, 0) << first.str();
-  EXPECT_EQ(overwritten, 0) << "skipped rows were written:" << first.str();
-  if (checked == 0) return;
-  const double rel = std::sqrt(err2 / ref2);
-  const double calc_diff = 1.0 - 2.0 * dot / sum2;
-  EXPECT_LE(rel, kTolerance) << "relative L2 error over " << checked << " values (calc_diff " << calc_diff
-                             << ")";
-  EXPECT_LE(calc_diff, kTolerance);
-  std::printf("    rel_l2 %.3g, calc_diff %.3g over %lld values\n", rel, calc_diff,
-              static_cast<long long>(checked));
 }
 
 TEST(W4A8GemmGpu, PreparationMatchesTheCpuPackerAndRoundTrips) {

@@ -1,0 +1,59 @@
+#include "gemm/gemm_host.hpp"
+
+#include <cudaTypedefs.h>
+
+#include "epmoe/cuda/launch.hpp"
+
+namespace epmoe::cuda::gemm_host {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    EPMOE_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status));
+    EPMOE_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
+                "the CUDA driver does not provide cuTensorMapEncodeTiled (status {})",
+                static_cast<int>(status));
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, int box_rows,
+                        std::string_view name, CUtensorMapL2promotion promotion) {
+  constexpr cuuint32_t kBoxBytes = 128;  // one 128-byte swizzle row
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};  // bytes between rows
+  const cuuint32_t box[2] = {kBoxBytes, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
+                                    strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  EPMOE_CHECK(r == CUDA_SUCCESS,
+              "cuTensorMapEncodeTiled failed for {} ([{}, {}] bytes, box {} rows): error {}", name, rows,
+              cols, box_rows, static_cast<int>(r));
+  return map;
+}
+
+void expect_aligned_tensor(const TensorView& t, DType dtype, Device device, std::string_view name,
+                           std::uintptr_t alignment) {
+  expect_dtype(t, dtype, name);
+  expect_device(t, device, name);
+  expect_contiguous(t, name);
+  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
+  EPMOE_CHECK(address % alignment == 0, "{} must be {}-byte aligned, got {} at {:#x}", name, alignment,
+              t.describe(), address);
+}
+
+void require_hopper(std::string_view what) {
+  const DeviceProps& props = device_props();
+  EPMOE_CHECK(props.cc_major == 9, "{} needs a Hopper GPU (sm_90), got {} (sm_{}{})", what, props.name,
+              props.cc_major, props.cc_minor);
+}
+
+}  // namespace epmoe::cuda::gemm_host
