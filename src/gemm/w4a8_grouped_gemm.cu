@@ -124,29 +124,40 @@ std::int64_t expected_tiles(const Problem& problem, int block_m, int block_n) {
   return problem.schedule_groups * ((rows + block_m - 1) / block_m) * (problem.params.n / block_n);
 }
 
+// What both kernel versions set before a persistent launch with block_m x block_n tiles and at most
+// `max_stages` pipeline stages: the tile count, the stages, the ablation; returns the CTAs.
+std::int64_t plan_persistent(Problem& problem, const W4A8GemmOptions& options, int block_m, int block_n,
+                             int max_stages) {
+  EPMOE_CHECK(options.stages <= max_stages, "options.stages must be 0 (all) or 1..{} for this tile, got {}",
+              max_stages, options.stages);
+  W4A8Params& params = problem.params;
+  const std::int64_t m_blocks = (problem.tile_rows + block_m - 1) / block_m;
+  const std::int64_t max_tiles = problem.schedule_groups * m_blocks * (params.n / block_n);
+  EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
+  params.total_tiles = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_tiles);
+  params.stages = options.stages > 0 ? options.stages : max_stages;
+  params.ablation = problem.ablation;
+  return persistent_ctas(expected_tiles(problem, block_m, block_n), max_tiles, options);
+}
+
+cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes, cudaStream_t stream) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<std::size_t>(smem_bytes);
+  config.stream = stream;
+  return config;
+}
+
 template <int kBM, int kConsumers>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
   using Traits = W4A8Traits<kBM, kConsumers>;
   constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers>;
   gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
-  EPMOE_CHECK(options.stages <= Traits::kStages,
-              "options.stages must be 0 (all) or 1..{} for this tile, got {}", Traits::kStages,
-              options.stages);
-  W4A8Params& params = problem.params;
-  const std::int64_t m_blocks = (problem.tile_rows + kBM - 1) / kBM;
-  const std::int64_t max_tiles = problem.schedule_groups * m_blocks * (params.n / Traits::kTileN);
-  EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
-  params.total_tiles = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_tiles);
-  params.stages = options.stages > 0 ? options.stages : Traits::kStages;
-  params.ablation = problem.ablation;
-  const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, params.k, kBM);
-  const std::int64_t ctas = persistent_ctas(expected_tiles(problem, kBM, Traits::kTileN), max_tiles, options);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(ctas));
-  config.blockDim = dim3(Traits::kThreads);
-  config.dynamicSmemBytes = Traits::kSmemBytes;
-  config.stream = stream;
-  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, params));
+  const std::int64_t ctas = plan_persistent(problem, options, kBM, Traits::kTileN, Traits::kStages);
+  const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
+  const cudaLaunchConfig_t config = launch_config(ctas, Traits::kThreads, Traits::kSmemBytes, stream);
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, problem.params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -174,16 +185,8 @@ void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& opti
   using Traits = kernels::W4A8SmemTraits<kBM, kBN, kWaves>;
   constexpr auto kernel = &kernels::w4a8_smem_gemm_kernel<kBM, kBN, kWaves>;
   gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
-  EPMOE_CHECK(options.stages <= Traits::kConvStages,
-              "options.stages must be 0 (all) or 1..{} for this tile, got {}", Traits::kConvStages,
-              options.stages);
+  const std::int64_t ctas = plan_persistent(problem, options, kBM, kBN, Traits::kConvStages);
   W4A8Params& params = problem.params;
-  const std::int64_t m_blocks = (problem.tile_rows + kBM - 1) / kBM;
-  const std::int64_t max_tiles = problem.schedule_groups * m_blocks * (params.n / kBN);
-  EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
-  params.total_tiles = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_tiles);
-  params.stages = options.stages > 0 ? options.stages : Traits::kConvStages;
-  params.ablation = problem.ablation;
   // Masked tiles whose valid rows fit a smaller box load only that many activation rows.
   params.a_small_rows = 0;
   if (params.masked_m != nullptr) {
@@ -197,12 +200,7 @@ void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& opti
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, params.k, kBM);
   const CUtensorMap tma_a_small =
       params.a_small_rows > 0 ? make_tma_a(a.data, problem.a_rows, params.k, params.a_small_rows) : tma_a;
-  const std::int64_t ctas = persistent_ctas(expected_tiles(problem, kBM, kBN), max_tiles, options);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(ctas));
-  config.blockDim = dim3(Traits::kThreads);
-  config.dynamicSmemBytes = Traits::kSmemBytes;
-  config.stream = stream;
+  const cudaLaunchConfig_t config = launch_config(ctas, Traits::kThreads, Traits::kSmemBytes, stream);
   EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, tma_a_small, params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
