@@ -3,18 +3,20 @@
 // The GEMMs are evaluated in f64 on the dequantized operands (each product of an fp8/int4 value
 // and its f32 scale is exact in f64), so the only roundings are the ones the GPU pipeline has
 // at its quantization points (Numerics::mirror), or none at all (Numerics::exact).
-#include <cmath>
 #include <algorithm>
-#include <thread>
+#include <cmath>
 #include <vector>
 
+#include "core/parallel.hpp"
 #include "epmoe/quant.hpp"
 #include "epmoe/runner.hpp"
 #include "epmoe/silu_quant.hpp"
 
 namespace epmoe {
 
-std::string_view to_string(Numerics n) { return n == Numerics::mirror ? "mirror" : "exact"; }
+std::string_view to_string(Numerics n) {
+  return n == Numerics::mirror ? "mirror" : "exact";
+}
 
 namespace {
 
@@ -51,9 +53,12 @@ std::vector<double> dequantize_activations(ActivationFormat format, TensorView x
     for (std::int64_t k = 0; k < K; ++k) {
       double v = 0;
       switch (format) {
-        case ActivationFormat::bf16: v = x.as<bf16>()[m * K + k].to_float(); break;
+        case ActivationFormat::bf16:
+          v = x.as<bf16>()[m * K + k].to_float();
+          break;
         case ActivationFormat::fp8_group:
-          v = static_cast<double>(x.as<fp8_e4m3>()[m * K + k].to_float()) * x_scales.as<float>()[m * (K / 128) + k / 128];
+          v = static_cast<double>(x.as<fp8_e4m3>()[m * K + k].to_float()) *
+              x_scales.as<float>()[m * (K / 128) + k / 128];
           break;
         case ActivationFormat::fp8_tensor:
           v = static_cast<double>(x.as<fp8_e4m3>()[m * K + k].to_float()) * x_tensor_scale;
@@ -68,8 +73,9 @@ std::vector<double> dequantize_activations(ActivationFormat format, TensorView x
 // out[m, n] = Σ_k a[m, k] * W[n, k] in f64. Output columns are split over the cores for large
 // problems; each element is still summed by one thread in k order, so results do not depend on
 // the thread count.
-std::vector<double> gemm_f64(QuantScheme quant, const HostTensor& w, const HostTensor& scale, const std::vector<double>& a,
-                             std::int64_t rows, std::int64_t N, std::int64_t K) {
+std::vector<double> gemm_f64(QuantScheme quant, const HostTensor& w, const HostTensor& scale,
+                             const std::vector<double>& a, std::int64_t rows, std::int64_t N,
+                             std::int64_t K) {
   std::vector<double> out(static_cast<std::size_t>(rows * N));
   auto columns = [&](std::int64_t n_begin, std::int64_t n_end) {
     std::vector<double> wrow(static_cast<std::size_t>(K));
@@ -83,20 +89,9 @@ std::vector<double> gemm_f64(QuantScheme quant, const HostTensor& w, const HostT
       }
     }
   };
-  // Below ~4M multiply-adds a thread costs more than it saves.
-  const std::int64_t work = (rows + 1) * N * K;
-  const auto threads = static_cast<std::int64_t>(
-      std::min<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()), std::max<std::int64_t>(1, work >> 22)));
-  if (threads <= 1) {
-    columns(0, N);
-    return out;
-  }
-  std::vector<std::thread> pool;
-  const std::int64_t per = (N + threads - 1) / threads;
-  for (std::int64_t t = 1; t < threads; ++t)
-    pool.emplace_back(columns, std::min(N, t * per), std::min(N, (t + 1) * per));
-  columns(0, std::min(N, per));
-  for (std::thread& t : pool) t.join();
+  // Below ~4M multiply-adds a thread costs more than it saves; 16 columns per work item.
+  const double work = static_cast<double>(rows + 1) * static_cast<double>(N) * static_cast<double>(K);
+  parallel_chunks(N, 16, threads_for(work, 1 << 22), columns);
   return out;
 }
 
@@ -117,13 +112,15 @@ void expert_mlp_cpu(const ExpertWeights& weights, ActivationFormat format, Tenso
     expect_shape(x_scales, {rows, H / 128}, "x_scales");
   }
   if (format == ActivationFormat::fp8_tensor) {
-    EPMOE_CHECK(std::isfinite(x_tensor_scale) && x_tensor_scale > 0, "x_tensor_scale must be positive and finite, got {}",
-                x_tensor_scale);
-    EPMOE_CHECK(std::isfinite(a2_scale) && a2_scale > 0, "a2_scale must be positive and finite, got {}", a2_scale);
+    EPMOE_CHECK(std::isfinite(x_tensor_scale) && x_tensor_scale > 0,
+                "x_tensor_scale must be positive and finite, got {}", x_tensor_scale);
+    EPMOE_CHECK(std::isfinite(a2_scale) && a2_scale > 0, "a2_scale must be positive and finite, got {}",
+                a2_scale);
   }
   expect_shape(out, {rows, H}, "out");
   expect_contiguous(out, "out");
-  EPMOE_CHECK(out.dtype == DType::bf16 || out.dtype == DType::f64, "out must be bf16 or f64, got {}", out.describe());
+  EPMOE_CHECK(out.dtype == DType::bf16 || out.dtype == DType::f64, "out must be bf16 or f64, got {}",
+              out.describe());
   if (rows == 0) return;
 
   // GEMM1: [rows, H] x [2I, H]^T -> [rows, 2I].
@@ -135,7 +132,8 @@ void expert_mlp_cpu(const ExpertWeights& weights, ActivationFormat format, Tenso
   if (numerics == Numerics::exact) {
     for (std::int64_t m = 0; m < rows; ++m)
       for (std::int64_t j = 0; j < I; ++j) {
-        const double g = h[static_cast<std::size_t>(m * 2 * I + j)], u = h[static_cast<std::size_t>(m * 2 * I + I + j)];
+        const double g = h[static_cast<std::size_t>(m * 2 * I + j)],
+                     u = h[static_cast<std::size_t>(m * 2 * I + I + j)];
         a2[static_cast<std::size_t>(m * I + j)] = g / (1.0 + std::exp(-g)) * u;
       }
   } else {

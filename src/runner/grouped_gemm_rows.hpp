@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/parallel.hpp"
 #include "epmoe/grouped_gemm.hpp"
 #include "epmoe/numerics.hpp"
 #include "epmoe/tensor.hpp"
@@ -41,21 +42,6 @@ GroupRows rows_from_m_indices(const TensorView& m_indices, std::int64_t M, std::
 // Masked layout: rows [0, masked_m[g]) of group g, flat row g * M_max + r. masked_m [G] i32 host;
 // refuses counts outside [0, M_max].
 GroupRows rows_from_masked_m(const TensorView& masked_m, std::int64_t G, std::int64_t M_max);
-
-// Runs fn(begin, end) over [0, n) in `chunk`-wide items taken in turn by `threads` threads (this
-// one included).
-template <class Fn>
-void parallel_chunks(std::int64_t n, std::int64_t chunk, unsigned threads, const Fn& fn) {
-  std::atomic<std::int64_t> next{0};
-  auto worker = [&] {
-    for (std::int64_t begin = next.fetch_add(chunk); begin < n; begin = next.fetch_add(chunk))
-      fn(begin, std::min(n, begin + chunk));
-  };
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread& t : pool) t.join();
-}
 
 // decode_a(row, out[K]) and decode_w(g, n, out[K]) write exact f64 values; block_scale(g, row, n, kb)
 // is the f64 factor of block kb; d [R, N] flattened, bf16 (rounded once) or f64.

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/parallel.hpp"
 #include "epmoe/quant.hpp"
 #include "epmoe/runner.hpp"
 #include "epmoe/weights.hpp"
@@ -72,11 +73,25 @@ std::uint64_t stream_id(std::uint64_t seed, std::uint64_t tag, std::uint64_t ind
   return mix64(mix64(seed * 0x100000001b3ull + tag) + index);
 }
 
+// Row-blocks of 128 (the FP8 scale block) of an [N, K] matrix over the cores: every element is
+// computed by one thread, so the bits do not depend on the thread count. A DeepSeek-V3 expert on one
+// core took ~0.8 s, most of the W4A8 start-up (its activation scale is calibrated on one expert).
+template <class Fn>
+void for_row_blocks(std::int64_t rows, std::int64_t cols, const Fn& fn) {
+  constexpr std::int64_t kRows = 128;
+  const auto blocks = (rows + kRows - 1) / kRows;
+  parallel_chunks(
+      blocks, 1, threads_for(static_cast<double>(rows) * static_cast<double>(cols), 1 << 21),
+      [&](std::int64_t b0, std::int64_t b1) { fn(b0, b1, b0 * kRows, std::min(rows, b1 * kRows)); });
+}
+
 HostTensor random_matrix(std::uint64_t stream, std::int64_t rows, std::int64_t cols, float bound) {
   HostTensor w(DType::f32, {rows, cols});
   float* p = w.data<float>();
-  for (std::int64_t i = 0; i < rows * cols; ++i)
-    p[i] = bound * uniform_pm1(stream, static_cast<std::uint64_t>(i));
+  for_row_blocks(rows, cols, [&](std::int64_t, std::int64_t, std::int64_t r0, std::int64_t r1) {
+    for (std::int64_t i = r0 * cols; i < r1 * cols; ++i)
+      p[i] = bound * uniform_pm1(stream, static_cast<std::uint64_t>(i));
+  });
   return w;
 }
 
@@ -87,12 +102,18 @@ void quantize_matrix(QuantScheme quant, const HostTensor& w, HostTensor& q, Host
     case QuantScheme::fp8:
       q = HostTensor(DType::fp8_e4m3, {N, K});
       scale = HostTensor(DType::f32, {(N + 127) / 128, K / 128});
-      quantize_block_fp8(w, q, scale);
+      for_row_blocks(N, K, [&](std::int64_t b0, std::int64_t b1, std::int64_t r0, std::int64_t r1) {
+        quantize_block_fp8(w.view().slice_rows(r0, r1), q.view().slice_rows(r0, r1),
+                           scale.view().slice_rows(b0, b1));
+      });
       break;
     case QuantScheme::w4a8:
       q = HostTensor(DType::i4x2, {N, K / 2});
       scale = HostTensor(DType::f32, {N, K / 128});
-      quantize_int4_grouped(w, q, scale);
+      for_row_blocks(N, K, [&](std::int64_t, std::int64_t, std::int64_t r0, std::int64_t r1) {
+        quantize_int4_grouped(w.view().slice_rows(r0, r1), q.view().slice_rows(r0, r1),
+                              scale.view().slice_rows(r0, r1));
+      });
       break;
     case QuantScheme::none: {
       q = HostTensor(DType::bf16, {N, K});
@@ -150,7 +171,10 @@ SyntheticWeights::SyntheticWeights(const MoeConfig& config, std::uint64_t seed)
     HostTensor x = synthetic_tokens(config_, seed ^ kTagCalib, /*rank=*/0, calib);
     const ExpertWeights& e0 = routed_expert(0);
     HostTensor w13(DType::f32, {2 * I, H});
-    dequantize_int4_grouped(e0.w13, e0.w13_scale, w13);
+    for_row_blocks(2 * I, H, [&](std::int64_t, std::int64_t, std::int64_t r0, std::int64_t r1) {
+      dequantize_int4_grouped(e0.w13.view().slice_rows(r0, r1), e0.w13_scale.view().slice_rows(r0, r1),
+                              w13.view().slice_rows(r0, r1));
+    });
     // The tokens transposed ([H][calib] f32), so that one pass over each weight row feeds all of them:
     // the innermost loop runs over independent per-token sums, which the compiler vectorizes (the
     // calibration runs at every start-up of a W4A8 model and must stay well under the 1 s budget; f32
@@ -159,23 +183,29 @@ SyntheticWeights::SyntheticWeights(const MoeConfig& config, std::uint64_t seed)
     for (std::int64_t t = 0; t < calib; ++t)
       for (std::int64_t h = 0; h < H; ++h)
         xt[static_cast<std::size_t>(h * calib + t)] = x.data<bf16>()[t * H + h].to_float();
-    float amax = 0.0f;
-    for (std::int64_t j = 0; j < I; ++j) {
-      float g[calib] = {}, u[calib] = {};
-      const float* wg = w13.data<float>() + j * H;
-      const float* wu = w13.data<float>() + (I + j) * H;
-      for (std::int64_t h = 0; h < H; ++h) {
-        const float* xh = xt.data() + h * calib;
+    // One amax per 128 intermediate columns (each column summed by one thread in one order), then the max.
+    std::vector<float> block_amax(static_cast<std::size_t>((I + 127) / 128), 0.0f);
+    for_row_blocks(I, 2 * H * calib, [&](std::int64_t b0, std::int64_t, std::int64_t j0, std::int64_t j1) {
+      float amax = 0.0f;
+      for (std::int64_t j = j0; j < j1; ++j) {
+        float g[calib] = {}, u[calib] = {};
+        const float* wg = w13.data<float>() + j * H;
+        const float* wu = w13.data<float>() + (I + j) * H;
+        for (std::int64_t h = 0; h < H; ++h) {
+          const float* xh = xt.data() + h * calib;
+          for (std::int64_t t = 0; t < calib; ++t) {
+            g[t] += xh[t] * wg[h];
+            u[t] += xh[t] * wu[h];
+          }
+        }
         for (std::int64_t t = 0; t < calib; ++t) {
-          g[t] += xh[t] * wg[h];
-          u[t] += xh[t] * wu[h];
+          const double gv = g[t];
+          amax = std::max(amax, static_cast<float>(std::fabs(gv / (1.0 + std::exp(-gv)) * u[t])));
         }
       }
-      for (std::int64_t t = 0; t < calib; ++t) {
-        const double gv = g[t];
-        amax = std::max(amax, static_cast<float>(std::fabs(gv / (1.0 + std::exp(-gv)) * u[t])));
-      }
-    }
+      block_amax[static_cast<std::size_t>(b0)] = amax;
+    });
+    const float amax = *std::max_element(block_amax.begin(), block_amax.end());
     a2_scale_ = std::max(2.0f * amax, 1e-6f) / kFp8E4m3Max;
   }
 }
