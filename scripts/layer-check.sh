@@ -60,6 +60,7 @@ runs=(
   "decode128-w4a8|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --quant w4a8 --tokens 128 --steps 300 --prompt-tokens 1000 --prompts 8"
   "one-gpu|--preset deepseek-v3 --redundant-experts 32 --ranks 1 --steps 200 --prompts 8"
   "zipf-rebalance|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0 --zipf ${EPMOE_ZIPF:-0.5} --rebalance"
+  "zipf-rebalance-deepseek|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0 --zipf ${EPMOE_ZIPF:-0.5} --rebalance --eplb-slot-cost 0"
 )
 if [[ -n ${EPMOE_LAYER_RUNS:-} ]]; then
   mapfile -t runs < <(eval "printf '%s\n' \"$EPMOE_LAYER_RUNS\"" | sed '/^$/d')

@@ -182,7 +182,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int size() const { return size_; }
   int device() const { return device_; }
   bool owned() const { return owned_; }
-  ncclComm_t nccl() const { return comm_; }
+  // The NCCL communicator. create() starts ncclCommInitRank on a thread of its own and returns at once,
+  // so that a caller's other set-up (weights, buffers) overlaps NCCL's; this and every collective
+  // entry point wait for it, bounded by host_wait_limit_s().
+  ncclComm_t nccl() const;
   // All communication is enqueued on this stream; outputs are valid in its order.
   cudaStream_t stream() const { return stream_; }
   void set_stream(cudaStream_t stream);
@@ -240,9 +243,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void init_stream(cudaStream_t stream);
   void init_error_record();
   void ensure_dev_comm();
+  void wait_init() const;  // the background ncclCommInitRank, if one is running
   [[noreturn]] void fail_wait(CommPhase phase, std::string_view waiting_for, const std::string& why);
 
-  ncclComm_t comm_ = nullptr;
+  mutable ncclComm_t comm_ = nullptr;
+  struct PendingInit;                             // the thread running ncclCommInitRank (communicator.cpp)
+  mutable std::shared_ptr<PendingInit> pending_;  // null once joined (or for a borrowed communicator)
+  mutable std::string init_error_;                // why the background init failed, if it did
   bool owned_ = false;
   int rank_ = 0, size_ = 1, device_ = 0;
   cudaStream_t stream_ = nullptr;

@@ -59,8 +59,14 @@ struct RebalanceResult {
 // to GPUs) when num_groups % num_nodes == 0, else global (one node, one group).
 //   load: [L][E] per-expert load, non-negative and finite.
 //   num_physical % num_gpus == 0, num_gpus % num_nodes == 0, num_physical >= E.
+//   slot_cost: the fixed cost, in load units, of a slot that receives any load — reading its weights
+//   once per forward, which dominates when each expert gets few tokens (decode). 0 (the default) is
+//   DeepSeek's algorithm exactly. Above 0, an expert gets another replica only while each replica
+//   keeps at least slot_cost of load (a replica below that costs more weight reads than it saves);
+//   the remaining slots replicate the coldest experts (which then cost nothing when unused), and
+//   GPUs are packed on load / replicas + slot_cost per loaded replica.
 RebalanceResult rebalance_experts(const std::vector<std::vector<double>>& load, int num_physical,
-                                  int num_groups, int num_nodes, int num_gpus);
+                                  int num_groups, int num_nodes, int num_gpus, double slot_cost = 0.0);
 
 // Placement of one layer of a rebalance result.
 ExpertPlacement placement_from(const RebalanceResult& result, int layer, int num_ranks);

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -319,6 +320,13 @@ void Communicator::init_error_record() {
   EPMOE_CUDA_CHECK(cudaMemset(error_claim_, 0, 16));
 }
 
+struct Communicator::PendingInit {
+  std::thread thread;
+  std::promise<void> result;
+  std::future<void> done;
+  ncclComm_t comm = nullptr;
+};
+
 std::shared_ptr<Communicator> Communicator::create(const ncclUniqueId& id, int rank, int size, int device,
                                                    const CommOptions& options) {
   check_nccl_version();
@@ -339,8 +347,55 @@ std::shared_ptr<Communicator> Communicator::create(const ncclUniqueId& id, int r
   EPMOE_CUDA_CHECK(cudaSetDevice(device));
   c->init_stream(options.stream);
   c->init_error_record();
-  EPMOE_NCCL_CHECK(ncclCommInitRank(&c->comm_, size, id, rank));
+  // NCCL's set-up (~0.4-0.6 s for 2 ranks on an H200 host) runs on its own thread; its state is
+  // shared with that thread so that a thread abandoned after a timeout never writes into a
+  // destroyed Communicator.
+  auto pending = std::make_shared<PendingInit>();
+  pending->done = pending->result.get_future();
+  pending->thread = std::thread([state = pending, size, id, rank, device]() mutable {
+    try {
+      EPMOE_CUDA_CHECK(cudaSetDevice(device));
+      EPMOE_NCCL_CHECK(ncclCommInitRank(&state->comm, size, id, rank));
+      state->result.set_value();
+    } catch (...) {
+      state->result.set_exception(std::current_exception());
+    }
+  });
+  c->pending_ = std::move(pending);
   return c;
+}
+
+void Communicator::wait_init() const {
+  if (!pending_) {
+    EPMOE_CHECK(init_error_.empty(), "rank {}: {}", rank_, init_error_);
+    return;
+  }
+  const double limit_s = host_wait_limit_s();
+  if (pending_->done.wait_for(std::chrono::duration<double>(limit_s)) != std::future_status::ready) {
+    // A peer that never starts keeps ncclCommInitRank waiting: abandon the thread (it owns its state).
+    pending_->thread.detach();
+    pending_.reset();
+    init_error_ = fmt::format(
+        "the NCCL communicator (rank {} of {}) was not set up within {:.1f} s: did every rank start, with "
+        "the "
+        "same NCCL id?",
+        rank_, size_, limit_s);
+    EPMOE_FAIL("{}", init_error_);
+  }
+  pending_->thread.join();
+  std::shared_ptr<PendingInit> pending = std::move(pending_);
+  try {
+    pending->done.get();
+  } catch (const std::exception& e) {
+    init_error_ = fmt::format("setting up the NCCL communicator failed: {}", e.what());
+    EPMOE_FAIL("rank {}: {}", rank_, init_error_);
+  }
+  comm_ = pending->comm;
+}
+
+ncclComm_t Communicator::nccl() const {
+  wait_init();
+  return comm_;
 }
 
 std::shared_ptr<Communicator> Communicator::from_environment(const CommOptions& options) {
@@ -370,6 +425,12 @@ std::shared_ptr<Communicator> Communicator::borrow(ncclComm_t comm, const CommOp
 }
 
 Communicator::~Communicator() {
+  if (pending_) {  // never used: finish the set-up so that the communicator can be destroyed cleanly
+    try {
+      wait_init();
+    } catch (const std::exception&) {  // nothing to destroy (the reason was already reported, or is moot)
+    }
+  }
   if (comm_ != nullptr) comm_detail::destroy_dev_comm(comm_, dev_comm_);
   if (owned_ && comm_ != nullptr) {
     (void)ncclCommFinalize(comm_);
@@ -398,6 +459,7 @@ void Communicator::set_timeout_s(double seconds) {
 }
 
 void Communicator::check_usable(std::string_view what) const {
+  wait_init();
   EPMOE_CHECK(broken_reason_.empty(), "rank {}: {}: the communicator is unusable after an earlier error: {}",
               rank_, what, broken_reason_);
   check_device_errors();
@@ -469,7 +531,7 @@ void Communicator::synchronize(CommPhase phase, std::string_view waiting_for) {
 }
 
 void Communicator::barrier() {
-  check_usable("barrier");
+  check_usable("barrier");  // waits for the set-up
   EPMOE_CUDA_CHECK(cudaSetDevice(device_));
   EPMOE_NCCL_CHECK(ncclAllReduce(barrier_word_, barrier_word_ + 1, 1, ncclInt32, ncclSum, comm_, stream_));
   synchronize(CommPhase::setup, size_ > 1 ? "every rank at a barrier" : "");
@@ -477,6 +539,7 @@ void Communicator::barrier() {
 
 void Communicator::ensure_dev_comm() {
   if (dev_comm_ != nullptr) return;
+  wait_init();
   dev_comm_ = comm_detail::create_dev_comm(comm_, &lsa_rank_, &lsa_size_);
 }
 

@@ -58,7 +58,7 @@ struct Replication {
   std::vector<int> count;           // [n]
 };
 
-Replication replicate_experts(std::span<const double> weight, int num_slots) {
+Replication replicate_experts(std::span<const double> weight, int num_slots, double slot_cost) {
   const int n = static_cast<int>(weight.size());
   Replication out;
   out.replica_expert.resize(static_cast<std::size_t>(num_slots));
@@ -71,15 +71,24 @@ Replication replicate_experts(std::span<const double> weight, int num_slots) {
       const double best_per = weight[best] / out.count[best];
       if (per > best_per || (per == best_per && out.count[e] < out.count[best])) best = e;
     }
+    if (slot_cost > 0 && weight[best] / (out.count[best] + 1) < slot_cost) {
+      // No replica pays for its weight reads: this slot replicates the coldest expert (fewest
+      // replicas first, then the lowest id) instead.
+      best = 0;
+      for (int e = 1; e < n; ++e) {
+        if (weight[e] < weight[best] || (weight[e] == weight[best] && out.count[e] < out.count[best]))
+          best = e;
+      }
+    }
     out.replica_expert[r] = best;
     ++out.count[best];
   }
   return out;
 }
 
-// One layer: fills phy2log [P] and logcnt [E].
 void rebalance_layer(std::span<const double> load, int num_physical, int num_groups, int num_nodes,
-                     int num_gpus, std::span<std::int32_t> phy2log, std::span<std::int32_t> logcnt) {
+                     int num_gpus, double slot_cost, std::span<std::int32_t> phy2log,
+                     std::span<std::int32_t> logcnt) {
   const int num_logical = static_cast<int>(load.size());
   const int group_size = num_logical / num_groups;
   const int groups_per_node = num_groups / num_nodes;
@@ -107,13 +116,13 @@ void rebalance_layer(std::span<const double> load, int num_physical, int num_gro
     for (int j = 0; j < logical_per_node; ++j) node_load[j] = load[experts[j]];
 
     // 2. Replicas inside the node.
-    const Replication rep = replicate_experts(node_load, physical_per_node);
+    const Replication rep = replicate_experts(node_load, physical_per_node, slot_cost);
     for (int j = 0; j < logical_per_node; ++j) logcnt[experts[j]] = rep.count[j];
 
     // 3. Replicas to the node's GPUs, by the load each replica carries.
     for (int r = 0; r < physical_per_node; ++r) {
       const int j = rep.replica_expert[r];
-      replica_load[r] = node_load[j] / rep.count[j];
+      replica_load[r] = node_load[j] / rep.count[j] + (node_load[j] > 0 ? slot_cost : 0.0);
     }
     const Packing gpus = balanced_packing(replica_load, gpus_per_node);
     for (int r = 0; r < physical_per_node; ++r) {
@@ -126,7 +135,9 @@ void rebalance_layer(std::span<const double> load, int num_physical, int num_gro
 }  // namespace
 
 RebalanceResult rebalance_experts(const std::vector<std::vector<double>>& load, int num_physical,
-                                  int num_groups, int num_nodes, int num_gpus) {
+                                  int num_groups, int num_nodes, int num_gpus, double slot_cost) {
+  EPMOE_CHECK(std::isfinite(slot_cost) && slot_cost >= 0, "slot_cost must be finite and >= 0, got {}",
+              slot_cost);
   EPMOE_CHECK(!load.empty(), "load must have at least one layer ([L][E] per-expert loads)");
   const std::size_t num_logical_sz = load[0].size();
   EPMOE_CHECK(num_logical_sz > 0, "load[0] is empty: each layer needs one load per logical expert");
@@ -173,7 +184,7 @@ RebalanceResult rebalance_experts(const std::vector<std::vector<double>>& load, 
   result.phy2log.assign(L * P, -1);
   result.logcnt.assign(L * E, 0);
   for (std::size_t l = 0; l < L; ++l) {
-    rebalance_layer(load[l], num_physical, num_groups, num_nodes, num_gpus,
+    rebalance_layer(load[l], num_physical, num_groups, num_nodes, num_gpus, slot_cost,
                     std::span<std::int32_t>(result.phy2log).subspan(l * P, P),
                     std::span<std::int32_t>(result.logcnt).subspan(l * E, E));
   }

@@ -1,6 +1,7 @@
 // The GPU MoE layer (epmoe/cuda/layer.hpp): buffers sized once at construction, one stream order
 // per forward, and the shared expert forked onto a second stream.
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "epmoe/comm_dispatch.hpp"
@@ -49,6 +50,8 @@ enum EventId { kStart, kRouted, kDispatched, kComputed, kCombined, kNumEvents };
 }  // namespace
 
 struct GpuMoeLayer::Impl {
+  std::int64_t forwards_since_reset =
+      0;  // forward() and forward_graph() calls since the load counters' reset
   std::shared_ptr<const ModelWeights> weights;
   const SyntheticWeights* synthetic = nullptr;
   MoeConfig c;
@@ -680,6 +683,7 @@ TensorView GpuMoeLayer::last_logits() const {
 
 void GpuMoeLayer::forward(TensorView x, TensorView y) {
   impl_->forward(x, y);
+  ++impl_->forwards_since_reset;
 }
 
 GpuMoeLayer::GemmTimes GpuMoeLayer::time_gemms_alone(int reps) {
@@ -736,6 +740,7 @@ void GpuMoeLayer::forward_graph(TensorView x, TensorView y) {
     EPMOE_CUDA_CHECK(
         cudaMemcpyAsync(m.x_static.view().data, x.data, x.nbytes(), cudaMemcpyDeviceToDevice, m.s0));
   m.graphs.at(T)->launch(m.s0);
+  ++m.forwards_since_reset;
   m.last_T = T;
   if (y.data != m.y_static.view().data)
     EPMOE_CUDA_CHECK(
@@ -774,13 +779,32 @@ void GpuMoeLayer::reset_load() {
   EPMOE_CUDA_CHECK(cudaMemsetAsync(m.expert_counts.data<std::int64_t>(), 0, m.expert_counts.nbytes(), m.s0));
   EPMOE_CUDA_CHECK(cudaMemsetAsync(m.slot_counts.data<std::int64_t>(), 0, m.slot_counts.nbytes(), m.s0));
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(m.s0));
+  m.forwards_since_reset = 0;
 }
 
-int GpuMoeLayer::rebalance(int nodes) {
+double GpuMoeLayer::weight_read_tokens() const {
+  // One expert's weights read from HBM against one token's share of its GEMMs (6·H·I flops), at the
+  // rates our kernels reach on an H200: 4269 GB/s (copy) and ~660 TFLOP/s (grouped FP8 GEMM;
+  // bench/NOTES.md). FP8: 44 MB -> ~77 tokens; W4A8 (half the bytes): ~39.
+  const Impl& m = *impl_;
+  const double weight_bytes =
+      static_cast<double>(m.w13.nbytes() + m.w13_scale.nbytes() + m.w2.nbytes() + m.w2_scale.nbytes()) /
+      std::max(1, m.L);
+  const double flops_per_token = 6.0 * static_cast<double>(m.H) * static_cast<double>(m.I);
+  return (weight_bytes / 4269e9) / (flops_per_token / 660e12);
+}
+
+int GpuMoeLayer::rebalance(int nodes, double slot_cost_tokens) {
   Impl& m = *impl_;
+  EPMOE_CHECK(std::isfinite(slot_cost_tokens) && (slot_cost_tokens >= 0 || slot_cost_tokens == -1.0),
+              "rebalance: slot_cost_tokens must be -1 (the layer's estimate) or finite and >= 0, got {}",
+              slot_cost_tokens);
   const std::vector<std::int64_t> load = expert_load();
   std::vector<std::vector<double>> l(1, std::vector<double>(load.begin(), load.end()));
-  const RebalanceResult result = rebalance_experts(l, m.P, m.c.num_groups, nodes, m.ranks);
+  // The load counters sum over the forwards since the last reset: the per-forward slot cost scales alike.
+  const double per_forward = slot_cost_tokens < 0 ? weight_read_tokens() : slot_cost_tokens;
+  const double slot_cost = per_forward * static_cast<double>(m.forwards_since_reset);
+  const RebalanceResult result = rebalance_experts(l, m.P, m.c.num_groups, nodes, m.ranks, slot_cost);
   const int rewritten = m.install_placement(placement_from(result, 0, m.ranks));
   reset_load();
   return rewritten;

@@ -17,6 +17,16 @@
 namespace epmoe {
 namespace {
 
+template <class Fn>
+void expect_error(const Fn& fn, const std::string& needle) {
+  try {
+    fn();
+    FAIL() << "expected a throw mentioning " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
 // Deterministic uniform [0, 1) from a 64-bit engine (std distributions differ between libraries).
 double uniform(std::mt19937_64& rng) {
   return static_cast<double>(rng() >> 11) * 0x1.0p-53;
@@ -233,14 +243,6 @@ TEST(EplbPlacement, MapToPhysical) {
 
   HostTensor wrong_dtype(DType::i64, {T, K});
   HostTensor wrong_shape(DType::i32, {T, K + 1});
-  auto expect_error = [](auto fn, const std::string& needle) {
-    try {
-      fn();
-      FAIL() << "expected a throw mentioning " << needle;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   const auto s = DispatchAlgorithm::static_choice;
   expect_error([&] { pl.map_to_physical(wrong_dtype, out, 0, s); }, "logical_ids");
   expect_error([&] { pl.map_to_physical(ids, wrong_dtype, 0, s); }, "physical_ids");
@@ -275,6 +277,44 @@ TEST(EplbRebalance, HottestExpertsGetTheReplicas) {
   std::set<int> gpus;
   for (int i = 0; i < r1.logcnt[9]; ++i) gpus.insert(r1.log2phy[9 * r1.max_replicas + i] / 3);
   EXPECT_EQ(gpus.size(), 8u);  // 9 replicas over 8 GPUs: every GPU gets at least one
+}
+
+TEST(EplbRebalance, SlotCostReplicatesOnlyWhereAReplicaPaysForItsWeightReads) {
+  // 16 experts over 4 GPUs, 4 redundant slots. Expert 3 carries 70 (two replicas keep 35 each >= the
+  // cost 30; a third would keep 23), expert 7 carries 40 (two replicas would keep 20 < 30: no
+  // replica); experts 0, 1 and 2 get nothing, so the spare slots go to them (the coldest, fewest
+  // replicas first, lowest id).
+  std::vector<double> layer(16, 5.0);
+  layer[3] = 70;
+  layer[7] = 40;
+  layer[0] = layer[1] = layer[2] = 0;
+  const std::vector<std::vector<double>> load{layer};
+  const RebalanceResult r = rebalance_experts(load, 20, 1, 1, 4, 30.0);
+  check_result(r, load, 20, 4);
+  EXPECT_EQ(r.logcnt[3], 2);
+  EXPECT_EQ(r.logcnt[7], 1);
+  EXPECT_EQ(r.logcnt[0] + r.logcnt[1] + r.logcnt[2], 6);  // 3 + the 3 spare slots
+  for (int e : {0, 1, 2}) EXPECT_EQ(r.logcnt[e], 2) << "expert " << e;
+  // GPUs packed on load / replicas + 30 per loaded replica (14 loaded replicas over 4 GPUs): the
+  // numbers of loaded replicas differ by at most one and the modelled costs by at most the largest
+  // item (70: expert 7's slot), as greedy packing guarantees.
+  std::vector<double> cost(4, 0.0);
+  std::vector<int> loaded(4, 0);
+  for (int p = 0; p < 20; ++p) {
+    const int e = r.phy2log[p];
+    if (layer[e] > 0) {
+      cost[p / 5] += layer[e] / r.logcnt[e] + 30.0;
+      ++loaded[p / 5];
+    }
+  }
+  EXPECT_LE(*std::max_element(loaded.begin(), loaded.end()) - *std::min_element(loaded.begin(), loaded.end()),
+            1);
+  EXPECT_LE(*std::max_element(cost.begin(), cost.end()) - *std::min_element(cost.begin(), cost.end()),
+            70.0 + 1e-9);
+  // slot_cost 0 is DeepSeek's algorithm: expert 7 gets its replica then.
+  EXPECT_EQ(rebalance_experts(load, 20, 1, 1, 4, 0.0).logcnt[7], 2);
+  expect_error([&] { rebalance_experts(load, 20, 1, 1, 4, -1.0); }, "slot_cost");
+  expect_error([&] { rebalance_experts(load, 20, 1, 1, 4, std::nan("")); }, "slot_cost");
 }
 
 TEST(EplbRebalance, ReplicaCountsFollowLoadInGlobalPolicy) {
@@ -351,14 +391,6 @@ TEST(EplbRebalance, NoRedundantSlotsAndUniformLoad) {
 }
 
 TEST(EplbRebalance, RefusesBadInputs) {
-  auto expect_error = [](auto fn, const std::string& needle) {
-    try {
-      fn();
-      FAIL() << "expected a throw mentioning " << needle;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   const std::vector<double> ok(16, 1.0);
   std::vector<double> negative = ok;
   negative[5] = -1.0;

@@ -22,8 +22,8 @@ CheckResult check_against_reference(const ModelWeights& weights, std::span<const
     for (std::int64_t i = 0; i < T * H; ++i) {
       all_actual.data<double>()[offset + i] = y[r].as<bf16>()[i].to_float();
       all_expected.data<double>()[offset + i] = numerics == Numerics::mirror
-                                                   ? static_cast<double>(expected.data<bf16>()[i].to_float())
-                                                   : expected.data<double>()[i];
+                                                    ? static_cast<double>(expected.data<bf16>()[i].to_float())
+                                                    : expected.data<double>()[i];
     }
     offset += T * H;
   }
@@ -34,13 +34,16 @@ CheckResult check_against_reference(const ModelWeights& weights, std::span<const
 }
 
 nlohmann::json to_json(const ErrorReport& r) {
-  return {{"rel_l2", r.rel_l2}, {"calc_diff", r.calc_diff}, {"non_finite", r.non_finite}, {"elements", r.count}};
+  return {
+      {"rel_l2", r.rel_l2}, {"calc_diff", r.calc_diff}, {"non_finite", r.non_finite}, {"elements", r.count}};
 }
 
 nlohmann::json to_json(const CheckResult& result) {
   nlohmann::json per_rank = nlohmann::json::array();
   for (const ErrorReport& r : result.per_rank) per_rank.push_back(to_json(r));
-  return {{"overall", to_json(result.overall)}, {"per_rank", per_rank}, {"tolerance", result.tolerance},
+  return {{"overall", to_json(result.overall)},
+          {"per_rank", per_rank},
+          {"tolerance", result.tolerance},
           {"pass", result.pass}};
 }
 

@@ -43,16 +43,17 @@ void run_check(const CheckOptions& o) {
   const CheckResult mirror = check_against_reference(*weights, x, y, Numerics::mirror, o.tolerance);
 
   std::printf("epmoe check: %s\n", config.describe().c_str());
-  std::printf("  mode %s, dispatcher %s, %lld tokens per rank, %zu experts built\n", std::string(to_string(lo.mode)).c_str(),
-              layer.options().dispatcher.c_str(), static_cast<long long>(o.tokens), weights->experts_built());
+  std::printf("  mode %s, dispatcher %s, %lld tokens per rank, %zu experts built\n",
+              std::string(to_string(lo.mode)).c_str(), layer.options().dispatcher.c_str(),
+              static_cast<long long>(o.tokens), weights->experts_built());
   for (std::size_t r = 0; r < mirror.per_rank.size(); ++r)
     std::printf("  rank %zu: rel_l2 %.3e  calc_diff %.3e  rows %lld\n", r, mirror.per_rank[r].rel_l2,
                 mirror.per_rank[r].calc_diff,
                 static_cast<long long>(r < stats.rows_per_rank.size() ? stats.rows_per_rank[r] : 0));
   std::printf("  overall vs mirrored reference: rel_l2 %.3e  calc_diff %.3e  (tolerance %.1e)  %s\n",
               mirror.overall.rel_l2, mirror.overall.calc_diff, o.tolerance, mirror.pass ? "PASS" : "FAIL");
-  nlohmann::json j = {{"config", config.describe()},  {"mode", to_string(lo.mode)},
-                      {"tokens_per_rank", o.tokens},  {"ranks", config.num_ranks},
+  nlohmann::json j = {{"config", config.describe()},      {"mode", to_string(lo.mode)},
+                      {"tokens_per_rank", o.tokens},      {"ranks", config.num_ranks},
                       {"quant", to_string(config.quant)}, {"mirror", to_json(mirror)}};
   if (o.exact) {
     // How far the quantized pipeline is from f64 arithmetic on the same quantized inputs (informational).
@@ -65,18 +66,22 @@ void run_check(const CheckOptions& o) {
   set_exit_code(mirror.pass ? 0 : 1);
 }
 
-const CommandRegistration kRegistration{20, [](CLI::App& app) {
-  auto options = std::make_shared<CheckOptions>();
-  CLI::App* cmd = app.add_subcommand("check", "Run the layer and the reference on the same inputs; report both error measures");
-  add_model_options(cmd, options->model);
-  cmd->add_option("--tokens", options->tokens, "Tokens per rank")->capture_default_str();
-  cmd->add_option("--mode", options->mode, "normal or low-latency")->capture_default_str();
-  cmd->add_option("--dispatcher", options->dispatcher, "Dispatcher: cpu-sim (default) or cpu-local (one rank)");
-  cmd->add_option("--tolerance", options->tolerance, "Largest allowed rel_l2 and calc_diff")->capture_default_str();
-  cmd->add_flag("--exact", options->exact, "Also report the error against an f64 reference");
-  cmd->add_option("--json", options->json, "Write the results as JSON to FILE ('-' = stdout)");
-  cmd->callback([options] { run_check(*options); });
-}};
+const CommandRegistration kRegistration{
+    20, [](CLI::App& app) {
+      auto options = std::make_shared<CheckOptions>();
+      CLI::App* cmd = app.add_subcommand(
+          "check", "Run the layer and the reference on the same inputs; report both error measures");
+      add_model_options(cmd, options->model);
+      cmd->add_option("--tokens", options->tokens, "Tokens per rank")->capture_default_str();
+      cmd->add_option("--mode", options->mode, "normal or low-latency")->capture_default_str();
+      cmd->add_option("--dispatcher", options->dispatcher,
+                      "Dispatcher: cpu-sim (default) or cpu-local (one rank)");
+      cmd->add_option("--tolerance", options->tolerance, "Largest allowed rel_l2 and calc_diff")
+          ->capture_default_str();
+      cmd->add_flag("--exact", options->exact, "Also report the error against an f64 reference");
+      cmd->add_option("--json", options->json, "Write the results as JSON to FILE ('-' = stdout)");
+      cmd->callback([options] { run_check(*options); });
+    }};
 
 }  // namespace
 }  // namespace epmoe::tools

@@ -199,6 +199,12 @@ const CommandRegistration kRegistration{
       cmd->add_flag(
           "--rebalance", options->rebalance,
           "GPU: after the decode loop, rebalance experts (EPLB) on the recorded load and run the loop again");
+      cmd->add_option(
+             "--eplb-slot-cost", options->eplb_slot_cost,
+             "GPU: --rebalance's cost of reading one slot's weights per forward, in tokens of GEMM work "
+             "(-1: the layer's estimate for this GPU; 0: DeepSeek's EPLB unchanged)")
+          ->check(CLI::Range(-1.0, 1e9))
+          ->capture_default_str();
       cmd->add_option("--trace", options->trace,
                       "GPU: write a Chrome-trace / Perfetto timeline of one forward per phase and rank");
       cmd->add_option("--mode", options->mode,

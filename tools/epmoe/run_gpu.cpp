@@ -10,10 +10,12 @@
 #include <chrono>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <type_traits>
 
 #include "epmoe/comm.hpp"
@@ -33,6 +35,20 @@ namespace {
 using Clock = std::chrono::steady_clock;
 const Clock::time_point g_process_start = Clock::now();  // static initialisation: the process start
 
+// Start-up is counted from when the user's command started: a rank started by `epmoe run`'s own
+// launcher counts from its parent's start (passed in EPMOE_RUN_START_NS; steady_clock is the
+// system-wide monotonic clock on Linux, so the two processes' readings compare).
+constexpr const char* kRunStartVar = "EPMOE_RUN_START_NS";
+Clock::time_point run_start() {
+  static const Clock::time_point start = [] {
+    const char* v = std::getenv(kRunStartVar);
+    if (v == nullptr) return g_process_start;
+    const Clock::time_point parent{std::chrono::nanoseconds(std::strtoll(v, nullptr, 10))};
+    return std::min(parent, g_process_start);
+  }();
+  return start;
+}
+
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
@@ -42,8 +58,8 @@ double seconds_since(Clock::time_point t) {
 // shows where. Written by the main thread and the weights thread, hence the lock.
 class StartupMarks {
  public:
-  void mark(const std::string& what) {
-    const double t = seconds_since(g_process_start);
+  void mark(const std::string& what, Clock::time_point when = Clock::now()) {
+    const double t = std::chrono::duration<double>(when - run_start()).count();
     std::lock_guard lock(mutex_);
     marks_.emplace_back(what, t);
   }
@@ -82,10 +98,11 @@ struct PhaseStats {
   double eager_seconds = 0;       // the same forwards without graphs (decode with graphs only)
   double load_max_over_mean = 0;  // tokens per GPU over the timed loop (from the slot counters)
   double rebalanced_seconds = 0, rebalanced_load_max_over_mean = 0, slots_rewritten = 0;  // --rebalance
+  double slot_cost_tokens = 0;  // --rebalance: the per-forward slot cost it used (tokens)
   double device_gb = 0, comm_layout_gb = 0, dispatcher_setup_gb = 0;
   double gemm_alone_routed = 0, gemm_alone_shared = 0;  // ms, GpuMoeLayer::time_gemms_alone (no TBO)
   // Only doubles: all-gathered as they are laid out (gather()).
-  static constexpr int kFields = 25;
+  static constexpr int kFields = 26;
 };
 
 static_assert(sizeof(PhaseStats) == PhaseStats::kFields * sizeof(double) &&
@@ -173,7 +190,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   const HostTensor y0 = cuda::to_host(y.view().slice_rows(0, T0), s);
   const HostTensor logits0 = cuda::to_host(layer.last_logits(), s);
   if (first_phase) {
-    st.first_forward_s = seconds_since(g_process_start);
+    st.first_forward_s = seconds_since(run_start());
     g_startup.mark("first_forward_done");
   }
 
@@ -244,7 +261,8 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   st.tokens = static_cast<double>(tokens);
   if (plan.graphs && plan.eager_compare) st.eager_seconds = timed_loop(false, forwards, " eager");
   if (plan.rebalance) {
-    st.slots_rewritten = layer.rebalance();
+    st.slot_cost_tokens = o.eplb_slot_cost < 0 ? layer.weight_read_tokens() : o.eplb_slot_cost;
+    st.slots_rewritten = layer.rebalance(1, st.slot_cost_tokens);
     st.rebalanced_seconds = timed_loop(plan.graphs, forwards, " after rebalance");
     st.rebalanced_load_max_over_mean = load_imbalance(layer.slot_load(), ranks);
   }
@@ -323,6 +341,7 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
   if (plan.rebalance) {
     extra["rebalance"] = {
         {"slots_rewritten", rewritten},
+        {"slot_cost_tokens_per_forward", r0.slot_cost_tokens},
         {"before",
          {{"ms_per_forward", 1e3 * max_s / forwards}, {"load_max_over_mean", r0.load_max_over_mean}}},
         {"after",
@@ -527,7 +546,7 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
     std::printf("results:\n");
     for (const auto& [name, pj] : printed) print_phase(name, pj);
     if (j.contains("decode")) {
-      std::printf("  first forward done %.2f s after start-up (%s)\n",
+      std::printf("  first forward done %.2f s after the command started (%s)\n",
                   j["decode"]["first_forward_s_after_start"].get<double>(), g_startup.describe().c_str());
     }
     std::printf("check against the CPU reference (%lld tokens per rank and phase, tolerance %.0e): %s\n",
@@ -539,11 +558,12 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
     if (j.contains("decode") && j["decode"].contains("rebalance")) {
       const auto& rb = j["decode"]["rebalance"];
       std::printf(
-          "  decode: EPLB rebalance rewrote %.0f slots; tokens per GPU max/mean %.3f -> %.3f; %.3f -> %.3f "
+          "  decode: EPLB rebalance (slot cost %.0f tokens) rewrote %.0f slots; tokens per GPU max/mean %.3f "
+          "-> %.3f; %.3f -> %.3f "
           "ms/forward\n",
-          rb["slots_rewritten"].get<double>(), rb["before"]["load_max_over_mean"].get<double>(),
-          rb["after"]["load_max_over_mean"].get<double>(), rb["before"]["ms_per_forward"].get<double>(),
-          rb["after"]["ms_per_forward"].get<double>());
+          rb["slot_cost_tokens_per_forward"].get<double>(), rb["slots_rewritten"].get<double>(),
+          rb["before"]["load_max_over_mean"].get<double>(), rb["after"]["load_max_over_mean"].get<double>(),
+          rb["before"]["ms_per_forward"].get<double>(), rb["after"]["ms_per_forward"].get<double>());
     }
     if (j.contains("decode") && j["decode"].contains("tbo_speedup"))
       std::printf("  decode: two-batch overlap %.2fx faster than without (%.3f vs %.3f ms/forward)\n",
@@ -579,6 +599,9 @@ void run_gpu_main(const RunOptions& o) {
     // One process per GPU: this command again under the launcher.
     EPMOE_CHECK(config.num_ranks <= gpus, "--ranks {} needs {} GPUs, {} present", config.num_ranks,
                 config.num_ranks, gpus);
+    const auto start_ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(g_process_start.time_since_epoch());
+    setenv(kRunStartVar, std::to_string(start_ns.count()).c_str(), 1);  // the ranks inherit it
     LaunchOptions lo;
     lo.num_ranks = config.num_ranks;
     lo.command = program_args();
@@ -591,6 +614,7 @@ void run_gpu_main(const RunOptions& o) {
               env.world_size, config.num_ranks);
   // Communication on a high-priority stream: with two-batch overlap its kernels then get SMs ahead
   // of the GEMMs queued on the compute streams.
+  if (run_start() < g_process_start) g_startup.mark("rank_process_started", g_process_start);
   auto host_weights = start_host_weights(o, config);
   EPMOE_CUDA_CHECK(cudaSetDevice(env.local_rank));
   cuda::Stream comm_stream(cuda::Stream::highest_priority());
@@ -598,7 +622,7 @@ void run_gpu_main(const RunOptions& o) {
   CommOptions co;
   co.stream = comm_stream.get();
   auto comm = Communicator::from_environment(co);
-  g_startup.mark("nccl_communicator");
+  g_startup.mark("nccl_init_started");  // it completes in the background (Communicator::create)
   run_rank(o, config, comm, std::move(host_weights));
 }
 

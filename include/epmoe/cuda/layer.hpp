@@ -129,8 +129,13 @@ class GpuMoeLayer {
   std::vector<std::int64_t> expert_load();
   // DeepSeek EPLB over expert_load() (collective): installs the new placement on every rank, rewrites
   // the local slots whose expert changed in place, clears the counters. Returns the slots rewritten
-  // on this rank.
-  int rebalance(int nodes = 1);
+  // on this rank. slot_cost_tokens: what reading one slot's weights costs per forward, in tokens of
+  // GEMM work (rebalance_experts' slot_cost, times the forwards counted): -1 takes
+  // weight_read_tokens(), so that at decode a replica is made only where it carries enough tokens to
+  // pay for its reads; 0 is DeepSeek's algorithm unchanged.
+  int rebalance(int nodes = 1, double slot_cost_tokens = -1.0);
+  // The layer's estimate of one local expert's weight read in tokens of GEMM work (H200 rates).
+  double weight_read_tokens() const;
   const ExpertPlacement& placement() const;
   // (token, k) entries sent to each physical slot since construction, the last rebalance or
   // reset_load(), summed over the ranks (collective; synchronises the stream). Tokens per GPU are
