@@ -31,24 +31,24 @@ tests=$build/tests/epmoe_gpu_tests
 filter='*Route*'
 
 stamp tests
-timeout 60 "$tests" --gtest_filter="$filter" > "$out/tests.log" 2>&1
+timeout 45 "$tests" --gtest_filter="$filter" > "$out/tests.log" 2>&1
 rc_tests=$?
 grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|mismatches|seed" "$out/tests.log" | head -n 40
 echo "tests exit: $rc_tests"
 
 stamp bench
-EPMOE_BENCH_ROUTER_VARIANTS=1 timeout 60 "$build/bin/epmoe" bench router --json "$out/router.json" > "$out/bench.log" 2>&1
+EPMOE_BENCH_ROUTER_VARIANTS=1 timeout 45 "$build/bin/epmoe" bench router --json "$out/router.json" > "$out/bench.log" 2>&1
 echo "bench exit: $?"
 cat "$out/bench.log"
 
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 stamp memcheck
-timeout 45 "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
+timeout 35 "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
   --gtest_filter="$filter:-*EveryFloat*:*T16384*:*T20000*" > "$out/memcheck.log" 2>&1
 echo "memcheck exit: $?"
 grep -E "ERROR SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/memcheck.log" | tail -n 4
 stamp racecheck
-timeout 45 "$sanitizer" --tool racecheck --error-exitcode 1 "$tests" \
+timeout 35 "$sanitizer" --tool racecheck --error-exitcode 1 "$tests" \
   --gtest_filter="$filter:-*EveryFloat*:*T16384*:*T20000*:*Softmax*:*Layouts*" > "$out/racecheck.log" 2>&1
 echo "racecheck exit: $?"
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/racecheck.log" | tail -n 4
