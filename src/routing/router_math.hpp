@@ -122,11 +122,11 @@ EPMOE_HD inline float sigmoid_f32_fast(float x) {
 }
 
 // n / d rounded to nearest even without a branch, for the sigmoid's quotients only: n = 1 or
-// n = e, d = rn(1 + e), e in [0, 1]. On the device: d == 1 (e <= 2^-24, where e / 1 = e exactly,
-// subnormal e included) gives n; otherwise d in (1, 2], n in (2^-24, 1] and the quotient is normal,
-// where the fast path of div.rn.f32 (reciprocal estimate, one Newton step, one residual
-// correction) is correctly rounded — div.rn's FCHK only sends inputs outside that range to the slow
-// path. __fdiv_rn keeps that check and its branch, which splits the 32 sigmoids of a g8 lane into
+// n = e, d = rn(1 + e), e in [0, 1]. On the device: for d in (1, 2] (then n is 1 or in
+// (2^-24, 1], and the quotient is normal) the fast path of div.rn.f32 (reciprocal estimate, one
+// Newton step, one residual correction) is correctly rounded — div.rn's FCHK only sends inputs
+// outside that range to the slow path. d == 1 (e <= 2^-24, subnormal e included) needs no case of
+// its own: rcp.approx(1) = 1, so q0 = n, the residual is 0 and q = n = n / 1 (no flush to zero). __fdiv_rn keeps that check and its branch, which splits the 32 sigmoids of a g8 lane into
 // 32 basic blocks that run one after another; this version lets them interleave. Checked against
 // __fdiv_rn through the whole sigmoid on all 2^32 inputs by the GPU test
 // RouterMathGpu.BranchFreeSigmoidBitIdenticalOnEveryFloat. On the host: n / d.
@@ -136,8 +136,7 @@ EPMOE_HD inline float div_rn_sigmoid(float n, float d) {
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
   r = rn_fma(r, rn_fma(-d, r, 1.0f), r);
   const float q0 = rn_mul(n, r);
-  const float q = rn_fma(rn_fma(-d, q0, n), r, q0);
-  return d == 1.0f ? n : q;
+  return rn_fma(rn_fma(-d, q0, n), r, q0);
 #else
   return n / d;
 #endif
