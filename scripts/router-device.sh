@@ -55,7 +55,7 @@ if [[ ${EPMOE_ROUTER_PROFILE:-0} == 1 ]]; then
   echo
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2> /dev/null || echo ncu)
   for t in 16384 131072; do
-    timeout 40 "$ncu" --kernel-name regex:route_g8_kernel --launch-skip 5 --launch-count 1 \
+    timeout 30 "$ncu" --kernel-name regex:route_g8_kernel --launch-skip 5 --launch-count 1 \
       --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section InstructionStats \
       --section Occupancy --section LaunchStats "$build/bin/epmoe" bench router --quick --tokens "$t" \
       > "$out/ncu-$t.txt" 2>&1
