@@ -126,8 +126,9 @@ EPMOE_HD inline float sigmoid_f32_fast(float x) {
 // (2^-24, 1], and the quotient is normal) the fast path of div.rn.f32 (reciprocal estimate, one
 // Newton step, one residual correction) is correctly rounded — div.rn's FCHK only sends inputs
 // outside that range to the slow path. d == 1 (e <= 2^-24, subnormal e included) needs no case of
-// its own: rcp.approx(1) = 1, so q0 = n, the residual is 0 and q = n = n / 1 (no flush to zero). __fdiv_rn keeps that check and its branch, which splits the 32 sigmoids of a g8 lane into
-// 32 basic blocks that run one after another; this version lets them interleave. Checked against
+// its own: rcp.approx(1) = 1, so q0 = n, the residual is 0 and q = n = n / 1 (no flush to zero).
+// __fdiv_rn keeps FCHK and its branch, which splits the 32 sigmoids of a g8 lane into 32 basic
+// blocks that run one after another; this version lets them interleave. Checked against
 // __fdiv_rn through the whole sigmoid on all 2^32 inputs by the GPU test
 // RouterMathGpu.BranchFreeSigmoidBitIdenticalOnEveryFloat. On the host: n / d.
 EPMOE_HD inline float div_rn_sigmoid(float n, float d) {
