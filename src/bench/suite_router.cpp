@@ -1,8 +1,14 @@
 // Benchmark suite "router": the fused GPU router (epmoe/cuda/router.hpp) at E = 256, K = 8:
 // DeepSeek-V3 sigmoid noaux_tc (8 groups, 4 kept) and plain softmax top-k, at T in tokens
-// (default 128, 4096, 16384). Bytes: logits and bias read, ids and weights written.
+// (default 128, 4096, 16384, 65536, 131072). Bytes: logits and bias read, ids and weights written.
+// Beside each T, "router.copy": cudaMemcpyAsync of half the router's bytes (so that the same
+// bytes move), timed the same way (rotating buffers): the router's ratio to a copy at that size.
+// EPMOE_BENCH_ROUTER_VARIANTS=1 adds the kernel choices (RouteKernelChoice) as phases:
+// "sigmoid-rn-div" (the sigmoid with __fdiv_rn) and, below the g8 switch, "sigmoid-g8".
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench/bench.hpp"
@@ -29,10 +35,12 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
   std::vector<Result> results;
   std::vector<std::int64_t> token_list = options.tokens;
   if (token_list.empty()) {
-    token_list =
-        options.quick ? std::vector<std::int64_t>{128, 4096} : std::vector<std::int64_t>{128, 4096, 16384};
+    token_list = options.quick ? std::vector<std::int64_t>{128, 4096}
+                               : std::vector<std::int64_t>{128, 4096, 16384, 65536, 131072};
   }
   const TimingOptions timing = timing_for(options);
+  const char* variants_env = std::getenv("EPMOE_BENCH_ROUTER_VARIANTS");
+  const bool variants = variants_env != nullptr && std::string_view(variants_env) == "1";
   cuda::Stream stream;
   std::uint64_t seed = 1;
 
@@ -63,20 +71,62 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
       weights.back().fill_bytes(0xff, stream);
     }
     stream.synchronize();
-    for (const MoeConfig* c : {&sigmoid, &softmax}) {
+    struct Row {
+      const MoeConfig* config;
+      std::string phase;
+      cuda::RouteKernelChoice choice;
+    };
+    const cuda::RouteKernelChoice automatic = cuda::route_kernel_choice_from_env();
+    std::vector<Row> rows{{&sigmoid, "sigmoid", automatic}, {&softmax, "softmax", automatic}};
+    if (variants) {
+      cuda::RouteKernelChoice rn = automatic;
+      rn.rn_division = true;
+      rows.push_back({&sigmoid, "sigmoid-rn-div", rn});
+      if (tokens < 1024) {
+        cuda::RouteKernelChoice g8 = automatic;
+        g8.kernel = cuda::RouteKernelChoice::Kernel::g8;
+        rows.push_back({&sigmoid, "sigmoid-g8", g8});
+      }
+    }
+    for (const Row& row : rows) {
       const double us = time_us(
           [&](int i, cudaStream_t s) {
             const auto set = static_cast<std::size_t>(i);
-            cuda::route(*c, logits[set], dbias, ids[set], weights[set], s);
+            cuda::route(*row.config, logits[set], dbias, ids[set], weights[set], s, row.choice);
           },
           sets, stream, timing);
       const Params p{{"tokens", tokens},
                      {"n", e},
                      {"k", k},
-                     {"groups", static_cast<std::int64_t>(c->num_groups)},
-                     {"phase", std::string(to_string(c->scoring))}};
+                     {"groups", static_cast<std::int64_t>(row.config->num_groups)},
+                     {"phase", row.phase}};
       emit(options, results, make_result("router", p, us, bytes));
     }
+    logits.clear();
+    ids.clear();
+    weights.clear();
+
+    // The same bytes moved by a device-to-device copy of half of them.
+    const std::size_t copy_bytes = (static_cast<std::size_t>(bytes) / 2 + 15) / 16 * 16;
+    const int copy_sets = rotation_sets(2 * copy_bytes);
+    std::vector<cuda::DeviceBuffer> src, dst;
+    for (int i = 0; i < copy_sets; ++i) {
+      src.emplace_back(copy_bytes);
+      dst.emplace_back(copy_bytes);
+      src.back().fill_bytes(0x5a, stream);
+      dst.back().fill_bytes(0xa5, stream);
+    }
+    stream.synchronize();
+    const double copy_us = time_us(
+        [&](int i, cudaStream_t s) {
+          const auto set = static_cast<std::size_t>(i);
+          EPMOE_CUDA_CHECK(
+              cudaMemcpyAsync(dst[set].data(), src[set].data(), copy_bytes, cudaMemcpyDeviceToDevice, s));
+        },
+        copy_sets, stream, timing);
+    emit(options, results,
+         make_result("router.copy", {{"tokens", tokens}, {"n", static_cast<std::int64_t>(copy_bytes)}},
+                     copy_us, 2.0 * static_cast<double>(copy_bytes)));
   }
   return results;
 }

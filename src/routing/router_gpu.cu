@@ -62,26 +62,26 @@ unsigned grid_for(std::uint32_t tokens) {
   return static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
 }
 
-template <int kV, bool kSigmoid>
+template <int kV, bool kSigmoid, bool kRnDiv>
 void launch(const kernels::RouterParams& p, cudaStream_t stream) {
-  constexpr auto kernel = &kernels::route_kernel<kV, kSigmoid>;
+  constexpr auto kernel = &kernels::route_kernel<kV, kSigmoid, kRnDiv>;
   kernel<<<grid_for<kernel>(p.tokens), kRouterThreads, 0, stream>>>(p);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-template <bool kSigmoid>
+template <bool kSigmoid, bool kRnDiv>
 void launch_for(int per_lane, const kernels::RouterParams& p, cudaStream_t stream) {
   switch (per_lane) {
     case 1:
-      return launch<1, kSigmoid>(p, stream);
+      return launch<1, kSigmoid, kRnDiv>(p, stream);
     case 2:
-      return launch<2, kSigmoid>(p, stream);
+      return launch<2, kSigmoid, kRnDiv>(p, stream);
     case 4:
-      return launch<4, kSigmoid>(p, stream);
+      return launch<4, kSigmoid, kRnDiv>(p, stream);
     case 8:
-      return launch<8, kSigmoid>(p, stream);
+      return launch<8, kSigmoid, kRnDiv>(p, stream);
     case 16:
-      return launch<16, kSigmoid>(p, stream);
+      return launch<16, kSigmoid, kRnDiv>(p, stream);
     default:
       EPMOE_FAIL("router: no kernel for {} experts per lane", per_lane);
   }
@@ -95,23 +95,23 @@ bool aligned16(const void* p) {
 // (the candidate threshold needs 2 * kept >= K known values), 16-byte aligned logits and bias.
 // Below kRouterG8MinTokens the general kernel (a warp per token) is faster: both are latency-bound
 // there and its chain per warp is shorter (H200: 6.7 vs 8.2 us at T = 128; 12.4 vs 10.1 us at
-// T = 4096; the switch point between is not measured). EPMOE_ROUTER_G8=0 takes the general kernel
-// at every T (to time one against the other).
+// T = 4096; the switch point between is not measured).
 inline constexpr std::uint32_t kRouterG8MinTokens = 1024;
 
-bool route_g8_eligible(const MoeConfig& c, const kernels::RouterParams& p) {
-  static const bool enabled = [] {
-    const char* v = std::getenv("EPMOE_ROUTER_G8");
-    return v == nullptr || std::string_view(v) != "0";
-  }();
-  return enabled && p.tokens >= kRouterG8MinTokens && c.scoring == Scoring::sigmoid && p.grouped &&
-         c.num_experts == 256 && c.num_groups == 8 && c.topk_groups <= 4 && c.topk <= 8 &&
-         c.topk <= 2 * c.topk_groups && aligned16(p.logits) && aligned16(p.bias);
+bool route_g8_applies(const MoeConfig& c, const kernels::RouterParams& p) {
+  return c.scoring == Scoring::sigmoid && p.grouped && c.num_experts == 256 && c.num_groups == 8 &&
+         c.topk_groups <= 4 && c.topk <= 8 && c.topk <= 2 * c.topk_groups && aligned16(p.logits) &&
+         aligned16(p.bias);
 }
 
+// Blocks for route_g8_kernel: a warp per quad (4 tokens), no more than fit on the device at once.
+template <bool kRnDiv>
 void launch_g8(const kernels::RouterParams& p, cudaStream_t stream) {
-  constexpr auto kernel = &kernels::route_g8_kernel;
+  constexpr auto kernel = &kernels::route_g8_kernel<kRnDiv>;
   static const int blocks_per_sm = [] {
+    // 8 blocks of 25.75 KB need the largest shared-memory carveout.
+    EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
     int n = 0;
     EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kernels::kRouterG8Threads, 0));
     return std::max(n, 1);
@@ -133,7 +133,7 @@ bool route_supports(const MoeConfig& c) {
 }
 
 void route(const MoeConfig& config, TensorView logits, TensorView correction_bias, TensorView topk_ids,
-           TensorView topk_weights, cudaStream_t stream) {
+           TensorView topk_weights, cudaStream_t stream, const RouteKernelChoice& choice) {
   config.validate();
   const std::int64_t num_experts = config.num_experts;
   const std::int64_t k = config.topk;
@@ -180,13 +180,34 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
                    aligned16(p.logits) && (p.bias == nullptr || aligned16(p.bias));
   p.renormalize = config.renormalize;
   p.scaling = config.routed_scaling_factor;
-  if (route_g8_eligible(config, p)) {
-    launch_g8(p, stream);
+  using Kernel = RouteKernelChoice::Kernel;
+  const bool g8 = choice.kernel != Kernel::general && route_g8_applies(config, p) &&
+                  (choice.kernel == Kernel::g8 || p.tokens >= kRouterG8MinTokens);
+  if (g8) {
+    choice.rn_division ? launch_g8<true>(p, stream) : launch_g8<false>(p, stream);
   } else if (sigmoid) {
-    launch_for<true>(layout.per_lane, p, stream);
+    choice.rn_division ? launch_for<true, true>(layout.per_lane, p, stream)
+                       : launch_for<true, false>(layout.per_lane, p, stream);
   } else {
-    launch_for<false>(layout.per_lane, p, stream);
+    launch_for<false, false>(layout.per_lane, p, stream);
   }
+}
+
+RouteKernelChoice route_kernel_choice_from_env() {
+  static const RouteKernelChoice choice = [] {
+    RouteKernelChoice c;
+    const char* g8 = std::getenv("EPMOE_ROUTER_G8");
+    if (g8 != nullptr && std::string_view(g8) == "0") c.kernel = RouteKernelChoice::Kernel::general;
+    const char* div = std::getenv("EPMOE_ROUTER_DIV");
+    c.rn_division = div != nullptr && std::string_view(div) == "rn";
+    return c;
+  }();
+  return choice;
+}
+
+void route(const MoeConfig& config, TensorView logits, TensorView correction_bias, TensorView topk_ids,
+           TensorView topk_weights, cudaStream_t stream) {
+  route(config, logits, correction_bias, topk_ids, topk_weights, stream, route_kernel_choice_from_env());
 }
 
 }  // namespace epmoe::cuda

@@ -83,7 +83,7 @@ __device__ __forceinline__ void load_values(const float* p, bool vector, bool la
     if (valid[j]) out[j] = __ldg(p + j);
 }
 
-template <int kV, bool kSigmoid>
+template <int kV, bool kSigmoid, bool kRnDiv>
 __global__ void __launch_bounds__(kRouterThreads) route_kernel(const RouterParams p) {
   static_assert(kV >= 1 && kV <= kRouterMaxPerLane && (kV & (kV - 1)) == 0);
   using namespace routing;
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kRouterThreads) route_kernel(const RouterParam
     if constexpr (kSigmoid) {
 #pragma unroll
       for (int j = 0; j < kV; ++j) {
-        score[j] = sigmoid_f32_fast(x[j]);
+        score[j] = sigmoid_f32_gpu<kRnDiv>(x[j]);
         choice[j] = rn_add(score[j], bias[j]);
       }
     } else {
@@ -233,43 +233,62 @@ __global__ void __launch_bounds__(kRouterThreads) route_kernel(const RouterParam
 // DeepSeek-V3 shape, sigmoid noaux_tc: E = 256 in G = 8 groups of 32, K <= 8, kg <= 4 groups kept
 // with 2 * kg >= K (route_g8_eligible in router_gpu.cu). Bit-exact with route_cpu like the kernel
 // above, in ~350 instead of ~1300 warp-instructions per token (counted on the PTX):
-//  - 8 lanes per token, 4 tokens per warp; lane (tw, g) = (lane / 8, lane % 8) holds group g of
-//    token tw: 32 experts, so the group top-2 is in-lane (3 min/max per value, no shuffles).
+//  - 8 lanes per token, 4 tokens (a quad) per warp; lane (tw, g) = (lane / 8, lane % 8) holds group
+//    g of token tw: 32 experts, so the group top-2 is in-lane (3 min/max per value, no shuffles).
 //  - The warp's 4 rows (4 KB, contiguous) are loaded with coalesced 16-byte loads into shared
 //    memory and read back a group per lane; chunk c (16 bytes) of row r sits at chunk c ^ (r % 8)
 //    so that both the stores and the reads are free of bank conflicts. The sigmoid scores replace
 //    the logits there (the weights of the chosen experts are read back from them).
-//  - sigmoid_f32_fast: the same bits as sigmoid_f32 in ~25 instead of ~55 instructions.
+//  - sigmoid_f32_gpu: sigmoid_f32's bits, without a branch by default (div_rn_sigmoid), so that
+//    a lane's 32 sigmoids can interleave.
 //  - Groups: each lane's rank among its token's 8 group scores (8 shuffles), kept iff < kg.
 //  - Experts, without selection rounds: every top-K expert of the kept groups has a selection value
 //    >= tau = min over kept groups of their second-largest value (those 2 * kg >= K values belong
 //    to distinct experts). The experts >= tau (C of them, ~11 for random data) are compacted into
 //    a per-token list of 64-bit keys (order_key(value), ~id) (higher key = earlier in route_cpu's
 //    order: higher value, then lower index); each one's rank is the number of larger keys in the
-//    list; ranks < K go to their output slot.
+//    list; ranks < K go to their output slot. The list holds kRouterG8Candidates per token; a quad
+//    with a longer one (ties: C is up to 128 for a row of equal values) runs K selection rounds
+//    over its candidates instead (the maximum key of the token's 8 lanes per round).
+//  - Occupancy: 8 blocks of 4 warps per SM (25.75 KB of shared memory and <= 64 registers each),
+//    so that 132 SMs hold 4224 quads: T = 16384 in one round. Each warp's first quad's logits are in
+//    flight with the block's bias load. (Loading the next quad into registers while this one is
+//    ranked makes the 32 logits live across the loop and spills at 64 registers.)
 inline constexpr int kRouterG8Warps = 4;
 inline constexpr int kRouterG8Threads = kRouterG8Warps * 32;
-inline constexpr int kRouterG8Candidates = 128;  // at most 4 kept groups x 32
-// 6 blocks (24 warps) per SM: 34 KB of shared memory each, registers capped at 80 (63 used).
-inline constexpr int kRouterG8MinBlocks = 6;
+inline constexpr int kRouterG8Candidates = 64;
+// +2 entries: the 4 tokens' lists start 4 banks apart (the rank loop reads one key per token).
+inline constexpr int kRouterG8ListStride = kRouterG8Candidates + 2;
+inline constexpr int kRouterG8MinBlocks = 8;
 
+// The 8 16-byte chunks lane `lane` loads of quad q (rows t0..t0+3 of 64 chunks, coalesced); zeros
+// for rows at or past `tokens`.
+__device__ __forceinline__ void load_quad(const float* logits, std::uint32_t tokens, std::uint32_t q,
+                                          int lane, float4 (&v)[8]) {
+  const std::uint32_t t0 = q * 4u;
+  const float4* const src = reinterpret_cast<const float4*>(logits) + static_cast<std::uint64_t>(t0) * 64u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    v[i] = t0 + static_cast<std::uint32_t>(i / 2) < tokens ? __ldg(src + i * 32 + lane)
+                                                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+template <bool kRnDiv>
 __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
     route_g8_kernel(const RouterParams p) {
   using namespace routing;
   constexpr unsigned kFull = 0xffffffffu;
   __shared__ float4 bias_s[64];                  // [group][chunk ^ group]
   __shared__ float4 stage[kRouterG8Warps][256];  // per warp: [token * 8 + group][chunk ^ group]
-  __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8Candidates];
+  __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
-
-  for (int i = static_cast<int>(threadIdx.x); i < 64; i += kRouterG8Threads) {
-    const int g = i >> 3, c = i & 7;
-    bias_s[g * 8 + (c ^ g)] = __ldg(reinterpret_cast<const float4*>(p.bias) + i);
-  }
-  __syncthreads();
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::uint32_t quads = (p.tokens + 3u) / 4u;
+  const std::uint32_t step = gridDim.x * kRouterG8Warps;
+  std::uint32_t q = blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
+
   const int tw = lane >> 3;     // token of the quad
   const int g = lane & 7;       // group
   const int first = lane & 24;  // lane of the token's group 0
@@ -279,25 +298,29 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   const float* const Bf = reinterpret_cast<const float*>(bias_s);
   std::uint64_t* const L = cand[warp][tw];
   std::uint32_t* const S = slot[warp][tw];
-  const std::uint32_t quads = (p.tokens + 3u) / 4u;
-  const std::uint32_t step = gridDim.x * kRouterG8Warps;
 
-  for (std::uint32_t q = blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp); q < quads;
-       q += step) {
-    const std::uint32_t t0 = q * 4u;
-    // ---- logits: 4 rows, coalesced, into shared memory
-    const float4* const src =
-        reinterpret_cast<const float4*>(p.logits) + static_cast<std::uint64_t>(t0) * 64u;
+  // ---- logits of a quad: 4 rows, coalesced, into shared memory (the first quad's are in flight
+  // with the bias)
+  auto stage_quad = [&](std::uint32_t quad) {
     float4 v[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      v[i] = t0 + static_cast<std::uint32_t>(i / 2) < p.tokens ? __ldg(src + i * 32 + lane)
-                                                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    load_quad(p.logits, p.tokens, quad, lane, v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int r = i * 4 + (lane >> 3);
       X[r * 8 + ((lane & 7) ^ (r & 7))] = v[i];
     }
+  };
+  float4 b0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (threadIdx.x < 64) b0 = __ldg(reinterpret_cast<const float4*>(p.bias) + threadIdx.x);
+  if (q < quads) stage_quad(q);
+  if (threadIdx.x < 64) {
+    const int g8 = static_cast<int>(threadIdx.x) >> 3, c = static_cast<int>(threadIdx.x) & 7;
+    bias_s[g8 * 8 + (c ^ g8)] = b0;
+  }
+  __syncthreads();
+
+  for (bool first_quad = true; q < quads; q += step, first_quad = false) {
+    if (!first_quad) stage_quad(q);
     __syncwarp();
 
     // ---- scores (back into shared memory) and selection values (registers)
@@ -307,10 +330,10 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
       const float4 x = X[row * 8 + (c ^ g)];
       const float4 b = bias_s[g * 8 + (c ^ g)];
       float4 s;
-      s.x = sigmoid_f32_fast(x.x);
-      s.y = sigmoid_f32_fast(x.y);
-      s.z = sigmoid_f32_fast(x.z);
-      s.w = sigmoid_f32_fast(x.w);
+      s.x = sigmoid_f32_gpu<kRnDiv>(x.x);
+      s.y = sigmoid_f32_gpu<kRnDiv>(x.y);
+      s.z = sigmoid_f32_gpu<kRnDiv>(x.z);
+      s.w = sigmoid_f32_gpu<kRnDiv>(x.w);
       X[row * 8 + (c ^ g)] = s;
       ch[4 * c] = rn_add(s.x, b.x);
       ch[4 * c + 1] = rn_add(s.y, b.y);
@@ -343,6 +366,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
 #pragma unroll
     for (int j = 0; j < 32; ++j) mask |= ch[j] < tau ? 0u : 1u << j;
     if (!kept) mask = 0;
+
     const int count = __popc(mask);
     int end = count;  // inclusive prefix over the token's lanes
 #pragma unroll
@@ -351,31 +375,56 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
       if (g >= o) end += y;
     }
     const int total = __shfl_sync(kFull, end, first | 7);
-    int pos = end - count;
-    while (mask != 0u) {
-      const int j = __ffs(static_cast<int>(mask)) - 1;
-      mask &= mask - 1u;
-      const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-      const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
-      L[pos++] =
-          (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
-    }
-    __syncwarp();
-
-    // ---- rank of each candidate = number of larger keys; lane g ranks candidates g, g + 8, ...
-    for (int i = g; i < total; i += 16) {
-      const std::uint64_t a = L[i];
-      const bool has_b = i + 8 < total;
-      const std::uint64_t b = has_b ? L[i + 8] : ~0ull;
-      int rank_a = 0, rank_b = 0;
-#pragma unroll 4
-      for (int k = 0; k < total; ++k) {
-        const std::uint64_t key = L[k];
-        rank_a += key > a ? 1 : 0;
-        rank_b += key > b ? 1 : 0;
+    if (!__any_sync(kFull, total > kRouterG8Candidates)) {
+      int pos = end - count;
+      while (mask != 0u) {
+        const int j = __ffs(static_cast<int>(mask)) - 1;
+        mask &= mask - 1u;
+        const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
+        const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
+        L[pos++] =
+            (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
       }
-      if (rank_a < p.topk) S[rank_a] = ~static_cast<std::uint32_t>(a);
-      if (has_b && rank_b < p.topk) S[rank_b] = ~static_cast<std::uint32_t>(b);
+      __syncwarp();
+
+      // ---- rank of each candidate = number of larger keys; lane g ranks candidates g, g + 8, ...
+      for (int i = g; i < total; i += 16) {
+        const std::uint64_t a = L[i];
+        const bool has_b = i + 8 < total;
+        const std::uint64_t b = has_b ? L[i + 8] : ~0ull;
+        int rank_a = 0, rank_b = 0;
+#pragma unroll 4
+        for (int k = 0; k < total; ++k) {
+          const std::uint64_t key = L[k];
+          rank_a += key > a ? 1 : 0;
+          rank_b += key > b ? 1 : 0;
+        }
+        if (rank_a < p.topk) S[rank_a] = ~static_cast<std::uint32_t>(a);
+        if (has_b && rank_b < p.topk) S[rank_b] = ~static_cast<std::uint32_t>(b);
+      }
+    } else {
+      // ---- a list past kRouterG8Candidates in the quad (ties): K rounds, each the largest key
+      // (value, ~id) left among the token's candidates
+      for (int k = 0; k < p.topk; ++k) {
+        std::uint64_t best = 0;
+        for (std::uint32_t m = mask; m != 0u; m &= m - 1u) {
+          const int j = __ffs(static_cast<int>(m)) - 1;
+          const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
+          const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
+          const std::uint64_t key =
+              (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
+          best = key > best ? key : best;
+        }
+        std::uint64_t top = best;
+#pragma unroll
+        for (int o = 1; o < 8; o *= 2) {
+          const std::uint64_t other = __shfl_xor_sync(kFull, top, o);
+          top = other > top ? other : top;
+        }
+        const std::uint32_t id = ~static_cast<std::uint32_t>(top);
+        if (best == top) mask &= ~(1u << (id & 31u));  // keys are distinct: one lane of the token
+        if (g == 0) S[k] = id;
+      }
     }
     __syncwarp();
 
@@ -389,7 +438,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
     }
     float sum = 0.0f;  // in selection order
     for (int k = 0; k < p.topk; ++k) sum = rn_add(sum, __shfl_sync(kFull, score, first | k));
-    const std::uint32_t t = t0 + static_cast<std::uint32_t>(tw);
+    const std::uint32_t t = q * 4u + static_cast<std::uint32_t>(tw);
     if (g < p.topk && t < p.tokens) {
       float w = score;
       if (p.renormalize) w = sum > 0.0f ? rn_div(w, sum) : rn_div(1.0f, static_cast<float>(p.topk));

@@ -121,4 +121,61 @@ EPMOE_HD inline float sigmoid_f32_fast(float x) {
   return rn_div(x >= 0.0f ? 1.0f : e, d);
 }
 
+// n / d rounded to nearest even without a branch, for the sigmoid's quotients only: n = 1 or
+// n = e, d = rn(1 + e), e in [0, 1]. On the device: for d in (1, 2] (then n is 1 or in
+// (2^-24, 1], and the quotient is normal) the fast path of div.rn.f32 (reciprocal estimate, one
+// Newton step, one residual correction) is correctly rounded — div.rn's FCHK only sends inputs
+// outside that range to the slow path. d == 1 (e <= 2^-24, subnormal e included) needs no case of
+// its own: rcp.approx(1) = 1, so q0 = n, the residual is 0 and q = n = n / 1 (no flush to zero).
+// __fdiv_rn keeps FCHK and its branch, which splits the 32 sigmoids of a g8 lane into 32 basic
+// blocks that run one after another; this version lets them interleave. Checked against
+// __fdiv_rn through the whole sigmoid on all 2^32 inputs by the GPU test
+// RouterMathGpu.BranchFreeSigmoidBitIdenticalOnEveryFloat. On the host: n / d.
+EPMOE_HD inline float div_rn_sigmoid(float n, float d) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  r = rn_fma(r, rn_fma(-d, r, 1.0f), r);
+  const float q0 = rn_mul(n, r);
+  return rn_fma(rn_fma(-d, q0, n), r, q0);
+#else
+  return n / d;
+#endif
+}
+
+// sigmoid_f32_fast with div_rn_sigmoid for its division: the same bits (the GPU routers' default).
+EPMOE_HD inline float sigmoid_f32_branch_free(float x) {
+  constexpr float kLog2e = 0x1.715476p+0f;
+  constexpr float kLn2Hi = 0x1.62e400p-1f;
+  constexpr float kLn2Lo = 0x1.7f7d1cp-20f;
+  constexpr float kRoundMagic = 0x1.8p+23f;
+  const float a = rn_max(neg_abs(x), -104.0f);
+  const float t = rn_fma(a, kLog2e, kRoundMagic);
+  const float n = rn_add(t, -kRoundMagic);
+  float r = rn_fma(-n, kLn2Hi, a);
+  r = rn_fma(-n, kLn2Lo, r);
+  float p = 0x1.a01a02p+51f;
+  p = rn_fma(p, r, 0x1.6c16c2p+54f);
+  p = rn_fma(p, r, 0x1.111112p+57f);
+  p = rn_fma(p, r, 0x1.555556p+59f);
+  p = rn_fma(p, r, 0x1.555556p+61f);
+  p = rn_fma(p, r, 0x1p+63f);
+  p = rn_fma(p, r, 0x1p+64f);
+  p = rn_fma(p, r, 0x1p+64f);
+  const float e = rn_mul(f32_from_bits(f32_bits(p) + (f32_bits(t) << 23)), 0x1p-64f);
+  const float d = rn_add(1.0f, e);
+  return div_rn_sigmoid(x >= 0.0f ? 1.0f : e, d);
+}
+
+// The sigmoid the GPU kernels use: branch-free by default, sigmoid_f32_fast (with __fdiv_rn) when
+// kRnDiv (kept to time one against the other).
+template <bool kRnDiv>
+EPMOE_HD inline float sigmoid_f32_gpu(float x) {
+  if constexpr (kRnDiv) {
+    return sigmoid_f32_fast(x);
+  } else {
+    return sigmoid_f32_branch_free(x);
+  }
+}
+
 }  // namespace epmoe::routing

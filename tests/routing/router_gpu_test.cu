@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -15,9 +16,11 @@
 
 #include "epmoe/config.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/launch.hpp"
 #include "epmoe/cuda/router.hpp"
 #include "epmoe/router.hpp"
 #include "gpu_test_util.hpp"
+#include "routing/router_math.hpp"
 
 namespace epmoe {
 namespace {
@@ -157,7 +160,8 @@ struct Outputs {
   HostTensor ids, weights;
 };
 
-Outputs route_on_gpu(const MoeConfig& c, const HostTensor& logits, const HostTensor& bias, bool misaligned) {
+Outputs route_on_gpu(const MoeConfig& c, const HostTensor& logits, const HostTensor& bias, bool misaligned,
+                     const cuda::RouteKernelChoice& choice = cuda::route_kernel_choice_from_env()) {
   const std::int64_t tokens = logits.size(0);
   cuda::Stream stream;
   // Misaligned: the logits one float past a 256-byte boundary (the kernel's scalar-load path).
@@ -170,7 +174,7 @@ Outputs route_on_gpu(const MoeConfig& c, const HostTensor& logits, const HostTen
   const cuda::DeviceTensor dweights(DType::f32, {tokens, c.topk});
   dids.fill_bytes(kPoison, stream);
   dweights.fill_bytes(kPoison, stream);
-  cuda::route(c, dlogits, dbias, dids, dweights, stream);
+  cuda::route(c, dlogits, dbias, dids, dweights, stream, choice);
   return {cuda::to_host(dids, stream), cuda::to_host(dweights, stream)};
 }
 
@@ -188,14 +192,11 @@ using SigmoidCase = std::tuple<std::string, std::int64_t, bool>;  // config, T, 
 
 class RouterSigmoidGpu : public ::testing::TestWithParam<SigmoidCase> {};
 
-void check_sigmoid(const MoeConfig& c, std::int64_t tokens, bool periodic, bool misaligned) {
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
-  const HostTensor bias = random_bias(c, periodic, rng);
-  const HostTensor logits = random_sigmoid_logits(c, tokens, rng);
+void expect_same_routes(const MoeConfig& c, const HostTensor& logits, const HostTensor& bias, bool misaligned,
+                        const cuda::RouteKernelChoice& choice) {
+  const std::int64_t tokens = logits.size(0);
   const Outputs want = route_on_cpu(c, logits, bias);
-  const Outputs got = route_on_gpu(c, logits, bias, misaligned);
+  const Outputs got = route_on_gpu(c, logits, bias, misaligned, choice);
   const std::int64_t k = c.topk;
   const auto* gi = got.ids.data<std::int32_t>();
   const auto* wi = want.ids.data<std::int32_t>();
@@ -213,6 +214,16 @@ void check_sigmoid(const MoeConfig& c, std::int64_t tokens, bool periodic, bool 
            std::to_string(gw[i]) + " (0x" + std::to_string(bits_of(gw[i])) + "), want " +
            std::to_string(ww[i]) + " (0x" + std::to_string(bits_of(ww[i])) + ")";
   }));
+}
+
+void check_sigmoid(const MoeConfig& c, std::int64_t tokens, bool periodic, bool misaligned,
+                   const cuda::RouteKernelChoice& choice = cuda::route_kernel_choice_from_env()) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const HostTensor bias = random_bias(c, periodic, rng);
+  const HostTensor logits = random_sigmoid_logits(c, tokens, rng);
+  expect_same_routes(c, logits, bias, misaligned, choice);
 }
 
 TEST_P(RouterSigmoidGpu, BitExactWithCpu) {
@@ -239,6 +250,118 @@ INSTANTIATE_TEST_SUITE_P(Layouts, RouterSigmoidGpu,
                            return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
                                   (std::get<2>(info.param) ? "_periodic_bias" : "_mixed_bias");
                          });
+
+// ---------------------------------------------------------------- every kernel choice
+// The same inputs through each kernel the router can take (RouteKernelChoice): route_g8_kernel
+// forced below its switch point and the general kernel above it, each with the branch-free and
+// the __fdiv_rn sigmoid.
+using ChoiceCase = std::tuple<std::string, std::int64_t, bool>;  // kernel, T, __fdiv_rn sigmoid
+
+cuda::RouteKernelChoice choice_named(const std::string& kernel, bool rn_division) {
+  cuda::RouteKernelChoice c;
+  c.kernel = kernel == "g8" ? cuda::RouteKernelChoice::Kernel::g8 : cuda::RouteKernelChoice::Kernel::general;
+  c.rn_division = rn_division;
+  return c;
+}
+
+class RouterKernelChoiceGpu : public ::testing::TestWithParam<ChoiceCase> {};
+
+TEST_P(RouterKernelChoiceGpu, BitExactWithCpu) {
+  EPMOE_REQUIRE_GPU();
+  const auto& [kernel, tokens, rn_division] = GetParam();
+  const cuda::RouteKernelChoice choice = choice_named(kernel, rn_division);
+  for (const bool periodic : {false, true})
+    check_sigmoid(config_named("deepseek_v3"), tokens, periodic, false, choice);
+  check_sigmoid(config_named("no_renorm"), tokens, false, false, choice);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, RouterKernelChoiceGpu,
+                         ::testing::Combine(::testing::Values("g8", "general"),
+                                            ::testing::Values<std::int64_t>(1, 5, 128, 4097, 20000),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<ChoiceCase>& info) {
+                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_rn_div" : "_branch_free_div");
+                         });
+
+// route_g8_kernel keeps kRouterG8Candidates (64) candidates per token; a quad with a longer list
+// runs K selection rounds instead. A constant bias makes the candidates the kept experts tied with
+// the second-largest value: rows with `top` equal maxima per group (and the rest below) give 4 * top
+// candidates: 64 fills the list exactly, 68 and 128 (every value equal) take the rounds.
+TEST(RouterGpu, LongCandidateListsTakeTheRoundsPath) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = config_named("deepseek_v3");
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::int64_t tokens = 4099, e_count = c.num_experts, per_group = e_count / c.num_groups;
+  HostTensor bias(DType::f32, {e_count});
+  for (std::int64_t e = 0; e < e_count; ++e) bias.data<float>()[e] = 0.0625f;
+  HostTensor logits(DType::f32, {tokens, e_count});
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    float* row = logits.data<float>() + t * e_count;
+    const std::int64_t kind = (t / 3) % 6;  // quads of mixed kinds, and whole quads of one kind
+    const int top = kind == 0 ? 16 : kind == 1 ? 17 : kind == 2 ? 32 : kind == 3 ? 15 : 0;
+    if (top == 0) {
+      for (std::int64_t i = 0; i < e_count; ++i) row[i] = normal(rng);
+      continue;
+    }
+    const float high = 1.5f + 0.25f * static_cast<float>(t % 4);
+    for (std::int64_t g = 0; g < c.num_groups; ++g) {
+      std::vector<int> order(static_cast<std::size_t>(per_group));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      // Every group has `top` maxima; groups differ only below them (all groups tie, ids decide).
+      for (std::int64_t i = 0; i < per_group; ++i)
+        row[g * per_group + order[static_cast<std::size_t>(i)]] =
+            i < top ? high : high - 1.0f - std::fabs(normal(rng));
+    }
+  }
+  for (const bool rn_division : {false, true}) {
+    expect_same_routes(c, logits, bias, false, choice_named("g8", rn_division));
+  }
+  expect_same_routes(c, logits, bias, false, cuda::route_kernel_choice_from_env());
+}
+
+// ---------------------------------------------------------------- the branch-free sigmoid
+// sigmoid_f32_branch_free (div_rn_sigmoid: reciprocal estimate, Newton step, residual correction,
+// no branch) must give sigmoid_f32_fast's (__fdiv_rn) and sigmoid_f32's bits on every non-NaN
+// float: checked on all 2^32 bit patterns.
+__global__ void branch_free_sigmoid_kernel(unsigned int* mismatches, unsigned int* first_bad) {
+  unsigned int bad = 0;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (1ull << 32);
+       i += stride) {
+    const float x = __uint_as_float(static_cast<std::uint32_t>(i));
+    if (x != x) continue;
+    const std::uint32_t got = __float_as_uint(routing::sigmoid_f32_branch_free(x));
+    const bool ok = got == __float_as_uint(routing::sigmoid_f32_fast(x)) &&
+                    got == __float_as_uint(routing::sigmoid_f32(x));
+    if (!ok) {
+      ++bad;
+      atomicMin(first_bad, static_cast<unsigned int>(i));
+    }
+  }
+  if (bad != 0u) atomicAdd(mismatches, bad);
+}
+
+TEST(RouterMathGpu, BranchFreeSigmoidBitIdenticalOnEveryFloat) {
+  EPMOE_REQUIRE_GPU();
+  cuda::Stream stream;
+  const cuda::DeviceBuffer mismatches(4), first_bad(4);
+  mismatches.fill_bytes(0, stream);
+  first_bad.fill_bytes(0xff, stream);
+  branch_free_sigmoid_kernel<<<132 * 16, 256, 0, stream>>>(mismatches.as<unsigned int>(),
+                                                           first_bad.as<unsigned int>());
+  EPMOE_CUDA_CHECK_LAUNCH();
+  unsigned int bad = 0, first = 0;
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&bad, mismatches.data(), 4, cudaMemcpyDeviceToHost, stream));
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&first, first_bad.data(), 4, cudaMemcpyDeviceToHost, stream));
+  stream.synchronize();
+  std::printf("branch-free sigmoid: %u mismatches over all non-NaN floats\n", bad);
+  EXPECT_EQ(bad, 0u) << "first mismatching input bits 0x" << std::hex << first;
+}
 
 TEST(RouterGpu, MisalignedLogitsTakeTheScalarPath) {
   EPMOE_REQUIRE_GPU();

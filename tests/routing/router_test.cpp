@@ -108,6 +108,11 @@ TEST(RouterSigmoid, FastVersionBitIdentical) {
     EXPECT_EQ(std::bit_cast<std::uint32_t>(routing::sigmoid_f32_fast(x)),
               std::bit_cast<std::uint32_t>(routing::sigmoid_f32(x)))
         << x;
+    // The host twin of the GPU's branch-free version (its division is n / d here; the device's is
+    // checked on every float by RouterMathGpu.BranchFreeSigmoidBitIdenticalOnEveryFloat).
+    EXPECT_EQ(std::bit_cast<std::uint32_t>(routing::sigmoid_f32_branch_free(x)),
+              std::bit_cast<std::uint32_t>(routing::sigmoid_f32(x)))
+        << x;
   }
   EXPECT_EQ(routing::sigmoid_f32_fast(std::numeric_limits<float>::quiet_NaN()), 0.0f);
 }

@@ -2,7 +2,7 @@
 // kernel. CPU twin: epmoe::route_cpu (epmoe/router.hpp).
 //
 //  - sigmoid scoring (DeepSeek-V3 "noaux_tc"): bit-exact with route_cpu, ids and weights. The
-//    sigmoid is routing::sigmoid_f32_fast (sigmoid_f32 bit for bit), the selections use the same
+//    sigmoid is routing::sigmoid_f32_branch_free (sigmoid_f32 bit for bit), the selections use the same
 //    strict order (higher value first, ties to the lower index, for groups and for experts), and
 //    the weights the same f32 operation sequence (sum of the chosen unbiased scores in selection
 //    order, then each score / sum — 1/K each when the sum is 0 —, times routed_scaling_factor).
@@ -36,5 +36,20 @@ bool route_supports(const MoeConfig& config);
 // T may be 0 (nothing is launched).
 void route(const MoeConfig& config, TensorView logits, TensorView correction_bias, TensorView topk_ids,
            TensorView topk_weights, cudaStream_t stream);
+
+// Which kernel route() takes, for tests and benchmarks (every choice gives the same bits).
+// automatic: route_g8_kernel where it applies (DeepSeek-V3's shape, T >= 1024), else the general
+// kernel; EPMOE_ROUTER_G8=0 in the environment means general. rn_division: the sigmoid with
+// __fdiv_rn (sigmoid_f32_fast) instead of the branch-free division; EPMOE_ROUTER_DIV=rn sets it.
+struct RouteKernelChoice {
+  enum class Kernel { automatic, general, g8 };
+  Kernel kernel = Kernel::automatic;
+  bool rn_division = false;
+};
+// The choice route() makes from the environment.
+RouteKernelChoice route_kernel_choice_from_env();
+// route() with an explicit choice; Kernel::g8 where g8 does not apply falls back to general.
+void route(const MoeConfig& config, TensorView logits, TensorView correction_bias, TensorView topk_ids,
+           TensorView topk_weights, cudaStream_t stream, const RouteKernelChoice& choice);
 
 }  // namespace epmoe::cuda
