@@ -430,6 +430,17 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       variants.push_back({std::string(".w4a8.v2.ablate_") + label, c});
     }
   }
+  // v2 with the codes' offset term summed by its producer-side offset warp (".w4a8.v2.offwarp",
+  // bench/NOTES.md W4A8 v5; not chosen automatically yet), on every row beside the plain v2 line.
+  {
+    cuda::W4A8KernelChoice c{2};
+    c.offset_warp = 1;
+    variants.push_back({".w4a8.v2.offwarp", c});
+    if (experiment) {
+      c.ablation = 8;  // no weight loads: is it still bound by the consumers' per-stage work?
+      variants.push_back({".w4a8.v2.offwarp.ablate_noload", c});
+    }
+  }
   // Decode rows: v2 on every SM (max_ctas = SM count) against the default, which trims the CTAs
   // to balance the tile rounds, and v2's tile with two consumers (".m<rows>c2": 2 x 64 weight rows,
   // two partials in flight) against the four-consumer default.
@@ -460,6 +471,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     Params p = base;
     p["quant"] = std::string("w4a8");
     p["kernel"] = static_cast<std::int64_t>(ran.version);
+    p["offset_warp"] = static_cast<std::int64_t>(ran.offset_warp);
     if (ran.version == 3) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = static_cast<std::int64_t>(ran.block_n);
