@@ -431,11 +431,15 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     }
   }
   // v2 with the codes' offset term summed by its producer-side offset warp (".w4a8.v2.offwarp",
-  // bench/NOTES.md W4A8 v5; not chosen automatically yet), on every row beside the plain v2 line.
+  // bench/NOTES.md W4A8 v5; not chosen automatically yet), and the same with two K blocks per
+  // stage (".w4a8.v2.offwarp.k2"), on every row beside the plain v2 line.
   {
     cuda::W4A8KernelChoice c{2};
     c.offset_warp = 1;
     variants.push_back({".w4a8.v2.offwarp", c});
+    cuda::W4A8KernelChoice k2 = c;  // and two K blocks per stage
+    k2.stage_k_blocks = 2;
+    variants.push_back({".w4a8.v2.offwarp.k2", k2});
     if (experiment) {
       c.ablation = 8;  // no weight loads: is it still bound by the consumers' per-stage work?
       variants.push_back({".w4a8.v2.offwarp.ablate_noload", c});
@@ -472,6 +476,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     p["quant"] = std::string("w4a8");
     p["kernel"] = static_cast<std::int64_t>(ran.version);
     p["offset_warp"] = static_cast<std::int64_t>(ran.offset_warp);
+    p["stage_k_blocks"] = static_cast<std::int64_t>(ran.stage_k_blocks == 2 ? 2 : 1);
     if (ran.version == 3) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = static_cast<std::int64_t>(ran.block_n);

@@ -149,10 +149,10 @@ cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes,
   return config;
 }
 
-template <int kBM, int kConsumers, bool kOffsetWarp>
+template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
-  using Traits = W4A8Traits<kBM, kConsumers, kOffsetWarp>;
-  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffsetWarp>;
+  using Traits = W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>;
+  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffsetWarp, kStageKB>;
   gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
   const std::int64_t ctas = plan_persistent(problem, options, kBM, Traits::kTileN, Traits::kStages);
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
@@ -161,22 +161,22 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-template <bool kOffsetWarp>
+template <bool kOffsetWarp, int kStageKB>
 void launch(W4A8TileShape tile, const TensorView& a, const Problem& problem, const W4A8GemmOptions& options,
             cudaStream_t stream) {
   if (tile.consumers == 4) {
-    if (tile.block_m == 16) return launch<16, 4, kOffsetWarp>(a, problem, options, stream);
-    return launch<32, 4, kOffsetWarp>(a, problem, options, stream);
+    if (tile.block_m == 16) return launch<16, 4, kOffsetWarp, kStageKB>(a, problem, options, stream);
+    return launch<32, 4, kOffsetWarp, kStageKB>(a, problem, options, stream);
   }
   switch (tile.block_m) {
     case 16:
-      return launch<16, 2, kOffsetWarp>(a, problem, options, stream);
+      return launch<16, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
     case 32:
-      return launch<32, 2, kOffsetWarp>(a, problem, options, stream);
+      return launch<32, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
     case 64:
-      return launch<64, 2, kOffsetWarp>(a, problem, options, stream);
+      return launch<64, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
     default:
-      return launch<128, 2, kOffsetWarp>(a, problem, options, stream);
+      return launch<128, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
   }
 }
 
@@ -242,13 +242,15 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
             : w4a8_kernel_choice(masked, problem.expected_m, problem.params.n, problem.params.k);
   } else if (g_pinned.version == 2) {
     c.offset_warp = g_pinned.offset_warp;
+    c.stage_k_blocks = g_pinned.stage_k_blocks;
   }
   Problem with = problem;
   with.ablation = c.ablation;
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
-  if (c.offset_warp != 0) return launch<true>(tile, a, with, options, stream);
-  launch<false>(tile, a, with, options, stream);
+  if (c.offset_warp != 0 && c.stage_k_blocks == 2) return launch<true, 2>(tile, a, with, options, stream);
+  if (c.offset_warp != 0) return launch<true, 1>(tile, a, with, options, stream);
+  launch<false, 1>(tile, a, with, options, stream);
 }
 
 // Checks shared by both layouts; fills the weight and scale fields of p.
@@ -384,6 +386,10 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
   EPMOE_CHECK(choice.offset_warp == 0 || (choice.offset_warp == 1 && choice.version == 2),
               "W4A8 offset_warp must be 0, or 1 with version 2, got {} with version {}", choice.offset_warp,
               choice.version);
+  EPMOE_CHECK(choice.stage_k_blocks == 0 || choice.stage_k_blocks == 1 ||
+                  (choice.stage_k_blocks == 2 && choice.offset_warp == 1),
+              "W4A8 stage_k_blocks must be 0 or 1, or 2 with offset_warp = 1, got {} with offset_warp {}",
+              choice.stage_k_blocks, choice.offset_warp);
   EPMOE_CHECK(
       choice.ablation >= 0 && choice.ablation <= 15 &&
           (choice.ablation == 0 || choice.version == 3 ||

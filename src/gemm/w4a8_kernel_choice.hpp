@@ -10,10 +10,11 @@
 //   offset_warp (version 2 only; bench/NOTES.md, W4A8 v5): the same kernel with the codes' offset
 //              term summed per stage by a producer-side warp (W4A8Traits::kOffsetWarp) instead of
 //              by the consumers (a constant-operand wgmma per K step for tiles of <= 32 rows, or
-//              m64n8k32 and a named barrier per K block for 64 and 128); not chosen automatically.
+//              m64n8k32 and a named barrier per K block for 64 and 128); not chosen automatically;
+//   stage_k_blocks = 2 (with offset_warp): two K blocks (256 K) per pipeline stage.
 //
 // Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
-// with offset_warp as pinned when the pinned version is 2.
+// with offset_warp and stage_k_blocks as pinned when the pinned version is 2.
 #pragma once
 
 #include <cstdint>
@@ -21,13 +22,14 @@
 namespace epmoe::cuda {
 
 struct W4A8KernelChoice {
-  int version = 0;      // 0: the heuristic; 2 or 3
-  int block_m = 0;      // version 3 only: 64 or 128 (0: heuristic)
-  int block_n = 0;      // 128 or 256
-  int waves = 0;        // 1 (128-column waves per consumer; two were retired, bench/NOTES.md)
-  int ablation = 0;     // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
-                        // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
-  int offset_warp = 0;  // version 2 only: 1 = the offset term from the producer-side offset warp
+  int version = 0;         // 0: the heuristic; 2 or 3
+  int block_m = 0;         // version 3 only: 64 or 128 (0: heuristic)
+  int block_n = 0;         // 128 or 256
+  int waves = 0;           // 1 (128-column waves per consumer; two were retired, bench/NOTES.md)
+  int ablation = 0;        // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
+                           // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
+  int offset_warp = 0;     // version 2 only: 1 = the offset term from the producer-side offset warp
+  int stage_k_blocks = 0;  // version 2 with offset_warp only: 2 = two K blocks per stage (0, 1: one)
 };
 
 // The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved

@@ -304,6 +304,10 @@ TEST(W4A8Pack, RefusesBadArguments) {
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 2}); },
                         "W4A8 offset_warp must be 0, or 1 with version 2");
   EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1}));
+  expect_error_mentions(
+      [&] { cuda::w4a8_pin_kernel({.version = 2, .stage_k_blocks = 2}); },
+      "W4A8 stage_k_blocks must be 0 or 1, or 2 with offset_warp = 1, got 2 with offset_warp 0");
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .stage_k_blocks = 2}));
   cuda::w4a8_pin_kernel({});
 }
 
