@@ -11,7 +11,9 @@
 # small W4A8 tests, hazards printed), W4A8_MEMCHECK=0 (skip memcheck), W4A8_CPU_TESTS=1 (build and
 # run the CPU W4A8 tests too), W4A8_TESTS=0 (skip the GPU tests: a second call for the bench alone,
 # the build already there), W4A8_BENCH_ENV (extra
-# environment for the bench, e.g. "EPMOE_BENCH_GEMM_ONLY=decode EPMOE_BENCH_GEMM_EXPERIMENTS=1").
+# environment for the bench, e.g. "EPMOE_BENCH_GEMM_ONLY=decode EPMOE_BENCH_GEMM_EXPERIMENTS=1"),
+# W4A8_BUILD=0 (binaries built on another machine already in build-gpu/: no build, no ptxas; the
+# SASS summary only if the object is there).
 # The bench times v2 with the offset warp (".w4a8.v2.offwarp", ".w4a8.v2.offwarp.k2": bench/NOTES.md,
 # W4A8 v5) on every row; memcheck's default filter (W4A8_MEMCHECK_FILTER) matches their variants of
 # its tests too.
@@ -30,16 +32,24 @@ start=$SECONDS
 stamp() { echo "== $1 ($((SECONDS - start)) s)"; }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader || true
-stamp build
-cmake --preset gpu > "$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; exit 1; }
-targets="epmoe_gpu_tests epmoe_cli"
-[[ ${W4A8_CPU_TESTS:-0} == 1 ]] && targets="$targets epmoe_tests"
-# shellcheck disable=SC2086
-if ! timeout 300 cmake --build --preset gpu -j "$(nproc)" --target $targets >> "$out/build.log" 2>&1; then
-  grep -E "error|FAILED" "$out/build.log" | head -n 30
-  exit 1
+if [[ ${W4A8_BUILD:-1} == 1 ]]; then
+  stamp build
+  cmake --preset gpu > "$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; exit 1; }
+  targets="epmoe_gpu_tests epmoe_cli"
+  [[ ${W4A8_CPU_TESTS:-0} == 1 ]] && targets="$targets epmoe_tests"
+  # shellcheck disable=SC2086
+  if ! timeout 300 cmake --build --preset gpu -j "$(nproc)" --target $targets >> "$out/build.log" 2>&1; then
+    grep -E "error|FAILED" "$out/build.log" | head -n 30
+    exit 1
+  fi
+  tail -n 3 "$out/build.log"
+else
+  # Binaries built elsewhere for sm_90a (the same sources) and unpacked into build-gpu/ (bin/epmoe,
+  # tests/epmoe_gpu_tests, libepmoe.so): no build here, no ptxas step.
+  stamp "prebuilt build-gpu"
+  export LD_LIBRARY_PATH=$PWD/build-gpu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  W4A8_PTXAS=0
 fi
-tail -n 3 "$out/build.log"
 
 if [[ ${W4A8_PROBE:-0} == 1 ]]; then
   stamp probe
@@ -77,7 +87,7 @@ for e in json.load(open('build-gpu/compile_commands.json')):
   obj=/tmp/w4a8.o
 fi
 dump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
-"$dump" -sass "$obj" 2> /dev/null |
+[[ -f $obj ]] && "$dump" -sass "$obj" 2> /dev/null |
   grep -oE "Function : [^ ]+|[QH]GMMA[.A-Z0-9x]*|LDL[.A-Z0-9]*|STL[.A-Z0-9]*|UTMALDG[.A-Z0-9]*|UBLKCP[.A-Z0-9]*|PRMT|STS[.A-Z0-9]*|WARPGROUP[.A-Z]*" |
   awk '/Function/{f=$3; next} {c[f" "$0]++} END {for (k in c) print c[k], k}' | sort -k2 | tee -a "$out/ptxas.txt" | head -n 60
 
