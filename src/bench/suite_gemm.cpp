@@ -402,7 +402,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   const cuda::W4A8KernelChoice chosen = cuda::w4a8_kernel_choice(s.masked, s.expected_m, N, K);
   const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3({3}, s.masked, s.expected_m, N);
   std::vector<W4A8Variant> variants{{".w4a8", chosen}};
-  if (chosen.version != 2) variants.push_back({".w4a8.v2", {2}});
+  if (chosen.version != 2 || chosen.offset_warp != 0) variants.push_back({".w4a8.v2", {2}});
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   for (const cuda::W4A8KernelChoice c :
        {cuda::W4A8KernelChoice{3, 64, 256, 1}, cuda::W4A8KernelChoice{3, 64, 128, 1},
@@ -431,8 +431,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     }
   }
   // v2 with the codes' offset term summed by its producer-side offset warp (".w4a8.v2.offwarp",
-  // bench/NOTES.md W4A8 v5; not chosen automatically yet), and the same with two K blocks per
-  // stage (".w4a8.v2.offwarp.k2"), on every row beside the plain v2 line.
+  // bench/NOTES.md W4A8 v5), and the same with two K blocks per stage (".w4a8.v2.offwarp.k2", the
+  // automatic choice for masked expected_m <= 12), on every row beside the plain v2 line.
   {
     cuda::W4A8KernelChoice c{2};
     c.offset_warp = 1;
@@ -452,6 +452,10 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     W4A8Variant all_sms{".w4a8.v2.all_sms", {2}};
     all_sms.options.max_ctas = cuda::device_props().sm_count;
     variants.push_back(all_sms);
+    W4A8Variant k2_all_sms{".w4a8.v2.offwarp.k2.all_sms",
+                           {.version = 2, .offset_warp = 1, .stage_k_blocks = 2}};
+    k2_all_sms.options.max_ctas = cuda::device_props().sm_count;
+    variants.push_back(k2_all_sms);
     const cuda::W4A8TileShape t = cuda::w4a8_gemm_tile(true, s.expected_m);
     W4A8Variant two{".w4a8.v2.m" + std::to_string(t.block_m) + "c2", {2}};
     two.options.block_m = t.block_m;

@@ -10,8 +10,9 @@
 //   offset_warp (version 2 only; bench/NOTES.md, W4A8 v5): the same kernel with the codes' offset
 //              term summed per stage by a producer-side warp (W4A8Traits::kOffsetWarp) instead of
 //              by the consumers (a constant-operand wgmma per K step for tiles of <= 32 rows, or
-//              m64n8k32 and a named barrier per K block for 64 and 128); not chosen automatically;
-//   stage_k_blocks = 2 (with offset_warp): two K blocks (256 K) per pipeline stage.
+//              m64n8k32 and a named barrier per K block for 64 and 128);
+//   stage_k_blocks = 2 (with offset_warp): two K blocks (256 K) per pipeline stage. The automatic
+//              choice for masked expected_m <= 12 (the 16-row decode tiles) is version 2 with both.
 //
 // Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
 // with offset_warp and stage_k_blocks as pinned when the pinned version is 2.

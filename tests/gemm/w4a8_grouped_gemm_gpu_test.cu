@@ -218,7 +218,8 @@ INSTANTIATE_TEST_SUITE_P(
         // expected_m 40: the automatic choice is v3 (64 x 256).
         MaskedCase{"N1536_K2048_expected40_auto", 64, {64, 16, 40}, 1536, 2048},
         // The automatic choice is the register-operand kernel (v2) for masked decode rows
-        // (expected_m <= 24) and v3 otherwise (w4a8_kernel_choice): v2 pinned, and the
+        // (expected_m <= 24; <= 12 with the offset warp and two K blocks per stage) and v3
+        // otherwise (w4a8_kernel_choice): v2 pinned, and the
         // shared-memory-conversion kernel (v3) with its own
         // heuristic (64 x 256, activation boxes of 16 / 32 rows where the hint allows) and every
         // other v3 tile pinned.
