@@ -149,10 +149,10 @@ cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes,
   return config;
 }
 
-template <int kBM, int kConsumers>
+template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
-  using Traits = W4A8Traits<kBM, kConsumers>;
-  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers>;
+  using Traits = W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>;
+  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffsetWarp, kStageKB>;
   gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
   const std::int64_t ctas = plan_persistent(problem, options, kBM, Traits::kTileN, Traits::kStages);
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
@@ -161,21 +161,22 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
+template <bool kOffsetWarp, int kStageKB>
 void launch(W4A8TileShape tile, const TensorView& a, const Problem& problem, const W4A8GemmOptions& options,
             cudaStream_t stream) {
   if (tile.consumers == 4) {
-    if (tile.block_m == 16) return launch<16, 4>(a, problem, options, stream);
-    return launch<32, 4>(a, problem, options, stream);
+    if (tile.block_m == 16) return launch<16, 4, kOffsetWarp, kStageKB>(a, problem, options, stream);
+    return launch<32, 4, kOffsetWarp, kStageKB>(a, problem, options, stream);
   }
   switch (tile.block_m) {
     case 16:
-      return launch<16, 2>(a, problem, options, stream);
+      return launch<16, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
     case 32:
-      return launch<32, 2>(a, problem, options, stream);
+      return launch<32, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
     case 64:
-      return launch<64, 2>(a, problem, options, stream);
+      return launch<64, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
     default:
-      return launch<128, 2>(a, problem, options, stream);
+      return launch<128, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
   }
 }
 
@@ -239,12 +240,17 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
     c = g_pinned.version != 0
             ? g_pinned
             : w4a8_kernel_choice(masked, problem.expected_m, problem.params.n, problem.params.k);
+  } else if (g_pinned.version == 2) {
+    c.offset_warp = g_pinned.offset_warp;
+    c.stage_k_blocks = g_pinned.stage_k_blocks;
   }
   Problem with = problem;
   with.ablation = c.ablation;
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
-  launch(tile, a, with, options, stream);
+  if (c.offset_warp != 0 && c.stage_k_blocks == 2) return launch<true, 2>(tile, a, with, options, stream);
+  if (c.offset_warp != 0) return launch<true, 1>(tile, a, with, options, stream);
+  launch<false, 1>(tile, a, with, options, stream);
 }
 
 // Checks shared by both layouts; fills the weight and scale fields of p.
@@ -359,12 +365,18 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
 
 }  // namespace
 
-// Measured with the offset-binary codes (bench/NOTES.md, W4A8 v4; 2026-11-30T1300Z-h200-w4a8-v4.json):
-// the register-operand kernel wins the decode rows (masked, expected_m <= 24: its 16- and 32-row
-// tiles, 1.3-1.7x faster than v3); v3 wins every other row, masked (64 x 256 for expected_m <= 64,
-// 3-22%) and contiguous (128 x 128, 3-33%: v2's larger tiles pay for the codes' offset term).
+// Measured with the offset-binary codes (bench/NOTES.md, W4A8 v4 and v5;
+// 2026-11-30T1300Z-h200-w4a8-v4.json, 2026-11-30T1428Z-h200-w4a8-v5.json): the register-operand
+// kernel wins the decode rows (masked, expected_m <= 24: its 16- and 32-row tiles, 1.3-1.7x faster
+// than v3), on the 16-row tiles (expected_m <= 12) with the offset warp and two K blocks per stage
+// (4096 x 7168: 503 against 536 µs, medians of four runs; 7168 x 2048: the same within 1%; on the
+// 32-row tiles 10-20% slower, so not there); v3 wins every other
+// row, masked (64 x 256 for expected_m <= 64) and contiguous (128 x 128: v2's larger tiles pay for
+// the codes' offset term).
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k) {
   static_cast<void>(k);
+  if (masked && expected_m <= 12)
+    return W4A8KernelChoice{.version = 2, .offset_warp = 1, .stage_k_blocks = 2};
   if (masked && expected_m <= 24) return W4A8KernelChoice{2};
   return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
 }
@@ -377,6 +389,13 @@ W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, st
 void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
   EPMOE_CHECK(choice.version == 0 || choice.version == 2 || choice.version == 3,
               "W4A8 kernel version must be 0, 2 or 3, got {}", choice.version);
+  EPMOE_CHECK(choice.offset_warp == 0 || (choice.offset_warp == 1 && choice.version == 2),
+              "W4A8 offset_warp must be 0, or 1 with version 2, got {} with version {}", choice.offset_warp,
+              choice.version);
+  EPMOE_CHECK(choice.stage_k_blocks == 0 || choice.stage_k_blocks == 1 ||
+                  (choice.stage_k_blocks == 2 && choice.offset_warp == 1),
+              "W4A8 stage_k_blocks must be 0 or 1, or 2 with offset_warp = 1, got {} with offset_warp {}",
+              choice.stage_k_blocks, choice.offset_warp);
   EPMOE_CHECK(
       choice.ablation >= 0 && choice.ablation <= 15 &&
           (choice.ablation == 0 || choice.version == 3 ||

@@ -10,7 +10,9 @@
 // e4m3 bytes are just the masked nibbles (c · 2^-9). The offset term -8 · 2^-9 Σ_k A[m, k]: decode
 // tiles (kBM <= 32) issue per K step one more wgmma, a constant A tile of -8 · 2^-9 from shared
 // memory, into the same partial, which then holds 2^-9 Σ A · v; larger tiles compute it per
-// activation row with m64n8k32 and add it in the promotion (W4A8Traits::kRowOffset). (The
+// activation row with m64n8k32 and add it in the promotion (W4A8Traits::kRowOffset); the v5
+// variant (kOffsetWarp, any tile) has an otherwise idle producer warp sum the activation rows per
+// stage and the consumers add those sums in the promotion, so they issue only the weights' wgmma. (The
 // conversion was the bottleneck of decode with the prmt table codes: 9 integer instructions per 8
 // weights against 3 now; the extra wgmma per step costs the tensor core ~13 cycles per SM at
 // m64n16k32, bench/NOTES.md.) The per-(row, K block) weight scale then scales accumulator rows:
@@ -23,6 +25,8 @@
 //     fills it: the activation tile (TMA, 2D map over A), and the tile's packed weight panels (4096
 //     bytes each) and their 64 scales each (one bulk copy each: the panels of a tile are
 //     contiguous per K block), all completing on the stage's "full" mbarrier;
+//   - kOffsetWarp: warp 1 waits for the same "full" barrier, writes the stage's kBM activation-row
+//     offsets into the stage's slot and arrives on the stage's "offset" mbarrier;
 //   - consumer warpgroup c (64 weight rows): per K block, two 16-byte shared loads give each thread
 //     its 64 int4 codes, masks turn them into 16 registers of e4m3, four wgmma m64nNk32 with the
 //     codes (A from registers) and the offset wgmma accumulate the partial product, the stage is
@@ -52,16 +56,22 @@ namespace epmoe::kernels {
 
 inline constexpr int kW4SmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
 
-template <int kBM, int kConsumers>
+template <int kBM, int kConsumers, bool kOffsetWarp_ = false, int kStageKB_ = 1>
 struct W4A8Traits {
   static_assert(kBM == 16 || kBM == 32 || kBM == 64 || kBM == 128);
   static_assert(kConsumers == 2 || (kConsumers == 4 && kBM <= 32));
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kTileN = w4a8::kPanelRows * kConsumers;  // weight rows per tile
-  static constexpr int kABytes = kBM * w4a8::kBlockK;           // a multiple of 1024 (swizzle atoms)
+  // K blocks per pipeline stage: 1, or 2 (with the offset warp: one barrier round trip per 256 K,
+  // the consumers' per-stage waits and releases halved; the copies of a stage's two K blocks go
+  // into [2][...] arrays, its offsets into two slots). The byte counts below are per K block.
+  static constexpr int kStageKB = kStageKB_;
+  static_assert(kStageKB == 1 || (kStageKB == 2 && kOffsetWarp_));
+  static constexpr int kABytes = kBM * w4a8::kBlockK;  // a multiple of 1024 (swizzle atoms)
   static constexpr int kWBytes = kConsumers * w4a8::kPanelBytes;
   static constexpr int kSBytes = kConsumers * w4a8::kPanelScaleBytes;
-  static constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
+  static constexpr int kBlockBytes = kABytes + kWBytes + kSBytes;
+  static constexpr int kStageBytes = kStageKB * kBlockBytes;
   // The codes' offset term (w4a8_layout.hpp), -2^-6 Σ_k A[m, k] for every activation row m.
   // Decode tiles (kBM <= 32): one more wgmma per K step with a constant A tile in shared memory,
   // 64 rows x 128 bytes of e4m3(-8 · 2^-9) (the steps' 32-byte slices are all alike): as many
@@ -70,17 +80,30 @@ struct W4A8Traits {
   // (A = the activation tile, B = 8 constant rows: the first 1024 bytes of the same tile) and
   // passes them through shared memory to the threads whose columns they are (kBM floats per
   // consumer, double-buffered), one FADD per accumulator in the promotion.
-  static constexpr bool kRowOffset = kBM >= 64;
-  static constexpr int kOffsetBytes = kRowOffset ? 1024 : w4a8::kPanelRows * w4a8::kBlockK;
+  //
+  // kOffsetWarp (v5, any tile): neither; warp 1 of the producer warpgroup, idle otherwise, sums each
+  // activation row of every stage with mma.sync (w4a8::offset_warp_load) into a per-stage slot of
+  // kBM floats and arrives on the stage's "offset" mbarrier; the consumers issue only the weights'
+  // four wgmma per stage and add the slot in the promotion (one FADD per accumulator), waiting on
+  // that barrier only there, after their wgmma, so the sums are off their issue path.
+  static constexpr bool kOffsetWarp = kOffsetWarp_;
+  static constexpr bool kRowOffset = kBM >= 64 && !kOffsetWarp;
+  static constexpr bool kOffsetSS = kBM <= 32 && !kOffsetWarp;  // the constant-A wgmma per K step
+  static constexpr int kOffsetBytes = kOffsetWarp ? 0 : kRowOffset ? 1024 : w4a8::kPanelRows * w4a8::kBlockK;
   static constexpr int kRowOffsetBytes = kRowOffset ? kConsumers * 2 * kBM * 4 : 0;
-  static constexpr int kStages =
-      std::min(16, (kW4SmemBudget - 1024 - kOffsetBytes - kRowOffsetBytes) / (kStageBytes + 16));
-  static constexpr int kSmemBytes = 1024 + kOffsetBytes + kRowOffsetBytes + kStages * (kStageBytes + 16);
+  static constexpr int kSlotBytes = kOffsetWarp ? kBM * 4 : 0;   // per K block
+  static constexpr int kBarBytes = kOffsetWarp ? 3 * 8 : 2 * 8;  // per stage: full, empty (, offset)
+  static constexpr int kStages = std::min(16, (kW4SmemBudget - 1024 - kOffsetBytes - kRowOffsetBytes) /
+                                                  (kStageBytes + kStageKB * kSlotBytes + kBarBytes));
+  static constexpr int kSmemBytes =
+      1024 + kOffsetBytes + kRowOffsetBytes + kStages * (kStageBytes + kStageKB * kSlotBytes + kBarBytes);
   static constexpr int kAcc = kBM / 2;  // f32 accumulator registers per thread (m64 x kBM)
   // setmaxnreg: the registers given up by the producer warpgroup go to the consumers (the totals
-  // equal the launch allocation: 384 x 168 and 640 x 96).
-  static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 112;
+  // equal the launch allocation: 384 x 168 and 640 x 96). With the offset warp and two consumers,
+  // 56 / 224 (ptxas: 40 / 232 spilled 8 bytes on the 128-row tile; the consumers no longer hold
+  // the m64n8 offsets).
+  static constexpr int kProducerRegs = kConsumers == 2 ? (kOffsetWarp ? 56 : 40) : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? (kOffsetWarp ? 224 : 232) : 112;
 };
 
 struct W4A8Params {
@@ -211,24 +234,29 @@ __device__ __forceinline__ std::uint32_t w4a8_pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const std::uint32_t*>(&v);
 }
 
-template <int kBM, int kConsumers>
-__global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
+template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB>
+__global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>::kThreads, 1)
     w4a8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                              const __grid_constant__ W4A8Params p) {
-  using Traits = W4A8Traits<kBM, kConsumers>;
+  using Traits = W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>;
+  // Per-stage strides of the [kStageKB][...] arrays.
+  constexpr int kAStride = kStageKB * Traits::kABytes, kWStride = kStageKB * Traits::kWBytes;
+  constexpr int kSStride = kStageKB * Traits::kSBytes, kSlotStride = kStageKB * Traits::kSlotBytes;
   constexpr int kStages = Traits::kStages;
   constexpr int kAcc = Traits::kAcc;
   constexpr int kTileN = Traits::kTileN;
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   const std::uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
-  const std::uint32_t smem_offset = smem_base;                         // [64 or 8 x 128] of -2^-6
+  const std::uint32_t smem_offset = smem_base;                         // [64 or 8 or 0 x 128] of -2^-6
   const std::uint32_t smem_rows = smem_offset + Traits::kOffsetBytes;  // kRowOffset: [consumer][2][kBM] f32
   const std::uint32_t smem_a = smem_rows + Traits::kRowOffsetBytes;    // kStages x [kBM x 128]
-  const std::uint32_t smem_w = smem_a + kStages * Traits::kABytes;     // kStages x kConsumers x 4096
-  const std::uint32_t smem_s = smem_w + kStages * Traits::kWBytes;     // kStages x kConsumers x 64 f32
-  const std::uint32_t full_bar = smem_s + kStages * Traits::kSBytes;   // kStages x 8 bytes
-  const std::uint32_t empty_bar = full_bar + kStages * 8;              // kStages x 8 bytes
+  const std::uint32_t smem_w = smem_a + kStages * kAStride;     // kStages x kStageKB x kConsumers x 4096
+  const std::uint32_t smem_s = smem_w + kStages * kWStride;     // kStages x kStageKB x kConsumers x 64 f32
+  const std::uint32_t smem_slot = smem_s + kStages * kSStride;  // kOffsetWarp: kStages x kStageKB x kBM f32
+  const std::uint32_t full_bar = smem_slot + kStages * kSlotStride;  // kStages x 8 bytes
+  const std::uint32_t empty_bar = full_bar + kStages * 8;            // kStages x 8 bytes
+  const std::uint32_t offset_bar = empty_bar + kStages * 8;          // kOffsetWarp: kStages x 8 bytes
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -240,6 +268,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(full_bar + 8 * s, 1);                // the producer's arrive (+ bytes)
       ptx::mbar_init(empty_bar + 8 * s, kConsumers * 4);  // one arrive per consumer warp
+      if constexpr (Traits::kOffsetWarp) ptx::mbar_init(offset_bar + 8 * s, 1);  // the offset warp
     }
     ptx::fence_barrier_init();
   }
@@ -262,25 +291,107 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
         // their weights and one of their scales (w4a8_layout.hpp).
         const std::int64_t group_chunks = static_cast<std::int64_t>(tile.group) * n_panels * num_kb;
         const std::int64_t panel0 = static_cast<std::int64_t>(tile.n_tile) * kConsumers;
-        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+        for (std::int32_t kb = 0; kb < num_kb; kb += kStageKB) {
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
             ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
             const bool weights = (p.ablation & kW4AblateLoads) == 0;
-            ptx::mbar_arrive_expect_tx(full, weights ? Traits::kStageBytes : Traits::kABytes);
-            ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, &tma_a, full, kb * w4a8::kBlockK,
-                             tile.row0);
-            const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
-            if (weights) {
-              ptx::bulk_load(smem_w + pipe.stage * Traits::kWBytes, p.w + chunk * w4a8::kPanelBytes,
-                             Traits::kWBytes, full);
-              ptx::bulk_load(smem_s + pipe.stage * Traits::kSBytes, p.ws + chunk * w4a8::kPanelRows,
-                             Traits::kSBytes, full);
+            if constexpr (kStageKB == 1) {
+              ptx::mbar_arrive_expect_tx(full, weights ? Traits::kStageBytes : Traits::kABytes);
+              ptx::tma_load_2d(smem_a + pipe.stage * kAStride, &tma_a, full, kb * w4a8::kBlockK, tile.row0);
+              const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
+              if (weights) {
+                ptx::bulk_load(smem_w + pipe.stage * kWStride, p.w + chunk * w4a8::kPanelBytes,
+                               Traits::kWBytes, full);
+                ptx::bulk_load(smem_s + pipe.stage * kSStride, p.ws + chunk * w4a8::kPanelRows,
+                               Traits::kSBytes, full);
+              }
+            } else {
+              // Two K blocks (one at the end of an odd count). With four consumers the tile is a
+              // whole panel group, whose K blocks are consecutive chunks: one copy each for both
+              // blocks' weights and scales; else one per block.
+              const int blocks = kb + 1 < num_kb ? 2 : 1;
+              ptx::mbar_arrive_expect_tx(full, blocks * (weights ? Traits::kBlockBytes : Traits::kABytes));
+              const std::uint32_t a_dst = smem_a + pipe.stage * kAStride;
+              ptx::tma_load_2d(a_dst, &tma_a, full, kb * w4a8::kBlockK, tile.row0);
+              if (blocks == 2)
+                ptx::tma_load_2d(a_dst + Traits::kABytes, &tma_a, full, (kb + 1) * w4a8::kBlockK, tile.row0);
+              if (weights) {
+                constexpr bool kOneCopy = kConsumers == w4a8::kGroupPanels;
+#pragma unroll
+                for (int c = 0; c < (kOneCopy ? 1 : 2); ++c) {
+                  if (c < blocks) {
+                    const std::uint32_t n = kOneCopy ? blocks : 1;
+                    const std::int64_t chunk =
+                        group_chunks + w4a8::panel_chunk(panel0, kb + c, num_kb, n_panels);
+                    ptx::bulk_load(smem_w + pipe.stage * kWStride + c * Traits::kWBytes,
+                                   p.w + chunk * w4a8::kPanelBytes, n * Traits::kWBytes, full);
+                    ptx::bulk_load(smem_s + pipe.stage * kSStride + c * Traits::kSBytes,
+                                   p.ws + chunk * w4a8::kPanelRows, n * Traits::kSBytes, full);
+                  }
+                }
+              }
             }
           }
           pipe.advance(stages);
         }
         __syncwarp();
+      }
+    }
+    if constexpr (Traits::kOffsetWarp) {
+      if (warp == 1) {
+        // ---------------------------------------------------------- the offset warp
+        // Per stage, once its activation tile has landed: -2^-6 Σ_k A[m, k] for the tile's kBM
+        // rows (mma.sync m16n8k32 with the constant B; all 8 columns of D are alike, lanes q = 0
+        // store column 0), into the stage's slot. The slot of a stage is rewritten only after its
+        // "full" barrier completes again, i.e. after every consumer warp read it and released the
+        // stage (they read it before their release); the consumers' wait on the offset barrier,
+        // before their release, also orders this warp's reads of the tile before the next copy.
+        const int g = lane / 4, q = lane % 4;
+        const std::uint32_t b_const[2] = {w4a8::kOffsetE4m3x4, w4a8::kOffsetE4m3x4};
+        // The stages this CTA will fill, counted up front: the scheduler's state is then dead during
+        // the sums (with it live, the loop spilled at the producer warpgroup's 32 registers).
+        std::int32_t stages_left = 0;
+        {
+          W4A8Scheduler<kBM, kTileN> scheduler(p);
+          W4A8Tile tile;
+          while (scheduler.next(tile, p)) stages_left += (num_kb + kStageKB - 1) / kStageKB;
+        }
+        W4A8Pipe pipe;
+#pragma unroll 1
+        for (; stages_left > 0; --stages_left) {
+          ptx::mbar_wait(full_bar + 8 * pipe.stage, pipe.phase);
+          // The stage's kStageKB sub-tiles [kBM x 128] are consecutive, as are their slots: one
+          // loop over 16-row slices of both. Also when a tile's odd last stage has only one block:
+          // the second sub-tile then holds older bytes, whose sums no consumer reads (fewer
+          // registers than tracking the K position here).
+          const std::uint32_t a_stage = smem_a + pipe.stage * kAStride;
+          const std::uint32_t slot_stage = smem_slot + pipe.stage * kSlotStride;
+          constexpr int kSlices = kStageKB * kBM / 16;
+          // (Fully unrolled up to four slices; else a slice at a time, within the producer
+          // warpgroup's registers.)
+#pragma unroll(kSlices <= 4 ? kSlices : 1)
+          for (int r = 0; r < kSlices; ++r) {
+            const std::uint32_t rows = a_stage + static_cast<std::uint32_t>(r * 16 * w4a8::kBlockK);
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const uint4 lo = ptx::ld_shared_v4(rows + w4a8::offset_warp_load(lane, 0, i));
+              const uint4 hi = ptx::ld_shared_v4(rows + w4a8::offset_warp_load(lane, 1, i));
+              const std::uint32_t f0[4] = {lo.x, hi.x, lo.y, hi.y};  // a[0], a[2]: row g; a[1], a[3]: g + 8
+              const std::uint32_t f1[4] = {lo.z, hi.z, lo.w, hi.w};
+              ptx::mma_m16n8k32_e4m3(d, f0, b_const);
+              ptx::mma_m16n8k32_e4m3(d, f1, b_const);
+            }
+            if (q == 0) {
+              ptx::st_shared_u32(slot_stage + 4 * (16 * r + g), __float_as_uint(d[0]));
+              ptx::st_shared_u32(slot_stage + 4 * (16 * r + g + 8), __float_as_uint(d[2]));
+            }
+          }
+          __syncwarp();  // every lane's stores happen before the release
+          if (lane == 0) ptx::mbar_arrive(offset_bar + 8 * pipe.stage);
+          pipe.advance(stages);
+        }
       }
     }
   } else {
@@ -311,12 +422,16 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
     using I0 = std::integral_constant<int, 0>;
     using I1 = std::integral_constant<int, 1>;
 
-    // Waits for the stage at `at`, loads this thread's codes of it, converts them into frag[B].
+    // K block kb of a tile uses frag[kb % 2]; with two K blocks per stage it is also the block's
+    // index in its stage (tiles start on a fresh stage), a compile-time constant: kSub<B>.
+    // Waits for the stage at `at` (its first block), loads this thread's codes of block B of it,
+    // converts them into frag[B].
     const auto load = [&](auto b, const W4A8Pipe& at) {
       constexpr int B = decltype(b)::value;
-      ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
+      constexpr int kSub = kStageKB == 1 ? 0 : B;
+      if constexpr (kSub == 0) ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
       const std::uint32_t w_addr =
-          smem_w + at.stage * Traits::kWBytes + consumer * w4a8::kPanelBytes + t * 16;
+          smem_w + at.stage * kWStride + kSub * Traits::kWBytes + consumer * w4a8::kPanelBytes + t * 16;
       const uint4 v0 = ptx::ld_shared_v4(w_addr);
       const uint4 v1 = ptx::ld_shared_v4(w_addr + 2048);
       w4a8_convert8(v0.x, frag[B][0][0], frag[B][0][1]);
@@ -331,7 +446,8 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
     // Issues the K block in frag[B] against the activation tile of `stage` into part[P].
     const auto issue = [&](auto b, auto pp, int stage) {
       constexpr int B = decltype(b)::value, P = decltype(pp)::value;
-      const std::uint32_t a_tile = smem_a + stage * Traits::kABytes;
+      constexpr int kSub = kStageKB == 1 ? 0 : B;
+      const std::uint32_t a_tile = smem_a + stage * kAStride + kSub * Traits::kABytes;
       w4a8_fence_all(part[P]);
       if constexpr (Traits::kRowOffset) {
 #pragma unroll
@@ -341,9 +457,12 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
       // The offset from shared memory (SS): as a register operand it held registers across the
       // in-flight groups and spilled the 112-register consumers. Its descriptor is rebuilt per
       // issue (an opaque copy of the address: hoisted, it held two registers across the K loop).
-      std::uint32_t offset_tile = smem_offset;
-      asm volatile("" : "+r"(offset_tile));
-      const std::uint64_t offset_desc = ptx::wgmma_desc_sw128(offset_tile);
+      [[maybe_unused]] std::uint64_t offset_desc = 0;
+      if constexpr (!Traits::kOffsetWarp) {
+        std::uint32_t offset_tile = smem_offset;
+        asm volatile("" : "+r"(offset_tile));
+        offset_desc = ptx::wgmma_desc_sw128(offset_tile);
+      }
       if constexpr (Traits::kRowOffset) {
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) {
@@ -357,52 +476,78 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const std::uint64_t desc = ptx::wgmma_desc_sw128(a_tile + s * 32);
-        if constexpr (!Traits::kRowOffset) ptx::wgmma_m64k32_ss_e4m3<kBM>(part[P], offset_desc, desc, s > 0);
-        ptx::wgmma_m64k32_rs_e4m3<kBM>(part[P], frag[B][s], desc, Traits::kRowOffset ? s > 0 : true);
+        if constexpr (Traits::kOffsetSS) ptx::wgmma_m64k32_ss_e4m3<kBM>(part[P], offset_desc, desc, s > 0);
+        ptx::wgmma_m64k32_rs_e4m3<kBM>(part[P], frag[B][s], desc, Traits::kOffsetSS ? true : s > 0);
       }
       ptx::wgmma_commit();
     };
-    // After the wgmma into part[P] completed: reads the scales of `stage`, frees it and folds part[P].
-    // (The scales are read here, not with the codes: two registers less across the K loop.)
-    const auto fold = [&](auto pp, int stage) {
+    // After the wgmma into part[P] completed: reads the scales of block B of stage `at`, frees the
+    // stage if it was its last block (`last`) and folds part[P]. (The scales are read here, not
+    // with the codes: two registers less across the K loop.)
+    const auto fold = [&](auto pp, auto b, const W4A8Pipe& at, bool last) {
       constexpr int P = decltype(pp)::value;
-      const std::uint32_t s_addr =
-          smem_s + stage * Traits::kSBytes + consumer * w4a8::kPanelScaleBytes + 4 * row_in_panel;
+      constexpr int kSub = kStageKB == 1 ? 0 : decltype(b)::value;
+      const int stage = at.stage;
+      const std::uint32_t s_addr = smem_s + stage * kSStride + kSub * Traits::kSBytes +
+                                   consumer * w4a8::kPanelScaleBytes + 4 * row_in_panel;
       const float s_lo = ptx::ld_shared_f32(s_addr), s_hi = ptx::ld_shared_f32(s_addr + 4 * 8);
-      w4a8_fence_all(part[P]);
-      __syncwarp();  // every lane's shared loads of the stage happen before the release
-      if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
-      w4a8_fence_all(part[P]);
-      if constexpr (Traits::kRowOffset) {
-        // Offsets by activation row -> by this thread's columns 8 j + 2 q + {0, 1}, through this
-        // consumer's buffer row_buf (the buffer written two folds later is read-free once every
-        // thread has passed the next fold's barrier).
-        const std::uint32_t buf = rows_base + static_cast<std::uint32_t>(row_buf) * kBM * 4;
-        row_buf ^= 1;
-        if (q == 0) {
-#pragma unroll
-          for (int h = 0; h < kHalves; ++h) {
-            w4a8_fence_all(row_off[P][h]);
-            ptx::st_shared_u32(buf + 4 * (64 * h + row_in_panel), __float_as_uint(row_off[P][h][0]));
-            ptx::st_shared_u32(buf + 4 * (64 * h + row_in_panel + 8), __float_as_uint(row_off[P][h][2]));
-          }
-        }
-        ptx::named_bar_sync(1 + consumer, 128);
+      if constexpr (Traits::kOffsetWarp) {
+        // The offset warp's sums of this stage, for this thread's columns 8 j + 2 q + {0, 1}
+        // (activation rows), read before the release (the slot is rewritten after it). The barrier
+        // has normally completed long before: the sums ran while this block's wgmma did.
+        if constexpr (kSub == 0) ptx::mbar_wait(offset_bar + 8 * stage, at.phase);
+        const std::uint32_t slot = smem_slot + stage * kSlotStride + kSub * Traits::kSlotBytes;
+        w4a8_fence_all(part[P]);
 #pragma unroll
         for (int j = 0; j < kAcc / 4; ++j) {
-          const float2 o = ptx::ld_shared_f32x2(buf + 4 * (8 * j + 2 * q));
+          const float2 o = ptx::ld_shared_f32x2(slot + 4 * (8 * j + 2 * q));
           acc[4 * j + 0] = fmaf(s_lo, part[P][4 * j + 0] + o.x, acc[4 * j + 0]);
           acc[4 * j + 1] = fmaf(s_lo, part[P][4 * j + 1] + o.y, acc[4 * j + 1]);
           acc[4 * j + 2] = fmaf(s_hi, part[P][4 * j + 2] + o.x, acc[4 * j + 2]);
           acc[4 * j + 3] = fmaf(s_hi, part[P][4 * j + 3] + o.y, acc[4 * j + 3]);
         }
+        w4a8_fence_all(part[P]);
+        if (last) {
+          __syncwarp();  // every lane's shared loads of the stage happen before the release
+          if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
+        }
       } else {
+        static_cast<void>(last);  // (always true: one K block per stage)
+        w4a8_fence_all(part[P]);
+        __syncwarp();  // every lane's shared loads of the stage happen before the release
+        if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
+        w4a8_fence_all(part[P]);
+        if constexpr (Traits::kRowOffset) {
+          // Offsets by activation row -> by this thread's columns 8 j + 2 q + {0, 1}, through this
+          // consumer's buffer row_buf (the buffer written two folds later is read-free once every
+          // thread has passed the next fold's barrier).
+          const std::uint32_t buf = rows_base + static_cast<std::uint32_t>(row_buf) * kBM * 4;
+          row_buf ^= 1;
+          if (q == 0) {
 #pragma unroll
-        for (int j = 0; j < kAcc / 4; ++j) {
-          acc[4 * j + 0] = fmaf(s_lo, part[P][4 * j + 0], acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(s_lo, part[P][4 * j + 1], acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(s_hi, part[P][4 * j + 2], acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(s_hi, part[P][4 * j + 3], acc[4 * j + 3]);
+            for (int h = 0; h < kHalves; ++h) {
+              w4a8_fence_all(row_off[P][h]);
+              ptx::st_shared_u32(buf + 4 * (64 * h + row_in_panel), __float_as_uint(row_off[P][h][0]));
+              ptx::st_shared_u32(buf + 4 * (64 * h + row_in_panel + 8), __float_as_uint(row_off[P][h][2]));
+            }
+          }
+          ptx::named_bar_sync(1 + consumer, 128);
+#pragma unroll
+          for (int j = 0; j < kAcc / 4; ++j) {
+            const float2 o = ptx::ld_shared_f32x2(buf + 4 * (8 * j + 2 * q));
+            acc[4 * j + 0] = fmaf(s_lo, part[P][4 * j + 0] + o.x, acc[4 * j + 0]);
+            acc[4 * j + 1] = fmaf(s_lo, part[P][4 * j + 1] + o.y, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(s_hi, part[P][4 * j + 2] + o.x, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(s_hi, part[P][4 * j + 3] + o.y, acc[4 * j + 3]);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kAcc / 4; ++j) {
+            acc[4 * j + 0] = fmaf(s_lo, part[P][4 * j + 0], acc[4 * j + 0]);
+            acc[4 * j + 1] = fmaf(s_lo, part[P][4 * j + 1], acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(s_hi, part[P][4 * j + 2], acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(s_hi, part[P][4 * j + 3], acc[4 * j + 3]);
+          }
         }
       }
     };
@@ -417,28 +562,32 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
       }
       // K block kb uses frag[kb % 2]; its conversion runs while block kb - 1's wgmma do. With two
       // partials, block kb's wgmma also run while block kb - 1 is folded (wait_group 1).
-      int prev_stage = 0;
+      W4A8Pipe prev{};
+      bool prev_last = true;
       load(I0{}, pipe);
       const auto step = [&](auto b, std::int32_t kb) {
         constexpr int B = decltype(b)::value;
         using Other = std::integral_constant<int, B ^ 1>;
-        const int stage = pipe.stage;
+        // Whether block kb is the last of its stage (always, with one K block per stage).
+        const bool last = kStageKB == 1 || B == 1 || kb + 1 == num_kb;
+        const W4A8Pipe cur = pipe;
         W4A8Pipe next = pipe;
-        next.advance(stages);
+        if (last) next.advance(stages);
         if constexpr (kParts == 2) {
-          issue(b, b, stage);
+          issue(b, b, cur.stage);
           if (kb > 0) {
             ptx::wgmma_wait<1>();
-            fold(Other{}, prev_stage);
+            fold(Other{}, Other{}, prev, prev_last);
           }
           if (kb + 1 < num_kb) load(Other{}, next);
         } else {
-          issue(b, I0{}, stage);
+          issue(b, I0{}, cur.stage);
           if (kb + 1 < num_kb) load(Other{}, next);
           ptx::wgmma_wait<0>();
-          fold(I0{}, stage);
+          fold(I0{}, b, cur, last);
         }
-        prev_stage = stage;
+        prev = cur;
+        prev_last = last;
         pipe = next;
       };
       for (std::int32_t kb = 0; kb < num_kb; kb += 2) {
@@ -448,9 +597,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers>::kThreads, 1)
       if constexpr (kParts == 2) {
         ptx::wgmma_wait<0>();
         if (((num_kb - 1) & 1) == 0) {
-          fold(I0{}, prev_stage);
+          fold(I0{}, I0{}, prev, true);
         } else {
-          fold(I1{}, prev_stage);
+          fold(I1{}, I1{}, prev, true);
         }
       }
 

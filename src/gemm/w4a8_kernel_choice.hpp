@@ -7,8 +7,15 @@
 //   version 3: weights converted to e4m3 in shared memory (w4a8_smem_gemm_kernel.cuh), tiles of
 //              block_m (64 or 128) activation rows x block_n (128 or 256) weight columns, each
 //              consumer warpgroup owning 64 rows x 128 waves columns; zeros pick by the heuristic.
+//   offset_warp (version 2 only; bench/NOTES.md, W4A8 v5): the same kernel with the codes' offset
+//              term summed per stage by a producer-side warp (W4A8Traits::kOffsetWarp) instead of
+//              by the consumers (a constant-operand wgmma per K step for tiles of <= 32 rows, or
+//              m64n8k32 and a named barrier per K block for 64 and 128);
+//   stage_k_blocks = 2 (with offset_warp): two K blocks (256 K) per pipeline stage. The automatic
+//              choice for masked expected_m <= 12 (the 16-row decode tiles) is version 2 with both.
 //
-// Calls with options.block_m or options.consumers set always run version 2 (those are its tiles).
+// Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
+// with offset_warp and stage_k_blocks as pinned when the pinned version is 2.
 #pragma once
 
 #include <cstdint>
@@ -16,12 +23,14 @@
 namespace epmoe::cuda {
 
 struct W4A8KernelChoice {
-  int version = 0;   // 0: the heuristic; 2 or 3
-  int block_m = 0;   // version 3 only: 64 or 128 (0: heuristic)
-  int block_n = 0;   // 128 or 256
-  int waves = 0;     // 1 (128-column waves per consumer; two were retired, bench/NOTES.md)
-  int ablation = 0;  // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
-                     // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
+  int version = 0;         // 0: the heuristic; 2 or 3
+  int block_m = 0;         // version 3 only: 64 or 128 (0: heuristic)
+  int block_n = 0;         // 128 or 256
+  int waves = 0;           // 1 (128-column waves per consumer; two were retired, bench/NOTES.md)
+  int ablation = 0;        // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
+                           // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
+  int offset_warp = 0;     // version 2 only: 1 = the offset term from the producer-side offset warp
+  int stage_k_blocks = 0;  // version 2 with offset_warp only: 2 = two K blocks per stage (0, 1: one)
 };
 
 // The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved

@@ -139,4 +139,19 @@ EPMOE_HD std::uint32_t converter_store_offset(int t, int u) {
   return converter_row_base(t) ^ static_cast<std::uint32_t>(16 * u);  // flips chunk bits 4-6 only
 }
 
+// v2's offset warp (W4A8Traits::kOffsetWarp): per K block it sums each activation row of the
+// [kBM x 128] e4m3 tile with mma.sync m16n8k32 against a constant B operand (-2^-6 in every byte),
+// 16 rows at a time. With a constant B the sum does not care which K a fragment byte holds, only
+// its row: lane (g, q) loads 32 bytes of row g and 32 of row g + 8 (two 16-byte loads each) and
+// feeds them to four mma as it likes. Which 16-byte chunks it takes does not matter for the sum
+// either (nor does the tile's 128-byte swizzle, which only permutes chunks inside a row); they
+// are picked so that every quarter warp's 16-byte load covers 32 distinct banks: rows g and g + 1
+// are 128 bytes apart (the same banks), so odd rows start at the row's other half. Byte offset
+// inside a 16-row slice of the tile for load i (0, 1) of row g + 8 half.
+EPMOE_HD std::uint32_t offset_warp_load(int lane, int half, int i) {
+  const int g = lane / 4, q = lane % 4;
+  const int chunk = (q + 4 * (g % 2)) ^ (4 * i);
+  return static_cast<std::uint32_t>((g + 8 * half) * kBlockK + 16 * chunk);
+}
+
 }  // namespace epmoe::w4a8

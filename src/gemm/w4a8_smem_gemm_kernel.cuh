@@ -12,19 +12,22 @@
 //
 // One persistent CTA per SM, warp-specialised, 128 K per step, two rings of stages:
 //   - raw ring (kRawStages): the packed int4 weights of the tile's kBN / 64 panels (4096 bytes
-//     each) and their scales (256 bytes each), contiguous per K block in the packed layout: two
-//     bulk copies by producer warp 0; freed by the converter;
+//     each), contiguous per K block in the packed layout: one bulk copy by producer warp 0; freed
+//     by the converter;
 //   - conversion ring (stages in use <= kConvStages): the activation tile [kBM x 128] (TMA by
-//     producer warp 1; masked tiles with few valid rows load only a_small_rows of them), the e4m3
-//     weight tile [kBN x 128] and the tile's kBN scales, written by the converter, freed by the
-//     consumers;
+//     producer warp 1; masked tiles with few valid rows load only a_small_rows of them) and the
+//     tile's kBN scales (one bulk copy by producer warp 1: they go straight to the consumers), and
+//     the e4m3 weight tile [kBN x 128] written by the converter; freed by the consumers;
 //   - warpgroup 1 (the converter): per K block, waits for a raw stage and a free conversion stage;
 //     thread t reads its two 16-byte words of each panel (the register-operand kernel's fragment
 //     order: row 16 w + g (+ 8), k = 16 u + 4 q + j for word u), masks each word's low and high
 //     nibbles into 4 + 4 e4m3 bytes (codes c · 2^-9, w4a8_layout.hpp) and stores them at row r,
 //     16-byte chunk u ^ (r % 8), byte 4 q of the swizzled tile (conflict-free: the 32 lanes of a store hit 32
-//     distinct banks); copies the scales, frees the raw stage, and publishes the conversion stage after
-//     fence.proxy.async (generic-proxy writes read by wgmma);
+//     distinct banks); frees the raw stage, and publishes the conversion stage after
+//     fence.proxy.async (generic-proxy writes read by wgmma). Everything the consumers read with
+//     generic loads (the scales) comes in by bulk copy, completing on the stage's "full" barrier,
+//     as in the FP8 kernel: no generic store of one warp is read by another through an mbarrier
+//     alone (racecheck does not model those waits, bench/NOTES.md);
 //   - consumer warpgroups (kConsumers): consumer c owns activation rows 64 (c / kColGroups) and
 //     kWaves x 128 weight columns from 128 kWaves (c % kColGroups); per wave four wgmma
 //     m64n128k32 into a per-K-block partial, and once per K block four m64n8k32 against a constant
@@ -62,8 +65,7 @@ struct W4A8SmemTraits {
   static constexpr int kCScaleBytes = kBN * 4;
   static constexpr int kConvBytes = kABytes + kBBytes + kCScaleBytes + 16;  // + the two barriers
   static constexpr int kRawWBytes = kPanels * w4a8::kPanelBytes;
-  static constexpr int kRawSBytes = kPanels * w4a8::kPanelScaleBytes;
-  static constexpr int kRawBytes = kRawWBytes + kRawSBytes + 16;
+  static constexpr int kRawBytes = kRawWBytes + 16;
   static constexpr int kConvStages = kBN == 256 ? 3 : 4;
   static constexpr int kOffsetBytes = 1024;  // the constant B operand of the offset term (8 x 128)
   static constexpr int kRawStages =
@@ -95,8 +97,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
   const std::uint32_t smem_b = smem_a + kConvStages * Traits::kABytes;         // conv stages x [kBN x 128]
   const std::uint32_t smem_cs = smem_b + kConvStages * Traits::kBBytes;        // conv stages x kBN f32
   const std::uint32_t smem_rw = smem_cs + kConvStages * Traits::kCScaleBytes;  // raw stages x panels x 4096
-  const std::uint32_t smem_rs = smem_rw + kRawStages * Traits::kRawWBytes;     // raw stages x panels x 64 f32
-  const std::uint32_t raw_full = smem_rs + kRawStages * Traits::kRawSBytes;    // raw stages x 8 bytes
+  const std::uint32_t raw_full = smem_rw + kRawStages * Traits::kRawWBytes;    // raw stages x 8 bytes
   const std::uint32_t raw_empty = raw_full + kRawStages * 8;
   const std::uint32_t conv_full = raw_empty + kRawStages * 8;  // conv stages x 8 bytes
   const std::uint32_t conv_empty = conv_full + kConvStages * 8;
@@ -137,11 +138,11 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
     // ------------------------------------------------------------ producer warpgroup (warps 0, 1)
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
     W4A8Pipe pipe;
+    const std::int64_t n_panels = p.n / w4a8::kPanelRows;
     if (warp == 0) {
-      const std::int64_t n_panels = p.n / w4a8::kPanelRows;
       while (scheduler.next(tile, p)) {
         // The tile's panels are consecutive inside one panel group: per K block one bulk copy of
-        // their weights and one of their scales (w4a8_layout.hpp).
+        // their weights (w4a8_layout.hpp).
         const std::int64_t group_chunks = static_cast<std::int64_t>(tile.group) * n_panels * num_kb;
         const std::int64_t panel0 = static_cast<std::int64_t>(tile.n_tile) * kPanels;
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
@@ -151,12 +152,10 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
             if ((p.ablation & kW4AblateLoads) != 0) {
               ptx::mbar_arrive(full);
             } else {
-              ptx::mbar_arrive_expect_tx(full, Traits::kRawWBytes + Traits::kRawSBytes);
+              ptx::mbar_arrive_expect_tx(full, Traits::kRawWBytes);
               const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
               ptx::bulk_load(smem_rw + pipe.stage * Traits::kRawWBytes, p.w + chunk * w4a8::kPanelBytes,
                              Traits::kRawWBytes, full);
-              ptx::bulk_load(smem_rs + pipe.stage * Traits::kRawSBytes, p.ws + chunk * w4a8::kPanelRows,
-                             Traits::kRawSBytes, full);
             }
           }
           pipe.advance(kRawStages);
@@ -171,12 +170,19 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
         const bool small = p.masked_m != nullptr && rows_used <= p.a_small_rows;
         const CUtensorMap* map = small ? &tma_a_small : &tma_a;
         const std::uint32_t bytes = small ? p.a_small_rows * w4a8::kBlockK : Traits::kABytes;
+        // With the activations, the tile's kBN scales of the K block (one contiguous chunk, in the
+        // packed order: panel-major, 64 rows each), straight into the conversion stage.
+        const std::int64_t group_chunks = static_cast<std::int64_t>(tile.group) * n_panels * num_kb;
+        const std::int64_t panel0 = static_cast<std::int64_t>(tile.n_tile) * kPanels;
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           if (lane == 0) {
             const std::uint32_t full = conv_full + 8 * pipe.stage;
             ptx::mbar_wait(conv_empty + 8 * pipe.stage, pipe.phase ^ 1u);
-            ptx::mbar_arrive_expect_tx(full, bytes);
+            ptx::mbar_arrive_expect_tx(full, bytes + Traits::kCScaleBytes);
             ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map, full, kb * w4a8::kBlockK, tile.row0);
+            const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
+            ptx::bulk_load(smem_cs + pipe.stage * Traits::kCScaleBytes, p.ws + chunk * w4a8::kPanelRows,
+                           Traits::kCScaleBytes, full);
           }
           pipe.advance(conv_stages);
         }
@@ -212,12 +218,6 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
             ptx::st_shared_u32(at + 8 * w4a8::kBlockK, hi);
           }
         }
-        // The scales, in column order (panel-major, 64 rows each: the packed order).
-#pragma unroll
-        for (int i = t; i < kBN; i += 128)
-          ptx::st_shared_u32(
-              smem_cs + conv.stage * Traits::kCScaleBytes + 4 * i,
-              __float_as_uint(ptx::ld_shared_f32(smem_rs + raw.stage * Traits::kRawSBytes + 4 * i)));
         if ((p.ablation & kW4AblateFence) == 0) ptx::fence_proxy_async_shared();
         __syncwarp();
         if (lane == 0) {

@@ -100,6 +100,12 @@ struct MaskedCase {
   cuda::W4A8KernelChoice pin{};  // gemm/w4a8_kernel_choice.hpp: version 0 = the automatic choice
 };
 
+// v2 with the codes' offset term summed by the producer-side offset warp (bench/NOTES.md, W4A8 v5);
+// with options.block_m / consumers set it applies to those tiles too.
+constexpr cuda::W4A8KernelChoice kOffsetWarp{.version = 2, .offset_warp = 1};
+// The same with two K blocks (256 K) per pipeline stage.
+constexpr cuda::W4A8KernelChoice kOffsetWarpK2{.version = 2, .offset_warp = 1, .stage_k_blocks = 2};
+
 // Pins the W4A8 kernel for the lifetime of the guard.
 class PinKernel {
  public:
@@ -212,7 +218,8 @@ INSTANTIATE_TEST_SUITE_P(
         // expected_m 40: the automatic choice is v3 (64 x 256).
         MaskedCase{"N1536_K2048_expected40_auto", 64, {64, 16, 40}, 1536, 2048},
         // The automatic choice is the register-operand kernel (v2) for masked decode rows
-        // (expected_m <= 24) and v3 otherwise (w4a8_kernel_choice): v2 pinned, and the
+        // (expected_m <= 24; <= 12 with the offset warp and two K blocks per stage) and v3
+        // otherwise (w4a8_kernel_choice): v2 pinned, and the
         // shared-memory-conversion kernel (v3) with its own
         // heuristic (64 x 256, activation boxes of 16 / 32 rows where the hint allows) and every
         // other v3 tile pinned.
@@ -240,7 +247,93 @@ INSTANTIATE_TEST_SUITE_P(
                    0,
                    0,
                    false,
-                   {3, 128, 128, 1}}),
+                   {3, 128, 128, 1}},
+        // v2 with the offset warp (kOffsetWarp): every tile, the decode rows, odd and single K-block
+        // counts (with two partials and one), a device scale, nothing valid.
+        MaskedCase{"N4096_K7168_decode_offwarp", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, kOffsetWarp},
+        MaskedCase{"N7168_K2048_decode_block32_device_scale_offwarp",
+                   48,
+                   {20, 5, 48, 0},
+                   7168,
+                   2048,
+                   32,
+                   0,
+                   true,
+                   kOffsetWarp},
+        MaskedCase{"N1536_K2048_block16_consumers2_offwarp",
+                   37,
+                   {37, 3, 0, 17},
+                   1536,
+                   2048,
+                   16,
+                   2,
+                   false,
+                   kOffsetWarp},
+        MaskedCase{
+            "N1536_K2048_block32_consumers2_offwarp", 70, {70, 33, 1}, 1536, 2048, 32, 2, false, kOffsetWarp},
+        MaskedCase{
+            "N1536_K2048_block64_offwarp", 130, {130, 0, 64, 65}, 1536, 2048, 64, 0, false, kOffsetWarp},
+        MaskedCase{"N640_K7168_block128_offwarp", 300, {300, 129, 7}, 640, 7168, 128, 0, false, kOffsetWarp},
+        MaskedCase{"N1536_K1152_odd_k_blocks_offwarp", 20, {20, 7}, 1536, 1152, 0, 0, false, kOffsetWarp},
+        MaskedCase{"N512_K384_odd_k_blocks_block16_consumers4_offwarp",
+                   40,
+                   {40, 31},
+                   512,
+                   384,
+                   16,
+                   4,
+                   false,
+                   kOffsetWarp},
+        MaskedCase{"N640_K128_one_k_block_block64_offwarp", 70, {70, 5}, 640, 128, 64, 0, false, kOffsetWarp},
+        MaskedCase{"N1536_K2048_all_empty_offwarp", 130, {0, 0}, 1536, 2048, 0, 0, false, kOffsetWarp},
+        // Two K blocks per stage: even and odd K-block counts (an odd count ends on a stage of one
+        // block), one K block, the four-consumer tiles (one copy per stage for both blocks) and
+        // the two-consumer ones (a copy per block).
+        MaskedCase{
+            "N4096_K7168_decode_offwarp_k2", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, kOffsetWarpK2},
+        MaskedCase{"N7168_K2048_decode_block32_device_scale_offwarp_k2",
+                   48,
+                   {20, 5, 48, 0},
+                   7168,
+                   2048,
+                   32,
+                   0,
+                   true,
+                   kOffsetWarpK2},
+        MaskedCase{
+            "N1536_K1152_odd_k_blocks_offwarp_k2", 20, {20, 7}, 1536, 1152, 0, 0, false, kOffsetWarpK2},
+        MaskedCase{"N512_K384_odd_k_blocks_block16_consumers4_offwarp_k2",
+                   40,
+                   {40, 31},
+                   512,
+                   384,
+                   16,
+                   4,
+                   false,
+                   kOffsetWarpK2},
+        MaskedCase{"N1536_K1152_odd_k_blocks_block32_consumers2_offwarp_k2",
+                   70,
+                   {70, 33, 1},
+                   1536,
+                   1152,
+                   32,
+                   2,
+                   false,
+                   kOffsetWarpK2},
+        MaskedCase{"N1536_K2048_block16_consumers2_offwarp_k2",
+                   37,
+                   {37, 3, 0, 17},
+                   1536,
+                   2048,
+                   16,
+                   2,
+                   false,
+                   kOffsetWarpK2},
+        MaskedCase{
+            "N640_K128_one_k_block_block64_offwarp_k2", 70, {70, 5}, 640, 128, 64, 0, false, kOffsetWarpK2},
+        MaskedCase{
+            "N640_K7168_block128_offwarp_k2", 300, {300, 129, 7}, 640, 7168, 128, 0, false, kOffsetWarpK2},
+        MaskedCase{"N1536_K2048_all_empty_offwarp_k2", 130, {0, 0}, 1536, 2048, 0, 0, false, kOffsetWarpK2}),
     [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- contiguous
@@ -324,8 +417,18 @@ INSTANTIATE_TEST_SUITE_P(
         ContiguousCase{"N1536_K2048_holes_v2", {5, 130, 0, 33}, 1536, 2048, 1, true, {2}},
         ContiguousCase{
             "N1536_K1152_odd_k_blocks_v3_m128n128", {130, 7}, 1536, 1152, 0, false, {3, 128, 128, 1}},
+        ContiguousCase{"N1536_K2048_holes_v3_m64n256", {5, 130, 0, 33}, 1536, 2048, 1, true, {3, 64, 256, 1}},
+        // v2 (128 x 128) with the offset warp.
+        ContiguousCase{"N7168_K2048_v2_offwarp", {150, 0, 64, 33}, 7168, 2048, 0, false, kOffsetWarp},
         ContiguousCase{
-            "N1536_K2048_holes_v3_m64n256", {5, 130, 0, 33}, 1536, 2048, 1, true, {3, 64, 256, 1}}),
+            "N1536_K1152_odd_k_blocks_holes_v2_offwarp", {5, 130, 0, 33}, 1536, 1152, 1, true, kOffsetWarp},
+        ContiguousCase{"N1536_K1152_odd_k_blocks_holes_v2_offwarp_k2",
+                       {5, 130, 0, 33},
+                       1536,
+                       1152,
+                       1,
+                       true,
+                       kOffsetWarpK2}),
     [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
 
 // The masked GEMM captured once in a CUDA graph, replayed with new counts written on the device.

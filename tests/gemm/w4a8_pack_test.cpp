@@ -14,6 +14,7 @@
 
 #include "epmoe/cuda/w4a8_gemm.hpp"
 #include "epmoe/grouped_gemm.hpp"
+#include "gemm/w4a8_kernel_choice.hpp"
 #include "gemm/w4a8_layout.hpp"
 #include "gpu_test_util.hpp"
 
@@ -242,6 +243,34 @@ TEST(W4A8Pack, ConverterStoresMatchTheSwizzledTile) {
                 c.s.data<float>()[i * KB + kb]);
 }
 
+// v2's offset warp (w4a8_grouped_gemm_kernel.cuh, kOffsetWarp): a lane-by-lane model of its
+// shared loads over a 16-row slice of the activation tile reads every byte exactly once, into a
+// fragment register of the byte's own row (the load of `half` feeds a[1], a[3] of mma.sync m16n8k32,
+// row g + 8; else a[0], a[2], row g), so that against the constant B each mma row is that row's sum
+// whatever the swizzle; and each 16-byte load is free of bank conflicts (every quarter warp, 8
+// lanes x 16 bytes, covers the 32 banks once).
+TEST(W4A8Pack, OffsetWarpLoadsCoverEveryRowOnce) {
+  std::vector<int> reads(16 * 128, 0);
+  for (int half = 0; half < 2; ++half) {
+    for (int i = 0; i < 2; ++i) {
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        std::vector<int> banks;
+        for (int lane = 8 * quarter; lane < 8 * quarter + 8; ++lane) {
+          const std::uint32_t at = w4a8::offset_warp_load(lane, half, i);
+          ASSERT_EQ(at % 16, 0u);
+          ASSERT_EQ(static_cast<int>(at / 128), lane / 4 + 8 * half) << "lane " << lane << " half " << half;
+          for (std::uint32_t b = 0; b < 16; ++b) ++reads[at + b];
+          for (std::uint32_t w = 0; w < 4; ++w) banks.push_back(static_cast<int>((at / 4 + w) % 32));
+        }
+        std::sort(banks.begin(), banks.end());
+        EXPECT_EQ(std::unique(banks.begin(), banks.end()) - banks.begin(), 32)
+            << "bank conflict: half " << half << " load " << i << " quarter " << quarter;
+      }
+    }
+  }
+  for (std::size_t b = 0; b < reads.size(); ++b) ASSERT_EQ(reads[b], 1) << "byte " << b;
+}
+
 TEST(W4A8Pack, RefusesBadArguments) {
   const HostTensor w(DType::i4x2, {2, 128, 128}), s(DType::f32, {2, 128, 2});
   HostTensor pw(DType::i4x2, {2, 128, 128}), ps(DType::f32, {2, 128, 2});
@@ -269,6 +298,32 @@ TEST(W4A8Pack, RefusesBadArguments) {
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s, pw_small, ps_small); },
                         "must have the shape of the input weights");
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s, w, ps); }, "must not alias the inputs");
+  // The offset warp is a variant of v2 only.
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 3, .offset_warp = 1}); },
+                        "W4A8 offset_warp must be 0, or 1 with version 2, got 1 with version 3");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 2}); },
+                        "W4A8 offset_warp must be 0, or 1 with version 2");
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1}));
+  expect_error_mentions(
+      [&] { cuda::w4a8_pin_kernel({.version = 2, .stage_k_blocks = 2}); },
+      "W4A8 stage_k_blocks must be 0 or 1, or 2 with offset_warp = 1, got 2 with offset_warp 0");
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .stage_k_blocks = 2}));
+  cuda::w4a8_pin_kernel({});
+}
+
+// The automatic choice (bench/NOTES.md, W4A8 v5): decode rows on 16-row tiles take the offset warp
+// with two K blocks per stage, 32-row decode tiles the plain register-operand kernel, the rest v3.
+TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
+  const auto is = [](const cuda::W4A8KernelChoice& c, int version, int offset_warp, int stage_k_blocks) {
+    return c.version == version && c.offset_warp == offset_warp && c.stage_k_blocks == stage_k_blocks;
+  };
+  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 1, 4096, 7168), 2, 1, 2));
+  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 8, 7168, 2048), 2, 1, 2));
+  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 12, 640, 2048), 2, 1, 2));
+  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 16, 4096, 7168), 2, 0, 0));
+  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 24, 7168, 2048), 2, 0, 0));
+  EXPECT_EQ(cuda::w4a8_kernel_choice(true, 32, 4096, 7168).version, 3);
+  EXPECT_EQ(cuda::w4a8_kernel_choice(false, 0, 4096, 7168).version, 3);
 }
 
 TEST(W4A8Reference, MatchesADirectSum) {
