@@ -368,15 +368,13 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
 // Measured with the offset-binary codes (bench/NOTES.md, W4A8 v4 and v5;
 // 2026-11-30T1300Z-h200-w4a8-v4.json, 2026-11-30T1428Z-h200-w4a8-v5.json): the register-operand
 // kernel wins the decode rows (masked, expected_m <= 24: its 16- and 32-row tiles, 1.3-1.7x faster
-// than v3), on the 16-row tiles (expected_m <= 12) with the offset warp and two K blocks per stage
-// (4096 x 7168: 503 against 536 µs, medians of four runs; 7168 x 2048: the same within 1%; on the
-// 32-row tiles 10-20% slower, so not there); v3 wins every other
-// row, masked (64 x 256 for expected_m <= 64) and contiguous (128 x 128: v2's larger tiles pay for
-// the codes' offset term).
+// than v3); v3 wins every other row, masked (64 x 256 for expected_m <= 64) and contiguous (128 x 128:
+// v2's larger tiles pay for the codes' offset term). The offset warp with two K blocks per stage is
+// 6% faster on the 16-row tiles' 4096 x 7168 decode GEMM (503 against 536 µs, level on 7168 x 2048)
+// but racecheck reports its offset-slot hand-off (believed false: mbarrier-ordered, see NOTES W4A8
+// v5), so it stays a pinned variant until racecheck can see that order: a default must pass it.
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k) {
   static_cast<void>(k);
-  if (masked && expected_m <= 12)
-    return W4A8KernelChoice{.version = 2, .offset_warp = 1, .stage_k_blocks = 2};
   if (masked && expected_m <= 24) return W4A8KernelChoice{2};
   return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
 }

@@ -11,8 +11,8 @@
 //              term summed per stage by a producer-side warp (W4A8Traits::kOffsetWarp) instead of
 //              by the consumers (a constant-operand wgmma per K step for tiles of <= 32 rows, or
 //              m64n8k32 and a named barrier per K block for 64 and 128);
-//   stage_k_blocks = 2 (with offset_warp): two K blocks (256 K) per pipeline stage. The automatic
-//              choice for masked expected_m <= 12 (the 16-row decode tiles) is version 2 with both.
+//   stage_k_blocks = 2 (with offset_warp): two K blocks (256 K) per pipeline stage. Pinned only:
+//              6% faster on one decode GEMM, but racecheck reports its hand-off (NOTES, W4A8 v5).
 //
 // Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
 // with offset_warp and stage_k_blocks as pinned when the pinned version is 2.
