@@ -1,12 +1,21 @@
-// Pack kernel of the copy-engine send (PackArgs, ep_kernels.hpp). Included by ep_kernels.cu inside
-// its anonymous namespace, after the routing helpers and send_headers.
+// Pack of the copy-engine send: lays out this rank's payload rows for each peer in local staging
+// memory exactly as they must land there. Two forms: pack_kernel (PackArgs, one launch per piece,
+// EPMOE_COMM_SEND_CE=1, v4) and pack_pieces (SendArgs::ce, the send blocks of the one dispatch
+// launch, EPMOE_COMM_SEND_CE=2, v5). Included by ep_kernels.cu inside its anonymous namespace,
+// after the routing helpers, send_headers and finish_block.
 //
 // Why: SM stores to a peer saturate at ~270 GB/s per direction on 2xH200 whatever the SM count
 // (v3/v4 runs), and from 24 SMs at ~200 GB/s; the copy engines move ~396 GB/s peer to peer with no
-// SM. They copy contiguous bytes only, so this kernel first lays out this rank's rows for each
-// peer exactly as they must land there (slot order, metadata for that peer), in local memory at
-// HBM speed, one piece of slots per launch so that the copy of piece p overlaps the packing of
-// piece p + 1.
+// SM. They copy contiguous bytes only, so the rows are first laid out locally (slot order, the
+// metadata for that peer) at HBM speed, a piece of slots at a time, so that the copy of piece p
+// overlaps the packing of piece p + 1.
+//
+// v4 measured the separate launches: each costs ~8-12 µs before its rows (one thread's binary
+// search for the piece's token range, a block barrier, launch and event), and place, queued behind
+// them on the stream, started only after the last (254 µs per dispatch). pack_pieces runs beside
+// place in the dispatch launch instead, finds the ranges with a warp each, and tells the copy
+// engines that a piece is ready through a flag in device memory (a stream wait-value on the side
+// stream), so neither the packing nor place waits for a launch.
 #pragma once
 
 // The source token of slot j of bucket b (j < the bucket's count): the word that holds it by a
@@ -27,6 +36,47 @@ __device__ std::int64_t token_of_slot(const std::uint32_t* bitmaps, const std::i
   return static_cast<std::int64_t>(lo) * 32 + (__ffs(static_cast<int>(m)) - 1);
 }
 
+// token_of_slot by a whole warp (every lane gets the result): each round the lanes test 32 evenly
+// spaced prefix words at once, so W = 128 words (4096 tokens) take two dependent loads instead of
+// the binary search's seven. The prefix is non-decreasing, so the words with p[w] <= j are a
+// prefix of the candidates and the last of them is found by one ballot.
+__device__ std::int64_t warp_token_of_slot(const std::uint32_t* bitmaps, const std::int32_t* prefix, int W,
+                                           int bucket, std::int64_t j, int lane) {
+  const std::int32_t* p = prefix + static_cast<std::int64_t>(bucket) * W;
+  int lo = 0, n = W;  // the answer lies in [lo, lo + n); p[lo] <= j always (p[0] = 0)
+  for (;;) {
+    const int step = n > 32 ? (n + 31) / 32 : 1;
+    const int w = lo + lane * step;
+    const unsigned ok = __ballot_sync(kFull, lane * step < n && p[w] <= j);
+    lo += (__popc(ok) - 1) * step;
+    if (step == 1) break;
+    n = min(step, n - (__popc(ok) - 1) * step);
+  }
+  std::uint32_t m = bitmaps[static_cast<std::int64_t>(bucket) * W + lo];
+  for (std::int64_t k = j - p[lo]; k > 0; --k) m &= m - 1u;
+  return static_cast<std::int64_t>(lo) * 32 + (__ffs(static_cast<int>(m)) - 1);
+}
+
+// A warp: token t's payload row for destination d (x, scales, the top-k metadata as d reads it)
+// at `row`. target: the warp's one-entry pointer table in shared memory (copy_fanout's argument).
+__device__ __forceinline__ void pack_row(const EpGeometry& g, const void* x, const float* scales,
+                                         const std::int32_t* ids, const float* weights,
+                                         const std::uint32_t* bitmaps, const std::int32_t* prefix, int d,
+                                         std::int64_t t, char* row, char** target, int lane) {
+  if (lane == 0) target[0] = row;
+  __syncwarp();
+  copy_fanout(static_cast<const char*>(x) + t * g.x_bytes, target, 1, g.x_bytes / 16, lane);
+  for (int c = lane; c < g.G; c += 32) reinterpret_cast<float*>(row + g.x_bytes)[c] = scales[t * g.G + c];
+  if (lane < g.K) {
+    const int id = ids[t * g.K + lane];
+    auto* meta = reinterpret_cast<std::int32_t*>(row + g.meta_off) + 3 * lane;
+    meta[0] = id / g.L == d ? id % g.L : -1;
+    meta[1] = bucket_slot(bitmaps, prefix, g.W, g.N + id, t);
+    meta[2] = __float_as_int(weights[t * g.K + lane]);
+  }
+  __syncwarp();
+}
+
 // Grid: any number of kSendThreads blocks. For every peer d: the tokens whose slot on d lies in
 // [slot_begin, slot_end) (a contiguous token range, slots grow with the token index), a warp per
 // token: x, scales and the top-k metadata as d must receive them.
@@ -38,7 +88,6 @@ __global__ void __launch_bounds__(kSendThreads) pack_kernel(EpGeometry g, PackAr
   const int status = a.count_row[g.status_index()];
   if (blockIdx.x == 0 && tid == 0 && a.first) stamp(kTraceSendStart);
   if (blockIdx.x == 0 && a.first) send_headers(g, a.header, a.count_row, status, a.T, a.s, parity_ints);
-  const std::int64_t vecs = g.x_bytes / 16;
   for (int d = 0; d < g.N; ++d) {
     if (d == g.me) continue;
     // A refused input sends no rows (count 0), but its counters are still written: every counter
@@ -67,23 +116,97 @@ __global__ void __launch_bounds__(kSendThreads) pack_kernel(EpGeometry g, PackAr
          t += static_cast<std::int64_t>(gridDim.x) * kSendWarps) {
       if (!bucket_has(a.bitmaps, g.W, d, t)) continue;
       char* const row = region + bucket_slot(a.bitmaps, a.prefix, g.W, d, t) * g.row_stride;
-      if (lane == 0) target[warp][0] = row;
-      __syncwarp();
-      copy_fanout(static_cast<const char*>(a.x) + t * g.x_bytes, target[warp], 1, vecs, lane);
-      for (int c = lane; c < g.G; c += 32)
-        reinterpret_cast<float*>(row + g.x_bytes)[c] = a.scales[t * g.G + c];
-      if (lane < g.K) {
-        const int id = a.ids[t * g.K + lane];
-        auto* meta = reinterpret_cast<std::int32_t*>(row + g.meta_off) + 3 * lane;
-        meta[0] = id / g.L == d ? id % g.L : -1;
-        meta[1] = bucket_slot(a.bitmaps, a.prefix, g.W, g.N + id, t);
-        meta[2] = __float_as_int(a.weights[t * g.K + lane]);
-      }
-      __syncwarp();
+      pack_row(g, a.x, a.scales, a.ids, a.weights, a.bitmaps, a.prefix, d, t, row, target[warp], lane);
     }
   }
   if (tid == 0) stamp_max(kTraceSendCopied);
   // The next call's kernels compute their sequence number from *seq; nothing in this call reads it
   // after the first piece (the host passes s).
   if (a.last && blockIdx.x == 0 && tid == 0) *a.sync.seq = a.s;
+}
+
+// The send blocks of the dispatch launch with SendArgs::ce set (EPMOE_COMM_SEND_CE=2). Block 0
+// first writes every peer's header and raises the count flags (SM stores of a few hundred bytes, so
+// the peers size their layouts at once) and the values of every peer's chunk counters (want).
+// Then, piece by piece (slots [p * piece_slots, min((p + 1) * piece_slots, T)) of every peer: the
+// range the side stream copies), a warp per peer finds the piece's token range, the block's warps
+// pack those tokens (strided over all pack blocks), and the block arrives at the piece's counter;
+// the last block to arrive raises ready[p] = ce.s. No block waits for another (or for a peer), so
+// every flag is raised whatever the peers do, and the side stream's waits, which cannot time out,
+// end as soon as this launch has packed; a dead peer surfaces through place's bounded waits.
+// A refused input (status != 0) packs nothing but still raises every flag and writes want = 0.
+__device__ void pack_pieces(const EpGeometry& g, const SendArgs& a, int block, int nblocks) {
+  __shared__ char* target[kSendWarps][1];
+  __shared__ std::int64_t range[kSendWarps][2];
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const SendArgs::CopyEngine& ce = a.ce;
+  // The host's count of this call (the parity of the rows it copies; *seq + 1 on the device).
+  const std::uint32_t s = ce.s;
+  const std::int64_t parity_ints = static_cast<std::int64_t>(s & 1u) * a.sync.parity_stride / 4;
+  const int status = a.count_row[g.status_index()];
+  if (block == 0 && tid == 0) stamp(kTraceSendStart);
+  if (block == 0) {
+    send_headers(g, a.header, a.count_row, status, a.T, s, parity_ints);
+    // Tokens of chunk c on d: what d's place waits for once the copy engine has delivered it
+    // after the chunk's rows; 0 where d waits for nothing, so that a copy landing late never
+    // leaves a stale count behind for the call after next.
+    for (int i = tid; i < g.N * ce.n_chunks; i += kSendThreads) {
+      const int d = i / ce.n_chunks, c = i % ce.n_chunks;
+      const std::int64_t count = status != 0 || d == g.me ? 0 : a.count_row[d];
+      const std::int64_t left = count - static_cast<std::int64_t>(c) * kArrivalChunk;
+      ce.want[i] = static_cast<std::uint32_t>(left < 0 ? 0 : (left > kArrivalChunk ? kArrivalChunk : left));
+    }
+  }
+  for (int p = 0; p < ce.pieces; ++p) {
+    const std::int64_t slot_begin = static_cast<std::int64_t>(p) * ce.piece_slots;
+    const std::int64_t slot_end = min(slot_begin + ce.piece_slots, a.T);
+    for (int d0 = 0; d0 < g.N; d0 += kSendWarps) {
+      {
+        // Warp w: the tokens whose slot on peer d0 + w lies in the piece (contiguous: slots grow
+        // with the token index).
+        const int d = d0 + warp;
+        std::int64_t t0 = 0, t1 = 0;
+        if (d < g.N && d != g.me && status == 0) {
+          const std::int64_t count = a.count_row[d];
+          const std::int64_t j0 = min(slot_begin, count), j1 = min(slot_end, count);
+          if (j0 < j1) {
+            t0 = warp_token_of_slot(a.bitmaps, a.prefix, g.W, d, j0, lane);
+            t1 = j1 < count ? warp_token_of_slot(a.bitmaps, a.prefix, g.W, d, j1, lane) : a.T;
+          }
+        }
+        if (lane == 0) {
+          range[warp][0] = t0;
+          range[warp][1] = t1;
+        }
+      }
+      __syncthreads();
+      for (int i = 0; i < kSendWarps && d0 + i < g.N; ++i) {
+        const int d = d0 + i;
+        char* const region = ce.staging + static_cast<std::int64_t>(d) * g.T_max * g.row_stride;
+        for (std::int64_t t = range[i][0] + static_cast<std::int64_t>(block) * kSendWarps + warp;
+             t < range[i][1]; t += static_cast<std::int64_t>(nblocks) * kSendWarps) {
+          if (!bucket_has(a.bitmaps, g.W, d, t)) continue;
+          pack_row(g, a.x, a.scales, a.ids, a.weights, a.bitmaps, a.prefix, d, t,
+                   region + bucket_slot(a.bitmaps, a.prefix, g.W, d, t) * g.row_stride, target[warp], lane);
+        }
+      }
+      __syncthreads();  // range is rewritten by the next round
+    }
+    // Every thread's rows of the piece (and block 0's want values) are in memory before the copy
+    // engine can read them: each thread fences, then the block arrives; the last block raises the
+    // flag (system scope: the reader is the copy engine, not an SM).
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0 && atomicAdd(&ce.arrived[p], 1u) == static_cast<std::uint32_t>(nblocks - 1)) {
+      ce.arrived[p] = 0;  // for the next call (no block of this one touches it again)
+      __threadfence_system();
+      st_release_sys(&ce.ready[p], ce.s);
+    }
+  }
+  if (tid == 0) stamp_max(kTraceSendCopied);
+  // The next call's kernels compute their sequence number from *seq.
+  if (finish_block(a.sync.done, nblocks) && tid == 0) {
+    *a.sync.seq = s;
+    stamp(kTraceSendEnd);
+  }
 }
