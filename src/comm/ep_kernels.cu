@@ -653,6 +653,9 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
       const std::uint32_t* counter =
           a.chunks + parity_bytes / 4 + static_cast<std::int64_t>(src) * a.n_chunks + c;
       wait_flag(counter, static_cast<std::uint32_t>(want), a.sync, CommPhase::dispatch_recv, g.me, src);
+      // Normal mode: when a source's last chunk was seen complete (the copy engines deliver the
+      // chunks in order, so this is when their copies ended); one stamp per source.
+      if (a.contiguous && lane == 0 && j == tok[src] - 1) stamp_max(kTraceArrived);
     }
     int e = -1, slot_e = 0;
     float w = 0.0f;
