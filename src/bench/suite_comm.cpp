@@ -172,6 +172,10 @@ const std::vector<SendVariant>& send_variants() {
        {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_CE_STREAMS", "2"}, {"EPMOE_COMM_CE_PIECES", "16"}}},
       {"ce2-pack48", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_SEND_SMS", "48"}}},
       {"ce2-pack12", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_SEND_SMS", "12"}}},
+      {"ce2-pack32", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_SEND_SMS", "32"}}},
+      {"ce2-pieces2", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_CE_PIECES", "2"}}},
+      {"ce2-streams2-pieces4",
+       {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_CE_STREAMS", "2"}, {"EPMOE_COMM_CE_PIECES", "4"}}},
   };
   return v;
 }
