@@ -125,19 +125,67 @@ __global__ void __launch_bounds__(kSendThreads) pack_kernel(EpGeometry g, PackAr
   if (a.last && blockIdx.x == 0 && tid == 0) *a.sync.seq = a.s;
 }
 
-// The send blocks of the dispatch launch with SendArgs::ce set (EPMOE_COMM_SEND_CE=2). Block 0
-// first writes every peer's header and raises the count flags (SM stores of a few hundred bytes, so
-// the peers size their layouts at once) and the values of every peer's chunk counters (want).
-// Then, piece by piece (slots [p * piece_slots, min((p + 1) * piece_slots, T)) of every peer: the
-// range the side stream copies), a warp per peer finds the piece's token range, the block's warps
-// pack those tokens (strided over all pack blocks), and the block arrives at the piece's counter;
-// the last block to arrive raises ready[p] = ce.s. No block waits for another (or for a peer), so
-// every flag is raised whatever the peers do, and the side stream's waits, which cannot time out,
-// end as soon as this launch has packed; a dead peer surfaces through place's bounded waits.
-// A refused input (status != 0) packs nothing but still raises every flag and writes want = 0.
+// A warp: token t's payload row for peer d at its slot in `region`, if t is in d's bucket (else
+// nothing). Every load of the row is issued before any of its stores, in two dependent rounds
+// (the bucket word, its prefix, the top-k ids and weights, the scales; then x and the slots of the
+// token's experts): one row at a time per warp, a row had seven dependent round trips in v5 run 1
+// (~7 µs beside place's HBM traffic), now two. Scales beyond 64 groups per row take a slower loop.
+__device__ __forceinline__ void pack_row_if_in_bucket(const EpGeometry& g, const SendArgs& a, int d,
+                                                      std::int64_t t, char* region, int lane) {
+  const std::int64_t wi = static_cast<std::int64_t>(d) * g.W + (t >> 5);
+  const std::uint32_t word = a.bitmaps[wi];
+  const std::int32_t pre = a.prefix[wi];
+  int id = 0;
+  float w = 0.0f;
+  if (lane < g.K) {
+    id = a.ids[t * g.K + lane];
+    w = a.weights[t * g.K + lane];
+  }
+  const float* sc = a.scales + t * g.G;
+  const float s0 = lane < g.G ? sc[lane] : 0.0f, s1 = lane + 32 < g.G ? sc[lane + 32] : 0.0f;
+  if (((word >> (t & 31)) & 1u) == 0) return;  // the same for every lane
+  char* const row =
+      region + static_cast<std::int64_t>(pre + __popc(word & ((1u << (t & 31)) - 1u))) * g.row_stride;
+  const int slot_e = lane < g.K ? bucket_slot(a.bitmaps, a.prefix, g.W, g.N + id, t) : 0;
+  const char* const src = static_cast<const char*>(a.x) + t * g.x_bytes;
+  const std::int64_t vecs = g.x_bytes / 16;
+  for (std::int64_t base = 0; base < vecs; base += 32 * kBatch) {
+    uint4 r[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const std::int64_t v = base + lane + 32 * u;
+      r[u] = v < vecs ? ld_v4(src + v * 16) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const std::int64_t v = base + lane + 32 * u;
+      if (v < vecs) st_v4(row + v * 16, r[u]);
+    }
+  }
+  float* const row_scales = reinterpret_cast<float*>(row + g.x_bytes);
+  if (lane < g.G) row_scales[lane] = s0;
+  if (lane + 32 < g.G) row_scales[lane + 32] = s1;
+  for (int c = lane + 64; c < g.G; c += 32) row_scales[c] = sc[c];
+  if (lane < g.K) {
+    auto* meta = reinterpret_cast<std::int32_t*>(row + g.meta_off) + 3 * lane;
+    meta[0] = id / g.L == d ? id % g.L : -1;
+    meta[1] = slot_e;
+    meta[2] = __float_as_int(w);
+  }
+}
+
+// The send blocks of the dispatch launch under the copy-engine send (SendArgs::ce): block 0 writes
+// the headers, count flags and every peer's chunk counter values first; then every warp packs, piece
+// by piece, the rows of every token t = its warp index mod the pack warps (balanced over the whole
+// call, not per piece) whose slot on a peer lies in the piece, into local staging in the peer's slot
+// order. No block-wide meeting point per piece (v5 run 1 measured one: each piece cost its slowest
+// warp's few rows, ~5-11 µs a piece): each warp fences its own rows (system scope: the reader is a
+// copy engine) and arrives at the piece's counter; the last of all the pack warps raises
+// ready[p] = s, on which the dispatcher's side stream waits. The token range of a piece on a peer:
+// [end of the previous piece, the token of the piece's last slot + 1), the end found by a warp
+// search and carried by lane d (peers d < 32; a search for both ends beyond). A pack warp waits for
+// nothing, so every flag is always raised (a stream wait cannot time out).
 __device__ void pack_pieces(const EpGeometry& g, const SendArgs& a, int block, int nblocks) {
-  __shared__ char* target[kSendWarps][1];
-  __shared__ std::int64_t range[kSendWarps][2];
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const SendArgs::CopyEngine& ce = a.ce;
   // The host's count of this call (the parity of the rows it copies; *seq + 1 on the device).
@@ -156,53 +204,42 @@ __device__ void pack_pieces(const EpGeometry& g, const SendArgs& a, int block, i
       const std::int64_t left = count - static_cast<std::int64_t>(c) * kArrivalChunk;
       ce.want[i] = static_cast<std::uint32_t>(left < 0 ? 0 : (left > kArrivalChunk ? kArrivalChunk : left));
     }
+    // Every thread's counter values are visible before any warp of this block arrives at a piece.
+    __threadfence_system();
+    __syncthreads();
   }
+  const std::int64_t nwarps = static_cast<std::int64_t>(nblocks) * kSendWarps;
+  const std::int64_t gwarp = static_cast<std::int64_t>(block) * kSendWarps + warp;
+  std::int64_t carried_t0 = 0;  // lane d: where peer d's next piece starts (its tokens before are done)
   for (int p = 0; p < ce.pieces; ++p) {
     const std::int64_t slot_begin = static_cast<std::int64_t>(p) * ce.piece_slots;
     const std::int64_t slot_end = min(slot_begin + ce.piece_slots, a.T);
-    for (int d0 = 0; d0 < g.N; d0 += kSendWarps) {
-      {
-        // Warp w: the tokens whose slot on peer d0 + w lies in the piece (contiguous: slots grow
-        // with the token index).
-        const int d = d0 + warp;
-        std::int64_t t0 = 0, t1 = 0;
-        if (d < g.N && d != g.me && status == 0) {
-          const std::int64_t count = a.count_row[d];
-          const std::int64_t j0 = min(slot_begin, count), j1 = min(slot_end, count);
-          if (j0 < j1) {
-            t0 = warp_token_of_slot(a.bitmaps, a.prefix, g.W, d, j0, lane);
-            t1 = j1 < count ? warp_token_of_slot(a.bitmaps, a.prefix, g.W, d, j1, lane) : a.T;
-          }
-        }
-        if (lane == 0) {
-          range[warp][0] = t0;
-          range[warp][1] = t1;
-        }
-      }
-      __syncthreads();
-      for (int i = 0; i < kSendWarps && d0 + i < g.N; ++i) {
-        const int d = d0 + i;
-        char* const region = ce.staging + static_cast<std::int64_t>(d) * g.T_max * g.row_stride;
-        for (std::int64_t t = range[i][0] + static_cast<std::int64_t>(block) * kSendWarps + warp;
-             t < range[i][1]; t += static_cast<std::int64_t>(nblocks) * kSendWarps) {
-          if (!bucket_has(a.bitmaps, g.W, d, t)) continue;
-          pack_row(g, a.x, a.scales, a.ids, a.weights, a.bitmaps, a.prefix, d, t,
-                   region + bucket_slot(a.bitmaps, a.prefix, g.W, d, t) * g.row_stride, target[warp], lane);
-        }
-      }
-      __syncthreads();  // range is rewritten by the next round
+    for (int d = 0; d < g.N && status == 0; ++d) {
+      if (d == g.me) continue;
+      const std::int64_t count = a.count_row[d];
+      const std::int64_t j0 = min(slot_begin, count), j1 = min(slot_end, count);
+      if (j0 >= j1) continue;
+      const std::int64_t t0 = d < 32 ? __shfl_sync(kFull, carried_t0, d)
+                                     : warp_token_of_slot(a.bitmaps, a.prefix, g.W, d, j0, lane);
+      const std::int64_t t1 = j1 < count ? warp_token_of_slot(a.bitmaps, a.prefix, g.W, d, j1, lane) : a.T;
+      if (lane == d) carried_t0 = t1;
+      char* const region = ce.staging + static_cast<std::int64_t>(d) * g.T_max * g.row_stride;
+      // The first token >= t0 that is this warp's (t = gwarp mod nwarps).
+      for (std::int64_t t = t0 + ((gwarp - t0 % nwarps) + nwarps) % nwarps; t < t1; t += nwarps)
+        pack_row_if_in_bucket(g, a, d, t, region, lane);
     }
-    // Every thread's rows of the piece (and block 0's want values) are in memory before the copy
-    // engine can read them: each thread fences, then the block arrives; the last block raises the
-    // flag (system scope: the reader is the copy engine, not an SM).
+    // This warp's rows of the piece are in memory before the copy engine can read them; the last
+    // pack warp to arrive raises the flag.
+    __syncwarp();
     __threadfence_system();
-    __syncthreads();
-    if (tid == 0 && atomicAdd(&ce.arrived[p], 1u) == static_cast<std::uint32_t>(nblocks - 1)) {
-      ce.arrived[p] = 0;  // for the next call (no block of this one touches it again)
+    __syncwarp();
+    if (lane == 0 && atomicAdd(&ce.arrived[p], 1u) == static_cast<std::uint32_t>(nwarps - 1)) {
+      ce.arrived[p] = 0;  // for the next call (no warp of this one touches it again)
       __threadfence_system();
-      st_release_sys(&ce.ready[p], ce.s);
+      st_release_sys(&ce.ready[p], s);
     }
   }
+  __syncthreads();
   if (tid == 0) stamp_max(kTraceSendCopied);
   // The next call's kernels compute their sequence number from *seq.
   if (finish_block(a.sync.done, nblocks) && tid == 0) {
