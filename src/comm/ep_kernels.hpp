@@ -116,7 +116,7 @@ struct SendArgs {
     char* staging = nullptr;           // destination d's slot j: staging + (d * T_max + j) * row_stride
     std::uint32_t* want = nullptr;     // [N][n_chunks]: tokens of each 64-slot chunk (the counters' values)
     std::uint32_t* ready = nullptr;    // [pieces]: ready[p] = s once piece p is packed for every peer
-    std::uint32_t* arrived = nullptr;  // [pieces]: pack blocks done with piece p (zeroed by the last)
+    std::uint32_t* arrived = nullptr;  // [pieces]: pack warps done with piece p (zeroed by the last)
     int n_chunks = 0, pieces = 0;
     std::int64_t piece_slots = 0;  // slots per piece (a multiple of kArrivalChunk)
     std::uint32_t s = 0;           // this call's send sequence number as the host counts it

@@ -364,7 +364,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   // Ordering and hangs. The side streams' work is enqueued after the launch (host order) and waits
   // for an event recorded before it (after the routing): a dependency CUDA sees. The one it does
   // not see, "piece p packed", is the flag. A stream wait cannot time out, so the flags are raised
-  // unconditionally: a pack block waits for nothing (no peer, no other block), and a refused input
+  // unconditionally: a pack warp waits for nothing (no peer, no other warp), and a refused input
   // still raises every flag. A peer that never arrives is reported by place's bounded waits
   // (dispatch-recv, naming it) while the copies complete into its window regardless.
   //
