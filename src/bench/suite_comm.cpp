@@ -17,7 +17,7 @@
 // kernel); "sms_all": the most SMs any kernel of the call spans (place / reduce / home run on every
 // SM: they move the rank's local HBM traffic, the fan-out to the expert rows and the reduction).
 // "nvlink-<variant>": the send-path variants of send_variants() (fence batching, bulk copies, copy
-// engines; for "ce" rows "sms" is the pack kernel's, which writes only local memory).
+// engines; for "ce" / "ce2" rows "sms" is the pack blocks', which write only local memory).
 // "nvlink-halves" is dispatch_send + dispatch_recv (send, then place, one stream, own tokens
 // through the window) next to the whole dispatch() call.
 #include <algorithm>
@@ -160,11 +160,22 @@ const std::vector<SendVariant>& send_variants() {
       {"fence4", {{"EPMOE_COMM_FENCE_BATCH", "4"}}},
       {"fence16", {{"EPMOE_COMM_FENCE_BATCH", "16"}}},
       {"bulk-lag6", {{"EPMOE_COMM_SEND_BULK", "1"}, {"EPMOE_COMM_BULK_LAG", "6"}}},
-      // Normal mode only (the low-latency rows skip them): the copy engines move the rows.
+      // Normal mode only (the low-latency rows skip them): the copy engines move the rows. "ce":
+      // separate pack launches (v4, measured in v4 run 3 with 4 / 16 pieces and 64 pack blocks);
+      // "ce2": packing inside the dispatch launch, the side stream waiting on each piece's flag (v5).
       {"ce", {{"EPMOE_COMM_SEND_CE", "1"}}},
-      {"ce-pieces4", {{"EPMOE_COMM_SEND_CE", "1"}, {"EPMOE_COMM_CE_PIECES", "4"}}},
-      {"ce-pieces16", {{"EPMOE_COMM_SEND_CE", "1"}, {"EPMOE_COMM_CE_PIECES", "16"}}},
-      {"ce-pack64", {{"EPMOE_COMM_SEND_CE", "1"}, {"EPMOE_COMM_SEND_SMS", "64"}}},
+      {"ce2", {{"EPMOE_COMM_SEND_CE", "2"}}},
+      {"ce2-pieces4", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_CE_PIECES", "4"}}},
+      {"ce2-pieces16", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_CE_PIECES", "16"}}},
+      {"ce2-streams2", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_CE_STREAMS", "2"}}},
+      {"ce2-streams2-pieces16",
+       {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_CE_STREAMS", "2"}, {"EPMOE_COMM_CE_PIECES", "16"}}},
+      {"ce2-pack48", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_SEND_SMS", "48"}}},
+      {"ce2-pack12", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_SEND_SMS", "12"}}},
+      {"ce2-pack32", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_SEND_SMS", "32"}}},
+      {"ce2-pieces2", {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_CE_PIECES", "2"}}},
+      {"ce2-streams2-pieces4",
+       {{"EPMOE_COMM_SEND_CE", "2"}, {"EPMOE_COMM_CE_STREAMS", "2"}, {"EPMOE_COMM_CE_PIECES", "4"}}},
   };
   return v;
 }

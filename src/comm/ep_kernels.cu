@@ -653,6 +653,9 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
       const std::uint32_t* counter =
           a.chunks + parity_bytes / 4 + static_cast<std::int64_t>(src) * a.n_chunks + c;
       wait_flag(counter, static_cast<std::uint32_t>(want), a.sync, CommPhase::dispatch_recv, g.me, src);
+      // Normal mode: when a source's last chunk was seen complete (the copy engines deliver the
+      // chunks in order, so this is when their copies ended); one stamp per source.
+      if (a.contiguous && lane == 0 && j == tok[src] - 1) stamp_max(kTraceArrived);
     }
     int e = -1, slot_e = 0;
     float w = 0.0f;
@@ -713,14 +716,17 @@ __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs
   place_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), smem);
 }
 
-// A whole dispatch in one launch: blocks [0, send_blocks) send, the others place. Every block is
-// resident at once (the launcher caps the grid at the occupancy), so the placing blocks that wait
-// for the peers can never keep this rank's own send blocks from running.
+// A whole dispatch in one launch: blocks [0, send_blocks) send (or, with s.ce set, pack for the
+// copy engines), the others place. Every block is resident at once (the launcher caps the grid at
+// the occupancy), so the placing blocks that wait for the peers can never keep this rank's own send
+// or pack blocks from running.
 __global__ void __launch_bounds__(kThreads)
     dispatch_kernel(EpGeometry g, SendArgs s, PlaceArgs p, int send_blocks) {
   extern __shared__ __align__(128) int smem[];
   const int b = static_cast<int>(blockIdx.x);
-  if (b < send_blocks)
+  if (b < send_blocks && s.ce.staging != nullptr)
+    pack_pieces(g, s, b, send_blocks);
+  else if (b < send_blocks)
     send_body(g, s, b, send_blocks, reinterpret_cast<char*>(smem));
   else
     place_body(g, p, b - send_blocks, static_cast<int>(gridDim.x) - send_blocks, smem);
@@ -924,7 +930,9 @@ void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream) 
 int launch_dispatch(const EpGeometry& g, const SendArgs& send_args, const PlaceArgs& p, cudaStream_t stream) {
   allow_large_smem(reinterpret_cast<const void*>(dispatch_kernel));
   SendArgs s = send_args;
-  const std::size_t smem = std::max(place_smem(g), plan_bulk_send(g, s));
+  // The pack blocks of the copy-engine send need no staging in shared memory.
+  const std::size_t smem =
+      std::max(place_smem(g), s.ce.staging != nullptr ? std::size_t{0} : plan_bulk_send(g, s));
   int per_sm = 0;
   EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_kernel, kThreads, smem));
   const std::int64_t resident =

@@ -55,6 +55,8 @@ inline constexpr int kMaxTopK = 32;
 // (instead of after the source's last token), and its last block zeroes the counters again.
 inline constexpr int kArrivalChunk = 64;
 inline constexpr int kMaxPhysicalExperts = 8192;
+// Copy-engine send: pieces per call at most (EPMOE_COMM_CE_PIECES is clamped to it).
+inline constexpr int kMaxCePieces = 64;
 
 struct EpGeometry {
   int N = 1, me = 0, L = 1, P = 1, K = 1;
@@ -105,6 +107,20 @@ struct SendArgs {
   // (EPMOE_COMM_BULK_LAG, default 6). Per-lane stores: tokens per warp between system fences
   // (EPMOE_COMM_FENCE_BATCH, default 8; 1 = v3).
   int bulk_lag = 6, fence_batch = 8;
+  // Copy-engine send inside the dispatch launch (EPMOE_COMM_SEND_CE=2, normal mode, whole calls;
+  // ep_pack.cuh pack_pieces): with ce.staging set, the send blocks do not write to the peers but
+  // pack this rank's rows for each peer into local staging memory, piece by piece, and raise a
+  // per-piece ready flag on which the dispatcher's side stream waits (cuStreamWaitValue32) before
+  // it copies the piece to the peer with the copy engines.
+  struct CopyEngine {
+    char* staging = nullptr;           // destination d's slot j: staging + (d * T_max + j) * row_stride
+    std::uint32_t* want = nullptr;     // [N][n_chunks]: tokens of each 64-slot chunk (the counters' values)
+    std::uint32_t* ready = nullptr;    // [pieces]: ready[p] = s once piece p is packed for every peer
+    std::uint32_t* arrived = nullptr;  // [pieces]: pack warps done with piece p (zeroed by the last)
+    int n_chunks = 0, pieces = 0;
+    std::int64_t piece_slots = 0;  // slots per piece (a multiple of kArrivalChunk)
+    std::uint32_t s = 0;           // this call's send sequence number as the host counts it
+  } ce;
   FlagSync sync;
 };
 // NVLink header of a source on a destination:
@@ -116,9 +132,9 @@ void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream);
 // SMs): EPMOE_COMM_SEND_SMS if set, else min(24, SMs); `T` tokens.
 inline constexpr int kSendThreads = 256;
 int send_blocks(std::int64_t T);
-// Copy-engine send (normal mode, EPMOE_COMM_SEND_CE=1): pack writes this rank's payload rows for
-// each peer into a local staging area, in the peer's slot order, one piece of destination slots
-// [slot_begin, slot_end) per launch; the dispatcher copies each packed piece to the peer with
+// Copy-engine send in separate launches (normal mode, EPMOE_COMM_SEND_CE=1; v4): pack writes this rank's
+// payload rows for each peer into a local staging area, in the peer's slot order, one piece of destination
+// slots [slot_begin, slot_end) per launch; the dispatcher copies each packed piece to the peer with
 // cudaMemcpyAsync on a side stream (the copy engines: no SM writes to the peer), then the piece's
 // arrival counters (want: the tokens of each 64-slot chunk) after it.
 struct PackArgs {

@@ -19,8 +19,9 @@
 // layout from the count flags (raised before any token is sent), places the own tokens, then the
 // peers' as their arrival flags come. Normal mode: place publishes the layout to mapped host
 // memory first, so the host returns as soon as it knows it, while the rows are still being copied.
-// EPMOE_COMM_SEND_CE=1 (normal mode): the copy engines move the rows instead of send's SM stores
-// (dispatch_by_copy_engines).
+// EPMOE_COMM_SEND_CE=1 / 2 (normal mode): the copy engines move the rows instead of send's SM
+// stores (dispatch_by_copy_engines: separate pack launches, v4; dispatch_by_copy_engines_in_launch:
+// the packing inside the one dispatch launch, v5).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -28,6 +29,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+
+#include <cudaTypedefs.h>
 
 #include "comm/comm_internal.hpp"
 #include "comm/gpu_dispatcher_base.hpp"
@@ -38,6 +41,22 @@ namespace {
 
 std::int64_t up(std::int64_t x, std::int64_t a) {
   return (x + a - 1) / a * a;
+}
+
+// cuStreamWaitValue32 from the driver the runtime already loaded (nothing extra is linked). The
+// v2 stream memory operations are available by default on every platform (CUDA >= 11.7).
+PFN_cuStreamWaitValue32_v11070 stream_wait_value32() {
+  static const PFN_cuStreamWaitValue32_v11070 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    EPMOE_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000, cudaEnableDefault, &status));
+    EPMOE_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
+                "the CUDA driver does not provide cuStreamWaitValue32 (status {}); unset EPMOE_COMM_SEND_CE",
+                static_cast<int>(status));
+    return reinterpret_cast<PFN_cuStreamWaitValue32_v11070>(p);
+  }();
+  return fn;
 }
 
 class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDispatcherBase {
@@ -102,8 +121,10 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   }
 
   ~NvlinkLlDispatcher() override {
-    // Nothing of ours may still run when the window goes (every device wait is bounded).
+    // Nothing of ours may still run when the window goes (every device wait is bounded; the copy
+    // engines' stream waits end once the dispatch launch before them has packed).
     (void)cudaStreamSynchronize(comm_->stream());
+    for (const cuda::Stream& side : ce_streams_) (void)cudaStreamSynchronize(side);
     if (offsets_host_ != nullptr) (void)cudaFreeHost(offsets_host_);
   }
 
@@ -115,7 +136,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::size_t device_bytes() const override {
     std::size_t bytes = base_buffer_bytes() + window_->size();
     for (const cuda::DeviceBuffer* b : {&send_dest_, &send_hdr_, &reduce_dest_, &reduce_flag_, &send_chunks_,
-                                        &sync_state_, &offsets_dev_, &staging_, &want_})
+                                        &sync_state_, &offsets_dev_, &staging_, &want_, &ce_flags_})
       bytes += b->size();
     return bytes;
   }
@@ -163,7 +184,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     s.chunks = chunked_ ? send_chunks_.as<std::uint32_t* const>() : nullptr;
     s.sync = sync(2, 4);
     own_direct_ = whole && host_status == 0;
-    by_copy_engines_ = own_direct_ && contiguous() && chunked_ && copy_engines_enabled();
+    copy_engines_ = own_direct_ && contiguous() && chunked_ ? copy_engine_mode() : 0;
     if (own_direct_) {
       pending_send_ = s;  // recv launches it together with place
     } else {
@@ -217,8 +238,10 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       p.host_offsets = offsets_mapped_;
       p.host_stamp = static_cast<std::int32_t>(++host_stamp_ & 0x7fffffff);
     }
-    if (by_copy_engines_)
+    if (copy_engines_ == 1)
       dispatch_by_copy_engines(p);
+    else if (copy_engines_ == 2)
+      dispatch_by_copy_engines_in_launch(p);
     else if (own_direct_)
       comm_detail::launch_dispatch(g_, pending_send_, p, comm_->stream());
     else
@@ -273,16 +296,9 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   void dispatch_by_copy_engines(const comm_detail::PlaceArgs& p) {
     const cudaStream_t stream = comm_->stream();
     const std::int64_t T = last_T_, stride = g_.row_stride;
-    if (staging_.empty()) {
-      staging_ = cuda::DeviceBuffer(static_cast<std::size_t>(g_.N * g_.T_max * stride));
-      want_ = cuda::DeviceBuffer(static_cast<std::size_t>(g_.N * n_chunks_) * sizeof(std::uint32_t));
-      ce_stream_.emplace();
-      ce_done_.emplace(cudaEventDisableTiming);
-    }
+    ensure_copy_engine_state();
     const std::int64_t parity_bytes = static_cast<std::int64_t>(send_seq_ & 1u) * parity_stride_;
-    const std::int64_t pieces = std::clamp<std::int64_t>(env_int("EPMOE_COMM_CE_PIECES", 8), 1, 64);
-    const std::int64_t piece = std::max<std::int64_t>(
-        comm_detail::kArrivalChunk, up((T + pieces - 1) / pieces, comm_detail::kArrivalChunk));
+    const std::int64_t piece = piece_slots(T);
     const comm_detail::SendArgs& s = pending_send_;
     comm_detail::PackArgs a;
     a.x = s.x;
@@ -310,7 +326,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
         if (piece_index == piece_events_.size()) piece_events_.emplace_back(cudaEventDisableTiming);
         const cuda::Event& packed = piece_events_[piece_index++];
         packed.record(stream);
-        EPMOE_CUDA_CHECK(cudaStreamWaitEvent(*ce_stream_, packed, 0));
+        EPMOE_CUDA_CHECK(cudaStreamWaitEvent(ce_streams_[0], packed, 0));
         const std::int64_t c0 = a.slot_begin / comm_detail::kArrivalChunk;
         const std::int64_t c1 = (a.slot_end + comm_detail::kArrivalChunk - 1) / comm_detail::kArrivalChunk;
         for (int d = 0; d < g_.N; ++d) {
@@ -319,20 +335,115 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
               send_dest_host_[static_cast<std::size_t>(d)] + parity_bytes + a.slot_begin * stride,
               staging_.as<char>() + (d * g_.T_max + a.slot_begin) * stride,
               static_cast<std::size_t>((a.slot_end - a.slot_begin) * stride), cudaMemcpyDeviceToDevice,
-              *ce_stream_));
+              ce_streams_[0]));
           EPMOE_CUDA_CHECK(
               cudaMemcpyAsync(reinterpret_cast<char*>(send_chunks_host_[static_cast<std::size_t>(d)]) +
                                   parity_bytes + c0 * static_cast<std::int64_t>(sizeof(std::uint32_t)),
                               want_.as<std::uint32_t>() + d * n_chunks_ + c0,
                               static_cast<std::size_t>(c1 - c0) * sizeof(std::uint32_t),
-                              cudaMemcpyDeviceToDevice, *ce_stream_));
+                              cudaMemcpyDeviceToDevice, ce_streams_[0]));
         }
       }
       if (a.last) break;
     }
     comm_detail::launch_place(g_, p, stream);
-    ce_done_->record(*ce_stream_);
-    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, *ce_done_, 0));
+    ce_done_[0].record(ce_streams_[0]);
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, ce_done_[0], 0));
+  }
+
+  // Copy-engine send with the packing inside the one dispatch launch (EPMOE_COMM_SEND_CE=2, normal
+  // mode, whole dispatch() calls; v5). The send blocks pack this rank's rows for each peer into the
+  // staging memory piece by piece, beside place, and raise ready[p] = s once piece p is packed
+  // (comm_detail::pack_pieces); a side stream waits for each flag with cuStreamWaitValue32 and
+  // copies the piece to every peer's window, then the piece's arrival counters (copies on one stream
+  // complete in order, so a peer that sees a counter sees the rows). EPMOE_COMM_CE_STREAMS=2
+  // alternates the pieces over two side streams, so that one piece's counter copy and the next
+  // piece's wait can overlap a row copy. The main stream finally waits for the side streams: the
+  // next call packs into the same staging memory.
+  //
+  // Ordering and hangs. The side streams' work is enqueued after the launch (host order) and waits
+  // for an event recorded before it (after the routing): a dependency CUDA sees. The one it does
+  // not see, "piece p packed", is the flag. A stream wait cannot time out, so the flags are raised
+  // unconditionally: a pack warp waits for nothing (no peer, no other warp), and a refused input
+  // still raises every flag. A peer that never arrives is reported by place's bounded waits
+  // (dispatch-recv, naming it) while the copies complete into its window regardless.
+  //
+  // Not capturable as a whole: normal mode publishes the layout to the host at every call (the
+  // host sizes the output from it). The stream wait-values would capture as batch memory-operation
+  // nodes (CUDA >= 11.7); that was not tried.
+  void dispatch_by_copy_engines_in_launch(const comm_detail::PlaceArgs& p) {
+    const cudaStream_t stream = comm_->stream();
+    const std::int64_t T = last_T_, stride = g_.row_stride;
+    ensure_copy_engine_state();
+    const std::int64_t parity_bytes = static_cast<std::int64_t>(send_seq_ & 1u) * parity_stride_;
+    const std::int64_t piece = piece_slots(T);
+    const int pieces = static_cast<int>((T + piece - 1) / piece);
+    const auto streams = static_cast<std::size_t>(std::clamp(env_int("EPMOE_COMM_CE_STREAMS", 1), 1, 2));
+    std::uint32_t* const ready = ce_flags_.as<std::uint32_t>();
+    comm_detail::SendArgs s = pending_send_;
+    s.ce.staging = staging_.as<char>();
+    s.ce.want = want_.as<std::uint32_t>();
+    s.ce.ready = ready;
+    s.ce.arrived = ready + comm_detail::kMaxCePieces;
+    s.ce.n_chunks = static_cast<int>(n_chunks_);
+    s.ce.pieces = pieces;
+    s.ce.piece_slots = piece;
+    s.ce.s = send_seq_;
+    ce_routed_->record(stream);
+    comm_detail::launch_dispatch(g_, s, p, stream);
+    const PFN_cuStreamWaitValue32_v11070 wait_value = stream_wait_value32();
+    for (std::size_t q = 0; q < streams; ++q)
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(ce_streams_[q], *ce_routed_, 0));
+    for (int k = 0; k < pieces; ++k) {
+      const cudaStream_t side = ce_streams_[static_cast<std::size_t>(k) % streams];
+      const CUresult r =
+          wait_value(side, reinterpret_cast<CUdeviceptr>(ready + k), send_seq_, CU_STREAM_WAIT_VALUE_GEQ);
+      EPMOE_CHECK(r == CUDA_SUCCESS, "{}: rank {}: cuStreamWaitValue32 failed ({}); unset EPMOE_COMM_SEND_CE",
+                  name_, g_.me, static_cast<int>(r));
+      const std::int64_t begin = k * piece, end = std::min(T, begin + piece);
+      const std::int64_t c0 = begin / comm_detail::kArrivalChunk;
+      const std::int64_t c1 = (end + comm_detail::kArrivalChunk - 1) / comm_detail::kArrivalChunk;
+      for (int d = 0; d < g_.N; ++d) {
+        if (d == g_.me) continue;
+        EPMOE_CUDA_CHECK(cudaMemcpyAsync(
+            send_dest_host_[static_cast<std::size_t>(d)] + parity_bytes + begin * stride,
+            staging_.as<char>() + (d * g_.T_max + begin) * stride,
+            static_cast<std::size_t>((end - begin) * stride), cudaMemcpyDeviceToDevice, side));
+        EPMOE_CUDA_CHECK(cudaMemcpyAsync(
+            reinterpret_cast<char*>(send_chunks_host_[static_cast<std::size_t>(d)]) + parity_bytes +
+                c0 * static_cast<std::int64_t>(sizeof(std::uint32_t)),
+            want_.as<std::uint32_t>() + d * n_chunks_ + c0,
+            static_cast<std::size_t>(c1 - c0) * sizeof(std::uint32_t), cudaMemcpyDeviceToDevice, side));
+      }
+    }
+    for (std::size_t q = 0; q < streams; ++q) {
+      ce_done_[q].record(ce_streams_[q]);
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, ce_done_[q], 0));
+    }
+  }
+
+  // Slots per piece of the copy-engine sends: T in EPMOE_COMM_CE_PIECES pieces (default 8, at
+  // most kMaxCePieces), whole arrival chunks each.
+  static std::int64_t piece_slots(std::int64_t T) {
+    const std::int64_t pieces =
+        std::clamp<std::int64_t>(env_int("EPMOE_COMM_CE_PIECES", 8), 1, comm_detail::kMaxCePieces);
+    return std::max<std::int64_t>(comm_detail::kArrivalChunk,
+                                  up((T + pieces - 1) / pieces, comm_detail::kArrivalChunk));
+  }
+
+  // The copy-engine sends' staging, counter values, piece flags (ready [kMaxCePieces] and arrived
+  // [kMaxCePieces], zeroed), side streams and events, made at the first such call.
+  void ensure_copy_engine_state() {
+    if (!staging_.empty()) return;
+    staging_ = cuda::DeviceBuffer(static_cast<std::size_t>(g_.N * g_.T_max * g_.row_stride));
+    want_ = cuda::DeviceBuffer(static_cast<std::size_t>(g_.N * n_chunks_) * sizeof(std::uint32_t));
+    ce_flags_ = cuda::DeviceBuffer(2 * comm_detail::kMaxCePieces * sizeof(std::uint32_t));
+    ce_flags_.fill_bytes(0, comm_->stream());
+    for (int q = 0; q < 2; ++q) {
+      ce_streams_.emplace_back();
+      ce_done_.emplace_back(cudaEventDisableTiming);
+    }
+    ce_routed_.emplace(cudaEventDisableTiming);
   }
 
   void combine_send(const TensorView& expert_out) override {
@@ -398,7 +509,12 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     const char* env = std::getenv(name);
     return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
   }
-  static bool copy_engines_enabled() { return env_int("EPMOE_COMM_SEND_CE", 0) == 1; }
+  // EPMOE_COMM_SEND_CE: 0 (default) SM stores, 1 separate pack launches (v4), 2 packing inside the
+  // dispatch launch (v5).
+  static int copy_engine_mode() {
+    const int v = env_int("EPMOE_COMM_SEND_CE", 0);
+    return v == 1 || v == 2 ? v : 0;
+  }
   static bool chunks_enabled() {
     const char* env = std::getenv("EPMOE_COMM_CHUNKS");
     return env == nullptr || std::string(env) != "0";
@@ -413,15 +529,17 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::int32_t* offsets_mapped_ = nullptr;
   std::uint32_t host_stamp_ = 0;
   comm_detail::SendArgs pending_send_;
-  bool own_direct_ = false, by_copy_engines_ = false;
+  bool own_direct_ = false;
+  int copy_engines_ = 0;  // this call's EPMOE_COMM_SEND_CE (0 where the path does not apply)
   // The device's send sequence as the host counts it (one per send; the copy-engine path needs the
   // parity on the host) and the copy-engine path's buffers, side stream and events.
   std::uint32_t send_seq_ = 0;
   std::vector<char*> send_dest_host_;
   std::vector<std::uint32_t*> send_chunks_host_;
-  cuda::DeviceBuffer staging_, want_;
-  std::optional<cuda::Stream> ce_stream_;
-  std::optional<cuda::Event> ce_done_;
+  cuda::DeviceBuffer staging_, want_, ce_flags_;
+  std::vector<cuda::Stream> ce_streams_;
+  std::vector<cuda::Event> ce_done_;
+  std::optional<cuda::Event> ce_routed_;
   std::vector<cuda::Event> piece_events_;
   std::int64_t output_rows_ = 0;
   float tensor_scale_ = 1.0f;

@@ -2,7 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 
 #include "epmoe/comm_dispatch.hpp"
 #include "ranks_util.hpp"
@@ -10,7 +12,31 @@
 namespace epmoe::ranks {
 namespace {
 
-enum class Transport { p2p_normal, p2p_low_latency, nvlink_ll, nvlink_normal };
+// nvlink_normal_ce: the "nvlink" transport with EPMOE_COMM_SEND_CE=2 (the copy-engine send packed
+// inside the dispatch launch) for the whole test.
+enum class Transport { p2p_normal, p2p_low_latency, nvlink_ll, nvlink_normal, nvlink_normal_ce };
+
+// Sets an environment variable for a scope (every rank runs the same tests in the same order, so
+// every rank sets the same value: the send-path switches are read at each dispatch_send).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* before = std::getenv(name)) before_ = before;
+    setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (before_)
+      setenv(name_, before_->c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> before_;
+};
 
 std::string name_of(Transport t) {
   switch (t) {
@@ -22,11 +48,15 @@ std::string name_of(Transport t) {
       return "nvlink-ll";
     case Transport::nvlink_normal:
       return "nvlink normal";
+    case Transport::nvlink_normal_ce:
+      return "nvlink normal, copy engines";
   }
   return "?";
 }
 Mode mode_of(Transport t) {
-  return t == Transport::p2p_normal || t == Transport::nvlink_normal ? Mode::normal : Mode::low_latency;
+  return t == Transport::p2p_normal || t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce
+             ? Mode::normal
+             : Mode::low_latency;
 }
 
 cudaStream_t stream() {
@@ -46,7 +76,8 @@ MoeConfig test_config(int max_tokens, bool deepseek = false) {
 std::unique_ptr<Dispatcher> make(Transport t, const MoeConfig& c, ActivationFormat f) {
   const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1};
   if (t == Transport::nvlink_ll) return make_nvlink_ll_dispatcher(ctx, world_ptr());
-  if (t == Transport::nvlink_normal) return make_nvlink_dispatcher(ctx, world_ptr());
+  if (t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce)
+    return make_nvlink_dispatcher(ctx, world_ptr());
   return make_nccl_p2p_dispatcher(ctx, world_ptr());
 }
 
@@ -122,7 +153,16 @@ std::vector<std::int64_t> per_rank(const std::function<std::int64_t(int)>& f) {
   return t;
 }
 
-class Transports : public ::testing::TestWithParam<Transport> {};
+class Transports : public ::testing::TestWithParam<Transport> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == Transport::nvlink_normal_ce) send_ce_.emplace("EPMOE_COMM_SEND_CE", "2");
+  }
+  void TearDown() override { send_ce_.reset(); }
+
+ private:
+  std::optional<ScopedEnv> send_ce_;
+};
 
 TEST_P(Transports, UnevenRoutingAndARankThatSendsNothing) {
   const MoeConfig c = test_config(64);
@@ -203,7 +243,8 @@ TEST_P(Transports, Bf16AndPerTensorFp8) {
 
 INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                          ::testing::Values(Transport::p2p_normal, Transport::p2p_low_latency,
-                                           Transport::nvlink_ll, Transport::nvlink_normal),
+                                           Transport::nvlink_ll, Transport::nvlink_normal,
+                                           Transport::nvlink_normal_ce),
                          [](const ::testing::TestParamInfo<Transport>& p) {
                            switch (p.param) {
                              case Transport::p2p_normal:
@@ -214,6 +255,8 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                                return std::string("NvlinkLl");
                              case Transport::nvlink_normal:
                                return std::string("NvlinkNormal");
+                             case Transport::nvlink_normal_ce:
+                               return std::string("NvlinkNormalCopyEngines");
                            }
                            return std::string("unknown");
                          });
@@ -349,6 +392,126 @@ TEST(CommNvlinkNormal, HalvesAndWholeCallsAlternate) {
     const HostOutput host = download(out[0], stream());
     expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "round " + std::to_string(round));
   }
+}
+
+// ---------------------------------------------------------------- normal: copy-engine send
+// The copy-engine sends (EPMOE_COMM_SEND_CE=2: packing inside the dispatch launch, the side
+// streams wait for each piece's flag; 1: the v4 pack launches) with few and many pieces (one piece
+// per 64-slot chunk at most, a last piece that ends mid-chunk), one and two side streams, and
+// between them the SM-store send and the halves, on one dispatcher: the same bytes every time, and
+// the sequence numbers, parities and arrival counters stay in step across the paths. 1200 tokens
+// per rank at most make the warp's slot search take two rounds (W = 38 words > 32), and 700+ per
+// call use every pack block.
+TEST(CommNvlinkNormal, CopyEngineSendPiecesStreamsAndPathsAlternate) {
+  const MoeConfig c = test_config(1200);
+  const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
+  auto d = make_nvlink_dispatcher(ctx, world_ptr());
+  const int N = world().size(), me = world().rank();
+  struct Round {
+    const char* send_ce;  // EPMOE_COMM_SEND_CE
+    int pieces, streams;
+    bool halves;
+  };
+  const Round rounds[] = {{"2", 8, 1, false},  {"2", 1, 1, false}, {"0", 8, 1, false}, {"2", 64, 2, false},
+                          {"2", 3, 2, false},  {"0", 8, 1, true},  {"1", 8, 1, false}, {"2", 5, 1, false},
+                          {"2", 16, 2, false}, {"2", 8, 1, true}};
+  int index = 0;
+  for (const Round& r : rounds) {
+    const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", r.send_ce);
+    const ScopedEnv pieces("EPMOE_COMM_CE_PIECES", std::to_string(r.pieces));
+    const ScopedEnv streams("EPMOE_COMM_CE_STREAMS", std::to_string(r.streams));
+    const std::string what = fmt::format("round {}: send_ce {} pieces {} streams {}{}", index, r.send_ce,
+                                         r.pieces, r.streams, r.halves ? " halves" : "");
+    SCOPED_TRACE(what);
+    const auto tokens = per_rank([&](int rank) -> std::int64_t {
+      return index == 4 && rank == N - 1 ? 0 : 700 + 61 * rank + 37 * index;  // a rank with none once
+    });
+    const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 200u + static_cast<unsigned>(index),
+                                index == 7 ? Routing::same_experts : Routing::random);
+    if (!r.halves) {
+      check_round(*d, c, ActivationFormat::fp8_group, in, what);
+    } else {
+      // The halves never take the copy-engine path (own tokens through the window).
+      auto sim = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, N});
+      std::vector<DispatchInput> views;
+      for (const RankInput& ri : in) views.push_back(ri.view());
+      std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
+      sim->dispatch(views, want);
+      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+      DispatchOutput out;
+      d->dispatch_send(dev.view());
+      d->dispatch_recv(out);
+      const HostOutput host = download(out, stream());
+      expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], what);
+    }
+    ++index;
+  }
+}
+
+// A device-side refusal (an expert id out of range on one rank) under the copy-engine send: that
+// rank packs nothing but raises every piece flag, so no side stream waits forever; every rank
+// reports the refusal, and the next call on the same dispatcher is correct.
+TEST(CommNvlinkNormal, CopyEngineSendRefusedInputIsReportedAndTheNextCallWorks) {
+  const int N = world().size(), me = world().rank();
+  if (N < 2) return;
+  const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", "2");
+  const MoeConfig c = test_config(256);
+  auto d = make(Transport::nvlink_normal, c, ActivationFormat::fp8_group);
+  const int bad = N - 1;
+  auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 200 + r; }), 24,
+                        Routing::random);
+  in[static_cast<std::size_t>(bad)].ids.data<std::int32_t>()[5] = c.num_physical_experts();
+  {
+    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+    const DispatchInput view = dev.view();
+    std::vector<DispatchOutput> out(1);
+    const std::string m = error_of([&] {
+      d->dispatch({&view, 1}, out);
+      world().synchronize(CommPhase::none, "the dispatch");
+    });
+    EXPECT_NE(m.find(fmt::format("rank {} refused its input", bad)), std::string::npos) << m;
+    EXPECT_NE(m.find("out of range"), std::string::npos) << m;
+    world().reset_device_errors();  // synchronizes: the side streams have finished
+    world().barrier();
+  }
+  check_round(*d, c, ActivationFormat::fp8_group,
+              make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 150 + 9 * r; }), 25,
+                          Routing::random),
+              "copy engines after a refusal");
+}
+
+// A peer that never dispatches, under the copy-engine send: the side stream's waits depend only on
+// this rank's own launch, so they end; the error is place's bounded wait, naming the peer and the
+// phase, and the communicator stays usable.
+TEST(CommNvlinkNormal, CopyEngineSendAPeerThatNeverArrivesIsATimeoutNamingIt) {
+  const int N = world().size(), me = world().rank();
+  if (N < 2) return;
+  const double saved = world().timeout_s();
+  world().set_timeout_s(0.5);
+  {
+    const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", "2");
+    const MoeConfig c = test_config(256);
+    auto d = make(Transport::nvlink_normal, c, ActivationFormat::fp8_group);
+    if (me == 0) {
+      auto in =
+          make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 200; }), 26, Routing::random);
+      const DeviceInput dev = to_device(in[0], stream());
+      const DispatchInput view = dev.view();
+      std::vector<DispatchOutput> out(1);
+      const std::string m = error_of([&] {
+        d->dispatch({&view, 1}, out);  // the other ranks never dispatch
+        world().synchronize(CommPhase::none, "the dispatch");
+      });
+      EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
+      EXPECT_NE(m.find("dispatch-recv"), std::string::npos) << m;
+      EXPECT_NE(m.find("waiting for rank"), std::string::npos) << m;
+      EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
+      world().reset_device_errors();  // synchronizes: the side streams have finished
+    }
+    world().set_timeout_s(saved);
+    world().barrier();
+  }
+  world().barrier();
 }
 
 TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
