@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Where the first forward's start-up time goes, in one device call (the 1 s budget): builds the CLI,
+# times `epmoe launch` alone (the launcher with a child that does nothing), runs `epmoe run` (decode
+# only, DeepSeek-V3 dims) several times and collects each run's `startup_s`, then once more with
+# NCCL's INIT/BOOTSTRAP/ALLOC logging, every line stamped with the monotonic clock, so that NCCL's
+# own set-up can be split into its steps.
+#
+# Usage: scripts/startup-check.sh OUTDIR [RANKS]   (EPMOE_BUILD=0: use an existing build-gpu;
+#        EPMOE_STARTUP_RUNS: how many plain runs, default 3; EPMOE_STARTUP_QUANT: fp8 or w4a8)
+# OUTDIR receives startup.json ({"commit", "device", "ranks", "launch_only_s": [...],
+# "runs": [startup_s, ...]}), runs.log and nccl-init.log.
+set -uo pipefail
+out=${1:?usage: scripts/startup-check.sh OUTDIR [RANKS]}
+ranks=${2:-2}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.." || exit 1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+tmp=$(mktemp -d)
+if [[ ${EPMOE_BUILD:-1} != 0 ]]; then
+  { cmake --preset gpu && cmake --build --preset gpu -j "$(nproc)" --target epmoe_cli; } >"$out/build.log" 2>&1 ||
+    { tail -n 30 "$out/build.log"; exit 1; }
+fi
+epmoe=build-gpu/bin/epmoe
+args=(run --preset deepseek-v3 --redundant-experts 32 --ranks "$ranks" --quant "${EPMOE_STARTUP_QUANT:-fp8}"
+  --tokens 128 --steps 20 --prompt-tokens 0)
+status=0
+
+# The launcher by itself: its own start, CUDA's device count, one process per rank that exits at once.
+launch_only=()
+for i in 1 2 3; do
+  t0=$EPOCHREALTIME
+  "$epmoe" launch -n "$ranks" -- true >/dev/null 2>&1 || status=1
+  launch_only+=("$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.3f", b - a }')")
+done
+echo "launcher alone (s): ${launch_only[*]}"
+
+for i in $(seq 1 "${EPMOE_STARTUP_RUNS:-3}"); do
+  timeout 120 "$epmoe" "${args[@]}" --json "$tmp/run-$i.json" >>"$out/runs.log" 2>&1 || status=1
+  grep -E "first forward" "$out/runs.log" | tail -n 1
+done
+
+# NCCL's own steps: INFO lines of its init, bootstrap and allocations, stamped as they arrive.
+NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,BOOTSTRAP,ALLOC,ENV timeout 120 "$epmoe" "${args[@]}" 2>&1 |
+  python3 -u -c 'import sys, time
+t0 = time.monotonic()
+for line in sys.stdin:
+    sys.stdout.write(f"{time.monotonic() - t0:8.3f} {line}")' >"$out/nccl-init.log" || status=1
+grep -E "first forward|Init COMPLETE|init.cc" "$out/nccl-init.log" | head -n 20
+
+python3 - "$tmp" "$out/startup.json" "$ranks" "${launch_only[@]}" <<'PY'
+import datetime, glob, json, os, subprocess, sys
+tmp, dst, ranks, launch = sys.argv[1], sys.argv[2], int(sys.argv[3]), [float(x) for x in sys.argv[4:]]
+runs = []
+for f in sorted(glob.glob(tmp + "/run-*.json")):
+    try:
+        runs.append(json.load(open(f)).get("startup_s", {}))
+    except Exception as e:  # a failed run leaves no or half a file
+        runs.append({"error": str(e)})
+dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                     text=True).stdout.split("\n")[0]
+json.dump({"commit": os.environ.get("EPMOE_COMMIT", "unknown"), "device": dev, "ranks": ranks,
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+           "launch_only_s": launch, "runs": runs}, open(dst, "w"), indent=1)
+PY
+exit $status
