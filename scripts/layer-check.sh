@@ -48,7 +48,8 @@ if [[ $tests != --no-tests ]]; then
   fi
 fi
 
-# name|arguments: each run's JSON lands in $tmp/run-NAME.json. EPMOE_LAYER_RUNS (one name|arguments
+# name|arguments[|VAR=VALUE ...]: each run's JSON lands in $tmp/run-NAME.json; the optional third field
+# sets environment variables for that run only. EPMOE_LAYER_RUNS (one name|arguments
 # per line, $ranks and $tmp expanded) replaces the list (scripts/scaleout-check.sh uses it).
 runs=(
   "main|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --trace $tmp/trace.json"
@@ -57,6 +58,7 @@ runs=(
   "decode32|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 32 --steps 500 --prompt-tokens 0"
   "prefill8192|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192 --tbo"
   "prefill8192-comm48|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192 --tbo --tbo-comm-sms 48"
+  "prefill8192-ce|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --steps 0 --prompt-tokens 8192 --prompts 4 --chunk 8192 --tbo|EPMOE_COMM_SEND_CE=2"
   "decode128-w4a8|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --quant w4a8 --tokens 128 --steps 300 --prompt-tokens 1000 --prompts 8"
   "one-gpu|--preset deepseek-v3 --redundant-experts 32 --ranks 1 --steps 200 --prompts 8"
   "zipf-rebalance|--preset deepseek-v3 --redundant-experts 32 --ranks $ranks --tokens 128 --steps 300 --prompt-tokens 0 --zipf ${EPMOE_ZIPF:-0.5} --rebalance"
@@ -68,9 +70,14 @@ fi
 for r in "${runs[@]}"; do
   name=${r%%|*}
   args=${r#*|}
-  stamp "run $name"
-  # shellcheck disable=SC2086  # args is a word list
-  timeout 240 build-gpu/bin/epmoe run $args --json "$tmp/run-$name.json" >>"$out/runs.log" 2>&1 || status=1
+  envs=
+  if [[ $args == *"|"* ]]; then  # a third field: VAR=VALUE ... for this run only
+    envs=${args#*|}
+    args=${args%%|*}
+  fi
+  stamp "run $name${envs:+ ($envs)}"
+  # shellcheck disable=SC2086  # args and envs are word lists
+  timeout 240 env $envs build-gpu/bin/epmoe run $args --json "$tmp/run-$name.json" >>"$out/runs.log" 2>&1 || status=1
   grep -E "^(\[rank 0\] )?(  (decode|prefill)|  first|check|  decode:|  prefill:)" "$out/runs.log" | tail -n 12
   echo "--" >>"$out/runs.log"
 done
