@@ -137,6 +137,19 @@ __device__ bool finish_block(std::int32_t* done, int nblocks) {
   return last;
 }
 
+// The last index i in [0, n) with sorted[i] <= x (sorted non-decreasing, sorted[0] <= x).
+__device__ __forceinline__ int last_at_most(const std::int32_t* sorted, int n, std::int64_t x) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (sorted[mid] <= x)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 __device__ __forceinline__ bool bucket_has(const std::uint32_t* bitmaps, int W, int bucket, std::int64_t t) {
   return (bitmaps[static_cast<std::int64_t>(bucket) * W + (t >> 5)] >> (t & 31)) & 1u;
 }
@@ -674,14 +687,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   if (a.contiguous) {
     const std::int64_t rows = eoff[g.L];
     for (std::int64_t row = gtid; row < rows; row += gthreads) {
-      int lo = 0, hi = g.L - 1;  // the expert whose block holds `row`: last e with eoff[e] <= row
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (eoff[mid] <= row)
-          lo = mid;
-        else
-          hi = mid - 1;
-      }
+      const int lo = last_at_most(eoff, g.L, row);  // the expert whose block holds `row`
       if (row >= eoff[lo] + total[lo]) {
         a.row_token[row] = -1;
         a.m_indices[row] = -1;

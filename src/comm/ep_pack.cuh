@@ -23,14 +23,7 @@
 __device__ std::int64_t token_of_slot(const std::uint32_t* bitmaps, const std::int32_t* prefix, int W,
                                       int bucket, std::int64_t j) {
   const std::int32_t* p = prefix + static_cast<std::int64_t>(bucket) * W;
-  int lo = 0, hi = W - 1;  // the last word w with p[w] <= j
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p[mid] <= j)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
+  const int lo = last_at_most(p, W, j);  // the word that holds slot j
   std::uint32_t m = bitmaps[static_cast<std::int64_t>(bucket) * W + lo];
   for (std::int64_t k = j - p[lo]; k > 0; --k) m &= m - 1u;
   return static_cast<std::int64_t>(lo) * 32 + (__ffs(static_cast<int>(m)) - 1);

@@ -34,6 +34,7 @@
 
 #include "comm/comm_internal.hpp"
 #include "comm/gpu_dispatcher_base.hpp"
+#include "cuda/driver_entry.hpp"
 #include "epmoe/comm_dispatch.hpp"
 
 namespace epmoe {
@@ -46,16 +47,8 @@ std::int64_t up(std::int64_t x, std::int64_t a) {
 // cuStreamWaitValue32 from the driver the runtime already loaded (nothing extra is linked). The
 // v2 stream memory operations are available by default on every platform (CUDA >= 11.7).
 PFN_cuStreamWaitValue32_v11070 stream_wait_value32() {
-  static const PFN_cuStreamWaitValue32_v11070 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    EPMOE_CUDA_CHECK(
-        cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000, cudaEnableDefault, &status));
-    EPMOE_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
-                "the CUDA driver does not provide cuStreamWaitValue32 (status {}); unset EPMOE_COMM_SEND_CE",
-                static_cast<int>(status));
-    return reinterpret_cast<PFN_cuStreamWaitValue32_v11070>(p);
-  }();
+  static const auto fn = cuda::driver_entry_point<PFN_cuStreamWaitValue32_v11070>(
+      "cuStreamWaitValue32", 12000, "unset EPMOE_COMM_SEND_CE");
   return fn;
 }
 

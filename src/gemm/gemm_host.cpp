@@ -2,22 +2,15 @@
 
 #include <cudaTypedefs.h>
 
+#include "cuda/driver_entry.hpp"
 #include "epmoe/cuda/launch.hpp"
 
 namespace epmoe::cuda::gemm_host {
 namespace {
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    EPMOE_CUDA_CHECK(
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status));
-    EPMOE_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
-                "the CUDA driver does not provide cuTensorMapEncodeTiled (status {})",
-                static_cast<int>(status));
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
+  static const auto fn =
+      driver_entry_point<PFN_cuTensorMapEncodeTiled_v12000>("cuTensorMapEncodeTiled", 12000);
   return fn;
 }
 

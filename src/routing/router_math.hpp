@@ -98,7 +98,8 @@ EPMOE_HD inline float sigmoid_f32(float x) {
 //    integer n comes straight from the bits of t = a*log2e + 1.5*2^23: bits(t) = 0x4b400000 + n,
 //    whose low 9 bits shifted left by 23 are n << 23 modulo 2^32.
 //  - One division, 1/d or e/d.
-EPMOE_HD inline float sigmoid_f32_fast(float x) {
+// sigmoid_exp_neg_abs is its e = exp(-|x|), which sigmoid_f32_branch_free shares.
+EPMOE_HD inline float sigmoid_exp_neg_abs(float x) {
   constexpr float kLog2e = 0x1.715476p+0f;
   constexpr float kLn2Hi = 0x1.62e400p-1f;
   constexpr float kLn2Lo = 0x1.7f7d1cp-20f;
@@ -116,9 +117,12 @@ EPMOE_HD inline float sigmoid_f32_fast(float x) {
   p = rn_fma(p, r, 0x1p+63f);
   p = rn_fma(p, r, 0x1p+64f);
   p = rn_fma(p, r, 0x1p+64f);
-  const float e = rn_mul(f32_from_bits(f32_bits(p) + (f32_bits(t) << 23)), 0x1p-64f);
-  const float d = rn_add(1.0f, e);
-  return rn_div(x >= 0.0f ? 1.0f : e, d);
+  return rn_mul(f32_from_bits(f32_bits(p) + (f32_bits(t) << 23)), 0x1p-64f);
+}
+
+EPMOE_HD inline float sigmoid_f32_fast(float x) {
+  const float e = sigmoid_exp_neg_abs(x);
+  return rn_div(x >= 0.0f ? 1.0f : e, rn_add(1.0f, e));
 }
 
 // n / d rounded to nearest even without a branch, for the sigmoid's quotients only: n = 1 or
@@ -145,26 +149,8 @@ EPMOE_HD inline float div_rn_sigmoid(float n, float d) {
 
 // sigmoid_f32_fast with div_rn_sigmoid for its division: the same bits (the GPU routers' default).
 EPMOE_HD inline float sigmoid_f32_branch_free(float x) {
-  constexpr float kLog2e = 0x1.715476p+0f;
-  constexpr float kLn2Hi = 0x1.62e400p-1f;
-  constexpr float kLn2Lo = 0x1.7f7d1cp-20f;
-  constexpr float kRoundMagic = 0x1.8p+23f;
-  const float a = rn_max(neg_abs(x), -104.0f);
-  const float t = rn_fma(a, kLog2e, kRoundMagic);
-  const float n = rn_add(t, -kRoundMagic);
-  float r = rn_fma(-n, kLn2Hi, a);
-  r = rn_fma(-n, kLn2Lo, r);
-  float p = 0x1.a01a02p+51f;
-  p = rn_fma(p, r, 0x1.6c16c2p+54f);
-  p = rn_fma(p, r, 0x1.111112p+57f);
-  p = rn_fma(p, r, 0x1.555556p+59f);
-  p = rn_fma(p, r, 0x1.555556p+61f);
-  p = rn_fma(p, r, 0x1p+63f);
-  p = rn_fma(p, r, 0x1p+64f);
-  p = rn_fma(p, r, 0x1p+64f);
-  const float e = rn_mul(f32_from_bits(f32_bits(p) + (f32_bits(t) << 23)), 0x1p-64f);
-  const float d = rn_add(1.0f, e);
-  return div_rn_sigmoid(x >= 0.0f ? 1.0f : e, d);
+  const float e = sigmoid_exp_neg_abs(x);
+  return div_rn_sigmoid(x >= 0.0f ? 1.0f : e, rn_add(1.0f, e));
 }
 
 // The sigmoid the GPU kernels use: branch-free by default, sigmoid_f32_fast (with __fdiv_rn) when
