@@ -319,8 +319,10 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   }
   __syncthreads();
 
-  for (bool first_quad = true; q < quads; q += step, first_quad = false) {
-    if (!first_quad) stage_quad(q);
+  // The next quad's logits are staged at the end of the loop body rather than at the start of the
+  // next iteration (the same operations in the same order): ptxas then fits route_g8_kernel<false>
+  // in 64 registers without its 4-byte spill.
+  while (q < quads) {
     __syncwarp();
 
     // ---- scores (back into shared memory) and selection values (registers)
@@ -447,6 +449,8 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
       p.weights[out] = rn_mul(w, p.scaling);
     }
     __syncwarp();  // before the next quad overwrites stage, cand and slot
+    q += step;
+    if (q < quads) stage_quad(q);
   }
 }
 
