@@ -8,9 +8,10 @@
 # BUILD_DIR (default build-gpu) holds bin/epmoe, tests/epmoe_gpu_tests and libepmoe.so; it is
 # configured and built (preset gpu, those targets only) unless EPMOE_PREBUILT=1 says the binaries
 # are already there (built for sm_90a elsewhere). OUTDIR receives tests.log, router.json,
-# bench.log, memcheck.log, racecheck.log; with EPMOE_ROUTER_PROFILE=1 also route_g8_kernel's SASS
-# (g8-sass.txt, an opcode histogram printed) and Nsight Compute sections for one launch at
-# T = 16384 and 131072 (ncu-T.txt).
+# bench.log, memcheck.log, racecheck.log; with EPMOE_ROUTER_PROFILE=1 also the SASS of
+# route_g8_kernel and route_g8_sieve_kernel (g8-sass.txt, sieve-sass.txt, opcode histograms
+# printed) and Nsight Compute sections for one launch of each at T = 16384 and 131072
+# (ncu-KERNEL-T.txt).
 set -uo pipefail
 out=${1:?usage: scripts/router-device.sh OUTDIR [BUILD_DIR]}
 build=${2:-build-gpu}
@@ -33,13 +34,13 @@ tests=$build/tests/epmoe_gpu_tests
 filter='*Route*'
 
 stamp tests
-timeout 45 "$tests" --gtest_filter="$filter" > "$out/tests.log" 2>&1
+timeout 90 "$tests" --gtest_filter="$filter" > "$out/tests.log" 2>&1
 rc_tests=$?
 grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|mismatches|seed" "$out/tests.log" | head -n 40
 echo "tests exit: $rc_tests"
 
 stamp bench
-EPMOE_BENCH_ROUTER_VARIANTS=1 timeout 45 "$build/bin/epmoe" bench router --json "$out/router.json" > "$out/bench.log" 2>&1
+EPMOE_BENCH_ROUTER_VARIANTS=1 timeout 60 "$build/bin/epmoe" bench router --json "$out/router.json" > "$out/bench.log" 2>&1
 echo "bench exit: $?"
 cat "$out/bench.log"
 
@@ -47,31 +48,36 @@ if [[ ${EPMOE_ROUTER_PROFILE:-0} == 1 ]]; then
   # route_g8_kernel's SASS (opcode histogram) and an Nsight Compute look at one launch per T.
   stamp profile
   dump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
-  "$dump" -sass -fun '_ZN5epmoe7kernels15route_g8_kernelILb0EEEvNS0_12RouterParamsE' "$build/libepmoe.so" \
-    > "$out/g8-sass.txt" 2>&1
-  echo "route_g8_kernel<false> SASS: $(grep -cE '^\s+/\*[0-9a-f]{4}\*/' "$out/g8-sass.txt") instructions; by opcode:"
-  grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P[0-9T] )?[A-Z0-9_]+' "$out/g8-sass.txt" | awk '{print $NF}' |
-    sort | uniq -c | sort -rn | head -n 40 | tr '\n' ' '
-  echo
+  for k in g8:15route_g8_kernel sieve:21route_g8_sieve_kernel; do
+    "$dump" -sass -fun "_ZN5epmoe7kernels${k#*:}ILb0EEEvNS0_12RouterParamsE" "$build/libepmoe.so" \
+      > "$out/${k%%:*}-sass.txt" 2>&1
+    echo "${k#*[0-9][0-9]}<false> SASS: $(grep -cE '^\s+/\*[0-9a-f]{4}\*/' "$out/${k%%:*}-sass.txt") instructions; by opcode:"
+    grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P[0-9T] )?[A-Z0-9_]+' "$out/${k%%:*}-sass.txt" | awk '{print $NF}' |
+      sort | uniq -c | sort -rn | head -n 40 | tr '\n' ' '
+    echo
+  done
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2> /dev/null || echo ncu)
-  for t in 16384 131072; do
-    timeout 30 "$ncu" --kernel-name regex:route_g8_kernel --launch-skip 5 --launch-count 1 \
-      --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section InstructionStats \
-      --section Occupancy --section LaunchStats "$build/bin/epmoe" bench router --quick --tokens "$t" \
-      > "$out/ncu-$t.txt" 2>&1
-    echo "ncu T=$t exit: $?"
-    grep -vE '^\s*$|----' "$out/ncu-$t.txt" | grep -E "Duration|Throughput|Issue|Issued|Eligible|Active Warps|No Eligible|Stall|Executed Ipc|Occupancy|Registers|Block Limit|Warp Cycles|Instructions|==PROF==|error|ERR" | head -n 40
+  # route_g8_kernel (the "sigmoid" row) and route_g8_sieve_kernel (the "sigmoid-sieve" row).
+  for kernel in route_g8_kernel route_g8_sieve_kernel; do
+    for t in 16384 131072; do
+      timeout 30 "$ncu" --kernel-name "regex:$kernel" --launch-skip 5 --launch-count 1 \
+        --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section InstructionStats \
+        --section Occupancy --section LaunchStats "$build/bin/epmoe" bench router --quick --tokens "$t" \
+        > "$out/ncu-$kernel-$t.txt" 2>&1
+      echo "ncu $kernel T=$t exit: $?"
+      grep -vE '^\s*$|----' "$out/ncu-$kernel-$t.txt" | grep -E "Duration|Throughput|Issue|Issued|Eligible|Active Warps|No Eligible|Stall|Executed Ipc|Occupancy|Registers|Block Limit|Warp Cycles|Instructions|==PROF==|error|ERR" | head -n 40
+    done
   done
 fi
 
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 stamp memcheck
-timeout 35 "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
+timeout 60 "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
   --gtest_filter="$filter:-*EveryFloat*:*T16384*:*T20000*" > "$out/memcheck.log" 2>&1
 echo "memcheck exit: $?"
 grep -E "ERROR SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/memcheck.log" | tail -n 4
 stamp racecheck
-timeout 35 "$sanitizer" --tool racecheck --error-exitcode 1 "$tests" \
+timeout 60 "$sanitizer" --tool racecheck --error-exitcode 1 "$tests" \
   --gtest_filter="$filter:-*EveryFloat*:*T16384*:*T20000*:*Softmax*:*Layouts*" > "$out/racecheck.log" 2>&1
 echo "racecheck exit: $?"
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/racecheck.log" | tail -n 4

@@ -3,8 +3,11 @@
 // (default 128, 4096, 16384, 65536, 131072). Bytes: logits and bias read, ids and weights written.
 // Beside each T, "router.copy": cudaMemcpyAsync of half the router's bytes (so that the same
 // bytes move), timed the same way (rotating buffers): the router's ratio to a copy at that size.
+// "sigmoid-sieve" (T >= 1024, where route_g8_kernel is taken): route_g8_sieve_kernel instead (v5,
+// RouteKernelChoice::sieve; not the default until measured).
 // EPMOE_BENCH_ROUTER_VARIANTS=1 adds the kernel choices (RouteKernelChoice) as phases:
-// "sigmoid-rn-div" (the sigmoid with __fdiv_rn) and, below the g8 switch, "sigmoid-g8".
+// "sigmoid-rn-div" (the sigmoid with __fdiv_rn), "sigmoid-sieve-rn-div" (T >= 1024) and, below the
+// g8 switch, "sigmoid-g8" and "sigmoid-g8-sieve".
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -77,15 +80,25 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
       cuda::RouteKernelChoice choice;
     };
     const cuda::RouteKernelChoice automatic = cuda::route_kernel_choice_from_env();
+    const bool g8_switch = tokens >= 1024;  // automatic takes route_g8_kernel (router_gpu.cu)
+    cuda::RouteKernelChoice sieve = automatic;
+    sieve.sieve = true;
     std::vector<Row> rows{{&sigmoid, "sigmoid", automatic}, {&softmax, "softmax", automatic}};
+    if (g8_switch) rows.push_back({&sigmoid, "sigmoid-sieve", sieve});
     if (variants) {
       cuda::RouteKernelChoice rn = automatic;
       rn.rn_division = true;
       rows.push_back({&sigmoid, "sigmoid-rn-div", rn});
-      if (tokens < 1024) {
+      if (g8_switch) {
+        cuda::RouteKernelChoice sieve_rn = sieve;
+        sieve_rn.rn_division = true;
+        rows.push_back({&sigmoid, "sigmoid-sieve-rn-div", sieve_rn});
+      } else {
         cuda::RouteKernelChoice g8 = automatic;
         g8.kernel = cuda::RouteKernelChoice::Kernel::g8;
         rows.push_back({&sigmoid, "sigmoid-g8", g8});
+        g8.sieve = true;
+        rows.push_back({&sigmoid, "sigmoid-g8-sieve", g8});
       }
     }
     for (const Row& row : rows) {

@@ -104,10 +104,12 @@ bool route_g8_applies(const MoeConfig& c, const kernels::RouterParams& p) {
          aligned16(p.bias);
 }
 
-// Blocks for route_g8_kernel: a warp per quad (4 tokens), no more than fit on the device at once.
-template <bool kRnDiv>
+// Blocks for route_g8_kernel (or route_g8_sieve_kernel, the same layout): a warp per quad (4 tokens),
+// no more than fit on the device at once.
+template <bool kRnDiv, bool kSieve>
 void launch_g8(const kernels::RouterParams& p, cudaStream_t stream) {
-  constexpr auto kernel = &kernels::route_g8_kernel<kRnDiv>;
+  constexpr auto kernel =
+      kSieve ? &kernels::route_g8_sieve_kernel<kRnDiv> : &kernels::route_g8_kernel<kRnDiv>;
   static const int blocks_per_sm = [] {
     // 8 blocks of 25.75 KB need the largest shared-memory carveout.
     EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -184,7 +186,11 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
   const bool g8 = choice.kernel != Kernel::general && route_g8_applies(config, p) &&
                   (choice.kernel == Kernel::g8 || p.tokens >= kRouterG8MinTokens);
   if (g8) {
-    choice.rn_division ? launch_g8<true>(p, stream) : launch_g8<false>(p, stream);
+    if (choice.sieve) {
+      choice.rn_division ? launch_g8<true, true>(p, stream) : launch_g8<false, true>(p, stream);
+    } else {
+      choice.rn_division ? launch_g8<true, false>(p, stream) : launch_g8<false, false>(p, stream);
+    }
   } else if (sigmoid) {
     choice.rn_division ? launch_for<true, true>(layout.per_lane, p, stream)
                        : launch_for<true, false>(layout.per_lane, p, stream);
@@ -200,6 +206,8 @@ RouteKernelChoice route_kernel_choice_from_env() {
     if (g8 != nullptr && std::string_view(g8) == "0") c.kernel = RouteKernelChoice::Kernel::general;
     const char* div = std::getenv("EPMOE_ROUTER_DIV");
     c.rn_division = div != nullptr && std::string_view(div) == "rn";
+    const char* sieve = std::getenv("EPMOE_ROUTER_SIEVE");
+    c.sieve = sieve != nullptr && std::string_view(sieve) == "1";
     return c;
   }();
   return choice;

@@ -319,8 +319,10 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   }
   __syncthreads();
 
-  for (bool first_quad = true; q < quads; q += step, first_quad = false) {
-    if (!first_quad) stage_quad(q);
+  // The next quad's logits are staged at the end of the loop body rather than at the start of the
+  // next iteration (the same operations in the same order): ptxas then fits route_g8_kernel<false>
+  // in 64 registers without its 4-byte spill.
+  while (q < quads) {
     __syncwarp();
 
     // ---- scores (back into shared memory) and selection values (registers)
@@ -447,6 +449,287 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
       p.weights[out] = rn_mul(w, p.scaling);
     }
     __syncwarp();  // before the next quad overwrites stage, cand and slot
+    q += step;
+    if (q < quads) stage_quad(q);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// route_g8_kernel with a sieve (v5): the same shape, occupancy (8 blocks of 4 warps per SM, one round
+// at T = 16384), staging and ranking, the same outputs bit for bit, but the exact sigmoid (~26
+// instructions) only for the experts whose exact value can decide something (~10 of a token's 256 on
+// random logits); every expert first gets sigmoid_approx (5 instructions, MUFU ex2 and rcp) with the
+// proven bound routing::kSieveApproxErr. The argument (margins: routing::sieve_margin):
+//  - With the bias, every approximate selection value ca is within delta of the exact c, and a
+//    group's approximate score rn(a1 + a2) within M of the exact rn(t1 + t2) (a1, a2: the group's
+//    approximate top-2; t1, t2: the exact one).
+//  - Kept groups: a group is surely ahead of another when its approximate score is more than 2M
+//    higher (then its exact score is strictly higher). A lane knows its group is kept when fewer than
+//    kg groups may be ahead of it, and dropped when at least kg surely are. Otherwise (near-ties, ~0.4%
+//    of random tokens; every tie of group scores) the token's 8 lanes compute the exact group scores
+//    as route_g8_kernel does, from the experts with ca >= a2 - M only: any other expert is exactly
+//    below both of the group's approximate top-2 experts, so not in the exact top-2.
+//  - Candidates: route_g8_kernel's list is the kept experts with c >= tau = min over kept groups of
+//    t2. tau >= tau' - delta with tau' = min over kept groups of a2, so each has ca >= tau' - M: the
+//    list here (kept experts with ca >= tau' - M, exact keys) holds all of them, plus perhaps a few
+//    with c < tau, whose keys are below every one of the exact list's >= 2 kg >= K keys, so they
+//    rank >= K and the ranks < K are those of route_g8_kernel. A longer list can reach the rounds
+//    path (more than kRouterG8Candidates in a token) where route_g8_kernel would not; the rounds
+//    select the same K.
+//  - The candidates' exact sigmoids (all of the warp's 4 tokens, minus those the group step did)
+//    are spread over the 32 lanes through a list of u16 stage positions in the warp's candidate
+//    area (<= 512 entries: 4 tokens x 4 kept groups x 32), about 1.3 per lane, rather than each
+//    lane looping over its own (up to 32 when values tie).
+//  - The margin comes from the block's bias load: threads 0..63 hold the bias, warps 0 and 1 reduce
+//    the largest |b| as bits (NaN and inf compare above every finite |b|).
+// Approximate values are finite whenever the bias is (sigmoid_approx is in [2^-126, 1] for every
+// input, NaN included), and exactly kg groups are then kept, each with >= 2 candidates: K distinct
+// ids in [0, E) for any logits.
+
+// 1 / (1 + 2^(-x log2e)) with the MUFU ex2 and rcp approximations; the exponent is clamped to 126
+// (NaN becomes 126 too: 2^-126 for NaN).
+__device__ __forceinline__ float sigmoid_approx(float x) {
+  const float u = fminf(__fmul_rn(x, -0x1.715476p+0f), 126.0f);
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(__fadd_rn(1.0f, e)));
+  return s;
+}
+
+template <bool kRnDiv>
+__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
+    route_g8_sieve_kernel(const RouterParams p) {
+  using namespace routing;
+  constexpr unsigned kFull = 0xffffffffu;
+  const float kInf = __int_as_float(0x7f800000);
+  __shared__ float4 bias_s[64];                  // [group][chunk ^ group]
+  __shared__ float4 stage[kRouterG8Warps][256];  // per warp: [token * 8 + group][chunk ^ group]
+  // Per warp: first the list of experts to evaluate exactly (u16 stage positions, <= 512), then the
+  // 4 tokens' candidate keys.
+  __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
+  __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
+  __shared__ std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
+  static_assert(sizeof(cand[0]) >= 512 * sizeof(std::uint16_t));
+
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::uint32_t quads = (p.tokens + 3u) / 4u;
+  const std::uint32_t step = gridDim.x * kRouterG8Warps;
+  std::uint32_t q = blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
+
+  const int tw = lane >> 3;     // token of the quad
+  const int g = lane & 7;       // group
+  const int first = lane & 24;  // lane of the token's group 0
+  const int row = lane;         // tw * 8 + g
+  float4* const X = stage[warp];
+  float* const Xf = reinterpret_cast<float*>(X);
+  const float* const Bf = reinterpret_cast<const float*>(bias_s);
+  std::uint64_t* const L = cand[warp][tw];
+  std::uint16_t* const W = reinterpret_cast<std::uint16_t*>(cand[warp]);
+  std::uint32_t* const S = slot[warp][tw];
+
+  auto stage_quad = [&](std::uint32_t quad) {
+    float4 v[8];
+    load_quad(p.logits, p.tokens, quad, lane, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = i * 4 + (lane >> 3);
+      X[r * 8 + ((lane & 7) ^ (r & 7))] = v[i];
+    }
+  };
+  float4 b0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (threadIdx.x < 64) b0 = __ldg(reinterpret_cast<const float4*>(p.bias) + threadIdx.x);
+  if (q < quads) stage_quad(q);
+  if (threadIdx.x < 64) {  // warps 0 and 1, whole
+    const int g8 = static_cast<int>(threadIdx.x) >> 3, c = static_cast<int>(threadIdx.x) & 7;
+    bias_s[g8 * 8 + (c ^ g8)] = b0;
+    const std::uint32_t m = max(max(__float_as_uint(fabsf(b0.x)), __float_as_uint(fabsf(b0.y))),
+                                max(__float_as_uint(fabsf(b0.z)), __float_as_uint(fabsf(b0.w))));
+    const std::uint32_t wm = __reduce_max_sync(kFull, m);
+    if (lane == 0) bias_abs_max[warp] = wm;
+  }
+  __syncthreads();
+  const float margin = sieve_margin(__uint_as_float(max(bias_abs_max[0], bias_abs_max[1])));
+  const float margin2 = __fmul_ru(2.0f, margin);
+
+  while (q < quads) {  // the next quad is staged at the end of the body, as route_g8_kernel
+    __syncwarp();
+
+    // ---- approximate selection values (registers) and their group top-2
+    float ca[32];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const float4 x = X[row * 8 + (c ^ g)];
+      const float4 b = bias_s[g * 8 + (c ^ g)];
+      ca[4 * c] = __fadd_rn(sigmoid_approx(x.x), b.x);
+      ca[4 * c + 1] = __fadd_rn(sigmoid_approx(x.y), b.y);
+      ca[4 * c + 2] = __fadd_rn(sigmoid_approx(x.z), b.z);
+      ca[4 * c + 3] = __fadd_rn(sigmoid_approx(x.w), b.w);
+    }
+    float a1 = fmaxf(ca[0], ca[1]), a2 = fminf(ca[0], ca[1]);
+#pragma unroll
+    for (int j = 2; j < 32; ++j) {
+      a2 = fmaxf(a2, fminf(a1, ca[j]));
+      a1 = fmaxf(a1, ca[j]);
+    }
+
+    // ---- kept groups: from the approximate scores where they are more than 2M apart
+    const float ga = __fadd_rn(a1, a2);
+    int sure_above = 0, maybe_above = 0;
+#pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      const float o = __shfl_sync(kFull, ga, first | h);
+      sure_above += __fsub_rn(o, ga) > margin2 ? 1 : 0;
+      maybe_above += h != g && !(__fsub_rn(ga, o) > margin2) ? 1 : 0;
+    }
+    bool kept = maybe_above < p.topk_groups;
+    const bool known = kept || sure_above >= p.topk_groups;
+    std::uint32_t done = 0;  // experts of this lane already evaluated exactly (stage holds s there)
+    const std::uint32_t unknown = __ballot_sync(kFull, !known);
+    if (unknown != 0u) {  // warp-uniform (the shuffles below take every lane)
+      // Exact group scores, as route_g8_kernel, for the tokens with a lane that does not know, from
+      // the experts that may be among the exact top-2.
+      const bool exact = ((unknown >> first) & 0xffu) != 0u;
+      const float thr = __fsub_rn(a2, margin);
+      if (exact) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) done |= ca[j] < thr ? 0u : 1u << j;
+      }
+      float t1 = -kInf, t2 = -kInf;
+      for (std::uint32_t m = done; m != 0u; m &= m - 1u) {
+        const int j = __ffs(static_cast<int>(m)) - 1;
+        const int at = row * 32 + ((((j >> 2) ^ g) << 2) | (j & 3));
+        const float s = sigmoid_f32_gpu<kRnDiv>(Xf[at]);
+        Xf[at] = s;
+        const float c = rn_add(s, Bf[g * 32 + (at & 31)]);
+        t2 = fmaxf(t2, fminf(t1, c));
+        t1 = fmaxf(t1, c);
+      }
+      const std::uint32_t gkey = order_key(rn_add(t1, t2));
+      int above = 0;  // groups ahead of this one: higher score, or equal and lower index
+#pragma unroll
+      for (int h = 0; h < 8; ++h) {
+        const std::uint32_t k = __shfl_sync(kFull, gkey, first | h);
+        above += (k > gkey || (k == gkey && h < g)) ? 1 : 0;
+      }
+      if (exact) kept = above < p.topk_groups;
+    }
+
+    // ---- candidates: the kept groups' experts with ca >= tau' - M (a kept group's `done` experts,
+    // ca >= a2 - M >= tau' - M, are among them)
+    float tau = kept ? a2 : kInf;
+#pragma unroll
+    for (int o = 1; o < 8; o *= 2) tau = fminf(tau, __shfl_xor_sync(kFull, tau, o));
+    const float thr = __fsub_rn(tau, margin);
+    std::uint32_t mask = 0;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) mask |= ca[j] < thr ? 0u : 1u << j;
+    if (!kept) mask = 0;
+
+    // ---- exact sigmoids of the candidates not yet evaluated, spread over the warp
+    std::uint32_t todo = mask & ~done;
+    const int n_todo = __popc(todo);
+    int end = n_todo;  // inclusive prefix over the warp
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int y = __shfl_up_sync(kFull, end, o);
+      if (lane >= o) end += y;
+    }
+    const int work = __shfl_sync(kFull, end, 31);
+    for (int pos = end - n_todo; todo != 0u; todo &= todo - 1u) {
+      const int j = __ffs(static_cast<int>(todo)) - 1;
+      W[pos++] = static_cast<std::uint16_t>(row * 32 + ((((j >> 2) ^ g) << 2) | (j & 3)));
+    }
+    __syncwarp();
+    for (int i = lane; i < work; i += 32) {
+      const int at = W[i];
+      Xf[at] = sigmoid_f32_gpu<kRnDiv>(Xf[at]);
+    }
+    __syncwarp();  // W read (the keys overwrite it next) and the scores stored
+
+    // ---- the token's candidate list: 64-bit keys (order_key(exact value), ~id), as route_g8_kernel
+    const int count = __popc(mask);
+    end = count;  // inclusive prefix over the token's lanes
+#pragma unroll
+    for (int o = 1; o < 8; o *= 2) {
+      const int y = __shfl_up_sync(kFull, end, o);
+      if (g >= o) end += y;
+    }
+    const int total = __shfl_sync(kFull, end, first | 7);
+    if (!__any_sync(kFull, total > kRouterG8Candidates)) {
+      int pos = end - count;
+      while (mask != 0u) {
+        const int j = __ffs(static_cast<int>(mask)) - 1;
+        mask &= mask - 1u;
+        const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
+        const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
+        L[pos++] =
+            (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
+      }
+      __syncwarp();
+
+      // ---- rank of each candidate = number of larger keys; lane g ranks candidates g, g + 8, ...
+      for (int i = g; i < total; i += 16) {
+        const std::uint64_t a = L[i];
+        const bool has_b = i + 8 < total;
+        const std::uint64_t b = has_b ? L[i + 8] : ~0ull;
+        int rank_a = 0, rank_b = 0;
+#pragma unroll 4
+        for (int k = 0; k < total; ++k) {
+          const std::uint64_t key = L[k];
+          rank_a += key > a ? 1 : 0;
+          rank_b += key > b ? 1 : 0;
+        }
+        if (rank_a < p.topk) S[rank_a] = ~static_cast<std::uint32_t>(a);
+        if (has_b && rank_b < p.topk) S[rank_b] = ~static_cast<std::uint32_t>(b);
+      }
+    } else {
+      // ---- a list past kRouterG8Candidates in the quad: K rounds, as route_g8_kernel
+      for (int k = 0; k < p.topk; ++k) {
+        std::uint64_t best = 0;
+        for (std::uint32_t m = mask; m != 0u; m &= m - 1u) {
+          const int j = __ffs(static_cast<int>(m)) - 1;
+          const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
+          const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
+          const std::uint64_t key =
+              (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
+          best = key > best ? key : best;
+        }
+        std::uint64_t top = best;
+#pragma unroll
+        for (int o = 1; o < 8; o *= 2) {
+          const std::uint64_t other = __shfl_xor_sync(kFull, top, o);
+          top = other > top ? other : top;
+        }
+        const std::uint32_t id = ~static_cast<std::uint32_t>(top);
+        if (best == top) mask &= ~(1u << (id & 31u));  // keys are distinct: one lane of the token
+        if (g == 0) S[k] = id;
+      }
+    }
+    __syncwarp();
+
+    // ---- weights, as route_cpu: lane g writes choice g of its token (its score is exact: every
+    // candidate was evaluated exactly)
+    int id = 0;
+    float score = 0.0f;
+    if (g < p.topk) {
+      id = static_cast<int>(S[g]);
+      const int group = id >> 5, j = id & 31;
+      score = Xf[(tw * 8 + group) * 32 + ((((j >> 2) ^ group) << 2) | (j & 3))];
+    }
+    float sum = 0.0f;  // in selection order
+    for (int k = 0; k < p.topk; ++k) sum = rn_add(sum, __shfl_sync(kFull, score, first | k));
+    const std::uint32_t t = q * 4u + static_cast<std::uint32_t>(tw);
+    if (g < p.topk && t < p.tokens) {
+      float w = score;
+      if (p.renormalize) w = sum > 0.0f ? rn_div(w, sum) : rn_div(1.0f, static_cast<float>(p.topk));
+      const std::uint64_t out = static_cast<std::uint64_t>(t) * static_cast<std::uint32_t>(p.topk) + g;
+      p.ids[out] = id;
+      p.weights[out] = rn_mul(w, p.scaling);
+    }
+    __syncwarp();  // before the next quad overwrites stage, cand and slot
+    q += step;
+    if (q < quads) stage_quad(q);
   }
 }
 

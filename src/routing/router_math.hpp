@@ -153,6 +153,41 @@ EPMOE_HD inline float sigmoid_f32_branch_free(float x) {
   return div_rn_sigmoid(x >= 0.0f ? 1.0f : e, rn_add(1.0f, e));
 }
 
+// ---- the sieve (route_g8_sieve_kernel): an approximate sigmoid with a proven error bound decides
+// which experts can matter; only those get the exact one.
+//
+// kSieveApproxErr bounds |sigmoid_approx(x) - sigmoid_f32_fast(x)| over every f32 x (the kernel's
+// rcp.approx(1 + ex2.approx(-x log2e)), exponent clamped to 126; the GPU test
+// RouterMathGpu.SieveSigmoidWithinItsBoundOnEveryFloat checks all 2^32 inputs; v3 measured
+// 2^-22.4 at most).
+inline constexpr float kSieveApproxErr = 0x1p-18f;
+
+// The sieve's margin M for a bias whose largest |b| is `bias_abs_max` (+inf when a bias is not
+// finite, NaN included: then every value is computed exactly). With ca = rn(sa + b) the approximate
+// and c = rn(s + b) the exact selection value, |sa - s| <= err:
+//   |ca - c| <= err + 2^-24 (|sa + b| + |s + b|) <= delta = err + 2^-22 (|b|max + 2);
+//   a group's approximate score rn(a1 + a2) is within 2 delta + 2^-22 (|b|max + 2) of the exact
+//   rn(t1 + t2) (order statistics move by at most delta);
+//   M = 2 delta + 2^-20 (|b|max + 2) covers that, and the roundings of the thresholds a2 - M and
+//   tau' - M (each <= 2^-24 (|b|max + 1 + M)).
+// Rounded upwards on the device; on the host (the CPU emulation of the kernel) computed in double
+// and rounded up to a float. Any M above the bound gives the same outputs (only the work changes).
+EPMOE_HD inline float sieve_margin(float bias_abs_max) {
+  const float kInf = f32_from_bits(0x7f800000u);
+  if (!(bias_abs_max <= 0x1p+100f)) return kInf;  // NaN, inf, or too large to be useful
+#if defined(__CUDA_ARCH__)
+  const float slack = __fadd_ru(bias_abs_max, 2.0f);
+  const float delta = __fmaf_ru(slack, 0x1p-22f, kSieveApproxErr);
+  return __fmaf_ru(slack, 0x1p-20f, __fmul_ru(2.0f, delta));
+#else
+  const double slack = static_cast<double>(bias_abs_max) + 2.0;
+  const double delta = slack * 0x1p-22 + static_cast<double>(kSieveApproxErr);
+  const double m = slack * 0x1p-20 + 2.0 * delta;
+  const float f = static_cast<float>(m);
+  return static_cast<double>(f) >= m ? f : std::nextafter(f, kInf);
+#endif
+}
+
 // The sigmoid the GPU kernels use: branch-free by default, sigmoid_f32_fast (with __fdiv_rn) when
 // kRnDiv (kept to time one against the other).
 template <bool kRnDiv>

@@ -20,6 +20,7 @@
 #include "epmoe/cuda/router.hpp"
 #include "epmoe/router.hpp"
 #include "gpu_test_util.hpp"
+#include "routing/router_kernels.cuh"
 #include "routing/router_math.hpp"
 
 namespace epmoe {
@@ -259,8 +260,10 @@ using ChoiceCase = std::tuple<std::string, std::int64_t, bool>;  // kernel, T, _
 
 cuda::RouteKernelChoice choice_named(const std::string& kernel, bool rn_division) {
   cuda::RouteKernelChoice c;
-  c.kernel = kernel == "g8" ? cuda::RouteKernelChoice::Kernel::g8 : cuda::RouteKernelChoice::Kernel::general;
+  c.kernel = kernel.rfind("g8", 0) == 0 ? cuda::RouteKernelChoice::Kernel::g8
+                                        : cuda::RouteKernelChoice::Kernel::general;
   c.rn_division = rn_division;
+  c.sieve = kernel == "g8_sieve";
   return c;
 }
 
@@ -283,6 +286,30 @@ INSTANTIATE_TEST_SUITE_P(Kernels, RouterKernelChoiceGpu,
                            return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
                                   (std::get<2>(info.param) ? "_rn_div" : "_branch_free_div");
                          });
+
+// route_g8_sieve_kernel (v5) at every T the tests above use.
+INSTANTIATE_TEST_SUITE_P(Sieve, RouterKernelChoiceGpu,
+                         ::testing::Combine(::testing::Values("g8_sieve"),
+                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384, 20000),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<ChoiceCase>& info) {
+                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_rn_div" : "_branch_free_div");
+                         });
+
+// Every layout's config through the sieve choice (where g8 does not apply it falls back, so these
+// check that it does so), and EPMOE_ROUTER_SIEVE's path: automatic with the sieve at T >= 1024.
+TEST(RouterGpu, SieveChoiceOnEveryConfig) {
+  EPMOE_REQUIRE_GPU();
+  for (const char* name : {"tiny", "deepseek_v3", "v2_like", "all_groups_kept", "groups16", "no_renorm"}) {
+    SCOPED_TRACE(name);
+    check_sigmoid(config_named(name), 4097, false, false, choice_named("g8_sieve", false));
+  }
+  cuda::RouteKernelChoice automatic_sieve;
+  automatic_sieve.sieve = true;
+  for (const std::int64_t tokens : {128, 4097})
+    check_sigmoid(config_named("deepseek_v3"), tokens, true, false, automatic_sieve);
+}
 
 // route_g8_kernel keeps kRouterG8Candidates (64) candidates per token; a quad with a longer list
 // runs K selection rounds instead. A constant bias makes the candidates the kept experts tied with
@@ -320,8 +347,71 @@ TEST(RouterGpu, LongCandidateListsTakeTheRoundsPath) {
   }
   for (const bool rn_division : {false, true}) {
     expect_same_routes(c, logits, bias, false, choice_named("g8", rn_division));
+    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve", rn_division));
   }
   expect_same_routes(c, logits, bias, false, cuda::route_kernel_choice_from_env());
+}
+
+// The sieve's own list boundary: its candidates are route_g8_kernel's plus the kept experts within
+// the margin below tau. Rows of `top` tied maxima and `extra` experts 1e-5 below them per group
+// (scores ~1.5e-6 apart: within the margin, exactly distinct) give 4 * top exact candidates and
+// 4 * (top + extra) sieve candidates: (16, 0) and (15, 1) fill the list exactly, (16, 1) and
+// (2, 15) take the rounds path where route_g8_kernel does not. Group offsets 0 (exact ties: the
+// exact group scores), 2e-6 * g (apart by less than the margin: the same) and 0.01 * g (decided by
+// the approximation).
+TEST(RouterGpu, SieveCandidateListBoundary) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = config_named("deepseek_v3");
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::int64_t tokens = 4101, e_count = c.num_experts, per_group = e_count / c.num_groups;
+  HostTensor bias(DType::f32, {e_count});
+  for (std::int64_t e = 0; e < e_count; ++e) bias.data<float>()[e] = 0.0625f;
+  const int shapes[][2] = {{16, 0}, {15, 1}, {16, 1}, {2, 15}, {2, 14}, {1, 20}, {8, 8}, {0, 0}};
+  HostTensor logits(DType::f32, {tokens, e_count});
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    float* row = logits.data<float>() + t * e_count;
+    const auto& shape = shapes[(t / 3) % 8];  // quads of mixed kinds, and whole quads of one kind
+    const int top = shape[0], extra = shape[1];
+    if (top == 0) {
+      for (std::int64_t i = 0; i < e_count; ++i) row[i] = normal(rng);
+      continue;
+    }
+    const float spacing = (t / 24) % 3 == 0 ? 0.0f : (t / 24) % 3 == 1 ? 2e-6f : 0.01f;
+    const float high = 1.5f + 0.25f * static_cast<float>(t % 4);
+    for (std::int64_t g = 0; g < c.num_groups; ++g) {
+      std::vector<int> order(static_cast<std::size_t>(per_group));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      const float h = high + spacing * static_cast<float>(g);
+      for (std::int64_t i = 0; i < per_group; ++i)
+        row[g * per_group + order[static_cast<std::size_t>(i)]] = i < top ? h
+                                                                  : i < top + extra
+                                                                      ? h - 1e-5f
+                                                                      : h - 1.0f - std::fabs(normal(rng));
+    }
+  }
+  for (const bool rn_division : {false, true})
+    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve", rn_division));
+  expect_same_routes(c, logits, bias, false, choice_named("g8", false));
+}
+
+// A huge bias: 2^99 makes the margin ~2^80 (every kept expert a candidate: the rounds path), 2^101
+// makes it infinite (every expert evaluated exactly, the group scores always exact).
+TEST(RouterGpu, SieveHugeBiasFallsBackToExact) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = config_named("deepseek_v3");
+  for (const float huge : {0x1p+99f, 0x1p+101f, -0x1p+101f}) {
+    const std::uint64_t seed = fresh_seed();
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", bias " + std::to_string(huge));
+    std::mt19937_64 rng(seed);
+    HostTensor bias = random_bias(c, false, rng);
+    bias.data<float>()[37] = huge;
+    const HostTensor logits = random_sigmoid_logits(c, 4097, rng);
+    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve", false));
+  }
 }
 
 // ---------------------------------------------------------------- the branch-free sigmoid
@@ -363,10 +453,52 @@ TEST(RouterMathGpu, BranchFreeSigmoidBitIdenticalOnEveryFloat) {
   EXPECT_EQ(bad, 0u) << "first mismatching input bits 0x" << std::hex << first;
 }
 
+// ---------------------------------------------------------------- the sieve's approximation
+// route_g8_sieve_kernel's exactness rests on |sigmoid_approx(x) - sigmoid_f32_fast(x)| <=
+// routing::kSieveApproxErr for every f32 x: checked on all 2^32 bit patterns (NaN included), the
+// difference taken in f64 (exact for two floats in [0, 1]).
+__global__ void sieve_sigmoid_error_kernel(unsigned long long* worst_bits, unsigned int* over) {
+  double worst = 0.0;
+  unsigned int bad = 0;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (1ull << 32);
+       i += stride) {
+    const float x = __uint_as_float(static_cast<std::uint32_t>(i));
+    const double d = fabs(static_cast<double>(kernels::sigmoid_approx(x)) -
+                          static_cast<double>(routing::sigmoid_f32_fast(x)));
+    worst = d > worst ? d : worst;
+    bad += d <= static_cast<double>(routing::kSieveApproxErr) ? 0u : 1u;  // NaN counts as bad
+  }
+  atomicMax(worst_bits, static_cast<unsigned long long>(__double_as_longlong(worst)));
+  if (bad != 0u) atomicAdd(over, bad);
+}
+
+TEST(RouterMathGpu, SieveSigmoidWithinItsBoundOnEveryFloat) {
+  EPMOE_REQUIRE_GPU();
+  cuda::Stream stream;
+  const cuda::DeviceBuffer worst(8), over(4);
+  worst.fill_bytes(0, stream);
+  over.fill_bytes(0, stream);
+  sieve_sigmoid_error_kernel<<<132 * 16, 256, 0, stream>>>(worst.as<unsigned long long>(),
+                                                           over.as<unsigned int>());
+  EPMOE_CUDA_CHECK_LAUNCH();
+  unsigned long long worst_bits = 0;
+  unsigned int bad = 0;
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&worst_bits, worst.data(), 8, cudaMemcpyDeviceToHost, stream));
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&bad, over.data(), 4, cudaMemcpyDeviceToHost, stream));
+  stream.synchronize();
+  double w = 0.0;
+  std::memcpy(&w, &worst_bits, 8);
+  std::printf("max |sigmoid_approx - sigmoid_f32_fast| = %.6g (2^%.2f), bound 2^-18\n", w, std::log2(w));
+  EXPECT_EQ(bad, 0u) << "inputs beyond the bound; worst " << w;
+  EXPECT_LE(w, static_cast<double>(routing::kSieveApproxErr));
+}
+
 TEST(RouterGpu, MisalignedLogitsTakeTheScalarPath) {
   EPMOE_REQUIRE_GPU();
   check_sigmoid(config_named("deepseek_v3"), 1000, true, true);
   check_sigmoid(config_named("groups16"), 1000, false, true);
+  check_sigmoid(config_named("deepseek_v3"), 1000, false, true, choice_named("g8_sieve", false));
 }
 
 // ---------------------------------------------------------------- softmax: within rounding

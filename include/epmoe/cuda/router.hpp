@@ -41,10 +41,14 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
 // automatic: route_g8_kernel where it applies (DeepSeek-V3's shape, T >= 1024), else the general
 // kernel; EPMOE_ROUTER_G8=0 in the environment means general. rn_division: the sigmoid with
 // __fdiv_rn (sigmoid_f32_fast) instead of the branch-free division; EPMOE_ROUTER_DIV=rn sets it.
+// sieve: wherever route_g8_kernel is taken, route_g8_sieve_kernel instead (v5: the exact sigmoid
+// only for the experts that can decide the outcome; not the default until measured);
+// EPMOE_ROUTER_SIEVE=1 sets it.
 struct RouteKernelChoice {
   enum class Kernel { automatic, general, g8 };
   Kernel kernel = Kernel::automatic;
   bool rn_division = false;
+  bool sieve = false;
 };
 // The choice route() makes from the environment.
 RouteKernelChoice route_kernel_choice_from_env();
