@@ -733,6 +733,19 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------- reduce (expert side of combine)
+// Vectors of 16 bytes per slice of a split combine (ReduceArgs::split / HomeArgs::split): a
+// partial's H * 2 bytes in slices of whole 512-byte units, ceil(units / split) units each, one
+// warp per (token, slice); the last slices may be empty.
+constexpr std::int64_t kSplitUnitVecs = 32;
+__device__ __forceinline__ std::int64_t split_slice_vecs(std::int64_t vecs, int split) {
+  const std::int64_t units = (vecs + kSplitUnitVecs - 1) / kSplitUnitVecs;
+  return (units + split - 1) / split * kSplitUnitVecs;
+}
+
+// kSplit false: one warp per received token (the default); true: a.split warps per token, each
+// summing one slice of the hidden dimension (the same sums, element by element, in the same order:
+// the same bits), so that a small batch keeps more warps' loads in flight.
+template <bool kSplit>
 __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceArgs a) {
   __shared__ const char* rows_s[kWarps][kMaxTopK];
   __shared__ float w_s[kWarps][kMaxTopK];
@@ -744,9 +757,15 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
   const int R = *a.recv_total;
   const std::int64_t vecs = g.partial_bytes / 16;
   const auto* out = static_cast<const char*>(a.expert_out);
+  const int S = kSplit ? a.split : 1;
+  const std::int64_t slice_vecs = kSplit ? split_slice_vecs(vecs, S) : vecs;
 
-  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; r < R;
-       r += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+  for (std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;
+       item < static_cast<std::int64_t>(R) * S; item += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    const std::int64_t r = kSplit ? item / S : item;
+    const std::int64_t v0 = kSplit ? (item % S) * slice_vecs : 0;
+    const std::int64_t n_vecs = kSplit ? (vecs - v0 < slice_vecs ? vecs - v0 : slice_vecs) : vecs;
+    if (kSplit && n_vecs <= 0) continue;  // an empty last slice (warp-uniform)
     const int row = lane < g.K ? a.recv_rows[r * g.K + lane] : -1;
     // Rows in ascending order (expert order, as the CPU simulation sums them).
     int rank = 0;
@@ -756,13 +775,13 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
     }
     const int n = __popc(__ballot_sync(kFull, row >= 0));
     if (row >= 0) {
-      rows_s[warp][rank] = out + static_cast<std::int64_t>(row) * g.partial_bytes;
+      rows_s[warp][rank] = out + static_cast<std::int64_t>(row) * g.partial_bytes + v0 * 16;
       w_s[warp][rank] = a.row_weight[row];
     }
     __syncwarp();
-    char* dest =
-        a.dest[a.recv_src[r]] + parity_bytes + static_cast<std::int64_t>(a.recv_slot[r]) * g.partial_bytes;
-    weighted_sum_rows(rows_s[warp], w_s[warp], n, dest, vecs, lane);
+    char* dest = a.dest[a.recv_src[r]] + parity_bytes +
+                 static_cast<std::int64_t>(a.recv_slot[r]) * g.partial_bytes + v0 * 16;
+    weighted_sum_rows(rows_s[warp], w_s[warp], n, dest, n_vecs, lane);
     __syncwarp();
   }
   if (tid == 0) stamp_max(kTraceReduceEnd);
@@ -773,6 +792,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
 }
 
 // ---------------------------------------------------------------- home (token side of combine)
+template <bool kSplit>
 __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a) {
   __shared__ const char* part[kWarps][kMaxTopK];
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
@@ -787,8 +807,14 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
     if (tid == 0) stamp_max(kTraceHomeArrived);
   }
   const std::int64_t vecs = g.partial_bytes / 16;
-  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; t < a.T;
-       t += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+  const int S = kSplit ? a.split : 1;
+  const std::int64_t slice_vecs = kSplit ? split_slice_vecs(vecs, S) : vecs;
+  for (std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; item < a.T * S;
+       item += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    const std::int64_t t = kSplit ? item / S : item;
+    const std::int64_t v0 = kSplit ? (item % S) * slice_vecs : 0;
+    const std::int64_t n_vecs = kSplit ? (vecs - v0 < slice_vecs ? vecs - v0 : slice_vecs) : vecs;
+    if (kSplit && n_vecs <= 0) continue;  // an empty last slice (warp-uniform)
     int n = 0;
     for (int d0 = 0; d0 < g.N; d0 += 32) {
       const int d = d0 + lane;
@@ -797,12 +823,14 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
       if (has) {
         const int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
         part[warp][n + __popc(m & lanemask_lt())] =
-            a.partials + parity_bytes + (static_cast<std::int64_t>(d) * g.T_max + j) * g.partial_bytes;
+            a.partials + parity_bytes + (static_cast<std::int64_t>(d) * g.T_max + j) * g.partial_bytes +
+            v0 * 16;
       }
       n += __popc(m);
     }
     __syncwarp();
-    weighted_sum_rows(part[warp], nullptr, n, static_cast<char*>(a.y) + t * g.partial_bytes, vecs, lane);
+    weighted_sum_rows(part[warp], nullptr, n, static_cast<char*>(a.y) + t * g.partial_bytes + v0 * 16, n_vecs,
+                      lane);
     __syncwarp();
   }
   if (tid == 0) stamp_max(kTraceHomeEnd);
@@ -949,13 +977,26 @@ int launch_dispatch(const EpGeometry& g, const SendArgs& send_args, const PlaceA
 }
 
 void launch_reduce(const EpGeometry& g, const ReduceArgs& a, cudaStream_t stream) {
-  reduce_kernel<<<grid_for(static_cast<std::int64_t>(g.N) * g.T_max), kThreads, 0, stream>>>(g, a);
+  const std::int64_t tokens = static_cast<std::int64_t>(g.N) * g.T_max;
+  if (a.split > 1) {
+    reduce_kernel<true><<<grid_for(tokens * a.split), kThreads, 0, stream>>>(g, a);
+  } else {
+    reduce_kernel<false><<<grid_for(tokens), kThreads, 0, stream>>>(g, a);
+  }
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream) {
-  home_kernel<<<grid_for(a.T), kThreads, 0, stream>>>(g, a);
+  if (a.split > 1) {
+    home_kernel<true><<<grid_for(a.T * a.split), kThreads, 0, stream>>>(g, a);
+  } else {
+    home_kernel<false><<<grid_for(a.T), kThreads, 0, stream>>>(g, a);
+  }
   EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+int combine_split() {
+  return std::clamp(env_int("EPMOE_COMM_COMBINE_SPLIT", 1), 1, kMaxCombineSplit);
 }
 
 }  // namespace epmoe::comm_detail

@@ -242,8 +242,17 @@ struct ReduceArgs {
   const std::int32_t* recv_total = nullptr;
   char* const* dest = nullptr;           // [N]: slot 0 of this rank's partial region on each source
   std::uint32_t* const* flag = nullptr;  // [N] NVLink: this rank's combine flag on each source
+  // Warps per received token (combine_split()): 1, the default, one warp sums a token's whole
+  // partial; S > 1: S warps each sum one slice of the hidden dimension (same bits, S times the
+  // warps, grid S times larger): a small batch keeps S times the loads in flight.
+  int split = 1;
   FlagSync sync;
 };
+// EPMOE_COMM_COMBINE_SPLIT (default 1, clamped to [1, kMaxCombineSplit]): warps per token of the
+// combine's reduce and home kernels (ReduceArgs::split, HomeArgs::split), read by the NVLink
+// transport at each combine_send / combine_recv (so at capture time for a graph).
+inline constexpr int kMaxCombineSplit = 64;
+int combine_split();
 void launch_reduce(const EpGeometry& g, const ReduceArgs& a, cudaStream_t stream);
 
 struct HomeArgs {
@@ -254,6 +263,7 @@ struct HomeArgs {
   const std::int32_t* prefix = nullptr;
   std::int64_t T = 0;
   void* y = nullptr;  // bf16 [T, H]
+  int split = 1;      // warps per token, as ReduceArgs::split
   FlagSync sync;
 };
 void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream);

@@ -21,7 +21,9 @@
 // memory first, so the host returns as soon as it knows it, while the rows are still being copied.
 // EPMOE_COMM_SEND_CE=1 / 2 (normal mode): the copy engines move the rows instead of send's SM
 // stores (dispatch_by_copy_engines: separate pack launches, v4; dispatch_by_copy_engines_in_launch:
-// the packing inside the one dispatch launch, v5).
+// the packing inside the one dispatch launch, v5). EPMOE_COMM_COMBINE_SPLIT=S (both modes): the
+// combine's reduce and home kernels give each token S warps, one per slice of the hidden dimension
+// (comm_detail::combine_split; 1, the default, one warp per token).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -465,6 +467,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     r.dest = reduce_dest_.as<char* const>();
     r.flag = reduce_flag_.as<std::uint32_t* const>();
     r.sync = sync(1, 6);
+    r.split = comm_detail::combine_split();
     comm_detail::launch_reduce(g_, r, comm_->stream());
     combine_sent_ = true;
   }
@@ -487,6 +490,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     h.T = last_T_;
     h.y = y.data;
     h.sync = sync(1, 7);
+    h.split = comm_detail::combine_split();
     comm_detail::launch_home(g_, h, comm_->stream());
     combine_sent_ = false;
   }

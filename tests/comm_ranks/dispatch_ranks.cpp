@@ -13,8 +13,17 @@ namespace epmoe::ranks {
 namespace {
 
 // nvlink_normal_ce: the "nvlink" transport with EPMOE_COMM_SEND_CE=2 (the copy-engine send packed
-// inside the dispatch launch) for the whole test.
-enum class Transport { p2p_normal, p2p_low_latency, nvlink_ll, nvlink_normal, nvlink_normal_ce };
+// inside the dispatch launch) for the whole test; nvlink_ll_split: "nvlink-ll" with
+// EPMOE_COMM_COMBINE_SPLIT=7 (7 warps per token in the combine; at the tiny dims a partial is one
+// 512-byte unit, so 6 of the 7 slices are empty; at DeepSeek-V3's 4 units each).
+enum class Transport {
+  p2p_normal,
+  p2p_low_latency,
+  nvlink_ll,
+  nvlink_normal,
+  nvlink_normal_ce,
+  nvlink_ll_split
+};
 
 // Sets an environment variable for a scope (every rank runs the same tests in the same order, so
 // every rank sets the same value: the send-path switches are read at each dispatch_send).
@@ -50,6 +59,8 @@ std::string name_of(Transport t) {
       return "nvlink normal";
     case Transport::nvlink_normal_ce:
       return "nvlink normal, copy engines";
+    case Transport::nvlink_ll_split:
+      return "nvlink-ll, combine split 7";
   }
   return "?";
 }
@@ -75,7 +86,8 @@ MoeConfig test_config(int max_tokens, bool deepseek = false) {
 
 std::unique_ptr<Dispatcher> make(Transport t, const MoeConfig& c, ActivationFormat f) {
   const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1};
-  if (t == Transport::nvlink_ll) return make_nvlink_ll_dispatcher(ctx, world_ptr());
+  if (t == Transport::nvlink_ll || t == Transport::nvlink_ll_split)
+    return make_nvlink_ll_dispatcher(ctx, world_ptr());
   if (t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce)
     return make_nvlink_dispatcher(ctx, world_ptr());
   return make_nccl_p2p_dispatcher(ctx, world_ptr());
@@ -157,11 +169,15 @@ class Transports : public ::testing::TestWithParam<Transport> {
  protected:
   void SetUp() override {
     if (GetParam() == Transport::nvlink_normal_ce) send_ce_.emplace("EPMOE_COMM_SEND_CE", "2");
+    if (GetParam() == Transport::nvlink_ll_split) split_.emplace("EPMOE_COMM_COMBINE_SPLIT", "7");
   }
-  void TearDown() override { send_ce_.reset(); }
+  void TearDown() override {
+    send_ce_.reset();
+    split_.reset();
+  }
 
  private:
-  std::optional<ScopedEnv> send_ce_;
+  std::optional<ScopedEnv> send_ce_, split_;
 };
 
 TEST_P(Transports, UnevenRoutingAndARankThatSendsNothing) {
@@ -244,7 +260,7 @@ TEST_P(Transports, Bf16AndPerTensorFp8) {
 INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                          ::testing::Values(Transport::p2p_normal, Transport::p2p_low_latency,
                                            Transport::nvlink_ll, Transport::nvlink_normal,
-                                           Transport::nvlink_normal_ce),
+                                           Transport::nvlink_normal_ce, Transport::nvlink_ll_split),
                          [](const ::testing::TestParamInfo<Transport>& p) {
                            switch (p.param) {
                              case Transport::p2p_normal:
@@ -257,6 +273,8 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                                return std::string("NvlinkNormal");
                              case Transport::nvlink_normal_ce:
                                return std::string("NvlinkNormalCopyEngines");
+                             case Transport::nvlink_ll_split:
+                               return std::string("NvlinkLlCombineSplit");
                            }
                            return std::string("unknown");
                          });
@@ -581,6 +599,81 @@ TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
   EPMOE_CUDA_CHECK(cudaGraphExecDestroy(e_combine));
   EPMOE_CUDA_CHECK(cudaGraphDestroy(g_dispatch));
   EPMOE_CUDA_CHECK(cudaGraphDestroy(g_combine));
+}
+
+// ---------------------------------------------------------------- combine: warps per token
+// The split combine (EPMOE_COMM_COMBINE_SPLIT=S: S warps per token, one slice of the hidden
+// dimension each) sums every element in the same order as one warp per token, so y must be the
+// same bits, in both modes, eagerly and (low latency) replayed from a graph captured with the
+// switch set. Hidden 7168 (28 units of 512 bytes: splits that divide it and ones that do not, more
+// slices than units) and 640 (2.5 units: a short last slice). The dispatch runs once; the combines
+// repeat on its output (the combine's own sequence numbers and parities alternate).
+TEST(CommNvlinkCombineSplit, SameBitsAsOneWarpPerTokenEagerAndGraphed) {
+  const int me = world().rank();
+  for (const bool deepseek : {true, false}) {
+    for (const Mode mode : {Mode::low_latency, Mode::normal}) {
+      MoeConfig c = test_config(64, deepseek);
+      if (!deepseek) c.hidden = 640;
+      const std::string what =
+          fmt::format("hidden {} {}", c.hidden, mode == Mode::normal ? "normal" : "low latency");
+      SCOPED_TRACE(what);
+      const DispatcherContext ctx{c, mode, ActivationFormat::fp8_group, me, 1};
+      auto d = mode == Mode::normal ? make_nvlink_dispatcher(ctx, world_ptr())
+                                    : make_nvlink_ll_dispatcher(ctx, world_ptr());
+      const auto tokens = per_rank([](int r) -> std::int64_t { return 45 + 7 * r; });
+      const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 40, Routing::random);
+      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+      const DispatchInput view = dev.view();
+      std::vector<DispatchOutput> out(1);
+      d->dispatch({&view, 1}, out);
+      const HostOutput host = download(out[0], stream());
+      const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
+      const std::int64_t T = tokens[static_cast<std::size_t>(me)];
+      const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
+      const TensorView eo = eo_dev.view(), yv = y_dev.view();
+      auto combine = [&](const std::string& split) {
+        const ScopedEnv env("EPMOE_COMM_COMBINE_SPLIT", split);
+        y_dev.fill_bytes(0xff, stream());
+        d->combine({&eo, 1}, {&yv, 1});
+        world().synchronize(CommPhase::none, "the combine");
+        return cuda::to_host(y_dev, stream());
+      };
+      auto same_bits = [](const HostTensor& a, const HostTensor& b) {
+        std::int64_t differ = 0;
+        for (std::int64_t i = 0; i < a.numel(); ++i)
+          differ += a.data<bf16>()[i].bits != b.data<bf16>()[i].bits;
+        return differ;
+      };
+      const HostTensor want = combine("1");
+      EXPECT_EQ(compare_bf16(want, want).non_finite, 0) << "the unsplit combine wrote every element";
+      for (const int split : {2, 3, 7, 28, 64, 1000}) {
+        const HostTensor got = combine(std::to_string(split));
+        EXPECT_EQ(same_bits(got, want), 0)
+            << what << ": split " << split << " differs from one warp per token";
+      }
+      if (mode == Mode::low_latency) {
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        {
+          const ScopedEnv env("EPMOE_COMM_COMBINE_SPLIT", "14");
+          EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+          d->combine({&eo, 1}, {&yv, 1});
+          EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
+        }
+        EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int replay = 0; replay < 3; ++replay) {
+          y_dev.fill_bytes(0xff, stream());
+          EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream()));
+          world().synchronize(CommPhase::none, "the combine graph");
+          EXPECT_EQ(same_bits(cuda::to_host(y_dev, stream()), want), 0)
+              << what << ": graph replay " << replay;
+        }
+        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+      }
+      world().barrier();  // every rank is done before the dispatcher (its window) goes
+    }
+  }
 }
 
 // ---------------------------------------------------------------- the communicator itself
