@@ -20,7 +20,8 @@
 // engines; for "ce" / "ce2" rows "sms" is the pack blocks', which write only local memory).
 // "nvlink-halves" is dispatch_send + dispatch_recv (send, then place, one stream, own tokens
 // through the window) next to the whole dispatch() call. "nvlink-ll-split<S>" / "nvlink-split<S>":
-// the combine with S warps per token (EPMOE_COMM_COMBINE_SPLIT). "comm.peer_copy" /
+// the combine with S warps per token (EPMOE_COMM_COMBINE_SPLIT). "nvlink-ll-early": the LL dispatch
+// with early counts (EPMOE_COMM_LL_EARLY_COUNTS=1). "comm.peer_copy" /
 // "comm.place_traffic": one 15 MiB copy-engine copy into the peer's window, alone and beside a
 // kernel streaming the place step's HBM traffic (peer_copies below). EPMOE_BENCH_COMM_ONLY=copy,
 // ll or normal runs only that part.
@@ -428,6 +429,23 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                params(transport, "low_latency", "dispatch", T, comm, sms_of(comm_detail::send_blocks(T)),
                       sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                us_d, dispatch_bytes, 0.0, kNvlinkGBps));
+      {
+        // Early counts (EPMOE_COMM_LL_EARLY_COUNTS=1, read at capture), the same graph-replayed
+        // call: "nvlink-ll-early".
+        const cudaGraphExec_t g_e = with_env({{"EPMOE_COMM_LL_EARLY_COUNTS", "1"}}, [&] {
+          return capture(stream, [&] { d->dispatch({&view, 1}, out); });
+        });
+        comm_detail::reset_trace();
+        const double us_e = timed(comm, replay(g_e), timing);
+        print_trace("nvlink-ll dispatch early counts, T " + std::to_string(T));
+        emit(options, results,
+             make_result("comm.dispatch",
+                         params("nvlink-ll-early", "low_latency", "dispatch", T, comm,
+                                sms_of(comm_detail::send_blocks(T)),
+                                sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
+                         us_e, dispatch_bytes, 0.0, kNvlinkGBps));
+        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_e));
+      }
       if (T == 128) {
         // The send-path variants in the same graph-replayed call (the last one's SMs differ).
         for (const SendVariant& v : send_variants()) {
