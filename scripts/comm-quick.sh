@@ -7,6 +7,8 @@
 #   EPMOE_QUICK_COMM_ONLY=1: build and run only the communication tests and bench (no silu tests).
 #   EPMOE_MEMCHECK_FILTER=<gtest filter>: also run those communication tests under compute-sanitizer
 #   memcheck (every rank), log in OUTDIR/memcheck.log.
+#   EPMOE_COMM_TEST_FILTER=<gtest filter>: only those communication tests (default: all).
+#   EPMOE_BENCH_COMM_ONLY=copy|ll|normal: only that part of `epmoe bench comm` (default: all).
 set -uo pipefail
 out=${1:?usage: scripts/comm-quick.sh OUTDIR [RANKS]}
 mkdir -p "$out"
@@ -33,7 +35,7 @@ grep -E "PASSED|FAILED|tests ran" "$out/silu-tests.log" | sort | uniq -c
 }
 echo "== ${ranks}-rank communication tests"
 timeout 150 build-gpu/bin/epmoe launch -n "$ranks" --timeout 140 -- build-gpu/tests/epmoe_comm_tests \
-  >"$out/comm-tests.log" 2>&1 || status=1
+  --gtest_filter="${EPMOE_COMM_TEST_FILTER:-*}" >"$out/comm-tests.log" 2>&1 || status=1
 grep -E "PASSED|FAILED|SKIPPED|rror" "$out/comm-tests.log" | tail -n 40
 if [ -n "${EPMOE_MEMCHECK_FILTER:-}" ]; then
   echo "== memcheck ${EPMOE_MEMCHECK_FILTER}"

@@ -28,4 +28,14 @@ void fill_random_bf16(TensorView x, std::uint64_t seed, cudaStream_t stream) {
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
+void stream_fanout(const void* src, void* dst, std::size_t bytes, int fanout, int blocks, int passes,
+                   cudaStream_t stream) {
+  EPMOE_CHECK(bytes % 16 == 0 && fanout >= 1 && blocks >= 1 && passes >= 1,
+              "stream_fanout: bytes {} (a multiple of 16), fanout {}, blocks {}, passes {}", bytes, fanout,
+              blocks, passes);
+  kernels::stream_fanout_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      static_cast<const uint4*>(src), static_cast<uint4*>(dst), bytes / 16, fanout, passes);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace epmoe::bench

@@ -74,6 +74,11 @@ void gpu_sleep(cudaStream_t stream, double microseconds);
 // Fills a bf16 device tensor with pseudo-random non-zero values of varied magnitude (a hash of
 // the index and seed; never all zeros, never NaN or Inf).
 void fill_random_bf16(TensorView x, std::uint64_t seed, cudaStream_t stream);
+// HBM traffic of a given shape: `passes` times, reads src (bytes) and writes it `fanout` times into
+// dst (fanout * bytes), on `blocks` blocks of 256 threads (comm's peer-copy rows: a stand-in for
+// the dispatch's place step beside the copy engines).
+void stream_fanout(const void* src, void* dst, std::size_t bytes, int fanout, int blocks, int passes,
+                   cudaStream_t stream);
 
 // ---------------------------------------------------------------- suites (suites.cpp)
 struct SuiteOptions {

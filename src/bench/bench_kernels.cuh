@@ -39,4 +39,33 @@ __global__ void fill_random_bf16_kernel(__nv_bfloat16* __restrict__ x, std::uint
   }
 }
 
+// Streams `passes` times: dst[f * n + i] = src[i] for f < fanout, i < n (16-byte vectors). Each
+// warp loads 8 vectors per lane (4 KB) before it stores any (restrict: the loads are not held
+// behind the stores), so the grid keeps HBM busy with reads and fanout times as many writes, the
+// shape of the dispatch's place step (read a token row, write it to each of its expert rows).
+__global__ void stream_fanout_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, std::uint64_t n,
+                                     int fanout, int passes) {
+  constexpr int kU = 8;
+  const unsigned lane = threadIdx.x & 31u;
+  const std::uint64_t warp = (static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const std::uint64_t warps = (static_cast<std::uint64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int pass = 0; pass < passes; ++pass) {
+    for (std::uint64_t base = warp * 32 * kU; base < n; base += warps * 32 * kU) {
+      uint4 r[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const std::uint64_t i = base + lane + 32u * u;
+        r[u] = i < n ? src[i] : make_uint4(0, 0, 0, 0);
+      }
+      for (int f = 0; f < fanout; ++f) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const std::uint64_t i = base + lane + 32u * u;
+          if (i < n) dst[static_cast<std::uint64_t>(f) * n + i] = r[u];
+        }
+      }
+    }
+  }
+}
+
 }  // namespace epmoe::bench::kernels

@@ -19,7 +19,12 @@
 // "nvlink-<variant>": the send-path variants of send_variants() (fence batching, bulk copies, copy
 // engines; for "ce" / "ce2" rows "sms" is the pack blocks', which write only local memory).
 // "nvlink-halves" is dispatch_send + dispatch_recv (send, then place, one stream, own tokens
-// through the window) next to the whole dispatch() call.
+// through the window) next to the whole dispatch() call. "nvlink-ll-split<S>" / "nvlink-split<S>":
+// the combine with S warps per token (EPMOE_COMM_COMBINE_SPLIT). "nvlink-ll-early": the LL dispatch
+// with early counts (EPMOE_COMM_LL_EARLY_COUNTS=1). "comm.peer_copy" /
+// "comm.place_traffic": one 15 MiB copy-engine copy into the peer's window, alone and beside a
+// kernel streaming the place step's HBM traffic (peer_copies below). EPMOE_BENCH_COMM_ONLY=copy,
+// ll or normal runs only that part.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -180,6 +185,14 @@ const std::vector<SendVariant>& send_variants() {
   return v;
 }
 
+// Warps per token of the split combine rows (EPMOE_COMM_COMBINE_SPLIT): at H = 7168 a partial is
+// 28 units of 512 bytes, so 7 / 14 / 28 warps take 4 / 2 / 1 units each (2 / 1 / 1 load rounds of
+// weighted_sum_rows, the last with half its loads).
+const std::vector<int>& combine_splits() {
+  static const std::vector<int> v = {4, 7, 14, 28};
+  return v;
+}
+
 // The last call's phases (comm_detail::read_trace), in µs after `origin` (the routing's start for
 // a dispatch, the reduce's start for a combine).
 void print_trace(const std::string& what, int origin = comm_detail::kTraceRouteStart) {
@@ -330,6 +343,26 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
     emit(options, results,
          make_result("comm.combine", params(transport, "normal", "combine", T, comm, work_sms, work_sms),
                      us_combine, combine_bytes, 0.0, kNvlinkGBps));
+    if (nv != nullptr) {
+      // The split combine in normal mode (every SM busy already: expected the same or a little
+      // slower; measured so that a default in both modes is an informed choice).
+      for (const int split : {2, 7}) {
+        const double us_s = with_env({{"EPMOE_COMM_COMBINE_SPLIT", std::to_string(split)}}, [&] {
+          return timed(
+              comm,
+              [&](int, cudaStream_t) {
+                d->combine({&eo, 1}, {&yv, 1});
+              },
+              timing);
+        });
+        print_trace("nvlink normal combine split " + std::to_string(split), comm_detail::kTraceReduceStart);
+        emit(options, results,
+             make_result("comm.combine",
+                         params("nvlink-split" + std::to_string(split), "normal", "combine", T, comm,
+                                work_sms, work_sms),
+                         us_s, combine_bytes, 0.0, kNvlinkGBps));
+      }
+    }
     comm.synchronize(CommPhase::none, "the benchmark");
   }
 
@@ -396,6 +429,23 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                params(transport, "low_latency", "dispatch", T, comm, sms_of(comm_detail::send_blocks(T)),
                       sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                us_d, dispatch_bytes, 0.0, kNvlinkGBps));
+      {
+        // Early counts (EPMOE_COMM_LL_EARLY_COUNTS=1, read at capture), the same graph-replayed
+        // call: "nvlink-ll-early".
+        const cudaGraphExec_t g_e = with_env({{"EPMOE_COMM_LL_EARLY_COUNTS", "1"}}, [&] {
+          return capture(stream, [&] { d->dispatch({&view, 1}, out); });
+        });
+        comm_detail::reset_trace();
+        const double us_e = timed(comm, replay(g_e), timing);
+        print_trace("nvlink-ll dispatch early counts, T " + std::to_string(T));
+        emit(options, results,
+             make_result("comm.dispatch",
+                         params("nvlink-ll-early", "low_latency", "dispatch", T, comm,
+                                sms_of(comm_detail::send_blocks(T)),
+                                sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
+                         us_e, dispatch_bytes, 0.0, kNvlinkGBps));
+        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_e));
+      }
       if (T == 128) {
         // The send-path variants in the same graph-replayed call (the last one's SMs differ).
         for (const SendVariant& v : send_variants()) {
@@ -423,6 +473,24 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                               sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T)),
                               sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                        us_c, combine_bytes, 0.0, kNvlinkGBps));
+      // The combine with S warps per token (EPMOE_COMM_COMBINE_SPLIT, read at capture), the same
+      // graph-replayed call: "nvlink-ll-split<S>", sms = the reduce grid's SMs.
+      for (const int split : combine_splits()) {
+        const cudaGraphExec_t g_s = with_env({{"EPMOE_COMM_COMBINE_SPLIT", std::to_string(split)}}, [&] {
+          return capture(stream, [&] { d->combine({&eo, 1}, {&yv, 1}); });
+        });
+        const double us_s = timed(comm, replay(g_s), timing);
+        print_trace("nvlink-ll combine split " + std::to_string(split) + ", T " + std::to_string(T),
+                    comm_detail::kTraceReduceStart);
+        const int sms_reduce =
+            sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T * split));
+        emit(options, results,
+             make_result("comm.combine",
+                         params("nvlink-ll-split" + std::to_string(split), "low_latency", "combine", T, comm,
+                                sms_reduce, sms_reduce),
+                         us_s, combine_bytes, 0.0, kNvlinkGBps));
+        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_s));
+      }
       // The send halves are not timed alone: the transport checks that halves alternate (a
       // graph of one half replayed on its own is refused), so they need events inside a full cycle.
       // Bring every rank back to a completed call before the dispatcher goes.
@@ -462,6 +530,115 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
   }
 }
 
+// One copy-engine copy of a v5 piece's size (15 MiB) from local memory into the peer's symmetric
+// window (cudaMemcpyAsync to the window's LSA pointer: what dispatch_by_copy_engines* enqueue; a
+// cudaMemcpyPeerAsync needs the peer's pointer in this process, which only the window gives), alone
+// and beside a kernel that streams the dispatch's place traffic (bench::stream_fanout: reads 60 MB,
+// writes 4 x 60 MB, 3 passes, on 2 blocks per SM less the 24 send blocks), on every rank, so that
+// both the sender's and the receiver's HBM are busy as in a dispatch. Directions: rank 0 -> 1 (the
+// others idle or only streaming), 1 -> 0, and every rank -> the next at once ("both"). Per rank and
+// configuration: the median of `kIters` barrier-separated runs of the copy's own events (rows
+// "comm.peer_copy", GB/s of the copy, floor at 396 GB/s) and of the streaming kernel
+// ("comm.place_traffic", GB/s of HBM read + written), with "copy_end_after_kernel_us" (median: < 0
+// when the copy ended inside the kernel, i.e. it ran beside it throughout).
+void peer_copies(Communicator& comm, const SuiteOptions& options, std::vector<Result>& results) {
+  constexpr std::size_t kCopyBytes = std::size_t{15} << 20;
+  constexpr std::size_t kTrafficRead = std::size_t{60} << 20;
+  constexpr int kFanout = 4, kPasses = 3;
+  const int kIters = options.quick ? 8 : 25, kWarmup = 3;
+  const int N = comm.size(), me = comm.rank();
+  const cudaStream_t main_stream = comm.stream();
+  const cuda::Stream copy_stream;
+  auto window = comm.alloc_symmetric(kCopyBytes);  // collective
+  const cuda::DeviceBuffer src(kCopyBytes), t_src(kTrafficRead), t_dst(kTrafficRead * kFanout);
+  src.fill_bytes(0x3c, main_stream);
+  t_src.fill_bytes(0x5a, main_stream);
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(main_stream));
+  const int blocks = std::max(1, 2 * device_sms() - 24);
+  const cuda::Event k0, k1, c0, c1;
+  struct Direction {
+    const char* label;
+    int from;  // the one sending rank, or -1: every rank to the next
+  };
+  for (const Direction dir : {Direction{"0to1", 0}, Direction{"1to0", 1}, Direction{"both", -1}}) {
+    const bool sends = dir.from < 0 || dir.from == me;
+    const int to = dir.from < 0 ? (me + 1) % N : (dir.from + 1) % N;
+    char* dst = static_cast<char*>(window->peer_pointer(to));
+    for (const bool beside : {false, true}) {
+      std::vector<double> copy_us, kernel_us, after_us;
+      for (int i = 0; i < kWarmup + kIters; ++i) {
+        comm.barrier();
+        if (beside) {
+          k0.record(main_stream);
+          stream_fanout(t_src.data(), t_dst.data(), kTrafficRead, kFanout, blocks, kPasses, main_stream);
+          k1.record(main_stream);
+        }
+        if (sends) {
+          if (beside) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(copy_stream, k0, 0));
+          c0.record(copy_stream);
+          EPMOE_CUDA_CHECK(
+              cudaMemcpyAsync(dst, src.data(), kCopyBytes, cudaMemcpyDeviceToDevice, copy_stream));
+          c1.record(copy_stream);
+        }
+        EPMOE_CUDA_CHECK(cudaStreamSynchronize(copy_stream));
+        EPMOE_CUDA_CHECK(cudaStreamSynchronize(main_stream));
+        if (i < kWarmup) continue;
+        if (sends) copy_us.push_back(1e3 * cuda::Event::elapsed_ms(c0, c1));
+        if (beside) kernel_us.push_back(1e3 * cuda::Event::elapsed_ms(k0, k1));
+        if (sends && beside)
+          after_us.push_back(1e3 * (cuda::Event::elapsed_ms(k0, c1) - cuda::Event::elapsed_ms(k0, k1)));
+      }
+      auto median = [](std::vector<double> v) {
+        if (v.empty()) return 0.0;
+        std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+        return v[v.size() / 2];
+      };
+      const std::string load = beside ? "beside-place" : "alone";
+      if (sends) {
+        Params p = params("copy-engine", load, dir.label, 0, comm);
+        p["bytes"] = static_cast<std::int64_t>(kCopyBytes);
+        p["to"] = static_cast<std::int64_t>(to);
+        if (beside) {
+          p["kernel_us"] = median(kernel_us);
+          p["copy_end_after_kernel_us"] = median(after_us);
+        }
+        emit(options, results,
+             make_result("comm.peer_copy", std::move(p), median(copy_us), static_cast<double>(kCopyBytes),
+                         0.0, kNvlinkGBps));
+      }
+      if (beside) {
+        Params p = params("stream-fanout", sends ? "beside-copy" : "beside-peer-copy", dir.label, 0, comm,
+                          std::min(blocks, device_sms()), std::min(blocks, device_sms()));
+        p["passes"] = static_cast<std::int64_t>(kPasses);
+        emit(options, results,
+             make_result("comm.place_traffic", std::move(p), median(kernel_us),
+                         static_cast<double>(kTrafficRead) * (1 + kFanout) * kPasses));
+      }
+    }
+  }
+  // The streaming kernel alone (no copy anywhere), as the reference for its rows beside a copy.
+  {
+    std::vector<double> kernel_us;
+    for (int i = 0; i < kWarmup + kIters; ++i) {
+      comm.barrier();
+      k0.record(main_stream);
+      stream_fanout(t_src.data(), t_dst.data(), kTrafficRead, kFanout, blocks, kPasses, main_stream);
+      k1.record(main_stream);
+      EPMOE_CUDA_CHECK(cudaStreamSynchronize(main_stream));
+      if (i >= kWarmup) kernel_us.push_back(1e3 * cuda::Event::elapsed_ms(k0, k1));
+    }
+    std::nth_element(kernel_us.begin(), kernel_us.begin() + static_cast<std::ptrdiff_t>(kernel_us.size() / 2),
+                     kernel_us.end());
+    Params p = params("stream-fanout", "alone", "none", 0, comm, std::min(blocks, device_sms()),
+                      std::min(blocks, device_sms()));
+    p["passes"] = static_cast<std::int64_t>(kPasses);
+    emit(options, results,
+         make_result("comm.place_traffic", std::move(p), kernel_us[kernel_us.size() / 2],
+                     static_cast<double>(kTrafficRead) * (1 + kFanout) * kPasses));
+  }
+  comm.barrier();  // every rank is done with the window before it goes (collective)
+}
+
 std::vector<Result> run_comm_suite(const SuiteOptions& options) {
   std::vector<Result> results;
   std::shared_ptr<Communicator> comm = Communicator::process_default();
@@ -485,11 +662,18 @@ std::vector<Result> run_comm_suite(const SuiteOptions& options) {
   }
   std::printf("comm: rank %d of %d, NCCL %s (%s)\n", comm->rank(), comm->size(),
               loaded_nccl_version().str().c_str(), loaded_nccl_library_path().c_str());
-  normal_mode(*comm, options.quick ? 1024 : 4096, options, results);
+  // EPMOE_BENCH_COMM_ONLY=copy|ll|normal: only that part (the rows of one question in one short
+  // device call); unset: everything.
+  const char* only_env = std::getenv("EPMOE_BENCH_COMM_ONLY");
+  const std::string only = only_env != nullptr ? only_env : "";
+  if (only.empty() || only == "normal") normal_mode(*comm, options.quick ? 1024 : 4096, options, results);
   std::vector<std::int64_t> ll = options.tokens;
   if (ll.empty())
     ll = options.quick ? std::vector<std::int64_t>{1, 128} : std::vector<std::int64_t>{1, 32, 64, 128, 256};
-  for (const std::int64_t T : ll) low_latency(*comm, T, options, results);
+  if (only.empty() || only == "ll")
+    for (const std::int64_t T : ll) low_latency(*comm, T, options, results);
+  // Last: the dispatchers' rows come first should the copy into the peer's window fail.
+  if (only.empty() || only == "copy") peer_copies(*comm, options, results);
   comm->barrier();
   return results;
 }

@@ -78,6 +78,16 @@ __device__ __forceinline__ std::uint32_t ld_acquire_sys(const std::uint32_t* p) 
 __device__ __forceinline__ void st_release_sys(std::uint32_t* p, std::uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// Early counts' tagged words (see tagged_words in ep_kernels.hpp): 64-bit, naturally aligned,
+// strong (relaxed, system scope), so single-copy atomic: a reader sees a whole word of one call.
+__device__ __forceinline__ std::uint64_t ld_relaxed_sys_u64(const std::uint64_t* p) {
+  std::uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_sys_u64(std::uint64_t* p, std::uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ uint4 ld_v4(const void* p) {
   return *static_cast<const uint4*>(p);
 }
@@ -118,6 +128,33 @@ __device__ bool wait_flag(const std::uint32_t* flag, std::uint32_t expect, const
         return false;
       }
       if (*static_cast<volatile std::int32_t*>(sync.errors.claim) != 0) return false;
+    }
+  }
+}
+
+// Early counts: waits until the tagged word *word carries sequence number `expect` (or a later
+// one, which the protocol never lets a reader see; compared modulo 2^32) and returns its value in
+// *value; bounded like wait_flag (false: timed out or another wait gave up, *value = 0).
+__device__ bool wait_tagged(const std::uint64_t* word, std::uint32_t expect, const FlagSync& sync,
+                            CommPhase phase, int me, int peer, int* value) {
+  const std::uint64_t start = globaltimer();
+  for (std::uint32_t spins = 0;; ++spins) {
+    const std::uint64_t v = ld_relaxed_sys_u64(word);
+    if (static_cast<std::int32_t>(static_cast<std::uint32_t>(v >> 32) - expect) >= 0) {
+      *value = static_cast<int>(static_cast<std::uint32_t>(v));
+      return true;
+    }
+    if ((spins & 1023u) == 1023u) {
+      const std::uint64_t waited = globaltimer() - start;
+      if (waited > sync.timeout_ns) {
+        record_error(sync.errors, kDeviceErrorTimeout, phase, peer, me, static_cast<int>(expect), waited);
+        *value = 0;
+        return false;
+      }
+      if (*static_cast<volatile std::int32_t*>(sync.errors.claim) != 0) {
+        *value = 0;
+        return false;
+      }
     }
   }
 }
@@ -210,6 +247,36 @@ constexpr int kBatch = 14;  // a whole 7168-byte fp8 row per warp in one round t
 __device__ __forceinline__ void copy_fanout(const char* src, char* const* dst, int n, std::int64_t vecs,
                                             int lane) {
   for (std::int64_t base = 0; base < vecs; base += 32 * kBatch) {
+    uint4 r[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const std::int64_t v = base + lane + 32 * u;
+      r[u] = v < vecs ? ld_v4(src + v * 16) : make_uint4(0, 0, 0, 0);
+    }
+    for (int i = 0; i < n; ++i) {
+      char* d = dst[i];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const std::int64_t v = base + lane + 32 * u;
+        if (v < vecs) st_v4(d + v * 16, r[u]);
+      }
+    }
+  }
+}
+
+// copy_fanout whose first batch (vectors lane + 32 u, u < kBatch) the warp loaded earlier into
+// `first` (early counts: the own token's row, loaded before the layout was known).
+__device__ __forceinline__ void copy_fanout_preloaded(const uint4 (&first)[kBatch], const char* src,
+                                                      char* const* dst, int n, std::int64_t vecs, int lane) {
+  for (int i = 0; i < n; ++i) {
+    char* d = dst[i];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const std::int64_t v = lane + 32 * u;
+      if (v < vecs) st_v4(d + v * 16, first[u]);
+    }
+  }
+  for (std::int64_t base = 32 * kBatch; base < vecs; base += 32 * kBatch) {
     uint4 r[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -392,10 +459,43 @@ __device__ void send_headers(const EpGeometry& g, std::int32_t* const* header, c
   if (threadIdx.x == 0) stamp(kTraceCountFlag);
 }
 
+// Early counts (SendArgs::tagged): block-wide, this rank's tagged header on every destination,
+// one relaxed 64-bit system-scope store per word, (s << 32) | value, and nothing else: no fence
+// (a fence here waits for whatever this SM's other warps and the other send blocks have in flight
+// on NVLink), no count flag.
+//
+// Why no fence is needed (PTX memory model). The receiver uses nothing but the values themselves:
+// each word is written once per call by one strong store, naturally aligned, so it is single-copy
+// atomic; a reader that sees tag s sees the value stored with it, whatever order the words
+// arrive in, so it needs no release / acquire pair to read them. What the count flag's release
+// also published, the rows, are not covered by it anyway: place reads a peer's rows only after
+// their arrival counters (atomicAdd_system after a system fence in the writing warp; ld.acquire
+// on the reader's side), unchanged. The one thing the count flag's release did order is reuse:
+// the receiver's zeroing of its arrival counters and its reads of this parity (kernel s) happen
+// before the sender writes this parity again (call s + 2). Early-count place keeps that chain by
+// waiting, at its end, for every peer's arrival flag s (st.release.sys by the peer's last send
+// block after every send thread's system fence), so the sender's call s + 2 starts only after its
+// place s + 1 acquired this rank's arrival flag s + 1, raised in a launch after this rank's
+// place s: the same kernel-boundary-then-release chain as the count flag's.
+__device__ void send_tagged_counts(const EpGeometry& g, std::uint64_t* const* tagged,
+                                   const std::int32_t* count_row, int status, std::uint32_t s,
+                                   std::int64_t parity_words) {
+  const int per = tagged_words(g.L);
+  const std::uint64_t tag = static_cast<std::uint64_t>(s) << 32;
+  for (int i = static_cast<int>(threadIdx.x); i < g.N * per; i += static_cast<int>(blockDim.x)) {
+    const int d = i / per, f = i % per;
+    std::int32_t v = status;
+    if (f > 0) v = status != 0 ? 0 : f == 1 ? count_row[d] : count_row[g.N + d * g.L + (f - kTaggedFixed)];
+    st_relaxed_sys_u64(tagged[d] + parity_words + f, tag | static_cast<std::uint32_t>(v));
+  }
+  if (threadIdx.x == 0) stamp(kTraceCountFlag);
+}
+
 #include "comm/ep_pack.cuh"
 #include "comm/ep_send_bulk.cuh"
 
-// smem: the bulk-copy staging area (SendArgs::bulk_warps > 0).
+// smem: the bulk-copy staging area (SendArgs::bulk_warps > 0). kEarly: early counts (a.tagged).
+template <bool kEarly>
 __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int nblocks, char* smem) {
   __shared__ char* target[kSendWarps][kMaxTopK];
   __shared__ int target_rank[kSendWarps][kMaxTopK];
@@ -420,7 +520,12 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   const std::int64_t parity_ints = parity_bytes / 4;
 
   if (block == 0 && threadIdx.x == 0) stamp(kTraceSendStart);
-  if (a.header != nullptr && block == 0) send_headers(g, a.header, a.count_row, status, a.T, s, parity_ints);
+  if constexpr (kEarly) {
+    if (block == 0) send_tagged_counts(g, a.tagged, a.count_row, status, s, parity_bytes / 8);
+  } else {
+    if (a.header != nullptr && block == 0)
+      send_headers(g, a.header, a.count_row, status, a.T, s, parity_ints);
+  }
 
   if (status == 0 && a.bulk_warps > 0) {
     send_bulk_rows(g, a, block, nblocks, parity_bytes, smem);
@@ -492,13 +597,19 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   }
 }
 
+// kEarly: early counts (a.tagged): only for a whole dispatch() call whose input the host refused
+// (the peers' early-count place learns the refusal from the tagged status).
+template <bool kEarly>
 __global__ void __launch_bounds__(kSendThreads) send_kernel(EpGeometry g, SendArgs a) {
   extern __shared__ __align__(128) int smem[];
-  send_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), reinterpret_cast<char*>(smem));
+  send_body<kEarly>(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x),
+                    reinterpret_cast<char*>(smem));
 }
 
 // ---------------------------------------------------------------- place
-// smem: the tables, sized as launch_place computes.
+// smem: the tables, sized as launch_place computes. kEarly: early counts (a.tagged; whole calls
+// with the own tokens from x).
+template <bool kEarly>
 __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, int nblocks, int* smem) {
   int* tok = smem;                // [N]
   int* roff = tok + g.N;          // [N + 1] first received token of each source
@@ -523,25 +634,89 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   };
 
   if (block == 0 && tid == 0) stamp(kTracePlaceStart);
-  for (int src = tid; src < g.N; src += nthreads) {
-    bool good = true;
-    if (lsa)
-      good = wait_flag(flag_of(src, a.count_flag_field), s, a.sync, CommPhase::dispatch_recv, g.me, src);
-    const int status = good ? *field(src, a.status_field) : 0;
-    if (good && status != 0) {
-      if (block == 0)
-        record_error(a.sync.errors, kDeviceErrorPeerInput, CommPhase::dispatch_recv, src, g.me, status, 0);
-      good = false;
+  // Early counts: the warp's first own token (its slot, routing and the first kBatch vectors of its
+  // row) is loaded before the layout is known; it is stored once the tables are built.
+  struct OwnFirst {
+    uint4 v[kBatch];
+    int j, e, slot_e;
+    float w;
+    bool has;
+  } first{};
+  if constexpr (kEarly) {
+    const std::int64_t t = static_cast<std::int64_t>(block) * kWarps + warp;
+    if (own && t < a.own_T && bucket_has(a.bitmaps, g.W, g.me, t)) {
+      first.has = true;
+      first.j = bucket_slot(a.bitmaps, a.prefix, g.W, g.me, t);
+      first.e = -1;
+      if (lane < g.K) {
+        const int id = a.own_ids[t * g.K + lane];
+        first.w = a.own_weights[t * g.K + lane];
+        if (id >= 0 && id < g.P) {  // else the rank's status refuses the input: nothing is placed
+          first.slot_e = bucket_slot(a.bitmaps, a.prefix, g.W, g.N + id, t);
+          first.e = id / g.L == g.me ? id % g.L : -1;
+        }
+      }
+      const char* x_t = static_cast<const char*>(a.own_x) + t * g.x_bytes;
+      const std::int64_t x_vecs = g.x_bytes / 16;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const std::int64_t v = lane + 32 * u;
+        first.v[u] = v < x_vecs ? ld_v4(x_t + v * 16) : make_uint4(0, 0, 0, 0);
+      }
     }
-    tok[src] = good ? *field(src, a.tokens_field) : 0;
-    ok[src] = good;
+    // The layout from the tagged headers: every word polled until it carries s (bounded).
+    for (int src = tid; src < g.N; src += nthreads) ok[src] = 1;
+    __syncthreads();
+    const int per = tagged_words(g.L);
+    const std::uint64_t* words = a.tagged + parity_bytes / 8;
+    for (int i = tid; i < g.N * per; i += nthreads) {
+      const int src = i / per, f = i % per;
+      int v = 0;
+      if (!wait_tagged(words + i, s, a.sync, CommPhase::dispatch_recv, g.me, src, &v)) ok[src] = 0;
+      if (f == 0)
+        roff[src] = v;  // the status, until roff is computed below
+      else if (f == 1)
+        tok[src] = v;
+      else
+        base[(f - kTaggedFixed) * g.N + src] = v;
+    }
+    __syncthreads();
+    for (int src = tid; src < g.N; src += nthreads) {
+      bool good = ok[src] != 0;
+      const int status = good ? roff[src] : 0;
+      if (good && status != 0) {
+        if (block == 0)
+          record_error(a.sync.errors, kDeviceErrorPeerInput, CommPhase::dispatch_recv, src, g.me, status, 0);
+        good = false;
+      }
+      ok[src] = good;
+      if (!good) tok[src] = 0;
+    }
+    __syncthreads();
+    for (int i = tid; i < g.L * g.N; i += nthreads)
+      if (!ok[i % g.N]) base[i] = 0;
+    __syncthreads();
+  } else {
+    for (int src = tid; src < g.N; src += nthreads) {
+      bool good = true;
+      if (lsa)
+        good = wait_flag(flag_of(src, a.count_flag_field), s, a.sync, CommPhase::dispatch_recv, g.me, src);
+      const int status = good ? *field(src, a.status_field) : 0;
+      if (good && status != 0) {
+        if (block == 0)
+          record_error(a.sync.errors, kDeviceErrorPeerInput, CommPhase::dispatch_recv, src, g.me, status, 0);
+        good = false;
+      }
+      tok[src] = good ? *field(src, a.tokens_field) : 0;
+      ok[src] = good;
+    }
+    __syncthreads();
+    for (int i = tid; i < g.L * g.N; i += nthreads) {
+      const int e = i / g.N, src = i % g.N;
+      base[i] = ok[src] ? *field(src, a.counts_field + e) : 0;
+    }
+    __syncthreads();
   }
-  __syncthreads();
-  for (int i = tid; i < g.L * g.N; i += nthreads) {
-    const int e = i / g.N, src = i % g.N;
-    base[i] = ok[src] ? *field(src, a.counts_field + e) : 0;
-  }
-  __syncthreads();
   for (int e = tid; e < g.L; e += nthreads) {
     int acc = 0;
     for (int src = 0; src < g.N; ++src) {
@@ -590,7 +765,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   // Received token r (source src, slot j): lanes < K hold its (local expert or -1, slot among the
   // source's tokens of that expert, weight); its payload is x_src / scales_src.
   auto place_token = [&](std::int64_t r, int src, int j, int e, int slot_e, float w, const char* x_src,
-                         const float* scales_src) {
+                         const float* scales_src, const OwnFirst* pre = nullptr) {
     int row = -1;
     if (lane < g.K) {
       if (e >= 0 && e < g.L) {
@@ -617,7 +792,14 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
       target[warp][pos] = a.rows + static_cast<std::int64_t>(row) * g.x_bytes;
     }
     __syncwarp();
-    copy_fanout(x_src, target[warp], n, vecs, lane);
+    if constexpr (kEarly) {
+      if (pre != nullptr)
+        copy_fanout_preloaded(pre->v, x_src, target[warp], n, vecs, lane);
+      else
+        copy_fanout(x_src, target[warp], n, vecs, lane);
+    } else {
+      copy_fanout(x_src, target[warp], n, vecs, lane);
+    }
     for (int c = lane; c < g.G; c += 32) {
       const float sc = scales_src[c];
       for (int i = 0; i < n; ++i) a.out_scales[static_cast<std::int64_t>(target_row[warp][i]) * g.G + c] = sc;
@@ -628,8 +810,16 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   const std::int64_t wid = static_cast<std::int64_t>(block) * kWarps + warp;
   const std::int64_t wstride = static_cast<std::int64_t>(nblocks) * kWarps;
   if (own && ok[g.me]) {
-    // This rank's own tokens, from the input, while the peers' tokens arrive.
-    for (std::int64_t t = wid; t < a.own_T; t += wstride) {
+    // This rank's own tokens, from the input, while the peers' tokens arrive. Early counts: the
+    // warp's first one was loaded before the tables.
+    std::int64_t t_begin = wid;
+    if constexpr (kEarly) {
+      if (first.has)
+        place_token(roff[g.me] + first.j, g.me, first.j, first.e, first.slot_e, first.w,
+                    static_cast<const char*>(a.own_x) + wid * g.x_bytes, a.own_scales + wid * g.G, &first);
+      t_begin = wid + wstride;
+    }
+    for (std::int64_t t = t_begin; t < a.own_T; t += wstride) {
       if (!bucket_has(a.bitmaps, g.W, g.me, t)) continue;
       const int j = bucket_slot(a.bitmaps, a.prefix, g.W, g.me, t);
       int e = -1, slot_e = 0;
@@ -706,6 +896,13 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     if (tid == 0) *a.recv_total = R;
   }
   if (tid == 0) stamp_max(kTracePlaceEnd);
+  if constexpr (kEarly) {
+    // No count flag orders this parity's reuse: every peer's arrival flag s does (see
+    // send_tagged_counts), raised by its send's last block, normally long before this point.
+    for (int src = tid; src < g.N; src += nthreads)
+      if (src != g.me && ok[src])
+        wait_flag(flag_of(src, a.flag_field), s, a.sync, CommPhase::dispatch_recv, g.me, src);
+  }
   if (lsa && finish_block(a.sync.done, nblocks)) {
     // Every block has read its tokens: zero this parity's arrival counters for the call after next
     // (the senders reach this parity again only after this rank's next count flag).
@@ -719,26 +916,48 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
 
 __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs a) {
   extern __shared__ __align__(128) int smem[];
-  place_body(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), smem);
+  place_body<false>(g, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), smem);
 }
 
 // A whole dispatch in one launch: blocks [0, send_blocks) send (or, with s.ce set, pack for the
 // copy engines), the others place. Every block is resident at once (the launcher caps the grid at
 // the occupancy), so the placing blocks that wait for the peers can never keep this rank's own send
 // or pack blocks from running.
+// kEarly: early counts (s.tagged and p.tagged set; never with the copy-engine packing).
+template <bool kEarly>
 __global__ void __launch_bounds__(kThreads)
     dispatch_kernel(EpGeometry g, SendArgs s, PlaceArgs p, int send_blocks) {
   extern __shared__ __align__(128) int smem[];
   const int b = static_cast<int>(blockIdx.x);
-  if (b < send_blocks && s.ce.staging != nullptr)
-    pack_pieces(g, s, b, send_blocks);
-  else if (b < send_blocks)
-    send_body(g, s, b, send_blocks, reinterpret_cast<char*>(smem));
-  else
-    place_body(g, p, b - send_blocks, static_cast<int>(gridDim.x) - send_blocks, smem);
+  if constexpr (kEarly) {
+    if (b < send_blocks)
+      send_body<true>(g, s, b, send_blocks, reinterpret_cast<char*>(smem));
+    else
+      place_body<true>(g, p, b - send_blocks, static_cast<int>(gridDim.x) - send_blocks, smem);
+  } else {
+    if (b < send_blocks && s.ce.staging != nullptr)
+      pack_pieces(g, s, b, send_blocks);
+    else if (b < send_blocks)
+      send_body<false>(g, s, b, send_blocks, reinterpret_cast<char*>(smem));
+    else
+      place_body<false>(g, p, b - send_blocks, static_cast<int>(gridDim.x) - send_blocks, smem);
+  }
 }
 
 // ---------------------------------------------------------------- reduce (expert side of combine)
+// Vectors of 16 bytes per slice of a split combine (ReduceArgs::split / HomeArgs::split): a
+// partial's H * 2 bytes in slices of whole 512-byte units, ceil(units / split) units each, one
+// warp per (token, slice); the last slices may be empty.
+constexpr std::int64_t kSplitUnitVecs = 32;
+__device__ __forceinline__ std::int64_t split_slice_vecs(std::int64_t vecs, int split) {
+  const std::int64_t units = (vecs + kSplitUnitVecs - 1) / kSplitUnitVecs;
+  return (units + split - 1) / split * kSplitUnitVecs;
+}
+
+// kSplit false: one warp per received token (the default); true: a.split warps per token, each
+// summing one slice of the hidden dimension (the same sums, element by element, in the same order:
+// the same bits), so that a small batch keeps more warps' loads in flight.
+template <bool kSplit>
 __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceArgs a) {
   __shared__ const char* rows_s[kWarps][kMaxTopK];
   __shared__ float w_s[kWarps][kMaxTopK];
@@ -750,9 +969,15 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
   const int R = *a.recv_total;
   const std::int64_t vecs = g.partial_bytes / 16;
   const auto* out = static_cast<const char*>(a.expert_out);
+  const int S = kSplit ? a.split : 1;
+  const std::int64_t slice_vecs = kSplit ? split_slice_vecs(vecs, S) : vecs;
 
-  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; r < R;
-       r += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+  for (std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;
+       item < static_cast<std::int64_t>(R) * S; item += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    const std::int64_t r = kSplit ? item / S : item;
+    const std::int64_t v0 = kSplit ? (item % S) * slice_vecs : 0;
+    const std::int64_t n_vecs = kSplit ? (vecs - v0 < slice_vecs ? vecs - v0 : slice_vecs) : vecs;
+    if (kSplit && n_vecs <= 0) continue;  // an empty last slice (warp-uniform)
     const int row = lane < g.K ? a.recv_rows[r * g.K + lane] : -1;
     // Rows in ascending order (expert order, as the CPU simulation sums them).
     int rank = 0;
@@ -762,13 +987,13 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
     }
     const int n = __popc(__ballot_sync(kFull, row >= 0));
     if (row >= 0) {
-      rows_s[warp][rank] = out + static_cast<std::int64_t>(row) * g.partial_bytes;
+      rows_s[warp][rank] = out + static_cast<std::int64_t>(row) * g.partial_bytes + v0 * 16;
       w_s[warp][rank] = a.row_weight[row];
     }
     __syncwarp();
-    char* dest =
-        a.dest[a.recv_src[r]] + parity_bytes + static_cast<std::int64_t>(a.recv_slot[r]) * g.partial_bytes;
-    weighted_sum_rows(rows_s[warp], w_s[warp], n, dest, vecs, lane);
+    char* dest = a.dest[a.recv_src[r]] + parity_bytes +
+                 static_cast<std::int64_t>(a.recv_slot[r]) * g.partial_bytes + v0 * 16;
+    weighted_sum_rows(rows_s[warp], w_s[warp], n, dest, n_vecs, lane);
     __syncwarp();
   }
   if (tid == 0) stamp_max(kTraceReduceEnd);
@@ -779,6 +1004,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
 }
 
 // ---------------------------------------------------------------- home (token side of combine)
+template <bool kSplit>
 __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a) {
   __shared__ const char* part[kWarps][kMaxTopK];
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
@@ -793,8 +1019,14 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
     if (tid == 0) stamp_max(kTraceHomeArrived);
   }
   const std::int64_t vecs = g.partial_bytes / 16;
-  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; t < a.T;
-       t += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+  const int S = kSplit ? a.split : 1;
+  const std::int64_t slice_vecs = kSplit ? split_slice_vecs(vecs, S) : vecs;
+  for (std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; item < a.T * S;
+       item += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    const std::int64_t t = kSplit ? item / S : item;
+    const std::int64_t v0 = kSplit ? (item % S) * slice_vecs : 0;
+    const std::int64_t n_vecs = kSplit ? (vecs - v0 < slice_vecs ? vecs - v0 : slice_vecs) : vecs;
+    if (kSplit && n_vecs <= 0) continue;  // an empty last slice (warp-uniform)
     int n = 0;
     for (int d0 = 0; d0 < g.N; d0 += 32) {
       const int d = d0 + lane;
@@ -803,12 +1035,14 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
       if (has) {
         const int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
         part[warp][n + __popc(m & lanemask_lt())] =
-            a.partials + parity_bytes + (static_cast<std::int64_t>(d) * g.T_max + j) * g.partial_bytes;
+            a.partials + parity_bytes + (static_cast<std::int64_t>(d) * g.T_max + j) * g.partial_bytes +
+            v0 * 16;
       }
       n += __popc(m);
     }
     __syncwarp();
-    weighted_sum_rows(part[warp], nullptr, n, static_cast<char*>(a.y) + t * g.partial_bytes, vecs, lane);
+    weighted_sum_rows(part[warp], nullptr, n, static_cast<char*>(a.y) + t * g.partial_bytes + v0 * 16, n_vecs,
+                      lane);
     __syncwarp();
   }
   if (tid == 0) stamp_max(kTraceHomeEnd);
@@ -914,11 +1148,17 @@ void allow_large_smem(const void* kernel) {
 }  // namespace
 
 void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream) {
-  allow_large_smem(reinterpret_cast<const void*>(send_kernel));
+  const bool early = a.tagged != nullptr;
+  const void* kernel = early ? reinterpret_cast<const void*>(send_kernel<true>)
+                             : reinterpret_cast<const void*>(send_kernel<false>);
+  allow_large_smem(kernel);
   const int blocks = a.blocks > 0 ? a.blocks : send_blocks(a.T);
   SendArgs s = a;
   const std::size_t smem = plan_bulk_send(g, s);
-  send_kernel<<<static_cast<unsigned>(blocks), kSendThreads, smem, stream>>>(g, s);
+  if (early)
+    send_kernel<true><<<static_cast<unsigned>(blocks), kSendThreads, smem, stream>>>(g, s);
+  else
+    send_kernel<false><<<static_cast<unsigned>(blocks), kSendThreads, smem, stream>>>(g, s);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -934,13 +1174,18 @@ void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream) 
 }
 
 int launch_dispatch(const EpGeometry& g, const SendArgs& send_args, const PlaceArgs& p, cudaStream_t stream) {
-  allow_large_smem(reinterpret_cast<const void*>(dispatch_kernel));
+  const bool early = send_args.tagged != nullptr;
+  EPMOE_CHECK(early == (p.tagged != nullptr) && (!early || send_args.ce.staging == nullptr),
+              "launch_dispatch: early counts need both tagged headers and the SM-store send");
+  const void* kernel = early ? reinterpret_cast<const void*>(dispatch_kernel<true>)
+                             : reinterpret_cast<const void*>(dispatch_kernel<false>);
+  allow_large_smem(kernel);
   SendArgs s = send_args;
   // The pack blocks of the copy-engine send need no staging in shared memory.
   const std::size_t smem =
       std::max(place_smem(g), s.ce.staging != nullptr ? std::size_t{0} : plan_bulk_send(g, s));
   int per_sm = 0;
-  EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_kernel, kThreads, smem));
+  EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
   const std::int64_t resident =
       static_cast<std::int64_t>(std::max(per_sm, 1)) * cuda::device_props().sm_count;
   const int send = send_blocks(s.T);
@@ -949,19 +1194,35 @@ int launch_dispatch(const EpGeometry& g, const SendArgs& send_args, const PlaceA
               send);
   const auto place = static_cast<int>(
       std::min<std::int64_t>(grid_for(static_cast<std::int64_t>(g.N) * g.T_max), resident - send));
-  dispatch_kernel<<<static_cast<unsigned>(send + place), kThreads, smem, stream>>>(g, s, p, send);
+  if (early)
+    dispatch_kernel<true><<<static_cast<unsigned>(send + place), kThreads, smem, stream>>>(g, s, p, send);
+  else
+    dispatch_kernel<false><<<static_cast<unsigned>(send + place), kThreads, smem, stream>>>(g, s, p, send);
   EPMOE_CUDA_CHECK_LAUNCH();
   return send + place;
 }
 
 void launch_reduce(const EpGeometry& g, const ReduceArgs& a, cudaStream_t stream) {
-  reduce_kernel<<<grid_for(static_cast<std::int64_t>(g.N) * g.T_max), kThreads, 0, stream>>>(g, a);
+  const std::int64_t tokens = static_cast<std::int64_t>(g.N) * g.T_max;
+  if (a.split > 1) {
+    reduce_kernel<true><<<grid_for(tokens * a.split), kThreads, 0, stream>>>(g, a);
+  } else {
+    reduce_kernel<false><<<grid_for(tokens), kThreads, 0, stream>>>(g, a);
+  }
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream) {
-  home_kernel<<<grid_for(a.T), kThreads, 0, stream>>>(g, a);
+  if (a.split > 1) {
+    home_kernel<true><<<grid_for(a.T * a.split), kThreads, 0, stream>>>(g, a);
+  } else {
+    home_kernel<false><<<grid_for(a.T), kThreads, 0, stream>>>(g, a);
+  }
   EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+int combine_split() {
+  return std::clamp(env_int("EPMOE_COMM_COMBINE_SPLIT", 1), 1, kMaxCombineSplit);
 }
 
 }  // namespace epmoe::comm_detail

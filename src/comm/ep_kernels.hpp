@@ -122,7 +122,20 @@ struct SendArgs {
     std::uint32_t s = 0;           // this call's send sequence number as the host counts it
   } ce;
   FlagSync sync;
+  // Early counts (EPMOE_COMM_LL_EARLY_COUNTS=1, whole dispatch() calls over SM stores; see
+  // tagged_words): [N] this rank's tagged header on each destination, or null (the default:
+  // header stores, a system fence, the count flag).
+  std::uint64_t* const* tagged = nullptr;
 };
+// Early counts: a source's header on a destination as tagged_words(L) 8-byte words {status,
+// tokens, rows per local expert [L]}, each (sequence number s << 32) | value, written by the
+// sender's block 0 with one relaxed system-scope 64-bit store per word and no fence and no count
+// flag; the receiver polls every word until its tag reaches s (a naturally aligned 64-bit store
+// is single-copy atomic, so a word whose tag reads s carries that call's value).
+inline constexpr int kTaggedFixed = 2;  // status, tokens; then the counts
+EPMOE_COMM_HD inline int tagged_words(int L) {
+  return kTaggedFixed + L;
+}
 // NVLink header of a source on a destination:
 // {arrival flag, status, tokens, T, count flag, rows per local expert [L]}.
 inline constexpr int kHeaderFlag = 0, kHeaderStatus = 1, kHeaderTokens = 2, kHeaderT = 3,
@@ -227,10 +240,16 @@ struct PlaceArgs {
   const std::uint32_t* bitmaps = nullptr;
   const std::int32_t* prefix = nullptr;
   FlagSync sync;
+  // Early counts (SendArgs::tagged; launch_dispatch only): source s's tagged header at
+  // tagged + parity * ps / 8 + s * tagged_words(L). Place reads the layout from it instead of the
+  // count flag and header, loads its own first token before the layout is known, and waits for
+  // every peer's arrival flag before its last block recycles the parity.
+  const std::uint64_t* tagged = nullptr;
 };
 void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream);
 // Send and place in one launch (a whole dispatch() call): send_blocks(s.T) blocks send, the rest
-// place, the grid capped so that every block is resident. Returns the grid size.
+// place, the grid capped so that every block is resident. Returns the grid size. With
+// s.tagged / p.tagged set (both or neither) the early-counts instance runs.
 int launch_dispatch(const EpGeometry& g, const SendArgs& s, const PlaceArgs& p, cudaStream_t stream);
 
 struct ReduceArgs {
@@ -242,8 +261,17 @@ struct ReduceArgs {
   const std::int32_t* recv_total = nullptr;
   char* const* dest = nullptr;           // [N]: slot 0 of this rank's partial region on each source
   std::uint32_t* const* flag = nullptr;  // [N] NVLink: this rank's combine flag on each source
+  // Warps per received token (combine_split()): 1, the default, one warp sums a token's whole
+  // partial; S > 1: S warps each sum one slice of the hidden dimension (same bits, S times the
+  // warps, grid S times larger): a small batch keeps S times the loads in flight.
+  int split = 1;
   FlagSync sync;
 };
+// EPMOE_COMM_COMBINE_SPLIT (default 1, clamped to [1, kMaxCombineSplit]): warps per token of the
+// combine's reduce and home kernels (ReduceArgs::split, HomeArgs::split), read by the NVLink
+// transport at each combine_send / combine_recv (so at capture time for a graph).
+inline constexpr int kMaxCombineSplit = 64;
+int combine_split();
 void launch_reduce(const EpGeometry& g, const ReduceArgs& a, cudaStream_t stream);
 
 struct HomeArgs {
@@ -254,6 +282,7 @@ struct HomeArgs {
   const std::int32_t* prefix = nullptr;
   std::int64_t T = 0;
   void* y = nullptr;  // bf16 [T, H]
+  int split = 1;      // warps per token, as ReduceArgs::split
   FlagSync sync;
 };
 void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream);

@@ -9,6 +9,7 @@
 //             [combine flags: N x 16 bytes]
 //             [partial sums: N x T_max x H bf16]           (expert rank d writes region d)
 //             [arrival counters: N x ceil(T_max / 64)]    (source s bumps region s per token written)
+//             [tagged headers: N x (2 + L) 8-byte words]   (early counts: source s writes region s)
 // Sequence numbers live on the device (send, receive and combine): a call uses s = seq + 1 and
 // parity s & 1, the kernel's last block stores seq = s. Nothing depends on the host, so the four
 // halves can be captured in CUDA graphs and replayed.
@@ -21,7 +22,13 @@
 // memory first, so the host returns as soon as it knows it, while the rows are still being copied.
 // EPMOE_COMM_SEND_CE=1 / 2 (normal mode): the copy engines move the rows instead of send's SM
 // stores (dispatch_by_copy_engines: separate pack launches, v4; dispatch_by_copy_engines_in_launch:
-// the packing inside the one dispatch launch, v5).
+// the packing inside the one dispatch launch, v5). EPMOE_COMM_COMBINE_SPLIT=S (both modes): the
+// combine's reduce and home kernels give each token S warps, one per slice of the hidden dimension
+// (comm_detail::combine_split; 1, the default, one warp per token). EPMOE_COMM_LL_EARLY_COUNTS=1
+// (both modes, whole dispatch() calls over SM stores; the same on every rank): send's block 0
+// writes the header as tagged 8-byte words with no fence and no count flag, place polls the
+// words, loads its first own token before the layout is known and waits for the peers' arrival
+// flags at its end (comm_detail::send_tagged_counts has the ordering argument).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -68,14 +75,15 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     cslot_off_ = up(cflag_off_ + N * 16, 256);
     n_chunks_ = (g_.T_max + comm_detail::kArrivalChunk - 1) / comm_detail::kArrivalChunk;
     chunk_off_ = up(cslot_off_ + N * g_.T_max * g_.partial_bytes, 256);
-    parity_stride_ = up(chunk_off_ + N * n_chunks_ * 4, 4096);
+    tag_off_ = up(chunk_off_ + N * n_chunks_ * 4, 256);
+    parity_stride_ = up(tag_off_ + N * comm_detail::tagged_words(g_.L) * 8, 4096);
     window_ = comm_->alloc_symmetric(static_cast<std::size_t>(2 * parity_stride_));  // collective, zeroed
     EPMOE_CHECK(comm_->all_ranks_lsa(),
                 "{} needs every rank's memory reachable by NVLink loads and stores, but this rank's LSA team "
                 "has {} of the {} ranks; use nccl-p2p",
                 name_, comm_->lsa_size(), comm_->size());
 
-    std::vector<void*> send_dest, send_hdr, reduce_dest, reduce_flag, send_chunks;
+    std::vector<void*> send_dest, send_hdr, reduce_dest, reduce_flag, send_chunks, send_tagged;
     for (int d = 0; d < g_.N; ++d) {
       auto* peer = static_cast<char*>(window_->peer_pointer(d));
       EPMOE_CHECK(peer != nullptr, "{}: no load/store pointer to rank {}'s window", name_, d);
@@ -84,6 +92,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       reduce_dest.push_back(peer + cslot_off_ + me * g_.T_max * g_.partial_bytes);
       reduce_flag.push_back(peer + cflag_off_ + me * 16);
       send_chunks.push_back(peer + chunk_off_ + me * n_chunks_ * 4);
+      send_tagged.push_back(peer + tag_off_ + me * comm_detail::tagged_words(g_.L) * 8);
     }
     for (int d = 0; d < g_.N; ++d) {
       send_dest_host_.push_back(static_cast<char*>(send_dest[static_cast<std::size_t>(d)]));
@@ -94,6 +103,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     reduce_dest_ = comm_detail::upload_pointers(reduce_dest);
     reduce_flag_ = comm_detail::upload_pointers(reduce_flag);
     send_chunks_ = comm_detail::upload_pointers(send_chunks);
+    send_tagged_ = comm_detail::upload_pointers(send_tagged);
     // [0] receive seq, [1] combine seq, [2] send seq, [4..8) done counters
     sync_state_ = cuda::DeviceBuffer(64);
     sync_state_.fill_bytes(0, comm_->stream());
@@ -128,8 +138,9 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::size_t window_bytes() const override { return window_->size(); }
   std::size_t device_bytes() const override {
     std::size_t bytes = base_buffer_bytes() + window_->size();
-    for (const cuda::DeviceBuffer* b : {&send_dest_, &send_hdr_, &reduce_dest_, &reduce_flag_, &send_chunks_,
-                                        &sync_state_, &offsets_dev_, &staging_, &want_, &ce_flags_})
+    for (const cuda::DeviceBuffer* b :
+         {&send_dest_, &send_hdr_, &reduce_dest_, &reduce_flag_, &send_chunks_, &send_tagged_, &sync_state_,
+          &offsets_dev_, &staging_, &want_, &ce_flags_})
       bytes += b->size();
     return bytes;
   }
@@ -178,6 +189,10 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     s.sync = sync(2, 4);
     own_direct_ = whole && host_status == 0;
     copy_engines_ = own_direct_ && contiguous() && chunked_ ? copy_engine_mode() : 0;
+    // Early counts: whole calls over SM stores; a refused input too (send alone then writes the
+    // tagged status, so that the peers' early-count place reports it instead of timing out).
+    early_ = whole && !(contiguous() && chunked_ && copy_engine_mode() != 0) && early_counts_enabled();
+    if (early_) s.tagged = send_tagged_.as<std::uint64_t* const>();
     if (own_direct_) {
       pending_send_ = s;  // recv launches it together with place
     } else {
@@ -213,6 +228,9 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       p.n_chunks = static_cast<int>(n_chunks_);
     }
     p.sync = sync(0, 5);
+    if (early_)
+      p.tagged =
+          reinterpret_cast<const std::uint64_t*>(static_cast<const char*>(window_->local()) + tag_off_);
     if (own != nullptr && own_direct_) {
       p.own_x = own->x.data;
       p.own_scales = g_.G > 0 ? own->x_scales.as<float>() : nullptr;
@@ -458,6 +476,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     r.dest = reduce_dest_.as<char* const>();
     r.flag = reduce_flag_.as<std::uint32_t* const>();
     r.sync = sync(1, 6);
+    r.split = comm_detail::combine_split();
     comm_detail::launch_reduce(g_, r, comm_->stream());
     combine_sent_ = true;
   }
@@ -480,6 +499,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     h.T = last_T_;
     h.y = y.data;
     h.sync = sync(1, 7);
+    h.split = comm_detail::combine_split();
     comm_detail::launch_home(g_, h, comm_->stream());
     combine_sent_ = false;
   }
@@ -508,15 +528,19 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     const int v = env_int("EPMOE_COMM_SEND_CE", 0);
     return v == 1 || v == 2 ? v : 0;
   }
+  // EPMOE_COMM_LL_EARLY_COUNTS=1: early counts (see the top of the file); read at each send.
+  static bool early_counts_enabled() { return env_int("EPMOE_COMM_LL_EARLY_COUNTS", 0) == 1; }
   static bool chunks_enabled() {
     const char* env = std::getenv("EPMOE_COMM_CHUNKS");
     return env == nullptr || std::string(env) != "0";
   }
 
   std::int64_t header_ints_ = 0, hdr_off_ = 0, slot_off_ = 0, cflag_off_ = 0, cslot_off_ = 0, chunk_off_ = 0,
-               parity_stride_ = 0, n_chunks_ = 0;
+               tag_off_ = 0, parity_stride_ = 0, n_chunks_ = 0;
   bool chunked_ = true;
-  cuda::DeviceBuffer send_dest_, send_hdr_, reduce_dest_, reduce_flag_, send_chunks_, sync_state_;
+  bool early_ = false;  // this call's EPMOE_COMM_LL_EARLY_COUNTS (false where the path does not apply)
+  cuda::DeviceBuffer send_dest_, send_hdr_, reduce_dest_, reduce_flag_, send_chunks_, send_tagged_,
+      sync_state_;
   cuda::DeviceBuffer offsets_dev_;
   std::int32_t* offsets_host_ = nullptr;
   std::int32_t* offsets_mapped_ = nullptr;

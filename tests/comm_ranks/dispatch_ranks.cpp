@@ -1,10 +1,13 @@
 // The GPU dispatchers against the CPU simulation, on every rank of the world communicator.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <optional>
+#include <utility>
 
 #include "epmoe/comm_dispatch.hpp"
 #include "ranks_util.hpp"
@@ -13,8 +16,21 @@ namespace epmoe::ranks {
 namespace {
 
 // nvlink_normal_ce: the "nvlink" transport with EPMOE_COMM_SEND_CE=2 (the copy-engine send packed
-// inside the dispatch launch) for the whole test.
-enum class Transport { p2p_normal, p2p_low_latency, nvlink_ll, nvlink_normal, nvlink_normal_ce };
+// inside the dispatch launch) for the whole test; nvlink_ll_split: "nvlink-ll" with
+// EPMOE_COMM_COMBINE_SPLIT=7 (7 warps per token in the combine; at the tiny dims a partial is one
+// 512-byte unit, so 6 of the 7 slices are empty; at DeepSeek-V3's 4 units each);
+// nvlink_ll_early / nvlink_normal_early: "nvlink-ll" / "nvlink" with EPMOE_COMM_LL_EARLY_COUNTS=1
+// (tagged counts without the fence, the own first token loaded before the layout).
+enum class Transport {
+  p2p_normal,
+  p2p_low_latency,
+  nvlink_ll,
+  nvlink_normal,
+  nvlink_normal_ce,
+  nvlink_ll_split,
+  nvlink_ll_early,
+  nvlink_normal_early
+};
 
 // Sets an environment variable for a scope (every rank runs the same tests in the same order, so
 // every rank sets the same value: the send-path switches are read at each dispatch_send).
@@ -50,11 +66,18 @@ std::string name_of(Transport t) {
       return "nvlink normal";
     case Transport::nvlink_normal_ce:
       return "nvlink normal, copy engines";
+    case Transport::nvlink_ll_split:
+      return "nvlink-ll, combine split 7";
+    case Transport::nvlink_ll_early:
+      return "nvlink-ll, early counts";
+    case Transport::nvlink_normal_early:
+      return "nvlink normal, early counts";
   }
   return "?";
 }
 Mode mode_of(Transport t) {
-  return t == Transport::p2p_normal || t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce
+  return t == Transport::p2p_normal || t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce ||
+                 t == Transport::nvlink_normal_early
              ? Mode::normal
              : Mode::low_latency;
 }
@@ -75,8 +98,10 @@ MoeConfig test_config(int max_tokens, bool deepseek = false) {
 
 std::unique_ptr<Dispatcher> make(Transport t, const MoeConfig& c, ActivationFormat f) {
   const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1};
-  if (t == Transport::nvlink_ll) return make_nvlink_ll_dispatcher(ctx, world_ptr());
-  if (t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce)
+  if (t == Transport::nvlink_ll || t == Transport::nvlink_ll_split || t == Transport::nvlink_ll_early)
+    return make_nvlink_ll_dispatcher(ctx, world_ptr());
+  if (t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce ||
+      t == Transport::nvlink_normal_early)
     return make_nvlink_dispatcher(ctx, world_ptr());
   return make_nccl_p2p_dispatcher(ctx, world_ptr());
 }
@@ -157,11 +182,18 @@ class Transports : public ::testing::TestWithParam<Transport> {
  protected:
   void SetUp() override {
     if (GetParam() == Transport::nvlink_normal_ce) send_ce_.emplace("EPMOE_COMM_SEND_CE", "2");
+    if (GetParam() == Transport::nvlink_ll_split) split_.emplace("EPMOE_COMM_COMBINE_SPLIT", "7");
+    if (GetParam() == Transport::nvlink_ll_early || GetParam() == Transport::nvlink_normal_early)
+      early_.emplace("EPMOE_COMM_LL_EARLY_COUNTS", "1");
   }
-  void TearDown() override { send_ce_.reset(); }
+  void TearDown() override {
+    send_ce_.reset();
+    split_.reset();
+    early_.reset();
+  }
 
  private:
-  std::optional<ScopedEnv> send_ce_;
+  std::optional<ScopedEnv> send_ce_, split_, early_;
 };
 
 TEST_P(Transports, UnevenRoutingAndARankThatSendsNothing) {
@@ -244,7 +276,8 @@ TEST_P(Transports, Bf16AndPerTensorFp8) {
 INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                          ::testing::Values(Transport::p2p_normal, Transport::p2p_low_latency,
                                            Transport::nvlink_ll, Transport::nvlink_normal,
-                                           Transport::nvlink_normal_ce),
+                                           Transport::nvlink_normal_ce, Transport::nvlink_ll_split,
+                                           Transport::nvlink_ll_early, Transport::nvlink_normal_early),
                          [](const ::testing::TestParamInfo<Transport>& p) {
                            switch (p.param) {
                              case Transport::p2p_normal:
@@ -257,6 +290,12 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                                return std::string("NvlinkNormal");
                              case Transport::nvlink_normal_ce:
                                return std::string("NvlinkNormalCopyEngines");
+                             case Transport::nvlink_ll_split:
+                               return std::string("NvlinkLlCombineSplit");
+                             case Transport::nvlink_ll_early:
+                               return std::string("NvlinkLlEarlyCounts");
+                             case Transport::nvlink_normal_early:
+                               return std::string("NvlinkNormalEarlyCounts");
                            }
                            return std::string("unknown");
                          });
@@ -581,6 +620,276 @@ TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
   EPMOE_CUDA_CHECK(cudaGraphExecDestroy(e_combine));
   EPMOE_CUDA_CHECK(cudaGraphDestroy(g_dispatch));
   EPMOE_CUDA_CHECK(cudaGraphDestroy(g_combine));
+}
+
+// ---------------------------------------------------------------- combine: warps per token
+// The split combine (EPMOE_COMM_COMBINE_SPLIT=S: S warps per token, one slice of the hidden
+// dimension each) sums every element in the same order as one warp per token, so y must be the
+// same bits, in both modes, eagerly and (low latency) replayed from a graph captured with the
+// switch set. Hidden 7168 (28 units of 512 bytes: splits that divide it and ones that do not, more
+// slices than units) and 640 (2.5 units: a short last slice). The dispatch runs once; the combines
+// repeat on its output (the combine's own sequence numbers and parities alternate).
+TEST(CommNvlinkCombineSplit, SameBitsAsOneWarpPerTokenEagerAndGraphed) {
+  const int me = world().rank();
+  for (const bool deepseek : {true, false}) {
+    for (const Mode mode : {Mode::low_latency, Mode::normal}) {
+      MoeConfig c = test_config(64, deepseek);
+      if (!deepseek) c.hidden = 640;
+      const std::string what =
+          fmt::format("hidden {} {}", c.hidden, mode == Mode::normal ? "normal" : "low latency");
+      SCOPED_TRACE(what);
+      const DispatcherContext ctx{c, mode, ActivationFormat::fp8_group, me, 1};
+      auto d = mode == Mode::normal ? make_nvlink_dispatcher(ctx, world_ptr())
+                                    : make_nvlink_ll_dispatcher(ctx, world_ptr());
+      const auto tokens = per_rank([](int r) -> std::int64_t { return 45 + 7 * r; });
+      const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 40, Routing::random);
+      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+      const DispatchInput view = dev.view();
+      std::vector<DispatchOutput> out(1);
+      d->dispatch({&view, 1}, out);
+      const HostOutput host = download(out[0], stream());
+      const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
+      const std::int64_t T = tokens[static_cast<std::size_t>(me)];
+      const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
+      const TensorView eo = eo_dev.view(), yv = y_dev.view();
+      auto combine = [&](const std::string& split) {
+        const ScopedEnv env("EPMOE_COMM_COMBINE_SPLIT", split);
+        y_dev.fill_bytes(0xff, stream());
+        d->combine({&eo, 1}, {&yv, 1});
+        world().synchronize(CommPhase::none, "the combine");
+        return cuda::to_host(y_dev, stream());
+      };
+      auto same_bits = [](const HostTensor& a, const HostTensor& b) {
+        std::int64_t differ = 0;
+        for (std::int64_t i = 0; i < a.numel(); ++i)
+          differ += a.data<bf16>()[i].bits != b.data<bf16>()[i].bits;
+        return differ;
+      };
+      const HostTensor want = combine("1");
+      EXPECT_EQ(compare_bf16(want, want).non_finite, 0) << "the unsplit combine wrote every element";
+      for (const int split : {2, 3, 7, 28, 64, 1000}) {
+        const HostTensor got = combine(std::to_string(split));
+        EXPECT_EQ(same_bits(got, want), 0)
+            << what << ": split " << split << " differs from one warp per token";
+      }
+      if (mode == Mode::low_latency) {
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        {
+          const ScopedEnv env("EPMOE_COMM_COMBINE_SPLIT", "14");
+          EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+          d->combine({&eo, 1}, {&yv, 1});
+          EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
+        }
+        EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int replay = 0; replay < 3; ++replay) {
+          y_dev.fill_bytes(0xff, stream());
+          EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream()));
+          world().synchronize(CommPhase::none, "the combine graph");
+          EXPECT_EQ(same_bits(cuda::to_host(y_dev, stream()), want), 0)
+              << what << ": graph replay " << replay;
+        }
+        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+      }
+      world().barrier();  // every rank is done before the dispatcher (its window) goes
+    }
+  }
+}
+
+// ---------------------------------------------------------------- dispatch: early counts
+// Early counts (EPMOE_COMM_LL_EARLY_COUNTS=1: the header as tagged words without the fence, the own
+// first token loaded before the layout) must give the same bits as the default dispatch: the
+// received data (byte for byte) and, through the combine that reads place's internal tables
+// (recv_rows / recv_src / recv_slot / recv_total), the same y. Both modes; token counts 0 everywhere,
+// 1, uneven with a rank that sends nothing, the maximum, all tokens to the same experts, DeepSeek-V3
+// dims (one 7 KB fp8 row = one preloaded batch) and bf16 rows (two batches: the rest is loaded
+// after the layout; small batches: the 128 local experts' masked rows are made on the host each
+// round), and 3000 tokens (more own tokens than placing warps: the loop after the first).
+// Low latency also replays a dispatch graph captured with the switch set, 3 times on new inputs.
+struct EarlyCase {
+  std::string what;
+  bool deepseek = false;
+  int max_tokens = 64;
+  ActivationFormat format = ActivationFormat::fp8_group;
+  std::function<std::int64_t(int)> tokens;
+  Routing routing = Routing::random;
+};
+
+std::vector<EarlyCase> early_cases() {
+  return {
+      {"T = 0 everywhere", false, 64, ActivationFormat::fp8_group, [](int) { return 0; }},
+      {"T = 1", false, 64, ActivationFormat::fp8_group, [](int) { return 1; }},
+      {"uneven, rank 1 sends nothing", false, 64, ActivationFormat::fp8_group,
+       [](int r) -> std::int64_t { return r == 1 ? 0 : 9 + 13 * r; }},
+      {"T = max", false, 64, ActivationFormat::fp8_group, [](int) { return 64; }},
+      {"same experts", false, 64, ActivationFormat::fp8_group, [](int r) -> std::int64_t { return 40 + r; },
+       Routing::same_experts},
+      {"rank 0's experts only", false, 64, ActivationFormat::fp8_group,
+       [](int r) -> std::int64_t { return 30 - r; }, Routing::first_rank_only},
+      {"deepseek-v3 dims", true, 32, ActivationFormat::fp8_group,
+       [](int r) -> std::int64_t { return 32 - 5 * r; }},
+      {"deepseek-v3 dims, bf16", true, 16, ActivationFormat::bf16,
+       [](int r) -> std::int64_t { return 16 - 3 * r; }},
+      {"3000 tokens", false, 4096, ActivationFormat::fp8_group,
+       [](int r) -> std::int64_t { return 3000 - 500 * r; }},
+  };
+}
+
+std::int64_t bits_differ(const HostTensor& a, const HostTensor& b) {
+  if (a.numel() != b.numel()) return std::max<std::int64_t>(1, std::max(a.numel(), b.numel()));
+  std::int64_t differ = 0;
+  for (std::int64_t i = 0; i < a.numel(); ++i) differ += a.data<bf16>()[i].bits != b.data<bf16>()[i].bits;
+  return differ;
+}
+
+TEST(CommNvlinkEarlyCounts, SameBitsAsTheDefaultEagerAndGraphed) {
+  const int me = world().rank();
+  for (const Mode mode : {Mode::low_latency, Mode::normal}) {
+    for (const EarlyCase& k : early_cases()) {
+      const MoeConfig c = test_config(k.max_tokens, k.deepseek);
+      const std::string what = fmt::format("{}, {}", k.what, mode == Mode::normal ? "normal" : "low latency");
+      SCOPED_TRACE(what);
+      const DispatcherContext ctx{c, mode, k.format, me, 1};
+      auto d = mode == Mode::normal ? make_nvlink_dispatcher(ctx, world_ptr())
+                                    : make_nvlink_ll_dispatcher(ctx, world_ptr());
+      const auto tokens = per_rank(k.tokens);
+      const std::int64_t T = tokens[static_cast<std::size_t>(me)];
+      const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
+      const TensorView yv = y_dev.view();
+      // One dispatch (eager) and the combine of its stand-in expert outputs.
+      auto round = [&](const DeviceInput& dev, const std::string& early) {
+        const ScopedEnv env("EPMOE_COMM_LL_EARLY_COUNTS", early);
+        const DispatchInput view = dev.view();
+        std::vector<DispatchOutput> out(1);
+        d->dispatch({&view, 1}, out);
+        HostOutput host = download(out[0], stream());
+        const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
+        const TensorView eo = eo_dev.view();
+        y_dev.fill_bytes(0xff, stream());
+        d->combine({&eo, 1}, {&yv, 1});
+        world().synchronize(CommPhase::none, "the combine");
+        return std::make_pair(std::move(host), cuda::to_host(y_dev, stream()));
+      };
+      const auto in = make_inputs(c, k.format, tokens, 50, k.routing);
+      DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+      // default, early, default, early: the parities and the tagged words' sequence numbers move
+      // on between the two paths.
+      for (int rep = 0; rep < 2; ++rep) {
+        const auto want = round(dev, "0");
+        const auto got = round(dev, "1");
+        expect_same_dispatch(got.first.view, want.first.view, what + ": early vs default dispatch");
+        EXPECT_EQ(bits_differ(got.second, want.second), 0)
+            << what << ": early vs default combine, rep " << rep;
+      }
+      if (mode == Mode::low_latency) {
+        std::vector<DispatchOutput> out(1);
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        {
+          const ScopedEnv env("EPMOE_COMM_LL_EARLY_COUNTS", "1");
+          const DispatchInput view = dev.view();
+          EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+          d->dispatch({&view, 1}, out);
+          EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
+        }
+        EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int replay = 0; replay < 3; ++replay) {
+          SCOPED_TRACE(fmt::format("graph replay {}", replay));
+          const auto next = make_inputs(c, k.format, tokens, 60u + static_cast<unsigned>(replay),
+                                        replay == 1 ? Routing::same_experts : k.routing);
+          copy_into(dev, next[static_cast<std::size_t>(me)], stream());
+          EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream()));
+          const HostOutput graphed = download(out[0], stream());
+          const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(graphed.view, c), stream());
+          const TensorView eo = eo_dev.view();
+          y_dev.fill_bytes(0xff, stream());
+          d->combine({&eo, 1}, {&yv, 1});
+          world().synchronize(CommPhase::none, "the combine after the graph");
+          const HostTensor y_graphed = cuda::to_host(y_dev, stream());
+          const auto want = round(dev, "0");
+          expect_same_dispatch(graphed.view, want.first.view, what + ": graphed early vs default dispatch");
+          EXPECT_EQ(bits_differ(y_graphed, want.second), 0) << what << ": graphed early vs default combine";
+        }
+        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+      }
+      world().barrier();  // every rank is done before the dispatcher (its window) goes
+    }
+  }
+}
+
+// Early counts, refusals and a missing peer: a rank whose host refuses its input (too many tokens)
+// still writes the tagged status, so its peers report the refusal instead of timing out; an id out
+// of range (refused on the device) is reported on every rank and the next call works; a peer that
+// never dispatches is place's bounded wait on the tagged words, naming it.
+TEST(CommNvlinkEarlyCounts, RefusalsAndAMissingPeerAreReported) {
+  const int N = world().size(), me = world().rank();
+  if (N < 2) return;
+  const ScopedEnv early("EPMOE_COMM_LL_EARLY_COUNTS", "1");
+  auto dispatch_error = [&](Dispatcher& d, const RankInput& in) {
+    const DeviceInput dev = to_device(in, stream());
+    const DispatchInput view = dev.view();
+    std::vector<DispatchOutput> out(1);
+    return error_of([&] {
+      d.dispatch({&view, 1}, out);
+      world().synchronize(CommPhase::none, "the dispatch");
+    });
+  };
+  {
+    const MoeConfig c = test_config(32);
+    auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+    const auto in = make_inputs(c, ActivationFormat::fp8_group,
+                                per_rank([](int r) { return r == 0 ? 33 : 10; }), 70, Routing::random);
+    const std::string m = dispatch_error(*d, in[static_cast<std::size_t>(me)]);
+    if (me == 0) {
+      EXPECT_NE(m.find("more than the buffers hold"), std::string::npos) << m;
+    } else {
+      EXPECT_NE(m.find("rank 0 refused its input"), std::string::npos) << m;
+      EXPECT_NE(m.find("more tokens"), std::string::npos) << m;
+    }
+    world().reset_device_errors();
+    world().barrier();
+  }
+  world().barrier();
+  for (const Transport t : {Transport::nvlink_ll, Transport::nvlink_normal}) {
+    SCOPED_TRACE(name_of(t));
+    const MoeConfig c = test_config(64);
+    auto d = make(t, c, ActivationFormat::fp8_group);
+    const int bad = N - 1;
+    auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 40 + r; }), 71,
+                          Routing::random);
+    in[static_cast<std::size_t>(bad)].ids.data<std::int32_t>()[5] = c.num_physical_experts();
+    const std::string m = dispatch_error(*d, in[static_cast<std::size_t>(me)]);
+    EXPECT_NE(m.find(fmt::format("rank {} refused its input", bad)), std::string::npos) << m;
+    EXPECT_NE(m.find("out of range"), std::string::npos) << m;
+    world().reset_device_errors();
+    world().barrier();
+    check_round(*d, c, ActivationFormat::fp8_group,
+                make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 50 - 7 * r; }), 72,
+                            Routing::random),
+                name_of(t) + ", early counts after a refusal");
+    world().barrier();
+  }
+  const double saved = world().timeout_s();
+  world().set_timeout_s(0.5);
+  {
+    const MoeConfig c = test_config(32);
+    auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+    if (me == 0) {
+      const auto in =
+          make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 10; }), 73, Routing::random);
+      const std::string m = dispatch_error(*d, in[0]);  // the other ranks never dispatch
+      EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
+      EXPECT_NE(m.find("dispatch-recv"), std::string::npos) << m;
+      EXPECT_NE(m.find("waiting for rank"), std::string::npos) << m;
+      EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
+      world().reset_device_errors();
+    }
+    world().set_timeout_s(saved);
+    world().barrier();
+  }
+  world().barrier();
 }
 
 // ---------------------------------------------------------------- the communicator itself
