@@ -57,7 +57,7 @@ if [[ ${EPMOE_ROUTER_PROFILE:-0} == 1 ]]; then
     echo
   done
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2> /dev/null || echo ncu)
-  # route_g8_kernel (the "sigmoid" row) and route_g8_sieve_kernel (the "sigmoid-sieve" row).
+  # route_g8_sieve_kernel (the default "sigmoid" row) and route_g8_kernel (the "sigmoid-no-sieve" row).
   for kernel in route_g8_kernel route_g8_sieve_kernel; do
     for t in 16384 131072; do
       timeout 30 "$ncu" --kernel-name "regex:$kernel" --launch-skip 5 --launch-count 1 \

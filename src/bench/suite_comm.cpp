@@ -20,8 +20,10 @@
 // engines; for "ce" / "ce2" rows "sms" is the pack blocks', which write only local memory).
 // "nvlink-halves" is dispatch_send + dispatch_recv (send, then place, one stream, own tokens
 // through the window) next to the whole dispatch() call. "nvlink-ll-split<S>" / "nvlink-split<S>":
-// the combine with S warps per token (EPMOE_COMM_COMBINE_SPLIT). "nvlink-ll-early": the LL dispatch
-// with early counts (EPMOE_COMM_LL_EARLY_COUNTS=1). "comm.peer_copy" /
+// the combine with S warps per token (EPMOE_COMM_COMBINE_SPLIT; the default "nvlink-ll" row has
+// comm_detail::kLowLatencyCombineSplit, "nvlink-ll-split1" is the one-warp combine before it).
+// "nvlink-ll-no-early": the LL dispatch without early counts (EPMOE_COMM_LL_EARLY_COUNTS=0; the
+// default has them). "comm.peer_copy" /
 // "comm.place_traffic": one 15 MiB copy-engine copy into the peer's window, alone and beside a
 // kernel streaming the place step's HBM traffic (peer_copies below). EPMOE_BENCH_COMM_ONLY=copy,
 // ll or normal runs only that part.
@@ -189,7 +191,7 @@ const std::vector<SendVariant>& send_variants() {
 // 28 units of 512 bytes, so 7 / 14 / 28 warps take 4 / 2 / 1 units each (2 / 1 / 1 load rounds of
 // weighted_sum_rows, the last with half its loads).
 const std::vector<int>& combine_splits() {
-  static const std::vector<int> v = {4, 7, 14, 28};
+  static const std::vector<int> v = {1, 4, 14, 28};
   return v;
 }
 
@@ -430,17 +432,17 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                       sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                us_d, dispatch_bytes, 0.0, kNvlinkGBps));
       {
-        // Early counts (EPMOE_COMM_LL_EARLY_COUNTS=1, read at capture), the same graph-replayed
-        // call: "nvlink-ll-early".
-        const cudaGraphExec_t g_e = with_env({{"EPMOE_COMM_LL_EARLY_COUNTS", "1"}}, [&] {
+        // Without early counts (EPMOE_COMM_LL_EARLY_COUNTS=0, read at capture; the default has
+        // them), the same graph-replayed call: "nvlink-ll-no-early".
+        const cudaGraphExec_t g_e = with_env({{"EPMOE_COMM_LL_EARLY_COUNTS", "0"}}, [&] {
           return capture(stream, [&] { d->dispatch({&view, 1}, out); });
         });
         comm_detail::reset_trace();
         const double us_e = timed(comm, replay(g_e), timing);
-        print_trace("nvlink-ll dispatch early counts, T " + std::to_string(T));
+        print_trace("nvlink-ll dispatch without early counts, T " + std::to_string(T));
         emit(options, results,
              make_result("comm.dispatch",
-                         params("nvlink-ll-early", "low_latency", "dispatch", T, comm,
+                         params("nvlink-ll-no-early", "low_latency", "dispatch", T, comm,
                                 sms_of(comm_detail::send_blocks(T)),
                                 sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                          us_e, dispatch_bytes, 0.0, kNvlinkGBps));
@@ -467,12 +469,14 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       }
       const double us_c = timed(comm, replay(g_combine), timing);
       print_trace("nvlink-ll combine T " + std::to_string(T), comm_detail::kTraceReduceStart);
+      // The reduce grid has the low-latency default's warps per token (or EPMOE_COMM_COMBINE_SPLIT's).
+      const int default_split = comm_detail::combine_split(comm_detail::kLowLatencyCombineSplit);
+      const int sms_combine =
+          sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T * default_split));
       emit(options, results,
            make_result("comm.combine",
-                       params(transport, "low_latency", "combine", T, comm,
-                              sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T)),
-                              sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
-                       us_c, combine_bytes, 0.0, kNvlinkGBps));
+                       params(transport, "low_latency", "combine", T, comm, sms_combine, sms_combine), us_c,
+                       combine_bytes, 0.0, kNvlinkGBps));
       // The combine with S warps per token (EPMOE_COMM_COMBINE_SPLIT, read at capture), the same
       // graph-replayed call: "nvlink-ll-split<S>", sms = the reduce grid's SMs.
       for (const int split : combine_splits()) {

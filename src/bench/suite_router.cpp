@@ -3,11 +3,11 @@
 // (default 128, 4096, 16384, 65536, 131072). Bytes: logits and bias read, ids and weights written.
 // Beside each T, "router.copy": cudaMemcpyAsync of half the router's bytes (so that the same
 // bytes move), timed the same way (rotating buffers): the router's ratio to a copy at that size.
-// "sigmoid-sieve" (T >= 1024, where route_g8_kernel is taken): route_g8_sieve_kernel instead (v5,
-// RouteKernelChoice::sieve; not the default until measured).
+// "sigmoid" is the default choice (route_g8_sieve_kernel at T >= 1024); "sigmoid-no-sieve" (T >= 1024)
+// is route_g8_kernel, v4, the default before the sieve measured faster.
 // EPMOE_BENCH_ROUTER_VARIANTS=1 adds the kernel choices (RouteKernelChoice) as phases:
-// "sigmoid-rn-div" (the sigmoid with __fdiv_rn), "sigmoid-sieve-rn-div" (T >= 1024) and, below the
-// g8 switch, "sigmoid-g8" and "sigmoid-g8-sieve".
+// "sigmoid-rn-div" (the sigmoid with __fdiv_rn), "sigmoid-no-sieve-rn-div" (T >= 1024) and, below the
+// g8 switch, "sigmoid-g8" and "sigmoid-g8-no-sieve".
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -81,24 +81,24 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
     };
     const cuda::RouteKernelChoice automatic = cuda::route_kernel_choice_from_env();
     const bool g8_switch = tokens >= 1024;  // automatic takes route_g8_kernel (router_gpu.cu)
-    cuda::RouteKernelChoice sieve = automatic;
-    sieve.sieve = true;
+    cuda::RouteKernelChoice no_sieve = automatic;
+    no_sieve.sieve = false;
     std::vector<Row> rows{{&sigmoid, "sigmoid", automatic}, {&softmax, "softmax", automatic}};
-    if (g8_switch) rows.push_back({&sigmoid, "sigmoid-sieve", sieve});
+    if (g8_switch) rows.push_back({&sigmoid, "sigmoid-no-sieve", no_sieve});
     if (variants) {
       cuda::RouteKernelChoice rn = automatic;
       rn.rn_division = true;
       rows.push_back({&sigmoid, "sigmoid-rn-div", rn});
       if (g8_switch) {
-        cuda::RouteKernelChoice sieve_rn = sieve;
-        sieve_rn.rn_division = true;
-        rows.push_back({&sigmoid, "sigmoid-sieve-rn-div", sieve_rn});
+        cuda::RouteKernelChoice no_sieve_rn = no_sieve;
+        no_sieve_rn.rn_division = true;
+        rows.push_back({&sigmoid, "sigmoid-no-sieve-rn-div", no_sieve_rn});
       } else {
         cuda::RouteKernelChoice g8 = automatic;
         g8.kernel = cuda::RouteKernelChoice::Kernel::g8;
         rows.push_back({&sigmoid, "sigmoid-g8", g8});
-        g8.sieve = true;
-        rows.push_back({&sigmoid, "sigmoid-g8-sieve", g8});
+        g8.sieve = false;
+        rows.push_back({&sigmoid, "sigmoid-g8-no-sieve", g8});
       }
     }
     for (const Row& row : rows) {

@@ -1221,8 +1221,8 @@ void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream) {
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-int combine_split() {
-  return std::clamp(env_int("EPMOE_COMM_COMBINE_SPLIT", 1), 1, kMaxCombineSplit);
+int combine_split(int fallback) {
+  return std::clamp(env_int("EPMOE_COMM_COMBINE_SPLIT", fallback), 1, kMaxCombineSplit);
 }
 
 }  // namespace epmoe::comm_detail

@@ -207,7 +207,7 @@ RouteKernelChoice route_kernel_choice_from_env() {
     const char* div = std::getenv("EPMOE_ROUTER_DIV");
     c.rn_division = div != nullptr && std::string_view(div) == "rn";
     const char* sieve = std::getenv("EPMOE_ROUTER_SIEVE");
-    c.sieve = sieve != nullptr && std::string_view(sieve) == "1";
+    c.sieve = sieve == nullptr || std::string_view(sieve) != "0";
     return c;
   }();
   return choice;

@@ -298,7 +298,7 @@ INSTANTIATE_TEST_SUITE_P(Sieve, RouterKernelChoiceGpu,
                          });
 
 // Every layout's config through the sieve choice (where g8 does not apply it falls back, so these
-// check that it does so), and EPMOE_ROUTER_SIEVE's path: automatic with the sieve at T >= 1024.
+// check that it does so), and the default path: automatic with the sieve at T >= 1024.
 TEST(RouterGpu, SieveChoiceOnEveryConfig) {
   EPMOE_REQUIRE_GPU();
   for (const char* name : {"tiny", "deepseek_v3", "v2_like", "all_groups_kept", "groups16", "no_renorm"}) {
