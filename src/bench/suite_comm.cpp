@@ -21,7 +21,7 @@
 // "nvlink-halves" is dispatch_send + dispatch_recv (send, then place, one stream, own tokens
 // through the window) next to the whole dispatch() call. "nvlink-ll-split<S>" / "nvlink-split<S>":
 // the combine with S warps per token (EPMOE_COMM_COMBINE_SPLIT; the default "nvlink-ll" row has
-// comm_detail::kLowLatencyCombineSplit, "nvlink-ll-split1" is the one-warp combine before it).
+// comm_detail::low_latency_combine_split, "nvlink-ll-split1" is the one-warp combine before it).
 // "nvlink-ll-no-early": the LL dispatch without early counts (EPMOE_COMM_LL_EARLY_COUNTS=0; the
 // default has them). "comm.peer_copy" /
 // "comm.place_traffic": one 15 MiB copy-engine copy into the peer's window, alone and beside a
@@ -470,7 +470,10 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       const double us_c = timed(comm, replay(g_combine), timing);
       print_trace("nvlink-ll combine T " + std::to_string(T), comm_detail::kTraceReduceStart);
       // The reduce grid has the low-latency default's warps per token (or EPMOE_COMM_COMBINE_SPLIT's).
-      const int default_split = comm_detail::combine_split(comm_detail::kLowLatencyCombineSplit);
+      comm_detail::EpGeometry geometry;
+      geometry.N = comm.size();
+      geometry.T_max = static_cast<int>(T);
+      const int default_split = comm_detail::combine_split(comm_detail::low_latency_combine_split(geometry));
       const int sms_combine =
           sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T * default_split));
       emit(options, results,

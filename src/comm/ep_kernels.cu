@@ -1221,6 +1221,20 @@ void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream) {
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
+int low_latency_combine_split(const EpGeometry& g) {
+  // One resident wave of the split reduce: S warps per token over N * T_max tokens.
+  static const std::int64_t resident_warps = [] {
+    int blocks_per_sm = 0;
+    EPMOE_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, reduce_kernel<true>, kThreads, 0));
+    return static_cast<std::int64_t>(std::max(blocks_per_sm, 1)) * cuda::device_props().sm_count * kWarps;
+  }();
+  const std::int64_t tokens = static_cast<std::int64_t>(g.N) * g.T_max;
+  for (const int split : {kLowLatencyCombineSplit, 4, 2})
+    if (tokens * split <= resident_warps) return split;
+  return 1;
+}
+
 int combine_split(int fallback) {
   return std::clamp(env_int("EPMOE_COMM_COMBINE_SPLIT", fallback), 1, kMaxCombineSplit);
 }

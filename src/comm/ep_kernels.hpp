@@ -270,12 +270,16 @@ struct ReduceArgs {
 // EPMOE_COMM_COMBINE_SPLIT (clamped to [1, kMaxCombineSplit]; unset: `fallback`): warps per token
 // of the combine's reduce and home kernels (ReduceArgs::split, HomeArgs::split), read by the NVLink
 // transport at each combine_send / combine_recv (so at capture time for a graph). The transport's
-// fallback is kLowLatencyCombineSplit in low-latency mode and 1 in normal mode.
+// fallback is low_latency_combine_split(g) in low-latency mode and 1 in normal mode.
 inline constexpr int kMaxCombineSplit = 64;
-// 2xH200, 128 tokens per rank, H = 7168: the LL combine took 38.7 us with one warp per token, 24.2
-// with 4, 22.3 with 7, 26.8 with 14 (bench/NOTES.md, comm LL v6); normal mode gains nothing (4096
-// tokens already fill the GPU with one warp each: split 2 293 us, 7 303, 1 294).
+// 2xH200, H = 7168 (bench/NOTES.md, comm LL v6): at 128 tokens per rank the LL combine took 38.7 us
+// with one warp per token, 24.2 with 4, 22.3 with 7, 26.8 with 14 (two waves of blocks); at 256
+// tokens 47.5 / 31.7 / 36.7 (7 is two waves there). Normal mode gains nothing (4096 tokens already
+// fill the GPU with one warp each: split 2 293 us, 7 303, 1 294).
 inline constexpr int kLowLatencyCombineSplit = 7;
+// The largest of kLowLatencyCombineSplit, 4, 2 whose split reduce over N * T_max tokens fits in one
+// resident wave on this device, else 1.
+int low_latency_combine_split(const EpGeometry& g);
 int combine_split(int fallback);
 void launch_reduce(const EpGeometry& g, const ReduceArgs& a, cudaStream_t stream);
 

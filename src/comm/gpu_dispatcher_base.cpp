@@ -152,8 +152,9 @@ void GpuDispatcherBase::fill_output(DispatchOutput& out, std::int64_t rows, std:
 
 std::size_t GpuDispatcherBase::base_buffer_bytes() const {
   std::size_t bytes = 0;
-  for (const cuda::DeviceBuffer* b : {&bitmaps_, &prefix_, &count_row_, &rows_, &scales_, &m_indices_, &masked_m_, &row_token_,
-                                      &row_weight_, &recv_rows_, &recv_src_, &recv_slot_, &recv_total_})
+  for (const cuda::DeviceBuffer* b :
+       {&bitmaps_, &prefix_, &count_row_, &rows_, &scales_, &m_indices_, &masked_m_, &row_token_,
+        &row_weight_, &recv_rows_, &recv_src_, &recv_slot_, &recv_total_})
     bytes += b->size();
   return bytes;
 }

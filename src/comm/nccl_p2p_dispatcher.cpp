@@ -207,7 +207,9 @@ class NcclP2pDispatcher final : public Dispatcher, comm_detail::GpuDispatcherBas
   // Region d of `send` (count_out[d] items of `item` bytes) to rank d, region d of `recv` from it.
   std::size_t device_bytes() const override {
     std::size_t bytes = base_buffer_bytes();
-    for (const cuda::DeviceBuffer* b : {&send_, &recv_, &comb_send_, &comb_recv_, &matrix_, &dest_, &comb_dest_}) bytes += b->size();
+    for (const cuda::DeviceBuffer* b :
+         {&send_, &recv_, &comb_send_, &comb_recv_, &matrix_, &dest_, &comb_dest_})
+      bytes += b->size();
     return bytes;
   }
   void exchange(const cuda::DeviceBuffer& send, const cuda::DeviceBuffer& recv, std::int64_t item,

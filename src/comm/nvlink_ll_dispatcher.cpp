@@ -24,7 +24,7 @@
 // stores (dispatch_by_copy_engines: separate pack launches, v4; dispatch_by_copy_engines_in_launch:
 // the packing inside the one dispatch launch, v5). EPMOE_COMM_COMBINE_SPLIT=S (both modes): the
 // combine's reduce and home kernels give each token S warps, one per slice of the hidden dimension
-// (comm_detail::combine_split; default kLowLatencyCombineSplit in low-latency mode, 1 in normal
+// (comm_detail::combine_split; default low_latency_combine_split in low-latency mode, 1 in normal
 // mode). Early counts (EPMOE_COMM_LL_EARLY_COUNTS=1 / 0; default on in low-latency mode, off in
 // normal mode; both modes, whole dispatch() calls over SM stores; the same on every rank): send's block 0
 // writes the header as tagged 8-byte words with no fence and no count flag, place polls the
@@ -538,7 +538,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   // Warps per token of the combine (comm_detail::combine_split): by mode unless the environment says.
   int combine_split() const {
     return comm_detail::combine_split(
-        context_.mode == Mode::low_latency ? comm_detail::kLowLatencyCombineSplit : 1);
+        context_.mode == Mode::low_latency ? comm_detail::low_latency_combine_split(g_) : 1);
   }
   static bool chunks_enabled() {
     const char* env = std::getenv("EPMOE_COMM_CHUNKS");
