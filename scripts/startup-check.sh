@@ -8,7 +8,8 @@
 # Usage: scripts/startup-check.sh OUTDIR [RANKS]   (EPMOE_BUILD=0: use an existing build-gpu;
 #        EPMOE_STARTUP_RUNS: how many plain runs, default 3; EPMOE_STARTUP_QUANT: fp8 or w4a8)
 # OUTDIR receives startup.json ({"commit", "device", "ranks", "launch_only_s": [...],
-# "runs": [startup_s, ...]}), runs.log and nccl-init.log.
+# "runs": [startup_s, ...], "runs_nccl_probing_off": [startup_s, ...] (NCCL_IB_DISABLE=1
+# NCCL_NET_PLUGIN=none NCCL_MNNVL_ENABLE=0)}), runs.log and nccl-init.log.
 set -uo pipefail
 out=${1:?usage: scripts/startup-check.sh OUTDIR [RANKS]}
 ranks=${2:-2}
@@ -41,6 +42,14 @@ for i in $(seq 1 "${EPMOE_STARTUP_RUNS:-3}"); do
   grep -E "first forward" "$out/runs.log" | tail -n 1
 done
 
+# NCCL settings that skip probing a single node does not need (InfiniBand devices, the network
+# plugin, multi-node NVLink): does NCCL's set-up get shorter? (not set by epmoe; measured only)
+for i in 1 2; do
+  NCCL_IB_DISABLE=1 NCCL_NET_PLUGIN=none NCCL_MNNVL_ENABLE=0 timeout 120 "$epmoe" "${args[@]}" \
+    --json "$tmp/probe-off-$i.json" >>"$out/runs.log" 2>&1 || status=1
+  echo "IB / net plugin / MNNVL probing off: $(grep -E "first forward" "$out/runs.log" | tail -n 1)"
+done
+
 # NCCL's own steps: INFO lines of its init, bootstrap and allocations, stamped as they arrive.
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,BOOTSTRAP,ALLOC,ENV timeout 120 "$epmoe" "${args[@]}" 2>&1 |
   python3 -u -c 'import sys, time
@@ -52,16 +61,20 @@ grep -E "first forward|Init COMPLETE|init.cc" "$out/nccl-init.log" | head -n 20
 python3 - "$tmp" "$out/startup.json" "$ranks" "${launch_only[@]}" <<'PY'
 import datetime, glob, json, os, subprocess, sys
 tmp, dst, ranks, launch = sys.argv[1], sys.argv[2], int(sys.argv[3]), [float(x) for x in sys.argv[4:]]
-runs = []
-for f in sorted(glob.glob(tmp + "/run-*.json")):
-    try:
-        runs.append(json.load(open(f)).get("startup_s", {}))
-    except Exception as e:  # a failed run leaves no or half a file
-        runs.append({"error": str(e)})
+def startups(pattern):
+    out = []
+    for f in sorted(glob.glob(tmp + pattern)):
+        try:
+            out.append(json.load(open(f)).get("startup_s", {}))
+        except Exception as e:  # a failed run leaves no or half a file
+            out.append({"error": str(e)})
+    return out
+runs, probe_off = startups("/run-*.json"), startups("/probe-off-*.json")
 dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                      text=True).stdout.split("\n")[0]
 json.dump({"commit": os.environ.get("EPMOE_COMMIT", "unknown"), "device": dev, "ranks": ranks,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-           "launch_only_s": launch, "runs": runs}, open(dst, "w"), indent=1)
+           "launch_only_s": launch, "runs": runs,
+           "runs_nccl_probing_off": probe_off}, open(dst, "w"), indent=1)
 PY
 exit $status

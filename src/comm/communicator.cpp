@@ -135,21 +135,29 @@ ncclUniqueId read_nccl_id_file(const std::string& path, double wait_s) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
   while (true) {
     std::ifstream in(path);
+    bool empty = false;
     if (in.is_open()) {
       std::stringstream text;
       text << in.rdbuf();
-      try {
-        return nccl_id_from_hex(text.str());
-      } catch (const Error& e) {
-        EPMOE_FAIL("the NCCL id file '{}' does not hold an id: {}", path, e.what());
+      const std::string hex = text.str();
+      // An empty file is one not written yet: `epmoe launch` creates it before it starts the ranks
+      // and renames the id over it after (the id's creation overlaps the ranks' start-up).
+      empty = hex.find_first_not_of(" \t\r\n") == std::string::npos;
+      if (!empty) {
+        try {
+          return nccl_id_from_hex(hex);
+        } catch (const Error& e) {
+          EPMOE_FAIL("the NCCL id file '{}' does not hold an id: {}", path, e.what());
+        }
       }
     }
-    EPMOE_CHECK(
-        std::chrono::steady_clock::now() < deadline,
-        "the NCCL id file '{}' does not exist{} (rank 0's launcher writes it; on several nodes it must lie "
-        "on a shared file system, or pass the id as EPMOE_NCCL_ID)",
-        path, wait_s > 0 ? fmt::format(" after waiting {:.1f} s", wait_s) : "");
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EPMOE_CHECK(std::chrono::steady_clock::now() < deadline,
+                "the NCCL id file '{}' {}{} (rank 0's launcher writes it; on several nodes it must lie on a "
+                "shared file "
+                "system, or pass the id as EPMOE_NCCL_ID)",
+                path, empty ? "is still empty" : "does not exist",
+                wait_s > 0 ? fmt::format(" after waiting {:.1f} s", wait_s) : "");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
 

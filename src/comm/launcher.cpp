@@ -100,9 +100,15 @@ class Launcher {
         close(fd);
         path = pattern;
         remove_id_file = true;
+      } else {
+        // Empty until the id is in it (the ranks wait for that; a stale id from an earlier launch
+        // must not be read).
+        std::FILE* f = std::fopen(path.c_str(), "w");
+        EPMOE_CHECK(f != nullptr, "launch: cannot write the id file '{}': {}", path, std::strerror(errno));
+        std::fclose(f);
       }
-      write_nccl_id_file(path, new_nccl_id());  // this process now hosts NCCL's bootstrap root
       result.id_file = path;
+      write_id_after_spawn_ = true;
     } else {
       EPMOE_CHECK(
           !o_.id_file.empty() || std::getenv("EPMOE_NCCL_ID") != nullptr,
@@ -134,6 +140,17 @@ class Launcher {
         r.code = 127;
         on_failure(r);
         break;
+      }
+    }
+    if (write_id_after_spawn_ && !stopping_) {
+      // The id after the ranks are started: ncclGetUniqueId (NCCL's own initialisation, the
+      // bootstrap root in this process) then overlaps their process and CUDA start-up; they poll the
+      // file, which the rename below fills in one step.
+      try {
+        write_nccl_id_file(result.id_file, new_nccl_id());
+      } catch (const std::exception& e) {
+        first_failed_ = o_.first_rank;
+        stop_all(fmt::format("cannot create the NCCL id: {}; stopping every rank", e.what()));
       }
     }
     loop();
@@ -326,7 +343,7 @@ class Launcher {
   LaunchOptions o_;
   std::vector<Rank> ranks_;
   Clock::time_point start_{}, kill_at_{};
-  bool stopping_ = false, timed_out_ = false, interrupted_ = false;
+  bool stopping_ = false, timed_out_ = false, interrupted_ = false, write_id_after_spawn_ = false;
   int first_failed_ = -1;
 };
 

@@ -5,11 +5,14 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "epmoe/comm.hpp"
 #include "epmoe/comm_dispatch.hpp"
@@ -113,6 +116,17 @@ TEST(CommIds, FileRoundTripAndMissingFile) {
   EXPECT_NE(missing.find("does not exist"), std::string::npos) << missing;
   { std::ofstream(path) << "not an id\n"; }
   EXPECT_NE(error_of([&] { read_nccl_id_file(path); }).find("does not hold an id"), std::string::npos);
+  // An empty file is one the launcher has not filled yet: waited for, then named as still empty.
+  { std::ofstream(path) << ""; }
+  const std::string empty = error_of([&] { read_nccl_id_file(path, 0.1); });
+  EXPECT_NE(empty.find("is still empty"), std::string::npos) << empty;
+  std::thread writer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    write_nccl_id_file(path, id);
+  });
+  const ncclUniqueId later = read_nccl_id_file(path, 10.0);
+  writer.join();
+  EXPECT_EQ(std::memcmp(id.internal, later.internal, NCCL_UNIQUE_ID_BYTES), 0);
   std::remove(path.c_str());
 }
 

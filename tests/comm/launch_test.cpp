@@ -77,7 +77,8 @@ TEST(LaunchTest, RanksGetTheirEnvironmentAndOneId) {
   const LaunchResult r = run(
       sh(2,
          "echo $EPMOE_RANK $EPMOE_WORLD_SIZE $EPMOE_LOCAL_RANK $EPMOE_LOCAL_WORLD_SIZE $NCCL_NVLS_ENABLE; "
-         "cat \"$EPMOE_NCCL_ID_FILE\""),
+         // The id is written after the ranks start (read_nccl_id_file waits the same way).
+         "while [ ! -s \"$EPMOE_NCCL_ID_FILE\" ]; do sleep 0.01; done; cat \"$EPMOE_NCCL_ID_FILE\""),
       c);
   ASSERT_EQ(r.exit_code, 0);
   for (int rank = 0; rank < 2; ++rank) {
