@@ -263,6 +263,98 @@ inline constexpr int kRouterG8MinBlocks = 8;
 
 // The 8 16-byte chunks lane `lane` loads of quad q (rows t0..t0+3 of 64 chunks, coalesced); zeros
 // for rows at or past `tokens`.
+// The end of route_g8_kernel and route_g8_sieve_kernel, the same steps in both: from a token's
+// candidates (`mask`: this lane's group's experts whose key can be among the top K; Xf holds their
+// exact sigmoid, Bf the bias) to the ranked top K (S) and the outputs of token q * 4 + tw.
+// L and S are the token's candidate list and slots; the lanes of one token are first .. first + 7.
+__device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::uint32_t mask,
+                                                    const float* Xf, const float* Bf, std::uint64_t* L,
+                                                    std::uint32_t* S, int row, int g, int first, int tw,
+                                                    std::uint32_t q) {
+  using namespace routing;
+  constexpr unsigned kFull = 0xffffffffu;
+  const int count = __popc(mask);
+  int end = count;  // inclusive prefix over the token's lanes
+#pragma unroll
+  for (int o = 1; o < 8; o *= 2) {
+    const int y = __shfl_up_sync(kFull, end, o);
+    if (g >= o) end += y;
+  }
+  const int total = __shfl_sync(kFull, end, first | 7);
+  if (!__any_sync(kFull, total > kRouterG8Candidates)) {
+    int pos = end - count;
+    while (mask != 0u) {
+      const int j = __ffs(static_cast<int>(mask)) - 1;
+      mask &= mask - 1u;
+      const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
+      const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
+      L[pos++] =
+          (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
+    }
+    __syncwarp();
+
+    // ---- rank of each candidate = number of larger keys; lane g ranks candidates g, g + 8, ...
+    for (int i = g; i < total; i += 16) {
+      const std::uint64_t a = L[i];
+      const bool has_b = i + 8 < total;
+      const std::uint64_t b = has_b ? L[i + 8] : ~0ull;
+      int rank_a = 0, rank_b = 0;
+#pragma unroll 4
+      for (int k = 0; k < total; ++k) {
+        const std::uint64_t key = L[k];
+        rank_a += key > a ? 1 : 0;
+        rank_b += key > b ? 1 : 0;
+      }
+      if (rank_a < p.topk) S[rank_a] = ~static_cast<std::uint32_t>(a);
+      if (has_b && rank_b < p.topk) S[rank_b] = ~static_cast<std::uint32_t>(b);
+    }
+  } else {
+    // ---- a list past kRouterG8Candidates in the quad (ties): K rounds, each the largest key
+    // (value, ~id) left among the token's candidates
+    for (int k = 0; k < p.topk; ++k) {
+      std::uint64_t best = 0;
+      for (std::uint32_t m = mask; m != 0u; m &= m - 1u) {
+        const int j = __ffs(static_cast<int>(m)) - 1;
+        const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
+        const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
+        const std::uint64_t key =
+            (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
+        best = key > best ? key : best;
+      }
+      std::uint64_t top = best;
+#pragma unroll
+      for (int o = 1; o < 8; o *= 2) {
+        const std::uint64_t other = __shfl_xor_sync(kFull, top, o);
+        top = other > top ? other : top;
+      }
+      const std::uint32_t id = ~static_cast<std::uint32_t>(top);
+      if (best == top) mask &= ~(1u << (id & 31u));  // keys are distinct: one lane of the token
+      if (g == 0) S[k] = id;
+    }
+  }
+  __syncwarp();
+
+  // ---- weights, as route_cpu: lane g writes choice g of its token
+  int id = 0;
+  float score = 0.0f;
+  if (g < p.topk) {
+    id = static_cast<int>(S[g]);
+    const int group = id >> 5, j = id & 31;
+    score = Xf[(tw * 8 + group) * 32 + ((((j >> 2) ^ group) << 2) | (j & 3))];
+  }
+  float sum = 0.0f;  // in selection order
+  for (int k = 0; k < p.topk; ++k) sum = rn_add(sum, __shfl_sync(kFull, score, first | k));
+  const std::uint32_t t = q * 4u + static_cast<std::uint32_t>(tw);
+  if (g < p.topk && t < p.tokens) {
+    float w = score;
+    if (p.renormalize) w = sum > 0.0f ? rn_div(w, sum) : rn_div(1.0f, static_cast<float>(p.topk));
+    const std::uint64_t out = static_cast<std::uint64_t>(t) * static_cast<std::uint32_t>(p.topk) + g;
+    p.ids[out] = id;
+    p.weights[out] = rn_mul(w, p.scaling);
+  }
+  __syncwarp();  // before the next quad overwrites stage, cand and slot
+}
+
 __device__ __forceinline__ void load_quad(const float* logits, std::uint32_t tokens, std::uint32_t q,
                                           int lane, float4 (&v)[8]) {
   const std::uint32_t t0 = q * 4u;
@@ -369,86 +461,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
     for (int j = 0; j < 32; ++j) mask |= ch[j] < tau ? 0u : 1u << j;
     if (!kept) mask = 0;
 
-    const int count = __popc(mask);
-    int end = count;  // inclusive prefix over the token's lanes
-#pragma unroll
-    for (int o = 1; o < 8; o *= 2) {
-      const int y = __shfl_up_sync(kFull, end, o);
-      if (g >= o) end += y;
-    }
-    const int total = __shfl_sync(kFull, end, first | 7);
-    if (!__any_sync(kFull, total > kRouterG8Candidates)) {
-      int pos = end - count;
-      while (mask != 0u) {
-        const int j = __ffs(static_cast<int>(mask)) - 1;
-        mask &= mask - 1u;
-        const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-        const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
-        L[pos++] =
-            (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
-      }
-      __syncwarp();
-
-      // ---- rank of each candidate = number of larger keys; lane g ranks candidates g, g + 8, ...
-      for (int i = g; i < total; i += 16) {
-        const std::uint64_t a = L[i];
-        const bool has_b = i + 8 < total;
-        const std::uint64_t b = has_b ? L[i + 8] : ~0ull;
-        int rank_a = 0, rank_b = 0;
-#pragma unroll 4
-        for (int k = 0; k < total; ++k) {
-          const std::uint64_t key = L[k];
-          rank_a += key > a ? 1 : 0;
-          rank_b += key > b ? 1 : 0;
-        }
-        if (rank_a < p.topk) S[rank_a] = ~static_cast<std::uint32_t>(a);
-        if (has_b && rank_b < p.topk) S[rank_b] = ~static_cast<std::uint32_t>(b);
-      }
-    } else {
-      // ---- a list past kRouterG8Candidates in the quad (ties): K rounds, each the largest key
-      // (value, ~id) left among the token's candidates
-      for (int k = 0; k < p.topk; ++k) {
-        std::uint64_t best = 0;
-        for (std::uint32_t m = mask; m != 0u; m &= m - 1u) {
-          const int j = __ffs(static_cast<int>(m)) - 1;
-          const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-          const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
-          const std::uint64_t key =
-              (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
-          best = key > best ? key : best;
-        }
-        std::uint64_t top = best;
-#pragma unroll
-        for (int o = 1; o < 8; o *= 2) {
-          const std::uint64_t other = __shfl_xor_sync(kFull, top, o);
-          top = other > top ? other : top;
-        }
-        const std::uint32_t id = ~static_cast<std::uint32_t>(top);
-        if (best == top) mask &= ~(1u << (id & 31u));  // keys are distinct: one lane of the token
-        if (g == 0) S[k] = id;
-      }
-    }
-    __syncwarp();
-
-    // ---- weights, as route_cpu: lane g writes choice g of its token
-    int id = 0;
-    float score = 0.0f;
-    if (g < p.topk) {
-      id = static_cast<int>(S[g]);
-      const int group = id >> 5, j = id & 31;
-      score = Xf[(tw * 8 + group) * 32 + ((((j >> 2) ^ group) << 2) | (j & 3))];
-    }
-    float sum = 0.0f;  // in selection order
-    for (int k = 0; k < p.topk; ++k) sum = rn_add(sum, __shfl_sync(kFull, score, first | k));
-    const std::uint32_t t = q * 4u + static_cast<std::uint32_t>(tw);
-    if (g < p.topk && t < p.tokens) {
-      float w = score;
-      if (p.renormalize) w = sum > 0.0f ? rn_div(w, sum) : rn_div(1.0f, static_cast<float>(p.topk));
-      const std::uint64_t out = static_cast<std::uint64_t>(t) * static_cast<std::uint32_t>(p.topk) + g;
-      p.ids[out] = id;
-      p.weights[out] = rn_mul(w, p.scaling);
-    }
-    __syncwarp();  // before the next quad overwrites stage, cand and slot
+    g8_select_and_store(p, mask, Xf, Bf, L, S, row, g, first, tw, q);
     q += step;
     if (q < quads) stage_quad(q);
   }
@@ -647,87 +660,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
     }
     __syncwarp();  // W read (the keys overwrite it next) and the scores stored
 
-    // ---- the token's candidate list: 64-bit keys (order_key(exact value), ~id), as route_g8_kernel
-    const int count = __popc(mask);
-    end = count;  // inclusive prefix over the token's lanes
-#pragma unroll
-    for (int o = 1; o < 8; o *= 2) {
-      const int y = __shfl_up_sync(kFull, end, o);
-      if (g >= o) end += y;
-    }
-    const int total = __shfl_sync(kFull, end, first | 7);
-    if (!__any_sync(kFull, total > kRouterG8Candidates)) {
-      int pos = end - count;
-      while (mask != 0u) {
-        const int j = __ffs(static_cast<int>(mask)) - 1;
-        mask &= mask - 1u;
-        const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-        const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
-        L[pos++] =
-            (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
-      }
-      __syncwarp();
-
-      // ---- rank of each candidate = number of larger keys; lane g ranks candidates g, g + 8, ...
-      for (int i = g; i < total; i += 16) {
-        const std::uint64_t a = L[i];
-        const bool has_b = i + 8 < total;
-        const std::uint64_t b = has_b ? L[i + 8] : ~0ull;
-        int rank_a = 0, rank_b = 0;
-#pragma unroll 4
-        for (int k = 0; k < total; ++k) {
-          const std::uint64_t key = L[k];
-          rank_a += key > a ? 1 : 0;
-          rank_b += key > b ? 1 : 0;
-        }
-        if (rank_a < p.topk) S[rank_a] = ~static_cast<std::uint32_t>(a);
-        if (has_b && rank_b < p.topk) S[rank_b] = ~static_cast<std::uint32_t>(b);
-      }
-    } else {
-      // ---- a list past kRouterG8Candidates in the quad: K rounds, as route_g8_kernel
-      for (int k = 0; k < p.topk; ++k) {
-        std::uint64_t best = 0;
-        for (std::uint32_t m = mask; m != 0u; m &= m - 1u) {
-          const int j = __ffs(static_cast<int>(m)) - 1;
-          const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-          const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
-          const std::uint64_t key =
-              (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
-          best = key > best ? key : best;
-        }
-        std::uint64_t top = best;
-#pragma unroll
-        for (int o = 1; o < 8; o *= 2) {
-          const std::uint64_t other = __shfl_xor_sync(kFull, top, o);
-          top = other > top ? other : top;
-        }
-        const std::uint32_t id = ~static_cast<std::uint32_t>(top);
-        if (best == top) mask &= ~(1u << (id & 31u));  // keys are distinct: one lane of the token
-        if (g == 0) S[k] = id;
-      }
-    }
-    __syncwarp();
-
-    // ---- weights, as route_cpu: lane g writes choice g of its token (its score is exact: every
-    // candidate was evaluated exactly)
-    int id = 0;
-    float score = 0.0f;
-    if (g < p.topk) {
-      id = static_cast<int>(S[g]);
-      const int group = id >> 5, j = id & 31;
-      score = Xf[(tw * 8 + group) * 32 + ((((j >> 2) ^ group) << 2) | (j & 3))];
-    }
-    float sum = 0.0f;  // in selection order
-    for (int k = 0; k < p.topk; ++k) sum = rn_add(sum, __shfl_sync(kFull, score, first | k));
-    const std::uint32_t t = q * 4u + static_cast<std::uint32_t>(tw);
-    if (g < p.topk && t < p.tokens) {
-      float w = score;
-      if (p.renormalize) w = sum > 0.0f ? rn_div(w, sum) : rn_div(1.0f, static_cast<float>(p.topk));
-      const std::uint64_t out = static_cast<std::uint64_t>(t) * static_cast<std::uint32_t>(p.topk) + g;
-      p.ids[out] = id;
-      p.weights[out] = rn_mul(w, p.scaling);
-    }
-    __syncwarp();  // before the next quad overwrites stage, cand and slot
+    g8_select_and_store(p, mask, Xf, Bf, L, S, row, g, first, tw, q);
     q += step;
     if (q < quads) stage_quad(q);
   }
