@@ -243,55 +243,51 @@ __device__ int block_exclusive_scan(int v, int* total) {
 // Vectors per lane that a copy loop loads before it stores any (14 x 16 bytes: 7 KB per warp).
 constexpr int kBatch = 14;  // a whole 7168-byte fp8 row per warp in one round trip
 
-// Copies `vecs` 16-byte vectors from src to each of dst[0..n) (a warp; lane-strided).
-__device__ __forceinline__ void copy_fanout(const char* src, char* const* dst, int n, std::int64_t vecs,
-                                            int lane) {
-  for (std::int64_t base = 0; base < vecs; base += 32 * kBatch) {
-    uint4 r[kBatch];
+// One batch of a warp's copy: vectors base + lane + 32 u (u < kBatch) of src, loaded before any is
+// stored; past `vecs` they are zero and not stored.
+__device__ __forceinline__ void load_batch(uint4 (&r)[kBatch], const char* src, std::int64_t base,
+                                           std::int64_t vecs, int lane) {
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    const std::int64_t v = base + lane + 32 * u;
+    r[u] = v < vecs ? ld_v4(src + v * 16) : make_uint4(0, 0, 0, 0);
+  }
+}
+__device__ __forceinline__ void store_batch(const uint4 (&r)[kBatch], char* const* dst, int n,
+                                            std::int64_t base, std::int64_t vecs, int lane) {
+  for (int i = 0; i < n; ++i) {
+    char* d = dst[i];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const std::int64_t v = base + lane + 32 * u;
-      r[u] = v < vecs ? ld_v4(src + v * 16) : make_uint4(0, 0, 0, 0);
-    }
-    for (int i = 0; i < n; ++i) {
-      char* d = dst[i];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const std::int64_t v = base + lane + 32 * u;
-        if (v < vecs) st_v4(d + v * 16, r[u]);
-      }
+      if (v < vecs) st_v4(d + v * 16, r[u]);
     }
   }
+}
+
+// Copies vectors [from, vecs) of 16 bytes (from a multiple of 32 * kBatch) from src to each of
+// dst[0..n) (a warp; lane-strided, a batch in flight at a time).
+__device__ __forceinline__ void copy_fanout_from(std::int64_t from, const char* src, char* const* dst, int n,
+                                                 std::int64_t vecs, int lane) {
+  for (std::int64_t base = from; base < vecs; base += 32 * kBatch) {
+    uint4 r[kBatch];
+    load_batch(r, src, base, vecs, lane);
+    store_batch(r, dst, n, base, vecs, lane);
+  }
+}
+
+// Copies `vecs` 16-byte vectors from src to each of dst[0..n) (a warp; lane-strided).
+__device__ __forceinline__ void copy_fanout(const char* src, char* const* dst, int n, std::int64_t vecs,
+                                            int lane) {
+  copy_fanout_from(0, src, dst, n, vecs, lane);
 }
 
 // copy_fanout whose first batch (vectors lane + 32 u, u < kBatch) the warp loaded earlier into
 // `first` (early counts: the own token's row, loaded before the layout was known).
 __device__ __forceinline__ void copy_fanout_preloaded(const uint4 (&first)[kBatch], const char* src,
                                                       char* const* dst, int n, std::int64_t vecs, int lane) {
-  for (int i = 0; i < n; ++i) {
-    char* d = dst[i];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const std::int64_t v = lane + 32 * u;
-      if (v < vecs) st_v4(d + v * 16, first[u]);
-    }
-  }
-  for (std::int64_t base = 32 * kBatch; base < vecs; base += 32 * kBatch) {
-    uint4 r[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const std::int64_t v = base + lane + 32 * u;
-      r[u] = v < vecs ? ld_v4(src + v * 16) : make_uint4(0, 0, 0, 0);
-    }
-    for (int i = 0; i < n; ++i) {
-      char* d = dst[i];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const std::int64_t v = base + lane + 32 * u;
-        if (v < vecs) st_v4(d + v * 16, r[u]);
-      }
-    }
-  }
+  store_batch(first, dst, n, 0, vecs, lane);
+  copy_fanout_from(32 * kBatch, src, dst, n, vecs, lane);
 }
 
 // out = bf16(sum_i w[i] * row_i) over i = 0..n-1 in that order (f32, each product and sum rounded
@@ -657,12 +653,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
         }
       }
       const char* x_t = static_cast<const char*>(a.own_x) + t * g.x_bytes;
-      const std::int64_t x_vecs = g.x_bytes / 16;
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const std::int64_t v = lane + 32 * u;
-        first.v[u] = v < x_vecs ? ld_v4(x_t + v * 16) : make_uint4(0, 0, 0, 0);
-      }
+      load_batch(first.v, x_t, 0, g.x_bytes / 16, lane);
     }
     // The layout from the tagged headers: every word polled until it carries s (bounded).
     for (int src = tid; src < g.N; src += nthreads) ok[src] = 1;
