@@ -248,8 +248,12 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   with.ablation = c.ablation;
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
-  if (c.offset_warp != 0 && c.stage_k_blocks == 2) return launch<true, 2>(tile, a, with, options, stream);
-  if (c.offset_warp != 0) return launch<true, 1>(tile, a, with, options, stream);
+  if (c.offset_warp != 0) {
+    if (c.stage_k_blocks == 2) return launch<true, 2>(tile, a, with, options, stream);
+    return launch<true, 1>(tile, a, with, options, stream);
+  }
+  if (c.stage_k_blocks == 2) return launch<false, 2>(tile, a, with, options, stream);
+  if (c.stage_k_blocks == 3) return launch<false, 3>(tile, a, with, options, stream);
   launch<false, 1>(tile, a, with, options, stream);
 }
 
@@ -373,9 +377,12 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
 // 6% faster on the 16-row tiles' 4096 x 7168 decode GEMM (503 against 536 µs, level on 7168 x 2048)
 // but racecheck reports its offset-slot hand-off (believed false: mbarrier-ordered, see NOTES W4A8
 // v5), so it stays a pinned variant until racecheck can see that order: a default must pass it.
+// v6: the decode tiles run plain v2 (offset term from the constant-operand wgmma, no hand-off
+// between warps) with two K blocks per stage: the halved per-stage barrier traffic was what made
+// the offset warp's k2 line fast (NOTES W4A8 v6 has the run that chose this).
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k) {
   static_cast<void>(k);
-  if (masked && expected_m <= 24) return W4A8KernelChoice{2};
+  if (masked && expected_m <= 24) return W4A8KernelChoice{.version = 2, .stage_k_blocks = 2};
   return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
 }
 
@@ -390,10 +397,12 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
   EPMOE_CHECK(choice.offset_warp == 0 || (choice.offset_warp == 1 && choice.version == 2),
               "W4A8 offset_warp must be 0, or 1 with version 2, got {} with version {}", choice.offset_warp,
               choice.version);
-  EPMOE_CHECK(choice.stage_k_blocks == 0 || choice.stage_k_blocks == 1 ||
-                  (choice.stage_k_blocks == 2 && choice.offset_warp == 1),
-              "W4A8 stage_k_blocks must be 0 or 1, or 2 with offset_warp = 1, got {} with offset_warp {}",
-              choice.stage_k_blocks, choice.offset_warp);
+  EPMOE_CHECK(choice.stage_k_blocks >= 0 && choice.stage_k_blocks <= 3 &&
+                  (choice.stage_k_blocks <= 1 || choice.version == 2) &&
+                  (choice.stage_k_blocks != 3 || choice.offset_warp == 0),
+              "W4A8 stage_k_blocks must be 0 or 1, 2 with version 2, or 3 with version 2 and no offset warp, "
+              "got {} with version {} and offset_warp {}",
+              choice.stage_k_blocks, choice.version, choice.offset_warp);
   EPMOE_CHECK(
       choice.ablation >= 0 && choice.ablation <= 15 &&
           (choice.ablation == 0 || choice.version == 3 ||

@@ -11,8 +11,10 @@
 //              term summed per stage by a producer-side warp (W4A8Traits::kOffsetWarp) instead of
 //              by the consumers (a constant-operand wgmma per K step for tiles of <= 32 rows, or
 //              m64n8k32 and a named barrier per K block for 64 and 128);
-//   stage_k_blocks = 2 (with offset_warp): two K blocks (256 K) per pipeline stage. Pinned only:
-//              6% faster on one decode GEMM, but racecheck reports its hand-off (NOTES, W4A8 v5).
+//   stage_k_blocks (version 2): K blocks per pipeline stage, 1 (0), 2 or 3 (3 without the offset
+//              warp): one barrier round trip per 128 x stage_k_blocks K. The decode default is 2
+//              without the offset warp (NOTES, W4A8 v6); the offset warp with 2 is pinned only:
+//              racecheck reports its hand-off (NOTES, W4A8 v5).
 //
 // Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
 // with offset_warp and stage_k_blocks as pinned when the pinned version is 2.
@@ -30,7 +32,7 @@ struct W4A8KernelChoice {
   int ablation = 0;        // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
                            // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
   int offset_warp = 0;     // version 2 only: 1 = the offset term from the producer-side offset warp
-  int stage_k_blocks = 0;  // version 2 with offset_warp only: 2 = two K blocks per stage (0, 1: one)
+  int stage_k_blocks = 0;  // version 2: K blocks per stage, 0 or 1 (one), 2, 3 (not with offset_warp)
 };
 
 // The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved
