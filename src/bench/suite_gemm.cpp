@@ -412,6 +412,11 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     if (!same_v2(0, kb))
       variants.push_back({".w4a8.v2.k" + std::to_string(kb), {.version = 2, .stage_k_blocks = kb}});
   }
+  // The 32-row decode tile with two partials (".p2"), with one and two K blocks per stage.
+  if (s.masked && s.expected_m > 12 && s.expected_m <= 24) {
+    variants.push_back({".w4a8.v2.p2", {.version = 2, .parts = 2}});
+    variants.push_back({".w4a8.v2.k2.p2", {.version = 2, .stage_k_blocks = 2, .parts = 2}});
+  }
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   for (const cuda::W4A8KernelChoice c :
        {cuda::W4A8KernelChoice{3, 64, 256, 1}, cuda::W4A8KernelChoice{3, 64, 128, 1},

@@ -246,7 +246,9 @@ __device__ __forceinline__ std::uint32_t w4a8_pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const std::uint32_t*>(&v);
 }
 
-template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB>
+// kParts_: 0 = the partial accumulators by the rule below; 2 = two also where the rule says one
+// (the 32-row four-consumer tile: fits 112 registers without the offset warp since v6).
+template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB, int kParts_ = 0>
 __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>::kThreads, 1)
     w4a8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                              const __grid_constant__ W4A8Params p) {
@@ -421,9 +423,11 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
     W4A8Scheduler<kBM, kTileN> scheduler(p);
     float acc[kAcc];
     // Partial accumulators: two (the next K block's wgmma runs while the last one is folded) where
-    // the registers allow, else one (with four consumers, 112 registers, 32 x 256 tiles spill 4
-    // bytes with two; 16 x 256 tiles fit since the offset operand comes from shared memory).
-    constexpr int kParts = kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
+    // the registers allow, else one (with four consumers, 112 registers, 32 x 256 tiles spilled 4
+    // bytes with two before v6; 16 x 256 tiles fit since the offset operand comes from shared
+    // memory). kParts_ = 2 asks for two on the 32 x 256 tile (no spill since v6, ptxas).
+    static_assert(kParts_ == 0 || (kParts_ == 2 && kBM <= 64 && !kOffsetWarp));
+    constexpr int kParts = kParts_ != 0 ? kParts_ : kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
     float part[kParts][kAcc];
     // kRowOffset: per partial, the offset terms of activation rows 64 h + 16 w + g (+ 8) (the
     // m64n8 fragment: [h][0, 1] row g, [h][2, 3] row g + 8), and which of the two buffers is next.

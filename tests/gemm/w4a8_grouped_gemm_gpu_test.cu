@@ -111,6 +111,9 @@ const std::vector<std::int32_t> kManyTiles{7, 8, 1, 16, 3, 0, 5, 9, 12, 8, 8, 2,
 // Plain v2 (the offset term from the constant-operand wgmma) with two and three K blocks per stage.
 constexpr cuda::W4A8KernelChoice kK2{.version = 2, .stage_k_blocks = 2};
 constexpr cuda::W4A8KernelChoice kK3{.version = 2, .stage_k_blocks = 3};
+// Two partials on the 32-row four-consumer tile, with one and two K blocks per stage.
+constexpr cuda::W4A8KernelChoice kP2{.version = 2, .parts = 2};
+constexpr cuda::W4A8KernelChoice kK2P2{.version = 2, .stage_k_blocks = 2, .parts = 2};
 
 // Pins the W4A8 kernel for the lifetime of the guard.
 class PinKernel {
@@ -379,7 +382,19 @@ INSTANTIATE_TEST_SUITE_P(
             "N2048_K1152_many_tiles_per_cta_block32_v2", 16, kManyTiles, 2048, 1152, 32, 0, false, {2}, 6},
         MaskedCase{
             "N2048_K128_many_tiles_per_cta_one_k_block_v2", 16, kManyTiles, 2048, 128, 0, 0, false, {2}, 3},
-        MaskedCase{"N2048_K256_many_tiles_per_cta_k3", 16, kManyTiles, 2048, 256, 0, 0, false, kK3, 4}),
+        MaskedCase{"N2048_K256_many_tiles_per_cta_k3", 16, kManyTiles, 2048, 256, 0, 0, false, kK3, 4},
+        // The 32-row tile with two partials: decode shape, an odd K-block count with few CTAs, three
+        // K blocks, one K block, two K blocks per stage.
+        MaskedCase{
+            "N7168_K2048_decode_block32_device_scale_p2", 48, {20, 5, 48, 0}, 7168, 2048, 32, 0, true, kP2},
+        MaskedCase{"N2048_K1152_many_tiles_per_cta_block32_p2", 16, kManyTiles, 2048, 1152, 32, 0, false, kP2,
+                   6},
+        MaskedCase{
+            "N512_K384_three_k_blocks_block32_consumers4_p2", 40, {40, 31}, 512, 384, 32, 4, false, kP2},
+        MaskedCase{"N2048_K128_many_tiles_per_cta_one_k_block_block32_p2", 16, kManyTiles, 2048, 128, 32, 0,
+                   false, kP2, 3},
+        MaskedCase{"N2048_K1280_many_tiles_per_cta_block32_k2_p2", 16, kManyTiles, 2048, 1280, 32, 0, false,
+                   kK2P2, 5}),
     [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- contiguous

@@ -314,21 +314,26 @@ TEST(W4A8Pack, RefusesBadArguments) {
                         "got 2 with version 3 and offset_warp 0");
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .stage_k_blocks = 4}); },
                         "W4A8 stage_k_blocks must be 0 or 1, 2 with version 2, or 3");
+  // Two partials on the 32-row tile: v2 without the offset warp.
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .stage_k_blocks = 2, .parts = 2}));
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .parts = 2}); },
+                        "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got 2");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .parts = 3}); }, "W4A8 parts must be");
   cuda::w4a8_pin_kernel({});
 }
 
 // The automatic choice (bench/NOTES.md, W4A8 v6): decode rows (expected_m <= 24) take the plain
-// register-operand kernel with two K blocks per stage (the offset-warp variants stay pinned-only:
+// register-operand kernel, one K block per stage (the offset-warp variants stay pinned-only:
 // racecheck), the rest v3.
 TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   const auto is = [](const cuda::W4A8KernelChoice& c, int version, int offset_warp, int stage_k_blocks) {
     return c.version == version && c.offset_warp == offset_warp && c.stage_k_blocks == stage_k_blocks;
   };
-  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 1, 4096, 7168), 2, 0, 2));
-  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 8, 7168, 2048), 2, 0, 2));
-  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 12, 640, 2048), 2, 0, 2));
-  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 16, 4096, 7168), 2, 0, 2));
-  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 24, 7168, 2048), 2, 0, 2));
+  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 1, 4096, 7168), 2, 0, 0));
+  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 8, 7168, 2048), 2, 0, 0));
+  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 12, 640, 2048), 2, 0, 0));
+  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 16, 4096, 7168), 2, 0, 0));
+  EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 24, 7168, 2048), 2, 0, 0));
   EXPECT_EQ(cuda::w4a8_kernel_choice(true, 32, 4096, 7168).version, 3);
   EXPECT_EQ(cuda::w4a8_kernel_choice(false, 0, 4096, 7168).version, 3);
 }
