@@ -13,11 +13,12 @@
 //              m64n8k32 and a named barrier per K block for 64 and 128);
 //   stage_k_blocks (version 2): K blocks per pipeline stage, 1 (0), 2 or 3 (3 without the offset
 //              warp): one barrier round trip per 128 x stage_k_blocks K. Pinned only: since the
-//              consumers' K-block stream runs across tiles (v6), 2 is level with 1 on the 16-row
-//              decode tiles and 1-3% slower on the 32-row ones, 3 is 5-13% slower (NOTES, W4A8 v6);
-//              the offset warp with 2 also: racecheck reports its hand-off (NOTES, W4A8 v5).
+//              consumers' K-block stream runs across tiles (v6), 2 is 0-1% slower than 1 on the
+//              16-row decode tiles and 1-17% on the 32-row ones, 3 2-13% (NOTES, W4A8 v6); the
+//              offset warp with 2 also: racecheck reports its hand-off (NOTES, W4A8 v5).
 //   parts = 2 (version 2, no offset warp): the 32-row four-consumer tile (masked expected_m in
-//              13..24) keeps two partial accumulators in flight instead of one (NOTES, W4A8 v6).
+//              13..24) keeps two partial accumulators in flight instead of one. Pinned only: 1-6%
+//              slower than one on the 128 x 16 decode rows (NOTES, W4A8 v6).
 //
 // Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
 // with offset_warp and stage_k_blocks as pinned when the pinned version is 2.
