@@ -14,8 +14,9 @@
 # environment for the bench, e.g. "EPMOE_BENCH_GEMM_ONLY=decode EPMOE_BENCH_GEMM_EXPERIMENTS=1"),
 # W4A8_BUILD=0 (binaries built on another machine already in build-gpu/: no build, no ptxas; the
 # SASS summary only if the object is there).
-# The bench times v2 with the offset warp (".w4a8.v2.offwarp", ".w4a8.v2.offwarp.k2": bench/NOTES.md,
-# W4A8 v5) on every row; memcheck's default filter (W4A8_MEMCHECK_FILTER) matches their variants of
+# The bench times v2 with two and three K blocks per stage (".w4a8.v2.k2", ".w4a8.v2.k3"), the offset warp
+# (".w4a8.v2.offwarp.k2") and, on the 32-row decode rows, two partials (".w4a8.v2.p2"): bench/NOTES.md,
+# W4A8 v5 and v6) on every row; memcheck's default filter (W4A8_MEMCHECK_FILTER) matches their variants of
 # its tests too.
 # The bench runs before memcheck, so that a tight overall limit still brings the numbers back.
 # OUTDIR receives build.log (tail), gpu-tests.log, memcheck.log, ptxas.txt, bench.log, w4a8.json.

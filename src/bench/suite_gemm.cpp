@@ -402,7 +402,21 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   const cuda::W4A8KernelChoice chosen = cuda::w4a8_kernel_choice(s.masked, s.expected_m, N, K);
   const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3({3}, s.masked, s.expected_m, N);
   std::vector<W4A8Variant> variants{{".w4a8", chosen}};
-  if (chosen.version != 2 || chosen.offset_warp != 0) variants.push_back({".w4a8.v2", {2}});
+  const auto same_v2 = [&](int offset_warp, int stage_k_blocks) {
+    return chosen.version == 2 && chosen.offset_warp == offset_warp &&
+           std::max(chosen.stage_k_blocks, 1) == stage_k_blocks;
+  };
+  if (!same_v2(0, 1)) variants.push_back({".w4a8.v2", {2}});
+  // Plain v2 with two and three K blocks per stage (bench/NOTES.md, W4A8 v6), where not the choice.
+  for (const int kb : {2, 3}) {
+    if (!same_v2(0, kb))
+      variants.push_back({".w4a8.v2.k" + std::to_string(kb), {.version = 2, .stage_k_blocks = kb}});
+  }
+  // The 32-row decode tile with two partials (".p2"), with one and two K blocks per stage.
+  if (s.masked && s.expected_m > 12 && s.expected_m <= 24) {
+    variants.push_back({".w4a8.v2.p2", {.version = 2, .parts = 2}});
+    variants.push_back({".w4a8.v2.k2.p2", {.version = 2, .stage_k_blocks = 2, .parts = 2}});
+  }
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   for (const cuda::W4A8KernelChoice c :
        {cuda::W4A8KernelChoice{3, 64, 256, 1}, cuda::W4A8KernelChoice{3, 64, 128, 1},
@@ -430,37 +444,24 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       variants.push_back({std::string(".w4a8.v2.ablate_") + label, c});
     }
   }
-  // v2 with the codes' offset term summed by its producer-side offset warp (".w4a8.v2.offwarp",
-  // bench/NOTES.md W4A8 v5), and the same with two K blocks per stage (".w4a8.v2.offwarp.k2", the
-  // automatic choice for masked expected_m <= 12), on every row beside the plain v2 line.
+  // v2 with the codes' offset term summed by its producer-side offset warp and two K blocks per
+  // stage (".w4a8.v2.offwarp.k2", bench/NOTES.md W4A8 v5), on every row beside the plain v2 line.
+  // (Its one-block-per-stage line was retired in v6: slower than v2 on every row of the v5 runs.)
   {
-    cuda::W4A8KernelChoice c{2};
-    c.offset_warp = 1;
-    variants.push_back({".w4a8.v2.offwarp", c});
-    cuda::W4A8KernelChoice k2 = c;  // and two K blocks per stage
-    k2.stage_k_blocks = 2;
-    variants.push_back({".w4a8.v2.offwarp.k2", k2});
+    cuda::W4A8KernelChoice c{.version = 2, .offset_warp = 1, .stage_k_blocks = 2};
+    variants.push_back({".w4a8.v2.offwarp.k2", c});
     if (experiment) {
       c.ablation = 8;  // no weight loads: is it still bound by the consumers' per-stage work?
-      variants.push_back({".w4a8.v2.offwarp.ablate_noload", c});
+      variants.push_back({".w4a8.v2.offwarp.k2.ablate_noload", c});
     }
   }
-  // Decode rows: v2 on every SM (max_ctas = SM count) against the default, which trims the CTAs
-  // to balance the tile rounds, and v2's tile with two consumers (".m<rows>c2": 2 x 64 weight rows,
-  // two partials in flight) against the four-consumer default.
+  // Decode rows: the choice on every SM (max_ctas = SM count) against the default, which trims the
+  // CTAs to balance the tile rounds. (The two-consumer decode tiles and the offset warp's all-SM
+  // line were retired in v6: 25-30% slower, and within noise of the trimmed count, in v4 / v5.)
   if (s.masked && s.groups == 128) {
-    W4A8Variant all_sms{".w4a8.v2.all_sms", {2}};
+    W4A8Variant all_sms{".w4a8.all_sms", chosen};
     all_sms.options.max_ctas = cuda::device_props().sm_count;
     variants.push_back(all_sms);
-    W4A8Variant k2_all_sms{".w4a8.v2.offwarp.k2.all_sms",
-                           {.version = 2, .offset_warp = 1, .stage_k_blocks = 2}};
-    k2_all_sms.options.max_ctas = cuda::device_props().sm_count;
-    variants.push_back(k2_all_sms);
-    const cuda::W4A8TileShape t = cuda::w4a8_gemm_tile(true, s.expected_m);
-    W4A8Variant two{".w4a8.v2.m" + std::to_string(t.block_m) + "c2", {2}};
-    two.options.block_m = t.block_m;
-    two.options.consumers = 2;
-    variants.push_back(two);
   }
   for (const W4A8Variant& v : variants) {
     cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);
@@ -480,7 +481,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     p["quant"] = std::string("w4a8");
     p["kernel"] = static_cast<std::int64_t>(ran.version);
     p["offset_warp"] = static_cast<std::int64_t>(ran.offset_warp);
-    p["stage_k_blocks"] = static_cast<std::int64_t>(ran.stage_k_blocks == 2 ? 2 : 1);
+    p["stage_k_blocks"] = static_cast<std::int64_t>(std::max(ran.stage_k_blocks, 1));
     if (ran.version == 3) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = static_cast<std::int64_t>(ran.block_n);

@@ -149,10 +149,10 @@ cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes,
   return config;
 }
 
-template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB>
+template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB, int kParts = 0>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
   using Traits = W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>;
-  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffsetWarp, kStageKB>;
+  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffsetWarp, kStageKB, kParts>;
   gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
   const std::int64_t ctas = plan_persistent(problem, options, kBM, Traits::kTileN, Traits::kStages);
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
@@ -161,11 +161,15 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
+// parts = 2: the 32-row four-consumer tile with two partials (W4A8KernelChoice::parts).
 template <bool kOffsetWarp, int kStageKB>
-void launch(W4A8TileShape tile, const TensorView& a, const Problem& problem, const W4A8GemmOptions& options,
-            cudaStream_t stream) {
+void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& problem,
+            const W4A8GemmOptions& options, cudaStream_t stream) {
   if (tile.consumers == 4) {
     if (tile.block_m == 16) return launch<16, 4, kOffsetWarp, kStageKB>(a, problem, options, stream);
+    if constexpr (!kOffsetWarp) {
+      if (parts == 2) return launch<32, 4, kOffsetWarp, kStageKB, 2>(a, problem, options, stream);
+    }
     return launch<32, 4, kOffsetWarp, kStageKB>(a, problem, options, stream);
   }
   switch (tile.block_m) {
@@ -243,14 +247,19 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   } else if (g_pinned.version == 2) {
     c.offset_warp = g_pinned.offset_warp;
     c.stage_k_blocks = g_pinned.stage_k_blocks;
+    c.parts = g_pinned.parts;
   }
   Problem with = problem;
   with.ablation = c.ablation;
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
-  if (c.offset_warp != 0 && c.stage_k_blocks == 2) return launch<true, 2>(tile, a, with, options, stream);
-  if (c.offset_warp != 0) return launch<true, 1>(tile, a, with, options, stream);
-  launch<false, 1>(tile, a, with, options, stream);
+  if (c.offset_warp != 0) {
+    if (c.stage_k_blocks == 2) return launch<true, 2>(tile, c.parts, a, with, options, stream);
+    return launch<true, 1>(tile, c.parts, a, with, options, stream);
+  }
+  if (c.stage_k_blocks == 2) return launch<false, 2>(tile, c.parts, a, with, options, stream);
+  if (c.stage_k_blocks == 3) return launch<false, 3>(tile, c.parts, a, with, options, stream);
+  launch<false, 1>(tile, c.parts, a, with, options, stream);
 }
 
 // Checks shared by both layouts; fills the weight and scale fields of p.
@@ -373,6 +382,10 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
 // 6% faster on the 16-row tiles' 4096 x 7168 decode GEMM (503 against 536 µs, level on 7168 x 2048)
 // but racecheck reports its offset-slot hand-off (believed false: mbarrier-ordered, see NOTES W4A8
 // v5), so it stays a pinned variant until racecheck can see that order: a default must pass it.
+// v6 (2026-11-30T1628Z-h200-w4a8-v6-run1.json): with the consumers' K-block stream across tiles plain
+// v2 (one K block per stage, the offset term from the constant-operand wgmma, no hand-off between
+// warps) runs the 128 x 8 decode rows at 1.02x / 1.06x their weight floor, level with two K blocks
+// per stage and 3-14% ahead of the offset warp's k2.
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k) {
   static_cast<void>(k);
   if (masked && expected_m <= 24) return W4A8KernelChoice{2};
@@ -390,10 +403,17 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
   EPMOE_CHECK(choice.offset_warp == 0 || (choice.offset_warp == 1 && choice.version == 2),
               "W4A8 offset_warp must be 0, or 1 with version 2, got {} with version {}", choice.offset_warp,
               choice.version);
-  EPMOE_CHECK(choice.stage_k_blocks == 0 || choice.stage_k_blocks == 1 ||
-                  (choice.stage_k_blocks == 2 && choice.offset_warp == 1),
-              "W4A8 stage_k_blocks must be 0 or 1, or 2 with offset_warp = 1, got {} with offset_warp {}",
-              choice.stage_k_blocks, choice.offset_warp);
+  EPMOE_CHECK(choice.stage_k_blocks >= 0 && choice.stage_k_blocks <= 3 &&
+                  (choice.stage_k_blocks <= 1 || choice.version == 2) &&
+                  (choice.stage_k_blocks != 3 || choice.offset_warp == 0),
+              "W4A8 stage_k_blocks must be 0 or 1, 2 with version 2, or 3 with version 2 and no offset warp, "
+              "got {} with version {} and offset_warp {}",
+              choice.stage_k_blocks, choice.version, choice.offset_warp);
+  EPMOE_CHECK(choice.parts >= 0 && choice.parts <= 2 &&
+                  (choice.parts != 2 || (choice.version == 2 && choice.offset_warp == 0)),
+              "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got {} with version {} and "
+              "offset_warp {}",
+              choice.parts, choice.version, choice.offset_warp);
   EPMOE_CHECK(
       choice.ablation >= 0 && choice.ablation <= 15 &&
           (choice.ablation == 0 || choice.version == 3 ||

@@ -62,11 +62,12 @@ struct W4A8Traits {
   static_assert(kConsumers == 2 || (kConsumers == 4 && kBM <= 32));
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kTileN = w4a8::kPanelRows * kConsumers;  // weight rows per tile
-  // K blocks per pipeline stage: 1, or 2 (with the offset warp: one barrier round trip per 256 K,
-  // the consumers' per-stage waits and releases halved; the copies of a stage's two K blocks go
-  // into [2][...] arrays, its offsets into two slots). The byte counts below are per K block.
+  // K blocks per pipeline stage: 1, 2 or 3 (one barrier round trip per kStageKB x 128 K: the
+  // consumers' full-barrier waits, __syncwarp and releases and the producer's barrier work per K
+  // block divided by kStageKB; the copies of a stage's K blocks go into [kStageKB][...] arrays, the
+  // offset warp's sums into kStageKB slots). The byte counts below are per K block.
   static constexpr int kStageKB = kStageKB_;
-  static_assert(kStageKB == 1 || (kStageKB == 2 && kOffsetWarp_));
+  static_assert(kStageKB >= 1 && kStageKB <= 3);
   static constexpr int kABytes = kBM * w4a8::kBlockK;  // a multiple of 1024 (swizzle atoms)
   static constexpr int kWBytes = kConsumers * w4a8::kPanelBytes;
   static constexpr int kSBytes = kConsumers * w4a8::kPanelScaleBytes;
@@ -208,10 +209,21 @@ class W4A8Scheduler {
 struct W4A8Pipe {
   int stage = 0;
   std::uint32_t phase = 0;
+  int sub = 0;  // consumers: the K block's index in its stage (kStageKB > 1)
   __device__ void advance(int stages) {
     if (++stage == stages) {
       stage = 0;
       phase ^= 1u;
+    }
+  }
+  // The next K block's position: the next stage after a stage's last block, else the next block of
+  // the same stage.
+  __device__ void next_block(bool last_in_stage, int stages) {
+    if (last_in_stage) {
+      sub = 0;
+      advance(stages);
+    } else {
+      ++sub;
     }
   }
 };
@@ -234,7 +246,9 @@ __device__ __forceinline__ std::uint32_t w4a8_pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const std::uint32_t*>(&v);
 }
 
-template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB>
+// kParts_: 0 = the partial accumulators by the rule below; 2 = two also where the rule says one
+// (the 32-row four-consumer tile: fits 112 registers without the offset warp since v6).
+template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB, int kParts_ = 0>
 __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>::kThreads, 1)
     w4a8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                              const __grid_constant__ W4A8Params p) {
@@ -307,19 +321,22 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
                                Traits::kSBytes, full);
               }
             } else {
-              // Two K blocks (one at the end of an odd count). With four consumers the tile is a
-              // whole panel group, whose K blocks are consecutive chunks: one copy each for both
-              // blocks' weights and scales; else one per block.
-              const int blocks = kb + 1 < num_kb ? 2 : 1;
+              // kStageKB K blocks (fewer at the end of a tile whose count is not a multiple). With
+              // four consumers the tile is a whole panel group, whose K blocks are consecutive
+              // chunks: one copy each for all the blocks' weights and scales; else one per block.
+              const int blocks = min(kStageKB, num_kb - kb);
               ptx::mbar_arrive_expect_tx(full, blocks * (weights ? Traits::kBlockBytes : Traits::kABytes));
               const std::uint32_t a_dst = smem_a + pipe.stage * kAStride;
-              ptx::tma_load_2d(a_dst, &tma_a, full, kb * w4a8::kBlockK, tile.row0);
-              if (blocks == 2)
-                ptx::tma_load_2d(a_dst + Traits::kABytes, &tma_a, full, (kb + 1) * w4a8::kBlockK, tile.row0);
+#pragma unroll
+              for (int c = 0; c < kStageKB; ++c) {
+                if (c < blocks)
+                  ptx::tma_load_2d(a_dst + c * Traits::kABytes, &tma_a, full, (kb + c) * w4a8::kBlockK,
+                                   tile.row0);
+              }
               if (weights) {
                 constexpr bool kOneCopy = kConsumers == w4a8::kGroupPanels;
 #pragma unroll
-                for (int c = 0; c < (kOneCopy ? 1 : 2); ++c) {
+                for (int c = 0; c < (kOneCopy ? 1 : kStageKB); ++c) {
                   if (c < blocks) {
                     const std::uint32_t n = kOneCopy ? blocks : 1;
                     const std::int64_t chunk =
@@ -404,13 +421,13 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
     const int row_in_panel = warp_in_group * 16 + g;  // and + 8
 
     W4A8Scheduler<kBM, kTileN> scheduler(p);
-    W4A8Tile tile;
-    W4A8Pipe pipe;
     float acc[kAcc];
     // Partial accumulators: two (the next K block's wgmma runs while the last one is folded) where
-    // the registers allow, else one (with four consumers, 112 registers, 32 x 256 tiles spill 4
-    // bytes with two; 16 x 256 tiles fit since the offset operand comes from shared memory).
-    constexpr int kParts = kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
+    // the registers allow, else one (with four consumers, 112 registers, 32 x 256 tiles spilled 4
+    // bytes with two before v6; 16 x 256 tiles fit since the offset operand comes from shared
+    // memory). kParts_ = 2 asks for two on the 32 x 256 tile (no spill since v6, ptxas).
+    static_assert(kParts_ == 0 || (kParts_ == 2 && kBM <= 64 && !kOffsetWarp));
+    constexpr int kParts = kParts_ != 0 ? kParts_ : kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
     float part[kParts][kAcc];
     // kRowOffset: per partial, the offset terms of activation rows 64 h + 16 w + g (+ 8) (the
     // m64n8 fragment: [h][0, 1] row g, [h][2, 3] row g + 8), and which of the two buffers is next.
@@ -422,16 +439,23 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
     using I0 = std::integral_constant<int, 0>;
     using I1 = std::integral_constant<int, 1>;
 
-    // K block kb of a tile uses frag[kb % 2]; with two K blocks per stage it is also the block's
-    // index in its stage (tiles start on a fresh stage), a compile-time constant: kSub<B>.
-    // Waits for the stage at `at` (its first block), loads this thread's codes of block B of it,
-    // converts them into frag[B].
+    // The consumers run one K-block pipeline across their tiles: the K blocks of all of a CTA's
+    // tiles form one stream (frag[0] and frag[1] alternate through it, also across a tile
+    // boundary), so the first block of the next tile is loaded, converted and (with two partials)
+    // issued while the last block of the current one is still in the tensor core, and that tile's
+    // fold and epilogue run behind it. (Before, each tile drained the pipeline: its last wgmma
+    // group, fold, epilogue and the next tile's first load were serial, once per tile: 16 tiles
+    // per CTA at K = 7168, 28 at K = 2048 on the decode rows.) A K block's position in the ring
+    // (stage, phase, index in the stage) is a W4A8Pipe; tiles start on a fresh stage.
+    //
+    // Waits for the stage at `at` if this is its first block, loads this thread's codes of the block
+    // and converts them into frag[B].
     const auto load = [&](auto b, const W4A8Pipe& at) {
       constexpr int B = decltype(b)::value;
-      constexpr int kSub = kStageKB == 1 ? 0 : B;
-      if constexpr (kSub == 0) ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
+      const int sub = kStageKB == 1 ? 0 : at.sub;
+      if (sub == 0) ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
       const std::uint32_t w_addr =
-          smem_w + at.stage * kWStride + kSub * Traits::kWBytes + consumer * w4a8::kPanelBytes + t * 16;
+          smem_w + at.stage * kWStride + sub * Traits::kWBytes + consumer * w4a8::kPanelBytes + t * 16;
       const uint4 v0 = ptx::ld_shared_v4(w_addr);
       const uint4 v1 = ptx::ld_shared_v4(w_addr + 2048);
       w4a8_convert8(v0.x, frag[B][0][0], frag[B][0][1]);
@@ -443,11 +467,11 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
       w4a8_convert8(v1.z, frag[B][3][0], frag[B][3][1]);
       w4a8_convert8(v1.w, frag[B][3][2], frag[B][3][3]);
     };
-    // Issues the K block in frag[B] against the activation tile of `stage` into part[P].
-    const auto issue = [&](auto b, auto pp, int stage) {
+    // Issues the K block in frag[B] against its activation tile (position `at`) into part[P].
+    const auto issue = [&](auto b, auto pp, const W4A8Pipe& at) {
       constexpr int B = decltype(b)::value, P = decltype(pp)::value;
-      constexpr int kSub = kStageKB == 1 ? 0 : B;
-      const std::uint32_t a_tile = smem_a + stage * kAStride + kSub * Traits::kABytes;
+      const int sub = kStageKB == 1 ? 0 : at.sub;
+      const std::uint32_t a_tile = smem_a + at.stage * kAStride + sub * Traits::kABytes;
       w4a8_fence_all(part[P]);
       if constexpr (Traits::kRowOffset) {
 #pragma unroll
@@ -481,22 +505,22 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
       }
       ptx::wgmma_commit();
     };
-    // After the wgmma into part[P] completed: reads the scales of block B of stage `at`, frees the
-    // stage if it was its last block (`last`) and folds part[P]. (The scales are read here, not
+    // After the wgmma into part[P] completed: reads the scales of the block at `at`, frees its stage
+    // if it was the stage's last block (`last`) and folds part[P]. (The scales are read here, not
     // with the codes: two registers less across the K loop.)
-    const auto fold = [&](auto pp, auto b, const W4A8Pipe& at, bool last) {
+    const auto fold = [&](auto pp, const W4A8Pipe& at, bool last) {
       constexpr int P = decltype(pp)::value;
-      constexpr int kSub = kStageKB == 1 ? 0 : decltype(b)::value;
       const int stage = at.stage;
-      const std::uint32_t s_addr = smem_s + stage * kSStride + kSub * Traits::kSBytes +
+      const int sub = kStageKB == 1 ? 0 : at.sub;
+      const std::uint32_t s_addr = smem_s + stage * kSStride + sub * Traits::kSBytes +
                                    consumer * w4a8::kPanelScaleBytes + 4 * row_in_panel;
       const float s_lo = ptx::ld_shared_f32(s_addr), s_hi = ptx::ld_shared_f32(s_addr + 4 * 8);
       if constexpr (Traits::kOffsetWarp) {
         // The offset warp's sums of this stage, for this thread's columns 8 j + 2 q + {0, 1}
         // (activation rows), read before the release (the slot is rewritten after it). The barrier
         // has normally completed long before: the sums ran while this block's wgmma did.
-        if constexpr (kSub == 0) ptx::mbar_wait(offset_bar + 8 * stage, at.phase);
-        const std::uint32_t slot = smem_slot + stage * kSlotStride + kSub * Traits::kSlotBytes;
+        if (sub == 0) ptx::mbar_wait(offset_bar + 8 * stage, at.phase);
+        const std::uint32_t slot = smem_slot + stage * kSlotStride + sub * Traits::kSlotBytes;
         w4a8_fence_all(part[P]);
 #pragma unroll
         for (int j = 0; j < kAcc / 4; ++j) {
@@ -512,10 +536,11 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
           if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
         }
       } else {
-        static_cast<void>(last);  // (always true: one K block per stage)
         w4a8_fence_all(part[P]);
-        __syncwarp();  // every lane's shared loads of the stage happen before the release
-        if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
+        if (last) {
+          __syncwarp();  // every lane's shared loads of the stage happen before the release
+          if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
+        }
         w4a8_fence_all(part[P]);
         if constexpr (Traits::kRowOffset) {
           // Offsets by activation row -> by this thread's columns 8 j + 2 q + {0, 1}, through this
@@ -551,72 +576,21 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
         }
       }
     };
-
-    while (scheduler.next(tile, p)) {
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-#pragma unroll
-      for (int P = 0; P < kParts; ++P) {
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) part[P][i] = 0.0f;
-      }
-      // K block kb uses frag[kb % 2]; its conversion runs while block kb - 1's wgmma do. With two
-      // partials, block kb's wgmma also run while block kb - 1 is folded (wait_group 1).
-      W4A8Pipe prev{};
-      bool prev_last = true;
-      load(I0{}, pipe);
-      const auto step = [&](auto b, std::int32_t kb) {
-        constexpr int B = decltype(b)::value;
-        using Other = std::integral_constant<int, B ^ 1>;
-        // Whether block kb is the last of its stage (always, with one K block per stage).
-        const bool last = kStageKB == 1 || B == 1 || kb + 1 == num_kb;
-        const W4A8Pipe cur = pipe;
-        W4A8Pipe next = pipe;
-        if (last) next.advance(stages);
-        if constexpr (kParts == 2) {
-          issue(b, b, cur.stage);
-          if (kb > 0) {
-            ptx::wgmma_wait<1>();
-            fold(Other{}, Other{}, prev, prev_last);
-          }
-          if (kb + 1 < num_kb) load(Other{}, next);
-        } else {
-          issue(b, I0{}, cur.stage);
-          if (kb + 1 < num_kb) load(Other{}, next);
-          ptx::wgmma_wait<0>();
-          fold(I0{}, b, cur, last);
-        }
-        prev = cur;
-        prev_last = last;
-        pipe = next;
-      };
-      for (std::int32_t kb = 0; kb < num_kb; kb += 2) {
-        step(I0{}, kb);
-        if (kb + 1 < num_kb) step(I1{}, kb + 1);
-      }
-      if constexpr (kParts == 2) {
-        ptx::wgmma_wait<0>();
-        if (((num_kb - 1) & 1) == 0) {
-          fold(I0{}, I0{}, prev, true);
-        } else {
-          fold(I1{}, I1{}, prev, true);
-        }
-      }
-
-      // Epilogue. acc[4 j + 2 h + e] is D^T[n0 + 8 h, m0 + e] (n0 this thread's weight row, m0 =
-      // 8 j + 2 q). Lanes g and g ^ 1 (lane ^ 4) hold neighbouring weight rows: after one exchange
-      // the even lane holds columns (n, n + 1) of activation row m0 and the odd lane those of m0 + 1.
-      // (a_scale and the lane parity are looked up here: registers held across the K loop spill
-      // the four-consumer tiles.)
+    // Stores the finished tile `done` from acc and clears acc for the next one. acc[4 j + 2 h + e]
+    // is D^T[n0 + 8 h, m0 + e] (n0 this thread's weight row, m0 = 8 j + 2 q). Lanes g and g ^ 1
+    // (lane ^ 4) hold neighbouring weight rows: after one exchange the even lane holds columns
+    // (n, n + 1) of activation row m0 and the odd lane those of m0 + 1. (a_scale and the lane parity
+    // are looked up here: registers held across the K loop spill the four-consumer tiles.)
+    const auto epilogue = [&](const W4A8Tile& done) {
       const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
       const bool odd = (g & 1) != 0;
-      const std::int32_t n0 = tile.n_tile * kTileN + consumer * w4a8::kPanelRows + row_in_panel;
+      const std::int32_t n0 = done.n_tile * kTileN + consumer * w4a8::kPanelRows + row_in_panel;
 #pragma unroll
       for (int j = 0; j < kAcc / 4; ++j) {
         const std::int32_t m = 8 * j + 2 * q + (odd ? 1 : 0);
-        const std::int32_t row = tile.row0 + m;
-        bool valid = row < tile.row_end;
-        if (valid && p.m_indices != nullptr) valid = __ldg(p.m_indices + row) == tile.group;
+        const std::int32_t row = done.row0 + m;
+        bool valid = row < done.row_end;
+        if (valid && p.m_indices != nullptr) valid = __ldg(p.m_indices + row) == done.group;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float x0 = acc[4 * j + 2 * h] * a_scale, x1 = acc[4 * j + 2 * h + 1] * a_scale;
@@ -625,6 +599,96 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
           const std::int32_t col = n0 + 8 * h - (odd ? 1 : 0);
           if (valid)
             *reinterpret_cast<std::uint32_t*>(p.d + static_cast<std::int64_t>(row) * p.n + col) = pair;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+    };
+
+    W4A8Tile tile;  // the tile whose K blocks acc is summing (the oldest block not yet folded)
+    bool more = scheduler.next(tile, p);
+    if (more) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+#pragma unroll
+      for (int P = 0; P < kParts; ++P) {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) part[P][i] = 0.0f;
+      }
+      W4A8Tile ld_tile = tile;  // the tile of the block issued next, and its index kb in it
+      std::int32_t kb = 0;
+      W4A8Pipe pipe;  // that block's position
+      // Two partials: the block issued last (its position, whether it is its stage's last and its
+      // tile's last), folded after the next block's issue (wait_group 1).
+      W4A8Pipe prev{};
+      bool prev_last = false, prev_ends = false, have_prev = false;
+      load(I0{}, pipe);
+      // Issues the block in frag[B] (loaded), folds the one before (two partials) or this one (one),
+      // finishes the tile whose last block was folded, and loads the next block of the stream into
+      // frag[B ^ 1]. Returns whether there is a next block.
+      const auto step = [&](auto b) {
+        using Other = std::integral_constant<int, decltype(b)::value ^ 1>;
+        const bool ends = kb + 1 == num_kb;  // the last block of its tile
+        const bool last = kStageKB == 1 || ends || pipe.sub + 1 == kStageKB;
+        const W4A8Pipe cur = pipe;
+        pipe.next_block(last, stages);
+        if constexpr (kParts == 2) {
+          issue(b, b, cur);
+          if (have_prev) {
+            ptx::wgmma_wait<1>();
+            fold(Other{}, prev, prev_last);
+            if (prev_ends) {
+              epilogue(tile);
+              tile = ld_tile;
+            }
+          }
+          prev = cur;
+          prev_last = last;
+          prev_ends = ends;
+          have_prev = true;
+          // The next block (the next tile's first after a tile's last; the scheduler is asked only
+          // now, so that `tile` above was still the finished one).
+          if (ends) {
+            more = scheduler.next(ld_tile, p);
+            kb = 0;
+          } else {
+            ++kb;
+          }
+          if (more) load(Other{}, pipe);
+        } else {
+          issue(b, I0{}, cur);
+          if (ends) {
+            more = scheduler.next(ld_tile, p);
+            kb = 0;
+          } else {
+            ++kb;
+          }
+          if (more) load(Other{}, pipe);
+          ptx::wgmma_wait<0>();
+          fold(I0{}, cur, last);
+          if (ends) {
+            epilogue(tile);
+            tile = ld_tile;
+          }
+        }
+        return more;
+      };
+      // The stream's last block: folded and its tile stored after the loop (two partials).
+      const auto finish = [&](auto b) {
+        if constexpr (kParts == 2) {
+          ptx::wgmma_wait<0>();
+          fold(b, prev, true);
+          epilogue(tile);
+        }
+      };
+      for (;;) {
+        if (!step(I0{})) {
+          finish(I0{});
+          break;
+        }
+        if (!step(I1{})) {
+          finish(I1{});
+          break;
         }
       }
     }

@@ -11,8 +11,14 @@
 //              term summed per stage by a producer-side warp (W4A8Traits::kOffsetWarp) instead of
 //              by the consumers (a constant-operand wgmma per K step for tiles of <= 32 rows, or
 //              m64n8k32 and a named barrier per K block for 64 and 128);
-//   stage_k_blocks = 2 (with offset_warp): two K blocks (256 K) per pipeline stage. Pinned only:
-//              6% faster on one decode GEMM, but racecheck reports its hand-off (NOTES, W4A8 v5).
+//   stage_k_blocks (version 2): K blocks per pipeline stage, 1 (0), 2 or 3 (3 without the offset
+//              warp): one barrier round trip per 128 x stage_k_blocks K. Pinned only: since the
+//              consumers' K-block stream runs across tiles (v6), 2 is 0-1% slower than 1 on the
+//              16-row decode tiles and 1-17% on the 32-row ones, 3 2-13% (NOTES, W4A8 v6); the
+//              offset warp with 2 also: racecheck reports its hand-off (NOTES, W4A8 v5).
+//   parts = 2 (version 2, no offset warp): the 32-row four-consumer tile (masked expected_m in
+//              13..24) keeps two partial accumulators in flight instead of one. Pinned only: 1-6%
+//              slower than one on the 128 x 16 decode rows (NOTES, W4A8 v6).
 //
 // Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
 // with offset_warp and stage_k_blocks as pinned when the pinned version is 2.
@@ -30,7 +36,8 @@ struct W4A8KernelChoice {
   int ablation = 0;        // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
                            // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
   int offset_warp = 0;     // version 2 only: 1 = the offset term from the producer-side offset warp
-  int stage_k_blocks = 0;  // version 2 with offset_warp only: 2 = two K blocks per stage (0, 1: one)
+  int stage_k_blocks = 0;  // version 2: K blocks per stage, 0 or 1 (one), 2, 3 (not with offset_warp)
+  int parts = 0;           // version 2 without offset_warp: 2 = two partials on the 32-row 4-consumer tile
 };
 
 // The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved

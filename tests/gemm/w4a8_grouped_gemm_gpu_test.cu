@@ -98,6 +98,7 @@ struct MaskedCase {
   int consumers = 0;
   bool device_scale = false;
   cuda::W4A8KernelChoice pin{};  // gemm/w4a8_kernel_choice.hpp: version 0 = the automatic choice
+  int max_ctas = 0;              // options.max_ctas: few CTAs, many tiles each
 };
 
 // v2 with the codes' offset term summed by the producer-side offset warp (bench/NOTES.md, W4A8 v5);
@@ -105,6 +106,14 @@ struct MaskedCase {
 constexpr cuda::W4A8KernelChoice kOffsetWarp{.version = 2, .offset_warp = 1};
 // The same with two K blocks (256 K) per pipeline stage.
 constexpr cuda::W4A8KernelChoice kOffsetWarpK2{.version = 2, .offset_warp = 1, .stage_k_blocks = 2};
+// Masked rows of 20 groups for the many-tiles-per-CTA cases (two 16-row blocks in some, none in one).
+const std::vector<std::int32_t> kManyTiles{7, 8, 1, 16, 3, 0, 5, 9, 12, 8, 8, 2, 4, 6, 11, 8, 13, 1, 10, 7};
+// Plain v2 (the offset term from the constant-operand wgmma) with two and three K blocks per stage.
+constexpr cuda::W4A8KernelChoice kK2{.version = 2, .stage_k_blocks = 2};
+constexpr cuda::W4A8KernelChoice kK3{.version = 2, .stage_k_blocks = 3};
+// Two partials on the 32-row four-consumer tile, with one and two K blocks per stage.
+constexpr cuda::W4A8KernelChoice kP2{.version = 2, .parts = 2};
+constexpr cuda::W4A8KernelChoice kK2P2{.version = 2, .stage_k_blocks = 2, .parts = 2};
 
 // Pins the W4A8 kernel for the lifetime of the guard.
 class PinKernel {
@@ -178,6 +187,7 @@ TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   cuda::W4A8GemmOptions options;
   options.block_m = c.block_m;
   options.consumers = c.consumers;
+  options.max_ctas = c.max_ctas;
   const PinKernel pin(c.pin);
   // With a device scale the host float is garbage: the kernel must not read it.
   const float host_scale = c.device_scale ? std::nanf("") : a_scale;
@@ -333,7 +343,58 @@ INSTANTIATE_TEST_SUITE_P(
             "N640_K128_one_k_block_block64_offwarp_k2", 70, {70, 5}, 640, 128, 64, 0, false, kOffsetWarpK2},
         MaskedCase{
             "N640_K7168_block128_offwarp_k2", 300, {300, 129, 7}, 640, 7168, 128, 0, false, kOffsetWarpK2},
-        MaskedCase{"N1536_K2048_all_empty_offwarp_k2", 130, {0, 0}, 1536, 2048, 0, 0, false, kOffsetWarpK2}),
+        MaskedCase{"N1536_K2048_all_empty_offwarp_k2", 130, {0, 0}, 1536, 2048, 0, 0, false, kOffsetWarpK2},
+        // Plain v2 with two and three K blocks per stage: the decode tiles (16 and 32 rows, four
+        // consumers: one copy per stage), K-block counts that are and are not a multiple of the
+        // stage (56, 16, 9, 3, 1: a tile's last stage partly filled, then the next tile's first
+        // stage fresh), two-consumer tiles (a copy per block), the 64- and 128-row tiles (per-row
+        // offset), nothing valid; many tiles per CTA (the consumers' pipeline across tiles).
+        MaskedCase{"N4096_K7168_decode_k2", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, kK2},
+        MaskedCase{"N4096_K7168_decode_k3", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, kK3},
+        MaskedCase{
+            "N7168_K2048_decode_block32_device_scale_k2", 48, {20, 5, 48, 0}, 7168, 2048, 32, 0, true, kK2},
+        MaskedCase{
+            "N7168_K2048_decode_block32_device_scale_k3", 48, {20, 5, 48, 0}, 7168, 2048, 32, 0, true, kK3},
+        MaskedCase{"N1536_K1152_odd_k_blocks_k2", 20, {20, 7}, 1536, 1152, 0, 0, false, kK2},
+        MaskedCase{"N1536_K1152_odd_k_blocks_k3", 20, {20, 7}, 1536, 1152, 0, 0, false, kK3},
+        MaskedCase{
+            "N512_K384_three_k_blocks_block16_consumers4_k2", 40, {40, 31}, 512, 384, 16, 4, false, kK2},
+        MaskedCase{
+            "N512_K384_three_k_blocks_block32_consumers4_k3", 40, {40, 31}, 512, 384, 32, 4, false, kK3},
+        MaskedCase{
+            "N1536_K1152_odd_k_blocks_block32_consumers2_k3", 70, {70, 33, 1}, 1536, 1152, 32, 2, false, kK3},
+        MaskedCase{"N1536_K2048_block16_consumers2_k2", 37, {37, 3, 0, 17}, 1536, 2048, 16, 2, false, kK2},
+        MaskedCase{"N640_K128_one_k_block_block64_k3", 70, {70, 5}, 640, 128, 64, 0, false, kK3},
+        MaskedCase{"N640_K1152_block128_k2", 300, {300, 129, 7}, 640, 1152, 128, 0, false, kK2},
+        MaskedCase{"N1536_K2048_all_empty_k3", 130, {0, 0}, 1536, 2048, 0, 0, false, kK3},
+        // Few CTAs, many tiles each (the consumers' one K-block stream across tiles: a tile's last
+        // block folded and stored after the next tile's first is issued, frag parity carried over
+        // odd counts, empty and one-block groups between), with every stage size, the one-partial
+        // 32-row tile and one K block per tile.
+        MaskedCase{"N2048_K1152_many_tiles_per_cta_v2", 16, kManyTiles, 2048, 1152, 0, 0, false, {2}, 7},
+        MaskedCase{"N2048_K1152_many_tiles_per_cta_k2", 16, kManyTiles, 2048, 1152, 0, 0, false, kK2, 7},
+        MaskedCase{"N2048_K1280_many_tiles_per_cta_k3", 16, kManyTiles, 2048, 1280, 0, 0, true, kK3, 7},
+        MaskedCase{"N2048_K1152_many_tiles_per_cta_offwarp_k2", 16, kManyTiles, 2048, 1152, 0, 0, false,
+                   kOffsetWarpK2, 5},
+        MaskedCase{"N2048_K1280_many_tiles_per_cta_block32_k3", 16, kManyTiles, 2048, 1280, 32, 0, false, kK3,
+                   6},
+        MaskedCase{
+            "N2048_K1152_many_tiles_per_cta_block32_v2", 16, kManyTiles, 2048, 1152, 32, 0, false, {2}, 6},
+        MaskedCase{
+            "N2048_K128_many_tiles_per_cta_one_k_block_v2", 16, kManyTiles, 2048, 128, 0, 0, false, {2}, 3},
+        MaskedCase{"N2048_K256_many_tiles_per_cta_k3", 16, kManyTiles, 2048, 256, 0, 0, false, kK3, 4},
+        // The 32-row tile with two partials: decode shape, an odd K-block count with few CTAs, three
+        // K blocks, one K block, two K blocks per stage.
+        MaskedCase{
+            "N7168_K2048_decode_block32_device_scale_p2", 48, {20, 5, 48, 0}, 7168, 2048, 32, 0, true, kP2},
+        MaskedCase{"N2048_K1152_many_tiles_per_cta_block32_p2", 16, kManyTiles, 2048, 1152, 32, 0, false, kP2,
+                   6},
+        MaskedCase{
+            "N512_K384_three_k_blocks_block32_consumers4_p2", 40, {40, 31}, 512, 384, 32, 4, false, kP2},
+        MaskedCase{"N2048_K128_many_tiles_per_cta_one_k_block_block32_p2", 16, kManyTiles, 2048, 128, 32, 0,
+                   false, kP2, 3},
+        MaskedCase{"N2048_K1280_many_tiles_per_cta_block32_k2_p2", 16, kManyTiles, 2048, 1280, 32, 0, false,
+                   kK2P2, 5}),
     [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- contiguous
@@ -428,7 +489,9 @@ INSTANTIATE_TEST_SUITE_P(
                        1152,
                        1,
                        true,
-                       kOffsetWarpK2}),
+                       kOffsetWarpK2},
+        // v2 (128 x 128) with three K blocks per stage (9 per tile: a partial last stage).
+        ContiguousCase{"N1536_K1152_odd_k_blocks_holes_v2_k3", {5, 130, 0, 33}, 1536, 1152, 1, true, kK3}),
     [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
 
 // The masked GEMM captured once in a CUDA graph, replayed with new counts written on the device.

@@ -304,15 +304,27 @@ TEST(W4A8Pack, RefusesBadArguments) {
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 2}); },
                         "W4A8 offset_warp must be 0, or 1 with version 2");
   EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1}));
-  expect_error_mentions(
-      [&] { cuda::w4a8_pin_kernel({.version = 2, .stage_k_blocks = 2}); },
-      "W4A8 stage_k_blocks must be 0 or 1, or 2 with offset_warp = 1, got 2 with offset_warp 0");
+  // Two or three K blocks per stage: v2 only, three without the offset warp.
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .stage_k_blocks = 2}));
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .stage_k_blocks = 3}));
   EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .stage_k_blocks = 2}));
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .stage_k_blocks = 3}); },
+                        "got 3 with version 2 and offset_warp 1");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 3, .stage_k_blocks = 2}); },
+                        "got 2 with version 3 and offset_warp 0");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .stage_k_blocks = 4}); },
+                        "W4A8 stage_k_blocks must be 0 or 1, 2 with version 2, or 3");
+  // Two partials on the 32-row tile: v2 without the offset warp.
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .stage_k_blocks = 2, .parts = 2}));
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .parts = 2}); },
+                        "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got 2");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .parts = 3}); }, "W4A8 parts must be");
   cuda::w4a8_pin_kernel({});
 }
 
-// The automatic choice (bench/NOTES.md, W4A8 v5): decode rows (expected_m <= 24) take the plain
-// register-operand kernel (the offset-warp variants stay pinned-only: racecheck), the rest v3.
+// The automatic choice (bench/NOTES.md, W4A8 v6): decode rows (expected_m <= 24) take the plain
+// register-operand kernel, one K block per stage (the offset-warp variants stay pinned-only:
+// racecheck), the rest v3.
 TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   const auto is = [](const cuda::W4A8KernelChoice& c, int version, int offset_warp, int stage_k_blocks) {
     return c.version == version && c.offset_warp == offset_warp && c.stage_k_blocks == stage_k_blocks;
