@@ -126,6 +126,11 @@ Variant skew_variant() {
   v.options.consumer_skew = true;
   return v;
 }
+Variant unrolled_variant() {
+  Variant v{".unrolled", {}};
+  v.options.unrolled_k_loop = true;
+  return v;
+}
 Variant pingpong_variant() {
   Variant v{".pingpong", {}};
   v.options.pingpong = true;
@@ -224,7 +229,8 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
-  std::vector<Variant> variants{{"", {}}, c1_variant(), pingpong_variant(), skew_variant(), v2_variant()};
+  std::vector<Variant> variants{{"", {}},       c1_variant(),       pingpong_variant(),
+                                skew_variant(), unrolled_variant(), v2_variant()};
   if (chosen.block_n == 256) {
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;

@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -94,6 +95,7 @@ struct GroupedGemmParams {
   std::int32_t cluster;          // CTAs per cluster along N (1 or 2; 2: A multicast, tma_a_part = 64 rows)
   std::int32_t pingpong;         // 1: the two consumer warpgroups issue their wgmma waves in turn
   std::int32_t skew;             // 1: consumer 1 starts each tile after consumer 0's first wave issue
+  std::int32_t unroll;           // 1: the consumers' K loop unrolled over the stages (where it applies)
   std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
   std::int32_t ablation;         // kAblate*: timing experiments only
 };
@@ -271,6 +273,12 @@ template <int kN>
 __device__ __forceinline__ void fence_all(float (&r)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) ptx::fence_operand(r[i]);
+}
+
+// Calls f(std::integral_constant<int, I>{}) for I = 0 .. N - 1, in order.
+template <typename F, int... I>
+__device__ __forceinline__ void for_each_index(std::integer_sequence<int, I...>, F&& f) {
+  (f(std::integral_constant<int, I>{}), ...);
 }
 
 // The pipeline position (stage, phase) that producer and consumers advance in lockstep.
@@ -464,6 +472,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     // no wgmma). Consumer 1 hands the first turn to consumer 0.
     const bool ordered =
         Traits::kConsumers == 2 && p.pingpong != 0 && (p.ablation & (kAblateMath | kAblateOneWait)) == 0;
+    // The K loop unrolled over the stages (options.unrolled_k_loop): all stages in use and a whole
+    // number of rounds of them per tile, so that every tile starts at stage 0.
+    const bool unrolled = p.unroll != 0 && stages == kStages && num_kb % kStages == 0;
     // Skew: the same turn passing for the first wave of each tile only (strict alternation, as
     // ping-pong: no barrier phase can complete without both warpgroups).
     const bool skewed = Traits::kConsumers == 2 && !ordered && p.skew != 0 &&
@@ -537,49 +548,67 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           pipe.advance(stages);
         }
       } else {
-        // The K loop; the timing ablations (kAblateOneWait, kAblatePromote) get their own copies of
-        // it, so the default loop's code is what it is without them.
-        const auto k_loop = [&](auto one_wait, auto no_promote) {
+        // One K block in stage `stage_v` (a run-time int, or a std::integral_constant: the unrolled
+        // loop, where every barrier, scale and descriptor address is a uniform base plus an
+        // immediate). The timing ablations (kAblateOneWait, kAblatePromote) get their own copies, so
+        // the default loop's code is what it is without them.
+        const auto k_block = [&](auto one_wait, auto no_promote, auto stage_v, std::int32_t kb,
+                                 std::uint32_t phase) {
           constexpr bool kOneWait = decltype(one_wait)::value;
           constexpr bool kNoPromote = decltype(no_promote)::value;
-          for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-            const int stage = pipe.stage;
-            ptx::mbar_wait(u_full + 8 * stage, pipe.phase);
-            // This K block's scales, read before the stage is given back.
-            const std::uint32_t scales = u_scales + stage * Traits::kScaleBytes;
-            const float s_a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;
-            const float s_b = valid_b ? ptx::ld_shared_f32(scales + 4 * (row_in_tile + 8)) : 0.0f;
-            float s_w[kWaves];
+          const int stage = stage_v;
+          ptx::mbar_wait(u_full + 8 * stage, phase);
+          // This K block's scales, read before the stage is given back.
+          const std::uint32_t scales = u_scales + stage * Traits::kScaleBytes;
+          const float s_a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;
+          const float s_b = valid_b ? ptx::ld_shared_f32(scales + 4 * (row_in_tile + 8)) : 0.0f;
+          float s_w[kWaves];
 #pragma unroll
-            for (int w = 0; w < kWaves; ++w) s_w[w] = ptx::ld_shared_f32(scales + 4 * (kBlockM + w));
+          for (int w = 0; w < kWaves; ++w) s_w[w] = ptx::ld_shared_f32(scales + 4 * (kBlockM + w));
 
-            const std::uint32_t a_desc = a_desc0 + static_cast<std::uint32_t>(stage) * kADescStage;
-            const std::uint32_t b_desc = b_desc0 + static_cast<std::uint32_t>(stage) * kBDescStage;
+          const std::uint32_t a_desc = a_desc0 + static_cast<std::uint32_t>(stage) * kADescStage;
+          const std::uint32_t b_desc = b_desc0 + static_cast<std::uint32_t>(stage) * kBDescStage;
 #pragma unroll
-            for (int w = 0; w < kWaves; ++w) {
-              const bool turn = ordered || (skewed && kb == 0 && w == 0);
-              if (turn) ptx::named_bar_sync(my_turn, 256);
-              if (!kOneWait || w == 0) {
-                fence_all(part[0]);
-                ptx::wgmma_fence();
-              }
-#pragma unroll
-              for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
-                ptx::wgmma_m64n128k32_e4m3(part[0], ptx::wgmma_desc_from_lo(a_desc + kk * kDescK),
-                                           ptx::wgmma_desc_from_lo(b_desc + w * kBDescWave + kk * kDescK),
-                                           kk > 0 || (kOneWait && w > 0));
-              }
-              if (kOneWait && w < kWaves - 1) continue;
-              ptx::wgmma_commit();
-              if (turn) ptx::named_bar_arrive(their_turn, 256);
-              ptx::wgmma_wait<0>();
+          for (int w = 0; w < kWaves; ++w) {
+            const bool turn = ordered || (skewed && kb == 0 && w == 0);
+            if (turn) ptx::named_bar_sync(my_turn, 256);
+            if (!kOneWait || w == 0) {
               fence_all(part[0]);
-              // After the last wave this warp is done with the stage; the fences keep the promotion
-              // after the arrive, so the producers get the stage back early.
-              if (w == kWaves - 1) free_stage(stage);
-              fence_all(part[0]);
-              if constexpr (!kNoPromote) promote(acc[w], part[0], s_a, s_b, s_w[w]);
+              ptx::wgmma_fence();
             }
+#pragma unroll
+            for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
+              ptx::wgmma_m64n128k32_e4m3(part[0], ptx::wgmma_desc_from_lo(a_desc + kk * kDescK),
+                                         ptx::wgmma_desc_from_lo(b_desc + w * kBDescWave + kk * kDescK),
+                                         kk > 0 || (kOneWait && w > 0));
+            }
+            if (kOneWait && w < kWaves - 1) continue;
+            ptx::wgmma_commit();
+            if (turn) ptx::named_bar_arrive(their_turn, 256);
+            ptx::wgmma_wait<0>();
+            fence_all(part[0]);
+            // After the last wave this warp is done with the stage; the fences keep the promotion
+            // after the arrive, so the producers get the stage back early.
+            if (w == kWaves - 1) free_stage(stage);
+            fence_all(part[0]);
+            if constexpr (!kNoPromote) promote(acc[w], part[0], s_a, s_b, s_w[w]);
+          }
+        };
+        const auto k_loop = [&](auto one_wait, auto no_promote) {
+          if constexpr (!decltype(one_wait)::value && !decltype(no_promote)::value) {
+            if (unrolled) {
+              // Every tile starts at stage 0 here (num_kb is a multiple of the stages).
+              for (std::int32_t kb0 = 0; kb0 < num_kb; kb0 += kStages) {
+                for_each_index(std::make_integer_sequence<int, kStages>{}, [&](auto s) {
+                  k_block(one_wait, no_promote, s, kb0 + decltype(s)::value, pipe.phase);
+                });
+                pipe.phase ^= 1u;
+              }
+              return;
+            }
+          }
+          for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+            k_block(one_wait, no_promote, pipe.stage, kb, pipe.phase);
             pipe.advance(stages);
           }
         };

@@ -61,6 +61,9 @@ struct GroupedGemmOptions {
   // has issued its own (one named barrier per tile), after which the two run free, half a wave
   // apart, so that one's promotion can run under the other's wgmma (ignored with pingpong).
   bool consumer_skew = false;
+  // The consumers' K loop unrolled over the pipeline stages where K / 128 is a multiple of them
+  // (every stage address then a constant offset): unmeasured, off by default (bench/NOTES.md, v5).
+  bool unrolled_k_loop = false;
   // 16-byte output stores after a transpose across lanes (else 4-byte stores straight from the
   // accumulator layout).
   bool vector_epilogue = true;
