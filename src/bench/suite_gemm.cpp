@@ -121,6 +121,16 @@ Variant c2_variant() {
   v.options.cluster = 2;
   return v;
 }
+Variant skew_variant() {
+  Variant v{".skew", {}};
+  v.options.consumer_skew = true;
+  return v;
+}
+Variant unrolled_variant() {
+  Variant v{".unrolled", {}};
+  v.options.unrolled_k_loop = true;
+  return v;
+}
 Variant pingpong_variant() {
   Variant v{".pingpong", {}};
   v.options.pingpong = true;
@@ -159,8 +169,27 @@ std::vector<Variant> experiments(bool masked) {
   add("scalar_epilogue", [](auto& o) { o.vector_epilogue = false; });
   add("stages2", [](auto& o) { o.stages = 2; });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
+  // v5: where the consumers' time goes (bits of GroupedGemmOptions::ablation).
+  add("no_promote", [](auto& o) { o.ablation = 4; });
+  add("one_wait", [](auto& o) { o.ablation = 8; });
+  add("one_wait_no_promote", [](auto& o) { o.ablation = 8 | 4; });
+  add("no_epilogue", [](auto& o) { o.ablation = 16; });
+  add("no_scales", [](auto& o) { o.ablation = 32; });
+  add("no_loads_no_scales", [](auto& o) { o.ablation = 2 | 32; });
+  add("no_loads_no_promote", [](auto& o) { o.ablation = 2 | 32 | 4; });
+  add("tensor_only", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16; });
+  add("tensor_only_cluster1", [](auto& o) {
+    o.ablation = 2 | 32 | 4 | 8 | 16;
+    o.cluster = 1;
+  });
   if (masked) add("full_a_box", [](auto& o) { o.small_a_box = false; });
   return v;
+}
+
+// EPMOE_BENCH_GEMM_MAIN_ONLY=1: the contiguous rows time only their main line (profiling).
+bool main_line_only() {
+  const char* e = std::getenv("EPMOE_BENCH_GEMM_MAIN_ONLY");
+  return e != nullptr && *e != '\0' && *e != '0';
 }
 
 bool experiments_enabled() {
@@ -200,11 +229,13 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
-  std::vector<Variant> variants{{"", {}}, c1_variant(), pingpong_variant(), v2_variant()};
+  std::vector<Variant> variants{{"", {}},       c1_variant(),       pingpong_variant(),
+                                skew_variant(), unrolled_variant(), v2_variant()};
   if (chosen.block_n == 256) {
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;
   }
+  if (main_line_only()) variants.resize(1);
   if (experiment) {
     for (Variant& v : experiments(false)) variants.push_back(std::move(v));
   }
@@ -513,10 +544,18 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   std::uint64_t seed = 2026;
   // EPMOE_BENCH_GEMM_ONLY=decode: only the masked rows with 128 groups (the W4A8 decode bar).
   const char* only = std::getenv("EPMOE_BENCH_GEMM_ONLY");
-  const bool decode_only = only != nullptr && std::string(only) == "decode";
+  const std::string only_s = only != nullptr ? std::string(only) : std::string();
+  const bool decode_only = only_s == "decode";
+  // EPMOE_BENCH_GEMM_ROW=GxMxN (e.g. 8x4096x4096): only that row (groups x m per group x n).
+  const char* row = std::getenv("EPMOE_BENCH_GEMM_ROW");
   for (const Anchor& s : kAnchors) {
     seed += 101;
     if (decode_only && !(s.masked && s.groups == 128)) continue;
+    if (only_s == "contiguous" && s.masked) continue;
+    if (only_s == "masked" && !s.masked) continue;
+    if (row != nullptr && *row != '\0' &&
+        std::to_string(s.groups) + "x" + std::to_string(s.m) + "x" + std::to_string(s.n) != row)
+      continue;
     const bool experiment = experiments_on && experiment_shape(s);
     if (options.quant == "w4a8") {
       run_w4a8(s, seed, options, experiment, results);

@@ -170,6 +170,17 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(std::uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
+// Waits until all of this thread's earlier cp.async have landed (and are visible to it).
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+__device__ __forceinline__ std::int32_t ld_shared_s32(std::uint32_t addr) {
+  std::int32_t v;
+  asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ float ld_shared_f32(std::uint32_t addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
@@ -212,6 +223,31 @@ __device__ __forceinline__ std::uint64_t wgmma_desc_sw128(std::uint32_t addr) {
   constexpr std::uint64_t kSwizzle128B = 1;
   return static_cast<std::uint64_t>((addr & 0x3ffffu) >> 4) | (kLeading << 16) | (kStride << 32) |
          (kSwizzle128B << 62);
+}
+
+// The same descriptor as two 32-bit words: the low word (start address >> 4 and the leading byte
+// offset) varies with the address, the high word (stride byte offset, swizzle mode) does not. For
+// addresses below 256 KB (all of shared memory) the address field has room for any offset inside
+// it, so desc(addr + off) = desc(addr) + off / 16 in the low word: a descriptor for the next K
+// step, stage or wave is one 32-bit add, and both words can live in uniform registers.
+__device__ __forceinline__ std::uint32_t wgmma_desc_sw128_lo(std::uint32_t addr) {
+  return static_cast<std::uint32_t>(wgmma_desc_sw128(addr));
+}
+inline constexpr std::uint32_t kWgmmaDescSw128Hi = static_cast<std::uint32_t>((1024u >> 4) | (1u << 30));
+__device__ __forceinline__ std::uint64_t wgmma_desc_from_lo(std::uint32_t lo) {
+  return (static_cast<std::uint64_t>(kWgmmaDescSw128Hi) << 32) | lo;
+}
+
+// The shared::cluster address of `bar` (a shared::cta address) in CTA `rank` of the cluster: the
+// peer's window is contiguous, so addresses of its other barriers follow by plain offsets.
+__device__ __forceinline__ std::uint32_t mapa_cluster(std::uint32_t bar, std::uint32_t rank) {
+  std::uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
+  return remote;
+}
+// Arrive on an mbarrier of another CTA of the cluster, at a shared::cluster address (mapa_cluster).
+__device__ __forceinline__ void mbar_arrive_remote(std::uint32_t remote_bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
 }
 
 // D[64 x 128] (+)= A[64 x 32] · B[128 x 32]^T, e4m3 x e4m3 -> f32, both operands K-major in

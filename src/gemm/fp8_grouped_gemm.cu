@@ -91,8 +91,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
   EPMOE_CHECK(options.block_n == 0 || options.block_n == 128 || options.block_n == 256,
               "options.block_n must be 0 (automatic), 128 or 256, got {}", options.block_n);
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
-  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 2, "options.ablation must be 0, 1 or 2, got {}",
-              options.ablation);
+  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 63,
+              "options.ablation must be a bit set in 0..63, got {}", options.ablation);
   EPMOE_CHECK(options.l2_promotion >= 0 && options.l2_promotion <= 2,
               "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
   EPMOE_CHECK(options.cluster >= 0 && options.cluster <= 2,
@@ -149,6 +149,8 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   params.ablation = options.ablation;
   params.cluster = cluster;
   params.pingpong = options.pingpong ? 1 : 0;
+  params.skew = options.consumer_skew && !options.pingpong ? 1 : 0;
+  params.unroll = options.unrolled_k_loop ? 1 : 0;
   params.vector_epilogue = options.vector_epilogue ? 1 : 0;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;

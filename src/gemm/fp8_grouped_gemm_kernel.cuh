@@ -39,6 +39,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -65,9 +67,12 @@ struct GemmTraits {
   // Per stage: sa of the tile's rows, then sb of its waves (padded to 16 bytes).
   static constexpr int kScaleFloats = kBlockM + 4;
   static constexpr int kScaleBytes = kScaleFloats * 4;
-  // 1024 bytes of slack to align the swizzled tiles, the tiles, the scales, the barriers.
-  static constexpr int kStages = std::min(8, (kGemmSmemBudget - 1024) / (kStageBytes + kScaleBytes + 16));
-  static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + kScaleBytes + 16);
+  // Per consumer warp: the next unit's m_indices (contiguous layout), copied a tile ahead.
+  static constexpr int kIdsBytes = kConsumers * 4 * kBlockM * 4;
+  // 1024 bytes of slack to align the swizzled tiles, the tiles, the scales, the barriers, the ids.
+  static constexpr int kStages =
+      std::min(8, (kGemmSmemBudget - 1024 - kIdsBytes) / (kStageBytes + kScaleBytes + 16));
+  static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + kScaleBytes + 16) + kIdsBytes;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 };
@@ -89,6 +94,8 @@ struct GroupedGemmParams {
   std::int32_t a_small_rows;     // rows of tma_a_part's box: tiles using no more rows load only those
   std::int32_t cluster;          // CTAs per cluster along N (1 or 2; 2: A multicast, tma_a_part = 64 rows)
   std::int32_t pingpong;         // 1: the two consumer warpgroups issue their wgmma waves in turn
+  std::int32_t skew;             // 1: consumer 1 starts each tile after consumer 0's first wave issue
+  std::int32_t unroll;           // 1: the consumers' K loop unrolled over the stages (where it applies)
   std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
   std::int32_t ablation;         // kAblate*: timing experiments only
 };
@@ -109,17 +116,35 @@ struct GemmTile {
 // every lane of the calling warp must call it (the contiguous layout reduces a block's m_indices
 // over the warp). Only the walking state lives in registers; the problem is read from the
 // (grid-constant) kernel parameters.
-template <int kBlockM, int kBlockN>
+// kLookahead (the consumers): in the contiguous layout, the m_indices of the next unit are copied
+// (cp.async) into this warp's shared-memory slot `ids_slot` (kBlockM words) when a unit is handed
+// out, so their latency (a dependent global load at every tile start, the tensor cores idle)
+// passes during the current tile's K loop, in no register.
+template <int kBlockM, int kBlockN, bool kLookahead = false>
 class GemmScheduler {
  public:
-  __device__ explicit GemmScheduler(const GroupedGemmParams& p)
+  __device__ explicit GemmScheduler(const GroupedGemmParams& p, std::uint32_t ids_slot = 0)
       : t_(static_cast<std::int32_t>(blockIdx.x) / p.cluster),
-        rank_(static_cast<std::int32_t>(blockIdx.x) % p.cluster) {
-    if (p.masked_m != nullptr) load_segment(p);
+        rank_(static_cast<std::int32_t>(blockIdx.x) % p.cluster),
+        ids_slot_(ids_slot) {
+    if (p.masked_m != nullptr) {
+      load_segment(p);
+    } else if constexpr (kLookahead) {
+      copy_ids(p, t_);
+    }
   }
 
-  __device__ bool next(GemmTile& tile, const GroupedGemmParams& p) {
-    return p.masked_m != nullptr ? next_masked(tile, p) : next_contiguous(tile, p);
+  __device__ __forceinline__ bool next(GemmTile& tile, const GroupedGemmParams& p) {
+    std::uint32_t rows = 0;
+    return p.masked_m != nullptr ? next_masked(tile, p) : next_contiguous(tile, p, -1, rows);
+  }
+  // The same, and (contiguous layout) which rows of the tile's 32-row word `word` belong to its
+  // group: bit l of `rows` is tile row 32 word + l (the masked layout leaves `rows` as it is; its
+  // rows are valid below tile.row_end). Saves the consumers a second dependent load of m_indices
+  // per tile.
+  __device__ __forceinline__ bool next(GemmTile& tile, const GroupedGemmParams& p, int word,
+                                       std::uint32_t& rows) {
+    return p.masked_m != nullptr ? next_masked(tile, p) : next_contiguous(tile, p, word, rows);
   }
 
  private:
@@ -127,35 +152,79 @@ class GemmScheduler {
   // a wave of CTAs shares a few A blocks and one band of B.
   static constexpr int kBand = kGemmBandColumns / kBlockN;
 
-  __device__ bool next_contiguous(GemmTile& tile, const GroupedGemmParams& p) {
-    const int lane = static_cast<int>(threadIdx.x % 32);
+  // Unit t of the contiguous schedule: its m-block and its n-unit.
+  __device__ __forceinline__ void unit(const GroupedGemmParams& p, std::int32_t t, std::int32_t& m_block,
+                                       std::int32_t& n_unit) const {
     const std::int32_t n_units = p.n / (kBlockN * p.cluster);
     const std::int32_t band_units = kBand / p.cluster;
+    const std::int32_t band_tiles = p.m_blocks * band_units;
+    const std::int32_t band = t / band_tiles;
+    const std::int32_t r = t - band * band_tiles;
+    const std::int32_t first_n = band * band_units;
+    const std::int32_t width = min(band_units, n_units - first_n);
+    m_block = r / width;
+    n_unit = first_n + (r - m_block * width);
+  }
+
+  // This lane's m_indices of unit t's rows (row0 + 32 i + lane; -1 past the rows).
+  __device__ __forceinline__ void load_ids(const GroupedGemmParams& p, std::int32_t t,
+                                           std::int32_t (&ids)[kBlockM / 32]) const {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    std::int32_t m_block, n_unit;
+    unit(p, t, m_block, n_unit);
+#pragma unroll
+    for (int i = 0; i < kBlockM / 32; ++i) {
+      const std::int32_t row = m_block * kBlockM + i * 32 + lane;
+      if constexpr (kLookahead) {
+        // Copied by this lane (copy_ids) for this unit: wait for them (no other cp.async here).
+        if (i == 0) ptx::cp_async_wait_all();
+        ids[i] = row < p.rows ? ptx::ld_shared_s32(ids_slot_ + 4 * (i * 32 + lane)) : -1;
+      } else {
+        ids[i] = row < p.rows ? __ldg(p.m_indices + row) : -1;
+      }
+    }
+  }
+
+  // kLookahead: starts copying unit t's m_indices (the rows below p.rows) into this lane's words of
+  // the slot. Called only once the slot's previous contents are in registers and used (reduced).
+  __device__ __forceinline__ void copy_ids(const GroupedGemmParams& p, std::int32_t t) const {
+    if (t >= p.total_units) return;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    std::int32_t m_block, n_unit;
+    unit(p, t, m_block, n_unit);
+#pragma unroll
+    for (int i = 0; i < kBlockM / 32; ++i) {
+      const std::int32_t row = m_block * kBlockM + i * 32 + lane;
+      if (row < p.rows) ptx::cp_async_4(ids_slot_ + 4 * (i * 32 + lane), p.m_indices + row);
+    }
+  }
+
+  __device__ __forceinline__ bool next_contiguous(GemmTile& tile, const GroupedGemmParams& p, int word,
+                                                  std::uint32_t& rows) {
+    const int lane = static_cast<int>(threadIdx.x % 32);
     while (t_ < p.total_units) {
       const std::int32_t t = t_;
       t_ += static_cast<std::int32_t>(gridDim.x) / p.cluster;
-      const std::int32_t band_tiles = p.m_blocks * band_units;
-      const std::int32_t band = t / band_tiles;
-      const std::int32_t r = t - band * band_tiles;
-      const std::int32_t first_n = band * band_units;
-      const std::int32_t width = min(band_units, n_units - first_n);
-      const std::int32_t m_block = r / width;
+      std::int32_t m_block, n_unit;
+      unit(p, t, m_block, n_unit);
       const std::int32_t row0 = m_block * kBlockM;
       std::int32_t g = -1, ids[kBlockM / 32];
+      load_ids(p, t, ids);
 #pragma unroll
-      for (int i = 0; i < kBlockM / 32; ++i) {
-        const std::int32_t row = row0 + i * 32 + lane;
-        ids[i] = row < p.rows ? __ldg(p.m_indices + row) : -1;
-        g = max(g, ids[i]);
-      }
+      for (int i = 0; i < kBlockM / 32; ++i) g = max(g, ids[i]);
       g = __reduce_max_sync(0xffffffffu, g);
+      if constexpr (kLookahead)
+        copy_ids(p, t_);                     // the next unit's (the slot's words are read: g needed them)
       if (g < 0 || g >= p.groups) continue;  // padding only (or ids out of range): nothing to do
       std::int32_t last = 0;
 #pragma unroll
-      for (int i = 0; i < kBlockM / 32; ++i)
+      for (int i = 0; i < kBlockM / 32; ++i) {
         if (ids[i] == g) last = i * 32 + lane + 1;
+        const std::uint32_t mine = __ballot_sync(0xffffffffu, ids[i] == g);
+        if (i == word) rows = mine;
+      }
       last = __reduce_max_sync(0xffffffffu, last);
-      tile = GemmTile{g, (first_n + (r - m_block * width)) * p.cluster + rank_, row0, 0, p.rows, 0, last};
+      tile = GemmTile{g, n_unit * p.cluster + rank_, row0, 0, p.rows, 0, last};
       return true;
     }
     return false;
@@ -192,6 +261,7 @@ class GemmScheduler {
 
   std::int32_t t_, rank_;
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
+  std::uint32_t ids_slot_;  // kLookahead: this warp's kBlockM words of shared memory
 };
 
 __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
@@ -203,6 +273,12 @@ template <int kN>
 __device__ __forceinline__ void fence_all(float (&r)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) ptx::fence_operand(r[i]);
+}
+
+// Calls f(std::integral_constant<int, I>{}) for I = 0 .. N - 1, in order.
+template <typename F, int... I>
+__device__ __forceinline__ void for_each_index(std::integer_sequence<int, I...>, F&& f) {
+  (f(std::integral_constant<int, I>{}), ...);
 }
 
 // The pipeline position (stage, phase) that producer and consumers advance in lockstep.
@@ -230,14 +306,19 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64
   }
 }
 
-// Ablation modes (GroupedGemmParams::ablation): timing experiments only, the output is garbage.
+// Ablation bits (GroupedGemmParams::ablation): timing experiments only, the output is garbage.
 inline constexpr int kAblateNone = 0;
-inline constexpr int kAblateMath = 1;   // consumers skip the wgmma and the promotion
-inline constexpr int kAblateLoads = 2;  // the producer arms the full barriers without loading A and B
+inline constexpr int kAblateMath = 1;     // consumers skip the wgmma and the promotion
+inline constexpr int kAblateLoads = 2;    // the producer arms the full barriers without loading A and B
+inline constexpr int kAblatePromote = 4;  // consumers skip the promotion (wgmma and wait kept)
+inline constexpr int kAblateOneWait = 8;  // all waves of a K block into one partial: one wait, one promotion
+inline constexpr int kAblateEpilogue = 16;  // no output stores
+inline constexpr int kAblateScales = 32;    // the scale warp copies nothing (arrives only)
 
 // Named barriers passing the wgmma turn between the two consumer warpgroups (ping-pong): consumer c
 // waits on kTurnBarrier + c before issuing a wave and arrives on the other's after issuing it.
 inline constexpr std::uint32_t kTurnBarrier = 1;
+static_assert((kTurnBarrier ^ 3u) == kTurnBarrier + 1);
 
 // Transposes 4 x 4 words across the 4 lanes of a quad (q = lane % 4): on return w[k] holds what
 // lane k held in w[q] (two rounds of xor shuffles, two words each).
@@ -281,6 +362,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const std::uint32_t smem_scales = smem_b + kStages * Traits::kBBytes;        // kStages x kScaleFloats f32
   const std::uint32_t full_bar = smem_scales + kStages * Traits::kScaleBytes;  // kStages x 8 bytes
   const std::uint32_t empty_bar = full_bar + kStages * 8;                      // kStages x 8 bytes
+  const std::uint32_t smem_ids = (empty_bar + kStages * 8 + 15u) & ~15u;       // Traits::kIdsBytes
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -331,7 +413,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
             ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
-            if (p.ablation == kAblateLoads) {
+            if ((p.ablation & kAblateLoads) != 0) {
               ptx::mbar_arrive(full);
             } else {
               // Both halves of A (this CTA's and the peer's multicast) count toward this barrier.
@@ -361,12 +443,14 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
           const std::uint32_t scales = smem_scales + pipe.stage * Traits::kScaleBytes + 4 * lane;
+          if (kWaves == 1 || (p.ablation & kAblateScales) == 0) {
 #pragma unroll
-          for (int i = 0; i < kBlockM / 32; ++i) {
-            if (local0 + i * 32 < p.rows)
-              ptx::cp_async_4(scales + 4 * 32 * i, p.sa + sa_off + i * 32 * p.sa_row_stride);
+            for (int i = 0; i < kBlockM / 32; ++i) {
+              if (local0 + i * 32 < p.rows)
+                ptx::cp_async_4(scales + 4 * 32 * i, p.sa + sa_off + i * 32 * p.sa_row_stride);
+            }
+            if (lane < kWaves) ptx::cp_async_4(scales + 4 * kBlockM, p.sb + sb_off + kb);
           }
-          if (lane < kWaves) ptx::cp_async_4(scales + 4 * kBlockM, p.sb + sb_off + kb);
           ptx::cp_async_mbar_arrive_noinc(full_bar + 8 * pipe.stage);  // once this lane's copies land
           sa_off += p.sa_kb_stride;
           pipe.advance(stages);
@@ -386,18 +470,50 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     const int col_in_tile = (lane % 4) * 2;
     // Ping-pong between the two consumer warpgroups (never under the math ablation, which issues
     // no wgmma). Consumer 1 hands the first turn to consumer 0.
-    const bool ordered = Traits::kConsumers == 2 && p.pingpong != 0 && p.ablation != kAblateMath;
-    const std::uint32_t my_turn = kTurnBarrier + static_cast<std::uint32_t>(consumer);
-    const std::uint32_t their_turn = kTurnBarrier + static_cast<std::uint32_t>(consumer ^ 1);
-    if (ordered && consumer == 1) ptx::named_bar_arrive(their_turn, 256);
+    const bool ordered =
+        Traits::kConsumers == 2 && p.pingpong != 0 && (p.ablation & (kAblateMath | kAblateOneWait)) == 0;
+    // The K loop unrolled over the stages (options.unrolled_k_loop): all stages in use and a whole
+    // number of rounds of them per tile, so that every tile starts at stage 0.
+    const bool unrolled = p.unroll != 0 && stages == kStages && num_kb % kStages == 0;
+    // Skew: the same turn passing for the first wave of each tile only (strict alternation, as
+    // ping-pong: no barrier phase can complete without both warpgroups).
+    const bool skewed = Traits::kConsumers == 2 && !ordered && p.skew != 0 &&
+                        (p.ablation & (kAblateMath | kAblateOneWait)) == 0;
+    const std::uint32_t my_turn =
+        __shfl_sync(0xffffffffu, kTurnBarrier + static_cast<std::uint32_t>(consumer), 0);
+    const std::uint32_t their_turn = my_turn ^ 3u;  // kTurnBarrier + (consumer ^ 1): barriers 1 and 2
+    if ((ordered || skewed) && consumer == 1) ptx::named_bar_arrive(their_turn, 256);
 
-    GemmScheduler<kBlockM, kBlockN> scheduler(p);
+    // What the K loop addresses, computed once and broadcast from lane 0 so that the compiler sees
+    // warp-uniform values (uniform registers): with 192 of the 232 registers in accumulators it
+    // otherwise re-derives the shared-memory window, the barrier addresses and each wgmma
+    // descriptor (~10 instructions per wgmma) on every K block, between the waves (bench/NOTES.md, v5).
+    const std::uint32_t u_smem = __shfl_sync(0xffffffffu, smem_base, 0);
+    const std::uint32_t u_consumer = __shfl_sync(0xffffffffu, static_cast<std::uint32_t>(consumer), 0);
+    const std::uint32_t u_full = u_smem + (full_bar - smem_base);
+    const std::uint32_t u_empty = u_smem + (empty_bar - smem_base);
+    const std::uint32_t u_scales = u_smem + (smem_scales - smem_base);
+    // The peer CTA's empty barriers (cluster of two), or 0.
+    const std::uint32_t u_peer_empty =
+        clustered ? __shfl_sync(0xffffffffu, ptx::mapa_cluster(empty_bar, rank ^ 1u), 0) : 0u;
+    // Descriptors (low words) of stage 0: this consumer's 64 rows of A, the B tile.
+    const std::uint32_t a_desc0 = ptx::wgmma_desc_sw128_lo(u_smem + u_consumer * 64 * kGemmBlockK);
+    const std::uint32_t b_desc0 = ptx::wgmma_desc_sw128_lo(u_smem + (smem_b - smem_base));
+    constexpr std::uint32_t kADescStage = Traits::kABytes >> 4;
+    constexpr std::uint32_t kBDescStage = Traits::kBBytes >> 4;
+    constexpr std::uint32_t kBDescWave = (kGemmWaveN * kGemmBlockK) >> 4;
+    constexpr std::uint32_t kDescK = 32 >> 4;  // 32 bytes of K per wgmma
+
+    GemmScheduler<kBlockM, kBlockN, true> scheduler(
+        p, __shfl_sync(0xffffffffu, smem_ids + static_cast<std::uint32_t>(warp - 4) * kBlockM * 4, 0));
     GemmTile tile;
     PipeState pipe;
     float acc[kWaves][64];
     float part[1][64];  // one per-K-block partial (a second one does not fit: see bench/NOTES.md)
 
-    while (scheduler.next(tile, p)) {
+    // This warp's rows (row_in_tile and row_in_tile + 8, row_in_tile % 16 < 8) lie in one 32-row word.
+    std::uint32_t tile_rows = 0;
+    while (scheduler.next(tile, p, row_in_tile / 32, tile_rows)) {
       // (Set here, not once before the loop: the wgmma asm reads part, so a value from before the
       // loop would keep these registers live through the epilogue and the scheduler.)
 #pragma unroll
@@ -407,8 +523,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       bool valid_a = row_a < tile.row_end;
       bool valid_b = row_b < tile.row_end;
       if (p.m_indices != nullptr) {
-        valid_a = valid_a && __ldg(p.m_indices + row_a) == tile.group;
-        valid_b = valid_b && __ldg(p.m_indices + row_b) == tile.group;
+        valid_a = valid_a && ((tile_rows >> (row_in_tile % 32)) & 1u) != 0;
+        valid_b = valid_b && ((tile_rows >> ((row_in_tile + 8) % 32)) & 1u) != 0;
       }
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
@@ -420,58 +536,103 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // half of A lives here too).
       const auto free_stage = [&](int stage) {
         if (lane == 0) {
-          ptx::mbar_arrive(empty_bar + 8 * stage);
-          if (clustered) ptx::mbar_arrive_cluster(empty_bar + 8 * stage, rank ^ 1u);
+          ptx::mbar_arrive(u_empty + 8 * stage);
+          if (u_peer_empty != 0) ptx::mbar_arrive_remote(u_peer_empty + 8 * stage);
         }
       };
 
-      if (p.ablation == kAblateMath) {
+      if ((p.ablation & kAblateMath) != 0) {
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-          ptx::mbar_wait(full_bar + 8 * pipe.stage, pipe.phase);
+          ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
           free_stage(pipe.stage);
           pipe.advance(stages);
         }
       } else {
-        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-          const int stage = pipe.stage;
-          ptx::mbar_wait(full_bar + 8 * stage, pipe.phase);
+        // One K block in stage `stage_v` (a run-time int, or a std::integral_constant: the unrolled
+        // loop, where every barrier, scale and descriptor address is a uniform base plus an
+        // immediate). The timing ablations (kAblateOneWait, kAblatePromote) get their own copies, so
+        // the default loop's code is what it is without them.
+        const auto k_block = [&](auto one_wait, auto no_promote, auto stage_v, std::int32_t kb,
+                                 std::uint32_t phase) {
+          constexpr bool kOneWait = decltype(one_wait)::value;
+          constexpr bool kNoPromote = decltype(no_promote)::value;
+          const int stage = stage_v;
+          ptx::mbar_wait(u_full + 8 * stage, phase);
           // This K block's scales, read before the stage is given back.
-          const std::uint32_t scales = smem_scales + stage * Traits::kScaleBytes;
+          const std::uint32_t scales = u_scales + stage * Traits::kScaleBytes;
           const float s_a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;
           const float s_b = valid_b ? ptx::ld_shared_f32(scales + 4 * (row_in_tile + 8)) : 0.0f;
           float s_w[kWaves];
 #pragma unroll
           for (int w = 0; w < kWaves; ++w) s_w[w] = ptx::ld_shared_f32(scales + 4 * (kBlockM + w));
 
-          const std::uint32_t a_tile = smem_a + stage * Traits::kABytes + consumer * 64 * kGemmBlockK;
-          const std::uint32_t b_tile = smem_b + stage * Traits::kBBytes;
+          const std::uint32_t a_desc = a_desc0 + static_cast<std::uint32_t>(stage) * kADescStage;
+          const std::uint32_t b_desc = b_desc0 + static_cast<std::uint32_t>(stage) * kBDescStage;
 #pragma unroll
           for (int w = 0; w < kWaves; ++w) {
-            if (ordered) ptx::named_bar_sync(my_turn, 256);
-            fence_all(part[0]);
-            ptx::wgmma_fence();
+            const bool turn = ordered || (skewed && kb == 0 && w == 0);
+            if (turn) ptx::named_bar_sync(my_turn, 256);
+            if (!kOneWait || w == 0) {
+              fence_all(part[0]);
+              ptx::wgmma_fence();
+            }
 #pragma unroll
             for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
-              ptx::wgmma_m64n128k32_e4m3(
-                  part[0], ptx::wgmma_desc_sw128(a_tile + kk * 32),
-                  ptx::wgmma_desc_sw128(b_tile + w * kGemmWaveN * kGemmBlockK + kk * 32), kk > 0);
+              ptx::wgmma_m64n128k32_e4m3(part[0], ptx::wgmma_desc_from_lo(a_desc + kk * kDescK),
+                                         ptx::wgmma_desc_from_lo(b_desc + w * kBDescWave + kk * kDescK),
+                                         kk > 0 || (kOneWait && w > 0));
             }
+            if (kOneWait && w < kWaves - 1) continue;
             ptx::wgmma_commit();
-            if (ordered) ptx::named_bar_arrive(their_turn, 256);
+            if (turn) ptx::named_bar_arrive(their_turn, 256);
             ptx::wgmma_wait<0>();
             fence_all(part[0]);
             // After the last wave this warp is done with the stage; the fences keep the promotion
             // after the arrive, so the producers get the stage back early.
             if (w == kWaves - 1) free_stage(stage);
             fence_all(part[0]);
-            promote(acc[w], part[0], s_a, s_b, s_w[w]);
+            if constexpr (!kNoPromote) promote(acc[w], part[0], s_a, s_b, s_w[w]);
           }
-          pipe.advance(stages);
+        };
+        const auto k_loop = [&](auto one_wait, auto no_promote) {
+          if constexpr (!decltype(one_wait)::value && !decltype(no_promote)::value) {
+            if (unrolled) {
+              // Every tile starts at stage 0 here (num_kb is a multiple of the stages).
+              for (std::int32_t kb0 = 0; kb0 < num_kb; kb0 += kStages) {
+                for_each_index(std::make_integer_sequence<int, kStages>{}, [&](auto s) {
+                  k_block(one_wait, no_promote, s, kb0 + decltype(s)::value, pipe.phase);
+                });
+                pipe.phase ^= 1u;
+              }
+              return;
+            }
+          }
+          for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+            k_block(one_wait, no_promote, pipe.stage, kb, pipe.phase);
+            pipe.advance(stages);
+          }
+        };
+        using False = std::integral_constant<bool, false>;
+        using True = std::integral_constant<bool, true>;
+        // (One wait per K block is what a single-wave tile does anyway.)
+        const int timing = p.ablation & ((kWaves > 1 ? kAblateOneWait : 0) | kAblatePromote);
+        if (timing == 0) {
+          k_loop(False{}, False{});
+        } else if (timing == kAblatePromote) {
+          k_loop(False{}, True{});
+        } else if constexpr (kWaves > 1) {
+          if (timing == kAblateOneWait) {
+            k_loop(True{}, False{});
+          } else {
+            k_loop(True{}, True{});
+          }
         }
       }
 
       // Epilogue: bf16 to global memory, valid rows only.
-      if (p.vector_epilogue != 0) {
+      if ((p.ablation & kAblateEpilogue) != 0) {
+        // timing ablation: no stores
+      } else if (p.vector_epilogue != 0) {
         // Per row and 32 columns, the quad's lanes hold 2 columns of each 8 (j = 4 i + k): after the
         // transpose lane q holds the 8 columns of j = 4 i + q and stores them as one 16-byte word,
         // so each store instruction writes 64 contiguous bytes of 8 rows.
@@ -514,7 +675,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       }
     }
     // Consumer 1's last hand-over is consumer 0's to take: every bar.arrive meets its bar.sync.
-    if (ordered && consumer == 0) ptx::named_bar_sync(my_turn, 256);
+    if ((ordered || skewed) && consumer == 0) ptx::named_bar_sync(my_turn, 256);
     if (clustered) ptx::cluster_sync();
   }
 }

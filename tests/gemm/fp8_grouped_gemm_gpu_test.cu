@@ -62,6 +62,8 @@ struct ContiguousCase {
   int cluster = 0;                   // 0: heuristic (2 where the column tiles pair up)
   bool pingpong = false;
   bool vector_epilogue = true;
+  bool skew = false;      // consumer_skew
+  bool unrolled = false;  // unrolled_k_loop
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -128,6 +130,8 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   options.cluster = c.cluster;
   options.pingpong = c.pingpong;
   options.vector_epilogue = c.vector_epilogue;
+  options.consumer_skew = c.skew;
+  options.unrolled_k_loop = c.unrolled;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -190,6 +194,65 @@ INSTANTIATE_TEST_SUITE_P(
                        0,
                        2,
                        true},
+        // Consumer skew (the turn passed once per tile): K = 256 (2 K blocks, fewer than the
+        // stages, so consumer 0 could run tiles ahead) in a cluster with holes and a trailing
+        // empty block; then K = 2048 with the heuristic's cluster.
+        ContiguousCase{"N1536_K256_cluster2_skew_short_k",
+                       {130, 0, 200, 5},
+                       1536,
+                       256,
+                       ScaleLayout::mn_major_tma,
+                       0,
+                       1,
+                       true,
+                       0,
+                       2,
+                       false,
+                       true,
+                       true},
+        ContiguousCase{"N4096_K2048_skew",
+                       {300, 77},
+                       4096,
+                       2048,
+                       ScaleLayout::token_major,
+                       0,
+                       0,
+                       false,
+                       0,
+                       0,
+                       false,
+                       true,
+                       true},
+        // The K loop unrolled over the stages: 128 x 256 (4 stages, 16 K blocks) in a cluster with
+        // holes and a trailing empty block; 128 x 128 tiles with K = 1536 (6 stages, 12 K blocks).
+        ContiguousCase{"N4096_K2048_cluster2_unrolled_holes",
+                       {300, 0, 77, 129},
+                       4096,
+                       2048,
+                       ScaleLayout::mn_major_tma,
+                       0,
+                       1,
+                       true,
+                       0,
+                       2,
+                       false,
+                       true,
+                       false,
+                       true},
+        ContiguousCase{"N1536_K1536_block_n128_unrolled",
+                       {200, 5},
+                       1536,
+                       1536,
+                       ScaleLayout::token_major,
+                       0,
+                       0,
+                       false,
+                       128,
+                       0,
+                       false,
+                       true,
+                       false,
+                       true},
         ContiguousCase{"N7168_K2048_v2_paths_holes",
                        {150, 0, 64, 33},
                        7168,
@@ -217,6 +280,8 @@ struct MaskedCase {
   int cluster = 0;
   bool pingpong = false;
   bool vector_epilogue = true;
+  bool skew = false;      // consumer_skew
+  bool unrolled = false;  // unrolled_k_loop
 };
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
@@ -292,6 +357,8 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.cluster = c.cluster;
   options.pingpong = c.pingpong;
   options.vector_epilogue = c.vector_epilogue;
+  options.consumer_skew = c.skew;
+  options.unrolled_k_loop = c.unrolled;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
@@ -336,6 +403,49 @@ INSTANTIATE_TEST_SUITE_P(
                    true,
                    0,
                    2,
+                   true},
+        // Consumer skew with K = 256 (fewer K blocks than stages).
+        MaskedCase{"N1536_K256_mmax300_skew",
+                   300,
+                   {300, 0, 129},
+                   1536,
+                   256,
+                   ScaleLayout::token_major,
+                   128,
+                   true,
+                   0,
+                   1,
+                   false,
+                   true,
+                   true},
+        // Unrolled K loop: 64 x 128 decode tiles (8 stages, 16 K blocks), 128 x 256 with skew.
+        MaskedCase{"N4096_K2048_mmax72_block64_unrolled",
+                   72,
+                   {72, 0, 9},
+                   4096,
+                   2048,
+                   ScaleLayout::mn_major_tma,
+                   64,
+                   true,
+                   0,
+                   0,
+                   false,
+                   true,
+                   false,
+                   true},
+        MaskedCase{"N4096_K2048_mmax200_skew_unrolled",
+                   200,
+                   {3, 200, 0, 140},
+                   4096,
+                   2048,
+                   ScaleLayout::token_major,
+                   128,
+                   true,
+                   0,
+                   1,
+                   false,
+                   true,
+                   true,
                    true},
         MaskedCase{"N4096_K2048_mmax200_v2_paths",
                    200,

@@ -45,8 +45,10 @@ struct GroupedGemmOptions {
   bool small_a_box = true;
   // L2 promotion of the TMA loads: 0 = 256 bytes, 1 = none, 2 = 128 bytes.
   int l2_promotion = 0;
-  // 0: off. 1: skip the tensor-core work and the promotion; 2: skip the loads (the pipeline still
-  // runs). Both leave garbage in d: for locating a bottleneck only.
+  // Bits, 0: off. 1: skip the tensor-core work and the promotion; 2: skip the loads (the pipeline
+  // still runs); 4: skip the promotion; 8: one wgmma wait and promotion per K block (the waves
+  // accumulate into one partial); 16: no output stores; 32: no scale copies. All leave garbage in
+  // d: for locating a bottleneck only.
   int ablation = 0;
   // CTAs per cluster along N: 0 = automatic (contiguous layout with 128-row tiles and an even
   // N / block_n: 2; else 1), 1, or 2 (each pair of CTAs computes two neighbouring column tiles and
@@ -55,6 +57,13 @@ struct GroupedGemmOptions {
   // 128-row tiles: the two consumer warpgroups issue their tensor-core work in turn (ping-pong).
   // Off by default: measured 13% slower than leaving them alone (bench/NOTES.md, v3).
   bool pingpong = false;
+  // 128-row tiles: consumer warpgroup 1 starts each tile's first wgmma wave only once warpgroup 0
+  // has issued its own (one named barrier per tile), after which the two run free, half a wave
+  // apart, so that one's promotion can run under the other's wgmma (ignored with pingpong).
+  bool consumer_skew = false;
+  // The consumers' K loop unrolled over the pipeline stages where K / 128 is a multiple of them
+  // (every stage address then a constant offset): unmeasured, off by default (bench/NOTES.md, v5).
+  bool unrolled_k_loop = false;
   // 16-byte output stores after a transpose across lanes (else 4-byte stores straight from the
   // accumulator layout).
   bool vector_epilogue = true;
