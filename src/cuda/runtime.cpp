@@ -1,10 +1,15 @@
 #include "epmoe/cuda/runtime.hpp"
 
+#include <cstdlib>
+#include <filesystem>
+#include <system_error>
+
 namespace epmoe::cuda {
 
 void throw_cuda_error(cudaError_t status, const char* expr, const char* file, int line) {
-  detail::throw_error(file, line,
-                      fmt::format("CUDA error {} ({}) in {}", cudaGetErrorName(status), cudaGetErrorString(status), expr));
+  detail::throw_error(
+      file, line,
+      fmt::format("CUDA error {} ({}) in {}", cudaGetErrorName(status), cudaGetErrorString(status), expr));
 }
 
 int device_count() {
@@ -16,11 +21,25 @@ int device_count() {
   return count;
 }
 
+int device_count_without_cuda_init() {
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (visible == nullptr) {
+    std::error_code ec;
+    int listed = 0;
+    for (std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec), end; !ec && it != end;
+         it.increment(ec))
+      ++listed;
+    if (!ec && listed > 0) return listed;
+  }
+  return device_count();
+}
+
 std::string device_description(int device) {
   if (device_count() <= device) return "no GPU";
   cudaDeviceProp prop{};
   EPMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  return fmt::format("{} (sm_{}{}, {} SMs, {:.1f} GiB)", prop.name, prop.major, prop.minor, prop.multiProcessorCount,
+  return fmt::format("{} (sm_{}{}, {} SMs, {:.1f} GiB)", prop.name, prop.major, prop.minor,
+                     prop.multiProcessorCount,
                      static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
 }
 

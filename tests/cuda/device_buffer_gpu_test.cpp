@@ -2,11 +2,14 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/launch.hpp"
+#include "epmoe/cuda/runtime.hpp"
 #include "gpu_test_util.hpp"
 
 namespace epmoe::cuda {
@@ -80,6 +83,24 @@ TEST(DeviceBufferGpu, EventsTimeAndPropsAreRead) {
   end.record(stream);
   end.synchronize();
   EXPECT_GE(Event::elapsed_ms(start, end), 0.0f);
+}
+
+// The launcher's count (no cuInit: the driver's /proc listing) agrees with CUDA's on a GPU machine,
+// with and without CUDA_VISIBLE_DEVICES.
+TEST(RuntimeGpu, DeviceCountWithoutCudaInitAgreesWithCuda) {
+  EPMOE_REQUIRE_GPU();
+  const char* saved = std::getenv("CUDA_VISIBLE_DEVICES");
+  const std::string keep = saved != nullptr ? saved : "";
+  unsetenv("CUDA_VISIBLE_DEVICES");
+  const int listed = device_count_without_cuda_init();
+  if (saved != nullptr) setenv("CUDA_VISIBLE_DEVICES", keep.c_str(), 1);
+  if (saved == nullptr) {
+    EXPECT_EQ(listed, device_count());  // CUDA saw every listed GPU
+  }
+  setenv("CUDA_VISIBLE_DEVICES", saved != nullptr ? keep.c_str() : "0", 1);
+  EXPECT_EQ(device_count_without_cuda_init(), device_count())
+      << "with CUDA_VISIBLE_DEVICES: CUDA's own count";
+  if (saved == nullptr) unsetenv("CUDA_VISIBLE_DEVICES");
 }
 
 }  // namespace

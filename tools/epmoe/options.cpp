@@ -37,7 +37,7 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
 
 int resolve_ranks(const ModelOptions& o, Device device) {
   if (o.ranks >= 0) return o.ranks;
-  return device == Device::cuda ? std::max(1, cuda::device_count()) : 2;
+  return device == Device::cuda ? std::max(1, cuda::device_count_without_cuda_init()) : 2;
 }
 
 MoeConfig build_config(const ModelOptions& o, Device device) {
@@ -63,10 +63,12 @@ MoeConfig build_config(const ModelOptions& o, Device device) {
 
 Device resolve_device(const std::string& device, bool gpu_path) {
   if (device == "cpu") return Device::cpu;
-  if (device == "auto") return gpu_path && cuda::device_count() > 0 ? Device::cuda : Device::cpu;
+  // Counted without initialising CUDA: `epmoe run` on several GPUs only launches the ranks.
+  if (device == "auto")
+    return gpu_path && cuda::device_count_without_cuda_init() > 0 ? Device::cuda : Device::cpu;
   if (device == "gpu") {
     EPMOE_CHECK(gpu_path, "device 'gpu': this command runs on the CPU only; use --device cpu");
-    EPMOE_CHECK(cuda::device_count() > 0,
+    EPMOE_CHECK(cuda::device_count_without_cuda_init() > 0,
                 "device 'gpu': no CUDA device is present; use --device cpu or auto");
     return Device::cuda;
   }

@@ -585,7 +585,7 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
 
 void run_gpu_main(const RunOptions& o) {
   const MoeConfig config = build_config(o.model, Device::cuda);
-  const int gpus = cuda::device_count();
+  const int gpus = cuda::device_count_without_cuda_init();
   const LaunchEnvironment env = LaunchEnvironment::from_env();
   if (config.num_ranks == 1 && !env.present) {
     auto host_weights = start_host_weights(o, config);
