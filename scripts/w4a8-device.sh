@@ -17,9 +17,7 @@
 # The bench times v2 with two and three K blocks per stage (".w4a8.v2.k2", ".w4a8.v2.k3"), the offset warp
 # (".w4a8.v2.offwarp.k2") and, on the 32-row decode rows, two partials (".w4a8.v2.p2"): bench/NOTES.md,
 # W4A8 v5 and v6) on every row; memcheck's default filter (W4A8_MEMCHECK_FILTER) matches their variants of
-# its tests too. On the 32-row decode rows also the 16-row tile (".w4a8.v2.m16") and its m-blocks of
-# one weight tile back to back on one CTA (".w4a8.v2.m16x2", ".m16x2.all_sms", ".m16x2.ablate_noload":
-# W4A8 v7).
+# its tests too.
 # The bench runs before memcheck, so that a tight overall limit still brings the numbers back.
 # OUTDIR receives build.log (tail), gpu-tests.log, memcheck.log, ptxas.txt, bench.log, w4a8.json.
 # On the shared device machine, unpack the tree into a directory of its own: files left in a shared

@@ -447,23 +447,6 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   if (s.masked && s.expected_m > 12 && s.expected_m <= 24) {
     variants.push_back({".w4a8.v2.p2", {.version = 2, .parts = 2}});
     variants.push_back({".w4a8.v2.k2.p2", {.version = 2, .stage_k_blocks = 2, .parts = 2}});
-    // The 16-row tile instead of the 32-row one (bench/NOTES.md, W4A8 v7): as scheduled now, the two
-    // m-blocks of a weight tile on neighbouring CTAs at once (".m16", explicit tile), and with one
-    // CTA running both back to back, the second in reverse K order (".m16x2",
-    // W4A8KernelChoice::m_blocks_together); that on every SM (its tile ranges balance any CTA
-    // count), and without weight loads (garbage output: the SM side's own time, is there room for
-    // the second m-block's conversion and wgmma?).
-    W4A8Variant m16{".w4a8.v2.m16", {2}};
-    m16.options.block_m = 16;
-    variants.push_back(m16);
-    const cuda::W4A8KernelChoice together{.version = 2, .m_blocks_together = 1};
-    variants.push_back({".w4a8.v2.m16x2", together});
-    W4A8Variant together_all{".w4a8.v2.m16x2.all_sms", together};
-    together_all.options.max_ctas = cuda::device_props().sm_count;
-    variants.push_back(together_all);
-    cuda::W4A8KernelChoice noload = together;
-    noload.ablation = 8;  // no weight loads (kW4AblateLoads)
-    variants.push_back({".w4a8.v2.m16x2.ablate_noload", noload});
   }
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   for (const cuda::W4A8KernelChoice c :
@@ -530,15 +513,13 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     p["kernel"] = static_cast<std::int64_t>(ran.version);
     p["offset_warp"] = static_cast<std::int64_t>(ran.offset_warp);
     p["stage_k_blocks"] = static_cast<std::int64_t>(std::max(ran.stage_k_blocks, 1));
-    if (ran.m_blocks_together != 0) p["m_blocks_together"] = static_cast<std::int64_t>(ran.m_blocks_together);
     if (ran.version == 3) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = static_cast<std::int64_t>(ran.block_n);
       p["waves"] = static_cast<std::int64_t>(ran.waves);
     } else {
       const cuda::W4A8TileShape t = cuda::w4a8_gemm_tile(s.masked, s.expected_m);
-      const bool m16 = v.options.block_m == 16 || (s.masked && ran.m_blocks_together != 0);
-      p["block_m"] = static_cast<std::int64_t>(m16 ? 16 : t.block_m);
+      p["block_m"] = static_cast<std::int64_t>(t.block_m);
       p["block_n"] = static_cast<std::int64_t>(64 * t.consumers);
     }
     p["fp8_us"] = fp8_us;

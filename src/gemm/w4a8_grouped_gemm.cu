@@ -149,11 +149,10 @@ cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes,
   return config;
 }
 
-template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB, int kParts = 0, bool kTogether = false>
+template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB, int kParts = 0>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
   using Traits = W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>;
-  constexpr auto kernel =
-      &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffsetWarp, kStageKB, kParts, kTogether>;
+  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffsetWarp, kStageKB, kParts>;
   gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
   const std::int64_t ctas = plan_persistent(problem, options, kBM, Traits::kTileN, Traits::kStages);
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
@@ -183,19 +182,6 @@ void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& p
     default:
       return launch<128, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
   }
-}
-
-// m_blocks_together (masked only): the 16-row tile with a CTA running all m-blocks of one (group,
-// weight tile) back to back (W4A8KernelChoice::m_blocks_together). The tile's weight rows as
-// check_tile() chose them (four consumers unless N is not a multiple of 256 or options say two).
-void launch_together(W4A8TileShape tile, const TensorView& a, const Problem& problem,
-                     const W4A8GemmOptions& options, cudaStream_t stream) {
-  EPMOE_CHECK(options.block_m == 0 || options.block_m == 16,
-              "W4A8 m_blocks_together runs the 16-row tile: options.block_m must be 0 or 16, got {}",
-              options.block_m);
-  if (options.consumers == 0) tile.consumers = problem.params.n % 256 == 0 ? 4 : 2;
-  if (tile.consumers == 4) return launch<16, 4, false, 1, 0, true>(a, problem, options, stream);
-  launch<16, 2, false, 1, 0, true>(a, problem, options, stream);
 }
 
 // The shared-memory-conversion kernel (v3).
@@ -262,13 +248,11 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
     c.offset_warp = g_pinned.offset_warp;
     c.stage_k_blocks = g_pinned.stage_k_blocks;
     c.parts = g_pinned.parts;
-    c.m_blocks_together = g_pinned.m_blocks_together;
   }
   Problem with = problem;
   with.ablation = c.ablation;
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
-  if (c.m_blocks_together != 0 && masked) return launch_together(tile, a, with, options, stream);
   if (c.offset_warp != 0) {
     if (c.stage_k_blocks == 2) return launch<true, 2>(tile, c.parts, a, with, options, stream);
     return launch<true, 1>(tile, c.parts, a, with, options, stream);
@@ -430,13 +414,6 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
               "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got {} with version {} and "
               "offset_warp {}",
               choice.parts, choice.version, choice.offset_warp);
-  EPMOE_CHECK(choice.m_blocks_together == 0 ||
-                  (choice.m_blocks_together == 1 && choice.version == 2 && choice.offset_warp == 0 &&
-                   choice.stage_k_blocks <= 1 && choice.parts <= 1),
-              "W4A8 m_blocks_together must be 0, or 1 with version 2, no offset warp, one K block per stage "
-              "and one partial, got {} with version {}, offset_warp {}, stage_k_blocks {}, parts {}",
-              choice.m_blocks_together, choice.version, choice.offset_warp, choice.stage_k_blocks,
-              choice.parts);
   EPMOE_CHECK(
       choice.ablation >= 0 && choice.ablation <= 15 &&
           (choice.ablation == 0 || choice.version == 3 ||

@@ -206,87 +206,6 @@ class W4A8Scheduler {
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
 };
 
-// The masked schedule of the kTogether kernel (W4A8KernelChoice::m_blocks_together): the tile order
-// of W4A8Scheduler's masked layout (group, weight tile, m-block; m-block fastest), but CTA c runs
-// the contiguous range [T c / grid, T (c + 1) / grid) of the T valid tiles, so that the m-blocks of
-// one (group, weight tile) run back to back on one CTA and the second one's weights can come from
-// L2 instead of DRAM (only a (group, weight tile) cut by a range end is split between two CTAs).
-// Ranges, not a round robin of whole (group, weight tile) units: groups have one or two m-blocks at
-// random, and 16 units per CTA dealt round robin would leave some CTAs ~5 tiles above the mean;
-// ranges differ by at most one tile. The constructor is warp-collective (T and the first group of
-// the range come from a warp scan over masked_m). Masked layout only: the host never launches this
-// kernel for the contiguous one (next() then returns false: no work rather than a wild read).
-// (A class of its own, not a mode of W4A8Scheduler: the default kernels keep their exact code.)
-template <int kBM, int kTileN>
-class W4A8RangeScheduler {
- public:
-  __device__ explicit W4A8RangeScheduler(const W4A8Params& p) {
-    if (p.masked_m != nullptr) init_range(p);
-  }
-
-  __device__ bool next(W4A8Tile& tile, const W4A8Params& p) {
-    if (t_ >= end_) return false;
-    while (t_ >= seg_start_ + seg_tiles_) {  // t_ < T: a group with tiles left follows
-      seg_start_ += seg_tiles_;
-      ++g_;
-      load_segment(p);
-    }
-    const std::int32_t r = t_ - seg_start_;
-    ++t_;
-    const std::int32_t m_block = r % seg_m_blocks_;
-    const std::int32_t seg_row0 = g_ * p.rows;
-    tile = W4A8Tile{g_, r / seg_m_blocks_, seg_row0 + m_block * kBM, seg_row0 + seg_count_};
-    return true;
-  }
-
- private:
-  // The valid tiles of group g (0 past the last group).
-  __device__ static std::int32_t group_tiles(const W4A8Params& p, std::int32_t g) {
-    if (g >= p.groups) return 0;
-    const std::int32_t count = min(max(__ldg(p.masked_m + g), 0), p.rows);
-    return (count + kBM - 1) / kBM * (p.n / kTileN);
-  }
-
-  // This CTA's range of the T tiles, and its first tile's group (warp-collective).
-  __device__ void init_range(const W4A8Params& p) {
-    const int lane = static_cast<int>(threadIdx.x % 32);
-    std::int32_t total = 0;
-    for (std::int32_t base = 0; base < p.groups; base += 32)
-      total += __reduce_add_sync(0xffffffffu, group_tiles(p, base + lane));
-    t_ = static_cast<std::int32_t>(static_cast<std::int64_t>(total) * blockIdx.x / gridDim.x);
-    end_ = static_cast<std::int32_t>(static_cast<std::int64_t>(total) * (blockIdx.x + 1) / gridDim.x);
-    if (t_ >= end_) return;
-    std::int32_t before = 0;  // tiles of the groups before `base`
-    for (std::int32_t base = 0; base < p.groups; base += 32) {
-      const std::int32_t tiles = group_tiles(p, base + lane);
-      std::int32_t incl = tiles;  // inclusive prefix sum over the lanes
-#pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
-        const std::int32_t v = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += v;
-      }
-      const std::uint32_t past = __ballot_sync(0xffffffffu, before + incl > t_);
-      if (past != 0) {  // the first group whose tiles reach past t_ holds it
-        const int first = __ffs(static_cast<int>(past)) - 1;
-        g_ = base + first;
-        seg_start_ = before + __shfl_sync(0xffffffffu, incl - tiles, first);
-        load_segment(p);
-        return;
-      }
-      before += __shfl_sync(0xffffffffu, incl, 31);
-    }
-  }
-
-  __device__ void load_segment(const W4A8Params& p) {
-    seg_count_ = min(max(__ldg(p.masked_m + g_), 0), p.rows);
-    seg_m_blocks_ = (seg_count_ + kBM - 1) / kBM;
-    seg_tiles_ = seg_m_blocks_ * (p.n / kTileN);
-  }
-
-  std::int32_t t_ = 0, end_ = 0;  // this CTA's next tile and the end of its range
-  std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
-};
-
 struct W4A8Pipe {
   int stage = 0;
   std::uint32_t phase = 0;
@@ -329,13 +248,7 @@ __device__ __forceinline__ std::uint32_t w4a8_pack_bf16x2(float lo, float hi) {
 
 // kParts_: 0 = the partial accumulators by the rule below; 2 = two also where the rule says one
 // (the 32-row four-consumer tile: fits 112 registers without the offset warp since v6).
-// kTogether_ (masked, one K block per stage, W4A8KernelChoice::m_blocks_together): the scheduler
-// gives each CTA a contiguous range of tiles, so a (group, weight tile)'s m-blocks run back to back
-// on one CTA (W4A8RangeScheduler); the producer walks the odd m-blocks' K blocks in reverse, so that the
-// first weight blocks the second m-block reads are the ones the first read last (the most likely
-// still in L2: one m-block of the decode rows streams ~0.9 MB of weights per CTA at K = 7168, 128
-// CTAs of it about twice the 50 MB L2, so in forward order its first blocks are long evicted).
-template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB, int kParts_ = 0, bool kTogether_ = false>
+template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB, int kParts_ = 0>
 __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>::kThreads, 1)
     w4a8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                              const __grid_constant__ W4A8Params p) {
@@ -346,8 +259,6 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
   constexpr int kStages = Traits::kStages;
   constexpr int kAcc = Traits::kAcc;
   constexpr int kTileN = Traits::kTileN;
-  using Scheduler =
-      std::conditional_t<kTogether_, W4A8RangeScheduler<kBM, kTileN>, W4A8Scheduler<kBM, kTileN>>;
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   const std::uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -385,32 +296,24 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
     // ------------------------------------------------------------ producer warpgroup (warp 0 works)
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
     if (warp == 0) {
-      Scheduler scheduler(p);
+      W4A8Scheduler<kBM, kTileN> scheduler(p);
       W4A8Tile tile;
       W4A8Pipe pipe;
       const std::int64_t n_panels = p.n / w4a8::kPanelRows;
-      static_assert(!kTogether_ || (kStageKB == 1 && !kOffsetWarp && kParts_ == 0));
       while (scheduler.next(tile, p)) {
         // The tile's panels are consecutive inside one panel group: per K block one bulk copy of
         // their weights and one of their scales (w4a8_layout.hpp).
         const std::int64_t group_chunks = static_cast<std::int64_t>(tile.group) * n_panels * num_kb;
         const std::int64_t panel0 = static_cast<std::int64_t>(tile.n_tile) * kConsumers;
-        // kTogether_: odd m-blocks in reverse K order (the consumers do not care: each block's
-        // scales come with it, and the sum over K blocks is order-free up to f32 rounding).
-        [[maybe_unused]] bool reverse = false;
-        if constexpr (kTogether_) reverse = ((tile.row0 - tile.group * p.rows) / kBM) % 2 != 0;
         for (std::int32_t kb = 0; kb < num_kb; kb += kStageKB) {
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
             ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
             const bool weights = (p.ablation & kW4AblateLoads) == 0;
             if constexpr (kStageKB == 1) {
-              std::int32_t kb_at = kb;
-              if constexpr (kTogether_) kb_at = reverse ? num_kb - 1 - kb : kb;
               ptx::mbar_arrive_expect_tx(full, weights ? Traits::kStageBytes : Traits::kABytes);
-              ptx::tma_load_2d(smem_a + pipe.stage * kAStride, &tma_a, full, kb_at * w4a8::kBlockK,
-                               tile.row0);
-              const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb_at, num_kb, n_panels);
+              ptx::tma_load_2d(smem_a + pipe.stage * kAStride, &tma_a, full, kb * w4a8::kBlockK, tile.row0);
+              const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
               if (weights) {
                 ptx::bulk_load(smem_w + pipe.stage * kWStride, p.w + chunk * w4a8::kPanelBytes,
                                Traits::kWBytes, full);
@@ -467,7 +370,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
         // the sums (with it live, the loop spilled at the producer warpgroup's 32 registers).
         std::int32_t stages_left = 0;
         {
-          Scheduler scheduler(p);
+          W4A8Scheduler<kBM, kTileN> scheduler(p);
           W4A8Tile tile;
           while (scheduler.next(tile, p)) stages_left += (num_kb + kStageKB - 1) / kStageKB;
         }
@@ -517,7 +420,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
     const int g = lane / 4, q = lane % 4;
     const int row_in_panel = warp_in_group * 16 + g;  // and + 8
 
-    Scheduler scheduler(p);
+    W4A8Scheduler<kBM, kTileN> scheduler(p);
     float acc[kAcc];
     // Partial accumulators: two (the next K block's wgmma runs while the last one is folded) where
     // the registers allow, else one (with four consumers, 112 registers, 32 x 256 tiles spilled 4

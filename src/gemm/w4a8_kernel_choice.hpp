@@ -19,18 +19,9 @@
 //   parts = 2 (version 2, no offset warp): the 32-row four-consumer tile (masked expected_m in
 //              13..24) keeps two partial accumulators in flight instead of one. Pinned only: 1-6%
 //              slower than one on the 128 x 16 decode rows (NOTES, W4A8 v6).
-//   m_blocks_together = 1 (version 2, no offset warp, one K block per stage, parts 0 or 1; masked
-//              calls only, contiguous ones ignore it): the 16-row tile whatever expected_m, each
-//              CTA running a contiguous range of the tiles in (group, weight tile, m-block) order,
-//              so that the m-blocks of one (group, 256 or 128 weight rows) run back to back on one
-//              CTA, the odd ones in reverse K order, and the second m-block's weights can come
-//              from L2 (W4A8RangeScheduler; the candidate for masked expected_m 13..24 instead of
-//              the 32-row tile, NOTES W4A8 v7). Pinned only, unmeasured when added;
-//              options.block_m must then be 0 or 16.
 //
 // Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
-// with offset_warp, stage_k_blocks, parts and m_blocks_together as pinned when the pinned version
-// is 2.
+// with offset_warp and stage_k_blocks as pinned when the pinned version is 2.
 #pragma once
 
 #include <cstdint>
@@ -38,16 +29,15 @@
 namespace epmoe::cuda {
 
 struct W4A8KernelChoice {
-  int version = 0;            // 0: the heuristic; 2 or 3
-  int block_m = 0;            // version 3 only: 64 or 128 (0: heuristic)
-  int block_n = 0;            // 128 or 256
-  int waves = 0;              // 1 (128-column waves per consumer; two were retired, bench/NOTES.md)
-  int ablation = 0;           // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
-                              // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
-  int offset_warp = 0;        // version 2 only: 1 = the offset term from the producer-side offset warp
-  int stage_k_blocks = 0;     // version 2: K blocks per stage, 0 or 1 (one), 2, 3 (not with offset_warp)
-  int parts = 0;              // version 2 without offset_warp: 2 = two partials on the 32-row 4-consumer tile
-  int m_blocks_together = 0;  // version 2, masked: 1 = 16-row tiles, a weight tile's m-blocks on one CTA
+  int version = 0;         // 0: the heuristic; 2 or 3
+  int block_m = 0;         // version 3 only: 64 or 128 (0: heuristic)
+  int block_n = 0;         // 128 or 256
+  int waves = 0;           // 1 (128-column waves per consumer; two were retired, bench/NOTES.md)
+  int ablation = 0;        // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
+                           // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
+  int offset_warp = 0;     // version 2 only: 1 = the offset term from the producer-side offset warp
+  int stage_k_blocks = 0;  // version 2: K blocks per stage, 0 or 1 (one), 2, 3 (not with offset_warp)
+  int parts = 0;           // version 2 without offset_warp: 2 = two partials on the 32-row 4-consumer tile
 };
 
 // The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved

@@ -114,11 +114,6 @@ constexpr cuda::W4A8KernelChoice kK3{.version = 2, .stage_k_blocks = 3};
 // Two partials on the 32-row four-consumer tile, with one and two K blocks per stage.
 constexpr cuda::W4A8KernelChoice kP2{.version = 2, .parts = 2};
 constexpr cuda::W4A8KernelChoice kK2P2{.version = 2, .stage_k_blocks = 2, .parts = 2};
-// The 16-row tile with all m-blocks of a (group, weight tile) on one CTA back to back, the odd ones
-// in reverse K order (W4A8KernelChoice::m_blocks_together).
-constexpr cuda::W4A8KernelChoice kTogether{.version = 2, .m_blocks_together = 1};
-// Groups with 0 .. 3 16-row m-blocks, each boundary: masked_m 0, 1, 15, 16, 17, 24, 31 and M_max.
-const std::vector<std::int32_t> kTogetherCounts{0, 1, 15, 16, 17, 24, 31, 40};
 
 // Pins the W4A8 kernel for the lifetime of the guard.
 class PinKernel {
@@ -399,23 +394,7 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N2048_K128_many_tiles_per_cta_one_k_block_block32_p2", 16, kManyTiles, 2048, 128, 32, 0,
                    false, kP2, 3},
         MaskedCase{"N2048_K1280_many_tiles_per_cta_block32_k2_p2", 16, kManyTiles, 2048, 1280, 32, 0, false,
-                   kK2P2, 5},
-        // m_blocks_together: both decode GEMMs (one unit per CTA or close), few CTAs with many units
-        // each and an odd K-block count (reversed m-blocks inside the cross-tile stream), one K
-        // block, N not a multiple of 256 (two consumers), the explicit 16-row tile, the device scale,
-        // and every group empty.
-        MaskedCase{"N4096_K7168_together", 40, kTogetherCounts, 4096, 7168, 0, 0, false, kTogether},
-        MaskedCase{"N7168_K2048_together_device_scale", 40, kTogetherCounts, 7168, 2048, 0, 0, true,
-                   kTogether},
-        MaskedCase{"N2048_K1152_many_tiles_per_cta_together", 40, kTogetherCounts, 2048, 1152, 0, 0, false,
-                   kTogether, 5},
-        MaskedCase{"N2048_K128_many_tiles_per_cta_one_k_block_together", 40, kTogetherCounts, 2048, 128, 0, 0,
-                   false, kTogether, 3},
-        MaskedCase{"N640_K2048_n_not_256_together", 40, kTogetherCounts, 640, 2048, 0, 0, false, kTogether,
-                   4},
-        MaskedCase{"N1536_K1152_block16_consumers2_together", 40, kTogetherCounts, 1536, 1152, 16, 2, false,
-                   kTogether, 7},
-        MaskedCase{"N1536_K2048_all_empty_together", 130, {0, 0}, 1536, 2048, 0, 0, false, kTogether}),
+                   kK2P2, 5}),
     [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- contiguous
@@ -497,8 +476,6 @@ INSTANTIATE_TEST_SUITE_P(
         ContiguousCase{"N4096_K7168_v3", {1, 0, 130}, 4096, 7168, 0, false, {3}},
         ContiguousCase{"N7168_K2048_v2", {150, 0, 64, 33}, 7168, 2048, 0, false, {2}},
         ContiguousCase{"N1536_K2048_holes_v2", {5, 130, 0, 33}, 1536, 2048, 1, true, {2}},
-        // m_blocks_together is a masked-only schedule: the contiguous call runs plain v2.
-        ContiguousCase{"N1536_K2048_holes_together_ignored", {5, 130, 0, 33}, 1536, 2048, 1, true, kTogether},
         ContiguousCase{
             "N1536_K1152_odd_k_blocks_v3_m128n128", {130, 7}, 1536, 1152, 0, false, {3, 128, 128, 1}},
         ContiguousCase{"N1536_K2048_holes_v3_m64n256", {5, 130, 0, 33}, 1536, 2048, 1, true, {3, 64, 256, 1}},
@@ -613,15 +590,6 @@ TEST(W4A8GemmGpuMisc, RefusesBadArguments) {
   expect_error_mentions(
       [&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, bad_stages); },
       "options.stages must be 0 (all) or 1..");
-  {
-    // m_blocks_together runs only the 16-row tile.
-    const PinKernel pin(kTogether);
-    cuda::W4A8GemmOptions block32;
-    block32.block_m = 32;
-    expect_error_mentions(
-        [&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, block32); },
-        "W4A8 m_blocks_together runs the 16-row tile: options.block_m must be 0 or 16, got 32");
-  }
   const HostTensor a_host(DType::fp8_e4m3, {G, M_max, K});
   expect_error_mentions([&] { w4a8_grouped_gemm_masked(a_host, 1.0f, {}, w, s, counts, 8, d, stream); },
                         "a must live on cuda");

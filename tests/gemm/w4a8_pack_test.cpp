@@ -319,18 +319,6 @@ TEST(W4A8Pack, RefusesBadArguments) {
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .parts = 2}); },
                         "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got 2");
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .parts = 3}); }, "W4A8 parts must be");
-  // The 16-row tile with a weight tile's m-blocks together: plain v2, one K block per stage, one partial.
-  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .m_blocks_together = 1}));
-  EXPECT_NO_THROW(
-      cuda::w4a8_pin_kernel({.version = 2, .stage_k_blocks = 1, .parts = 1, .m_blocks_together = 1}));
-  for (const cuda::W4A8KernelChoice c :
-       {cuda::W4A8KernelChoice{.version = 3, .m_blocks_together = 1},
-        cuda::W4A8KernelChoice{.version = 2, .offset_warp = 1, .m_blocks_together = 1},
-        cuda::W4A8KernelChoice{.version = 2, .stage_k_blocks = 2, .m_blocks_together = 1},
-        cuda::W4A8KernelChoice{.version = 2, .parts = 2, .m_blocks_together = 1},
-        cuda::W4A8KernelChoice{.version = 2, .m_blocks_together = 2}})
-    expect_error_mentions([&] { cuda::w4a8_pin_kernel(c); },
-                          "W4A8 m_blocks_together must be 0, or 1 with version 2");
   cuda::w4a8_pin_kernel({});
 }
 
