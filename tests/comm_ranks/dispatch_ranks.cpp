@@ -15,20 +15,32 @@
 namespace epmoe::ranks {
 namespace {
 
+// A peer that never dispatches: the receive times out naming the phase and the rank it waited
+// for, and the communicator stays usable once the device errors are reset (which synchronizes).
+void expect_recoverable_dispatch_timeout(const std::string& m) {
+  EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
+  EXPECT_NE(m.find("dispatch-recv"), std::string::npos) << m;
+  EXPECT_NE(m.find("waiting for rank"), std::string::npos) << m;
+  EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
+  world().reset_device_errors();
+}
+
 // nvlink_normal_ce: the "nvlink" transport with EPMOE_COMM_SEND_CE=2 (the copy-engine send packed
-// inside the dispatch launch) for the whole test; nvlink_ll_split: "nvlink-ll" with
-// EPMOE_COMM_COMBINE_SPLIT=7 (7 warps per token in the combine; at the tiny dims a partial is one
-// 512-byte unit, so 6 of the 7 slices are empty; at DeepSeek-V3's 4 units each);
-// nvlink_ll_early / nvlink_normal_early: "nvlink-ll" / "nvlink" with EPMOE_COMM_LL_EARLY_COUNTS=1
-// (tagged counts without the fence, the own first token loaded before the layout).
+// inside the dispatch launch) for the whole test. "nvlink-ll" runs its defaults (early counts, the
+// combine split by size: at the tiny dims a partial is one 512-byte unit, so all slices but one are
+// empty; at DeepSeek-V3's 4 units each); nvlink_ll_one_warp: with EPMOE_COMM_COMBINE_SPLIT=1 (one
+// warp per token, the combine before the split); nvlink_ll_fenced_counts: with
+// EPMOE_COMM_LL_EARLY_COUNTS=0 (the count header behind a fence and a flag, before early counts);
+// nvlink_normal_early: "nvlink" with EPMOE_COMM_LL_EARLY_COUNTS=1 (tagged counts without the fence,
+// the own first token loaded before the layout; off by default in normal mode).
 enum class Transport {
   p2p_normal,
   p2p_low_latency,
   nvlink_ll,
   nvlink_normal,
   nvlink_normal_ce,
-  nvlink_ll_split,
-  nvlink_ll_early,
+  nvlink_ll_one_warp,
+  nvlink_ll_fenced_counts,
   nvlink_normal_early
 };
 
@@ -66,9 +78,9 @@ std::string name_of(Transport t) {
       return "nvlink normal";
     case Transport::nvlink_normal_ce:
       return "nvlink normal, copy engines";
-    case Transport::nvlink_ll_split:
+    case Transport::nvlink_ll_one_warp:
       return "nvlink-ll, combine split 7";
-    case Transport::nvlink_ll_early:
+    case Transport::nvlink_ll_fenced_counts:
       return "nvlink-ll, early counts";
     case Transport::nvlink_normal_early:
       return "nvlink normal, early counts";
@@ -98,7 +110,8 @@ MoeConfig test_config(int max_tokens, bool deepseek = false) {
 
 std::unique_ptr<Dispatcher> make(Transport t, const MoeConfig& c, ActivationFormat f) {
   const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1};
-  if (t == Transport::nvlink_ll || t == Transport::nvlink_ll_split || t == Transport::nvlink_ll_early)
+  if (t == Transport::nvlink_ll || t == Transport::nvlink_ll_one_warp ||
+      t == Transport::nvlink_ll_fenced_counts)
     return make_nvlink_ll_dispatcher(ctx, world_ptr());
   if (t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce ||
       t == Transport::nvlink_normal_early)
@@ -182,9 +195,9 @@ class Transports : public ::testing::TestWithParam<Transport> {
  protected:
   void SetUp() override {
     if (GetParam() == Transport::nvlink_normal_ce) send_ce_.emplace("EPMOE_COMM_SEND_CE", "2");
-    if (GetParam() == Transport::nvlink_ll_split) split_.emplace("EPMOE_COMM_COMBINE_SPLIT", "7");
-    if (GetParam() == Transport::nvlink_ll_early || GetParam() == Transport::nvlink_normal_early)
-      early_.emplace("EPMOE_COMM_LL_EARLY_COUNTS", "1");
+    if (GetParam() == Transport::nvlink_ll_one_warp) split_.emplace("EPMOE_COMM_COMBINE_SPLIT", "1");
+    if (GetParam() == Transport::nvlink_ll_fenced_counts) early_.emplace("EPMOE_COMM_LL_EARLY_COUNTS", "0");
+    if (GetParam() == Transport::nvlink_normal_early) early_.emplace("EPMOE_COMM_LL_EARLY_COUNTS", "1");
   }
   void TearDown() override {
     send_ce_.reset();
@@ -276,8 +289,9 @@ TEST_P(Transports, Bf16AndPerTensorFp8) {
 INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                          ::testing::Values(Transport::p2p_normal, Transport::p2p_low_latency,
                                            Transport::nvlink_ll, Transport::nvlink_normal,
-                                           Transport::nvlink_normal_ce, Transport::nvlink_ll_split,
-                                           Transport::nvlink_ll_early, Transport::nvlink_normal_early),
+                                           Transport::nvlink_normal_ce, Transport::nvlink_ll_one_warp,
+                                           Transport::nvlink_ll_fenced_counts,
+                                           Transport::nvlink_normal_early),
                          [](const ::testing::TestParamInfo<Transport>& p) {
                            switch (p.param) {
                              case Transport::p2p_normal:
@@ -290,10 +304,10 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                                return std::string("NvlinkNormal");
                              case Transport::nvlink_normal_ce:
                                return std::string("NvlinkNormalCopyEngines");
-                             case Transport::nvlink_ll_split:
-                               return std::string("NvlinkLlCombineSplit");
-                             case Transport::nvlink_ll_early:
-                               return std::string("NvlinkLlEarlyCounts");
+                             case Transport::nvlink_ll_one_warp:
+                               return std::string("NvlinkLlOneWarpCombine");
+                             case Transport::nvlink_ll_fenced_counts:
+                               return std::string("NvlinkLlFencedCounts");
                              case Transport::nvlink_normal_early:
                                return std::string("NvlinkNormalEarlyCounts");
                            }
@@ -368,11 +382,7 @@ TEST(CommNvlinkLl, APeerThatNeverArrivesIsATimeoutNamingIt) {
         d->dispatch({&view, 1}, out);  // the other ranks never dispatch
         world().synchronize(CommPhase::none, "the dispatch");
       });
-      EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
-      EXPECT_NE(m.find("dispatch-recv"), std::string::npos) << m;
-      EXPECT_NE(m.find("waiting for rank"), std::string::npos) << m;
-      EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
-      world().reset_device_errors();
+      expect_recoverable_dispatch_timeout(m);
     }
     world().set_timeout_s(saved);
     world().barrier();
@@ -541,11 +551,7 @@ TEST(CommNvlinkNormal, CopyEngineSendAPeerThatNeverArrivesIsATimeoutNamingIt) {
         d->dispatch({&view, 1}, out);  // the other ranks never dispatch
         world().synchronize(CommPhase::none, "the dispatch");
       });
-      EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
-      EXPECT_NE(m.find("dispatch-recv"), std::string::npos) << m;
-      EXPECT_NE(m.find("waiting for rank"), std::string::npos) << m;
-      EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
-      world().reset_device_errors();  // synchronizes: the side streams have finished
+      expect_recoverable_dispatch_timeout(m);  // synchronizes: the side streams have finished
     }
     world().set_timeout_s(saved);
     world().barrier();
@@ -880,11 +886,7 @@ TEST(CommNvlinkEarlyCounts, RefusalsAndAMissingPeerAreReported) {
       const auto in =
           make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 10; }), 73, Routing::random);
       const std::string m = dispatch_error(*d, in[0]);  // the other ranks never dispatch
-      EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
-      EXPECT_NE(m.find("dispatch-recv"), std::string::npos) << m;
-      EXPECT_NE(m.find("waiting for rank"), std::string::npos) << m;
-      EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
-      world().reset_device_errors();
+      expect_recoverable_dispatch_timeout(m);
     }
     world().set_timeout_s(saved);
     world().barrier();
