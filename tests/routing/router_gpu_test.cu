@@ -227,6 +227,11 @@ void check_sigmoid(const MoeConfig& c, std::int64_t tokens, bool periodic, bool 
   expect_same_routes(c, logits, bias, misaligned, choice);
 }
 
+std::string sigmoid_case_name(const ::testing::TestParamInfo<SigmoidCase>& info) {
+  return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
+         (std::get<2>(info.param) ? "_periodic_bias" : "_mixed_bias");
+}
+
 TEST_P(RouterSigmoidGpu, BitExactWithCpu) {
   EPMOE_REQUIRE_GPU();
   const auto& [name, tokens, periodic] = GetParam();
@@ -237,20 +242,14 @@ INSTANTIATE_TEST_SUITE_P(Presets, RouterSigmoidGpu,
                          ::testing::Combine(::testing::Values("tiny", "deepseek_v3"),
                                             ::testing::Values<std::int64_t>(1, 3, 128, 4097, 16384),
                                             ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<SigmoidCase>& info) {
-                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
-                                  (std::get<2>(info.param) ? "_periodic_bias" : "_mixed_bias");
-                         });
+                         sigmoid_case_name);
 
 INSTANTIATE_TEST_SUITE_P(Layouts, RouterSigmoidGpu,
                          ::testing::Combine(::testing::Values("v2_like", "flat64", "flat384", "flat512_k32",
                                                               "all_groups_kept", "groups32", "groups16",
                                                               "no_renorm"),
                                             ::testing::Values<std::int64_t>(3, 4097), ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<SigmoidCase>& info) {
-                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
-                                  (std::get<2>(info.param) ? "_periodic_bias" : "_mixed_bias");
-                         });
+                         sigmoid_case_name);
 
 // ---------------------------------------------------------------- every kernel choice
 // The same inputs through each kernel the router can take (RouteKernelChoice): route_g8_kernel
@@ -265,6 +264,11 @@ cuda::RouteKernelChoice choice_named(const std::string& kernel, bool rn_division
   c.rn_division = rn_division;
   c.sieve = kernel == "g8_sieve";
   return c;
+}
+
+std::string choice_case_name(const ::testing::TestParamInfo<ChoiceCase>& info) {
+  return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
+         (std::get<2>(info.param) ? "_rn_div" : "_branch_free_div");
 }
 
 class RouterKernelChoiceGpu : public ::testing::TestWithParam<ChoiceCase> {};
@@ -282,20 +286,14 @@ INSTANTIATE_TEST_SUITE_P(Kernels, RouterKernelChoiceGpu,
                          ::testing::Combine(::testing::Values("g8", "general"),
                                             ::testing::Values<std::int64_t>(1, 5, 128, 4097, 20000),
                                             ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<ChoiceCase>& info) {
-                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
-                                  (std::get<2>(info.param) ? "_rn_div" : "_branch_free_div");
-                         });
+                         choice_case_name);
 
 // route_g8_sieve_kernel (v5) at every T the tests above use.
 INSTANTIATE_TEST_SUITE_P(Sieve, RouterKernelChoiceGpu,
                          ::testing::Combine(::testing::Values("g8_sieve"),
                                             ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384, 20000),
                                             ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<ChoiceCase>& info) {
-                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
-                                  (std::get<2>(info.param) ? "_rn_div" : "_branch_free_div");
-                         });
+                         choice_case_name);
 
 // Every layout's config through the sieve choice (where g8 does not apply it falls back, so these
 // check that it does so), and the default path: automatic with the sieve at T >= 1024.
