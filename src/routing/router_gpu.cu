@@ -104,12 +104,18 @@ bool route_g8_applies(const MoeConfig& c, const kernels::RouterParams& p) {
          aligned16(p.bias);
 }
 
-// Blocks for route_g8_kernel (or route_g8_sieve_kernel, the same layout): a warp per quad (4 tokens),
-// no more than fit on the device at once.
-template <bool kRnDiv, bool kSieve>
+// route_g8_softmax_kernel's shape: softmax over 256 experts without group selection, K <= 8,
+// 16-byte aligned logits.
+bool route_g8_softmax_applies(const MoeConfig& c, const kernels::RouterParams& p) {
+  return c.scoring == Scoring::softmax && !p.grouped && c.num_experts == 256 && c.topk <= 8 &&
+         aligned16(p.logits);
+}
+
+// Blocks for a g8 kernel (route_g8_kernel, route_g8_sieve_kernel, route_g8_softmax_kernel: the same
+// layout): a warp per quad (4 tokens), no more than fit on the device at once.
+template <auto kKernel>
 void launch_g8(const kernels::RouterParams& p, cudaStream_t stream) {
-  constexpr auto kernel =
-      kSieve ? &kernels::route_g8_sieve_kernel<kRnDiv> : &kernels::route_g8_kernel<kRnDiv>;
+  constexpr auto kernel = kKernel;
   static const int blocks_per_sm = [] {
     // 8 blocks of 25.75 KB need the largest shared-memory carveout.
     EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -183,14 +189,20 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
   p.renormalize = config.renormalize;
   p.scaling = config.routed_scaling_factor;
   using Kernel = RouteKernelChoice::Kernel;
-  const bool g8 = choice.kernel != Kernel::general && route_g8_applies(config, p) &&
-                  (choice.kernel == Kernel::g8 || p.tokens >= kRouterG8MinTokens);
+  using namespace kernels;
+  const bool g8_size = choice.kernel == Kernel::g8 || p.tokens >= kRouterG8MinTokens;
+  const bool g8 = choice.kernel != Kernel::general && g8_size && route_g8_applies(config, p);
+  const bool g8_softmax = choice.kernel != Kernel::general && g8_size && route_g8_softmax_applies(config, p);
   if (g8) {
     if (choice.sieve) {
-      choice.rn_division ? launch_g8<true, true>(p, stream) : launch_g8<false, true>(p, stream);
+      choice.rn_division ? launch_g8<&route_g8_sieve_kernel<true>>(p, stream)
+                         : launch_g8<&route_g8_sieve_kernel<false>>(p, stream);
     } else {
-      choice.rn_division ? launch_g8<true, false>(p, stream) : launch_g8<false, false>(p, stream);
+      choice.rn_division ? launch_g8<&route_g8_kernel<true>>(p, stream)
+                         : launch_g8<&route_g8_kernel<false>>(p, stream);
     }
+  } else if (g8_softmax) {
+    launch_g8<&route_g8_softmax_kernel>(p, stream);
   } else if (sigmoid) {
     choice.rn_division ? launch_for<true, true>(layout.per_lane, p, stream)
                        : launch_for<true, false>(layout.per_lane, p, stream);

@@ -261,18 +261,27 @@ inline constexpr int kRouterG8Candidates = 64;
 inline constexpr int kRouterG8ListStride = kRouterG8Candidates + 2;
 inline constexpr int kRouterG8MinBlocks = 8;
 
-// The 8 16-byte chunks lane `lane` loads of quad q (rows t0..t0+3 of 64 chunks, coalesced); zeros
-// for rows at or past `tokens`.
-// The end of route_g8_kernel and route_g8_sieve_kernel, the same steps in both: from a token's
-// candidates (`mask`: this lane's group's experts whose key can be among the top K; Xf holds their
-// exact sigmoid, Bf the bias) to the ranked top K (S) and the outputs of token q * 4 + tw.
+// The end of the g8 kernels, the same steps in all: from a token's candidates (`mask`: this lane's
+// group's experts whose key can be among the top K) to the ranked top K (S) and the outputs of token
+// q * 4 + tw. Sigmoid: Xf holds the candidates' exact sigmoid, Bf the bias, the selection value is
+// their sum and the weight the sigmoid. Softmax (kSoftmax): Xf holds the logits, which are the
+// selection values (softmax is increasing), Bf is unused, and the weight is exp(x - max) over the
+// chosen experts' sum (renormalised) or over `softmax_sum`, the token's sum of exp(x - max).
 // L and S are the token's candidate list and slots; the lanes of one token are first .. first + 7.
+template <bool kSoftmax>
 __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::uint32_t mask,
                                                     const float* Xf, const float* Bf, std::uint64_t* L,
                                                     std::uint32_t* S, int row, int g, int first, int tw,
-                                                    std::uint32_t q) {
+                                                    std::uint32_t q, float softmax_sum = 0.0f) {
   using namespace routing;
   constexpr unsigned kFull = 0xffffffffu;
+  const auto value_at = [&](int at) {
+    if constexpr (kSoftmax) {
+      return Xf[row * 32 + at];
+    } else {
+      return rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
+    }
+  };
   const int count = __popc(mask);
   int end = count;  // inclusive prefix over the token's lanes
 #pragma unroll
@@ -287,7 +296,7 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::
       const int j = __ffs(static_cast<int>(mask)) - 1;
       mask &= mask - 1u;
       const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-      const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
+      const float value = value_at(at);
       L[pos++] =
           (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
     }
@@ -316,7 +325,7 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::
       for (std::uint32_t m = mask; m != 0u; m &= m - 1u) {
         const int j = __ffs(static_cast<int>(m)) - 1;
         const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-        const float value = rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
+        const float value = value_at(at);
         const std::uint64_t key =
             (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
         best = key > best ? key : best;
@@ -342,12 +351,19 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::
     const int group = id >> 5, j = id & 31;
     score = Xf[(tw * 8 + group) * 32 + ((((j >> 2) ^ group) << 2) | (j & 3))];
   }
+  if constexpr (kSoftmax) {  // choice 0 (lane first) holds the largest logit
+    score = expf(__fsub_rn(score, __shfl_sync(kFull, score, first)));
+  }
   float sum = 0.0f;  // in selection order
   for (int k = 0; k < p.topk; ++k) sum = rn_add(sum, __shfl_sync(kFull, score, first | k));
   const std::uint32_t t = q * 4u + static_cast<std::uint32_t>(tw);
   if (g < p.topk && t < p.tokens) {
     float w = score;
-    if (p.renormalize) w = sum > 0.0f ? rn_div(w, sum) : rn_div(1.0f, static_cast<float>(p.topk));
+    if (p.renormalize) {
+      w = sum > 0.0f ? rn_div(w, sum) : rn_div(1.0f, static_cast<float>(p.topk));
+    } else if constexpr (kSoftmax) {
+      w = rn_div(w, softmax_sum);
+    }
     const std::uint64_t out = static_cast<std::uint64_t>(t) * static_cast<std::uint32_t>(p.topk) + g;
     p.ids[out] = id;
     p.weights[out] = rn_mul(w, p.scaling);
@@ -355,14 +371,30 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::
   __syncwarp();  // before the next quad overwrites stage, cand and slot
 }
 
-__device__ __forceinline__ void load_quad(const float* logits, std::uint32_t tokens, std::uint32_t q,
-                                          int lane, float4 (&v)[8]) {
+// Quad q's logits (rows q*4 .. q*4+3, 4 KB, contiguous) into the warp's stage X with coalesced
+// 16-byte loads: chunk c of row r at X[r * 8 + (c ^ (r % 8))]; zeros for rows at or past `tokens`.
+// A whole quad (every quad but perhaps the last) takes the branch with 8 plain loads at fixed offsets
+// from one address: per-row predicates on each load cost ~150 address instructions per quad (SASS).
+__device__ __forceinline__ void stage_quad(float4* X, const float* logits, std::uint32_t tokens,
+                                           std::uint32_t q, int lane) {
   const std::uint32_t t0 = q * 4u;
-  const float4* const src = reinterpret_cast<const float4*>(logits) + static_cast<std::uint64_t>(t0) * 64u;
+  const float4* const src =
+      reinterpret_cast<const float4*>(logits) + static_cast<std::uint64_t>(t0) * 64u + lane;
+  float4 v[8];
+  if (t0 + 4u <= tokens) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
-    v[i] = t0 + static_cast<std::uint32_t>(i / 2) < tokens ? __ldg(src + i * 32 + lane)
-                                                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int i = 0; i < 8; ++i) v[i] = __ldg(src + i * 32);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      v[i] = t0 + static_cast<std::uint32_t>(i / 2) < tokens ? __ldg(src + i * 32)
+                                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = i * 4 + (lane >> 3);
+    X[r * 8 + ((lane & 7) ^ (r & 7))] = v[i];
+  }
 }
 
 template <bool kRnDiv>
@@ -391,20 +423,9 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   std::uint64_t* const L = cand[warp][tw];
   std::uint32_t* const S = slot[warp][tw];
 
-  // ---- logits of a quad: 4 rows, coalesced, into shared memory (the first quad's are in flight
-  // with the bias)
-  auto stage_quad = [&](std::uint32_t quad) {
-    float4 v[8];
-    load_quad(p.logits, p.tokens, quad, lane, v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = i * 4 + (lane >> 3);
-      X[r * 8 + ((lane & 7) ^ (r & 7))] = v[i];
-    }
-  };
   float4 b0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   if (threadIdx.x < 64) b0 = __ldg(reinterpret_cast<const float4*>(p.bias) + threadIdx.x);
-  if (q < quads) stage_quad(q);
+  if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
   if (threadIdx.x < 64) {
     const int g8 = static_cast<int>(threadIdx.x) >> 3, c = static_cast<int>(threadIdx.x) & 7;
     bias_s[g8 * 8 + (c ^ g8)] = b0;
@@ -461,9 +482,9 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
     for (int j = 0; j < 32; ++j) mask |= ch[j] < tau ? 0u : 1u << j;
     if (!kept) mask = 0;
 
-    g8_select_and_store(p, mask, Xf, Bf, L, S, row, g, first, tw, q);
+    g8_select_and_store<false>(p, mask, Xf, Bf, L, S, row, g, first, tw, q);
     q += step;
-    if (q < quads) stage_quad(q);
+    if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
   }
 }
 
@@ -541,18 +562,9 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   std::uint16_t* const W = reinterpret_cast<std::uint16_t*>(cand[warp]);
   std::uint32_t* const S = slot[warp][tw];
 
-  auto stage_quad = [&](std::uint32_t quad) {
-    float4 v[8];
-    load_quad(p.logits, p.tokens, quad, lane, v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = i * 4 + (lane >> 3);
-      X[r * 8 + ((lane & 7) ^ (r & 7))] = v[i];
-    }
-  };
   float4 b0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   if (threadIdx.x < 64) b0 = __ldg(reinterpret_cast<const float4*>(p.bias) + threadIdx.x);
-  if (q < quads) stage_quad(q);
+  if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
   if (threadIdx.x < 64) {  // warps 0 and 1, whole
     const int g8 = static_cast<int>(threadIdx.x) >> 3, c = static_cast<int>(threadIdx.x) & 7;
     bias_s[g8 * 8 + (c ^ g8)] = b0;
@@ -660,9 +672,98 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
     }
     __syncwarp();  // W read (the keys overwrite it next) and the scores stored
 
-    g8_select_and_store(p, mask, Xf, Bf, L, S, row, g, first, tw, q);
+    g8_select_and_store<false>(p, mask, Xf, Bf, L, S, row, g, first, tw, q);
     q += step;
-    if (q < quads) stage_quad(q);
+    if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax top-K over E = 256 experts without groups (Mixtral / Qwen style at DeepSeek-V3's width),
+// K <= 8, in route_g8_kernel's shape: 8 lanes per token, 32 experts per lane, the same staging,
+// occupancy, candidate list, ranking and rounds path (g8_select_and_store<true>). Softmax is
+// increasing, so the experts are selected on the logits themselves (order: higher logit, then lower
+// index, route_cpu's order on equal scores); no exp is needed before the selection.
+//  - Candidates: tau = the K-th largest of the 16 values {top-1, top-2 of each lane} (a tie counting
+//    twice). Those 16 are values of 16 distinct experts, so at least K experts are >= tau and the
+//    top K all are: the candidates are the experts >= tau (NaN included; ~10 on random logits).
+//    Without a K-th value (NaN everywhere) tau is -inf and every expert is a candidate.
+//  - Weights: exp(x - max) of the chosen (expf; max = choice 0's logit), renormalised over them in
+//    selection order, or, without renormalisation, over the token's sum of exp(x - max) (__expf, the
+//    only pass over all 256 values after the loads). route_cpu divides by the full sum first and
+//    then renormalises: the same value within a few ulp (tests: 1e-5 relative).
+__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
+    route_g8_softmax_kernel(const RouterParams p) {
+  constexpr unsigned kFull = 0xffffffffu;
+  const float kInf = __int_as_float(0x7f800000);
+  __shared__ float4 stage[kRouterG8Warps][256];  // per warp: [token * 8 + lane group][chunk ^ group]
+  __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
+  __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
+
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::uint32_t quads = (p.tokens + 3u) / 4u;
+  const std::uint32_t step = gridDim.x * kRouterG8Warps;
+  std::uint32_t q = blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
+
+  const int tw = lane >> 3;     // token of the quad
+  const int g = lane & 7;       // the lane's 32 experts: [32 g, 32 g + 32)
+  const int first = lane & 24;  // lane of the token's experts 0..31
+  const int row = lane;         // tw * 8 + g
+  float4* const X = stage[warp];
+  const float* const Xf = reinterpret_cast<const float*>(X);
+  std::uint64_t* const L = cand[warp][tw];
+  std::uint32_t* const S = slot[warp][tw];
+
+  if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
+  while (q < quads) {  // the next quad is staged at the end of the body, as route_g8_kernel
+    __syncwarp();
+    float x[32];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const float4 v = X[row * 8 + (c ^ g)];
+      x[4 * c] = v.x;
+      x[4 * c + 1] = v.y;
+      x[4 * c + 2] = v.z;
+      x[4 * c + 3] = v.w;
+    }
+    float t1 = fmaxf(x[0], x[1]), t2 = fminf(x[0], x[1]);
+#pragma unroll
+    for (int j = 2; j < 32; ++j) {
+      t2 = fmaxf(t2, fminf(t1, x[j]));
+      t1 = fmaxf(t1, x[j]);
+    }
+
+    // ---- tau: the K-th largest of the token's 16 lane top-2 values
+    int above1 = 0, above2 = 0;  // of the 16 values, how many are >= t1, >= t2
+#pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      const float o1 = __shfl_sync(kFull, t1, first | h);
+      const float o2 = __shfl_sync(kFull, t2, first | h);
+      above1 += (o1 >= t1 ? 1 : 0) + (o2 >= t1 ? 1 : 0);
+      above2 += (o1 >= t2 ? 1 : 0) + (o2 >= t2 ? 1 : 0);
+    }
+    float tau = above1 >= p.topk ? t1 : (above2 >= p.topk ? t2 : -kInf);
+#pragma unroll
+    for (int o = 1; o < 8; o *= 2) tau = fmaxf(tau, __shfl_xor_sync(kFull, tau, o));
+    std::uint32_t mask = 0;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) mask |= x[j] < tau ? 0u : 1u << j;
+
+    float sum = 0.0f;  // the token's sum of exp(x - max), for weights without renormalisation
+    if (!p.renormalize) {
+      float m = t1;
+#pragma unroll
+      for (int o = 1; o < 8; o *= 2) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+#pragma unroll
+      for (int j = 0; j < 32; ++j) sum += __expf(x[j] - m);
+#pragma unroll
+      for (int o = 1; o < 8; o *= 2) sum += __shfl_xor_sync(kFull, sum, o);
+    }
+
+    g8_select_and_store<true>(p, mask, Xf, nullptr, L, S, row, g, first, tw, q, sum);
+    q += step;
+    if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
   }
 }
 

@@ -71,6 +71,10 @@ MoeConfig config_named(const std::string& name) {
     if (name == "softmax_flat64") set(64, 6, 1, 1);
     if (name == "softmax_grouped") set(256, 8, 8, 4);
     if (name == "softmax_tiny") set(16, 4, 4, 2);
+    if (name.rfind("softmax_flat256", 0) == 0) set(256, 8, 1, 1);  // route_g8_softmax_kernel's shape
+    if (name == "softmax_flat256_k6") set(256, 6, 1, 1);
+    if (name == "softmax_flat256_no_renorm") c.renormalize = false;
+    if (name == "softmax_all_groups_kept") set(256, 8, 8, 8);  // no group selection: the g8 shape too
   }
   c.validate();
   return c;
@@ -504,18 +508,15 @@ using SoftmaxCase = std::tuple<std::string, std::int64_t>;
 
 class RouterSoftmaxGpu : public ::testing::TestWithParam<SoftmaxCase> {};
 
-TEST_P(RouterSoftmaxGpu, MatchesCpuWithinRounding) {
-  EPMOE_REQUIRE_GPU();
-  const auto& [name, tokens] = GetParam();
-  const MoeConfig c = config_named(name);
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
-  const HostTensor logits = random_softmax_logits(c, tokens, rng);
+// Ids equal to route_cpu's, weights within 1e-5 relative (finite).
+void expect_softmax_routes(const MoeConfig& c, const HostTensor& logits,
+                           const cuda::RouteKernelChoice& choice = cuda::route_kernel_choice_from_env()) {
+  const std::int64_t tokens = logits.size(0);
+  std::mt19937_64 rng(7);
   const HostTensor no_bias;
   const Outputs want = route_on_cpu(c, logits, no_bias);
   const HostTensor bias = random_bias(c, false, rng);  // a bias on the device, to show it is ignored
-  const Outputs got = route_on_gpu(c, logits, bias, false);
+  const Outputs got = route_on_gpu(c, logits, bias, false, choice);
   const std::int64_t k = c.topk;
   const auto* gi = got.ids.data<std::int32_t>();
   const auto* wi = want.ids.data<std::int32_t>();
@@ -535,14 +536,97 @@ TEST_P(RouterSoftmaxGpu, MatchesCpuWithinRounding) {
   EXPECT_EQ(bad, 0) << "weights off by more than 1e-5 relative; max relative error " << max_rel;
 }
 
+TEST_P(RouterSoftmaxGpu, MatchesCpuWithinRounding) {
+  EPMOE_REQUIRE_GPU();
+  const auto& [name, tokens] = GetParam();
+  const MoeConfig c = config_named(name);
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  expect_softmax_routes(c, random_softmax_logits(c, tokens, rng));
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, RouterSoftmaxGpu,
                          ::testing::Combine(::testing::Values("softmax_mixtral", "softmax_qwen",
                                                               "softmax_flat64", "softmax_grouped",
-                                                              "softmax_tiny"),
+                                                              "softmax_tiny", "softmax_flat256",
+                                                              "softmax_flat256_no_renorm",
+                                                              "softmax_all_groups_kept"),
                                             ::testing::Values<std::int64_t>(1, 3, 128, 4097)),
                          [](const ::testing::TestParamInfo<SoftmaxCase>& info) {
                            return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param));
                          });
+
+// route_g8_softmax_kernel (E = 256, no group selection, K <= 8) forced at every T, including those
+// below its automatic switch, and K = 6.
+using SoftmaxG8Case = std::tuple<std::string, std::int64_t>;
+
+class RouterSoftmaxG8Gpu : public ::testing::TestWithParam<SoftmaxG8Case> {};
+
+cuda::RouteKernelChoice forced_g8() {
+  cuda::RouteKernelChoice choice = cuda::route_kernel_choice_from_env();
+  choice.kernel = cuda::RouteKernelChoice::Kernel::g8;
+  return choice;
+}
+
+TEST_P(RouterSoftmaxG8Gpu, MatchesCpuWithinRounding) {
+  EPMOE_REQUIRE_GPU();
+  const auto& [name, tokens] = GetParam();
+  const MoeConfig c = config_named(name);
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  expect_softmax_routes(c, random_softmax_logits(c, tokens, rng), forced_g8());
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RouterSoftmaxG8Gpu,
+                         ::testing::Combine(::testing::Values("softmax_flat256", "softmax_flat256_no_renorm",
+                                                              "softmax_flat256_k6", "softmax_all_groups_kept"),
+                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384)),
+                         [](const ::testing::TestParamInfo<SoftmaxG8Case>& info) {
+                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param));
+                         });
+
+// Exact ties of logits (a coarse grid, equal values broken by the lower index as route_cpu does),
+// rows of one value (every expert a candidate: the rounds path, weights 1/K), rows with large
+// spreads (exp underflows to 0 for most experts) and a row with a run of equal maxima longer than
+// K, through the g8 softmax kernel and the general one.
+TEST(RouterSoftmaxG8Gpu, TiesAndFlatRows) {
+  EPMOE_REQUIRE_GPU();
+  for (const char* name : {"softmax_flat256", "softmax_flat256_no_renorm"}) {
+    const MoeConfig c = config_named(name);
+    SCOPED_TRACE(name);
+    const std::uint64_t seed = fresh_seed();
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    const std::int64_t tokens = 4099;
+    HostTensor logits(DType::f32, {tokens, c.num_experts});
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      float* row = logits.data<float>() + t * c.num_experts;
+      for (int e = 0; e < c.num_experts; ++e) {
+        switch (t % 4) {
+          case 0:  // coarse grid: many exact ties
+            row[e] = std::round(normal(rng) * 2.0f) / 4.0f;
+            break;
+          case 1:  // one value
+            row[e] = 0.75f;
+            break;
+          case 2:  // large spread
+            row[e] = normal(rng) * 20.0f;
+            break;
+          default:  // 12 equal maxima spread over the lanes, the rest well below
+            row[e] = e % 21 == 3 ? 5.0f : normal(rng) - 10.0f;
+            break;
+        }
+      }
+    }
+    expect_softmax_routes(c, logits, forced_g8());
+    cuda::RouteKernelChoice general = forced_g8();
+    general.kernel = cuda::RouteKernelChoice::Kernel::general;
+    expect_softmax_routes(c, logits, general);
+  }
+}
 
 // ---------------------------------------------------------------- arguments
 TEST(RouterGpu, RefusesBadArguments) {
