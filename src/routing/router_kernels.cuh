@@ -261,6 +261,24 @@ inline constexpr int kRouterG8Candidates = 64;
 inline constexpr int kRouterG8ListStride = kRouterG8Candidates + 2;
 inline constexpr int kRouterG8MinBlocks = 8;
 
+// A candidate's 64-bit key: higher = earlier in route_cpu's order (higher value, then lower id).
+__device__ __forceinline__ std::uint64_t g8_key(float value, int id) {
+  return (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(id);
+}
+
+// count + (key > a), given not_a = ~a: the carry out of key + ~a (= key - a - 1 + 2^64) is 1 exactly
+// when key > a. Three integer adds with carry, where the compiler's 64-bit compare and select took four.
+__device__ __forceinline__ int add_if_above(int count, std::uint64_t key, std::uint64_t not_a) {
+  asm("{\n\t.reg .u32 t;\n\t"
+      "add.cc.u32 t, %1, %2;\n\t"
+      "addc.cc.u32 t, %3, %4;\n\t"
+      "addc.u32 %0, %0, 0;\n\t}"
+      : "+r"(count)
+      : "r"(static_cast<std::uint32_t>(key)), "r"(static_cast<std::uint32_t>(not_a)),
+        "r"(static_cast<std::uint32_t>(key >> 32)), "r"(static_cast<std::uint32_t>(not_a >> 32)));
+  return count;
+}
+
 // The end of the g8 kernels, the same steps in all: from a token's candidates (`mask`: this lane's
 // group's experts whose key can be among the top K) to the ranked top K (S) and the outputs of token
 // q * 4 + tw. Sigmoid: Xf holds the candidates' exact sigmoid, Bf the bias, the selection value is
@@ -268,11 +286,14 @@ inline constexpr int kRouterG8MinBlocks = 8;
 // selection values (softmax is increasing), Bf is unused, and the weight is exp(x - max) over the
 // chosen experts' sum (renormalised) or over `softmax_sum`, the token's sum of exp(x - max).
 // L and S are the token's candidate list and slots; the lanes of one token are first .. first + 7.
-template <bool kSoftmax>
+// With kListBuilt the caller has written the token's `built_total` candidate keys into L already
+// (unless some token of the warp has more than kRouterG8Candidates: then the rounds run).
+template <bool kSoftmax, bool kListBuilt = false>
 __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::uint32_t mask,
                                                     const float* Xf, const float* Bf, std::uint64_t* L,
                                                     std::uint32_t* S, int row, int g, int first, int tw,
-                                                    std::uint32_t q, float softmax_sum = 0.0f) {
+                                                    std::uint32_t q, float softmax_sum = 0.0f,
+                                                    int built_total = 0) {
   using namespace routing;
   constexpr unsigned kFull = 0xffffffffu;
   const auto value_at = [&](int at) {
@@ -282,37 +303,40 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::
       return rn_add(Xf[row * 32 + at], Bf[g * 32 + at]);
     }
   };
-  const int count = __popc(mask);
-  int end = count;  // inclusive prefix over the token's lanes
+  int total = built_total;
+  int end = 0;  // inclusive prefix of the candidate counts over the token's lanes
+  if constexpr (!kListBuilt) {
+    end = __popc(mask);
 #pragma unroll
-  for (int o = 1; o < 8; o *= 2) {
-    const int y = __shfl_up_sync(kFull, end, o);
-    if (g >= o) end += y;
-  }
-  const int total = __shfl_sync(kFull, end, first | 7);
-  if (!__any_sync(kFull, total > kRouterG8Candidates)) {
-    int pos = end - count;
-    while (mask != 0u) {
-      const int j = __ffs(static_cast<int>(mask)) - 1;
-      mask &= mask - 1u;
-      const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-      const float value = value_at(at);
-      L[pos++] =
-          (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
+    for (int o = 1; o < 8; o *= 2) {
+      const int y = __shfl_up_sync(kFull, end, o);
+      if (g >= o) end += y;
     }
-    __syncwarp();
+    total = __shfl_sync(kFull, end, first | 7);
+  }
+  if (!__any_sync(kFull, total > kRouterG8Candidates)) {
+    if constexpr (!kListBuilt) {
+      int pos = end - __popc(mask);
+      for (std::uint32_t m = mask; m != 0u; m &= m - 1u) {
+        const int j = __ffs(static_cast<int>(m)) - 1;
+        const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
+        L[pos++] = g8_key(value_at(at), g * 32 + j);
+      }
+      __syncwarp();
+    }
 
     // ---- rank of each candidate = number of larger keys; lane g ranks candidates g, g + 8, ...
     for (int i = g; i < total; i += 16) {
       const std::uint64_t a = L[i];
       const bool has_b = i + 8 < total;
       const std::uint64_t b = has_b ? L[i + 8] : ~0ull;
+      const std::uint64_t not_a = ~a, not_b = ~b;
       int rank_a = 0, rank_b = 0;
 #pragma unroll 4
       for (int k = 0; k < total; ++k) {
         const std::uint64_t key = L[k];
-        rank_a += key > a ? 1 : 0;
-        rank_b += key > b ? 1 : 0;
+        rank_a = add_if_above(rank_a, key, not_a);
+        rank_b = add_if_above(rank_b, key, not_b);
       }
       if (rank_a < p.topk) S[rank_a] = ~static_cast<std::uint32_t>(a);
       if (has_b && rank_b < p.topk) S[rank_b] = ~static_cast<std::uint32_t>(b);
@@ -325,9 +349,7 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::
       for (std::uint32_t m = mask; m != 0u; m &= m - 1u) {
         const int j = __ffs(static_cast<int>(m)) - 1;
         const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-        const float value = value_at(at);
-        const std::uint64_t key =
-            (static_cast<std::uint64_t>(order_key(value)) << 32) | ~static_cast<std::uint32_t>(g * 32 + j);
+        const std::uint64_t key = g8_key(value_at(at), g * 32 + j);
         best = key > best ? key : best;
       }
       std::uint64_t top = best;
@@ -510,10 +532,12 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
 //    rank >= K and the ranks < K are those of route_g8_kernel. A longer list can reach the rounds
 //    path (more than kRouterG8Candidates in a token) where route_g8_kernel would not; the rounds
 //    select the same K.
-//  - The candidates' exact sigmoids (all of the warp's 4 tokens, minus those the group step did)
-//    are spread over the 32 lanes through a list of u16 stage positions in the warp's candidate
-//    area (<= 512 entries: 4 tokens x 4 kept groups x 32), about 1.3 per lane, rather than each
-//    lane looping over its own (up to 32 when values tie).
+//  - The candidates' exact sigmoids and keys (all of the warp's 4 tokens; the group step's exact
+//    values are reused) are spread over the 32 lanes, about 1.3 items per lane, rather than each
+//    lane looping over its own (up to 32 when values tie): item i goes to lane i % 32, which finds
+//    the item's lane (binary search over the warp's prefix counts, 5 shuffles) and expert (the n-th
+//    set bit of that lane's mask) and writes the key straight into its token's list (v6; before, a
+//    u16 work list for the sigmoids and a per-lane loop for the keys, ~200 instructions per quad).
 //  - The margin comes from the block's bias load: threads 0..63 hold the bias, warps 0 and 1 reduce
 //    the largest |b| as bits (NaN and inf compare above every finite |b|).
 // Approximate values are finite whenever the bias is (sigmoid_approx is in [2^-126, 1] for every
@@ -538,12 +562,10 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   const float kInf = __int_as_float(0x7f800000);
   __shared__ float4 bias_s[64];                  // [group][chunk ^ group]
   __shared__ float4 stage[kRouterG8Warps][256];  // per warp: [token * 8 + group][chunk ^ group]
-  // Per warp: first the list of experts to evaluate exactly (u16 stage positions, <= 512), then the
-  // 4 tokens' candidate keys.
+  // Per warp: the 4 tokens' candidate keys.
   __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
   __shared__ std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
-  static_assert(sizeof(cand[0]) >= 512 * sizeof(std::uint16_t));
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -559,7 +581,6 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   float* const Xf = reinterpret_cast<float*>(X);
   const float* const Bf = reinterpret_cast<const float*>(bias_s);
   std::uint64_t* const L = cand[warp][tw];
-  std::uint16_t* const W = reinterpret_cast<std::uint16_t*>(cand[warp]);
   std::uint32_t* const S = slot[warp][tw];
 
   float4 b0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -651,28 +672,49 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
     for (int j = 0; j < 32; ++j) mask |= ca[j] < thr ? 0u : 1u << j;
     if (!kept) mask = 0;
 
-    // ---- exact sigmoids of the candidates not yet evaluated, spread over the warp
-    std::uint32_t todo = mask & ~done;
-    const int n_todo = __popc(todo);
-    int end = n_todo;  // inclusive prefix over the warp
+    // ---- the candidates' exact sigmoids and keys, spread over the warp: item i of the warp's
+    // candidates (lane order, then bit order) is taken by lane i % 32; its owner lane is found by a
+    // binary search over the lanes' inclusive prefix counts, its expert as the owner's n-th set bit.
+    const int count = __popc(mask);
+    int end = count;  // inclusive prefix over the warp
 #pragma unroll
     for (int o = 1; o < 32; o *= 2) {
       const int y = __shfl_up_sync(kFull, end, o);
       if (lane >= o) end += y;
     }
-    const int work = __shfl_sync(kFull, end, 31);
-    for (int pos = end - n_todo; todo != 0u; todo &= todo - 1u) {
-      const int j = __ffs(static_cast<int>(todo)) - 1;
-      W[pos++] = static_cast<std::uint16_t>(row * 32 + ((((j >> 2) ^ g) << 2) | (j & 3)));
+    const int before = end - count;
+    const int warp_total = __shfl_sync(kFull, end, 31);
+    const int token_start = __shfl_sync(kFull, before, first);
+    const int token_total = __shfl_sync(kFull, end, first | 7) - token_start;
+    const bool overflow = __any_sync(kFull, token_total > kRouterG8Candidates);  // then the rounds
+    for (int base = 0; base < warp_total; base += 32) {                          // warp-uniform trip count
+      const int i = base + lane;
+      int owner = 0;
+#pragma unroll
+      for (int step_size = 16; step_size >= 1; step_size /= 2) {
+        if (__shfl_sync(kFull, end, owner + step_size - 1) <= i) owner += step_size;
+      }
+      const std::uint32_t owner_mask = __shfl_sync(kFull, mask, owner);
+      const std::uint32_t owner_done = __shfl_sync(kFull, done, owner);
+      const int owner_before = __shfl_sync(kFull, before, owner);
+      const int owner_start = __shfl_sync(kFull, token_start, owner);
+      if (i < warp_total) {
+        const int j = static_cast<int>(__fns(owner_mask, 0u, i - owner_before + 1));
+        const int og = owner & 7;
+        const int at = ((((j >> 2) ^ og) << 2) | (j & 3));
+        float* const x = Xf + owner * 32 + at;
+        float sig = *x;
+        if (((owner_done >> j) & 1u) == 0u) {
+          sig = sigmoid_f32_gpu<kRnDiv>(sig);
+          *x = sig;
+        }
+        if (!overflow)
+          cand[warp][owner >> 3][i - owner_start] = g8_key(rn_add(sig, Bf[og * 32 + at]), og * 32 + j);
+      }
     }
-    __syncwarp();
-    for (int i = lane; i < work; i += 32) {
-      const int at = W[i];
-      Xf[at] = sigmoid_f32_gpu<kRnDiv>(Xf[at]);
-    }
-    __syncwarp();  // W read (the keys overwrite it next) and the scores stored
+    __syncwarp();  // the scores and keys stored
 
-    g8_select_and_store<false>(p, mask, Xf, Bf, L, S, row, g, first, tw, q);
+    g8_select_and_store<false, true>(p, mask, Xf, Bf, L, S, row, g, first, tw, q, 0.0f, token_total);
     q += step;
     if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
   }

