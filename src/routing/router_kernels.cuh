@@ -659,6 +659,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
         above += (k > gkey || (k == gkey && h < g)) ? 1 : 0;
       }
       if (exact) kept = above < p.topk_groups;
+      __syncwarp();  // the exact scores stored before other lanes read them (the spread loop below)
     }
 
     // ---- candidates: the kept groups' experts with ca >= tau' - M (a kept group's `done` experts,
