@@ -101,8 +101,11 @@ struct PhaseStats {
   double slot_cost_tokens = 0;  // --rebalance: the per-forward slot cost it used (tokens)
   double device_gb = 0, comm_layout_gb = 0, dispatcher_setup_gb = 0;
   double gemm_alone_routed = 0, gemm_alone_shared = 0;  // ms, GpuMoeLayer::time_gemms_alone (no TBO)
+  // Rows per slot and forward over the timed loop (every rank's slots): the largest, and how many
+  // slots average more than 16 / 32 rows (a 16-row GEMM tile reads such a slot's weights twice).
+  double slot_rows_max = 0, slots_over_16 = 0, slots_over_32 = 0;
   // Only doubles: all-gathered as they are laid out (gather()).
-  static constexpr int kFields = 26;
+  static constexpr int kFields = 29;
 };
 
 static_assert(sizeof(PhaseStats) == PhaseStats::kFields * sizeof(double) &&
@@ -257,6 +260,14 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   layer.reset_load();
   st.seconds = timed_loop(plan.graphs, forwards, "");
   st.load_max_over_mean = load_imbalance(layer.slot_load(), ranks);
+  if (forwards > 0) {
+    for (const std::int64_t load : layer.slot_load()) {
+      const double rows = static_cast<double>(load) / static_cast<double>(forwards);
+      st.slot_rows_max = std::max(st.slot_rows_max, rows);
+      st.slots_over_16 += rows > 16 ? 1 : 0;
+      st.slots_over_32 += rows > 32 ? 1 : 0;
+    }
+  }
   st.forwards = static_cast<double>(forwards);
   st.tokens = static_cast<double>(tokens);
   if (plan.graphs && plan.eager_compare) st.eager_seconds = timed_loop(false, forwards, " eager");
@@ -324,6 +335,8 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
   }
   nlohmann::json extra = nlohmann::json::object();
   extra["load_max_over_mean"] = r0.load_max_over_mean;
+  extra["slot_rows_per_forward"] = {
+      {"max", r0.slot_rows_max}, {"slots_over_16", r0.slots_over_16}, {"slots_over_32", r0.slots_over_32}};
   extra["device_gb_per_rank"] = r0.device_gb;
   extra["comm_layout_gb_per_rank"] = r0.comm_layout_gb;
   extra["dispatcher_setup_gb_per_rank"] = r0.dispatcher_setup_gb;
