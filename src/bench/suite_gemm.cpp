@@ -448,12 +448,6 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     variants.push_back({".w4a8.v2.p2", {.version = 2, .parts = 2}});
     variants.push_back({".w4a8.v2.k2.p2", {.version = 2, .stage_k_blocks = 2, .parts = 2}});
   }
-  // The 24-row decode tile (masked, expected_m <= 24; W4A8 v8): one tile for groups of up to 24 rows.
-  if (s.masked && s.expected_m <= 24 && N % 256 == 0) {
-    W4A8Variant m24{".w4a8.v2.m24", {2}};
-    m24.options.block_m = 24;
-    variants.push_back(m24);
-  }
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   for (const cuda::W4A8KernelChoice c :
        {cuda::W4A8KernelChoice{3, 64, 256, 1}, cuda::W4A8KernelChoice{3, 64, 128, 1},
@@ -525,7 +519,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       p["waves"] = static_cast<std::int64_t>(ran.waves);
     } else {
       const cuda::W4A8TileShape t = cuda::w4a8_gemm_tile(s.masked, s.expected_m);
-      p["block_m"] = static_cast<std::int64_t>(v.options.block_m != 0 ? v.options.block_m : t.block_m);
+      p["block_m"] = static_cast<std::int64_t>(t.block_m);
       p["block_n"] = static_cast<std::int64_t>(64 * t.consumers);
     }
     p["fp8_us"] = fp8_us;

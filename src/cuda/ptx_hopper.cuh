@@ -299,21 +299,6 @@ __device__ __forceinline__ void wgmma_m64k32_ss_e4m3<16>(float (&d)[8], std::uin
 }
 
 template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<24>(float (&d)[12], std::uint64_t desc_a,
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %14, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
 __device__ __forceinline__ void wgmma_m64k32_ss_e4m3<32>(float (&d)[16], std::uint64_t desc_a,
                                                          std::uint64_t desc_b, bool accumulate) {
   asm volatile(
@@ -449,7 +434,7 @@ __device__ __forceinline__ std::uint32_t prmt(std::uint32_t a, std::uint32_t b, 
 // D[64 x N] (+)= A[64 x 32] · B[N x 32]^T, e4m3 x e4m3 -> f32, A from registers (the m64nNk32 A
 // fragment: a[0] row 16 w + l / 4, k 4 (l % 4) + 0..3; a[1] the same k, row + 8; a[2] / a[3] as
 // a[0] / a[1] with k + 16; warp w, lane l of the warpgroup), B K-major in shared memory
-// (descriptor); accumulate = false overwrites d. N = 8, 16, 24, 32, 64 or 128 (d holds N / 2 values).
+// (descriptor); accumulate = false overwrites d. N = 8, 16, 32, 64 or 128 (d holds N / 2 values).
 template <int N>
 __device__ __forceinline__ void wgmma_m64k32_rs_e4m3(float (&d)[N / 2], const std::uint32_t (&a)[4],
                                                      std::uint64_t desc_b, bool accumulate);
@@ -481,23 +466,6 @@ __device__ __forceinline__ void wgmma_m64k32_rs_e4m3<16>(float (&d)[8], const st
       "}, {%8, %9, %10, %11}, %12, p, 1, 1;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_rs_e4m3<24>(float (&d)[12], const std::uint32_t (&a)[4],
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %17, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11"
-      "}, {%12, %13, %14, %15}, %16, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
 }
 

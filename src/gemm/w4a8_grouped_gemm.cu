@@ -64,9 +64,9 @@ void check_device() {
 
 W4A8TileShape check_tile(const W4A8GemmOptions& options, bool masked, std::int64_t expected_m,
                          std::int64_t n) {
-  EPMOE_CHECK(options.block_m == 0 || options.block_m == 16 || options.block_m == 24 ||
-                  options.block_m == 32 || options.block_m == 64 || options.block_m == 128,
-              "options.block_m must be 0 (automatic), 16, 24, 32, 64 or 128, got {}", options.block_m);
+  EPMOE_CHECK(options.block_m == 0 || options.block_m == 16 || options.block_m == 32 ||
+                  options.block_m == 64 || options.block_m == 128,
+              "options.block_m must be 0 (automatic), 16, 32, 64 or 128, got {}", options.block_m);
   EPMOE_CHECK(masked || options.block_m == 0 || options.block_m == 128,
               "options.block_m must be 0 or 128 for the contiguous layout, got {}", options.block_m);
   EPMOE_CHECK(options.consumers == 0 || options.consumers == 2 || options.consumers == 4,
@@ -85,9 +85,6 @@ W4A8TileShape check_tile(const W4A8GemmOptions& options, bool masked, std::int64
               "options.consumers = 4 needs block_m <= 32, got block_m = {}", tile.block_m);
   EPMOE_CHECK(n % (64 * tile.consumers) == 0, "N = {} must be a multiple of {} for options.consumers = {}", n,
               64 * tile.consumers, tile.consumers);
-  EPMOE_CHECK(tile.block_m != 24 || tile.consumers == 4,
-              "block_m = 24 needs four consumers (N a multiple of 256), got N = {} and {} consumers", n,
-              tile.consumers);
   return tile;
 }
 
@@ -170,12 +167,6 @@ void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& p
             const W4A8GemmOptions& options, cudaStream_t stream) {
   if (tile.consumers == 4) {
     if (tile.block_m == 16) return launch<16, 4, kOffsetWarp, kStageKB>(a, problem, options, stream);
-    if (tile.block_m == 24) {
-      // The 24-row tile has no offset-warp variant (the warp sums 16-row slices).
-      EPMOE_CHECK(!kOffsetWarp,
-                  "the 24-row W4A8 tile has no offset-warp variant (W4A8KernelChoice::offset_warp)");
-      if constexpr (!kOffsetWarp) return launch<24, 4, false, kStageKB>(a, problem, options, stream);
-    }
     if constexpr (!kOffsetWarp) {
       if (parts == 2) return launch<32, 4, kOffsetWarp, kStageKB, 2>(a, problem, options, stream);
     }

@@ -58,11 +58,8 @@ inline constexpr int kW4SmemBudget = 232448;  // dynamic shared memory a block m
 
 template <int kBM, int kConsumers, bool kOffsetWarp_ = false, int kStageKB_ = 1>
 struct W4A8Traits {
-  static_assert(kBM == 16 || kBM == 24 || kBM == 32 || kBM == 64 || kBM == 128);
+  static_assert(kBM == 16 || kBM == 32 || kBM == 64 || kBM == 128);
   static_assert(kConsumers == 2 || (kConsumers == 4 && kBM <= 32));
-  // The 24-row decode tile (masked only: contiguous blocks are 128 rows): four consumers, the
-  // constant-operand offset wgmma (the offset warp sums 16-row slices).
-  static_assert(kBM != 24 || (kConsumers == 4 && !kOffsetWarp_));
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kTileN = w4a8::kPanelRows * kConsumers;  // weight rows per tile
   // K blocks per pipeline stage: 1, 2 or 3 (one barrier round trip per kStageKB x 128 K: the
@@ -430,7 +427,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
     // bytes with two before v6; 16 x 256 tiles fit since the offset operand comes from shared
     // memory). kParts_ = 2 asks for two on the 32 x 256 tile (no spill since v6, ptxas).
     static_assert(kParts_ == 0 || (kParts_ == 2 && kBM <= 64 && !kOffsetWarp));
-    constexpr int kParts = kParts_ != 0 ? kParts_ : kBM <= 64 && (kConsumers == 2 || kBM <= 24) ? 2 : 1;
+    constexpr int kParts = kParts_ != 0 ? kParts_ : kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
     float part[kParts][kAcc];
     // kRowOffset: per partial, the offset terms of activation rows 64 h + 16 w + g (+ 8) (the
     // m64n8 fragment: [h][0, 1] row g, [h][2, 3] row g + 8), and which of the two buffers is next.

@@ -1,8 +1,6 @@
 // The W4A8 GPU runner (int4 weights prepared for the kernel, per-128-K weight scales; FP8
 // activations with static per-tensor scales; issue 5's grouped GEMMs), for the contiguous and masked
 // layouts. The GEMM2 input is quantized by the fused SiLU·mul with the static scale a2.
-#include <cstdlib>
-
 #include "epmoe/cuda/w4a8_gemm.hpp"
 #include "runner/gpu_runner.hpp"
 
@@ -26,16 +24,8 @@ class W4A8Runner final : public runner_detail::GroupedMlpRunner {
   }
   void gemm_masked(const runner_detail::GemmOperands& g, TensorView masked_m, std::int64_t expected_m,
                    cudaStream_t stream) override {
-    W4A8GemmOptions o = options();
-    // EPMOE_W4A8_DECODE_BLOCK_M=16|24|32: the decode tile (masked, expected_m <= 24) for experiments
-    // (bench/NOTES.md, W4A8 v8); unset or 0: w4a8_gemm_tile's choice.
-    static const int decode_block_m = [] {
-      const char* v = std::getenv("EPMOE_W4A8_DECODE_BLOCK_M");
-      return v != nullptr ? std::atoi(v) : 0;
-    }();
-    if (decode_block_m != 0 && expected_m <= 24) o.block_m = decode_block_m;
     w4a8_grouped_gemm_masked(g.a, g.a_tensor_scale, {}, g.w, g.w_scales, masked_m, expected_m, g.d, stream,
-                             o);
+                             options());
   }
   SiluQuantOptions silu_options() const override {
     SiluQuantOptions so;

@@ -222,19 +222,6 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N1536_K1152_odd_k_blocks", 20, {20, 7}, 1536, 1152},
         MaskedCase{"N640_K128_one_k_block_block64", 70, {70, 5}, 640, 128, 64},
         MaskedCase{"N512_K384_odd_k_blocks_block32_consumers4", 40, {40, 31}, 512, 384, 32, 4},
-        // The 24-row tile (W4A8 v8, explicit block_m = 24): the decode shapes with groups of 0..3
-        // 24-row blocks (17..24 rows in one block, 25 in two), a device scale, odd and single K-block
-        // counts, K blocks per stage 2 and 3, few CTAs with many tiles, all full and all empty.
-        MaskedCase{"N4096_K7168_decode_block24", 60, {8, 0, 17, 24, 25, 1, 60}, 4096, 7168, 24},
-        MaskedCase{
-            "N7168_K2048_decode_block24_device_scale", 48, {21, 5, 48, 0, 16}, 7168, 2048, 24, 0, true},
-        MaskedCase{"N512_K384_odd_k_blocks_block24", 40, {23, 40, 1}, 512, 384, 24},
-        MaskedCase{"N512_K128_one_k_block_block24", 30, {30, 24, 7}, 512, 128, 24},
-        MaskedCase{"N1536_K1152_block24_k2", 50, {50, 19, 0, 24}, 1536, 1152, 24, 0, false, kK2},
-        MaskedCase{"N1536_K1152_block24_k3_device_scale", 50, {25, 2, 48}, 1536, 1152, 24, 0, true, kK3},
-        MaskedCase{"N1024_K1024_block24_many_tiles", 16, kManyTiles, 1024, 1024, 24, 0, false, {}, 3},
-        MaskedCase{"N1024_K640_block24_all_full", 24, {24, 24, 24}, 1024, 640, 24},
-        MaskedCase{"N1024_K640_block24_all_empty", 24, {0, 0}, 1024, 640, 24},
         // masked_m = M_max everywhere, and nothing valid at all.
         MaskedCase{"N1536_K2048_all_full", 16, {16, 16, 16}, 1536, 2048},
         MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048},
@@ -592,12 +579,7 @@ TEST(W4A8GemmGpuMisc, RefusesBadArguments) {
   cuda::W4A8GemmOptions bad_m;
   bad_m.block_m = 48;
   expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, bad_m); },
-                        "options.block_m must be 0 (automatic), 16, 24, 32, 64 or 128");
-  cuda::W4A8GemmOptions bad_24;  // the 24-row tile needs four consumers
-  bad_24.block_m = 24;
-  bad_24.consumers = 2;
-  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, bad_24); },
-                        "block_m = 24 needs four consumers");
+                        "options.block_m must be 0 (automatic), 16, 32, 64 or 128");
   cuda::W4A8GemmOptions bad_c;
   bad_c.block_m = 64;
   bad_c.consumers = 4;

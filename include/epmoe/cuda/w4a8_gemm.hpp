@@ -26,8 +26,8 @@
 namespace epmoe::cuda {
 
 struct W4A8GemmOptions {
-  // Activation rows per tile (the wgmma N): 0 picks by w4a8_gemm_tile(); else 16, 24, 32, 64 or 128
-  // (contiguous: 128 only, one 128-row block of m_indices per tile; 24: masked, four consumers).
+  // Activation rows per tile (the wgmma N): 0 picks by w4a8_gemm_tile(); else 16, 32, 64 or 128
+  // (contiguous: 128 only, one 128-row block of m_indices per tile).
   int block_m = 0;
   // Consumer warpgroups per CTA, 64 weight rows each: 0 picks; else 2 or 4 (4 with block_m <= 64).
   int consumers = 0;
