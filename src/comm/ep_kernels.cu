@@ -457,7 +457,7 @@ constexpr int kRouteIdsPerRound = 8;
 __device__ void route_in_block(const EpGeometry& g, const std::int32_t* ids, std::int64_t T,
                                float tensor_scale, std::uint32_t* bitmaps, std::int32_t* prefix,
                                std::int32_t* count_row, std::uint32_t* global_bitmaps,
-                               std::int32_t* global_prefix, std::int32_t* global_count_row) {
+                               std::int32_t* global_prefix, std::int32_t* global_count_row, bool by_item) {
   const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
   const int lane = tid & 31;
   const int buckets = g.N + g.P;
@@ -467,13 +467,16 @@ __device__ void route_in_block(const EpGeometry& g, const std::int32_t* ids, std
   int first[kRouteIdsPerRound];
 #pragma unroll
   for (int u = 0; u < kRouteIdsPerRound; ++u)
-    first[u] = tid < T && u < g.K ? ids[static_cast<std::int64_t>(tid) * g.K + u] : -1;
+    first[u] = !by_item && tid < T && u < g.K ? ids[static_cast<std::int64_t>(tid) * g.K + u] : -1;
   for (int i = tid; i < words; i += nthreads) bitmaps[i] = 0;
   if (tid == 0) *status = 0;
   __syncthreads();
+  // by_item (SendArgs::route_by_item): a thread per (token, k) item, route_small_kernel's loop.
+  const std::int64_t items = by_item ? T * g.K : 0;
+  for (std::int64_t i = tid; i < items; i += nthreads) route_item(g, ids, i, bitmaps, status);
   // Whole warps take part in every round (blockDim is a multiple of 32), so lane l holds token
   // bit l of word t >> 5.
-  const std::int64_t T_warps = (T + 31) / 32 * 32;
+  const std::int64_t T_warps = by_item ? 0 : (T + 31) / 32 * 32;
   for (std::int64_t t = tid; t < T_warps; t += nthreads) {
     const bool valid = t < T;
     const std::int64_t word = t >> 5;
@@ -634,7 +637,7 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   const std::int64_t parity_ints = parity_bytes / 4;
 
   if (block == 0 && threadIdx.x == 0) stamp(kTraceSendStart);
-  const bool flag_at_start = kFlagAtStart && a.chunks != nullptr && a.header != nullptr;
+  const bool flag_at_start = kFlagAtStart && !a.flag_at_end && a.chunks != nullptr && a.header != nullptr;
   if constexpr (kEarly) {
     if (block == 0) send_tagged_counts(g, a.tagged, a.count_row, status, s, parity_bytes / 8);
     // The last warp's lanes: the release waits for the previous kernels' stores, not the tokens'.
@@ -1038,7 +1041,8 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     // kRouteInLaunch: the row's first kBatch vectors are loaded together with its metadata (one
     // load round trip after the counter, not one for the metadata and then one for the row).
     Preloaded row;
-    if constexpr (kRouteInLaunch) load_batch(row.v, slot, 0, vecs, lane);
+    const bool preload = kRouteInLaunch && !a.peer_row_after_meta;
+    if (preload) load_batch(row.v, slot, 0, vecs, lane);
     int e = -1, slot_e = 0;
     float w = 0.0f;
     if (lane < g.K) {
@@ -1048,7 +1052,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
       w = __int_as_float(meta[2]);
     }
     place_token(r, src, j, e, slot_e, w, slot, reinterpret_cast<const float*>(slot + g.x_bytes),
-                kRouteInLaunch ? &row : nullptr);
+                preload ? &row : nullptr);
   }
 
   if constexpr (!kRouteInLaunch) mark_empty_rows();
@@ -1103,7 +1107,7 @@ __global__ void __launch_bounds__(kThreads)
     route_in_block(g, s.ids, s.T, s.tensor_scale, bitmaps, prefix, count_row,
                    publish ? const_cast<std::uint32_t*>(s.bitmaps) : nullptr,
                    publish ? const_cast<std::int32_t*>(s.prefix) : nullptr,
-                   publish ? const_cast<std::int32_t*>(s.count_row) : nullptr);
+                   publish ? const_cast<std::int32_t*>(s.count_row) : nullptr, s.route_by_item);
     if (b < send_blocks) {
       SendArgs routed = s;
       routed.bitmaps = bitmaps;
