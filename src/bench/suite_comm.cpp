@@ -191,14 +191,8 @@ const std::vector<SendVariant>& send_variants() {
 const std::vector<SendVariant>& low_latency_dispatch_variants() {
   static const std::vector<SendVariant> v = {
       {"route-kernel", {{"EPMOE_COMM_LL_ROUTE_IN_LAUNCH", "0"}}},
+      {"chunk8", {{"EPMOE_COMM_LL_ARRIVAL_CHUNK", "8"}}},
       {"chunk64", {{"EPMOE_COMM_LL_ARRIVAL_CHUNK", "64"}}},
-      {"route-by-item", {{"EPMOE_COMM_LL_ROUTE_BY_ITEM", "1"}}},
-      {"flag-at-end", {{"EPMOE_COMM_LL_FLAG_AT_END", "1"}}},
-      {"peer-row-after-meta", {{"EPMOE_COMM_LL_PEER_ROW_AFTER_META", "1"}}},
-      {"run1",
-       {{"EPMOE_COMM_LL_ROUTE_BY_ITEM", "1"},
-        {"EPMOE_COMM_LL_FLAG_AT_END", "1"},
-        {"EPMOE_COMM_LL_PEER_ROW_AFTER_META", "1"}}},
       {"v6", {{"EPMOE_COMM_LL_ROUTE_IN_LAUNCH", "0"}, {"EPMOE_COMM_LL_ARRIVAL_CHUNK", "64"}}},
   };
   return v;
@@ -467,10 +461,8 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       }
       // The low-latency dispatch's own switches (read at capture), the same graph-replayed call:
       // "nvlink-ll-route-kernel" routes in a kernel before the dispatch launch
-      // (EPMOE_COMM_LL_ROUTE_IN_LAUNCH=0); "-chunk64": 64 tokens per arrival counter
-      // (EPMOE_COMM_LL_ARRIVAL_CHUNK; default 1); "-v6": both as before (LL v6's dispatch);
-      // "-route-by-item" / "-flag-at-end" / "-peer-row-after-meta": one step of the routing
-      // inside the launch as in its first version, "-run1": all three.
+      // (EPMOE_COMM_LL_ROUTE_IN_LAUNCH=0); "-chunk8" / "-chunk64": tokens per arrival counter
+      // (EPMOE_COMM_LL_ARRIVAL_CHUNK; default 1); "-v6": both as before (LL v6's dispatch).
       for (const SendVariant& v : low_latency_dispatch_variants()) {
         const cudaGraphExec_t g_v = with_env(v.env, [&] {
           return capture(stream, [&] { d->dispatch({&view, 1}, out); });

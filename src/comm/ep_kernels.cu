@@ -447,75 +447,22 @@ __global__ void __launch_bounds__(kRouteSmallThreads)
 // Routing inside the dispatch launch (SendArgs::route_in_launch): every block of the launch routes
 // the T tokens itself, block-wide, into shared memory (route_small_kernel's outputs: bitmaps,
 // prefixes, count row), so that no block waits for a route kernel and its kernel boundary (~3 us
-// of the 128-token call, bench/NOTES.md LL v6). A thread per token: its K ids in one round of
-// loads (issued before the shared memory is cleared), so the block waits for one load latency
-// per blockDim tokens, not one per (token, k) item; a warp holds 32 consecutive tokens, one bitmap
-// word, so the destination-rank words come from ballots (no atomics on the N hot words) and only
-// the expert words take shared atomics. `global_*` (one block's, else null) also receive the
-// routing: the combine's home kernel reads the bitmaps and prefixes.
-constexpr int kRouteIdsPerRound = 8;
+// of the 128-token call, bench/NOTES.md LL v6). 1024 (token, k) items and 290 x 4 words at
+// DeepSeek-V3 dims, 128 tokens: a few shared-memory rounds per thread. `global_*` (one block's,
+// else null) also receive the routing: the combine's home kernel reads the bitmaps and prefixes.
 __device__ void route_in_block(const EpGeometry& g, const std::int32_t* ids, std::int64_t T,
                                float tensor_scale, std::uint32_t* bitmaps, std::int32_t* prefix,
                                std::int32_t* count_row, std::uint32_t* global_bitmaps,
-                               std::int32_t* global_prefix, std::int32_t* global_count_row, bool by_item) {
+                               std::int32_t* global_prefix, std::int32_t* global_count_row) {
   const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
-  const int lane = tid & 31;
   const int buckets = g.N + g.P;
   const int words = buckets * g.W;
-  int* status = &count_row[g.status_index()];
-  // The first round's ids (tokens tid < T, their first kRouteIdsPerRound ids) before the clearing.
-  int first[kRouteIdsPerRound];
-#pragma unroll
-  for (int u = 0; u < kRouteIdsPerRound; ++u)
-    first[u] = !by_item && tid < T && u < g.K ? ids[static_cast<std::int64_t>(tid) * g.K + u] : -1;
   for (int i = tid; i < words; i += nthreads) bitmaps[i] = 0;
-  if (tid == 0) *status = 0;
+  if (tid == 0) count_row[g.status_index()] = 0;
   __syncthreads();
-  // by_item (SendArgs::route_by_item): a thread per (token, k) item, route_small_kernel's loop.
-  const std::int64_t items = by_item ? T * g.K : 0;
-  for (std::int64_t i = tid; i < items; i += nthreads) route_item(g, ids, i, bitmaps, status);
-  // Whole warps take part in every round (blockDim is a multiple of 32), so lane l holds token
-  // bit l of word t >> 5.
-  const std::int64_t T_warps = by_item ? 0 : (T + 31) / 32 * 32;
-  for (std::int64_t t = tid; t < T_warps; t += nthreads) {
-    const bool valid = t < T;
-    const std::int64_t word = t >> 5;
-    std::uint32_t ranks = 0;  // destination ranks < 32 of token t (larger N: shared atomics)
-    for (int k0 = 0; k0 < g.K; k0 += kRouteIdsPerRound) {
-      int id[kRouteIdsPerRound];
-#pragma unroll
-      for (int u = 0; u < kRouteIdsPerRound; ++u)
-        id[u] = t == tid && k0 == 0 ? first[u] : valid && k0 + u < g.K ? ids[t * g.K + k0 + u] : -1;
-#pragma unroll
-      for (int u = 0; u < kRouteIdsPerRound; ++u) {
-        const int k = k0 + u, v = id[u];
-        if (!valid || k >= g.K) continue;
-        if (v < 0 || v >= g.P) {
-          atomicOr(status, kInputIdOutOfRange);
-          continue;
-        }
-        bool duplicate = false;
-#pragma unroll
-        for (int u2 = 0; u2 < u; ++u2) duplicate |= id[u2] == v;
-        for (int k2 = 0; k2 < k0; ++k2) duplicate |= ids[t * g.K + k2] == v;
-        if (duplicate) {
-          atomicOr(status, kInputDuplicateId);
-          continue;
-        }
-        const std::uint32_t bit = 1u << lane;
-        atomicOr(&bitmaps[static_cast<std::int64_t>(g.N + v) * g.W + word], bit);
-        const int d = v / g.L;
-        if (d < 32)
-          ranks |= 1u << d;
-        else
-          atomicOr(&bitmaps[static_cast<std::int64_t>(d) * g.W + word], bit);
-      }
-    }
-    for (int d = 0; d < min(g.N, 32); ++d) {
-      const unsigned m = __ballot_sync(kFull, (ranks >> d) & 1u);
-      if (lane == 0 && m != 0) atomicOr(&bitmaps[static_cast<std::int64_t>(d) * g.W + word], m);
-    }
-  }
+  const std::int64_t items = T * g.K;
+  for (std::int64_t i = tid; i < items; i += nthreads)
+    route_item(g, ids, i, bitmaps, &count_row[g.status_index()]);
   __syncthreads();
   for (int b = tid; b < buckets; b += nthreads) {
     int running = 0;
@@ -604,15 +551,7 @@ __device__ void send_tagged_counts(const EpGeometry& g, std::uint64_t* const* ta
 #include "comm/ep_send_bulk.cuh"
 
 // smem: the bulk-copy staging area (SendArgs::bulk_warps > 0). kEarly: early counts (a.tagged).
-// kFlagAtStart (dispatch_kernel's kRouteInLaunch, with kEarly) and arrival counters (a.chunks): the
-// arrival flags are raised at the start, by block 0, and the last-block pattern at the end runs at
-// GPU scope. With early counts and arrival counters the flag orders no data (the rows have their
-// counters, the counts their tags); the peer's place waits for it only so that this rank's place
-// of the call before has ended before the peer writes that parity again (send_tagged_counts): a
-// flag raised in this launch says so as well as one raised at its end, since this rank's kernels
-// run in stream order. So neither the peer's end-wait nor this kernel's end waits for the system
-// fences of every send thread any more.
-template <bool kEarly, bool kFlagAtStart = false>
+template <bool kEarly>
 __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int nblocks, char* smem) {
   __shared__ char* target[kSendWarps][kMaxTopK];
   __shared__ int target_rank[kSendWarps][kMaxTopK];
@@ -637,14 +576,8 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   const std::int64_t parity_ints = parity_bytes / 4;
 
   if (block == 0 && threadIdx.x == 0) stamp(kTraceSendStart);
-  const bool flag_at_start = kFlagAtStart && !a.flag_at_end && a.chunks != nullptr && a.header != nullptr;
   if constexpr (kEarly) {
     if (block == 0) send_tagged_counts(g, a.tagged, a.count_row, status, s, parity_bytes / 8);
-    // The last warp's lanes: the release waits for the previous kernels' stores, not the tokens'.
-    const int flag_thread = static_cast<int>(threadIdx.x) - (static_cast<int>(blockDim.x) - 32);
-    if (flag_at_start && block == 0 && flag_thread >= 0)
-      for (int d = flag_thread; d < g.N; d += 32)
-        st_release_sys(reinterpret_cast<std::uint32_t*>(a.header[d] + parity_ints + kHeaderFlag), s);
   } else {
     if (a.header != nullptr && block == 0)
       send_headers(g, a.header, a.count_row, status, a.T, s, parity_ints);
@@ -709,15 +642,6 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   if (threadIdx.x == 0) stamp_max(kTraceSendCopied);
   if (a.header == nullptr) return;
 
-  if (flag_at_start) {
-    // Every block has read the sequence number: the last one advances it.
-    if (!finish_block_gpu(a.sync.done, nblocks)) return;
-    if (threadIdx.x == 0) {
-      *a.sync.seq = s;
-      stamp(kTraceSendEnd);
-    }
-    return;
-  }
   // NVLink: the block that finishes last raises the arrival flags and advances the send sequence
   // (its own counter: place may run concurrently and advances the receive one).
   if (!finish_block(a.sync.done, nblocks)) return;
@@ -772,9 +696,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   if (block == 0 && tid == 0) stamp(kTracePlaceStart);
   // Early counts: the warp's first own token (its slot, routing and the first kBatch vectors of its
   // row) is loaded before the layout is known; it is stored once the tables are built.
-  // A token's first kBatch vectors loaded ahead (and, for the warp's first own token, its slot and
-  // routing).
-  struct Preloaded {
+  struct OwnFirst {
     uint4 v[kBatch];
     int j, e, slot_e;
     float w;
@@ -898,7 +820,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   // Received token r (source src, slot j): lanes < K hold its (local expert or -1, slot among the
   // source's tokens of that expert, weight); its payload is x_src / scales_src.
   auto place_token = [&](std::int64_t r, int src, int j, int e, int slot_e, float w, const char* x_src,
-                         const float* scales_src, const Preloaded* pre = nullptr) {
+                         const float* scales_src, const OwnFirst* pre = nullptr) {
     int row = -1;
     if (lane < g.K) {
       if (e >= 0 && e < g.L) {
@@ -1038,11 +960,6 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
       // chunks in order, so this is when their copies ended); one stamp per source.
       if (a.contiguous && lane == 0 && j == tok[src] - 1) stamp_max(kTraceArrived);
     }
-    // kRouteInLaunch: the row's first kBatch vectors are loaded together with its metadata (one
-    // load round trip after the counter, not one for the metadata and then one for the row).
-    Preloaded row;
-    const bool preload = kRouteInLaunch && !a.peer_row_after_meta;
-    if (preload) load_batch(row.v, slot, 0, vecs, lane);
     int e = -1, slot_e = 0;
     float w = 0.0f;
     if (lane < g.K) {
@@ -1051,8 +968,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
       slot_e = meta[1];
       w = __int_as_float(meta[2]);
     }
-    place_token(r, src, j, e, slot_e, w, slot, reinterpret_cast<const float*>(slot + g.x_bytes),
-                preload ? &row : nullptr);
+    place_token(r, src, j, e, slot_e, w, slot, reinterpret_cast<const float*>(slot + g.x_bytes));
   }
 
   if constexpr (!kRouteInLaunch) mark_empty_rows();
@@ -1107,13 +1023,13 @@ __global__ void __launch_bounds__(kThreads)
     route_in_block(g, s.ids, s.T, s.tensor_scale, bitmaps, prefix, count_row,
                    publish ? const_cast<std::uint32_t*>(s.bitmaps) : nullptr,
                    publish ? const_cast<std::int32_t*>(s.prefix) : nullptr,
-                   publish ? const_cast<std::int32_t*>(s.count_row) : nullptr, s.route_by_item);
+                   publish ? const_cast<std::int32_t*>(s.count_row) : nullptr);
     if (b < send_blocks) {
       SendArgs routed = s;
       routed.bitmaps = bitmaps;
       routed.prefix = prefix;
       routed.count_row = count_row;
-      send_body<true, true>(g, routed, b, send_blocks, reinterpret_cast<char*>(smem));
+      send_body<true>(g, routed, b, send_blocks, reinterpret_cast<char*>(smem));
     } else {
       PlaceArgs routed = p;
       routed.bitmaps = bitmaps;

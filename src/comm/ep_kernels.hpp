@@ -138,11 +138,6 @@ struct SendArgs {
   // combine reads them). tensor_scale: the count row's scale word.
   bool route_in_launch = false;
   float tensor_scale = 0.0f;
-  // Measurement switches of the routing inside the launch (bench rows; off by default):
-  // route_by_item (EPMOE_COMM_LL_ROUTE_BY_ITEM=1): a thread per (token, k) item instead of per
-  // token; flag_at_end (EPMOE_COMM_LL_FLAG_AT_END=1): the arrival flags raised by the last send
-  // block after system fences, as with the route kernel.
-  bool route_by_item = false, flag_at_end = false;
 };
 // Shared memory per block of the routing inside the dispatch launch (bitmaps and prefixes of the
 // N + P buckets, the count row), and the most the launcher gives it.
@@ -272,9 +267,6 @@ struct PlaceArgs {
   // count flag and header, loads its own first token before the layout is known, and waits for
   // every peer's arrival flag before its last block recycles the parity.
   const std::uint64_t* tagged = nullptr;
-  // Measurement switch (EPMOE_COMM_LL_PEER_ROW_AFTER_META=1, off by default): with the routing
-  // inside the launch, a peer token's row is loaded after its metadata, not together with it.
-  bool peer_row_after_meta = false;
 };
 void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream);
 // Send and place in one launch (a whole dispatch() call): send_blocks(s.T) blocks send, the rest

@@ -208,8 +208,6 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     if (early_) s.tagged = send_tagged_.as<std::uint64_t* const>();
     s.route_in_launch = route_in_launch;
     s.tensor_scale = in.x_tensor_scale;
-    s.route_by_item = env_int("EPMOE_COMM_LL_ROUTE_BY_ITEM", 0) == 1;
-    s.flag_at_end = env_int("EPMOE_COMM_LL_FLAG_AT_END", 0) == 1;
     if (own_direct_) {
       pending_send_ = s;  // recv launches it together with place
     } else {
@@ -246,7 +244,6 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       p.arrival_chunk = arrival_chunk_;
     }
     p.sync = sync(0, 5);
-    p.peer_row_after_meta = env_int("EPMOE_COMM_LL_PEER_ROW_AFTER_META", 0) == 1;
     if (early_)
       p.tagged =
           reinterpret_cast<const std::uint64_t*>(static_cast<const char*>(window_->local()) + tag_off_);
