@@ -187,6 +187,17 @@ const std::vector<SendVariant>& send_variants() {
   return v;
 }
 
+// Low-latency dispatch variants timed beside the default at every batch size.
+const std::vector<SendVariant>& low_latency_dispatch_variants() {
+  static const std::vector<SendVariant> v = {
+      {"route-kernel", {{"EPMOE_COMM_LL_ROUTE_IN_LAUNCH", "0"}}},
+      {"chunk8", {{"EPMOE_COMM_LL_ARRIVAL_CHUNK", "8"}}},
+      {"chunk64", {{"EPMOE_COMM_LL_ARRIVAL_CHUNK", "64"}}},
+      {"v6", {{"EPMOE_COMM_LL_ROUTE_IN_LAUNCH", "0"}, {"EPMOE_COMM_LL_ARRIVAL_CHUNK", "64"}}},
+  };
+  return v;
+}
+
 // Warps per token of the split combine rows (EPMOE_COMM_COMBINE_SPLIT): at H = 7168 a partial is
 // 28 units of 512 bytes, so 7 / 14 / 28 warps take 4 / 2 / 1 units each (2 / 1 / 1 load rounds of
 // weighted_sum_rows, the last with half its loads).
@@ -447,6 +458,25 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                                 sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                          us_e, dispatch_bytes, 0.0, kNvlinkGBps));
         EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_e));
+      }
+      // The low-latency dispatch's own switches (read at capture), the same graph-replayed call:
+      // "nvlink-ll-route-kernel" routes in a kernel before the dispatch launch
+      // (EPMOE_COMM_LL_ROUTE_IN_LAUNCH=0); "-chunk8" / "-chunk64": tokens per arrival counter
+      // (EPMOE_COMM_LL_ARRIVAL_CHUNK; default 1); "-v6": both as before (LL v6's dispatch).
+      for (const SendVariant& v : low_latency_dispatch_variants()) {
+        const cudaGraphExec_t g_v = with_env(v.env, [&] {
+          return capture(stream, [&] { d->dispatch({&view, 1}, out); });
+        });
+        comm_detail::reset_trace();
+        const double us_v = timed(comm, replay(g_v), timing);
+        print_trace(std::string("nvlink-ll dispatch ") + v.label + ", T " + std::to_string(T));
+        emit(options, results,
+             make_result("comm.dispatch",
+                         params(std::string("nvlink-ll-") + v.label, "low_latency", "dispatch", T, comm,
+                                sms_of(comm_detail::send_blocks(T)),
+                                sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
+                         us_v, dispatch_bytes, 0.0, kNvlinkGBps));
+        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_v));
       }
       if (T == 128) {
         // The send-path variants in the same graph-replayed call (the last one's SMs differ).

@@ -174,6 +174,23 @@ __device__ bool finish_block(std::int32_t* done, int nblocks) {
   return last;
 }
 
+// The last-block pattern at GPU scope, for blocks whose stores only this GPU reads (through a
+// later kernel): a system fence waits until every store of the thread is visible to the peers and
+// the host, which place's local row stores never need. The caller fences at system scope whatever
+// the last block then writes for a peer.
+__device__ bool finish_block_gpu(std::int32_t* done, int nblocks) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(done, 1) == nblocks - 1;
+    if (last) *done = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
 // The last index i in [0, n) with sorted[i] <= x (sorted non-decreasing, sorted[0] <= x).
 __device__ __forceinline__ int last_at_most(const std::int32_t* sorted, int n, std::int64_t x) {
   int lo = 0, hi = n - 1;
@@ -427,6 +444,49 @@ __global__ void __launch_bounds__(kRouteSmallThreads)
   }
 }
 
+// Routing inside the dispatch launch (SendArgs::route_in_launch): every block of the launch routes
+// the T tokens itself, block-wide, into shared memory (route_small_kernel's outputs: bitmaps,
+// prefixes, count row), so that no block waits for a route kernel and its kernel boundary (~3 us
+// of the 128-token call, bench/NOTES.md LL v6). 1024 (token, k) items and 290 x 4 words at
+// DeepSeek-V3 dims, 128 tokens: a few shared-memory rounds per thread. `global_*` (one block's,
+// else null) also receive the routing: the combine's home kernel reads the bitmaps and prefixes.
+__device__ void route_in_block(const EpGeometry& g, const std::int32_t* ids, std::int64_t T,
+                               float tensor_scale, std::uint32_t* bitmaps, std::int32_t* prefix,
+                               std::int32_t* count_row, std::uint32_t* global_bitmaps,
+                               std::int32_t* global_prefix, std::int32_t* global_count_row) {
+  const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
+  const int buckets = g.N + g.P;
+  const int words = buckets * g.W;
+  for (int i = tid; i < words; i += nthreads) bitmaps[i] = 0;
+  if (tid == 0) count_row[g.status_index()] = 0;
+  __syncthreads();
+  const std::int64_t items = T * g.K;
+  for (std::int64_t i = tid; i < items; i += nthreads)
+    route_item(g, ids, i, bitmaps, &count_row[g.status_index()]);
+  __syncthreads();
+  for (int b = tid; b < buckets; b += nthreads) {
+    int running = 0;
+    for (int w = 0; w < g.W; ++w) {
+      prefix[b * g.W + w] = running;
+      running += __popc(bitmaps[b * g.W + w]);
+    }
+    count_row[b] = running;
+  }
+  if (tid == 0) {
+    count_row[g.status_index() + 1] = static_cast<std::int32_t>(T);
+    count_row[g.status_index() + 2] = __float_as_int(tensor_scale);
+    count_row[g.status_index() + 3] = 0;
+  }
+  __syncthreads();
+  if (global_bitmaps != nullptr) {
+    for (int i = tid; i < words; i += nthreads) {
+      global_bitmaps[i] = bitmaps[i];
+      global_prefix[i] = prefix[i];
+    }
+    for (int i = tid; i < g.count_row_len(); i += nthreads) global_count_row[i] = count_row[i];
+  }
+}
+
 // ---------------------------------------------------------------- send
 // A few blocks of kSendThreads (the SMs it uses are what the issue-6 bar counts); a warp per token.
 // NVLink: block 0 first writes every destination's header and raises its count flag (the receiver
@@ -571,7 +631,7 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
         // left each warp a single row on NVLink at a time.
         if (lane < n)
           pending[warp][npending + lane] =
-              a.chunks[target_rank[warp][lane]] + parity_ints + target_slot[warp][lane] / kArrivalChunk;
+              a.chunks[target_rank[warp][lane]] + parity_ints + target_slot[warp][lane] / a.arrival_chunk;
         npending += n;
         if (++batched >= a.fence_batch || npending + min(g.N, 32) > 32) flush();
       }
@@ -604,8 +664,12 @@ __global__ void __launch_bounds__(kSendThreads) send_kernel(EpGeometry g, SendAr
 
 // ---------------------------------------------------------------- place
 // smem: the tables, sized as launch_place computes. kEarly: early counts (a.tagged; whole calls
-// with the own tokens from x).
-template <bool kEarly>
+// with the own tokens from x). kRouteInLaunch (dispatch_kernel's, with kEarly): the rows that hold
+// no token are marked while the peers' rows are still in flight (they are disjoint from the rows
+// place_token writes: m < total[e] there, m >= total[e] here), and the last-block pattern runs at
+// GPU scope (place's rows and tables are read on this GPU only, by later kernels; the one store a
+// peer depends on, the zeroed arrival counters, keeps the last block's system fence).
+template <bool kEarly, bool kRouteInLaunch = false>
 __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, int nblocks, int* smem) {
   int* tok = smem;                // [N]
   int* roff = tok + g.N;          // [N + 1] first received token of each source
@@ -798,6 +862,34 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     __syncwarp();
   };
 
+  // Rows that hold no token: -1 (contiguous padding; masked rows past masked_m), and block 0's
+  // per-expert outputs; needs only the tables.
+  auto mark_empty_rows = [&] {
+    const std::int64_t gtid = static_cast<std::int64_t>(block) * nthreads + tid;
+    const std::int64_t gthreads = static_cast<std::int64_t>(nblocks) * nthreads;
+    if (a.contiguous) {
+      const std::int64_t rows = eoff[g.L];
+      for (std::int64_t row = gtid; row < rows; row += gthreads) {
+        const int lo = last_at_most(eoff, g.L, row);  // the expert whose block holds `row`
+        if (row >= eoff[lo] + total[lo]) {
+          a.row_token[row] = -1;
+          a.m_indices[row] = -1;
+        }
+      }
+    } else {
+      const std::int64_t rows = static_cast<std::int64_t>(g.L) * a.M_max;
+      for (std::int64_t row = gtid; row < rows; row += gthreads)
+        if (row % a.M_max >= total[row / a.M_max]) a.row_token[row] = -1;
+    }
+    if (block == 0) {
+      if (!a.contiguous)
+        for (int e = tid; e < g.L; e += nthreads) a.masked_m[e] = total[e];
+      if (a.expert_offsets != nullptr)
+        for (int e = tid; e <= g.L; e += nthreads) a.expert_offsets[e] = eoff[e];
+      if (tid == 0) *a.recv_total = R;
+    }
+  };
+
   const std::int64_t wid = static_cast<std::int64_t>(block) * kWarps + warp;
   const std::int64_t wstride = static_cast<std::int64_t>(nblocks) * kWarps;
   if (own && ok[g.me]) {
@@ -826,6 +918,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     }
   }
   if (tid == 0) stamp_max(kTraceOwnDone);
+  if constexpr (kRouteInLaunch) mark_empty_rows();
   const bool chunked = lsa && a.chunks != nullptr;
   if (lsa && !chunked) {
     for (int src = tid; src < g.N; src += nthreads)
@@ -834,16 +927,32 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     __syncthreads();
     if (tid == 0) stamp_max(kTraceArrived);
   }
-  for (std::int64_t r = wid; r < R; r += wstride) {
+  // The peers' tokens: received token r = i, own ones skipped. kRouteInLaunch: i numbers the
+  // received tokens other than the own ones, and the warp after the last own token's (each warp's
+  // first own token is t = wid) takes i = 0: on a rank with peers before it in the received order
+  // (rank 1 of 2) the first warps no longer take both an own and a peer token while the warps past
+  // own_T idle.
+  const std::int64_t own_count = own ? tok[g.me] : 0;
+  std::int64_t i_begin = wid, i_end = R;
+  if constexpr (kRouteInLaunch) {
+    i_end = R - own_count;
+    if (own && ok[g.me]) i_begin = (wid + wstride - a.own_T % wstride) % wstride;
+  }
+  for (std::int64_t i = i_begin; i < i_end; i += wstride) {
+    std::int64_t r = i;
+    if constexpr (kRouteInLaunch) r = !own || i < roff[g.me] ? i : i + own_count;
     int src = 0;
     while (r >= roff[src + 1]) ++src;
-    if (own && src == g.me) continue;
+    if constexpr (!kRouteInLaunch) {
+      if (own && src == g.me) continue;
+    }
     const int j = static_cast<int>(r - roff[src]);
     const char* slot = a.slots + parity_bytes + (static_cast<std::int64_t>(src) * g.T_max + j) * g.row_stride;
     if (chunked) {
-      // The chunk of slot j is complete once all its tokens (64, fewer in the source's last) are in.
-      const int c = j / kArrivalChunk;
-      const int want = min(kArrivalChunk, tok[src] - c * kArrivalChunk);
+      // The chunk of slot j is complete once all its tokens (arrival_chunk, fewer in the source's
+      // last) are in.
+      const int c = j / a.arrival_chunk;
+      const int want = min(a.arrival_chunk, tok[src] - c * a.arrival_chunk);
       const std::uint32_t* counter =
           a.chunks + parity_bytes / 4 + static_cast<std::int64_t>(src) * a.n_chunks + c;
       wait_flag(counter, static_cast<std::uint32_t>(want), a.sync, CommPhase::dispatch_recv, g.me, src);
@@ -862,30 +971,7 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     place_token(r, src, j, e, slot_e, w, slot, reinterpret_cast<const float*>(slot + g.x_bytes));
   }
 
-  // Rows that hold no token: -1 (contiguous padding; masked rows past masked_m).
-  const std::int64_t gtid = static_cast<std::int64_t>(block) * nthreads + tid;
-  const std::int64_t gthreads = static_cast<std::int64_t>(nblocks) * nthreads;
-  if (a.contiguous) {
-    const std::int64_t rows = eoff[g.L];
-    for (std::int64_t row = gtid; row < rows; row += gthreads) {
-      const int lo = last_at_most(eoff, g.L, row);  // the expert whose block holds `row`
-      if (row >= eoff[lo] + total[lo]) {
-        a.row_token[row] = -1;
-        a.m_indices[row] = -1;
-      }
-    }
-  } else {
-    const std::int64_t rows = static_cast<std::int64_t>(g.L) * a.M_max;
-    for (std::int64_t row = gtid; row < rows; row += gthreads)
-      if (row % a.M_max >= total[row / a.M_max]) a.row_token[row] = -1;
-  }
-  if (block == 0) {
-    if (!a.contiguous)
-      for (int e = tid; e < g.L; e += nthreads) a.masked_m[e] = total[e];
-    if (a.expert_offsets != nullptr)
-      for (int e = tid; e <= g.L; e += nthreads) a.expert_offsets[e] = eoff[e];
-    if (tid == 0) *a.recv_total = R;
-  }
+  if constexpr (!kRouteInLaunch) mark_empty_rows();
   if (tid == 0) stamp_max(kTracePlaceEnd);
   if constexpr (kEarly) {
     // No count flag orders this parity's reuse: every peer's arrival flag s does (see
@@ -894,7 +980,10 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
       if (src != g.me && ok[src])
         wait_flag(flag_of(src, a.flag_field), s, a.sync, CommPhase::dispatch_recv, g.me, src);
   }
-  if (lsa && finish_block(a.sync.done, nblocks)) {
+  bool last_block = false;
+  if (lsa)
+    last_block = kRouteInLaunch ? finish_block_gpu(a.sync.done, nblocks) : finish_block(a.sync.done, nblocks);
+  if (last_block) {
     // Every block has read its tokens: zero this parity's arrival counters for the call after next
     // (the senders reach this parity again only after this rank's next count flag).
     if (chunked)
@@ -915,12 +1004,39 @@ __global__ void __launch_bounds__(kThreads) place_kernel(EpGeometry g, PlaceArgs
 // the occupancy), so the placing blocks that wait for the peers can never keep this rank's own send
 // or pack blocks from running.
 // kEarly: early counts (s.tagged and p.tagged set; never with the copy-engine packing).
-template <bool kEarly>
+// kRouteInLaunch (s.route_in_launch, with kEarly): every block first routes the tokens into its
+// shared memory at route_smem_off (route_in_block; no route kernel before the launch), and send
+// and place read the routing from there.
+template <bool kEarly, bool kRouteInLaunch>
 __global__ void __launch_bounds__(kThreads)
-    dispatch_kernel(EpGeometry g, SendArgs s, PlaceArgs p, int send_blocks) {
+    dispatch_kernel(EpGeometry g, SendArgs s, PlaceArgs p, int send_blocks, int route_smem_off) {
   extern __shared__ __align__(128) int smem[];
   const int b = static_cast<int>(blockIdx.x);
-  if constexpr (kEarly) {
+  if constexpr (kRouteInLaunch) {
+    static_assert(kEarly, "routing inside the launch comes with early counts");
+    if (b == 0 && threadIdx.x == 0) stamp(kTraceRouteStart);
+    const int words = (g.N + g.P) * g.W;
+    auto* bitmaps = reinterpret_cast<std::uint32_t*>(reinterpret_cast<char*>(smem) + route_smem_off);
+    auto* prefix = reinterpret_cast<std::int32_t*>(bitmaps + words);
+    auto* count_row = prefix + words;
+    const bool publish = b == 0;
+    route_in_block(g, s.ids, s.T, s.tensor_scale, bitmaps, prefix, count_row,
+                   publish ? const_cast<std::uint32_t*>(s.bitmaps) : nullptr,
+                   publish ? const_cast<std::int32_t*>(s.prefix) : nullptr,
+                   publish ? const_cast<std::int32_t*>(s.count_row) : nullptr);
+    if (b < send_blocks) {
+      SendArgs routed = s;
+      routed.bitmaps = bitmaps;
+      routed.prefix = prefix;
+      routed.count_row = count_row;
+      send_body<true>(g, routed, b, send_blocks, reinterpret_cast<char*>(smem));
+    } else {
+      PlaceArgs routed = p;
+      routed.bitmaps = bitmaps;
+      routed.prefix = prefix;
+      place_body<true, true>(g, routed, b - send_blocks, static_cast<int>(gridDim.x) - send_blocks, smem);
+    }
+  } else if constexpr (kEarly) {
     if (b < send_blocks)
       send_body<true>(g, s, b, send_blocks, reinterpret_cast<char*>(smem));
     else
@@ -1164,17 +1280,30 @@ void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream) 
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
+bool route_fits_in_launch(const EpGeometry& g) {
+  return route_in_launch_smem(g) <= kRouteInLaunchMaxSmem &&
+         static_cast<std::int64_t>(g.T_max) * g.K <= kRouteSmallItems;
+}
+
 int launch_dispatch(const EpGeometry& g, const SendArgs& send_args, const PlaceArgs& p, cudaStream_t stream) {
   const bool early = send_args.tagged != nullptr;
+  const bool route_in_launch = send_args.route_in_launch;
   EPMOE_CHECK(early == (p.tagged != nullptr) && (!early || send_args.ce.staging == nullptr),
               "launch_dispatch: early counts need both tagged headers and the SM-store send");
-  const void* kernel = early ? reinterpret_cast<const void*>(dispatch_kernel<true>)
-                             : reinterpret_cast<const void*>(dispatch_kernel<false>);
+  EPMOE_CHECK(!route_in_launch || (early && route_fits_in_launch(g)),
+              "launch_dispatch: routing inside the launch needs early counts and a routing of at most {} "
+              "bytes",
+              kRouteInLaunchMaxSmem);
+  const void* kernel = route_in_launch ? reinterpret_cast<const void*>(dispatch_kernel<true, true>)
+                       : early         ? reinterpret_cast<const void*>(dispatch_kernel<true, false>)
+                                       : reinterpret_cast<const void*>(dispatch_kernel<false, false>);
   allow_large_smem(kernel);
   SendArgs s = send_args;
   // The pack blocks of the copy-engine send need no staging in shared memory.
-  const std::size_t smem =
+  const std::size_t tables =
       std::max(place_smem(g), s.ce.staging != nullptr ? std::size_t{0} : plan_bulk_send(g, s));
+  const std::size_t route_off = (tables + 15) / 16 * 16;
+  const std::size_t smem = route_in_launch ? route_off + route_in_launch_smem(g) : tables;
   int per_sm = 0;
   EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
   const std::int64_t resident =
@@ -1185,10 +1314,14 @@ int launch_dispatch(const EpGeometry& g, const SendArgs& send_args, const PlaceA
               send);
   const auto place = static_cast<int>(
       std::min<std::int64_t>(grid_for(static_cast<std::int64_t>(g.N) * g.T_max), resident - send));
-  if (early)
-    dispatch_kernel<true><<<static_cast<unsigned>(send + place), kThreads, smem, stream>>>(g, s, p, send);
+  const auto grid = static_cast<unsigned>(send + place);
+  const auto off = static_cast<int>(route_off);
+  if (route_in_launch)
+    dispatch_kernel<true, true><<<grid, kThreads, smem, stream>>>(g, s, p, send, off);
+  else if (early)
+    dispatch_kernel<true, false><<<grid, kThreads, smem, stream>>>(g, s, p, send, off);
   else
-    dispatch_kernel<false><<<static_cast<unsigned>(send + place), kThreads, smem, stream>>>(g, s, p, send);
+    dispatch_kernel<false, false><<<grid, kThreads, smem, stream>>>(g, s, p, send, off);
   EPMOE_CUDA_CHECK_LAUNCH();
   return send + place;
 }

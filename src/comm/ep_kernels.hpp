@@ -33,6 +33,7 @@
 // the peers' tokens are still arriving; the bytes placed are the same.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
@@ -53,7 +54,11 @@ inline constexpr int kMaxTopK = 32;
 // NVLink: tokens per arrival counter. The sender bumps the counter of a token's slot chunk on its
 // destination once the token is written; place copies a chunk's tokens as soon as it is complete
 // (instead of after the source's last token), and its last block zeroes the counters again.
+// kArrivalChunk in normal mode (the copy-engine sends copy whole chunks); low-latency mode takes
+// SendArgs / PlaceArgs::arrival_chunk per call (EPMOE_COMM_LL_ARRIVAL_CHUNK, default
+// kLowLatencyArrivalChunk: a token is placed as soon as it is in, not after the slowest of 64).
 inline constexpr int kArrivalChunk = 64;
+inline constexpr int kLowLatencyArrivalChunk = 1;
 inline constexpr int kMaxPhysicalExperts = 8192;
 // Copy-engine send: pieces per call at most (EPMOE_COMM_CE_PIECES is clamped to it).
 inline constexpr int kMaxCePieces = 64;
@@ -98,8 +103,9 @@ struct SendArgs {
   std::int32_t* const* header = nullptr;  // [N] NVLink: this rank's header on each destination
   bool skip_self = false;                 // place reads this rank's own tokens from x (PlaceArgs::own_x)
   std::uint32_t* const* chunks =
-      nullptr;     // [N] NVLink, optional: this rank's arrival counters on each destination
-  int blocks = 0;  // grid; 0: send_blocks(T)
+      nullptr;  // [N] NVLink, optional: this rank's arrival counters on each destination
+  int arrival_chunk = kArrivalChunk;  // tokens per arrival counter (kArrivalChunk)
+  int blocks = 0;                     // grid; 0: send_blocks(T)
   // Set by the launchers: copying warps per send block and bytes per staged payload row of the
   // bulk-copy send (ep_send_bulk.cuh, EPMOE_COMM_SEND_BULK=1), or 0: per-lane stores (the default).
   int bulk_warps = 0, bulk_stage_bytes = 0;
@@ -126,7 +132,22 @@ struct SendArgs {
   // tagged_words): [N] this rank's tagged header on each destination, or null (the default:
   // header stores, a system fence, the count flag).
   std::uint64_t* const* tagged = nullptr;
+  // Routing inside the dispatch launch (EPMOE_COMM_LL_ROUTE_IN_LAUNCH, with early counts;
+  // launch_dispatch only): no launch_route before; every block of the launch routes ids / T
+  // itself into shared memory, and block 0 also writes bitmaps, prefix and count_row (the
+  // combine reads them). tensor_scale: the count row's scale word.
+  bool route_in_launch = false;
+  float tensor_scale = 0.0f;
 };
+// Shared memory per block of the routing inside the dispatch launch (bitmaps and prefixes of the
+// N + P buckets, the count row), and the most the launcher gives it.
+inline constexpr std::size_t kRouteInLaunchMaxSmem = 32 * 1024;
+inline std::size_t route_in_launch_smem(const EpGeometry& g) {
+  return sizeof(std::int32_t) * (2 * static_cast<std::size_t>(g.N + g.P) * static_cast<std::size_t>(g.W) +
+                                 static_cast<std::size_t>(g.count_row_len()));
+}
+// Whether the routing of up to g.T_max tokens fits inside the dispatch launch.
+bool route_fits_in_launch(const EpGeometry& g);
 // Early counts: a source's header on a destination as tagged_words(L) 8-byte words {status,
 // tokens, rows per local expert [L]}, each (sequence number s << 32) | value, written by the
 // sender's block 0 with one relaxed system-scope 64-bit store per word and no fence and no count
@@ -211,7 +232,8 @@ struct PlaceArgs {
   // Optional (NVLink): arrival counters, source s at chunks + parity * ps / 4 + s * n_chunks; place
   // waits per chunk instead of for the source's arrival flag.
   std::uint32_t* chunks = nullptr;
-  int n_chunks = 0;
+  int n_chunks = 0;                   // counters per source (the window's, for the smallest chunk)
+  int arrival_chunk = kArrivalChunk;  // tokens per counter: the sender's SendArgs::arrival_chunk
   bool contiguous = true;
   std::int64_t M_max = 0;     // masked
   std::int64_t max_rows = 0;  // rows the output buffers hold

@@ -150,7 +150,7 @@ __device__ void send_bulk_rows(const EpGeometry& g, const SendArgs& a, int block
       __threadfence_system();
       for (int i = 0; i < dest_n[warp][tb]; ++i)
         atomicAdd_system(
-            a.chunks[dest_rank[warp][tb][i]] + parity_ints + dest_slot[warp][tb][i] / kArrivalChunk, 1u);
+            a.chunks[dest_rank[warp][tb][i]] + parity_ints + dest_slot[warp][tb][i] / a.arrival_chunk, 1u);
     }
     ++signalled;
   };

@@ -29,7 +29,9 @@
 // normal mode; both modes, whole dispatch() calls over SM stores; the same on every rank): send's block 0
 // writes the header as tagged 8-byte words with no fence and no count flag, place polls the
 // words, loads its first own token before the layout is known and waits for the peers' arrival
-// flags at its end (comm_detail::send_tagged_counts has the ordering argument).
+// flags at its end (comm_detail::send_tagged_counts has the ordering argument). With early counts
+// the dispatch launch also routes the tokens itself (no route kernel before it;
+// EPMOE_COMM_LL_ROUTE_IN_LAUNCH=0 for the route kernel).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -74,7 +76,10 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     slot_off_ = up(hdr_off_ + N * header_ints_ * 4, 256);
     cflag_off_ = up(slot_off_ + N * g_.T_max * g_.row_stride, 256);
     cslot_off_ = up(cflag_off_ + N * 16, 256);
-    n_chunks_ = (g_.T_max + comm_detail::kArrivalChunk - 1) / comm_detail::kArrivalChunk;
+    // Arrival counters per source: one per kArrivalChunk tokens in normal mode; one per token in
+    // low-latency mode, so that any EPMOE_COMM_LL_ARRIVAL_CHUNK fits (a few hundred words).
+    n_chunks_ =
+        contiguous() ? (g_.T_max + comm_detail::kArrivalChunk - 1) / comm_detail::kArrivalChunk : g_.T_max;
     chunk_off_ = up(cslot_off_ + N * g_.T_max * g_.partial_bytes, 256);
     tag_off_ = up(chunk_off_ + N * n_chunks_ * 4, 256);
     parity_stride_ = up(tag_off_ + N * comm_detail::tagged_words(g_.L) * 8, 4096);
@@ -170,9 +175,18 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     const std::int64_t T = validate_input(in);
     const std::int32_t host_status = T > g_.T_max ? kInputTooManyTokens : 0;
     const cudaStream_t stream = comm_->stream();
-    comm_detail::launch_route(g_, in.topk_ids.as<std::int32_t>(), T, host_status, in.x_tensor_scale,
-                              bitmaps_.as<std::uint32_t>(), prefix_.as<std::int32_t>(),
-                              count_row_.as<std::int32_t>(), stream);
+    chunked_ = chunks_enabled();
+    // Early counts: whole calls over SM stores; a refused input too (send alone then writes the
+    // tagged status, so that the peers' early-count place reports it instead of timing out).
+    early_ = whole && !(contiguous() && chunked_ && copy_engine_mode() != 0) && early_counts_enabled();
+    // Routing inside the dispatch launch: whole calls with early counts whose input is accepted
+    // (a refused input goes to send alone, which reads the routing from the route kernel).
+    const bool route_in_launch =
+        early_ && host_status == 0 && route_in_launch_enabled() && comm_detail::route_fits_in_launch(g_);
+    if (!route_in_launch)
+      comm_detail::launch_route(g_, in.topk_ids.as<std::int32_t>(), T, host_status, in.x_tensor_scale,
+                                bitmaps_.as<std::uint32_t>(), prefix_.as<std::int32_t>(),
+                                count_row_.as<std::int32_t>(), stream);
     comm_detail::SendArgs s;
     s.x = in.x.data;
     s.scales = g_.G > 0 ? in.x_scales.as<float>() : nullptr;
@@ -185,15 +199,15 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     s.dest = send_dest_.as<char* const>();
     s.header = send_hdr_.as<std::int32_t* const>();
     s.skip_self = whole;
-    chunked_ = chunks_enabled();
     s.chunks = chunked_ ? send_chunks_.as<std::uint32_t* const>() : nullptr;
+    arrival_chunk_ = contiguous() ? comm_detail::kArrivalChunk : low_latency_arrival_chunk();
+    s.arrival_chunk = arrival_chunk_;
     s.sync = sync(2, 4);
     own_direct_ = whole && host_status == 0;
     copy_engines_ = own_direct_ && contiguous() && chunked_ ? copy_engine_mode() : 0;
-    // Early counts: whole calls over SM stores; a refused input too (send alone then writes the
-    // tagged status, so that the peers' early-count place reports it instead of timing out).
-    early_ = whole && !(contiguous() && chunked_ && copy_engine_mode() != 0) && early_counts_enabled();
     if (early_) s.tagged = send_tagged_.as<std::uint64_t* const>();
+    s.route_in_launch = route_in_launch;
+    s.tensor_scale = in.x_tensor_scale;
     if (own_direct_) {
       pending_send_ = s;  // recv launches it together with place
     } else {
@@ -227,6 +241,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     if (chunked_) {
       p.chunks = reinterpret_cast<std::uint32_t*>(static_cast<char*>(window_->local()) + chunk_off_);
       p.n_chunks = static_cast<int>(n_chunks_);
+      p.arrival_chunk = arrival_chunk_;
     }
     p.sync = sync(0, 5);
     if (early_)
@@ -535,6 +550,15 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   bool early_counts_enabled() const {
     return env_int("EPMOE_COMM_LL_EARLY_COUNTS", context_.mode == Mode::low_latency ? 1 : 0) == 1;
   }
+  // EPMOE_COMM_LL_ROUTE_IN_LAUNCH=0: the route kernel before the dispatch launch even where early
+  // counts would let the launch route the tokens itself (the default, 1; read at each dispatch).
+  static bool route_in_launch_enabled() { return env_int("EPMOE_COMM_LL_ROUTE_IN_LAUNCH", 1) == 1; }
+  // EPMOE_COMM_LL_ARRIVAL_CHUNK (low-latency mode; clamped to [1, kArrivalChunk], read at each
+  // dispatch_send): tokens per arrival counter.
+  static int low_latency_arrival_chunk() {
+    return std::clamp(env_int("EPMOE_COMM_LL_ARRIVAL_CHUNK", comm_detail::kLowLatencyArrivalChunk), 1,
+                      comm_detail::kArrivalChunk);
+  }
   // Warps per token of the combine (comm_detail::combine_split): by mode unless the environment says.
   int combine_split() const {
     return comm_detail::combine_split(
@@ -548,6 +572,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::int64_t header_ints_ = 0, hdr_off_ = 0, slot_off_ = 0, cflag_off_ = 0, cslot_off_ = 0, chunk_off_ = 0,
                tag_off_ = 0, parity_stride_ = 0, n_chunks_ = 0;
   bool chunked_ = true;
+  int arrival_chunk_ = comm_detail::kArrivalChunk;  // this call's tokens per arrival counter
   bool early_ = false;  // this call's EPMOE_COMM_LL_EARLY_COUNTS (false where the path does not apply)
   cuda::DeviceBuffer send_dest_, send_hdr_, reduce_dest_, reduce_flag_, send_chunks_, send_tagged_,
       sync_state_;

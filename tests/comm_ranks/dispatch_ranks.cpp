@@ -32,7 +32,10 @@ void expect_recoverable_dispatch_timeout(const std::string& m) {
 // warp per token, the combine before the split); nvlink_ll_fenced_counts: with
 // EPMOE_COMM_LL_EARLY_COUNTS=0 (the count header behind a fence and a flag, before early counts);
 // nvlink_normal_early: "nvlink" with EPMOE_COMM_LL_EARLY_COUNTS=1 (tagged counts without the fence,
-// the own first token loaded before the layout; off by default in normal mode).
+// the own first token loaded before the layout; off by default in normal mode, and with it the
+// routing inside the dispatch launch); nvlink_ll_route_kernel: "nvlink-ll" with
+// EPMOE_COMM_LL_ROUTE_IN_LAUNCH=0 (early counts after a route kernel, before the launch routed
+// the tokens itself).
 enum class Transport {
   p2p_normal,
   p2p_low_latency,
@@ -41,7 +44,8 @@ enum class Transport {
   nvlink_normal_ce,
   nvlink_ll_one_warp,
   nvlink_ll_fenced_counts,
-  nvlink_normal_early
+  nvlink_normal_early,
+  nvlink_ll_route_kernel
 };
 
 // Sets an environment variable for a scope (every rank runs the same tests in the same order, so
@@ -84,6 +88,8 @@ std::string name_of(Transport t) {
       return "nvlink-ll, early counts";
     case Transport::nvlink_normal_early:
       return "nvlink normal, early counts";
+    case Transport::nvlink_ll_route_kernel:
+      return "nvlink-ll, route kernel";
   }
   return "?";
 }
@@ -111,7 +117,7 @@ MoeConfig test_config(int max_tokens, bool deepseek = false) {
 std::unique_ptr<Dispatcher> make(Transport t, const MoeConfig& c, ActivationFormat f) {
   const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1};
   if (t == Transport::nvlink_ll || t == Transport::nvlink_ll_one_warp ||
-      t == Transport::nvlink_ll_fenced_counts)
+      t == Transport::nvlink_ll_fenced_counts || t == Transport::nvlink_ll_route_kernel)
     return make_nvlink_ll_dispatcher(ctx, world_ptr());
   if (t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce ||
       t == Transport::nvlink_normal_early)
@@ -198,15 +204,17 @@ class Transports : public ::testing::TestWithParam<Transport> {
     if (GetParam() == Transport::nvlink_ll_one_warp) split_.emplace("EPMOE_COMM_COMBINE_SPLIT", "1");
     if (GetParam() == Transport::nvlink_ll_fenced_counts) early_.emplace("EPMOE_COMM_LL_EARLY_COUNTS", "0");
     if (GetParam() == Transport::nvlink_normal_early) early_.emplace("EPMOE_COMM_LL_EARLY_COUNTS", "1");
+    if (GetParam() == Transport::nvlink_ll_route_kernel) route_.emplace("EPMOE_COMM_LL_ROUTE_IN_LAUNCH", "0");
   }
   void TearDown() override {
     send_ce_.reset();
     split_.reset();
     early_.reset();
+    route_.reset();
   }
 
  private:
-  std::optional<ScopedEnv> send_ce_, split_, early_;
+  std::optional<ScopedEnv> send_ce_, split_, early_, route_;
 };
 
 TEST_P(Transports, UnevenRoutingAndARankThatSendsNothing) {
@@ -290,8 +298,8 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                          ::testing::Values(Transport::p2p_normal, Transport::p2p_low_latency,
                                            Transport::nvlink_ll, Transport::nvlink_normal,
                                            Transport::nvlink_normal_ce, Transport::nvlink_ll_one_warp,
-                                           Transport::nvlink_ll_fenced_counts,
-                                           Transport::nvlink_normal_early),
+                                           Transport::nvlink_ll_fenced_counts, Transport::nvlink_normal_early,
+                                           Transport::nvlink_ll_route_kernel),
                          [](const ::testing::TestParamInfo<Transport>& p) {
                            switch (p.param) {
                              case Transport::p2p_normal:
@@ -310,6 +318,8 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                                return std::string("NvlinkLlFencedCounts");
                              case Transport::nvlink_normal_early:
                                return std::string("NvlinkNormalEarlyCounts");
+                             case Transport::nvlink_ll_route_kernel:
+                               return std::string("NvlinkLlRouteKernel");
                            }
                            return std::string("unknown");
                          });
