@@ -55,49 +55,25 @@ constexpr unsigned kFull = 0xffffffffu;
 __device__ unsigned long long g_trace[kTraceSlots];
 
 // ---------------------------------------------------------------- memory-model helpers
-__device__ __forceinline__ std::uint64_t globaltimer() {
-  std::uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+// (inline PTX in cuda/ptx.cuh)
+using ptx::lanemask_lt;
+using ptx::ld_acquire_sys;
+using ptx::ld_relaxed_sys_u64;
+using ptx::st_relaxed_sys_u64;
+using ptx::st_release_sys;
 __device__ __forceinline__ void stamp(int slot) {
-  std::uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-  g_trace[slot] = t;
+  g_trace[slot] = ptx::global_timer_ns_ordered();
 }
 __device__ __forceinline__ void stamp_max(int slot) {
-  std::uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-  atomicMax(&g_trace[slot], static_cast<unsigned long long>(t));
+  atomicMax(&g_trace[slot], static_cast<unsigned long long>(ptx::global_timer_ns_ordered()));
 }
-__device__ __forceinline__ std::uint32_t ld_acquire_sys(const std::uint32_t* p) {
-  std::uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(std::uint32_t* p, std::uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// Early counts' tagged words (see tagged_words in ep_kernels.hpp): 64-bit, naturally aligned,
-// strong (relaxed, system scope), so single-copy atomic: a reader sees a whole word of one call.
-__device__ __forceinline__ std::uint64_t ld_relaxed_sys_u64(const std::uint64_t* p) {
-  std::uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_relaxed_sys_u64(std::uint64_t* p, std::uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+// Early counts' tagged words (see tagged_words in ep_kernels.hpp) go through ld_relaxed_sys_u64 /
+// st_relaxed_sys_u64: a reader sees a whole word of one call.
 __device__ __forceinline__ uint4 ld_v4(const void* p) {
   return *static_cast<const uint4*>(p);
 }
 __device__ __forceinline__ void st_v4(void* p, uint4 v) {
   *static_cast<uint4*>(p) = v;
-}
-__device__ __forceinline__ unsigned lanemask_lt() {
-  unsigned m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
 }
 
 __device__ void record_error(const DeviceErrorSink& sink, int code, CommPhase phase, int peer, int me,
@@ -118,11 +94,11 @@ __device__ void record_error(const DeviceErrorSink& sink, int code, CommPhase ph
 // timeout (recording which peer did not arrive) or as soon as another wait has given up.
 __device__ bool wait_flag(const std::uint32_t* flag, std::uint32_t expect, const FlagSync& sync,
                           CommPhase phase, int me, int peer) {
-  const std::uint64_t start = globaltimer();
+  const std::uint64_t start = ptx::global_timer_ns();
   for (std::uint32_t spins = 0;; ++spins) {
     if (static_cast<std::int32_t>(ld_acquire_sys(flag) - expect) >= 0) return true;
     if ((spins & 1023u) == 1023u) {
-      const std::uint64_t waited = globaltimer() - start;
+      const std::uint64_t waited = ptx::global_timer_ns() - start;
       if (waited > sync.timeout_ns) {
         record_error(sync.errors, kDeviceErrorTimeout, phase, peer, me, static_cast<int>(expect), waited);
         return false;
@@ -137,7 +113,7 @@ __device__ bool wait_flag(const std::uint32_t* flag, std::uint32_t expect, const
 // *value; bounded like wait_flag (false: timed out or another wait gave up, *value = 0).
 __device__ bool wait_tagged(const std::uint64_t* word, std::uint32_t expect, const FlagSync& sync,
                             CommPhase phase, int me, int peer, int* value) {
-  const std::uint64_t start = globaltimer();
+  const std::uint64_t start = ptx::global_timer_ns();
   for (std::uint32_t spins = 0;; ++spins) {
     const std::uint64_t v = ld_relaxed_sys_u64(word);
     if (static_cast<std::int32_t>(static_cast<std::uint32_t>(v >> 32) - expect) >= 0) {
@@ -145,7 +121,7 @@ __device__ bool wait_tagged(const std::uint64_t* word, std::uint32_t expect, con
       return true;
     }
     if ((spins & 1023u) == 1023u) {
-      const std::uint64_t waited = globaltimer() - start;
+      const std::uint64_t waited = ptx::global_timer_ns() - start;
       if (waited > sync.timeout_ns) {
         record_error(sync.errors, kDeviceErrorTimeout, phase, peer, me, static_cast<int>(expect), waited);
         *value = 0;

@@ -1,5 +1,6 @@
-// Device helpers shared by the kernels: vector memory access, warp reductions and number-format
-// conversions. The one place for inline PTX; include only from .cuh/.cu device code.
+// Device helpers shared by the kernels: vector memory access, memory-model flags, clocks, warp
+// reductions and number-format conversions. The one place for inline PTX (Hopper's TMA, mbarrier
+// and wgmma wrappers: ptx_hopper.cuh); include only from .cuh/.cu device code.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,48 @@ __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
 // 8-byte store; p must be 8-byte aligned.
 __device__ __forceinline__ void st_v2(void* p, uint2 v) {
   asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+
+// ---------------------------------------------------------------- memory model (communication flags)
+// 32-bit acquire load / release store at system scope: flags a peer GPU (or the host) writes or reads.
+__device__ __forceinline__ std::uint32_t ld_acquire_sys(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// 64-bit strong relaxed load / store at system scope: naturally aligned, so single-copy atomic (a
+// reader sees a whole word of one writer), without ordering the accesses around them.
+__device__ __forceinline__ std::uint64_t ld_relaxed_sys_u64(const std::uint64_t* p) {
+  std::uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_sys_u64(std::uint64_t* p, std::uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// ---------------------------------------------------------------- clocks and lanes
+// The global nanosecond timer (timeouts, watchdogs).
+__device__ __forceinline__ std::uint64_t global_timer_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// The same read as a compiler barrier for memory ("memory" clobber): a phase stamp stays between the
+// memory operations before and after it in program order.
+__device__ __forceinline__ std::uint64_t global_timer_ns_ordered() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  return t;
+}
+// Bits of the lanes below this one.
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
 }
 
 // ---------------------------------------------------------------- warp reductions

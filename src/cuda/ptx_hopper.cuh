@@ -22,6 +22,8 @@
 
 #include <cuda.h>  // CUtensorMap (the type only: nothing links libcuda)
 
+#include "cuda/ptx.cuh"  // global_timer_ns (the watchdogs)
+
 namespace epmoe::ptx {
 
 // ---------------------------------------------------------------- shared memory addresses
@@ -61,12 +63,6 @@ __device__ __forceinline__ bool mbar_try_wait(std::uint32_t bar, std::uint32_t p
       : "r"(bar), "r"(parity)
       : "memory");
   return done != 0;
-}
-
-__device__ __forceinline__ std::uint64_t global_timer_ns() {
-  std::uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 // A pipeline wait that has not completed after this long is a deadlock (a bug): trap, so that the

@@ -279,6 +279,28 @@ __device__ __forceinline__ int add_if_above(int count, std::uint64_t key, std::u
   return count;
 }
 
+// A warp's place in the g8 kernels: a quad (4 tokens) at a time, 8 lanes per token, lane g of a
+// token holding its group g of 32 experts (softmax: experts [32 g, 32 g + 32)); the grid's warps
+// stride over the quads.
+struct G8Warp {
+  int warp, lane;
+  int tw;                     // token of the quad
+  int g;                      // group
+  int first;                  // lane of the token's group 0
+  std::uint32_t quads, step;  // quads of the call; quads between a warp's consecutive ones
+  __device__ explicit G8Warp(std::uint32_t tokens)
+      : warp(static_cast<int>(threadIdx.x / 32)),
+        lane(static_cast<int>(threadIdx.x % 32)),
+        tw(lane >> 3),
+        g(lane & 7),
+        first(lane & 24),
+        quads((tokens + 3u) / 4u),
+        step(gridDim.x * kRouterG8Warps) {}
+  __device__ static std::uint32_t first_quad(int warp) {
+    return blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
+  }
+};
+
 // The end of the g8 kernels, the same steps in all: from a token's candidates (`mask`: this lane's
 // group's experts whose key can be among the top K) to the ranked top K (S) and the outputs of token
 // q * 4 + tw. Sigmoid: Xf holds the candidates' exact sigmoid, Bf the bias, the selection value is
@@ -429,16 +451,9 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
 
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const std::uint32_t quads = (p.tokens + 3u) / 4u;
-  const std::uint32_t step = gridDim.x * kRouterG8Warps;
-  std::uint32_t q = blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
-
-  const int tw = lane >> 3;     // token of the quad
-  const int g = lane & 7;       // group
-  const int first = lane & 24;  // lane of the token's group 0
-  const int row = lane;         // tw * 8 + g
+  const auto [warp, lane, tw, g, first, quads, step] = G8Warp(p.tokens);
+  std::uint32_t q = G8Warp::first_quad(warp);
+  const int row = lane;  // tw * 8 + g
   float4* const X = stage[warp];
   const float* const Xf = reinterpret_cast<const float*>(X);
   const float* const Bf = reinterpret_cast<const float*>(bias_s);
@@ -567,16 +582,9 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
   __shared__ std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
 
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const std::uint32_t quads = (p.tokens + 3u) / 4u;
-  const std::uint32_t step = gridDim.x * kRouterG8Warps;
-  std::uint32_t q = blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
-
-  const int tw = lane >> 3;     // token of the quad
-  const int g = lane & 7;       // group
-  const int first = lane & 24;  // lane of the token's group 0
-  const int row = lane;         // tw * 8 + g
+  const auto [warp, lane, tw, g, first, quads, step] = G8Warp(p.tokens);
+  std::uint32_t q = G8Warp::first_quad(warp);
+  const int row = lane;  // tw * 8 + g
   float4* const X = stage[warp];
   float* const Xf = reinterpret_cast<float*>(X);
   const float* const Bf = reinterpret_cast<const float*>(bias_s);
@@ -745,16 +753,9 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
 
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const std::uint32_t quads = (p.tokens + 3u) / 4u;
-  const std::uint32_t step = gridDim.x * kRouterG8Warps;
-  std::uint32_t q = blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
-
-  const int tw = lane >> 3;     // token of the quad
-  const int g = lane & 7;       // the lane's 32 experts: [32 g, 32 g + 32)
-  const int first = lane & 24;  // lane of the token's experts 0..31
-  const int row = lane;         // tw * 8 + g
+  const auto [warp, lane, tw, g, first, quads, step] = G8Warp(p.tokens);
+  std::uint32_t q = G8Warp::first_quad(warp);
+  const int row = lane;  // tw * 8 + g
   float4* const X = stage[warp];
   const float* const Xf = reinterpret_cast<const float*>(X);
   std::uint64_t* const L = cand[warp][tw];

@@ -504,10 +504,6 @@ TEST(RouterGpu, MisalignedLogitsTakeTheScalarPath) {
 }
 
 // ---------------------------------------------------------------- softmax: within rounding
-using SoftmaxCase = std::tuple<std::string, std::int64_t>;
-
-class RouterSoftmaxGpu : public ::testing::TestWithParam<SoftmaxCase> {};
-
 // Ids equal to route_cpu's, weights within 1e-5 relative (finite).
 void expect_softmax_routes(const MoeConfig& c, const HostTensor& logits,
                            const cuda::RouteKernelChoice& choice = cuda::route_kernel_choice_from_env()) {
@@ -536,14 +532,32 @@ void expect_softmax_routes(const MoeConfig& c, const HostTensor& logits,
   EXPECT_EQ(bad, 0) << "weights off by more than 1e-5 relative; max relative error " << max_rel;
 }
 
+cuda::RouteKernelChoice forced_g8() {
+  cuda::RouteKernelChoice choice = cuda::route_kernel_choice_from_env();
+  choice.kernel = cuda::RouteKernelChoice::Kernel::g8;
+  return choice;
+}
+
+// (config, T, g8 forced): the automatic choice (the general kernel below T = 1024, then
+// route_g8_softmax_kernel where its shape applies), and route_g8_softmax_kernel (E = 256, no group
+// selection, K <= 8) forced at every T.
+using SoftmaxCase = std::tuple<std::string, std::int64_t, bool>;
+
+class RouterSoftmaxGpu : public ::testing::TestWithParam<SoftmaxCase> {};
+
 TEST_P(RouterSoftmaxGpu, MatchesCpuWithinRounding) {
   EPMOE_REQUIRE_GPU();
-  const auto& [name, tokens] = GetParam();
+  const auto& [name, tokens, g8] = GetParam();
   const MoeConfig c = config_named(name);
   const std::uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  expect_softmax_routes(c, random_softmax_logits(c, tokens, rng));
+  expect_softmax_routes(c, random_softmax_logits(c, tokens, rng),
+                        g8 ? forced_g8() : cuda::route_kernel_choice_from_env());
+}
+
+std::string softmax_case_name(const ::testing::TestParamInfo<SoftmaxCase>& info) {
+  return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -551,41 +565,15 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values("softmax_mixtral", "softmax_qwen", "softmax_flat64",
                                          "softmax_grouped", "softmax_tiny", "softmax_flat256",
                                          "softmax_flat256_no_renorm", "softmax_all_groups_kept"),
-                       ::testing::Values<std::int64_t>(1, 3, 128, 4097)),
-    [](const ::testing::TestParamInfo<SoftmaxCase>& info) {
-      return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param));
-    });
+                       ::testing::Values<std::int64_t>(1, 3, 128, 4097), ::testing::Values(false)),
+    softmax_case_name);
 
-// route_g8_softmax_kernel (E = 256, no group selection, K <= 8) forced at every T, including those
-// below its automatic switch, and K = 6.
-using SoftmaxG8Case = std::tuple<std::string, std::int64_t>;
-
-class RouterSoftmaxG8Gpu : public ::testing::TestWithParam<SoftmaxG8Case> {};
-
-cuda::RouteKernelChoice forced_g8() {
-  cuda::RouteKernelChoice choice = cuda::route_kernel_choice_from_env();
-  choice.kernel = cuda::RouteKernelChoice::Kernel::g8;
-  return choice;
-}
-
-TEST_P(RouterSoftmaxG8Gpu, MatchesCpuWithinRounding) {
-  EPMOE_REQUIRE_GPU();
-  const auto& [name, tokens] = GetParam();
-  const MoeConfig c = config_named(name);
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
-  expect_softmax_routes(c, random_softmax_logits(c, tokens, rng), forced_g8());
-}
-
-INSTANTIATE_TEST_SUITE_P(Shapes, RouterSoftmaxG8Gpu,
-                         ::testing::Combine(::testing::Values("softmax_flat256", "softmax_flat256_no_renorm",
-                                                              "softmax_flat256_k6",
-                                                              "softmax_all_groups_kept"),
-                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384)),
-                         [](const ::testing::TestParamInfo<SoftmaxG8Case>& info) {
-                           return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    G8Forced, RouterSoftmaxGpu,
+    ::testing::Combine(::testing::Values("softmax_flat256", "softmax_flat256_no_renorm", "softmax_flat256_k6",
+                                         "softmax_all_groups_kept"),
+                       ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384), ::testing::Values(true)),
+    softmax_case_name);
 
 // Exact ties of logits (a coarse grid, equal values broken by the lower index as route_cpu does),
 // rows of one value (every expert a candidate: the rounds path, weights 1/K), rows with large
