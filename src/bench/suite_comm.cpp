@@ -433,6 +433,18 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       auto replay = [](cudaGraphExec_t g) {
         return [g](int, cudaStream_t s) { EPMOE_CUDA_CHECK(cudaGraphLaunch(g, s)); };
       };
+      {
+        // The floor under every graph-replayed row: a graph of one (nearly) empty kernel, timed the
+        // same way ("comm.graph_floor", at every T: it should not move): graph launch, event pair and
+        // the kernel boundary, which the dispatch's ~8 us after its last stamp includes (bench/NOTES.md,
+        // LL v7).
+        const cudaGraphExec_t g_floor = capture(stream, [&] { gpu_sleep(stream, 0.001); });
+        const double us_floor = timed(comm, replay(g_floor), timing);
+        emit(options, results,
+             make_result("comm.graph_floor", params(transport, "low_latency", "graph_floor", T, comm, 1, 1),
+                         us_floor, 0.0, 0.0, kNvlinkGBps));
+        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_floor));
+      }
       comm_detail::reset_trace();
       const double us_d = timed(comm, replay(g_dispatch), timing);
       print_trace("nvlink-ll dispatch T " + std::to_string(T));
