@@ -1,6 +1,10 @@
 // The W4A8 GPU runner (int4 weights prepared for the kernel, per-128-K weight scales; FP8
 // activations with static per-tensor scales; issue 5's grouped GEMMs), for the contiguous and masked
 // layouts. The GEMM2 input is quantized by the fused SiLU·mul with the static scale a2.
+#include <cstdlib>
+#include <string_view>
+
+#include "epmoe/cuda/launch.hpp"
 #include "epmoe/cuda/w4a8_gemm.hpp"
 #include "runner/gpu_runner.hpp"
 
@@ -24,8 +28,17 @@ class W4A8Runner final : public runner_detail::GroupedMlpRunner {
   }
   void gemm_masked(const runner_detail::GemmOperands& g, TensorView masked_m, std::int64_t expected_m,
                    cudaStream_t stream) override {
+    W4A8GemmOptions o = options();
+    // EPMOE_W4A8_MASKED_ALL_SMS=1 (experiment, off by default): masked launches on every SM instead
+    // of the CTA count that balances the rounds of the *expected* tiles; skewed routing runs more
+    // (groups over one m-block), bench/NOTES.md (W4A8 in the layer, sixth session).
+    static const bool all_sms = [] {
+      const char* v = std::getenv("EPMOE_W4A8_MASKED_ALL_SMS");
+      return v != nullptr && std::string_view(v) == "1";
+    }();
+    if (all_sms && o.max_ctas == 0) o.max_ctas = device_props().sm_count;
     w4a8_grouped_gemm_masked(g.a, g.a_tensor_scale, {}, g.w, g.w_scales, masked_m, expected_m, g.d, stream,
-                             options());
+                             o);
   }
   SiluQuantOptions silu_options() const override {
     SiluQuantOptions so;
