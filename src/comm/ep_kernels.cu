@@ -136,35 +136,33 @@ __device__ bool wait_tagged(const std::uint64_t* word, std::uint32_t expect, con
 }
 
 // Last-block pattern: every thread has fenced its own stores; returns true in the block that
-// finished last (and resets the counter for the next call).
+// finished last (and resets the counter for the next call). kSystem: the fences at system scope (the
+// blocks' stores are read by peers or the host). At GPU scope (finish_block_gpu) for blocks whose
+// stores only this GPU reads (through a later kernel): a system fence waits until every store of the
+// thread is visible to the peers and the host, which place's local row stores never need; the
+// caller then fences at system scope whatever the last block writes for a peer.
+template <bool kSystem = true>
 __device__ bool finish_block(std::int32_t* done, int nblocks) {
+  const auto fence = [] {
+    if constexpr (kSystem) {
+      __threadfence_system();
+    } else {
+      __threadfence();
+    }
+  };
   __shared__ bool last;
-  __threadfence_system();
+  fence();
   __syncthreads();
   if (threadIdx.x == 0) {
     last = atomicAdd(done, 1) == nblocks - 1;
     if (last) *done = 0;
   }
   __syncthreads();
-  if (last) __threadfence_system();
+  if (last) fence();
   return last;
 }
-
-// The last-block pattern at GPU scope, for blocks whose stores only this GPU reads (through a
-// later kernel): a system fence waits until every store of the thread is visible to the peers and
-// the host, which place's local row stores never need. The caller fences at system scope whatever
-// the last block then writes for a peer.
 __device__ bool finish_block_gpu(std::int32_t* done, int nblocks) {
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(done, 1) == nblocks - 1;
-    if (last) *done = 0;
-  }
-  __syncthreads();
-  if (last) __threadfence();
-  return last;
+  return finish_block<false>(done, nblocks);
 }
 
 // The last index i in [0, n) with sorted[i] <= x (sorted non-decreasing, sorted[0] <= x).

@@ -115,20 +115,20 @@ bool route_g8_softmax_applies(const MoeConfig& c, const kernels::RouterParams& p
 // layout): a warp per quad (4 tokens), no more than fit on the device at once.
 template <auto kKernel>
 void launch_g8(const kernels::RouterParams& p, cudaStream_t stream) {
-  constexpr auto kernel = kKernel;
   static const int blocks_per_sm = [] {
     // 8 blocks of 25.75 KB need the largest shared-memory carveout.
-    EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+    EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                           cudaSharedmemCarveoutMaxShared));
     int n = 0;
-    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kernels::kRouterG8Threads, 0));
+    EPMOE_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kernels::kRouterG8Threads, 0));
     return std::max(n, 1);
   }();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
   const std::uint64_t quads = (static_cast<std::uint64_t>(p.tokens) + 3) / 4;
   const std::uint64_t wanted = (quads + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
   const auto grid = static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
-  kernel<<<grid, kernels::kRouterG8Threads, 0, stream>>>(p);
+  kKernel<<<grid, kernels::kRouterG8Threads, 0, stream>>>(p);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -190,9 +190,11 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
   p.scaling = config.routed_scaling_factor;
   using Kernel = RouteKernelChoice::Kernel;
   using namespace kernels;
-  const bool g8_size = choice.kernel == Kernel::g8 || p.tokens >= kRouterG8MinTokens;
-  const bool g8 = choice.kernel != Kernel::general && g8_size && route_g8_applies(config, p);
-  const bool g8_softmax = choice.kernel != Kernel::general && g8_size && route_g8_softmax_applies(config, p);
+  // A g8 kernel where its shape applies: forced, or automatic from kRouterG8MinTokens.
+  const bool g8_wanted =
+      choice.kernel == Kernel::g8 || (choice.kernel == Kernel::automatic && p.tokens >= kRouterG8MinTokens);
+  const bool g8 = g8_wanted && route_g8_applies(config, p);
+  const bool g8_softmax = g8_wanted && route_g8_softmax_applies(config, p);
   if (g8) {
     if (choice.sieve) {
       choice.rn_division ? launch_g8<&route_g8_sieve_kernel<true>>(p, stream)

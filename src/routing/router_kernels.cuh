@@ -279,6 +279,21 @@ __device__ __forceinline__ int add_if_above(int count, std::uint64_t key, std::u
   return count;
 }
 
+// The two largest of a lane's 32 values (a tie counting twice), larger first; NaN is skipped (fmaxf /
+// fminf) unless every value is NaN.
+struct G8Top2 {
+  float first, second;
+};
+__device__ __forceinline__ G8Top2 g8_top2(const float (&v)[32]) {
+  float t1 = fmaxf(v[0], v[1]), t2 = fminf(v[0], v[1]);
+#pragma unroll
+  for (int j = 2; j < 32; ++j) {
+    t2 = fmaxf(t2, fminf(t1, v[j]));
+    t1 = fmaxf(t1, v[j]);
+  }
+  return {t1, t2};
+}
+
 // A warp's place in the g8 kernels: a quad (4 tokens) at a time, 8 lanes per token, lane g of a
 // token holding its group g of 32 experts (softmax: experts [32 g, 32 g + 32)); the grid's warps
 // stride over the quads.
@@ -495,12 +510,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
 
     // ---- group score: sum of the two largest (a tie counting twice), as route_cpu. The values
     // are never -0 (a score is >= +0 and s + b rounds to +0, not -0, when it is 0).
-    float t1 = fmaxf(ch[0], ch[1]), t2 = fminf(ch[0], ch[1]);
-#pragma unroll
-    for (int j = 2; j < 32; ++j) {
-      t2 = fmaxf(t2, fminf(t1, ch[j]));
-      t1 = fmaxf(t1, ch[j]);
-    }
+    const auto [t1, t2] = g8_top2(ch);
     const std::uint32_t gkey = order_key(rn_add(t1, t2));
     int above = 0;  // groups ahead of this one: higher score, or equal and lower index
 #pragma unroll
@@ -620,12 +630,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
       ca[4 * c + 2] = __fadd_rn(sigmoid_approx(x.z), b.z);
       ca[4 * c + 3] = __fadd_rn(sigmoid_approx(x.w), b.w);
     }
-    float a1 = fmaxf(ca[0], ca[1]), a2 = fminf(ca[0], ca[1]);
-#pragma unroll
-    for (int j = 2; j < 32; ++j) {
-      a2 = fmaxf(a2, fminf(a1, ca[j]));
-      a1 = fmaxf(a1, ca[j]);
-    }
+    const auto [a1, a2] = g8_top2(ca);
 
     // ---- kept groups: from the approximate scores where they are more than 2M apart
     const float ga = __fadd_rn(a1, a2);
@@ -773,12 +778,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
       x[4 * c + 2] = v.z;
       x[4 * c + 3] = v.w;
     }
-    float t1 = fmaxf(x[0], x[1]), t2 = fminf(x[0], x[1]);
-#pragma unroll
-    for (int j = 2; j < 32; ++j) {
-      t2 = fmaxf(t2, fminf(t1, x[j]));
-      t1 = fmaxf(t1, x[j]);
-    }
+    const auto [t1, t2] = g8_top2(x);
 
     // ---- tau: the K-th largest of the token's 16 lane top-2 values
     int above1 = 0, above2 = 0;  // of the 16 values, how many are >= t1, >= t2

@@ -259,9 +259,10 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   const int ranks = layer.num_ranks();
   layer.reset_load();
   st.seconds = timed_loop(plan.graphs, forwards, "");
-  st.load_max_over_mean = load_imbalance(layer.slot_load(), ranks);
+  const std::vector<std::int64_t> slot_load = layer.slot_load();
+  st.load_max_over_mean = load_imbalance(slot_load, ranks);
   if (forwards > 0) {
-    for (const std::int64_t load : layer.slot_load()) {
+    for (const std::int64_t load : slot_load) {
       const double rows = static_cast<double>(load) / static_cast<double>(forwards);
       st.slot_rows_max = std::max(st.slot_rows_max, rows);
       st.slots_over_16 += rows > 16 ? 1 : 0;
