@@ -191,6 +191,14 @@ void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const st
                 diff.rel_l2);
 }
 
+// Token counts that differ by rank yet stay within [first, last] at any world size: rank 0 gets
+// first, rank N-1 gets last, the others in between (a formula like a + b * rank outgrows the buffers
+// at 4 or 8 ranks).
+std::int64_t ramp(int rank, std::int64_t first, std::int64_t last) {
+  const int n = world().size();
+  return n < 2 ? first : first + (last - first) * rank / (n - 1);
+}
+
 std::vector<std::int64_t> per_rank(const std::function<std::int64_t(int)>& f) {
   std::vector<std::int64_t> t;
   for (int r = 0; r < world().size(); ++r) t.push_back(f(r));
@@ -220,7 +228,7 @@ class Transports : public ::testing::TestWithParam<Transport> {
 TEST_P(Transports, UnevenRoutingAndARankThatSendsNothing) {
   const MoeConfig c = test_config(64);
   auto d = make(GetParam(), c, ActivationFormat::fp8_group);
-  const auto tokens = per_rank([](int r) -> std::int64_t { return r == 1 ? 0 : 9 + 13 * r; });
+  const auto tokens = per_rank([](int r) -> std::int64_t { return r == 1 ? 0 : ramp(r, 9, 48); });
   check_round(*d, c, ActivationFormat::fp8_group,
               make_inputs(c, ActivationFormat::fp8_group, tokens, 11, Routing::random),
               name_of(GetParam()) + " uneven");
@@ -279,7 +287,7 @@ TEST_P(Transports, DeepSeekDims) {
   const MoeConfig c = test_config(64, /*deepseek=*/true);
   auto d = make(GetParam(), c, ActivationFormat::fp8_group);
   check_round(*d, c, ActivationFormat::fp8_group,
-              make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 48 + 16 * r; }), 16,
+              make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return ramp(r, 48, 64); }), 16,
                           Routing::random),
               name_of(GetParam()) + " deepseek-v3 dims");
 }
@@ -288,7 +296,8 @@ TEST_P(Transports, Bf16AndPerTensorFp8) {
   for (const ActivationFormat f : {ActivationFormat::bf16, ActivationFormat::fp8_tensor}) {
     const MoeConfig c = test_config(32);
     auto d = make(GetParam(), c, f);
-    check_round(*d, c, f, make_inputs(c, f, per_rank([](int r) { return 20 + 3 * r; }), 17, Routing::random),
+    check_round(*d, c, f,
+                make_inputs(c, f, per_rank([](int r) { return ramp(r, 20, 29); }), 17, Routing::random),
                 fmt::format("{} format {}", name_of(GetParam()),
                             f == ActivationFormat::bf16 ? "bf16" : "fp8 per tensor"));
   }
@@ -406,8 +415,8 @@ TEST(CommNvlinkLl, HalvesWithOtherWorkInBetween) {
   const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
   auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
   const int N = world().size(), me = world().rank();
-  const auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 50 - 7 * r; }), 22,
-                              Routing::random);
+  const auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return ramp(r, 50, 1); }),
+                              22, Routing::random);
   auto sim = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, N});
   std::vector<DispatchInput> views;
   for (const RankInput& r : in) views.push_back(r.view());
@@ -431,8 +440,8 @@ TEST(CommNvlinkNormal, HalvesAndWholeCallsAlternate) {
   const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
   auto d = make_nvlink_dispatcher(ctx, world_ptr());
   const int N = world().size(), me = world().rank();
-  const auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 40 + 5 * r; }), 23,
-                              Routing::random);
+  const auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return ramp(r, 40, 55); }),
+                              23, Routing::random);
   auto sim = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, N});
   std::vector<DispatchInput> views;
   for (const RankInput& r : in) views.push_back(r.view());
@@ -462,7 +471,7 @@ TEST(CommNvlinkNormal, HalvesAndWholeCallsAlternate) {
 // per rank at most make the warp's slot search take two rounds (W = 38 words > 32), and 700+ per
 // call use every pack block.
 TEST(CommNvlinkNormal, CopyEngineSendPiecesStreamsAndPathsAlternate) {
-  const MoeConfig c = test_config(1200);
+  const MoeConfig c = test_config(883 + 37 * 9);
   const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
   auto d = make_nvlink_dispatcher(ctx, world_ptr());
   const int N = world().size(), me = world().rank();
@@ -483,7 +492,7 @@ TEST(CommNvlinkNormal, CopyEngineSendPiecesStreamsAndPathsAlternate) {
                                          r.pieces, r.streams, r.halves ? " halves" : "");
     SCOPED_TRACE(what);
     const auto tokens = per_rank([&](int rank) -> std::int64_t {
-      return index == 4 && rank == N - 1 ? 0 : 700 + 61 * rank + 37 * index;  // a rank with none once
+      return index == 4 && rank == N - 1 ? 0 : ramp(rank, 700, 883) + 37 * index;  // a rank with none once
     });
     const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 200u + static_cast<unsigned>(index),
                                 index == 7 ? Routing::same_experts : Routing::random);
@@ -574,7 +583,7 @@ TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
   const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
   auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
   const int N = world().size(), me = world().rank();
-  const auto tokens = per_rank([](int r) { return 37 + 5 * r; });
+  const auto tokens = per_rank([](int r) { return ramp(r, 37, 52); });
   std::vector<RankInput> first = make_inputs(c, ActivationFormat::fp8_group, tokens, 30, Routing::random);
   DeviceInput dev = to_device(first[static_cast<std::size_t>(me)], stream());
   const std::int64_t rows = static_cast<std::int64_t>(c.num_local_experts()) * c.masked_max_m();
@@ -657,7 +666,7 @@ TEST(CommNvlinkCombineSplit, SameBitsAsOneWarpPerTokenEagerAndGraphed) {
       const DispatcherContext ctx{c, mode, ActivationFormat::fp8_group, me, 1};
       auto d = mode == Mode::normal ? make_nvlink_dispatcher(ctx, world_ptr())
                                     : make_nvlink_ll_dispatcher(ctx, world_ptr());
-      const auto tokens = per_rank([](int r) -> std::int64_t { return 45 + 7 * r; });
+      const auto tokens = per_rank([](int r) -> std::int64_t { return ramp(r, 45, 64); });
       const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 40, Routing::random);
       const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
       const DispatchInput view = dev.view();
@@ -737,18 +746,18 @@ std::vector<EarlyCase> early_cases() {
       {"T = 0 everywhere", false, 64, ActivationFormat::fp8_group, [](int) { return 0; }},
       {"T = 1", false, 64, ActivationFormat::fp8_group, [](int) { return 1; }},
       {"uneven, rank 1 sends nothing", false, 64, ActivationFormat::fp8_group,
-       [](int r) -> std::int64_t { return r == 1 ? 0 : 9 + 13 * r; }},
+       [](int r) -> std::int64_t { return r == 1 ? 0 : ramp(r, 9, 48); }},
       {"T = max", false, 64, ActivationFormat::fp8_group, [](int) { return 64; }},
       {"same experts", false, 64, ActivationFormat::fp8_group, [](int r) -> std::int64_t { return 40 + r; },
        Routing::same_experts},
       {"rank 0's experts only", false, 64, ActivationFormat::fp8_group,
        [](int r) -> std::int64_t { return 30 - r; }, Routing::first_rank_only},
       {"deepseek-v3 dims", true, 32, ActivationFormat::fp8_group,
-       [](int r) -> std::int64_t { return 32 - 5 * r; }},
+       [](int r) -> std::int64_t { return ramp(r, 32, 17); }},
       {"deepseek-v3 dims, bf16", true, 16, ActivationFormat::bf16,
-       [](int r) -> std::int64_t { return 16 - 3 * r; }},
+       [](int r) -> std::int64_t { return ramp(r, 16, 7); }},
       {"3000 tokens", false, 4096, ActivationFormat::fp8_group,
-       [](int r) -> std::int64_t { return 3000 - 500 * r; }},
+       [](int r) -> std::int64_t { return ramp(r, 3000, 1500); }},
   };
 }
 
@@ -882,8 +891,8 @@ TEST(CommNvlinkEarlyCounts, RefusalsAndAMissingPeerAreReported) {
     world().reset_device_errors();
     world().barrier();
     check_round(*d, c, ActivationFormat::fp8_group,
-                make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 50 - 7 * r; }), 72,
-                            Routing::random),
+                make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return ramp(r, 50, 1); }),
+                            72, Routing::random),
                 name_of(t) + ", early counts after a refusal");
     world().barrier();
   }

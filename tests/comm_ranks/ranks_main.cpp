@@ -20,8 +20,24 @@ std::shared_ptr<Communicator> world_ptr() {
 }
 }  // namespace epmoe::ranks
 
+namespace {
+// A failed test can leave a recorded device error (a peer's refusal, a timeout) in the shared world
+// communicator; clearing it keeps one failure from failing every later test on every rank.
+class ClearDeviceErrorsAfterAFailure : public ::testing::EmptyTestEventListener {
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    if (!info.result()->Failed() || !epmoe::ranks::g_world || epmoe::ranks::g_world->broken()) return;
+    try {
+      epmoe::ranks::g_world->reset_device_errors();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "epmoe_comm_tests: clearing device errors after %s: %s\n", info.name(), e.what());
+    }
+  }
+};
+}  // namespace
+
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  ::testing::UnitTest::GetInstance()->listeners().Append(new ClearDeviceErrorsAfterAFailure);
   using namespace epmoe;
   try {
     const LaunchEnvironment env = LaunchEnvironment::from_env();
