@@ -135,6 +135,34 @@ struct GpuMoeLayer::Impl {
             part_rows(physical_ids), part_rows(topk_weights)};
   }
   // The routed experts on a dispatch output, into `out` (expert_out or expert_out2).
+  // Two-batch overlap: the first micro-batch's token count, about half, rounded up to 4 tokens so
+  // that the second one's rows (x_scales: hidden / 128 floats a token) start 16-byte aligned, as the
+  // dispatchers require. 4 ranks found it: an odd half at the tiny dims (8-byte scale rows).
+  static std::int64_t first_micro_batch(std::int64_t T) { return std::min(T, ((T + 1) / 2 + 3) / 4 * 4); }
+
+  // Ends a capture that an exception interrupted: joins the side streams that the forward had forked
+  // (else the capture ends unjoined and leaves them capturing, which fails every later set-up call on
+  // this thread), discards the graph and clears the error that ending it left behind.
+  void abandon_capture() {
+    for (cudaStream_t side : {s1.get(), s2.get()}) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      if (side != nullptr && cudaStreamIsCapturing(side, &status) == cudaSuccess &&
+          status == cudaStreamCaptureStatusActive) {
+        cudaEvent_t joined = nullptr;
+        if (cudaEventCreateWithFlags(&joined, cudaEventDisableTiming) == cudaSuccess) {
+          (void)cudaEventRecord(joined, side);
+          (void)cudaStreamWaitEvent(s0, joined, 0);
+          (void)cudaEventDestroy(joined);
+        }
+      }
+    }
+    cudaGraph_t graph = nullptr;
+    (void)cudaStreamEndCapture(s0, &graph);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    capturing = false;
+  }
+
   void run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t stream) {
     runner->run(d, rows_of(out, d.num_output_rows()), stream);
   }
@@ -256,8 +284,9 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     }
   } else {
     tbo = o.tbo;
-    // With two-batch overlap each dispatcher carries one micro-batch: half the tokens.
-    const std::int64_t T_part = tbo ? (T_max + 1) / 2 : T_max;
+    // With two-batch overlap each dispatcher carries one micro-batch: about half the tokens (the
+    // first is the larger one).
+    const std::int64_t T_part = tbo ? first_micro_batch(T_max) : T_max;
     MoeConfig dc = c;
     dc.max_tokens_per_rank = static_cast<int>(T_part);
     const DispatcherContext context{dc, o.mode, format, rank, 1};
@@ -542,7 +571,7 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
     // run on s2 while B's receive and, later, A's combine send run on s0; B's experts overlap A's
     // combine. (Each micro-batch reads the expert weights again: it pays where communication, not
     // the weight read, bounds a step.)
-    const std::int64_t T_a = (T + 1) / 2, T_b = T - T_a;
+    const std::int64_t T_a = first_micro_batch(T), T_b = T - T_a;
     lls[0]->dispatch_send(dispatch_input(0, T_a));
     lls[1]->dispatch_send(dispatch_input(T_a, T_b));
     DispatchOutput d[2];
@@ -563,7 +592,7 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
     lls[1]->combine_recv(y_out.slice_rows(T_a, T));
   } else {
     // Two micro-batches: B's dispatch overlaps A's GEMMs, A's combine overlaps B's GEMMs.
-    const std::int64_t T_a = (T + 1) / 2, T_b = T - T_a;
+    const std::int64_t T_a = first_micro_batch(T), T_b = T - T_a;
     const DispatchOutput da = dispatch(0, 0, T_a);
     dispatched[0].record(s0);
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s2, dispatched[0], 0));
@@ -720,9 +749,7 @@ void GpuMoeLayer::capture_graphs(std::span<const std::int64_t> batch_sizes) {
     try {
       m.forward(rows_of(m.x_static, T), rows_of(m.y_static, T));
     } catch (...) {
-      cudaStreamEndCapture(m.s0, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      m.capturing = false;
+      m.abandon_capture();
       throw;
     }
     EPMOE_CUDA_CHECK(cudaStreamEndCapture(m.s0, &graph));
