@@ -1,7 +1,8 @@
 // The GPU layer on every rank of the world communicator (issue 7): each rank's output against the
 // CPU reference (mirror numerics, routed from the GPU's logits) at DeepSeek-V3 dims and the tiny
 // model, low-latency eager and graph replay (identical bits), both modes with and without two-batch
-// overlap (identical bits), and graph replay after a rebalance that moves experts.
+// overlap (identical bits; W4A8 low latency: both against the reference, its kernel choice follows the
+// micro-batch size), and graph replay after a rebalance that moves experts.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -111,11 +112,16 @@ TEST_P(LayerRanks, LowLatencyTwoBatchOverlapMatchesWithout) {
   cuda::GpuMoeLayer layer(w, o, world_ptr());
   const Out tbo = layer_forward(layer, x, false);
   expect_reference(*w, x, tbo, "low-latency two-batch overlap");
-  // Each token's rows meet the same experts on the same ranks either way: the same bits.
-  EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the low-latency result";
-  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, plain.y))
+  // Each token's rows meet the same experts on the same ranks either way: the same bits where the
+  // GEMMs run the same kernels. W4A8 picks its kernel by the expected rows per expert (the 16/32-row
+  // tile kernel up to 24), which a micro-batch halves (at 4 ranks it switches at the tiny dims):
+  // there both outputs match the reference instead (above, and the plain one in the eager test).
+  if (quant_of(GetParam()) == QuantScheme::fp8) {
+    EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the low-latency result";
+  }
+  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, tbo.y))
       << "graph replay with two-batch overlap differs";
-  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, plain.y)) << "second graph replay differs";
+  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, tbo.y)) << "second graph replay differs";
 }
 
 TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
