@@ -63,15 +63,20 @@ ncclUniqueId read_nccl_id_file(const std::string& path, double wait_s = 0.0);
 // ---------------------------------------------------------------- launch environment
 // What `epmoe launch` (or a multi-node start-up script) hands each rank.
 struct LaunchEnvironment {
-  bool present = false;  // EPMOE_WORLD_SIZE is set
-  int rank = 0;          // EPMOE_RANK
-  int world_size = 1;    // EPMOE_WORLD_SIZE
-  int local_rank = 0;    // EPMOE_LOCAL_RANK (default: rank); picks the GPU
-  std::string id_file;   // EPMOE_NCCL_ID_FILE
-  std::string id_hex;    // EPMOE_NCCL_ID (takes precedence over the file)
+  bool present = false;           // EPMOE_WORLD_SIZE is set
+  int rank = 0;                   // EPMOE_RANK
+  int world_size = 1;             // EPMOE_WORLD_SIZE
+  int local_rank = 0;             // EPMOE_LOCAL_RANK (default: rank)
+  int device = 0;                 // EPMOE_LOCAL_DEVICE (default: local_rank): the CUDA device the rank uses
+  bool one_gpu_per_rank = false;  // EPMOE_ONE_GPU_PER_RANK=1: the launcher showed this rank only its GPU
+  std::string id_file;            // EPMOE_NCCL_ID_FILE
+  std::string id_hex;             // EPMOE_NCCL_ID (takes precedence over the file)
 
   // Reads the variables; throws on malformed values (non-numbers, rank outside [0, world_size)).
   static LaunchEnvironment from_env();
+  // Empty when `visible` GPUs serve this rank (its own, or with every GPU visible one per rank),
+  // else why not. The same answer on every rank of a launch, so all skip or none does.
+  std::string missing_gpus(int visible) const;
   // The unique id from EPMOE_NCCL_ID or EPMOE_NCCL_ID_FILE; throws when neither is given.
   ncclUniqueId unique_id(double wait_s) const;
 };
@@ -168,7 +173,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // ncclCommInitRank (collective over `size` ranks).
   static std::shared_ptr<Communicator> create(const ncclUniqueId& id, int rank, int size, int device,
                                               const CommOptions& options = {});
-  // create() from LaunchEnvironment::from_env(): device = local_rank; waits up to the timeout for
+  // create() from LaunchEnvironment::from_env(): device = its device; waits up to the timeout for
   // the id file.
   static std::shared_ptr<Communicator> from_environment(const CommOptions& options = {});
   // Wraps a communicator the caller made and keeps owning (never finalized or aborted here).

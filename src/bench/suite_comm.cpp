@@ -698,9 +698,8 @@ std::vector<Result> run_comm_suite(const SuiteOptions& options) {
           "comm: skipped: needs 2+ ranks, one process per GPU: epmoe launch -n 2 -- epmoe bench comm\n");
       return results;
     }
-    if (cuda::device_count() < env.world_size) {
-      std::printf("comm: skipped: %d ranks need as many GPUs, %d visible\n", env.world_size,
-                  cuda::device_count());
+    if (const std::string missing = env.missing_gpus(cuda::device_count()); !missing.empty()) {
+      std::printf("comm: skipped: %s\n", missing.c_str());
       return results;
     }
     comm = Communicator::from_environment();

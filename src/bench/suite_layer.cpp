@@ -35,9 +35,8 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
   std::shared_ptr<Communicator> comm = Communicator::process_default();
   const LaunchEnvironment env = LaunchEnvironment::from_env();
   if (!comm && env.present && env.world_size > 1) {
-    if (cuda::device_count() < env.world_size) {
-      std::printf("layer: skipped: %d ranks need as many GPUs, %d visible\n", env.world_size,
-                  cuda::device_count());
+    if (const std::string missing = env.missing_gpus(cuda::device_count()); !missing.empty()) {
+      std::printf("layer: skipped: %s\n", missing.c_str());
       return results;
     }
     comm = Communicator::from_environment();

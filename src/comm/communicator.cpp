@@ -186,11 +186,21 @@ LaunchEnvironment LaunchEnvironment::from_env() {
   e.rank = env_int("EPMOE_RANK", 0);
   bool has_local = false;
   e.local_rank = env_int("EPMOE_LOCAL_RANK", e.rank, &has_local);
+  e.device = env_int("EPMOE_LOCAL_DEVICE", e.local_rank);
+  e.one_gpu_per_rank = env_int("EPMOE_ONE_GPU_PER_RANK", 0) == 1;
   e.id_file = env_str("EPMOE_NCCL_ID_FILE");
   e.id_hex = env_str("EPMOE_NCCL_ID");
   EPMOE_CHECK(e.world_size >= 1, "EPMOE_WORLD_SIZE must be at least 1, got {}", e.world_size);
   EPMOE_CHECK(e.rank < e.world_size, "EPMOE_RANK={} must be below EPMOE_WORLD_SIZE={}", e.rank, e.world_size);
+  EPMOE_CHECK(e.device >= 0, "EPMOE_LOCAL_DEVICE must be a device index (>= 0), got {}", e.device);
   return e;
+}
+
+std::string LaunchEnvironment::missing_gpus(int visible) const {
+  const int needed = present && !one_gpu_per_rank ? world_size : 1;
+  if (visible >= needed && device < visible) return {};
+  return one_gpu_per_rank ? fmt::format("rank {} was given a GPU, but none is visible", rank)
+                          : fmt::format("{} rank(s) need as many GPUs, {} visible", world_size, visible);
 }
 
 ncclUniqueId LaunchEnvironment::unique_id(double wait_s) const {
@@ -411,7 +421,7 @@ std::shared_ptr<Communicator> Communicator::from_environment(const CommOptions& 
   EPMOE_CHECK(env.present,
               "EPMOE_WORLD_SIZE is not set: start the ranks with `epmoe launch -n N -- <command>` (or set "
               "EPMOE_RANK, EPMOE_WORLD_SIZE, EPMOE_LOCAL_RANK and EPMOE_NCCL_ID_FILE / EPMOE_NCCL_ID)");
-  return create(env.unique_id(options.timeout_s), env.rank, env.world_size, env.local_rank, options);
+  return create(env.unique_id(options.timeout_s), env.rank, env.world_size, env.device, options);
 }
 
 std::shared_ptr<Communicator> Communicator::borrow(ncclComm_t comm, const CommOptions& options) {

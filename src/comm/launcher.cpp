@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,25 @@
 extern char** environ;
 
 namespace epmoe {
+std::vector<std::string> launch_gpu_ids(const char* cuda_visible_devices, int listed) {
+  std::vector<std::string> ids;
+  if (cuda_visible_devices != nullptr) {
+    std::string_view rest(cuda_visible_devices);
+    while (!rest.empty()) {
+      const std::size_t comma = rest.find(',');
+      std::string_view entry = rest.substr(0, comma);
+      while (!entry.empty() && entry.front() == ' ') entry.remove_prefix(1);
+      while (!entry.empty() && entry.back() == ' ') entry.remove_suffix(1);
+      if (!entry.empty()) ids.emplace_back(entry);
+      if (comma == std::string_view::npos) break;
+      rest.remove_prefix(comma + 1);
+    }
+    return ids;
+  }
+  for (int i = 0; i < listed; ++i) ids.push_back(std::to_string(i));
+  return ids;
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -121,6 +141,19 @@ class Launcher {
     if (nvls != nullptr && std::string_view(nvls) != "0")
       o_.on_note(fmt::format("NCCL_NVLS_ENABLE={} overridden: the ranks run with NCCL_NVLS_ENABLE=0", nvls));
 
+    // One GPU per rank where there are enough (LaunchOptions::one_gpu_per_rank). Counted without
+    // initialising CUDA here: the parent would pay the start-up the ranks are spared.
+    std::vector<std::string> gpus;
+    if (o_.one_gpu_per_rank) {
+      std::error_code ec;
+      int listed = 0;
+      for (std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec), end; !ec && it != end;
+           it.increment(ec))
+        ++listed;
+      gpus = launch_gpu_ids(std::getenv("CUDA_VISIBLE_DEVICES"), listed);
+      if (static_cast<int>(gpus.size()) < o_.num_ranks) gpus.clear();
+    }
+
     start_ = Clock::now();
     ranks_.resize(static_cast<std::size_t>(o_.num_ranks));
     for (int i = 0; i < o_.num_ranks; ++i) {
@@ -134,6 +167,14 @@ class Launcher {
           {"NCCL_NVLS_ENABLE", "0"},
       };
       if (!result.id_file.empty()) vars.emplace_back("EPMOE_NCCL_ID_FILE", result.id_file);
+      if (!gpus.empty()) {
+        vars.emplace_back("CUDA_VISIBLE_DEVICES", gpus[static_cast<std::size_t>(i)]);
+        vars.emplace_back("EPMOE_LOCAL_DEVICE", "0");
+        vars.emplace_back("EPMOE_ONE_GPU_PER_RANK", "1");
+      } else {
+        vars.emplace_back("EPMOE_LOCAL_DEVICE", std::to_string(i));
+        vars.emplace_back("EPMOE_ONE_GPU_PER_RANK", "0");
+      }
       const int err = spawn(r, child_environment(vars));
       if (err != 0) {
         o_.on_note(fmt::format("cannot start rank {} ('{}'): {}", r.rank, o_.command[0], std::strerror(err)));

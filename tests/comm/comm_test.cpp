@@ -17,9 +17,12 @@
 #include "epmoe/comm.hpp"
 #include "epmoe/comm_dispatch.hpp"
 #include "epmoe/dispatch.hpp"
+#include "scoped_env.hpp"
 
 namespace epmoe {
 namespace {
+
+using testing::ScopedEnv;
 
 std::string error_of(const std::function<void()>& fn) {
   try {
@@ -29,30 +32,6 @@ std::string error_of(const std::function<void()>& fn) {
   }
   return "";
 }
-
-// Sets (or unsets) an environment variable for the life of the object.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value != nullptr) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      setenv(name_.c_str(), old_->c_str(), 1);
-    } else {
-      unsetenv(name_.c_str());
-    }
-  }
-
- private:
-  std::string name_;
-  std::optional<std::string> old_;
-};
 
 std::string temp_path(const std::string& stem) {
   const char* tmp = std::getenv("TMPDIR");

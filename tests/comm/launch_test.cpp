@@ -14,9 +14,12 @@
 
 #include "epmoe/comm.hpp"
 #include "epmoe/launch.hpp"
+#include "scoped_env.hpp"
 
 namespace epmoe {
 namespace {
+
+using testing::ScopedEnv;
 
 struct Captured {
   std::map<int, std::vector<std::string>> out, err;
@@ -158,15 +161,11 @@ TEST(LaunchTest, BadOptionsAreRefused) {
 }
 
 TEST(LaunchTest, MulticastIsTurnedOffForTheRanks) {
-  const char* old = std::getenv("NCCL_NVLS_ENABLE");
-  const std::string saved = old != nullptr ? old : "";
-  setenv("NCCL_NVLS_ENABLE", "1", 1);
   Captured c;
-  const LaunchResult r = run(sh(1, "echo $NCCL_NVLS_ENABLE"), c);
-  if (old != nullptr) {
-    setenv("NCCL_NVLS_ENABLE", saved.c_str(), 1);
-  } else {
-    unsetenv("NCCL_NVLS_ENABLE");
+  LaunchResult r;
+  {
+    const ScopedEnv nvls("NCCL_NVLS_ENABLE", "1");
+    r = run(sh(1, "echo $NCCL_NVLS_ENABLE"), c);
   }
   ASSERT_EQ(r.exit_code, 0);
   EXPECT_EQ(c.out[0], std::vector<std::string>{"0"});
@@ -191,6 +190,73 @@ TEST(LaunchTest, SecondNodeReadsTheGivenIdFile) {
   EXPECT_EQ(c2.out[1], std::vector<std::string>{fmt::format("1 2 0 {}", path)});
   EXPECT_NO_THROW(read_nccl_id_file(path));
   std::remove(path.c_str());
+}
+
+TEST(LaunchTest, GpuIdsComeFromCudaVisibleDevicesOrTheDriversList) {
+  EXPECT_EQ(launch_gpu_ids(nullptr, 3), (std::vector<std::string>{"0", "1", "2"}));
+  EXPECT_EQ(launch_gpu_ids(nullptr, 0), std::vector<std::string>{});
+  EXPECT_EQ(launch_gpu_ids("", 4), std::vector<std::string>{}) << "CUDA_VISIBLE_DEVICES='' hides every GPU";
+  EXPECT_EQ(launch_gpu_ids("3, 1,,GPU-5e2a ", 8), (std::vector<std::string>{"3", "1", "GPU-5e2a"}));
+}
+
+// The launcher's GPUs are the ones in its CUDA_VISIBLE_DEVICES: with enough for the ranks each rank
+// sees only its own (device 0); with too few, or --all-gpus, every rank sees them all and uses
+// the device of its local rank.
+TEST(LaunchTest, EachRankSeesItsOwnGpuWhenThereAreEnough) {
+  const ScopedEnv visible("CUDA_VISIBLE_DEVICES", "4,6,GPU-7");
+  const std::string script = "echo \"$CUDA_VISIBLE_DEVICES|$EPMOE_LOCAL_DEVICE|$EPMOE_ONE_GPU_PER_RANK\"";
+  {
+    Captured c;
+    ASSERT_EQ(run(sh(3, script), c).exit_code, 0);
+    EXPECT_EQ(c.out[0], std::vector<std::string>{"4|0|1"});
+    EXPECT_EQ(c.out[1], std::vector<std::string>{"6|0|1"});
+    EXPECT_EQ(c.out[2], std::vector<std::string>{"GPU-7|0|1"});
+  }
+  {
+    Captured c;
+    ASSERT_EQ(run(sh(4, script), c).exit_code, 0);  // 4 ranks, 3 GPUs
+    for (int rank = 0; rank < 4; ++rank)
+      EXPECT_EQ(c.out[rank], std::vector<std::string>{fmt::format("4,6,GPU-7|{}|0", rank)});
+  }
+  {
+    Captured c;
+    LaunchOptions o = sh(2, script);
+    o.one_gpu_per_rank = false;
+    ASSERT_EQ(run(o, c).exit_code, 0);
+    for (int rank = 0; rank < 2; ++rank)
+      EXPECT_EQ(c.out[rank], std::vector<std::string>{fmt::format("4,6,GPU-7|{}|0", rank)});
+  }
+}
+
+TEST(LaunchTest, TheRanksEnvironmentSaysWhetherItsGpusSuffice) {
+  LaunchEnvironment e;
+  EXPECT_EQ(e.missing_gpus(1), "") << "no launcher: one GPU";
+  EXPECT_NE(e.missing_gpus(0), "");
+  e.present = true;
+  e.world_size = 4;
+  e.rank = 2;
+  e.device = 2;  // every GPU visible: one per rank
+  EXPECT_EQ(e.missing_gpus(4), "");
+  EXPECT_NE(e.missing_gpus(3).find("4 rank(s) need as many GPUs, 3 visible"), std::string::npos)
+      << e.missing_gpus(3);
+  e.one_gpu_per_rank = true;  // its own GPU only
+  e.device = 0;
+  EXPECT_EQ(e.missing_gpus(1), "");
+  EXPECT_NE(e.missing_gpus(0).find("rank 2"), std::string::npos) << e.missing_gpus(0);
+  {
+    const ScopedEnv w("EPMOE_WORLD_SIZE", "2"), r("EPMOE_RANK", "1"), l("EPMOE_LOCAL_RANK", "1"),
+        d("EPMOE_LOCAL_DEVICE", "0"), one("EPMOE_ONE_GPU_PER_RANK", "1");
+    const LaunchEnvironment from = LaunchEnvironment::from_env();
+    EXPECT_EQ(from.device, 0);
+    EXPECT_TRUE(from.one_gpu_per_rank);
+  }
+  {
+    const ScopedEnv w("EPMOE_WORLD_SIZE", "2"), r("EPMOE_RANK", "1"), l("EPMOE_LOCAL_RANK", "1"),
+        d("EPMOE_LOCAL_DEVICE", nullptr), one("EPMOE_ONE_GPU_PER_RANK", nullptr);
+    const LaunchEnvironment from = LaunchEnvironment::from_env();
+    EXPECT_EQ(from.device, 1) << "the device defaults to the local rank";
+    EXPECT_FALSE(from.one_gpu_per_rank);
+  }
 }
 
 }  // namespace

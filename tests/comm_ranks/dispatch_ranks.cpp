@@ -11,6 +11,7 @@
 
 #include "epmoe/comm_dispatch.hpp"
 #include "ranks_util.hpp"
+#include "scoped_env.hpp"
 
 namespace epmoe::ranks {
 namespace {
@@ -48,27 +49,9 @@ enum class Transport {
   nvlink_ll_route_kernel
 };
 
-// Sets an environment variable for a scope (every rank runs the same tests in the same order, so
-// every rank sets the same value: the send-path switches are read at each dispatch_send).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* before = std::getenv(name)) before_ = before;
-    setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (before_)
-      setenv(name_, before_->c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> before_;
-};
+// Every rank runs the same tests in the same order, so every rank sets the same switch values (the
+// send-path switches are read at each dispatch_send).
+using testing::ScopedEnv;
 
 std::string name_of(Transport t) {
   switch (t) {

@@ -41,11 +41,11 @@ int main(int argc, char** argv) {
   using namespace epmoe;
   try {
     const LaunchEnvironment env = LaunchEnvironment::from_env();
-    const int world = env.present ? env.world_size : 1;
-    const int devices = cuda::device_count();
-    if (devices < world || devices == 0) {
-      std::printf("[  SKIPPED ] epmoe_comm_tests: %d rank(s) need as many GPUs, %d visible (%s)\n", world,
-                  devices, cuda::device_description().c_str());
+    // The launcher gives each rank its own GPU where there are enough, else every rank sees every
+    // GPU and needs one per rank.
+    if (const std::string missing = env.missing_gpus(cuda::device_count()); !missing.empty()) {
+      std::printf("[  SKIPPED ] epmoe_comm_tests: %s (%s)\n", missing.c_str(),
+                  cuda::device_description().c_str());
       return 0;
     }
     if (env.present) {

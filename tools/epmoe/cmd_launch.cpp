@@ -54,6 +54,10 @@ const CommandRegistration kRegistration{
       cmd->add_option("--kill-grace", o->kill_grace_s,
                       "Seconds between SIGTERM and SIGKILL when stopping ranks")
           ->capture_default_str();
+      cmd->add_flag_callback(
+          "--all-gpus", [o] { o->one_gpu_per_rank = false; },
+          "Every rank sees every GPU (default: each rank's CUDA_VISIBLE_DEVICES is its own GPU, which "
+          "makes CUDA start-up faster)");
       cmd->add_option("command", o->command, "The program and its arguments (after --)")->required();
       cmd->callback([o] { run_launch(*o); });
     }};

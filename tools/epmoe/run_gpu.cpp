@@ -630,7 +630,7 @@ void run_gpu_main(const RunOptions& o) {
   // of the GEMMs queued on the compute streams.
   if (run_start() < g_process_start) g_startup.mark("rank_process_started", g_process_start);
   auto host_weights = start_host_weights(o, config);
-  EPMOE_CUDA_CHECK(cudaSetDevice(env.local_rank));
+  EPMOE_CUDA_CHECK(cudaSetDevice(env.device));
   cuda::Stream comm_stream(cuda::Stream::highest_priority());
   g_startup.mark("cuda_context");
   CommOptions co;
