@@ -264,6 +264,7 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   logcnt = DeviceTensor(DType::i32, {E});
   install_placement(ExpertPlacement::initial(E, P, ranks));
   if (c.num_shared_experts > 0) load_shared();
+  if (o.on_setup_step) o.on_setup_step("weights");
 
   // Dispatch.
   if (dispatcher_name == "local") {
@@ -316,6 +317,7 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
       gemm_max_ctas = std::max(1, device_props().sm_count - std::max(0, o.tbo_comm_sms));
     }
   }
+  if (o.on_setup_step) o.on_setup_step("dispatchers");
   runner = make_gpu_runner(normal ? Layout::contiguous : Layout::masked,
                            GpuRunnerContext{c, SlotWeights{w13, w13_scale, w2, w2_scale}, R_max, a2_scale});
   runner->set_max_ctas(gemm_max_ctas);
@@ -326,6 +328,7 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     x_static = DeviceTensor(DType::bf16, {T_max, H});
     y_static = DeviceTensor(DType::bf16, {T_max, H});
   }
+  if (o.on_setup_step) o.on_setup_step("runner");
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));
 }
 

@@ -166,6 +166,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   lo.max_tokens = T_max;
   lo.tbo = plan.tbo;
   lo.tbo_comm_sms = o.tbo_comm_sms;
+  if (first_phase) lo.on_setup_step = [](const char* step) { g_startup.mark(std::string("layer_") + step); };
   cuda::GpuMoeLayer layer(weights, lo, comm);
   if (first_phase) g_startup.mark("layer_constructed");
   cudaStream_t s = layer.stream();

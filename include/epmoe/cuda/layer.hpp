@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -57,6 +58,11 @@ struct GpuLayerOptions {
   // communication keeps, in decode each micro-batch reads the expert weights again.
   bool tbo = false;
   int tbo_comm_sms = 24;
+  // Called on the constructing thread after each set-up step, for start-up timing: "weights" (the
+  // gate, buffers and expert slots; their fill is enqueued, not finished), "dispatchers" (N ranks:
+  // waits for NCCL's initialisation, registers the windows), "runner" (GEMM runners and the
+  // remaining buffers; the constructor then waits for the stream).
+  std::function<void(const char* step)> on_setup_step;
 };
 
 // Milliseconds measured with CUDA events, accumulated over timed eager forwards.
