@@ -58,7 +58,8 @@ struct LaunchResult {
 
 // The GPUs a launcher hands out, one per local rank: the entries of `cuda_visible_devices` (the
 // launcher's CUDA_VISIBLE_DEVICES; ids, UUIDs or MIG names, kept as written) when set, else
-// "0".."listed - 1" (`listed`: the GPUs the driver lists). Empty entries are dropped.
+// "0".."listed - 1" (`listed`: the GPUs the driver lists). Empty entries are dropped; a negative one
+// ends the list, as it ends CUDA's.
 std::vector<std::string> launch_gpu_ids(const char* cuda_visible_devices, int listed);
 
 // Throws epmoe::Error for bad options (no command, num_ranks < 1, ranks outside the world) and

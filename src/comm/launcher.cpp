@@ -31,6 +31,7 @@ std::vector<std::string> launch_gpu_ids(const char* cuda_visible_devices, int li
       std::string_view entry = rest.substr(0, comma);
       while (!entry.empty() && entry.front() == ' ') entry.remove_prefix(1);
       while (!entry.empty() && entry.back() == ' ') entry.remove_suffix(1);
+      if (!entry.empty() && entry.front() == '-') break;  // "-1": CUDA sees no GPU from here on
       if (!entry.empty()) ids.emplace_back(entry);
       if (comma == std::string_view::npos) break;
       rest.remove_prefix(comma + 1);

@@ -134,7 +134,6 @@ struct GpuMoeLayer::Impl {
     return {part_rows(q), w4a8 ? TensorView{} : part_rows(q_scales), w4a8 ? a1_scale : 1.0f,
             part_rows(physical_ids), part_rows(topk_weights)};
   }
-  // The routed experts on a dispatch output, into `out` (expert_out or expert_out2).
   // Two-batch overlap: the first micro-batch's token count, about half, rounded up to 4 tokens so
   // that the second one's rows (x_scales: hidden / 128 floats a token) start 16-byte aligned, as the
   // dispatchers require. 4 ranks found it: an odd half at the tiny dims (8-byte scale rows).
@@ -163,6 +162,7 @@ struct GpuMoeLayer::Impl {
     capturing = false;
   }
 
+  // The routed experts on a dispatch output, into `out` (expert_out or expert_out2).
   void run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t stream) {
     runner->run(d, rows_of(out, d.num_output_rows()), stream);
   }

@@ -197,6 +197,8 @@ TEST(LaunchTest, GpuIdsComeFromCudaVisibleDevicesOrTheDriversList) {
   EXPECT_EQ(launch_gpu_ids(nullptr, 0), std::vector<std::string>{});
   EXPECT_EQ(launch_gpu_ids("", 4), std::vector<std::string>{}) << "CUDA_VISIBLE_DEVICES='' hides every GPU";
   EXPECT_EQ(launch_gpu_ids("3, 1,,GPU-5e2a ", 8), (std::vector<std::string>{"3", "1", "GPU-5e2a"}));
+  EXPECT_EQ(launch_gpu_ids("-1", 8), std::vector<std::string>{}) << "the usual way to hide every GPU";
+  EXPECT_EQ(launch_gpu_ids("2,-1,0", 8), std::vector<std::string>{"2"});
 }
 
 // The launcher's GPUs are the ones in its CUDA_VISIBLE_DEVICES: with enough for the ranks each rank
