@@ -12,11 +12,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "epmoe/comm.hpp"
+#include "epmoe/cuda/runtime.hpp"
 #include "epmoe/error.hpp"
 
 extern char** environ;
@@ -146,12 +146,7 @@ class Launcher {
     // initialising CUDA here: the parent would pay the start-up the ranks are spared.
     std::vector<std::string> gpus;
     if (o_.one_gpu_per_rank) {
-      std::error_code ec;
-      int listed = 0;
-      for (std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec), end; !ec && it != end;
-           it.increment(ec))
-        ++listed;
-      gpus = launch_gpu_ids(std::getenv("CUDA_VISIBLE_DEVICES"), listed);
+      gpus = launch_gpu_ids(std::getenv("CUDA_VISIBLE_DEVICES"), cuda::listed_gpu_count());
       if (static_cast<int>(gpus.size()) < o_.num_ranks) gpus.clear();
     }
 

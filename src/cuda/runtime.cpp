@@ -21,15 +21,19 @@ int device_count() {
   return count;
 }
 
+int listed_gpu_count() {
+  std::error_code ec;
+  int listed = 0;
+  for (std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec), end; !ec && it != end;
+       it.increment(ec))
+    ++listed;
+  return ec ? 0 : listed;
+}
+
 int device_count_without_cuda_init() {
-  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-  if (visible == nullptr) {
-    std::error_code ec;
-    int listed = 0;
-    for (std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec), end; !ec && it != end;
-         it.increment(ec))
-      ++listed;
-    if (!ec && listed > 0) return listed;
+  if (std::getenv("CUDA_VISIBLE_DEVICES") == nullptr) {
+    const int listed = listed_gpu_count();
+    if (listed > 0) return listed;
   }
   return device_count();
 }

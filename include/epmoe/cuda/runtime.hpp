@@ -18,6 +18,9 @@ int device_count();
 // no cuInit (~0.2 s of the first forward's 1 s budget); otherwise, or where the driver lists none,
 // device_count(). Never throws.
 int device_count_without_cuda_init();
+// The GPUs the driver lists in /proc/driver/nvidia/gpus, whatever CUDA_VISIBLE_DEVICES says; no
+// cuInit; 0 without the driver. Never throws.
+int listed_gpu_count();
 // "NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB)" or "no GPU".
 std::string device_description(int device = 0);
 
