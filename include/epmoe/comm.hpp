@@ -204,7 +204,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // communicator is aborted and epmoe::Error names this rank, the phase and what it waited for.
   void synchronize(CommPhase phase = CommPhase::none, std::string_view waiting_for = {});
   void wait_event(cudaEvent_t event, CommPhase phase, std::string_view waiting_for);
-  // ncclAllReduce of one int on stream(), then synchronize(): every rank has reached this point.
+  // Every rank has reached this point (then synchronize()). Where every rank is in this rank's LSA
+  // team, a kernel over a small symmetric window of the communicator's own (a flag to each peer,
+  // bounded waits), which spares NCCL setting up its collective channels (~0.5 GB per rank on an
+  // H200) at a first collective; otherwise, or with EPMOE_COMM_NCCL_BARRIER=1, an ncclAllReduce of
+  // one int.
   void barrier();
 
   // Throws when a kernel recorded an error (a peer that did not arrive in time, bad peer input).
@@ -249,6 +253,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void init_error_record();
   void ensure_dev_comm();
   void wait_init() const;  // the background ncclCommInitRank, if one is running
+  // The barrier window (once, where every rank is in the LSA team): zeroed before it is registered, so
+  // no barrier is needed after it (a peer can address it only once this rank has registered it).
+  void ensure_barrier_window();
   [[noreturn]] void fail_wait(CommPhase phase, std::string_view waiting_for, const std::string& why);
 
   mutable ncclComm_t comm_ = nullptr;
@@ -264,6 +271,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   DeviceErrorRecord* errors_device_ = nullptr;
   std::int32_t* error_claim_ = nullptr;
   int* barrier_word_ = nullptr;
+  // barrier() over the LSA team: the window (its own, not a SymmetricBuffer, which would keep this
+  // communicator alive), its LSA pointers on the device, and the epoch of the last barrier.
+  void* barrier_local_ = nullptr;
+  ncclWindow_t barrier_window_ = nullptr;
+  void** barrier_peers_ = nullptr;
+  std::uint32_t barrier_epoch_ = 0;
   std::string broken_reason_;
   ncclDevComm* dev_comm_ = nullptr;  // ncclDevCommCreate'd (zero requirements: no barriers, no multimem)
   int lsa_rank_ = -1, lsa_size_ = 0;

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "comm/comm_internal.hpp"
+#include "comm/ep_kernels.hpp"
 #include "epmoe/cuda/runtime.hpp"
 
 namespace epmoe {
@@ -449,6 +450,11 @@ Communicator::~Communicator() {
     } catch (const std::exception&) {  // nothing to destroy (the reason was already reported, or is moot)
     }
   }
+  // The barrier window before the device communicator and NCCL's (deregistration is collective:
+  // every rank destroys its communicator; skipped once aborted).
+  if (barrier_window_ != nullptr && comm_ != nullptr) (void)ncclCommWindowDeregister(comm_, barrier_window_);
+  if (barrier_local_ != nullptr) (void)ncclMemFree(barrier_local_);
+  if (barrier_peers_ != nullptr) (void)cudaFree(barrier_peers_);
   if (comm_ != nullptr) comm_detail::destroy_dev_comm(comm_, dev_comm_);
   if (owned_ && comm_ != nullptr) {
     (void)ncclCommFinalize(comm_);
@@ -551,8 +557,34 @@ void Communicator::synchronize(CommPhase phase, std::string_view waiting_for) {
 void Communicator::barrier() {
   check_usable("barrier");  // waits for the set-up
   EPMOE_CUDA_CHECK(cudaSetDevice(device_));
-  EPMOE_NCCL_CHECK(ncclAllReduce(barrier_word_, barrier_word_ + 1, 1, ncclInt32, ncclSum, comm_, stream_));
+  const char* nccl_barrier = std::getenv("EPMOE_COMM_NCCL_BARRIER");
+  const bool lsa = size_ > 1 && !(nccl_barrier != nullptr && std::string_view(nccl_barrier) == "1");
+  if (lsa) ensure_barrier_window();
+  if (lsa && all_ranks_lsa()) {
+    ++barrier_epoch_;
+    comm_detail::launch_lsa_barrier(barrier_peers_, static_cast<std::uint32_t*>(barrier_local_), rank_, size_,
+                                    barrier_epoch_, device_error_sink(),
+                                    static_cast<std::uint64_t>(timeout_s_ * 1e9), stream_);
+  } else {
+    EPMOE_NCCL_CHECK(ncclAllReduce(barrier_word_, barrier_word_ + 1, 1, ncclInt32, ncclSum, comm_, stream_));
+  }
   synchronize(CommPhase::setup, size_ > 1 ? "every rank at a barrier" : "");
+}
+
+void Communicator::ensure_barrier_window() {
+  if (barrier_window_ != nullptr) return;
+  ensure_dev_comm();
+  if (!all_ranks_lsa()) return;  // the same answer on every rank: all register the window or none does
+  constexpr std::size_t kBytes = std::size_t{2} << 20;  // the allocation granularity; one word a rank is used
+  EPMOE_NCCL_CHECK(ncclMemAlloc(&barrier_local_, kBytes));
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(barrier_local_, 0, kBytes, stream_));
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  EPMOE_NCCL_CHECK(
+      ncclCommWindowRegister(comm_, barrier_local_, kBytes, &barrier_window_, NCCL_WIN_COLL_SYMMETRIC));
+  EPMOE_CUDA_CHECK(
+      cudaMalloc(reinterpret_cast<void**>(&barrier_peers_), sizeof(void*) * static_cast<std::size_t>(size_)));
+  comm_detail::fill_peer_pointers(barrier_window_, rank_, lsa_rank_, lsa_size_, size_, barrier_peers_,
+                                  stream_);
 }
 
 void Communicator::ensure_dev_comm() {

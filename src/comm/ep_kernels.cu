@@ -1130,6 +1130,20 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
   if (lsa && finish_block(a.sync.done, static_cast<int>(gridDim.x)) && tid == 0) *a.sync.seq = c;
 }
 
+// The communicator's barrier over its LSA team: this rank's `epoch` into its slot of every rank's
+// barrier window (itself included; a release store at system scope, so whatever this rank's stream
+// did before is visible to whoever sees it), then a bounded wait until every rank's slot in this
+// rank's window reaches `epoch` (epochs compare modulo 2^32, like the sequence numbers).
+__global__ void lsa_barrier_kernel(void* const* windows, std::uint32_t* own, int me, int n,
+                                   std::uint32_t epoch, FlagSync sync) {
+  const int tid = static_cast<int>(threadIdx.x);
+  __threadfence_system();  // the stream's earlier kernels wrote into peers' windows too
+  for (int d = tid; d < n; d += static_cast<int>(blockDim.x))
+    st_release_sys(static_cast<std::uint32_t*>(windows[d]) + me, epoch);
+  for (int d = tid; d < n; d += static_cast<int>(blockDim.x))
+    if (!wait_flag(own + d, epoch, sync, CommPhase::setup, me, d)) return;
+}
+
 unsigned grid_for(std::int64_t warps_of_work) {
   const std::int64_t cap = static_cast<std::int64_t>(cuda::device_props().sm_count) * 4;
   return static_cast<unsigned>(std::clamp<std::int64_t>((warps_of_work + kWarps - 1) / kWarps, 1, cap));
@@ -1227,6 +1241,15 @@ void allow_large_smem(const void* kernel) {
   EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
 }
 }  // namespace
+
+void launch_lsa_barrier(void* const* windows, std::uint32_t* own, int me, int n, std::uint32_t epoch,
+                        const DeviceErrorSink& errors, std::uint64_t timeout_ns, cudaStream_t stream) {
+  FlagSync sync;
+  sync.errors = errors;
+  sync.timeout_ns = timeout_ns;
+  lsa_barrier_kernel<<<1, 128, 0, stream>>>(windows, own, me, n, epoch, sync);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
 
 void launch_send(const EpGeometry& g, const SendArgs& a, cudaStream_t stream) {
   const bool early = a.tagged != nullptr;

@@ -269,6 +269,14 @@ struct PlaceArgs {
   const std::uint64_t* tagged = nullptr;
 };
 void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream);
+
+// Communicator::barrier() over the LSA team, without an NCCL collective (NCCL sets up its
+// collective channels, ~0.5 GB per rank on an H200, at a communicator's first collective): rank
+// `me` of `n` stores `epoch` into word `me` of every rank's barrier window (`windows`: a device
+// array of the n LSA pointers), then waits until words 0..n-1 of its own window (`own`) reach
+// `epoch`. Bounded: a rank that does not arrive within timeout_ns is recorded in `errors`.
+void launch_lsa_barrier(void* const* windows, std::uint32_t* own, int me, int n, std::uint32_t epoch,
+                        const DeviceErrorSink& errors, std::uint64_t timeout_ns, cudaStream_t stream);
 // Send and place in one launch (a whole dispatch() call): send_blocks(s.T) blocks send, the rest
 // place, the grid capped so that every block is resident. Returns the grid size. With
 // s.tagged / p.tagged set (both or neither) the early-counts instance runs.
