@@ -34,13 +34,13 @@ tests=$build/tests/epmoe_gpu_tests
 filter='*Route*'
 
 stamp tests
-timeout 90 "$tests" --gtest_filter="$filter" > "$out/tests.log" 2>&1
+timeout 150 "$tests" --gtest_filter="$filter" > "$out/tests.log" 2>&1
 rc_tests=$?
 grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|mismatches|seed" "$out/tests.log" | head -n 40
 echo "tests exit: $rc_tests"
 
 stamp bench
-EPMOE_BENCH_ROUTER_VARIANTS=1 timeout 60 "$build/bin/epmoe" bench router --json "$out/router.json" > "$out/bench.log" 2>&1
+EPMOE_BENCH_ROUTER_VARIANTS=1 timeout 100 "$build/bin/epmoe" bench router --json "$out/router.json" > "$out/bench.log" 2>&1
 echo "bench exit: $?"
 cat "$out/bench.log"
 
@@ -48,10 +48,13 @@ if [[ ${EPMOE_ROUTER_PROFILE:-0} == 1 ]]; then
   # route_g8_kernel's SASS (opcode histogram) and an Nsight Compute look at one launch per T.
   stamp profile
   dump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
-  for k in g8:15route_g8_kernel sieve:21route_g8_sieve_kernel; do
-    "$dump" -sass -fun "_ZN5epmoe7kernels${k#*:}ILb0EEEvNS0_12RouterParamsE" "$build/libepmoe.so" \
+  # The sieve kernel with the staging EPMOE_ROUTER_TMA picks (0 unless set).
+  sieve_args="ILb0ELi${EPMOE_ROUTER_TMA:-0}EEEvNS0_12RouterParamsE14CUtensorMap_st"
+  for k in g8:15route_g8_kernel:ILb0EEEvNS0_12RouterParamsE sieve:21route_g8_sieve_kernel:$sieve_args; do
+    name=${k#*:}
+    "$dump" -sass -fun "_ZN5epmoe7kernels${name%%:*}${name#*:}" "$build/libepmoe.so" \
       > "$out/${k%%:*}-sass.txt" 2>&1
-    echo "${k#*[0-9][0-9]}<false> SASS: $(grep -cE '^\s+/\*[0-9a-f]{4}\*/' "$out/${k%%:*}-sass.txt") instructions; by opcode:"
+    echo "${k%%:*} SASS: $(grep -cE '^\s+/\*[0-9a-f]{4}\*/' "$out/${k%%:*}-sass.txt") instructions; by opcode:"
     grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P[0-9T] )?[A-Z0-9_]+' "$out/${k%%:*}-sass.txt" | awk '{print $NF}' |
       sort | uniq -c | sort -rn | head -n 40 | tr '\n' ' '
     echo
@@ -72,13 +75,13 @@ fi
 
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 stamp memcheck
-timeout 60 "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
-  --gtest_filter="$filter:-*EveryFloat*:*T16384*:*T20000*" > "$out/memcheck.log" 2>&1
+timeout 150 "$sanitizer" --tool memcheck --error-exitcode 1 "$tests" \
+  --gtest_filter="$filter:-*EveryFloat*:*T16384*:*T20000*:*T65537*" > "$out/memcheck.log" 2>&1
 echo "memcheck exit: $?"
 grep -E "ERROR SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/memcheck.log" | tail -n 4
 stamp racecheck
-timeout 60 "$sanitizer" --tool racecheck --error-exitcode 1 "$tests" \
-  --gtest_filter="$filter:-*EveryFloat*:*T16384*:*T20000*:*Softmax*:*Layouts*" > "$out/racecheck.log" 2>&1
+timeout 150 "$sanitizer" --tool racecheck --error-exitcode 1 "$tests" \
+  --gtest_filter="$filter:-*EveryFloat*:*T16384*:*T20000*:*T65537*:*Softmax*:*Layouts*" > "$out/racecheck.log" 2>&1
 echo "racecheck exit: $?"
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/racecheck.log" | tail -n 4
 stamp done

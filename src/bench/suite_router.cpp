@@ -4,7 +4,8 @@
 // Beside each T, "router.copy": cudaMemcpyAsync of half the router's bytes (so that the same
 // bytes move), timed the same way (rotating buffers): the router's ratio to a copy at that size.
 // "sigmoid" is the default choice (route_g8_sieve_kernel at T >= 1024); "sigmoid-no-sieve" (T >= 1024)
-// is route_g8_kernel, v4, the default before the sieve measured faster.
+// is route_g8_kernel, v4, the default before the sieve measured faster; "sigmoid-sieve-tmaN" (T >= 1024)
+// the sieve kernel with each logits staging (RouteKernelChoice::tma_stages, N = 0, 1, 2).
 // EPMOE_BENCH_ROUTER_VARIANTS=1 adds the kernel choices (RouteKernelChoice) as phases:
 // "sigmoid-rn-div" (the sigmoid with __fdiv_rn), "sigmoid-no-sieve-rn-div" (T >= 1024) and, below the
 // g8 switch, "sigmoid-g8" and "sigmoid-g8-no-sieve".
@@ -84,7 +85,14 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
     cuda::RouteKernelChoice no_sieve = automatic;
     no_sieve.sieve = false;
     std::vector<Row> rows{{&sigmoid, "sigmoid", automatic}, {&softmax, "softmax", automatic}};
-    if (g8_switch) rows.push_back({&sigmoid, "sigmoid-no-sieve", no_sieve});
+    if (g8_switch) {
+      rows.push_back({&sigmoid, "sigmoid-no-sieve", no_sieve});
+      for (const int stages : {0, 1, 2}) {  // the sieve kernel's staging (v7), each measured
+        cuda::RouteKernelChoice staged = automatic;
+        staged.tma_stages = stages;
+        rows.push_back({&sigmoid, "sigmoid-sieve-tma" + std::to_string(stages), staged});
+      }
+    }
     if (variants) {
       cuda::RouteKernelChoice rn = automatic;
       rn.rn_division = true;

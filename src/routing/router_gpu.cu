@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "epmoe/cuda/launch.hpp"
+#include "gemm/gemm_host.hpp"
 #include "routing/router_kernels.cuh"
 
 namespace epmoe::cuda {
@@ -113,10 +114,10 @@ bool route_g8_softmax_applies(const MoeConfig& c, const kernels::RouterParams& p
 
 // Blocks for a g8 kernel (route_g8_kernel, route_g8_sieve_kernel, route_g8_softmax_kernel: the same
 // layout): a warp per quad (4 tokens), no more than fit on the device at once.
-template <auto kKernel>
-void launch_g8(const kernels::RouterParams& p, cudaStream_t stream) {
+template <auto kKernel, typename... Extra>
+void launch_g8(const kernels::RouterParams& p, cudaStream_t stream, const Extra&... extra) {
   static const int blocks_per_sm = [] {
-    // 8 blocks of 25.75 KB need the largest shared-memory carveout.
+    // 8 blocks of 25.75 KB (5 of 41.75 KB) need the largest shared-memory carveout.
     EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                           cudaSharedmemCarveoutMaxShared));
     int n = 0;
@@ -128,8 +129,23 @@ void launch_g8(const kernels::RouterParams& p, cudaStream_t stream) {
   const std::uint64_t quads = (static_cast<std::uint64_t>(p.tokens) + 3) / 4;
   const std::uint64_t wanted = (quads + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
   const auto grid = static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
-  kKernel<<<grid, kernels::kRouterG8Threads, 0, stream>>>(p);
+  kKernel<<<grid, kernels::kRouterG8Threads, 0, stream>>>(p, extra...);
   EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+// route_g8_sieve_kernel with `tma_stages` TMA stage buffers per warp (0: per-lane loads); the TMA
+// map views the logits as rows of 128 bytes (one token's group of 32), a quad (32 rows) per box.
+template <bool kRnDiv>
+void launch_sieve(const kernels::RouterParams& p, int tma_stages, cudaStream_t stream) {
+  using kernels::route_g8_sieve_kernel;
+  // Coordinates are int32 rows: quads * 32 rows must stay below 2^31 (T < 2^28).
+  if (tma_stages <= 0 || p.tokens >= (1u << 28)) {
+    return launch_g8<&route_g8_sieve_kernel<kRnDiv, 0>>(p, stream, CUtensorMap{});
+  }
+  const CUtensorMap map = gemm_host::make_tma_2d(p.logits, static_cast<std::int64_t>(p.tokens) * 8, 128, 32,
+                                                 "logits", CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  if (tma_stages == 1) return launch_g8<&route_g8_sieve_kernel<kRnDiv, 1>>(p, stream, map);
+  launch_g8<&route_g8_sieve_kernel<kRnDiv, 2>>(p, stream, map);
 }
 
 }  // namespace
@@ -197,8 +213,8 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
   const bool g8_softmax = g8_wanted && route_g8_softmax_applies(config, p);
   if (g8) {
     if (choice.sieve) {
-      choice.rn_division ? launch_g8<&route_g8_sieve_kernel<true>>(p, stream)
-                         : launch_g8<&route_g8_sieve_kernel<false>>(p, stream);
+      choice.rn_division ? launch_sieve<true>(p, choice.tma_stages, stream)
+                         : launch_sieve<false>(p, choice.tma_stages, stream);
     } else {
       choice.rn_division ? launch_g8<&route_g8_kernel<true>>(p, stream)
                          : launch_g8<&route_g8_kernel<false>>(p, stream);
@@ -222,6 +238,7 @@ RouteKernelChoice route_kernel_choice_from_env() {
     c.rn_division = div != nullptr && std::string_view(div) == "rn";
     const char* sieve = std::getenv("EPMOE_ROUTER_SIEVE");
     c.sieve = sieve == nullptr || std::string_view(sieve) != "0";
+    if (const char* tma = std::getenv("EPMOE_ROUTER_TMA"); tma != nullptr) c.tma_stages = std::clamp(std::atoi(tma), 0, 2);
     return c;
   }();
   return choice;

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "cuda/ptx_hopper.cuh"
 #include "routing/router_math.hpp"
 
 namespace epmoe::kernels {
@@ -579,31 +580,187 @@ __device__ __forceinline__ float sigmoid_approx(float x) {
   return s;
 }
 
+// One quad of route_g8_sieve_kernel: X holds its logits as stage_quad writes them (the scores replace
+// them there), cand the warp's 4 candidate lists, S this lane's token's slots.
 template <bool kRnDiv>
-__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
-    route_g8_sieve_kernel(const RouterParams p) {
+__device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8Warp& w, float4* X,
+                                                 const float4* bias_s,
+                                                 std::uint64_t (*cand)[kRouterG8ListStride], std::uint32_t* S,
+                                                 float margin, float margin2, std::uint32_t q) {
   using namespace routing;
   constexpr unsigned kFull = 0xffffffffu;
   const float kInf = __int_as_float(0x7f800000);
-  __shared__ float4 bias_s[64];                  // [group][chunk ^ group]
-  __shared__ float4 stage[kRouterG8Warps][256];  // per warp: [token * 8 + group][chunk ^ group]
+  const int lane = w.lane, tw = w.tw, g = w.g, first = w.first;
+  const int row = lane;  // tw * 8 + g
+  float* const Xf = reinterpret_cast<float*>(X);
+  const float* const Bf = reinterpret_cast<const float*>(bias_s);
+  std::uint64_t* const L = cand[tw];
+
+  // ---- approximate selection values (registers) and their group top-2
+  float ca[32];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const float4 x = X[row * 8 + (c ^ g)];
+    const float4 b = bias_s[g * 8 + (c ^ g)];
+    ca[4 * c] = __fadd_rn(sigmoid_approx(x.x), b.x);
+    ca[4 * c + 1] = __fadd_rn(sigmoid_approx(x.y), b.y);
+    ca[4 * c + 2] = __fadd_rn(sigmoid_approx(x.z), b.z);
+    ca[4 * c + 3] = __fadd_rn(sigmoid_approx(x.w), b.w);
+  }
+  const auto [a1, a2] = g8_top2(ca);
+
+  // ---- kept groups: from the approximate scores where they are more than 2M apart
+  const float ga = __fadd_rn(a1, a2);
+  int sure_above = 0, maybe_above = 0;
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    const float o = __shfl_sync(kFull, ga, first | h);
+    sure_above += __fsub_rn(o, ga) > margin2 ? 1 : 0;
+    maybe_above += h != g && !(__fsub_rn(ga, o) > margin2) ? 1 : 0;
+  }
+  bool kept = maybe_above < p.topk_groups;
+  const bool known = kept || sure_above >= p.topk_groups;
+  std::uint32_t done = 0;  // experts of this lane already evaluated exactly (stage holds s there)
+  const std::uint32_t unknown = __ballot_sync(kFull, !known);
+  if (unknown != 0u) {  // warp-uniform (the shuffles below take every lane)
+    // Exact group scores, as route_g8_kernel, for the tokens with a lane that does not know, from
+    // the experts that may be among the exact top-2.
+    const bool exact = ((unknown >> first) & 0xffu) != 0u;
+    const float thr = __fsub_rn(a2, margin);
+    if (exact) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) done |= ca[j] < thr ? 0u : 1u << j;
+    }
+    float t1 = -kInf, t2 = -kInf;
+    for (std::uint32_t m = done; m != 0u; m &= m - 1u) {
+      const int j = __ffs(static_cast<int>(m)) - 1;
+      const int at = row * 32 + ((((j >> 2) ^ g) << 2) | (j & 3));
+      const float s = sigmoid_f32_gpu<kRnDiv>(Xf[at]);
+      Xf[at] = s;
+      const float c = rn_add(s, Bf[g * 32 + (at & 31)]);
+      t2 = fmaxf(t2, fminf(t1, c));
+      t1 = fmaxf(t1, c);
+    }
+    const std::uint32_t gkey = order_key(rn_add(t1, t2));
+    int above = 0;  // groups ahead of this one: higher score, or equal and lower index
+#pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      const std::uint32_t k = __shfl_sync(kFull, gkey, first | h);
+      above += (k > gkey || (k == gkey && h < g)) ? 1 : 0;
+    }
+    if (exact) kept = above < p.topk_groups;
+    __syncwarp();  // the exact scores stored before other lanes read them (the spread loop below)
+  }
+
+  // ---- candidates: the kept groups' experts with ca >= tau' - M (a kept group's `done` experts,
+  // ca >= a2 - M >= tau' - M, are among them)
+  float tau = kept ? a2 : kInf;
+#pragma unroll
+  for (int o = 1; o < 8; o *= 2) tau = fminf(tau, __shfl_xor_sync(kFull, tau, o));
+  const float thr = __fsub_rn(tau, margin);
+  std::uint32_t mask = 0;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) mask |= ca[j] < thr ? 0u : 1u << j;
+  if (!kept) mask = 0;
+
+  // ---- the candidates' exact sigmoids and keys, spread over the warp: item i of the warp's
+  // candidates (lane order, then bit order) is taken by lane i % 32; its owner lane is found by a
+  // binary search over the lanes' inclusive prefix counts, its expert as the owner's n-th set bit.
+  const int count = __popc(mask);
+  int end = count;  // inclusive prefix over the warp
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int y = __shfl_up_sync(kFull, end, o);
+    if (lane >= o) end += y;
+  }
+  const int before = end - count;
+  const int warp_total = __shfl_sync(kFull, end, 31);
+  const int token_start = __shfl_sync(kFull, before, first);
+  const int token_total = __shfl_sync(kFull, end, first | 7) - token_start;
+  const bool overflow = __any_sync(kFull, token_total > kRouterG8Candidates);  // then the rounds
+  for (int base = 0; base < warp_total; base += 32) {                          // warp-uniform trip count
+    const int i = base + lane;
+    int owner = 0;
+#pragma unroll
+    for (int step_size = 16; step_size >= 1; step_size /= 2) {
+      if (__shfl_sync(kFull, end, owner + step_size - 1) <= i) owner += step_size;
+    }
+    const std::uint32_t owner_mask = __shfl_sync(kFull, mask, owner);
+    const std::uint32_t owner_done = __shfl_sync(kFull, done, owner);
+    const int owner_before = __shfl_sync(kFull, before, owner);
+    const int owner_start = __shfl_sync(kFull, token_start, owner);
+    if (i < warp_total) {
+      std::uint32_t m = owner_mask;  // its (i - owner_before)-th set bit: a few steps (__fns took ~45)
+      for (int n = i - owner_before; n > 0; --n) m &= m - 1u;
+      const int j = __ffs(static_cast<int>(m)) - 1;
+      const int og = owner & 7;
+      const int at = ((((j >> 2) ^ og) << 2) | (j & 3));
+      float* const x = Xf + owner * 32 + at;
+      float sig = *x;
+      if (((owner_done >> j) & 1u) == 0u) {
+        sig = sigmoid_f32_gpu<kRnDiv>(sig);
+        *x = sig;
+      }
+      if (!overflow)
+        cand[owner >> 3][i - owner_start] = g8_key(rn_add(sig, Bf[og * 32 + at]), og * 32 + j);
+    }
+  }
+  __syncwarp();  // the scores and keys stored
+
+  g8_select_and_store<false, true>(p, mask, Xf, Bf, L, S, row, g, first, tw, q, 0.0f, token_total);
+}
+
+// Blocks per SM of route_g8_sieve_kernel: 8 with one stage buffer per warp (25.75 KB each); 5 with two
+// (41.75 KB: 8 KB more per warp).
+template <int kTmaStages>
+inline constexpr int kRouterG8SieveMinBlocks = kTmaStages >= 2 ? 5 : kRouterG8MinBlocks;
+
+// kTmaStages = 0: each lane loads its part of the next quad (stage_quad) at the end of a quad, as
+// route_g8_kernel. kTmaStages = 1 or 2 (v7): lane 0 of the warp loads whole quads with one TMA copy
+// each (`logits_map`: the logits as rows of 128 bytes, one token's group per row, box 32 rows = a
+// quad, 128-byte swizzle, which is stage_quad's layout: chunk c of row r at r * 8 + (c ^ (r % 8))
+// when the buffer is 1024-byte aligned; rows past the tokens read as zeros), completing on the
+// stage's mbarrier. With 2 stages the warp's next quad is in flight while it ranks this one; with 1
+// the copy is issued where stage_quad's loads were (fewer instructions, the same overlap).
+template <bool kRnDiv, int kTmaStages>
+__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8SieveMinBlocks<kTmaStages>)
+    route_g8_sieve_kernel(const RouterParams p, const __grid_constant__ CUtensorMap logits_map) {
+  constexpr unsigned kFull = 0xffffffffu;
+  constexpr int kBuffers = kTmaStages > 0 ? kTmaStages : 1;
+  constexpr std::uint32_t kQuadBytes = 4096;
+  // per warp and buffer: [token * 8 + group][chunk ^ group]
+  __shared__ __align__(1024) float4 stage[kRouterG8Warps][kBuffers][256];
+  __shared__ float4 bias_s[64];  // [group][chunk ^ group]
   // Per warp: the 4 tokens' candidate keys.
   __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
   __shared__ std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
+  __shared__ std::uint64_t full[kRouterG8Warps][kBuffers];  // TMA: the stage's data has landed
 
-  const auto [warp, lane, tw, g, first, quads, step] = G8Warp(p.tokens);
+  const G8Warp w(p.tokens);
+  const int warp = w.warp, lane = w.lane;
   std::uint32_t q = G8Warp::first_quad(warp);
-  const int row = lane;  // tw * 8 + g
-  float4* const X = stage[warp];
-  float* const Xf = reinterpret_cast<float*>(X);
-  const float* const Bf = reinterpret_cast<const float*>(bias_s);
-  std::uint64_t* const L = cand[warp][tw];
-  std::uint32_t* const S = slot[warp][tw];
+  const auto load_quad = [&](int buffer, std::uint32_t quad) {  // lane 0, TMA stages only
+    const std::uint32_t bar = ptx::smem_addr(&full[warp][buffer]);
+    ptx::mbar_arrive_expect_tx(bar, kQuadBytes);  // the whole box, zero-filled rows included
+    ptx::tma_load_2d(ptx::smem_addr(stage[warp][buffer]), &logits_map, bar, 0,
+                     static_cast<std::int32_t>(quad * 32u));
+  };
+  if constexpr (kTmaStages > 0) {
+    if (lane == 0) {
+      if ((ptx::smem_addr(stage) & 1023u) != 0u) __trap();  // the swizzle needs 1024-byte alignment
+      for (int b = 0; b < kBuffers; ++b) ptx::mbar_init(ptx::smem_addr(&full[warp][b]), 1);
+      ptx::fence_barrier_init();
+      for (int b = 0; b < kBuffers; ++b)
+        if (q + static_cast<std::uint32_t>(b) * w.step < w.quads) load_quad(b, q + static_cast<std::uint32_t>(b) * w.step);
+    }
+  }
 
   float4 b0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   if (threadIdx.x < 64) b0 = __ldg(reinterpret_cast<const float4*>(p.bias) + threadIdx.x);
-  if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
+  if constexpr (kTmaStages == 0) {
+    if (q < w.quads) stage_quad(stage[warp][0], p.logits, p.tokens, q, lane);
+  }
   if (threadIdx.x < 64) {  // warps 0 and 1, whole
     const int g8 = static_cast<int>(threadIdx.x) >> 3, c = static_cast<int>(threadIdx.x) & 7;
     bias_s[g8 * 8 + (c ^ g8)] = b0;
@@ -613,126 +770,28 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
     if (lane == 0) bias_abs_max[warp] = wm;
   }
   __syncthreads();
-  const float margin = sieve_margin(__uint_as_float(max(bias_abs_max[0], bias_abs_max[1])));
+  const float margin = routing::sieve_margin(__uint_as_float(max(bias_abs_max[0], bias_abs_max[1])));
   const float margin2 = __fmul_ru(2.0f, margin);
 
-  while (q < quads) {  // the next quad is staged at the end of the body, as route_g8_kernel
-    __syncwarp();
-
-    // ---- approximate selection values (registers) and their group top-2
-    float ca[32];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      const float4 x = X[row * 8 + (c ^ g)];
-      const float4 b = bias_s[g * 8 + (c ^ g)];
-      ca[4 * c] = __fadd_rn(sigmoid_approx(x.x), b.x);
-      ca[4 * c + 1] = __fadd_rn(sigmoid_approx(x.y), b.y);
-      ca[4 * c + 2] = __fadd_rn(sigmoid_approx(x.z), b.z);
-      ca[4 * c + 3] = __fadd_rn(sigmoid_approx(x.w), b.w);
+  for (std::uint32_t i = 0; q < w.quads; ++i) {
+    const int buffer = kTmaStages > 0 ? static_cast<int>(i % kBuffers) : 0;
+    float4* const X = stage[warp][buffer];
+    if constexpr (kTmaStages > 0) {
+      ptx::mbar_wait(ptx::smem_addr(&full[warp][buffer]), (i / kBuffers) & 1u);
+    } else {
+      __syncwarp();
     }
-    const auto [a1, a2] = g8_top2(ca);
-
-    // ---- kept groups: from the approximate scores where they are more than 2M apart
-    const float ga = __fadd_rn(a1, a2);
-    int sure_above = 0, maybe_above = 0;
-#pragma unroll
-    for (int h = 0; h < 8; ++h) {
-      const float o = __shfl_sync(kFull, ga, first | h);
-      sure_above += __fsub_rn(o, ga) > margin2 ? 1 : 0;
-      maybe_above += h != g && !(__fsub_rn(ga, o) > margin2) ? 1 : 0;
+    sieve_route_quad<kRnDiv>(p, w, X, bias_s, cand[warp], slot[warp][w.tw], margin, margin2, q);
+    const std::uint32_t refill = q + kBuffers * w.step;  // the quad this buffer takes next (TMA)
+    q += w.step;
+    if constexpr (kTmaStages > 0) {
+      // This lane's generic-proxy reads and writes of the buffer before the TMA copy overwrites it.
+      ptx::fence_proxy_async_shared();
+      __syncwarp();
+      if (lane == 0 && refill < w.quads) load_quad(buffer, refill);
+    } else {
+      if (q < w.quads) stage_quad(X, p.logits, p.tokens, q, lane);
     }
-    bool kept = maybe_above < p.topk_groups;
-    const bool known = kept || sure_above >= p.topk_groups;
-    std::uint32_t done = 0;  // experts of this lane already evaluated exactly (stage holds s there)
-    const std::uint32_t unknown = __ballot_sync(kFull, !known);
-    if (unknown != 0u) {  // warp-uniform (the shuffles below take every lane)
-      // Exact group scores, as route_g8_kernel, for the tokens with a lane that does not know, from
-      // the experts that may be among the exact top-2.
-      const bool exact = ((unknown >> first) & 0xffu) != 0u;
-      const float thr = __fsub_rn(a2, margin);
-      if (exact) {
-#pragma unroll
-        for (int j = 0; j < 32; ++j) done |= ca[j] < thr ? 0u : 1u << j;
-      }
-      float t1 = -kInf, t2 = -kInf;
-      for (std::uint32_t m = done; m != 0u; m &= m - 1u) {
-        const int j = __ffs(static_cast<int>(m)) - 1;
-        const int at = row * 32 + ((((j >> 2) ^ g) << 2) | (j & 3));
-        const float s = sigmoid_f32_gpu<kRnDiv>(Xf[at]);
-        Xf[at] = s;
-        const float c = rn_add(s, Bf[g * 32 + (at & 31)]);
-        t2 = fmaxf(t2, fminf(t1, c));
-        t1 = fmaxf(t1, c);
-      }
-      const std::uint32_t gkey = order_key(rn_add(t1, t2));
-      int above = 0;  // groups ahead of this one: higher score, or equal and lower index
-#pragma unroll
-      for (int h = 0; h < 8; ++h) {
-        const std::uint32_t k = __shfl_sync(kFull, gkey, first | h);
-        above += (k > gkey || (k == gkey && h < g)) ? 1 : 0;
-      }
-      if (exact) kept = above < p.topk_groups;
-      __syncwarp();  // the exact scores stored before other lanes read them (the spread loop below)
-    }
-
-    // ---- candidates: the kept groups' experts with ca >= tau' - M (a kept group's `done` experts,
-    // ca >= a2 - M >= tau' - M, are among them)
-    float tau = kept ? a2 : kInf;
-#pragma unroll
-    for (int o = 1; o < 8; o *= 2) tau = fminf(tau, __shfl_xor_sync(kFull, tau, o));
-    const float thr = __fsub_rn(tau, margin);
-    std::uint32_t mask = 0;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) mask |= ca[j] < thr ? 0u : 1u << j;
-    if (!kept) mask = 0;
-
-    // ---- the candidates' exact sigmoids and keys, spread over the warp: item i of the warp's
-    // candidates (lane order, then bit order) is taken by lane i % 32; its owner lane is found by a
-    // binary search over the lanes' inclusive prefix counts, its expert as the owner's n-th set bit.
-    const int count = __popc(mask);
-    int end = count;  // inclusive prefix over the warp
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int y = __shfl_up_sync(kFull, end, o);
-      if (lane >= o) end += y;
-    }
-    const int before = end - count;
-    const int warp_total = __shfl_sync(kFull, end, 31);
-    const int token_start = __shfl_sync(kFull, before, first);
-    const int token_total = __shfl_sync(kFull, end, first | 7) - token_start;
-    const bool overflow = __any_sync(kFull, token_total > kRouterG8Candidates);  // then the rounds
-    for (int base = 0; base < warp_total; base += 32) {                          // warp-uniform trip count
-      const int i = base + lane;
-      int owner = 0;
-#pragma unroll
-      for (int step_size = 16; step_size >= 1; step_size /= 2) {
-        if (__shfl_sync(kFull, end, owner + step_size - 1) <= i) owner += step_size;
-      }
-      const std::uint32_t owner_mask = __shfl_sync(kFull, mask, owner);
-      const std::uint32_t owner_done = __shfl_sync(kFull, done, owner);
-      const int owner_before = __shfl_sync(kFull, before, owner);
-      const int owner_start = __shfl_sync(kFull, token_start, owner);
-      if (i < warp_total) {
-        std::uint32_t m = owner_mask;  // its (i - owner_before)-th set bit: a few steps (__fns took ~45)
-        for (int n = i - owner_before; n > 0; --n) m &= m - 1u;
-        const int j = __ffs(static_cast<int>(m)) - 1;
-        const int og = owner & 7;
-        const int at = ((((j >> 2) ^ og) << 2) | (j & 3));
-        float* const x = Xf + owner * 32 + at;
-        float sig = *x;
-        if (((owner_done >> j) & 1u) == 0u) {
-          sig = sigmoid_f32_gpu<kRnDiv>(sig);
-          *x = sig;
-        }
-        if (!overflow)
-          cand[warp][owner >> 3][i - owner_start] = g8_key(rn_add(sig, Bf[og * 32 + at]), og * 32 + j);
-      }
-    }
-    __syncwarp();  // the scores and keys stored
-
-    g8_select_and_store<false, true>(p, mask, Xf, Bf, L, S, row, g, first, tw, q, 0.0f, token_total);
-    q += step;
-    if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
   }
 }
 

@@ -266,7 +266,9 @@ cuda::RouteKernelChoice choice_named(const std::string& kernel, bool rn_division
   c.kernel = kernel.rfind("g8", 0) == 0 ? cuda::RouteKernelChoice::Kernel::g8
                                         : cuda::RouteKernelChoice::Kernel::general;
   c.rn_division = rn_division;
-  c.sieve = kernel == "g8_sieve";
+  c.sieve = kernel.rfind("g8_sieve", 0) == 0;
+  if (kernel == "g8_sieve_tma1") c.tma_stages = 1;
+  if (kernel == "g8_sieve_tma2") c.tma_stages = 2;
   return c;
 }
 
@@ -292,10 +294,13 @@ INSTANTIATE_TEST_SUITE_P(Kernels, RouterKernelChoiceGpu,
                                             ::testing::Bool()),
                          choice_case_name);
 
-// route_g8_sieve_kernel (v5) at every T the tests above use.
+// route_g8_sieve_kernel (v5) at every T the tests above use, with each staging (v7: TMA copies, one
+// or two stage buffers per warp). A warp's buffer is reused (its mbarrier's parity flips) from
+// T = 16897 with one buffer (4224 warps) and from T = 21121 with two (2640 warps); T = 65537 takes
+// each buffer 3-4 times and ends on a partial quad.
 INSTANTIATE_TEST_SUITE_P(Sieve, RouterKernelChoiceGpu,
-                         ::testing::Combine(::testing::Values("g8_sieve"),
-                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384, 20000),
+                         ::testing::Combine(::testing::Values("g8_sieve", "g8_sieve_tma1", "g8_sieve_tma2"),
+                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384, 20000, 65537),
                                             ::testing::Bool()),
                          choice_case_name);
 

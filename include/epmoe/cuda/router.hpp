@@ -51,6 +51,10 @@ struct RouteKernelChoice {
   Kernel kernel = Kernel::automatic;
   bool rn_division = false;
   bool sieve = true;
+  // The sieve kernel's logits staging: 0 = each lane loads its part; 1 = one TMA copy per quad;
+  // 2 = two TMA stage buffers per warp (the next quad loads while this one is ranked);
+  // EPMOE_ROUTER_TMA=0|1|2 sets it.
+  int tma_stages = 0;
 };
 // The choice route() makes from the environment.
 RouteKernelChoice route_kernel_choice_from_env();
