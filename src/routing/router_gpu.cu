@@ -127,7 +127,8 @@ void launch_g8(const kernels::RouterParams& p, cudaStream_t stream, const Extra&
   }();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
   const std::uint64_t quads = (static_cast<std::uint64_t>(p.tokens) + 3) / 4;
-  const std::uint64_t wanted = (quads + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
+  const std::uint64_t wanted =
+      p.warp_major_quads ? quads : (quads + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
   const auto grid = static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
   kKernel<<<grid, kernels::kRouterG8Threads, 0, stream>>>(p, extra...);
   EPMOE_CUDA_CHECK_LAUNCH();
@@ -204,6 +205,7 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
                    aligned16(p.logits) && (p.bias == nullptr || aligned16(p.bias));
   p.renormalize = config.renormalize;
   p.scaling = config.routed_scaling_factor;
+  p.warp_major_quads = choice.warp_major_quads;
   using Kernel = RouteKernelChoice::Kernel;
   using namespace kernels;
   // A g8 kernel where its shape applies: forced, or automatic from kRouterG8MinTokens.
@@ -238,7 +240,10 @@ RouteKernelChoice route_kernel_choice_from_env() {
     c.rn_division = div != nullptr && std::string_view(div) == "rn";
     const char* sieve = std::getenv("EPMOE_ROUTER_SIEVE");
     c.sieve = sieve == nullptr || std::string_view(sieve) != "0";
-    if (const char* tma = std::getenv("EPMOE_ROUTER_TMA"); tma != nullptr) c.tma_stages = std::clamp(std::atoi(tma), 0, 2);
+    if (const char* tma = std::getenv("EPMOE_ROUTER_TMA"); tma != nullptr)
+      c.tma_stages = std::clamp(std::atoi(tma), 0, 2);
+    const char* order = std::getenv("EPMOE_ROUTER_WARP_MAJOR");
+    c.warp_major_quads = order == nullptr || std::string_view(order) != "0";
     return c;
   }();
   return choice;

@@ -47,6 +47,9 @@ struct RouterParams {
   bool vector_loads;      // lane l holds experts [l*kV, l*kV + kV), 16-byte aligned rows (kV >= 4)
   bool renormalize;
   float scaling;  // routed_scaling_factor
+  // g8 kernels: quad q of the first round goes to warp q / gridDim.x of block q % gridDim.x (every
+  // block gets its share, so each SM the same quads within one) instead of warp q % 4 of block q / 4.
+  bool warp_major_quads;
 };
 
 // An unsigned key ordered like the float values (-0 taken as +0, as the f32 comparison does; NaN
@@ -297,7 +300,10 @@ __device__ __forceinline__ G8Top2 g8_top2(const float (&v)[32]) {
 
 // A warp's place in the g8 kernels: a quad (4 tokens) at a time, 8 lanes per token, lane g of a
 // token holding its group g of 32 experts (softmax: experts [32 g, 32 g + 32)); the grid's warps
-// stride over the quads.
+// stride over the quads. Warp-major (RouterParams::warp_major_quads): the launcher gives a block per
+// quad up to the resident blocks, and warp w of block b starts at quad w * gridDim.x + b, so that a
+// one-round call spreads its quads over the SMs by warps rather than by whole blocks of 4 (T = 16384:
+// 31 quads on every SM instead of 28 or 32).
 struct G8Warp {
   int warp, lane;
   int tw;                     // token of the quad
@@ -312,8 +318,9 @@ struct G8Warp {
         first(lane & 24),
         quads((tokens + 3u) / 4u),
         step(gridDim.x * kRouterG8Warps) {}
-  __device__ static std::uint32_t first_quad(int warp) {
-    return blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
+  __device__ static std::uint32_t first_quad(int warp, bool warp_major) {
+    return warp_major ? static_cast<std::uint32_t>(warp) * gridDim.x + blockIdx.x
+                      : blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
   }
 };
 
@@ -468,7 +475,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
 
   const auto [warp, lane, tw, g, first, quads, step] = G8Warp(p.tokens);
-  std::uint32_t q = G8Warp::first_quad(warp);
+  std::uint32_t q = G8Warp::first_quad(warp, p.warp_major_quads);
   const int row = lane;  // tw * 8 + g
   float4* const X = stage[warp];
   const float* const Xf = reinterpret_cast<const float*>(X);
@@ -701,8 +708,7 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
         sig = sigmoid_f32_gpu<kRnDiv>(sig);
         *x = sig;
       }
-      if (!overflow)
-        cand[owner >> 3][i - owner_start] = g8_key(rn_add(sig, Bf[og * 32 + at]), og * 32 + j);
+      if (!overflow) cand[owner >> 3][i - owner_start] = g8_key(rn_add(sig, Bf[og * 32 + at]), og * 32 + j);
     }
   }
   __syncwarp();  // the scores and keys stored
@@ -734,12 +740,12 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8SieveMinBlocks<kTma
   // Per warp: the 4 tokens' candidate keys.
   __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
-  __shared__ std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
+  __shared__ std::uint32_t bias_abs_max[2];                 // bits of the largest |b| seen by warps 0 and 1
   __shared__ std::uint64_t full[kRouterG8Warps][kBuffers];  // TMA: the stage's data has landed
 
   const G8Warp w(p.tokens);
   const int warp = w.warp, lane = w.lane;
-  std::uint32_t q = G8Warp::first_quad(warp);
+  std::uint32_t q = G8Warp::first_quad(warp, p.warp_major_quads);
   const auto load_quad = [&](int buffer, std::uint32_t quad) {  // lane 0, TMA stages only
     const std::uint32_t bar = ptx::smem_addr(&full[warp][buffer]);
     ptx::mbar_arrive_expect_tx(bar, kQuadBytes);  // the whole box, zero-filled rows included
@@ -752,7 +758,8 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8SieveMinBlocks<kTma
       for (int b = 0; b < kBuffers; ++b) ptx::mbar_init(ptx::smem_addr(&full[warp][b]), 1);
       ptx::fence_barrier_init();
       for (int b = 0; b < kBuffers; ++b)
-        if (q + static_cast<std::uint32_t>(b) * w.step < w.quads) load_quad(b, q + static_cast<std::uint32_t>(b) * w.step);
+        if (q + static_cast<std::uint32_t>(b) * w.step < w.quads)
+          load_quad(b, q + static_cast<std::uint32_t>(b) * w.step);
     }
   }
 
@@ -818,7 +825,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
 
   const auto [warp, lane, tw, g, first, quads, step] = G8Warp(p.tokens);
-  std::uint32_t q = G8Warp::first_quad(warp);
+  std::uint32_t q = G8Warp::first_quad(warp, p.warp_major_quads);
   const int row = lane;  // tw * 8 + g
   float4* const X = stage[warp];
   const float* const Xf = reinterpret_cast<const float*>(X);

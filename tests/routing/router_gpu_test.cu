@@ -269,6 +269,8 @@ cuda::RouteKernelChoice choice_named(const std::string& kernel, bool rn_division
   c.sieve = kernel.rfind("g8_sieve", 0) == 0;
   if (kernel == "g8_sieve_tma1") c.tma_stages = 1;
   if (kernel == "g8_sieve_tma2") c.tma_stages = 2;
+  if (kernel == "g8_sieve_tma0") c.tma_stages = 0;
+  if (kernel == "g8_sieve_blocks") c.warp_major_quads = false;  // the quad order before v7
   return c;
 }
 
@@ -299,8 +301,10 @@ INSTANTIATE_TEST_SUITE_P(Kernels, RouterKernelChoiceGpu,
 // T = 16897 with one buffer (4224 warps) and from T = 21121 with two (2640 warps); T = 65537 takes
 // each buffer 3-4 times and ends on a partial quad.
 INSTANTIATE_TEST_SUITE_P(Sieve, RouterKernelChoiceGpu,
-                         ::testing::Combine(::testing::Values("g8_sieve", "g8_sieve_tma1", "g8_sieve_tma2"),
-                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384, 20000, 65537),
+                         ::testing::Combine(::testing::Values("g8_sieve", "g8_sieve_tma0", "g8_sieve_tma1",
+                                                              "g8_sieve_tma2", "g8_sieve_blocks"),
+                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384, 20000,
+                                                                            65537),
                                             ::testing::Bool()),
                          choice_case_name);
 
@@ -573,12 +577,13 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values<std::int64_t>(1, 3, 128, 4097), ::testing::Values(false)),
     softmax_case_name);
 
-INSTANTIATE_TEST_SUITE_P(
-    G8Forced, RouterSoftmaxGpu,
-    ::testing::Combine(::testing::Values("softmax_flat256", "softmax_flat256_no_renorm", "softmax_flat256_k6",
-                                         "softmax_all_groups_kept"),
-                       ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384), ::testing::Values(true)),
-    softmax_case_name);
+INSTANTIATE_TEST_SUITE_P(G8Forced, RouterSoftmaxGpu,
+                         ::testing::Combine(::testing::Values("softmax_flat256", "softmax_flat256_no_renorm",
+                                                              "softmax_flat256_k6",
+                                                              "softmax_all_groups_kept"),
+                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384),
+                                            ::testing::Values(true)),
+                         softmax_case_name);
 
 // Exact ties of logits (a coarse grid, equal values broken by the lower index as route_cpu does),
 // rows of one value (every expert a candidate: the rounds path, weights 1/K), rows with large
