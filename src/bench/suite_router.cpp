@@ -5,8 +5,8 @@
 // bytes move), timed the same way (rotating buffers): the router's ratio to a copy at that size.
 // "sigmoid" is the default choice (route_g8_sieve_kernel at T >= 1024); "sigmoid-no-sieve" (T >= 1024)
 // is route_g8_kernel, v4, the default before the sieve measured faster; "sigmoid-sieve-tmaN" (T >= 1024)
-// the sieve kernel with each logits staging (RouteKernelChoice::tma_stages, N = 0, 1, 2), and with
-// "-blocks" the quads dealt 4 to a block (warp_major_quads off, the order before v7).
+// the sieve kernel with each logits staging (RouteKernelChoice::tma_stages, N = 0, 1, 2), and
+// "softmax-tmaN" route_g8_softmax_kernel with each.
 // EPMOE_BENCH_ROUTER_VARIANTS=1 adds the kernel choices (RouteKernelChoice) as phases:
 // "sigmoid-rn-div" (the sigmoid with __fdiv_rn), "sigmoid-no-sieve-rn-div" (T >= 1024) and, below the
 // g8 switch, "sigmoid-g8" and "sigmoid-g8-no-sieve".
@@ -92,8 +92,7 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
         cuda::RouteKernelChoice staged = automatic;
         staged.tma_stages = stages;
         rows.push_back({&sigmoid, "sigmoid-sieve-tma" + std::to_string(stages), staged});
-        staged.warp_major_quads = false;
-        rows.push_back({&sigmoid, "sigmoid-sieve-tma" + std::to_string(stages) + "-blocks", staged});
+        rows.push_back({&softmax, "softmax-tma" + std::to_string(stages), staged});
       }
     }
     if (variants) {

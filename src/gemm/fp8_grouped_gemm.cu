@@ -28,8 +28,6 @@ constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 // Rows of the small A box (tiles with at most this many valid rows: decode).
 constexpr int kSmallABoxRows = 32;
 
-using gemm_host::make_tma_2d;
-
 void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name, std::uintptr_t alignment) {
   gemm_host::expect_aligned_tensor(t, dtype, Device::cuda, name, alignment);
 }

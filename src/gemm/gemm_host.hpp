@@ -1,5 +1,5 @@
-// Host pieces both grouped GEMM launchers use (fp8_grouped_gemm.cu, w4a8_grouped_gemm.cu): the TMA
-// maps of their byte-matrix operands, the aligned-tensor argument check, the Hopper check.
+// Host pieces both grouped GEMM launchers use (fp8_grouped_gemm.cu, w4a8_grouped_gemm.cu): the
+// aligned-tensor argument check, the Hopper check (their TMA maps: cuda/tma_map.hpp).
 #pragma once
 
 #include <cuda.h>
@@ -9,17 +9,11 @@
 #include <cstdint>
 #include <string_view>
 
+#include "cuda/tma_map.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "epmoe/tensor.hpp"
 
 namespace epmoe::cuda::gemm_host {
-
-// A 2D map over a row-major byte matrix [rows, cols] (cols contiguous), box [box_rows, 128 bytes]
-// (one K block of FP8 / e4m3-converted operands), 128-byte swizzle (the wgmma K-major layout),
-// out-of-bounds rows read as zeros. cuTensorMapEncodeTiled is looked up through the runtime's
-// driver entry point (cudaGetDriverEntryPointByVersion), so nothing links libcuda.
-CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, int box_rows,
-                        std::string_view name, CUtensorMapL2promotion promotion);
 
 // dtype, device, contiguity and the alignment of the data pointer, each named in the error.
 void expect_aligned_tensor(const TensorView& t, DType dtype, Device device, std::string_view name,

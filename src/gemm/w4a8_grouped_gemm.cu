@@ -32,7 +32,7 @@ constexpr std::int64_t kBlockK = w4a8::kBlockK;
 
 // The activations, a row-major byte matrix [rows, k], box [box_rows, 128 bytes].
 CUtensorMap make_tma_a(const void* base, std::int64_t rows, std::int64_t k, int box_rows) {
-  return gemm_host::make_tma_2d(base, rows, k, box_rows, "a", CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  return make_tma_2d(base, rows, k, box_rows, "a", CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
 using gemm_host::expect_aligned_tensor;

@@ -8,8 +8,8 @@
 #include <limits>
 #include <string_view>
 
+#include "cuda/tma_map.hpp"
 #include "epmoe/cuda/launch.hpp"
-#include "gemm/gemm_host.hpp"
 #include "routing/router_kernels.cuh"
 
 namespace epmoe::cuda {
@@ -127,26 +127,48 @@ void launch_g8(const kernels::RouterParams& p, cudaStream_t stream, const Extra&
   }();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
   const std::uint64_t quads = (static_cast<std::uint64_t>(p.tokens) + 3) / 4;
-  const std::uint64_t wanted =
-      p.warp_major_quads ? quads : (quads + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
+  const std::uint64_t wanted = (quads + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
   const auto grid = static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
   kKernel<<<grid, kernels::kRouterG8Threads, 0, stream>>>(p, extra...);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-// route_g8_sieve_kernel with `tma_stages` TMA stage buffers per warp (0: per-lane loads); the TMA
-// map views the logits as rows of 128 bytes (one token's group of 32), a quad (32 rows) per box.
+// The TMA staging a g8 kernel takes: `tma_stages` (RouteKernelChoice), or 0 where TMA coordinates
+// (int32 rows, 8 per token) would overflow (T >= 2^28).
+int staging_for(const kernels::RouterParams& p, int tma_stages) {
+  return p.tokens >= (1u << 28) ? 0 : std::clamp(tma_stages, 0, 2);
+}
+
+// The TMA map of the staged g8 kernels: the logits as rows of 128 bytes (one token's group of 32),
+// a quad (32 rows) per box.
+CUtensorMap logits_map(const kernels::RouterParams& p) {
+  return make_tma_2d(p.logits, static_cast<std::int64_t>(p.tokens) * 8, 128, 32, "logits",
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+}
+
 template <bool kRnDiv>
 void launch_sieve(const kernels::RouterParams& p, int tma_stages, cudaStream_t stream) {
   using kernels::route_g8_sieve_kernel;
-  // Coordinates are int32 rows: quads * 32 rows must stay below 2^31 (T < 2^28).
-  if (tma_stages <= 0 || p.tokens >= (1u << 28)) {
-    return launch_g8<&route_g8_sieve_kernel<kRnDiv, 0>>(p, stream, CUtensorMap{});
+  switch (staging_for(p, tma_stages)) {
+    case 0:
+      return launch_g8<&route_g8_sieve_kernel<kRnDiv, 0>>(p, stream, CUtensorMap{});
+    case 1:
+      return launch_g8<&route_g8_sieve_kernel<kRnDiv, 1>>(p, stream, logits_map(p));
+    default:
+      return launch_g8<&route_g8_sieve_kernel<kRnDiv, 2>>(p, stream, logits_map(p));
   }
-  const CUtensorMap map = gemm_host::make_tma_2d(p.logits, static_cast<std::int64_t>(p.tokens) * 8, 128, 32,
-                                                 "logits", CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
-  if (tma_stages == 1) return launch_g8<&route_g8_sieve_kernel<kRnDiv, 1>>(p, stream, map);
-  launch_g8<&route_g8_sieve_kernel<kRnDiv, 2>>(p, stream, map);
+}
+
+void launch_softmax(const kernels::RouterParams& p, int tma_stages, cudaStream_t stream) {
+  using kernels::route_g8_softmax_kernel;
+  switch (staging_for(p, tma_stages)) {
+    case 0:
+      return launch_g8<&route_g8_softmax_kernel<0>>(p, stream, CUtensorMap{});
+    case 1:
+      return launch_g8<&route_g8_softmax_kernel<1>>(p, stream, logits_map(p));
+    default:
+      return launch_g8<&route_g8_softmax_kernel<2>>(p, stream, logits_map(p));
+  }
 }
 
 }  // namespace
@@ -205,7 +227,6 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
                    aligned16(p.logits) && (p.bias == nullptr || aligned16(p.bias));
   p.renormalize = config.renormalize;
   p.scaling = config.routed_scaling_factor;
-  p.warp_major_quads = choice.warp_major_quads;
   using Kernel = RouteKernelChoice::Kernel;
   using namespace kernels;
   // A g8 kernel where its shape applies: forced, or automatic from kRouterG8MinTokens.
@@ -222,7 +243,7 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
                          : launch_g8<&route_g8_kernel<false>>(p, stream);
     }
   } else if (g8_softmax) {
-    launch_g8<&route_g8_softmax_kernel>(p, stream);
+    launch_softmax(p, choice.tma_stages, stream);
   } else if (sigmoid) {
     choice.rn_division ? launch_for<true, true>(layout.per_lane, p, stream)
                        : launch_for<true, false>(layout.per_lane, p, stream);
@@ -242,8 +263,6 @@ RouteKernelChoice route_kernel_choice_from_env() {
     c.sieve = sieve == nullptr || std::string_view(sieve) != "0";
     if (const char* tma = std::getenv("EPMOE_ROUTER_TMA"); tma != nullptr)
       c.tma_stages = std::clamp(std::atoi(tma), 0, 2);
-    const char* order = std::getenv("EPMOE_ROUTER_WARP_MAJOR");
-    c.warp_major_quads = order == nullptr || std::string_view(order) != "0";
     return c;
   }();
   return choice;

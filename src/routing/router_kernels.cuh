@@ -47,9 +47,6 @@ struct RouterParams {
   bool vector_loads;      // lane l holds experts [l*kV, l*kV + kV), 16-byte aligned rows (kV >= 4)
   bool renormalize;
   float scaling;  // routed_scaling_factor
-  // g8 kernels: quad q of the first round goes to warp q / gridDim.x of block q % gridDim.x (every
-  // block gets its share, so each SM the same quads within one) instead of warp q % 4 of block q / 4.
-  bool warp_major_quads;
 };
 
 // An unsigned key ordered like the float values (-0 taken as +0, as the f32 comparison does; NaN
@@ -300,10 +297,7 @@ __device__ __forceinline__ G8Top2 g8_top2(const float (&v)[32]) {
 
 // A warp's place in the g8 kernels: a quad (4 tokens) at a time, 8 lanes per token, lane g of a
 // token holding its group g of 32 experts (softmax: experts [32 g, 32 g + 32)); the grid's warps
-// stride over the quads. Warp-major (RouterParams::warp_major_quads): the launcher gives a block per
-// quad up to the resident blocks, and warp w of block b starts at quad w * gridDim.x + b, so that a
-// one-round call spreads its quads over the SMs by warps rather than by whole blocks of 4 (T = 16384:
-// 31 quads on every SM instead of 28 or 32).
+// stride over the quads.
 struct G8Warp {
   int warp, lane;
   int tw;                     // token of the quad
@@ -318,9 +312,8 @@ struct G8Warp {
         first(lane & 24),
         quads((tokens + 3u) / 4u),
         step(gridDim.x * kRouterG8Warps) {}
-  __device__ static std::uint32_t first_quad(int warp, bool warp_major) {
-    return warp_major ? static_cast<std::uint32_t>(warp) * gridDim.x + blockIdx.x
-                      : blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
+  __device__ static std::uint32_t first_quad(int warp) {
+    return blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
   }
 };
 
@@ -475,7 +468,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
 
   const auto [warp, lane, tw, g, first, quads, step] = G8Warp(p.tokens);
-  std::uint32_t q = G8Warp::first_quad(warp, p.warp_major_quads);
+  std::uint32_t q = G8Warp::first_quad(warp);
   const int row = lane;  // tw * 8 + g
   float4* const X = stage[warp];
   const float* const Xf = reinterpret_cast<const float*>(X);
@@ -716,90 +709,126 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
   g8_select_and_store<false, true>(p, mask, Xf, Bf, L, S, row, g, first, tw, q, 0.0f, token_total);
 }
 
-// Blocks per SM of route_g8_sieve_kernel: 8 with one stage buffer per warp (25.75 KB each); 5 with two
-// (41.75 KB: 8 KB more per warp).
+// Blocks per SM of a staged g8 kernel (route_g8_sieve_kernel, route_g8_softmax_kernel): 8 with one
+// stage buffer per warp (~26 KB each); 5 with two (~42 KB: 16 KB more per block).
 template <int kTmaStages>
-inline constexpr int kRouterG8SieveMinBlocks = kTmaStages >= 2 ? 5 : kRouterG8MinBlocks;
+inline constexpr int kRouterG8StagedMinBlocks = kTmaStages >= 2 ? 5 : kRouterG8MinBlocks;
 
-// kTmaStages = 0: each lane loads its part of the next quad (stage_quad) at the end of a quad, as
-// route_g8_kernel. kTmaStages = 1 or 2 (v7): lane 0 of the warp loads whole quads with one TMA copy
-// each (`logits_map`: the logits as rows of 128 bytes, one token's group per row, box 32 rows = a
-// quad, 128-byte swizzle, which is stage_quad's layout: chunk c of row r at r * 8 + (c ^ (r % 8))
-// when the buffer is 1024-byte aligned; rows past the tokens read as zeros), completing on the
-// stage's mbarrier. With 2 stages the warp's next quad is in flight while it ranks this one; with 1
-// the copy is issued where stage_quad's loads were (fewer instructions, the same overlap).
+// The staged g8 kernels' quad loop, one per warp: stages each of the warp's quads into its buffer
+// and hands it to the kernel's per-quad body. kTmaStages = 0: each lane loads its part of the next
+// quad (stage_quad) at the end of a quad, as route_g8_kernel. kTmaStages = 1 or 2 (v7): lane 0 loads
+// whole quads with one TMA copy each (the map: the logits as rows of 128 bytes, one token's group per
+// row, box 32 rows = a quad, 128-byte swizzle, which is stage_quad's layout: chunk c of row r at
+// r * 8 + (c ^ (r % 8)) when the buffer is 1024-byte aligned; rows past the tokens read as zeros),
+// completing on the buffer's mbarrier. With 2 buffers the warp's next quad is in flight while it
+// ranks this one; with 1 the copy is issued where stage_quad's loads were (fewer instructions).
+template <int kTmaStages>
+struct G8QuadPipe {
+  static constexpr int kBuffers = kTmaStages > 0 ? kTmaStages : 1;
+  static constexpr std::uint32_t kQuadBytes = 4096;
+  // The block's buffers, 1024-byte aligned for the swizzle (a whole number of 1 KB units: nothing is
+  // padded), and their barriers.
+  struct Stage {
+    alignas(1024) float4 quad[kRouterG8Warps][kBuffers][256];  // [token * 8 + group][chunk ^ group]
+  };
+  using Barriers = std::uint64_t[kRouterG8Warps][kBuffers];  // TMA: the buffer's quad has landed
+  const RouterParams& p;
+  const CUtensorMap* map;
+  const G8Warp& w;
+  float4 (*stage)[256];  // this warp's buffers
+  std::uint64_t* full;   // this warp's barriers
+  std::uint32_t q;       // the warp's current quad
+
+  __device__ G8QuadPipe(const RouterParams& params, const CUtensorMap* logits_map, const G8Warp& warp,
+                        Stage& stages, Barriers& barriers)
+      : p(params),
+        map(logits_map),
+        w(warp),
+        stage(stages.quad[warp.warp]),
+        full(barriers[warp.warp]),
+        q(G8Warp::first_quad(warp.warp)) {}
+
+  __device__ void load(int buffer, std::uint32_t quad) {  // lane 0, TMA stages only
+    const std::uint32_t bar = ptx::smem_addr(&full[buffer]);
+    ptx::mbar_arrive_expect_tx(bar, kQuadBytes);  // the whole box, zero-filled rows included
+    ptx::tma_load_2d(ptx::smem_addr(stage[buffer]), map, bar, 0, static_cast<std::int32_t>(quad * 32u));
+  }
+
+  // The warp's first quads on their way (before the block's own prologue, so that they overlap it).
+  __device__ void start() {
+    if constexpr (kTmaStages > 0) {
+      if (w.lane == 0) {
+        if ((ptx::smem_addr(stage) & 1023u) != 0u) __trap();  // the swizzle needs 1024-byte alignment
+        for (int b = 0; b < kBuffers; ++b) ptx::mbar_init(ptx::smem_addr(&full[b]), 1);
+        ptx::fence_barrier_init();
+        for (int b = 0; b < kBuffers; ++b) {
+          const std::uint32_t quad = q + static_cast<std::uint32_t>(b) * w.step;
+          if (quad < w.quads) load(b, quad);
+        }
+      }
+      __syncwarp();  // the barriers initialised before the other lanes wait on them
+    } else {
+      if (q < w.quads) stage_quad(stage[0], p.logits, p.tokens, q, w.lane);
+    }
+  }
+
+  // body(X, q) for each of the warp's quads, X its staged logits (the body may overwrite them).
+  template <typename Body>
+  __device__ void run(Body&& body) {
+    for (std::uint32_t i = 0; q < w.quads; ++i) {
+      const int buffer = kTmaStages > 0 ? static_cast<int>(i % kBuffers) : 0;
+      float4* const X = stage[buffer];
+      if constexpr (kTmaStages > 0) {
+        ptx::mbar_wait(ptx::smem_addr(&full[buffer]), (i / kBuffers) & 1u);
+      } else {
+        __syncwarp();
+      }
+      body(X, q);
+      const std::uint32_t refill = q + kBuffers * w.step;  // the quad this buffer takes next (TMA)
+      q += w.step;
+      if constexpr (kTmaStages > 0) {
+        // This lane's generic-proxy reads and writes of the buffer before the TMA copy overwrites it.
+        ptx::fence_proxy_async_shared();
+        __syncwarp();
+        if (w.lane == 0 && refill < w.quads) load(buffer, refill);
+      } else {
+        if (q < w.quads) stage_quad(X, p.logits, p.tokens, q, w.lane);
+      }
+    }
+  }
+};
+
 template <bool kRnDiv, int kTmaStages>
-__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8SieveMinBlocks<kTmaStages>)
+__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTmaStages>)
     route_g8_sieve_kernel(const RouterParams p, const __grid_constant__ CUtensorMap logits_map) {
   constexpr unsigned kFull = 0xffffffffu;
-  constexpr int kBuffers = kTmaStages > 0 ? kTmaStages : 1;
-  constexpr std::uint32_t kQuadBytes = 4096;
-  // per warp and buffer: [token * 8 + group][chunk ^ group]
-  __shared__ __align__(1024) float4 stage[kRouterG8Warps][kBuffers][256];
+  __shared__ typename G8QuadPipe<kTmaStages>::Stage pipe_stage;
+  __shared__ typename G8QuadPipe<kTmaStages>::Barriers pipe_full;
   __shared__ float4 bias_s[64];  // [group][chunk ^ group]
   // Per warp: the 4 tokens' candidate keys.
   __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
-  __shared__ std::uint32_t bias_abs_max[2];                 // bits of the largest |b| seen by warps 0 and 1
-  __shared__ std::uint64_t full[kRouterG8Warps][kBuffers];  // TMA: the stage's data has landed
+  __shared__ std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
 
   const G8Warp w(p.tokens);
-  const int warp = w.warp, lane = w.lane;
-  std::uint32_t q = G8Warp::first_quad(warp, p.warp_major_quads);
-  const auto load_quad = [&](int buffer, std::uint32_t quad) {  // lane 0, TMA stages only
-    const std::uint32_t bar = ptx::smem_addr(&full[warp][buffer]);
-    ptx::mbar_arrive_expect_tx(bar, kQuadBytes);  // the whole box, zero-filled rows included
-    ptx::tma_load_2d(ptx::smem_addr(stage[warp][buffer]), &logits_map, bar, 0,
-                     static_cast<std::int32_t>(quad * 32u));
-  };
-  if constexpr (kTmaStages > 0) {
-    if (lane == 0) {
-      if ((ptx::smem_addr(stage) & 1023u) != 0u) __trap();  // the swizzle needs 1024-byte alignment
-      for (int b = 0; b < kBuffers; ++b) ptx::mbar_init(ptx::smem_addr(&full[warp][b]), 1);
-      ptx::fence_barrier_init();
-      for (int b = 0; b < kBuffers; ++b)
-        if (q + static_cast<std::uint32_t>(b) * w.step < w.quads)
-          load_quad(b, q + static_cast<std::uint32_t>(b) * w.step);
-    }
-  }
-
+  G8QuadPipe<kTmaStages> pipe(p, &logits_map, w, pipe_stage, pipe_full);
   float4 b0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   if (threadIdx.x < 64) b0 = __ldg(reinterpret_cast<const float4*>(p.bias) + threadIdx.x);
-  if constexpr (kTmaStages == 0) {
-    if (q < w.quads) stage_quad(stage[warp][0], p.logits, p.tokens, q, lane);
-  }
+  pipe.start();
   if (threadIdx.x < 64) {  // warps 0 and 1, whole
     const int g8 = static_cast<int>(threadIdx.x) >> 3, c = static_cast<int>(threadIdx.x) & 7;
     bias_s[g8 * 8 + (c ^ g8)] = b0;
     const std::uint32_t m = max(max(__float_as_uint(fabsf(b0.x)), __float_as_uint(fabsf(b0.y))),
                                 max(__float_as_uint(fabsf(b0.z)), __float_as_uint(fabsf(b0.w))));
     const std::uint32_t wm = __reduce_max_sync(kFull, m);
-    if (lane == 0) bias_abs_max[warp] = wm;
+    if (w.lane == 0) bias_abs_max[w.warp] = wm;
   }
   __syncthreads();
   const float margin = routing::sieve_margin(__uint_as_float(max(bias_abs_max[0], bias_abs_max[1])));
   const float margin2 = __fmul_ru(2.0f, margin);
-
-  for (std::uint32_t i = 0; q < w.quads; ++i) {
-    const int buffer = kTmaStages > 0 ? static_cast<int>(i % kBuffers) : 0;
-    float4* const X = stage[warp][buffer];
-    if constexpr (kTmaStages > 0) {
-      ptx::mbar_wait(ptx::smem_addr(&full[warp][buffer]), (i / kBuffers) & 1u);
-    } else {
-      __syncwarp();
-    }
-    sieve_route_quad<kRnDiv>(p, w, X, bias_s, cand[warp], slot[warp][w.tw], margin, margin2, q);
-    const std::uint32_t refill = q + kBuffers * w.step;  // the quad this buffer takes next (TMA)
-    q += w.step;
-    if constexpr (kTmaStages > 0) {
-      // This lane's generic-proxy reads and writes of the buffer before the TMA copy overwrites it.
-      ptx::fence_proxy_async_shared();
-      __syncwarp();
-      if (lane == 0 && refill < w.quads) load_quad(buffer, refill);
-    } else {
-      if (q < w.quads) stage_quad(X, p.logits, p.tokens, q, lane);
-    }
-  }
+  pipe.run([&](float4* X, std::uint32_t q) {
+    sieve_route_quad<kRnDiv>(p, w, X, bias_s, cand[w.warp], slot[w.warp][w.tw], margin, margin2, q);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -816,67 +845,70 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8SieveMinBlocks<kTma
 //    selection order, or, without renormalisation, over the token's sum of exp(x - max) (__expf, the
 //    only pass over all 256 values after the loads). route_cpu divides by the full sum first and
 //    then renormalises: the same value within a few ulp (tests: 1e-5 relative).
-__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
-    route_g8_softmax_kernel(const RouterParams p) {
+// One quad of route_g8_softmax_kernel: X holds its logits as stage_quad writes them, L and S this
+// lane's token's candidate list and slots.
+__device__ __forceinline__ void softmax_route_quad(const RouterParams& p, const G8Warp& w, float4* X,
+                                                   std::uint64_t* L, std::uint32_t* S, std::uint32_t q) {
   constexpr unsigned kFull = 0xffffffffu;
   const float kInf = __int_as_float(0x7f800000);
-  __shared__ float4 stage[kRouterG8Warps][256];  // per warp: [token * 8 + lane group][chunk ^ group]
+  const int tw = w.tw, g = w.g, first = w.first;
+  const int row = w.lane;  // tw * 8 + g
+  const float* const Xf = reinterpret_cast<const float*>(X);
+  float x[32];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const float4 v = X[row * 8 + (c ^ g)];
+    x[4 * c] = v.x;
+    x[4 * c + 1] = v.y;
+    x[4 * c + 2] = v.z;
+    x[4 * c + 3] = v.w;
+  }
+  const auto [t1, t2] = g8_top2(x);
+
+  // ---- tau: the K-th largest of the token's 16 lane top-2 values
+  int above1 = 0, above2 = 0;  // of the 16 values, how many are >= t1, >= t2
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    const float o1 = __shfl_sync(kFull, t1, first | h);
+    const float o2 = __shfl_sync(kFull, t2, first | h);
+    above1 += (o1 >= t1 ? 1 : 0) + (o2 >= t1 ? 1 : 0);
+    above2 += (o1 >= t2 ? 1 : 0) + (o2 >= t2 ? 1 : 0);
+  }
+  float tau = above1 >= p.topk ? t1 : (above2 >= p.topk ? t2 : -kInf);
+#pragma unroll
+  for (int o = 1; o < 8; o *= 2) tau = fmaxf(tau, __shfl_xor_sync(kFull, tau, o));
+  std::uint32_t mask = 0;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) mask |= x[j] < tau ? 0u : 1u << j;
+
+  float sum = 0.0f;  // the token's sum of exp(x - max), for weights without renormalisation
+  if (!p.renormalize) {
+    float m = t1;
+#pragma unroll
+    for (int o = 1; o < 8; o *= 2) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+#pragma unroll
+    for (int j = 0; j < 32; ++j) sum += __expf(x[j] - m);
+#pragma unroll
+    for (int o = 1; o < 8; o *= 2) sum += __shfl_xor_sync(kFull, sum, o);
+  }
+
+  g8_select_and_store<true>(p, mask, Xf, nullptr, L, S, row, g, first, tw, q, sum);
+}
+
+template <int kTmaStages>
+__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTmaStages>)
+    route_g8_softmax_kernel(const RouterParams p, const __grid_constant__ CUtensorMap logits_map) {
+  __shared__ typename G8QuadPipe<kTmaStages>::Stage pipe_stage;
+  __shared__ typename G8QuadPipe<kTmaStages>::Barriers pipe_full;
   __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
 
-  const auto [warp, lane, tw, g, first, quads, step] = G8Warp(p.tokens);
-  std::uint32_t q = G8Warp::first_quad(warp, p.warp_major_quads);
-  const int row = lane;  // tw * 8 + g
-  float4* const X = stage[warp];
-  const float* const Xf = reinterpret_cast<const float*>(X);
-  std::uint64_t* const L = cand[warp][tw];
-  std::uint32_t* const S = slot[warp][tw];
-
-  if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
-  while (q < quads) {  // the next quad is staged at the end of the body, as route_g8_kernel
-    __syncwarp();
-    float x[32];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      const float4 v = X[row * 8 + (c ^ g)];
-      x[4 * c] = v.x;
-      x[4 * c + 1] = v.y;
-      x[4 * c + 2] = v.z;
-      x[4 * c + 3] = v.w;
-    }
-    const auto [t1, t2] = g8_top2(x);
-
-    // ---- tau: the K-th largest of the token's 16 lane top-2 values
-    int above1 = 0, above2 = 0;  // of the 16 values, how many are >= t1, >= t2
-#pragma unroll
-    for (int h = 0; h < 8; ++h) {
-      const float o1 = __shfl_sync(kFull, t1, first | h);
-      const float o2 = __shfl_sync(kFull, t2, first | h);
-      above1 += (o1 >= t1 ? 1 : 0) + (o2 >= t1 ? 1 : 0);
-      above2 += (o1 >= t2 ? 1 : 0) + (o2 >= t2 ? 1 : 0);
-    }
-    float tau = above1 >= p.topk ? t1 : (above2 >= p.topk ? t2 : -kInf);
-#pragma unroll
-    for (int o = 1; o < 8; o *= 2) tau = fmaxf(tau, __shfl_xor_sync(kFull, tau, o));
-    std::uint32_t mask = 0;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) mask |= x[j] < tau ? 0u : 1u << j;
-
-    float sum = 0.0f;  // the token's sum of exp(x - max), for weights without renormalisation
-    if (!p.renormalize) {
-      float m = t1;
-#pragma unroll
-      for (int o = 1; o < 8; o *= 2) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
-#pragma unroll
-      for (int j = 0; j < 32; ++j) sum += __expf(x[j] - m);
-#pragma unroll
-      for (int o = 1; o < 8; o *= 2) sum += __shfl_xor_sync(kFull, sum, o);
-    }
-
-    g8_select_and_store<true>(p, mask, Xf, nullptr, L, S, row, g, first, tw, q, sum);
-    q += step;
-    if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
-  }
+  const G8Warp w(p.tokens);
+  G8QuadPipe<kTmaStages> pipe(p, &logits_map, w, pipe_stage, pipe_full);
+  pipe.start();
+  pipe.run([&](float4* X, std::uint32_t q) {
+    softmax_route_quad(p, w, X, cand[w.warp][w.tw], slot[w.warp][w.tw], q);
+  });
 }
 
 }  // namespace epmoe::kernels

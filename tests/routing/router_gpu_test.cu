@@ -270,7 +270,6 @@ cuda::RouteKernelChoice choice_named(const std::string& kernel, bool rn_division
   if (kernel == "g8_sieve_tma1") c.tma_stages = 1;
   if (kernel == "g8_sieve_tma2") c.tma_stages = 2;
   if (kernel == "g8_sieve_tma0") c.tma_stages = 0;
-  if (kernel == "g8_sieve_blocks") c.warp_major_quads = false;  // the quad order before v7
   return c;
 }
 
@@ -300,13 +299,12 @@ INSTANTIATE_TEST_SUITE_P(Kernels, RouterKernelChoiceGpu,
 // or two stage buffers per warp). A warp's buffer is reused (its mbarrier's parity flips) from
 // T = 16897 with one buffer (4224 warps) and from T = 21121 with two (2640 warps); T = 65537 takes
 // each buffer 3-4 times and ends on a partial quad.
-INSTANTIATE_TEST_SUITE_P(Sieve, RouterKernelChoiceGpu,
-                         ::testing::Combine(::testing::Values("g8_sieve", "g8_sieve_tma0", "g8_sieve_tma1",
-                                                              "g8_sieve_tma2", "g8_sieve_blocks"),
-                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384, 20000,
-                                                                            65537),
-                                            ::testing::Bool()),
-                         choice_case_name);
+INSTANTIATE_TEST_SUITE_P(
+    Sieve, RouterKernelChoiceGpu,
+    ::testing::Combine(::testing::Values("g8_sieve", "g8_sieve_tma0", "g8_sieve_tma1", "g8_sieve_tma2"),
+                       ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384, 20000, 65537),
+                       ::testing::Bool()),
+    choice_case_name);
 
 // Every layout's config through the sieve choice (where g8 does not apply it falls back, so these
 // check that it does so), and the default path: automatic with the sieve at T >= 1024.
@@ -547,26 +545,32 @@ cuda::RouteKernelChoice forced_g8() {
   return choice;
 }
 
-// (config, T, g8 forced): the automatic choice (the general kernel below T = 1024, then
-// route_g8_softmax_kernel where its shape applies), and route_g8_softmax_kernel (E = 256, no group
-// selection, K <= 8) forced at every T.
-using SoftmaxCase = std::tuple<std::string, std::int64_t, bool>;
+// (config, T, staging): staging -1 is the automatic choice (the general kernel below T = 1024, then
+// route_g8_softmax_kernel where its shape applies); 0, 1, 2 force route_g8_softmax_kernel (E = 256, no
+// group selection, K <= 8) at every T with that many TMA stage buffers (0: per-lane loads).
+using SoftmaxCase = std::tuple<std::string, std::int64_t, int>;
 
 class RouterSoftmaxGpu : public ::testing::TestWithParam<SoftmaxCase> {};
 
 TEST_P(RouterSoftmaxGpu, MatchesCpuWithinRounding) {
   EPMOE_REQUIRE_GPU();
-  const auto& [name, tokens, g8] = GetParam();
+  const auto& [name, tokens, staging] = GetParam();
   const MoeConfig c = config_named(name);
   const std::uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  expect_softmax_routes(c, random_softmax_logits(c, tokens, rng),
-                        g8 ? forced_g8() : cuda::route_kernel_choice_from_env());
+  cuda::RouteKernelChoice choice = cuda::route_kernel_choice_from_env();
+  if (staging >= 0) {
+    choice = forced_g8();
+    choice.tma_stages = staging;
+  }
+  expect_softmax_routes(c, random_softmax_logits(c, tokens, rng), choice);
 }
 
 std::string softmax_case_name(const ::testing::TestParamInfo<SoftmaxCase>& info) {
-  return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param));
+  const int staging = std::get<2>(info.param);
+  return std::get<0>(info.param) + "_T" + std::to_string(std::get<1>(info.param)) +
+         (staging >= 0 ? "_tma" + std::to_string(staging) : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -574,15 +578,15 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values("softmax_mixtral", "softmax_qwen", "softmax_flat64",
                                          "softmax_grouped", "softmax_tiny", "softmax_flat256",
                                          "softmax_flat256_no_renorm", "softmax_all_groups_kept"),
-                       ::testing::Values<std::int64_t>(1, 3, 128, 4097), ::testing::Values(false)),
+                       ::testing::Values<std::int64_t>(1, 3, 128, 4097), ::testing::Values(-1)),
     softmax_case_name);
 
 INSTANTIATE_TEST_SUITE_P(G8Forced, RouterSoftmaxGpu,
                          ::testing::Combine(::testing::Values("softmax_flat256", "softmax_flat256_no_renorm",
                                                               "softmax_flat256_k6",
                                                               "softmax_all_groups_kept"),
-                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384),
-                                            ::testing::Values(true)),
+                                            ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384, 65537),
+                                            ::testing::Values(0, 1, 2)),
                          softmax_case_name);
 
 // Exact ties of logits (a coarse grid, equal values broken by the lower index as route_cpu does),

@@ -51,13 +51,11 @@ struct RouteKernelChoice {
   Kernel kernel = Kernel::automatic;
   bool rn_division = false;
   bool sieve = true;
-  // The sieve kernel's logits staging: 0 = each lane loads its part; 1 = one TMA copy per quad;
+  // The staged g8 kernels' logits staging (route_g8_sieve_kernel, route_g8_softmax_kernel): 0 = each
+  // lane loads its part; 1 = one TMA copy per quad;
   // 2 = two TMA stage buffers per warp (the next quad loads while this one is ranked);
-  // EPMOE_ROUTER_TMA=0|1|2 sets it. 1 by default (v7: 9% faster than 0 at T = 16384 on H200).
+  // EPMOE_ROUTER_TMA=0|1|2 sets it. 1 by default (v7: sigmoid 9% faster than 0 at T = 16384 on H200).
   int tma_stages = 1;
-  // g8 kernels: the first round's quads spread over the blocks by warp (every SM gets the same share)
-  // rather than 4 to a block; EPMOE_ROUTER_WARP_MAJOR=0 clears it.
-  bool warp_major_quads = true;
 };
 // The choice route() makes from the environment.
 RouteKernelChoice route_kernel_choice_from_env();
