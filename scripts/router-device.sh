@@ -48,8 +48,8 @@ if [[ ${EPMOE_ROUTER_PROFILE:-0} == 1 ]]; then
   # route_g8_kernel's SASS (opcode histogram) and an Nsight Compute look at one launch per T.
   stamp profile
   dump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
-  # The sieve kernel with the staging EPMOE_ROUTER_TMA picks (0 unless set).
-  sieve_args="ILb0ELi${EPMOE_ROUTER_TMA:-0}EEEvNS0_12RouterParamsE14CUtensorMap_st"
+  # The sieve kernel with the staging EPMOE_ROUTER_TMA picks (1, the default, unless set).
+  sieve_args="ILb0ELi${EPMOE_ROUTER_TMA:-1}EEEvNS0_12RouterParamsE14CUtensorMap_st"
   for k in g8:15route_g8_kernel:ILb0EEEvNS0_12RouterParamsE sieve:21route_g8_sieve_kernel:$sieve_args; do
     name=${k#*:}
     "$dump" -sass -fun "_ZN5epmoe7kernels${name%%:*}${name#*:}" "$build/libepmoe.so" \
