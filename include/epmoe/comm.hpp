@@ -255,7 +255,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void wait_init() const;  // the background ncclCommInitRank, if one is running
   // The barrier window (once, where every rank is in the LSA team): zeroed before it is registered, so
   // no barrier is needed after it (a peer can address it only once this rank has registered it).
-  void ensure_barrier_window();
+  // False where the team is not all LSA (then barrier() takes the all-reduce).
+  bool ensure_barrier_window();
   [[noreturn]] void fail_wait(CommPhase phase, std::string_view waiting_for, const std::string& why);
 
   mutable ncclComm_t comm_ = nullptr;

@@ -559,8 +559,7 @@ void Communicator::barrier() {
   EPMOE_CUDA_CHECK(cudaSetDevice(device_));
   const char* nccl_barrier = std::getenv("EPMOE_COMM_NCCL_BARRIER");
   const bool lsa = size_ > 1 && !(nccl_barrier != nullptr && std::string_view(nccl_barrier) == "1");
-  if (lsa) ensure_barrier_window();
-  if (lsa && all_ranks_lsa()) {
+  if (lsa && ensure_barrier_window()) {
     ++barrier_epoch_;
     comm_detail::launch_lsa_barrier(barrier_peers_, static_cast<std::uint32_t*>(barrier_local_), rank_, size_,
                                     barrier_epoch_, device_error_sink(),
@@ -571,10 +570,10 @@ void Communicator::barrier() {
   synchronize(CommPhase::setup, size_ > 1 ? "every rank at a barrier" : "");
 }
 
-void Communicator::ensure_barrier_window() {
-  if (barrier_window_ != nullptr) return;
+bool Communicator::ensure_barrier_window() {
+  if (barrier_window_ != nullptr) return true;
   ensure_dev_comm();
-  if (!all_ranks_lsa()) return;  // the same answer on every rank: all register the window or none does
+  if (!all_ranks_lsa()) return false;  // the same answer on every rank: all register the window or none
   constexpr std::size_t kBytes = std::size_t{2} << 20;  // the allocation granularity; one word a rank is used
   EPMOE_NCCL_CHECK(ncclMemAlloc(&barrier_local_, kBytes));
   EPMOE_CUDA_CHECK(cudaMemsetAsync(barrier_local_, 0, kBytes, stream_));
@@ -585,6 +584,7 @@ void Communicator::ensure_barrier_window() {
       cudaMalloc(reinterpret_cast<void**>(&barrier_peers_), sizeof(void*) * static_cast<std::size_t>(size_)));
   comm_detail::fill_peer_pointers(barrier_window_, rank_, lsa_rank_, lsa_size_, size_, barrier_peers_,
                                   stream_);
+  return true;
 }
 
 void Communicator::ensure_dev_comm() {

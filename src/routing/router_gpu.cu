@@ -146,29 +146,30 @@ CUtensorMap logits_map(const kernels::RouterParams& p) {
                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
+// A staged g8 kernel, given as its instances with 0, 1 and 2 TMA stage buffers.
+template <auto kPerLaneLoads, auto kOneBuffer, auto kTwoBuffers>
+void launch_staged(const kernels::RouterParams& p, int tma_stages, cudaStream_t stream) {
+  switch (staging_for(p, tma_stages)) {
+    case 0:
+      return launch_g8<kPerLaneLoads>(p, stream, CUtensorMap{});
+    case 1:
+      return launch_g8<kOneBuffer>(p, stream, logits_map(p));
+    default:
+      return launch_g8<kTwoBuffers>(p, stream, logits_map(p));
+  }
+}
+
 template <bool kRnDiv>
 void launch_sieve(const kernels::RouterParams& p, int tma_stages, cudaStream_t stream) {
   using kernels::route_g8_sieve_kernel;
-  switch (staging_for(p, tma_stages)) {
-    case 0:
-      return launch_g8<&route_g8_sieve_kernel<kRnDiv, 0>>(p, stream, CUtensorMap{});
-    case 1:
-      return launch_g8<&route_g8_sieve_kernel<kRnDiv, 1>>(p, stream, logits_map(p));
-    default:
-      return launch_g8<&route_g8_sieve_kernel<kRnDiv, 2>>(p, stream, logits_map(p));
-  }
+  launch_staged<&route_g8_sieve_kernel<kRnDiv, 0>, &route_g8_sieve_kernel<kRnDiv, 1>,
+                &route_g8_sieve_kernel<kRnDiv, 2>>(p, tma_stages, stream);
 }
 
 void launch_softmax(const kernels::RouterParams& p, int tma_stages, cudaStream_t stream) {
   using kernels::route_g8_softmax_kernel;
-  switch (staging_for(p, tma_stages)) {
-    case 0:
-      return launch_g8<&route_g8_softmax_kernel<0>>(p, stream, CUtensorMap{});
-    case 1:
-      return launch_g8<&route_g8_softmax_kernel<1>>(p, stream, logits_map(p));
-    default:
-      return launch_g8<&route_g8_softmax_kernel<2>>(p, stream, logits_map(p));
-  }
+  launch_staged<&route_g8_softmax_kernel<0>, &route_g8_softmax_kernel<1>, &route_g8_softmax_kernel<2>>(
+      p, tma_stages, stream);
 }
 
 }  // namespace
