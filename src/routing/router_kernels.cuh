@@ -648,12 +648,15 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
 
   // ---- kept groups: from the approximate scores where they are more than 2M apart
   const float ga = __fadd_rn(a1, a2);
+  // The token's 7 other groups by xor shuffles (fixed lane masks, no index arithmetic; v8), one
+  // difference each: rn(ga - o) = -rn(o - ga), so "not surely below" is !(rn(o - ga) < -2M).
+  const float neg_margin2 = -margin2;
   int sure_above = 0, maybe_above = 0;
 #pragma unroll
-  for (int h = 0; h < 8; ++h) {
-    const float o = __shfl_sync(kFull, ga, first | h);
-    sure_above += __fsub_rn(o, ga) > margin2 ? 1 : 0;
-    maybe_above += h != g && !(__fsub_rn(ga, o) > margin2) ? 1 : 0;
+  for (int x = 1; x < 8; ++x) {
+    const float d = __fsub_rn(__shfl_xor_sync(kFull, ga, x), ga);
+    sure_above += d > margin2 ? 1 : 0;
+    maybe_above += d < neg_margin2 ? 0 : 1;
   }
   bool kept = maybe_above < p.topk_groups;
   const bool known = kept || sure_above >= p.topk_groups;
