@@ -261,6 +261,9 @@ inline constexpr int kRouterG8Candidates = 64;
 // +2 entries: the 4 tokens' lists start 4 banks apart (the rank loop reads one key per token).
 inline constexpr int kRouterG8ListStride = kRouterG8Candidates + 2;
 inline constexpr int kRouterG8MinBlocks = 8;
+// The sieve's candidates listed per warp for the spread (sieve_route_quad); a warp with more (ties)
+// finds each item's lane by a binary search instead. 1 KB per block: 8 blocks still fit an SM.
+inline constexpr int kRouterG8SpreadItems = 128;
 
 // A candidate's 64-bit key: higher = earlier in route_cpu's order (higher value, then lower id).
 __device__ __forceinline__ std::uint64_t g8_key(float value, int id) {
@@ -623,7 +626,8 @@ template <bool kRnDiv>
 __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8Warp& w, float4* X,
                                                  const float4* bias_s,
                                                  std::uint64_t (*cand)[kRouterG8ListStride], std::uint32_t* S,
-                                                 float margin, float margin2, std::uint32_t q) {
+                                                 std::uint16_t* items, float margin, float margin2,
+                                                 std::uint32_t q) {
   using namespace routing;
   constexpr unsigned kFull = 0xffffffffu;
   const float kInf = __int_as_float(0x7f800000);
@@ -725,33 +729,59 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
   const int token_start = __shfl_sync(kFull, before, first);
   const int token_total = __shfl_sync(kFull, end, first | 7) - token_start;
   const bool overflow = __any_sync(kFull, token_total > kRouterG8Candidates);  // then the rounds
-  for (int base = 0; base < warp_total; base += 32) {                          // warp-uniform trip count
-    const int i = base + lane;
-    int owner = 0;
-#pragma unroll
-    for (int step_size = 16; step_size >= 1; step_size /= 2) {
-      if (__shfl_sync(kFull, end, owner + step_size - 1) <= i) owner += step_size;
+  // Item (owner lane, its expert j, the item's place in its token's list): the exact sigmoid (unless
+  // the group step computed it) back into the stage, and the key into the token's list.
+  const auto evaluate = [&](int owner, int j, int place, std::uint32_t owner_done) {
+    const int og = owner & 7;
+    const int at = ((((j >> 2) ^ og) << 2) | (j & 3));
+    float* const x = Xf + owner * 32 + at;
+    float sig = *x;
+    if (((owner_done >> j) & 1u) == 0u) {
+      sig = sigmoid_f32_gpu<kRnDiv>(sig);
+      *x = sig;
     }
-    const std::uint32_t owner_mask = __shfl_sync(kFull, mask, owner);
-    const std::uint32_t owner_done = __shfl_sync(kFull, done, owner);
-    const int owner_before = __shfl_sync(kFull, before, owner);
-    const int owner_start = __shfl_sync(kFull, token_start, owner);
-    if (i < warp_total) {
-      // Its (i - owner_before)-th set bit: n is 0-2 for almost every item, so a plain loop (__fns took
-      // ~45 instructions; the compiler's unrolling by 4 with its remainder code ~30, v7's profile).
-      std::uint32_t m = owner_mask;
-#pragma unroll 1
-      for (int n = i - owner_before; n > 0; --n) m &= m - 1u;
+    if (!overflow) cand[owner >> 3][place] = g8_key(rn_add(sig, Bf[og * 32 + at]), og * 32 + j);
+  };
+  if (warp_total <= kRouterG8SpreadItems) {  // warp-uniform; random rows: ~44 items
+    // v8: each lane lists its own candidates as 16-bit items (lane << 11 | j << 6 | place), item i
+    // at i = before + n for its n-th set bit (max over the lanes of their counts, ~5 rounds of a
+    // short loop); lane i % 32 then reads item i. Before (v6, v7, and below for longer lists) every
+    // item's lane came from a 5-shuffle binary search and its expert from an n-th-set-bit loop, a
+    // dependent chain of ~200 cycles per round.
+    int pos = before;
+    for (std::uint32_t m = mask; m != 0u; m &= m - 1u, ++pos) {
       const int j = __ffs(static_cast<int>(m)) - 1;
-      const int og = owner & 7;
-      const int at = ((((j >> 2) ^ og) << 2) | (j & 3));
-      float* const x = Xf + owner * 32 + at;
-      float sig = *x;
-      if (((owner_done >> j) & 1u) == 0u) {
-        sig = sigmoid_f32_gpu<kRnDiv>(sig);
-        *x = sig;
+      items[pos] = static_cast<std::uint16_t>((lane << 11) | (j << 6) | ((pos - token_start) & 63));
+    }
+    __syncwarp();                                        // the items stored
+    for (int base = 0; base < warp_total; base += 32) {  // warp-uniform trip count
+      const int i = base + lane;
+      const std::uint32_t item = i < warp_total ? items[i] : 0u;
+      const int owner = static_cast<int>(item >> 11);
+      const std::uint32_t owner_done = unknown != 0u ? __shfl_sync(kFull, done, owner) : 0u;
+      if (i < warp_total)
+        evaluate(owner, static_cast<int>(item >> 6) & 31, static_cast<int>(item & 63u), owner_done);
+    }
+  } else {
+    for (int base = 0; base < warp_total; base += 32) {  // warp-uniform trip count
+      const int i = base + lane;
+      int owner = 0;
+#pragma unroll
+      for (int step_size = 16; step_size >= 1; step_size /= 2) {
+        if (__shfl_sync(kFull, end, owner + step_size - 1) <= i) owner += step_size;
       }
-      if (!overflow) cand[owner >> 3][i - owner_start] = g8_key(rn_add(sig, Bf[og * 32 + at]), og * 32 + j);
+      const std::uint32_t owner_mask = __shfl_sync(kFull, mask, owner);
+      const std::uint32_t owner_done = __shfl_sync(kFull, done, owner);
+      const int owner_before = __shfl_sync(kFull, before, owner);
+      const int owner_start = __shfl_sync(kFull, token_start, owner);
+      if (i < warp_total) {
+        // Its (i - owner_before)-th set bit: a plain loop (__fns took ~45 instructions; the
+        // compiler's unrolling by 4 with its remainder code ~30, v7's profile).
+        std::uint32_t m = owner_mask;
+#pragma unroll 1
+        for (int n = i - owner_before; n > 0; --n) m &= m - 1u;
+        evaluate(owner, __ffs(static_cast<int>(m)) - 1, i - owner_start, owner_done);
+      }
     }
   }
   __syncwarp();  // the scores and keys stored
@@ -859,6 +889,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
   __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
   __shared__ std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
+  __shared__ std::uint16_t spread_items[kRouterG8Warps][kRouterG8SpreadItems];  // sieve_route_quad's items
 
   const G8Warp w(p.tokens);
   G8QuadPipe<kTmaStages> pipe(p, &logits_map, w, pipe_stage, pipe_full);
@@ -877,7 +908,8 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
   const float margin = routing::sieve_margin(__uint_as_float(max(bias_abs_max[0], bias_abs_max[1])));
   const float margin2 = __fmul_ru(2.0f, margin);
   pipe.run([&](float4* X, std::uint32_t q) {
-    sieve_route_quad<kRnDiv>(p, w, X, bias_s, cand[w.warp], slot[w.warp][w.tw], margin, margin2, q);
+    sieve_route_quad<kRnDiv>(p, w, X, bias_s, cand[w.warp], slot[w.warp][w.tw], spread_items[w.warp], margin,
+                             margin2, q);
   });
 }
 
