@@ -600,10 +600,10 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
 //    select the same K.
 //  - The candidates' exact sigmoids and keys (all of the warp's 4 tokens; the group step's exact
 //    values are reused) are spread over the 32 lanes, about 1.3 items per lane, rather than each
-//    lane looping over its own (up to 32 when values tie): item i goes to lane i % 32, which finds
-//    the item's lane (binary search over the warp's prefix counts, 5 shuffles) and expert (the n-th
-//    set bit of that lane's mask) and writes the key straight into its token's list (v6; before, a
-//    u16 work list for the sigmoids and a per-lane loop for the keys, ~200 instructions per quad).
+//    lane looping over its own (up to 32 when values tie): item i goes to lane i % 32, which reads
+//    the item (lane, expert, place in its token's list) from a per-warp list the lanes wrote (v8;
+//    v6-v7, and v8 past 128 items: a binary search over the warp's prefix counts and the n-th set
+//    bit of the owner's mask) and writes the key straight into its token's list.
 //  - The margin comes from the block's bias load: threads 0..63 hold the bias, warps 0 and 1 reduce
 //    the largest |b| as bits (NaN and inf compare above every finite |b|).
 // Approximate values are finite whenever the bias is (sigmoid_approx is in [2^-126, 1] for every
@@ -715,8 +715,7 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
   const std::uint32_t mask = kept ? ~((below_hi << 16) | below_lo) : 0u;
 
   // ---- the candidates' exact sigmoids and keys, spread over the warp: item i of the warp's
-  // candidates (lane order, then bit order) is taken by lane i % 32; its owner lane is found by a
-  // binary search over the lanes' inclusive prefix counts, its expert as the owner's n-th set bit.
+  // candidates (lane order, then bit order) is taken by lane i % 32.
   const int count = __popc(mask);
   int end = count;  // inclusive prefix over the warp
 #pragma unroll
