@@ -186,6 +186,24 @@ std::vector<Variant> experiments(bool masked) {
   return v;
 }
 
+// EPMOE_BENCH_GEMM_VARIANTS=main,.exp.no_promote,...: the contiguous rows time only the listed lines
+// ("main" is the heuristic's line), each EPMOE_BENCH_GEMM_REPEAT times (default 1; one result per
+// time), e.g. to watch the clocks of one configuration for seconds (power-capped cards).
+bool variant_listed(const std::string& suffix) {
+  const char* e = std::getenv("EPMOE_BENCH_GEMM_VARIANTS");
+  if (e == nullptr || *e == '\0') return true;
+  const std::string name = suffix.empty() ? "main" : suffix;
+  std::string list = std::string(",") + e + ",";
+  return list.find("," + name + ",") != std::string::npos;
+}
+int variant_repeat() {
+  const char* e = std::getenv("EPMOE_BENCH_GEMM_REPEAT");
+  const int n = e != nullptr ? std::atoi(e) : 1;
+  EPMOE_CHECK(n >= 1 && n <= 1000, "EPMOE_BENCH_GEMM_REPEAT must be 1..1000, got '{}'",
+              e == nullptr ? "" : e);
+  return n;
+}
+
 // EPMOE_BENCH_GEMM_MAIN_ONLY=1: the contiguous rows time only their main line (profiling).
 bool main_line_only() {
   const char* e = std::getenv("EPMOE_BENCH_GEMM_MAIN_ONLY");
@@ -239,24 +257,29 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   if (experiment) {
     for (Variant& v : experiments(false)) variants.push_back(std::move(v));
   }
+  const int repeat = variant_repeat();
   for (const Variant& v : variants) {
-    const double us = time_us(
-        [&](int, cudaStream_t st) {
-          cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d, st,
-                                            v.options);
-        },
-        1, stream, timing_for(options));
-    const Params p{
-        {"layout", std::string("contiguous")},
-        {"quant", std::string("fp8")},
-        {"groups", G},
-        {"m_per_group", s.m},
-        {"n", N},
-        {"k", K},
-        {"valid_m", valid},
-        {"block_m", static_cast<std::int64_t>(v.options.block_m != 0 ? v.options.block_m : chosen.block_m)},
-        {"block_n", static_cast<std::int64_t>(v.options.block_n != 0 ? v.options.block_n : chosen.block_n)}};
-    emit(options, results, finish("gemm.contiguous" + v.suffix, p, us, bytes, flops, s));
+    if (!variant_listed(v.suffix)) continue;
+    for (int r = 0; r < repeat; ++r) {
+      const double us = time_us(
+          [&](int, cudaStream_t st) {
+            cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d, st,
+                                              v.options);
+          },
+          1, stream, timing_for(options));
+      const Params p{
+          {"layout", std::string("contiguous")},
+          {"quant", std::string("fp8")},
+          {"groups", G},
+          {"m_per_group", s.m},
+          {"n", N},
+          {"k", K},
+          {"valid_m", valid},
+          {"block_m", static_cast<std::int64_t>(v.options.block_m != 0 ? v.options.block_m : chosen.block_m)},
+          {"block_n",
+           static_cast<std::int64_t>(v.options.block_n != 0 ? v.options.block_n : chosen.block_n)}};
+      emit(options, results, finish("gemm.contiguous" + v.suffix, p, us, bytes, flops, s));
+    }
   }
 }
 
