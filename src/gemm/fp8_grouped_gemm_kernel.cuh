@@ -310,7 +310,7 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64
 inline constexpr int kAblateNone = 0;
 inline constexpr int kAblateMath = 1;     // consumers skip the wgmma and the promotion
 inline constexpr int kAblateLoads = 2;    // the producer arms the full barriers without loading A and B
-inline constexpr int kAblatePromote = 4;  // consumers skip the promotion (wgmma and wait kept)
+inline constexpr int kAblatePromote = 4;  // consumers promote one accumulator per wave (wgmma and wait kept)
 inline constexpr int kAblateOneWait = 8;  // all waves of a K block into one partial: one wait, one promotion
 inline constexpr int kAblateEpilogue = 16;  // no output stores
 inline constexpr int kAblateScales = 32;    // the scale warp copies nothing (arrives only)
@@ -591,7 +591,13 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             // after the arrive, so the producers get the stage back early.
             if (w == kWaves - 1) free_stage(stage);
             fence_all(part[0]);
-            if constexpr (!kNoPromote) promote(acc[w], part[0], s_a, s_b, s_w[w]);
+            if constexpr (kNoPromote) {
+              // One FFMA per wave, not 64: the wave's wgmma results must stay live, or ptxas drops the
+              // wgmma itself (it did, before this line: the SASS held a dummy HGMMA.64x8x16 with RZ).
+              acc[w][0] = fmaf(s_a, part[0][0], acc[w][0]);
+            } else {
+              promote(acc[w], part[0], s_a, s_b, s_w[w]);
+            }
           }
         };
         const auto k_loop = [&](auto one_wait, auto no_promote) {
