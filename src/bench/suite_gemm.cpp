@@ -182,6 +182,16 @@ std::vector<Variant> experiments(bool masked) {
     o.ablation = 2 | 32 | 4 | 8 | 16;
     o.cluster = 1;
   });
+  add("tensor_only_two_waits", [](auto& o) { o.ablation = 2 | 32 | 4 | 16; });
+  add("tensor_only_n128", [](auto& o) {
+    o.ablation = 2 | 32 | 4 | 16;
+    o.block_n = 128;
+  });
+  add("tensor_only_n128_cluster1", [](auto& o) {
+    o.ablation = 2 | 32 | 4 | 16;
+    o.block_n = 128;
+    o.cluster = 1;
+  });
   if (masked) add("full_a_box", [](auto& o) { o.small_a_box = false; });
   return v;
 }
