@@ -183,18 +183,6 @@ std::vector<Variant> experiments(bool masked) {
     o.cluster = 1;
   });
   add("tensor_only_two_waits", [](auto& o) { o.ablation = 2 | 32 | 4 | 16; });
-  add("tensor_only_pingpong", [](auto& o) {
-    o.ablation = 2 | 32 | 4 | 16;
-    o.pingpong = true;
-  });
-  add("tensor_only_pingpong_after_wait", [](auto& o) {
-    o.ablation = 2 | 32 | 4 | 16 | 64;
-    o.pingpong = true;
-  });
-  add("pingpong_after_wait", [](auto& o) {
-    o.ablation = 64;
-    o.pingpong = true;
-  });
   add("tensor_only_n128", [](auto& o) {
     o.ablation = 2 | 32 | 4 | 16;
     o.block_n = 128;

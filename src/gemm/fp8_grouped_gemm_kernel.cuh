@@ -314,10 +314,6 @@ inline constexpr int kAblatePromote = 4;  // consumers promote one accumulator p
 inline constexpr int kAblateOneWait = 8;  // all waves of a K block into one partial: one wait, one promotion
 inline constexpr int kAblateEpilogue = 16;  // no output stores
 inline constexpr int kAblateScales = 32;    // the scale warp copies nothing (arrives only)
-// Experiment, output intact: with ping-pong, pass the turn once this warpgroup's wave has completed
-// (after its wgmma wait) rather than once it is issued, so that the two warpgroups' waves run one
-// after the other on the tensor cores instead of interleaved.
-inline constexpr int kAblateTurnAfterWait = 64;
 
 // Named barriers passing the wgmma turn between the two consumer warpgroups (ping-pong): consumer c
 // waits on kTurnBarrier + c before issuing a wave and arrives on the other's after issuing it.
@@ -479,7 +475,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     // The K loop unrolled over the stages (options.unrolled_k_loop): all stages in use and a whole
     // number of rounds of them per tile, so that every tile starts at stage 0.
     const bool unrolled = p.unroll != 0 && stages == kStages && num_kb % kStages == 0;
-    const bool turn_after_wait = (p.ablation & kAblateTurnAfterWait) != 0;
     // Skew: the same turn passing for the first wave of each tile only (strict alternation, as
     // ping-pong: no barrier phase can complete without both warpgroups).
     const bool skewed = Traits::kConsumers == 2 && !ordered && p.skew != 0 &&
@@ -589,9 +584,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             }
             if (kOneWait && w < kWaves - 1) continue;
             ptx::wgmma_commit();
-            if (turn && !turn_after_wait) ptx::named_bar_arrive(their_turn, 256);
+            if (turn) ptx::named_bar_arrive(their_turn, 256);
             ptx::wgmma_wait<0>();
-            if (turn && turn_after_wait) ptx::named_bar_arrive(their_turn, 256);
             fence_all(part[0]);
             // After the last wave this warp is done with the stage; the fences keep the promotion
             // after the arrive, so the producers get the stage back early.
