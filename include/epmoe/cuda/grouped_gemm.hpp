@@ -46,7 +46,8 @@ struct GroupedGemmOptions {
   // L2 promotion of the TMA loads: 0 = 256 bytes, 1 = none, 2 = 128 bytes.
   int l2_promotion = 0;
   // Bits, 0: off. 1: skip the tensor-core work and the promotion; 2: skip the loads (the pipeline
-  // still runs); 4: skip the promotion; 8: one wgmma wait and promotion per K block (the waves
+  // still runs); 4: promote one accumulator per wave (the wgmma results must stay live, or the
+  // compiler drops the wgmma); 8: one wgmma wait and promotion per K block (the waves
   // accumulate into one partial); 16: no output stores; 32: no scale copies. All leave garbage in
   // d: for locating a bottleneck only.
   int ablation = 0;
