@@ -8,6 +8,12 @@
 //   ss  N W P: the same with A from shared memory (64 x 32);
 //   mma W:     mma.sync m16n8k32 e4m3 (warp level), W warps per CTA, 4 independent accumulators
 //              per warp (the A fragment is m64's per-warp 16-row slice: the same register layout).
+//   ss n128 wW pP gG +promote (argument "gemm"; the FP8 GEMM's consumer loop without loads, barriers
+//              or scales, session 9): W warpgroups each issuing groups of G wgmma m64n128k32 (4 = one
+//              128-column wave of a K block, 8 = two waves chained) into P partials, wait_group P - 1,
+//              and with "+promote" the 64-FFMA promotion of the completed partial into a second
+//              accumulator after each wait, as the GEMM does. 64 cycles per instruction per SM is
+//              the dense FP8 peak.
 // Printed: SM cycles per instruction (clock64 span of the slowest warp / instructions per SM) and
 // the equivalent int4 weight bytes per cycle per SM (rs/ss: 64 x 32 weights = 1024 bytes per
 // instruction; mma: 16 x 32 = 256 bytes), to compare with the ~13 bytes per cycle per SM that
@@ -25,8 +31,8 @@ constexpr int kIters = 2048;
 
 __device__ std::uint32_t g_sink;
 
-template <int N, bool kRs, int kParts, int kThreads>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles) {
+template <int N, bool kRs, int kParts, int kThreads, int kGroup = 4, bool kPromote = false>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, float scale) {
   __shared__ alignas(1024) std::uint8_t tile[(64 + 256) * 128];  // A (64 x 128) then B (<= 256 x 128)
   for (int i = static_cast<int>(threadIdx.x); i < (64 + 256) * 128 / 4; i += static_cast<int>(blockDim.x))
     reinterpret_cast<std::uint32_t*>(tile)[i] = 0x38383838u * ((i & 1) + 1);  // e4m3 1.0 / 2.0 bytes
@@ -34,6 +40,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles) {
   const std::uint32_t a_smem = ptx::smem_addr(tile), b_smem = a_smem + 64 * 128;
   std::uint32_t a[4] = {threadIdx.x * 0x01010101u & 0x38383838u, 0x38383838u, 0x30303030u, threadIdx.x};
   float acc[kParts][N / 2];
+  float fin[kPromote ? N / 2 : 1] = {};
 #pragma unroll
   for (int p = 0; p < kParts; ++p)
 #pragma unroll
@@ -47,7 +54,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles) {
       for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[p][i]);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
+      for (int g = 0; g < kGroup; ++g) {
+        const int s = g % 4;  // K step inside the 128-byte row; groups of 8 chain two waves
         if constexpr (kRs) {
           ptx::wgmma_m64k32_rs_e4m3<N>(acc[p], a, ptx::wgmma_desc_sw128(b_smem + 32 * s), true);
         } else {
@@ -60,8 +68,17 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles) {
       if constexpr (kParts == 1) ptx::wgmma_wait<0>();
       if constexpr (kParts == 2) ptx::wgmma_wait<1>();
       if constexpr (kParts == 4) ptx::wgmma_wait<3>();
+      // The partial whose group has completed (the oldest in flight; p is a constant of the unrolled
+      // loop): only its registers may be touched, e.g. by the GEMM's promotion.
+      float(&done)[N / 2] = acc[(p + 1) % kParts];
 #pragma unroll
-      for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[p][i]);
+      for (int i = 0; i < N / 2; ++i) ptx::fence_operand(done[i]);
+      if constexpr (kPromote) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) fin[i] = fmaf(scale, done[i], fin[i]);
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) ptx::fence_operand(done[i]);
+      }
     }
   }
   ptx::wgmma_wait<0>();
@@ -71,6 +88,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles) {
   for (int p = 0; p < kParts; ++p)
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) s += acc[p][i];
+  if constexpr (kPromote) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) s += fin[i];
+  }
   if (s == 1234.5f) g_sink = 1;
   if (threadIdx.x % 32 == 0) atomicMax(cycles + blockIdx.x, t1 - t0);
 }
@@ -98,9 +119,9 @@ void measure(const char* what, int threads, double instr_per_sm, double bytes_pe
   long long* d = nullptr;
   cudaMalloc(&d, sms * sizeof(long long));
   cudaMemset(d, 0, sms * sizeof(long long));
-  kernel<<<sms, threads>>>(d);  // warm-up
+  kernel(d, sms, threads);  // warm-up
   cudaMemset(d, 0, sms * sizeof(long long));
-  kernel<<<sms, threads>>>(d);
+  kernel(d, sms, threads);
   const cudaError_t e = cudaDeviceSynchronize();
   long long h[1024] = {};
   cudaMemcpy(h, d, sms * sizeof(long long), cudaMemcpyDeviceToHost);
@@ -112,18 +133,42 @@ void measure(const char* what, int threads, double instr_per_sm, double bytes_pe
   cudaFree(d);
 }
 
-template <int N, bool kRs, int kParts, int kW>
+template <int N, bool kRs, int kParts, int kW, int kGroup = 4, bool kPromote = false>
 void wg(int sms) {
   constexpr int w = kW;
   char name[64];
-  std::snprintf(name, sizeof name, "%s n%d w%d p%d", kRs ? "rs" : "ss", N, w, kParts);
-  measure(name, 128 * w, static_cast<double>(kIters) * kParts * 4 * w, 1024.0,
-          wgmma_probe<N, kRs, kParts, 128 * kW>, sms);
+  std::snprintf(name, sizeof name, "%s n%d w%d p%d g%d%s", kRs ? "rs" : "ss", N, w, kParts, kGroup,
+                kPromote ? " +promote" : "");
+  measure(
+      name, 128 * w, static_cast<double>(kIters) * kParts * kGroup * w, 1024.0,
+      [](long long* c, int blocks, int threads) {
+        wgmma_probe<N, kRs, kParts, 128 * kW, kGroup, kPromote><<<blocks, threads>>>(c, 0.5f);
+      },
+      sms);
 }
 
-int main() {
+// The FP8 GEMM's consumer loop in isolation (argument "gemm"): how busy two (or three) warpgroups
+// keep the tensor cores with one partial and wait_group 0 per 128-column wave, as the 128 x 256 kernel
+// does, against two partials in flight, a third warpgroup, and two waves chained per wait.
+void gemm_loop(int sms) {
+  wg<128, false, 1, 2, 4, false>(sms);
+  wg<128, false, 1, 2, 4, true>(sms);
+  wg<128, false, 1, 2, 8, false>(sms);
+  wg<128, false, 1, 2, 8, true>(sms);
+  wg<128, false, 2, 2, 4, false>(sms);
+  wg<128, false, 2, 2, 4, true>(sms);
+  wg<128, false, 1, 3, 4, false>(sms);
+  wg<128, false, 1, 3, 4, true>(sms);
+  wg<128, false, 1, 1, 4, true>(sms);
+}
+
+int main(int argc, char** argv) {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  if (argc > 1 && std::string(argv[1]) == "gemm") {
+    gemm_loop(sms);
+    return 0;
+  }
   const auto small = [&](auto w) {
     constexpr int W = decltype(w)::value;
     wg<8, true, 1, W>(sms);
@@ -143,6 +188,6 @@ int main() {
   wg<128, false, 2, 2>(sms);
   for (int w : {4, 8, 16, 32})
     measure((std::string("mma w") + std::to_string(w)).c_str(), 32 * w, static_cast<double>(kIters) * 16 * w,
-            256.0, mma_probe, sms);
+            256.0, [](long long* c, int blocks, int threads) { mma_probe<<<blocks, threads>>>(c); }, sms);
   return 0;
 }
