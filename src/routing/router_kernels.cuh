@@ -702,10 +702,10 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
 #pragma unroll
   for (int o = 1; o < 8; o *= 2) tau = fminf(tau, __shfl_xor_sync(kFull, tau, o));
   const float thr = __fsub_rn(tau, margin);
-  // Bit j: ca[j] >= thr, NaN included, i.e. the sign of rn(ca[j] - thr) is 0 (ca is never -0, the
-  // difference of distinct floats is never 0, and a NaN difference is the positive canonical NaN),
-  // gathered one funnel shift per value in two independent chains (v8; ~2.6 instructions per value
-  // as compare, select and add).
+  // Bit j: ca[j] >= thr, NaN included, i.e. the sign of rn(ca[j] - thr) is 0: equal values give +0
+  // (ca is never -0), ca < thr a negative difference (or -0, were it flushed to zero), and a NaN
+  // operand the positive canonical NaN. Gathered one funnel shift per value in two independent chains
+  // (v8; ~2.6 instructions per value as compare, select and add).
   std::uint32_t below_hi = 0, below_lo = 0;
 #pragma unroll
   for (int j = 15; j >= 0; --j) {
