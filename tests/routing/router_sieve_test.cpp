@@ -1,4 +1,5 @@
-// CPU emulation of route_g8_sieve_kernel's logic (router_kernels.cuh, v5) against route_cpu. The
+// CPU emulation of route_g8_sieve_kernel's logic (router_kernels.cuh, v5; v8's kept-group test, mask
+// by sign and 32-bit ranks with their tie check) against route_cpu. The
 // kernel's approximate sigmoid (MUFU ex2 and rcp) cannot be reproduced on the CPU; what its
 // exactness rests on is only |approx - exact| <= routing::kSieveApproxErr (checked on every float by
 // the GPU test RouterMathGpu.SieveSigmoidWithinItsBoundOnEveryFloat). So the emulation takes the
@@ -55,6 +56,7 @@ const char* noise_name(Noise n) {
 
 struct SieveStats {
   std::int64_t tokens = 0, exact_sigmoids = 0, exact_group_tokens = 0, long_lists = 0, max_list = 0;
+  std::int64_t rank32_tokens = 0, rank32_ties = 0;  // v8's 32-bit ranks used / refused for a tie
 };
 
 // One token through the kernel's steps. x: 256 logits, b: 256 biases; writes K ids and weights.
@@ -119,10 +121,13 @@ void sieve_token(const MoeConfig& c, const float* x, const float* b, float margi
   bool kept[kG], known[kG];
   bool any_unknown = false;
   for (int g = 0; g < kG; ++g) {
+    // v8: one difference per other group (the kernel's xor shuffles), rn(ga - o) = -rn(o - ga).
     int sure_above = 0, maybe_above = 0;
     for (int h = 0; h < kG; ++h) {
-      sure_above += routing::rn_add(ga[h], -ga[g]) > margin2 ? 1 : 0;
-      maybe_above += h != g && !(routing::rn_add(ga[g], -ga[h]) > margin2) ? 1 : 0;
+      if (h == g) continue;
+      const float d = routing::rn_add(ga[h], -ga[g]);
+      sure_above += d > margin2 ? 1 : 0;
+      maybe_above += d < -margin2 ? 0 : 1;
     }
     kept[g] = maybe_above < c.topk_groups;
     known[g] = kept[g] || sure_above >= c.topk_groups;
@@ -164,7 +169,12 @@ void sieve_token(const MoeConfig& c, const float* x, const float* b, float margi
     if (!kept[g]) continue;
     for (int j = 0; j < kP; ++j) {
       const int e = g * kP + j;
-      if (ca[e] < thr) continue;
+      // v8: a candidate when the sign of rn(ca - thr) is 0 (the GPU's NaN is the positive canonical
+      // one; the CPU's may carry a sign), which must be ca >= thr.
+      const float d = routing::rn_add(ca[e], -thr);
+      const bool candidate = std::isnan(d) || !std::signbit(d);
+      EXPECT_EQ(candidate, !(ca[e] < thr)) << "ca " << ca[e] << ", thr " << thr;
+      if (!candidate) continue;
       evaluated[e] = true;
       const float v = routing::rn_add(s[e], b[e]);  // the exact score, from the stage
       list.push_back((static_cast<std::uint64_t>(order_key(v)) << 32) | ~static_cast<std::uint32_t>(e));
@@ -183,6 +193,28 @@ void sieve_token(const MoeConfig& c, const float* x, const float* b, float margi
     int rank = 0;
     for (const std::uint64_t k : list) rank += k > a ? 1 : 0;
     if (rank < c.topk) slot[rank] = static_cast<std::int32_t>(~static_cast<std::uint32_t>(a));
+  }
+  // v8: lists of at most 16 rank by the keys' high words (the values) alone, unless the ranks' sum
+  // shows a tie; whenever the check passes, those ranks must give the 64-bit keys' slots.
+  if (total <= 16) {
+    std::vector<int> rank32;
+    std::int64_t rank_sum = 0;
+    for (const std::uint64_t a : list) {
+      int rank = 0;
+      for (const std::uint64_t k : list) rank += (k >> 32) > (a >> 32) ? 1 : 0;
+      rank32.push_back(rank);
+      rank_sum += rank;
+    }
+    if (2 * rank_sum == total * (total - 1)) {
+      ++stats.rank32_tokens;
+      for (std::size_t i = 0; i < list.size(); ++i) {
+        if (rank32[i] < c.topk) {
+          EXPECT_EQ(slot[rank32[i]], static_cast<std::int32_t>(~static_cast<std::uint32_t>(list[i])));
+        }
+      }
+    } else {
+      ++stats.rank32_ties;
+    }
   }
   float sum = 0.0f;
   for (int k = 0; k < c.topk; ++k) {
@@ -322,13 +354,17 @@ void check_sieve(const MoeConfig& c, std::uint64_t seed, std::int64_t tokens) {
     }
   }
   EXPECT_EQ(mismatched, 0);
+  // Both of v8's rank paths ran: the 32-bit one, and its refusal on tied values.
+  EXPECT_GT(stats.rank32_tokens, 0);
+  EXPECT_GT(stats.rank32_ties, 0);
   std::printf(
       "%s: %lld token cases, %.2f exact sigmoids per token, %.2f%% exact group scores, %lld lists > 64"
-      " (longest %lld)\n",
+      " (longest %lld), 32-bit ranks %lld, refused for ties %lld\n",
       c.name.c_str(), static_cast<long long>(stats.tokens),
       static_cast<double>(stats.exact_sigmoids) / static_cast<double>(stats.tokens),
       100.0 * static_cast<double>(stats.exact_group_tokens) / static_cast<double>(stats.tokens),
-      static_cast<long long>(stats.long_lists), static_cast<long long>(stats.max_list));
+      static_cast<long long>(stats.long_lists), static_cast<long long>(stats.max_list),
+      static_cast<long long>(stats.rank32_tokens), static_cast<long long>(stats.rank32_ties));
 }
 
 TEST(RouterSieveEmulation, MatchesRouteCpuBitForBit) {
