@@ -62,7 +62,7 @@ touch "$tmp/stop"
 wait "$sampler" 2> /dev/null
 
 # The consumer loop alone.
-nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc bench/probe/tensor_probe.cu -o "$tmp/probe" \
+"$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc bench/probe/tensor_probe.cu -o "$tmp/probe" \
   > "$tmp/probe-build.log" 2>&1 && timeout 60 "$tmp/probe" gemm > "$out/probe.txt" 2>&1 ||
   { echo "probe failed:"; tail -n 5 "$tmp/probe-build.log" "$out/probe.txt"; }
 

@@ -97,7 +97,7 @@ fi
 if ((built)); then
   step bench bash -o pipefail -c "build-gpu/bin/epmoe bench all --json '$out/bench.json' 2>&1 | tee '$out/bench.log'"
   # The tensor cores alone under the FP8 GEMM's consumer-loop shapes (cycles per wgmma; 64 = peak).
-  step tensor-probe bash -o pipefail -c "nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc \
+  step tensor-probe bash -o pipefail -c "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc) -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc \
     bench/probe/tensor_probe.cu -o '$out/tensor_probe' > '$out/tensor-probe.log' 2>&1 &&
     '$out/tensor_probe' gemm 2>&1 | tee -a '$out/tensor-probe.log'; rm -f '$out/tensor_probe'"
 else
