@@ -80,7 +80,7 @@ if [[ ${EPMOE_GEMM_NCU:-0} == 1 ]]; then
   # line: the details page, and the per-instruction stall samples of the SASS (compressed).
   stamp ncu
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
-  EPMOE_BENCH_GEMM_ROW=8x4096x4096 EPMOE_BENCH_GEMM_MAIN_ONLY=1 EPMOE_BENCH_GEMM_ONLY=contiguous \
+  EPMOE_BENCH_GEMM_ROW=8x4096x4096 EPMOE_BENCH_GEMM_VARIANTS=main EPMOE_BENCH_GEMM_ONLY=contiguous \
     timeout 150 "$ncu" --clock-control none --kernel-name regex:fp8_grouped_gemm --launch-skip 3 --launch-count 1 \
     --set full --import-source no -f -o "$out/prof" build-gpu/bin/epmoe bench gemm --quick > "$out/ncu-run.log" 2>&1
   echo "ncu exit: $?"

@@ -197,8 +197,8 @@ std::vector<Variant> experiments(bool masked) {
 }
 
 // EPMOE_BENCH_GEMM_VARIANTS=main,.exp.no_promote,...: the contiguous rows time only the listed lines
-// ("main" is the heuristic's line), each EPMOE_BENCH_GEMM_REPEAT times (default 1; one result per
-// time), e.g. to watch the clocks of one configuration for seconds (power-capped cards).
+// ("main" is the heuristic's line; VARIANTS=main for profiling), each EPMOE_BENCH_GEMM_REPEAT times (default
+// 1; one result per time), e.g. to watch the clocks of one configuration for seconds (power-capped cards).
 bool variant_listed(const std::string& suffix) {
   const char* e = std::getenv("EPMOE_BENCH_GEMM_VARIANTS");
   if (e == nullptr || *e == '\0') return true;
@@ -212,12 +212,6 @@ int variant_repeat() {
   EPMOE_CHECK(n >= 1 && n <= 1000, "EPMOE_BENCH_GEMM_REPEAT must be 1..1000, got '{}'",
               e == nullptr ? "" : e);
   return n;
-}
-
-// EPMOE_BENCH_GEMM_MAIN_ONLY=1: the contiguous rows time only their main line (profiling).
-bool main_line_only() {
-  const char* e = std::getenv("EPMOE_BENCH_GEMM_MAIN_ONLY");
-  return e != nullptr && *e != '\0' && *e != '0';
 }
 
 bool experiments_enabled() {
@@ -263,13 +257,22 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;
   }
-  if (main_line_only()) variants.resize(1);
   if (experiment) {
     for (Variant& v : experiments(false)) variants.push_back(std::move(v));
   }
   const int repeat = variant_repeat();
   for (const Variant& v : variants) {
     if (!variant_listed(v.suffix)) continue;
+    const Params p{
+        {"layout", std::string("contiguous")},
+        {"quant", std::string("fp8")},
+        {"groups", G},
+        {"m_per_group", s.m},
+        {"n", N},
+        {"k", K},
+        {"valid_m", valid},
+        {"block_m", static_cast<std::int64_t>(v.options.block_m != 0 ? v.options.block_m : chosen.block_m)},
+        {"block_n", static_cast<std::int64_t>(v.options.block_n != 0 ? v.options.block_n : chosen.block_n)}};
     for (int r = 0; r < repeat; ++r) {
       const double us = time_us(
           [&](int, cudaStream_t st) {
@@ -277,17 +280,6 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
                                               v.options);
           },
           1, stream, timing_for(options));
-      const Params p{
-          {"layout", std::string("contiguous")},
-          {"quant", std::string("fp8")},
-          {"groups", G},
-          {"m_per_group", s.m},
-          {"n", N},
-          {"k", K},
-          {"valid_m", valid},
-          {"block_m", static_cast<std::int64_t>(v.options.block_m != 0 ? v.options.block_m : chosen.block_m)},
-          {"block_n",
-           static_cast<std::int64_t>(v.options.block_n != 0 ? v.options.block_n : chosen.block_n)}};
       emit(options, results, finish("gemm.contiguous" + v.suffix, p, us, bytes, flops, s));
     }
   }
