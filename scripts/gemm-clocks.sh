@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.." || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 if [[ ${EPMOE_BUILD:-1} != 0 ]]; then
-  { cmake --preset gpu && cmake --build --preset gpu -j "$(nproc)" --target epmoe_cli; } > "$out/build.log" 2>&1 ||
+  { cmake --preset gpu && cmake --build --preset gpu -j "$(nproc)" --target epmoe_cli epmoe_tensor_probe; } > "$out/build.log" 2>&1 ||
     { tail -n 30 "$out/build.log"; exit 1; }
 fi
 export LD_LIBRARY_PATH=$PWD/build-gpu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -62,9 +62,7 @@ touch "$tmp/stop"
 wait "$sampler" 2> /dev/null
 
 # The consumer loop alone.
-"$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc bench/probe/tensor_probe.cu -o "$tmp/probe" \
-  > "$tmp/probe-build.log" 2>&1 && timeout 60 "$tmp/probe" gemm > "$out/probe.txt" 2>&1 ||
-  { echo "probe failed:"; tail -n 5 "$tmp/probe-build.log" "$out/probe.txt"; }
+timeout 60 build-gpu/bin/epmoe_tensor_probe gemm > "$out/probe.txt" 2>&1 || { echo "probe failed:"; tail -n 5 "$out/probe.txt"; }
 
 python3 - "$tmp" "$out" "$row" << 'PY'
 import json, statistics, sys

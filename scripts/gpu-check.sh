@@ -59,7 +59,7 @@ if [[ ${result[build]} != ok* ]]; then
   grep -E "FAILED:|error" "$out/build.log" | head -n 20 || true
   # Something outside the GPU harness may be broken: still build what the GPU steps need.
   step build-gpu-targets bash -o pipefail -c \
-    "cmake --build --preset gpu -j '$jobs' --target epmoe epmoe_gpu_tests epmoe_cli > '$out/build-gpu-targets.log' 2>&1"
+    "cmake --build --preset gpu -j '$jobs' --target epmoe epmoe_gpu_tests epmoe_cli epmoe_tensor_probe > '$out/build-gpu-targets.log' 2>&1"
   [[ ${result[build-gpu-targets]} == ok* ]] || built=0
 fi
 
@@ -97,9 +97,7 @@ fi
 if ((built)); then
   step bench bash -o pipefail -c "build-gpu/bin/epmoe bench all --json '$out/bench.json' 2>&1 | tee '$out/bench.log'"
   # The tensor cores alone under the FP8 GEMM's consumer-loop shapes (cycles per wgmma; 64 = peak).
-  step tensor-probe bash -o pipefail -c "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc) -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc \
-    bench/probe/tensor_probe.cu -o '$out/tensor_probe' > '$out/tensor-probe.log' 2>&1 &&
-    '$out/tensor_probe' gemm 2>&1 | tee -a '$out/tensor-probe.log'; rm -f '$out/tensor_probe'"
+  step tensor-probe bash -o pipefail -c "build-gpu/bin/epmoe_tensor_probe gemm 2>&1 | tee '$out/tensor-probe.log'"
 else
   skip bench "no build"
 fi

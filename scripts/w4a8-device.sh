@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw -
 if [[ ${W4A8_BUILD:-1} == 1 ]]; then
   stamp build
   cmake --preset gpu > "$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; exit 1; }
-  targets="epmoe_gpu_tests epmoe_cli"
+  targets="epmoe_gpu_tests epmoe_cli epmoe_tensor_probe"
   [[ ${W4A8_CPU_TESTS:-0} == 1 ]] && targets="$targets epmoe_tests"
   # shellcheck disable=SC2086
   if ! timeout 300 cmake --build --preset gpu -j "$(nproc)" --target $targets >> "$out/build.log" 2>&1; then
@@ -54,8 +54,7 @@ fi
 
 if [[ ${W4A8_PROBE:-0} == 1 ]]; then
   stamp probe
-  nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc bench/probe/tensor_probe.cu -o /tmp/w4a8-probe &&
-    timeout 60 /tmp/w4a8-probe | tee "$out/probe.log"
+  timeout 60 build-gpu/bin/epmoe_tensor_probe | tee "$out/probe.log"
 fi
 
 if [[ ${W4A8_CPU_TESTS:-0} == 1 ]]; then

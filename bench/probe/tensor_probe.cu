@@ -1,6 +1,7 @@
 // Tensor-core instruction throughput probe (issue 5, W4A8 decode): how many SM cycles one
 // instruction costs when a CTA per SM issues nothing else, for the shapes a tiny-M W4A8 kernel
-// could use. Not part of the build: scripts/w4a8-device.sh compiles it with nvcc and runs it.
+// could use; with the argument "gemm", the FP8 GEMM's consumer loop. Built as bin/epmoe_tensor_probe
+// (target epmoe_tensor_probe); scripts/w4a8-device.sh, gemm-clocks.sh and gpu-check.sh run it.
 //
 //   rs  N W P: wgmma m64nNk32 e4m3, A from registers, B (N x 32) in shared memory; W warpgroups per
 //              CTA, each issuing groups of 4 wgmma (one 128-K block) into P partial accumulators
@@ -22,6 +23,7 @@
 #include <cstdio>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/ptx_hopper.cuh"
 
@@ -45,41 +47,53 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, fl
   for (int p = 0; p < kParts; ++p)
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) acc[p][i] = 0.0f;
-  const long long t0 = clock64();
-#pragma unroll 1
-  for (int it = 0; it < kIters; ++it) {
+  // One group of kGroup wgmma into acc[slot] (slot: a constant, register arrays stay registers).
+  const auto issue = [&](auto slot_v) {
+    constexpr int kSlot = decltype(slot_v)::value;
 #pragma unroll
-    for (int p = 0; p < kParts; ++p) {
+    for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[kSlot][i]);
+    ptx::wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[p][i]);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int g = 0; g < kGroup; ++g) {
-        const int s = g % 4;  // K step inside the 128-byte row; groups of 8 chain two waves
-        if constexpr (kRs) {
-          ptx::wgmma_m64k32_rs_e4m3<N>(acc[p], a, ptx::wgmma_desc_sw128(b_smem + 32 * s), true);
-        } else {
-          static_assert(N == 128);
-          ptx::wgmma_m64n128k32_e4m3(acc[p], ptx::wgmma_desc_sw128(a_smem + 32 * s),
-                                     ptx::wgmma_desc_sw128(b_smem + 32 * s), true);
-        }
-      }
-      ptx::wgmma_commit();
-      if constexpr (kParts == 1) ptx::wgmma_wait<0>();
-      if constexpr (kParts == 2) ptx::wgmma_wait<1>();
-      if constexpr (kParts == 4) ptx::wgmma_wait<3>();
-      // The partial whose group has completed (the oldest in flight; p is a constant of the unrolled
-      // loop): only its registers may be touched, e.g. by the GEMM's promotion.
-      float(&done)[N / 2] = acc[(p + 1) % kParts];
-#pragma unroll
-      for (int i = 0; i < N / 2; ++i) ptx::fence_operand(done[i]);
-      if constexpr (kPromote) {
-#pragma unroll
-        for (int i = 0; i < N / 2; ++i) fin[i] = fmaf(scale, done[i], fin[i]);
-#pragma unroll
-        for (int i = 0; i < N / 2; ++i) ptx::fence_operand(done[i]);
+    for (int g = 0; g < kGroup; ++g) {
+      const int s = g % 4;  // K step inside the 128-byte row; groups of 8 chain two waves
+      if constexpr (kRs) {
+        ptx::wgmma_m64k32_rs_e4m3<N>(acc[kSlot], a, ptx::wgmma_desc_sw128(b_smem + 32 * s), true);
+      } else {
+        static_assert(N == 128);
+        ptx::wgmma_m64n128k32_e4m3(acc[kSlot], ptx::wgmma_desc_sw128(a_smem + 32 * s),
+                                   ptx::wgmma_desc_sw128(b_smem + 32 * s), true);
       }
     }
+    ptx::wgmma_commit();
+  };
+  // Waits until kParts - 1 groups are in flight, so that acc[slot]'s (the oldest) has completed, and
+  // with kPromote promotes it as the GEMM does. Only that partial's registers are touched.
+  const auto retire = [&](auto slot_v) {
+    constexpr int kSlot = decltype(slot_v)::value;
+    ptx::wgmma_wait<kParts - 1>();
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[kSlot][i]);
+    if constexpr (kPromote) {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) fin[i] = fmaf(scale, acc[kSlot][i], fin[i]);
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[kSlot][i]);
+    }
+  };
+  const long long t0 = clock64();
+  // kParts - 1 groups in flight ahead of the loop; each step then issues one and retires the oldest.
+  [&]<int... P>(std::integer_sequence<int, P...>) {
+    (issue(std::integral_constant<int, P>{}), ...);
+  }
+  (std::make_integer_sequence<int, kParts - 1>{});
+#pragma unroll 1
+  for (int it = 0; it < kIters; ++it) {
+    [&]<int... P>(std::integer_sequence<int, P...>) {
+      ((issue(std::integral_constant<int, (P + kParts - 1) % kParts>{}),
+        retire(std::integral_constant<int, P>{})),
+       ...);
+    }
+    (std::make_integer_sequence<int, kParts>{});
   }
   ptx::wgmma_wait<0>();
   const long long t1 = clock64();
@@ -150,6 +164,8 @@ void wg(int sms) {
 // The FP8 GEMM's consumer loop in isolation (argument "gemm"): how busy two (or three) warpgroups
 // keep the tensor cores with one partial and wait_group 0 per 128-column wave, as the 128 x 256 kernel
 // does, against two partials in flight, a third warpgroup, and two waves chained per wait.
+// ptxas serializes the wgmma of `w2 p2 g4 +promote` (C7514: the promotion reads a partial while the
+// other partial's group is in flight), so that line times serialized wgmma.
 void gemm_loop(int sms) {
   wg<128, false, 1, 2, 4, false>(sms);
   wg<128, false, 1, 2, 4, true>(sms);
