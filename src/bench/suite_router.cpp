@@ -91,8 +91,13 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
       for (const int stages : {0, 1, 2}) {  // the sieve kernel's staging (v7), each measured
         cuda::RouteKernelChoice staged = automatic;
         staged.tma_stages = stages;
+        staged.token_lanes = 8;
         rows.push_back({&sigmoid, "sigmoid-sieve-tma" + std::to_string(stages), staged});
         rows.push_back({&softmax, "softmax-tma" + std::to_string(stages), staged});
+        if (stages > 0) {  // pairs (v9): 16 lanes per token
+          staged.token_lanes = 16;
+          rows.push_back({&sigmoid, "sigmoid-sieve-pairs-tma" + std::to_string(stages), staged});
+        }
       }
     }
     if (variants) {
@@ -107,6 +112,9 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
         cuda::RouteKernelChoice g8 = automatic;
         g8.kernel = cuda::RouteKernelChoice::Kernel::g8;
         rows.push_back({&sigmoid, "sigmoid-g8", g8});
+        g8.token_lanes = 16;
+        rows.push_back({&sigmoid, "sigmoid-g8-pairs", g8});
+        g8.token_lanes = 8;
         g8.sieve = false;
         rows.push_back({&sigmoid, "sigmoid-g8-no-sieve", g8});
       }

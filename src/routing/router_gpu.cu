@@ -113,8 +113,9 @@ bool route_g8_softmax_applies(const MoeConfig& c, const kernels::RouterParams& p
 }
 
 // Blocks for a g8 kernel (route_g8_kernel, route_g8_sieve_kernel, route_g8_softmax_kernel: the same
-// layout): a warp per quad (4 tokens), no more than fit on the device at once.
-template <auto kKernel, typename... Extra>
+// layout): a warp per unit of kUnitTokens tokens (a quad; the sieve kernel also takes pairs), no more
+// than fit on the device at once.
+template <auto kKernel, int kUnitTokens = 4, typename... Extra>
 void launch_g8(const kernels::RouterParams& p, cudaStream_t stream, const Extra&... extra) {
   static const int blocks_per_sm = [] {
     // 8 blocks of 25.75 KB (5 of 41.75 KB) need the largest shared-memory carveout.
@@ -126,8 +127,8 @@ void launch_g8(const kernels::RouterParams& p, cudaStream_t stream, const Extra&
     return std::max(n, 1);
   }();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
-  const std::uint64_t quads = (static_cast<std::uint64_t>(p.tokens) + 3) / 4;
-  const std::uint64_t wanted = (quads + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
+  const std::uint64_t units = (static_cast<std::uint64_t>(p.tokens) + kUnitTokens - 1) / kUnitTokens;
+  const std::uint64_t wanted = (units + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
   const auto grid = static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
   kKernel<<<grid, kernels::kRouterG8Threads, 0, stream>>>(p, extra...);
   EPMOE_CUDA_CHECK_LAUNCH();
@@ -140,9 +141,9 @@ int staging_for(const kernels::RouterParams& p, int tma_stages) {
 }
 
 // The TMA map of the staged g8 kernels: the logits as rows of 128 bytes (one token's group of 32),
-// a quad (32 rows) per box.
-CUtensorMap logits_map(const kernels::RouterParams& p) {
-  return make_tma_2d(p.logits, static_cast<std::int64_t>(p.tokens) * 8, 128, 32, "logits",
+// a unit (a quad: 32 rows; a pair: 16) per box.
+CUtensorMap logits_map(const kernels::RouterParams& p, int unit_tokens) {
+  return make_tma_2d(p.logits, static_cast<std::int64_t>(p.tokens) * 8, 128, 8 * unit_tokens, "logits",
                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
@@ -153,15 +154,22 @@ void launch_staged(const kernels::RouterParams& p, int tma_stages, cudaStream_t 
     case 0:
       return launch_g8<kPerLaneLoads>(p, stream, CUtensorMap{});
     case 1:
-      return launch_g8<kOneBuffer>(p, stream, logits_map(p));
+      return launch_g8<kOneBuffer>(p, stream, logits_map(p, 4));
     default:
-      return launch_g8<kTwoBuffers>(p, stream, logits_map(p));
+      return launch_g8<kTwoBuffers>(p, stream, logits_map(p, 4));
   }
 }
 
+// The sieve kernel: quads (8 lanes per token) with any staging; pairs (16 lanes per token, v9) with
+// TMA staging only (per-lane staging falls back to quads).
 template <bool kRnDiv>
-void launch_sieve(const kernels::RouterParams& p, int tma_stages, cudaStream_t stream) {
+void launch_sieve(const kernels::RouterParams& p, int tma_stages, int token_lanes, cudaStream_t stream) {
   using kernels::route_g8_sieve_kernel;
+  const int staging = staging_for(p, tma_stages);
+  if (token_lanes == 16 && staging > 0) {
+    return staging == 1 ? launch_g8<&route_g8_sieve_kernel<kRnDiv, 1, 16>, 2>(p, stream, logits_map(p, 2))
+                        : launch_g8<&route_g8_sieve_kernel<kRnDiv, 2, 16>, 2>(p, stream, logits_map(p, 2));
+  }
   launch_staged<&route_g8_sieve_kernel<kRnDiv, 0>, &route_g8_sieve_kernel<kRnDiv, 1>,
                 &route_g8_sieve_kernel<kRnDiv, 2>>(p, tma_stages, stream);
 }
@@ -237,8 +245,8 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
   const bool g8_softmax = g8_wanted && route_g8_softmax_applies(config, p);
   if (g8) {
     if (choice.sieve) {
-      choice.rn_division ? launch_sieve<true>(p, choice.tma_stages, stream)
-                         : launch_sieve<false>(p, choice.tma_stages, stream);
+      choice.rn_division ? launch_sieve<true>(p, choice.tma_stages, choice.token_lanes, stream)
+                         : launch_sieve<false>(p, choice.tma_stages, choice.token_lanes, stream);
     } else {
       choice.rn_division ? launch_g8<&route_g8_kernel<true>>(p, stream)
                          : launch_g8<&route_g8_kernel<false>>(p, stream);
@@ -264,6 +272,8 @@ RouteKernelChoice route_kernel_choice_from_env() {
     c.sieve = sieve == nullptr || std::string_view(sieve) != "0";
     if (const char* tma = std::getenv("EPMOE_ROUTER_TMA"); tma != nullptr)
       c.tma_stages = std::clamp(std::atoi(tma), 0, 2);
+    if (const char* lanes = std::getenv("EPMOE_ROUTER_LANES"); lanes != nullptr)
+      c.token_lanes = std::string_view(lanes) == "16" ? 16 : 8;
     return c;
   }();
   return choice;

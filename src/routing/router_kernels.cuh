@@ -293,60 +293,93 @@ __device__ __forceinline__ int add_if_above32(int count, std::uint32_t key, std:
   return count;
 }
 
-// The two largest of a lane's 32 values (a tie counting twice), larger first; NaN is skipped (fmaxf /
+// The two largest of a lane's N values (a tie counting twice), larger first; NaN is skipped (fmaxf /
 // fminf) unless every value is NaN.
 struct G8Top2 {
   float first, second;
 };
-__device__ __forceinline__ G8Top2 g8_top2(const float (&v)[32]) {
+template <int N>
+__device__ __forceinline__ G8Top2 g8_top2(const float (&v)[N]) {
   float t1 = fmaxf(v[0], v[1]), t2 = fminf(v[0], v[1]);
 #pragma unroll
-  for (int j = 2; j < 32; ++j) {
+  for (int j = 2; j < N; ++j) {
     t2 = fmaxf(t2, fminf(t1, v[j]));
     t1 = fmaxf(t1, v[j]);
   }
   return {t1, t2};
 }
 
-// A warp's place in the g8 kernels: a quad (4 tokens) at a time, 8 lanes per token, lane g of a
-// token holding its group g of 32 experts (softmax: experts [32 g, 32 g + 32)); the grid's warps
-// stride over the quads.
+// A warp's place in the g8 kernels: a unit of tokens at a time, kTokenLanes lanes per token, the grid's
+// warps striding over the units. kTokenLanes = 8 (a quad of 4 tokens per warp): lane g of a token
+// holds its group g of 32 experts (softmax: experts [32 g, 32 g + 32)). kTokenLanes = 16 (a pair of 2
+// tokens per warp; the sieve kernel, v9): lanes 2g and 2g + 1 of a token hold the lower and upper 16
+// experts of group g, so that each lane's chain (its values' sigmoids, top-2, candidate bits) is half
+// as long at the same work per token.
+template <int kTokenLanes = 8>
 struct G8Warp {
+  static_assert(kTokenLanes == 8 || kTokenLanes == 16);
+  static constexpr int kTokens = 32 / kTokenLanes;           // tokens per unit (per warp at a time)
+  static constexpr int kGroupLanes = kTokenLanes / 8;        // lanes per group
+  static constexpr int kPerLane = 32 / kGroupLanes;          // values per lane
+  static constexpr std::uint32_t kTokenMask = (1ull << kTokenLanes) - 1;  // a token's lanes from `first`
   int warp, lane;
-  int tw;                     // token of the quad
+  int tw;                     // token of the unit
+  int li;                     // lane of the token (0 .. kTokenLanes - 1)
   int g;                      // group
+  int h;                      // half of the group (kTokenLanes = 16), else 0
+  int row;                    // the stage row of this lane's group: tw * 8 + g
   int first;                  // lane of the token's group 0
-  std::uint32_t quads, step;  // quads of the call; quads between a warp's consecutive ones
+  std::uint32_t units, step;  // units of the call; units between a warp's consecutive ones
   __device__ explicit G8Warp(std::uint32_t tokens)
       : warp(static_cast<int>(threadIdx.x / 32)),
         lane(static_cast<int>(threadIdx.x % 32)),
-        tw(lane >> 3),
-        g(lane & 7),
-        first(lane & 24),
-        quads((tokens + 3u) / 4u),
+        tw(lane / kTokenLanes),
+        li(lane % kTokenLanes),
+        g(li / kGroupLanes),
+        h(li % kGroupLanes),
+        row(lane / kGroupLanes),
+        first(lane & ~(kTokenLanes - 1)),
+        units((tokens + kTokens - 1u) / kTokens),
         step(gridDim.x * kRouterG8Warps) {}
-  __device__ static std::uint32_t first_quad(int warp) {
+  __device__ static std::uint32_t first_unit(int warp) {
     return blockIdx.x * kRouterG8Warps + static_cast<std::uint32_t>(warp);
   }
+  // Place of expert j (of a group's 32) in its stage row: chunk j / 4 of row r at chunk (j / 4) ^ (r % 8),
+  // and r % 8 is the group.
+  __device__ static int place_in_row(int j, int group) { return (((j >> 2) ^ group) << 2) | (j & 3); }
+  // This lane's value jj as an expert of its group.
+  __device__ int expert_in_group(int jj) const { return h * kPerLane + jj; }
 };
 
+// The two larger of a, b (larger first) merged with the same of the partner lane `xor_mask` (a tie
+// counting twice): exact on values, so both lanes end with the pair's top-2 of their union.
+__device__ __forceinline__ void merge_top2(float& t1, float& t2, int xor_mask) {
+  const float o1 = __shfl_xor_sync(0xffffffffu, t1, xor_mask);
+  const float o2 = __shfl_xor_sync(0xffffffffu, t2, xor_mask);
+  const float second = t1 >= o1 ? fmaxf(t2, o1) : fmaxf(t1, o2);
+  t1 = fmaxf(t1, o1);
+  t2 = second;
+}
+
 // The end of the g8 kernels, the same steps in all: from a token's candidates (`mask`: this lane's
-// group's experts whose key can be among the top K) to the ranked top K (S) and the outputs of token
-// q * 4 + tw. Sigmoid: Xf holds the candidates' exact sigmoid, Bf the bias, the selection value is
-// their sum and the weight the sigmoid. Softmax (kSoftmax): Xf holds the logits, which are the
-// selection values (softmax is increasing), Bf is unused, and the weight is exp(x - max) over the
-// chosen experts' sum (renormalised) or over `softmax_sum`, the token's sum of exp(x - max).
-// L and S are the token's candidate list and slots; the lanes of one token are first .. first + 7.
-// With kListBuilt the caller has written the token's `built_total` candidate keys into L already
-// (unless some token of the warp has more than kRouterG8Candidates: then the rounds run).
-template <bool kSoftmax, bool kListBuilt = false>
-__device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::uint32_t mask,
-                                                    const float* Xf, const float* Bf, std::uint64_t* L,
-                                                    std::uint32_t* S, int row, int g, int first, int tw,
-                                                    std::uint32_t q, float softmax_sum = 0.0f,
-                                                    int built_total = 0) {
+// values whose key can be among the top K, bit jj for value jj) to the ranked top K (S) and the outputs
+// of token u * kTokens + tw of unit u. Sigmoid: Xf holds the candidates' exact sigmoid, Bf the bias, the
+// selection value is their sum and the weight the sigmoid. Softmax (kSoftmax): Xf holds the logits,
+// which are the selection values (softmax is increasing), Bf is unused, and the weight is
+// exp(x - max) over the chosen experts' sum (renormalised) or over `softmax_sum`, the token's sum of
+// exp(x - max). L and S are the token's candidate list and slots; the token's lanes are w.first ..
+// w.first + kTokenLanes - 1. With kListBuilt the caller has written the token's `built_total`
+// candidate keys into L already (unless some token of the warp has more than kRouterG8Candidates:
+// then the rounds run).
+template <bool kSoftmax, bool kListBuilt = false, int kTokenLanes = 8>
+__device__ __forceinline__ void g8_select_and_store(const RouterParams& p, const G8Warp<kTokenLanes>& w,
+                                                    std::uint32_t mask, const float* Xf, const float* Bf,
+                                                    std::uint64_t* L, std::uint32_t* S, std::uint32_t u,
+                                                    float softmax_sum = 0.0f, int built_total = 0) {
   using namespace routing;
+  using Warp = G8Warp<kTokenLanes>;
   constexpr unsigned kFull = 0xffffffffu;
+  const int li = w.li, g = w.g, first = w.first, row = w.row;
   const auto value_at = [&](int at) {
     if constexpr (kSoftmax) {
       return Xf[row * 32 + at];
@@ -359,33 +392,32 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::
   if constexpr (!kListBuilt) {
     end = __popc(mask);
 #pragma unroll
-    for (int o = 1; o < 8; o *= 2) {
+    for (int o = 1; o < kTokenLanes; o *= 2) {
       const int y = __shfl_up_sync(kFull, end, o);
-      if (g >= o) end += y;
+      if (li >= o) end += y;
     }
-    total = __shfl_sync(kFull, end, first | 7);
+    total = __shfl_sync(kFull, end, first | (kTokenLanes - 1));
   }
   if (!__any_sync(kFull, total > kRouterG8Candidates)) {
     if constexpr (!kListBuilt) {
       int pos = end - __popc(mask);
       for (std::uint32_t m = mask; m != 0u; m &= m - 1u) {
-        const int j = __ffs(static_cast<int>(m)) - 1;
-        const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-        L[pos++] = g8_key(value_at(at), g * 32 + j);
+        const int j = w.expert_in_group(__ffs(static_cast<int>(m)) - 1);
+        L[pos++] = g8_key(value_at(Warp::place_in_row(j, g)), g * 32 + j);
       }
       __syncwarp();
     }
 
     // ---- rank of each candidate = number of larger keys. Lists of at most 16 in every token of the
-    // warp (random rows: ~11): lane g ranks candidates g and g + 8 by the keys' high words (the values)
-    // alone, 1.5 instructions per comparison where the 64-bit keys take 2.5. That is the keys' order
-    // unless two candidates share a value, which the ranks' sum tells: distinct ranks are 0 .. total - 1
-    // and sum to total (total - 1) / 2, while tied candidates share the lowest of their ranks (a
-    // smaller sum). Ties and longer lists: the 64-bit keys.
+    // warp (random rows: ~11): lane li ranks candidates li and (with 8 lanes per token) li + 8 by the
+    // keys' high words (the values) alone, 1.5 instructions per comparison where the 64-bit keys take
+    // 2.5. That is the keys' order unless two candidates share a value, which the ranks' sum tells:
+    // distinct ranks are 0 .. total - 1 and sum to total (total - 1) / 2, while tied candidates share
+    // the lowest of their ranks (a smaller sum). Ties and longer lists: the 64-bit keys.
     bool ranked = false;
     if (!__any_sync(kFull, total > 16)) {
-      const bool has_a = g < total, has_b = g + 8 < total;
-      const std::uint64_t a = has_a ? L[g] : 0ull, b = has_b ? L[g + 8] : 0ull;
+      const bool has_a = li < total, has_b = kTokenLanes == 8 && li + 8 < total;
+      const std::uint64_t a = has_a ? L[li] : 0ull, b = has_b ? L[li + 8] : 0ull;
       const std::uint32_t not_a = ~static_cast<std::uint32_t>(a >> 32),
                           not_b = ~static_cast<std::uint32_t>(b >> 32);
       int rank_a = 0, rank_b = 0;
@@ -393,21 +425,21 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::
       for (int k = 0; k < total; ++k) {
         const std::uint32_t key = static_cast<std::uint32_t>(L[k] >> 32);
         rank_a = add_if_above32(rank_a, key, not_a);
-        rank_b = add_if_above32(rank_b, key, not_b);
+        if constexpr (kTokenLanes == 8) rank_b = add_if_above32(rank_b, key, not_b);
       }
       int rank_sum = (has_a ? rank_a : 0) + (has_b ? rank_b : 0);
 #pragma unroll
-      for (int o = 1; o < 8; o *= 2) rank_sum += __shfl_xor_sync(kFull, rank_sum, o);
+      for (int o = 1; o < kTokenLanes; o *= 2) rank_sum += __shfl_xor_sync(kFull, rank_sum, o);
       ranked = __all_sync(kFull, 2 * rank_sum == total * (total - 1));
       if (ranked) {
         if (has_a && rank_a < p.topk) S[rank_a] = ~static_cast<std::uint32_t>(a);
         if (has_b && rank_b < p.topk) S[rank_b] = ~static_cast<std::uint32_t>(b);
       }
     }
-    for (int i = g; !ranked && i < total; i += 16) {
+    for (int i = li; !ranked && i < total; i += 2 * kTokenLanes) {
       const std::uint64_t a = L[i];
-      const bool has_b = i + 8 < total;
-      const std::uint64_t b = has_b ? L[i + 8] : ~0ull;
+      const bool has_b = i + kTokenLanes < total;
+      const std::uint64_t b = has_b ? L[i + kTokenLanes] : ~0ull;
       const std::uint64_t not_a = ~a, not_b = ~b;
       int rank_a = 0, rank_b = 0;
 #pragma unroll 4
@@ -420,55 +452,55 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, std::
       if (has_b && rank_b < p.topk) S[rank_b] = ~static_cast<std::uint32_t>(b);
     }
   } else {
-    // ---- a list past kRouterG8Candidates in the quad (ties): K rounds, each the largest key
+    // ---- a list past kRouterG8Candidates in the warp (ties): K rounds, each the largest key
     // (value, ~id) left among the token's candidates
     for (int k = 0; k < p.topk; ++k) {
       std::uint64_t best = 0;
       for (std::uint32_t m = mask; m != 0u; m &= m - 1u) {
-        const int j = __ffs(static_cast<int>(m)) - 1;
-        const int at = ((((j >> 2) ^ g) << 2) | (j & 3));
-        const std::uint64_t key = g8_key(value_at(at), g * 32 + j);
+        const int j = w.expert_in_group(__ffs(static_cast<int>(m)) - 1);
+        const std::uint64_t key = g8_key(value_at(Warp::place_in_row(j, g)), g * 32 + j);
         best = key > best ? key : best;
       }
       std::uint64_t top = best;
 #pragma unroll
-      for (int o = 1; o < 8; o *= 2) {
+      for (int o = 1; o < kTokenLanes; o *= 2) {
         const std::uint64_t other = __shfl_xor_sync(kFull, top, o);
         top = other > top ? other : top;
       }
       const std::uint32_t id = ~static_cast<std::uint32_t>(top);
-      if (best == top) mask &= ~(1u << (id & 31u));  // keys are distinct: one lane of the token
-      if (g == 0) S[k] = id;
+      // Keys are distinct: the lane that holds the winner drops it.
+      if (best == top) mask &= ~(1u << ((id & 31u) - static_cast<std::uint32_t>(w.h * Warp::kPerLane)));
+      if (li == 0) S[k] = id;
     }
   }
   __syncwarp();
 
-  // ---- weights, as route_cpu: lane g writes choice g of its token
+  // ---- weights, as route_cpu: lane li writes choice li of its token
   int id = 0;
   float score = 0.0f;
-  if (g < p.topk) {
-    id = static_cast<int>(S[g]);
-    const int group = id >> 5, j = id & 31;
-    score = Xf[(tw * 8 + group) * 32 + ((((j >> 2) ^ group) << 2) | (j & 3))];
+  if (li < p.topk) {
+    id = static_cast<int>(S[li]);
+    const int group = id >> 5;
+    score = Xf[(w.tw * 8 + group) * 32 + Warp::place_in_row(id & 31, group)];
   }
   if constexpr (kSoftmax) {  // choice 0 (lane first) holds the largest logit
     score = expf(__fsub_rn(score, __shfl_sync(kFull, score, first)));
   }
   float sum = 0.0f;  // in selection order
   for (int k = 0; k < p.topk; ++k) sum = rn_add(sum, __shfl_sync(kFull, score, first | k));
-  const std::uint32_t t = q * 4u + static_cast<std::uint32_t>(tw);
-  if (g < p.topk && t < p.tokens) {
-    float w = score;
+  const std::uint32_t t = u * static_cast<std::uint32_t>(Warp::kTokens) + static_cast<std::uint32_t>(w.tw);
+  if (li < p.topk && t < p.tokens) {
+    float wt = score;
     if (p.renormalize) {
-      w = sum > 0.0f ? rn_div(w, sum) : rn_div(1.0f, static_cast<float>(p.topk));
+      wt = sum > 0.0f ? rn_div(wt, sum) : rn_div(1.0f, static_cast<float>(p.topk));
     } else if constexpr (kSoftmax) {
-      w = rn_div(w, softmax_sum);
+      wt = rn_div(wt, softmax_sum);
     }
-    const std::uint64_t out = static_cast<std::uint64_t>(t) * static_cast<std::uint32_t>(p.topk) + g;
+    const std::uint64_t out = static_cast<std::uint64_t>(t) * static_cast<std::uint32_t>(p.topk) + li;
     p.ids[out] = id;
-    p.weights[out] = rn_mul(w, p.scaling);
+    p.weights[out] = rn_mul(wt, p.scaling);
   }
-  __syncwarp();  // before the next quad overwrites stage, cand and slot
+  __syncwarp();  // before the next unit overwrites stage, cand and slot
 }
 
 // Quad q's logits (rows q*4 .. q*4+3, 4 KB, contiguous) into the warp's stage X with coalesced
@@ -507,9 +539,10 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
   __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
 
-  const auto [warp, lane, tw, g, first, quads, step] = G8Warp(p.tokens);
-  std::uint32_t q = G8Warp::first_quad(warp);
-  const int row = lane;  // tw * 8 + g
+  const G8Warp<8> w(p.tokens);
+  const int warp = w.warp, lane = w.lane, tw = w.tw, g = w.g, first = w.first, row = w.row;
+  const std::uint32_t quads = w.units, step = w.step;
+  std::uint32_t q = G8Warp<8>::first_unit(warp);
   float4* const X = stage[warp];
   const float* const Xf = reinterpret_cast<const float*>(X);
   const float* const Bf = reinterpret_cast<const float*>(bias_s);
@@ -570,7 +603,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
     for (int j = 0; j < 32; ++j) mask |= ch[j] < tau ? 0u : 1u << j;
     if (!kept) mask = 0;
 
-    g8_select_and_store<false>(p, mask, Xf, Bf, L, S, row, g, first, tw, q);
+    g8_select_and_store<false>(p, w, mask, Xf, Bf, L, S, q);
     q += step;
     if (q < quads) stage_quad(X, p.logits, p.tokens, q, lane);
   }
@@ -620,35 +653,39 @@ __device__ __forceinline__ float sigmoid_approx(float x) {
   return s;
 }
 
-// One quad of route_g8_sieve_kernel: X holds its logits as stage_quad writes them (the scores replace
-// them there), cand the warp's 4 candidate lists, S this lane's token's slots.
-template <bool kRnDiv>
-__device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8Warp& w, float4* X,
+// One unit (kTokenLanes = 8: a quad, 16: a pair) of route_g8_sieve_kernel: X holds its logits as
+// stage_quad writes them (a token's 8 groups as rows of 32; the scores replace them there), cand the
+// warp's candidate lists (one per token), S this lane's token's slots.
+template <bool kRnDiv, int kTokenLanes>
+__device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8Warp<kTokenLanes>& w, float4* X,
                                                  const float4* bias_s,
                                                  std::uint64_t (*cand)[kRouterG8ListStride], std::uint32_t* S,
                                                  std::uint16_t* items, float margin, float margin2,
-                                                 std::uint32_t q) {
+                                                 std::uint32_t u) {
   using namespace routing;
+  using Warp = G8Warp<kTokenLanes>;
+  constexpr int kPerLane = Warp::kPerLane, kGroupLanes = Warp::kGroupLanes;
   constexpr unsigned kFull = 0xffffffffu;
   const float kInf = __int_as_float(0x7f800000);
-  const int lane = w.lane, tw = w.tw, g = w.g, first = w.first;
-  const int row = lane;  // tw * 8 + g
+  const int lane = w.lane, g = w.g, first = w.first, row = w.row;
   float* const Xf = reinterpret_cast<float*>(X);
   const float* const Bf = reinterpret_cast<const float*>(bias_s);
-  std::uint64_t* const L = cand[tw];
+  std::uint64_t* const L = cand[w.tw];
 
   // ---- approximate selection values (registers) and their group top-2
-  float ca[32];
+  float ca[kPerLane];
 #pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    const float4 x = X[row * 8 + (c ^ g)];
-    const float4 b = bias_s[g * 8 + (c ^ g)];
+  for (int c = 0; c < kPerLane / 4; ++c) {
+    const int chunk = w.h * (kPerLane / 4) + c;
+    const float4 x = X[row * 8 + (chunk ^ g)];
+    const float4 b = bias_s[g * 8 + (chunk ^ g)];
     ca[4 * c] = __fadd_rn(sigmoid_approx(x.x), b.x);
     ca[4 * c + 1] = __fadd_rn(sigmoid_approx(x.y), b.y);
     ca[4 * c + 2] = __fadd_rn(sigmoid_approx(x.z), b.z);
     ca[4 * c + 3] = __fadd_rn(sigmoid_approx(x.w), b.w);
   }
-  const auto [a1, a2] = g8_top2(ca);
+  auto [a1, a2] = g8_top2(ca);
+  if constexpr (kGroupLanes == 2) merge_top2(a1, a2, 1);
 
   // ---- kept groups: from the approximate scores where they are more than 2M apart
   const float ga = __fadd_rn(a1, a2);
@@ -658,39 +695,40 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
   int sure_above = 0, maybe_above = 0;
 #pragma unroll
   for (int x = 1; x < 8; ++x) {
-    const float d = __fsub_rn(__shfl_xor_sync(kFull, ga, x), ga);
+    const float d = __fsub_rn(__shfl_xor_sync(kFull, ga, x * kGroupLanes), ga);
     sure_above += d > margin2 ? 1 : 0;
     maybe_above += d < neg_margin2 ? 0 : 1;
   }
   bool kept = maybe_above < p.topk_groups;
   const bool known = kept || sure_above >= p.topk_groups;
-  std::uint32_t done = 0;  // experts of this lane already evaluated exactly (stage holds s there)
+  std::uint32_t done = 0;  // values of this lane already evaluated exactly (stage holds s there)
   const std::uint32_t unknown = __ballot_sync(kFull, !known);
   if (unknown != 0u) {  // warp-uniform (the shuffles below take every lane)
     // Exact group scores, as route_g8_kernel, for the tokens with a lane that does not know, from
     // the experts that may be among the exact top-2.
-    const bool exact = ((unknown >> first) & 0xffu) != 0u;
+    const bool exact = ((unknown >> first) & Warp::kTokenMask) != 0u;
     const float thr = __fsub_rn(a2, margin);
     if (exact) {
 #pragma unroll
-      for (int j = 0; j < 32; ++j) done |= ca[j] < thr ? 0u : 1u << j;
+      for (int jj = 0; jj < kPerLane; ++jj) done |= ca[jj] < thr ? 0u : 1u << jj;
     }
     float t1 = -kInf, t2 = -kInf;
     for (std::uint32_t m = done; m != 0u; m &= m - 1u) {
-      const int j = __ffs(static_cast<int>(m)) - 1;
-      const int at = row * 32 + ((((j >> 2) ^ g) << 2) | (j & 3));
+      const int j = w.expert_in_group(__ffs(static_cast<int>(m)) - 1);
+      const int at = row * 32 + Warp::place_in_row(j, g);
       const float s = sigmoid_f32_gpu<kRnDiv>(Xf[at]);
       Xf[at] = s;
       const float c = rn_add(s, Bf[g * 32 + (at & 31)]);
       t2 = fmaxf(t2, fminf(t1, c));
       t1 = fmaxf(t1, c);
     }
+    if constexpr (kGroupLanes == 2) merge_top2(t1, t2, 1);
     const std::uint32_t gkey = order_key(rn_add(t1, t2));
     int above = 0;  // groups ahead of this one: higher score, or equal and lower index
 #pragma unroll
-    for (int h = 0; h < 8; ++h) {
-      const std::uint32_t k = __shfl_sync(kFull, gkey, first | h);
-      above += (k > gkey || (k == gkey && h < g)) ? 1 : 0;
+    for (int hg = 0; hg < 8; ++hg) {
+      const std::uint32_t k = __shfl_sync(kFull, gkey, first | (hg * kGroupLanes));
+      above += (k > gkey || (k == gkey && hg < g)) ? 1 : 0;
     }
     if (exact) kept = above < p.topk_groups;
     __syncwarp();  // the exact scores stored before other lanes read them (the spread loop below)
@@ -700,19 +738,21 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
   // ca >= a2 - M >= tau' - M, are among them)
   float tau = kept ? a2 : kInf;
 #pragma unroll
-  for (int o = 1; o < 8; o *= 2) tau = fminf(tau, __shfl_xor_sync(kFull, tau, o));
+  for (int o = kGroupLanes; o < kTokenLanes; o *= 2) tau = fminf(tau, __shfl_xor_sync(kFull, tau, o));
   const float thr = __fsub_rn(tau, margin);
-  // Bit j: ca[j] >= thr, NaN included, i.e. the sign of rn(ca[j] - thr) is 0: equal values give +0
+  // Bit jj: ca[jj] >= thr, NaN included, i.e. the sign of rn(ca[jj] - thr) is 0: equal values give +0
   // (ca is never -0), ca < thr a negative difference (or -0, were it flushed to zero), and a NaN
   // operand the positive canonical NaN. Gathered one funnel shift per value in two independent chains
   // (v8; ~2.6 instructions per value as compare, select and add).
+  constexpr int kHalf = kPerLane / 2;
   std::uint32_t below_hi = 0, below_lo = 0;
 #pragma unroll
-  for (int j = 15; j >= 0; --j) {
-    below_hi = __funnelshift_l(__float_as_uint(__fsub_rn(ca[j + 16], thr)), below_hi, 1);
-    below_lo = __funnelshift_l(__float_as_uint(__fsub_rn(ca[j], thr)), below_lo, 1);
+  for (int jj = kHalf - 1; jj >= 0; --jj) {
+    below_hi = __funnelshift_l(__float_as_uint(__fsub_rn(ca[jj + kHalf], thr)), below_hi, 1);
+    below_lo = __funnelshift_l(__float_as_uint(__fsub_rn(ca[jj], thr)), below_lo, 1);
   }
-  const std::uint32_t mask = kept ? ~((below_hi << 16) | below_lo) : 0u;
+  constexpr std::uint32_t kLaneBits = static_cast<std::uint32_t>((1ull << kPerLane) - 1);
+  const std::uint32_t mask = kept ? ~((below_hi << kHalf) | below_lo) & kLaneBits : 0u;
 
   // ---- the candidates' exact sigmoids and keys, spread over the warp: item i of the warp's
   // candidates (lane order, then bit order) is taken by lane i % 32.
@@ -726,20 +766,20 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
   const int before = end - count;
   const int warp_total = __shfl_sync(kFull, end, 31);
   const int token_start = __shfl_sync(kFull, before, first);
-  const int token_total = __shfl_sync(kFull, end, first | 7) - token_start;
+  const int token_total = __shfl_sync(kFull, end, first | (kTokenLanes - 1)) - token_start;
   const bool overflow = __any_sync(kFull, token_total > kRouterG8Candidates);  // then the rounds
-  // Item (owner lane, its expert j, the item's place in its token's list): the exact sigmoid (unless
-  // the group step computed it) back into the stage, and the key into the token's list.
+  // Item (owner lane, its expert j of the group, the item's place in its token's list): the exact
+  // sigmoid (unless the group step computed it) back into the stage, and the key into the token's list.
   const auto evaluate = [&](int owner, int j, int place, std::uint32_t owner_done) {
-    const int og = owner & 7;
-    const int at = ((((j >> 2) ^ og) << 2) | (j & 3));
-    float* const x = Xf + owner * 32 + at;
+    const int orow = owner / kGroupLanes, og = orow & 7;
+    const int at = Warp::place_in_row(j, og);
+    float* const x = Xf + orow * 32 + at;
     float sig = *x;
-    if (((owner_done >> j) & 1u) == 0u) {
+    if (((owner_done >> (j % kPerLane)) & 1u) == 0u) {
       sig = sigmoid_f32_gpu<kRnDiv>(sig);
       *x = sig;
     }
-    if (!overflow) cand[owner >> 3][place] = g8_key(rn_add(sig, Bf[og * 32 + at]), og * 32 + j);
+    if (!overflow) cand[owner / kTokenLanes][place] = g8_key(rn_add(sig, Bf[og * 32 + at]), og * 32 + j);
   };
   if (warp_total <= kRouterG8SpreadItems) {  // warp-uniform; random rows: ~44 items
     // v8: each lane lists its own candidates as 16-bit items (lane << 11 | j << 6 | place), item i
@@ -749,7 +789,7 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
     // dependent chain of ~200 cycles per round.
     int pos = before;
     for (std::uint32_t m = mask; m != 0u; m &= m - 1u, ++pos) {
-      const int j = __ffs(static_cast<int>(m)) - 1;
+      const int j = w.expert_in_group(__ffs(static_cast<int>(m)) - 1);
       items[pos] = static_cast<std::uint16_t>((lane << 11) | (j << 6) | ((pos - token_start) & 63));
     }
     __syncwarp();                                        // the items stored
@@ -779,61 +819,66 @@ __device__ __forceinline__ void sieve_route_quad(const RouterParams& p, const G8
         std::uint32_t m = owner_mask;
 #pragma unroll 1
         for (int n = i - owner_before; n > 0; --n) m &= m - 1u;
-        evaluate(owner, __ffs(static_cast<int>(m)) - 1, i - owner_start, owner_done);
+        const int jj = __ffs(static_cast<int>(m)) - 1;
+        evaluate(owner, (owner % kGroupLanes) * kPerLane + jj, i - owner_start, owner_done);
       }
     }
   }
   __syncwarp();  // the scores and keys stored
 
-  g8_select_and_store<false, true>(p, mask, Xf, Bf, L, S, row, g, first, tw, q, 0.0f, token_total);
+  g8_select_and_store<false, true>(p, w, mask, Xf, Bf, L, S, u, 0.0f, token_total);
 }
 
-// Blocks per SM of a staged g8 kernel (route_g8_sieve_kernel, route_g8_softmax_kernel): 8 with one
-// stage buffer per warp (~26 KB each); 5 with two (~42 KB: 16 KB more per block).
-template <int kTmaStages>
-inline constexpr int kRouterG8StagedMinBlocks = kTmaStages >= 2 ? 5 : kRouterG8MinBlocks;
+// Blocks per SM of a staged g8 kernel (route_g8_sieve_kernel, route_g8_softmax_kernel): 8 with 4 KB
+// of stage buffers per warp (one quad, or two pairs; ~26 KB per block); 5 with 8 KB (two quads).
+template <int kTmaStages, int kTokenLanes = 8>
+inline constexpr int kRouterG8StagedMinBlocks =
+    (kTmaStages >= 2 ? 2 : 1) * (32 / kTokenLanes) * 1024 > 4096 ? 5 : kRouterG8MinBlocks;
 
-// The staged g8 kernels' quad loop, one per warp: stages each of the warp's quads into its buffer
-// and hands it to the kernel's per-quad body. kTmaStages = 0: each lane loads its part of the next
-// quad (stage_quad) at the end of a quad, as route_g8_kernel. kTmaStages = 1 or 2 (v7): lane 0 loads
-// whole quads with one TMA copy each (the map: the logits as rows of 128 bytes, one token's group per
-// row, box 32 rows = a quad, 128-byte swizzle, which is stage_quad's layout: chunk c of row r at
-// r * 8 + (c ^ (r % 8)) when the buffer is 1024-byte aligned; rows past the tokens read as zeros),
-// completing on the buffer's mbarrier. With 2 buffers the warp's next quad is in flight while it
-// ranks this one; with 1 the copy is issued where stage_quad's loads were (fewer instructions).
-template <int kTmaStages>
+// The staged g8 kernels' unit loop, one per warp: stages each of the warp's units (kTokenLanes = 8:
+// quads of 4 tokens, 16: pairs) into its buffer and hands it to the kernel's per-unit body.
+// kTmaStages = 0 (quads only): each lane loads its part of the next quad (stage_quad) at the end of a
+// quad, as route_g8_kernel. kTmaStages = 1 or 2 (v7): lane 0 loads whole units with one TMA copy each
+// (the map: the logits as rows of 128 bytes, one token's group per row, box kRows rows = a unit,
+// 128-byte swizzle, which is stage_quad's layout: chunk c of row r at r * 8 + (c ^ (r % 8)) when the
+// buffer is 1024-byte aligned; rows past the tokens read as zeros), completing on the buffer's
+// mbarrier. With 2 buffers the warp's next unit is in flight while it ranks this one; with 1 the copy
+// is issued where stage_quad's loads were (fewer instructions).
+template <int kTmaStages, int kTokenLanes = 8>
 struct G8QuadPipe {
+  static_assert(kTmaStages > 0 || kTokenLanes == 8, "per-lane staging (stage_quad) loads quads");
   static constexpr int kBuffers = kTmaStages > 0 ? kTmaStages : 1;
-  static constexpr std::uint32_t kQuadBytes = 4096;
+  static constexpr int kRows = 8 * (32 / kTokenLanes);  // a unit's groups (rows of 128 bytes)
+  static constexpr std::uint32_t kUnitBytes = kRows * 128;
   // The block's buffers, 1024-byte aligned for the swizzle (a whole number of 1 KB units: nothing is
   // padded), and their barriers.
   struct Stage {
-    alignas(1024) float4 quad[kRouterG8Warps][kBuffers][256];  // [token * 8 + group][chunk ^ group]
+    alignas(1024) float4 unit[kRouterG8Warps][kBuffers][kRows * 8];  // [token * 8 + group][chunk ^ group]
   };
-  using Barriers = std::uint64_t[kRouterG8Warps][kBuffers];  // TMA: the buffer's quad has landed
+  using Barriers = std::uint64_t[kRouterG8Warps][kBuffers];  // TMA: the buffer's unit has landed
   const RouterParams& p;
   const CUtensorMap* map;
-  const G8Warp& w;
-  float4 (*stage)[256];  // this warp's buffers
-  std::uint64_t* full;   // this warp's barriers
-  std::uint32_t q;       // the warp's current quad
+  const G8Warp<kTokenLanes>& w;
+  float4 (*stage)[kRows * 8];  // this warp's buffers
+  std::uint64_t* full;         // this warp's barriers
+  std::uint32_t u;             // the warp's current unit
 
-  __device__ G8QuadPipe(const RouterParams& params, const CUtensorMap* logits_map, const G8Warp& warp,
-                        Stage& stages, Barriers& barriers)
+  __device__ G8QuadPipe(const RouterParams& params, const CUtensorMap* logits_map,
+                        const G8Warp<kTokenLanes>& warp, Stage& stages, Barriers& barriers)
       : p(params),
         map(logits_map),
         w(warp),
-        stage(stages.quad[warp.warp]),
+        stage(stages.unit[warp.warp]),
         full(barriers[warp.warp]),
-        q(G8Warp::first_quad(warp.warp)) {}
+        u(G8Warp<kTokenLanes>::first_unit(warp.warp)) {}
 
-  __device__ void load(int buffer, std::uint32_t quad) {  // lane 0, TMA stages only
+  __device__ void load(int buffer, std::uint32_t unit) {  // lane 0, TMA stages only
     const std::uint32_t bar = ptx::smem_addr(&full[buffer]);
-    ptx::mbar_arrive_expect_tx(bar, kQuadBytes);  // the whole box, zero-filled rows included
-    ptx::tma_load_2d(ptx::smem_addr(stage[buffer]), map, bar, 0, static_cast<std::int32_t>(quad * 32u));
+    ptx::mbar_arrive_expect_tx(bar, kUnitBytes);  // the whole box, zero-filled rows included
+    ptx::tma_load_2d(ptx::smem_addr(stage[buffer]), map, bar, 0, static_cast<std::int32_t>(unit * kRows));
   }
 
-  // The warp's first quads on their way (before the block's own prologue, so that they overlap it).
+  // The warp's first units on their way (before the block's own prologue, so that they overlap it).
   __device__ void start() {
     if constexpr (kTmaStages > 0) {
       if (w.lane == 0) {
@@ -841,20 +886,20 @@ struct G8QuadPipe {
         for (int b = 0; b < kBuffers; ++b) ptx::mbar_init(ptx::smem_addr(&full[b]), 1);
         ptx::fence_barrier_init();
         for (int b = 0; b < kBuffers; ++b) {
-          const std::uint32_t quad = q + static_cast<std::uint32_t>(b) * w.step;
-          if (quad < w.quads) load(b, quad);
+          const std::uint32_t unit = u + static_cast<std::uint32_t>(b) * w.step;
+          if (unit < w.units) load(b, unit);
         }
       }
       __syncwarp();  // the barriers initialised before the other lanes wait on them
     } else {
-      if (q < w.quads) stage_quad(stage[0], p.logits, p.tokens, q, w.lane);
+      if (u < w.units) stage_quad(stage[0], p.logits, p.tokens, u, w.lane);
     }
   }
 
-  // body(X, q) for each of the warp's quads, X its staged logits (the body may overwrite them).
+  // body(X, u) for each of the warp's units, X its staged logits (the body may overwrite them).
   template <typename Body>
   __device__ void run(Body&& body) {
-    for (std::uint32_t i = 0; q < w.quads; ++i) {
+    for (std::uint32_t i = 0; u < w.units; ++i) {
       const int buffer = kTmaStages > 0 ? static_cast<int>(i % kBuffers) : 0;
       float4* const X = stage[buffer];
       if constexpr (kTmaStages > 0) {
@@ -862,36 +907,38 @@ struct G8QuadPipe {
       } else {
         __syncwarp();
       }
-      body(X, q);
-      const std::uint32_t refill = q + kBuffers * w.step;  // the quad this buffer takes next (TMA)
-      q += w.step;
+      body(X, u);
+      const std::uint32_t refill = u + kBuffers * w.step;  // the unit this buffer takes next (TMA)
+      u += w.step;
       if constexpr (kTmaStages > 0) {
         // This lane's generic-proxy reads and writes of the buffer before the TMA copy overwrites it.
         ptx::fence_proxy_async_shared();
         __syncwarp();
-        if (w.lane == 0 && refill < w.quads) load(buffer, refill);
+        if (w.lane == 0 && refill < w.units) load(buffer, refill);
       } else {
-        if (q < w.quads) stage_quad(X, p.logits, p.tokens, q, w.lane);
+        if (u < w.units) stage_quad(X, p.logits, p.tokens, u, w.lane);
       }
     }
   }
 };
 
-template <bool kRnDiv, int kTmaStages>
-__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTmaStages>)
+template <bool kRnDiv, int kTmaStages, int kTokenLanes = 8>
+__global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTmaStages, kTokenLanes>)
     route_g8_sieve_kernel(const RouterParams p, const __grid_constant__ CUtensorMap logits_map) {
   constexpr unsigned kFull = 0xffffffffu;
-  __shared__ typename G8QuadPipe<kTmaStages>::Stage pipe_stage;
-  __shared__ typename G8QuadPipe<kTmaStages>::Barriers pipe_full;
+  using Pipe = G8QuadPipe<kTmaStages, kTokenLanes>;
+  constexpr int kTokens = G8Warp<kTokenLanes>::kTokens;
+  __shared__ typename Pipe::Stage pipe_stage;
+  __shared__ typename Pipe::Barriers pipe_full;
   __shared__ float4 bias_s[64];  // [group][chunk ^ group]
-  // Per warp: the 4 tokens' candidate keys.
-  __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
-  __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
+  // Per warp: its tokens' candidate keys.
+  __shared__ std::uint64_t cand[kRouterG8Warps][kTokens][kRouterG8ListStride];
+  __shared__ std::uint32_t slot[kRouterG8Warps][kTokens][8];
   __shared__ std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
-  __shared__ std::uint16_t spread_items[kRouterG8Warps][kRouterG8SpreadItems];  // sieve_route_quad's items
+  __shared__ std::uint16_t spread_items[kRouterG8Warps][kRouterG8SpreadItems];  // sieve_route_unit's items
 
-  const G8Warp w(p.tokens);
-  G8QuadPipe<kTmaStages> pipe(p, &logits_map, w, pipe_stage, pipe_full);
+  const G8Warp<kTokenLanes> w(p.tokens);
+  Pipe pipe(p, &logits_map, w, pipe_stage, pipe_full);
   float4 b0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   if (threadIdx.x < 64) b0 = __ldg(reinterpret_cast<const float4*>(p.bias) + threadIdx.x);
   pipe.start();
@@ -906,9 +953,9 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
   __syncthreads();
   const float margin = routing::sieve_margin(__uint_as_float(max(bias_abs_max[0], bias_abs_max[1])));
   const float margin2 = __fmul_ru(2.0f, margin);
-  pipe.run([&](float4* X, std::uint32_t q) {
-    sieve_route_quad<kRnDiv>(p, w, X, bias_s, cand[w.warp], slot[w.warp][w.tw], spread_items[w.warp], margin,
-                             margin2, q);
+  pipe.run([&](float4* X, std::uint32_t u) {
+    sieve_route_unit<kRnDiv>(p, w, X, bias_s, cand[w.warp], slot[w.warp][w.tw], spread_items[w.warp], margin,
+                             margin2, u);
   });
 }
 
@@ -928,12 +975,11 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
 //    then renormalises: the same value within a few ulp (tests: 1e-5 relative).
 // One quad of route_g8_softmax_kernel: X holds its logits as stage_quad writes them, L and S this
 // lane's token's candidate list and slots.
-__device__ __forceinline__ void softmax_route_quad(const RouterParams& p, const G8Warp& w, float4* X,
+__device__ __forceinline__ void softmax_route_quad(const RouterParams& p, const G8Warp<8>& w, float4* X,
                                                    std::uint64_t* L, std::uint32_t* S, std::uint32_t q) {
   constexpr unsigned kFull = 0xffffffffu;
   const float kInf = __int_as_float(0x7f800000);
-  const int tw = w.tw, g = w.g, first = w.first;
-  const int row = w.lane;  // tw * 8 + g
+  const int g = w.g, first = w.first, row = w.row;
   const float* const Xf = reinterpret_cast<const float*>(X);
   float x[32];
 #pragma unroll
@@ -973,7 +1019,7 @@ __device__ __forceinline__ void softmax_route_quad(const RouterParams& p, const 
     for (int o = 1; o < 8; o *= 2) sum += __shfl_xor_sync(kFull, sum, o);
   }
 
-  g8_select_and_store<true>(p, mask, Xf, nullptr, L, S, row, g, first, tw, q, sum);
+  g8_select_and_store<true>(p, w, mask, Xf, nullptr, L, S, q, sum);
 }
 
 template <int kTmaStages>
@@ -984,7 +1030,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
   __shared__ std::uint64_t cand[kRouterG8Warps][4][kRouterG8ListStride];
   __shared__ std::uint32_t slot[kRouterG8Warps][4][8];
 
-  const G8Warp w(p.tokens);
+  const G8Warp<8> w(p.tokens);
   G8QuadPipe<kTmaStages> pipe(p, &logits_map, w, pipe_stage, pipe_full);
   pipe.start();
   pipe.run([&](float4* X, std::uint32_t q) {

@@ -270,6 +270,9 @@ cuda::RouteKernelChoice choice_named(const std::string& kernel, bool rn_division
   if (kernel == "g8_sieve_tma1") c.tma_stages = 1;
   if (kernel == "g8_sieve_tma2") c.tma_stages = 2;
   if (kernel == "g8_sieve_tma0") c.tma_stages = 0;
+  if (kernel.rfind("g8_sieve_tma", 0) == 0) c.token_lanes = 8;
+  if (kernel.rfind("g8_sieve_pairs", 0) == 0) c.token_lanes = 16;  // v9: 2 tokens per warp
+  if (kernel == "g8_sieve_pairs_tma2") c.tma_stages = 2;
   return c;
 }
 
@@ -301,7 +304,8 @@ INSTANTIATE_TEST_SUITE_P(Kernels, RouterKernelChoiceGpu,
 // each buffer 3-4 times and ends on a partial quad.
 INSTANTIATE_TEST_SUITE_P(
     Sieve, RouterKernelChoiceGpu,
-    ::testing::Combine(::testing::Values("g8_sieve", "g8_sieve_tma0", "g8_sieve_tma1", "g8_sieve_tma2"),
+    ::testing::Combine(::testing::Values("g8_sieve", "g8_sieve_tma0", "g8_sieve_tma1", "g8_sieve_tma2",
+                                         "g8_sieve_pairs", "g8_sieve_pairs_tma2"),
                        ::testing::Values<std::int64_t>(1, 3, 5, 128, 4097, 16384, 20000, 65537),
                        ::testing::Bool()),
     choice_case_name);
@@ -356,7 +360,8 @@ TEST(RouterGpu, LongCandidateListsTakeTheRoundsPath) {
   }
   for (const bool rn_division : {false, true}) {
     expect_same_routes(c, logits, bias, false, choice_named("g8", rn_division));
-    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve", rn_division));
+    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve_tma1", rn_division));
+    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve_pairs", rn_division));
   }
   expect_same_routes(c, logits, bias, false, cuda::route_kernel_choice_from_env());
 }
@@ -402,8 +407,10 @@ TEST(RouterGpu, SieveCandidateListBoundary) {
                                                                       : h - 1.0f - std::fabs(normal(rng));
     }
   }
-  for (const bool rn_division : {false, true})
-    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve", rn_division));
+  for (const bool rn_division : {false, true}) {
+    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve_tma1", rn_division));
+    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve_pairs", rn_division));
+  }
   expect_same_routes(c, logits, bias, false, choice_named("g8", false));
 }
 
@@ -419,7 +426,8 @@ TEST(RouterGpu, SieveHugeBiasFallsBackToExact) {
     HostTensor bias = random_bias(c, false, rng);
     bias.data<float>()[37] = huge;
     const HostTensor logits = random_sigmoid_logits(c, 4097, rng);
-    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve", false));
+    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve_tma1", false));
+    expect_same_routes(c, logits, bias, false, choice_named("g8_sieve_pairs", false));
   }
 }
 
