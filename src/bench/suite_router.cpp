@@ -3,13 +3,15 @@
 // (default 128, 4096, 16384, 65536, 131072). Bytes: logits and bias read, ids and weights written.
 // Beside each T, "router.copy": cudaMemcpyAsync of half the router's bytes (so that the same
 // bytes move), timed the same way (rotating buffers): the router's ratio to a copy at that size.
-// "sigmoid" is the default choice (route_g8_sieve_kernel at T >= 1024); "sigmoid-no-sieve" (T >= 1024)
-// is route_g8_kernel, v4, the default before the sieve measured faster; "sigmoid-sieve-tmaN" (T >= 1024)
-// the sieve kernel with each logits staging (RouteKernelChoice::tma_stages, N = 0, 1, 2), and
-// "softmax-tmaN" route_g8_softmax_kernel with each.
-// EPMOE_BENCH_ROUTER_VARIANTS=1 adds the kernel choices (RouteKernelChoice) as phases:
-// "sigmoid-rn-div" (the sigmoid with __fdiv_rn), "sigmoid-no-sieve-rn-div" (T >= 1024) and, below the
-// g8 switch, "sigmoid-g8" and "sigmoid-g8-no-sieve".
+// "sigmoid" is the default choice (route_g8_sieve_kernel: pairs below 8192 tokens, quads above);
+// "sigmoid-no-sieve" (T >= 1024) is route_g8_kernel, v4, the default before the sieve measured faster;
+// "sigmoid-sieve-tmaN" (T >= 1024) the sieve kernel with each logits staging (RouteKernelChoice::tma_stages,
+// N = 0, 1, 2), and "softmax-tmaN" route_g8_softmax_kernel with each. EPMOE_BENCH_ROUTER_VARIANTS=1 adds the
+// kernel choices (RouteKernelChoice) as phases: "sigmoid-rn-div" (the sigmoid with __fdiv_rn),
+// "sigmoid-no-sieve-rn-div" (T >= 1024) and, below the g8 switch, "sigmoid-general" (a warp per token),
+// "sigmoid-g8-quads" / "sigmoid-g8-pairs" (the sieve kernel with 8 / 16 lanes per token) and
+// "sigmoid-g8-no-sieve". "sigmoid-sieve-pairs-tmaN" (T >= 1024) is the sieve kernel with pairs (v9; the
+// default below 8192 tokens).
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -109,12 +111,15 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
         no_sieve_rn.rn_division = true;
         rows.push_back({&sigmoid, "sigmoid-no-sieve-rn-div", no_sieve_rn});
       } else {
+        cuda::RouteKernelChoice general = automatic;
+        general.kernel = cuda::RouteKernelChoice::Kernel::general;
+        rows.push_back({&sigmoid, "sigmoid-general", general});
         cuda::RouteKernelChoice g8 = automatic;
         g8.kernel = cuda::RouteKernelChoice::Kernel::g8;
-        rows.push_back({&sigmoid, "sigmoid-g8", g8});
+        g8.token_lanes = 8;
+        rows.push_back({&sigmoid, "sigmoid-g8-quads", g8});
         g8.token_lanes = 16;
         rows.push_back({&sigmoid, "sigmoid-g8-pairs", g8});
-        g8.token_lanes = 8;
         g8.sieve = false;
         rows.push_back({&sigmoid, "sigmoid-g8-no-sieve", g8});
       }

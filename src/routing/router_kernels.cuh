@@ -318,9 +318,9 @@ __device__ __forceinline__ G8Top2 g8_top2(const float (&v)[N]) {
 template <int kTokenLanes = 8>
 struct G8Warp {
   static_assert(kTokenLanes == 8 || kTokenLanes == 16);
-  static constexpr int kTokens = 32 / kTokenLanes;           // tokens per unit (per warp at a time)
-  static constexpr int kGroupLanes = kTokenLanes / 8;        // lanes per group
-  static constexpr int kPerLane = 32 / kGroupLanes;          // values per lane
+  static constexpr int kTokens = 32 / kTokenLanes;     // tokens per unit (per warp at a time)
+  static constexpr int kGroupLanes = kTokenLanes / 8;  // lanes per group
+  static constexpr int kPerLane = 32 / kGroupLanes;    // values per lane
   static constexpr std::uint32_t kTokenMask = (1ull << kTokenLanes) - 1;  // a token's lanes from `first`
   int warp, lane;
   int tw;                     // token of the unit
@@ -657,8 +657,8 @@ __device__ __forceinline__ float sigmoid_approx(float x) {
 // stage_quad writes them (a token's 8 groups as rows of 32; the scores replace them there), cand the
 // warp's candidate lists (one per token), S this lane's token's slots.
 template <bool kRnDiv, int kTokenLanes>
-__device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8Warp<kTokenLanes>& w, float4* X,
-                                                 const float4* bias_s,
+__device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8Warp<kTokenLanes>& w,
+                                                 float4* X, const float4* bias_s,
                                                  std::uint64_t (*cand)[kRouterG8ListStride], std::uint32_t* S,
                                                  std::uint16_t* items, float margin, float margin2,
                                                  std::uint32_t u) {
@@ -832,8 +832,9 @@ __device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8
 // Blocks per SM of a staged g8 kernel (route_g8_sieve_kernel, route_g8_softmax_kernel): 8 with 4 KB
 // of stage buffers per warp (one quad, or two pairs; ~26 KB per block); 5 with 8 KB (two quads).
 template <int kTmaStages, int kTokenLanes = 8>
-inline constexpr int kRouterG8StagedMinBlocks =
-    (kTmaStages >= 2 ? 2 : 1) * (32 / kTokenLanes) * 1024 > 4096 ? 5 : kRouterG8MinBlocks;
+inline constexpr int kRouterG8StagedMinBlocks = (kTmaStages >= 2 ? 2 : 1) * (32 / kTokenLanes) * 1024 > 4096
+                                                    ? 5
+                                                    : kRouterG8MinBlocks;
 
 // The staged g8 kernels' unit loop, one per warp: stages each of the warp's units (kTokenLanes = 8:
 // quads of 4 tokens, 16: pairs) into its buffer and hands it to the kernel's per-unit body.

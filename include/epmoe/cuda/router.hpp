@@ -57,9 +57,10 @@ struct RouteKernelChoice {
   // EPMOE_ROUTER_TMA=0|1|2 sets it. 1 by default (v7: sigmoid 9% faster than 0 at T = 16384 on H200).
   int tma_stages = 1;
   // The sieve kernel's lanes per token: 8 (a warp routes 4 tokens at a time, each lane a group of 32
-  // experts) or 16 (2 tokens, each lane half a group: half the chain per lane; needs tma_stages >= 1,
-  // else 8). EPMOE_ROUTER_LANES=8|16 sets it.
-  int token_lanes = 8;
+  // experts), 16 (2 tokens, each lane half a group: half the chain per lane; needs tma_stages >= 1,
+  // else 8), or 0: 16 at small T (then also below the g8 switch at 1024 tokens, in place of the
+  // general kernel), 8 above. EPMOE_ROUTER_LANES=8|16 forces one.
+  int token_lanes = 0;
 };
 // The choice route() makes from the environment.
 RouteKernelChoice route_kernel_choice_from_env();
