@@ -33,8 +33,9 @@ constexpr int kIters = 2048;
 
 __device__ std::uint32_t g_sink;
 
-template <int N, bool kRs, int kParts, int kThreads, int kGroup = 4, bool kPromote = false>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, float scale) {
+template <int N, bool kRs, int kParts, int kThreads, int kGroup = 4, bool kPromote = false,
+          bool kZeroInit = false>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, float scale, int iters) {
   __shared__ alignas(1024) std::uint8_t tile[(64 + 256) * 128];  // A (64 x 128) then B (<= 256 x 128)
   for (int i = static_cast<int>(threadIdx.x); i < (64 + 256) * 128 / 4; i += static_cast<int>(blockDim.x))
     reinterpret_cast<std::uint32_t*>(tile)[i] = 0x38383838u * ((i & 1) + 1);  // e4m3 1.0 / 2.0 bytes
@@ -56,21 +57,22 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, fl
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
       const int s = g % 4;  // K step inside the 128-byte row; groups of 8 chain two waves
+      // kZeroInit: the group's first wgmma overwrites the partial (scale-d 0), as a GEMM's per-K-block
+      // partial does; else every wgmma accumulates.
+      const bool accumulate = !kZeroInit || g > 0;
       if constexpr (kRs) {
-        ptx::wgmma_m64k32_rs_e4m3<N>(acc[kSlot], a, ptx::wgmma_desc_sw128(b_smem + 32 * s), true);
+        ptx::wgmma_m64k32_rs_e4m3<N>(acc[kSlot], a, ptx::wgmma_desc_sw128(b_smem + 32 * s), accumulate);
       } else {
-        static_assert(N == 128);
-        ptx::wgmma_m64n128k32_e4m3(acc[kSlot], ptx::wgmma_desc_sw128(a_smem + 32 * s),
-                                   ptx::wgmma_desc_sw128(b_smem + 32 * s), true);
+        ptx::wgmma_m64k32_ss_e4m3<N>(acc[kSlot], ptx::wgmma_desc_sw128(a_smem + 32 * s),
+                                     ptx::wgmma_desc_sw128(b_smem + 32 * s), accumulate);
       }
     }
     ptx::wgmma_commit();
   };
   // Waits until kParts - 1 groups are in flight, so that acc[slot]'s (the oldest) has completed, and
   // with kPromote promotes it as the GEMM does. Only that partial's registers are touched.
-  const auto retire = [&](auto slot_v) {
+  const auto promote = [&](auto slot_v) {
     constexpr int kSlot = decltype(slot_v)::value;
-    ptx::wgmma_wait<kParts - 1>();
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[kSlot][i]);
     if constexpr (kPromote) {
@@ -80,33 +82,62 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, fl
       for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[kSlot][i]);
     }
   };
+  const auto retire = [&](auto slot_v) {
+    ptx::wgmma_wait<kParts - 1>();
+    promote(slot_v);
+  };
   const long long t0 = clock64();
   // kParts - 1 groups in flight ahead of the loop; each step then issues one and retires the oldest.
+  // The loop is a for (;;) whose every exit drains its own in-flight partials (a constant set per
+  // exit): with one drain after a counted loop ptxas cannot tell which partial is in flight where
+  // the paths merge, and serializes the wgmma (C7514; session 10).
   [&]<int... P>(std::integer_sequence<int, P...>) {
     (issue(std::integral_constant<int, P>{}), ...);
   }
   (std::make_integer_sequence<int, kParts - 1>{});
-#pragma unroll 1
-  for (int it = 0; it < kIters; ++it) {
-    [&]<int... P>(std::integer_sequence<int, P...>) {
-      ((issue(std::integral_constant<int, (P + kParts - 1) % kParts>{}),
-        retire(std::integral_constant<int, P>{})),
-       ...);
+  // After retiring slot kRetired on the last step: the other partials, oldest first, then every
+  // result into `sum` (read inside the exit branch: a read of a partial after the loop is again a
+  // merge point for ptxas).
+  float sum = 0.0f;
+  const auto drain = [&](auto retired_v) {
+    constexpr int kRetired = decltype(retired_v)::value;
+    ptx::wgmma_wait<0>();
+    [&]<int... Q>(std::integer_sequence<int, Q...>) {
+      (promote(std::integral_constant<int, (kRetired + 1 + Q) % kParts>{}), ...);
+    }
+    (std::make_integer_sequence<int, kParts - 1>{});
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) sum += acc[p][i];
+    }
+    if constexpr (kPromote) {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) sum += fin[i];
+    }
+  };
+  // One step: issue into the newest slot, retire slot kP; true after the last step's drain. (Every
+  // step tests for the end: with one test per kParts steps ptxas serializes the p2 +promote loop.)
+  int it = 0;
+  const auto step = [&](auto p_v) {
+    constexpr int kP = decltype(p_v)::value;
+    issue(std::integral_constant<int, (kP + kParts - 1) % kParts>{});
+    retire(p_v);
+    if (++it == iters) {
+      drain(p_v);
+      return true;
+    }
+    return false;
+  };
+  for (;;) {
+    const bool done = [&]<int... P>(std::integer_sequence<int, P...>) {
+      return (step(std::integral_constant<int, P>{}) || ...);
     }
     (std::make_integer_sequence<int, kParts>{});
+    if (done) break;
   }
-  ptx::wgmma_wait<0>();
   const long long t1 = clock64();
-  float s = 0.0f;
-#pragma unroll
-  for (int p = 0; p < kParts; ++p)
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) s += acc[p][i];
-  if constexpr (kPromote) {
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) s += fin[i];
-  }
-  if (s == 1234.5f) g_sink = 1;
+  if (sum == 1234.5f) g_sink = 1;
   if (threadIdx.x % 32 == 0) atomicMax(cycles + blockIdx.x, t1 - t0);
 }
 
@@ -147,16 +178,17 @@ void measure(const char* what, int threads, double instr_per_sm, double bytes_pe
   cudaFree(d);
 }
 
-template <int N, bool kRs, int kParts, int kW, int kGroup = 4, bool kPromote = false>
+template <int N, bool kRs, int kParts, int kW, int kGroup = 4, bool kPromote = false, bool kZeroInit = false>
 void wg(int sms) {
   constexpr int w = kW;
   char name[64];
-  std::snprintf(name, sizeof name, "%s n%d w%d p%d g%d%s", kRs ? "rs" : "ss", N, w, kParts, kGroup,
-                kPromote ? " +promote" : "");
+  std::snprintf(name, sizeof name, "%s n%d w%d p%d g%d%s%s", kRs ? "rs" : "ss", N, w, kParts, kGroup,
+                kPromote ? " +promote" : "", kZeroInit ? " +zero" : "");
   measure(
-      name, 128 * w, static_cast<double>(kIters) * kParts * kGroup * w, 1024.0,
+      name, 128 * w, static_cast<double>(kIters) * kGroup * w, 1024.0,
       [](long long* c, int blocks, int threads) {
-        wgmma_probe<N, kRs, kParts, 128 * kW, kGroup, kPromote><<<blocks, threads>>>(c, 0.5f);
+        wgmma_probe<N, kRs, kParts, 128 * kW, kGroup, kPromote, kZeroInit>
+            <<<blocks, threads>>>(c, 0.5f, kIters);
       },
       sms);
 }
@@ -176,6 +208,14 @@ void gemm_loop(int sms) {
   wg<128, false, 1, 3, 4, false>(sms);
   wg<128, false, 1, 3, 4, true>(sms);
   wg<128, false, 1, 1, 4, true>(sms);
+  // Session 10: the partial zero-initialised by the group's first wgmma (as the GEMM does), and
+  // 64-column waves, whose two partials (2 x 32 registers) fit beside a 128 x 256 tile's accumulators.
+  wg<128, false, 1, 2, 4, true, true>(sms);
+  wg<128, false, 2, 2, 4, true, true>(sms);
+  wg<64, false, 1, 2, 4, true, true>(sms);
+  wg<64, false, 2, 2, 4, false, true>(sms);
+  wg<64, false, 2, 2, 4, true, true>(sms);
+  wg<64, false, 2, 2, 4, true, false>(sms);
 }
 
 int main(int argc, char** argv) {
