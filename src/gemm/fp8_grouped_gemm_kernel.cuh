@@ -538,6 +538,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // This warp is done with a stage: it may be refilled (in every CTA of the cluster: the peer's
       // half of A lives here too).
       const auto free_stage = [&](int stage) {
+        __syncwarp();  // every lane's reads of the stage (its scales) before lane 0's release
         if (lane == 0) {
           ptx::mbar_arrive(u_empty + 8 * stage);
           if (u_peer_empty != 0) ptx::mbar_arrive_remote(u_peer_empty + 8 * stage);
