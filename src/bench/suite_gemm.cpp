@@ -131,11 +131,6 @@ Variant unrolled_variant() {
   v.options.unrolled_k_loop = true;
   return v;
 }
-Variant two_partials_variant() {
-  Variant v{".p2", {}};
-  v.options.two_partials = true;
-  return v;
-}
 Variant pingpong_variant() {
   Variant v{".pingpong", {}};
   v.options.pingpong = true;
@@ -256,8 +251,8 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
-  std::vector<Variant> variants{{"", {}},           c1_variant(), pingpong_variant(),    skew_variant(),
-                                unrolled_variant(), v2_variant(), two_partials_variant()};
+  std::vector<Variant> variants{{"", {}},       c1_variant(),       pingpong_variant(),
+                                skew_variant(), unrolled_variant(), v2_variant()};
   if (chosen.block_n == 256) {
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;
@@ -318,7 +313,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then the others (".alt*") to keep the choice honest.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(true, s.expected_m, N);
-  std::vector<Variant> variants{{"", {}}, two_partials_variant()};
+  std::vector<Variant> variants{{"", {}}};
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());

@@ -97,7 +97,6 @@ struct GroupedGemmParams {
   std::int32_t skew;             // 1: consumer 1 starts each tile after consumer 0's first wave issue
   std::int32_t unroll;           // 1: the consumers' K loop unrolled over the stages (where it applies)
   std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
-  std::int32_t two_partials;     // 1: 64-column waves into two partials, each promoted under the next
   std::int32_t ablation;         // kAblate*: timing experiments only
 };
 
@@ -480,8 +479,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     // ping-pong: no barrier phase can complete without both warpgroups).
     const bool skewed = Traits::kConsumers == 2 && !ordered && p.skew != 0 &&
                         (p.ablation & (kAblateMath | kAblateOneWait)) == 0;
-    // v6's K loop (two partials of 64-column waves): not with the turn passing or the ablations.
-    const bool two_partials = p.two_partials != 0 && !ordered && !skewed && p.ablation == 0;
     const std::uint32_t my_turn =
         __shfl_sync(0xffffffffu, kTurnBarrier + static_cast<std::uint32_t>(consumer), 0);
     const std::uint32_t their_turn = my_turn ^ 3u;  // kTurnBarrier + (consumer ^ 1): barriers 1 and 2
@@ -545,116 +542,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         }
       };
 
-      // v6 (p.two_partials): each K block as 2 * kWaves waves of 64 columns (4 wgmma m64n64k32 each)
-      // that alternate between two partials, so that a wave's wgmma run while the one before it is
-      // waited for and promoted (wait_group 1; the probe, bench/probe/tensor_probe.cu, keeps the
-      // tensor pipe at its peak this way where one partial loses ~24%). Step i of the tile is K block
-      // i / kSteps, wave (i % kSteps) / 2, half i % 2, into part2[i % 2] (kSteps is even). A K block's
-      // last step is promoted after the next K block's first step is issued; its stage is freed then,
-      // and the next block's scales are read. Each step ends with the loop's exit
-      // test, each exit draining its own in-flight partial, and the step count is hidden from the
-      // compiler: where it can tell that only one exit per K block is live (a multiple of kSteps),
-      // ptxas serializes every wgmma (C7514: it cannot then tell which partial is in flight).
-      const auto two_partial_k_loop = [&] {
-        constexpr int kSteps = 2 * kWaves;
-        constexpr std::uint32_t kBDescHalf = (64 * kGemmBlockK) >> 4;
-        float part2[2][32];
-        struct Scales {
-          float a, b, w[kWaves];
-        };
-        const auto load_scales = [&](int stage) {
-          const std::uint32_t scales = u_scales + stage * Traits::kScaleBytes;
-          Scales sc;
-          sc.a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;
-          sc.b = valid_b ? ptx::ld_shared_f32(scales + 4 * (row_in_tile + 8)) : 0.0f;
-#pragma unroll
-          for (int w = 0; w < kWaves; ++w) sc.w[w] = ptx::ld_shared_f32(scales + 4 * (kBlockM + w));
-          return sc;
-        };
-        // Issues step `step_v` (of its K block) from `stage` into part2[step % 2].
-        const auto issue = [&](auto step_v, int stage) {
-          constexpr int kStep = decltype(step_v)::value, kSlot = kStep % 2;
-          constexpr int kWave = kStep / 2, kHalf = kStep % 2;
-          const std::uint32_t a_desc = a_desc0 + static_cast<std::uint32_t>(stage) * kADescStage;
-          const std::uint32_t b_desc = b_desc0 + static_cast<std::uint32_t>(stage) * kBDescStage +
-                                       kWave * kBDescWave + kHalf * kBDescHalf;
-#pragma unroll
-          for (int i = 0; i < 32; ++i) ptx::fence_operand(part2[kSlot][i]);
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
-            ptx::wgmma_m64k32_ss_e4m3<64>(part2[kSlot], ptx::wgmma_desc_from_lo(a_desc + kk * kDescK),
-                                          ptx::wgmma_desc_from_lo(b_desc + kk * kDescK), kk > 0);
-          }
-          ptx::wgmma_commit();
-        };
-        // acc += scales · part2[step % 2] for the step's 64 columns: acc[wave][32 half + i].
-        const auto promote_step = [&](auto step_v, const Scales& sc) {
-          constexpr int kStep = decltype(step_v)::value, kSlot = kStep % 2;
-          constexpr int kWave = kStep / 2, kHalf = kStep % 2;
-#pragma unroll
-          for (int i = 0; i < 32; ++i) ptx::fence_operand(part2[kSlot][i]);
-          const float s_a = sc.a * sc.w[kWave], s_b = sc.b * sc.w[kWave];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            float* const out = acc[kWave] + 32 * kHalf + 4 * j;
-            out[0] = fmaf(s_a, part2[kSlot][4 * j + 0], out[0]);
-            out[1] = fmaf(s_a, part2[kSlot][4 * j + 1], out[1]);
-            out[2] = fmaf(s_b, part2[kSlot][4 * j + 2], out[2]);
-            out[3] = fmaf(s_b, part2[kSlot][4 * j + 3], out[3]);
-          }
-#pragma unroll
-          for (int i = 0; i < 32; ++i) ptx::fence_operand(part2[kSlot][i]);
-        };
-        // The steps after the first: an opaque count (see above).
-        std::int32_t steps_left = num_kb * kSteps - 1;
-        asm volatile("" : "+r"(steps_left));
-        ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
-        Scales cur = load_scales(pipe.stage);
-        issue(std::integral_constant<int, 0>{}, pipe.stage);
-        // Step kStep (1 .. kSteps - 1) of this K block, retiring the one before; true at the end.
-        const auto step = [&](auto step_v) {
-          constexpr int kStep = decltype(step_v)::value;
-          issue(step_v, pipe.stage);
-          ptx::wgmma_wait<1>();
-          promote_step(std::integral_constant<int, kStep - 1>{}, cur);
-          if (--steps_left != 0) return false;
-          ptx::wgmma_wait<0>();
-          promote_step(step_v, cur);
-          free_stage(pipe.stage);
-          pipe.advance(stages);
-          return true;
-        };
-        for (;;) {
-          // (A fold over ||: an exit leaves at once, no flag tested by the later steps.)
-          const bool done = [&]<int... S>(std::integer_sequence<int, S...>) {
-            return (step(std::integral_constant<int, S + 1>{}) || ...);
-          }
-          (std::make_integer_sequence<int, kSteps - 1>{});
-          if (done) break;
-          // The next K block's first step, then this block's last promotion, its stage freed, and
-          // the next block's scales (one set of scales in registers at a time).
-          const int stage = pipe.stage;
-          pipe.advance(stages);
-          ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
-          issue(std::integral_constant<int, 0>{}, pipe.stage);
-          ptx::wgmma_wait<1>();
-          promote_step(std::integral_constant<int, kSteps - 1>{}, cur);
-          free_stage(stage);
-          cur = load_scales(pipe.stage);
-          if (--steps_left == 0) {
-            ptx::wgmma_wait<0>();
-            promote_step(std::integral_constant<int, 0>{}, cur);
-            free_stage(pipe.stage);
-            pipe.advance(stages);
-            break;
-          }
-        }
-      };
-
-      if (two_partials) {
-        two_partial_k_loop();
-      } else if ((p.ablation & kAblateMath) != 0) {
+      if ((p.ablation & kAblateMath) != 0) {
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
           free_stage(pipe.stage);

@@ -68,11 +68,6 @@ struct GroupedGemmOptions {
   // 16-byte output stores after a transpose across lanes (else 4-byte stores straight from the
   // accumulator layout).
   bool vector_epilogue = true;
-  // v6: each K block's columns as 64-column wgmma waves alternating between two partial
-  // accumulators, each wave's promotion running while the next wave's wgmma do (else 128-column
-  // waves into one partial, each waited for before its promotion). EPMOE_GEMM_TWO_PARTIALS=0|1
-  // overrides it (tests run the suite both ways). Ignored with pingpong / consumer_skew / ablation.
-  bool two_partials = false;
 };
 
 // The tile heuristic (block_m x block_n). Masked with expected_m <= 64 (decode): 64 x 128 (reading
