@@ -49,7 +49,8 @@ if [[ ${EPMOE_ROUTER_PROFILE:-0} == 1 ]]; then
   stamp profile
   dump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
   # The sieve kernel with the staging EPMOE_ROUTER_TMA picks (1, the default, unless set).
-  sieve_args="ILb0ELi${EPMOE_ROUTER_TMA:-1}EEEvNS0_12RouterParamsE14CUtensorMap_st"
+  # (The quads instance unless EPMOE_ROUTER_LANES=16: the profiled T are quads' by default.)
+  sieve_args="ILb0ELi${EPMOE_ROUTER_TMA:-1}ELi${EPMOE_ROUTER_LANES:-8}EEEvNS0_12RouterParamsE14CUtensorMap_st"
   for k in g8:15route_g8_kernel:ILb0EEEvNS0_12RouterParamsE sieve:21route_g8_sieve_kernel:$sieve_args; do
     name=${k#*:}
     "$dump" -sass -fun "_ZN5epmoe7kernels${name%%:*}${name#*:}" "$build/libepmoe.so" \

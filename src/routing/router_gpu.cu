@@ -99,9 +99,11 @@ bool aligned16(const void* p) {
 // T = 4096; the switch point between is not measured).
 inline constexpr std::uint32_t kRouterG8MinTokens = 1024;
 // Below this many tokens the sieve kernel routes pairs (16 lanes per token, v9), at and above it
-// quads: pairs shorten each warp's chain, quads take ~25% fewer instructions per token (H200: pairs
-// 6.05 vs 6.56 us for the general kernel at T = 128, 8.1 vs 8.6 us for quads at T = 4096; quads 13.6
-// vs 15.3 us at T = 16384).
+// quads: pairs halve each lane's chain, quads take ~25% fewer instructions per token. H200 (bench
+// "router", session 10): pairs 7.1 vs 7.7 us at T = 2048, 8.1 vs 8.6 at 4096, 9.1 vs 9.3 at 6144,
+// level at 8192 (10.2), 12.1 vs 11.9 at 12288, 15.3 vs 13.6 at 16384; at T = 128 pairs (6.1 us) are
+// level with the general kernel (6.1-6.2), so the sieve with pairs is taken below kRouterG8MinTokens
+// too.
 inline constexpr std::uint32_t kRouterSievePairsMaxTokens = 8192;
 
 bool route_g8_applies(const MoeConfig& c, const kernels::RouterParams& p) {

@@ -38,9 +38,10 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
            TensorView topk_weights, cudaStream_t stream);
 
 // Which kernel route() takes, for tests and benchmarks (every choice gives the same bits).
-// automatic: route_g8_kernel where it applies (DeepSeek-V3's shape, T >= 1024) and, for softmax,
-// route_g8_softmax_kernel (E = 256 without group selection, K <= 8, T >= 1024), else the general
-// kernel; EPMOE_ROUTER_G8=0 in the environment means general. g8: those kernels at any T.
+// automatic: route_g8_kernel where it applies (DeepSeek-V3's shape, T >= 1024; with the sieve and
+// 16 lanes per token at every T) and, for softmax, route_g8_softmax_kernel (E = 256 without group
+// selection, K <= 8, T >= 1024), else the general kernel; EPMOE_ROUTER_G8=0 in the environment means
+// general. g8: those kernels at any T.
 // rn_division: the sigmoid with __fdiv_rn (sigmoid_f32_fast) instead of the branch-free division;
 // EPMOE_ROUTER_DIV=rn sets it.
 // sieve: wherever route_g8_kernel is taken, route_g8_sieve_kernel instead (v5: the exact sigmoid
