@@ -141,6 +141,95 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, fl
   if (threadIdx.x % 32 == 0) atomicMax(cycles + blockIdx.x, t1 - t0);
 }
 
+// The FP8 GEMM's pipeline around that loop (argument "gemm", session 10): warpgroup 0 a producer
+// warp that only arms the stages (waits "empty", arrives on "full", no loads: the GEMM's no-loads
+// ablation), kW consumer warpgroups that per K block wait on "full", issue two 128-column waves of
+// 4 wgmma m64n128k32 from the stage's A (their 64 rows) and B (256 rows), and free the stage (one
+// arrive per warp). kMain: each wave into one partial, waited for and promoted (64 FFMA) into its
+// accumulator (here both waves into one: the probe's registers are capped at 168, the GEMM's
+// consumers have 232), as the GEMM's main loop; else both waves into one partial with one wait (the GEMM's
+// tensor-only ablation). kRotate: the stages at their own addresses (the GEMM), else all at one.
+template <int kW, int kStages, bool kMain, bool kRotate>
+__global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycles, float scale, int iters) {
+  extern __shared__ __align__(1024) std::uint8_t ring_smem[];
+  constexpr std::uint32_t kABytes = 128 * 128, kStageBytes = kABytes + 256 * 128;
+  const std::uint32_t base = (ptx::smem_addr(ring_smem) + 1023u) & ~1023u;
+  const std::uint32_t bars = base + kStages * kStageBytes;  // full[kStages], empty[kStages]
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  for (std::uint32_t i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x)
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(base + 4 * i), "r"(0x38383838u * ((i & 1) + 1)) : "memory");
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      ptx::mbar_init(bars + 8 * st, 1);
+      ptx::mbar_init(bars + 8 * (kStages + st), 4 * kW);
+    }
+    ptx::fence_barrier_init();
+  }
+  ptx::fence_proxy_async_shared();
+  __syncthreads();
+  if (warp < 4) {
+    ptx::setmaxnreg_dec<40>();  // the GEMM's register split
+    if (warp == 0 && lane == 0) {
+      for (int kb = 0; kb < iters; ++kb) {
+        const int st = kb % kStages;
+        const std::uint32_t phase = static_cast<std::uint32_t>(kb / kStages) & 1u;
+        ptx::mbar_wait(bars + 8 * (kStages + st), phase ^ 1u);
+        ptx::mbar_arrive(bars + 8 * st);
+      }
+    }
+  } else {
+    ptx::setmaxnreg_inc<232>();
+    const int consumer = warp / 4 - 1;
+    float part[64], acc[2][64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) part[i] = acc[0][i] = acc[1][i] = 0.0f;
+    const long long t0 = clock64();
+    for (int kb = 0; kb < iters; ++kb) {
+      const int st = kb % kStages;
+      const std::uint32_t phase = static_cast<std::uint32_t>(kb / kStages) & 1u;
+      ptx::mbar_wait(bars + 8 * st, phase);
+      const std::uint32_t stage = base + (kRotate ? st * kStageBytes : 0u);
+      const std::uint32_t a = stage + consumer * 64 * 128, b = stage + kABytes;
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        if (kMain || w == 0) {
+#pragma unroll
+          for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
+          ptx::wgmma_fence();
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a + 32 * kk),
+                                     ptx::wgmma_desc_sw128(b + w * 128 * 128 + 32 * kk),
+                                     kk > 0 || (!kMain && w > 0));
+        if (!kMain && w == 0) continue;
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
+        if (w == 1) {
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(bars + 8 * (kStages + st));
+        }
+        if constexpr (kMain) {
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[0][i] = fmaf(scale, part[i], acc[0][i]);
+        } else {
+          acc[0][0] = fmaf(scale, part[0], acc[0][0]);
+        }
+#pragma unroll
+        for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
+      }
+    }
+    const long long t1 = clock64();
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s += acc[0][i] + acc[1][i];
+    if (s == 1234.5f) g_sink = 1;
+    if (lane == 0) atomicMax(cycles + blockIdx.x, t1 - t0);
+  }
+}
+
 __global__ void __launch_bounds__(1024, 1) mma_probe(long long* cycles) {
   std::uint32_t a[4] = {threadIdx.x * 0x01010101u & 0x38383838u, 0x38383838u, 0x30303030u, threadIdx.x};
   std::uint32_t b[2] = {0x38383838u, threadIdx.x & 0x30303030u};
@@ -193,6 +282,22 @@ void wg(int sms) {
       sms);
 }
 
+template <int kW, int kStages, bool kMain, bool kRotate>
+void ring(int sms) {
+  constexpr int kSmem = 1024 + kStages * (128 * 128 + 256 * 128) + 16 * kStages;
+  cudaFuncSetAttribute(ring_probe<kW, kStages, kMain, kRotate>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       kSmem);
+  char name[64];
+  std::snprintf(name, sizeof name, "ring w%d s%d %s%s", kW, kStages, kMain ? "main" : "tensor_only",
+                kRotate ? "" : " one-stage-address");
+  measure(
+      name, 128 * (kW + 1), static_cast<double>(kIters) * 8 * kW, 1024.0,
+      [](long long* c, int blocks, int threads) {
+        ring_probe<kW, kStages, kMain, kRotate><<<blocks, threads, kSmem>>>(c, 0.5f, kIters);
+      },
+      sms);
+}
+
 // The FP8 GEMM's consumer loop in isolation (argument "gemm"): how busy two (or three) warpgroups
 // keep the tensor cores with one partial and wait_group 0 per 128-column wave, as the 128 x 256 kernel
 // does, against two partials in flight, a third warpgroup, and two waves chained per wait.
@@ -216,6 +321,11 @@ void gemm_loop(int sms) {
   wg<64, false, 2, 2, 4, false, true>(sms);
   wg<64, false, 2, 2, 4, true, true>(sms);
   wg<64, false, 2, 2, 4, true, false>(sms);
+  // The pipeline around it (no loads): is the barrier ring what the tensor-only GEMM loses?
+  ring<2, 4, false, true>(sms);
+  ring<2, 4, false, false>(sms);
+  ring<2, 4, true, true>(sms);
+  ring<2, 4, true, false>(sms);
 }
 
 int main(int argc, char** argv) {

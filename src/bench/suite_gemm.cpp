@@ -19,7 +19,9 @@
 // as ".exp.*" lines.
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -44,6 +46,7 @@ struct Anchor {
   std::int64_t expected_m;  // masked only
   std::int64_t n, k;
   double deepgemm_us;
+  bool exact = false;  // every group exactly m rows (EPMOE_BENCH_GEMM_CUSTOM), not m x U(0.7, 1.3)
 };
 
 // DeepGEMM 2.6.1 on one H200 (132 SMs), FP8 e4m3, 1x128 activation scales, 128x128 weight scales,
@@ -81,7 +84,7 @@ std::vector<std::int64_t> group_sizes(const Anchor& s, std::uint64_t seed) {
   const std::int64_t mean = s.masked ? s.expected_m : s.m;
   std::vector<std::int64_t> sizes;
   for (std::int64_t g = 0; g < s.groups; ++g) {
-    auto rows = static_cast<std::int64_t>(static_cast<double>(mean) * u(rng));
+    auto rows = s.exact ? mean : static_cast<std::int64_t>(static_cast<double>(mean) * u(rng));
     if (s.masked) rows = std::min(rows, s.m);
     sizes.push_back(rows);
   }
@@ -577,7 +580,17 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   const bool decode_only = only_s == "decode";
   // EPMOE_BENCH_GEMM_ROW=GxMxN (e.g. 8x4096x4096): only that row (groups x m per group x n).
   const char* row = std::getenv("EPMOE_BENCH_GEMM_ROW");
-  for (const Anchor& s : kAnchors) {
+  // EPMOE_BENCH_GEMM_CUSTOM=GxMxNxK: only a contiguous problem of G groups of exactly M rows (no
+  // DeepGEMM anchor), e.g. to compare one tile per CTA against many at the same work.
+  std::vector<Anchor> anchors(std::begin(kAnchors), std::end(kAnchors));
+  if (const char* custom = std::getenv("EPMOE_BENCH_GEMM_CUSTOM"); custom != nullptr && *custom != '\0') {
+    long long g = 0, m = 0, n = 0, k = 0;
+    EPMOE_CHECK(
+        std::sscanf(custom, "%lldx%lldx%lldx%lld", &g, &m, &n, &k) == 4 && g > 0 && m > 0 && n > 0 && k > 0,
+        "EPMOE_BENCH_GEMM_CUSTOM: expected GxMxNxK (positive), got '{}'", custom);
+    anchors = {Anchor{false, g, m, 0, n, k, 0.0, true}};
+  }
+  for (const Anchor& s : anchors) {
     seed += 101;
     if (decode_only && !(s.masked && s.groups == 128)) continue;
     if (only_s == "contiguous" && s.masked) continue;
@@ -585,7 +598,7 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
     if (row != nullptr && *row != '\0' &&
         std::to_string(s.groups) + "x" + std::to_string(s.m) + "x" + std::to_string(s.n) != row)
       continue;
-    const bool experiment = experiments_on && experiment_shape(s);
+    const bool experiment = experiments_on && (experiment_shape(s) || s.exact);
     if (options.quant == "w4a8") {
       run_w4a8(s, seed, options, experiment, results);
     } else if (s.masked) {
