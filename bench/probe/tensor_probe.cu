@@ -149,15 +149,26 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, fl
 // accumulator (here both waves into one: the probe's registers are capped at 168, the GEMM's
 // consumers have 232), as the GEMM's main loop; else both waves into one partial with one wait (the GEMM's
 // tensor-only ablation). kRotate: the stages at their own addresses (the GEMM), else all at one.
-template <int kW, int kStages, bool kMain, bool kRotate>
+template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false>
 __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycles, float scale, int iters) {
   extern __shared__ __align__(1024) std::uint8_t ring_smem[];
   constexpr std::uint32_t kABytes = 128 * 128, kStageBytes = kABytes + 256 * 128;
   const std::uint32_t base = (ptx::smem_addr(ring_smem) + 1023u) & ~1023u;
   const std::uint32_t bars = base + kStages * kStageBytes;  // full[kStages], empty[kStages]
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
-  for (std::uint32_t i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x)
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(base + 4 * i), "r"(0x38383838u * ((i & 1) + 1)) : "memory");
+  // kRandom: pseudo-random bytes (every e4m3 value, NaN excepted: 0x7f / 0xff become 0x7e / 0xfe), as
+  // the GEMM's real operands; else 1.0 / 2.0 everywhere.
+  for (std::uint32_t i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x) {
+    std::uint32_t v = 0x38383838u * ((i & 1) + 1);
+    if constexpr (kRandom) {
+      v = (i + 0x9e3779b9u * blockIdx.x) * 0x85ebca6bu;
+      v ^= v >> 13;
+      v *= 0xc2b2ae35u;
+      v ^= v >> 16;
+      v &= ~((v & 0x7f7f7f7fu) + 0x01010101u & 0x80808080u) >> 7;  // clear bit 0 of 0x7f-low bytes
+    }
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(base + 4 * i), "r"(v) : "memory");
+  }
   if (threadIdx.x == 0) {
     for (int st = 0; st < kStages; ++st) {
       ptx::mbar_init(bars + 8 * st, 1);
@@ -282,18 +293,18 @@ void wg(int sms) {
       sms);
 }
 
-template <int kW, int kStages, bool kMain, bool kRotate>
+template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false>
 void ring(int sms) {
   constexpr int kSmem = 1024 + kStages * (128 * 128 + 256 * 128) + 16 * kStages;
-  cudaFuncSetAttribute(ring_probe<kW, kStages, kMain, kRotate>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       kSmem);
+  cudaFuncSetAttribute(ring_probe<kW, kStages, kMain, kRotate, kRandom>,
+                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   char name[64];
-  std::snprintf(name, sizeof name, "ring w%d s%d %s%s", kW, kStages, kMain ? "main" : "tensor_only",
-                kRotate ? "" : " one-stage-address");
+  std::snprintf(name, sizeof name, "ring w%d s%d %s%s%s", kW, kStages, kMain ? "main" : "tensor_only",
+                kRotate ? "" : " one-stage-address", kRandom ? " random-data" : "");
   measure(
       name, 128 * (kW + 1), static_cast<double>(kIters) * 8 * kW, 1024.0,
       [](long long* c, int blocks, int threads) {
-        ring_probe<kW, kStages, kMain, kRotate><<<blocks, threads, kSmem>>>(c, 0.5f, kIters);
+        ring_probe<kW, kStages, kMain, kRotate, kRandom><<<blocks, threads, kSmem>>>(c, 0.5f, kIters);
       },
       sms);
 }
@@ -326,6 +337,8 @@ void gemm_loop(int sms) {
   ring<2, 4, false, false>(sms);
   ring<2, 4, true, true>(sms);
   ring<2, 4, true, false>(sms);
+  ring<2, 4, false, true, true>(sms);
+  ring<2, 4, true, true, true>(sms);
 }
 
 int main(int argc, char** argv) {
