@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, fl
 // accumulator (here both waves into one: the probe's registers are capped at 168, the GEMM's
 // consumers have 232), as the GEMM's main loop; else both waves into one partial with one wait (the GEMM's
 // tensor-only ablation). kRotate: the stages at their own addresses (the GEMM), else all at one.
-template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false>
+template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false, bool kScaleWarp = false>
 __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycles, float scale, int iters) {
   extern __shared__ __align__(1024) std::uint8_t ring_smem[];
   constexpr std::uint32_t kABytes = 128 * 128, kStageBytes = kABytes + 256 * 128;
@@ -171,7 +171,9 @@ __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycle
   }
   if (threadIdx.x == 0) {
     for (int st = 0; st < kStages; ++st) {
-      ptx::mbar_init(bars + 8 * st, 1);
+      // kScaleWarp: the GEMM's scale warp too, 32 cp.async-completion arrives per stage (no copies),
+      // and the consumers read 4 scales per K block from the stage.
+      ptx::mbar_init(bars + 8 * st, kScaleWarp ? 33 : 1);
       ptx::mbar_init(bars + 8 * (kStages + st), 4 * kW);
     }
     ptx::fence_barrier_init();
@@ -188,6 +190,14 @@ __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycle
         ptx::mbar_arrive(bars + 8 * st);
       }
     }
+    if (kScaleWarp && warp == 1) {
+      for (int kb = 0; kb < iters; ++kb) {
+        const int st = kb % kStages;
+        const std::uint32_t phase = static_cast<std::uint32_t>(kb / kStages) & 1u;
+        ptx::mbar_wait(bars + 8 * (kStages + st), phase ^ 1u);
+        ptx::cp_async_mbar_arrive_noinc(bars + 8 * st);
+      }
+    }
   } else {
     ptx::setmaxnreg_inc<232>();
     const int consumer = warp / 4 - 1;
@@ -201,6 +211,13 @@ __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycle
       ptx::mbar_wait(bars + 8 * st, phase);
       const std::uint32_t stage = base + (kRotate ? st * kStageBytes : 0u);
       const std::uint32_t a = stage + consumer * 64 * 128, b = stage + kABytes;
+      float s_k = scale;
+      if constexpr (kScaleWarp) {
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = ptx::ld_shared_f32(stage + 4 * (lane + 32 * j));
+        s_k = v[0] * v[1] + v[2] * v[3];
+      }
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
         if (kMain || w == 0) {
@@ -224,9 +241,9 @@ __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycle
         }
         if constexpr (kMain) {
 #pragma unroll
-          for (int i = 0; i < 64; ++i) acc[0][i] = fmaf(scale, part[i], acc[0][i]);
+          for (int i = 0; i < 64; ++i) acc[0][i] = fmaf(s_k, part[i], acc[0][i]);
         } else {
-          acc[0][0] = fmaf(scale, part[0], acc[0][0]);
+          acc[0][0] = fmaf(s_k, part[0], acc[0][0]);
         }
 #pragma unroll
         for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
@@ -293,18 +310,20 @@ void wg(int sms) {
       sms);
 }
 
-template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false>
+template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false, bool kScaleWarp = false>
 void ring(int sms) {
   constexpr int kSmem = 1024 + kStages * (128 * 128 + 256 * 128) + 16 * kStages;
-  cudaFuncSetAttribute(ring_probe<kW, kStages, kMain, kRotate, kRandom>,
+  cudaFuncSetAttribute(ring_probe<kW, kStages, kMain, kRotate, kRandom, kScaleWarp>,
                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   char name[64];
-  std::snprintf(name, sizeof name, "ring w%d s%d %s%s%s", kW, kStages, kMain ? "main" : "tensor_only",
-                kRotate ? "" : " one-stage-address", kRandom ? " random-data" : "");
+  std::snprintf(name, sizeof name, "ring w%d s%d %s%s%s%s", kW, kStages, kMain ? "main" : "tensor_only",
+                kRotate ? "" : " one-stage-address", kRandom ? " random-data" : "",
+                kScaleWarp ? " +scale-warp" : "");
   measure(
       name, 128 * (kW + 1), static_cast<double>(kIters) * 8 * kW, 1024.0,
       [](long long* c, int blocks, int threads) {
-        ring_probe<kW, kStages, kMain, kRotate, kRandom><<<blocks, threads, kSmem>>>(c, 0.5f, kIters);
+        ring_probe<kW, kStages, kMain, kRotate, kRandom, kScaleWarp>
+            <<<blocks, threads, kSmem>>>(c, 0.5f, kIters);
       },
       sms);
 }
@@ -339,6 +358,8 @@ void gemm_loop(int sms) {
   ring<2, 4, true, false>(sms);
   ring<2, 4, false, true, true>(sms);
   ring<2, 4, true, true, true>(sms);
+  ring<2, 4, false, true, true, true>(sms);
+  ring<2, 4, true, true, true, true>(sms);
 }
 
 int main(int argc, char** argv) {
