@@ -351,8 +351,8 @@ struct G8Warp {
   __device__ int expert_in_group(int jj) const { return h * kPerLane + jj; }
 };
 
-// The two larger of a, b (larger first) merged with the same of the partner lane `xor_mask` (a tie
-// counting twice): exact on values, so both lanes end with the pair's top-2 of their union.
+// This lane's two largest values (t1 >= t2) merged with those of the partner lane `xor_mask` (a tie
+// counting twice): exact on values, so both lanes end with the top-2 of the union of their values.
 __device__ __forceinline__ void merge_top2(float& t1, float& t2, int xor_mask) {
   const float o1 = __shfl_xor_sync(0xffffffffu, t1, xor_mask);
   const float o2 = __shfl_xor_sync(0xffffffffu, t2, xor_mask);
