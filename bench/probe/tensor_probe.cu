@@ -15,6 +15,9 @@
 //              and with "+promote" the 64-FFMA promotion of the completed partial into a second
 //              accumulator after each wait, as the GEMM does. 64 cycles per instruction per SM is
 //              the dense FP8 peak.
+//   ring wW sS main|tensor_only (argument "gemm", session 10): that loop inside the GEMM's barrier
+//              ring (a producer warp arming S stages; optionally the scale warp's arrives and the
+//              scale loads, random operands), two 128-column waves per K block (ring_probe).
 // Printed: SM cycles per instruction (clock64 span of the slowest warp / instructions per SM) and
 // the equivalent int4 weight bytes per cycle per SM (rs/ss: 64 x 32 weights = 1024 bytes per
 // instruction; mma: 16 x 32 = 256 bytes), to compare with the ~13 bytes per cycle per SM that
@@ -69,8 +72,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, fl
     }
     ptx::wgmma_commit();
   };
-  // Waits until kParts - 1 groups are in flight, so that acc[slot]'s (the oldest) has completed, and
-  // with kPromote promotes it as the GEMM does. Only that partial's registers are touched.
+  // With kPromote, acc[slot] (completed) into fin as the GEMM promotes; only that partial's registers
+  // are touched.
   const auto promote = [&](auto slot_v) {
     constexpr int kSlot = decltype(slot_v)::value;
 #pragma unroll
@@ -82,6 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, fl
       for (int i = 0; i < N / 2; ++i) ptx::fence_operand(acc[kSlot][i]);
     }
   };
+  // Waits until kParts - 1 groups are in flight, so that acc[slot]'s (the oldest) has completed.
   const auto retire = [&](auto slot_v) {
     ptx::wgmma_wait<kParts - 1>();
     promote(slot_v);

@@ -217,6 +217,16 @@ int variant_repeat() {
   return n;
 }
 
+// One bench line timed variant_repeat() times, one result each; `run(stream)` launches it once.
+template <typename Run>
+void time_line(const SuiteOptions& options, std::vector<Result>& results, const std::string& name,
+               const Params& p, double bytes, double flops, const Anchor& s, cudaStream_t stream, Run&& run) {
+  for (int r = 0, repeat = variant_repeat(); r < repeat; ++r) {
+    const double us = time_us([&](int, cudaStream_t st) { run(st); }, 1, stream, timing_for(options));
+    emit(options, results, finish(name, p, us, bytes, flops, s));
+  }
+}
+
 bool experiments_enabled() {
   const char* e = std::getenv("EPMOE_BENCH_GEMM_EXPERIMENTS");
   return e != nullptr && *e != '\0' && *e != '0';
@@ -263,7 +273,6 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   if (experiment) {
     for (Variant& v : experiments(false)) variants.push_back(std::move(v));
   }
-  const int repeat = variant_repeat();
   for (const Variant& v : variants) {
     if (!variant_listed(v.suffix)) continue;
     const Params p{
@@ -276,15 +285,11 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
         {"valid_m", valid},
         {"block_m", static_cast<std::int64_t>(v.options.block_m != 0 ? v.options.block_m : chosen.block_m)},
         {"block_n", static_cast<std::int64_t>(v.options.block_n != 0 ? v.options.block_n : chosen.block_n)}};
-    for (int r = 0; r < repeat; ++r) {
-      const double us = time_us(
-          [&](int, cudaStream_t st) {
-            cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d, st,
-                                              v.options);
-          },
-          1, stream, timing_for(options));
-      emit(options, results, finish("gemm.contiguous" + v.suffix, p, us, bytes, flops, s));
-    }
+    time_line(options, results, "gemm.contiguous" + v.suffix, p, bytes, flops, s, stream,
+              [&](cudaStream_t st) {
+                cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d,
+                                                  st, v.options);
+              });
   }
 }
 
@@ -336,32 +341,26 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   if (experiment) {
     for (Variant& v : experiments(true)) variants.push_back(std::move(v));
   }
-  const int repeat = variant_repeat();
   for (const Variant& v : variants) {
     if (!variant_listed(v.suffix)) continue;
-    for (int r = 0; r < repeat; ++r) {
-      const double us = time_us(
-          [&](int, cudaStream_t st) {
-            cuda::fp8_grouped_gemm_masked(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, masked_m,
-                                          s.expected_m, d, st, v.options);
-          },
-          1, stream, timing_for(options));
-      cuda::GemmTileShape tile = chosen;
-      if (v.options.block_m != 0) tile = cuda::grouped_gemm_tile(v.options.block_m == 128, 1000, N);
-      if (v.options.block_m == 64) tile = {64, 128};
-      if (v.options.block_n != 0) tile.block_n = v.options.block_n;
-      const Params p{{"layout", std::string("masked")},
-                     {"quant", std::string("fp8")},
-                     {"groups", G},
-                     {"m_per_group", s.expected_m},
-                     {"max_m", M_max},
-                     {"n", N},
-                     {"k", K},
-                     {"valid_m", valid},
-                     {"block_m", static_cast<std::int64_t>(tile.block_m)},
-                     {"block_n", static_cast<std::int64_t>(tile.block_n)}};
-      emit(options, results, finish("gemm.masked" + v.suffix, p, us, bytes, flops, s));
-    }
+    cuda::GemmTileShape tile = chosen;
+    if (v.options.block_m != 0) tile = cuda::grouped_gemm_tile(v.options.block_m == 128, 1000, N);
+    if (v.options.block_m == 64) tile = {64, 128};
+    if (v.options.block_n != 0) tile.block_n = v.options.block_n;
+    const Params p{{"layout", std::string("masked")},
+                   {"quant", std::string("fp8")},
+                   {"groups", G},
+                   {"m_per_group", s.expected_m},
+                   {"max_m", M_max},
+                   {"n", N},
+                   {"k", K},
+                   {"valid_m", valid},
+                   {"block_m", static_cast<std::int64_t>(tile.block_m)},
+                   {"block_n", static_cast<std::int64_t>(tile.block_n)}};
+    time_line(options, results, "gemm.masked" + v.suffix, p, bytes, flops, s, stream, [&](cudaStream_t st) {
+      cuda::fp8_grouped_gemm_masked(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, masked_m, s.expected_m, d,
+                                    st, v.options);
+    });
   }
 }
 

@@ -154,10 +154,11 @@ CUtensorMap logits_map(const kernels::RouterParams& p, int unit_tokens) {
                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
-// A staged g8 kernel, given as its instances with 0, 1 and 2 TMA stage buffers.
+// A staged g8 kernel, given as its instances with 0, 1 and 2 TMA stage buffers; `staging` from
+// staging_for.
 template <auto kPerLaneLoads, auto kOneBuffer, auto kTwoBuffers>
-void launch_staged(const kernels::RouterParams& p, int tma_stages, cudaStream_t stream) {
-  switch (staging_for(p, tma_stages)) {
+void launch_staged(const kernels::RouterParams& p, int staging, cudaStream_t stream) {
+  switch (staging) {
     case 0:
       return launch_g8<kPerLaneLoads>(p, stream, CUtensorMap{});
     case 1:
@@ -168,23 +169,22 @@ void launch_staged(const kernels::RouterParams& p, int tma_stages, cudaStream_t 
 }
 
 // The sieve kernel: quads (8 lanes per token) with any staging; pairs (16 lanes per token, v9) with
-// TMA staging only (per-lane staging falls back to quads).
+// TMA staging only (the caller asks for pairs only then).
 template <bool kRnDiv>
-void launch_sieve(const kernels::RouterParams& p, int tma_stages, int token_lanes, cudaStream_t stream) {
+void launch_sieve(const kernels::RouterParams& p, int staging, bool pairs, cudaStream_t stream) {
   using kernels::route_g8_sieve_kernel;
-  const int staging = staging_for(p, tma_stages);
-  if (token_lanes == 16 && staging > 0) {
+  if (pairs) {
     return staging == 1 ? launch_g8<&route_g8_sieve_kernel<kRnDiv, 1, 16>, 2>(p, stream, logits_map(p, 2))
                         : launch_g8<&route_g8_sieve_kernel<kRnDiv, 2, 16>, 2>(p, stream, logits_map(p, 2));
   }
   launch_staged<&route_g8_sieve_kernel<kRnDiv, 0>, &route_g8_sieve_kernel<kRnDiv, 1>,
-                &route_g8_sieve_kernel<kRnDiv, 2>>(p, tma_stages, stream);
+                &route_g8_sieve_kernel<kRnDiv, 2>>(p, staging, stream);
 }
 
-void launch_softmax(const kernels::RouterParams& p, int tma_stages, cudaStream_t stream) {
+void launch_softmax(const kernels::RouterParams& p, int staging, cudaStream_t stream) {
   using kernels::route_g8_softmax_kernel;
   launch_staged<&route_g8_softmax_kernel<0>, &route_g8_softmax_kernel<1>, &route_g8_softmax_kernel<2>>(
-      p, tma_stages, stream);
+      p, staging, stream);
 }
 
 }  // namespace
@@ -249,7 +249,8 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
   const int lanes = choice.token_lanes != 0                 ? choice.token_lanes
                     : p.tokens < kRouterSievePairsMaxTokens ? 16
                                                             : 8;
-  const bool sieve_pairs = choice.sieve && lanes == 16 && staging_for(p, choice.tma_stages) > 0;
+  const int staging = staging_for(p, choice.tma_stages);
+  const bool sieve_pairs = choice.sieve && lanes == 16 && staging > 0;
   // A g8 kernel where its shape applies: forced, or automatic from kRouterG8MinTokens (the sieve with
   // pairs at every T).
   const bool automatic = choice.kernel == Kernel::automatic;
@@ -260,14 +261,14 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
       route_g8_softmax_applies(config, p) && (choice.kernel == Kernel::g8 || (automatic && large));
   if (g8) {
     if (choice.sieve) {
-      choice.rn_division ? launch_sieve<true>(p, choice.tma_stages, lanes, stream)
-                         : launch_sieve<false>(p, choice.tma_stages, lanes, stream);
+      choice.rn_division ? launch_sieve<true>(p, staging, sieve_pairs, stream)
+                         : launch_sieve<false>(p, staging, sieve_pairs, stream);
     } else {
       choice.rn_division ? launch_g8<&route_g8_kernel<true>>(p, stream)
                          : launch_g8<&route_g8_kernel<false>>(p, stream);
     }
   } else if (g8_softmax) {
-    launch_softmax(p, choice.tma_stages, stream);
+    launch_softmax(p, staging, stream);
   } else if (sigmoid) {
     choice.rn_division ? launch_for<true, true>(layout.per_lane, p, stream)
                        : launch_for<true, false>(layout.per_lane, p, stream);
