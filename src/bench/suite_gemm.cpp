@@ -181,6 +181,9 @@ std::vector<Variant> experiments(bool masked) {
   add("no_loads_no_scales", [](auto& o) { o.ablation = 2 | 32; });
   add("no_loads_no_promote", [](auto& o) { o.ablation = 2 | 32 | 4; });
   add("tensor_only", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16; });
+  // Session 10: the tensor-only loop without the consumers' "full" waits, and without any pipeline.
+  add("tensor_only_no_full_wait", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 64; });
+  add("tensor_only_no_pipe", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128; });
   add("tensor_only_cluster1", [](auto& o) {
     o.ablation = 2 | 32 | 4 | 8 | 16;
     o.cluster = 1;

@@ -314,6 +314,9 @@ inline constexpr int kAblatePromote = 4;  // consumers promote one accumulator p
 inline constexpr int kAblateOneWait = 8;  // all waves of a K block into one partial: one wait, one promotion
 inline constexpr int kAblateEpilogue = 16;  // no output stores
 inline constexpr int kAblateScales = 32;    // the scale warp copies nothing (arrives only)
+inline constexpr int kAblateFullWait = 64;  // consumers do not wait on "full" (stale stages)
+inline constexpr int kAblatePipe =
+    128;  // no pipeline at all: producers idle, consumers neither wait nor free
 
 // Named barriers passing the wgmma turn between the two consumer warpgroups (ping-pong): consumer c
 // waits on kTurnBarrier + c before issuing a wave and arrives on the other's after issuing it.
@@ -399,7 +402,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     GemmScheduler<kBlockM, kBlockN> scheduler(p);
     GemmTile tile;
     PipeState pipe;
-    if (warp == 0) {
+    if ((p.ablation & kAblatePipe) != 0) {
+      // timing ablation: no producer work
+    } else if (warp == 0) {
       while (scheduler.next(tile, p)) {
         const std::int32_t b_row = tile.group * p.n + tile.n_block * kBlockN;
         // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest
@@ -535,6 +540,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // This warp is done with a stage: it may be refilled (in every CTA of the cluster: the peer's
       // half of A lives here too).
       const auto free_stage = [&](int stage) {
+        if ((p.ablation & kAblatePipe) != 0) return;
         __syncwarp();  // every lane's reads of the stage (its scales) before lane 0's release
         if (lane == 0) {
           ptx::mbar_arrive(u_empty + 8 * stage);
@@ -558,7 +564,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           constexpr bool kOneWait = decltype(one_wait)::value;
           constexpr bool kNoPromote = decltype(no_promote)::value;
           const int stage = stage_v;
-          ptx::mbar_wait(u_full + 8 * stage, phase);
+          if ((p.ablation & (kAblateFullWait | kAblatePipe)) == 0) ptx::mbar_wait(u_full + 8 * stage, phase);
           // This K block's scales, read before the stage is given back.
           const std::uint32_t scales = u_scales + stage * Traits::kScaleBytes;
           const float s_a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;

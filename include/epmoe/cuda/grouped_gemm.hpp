@@ -48,8 +48,9 @@ struct GroupedGemmOptions {
   // Bits, 0: off. 1: skip the tensor-core work and the promotion; 2: skip the loads (the pipeline
   // still runs); 4: promote one accumulator per wave (the wgmma results must stay live, or the
   // compiler drops the wgmma); 8: one wgmma wait and promotion per K block (the waves
-  // accumulate into one partial); 16: no output stores; 32: no scale copies. All leave garbage in
-  // d: for locating a bottleneck only.
+  // accumulate into one partial); 16: no output stores; 32: no scale copies; 64: the consumers do
+  // not wait for a stage's data; 128: no pipeline (producers idle, consumers neither wait nor free a
+  // stage). All leave garbage in d: for locating a bottleneck only.
   int ablation = 0;
   // CTAs per cluster along N: 0 = automatic (contiguous layout with 128-row tiles and an even
   // N / block_n: 2; else 1), 1, or 2 (each pair of CTAs computes two neighbouring column tiles and
