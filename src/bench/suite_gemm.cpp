@@ -24,6 +24,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "bench/bench.hpp"
@@ -184,6 +185,10 @@ std::vector<Variant> experiments(bool masked) {
   // Session 10: the tensor-only loop without the consumers' "full" waits, and without any pipeline.
   add("tensor_only_no_full_wait", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 64; });
   add("tensor_only_no_pipe", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128; });
+  // Session 11: the same lines with the consumer-loop trace (bit 256): cycles per wgmma and clock.
+  add("traced", [](auto& o) { o.ablation = 256; });
+  add("tensor_only_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 256; });
+  add("tensor_only_no_pipe_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128 | 256; });
   add("tensor_only_cluster1", [](auto& o) {
     o.ablation = 2 | 32 | 4 | 8 | 16;
     o.cluster = 1;
@@ -220,13 +225,37 @@ int variant_repeat() {
   return n;
 }
 
+// The FP8 consumer-loop trace (options.ablation bit 256) of a line's launches, as parameters:
+// loop_cycles_per_wgmma (SM cycles per wgmma instruction per CTA in the consumer loop; 64 is the
+// dense peak of m64n128k32), loop_mhz (the SM clock the loops ran at) and loop_of_span (the loops'
+// mean time over the launch's span, first CTA entry to last loop exit). Lines without it: p as is.
+Params with_trace(Params p, const cuda::Fp8GemmTrace& t) {
+  if (t.launches == 0 || t.k_blocks == 0 || t.loop_ns == 0 || t.span_ns == 0) return p;
+  const auto dim = [&](const char* key) {
+    const auto it = p.find(key);
+    return it != p.end() && std::holds_alternative<std::int64_t>(it->second)
+               ? std::get<std::int64_t>(it->second)
+               : std::int64_t{0};
+  };
+  const double wgmma_per_kb = static_cast<double>(dim("block_m") / 64 * dim("block_n") / 128 * 4);
+  if (wgmma_per_kb > 0)
+    p["loop_cycles_per_wgmma"] =
+        static_cast<double>(t.loop_cycles) / static_cast<double>(t.k_blocks) / wgmma_per_kb;
+  p["loop_mhz"] = 1e3 * static_cast<double>(t.loop_cycles) / static_cast<double>(t.loop_ns);
+  p["loop_of_span"] = static_cast<double>(t.loop_ns) / static_cast<double>(t.ctas) /
+                      (static_cast<double>(t.span_ns) / static_cast<double>(t.launches));
+  return p;
+}
+
 // One bench line timed variant_repeat() times, one result each; `run(stream)` launches it once.
 template <typename Run>
 void time_line(const SuiteOptions& options, std::vector<Result>& results, const std::string& name,
                const Params& p, double bytes, double flops, const Anchor& s, cudaStream_t stream, Run&& run) {
   for (int r = 0, repeat = variant_repeat(); r < repeat; ++r) {
+    cuda::fp8_grouped_gemm_take_trace();  // zero it
     const double us = time_us([&](int, cudaStream_t st) { run(st); }, 1, stream, timing_for(options));
-    emit(options, results, finish(name, p, us, bytes, flops, s));
+    emit(options, results,
+         finish(name, with_trace(p, cuda::fp8_grouped_gemm_take_trace()), us, bytes, flops, s));
   }
 }
 

@@ -89,8 +89,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
   EPMOE_CHECK(options.block_n == 0 || options.block_n == 128 || options.block_n == 256,
               "options.block_n must be 0 (automatic), 128 or 256, got {}", options.block_n);
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
-  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 255,
-              "options.ablation must be a bit set in 0..255, got {}", options.ablation);
+  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 511,
+              "options.ablation must be a bit set in 0..511, got {}", options.ablation);
   EPMOE_CHECK(options.l2_promotion >= 0 && options.l2_promotion <= 2,
               "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
   EPMOE_CHECK(options.cluster >= 0 && options.cluster <= 2,
@@ -215,6 +215,14 @@ void launch(GemmTileShape tile, const TensorView& a, const TensorView& b, const 
 }
 
 }  // namespace
+
+Fp8GemmTrace fp8_grouped_gemm_take_trace() {
+  unsigned long long sums[8] = {};
+  EPMOE_CUDA_CHECK(cudaMemcpyFromSymbol(sums, kernels::g_fp8_gemm_trace, sizeof sums));
+  const unsigned long long zero[8] = {0, 0, 0, 0, 0, 0, ~0ull, 0};
+  EPMOE_CUDA_CHECK(cudaMemcpyToSymbol(kernels::g_fp8_gemm_trace, zero, sizeof zero));
+  return {sums[0], sums[1], sums[2], sums[3], sums[4], sums[5]};
+}
 
 GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n) {
   if (masked && expected_m <= 64) return {64, 128};

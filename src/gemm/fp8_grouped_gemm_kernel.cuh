@@ -317,6 +317,14 @@ inline constexpr int kAblateScales = 32;    // the scale warp copies nothing (ar
 inline constexpr int kAblateFullWait = 64;  // consumers do not wait on "full" (stale stages)
 inline constexpr int kAblatePipe =
     128;  // no pipeline at all: producers idle, consumers neither wait nor free
+// Not an ablation: consumer 0's first thread of every CTA adds its consumer loop's SM cycles and
+// nanoseconds to g_fp8_gemm_trace (the loop's cycles per wgmma and the clock it ran at, against the
+// probe's; read by fp8_grouped_gemm_take_trace).
+inline constexpr int kTraceLoop = 256;
+
+// The trace's sums: [0] loop cycles, [1] loop ns, [2] K blocks, [3] CTAs, [4] launch spans (first
+// CTA entry to last loop exit, ns), [5] launches, [6] this launch's earliest entry, [7] its latest exit.
+__device__ unsigned long long g_fp8_gemm_trace[8] = {0, 0, 0, 0, 0, 0, ~0ull, 0};
 
 // Named barriers passing the wgmma turn between the two consumer warpgroups (ping-pong): consumer c
 // waits on kTurnBarrier + c before issuing a wave and arrives on the other's after issuing it.
@@ -373,6 +381,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const int stages = p.stages;  // in use, <= kStages
   const bool clustered = p.cluster > 1;
   const std::uint32_t rank = static_cast<std::uint32_t>(blockIdx.x) % static_cast<std::uint32_t>(p.cluster);
+  const bool trace = (p.ablation & kTraceLoop) != 0 && threadIdx.x == 128;
+  const std::uint64_t trace_entry_ns = trace ? ptx::global_timer_ns() : 0;
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -518,7 +528,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
 
     // This warp's rows (row_in_tile and row_in_tile + 8, row_in_tile % 16 < 8) lie in one 32-row word.
     std::uint32_t tile_rows = 0;
+    const long long trace_c0 = trace ? clock64() : 0;
+    const std::uint64_t trace_n0 = trace ? ptx::global_timer_ns() : 0;
+    std::int32_t trace_tiles = 0;
     while (scheduler.next(tile, p, row_in_tile / 32, tile_rows)) {
+      ++trace_tiles;
       // (Set here, not once before the loop: the wgmma asm reads part, so a value from before the
       // loop would keep these registers live through the epilogue and the scheduler.)
 #pragma unroll
@@ -685,6 +699,26 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[w][4 * j + 2], acc[w][4 * j + 3]);
           }
         }
+      }
+    }
+    if (trace) {
+      const long long c1 = clock64();
+      const std::uint64_t n1 = ptx::global_timer_ns();
+      unsigned long long* t = g_fp8_gemm_trace;
+      atomicAdd(t + 0, static_cast<unsigned long long>(c1 - trace_c0));
+      atomicAdd(t + 1, static_cast<unsigned long long>(n1 - trace_n0));
+      atomicAdd(t + 2,
+                static_cast<unsigned long long>(trace_tiles) * static_cast<unsigned long long>(num_kb));
+      atomicMin(t + 6, static_cast<unsigned long long>(trace_entry_ns));
+      atomicMax(t + 7, static_cast<unsigned long long>(n1));
+      __threadfence();
+      // The launch's last CTA closes its span (CTAs of a launch finish before the next one starts).
+      if ((atomicAdd(t + 3, 1ull) + 1) % gridDim.x == 0) {
+        __threadfence();
+        atomicAdd(t + 4, atomicAdd(t + 7, 0ull) - atomicAdd(t + 6, 0ull));
+        atomicAdd(t + 5, 1ull);
+        atomicExch(t + 6, ~0ull);
+        atomicExch(t + 7, 0ull);
       }
     }
     // Consumer 1's last hand-over is consumer 0's to take: every bar.arrive meets its bar.sync.

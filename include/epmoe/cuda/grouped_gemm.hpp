@@ -50,7 +50,9 @@ struct GroupedGemmOptions {
   // compiler drops the wgmma); 8: one wgmma wait and promotion per K block (the waves
   // accumulate into one partial); 16: no output stores; 32: no scale copies; 64: the consumers do
   // not wait for a stage's data; 128: no pipeline (producers idle, consumers neither wait nor free a
-  // stage). All leave garbage in d: for locating a bottleneck only.
+  // stage). All leave garbage in d: for locating a bottleneck only. 256 (not an ablation, output
+  // intact): every CTA adds its consumer loop's cycles and time to the trace that
+  // fp8_grouped_gemm_take_trace reads.
   int ablation = 0;
   // CTAs per cluster along N: 0 = automatic (contiguous layout with 128-row tiles and an even
   // N / block_n: 2; else 1), 1, or 2 (each pair of CTAs computes two neighbouring column tiles and
@@ -100,5 +102,13 @@ void fp8_grouped_gemm_contiguous(TensorView a, TensorView a_scales, ScaleLayout 
 void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_scale_layout, TensorView b,
                              TensorView b_scales, TensorView masked_m, std::int64_t expected_m, TensorView d,
                              cudaStream_t stream, const GroupedGemmOptions& options = {});
+
+// The consumer-loop trace of the launches with options.ablation bit 256 since the last call (sums
+// over CTAs and launches; read on the current device, then zeroed). Cycles per wgmma per SM:
+// loop_cycles / (k_blocks * wgmma per K block); the clock the loops ran at: loop_cycles / loop_ns.
+struct Fp8GemmTrace {
+  std::uint64_t loop_cycles = 0, loop_ns = 0, k_blocks = 0, ctas = 0, span_ns = 0, launches = 0;
+};
+Fp8GemmTrace fp8_grouped_gemm_take_trace();
 
 }  // namespace epmoe::cuda
