@@ -153,8 +153,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, fl
 // accumulator (here both waves into one: the probe's registers are capped at 168, the GEMM's
 // consumers have 232), as the GEMM's main loop; else both waves into one partial with one wait (the GEMM's
 // tensor-only ablation). kRotate: the stages at their own addresses (the GEMM), else all at one.
-template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false, bool kScaleWarp = false>
+template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false, bool kScaleWarp = false,
+          int kSpin = 0>
 __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycles, float scale, int iters) {
+  static_assert(kSpin >= 0);
   extern __shared__ __align__(1024) std::uint8_t ring_smem[];
   constexpr std::uint32_t kABytes = 128 * 128, kStageBytes = kABytes + 256 * 128;
   const std::uint32_t base = (ptx::smem_addr(ring_smem) + 1023u) & ~1023u;
@@ -242,6 +244,13 @@ __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycle
         if (w == 1) {
           __syncwarp();
           if (lane == 0) ptx::mbar_arrive(bars + 8 * (kStages + st));
+          // kSpin: this many cycles more per K block (is the loop's latency hidden by the other
+          // warpgroup's wgmma?)
+          if constexpr (kSpin > 0) {
+            const long long spin0 = clock64();
+            while (clock64() - spin0 < kSpin) {
+            }
+          }
         }
         if constexpr (kMain) {
 #pragma unroll
@@ -302,7 +311,7 @@ void measure(const char* what, int threads, double instr_per_sm, double bytes_pe
 template <int N, bool kRs, int kParts, int kW, int kGroup = 4, bool kPromote = false, bool kZeroInit = false>
 void wg(int sms) {
   constexpr int w = kW;
-  char name[64];
+  char name[96];
   std::snprintf(name, sizeof name, "%s n%d w%d p%d g%d%s%s", kRs ? "rs" : "ss", N, w, kParts, kGroup,
                 kPromote ? " +promote" : "", kZeroInit ? " +zero" : "");
   measure(
@@ -314,19 +323,20 @@ void wg(int sms) {
       sms);
 }
 
-template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false, bool kScaleWarp = false>
+template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false, bool kScaleWarp = false,
+          int kSpin = 0>
 void ring(int sms) {
   constexpr int kSmem = 1024 + kStages * (128 * 128 + 256 * 128) + 16 * kStages;
-  cudaFuncSetAttribute(ring_probe<kW, kStages, kMain, kRotate, kRandom, kScaleWarp>,
+  cudaFuncSetAttribute(ring_probe<kW, kStages, kMain, kRotate, kRandom, kScaleWarp, kSpin>,
                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  char name[64];
-  std::snprintf(name, sizeof name, "ring w%d s%d %s%s%s%s", kW, kStages, kMain ? "main" : "tensor_only",
-                kRotate ? "" : " one-stage-address", kRandom ? " random-data" : "",
-                kScaleWarp ? " +scale-warp" : "");
+  char name[96];
+  std::snprintf(name, sizeof name, "ring w%d s%d %s%s%s%s spin%d", kW, kStages,
+                kMain ? "main" : "tensor_only", kRotate ? "" : " one-stage-address",
+                kRandom ? " random-data" : "", kScaleWarp ? " +scale-warp" : "", kSpin);
   measure(
       name, 128 * (kW + 1), static_cast<double>(kIters) * 8 * kW, 1024.0,
       [](long long* c, int blocks, int threads) {
-        ring_probe<kW, kStages, kMain, kRotate, kRandom, kScaleWarp>
+        ring_probe<kW, kStages, kMain, kRotate, kRandom, kScaleWarp, kSpin>
             <<<blocks, threads, kSmem>>>(c, 0.5f, kIters);
       },
       sms);
@@ -364,6 +374,10 @@ void gemm_loop(int sms) {
   ring<2, 4, true, true, true>(sms);
   ring<2, 4, false, true, true, true>(sms);
   ring<2, 4, true, true, true, true>(sms);
+  // Session 11: 200 / 400 cycles more per K block in each consumer warp (the GEMM's ablation 512).
+  ring<2, 4, false, true, true, false, 200>(sms);
+  ring<2, 4, false, true, true, false, 400>(sms);
+  ring<2, 4, true, true, true, true, 200>(sms);
 }
 
 int main(int argc, char** argv) {

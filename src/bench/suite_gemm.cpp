@@ -189,6 +189,13 @@ std::vector<Variant> experiments(bool masked) {
   add("traced", [](auto& o) { o.ablation = 256; });
   add("tensor_only_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 256; });
   add("tensor_only_no_pipe_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128 | 256; });
+  add("tensor_only_no_pipe_spin_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128 | 256 | 512; });
+  add("tensor_only_spin_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 256 | 512; });
+  add("spin_traced", [](auto& o) { o.ablation = 256 | 512; });
+  add("n128_traced", [](auto& o) {
+    o.ablation = 256;
+    o.block_n = 128;
+  });
   add("tensor_only_cluster1", [](auto& o) {
     o.ablation = 2 | 32 | 4 | 8 | 16;
     o.cluster = 1;

@@ -89,8 +89,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
   EPMOE_CHECK(options.block_n == 0 || options.block_n == 128 || options.block_n == 256,
               "options.block_n must be 0 (automatic), 128 or 256, got {}", options.block_n);
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
-  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 511,
-              "options.ablation must be a bit set in 0..511, got {}", options.ablation);
+  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 1023,
+              "options.ablation must be a bit set in 0..1023, got {}", options.ablation);
   EPMOE_CHECK(options.l2_promotion >= 0 && options.l2_promotion <= 2,
               "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
   EPMOE_CHECK(options.cluster >= 0 && options.cluster <= 2,

@@ -321,6 +321,9 @@ inline constexpr int kAblatePipe =
 // nanoseconds to g_fp8_gemm_trace (the loop's cycles per wgmma and the clock it ran at, against the
 // probe's; read by fp8_grouped_gemm_take_trace).
 inline constexpr int kTraceLoop = 256;
+// Timing ablation: each consumer warp spins 200 cycles after each K block's last wave completes (is
+// the consumers' per-K-block latency hidden by the other warpgroup's wgmma, or exposed?).
+inline constexpr int kAblateSpin = 512;
 
 // The trace's sums: [0] loop cycles, [1] loop ns, [2] K blocks, [3] CTAs, [4] launch spans (first
 // CTA entry to last loop exit, ns), [5] launches, [6] this launch's earliest entry, [7] its latest exit.
@@ -611,6 +614,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             // After the last wave this warp is done with the stage; the fences keep the promotion
             // after the arrive, so the producers get the stage back early.
             if (w == kWaves - 1) free_stage(stage);
+            if (w == kWaves - 1 && (p.ablation & kAblateSpin) != 0) {
+              const long long spin0 = clock64();
+              while (clock64() - spin0 < 200) {
+              }
+            }
             fence_all(part[0]);
             if constexpr (kNoPromote) {
               // One FFMA per wave, not 64: the wave's wgmma results must stay live, or ptxas drops the

@@ -52,7 +52,7 @@ struct GroupedGemmOptions {
   // not wait for a stage's data; 128: no pipeline (producers idle, consumers neither wait nor free a
   // stage). All leave garbage in d: for locating a bottleneck only. 256 (not an ablation, output
   // intact): every CTA adds its consumer loop's cycles and time to the trace that
-  // fp8_grouped_gemm_take_trace reads.
+  // fp8_grouped_gemm_take_trace reads. 512: each consumer warp spins 200 cycles per K block.
   int ablation = 0;
   // CTAs per cluster along N: 0 = automatic (contiguous layout with 128-row tiles and an even
   // N / block_n: 2; else 1), 1, or 2 (each pair of CTAs computes two neighbouring column tiles and
