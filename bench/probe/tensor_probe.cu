@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_probe(long long* cycles, fl
 // consumers have 232), as the GEMM's main loop; else both waves into one partial with one wait (the GEMM's
 // tensor-only ablation). kRotate: the stages at their own addresses (the GEMM), else all at one.
 template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false, bool kScaleWarp = false,
-          int kSpin = 0>
+          int kSpin = 0, int kWaveN = 128>
 __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycles, float scale, int iters) {
   static_assert(kSpin >= 0);
   extern __shared__ __align__(1024) std::uint8_t ring_smem[];
@@ -207,9 +207,16 @@ __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycle
   } else {
     ptx::setmaxnreg_inc<232>();
     const int consumer = warp / 4 - 1;
-    float part[64], acc[2][64];
+    // kWaveN = 128: two 128-column waves per K block (the 128 x 256 GEMM); 192: one 192-column wave.
+    constexpr int kWaves = kWaveN == 128 ? 2 : 1;
+    constexpr int kR = kWaveN / 2;  // accumulator registers per wave
+    float part[kR], acc[kWaves][kR];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) part[i] = acc[0][i] = acc[1][i] = 0.0f;
+    for (int i = 0; i < kR; ++i) {
+      part[i] = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) acc[w][i] = 0.0f;
+    }
     const long long t0 = clock64();
     for (int kb = 0; kb < iters; ++kb) {
       const int st = kb % kStages;
@@ -225,23 +232,23 @@ __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycle
         s_k = v[0] * v[1] + v[2] * v[3];
       }
 #pragma unroll
-      for (int w = 0; w < 2; ++w) {
+      for (int w = 0; w < kWaves; ++w) {
         if (kMain || w == 0) {
 #pragma unroll
-          for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
+          for (int i = 0; i < kR; ++i) ptx::fence_operand(part[i]);
           ptx::wgmma_fence();
         }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-          ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a + 32 * kk),
-                                     ptx::wgmma_desc_sw128(b + w * 128 * 128 + 32 * kk),
-                                     kk > 0 || (!kMain && w > 0));
-        if (!kMain && w == 0) continue;
+          ptx::wgmma_m64k32_ss_e4m3<kWaveN>(part, ptx::wgmma_desc_sw128(a + 32 * kk),
+                                            ptx::wgmma_desc_sw128(b + w * kWaveN * 128 + 32 * kk),
+                                            kk > 0 || (!kMain && w > 0));
+        if (!kMain && w < kWaves - 1) continue;
         ptx::wgmma_commit();
         ptx::wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
-        if (w == 1) {
+        for (int i = 0; i < kR; ++i) ptx::fence_operand(part[i]);
+        if (w == kWaves - 1) {
           __syncwarp();
           if (lane == 0) ptx::mbar_arrive(bars + 8 * (kStages + st));
           // kSpin: this many cycles more per K block (is the loop's latency hidden by the other
@@ -254,18 +261,20 @@ __global__ void __launch_bounds__(128 * (kW + 1), 1) ring_probe(long long* cycle
         }
         if constexpr (kMain) {
 #pragma unroll
-          for (int i = 0; i < 64; ++i) acc[0][i] = fmaf(s_k, part[i], acc[0][i]);
+          for (int i = 0; i < kR; ++i) acc[w][i] = fmaf(s_k, part[i], acc[w][i]);
         } else {
-          acc[0][0] = fmaf(s_k, part[0], acc[0][0]);
+          acc[w][0] = fmaf(s_k, part[0], acc[w][0]);
         }
 #pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::fence_operand(part[i]);
+        for (int i = 0; i < kR; ++i) ptx::fence_operand(part[i]);
       }
     }
     const long long t1 = clock64();
     float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) s += acc[0][i] + acc[1][i];
+    for (int i = 0; i < kR; ++i)
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) s += acc[w][i];
     if (s == 1234.5f) g_sink = 1;
     if (lane == 0) atomicMax(cycles + blockIdx.x, t1 - t0);
   }
@@ -324,19 +333,21 @@ void wg(int sms) {
 }
 
 template <int kW, int kStages, bool kMain, bool kRotate, bool kRandom = false, bool kScaleWarp = false,
-          int kSpin = 0>
+          int kSpin = 0, int kWaveN = 128>
 void ring(int sms) {
   constexpr int kSmem = 1024 + kStages * (128 * 128 + 256 * 128) + 16 * kStages;
-  cudaFuncSetAttribute(ring_probe<kW, kStages, kMain, kRotate, kRandom, kScaleWarp, kSpin>,
+  cudaFuncSetAttribute(ring_probe<kW, kStages, kMain, kRotate, kRandom, kScaleWarp, kSpin, kWaveN>,
                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   char name[96];
   std::snprintf(name, sizeof name, "ring w%d s%d %s%s%s%s spin%d", kW, kStages,
                 kMain ? "main" : "tensor_only", kRotate ? "" : " one-stage-address",
                 kRandom ? " random-data" : "", kScaleWarp ? " +scale-warp" : "", kSpin);
   measure(
-      name, 128 * (kW + 1), static_cast<double>(kIters) * 8 * kW, 1024.0,
+      // In m64n128k32-equivalents (64 cycles = the dense peak for either wave width).
+      name, 128 * (kW + 1), static_cast<double>(kIters) * 8 * kW * (kWaveN == 128 ? 1.0 : 192.0 / 256.0),
+      1024.0,
       [](long long* c, int blocks, int threads) {
-        ring_probe<kW, kStages, kMain, kRotate, kRandom, kScaleWarp, kSpin>
+        ring_probe<kW, kStages, kMain, kRotate, kRandom, kScaleWarp, kSpin, kWaveN>
             <<<blocks, threads, kSmem>>>(c, 0.5f, kIters);
       },
       sms);
@@ -350,6 +361,9 @@ void ring(int sms) {
 void gemm_loop(int sms) {
   wg<128, false, 1, 2, 4, false>(sms);
   wg<128, false, 1, 2, 4, true>(sms);
+  // m64n192k32 (peak: 96 cycles per instruction): one 192-column wave per wait, with the promotion.
+  wg<192, false, 1, 2, 4, false>(sms);
+  wg<192, false, 1, 2, 4, true>(sms);
   wg<128, false, 1, 2, 8, false>(sms);
   wg<128, false, 1, 2, 8, true>(sms);
   wg<128, false, 2, 2, 4, false>(sms);
@@ -378,6 +392,10 @@ void gemm_loop(int sms) {
   ring<2, 4, false, true, true, false, 200>(sms);
   ring<2, 4, false, true, true, false, 400>(sms);
   ring<2, 4, true, true, true, true, 200>(sms);
+  // One 192-column wave per K block (a 128 x 192 tile): one wait and 96 FFMA per K block.
+  ring<2, 4, false, true, true, true, 0, 192>(sms);
+  ring<2, 4, true, true, true, true, 0, 192>(sms);
+  ring<2, 4, true, true, true, true, 200, 192>(sms);
 }
 
 int main(int argc, char** argv) {

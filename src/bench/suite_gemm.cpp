@@ -196,6 +196,17 @@ std::vector<Variant> experiments(bool masked) {
     o.ablation = 256;
     o.block_n = 128;
   });
+  add("n128_p2_traced", [](auto& o) {
+    o.ablation = 256;
+    o.block_n = 128;
+    o.two_partials = true;
+  });
+  add("n128_p2_c1_traced", [](auto& o) {
+    o.ablation = 256;
+    o.block_n = 128;
+    o.two_partials = true;
+    o.cluster = 1;
+  });
   add("tensor_only_cluster1", [](auto& o) {
     o.ablation = 2 | 32 | 4 | 8 | 16;
     o.cluster = 1;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <string_view>
 
@@ -27,6 +28,15 @@ using kernels::kGemmBlockK;
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 // Rows of the small A box (tiles with at most this many valid rows: decode).
 constexpr int kSmallABoxRows = 32;
+
+// GroupedGemmOptions::two_partials, unless EPMOE_GEMM_TWO_PARTIALS=0|1 says otherwise.
+bool two_partials_from_env(bool option) {
+  static const int env = [] {
+    const char* v = std::getenv("EPMOE_GEMM_TWO_PARTIALS");
+    return v == nullptr || *v == '\0' ? -1 : std::string_view(v) == "1" ? 1 : 0;
+  }();
+  return env < 0 ? option : env == 1;
+}
 
 void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name, std::uintptr_t alignment) {
   gemm_host::expect_aligned_tensor(t, dtype, Device::cuda, name, alignment);
@@ -150,6 +160,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   params.skew = options.consumer_skew && !options.pingpong ? 1 : 0;
   params.unroll = options.unrolled_k_loop ? 1 : 0;
   params.vector_epilogue = options.vector_epilogue ? 1 : 0;
+  params.two_partials = two_partials_from_env(options.two_partials) ? 1 : 0;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;
   constexpr CUtensorMapL2promotion kPromotions[] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

@@ -97,6 +97,7 @@ struct GroupedGemmParams {
   std::int32_t skew;             // 1: consumer 1 starts each tile after consumer 0's first wave issue
   std::int32_t unroll;           // 1: the consumers' K loop unrolled over the stages (where it applies)
   std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
+  std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
   std::int32_t ablation;         // kAblate*: timing experiments only
 };
 
@@ -497,6 +498,10 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     // ping-pong: no barrier phase can complete without both warpgroups).
     const bool skewed = Traits::kConsumers == 2 && !ordered && p.skew != 0 &&
                         (p.ablation & (kAblateMath | kAblateOneWait)) == 0;
+    // v7's K loop (single-wave tiles: two partials, each K block's promotion under the next block's
+    // wgmma); not with the turn passing or the ablations (the trace aside).
+    const bool two_partials =
+        kWaves == 1 && p.two_partials != 0 && !ordered && !skewed && (p.ablation & ~kTraceLoop) == 0;
     const std::uint32_t my_turn =
         __shfl_sync(0xffffffffu, kTurnBarrier + static_cast<std::uint32_t>(consumer), 0);
     const std::uint32_t their_turn = my_turn ^ 3u;  // kTurnBarrier + (consumer ^ 1): barriers 1 and 2
@@ -565,7 +570,93 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         }
       };
 
-      if ((p.ablation & kAblateMath) != 0) {
+      // v7 (p.two_partials, single-wave tiles): K block kb's 4 wgmma go into part2[kb % 2] and are
+      // issued before block kb - 1's are waited for (wait_group 1), so that block kb - 1's promotion
+      // and stage release run under block kb's wgmma (the probe keeps the tensor pipe at its peak
+      // this way, where one partial loses ~24%: bench/NOTES.md). Every K block ends with the loop's
+      // exit test, each exit draining its own in-flight partial, and the block count is hidden from
+      // the compiler: otherwise ptxas cannot tell which partial is in flight where paths merge and
+      // serializes every wgmma (C7514; session 10).
+      const auto two_partial_k_loop = [&] {
+        if constexpr (kWaves == 1) {
+          float part2[2][64];
+          struct Scales {
+            float a, b, w;
+          };
+          const auto load_scales = [&](int stage) {
+            const std::uint32_t scales = u_scales + stage * Traits::kScaleBytes;
+            Scales sc;
+            sc.a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;
+            sc.b = valid_b ? ptx::ld_shared_f32(scales + 4 * (row_in_tile + 8)) : 0.0f;
+            sc.w = ptx::ld_shared_f32(scales + 4 * kBlockM);
+            return sc;
+          };
+          const auto issue = [&](auto slot_v, int stage) {
+            constexpr int kSlot = decltype(slot_v)::value;
+            const std::uint32_t a_desc = a_desc0 + static_cast<std::uint32_t>(stage) * kADescStage;
+            const std::uint32_t b_desc = b_desc0 + static_cast<std::uint32_t>(stage) * kBDescStage;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) ptx::fence_operand(part2[kSlot][i]);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
+              ptx::wgmma_m64n128k32_e4m3(part2[kSlot], ptx::wgmma_desc_from_lo(a_desc + kk * kDescK),
+                                         ptx::wgmma_desc_from_lo(b_desc + kk * kDescK), kk > 0);
+            }
+            ptx::wgmma_commit();
+          };
+          const auto retire = [&](auto slot_v, const Scales& sc) {
+            constexpr int kSlot = decltype(slot_v)::value;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) ptx::fence_operand(part2[kSlot][i]);
+            promote(acc[0], part2[kSlot], sc.a, sc.b, sc.w);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) ptx::fence_operand(part2[kSlot][i]);
+          };
+          // K blocks after the first: an opaque count (see above).
+          std::int32_t blocks_left = num_kb - 1;
+          asm volatile("" : "+r"(blocks_left));
+          ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
+          Scales prev = load_scales(pipe.stage);
+          issue(std::integral_constant<int, 0>{}, pipe.stage);
+          int prev_stage = pipe.stage;
+          pipe.advance(stages);
+          if (blocks_left == 0) {
+            ptx::wgmma_wait<0>();
+            retire(std::integral_constant<int, 0>{}, prev);
+            free_stage(prev_stage);
+            return;
+          }
+          // One K block into part2[kSlot], retiring the block before it (in the other slot); true
+          // once it was the tile's last (both drained).
+          const auto step = [&](auto slot_v) {
+            constexpr int kSlot = decltype(slot_v)::value;
+            using Other = std::integral_constant<int, 1 - kSlot>;
+            ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
+            const Scales cur = load_scales(pipe.stage);
+            issue(slot_v, pipe.stage);
+            ptx::wgmma_wait<1>();
+            retire(Other{}, prev);
+            free_stage(prev_stage);
+            prev = cur;
+            prev_stage = pipe.stage;
+            pipe.advance(stages);
+            if (--blocks_left != 0) return false;
+            ptx::wgmma_wait<0>();
+            retire(slot_v, prev);
+            free_stage(prev_stage);
+            return true;
+          };
+          for (;;) {
+            if (step(std::integral_constant<int, 1>{})) break;
+            if (step(std::integral_constant<int, 0>{})) break;
+          }
+        }
+      };
+
+      if (two_partials) {
+        two_partial_k_loop();
+      } else if ((p.ablation & kAblateMath) != 0) {
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
           free_stage(pipe.stage);
