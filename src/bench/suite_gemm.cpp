@@ -319,6 +319,9 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   if (chosen.block_n == 256) {
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;
+    variants.push_back({".alt.p2", {}});  // 128 x 128 with two partials (v7)
+    variants.back().options.block_n = 128;
+    variants.back().options.two_partials = true;
   }
   if (experiment) {
     for (Variant& v : experiments(false)) variants.push_back(std::move(v));
@@ -375,6 +378,9 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());
+  } else {
+    variants.push_back({".p2", {}});  // the 64 x 128 tile with two partials (v7)
+    variants.back().options.two_partials = true;
   }
   if (chosen.block_m == 64) {
     variants.push_back({".alt", {}});

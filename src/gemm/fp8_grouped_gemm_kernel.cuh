@@ -385,8 +385,10 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const int stages = p.stages;  // in use, <= kStages
   const bool clustered = p.cluster > 1;
   const std::uint32_t rank = static_cast<std::uint32_t>(blockIdx.x) % static_cast<std::uint32_t>(p.cluster);
+  // The trace goes straight into its global sums (a stamp kept in registers across the K loop
+  // costs the loop registers): a start stamp is added negated, the end stamp as is.
   const bool trace = (p.ablation & kTraceLoop) != 0 && threadIdx.x == 128;
-  const std::uint64_t trace_entry_ns = trace ? ptx::global_timer_ns() : 0;
+  if (trace) atomicMin(g_fp8_gemm_trace + 6, static_cast<unsigned long long>(ptx::global_timer_ns()));
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -536,13 +538,14 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
 
     // This warp's rows (row_in_tile and row_in_tile + 8, row_in_tile % 16 < 8) lie in one 32-row word.
     std::uint32_t tile_rows = 0;
-    const long long trace_c0 = trace ? clock64() : 0;
-    const std::uint64_t trace_n0 = trace ? ptx::global_timer_ns() : 0;
-    std::int32_t trace_tiles = 0;
+    if (trace) {
+      atomicAdd(g_fp8_gemm_trace + 0, 0ull - static_cast<unsigned long long>(clock64()));
+      atomicAdd(g_fp8_gemm_trace + 1, 0ull - static_cast<unsigned long long>(ptx::global_timer_ns()));
+    }
     while (scheduler.next(tile, p, row_in_tile / 32, tile_rows)) {
-      ++trace_tiles;
-      // (Set here, not once before the loop: the wgmma asm reads part, so a value from before the
-      // loop would keep these registers live through the epilogue and the scheduler.)
+      if (trace) atomicAdd(g_fp8_gemm_trace + 2, static_cast<unsigned long long>(num_kb));
+        // (Set here, not once before the loop: the wgmma asm reads part, so a value from before the
+        // loop would keep these registers live through the epilogue and the scheduler.)
 #pragma unroll
       for (int i = 0; i < 64; ++i) part[0][i] = 0.0f;
       const std::int32_t row_a = tile.row0 + row_in_tile;
@@ -801,15 +804,12 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       }
     }
     if (trace) {
-      const long long c1 = clock64();
-      const std::uint64_t n1 = ptx::global_timer_ns();
+      const auto c1 = static_cast<unsigned long long>(clock64());
+      const auto n1 = static_cast<unsigned long long>(ptx::global_timer_ns());
       unsigned long long* t = g_fp8_gemm_trace;
-      atomicAdd(t + 0, static_cast<unsigned long long>(c1 - trace_c0));
-      atomicAdd(t + 1, static_cast<unsigned long long>(n1 - trace_n0));
-      atomicAdd(t + 2,
-                static_cast<unsigned long long>(trace_tiles) * static_cast<unsigned long long>(num_kb));
-      atomicMin(t + 6, static_cast<unsigned long long>(trace_entry_ns));
-      atomicMax(t + 7, static_cast<unsigned long long>(n1));
+      atomicAdd(t + 0, c1);
+      atomicAdd(t + 1, n1);
+      atomicMax(t + 7, n1);
       __threadfence();
       // The launch's last CTA closes its span (CTAs of a launch finish before the next one starts).
       if ((atomicAdd(t + 3, 1ull) + 1) % gridDim.x == 0) {
