@@ -192,20 +192,14 @@ std::vector<Variant> experiments(bool masked) {
   add("tensor_only_no_pipe_spin_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128 | 256 | 512; });
   add("tensor_only_spin_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 256 | 512; });
   add("spin_traced", [](auto& o) { o.ablation = 256 | 512; });
-  add("n128_traced", [](auto& o) {
+  add("n128_traced", [](auto& o) {  // two partials (v7)
     o.ablation = 256;
     o.block_n = 128;
   });
-  add("n128_p2_traced", [](auto& o) {
+  add("n128_p1_traced", [](auto& o) {
     o.ablation = 256;
     o.block_n = 128;
-    o.two_partials = true;
-  });
-  add("n128_p2_c1_traced", [](auto& o) {
-    o.ablation = 256;
-    o.block_n = 128;
-    o.two_partials = true;
-    o.cluster = 1;
+    o.two_partials = false;
   });
   add("tensor_only_cluster1", [](auto& o) {
     o.ablation = 2 | 32 | 4 | 8 | 16;
@@ -319,9 +313,9 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   if (chosen.block_n == 256) {
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;
-    variants.push_back({".alt.p2", {}});  // 128 x 128 with two partials (v7)
+    variants.push_back({".alt.p1", {}});  // 128 x 128 with one partial (before v7)
     variants.back().options.block_n = 128;
-    variants.back().options.two_partials = true;
+    variants.back().options.two_partials = false;
   }
   if (experiment) {
     for (Variant& v : experiments(false)) variants.push_back(std::move(v));
@@ -379,8 +373,8 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());
   } else {
-    variants.push_back({".p2", {}});  // the 64 x 128 tile with two partials (v7)
-    variants.back().options.two_partials = true;
+    variants.push_back({".p1", {}});  // the 64 x 128 tile with one partial (before v7)
+    variants.back().options.two_partials = false;
   }
   if (chosen.block_m == 64) {
     variants.push_back({".alt", {}});

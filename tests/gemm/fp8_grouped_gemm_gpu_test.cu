@@ -64,6 +64,7 @@ struct ContiguousCase {
   bool vector_epilogue = true;
   bool skew = false;      // consumer_skew
   bool unrolled = false;  // unrolled_k_loop
+  bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -132,6 +133,7 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   options.vector_epilogue = c.vector_epilogue;
   options.consumer_skew = c.skew;
   options.unrolled_k_loop = c.unrolled;
+  options.two_partials = c.two_partials;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -168,6 +170,30 @@ INSTANTIATE_TEST_SUITE_P(
         // DeepSeek-V3 gate_up with 128 x 128 tiles.
         ContiguousCase{
             "N4096_K7168_block_n128", {77, 200}, 4096, 7168, ScaleLayout::mn_major_tma, 0, 0, false, 128},
+        // The same with one partial per K block (two_partials off), and 128 x 128 tiles with a
+        // single K block (the two-partial loop's first block is its last).
+        [] {
+          ContiguousCase c{"N4096_K7168_block_n128_one_partial",
+                           {77, 200},
+                           4096,
+                           7168,
+                           ScaleLayout::mn_major_tma,
+                           0,
+                           0,
+                           false,
+                           128};
+          c.two_partials = false;
+          return c;
+        }(),
+        ContiguousCase{"N1536_K128_block_n128_one_k_block",
+                       {100, 0, 33},
+                       1536,
+                       128,
+                       ScaleLayout::token_major,
+                       0,
+                       0,
+                       true,
+                       128},
         // An odd number of column tiles (5 x 128): no cluster.
         ContiguousCase{"N640_K2048_odd_column_tiles", {200, 77}, 640, 2048, ScaleLayout::token_major},
         // No cluster with ping-pong and 16-byte stores; a cluster with ping-pong; then the v2 paths
@@ -282,6 +308,7 @@ struct MaskedCase {
   bool vector_epilogue = true;
   bool skew = false;      // consumer_skew
   bool unrolled = false;  // unrolled_k_loop
+  bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
 };
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
@@ -359,6 +386,7 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.vector_epilogue = c.vector_epilogue;
   options.consumer_skew = c.skew;
   options.unrolled_k_loop = c.unrolled;
+  options.two_partials = c.two_partials;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
@@ -379,6 +407,15 @@ INSTANTIATE_TEST_SUITE_P(
                    false},
         // Decode-like: a few rows per group, DeepSeek-V3 down shape with K = 7168.
         MaskedCase{"N7168_K7168_decode", 72, {72, 0, 9}, 7168, 7168, ScaleLayout::mn_major_tma},
+        // The same with one partial per K block; then 3 K blocks (the two-partial loop leaves from
+        // its second slot).
+        [] {
+          MaskedCase c{"N7168_K7168_decode_one_partial", 72, {72, 0, 9}, 7168, 7168,
+                       ScaleLayout::mn_major_tma};
+          c.two_partials = false;
+          return c;
+        }(),
+        MaskedCase{"N4096_K384_decode_block64", 40, {40, 3, 0, 17}, 4096, 384, ScaleLayout::token_major, 64},
         // 128 x 128 tiles (the heuristic's pick here is 128 x 256).
         MaskedCase{"N1536_K7168_mmax300_block128x128",
                    300,

@@ -73,9 +73,10 @@ struct GroupedGemmOptions {
   bool vector_epilogue = true;
   // v7, tiles of one 128-column wave (block_n = 128, and 64 x 128): K blocks alternate between two
   // partial accumulators, each block's wgmma issued before the previous block's are waited for and
-  // promoted (else one partial, waited for before its promotion). EPMOE_GEMM_TWO_PARTIALS=0|1
-  // overrides it (tests run the suite both ways). Ignored with pingpong / consumer_skew / ablations.
-  bool two_partials = false;
+  // promoted (else one partial, waited for before its promotion; measured 3-15% slower:
+  // bench/NOTES.md, session 11). EPMOE_GEMM_TWO_PARTIALS=0|1 overrides it. Ignored with pingpong /
+  // consumer_skew / ablations (the trace aside).
+  bool two_partials = true;
 };
 
 // The tile heuristic (block_m x block_n). Masked with expected_m <= 64 (decode): 64 x 128 (reading
