@@ -376,17 +376,6 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
     variants.push_back({".p1", {}});  // the 64 x 128 tile with one partial (before v7)
     variants.back().options.two_partials = false;
   }
-  if (N % 128 == 0) {
-    variants.push_back({".m192", {}});  // 192 x 128: three consumer warpgroups (v8)
-    variants.back().options.block_m = 192;
-    variants.back().options.block_n = 128;
-    variants.push_back({".m192_traced", {}});
-    variants.back().options.block_m = 192;
-    variants.back().options.block_n = 128;
-    variants.back().options.ablation = 256;
-    variants.push_back({".traced", {}});
-    variants.back().options.ablation = 256;
-  }
   if (chosen.block_m == 64) {
     variants.push_back({".alt", {}});
     variants.back().options.block_m = 128;  // the heuristic's 128-row tile
@@ -643,14 +632,12 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   // EPMOE_BENCH_GEMM_CUSTOM=GxMxNxK: only a contiguous problem of G groups of exactly M rows (no
   // DeepGEMM anchor), e.g. to compare one tile per CTA against many at the same work.
   std::vector<Anchor> anchors(std::begin(kAnchors), std::end(kAnchors));
-  // A leading 'm' (mGxMxNxK) makes it a masked problem: G groups of M_max = M rows, all valid.
   if (const char* custom = std::getenv("EPMOE_BENCH_GEMM_CUSTOM"); custom != nullptr && *custom != '\0') {
-    const bool masked = custom[0] == 'm';
     long long g = 0, m = 0, n = 0, k = 0;
-    EPMOE_CHECK(std::sscanf(custom + (masked ? 1 : 0), "%lldx%lldx%lldx%lld", &g, &m, &n, &k) == 4 && g > 0 &&
-                    m > 0 && n > 0 && k > 0,
-                "EPMOE_BENCH_GEMM_CUSTOM: expected [m]GxMxNxK (positive), got '{}'", custom);
-    anchors = {Anchor{masked, g, m, masked ? m : 0, n, k, 0.0, true}};
+    EPMOE_CHECK(
+        std::sscanf(custom, "%lldx%lldx%lldx%lld", &g, &m, &n, &k) == 4 && g > 0 && m > 0 && n > 0 && k > 0,
+        "EPMOE_BENCH_GEMM_CUSTOM: expected GxMxNxK (positive), got '{}'", custom);
+    anchors = {Anchor{false, g, m, 0, n, k, 0.0, true}};
   }
   for (const Anchor& s : anchors) {
     seed += 101;

@@ -94,10 +94,8 @@ void check_device() {
 // The tile of this call: options, else the heuristic.
 GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::int64_t expected_m,
                          std::int64_t n) {
-  EPMOE_CHECK(options.block_m == 0 || options.block_m == 64 || options.block_m == 128 ||
-                  (masked && options.block_m == 192),
-              "options.block_m must be 0 (automatic), 64 or 128 (or 192 in the masked layout), got {}",
-              options.block_m);
+  EPMOE_CHECK(options.block_m == 0 || options.block_m == 64 || options.block_m == 128,
+              "options.block_m must be 0 (automatic), 64 or 128, got {}", options.block_m);
   EPMOE_CHECK(options.block_n == 0 || options.block_n == 128 || options.block_n == 256,
               "options.block_n must be 0 (automatic), 128 or 256, got {}", options.block_n);
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
@@ -115,8 +113,6 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
     tile.block_n = tile.block_m == 128 && n % 256 == 0 ? 256 : 128;
   EPMOE_CHECK(n % tile.block_n == 0, "N = {} must be a multiple of options.block_n = {}", n, tile.block_n);
   EPMOE_CHECK(!(tile.block_m == 64 && tile.block_n == 256), "64 x 256 tiles are not built; use block_n 128");
-  EPMOE_CHECK(!(tile.block_m == 192 && tile.block_n == 256),
-              "192 x 256 tiles are not built; use block_n 128");
   EPMOE_CHECK(options.cluster != 2 || tile.block_m == 128,
               "options.cluster = 2 needs 128-row tiles, got {} x {}", tile.block_m, tile.block_n);
   EPMOE_CHECK(options.cluster != 2 || (n / tile.block_n) % 2 == 0,
@@ -222,8 +218,6 @@ void launch(GemmTileShape tile, const TensorView& a, const TensorView& b, const 
   const int cluster = cluster_size(options, tile, problem.params.n, problem.params.masked_m != nullptr);
   if (tile.block_m == 64) {
     launch<64, 128>(a, b, problem, options, cluster, stream);
-  } else if (tile.block_m == 192) {
-    launch<192, 128>(a, b, problem, options, cluster, stream);
   } else if (tile.block_n == 256) {
     launch<128, 256>(a, b, problem, options, cluster, stream);
   } else {

@@ -56,10 +56,7 @@ inline constexpr int kGemmSmemBudget = 232448;  // dynamic shared memory a block
 
 template <int kBlockM, int kBlockN>
 struct GemmTraits {
-  // 192 x 128 (v8, masked layout): three consumer warpgroups, so that two issue wgmma while the
-  // third waits and promotes (the probe keeps the tensor pipe at its peak so, where two lose ~24%).
-  static_assert((kBlockM == 64 || kBlockM == 128 || kBlockM == 192) && (kBlockN == 128 || kBlockN == 256));
-  static_assert(kBlockM != 192 || kBlockN == 128, "192-row tiles are 128 wide (registers)");
+  static_assert((kBlockM == 64 || kBlockM == 128) && (kBlockN == 128 || kBlockN == 256));
   static constexpr int kConsumers = kBlockM / 64;      // consumer warpgroups
   static constexpr int kWaves = kBlockN / kGemmWaveN;  // 128-column waves per consumer and K block
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -76,12 +73,8 @@ struct GemmTraits {
   static constexpr int kStages =
       std::min(8, (kGemmSmemBudget - 1024 - kIdsBytes) / (kStageBytes + kScaleBytes + 16));
   static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + kScaleBytes + 16) + kIdsBytes;
-  // The register file (64K) split by setmaxnreg: 128 x 40 + 256 x 232, or with three consumer
-  // warpgroups 128 x 32 + 384 x 160 (the pool at launch is 512 x 128; what the producer gives back
-  // is what the consumers may take).
-  static constexpr int kProducerRegs = kConsumers == 3 ? 32 : 40;
-  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536);
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
 };
 
 struct GroupedGemmParams {
@@ -509,9 +502,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
                         (p.ablation & (kAblateMath | kAblateOneWait)) == 0;
     // v7's K loop (single-wave tiles: two partials, each K block's promotion under the next block's
     // wgmma); not with the turn passing or the ablations (the trace aside).
-    // (Not with three consumer warpgroups: a second partial does not fit in their 160 registers.)
-    const bool two_partials = kWaves == 1 && Traits::kConsumers < 3 && p.two_partials != 0 && !ordered &&
-                              !skewed && (p.ablation & ~kTraceLoop) == 0;
+    const bool two_partials =
+        kWaves == 1 && p.two_partials != 0 && !ordered && !skewed && (p.ablation & ~kTraceLoop) == 0;
     const std::uint32_t my_turn =
         __shfl_sync(0xffffffffu, kTurnBarrier + static_cast<std::uint32_t>(consumer), 0);
     const std::uint32_t their_turn = my_turn ^ 3u;  // kTurnBarrier + (consumer ^ 1): barriers 1 and 2
@@ -589,7 +581,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // the compiler: otherwise ptxas cannot tell which partial is in flight where paths merge and
       // serializes every wgmma (C7514; session 10).
       const auto two_partial_k_loop = [&] {
-        if constexpr (kWaves == 1 && Traits::kConsumers < 3) {
+        if constexpr (kWaves == 1) {
           float part2[2][64];
           struct Scales {
             float a, b, w;

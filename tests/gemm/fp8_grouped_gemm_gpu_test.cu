@@ -416,26 +416,6 @@ INSTANTIATE_TEST_SUITE_P(
           return c;
         }(),
         MaskedCase{"N4096_K384_decode_block64", 40, {40, 3, 0, 17}, 4096, 384, ScaleLayout::token_major, 64},
-        // 192 x 128 tiles (three consumer warpgroups): two m-blocks, a partial one, an empty group,
-        // a single row; then DeepSeek-V3 gate_up.
-        MaskedCase{"N1536_K7168_mmax300_block192",
-                   300,
-                   {300, 129, 0, 1},
-                   1536,
-                   7168,
-                   ScaleLayout::mn_major_tma,
-                   192,
-                   true,
-                   128},
-        MaskedCase{"N4096_K2048_mmax200_block192",
-                   200,
-                   {200, 77},
-                   4096,
-                   2048,
-                   ScaleLayout::token_major,
-                   192,
-                   true,
-                   128},
         // 128 x 128 tiles (the heuristic's pick here is 128 x 256).
         MaskedCase{"N1536_K7168_mmax300_block128x128",
                    300,
@@ -633,11 +613,6 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   bad_tile.block_m = 96;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_tile); },
                         "options.block_m must be 0 (automatic), 64 or 128");
-  cuda::GroupedGemmOptions contiguous_192;  // 192-row tiles are masked-only
-  contiguous_192.block_m = 192;
-  expect_error_mentions(
-      [&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, contiguous_192); },
-      "or 192 in the masked layout");
   cuda::GroupedGemmOptions bad_stages;
   bad_stages.stages = 99;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_stages); },
