@@ -629,15 +629,17 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   const bool decode_only = only_s == "decode";
   // EPMOE_BENCH_GEMM_ROW=GxMxN (e.g. 8x4096x4096): only that row (groups x m per group x n).
   const char* row = std::getenv("EPMOE_BENCH_GEMM_ROW");
-  // EPMOE_BENCH_GEMM_CUSTOM=GxMxNxK: only a contiguous problem of G groups of exactly M rows (no
+  // EPMOE_BENCH_GEMM_CUSTOM=[m]GxMxNxK: only a contiguous (masked) problem of G groups of exactly M rows (no
   // DeepGEMM anchor), e.g. to compare one tile per CTA against many at the same work.
   std::vector<Anchor> anchors(std::begin(kAnchors), std::end(kAnchors));
+  // A leading 'm' (mGxMxNxK) makes it a masked problem: G groups of M_max = M rows, all valid.
   if (const char* custom = std::getenv("EPMOE_BENCH_GEMM_CUSTOM"); custom != nullptr && *custom != '\0') {
+    const bool masked = custom[0] == 'm';
     long long g = 0, m = 0, n = 0, k = 0;
-    EPMOE_CHECK(
-        std::sscanf(custom, "%lldx%lldx%lldx%lld", &g, &m, &n, &k) == 4 && g > 0 && m > 0 && n > 0 && k > 0,
-        "EPMOE_BENCH_GEMM_CUSTOM: expected GxMxNxK (positive), got '{}'", custom);
-    anchors = {Anchor{false, g, m, 0, n, k, 0.0, true}};
+    EPMOE_CHECK(std::sscanf(custom + (masked ? 1 : 0), "%lldx%lldx%lldx%lld", &g, &m, &n, &k) == 4 && g > 0 &&
+                    m > 0 && n > 0 && k > 0,
+                "EPMOE_BENCH_GEMM_CUSTOM: expected [m]GxMxNxK (positive), got '{}'", custom);
+    anchors = {Anchor{masked, g, m, masked ? m : 0, n, k, 0.0, true}};
   }
   for (const Anchor& s : anchors) {
     seed += 101;
