@@ -192,6 +192,20 @@ std::vector<Variant> experiments(bool masked) {
   add("tensor_only_no_pipe_spin_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128 | 256 | 512; });
   add("tensor_only_spin_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 256 | 512; });
   add("spin_traced", [](auto& o) { o.ablation = 256 | 512; });
+  add("pingpong_traced", [](auto& o) {
+    o.ablation = 256;
+    o.pingpong = true;
+  });
+  add("skew_traced", [](auto& o) {
+    o.ablation = 256;
+    o.consumer_skew = true;
+  });
+  add("unrolled_traced", [](auto& o) {
+    o.ablation = 256;
+    o.unrolled_k_loop = true;
+  });
+  add("no_loads_traced", [](auto& o) { o.ablation = 2 | 32 | 256; });
+  add("no_promote_traced", [](auto& o) { o.ablation = 4 | 256; });
   add("n128_traced", [](auto& o) {  // two partials (v7)
     o.ablation = 256;
     o.block_n = 128;
