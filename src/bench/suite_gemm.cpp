@@ -200,6 +200,10 @@ std::vector<Variant> experiments(bool masked) {
     o.ablation = 256;
     o.consumer_skew = true;
   });
+  add("c1_traced", [](auto& o) {
+    o.ablation = 256;
+    o.cluster = 1;
+  });
   add("unrolled_traced", [](auto& o) {
     o.ablation = 256;
     o.unrolled_k_loop = true;
