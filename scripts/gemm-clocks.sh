@@ -81,13 +81,19 @@ for l in open(tmp + "/spans.txt"):
     xs = [s for s in samples if float(t0) + 0.8 <= s[0] <= float(t1) - 0.1]
     line = {"variant": variant, "time_us": times, "time_us_median": statistics.median(times) if times else None,
             "samples": len(xs)}
+    # Traced lines (`*_traced`): the consumer loop's cycles per wgmma and its own clock.
+    for key in ("loop_cycles_per_wgmma", "loop_mhz"):
+        vals = [r["params"][key] for r in d["results"] if key in r["params"]]
+        if vals:
+            line[key] = statistics.median(vals)
     if xs:
         line.update(sm_mhz_median=statistics.median(x[1] for x in xs), sm_mhz_min=min(x[1] for x in xs),
                     power_w_median=statistics.median(x[2] for x in xs))
     lines.append(line)
     print(f"{variant:32s} {line['time_us_median'] or 0:8.0f} us  "
           f"{line.get('sm_mhz_median', 0):6.0f} MHz (min {line.get('sm_mhz_min', 0):.0f})  "
-          f"{line.get('power_w_median', 0):4.0f} W  ({len(xs)} samples)")
+          f"{line.get('power_w_median', 0):4.0f} W  ({len(xs)} samples)"
+          + (f"  loop {line['loop_cycles_per_wgmma']:.1f} cycles/wgmma" if "loop_cycles_per_wgmma" in line else ""))
 try:
     probe = open(out + "/probe.txt").read()
 except OSError:
