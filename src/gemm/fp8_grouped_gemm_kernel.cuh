@@ -670,12 +670,24 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // loop, where every barrier, scale and descriptor address is a uniform base plus an
         // immediate). The timing ablations (kAblateOneWait, kAblatePromote) get their own copies, so
         // the default loop's code is what it is without them.
+        // The main loop waits for the next K block's stage while the current block's last wave runs
+        // (v9): that "full" wait then leaves the turnaround between the wave's completion and the
+        // next block's first wgmma (bench/NOTES.md, session 11). (Reading the next block's scales
+        // there too needs 4 registers more, and ptxas then spills ~1.8 KB.)
+        const bool wait_full = (p.ablation & (kAblateFullWait | kAblatePipe)) == 0;
+        // One K block in stage `stage_v` (a run-time int, or a std::integral_constant: the unrolled
+        // loop, where every barrier, scale and descriptor address is a uniform base plus an
+        // immediate); next_stage / next_phase: the following K block's (the main loop's lookahead).
+        // The timing ablations (kAblateOneWait, kAblatePromote) get their own copies, so the default
+        // loop's code is what it is without them.
         const auto k_block = [&](auto one_wait, auto no_promote, auto stage_v, std::int32_t kb,
-                                 std::uint32_t phase) {
+                                 std::uint32_t phase, int next_stage, std::uint32_t next_phase) {
           constexpr bool kOneWait = decltype(one_wait)::value;
           constexpr bool kNoPromote = decltype(no_promote)::value;
+          constexpr bool kLookahead = !kOneWait && !kNoPromote;
           const int stage = stage_v;
-          if ((p.ablation & (kAblateFullWait | kAblatePipe)) == 0) ptx::mbar_wait(u_full + 8 * stage, phase);
+          // (In the main loop the previous block waited for this one, except for a tile's first.)
+          if ((!kLookahead || kb == 0) && wait_full) ptx::mbar_wait(u_full + 8 * stage, phase);
           // This K block's scales, read before the stage is given back.
           const std::uint32_t scales = u_scales + stage * Traits::kScaleBytes;
           const float s_a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;
@@ -703,6 +715,10 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             if (kOneWait && w < kWaves - 1) continue;
             ptx::wgmma_commit();
             if (turn) ptx::named_bar_arrive(their_turn, 256);
+            if constexpr (kLookahead) {
+              if (w == kWaves - 1 && kb + 1 < num_kb && wait_full)
+                ptx::mbar_wait(u_full + 8 * next_stage, next_phase);
+            }
             ptx::wgmma_wait<0>();
             fence_all(part[0]);
             // After the last wave this warp is done with the stage; the fences keep the promotion
@@ -729,7 +745,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
               // Every tile starts at stage 0 here (num_kb is a multiple of the stages).
               for (std::int32_t kb0 = 0; kb0 < num_kb; kb0 += kStages) {
                 for_each_index(std::make_integer_sequence<int, kStages>{}, [&](auto s) {
-                  k_block(one_wait, no_promote, s, kb0 + decltype(s)::value, pipe.phase);
+                  constexpr int kS = decltype(s)::value;
+                  k_block(one_wait, no_promote, s, kb0 + kS, pipe.phase, (kS + 1) % kStages,
+                          kS + 1 == kStages ? pipe.phase ^ 1u : pipe.phase);
                 });
                 pipe.phase ^= 1u;
               }
@@ -737,8 +755,10 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             }
           }
           for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-            k_block(one_wait, no_promote, pipe.stage, kb, pipe.phase);
-            pipe.advance(stages);
+            PipeState next = pipe;
+            next.advance(stages);
+            k_block(one_wait, no_promote, pipe.stage, kb, pipe.phase, next.stage, next.phase);
+            pipe = next;
           }
         };
         using False = std::integral_constant<bool, false>;
