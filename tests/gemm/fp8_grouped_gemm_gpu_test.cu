@@ -62,8 +62,8 @@ struct ContiguousCase {
   int cluster = 0;                   // 0: heuristic (2 where the column tiles pair up)
   bool pingpong = false;
   bool vector_epilogue = true;
-  bool skew = false;      // consumer_skew
-  bool unrolled = false;  // unrolled_k_loop
+  bool skew = false;  // consumer_skew
+  bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
 };
 
@@ -170,6 +170,12 @@ INSTANTIATE_TEST_SUITE_P(
         // DeepSeek-V3 gate_up with 128 x 128 tiles.
         ContiguousCase{
             "N4096_K7168_block_n128", {77, 200}, 4096, 7168, ScaleLayout::mn_major_tma, 0, 0, false, 128},
+        // DeepSeek-V3 gate_up with the plain (not unrolled) K loop.
+        [] {
+          ContiguousCase c{"N4096_K7168_plain_k_loop", {77, 0, 300}, 4096, 7168, ScaleLayout::mn_major_tma};
+          c.unrolled = false;
+          return c;
+        }(),
         // The same with one partial per K block (two_partials off), and 128 x 128 tiles with a
         // single K block (the two-partial loop's first block is its last).
         [] {
@@ -306,8 +312,8 @@ struct MaskedCase {
   int cluster = 0;
   bool pingpong = false;
   bool vector_epilogue = true;
-  bool skew = false;      // consumer_skew
-  bool unrolled = false;  // unrolled_k_loop
+  bool skew = false;  // consumer_skew
+  bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
 };
 
