@@ -14,7 +14,10 @@
 //   - warpgroups 1.. (the consumers, 64 rows of the tile each): wait on "full", read the stage's
 //     scales, and per 128 columns (a "wave") issue four wgmma m64n128k32 (e4m3 x e4m3 -> f32) into
 //     a per-K-block accumulator, wait for them, free the stage after the last (one arrive per warp
-//     on "empty"), and promote: acc += sa·sb · partial (f32), as DeepGEMM does. After the last K
+//     on "empty"), and promote: acc += sa·sb · partial (f32), as DeepGEMM does; the next K block's
+//     "full" wait runs under the last wave (v9), and the loop is unrolled over the stages where K
+//     allows (uniform addresses). Tiles of one wave (block_n = 128) alternate two partials instead,
+//     each K block issued before the previous one is waited for and promoted (v7). After the last K
 //     block, the f32 accumulators go to bf16 and to global memory (valid rows only), 16 bytes per
 //     store after a transpose inside each quad of lanes.
 // Ping-pong (p.pingpong, off by default): the two consumer warpgroups issue their waves in turn
@@ -543,11 +546,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       atomicAdd(g_fp8_gemm_trace + 1, 0ull - static_cast<unsigned long long>(ptx::global_timer_ns()));
     }
     while (scheduler.next(tile, p, row_in_tile / 32, tile_rows)) {
-      if (trace) atomicAdd(g_fp8_gemm_trace + 2, static_cast<unsigned long long>(num_kb));
-        // (Set here, not once before the loop: the wgmma asm reads part, so a value from before the
-        // loop would keep these registers live through the epilogue and the scheduler.)
+      // (Set here, not once before the loop: the wgmma asm reads part, so a value from before the
+      // loop would keep these registers live through the epilogue and the scheduler.)
 #pragma unroll
       for (int i = 0; i < 64; ++i) part[0][i] = 0.0f;
+      if (trace) atomicAdd(g_fp8_gemm_trace + 2, static_cast<unsigned long long>(num_kb));
       const std::int32_t row_a = tile.row0 + row_in_tile;
       const std::int32_t row_b = row_a + 8;
       bool valid_a = row_a < tile.row_end;
@@ -666,10 +669,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           pipe.advance(stages);
         }
       } else {
-        // One K block in stage `stage_v` (a run-time int, or a std::integral_constant: the unrolled
-        // loop, where every barrier, scale and descriptor address is a uniform base plus an
-        // immediate). The timing ablations (kAblateOneWait, kAblatePromote) get their own copies, so
-        // the default loop's code is what it is without them.
         // The main loop waits for the next K block's stage while the current block's last wave runs
         // (v9): that "full" wait then leaves the turnaround between the wave's completion and the
         // next block's first wgmma (bench/NOTES.md, session 11). (Reading the next block's scales
