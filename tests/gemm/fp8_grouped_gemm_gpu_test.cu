@@ -547,6 +547,53 @@ TEST(GroupedGemmGpuMisc, MaskedReplaysInACudaGraph) {
   EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
+// The consumer-loop trace (options.ablation bit 256): the output as without it (checked against the
+// reference), and the trace counts every K block of every tile once, in one launch, at an SM clock
+// (cycles per nanosecond) a Hopper part can run at; the read zeroes it.
+TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::int64_t G = 3, M_max = 96, N = 1536, K = 2048, KB = K / 128;
+  const std::vector<std::int32_t> counts{96, 33, 0};
+  const MaskedInputs in = masked_inputs(G, M_max, N, K, ScaleLayout::token_major, counts, rng);
+  cuda::Stream stream;
+  const cuda::DeviceTensor da = cuda::to_device(in.a, stream), dsa = cuda::to_device(in.sa_gpu(), stream),
+                           db = cuda::to_device(in.w.b, stream), dsb = cuda::to_device(in.w.b_scales, stream),
+                           dcounts = cuda::to_device(in.counts, stream);
+  const cuda::DeviceTensor dd(DType::bf16, {G, M_max, N});
+  HostTensor ref(DType::f64, {G, M_max, N});
+  grouped_gemm_masked_cpu(in.a, in.sa, in.w.b, in.w.b_scales, in.counts, ref);
+  // 64 x 128 tiles (expected_m 32; two partials) and 128 x 256 tiles (expected_m 128).
+  for (const std::int64_t block_m : {64, 128}) {
+    SCOPED_TRACE("block_m " + std::to_string(block_m));
+    cuda::GroupedGemmOptions options;
+    options.ablation = 256;
+    cuda::fp8_grouped_gemm_take_trace();  // zero it
+    dd.fill_bytes(0xff, stream);
+    cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts,
+                                  block_m == 64 ? 32 : 128, dd, stream, options);
+    const HostTensor got = cuda::to_host(dd, stream);
+    check_output(got, ref, masked_valid(counts, M_max), N);
+    const cuda::Fp8GemmTrace t = cuda::fp8_grouped_gemm_take_trace();
+    const std::int64_t block_n = block_m == 64 ? 128 : 256;
+    std::int64_t tiles = 0;
+    for (const std::int32_t c : counts) tiles += (c + block_m - 1) / block_m * (N / block_n);
+    EXPECT_EQ(t.launches, 1u);
+    EXPECT_EQ(t.k_blocks, static_cast<std::uint64_t>(tiles * KB));
+    EXPECT_GE(t.ctas, 1u);
+    EXPECT_GT(t.span_ns, 0u);
+    ASSERT_GT(t.loop_ns, 0u);
+    const double ghz = static_cast<double>(t.loop_cycles) / static_cast<double>(t.loop_ns);
+    EXPECT_GT(ghz, 0.3);
+    EXPECT_LT(ghz, 3.0);
+    const cuda::Fp8GemmTrace again = cuda::fp8_grouped_gemm_take_trace();
+    EXPECT_EQ(again.launches, 0u);
+    EXPECT_EQ(again.k_blocks, 0u);
+  }
+}
+
 TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   EPMOE_REQUIRE_GPU();
   cuda::Stream stream;
