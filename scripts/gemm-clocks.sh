@@ -11,7 +11,8 @@
 #            main,.exp.no_promote,.exp.tensor_only,.exp.no_math,main)
 # Each line runs alone for EPMOE_GEMM_CLOCKS_REPEAT (default 10) timings of 100 launches while NVML is
 # read every 20 ms. OUTDIR receives clocks.json ({"commit", "device", "row", "lines": [{"variant",
-# "time_us_median", "time_us": [...], "sm_mhz_median", "sm_mhz_min", "power_w_median", "samples"}],
+# "time_us_median", "time_us": [...], "sm_mhz_median", "sm_mhz_min", "power_w_median", "samples",
+# "loop_cycles_per_wgmma", "loop_mhz"}],
 # "probe": "..."}), samples.txt and probe.txt.
 set -uo pipefail
 out=${1:?usage: scripts/gemm-clocks.sh OUTDIR [ROW [VARIANTS]]}
@@ -52,7 +53,7 @@ IFS=, read -r -a lines <<< "$variants"
 for v in "${lines[@]}"; do
   i=$((i + 1))
   t0=$(date +%s.%N)
-  EPMOE_BENCH_GEMM_ROW=$row EPMOE_BENCH_GEMM_EXPERIMENTS=1 EPMOE_BENCH_GEMM_VARIANTS=$v \
+  EPMOE_BENCH_GEMM_ROW=$row EPMOE_BENCH_GEMM_EXPERIMENTS=1 EPMOE_BENCH_GEMM_TRACE=1 EPMOE_BENCH_GEMM_VARIANTS=$v \
     EPMOE_BENCH_GEMM_REPEAT=${EPMOE_GEMM_CLOCKS_REPEAT:-10} timeout 120 build-gpu/bin/epmoe bench gemm \
     --json "$tmp/line$i.json" > "$tmp/line$i.log" 2>&1 || { echo "line $v failed:"; tail -n 5 "$tmp/line$i.log"; }
   echo "$i $v $t0 $(date +%s.%N)" >> "$tmp/spans.txt"
@@ -81,7 +82,7 @@ for l in open(tmp + "/spans.txt"):
     xs = [s for s in samples if float(t0) + 0.8 <= s[0] <= float(t1) - 0.1]
     line = {"variant": variant, "time_us": times, "time_us_median": statistics.median(times) if times else None,
             "samples": len(xs)}
-    # Traced lines (`*_traced`): the consumer loop's cycles per wgmma and its own clock.
+    # The consumer loop's cycles per wgmma and its own clock (EPMOE_BENCH_GEMM_TRACE=1 above).
     for key in ("loop_cycles_per_wgmma", "loop_mhz"):
         vals = [r["params"][key] for r in d["results"] if key in r["params"]]
         if vals:

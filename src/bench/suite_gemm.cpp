@@ -185,40 +185,11 @@ std::vector<Variant> experiments(bool masked) {
   // Session 10: the tensor-only loop without the consumers' "full" waits, and without any pipeline.
   add("tensor_only_no_full_wait", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 64; });
   add("tensor_only_no_pipe", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128; });
-  // Session 11: the same lines with the consumer-loop trace (bit 256): cycles per wgmma and clock.
-  add("traced", [](auto& o) { o.ablation = 256; });
-  add("tensor_only_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 256; });
-  add("tensor_only_no_pipe_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128 | 256; });
-  add("tensor_only_no_pipe_spin_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128 | 256 | 512; });
-  add("tensor_only_spin_traced", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 256 | 512; });
-  add("spin_traced", [](auto& o) { o.ablation = 256 | 512; });
-  add("pingpong_traced", [](auto& o) {
-    o.ablation = 256;
-    o.pingpong = true;
-  });
-  add("skew_traced", [](auto& o) {
-    o.ablation = 256;
-    o.consumer_skew = true;
-  });
-  add("c1_traced", [](auto& o) {
-    o.ablation = 256;
-    o.cluster = 1;
-  });
-  add("plain_traced", [](auto& o) {
-    o.ablation = 256;
-    o.unrolled_k_loop = false;
-  });
-  add("no_loads_traced", [](auto& o) { o.ablation = 2 | 32 | 256; });
-  add("no_promote_traced", [](auto& o) { o.ablation = 4 | 256; });
-  add("n128_traced", [](auto& o) {  // two partials (v7)
-    o.ablation = 256;
-    o.block_n = 128;
-  });
-  add("n128_p1_traced", [](auto& o) {
-    o.ablation = 256;
-    o.block_n = 128;
-    o.two_partials = false;
-  });
+  // Session 11: each consumer warp spins 200 cycles per K block (ablation 512): is the loop's
+  // turnaround hidden by the other warpgroup's wgmma? (Read with EPMOE_BENCH_GEMM_TRACE=1.)
+  add("spin", [](auto& o) { o.ablation = 512; });
+  add("tensor_only_spin", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 512; });
+  add("tensor_only_no_pipe_spin", [](auto& o) { o.ablation = 2 | 32 | 4 | 8 | 16 | 128 | 512; });
   add("tensor_only_cluster1", [](auto& o) {
     o.ablation = 2 | 32 | 4 | 8 | 16;
     o.cluster = 1;
@@ -255,6 +226,17 @@ int variant_repeat() {
   return n;
 }
 
+// EPMOE_BENCH_GEMM_TRACE=1: every FP8 line runs with the consumer-loop trace (options.ablation bit
+// 256; the output stays intact) and reports it (with_trace).
+bool trace_enabled() {
+  const char* e = std::getenv("EPMOE_BENCH_GEMM_TRACE");
+  return e != nullptr && *e != '\0' && *e != '0';
+}
+cuda::GroupedGemmOptions traced(cuda::GroupedGemmOptions o) {
+  if (trace_enabled()) o.ablation |= 256;
+  return o;
+}
+
 // The FP8 consumer-loop trace (options.ablation bit 256) of a line's launches, as parameters:
 // loop_cycles_per_wgmma (SM cycles per wgmma instruction per CTA in the consumer loop; 64 is the
 // dense peak of m64n128k32), loop_mhz (the SM clock the loops ran at) and loop_of_span (the loops'
@@ -281,11 +263,12 @@ Params with_trace(Params p, const cuda::Fp8GemmTrace& t) {
 template <typename Run>
 void time_line(const SuiteOptions& options, std::vector<Result>& results, const std::string& name,
                const Params& p, double bytes, double flops, const Anchor& s, cudaStream_t stream, Run&& run) {
+  const bool trace = trace_enabled();
   for (int r = 0, repeat = variant_repeat(); r < repeat; ++r) {
-    cuda::fp8_grouped_gemm_take_trace();  // zero it
+    if (trace) cuda::fp8_grouped_gemm_take_trace();  // zero it
     const double us = time_us([&](int, cudaStream_t st) { run(st); }, 1, stream, timing_for(options));
     emit(options, results,
-         finish(name, with_trace(p, cuda::fp8_grouped_gemm_take_trace()), us, bytes, flops, s));
+         finish(name, trace ? with_trace(p, cuda::fp8_grouped_gemm_take_trace()) : p, us, bytes, flops, s));
   }
 }
 
@@ -353,7 +336,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
     time_line(options, results, "gemm.contiguous" + v.suffix, p, bytes, flops, s, stream,
               [&](cudaStream_t st) {
                 cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d,
-                                                  st, v.options);
+                                                  st, traced(v.options));
               });
   }
 }
@@ -427,7 +410,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
                    {"block_n", static_cast<std::int64_t>(tile.block_n)}};
     time_line(options, results, "gemm.masked" + v.suffix, p, bytes, flops, s, stream, [&](cudaStream_t st) {
       cuda::fp8_grouped_gemm_masked(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, masked_m, s.expected_m, d,
-                                    st, v.options);
+                                    st, traced(v.options));
     });
   }
 }
