@@ -25,8 +25,9 @@
 // "nvlink-ll-no-early": the LL dispatch without early counts (EPMOE_COMM_LL_EARLY_COUNTS=0; the
 // default has them). "comm.peer_copy" /
 // "comm.place_traffic": one 15 MiB copy-engine copy into the peer's window, alone and beside a
-// kernel streaming the place step's HBM traffic (peer_copies below). EPMOE_BENCH_COMM_ONLY=copy,
-// ll or normal runs only that part.
+// kernel streaming the place step's HBM traffic (peer_copies below). "comm.sm_link": SM loads
+// (pull) and stores (push) over NVLink by SM count (sm_link below). EPMOE_BENCH_COMM_ONLY=copy,
+// link, ll or normal runs only that part.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -688,6 +689,61 @@ void peer_copies(Communicator& comm, const SuiteOptions& options, std::vector<Re
   comm.barrier();  // every rank is done with the window before it goes (collective)
 }
 
+// "comm.sm_link": what the SMs themselves move over NVLink, by SM count: a 30 MiB stream through
+// bench::stream_fanout (8 vectors of 16 bytes per lane loaded before any is stored) either pushed
+// (local source, stores into the peer's window: the dispatch's send today) or pulled (loads from
+// the peer's window, stores into local memory: a receiver that reads the tokens itself), one way
+// (rank 0 moves, the others wait) or both ways at once (every rank with its next rank: the
+// dispatch's traffic). GB/s of the bytes one rank moves; floor at the P2P copy's 396 GB/s.
+void sm_link(Communicator& comm, const SuiteOptions& options, std::vector<Result>& results) {
+  constexpr std::size_t kBytes = std::size_t{30} << 20;
+  const int kIters = options.quick ? 8 : 20, kWarmup = 3;
+  const int N = comm.size(), me = comm.rank();
+  const cudaStream_t stream = comm.stream();
+  auto window = comm.alloc_symmetric(kBytes);  // collective
+  const cuda::DeviceBuffer local(kBytes);
+  local.fill_bytes(0x3c, stream);
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(window->local(), 0x5a, kBytes, stream));
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  comm.barrier();
+  const cuda::Event e0, e1;
+  const int sms = device_sms();
+  for (const bool pull : {false, true}) {
+    for (const bool both : {false, true}) {
+      const bool moves = both || me == 0;
+      const int peer = (me + 1) % N;
+      for (const int blocks : {8, 16, 24, 32, 48, 66, 132, 264}) {
+        if (blocks > 2 * sms) continue;
+        std::vector<double> us;
+        for (int i = 0; i < kWarmup + kIters; ++i) {
+          comm.barrier();
+          if (!moves) continue;
+          e0.record(stream);
+          if (pull)
+            stream_fanout(window->peer_pointer(peer), local.data(), kBytes, 1, blocks, 1, stream);
+          else
+            stream_fanout(local.data(), window->peer_pointer(peer), kBytes, 1, blocks, 1, stream);
+          e1.record(stream);
+          EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+          if (i >= kWarmup) us.push_back(1e3 * cuda::Event::elapsed_ms(e0, e1));
+        }
+        if (!moves) continue;
+        std::nth_element(us.begin(), us.begin() + static_cast<std::ptrdiff_t>(us.size() / 2), us.end());
+        const int used = std::min(blocks, sms);
+        Params p = params(pull ? "sm-pull" : "sm-push", both ? "both-ways" : "one-way", both ? "both" : "0to1", 0,
+                          comm, used, used);
+        p["blocks"] = static_cast<std::int64_t>(blocks);
+        p["bytes"] = static_cast<std::int64_t>(kBytes);
+        emit(options, results,
+             make_result("comm.sm_link", std::move(p), us[us.size() / 2], static_cast<double>(kBytes), 0.0,
+                         kNvlinkGBps));
+      }
+    }
+  }
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  comm.barrier();  // every rank is done with the window before it goes (collective)
+}
+
 std::vector<Result> run_comm_suite(const SuiteOptions& options) {
   std::vector<Result> results;
   std::shared_ptr<Communicator> comm = Communicator::process_default();
@@ -722,6 +778,7 @@ std::vector<Result> run_comm_suite(const SuiteOptions& options) {
     for (const std::int64_t T : ll) low_latency(*comm, T, options, results);
   // Last: the dispatchers' rows come first should the copy into the peer's window fail.
   if (only.empty() || only == "copy") peer_copies(*comm, options, results);
+  if (only.empty() || only == "copy" || only == "link") sm_link(*comm, options, results);
   comm->barrier();
   return results;
 }
