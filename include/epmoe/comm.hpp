@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -159,6 +160,32 @@ class SymmetricBuffer {
   ncclWindow_t window_ = nullptr;
   void** peers_device_ = nullptr;
   std::unique_ptr<void*[]> peers_host_;
+  bool nccl_memory_ = true;  // local_ from ncclMemAlloc (else cudaMalloc: a loopback rank's)
+};
+
+// ---------------------------------------------------------------- loopback ranks
+// N ranks as threads of one process on one GPU, without NCCL (Communicator::create_loopback): the
+// symmetric windows are plain device allocations whose peer pointers are the other ranks' (one
+// address space), barriers are host barriers between the threads (bounded). For testing the
+// load/store transports on a machine with one GPU: the kernels of the ranks run side by side on
+// it (each rank its own stream), so their waits on each other resolve as across NVLink; the
+// numbers mean nothing for NVLink. The NCCL point-to-point transport is not available on it.
+class LoopbackGroup {
+ public:
+  static std::shared_ptr<LoopbackGroup> make(int size, int device);
+  int size() const { return size_; }
+  int device() const { return device_; }
+  // Every rank's `ptr` for exchange number `seq` (each rank's n-th call has seq n), once every rank
+  // has posted its own; throws after timeout_s.
+  std::vector<void*> exchange(int rank, std::uint64_t seq, void* ptr, double timeout_s);
+  // Returns once every rank has arrived (generation barrier); throws after timeout_s.
+  void barrier(int rank, double timeout_s);
+
+ private:
+  LoopbackGroup(int size, int device) : size_(size), device_(device) {}
+  struct State;
+  int size_, device_;
+  std::shared_ptr<State> state_;
 };
 
 // ---------------------------------------------------------------- Communicator
@@ -178,6 +205,15 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   static std::shared_ptr<Communicator> from_environment(const CommOptions& options = {});
   // Wraps a communicator the caller made and keeps owning (never finalized or aborted here).
   static std::shared_ptr<Communicator> borrow(ncclComm_t comm, const CommOptions& options = {});
+  // Rank `rank` of a loopback group (see LoopbackGroup; tests): no NCCL communicator, every rank on
+  // the group's GPU. Call from the rank's own thread; every collective (alloc_symmetric,
+  // barrier) must be entered by all ranks, as with NCCL.
+  static std::shared_ptr<Communicator> create_loopback(std::shared_ptr<LoopbackGroup> group, int rank,
+                                                       const CommOptions& options = {});
+  bool loopback() const { return loopback_ != nullptr; }
+  // Ranks whose kernels share this rank's GPU (loopback: the group's size; else 1): the dispatchers
+  // size the grids of kernels that wait for peers to leave the others room.
+  int ranks_on_device() const { return loopback_ != nullptr ? loopback_->size() : 1; }
 
   ~Communicator();
   Communicator(const Communicator&) = delete;
@@ -243,8 +279,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   const ncclDevComm* dev_comm() const { return dev_comm_; }
 
   // The communicator that dispatchers made through the DispatcherRegistry ("nccl-p2p",
-  // "nvlink-ll") use: their DispatcherContext names no communicator.
+  // "nvlink-ll") use: their DispatcherContext names no communicator. A thread's own default
+  // (set_thread_default: loopback ranks are threads) takes precedence over the process's.
   static void set_process_default(std::shared_ptr<Communicator> comm);
+  static void set_thread_default(std::shared_ptr<Communicator> comm);
   static std::shared_ptr<Communicator> process_default();  // nullptr when none is set
 
  private:
@@ -280,6 +318,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::uint32_t barrier_epoch_ = 0;
   std::string broken_reason_;
   ncclDevComm* dev_comm_ = nullptr;  // ncclDevCommCreate'd (zero requirements: no barriers, no multimem)
+  std::shared_ptr<LoopbackGroup> loopback_;  // set: a loopback rank (no NCCL)
+  std::uint64_t loopback_seq_ = 0;           // exchanges so far (alloc_symmetric)
   int lsa_rank_ = -1, lsa_size_ = 0;
   cudaEvent_t wait_event_ = nullptr;
   SetupMemory setup_memory_;

@@ -5,11 +5,13 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <future>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -290,7 +292,8 @@ SymmetricBuffer::~SymmetricBuffer() {
   // Collective (deregistration); skipped once the communicator was aborted.
   if (window_ != nullptr && comm_ && comm_->nccl() != nullptr)
     (void)ncclCommWindowDeregister(comm_->nccl(), window_);
-  if (local_ != nullptr) (void)ncclMemFree(local_);
+  if (local_ != nullptr && nccl_memory_) (void)ncclMemFree(local_);
+  if (local_ != nullptr && !nccl_memory_) (void)cudaFree(local_);
   if (peers_device_ != nullptr) (void)cudaFree(peers_device_);
 }
 
@@ -310,9 +313,92 @@ void Communicator::set_process_default(std::shared_ptr<Communicator> comm) {
   std::lock_guard lock(g_default_mutex);
   g_default = std::move(comm);
 }
+namespace {
+thread_local std::shared_ptr<Communicator> t_default;
+}
+void Communicator::set_thread_default(std::shared_ptr<Communicator> comm) {
+  t_default = std::move(comm);
+}
 std::shared_ptr<Communicator> Communicator::process_default() {
+  if (t_default) return t_default;
   std::lock_guard lock(g_default_mutex);
   return g_default;
+}
+
+// ---------------------------------------------------------------- loopback ranks
+struct LoopbackGroup::State {
+  std::mutex mutex;
+  std::condition_variable changed;
+  int arrived = 0;
+  std::uint64_t generation = 0;
+  std::map<std::uint64_t, std::vector<void*>> posted;  // exchange seq -> every rank's pointer
+  std::map<std::uint64_t, int> posted_count;
+};
+
+std::shared_ptr<LoopbackGroup> LoopbackGroup::make(int size, int device) {
+  EPMOE_CHECK(size >= 1, "LoopbackGroup: size must be at least 1, got {}", size);
+  const int devices = cuda::device_count();
+  EPMOE_CHECK(device >= 0 && device < devices, "LoopbackGroup: GPU {} asked for, {} visible", device,
+              devices);
+  std::shared_ptr<LoopbackGroup> g(new LoopbackGroup(size, device));
+  g->state_ = std::make_shared<State>();
+  return g;
+}
+
+std::vector<void*> LoopbackGroup::exchange(int rank, std::uint64_t seq, void* ptr, double timeout_s) {
+  EPMOE_CHECK(rank >= 0 && rank < size_, "LoopbackGroup::exchange: rank {} outside [0, {})", rank, size_);
+  std::unique_lock lock(state_->mutex);
+  auto& slot = state_->posted[seq];
+  if (slot.empty()) slot.assign(static_cast<std::size_t>(size_), nullptr);
+  slot[static_cast<std::size_t>(rank)] = ptr;
+  const int n = ++state_->posted_count[seq];
+  if (n == size_) state_->changed.notify_all();
+  const bool ok = state_->changed.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                                           [&] { return state_->posted_count[seq] >= size_; });
+  EPMOE_CHECK(ok, "loopback rank {}: timed out after {:.1f} s in exchange {} waiting for the other ranks",
+              rank, timeout_s, seq);
+  std::vector<void*> all = state_->posted[seq];
+  if (++state_->posted_count[seq] == 2 * size_) {  // every rank has read it
+    state_->posted.erase(seq);
+    state_->posted_count.erase(seq);
+  }
+  return all;
+}
+
+void LoopbackGroup::barrier(int rank, double timeout_s) {
+  std::unique_lock lock(state_->mutex);
+  const std::uint64_t gen = state_->generation;
+  if (++state_->arrived == size_) {
+    state_->arrived = 0;
+    ++state_->generation;
+    state_->changed.notify_all();
+    return;
+  }
+  const bool ok = state_->changed.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                                           [&] { return state_->generation != gen; });
+  EPMOE_CHECK(ok, "loopback rank {}: timed out after {:.1f} s at a barrier waiting for the other ranks", rank,
+              timeout_s);
+}
+
+std::shared_ptr<Communicator> Communicator::create_loopback(std::shared_ptr<LoopbackGroup> group, int rank,
+                                                            const CommOptions& options) {
+  EPMOE_CHECK(group != nullptr, "Communicator::create_loopback: the group is null");
+  EPMOE_CHECK(rank >= 0 && rank < group->size(), "Communicator: rank {} must lie in [0, size={})", rank,
+              group->size());
+  EPMOE_CHECK(options.timeout_s > 0, "Communicator: timeout_s must be positive, got {}", options.timeout_s);
+  std::shared_ptr<Communicator> c(new Communicator());
+  c->rank_ = rank;
+  c->size_ = group->size();
+  c->device_ = group->device();
+  c->owned_ = false;
+  c->timeout_s_ = options.timeout_s;
+  c->lsa_rank_ = rank;
+  c->lsa_size_ = group->size();
+  c->loopback_ = std::move(group);
+  EPMOE_CUDA_CHECK(cudaSetDevice(c->device_));
+  c->init_stream(options.stream);
+  c->init_error_record();
+  return c;
 }
 
 void Communicator::init_stream(cudaStream_t stream) {
@@ -413,6 +499,10 @@ void Communicator::wait_init() const {
 }
 
 ncclComm_t Communicator::nccl() const {
+  EPMOE_CHECK(loopback_ == nullptr,
+              "rank {}: this communicator is a loopback of {} ranks on one GPU (tests): it has no NCCL "
+              "communicator, so NCCL collectives and the NCCL point-to-point transport are not available",
+              rank_, size_);
   wait_init();
   return comm_;
 }
@@ -557,6 +647,13 @@ void Communicator::synchronize(CommPhase phase, std::string_view waiting_for) {
 void Communicator::barrier() {
   check_usable("barrier");  // waits for the set-up
   EPMOE_CUDA_CHECK(cudaSetDevice(device_));
+  if (loopback_ != nullptr) {
+    // This rank's work first, then the threads meet: whatever each rank enqueued before the
+    // barrier is done when any rank leaves it.
+    synchronize(CommPhase::setup, "this rank's stream before a barrier");
+    loopback_->barrier(rank_, host_wait_limit_s());
+    return;
+  }
   const char* nccl_barrier = std::getenv("EPMOE_COMM_NCCL_BARRIER");
   const bool lsa = size_ > 1 && !(nccl_barrier != nullptr && std::string_view(nccl_barrier) == "1");
   if (lsa && ensure_barrier_window()) {
@@ -611,6 +708,24 @@ std::unique_ptr<SymmetricBuffer> Communicator::alloc_symmetric(std::size_t bytes
     into += free_before > free_now ? free_before - free_now : 0;
     free_before = free_now;
   };
+  if (loopback_ != nullptr) {
+    // Plain device memory; the peers' addresses are the other ranks' allocations (one process).
+    b->nccl_memory_ = false;
+    EPMOE_CUDA_CHECK(cudaMalloc(&b->local_, bytes));
+    took(setup_memory_.buffers);
+    const std::vector<void*> all =
+        loopback_->exchange(rank_, loopback_seq_++, b->local_, host_wait_limit_s());
+    EPMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b->peers_device_),
+                                sizeof(void*) * static_cast<std::size_t>(size_)));
+    b->peers_host_ = std::make_unique<void*[]>(static_cast<std::size_t>(size_));
+    for (int r = 0; r < size_; ++r)
+      b->peers_host_[static_cast<std::size_t>(r)] = all[static_cast<std::size_t>(r)];
+    EPMOE_CUDA_CHECK(cudaMemcpy(b->peers_device_, b->peers_host_.get(),
+                                sizeof(void*) * static_cast<std::size_t>(size_), cudaMemcpyHostToDevice));
+    EPMOE_CUDA_CHECK(cudaMemsetAsync(b->local_, 0, bytes, stream_));
+    barrier();  // nobody writes into a peer's window before the peer has zeroed it
+    return b;
+  }
   EPMOE_NCCL_CHECK(ncclMemAlloc(&b->local_, bytes));
   took(setup_memory_.buffers);
   EPMOE_NCCL_CHECK(ncclCommWindowRegister(comm_, b->local_, bytes, &b->window_, NCCL_WIN_COLL_SYMMETRIC));

@@ -1303,8 +1303,8 @@ int launch_dispatch(const EpGeometry& g, const SendArgs& send_args, const PlaceA
   const std::size_t smem = route_in_launch ? route_off + route_in_launch_smem(g) : tables;
   int per_sm = 0;
   EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  const std::int64_t resident =
-      static_cast<std::int64_t>(std::max(per_sm, 1)) * cuda::device_props().sm_count;
+  const std::int64_t resident = static_cast<std::int64_t>(std::max(per_sm, 1)) *
+                                cuda::device_props().sm_count / std::max(1, s.ranks_on_device);
   const int send = send_blocks(s.T);
   EPMOE_CHECK(resident > send,
               "the dispatch kernel fits {} blocks on this GPU, fewer than its {} send blocks + 1", resident,

@@ -138,6 +138,10 @@ struct SendArgs {
   // combine reads them). tensor_scale: the count row's scale word.
   bool route_in_launch = false;
   float tensor_scale = 0.0f;
+  // Ranks whose kernels share this GPU (Communicator::ranks_on_device(): loopback tests): a whole
+  // dispatch launch, whose blocks wait for the peers, takes at most 1/n of the resident blocks, so
+  // that the peers' launches find room beside it.
+  int ranks_on_device = 1;
 };
 // Shared memory per block of the routing inside the dispatch launch (bitmaps and prefixes of the
 // N + P buckets, the count row), and the most the launcher gives it.

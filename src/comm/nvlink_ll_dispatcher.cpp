@@ -208,6 +208,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     if (early_) s.tagged = send_tagged_.as<std::uint64_t* const>();
     s.route_in_launch = route_in_launch;
     s.tensor_scale = in.x_tensor_scale;
+    s.ranks_on_device = comm_->ranks_on_device();
     if (own_direct_) {
       pending_send_ = s;  // recv launches it together with place
     } else {

@@ -209,81 +209,97 @@ class Transports : public ::testing::TestWithParam<Transport> {
 };
 
 TEST_P(Transports, UnevenRoutingAndARankThatSendsNothing) {
-  const MoeConfig c = test_config(64);
-  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
-  const auto tokens = per_rank([](int r) -> std::int64_t { return r == 1 ? 0 : ramp(r, 9, 48); });
-  check_round(*d, c, ActivationFormat::fp8_group,
-              make_inputs(c, ActivationFormat::fp8_group, tokens, 11, Routing::random),
-              name_of(GetParam()) + " uneven");
+  on_ranks([&] {
+    const MoeConfig c = test_config(64);
+    auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+    const auto tokens = per_rank([](int r) -> std::int64_t { return r == 1 ? 0 : ramp(r, 9, 48); });
+    check_round(*d, c, ActivationFormat::fp8_group,
+                make_inputs(c, ActivationFormat::fp8_group, tokens, 11, Routing::random),
+                name_of(GetParam()) + " uneven");
+  });
 }
 
 TEST_P(Transports, NoTokensAnywhere) {
-  const MoeConfig c = test_config(64);
-  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
-  check_round(
-      *d, c, ActivationFormat::fp8_group,
-      make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 0; }), 12, Routing::random),
-      name_of(GetParam()) + " T = 0");
+  on_ranks([&] {
+    const MoeConfig c = test_config(64);
+    auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+    check_round(
+        *d, c, ActivationFormat::fp8_group,
+        make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 0; }), 12, Routing::random),
+        name_of(GetParam()) + " T = 0");
+  });
 }
 
 TEST_P(Transports, MaxTokensEverywhere) {
-  const MoeConfig c = test_config(64);
-  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
-  check_round(
-      *d, c, ActivationFormat::fp8_group,
-      make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 64; }), 13, Routing::random),
-      name_of(GetParam()) + " T = max");
+  on_ranks([&] {
+    const MoeConfig c = test_config(64);
+    auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+    check_round(
+        *d, c, ActivationFormat::fp8_group,
+        make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 64; }), 13, Routing::random),
+        name_of(GetParam()) + " T = max");
+  });
 }
 
 TEST_P(Transports, AllTokensToTheSameExperts) {
-  const MoeConfig c = test_config(64);
-  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
-  check_round(*d, c, ActivationFormat::fp8_group,
-              make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 40 + r; }), 14,
-                          Routing::same_experts),
-              name_of(GetParam()) + " same experts");
+  on_ranks([&] {
+    const MoeConfig c = test_config(64);
+    auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+    check_round(*d, c, ActivationFormat::fp8_group,
+                make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 40 + r; }), 14,
+                            Routing::same_experts),
+                name_of(GetParam()) + " same experts");
+  });
 }
 
 TEST_P(Transports, OnlyRankZerosExpertsSoTheOthersReceiveNothing) {
-  const MoeConfig c = test_config(64);
-  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
-  check_round(*d, c, ActivationFormat::fp8_group,
-              make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 30 - r; }), 15,
-                          Routing::first_rank_only),
-              name_of(GetParam()) + " rank 0's experts only");
+  on_ranks([&] {
+    const MoeConfig c = test_config(64);
+    auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+    check_round(*d, c, ActivationFormat::fp8_group,
+                make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 30 - r; }), 15,
+                            Routing::first_rank_only),
+                name_of(GetParam()) + " rank 0's experts only");
+  });
 }
 
 TEST_P(Transports, RepeatedCallsReuseTheBuffers) {
-  const MoeConfig c = test_config(64);
-  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
-  for (int round = 0; round < 5; ++round) {
-    const auto tokens = per_rank([&](int r) -> std::int64_t { return (round * 17 + r * 23) % 65; });
-    const Routing routing = round == 3 ? Routing::same_experts : Routing::random;
-    check_round(
-        *d, c, ActivationFormat::fp8_group,
-        make_inputs(c, ActivationFormat::fp8_group, tokens, 100u + static_cast<unsigned>(round), routing),
-        fmt::format("{} round {}", name_of(GetParam()), round));
-  }
+  on_ranks([&] {
+    const MoeConfig c = test_config(64);
+    auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+    for (int round = 0; round < 5; ++round) {
+      const auto tokens = per_rank([&](int r) -> std::int64_t { return (round * 17 + r * 23) % 65; });
+      const Routing routing = round == 3 ? Routing::same_experts : Routing::random;
+      check_round(
+          *d, c, ActivationFormat::fp8_group,
+          make_inputs(c, ActivationFormat::fp8_group, tokens, 100u + static_cast<unsigned>(round), routing),
+          fmt::format("{} round {}", name_of(GetParam()), round));
+    }
+  });
 }
 
 TEST_P(Transports, DeepSeekDims) {
-  const MoeConfig c = test_config(64, /*deepseek=*/true);
-  auto d = make(GetParam(), c, ActivationFormat::fp8_group);
-  check_round(*d, c, ActivationFormat::fp8_group,
-              make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return ramp(r, 48, 64); }), 16,
-                          Routing::random),
-              name_of(GetParam()) + " deepseek-v3 dims");
+  on_ranks([&] {
+    const MoeConfig c = test_config(64, /*deepseek=*/true);
+    auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+    check_round(*d, c, ActivationFormat::fp8_group,
+                make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return ramp(r, 48, 64); }),
+                            16, Routing::random),
+                name_of(GetParam()) + " deepseek-v3 dims");
+  });
 }
 
 TEST_P(Transports, Bf16AndPerTensorFp8) {
-  for (const ActivationFormat f : {ActivationFormat::bf16, ActivationFormat::fp8_tensor}) {
-    const MoeConfig c = test_config(32);
-    auto d = make(GetParam(), c, f);
-    check_round(*d, c, f,
-                make_inputs(c, f, per_rank([](int r) { return ramp(r, 20, 29); }), 17, Routing::random),
-                fmt::format("{} format {}", name_of(GetParam()),
-                            f == ActivationFormat::bf16 ? "bf16" : "fp8 per tensor"));
-  }
+  on_ranks([&] {
+    for (const ActivationFormat f : {ActivationFormat::bf16, ActivationFormat::fp8_tensor}) {
+      const MoeConfig c = test_config(32);
+      auto d = make(GetParam(), c, f);
+      check_round(*d, c, f,
+                  make_inputs(c, f, per_rank([](int r) { return ramp(r, 20, 29); }), 17, Routing::random),
+                  fmt::format("{} format {}", name_of(GetParam()),
+                              f == ActivationFormat::bf16 ? "bf16" : "fp8 per tensor"));
+    }
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Comm, Transports,
@@ -318,131 +334,141 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
 
 // ---------------------------------------------------------------- refusals
 TEST(CommNcclP2p, BadInputOnOneRankIsRefusedOnEveryRankAndTheNextCallWorks) {
-  const MoeConfig c = test_config(32);
-  auto d = make(Transport::p2p_normal, c, ActivationFormat::fp8_group);
-  const int N = world().size(), me = world().rank(), bad = N - 1;
-  for (const bool too_many : {false, true}) {
-    auto in =
-        make_inputs(c, ActivationFormat::fp8_group,
-                    per_rank([&](int r) { return too_many && r == bad ? 33 : 20; }), 18, Routing::random);
-    if (!too_many) in[static_cast<std::size_t>(bad)].ids.data<std::int32_t>()[5] = c.num_physical_experts();
-    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-    const DispatchInput view = dev.view();
-    std::vector<DispatchOutput> out(1);
-    const std::string m = error_of([&] { d->dispatch({&view, 1}, out); });
-    EXPECT_NE(m.find(fmt::format("rank {} has", bad)), std::string::npos) << m;
-    EXPECT_NE(m.find(too_many ? "more tokens" : "out of range"), std::string::npos) << m;
-  }
-  check_round(
-      *d, c, ActivationFormat::fp8_group,
-      make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 25; }), 19, Routing::random),
-      "nccl-p2p after refusals");
+  on_ranks([&] {
+    const MoeConfig c = test_config(32);
+    auto d = make(Transport::p2p_normal, c, ActivationFormat::fp8_group);
+    const int N = world().size(), me = world().rank(), bad = N - 1;
+    for (const bool too_many : {false, true}) {
+      auto in =
+          make_inputs(c, ActivationFormat::fp8_group,
+                      per_rank([&](int r) { return too_many && r == bad ? 33 : 20; }), 18, Routing::random);
+      if (!too_many) in[static_cast<std::size_t>(bad)].ids.data<std::int32_t>()[5] = c.num_physical_experts();
+      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+      const DispatchInput view = dev.view();
+      std::vector<DispatchOutput> out(1);
+      const std::string m = error_of([&] { d->dispatch({&view, 1}, out); });
+      EXPECT_NE(m.find(fmt::format("rank {} has", bad)), std::string::npos) << m;
+      EXPECT_NE(m.find(too_many ? "more tokens" : "out of range"), std::string::npos) << m;
+    }
+    check_round(
+        *d, c, ActivationFormat::fp8_group,
+        make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 25; }), 19, Routing::random),
+        "nccl-p2p after refusals");
+  });
 }
 
 TEST(CommNvlinkLl, TooManyTokensOnOneRankIsReportedToItsPeers) {
-  const int N = world().size(), me = world().rank();
-  if (N < 2) return;  // needs a peer
-  {
-    const MoeConfig c = test_config(32);
-    auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
-    auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return r == 0 ? 33 : 10; }),
-                          20, Routing::random);
-    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-    const DispatchInput view = dev.view();
-    std::vector<DispatchOutput> out(1);
-    std::string m = error_of([&] {
-      d->dispatch({&view, 1}, out);
-      world().synchronize(CommPhase::none, "the dispatch");
-    });
-    if (me == 0) {
-      EXPECT_NE(m.find("more than the buffers hold"), std::string::npos) << m;
-    } else {
-      EXPECT_NE(m.find("rank 0 refused its input"), std::string::npos) << m;
-      EXPECT_NE(m.find("more tokens"), std::string::npos) << m;
-    }
-    world().reset_device_errors();
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    if (N < 2) return;  // needs a peer
+    {
+      const MoeConfig c = test_config(32);
+      auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+      auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return r == 0 ? 33 : 10; }),
+                            20, Routing::random);
+      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+      const DispatchInput view = dev.view();
+      std::vector<DispatchOutput> out(1);
+      std::string m = error_of([&] {
+        d->dispatch({&view, 1}, out);
+        world().synchronize(CommPhase::none, "the dispatch");
+      });
+      if (me == 0) {
+        EXPECT_NE(m.find("more than the buffers hold"), std::string::npos) << m;
+      } else {
+        EXPECT_NE(m.find("rank 0 refused its input"), std::string::npos) << m;
+        EXPECT_NE(m.find("more tokens"), std::string::npos) << m;
+      }
+      world().reset_device_errors();
+      world().barrier();
+    }  // the dispatcher (its window) goes, collectively
     world().barrier();
-  }  // the dispatcher (its window) goes, collectively
-  world().barrier();
+  });
 }
 
 TEST(CommNvlinkLl, APeerThatNeverArrivesIsATimeoutNamingIt) {
-  const int N = world().size(), me = world().rank();
-  if (N < 2) return;
-  const double saved = world().timeout_s();
-  world().set_timeout_s(0.5);
-  {
-    const MoeConfig c = test_config(32);
-    auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
-    if (me == 0) {
-      auto in =
-          make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 10; }), 21, Routing::random);
-      const DeviceInput dev = to_device(in[0], stream());
-      const DispatchInput view = dev.view();
-      std::vector<DispatchOutput> out(1);
-      const std::string m = error_of([&] {
-        d->dispatch({&view, 1}, out);  // the other ranks never dispatch
-        world().synchronize(CommPhase::none, "the dispatch");
-      });
-      expect_recoverable_dispatch_timeout(m);
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    if (N < 2) return;
+    const double saved = world().timeout_s();
+    world().set_timeout_s(0.5);
+    {
+      const MoeConfig c = test_config(32);
+      auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+      if (me == 0) {
+        auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 10; }), 21,
+                              Routing::random);
+        const DeviceInput dev = to_device(in[0], stream());
+        const DispatchInput view = dev.view();
+        std::vector<DispatchOutput> out(1);
+        const std::string m = error_of([&] {
+          d->dispatch({&view, 1}, out);  // the other ranks never dispatch
+          world().synchronize(CommPhase::none, "the dispatch");
+        });
+        expect_recoverable_dispatch_timeout(m);
+      }
+      world().set_timeout_s(saved);
+      world().barrier();
     }
-    world().set_timeout_s(saved);
     world().barrier();
-  }
-  world().barrier();
+  });
 }
 
 // ---------------------------------------------------------------- low latency: halves, graphs
 TEST(CommNvlinkLl, HalvesWithOtherWorkInBetween) {
-  const MoeConfig c = test_config(64);
-  const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
-  auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
-  const int N = world().size(), me = world().rank();
-  const auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return ramp(r, 50, 1); }),
-                              22, Routing::random);
-  auto sim = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, N});
-  std::vector<DispatchInput> views;
-  for (const RankInput& r : in) views.push_back(r.view());
-  std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
-  sim->dispatch(views, want);
-  const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-  const cuda::DeviceBuffer other(std::size_t{64} << 20);
-  d->dispatch_send(dev.view());
-  other.fill_bytes(0x3c, stream());  // unrelated work between the halves
-  DispatchOutput out;
-  d->dispatch_recv(out);
-  const HostOutput host = download(out, stream());
-  expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "halves");
+  on_ranks([&] {
+    const MoeConfig c = test_config(64);
+    const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
+    auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
+    const int N = world().size(), me = world().rank();
+    const auto in = make_inputs(c, ActivationFormat::fp8_group,
+                                per_rank([](int r) { return ramp(r, 50, 1); }), 22, Routing::random);
+    auto sim = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, N});
+    std::vector<DispatchInput> views;
+    for (const RankInput& r : in) views.push_back(r.view());
+    std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
+    sim->dispatch(views, want);
+    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+    const cuda::DeviceBuffer other(std::size_t{64} << 20);
+    d->dispatch_send(dev.view());
+    other.fill_bytes(0x3c, stream());  // unrelated work between the halves
+    DispatchOutput out;
+    d->dispatch_recv(out);
+    const HostOutput host = download(out, stream());
+    expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "halves");
+  });
 }
 
 // Normal mode through the halves (send then place on one stream, own tokens through the window),
 // alternating with whole dispatch() calls (send on a side stream, own tokens read from x): the
 // same bytes either way, and the sequence numbers stay in step.
 TEST(CommNvlinkNormal, HalvesAndWholeCallsAlternate) {
-  const MoeConfig c = test_config(64);
-  const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
-  auto d = make_nvlink_dispatcher(ctx, world_ptr());
-  const int N = world().size(), me = world().rank();
-  const auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return ramp(r, 40, 55); }),
-                              23, Routing::random);
-  auto sim = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, N});
-  std::vector<DispatchInput> views;
-  for (const RankInput& r : in) views.push_back(r.view());
-  std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
-  sim->dispatch(views, want);
-  const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-  const DispatchInput dev_view = dev.view();
-  for (int round = 0; round < 4; ++round) {
-    std::vector<DispatchOutput> out(1);
-    if (round % 2 == 0) {
-      d->dispatch_send(dev_view);
-      d->dispatch_recv(out[0]);
-    } else {
-      d->dispatch({&dev_view, 1}, out);
+  on_ranks([&] {
+    const MoeConfig c = test_config(64);
+    const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
+    auto d = make_nvlink_dispatcher(ctx, world_ptr());
+    const int N = world().size(), me = world().rank();
+    const auto in = make_inputs(c, ActivationFormat::fp8_group,
+                                per_rank([](int r) { return ramp(r, 40, 55); }), 23, Routing::random);
+    auto sim = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, N});
+    std::vector<DispatchInput> views;
+    for (const RankInput& r : in) views.push_back(r.view());
+    std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
+    sim->dispatch(views, want);
+    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+    const DispatchInput dev_view = dev.view();
+    for (int round = 0; round < 4; ++round) {
+      std::vector<DispatchOutput> out(1);
+      if (round % 2 == 0) {
+        d->dispatch_send(dev_view);
+        d->dispatch_recv(out[0]);
+      } else {
+        d->dispatch({&dev_view, 1}, out);
+      }
+      const HostOutput host = download(out[0], stream());
+      expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "round " + std::to_string(round));
     }
-    const HostOutput host = download(out[0], stream());
-    expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "round " + std::to_string(round));
-  }
+  });
 }
 
 // ---------------------------------------------------------------- normal: copy-engine send
@@ -454,180 +480,188 @@ TEST(CommNvlinkNormal, HalvesAndWholeCallsAlternate) {
 // per rank at most make the warp's slot search take two rounds (W = 38 words > 32), and 700+ per
 // call use every pack block.
 TEST(CommNvlinkNormal, CopyEngineSendPiecesStreamsAndPathsAlternate) {
-  const MoeConfig c = test_config(883 + 37 * 9);
-  const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
-  auto d = make_nvlink_dispatcher(ctx, world_ptr());
-  const int N = world().size(), me = world().rank();
-  struct Round {
-    const char* send_ce;  // EPMOE_COMM_SEND_CE
-    int pieces, streams;
-    bool halves;
-  };
-  const Round rounds[] = {{"2", 8, 1, false},  {"2", 1, 1, false}, {"0", 8, 1, false}, {"2", 64, 2, false},
-                          {"2", 3, 2, false},  {"0", 8, 1, true},  {"1", 8, 1, false}, {"2", 5, 1, false},
-                          {"2", 16, 2, false}, {"2", 8, 1, true}};
-  int index = 0;
-  for (const Round& r : rounds) {
-    const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", r.send_ce);
-    const ScopedEnv pieces("EPMOE_COMM_CE_PIECES", std::to_string(r.pieces));
-    const ScopedEnv streams("EPMOE_COMM_CE_STREAMS", std::to_string(r.streams));
-    const std::string what = fmt::format("round {}: send_ce {} pieces {} streams {}{}", index, r.send_ce,
-                                         r.pieces, r.streams, r.halves ? " halves" : "");
-    SCOPED_TRACE(what);
-    const auto tokens = per_rank([&](int rank) -> std::int64_t {
-      return index == 4 && rank == N - 1 ? 0 : ramp(rank, 700, 883) + 37 * index;  // a rank with none once
-    });
-    const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 200u + static_cast<unsigned>(index),
-                                index == 7 ? Routing::same_experts : Routing::random);
-    if (!r.halves) {
-      check_round(*d, c, ActivationFormat::fp8_group, in, what);
-    } else {
-      // The halves never take the copy-engine path (own tokens through the window).
-      auto sim = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, N});
-      std::vector<DispatchInput> views;
-      for (const RankInput& ri : in) views.push_back(ri.view());
-      std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
-      sim->dispatch(views, want);
-      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-      DispatchOutput out;
-      d->dispatch_send(dev.view());
-      d->dispatch_recv(out);
-      const HostOutput host = download(out, stream());
-      expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], what);
+  on_ranks([&] {
+    const MoeConfig c = test_config(883 + 37 * 9);
+    const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
+    auto d = make_nvlink_dispatcher(ctx, world_ptr());
+    const int N = world().size(), me = world().rank();
+    struct Round {
+      const char* send_ce;  // EPMOE_COMM_SEND_CE
+      int pieces, streams;
+      bool halves;
+    };
+    const Round rounds[] = {{"2", 8, 1, false},  {"2", 1, 1, false}, {"0", 8, 1, false}, {"2", 64, 2, false},
+                            {"2", 3, 2, false},  {"0", 8, 1, true},  {"1", 8, 1, false}, {"2", 5, 1, false},
+                            {"2", 16, 2, false}, {"2", 8, 1, true}};
+    int index = 0;
+    for (const Round& r : rounds) {
+      const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", r.send_ce);
+      const ScopedEnv pieces("EPMOE_COMM_CE_PIECES", std::to_string(r.pieces));
+      const ScopedEnv streams("EPMOE_COMM_CE_STREAMS", std::to_string(r.streams));
+      const std::string what = fmt::format("round {}: send_ce {} pieces {} streams {}{}", index, r.send_ce,
+                                           r.pieces, r.streams, r.halves ? " halves" : "");
+      SCOPED_TRACE(what);
+      const auto tokens = per_rank([&](int rank) -> std::int64_t {
+        return index == 4 && rank == N - 1 ? 0 : ramp(rank, 700, 883) + 37 * index;  // a rank with none once
+      });
+      const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 200u + static_cast<unsigned>(index),
+                                  index == 7 ? Routing::same_experts : Routing::random);
+      if (!r.halves) {
+        check_round(*d, c, ActivationFormat::fp8_group, in, what);
+      } else {
+        // The halves never take the copy-engine path (own tokens through the window).
+        auto sim = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, N});
+        std::vector<DispatchInput> views;
+        for (const RankInput& ri : in) views.push_back(ri.view());
+        std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
+        sim->dispatch(views, want);
+        const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+        DispatchOutput out;
+        d->dispatch_send(dev.view());
+        d->dispatch_recv(out);
+        const HostOutput host = download(out, stream());
+        expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], what);
+      }
+      ++index;
     }
-    ++index;
-  }
+  });
 }
 
 // A device-side refusal (an expert id out of range on one rank) under the copy-engine send: that
 // rank packs nothing but raises every piece flag, so no side stream waits forever; every rank
 // reports the refusal, and the next call on the same dispatcher is correct.
 TEST(CommNvlinkNormal, CopyEngineSendRefusedInputIsReportedAndTheNextCallWorks) {
-  const int N = world().size(), me = world().rank();
-  if (N < 2) return;
-  const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", "2");
-  const MoeConfig c = test_config(256);
-  auto d = make(Transport::nvlink_normal, c, ActivationFormat::fp8_group);
-  const int bad = N - 1;
-  auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 200 + r; }), 24,
-                        Routing::random);
-  in[static_cast<std::size_t>(bad)].ids.data<std::int32_t>()[5] = c.num_physical_experts();
-  {
-    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-    const DispatchInput view = dev.view();
-    std::vector<DispatchOutput> out(1);
-    const std::string m = error_of([&] {
-      d->dispatch({&view, 1}, out);
-      world().synchronize(CommPhase::none, "the dispatch");
-    });
-    EXPECT_NE(m.find(fmt::format("rank {} refused its input", bad)), std::string::npos) << m;
-    EXPECT_NE(m.find("out of range"), std::string::npos) << m;
-    world().reset_device_errors();  // synchronizes: the side streams have finished
-    world().barrier();
-  }
-  check_round(*d, c, ActivationFormat::fp8_group,
-              make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 150 + 9 * r; }), 25,
-                          Routing::random),
-              "copy engines after a refusal");
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    if (N < 2) return;
+    const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", "2");
+    const MoeConfig c = test_config(256);
+    auto d = make(Transport::nvlink_normal, c, ActivationFormat::fp8_group);
+    const int bad = N - 1;
+    auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 200 + r; }), 24,
+                          Routing::random);
+    in[static_cast<std::size_t>(bad)].ids.data<std::int32_t>()[5] = c.num_physical_experts();
+    {
+      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+      const DispatchInput view = dev.view();
+      std::vector<DispatchOutput> out(1);
+      const std::string m = error_of([&] {
+        d->dispatch({&view, 1}, out);
+        world().synchronize(CommPhase::none, "the dispatch");
+      });
+      EXPECT_NE(m.find(fmt::format("rank {} refused its input", bad)), std::string::npos) << m;
+      EXPECT_NE(m.find("out of range"), std::string::npos) << m;
+      world().reset_device_errors();  // synchronizes: the side streams have finished
+      world().barrier();
+    }
+    check_round(*d, c, ActivationFormat::fp8_group,
+                make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 150 + 9 * r; }), 25,
+                            Routing::random),
+                "copy engines after a refusal");
+  });
 }
 
 // A peer that never dispatches, under the copy-engine send: the side stream's waits depend only on
 // this rank's own launch, so they end; the error is place's bounded wait, naming the peer and the
 // phase, and the communicator stays usable.
 TEST(CommNvlinkNormal, CopyEngineSendAPeerThatNeverArrivesIsATimeoutNamingIt) {
-  const int N = world().size(), me = world().rank();
-  if (N < 2) return;
-  const double saved = world().timeout_s();
-  world().set_timeout_s(0.5);
-  {
-    const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", "2");
-    const MoeConfig c = test_config(256);
-    auto d = make(Transport::nvlink_normal, c, ActivationFormat::fp8_group);
-    if (me == 0) {
-      auto in =
-          make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 200; }), 26, Routing::random);
-      const DeviceInput dev = to_device(in[0], stream());
-      const DispatchInput view = dev.view();
-      std::vector<DispatchOutput> out(1);
-      const std::string m = error_of([&] {
-        d->dispatch({&view, 1}, out);  // the other ranks never dispatch
-        world().synchronize(CommPhase::none, "the dispatch");
-      });
-      expect_recoverable_dispatch_timeout(m);  // synchronizes: the side streams have finished
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    if (N < 2) return;
+    const double saved = world().timeout_s();
+    world().set_timeout_s(0.5);
+    {
+      const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", "2");
+      const MoeConfig c = test_config(256);
+      auto d = make(Transport::nvlink_normal, c, ActivationFormat::fp8_group);
+      if (me == 0) {
+        auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 200; }), 26,
+                              Routing::random);
+        const DeviceInput dev = to_device(in[0], stream());
+        const DispatchInput view = dev.view();
+        std::vector<DispatchOutput> out(1);
+        const std::string m = error_of([&] {
+          d->dispatch({&view, 1}, out);  // the other ranks never dispatch
+          world().synchronize(CommPhase::none, "the dispatch");
+        });
+        expect_recoverable_dispatch_timeout(m);  // synchronizes: the side streams have finished
+      }
+      world().set_timeout_s(saved);
+      world().barrier();
     }
-    world().set_timeout_s(saved);
     world().barrier();
-  }
-  world().barrier();
+  });
 }
 
 TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
-  const MoeConfig c = test_config(64);
-  const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
-  auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
-  const int N = world().size(), me = world().rank();
-  const auto tokens = per_rank([](int r) { return ramp(r, 37, 52); });
-  std::vector<RankInput> first = make_inputs(c, ActivationFormat::fp8_group, tokens, 30, Routing::random);
-  DeviceInput dev = to_device(first[static_cast<std::size_t>(me)], stream());
-  const std::int64_t rows = static_cast<std::int64_t>(c.num_local_experts()) * c.masked_max_m();
-  const cuda::DeviceTensor out_dev(DType::bf16, {rows, c.hidden});
-  const cuda::DeviceTensor y_dev(DType::bf16, {tokens[static_cast<std::size_t>(me)], c.hidden});
+  on_ranks([&] {
+    const MoeConfig c = test_config(64);
+    const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
+    auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
+    const int N = world().size(), me = world().rank();
+    const auto tokens = per_rank([](int r) { return ramp(r, 37, 52); });
+    std::vector<RankInput> first = make_inputs(c, ActivationFormat::fp8_group, tokens, 30, Routing::random);
+    DeviceInput dev = to_device(first[static_cast<std::size_t>(me)], stream());
+    const std::int64_t rows = static_cast<std::int64_t>(c.num_local_experts()) * c.masked_max_m();
+    const cuda::DeviceTensor out_dev(DType::bf16, {rows, c.hidden});
+    const cuda::DeviceTensor y_dev(DType::bf16, {tokens[static_cast<std::size_t>(me)], c.hidden});
 
-  DispatchOutput out;
-  cudaGraph_t g_dispatch = nullptr, g_combine = nullptr;
-  cudaGraphExec_t e_dispatch = nullptr, e_combine = nullptr;
-  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
-  d->dispatch_send(dev.view());
-  d->dispatch_recv(out);
-  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &g_dispatch));
-  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
-  d->combine_send(out_dev.view());
-  d->combine_recv(y_dev.view());
-  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &g_combine));
-  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&e_dispatch, g_dispatch, 0));
-  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&e_combine, g_combine, 0));
+    DispatchOutput out;
+    cudaGraph_t g_dispatch = nullptr, g_combine = nullptr;
+    cudaGraphExec_t e_dispatch = nullptr, e_combine = nullptr;
+    EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+    d->dispatch_send(dev.view());
+    d->dispatch_recv(out);
+    EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &g_dispatch));
+    EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+    d->combine_send(out_dev.view());
+    d->combine_recv(y_dev.view());
+    EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &g_combine));
+    EPMOE_CUDA_CHECK(cudaGraphInstantiate(&e_dispatch, g_dispatch, 0));
+    EPMOE_CUDA_CHECK(cudaGraphInstantiate(&e_combine, g_combine, 0));
 
-  for (int replay = 0; replay < 4; ++replay) {
-    SCOPED_TRACE(fmt::format("replay {}", replay));
-    const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 31u + static_cast<unsigned>(replay),
-                                replay == 2 ? Routing::same_experts : Routing::random);
-    copy_into(dev, in[static_cast<std::size_t>(me)], stream());
-    auto sim = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, N});
-    std::vector<DispatchInput> views;
-    for (const RankInput& r : in) views.push_back(r.view());
-    std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
-    sim->dispatch(views, want);
+    for (int replay = 0; replay < 4; ++replay) {
+      SCOPED_TRACE(fmt::format("replay {}", replay));
+      const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 31u + static_cast<unsigned>(replay),
+                                  replay == 2 ? Routing::same_experts : Routing::random);
+      copy_into(dev, in[static_cast<std::size_t>(me)], stream());
+      auto sim = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, N});
+      std::vector<DispatchInput> views;
+      for (const RankInput& r : in) views.push_back(r.view());
+      std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
+      sim->dispatch(views, want);
 
-    EPMOE_CUDA_CHECK(cudaGraphLaunch(e_dispatch, stream()));
-    const HostOutput host = download(out, stream());
-    expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "graph dispatch");
+      EPMOE_CUDA_CHECK(cudaGraphLaunch(e_dispatch, stream()));
+      const HostOutput host = download(out, stream());
+      expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "graph dispatch");
 
-    std::vector<HostTensor> sim_out, ys;
-    std::vector<TensorView> so, yv;
-    for (int r = 0; r < N; ++r) {
-      sim_out.push_back(fake_expert_out(want[static_cast<std::size_t>(r)], c));
-      ys.emplace_back(DType::bf16,
-                      std::initializer_list<std::int64_t>{tokens[static_cast<std::size_t>(r)], c.hidden});
+      std::vector<HostTensor> sim_out, ys;
+      std::vector<TensorView> so, yv;
+      for (int r = 0; r < N; ++r) {
+        sim_out.push_back(fake_expert_out(want[static_cast<std::size_t>(r)], c));
+        ys.emplace_back(DType::bf16,
+                        std::initializer_list<std::int64_t>{tokens[static_cast<std::size_t>(r)], c.hidden});
+      }
+      for (int r = 0; r < N; ++r) {
+        so.push_back(sim_out[static_cast<std::size_t>(r)]);
+        yv.push_back(ys[static_cast<std::size_t>(r)]);
+      }
+      sim->combine(so, yv);
+      const HostTensor mine = fake_expert_out(host.view, c);
+      cuda::copy(out_dev.view(), mine, stream());
+      y_dev.fill_bytes(0xff, stream());
+      EPMOE_CUDA_CHECK(cudaGraphLaunch(e_combine, stream()));
+      world().synchronize(CommPhase::none, "the combine graph");
+      const HostTensor y = cuda::to_host(y_dev.view(), stream());
+      const Diff diff = compare_bf16(y, ys[static_cast<std::size_t>(me)]);
+      EXPECT_EQ(diff.non_finite, 0);
+      EXPECT_LE(diff.rel_l2, 1e-2);
     }
-    for (int r = 0; r < N; ++r) {
-      so.push_back(sim_out[static_cast<std::size_t>(r)]);
-      yv.push_back(ys[static_cast<std::size_t>(r)]);
-    }
-    sim->combine(so, yv);
-    const HostTensor mine = fake_expert_out(host.view, c);
-    cuda::copy(out_dev.view(), mine, stream());
-    y_dev.fill_bytes(0xff, stream());
-    EPMOE_CUDA_CHECK(cudaGraphLaunch(e_combine, stream()));
-    world().synchronize(CommPhase::none, "the combine graph");
-    const HostTensor y = cuda::to_host(y_dev.view(), stream());
-    const Diff diff = compare_bf16(y, ys[static_cast<std::size_t>(me)]);
-    EXPECT_EQ(diff.non_finite, 0);
-    EXPECT_LE(diff.rel_l2, 1e-2);
-  }
-  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(e_dispatch));
-  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(e_combine));
-  EPMOE_CUDA_CHECK(cudaGraphDestroy(g_dispatch));
-  EPMOE_CUDA_CHECK(cudaGraphDestroy(g_combine));
+    EPMOE_CUDA_CHECK(cudaGraphExecDestroy(e_dispatch));
+    EPMOE_CUDA_CHECK(cudaGraphExecDestroy(e_combine));
+    EPMOE_CUDA_CHECK(cudaGraphDestroy(g_dispatch));
+    EPMOE_CUDA_CHECK(cudaGraphDestroy(g_combine));
+  });
 }
 
 // ---------------------------------------------------------------- combine: warps per token
@@ -638,71 +672,73 @@ TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
 // slices than units) and 640 (2.5 units: a short last slice). The dispatch runs once; the combines
 // repeat on its output (the combine's own sequence numbers and parities alternate).
 TEST(CommNvlinkCombineSplit, SameBitsAsOneWarpPerTokenEagerAndGraphed) {
-  const int me = world().rank();
-  for (const bool deepseek : {true, false}) {
-    for (const Mode mode : {Mode::low_latency, Mode::normal}) {
-      MoeConfig c = test_config(64, deepseek);
-      if (!deepseek) c.hidden = 640;
-      const std::string what =
-          fmt::format("hidden {} {}", c.hidden, mode == Mode::normal ? "normal" : "low latency");
-      SCOPED_TRACE(what);
-      const DispatcherContext ctx{c, mode, ActivationFormat::fp8_group, me, 1};
-      auto d = mode == Mode::normal ? make_nvlink_dispatcher(ctx, world_ptr())
-                                    : make_nvlink_ll_dispatcher(ctx, world_ptr());
-      const auto tokens = per_rank([](int r) -> std::int64_t { return ramp(r, 45, 64); });
-      const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 40, Routing::random);
-      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-      const DispatchInput view = dev.view();
-      std::vector<DispatchOutput> out(1);
-      d->dispatch({&view, 1}, out);
-      const HostOutput host = download(out[0], stream());
-      const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
-      const std::int64_t T = tokens[static_cast<std::size_t>(me)];
-      const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
-      const TensorView eo = eo_dev.view(), yv = y_dev.view();
-      auto combine = [&](const std::string& split) {
-        const ScopedEnv env("EPMOE_COMM_COMBINE_SPLIT", split);
-        y_dev.fill_bytes(0xff, stream());
-        d->combine({&eo, 1}, {&yv, 1});
-        world().synchronize(CommPhase::none, "the combine");
-        return cuda::to_host(y_dev, stream());
-      };
-      auto same_bits = [](const HostTensor& a, const HostTensor& b) {
-        std::int64_t differ = 0;
-        for (std::int64_t i = 0; i < a.numel(); ++i)
-          differ += a.data<bf16>()[i].bits != b.data<bf16>()[i].bits;
-        return differ;
-      };
-      const HostTensor want = combine("1");
-      EXPECT_EQ(compare_bf16(want, want).non_finite, 0) << "the unsplit combine wrote every element";
-      for (const int split : {2, 3, 7, 28, 64, 1000}) {
-        const HostTensor got = combine(std::to_string(split));
-        EXPECT_EQ(same_bits(got, want), 0)
-            << what << ": split " << split << " differs from one warp per token";
-      }
-      if (mode == Mode::low_latency) {
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        {
-          const ScopedEnv env("EPMOE_COMM_COMBINE_SPLIT", "14");
-          EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
-          d->combine({&eo, 1}, {&yv, 1});
-          EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
-        }
-        EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        for (int replay = 0; replay < 3; ++replay) {
+  on_ranks([&] {
+    const int me = world().rank();
+    for (const bool deepseek : {true, false}) {
+      for (const Mode mode : {Mode::low_latency, Mode::normal}) {
+        MoeConfig c = test_config(64, deepseek);
+        if (!deepseek) c.hidden = 640;
+        const std::string what =
+            fmt::format("hidden {} {}", c.hidden, mode == Mode::normal ? "normal" : "low latency");
+        SCOPED_TRACE(what);
+        const DispatcherContext ctx{c, mode, ActivationFormat::fp8_group, me, 1};
+        auto d = mode == Mode::normal ? make_nvlink_dispatcher(ctx, world_ptr())
+                                      : make_nvlink_ll_dispatcher(ctx, world_ptr());
+        const auto tokens = per_rank([](int r) -> std::int64_t { return ramp(r, 45, 64); });
+        const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 40, Routing::random);
+        const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+        const DispatchInput view = dev.view();
+        std::vector<DispatchOutput> out(1);
+        d->dispatch({&view, 1}, out);
+        const HostOutput host = download(out[0], stream());
+        const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
+        const std::int64_t T = tokens[static_cast<std::size_t>(me)];
+        const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
+        const TensorView eo = eo_dev.view(), yv = y_dev.view();
+        auto combine = [&](const std::string& split) {
+          const ScopedEnv env("EPMOE_COMM_COMBINE_SPLIT", split);
           y_dev.fill_bytes(0xff, stream());
-          EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream()));
-          world().synchronize(CommPhase::none, "the combine graph");
-          EXPECT_EQ(same_bits(cuda::to_host(y_dev, stream()), want), 0)
-              << what << ": graph replay " << replay;
+          d->combine({&eo, 1}, {&yv, 1});
+          world().synchronize(CommPhase::none, "the combine");
+          return cuda::to_host(y_dev, stream());
+        };
+        auto same_bits = [](const HostTensor& a, const HostTensor& b) {
+          std::int64_t differ = 0;
+          for (std::int64_t i = 0; i < a.numel(); ++i)
+            differ += a.data<bf16>()[i].bits != b.data<bf16>()[i].bits;
+          return differ;
+        };
+        const HostTensor want = combine("1");
+        EXPECT_EQ(compare_bf16(want, want).non_finite, 0) << "the unsplit combine wrote every element";
+        for (const int split : {2, 3, 7, 28, 64, 1000}) {
+          const HostTensor got = combine(std::to_string(split));
+          EXPECT_EQ(same_bits(got, want), 0)
+              << what << ": split " << split << " differs from one warp per token";
         }
-        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-        EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+        if (mode == Mode::low_latency) {
+          cudaGraph_t graph = nullptr;
+          cudaGraphExec_t exec = nullptr;
+          {
+            const ScopedEnv env("EPMOE_COMM_COMBINE_SPLIT", "14");
+            EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+            d->combine({&eo, 1}, {&yv, 1});
+            EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
+          }
+          EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+          for (int replay = 0; replay < 3; ++replay) {
+            y_dev.fill_bytes(0xff, stream());
+            EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream()));
+            world().synchronize(CommPhase::none, "the combine graph");
+            EXPECT_EQ(same_bits(cuda::to_host(y_dev, stream()), want), 0)
+                << what << ": graph replay " << replay;
+          }
+          EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+          EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+        }
+        world().barrier();  // every rank is done before the dispatcher (its window) goes
       }
-      world().barrier();  // every rank is done before the dispatcher (its window) goes
     }
-  }
+  });
 }
 
 // ---------------------------------------------------------------- dispatch: early counts
@@ -752,79 +788,82 @@ std::int64_t bits_differ(const HostTensor& a, const HostTensor& b) {
 }
 
 TEST(CommNvlinkEarlyCounts, SameBitsAsTheDefaultEagerAndGraphed) {
-  const int me = world().rank();
-  for (const Mode mode : {Mode::low_latency, Mode::normal}) {
-    for (const EarlyCase& k : early_cases()) {
-      const MoeConfig c = test_config(k.max_tokens, k.deepseek);
-      const std::string what = fmt::format("{}, {}", k.what, mode == Mode::normal ? "normal" : "low latency");
-      SCOPED_TRACE(what);
-      const DispatcherContext ctx{c, mode, k.format, me, 1};
-      auto d = mode == Mode::normal ? make_nvlink_dispatcher(ctx, world_ptr())
-                                    : make_nvlink_ll_dispatcher(ctx, world_ptr());
-      const auto tokens = per_rank(k.tokens);
-      const std::int64_t T = tokens[static_cast<std::size_t>(me)];
-      const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
-      const TensorView yv = y_dev.view();
-      // One dispatch (eager) and the combine of its stand-in expert outputs.
-      auto round = [&](const DeviceInput& dev, const std::string& early) {
-        const ScopedEnv env("EPMOE_COMM_LL_EARLY_COUNTS", early);
-        const DispatchInput view = dev.view();
-        std::vector<DispatchOutput> out(1);
-        d->dispatch({&view, 1}, out);
-        HostOutput host = download(out[0], stream());
-        const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
-        const TensorView eo = eo_dev.view();
-        y_dev.fill_bytes(0xff, stream());
-        d->combine({&eo, 1}, {&yv, 1});
-        world().synchronize(CommPhase::none, "the combine");
-        return std::make_pair(std::move(host), cuda::to_host(y_dev, stream()));
-      };
-      const auto in = make_inputs(c, k.format, tokens, 50, k.routing);
-      DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-      // default, early, default, early: the parities and the tagged words' sequence numbers move
-      // on between the two paths.
-      for (int rep = 0; rep < 2; ++rep) {
-        const auto want = round(dev, "0");
-        const auto got = round(dev, "1");
-        expect_same_dispatch(got.first.view, want.first.view, what + ": early vs default dispatch");
-        EXPECT_EQ(bits_differ(got.second, want.second), 0)
-            << what << ": early vs default combine, rep " << rep;
-      }
-      if (mode == Mode::low_latency) {
-        std::vector<DispatchOutput> out(1);
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        {
-          const ScopedEnv env("EPMOE_COMM_LL_EARLY_COUNTS", "1");
+  on_ranks([&] {
+    const int me = world().rank();
+    for (const Mode mode : {Mode::low_latency, Mode::normal}) {
+      for (const EarlyCase& k : early_cases()) {
+        const MoeConfig c = test_config(k.max_tokens, k.deepseek);
+        const std::string what =
+            fmt::format("{}, {}", k.what, mode == Mode::normal ? "normal" : "low latency");
+        SCOPED_TRACE(what);
+        const DispatcherContext ctx{c, mode, k.format, me, 1};
+        auto d = mode == Mode::normal ? make_nvlink_dispatcher(ctx, world_ptr())
+                                      : make_nvlink_ll_dispatcher(ctx, world_ptr());
+        const auto tokens = per_rank(k.tokens);
+        const std::int64_t T = tokens[static_cast<std::size_t>(me)];
+        const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
+        const TensorView yv = y_dev.view();
+        // One dispatch (eager) and the combine of its stand-in expert outputs.
+        auto round = [&](const DeviceInput& dev, const std::string& early) {
+          const ScopedEnv env("EPMOE_COMM_LL_EARLY_COUNTS", early);
           const DispatchInput view = dev.view();
-          EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+          std::vector<DispatchOutput> out(1);
           d->dispatch({&view, 1}, out);
-          EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
-        }
-        EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        for (int replay = 0; replay < 3; ++replay) {
-          SCOPED_TRACE(fmt::format("graph replay {}", replay));
-          const auto next = make_inputs(c, k.format, tokens, 60u + static_cast<unsigned>(replay),
-                                        replay == 1 ? Routing::same_experts : k.routing);
-          copy_into(dev, next[static_cast<std::size_t>(me)], stream());
-          EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream()));
-          const HostOutput graphed = download(out[0], stream());
-          const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(graphed.view, c), stream());
+          HostOutput host = download(out[0], stream());
+          const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
           const TensorView eo = eo_dev.view();
           y_dev.fill_bytes(0xff, stream());
           d->combine({&eo, 1}, {&yv, 1});
-          world().synchronize(CommPhase::none, "the combine after the graph");
-          const HostTensor y_graphed = cuda::to_host(y_dev, stream());
+          world().synchronize(CommPhase::none, "the combine");
+          return std::make_pair(std::move(host), cuda::to_host(y_dev, stream()));
+        };
+        const auto in = make_inputs(c, k.format, tokens, 50, k.routing);
+        DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+        // default, early, default, early: the parities and the tagged words' sequence numbers move
+        // on between the two paths.
+        for (int rep = 0; rep < 2; ++rep) {
           const auto want = round(dev, "0");
-          expect_same_dispatch(graphed.view, want.first.view, what + ": graphed early vs default dispatch");
-          EXPECT_EQ(bits_differ(y_graphed, want.second), 0) << what << ": graphed early vs default combine";
+          const auto got = round(dev, "1");
+          expect_same_dispatch(got.first.view, want.first.view, what + ": early vs default dispatch");
+          EXPECT_EQ(bits_differ(got.second, want.second), 0)
+              << what << ": early vs default combine, rep " << rep;
         }
-        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-        EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+        if (mode == Mode::low_latency) {
+          std::vector<DispatchOutput> out(1);
+          cudaGraph_t graph = nullptr;
+          cudaGraphExec_t exec = nullptr;
+          {
+            const ScopedEnv env("EPMOE_COMM_LL_EARLY_COUNTS", "1");
+            const DispatchInput view = dev.view();
+            EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+            d->dispatch({&view, 1}, out);
+            EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
+          }
+          EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+          for (int replay = 0; replay < 3; ++replay) {
+            SCOPED_TRACE(fmt::format("graph replay {}", replay));
+            const auto next = make_inputs(c, k.format, tokens, 60u + static_cast<unsigned>(replay),
+                                          replay == 1 ? Routing::same_experts : k.routing);
+            copy_into(dev, next[static_cast<std::size_t>(me)], stream());
+            EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream()));
+            const HostOutput graphed = download(out[0], stream());
+            const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(graphed.view, c), stream());
+            const TensorView eo = eo_dev.view();
+            y_dev.fill_bytes(0xff, stream());
+            d->combine({&eo, 1}, {&yv, 1});
+            world().synchronize(CommPhase::none, "the combine after the graph");
+            const HostTensor y_graphed = cuda::to_host(y_dev, stream());
+            const auto want = round(dev, "0");
+            expect_same_dispatch(graphed.view, want.first.view, what + ": graphed early vs default dispatch");
+            EXPECT_EQ(bits_differ(y_graphed, want.second), 0) << what << ": graphed early vs default combine";
+          }
+          EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+          EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+        }
+        world().barrier();  // every rank is done before the dispatcher (its window) goes
       }
-      world().barrier();  // every rank is done before the dispatcher (its window) goes
     }
-  }
+  });
 }
 
 // Early counts, refusals and a missing peer: a rank whose host refuses its input (too many tokens)
@@ -832,92 +871,96 @@ TEST(CommNvlinkEarlyCounts, SameBitsAsTheDefaultEagerAndGraphed) {
 // of range (refused on the device) is reported on every rank and the next call works; a peer that
 // never dispatches is place's bounded wait on the tagged words, naming it.
 TEST(CommNvlinkEarlyCounts, RefusalsAndAMissingPeerAreReported) {
-  const int N = world().size(), me = world().rank();
-  if (N < 2) return;
-  const ScopedEnv early("EPMOE_COMM_LL_EARLY_COUNTS", "1");
-  auto dispatch_error = [&](Dispatcher& d, const RankInput& in) {
-    const DeviceInput dev = to_device(in, stream());
-    const DispatchInput view = dev.view();
-    std::vector<DispatchOutput> out(1);
-    return error_of([&] {
-      d.dispatch({&view, 1}, out);
-      world().synchronize(CommPhase::none, "the dispatch");
-    });
-  };
-  {
-    const MoeConfig c = test_config(32);
-    auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
-    const auto in = make_inputs(c, ActivationFormat::fp8_group,
-                                per_rank([](int r) { return r == 0 ? 33 : 10; }), 70, Routing::random);
-    const std::string m = dispatch_error(*d, in[static_cast<std::size_t>(me)]);
-    if (me == 0) {
-      EXPECT_NE(m.find("more than the buffers hold"), std::string::npos) << m;
-    } else {
-      EXPECT_NE(m.find("rank 0 refused its input"), std::string::npos) << m;
-      EXPECT_NE(m.find("more tokens"), std::string::npos) << m;
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    if (N < 2) return;
+    const ScopedEnv early("EPMOE_COMM_LL_EARLY_COUNTS", "1");
+    auto dispatch_error = [&](Dispatcher& d, const RankInput& in) {
+      const DeviceInput dev = to_device(in, stream());
+      const DispatchInput view = dev.view();
+      std::vector<DispatchOutput> out(1);
+      return error_of([&] {
+        d.dispatch({&view, 1}, out);
+        world().synchronize(CommPhase::none, "the dispatch");
+      });
+    };
+    {
+      const MoeConfig c = test_config(32);
+      auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+      const auto in = make_inputs(c, ActivationFormat::fp8_group,
+                                  per_rank([](int r) { return r == 0 ? 33 : 10; }), 70, Routing::random);
+      const std::string m = dispatch_error(*d, in[static_cast<std::size_t>(me)]);
+      if (me == 0) {
+        EXPECT_NE(m.find("more than the buffers hold"), std::string::npos) << m;
+      } else {
+        EXPECT_NE(m.find("rank 0 refused its input"), std::string::npos) << m;
+        EXPECT_NE(m.find("more tokens"), std::string::npos) << m;
+      }
+      world().reset_device_errors();
+      world().barrier();
     }
-    world().reset_device_errors();
     world().barrier();
-  }
-  world().barrier();
-  for (const Transport t : {Transport::nvlink_ll, Transport::nvlink_normal}) {
-    SCOPED_TRACE(name_of(t));
-    const MoeConfig c = test_config(64);
-    auto d = make(t, c, ActivationFormat::fp8_group);
-    const int bad = N - 1;
-    auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 40 + r; }), 71,
-                          Routing::random);
-    in[static_cast<std::size_t>(bad)].ids.data<std::int32_t>()[5] = c.num_physical_experts();
-    const std::string m = dispatch_error(*d, in[static_cast<std::size_t>(me)]);
-    EXPECT_NE(m.find(fmt::format("rank {} refused its input", bad)), std::string::npos) << m;
-    EXPECT_NE(m.find("out of range"), std::string::npos) << m;
-    world().reset_device_errors();
-    world().barrier();
-    check_round(*d, c, ActivationFormat::fp8_group,
-                make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return ramp(r, 50, 1); }),
-                            72, Routing::random),
-                name_of(t) + ", early counts after a refusal");
-    world().barrier();
-  }
-  const double saved = world().timeout_s();
-  world().set_timeout_s(0.5);
-  {
-    const MoeConfig c = test_config(32);
-    auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
-    if (me == 0) {
-      const auto in =
-          make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 10; }), 73, Routing::random);
-      const std::string m = dispatch_error(*d, in[0]);  // the other ranks never dispatch
-      expect_recoverable_dispatch_timeout(m);
+    for (const Transport t : {Transport::nvlink_ll, Transport::nvlink_normal}) {
+      SCOPED_TRACE(name_of(t));
+      const MoeConfig c = test_config(64);
+      auto d = make(t, c, ActivationFormat::fp8_group);
+      const int bad = N - 1;
+      auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 40 + r; }), 71,
+                            Routing::random);
+      in[static_cast<std::size_t>(bad)].ids.data<std::int32_t>()[5] = c.num_physical_experts();
+      const std::string m = dispatch_error(*d, in[static_cast<std::size_t>(me)]);
+      EXPECT_NE(m.find(fmt::format("rank {} refused its input", bad)), std::string::npos) << m;
+      EXPECT_NE(m.find("out of range"), std::string::npos) << m;
+      world().reset_device_errors();
+      world().barrier();
+      check_round(*d, c, ActivationFormat::fp8_group,
+                  make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return ramp(r, 50, 1); }),
+                              72, Routing::random),
+                  name_of(t) + ", early counts after a refusal");
+      world().barrier();
     }
-    world().set_timeout_s(saved);
+    const double saved = world().timeout_s();
+    world().set_timeout_s(0.5);
+    {
+      const MoeConfig c = test_config(32);
+      auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+      if (me == 0) {
+        const auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 10; }), 73,
+                                    Routing::random);
+        const std::string m = dispatch_error(*d, in[0]);  // the other ranks never dispatch
+        expect_recoverable_dispatch_timeout(m);
+      }
+      world().set_timeout_s(saved);
+      world().barrier();
+    }
     world().barrier();
-  }
-  world().barrier();
+  });
 }
 
 // ---------------------------------------------------------------- the communicator itself
 TEST(CommWorld, BarrierAndASymmetricWindowThatEveryRankWritesInto) {
-  const int N = world().size(), me = world().rank();
-  world().barrier();
-  auto buf = world().alloc_symmetric(std::size_t{1} << 20);
-  EXPECT_GE(buf->size(), std::size_t{1} << 20);
-  EXPECT_GE(world().lsa_size(), 1);
-  std::printf("  LSA team: rank %d of %d (world %d)\n", world().lsa_rank(), world().lsa_size(), N);
-  if (!world().all_ranks_lsa()) return;
-  const std::int32_t mine = 1000 + me;
-  for (int d = 0; d < N; ++d) {
-    ASSERT_NE(buf->peer_pointer(d), nullptr);
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    world().barrier();
+    auto buf = world().alloc_symmetric(std::size_t{1} << 20);
+    EXPECT_GE(buf->size(), std::size_t{1} << 20);
+    EXPECT_GE(world().lsa_size(), 1);
+    std::printf("  LSA team: rank %d of %d (world %d)\n", world().lsa_rank(), world().lsa_size(), N);
+    if (!world().all_ranks_lsa()) return;
+    const std::int32_t mine = 1000 + me;
+    for (int d = 0; d < N; ++d) {
+      ASSERT_NE(buf->peer_pointer(d), nullptr);
+      EPMOE_CUDA_CHECK(
+          cudaMemcpy(static_cast<char*>(buf->peer_pointer(d)) + 4 * me, &mine, 4, cudaMemcpyHostToDevice));
+    }
+    world().barrier();
+    std::vector<std::int32_t> got(static_cast<std::size_t>(N));
     EPMOE_CUDA_CHECK(
-        cudaMemcpy(static_cast<char*>(buf->peer_pointer(d)) + 4 * me, &mine, 4, cudaMemcpyHostToDevice));
-  }
-  world().barrier();
-  std::vector<std::int32_t> got(static_cast<std::size_t>(N));
-  EPMOE_CUDA_CHECK(
-      cudaMemcpy(got.data(), buf->local(), 4 * static_cast<std::size_t>(N), cudaMemcpyDeviceToHost));
-  for (int r = 0; r < N; ++r)
-    EXPECT_EQ(got[static_cast<std::size_t>(r)], 1000 + r) << "written by rank " << r;
-  world().barrier();
+        cudaMemcpy(got.data(), buf->local(), 4 * static_cast<std::size_t>(N), cudaMemcpyDeviceToHost));
+    for (int r = 0; r < N; ++r)
+      EXPECT_EQ(got[static_cast<std::size_t>(r)], 1000 + r) << "written by rank " << r;
+    world().barrier();
+  });
 }
 
 }  // namespace

@@ -59,95 +59,101 @@ std::shared_ptr<SyntheticWeights> weights_for(const MoeConfig& c) {
 class LayerRanks : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(LayerRanks, LowLatencyEagerAndGraphMatchTheReference) {
-  const bool big = preset_of(GetParam()) == "deepseek-v3";
-  const MoeConfig c = config_for(GetParam(), big ? 32 : 4, big ? 8 : 32);
-  auto w = weights_for(c);
-  cuda::GpuLayerOptions o;
-  o.mode = Mode::low_latency;
-  cuda::GpuMoeLayer layer(w, o, world_ptr());
-  // Different token counts per rank, one rank with a single token.
-  const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
-  const HostTensor x = synthetic_tokens(c, 33, world().rank(), T);
-  const Out eager = layer_forward(layer, x, false);
-  expect_reference(*w, x, eager, "low-latency eager");
-  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, eager.y))
-      << "graph capture + replay differs from eager";
-  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, eager.y))
-      << "second graph replay differs from eager";
-  // A rebalance moves experts between slots in place; the captured graph stays valid. On one rank
-  // the result keeps its bits (tests/layer). Across ranks it cannot: combine sends one bf16 partial
-  // sum per (token, rank) (design.md §6), so an expert that changes rank changes which products are
-  // summed before that rounding. What must hold: graph replay = eager with the new placement, both
-  // within tolerance of the reference, and close to the result before.
-  const int rewritten = layer.rebalance();
-  const Out after = layer_forward(layer, x, false);
-  expect_reference(*w, x, after, "low-latency eager after a rebalance");
-  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, after.y))
-      << "graph replay after a rebalance (" << rewritten << " slots rewritten) differs from eager";
-  const ErrorReport drift = compare(after.y, eager.y);
-  EXPECT_EQ(drift.non_finite, 0);
-  EXPECT_LE(drift.rel_l2, 1e-2) << "the result moved more than bf16 partial-sum rounding explains";
-  if (rewritten == 0) {
-    EXPECT_TRUE(same_bits(after.y, eager.y)) << "no slot moved, yet the result changed";
-  }
-}
-
-TEST_P(LayerRanks, LowLatencyTwoBatchOverlapMatchesWithout) {
-  const bool big = preset_of(GetParam()) == "deepseek-v3";
-  const MoeConfig c = config_for(GetParam(), big ? 32 : 4, big ? 8 : 32);
-  auto w = weights_for(c);
-  // Odd token counts (micro-batches of different sizes), and one rank whose second micro-batch is empty.
-  const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
-  const HostTensor x = synthetic_tokens(c, 37, world().rank(), T);
-  Out plain;
-  {
+  on_ranks([&] {
+    const bool big = preset_of(GetParam()) == "deepseek-v3";
+    const MoeConfig c = config_for(GetParam(), big ? 32 : 4, big ? 8 : 32);
+    auto w = weights_for(c);
     cuda::GpuLayerOptions o;
     o.mode = Mode::low_latency;
     cuda::GpuMoeLayer layer(w, o, world_ptr());
-    plain = layer_forward(layer, x, false);
-  }
-  cuda::GpuLayerOptions o;
-  o.mode = Mode::low_latency;
-  o.tbo = true;
-  cuda::GpuMoeLayer layer(w, o, world_ptr());
-  const Out tbo = layer_forward(layer, x, false);
-  expect_reference(*w, x, tbo, "low-latency two-batch overlap");
-  // Each token's rows meet the same experts on the same ranks either way: the same bits where the
-  // GEMMs run the same kernels. W4A8 picks its kernel by the expected rows per expert (the 16/32-row
-  // tile kernel up to 24), which a micro-batch halves (at 4 ranks it switches at the tiny dims):
-  // there both outputs match the reference instead (above, and the plain one in the eager test).
-  if (quant_of(GetParam()) == QuantScheme::fp8) {
-    EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the low-latency result";
-  }
-  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, tbo.y))
-      << "graph replay with two-batch overlap differs";
-  EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, tbo.y)) << "second graph replay differs";
+    // Different token counts per rank, one rank with a single token.
+    const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
+    const HostTensor x = synthetic_tokens(c, 33, world().rank(), T);
+    const Out eager = layer_forward(layer, x, false);
+    expect_reference(*w, x, eager, "low-latency eager");
+    EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, eager.y))
+        << "graph capture + replay differs from eager";
+    EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, eager.y))
+        << "second graph replay differs from eager";
+    // A rebalance moves experts between slots in place; the captured graph stays valid. On one rank
+    // the result keeps its bits (tests/layer). Across ranks it cannot: combine sends one bf16 partial
+    // sum per (token, rank) (design.md §6), so an expert that changes rank changes which products are
+    // summed before that rounding. What must hold: graph replay = eager with the new placement, both
+    // within tolerance of the reference, and close to the result before.
+    const int rewritten = layer.rebalance();
+    const Out after = layer_forward(layer, x, false);
+    expect_reference(*w, x, after, "low-latency eager after a rebalance");
+    EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, after.y))
+        << "graph replay after a rebalance (" << rewritten << " slots rewritten) differs from eager";
+    const ErrorReport drift = compare(after.y, eager.y);
+    EXPECT_EQ(drift.non_finite, 0);
+    EXPECT_LE(drift.rel_l2, 1e-2) << "the result moved more than bf16 partial-sum rounding explains";
+    if (rewritten == 0) {
+      EXPECT_TRUE(same_bits(after.y, eager.y)) << "no slot moved, yet the result changed";
+    }
+  });
+}
+
+TEST_P(LayerRanks, LowLatencyTwoBatchOverlapMatchesWithout) {
+  on_ranks([&] {
+    const bool big = preset_of(GetParam()) == "deepseek-v3";
+    const MoeConfig c = config_for(GetParam(), big ? 32 : 4, big ? 8 : 32);
+    auto w = weights_for(c);
+    // Odd token counts (micro-batches of different sizes), and one rank whose second micro-batch is empty.
+    const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
+    const HostTensor x = synthetic_tokens(c, 37, world().rank(), T);
+    Out plain;
+    {
+      cuda::GpuLayerOptions o;
+      o.mode = Mode::low_latency;
+      cuda::GpuMoeLayer layer(w, o, world_ptr());
+      plain = layer_forward(layer, x, false);
+    }
+    cuda::GpuLayerOptions o;
+    o.mode = Mode::low_latency;
+    o.tbo = true;
+    cuda::GpuMoeLayer layer(w, o, world_ptr());
+    const Out tbo = layer_forward(layer, x, false);
+    expect_reference(*w, x, tbo, "low-latency two-batch overlap");
+    // Each token's rows meet the same experts on the same ranks either way: the same bits where the
+    // GEMMs run the same kernels. W4A8 picks its kernel by the expected rows per expert (the 16/32-row
+    // tile kernel up to 24), which a micro-batch halves (at 4 ranks it switches at the tiny dims):
+    // there both outputs match the reference instead (above, and the plain one in the eager test).
+    if (quant_of(GetParam()) == QuantScheme::fp8) {
+      EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the low-latency result";
+    }
+    EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, tbo.y))
+        << "graph replay with two-batch overlap differs";
+    EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, tbo.y)) << "second graph replay differs";
+  });
 }
 
 TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
-  const bool big = preset_of(GetParam()) == "deepseek-v3";
-  const MoeConfig c = config_for(GetParam(), big ? 32 : 4, 128);
-  auto w = weights_for(c);
-  const std::int64_t T = big ? 6 + world().rank() : 100 + 7 * world().rank();
-  const HostTensor x = synthetic_tokens(c, 35, world().rank(), T);
-  Out plain;
-  {
+  on_ranks([&] {
+    const bool big = preset_of(GetParam()) == "deepseek-v3";
+    const MoeConfig c = config_for(GetParam(), big ? 32 : 4, 128);
+    auto w = weights_for(c);
+    const std::int64_t T = big ? 6 + world().rank() : 100 + 7 * world().rank();
+    const HostTensor x = synthetic_tokens(c, 35, world().rank(), T);
+    Out plain;
+    {
+      cuda::GpuLayerOptions o;
+      o.mode = Mode::normal;
+      o.max_tokens = 128;
+      cuda::GpuMoeLayer layer(w, o, world_ptr());
+      plain = layer_forward(layer, x, false);
+      expect_reference(*w, x, plain, "normal");
+    }
     cuda::GpuLayerOptions o;
     o.mode = Mode::normal;
     o.max_tokens = 128;
+    o.tbo = true;
     cuda::GpuMoeLayer layer(w, o, world_ptr());
-    plain = layer_forward(layer, x, false);
-    expect_reference(*w, x, plain, "normal");
-  }
-  cuda::GpuLayerOptions o;
-  o.mode = Mode::normal;
-  o.max_tokens = 128;
-  o.tbo = true;
-  cuda::GpuMoeLayer layer(w, o, world_ptr());
-  const Out tbo = layer_forward(layer, x, false);
-  EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the result";
-  EXPECT_TRUE(same_bits(layer_forward(layer, x, false).y, plain.y))
-      << "a repeated overlapped forward differs";
+    const Out tbo = layer_forward(layer, x, false);
+    EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the result";
+    EXPECT_TRUE(same_bits(layer_forward(layer, x, false).y, plain.y))
+        << "a repeated overlapped forward differs";
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, LayerRanks,

@@ -1,22 +1,54 @@
 // main() of the multi-rank GPU tests: run under `epmoe launch -n N -- epmoe_comm_tests`; without
-// the launcher, one rank (world size 1). Fewer GPUs than ranks: prints "[  SKIPPED ]" and exits 0
-// (ctest's SKIP_REGULAR_EXPRESSION reports it as skipped).
+// the launcher, one rank (world size 1); with EPMOE_LOOPBACK_RANKS=N (no launcher), N loopback ranks
+// as threads on GPU 0 (each test body runs on every rank's thread: on_ranks). Fewer GPUs than ranks: prints
+// "[  SKIPPED ]" and exits 0 (ctest's SKIP_REGULAR_EXPRESSION reports it as skipped).
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <thread>
+#include <vector>
 
 #include "epmoe/cuda/runtime.hpp"
 #include "ranks_util.hpp"
 
 namespace epmoe::ranks {
 namespace {
-std::shared_ptr<Communicator> g_world;
-}
+std::shared_ptr<Communicator> g_world;               // this process's rank (one process per GPU)
+std::vector<std::shared_ptr<Communicator>> g_ranks;  // loopback: every rank, each run by a thread
+thread_local std::shared_ptr<Communicator> t_world;  // loopback: the rank of this thread
+}  // namespace
 Communicator& world() {
-  return *g_world;
+  return *world_ptr();
 }
 std::shared_ptr<Communicator> world_ptr() {
-  return g_world;
+  return t_world ? t_world : g_world;
+}
+void on_ranks(const std::function<void()>& body) {
+  if (g_ranks.empty()) {
+    body();
+    return;
+  }
+  // Loopback: one thread per rank, each with its rank as world() and as the thread's default
+  // communicator (dispatchers made by name). GoogleTest's assertions are thread-safe here; an
+  // exception ends that rank's part as a failure (the others then time out at their next wait).
+  std::vector<std::thread> threads;
+  for (const auto& rank : g_ranks) {
+    threads.emplace_back([&body, rank] {
+      t_world = rank;
+      Communicator::set_thread_default(rank);
+      try {
+        EPMOE_CUDA_CHECK(cudaSetDevice(rank->device()));
+        body();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "loopback rank " << rank->rank() << ": " << e.what();
+      }
+      Communicator::set_thread_default(nullptr);
+      t_world.reset();
+    });
+  }
+  for (auto& t : threads) t.join();
 }
 }  // namespace epmoe::ranks
 
@@ -25,11 +57,17 @@ namespace {
 // communicator; clearing it keeps one failure from failing every later test on every rank.
 class ClearDeviceErrorsAfterAFailure : public ::testing::EmptyTestEventListener {
   void OnTestEnd(const ::testing::TestInfo& info) override {
-    if (!info.result()->Failed() || !epmoe::ranks::g_world || epmoe::ranks::g_world->broken()) return;
-    try {
-      epmoe::ranks::g_world->reset_device_errors();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "epmoe_comm_tests: clearing device errors after %s: %s\n", info.name(), e.what());
+    if (!info.result()->Failed()) return;
+    std::vector<std::shared_ptr<epmoe::Communicator>> all = epmoe::ranks::g_ranks;
+    if (all.empty()) all.push_back(epmoe::ranks::g_world);
+    for (const auto& w : all) {
+      if (!w || w->broken()) continue;
+      try {
+        w->reset_device_errors();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "epmoe_comm_tests: clearing device errors after %s: %s\n", info.name(),
+                     e.what());
+      }
     }
   }
 };
@@ -48,12 +86,26 @@ int main(int argc, char** argv) {
                   cuda::device_description().c_str());
       return 0;
     }
-    if (env.present) {
+    const char* loopback = std::getenv("EPMOE_LOOPBACK_RANKS");
+    if (loopback != nullptr && *loopback != '\0') {
+      // N ranks as threads on GPU 0, without NCCL (Communicator::create_loopback): the load/store
+      // transports tested on a machine with one GPU.
+      const int n = std::atoi(loopback);
+      EPMOE_CHECK(n >= 2 && !env.present,
+                  "EPMOE_LOOPBACK_RANKS='{}': a number of ranks >= 2, without epmoe launch", loopback);
+      const auto group = LoopbackGroup::make(n, 0);
+      for (int r = 0; r < n; ++r) ranks::g_ranks.push_back(Communicator::create_loopback(group, r));
+      ranks::g_world = ranks::g_ranks[0];
+      std::printf(
+          "loopback: %d ranks as threads on GPU 0 (%s), no NCCL: the NCCL point-to-point cases fail "
+          "by design\n",
+          n, cuda::device_description(0).c_str());
+    } else if (env.present) {
       ranks::g_world = Communicator::from_environment();
     } else {
       ranks::g_world = Communicator::create(new_nccl_id(), 0, 1, 0);
     }
-    Communicator::set_process_default(ranks::g_world);
+    if (ranks::g_ranks.empty()) Communicator::set_process_default(ranks::g_world);
     std::printf("rank %d of %d on GPU %d (%s), NCCL %s from %s\n", ranks::g_world->rank(),
                 ranks::g_world->size(), ranks::g_world->device(),
                 cuda::device_description(ranks::g_world->device()).c_str(),
@@ -64,11 +116,12 @@ int main(int argc, char** argv) {
   }
   const int rc = RUN_ALL_TESTS();
   try {
-    if (!ranks::g_world->broken()) ranks::g_world->barrier();
+    if (ranks::g_ranks.empty() && !ranks::g_world->broken()) ranks::g_world->barrier();
   } catch (const Error& e) {
     std::fprintf(stderr, "epmoe_comm_tests: final barrier: %s\n", e.what());
   }
   Communicator::set_process_default(nullptr);
   ranks::g_world.reset();
+  ranks::g_ranks.clear();
   return rc;
 }

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,8 +18,11 @@
 
 namespace epmoe::ranks {
 
-Communicator& world();
+Communicator& world();  // this rank's communicator (loopback: the calling thread's rank)
 std::shared_ptr<Communicator> world_ptr();
+// Runs a test's body as every rank: once (one process per rank), or on one thread per rank with
+// that rank as world() (EPMOE_LOOPBACK_RANKS). Every TEST body of the multi-rank suite goes through it.
+void on_ranks(const std::function<void()>& body);
 
 enum class Routing { random, same_experts, first_rank_only };
 
