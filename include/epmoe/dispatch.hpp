@@ -27,11 +27,11 @@ inline constexpr std::int64_t kContiguousAlign = 128;
 
 // One rank's activations ready to send, token-major, already quantized as the runner wants.
 struct DispatchInput {
-  TensorView x;             // [T, H]: bf16 (format bf16) or fp8 (fp8_group / fp8_tensor)
-  TensorView x_scales;      // fp8_group: [T, H/128] f32; otherwise empty
-  float x_tensor_scale = 1; // fp8_tensor: the static scale
-  TensorView topk_ids;      // [T, K] i32 physical expert ids in [0, P)
-  TensorView topk_weights;  // [T, K] f32
+  TensorView x;              // [T, H]: bf16 (format bf16) or fp8 (fp8_group / fp8_tensor)
+  TensorView x_scales;       // fp8_group: [T, H/128] f32; otherwise empty
+  float x_tensor_scale = 1;  // fp8_tensor: the static scale
+  TensorView topk_ids;       // [T, K] i32 physical expert ids in [0, P)
+  TensorView topk_weights;   // [T, K] f32
 };
 
 // One rank's received tokens in one layout. Views into buffers the dispatcher owns; valid until
@@ -42,25 +42,27 @@ struct DispatchOutput {
   int num_local_experts = 0;
   std::int64_t num_recv_tokens = 0;  // distinct tokens this rank received (each at most once)
 
-  TensorView rows;             // token_major [T, H]; contiguous [M_sum, H]; masked [E_local, M_max, H]
-  TensorView scales;           // fp8_group: rows' shape with H -> H/128, f32; otherwise empty
-  float tensor_scale = 1.0f;   // fp8_tensor
+  TensorView rows;            // token_major [T, H]; contiguous [M_sum, H]; masked [E_local, M_max, H]
+  TensorView scales;          // fp8_group: rows' shape with H -> H/128, f32; otherwise empty
+  float tensor_scale = 1.0f;  // fp8_tensor
 
   // token_major: per (token, k) the local expert index, or -1 when another rank owns it.
-  TensorView local_ids;        // [T, K] i32
-  TensorView local_weights;    // [T, K] f32
+  TensorView local_ids;      // [T, K] i32
+  TensorView local_weights;  // [T, K] f32
 
   // contiguous
-  TensorView m_indices;                       // [M_sum] i32, local expert per row, -1 on padding
-  std::vector<std::int64_t> expert_offsets;   // [E_local + 1] first row of each expert (host)
+  TensorView m_indices;                      // [M_sum] i32, local expert per row, -1 on padding
+  std::vector<std::int64_t> expert_offsets;  // [E_local + 1] first row of each expert (host)
 
   // masked
-  TensorView masked_m;         // [E_local] i32 valid rows per expert
-  std::int64_t expected_m = 0; // mean rows per touched expert, a hint for tile choice
+  TensorView masked_m;          // [E_local] i32 valid rows per expert
+  std::int64_t expected_m = 0;  // mean rows per touched expert, a hint for tile choice
 
   // contiguous / masked: per row, which received token it holds (-1 on padding) and its weight.
-  TensorView row_token;        // [rows] i32 (masked: flattened [E_local * M_max])
-  TensorView row_weight;       // [rows] f32
+  // Received tokens (and each expert's rows) are ordered by source rank, then source token; in the
+  // masked layout the source order starts at the receiving rank (me, me + 1, ..., me - 1 mod N).
+  TensorView row_token;   // [rows] i32 (masked: flattened [E_local * M_max])
+  TensorView row_weight;  // [rows] f32
 
   // Rows of the expert output a runner writes for this dispatch: token_major T*K (row t*K + k),
   // contiguous M_sum, masked E_local * M_max.
@@ -71,14 +73,14 @@ struct DispatcherContext {
   MoeConfig config;
   Mode mode = Mode::normal;
   ActivationFormat format = ActivationFormat::fp8_group;
-  int first_rank = 0;      // ranks served are [first_rank, first_rank + num_ranks_served)
+  int first_rank = 0;  // ranks served are [first_rank, first_rank + num_ranks_served)
   int num_ranks_served = 1;
 };
 
 struct DispatchStats {
-  std::vector<std::int64_t> tokens_sent;     // per served rank: (token, destination) pairs to other ranks
-  std::vector<std::int64_t> bytes_sent;      // per served rank: payload bytes to other ranks
-  std::vector<std::int64_t> rows_received;   // per served rank: expert rows after fan-out
+  std::vector<std::int64_t> tokens_sent;    // per served rank: (token, destination) pairs to other ranks
+  std::vector<std::int64_t> bytes_sent;     // per served rank: payload bytes to other ranks
+  std::vector<std::int64_t> rows_received;  // per served rank: expert rows after fan-out
 };
 
 class Dispatcher {

@@ -322,6 +322,23 @@ __device__ __forceinline__ void weighted_sum_rows(const char* const* rows, const
   }
 }
 
+// A row's first 64 scales, two per lane (lane, lane + 32), loaded before the row's stores: after
+// them the compiler may not hoist the loads (the char* stores may alias), and a dependent load at
+// the end of each token costs every warp a round trip. row_scale reads scale c (the rest, c >= 64,
+// from src).
+struct RowScales {
+  float lo = 0.0f, hi = 0.0f;
+};
+__device__ __forceinline__ RowScales load_row_scales(const float* src, int G, int lane) {
+  RowScales r;
+  if (lane < G) r.lo = src[lane];
+  if (lane + 32 < G) r.hi = src[lane + 32];
+  return r;
+}
+__device__ __forceinline__ float row_scale(const RowScales& r, const float* src, int c) {
+  return c < 32 ? r.lo : c < 64 ? r.hi : src[c];
+}
+
 // ---------------------------------------------------------------- route
 __device__ __forceinline__ void route_item(const EpGeometry& g, const std::int32_t* ids, std::int64_t i,
                                            std::uint32_t* bitmaps, int* status) {
@@ -421,22 +438,31 @@ __global__ void __launch_bounds__(kRouteSmallThreads)
 // Routing inside the dispatch launch (SendArgs::route_in_launch): every block of the launch routes
 // the T tokens itself, block-wide, into shared memory (route_small_kernel's outputs: bitmaps,
 // prefixes, count row), so that no block waits for a route kernel and its kernel boundary (~3 us
-// of the 128-token call, bench/NOTES.md LL v6). 1024 (token, k) items and 290 x 4 words at
-// DeepSeek-V3 dims, 128 tokens: a few shared-memory rounds per thread. `global_*` (one block's,
+// of the 128-token call, bench/NOTES.md LL v6). The ids are staged in shared memory (`sids`, T x K)
+// in one round of loads, issued together with the clearing of the bitmaps: routing item by item
+// from global memory made each thread wait for one id load (and the duplicate check's) per round,
+// ~4 round trips at 128 tokens (LL v7's stamps: 4.5 us before the send). `global_*` (one block's,
 // else null) also receive the routing: the combine's home kernel reads the bitmaps and prefixes.
 __device__ void route_in_block(const EpGeometry& g, const std::int32_t* ids, std::int64_t T,
                                float tensor_scale, std::uint32_t* bitmaps, std::int32_t* prefix,
-                               std::int32_t* count_row, std::uint32_t* global_bitmaps,
+                               std::int32_t* count_row, std::int32_t* sids, std::uint32_t* global_bitmaps,
                                std::int32_t* global_prefix, std::int32_t* global_count_row) {
   const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
   const int buckets = g.N + g.P;
   const int words = buckets * g.W;
+  const int items = static_cast<int>(T) * g.K;
+  if ((reinterpret_cast<std::uintptr_t>(ids) & 15u) == 0) {
+    const int quads = items / 4;
+    for (int i = tid; i < quads; i += nthreads)
+      reinterpret_cast<int4*>(sids)[i] = reinterpret_cast<const int4*>(ids)[i];
+    for (int i = 4 * quads + tid; i < items; i += nthreads) sids[i] = ids[i];
+  } else {
+    for (int i = tid; i < items; i += nthreads) sids[i] = ids[i];
+  }
   for (int i = tid; i < words; i += nthreads) bitmaps[i] = 0;
   if (tid == 0) count_row[g.status_index()] = 0;
   __syncthreads();
-  const std::int64_t items = T * g.K;
-  for (std::int64_t i = tid; i < items; i += nthreads)
-    route_item(g, ids, i, bitmaps, &count_row[g.status_index()]);
+  for (int i = tid; i < items; i += nthreads) route_item(g, sids, i, bitmaps, &count_row[g.status_index()]);
   __syncthreads();
   for (int b = tid; b < buckets; b += nthreads) {
     int running = 0;
@@ -585,9 +611,10 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
         w = a.weights[t * g.K + lane];
         slot_e = bucket_slot(a.bitmaps, a.prefix, g.W, g.N + id, t);
       }
+      const RowScales pre_scales = load_row_scales(a.scales + t * g.G, g.G, lane);
       copy_fanout(static_cast<const char*>(a.x) + t * g.x_bytes, target[warp], n, vecs, lane);
       for (int c = lane; c < g.G; c += 32) {
-        const float sc = a.scales[t * g.G + c];
+        const float sc = row_scale(pre_scales, a.scales + t * g.G, c);
         for (int i = 0; i < n; ++i) reinterpret_cast<float*>(target[warp][i] + g.x_bytes)[c] = sc;
       }
       if (lane < g.K) {
@@ -646,7 +673,7 @@ __global__ void __launch_bounds__(kSendThreads) send_kernel(EpGeometry g, SendAr
 template <bool kEarly, bool kRouteInLaunch = false>
 __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, int nblocks, int* smem) {
   int* tok = smem;                // [N]
-  int* roff = tok + g.N;          // [N + 1] first received token of each source
+  int* roff = tok + g.N;          // [N + 1] first received token of each position (src_at)
   int* ok = roff + g.N + 1;       // [N]
   int* base = ok + g.N;           // [L * N] rows of expert e from sources before s
   int* total = base + g.L * g.N;  // [L]
@@ -658,6 +685,16 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   const int nthreads = static_cast<int>(blockDim.x);
   const bool lsa = a.sync.seq != nullptr;
   const bool own = a.own_x != nullptr;
+  // The masked layout (low-latency mode) orders the received tokens, and each expert's rows, by
+  // source rank starting at this rank (position q holds source me + q mod N): the own tokens come
+  // first, so their rows (row = e * M_max + slot_e) need no peer's counts. The contiguous layout
+  // keeps rank order (q = source): its expert offsets need every source's counts anyway.
+  const bool rotate = !a.contiguous;
+  auto src_at = [&](int q) { return rotate ? (g.me + q) % g.N : q; };
+  const int me_pos = rotate ? 0 : g.me;
+  // Routing inside the launch, masked: the own tokens are placed before the peers' counts are
+  // waited for (their status is this rank's own count row).
+  const bool own_first = kRouteInLaunch && rotate && own;
   const std::uint32_t s = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(s & 1u) * a.sync.parity_stride : 0;
   auto field = [&](int src, int f) -> const volatile std::int32_t* {
@@ -676,9 +713,98 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     float w;
     bool has;
   } first{};
+  const std::int64_t vecs = g.x_bytes / 16;
+  // Received token r (source src, slot j): lanes < K hold its (local expert or -1, slot among the
+  // source's tokens of that expert, weight); its payload is x_src / scales_src.
+  // own_early (own_first): an own token placed before the tables exist: its rows are the first of
+  // each expert (base 0), bounded by M_max instead of the expert's total.
+  auto place_token = [&](std::int64_t r, int src, int j, int e, int slot_e, float w, const char* x_src,
+                         const float* scales_src, const OwnFirst* pre = nullptr, bool own_early = false) {
+    int row = -1;
+    const RowScales pre_scales = load_row_scales(scales_src, g.G, lane);
+    if (lane < g.K) {
+      if (e >= 0 && e < g.L) {
+        const std::int64_t m = (own_early ? 0 : static_cast<std::int64_t>(base[e * g.N + src])) + slot_e;
+        const std::int64_t candidate = a.contiguous ? eoff[e] + m : e * a.M_max + m;
+        if ((own_early ? m < a.M_max : m < total[e]) && candidate < a.max_rows)
+          row = static_cast<int>(candidate);
+      }
+      a.recv_rows[r * g.K + lane] = row;
+      if (row >= 0) {
+        a.row_token[row] = static_cast<std::int32_t>(r);
+        a.row_weight[row] = w;
+        if (a.contiguous) a.m_indices[row] = e;
+      }
+    }
+    if (lane == 0) {
+      a.recv_src[r] = src;
+      a.recv_slot[r] = j;
+    }
+    const unsigned m = __ballot_sync(kFull, row >= 0);
+    const int n = __popc(m);
+    if (row >= 0) {
+      const int pos = __popc(m & lanemask_lt());
+      target_row[warp][pos] = row;
+      target[warp][pos] = a.rows + static_cast<std::int64_t>(row) * g.x_bytes;
+    }
+    __syncwarp();
+    if constexpr (kEarly) {
+      if (pre != nullptr)
+        copy_fanout_preloaded(pre->v, x_src, target[warp], n, vecs, lane);
+      else
+        copy_fanout(x_src, target[warp], n, vecs, lane);
+    } else {
+      copy_fanout(x_src, target[warp], n, vecs, lane);
+    }
+    for (int c = lane; c < g.G; c += 32) {
+      const float sc = row_scale(pre_scales, scales_src, c);
+      for (int i = 0; i < n; ++i) a.out_scales[static_cast<std::int64_t>(target_row[warp][i]) * g.G + c] = sc;
+    }
+    __syncwarp();
+  };
+
+  const std::int64_t wid = static_cast<std::int64_t>(block) * kWarps + warp;
+  const std::int64_t wstride = static_cast<std::int64_t>(nblocks) * kWarps;
+  // This rank's own tokens, from the input, while the peers' tokens arrive (early: own_first, before
+  // the tables; r = j, position 0). Early counts otherwise: the warp's first one was loaded before
+  // the tables.
+  auto place_own = [&](bool early) {
+    const std::int64_t r0 = early ? 0 : roff[me_pos];
+    std::int64_t t_begin = wid;
+    if constexpr (kEarly) {
+      if (!early) {
+        if (first.has)
+          place_token(r0 + first.j, g.me, first.j, first.e, first.slot_e, first.w,
+                      static_cast<const char*>(a.own_x) + wid * g.x_bytes, a.own_scales + wid * g.G, &first);
+        t_begin = wid + wstride;
+      }
+    }
+    for (std::int64_t t = t_begin; t < a.own_T; t += wstride) {
+      if (!bucket_has(a.bitmaps, g.W, g.me, t)) continue;
+      const char* x_t = static_cast<const char*>(a.own_x) + t * g.x_bytes;
+      if constexpr (kEarly) {
+        if (early) load_batch(first.v, x_t, 0, vecs, lane);  // the row in flight with the routing's loads
+      }
+      const int j = bucket_slot(a.bitmaps, a.prefix, g.W, g.me, t);
+      int e = -1, slot_e = 0;
+      float w = 0.0f;
+      if (lane < g.K) {
+        const int id = a.own_ids[t * g.K + lane];
+        w = a.own_weights[t * g.K + lane];
+        slot_e = bucket_slot(a.bitmaps, a.prefix, g.W, g.N + id, t);
+        e = id / g.L == g.me ? id % g.L : -1;
+      }
+      place_token(r0 + j, g.me, j, e, slot_e, w, x_t, a.own_scales + t * g.G, early ? &first : nullptr,
+                  early);
+    }
+  };
+
   if constexpr (kEarly) {
     const std::int64_t t = static_cast<std::int64_t>(block) * kWarps + warp;
-    if (own && t < a.own_T && bucket_has(a.bitmaps, g.W, g.me, t)) {
+    if (own_first) {
+      if (a.count_row[g.status_index()] == 0) place_own(true);
+      if (tid == 0) stamp_max(kTraceOwnDone);
+    } else if (own && t < a.own_T && bucket_has(a.bitmaps, g.W, g.me, t)) {
       first.has = true;
       first.j = bucket_slot(a.bitmaps, a.prefix, g.W, g.me, t);
       first.e = -1;
@@ -748,7 +874,8 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   }
   for (int e = tid; e < g.L; e += nthreads) {
     int acc = 0;
-    for (int src = 0; src < g.N; ++src) {
+    for (int q = 0; q < g.N; ++q) {
+      const int src = src_at(q);
       const int c = base[e * g.N + src];
       base[e * g.N + src] = acc;
       acc += c;
@@ -757,9 +884,9 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   }
   if (tid == 0) {
     int acc = 0;
-    for (int src = 0; src < g.N; ++src) {
-      roff[src] = acc;
-      acc += tok[src];
+    for (int q = 0; q < g.N; ++q) {
+      roff[q] = acc;  // by position from here on
+      acc += tok[src_at(q)];
     }
     roff[g.N] = acc;
   }
@@ -790,52 +917,6 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     if (tid == 0) *static_cast<volatile std::int32_t*>(a.host_offsets + g.L + 2) = a.host_stamp;
   }
 
-  const std::int64_t vecs = g.x_bytes / 16;
-  // Received token r (source src, slot j): lanes < K hold its (local expert or -1, slot among the
-  // source's tokens of that expert, weight); its payload is x_src / scales_src.
-  auto place_token = [&](std::int64_t r, int src, int j, int e, int slot_e, float w, const char* x_src,
-                         const float* scales_src, const OwnFirst* pre = nullptr) {
-    int row = -1;
-    if (lane < g.K) {
-      if (e >= 0 && e < g.L) {
-        const std::int64_t m = static_cast<std::int64_t>(base[e * g.N + src]) + slot_e;
-        const std::int64_t candidate = a.contiguous ? eoff[e] + m : e * a.M_max + m;
-        if (m < total[e] && candidate < a.max_rows) row = static_cast<int>(candidate);
-      }
-      a.recv_rows[r * g.K + lane] = row;
-      if (row >= 0) {
-        a.row_token[row] = static_cast<std::int32_t>(r);
-        a.row_weight[row] = w;
-        if (a.contiguous) a.m_indices[row] = e;
-      }
-    }
-    if (lane == 0) {
-      a.recv_src[r] = src;
-      a.recv_slot[r] = j;
-    }
-    const unsigned m = __ballot_sync(kFull, row >= 0);
-    const int n = __popc(m);
-    if (row >= 0) {
-      const int pos = __popc(m & lanemask_lt());
-      target_row[warp][pos] = row;
-      target[warp][pos] = a.rows + static_cast<std::int64_t>(row) * g.x_bytes;
-    }
-    __syncwarp();
-    if constexpr (kEarly) {
-      if (pre != nullptr)
-        copy_fanout_preloaded(pre->v, x_src, target[warp], n, vecs, lane);
-      else
-        copy_fanout(x_src, target[warp], n, vecs, lane);
-    } else {
-      copy_fanout(x_src, target[warp], n, vecs, lane);
-    }
-    for (int c = lane; c < g.G; c += 32) {
-      const float sc = scales_src[c];
-      for (int i = 0; i < n; ++i) a.out_scales[static_cast<std::int64_t>(target_row[warp][i]) * g.G + c] = sc;
-    }
-    __syncwarp();
-  };
-
   // Rows that hold no token: -1 (contiguous padding; masked rows past masked_m), and block 0's
   // per-expert outputs; needs only the tables.
   auto mark_empty_rows = [&] {
@@ -864,34 +945,8 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     }
   };
 
-  const std::int64_t wid = static_cast<std::int64_t>(block) * kWarps + warp;
-  const std::int64_t wstride = static_cast<std::int64_t>(nblocks) * kWarps;
-  if (own && ok[g.me]) {
-    // This rank's own tokens, from the input, while the peers' tokens arrive. Early counts: the
-    // warp's first one was loaded before the tables.
-    std::int64_t t_begin = wid;
-    if constexpr (kEarly) {
-      if (first.has)
-        place_token(roff[g.me] + first.j, g.me, first.j, first.e, first.slot_e, first.w,
-                    static_cast<const char*>(a.own_x) + wid * g.x_bytes, a.own_scales + wid * g.G, &first);
-      t_begin = wid + wstride;
-    }
-    for (std::int64_t t = t_begin; t < a.own_T; t += wstride) {
-      if (!bucket_has(a.bitmaps, g.W, g.me, t)) continue;
-      const int j = bucket_slot(a.bitmaps, a.prefix, g.W, g.me, t);
-      int e = -1, slot_e = 0;
-      float w = 0.0f;
-      if (lane < g.K) {
-        const int id = a.own_ids[t * g.K + lane];
-        w = a.own_weights[t * g.K + lane];
-        slot_e = bucket_slot(a.bitmaps, a.prefix, g.W, g.N + id, t);
-        e = id / g.L == g.me ? id % g.L : -1;
-      }
-      place_token(roff[g.me] + j, g.me, j, e, slot_e, w, static_cast<const char*>(a.own_x) + t * g.x_bytes,
-                  a.own_scales + t * g.G);
-    }
-  }
-  if (tid == 0) stamp_max(kTraceOwnDone);
+  if (!own_first && own && ok[g.me]) place_own(false);
+  if (!own_first && tid == 0) stamp_max(kTraceOwnDone);
   if constexpr (kRouteInLaunch) mark_empty_rows();
   const bool chunked = lsa && a.chunks != nullptr;
   if (lsa && !chunked) {
@@ -914,13 +969,14 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   }
   for (std::int64_t i = i_begin; i < i_end; i += wstride) {
     std::int64_t r = i;
-    if constexpr (kRouteInLaunch) r = !own || i < roff[g.me] ? i : i + own_count;
-    int src = 0;
-    while (r >= roff[src + 1]) ++src;
+    if constexpr (kRouteInLaunch) r = !own || i < roff[me_pos] ? i : i + own_count;
+    int q = 0;
+    while (r >= roff[q + 1]) ++q;
+    const int src = src_at(q);
     if constexpr (!kRouteInLaunch) {
       if (own && src == g.me) continue;
     }
-    const int j = static_cast<int>(r - roff[src]);
+    const int j = static_cast<int>(r - roff[q]);
     const char* slot = a.slots + parity_bytes + (static_cast<std::int64_t>(src) * g.T_max + j) * g.row_stride;
     if (chunked) {
       // The chunk of slot j is complete once all its tokens (arrival_chunk, fewer in the source's
@@ -993,8 +1049,10 @@ __global__ void __launch_bounds__(kThreads)
     auto* bitmaps = reinterpret_cast<std::uint32_t*>(reinterpret_cast<char*>(smem) + route_smem_off);
     auto* prefix = reinterpret_cast<std::int32_t*>(bitmaps + words);
     auto* count_row = prefix + words;
+    auto* sids = reinterpret_cast<std::int32_t*>(
+        (reinterpret_cast<std::uintptr_t>(count_row + g.count_row_len()) + 15u) & ~std::uintptr_t{15});
     const bool publish = b == 0;
-    route_in_block(g, s.ids, s.T, s.tensor_scale, bitmaps, prefix, count_row,
+    route_in_block(g, s.ids, s.T, s.tensor_scale, bitmaps, prefix, count_row, sids,
                    publish ? const_cast<std::uint32_t*>(s.bitmaps) : nullptr,
                    publish ? const_cast<std::int32_t*>(s.prefix) : nullptr,
                    publish ? const_cast<std::int32_t*>(s.count_row) : nullptr);
@@ -1008,6 +1066,7 @@ __global__ void __launch_bounds__(kThreads)
       PlaceArgs routed = p;
       routed.bitmaps = bitmaps;
       routed.prefix = prefix;
+      routed.count_row = count_row;
       place_body<true, true>(g, routed, b - send_blocks, static_cast<int>(gridDim.x) - send_blocks, smem);
     }
   } else if constexpr (kEarly) {
@@ -1278,7 +1337,7 @@ void launch_place(const EpGeometry& g, const PlaceArgs& a, cudaStream_t stream) 
 }
 
 bool route_fits_in_launch(const EpGeometry& g) {
-  return route_in_launch_smem(g) <= kRouteInLaunchMaxSmem &&
+  return route_in_launch_tables_smem(g) <= kRouteInLaunchMaxSmem &&
          static_cast<std::int64_t>(g.T_max) * g.K <= kRouteSmallItems;
 }
 

@@ -143,12 +143,17 @@ struct SendArgs {
   // that the peers' launches find room beside it.
   int ranks_on_device = 1;
 };
-// Shared memory per block of the routing inside the dispatch launch (bitmaps and prefixes of the
-// N + P buckets, the count row), and the most the launcher gives it.
+// Shared memory per block of the routing inside the dispatch launch: the bitmaps and prefixes of
+// the N + P buckets and the count row (at most kRouteInLaunchMaxSmem), then the T_max x K ids,
+// staged in one round of loads (the routing reads each id up to K times).
 inline constexpr std::size_t kRouteInLaunchMaxSmem = 32 * 1024;
-inline std::size_t route_in_launch_smem(const EpGeometry& g) {
+inline std::size_t route_in_launch_tables_smem(const EpGeometry& g) {
   return sizeof(std::int32_t) * (2 * static_cast<std::size_t>(g.N + g.P) * static_cast<std::size_t>(g.W) +
                                  static_cast<std::size_t>(g.count_row_len()));
+}
+inline std::size_t route_in_launch_smem(const EpGeometry& g) {
+  // + 16: the ids start at the next 16-byte boundary (vector stores).
+  return route_in_launch_tables_smem(g) + 16 + sizeof(std::int32_t) * static_cast<std::size_t>(g.T_max) * g.K;
 }
 // Whether the routing of up to g.T_max tokens fits inside the dispatch launch.
 bool route_fits_in_launch(const EpGeometry& g);
@@ -265,6 +270,9 @@ struct PlaceArgs {
   std::int64_t own_T = 0;
   const std::uint32_t* bitmaps = nullptr;
   const std::int32_t* prefix = nullptr;
+  // This rank's count row (set by the dispatch launch that routes inside itself: its status lets
+  // the masked layout place the own tokens before the peers' counts arrive).
+  const std::int32_t* count_row = nullptr;
   FlagSync sync;
   // Early counts (SendArgs::tagged; launch_dispatch only): source s's tagged header at
   // tagged + parity * ps / 8 + s * tagged_words(L). Place reads the layout from it instead of the

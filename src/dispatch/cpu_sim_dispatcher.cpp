@@ -4,6 +4,7 @@
 // contiguous layout (normal mode) or the masked layout (low-latency mode); the combine reduces
 // each token's rows on the expert rank first and sends one bf16 partial sum home per
 // (token, rank), where the partial sums are added in rank order.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -46,7 +47,9 @@ class CpuSimDispatcher final : public Dispatcher {
   }
 
   std::string name() const override { return "cpu-sim"; }
-  Layout layout() const override { return context_.mode == Mode::normal ? Layout::contiguous : Layout::masked; }
+  Layout layout() const override {
+    return context_.mode == Mode::normal ? Layout::contiguous : Layout::masked;
+  }
   const DispatcherContext& context() const override { return context_; }
   const DispatchStats& last_stats() const override { return stats_; }
 
@@ -54,9 +57,10 @@ class CpuSimDispatcher final : public Dispatcher {
     const MoeConfig& c = context_.config;
     const int N = c.num_ranks, K = c.topk, L = c.num_local_experts();
     EPMOE_CHECK(static_cast<int>(inputs.size()) == N && static_cast<int>(outputs.size()) == N,
-                "cpu-sim dispatch needs one input and one output per rank ({}), got {} and {}", N, inputs.size(),
-                outputs.size());
-    for (int r = 0; r < N; ++r) detail::validate_dispatch_input(context_, inputs[r], r);  // before anything moves
+                "cpu-sim dispatch needs one input and one output per rank ({}), got {} and {}", N,
+                inputs.size(), outputs.size());
+    for (int r = 0; r < N; ++r)
+      detail::validate_dispatch_input(context_, inputs[r], r);  // before anything moves
 
     stats_ = DispatchStats{};
     stats_.tokens_sent.assign(static_cast<std::size_t>(N), 0);
@@ -65,7 +69,8 @@ class CpuSimDispatcher final : public Dispatcher {
     const std::int64_t payload = detail::token_payload_bytes(context_);
 
     // Send: each token goes once to every rank that owns at least one of its experts. Receive
-    // buffers are ordered by source rank, then source token, as per-source regions of a real one.
+    // buffers are ordered by source rank, then source token, as per-source regions of a real one
+    // (rotated to start at the receiver in low-latency mode, below).
     for (RankState& s : ranks_) s.recv.clear();
     std::vector<char> sent(static_cast<std::size_t>(N));
     for (int src = 0; src < N; ++src) {
@@ -86,6 +91,17 @@ class CpuSimDispatcher final : public Dispatcher {
         }
       }
     }
+
+    // Low-latency mode (masked layout): a rank receives its own tokens first, then the sources
+    // after it in rank order, wrapping around (me, me + 1, ..., me - 1 mod N), as the GPU
+    // transports place them: the own rows need no peer's counts there.
+    if (context_.mode == Mode::low_latency)
+      for (int dst = 0; dst < N; ++dst)
+        std::stable_sort(ranks_[static_cast<std::size_t>(dst)].recv.begin(),
+                         ranks_[static_cast<std::size_t>(dst)].recv.end(),
+                         [dst, N](const RecvToken& a, const RecvToken& b) {
+                           return (a.src_rank - dst + N) % N < (b.src_rank - dst + N) % N;
+                         });
 
     // Receive: fan each received token out to its local experts.
     for (int dst = 0; dst < N; ++dst) build_layout(inputs, dst, outputs[dst]);
@@ -146,7 +162,9 @@ class CpuSimDispatcher final : public Dispatcher {
   }
 
  private:
-  DType row_dtype() const { return context_.format == ActivationFormat::bf16 ? DType::bf16 : DType::fp8_e4m3; }
+  DType row_dtype() const {
+    return context_.format == ActivationFormat::bf16 ? DType::bf16 : DType::fp8_e4m3;
+  }
 
   void build_layout(std::span<const DispatchInput> inputs, int dst, DispatchOutput& out) {
     const MoeConfig& c = context_.config;
@@ -166,7 +184,8 @@ class CpuSimDispatcher final : public Dispatcher {
       const DispatchInput& in = inputs[s.recv[i].src_rank];
       const std::int32_t* ids = in.topk_ids.as<std::int32_t>() + s.recv[i].src_token * K;
       for (int k = 0; k < K; ++k)
-        if (ids[k] / L == dst) per_expert[static_cast<std::size_t>(ids[k] % L)].push_back({static_cast<std::int32_t>(i), k});
+        if (ids[k] / L == dst)
+          per_expert[static_cast<std::size_t>(ids[k] % L)].push_back({static_cast<std::int32_t>(i), k});
     }
 
     auto copy_row = [&](const Row& row, void* dst_row, float* dst_scales) {
@@ -198,7 +217,8 @@ class CpuSimDispatcher final : public Dispatcher {
         const std::int64_t n = static_cast<std::int64_t>(per_expert[static_cast<std::size_t>(j)].size());
         total_rows += n;
         out.expert_offsets[static_cast<std::size_t>(j) + 1] =
-            out.expert_offsets[static_cast<std::size_t>(j)] + (n + kContiguousAlign - 1) / kContiguousAlign * kContiguousAlign;
+            out.expert_offsets[static_cast<std::size_t>(j)] +
+            (n + kContiguousAlign - 1) / kContiguousAlign * kContiguousAlign;
       }
       const std::int64_t M = out.expert_offsets.back();
       s.rows = HostTensor(row_dtype(), {M, H});
@@ -211,7 +231,8 @@ class CpuSimDispatcher final : public Dispatcher {
       for (int j = 0; j < L; ++j) {
         std::int64_t row_index = out.expert_offsets[static_cast<std::size_t>(j)];
         for (const Row& row : per_expert[static_cast<std::size_t>(j)]) {
-          copy_row(row, s.rows.view().select(row_index).data, has_scales ? s.scales.data<float>() + row_index * G : nullptr);
+          copy_row(row, s.rows.view().select(row_index).data,
+                   has_scales ? s.scales.data<float>() + row_index * G : nullptr);
           s.m_indices.data<std::int32_t>()[row_index] = j;
           s.row_token.data<std::int32_t>()[row_index] = row.recv_index;
           s.row_weight.data<float>()[row_index] = weight_of(row);
