@@ -247,6 +247,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // one int.
   void barrier();
 
+  // Collective: out[i] = the sum over the ranks of in[i] (n int64 in device memory on this rank's
+  // GPU), ordered on `stream`; ncclAllReduce, or for loopback ranks a host-side sum (synchronous).
+  void all_reduce_sum_i64(const std::int64_t* in, std::int64_t* out, std::size_t n, cudaStream_t stream);
+
   // Throws when a kernel recorded an error (a peer that did not arrive in time, bad peer input).
   // Cheap (reads host-mapped memory, no sync); called by the dispatchers at each entry point.
   void check_device_errors() const;

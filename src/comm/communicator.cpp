@@ -667,6 +667,28 @@ void Communicator::barrier() {
   synchronize(CommPhase::setup, size_ > 1 ? "every rank at a barrier" : "");
 }
 
+void Communicator::all_reduce_sum_i64(const std::int64_t* in, std::int64_t* out, std::size_t n,
+                                      cudaStream_t stream) {
+  check_usable("all_reduce_sum_i64");
+  EPMOE_CUDA_CHECK(cudaSetDevice(device_));
+  if (loopback_ == nullptr) {
+    EPMOE_NCCL_CHECK(ncclAllReduce(in, out, n, ncclInt64, ncclSum, comm_, stream));
+    return;
+  }
+  // Loopback: every rank's counts on the host, summed by each rank in rank order; the barrier keeps
+  // each rank's vector alive until every rank has read it.
+  std::vector<std::int64_t> mine(n), sum(n, 0);
+  EPMOE_CUDA_CHECK(
+      cudaMemcpyAsync(mine.data(), in, n * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream));
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<void*> all =
+      loopback_->exchange(rank_, loopback_seq_++, mine.data(), host_wait_limit_s());
+  for (void* p : all)
+    for (std::size_t i = 0; i < n; ++i) sum[i] += static_cast<const std::int64_t*>(p)[i];
+  loopback_->barrier(rank_, host_wait_limit_s());
+  EPMOE_CUDA_CHECK(cudaMemcpy(out, sum.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
+}
+
 bool Communicator::ensure_barrier_window() {
   if (barrier_window_ != nullptr) return true;
   ensure_dev_comm();

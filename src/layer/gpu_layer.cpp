@@ -784,10 +784,8 @@ std::vector<std::int64_t> sum_over_ranks(const DeviceTensor& counts,
   const std::int64_t n = counts.numel();
   DeviceTensor sum(DType::i64, {n});
   if (comm && comm->size() > 1) {
-    EPMOE_CHECK(
-        ncclAllReduce(counts.data<std::int64_t>(), sum.data<std::int64_t>(), static_cast<std::size_t>(n),
-                      ncclInt64, ncclSum, comm->nccl(), stream) == ncclSuccess,
-        "ncclAllReduce of the load counters failed");
+    comm->all_reduce_sum_i64(counts.data<std::int64_t>(), sum.data<std::int64_t>(),
+                             static_cast<std::size_t>(n), stream);
   } else {
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(sum.data<std::int64_t>(), counts.data<std::int64_t>(), sum.nbytes(),
                                      cudaMemcpyDeviceToDevice, stream));
