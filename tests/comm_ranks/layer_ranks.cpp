@@ -20,8 +20,12 @@ namespace {
 
 using cuda::DeviceTensor;
 
-using testing::layer_forward;
 using Out = testing::LayerForward;
+
+// A forward on every rank, then a barrier before its buffers are freed (see testing::layer_forward).
+Out layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph) {
+  return testing::layer_forward(layer, x, graph, [] { world().barrier(); });
+}
 
 void expect_reference(const ModelWeights& w, const HostTensor& x, const Out& o, const char* what) {
   testing::expect_matches_reference(w, x, o,

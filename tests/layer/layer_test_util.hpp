@@ -2,6 +2,8 @@
 // forward with a poisoned output, and the check against the CPU reference.
 #pragma once
 
+#include <functional>
+
 #include <gtest/gtest.h>
 
 #include "epmoe/cuda/device_buffer.hpp"
@@ -16,7 +18,11 @@ struct LayerForward {
 
 // x (host) through the layer, eagerly or by graph replay; y is NaN-poisoned first, so every element
 // must be written.
-inline LayerForward layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph) {
+// before_free (optional) runs once the outputs are on the host and before the device buffers of x
+// and y are freed: the multi-rank tests meet at a barrier there, since cudaFree waits for every
+// kernel of the process (with loopback ranks, a peer's dispatch that waits for this rank's next one).
+inline LayerForward layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph,
+                                  const std::function<void()>& before_free = {}) {
   cudaStream_t s = layer.stream();
   cuda::DeviceTensor dx = cuda::to_device(x, s);
   cuda::DeviceTensor dy(DType::bf16, {x.size(0), x.size(1)});
@@ -26,7 +32,9 @@ inline LayerForward layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x,
   } else {
     layer.forward(dx, dy);
   }
-  return {cuda::to_host(dy, s), cuda::to_host(layer.last_logits(), s)};
+  LayerForward out{cuda::to_host(dy, s), cuda::to_host(layer.last_logits(), s)};
+  if (before_free) before_free();
+  return out;
 }
 
 // design.md §8 / issue 7: rel. error <= 1e-2 at DeepSeek-V3 dims (measured 4e-3 to 6e-3: FP8
