@@ -70,6 +70,7 @@ TEST_P(LayerRanks, LowLatencyEagerAndGraphMatchTheReference) {
     cuda::GpuLayerOptions o;
     o.mode = Mode::low_latency;
     cuda::GpuMoeLayer layer(w, o, world_ptr());
+    world().barrier();  // every rank's set-up done (its frees wait for every kernel)
     // Different token counts per rank, one rank with a single token.
     const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
     const HostTensor x = synthetic_tokens(c, 33, world().rank(), T);
@@ -108,6 +109,7 @@ TEST_P(LayerRanks, LowLatencyRepeatedCallsGiveTheSameBits) {
     cuda::GpuLayerOptions o;
     o.mode = Mode::low_latency;
     cuda::GpuMoeLayer layer(w, o, world_ptr());
+    world().barrier();  // every rank's set-up done (its frees wait for every kernel)
     const std::int64_t T = c.max_tokens_per_rank - world().rank();
     const HostTensor x = synthetic_tokens(c, 34, world().rank(), T);
     const Out first = layer_forward(layer, x, false);
@@ -134,12 +136,14 @@ TEST_P(LayerRanks, LowLatencyTwoBatchOverlapMatchesWithout) {
       cuda::GpuLayerOptions o;
       o.mode = Mode::low_latency;
       cuda::GpuMoeLayer layer(w, o, world_ptr());
+      world().barrier();  // every rank's set-up done (its frees wait for every kernel)
       plain = layer_forward(layer, x, false);
     }
     cuda::GpuLayerOptions o;
     o.mode = Mode::low_latency;
     o.tbo = true;
     cuda::GpuMoeLayer layer(w, o, world_ptr());
+    world().barrier();  // every rank's set-up done (its frees wait for every kernel)
     const Out tbo = layer_forward(layer, x, false);
     expect_reference(*w, x, tbo, "low-latency two-batch overlap");
     // Each token's rows meet the same experts on the same ranks either way: the same bits where the
@@ -168,6 +172,7 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
       o.mode = Mode::normal;
       o.max_tokens = 128;
       cuda::GpuMoeLayer layer(w, o, world_ptr());
+      world().barrier();  // every rank's set-up done (its frees wait for every kernel)
       plain = layer_forward(layer, x, false);
       expect_reference(*w, x, plain, "normal");
     }
@@ -176,6 +181,7 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
     o.max_tokens = 128;
     o.tbo = true;
     cuda::GpuMoeLayer layer(w, o, world_ptr());
+    world().barrier();  // every rank's set-up done (its frees wait for every kernel)
     const Out tbo = layer_forward(layer, x, false);
     EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the result";
     EXPECT_TRUE(same_bits(layer_forward(layer, x, false).y, plain.y))
