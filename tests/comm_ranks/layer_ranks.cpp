@@ -23,7 +23,15 @@ using cuda::DeviceTensor;
 using Out = testing::LayerForward;
 
 // A forward on every rank, then a barrier before its buffers are freed (see testing::layer_forward).
+// A graph forward first captures (once per batch size) and meets the other ranks: ending a capture
+// and instantiating the graph may wait for the whole device, so with loopback ranks no rank may
+// already be replaying (its dispatch waiting for this rank) while another captures.
 Out layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph) {
+  if (graph) {
+    const std::int64_t sizes[] = {x.size(0)};
+    layer.capture_graphs(sizes);
+    world().barrier();
+  }
   return testing::layer_forward(layer, x, graph, [] { world().barrier(); });
 }
 
