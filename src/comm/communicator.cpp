@@ -355,6 +355,10 @@ std::vector<void*> LoopbackGroup::exchange(int rank, std::uint64_t seq, void* pt
   if (n == size_) state_->changed.notify_all();
   const bool ok = state_->changed.wait_for(lock, std::chrono::duration<double>(timeout_s),
                                            [&] { return state_->posted_count[seq] >= size_; });
+  if (!ok) {  // the exchange is abandoned: drop what was posted to it
+    state_->posted.erase(seq);
+    state_->posted_count.erase(seq);
+  }
   EPMOE_CHECK(ok, "loopback rank {}: timed out after {:.1f} s in exchange {} waiting for the other ranks",
               rank, timeout_s, seq);
   std::vector<void*> all = state_->posted[seq];
@@ -376,6 +380,9 @@ void LoopbackGroup::barrier(int rank, double timeout_s) {
   }
   const bool ok = state_->changed.wait_for(lock, std::chrono::duration<double>(timeout_s),
                                            [&] { return state_->generation != gen; });
+  // A rank that gives up takes its arrival back, so that the next barrier counts afresh (else a
+  // later arrival of one rank alone would complete it).
+  if (!ok) --state_->arrived;
   EPMOE_CHECK(ok, "loopback rank {}: timed out after {:.1f} s at a barrier waiting for the other ranks", rank,
               timeout_s);
 }
