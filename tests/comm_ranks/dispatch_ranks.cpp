@@ -117,17 +117,47 @@ std::string error_of(const std::function<void()>& fn) {
   return "";
 }
 
+// What every rank should receive: cpu-sim over every rank's inputs (`want` views the simulator's
+// buffers, so it lives as long as `sim`).
+struct Simulated {
+  std::unique_ptr<Dispatcher> sim;
+  std::vector<DispatchOutput> want;
+};
+Simulated simulate(const MoeConfig& c, Mode mode, ActivationFormat f, const std::vector<RankInput>& in) {
+  Simulated r{make_dispatcher("cpu-sim", {c, mode, f, 0, c.num_ranks}), {}};
+  std::vector<DispatchInput> views;
+  for (const RankInput& ri : in) views.push_back(ri.view());
+  r.want.resize(static_cast<std::size_t>(c.num_ranks));
+  r.sim->dispatch(views, r.want);
+  return r;
+}
+// cpu-sim's combine of the stand-in expert outputs (fake_expert_out) of what each rank received:
+// every rank's y ([tokens[r], H] bf16).
+std::vector<HostTensor> simulate_combine(Simulated& s, const MoeConfig& c,
+                                         const std::vector<std::int64_t>& tokens) {
+  std::vector<HostTensor> expert_out, ys;
+  std::vector<TensorView> expert_out_views, y_views;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    expert_out.push_back(fake_expert_out(s.want[static_cast<std::size_t>(r)], c));
+    ys.emplace_back(DType::bf16,
+                    std::initializer_list<std::int64_t>{tokens[static_cast<std::size_t>(r)], c.hidden});
+  }
+  for (int r = 0; r < c.num_ranks; ++r) {
+    expert_out_views.push_back(expert_out[static_cast<std::size_t>(r)]);
+    y_views.push_back(ys[static_cast<std::size_t>(r)]);
+  }
+  s.sim->combine(expert_out_views, y_views);
+  return ys;
+}
+
 // One dispatch + combine on `d`, checked against cpu-sim run over every rank's inputs.
 void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const std::vector<RankInput>& in,
                  const std::string& what) {
   SCOPED_TRACE(what);
-  const int N = c.num_ranks, me = world().rank();
+  const int me = world().rank();
   const Mode mode = d.context().mode;
-  auto sim = make_dispatcher("cpu-sim", {c, mode, f, 0, N});
-  std::vector<DispatchInput> views;
-  for (const RankInput& r : in) views.push_back(r.view());
-  std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
-  sim->dispatch(views, want);
+  Simulated simulated = simulate(c, mode, f, in);
+  const std::vector<DispatchOutput>& want = simulated.want;
 
   const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
   const DispatchInput dev_view = dev.view();
@@ -137,26 +167,18 @@ void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const st
   expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], what);
   if (d.name() == "nccl-p2p") {
     EXPECT_EQ(d.last_stats().tokens_sent.at(0),
-              sim->last_stats().tokens_sent.at(static_cast<std::size_t>(me)));
-    EXPECT_EQ(d.last_stats().bytes_sent.at(0), sim->last_stats().bytes_sent.at(static_cast<std::size_t>(me)));
+              simulated.sim->last_stats().tokens_sent.at(static_cast<std::size_t>(me)));
+    EXPECT_EQ(d.last_stats().bytes_sent.at(0),
+              simulated.sim->last_stats().bytes_sent.at(static_cast<std::size_t>(me)));
     EXPECT_EQ(d.last_stats().rows_received.at(0),
-              sim->last_stats().rows_received.at(static_cast<std::size_t>(me)));
+              simulated.sim->last_stats().rows_received.at(static_cast<std::size_t>(me)));
     EXPECT_EQ(host.view.expected_m, want[static_cast<std::size_t>(me)].expected_m);
   }
 
   // Combine: the same stand-in expert outputs on both sides.
-  std::vector<HostTensor> sim_out, ys;
-  std::vector<TensorView> sim_out_views, y_views;
-  for (int r = 0; r < N; ++r) {
-    sim_out.push_back(fake_expert_out(want[static_cast<std::size_t>(r)], c));
-    ys.emplace_back(DType::bf16,
-                    std::initializer_list<std::int64_t>{in[static_cast<std::size_t>(r)].x.size(0), c.hidden});
-  }
-  for (int r = 0; r < N; ++r) {
-    sim_out_views.push_back(sim_out[static_cast<std::size_t>(r)]);
-    y_views.push_back(ys[static_cast<std::size_t>(r)]);
-  }
-  sim->combine(sim_out_views, y_views);
+  std::vector<std::int64_t> tokens;
+  for (const RankInput& r : in) tokens.push_back(r.x.size(0));
+  const std::vector<HostTensor> ys = simulate_combine(simulated, c, tokens);
   const cuda::DeviceTensor out_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
   const std::int64_t T = in[static_cast<std::size_t>(me)].x.size(0);
   const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
@@ -420,14 +442,11 @@ TEST(CommNvlinkLl, HalvesWithOtherWorkInBetween) {
     const MoeConfig c = test_config(64);
     const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
     auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
-    const int N = world().size(), me = world().rank();
+    const int me = world().rank();
     const auto in = make_inputs(c, ActivationFormat::fp8_group,
                                 per_rank([](int r) { return ramp(r, 50, 1); }), 22, Routing::random);
-    auto sim = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, N});
-    std::vector<DispatchInput> views;
-    for (const RankInput& r : in) views.push_back(r.view());
-    std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
-    sim->dispatch(views, want);
+    const Simulated simulated = simulate(c, Mode::low_latency, ActivationFormat::fp8_group, in);
+    const std::vector<DispatchOutput>& want = simulated.want;
     const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
     const cuda::DeviceBuffer other(std::size_t{64} << 20);
     d->dispatch_send(dev.view());
@@ -447,14 +466,11 @@ TEST(CommNvlinkNormal, HalvesAndWholeCallsAlternate) {
     const MoeConfig c = test_config(64);
     const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
     auto d = make_nvlink_dispatcher(ctx, world_ptr());
-    const int N = world().size(), me = world().rank();
+    const int me = world().rank();
     const auto in = make_inputs(c, ActivationFormat::fp8_group,
                                 per_rank([](int r) { return ramp(r, 40, 55); }), 23, Routing::random);
-    auto sim = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, N});
-    std::vector<DispatchInput> views;
-    for (const RankInput& r : in) views.push_back(r.view());
-    std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
-    sim->dispatch(views, want);
+    const Simulated simulated = simulate(c, Mode::normal, ActivationFormat::fp8_group, in);
+    const std::vector<DispatchOutput>& want = simulated.want;
     const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
     const DispatchInput dev_view = dev.view();
     for (int round = 0; round < 4; ++round) {
@@ -510,11 +526,8 @@ TEST(CommNvlinkNormal, CopyEngineSendPiecesStreamsAndPathsAlternate) {
         check_round(*d, c, ActivationFormat::fp8_group, in, what);
       } else {
         // The halves never take the copy-engine path (own tokens through the window).
-        auto sim = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, N});
-        std::vector<DispatchInput> views;
-        for (const RankInput& ri : in) views.push_back(ri.view());
-        std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
-        sim->dispatch(views, want);
+        const Simulated simulated = simulate(c, Mode::normal, ActivationFormat::fp8_group, in);
+        const std::vector<DispatchOutput>& want = simulated.want;
         const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
         DispatchOutput out;
         d->dispatch_send(dev.view());
@@ -598,7 +611,7 @@ TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
     const MoeConfig c = test_config(64);
     const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
     auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
-    const int N = world().size(), me = world().rank();
+    const int me = world().rank();
     const auto tokens = per_rank([](int r) { return ramp(r, 37, 52); });
     std::vector<RankInput> first = make_inputs(c, ActivationFormat::fp8_group, tokens, 30, Routing::random);
     DeviceInput dev = to_device(first[static_cast<std::size_t>(me)], stream());
@@ -625,28 +638,13 @@ TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
       const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 31u + static_cast<unsigned>(replay),
                                   replay == 2 ? Routing::same_experts : Routing::random);
       copy_into(dev, in[static_cast<std::size_t>(me)], stream());
-      auto sim = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, N});
-      std::vector<DispatchInput> views;
-      for (const RankInput& r : in) views.push_back(r.view());
-      std::vector<DispatchOutput> want(static_cast<std::size_t>(N));
-      sim->dispatch(views, want);
+      Simulated simulated = simulate(c, Mode::low_latency, ActivationFormat::fp8_group, in);
+      const std::vector<DispatchOutput>& want = simulated.want;
 
       EPMOE_CUDA_CHECK(cudaGraphLaunch(e_dispatch, stream()));
       const HostOutput host = download(out, stream());
       expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "graph dispatch");
-
-      std::vector<HostTensor> sim_out, ys;
-      std::vector<TensorView> so, yv;
-      for (int r = 0; r < N; ++r) {
-        sim_out.push_back(fake_expert_out(want[static_cast<std::size_t>(r)], c));
-        ys.emplace_back(DType::bf16,
-                        std::initializer_list<std::int64_t>{tokens[static_cast<std::size_t>(r)], c.hidden});
-      }
-      for (int r = 0; r < N; ++r) {
-        so.push_back(sim_out[static_cast<std::size_t>(r)]);
-        yv.push_back(ys[static_cast<std::size_t>(r)]);
-      }
-      sim->combine(so, yv);
+      const std::vector<HostTensor> ys = simulate_combine(simulated, c, tokens);
       const HostTensor mine = fake_expert_out(host.view, c);
       cuda::copy(out_dev.view(), mine, stream());
       y_dev.fill_bytes(0xff, stream());
