@@ -68,17 +68,34 @@ std::shared_ptr<SyntheticWeights> weights_for(const MoeConfig& c) {
   return w;
 }
 
+// The low-latency tests' model: DeepSeek-V3 dims with 32 redundant slots and 8 tokens per rank, or
+// the tiny model with 4 and 32.
+MoeConfig low_latency_config(std::string_view param) {
+  const bool big = preset_of(param) == "deepseek-v3";
+  return config_for(param, big ? 32 : 4, big ? 8 : 32);
+}
+
+// A layer on this rank, then a barrier: its set-up frees memory, and cudaFree waits for every kernel
+// of the process (with loopback ranks, a peer's first dispatch waiting for this rank).
+std::unique_ptr<cuda::GpuMoeLayer> make_layer(const std::shared_ptr<SyntheticWeights>& w, Mode mode,
+                                              bool tbo = false, std::int64_t max_tokens = 0) {
+  cuda::GpuLayerOptions o;
+  o.mode = mode;
+  o.tbo = tbo;
+  o.max_tokens = max_tokens;
+  auto layer = std::make_unique<cuda::GpuMoeLayer>(w, o, world_ptr());
+  world().barrier();
+  return layer;
+}
+
 class LayerRanks : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(LayerRanks, LowLatencyEagerAndGraphMatchTheReference) {
   on_ranks([&] {
-    const bool big = preset_of(GetParam()) == "deepseek-v3";
-    const MoeConfig c = config_for(GetParam(), big ? 32 : 4, big ? 8 : 32);
+    const MoeConfig c = low_latency_config(GetParam());
     auto w = weights_for(c);
-    cuda::GpuLayerOptions o;
-    o.mode = Mode::low_latency;
-    cuda::GpuMoeLayer layer(w, o, world_ptr());
-    world().barrier();  // every rank's set-up done (its frees wait for every kernel)
+    const auto layer_ptr = make_layer(w, Mode::low_latency);
+    cuda::GpuMoeLayer& layer = *layer_ptr;
     // Different token counts per rank, one rank with a single token.
     const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
     const HostTensor x = synthetic_tokens(c, 33, world().rank(), T);
@@ -111,13 +128,10 @@ TEST_P(LayerRanks, LowLatencyEagerAndGraphMatchTheReference) {
 // order; nothing depends on which rank's kernels run first).
 TEST_P(LayerRanks, LowLatencyRepeatedCallsGiveTheSameBits) {
   on_ranks([&] {
-    const bool big = preset_of(GetParam()) == "deepseek-v3";
-    const MoeConfig c = config_for(GetParam(), big ? 32 : 4, big ? 8 : 32);
+    const MoeConfig c = low_latency_config(GetParam());
     auto w = weights_for(c);
-    cuda::GpuLayerOptions o;
-    o.mode = Mode::low_latency;
-    cuda::GpuMoeLayer layer(w, o, world_ptr());
-    world().barrier();  // every rank's set-up done (its frees wait for every kernel)
+    const auto layer_ptr = make_layer(w, Mode::low_latency);
+    cuda::GpuMoeLayer& layer = *layer_ptr;
     const std::int64_t T = c.max_tokens_per_rank - world().rank();
     const HostTensor x = synthetic_tokens(c, 34, world().rank(), T);
     const Out first = layer_forward(layer, x, false);
@@ -133,25 +147,14 @@ TEST_P(LayerRanks, LowLatencyRepeatedCallsGiveTheSameBits) {
 
 TEST_P(LayerRanks, LowLatencyTwoBatchOverlapMatchesWithout) {
   on_ranks([&] {
-    const bool big = preset_of(GetParam()) == "deepseek-v3";
-    const MoeConfig c = config_for(GetParam(), big ? 32 : 4, big ? 8 : 32);
+    const MoeConfig c = low_latency_config(GetParam());
     auto w = weights_for(c);
     // Odd token counts (micro-batches of different sizes), and one rank whose second micro-batch is empty.
     const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
     const HostTensor x = synthetic_tokens(c, 37, world().rank(), T);
-    Out plain;
-    {
-      cuda::GpuLayerOptions o;
-      o.mode = Mode::low_latency;
-      cuda::GpuMoeLayer layer(w, o, world_ptr());
-      world().barrier();  // every rank's set-up done (its frees wait for every kernel)
-      plain = layer_forward(layer, x, false);
-    }
-    cuda::GpuLayerOptions o;
-    o.mode = Mode::low_latency;
-    o.tbo = true;
-    cuda::GpuMoeLayer layer(w, o, world_ptr());
-    world().barrier();  // every rank's set-up done (its frees wait for every kernel)
+    const Out plain = layer_forward(*make_layer(w, Mode::low_latency), x, false);
+    const auto layer_ptr = make_layer(w, Mode::low_latency, /*tbo=*/true);
+    cuda::GpuMoeLayer& layer = *layer_ptr;
     const Out tbo = layer_forward(layer, x, false);
     expect_reference(*w, x, tbo, "low-latency two-batch overlap");
     // Each token's rows meet the same experts on the same ranks either way: the same bits where the
@@ -174,22 +177,10 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
     auto w = weights_for(c);
     const std::int64_t T = big ? 6 + world().rank() : 100 + 7 * world().rank();
     const HostTensor x = synthetic_tokens(c, 35, world().rank(), T);
-    Out plain;
-    {
-      cuda::GpuLayerOptions o;
-      o.mode = Mode::normal;
-      o.max_tokens = 128;
-      cuda::GpuMoeLayer layer(w, o, world_ptr());
-      world().barrier();  // every rank's set-up done (its frees wait for every kernel)
-      plain = layer_forward(layer, x, false);
-      expect_reference(*w, x, plain, "normal");
-    }
-    cuda::GpuLayerOptions o;
-    o.mode = Mode::normal;
-    o.max_tokens = 128;
-    o.tbo = true;
-    cuda::GpuMoeLayer layer(w, o, world_ptr());
-    world().barrier();  // every rank's set-up done (its frees wait for every kernel)
+    const Out plain = layer_forward(*make_layer(w, Mode::normal, false, 128), x, false);
+    expect_reference(*w, x, plain, "normal");
+    const auto layer_ptr = make_layer(w, Mode::normal, /*tbo=*/true, 128);
+    cuda::GpuMoeLayer& layer = *layer_ptr;
     const Out tbo = layer_forward(layer, x, false);
     EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the result";
     EXPECT_TRUE(same_bits(layer_forward(layer, x, false).y, plain.y))
