@@ -337,9 +337,7 @@ struct LoopbackGroup::State {
 
 std::shared_ptr<LoopbackGroup> LoopbackGroup::make(int size, int device) {
   EPMOE_CHECK(size >= 1, "LoopbackGroup: size must be at least 1, got {}", size);
-  const int devices = cuda::device_count();
-  EPMOE_CHECK(device >= 0 && device < devices, "LoopbackGroup: GPU {} asked for, {} visible", device,
-              devices);
+  EPMOE_CHECK(device >= 0, "LoopbackGroup: device must be >= 0, got {}", device);
   std::shared_ptr<LoopbackGroup> g(new LoopbackGroup(size, device));
   g->state_ = std::make_shared<State>();
   return g;
@@ -393,6 +391,10 @@ std::shared_ptr<Communicator> Communicator::create_loopback(std::shared_ptr<Loop
   EPMOE_CHECK(rank >= 0 && rank < group->size(), "Communicator: rank {} must lie in [0, size={})", rank,
               group->size());
   EPMOE_CHECK(options.timeout_s > 0, "Communicator: timeout_s must be positive, got {}", options.timeout_s);
+  const int devices = cuda::device_count();
+  EPMOE_CHECK(group->device() < devices,
+              "Communicator: the loopback group's GPU {} asked for, {} visible ({})", group->device(),
+              devices, cuda::device_description());
   std::shared_ptr<Communicator> c(new Communicator());
   c->rank_ = rank;
   c->size_ = group->size();

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "epmoe/comm.hpp"
 #include "epmoe/comm_dispatch.hpp"
@@ -231,6 +233,59 @@ TEST(CommCommunicator, RefusesBadRanksAndMissingGpus) {
   ScopedEnv w("EPMOE_WORLD_SIZE", nullptr);
   EXPECT_NE(error_of([] { Communicator::from_environment(); }).find("epmoe launch"), std::string::npos);
   EXPECT_NE(error_of([] { Communicator::borrow(nullptr); }).find("null"), std::string::npos);
+}
+
+// Loopback ranks' host side (no GPU needed): the barrier lets no thread through before every rank
+// arrived, an exchange gives every rank every rank's pointer, and a rank that gives up (timeout)
+// leaves the group usable for the next barrier.
+TEST(CommLoopback, BarrierAndExchangeAcrossThreads) {
+  constexpr int kRanks = 3, kRounds = 50;
+  const auto group = LoopbackGroup::make(kRanks, 0);
+  std::atomic<int> arrived{0}, wrong{0};
+  int values[kRanks] = {10, 20, 30};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      for (int round = 0; round < kRounds; ++round) {
+        arrived.fetch_add(1);
+        group->barrier(r, 10.0);
+        if (arrived.load() < kRanks * (round + 1)) wrong.fetch_add(1);  // left before every rank came
+        const std::vector<void*> all =
+            group->exchange(r, static_cast<std::uint64_t>(round), &values[r], 10.0);
+        for (int q = 0; q < kRanks; ++q)
+          if (all[static_cast<std::size_t>(q)] != &values[q]) wrong.fetch_add(1000);
+        group->barrier(r, 10.0);  // every rank checked this round before the next one counts
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+TEST(CommLoopback, ATimedOutRankLeavesTheGroupUsable) {
+  const auto group = LoopbackGroup::make(2, 0);
+  const std::string m = error_of([&] { group->barrier(0, 0.05); });  // rank 1 never comes
+  EXPECT_NE(m.find("loopback rank 0: timed out"), std::string::npos) << m;
+  EXPECT_NE(error_of([&] { group->exchange(1, 7, nullptr, 0.05); }).find("in exchange 7"), std::string::npos);
+  // Both ranks now meet: the abandoned arrival and post are gone, so neither passes alone.
+  std::atomic<bool> passed{false};
+  std::thread other([&] {
+    group->barrier(1, 10.0);
+    passed = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(passed.load()) << "rank 1 passed the barrier alone";
+  group->barrier(0, 10.0);
+  other.join();
+  EXPECT_TRUE(passed.load());
+  int a = 1, b = 2;
+  std::vector<void*> got0, got1;
+  std::thread t1([&] { got1 = group->exchange(1, 7, &b, 10.0); });
+  got0 = group->exchange(0, 7, &a, 10.0);
+  t1.join();
+  EXPECT_EQ(got0, (std::vector<void*>{&a, &b}));
+  EXPECT_EQ(got1, got0);
+  EXPECT_NE(error_of([] { LoopbackGroup::make(0, 0); }).find("size must be at least 1"), std::string::npos);
 }
 
 }  // namespace
