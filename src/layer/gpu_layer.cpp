@@ -2,7 +2,9 @@
 // per forward, and the shared expert forked onto a second stream.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
+#include <string_view>
 
 #include "epmoe/comm_dispatch.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
@@ -96,7 +98,8 @@ struct GpuMoeLayer::Impl {
   LowLatencyDispatcher* lls[2] = {nullptr, nullptr};  // the same objects when they have send / receive halves
   Dispatcher* dispatcher = nullptr;                   // dispatchers[0]
   bool tbo = false;
-  Stream s2;  // two-batch overlap: the compute stream
+  bool whole_dispatch = false;  // GpuLayerOptions::whole_dispatch (or EPMOE_LAYER_WHOLE_DISPATCH)
+  Stream s2;                    // two-batch overlap: the compute stream
   Event dispatched[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   Event computed[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   int gemm_max_ctas = 0;             // two-batch overlap: the SMs the runners' GEMMs may take (0: all)
@@ -285,6 +288,9 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     }
   } else {
     tbo = o.tbo;
+    whole_dispatch = o.whole_dispatch;
+    if (const char* env = std::getenv("EPMOE_LAYER_WHOLE_DISPATCH"); env != nullptr && *env != '\0')
+      whole_dispatch = std::string_view(env) == "1";
     // With two-batch overlap each dispatcher carries one micro-batch: about half the tokens (the
     // first is the larger one).
     const std::int64_t T_part = tbo ? first_micro_batch(T_max) : T_max;
@@ -479,7 +485,8 @@ DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int
     return d;
   }
   const DispatchInput in = dispatch_input(row0, T);
-  if (LowLatencyDispatcher* ll = lls[part]) {
+  LowLatencyDispatcher* ll = lls[part];
+  if (ll != nullptr && !(whole_dispatch && !tbo)) {
     ll->dispatch_send(in);
     ll->dispatch_recv(d);
   } else {

@@ -78,11 +78,13 @@ MoeConfig low_latency_config(std::string_view param) {
 // A layer on this rank, then a barrier: its set-up frees memory, and cudaFree waits for every kernel
 // of the process (with loopback ranks, a peer's first dispatch waiting for this rank).
 std::unique_ptr<cuda::GpuMoeLayer> make_layer(const std::shared_ptr<SyntheticWeights>& w, Mode mode,
-                                              bool tbo = false, std::int64_t max_tokens = 0) {
+                                              bool tbo = false, std::int64_t max_tokens = 0,
+                                              bool whole_dispatch = false) {
   cuda::GpuLayerOptions o;
   o.mode = mode;
   o.tbo = tbo;
   o.max_tokens = max_tokens;
+  o.whole_dispatch = whole_dispatch;
   auto layer = std::make_unique<cuda::GpuMoeLayer>(w, o, world_ptr());
   world().barrier();
   return layer;
@@ -142,6 +144,30 @@ TEST_P(LayerRanks, LowLatencyRepeatedCallsGiveTheSameBits) {
     for (int i = 0; i < 3; ++i)
       EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, replay.y)) << "replay " << i + 2 << " differs";
     EXPECT_TRUE(same_bits(replay.y, first.y)) << "graph replay differs from eager";
+  });
+}
+
+// GpuLayerOptions::whole_dispatch: the dispatcher's whole call instead of its halves gives the same
+// bits, in both modes, eager and (low latency) replayed.
+TEST_P(LayerRanks, WholeDispatchCallGivesTheSameBitsAsTheHalves) {
+  on_ranks([&] {
+    for (const Mode mode : {Mode::low_latency, Mode::normal}) {
+      SCOPED_TRACE(mode == Mode::normal ? "normal" : "low latency");
+      const bool ll = mode == Mode::low_latency;
+      const MoeConfig c = ll ? low_latency_config(GetParam()) : config_for(GetParam(), 4, 128);
+      auto w = weights_for(c);
+      const std::int64_t T = ll ? c.max_tokens_per_rank - 1 - world().rank() : 60 + 9 * world().rank();
+      const HostTensor x = synthetic_tokens(c, 38, world().rank(), T);
+      const Out halves = layer_forward(*make_layer(w, mode, false, ll ? 0 : 128), x, false);
+      const auto layer_ptr = make_layer(w, mode, false, ll ? 0 : 128, /*whole_dispatch=*/true);
+      const Out whole = layer_forward(*layer_ptr, x, false);
+      EXPECT_TRUE(same_bits(whole.y, halves.y)) << "the whole dispatch call changes the result";
+      expect_reference(*w, x, whole, "whole dispatch call");
+      if (ll) {
+        EXPECT_TRUE(same_bits(layer_forward(*layer_ptr, x, true).y, halves.y))
+            << "graph replay of the whole dispatch call differs";
+      }
+    }
   });
 }
 

@@ -58,6 +58,12 @@ struct GpuLayerOptions {
   // communication keeps, in decode each micro-batch reads the expert weights again.
   bool tbo = false;
   int tbo_comm_sms = 24;
+  // Without two-batch overlap, dispatch through the dispatcher's whole call (send and place in one
+  // launch; own tokens read from the input; in low-latency mode early counts and the routing inside
+  // the launch: what `epmoe bench comm` times) instead of its send / receive halves, which the layer
+  // used alone until 2026-12-01. Off until measured on 2 GPUs (bench/NOTES.md, session 12);
+  // EPMOE_LAYER_WHOLE_DISPATCH=0|1 overrides it.
+  bool whole_dispatch = false;
   // Called on the constructing thread after each set-up step, for start-up timing: "weights" (the
   // gate, buffers and expert slots; their fill is enqueued, not finished), "dispatchers" (N ranks:
   // waits for NCCL's initialisation, registers the windows), "runner" (GEMM runners and the
