@@ -70,6 +70,11 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     EPMOE_CHECK(
         allow_normal || context.mode == Mode::low_latency,
         "nvlink-ll serves low-latency mode (masked layout); use \"nvlink\" or nccl-p2p for normal mode");
+    // NCCL gives a one-rank communicator no symmetric memory (its own error says only that).
+    EPMOE_CHECK(comm_->size() > 1 || comm_->loopback(),
+                "{} needs at least 2 ranks (NCCL has no symmetric memory for a one-rank communicator); "
+                "on one GPU the layer uses the local permutation (dispatcher \"local\")",
+                name_);
     const std::int64_t N = g_.N, me = g_.me;
     header_ints_ = up(comm_detail::kHeaderCounts + g_.L, 4);
     hdr_off_ = 0;
