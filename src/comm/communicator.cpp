@@ -2,6 +2,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
@@ -730,6 +731,10 @@ std::unique_ptr<SymmetricBuffer> Communicator::alloc_symmetric(std::size_t bytes
   std::unique_ptr<SymmetricBuffer> b(new SymmetricBuffer());
   b->comm_ = shared_from_this();
   b->size_ = bytes;
+  // The peer pointer table (filled below), before the steps are measured.
+  const std::size_t table_bytes = sizeof(void*) * static_cast<std::size_t>(size_);
+  b->peers_host_ = std::make_unique<void*[]>(static_cast<std::size_t>(size_));
+  EPMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b->peers_device_), table_bytes));
   // Device memory taken by each step, accumulated into setup_memory_ (free memory before minus after).
   std::size_t free_before = 0, total = 0;
   EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
@@ -746,29 +751,19 @@ std::unique_ptr<SymmetricBuffer> Communicator::alloc_symmetric(std::size_t bytes
     took(setup_memory_.buffers);
     const std::vector<void*> all =
         loopback_->exchange(rank_, loopback_seq_++, b->local_, host_wait_limit_s());
-    EPMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b->peers_device_),
-                                sizeof(void*) * static_cast<std::size_t>(size_)));
-    b->peers_host_ = std::make_unique<void*[]>(static_cast<std::size_t>(size_));
-    for (int r = 0; r < size_; ++r)
-      b->peers_host_[static_cast<std::size_t>(r)] = all[static_cast<std::size_t>(r)];
-    EPMOE_CUDA_CHECK(cudaMemcpy(b->peers_device_, b->peers_host_.get(),
-                                sizeof(void*) * static_cast<std::size_t>(size_), cudaMemcpyHostToDevice));
-    EPMOE_CUDA_CHECK(cudaMemsetAsync(b->local_, 0, bytes, stream_));
-    barrier();  // nobody writes into a peer's window before the peer has zeroed it
-    return b;
+    std::copy(all.begin(), all.end(), b->peers_host_.get());
+    EPMOE_CUDA_CHECK(cudaMemcpy(b->peers_device_, b->peers_host_.get(), table_bytes, cudaMemcpyHostToDevice));
+  } else {
+    EPMOE_NCCL_CHECK(ncclMemAlloc(&b->local_, bytes));
+    took(setup_memory_.buffers);
+    EPMOE_NCCL_CHECK(ncclCommWindowRegister(comm_, b->local_, bytes, &b->window_, NCCL_WIN_COLL_SYMMETRIC));
+    took(setup_memory_.window_register);
+    ensure_dev_comm();
+    took(setup_memory_.dev_comm);
+    comm_detail::fill_peer_pointers(b->window_, rank_, lsa_rank_, lsa_size_, size_, b->peers_device_,
+                                    stream_);
+    EPMOE_CUDA_CHECK(cudaMemcpy(b->peers_host_.get(), b->peers_device_, table_bytes, cudaMemcpyDeviceToHost));
   }
-  EPMOE_NCCL_CHECK(ncclMemAlloc(&b->local_, bytes));
-  took(setup_memory_.buffers);
-  EPMOE_NCCL_CHECK(ncclCommWindowRegister(comm_, b->local_, bytes, &b->window_, NCCL_WIN_COLL_SYMMETRIC));
-  took(setup_memory_.window_register);
-  ensure_dev_comm();
-  took(setup_memory_.dev_comm);
-  EPMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b->peers_device_),
-                              sizeof(void*) * static_cast<std::size_t>(size_)));
-  comm_detail::fill_peer_pointers(b->window_, rank_, lsa_rank_, lsa_size_, size_, b->peers_device_, stream_);
-  b->peers_host_ = std::make_unique<void*[]>(static_cast<std::size_t>(size_));
-  EPMOE_CUDA_CHECK(cudaMemcpy(b->peers_host_.get(), b->peers_device_,
-                              sizeof(void*) * static_cast<std::size_t>(size_), cudaMemcpyDeviceToHost));
   EPMOE_CUDA_CHECK(cudaMemsetAsync(b->local_, 0, bytes, stream_));
   EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   barrier();  // nobody writes into a peer's window before the peer has zeroed it

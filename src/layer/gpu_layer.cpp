@@ -98,7 +98,7 @@ struct GpuMoeLayer::Impl {
   LowLatencyDispatcher* lls[2] = {nullptr, nullptr};  // the same objects when they have send / receive halves
   Dispatcher* dispatcher = nullptr;                   // dispatchers[0]
   bool tbo = false;
-  bool whole_dispatch = false;  // GpuLayerOptions::whole_dispatch (or EPMOE_LAYER_WHOLE_DISPATCH)
+  bool whole_dispatch = false;  // GpuLayerOptions::whole_dispatch (or its variable), without tbo
   Stream s2;                    // two-batch overlap: the compute stream
   Event dispatched[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   Event computed[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
@@ -291,6 +291,7 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     whole_dispatch = o.whole_dispatch;
     if (const char* env = std::getenv("EPMOE_LAYER_WHOLE_DISPATCH"); env != nullptr && *env != '\0')
       whole_dispatch = std::string_view(env) == "1";
+    whole_dispatch = whole_dispatch && !tbo;  // with two-batch overlap the halves stay
     // With two-batch overlap each dispatcher carries one micro-batch: about half the tokens (the
     // first is the larger one).
     const std::int64_t T_part = tbo ? first_micro_batch(T_max) : T_max;
@@ -486,7 +487,7 @@ DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int
   }
   const DispatchInput in = dispatch_input(row0, T);
   LowLatencyDispatcher* ll = lls[part];
-  if (ll != nullptr && !(whole_dispatch && !tbo)) {
+  if (ll != nullptr && !whole_dispatch) {
     ll->dispatch_send(in);
     ll->dispatch_recv(d);
   } else {

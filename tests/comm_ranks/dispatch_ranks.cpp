@@ -354,6 +354,36 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                            return std::string("unknown");
                          });
 
+// Rank 0 dispatches alone (the other ranks never do) on `transport` with `tokens` tokens: the
+// dispatch ends in a bounded timeout naming the phase and the peer, and the communicator stays
+// usable (expect_recoverable_dispatch_timeout synchronizes: side streams have finished too).
+void check_a_lone_dispatch_times_out(Transport transport, int max_tokens, std::int64_t tokens,
+                                     std::uint32_t seed) {
+  const int N = world().size(), me = world().rank();
+  if (N < 2) return;
+  const double saved = world().timeout_s();
+  world().set_timeout_s(0.5);
+  {
+    const MoeConfig c = test_config(max_tokens);
+    auto d = make(transport, c, ActivationFormat::fp8_group);
+    if (me == 0) {
+      auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([&](int) { return tokens; }), seed,
+                            Routing::random);
+      const DeviceInput dev = to_device(in[0], stream());
+      const DispatchInput view = dev.view();
+      std::vector<DispatchOutput> out(1);
+      const std::string m = error_of([&] {
+        d->dispatch({&view, 1}, out);  // the other ranks never dispatch
+        world().synchronize(CommPhase::none, "the dispatch");
+      });
+      expect_recoverable_dispatch_timeout(m);
+    }
+    world().set_timeout_s(saved);
+    world().barrier();
+  }
+  world().barrier();
+}
+
 // ---------------------------------------------------------------- refusals
 TEST(CommNcclP2p, BadInputOnOneRankIsRefusedOnEveryRankAndTheNextCallWorks) {
   on_ranks([&] {
@@ -409,31 +439,7 @@ TEST(CommNvlinkLl, TooManyTokensOnOneRankIsReportedToItsPeers) {
 }
 
 TEST(CommNvlinkLl, APeerThatNeverArrivesIsATimeoutNamingIt) {
-  on_ranks([&] {
-    const int N = world().size(), me = world().rank();
-    if (N < 2) return;
-    const double saved = world().timeout_s();
-    world().set_timeout_s(0.5);
-    {
-      const MoeConfig c = test_config(32);
-      auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
-      if (me == 0) {
-        auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 10; }), 21,
-                              Routing::random);
-        const DeviceInput dev = to_device(in[0], stream());
-        const DispatchInput view = dev.view();
-        std::vector<DispatchOutput> out(1);
-        const std::string m = error_of([&] {
-          d->dispatch({&view, 1}, out);  // the other ranks never dispatch
-          world().synchronize(CommPhase::none, "the dispatch");
-        });
-        expect_recoverable_dispatch_timeout(m);
-      }
-      world().set_timeout_s(saved);
-      world().barrier();
-    }
-    world().barrier();
-  });
+  on_ranks([&] { check_a_lone_dispatch_times_out(Transport::nvlink_ll, 32, 10, 21); });
 }
 
 // ---------------------------------------------------------------- low latency: halves, graphs
@@ -579,30 +585,8 @@ TEST(CommNvlinkNormal, CopyEngineSendRefusedInputIsReportedAndTheNextCallWorks) 
 // phase, and the communicator stays usable.
 TEST(CommNvlinkNormal, CopyEngineSendAPeerThatNeverArrivesIsATimeoutNamingIt) {
   on_ranks([&] {
-    const int N = world().size(), me = world().rank();
-    if (N < 2) return;
-    const double saved = world().timeout_s();
-    world().set_timeout_s(0.5);
-    {
-      const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", "2");
-      const MoeConfig c = test_config(256);
-      auto d = make(Transport::nvlink_normal, c, ActivationFormat::fp8_group);
-      if (me == 0) {
-        auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 200; }), 26,
-                              Routing::random);
-        const DeviceInput dev = to_device(in[0], stream());
-        const DispatchInput view = dev.view();
-        std::vector<DispatchOutput> out(1);
-        const std::string m = error_of([&] {
-          d->dispatch({&view, 1}, out);  // the other ranks never dispatch
-          world().synchronize(CommPhase::none, "the dispatch");
-        });
-        expect_recoverable_dispatch_timeout(m);  // synchronizes: the side streams have finished
-      }
-      world().set_timeout_s(saved);
-      world().barrier();
-    }
-    world().barrier();
+    const ScopedEnv send_ce("EPMOE_COMM_SEND_CE", "2");
+    check_a_lone_dispatch_times_out(Transport::nvlink_normal, 256, 200, 26);
   });
 }
 
