@@ -92,7 +92,20 @@ std::vector<std::int64_t> group_sizes(const Anchor& s, std::uint64_t seed) {
   return sizes;
 }
 
+// The FP8 operands: activations a (rows x K, one 128-value block per row) and weights b (G x N x K,
+// 128 x 128 blocks), as EPMOE_BENCH_GEMM_DATA says (fp8_data_from_env).
+void fill_operands(TensorView a, TensorView b, std::uint64_t seed, cudaStream_t stream) {
+  if (fp8_data_from_env() == Fp8Data::uniform) {
+    fill_random_fp8(a, seed + 1, stream);
+    fill_random_fp8(b, seed + 3, stream);
+  } else {
+    fill_quantized_normal_fp8(a, 1, seed + 1, stream);
+    fill_quantized_normal_fp8(b, 128, seed + 3, stream);
+  }
+}
+
 Result finish(std::string name, Params params, double us, double bytes, double flops, const Anchor& s) {
+  params["data"] = std::string(fp8_data_name(fp8_data_from_env()));
   Result r = make_result(std::move(name), std::move(params), us, bytes, flops);
   r.floor_us = std::max(r.floor_us, flops / (kFp8PeakTflops * 1e6));
   r.params["deepgemm_us"] = s.deepgemm_us;
@@ -294,9 +307,8 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   const cuda::DeviceTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {KB, cuda::tma_aligned_tokens(M)}),
       b(DType::fp8_e4m3, {G, N, K}), sb(DType::f32, {G, N / 128, KB}), m_indices(DType::i32, {M}),
       d(DType::bf16, {M, N});
-  fill_random_fp8(a, seed + 1, stream);
+  fill_operands(a, b, seed, stream);
   fill_random_scales(sa, seed + 2, stream);
-  fill_random_fp8(b, seed + 3, stream);
   fill_random_scales(sb, seed + 4, stream);
   HostTensor host_ids(DType::i32, {M});
   std::copy(ids.begin(), ids.end(), host_ids.data<std::int32_t>());
@@ -356,9 +368,8 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   const cuda::DeviceTensor a(DType::fp8_e4m3, {G, M_max, K}),
       sa(DType::f32, {G, KB, cuda::tma_aligned_tokens(M_max)}), b(DType::fp8_e4m3, {G, N, K}),
       sb(DType::f32, {G, N / 128, KB}), masked_m(DType::i32, {G}), d(DType::bf16, {G, M_max, N});
-  fill_random_fp8(a, seed + 1, stream);
+  fill_operands(a, b, seed, stream);
   fill_random_scales(sa, seed + 2, stream);
-  fill_random_fp8(b, seed + 3, stream);
   fill_random_scales(sb, seed + 4, stream);
   cuda::copy_to_device(masked_m, counts, stream);
   d.fill_bytes(0xff, stream);
@@ -443,9 +454,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   const cuda::DeviceTensor b(DType::fp8_e4m3, {G, N, K}), sb(DType::f32, {G, N / 128, KB});
   const cuda::DeviceTensor w(DType::i4x2, {G, N, K / 2}), ws(DType::f32, {G, N, KB}),
       pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, KB});
-  fill_random_fp8(a, seed + 1, stream);
+  fill_operands(a, b, seed, stream);
   fill_random_scales(sa, seed + 2, stream);
-  fill_random_fp8(b, seed + 3, stream);
   fill_random_scales(sb, seed + 4, stream);
   TensorView w_bytes = w.view();
   w_bytes.dtype = DType::u8;  // random bytes: every int4 value

@@ -2,6 +2,10 @@
 #include "bench/suite_gemm_fill.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
+
+#include <cuda_fp8.h>
 
 #include "epmoe/cuda/launch.hpp"
 
@@ -45,6 +49,52 @@ __global__ void fill_scales_kernel(float* __restrict__ x, std::uint64_t n, std::
   }
 }
 
+// A standard normal value from one 64-bit hash (Box-Muller on two 24-bit uniforms).
+__device__ __forceinline__ float normal_at(std::uint64_t seed, std::uint64_t i) {
+  const std::uint64_t h = hash64(seed ^ (i * 0x9e3779b97f4a7c15ull));
+  const float u1 = (static_cast<float>(h >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+  const float u2 = static_cast<float>((h >> 8) & 0xffffffu) * (1.0f / 16777216.0f);
+  return sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+}
+
+// blockIdx.x: a 128-column block, blockIdx.y: a 128-row tile; thread t owns row 128 * y + t of it.
+// Each value is generated twice (amax, then the scaled store) rather than kept: 128 floats per thread.
+__global__ void fill_normal_fp8_kernel(std::uint8_t* __restrict__ x, std::int64_t rows, std::int64_t cols,
+                                       bool tile_amax, std::uint64_t seed) {
+  __shared__ unsigned tile_max_bits;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.y) * 128 + threadIdx.x;
+  const std::int64_t col0 = static_cast<std::int64_t>(blockIdx.x) * 128;
+  const bool live = row < rows;
+  const auto base = static_cast<std::uint64_t>(row * cols + col0);
+  float amax = 0.0f;
+  if (live)
+    for (int c = 0; c < 128; ++c) amax = fmaxf(amax, fabsf(normal_at(seed, base + c)));
+  if (tile_amax) {
+    if (threadIdx.x == 0) tile_max_bits = 0;
+    __syncthreads();
+    atomicMax(&tile_max_bits, __float_as_uint(amax));  // non-negative floats order as their bits
+    __syncthreads();
+    amax = __uint_as_float(tile_max_bits);
+  }
+  if (!live) return;
+  const float scale = 448.0f / fmaxf(amax, 1e-4f);
+  auto* out = reinterpret_cast<uint4*>(x + base);
+  for (int c = 0; c < 128; c += 16) {
+    unsigned word[4];
+    for (int w = 0; w < 4; ++w) {
+      const int k = c + 4 * w;
+      const auto lo = __nv_cvt_float2_to_fp8x2(
+          make_float2(normal_at(seed, base + k) * scale, normal_at(seed, base + k + 1) * scale), __NV_SATFINITE,
+          __NV_E4M3);
+      const auto hi = __nv_cvt_float2_to_fp8x2(
+          make_float2(normal_at(seed, base + k + 2) * scale, normal_at(seed, base + k + 3) * scale),
+          __NV_SATFINITE, __NV_E4M3);
+      word[w] = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+    }
+    out[c / 16] = make_uint4(word[0], word[1], word[2], word[3]);
+  }
+}
+
 unsigned blocks_for(std::uint64_t threads_needed) {
   const std::uint64_t cap = static_cast<std::uint64_t>(cuda::device_props().sm_count) * 8;
   return static_cast<unsigned>(std::clamp<std::uint64_t>((threads_needed + 255) / 256, 1, cap));
@@ -64,6 +114,35 @@ void fill_random_fp8(TensorView x, std::uint64_t seed, cudaStream_t stream) {
   fill_fp8_kernel<<<blocks_for((n + 7) / 8), 256, 0, stream>>>(static_cast<std::uint8_t*>(x.data), n, seed);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
+
+void fill_quantized_normal_fp8(TensorView x, std::int64_t block_rows, std::uint64_t seed, cudaStream_t stream) {
+  expect_dtype(x, DType::fp8_e4m3, "x");
+  expect_device(x, Device::cuda, "x");
+  expect_contiguous(x, "x");
+  EPMOE_CHECK(block_rows == 1 || block_rows == 128, "block_rows must be 1 or 128, got {}", block_rows);
+  EPMOE_CHECK(x.rank >= 2 && x.size(x.rank - 1) % 128 == 0,
+              "x must be [..., cols] with cols % 128 == 0, got {}", x.describe());
+  EPMOE_CHECK(reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0, "x must be 16-byte aligned, got {}",
+              x.describe());
+  const std::int64_t cols = x.size(x.rank - 1), rows = x.numel() / cols;
+  if (rows == 0) return;
+  const std::int64_t tiles = (rows + 127) / 128;
+  EPMOE_CHECK(tiles <= 65535, "x has too many rows for the fill's grid ({} > 65535 * 128)", rows);
+  fill_normal_fp8_kernel<<<dim3(static_cast<unsigned>(cols / 128), static_cast<unsigned>(tiles)), 128, 0, stream>>>(
+      static_cast<std::uint8_t*>(x.data), rows, cols, block_rows == 128, seed);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+Fp8Data fp8_data_from_env() {
+  const char* e = std::getenv("EPMOE_BENCH_GEMM_DATA");
+  const std::string_view v = e == nullptr ? "" : e;
+  if (v.empty() || v == "normal") return Fp8Data::quantized_normal;
+  if (v == "uniform") return Fp8Data::uniform;
+  EPMOE_CHECK(false, "EPMOE_BENCH_GEMM_DATA must be 'normal' or 'uniform', got '{}'", v);
+  return Fp8Data::quantized_normal;
+}
+
+const char* fp8_data_name(Fp8Data data) { return data == Fp8Data::uniform ? "uniform" : "normal"; }
 
 void fill_random_scales(TensorView x, std::uint64_t seed, cudaStream_t stream) {
   expect_dtype(x, DType::f32, "x");

@@ -22,17 +22,36 @@ using cuda::DeviceTensor;
 
 using Out = testing::LayerForward;
 
-// A forward on every rank, then a barrier before its buffers are freed (see testing::layer_forward).
-// A graph forward first captures (once per batch size) and meets the other ranks: ending a capture
-// and instantiating the graph may wait for the whole device, so with loopback ranks no rank may
-// already be replaying (its dispatch waiting for this rank) while another captures.
+// A forward on every rank, with the ranks meeting around everything that may wait for the whole
+// device. With loopback ranks (one GPU) a rank blocked in such a call while a peer's dispatch already
+// waits for it deadlocks until the peer's timeout: cudaFree synchronizes the device, and ending a
+// capture / instantiating a graph may. So: a graph forward captures (once per batch size), then the
+// ranks meet; after the forward they meet before its buffers are freed (no rank's kernels may still
+// read a peer's data) and again after (no rank starts its next dispatch while a peer is in cudaFree).
 Out layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph) {
   if (graph) {
     const std::int64_t sizes[] = {x.size(0)};
     layer.capture_graphs(sizes);
     world().barrier();
   }
-  return testing::layer_forward(layer, x, graph, [] { world().barrier(); });
+  Out out = testing::layer_forward(layer, x, graph, [] { world().barrier(); });
+  world().barrier();
+  return out;
+}
+
+// One eager forward of a layer that is then destroyed (its frees as in layer_forward).
+Out forward_and_destroy(std::unique_ptr<cuda::GpuMoeLayer> layer, const HostTensor& x) {
+  Out out = layer_forward(*layer, x, false);
+  layer.reset();
+  world().barrier();
+  return out;
+}
+
+// A rebalance on every rank, then a barrier: moving the weights may free memory (see layer_forward).
+int rebalance(cuda::GpuMoeLayer& layer) {
+  const int rewritten = layer.rebalance();
+  world().barrier();
+  return rewritten;
 }
 
 void expect_reference(const ModelWeights& w, const HostTensor& x, const Out& o, const char* what) {
@@ -112,7 +131,7 @@ TEST_P(LayerRanks, LowLatencyEagerAndGraphMatchTheReference) {
     // sum per (token, rank) (design.md §6), so an expert that changes rank changes which products are
     // summed before that rounding. What must hold: graph replay = eager with the new placement, both
     // within tolerance of the reference, and close to the result before.
-    const int rewritten = layer.rebalance();
+    const int rewritten = rebalance(layer);
     const Out after = layer_forward(layer, x, false);
     expect_reference(*w, x, after, "low-latency eager after a rebalance");
     EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, after.y))
@@ -158,7 +177,7 @@ TEST_P(LayerRanks, WholeDispatchCallGivesTheSameBitsAsTheHalves) {
       auto w = weights_for(c);
       const std::int64_t T = ll ? c.max_tokens_per_rank - 1 - world().rank() : 60 + 9 * world().rank();
       const HostTensor x = synthetic_tokens(c, 38, world().rank(), T);
-      const Out halves = layer_forward(*make_layer(w, mode, false, ll ? 0 : 128), x, false);
+      const Out halves = forward_and_destroy(make_layer(w, mode, false, ll ? 0 : 128), x);
       const auto layer_ptr = make_layer(w, mode, false, ll ? 0 : 128, /*whole_dispatch=*/true);
       const Out whole = layer_forward(*layer_ptr, x, false);
       EXPECT_TRUE(same_bits(whole.y, halves.y)) << "the whole dispatch call changes the result";
@@ -178,7 +197,7 @@ TEST_P(LayerRanks, LowLatencyTwoBatchOverlapMatchesWithout) {
     // Odd token counts (micro-batches of different sizes), and one rank whose second micro-batch is empty.
     const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
     const HostTensor x = synthetic_tokens(c, 37, world().rank(), T);
-    const Out plain = layer_forward(*make_layer(w, Mode::low_latency), x, false);
+    const Out plain = forward_and_destroy(make_layer(w, Mode::low_latency), x);
     const auto layer_ptr = make_layer(w, Mode::low_latency, /*tbo=*/true);
     cuda::GpuMoeLayer& layer = *layer_ptr;
     const Out tbo = layer_forward(layer, x, false);
@@ -203,7 +222,7 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
     auto w = weights_for(c);
     const std::int64_t T = big ? 6 + world().rank() : 100 + 7 * world().rank();
     const HostTensor x = synthetic_tokens(c, 35, world().rank(), T);
-    const Out plain = layer_forward(*make_layer(w, Mode::normal, false, 128), x, false);
+    const Out plain = forward_and_destroy(make_layer(w, Mode::normal, false, 128), x);
     expect_reference(*w, x, plain, "normal");
     const auto layer_ptr = make_layer(w, Mode::normal, /*tbo=*/true, 128);
     cuda::GpuMoeLayer& layer = *layer_ptr;
