@@ -5,15 +5,38 @@ A yardstick for the grouped GEMM on the same machine and day: clocks and power v
 lent machines, and with the operands' values (the tensor cores' power depends on their bits).
 Prints one line per kind of data: time and TFLOP/s of an n^3 product (default n = 8192).
 
-Usage: fp8-matmul-baseline.py [N [KIND ...]], KIND in
+Usage: [FP8_BASELINE_ITERS=50] fp8-matmul-baseline.py [N [KIND ...]], KIND in
   randn    torch.randn cast to e4m3 (most values in [-3, 3])
   normal   randn scaled per 128 values so that each block's largest magnitude is 448 (DeepGEMM's
            tests; epmoe bench gemm's default data)
   uniform  random sign, exponent in [-4, 4], every mantissa (epmoe bench gemm's EPMOE_BENCH_GEMM_DATA=uniform)
 """
+import os
+import statistics
 import sys
+import threading
+import time
 
 import torch
+
+try:  # the SM clock, power and clocks-event reasons beside the time, where pynvml is installed
+    import pynvml
+
+    pynvml.nvmlInit()
+    _nvml = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    _reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+        pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+except Exception:  # noqa: BLE001 (any failure: no samples)
+    _nvml = None
+
+iters = int(os.environ.get("FP8_BASELINE_ITERS", "50"))
+
+
+def sample(stop, into):
+    while not stop.is_set():
+        into.append((pynvml.nvmlDeviceGetClockInfo(_nvml, pynvml.NVML_CLOCK_SM),
+                     pynvml.nvmlDeviceGetPowerUsage(_nvml) / 1000, _reasons(_nvml)))
+        time.sleep(0.02)
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 kinds = sys.argv[2:] or ["randn", "normal", "uniform"]
@@ -44,11 +67,24 @@ for kind in kinds:
         run()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples, stop = [], threading.Event()
+    sampler = threading.Thread(target=sample, args=(stop, samples)) if _nvml is not None else None
     start.record()
-    for _ in range(50):
+    for _ in range(iters):
         run()
     end.record()
+    if sampler is not None:
+        sampler.start()
     torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / 50
+    if sampler is not None:
+        stop.set()
+        sampler.join()
+    ms = start.elapsed_time(end) / iters
+    clocks = ""
+    if len(samples) > 2:
+        xs = samples[1:-1]
+        masks = [x[2] for x in xs]
+        clocks = (f", {statistics.median(x[0] for x in xs):.0f} MHz, {statistics.median(x[1] for x in xs):.0f} W, "
+                  f"reasons {({hex(m): masks.count(m) for m in sorted(set(masks))})}")
     print(f"torch._scaled_mm fp8 {n}^3 (cuBLAS), data {kind}: {ms * 1e3:.0f} us, "
-          f"{2 * n**3 / ms / 1e9:.0f} TFLOP/s", flush=True)
+          f"{2 * n**3 / ms / 1e9:.0f} TFLOP/s{clocks}", flush=True)

@@ -9,10 +9,11 @@
 #   ROW      a contiguous anchor row GxMxN (default 8x4096x4096)
 #   VARIANTS comma-separated bench lines: main and `.exp.*` / `.c1` / ... suffixes (default
 #            main,.exp.no_promote,.exp.tensor_only,.exp.no_math,main)
+# EPMOE_GEMM_CLOCKS_PROBE=0 skips the probe.
 # Each line runs alone for EPMOE_GEMM_CLOCKS_REPEAT (default 10) timings of 100 launches while NVML is
 # read every 20 ms. OUTDIR receives clocks.json ({"commit", "device", "row", "lines": [{"variant",
 # "time_us_median", "time_us": [...], "sm_mhz_median", "sm_mhz_min", "power_w_median", "samples",
-# "loop_cycles_per_wgmma", "loop_mhz"}],
+# "loop_cycles_per_wgmma", "loop_mhz", "clock_reasons": {NVML clocks-event mask: samples}}],
 # "probe": "..."}), samples.txt and probe.txt.
 set -uo pipefail
 out=${1:?usage: scripts/gemm-clocks.sh OUTDIR [ROW [VARIANTS]]}
@@ -38,9 +39,13 @@ pynvml.nvmlInit()
 h = pynvml.nvmlDeviceGetHandleByIndex(0)
 out, stop = open(sys.argv[1], "w"), sys.argv[2]
 end = time.time() + 600
+# Why the clock is below its maximum: NVML's clocks-event (throttle) reasons, a bit mask (0x1 idle,
+# 0x4 SW power cap, 0x8 HW slowdown, 0x20 SW thermal, 0x40 HW thermal, 0x80 HW power brake, ...).
+reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+    pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
 while not os.path.exists(stop) and time.time() < end:
     out.write(f"{time.time():.3f} {pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)} "
-              f"{pynvml.nvmlDeviceGetPowerUsage(h) / 1000:.0f}\n")
+              f"{pynvml.nvmlDeviceGetPowerUsage(h) / 1000:.0f} {reasons(h)}\n")
     out.flush()
     time.sleep(0.02)
 PY
@@ -63,7 +68,9 @@ touch "$tmp/stop"
 wait "$sampler" 2> /dev/null
 
 # The consumer loop alone.
-timeout 60 build-gpu/bin/epmoe_tensor_probe gemm > "$out/probe.txt" 2>&1 || { echo "probe failed:"; tail -n 5 "$out/probe.txt"; }
+if [[ ${EPMOE_GEMM_CLOCKS_PROBE:-1} != 0 ]]; then
+  timeout 60 build-gpu/bin/epmoe_tensor_probe gemm > "$out/probe.txt" 2>&1 || { echo "probe failed:"; tail -n 5 "$out/probe.txt"; }
+fi
 
 python3 - "$tmp" "$out" "$row" << 'PY'
 import json, statistics, sys
@@ -90,11 +97,15 @@ for l in open(tmp + "/spans.txt"):
     if xs:
         line.update(sm_mhz_median=statistics.median(x[1] for x in xs), sm_mhz_min=min(x[1] for x in xs),
                     power_w_median=statistics.median(x[2] for x in xs))
+        if all(len(x) > 3 for x in xs):
+            masks = [int(x[3]) for x in xs]
+            line["clock_reasons"] = {hex(m): masks.count(m) for m in sorted(set(masks))}
     lines.append(line)
     print(f"{variant:32s} {line['time_us_median'] or 0:8.0f} us  "
           f"{line.get('sm_mhz_median', 0):6.0f} MHz (min {line.get('sm_mhz_min', 0):.0f})  "
           f"{line.get('power_w_median', 0):4.0f} W  ({len(xs)} samples)"
-          + (f"  loop {line['loop_cycles_per_wgmma']:.1f} cycles/wgmma" if "loop_cycles_per_wgmma" in line else ""))
+          + (f"  loop {line['loop_cycles_per_wgmma']:.1f} cycles/wgmma" if "loop_cycles_per_wgmma" in line else "")
+          + (f"  reasons {line['clock_reasons']}" if "clock_reasons" in line else ""))
 try:
     probe = open(out + "/probe.txt").read()
 except OSError:

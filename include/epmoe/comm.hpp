@@ -105,7 +105,7 @@ struct DeviceErrorRecord {
   std::int32_t peer;    // the rank waited for (timeout) or the rank that reported bad input
   std::int32_t rank;    // the rank that recorded it
   std::int32_t detail;  // timeout: the sequence number waited for; peer input: the peer's status bits
-  std::int32_t pad;
+  std::int32_t seen;    // timeout: the flag's (or tagged word's) sequence number when the wait gave up
   std::uint64_t waited_ns;
 };
 // Where kernels report errors: the first reporter wins the claim word (device memory, atomicCAS;

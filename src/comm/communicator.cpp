@@ -270,8 +270,9 @@ std::string describe_device_error(const DeviceErrorRecord& r) {
   const auto phase = to_string(static_cast<CommPhase>(r.phase));
   if (r.code == kDeviceErrorTimeout)
     return fmt::format(
-        "rank {}: timed out after {:.1f} s in phase {} waiting for rank {} (arrival flag of sequence {})",
-        r.rank, static_cast<double>(r.waited_ns) * 1e-9, phase, r.peer, r.detail);
+        "rank {}: timed out after {:.1f} s in phase {} waiting for rank {} (arrival flag of sequence {}; it "
+        "read {})",
+        r.rank, static_cast<double>(r.waited_ns) * 1e-9, phase, r.peer, r.detail, r.seen);
   if (r.code == kDeviceErrorPeerInput)
     return fmt::format("rank {}: in phase {}, rank {} refused its input ({}); nothing of it was used", r.rank,
                        phase, r.peer, describe_input_status(r.detail));

@@ -77,9 +77,10 @@ __device__ __forceinline__ void st_v4(void* p, uint4 v) {
 }
 
 __device__ void record_error(const DeviceErrorSink& sink, int code, CommPhase phase, int peer, int me,
-                             int detail, std::uint64_t waited_ns) {
+                             int detail, std::uint64_t waited_ns, int seen = 0) {
   if (sink.claim == nullptr || atomicCAS(sink.claim, 0, 1) != 0) return;
   volatile DeviceErrorRecord* r = sink.record;
+  r->seen = seen;
   r->phase = static_cast<std::int32_t>(phase);
   r->peer = peer;
   r->rank = me;
@@ -96,11 +97,13 @@ __device__ bool wait_flag(const std::uint32_t* flag, std::uint32_t expect, const
                           CommPhase phase, int me, int peer) {
   const std::uint64_t start = ptx::global_timer_ns();
   for (std::uint32_t spins = 0;; ++spins) {
-    if (static_cast<std::int32_t>(ld_acquire_sys(flag) - expect) >= 0) return true;
+    const std::uint32_t seen = ld_acquire_sys(flag);
+    if (static_cast<std::int32_t>(seen - expect) >= 0) return true;
     if ((spins & 1023u) == 1023u) {
       const std::uint64_t waited = ptx::global_timer_ns() - start;
       if (waited > sync.timeout_ns) {
-        record_error(sync.errors, kDeviceErrorTimeout, phase, peer, me, static_cast<int>(expect), waited);
+        record_error(sync.errors, kDeviceErrorTimeout, phase, peer, me, static_cast<int>(expect), waited,
+                     static_cast<int>(seen));
         return false;
       }
       if (*static_cast<volatile std::int32_t*>(sync.errors.claim) != 0) return false;
@@ -123,7 +126,8 @@ __device__ bool wait_tagged(const std::uint64_t* word, std::uint32_t expect, con
     if ((spins & 1023u) == 1023u) {
       const std::uint64_t waited = ptx::global_timer_ns() - start;
       if (waited > sync.timeout_ns) {
-        record_error(sync.errors, kDeviceErrorTimeout, phase, peer, me, static_cast<int>(expect), waited);
+        record_error(sync.errors, kDeviceErrorTimeout, phase, peer, me, static_cast<int>(expect), waited,
+                     static_cast<int>(v >> 32));
         *value = 0;
         return false;
       }
