@@ -9,7 +9,8 @@
 #   ROW      a contiguous anchor row GxMxN (default 8x4096x4096)
 #   VARIANTS comma-separated bench lines: main and `.exp.*` / `.c1` / ... suffixes (default
 #            main,.exp.no_promote,.exp.tensor_only,.exp.no_math,main)
-# EPMOE_GEMM_CLOCKS_PROBE=0 skips the probe.
+# EPMOE_GEMM_CLOCKS_PROBE=0 skips the probe. Lines are timed back to back (EPMOE_BENCH_GEMM_TIMING=sustained
+# unless set): the clock under continuous load is the question here.
 # Each line runs alone for EPMOE_GEMM_CLOCKS_REPEAT (default 10) timings of 100 launches while NVML is
 # read every 20 ms. OUTDIR receives clocks.json ({"commit", "device", "row", "lines": [{"variant",
 # "time_us_median", "time_us": [...], "sm_mhz_median", "sm_mhz_min", "power_w_median", "samples",
@@ -58,7 +59,7 @@ IFS=, read -r -a lines <<< "$variants"
 for v in "${lines[@]}"; do
   i=$((i + 1))
   t0=$(date +%s.%N)
-  EPMOE_BENCH_GEMM_ROW=$row EPMOE_BENCH_GEMM_EXPERIMENTS=1 EPMOE_BENCH_GEMM_TRACE=1 EPMOE_BENCH_GEMM_VARIANTS=$v \
+  EPMOE_BENCH_GEMM_TIMING=${EPMOE_BENCH_GEMM_TIMING:-sustained} EPMOE_BENCH_GEMM_ROW=$row EPMOE_BENCH_GEMM_EXPERIMENTS=1 EPMOE_BENCH_GEMM_TRACE=1 EPMOE_BENCH_GEMM_VARIANTS=$v \
     EPMOE_BENCH_GEMM_REPEAT=${EPMOE_GEMM_CLOCKS_REPEAT:-10} timeout 120 build-gpu/bin/epmoe bench gemm \
     --json "$tmp/line$i.json" > "$tmp/line$i.log" 2>&1 || { echo "line $v failed:"; tail -n 5 "$tmp/line$i.log"; }
   echo "$i $v $t0 $(date +%s.%N)" >> "$tmp/spans.txt"

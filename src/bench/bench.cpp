@@ -13,10 +13,48 @@
 
 namespace epmoe::bench {
 
+namespace {
+
+// TimingOptions::burst: the memset target (8 GB as DeepGEMM's bench_kineto, less where free memory
+// is short), allocated at the first use and kept for the process.
+const cuda::DeviceBuffer& burst_gap_buffer() {
+  static const cuda::DeviceBuffer buffer = [] {
+    std::size_t free_bytes = 0, total = 0;
+    EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+    return cuda::DeviceBuffer(std::min<std::size_t>(std::size_t{8} << 30, free_bytes / 4));
+  }();
+  return buffer;
+}
+
+double time_us_burst(const Launch& launch, int num_sets, cudaStream_t stream, int iterations) {
+  const cuda::DeviceBuffer& gap = burst_gap_buffer();
+  int set = 0;
+  launch(set, stream);
+  std::vector<cuda::Event> starts(static_cast<std::size_t>(iterations)), ends(static_cast<std::size_t>(iterations));
+  double sum_us = 0;
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 0; i < iterations; ++i) {
+      EPMOE_CUDA_CHECK(cudaMemsetAsync(gap.data(), 0, gap.size(), stream));
+      starts[static_cast<std::size_t>(i)].record(stream);
+      set = (set + 1) % num_sets;
+      launch(set, stream);
+      ends[static_cast<std::size_t>(i)].record(stream);
+    }
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (round == 1)
+      for (int i = 0; i < iterations; ++i)
+        sum_us += 1e3 * cuda::Event::elapsed_ms(starts[static_cast<std::size_t>(i)], ends[static_cast<std::size_t>(i)]);
+  }
+  return sum_us / iterations;
+}
+
+}  // namespace
+
 double time_us(const Launch& launch, int num_sets, cudaStream_t stream, const TimingOptions& options) {
   EPMOE_CHECK(num_sets >= 1, "num_sets must be >= 1, got {}", num_sets);
   EPMOE_CHECK(options.iterations >= 1 && options.warmup >= 0, "bad timing options: {} iterations, {} warm-up",
               options.iterations, options.warmup);
+  if (options.burst) return time_us_burst(launch, num_sets, stream, options.iterations);
   int set = 0;
   auto next_set = [&] {
     const int s = set;

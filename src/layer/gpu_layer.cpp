@@ -774,15 +774,12 @@ void GpuMoeLayer::forward_graph(TensorView x, TensorView y) {
   const std::int64_t T = m.check_io(x, y);
   const std::int64_t sizes[] = {T};
   capture_graphs(sizes);
-  if (x.data != m.x_static.view().data)
-    EPMOE_CUDA_CHECK(
-        cudaMemcpyAsync(m.x_static.view().data, x.data, x.nbytes(), cudaMemcpyDeviceToDevice, m.s0));
+  // Kernel copies, not cudaMemcpyAsync (layer_detail::copy_bf16 says why).
+  if (x.data != m.x_static.view().data) layer_detail::copy_bf16(x, m.x_static.view().slice_rows(0, T), m.s0);
   m.graphs.at(T)->launch(m.s0);
   ++m.forwards_since_reset;
   m.last_T = T;
-  if (y.data != m.y_static.view().data)
-    EPMOE_CUDA_CHECK(
-        cudaMemcpyAsync(y.data, m.y_static.view().data, y.nbytes(), cudaMemcpyDeviceToDevice, m.s0));
+  if (y.data != m.y_static.view().data) layer_detail::copy_bf16(m.y_static.view().slice_rows(0, T), y, m.s0);
 }
 
 namespace {

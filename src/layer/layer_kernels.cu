@@ -26,6 +26,26 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// T: uint4 (16-byte aligned tensors) or unsigned short (any bf16 tensor).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) copy_kernel(const T* __restrict__ src, T* __restrict__ dst, std::uint64_t n) {
+  for (std::uint64_t i = blockIdx.x * static_cast<std::uint64_t>(kThreads) + threadIdx.x; i < n;
+       i += static_cast<std::uint64_t>(gridDim.x) * kThreads)
+    dst[i] = src[i];
+}
+
+unsigned vector_blocks(std::uint64_t vectors) {
+  const int sms = cuda::device_props().sm_count;
+  return static_cast<unsigned>(std::min<std::uint64_t>((vectors + kThreads - 1) / kThreads, 8ull * sms));
+}
+
+void expect_bf16_vectors(TensorView t, const char* name) {
+  expect_dtype(t, DType::bf16, name);
+  expect_device(t, Device::cuda, name);
+  expect_contiguous(t, name);
+  EPMOE_CHECK(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, "{} must be 16-byte aligned", name);
+}
+
 __global__ void fill_i32_kernel(std::int32_t* dst, std::int32_t value) {
   *dst = value;
 }
@@ -43,23 +63,37 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void add_bf16(TensorView a, TensorView b, TensorView y, cudaStream_t stream) {
-  for (const auto& [t, name] : {std::pair{a, "a"}, {b, "b"}, {y, "y"}}) {
-    expect_dtype(t, DType::bf16, name);
-    expect_device(t, Device::cuda, name);
-    expect_contiguous(t, name);
-    EPMOE_CHECK(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, "{} must be 16-byte aligned", name);
-  }
+  for (const auto& [t, name] : {std::pair{a, "a"}, {b, "b"}, {y, "y"}}) expect_bf16_vectors(t, name);
   EPMOE_CHECK(a.numel() == b.numel() && a.numel() == y.numel(),
               "add_bf16: a, b and y must have equal sizes, got {}, {}, {}", a.numel(), b.numel(), y.numel());
   EPMOE_CHECK(a.numel() % 8 == 0, "add_bf16: the element count must be a multiple of 8, got {}", a.numel());
   const std::uint64_t vectors = static_cast<std::uint64_t>(a.numel()) / 8;
   if (vectors == 0) return;
-  const int sms = cuda::device_props().sm_count;
-  const auto blocks =
-      static_cast<unsigned>(std::min<std::uint64_t>((vectors + kThreads - 1) / kThreads, 8ull * sms));
-  add_bf16_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint4*>(a.data),
+  add_bf16_kernel<<<vector_blocks(vectors), kThreads, 0, stream>>>(static_cast<const uint4*>(a.data),
                                                    static_cast<const uint4*>(b.data),
                                                    static_cast<uint4*>(y.data), vectors);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void copy_bf16(TensorView src, TensorView dst, cudaStream_t stream) {
+  for (const auto& [t, name] : {std::pair{src, "src"}, {dst, "dst"}}) {
+    expect_dtype(t, DType::bf16, name);
+    expect_device(t, Device::cuda, name);
+    expect_contiguous(t, name);
+  }
+  EPMOE_CHECK(src.numel() == dst.numel(), "copy_bf16: src and dst must have equal sizes, got {} and {}",
+              src.numel(), dst.numel());
+  const auto n = static_cast<std::uint64_t>(src.numel());
+  if (n == 0) return;
+  const bool vectors = n % 8 == 0 && reinterpret_cast<std::uintptr_t>(src.data) % 16 == 0 &&
+                       reinterpret_cast<std::uintptr_t>(dst.data) % 16 == 0;
+  if (vectors) {
+    copy_kernel<<<vector_blocks(n / 8), kThreads, 0, stream>>>(static_cast<const uint4*>(src.data),
+                                                               static_cast<uint4*>(dst.data), n / 8);
+  } else {
+    copy_kernel<<<vector_blocks(n), kThreads, 0, stream>>>(static_cast<const unsigned short*>(src.data),
+                                                           static_cast<unsigned short*>(dst.data), n);
+  }
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -24,17 +24,19 @@ using Out = testing::LayerForward;
 
 // A forward on every rank, with the ranks meeting around everything that may wait for the whole
 // device. With loopback ranks (one GPU) a rank blocked in such a call while a peer's dispatch already
-// waits for it deadlocks until the peer's timeout: cudaFree synchronizes the device, and ending a
-// capture / instantiating a graph may. So: a graph forward captures (once per batch size), then the
-// ranks meet; after the forward they meet before its buffers are freed (no rank's kernels may still
-// read a peer's data) and again after (no rank starts its next dispatch while a peer is in cudaFree).
+// waits for it deadlocks until the peer's timeout: cudaFree synchronizes the device, allocations,
+// memsets and same-device copies may (CUDA's implicit synchronization), and so may ending a capture
+// or instantiating a graph. So: a graph forward captures (once per batch size); x and y are allocated
+// and filled; then the ranks meet; after the forward they meet before the buffers are freed (no
+// rank's kernels may still read a peer's data) and again after (no rank starts its next dispatch
+// while a peer is in cudaFree).
 Out layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph) {
   if (graph) {
     const std::int64_t sizes[] = {x.size(0)};
     layer.capture_graphs(sizes);
-    world().barrier();
   }
-  Out out = testing::layer_forward(layer, x, graph, [] { world().barrier(); });
+  const auto meet = [] { world().barrier(); };
+  Out out = testing::layer_forward(layer, x, graph, meet, meet);
   world().barrier();
   return out;
 }

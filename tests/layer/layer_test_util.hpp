@@ -17,16 +17,19 @@ struct LayerForward {
 };
 
 // x (host) through the layer, eagerly or by graph replay; y is NaN-poisoned first, so every element
-// must be written.
-// before_free (optional) runs once the outputs are on the host and before the device buffers of x
-// and y are freed: the multi-rank tests meet at a barrier there, since cudaFree waits for every
-// kernel of the process (with loopback ranks, a peer's dispatch that waits for this rank's next one).
+// must be written. The optional hooks are for the multi-rank tests, whose ranks meet at barriers:
+// before_forward runs once x and y are on the device (allocated, copied, poisoned), before_free once
+// the outputs are on the host and before the device buffers of x and y are freed. With loopback ranks
+// (one GPU) a rank must not allocate, free, set or copy device memory while a peer's dispatch already
+// waits for it: those calls may wait for the whole device (CUDA's implicit synchronization).
 inline LayerForward layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph,
-                                  const std::function<void()>& before_free = {}) {
+                                  const std::function<void()>& before_free = {},
+                                  const std::function<void()>& before_forward = {}) {
   cudaStream_t s = layer.stream();
   cuda::DeviceTensor dx = cuda::to_device(x, s);
   cuda::DeviceTensor dy(DType::bf16, {x.size(0), x.size(1)});
   dy.fill_bytes(0xff, s);
+  if (before_forward) before_forward();
   if (graph) {
     layer.forward_graph(dx, dy);
   } else {
