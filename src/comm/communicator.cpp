@@ -17,8 +17,11 @@
 #include <sstream>
 #include <thread>
 
+#include <cudaTypedefs.h>
+
 #include "comm/comm_internal.hpp"
 #include "comm/ep_kernels.hpp"
+#include "cuda/driver_entry.hpp"
 #include "epmoe/cuda/runtime.hpp"
 
 namespace epmoe {
@@ -407,6 +410,17 @@ std::shared_ptr<Communicator> Communicator::create_loopback(std::shared_ptr<Loop
   c->lsa_size_ = group->size();
   c->loopback_ = std::move(group);
   EPMOE_CUDA_CHECK(cudaSetDevice(c->device_));
+  // The ranks share one context, and loading a kernel lazily (at its first launch) synchronizes the
+  // context: a rank's first launch of a kernel would wait for a peer's kernel that waits for this
+  // rank, until the timeout. Refuse that mode rather than hang in it.
+  static const auto loading_mode =
+      cuda::driver_entry_point<PFN_cuModuleGetLoadingMode_v11070>("cuModuleGetLoadingMode", 11070);
+  CUmoduleLoadingMode mode{};
+  EPMOE_CHECK(loading_mode(&mode) == CUDA_SUCCESS, "Communicator: cuModuleGetLoadingMode failed");
+  EPMOE_CHECK(mode == CU_MODULE_EAGER_LOADING,
+              "Communicator: loopback ranks need CUDA_MODULE_LOADING=EAGER in the environment before the "
+              "first CUDA call (they share one context, and a lazily loaded kernel waits for the peers' "
+              "kernels, which may be waiting for it)");
   c->init_stream(options.stream);
   c->init_error_record();
   return c;

@@ -74,6 +74,10 @@ class ClearDeviceErrorsAfterAFailure : public ::testing::EmptyTestEventListener 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Loopback ranks share one CUDA context, where a lazily loaded kernel synchronizes the context
+  // (Communicator::create_loopback refuses lazy loading): load every module at the first CUDA call.
+  if (const char* n = std::getenv("EPMOE_LOOPBACK_RANKS"); n != nullptr && *n != '\0')
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   ::testing::InitGoogleTest(&argc, argv);
   ::testing::UnitTest::GetInstance()->listeners().Append(new ClearDeviceErrorsAfterAFailure);
   using namespace epmoe;
