@@ -1,5 +1,7 @@
 #include <cublas_v2.h>
 
+#include <algorithm>
+
 #include "epmoe/cuda/gate.hpp"
 
 namespace epmoe::cuda {
@@ -51,6 +53,18 @@ void GateGemm::run(TensorView x, TensorView gate_weight, TensorView logits, cuda
       handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T), static_cast<int>(H), &alpha,
       gate_weight.data, CUDA_R_16BF, static_cast<int>(H), x.data, CUDA_R_16BF, static_cast<int>(H), &beta,
       logits.data, CUDA_R_32F, static_cast<int>(E), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void GateGemm::warm_up(TensorView gate_weight, std::int64_t max_tokens, cudaStream_t stream) {
+  expect_rank(gate_weight, 2, "gate_weight");
+  EPMOE_CHECK(max_tokens >= 1, "GateGemm::warm_up: max_tokens must be >= 1, got {}", max_tokens);
+  const std::int64_t E = gate_weight.size(0), H = gate_weight.size(1);
+  const std::int64_t rows = std::min<std::int64_t>(max_tokens, 128);
+  DeviceTensor x(DType::bf16, {rows, H}), logits(DType::f32, {rows, E});
+  x.fill_bytes(0, stream);
+  for (const std::int64_t T : {std::int64_t{1}, rows})
+    run(x.view().slice_rows(0, T), gate_weight, logits.view().slice_rows(0, T), stream);
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 }  // namespace epmoe::cuda
