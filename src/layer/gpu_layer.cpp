@@ -229,7 +229,8 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   for (int i = 0; i < kNumEvents + 2; ++i) events.emplace_back();
   gate = std::make_unique<GateGemm>();
   gate_weight = to_device(weights->gate_weight(), s0);
-  gate->warm_up(gate_weight, std::max<std::int64_t>(T_max, 1), s0);  // cuBLAS's first call, off the first forward (GateGemm says why)
+  // cuBLAS's first calls (every decode-sized batch) at set-up, not in a forward (GateGemm says why).
+  gate->warm_up(gate_weight, std::max<std::int64_t>(T_max, 1), s0);
   correction_bias = to_device(weights->correction_bias(), s0);
 
   logits = DeviceTensor(DType::f32, {T_max, E});

@@ -59,10 +59,10 @@ void GateGemm::warm_up(TensorView gate_weight, std::int64_t max_tokens, cudaStre
   expect_rank(gate_weight, 2, "gate_weight");
   EPMOE_CHECK(max_tokens >= 1, "GateGemm::warm_up: max_tokens must be >= 1, got {}", max_tokens);
   const std::int64_t E = gate_weight.size(0), H = gate_weight.size(1);
-  const std::int64_t rows = std::min<std::int64_t>(max_tokens, 128);
+  const std::int64_t rows = std::min<std::int64_t>(max_tokens, 256);
   DeviceTensor x(DType::bf16, {rows, H}), logits(DType::f32, {rows, E});
   x.fill_bytes(0, stream);
-  for (const std::int64_t T : {std::int64_t{1}, rows})
+  for (std::int64_t T = 1; T <= rows; ++T)
     run(x.view().slice_rows(0, T), gate_weight, logits.view().slice_rows(0, T), stream);
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }

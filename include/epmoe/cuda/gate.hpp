@@ -24,10 +24,12 @@ class GateGemm {
   // workspace is fixed, so the call can be captured in a CUDA graph).
   void run(TensorView x, TensorView gate_weight, TensorView logits, cudaStream_t stream);
 
-  // Runs the GEMM once for 1 and for min(max_tokens, 128) tokens of zeros, then waits for `stream`:
-  // cuBLAS's first GEMM on a handle takes ~0.1 s and waits for the whole device (measured: with
-  // loopback ranks it blocked until a peer's dispatch, which waited for this rank, timed out), so
-  // the owner does it at set-up rather than in its first forward. Allocates and frees scratch.
+  // Runs the GEMM once for every token count in [1, min(max_tokens, 256)] (zeros), then waits for
+  // `stream`. cuBLAS's first GEMM on a handle takes ~0.1 s, and its first use of a kernel for a new
+  // shape waits for the whole device (measured with loopback ranks: a rank's first gate GEMM with 31
+  // tokens blocked until a peer's dispatch, which waited for this rank, timed out), so the owner pays
+  // both at set-up instead of in a forward: every decode-sized batch is covered (~1 ms in all).
+  // Allocates and frees scratch.
   void warm_up(TensorView gate_weight, std::int64_t max_tokens, cudaStream_t stream);
 
  private:
