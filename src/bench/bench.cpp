@@ -30,7 +30,8 @@ double time_us_burst(const Launch& launch, int num_sets, cudaStream_t stream, in
   const cuda::DeviceBuffer& gap = burst_gap_buffer();
   int set = 0;
   launch(set, stream);
-  std::vector<cuda::Event> starts(static_cast<std::size_t>(iterations)), ends(static_cast<std::size_t>(iterations));
+  std::vector<cuda::Event> starts(static_cast<std::size_t>(iterations)),
+      ends(static_cast<std::size_t>(iterations));
   double sum_us = 0;
   for (int round = 0; round < 2; ++round) {
     for (int i = 0; i < iterations; ++i) {
@@ -43,7 +44,8 @@ double time_us_burst(const Launch& launch, int num_sets, cudaStream_t stream, in
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     if (round == 1)
       for (int i = 0; i < iterations; ++i)
-        sum_us += 1e3 * cuda::Event::elapsed_ms(starts[static_cast<std::size_t>(i)], ends[static_cast<std::size_t>(i)]);
+        sum_us += 1e3 * cuda::Event::elapsed_ms(starts[static_cast<std::size_t>(i)],
+                                                ends[static_cast<std::size_t>(i)]);
   }
   return sum_us / iterations;
 }

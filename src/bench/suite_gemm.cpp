@@ -48,7 +48,7 @@ struct Anchor {
   std::int64_t n, k;
   double deepgemm_us;
   double deepgemm_tflops;  // over its valid rows: its random group sizes are not ours, so compare rates
-  bool exact = false;  // every group exactly m rows (EPMOE_BENCH_GEMM_CUSTOM), not m x U(0.7, 1.3)
+  bool exact = false;      // every group exactly m rows (EPMOE_BENCH_GEMM_CUSTOM), not m x U(0.7, 1.3)
 };
 
 // DeepGEMM 2.6.1 on one H200 (132 SMs), FP8 e4m3, 1x128 activation scales, 128x128 weight scales,
@@ -138,7 +138,9 @@ Result finish(std::string name, Params params, double us, double bytes, double f
   // and the masked rows as valid: the same count here (padded_m) for the ratio.
   double rate = r.tflops;
   if (const auto it = r.params.find("padded_m"); it != r.params.end() && us > 0) {
-    const auto dim = [&](const char* key) { return static_cast<double>(std::get<std::int64_t>(r.params.at(key))); };
+    const auto dim = [&](const char* key) {
+      return static_cast<double>(std::get<std::int64_t>(r.params.at(key)));
+    };
     rate = 2.0 * dim("padded_m") * dim("n") * dim("k") / (us * 1e6);
   }
   r.params["deepgemm_tflops"] = s.deepgemm_tflops;

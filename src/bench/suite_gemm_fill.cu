@@ -84,8 +84,8 @@ __global__ void fill_normal_fp8_kernel(std::uint8_t* __restrict__ x, std::int64_
     for (int w = 0; w < 4; ++w) {
       const int k = c + 4 * w;
       const auto lo = __nv_cvt_float2_to_fp8x2(
-          make_float2(normal_at(seed, base + k) * scale, normal_at(seed, base + k + 1) * scale), __NV_SATFINITE,
-          __NV_E4M3);
+          make_float2(normal_at(seed, base + k) * scale, normal_at(seed, base + k + 1) * scale),
+          __NV_SATFINITE, __NV_E4M3);
       const auto hi = __nv_cvt_float2_to_fp8x2(
           make_float2(normal_at(seed, base + k + 2) * scale, normal_at(seed, base + k + 3) * scale),
           __NV_SATFINITE, __NV_E4M3);
@@ -115,7 +115,8 @@ void fill_random_fp8(TensorView x, std::uint64_t seed, cudaStream_t stream) {
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-void fill_quantized_normal_fp8(TensorView x, std::int64_t block_rows, std::uint64_t seed, cudaStream_t stream) {
+void fill_quantized_normal_fp8(TensorView x, std::int64_t block_rows, std::uint64_t seed,
+                               cudaStream_t stream) {
   expect_dtype(x, DType::fp8_e4m3, "x");
   expect_device(x, Device::cuda, "x");
   expect_contiguous(x, "x");
@@ -128,8 +129,8 @@ void fill_quantized_normal_fp8(TensorView x, std::int64_t block_rows, std::uint6
   if (rows == 0) return;
   const std::int64_t tiles = (rows + 127) / 128;
   EPMOE_CHECK(tiles <= 65535, "x has too many rows for the fill's grid ({} > 65535 * 128)", rows);
-  fill_normal_fp8_kernel<<<dim3(static_cast<unsigned>(cols / 128), static_cast<unsigned>(tiles)), 128, 0, stream>>>(
-      static_cast<std::uint8_t*>(x.data), rows, cols, block_rows == 128, seed);
+  fill_normal_fp8_kernel<<<dim3(static_cast<unsigned>(cols / 128), static_cast<unsigned>(tiles)), 128, 0,
+                           stream>>>(static_cast<std::uint8_t*>(x.data), rows, cols, block_rows == 128, seed);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -142,7 +143,9 @@ Fp8Data fp8_data_from_env() {
   return Fp8Data::quantized_normal;
 }
 
-const char* fp8_data_name(Fp8Data data) { return data == Fp8Data::uniform ? "uniform" : "normal"; }
+const char* fp8_data_name(Fp8Data data) {
+  return data == Fp8Data::uniform ? "uniform" : "normal";
+}
 
 void fill_random_scales(TensorView x, std::uint64_t seed, cudaStream_t stream) {
   expect_dtype(x, DType::f32, "x");

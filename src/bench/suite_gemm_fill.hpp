@@ -18,7 +18,8 @@ void fill_random_fp8(TensorView x, std::uint64_t seed, cudaStream_t stream);
 // model's per-group quantization do: each block of `block_rows` (1 or 128) rows x 128 columns is
 // scaled so that its largest magnitude becomes 448. x: fp8_e4m3 [rows, cols] (any leading dims folded
 // into rows), contiguous, cols a multiple of 128, on the device.
-void fill_quantized_normal_fp8(TensorView x, std::int64_t block_rows, std::uint64_t seed, cudaStream_t stream);
+void fill_quantized_normal_fp8(TensorView x, std::int64_t block_rows, std::uint64_t seed,
+                               cudaStream_t stream);
 
 // Which values the benchmark's FP8 operands hold (EPMOE_BENCH_GEMM_DATA): the tensor cores' power,
 // and with it the clock a power-limited card allows, depends on the operands' bits, so a time is only

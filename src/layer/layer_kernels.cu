@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // T: uint4 (16-byte aligned tensors) or unsigned short (any bf16 tensor).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) copy_kernel(const T* __restrict__ src, T* __restrict__ dst, std::uint64_t n) {
+__global__ void __launch_bounds__(kThreads)
+    copy_kernel(const T* __restrict__ src, T* __restrict__ dst, std::uint64_t n) {
   for (std::uint64_t i = blockIdx.x * static_cast<std::uint64_t>(kThreads) + threadIdx.x; i < n;
        i += static_cast<std::uint64_t>(gridDim.x) * kThreads)
     dst[i] = src[i];
@@ -70,8 +71,8 @@ void add_bf16(TensorView a, TensorView b, TensorView y, cudaStream_t stream) {
   const std::uint64_t vectors = static_cast<std::uint64_t>(a.numel()) / 8;
   if (vectors == 0) return;
   add_bf16_kernel<<<vector_blocks(vectors), kThreads, 0, stream>>>(static_cast<const uint4*>(a.data),
-                                                   static_cast<const uint4*>(b.data),
-                                                   static_cast<uint4*>(y.data), vectors);
+                                                                   static_cast<const uint4*>(b.data),
+                                                                   static_cast<uint4*>(y.data), vectors);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
