@@ -47,7 +47,7 @@ struct Anchor {
   std::int64_t expected_m;  // masked only
   std::int64_t n, k;
   double deepgemm_us;
-  double deepgemm_tflops;  // over its valid rows: its random group sizes are not ours, so compare rates
+  double deepgemm_tflops;  // rows as its test counts them (finish): its group sizes are not ours
   bool exact = false;      // every group exactly m rows (EPMOE_BENCH_GEMM_CUSTOM), not m x U(0.7, 1.3)
 };
 
