@@ -7,7 +7,7 @@
 # Usage: scripts/gemm-clocks.sh OUTDIR [ROW [VARIANTS]]   (run from anywhere; EPMOE_BUILD=0: use an
 #        existing build-gpu)
 #   ROW      a contiguous anchor row GxMxN (default 8x4096x4096)
-#   VARIANTS comma-separated bench lines: main and `.exp.*` / `.c1` / ... suffixes (default
+#   VARIANTS comma-separated bench lines: main and `.exp.*` / `.c2` / ... suffixes (default
 #            main,.exp.no_promote,.exp.tensor_only,.exp.no_math,main)
 # EPMOE_GEMM_CLOCKS_PROBE=0 skips the probe. Lines are timed back to back (EPMOE_BENCH_GEMM_TIMING=sustained
 # unless set): the clock under continuous load is the question here.

@@ -155,17 +155,12 @@ struct Variant {
 };
 
 // Timed beside the main line in the same run: the v2 kernel's configuration (".v2": no cluster,
-// no ping-pong, 4-byte stores), the other cluster size (".c1", ".c2") and the ping-pong on.
+// no ping-pong, 4-byte stores), the CTA pair (".c2") and the ping-pong on.
 Variant v2_variant() {
   Variant v{".v2", {}};
   v.options.cluster = 1;
   v.options.pingpong = false;
   v.options.vector_epilogue = false;
-  return v;
-}
-Variant c1_variant() {
-  Variant v{".c1", {}};
-  v.options.cluster = 1;
   return v;
 }
 Variant c2_variant() {
@@ -356,7 +351,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
-  std::vector<Variant> variants{{"", {}},       c1_variant(),         pingpong_variant(),
+  std::vector<Variant> variants{{"", {}},       c2_variant(),         pingpong_variant(),
                                 skew_variant(), plain_loop_variant(), v2_variant()};
   if (chosen.block_n == 256) {
     variants.push_back({".alt", {}});

@@ -121,12 +121,13 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
   return tile;
 }
 
-// CTAs per cluster: the option, else 2 where a pair of column tiles can share A (128-row tiles,
-// an even number of column tiles) in the contiguous layout. Masked layouts with 128-row tiles have
-// one or two m-blocks per group at DeepSeek-V3 sizes and ran up to 6% faster without (v3 bench).
-int cluster_size(const GroupedGemmOptions& options, GemmTileShape tile, std::int64_t n, bool masked) {
-  if (options.cluster != 0) return options.cluster;
-  return !masked && tile.block_m == 128 && (n / tile.block_n) % 2 == 0 ? 2 : 1;
+// CTAs per cluster: the option, else 1. A pair (2: two column tiles sharing A by multicast; 128-row
+// tiles, an even number of column tiles) was the contiguous default until the session-13 bench
+// (burst timing, every anchor row): level on large groups (within 0.4%) and slower on small ones
+// (128 groups x 128 rows: 1453 vs 1294 us, 104 vs 88 cycles per wgmma); masked layouts already ran
+// up to 6% faster without (v3 bench).
+int cluster_size(const GroupedGemmOptions& options) {
+  return options.cluster != 0 ? options.cluster : 1;
 }
 
 // The layout-specific parts of a launch.
@@ -215,7 +216,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
 
 void launch(GemmTileShape tile, const TensorView& a, const TensorView& b, const Problem& problem,
             const GroupedGemmOptions& options, cudaStream_t stream) {
-  const int cluster = cluster_size(options, tile, problem.params.n, problem.params.masked_m != nullptr);
+  const int cluster = cluster_size(options);
   if (tile.block_m == 64) {
     launch<64, 128>(a, b, problem, options, cluster, stream);
   } else if (tile.block_n == 256) {

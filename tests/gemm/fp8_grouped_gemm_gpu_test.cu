@@ -59,7 +59,7 @@ struct ContiguousCase {
   std::int64_t trailing_blocks = 0;  // all-padding 128-row blocks at the end (a worst-case sized buffer)
   bool holes = false;                // also put -1 rows inside groups' rows
   int block_n = 0;                   // 0: heuristic (256 where N allows)
-  int cluster = 0;                   // 0: heuristic (2 where the column tiles pair up)
+  int cluster = 0;                   // 0: the heuristic's (1)
   bool pingpong = false;
   bool vector_epilogue = true;
   bool skew = false;  // consumer_skew

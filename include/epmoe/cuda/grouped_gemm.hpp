@@ -54,9 +54,9 @@ struct GroupedGemmOptions {
   // intact): every CTA adds its consumer loop's cycles and time to the trace that
   // fp8_grouped_gemm_take_trace reads. 512: each consumer warp spins 200 cycles per K block.
   int ablation = 0;
-  // CTAs per cluster along N: 0 = automatic (contiguous layout with 128-row tiles and an even
-  // N / block_n: 2; else 1), 1, or 2 (each pair of CTAs computes two neighbouring column tiles and
-  // shares the A tile through TMA multicast; 128-row tiles and an even N / block_n only).
+  // CTAs per cluster along N: 0 = automatic (1: measured level or faster than 2 on every anchor
+  // row, bench/NOTES.md session 13), 1, or 2 (each pair of CTAs computes two neighbouring column
+  // tiles and shares the A tile through TMA multicast; 128-row tiles and an even N / block_n only).
   int cluster = 0;
   // 128-row tiles: the two consumer warpgroups issue their tensor-core work in turn (ping-pong).
   // Off by default: measured 13% slower than leaving them alone (bench/NOTES.md, v3).
