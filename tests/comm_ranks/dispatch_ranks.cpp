@@ -151,6 +151,22 @@ std::vector<HostTensor> simulate_combine(Simulated& s, const MoeConfig& c,
 }
 
 // One dispatch + combine on `d`, checked against cpu-sim run over every rank's inputs.
+// This rank's input through the dispatcher's halves (dispatch_send, then `between` enqueued on the
+// stream, then dispatch_recv) against cpu-sim's output for this rank.
+void check_halves(LowLatencyDispatcher& d, const MoeConfig& c, ActivationFormat f,
+                  const std::vector<RankInput>& in, const std::string& what,
+                  const std::function<void()>& between = {}) {
+  const int me = world().rank();
+  const Simulated simulated = simulate(c, d.context().mode, f, in);
+  const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+  d.dispatch_send(dev.view());
+  if (between) between();
+  DispatchOutput out;
+  d.dispatch_recv(out);
+  const HostOutput host = download(out, stream());
+  expect_same_dispatch(host.view, simulated.want[static_cast<std::size_t>(me)], what);
+}
+
 void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const std::vector<RankInput>& in,
                  const std::string& what) {
   SCOPED_TRACE(what);
@@ -448,19 +464,11 @@ TEST(CommNvlinkLl, HalvesWithOtherWorkInBetween) {
     const MoeConfig c = test_config(64);
     const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
     auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
-    const int me = world().rank();
     const auto in = make_inputs(c, ActivationFormat::fp8_group,
                                 per_rank([](int r) { return ramp(r, 50, 1); }), 22, Routing::random);
-    const Simulated simulated = simulate(c, Mode::low_latency, ActivationFormat::fp8_group, in);
-    const std::vector<DispatchOutput>& want = simulated.want;
-    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
     const cuda::DeviceBuffer other(std::size_t{64} << 20);
-    d->dispatch_send(dev.view());
-    other.fill_bytes(0x3c, stream());  // unrelated work between the halves
-    DispatchOutput out;
-    d->dispatch_recv(out);
-    const HostOutput host = download(out, stream());
-    expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "halves");
+    check_halves(*d, c, ActivationFormat::fp8_group, in, "halves",
+                 [&] { other.fill_bytes(0x3c, stream()); });  // unrelated work between the halves
   });
 }
 
@@ -506,7 +514,7 @@ TEST(CommNvlinkNormal, CopyEngineSendPiecesStreamsAndPathsAlternate) {
     const MoeConfig c = test_config(883 + 37 * 9);
     const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
     auto d = make_nvlink_dispatcher(ctx, world_ptr());
-    const int N = world().size(), me = world().rank();
+    const int N = world().size();
     struct Round {
       const char* send_ce;  // EPMOE_COMM_SEND_CE
       int pieces, streams;
@@ -532,14 +540,7 @@ TEST(CommNvlinkNormal, CopyEngineSendPiecesStreamsAndPathsAlternate) {
         check_round(*d, c, ActivationFormat::fp8_group, in, what);
       } else {
         // The halves never take the copy-engine path (own tokens through the window).
-        const Simulated simulated = simulate(c, Mode::normal, ActivationFormat::fp8_group, in);
-        const std::vector<DispatchOutput>& want = simulated.want;
-        const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-        DispatchOutput out;
-        d->dispatch_send(dev.view());
-        d->dispatch_recv(out);
-        const HostOutput host = download(out, stream());
-        expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], what);
+        check_halves(*d, c, ActivationFormat::fp8_group, in, what);
       }
       ++index;
     }
