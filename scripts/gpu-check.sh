@@ -94,13 +94,34 @@ if ((built)); then
   sanitizer=$(command -v compute-sanitizer || true)
   [[ -n $sanitizer || ! -x /usr/local/cuda/bin/compute-sanitizer ]] || sanitizer=/usr/local/cuda/bin/compute-sanitizer
   if [[ -n $sanitizer ]] && want sanitizers; then
+    # The three tools run side by side (each is bound by its own host-side work; one GPU holds
+    # all three), so the group takes as long as racecheck alone.
+    declare -A sanitizer_pid
+    sanitizer_start=$SECONDS
     for tool in memcheck racecheck initcheck; do
       tool_filter=$slow_filter
       [[ $tool == memcheck ]] && tool_filter=$filter
       # --report-api-errors no: libnccl probes its kernel images with cudaFuncGetAttributes during
       # ncclCommInitRank and handles the "no kernel image" answers itself; every CUDA call of ours
       # goes through EPMOE_CUDA_CHECK, so an API error of ours fails its test anyway.
-      step "$tool" bash -o pipefail -c "'$sanitizer' --tool $tool --report-api-errors no --error-exitcode 1 '$gpu_tests' --gtest_filter='$tool_filter' > '$out/$tool.log' 2>&1"
+      (
+        rc=0
+        "$sanitizer" --tool "$tool" --report-api-errors no --error-exitcode 1 "$gpu_tests" \
+          --gtest_filter="$tool_filter" > "$out/$tool.log" 2>&1 || rc=$?
+        echo "$rc" > "$out/$tool.rc"
+      ) &
+      sanitizer_pid[$tool]=$!
+    done
+    for tool in memcheck racecheck initcheck; do
+      wait "${sanitizer_pid[$tool]}" || true
+      order+=("$tool")
+      rc=$(cat "$out/$tool.rc" 2>/dev/null || echo "none")
+      if [[ $rc == 0 ]]; then
+        result[$tool]="ok ($((SECONDS - sanitizer_start)) s, in parallel)"
+      else
+        result[$tool]="FAILED (exit $rc, $((SECONDS - sanitizer_start)) s, in parallel)"
+      fi
+      echo "== $tool: ${result[$tool]}"
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/$tool.log" | tail -n 3 || true
     done
   elif [[ -n $sanitizer ]]; then
