@@ -247,11 +247,6 @@ std::vector<Variant> experiments(bool masked) {
     o.block_n = 128;
     o.cluster = 1;
   });
-  // Session 14: consumer warpgroup 1 runs 1-3 K blocks behind warpgroup 0 (epilogues apart).
-  if (!masked) {
-    for (int lag = 1; lag <= 3; ++lag)
-      add("lag" + std::to_string(lag), [lag](auto& o) { o.consumer_lag = lag; });
-  }
   if (masked) add("full_a_box", [](auto& o) { o.small_a_box = false; });
   return v;
 }

@@ -159,11 +159,6 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   params.cluster = cluster;
   params.pingpong = options.pingpong ? 1 : 0;
   params.skew = options.consumer_skew && !options.pingpong ? 1 : 0;
-  EPMOE_CHECK(
-      options.consumer_lag >= 0 && options.consumer_lag < params.stages,
-      "options.consumer_lag must be 0 (off) or 1..{} (below the stages in use) for {} x {} tiles, got {}",
-      params.stages - 1, kBlockM, kBlockN, options.consumer_lag);
-  params.lag = options.consumer_lag;
   params.unroll = options.unrolled_k_loop ? 1 : 0;
   params.vector_epilogue = options.vector_epilogue ? 1 : 0;
   params.two_partials = two_partials_from_env(options.two_partials) ? 1 : 0;

@@ -91,15 +91,14 @@ struct GroupedGemmParams {
   __nv_bfloat16* d;               // [rows_total, N]
   std::int32_t rows;              // contiguous: M; masked: M_max
   std::int32_t n, k, groups;
-  std::int32_t m_blocks;      // contiguous: ceil(M / kBlockM); masked: ceil(M_max / kBlockM)
-  std::int32_t total_units;   // contiguous: m_blocks * N/(kBlockN cluster); masked: unused (on the device)
-  std::int32_t stages;        // pipeline stages in use, 1..GemmTraits::kStages
-  std::int32_t a_small_rows;  // rows of tma_a_part's box: tiles using no more rows load only those
-  std::int32_t cluster;       // CTAs per cluster along N (1 or 2; 2: A multicast, tma_a_part = 64 rows)
-  std::int32_t pingpong;      // 1: the two consumer warpgroups issue their wgmma waves in turn
-  std::int32_t skew;          // 1: consumer 1 starts each tile after consumer 0's first wave issue
-  std::int32_t lag;           // > 0: consumer 1 starts its first tile once consumer 0 reached K block `lag`
-  std::int32_t unroll;        // 1: the consumers' K loop unrolled over the stages (where it applies)
+  std::int32_t m_blocks;         // contiguous: ceil(M / kBlockM); masked: ceil(M_max / kBlockM)
+  std::int32_t total_units;      // contiguous: m_blocks * N/(kBlockN cluster); masked: unused (on the device)
+  std::int32_t stages;           // pipeline stages in use, 1..GemmTraits::kStages
+  std::int32_t a_small_rows;     // rows of tma_a_part's box: tiles using no more rows load only those
+  std::int32_t cluster;          // CTAs per cluster along N (1 or 2; 2: A multicast, tma_a_part = 64 rows)
+  std::int32_t pingpong;         // 1: the two consumer warpgroups issue their wgmma waves in turn
+  std::int32_t skew;             // 1: consumer 1 starts each tile after consumer 0's first wave issue
+  std::int32_t unroll;           // 1: the consumers' K loop unrolled over the stages (where it applies)
   std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
   std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
   std::int32_t ablation;         // kAblate*: timing experiments only
@@ -338,9 +337,6 @@ __device__ unsigned long long g_fp8_gemm_trace[8] = {0, 0, 0, 0, 0, 0, ~0ull, 0}
 // waits on kTurnBarrier + c before issuing a wave and arrives on the other's after issuing it.
 inline constexpr std::uint32_t kTurnBarrier = 1;
 static_assert((kTurnBarrier ^ 3u) == kTurnBarrier + 1);
-// Consumer 0 arrives on it when it starts K block p.lag of its first tile; consumer 1 waits on it
-// before its first tile (GroupedGemmOptions::consumer_lag).
-inline constexpr std::uint32_t kLagBarrier = 3;
 
 // Transposes 4 x 4 words across the 4 lanes of a quad (q = lane % 4): on return w[k] holds what
 // lane k held in w[q] (two rounds of xor shuffles, two words each).
@@ -515,12 +511,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         __shfl_sync(0xffffffffu, kTurnBarrier + static_cast<std::uint32_t>(consumer), 0);
     const std::uint32_t their_turn = my_turn ^ 3u;  // kTurnBarrier + (consumer ^ 1): barriers 1 and 2
     if ((ordered || skewed) && consumer == 1) ptx::named_bar_arrive(their_turn, 256);
-    // Lag: consumer 1 runs p.lag K blocks behind consumer 0 from the first tile on (identical work
-    // per tile keeps them apart), so that their epilogues no longer fall together and one's output
-    // stores run under the other's wgmma. p.lag < stages (the launcher checks): consumer 0 reaches
-    // K block p.lag on the stages filled before anything was freed.
-    bool lag_pending = Traits::kConsumers == 2 && !ordered && !skewed && !two_partials && p.lag > 0 &&
-                       (p.ablation & ~kTraceLoop) == 0;
 
     // What the K loop addresses, computed once and broadcast from lane 0 so that the compiler sees
     // warp-uniform values (uniform registers): with 192 of the 232 registers in accumulators it
@@ -573,10 +563,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[w][i] = 0.0f;
-      }
-      if (lag_pending && consumer == 1) {
-        ptx::named_bar_sync(kLagBarrier, 256);
-        lag_pending = false;
       }
 
       // This warp is done with a stage: it may be refilled (in every CTA of the cluster: the peer's
@@ -699,10 +685,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           constexpr bool kNoPromote = decltype(no_promote)::value;
           constexpr bool kLookahead = !kOneWait && !kNoPromote;
           const int stage = stage_v;
-          if (lag_pending && kb == min(p.lag, num_kb - 1)) {  // consumer 0 only (consumer 1's is cleared)
-            ptx::named_bar_arrive(kLagBarrier, 256);
-            lag_pending = false;
-          }
           // (In the main loop the previous block waited for this one, except for a tile's first.)
           if ((!kLookahead || kb == 0) && wait_full) ptx::mbar_wait(u_full + 8 * stage, phase);
           // This K block's scales, read before the stage is given back.

@@ -65,8 +65,6 @@ struct ContiguousCase {
   bool skew = false;  // consumer_skew
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
-  int lag = 0;       // consumer_lag
-  int max_ctas = 0;  // 0: one per SM
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -136,8 +134,6 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   options.consumer_skew = c.skew;
   options.unrolled_k_loop = c.unrolled;
   options.two_partials = c.two_partials;
-  options.consumer_lag = c.lag;
-  options.max_ctas = c.max_ctas;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -300,32 +296,7 @@ INSTANTIATE_TEST_SUITE_P(
                        0,
                        1,
                        false,
-                       false},
-        // Consumer lag (warpgroup 1 K blocks behind warpgroup 0 from the first tile on): few CTAs
-        // with many tiles each (the lag carried across tiles and epilogues); K = 256 (2 K blocks,
-        // the lag clipped to the last one) with holes; the largest lag in a cluster.
-        ContiguousCase{.name = "N1024_K2048_lag3_few_ctas",
-                       .group_rows = {300, 77, 500},
-                       .n = 1024,
-                       .k = 2048,
-                       .layout = ScaleLayout::token_major,
-                       .lag = 3,
-                       .max_ctas = 5},
-        ContiguousCase{.name = "N1024_K256_lag3_short_k_holes",
-                       .group_rows = {130, 0, 200, 5},
-                       .n = 1024,
-                       .k = 256,
-                       .layout = ScaleLayout::mn_major_tma,
-                       .holes = true,
-                       .lag = 3,
-                       .max_ctas = 3},
-        ContiguousCase{.name = "N4096_K2048_lag1_cluster2",
-                       .group_rows = {300, 77},
-                       .n = 4096,
-                       .k = 2048,
-                       .layout = ScaleLayout::token_major,
-                       .cluster = 2,
-                       .lag = 1}),
+                       false}),
     [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- masked
@@ -716,13 +687,6 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   bad_l2.l2_promotion = 3;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_l2); },
                         "options.l2_promotion must be 0, 1 or 2");
-  for (const int lag : {-1, 4}) {  // 128 x 256 tiles: 4 stages
-    cuda::GroupedGemmOptions bad_lag;
-    bad_lag.consumer_lag = lag;
-    expect_error_mentions(
-        [&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_lag); },
-        "options.consumer_lag must be 0 (off) or 1..3 (below the stages in use) for 128 x 256");
-  }
 
   // Masked.
   const std::int64_t M_max = 100;

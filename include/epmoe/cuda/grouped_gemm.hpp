@@ -65,11 +65,6 @@ struct GroupedGemmOptions {
   // has issued its own (one named barrier per tile), after which the two run free, half a wave
   // apart, so that one's promotion can run under the other's wgmma (ignored with pingpong).
   bool consumer_skew = false;
-  // 128-row tiles: consumer warpgroup 1 starts its first tile only once warpgroup 0 reached this K
-  // block (0: off; below the stages in use), and stays about that far behind, so that the two
-  // warpgroups' epilogues (output stores) no longer fall together: each runs under the other's
-  // wgmma. Ignored with pingpong / consumer_skew / two_partials tiles / ablations (the trace aside).
-  int consumer_lag = 0;
   // The consumers' K loop unrolled over the pipeline stages where K / 128 is a multiple of them
   // (every stage address, barrier and descriptor then a uniform base plus an immediate): 10% fewer
   // loop cycles, 2-7% less time on every contiguous anchor row (bench/NOTES.md, session 11).
