@@ -46,6 +46,16 @@ __device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+// A warp's release of a pipeline stage (or hand-over of what it wrote): every lane arrives, so the
+// barrier counts kWarpArrivals per warp. One arrive by lane 0 after __syncwarp orders the same
+// accesses (__syncwarp is a memory fence among the warp's lanes), but compute-sanitizer's racecheck
+// does not carry __syncwarp's ordering into the barrier and reports the other lanes' accesses as
+// racing the stage's next fill (bench/NOTES.md, session 14).
+inline constexpr std::uint32_t kWarpArrivals = 32;
+__device__ __forceinline__ void mbar_arrive_warp(std::uint32_t bar) {
+  mbar_arrive(bar);
+}
+
 // Arrives and adds `bytes` to the transaction count the current phase waits for.
 __device__ __forceinline__ void mbar_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");

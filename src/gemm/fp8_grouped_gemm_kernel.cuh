@@ -397,8 +397,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(full_bar + 8 * s, 1 + 32);  // TMA arrive (+ bytes), 32 copy arrives
-      // One arrive per consumer warp of every CTA of the cluster.
-      ptx::mbar_init(empty_bar + 8 * s, Traits::kConsumers * 4 * p.cluster);
+      // Every lane of every consumer warp of every CTA of the cluster (ptx::mbar_arrive_warp).
+      ptx::mbar_init(empty_bar + 8 * s, Traits::kConsumers * 4 * p.cluster * ptx::kWarpArrivals);
     }
     ptx::fence_barrier_init();
   }
@@ -569,11 +569,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // half of A lives here too).
       const auto free_stage = [&](int stage) {
         if ((p.ablation & kAblatePipe) != 0) return;
-        __syncwarp();  // every lane's reads of the stage (its scales) before lane 0's release
-        if (lane == 0) {
-          ptx::mbar_arrive(u_empty + 8 * stage);
-          if (u_peer_empty != 0) ptx::mbar_arrive_remote(u_peer_empty + 8 * stage);
-        }
+        ptx::mbar_arrive_warp(u_empty + 8 * stage);  // each lane after its reads of the stage (its scales)
+        if (u_peer_empty != 0) ptx::mbar_arrive_remote(u_peer_empty + 8 * stage);
       };
 
       // v7 (p.two_partials, single-wave tiles): K block kb's 4 wgmma go into part2[kb % 2] and are

@@ -281,8 +281,8 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
 #pragma unroll 1
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(full_bar + 8 * s, 1);                // the producer's arrive (+ bytes)
-      ptx::mbar_init(empty_bar + 8 * s, kConsumers * 4);  // one arrive per consumer warp
-      if constexpr (Traits::kOffsetWarp) ptx::mbar_init(offset_bar + 8 * s, 1);  // the offset warp
+      ptx::mbar_init(empty_bar + 8 * s, kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
+      if constexpr (Traits::kOffsetWarp) ptx::mbar_init(offset_bar + 8 * s, 1);  // the offset warp's lane 0
     }
     ptx::fence_barrier_init();
   }
@@ -405,6 +405,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
               ptx::st_shared_u32(slot_stage + 4 * (16 * r + g + 8), __float_as_uint(d[2]));
             }
           }
+          // (One arrive, by lane 0: with every lane arriving ptxas spills in the k2 offset-warp kernel.)
           __syncwarp();  // every lane's stores happen before the release
           if (lane == 0) ptx::mbar_arrive(offset_bar + 8 * pipe.stage);
           pipe.advance(stages);
@@ -532,14 +533,12 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
         }
         w4a8_fence_all(part[P]);
         if (last) {
-          __syncwarp();  // every lane's shared loads of the stage happen before the release
-          if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
+          ptx::mbar_arrive_warp(empty_bar + 8 * stage);  // each lane after its shared loads of the stage
         }
       } else {
         w4a8_fence_all(part[P]);
         if (last) {
-          __syncwarp();  // every lane's shared loads of the stage happen before the release
-          if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * stage);
+          ptx::mbar_arrive_warp(empty_bar + 8 * stage);  // each lane after its shared loads of the stage
         }
         w4a8_fence_all(part[P]);
         if constexpr (Traits::kRowOffset) {

@@ -111,12 +111,12 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
 #pragma unroll 1
     for (int s = 0; s < kRawStages; ++s) {
       ptx::mbar_init(raw_full + 8 * s, 1);   // producer warp 0 (+ bytes)
-      ptx::mbar_init(raw_empty + 8 * s, 4);  // one arrive per converter warp
+      ptx::mbar_init(raw_empty + 8 * s, 4 * ptx::kWarpArrivals);  // every converter lane
     }
 #pragma unroll 1
     for (int s = 0; s < kConvStages; ++s) {
-      ptx::mbar_init(conv_full + 8 * s, 1 + 4);  // producer warp 1 (+ bytes), converter warps
-      ptx::mbar_init(conv_empty + 8 * s, Traits::kConsumers * 4);  // one arrive per consumer warp
+      ptx::mbar_init(conv_full + 8 * s, 1 + 4 * ptx::kWarpArrivals);  // producer warp 1 (+ bytes), converter lanes
+      ptx::mbar_init(conv_empty + 8 * s, Traits::kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
     }
     ptx::fence_barrier_init();
   }
@@ -219,11 +219,8 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           }
         }
         if ((p.ablation & kW4AblateFence) == 0) ptx::fence_proxy_async_shared();
-        __syncwarp();
-        if (lane == 0) {
-          ptx::mbar_arrive(raw_empty + 8 * raw.stage);
-          ptx::mbar_arrive(conv_full + 8 * conv.stage);
-        }
+        ptx::mbar_arrive_warp(raw_empty + 8 * raw.stage);  // each lane after its reads and stores
+        ptx::mbar_arrive_warp(conv_full + 8 * conv.stage);
         raw.advance(kRawStages);
         conv.advance(conv_stages);
       }
@@ -261,7 +258,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
         const int stage = pipe.stage;
         ptx::mbar_wait(conv_full + 8 * stage, pipe.phase);
         if ((p.ablation & kW4AblateMath) != 0) {
-          if (lane == 0) ptx::mbar_arrive(conv_empty + 8 * stage);
+          ptx::mbar_arrive_warp(conv_empty + 8 * stage);
           pipe.advance(conv_stages);
           continue;
         }
@@ -305,8 +302,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
 #pragma unroll
           for (int j = 0; j < 16; ++j) scv[j] = sc[4 * j];
           if constexpr (kEarlyFree) {
-            __syncwarp();  // every lane's scale loads happen before the release
-            if (lane == 0) ptx::mbar_arrive(conv_empty + 8 * stage);
+            ptx::mbar_arrive_warp(conv_empty + 8 * stage);  // each lane after its scale loads
           }
           fence_all(part);
 #pragma unroll
@@ -318,8 +314,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           }
           if (!kEarlyFree && w == kWaves - 1) {
             fence_all(acc[w]);
-            __syncwarp();  // every lane's scale loads happen before the release
-            if (lane == 0) ptx::mbar_arrive(conv_empty + 8 * stage);
+            ptx::mbar_arrive_warp(conv_empty + 8 * stage);  // each lane after its scale loads
           }
         };
         wave(std::integral_constant<int, 0>{});
