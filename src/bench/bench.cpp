@@ -127,7 +127,10 @@ std::string describe(const Result& r) {
   return line;
 }
 
+// EPMOE_COMMIT first (scripts set it for trees that are not a git checkout, or that run with another
+// checkout as the working directory), then the working directory's git.
 std::string git_commit() {
+  if (const char* env = std::getenv("EPMOE_COMMIT"); env != nullptr && *env != '\0') return env;
   std::string commit;
   if (FILE* pipe = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
     std::array<char, 128> buf{};
@@ -138,7 +141,6 @@ std::string git_commit() {
   while (!commit.empty() && (commit.back() == '\n' || commit.back() == '\r' || commit.back() == ' '))
     commit.pop_back();
   if (!commit.empty()) return commit;
-  if (const char* env = std::getenv("EPMOE_COMMIT"); env != nullptr && *env != '\0') return env;
   return "unknown";
 }
 
