@@ -102,9 +102,11 @@ struct W4A8Traits {
   // setmaxnreg: the registers given up by the producer warpgroup go to the consumers (the totals
   // equal the launch allocation: 384 x 168 and 640 x 96). With the offset warp and two consumers,
   // 56 / 224 (ptxas: 40 / 232 spilled 8 bytes on the 128-row tile; the consumers no longer hold
-  // the m64n8 offsets).
-  static constexpr int kProducerRegs = kConsumers == 2 ? (kOffsetWarp ? 56 : 40) : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? (kOffsetWarp ? 224 : 232) : 112;
+  // the m64n8 offsets). Four consumers with the offset warp: 40 / 104 (32 / 112 spilled 4 bytes in
+  // the offset warp once all its lanes arrive on the offset barrier).
+  static constexpr int kProducerRegs = kConsumers == 2 ? (kOffsetWarp ? 56 : 40) : (kOffsetWarp ? 40 : 32);
+  static constexpr int kConsumerRegs =
+      kConsumers == 2 ? (kOffsetWarp ? 224 : 232) : (kOffsetWarp ? 104 : 112);
 };
 
 struct W4A8Params {
@@ -280,9 +282,10 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
   if (threadIdx.x == 0) {
 #pragma unroll 1
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(full_bar + 8 * s, 1);                // the producer's arrive (+ bytes)
+      ptx::mbar_init(full_bar + 8 * s, 1);  // the producer's arrive (+ bytes)
       ptx::mbar_init(empty_bar + 8 * s, kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
-      if constexpr (Traits::kOffsetWarp) ptx::mbar_init(offset_bar + 8 * s, 1);  // the offset warp's lane 0
+      if constexpr (Traits::kOffsetWarp)
+        ptx::mbar_init(offset_bar + 8 * s, ptx::kWarpArrivals);  // the offset warp
     }
     ptx::fence_barrier_init();
   }
@@ -405,9 +408,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
               ptx::st_shared_u32(slot_stage + 4 * (16 * r + g + 8), __float_as_uint(d[2]));
             }
           }
-          // (One arrive, by lane 0: with every lane arriving ptxas spills in the k2 offset-warp kernel.)
-          __syncwarp();  // every lane's stores happen before the release
-          if (lane == 0) ptx::mbar_arrive(offset_bar + 8 * pipe.stage);
+          ptx::mbar_arrive_warp(offset_bar + 8 * pipe.stage);  // each lane after its reads and stores
           pipe.advance(stages);
         }
       }

@@ -20,6 +20,9 @@ constexpr std::size_t kWorkspaceBytes = 32u << 20;
 }  // namespace
 
 GateGemm::GateGemm() : workspace_(kWorkspaceBytes) {
+  // Zeroed once: cuBLAS's split-K reduction reads workspace words its GEMM kernel did not write
+  // (compute-sanitizer initcheck reports them), so they hold zeros rather than whatever was there.
+  EPMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, workspace_.size()));
   cublasHandle_t handle = nullptr;
   EPMOE_CUBLAS_CHECK(cublasCreate(&handle));
   handle_ = handle;
