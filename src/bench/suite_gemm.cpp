@@ -161,7 +161,6 @@ Variant v2_variant() {
   v.options.cluster = 1;
   v.options.pingpong = false;
   v.options.vector_epilogue = false;
-  v.options.async_epilogue = false;
   return v;
 }
 Variant c2_variant() {
@@ -172,11 +171,6 @@ Variant c2_variant() {
 Variant skew_variant() {
   Variant v{".skew", {}};
   v.options.consumer_skew = true;
-  return v;
-}
-Variant direct_variant() {  // the epilogue's direct 16-byte stores (the default before session 14)
-  Variant v{".direct", {}};
-  v.options.async_epilogue = false;
   return v;
 }
 Variant plain_loop_variant() {  // the K loop not unrolled (the default before session 11)
@@ -219,11 +213,7 @@ std::vector<Variant> experiments(bool masked) {
     o.pingpong = true;
   });
   add("pingpong", [](auto& o) { o.pingpong = true; });
-  add("scalar_epilogue", [](auto& o) {
-    o.vector_epilogue = false;
-    o.async_epilogue = false;
-  });
-  add("direct_epilogue", [](auto& o) { o.async_epilogue = false; });  // session 14: v9's 16-byte stores
+  add("scalar_epilogue", [](auto& o) { o.vector_epilogue = false; });
   add("stages2", [](auto& o) { o.stages = 2; });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
   // v5: where the consumers' time goes (bits of GroupedGemmOptions::ablation).
@@ -361,7 +351,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
-  std::vector<Variant> variants{{"", {}},       direct_variant(),     c2_variant(), pingpong_variant(),
+  std::vector<Variant> variants{{"", {}},       c2_variant(),         pingpong_variant(),
                                 skew_variant(), plain_loop_variant(), v2_variant()};
   if (chosen.block_n == 256) {
     variants.push_back({".alt", {}});
@@ -421,7 +411,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then the others (".alt*") to keep the choice honest.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(true, s.expected_m, N);
-  std::vector<Variant> variants{{"", {}}, direct_variant()};
+  std::vector<Variant> variants{{"", {}}};
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());

@@ -443,13 +443,7 @@ __device__ __forceinline__ uint4 ld_shared_v4(std::uint32_t addr) {
   return v;
 }
 
-// 16-byte and 4-byte shared-memory stores and an 8-byte shared-memory load (addresses aligned to
-// their size).
-__device__ __forceinline__ void st_shared_v4(std::uint32_t addr, std::uint32_t a, std::uint32_t b,
-                                             std::uint32_t c, std::uint32_t d) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
-               : "memory");
-}
+// 4-byte shared-memory store and 8-byte shared-memory load (addresses aligned to their size).
 __device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }

@@ -161,7 +161,6 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   params.skew = options.consumer_skew && !options.pingpong ? 1 : 0;
   params.unroll = options.unrolled_k_loop ? 1 : 0;
   params.vector_epilogue = options.vector_epilogue ? 1 : 0;
-  params.async_epilogue = options.async_epilogue ? 1 : 0;
   params.two_partials = two_partials_from_env(options.two_partials) ? 1 : 0;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;

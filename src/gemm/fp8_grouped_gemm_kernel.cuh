@@ -72,16 +72,10 @@ struct GemmTraits {
   static constexpr int kScaleBytes = kScaleFloats * 4;
   // Per consumer warp: the next unit's m_indices (contiguous layout), copied a tile ahead.
   static constexpr int kIdsBytes = kConsumers * 4 * kBlockM * 4;
-  // Per consumer warp: two buffers of its 16 rows x 32 output columns (bf16, 1 KB each), staged for
-  // the TMA stores of the asynchronous epilogue (p.async_epilogue), 128-byte aligned.
-  static constexpr int kStagingBufferBytes = 16 * 32 * 2;
-  static constexpr int kStagingBytes = kConsumers * 4 * 2 * kStagingBufferBytes;
-  // 1024 bytes of slack to align the swizzled tiles, the tiles, the scales, the barriers, the ids;
-  // 128 more to align the staging buffers.
-  static constexpr int kStages = std::min(
-      8, (kGemmSmemBudget - 1024 - kIdsBytes - 128 - kStagingBytes) / (kStageBytes + kScaleBytes + 16));
-  static constexpr int kSmemBytes =
-      1024 + kStages * (kStageBytes + kScaleBytes + 16) + kIdsBytes + 128 + kStagingBytes;
+  // 1024 bytes of slack to align the swizzled tiles, the tiles, the scales, the barriers, the ids.
+  static constexpr int kStages =
+      std::min(8, (kGemmSmemBudget - 1024 - kIdsBytes) / (kStageBytes + kScaleBytes + 16));
+  static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + kScaleBytes + 16) + kIdsBytes;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 };
@@ -106,7 +100,6 @@ struct GroupedGemmParams {
   std::int32_t skew;             // 1: consumer 1 starts each tile after consumer 0's first wave issue
   std::int32_t unroll;           // 1: the consumers' K loop unrolled over the stages (where it applies)
   std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
-  std::int32_t async_epilogue;   // 1: output staged in shared memory and stored by the TMA (v10)
   std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
   std::int32_t ablation;         // kAblate*: timing experiments only
 };
@@ -388,7 +381,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const std::uint32_t full_bar = smem_scales + kStages * Traits::kScaleBytes;  // kStages x 8 bytes
   const std::uint32_t empty_bar = full_bar + kStages * 8;                      // kStages x 8 bytes
   const std::uint32_t smem_ids = (empty_bar + kStages * 8 + 15u) & ~15u;       // Traits::kIdsBytes
-  const std::uint32_t smem_staging = (smem_ids + Traits::kIdsBytes + 127u) & ~127u;  // Traits::kStagingBytes
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -785,62 +777,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // Epilogue: bf16 to global memory, valid rows only.
       if ((p.ablation & kAblateEpilogue) != 0) {
         // timing ablation: no stores
-      } else if (p.async_epilogue != 0) {
-        // v10: the output goes through shared memory to the TMA, so that the warp does not wait for
-        // its stores to drain (with every CTA's epilogue at once they queue for L2; the stores of one
-        // tile take ~13% of the K loop's cycles at K = 2048: bench/NOTES.md, session 14): per 32
-        // columns, the warp's 16 rows go into one of its two 1 KB buffers (dense rows of 64 bytes,
-        // the quad transpose as in the direct stores below), then one 64-byte bulk store (TMA) per
-        // valid row. A buffer is rewritten once the store from it two chunks before (perhaps the
-        // previous tile's) has read it; the last ones drain under the next tile's K loop.
-        const int q = lane % 4;
-        // This warp's two staging buffers (derived here: a register kept across the K loop spills).
-        const std::uint32_t u_staging =
-            u_smem + (smem_staging - smem_base) +
-            static_cast<std::uint32_t>(warp - 4) * 2 * Traits::kStagingBufferBytes;
-        // Bit r: warp row r (0..15) is valid; lane 4 m holds rows m (valid_a) and m + 8 (valid_b).
-        const std::uint32_t ballot_a = __ballot_sync(0xffffffffu, valid_a);
-        const std::uint32_t ballot_b = __ballot_sync(0xffffffffu, valid_b);
-        std::uint32_t warp_rows = 0;
-#pragma unroll
-        for (int m = 0; m < 8; ++m)
-          warp_rows |= (((ballot_a >> (4 * m)) & 1u) << m) | (((ballot_b >> (4 * m)) & 1u) << (m + 8));
-        // Lanes 0..15 store one row each, if it is valid. (One 2D store of the 16 rows when all are
-        // valid, beside the rows' stores for the other warps, made the 128 x 256 kernel spill.)
-        const bool my_row = lane < 16 && ((warp_rows >> lane) & 1u) != 0;
-        __nv_bfloat16* const my_row_out =
-            p.d + static_cast<std::int64_t>(row_a - lane / 4 + (lane & 15)) * p.n + tile.n_block * kBlockN;
-        const std::uint32_t quad_word = static_cast<std::uint32_t>((lane / 4) * 64 + q * 16);
-#pragma unroll
-        for (int w = 0; w < kWaves; ++w) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const std::uint32_t buffer =
-                u_staging + static_cast<std::uint32_t>(i & 1) * Traits::kStagingBufferBytes;
-            // Lanes 0..15 commit one bulk group per chunk (empty when they store nothing), so "at most one
-            // pending" leaves this buffer's previous store done reading.
-            if (lane < 16) ptx::bulk_wait_read<1>();
-            __syncwarp();
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              std::uint32_t words[4];
-#pragma unroll
-              for (int k = 0; k < 4; ++k) {
-                const int j = 4 * i + k;
-                words[k] = pack_bf16x2(acc[w][4 * j + 2 * h], acc[w][4 * j + 2 * h + 1]);
-              }
-              quad_transpose(words, q);
-              ptx::st_shared_v4(buffer + static_cast<std::uint32_t>(h * 8 * 64) + quad_word, words[0],
-                                words[1], words[2], words[3]);
-            }
-            ptx::fence_proxy_async_shared();  // each lane's stores, before the TMA reads them
-            __syncwarp();
-            if (my_row)
-              ptx::bulk_store(my_row_out + (w * kGemmWaveN + i * 32),
-                              buffer + static_cast<std::uint32_t>(lane * 64), 64);
-            if (lane < 16) ptx::bulk_commit();
-          }
-        }
       } else if (p.vector_epilogue != 0) {
         // Per row and 32 columns, the quad's lanes hold 2 columns of each 8 (j = 4 i + k): after the
         // transpose lane q holds the 8 columns of j = 4 i + q and stores them as one 16-byte word,
@@ -883,9 +819,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         }
       }
     }
-    // The asynchronous epilogue's last stores: written before the kernel ends (and the staging
-    // buffers read before shared memory goes).
-    if (p.async_epilogue != 0 && lane < 16) ptx::bulk_wait<0>();
     if (trace) {
       const auto c1 = static_cast<unsigned long long>(clock64());
       const auto n1 = static_cast<unsigned long long>(ptx::global_timer_ns());

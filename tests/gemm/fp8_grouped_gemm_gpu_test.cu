@@ -65,9 +65,6 @@ struct ContiguousCase {
   bool skew = false;  // consumer_skew
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
-  // The asynchronous (TMA) epilogue; cases with vector_epilogue = false test the 4-byte stores.
-  bool async_epilogue = cuda::GroupedGemmOptions{}.async_epilogue;
-  int max_ctas = 0;  // 0: one per SM
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -137,8 +134,6 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   options.consumer_skew = c.skew;
   options.unrolled_k_loop = c.unrolled;
   options.two_partials = c.two_partials;
-  options.async_epilogue = c.async_epilogue && c.vector_epilogue;
-  options.max_ctas = c.max_ctas;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -301,36 +296,7 @@ INSTANTIATE_TEST_SUITE_P(
                        0,
                        1,
                        false,
-                       false},
-        // The epilogue paths: the direct 16-byte stores (v9) with holes; the TMA epilogue with few
-        // CTAs and many tiles each (its staging buffers reused across tiles; full warps take the 2D
-        // store, the partial ones a bulk store per row), with 128 x 128 tiles, and with K = 128.
-        ContiguousCase{.name = "N4096_K2048_direct_epilogue_holes",
-                       .group_rows = {300, 0, 77, 129},
-                       .n = 4096,
-                       .k = 2048,
-                       .layout = ScaleLayout::token_major,
-                       .holes = true,
-                       .async_epilogue = false},
-        ContiguousCase{.name = "N1024_K2048_tma_epilogue_few_ctas_holes",
-                       .group_rows = {300, 77, 500, 16},
-                       .n = 1024,
-                       .k = 2048,
-                       .layout = ScaleLayout::token_major,
-                       .holes = true,
-                       .max_ctas = 5},
-        ContiguousCase{.name = "N1536_K1536_tma_epilogue_block_n128_few_ctas",
-                       .group_rows = {257, 1, 128},
-                       .n = 1536,
-                       .k = 1536,
-                       .layout = ScaleLayout::mn_major_tma,
-                       .block_n = 128,
-                       .max_ctas = 3},
-        ContiguousCase{.name = "N768_K128_tma_epilogue_one_k_block",
-                       .group_rows = {200, 31},
-                       .n = 768,
-                       .k = 128,
-                       .layout = ScaleLayout::token_major}),
+                       false}),
     [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- masked
@@ -424,7 +390,6 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.cluster = c.cluster;
   options.pingpong = c.pingpong;
   options.vector_epilogue = c.vector_epilogue;
-  options.async_epilogue = c.vector_epilogue;  // false: the 4-byte stores
   options.consumer_skew = c.skew;
   options.unrolled_k_loop = c.unrolled;
   options.two_partials = c.two_partials;

@@ -72,10 +72,6 @@ struct GroupedGemmOptions {
   // 16-byte output stores after a transpose across lanes (else 4-byte stores straight from the
   // accumulator layout).
   bool vector_epilogue = true;
-  // v10: the output goes through shared memory to TMA stores (a 2D store per warp and 32 columns
-  // when all its 16 rows are valid, else a bulk store per valid row), so the consumers do not wait
-  // for their stores to drain; takes precedence over vector_epilogue. (bench/NOTES.md, session 14.)
-  bool async_epilogue = true;
   // v7, tiles of one 128-column wave (block_n = 128, and 64 x 128): K blocks alternate between two
   // partial accumulators, each block's wgmma issued before the previous block's are waited for and
   // promoted (else one partial, waited for before its promotion; measured 3-15% slower:
