@@ -110,12 +110,13 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
   if (threadIdx.x == 0) {
 #pragma unroll 1
     for (int s = 0; s < kRawStages; ++s) {
-      ptx::mbar_init(raw_full + 8 * s, 1);   // producer warp 0 (+ bytes)
+      ptx::mbar_init(raw_full + 8 * s, 1);                        // producer warp 0 (+ bytes)
       ptx::mbar_init(raw_empty + 8 * s, 4 * ptx::kWarpArrivals);  // every converter lane
     }
 #pragma unroll 1
     for (int s = 0; s < kConvStages; ++s) {
-      ptx::mbar_init(conv_full + 8 * s, 1 + 4 * ptx::kWarpArrivals);  // producer warp 1 (+ bytes), converter lanes
+      ptx::mbar_init(conv_full + 8 * s,
+                     1 + 4 * ptx::kWarpArrivals);  // producer warp 1 (+ bytes), converter lanes
       ptx::mbar_init(conv_empty + 8 * s, Traits::kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
     }
     ptx::fence_barrier_init();
