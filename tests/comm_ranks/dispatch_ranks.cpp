@@ -117,6 +117,29 @@ std::string error_of(const std::function<void()>& fn) {
   return "";
 }
 
+// The error text of one dispatch of `in` on `d`, waited for (a device-side refusal or timeout
+// surfaces at the synchronize); "" when it succeeds.
+std::string dispatch_error(Dispatcher& d, const RankInput& in) {
+  const DeviceInput dev = to_device(in, stream());
+  const DispatchInput view = dev.view();
+  std::vector<DispatchOutput> out(1);
+  return error_of([&] {
+    d.dispatch({&view, 1}, out);
+    world().synchronize(CommPhase::none, "the dispatch");
+  });
+}
+
+// Rank 0 sent more tokens than the buffers hold: it refuses on the host, and its peers learn it
+// from its status instead of timing out.
+void expect_rank0_too_many_reported(const std::string& m) {
+  if (world().rank() == 0) {
+    EXPECT_NE(m.find("more than the buffers hold"), std::string::npos) << m;
+  } else {
+    EXPECT_NE(m.find("rank 0 refused its input"), std::string::npos) << m;
+    EXPECT_NE(m.find("more tokens"), std::string::npos) << m;
+  }
+}
+
 // What every rank should receive: cpu-sim over every rank's inputs (`want` views the simulator's
 // buffers, so it lives as long as `sim`).
 struct Simulated {
@@ -385,13 +408,7 @@ void check_a_lone_dispatch_times_out(Transport transport, int max_tokens, std::i
     if (me == 0) {
       auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([&](int) { return tokens; }), seed,
                             Routing::random);
-      const DeviceInput dev = to_device(in[0], stream());
-      const DispatchInput view = dev.view();
-      std::vector<DispatchOutput> out(1);
-      const std::string m = error_of([&] {
-        d->dispatch({&view, 1}, out);  // the other ranks never dispatch
-        world().synchronize(CommPhase::none, "the dispatch");
-      });
+      const std::string m = dispatch_error(*d, in[0]);  // the other ranks never dispatch
       expect_recoverable_dispatch_timeout(m);
     }
     world().set_timeout_s(saved);
@@ -434,19 +451,7 @@ TEST(CommNvlinkLl, TooManyTokensOnOneRankIsReportedToItsPeers) {
       auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
       auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return r == 0 ? 33 : 10; }),
                             20, Routing::random);
-      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-      const DispatchInput view = dev.view();
-      std::vector<DispatchOutput> out(1);
-      std::string m = error_of([&] {
-        d->dispatch({&view, 1}, out);
-        world().synchronize(CommPhase::none, "the dispatch");
-      });
-      if (me == 0) {
-        EXPECT_NE(m.find("more than the buffers hold"), std::string::npos) << m;
-      } else {
-        EXPECT_NE(m.find("rank 0 refused its input"), std::string::npos) << m;
-        EXPECT_NE(m.find("more tokens"), std::string::npos) << m;
-      }
+      expect_rank0_too_many_reported(dispatch_error(*d, in[static_cast<std::size_t>(me)]));
       world().reset_device_errors();
       world().barrier();
     }  // the dispatcher (its window) goes, collectively
@@ -562,13 +567,7 @@ TEST(CommNvlinkNormal, CopyEngineSendRefusedInputIsReportedAndTheNextCallWorks) 
                           Routing::random);
     in[static_cast<std::size_t>(bad)].ids.data<std::int32_t>()[5] = c.num_physical_experts();
     {
-      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-      const DispatchInput view = dev.view();
-      std::vector<DispatchOutput> out(1);
-      const std::string m = error_of([&] {
-        d->dispatch({&view, 1}, out);
-        world().synchronize(CommPhase::none, "the dispatch");
-      });
+      const std::string m = dispatch_error(*d, in[static_cast<std::size_t>(me)]);
       EXPECT_NE(m.find(fmt::format("rank {} refused its input", bad)), std::string::npos) << m;
       EXPECT_NE(m.find("out of range"), std::string::npos) << m;
       world().reset_device_errors();  // synchronizes: the side streams have finished
@@ -858,27 +857,12 @@ TEST(CommNvlinkEarlyCounts, RefusalsAndAMissingPeerAreReported) {
     const int N = world().size(), me = world().rank();
     if (N < 2) return;
     const ScopedEnv early("EPMOE_COMM_LL_EARLY_COUNTS", "1");
-    auto dispatch_error = [&](Dispatcher& d, const RankInput& in) {
-      const DeviceInput dev = to_device(in, stream());
-      const DispatchInput view = dev.view();
-      std::vector<DispatchOutput> out(1);
-      return error_of([&] {
-        d.dispatch({&view, 1}, out);
-        world().synchronize(CommPhase::none, "the dispatch");
-      });
-    };
     {
       const MoeConfig c = test_config(32);
       auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
       const auto in = make_inputs(c, ActivationFormat::fp8_group,
                                   per_rank([](int r) { return r == 0 ? 33 : 10; }), 70, Routing::random);
-      const std::string m = dispatch_error(*d, in[static_cast<std::size_t>(me)]);
-      if (me == 0) {
-        EXPECT_NE(m.find("more than the buffers hold"), std::string::npos) << m;
-      } else {
-        EXPECT_NE(m.find("rank 0 refused its input"), std::string::npos) << m;
-        EXPECT_NE(m.find("more tokens"), std::string::npos) << m;
-      }
+      expect_rank0_too_many_reported(dispatch_error(*d, in[static_cast<std::size_t>(me)]));
       world().reset_device_errors();
       world().barrier();
     }
