@@ -78,6 +78,12 @@ struct GroupedGemmOptions {
   // bench/NOTES.md, session 11). EPMOE_GEMM_TWO_PARTIALS=0|1 overrides it. Ignored with pingpong /
   // consumer_skew / ablations (the trace aside).
   bool two_partials = true;
+  // v11, 128 x 256 tiles without a cluster: a tile with at most 64 valid rows (a group's last block,
+  // or a small masked group) is computed as 64 x 256, each consumer warpgroup taking 128 of its
+  // columns with two partials, instead of one warpgroup computing padding rows.
+  // EPMOE_GEMM_SPLIT_TILES=0|1 overrides it. Ignored with pingpong / consumer_skew / 4-byte stores /
+  // ablations (the trace aside).
+  bool split_tiles = true;
 };
 
 // The tile heuristic (block_m x block_n). Masked with expected_m <= 64 (decode): 64 x 128 (reading
