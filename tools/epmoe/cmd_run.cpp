@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "bench/bench.hpp"
 #include "epmoe/cuda/runtime.hpp"
 #include "epmoe/layer.hpp"
 #include "tools/epmoe/check_util.hpp"
@@ -147,10 +148,9 @@ void run_main(const RunOptions& o) {
   }
 
   bool pass = true;
-  nlohmann::json j = {{"device", device_name(device)},
-                      {"config", config.describe()},
-                      {"preset", config.name},
-                      {"ranks", config.num_ranks},
+  nlohmann::json j = {{"commit", bench::git_commit()},   {"date", bench::utc_now_iso8601()},
+                      {"device", device_name(device)},   {"config", config.describe()},
+                      {"preset", config.name},           {"ranks", config.num_ranks},
                       {"quant", to_string(config.quant)}};
   std::printf("results:\n");
   for (const PhaseResult& p : phases) {

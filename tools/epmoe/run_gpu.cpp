@@ -18,6 +18,7 @@
 #include <string>
 #include <type_traits>
 
+#include "bench/bench.hpp"
 #include "epmoe/comm.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/layer.hpp"
@@ -498,7 +499,9 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   }
   EPMOE_CHECK(!plans.empty(), "nothing to run: steps and prompt-tokens are both 0");
 
-  nlohmann::json j = {{"device", "gpu"},
+  nlohmann::json j = {{"commit", bench::git_commit()},
+                      {"date", bench::utc_now_iso8601()},
+                      {"device", "gpu"},
                       {"gpu", cuda::device_description(device)},
                       {"config", config.describe()},
                       {"preset", config.name},
