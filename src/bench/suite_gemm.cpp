@@ -183,9 +183,9 @@ Variant pingpong_variant() {
   v.options.pingpong = true;
   return v;
 }
-Variant nosplit_variant() {  // 128 x 256 tiles with <= 64 valid rows computed whole (before v11)
-  Variant v{".nosplit", {}};
-  v.options.split_tiles = false;
+Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split (opt-in)
+  Variant v{".split", {}};
+  v.options.split_tiles = true;
   return v;
 }
 
@@ -359,7 +359,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   std::vector<Variant> variants{{"", {}},       c2_variant(),         pingpong_variant(),
                                 skew_variant(), plain_loop_variant(), v2_variant()};
   if (chosen.block_n == 256) {
-    variants.push_back(nosplit_variant());
+    variants.push_back(split_variant());
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;
     variants.push_back({".alt.p1", {}});  // 128 x 128 with one partial (before v7)
@@ -421,7 +421,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());
-    if (chosen.block_n == 256) variants.push_back(nosplit_variant());
+    if (chosen.block_n == 256) variants.push_back(split_variant());
   } else {
     variants.push_back({".p1", {}});  // the 64 x 128 tile with one partial (before v7)
     variants.back().options.two_partials = false;

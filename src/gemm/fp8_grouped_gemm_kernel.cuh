@@ -489,7 +489,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           if (kWaves == 1 || (p.ablation & kAblateScales) == 0) {
 #pragma unroll
             for (int i = 0; i < kBlockM / 32; ++i) {
-              if (local0 + i * 32 < p.rows)
+              // Rows past the tile's last valid one (padding, rows past masked_m) have no scale:
+              // their quantizer skips them, and no consumer reads their slot.
+              if (i * 32 + lane < tile.rows_used)
                 ptx::cp_async_4(scales + 4 * 32 * i, p.sa + sa_off + i * 32 * p.sa_row_stride);
             }
             if (lane < kWaves) ptx::cp_async_4(scales + 4 * kBlockM, p.sb + sb_off + kb);

@@ -150,18 +150,22 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GroupedGemmContiguousGpu,
     ::testing::Values(
-        // v11's split tiles (128 x 256, <= 64 valid rows: consumer 1 on consumer 0's rows and the
-        // second wave): tails of 1, 64, 1, 64 and 33 rows split; 65, 127, 128 and 72 rows whole; -1
+        // v11's split tiles (opt-in; 128 x 256, <= 64 valid rows: consumer 1 on consumer 0's rows and
+        // the second wave): tails of 1, 64, 1, 64 and 33 rows split; 65, 127, 128 and 72 rows whole; -1
         // rows inside the groups (the consumers' valid-row words); then the same unsplit, with the
         // plain K loop, and DeepSeek-V3 down with MN-major scales.
-        ContiguousCase{"N4096_K2048_split_tails_holes",
-                       {1, 64, 65, 127, 128, 129, 192, 200, 0, 33},
-                       4096,
-                       2048,
-                       ScaleLayout::token_major,
-                       0,
-                       1,
-                       true},
+        [] {
+          ContiguousCase c{"N4096_K2048_split_tails_holes",
+                           {1, 64, 65, 127, 128, 129, 192, 200, 0, 33},
+                           4096,
+                           2048,
+                           ScaleLayout::token_major,
+                           0,
+                           1,
+                           true};
+          c.split_tiles = true;
+          return c;
+        }(),
         [] {
           ContiguousCase c{"N4096_K2048_split_tails_holes_unsplit",
                            {1, 64, 65, 127, 128, 129, 192, 200, 0, 33},
@@ -181,10 +185,15 @@ INSTANTIATE_TEST_SUITE_P(
                            1536,
                            ScaleLayout::mn_major_tma};
           c.unrolled = false;
+          c.split_tiles = true;
           return c;
         }(),
-        ContiguousCase{
-            "N7168_K7168_split_tails_mn_major", {20, 130, 0, 250}, 7168, 7168, ScaleLayout::mn_major_tma},
+        [] {
+          ContiguousCase c{
+              "N7168_K7168_split_tails_mn_major", {20, 130, 0, 250}, 7168, 7168, ScaleLayout::mn_major_tma};
+          c.split_tiles = true;
+          return c;
+        }(),
         // DeepSeek-V3 gate_up: an empty expert and a single-row expert.
         ContiguousCase{"N4096_K7168_empty_and_single_row", {1, 0, 130}, 4096, 7168, ScaleLayout::token_major},
         // DeepSeek-V3 down, MN-major scales as the GPU quantizer writes them.
@@ -442,12 +451,12 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         // v11's split tiles in the masked layout (128 x 256 tiles: expected m above 64): groups of
         // 1, 64, 65, 130 and 192 rows (their last tiles split where <= 64 rows), and unsplit.
-        MaskedCase{"N4096_K2048_mmax200_split_tails",
-                   200,
-                   {1, 64, 65, 130, 192, 0},
-                   4096,
-                   2048,
-                   ScaleLayout::mn_major_tma},
+        [] {
+          MaskedCase c{"N4096_K2048_mmax200_split_tails", 200, {1, 64, 65, 130, 192, 0}, 4096, 2048,
+                       ScaleLayout::mn_major_tma};
+          c.split_tiles = true;
+          return c;
+        }(),
         [] {
           MaskedCase c{"N4096_K2048_mmax200_split_tails_unsplit",
                        200,
