@@ -220,6 +220,13 @@ std::vector<Variant> experiments(bool masked) {
   add("pingpong", [](auto& o) { o.pingpong = true; });
   add("scalar_epilogue", [](auto& o) { o.vector_epilogue = false; });
   add("stages2", [](auto& o) { o.stages = 2; });
+  // What a whole-tile staged epilogue would cost and leave (its 64 KB take one of 128 x 256's four
+  // stages): three stages with the stores, and without them.
+  add("stages3", [](auto& o) { o.stages = 3; });
+  add("no_epilogue_stages3", [](auto& o) {
+    o.ablation = 16;
+    o.stages = 3;
+  });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
   // v5: where the consumers' time goes (bits of GroupedGemmOptions::ablation).
   add("no_promote", [](auto& o) { o.ablation = 4; });

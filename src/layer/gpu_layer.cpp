@@ -234,6 +234,11 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   correction_bias = to_device(weights->correction_bias(), s0);
 
   logits = DeviceTensor(DType::f32, {T_max, E});
+  // Zeroed once, for compute-sanitizer initcheck only: at small shapes cuBLAS's gate kernel writes
+  // the logits in a way initcheck does not track (it reported the router's reads of every forward's
+  // logits as uninitialized), while GateGemmGpu.EveryLogitWrittenAtSmallShapes shows on poisoned
+  // outputs that every logit is written each call.
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(logits.data<float>(), 0, logits.nbytes(), s0));
   topk_ids = DeviceTensor(DType::i32, {T_max, K});
   topk_weights = DeviceTensor(DType::f32, {T_max, K});
   physical_ids = DeviceTensor(DType::i32, {T_max, K});

@@ -105,6 +105,30 @@ TEST(GateGemmGpu, MatchesCpuToF32Rounding) {
   testing::expect_error_mentions([&] { gate.run(dx, dg, dx, stream); }, "logits");
 }
 
+// The gate at the tiny model's dims and decode-sized batches (cuBLAS picks other kernels there than
+// at DeepSeek-V3's): every logit written (outputs poisoned with NaN first) and equal to the CPU's.
+TEST(GateGemmGpu, EveryLogitWrittenAtSmallShapes) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = one_rank("tiny");
+  SyntheticWeights w(c, 5);
+  cuda::Stream stream;
+  cuda::GateGemm gate;
+  const DeviceTensor dg = cuda::to_device(w.gate_weight(), stream);
+  for (const std::int64_t T : {1, 2, 3, 7, 16, 32, 100}) {
+    SCOPED_TRACE("T = " + std::to_string(T));
+    const HostTensor x = synthetic_tokens(c, 13, 0, T);
+    HostTensor want(DType::f32, {T, c.num_experts});
+    router_logits_cpu(x, w.gate_weight(), want);
+    const DeviceTensor dx = cuda::to_device(x, stream);
+    DeviceTensor dl(DType::f32, {T, c.num_experts});
+    dl.fill_bytes(0xff, stream);
+    gate.run(dx, dg, dl, stream);
+    const ErrorReport r = compare(cuda::to_host(dl, stream), want);
+    EXPECT_EQ(r.non_finite, 0);
+    EXPECT_LE(r.rel_l2, 1e-5);
+  }
+}
+
 struct LayerCase {
   const char* preset;
   Mode mode;
