@@ -178,6 +178,30 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(case_info.param.tokens) + "_R" + std::to_string(case_info.param.redundant);
     });
 
+// GpuLayerOptions::shared_stream: the shared expert inline or on its own stream gives the same
+// bits (only where it runs changes); "auto" is inline here (normal mode, one rank); a bad name is
+// refused.
+TEST(GpuLayer, SharedStreamChoiceKeepsTheBits) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = one_rank("tiny", 0);
+  ASSERT_GT(c.num_shared_experts, 0);
+  auto w = gpu_synthetic(c, 9);
+  const HostTensor x = synthetic_tokens(c, 21, 0, 50);
+  std::vector<HostTensor> ys;
+  for (const char* where : {"own", "main", "auto"}) {
+    cuda::GpuLayerOptions o;
+    o.mode = Mode::normal;
+    o.shared_stream = where;
+    cuda::GpuMoeLayer layer(w, o);
+    ys.push_back(testing::layer_forward(layer, x, false).y);
+  }
+  EXPECT_TRUE(same_bits<bf16>(ys[1], ys[0], "main against own"));
+  EXPECT_TRUE(same_bits<bf16>(ys[2], ys[0], "auto against own"));
+  cuda::GpuLayerOptions bad;
+  bad.shared_stream = "side";
+  testing::expect_error_mentions([&] { cuda::GpuMoeLayer layer(w, bad); }, "shared_stream");
+}
+
 TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = one_rank("tiny", 4);

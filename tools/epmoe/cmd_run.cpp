@@ -191,9 +191,11 @@ const CommandRegistration kRegistration{
       cmd->add_flag(
           "--tbo", options->tbo,
           "GPU: decode and prefill with two-batch overlap, and the same without it for comparison (N ranks)");
-      cmd->add_flag("!--inline-shared", options->overlap_shared,
-                    "GPU: run the shared expert on the main stream, not on its own stream beside dispatch "
-                    "and the routed experts");
+      cmd->add_option("--shared-stream", options->shared_stream,
+                      "GPU: the shared expert on its own stream (own), inline on the main stream (main), or "
+                      "auto (inline in prefill on one GPU)")
+          ->check(CLI::IsMember({"auto", "own", "main"}))
+          ->capture_default_str();
       cmd->add_option("--tbo-comm-sms", options->tbo_comm_sms,
                       "GPU: SMs the overlapped GEMMs leave to communication")
           ->capture_default_str();

@@ -167,7 +167,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   lo.max_tokens = T_max;
   lo.tbo = plan.tbo;
   lo.tbo_comm_sms = o.tbo_comm_sms;
-  lo.overlap_shared = o.overlap_shared;
+  lo.shared_stream = o.shared_stream;
   if (first_phase) lo.on_setup_step = [](const char* step) { g_startup.mark(std::string("layer_") + step); };
   cuda::GpuMoeLayer layer(weights, lo, comm);
   if (first_phase) g_startup.mark("layer_constructed");
@@ -512,7 +512,7 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
                       {"prefill_chunk", chunk},
                       {"prompts_per_rank", prompts},
                       {"prompt_tokens", o.prompt_tokens},
-                      {"overlap_shared", o.overlap_shared}};
+                      {"shared_stream", o.shared_stream}};
   bool pass = true;
   std::vector<std::pair<std::string, nlohmann::json>> printed;
   nlohmann::json trace = nlohmann::json::array();
