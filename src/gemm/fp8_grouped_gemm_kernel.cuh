@@ -382,6 +382,36 @@ __device__ __forceinline__ void quad_transpose(std::uint32_t (&w)[4], int q) {
   }
 }
 
+// One wave's 64 accumulators v (the wgmma m64n128 layout: this thread's rows row_a and row_b =
+// row_a + 8), times `scale` when kScaled, as bf16 into the 128 columns at d_col of those rows (valid
+// rows only; n: d's row stride in elements). Per row and 32 columns the quad's lanes hold 2 columns of
+// each 8 (j = 4 i + k): after the transpose lane q holds the 8 columns of j = 4 i + q and stores them
+// as one 16-byte word, so each store instruction writes 64 contiguous bytes of 8 rows. The epilogue
+// of the FP8 and W4A8 kernels.
+template <bool kScaled>
+__device__ __forceinline__ void store_wave_bf16(const float (&v)[64], float scale, __nv_bfloat16* d_col,
+                                                std::int64_t row_a, std::int64_t row_b, bool valid_a,
+                                                bool valid_b, std::int64_t n, int lane) {
+  const int q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const bool valid = h == 0 ? valid_a : valid_b;
+    __nv_bfloat16* d_row = d_col + (h == 0 ? row_a : row_b) * n;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      std::uint32_t words[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int j = 4 * i + k;
+        const float lo = v[4 * j + 2 * h], hi = v[4 * j + 2 * h + 1];
+        words[k] = kScaled ? pack_bf16x2(lo * scale, hi * scale) : pack_bf16x2(lo, hi);
+      }
+      quad_transpose(words, q);
+      if (valid) ptx::st_global_v4(d_row + 8 * (4 * i + q), words[0], words[1], words[2], words[3]);
+    }
+  }
+}
+
 template <int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
@@ -795,30 +825,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           pipe = next;
         }
       };
-      // Epilogue: bf16 to global memory, valid rows only. store_wave: one wave's accumulators v to
-      // the tile's 128 columns of wave col_block. Per row and 32 columns, the quad's lanes hold 2
-      // columns of each 8 (j = 4 i + k): after the transpose lane q holds the 8 columns of j = 4 i + q
-      // and stores them as one 16-byte word, so each store instruction writes 64 contiguous bytes of
-      // 8 rows.
+      // Epilogue: bf16 to global memory, valid rows only: one wave's accumulators v to the tile's 128
+      // columns of wave col_block.
       const auto store_wave = [&](const float(&v)[64], int col_block) {
-        const int q = lane % 4;
-        __nv_bfloat16* d_col = p.d + tile.n_block * kBlockN + col_block * kGemmWaveN;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const bool valid = h == 0 ? valid_a : valid_b;
-          __nv_bfloat16* d_row = d_col + static_cast<std::int64_t>(h == 0 ? row_a : row_b) * p.n;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            std::uint32_t words[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              const int j = 4 * i + k;
-              words[k] = pack_bf16x2(v[4 * j + 2 * h], v[4 * j + 2 * h + 1]);
-            }
-            quad_transpose(words, q);
-            if (valid) ptx::st_global_v4(d_row + 8 * (4 * i + q), words[0], words[1], words[2], words[3]);
-          }
-        }
+        store_wave_bf16<false>(v, 1.0f, p.d + tile.n_block * kBlockN + col_block * kGemmWaveN, row_a, row_b,
+                               valid_a, valid_b, p.n, lane);
       };
       if constexpr (kSplittable) {
         // A split tile, start to end in a branch of its own (where its loop and epilogue merged with

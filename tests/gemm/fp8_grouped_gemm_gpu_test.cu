@@ -74,6 +74,22 @@ void PrintTo(const ContiguousCase& c, std::ostream* os) {
 
 class GroupedGemmContiguousGpu : public ::testing::TestWithParam<ContiguousCase> {};
 
+// v11's split tiles (opt-in), split or not: tails of 1, 64, 1, 64 and 33 rows (split), 65, 127, 128
+// and 72 rows (whole), -1 rows inside the groups (the consumers' valid-row words), a trailing empty
+// block.
+ContiguousCase split_tails_holes_case(bool split) {
+  ContiguousCase c{split ? "N4096_K2048_split_tails_holes" : "N4096_K2048_split_tails_holes_unsplit",
+                   {1, 64, 65, 127, 128, 129, 192, 200, 0, 33},
+                   4096,
+                   2048,
+                   ScaleLayout::token_major,
+                   0,
+                   1,
+                   true};
+  c.split_tiles = split;
+  return c;
+}
+
 TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   EPMOE_REQUIRE_GPU();
   const ContiguousCase& c = GetParam();
@@ -151,33 +167,8 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, GroupedGemmContiguousGpu,
     ::testing::Values(
         // v11's split tiles (opt-in; 128 x 256, <= 64 valid rows: consumer 1 on consumer 0's rows and
-        // the second wave): tails of 1, 64, 1, 64 and 33 rows split; 65, 127, 128 and 72 rows whole; -1
-        // rows inside the groups (the consumers' valid-row words); then the same unsplit, with the
-        // plain K loop, and DeepSeek-V3 down with MN-major scales.
-        [] {
-          ContiguousCase c{"N4096_K2048_split_tails_holes",
-                           {1, 64, 65, 127, 128, 129, 192, 200, 0, 33},
-                           4096,
-                           2048,
-                           ScaleLayout::token_major,
-                           0,
-                           1,
-                           true};
-          c.split_tiles = true;
-          return c;
-        }(),
-        [] {
-          ContiguousCase c{"N4096_K2048_split_tails_holes_unsplit",
-                           {1, 64, 65, 127, 128, 129, 192, 200, 0, 33},
-                           4096,
-                           2048,
-                           ScaleLayout::token_major,
-                           0,
-                           1,
-                           true};
-          c.split_tiles = false;
-          return c;
-        }(),
+        // the second wave): split and not, with the plain K loop, and at K = 7168 with MN-major scales.
+        split_tails_holes_case(true), split_tails_holes_case(false),
         [] {
           ContiguousCase c{"N4096_K1536_split_tails_plain_k_loop",
                            {3, 130, 60, 190},
