@@ -191,6 +191,7 @@ TEST(GpuLayer, SharedStreamChoiceKeepsTheBits) {
   for (const char* where : {"own", "main", "auto"}) {
     cuda::GpuLayerOptions o;
     o.mode = Mode::normal;
+    o.max_tokens = x.size(0);
     o.shared_stream = where;
     cuda::GpuMoeLayer layer(w, o);
     ys.push_back(testing::layer_forward(layer, x, false).y);
