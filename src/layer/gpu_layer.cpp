@@ -698,6 +698,9 @@ int GpuMoeLayer::rank() const {
 int GpuMoeLayer::num_ranks() const {
   return impl_->ranks;
 }
+bool GpuMoeLayer::shared_expert_on_own_stream() const {
+  return impl_->own_shared_stream;
+}
 std::int64_t GpuMoeLayer::max_tokens() const {
   return impl_->T_max;
 }

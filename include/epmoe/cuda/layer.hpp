@@ -100,6 +100,7 @@ class GpuMoeLayer {
   const GpuLayerOptions& options() const;
   int rank() const;
   int num_ranks() const;
+  bool shared_expert_on_own_stream() const;  // GpuLayerOptions::shared_stream, resolved
   std::int64_t max_tokens() const;
   cudaStream_t stream() const;  // where forward() enqueues; outputs are valid in its order
 
