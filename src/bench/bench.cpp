@@ -153,17 +153,21 @@ nlohmann::json to_json(const Result& r) {
           {"gbps", r.gbps},   {"tflops", r.tflops}, {"floor_us", r.floor_us}};
 }
 
-nlohmann::json report_json(const std::vector<Result>& results) {
+std::string utc_now_iso8601() {
   const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
   std::tm utc{};
   gmtime_r(&now, &utc);
   std::array<char, 32> date{};
   std::strftime(date.data(), date.size(), "%Y-%m-%dT%H:%M:%SZ", &utc);
+  return date.data();
+}
+
+nlohmann::json report_json(const std::vector<Result>& results) {
   nlohmann::json list = nlohmann::json::array();
   for (const Result& r : results) list.push_back(to_json(r));
   return {{"commit", git_commit()},
           {"device", cuda::device_description()},
-          {"date", date.data()},
+          {"date", utc_now_iso8601()},
           {"results", list}};
 }
 

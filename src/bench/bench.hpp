@@ -68,8 +68,10 @@ Result make_result(std::string bench, Params params, double time_us, double byte
 // One human-readable line: name, params, µs, GB/s, floor and time/floor.
 std::string describe(const Result& result);
 
-// The short commit (`git rev-parse --short HEAD`, else $EPMOE_COMMIT, else "unknown").
+// The short commit ($EPMOE_COMMIT, else `git rev-parse --short HEAD`, else "unknown").
 std::string git_commit();
+// Now, UTC, ISO 8601 ("2026-12-01T14:24:49Z").
+std::string utc_now_iso8601();
 // {"commit", "device", "date" (UTC, ISO 8601), "results": [...]}.
 nlohmann::json report_json(const std::vector<Result>& results);
 nlohmann::json to_json(const Result& result);

@@ -183,6 +183,11 @@ Variant pingpong_variant() {
   v.options.pingpong = true;
   return v;
 }
+Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split (opt-in)
+  Variant v{".split", {}};
+  v.options.split_tiles = true;
+  return v;
+}
 
 // Timing experiments (EPMOE_BENCH_GEMM_EXPERIMENTS=1): ablations that locate the bottleneck
 // (no tensor-core work, no loads), pipeline depth, half the SMs, L2 promotion, the A box.
@@ -215,6 +220,13 @@ std::vector<Variant> experiments(bool masked) {
   add("pingpong", [](auto& o) { o.pingpong = true; });
   add("scalar_epilogue", [](auto& o) { o.vector_epilogue = false; });
   add("stages2", [](auto& o) { o.stages = 2; });
+  // What a whole-tile staged epilogue would cost and leave (its 64 KB take one of 128 x 256's four
+  // stages): three stages with the stores, and without them.
+  add("stages3", [](auto& o) { o.stages = 3; });
+  add("no_epilogue_stages3", [](auto& o) {
+    o.ablation = 16;
+    o.stages = 3;
+  });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
   // v5: where the consumers' time goes (bits of GroupedGemmOptions::ablation).
   add("no_promote", [](auto& o) { o.ablation = 4; });
@@ -354,6 +366,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   std::vector<Variant> variants{{"", {}},       c2_variant(),         pingpong_variant(),
                                 skew_variant(), plain_loop_variant(), v2_variant()};
   if (chosen.block_n == 256) {
+    variants.push_back(split_variant());
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;
     variants.push_back({".alt.p1", {}});  // 128 x 128 with one partial (before v7)
@@ -415,6 +428,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());
+    if (chosen.block_n == 256) variants.push_back(split_variant());
   } else {
     variants.push_back({".p1", {}});  // the 64 x 128 tile with one partial (before v7)
     variants.back().options.two_partials = false;

@@ -29,12 +29,13 @@ constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 // Rows of the small A box (tiles with at most this many valid rows: decode).
 constexpr int kSmallABoxRows = 32;
 
-// GroupedGemmOptions::two_partials, unless EPMOE_GEMM_TWO_PARTIALS=0|1 says otherwise.
-bool two_partials_from_env(bool option) {
-  static const int env = [] {
-    const char* v = std::getenv("EPMOE_GEMM_TWO_PARTIALS");
-    return v == nullptr || *v == '\0' ? -1 : std::string_view(v) == "1" ? 1 : 0;
-  }();
+// A boolean option's override from the environment (A/B timing without rebuilding): -1 when
+// `name` is unset or empty, 1 when it is "1", else 0. Read once per process.
+int env_switch(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || *v == '\0' ? -1 : std::string_view(v) == "1" ? 1 : 0;
+}
+bool with_env(int env, bool option) {
   return env < 0 ? option : env == 1;
 }
 
@@ -161,7 +162,10 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   params.skew = options.consumer_skew && !options.pingpong ? 1 : 0;
   params.unroll = options.unrolled_k_loop ? 1 : 0;
   params.vector_epilogue = options.vector_epilogue ? 1 : 0;
-  params.two_partials = two_partials_from_env(options.two_partials) ? 1 : 0;
+  static const int two_partials_env = env_switch("EPMOE_GEMM_TWO_PARTIALS");
+  static const int split_tiles_env = env_switch("EPMOE_GEMM_SPLIT_TILES");
+  params.two_partials = with_env(two_partials_env, options.two_partials) ? 1 : 0;
+  params.split_tiles = with_env(split_tiles_env, options.split_tiles) ? 1 : 0;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;
   constexpr CUtensorMapL2promotion kPromotions[] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

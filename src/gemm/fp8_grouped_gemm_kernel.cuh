@@ -19,7 +19,9 @@
 //     allows (uniform addresses). Tiles of one wave (block_n = 128) alternate two partials instead,
 //     each K block issued before the previous one is waited for and promoted (v7). After the last K
 //     block, the f32 accumulators go to bf16 and to global memory (valid rows only), 16 bytes per
-//     store after a transpose inside each quad of lanes.
+//     store after a transpose inside each quad of lanes. A 128 x 256 tile with at most 64 valid
+//     rows (a group's last block) is split (v11): both consumers take its first 64 rows, each one
+//     128-column wave, so no warpgroup computes only padding rows.
 // Ping-pong (p.pingpong, off by default): the two consumer warpgroups issue their waves in turn
 // (named barriers 1 and 2 pass the turn), meant to run one warpgroup's promotion under the other's
 // wgmma; measured 13% slower than leaving them alone (bench/NOTES.md, v3), kept for experiments.
@@ -101,8 +103,37 @@ struct GroupedGemmParams {
   std::int32_t unroll;           // 1: the consumers' K loop unrolled over the stages (where it applies)
   std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
   std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
+  std::int32_t split_tiles;      // 1: 128 x 256 tiles with <= 64 valid rows split their columns (v11)
   std::int32_t ablation;         // kAblate*: timing experiments only
 };
+
+// Ablation bits (GroupedGemmParams::ablation): timing experiments only, the output is garbage.
+inline constexpr int kAblateNone = 0;
+inline constexpr int kAblateMath = 1;     // consumers skip the wgmma and the promotion
+inline constexpr int kAblateLoads = 2;    // the producer arms the full barriers without loading A and B
+inline constexpr int kAblatePromote = 4;  // consumers promote one accumulator per wave (wgmma and wait kept)
+inline constexpr int kAblateOneWait = 8;  // all waves of a K block into one partial: one wait, one promotion
+inline constexpr int kAblateEpilogue = 16;  // no output stores
+inline constexpr int kAblateScales = 32;    // the scale warp copies nothing (arrives only)
+inline constexpr int kAblateFullWait = 64;  // consumers do not wait on "full" (stale stages)
+inline constexpr int kAblatePipe =
+    128;  // no pipeline at all: producers idle, consumers neither wait nor free
+// Not an ablation: consumer 0's first thread of every CTA adds its consumer loop's SM cycles and
+// nanoseconds to g_fp8_gemm_trace (the loop's cycles per wgmma and the clock it ran at, against the
+// probe's; read by fp8_grouped_gemm_take_trace).
+inline constexpr int kTraceLoop = 256;
+// Timing ablation: each consumer warp spins 200 cycles after each K block's last wave completes (is
+// the consumers' per-K-block latency hidden by the other warpgroup's wgmma, or exposed?).
+inline constexpr int kAblateSpin = 512;
+
+// v11: whether a kBlockM x kBlockN tile with rows_used possibly valid rows is computed split (both
+// consumers on its first 64 rows, one 128-column wave each; see the consumer loop). The scheduler
+// picks the consumers' valid-row word by it; the consumers run the split loop by it.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ bool split_tile(const GroupedGemmParams& p, std::int32_t rows_used) {
+  return kBlockM == 128 && kBlockN == 256 && rows_used <= 64 && p.split_tiles != 0 && p.cluster == 1 &&
+         p.pingpong == 0 && p.skew == 0 && p.vector_epilogue != 0 && (p.ablation & ~kTraceLoop) == 0;
+}
 
 // One output tile.
 struct GemmTile {
@@ -145,7 +176,8 @@ class GemmScheduler {
   // The same, and (contiguous layout) which rows of the tile's 32-row word `word` belong to its
   // group: bit l of `rows` is tile row 32 word + l (the masked layout leaves `rows` as it is; its
   // rows are valid below tile.row_end). Saves the consumers a second dependent load of m_indices
-  // per tile.
+  // per tile. In a split tile (split_tile) the word is `word % 2`: the consumers both take the
+  // tile's first 64 rows, consumer 1's warps those of consumer 0's.
   __device__ __forceinline__ bool next(GemmTile& tile, const GroupedGemmParams& p, int word,
                                        std::uint32_t& rows) {
     return p.masked_m != nullptr ? next_masked(tile, p) : next_contiguous(tile, p, word, rows);
@@ -224,10 +256,16 @@ class GemmScheduler {
 #pragma unroll
       for (int i = 0; i < kBlockM / 32; ++i) {
         if (ids[i] == g) last = i * 32 + lane + 1;
-        const std::uint32_t mine = __ballot_sync(0xffffffffu, ids[i] == g);
-        if (i == word) rows = mine;
       }
       last = __reduce_max_sync(0xffffffffu, last);
+      if (word >= 0) {
+        const int w = split_tile<kBlockM, kBlockN>(p, last) ? word % 2 : word;
+#pragma unroll
+        for (int i = 0; i < kBlockM / 32; ++i) {
+          const std::uint32_t mine = __ballot_sync(0xffffffffu, ids[i] == g);
+          if (i == w) rows = mine;
+        }
+      }
       tile = GemmTile{g, n_unit * p.cluster + rank_, row0, 0, p.rows, 0, last};
       return true;
     }
@@ -310,25 +348,6 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64
   }
 }
 
-// Ablation bits (GroupedGemmParams::ablation): timing experiments only, the output is garbage.
-inline constexpr int kAblateNone = 0;
-inline constexpr int kAblateMath = 1;     // consumers skip the wgmma and the promotion
-inline constexpr int kAblateLoads = 2;    // the producer arms the full barriers without loading A and B
-inline constexpr int kAblatePromote = 4;  // consumers promote one accumulator per wave (wgmma and wait kept)
-inline constexpr int kAblateOneWait = 8;  // all waves of a K block into one partial: one wait, one promotion
-inline constexpr int kAblateEpilogue = 16;  // no output stores
-inline constexpr int kAblateScales = 32;    // the scale warp copies nothing (arrives only)
-inline constexpr int kAblateFullWait = 64;  // consumers do not wait on "full" (stale stages)
-inline constexpr int kAblatePipe =
-    128;  // no pipeline at all: producers idle, consumers neither wait nor free
-// Not an ablation: consumer 0's first thread of every CTA adds its consumer loop's SM cycles and
-// nanoseconds to g_fp8_gemm_trace (the loop's cycles per wgmma and the clock it ran at, against the
-// probe's; read by fp8_grouped_gemm_take_trace).
-inline constexpr int kTraceLoop = 256;
-// Timing ablation: each consumer warp spins 200 cycles after each K block's last wave completes (is
-// the consumers' per-K-block latency hidden by the other warpgroup's wgmma, or exposed?).
-inline constexpr int kAblateSpin = 512;
-
 // The trace's sums: [0] loop cycles, [1] loop ns, [2] K blocks, [3] CTAs, [4] launch spans (first
 // CTA entry to last loop exit, ns), [5] launches, [6] this launch's earliest entry, [7] its latest exit.
 __device__ unsigned long long g_fp8_gemm_trace[8] = {0, 0, 0, 0, 0, 0, ~0ull, 0};
@@ -359,6 +378,36 @@ __device__ __forceinline__ void quad_transpose(std::uint32_t (&w)[4], int q) {
       w[k] = got;
     } else {
       w[k + 1] = got;
+    }
+  }
+}
+
+// One wave's 64 accumulators v (the wgmma m64n128 layout: this thread's rows row_a and row_b =
+// row_a + 8), times `scale` when kScaled, as bf16 into the 128 columns at d_col of those rows (valid
+// rows only; n: d's row stride in elements). Per row and 32 columns the quad's lanes hold 2 columns of
+// each 8 (j = 4 i + k): after the transpose lane q holds the 8 columns of j = 4 i + q and stores them
+// as one 16-byte word, so each store instruction writes 64 contiguous bytes of 8 rows. The epilogue
+// of the FP8 and W4A8 kernels.
+template <bool kScaled>
+__device__ __forceinline__ void store_wave_bf16(const float (&v)[64], float scale, __nv_bfloat16* d_col,
+                                                std::int64_t row_a, std::int64_t row_b, bool valid_a,
+                                                bool valid_b, std::int64_t n, int lane) {
+  const int q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const bool valid = h == 0 ? valid_a : valid_b;
+    __nv_bfloat16* d_row = d_col + (h == 0 ? row_a : row_b) * n;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      std::uint32_t words[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int j = 4 * i + k;
+        const float lo = v[4 * j + 2 * h], hi = v[4 * j + 2 * h + 1];
+        words[k] = kScaled ? pack_bf16x2(lo * scale, hi * scale) : pack_bf16x2(lo, hi);
+      }
+      quad_transpose(words, q);
+      if (valid) ptx::st_global_v4(d_row + 8 * (4 * i + q), words[0], words[1], words[2], words[3]);
     }
   }
 }
@@ -470,7 +519,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           if (kWaves == 1 || (p.ablation & kAblateScales) == 0) {
 #pragma unroll
             for (int i = 0; i < kBlockM / 32; ++i) {
-              if (local0 + i * 32 < p.rows)
+              // Rows past the tile's last valid one (padding, rows past masked_m) have no scale:
+              // their quantizer skips them, and no consumer reads their slot.
+              if (i * 32 + lane < tile.rows_used)
                 ptx::cp_async_4(scales + 4 * 32 * i, p.sa + sa_off + i * 32 * p.sa_row_stride);
             }
             if (lane < kWaves) ptx::cp_async_4(scales + 4 * kBlockM, p.sb + sb_off + kb);
@@ -507,6 +558,13 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     // wgmma); not with the turn passing or the ablations (the trace aside).
     const bool two_partials =
         kWaves == 1 && p.two_partials != 0 && !ordered && !skewed && (p.ablation & ~kTraceLoop) == 0;
+    // v11 (p.split_tiles; 128 x 256 tiles, no cluster): a tile with at most 64 valid rows (in the
+    // contiguous layout a group's last block: ~a third of the blocks at ~128 rows per group) runs as
+    // 64 x 256 with its columns split: both consumers take the tile's first 64 rows of A and consumer
+    // c the 128 columns of wave c, one wave per K block each (the main loop's k_block with kSplit).
+    // Without it consumer 1 computes 64 padding rows and consumer 0 two waves per K block. (v7's two
+    // partials here made ptxas spill 0.2-2 KB in every arrangement tried.)
+    constexpr bool kSplittable = kWaves == 2 && Traits::kConsumers == 2;
     const std::uint32_t my_turn =
         __shfl_sync(0xffffffffu, kTurnBarrier + static_cast<std::uint32_t>(consumer), 0);
     const std::uint32_t their_turn = my_turn ^ 3u;  // kTurnBarrier + (consumer ^ 1): barriers 1 and 2
@@ -546,24 +604,33 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       atomicAdd(g_fp8_gemm_trace + 1, 0ull - static_cast<unsigned long long>(ptx::global_timer_ns()));
     }
     while (scheduler.next(tile, p, row_in_tile / 32, tile_rows)) {
-      // (Set here, not once before the loop: the wgmma asm reads part, so a value from before the
-      // loop would keep these registers live through the epilogue and the scheduler.)
-#pragma unroll
-      for (int i = 0; i < 64; ++i) part[0][i] = 0.0f;
-      if (trace) atomicAdd(g_fp8_gemm_trace + 2, static_cast<unsigned long long>(num_kb));
-      const std::int32_t row_a = tile.row0 + row_in_tile;
+      const bool split = split_tile<kBlockM, kBlockN>(p, tile.rows_used);
+      // This thread's rows (my_row and my_row + 8): in a split tile consumer 1's warps take those of
+      // consumer 0's.
+      const int my_row = split ? row_in_tile - consumer * 64 : row_in_tile;
+      // (The trace counts K blocks of kWaves waves: a split tile's consumer 0 runs half as many waves.)
+      if (trace)
+        atomicAdd(g_fp8_gemm_trace + 2, static_cast<unsigned long long>(split ? num_kb / 2 : num_kb));
+      const std::int32_t row_a = tile.row0 + my_row;
       const std::int32_t row_b = row_a + 8;
       bool valid_a = row_a < tile.row_end;
       bool valid_b = row_b < tile.row_end;
       if (p.m_indices != nullptr) {
-        valid_a = valid_a && ((tile_rows >> (row_in_tile % 32)) & 1u) != 0;
-        valid_b = valid_b && ((tile_rows >> ((row_in_tile + 8) % 32)) & 1u) != 0;
+        valid_a = valid_a && ((tile_rows >> (my_row % 32)) & 1u) != 0;  // (my_row's word: next())
+        valid_b = valid_b && ((tile_rows >> ((my_row + 8) % 32)) & 1u) != 0;
       }
+      // Per tile, after the split tile's branch (which zeroes its own): the wgmma asm reads part, so
+      // a value from before the loop would keep these registers live through the epilogue and the
+      // scheduler, and one from before that branch would be live into it.
+      const auto zero_accumulators = [&] {
 #pragma unroll
-      for (int w = 0; w < kWaves; ++w) {
+        for (int i = 0; i < 64; ++i) part[0][i] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[w][i] = 0.0f;
-      }
+        for (int w = 0; w < kWaves; ++w) {
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[w][i] = 0.0f;
+        }
+      };
 
       // This warp is done with a stage: it may be refilled (in every CTA of the cluster: the peer's
       // half of A lives here too).
@@ -657,6 +724,127 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         }
       };
 
+      // The main loop waits for the next K block's stage while the current block's last wave runs
+      // (v9): that "full" wait then leaves the turnaround between the wave's completion and the
+      // next block's first wgmma (bench/NOTES.md, session 11). (Reading the next block's scales
+      // there too needs 4 registers more, and ptxas then spills ~1.8 KB.)
+      const bool wait_full = (p.ablation & (kAblateFullWait | kAblatePipe)) == 0;
+      // One K block in stage `stage_v` (a run-time int, or a std::integral_constant: the unrolled
+      // loop, where every barrier, scale and descriptor address is a uniform base plus an
+      // immediate); next_stage / next_phase: the following K block's (the main loop's lookahead).
+      // The timing ablations (kAblateOneWait, kAblatePromote) get their own copies, so the default
+      // loop's code is what it is without them.
+      // kSplit (split_v): a split tile's block, one wave (this consumer's) into acc[0].
+      const auto k_block = [&](auto one_wait, auto no_promote, auto split_v, auto stage_v, std::int32_t kb,
+                               std::uint32_t phase, int next_stage, std::uint32_t next_phase) {
+        constexpr bool kOneWait = decltype(one_wait)::value;
+        constexpr bool kNoPromote = decltype(no_promote)::value;
+        constexpr bool kSplit = decltype(split_v)::value;
+        constexpr bool kLookahead = !kOneWait && !kNoPromote;
+        constexpr int kBlockWaves = kSplit ? 1 : kWaves;
+        const int stage = stage_v;
+        // (In the main loop the previous block waited for this one, except for a tile's first.)
+        if ((!kLookahead || kb == 0) && wait_full) ptx::mbar_wait(u_full + 8 * stage, phase);
+        // This K block's scales, read before the stage is given back.
+        const std::uint32_t scales = u_scales + stage * Traits::kScaleBytes;
+        // (my_row, re-derived: one register fewer across the loop.)
+        const int scale_row = kSplit ? row_in_tile - static_cast<int>(u_consumer) * 64 : row_in_tile;
+        const float s_a = valid_a ? ptx::ld_shared_f32(scales + 4 * scale_row) : 0.0f;
+        const float s_b = valid_b ? ptx::ld_shared_f32(scales + 4 * (scale_row + 8)) : 0.0f;
+        float s_w[kBlockWaves];
+#pragma unroll
+        for (int w = 0; w < kBlockWaves; ++w)
+          s_w[w] = ptx::ld_shared_f32(scales + 4 * (kBlockM + (kSplit ? static_cast<int>(u_consumer) : w)));
+
+        // (A split tile's: the tile's first 64 rows of A, this consumer's wave of B; derived here
+        // rather than kept in two registers of their own.)
+        const std::uint32_t a_desc = (kSplit ? a_desc0 - u_consumer * ((64 * kGemmBlockK) >> 4) : a_desc0) +
+                                     static_cast<std::uint32_t>(stage) * kADescStage;
+        const std::uint32_t b_desc = (kSplit ? b_desc0 + u_consumer * kBDescWave : b_desc0) +
+                                     static_cast<std::uint32_t>(stage) * kBDescStage;
+#pragma unroll
+        for (int w = 0; w < kBlockWaves; ++w) {
+          const bool turn = ordered || (skewed && kb == 0 && w == 0);
+          if (turn) ptx::named_bar_sync(my_turn, 256);
+          if (!kOneWait || w == 0) {
+            fence_all(part[0]);
+            ptx::wgmma_fence();
+          }
+#pragma unroll
+          for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
+            ptx::wgmma_m64n128k32_e4m3(part[0], ptx::wgmma_desc_from_lo(a_desc + kk * kDescK),
+                                       ptx::wgmma_desc_from_lo(b_desc + w * kBDescWave + kk * kDescK),
+                                       kk > 0 || (kOneWait && w > 0));
+          }
+          if (kOneWait && w < kBlockWaves - 1) continue;
+          ptx::wgmma_commit();
+          if (turn) ptx::named_bar_arrive(their_turn, 256);
+          if constexpr (kLookahead) {
+            if (w == kBlockWaves - 1 && kb + 1 < num_kb && wait_full)
+              ptx::mbar_wait(u_full + 8 * next_stage, next_phase);
+          }
+          ptx::wgmma_wait<0>();
+          fence_all(part[0]);
+          // After the last wave this warp is done with the stage; the fences keep the promotion
+          // after the arrive, so the producers get the stage back early.
+          if (w == kBlockWaves - 1) free_stage(stage);
+          if (w == kBlockWaves - 1 && (p.ablation & kAblateSpin) != 0) {
+            const long long spin0 = clock64();
+            while (clock64() - spin0 < 200) {
+            }
+          }
+          fence_all(part[0]);
+          if constexpr (kNoPromote) {
+            // One FFMA per wave, not 64: the wave's wgmma results must stay live, or ptxas drops the
+            // wgmma itself (it did, before this line: the SASS held a dummy HGMMA.64x8x16 with RZ).
+            acc[w][0] = fmaf(s_a, part[0][0], acc[w][0]);
+          } else {
+            promote(acc[w], part[0], s_a, s_b, s_w[w]);
+          }
+        }
+      };
+      const auto k_loop = [&](auto one_wait, auto no_promote, auto split_v) {
+        if constexpr (!decltype(one_wait)::value && !decltype(no_promote)::value) {
+          if (unrolled) {
+            // Every tile starts at stage 0 here (num_kb is a multiple of the stages).
+            for (std::int32_t kb0 = 0; kb0 < num_kb; kb0 += kStages) {
+              for_each_index(std::make_integer_sequence<int, kStages>{}, [&](auto s) {
+                constexpr int kS = decltype(s)::value;
+                k_block(one_wait, no_promote, split_v, s, kb0 + kS, pipe.phase, (kS + 1) % kStages,
+                        kS + 1 == kStages ? pipe.phase ^ 1u : pipe.phase);
+              });
+              pipe.phase ^= 1u;
+            }
+            return;
+          }
+        }
+        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+          PipeState next = pipe;
+          next.advance(stages);
+          k_block(one_wait, no_promote, split_v, pipe.stage, kb, pipe.phase, next.stage, next.phase);
+          pipe = next;
+        }
+      };
+      // Epilogue: bf16 to global memory, valid rows only: one wave's accumulators v to the tile's 128
+      // columns of wave col_block.
+      const auto store_wave = [&](const float(&v)[64], int col_block) {
+        store_wave_bf16<false>(v, 1.0f, p.d + tile.n_block * kBlockN + col_block * kGemmWaveN, row_a, row_b,
+                               valid_a, valid_b, p.n, lane);
+      };
+      if constexpr (kSplittable) {
+        // A split tile, start to end in a branch of its own (where its loop and epilogue merged with
+        // the full tile's, ptxas spilled ~2 KB).
+        if (split) {
+#pragma unroll
+          for (int i = 0; i < 64; ++i) part[0][i] = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[0][i] = 0.0f;
+          k_loop(std::false_type{}, std::false_type{}, std::true_type{});
+          store_wave(acc[0], static_cast<int>(u_consumer));
+          continue;
+        }
+      }
+      zero_accumulators();
       if (two_partials) {
         two_partial_k_loop();
       } else if ((p.ablation & kAblateMath) != 0) {
@@ -666,142 +854,29 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           pipe.advance(stages);
         }
       } else {
-        // The main loop waits for the next K block's stage while the current block's last wave runs
-        // (v9): that "full" wait then leaves the turnaround between the wave's completion and the
-        // next block's first wgmma (bench/NOTES.md, session 11). (Reading the next block's scales
-        // there too needs 4 registers more, and ptxas then spills ~1.8 KB.)
-        const bool wait_full = (p.ablation & (kAblateFullWait | kAblatePipe)) == 0;
-        // One K block in stage `stage_v` (a run-time int, or a std::integral_constant: the unrolled
-        // loop, where every barrier, scale and descriptor address is a uniform base plus an
-        // immediate); next_stage / next_phase: the following K block's (the main loop's lookahead).
-        // The timing ablations (kAblateOneWait, kAblatePromote) get their own copies, so the default
-        // loop's code is what it is without them.
-        const auto k_block = [&](auto one_wait, auto no_promote, auto stage_v, std::int32_t kb,
-                                 std::uint32_t phase, int next_stage, std::uint32_t next_phase) {
-          constexpr bool kOneWait = decltype(one_wait)::value;
-          constexpr bool kNoPromote = decltype(no_promote)::value;
-          constexpr bool kLookahead = !kOneWait && !kNoPromote;
-          const int stage = stage_v;
-          // (In the main loop the previous block waited for this one, except for a tile's first.)
-          if ((!kLookahead || kb == 0) && wait_full) ptx::mbar_wait(u_full + 8 * stage, phase);
-          // This K block's scales, read before the stage is given back.
-          const std::uint32_t scales = u_scales + stage * Traits::kScaleBytes;
-          const float s_a = valid_a ? ptx::ld_shared_f32(scales + 4 * row_in_tile) : 0.0f;
-          const float s_b = valid_b ? ptx::ld_shared_f32(scales + 4 * (row_in_tile + 8)) : 0.0f;
-          float s_w[kWaves];
-#pragma unroll
-          for (int w = 0; w < kWaves; ++w) s_w[w] = ptx::ld_shared_f32(scales + 4 * (kBlockM + w));
-
-          const std::uint32_t a_desc = a_desc0 + static_cast<std::uint32_t>(stage) * kADescStage;
-          const std::uint32_t b_desc = b_desc0 + static_cast<std::uint32_t>(stage) * kBDescStage;
-#pragma unroll
-          for (int w = 0; w < kWaves; ++w) {
-            const bool turn = ordered || (skewed && kb == 0 && w == 0);
-            if (turn) ptx::named_bar_sync(my_turn, 256);
-            if (!kOneWait || w == 0) {
-              fence_all(part[0]);
-              ptx::wgmma_fence();
-            }
-#pragma unroll
-            for (int kk = 0; kk < kGemmBlockK / 32; ++kk) {
-              ptx::wgmma_m64n128k32_e4m3(part[0], ptx::wgmma_desc_from_lo(a_desc + kk * kDescK),
-                                         ptx::wgmma_desc_from_lo(b_desc + w * kBDescWave + kk * kDescK),
-                                         kk > 0 || (kOneWait && w > 0));
-            }
-            if (kOneWait && w < kWaves - 1) continue;
-            ptx::wgmma_commit();
-            if (turn) ptx::named_bar_arrive(their_turn, 256);
-            if constexpr (kLookahead) {
-              if (w == kWaves - 1 && kb + 1 < num_kb && wait_full)
-                ptx::mbar_wait(u_full + 8 * next_stage, next_phase);
-            }
-            ptx::wgmma_wait<0>();
-            fence_all(part[0]);
-            // After the last wave this warp is done with the stage; the fences keep the promotion
-            // after the arrive, so the producers get the stage back early.
-            if (w == kWaves - 1) free_stage(stage);
-            if (w == kWaves - 1 && (p.ablation & kAblateSpin) != 0) {
-              const long long spin0 = clock64();
-              while (clock64() - spin0 < 200) {
-              }
-            }
-            fence_all(part[0]);
-            if constexpr (kNoPromote) {
-              // One FFMA per wave, not 64: the wave's wgmma results must stay live, or ptxas drops the
-              // wgmma itself (it did, before this line: the SASS held a dummy HGMMA.64x8x16 with RZ).
-              acc[w][0] = fmaf(s_a, part[0][0], acc[w][0]);
-            } else {
-              promote(acc[w], part[0], s_a, s_b, s_w[w]);
-            }
-          }
-        };
-        const auto k_loop = [&](auto one_wait, auto no_promote) {
-          if constexpr (!decltype(one_wait)::value && !decltype(no_promote)::value) {
-            if (unrolled) {
-              // Every tile starts at stage 0 here (num_kb is a multiple of the stages).
-              for (std::int32_t kb0 = 0; kb0 < num_kb; kb0 += kStages) {
-                for_each_index(std::make_integer_sequence<int, kStages>{}, [&](auto s) {
-                  constexpr int kS = decltype(s)::value;
-                  k_block(one_wait, no_promote, s, kb0 + kS, pipe.phase, (kS + 1) % kStages,
-                          kS + 1 == kStages ? pipe.phase ^ 1u : pipe.phase);
-                });
-                pipe.phase ^= 1u;
-              }
-              return;
-            }
-          }
-          for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-            PipeState next = pipe;
-            next.advance(stages);
-            k_block(one_wait, no_promote, pipe.stage, kb, pipe.phase, next.stage, next.phase);
-            pipe = next;
-          }
-        };
         using False = std::integral_constant<bool, false>;
         using True = std::integral_constant<bool, true>;
         // (One wait per K block is what a single-wave tile does anyway.)
         const int timing = p.ablation & ((kWaves > 1 ? kAblateOneWait : 0) | kAblatePromote);
         if (timing == 0) {
-          k_loop(False{}, False{});
+          k_loop(False{}, False{}, False{});
         } else if (timing == kAblatePromote) {
-          k_loop(False{}, True{});
+          k_loop(False{}, True{}, False{});
         } else if constexpr (kWaves > 1) {
           if (timing == kAblateOneWait) {
-            k_loop(True{}, False{});
+            k_loop(True{}, False{}, False{});
           } else {
-            k_loop(True{}, True{});
+            k_loop(True{}, True{}, False{});
           }
         }
       }
 
-      // Epilogue: bf16 to global memory, valid rows only.
+      // Epilogue: bf16 to global memory, valid rows only (store_wave above).
       if ((p.ablation & kAblateEpilogue) != 0) {
         // timing ablation: no stores
       } else if (p.vector_epilogue != 0) {
-        // Per row and 32 columns, the quad's lanes hold 2 columns of each 8 (j = 4 i + k): after the
-        // transpose lane q holds the 8 columns of j = 4 i + q and stores them as one 16-byte word,
-        // so each store instruction writes 64 contiguous bytes of 8 rows.
-        const int q = lane % 4;
 #pragma unroll
-        for (int w = 0; w < kWaves; ++w) {
-          __nv_bfloat16* d_col = p.d + tile.n_block * kBlockN + w * kGemmWaveN;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const bool valid = h == 0 ? valid_a : valid_b;
-            __nv_bfloat16* d_row = d_col + static_cast<std::int64_t>(h == 0 ? row_a : row_b) * p.n;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              std::uint32_t words[4];
-#pragma unroll
-              for (int k = 0; k < 4; ++k) {
-                const int j = 4 * i + k;
-                words[k] = pack_bf16x2(acc[w][4 * j + 2 * h], acc[w][4 * j + 2 * h + 1]);
-              }
-              quad_transpose(words, q);
-              if (valid) ptx::st_global_v4(d_row + 8 * (4 * i + q), words[0], words[1], words[2], words[3]);
-            }
-          }
-        }
+        for (int w = 0; w < kWaves; ++w) store_wave(acc[w], w);
       } else {
 #pragma unroll
         for (int w = 0; w < kWaves; ++w) {

@@ -45,7 +45,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda/ptx_hopper.cuh"
-#include "gemm/fp8_grouped_gemm_kernel.cuh"   // quad_transpose, pack_bf16x2, fence_all
+#include "gemm/fp8_grouped_gemm_kernel.cuh"   // store_wave_bf16, fence_all
 #include "gemm/w4a8_grouped_gemm_kernel.cuh"  // W4A8Params, W4A8Scheduler, W4A8Pipe, w4a8_convert8
 #include "gemm/w4a8_layout.hpp"
 
@@ -326,23 +326,8 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
       // Epilogue: a_scale, bf16, 16-byte stores of valid rows (as the FP8 kernel's).
       const auto store_wave = [&](auto wc) {
         constexpr int w = decltype(wc)::value;
-        __nv_bfloat16* d_col = p.d + tile.n_tile * kBN + col0 + w * 128;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const bool valid = h == 0 ? valid_a : valid_b;
-          __nv_bfloat16* d_row = d_col + static_cast<std::int64_t>(h == 0 ? row_a : row_b) * p.n;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            std::uint32_t words[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              const int j = 4 * i + k;
-              words[k] = pack_bf16x2(acc[w][4 * j + 2 * h] * a_scale, acc[w][4 * j + 2 * h + 1] * a_scale);
-            }
-            quad_transpose(words, q);
-            if (valid) ptx::st_global_v4(d_row + 8 * (4 * i + q), words[0], words[1], words[2], words[3]);
-          }
-        }
+        store_wave_bf16<true>(acc[w], a_scale, p.d + tile.n_tile * kBN + col0 + w * 128, row_a, row_b,
+                              valid_a, valid_b, p.n, lane);
       };
       store_wave(std::integral_constant<int, 0>{});
       if constexpr (kWaves == 2) store_wave(std::integral_constant<int, 1>{});

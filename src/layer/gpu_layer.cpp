@@ -98,8 +98,9 @@ struct GpuMoeLayer::Impl {
   LowLatencyDispatcher* lls[2] = {nullptr, nullptr};  // the same objects when they have send / receive halves
   Dispatcher* dispatcher = nullptr;                   // dispatchers[0]
   bool tbo = false;
-  bool whole_dispatch = false;  // GpuLayerOptions::whole_dispatch (or its variable), without tbo
-  Stream s2;                    // two-batch overlap: the compute stream
+  bool own_shared_stream = true;  // GpuLayerOptions::shared_stream, resolved
+  bool whole_dispatch = false;    // GpuLayerOptions::whole_dispatch (or its variable), without tbo
+  Stream s2;                      // two-batch overlap: the compute stream
   Event dispatched[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   Event computed[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   int gemm_max_ctas = 0;             // two-batch overlap: the SMs the runners' GEMMs may take (0: all)
@@ -217,6 +218,10 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
 
   dispatcher_name = o.dispatcher;
   if (dispatcher_name == "auto") dispatcher_name = ranks == 1 ? "local" : (normal ? "nvlink" : "nvlink-ll");
+  EPMOE_CHECK(o.shared_stream == "auto" || o.shared_stream == "own" || o.shared_stream == "main",
+              "GpuLayerOptions.shared_stream must be \"auto\", \"own\" or \"main\", got \"{}\"",
+              o.shared_stream);
+  own_shared_stream = o.shared_stream == "own" || (o.shared_stream == "auto" && !(normal && ranks == 1));
   EPMOE_CHECK(dispatcher_name == "local" || dispatcher_name == "nvlink" || dispatcher_name == "nvlink-ll" ||
                   dispatcher_name == "nccl-p2p",
               "dispatcher must be auto, local, nvlink, nvlink-ll or nccl-p2p, got '{}'", dispatcher_name);
@@ -234,6 +239,11 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   correction_bias = to_device(weights->correction_bias(), s0);
 
   logits = DeviceTensor(DType::f32, {T_max, E});
+  // Zeroed once, for compute-sanitizer initcheck only: at small shapes cuBLAS's gate kernel writes
+  // the logits in a way initcheck does not track (it reported the router's reads of every forward's
+  // logits as uninitialized), while GateGemmGpu.EveryLogitWrittenAtSmallShapes shows on poisoned
+  // outputs that every logit is written each call.
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(logits.data<float>(), 0, logits.nbytes(), s0));
   topk_ids = DeviceTensor(DType::i32, {T_max, K});
   topk_weights = DeviceTensor(DType::f32, {T_max, K});
   physical_ids = DeviceTensor(DType::i32, {T_max, K});
@@ -555,7 +565,7 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
   // path (overlapped with dispatch and the routed experts), or inline. s0 joins s1 before the final
   // add, so the next forward's mapping cannot overwrite physical_ids under the count.
   const bool shared = c.num_shared_experts > 0 && T > 0;
-  const bool fork_side = shared && o.overlap_shared;
+  const bool fork_side = shared && own_shared_stream;
   cudaStream_t ss = s0;
   if (fork_side) {
     ss = s1.get();
@@ -687,6 +697,9 @@ int GpuMoeLayer::rank() const {
 }
 int GpuMoeLayer::num_ranks() const {
   return impl_->ranks;
+}
+bool GpuMoeLayer::shared_expert_on_own_stream() const {
+  return impl_->own_shared_stream;
 }
 std::int64_t GpuMoeLayer::max_tokens() const {
   return impl_->T_max;

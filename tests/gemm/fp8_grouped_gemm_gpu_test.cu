@@ -65,6 +65,7 @@ struct ContiguousCase {
   bool skew = false;  // consumer_skew
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
+  bool split_tiles = cuda::GroupedGemmOptions{}.split_tiles;
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -72,6 +73,22 @@ void PrintTo(const ContiguousCase& c, std::ostream* os) {
 }
 
 class GroupedGemmContiguousGpu : public ::testing::TestWithParam<ContiguousCase> {};
+
+// v11's split tiles (opt-in), split or not: tails of 1, 64, 1, 64 and 33 rows (split), 65, 127, 128
+// and 72 rows (whole), -1 rows inside the groups (the consumers' valid-row words), a trailing empty
+// block.
+ContiguousCase split_tails_holes_case(bool split) {
+  ContiguousCase c{split ? "N4096_K2048_split_tails_holes" : "N4096_K2048_split_tails_holes_unsplit",
+                   {1, 64, 65, 127, 128, 129, 192, 200, 0, 33},
+                   4096,
+                   2048,
+                   ScaleLayout::token_major,
+                   0,
+                   1,
+                   true};
+  c.split_tiles = split;
+  return c;
+}
 
 TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   EPMOE_REQUIRE_GPU();
@@ -134,6 +151,7 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   options.consumer_skew = c.skew;
   options.unrolled_k_loop = c.unrolled;
   options.two_partials = c.two_partials;
+  options.split_tiles = c.split_tiles;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -148,6 +166,25 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GroupedGemmContiguousGpu,
     ::testing::Values(
+        // v11's split tiles (opt-in; 128 x 256, <= 64 valid rows: consumer 1 on consumer 0's rows and
+        // the second wave): split and not, with the plain K loop, and at K = 7168 with MN-major scales.
+        split_tails_holes_case(true), split_tails_holes_case(false),
+        [] {
+          ContiguousCase c{"N4096_K1536_split_tails_plain_k_loop",
+                           {3, 130, 60, 190},
+                           4096,
+                           1536,
+                           ScaleLayout::mn_major_tma};
+          c.unrolled = false;
+          c.split_tiles = true;
+          return c;
+        }(),
+        [] {
+          ContiguousCase c{
+              "N7168_K7168_split_tails_mn_major", {20, 130, 0, 250}, 7168, 7168, ScaleLayout::mn_major_tma};
+          c.split_tiles = true;
+          return c;
+        }(),
         // DeepSeek-V3 gate_up: an empty expert and a single-row expert.
         ContiguousCase{"N4096_K7168_empty_and_single_row", {1, 0, 130}, 4096, 7168, ScaleLayout::token_major},
         // DeepSeek-V3 down, MN-major scales as the GPU quantizer writes them.
@@ -315,6 +352,7 @@ struct MaskedCase {
   bool skew = false;  // consumer_skew
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
+  bool split_tiles = cuda::GroupedGemmOptions{}.split_tiles;
 };
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
@@ -393,6 +431,7 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.consumer_skew = c.skew;
   options.unrolled_k_loop = c.unrolled;
   options.two_partials = c.two_partials;
+  options.split_tiles = c.split_tiles;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
@@ -401,6 +440,24 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GroupedGemmMaskedGpu,
     ::testing::Values(
+        // v11's split tiles in the masked layout (128 x 256 tiles: expected m above 64): groups of
+        // 1, 64, 65, 130 and 192 rows (their last tiles split where <= 64 rows), and unsplit.
+        [] {
+          MaskedCase c{"N4096_K2048_mmax200_split_tails", 200, {1, 64, 65, 130, 192, 0}, 4096, 2048,
+                       ScaleLayout::mn_major_tma};
+          c.split_tiles = true;
+          return c;
+        }(),
+        [] {
+          MaskedCase c{"N4096_K2048_mmax200_split_tails_unsplit",
+                       200,
+                       {1, 64, 65, 130, 192, 0},
+                       4096,
+                       2048,
+                       ScaleLayout::mn_major_tma};
+          c.split_tiles = false;
+          return c;
+        }(),
         // M_max not a multiple of the tile; an empty group and a single-row group.
         MaskedCase{"N4096_K2048_mmax200", 200, {0, 1, 200, 77}, 4096, 2048, ScaleLayout::token_major},
         MaskedCase{"N4096_K2048_mmax200_block64_mn_major_full_a_box",

@@ -105,6 +105,30 @@ TEST(GateGemmGpu, MatchesCpuToF32Rounding) {
   testing::expect_error_mentions([&] { gate.run(dx, dg, dx, stream); }, "logits");
 }
 
+// The gate at the tiny model's dims and decode-sized batches (cuBLAS picks other kernels there than
+// at DeepSeek-V3's): every logit written (outputs poisoned with NaN first) and equal to the CPU's.
+TEST(GateGemmGpu, EveryLogitWrittenAtSmallShapes) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = one_rank("tiny");
+  SyntheticWeights w(c, 5);
+  cuda::Stream stream;
+  cuda::GateGemm gate;
+  const DeviceTensor dg = cuda::to_device(w.gate_weight(), stream);
+  for (const std::int64_t T : {1, 2, 3, 7, 16, 32, 100}) {
+    SCOPED_TRACE("T = " + std::to_string(T));
+    const HostTensor x = synthetic_tokens(c, 13, 0, T);
+    HostTensor want(DType::f32, {T, c.num_experts});
+    router_logits_cpu(x, w.gate_weight(), want);
+    const DeviceTensor dx = cuda::to_device(x, stream);
+    DeviceTensor dl(DType::f32, {T, c.num_experts});
+    dl.fill_bytes(0xff, stream);
+    gate.run(dx, dg, dl, stream);
+    const ErrorReport r = compare(cuda::to_host(dl, stream), want);
+    EXPECT_EQ(r.non_finite, 0);
+    EXPECT_LE(r.rel_l2, 1e-5);
+  }
+}
+
 struct LayerCase {
   const char* preset;
   Mode mode;
@@ -153,6 +177,31 @@ INSTANTIATE_TEST_SUITE_P(
              (case_info.param.mode == Mode::normal ? "normal" : "ll") + "_T" +
              std::to_string(case_info.param.tokens) + "_R" + std::to_string(case_info.param.redundant);
     });
+
+// GpuLayerOptions::shared_stream: the shared expert inline or on its own stream gives the same
+// bits (only where it runs changes); "auto" is inline here (normal mode, one rank); a bad name is
+// refused.
+TEST(GpuLayer, SharedStreamChoiceKeepsTheBits) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = one_rank("tiny", 0);
+  ASSERT_GT(c.num_shared_experts, 0);
+  auto w = gpu_synthetic(c, 9);
+  const HostTensor x = synthetic_tokens(c, 21, 0, 50);
+  std::vector<HostTensor> ys;
+  for (const char* where : {"own", "main", "auto"}) {
+    cuda::GpuLayerOptions o;
+    o.mode = Mode::normal;
+    o.max_tokens = x.size(0);
+    o.shared_stream = where;
+    cuda::GpuMoeLayer layer(w, o);
+    ys.push_back(testing::layer_forward(layer, x, false).y);
+  }
+  EXPECT_TRUE(same_bits<bf16>(ys[1], ys[0], "main against own"));
+  EXPECT_TRUE(same_bits<bf16>(ys[2], ys[0], "auto against own"));
+  cuda::GpuLayerOptions bad;
+  bad.shared_stream = "side";
+  testing::expect_error_mentions([&] { cuda::GpuMoeLayer layer(w, bad); }, "shared_stream");
+}
 
 TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {
   EPMOE_REQUIRE_GPU();

@@ -11,7 +11,7 @@ namespace epmoe::tools {
 
 struct CheckResult {
   std::vector<ErrorReport> per_rank;
-  ErrorReport overall;     // over every rank's outputs together
+  ErrorReport overall;  // over every rank's outputs together
   double tolerance = 1e-2;
   bool pass = false;
 };

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "bench/bench.hpp"
 #include "epmoe/cuda/runtime.hpp"
 #include "epmoe/layer.hpp"
 #include "tools/epmoe/check_util.hpp"
@@ -147,10 +148,9 @@ void run_main(const RunOptions& o) {
   }
 
   bool pass = true;
-  nlohmann::json j = {{"device", device_name(device)},
-                      {"config", config.describe()},
-                      {"preset", config.name},
-                      {"ranks", config.num_ranks},
+  nlohmann::json j = {{"commit", bench::git_commit()},   {"date", bench::utc_now_iso8601()},
+                      {"device", device_name(device)},   {"config", config.describe()},
+                      {"preset", config.name},           {"ranks", config.num_ranks},
                       {"quant", to_string(config.quant)}};
   std::printf("results:\n");
   for (const PhaseResult& p : phases) {
@@ -191,6 +191,11 @@ const CommandRegistration kRegistration{
       cmd->add_flag(
           "--tbo", options->tbo,
           "GPU: decode and prefill with two-batch overlap, and the same without it for comparison (N ranks)");
+      cmd->add_option("--shared-stream", options->shared_stream,
+                      "GPU: the shared expert on its own stream (own), inline on the main stream (main), or "
+                      "auto (inline in prefill on one GPU)")
+          ->check(CLI::IsMember({"auto", "own", "main"}))
+          ->capture_default_str();
       cmd->add_option("--tbo-comm-sms", options->tbo_comm_sms,
                       "GPU: SMs the overlapped GEMMs leave to communication")
           ->capture_default_str();

@@ -23,10 +23,11 @@ struct RunOptions {
   double tolerance = 1e-2;
   bool graphs = true;             // GPU: decode through CUDA graphs
   std::int64_t check_tokens = 4;  // GPU: tokens per rank and phase checked against the CPU reference
-  bool tbo = false;        // GPU: two-batch overlap in decode and prefill (N ranks), also timed without it
-  int tbo_comm_sms = 24;   // GPU: SMs the overlapped GEMMs leave to communication
-  double zipf = 0;         // GPU: Zipf-like routing skew (SyntheticWeights::skew_routing)
-  bool rebalance = false;  // GPU: EPLB rebalance after the decode loop, then the loop again
+  bool tbo = false;       // GPU: two-batch overlap in decode and prefill (N ranks), also timed without it
+  int tbo_comm_sms = 24;  // GPU: SMs the overlapped GEMMs leave to communication
+  std::string shared_stream = "auto";  // GPU: GpuLayerOptions::shared_stream
+  double zipf = 0;                     // GPU: Zipf-like routing skew (SyntheticWeights::skew_routing)
+  bool rebalance = false;              // GPU: EPLB rebalance after the decode loop, then the loop again
   double eplb_slot_cost = -1;  // GPU: GpuMoeLayer::rebalance's slot_cost_tokens (-1: the layer's estimate)
   std::string trace;           // GPU: Chrome-trace / Perfetto JSON of one forward per phase and rank
 };

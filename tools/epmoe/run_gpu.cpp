@@ -18,6 +18,7 @@
 #include <string>
 #include <type_traits>
 
+#include "bench/bench.hpp"
 #include "epmoe/comm.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/layer.hpp"
@@ -104,8 +105,9 @@ struct PhaseStats {
   // Rows per slot and forward over the timed loop (every rank's slots): the largest, and how many
   // slots average more than 16 / 32 rows (a 16-row GEMM tile reads such a slot's weights twice).
   double slot_rows_max = 0, slots_over_16 = 0, slots_over_32 = 0;
+  double shared_own_stream = 0;  // 1: the shared expert ran on its own stream (else inline, in dispatch)
   // Only doubles: all-gathered as they are laid out (gather()).
-  static constexpr int kFields = 29;
+  static constexpr int kFields = 30;
 };
 
 static_assert(sizeof(PhaseStats) == PhaseStats::kFields * sizeof(double) &&
@@ -166,6 +168,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   lo.max_tokens = T_max;
   lo.tbo = plan.tbo;
   lo.tbo_comm_sms = o.tbo_comm_sms;
+  lo.shared_stream = o.shared_stream;
   if (first_phase) lo.on_setup_step = [](const char* step) { g_startup.mark(std::string("layer_") + step); };
   cuda::GpuMoeLayer layer(weights, lo, comm);
   if (first_phase) g_startup.mark("layer_constructed");
@@ -217,6 +220,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   st.gemm = t.gemm / n;
   st.combine = t.combine / n;
   st.shared = t.shared / n;
+  st.shared_own_stream = layer.shared_expert_on_own_stream() ? 1.0 : 0.0;
   st.total = t.total / n;
 
   // 3. Graphs captured ahead of the timed loop (one per batch size).
@@ -315,7 +319,8 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
                           {"dispatch", r.dispatch},
                           {"gemm", r.gemm},
                           {"combine", r.combine},
-                          {"shared_overlapped", r.shared},
+                          {"shared", r.shared},
+                          {"shared_own_stream", r.shared_own_stream > 0},
                           {"gemm_alone_routed", r.gemm_alone_routed},
                           {"gemm_alone_shared", r.gemm_alone_shared},
                           {"total", r.total},
@@ -414,10 +419,11 @@ void print_phase(const std::string& name, const nlohmann::json& j) {
   std::printf(
       "           rank 0 eager forward: route %.3f  dispatch %.3f  gemm %.3f  combine %.3f  idle %.3f  = "
       "%.3f ms"
-      " (shared expert %.3f ms, overlapped)\n",
+      " (shared expert %.3f ms, %s)\n",
       r0["route"].get<double>(), r0["dispatch"].get<double>(), r0["gemm"].get<double>(),
       r0["combine"].get<double>(), r0["idle"].get<double>(), r0["total"].get<double>(),
-      r0["shared_overlapped"].get<double>());
+      r0["shared"].get<double>(),
+      r0["shared_own_stream"].get<bool>() ? "on its own stream" : "inline, inside dispatch");
 }
 
 // The host side of the synthetic model (gate, bias, the W4A8 activation-scale calibration), started on
@@ -498,7 +504,9 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   }
   EPMOE_CHECK(!plans.empty(), "nothing to run: steps and prompt-tokens are both 0");
 
-  nlohmann::json j = {{"device", "gpu"},
+  nlohmann::json j = {{"commit", bench::git_commit()},
+                      {"date", bench::utc_now_iso8601()},
+                      {"device", "gpu"},
                       {"gpu", cuda::device_description(device)},
                       {"config", config.describe()},
                       {"preset", config.name},
@@ -507,7 +515,8 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
                       {"decode_tokens_per_rank", decode_tokens},
                       {"prefill_chunk", chunk},
                       {"prompts_per_rank", prompts},
-                      {"prompt_tokens", o.prompt_tokens}};
+                      {"prompt_tokens", o.prompt_tokens},
+                      {"shared_stream", o.shared_stream}};
   bool pass = true;
   std::vector<std::pair<std::string, nlohmann::json>> printed;
   nlohmann::json trace = nlohmann::json::array();

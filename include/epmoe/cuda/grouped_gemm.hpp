@@ -78,6 +78,14 @@ struct GroupedGemmOptions {
   // bench/NOTES.md, session 11). EPMOE_GEMM_TWO_PARTIALS=0|1 overrides it. Ignored with pingpong /
   // consumer_skew / ablations (the trace aside).
   bool two_partials = true;
+  // v11, 128 x 256 tiles without a cluster: a tile with at most 64 valid rows (a group's last block,
+  // or a small masked group) is computed as 64 x 256, each consumer warpgroup taking 128 of its
+  // columns, instead of one warpgroup computing padding rows. Off by default: measured 0.5-5.5%
+  // faster on the contiguous K = 2048 rows but 1-12% slower on the K = 7168 and masked rows
+  // (bench/NOTES.md, session 15: a split tile loads as many bytes as a full one for half the work).
+  // EPMOE_GEMM_SPLIT_TILES=0|1 overrides it. Ignored with pingpong / consumer_skew / 4-byte stores /
+  // ablations (the trace aside).
+  bool split_tiles = false;
 };
 
 // The tile heuristic (block_m x block_n). Masked with expected_m <= 64 (decode): 64 x 128 (reading

@@ -45,8 +45,12 @@ struct GpuLayerOptions {
   // "auto" (one rank: "local"; N ranks: "nvlink" in normal mode, "nvlink-ll" in low-latency mode),
   // "local", "nvlink", "nvlink-ll" or "nccl-p2p".
   std::string dispatcher = "auto";
-  // The shared expert on its own stream, overlapped with dispatch and the routed experts.
-  bool overlap_shared = true;
+  // Where the shared expert runs: "own" (its own stream, overlapped with dispatch and the routed
+  // experts), "main" (inline on the main stream, before dispatch) or "auto": inline in normal mode on
+  // one rank, where there is no communication to hide it behind and, beside the persistent routed
+  // GEMMs, it made a prefill forward 6% slower on one H200 (5.72 against 5.39 ms; bench/NOTES.md,
+  // session 15); its own stream otherwise.
+  std::string shared_stream = "auto";
   // Per-phase CUDA events on eager forwards (adds one host sync per forward to read them).
   bool timing = false;
   // Two-batch overlap (N ranks): the batch splits into two micro-batches, each with its own
@@ -96,6 +100,7 @@ class GpuMoeLayer {
   const GpuLayerOptions& options() const;
   int rank() const;
   int num_ranks() const;
+  bool shared_expert_on_own_stream() const;  // GpuLayerOptions::shared_stream, resolved
   std::int64_t max_tokens() const;
   cudaStream_t stream() const;  // where forward() enqueues; outputs are valid in its order
 
