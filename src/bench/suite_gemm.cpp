@@ -228,6 +228,11 @@ std::vector<Variant> experiments(bool masked) {
     o.stages = 3;
   });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
+  // Is the epilogue's cost the CTAs' stores meeting in L2 at once (less with half the SMs storing)?
+  add("half_sms_no_epilogue", [](auto& o) {
+    o.max_ctas = 66;
+    o.ablation = 16;
+  });
   // v5: where the consumers' time goes (bits of GroupedGemmOptions::ablation).
   add("no_promote", [](auto& o) { o.ablation = 4; });
   add("one_wait", [](auto& o) { o.ablation = 8; });
