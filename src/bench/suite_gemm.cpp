@@ -183,6 +183,11 @@ Variant pingpong_variant() {
   v.options.pingpong = true;
   return v;
 }
+Variant direct_variant() {  // the consumers' own 16-byte stores (the default before v12)
+  Variant v{".direct", {}};
+  v.options.borrow_epilogue = false;
+  return v;
+}
 Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split (opt-in)
   Variant v{".split", {}};
   v.options.split_tiles = true;
@@ -371,6 +376,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   std::vector<Variant> variants{{"", {}},       c2_variant(),         pingpong_variant(),
                                 skew_variant(), plain_loop_variant(), v2_variant()};
   if (chosen.block_n == 256) {
+    variants.push_back(direct_variant());
     variants.push_back(split_variant());
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;
@@ -433,7 +439,10 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());
-    if (chosen.block_n == 256) variants.push_back(split_variant());
+    if (chosen.block_n == 256) {
+      variants.push_back(direct_variant());
+      variants.push_back(split_variant());
+    }
   } else {
     variants.push_back({".p1", {}});  // the 64 x 128 tile with one partial (before v7)
     variants.back().options.two_partials = false;

@@ -146,6 +146,17 @@ __device__ __forceinline__ void mbar_arrive_cluster(std::uint32_t bar, std::uint
       : "memory");
 }
 
+// 2D tiled bulk tensor copy shared -> global (box at coordinates (c0 innermost, c1); out-of-bounds
+// parts are not written) into this thread's current bulk async-group; the shared source's generic
+// writes must be ordered before it (fence_proxy_async_shared by the writers, then a barrier).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, std::uint32_t src, std::int32_t c0,
+                                             std::int32_t c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+
 // ---------------------------------------------------------------- named barriers
 // bar.sync / bar.arrive on hardware barrier `id` (1..15; 0 is __syncthreads) for `count` threads
 // (a multiple of 32): sync waits until `count` threads arrived, arrive only counts itself.
@@ -443,7 +454,13 @@ __device__ __forceinline__ uint4 ld_shared_v4(std::uint32_t addr) {
   return v;
 }
 
-// 4-byte shared-memory store and 8-byte shared-memory load (addresses aligned to their size).
+// 16-byte and 4-byte shared-memory stores and an 8-byte shared-memory load (addresses aligned to
+// their size).
+__device__ __forceinline__ void st_shared_v4(std::uint32_t addr, std::uint32_t a, std::uint32_t b,
+                                             std::uint32_t c, std::uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
 __device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }

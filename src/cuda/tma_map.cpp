@@ -16,21 +16,37 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 
 }  // namespace
 
-CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, int box_rows,
-                        std::string_view name, CUtensorMapL2promotion promotion) {
-  constexpr cuuint32_t kBoxBytes = 128;  // one 128-byte swizzle row
+namespace {
+
+CUtensorMap encode_2d_bytes(const void* base, std::int64_t rows, std::int64_t cols, int box_cols,
+                            int box_rows, CUtensorMapSwizzle swizzle, CUtensorMapL2promotion promotion,
+                            std::string_view name) {
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};  // bytes between rows
-  const cuuint32_t box[2] = {kBoxBytes, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
-                                    strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                    CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                                    strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                    promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   EPMOE_CHECK(r == CUDA_SUCCESS,
-              "cuTensorMapEncodeTiled failed for {} ([{}, {}] bytes, box {} rows): error {}", name, rows,
-              cols, box_rows, static_cast<int>(r));
+              "cuTensorMapEncodeTiled failed for {} ([{}, {}] bytes, box {} rows x {} bytes): error {}", name,
+              rows, cols, box_rows, box_cols, static_cast<int>(r));
   return map;
+}
+
+}  // namespace
+
+CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, int box_rows,
+                        std::string_view name, CUtensorMapL2promotion promotion) {
+  // One 128-byte swizzle row of columns.
+  return encode_2d_bytes(base, rows, cols, 128, box_rows, CU_TENSOR_MAP_SWIZZLE_128B, promotion, name);
+}
+
+CUtensorMap make_tma_2d_plain(void* base, std::int64_t rows, std::int64_t cols, int box_cols, int box_rows,
+                              std::string_view name) {
+  return encode_2d_bytes(base, rows, cols, box_cols, box_rows, CU_TENSOR_MAP_SWIZZLE_NONE,
+                         CU_TENSOR_MAP_L2_PROMOTION_NONE, name);
 }
 
 }  // namespace epmoe::cuda

@@ -17,4 +17,10 @@ namespace epmoe::cuda {
 CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, int box_rows,
                         std::string_view name, CUtensorMapL2promotion promotion);
 
+// A 2D map over a row-major byte matrix [rows, cols], box [box_rows, box_cols bytes] (a multiple of
+// 16), no swizzle (the box dense in shared memory: row r at r * box_cols), for TMA stores of staged
+// output tiles; out-of-bounds parts of a box are not written.
+CUtensorMap make_tma_2d_plain(void* base, std::int64_t rows, std::int64_t cols, int box_cols, int box_rows,
+                              std::string_view name);
+
 }  // namespace epmoe::cuda

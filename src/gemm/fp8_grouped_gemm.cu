@@ -164,8 +164,10 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   params.vector_epilogue = options.vector_epilogue ? 1 : 0;
   static const int two_partials_env = env_switch("EPMOE_GEMM_TWO_PARTIALS");
   static const int split_tiles_env = env_switch("EPMOE_GEMM_SPLIT_TILES");
+  static const int borrow_env = env_switch("EPMOE_GEMM_BORROW_EPILOGUE");
   params.two_partials = with_env(two_partials_env, options.two_partials) ? 1 : 0;
   params.split_tiles = with_env(split_tiles_env, options.split_tiles) ? 1 : 0;
+  params.borrow_epilogue = with_env(borrow_env, options.borrow_epilogue) ? 1 : 0;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;
   constexpr CUtensorMapL2promotion kPromotions[] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -180,6 +182,13 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
                         promotion);
   const CUtensorMap tma_b = make_tma_2d(b.data, static_cast<std::int64_t>(params.groups) * params.n, params.k,
                                         kBlockN, "b", promotion);
+  // v12's TMA stores (p.borrow_epilogue): d as bytes [a_rows, 2 N], box 16 rows (one warp's) x 256
+  // bytes (one wave). Without it the B map stands in (never read).
+  const CUtensorMap tma_d =
+      params.borrow_epilogue != 0
+          ? make_tma_2d_plain(params.d, problem.a_rows, 2 * static_cast<std::int64_t>(params.n),
+                              2 * kernels::kGemmWaveN, 16, "d")
+          : tma_b;
   std::int64_t ctas = props.sm_count;
   if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
   cudaLaunchConfig_t config{};
@@ -214,7 +223,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   }
   ctas = std::clamp<std::int64_t>(ctas / cluster, 1, std::max<std::int64_t>(max_units, 1)) * cluster;
   config.gridDim = dim3(static_cast<unsigned>(ctas));
-  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, tma_a_part, tma_b, params));
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, tma_a_part, tma_b, tma_d, params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

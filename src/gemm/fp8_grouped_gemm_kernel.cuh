@@ -76,9 +76,10 @@ struct GemmTraits {
   // Per consumer warp: the next unit's m_indices (contiguous layout), copied a tile ahead.
   static constexpr int kIdsBytes = kConsumers * 4 * kBlockM * 4;
   // 1024 bytes of slack to align the swizzled tiles, the tiles, the scales, the barriers, the ids.
+  // 96 more for v12's two barriers and eight consumer warps' row masks.
   static constexpr int kStages =
-      std::min(8, (kGemmSmemBudget - 1024 - kIdsBytes) / (kStageBytes + kScaleBytes + 16));
-  static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + kScaleBytes + 16) + kIdsBytes;
+      std::min(8, (kGemmSmemBudget - 1024 - kIdsBytes - 96) / (kStageBytes + kScaleBytes + 16));
+  static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + kScaleBytes + 16) + kIdsBytes + 96;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 };
@@ -105,6 +106,7 @@ struct GroupedGemmParams {
   std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
   std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
   std::int32_t split_tiles;      // 1: 128 x 256 tiles with <= 64 valid rows split their columns (v11)
+  std::int32_t borrow_epilogue;  // 1: the epilogue stages its output in the tile's last two stages (v12)
   std::int32_t ablation;         // kAblate*: timing experiments only
 };
 
@@ -353,6 +355,9 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64
 // CTA entry to last loop exit, ns), [5] launches, [6] this launch's earliest entry, [7] its latest exit.
 __device__ unsigned long long g_fp8_gemm_trace[8] = {0, 0, 0, 0, 0, 0, ~0ull, 0};
 
+// Named barrier of the two consumer warpgroups before v12's epilogue writes into the stages that
+// either one's last wgmma read.
+inline constexpr std::uint32_t kEpilogueBarrier = 3;
 // Named barriers passing the wgmma turn between the two consumer warpgroups (ping-pong): consumer c
 // waits on kTurnBarrier + c before issuing a wave and arrives on the other's after issuing it.
 inline constexpr std::uint32_t kTurnBarrier = 1;
@@ -379,6 +384,28 @@ __device__ __forceinline__ void quad_transpose(std::uint32_t (&w)[4], int q) {
       w[k] = got;
     } else {
       w[k + 1] = got;
+    }
+  }
+}
+
+// The conversion and transposes of store_wave_bf16 (below) for any destination: store(h, c, words)
+// stores lane q's 16 bytes of row h (0: row_a, 1: row_b), 8-column chunk c = 4 i + q.
+template <bool kScaled, typename Store>
+__device__ __forceinline__ void transposed_wave_bf16(const float (&v)[64], float scale, int q,
+                                                     Store&& store) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      std::uint32_t words[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int j = 4 * i + k;
+        const float lo = v[4 * j + 2 * h], hi = v[4 * j + 2 * h + 1];
+        words[k] = kScaled ? pack_bf16x2(lo * scale, hi * scale) : pack_bf16x2(lo, hi);
+      }
+      quad_transpose(words, q);
+      store(h, 4 * i + q, words);
     }
   }
 }
@@ -418,6 +445,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                             const __grid_constant__ CUtensorMap tma_a_part,
                             const __grid_constant__ CUtensorMap tma_b,
+                            const __grid_constant__ CUtensorMap tma_d,
                             const __grid_constant__ GroupedGemmParams p) {
   using Traits = GemmTraits<kBlockM, kBlockN>;
   constexpr int kStages = Traits::kStages;
@@ -431,6 +459,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const std::uint32_t full_bar = smem_scales + kStages * Traits::kScaleBytes;  // kStages x 8 bytes
   const std::uint32_t empty_bar = full_bar + kStages * 8;                      // kStages x 8 bytes
   const std::uint32_t smem_ids = (empty_bar + kStages * 8 + 15u) & ~15u;       // Traits::kIdsBytes
+  const std::uint32_t epi_done_bar = smem_ids + Traits::kIdsBytes;             // 8 bytes (v12)
+  const std::uint32_t staged_bar = epi_done_bar + 8;                           // 8 bytes (v12)
+  const std::uint32_t smem_row_masks = staged_bar + 8;                         // 8 warps x 8 bytes (v12)
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -450,12 +481,15 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // Every lane of every consumer warp of every CTA of the cluster (ptx::mbar_arrive_warp).
       ptx::mbar_init(empty_bar + 8 * s, Traits::kConsumers * 4 * p.cluster * ptx::kWarpArrivals);
     }
+    ptx::mbar_init(epi_done_bar, 1);                                          // the store warp's lane 0
+    ptx::mbar_init(staged_bar, Traits::kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
     ptx::fence_barrier_init();
   }
   if (threadIdx.x == 32) {
     ptx::prefetch_tensormap(&tma_a);
     ptx::prefetch_tensormap(&tma_a_part);
     ptx::prefetch_tensormap(&tma_b);
+    if (p.borrow_epilogue != 0) ptx::prefetch_tensormap(&tma_d);
   }
   // The peer CTA's TMA and arrives reach this CTA's barriers only once they are initialised.
   if (clustered) {
@@ -464,6 +498,25 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     __syncthreads();
   }
 
+  // v12 (p.borrow_epilogue, the default; 128 x 256 tiles, the unrolled loop, no cluster): the epilogue needs
+  // 64 KB of shared memory to hand the output to TMA stores without waiting for them, and giving the
+  // pipeline's memory to it for good costs a stage (8%, bench/NOTES.md session 15). So it borrows the
+  // B halves of the tile's last two stages (2 x 32 KB; every tile starts at stage 0 in the unrolled
+  // loop, so they are stages kStages - 2 and kStages - 1). After the K loop each consumer warp writes
+  // its 16 rows x 256 columns (bf16) there and its valid rows as a mask, and every consumer lane
+  // arrives on staged_bar; the consumers go on with the next tile at once. The producer warpgroup's
+  // otherwise idle warp 2 (the store warp) then stores the tile: one TMA tensor store per warp and
+  // wave where all 16 rows are valid, else one 1D bulk store per valid row and wave (padding rows
+  // stay untouched), and arrives on epi_done_bar once the stores have read shared memory. The
+  // producer loads the next tile's K blocks into the first kStages - 2 stages as usual and waits on
+  // epi_done_bar before the ones that go into the borrowed two.
+  // (Read from the parameters where needed, not held in a register.) The unrolled loop's
+  // condition included: every tile starts at stage 0.
+  const auto borrowing = [&] {
+    return kWaves == 2 && kStages >= 4 && p.borrow_epilogue != 0 && p.cluster == 1 && p.pingpong == 0 &&
+           p.skew == 0 && p.split_tiles == 0 && p.vector_epilogue != 0 && (p.ablation & ~kTraceLoop) == 0 &&
+           p.unroll != 0 && p.stages == kStages && num_kb % kStages == 0;
+  };
   if (warp < 4) {
     // ------------------------------------------------------------ producer warpgroup
     // Warp 0 issues the TMA loads, warp 1 copies the scales; both walk the same schedule.
@@ -474,6 +527,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     if ((p.ablation & kAblatePipe) != 0) {
       // timing ablation: no producer work
     } else if (warp == 0) {
+      // v12: from the second tile on, the borrowed stages' loads wait for the consumers' epi_done.
+      bool after_first = false;
+      std::uint32_t epi_phase = 0;
       while (scheduler.next(tile, p)) {
         const std::int32_t b_row = tile.group * p.n + tile.n_block * kBlockN;
         // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest
@@ -483,10 +539,16 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         const CUtensorMap* map_a = small ? &tma_a_part : &tma_a;
         const std::uint32_t bytes =
             small ? p.a_small_rows * kGemmBlockK + Traits::kBBytes : Traits::kStageBytes;
+        const bool gate = after_first && borrowing();
+        after_first = true;
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
             ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+            if (gate && kb == kStages - 2) {
+              ptx::mbar_wait(epi_done_bar, epi_phase);
+              epi_phase ^= 1u;
+            }
             if ((p.ablation & kAblateLoads) != 0) {
               ptx::mbar_arrive(full);
             } else {
@@ -532,6 +594,49 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           pipe.advance(stages);
         }
       }
+    } else if (warp == 2 && borrowing()) {
+      // v12's store warp (see borrowing()): per tile, once the consumers staged it, consumer warp
+      // cw's rows (tile rows 16 cw ..) go out as two tensor stores (all 16 valid: lane 0) or as one
+      // 1D bulk store per valid row and wave (lane r: row r); then, once every store has read shared
+      // memory, lane 0 frees the borrowed stages for the producer.
+      std::uint32_t phase = 0;
+      while (scheduler.next(tile, p)) {
+        ptx::mbar_wait(staged_bar, phase);
+        phase ^= 1u;
+        bool issued = false;
+#pragma unroll 1
+        for (int cw = 0; cw < Traits::kConsumers * 4; ++cw) {
+          const auto mask = static_cast<std::uint32_t>(
+              ptx::ld_shared_s32(smem_row_masks + 4 * static_cast<std::uint32_t>(cw)));
+          const std::uint32_t box = smem_b +
+                                    (kStages - 2 + cw / 4) * static_cast<std::uint32_t>(Traits::kBBytes) +
+                                    static_cast<std::uint32_t>(cw % 4) * (16 * kBlockN * 2);
+          const std::int32_t row0 = tile.row0 + 16 * cw;
+          if (mask == 0xffffu) {
+            if (lane == 0) {
+#pragma unroll
+              for (int w = 0; w < kWaves; ++w)
+                ptx::tma_store_2d(&tma_d, box + static_cast<std::uint32_t>(w * 16 * 256),
+                                  2 * (tile.n_block * kBlockN + w * kGemmWaveN), row0);
+              issued = true;
+            }
+          } else if (lane < 16 && ((mask >> lane) & 1u) != 0u) {
+#pragma unroll
+            for (int w = 0; w < kWaves; ++w)
+              ptx::bulk_store(p.d + static_cast<std::int64_t>(row0 + lane) * p.n + tile.n_block * kBlockN +
+                                  w * kGemmWaveN,
+                              box + static_cast<std::uint32_t>(w * 16 * 256 + lane * 256), 256);
+            issued = true;
+          }
+        }
+        if (issued) {
+          ptx::bulk_commit();
+          ptx::bulk_wait_read<0>();
+        }
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(epi_done_bar);
+      }
+      ptx::bulk_wait<0>();  // this lane's stores written before the kernel ends
     }
     // Neither CTA of a cluster leaves while the other may still arrive on its barriers (the last
     // remote "empty" arrives) or multicast into its shared memory. (In both branches: no code
@@ -579,6 +684,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     const std::uint32_t u_consumer = __shfl_sync(0xffffffffu, static_cast<std::uint32_t>(consumer), 0);
     const std::uint32_t u_full = u_smem + (full_bar - smem_base);
     const std::uint32_t u_empty = u_smem + (empty_bar - smem_base);
+    // (v12's staged_bar and row masks sit a compile-time distance after the empty barriers, no
+    // registers of their own: full_bar is 16-byte aligned (the scales' kScaleBytes a multiple of 16),
+    // so smem_ids is full_bar + 16 kStages, i.e. empty_bar + 8 kStages.)
+    static_assert(Traits::kScaleBytes % 16 == 0);
+    constexpr std::uint32_t kStagedFromEmpty = kStages * 8 + Traits::kIdsBytes + 8;
     const std::uint32_t u_scales = u_smem + (smem_scales - smem_base);
     // The peer CTA's empty barriers (cluster of two), or 0.
     const std::uint32_t u_peer_empty =
@@ -875,6 +985,36 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // Epilogue: bf16 to global memory, valid rows only (store_wave above).
       if ((p.ablation & kAblateEpilogue) != 0) {
         // timing ablation: no stores
+      } else if (borrowing()) {
+        // v12 (see borrowing()): both consumers' last wgmma, which read the borrowed stages, are
+        // complete before either writes there; then this warp's 16 rows x 256 columns into its two
+        // [16 rows x 256 bytes] boxes (one per wave) and its row mask (bit r: row r of the warp; lane
+        // 4 (r % 8) held it, as row_a for r < 8) for the store warp.
+        ptx::named_bar_sync(kEpilogueBarrier, 256);
+        const auto area = [&] {
+          return u_smem + (smem_b - smem_base) +
+                 (kStages - 2 + u_consumer) * static_cast<std::uint32_t>(Traits::kBBytes) +
+                 static_cast<std::uint32_t>(warp_in_group) * (16 * kBlockN * 2);
+        };
+#pragma unroll
+        for (int w = 0; w < kWaves; ++w) {
+          transposed_wave_bf16<false>(acc[w], 1.0f, lane % 4, [&](int h, int c, const std::uint32_t(&v)[4]) {
+            ptx::st_shared_v4(
+                area() + static_cast<std::uint32_t>((lane / 4) * 256 + w * 16 * 256 + h * 8 * 256 + c * 16),
+                v[0], v[1], v[2], v[3]);
+          });
+        }
+        const std::uint32_t va = __ballot_sync(0xffffffffu, valid_a),
+                            vb = __ballot_sync(0xffffffffu, valid_b);
+        if (lane == 0) {
+          std::uint32_t mask = 0;
+#pragma unroll
+          for (int r = 0; r < 8; ++r)
+            mask |= (((va >> (4 * r)) & 1u) << r) | (((vb >> (4 * r)) & 1u) << (r + 8));
+          ptx::st_shared_u32(u_empty + kStagedFromEmpty + 8 + 4 * static_cast<std::uint32_t>(warp - 4), mask);
+        }
+        ptx::fence_proxy_async_shared();  // this lane's writes, before the store warp's TMA reads them
+        ptx::mbar_arrive_warp(u_empty + kStagedFromEmpty);  // (release: the mask and the boxes)
       } else if (p.vector_epilogue != 0) {
 #pragma unroll
         for (int w = 0; w < kWaves; ++w) store_wave(acc[w], w);

@@ -66,6 +66,7 @@ struct ContiguousCase {
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
   bool split_tiles = cuda::GroupedGemmOptions{}.split_tiles;
+  bool borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -152,6 +153,7 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   options.unrolled_k_loop = c.unrolled;
   options.two_partials = c.two_partials;
   options.split_tiles = c.split_tiles;
+  options.borrow_epilogue = c.borrow;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -183,6 +185,47 @@ INSTANTIATE_TEST_SUITE_P(
           ContiguousCase c{
               "N7168_K7168_split_tails_mn_major", {20, 130, 0, 250}, 7168, 7168, ScaleLayout::mn_major_tma};
           c.split_tiles = true;
+          return c;
+        }(),
+        // v12's borrowed-stage epilogue (the store warp: tensor stores for whole warps of rows, bulk
+        // stores per row for the others): tails of every size, holes, a trailing empty block, many
+        // tiles per CTA (K = 2048: 16 K blocks, 4 rounds), K = 7168 with N = 7168, and K = 512 (one
+        // round: the borrowed stages are the tile's second half).
+        [] {
+          ContiguousCase c{"N4096_K2048_borrow_holes",
+                           {1, 64, 65, 127, 128, 129, 200, 0, 33, 300},
+                           4096,
+                           2048,
+                           ScaleLayout::token_major,
+                           0,
+                           1,
+                           true};
+          c.borrow = true;
+          return c;
+        }(),
+        [] {
+          ContiguousCase c{
+              "N7168_K7168_borrow", {300, 16, 0, 250, 128}, 7168, 7168, ScaleLayout::mn_major_tma};
+          c.borrow = true;
+          return c;
+        }(),
+        [] {
+          ContiguousCase c{
+              "N4096_K512_borrow_one_round", {700, 3, 130}, 4096, 512, ScaleLayout::mn_major_tma};
+          c.borrow = true;
+          return c;
+        }(),
+        // The consumers' own stores (borrow_epilogue off) on the same shapes as the first.
+        [] {
+          ContiguousCase c{"N4096_K2048_direct_epilogue_holes",
+                           {1, 64, 65, 127, 128, 129, 200, 0, 33, 300},
+                           4096,
+                           2048,
+                           ScaleLayout::token_major,
+                           0,
+                           1,
+                           true};
+          c.borrow = false;
           return c;
         }(),
         // DeepSeek-V3 gate_up: an empty expert and a single-row expert.
@@ -353,6 +396,7 @@ struct MaskedCase {
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
   bool split_tiles = cuda::GroupedGemmOptions{}.split_tiles;
+  bool borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;
 };
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
@@ -432,6 +476,7 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.unrolled_k_loop = c.unrolled;
   options.two_partials = c.two_partials;
   options.split_tiles = c.split_tiles;
+  options.borrow_epilogue = c.borrow;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
@@ -456,6 +501,13 @@ INSTANTIATE_TEST_SUITE_P(
                        2048,
                        ScaleLayout::mn_major_tma};
           c.split_tiles = false;
+          return c;
+        }(),
+        // v12's borrowed-stage epilogue, masked (128 x 256 tiles: expected m above 64).
+        [] {
+          MaskedCase c{"N4096_K2048_mmax200_borrow", 200, {1, 64, 65, 130, 200, 0, 77}, 4096, 2048,
+                       ScaleLayout::mn_major_tma};
+          c.borrow = true;
           return c;
         }(),
         // M_max not a multiple of the tile; an empty group and a single-row group.

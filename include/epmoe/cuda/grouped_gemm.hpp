@@ -86,6 +86,16 @@ struct GroupedGemmOptions {
   // EPMOE_GEMM_SPLIT_TILES=0|1 overrides it. Ignored with pingpong / consumer_skew / 4-byte stores /
   // ablations (the trace aside).
   bool split_tiles = false;
+  // v12, 128 x 256 tiles with the unrolled K loop, no cluster: the consumers write each tile's
+  // output into the B halves of its last two pipeline stages and go on at once; the producer
+  // warpgroup's idle warp stores it from there with TMA (tensor stores for whole warps of rows, 1D
+  // bulk stores per valid row otherwise) and frees the two stages for the next tile's loads. Without
+  // it the consumers store from registers and wait for their stores (~13 cycles per wgmma at K = 2048
+  // whether 132 or 66 SMs store at once). Measured 2-7% faster on 8 of the 10 contiguous anchor rows,
+  // 1% slower on one, mixed (+-3%) on the masked 128 x 256 rows: 3% less time over the contiguous rows
+  // (bench/NOTES.md, session 15). EPMOE_GEMM_BORROW_EPILOGUE=0|1 overrides it. Ignored with
+  // split_tiles, pingpong, consumer_skew, 4-byte stores and ablations.
+  bool borrow_epilogue = true;
 };
 
 // The tile heuristic (block_m x block_n). Masked with expected_m <= 64 (decode): 64 x 128 (reading
