@@ -389,7 +389,9 @@ __device__ __forceinline__ void quad_transpose(std::uint32_t (&w)[4], int q) {
 }
 
 // The conversion and transposes of store_wave_bf16 (below) for any destination: store(h, c, words)
-// stores lane q's 16 bytes of row h (0: row_a, 1: row_b), 8-column chunk c = 4 i + q.
+// stores lane q's 16 bytes of row h (0: row_a, 1: row_b), 8-column chunk c = 4 i + q. (v12's staging
+// uses it; store_wave_bf16 keeps its own copy of the loop: written through this one, the 128 x 256
+// kernel spilled 4 bytes.)
 template <bool kScaled, typename Store>
 __device__ __forceinline__ void transposed_wave_bf16(const float (&v)[64], float scale, int q,
                                                      Store&& store) {

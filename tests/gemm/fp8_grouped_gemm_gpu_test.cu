@@ -75,12 +75,12 @@ void PrintTo(const ContiguousCase& c, std::ostream* os) {
 
 class GroupedGemmContiguousGpu : public ::testing::TestWithParam<ContiguousCase> {};
 
-// v11's split tiles (opt-in), split or not: tails of 1, 64, 1, 64 and 33 rows (split), 65, 127, 128
-// and 72 rows (whole), -1 rows inside the groups (the consumers' valid-row words), a trailing empty
-// block.
-ContiguousCase split_tails_holes_case(bool split) {
-  ContiguousCase c{split ? "N4096_K2048_split_tails_holes" : "N4096_K2048_split_tails_holes_unsplit",
-                   {1, 64, 65, 127, 128, 129, 192, 200, 0, 33},
+// Groups ending anywhere in a warp's 16 rows and in a tile's two 64-row halves (tails of 1, 33, 64,
+// 65, 72, 127 and 128 rows), -1 rows inside groups, a trailing empty block, several tiles per CTA:
+// for v11's split tiles (opt-in) and v12's borrowed-stage epilogue or the consumers' own stores.
+ContiguousCase tails_holes_case(std::string name, bool split, bool borrow) {
+  ContiguousCase c{std::move(name),
+                   {1, 64, 65, 127, 128, 129, 192, 200, 0, 33, 300},
                    4096,
                    2048,
                    ScaleLayout::token_major,
@@ -88,6 +88,7 @@ ContiguousCase split_tails_holes_case(bool split) {
                    1,
                    true};
   c.split_tiles = split;
+  c.borrow = borrow;
   return c;
 }
 
@@ -170,7 +171,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         // v11's split tiles (opt-in; 128 x 256, <= 64 valid rows: consumer 1 on consumer 0's rows and
         // the second wave): split and not, with the plain K loop, and at K = 7168 with MN-major scales.
-        split_tails_holes_case(true), split_tails_holes_case(false),
+        tails_holes_case("N4096_K2048_split_tails_holes", true, false),
+        tails_holes_case("N4096_K2048_split_tails_holes_unsplit", false, false),
         [] {
           ContiguousCase c{"N4096_K1536_split_tails_plain_k_loop",
                            {3, 130, 60, 190},
@@ -191,18 +193,7 @@ INSTANTIATE_TEST_SUITE_P(
         // stores per row for the others): tails of every size, holes, a trailing empty block, many
         // tiles per CTA (K = 2048: 16 K blocks, 4 rounds), K = 7168 with N = 7168, and K = 512 (one
         // round: the borrowed stages are the tile's second half).
-        [] {
-          ContiguousCase c{"N4096_K2048_borrow_holes",
-                           {1, 64, 65, 127, 128, 129, 200, 0, 33, 300},
-                           4096,
-                           2048,
-                           ScaleLayout::token_major,
-                           0,
-                           1,
-                           true};
-          c.borrow = true;
-          return c;
-        }(),
+        tails_holes_case("N4096_K2048_borrow_holes", false, true),
         [] {
           ContiguousCase c{
               "N7168_K7168_borrow", {300, 16, 0, 250, 128}, 7168, 7168, ScaleLayout::mn_major_tma};
@@ -215,19 +206,8 @@ INSTANTIATE_TEST_SUITE_P(
           c.borrow = true;
           return c;
         }(),
-        // The consumers' own stores (borrow_epilogue off) on the same shapes as the first.
-        [] {
-          ContiguousCase c{"N4096_K2048_direct_epilogue_holes",
-                           {1, 64, 65, 127, 128, 129, 200, 0, 33, 300},
-                           4096,
-                           2048,
-                           ScaleLayout::token_major,
-                           0,
-                           1,
-                           true};
-          c.borrow = false;
-          return c;
-        }(),
+        // The consumers' own stores (borrow_epilogue off) on the same shape as the first.
+        tails_holes_case("N4096_K2048_direct_epilogue_holes", false, false),
         // DeepSeek-V3 gate_up: an empty expert and a single-row expert.
         ContiguousCase{"N4096_K7168_empty_and_single_row", {1, 0, 130}, 4096, 7168, ScaleLayout::token_major},
         // DeepSeek-V3 down, MN-major scales as the GPU quantizer writes them.
