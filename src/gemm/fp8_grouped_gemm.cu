@@ -167,7 +167,10 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   static const int borrow_env = env_switch("EPMOE_GEMM_BORROW_EPILOGUE");
   params.two_partials = with_env(two_partials_env, options.two_partials) ? 1 : 0;
   params.split_tiles = with_env(split_tiles_env, options.split_tiles) ? 1 : 0;
-  params.borrow_epilogue = with_env(borrow_env, options.borrow_epilogue) ? 1 : 0;
+  // Only 128 x 256 tiles without a cluster can borrow (the kernel checks the rest): other launches
+  // (the 64 x 128 decode tiles among them) encode no output map and prefetch none.
+  params.borrow_epilogue =
+      kBlockN == 256 && cluster == 1 && with_env(borrow_env, options.borrow_epilogue) ? 1 : 0;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;
   constexpr CUtensorMapL2promotion kPromotions[] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const std::uint32_t smem_ids = (empty_bar + kStages * 8 + 15u) & ~15u;       // Traits::kIdsBytes
   const std::uint32_t epi_done_bar = smem_ids + Traits::kIdsBytes;             // 8 bytes (v12)
   const std::uint32_t staged_bar = epi_done_bar + 8;                           // 8 bytes (v12)
-  const std::uint32_t smem_row_masks = staged_bar + 8;                         // 8 warps x 8 bytes (v12)
+  const std::uint32_t smem_row_masks = staged_bar + 8;                         // 8 warps x 4 bytes (v12)
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -600,7 +600,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // v12's store warp (see borrowing()): per tile, once the consumers staged it, consumer warp
       // cw's rows (tile rows 16 cw ..) go out as two tensor stores (all 16 valid: lane 0) or as one
       // 1D bulk store per valid row and wave (lane r: row r); then, once every store has read shared
-      // memory, lane 0 frees the borrowed stages for the producer.
+      // memory, lane 0 arrives on epi_done_bar, which the producer waits on before it loads over them.
       std::uint32_t phase = 0;
       while (scheduler.next(tile, p)) {
         ptx::mbar_wait(staged_bar, phase);
