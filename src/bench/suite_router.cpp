@@ -11,7 +11,9 @@
 // "sigmoid-no-sieve-rn-div" (T >= 1024) and, below the g8 switch, "sigmoid-general" (a warp per token),
 // "sigmoid-g8-quads" / "sigmoid-g8-pairs" (the sieve kernel with 8 / 16 lanes per token) and
 // "sigmoid-g8-no-sieve". "sigmoid-sieve-pairs-tmaN" (T >= 1024) is the sieve kernel with pairs (v9; the
-// default below 8192 tokens).
+// default below 8192 tokens). EPMOE_BENCH_ROUTER_TRACE=1 adds "router.trace" rows: the sieve kernel's
+// phase stamps (RouteKernelChoice::trace) for one launch per T, quads and pairs (trace_rows below).
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -38,6 +40,95 @@ void fill_logits(float* p, std::int64_t n, std::uint64_t seed) {
   }
 }
 
+// Quantile q of v (sorted in place); 0 for an empty v.
+double quantile(std::vector<double>& v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
+}
+
+// One traced launch of the sieve kernel (quads or pairs) per call, the third of three on different input
+// sets, summarised: each warp's stamps are measured from its SM's first entry stamp (SM clocks are not
+// aligned), the clock from the warps' cycles over their globaltimer spans. time_us is the slowest SM's
+// span (first entry to last store) at that clock; params carry, in cycles, the quantiles of the warps'
+// entry, data arrival (the TMA wait's end), chain (arrival to stores) and end, the phases' medians
+// (router_kernels.cuh: RouterStamps) and those of the warp that ends last.
+void trace_rows(const SuiteOptions& options, std::vector<Result>& results, const MoeConfig& config,
+                const std::vector<cuda::DeviceTensor>& logits, const cuda::DeviceTensor& bias,
+                const std::vector<cuda::DeviceTensor>& ids, const std::vector<cuda::DeviceTensor>& weights,
+                std::int64_t tokens, double bytes, cuda::Stream& stream) {
+  constexpr int kWords = cuda::kRouteTraceWordsPerWarp, kPhases = kWords - 3;
+  const std::size_t words = cuda::route_trace_words();
+  cuda::DeviceBuffer trace(words * sizeof(std::uint64_t));
+  std::vector<std::uint64_t> h(words);
+  for (const int lanes : {8, 16}) {
+    cuda::RouteKernelChoice choice = cuda::route_kernel_choice_from_env();
+    choice.kernel = cuda::RouteKernelChoice::Kernel::g8;
+    choice.sieve = true;
+    choice.rn_division = false;
+    choice.tma_stages = 1;
+    choice.token_lanes = lanes;
+    choice.trace = trace.as<std::uint64_t>();
+    for (int r = 0; r < 3; ++r) {
+      const auto set = static_cast<std::size_t>(r) % logits.size();
+      trace.fill_bytes(0, stream);
+      cuda::route(config, logits[set], bias, ids[set], weights[set], stream, choice);
+    }
+    EPMOE_CUDA_CHECK(cudaMemcpyAsync(h.data(), trace.data(), words * sizeof(std::uint64_t),
+                                     cudaMemcpyDeviceToHost, stream));
+    stream.synchronize();
+    std::vector<std::uint64_t> base(4096, ~0ull);  // per SM id: its first entry stamp
+    double cycles = 0.0, ns = 0.0;
+    for (std::size_t w = 0; w + kWords <= words; w += kWords) {
+      const std::uint64_t* r = &h[w];
+      if (r[2] == 0 || r[0] >= base.size()) continue;  // not launched
+      base[r[0]] = std::min(base[r[0]], r[2]);
+    }
+    std::vector<double> entry, arrive, chain, end, phase[kPhases - 1];
+    std::vector<double> sm_span(base.size(), 0.0);
+    const std::uint64_t* last = nullptr;
+    double last_end = -1.0;
+    for (std::size_t w = 0; w + kWords <= words; w += kWords) {
+      const std::uint64_t* r = &h[w];
+      if (r[2] == 0 || r[0] >= base.size() || r[2 + kPhases - 1] == 0) continue;  // no unit
+      const double b = static_cast<double>(base[r[0]]);
+      const auto c = [&](int i) { return static_cast<double>(r[2 + i]); };
+      entry.push_back(c(0) - b);
+      arrive.push_back(c(2) - b);
+      chain.push_back(c(kPhases - 1) - c(2));
+      end.push_back(c(kPhases - 1) - b);
+      for (int i = 0; i + 1 < kPhases; ++i) phase[i].push_back(c(i + 1) - c(i));
+      sm_span[r[0]] = std::max(sm_span[r[0]], c(kPhases - 1) - b);
+      if (c(kPhases - 1) - b > last_end) last_end = c(kPhases - 1) - b, last = r;
+      cycles += c(kPhases - 1) - c(0);
+      ns += static_cast<double>(r[2 + kPhases] - r[1]);
+    }
+    if (last == nullptr || ns <= 0.0) continue;
+    const double mhz = cycles / ns * 1e3;
+    static constexpr const char* kNames[kPhases - 1] = {"prologue", "wait", "approx", "groups",
+                                                        "mask",     "spread", "rank", "store"};
+    Params p{{"tokens", tokens},
+             {"phase", std::string(lanes == 8 ? "quads" : "pairs")},
+             {"mhz", mhz},
+             {"warps", static_cast<std::int64_t>(end.size())}};
+    for (const auto& [name, v] : {std::pair{"entry", &entry}, std::pair{"arrive", &arrive},
+                                  std::pair{"chain", &chain}, std::pair{"end", &end}}) {
+      p[std::string(name) + "_p50"] = quantile(*v, 0.5);
+      p[std::string(name) + "_p90"] = quantile(*v, 0.9);
+      p[std::string(name) + "_max"] = quantile(*v, 1.0);
+    }
+    for (int i = 0; i + 1 < kPhases; ++i) {
+      p[std::string(kNames[i]) + "_p50"] = quantile(phase[i], 0.5);
+      p[std::string("last_") + kNames[i]] = static_cast<double>(last[3 + i] - last[2 + i]);
+    }
+    std::vector<double> spans;
+    for (const double v : sm_span)
+      if (v > 0.0) spans.push_back(v);
+    p["sm_span_p50"] = quantile(spans, 0.5);
+    emit(options, results, make_result("router.trace", p, last_end / mhz, bytes));
+  }
+}
+
 std::vector<Result> run_router_suite(const SuiteOptions& options) {
   std::vector<Result> results;
   std::vector<std::int64_t> token_list = options.tokens;
@@ -48,6 +139,8 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
   const TimingOptions timing = timing_for(options);
   const char* variants_env = std::getenv("EPMOE_BENCH_ROUTER_VARIANTS");
   const bool variants = variants_env != nullptr && std::string_view(variants_env) == "1";
+  const char* trace_env = std::getenv("EPMOE_BENCH_ROUTER_TRACE");
+  const bool traced = trace_env != nullptr && std::string_view(trace_env) == "1";
   cuda::Stream stream;
   std::uint64_t seed = 1;
 
@@ -138,6 +231,7 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
                      {"phase", row.phase}};
       emit(options, results, make_result("router", p, us, bytes));
     }
+    if (traced) trace_rows(options, results, sigmoid, logits, dbias, ids, weights, tokens, bytes, stream);
     logits.clear();
     ids.clear();
     weights.clear();

@@ -61,6 +61,19 @@ __device__ __forceinline__ std::uint64_t global_timer_ns_ordered() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
   return t;
 }
+// This SM's cycle counter, as a compiler barrier for memory like global_timer_ns_ordered (phase
+// stamps inside one SM: the counters of different SMs are not aligned).
+__device__ __forceinline__ std::uint64_t clock_ordered() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+  return t;
+}
+// The SM this thread runs on.
+__device__ __forceinline__ std::uint32_t sm_id() {
+  std::uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
 // Bits of the lanes below this one.
 __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;

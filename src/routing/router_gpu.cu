@@ -173,6 +173,14 @@ void launch_staged(const kernels::RouterParams& p, int staging, cudaStream_t str
 template <bool kRnDiv>
 void launch_sieve(const kernels::RouterParams& p, int staging, bool pairs, cudaStream_t stream) {
   using kernels::route_g8_sieve_kernel;
+  if (p.trace != nullptr) {  // the traced instances (one TMA buffer, RouteKernelChoice::trace)
+    EPMOE_CHECK(!kRnDiv && staging == 1,
+                "router trace: needs the branch-free sigmoid and tma_stages = 1, got rn_division = {}, "
+                "tma_stages = {}",
+                kRnDiv, staging);
+    return pairs ? launch_g8<&route_g8_sieve_kernel<false, 1, 16, true>, 2>(p, stream, logits_map(p, 2))
+                 : launch_g8<&route_g8_sieve_kernel<false, 1, 8, true>>(p, stream, logits_map(p, 4));
+  }
   if (pairs) {
     return staging == 1 ? launch_g8<&route_g8_sieve_kernel<kRnDiv, 1, 16>, 2>(p, stream, logits_map(p, 2))
                         : launch_g8<&route_g8_sieve_kernel<kRnDiv, 2, 16>, 2>(p, stream, logits_map(p, 2));
@@ -243,6 +251,7 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
                    aligned16(p.logits) && (p.bias == nullptr || aligned16(p.bias));
   p.renormalize = config.renormalize;
   p.scaling = config.routed_scaling_factor;
+  p.trace = choice.trace;
   using Kernel = RouteKernelChoice::Kernel;
   using namespace kernels;
   // The sieve kernel's lanes per token: forced, or pairs below kRouterSievePairsMaxTokens.
@@ -259,6 +268,10 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
       route_g8_applies(config, p) && (choice.kernel == Kernel::g8 || (automatic && (large || sieve_pairs)));
   const bool g8_softmax =
       route_g8_softmax_applies(config, p) && (choice.kernel == Kernel::g8 || (automatic && large));
+  EPMOE_CHECK(choice.trace == nullptr || (g8 && choice.sieve),
+              "router trace: only the sieve kernel is traced (sigmoid, 8 groups of 32, T >= {} or pairs); "
+              "this call takes another kernel",
+              kRouterG8MinTokens);
   if (g8) {
     if (choice.sieve) {
       choice.rn_division ? launch_sieve<true>(p, staging, sieve_pairs, stream)
@@ -275,6 +288,11 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
   } else {
     launch_for<false, false>(layout.per_lane, p, stream);
   }
+}
+
+std::size_t route_trace_words() {
+  static_assert(kRouteTraceWordsPerWarp == kernels::kRouterTraceWords);
+  return static_cast<std::size_t>(device_props().sm_count) * 64 * kRouteTraceWordsPerWarp;  // 64 warps per SM
 }
 
 RouteKernelChoice route_kernel_choice_from_env() {

@@ -47,6 +47,29 @@ struct RouterParams {
   bool vector_loads;      // lane l holds experts [l*kV, l*kV + kV), 16-byte aligned rows (kV >= 4)
   bool renormalize;
   float scaling;  // routed_scaling_factor
+  // RouteKernelChoice::trace: kRouterTraceWords per warp of the grid (the sieve kernel's kTrace
+  // instances only; nullptr otherwise).
+  std::uint64_t* trace;
+};
+
+// Phase stamps of the sieve kernel (RouteKernelChoice::trace; compiled into the kTrace instances
+// only): for the first unit of each warp, lane 0 writes its record
+//   [0] SM id, [1] globaltimer at entry (ns), [2 + i] clock64 at phase i, [2 + kRouterTracePhases]
+//   globaltimer at the end of the unit,
+// phases 0 entry, 1 prologue done (bias, barriers), 2 the unit's logits in shared memory (the TMA
+// wait), 3 approximations and group top-2, 4 kept groups (the exact group step included), 5 the
+// candidate masks and warp prefix, 6 the spread (exact sigmoids and keys), 7 ranked (slots written),
+// 8 weights and outputs stored. Warps without a unit leave phases 2.. as the caller filled them.
+inline constexpr int kRouterTracePhases = 9;
+inline constexpr int kRouterTraceWords = kRouterTracePhases + 3;
+template <bool kOn>
+struct RouterStamps {
+  std::uint64_t* record = nullptr;  // this warp's record while its first unit runs
+  __device__ void at(int phase) const {
+    if constexpr (kOn) {
+      if (record != nullptr && threadIdx.x % 32 == 0) record[2 + phase] = ptx::clock_ordered();
+    }
+  }
 };
 
 // An unsigned key ordered like the float values (-0 taken as +0, as the f32 comparison does; NaN
@@ -371,11 +394,12 @@ __device__ __forceinline__ void merge_top2(float& t1, float& t2, int xor_mask) {
 // w.first + kTokenLanes - 1. With kListBuilt the caller has written the token's `built_total`
 // candidate keys into L already (unless some token of the warp has more than kRouterG8Candidates:
 // then the rounds run).
-template <bool kSoftmax, bool kListBuilt = false, int kTokenLanes = 8>
+template <bool kSoftmax, bool kListBuilt = false, int kTokenLanes = 8, typename Stamps = RouterStamps<false>>
 __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, const G8Warp<kTokenLanes>& w,
                                                     std::uint32_t mask, const float* Xf, const float* Bf,
                                                     std::uint64_t* L, std::uint32_t* S, std::uint32_t u,
-                                                    float softmax_sum = 0.0f, int built_total = 0) {
+                                                    float softmax_sum = 0.0f, int built_total = 0,
+                                                    const Stamps& stamps = {}) {
   using namespace routing;
   using Warp = G8Warp<kTokenLanes>;
   constexpr unsigned kFull = 0xffffffffu;
@@ -474,6 +498,7 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, const
     }
   }
   __syncwarp();
+  stamps.at(7);
 
   // ---- weights, as route_cpu: lane li writes choice li of its token
   int id = 0;
@@ -656,12 +681,12 @@ __device__ __forceinline__ float sigmoid_approx(float x) {
 // One unit (kTokenLanes = 8: a quad, 16: a pair) of route_g8_sieve_kernel: X holds its logits as
 // stage_quad writes them (a token's 8 groups as rows of 32; the scores replace them there), cand the
 // warp's candidate lists (one per token), S this lane's token's slots.
-template <bool kRnDiv, int kTokenLanes>
+template <bool kRnDiv, int kTokenLanes, typename Stamps>
 __device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8Warp<kTokenLanes>& w,
                                                  float4* X, const float4* bias_s,
                                                  std::uint64_t (*cand)[kRouterG8ListStride], std::uint32_t* S,
                                                  std::uint16_t* items, float margin, float margin2,
-                                                 std::uint32_t u) {
+                                                 std::uint32_t u, const Stamps& stamps) {
   using namespace routing;
   using Warp = G8Warp<kTokenLanes>;
   constexpr int kPerLane = Warp::kPerLane, kGroupLanes = Warp::kGroupLanes;
@@ -686,6 +711,7 @@ __device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8
   }
   auto [a1, a2] = g8_top2(ca);
   if constexpr (kGroupLanes == 2) merge_top2(a1, a2, 1);
+  stamps.at(3);
 
   // ---- kept groups: from the approximate scores where they are more than 2M apart
   const float ga = __fadd_rn(a1, a2);
@@ -734,6 +760,8 @@ __device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8
     __syncwarp();  // the exact scores stored before other lanes read them (the spread loop below)
   }
 
+  stamps.at(4);
+
   // ---- candidates: the kept groups' experts with ca >= tau' - M (a kept group's `done` experts,
   // ca >= a2 - M >= tau' - M, are among them)
   float tau = kept ? a2 : kInf;
@@ -768,6 +796,7 @@ __device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8
   const int token_start = __shfl_sync(kFull, before, first);
   const int token_total = __shfl_sync(kFull, end, first | (kTokenLanes - 1)) - token_start;
   const bool overflow = __any_sync(kFull, token_total > kRouterG8Candidates);  // then the rounds
+  stamps.at(5);
   // Item (owner lane, its expert j of the group, the item's place in its token's list): the exact
   // sigmoid (unless the group step computed it) back into the stage, and the key into the token's list.
   const auto evaluate = [&](int owner, int j, int place, std::uint32_t owner_done) {
@@ -825,8 +854,9 @@ __device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8
     }
   }
   __syncwarp();  // the scores and keys stored
+  stamps.at(6);
 
-  g8_select_and_store<false, true>(p, w, mask, Xf, Bf, L, S, u, 0.0f, token_total);
+  g8_select_and_store<false, true>(p, w, mask, Xf, Bf, L, S, u, 0.0f, token_total, stamps);
 }
 
 // Blocks per SM of a staged g8 kernel (route_g8_sieve_kernel, route_g8_softmax_kernel): 8 with 4 KB
@@ -923,7 +953,7 @@ struct G8QuadPipe {
   }
 };
 
-template <bool kRnDiv, int kTmaStages, int kTokenLanes = 8>
+template <bool kRnDiv, int kTmaStages, int kTokenLanes = 8, bool kTrace = false>
 __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTmaStages, kTokenLanes>)
     route_g8_sieve_kernel(const RouterParams p, const __grid_constant__ CUtensorMap logits_map) {
   constexpr unsigned kFull = 0xffffffffu;
@@ -938,6 +968,16 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
   __shared__ std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
   __shared__ std::uint16_t spread_items[kRouterG8Warps][kRouterG8SpreadItems];  // sieve_route_unit's items
 
+  RouterStamps<kTrace> stamps;
+  if constexpr (kTrace) {
+    stamps.record = p.trace + (static_cast<std::uint64_t>(blockIdx.x) * kRouterG8Warps + threadIdx.x / 32) *
+                                  kRouterTraceWords;
+    if (threadIdx.x % 32 == 0) {
+      stamps.record[0] = ptx::sm_id();
+      stamps.record[1] = ptx::global_timer_ns_ordered();
+    }
+    stamps.at(0);
+  }
   const G8Warp<kTokenLanes> w(p.tokens);
   Pipe pipe(p, &logits_map, w, pipe_stage, pipe_full);
   float4 b0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -954,9 +994,17 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
   __syncthreads();
   const float margin = routing::sieve_margin(__uint_as_float(max(bias_abs_max[0], bias_abs_max[1])));
   const float margin2 = __fmul_ru(2.0f, margin);
+  stamps.at(1);
   pipe.run([&](float4* X, std::uint32_t u) {
+    stamps.at(2);
     sieve_route_unit<kRnDiv>(p, w, X, bias_s, cand[w.warp], slot[w.warp][w.tw], spread_items[w.warp], margin,
-                             margin2, u);
+                             margin2, u, stamps);
+    stamps.at(8);
+    if constexpr (kTrace) {
+      if (stamps.record != nullptr && w.lane == 0)
+        stamps.record[2 + kRouterTracePhases] = ptx::global_timer_ns_ordered();
+      stamps.record = nullptr;  // the first unit only
+    }
   });
 }
 

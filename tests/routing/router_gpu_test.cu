@@ -310,6 +310,47 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Bool()),
     choice_case_name);
 
+// The traced sieve instances (RouteKernelChoice::trace, the bench's "router.trace" rows): the same
+// outputs bit for bit, and one record per warp with a unit whose stamps are in phase order. T = 20000
+// gives quads' warps two units (only the first is stamped); T = 5 one partial unit.
+TEST(RouterGpu, TracedSieveKeepsTheBitsAndStampsInOrder) {
+  EPMOE_REQUIRE_GPU();
+  constexpr int kWords = cuda::kRouteTraceWordsPerWarp, kPhases = kWords - 3;
+  const std::size_t words = cuda::route_trace_words();
+  const cuda::DeviceBuffer trace(words * sizeof(std::uint64_t));
+  for (const int lanes : {8, 16}) {
+    for (const std::int64_t tokens : {5, 4097, 20000}) {
+      SCOPED_TRACE("lanes " + std::to_string(lanes) + ", T " + std::to_string(tokens));
+      cuda::RouteKernelChoice choice = choice_named("g8_sieve_tma1", false);
+      choice.token_lanes = lanes;
+      choice.trace = trace.as<std::uint64_t>();
+      trace.fill_bytes(0);
+      check_sigmoid(config_named("deepseek_v3"), tokens, false, false, choice);
+      std::vector<std::uint64_t> h(words);
+      EPMOE_CUDA_CHECK(cudaMemcpy(h.data(), trace.data(), words * sizeof(std::uint64_t), cudaMemcpyDeviceToHost));
+      const std::int64_t units = (tokens + 32 / lanes - 1) / (32 / lanes);
+      std::int64_t launched = 0, stamped = 0;
+      for (std::size_t w = 0; w < words; w += kWords) {
+        const std::uint64_t* r = &h[w];
+        launched += r[2] != 0 ? 1 : 0;
+        if (r[2 + kPhases - 1] == 0) continue;  // no unit, or not launched
+        ++stamped;
+        for (int i = 1; i < kPhases; ++i) ASSERT_LE(r[1 + i], r[2 + i]) << "warp " << w / kWords << " phase " << i;
+        ASSERT_LE(r[1], r[2 + kPhases]) << "warp " << w / kWords;
+      }
+      EXPECT_EQ(stamped, std::min(units, launched));
+      EXPECT_GT(stamped, 0);
+    }
+  }
+  cuda::RouteKernelChoice general = choice_named("general", false);
+  general.trace = trace.as<std::uint64_t>();
+  const MoeConfig c = config_named("deepseek_v3");
+  std::mt19937_64 rng(fresh_seed());
+  const HostTensor logits = random_sigmoid_logits(c, 8, rng);
+  expect_error_mentions([&] { route_on_gpu(c, logits, random_bias(c, false, rng), false, general); },
+                        "router trace");
+}
+
 // Every layout's config through the sieve choice (where g8 does not apply it falls back, so these
 // check that it does so), and the default path: automatic with the sieve at T >= 1024.
 TEST(RouterGpu, SieveChoiceOnEveryConfig) {

@@ -17,6 +17,9 @@
 // in [0, E).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include <cuda_runtime_api.h>
 
 #include "epmoe/config.hpp"
@@ -62,7 +65,15 @@ struct RouteKernelChoice {
   // else 8), or 0: 16 at small T (then also below the g8 switch at 1024 tokens, in place of the
   // general kernel), 8 above. EPMOE_ROUTER_LANES=8|16 forces one.
   int token_lanes = 0;
+  // Diagnostics: a device buffer of route_trace_words() words that the sieve kernel (TMA staging, the
+  // branch-free sigmoid) fills with per-warp phase stamps (router_kernels.cuh: RouterStamps), through an
+  // instance of its own; nullptr (default) for the untraced kernels. Refused where that kernel does
+  // not run.
+  std::uint64_t* trace = nullptr;
 };
+// Words of a RouteKernelChoice::trace buffer on the current device (12 per warp that can be resident).
+std::size_t route_trace_words();
+inline constexpr int kRouteTraceWordsPerWarp = 12;
 // The choice route() makes from the environment.
 RouteKernelChoice route_kernel_choice_from_env();
 // route() with an explicit choice; Kernel::g8 where g8 does not apply falls back to general.
