@@ -321,6 +321,14 @@ Params with_trace(Params p, const cuda::Fp8GemmTrace& t) {
   p["loop_mhz"] = 1e3 * static_cast<double>(t.loop_cycles) / static_cast<double>(t.loop_ns);
   p["loop_of_span"] = static_cast<double>(t.loop_ns) / static_cast<double>(t.ctas) /
                       (static_cast<double>(t.span_ns) / static_cast<double>(t.launches));
+  if (t.stored_tiles > 0) {  // v12's hand-off, cycles per tile (the loop's too, for scale)
+    const auto tiles = static_cast<double>(t.stored_tiles);
+    p["loop_cycles_per_tile"] = static_cast<double>(t.loop_cycles) / tiles;
+    p["epi_done_wait_per_tile"] = static_cast<double>(t.epi_done_wait_cycles) / tiles;
+    p["empty_wait_per_tile"] = static_cast<double>(t.empty_wait_cycles) / tiles;
+    p["store_per_tile"] = static_cast<double>(t.store_cycles) / tiles;
+    p["staged_wait_per_tile"] = static_cast<double>(t.staged_wait_cycles) / tiles;
+  }
   return p;
 }
 

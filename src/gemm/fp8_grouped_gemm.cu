@@ -245,11 +245,12 @@ void launch(GemmTileShape tile, const TensorView& a, const TensorView& b, const 
 }  // namespace
 
 Fp8GemmTrace fp8_grouped_gemm_take_trace() {
-  unsigned long long sums[8] = {};
+  unsigned long long sums[kernels::kFp8TraceWords] = {};
   EPMOE_CUDA_CHECK(cudaMemcpyFromSymbol(sums, kernels::g_fp8_gemm_trace, sizeof sums));
-  const unsigned long long zero[8] = {0, 0, 0, 0, 0, 0, ~0ull, 0};
+  unsigned long long zero[kernels::kFp8TraceWords] = {};
+  zero[6] = ~0ull;
   EPMOE_CUDA_CHECK(cudaMemcpyToSymbol(kernels::g_fp8_gemm_trace, zero, sizeof zero));
-  return {sums[0], sums[1], sums[2], sums[3], sums[4], sums[5]};
+  return {sums[0], sums[1], sums[2], sums[3], sums[4], sums[5], sums[8], sums[9], sums[10], sums[11], sums[12]};
 }
 
 GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n) {

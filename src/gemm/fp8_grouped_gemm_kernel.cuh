@@ -352,8 +352,12 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64
 }
 
 // The trace's sums: [0] loop cycles, [1] loop ns, [2] K blocks, [3] CTAs, [4] launch spans (first
-// CTA entry to last loop exit, ns), [5] launches, [6] this launch's earliest entry, [7] its latest exit.
-__device__ unsigned long long g_fp8_gemm_trace[8] = {0, 0, 0, 0, 0, 0, ~0ull, 0};
+// CTA entry to last loop exit, ns), [5] launches, [6] this launch's earliest entry, [7] its latest exit;
+// v12's hand-off (borrowing launches), in cycles of the TMA warp's and store warp's lane 0: [8] the
+// producer's waits for epi_done, [9] its waits for empty stages, [10] the store warp's time from a
+// tile staged to its epi_done, [11] the store warp's waits for a staged tile, [12] tiles it stored.
+inline constexpr int kFp8TraceWords = 13;
+__device__ unsigned long long g_fp8_gemm_trace[kFp8TraceWords] = {0, 0, 0, 0, 0, 0, ~0ull, 0, 0, 0, 0, 0, 0};
 
 // Named barrier of the two consumer warpgroups before v12's epilogue writes into the stages that
 // either one's last wgmma read.
@@ -532,6 +536,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // v12: from the second tile on, the borrowed stages' loads wait for the consumers' epi_done.
       bool after_first = false;
       std::uint32_t epi_phase = 0;
+      const bool trace_hand_off = (p.ablation & kTraceLoop) != 0 && lane == 0;
       while (scheduler.next(tile, p)) {
         const std::int32_t b_row = tile.group * p.n + tile.n_block * kBlockN;
         // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest
@@ -546,10 +551,14 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
+            const long long c0 = trace_hand_off ? clock64() : 0;
             ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+            const long long c1 = trace_hand_off ? clock64() : 0;
+            if (trace_hand_off) atomicAdd(g_fp8_gemm_trace + 9, static_cast<unsigned long long>(c1 - c0));
             if (gate && kb == kStages - 2) {
               ptx::mbar_wait(epi_done_bar, epi_phase);
               epi_phase ^= 1u;
+              if (trace_hand_off) atomicAdd(g_fp8_gemm_trace + 8, static_cast<unsigned long long>(clock64() - c1));
             }
             if ((p.ablation & kAblateLoads) != 0) {
               ptx::mbar_arrive(full);
@@ -602,9 +611,12 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // 1D bulk store per valid row and wave (lane r: row r); then, once every store has read shared
       // memory, lane 0 arrives on epi_done_bar, which the producer waits on before it loads over them.
       std::uint32_t phase = 0;
+      const bool trace_hand_off = (p.ablation & kTraceLoop) != 0 && lane == 0;
       while (scheduler.next(tile, p)) {
+        const long long c0 = trace_hand_off ? clock64() : 0;
         ptx::mbar_wait(staged_bar, phase);
         phase ^= 1u;
+        const long long c1 = trace_hand_off ? clock64() : 0;
         bool issued = false;
 #pragma unroll 1
         for (int cw = 0; cw < Traits::kConsumers * 4; ++cw) {
@@ -637,6 +649,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         }
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(epi_done_bar);
+        if (trace_hand_off) {
+          atomicAdd(g_fp8_gemm_trace + 10, static_cast<unsigned long long>(clock64() - c1));
+          atomicAdd(g_fp8_gemm_trace + 11, static_cast<unsigned long long>(c1 - c0));
+          atomicAdd(g_fp8_gemm_trace + 12, 1ull);
+        }
       }
       ptx::bulk_wait<0>();  // this lane's stores written before the kernel ends
     }

@@ -131,8 +131,13 @@ void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_sc
 // The consumer-loop trace of the launches with options.ablation bit 256 since the last call (sums
 // over CTAs and launches; read on the current device, then zeroed). Cycles per wgmma per SM:
 // loop_cycles / (k_blocks * wgmma per K block); the clock the loops ran at: loop_cycles / loop_ns.
+// v12's hand-off (borrowing launches), cycles summed over CTAs: the producer's waits for epi_done and for
+// empty stages, the store warp's time from a tile staged to its epi_done and its waits for staged tiles,
+// and the tiles it stored.
 struct Fp8GemmTrace {
   std::uint64_t loop_cycles = 0, loop_ns = 0, k_blocks = 0, ctas = 0, span_ns = 0, launches = 0;
+  std::uint64_t epi_done_wait_cycles = 0, empty_wait_cycles = 0, store_cycles = 0, staged_wait_cycles = 0,
+                stored_tiles = 0;
 };
 Fp8GemmTrace fp8_grouped_gemm_take_trace();
 
