@@ -50,18 +50,22 @@ struct RouterParams {
   // RouteKernelChoice::trace: kRouterTraceWords per warp of the grid (the sieve kernel's kTrace
   // instances only; nullptr otherwise).
   std::uint64_t* trace;
+  // RouteKernelChoice::ticket_blocks_per_sm: [0] the next unit past the first round, [1] warps done;
+  // zero before the launch, and zero again after it (its last warp resets them). kTickets instances only.
+  std::uint32_t* tickets;
 };
 
 // Phase stamps of the sieve kernel (RouteKernelChoice::trace; compiled into the kTrace instances
 // only): for the first unit of each warp, lane 0 writes its record
 //   [0] SM id, [1] globaltimer at entry (ns), [2 + i] clock64 at phase i, [2 + kRouterTracePhases]
-//   globaltimer at the end of the unit,
+//   globaltimer at the end of the unit, [3 + kRouterTracePhases] clock64 when the warp leaves (after its
+//   last unit; 0 for a warp without one),
 // phases 0 entry, 1 prologue done (bias, barriers), 2 the unit's logits in shared memory (the TMA
 // wait), 3 approximations and group top-2, 4 kept groups (the exact group step included), 5 the
 // candidate masks and warp prefix, 6 the spread (exact sigmoids and keys), 7 ranked (slots written),
 // 8 weights and outputs stored. Warps without a unit leave phases 2.. as the caller filled them.
 inline constexpr int kRouterTracePhases = 9;
-inline constexpr int kRouterTraceWords = kRouterTracePhases + 3;
+inline constexpr int kRouterTraceWords = kRouterTracePhases + 4;
 template <bool kOn>
 struct RouterStamps {
   std::uint64_t* record = nullptr;  // this warp's record while its first unit runs
@@ -875,9 +879,14 @@ inline constexpr int kRouterG8StagedMinBlocks = (kTmaStages >= 2 ? 2 : 1) * (32 
 // buffer is 1024-byte aligned; rows past the tokens read as zeros), completing on the buffer's
 // mbarrier. With 2 buffers the warp's next unit is in flight while it ranks this one; with 1 the copy
 // is issued where stage_quad's loads were (fewer instructions).
-template <int kTmaStages, int kTokenLanes = 8>
+// kTickets (one buffer only): each warp's first unit as above, the rest dealt at run time: lane 0 takes
+// the unit after the current one from p.tickets as soon as the current one has landed (its latency
+// hidden under the unit's work), so that the warps whose data came first take the units past the first
+// round, whichever SM they are on.
+template <int kTmaStages, int kTokenLanes = 8, bool kTickets = false>
 struct G8QuadPipe {
   static_assert(kTmaStages > 0 || kTokenLanes == 8, "per-lane staging (stage_quad) loads quads");
+  static_assert(!kTickets || kTmaStages == 1, "dealt units take one TMA buffer");
   static constexpr int kBuffers = kTmaStages > 0 ? kTmaStages : 1;
   static constexpr int kRows = 8 * (32 / kTokenLanes);  // a unit's groups (rows of 128 bytes)
   static constexpr std::uint32_t kUnitBytes = kRows * 128;
@@ -938,9 +947,17 @@ struct G8QuadPipe {
       } else {
         __syncwarp();
       }
+      std::uint32_t ticket = 0;
+      if constexpr (kTickets) {
+        if (w.lane == 0) ticket = atomicAdd(p.tickets, 1u);
+      }
       body(X, u);
-      const std::uint32_t refill = u + kBuffers * w.step;  // the unit this buffer takes next (TMA)
+      std::uint32_t refill = u + kBuffers * w.step;  // the unit this buffer takes next (TMA)
       u += w.step;
+      if constexpr (kTickets) {
+        u = w.step + __shfl_sync(0xffffffffu, ticket, 0);
+        refill = u;
+      }
       if constexpr (kTmaStages > 0) {
         // This lane's generic-proxy reads and writes of the buffer before the TMA copy overwrites it.
         ptx::fence_proxy_async_shared();
@@ -950,14 +967,20 @@ struct G8QuadPipe {
         if (u < w.units) stage_quad(X, p.logits, p.tokens, u, w.lane);
       }
     }
+    if constexpr (kTickets) {  // the launch's last warp leaves the tickets at zero for the next one
+      if (w.lane == 0 && atomicAdd(p.tickets + 1, 1u) == gridDim.x * kRouterG8Warps - 1u) {
+        atomicExch(p.tickets, 0u);
+        atomicExch(p.tickets + 1, 0u);
+      }
+    }
   }
 };
 
-template <bool kRnDiv, int kTmaStages, int kTokenLanes = 8, bool kTrace = false>
+template <bool kRnDiv, int kTmaStages, int kTokenLanes = 8, bool kTrace = false, bool kTickets = false>
 __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTmaStages, kTokenLanes>)
     route_g8_sieve_kernel(const RouterParams p, const __grid_constant__ CUtensorMap logits_map) {
   constexpr unsigned kFull = 0xffffffffu;
-  using Pipe = G8QuadPipe<kTmaStages, kTokenLanes>;
+  using Pipe = G8QuadPipe<kTmaStages, kTokenLanes, kTickets>;
   constexpr int kTokens = G8Warp<kTokenLanes>::kTokens;
   __shared__ typename Pipe::Stage pipe_stage;
   __shared__ typename Pipe::Barriers pipe_full;
@@ -1006,6 +1029,11 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
       stamps.record = nullptr;  // the first unit only
     }
   });
+  if constexpr (kTrace) {
+    std::uint64_t* const record =
+        p.trace + (static_cast<std::uint64_t>(blockIdx.x) * kRouterG8Warps + threadIdx.x / 32) * kRouterTraceWords;
+    if (w.lane == 0 && stamps.record == nullptr) record[3 + kRouterTracePhases] = ptx::clock_ordered();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

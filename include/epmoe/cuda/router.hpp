@@ -70,10 +70,14 @@ struct RouteKernelChoice {
   // instance of its own; nullptr (default) for the untraced kernels. Refused where that kernel does
   // not run.
   std::uint64_t* trace = nullptr;
+  // Experiment (the sieve kernel with quads and one TMA buffer): > 0 launches that many blocks per SM
+  // and deals the units past the first round at run time (G8QuadPipe's kTickets) instead of striding.
+  // EPMOE_ROUTER_TICKETS=N sets it. 0 (default): off.
+  int ticket_blocks_per_sm = 0;
 };
-// Words of a RouteKernelChoice::trace buffer on the current device (12 per warp that can be resident).
+// Words of a RouteKernelChoice::trace buffer on the current device (13 per warp that can be resident).
 std::size_t route_trace_words();
-inline constexpr int kRouteTraceWordsPerWarp = 12;
+inline constexpr int kRouteTraceWordsPerWarp = 13;
 // The choice route() makes from the environment.
 RouteKernelChoice route_kernel_choice_from_env();
 // route() with an explicit choice; Kernel::g8 where g8 does not apply falls back to general.
