@@ -61,8 +61,7 @@ void trace_rows(const SuiteOptions& options, std::vector<Result>& results, const
   const std::size_t words = cuda::route_trace_words();
   cuda::DeviceBuffer trace(words * sizeof(std::uint64_t));
   std::vector<std::uint64_t> h(words);
-  for (const auto& [lanes, dealt] : {std::pair{8, 0}, std::pair{16, 0}, std::pair{8, 6}}) {
-    if (dealt > 0 && tokens < 8192) continue;
+  for (const int lanes : {8, 16}) {
     cuda::RouteKernelChoice choice = cuda::route_kernel_choice_from_env();
     choice.kernel = cuda::RouteKernelChoice::Kernel::g8;
     choice.sieve = true;
@@ -70,7 +69,6 @@ void trace_rows(const SuiteOptions& options, std::vector<Result>& results, const
     choice.tma_stages = 1;
     choice.token_lanes = lanes;
     choice.trace = trace.as<std::uint64_t>();
-    choice.ticket_blocks_per_sm = dealt;
     for (int r = 0; r < 3; ++r) {
       const auto set = static_cast<std::size_t>(r) % logits.size();
       trace.fill_bytes(0, stream);
@@ -100,7 +98,7 @@ void trace_rows(const SuiteOptions& options, std::vector<Result>& results, const
       chain.push_back(c(kPhases - 1) - c(2));
       end.push_back(c(kPhases - 1) - b);
       for (int i = 0; i + 1 < kPhases; ++i) phase[i].push_back(c(i + 1) - c(i));
-      // The warp's end: after its last unit (dealt units: perhaps several).
+      // The warp's end: after its last unit (past one round of units: several).
       const double leave = std::max(c(kPhases - 1), static_cast<double>(r[3 + kPhases])) - b;
       sm_span[r[0]] = std::max(sm_span[r[0]], leave);
       if (leave > last_end) last_end = leave, last = r;
@@ -112,8 +110,7 @@ void trace_rows(const SuiteOptions& options, std::vector<Result>& results, const
     static constexpr const char* kNames[kPhases - 1] = {"prologue", "wait", "approx", "groups",
                                                         "mask",     "spread", "rank", "store"};
     Params p{{"tokens", tokens},
-             {"phase", std::string(lanes == 8 ? (dealt > 0 ? "quads-dealt" + std::to_string(dealt) : "quads")
-                                              : "pairs")},
+             {"phase", std::string(lanes == 8 ? "quads" : "pairs")},
              {"mhz", mhz},
              {"warps", static_cast<std::int64_t>(end.size())}};
     for (const auto& [name, v] : {std::pair{"entry", &entry}, std::pair{"arrive", &arrive},
@@ -198,15 +195,6 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
           staged.token_lanes = 16;
           rows.push_back({&sigmoid, "sigmoid-sieve-pairs-tma" + std::to_string(stages), staged});
         }
-      }
-    }
-    if (tokens >= 8192) {  // dealt units (RouteKernelChoice::ticket_blocks_per_sm), quads
-      for (const int blocks : {5, 6, 7}) {
-        cuda::RouteKernelChoice dealt = automatic;
-        dealt.tma_stages = 1;
-        dealt.token_lanes = 8;
-        dealt.ticket_blocks_per_sm = blocks;
-        rows.push_back({&sigmoid, "sigmoid-dealt" + std::to_string(blocks), dealt});
       }
     }
     if (variants) {

@@ -6,11 +6,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
-#include <mutex>
 #include <string_view>
 
 #include "cuda/tma_map.hpp"
-#include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "routing/router_kernels.cuh"
 
@@ -125,8 +123,7 @@ bool route_g8_softmax_applies(const MoeConfig& c, const kernels::RouterParams& p
 // layout): a warp per unit of kUnitTokens tokens (a quad; the sieve kernel also takes pairs), no more
 // than fit on the device at once.
 template <auto kKernel, int kUnitTokens = 4, typename... Extra>
-void launch_g8_capped(int blocks_per_sm_cap, const kernels::RouterParams& p, cudaStream_t stream,
-                      const Extra&... extra) {
+void launch_g8(const kernels::RouterParams& p, cudaStream_t stream, const Extra&... extra) {
   static const int blocks_per_sm = [] {
     // 8 blocks of 25.75 KB (5 of 41.75 KB) need the largest shared-memory carveout.
     EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -136,34 +133,12 @@ void launch_g8_capped(int blocks_per_sm_cap, const kernels::RouterParams& p, cud
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kernels::kRouterG8Threads, 0));
     return std::max(n, 1);
   }();
-  const int per_sm = blocks_per_sm_cap > 0 ? std::min(blocks_per_sm, blocks_per_sm_cap) : blocks_per_sm;
-  const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * per_sm;
+  const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
   const std::uint64_t units = (static_cast<std::uint64_t>(p.tokens) + kUnitTokens - 1) / kUnitTokens;
   const std::uint64_t wanted = (units + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
   const auto grid = static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
   kKernel<<<grid, kernels::kRouterG8Threads, 0, stream>>>(p, extra...);
   EPMOE_CUDA_CHECK_LAUNCH();
-}
-template <auto kKernel, int kUnitTokens = 4, typename... Extra>
-void launch_g8(const kernels::RouterParams& p, cudaStream_t stream, const Extra&... extra) {
-  launch_g8_capped<kKernel, kUnitTokens>(0, p, stream, extra...);
-}
-
-// The ticket counters of the dealt sieve kernel (RouteKernelChoice::ticket_blocks_per_sm), one pair
-// per device, zeroed once; each launch leaves them at zero. (An experiment: two such launches running
-// at once on one device would share them.)
-std::uint32_t* router_tickets() {
-  static std::mutex mutex;
-  static DeviceBuffer buffers[64];
-  const std::lock_guard lock(mutex);
-  int device = 0;
-  EPMOE_CUDA_CHECK(cudaGetDevice(&device));
-  EPMOE_CHECK(device < 64, "router tickets: device {} past 64", device);
-  if (buffers[device].empty()) {
-    buffers[device] = DeviceBuffer(2 * sizeof(std::uint32_t));
-    EPMOE_CUDA_CHECK(cudaMemset(buffers[device].data(), 0, 2 * sizeof(std::uint32_t)));
-  }
-  return buffers[device].as<std::uint32_t>();
 }
 
 // The TMA staging a g8 kernel takes: `tma_stages` (RouteKernelChoice), or 0 where TMA coordinates
@@ -196,18 +171,8 @@ void launch_staged(const kernels::RouterParams& p, int staging, cudaStream_t str
 // The sieve kernel: quads (8 lanes per token) with any staging; pairs (16 lanes per token, v9) with
 // TMA staging only (the caller asks for pairs only then).
 template <bool kRnDiv>
-void launch_sieve(const kernels::RouterParams& p, int staging, bool pairs, int ticket_blocks,
-                  cudaStream_t stream) {
+void launch_sieve(const kernels::RouterParams& p, int staging, bool pairs, cudaStream_t stream) {
   using kernels::route_g8_sieve_kernel;
-  if (ticket_blocks > 0 && !pairs && staging == 1 && !kRnDiv) {  // dealt units (quads, one TMA buffer)
-    kernels::RouterParams q = p;
-    q.tickets = router_tickets();
-    return p.trace != nullptr
-               ? launch_g8_capped<&route_g8_sieve_kernel<false, 1, 8, true, true>>(ticket_blocks, q, stream,
-                                                                                   logits_map(p, 4))
-               : launch_g8_capped<&route_g8_sieve_kernel<false, 1, 8, false, true>>(ticket_blocks, q, stream,
-                                                                                    logits_map(p, 4));
-  }
   if (p.trace != nullptr) {  // the traced instances (one TMA buffer, RouteKernelChoice::trace)
     EPMOE_CHECK(!kRnDiv && staging == 1,
                 "router trace: needs the branch-free sigmoid and tma_stages = 1, got rn_division = {}, "
@@ -309,8 +274,8 @@ void route(const MoeConfig& config, TensorView logits, TensorView correction_bia
               kRouterG8MinTokens);
   if (g8) {
     if (choice.sieve) {
-      choice.rn_division ? launch_sieve<true>(p, staging, sieve_pairs, choice.ticket_blocks_per_sm, stream)
-                         : launch_sieve<false>(p, staging, sieve_pairs, choice.ticket_blocks_per_sm, stream);
+      choice.rn_division ? launch_sieve<true>(p, staging, sieve_pairs, stream)
+                         : launch_sieve<false>(p, staging, sieve_pairs, stream);
     } else {
       choice.rn_division ? launch_g8<&route_g8_kernel<true>>(p, stream)
                          : launch_g8<&route_g8_kernel<false>>(p, stream);
@@ -341,8 +306,6 @@ RouteKernelChoice route_kernel_choice_from_env() {
     c.sieve = sieve == nullptr || std::string_view(sieve) != "0";
     if (const char* tma = std::getenv("EPMOE_ROUTER_TMA"); tma != nullptr)
       c.tma_stages = std::clamp(std::atoi(tma), 0, 2);
-    if (const char* tickets = std::getenv("EPMOE_ROUTER_TICKETS"); tickets != nullptr)
-      c.ticket_blocks_per_sm = std::clamp(std::atoi(tickets), 0, 8);
     if (const char* lanes = std::getenv("EPMOE_ROUTER_LANES"); lanes != nullptr)
       c.token_lanes = std::string_view(lanes) == "16" ? 16 : std::string_view(lanes) == "8" ? 8 : 0;
     return c;

@@ -50,9 +50,6 @@ struct RouterParams {
   // RouteKernelChoice::trace: kRouterTraceWords per warp of the grid (the sieve kernel's kTrace
   // instances only; nullptr otherwise).
   std::uint64_t* trace;
-  // RouteKernelChoice::ticket_blocks_per_sm: [0] the next unit past the first round, [1] warps done;
-  // zero before the launch, and zero again after it (its last warp resets them). kTickets instances only.
-  std::uint32_t* tickets;
 };
 
 // Phase stamps of the sieve kernel (RouteKernelChoice::trace; compiled into the kTrace instances
@@ -879,14 +876,9 @@ inline constexpr int kRouterG8StagedMinBlocks = (kTmaStages >= 2 ? 2 : 1) * (32 
 // buffer is 1024-byte aligned; rows past the tokens read as zeros), completing on the buffer's
 // mbarrier. With 2 buffers the warp's next unit is in flight while it ranks this one; with 1 the copy
 // is issued where stage_quad's loads were (fewer instructions).
-// kTickets (one buffer only): each warp's first unit as above, the rest dealt at run time: lane 0 takes
-// the unit after the current one from p.tickets as soon as the current one has landed (its latency
-// hidden under the unit's work), so that the warps whose data came first take the units past the first
-// round, whichever SM they are on.
-template <int kTmaStages, int kTokenLanes = 8, bool kTickets = false>
+template <int kTmaStages, int kTokenLanes = 8>
 struct G8QuadPipe {
   static_assert(kTmaStages > 0 || kTokenLanes == 8, "per-lane staging (stage_quad) loads quads");
-  static_assert(!kTickets || kTmaStages == 1, "dealt units take one TMA buffer");
   static constexpr int kBuffers = kTmaStages > 0 ? kTmaStages : 1;
   static constexpr int kRows = 8 * (32 / kTokenLanes);  // a unit's groups (rows of 128 bytes)
   static constexpr std::uint32_t kUnitBytes = kRows * 128;
@@ -947,17 +939,9 @@ struct G8QuadPipe {
       } else {
         __syncwarp();
       }
-      std::uint32_t ticket = 0;
-      if constexpr (kTickets) {
-        if (w.lane == 0) ticket = atomicAdd(p.tickets, 1u);
-      }
       body(X, u);
-      std::uint32_t refill = u + kBuffers * w.step;  // the unit this buffer takes next (TMA)
+      const std::uint32_t refill = u + kBuffers * w.step;  // the unit this buffer takes next (TMA)
       u += w.step;
-      if constexpr (kTickets) {
-        u = w.step + __shfl_sync(0xffffffffu, ticket, 0);
-        refill = u;
-      }
       if constexpr (kTmaStages > 0) {
         // This lane's generic-proxy reads and writes of the buffer before the TMA copy overwrites it.
         ptx::fence_proxy_async_shared();
@@ -967,20 +951,14 @@ struct G8QuadPipe {
         if (u < w.units) stage_quad(X, p.logits, p.tokens, u, w.lane);
       }
     }
-    if constexpr (kTickets) {  // the launch's last warp leaves the tickets at zero for the next one
-      if (w.lane == 0 && atomicAdd(p.tickets + 1, 1u) == gridDim.x * kRouterG8Warps - 1u) {
-        atomicExch(p.tickets, 0u);
-        atomicExch(p.tickets + 1, 0u);
-      }
-    }
   }
 };
 
-template <bool kRnDiv, int kTmaStages, int kTokenLanes = 8, bool kTrace = false, bool kTickets = false>
+template <bool kRnDiv, int kTmaStages, int kTokenLanes = 8, bool kTrace = false>
 __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTmaStages, kTokenLanes>)
     route_g8_sieve_kernel(const RouterParams p, const __grid_constant__ CUtensorMap logits_map) {
   constexpr unsigned kFull = 0xffffffffu;
-  using Pipe = G8QuadPipe<kTmaStages, kTokenLanes, kTickets>;
+  using Pipe = G8QuadPipe<kTmaStages, kTokenLanes>;
   constexpr int kTokens = G8Warp<kTokenLanes>::kTokens;
   __shared__ typename Pipe::Stage pipe_stage;
   __shared__ typename Pipe::Barriers pipe_full;

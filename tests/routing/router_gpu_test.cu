@@ -351,25 +351,6 @@ TEST(RouterGpu, TracedSieveKeepsTheBitsAndStampsInOrder) {
                         "router trace");
 }
 
-// Dealt units (RouteKernelChoice::ticket_blocks_per_sm): few blocks per SM so that most units are
-// dealt at run time (T = 65537: ~16 units per warp with one block per SM), each case twice in a row
-// (the launch must leave its tickets at zero for the next), traced and not.
-TEST(RouterGpu, DealtUnitsKeepTheBits) {
-  EPMOE_REQUIRE_GPU();
-  const cuda::DeviceBuffer trace(cuda::route_trace_words() * sizeof(std::uint64_t));
-  for (const int blocks : {1, 3, 6}) {
-    for (const std::int64_t tokens : {5, 4097, 20000, 65537}) {
-      SCOPED_TRACE("blocks " + std::to_string(blocks) + ", T " + std::to_string(tokens));
-      cuda::RouteKernelChoice choice = choice_named("g8_sieve_tma1", false);
-      choice.ticket_blocks_per_sm = blocks;
-      check_sigmoid(config_named("deepseek_v3"), tokens, false, false, choice);
-      check_sigmoid(config_named("no_renorm"), tokens, true, false, choice);
-      choice.trace = trace.as<std::uint64_t>();
-      check_sigmoid(config_named("deepseek_v3"), tokens, false, false, choice);
-    }
-  }
-}
-
 // Every layout's config through the sieve choice (where g8 does not apply it falls back, so these
 // check that it does so), and the default path: automatic with the sieve at T >= 1024.
 TEST(RouterGpu, SieveChoiceOnEveryConfig) {

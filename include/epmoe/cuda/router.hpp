@@ -70,10 +70,6 @@ struct RouteKernelChoice {
   // instance of its own; nullptr (default) for the untraced kernels. Refused where that kernel does
   // not run.
   std::uint64_t* trace = nullptr;
-  // Experiment (the sieve kernel with quads and one TMA buffer): > 0 launches that many blocks per SM
-  // and deals the units past the first round at run time (G8QuadPipe's kTickets) instead of striding.
-  // EPMOE_ROUTER_TICKETS=N sets it. 0 (default): off.
-  int ticket_blocks_per_sm = 0;
 };
 // Words of a RouteKernelChoice::trace buffer on the current device (13 per warp that can be resident).
 std::size_t route_trace_words();
