@@ -59,9 +59,11 @@ struct RouterParams {
 //   last unit; 0 for a warp without one),
 // phases 0 entry, 1 prologue done (bias, barriers), 2 the unit's logits in shared memory (the TMA
 // wait), 3 approximations and group top-2, 4 kept groups (the exact group step included), 5 the
-// candidate masks and warp prefix, 6 the spread (exact sigmoids and keys), 7 ranked (slots written),
-// 8 weights and outputs stored. Warps without a unit leave phases 2.. as the caller filled them.
-inline constexpr int kRouterTracePhases = 9;
+// candidate masks and warp prefix, 6 the spread's item list written, 7 the spread (exact sigmoids and
+// keys), 8 the ranks' own keys read, 9 the rank loop, 10 ranked (slots written), 11 weights and
+// outputs stored (8 and 9 are stamped at 7's time where the ranks take another path). Warps without
+// a unit leave phases 2.. as the caller filled them.
+inline constexpr int kRouterTracePhases = 12;
 inline constexpr int kRouterTraceWords = kRouterTracePhases + 4;
 template <bool kOn>
 struct RouterStamps {
@@ -423,6 +425,8 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, const
     }
     total = __shfl_sync(kFull, end, first | (kTokenLanes - 1));
   }
+  stamps.at(8);
+  stamps.at(9);
   if (!__any_sync(kFull, total > kRouterG8Candidates)) {
     if constexpr (!kListBuilt) {
       int pos = end - __popc(mask);
@@ -445,6 +449,7 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, const
       const std::uint64_t a = has_a ? L[li] : 0ull, b = has_b ? L[li + 8] : 0ull;
       const std::uint32_t not_a = ~static_cast<std::uint32_t>(a >> 32),
                           not_b = ~static_cast<std::uint32_t>(b >> 32);
+      stamps.at(8);
       int rank_a = 0, rank_b = 0;
 #pragma unroll 4
       for (int k = 0; k < total; ++k) {
@@ -452,6 +457,7 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, const
         rank_a = add_if_above32(rank_a, key, not_a);
         if constexpr (kTokenLanes == 8) rank_b = add_if_above32(rank_b, key, not_b);
       }
+      stamps.at(9);
       int rank_sum = (has_a ? rank_a : 0) + (has_b ? rank_b : 0);
 #pragma unroll
       for (int o = 1; o < kTokenLanes; o *= 2) rank_sum += __shfl_xor_sync(kFull, rank_sum, o);
@@ -499,7 +505,7 @@ __device__ __forceinline__ void g8_select_and_store(const RouterParams& p, const
     }
   }
   __syncwarp();
-  stamps.at(7);
+  stamps.at(10);
 
   // ---- weights, as route_cpu: lane li writes choice li of its token
   int id = 0;
@@ -822,7 +828,8 @@ __device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8
       const int j = w.expert_in_group(__ffs(static_cast<int>(m)) - 1);
       items[pos] = static_cast<std::uint16_t>((lane << 11) | (j << 6) | ((pos - token_start) & 63));
     }
-    __syncwarp();                                        // the items stored
+    __syncwarp();  // the items stored
+    stamps.at(6);
     for (int base = 0; base < warp_total; base += 32) {  // warp-uniform trip count
       const int i = base + lane;
       const std::uint32_t item = i < warp_total ? items[i] : 0u;
@@ -832,6 +839,7 @@ __device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8
         evaluate(owner, static_cast<int>(item >> 6) & 31, static_cast<int>(item & 63u), owner_done);
     }
   } else {
+    stamps.at(6);
     for (int base = 0; base < warp_total; base += 32) {  // warp-uniform trip count
       const int i = base + lane;
       int owner = 0;
@@ -855,7 +863,7 @@ __device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8
     }
   }
   __syncwarp();  // the scores and keys stored
-  stamps.at(6);
+  stamps.at(7);
 
   g8_select_and_store<false, true>(p, w, mask, Xf, Bf, L, S, u, 0.0f, token_total, stamps);
 }
@@ -1000,7 +1008,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
     stamps.at(2);
     sieve_route_unit<kRnDiv>(p, w, X, bias_s, cand[w.warp], slot[w.warp][w.tw], spread_items[w.warp], margin,
                              margin2, u, stamps);
-    stamps.at(8);
+    stamps.at(11);
     if constexpr (kTrace) {
       if (stamps.record != nullptr && w.lane == 0)
         stamps.record[2 + kRouterTracePhases] = ptx::global_timer_ns_ordered();

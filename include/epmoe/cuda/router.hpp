@@ -71,9 +71,9 @@ struct RouteKernelChoice {
   // not run.
   std::uint64_t* trace = nullptr;
 };
-// Words of a RouteKernelChoice::trace buffer on the current device (13 per warp that can be resident).
+// Words of a RouteKernelChoice::trace buffer on the current device (16 per warp that can be resident).
 std::size_t route_trace_words();
-inline constexpr int kRouteTraceWordsPerWarp = 13;
+inline constexpr int kRouteTraceWordsPerWarp = 16;
 // The choice route() makes from the environment.
 RouteKernelChoice route_kernel_choice_from_env();
 // route() with an explicit choice; Kernel::g8 where g8 does not apply falls back to general.
