@@ -243,6 +243,9 @@ std::vector<Variant> experiments(bool masked) {
   add("one_wait", [](auto& o) { o.ablation = 8; });
   add("one_wait_no_promote", [](auto& o) { o.ablation = 8 | 4; });
   add("no_epilogue", [](auto& o) { o.ablation = 16; });
+  // Session 16: v12 without the producer's wait for the store warp (garbage output): what the
+  // hand-off costs each next tile's K blocks 2 and 3.
+  add("no_epi_gate", [](auto& o) { o.ablation = 1024; });
   add("no_scales", [](auto& o) { o.ablation = 32; });
   add("no_loads_no_scales", [](auto& o) { o.ablation = 2 | 32; });
   add("no_loads_no_promote", [](auto& o) { o.ablation = 2 | 32 | 4; });
@@ -328,6 +331,12 @@ Params with_trace(Params p, const cuda::Fp8GemmTrace& t) {
     p["empty_wait_per_tile"] = static_cast<double>(t.empty_wait_cycles) / tiles;
     p["store_per_tile"] = static_cast<double>(t.store_cycles) / tiles;
     p["staged_wait_per_tile"] = static_cast<double>(t.staged_wait_cycles) / tiles;
+  }
+  if (t.consumer_tiles > 0) {  // the traced consumer's waits for each tile's first K blocks, its epilogue
+    const auto tiles = static_cast<double>(t.consumer_tiles);
+    for (int i = 0; i < 4; ++i)
+      p["kb" + std::to_string(i) + "_wait_per_tile"] = static_cast<double>(t.first_waits_cycles[i]) / tiles;
+    p["epilogue_per_tile"] = static_cast<double>(t.epilogue_cycles) / tiles;
   }
   return p;
 }

@@ -92,6 +92,9 @@ void check_device() {
   gemm_host::require_hopper("the FP8 grouped GEMM");
 }
 
+// options.ablation bit 1024: v12 without the producer's epi_done gate (kernels::kBorrowNoGate).
+constexpr int kAblateNoEpiGate = 1024;
+
 // The tile of this call: options, else the heuristic.
 GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::int64_t expected_m,
                          std::int64_t n) {
@@ -100,8 +103,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
   EPMOE_CHECK(options.block_n == 0 || options.block_n == 128 || options.block_n == 256,
               "options.block_n must be 0 (automatic), 128 or 256, got {}", options.block_n);
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
-  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 1023,
-              "options.ablation must be a bit set in 0..1023, got {}", options.ablation);
+  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 2047,
+              "options.ablation must be a bit set in 0..2047, got {}", options.ablation);
   EPMOE_CHECK(options.l2_promotion >= 0 && options.l2_promotion <= 2,
               "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
   EPMOE_CHECK(options.cluster >= 0 && options.cluster <= 2,
@@ -156,7 +159,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   const std::int64_t max_units = max_tiles / cluster;  // cluster divides the column tiles
   params.total_units = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_units);
   params.stages = options.stages > 0 ? options.stages : Traits::kStages;
-  params.ablation = options.ablation;
+  params.ablation = options.ablation & ~kAblateNoEpiGate;  // (kernels::kBorrowNoGate below)
   params.cluster = cluster;
   params.pingpong = options.pingpong ? 1 : 0;
   params.skew = options.consumer_skew && !options.pingpong ? 1 : 0;
@@ -171,6 +174,8 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   // (the 64 x 128 decode tiles among them) encode no output map and prefetch none.
   params.borrow_epilogue =
       kBlockN == 256 && cluster == 1 && with_env(borrow_env, options.borrow_epilogue) ? 1 : 0;
+  if (params.borrow_epilogue != 0 && (options.ablation & kAblateNoEpiGate) != 0)
+    params.borrow_epilogue = kernels::kBorrowNoGate;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;
   constexpr CUtensorMapL2promotion kPromotions[] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -250,7 +255,8 @@ Fp8GemmTrace fp8_grouped_gemm_take_trace() {
   unsigned long long zero[kernels::kFp8TraceWords] = {};
   zero[6] = ~0ull;
   EPMOE_CUDA_CHECK(cudaMemcpyToSymbol(kernels::g_fp8_gemm_trace, zero, sizeof zero));
-  return {sums[0], sums[1], sums[2], sums[3], sums[4], sums[5], sums[8], sums[9], sums[10], sums[11], sums[12]};
+  return {sums[0],  sums[1],  sums[2],  sums[3],  sums[4],  sums[5],  sums[8],  sums[9],
+          sums[10], sums[11], sums[12], {sums[13], sums[14], sums[15], sums[16]}, sums[17], sums[18]};
 }
 
 GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n) {

@@ -128,6 +128,10 @@ inline constexpr int kTraceLoop = 256;
 // Timing ablation: each consumer warp spins 200 cycles after each K block's last wave completes (is
 // the consumers' per-K-block latency hidden by the other warpgroup's wgmma, or exposed?).
 inline constexpr int kAblateSpin = 512;
+// Timing ablation (v12 launches), as GroupedGemmParams::borrow_epilogue == 2 (the ablation bits turn v12
+// off): the producer loads the next tile's K blocks into the borrowed stages without waiting for the
+// store warp's epi_done, i.e. what the hand-off costs the start of each next tile.
+inline constexpr int kBorrowNoGate = 2;
 
 // v11: whether a kBlockM x kBlockN tile with rows_used possibly valid rows is computed split (both
 // consumers on its first 64 rows, one 128-column wave each; see the consumer loop). The scheduler
@@ -355,9 +359,11 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64
 // CTA entry to last loop exit, ns), [5] launches, [6] this launch's earliest entry, [7] its latest exit;
 // v12's hand-off (borrowing launches), in cycles of the TMA warp's and store warp's lane 0: [8] the
 // producer's waits for epi_done, [9] its waits for empty stages, [10] the store warp's time from a
-// tile staged to its epi_done, [11] the store warp's waits for a staged tile, [12] tiles it stored.
-inline constexpr int kFp8TraceWords = 13;
-__device__ unsigned long long g_fp8_gemm_trace[kFp8TraceWords] = {0, 0, 0, 0, 0, 0, ~0ull, 0, 0, 0, 0, 0, 0};
+// tile staged to its epi_done, [11] the store warp's waits for a staged tile, [12] tiles it stored;
+// the traced consumer thread's [13 + i] waits for K block i < 4 of each tile, [17] time from its
+// K loop's end to the tile staged (v12) or stored, [18] its tiles.
+inline constexpr int kFp8TraceWords = 19;
+__device__ unsigned long long g_fp8_gemm_trace[kFp8TraceWords] = {0, 0, 0, 0, 0, 0, ~0ull};
 
 // Named barrier of the two consumer warpgroups before v12's epilogue writes into the stages that
 // either one's last wgmma read.
@@ -546,7 +552,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         const CUtensorMap* map_a = small ? &tma_a_part : &tma_a;
         const std::uint32_t bytes =
             small ? p.a_small_rows * kGemmBlockK + Traits::kBBytes : Traits::kStageBytes;
-        const bool gate = after_first && borrowing();
+        const bool gate = after_first && borrowing() && p.borrow_epilogue != kBorrowNoGate;
         after_first = true;
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           if (lane == 0) {
@@ -1002,6 +1008,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       }
 
       // Epilogue: bf16 to global memory, valid rows only (store_wave above).
+      if (trace) atomicAdd(g_fp8_gemm_trace + 17, 0ull - static_cast<unsigned long long>(clock64()));
       if ((p.ablation & kAblateEpilogue) != 0) {
         // timing ablation: no stores
       } else if (borrowing()) {
@@ -1052,6 +1059,10 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             for (int j = 0; j < 16; ++j) out[4 * j] = pack_bf16x2(acc[w][4 * j + 2], acc[w][4 * j + 3]);
           }
         }
+      }
+      if (trace) {
+        atomicAdd(g_fp8_gemm_trace + 17, static_cast<unsigned long long>(clock64()));
+        atomicAdd(g_fp8_gemm_trace + 18, 1ull);
       }
     }
     if (trace) {

@@ -52,7 +52,8 @@ struct GroupedGemmOptions {
   // not wait for a stage's data; 128: no pipeline (producers idle, consumers neither wait nor free a
   // stage). All leave garbage in d: for locating a bottleneck only. 256 (not an ablation, output
   // intact): every CTA adds its consumer loop's cycles and time to the trace that
-  // fp8_grouped_gemm_take_trace reads. 512: each consumer warp spins 200 cycles per K block.
+  // fp8_grouped_gemm_take_trace reads. 512: each consumer warp spins 200 cycles per K block. 1024:
+  // (v12 launches) the next tile's loads into the borrowed stages do not wait for the stores.
   int ablation = 0;
   // CTAs per cluster along N: 0 = automatic (1: measured level or faster than 2 on every anchor
   // row, bench/NOTES.md session 13), 1, or 2 (each pair of CTAs computes two neighbouring column
@@ -138,6 +139,9 @@ struct Fp8GemmTrace {
   std::uint64_t loop_cycles = 0, loop_ns = 0, k_blocks = 0, ctas = 0, span_ns = 0, launches = 0;
   std::uint64_t epi_done_wait_cycles = 0, empty_wait_cycles = 0, store_cycles = 0, staged_wait_cycles = 0,
                 stored_tiles = 0;
+  // The traced consumer thread: its waits for each tile's K blocks 0-3, its epilogue (K loop end to the
+  // tile staged or stored), its tiles.
+  std::uint64_t first_waits_cycles[4] = {}, epilogue_cycles = 0, consumer_tiles = 0;
 };
 Fp8GemmTrace fp8_grouped_gemm_take_trace();
 
