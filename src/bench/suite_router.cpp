@@ -107,8 +107,8 @@ void trace_rows(const SuiteOptions& options, std::vector<Result>& results, const
     }
     if (last == nullptr || ns <= 0.0) continue;
     const double mhz = cycles / ns * 1e3;
-    static constexpr const char* kNames[kPhases - 1] = {"prologue", "wait", "approx",    "groups",
-                                                        "mask",     "items", "spread",   "rank_keys",
+    static constexpr const char* kNames[kPhases - 1] = {"prologue",  "wait",   "approx", "groups",
+                                                        "mask",      "items",  "spread", "rank_keys",
                                                         "rank_loop", "ranked", "store"};
     Params p{{"tokens", tokens},
              {"phase", std::string(lanes == 8 ? "quads" : "pairs")},

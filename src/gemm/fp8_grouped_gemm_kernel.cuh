@@ -564,7 +564,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             if (gate && kb == kStages - 2) {
               ptx::mbar_wait(epi_done_bar, epi_phase);
               epi_phase ^= 1u;
-              if (trace_hand_off) atomicAdd(g_fp8_gemm_trace + 8, static_cast<unsigned long long>(clock64() - c1));
+              if (trace_hand_off)
+                atomicAdd(g_fp8_gemm_trace + 8, static_cast<unsigned long long>(clock64() - c1));
             }
             if ((p.ablation & kAblateLoads) != 0) {
               ptx::mbar_arrive(full);

@@ -1017,7 +1017,8 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
   });
   if constexpr (kTrace) {
     std::uint64_t* const record =
-        p.trace + (static_cast<std::uint64_t>(blockIdx.x) * kRouterG8Warps + threadIdx.x / 32) * kRouterTraceWords;
+        p.trace +
+        (static_cast<std::uint64_t>(blockIdx.x) * kRouterG8Warps + threadIdx.x / 32) * kRouterTraceWords;
     if (w.lane == 0 && stamps.record == nullptr) record[3 + kRouterTracePhases] = ptx::clock_ordered();
   }
 }

@@ -327,7 +327,8 @@ TEST(RouterGpu, TracedSieveKeepsTheBitsAndStampsInOrder) {
       trace.fill_bytes(0);
       check_sigmoid(config_named("deepseek_v3"), tokens, false, false, choice);
       std::vector<std::uint64_t> h(words);
-      EPMOE_CUDA_CHECK(cudaMemcpy(h.data(), trace.data(), words * sizeof(std::uint64_t), cudaMemcpyDeviceToHost));
+      EPMOE_CUDA_CHECK(
+          cudaMemcpy(h.data(), trace.data(), words * sizeof(std::uint64_t), cudaMemcpyDeviceToHost));
       const std::int64_t units = (tokens + 32 / lanes - 1) / (32 / lanes);
       std::int64_t launched = 0, stamped = 0;
       for (std::size_t w = 0; w < words; w += kWords) {
@@ -335,7 +336,8 @@ TEST(RouterGpu, TracedSieveKeepsTheBitsAndStampsInOrder) {
         launched += r[2] != 0 ? 1 : 0;
         if (r[2 + kPhases - 1] == 0) continue;  // no unit, or not launched
         ++stamped;
-        for (int i = 1; i < kPhases; ++i) ASSERT_LE(r[1 + i], r[2 + i]) << "warp " << w / kWords << " phase " << i;
+        for (int i = 1; i < kPhases; ++i)
+          ASSERT_LE(r[1 + i], r[2 + i]) << "warp " << w / kWords << " phase " << i;
         ASSERT_LE(r[1], r[2 + kPhases]) << "warp " << w / kWords;
       }
       EXPECT_EQ(stamped, std::min(units, launched));
