@@ -711,7 +711,13 @@ void Communicator::all_reduce_sum_i64(const std::int64_t* in, std::int64_t* out,
   for (void* p : all)
     for (std::size_t i = 0; i < n; ++i) sum[i] += static_cast<const std::int64_t*>(p)[i];
   loopback_->barrier(rank_, host_wait_limit_s());
-  EPMOE_CUDA_CHECK(cudaMemcpy(out, sum.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
+  // On the caller's stream, complete before `sum` goes. (A plain cudaMemcpy ran on the legacy stream,
+  // which the callers' non-blocking streams do not wait for, and returns from pageable memory before
+  // the upload lands: the layer's load counters then read an uninitialised `out` now and then, seen
+  // as a rebalance refusing load = -4.7e18 and as ranks installing different placements, session 16.)
+  EPMOE_CUDA_CHECK(
+      cudaMemcpyAsync(out, sum.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 bool Communicator::ensure_barrier_window() {
@@ -767,7 +773,9 @@ std::unique_ptr<SymmetricBuffer> Communicator::alloc_symmetric(std::size_t bytes
     const std::vector<void*> all =
         loopback_->exchange(rank_, loopback_seq_++, b->local_, host_wait_limit_s());
     std::copy(all.begin(), all.end(), b->peers_host_.get());
-    EPMOE_CUDA_CHECK(cudaMemcpy(b->peers_device_, b->peers_host_.get(), table_bytes, cudaMemcpyHostToDevice));
+    // On this communicator's stream, which the barrier below synchronises (see all_reduce_sum_i64).
+    EPMOE_CUDA_CHECK(cudaMemcpyAsync(b->peers_device_, b->peers_host_.get(), table_bytes,
+                                     cudaMemcpyHostToDevice, stream_));
   } else {
     EPMOE_NCCL_CHECK(ncclMemAlloc(&b->local_, bytes));
     took(setup_memory_.buffers);
