@@ -161,8 +161,11 @@ std::size_t GpuDispatcherBase::base_buffer_bytes() const {
 
 cuda::DeviceBuffer upload_pointers(const std::vector<void*>& pointers) {
   cuda::DeviceBuffer b(sizeof(void*) * pointers.size());
-  EPMOE_CUDA_CHECK(
-      cudaMemcpy(b.data(), pointers.data(), sizeof(void*) * pointers.size(), cudaMemcpyHostToDevice));
+  // Landed before any stream reads it: a plain cudaMemcpy from pageable memory returns before the upload
+  // completes, and the dispatchers' non-blocking streams do not wait for the legacy stream.
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(b.data(), pointers.data(), sizeof(void*) * pointers.size(),
+                                   cudaMemcpyHostToDevice, cudaStreamPerThread));
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
   return b;
 }
 
