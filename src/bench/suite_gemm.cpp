@@ -332,10 +332,8 @@ Params with_trace(Params p, const cuda::Fp8GemmTrace& t) {
     p["store_per_tile"] = static_cast<double>(t.store_cycles) / tiles;
     p["staged_wait_per_tile"] = static_cast<double>(t.staged_wait_cycles) / tiles;
   }
-  if (t.consumer_tiles > 0) {  // the traced consumer's waits for each tile's first K blocks, its epilogue
+  if (t.consumer_tiles > 0) {  // the traced consumer's epilogue
     const auto tiles = static_cast<double>(t.consumer_tiles);
-    for (int i = 0; i < 4; ++i)
-      p["kb" + std::to_string(i) + "_wait_per_tile"] = static_cast<double>(t.first_waits_cycles[i]) / tiles;
     p["epilogue_per_tile"] = static_cast<double>(t.epilogue_cycles) / tiles;
   }
   return p;

@@ -360,9 +360,9 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64
 // v12's hand-off (borrowing launches), in cycles of the TMA warp's and store warp's lane 0: [8] the
 // producer's waits for epi_done, [9] its waits for empty stages, [10] the store warp's time from a
 // tile staged to its epi_done, [11] the store warp's waits for a staged tile, [12] tiles it stored;
-// the traced consumer thread's [13 + i] waits for K block i < 4 of each tile, [17] time from its
-// K loop's end to the tile staged (v12) or stored, [18] its tiles.
-inline constexpr int kFp8TraceWords = 19;
+// the traced consumer thread's [13] time from its K loop's end to the tile staged (v12) or stored,
+// [14] its tiles. (Stamps around the consumers' first full-barrier waits of a tile made ptxas spill.)
+inline constexpr int kFp8TraceWords = 15;
 __device__ unsigned long long g_fp8_gemm_trace[kFp8TraceWords] = {0, 0, 0, 0, 0, 0, ~0ull};
 
 // Named barrier of the two consumer warpgroups before v12's epilogue writes into the stages that
@@ -1009,7 +1009,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       }
 
       // Epilogue: bf16 to global memory, valid rows only (store_wave above).
-      if (trace) atomicAdd(g_fp8_gemm_trace + 17, 0ull - static_cast<unsigned long long>(clock64()));
+      if (trace) atomicAdd(g_fp8_gemm_trace + 13, 0ull - static_cast<unsigned long long>(clock64()));
       if ((p.ablation & kAblateEpilogue) != 0) {
         // timing ablation: no stores
       } else if (borrowing()) {
@@ -1062,8 +1062,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         }
       }
       if (trace) {
-        atomicAdd(g_fp8_gemm_trace + 17, static_cast<unsigned long long>(clock64()));
-        atomicAdd(g_fp8_gemm_trace + 18, 1ull);
+        atomicAdd(g_fp8_gemm_trace + 13, static_cast<unsigned long long>(clock64()));
+        atomicAdd(g_fp8_gemm_trace + 14, 1ull);
       }
     }
     if (trace) {

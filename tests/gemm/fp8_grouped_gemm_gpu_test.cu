@@ -638,7 +638,8 @@ TEST(GroupedGemmGpuMisc, MaskedReplaysInACudaGraph) {
 
 // The consumer-loop trace (options.ablation bit 256): the output as without it (checked against the
 // reference), and the trace counts every K block of every tile once, in one launch, at an SM clock
-// (cycles per nanosecond) a Hopper part can run at; the read zeroes it.
+// (cycles per nanosecond) a Hopper part can run at, and every tile's epilogue (and v12's stores) once;
+// the read zeroes it.
 TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
   EPMOE_REQUIRE_GPU();
   const std::uint64_t seed = fresh_seed();
@@ -671,6 +672,10 @@ TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
     for (const std::int32_t c : counts) tiles += (c + block_m - 1) / block_m * (N / block_n);
     EXPECT_EQ(t.launches, 1u);
     EXPECT_EQ(t.k_blocks, static_cast<std::uint64_t>(tiles * KB));
+    // Every tile's epilogue once; v12's store warp (128 x 256 tiles borrow) every tile once, or none.
+    EXPECT_EQ(t.consumer_tiles, static_cast<std::uint64_t>(tiles));
+    EXPECT_GT(t.epilogue_cycles, 0u);
+    EXPECT_EQ(t.stored_tiles, block_m == 128 ? static_cast<std::uint64_t>(tiles) : 0u);
     EXPECT_GE(t.ctas, 1u);
     EXPECT_GT(t.span_ns, 0u);
     ASSERT_GT(t.loop_ns, 0u);

@@ -139,9 +139,8 @@ struct Fp8GemmTrace {
   std::uint64_t loop_cycles = 0, loop_ns = 0, k_blocks = 0, ctas = 0, span_ns = 0, launches = 0;
   std::uint64_t epi_done_wait_cycles = 0, empty_wait_cycles = 0, store_cycles = 0, staged_wait_cycles = 0,
                 stored_tiles = 0;
-  // The traced consumer thread: its waits for each tile's K blocks 0-3, its epilogue (K loop end to the
-  // tile staged or stored), its tiles.
-  std::uint64_t first_waits_cycles[4] = {}, epilogue_cycles = 0, consumer_tiles = 0;
+  // The traced consumer thread: its epilogue (K loop end to the tile staged or stored), its tiles.
+  std::uint64_t epilogue_cycles = 0, consumer_tiles = 0;
 };
 Fp8GemmTrace fp8_grouped_gemm_take_trace();
 
