@@ -325,6 +325,7 @@ TEST(RouterGpu, TracedSieveKeepsTheBitsAndStampsInOrder) {
       choice.token_lanes = lanes;
       choice.trace = trace.as<std::uint64_t>();
       trace.fill_bytes(0);
+      EPMOE_CUDA_CHECK(cudaDeviceSynchronize());  // (the legacy stream's memset, before the router's stream)
       check_sigmoid(config_named("deepseek_v3"), tokens, false, false, choice);
       std::vector<std::uint64_t> h(words);
       EPMOE_CUDA_CHECK(
