@@ -398,10 +398,24 @@ __device__ __forceinline__ void quad_transpose(std::uint32_t (&w)[4], int q) {
   }
 }
 
+// Lane q's 16 bytes of row h (0: row_a, 1: row_b), 8-column chunk 4 i + q, of one wave's 64
+// accumulators v: the quad's 4 x 2 columns of chunks 4 i .. 4 i + 3 as bf16x2, transposed across the quad.
+template <bool kScaled>
+__device__ __forceinline__ void transposed_words_bf16(const float (&v)[64], float scale, int h, int i, int q,
+                                                      std::uint32_t (&words)[4]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int j = 4 * i + k;
+    const float lo = v[4 * j + 2 * h], hi = v[4 * j + 2 * h + 1];
+    words[k] = kScaled ? pack_bf16x2(lo * scale, hi * scale) : pack_bf16x2(lo, hi);
+  }
+  quad_transpose(words, q);
+}
+
 // The conversion and transposes of store_wave_bf16 (below) for any destination: store(h, c, words)
 // stores lane q's 16 bytes of row h (0: row_a, 1: row_b), 8-column chunk c = 4 i + q. (v12's staging
-// uses it; store_wave_bf16 keeps its own copy of the loop: written through this one, the 128 x 256
-// kernel spilled 4 bytes.)
+// uses it; store_wave_bf16 keeps its own loop around transposed_words_bf16: written through this one,
+// the 128 x 256 kernel spilled 4 bytes.)
 template <bool kScaled, typename Store>
 __device__ __forceinline__ void transposed_wave_bf16(const float (&v)[64], float scale, int q,
                                                      Store&& store) {
@@ -410,13 +424,7 @@ __device__ __forceinline__ void transposed_wave_bf16(const float (&v)[64], float
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       std::uint32_t words[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int j = 4 * i + k;
-        const float lo = v[4 * j + 2 * h], hi = v[4 * j + 2 * h + 1];
-        words[k] = kScaled ? pack_bf16x2(lo * scale, hi * scale) : pack_bf16x2(lo, hi);
-      }
-      quad_transpose(words, q);
+      transposed_words_bf16<kScaled>(v, scale, h, i, q, words);
       store(h, 4 * i + q, words);
     }
   }
@@ -440,13 +448,7 @@ __device__ __forceinline__ void store_wave_bf16(const float (&v)[64], float scal
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       std::uint32_t words[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int j = 4 * i + k;
-        const float lo = v[4 * j + 2 * h], hi = v[4 * j + 2 * h + 1];
-        words[k] = kScaled ? pack_bf16x2(lo * scale, hi * scale) : pack_bf16x2(lo, hi);
-      }
-      quad_transpose(words, q);
+      transposed_words_bf16<kScaled>(v, scale, h, i, q, words);
       if (valid) ptx::st_global_v4(d_row + 8 * (4 * i + q), words[0], words[1], words[2], words[3]);
     }
   }
