@@ -978,9 +978,13 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
   __shared__ std::uint16_t spread_items[kRouterG8Warps][kRouterG8SpreadItems];  // sieve_route_unit's items
 
   RouterStamps<kTrace> stamps;
+  // This warp's trace record (kTrace): stamps.record while its first unit runs, this for its leave stamp.
+  std::uint64_t* const trace_record =
+      kTrace ? p.trace + (static_cast<std::uint64_t>(blockIdx.x) * kRouterG8Warps + threadIdx.x / 32) *
+                             kRouterTraceWords
+             : nullptr;
   if constexpr (kTrace) {
-    stamps.record = p.trace + (static_cast<std::uint64_t>(blockIdx.x) * kRouterG8Warps + threadIdx.x / 32) *
-                                  kRouterTraceWords;
+    stamps.record = trace_record;
     if (threadIdx.x % 32 == 0) {
       stamps.record[0] = ptx::sm_id();
       stamps.record[1] = ptx::global_timer_ns_ordered();
@@ -1016,10 +1020,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
     }
   });
   if constexpr (kTrace) {
-    std::uint64_t* const record =
-        p.trace +
-        (static_cast<std::uint64_t>(blockIdx.x) * kRouterG8Warps + threadIdx.x / 32) * kRouterTraceWords;
-    if (w.lane == 0 && stamps.record == nullptr) record[3 + kRouterTracePhases] = ptx::clock_ordered();
+    if (w.lane == 0 && stamps.record == nullptr) trace_record[3 + kRouterTracePhases] = ptx::clock_ordered();
   }
 }
 
