@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
 // route_g8_kernel with a sieve (v5): the same shape, occupancy (8 blocks of 4 warps per SM, one round
 // at T = 16384), staging and ranking, the same outputs bit for bit, but the exact sigmoid (~26
 // instructions) only for the experts whose exact value can decide something (~10 of a token's 256 on
-// random logits); every expert first gets sigmoid_approx4 (~6 instructions, 1.25 MUFU each) with the
+// random logits); every expert first gets sigmoid_approx (5 instructions, MUFU ex2 and rcp) with the
 // proven bound routing::kSieveApproxErr. The argument (margins: routing::sieve_margin):
 //  - With the bias, every approximate selection value ca is within delta of the exact c, and a
 //    group's approximate score rn(a1 + a2) within M of the exact rn(t1 + t2) (a1, a2: the group's
@@ -671,35 +671,18 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
 //    bit of the owner's mask) and writes the key straight into its token's list.
 //  - The margin comes from the block's bias load: threads 0..63 hold the bias, warps 0 and 1 reduce
 //    the largest |b| as bits (NaN and inf compare above every finite |b|).
-// Approximate values are finite whenever the bias is (sigmoid_approx4 is in [2^-32, 1 + 2^-21] for every
+// Approximate values are finite whenever the bias is (sigmoid_approx is in [2^-126, 1] for every
 // input, NaN included), and exactly kg groups are then kept, each with >= 2 candidates: K distinct
 // ids in [0, E) for any logits.
 
-// 1 / (1 + 2^(-x log2e)) for four values with MUFU ex2 and one MUFU rcp: the rcp of the four
-// denominators' product, each 1 / d_i taken back out with the others' products. 5 MUFU operations per
-// four values instead of 8: at large T the 8 warps of an SMSP reach this phase together and queue on
-// its MUFU unit (8 cycles per warp instruction; session 16's phase trace), so MUFU, not issue, sets
-// the phase's length. The exponent is clamped to 31 (NaN becomes 31 too), so d_i <= 2^31 (1 + 2^-22),
-// the product stays below 2^125 and its reciprocal is a normal float. Error against the exact 1 / d_0:
-// in s_0 = rn(rn(r rn(d_2 d_3)) d_1), r = rcp(rn(rn(d_0 d_1) rn(d_2 d_3))), the rounded d_2 d_3 cancels
-// exactly and d_1 cancels with the one in rn(d_0 d_1), which leaves rcp's 1 ulp and four roundings:
-// relative <= 2^-23 + 4 * 2^-24 (the single-value form had 2^-23), so |s - sigmoid| grows by at most
-// 2^-22 over the single form's 2^-22.4, and the clamp adds < 2^-31 (inputs below -21.4): well inside
-// routing::kSieveApproxErr = 2^-18, which RouterMathGpu.SieveSigmoidWithinItsBoundOnEveryFloat checks
-// for every float in every slot beside random and extreme partners.
-__device__ __forceinline__ float sieve_den(float x) {
-  const float u = fminf(__fmul_rn(x, -0x1.715476p+0f), 31.0f);
-  float e;
+// 1 / (1 + 2^(-x log2e)) with the MUFU ex2 and rcp approximations; the exponent is clamped to 126
+// (NaN becomes 126 too: 2^-126 for NaN).
+__device__ __forceinline__ float sigmoid_approx(float x) {
+  const float u = fminf(__fmul_rn(x, -0x1.715476p+0f), 126.0f);
+  float e, s;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u));
-  return __fadd_rn(1.0f, e);
-}
-__device__ __forceinline__ float4 sigmoid_approx4(float4 x) {
-  const float d0 = sieve_den(x.x), d1 = sieve_den(x.y), d2 = sieve_den(x.z), d3 = sieve_den(x.w);
-  const float p01 = __fmul_rn(d0, d1), p23 = __fmul_rn(d2, d3);
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(__fmul_rn(p01, p23)));
-  const float r01 = __fmul_rn(r, p23), r23 = __fmul_rn(r, p01);  // 1 / (d0 d1), 1 / (d2 d3)
-  return make_float4(__fmul_rn(r01, d1), __fmul_rn(r01, d0), __fmul_rn(r23, d3), __fmul_rn(r23, d2));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(__fadd_rn(1.0f, e)));
+  return s;
 }
 
 // One unit (kTokenLanes = 8: a quad, 16: a pair) of route_g8_sieve_kernel: X holds its logits as
@@ -728,11 +711,10 @@ __device__ __forceinline__ void sieve_route_unit(const RouterParams& p, const G8
     const int chunk = w.h * (kPerLane / 4) + c;
     const float4 x = X[row * 8 + (chunk ^ g)];
     const float4 b = bias_s[g * 8 + (chunk ^ g)];
-    const float4 sa = sigmoid_approx4(x);
-    ca[4 * c] = __fadd_rn(sa.x, b.x);
-    ca[4 * c + 1] = __fadd_rn(sa.y, b.y);
-    ca[4 * c + 2] = __fadd_rn(sa.z, b.z);
-    ca[4 * c + 3] = __fadd_rn(sa.w, b.w);
+    ca[4 * c] = __fadd_rn(sigmoid_approx(x.x), b.x);
+    ca[4 * c + 1] = __fadd_rn(sigmoid_approx(x.y), b.y);
+    ca[4 * c + 2] = __fadd_rn(sigmoid_approx(x.z), b.z);
+    ca[4 * c + 3] = __fadd_rn(sigmoid_approx(x.w), b.w);
   }
   auto [a1, a2] = g8_top2(ca);
   if constexpr (kGroupLanes == 2) merge_top2(a1, a2, 1);

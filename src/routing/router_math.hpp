@@ -156,11 +156,10 @@ EPMOE_HD inline float sigmoid_f32_branch_free(float x) {
 // ---- the sieve (route_g8_sieve_kernel): an approximate sigmoid with a proven error bound decides
 // which experts can matter; only those get the exact one.
 //
-// kSieveApproxErr bounds |sigmoid_approx4(x)_i - sigmoid_f32_fast(x_i)| over every f32 x_i (the kernel's
-// 1 / (1 + ex2.approx(-x log2e)) four at a time, one rcp.approx of the denominators' product, exponent
-// clamped to 31; the GPU test RouterMathGpu.SieveSigmoidWithinItsBoundOnEveryFloat checks all 2^32
-// inputs in each slot; the single-value form measured 2^-22.4 at most, router_kernels.cuh derives
-// the four-value form's extra 2^-22).
+// kSieveApproxErr bounds |sigmoid_approx(x) - sigmoid_f32_fast(x)| over every f32 x (the kernel's
+// rcp.approx(1 + ex2.approx(-x log2e)), exponent clamped to 126; the GPU test
+// RouterMathGpu.SieveSigmoidWithinItsBoundOnEveryFloat checks all 2^32 inputs; v3 measured
+// 2^-22.4 at most).
 inline constexpr float kSieveApproxErr = 0x1p-18f;
 
 // The sieve's margin M for a bias whose largest |b| is `bias_abs_max` (+inf when a bias is not
