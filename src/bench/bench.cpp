@@ -96,6 +96,29 @@ int rotation_sets(std::size_t bytes_per_set, int max_sets) {
   return static_cast<int>(std::clamp<std::size_t>(sets, 1, static_cast<std::size_t>(std::max(max_sets, 1))));
 }
 
+double SameBytesCopy::us(double bytes) {
+  const std::size_t copy_bytes = (static_cast<std::size_t>(bytes) / 2 + 15) / 16 * 16;
+  if (const auto it = measured_.find(copy_bytes); it != measured_.end()) return it->second;
+  const int sets = rotation_sets(2 * copy_bytes);
+  std::vector<cuda::DeviceBuffer> src, dst;
+  for (int i = 0; i < sets; ++i) {
+    src.emplace_back(copy_bytes);
+    dst.emplace_back(copy_bytes);
+    src.back().fill_bytes(0x5a, stream_);
+    dst.back().fill_bytes(0xa5, stream_);
+  }
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const double t = time_us(
+      [&](int i, cudaStream_t s) {
+        const auto set = static_cast<std::size_t>(i);
+        EPMOE_CUDA_CHECK(
+            cudaMemcpyAsync(dst[set].data(), src[set].data(), copy_bytes, cudaMemcpyDeviceToDevice, s));
+      },
+      sets, stream_, timing_);
+  measured_.emplace(copy_bytes, t);
+  return t;
+}
+
 Result make_result(std::string bench, Params params, double time_us, double bytes, double flops,
                    double ceiling_gbps) {
   Result r;
@@ -124,6 +147,7 @@ std::string describe(const Result& r) {
       fmt::format("{:<28} {:<52} {:>10.2f} us {:>8.1f} GB/s", r.bench, params, r.time_us, r.gbps);
   if (r.tflops > 0) line += fmt::format(" {:>7.1f} TFLOP/s", r.tflops);
   if (r.floor_us > 0) line += fmt::format("  floor {:>8.2f} us  x{:.2f}", r.floor_us, r.time_us / r.floor_us);
+  if (r.copy_us > 0) line += fmt::format("  copy {:>8.2f} us  x{:.2f}", r.copy_us, r.time_us / r.copy_us);
   return line;
 }
 
@@ -149,8 +173,13 @@ nlohmann::json to_json(const Result& r) {
   for (const auto& [name, value] : r.params) {
     std::visit([&, &key = name](const auto& v) { params[key] = v; }, value);
   }
-  return {{"bench", r.bench}, {"params", params},   {"time_us", r.time_us},
-          {"gbps", r.gbps},   {"tflops", r.tflops}, {"floor_us", r.floor_us}};
+  nlohmann::json j = {{"bench", r.bench}, {"params", params},   {"time_us", r.time_us},
+                      {"gbps", r.gbps},   {"tflops", r.tflops}, {"floor_us", r.floor_us}};
+  if (r.copy_us > 0) {
+    j["copy_us"] = r.copy_us;
+    j["vs_copy"] = r.time_us / r.copy_us;
+  }
+  return j;
 }
 
 std::string utc_now_iso8601() {

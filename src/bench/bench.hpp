@@ -37,6 +37,11 @@ struct Result {
   double gbps = 0;      // bytes moved (read + written) / time
   double tflops = 0;    // 0 for memory-bound work
   double floor_us = 0;  // bytes / kCopyCeilingGBps (or the larger of that and the flops floor)
+  // Memory-bound suites: a device-to-device copy of the same bytes, timed the same way in the same run
+  // (0 where not measured). Small kernels cannot reach the 2 GiB copy's bandwidth (launch, ramp-up and
+  // tail weigh as much as the traffic), so issue 3's bar (>= 80% of copy bandwidth) reads as
+  // time_us <= 1.25 copy_us; JSON "copy_us" and "vs_copy" = time_us / copy_us.
+  double copy_us = 0;
 };
 
 struct TimingOptions {
@@ -60,6 +65,24 @@ double time_us(const Launch& launch, int num_sets, cudaStream_t stream, const Ti
 // How many input sets of bytes_per_set bytes to rotate through so that together they exceed
 // twice the L2 of the current device (at least 1, at most max_sets).
 int rotation_sets(std::size_t bytes_per_set, int max_sets = 1024);
+
+// The time of cudaMemcpyAsync (device to device) of half of `bytes` (so that `bytes` are read + written),
+// with its buffers rotated like the kernels' inputs and the same timing options; measured once per size
+// and remembered. attach() sets a result's copy_us.
+class SameBytesCopy {
+ public:
+  SameBytesCopy(cudaStream_t stream, const TimingOptions& timing) : stream_(stream), timing_(timing) {}
+  double us(double bytes);
+  Result attach(Result r, double bytes) {
+    r.copy_us = us(bytes);
+    return r;
+  }
+
+ private:
+  cudaStream_t stream_;
+  TimingOptions timing_;
+  std::map<std::size_t, double> measured_;  // copy size (bytes / 2, 16-aligned) -> µs
+};
 
 // A result with gbps, tflops and floor_us derived from the bytes and flops of one run.
 Result make_result(std::string bench, Params params, double time_us, double bytes, double flops = 0.0,

@@ -730,8 +730,8 @@ void sm_link(Communicator& comm, const SuiteOptions& options, std::vector<Result
         if (!moves) continue;
         std::nth_element(us.begin(), us.begin() + static_cast<std::ptrdiff_t>(us.size() / 2), us.end());
         const int used = std::min(blocks, sms);
-        Params p = params(pull ? "sm-pull" : "sm-push", both ? "both-ways" : "one-way", both ? "both" : "0to1", 0,
-                          comm, used, used);
+        Params p = params(pull ? "sm-pull" : "sm-push", both ? "both-ways" : "one-way",
+                          both ? "both" : "0to1", 0, comm, used, used);
         p["blocks"] = static_cast<std::int64_t>(blocks);
         p["bytes"] = static_cast<std::int64_t>(kBytes);
         emit(options, results,

@@ -37,6 +37,7 @@ std::vector<Result> run_eplb_suite(const SuiteOptions& options) {
   }
   const TimingOptions timing = timing_for(options);
   cuda::Stream stream;
+  SameBytesCopy copy(stream, timing);
   constexpr int kExperts = 256, kTopk = 8, kRanks = 8, kPhysical = 288;
   const ExpertPlacement placement = ExpertPlacement::initial(kExperts, kPhysical, kRanks);
   const cuda::DevicePlacement dpl = cuda::to_device(placement, stream);
@@ -69,7 +70,7 @@ std::vector<Result> run_eplb_suite(const SuiteOptions& options) {
                      {"k", std::int64_t{kTopk}},
                      {"ranks", std::int64_t{kRanks}},
                      {"phase", std::string(to_string(algorithm))}};
-      emit(options, results, make_result("eplb.map_count", p, us, bytes));
+      emit(options, results, copy.attach(make_result("eplb.map_count", p, us, bytes), bytes));
     }
   }
   return results;

@@ -62,6 +62,7 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
   std::vector<Result> results;
   const TimingOptions timing = timing_for(options);
   cuda::Stream stream;
+  SameBytesCopy copy(stream, timing);
   const std::int64_t groups = kHidden / 128;
   for (const std::int64_t tokens : default_tokens(options)) {
     const std::int64_t entries = tokens * kTopk;
@@ -115,7 +116,7 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
       Params p = base;
       p["layout"] = std::string("contiguous");
       p["quant"] = std::string("fp8_group128");
-      emit(options, results, make_result("permute", p, us, bytes));
+      emit(options, results, copy.attach(make_result("permute", p, us, bytes), bytes));
     }
     {  // masked, fp8
       const double us = time_us(
@@ -130,7 +131,7 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
       Params p = base;
       p["layout"] = std::string("masked");
       p["quant"] = std::string("fp8_group128");
-      emit(options, results, make_result("permute", p, us, bytes));
+      emit(options, results, copy.attach(make_result("permute", p, us, bytes), bytes));
     }
     {  // contiguous, bf16
       const double us = time_us(
@@ -144,7 +145,7 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
       Params p = base;
       p["layout"] = std::string("contiguous");
       p["quant"] = std::string("bf16");
-      emit(options, results, make_result("permute", p, us, bytes));
+      emit(options, results, copy.attach(make_result("permute", p, us, bytes), bytes));
     }
   }
   return results;
@@ -154,6 +155,7 @@ std::vector<Result> run_gather_suite(const SuiteOptions& options) {
   std::vector<Result> results;
   const TimingOptions timing = timing_for(options);
   cuda::Stream stream;
+  SameBytesCopy copy(stream, timing);
   for (const std::int64_t tokens : default_tokens(options)) {
     const std::int64_t entries = tokens * kTopk;
     const HostTensor ids_host = route(tokens, static_cast<std::uint64_t>(tokens) + 1);
@@ -188,13 +190,14 @@ std::vector<Result> run_gather_suite(const SuiteOptions& options) {
         sets, stream, timing);
     const double bytes = read_bytes + 8.0 * entries + 2.0 * static_cast<double>(tokens) * kHidden;
     emit(options, results,
-         make_result("gather",
-                     {{"tokens", tokens},
-                      {"layout", std::string("contiguous")},
-                      {"n", kHidden},
-                      {"groups", std::int64_t{kExperts}},
-                      {"m_per_group", entries / kExperts}},
-                     us, bytes));
+         copy.attach(make_result("gather",
+                                 {{"tokens", tokens},
+                                  {"layout", std::string("contiguous")},
+                                  {"n", kHidden},
+                                  {"groups", std::int64_t{kExperts}},
+                                  {"m_per_group", entries / kExperts}},
+                                 us, bytes),
+                     bytes));
   }
   return results;
 }

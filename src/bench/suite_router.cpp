@@ -2,7 +2,8 @@
 // DeepSeek-V3 sigmoid noaux_tc (8 groups, 4 kept) and plain softmax top-k, at T in tokens
 // (default 128, 4096, 16384, 65536, 131072). Bytes: logits and bias read, ids and weights written.
 // Beside each T, "router.copy": cudaMemcpyAsync of half the router's bytes (so that the same
-// bytes move), timed the same way (rotating buffers): the router's ratio to a copy at that size.
+// bytes move), timed the same way (rotating buffers; SameBytesCopy, also each row's copy_us / vs_copy):
+// the router's ratio to a copy at that size.
 // "sigmoid" is the default choice (route_g8_sieve_kernel: pairs below 8192 tokens, quads above);
 // "sigmoid-no-sieve" (T >= 1024) is route_g8_kernel, v4, the default before the sieve measured faster;
 // "sigmoid-sieve-tmaN" (T >= 1024) the sieve kernel with each logits staging (RouteKernelChoice::tma_stages,
@@ -145,6 +146,7 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
   const char* trace_env = std::getenv("EPMOE_BENCH_ROUTER_TRACE");
   const bool traced = trace_env != nullptr && std::string_view(trace_env) == "1";
   cuda::Stream stream;
+  SameBytesCopy copy(stream, timing);
   std::uint64_t seed = 1;
 
   MoeConfig sigmoid = MoeConfig::preset("deepseek-v3");
@@ -232,34 +234,16 @@ std::vector<Result> run_router_suite(const SuiteOptions& options) {
                      {"k", k},
                      {"groups", static_cast<std::int64_t>(row.config->num_groups)},
                      {"phase", row.phase}};
-      emit(options, results, make_result("router", p, us, bytes));
+      emit(options, results, copy.attach(make_result("router", p, us, bytes), bytes));
     }
     if (traced) trace_rows(options, results, sigmoid, logits, dbias, ids, weights, tokens, bytes, stream);
     logits.clear();
     ids.clear();
     weights.clear();
 
-    // The same bytes moved by a device-to-device copy of half of them.
-    const std::size_t copy_bytes = (static_cast<std::size_t>(bytes) / 2 + 15) / 16 * 16;
-    const int copy_sets = rotation_sets(2 * copy_bytes);
-    std::vector<cuda::DeviceBuffer> src, dst;
-    for (int i = 0; i < copy_sets; ++i) {
-      src.emplace_back(copy_bytes);
-      dst.emplace_back(copy_bytes);
-      src.back().fill_bytes(0x5a, stream);
-      dst.back().fill_bytes(0xa5, stream);
-    }
-    stream.synchronize();
-    const double copy_us = time_us(
-        [&](int i, cudaStream_t s) {
-          const auto set = static_cast<std::size_t>(i);
-          EPMOE_CUDA_CHECK(
-              cudaMemcpyAsync(dst[set].data(), src[set].data(), copy_bytes, cudaMemcpyDeviceToDevice, s));
-        },
-        copy_sets, stream, timing);
     emit(options, results,
-         make_result("router.copy", {{"tokens", tokens}, {"n", static_cast<std::int64_t>(copy_bytes)}},
-                     copy_us, 2.0 * static_cast<double>(copy_bytes)));
+         make_result("router.copy", {{"tokens", tokens}, {"n", static_cast<std::int64_t>(bytes / 2)}},
+                     copy.us(bytes), bytes));
   }
   return results;
 }

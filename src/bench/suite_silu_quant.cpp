@@ -64,6 +64,7 @@ std::vector<Result> run_silu_quant_suite(const SuiteOptions& options) {
   }
   const TimingOptions timing = timing_for(options);
   cuda::Stream stream;
+  SameBytesCopy copy(stream, timing);
   const std::int64_t groups = kInter / 128;
 
   for (const std::int64_t tokens : token_list) {
@@ -143,7 +144,7 @@ std::vector<Result> run_silu_quant_suite(const SuiteOptions& options) {
                  {"n", kInter},
                  {"groups", std::int64_t{kExperts}},
                  {"m_per_group", valid / kExperts}};
-        emit(options, results, make_result("silu_quant", p, us, bytes));
+        emit(options, results, copy.attach(make_result("silu_quant", p, us, bytes), bytes));
       }
     }
   }

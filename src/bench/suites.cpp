@@ -26,7 +26,8 @@ SuiteRegistration::SuiteRegistration(std::string name, std::string help, int ord
 
 std::vector<Suite> suites() {
   std::vector<Suite> list = registry();
-  std::stable_sort(list.begin(), list.end(), [](const Suite& a, const Suite& b) { return a.order < b.order; });
+  std::stable_sort(list.begin(), list.end(),
+                   [](const Suite& a, const Suite& b) { return a.order < b.order; });
   return list;
 }
 
@@ -81,6 +82,7 @@ std::vector<Result> run_quant_suite(const SuiteOptions& options) {
   }
   const TimingOptions timing = timing_for(options);
   cuda::Stream stream;
+  SameBytesCopy copy(stream, timing);
   std::uint64_t seed = 1;
 
   for (const std::int64_t k : {std::int64_t{7168}, std::int64_t{2048}}) {
@@ -123,7 +125,8 @@ std::vector<Result> run_quant_suite(const SuiteOptions& options) {
         Params p = base;
         p["quant"] = std::string(v.pow2 ? "fp8_group128_pow2" : "fp8_group128");
         p["layout"] = std::string(cuda::to_string(v.layout));
-        emit(options, results, make_result("quant.per_token_group", p, us, group_bytes));
+        emit(options, results,
+             copy.attach(make_result("quant.per_token_group", p, us, group_bytes), group_bytes));
       }
       {
         const double us = time_us(
@@ -134,7 +137,8 @@ std::vector<Result> run_quant_suite(const SuiteOptions& options) {
             sets, stream, timing);
         Params p = base;
         p["quant"] = std::string("fp8_tensor_static");
-        emit(options, results, make_result("quant.per_tensor", p, us, static_cast<double>(elems) * 3.0));
+        const double bytes = static_cast<double>(elems) * 3.0;
+        emit(options, results, copy.attach(make_result("quant.per_tensor", p, us, bytes), bytes));
       }
       {
         const double us = time_us(
@@ -144,8 +148,8 @@ std::vector<Result> run_quant_suite(const SuiteOptions& options) {
             sets, stream, timing);
         Params p = base;
         p["quant"] = std::string("fp8_tensor_scale");
-        emit(options, results,
-             make_result("quant.per_tensor_scale", p, us, static_cast<double>(elems) * 2.0));
+        const double bytes = static_cast<double>(elems) * 2.0;
+        emit(options, results, copy.attach(make_result("quant.per_tensor_scale", p, us, bytes), bytes));
       }
     }
   }
