@@ -25,9 +25,9 @@ template <auto kKernel>
 unsigned grid_for(std::uint64_t n) {
   static const int blocks_per_sm = [] {
     int b = 0;
-    // Occupancy at the most shared memory a block can ask for (2 * kMaxMappedExperts * 4 bytes).
+    // Occupancy at the most shared memory a block can ask for (3 * kMaxMappedExperts * 4 bytes = 48 KiB).
     EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kKernel, kEplbThreads,
-                                                                   2 * kMaxMappedExperts * sizeof(int)));
+                                                                   3 * kMaxMappedExperts * sizeof(int)));
     return std::max(b, 1);
   }();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
@@ -39,7 +39,7 @@ template <bool kDynamic, bool kCount>
 void launch(const kernels::EplbParams& p, cudaStream_t stream) {
   constexpr auto kernel = &kernels::eplb_map_kernel<kDynamic, kCount>;
   const std::size_t smem = static_cast<std::size_t>(p.num_logical) * sizeof(int) *
-                           static_cast<std::size_t>((kDynamic ? 0 : 1) + (kCount ? 1 : 0));
+                           static_cast<std::size_t>((kDynamic ? 2 : 1) + (kCount ? 1 : 0));
   kernel<<<grid_for<kernel>(p.n), kEplbThreads, smem, stream>>>(p);
   EPMOE_CUDA_CHECK_LAUNCH();
 }

@@ -3,7 +3,9 @@
 // The [T, K] ids are one flat array of n = T*K elements; each thread takes kEplbItems elements
 // (coalesced: element base + u * stride), issuing all their loads before using any. Static choice
 // depends only on the expert, so each block first tabulates it for every expert in shared memory;
-// dynamic choice hashes (src_rank, token, k) per element. Both go through eplb::choose_replica, the
+// dynamic choice hashes (src_rank, token, k) per element, from per-block tables of each expert's
+// replica count and first replica (only experts with several replicas read their log2phy row per
+// element). Both go through eplb::choose_replica, the
 // function ExpertPlacement::choose uses. The counters are a per-block shared-memory histogram
 // (shared atomics), added to the global i64 counters once per non-empty bin at the end of the block.
 #pragma once
@@ -51,27 +53,41 @@ __device__ __forceinline__ std::int32_t choose(const EplbParams& p, int e, std::
 
 template <bool kDynamic, bool kCount>
 __global__ void __launch_bounds__(kEplbThreads) eplb_map_kernel(const EplbParams p) {
-  // [E] static choice (static only), then [E] histogram (kCount only).
+  // [E] static choice (static) or replica count, 0 when out of range (dynamic); [E] first replica
+  // (dynamic); [E] histogram (kCount).
   extern __shared__ std::int32_t smem[];
   std::int32_t* const table = smem;
-  unsigned* const hist = reinterpret_cast<unsigned*>(smem + (kDynamic ? 0 : p.num_logical));
-  if constexpr (!kDynamic || kCount) {
-    for (int e = static_cast<int>(threadIdx.x); e < p.num_logical; e += kEplbThreads) {
-      if constexpr (!kDynamic) table[e] = choose<false>(p, e, 0);
-      if constexpr (kCount) hist[e] = 0u;
-    }
-    __syncthreads();
-  }
+  std::int32_t* const first = smem + p.num_logical;
+  unsigned* const hist = reinterpret_cast<unsigned*>(smem + p.num_logical * (kDynamic ? 2 : 1));
 
   const std::uint32_t stride = gridDim.x * kEplbThreads;
-  for (std::uint32_t base = blockIdx.x * kEplbThreads + threadIdx.x; base < p.n;
-       base += stride * kEplbItems) {
-    int e[kEplbItems];
+  int e[kEplbItems];
+  auto load = [&](std::uint32_t base) {
 #pragma unroll
     for (int u = 0; u < kEplbItems; ++u) {
       const std::uint32_t i = base + u * stride;
       e[u] = i < p.n ? __ldg(p.logical + i) : -1;
     }
+  };
+  // The first pass's ids are requested before the tables are built, so that their latency overlaps
+  // the tables' (two dependent loads per expert): at the sizes the layer uses (one pass) the kernel
+  // is a chain of such latencies, not bandwidth.
+  std::uint32_t base = blockIdx.x * kEplbThreads + threadIdx.x;
+  load(base);
+  for (int x = static_cast<int>(threadIdx.x); x < p.num_logical; x += kEplbThreads) {
+    if constexpr (kDynamic) {
+      const int count = __ldg(p.logcnt + x);
+      const bool valid = count >= 1 && count <= p.max_replicas;
+      table[x] = valid ? count : 0;
+      first[x] = valid ? __ldg(p.log2phy + static_cast<std::int64_t>(x) * p.max_replicas) : -1;
+    } else {
+      table[x] = choose<false>(p, x, 0);
+    }
+    if constexpr (kCount) hist[x] = 0u;
+  }
+  __syncthreads();
+
+  for (; base < p.n; base += stride * kEplbItems) {
 #pragma unroll
     for (int u = 0; u < kEplbItems; ++u) {
       const std::uint32_t i = base + u * stride;
@@ -79,7 +95,9 @@ __global__ void __launch_bounds__(kEplbThreads) eplb_map_kernel(const EplbParams
       std::int32_t physical = -1;
       if (e[u] >= 0 && e[u] < p.num_logical) {
         if constexpr (kDynamic) {
-          physical = choose<true>(p, e[u], i);
+          // Only experts with replicas read their log2phy row (eplb::choose_replica, as the host).
+          const int count = table[e[u]];
+          physical = count <= 1 ? first[e[u]] : choose<true>(p, e[u], i);
         } else {
           physical = table[e[u]];
         }
@@ -87,13 +105,14 @@ __global__ void __launch_bounds__(kEplbThreads) eplb_map_kernel(const EplbParams
       }
       p.physical[i] = physical;
     }
+    if (base + stride * kEplbItems < p.n) load(base + stride * kEplbItems);
   }
 
   if constexpr (kCount) {
     __syncthreads();
-    for (int e = static_cast<int>(threadIdx.x); e < p.num_logical; e += kEplbThreads) {
-      const unsigned c = hist[e];
-      if (c != 0u) atomicAdd(p.counts + e, static_cast<unsigned long long>(c));
+    for (int x = static_cast<int>(threadIdx.x); x < p.num_logical; x += kEplbThreads) {
+      const unsigned c = hist[x];
+      if (c != 0u) atomicAdd(p.counts + x, static_cast<unsigned long long>(c));
     }
   }
 }

@@ -161,7 +161,9 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
 INSTANTIATE_TEST_SUITE_P(Placements, EplbMapGpu,
                          ::testing::Combine(::testing::Values("ds_ep8_r32", "ds_rebalanced",
                                                               "ds_ep8_no_redundancy", "tiny_ep4"),
-                                            ::testing::Values<std::int64_t>(1, 3, 128, 4097, 16384),
+                                            // 300001: several passes of the grid (each thread's
+                                            // next ids loaded while it maps the current ones)
+                                            ::testing::Values<std::int64_t>(1, 3, 128, 4097, 16384, 300001),
                                             ::testing::Values(DispatchAlgorithm::static_choice,
                                                               DispatchAlgorithm::dynamic_choice)),
                          [](const ::testing::TestParamInfo<MapCase>& info) {
