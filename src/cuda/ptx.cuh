@@ -47,6 +47,18 @@ __device__ __forceinline__ void st_relaxed_sys_u64(std::uint64_t* p, std::uint64
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// ---------------------------------------------------------------- programmatic dependent launch
+// In a kernel launched as a programmatic dependent launch (cuda/pdl_launch.hpp): wait until the
+// stream's preceding kernel has completed and its writes are visible (returns at once in a kernel
+// launched without the attribute) ...
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+// ... and let the stream's next kernel's blocks be scheduled now (they wait in grid_dependency_wait).
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // ---------------------------------------------------------------- clocks and lanes
 // The global nanosecond timer (timeouts, watchdogs).
 __device__ __forceinline__ std::uint64_t global_timer_ns() {

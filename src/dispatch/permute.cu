@@ -9,6 +9,7 @@
 #include <string_view>
 #include <utility>
 
+#include "cuda/pdl_launch.hpp"
 #include "dispatch/permute_kernels.cuh"
 #include "epmoe/cuda/launch.hpp"
 
@@ -63,25 +64,12 @@ unsigned experiment_bits() {
   return bits;
 }
 
-// kernel<<<grid, threads, 0, stream>>>(args...), as a programmatic dependent launch when `dependent`
-// (the stream's previous work is one of our kernels): its blocks may start while that kernel runs
-// (they wait in permute_grid_wait). The first kernel of a call is launched plainly (whatever the
-// caller enqueued before it, a copy say, is simply waited for).
+// launch_pdl (cuda/pdl_launch.hpp), with PDL switched off by EPMOE_PERMUTE_EXPERIMENT bit 2.
 template <class... Params, class... Args>
 void launch_dependent(bool dependent, void (*kernel)(Params...), unsigned grid, unsigned threads,
                       cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed =
-      dependent && (experiment_bits() & 2u) == 0 ? 1 : 0;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  launch_pdl(dependent && (experiment_bits() & 2u) == 0, kernel, grid, threads, stream,
+             std::forward<Args>(args)...);
 }
 
 std::int64_t chunks_for(std::int64_t entries) {

@@ -59,24 +59,13 @@ inline constexpr int kPermuteCopyMinBlocks = 6;
 inline constexpr int kGatherVecs = 2;    // 16-byte vectors per lane per gather segment (1 KB)
 inline constexpr int kGatherKBatch = 4;  // rows loaded together
 
-// ---------------------------------------------------------------- PDL
-// Programmatic dependent launch: wait until the preceding kernel of the stream has completed and its
-// writes are visible (returns at once when this kernel was launched without the PDL attribute) ...
-__device__ __forceinline__ void permute_grid_wait() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-// ... and let the next kernel's blocks be scheduled now (they wait for this one in permute_grid_wait).
-__device__ __forceinline__ void permute_grid_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 // ---------------------------------------------------------------- 1. count
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_count_kernel(const std::int32_t* __restrict__ ids, std::uint32_t entries, std::uint32_t experts,
                          std::int32_t* __restrict__ hist) {
   __shared__ int counts[kPermuteExpertsMax];
-  permute_grid_wait();
-  permute_grid_launch_dependents();
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   for (std::uint32_t e = threadIdx.x; e < experts; e += kPermuteThreads) counts[e] = 0;
   __syncthreads();
   const std::uint32_t begin = blockIdx.x * kPermuteChunk;
@@ -102,8 +91,8 @@ __global__ void __launch_bounds__(kPermuteScanThreads)
                         std::int32_t m_max, std::int32_t* __restrict__ offsets,
                         std::int32_t* __restrict__ counts, std::int32_t* __restrict__ masked_m) {
   constexpr int kBatch = 16;  // independent loads in flight
-  permute_grid_wait();
-  permute_grid_launch_dependents();
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   const std::uint32_t e = threadIdx.x;
   int run = 0;
   if (e < experts) {
@@ -227,8 +216,8 @@ __device__ __forceinline__ void permute_write_rows(const PermuteRankParams& p, s
 template <bool kMasked>
 __global__ void __launch_bounds__(kPermuteThreads) permute_rank_kernel(PermuteRankParams p) {
   __shared__ PermuteWarpCounts warp_count;
-  permute_grid_wait();
-  permute_grid_launch_dependents();
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   int id[kPermuteRounds], rank[kPermuteRounds];
   permute_rank_chunk(p, blockIdx.x, warp_count, id, rank, [](std::uint32_t, int) {});
   const std::int32_t* base = p.chunk_base + static_cast<std::uint64_t>(blockIdx.x) * p.experts;
@@ -260,8 +249,8 @@ __global__ void __launch_bounds__(kPermuteThreads)
   __shared__ int start[kPermuteExpertsMax];  // totals, then (contiguous) each expert's first row
   __shared__ typename BlockScan::TempStorage scan_storage;
 
-  permute_grid_wait();
-  permute_grid_launch_dependents();
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   if constexpr (kCount) {
     for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = 0;
     __syncthreads();
@@ -357,8 +346,8 @@ __global__ void __launch_bounds__(kPermuteThreads)
   __shared__ int start[kPermuteExpertsMax];        // contiguous: first row of each expert
   __shared__ typename BlockScan::TempStorage scan_storage;
 
-  permute_grid_wait();
-  permute_grid_launch_dependents();
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = 0;
   __syncthreads();
   for (std::uint32_t i = threadIdx.x; i < p.entries; i += kPermuteThreads) {
@@ -494,14 +483,14 @@ __device__ __forceinline__ void permute_copy_scales(const PermuteCopyParams& p, 
 
 // A warp per (token, segment): the token's data and scales are inputs of the permutation (nothing
 // launched since the first kernel of the call writes them), so they are loaded before
-// permute_grid_wait: under PDL the copy blocks that are resident while the index kernel runs already
+// ptx::grid_dependency_wait: under PDL the copy blocks that are resident while the index kernel runs already
 // hold their data when the row ids arrive. Then the row ids (one per lane k < K), and the segment and
 // scales go to each row. One item per warp, no loop (the grid covers every item).
 template <bool kScales, bool kMnMajor, bool kMasked>
 __global__ void __launch_bounds__(kPermuteCopyThreads, kPermuteCopyMinBlocks)
     permute_copy_kernel(PermuteCopyParams p) {
   if (blockIdx.x < p.fill_blocks) {  // first, so that they run beside the copy, not after it
-    permute_grid_wait();
+    ptx::grid_dependency_wait();
     permute_fill<kMasked>(p);
     return;
   }
@@ -533,7 +522,7 @@ __global__ void __launch_bounds__(kPermuteCopyThreads, kPermuteCopyMinBlocks)
     if (static_cast<std::uint32_t>(lane) < p.groups) sv[0] = __ldg(xs + lane);
     if (static_cast<std::uint32_t>(lane) + 32 < p.groups) sv[1] = __ldg(xs + lane + 32);
   }
-  permute_grid_wait();  // src_row is the rank kernel's output
+  ptx::grid_dependency_wait();  // src_row is the rank kernel's output
   if (!active) return;
   int my_row = static_cast<std::uint32_t>(lane) < p.topk ? __ldg(p.src_row + t * p.topk + lane) : -1;
   if (p.token_order_rows != 0u && my_row >= 0) my_row = static_cast<int>(t * p.topk + lane);  // (experiment)

@@ -8,6 +8,7 @@
 #include <limits>
 #include <string_view>
 
+#include "cuda/pdl_launch.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "quant/quant_fp8_kernels.cuh"
 
@@ -87,16 +88,23 @@ void expect_scalar_f32(const TensorView& t, std::string_view name) {
   EPMOE_CHECK(t.numel() == 1, "{} must hold exactly one f32 value, got {}", name, t.describe());
 }
 
-void launch_amax(const TensorView& x, const TensorView& out, std::string_view out_name, cudaStream_t stream) {
+// The amax of x into out (f32 bits), and with `to_scale` the scale from it (quant_fp8_kernels.cuh).
+void launch_amax(const TensorView& x, const TensorView& out, std::string_view out_name, bool to_scale,
+                 cudaStream_t stream) {
   expect_device_tensor(x, DType::bf16, "x");
   expect_scalar_f32(out, out_name);
-  EPMOE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, sizeof(float), stream));
-  const auto n = static_cast<std::uint64_t>(x.numel());
-  if (n == 0) return;
-  const unsigned grid = grid_for<&kernels::amax_kernel>(ceil_div(ceil_div(n, kernels::kVec), kQuantThreads));
-  kernels::amax_kernel<<<grid, kQuantThreads, 0, stream>>>(static_cast<const std::uint16_t*>(x.data), n,
-                                                           static_cast<unsigned int*>(out.data));
+  auto* const bits = static_cast<unsigned int*>(out.data);
+  kernels::zero_amax_kernel<<<1, 1, 0, stream>>>(bits);
   EPMOE_CUDA_CHECK_LAUNCH();
+  const auto n = static_cast<std::uint64_t>(x.numel());
+  if (n > 0) {
+    const unsigned grid =
+        grid_for<&kernels::amax_kernel>(ceil_div(ceil_div(n, kernels::kVec), kQuantThreads));
+    launch_pdl(true, &kernels::amax_kernel, grid, kQuantThreads, stream,
+               static_cast<const std::uint16_t*>(x.data), n, bits);
+  }
+  if (to_scale)
+    launch_pdl(true, &kernels::amax_to_fp8_scale_kernel, 1, 1, stream, static_cast<float*>(out.data));
 }
 
 }  // namespace
@@ -163,14 +171,11 @@ void quantize_per_tensor_fp8(TensorView x, TensorView q, TensorView scale, cudaS
 }
 
 void per_tensor_amax(TensorView x, TensorView amax, cudaStream_t stream) {
-  launch_amax(x, amax, "amax", stream);
+  launch_amax(x, amax, "amax", false, stream);
 }
 
 void per_tensor_fp8_scale(TensorView x, TensorView scale, cudaStream_t stream) {
-  launch_amax(x, scale, "scale", stream);  // the amax lands in `scale` ...
-  kernels::amax_to_fp8_scale_kernel<<<1, 1, 0, stream>>>(
-      static_cast<float*>(scale.data));  // ... and becomes it
-  EPMOE_CUDA_CHECK_LAUNCH();
+  launch_amax(x, scale, "scale", true, stream);  // the amax lands in `scale` and becomes it
 }
 
 }  // namespace epmoe::cuda

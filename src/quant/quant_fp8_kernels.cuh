@@ -128,10 +128,21 @@ __global__ void __launch_bounds__(kQuantThreads)
   }
 }
 
-// *amax_bits (zeroed by the caller) = max over x of |x|, as f32 bits (non-negative floats order
+// The per-tensor amax and scale: three kernels in a row, the second and third launched as
+// programmatic dependent launches (quant_fp8.cu), so that their launches overlap the kernel before:
+// zero_amax_kernel zeroes the result word; amax_kernel reads and reduces x, then waits for the zero
+// before its atomicMax; amax_to_fp8_scale_kernel waits for every block's max, then turns it into the
+// scale (one kernel instead of a memset, a kernel and a kernel, each waiting for the last to end).
+__global__ void zero_amax_kernel(unsigned int* amax_bits) {
+  *amax_bits = 0u;
+  ptx::launch_dependents();
+}
+
+// *amax_bits (zeroed by zero_amax_kernel) = max over x of |x|, as f32 bits (non-negative floats order
 // like their bit patterns, so an integer atomicMax is exact).
 __global__ void __launch_bounds__(kQuantThreads)
     amax_kernel(const std::uint16_t* __restrict__ x, std::uint64_t n, unsigned int* __restrict__ amax_bits) {
+  ptx::launch_dependents();
   const std::uint64_t tid = static_cast<std::uint64_t>(blockIdx.x) * kQuantThreads + threadIdx.x;
   const std::uint64_t threads = static_cast<std::uint64_t>(gridDim.x) * kQuantThreads;
   const std::uint64_t vectors = n / kVec;
@@ -156,12 +167,17 @@ __global__ void __launch_bounds__(kQuantThreads)
   if (threadIdx.x < 32) {
     float block_max = threadIdx.x < kQuantThreads / 32 ? warp_max[threadIdx.x] : 0.0f;
     block_max = ptx::group_max<32>(block_max);
-    if (threadIdx.x == 0 && block_max > 0.0f) atomicMax(amax_bits, __float_as_uint(block_max));
+    if (threadIdx.x == 0) {
+      ptx::grid_dependency_wait();  // the zero stored
+      if (block_max > 0.0f) atomicMax(amax_bits, __float_as_uint(block_max));
+    }
   }
 }
 
-// In place: *value = max(amax, kMinAmax) / 448 (the per-tensor scale from the amax).
+// In place: *value = max(amax, kMinAmax) / 448 (the per-tensor scale from the amax), once every block
+// of amax_kernel has added its max.
 __global__ void amax_to_fp8_scale_kernel(float* value) {
+  ptx::grid_dependency_wait();
   *value = fmaxf(*value, kMinAmaxDevice) / kFp8Max;
 }
 
