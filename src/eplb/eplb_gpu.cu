@@ -12,7 +12,6 @@
 namespace epmoe::cuda {
 namespace {
 
-using kernels::kEplbItems;
 using kernels::kEplbThreads;
 
 void expect_device_i32(const TensorView& t, std::string_view name) {
@@ -31,7 +30,11 @@ unsigned grid_for(std::uint64_t n) {
     return std::max(b, 1);
   }();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
-  const std::uint64_t wanted = (n + kEplbThreads * kEplbItems - 1) / (kEplbThreads * kEplbItems);
+  // About 4 ids per thread: 8 (kEplbItems, the most a thread takes per pass) left a T = 16384 call on
+  // 64 blocks, half the SMs, each thread a chain of 8 mappings; fewer than 4 would multiply the blocks'
+  // flushes of their histograms into the same E global counters.
+  constexpr std::uint64_t kIdsPerThread = 4;
+  const std::uint64_t wanted = (n + kEplbThreads * kIdsPerThread - 1) / (kEplbThreads * kIdsPerThread);
   return static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
 }
 

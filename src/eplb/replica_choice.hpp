@@ -32,7 +32,9 @@ EPMOE_HD constexpr std::uint64_t replica_hash(int src_rank, std::int64_t token, 
 //   replicas: the expert's `count` >= 1 physical slots, in increasing slot order (its log2phy row);
 //   static  (dynamic == false): the replica on src_rank (slots [src_rank * slots_per_rank, +slots_per_rank))
 //            if there is one, else replica (src_rank % count); token and k are not used;
-//   dynamic (dynamic == true):  replica replica_hash(src_rank, token, k) % count.
+//   dynamic (dynamic == true):  replica (high 32 bits of replica_hash(src_rank, token, k)) * count / 2^32
+//            (multiply-shift range reduction: as uniform as a modulo, without the 64-bit division that
+//            cost the GPU kernel ~800 cycles per element).
 EPMOE_HD constexpr std::int32_t choose_replica(const std::int32_t* replicas, int count, int src_rank,
                                                int slots_per_rank, std::int64_t token, int k, bool dynamic) {
   if (count == 1) return replicas[0];
@@ -44,7 +46,8 @@ EPMOE_HD constexpr std::int32_t choose_replica(const std::int32_t* replicas, int
     }
     return replicas[src_rank % count];
   }
-  return replicas[replica_hash(src_rank, token, k) % static_cast<std::uint64_t>(count)];
+  const std::uint64_t h = replica_hash(src_rank, token, k) >> 32;
+  return replicas[(h * static_cast<std::uint32_t>(count)) >> 32];
 }
 
 }  // namespace epmoe::eplb
