@@ -48,7 +48,7 @@ __device__ __forceinline__ void st_relaxed_sys_u64(std::uint64_t* p, std::uint64
 }
 
 // ---------------------------------------------------------------- programmatic dependent launch
-// In a kernel launched as a programmatic dependent launch (cuda/launch_ex.hpp): wait until the
+// In a kernel launched as a programmatic dependent launch (cuda/pdl_launch.hpp): wait until the
 // stream's preceding kernel has completed and its writes are visible (returns at once in a kernel
 // launched without the attribute) ...
 __device__ __forceinline__ void grid_dependency_wait() {

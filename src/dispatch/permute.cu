@@ -9,7 +9,7 @@
 #include <string_view>
 #include <utility>
 
-#include "cuda/launch_ex.hpp"
+#include "cuda/pdl_launch.hpp"
 #include "dispatch/permute_kernels.cuh"
 #include "epmoe/cuda/launch.hpp"
 
@@ -64,7 +64,7 @@ unsigned experiment_bits() {
   return bits;
 }
 
-// launch_pdl (cuda/launch_ex.hpp), with PDL switched off by EPMOE_PERMUTE_EXPERIMENT bit 2.
+// launch_pdl (cuda/pdl_launch.hpp), with PDL switched off by EPMOE_PERMUTE_EXPERIMENT bit 2.
 template <class... Params, class... Args>
 void launch_dependent(bool dependent, void (*kernel)(Params...), unsigned grid, unsigned threads,
                       cudaStream_t stream, Args&&... args) {

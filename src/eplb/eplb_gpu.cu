@@ -3,11 +3,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <string_view>
 
-#include "cuda/launch_ex.hpp"
 #include "eplb/eplb_kernels.cuh"
 #include "epmoe/cuda/launch.hpp"
 
@@ -26,51 +24,27 @@ template <auto kKernel>
 unsigned grid_for(std::uint64_t n) {
   static const int blocks_per_sm = [] {
     int b = 0;
-    // Occupancy at the most shared memory a block can ask for (2 * kMaxMappedExperts + kEplbSmemRows
-    // ints: 48 KiB).
-    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &b, kKernel, kEplbThreads, (2 * kMaxMappedExperts + kernels::kEplbSmemRows) * sizeof(int)));
+    // Occupancy at the most shared memory a block can ask for (3 * kMaxMappedExperts * 4 bytes = 48 KiB).
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kKernel, kEplbThreads,
+                                                                   3 * kMaxMappedExperts * sizeof(int)));
     return std::max(b, 1);
   }();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
-  // About 4 ids per thread (EPMOE_EPLB_IDS, 1..8): 8 (kEplbItems, the most a thread takes per pass)
-  // left a T = 16384 call on 64 blocks, half the SMs, each thread a chain of 8 mappings.
-  static const std::uint64_t ids_per_thread = [] {
-    const char* v = std::getenv("EPMOE_EPLB_IDS");
-    const int c = v == nullptr ? 4 : std::atoi(v);
-    EPMOE_CHECK(c >= 1 && c <= kernels::kEplbItems, "EPMOE_EPLB_IDS must be in [1, {}], got '{}'",
-                kernels::kEplbItems, v == nullptr ? "" : v);
-    return static_cast<std::uint64_t>(c);
-  }();
-  const std::uint64_t wanted = (n + kEplbThreads * ids_per_thread - 1) / (kEplbThreads * ids_per_thread);
+  // About 4 ids per thread: 8 (kEplbItems, the most a thread takes per pass) left a T = 16384 call on
+  // 64 blocks, half the SMs, each thread a chain of 8 mappings; fewer than 4 would multiply the blocks'
+  // flushes of their histograms into the same E global counters.
+  constexpr std::uint64_t kIdsPerThread = 4;
+  const std::uint64_t wanted = (n + kEplbThreads * kIdsPerThread - 1) / (kEplbThreads * kIdsPerThread);
   return static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
-}
-
-// Blocks per cluster when counting (EPMOE_EPLB_CLUSTER, 1..8; default 8): the clusters sum their
-// histograms before the global atomics (eplb_kernels.cuh).
-unsigned count_cluster() {
-  static const unsigned cluster = [] {
-    const char* v = std::getenv("EPMOE_EPLB_CLUSTER");
-    const int c = v == nullptr ? 8 : std::atoi(v);
-    EPMOE_CHECK(c >= 1 && c <= 8, "EPMOE_EPLB_CLUSTER must be in [1, 8], got '{}'", v == nullptr ? "" : v);
-    return static_cast<unsigned>(c);
-  }();
-  return cluster;
 }
 
 template <bool kDynamic, bool kCount>
 void launch(const kernels::EplbParams& p, cudaStream_t stream) {
   constexpr auto kernel = &kernels::eplb_map_kernel<kDynamic, kCount>;
-  LaunchExtras extras;
-  extras.smem =
-      sizeof(int) * (static_cast<std::size_t>(p.num_logical) * (kCount ? 2 : 1) +
-                     (p.rows_in_smem ? static_cast<std::size_t>(p.num_logical) * p.max_replicas : 0));
-  unsigned grid = grid_for<kernel>(p.n);
-  if constexpr (kCount) {  // a multiple of the cluster (the extra blocks find no ids and add nothing)
-    extras.cluster = std::min(count_cluster(), grid);
-    grid = (grid + extras.cluster - 1) / extras.cluster * extras.cluster;
-  }
-  launch_ex(kernel, grid, kEplbThreads, extras, stream, p);
+  const std::size_t smem = static_cast<std::size_t>(p.num_logical) * sizeof(int) *
+                           static_cast<std::size_t>((kDynamic ? 2 : 1) + (kCount ? 1 : 0));
+  kernel<<<grid_for<kernel>(p.n), kEplbThreads, smem, stream>>>(p);
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -154,7 +128,6 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   p.token_offset = token_offset;
   p.counts = count ? static_cast<unsigned long long*>(expert_counts.data) : nullptr;
   const bool dynamic = algorithm == DispatchAlgorithm::dynamic_choice;
-  p.rows_in_smem = dynamic && num_logical * max_replicas <= kernels::kEplbSmemRows;
   if (dynamic) {
     count ? launch<true, true>(p, stream) : launch<true, false>(p, stream);
   } else {

@@ -8,7 +8,7 @@
 #include <limits>
 #include <string_view>
 
-#include "cuda/launch_ex.hpp"
+#include "cuda/pdl_launch.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "quant/quant_fp8_kernels.cuh"
 
