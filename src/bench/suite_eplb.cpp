@@ -1,7 +1,8 @@
 // Benchmark suite "eplb": the GPU logical -> physical mapping with the per-expert token counters
 // (epmoe/cuda/eplb.hpp), DeepSeek-V3 shape (E = 256, K = 8, 8 ranks, 32 redundant slots), static
-// and dynamic replica choice, at T in tokens (default 128, 4096, 16384). Bytes: ids read, physical
-// ids written (the tables and the counters are a few KiB).
+// and dynamic replica choice, at T in tokens (default 128, 4096, 16384), with the counters
+// ("eplb.map_count", as the layer calls it) and without ("eplb.map"). Bytes: ids read, physical ids
+// written (the tables and the counters are a few KiB).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -57,20 +58,24 @@ std::vector<Result> run_eplb_suite(const SuiteOptions& options) {
       physical.back().fill_bytes(0xff, stream);
     }
     stream.synchronize();
-    for (const DispatchAlgorithm algorithm :
-         {DispatchAlgorithm::static_choice, DispatchAlgorithm::dynamic_choice}) {
-      const double us = time_us(
-          [&](int i, cudaStream_t s) {
-            const auto set = static_cast<std::size_t>(i);
-            cuda::map_to_physical(dpl.view(), ids[set], physical[set], 3, algorithm, s, 0, counts);
-          },
-          sets, stream, timing);
-      const Params p{{"tokens", tokens},
-                     {"n", std::int64_t{kExperts}},
-                     {"k", std::int64_t{kTopk}},
-                     {"ranks", std::int64_t{kRanks}},
-                     {"phase", std::string(to_string(algorithm))}};
-      emit(options, results, copy.attach(make_result("eplb.map_count", p, us, bytes), bytes));
+    for (const bool count : {true, false}) {
+      for (const DispatchAlgorithm algorithm :
+           {DispatchAlgorithm::static_choice, DispatchAlgorithm::dynamic_choice}) {
+        const double us = time_us(
+            [&](int i, cudaStream_t s) {
+              const auto set = static_cast<std::size_t>(i);
+              cuda::map_to_physical(dpl.view(), ids[set], physical[set], 3, algorithm, s, 0,
+                                    count ? counts.view() : TensorView{});
+            },
+            sets, stream, timing);
+        const Params p{{"tokens", tokens},
+                       {"n", std::int64_t{kExperts}},
+                       {"k", std::int64_t{kTopk}},
+                       {"ranks", std::int64_t{kRanks}},
+                       {"phase", std::string(to_string(algorithm))}};
+        emit(options, results,
+             copy.attach(make_result(count ? "eplb.map_count" : "eplb.map", p, us, bytes), bytes));
+      }
     }
   }
   return results;

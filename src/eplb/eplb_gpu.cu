@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <string_view>
 
@@ -30,11 +31,18 @@ unsigned grid_for(std::uint64_t n) {
     return std::max(b, 1);
   }();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
-  // About 4 ids per thread: 8 (kEplbItems, the most a thread takes per pass) left a T = 16384 call on
-  // 64 blocks, half the SMs, each thread a chain of 8 mappings; fewer than 4 would multiply the blocks'
-  // flushes of their histograms into the same E global counters.
-  constexpr std::uint64_t kIdsPerThread = 4;
-  const std::uint64_t wanted = (n + kEplbThreads * kIdsPerThread - 1) / (kEplbThreads * kIdsPerThread);
+  // About 4 ids per thread (EPMOE_EPLB_IDS, 1..8): 8 (kEplbItems, the most a thread takes per pass)
+  // left a T = 16384 call on 64 blocks, half the SMs, each thread a chain of 8 mappings; fewer than 4
+  // multiply the blocks' flushes of their histograms into the same E global counters (2 measured 1.3-1.7
+  // µs slower at T = 4096 and 16384).
+  static const std::uint64_t ids_per_thread = [] {
+    const char* v = std::getenv("EPMOE_EPLB_IDS");
+    const int c = v == nullptr ? 4 : std::atoi(v);
+    EPMOE_CHECK(c >= 1 && c <= kernels::kEplbItems, "EPMOE_EPLB_IDS must be in [1, {}], got '{}'",
+                kernels::kEplbItems, v == nullptr ? "" : v);
+    return static_cast<std::uint64_t>(c);
+  }();
+  const std::uint64_t wanted = (n + kEplbThreads * ids_per_thread - 1) / (kEplbThreads * ids_per_thread);
   return static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
 }
 
