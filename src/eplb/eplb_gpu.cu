@@ -13,45 +13,59 @@
 namespace epmoe::cuda {
 namespace {
 
-using kernels::kEplbThreads;
-
 void expect_device_i32(const TensorView& t, std::string_view name) {
   expect_device(t, Device::cuda, name);
   expect_dtype(t, DType::i32, name);
   expect_contiguous(t, name);
 }
 
-template <auto kKernel>
-unsigned grid_for(std::uint64_t n) {
-  static const int blocks_per_sm = [] {
-    int b = 0;
-    // Occupancy at the most shared memory a block can ask for (3 * kMaxMappedExperts * 4 bytes = 48 KiB).
-    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kKernel, kEplbThreads,
-                                                                   3 * kMaxMappedExperts * sizeof(int)));
-    return std::max(b, 1);
+// The launch shape: threads per block (EPMOE_EPLB_THREADS: 256, 512 or 1024) and about
+// EPMOE_EPLB_IDS (1..8) ids per thread. Each block builds its tables and flushes its histogram into the
+// same E global counters, whose same-address atomics serialize (~6 ns each, measured as the counters'
+// cost at T = 16384); each thread maps its ids one after another.
+struct EplbShape {
+  unsigned threads = 256;
+  std::uint64_t ids = 4;
+};
+
+const EplbShape& eplb_shape() {
+  static const EplbShape shape = [] {
+    EplbShape s;
+    if (const char* v = std::getenv("EPMOE_EPLB_THREADS")) {
+      const int t = std::atoi(v);
+      EPMOE_CHECK(t == 256 || t == 512 || t == 1024, "EPMOE_EPLB_THREADS must be 256, 512 or 1024, got '{}'",
+                  v);
+      s.threads = static_cast<unsigned>(t);
+    }
+    if (const char* v = std::getenv("EPMOE_EPLB_IDS")) {
+      const int c = std::atoi(v);
+      EPMOE_CHECK(c >= 1 && c <= kernels::kEplbItems, "EPMOE_EPLB_IDS must be in [1, {}], got '{}'",
+                  kernels::kEplbItems, v);
+      s.ids = static_cast<std::uint64_t>(c);
+    }
+    return s;
   }();
-  const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
-  // About 4 ids per thread (EPMOE_EPLB_IDS, 1..8): 8 (kEplbItems, the most a thread takes per pass)
-  // left a T = 16384 call on 64 blocks, half the SMs, each thread a chain of 8 mappings; fewer than 4
-  // multiply the blocks' flushes of their histograms into the same E global counters (2 measured 1.3-1.7
-  // µs slower at T = 4096 and 16384).
-  static const std::uint64_t ids_per_thread = [] {
-    const char* v = std::getenv("EPMOE_EPLB_IDS");
-    const int c = v == nullptr ? 4 : std::atoi(v);
-    EPMOE_CHECK(c >= 1 && c <= kernels::kEplbItems, "EPMOE_EPLB_IDS must be in [1, {}], got '{}'",
-                kernels::kEplbItems, v == nullptr ? "" : v);
-    return static_cast<std::uint64_t>(c);
-  }();
-  const std::uint64_t wanted = (n + kEplbThreads * ids_per_thread - 1) / (kEplbThreads * ids_per_thread);
-  return static_cast<unsigned>(std::clamp<std::uint64_t>(wanted, 1, resident));
+  return shape;
 }
 
 template <bool kDynamic, bool kCount>
 void launch(const kernels::EplbParams& p, cudaStream_t stream) {
   constexpr auto kernel = &kernels::eplb_map_kernel<kDynamic, kCount>;
+  const EplbShape& shape = eplb_shape();
+  static const int blocks_per_sm = [&] {
+    int b = 0;
+    // Occupancy at the most shared memory a block can ask for (3 * kMaxMappedExperts * 4 bytes = 48 KiB).
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &b, kernel, static_cast<int>(shape.threads), 3 * kMaxMappedExperts * sizeof(int)));
+    return std::max(b, 1);
+  }();
+  const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
+  const std::uint64_t per_block = shape.threads * shape.ids;
+  const auto grid =
+      static_cast<unsigned>(std::clamp<std::uint64_t>((p.n + per_block - 1) / per_block, 1, resident));
   const std::size_t smem = static_cast<std::size_t>(p.num_logical) * sizeof(int) *
                            static_cast<std::size_t>((kDynamic ? 2 : 1) + (kCount ? 1 : 0));
-  kernel<<<grid_for<kernel>(p.n), kEplbThreads, smem, stream>>>(p);
+  kernel<<<grid, shape.threads, smem, stream>>>(p);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -16,8 +16,8 @@
 
 namespace epmoe::kernels {
 
-inline constexpr int kEplbThreads = 256;
-inline constexpr int kEplbItems = 8;  // elements per thread per pass
+inline constexpr int kEplbMaxThreads = 1024;  // block size: 256, 512 or 1024 (the launcher's choice)
+inline constexpr int kEplbItems = 8;          // elements per thread per pass
 
 struct EplbParams {
   const std::int32_t* logical;  // [n]
@@ -52,7 +52,8 @@ __device__ __forceinline__ std::int32_t choose(const EplbParams& p, int e, std::
 }
 
 template <bool kDynamic, bool kCount>
-__global__ void __launch_bounds__(kEplbThreads) eplb_map_kernel(const EplbParams p) {
+__global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbParams p) {
+  const int threads = static_cast<int>(blockDim.x);
   // [E] static choice (static) or replica count, 0 when out of range (dynamic); [E] first replica
   // (dynamic); [E] histogram (kCount).
   extern __shared__ std::int32_t smem[];
@@ -60,7 +61,7 @@ __global__ void __launch_bounds__(kEplbThreads) eplb_map_kernel(const EplbParams
   std::int32_t* const first = smem + p.num_logical;
   unsigned* const hist = reinterpret_cast<unsigned*>(smem + p.num_logical * (kDynamic ? 2 : 1));
 
-  const std::uint32_t stride = gridDim.x * kEplbThreads;
+  const std::uint32_t stride = gridDim.x * static_cast<std::uint32_t>(threads);
   int e[kEplbItems];
   auto load = [&](std::uint32_t base) {
 #pragma unroll
@@ -72,9 +73,9 @@ __global__ void __launch_bounds__(kEplbThreads) eplb_map_kernel(const EplbParams
   // The first pass's ids are requested before the tables are built, so that their latency overlaps
   // the tables' (two dependent loads per expert): at the sizes the layer uses (one pass) the kernel
   // is a chain of such latencies, not bandwidth.
-  std::uint32_t base = blockIdx.x * kEplbThreads + threadIdx.x;
+  std::uint32_t base = blockIdx.x * static_cast<std::uint32_t>(threads) + threadIdx.x;
   load(base);
-  for (int x = static_cast<int>(threadIdx.x); x < p.num_logical; x += kEplbThreads) {
+  for (int x = static_cast<int>(threadIdx.x); x < p.num_logical; x += threads) {
     if constexpr (kDynamic) {
       const int count = __ldg(p.logcnt + x);
       const bool valid = count >= 1 && count <= p.max_replicas;
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(kEplbThreads) eplb_map_kernel(const EplbParams
 
   if constexpr (kCount) {
     __syncthreads();
-    for (int x = static_cast<int>(threadIdx.x); x < p.num_logical; x += kEplbThreads) {
+    for (int x = static_cast<int>(threadIdx.x); x < p.num_logical; x += threads) {
       const unsigned c = hist[x];
       if (c != 0u) atomicAdd(p.counts + x, static_cast<unsigned long long>(c));
     }
