@@ -2,6 +2,7 @@
 #include "epmoe/cuda/eplb.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -22,9 +23,10 @@ void expect_device_i32(const TensorView& t, std::string_view name) {
 // The launch shape: threads per block (EPMOE_EPLB_THREADS: 256, 512 or 1024) and about
 // EPMOE_EPLB_IDS (1..8) ids per thread. Each block builds its tables and flushes its histogram into the
 // same E global counters, whose same-address atomics serialize (~6 ns each, measured as the counters'
-// cost at T = 16384); each thread maps its ids one after another.
+// cost at T = 16384); each thread maps its ids one after another. 512 x 4 (default) measured best of
+// 256 / 512 / 1024 x 2..8 for the static choice at T = 4096 and 16384 (session 17, NOTES).
 struct EplbShape {
-  unsigned threads = 256;
+  unsigned threads = 512;
   std::uint64_t ids = 4;
 };
 
@@ -149,6 +151,7 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   p.slots_per_rank = placement.slots_per_rank;
   p.token_offset = token_offset;
   p.counts = count ? static_cast<unsigned long long*>(expert_counts.data) : nullptr;
+  p.topk_shift = (topk & (topk - 1)) == 0 ? std::countr_zero(static_cast<std::uint64_t>(topk)) : -1;
   const bool dynamic = algorithm == DispatchAlgorithm::dynamic_choice;
   if (dynamic) {
     count ? launch<true, true>(p, stream) : launch<true, false>(p, stream);

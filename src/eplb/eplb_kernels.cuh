@@ -32,6 +32,7 @@ struct EplbParams {
   int slots_per_rank;
   std::int64_t token_offset;
   unsigned long long* counts;  // [E] or nullptr (kCount == false)
+  int topk_shift;              // log2(K) when K is a power of two (t = index >> shift), else -1
 };
 
 // The physical slot of logical expert e for element `index` (= t * K + k), or -1 when e's replica
@@ -44,7 +45,7 @@ __device__ __forceinline__ std::int32_t choose(const EplbParams& p, int e, std::
   std::int64_t token = 0;
   int k = 0;
   if constexpr (kDynamic) {
-    const std::uint32_t t = index / p.topk;
+    const std::uint32_t t = p.topk_shift >= 0 ? index >> p.topk_shift : index / p.topk;
     token = p.token_offset + t;
     k = static_cast<int>(index - t * p.topk);
   }
@@ -92,7 +93,7 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
 #pragma unroll
     for (int u = 0; u < kEplbItems; ++u) {
       const std::uint32_t i = base + u * stride;
-      if (i >= p.n) break;
+      if (i >= p.n) continue;  // (not break: the items' chains may then overlap)
       std::int32_t physical = -1;
       if (e[u] >= 0 && e[u] < p.num_logical) {
         if constexpr (kDynamic) {
