@@ -223,6 +223,25 @@ TEST(EplbPlacement, DynamicChoiceSpreadsAndIsDeterministic) {
   EXPECT_EQ(pl.choose(3, 1, 17, 3, d), 5);  // single replica
 }
 
+// The same for three replicas (the multiply-shift reduction on a count that is not a power of two) and
+// token indices past 2^32 (the hash's high word), with K = 8.
+TEST(EplbPlacement, DynamicChoiceSpreadsOverThreeReplicasAndLargeTokenIndices) {
+  const ExpertPlacement pl({0, 1, 0, 2, 0, 3}, 4, 3);  // expert 0 on slots 0, 2, 4
+  const auto d = DispatchAlgorithm::dynamic_choice;
+  for (const std::int64_t offset : {std::int64_t{0}, (std::int64_t{1} << 40) + 12345}) {
+    std::vector<int> hits(6, 0);
+    const int tokens = 12000;
+    for (int t = 0; t < tokens; ++t) {
+      for (int k = 0; k < 8; ++k) ++hits[static_cast<std::size_t>(pl.choose(0, 1, offset + t, k, d))];
+    }
+    for (int slot : {0, 2, 4}) {
+      EXPECT_NEAR(hits[static_cast<std::size_t>(slot)] / (8.0 * tokens), 1.0 / 3.0, 0.015)
+          << "offset " << offset << " slot " << slot;
+    }
+    EXPECT_EQ(hits[1] + hits[3] + hits[5], 0);
+  }
+}
+
 TEST(EplbPlacement, MapToPhysical) {
   const ExpertPlacement pl({0, 1, 0, 2, 0, 3, 0, 4}, 5, 4);
   const int T = 64, K = 3;
