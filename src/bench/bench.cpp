@@ -108,13 +108,14 @@ double SameBytesCopy::us(double bytes) {
     dst.back().fill_bytes(0xa5, stream_);
   }
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  const double t = time_us(
-      [&](int i, cudaStream_t s) {
-        const auto set = static_cast<std::size_t>(i);
-        EPMOE_CUDA_CHECK(
-            cudaMemcpyAsync(dst[set].data(), src[set].data(), copy_bytes, cudaMemcpyDeviceToDevice, s));
-      },
-      sets, stream_, timing_);
+  const auto copy = [&](int i, cudaStream_t s) {
+    const auto set = static_cast<std::size_t>(i);
+    EPMOE_CUDA_CHECK(
+        cudaMemcpyAsync(dst[set].data(), src[set].data(), copy_bytes, cudaMemcpyDeviceToDevice, s));
+  };
+  // The faster of two measurements: the first copy timed in a process ran up to 2 µs slow at T = 128
+  // (session 17), which would flatter the kernel beside it.
+  const double t = std::min(time_us(copy, sets, stream_, timing_), time_us(copy, sets, stream_, timing_));
   measured_.emplace(copy_bytes, t);
   return t;
 }

@@ -67,8 +67,8 @@ double time_us(const Launch& launch, int num_sets, cudaStream_t stream, const Ti
 int rotation_sets(std::size_t bytes_per_set, int max_sets = 1024);
 
 // The time of cudaMemcpyAsync (device to device) of half of `bytes` (so that `bytes` are read + written),
-// with its buffers rotated like the kernels' inputs and the same timing options; measured once per size
-// and remembered. attach() sets a result's copy_us.
+// with its buffers rotated like the kernels' inputs and the same timing options; the faster of two
+// measurements, once per size, remembered. attach() sets a result's copy_us.
 class SameBytesCopy {
  public:
   SameBytesCopy(cudaStream_t stream, const TimingOptions& timing) : stream_(stream), timing_(timing) {}
