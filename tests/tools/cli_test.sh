@@ -136,6 +136,26 @@ if ! nvidia-smi -L > /dev/null 2>&1; then
   check_fails "run gpu without a GPU" "no CUDA device" "$epmoe" run --device gpu
 fi
 check_fails "check has no GPU path" "runs on the CPU only" "$epmoe" check --device gpu
+# Numbers out of range and unwritable outputs are refused when the command line is parsed, before any
+# work (a negative value used to mean "the default" quietly; a bad --json path failed after the run).
+check_fails "run negative steps" "--steps: must be >= 0, got -1" "$epmoe" run --device cpu --steps -1
+check_fails "run negative tokens" "--tokens: must be >= 0, got -5" "$epmoe" run --device cpu --tokens -5
+check_fails "run zero chunk" "--chunk: must be > 0, got 0" "$epmoe" run --device cpu --chunk 0
+check_fails "run negative redundant experts" "--redundant-experts: must be >= 0" \
+  "$epmoe" run --device cpu --redundant-experts -3
+check_fails "run zero tolerance" "--tolerance: must be > 0" "$epmoe" run --device cpu --tolerance 0
+check_fails "run zero check tokens" "--check-tokens: must be > 0" "$epmoe" run --device cpu --check-tokens 0
+check_fails "run non-number tokens" "--tokens: must be a number" "$epmoe" run --device cpu --tokens x
+check_fails "run --json in a missing directory" "the directory of '$tmp/missing/r.json' does not exist" \
+  "$epmoe" run --device cpu --json "$tmp/missing/r.json"
+check_fails "run --json naming a directory" "exists and is not a regular file" "$epmoe" run --device cpu --json "$tmp"
+check_fails "run --trace in a missing directory" "does not exist" "$epmoe" run --device cpu --trace "$tmp/missing/t.json"
+check_fails "check negative tokens" "--tokens: must be >= 0" "$epmoe" check --tokens -1
+check_fails "bench zero tokens" "--tokens: must be > 0, got 0" "$epmoe" bench router --tokens 0,4096
+check_fails "eplb --output in a missing directory" "does not exist" \
+  "$epmoe" eplb --load "$tmp/load.json" --replicas 24 --output "$tmp/missing/p.json"
+check "run --steps 0 runs the prefill only" "$epmoe" run --device cpu --steps 0 --prompt-tokens 300 --json "$tmp/steps0.json"
+check "run --steps 0 JSON has no decode phase" python3 -c "import json,sys; d=json.load(open('$tmp/steps0.json')); sys.exit('decode' in d or 'prefill' not in d)"
 
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

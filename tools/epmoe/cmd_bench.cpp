@@ -57,10 +57,12 @@ const CommandRegistration kRegistration{
         names.push_back(suite.name);
       }
       cmd->add_option("what", options->what, help)->required()->check(CLI::IsMember(names));
-      cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)");
+      cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)")
+          ->check(writable_output());
       cmd->add_option("--tokens", options->tokens,
                       "Token counts to measure, e.g. 128,4096 (default: per suite)")
-          ->delimiter(',');
+          ->delimiter(',')
+          ->check(positive());
       cmd->add_flag("--quick", options->quick, "Fewer runs and shapes");
       cmd->add_option(
              "--quant", options->quant,

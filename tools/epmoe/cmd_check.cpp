@@ -72,14 +72,18 @@ const CommandRegistration kRegistration{
       CLI::App* cmd = app.add_subcommand(
           "check", "Run the layer and the reference on the same inputs; report both error measures");
       add_model_options(cmd, options->model);
-      cmd->add_option("--tokens", options->tokens, "Tokens per rank")->capture_default_str();
+      cmd->add_option("--tokens", options->tokens, "Tokens per rank")
+          ->check(non_negative())
+          ->capture_default_str();
       cmd->add_option("--mode", options->mode, "normal or low-latency")->capture_default_str();
       cmd->add_option("--dispatcher", options->dispatcher,
                       "Dispatcher: cpu-sim (default) or cpu-local (one rank)");
       cmd->add_option("--tolerance", options->tolerance, "Largest allowed rel_l2 and calc_diff")
+          ->check(positive())
           ->capture_default_str();
       cmd->add_flag("--exact", options->exact, "Also report the error against an f64 reference");
-      cmd->add_option("--json", options->json, "Write the results as JSON to FILE ('-' = stdout)");
+      cmd->add_option("--json", options->json, "Write the results as JSON to FILE ('-' = stdout)")
+          ->check(writable_output());
       cmd->callback([options] { run_check(*options); });
     }};
 

@@ -14,6 +14,7 @@
 #include "epmoe/eplb.hpp"
 #include "epmoe/error.hpp"
 #include "tools/epmoe/commands.hpp"
+#include "tools/epmoe/options.hpp"
 
 namespace epmoe::tools {
 namespace {
@@ -114,7 +115,8 @@ const CommandRegistration kRegisterEplb(40, [](CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--nodes", opts->nodes, "nodes")->capture_default_str();
   cmd->add_option("--gpus", opts->gpus, "GPUs in all (ranks); P must be a multiple")->capture_default_str();
-  cmd->add_option("--output", opts->output_path, "write the JSON here instead of stdout");
+  cmd->add_option("--output", opts->output_path, "write the JSON here instead of stdout")
+      ->check(writable_output());
   cmd->callback([opts] { run_eplb(*opts); });
 });
 

@@ -171,22 +171,29 @@ const CommandRegistration kRegistration{
                                          "The main job: a decode and a prefill phase on a synthetic model, "
                                          "with tokens/s, time per phase and the accuracy check");
       add_model_options(cmd, options->model);
-      cmd->add_option("--steps", options->steps, "Decode steps (default: 32 on the CPU, 1000 on GPUs)");
+      cmd->add_option("--steps", options->steps, "Decode steps (default: 32 on the CPU, 1000 on GPUs)")
+          ->check(non_negative());
       cmd->add_option(
-          "--tokens", options->tokens,
-          "Decode tokens per rank (default: CPU min(32, max_tokens_per_rank); GPU concurrency / ranks)");
+             "--tokens", options->tokens,
+             "Decode tokens per rank (default: CPU min(32, max_tokens_per_rank); GPU concurrency / ranks)")
+          ->check(non_negative());
       cmd->add_option("--concurrency", options->concurrency, "GPU: decode requests over all ranks")
+          ->check(positive())
           ->capture_default_str();
       cmd->add_option("--prompt-tokens", options->prompt_tokens, "Prefill prompt length in tokens")
+          ->check(non_negative())
           ->capture_default_str();
       cmd->add_option("--prompts", options->prompts,
-                      "GPU: prompts per rank in the prefill phase (default: concurrency / ranks)");
+                      "GPU: prompts per rank in the prefill phase (default: concurrency / ranks)")
+          ->check(positive());
       cmd->add_option("--chunk", options->chunk,
-                      "Prefill chunk size in tokens per rank (default: CPU 256, GPU 4096)");
+                      "Prefill chunk size in tokens per rank (default: CPU 256, GPU 4096)")
+          ->check(positive());
       cmd->add_flag("!--no-graphs", options->graphs,
                     "GPU: run decode eagerly instead of replaying CUDA graphs");
       cmd->add_option("--check-tokens", options->check_tokens,
                       "GPU: tokens per rank checked against the CPU reference")
+          ->check(positive())
           ->capture_default_str();
       cmd->add_flag(
           "--tbo", options->tbo,
@@ -198,8 +205,10 @@ const CommandRegistration kRegistration{
           ->capture_default_str();
       cmd->add_option("--tbo-comm-sms", options->tbo_comm_sms,
                       "GPU: SMs the overlapped GEMMs leave to communication")
+          ->check(non_negative())
           ->capture_default_str();
       cmd->add_option("--zipf", options->zipf, "GPU: Zipf-like routing skew strength (0: none)")
+          ->check(non_negative())
           ->capture_default_str();
       cmd->add_flag(
           "--rebalance", options->rebalance,
@@ -211,12 +220,16 @@ const CommandRegistration kRegistration{
           ->check(CLI::Range(-1.0, 1e9))
           ->capture_default_str();
       cmd->add_option("--trace", options->trace,
-                      "GPU: write a Chrome-trace / Perfetto timeline of one forward per phase and rank");
+                      "GPU: write a Chrome-trace / Perfetto timeline of one forward per phase and rank")
+          ->check(writable_output());
       cmd->add_option("--mode", options->mode,
                       "auto (decode low-latency, prefill normal), normal or low-latency")
           ->capture_default_str();
-      cmd->add_option("--tolerance", options->tolerance, "Accuracy check tolerance")->capture_default_str();
-      cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)");
+      cmd->add_option("--tolerance", options->tolerance, "Accuracy check tolerance")
+          ->check(positive())
+          ->capture_default_str();
+      cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)")
+          ->check(writable_output());
       cmd->callback([options] { run_main(*options); });
     }};
 

@@ -2,7 +2,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <string>
+
+#include <unistd.h>
 
 #include "epmoe/cuda/runtime.hpp"
 #include "epmoe/error.hpp"
@@ -13,20 +17,27 @@ namespace epmoe::tools {
 void add_model_options(CLI::App* cmd, ModelOptions& o) {
   cmd->add_option("--preset", o.preset,
                   "Model preset: deepseek-v3 or tiny (default: deepseek-v3 on GPUs, tiny on the CPU)");
-  cmd->add_option("--hidden", o.hidden, "Hidden size H (multiple of 128)");
-  cmd->add_option("--intermediate", o.intermediate, "Expert intermediate size I (multiple of 128)");
-  cmd->add_option("--experts", o.experts, "Routed (logical) experts E");
-  cmd->add_option("--topk", o.topk, "Experts per token K");
-  cmd->add_option("--groups", o.groups, "Expert groups for grouped top-k");
-  cmd->add_option("--topk-groups", o.topk_groups, "Groups kept per token");
+  // (-1, the "keep the preset" value of the fields, is not accepted on the command line: a negative
+  // value is refused instead of quietly meaning the default.)
+  cmd->add_option("--hidden", o.hidden, "Hidden size H (multiple of 128)")->check(positive());
+  cmd->add_option("--intermediate", o.intermediate, "Expert intermediate size I (multiple of 128)")
+      ->check(positive());
+  cmd->add_option("--experts", o.experts, "Routed (logical) experts E")->check(positive());
+  cmd->add_option("--topk", o.topk, "Experts per token K")->check(positive());
+  cmd->add_option("--groups", o.groups, "Expert groups for grouped top-k")->check(positive());
+  cmd->add_option("--topk-groups", o.topk_groups, "Groups kept per token")->check(positive());
   cmd->add_option("--scoring", o.scoring, "Router scoring: sigmoid (noaux_tc) or softmax");
-  cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (fused into one MLP)");
+  cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (fused into one MLP)")
+      ->check(non_negative());
   cmd->add_option("--ranks", o.ranks,
-                  "Expert-parallel ranks (default: the GPUs present for a GPU run, else 2)");
+                  "Expert-parallel ranks (default: the GPUs present for a GPU run, else 2)")
+      ->check(positive());
   cmd->add_option("--redundant-experts", o.redundant_experts,
-                  "Redundant expert slots R (EPLB; default: 32 on GPUs, as the seed's set-up, 0 on the CPU)");
+                  "Redundant expert slots R (EPLB; default: 32 on GPUs, as the seed's set-up, 0 on the CPU)")
+      ->check(non_negative());
   cmd->add_option("--max-tokens-per-rank", o.max_tokens_per_rank,
-                  "Low-latency buffer size in tokens per rank");
+                  "Low-latency buffer size in tokens per rank")
+      ->check(positive());
   cmd->add_option("--quant", o.quant, "Quant scheme: fp8, w4a8 or none")->capture_default_str();
   cmd->add_option("--dispatch-algorithm", o.dispatch_algorithm, "EPLB replica choice: static or dynamic")
       ->capture_default_str();
@@ -84,6 +95,48 @@ void write_text_file(const std::string& path, const std::string& text) {
   EPMOE_CHECK(out.good(), "cannot open '{}' for writing", path);
   out << text;
   EPMOE_CHECK(out.good(), "cannot write '{}'", path);
+}
+
+namespace {
+CLI::Validator number_above(double bound, bool strict, const char* name) {
+  return CLI::Validator(
+      [bound, strict](std::string& text) -> std::string {
+        double value = 0;
+        if (!CLI::detail::lexical_cast(text, value)) return "must be a number, got '" + text + "'";
+        if (strict ? value > bound : value >= bound) return {};
+        return std::string("must be ") + (strict ? "> " : ">= ") + CLI::detail::to_string(bound) + ", got " +
+               text;
+      },
+      strict ? "> 0" : ">= 0", name);
+}
+}  // namespace
+
+CLI::Validator non_negative() {
+  return number_above(0.0, false, "non_negative");
+}
+CLI::Validator positive() {
+  return number_above(0.0, true, "positive");
+}
+
+CLI::Validator writable_output() {
+  return CLI::Validator(
+      [](std::string& path) -> std::string {
+        if (path == "-") return {};
+        namespace fs = std::filesystem;
+        std::error_code ec;
+        const fs::path p(path);
+        if (p.filename().empty()) return "'" + path + "' names a directory, not a file";
+        if (fs::exists(p, ec)) {
+          if (!fs::is_regular_file(p, ec)) return "'" + path + "' exists and is not a regular file";
+          if (::access(path.c_str(), W_OK) != 0) return "'" + path + "' is not writable";
+          return {};
+        }
+        const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+        if (!fs::is_directory(dir, ec)) return "the directory of '" + path + "' does not exist";
+        if (::access(dir.c_str(), W_OK | X_OK) != 0) return "the directory of '" + path + "' is not writable";
+        return {};
+      },
+      "FILE (writable)", "writable_output");
 }
 
 }  // namespace epmoe::tools

@@ -34,4 +34,13 @@ int resolve_ranks(const ModelOptions& options, Device device);
 // Writes `text` to `path` ("-" = stdout), throwing epmoe::Error when it cannot.
 void write_text_file(const std::string& path, const std::string& text);
 
+// CLI validators of numbers: >= 0 and > 0, with a message that names the bound ("must be >= 0, got -3").
+CLI::Validator non_negative();
+CLI::Validator positive();
+
+// CLI validator of an output file, checked when the command line is parsed rather than when a long run
+// ends: "-", or a path whose directory exists and is writable and which, if it exists, is a writable
+// regular file.
+CLI::Validator writable_output();
+
 }  // namespace epmoe::tools
