@@ -156,6 +156,13 @@ check_fails "eplb --output in a missing directory" "does not exist" \
   "$epmoe" eplb --load "$tmp/load.json" --replicas 24 --output "$tmp/missing/p.json"
 check "run --steps 0 runs the prefill only" "$epmoe" run --device cpu --steps 0 --prompt-tokens 300 --json "$tmp/steps0.json"
 check "run --steps 0 JSON has no decode phase" python3 -c "import json,sys; d=json.load(open('$tmp/steps0.json')); sys.exit('decode' in d or 'prefill' not in d)"
+# --json -: stdout is the JSON document alone (the report goes to stderr).
+check "run --json - runs" "$epmoe" run --device cpu --steps 2 --prompt-tokens 100 --json -
+cp "$tmp/stdout" "$tmp/run_stdout.json"
+check "run --json - leaves only JSON on stdout" python3 -c "import json; d=json.load(open('$tmp/run_stdout.json')); assert d['pass'] is True and 'decode' in d"
+check "check --json - runs" "$epmoe" check --json -
+cp "$tmp/stdout" "$tmp/check_stdout.json"
+check "check --json - leaves only JSON on stdout" python3 -c "import json; d=json.load(open('$tmp/check_stdout.json')); assert 'mirror' in d"
 
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

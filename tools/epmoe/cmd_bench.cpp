@@ -22,6 +22,7 @@ struct BenchOptions {
 };
 
 void run_bench(const BenchOptions& o) {
+  reserve_stdout_for_json(o.json);
   EPMOE_CHECK(cuda::device_count() > 0, "epmoe bench needs a CUDA GPU, and none is visible here ({})",
               cuda::device_description());
   for (const std::int64_t t : o.tokens)

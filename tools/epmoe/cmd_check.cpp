@@ -20,6 +20,7 @@ struct CheckOptions {
 };
 
 void run_check(const CheckOptions& o) {
+  reserve_stdout_for_json(o.json);
   const MoeConfig config = build_config(o.model);
   LayerOptions lo;
   lo.mode = parse_mode(o.mode);

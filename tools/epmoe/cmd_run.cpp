@@ -108,6 +108,7 @@ void run_main(const RunOptions& o) {
     run_gpu_main(o);
     return;
   }
+  reserve_stdout_for_json(o.json);
   const MoeConfig config = build_config(o.model, device);
   const int steps = o.steps >= 0 ? o.steps : 32;
   EPMOE_CHECK(o.prompt_tokens >= 0, "prompt-tokens must be >= 0, got {}", o.prompt_tokens);

@@ -86,9 +86,25 @@ Device resolve_device(const std::string& device, bool gpu_path) {
   EPMOE_FAIL("device must be 'auto', 'cpu' or 'gpu', got '{}'", device);
 }
 
+namespace {
+std::FILE* g_json_out = nullptr;  // the original stdout once reserve_stdout_for_json moved the report
+}  // namespace
+
+void reserve_stdout_for_json(const std::string& path) {
+  if (path != "-" || g_json_out != nullptr) return;
+  std::fflush(stdout);
+  const int fd = ::dup(STDOUT_FILENO);
+  EPMOE_CHECK(fd >= 0, "--json -: cannot duplicate stdout");
+  g_json_out = ::fdopen(fd, "w");
+  EPMOE_CHECK(g_json_out != nullptr, "--json -: cannot open the duplicated stdout");
+  EPMOE_CHECK(::dup2(STDERR_FILENO, STDOUT_FILENO) >= 0, "--json -: cannot send the report to stderr");
+}
+
 void write_text_file(const std::string& path, const std::string& text) {
   if (path == "-") {
-    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::FILE* out = g_json_out != nullptr ? g_json_out : stdout;
+    std::fwrite(text.data(), 1, text.size(), out);
+    EPMOE_CHECK(std::fflush(out) == 0, "cannot write the JSON to stdout");
     return;
   }
   std::ofstream out(path);

@@ -33,6 +33,10 @@ int resolve_ranks(const ModelOptions& options, Device device);
 
 // Writes `text` to `path` ("-" = stdout), throwing epmoe::Error when it cannot.
 void write_text_file(const std::string& path, const std::string& text);
+// For `--json -`: keeps the process's stdout for the JSON (write_text_file("-")) and sends everything
+// else printed to stdout from now on (the human-readable report) to stderr, so that stdout is one JSON
+// document a script can read. Does nothing for any other path; call before the command prints.
+void reserve_stdout_for_json(const std::string& path);
 
 // CLI validators of numbers: >= 0 and > 0, with a message that names the bound ("must be >= 0, got -3").
 CLI::Validator non_negative();

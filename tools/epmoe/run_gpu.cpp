@@ -440,6 +440,7 @@ std::future<std::shared_ptr<SyntheticWeights>> start_host_weights(const RunOptio
 
 void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Communicator> comm,
               std::future<std::shared_ptr<SyntheticWeights>> host_weights) {
+  reserve_stdout_for_json(o.json);
   const int rank = comm ? comm->rank() : 0;
   const int ranks = config.num_ranks;
   const int device = comm ? comm->device() : 0;
@@ -630,6 +631,16 @@ void run_gpu_main(const RunOptions& o) {
     lo.num_ranks = config.num_ranks;
     lo.command = program_args();
     lo.command.at(0) = self_executable();
+    if (o.json == "-") {
+      // The ranks keep stdout for rank 0's JSON (their reports go to stderr): pass it on unprefixed.
+      lo.on_line = [](int rank, bool is_stderr, std::string_view line) {
+        const std::string s =
+            is_stderr ? fmt::format("[rank {}] {}\n", rank, line) : fmt::format("{}\n", line);
+        std::FILE* f = is_stderr ? stderr : stdout;
+        std::fwrite(s.data(), 1, s.size(), f);
+        std::fflush(f);
+      };
+    }
     const LaunchResult r = launch_ranks(lo);
     set_exit_code(r.exit_code);
     return;
