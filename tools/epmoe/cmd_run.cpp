@@ -109,6 +109,12 @@ void run_main(const RunOptions& o) {
     return;
   }
   reserve_stdout_for_json(o.json);
+  if (!o.gpu_options_given.empty()) {
+    std::string names;
+    for (const std::string& n : o.gpu_options_given) names += (names.empty() ? "" : ", ") + n;
+    std::fprintf(stderr, "epmoe run: this run is on the CPU; GPU options have no effect here: %s\n",
+                 names.c_str());
+  }
   const MoeConfig config = build_config(o.model, device);
   const int steps = o.steps >= 0 ? o.steps : 32;
   EPMOE_CHECK(o.prompt_tokens >= 0, "prompt-tokens must be >= 0, got {}", o.prompt_tokens);
@@ -231,7 +237,13 @@ const CommandRegistration kRegistration{
           ->capture_default_str();
       cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)")
           ->check(writable_output());
-      cmd->callback([options] { run_main(*options); });
+      cmd->callback([options, cmd] {
+        for (const char* name :
+             {"--concurrency", "--prompts", "--no-graphs", "--check-tokens", "--tbo", "--shared-stream",
+              "--tbo-comm-sms", "--zipf", "--rebalance", "--eplb-slot-cost", "--trace"})
+          if (cmd->count(name) > 0) options->gpu_options_given.emplace_back(name);
+        run_main(*options);
+      });
     }};
 
 }  // namespace

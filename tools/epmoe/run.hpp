@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "tools/epmoe/options.hpp"
 
@@ -30,6 +31,8 @@ struct RunOptions {
   bool rebalance = false;              // GPU: EPLB rebalance after the decode loop, then the loop again
   double eplb_slot_cost = -1;  // GPU: GpuMoeLayer::rebalance's slot_cost_tokens (-1: the layer's estimate)
   std::string trace;           // GPU: Chrome-trace / Perfetto JSON of one forward per phase and rank
+  std::vector<std::string>
+      gpu_options_given;  // the GPU-only options on the command line (for a CPU run's note)
 };
 
 // Progress of a phase on stderr, at most once a second (or when forced), so long runs show they are
