@@ -151,6 +151,8 @@ check_fails "run --json in a missing directory" "the directory of '$tmp/missing/
 check_fails "run --json naming a directory" "exists and is not a regular file" "$epmoe" run --device cpu --json "$tmp"
 check_fails "run --trace in a missing directory" "does not exist" "$epmoe" run --device cpu --trace "$tmp/missing/t.json"
 check_fails "check negative tokens" "--tokens: must be >= 0" "$epmoe" check --tokens -1
+check_fails "run unknown mode lists auto" "not in \{auto,normal,low-latency\}" "$epmoe" run --device cpu --mode nope
+check_fails "run negative seed" "--seed: must be >= 0" "$epmoe" run --device cpu --seed -1
 check_fails "bench zero tokens" "--tokens: must be > 0, got 0" "$epmoe" bench router --tokens 0,4096
 check_fails "eplb --output in a missing directory" "does not exist" \
   "$epmoe" eplb --load "$tmp/load.json" --replicas 24 --output "$tmp/missing/p.json"

@@ -76,7 +76,9 @@ const CommandRegistration kRegistration{
       cmd->add_option("--tokens", options->tokens, "Tokens per rank")
           ->check(non_negative())
           ->capture_default_str();
-      cmd->add_option("--mode", options->mode, "normal or low-latency")->capture_default_str();
+      cmd->add_option("--mode", options->mode, "normal or low-latency")
+          ->check(CLI::IsMember({"normal", "low-latency"}))
+          ->capture_default_str();
       cmd->add_option("--dispatcher", options->dispatcher,
                       "Dispatcher: cpu-sim (default) or cpu-local (one rank)");
       cmd->add_option("--tolerance", options->tolerance, "Largest allowed rel_l2 and calc_diff")

@@ -231,6 +231,7 @@ const CommandRegistration kRegistration{
           ->check(writable_output());
       cmd->add_option("--mode", options->mode,
                       "auto (decode low-latency, prefill normal), normal or low-latency")
+          ->check(CLI::IsMember({"auto", "normal", "low-latency"}))
           ->capture_default_str();
       cmd->add_option("--tolerance", options->tolerance, "Accuracy check tolerance")
           ->check(positive())

@@ -42,7 +42,9 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
   cmd->add_option("--dispatch-algorithm", o.dispatch_algorithm, "EPLB replica choice: static or dynamic")
       ->capture_default_str();
   cmd->add_flag("--pow2-scales", o.pow2_scales, "Round FP8 activation scales to powers of two (UE8M0)");
-  cmd->add_option("--seed", o.seed, "Seed of the synthetic model and inputs")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed of the synthetic model and inputs")
+      ->check(non_negative())
+      ->capture_default_str();
   cmd->add_option("--device", o.device, "auto, cpu or gpu")->capture_default_str();
 }
 
