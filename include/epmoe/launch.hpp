@@ -40,8 +40,10 @@ struct LaunchOptions {
   // local rank.
   bool one_gpu_per_rank = true;
   // Each complete line a rank prints (without its newline), stdout or stderr. Default: written to
-  // the launcher's stdout / stderr as "[rank r] line".
+  // the launcher's stdout / stderr as "[rank r] line" (stdout lines without the prefix when
+  // !prefix_stdout: a rank's stdout that is a JSON document, `epmoe run --json -`).
   std::function<void(int rank, bool is_stderr, std::string_view line)> on_line;
+  bool prefix_stdout = true;
   // The launcher's own messages. Default: "[launch] message" on stderr.
   std::function<void(std::string_view message)> on_note;
   // Set (e.g. from a SIGINT handler) to stop every rank and return.

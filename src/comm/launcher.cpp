@@ -83,8 +83,9 @@ class Launcher {
  public:
   explicit Launcher(const LaunchOptions& o) : o_(o) {
     if (!o_.on_line) {
-      o_.on_line = [](int rank, bool is_stderr, std::string_view line) {
-        std::string s = fmt::format("[rank {}] {}\n", rank, line);
+      o_.on_line = [prefix_stdout = o_.prefix_stdout](int rank, bool is_stderr, std::string_view line) {
+        std::string s = is_stderr || prefix_stdout ? fmt::format("[rank {}] {}\n", rank, line)
+                                                   : fmt::format("{}\n", line);
         std::FILE* f = is_stderr ? stderr : stdout;
         std::fwrite(s.data(), 1, s.size(), f);
         std::fflush(f);

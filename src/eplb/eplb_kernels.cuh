@@ -5,9 +5,9 @@
 // depends only on the expert, so each block first tabulates it for every expert in shared memory;
 // dynamic choice hashes (src_rank, token, k) per element, from per-block tables of each expert's
 // replica count and first replica (only experts with several replicas read their log2phy row per
-// element). Both go through eplb::choose_replica, the
-// function ExpertPlacement::choose uses. The counters are a per-block shared-memory histogram
-// (shared atomics), added to the global i64 counters once per non-empty bin at the end of the block.
+// element). Both go through eplb::choose_replica, the function ExpertPlacement::choose uses. The
+// counters are a per-block shared-memory histogram (shared atomics), added to the global i64 counters
+// once per non-empty bin at the end of the block.
 #pragma once
 
 #include <cstdint>
@@ -35,11 +35,10 @@ struct EplbParams {
   int topk_shift;              // log2(K) when K is a power of two (t = index >> shift), else -1
 };
 
-// The physical slot of logical expert e for element `index` (= t * K + k), or -1 when e's replica
-// count is out of range.
+// The physical slot of logical expert e (with `count` replicas, its logcnt entry) for element `index`
+// (= t * K + k), or -1 when the count is out of range.
 template <bool kDynamic>
-__device__ __forceinline__ std::int32_t choose(const EplbParams& p, int e, std::uint32_t index) {
-  const int count = __ldg(p.logcnt + e);
+__device__ __forceinline__ std::int32_t choose(const EplbParams& p, int e, int count, std::uint32_t index) {
   if (count < 1 || count > p.max_replicas) return -1;
   const std::int32_t* replicas = p.log2phy + static_cast<std::int64_t>(e) * p.max_replicas;
   std::int64_t token = 0;
@@ -83,7 +82,7 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
       table[x] = valid ? count : 0;
       first[x] = valid ? __ldg(p.log2phy + static_cast<std::int64_t>(x) * p.max_replicas) : -1;
     } else {
-      table[x] = choose<false>(p, x, 0);
+      table[x] = choose<false>(p, x, __ldg(p.logcnt + x), 0);
     }
     if constexpr (kCount) hist[x] = 0u;
   }
@@ -97,9 +96,10 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
       std::int32_t physical = -1;
       if (e[u] >= 0 && e[u] < p.num_logical) {
         if constexpr (kDynamic) {
-          // Only experts with replicas read their log2phy row (eplb::choose_replica, as the host).
+          // Only experts with replicas read their log2phy row (eplb::choose_replica, as the host); the
+          // count comes from the block's table, not from logcnt again.
           const int count = table[e[u]];
-          physical = count <= 1 ? first[e[u]] : choose<true>(p, e[u], i);
+          physical = count <= 1 ? first[e[u]] : choose<true>(p, e[u], count, i);
         } else {
           physical = table[e[u]];
         }

@@ -117,7 +117,6 @@ void run_main(const RunOptions& o) {
   }
   const MoeConfig config = build_config(o.model, device);
   const int steps = o.steps >= 0 ? o.steps : 32;
-  EPMOE_CHECK(o.prompt_tokens >= 0, "prompt-tokens must be >= 0, got {}", o.prompt_tokens);
   EPMOE_CHECK(steps > 0 || o.prompt_tokens > 0, "nothing to run: steps and prompt-tokens are both 0");
   const std::int64_t decode_tokens =
       o.tokens >= 0 ? o.tokens : std::min<std::int64_t>(32, config.max_tokens_per_rank);

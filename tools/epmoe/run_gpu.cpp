@@ -631,16 +631,9 @@ void run_gpu_main(const RunOptions& o) {
     lo.num_ranks = config.num_ranks;
     lo.command = program_args();
     lo.command.at(0) = self_executable();
-    if (o.json == "-") {
-      // The ranks keep stdout for rank 0's JSON (their reports go to stderr): pass it on unprefixed.
-      lo.on_line = [](int rank, bool is_stderr, std::string_view line) {
-        const std::string s =
-            is_stderr ? fmt::format("[rank {}] {}\n", rank, line) : fmt::format("{}\n", line);
-        std::FILE* f = is_stderr ? stderr : stdout;
-        std::fwrite(s.data(), 1, s.size(), f);
-        std::fflush(f);
-      };
-    }
+    // With --json - the ranks keep stdout for rank 0's JSON (their reports go to stderr): passed on
+    // unprefixed.
+    lo.prefix_stdout = o.json != "-";
     const LaunchResult r = launch_ranks(lo);
     set_exit_code(r.exit_code);
     return;
