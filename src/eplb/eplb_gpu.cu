@@ -56,17 +56,18 @@ void launch(const kernels::EplbParams& p, cudaStream_t stream) {
   const EplbShape& shape = eplb_shape();
   static const int blocks_per_sm = [&] {
     int b = 0;
-    // Occupancy at the most shared memory a block can ask for (3 * kMaxMappedExperts * 4 bytes = 48 KiB).
+    // Occupancy at the most shared memory a block can ask for (kEplbSmemInts * 4 bytes = 48 KiB).
     EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &b, kernel, static_cast<int>(shape.threads), 3 * kMaxMappedExperts * sizeof(int)));
+        &b, kernel, static_cast<int>(shape.threads), kernels::kEplbSmemInts * sizeof(int)));
     return std::max(b, 1);
   }();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
   const std::uint64_t per_block = shape.threads * shape.ids;
   const auto grid =
       static_cast<unsigned>(std::clamp<std::uint64_t>((p.n + per_block - 1) / per_block, 1, resident));
-  const std::size_t smem = static_cast<std::size_t>(p.num_logical) * sizeof(int) *
-                           static_cast<std::size_t>((kDynamic ? 2 : 1) + (kCount ? 1 : 0));
+  const std::size_t smem =
+      static_cast<std::size_t>(kernels::eplb_smem_ints(p.num_logical, p.max_replicas, p.rows_in_smem)) *
+      sizeof(int);
   kernel<<<grid, shape.threads, smem, stream>>>(p);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
@@ -88,6 +89,14 @@ DevicePlacement to_device(const ExpertPlacement& placement, cudaStream_t stream)
   copy_to_device(d.logcnt, TensorView::contiguous(logcnt, DType::i32, {e}), stream);
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // the host tables may go away after we return
   return d;
+}
+
+std::vector<std::int64_t> sum_count_rows(std::span<const std::int64_t> counts, std::int64_t num_logical) {
+  EPMOE_CHECK(num_logical >= 1 && counts.size() % static_cast<std::size_t>(num_logical) == 0,
+              "sum_count_rows: {} counters are not whole rows of {} experts", counts.size(), num_logical);
+  std::vector<std::int64_t> sum(static_cast<std::size_t>(num_logical), 0);
+  for (std::size_t i = 0; i < counts.size(); ++i) sum[i % sum.size()] += counts[i];
+  return sum;
 }
 
 void map_to_physical(const PlacementView& placement, TensorView logical_ids, TensorView physical_ids,
@@ -124,10 +133,17 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   expect_device_i32(physical_ids, "physical_ids");
   expect_shape(physical_ids, {tokens, topk}, "physical_ids");
   const bool count = !expert_counts.empty_view();
+  std::int64_t count_rows = 1;
   if (count) {
     expect_device(expert_counts, Device::cuda, "expert_counts");
     expect_dtype(expert_counts, DType::i64, "expert_counts");
-    expect_shape(expert_counts, {num_logical}, "expert_counts");
+    EPMOE_CHECK((expert_counts.rank == 1 || expert_counts.rank == 2) &&
+                    expert_counts.shape[expert_counts.rank - 1] == num_logical,
+                "expert_counts must be [{}] or [rows, {}] (one counter per logical expert), got {}",
+                num_logical, num_logical, expert_counts.describe());
+    if (expert_counts.rank == 2) count_rows = expert_counts.shape[0];
+    EPMOE_CHECK(count_rows >= 1 && count_rows <= kMaxExpertCountRows,
+                "expert_counts: rows must be in [1, {}], got {}", kMaxExpertCountRows, count_rows);
     expect_contiguous(expert_counts, "expert_counts");
     EPMOE_CHECK(expert_counts.data != nullptr, "expert_counts has no data");
   }
@@ -151,7 +167,10 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   p.slots_per_rank = placement.slots_per_rank;
   p.token_offset = token_offset;
   p.counts = count ? static_cast<unsigned long long*>(expert_counts.data) : nullptr;
+  p.count_rows = static_cast<int>(count_rows);
   p.topk_shift = (topk & (topk - 1)) == 0 ? std::countr_zero(static_cast<std::uint64_t>(topk)) : -1;
+  p.rows_in_smem = num_logical * max_replicas <= kernels::kEplbSmemInts &&
+                   kernels::eplb_smem_ints(p.num_logical, p.max_replicas, true) <= kernels::kEplbSmemInts;
   const bool dynamic = algorithm == DispatchAlgorithm::dynamic_choice;
   if (dynamic) {
     count ? launch<true, true>(p, stream) : launch<true, false>(p, stream);

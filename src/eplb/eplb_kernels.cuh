@@ -1,13 +1,18 @@
 // EPLB mapping kernel (device code; host launcher in eplb_gpu.cu, API in epmoe/cuda/eplb.hpp).
 //
 // The [T, K] ids are one flat array of n = T*K elements; each thread takes kEplbItems elements
-// (coalesced: element base + u * stride), issuing all their loads before using any. Static choice
-// depends only on the expert, so each block first tabulates it for every expert in shared memory;
-// dynamic choice hashes (src_rank, token, k) per element, from per-block tables of each expert's
-// replica count and first replica (only experts with several replicas read their log2phy row per
-// element). Both go through eplb::choose_replica, the function ExpertPlacement::choose uses. The
-// counters are a per-block shared-memory histogram (shared atomics), added to the global i64 counters
-// once per non-empty bin at the end of the block.
+// (coalesced: element base + u * stride), issuing all their loads before using any. At the sizes the
+// layer uses (one pass, ~1 MB of ids) the kernel is a chain of latencies, not bandwidth, so:
+//  - each block copies the placement (logcnt and, when they fit, the log2phy rows) into shared memory
+//    with one round of independent loads, issued after the first pass's ids so both latencies overlap;
+//    static choice then tabulates each expert's slot from those rows (no serial global loads);
+//  - dynamic choice hashes (src_rank, token, k) per element with the token-independent half of the hash
+//    tabulated per k (eplb::replica_hash_high), and picks from the shared rows;
+//  - each pass computes all its choices before its stores (so no load waits behind a store that might
+//    alias it);
+//  - the counters are a per-block shared-memory histogram, flushed into row (block % rows) of the
+//    [rows, E] global counters: fewer blocks add into one address (same-address atomics serialize).
+// Both choices go through eplb::choose_replica's pieces, as ExpertPlacement::choose, bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +23,8 @@ namespace epmoe::kernels {
 
 inline constexpr int kEplbMaxThreads = 1024;  // block size: 256, 512 or 1024 (the launcher's choice)
 inline constexpr int kEplbItems = 8;          // elements per thread per pass
+inline constexpr int kEplbHashK = 32;         // k < kEplbHashK take the hash's high half from the table
+inline constexpr int kEplbSmemInts = 12288;   // 48 KiB of shared memory at most
 
 struct EplbParams {
   const std::int32_t* logical;  // [n]
@@ -31,35 +38,30 @@ struct EplbParams {
   int src_rank;
   int slots_per_rank;
   std::int64_t token_offset;
-  unsigned long long* counts;  // [E] or nullptr (kCount == false)
-  int topk_shift;              // log2(K) when K is a power of two (t = index >> shift), else -1
+  unsigned long long* counts;  // [count_rows, E] or nullptr (kCount == false)
+  int count_rows;
+  int topk_shift;     // log2(K) when K is a power of two (t = index >> shift), else -1
+  bool rows_in_smem;  // the log2phy rows fit in shared memory beside the other tables
 };
 
-// The physical slot of logical expert e (with `count` replicas, its logcnt entry) for element `index`
-// (= t * K + k), or -1 when the count is out of range.
-template <bool kDynamic>
-__device__ __forceinline__ std::int32_t choose(const EplbParams& p, int e, int count, std::uint32_t index) {
-  if (count < 1 || count > p.max_replicas) return -1;
-  const std::int32_t* replicas = p.log2phy + static_cast<std::int64_t>(e) * p.max_replicas;
-  std::int64_t token = 0;
-  int k = 0;
-  if constexpr (kDynamic) {
-    const std::uint32_t t = p.topk_shift >= 0 ? index >> p.topk_shift : index / p.topk;
-    token = p.token_offset + t;
-    k = static_cast<int>(index - t * p.topk);
-  }
-  return eplb::choose_replica(replicas, count, p.src_rank, p.slots_per_rank, token, k, kDynamic);
+// Shared-memory ints the kernel needs (the launcher's size; rows_in_smem decides the third term).
+__host__ __device__ constexpr int eplb_smem_ints(int num_logical, int max_replicas, bool rows_in_smem) {
+  return 2 * num_logical + kEplbHashK + (rows_in_smem ? num_logical * max_replicas : 0);
 }
 
 template <bool kDynamic, bool kCount>
 __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbParams p) {
   const int threads = static_cast<int>(blockDim.x);
-  // [E] static choice (static) or replica count, 0 when out of range (dynamic); [E] first replica
-  // (dynamic); [E] histogram (kCount).
+  const int num_logical = p.num_logical;
+  const int max_replicas = p.max_replicas;
+  // [E] replica count, 0 when out of range (dynamic) / static choice; [E] histogram; [kEplbHashK]
+  // the hash's high half per k (dynamic); [E, max_replicas] the log2phy rows (rows_in_smem).
   extern __shared__ std::int32_t smem[];
   std::int32_t* const table = smem;
-  std::int32_t* const first = smem + p.num_logical;
-  unsigned* const hist = reinterpret_cast<unsigned*>(smem + p.num_logical * (kDynamic ? 2 : 1));
+  unsigned* const hist = reinterpret_cast<unsigned*>(smem + num_logical);
+  std::uint32_t* const khigh = reinterpret_cast<std::uint32_t*>(smem + 2 * num_logical);
+  std::int32_t* const smem_rows = smem + 2 * num_logical + kEplbHashK;
+  const std::int32_t* const rows = p.rows_in_smem ? smem_rows : p.log2phy;
 
   const std::uint32_t stride = gridDim.x * static_cast<std::uint32_t>(threads);
   int e[kEplbItems];
@@ -70,51 +72,82 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
       e[u] = i < p.n ? __ldg(p.logical + i) : -1;
     }
   };
-  // The first pass's ids are requested before the tables are built, so that their latency overlaps
-  // the tables' (two dependent loads per expert): at the sizes the layer uses (one pass) the kernel
-  // is a chain of such latencies, not bandwidth.
   std::uint32_t base = blockIdx.x * static_cast<std::uint32_t>(threads) + threadIdx.x;
   load(base);
-  for (int x = static_cast<int>(threadIdx.x); x < p.num_logical; x += threads) {
-    if constexpr (kDynamic) {
-      const int count = __ldg(p.logcnt + x);
-      const bool valid = count >= 1 && count <= p.max_replicas;
-      table[x] = valid ? count : 0;
-      first[x] = valid ? __ldg(p.log2phy + static_cast<std::int64_t>(x) * p.max_replicas) : -1;
-    } else {
-      table[x] = choose<false>(p, x, __ldg(p.logcnt + x), 0);
-    }
+
+  // The tables: independent loads only (counts, rows), then what derives from them after a barrier.
+  for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
+    const int count = __ldg(p.logcnt + x);
+    table[x] = count >= 1 && count <= max_replicas ? count : 0;
     if constexpr (kCount) hist[x] = 0u;
   }
+  if (p.rows_in_smem) {
+    for (int x = static_cast<int>(threadIdx.x); x < num_logical * max_replicas; x += threads)
+      smem_rows[x] = __ldg(p.log2phy + x);
+  }
+  const auto token_high = static_cast<std::uint32_t>(static_cast<std::uint64_t>(p.token_offset) >> 32);
+  if constexpr (kDynamic) {
+    if (threadIdx.x < kEplbHashK)
+      khigh[threadIdx.x] = eplb::replica_hash_high(p.src_rank, token_high, static_cast<int>(threadIdx.x));
+  }
   __syncthreads();
+  if constexpr (!kDynamic) {
+    // table[x]: the replica count -> the slot every element of expert x maps to (-1 when out of range).
+    for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
+      const int count = table[x];
+      table[x] = count == 0 ? -1
+                            : eplb::choose_replica(rows + static_cast<std::int64_t>(x) * max_replicas, count,
+                                                   p.src_rank, p.slots_per_rank, 0, 0, false);
+    }
+    __syncthreads();
+  }
 
   for (; base < p.n; base += stride * kEplbItems) {
+    std::int32_t physical[kEplbItems];
 #pragma unroll
     for (int u = 0; u < kEplbItems; ++u) {
       const std::uint32_t i = base + u * stride;
-      if (i >= p.n) continue;  // (not break: the items' chains may then overlap)
-      std::int32_t physical = -1;
-      if (e[u] >= 0 && e[u] < p.num_logical) {
-        if constexpr (kDynamic) {
-          // Only experts with replicas read their log2phy row (eplb::choose_replica, as the host); the
-          // count comes from the block's table, not from logcnt again.
-          const int count = table[e[u]];
-          physical = count <= 1 ? first[e[u]] : choose<true>(p, e[u], count, i);
-        } else {
-          physical = table[e[u]];
+      physical[u] = -1;
+      if (i >= p.n || e[u] < 0 || e[u] >= num_logical) continue;
+      if constexpr (kDynamic) {
+        const int count = table[e[u]];
+        if (count != 0) {
+          int index = 0;
+          if (count > 1) {
+            const std::uint32_t t = p.topk_shift >= 0 ? i >> p.topk_shift : i / p.topk;
+            const int k = static_cast<int>(i - t * p.topk);
+            const auto token = static_cast<std::uint64_t>(p.token_offset) + t;
+            const auto high_word = static_cast<std::uint32_t>(token >> 32);
+            const std::uint32_t high = high_word == token_high && k < kEplbHashK
+                                           ? khigh[k]
+                                           : eplb::replica_hash_high(p.src_rank, high_word, k);
+            index = eplb::replica_index(eplb::replica_hash_finish(high, static_cast<std::uint32_t>(token)),
+                                        count);
+          }
+          physical[u] = rows[static_cast<std::int64_t>(e[u]) * max_replicas + index];
         }
-        if constexpr (kCount) atomicAdd(hist + e[u], 1u);
+      } else {
+        physical[u] = table[e[u]];
       }
-      p.physical[i] = physical;
+      if constexpr (kCount) atomicAdd(hist + e[u], 1u);
     }
+    // The next pass's ids are requested before this pass's stores.
+    const std::uint32_t this_base = base;
     if (base + stride * kEplbItems < p.n) load(base + stride * kEplbItems);
+#pragma unroll
+    for (int u = 0; u < kEplbItems; ++u) {
+      const std::uint32_t i = this_base + u * stride;
+      if (i < p.n) p.physical[i] = physical[u];
+    }
   }
 
   if constexpr (kCount) {
     __syncthreads();
-    for (int x = static_cast<int>(threadIdx.x); x < p.num_logical; x += threads) {
+    unsigned long long* const row =
+        p.counts + static_cast<std::int64_t>(blockIdx.x % static_cast<unsigned>(p.count_rows)) * num_logical;
+    for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
       const unsigned c = hist[x];
-      if (c != 0u) atomicAdd(p.counts + x, static_cast<unsigned long long>(c));
+      if (c != 0u) atomicAdd(row + x, static_cast<unsigned long long>(c));
     }
   }
 }

@@ -21,13 +21,26 @@ EPMOE_HD constexpr std::uint32_t mix32(std::uint32_t x) {
 
 // Hash of one (src_rank, token, k), in 32-bit operations (a 64-bit multiply is three or four GPU
 // instructions, and the mapping kernel's dynamic choice is bound by this chain): the token's high word
-// with rank and k mixed, then the token's low word (spread by an odd multiplier) with that.
+// with rank and k mixed (replica_hash_high: the same for every token of a launch whose high word does
+// not change, so the GPU kernel tabulates it per k), then the token's low word (spread by an odd
+// multiplier) with that (replica_hash_finish).
+EPMOE_HD constexpr std::uint32_t replica_hash_high(int src_rank, std::uint32_t token_high, int k) {
+  return mix32(token_high ^ (static_cast<std::uint32_t>(src_rank) * 0x01000193u) ^
+               (static_cast<std::uint32_t>(k) * 0x27d4eb2fu));
+}
+EPMOE_HD constexpr std::uint32_t replica_hash_finish(std::uint32_t high, std::uint32_t token_low) {
+  return mix32((token_low * 0x9e3779b9u) ^ high);
+}
 EPMOE_HD constexpr std::uint32_t replica_hash(int src_rank, std::int64_t token, int k) {
   const auto t = static_cast<std::uint64_t>(token);
-  const std::uint32_t rk = static_cast<std::uint32_t>(t >> 32) ^
-                           (static_cast<std::uint32_t>(src_rank) * 0x01000193u) ^
-                           (static_cast<std::uint32_t>(k) * 0x27d4eb2fu);
-  return mix32((static_cast<std::uint32_t>(t) * 0x9e3779b9u) ^ mix32(rk));
+  return replica_hash_finish(replica_hash_high(src_rank, static_cast<std::uint32_t>(t >> 32), k),
+                             static_cast<std::uint32_t>(t));
+}
+
+// The index in [0, count) of the replica that hash h picks (multiply-shift range reduction: as uniform
+// as a modulo, without a division).
+EPMOE_HD constexpr int replica_index(std::uint32_t h, int count) {
+  return static_cast<int>((static_cast<std::uint64_t>(h) * static_cast<std::uint32_t>(count)) >> 32);
 }
 
 // The replica of one logical expert that (src_rank, token, k) uses.
@@ -47,8 +60,7 @@ EPMOE_HD constexpr std::int32_t choose_replica(const std::int32_t* replicas, int
     }
     return replicas[src_rank % count];
   }
-  const std::uint64_t h = replica_hash(src_rank, token, k);
-  return replicas[(h * static_cast<std::uint32_t>(count)) >> 32];
+  return replicas[replica_index(replica_hash(src_rank, token, k), count)];
 }
 
 }  // namespace epmoe::eplb

@@ -4,11 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <ostream>
 #include <random>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -47,6 +49,8 @@ PlacementCase setup_named(const std::string& name) {
   if (name == "ds_ep8_r32") return {ExpertPlacement::initial(256, 288, 8), 8};  // experts 0..31 twice
   if (name == "ds_ep8_no_redundancy") return {ExpertPlacement::initial(256, 256, 8), 8};  // one replica each
   if (name == "tiny_ep4") return {ExpertPlacement::initial(16, 20, 4), 4};
+  // Too many log2phy entries for the kernel's shared memory: rows read from global memory.
+  if (name == "wide_e4096") return {ExpertPlacement::initial(4096, 5120, 8), 8};
   // A rebalanced placement under a skewed load: hot experts with many replicas, spread over ranks.
   std::vector<double> load(256);
   std::mt19937_64 rng(7);
@@ -106,13 +110,25 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
 
   cuda::Stream stream;
   const cuda::DevicePlacement dpl = cuda::to_device(pl, stream);
-  const cuda::DeviceTensor counts(DType::i64, {e_count});
+  // Counters as [E] or as rows [R, E] (each block adds into one row; the count is the column sum).
+  const std::int64_t count_rows = std::array<std::int64_t, 3>{1, 3, cuda::kExpertCountRows}[tokens % 3];
+  SCOPED_TRACE("count rows " + std::to_string(count_rows));
+  const cuda::DeviceTensor counts = count_rows == 1 ? cuda::DeviceTensor(DType::i64, {e_count})
+                                                    : cuda::DeviceTensor(DType::i64, {count_rows, e_count});
   EPMOE_CUDA_CHECK(cudaMemsetAsync(counts.data<std::int64_t>(), 0, counts.nbytes(), stream));
   std::vector<std::int64_t> want_counts(static_cast<std::size_t>(e_count), 0);
+  auto column_sums = [&] {
+    const HostTensor h = cuda::to_host(counts, stream);
+    return cuda::sum_count_rows(std::span(h.data<std::int64_t>(), static_cast<std::size_t>(h.numel())),
+                                e_count);
+  };
 
-  for (int call = 0; call < 2; ++call) {  // the counters accumulate across calls
+  for (int call = 0; call < 3; ++call) {  // the counters accumulate across calls
     const int src_rank = rank_dist(rng);
-    const std::int64_t token_offset = call == 0 ? 0 : offset_dist(rng);
+    // Call 2's tokens cross a multiple of 2^32 (the hash's high word changes inside the launch).
+    const std::int64_t token_offset = call == 0   ? 0
+                                      : call == 1 ? offset_dist(rng)
+                                                  : (std::int64_t{5} << 32) - tokens / 2;
     SCOPED_TRACE("call " + std::to_string(call) + ", src_rank " + std::to_string(src_rank) +
                  ", token_offset " + std::to_string(token_offset));
     const HostTensor ids = random_ids(e_count, tokens, s.topk, rng);
@@ -134,8 +150,8 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
       return "physical[" + std::to_string(i / s.topk) + ", " + std::to_string(i % s.topk) + "] of logical " +
              std::to_string(in[i]) + ": got " + std::to_string(g[i]) + ", want " + std::to_string(w[i]);
     }));
-    const HostTensor got_counts = cuda::to_host(counts, stream);
-    const auto* c = got_counts.data<std::int64_t>();
+    const std::vector<std::int64_t> got_counts = column_sums();
+    const auto* c = got_counts.data();
     EXPECT_TRUE(bits_equal(c, want_counts.data(), e_count, [&](std::int64_t e) {
       return "counts[" + std::to_string(e) + "]: got " + std::to_string(c[e]) + ", want " +
              std::to_string(want_counts[static_cast<std::size_t>(e)]);
@@ -153,14 +169,15 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
   const HostTensor got = cuda::to_host(dphys, stream);
   EXPECT_TRUE(bits_equal(got.data<std::int32_t>(), want.data<std::int32_t>(), tokens * s.topk,
                          [](std::int64_t i) { return "element " + std::to_string(i) + " (no counters)"; }));
-  const HostTensor after = cuda::to_host(counts, stream);
-  EXPECT_TRUE(bits_equal(after.data<std::int64_t>(), want_counts.data(), e_count,
+  const std::vector<std::int64_t> after = column_sums();
+  EXPECT_TRUE(bits_equal(after.data(), want_counts.data(), e_count,
                          [](std::int64_t e) { return "counts[" + std::to_string(e) + "] changed"; }));
 }
 
 INSTANTIATE_TEST_SUITE_P(Placements, EplbMapGpu,
                          ::testing::Combine(::testing::Values("ds_ep8_r32", "ds_rebalanced",
-                                                              "ds_ep8_no_redundancy", "tiny_ep4"),
+                                                              "ds_ep8_no_redundancy", "tiny_ep4",
+                                                              "wide_e4096"),
                                             // 300001: several passes of the grid (each thread's
                                             // next ids loaded while it maps the current ones)
                                             ::testing::Values<std::int64_t>(1, 3, 128, 4097, 16384, 300001),
@@ -230,6 +247,11 @@ TEST(EplbGpu, RefusesBadArguments) {
   expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, 0, st, stream, 0, i32_counts); },
                         "expert_counts");
   expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, 0, st, stream, 0, short_counts); },
+                        "expert_counts");
+  const cuda::DeviceTensor short_rows(DType::i64, {2, 15}), cube_counts(DType::i64, {2, 2, 16});
+  expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, 0, st, stream, 0, short_rows); },
+                        "expert_counts");
+  expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, 0, st, stream, 0, cube_counts); },
                         "expert_counts");
   cuda::PlacementView bad = v;
   bad.logcnt = short_counts.view();
