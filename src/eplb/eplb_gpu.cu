@@ -20,56 +20,61 @@ void expect_device_i32(const TensorView& t, std::string_view name) {
   expect_contiguous(t, name);
 }
 
-// The launch shape: threads per block (EPMOE_EPLB_THREADS: 256, 512 or 1024) and about
-// EPMOE_EPLB_IDS (1..8) ids per thread. Each block builds its tables and flushes its histogram into the
-// same E global counters, whose same-address atomics serialize (~6 ns each, measured as the counters'
-// cost at T = 16384); each thread maps its ids one after another. 512 x 4 (default) measured best of
-// 256 / 512 / 1024 x 2..8 for the static choice at T = 4096 and 16384 (session 17, NOTES).
-struct EplbShape {
-  unsigned threads = 512;
-  std::uint64_t ids = 4;
-};
-
-const EplbShape& eplb_shape() {
-  static const EplbShape shape = [] {
-    EplbShape s;
-    if (const char* v = std::getenv("EPMOE_EPLB_THREADS")) {
-      const int t = std::atoi(v);
-      EPMOE_CHECK(t == 256 || t == 512 || t == 1024, "EPMOE_EPLB_THREADS must be 256, 512 or 1024, got '{}'",
-                  v);
-      s.threads = static_cast<unsigned>(t);
-    }
-    if (const char* v = std::getenv("EPMOE_EPLB_IDS")) {
-      const int c = std::atoi(v);
-      EPMOE_CHECK(c >= 1 && c <= kernels::kEplbItems, "EPMOE_EPLB_IDS must be in [1, {}], got '{}'",
-                  kernels::kEplbItems, v);
-      s.ids = static_cast<std::uint64_t>(c);
-    }
-    return s;
+// Threads per block (EPMOE_EPLB_THREADS: 256, 512 or 1024; 512 by default, measured best of the three
+// in session 17), each mapping kEplbWidth ids per pass. Each block builds its tables and flushes its
+// histogram into one row of the counters: the grid is as small as one pass allows.
+unsigned eplb_threads() {
+  static const unsigned threads = [] {
+    const char* v = std::getenv("EPMOE_EPLB_THREADS");
+    if (v == nullptr) return 512u;
+    const int t = std::atoi(v);
+    EPMOE_CHECK(t == 256 || t == 512 || t == 1024, "EPMOE_EPLB_THREADS must be 256, 512 or 1024, got '{}'",
+                v);
+    return static_cast<unsigned>(t);
   }();
-  return shape;
+  return threads;
 }
 
-template <bool kDynamic, bool kCount>
-void launch(const kernels::EplbParams& p, cudaStream_t stream) {
-  constexpr auto kernel = &kernels::eplb_map_kernel<kDynamic, kCount>;
-  const EplbShape& shape = eplb_shape();
+template <bool kDynamic, bool kCount, bool kPow2K, bool kWide>
+void launch_kernel(const kernels::EplbParams& p, cudaStream_t stream) {
+  constexpr auto kernel = &kernels::eplb_map_kernel<kDynamic, kCount, kPow2K, kWide>;
+  const unsigned threads = eplb_threads();
   static const int blocks_per_sm = [&] {
     int b = 0;
     // Occupancy at the most shared memory a block can ask for (kEplbSmemInts * 4 bytes = 48 KiB).
-    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &b, kernel, static_cast<int>(shape.threads), kernels::kEplbSmemInts * sizeof(int)));
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, static_cast<int>(threads),
+                                                                   kernels::kEplbSmemInts * sizeof(int)));
     return std::max(b, 1);
   }();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
-  const std::uint64_t per_block = shape.threads * shape.ids;
+  const std::uint64_t per_block = std::uint64_t{threads} * (kWide ? kernels::kEplbWidth : 1);
   const auto grid =
       static_cast<unsigned>(std::clamp<std::uint64_t>((p.n + per_block - 1) / per_block, 1, resident));
-  const std::size_t smem =
-      static_cast<std::size_t>(kernels::eplb_smem_ints(p.num_logical, p.max_replicas, p.rows_in_smem)) *
-      sizeof(int);
-  kernel<<<grid, shape.threads, smem, stream>>>(p);
+  const auto smem = static_cast<std::size_t>(
+      kernels::eplb_smem_ints(p.num_logical, p.max_replicas, p.topk, kDynamic, p.rows_in_smem) * sizeof(int));
+  kernel<<<grid, threads, smem, stream>>>(p);
   EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+// One launch over p's elements: picks the kernel instance (dynamic / static, counters, K a power of
+// two, 16-byte vectors when n and both pointers allow them).
+void launch(const kernels::EplbParams& p, bool dynamic, cudaStream_t stream) {
+  const bool pow2 = dynamic && p.topk_shift >= 0;  // (static choice does not use K)
+  const bool wide = p.n % kernels::kEplbWidth == 0 && reinterpret_cast<std::uintptr_t>(p.logical) % 16 == 0 &&
+                    reinterpret_cast<std::uintptr_t>(p.physical) % 16 == 0;
+  const bool count = p.counts != nullptr;
+  // The instance table, indexed by (dynamic, count, pow2, wide) as bits 3..0.
+  using Launch = void (*)(const kernels::EplbParams&, cudaStream_t);
+  static constexpr Launch kLaunch[16] = {
+      launch_kernel<false, false, false, false>, launch_kernel<false, false, false, true>,
+      launch_kernel<false, false, true, false>,  launch_kernel<false, false, true, true>,
+      launch_kernel<false, true, false, false>,  launch_kernel<false, true, false, true>,
+      launch_kernel<false, true, true, false>,   launch_kernel<false, true, true, true>,
+      launch_kernel<true, false, false, false>,  launch_kernel<true, false, false, true>,
+      launch_kernel<true, false, true, false>,   launch_kernel<true, false, true, true>,
+      launch_kernel<true, true, false, false>,   launch_kernel<true, true, false, true>,
+      launch_kernel<true, true, true, false>,    launch_kernel<true, true, true, true>};
+  kLaunch[(dynamic ? 8 : 0) + (count ? 4 : 0) + (pow2 ? 2 : 0) + (wide ? 1 : 0)](p, stream);
 }
 
 }  // namespace
@@ -124,7 +129,8 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
               src_rank, placement.num_ranks);
   EPMOE_CHECK(algorithm == DispatchAlgorithm::static_choice || algorithm == DispatchAlgorithm::dynamic_choice,
               "unknown dispatch algorithm {}", static_cast<int>(algorithm));
-  EPMOE_CHECK(token_offset >= 0, "token_offset must be non-negative, got {}", token_offset);
+  EPMOE_CHECK(token_offset >= 0 && token_offset <= std::numeric_limits<std::int64_t>::max() / 2,
+              "token_offset must be in [0, 2^62], got {}", token_offset);
 
   expect_device_i32(logical_ids, "logical_ids");
   expect_rank(logical_ids, 2, "logical_ids");
@@ -154,28 +160,41 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   EPMOE_CHECK(logical_ids.data != nullptr, "logical_ids has no data");
   EPMOE_CHECK(physical_ids.data != nullptr, "physical_ids has no data");
 
+  EPMOE_CHECK(num_logical * max_replicas <= std::numeric_limits<std::int32_t>::max(),
+              "log2phy {} has too many elements", placement.log2phy.describe());
+  EPMOE_CHECK(topk <= kMaxMappedExperts, "logical_ids: K must be at most {}, got {}", kMaxMappedExperts,
+              topk);
+
   kernels::EplbParams p{};
   p.logical = static_cast<const std::int32_t*>(logical_ids.data);
   p.physical = static_cast<std::int32_t*>(physical_ids.data);
-  p.n = static_cast<std::uint32_t>(n);
   p.topk = static_cast<std::uint32_t>(topk);
+  p.topk_shift = (topk & (topk - 1)) == 0 ? std::countr_zero(static_cast<std::uint64_t>(topk)) : -1;
   p.log2phy = static_cast<const std::int32_t*>(placement.log2phy.data);
   p.logcnt = static_cast<const std::int32_t*>(placement.logcnt.data);
   p.num_logical = static_cast<int>(num_logical);
   p.max_replicas = static_cast<int>(max_replicas);
   p.src_rank = src_rank;
   p.slots_per_rank = placement.slots_per_rank;
-  p.token_offset = token_offset;
   p.counts = count ? static_cast<unsigned long long*>(expert_counts.data) : nullptr;
   p.count_rows = static_cast<int>(count_rows);
-  p.topk_shift = (topk & (topk - 1)) == 0 ? std::countr_zero(static_cast<std::uint64_t>(topk)) : -1;
-  p.rows_in_smem = num_logical * max_replicas <= kernels::kEplbSmemInts &&
-                   kernels::eplb_smem_ints(p.num_logical, p.max_replicas, true) <= kernels::kEplbSmemInts;
   const bool dynamic = algorithm == DispatchAlgorithm::dynamic_choice;
-  if (dynamic) {
-    count ? launch<true, true>(p, stream) : launch<true, false>(p, stream);
-  } else {
-    count ? launch<false, true>(p, stream) : launch<false, false>(p, stream);
+  p.rows_in_smem =
+      kernels::eplb_smem_ints(num_logical, max_replicas, topk, dynamic, true) <= kernels::kEplbSmemInts;
+  // The dynamic hash takes the token's high word from a per-launch table, so a launch never crosses a
+  // multiple of 2^32 tokens: such a call (T < 2^31 tokens cross at most one) is two launches.
+  std::int64_t first = 0;
+  while (first < tokens) {
+    const std::int64_t token = token_offset + first;
+    const std::int64_t next_high = ((token >> 32) + 1) << 32;
+    const std::int64_t end = dynamic ? std::min(tokens, first + (next_high - token)) : tokens;
+    p.logical = static_cast<const std::int32_t*>(logical_ids.data) + first * topk;
+    p.physical = static_cast<std::int32_t*>(physical_ids.data) + first * topk;
+    p.n = static_cast<std::uint32_t>((end - first) * topk);
+    p.token_high = static_cast<std::uint32_t>(static_cast<std::uint64_t>(token) >> 32);
+    p.token_low = static_cast<std::uint32_t>(static_cast<std::uint64_t>(token));
+    launch(p, dynamic, stream);
+    first = end;
   }
 }
 
