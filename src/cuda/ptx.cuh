@@ -59,6 +59,12 @@ __device__ __forceinline__ void launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// Bring the line holding p into L2 (no register result, nothing waits for it): for a line that a
+// later atomic or store of the kernel will touch, so that it does not miss then.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // ---------------------------------------------------------------- clocks and lanes
 // The global nanosecond timer (timeouts, watchdogs).
 __device__ __forceinline__ std::uint64_t global_timer_ns() {

@@ -179,8 +179,9 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   p.counts = count ? static_cast<unsigned long long*>(expert_counts.data) : nullptr;
   p.count_rows = static_cast<int>(count_rows);
   const bool dynamic = algorithm == DispatchAlgorithm::dynamic_choice;
-  p.rows_in_smem =
-      kernels::eplb_smem_ints(num_logical, max_replicas, topk, dynamic, true) <= kernels::kEplbSmemInts;
+  p.static_in_registers = !dynamic && max_replicas <= 4;
+  p.rows_in_smem = !p.static_in_registers && kernels::eplb_smem_ints(num_logical, max_replicas, topk, dynamic,
+                                                                     true) <= kernels::kEplbSmemInts;
   // The dynamic hash takes the token's high word from a per-launch table, so a launch never crosses a
   // multiple of 2^32 tokens: such a call (T < 2^31 tokens cross at most one) is two launches.
   std::int64_t first = 0;

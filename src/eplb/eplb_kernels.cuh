@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/ptx.cuh"
 #include "eplb/replica_choice.hpp"
 
 namespace epmoe::kernels {
@@ -46,7 +47,9 @@ struct EplbParams {
   std::uint32_t token_low;     // the low word of the launch's first token (dynamic)
   unsigned long long* counts;  // [count_rows, E] or nullptr (kCount == false)
   int count_rows;
-  bool rows_in_smem;  // the log2phy rows fit in shared memory beside the other tables
+  bool rows_in_smem;         // the log2phy rows fit in shared memory beside the other tables
+  bool static_in_registers;  // static choice with max_replicas <= 4: each thread tabulates its experts
+                             // from registers (no rows in shared memory, no second barrier)
 };
 
 // Shared-memory ints the kernel needs: [E] count or static choice, [E] histogram, [K] the hash's high
@@ -77,21 +80,45 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
   Vec ids{};
   if (v < vectors) ids = __ldg(reinterpret_cast<const Vec*>(p.logical) + v);
 
-  for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
-    const int count = __ldg(p.logcnt + x);
-    table[x] = count >= 1 && count <= max_replicas ? count : 0;
-    if constexpr (kCount) hist[x] = 0u;
-  }
-  if (p.rows_in_smem) {
-    for (int x = static_cast<int>(threadIdx.x); x < num_logical * max_replicas; x += threads)
-      smem_rows[x] = __ldg(p.log2phy + x);
+  // Both tables' loads are issued before either is stored (one latency, not two in a row), and the
+  // block's row of counters is brought into L2 meanwhile (the flush's atomics at the end then hit).
+  const int row_ints = p.rows_in_smem ? num_logical * max_replicas : 0;
+  unsigned long long* const count_row =
+      kCount ? p.counts +
+                   static_cast<std::int64_t>(blockIdx.x % static_cast<unsigned>(p.count_rows)) * num_logical
+             : nullptr;
+  for (int x = static_cast<int>(threadIdx.x); x < num_logical || x < row_ints; x += threads) {
+    const int count = x < num_logical && (kDynamic || !p.static_in_registers) ? __ldg(p.logcnt + x) : 0;
+    const int slot = x < row_ints ? __ldg(p.log2phy + x) : 0;
+    if constexpr (kCount) {
+      if (x < num_logical && x % 16 == 0) ptx::prefetch_l2(count_row + x);  // 16 counters per 128-byte line
+    }
+    if (x < num_logical) {
+      if (kDynamic || !p.static_in_registers) table[x] = count >= 1 && count <= max_replicas ? count : 0;
+      if constexpr (kCount) hist[x] = 0u;
+    }
+    if (x < row_ints) smem_rows[x] = slot;
   }
   if constexpr (kDynamic) {
     for (int k = static_cast<int>(threadIdx.x); k < static_cast<int>(p.topk); k += threads)
       khigh[k] = eplb::replica_hash_high(p.src_rank, p.token_high, k);
   }
-  __syncthreads();
   if constexpr (!kDynamic) {
+    if (p.static_in_registers) {
+      // table[x]: the static slot, from the count and the (<= 4) slots loaded together by this thread.
+      for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
+        const int count = __ldg(p.logcnt + x);
+        std::int32_t r[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) r[j] = j < max_replicas ? __ldg(p.log2phy + x * max_replicas + j) : -1;
+        table[x] = count >= 1 && count <= max_replicas
+                       ? eplb::choose_static_replica4(r, count, p.src_rank, p.slots_per_rank)
+                       : -1;
+      }
+    }
+  }
+  __syncthreads();
+  if (!kDynamic && !p.static_in_registers) {
     // table[x]: the replica count -> the slot every element of expert x maps to (-1 when out of range).
     for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
       const int count = table[x];
@@ -136,11 +163,9 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
 
   if constexpr (kCount) {
     __syncthreads();
-    unsigned long long* const row =
-        p.counts + static_cast<std::int64_t>(blockIdx.x % static_cast<unsigned>(p.count_rows)) * num_logical;
     for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
       const unsigned c = hist[x];
-      if (c != 0u) atomicAdd(row + x, static_cast<unsigned long long>(c));
+      if (c != 0u) atomicAdd(count_row + x, static_cast<unsigned long long>(c));
     }
   }
 }

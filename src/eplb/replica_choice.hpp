@@ -63,4 +63,23 @@ EPMOE_HD constexpr std::int32_t choose_replica(const std::int32_t* replicas, int
   return replicas[replica_index(replica_hash(src_rank, token, k), count)];
 }
 
+// choose_replica's static choice for an expert with count <= 4 replicas held in registers (r[j] for
+// j < count; the rest unused), without indexing them by a run-time value (which would put them in
+// local memory on the GPU): the same slot as choose_replica(r, count, src_rank, slots_per_rank, ...,
+// false).
+EPMOE_HD constexpr std::int32_t choose_static_replica4(const std::int32_t (&r)[4], int count, int src_rank,
+                                                       int slots_per_rank) {
+  if (count == 1) return r[0];
+  const int lo = src_rank * slots_per_rank;
+  const int hi = lo + slots_per_rank;
+  // Written out (no loops) so that r stays in registers.
+  const auto in = [&](int j, std::int32_t v) { return j < count && v >= lo && v < hi; };
+  if (in(0, r[0])) return r[0];
+  if (in(1, r[1])) return r[1];
+  if (in(2, r[2])) return r[2];
+  if (in(3, r[3])) return r[3];
+  const int m = src_rank % count;
+  return m == 0 ? r[0] : m == 1 ? r[1] : m == 2 ? r[2] : r[3];
+}
+
 }  // namespace epmoe::eplb

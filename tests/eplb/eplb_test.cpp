@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "eplb/replica_choice.hpp"
 #include "epmoe/eplb.hpp"
 #include "epmoe/tensor.hpp"
 
@@ -239,6 +240,27 @@ TEST(EplbPlacement, DynamicChoiceSpreadsOverThreeReplicasAndLargeTokenIndices) {
           << "offset " << offset << " slot " << slot;
     }
     EXPECT_EQ(hits[1] + hits[3] + hits[5], 0);
+  }
+}
+
+// The GPU kernel's register form of the static choice (<= 4 replicas) against choose_replica, on
+// every count, rank and slot pattern drawn (replicas on the rank or not, several on it).
+TEST(EplbPlacement, StaticChoiceOfFourEqualsChooseReplica) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int ranks = 1 + static_cast<int>(rng() % 8);
+    const int slots_per_rank = 1 + static_cast<int>(rng() % 5);
+    const int src_rank = static_cast<int>(rng() % static_cast<unsigned>(ranks));
+    const int count = 1 + static_cast<int>(rng() % 4);
+    std::vector<std::int32_t> slots(static_cast<std::size_t>(count));
+    for (auto& v : slots)
+      v = static_cast<std::int32_t>(rng() % static_cast<unsigned>(ranks * slots_per_rank));
+    std::sort(slots.begin(), slots.end());
+    std::int32_t r[4] = {-1, -1, -1, -1};
+    std::copy(slots.begin(), slots.end(), r);
+    const std::int32_t want = eplb::choose_replica(r, count, src_rank, slots_per_rank, 0, 0, false);
+    ASSERT_EQ(eplb::choose_static_replica4(r, count, src_rank, slots_per_rank), want)
+        << "trial " << trial << ", count " << count << ", rank " << src_rank << " of " << ranks;
   }
 }
 
