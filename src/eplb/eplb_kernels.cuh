@@ -48,6 +48,7 @@ struct EplbParams {
   unsigned long long* counts;  // [count_rows, E] or nullptr (kCount == false)
   int count_rows;
   bool rows_in_smem;         // the log2phy rows fit in shared memory beside the other tables
+  bool warp_counts;          // counters added per warp as the ids are mapped (else per block at the end)
   bool static_in_registers;  // static choice with max_replicas <= 4: each thread tabulates its experts
                              // from registers (no rows in shared memory, no second barrier)
 };
@@ -132,7 +133,9 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
   // The physical slot of element i (logical expert e); counts it.
   auto map_one = [&](int e, std::uint32_t i) -> std::int32_t {
     if (static_cast<unsigned>(e) >= static_cast<unsigned>(num_logical)) return -1;
-    if constexpr (kCount) atomicAdd(hist + e, 1u);
+    if constexpr (kCount) {
+      if (!p.warp_counts) atomicAdd(hist + e, 1u);
+    }
     if constexpr (kDynamic) {
       const int count = table[e];
       const std::uint32_t t = kPow2K ? i >> p.topk_shift : i / p.topk;
@@ -152,16 +155,41 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
     } else {
       out = map_one(ids, v);
     }
+    if constexpr (kCount) {
+      if (p.warp_counts) {
+        // The lanes holding the same expert add their number once, right away (no barrier at the end).
+        const unsigned active = __activemask();
+        auto count_warp = [&](int e) {
+          const unsigned peers = __match_any_sync(active, e);
+          if (static_cast<unsigned>(e) < static_cast<unsigned>(num_logical) &&
+              static_cast<int>(threadIdx.x % 32) == __ffs(static_cast<int>(peers)) - 1)
+            atomicAdd(count_row + e, static_cast<unsigned long long>(__popc(peers)));
+        };
+        if constexpr (kWide) {
+          count_warp(ids.x);
+          count_warp(ids.y);
+          count_warp(ids.z);
+          count_warp(ids.w);
+        } else {
+          count_warp(ids);
+        }
+      }
+    }
     if (v + stride < vectors) ids = __ldg(reinterpret_cast<const Vec*>(p.logical) + v + stride);
     reinterpret_cast<Vec*>(p.physical)[v] = out;
   }
   if constexpr (kWide) {
     // The n % kW elements past the last whole vector.
     const std::uint32_t i = vectors * kW + threadIdx.x;
-    if (blockIdx.x == gridDim.x - 1 && i < p.n) p.physical[i] = map_one(__ldg(p.logical + i), i);
+    if (blockIdx.x == gridDim.x - 1 && i < p.n) {
+      const int e = __ldg(p.logical + i);
+      p.physical[i] = map_one(e, i);
+      if (kCount && p.warp_counts && static_cast<unsigned>(e) < static_cast<unsigned>(num_logical))
+        atomicAdd(count_row + e, 1ull);
+    }
   }
 
-  if constexpr (kCount) {
+  if (kCount && !p.warp_counts) {
     __syncthreads();
     for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
       const unsigned c = hist[x];
