@@ -35,19 +35,6 @@ unsigned eplb_threads() {
   return threads;
 }
 
-// EPMOE_EPLB_COUNTS: "block" (default: a shared-memory histogram per block, flushed after a barrier)
-// or "warp" (each warp adds its lanes' ids as it maps them: more atomics, no barrier at the end).
-bool eplb_warp_counts() {
-  static const bool warp = [] {
-    const char* v = std::getenv("EPMOE_EPLB_COUNTS");
-    if (v == nullptr) return false;
-    const std::string_view s(v);
-    EPMOE_CHECK(s == "block" || s == "warp", "EPMOE_EPLB_COUNTS must be block or warp, got '{}'", s);
-    return s == "warp";
-  }();
-  return warp;
-}
-
 template <bool kDynamic, bool kCount, bool kPow2K, bool kWide>
 void launch_kernel(const kernels::EplbParams& p, cudaStream_t stream) {
   constexpr auto kernel = &kernels::eplb_map_kernel<kDynamic, kCount, kPow2K, kWide>;
@@ -193,7 +180,6 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   p.count_rows = static_cast<int>(count_rows);
   const bool dynamic = algorithm == DispatchAlgorithm::dynamic_choice;
   p.static_in_registers = !dynamic && max_replicas <= 4;
-  p.warp_counts = eplb_warp_counts();
   p.rows_in_smem = !p.static_in_registers && kernels::eplb_smem_ints(num_logical, max_replicas, topk, dynamic,
                                                                      true) <= kernels::kEplbSmemInts;
   // The dynamic hash takes the token's high word from a per-launch table, so a launch never crosses a
