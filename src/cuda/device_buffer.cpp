@@ -115,6 +115,13 @@ void Event::synchronize() const {
   EPMOE_CUDA_CHECK(cudaEventSynchronize(event_));
 }
 
+bool Event::done() const {
+  const cudaError_t e = cudaEventQuery(event_);
+  if (e == cudaErrorNotReady) return false;
+  EPMOE_CUDA_CHECK(e);
+  return true;
+}
+
 float Event::elapsed_ms(const Event& start, const Event& end) {
   float ms = 0.0f;
   EPMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start.event_, end.event_));

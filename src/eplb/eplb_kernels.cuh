@@ -16,8 +16,6 @@
 //    eplb::replica_index (0 for a single replica, as choose_replica's shortcut).
 //  - The counters are a per-block shared-memory histogram, flushed into row (block % rows) of the
 //    [rows, E] global counters: fewer blocks add into one address (same-address atomics serialize).
-//    In a one-pass launch the block counts its ids and flushes before it maps them (the atomics then
-//    travel with the mapping and the stores); its counter row is prefetched into L2 at the start.
 // The CPU twin (ExpertPlacement::choose) uses the same functions, so both agree bit for bit.
 #pragma once
 
@@ -81,14 +79,6 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
   std::uint32_t v = blockIdx.x * static_cast<std::uint32_t>(threads) + threadIdx.x;
   Vec ids{};
   if (v < vectors) ids = __ldg(reinterpret_cast<const Vec*>(p.logical) + v);
-  // One pass (every launch the layer makes): the block counts its ids as soon as they arrive and
-  // flushes the histogram before mapping them, so that the counters' atomics travel while the ids are
-  // mapped and stored instead of after (measured: ~0.35-0.7 us at the end of the kernel).
-  const bool one_pass = vectors <= stride;
-  if constexpr (kCount) {
-    for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) hist[x] = 0u;
-    if (one_pass) __syncthreads();  // zeroed before any thread counts into it
-  }
 
   // Both tables' loads are issued before either is stored (one latency, not two in a row), and the
   // block's row of counters is brought into L2 meanwhile (the flush's atomics at the end then hit).
@@ -103,8 +93,10 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
     if constexpr (kCount) {
       if (x < num_logical && x % 16 == 0) ptx::prefetch_l2(count_row + x);  // 16 counters per 128-byte line
     }
-    if (x < num_logical && (kDynamic || !p.static_in_registers))
-      table[x] = count >= 1 && count <= max_replicas ? count : 0;
+    if (x < num_logical) {
+      if (kDynamic || !p.static_in_registers) table[x] = count >= 1 && count <= max_replicas ? count : 0;
+      if constexpr (kCount) hist[x] = 0u;
+    }
     if (x < row_ints) smem_rows[x] = slot;
   }
   if constexpr (kDynamic) {
@@ -125,25 +117,6 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
       }
     }
   }
-  if constexpr (kCount) {
-    if (one_pass) {
-      auto count_one = [&](int e) {
-        if (static_cast<unsigned>(e) < static_cast<unsigned>(num_logical)) atomicAdd(hist + e, 1u);
-      };
-      if (v < vectors) {
-        if constexpr (kWide) {
-          count_one(ids.x);
-          count_one(ids.y);
-          count_one(ids.z);
-          count_one(ids.w);
-        } else {
-          count_one(ids);
-        }
-      }
-      const std::uint32_t i = vectors * kW + threadIdx.x;  // the n % kW elements past the last vector
-      if (kWide && blockIdx.x == gridDim.x - 1 && i < p.n) count_one(__ldg(p.logical + i));
-    }
-  }
   __syncthreads();
   if (!kDynamic && !p.static_in_registers) {
     // table[x]: the replica count -> the slot every element of expert x maps to (-1 when out of range).
@@ -159,9 +132,7 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
   // The physical slot of element i (logical expert e); counts it.
   auto map_one = [&](int e, std::uint32_t i) -> std::int32_t {
     if (static_cast<unsigned>(e) >= static_cast<unsigned>(num_logical)) return -1;
-    if constexpr (kCount) {
-      if (!one_pass) atomicAdd(hist + e, 1u);
-    }
+    if constexpr (kCount) atomicAdd(hist + e, 1u);
     if constexpr (kDynamic) {
       const int count = table[e];
       const std::uint32_t t = kPow2K ? i >> p.topk_shift : i / p.topk;
@@ -172,14 +143,6 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
       return table[e];
     }
   };
-
-  auto flush = [&] {
-    for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
-      const unsigned c = hist[x];
-      if (c != 0u) atomicAdd(count_row + x, static_cast<unsigned long long>(c));
-    }
-  };
-  if (kCount && one_pass) flush();
 
   for (; v < vectors; v += stride) {
     Vec out;
@@ -198,9 +161,12 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
     if (blockIdx.x == gridDim.x - 1 && i < p.n) p.physical[i] = map_one(__ldg(p.logical + i), i);
   }
 
-  if (kCount && !one_pass) {
+  if constexpr (kCount) {
     __syncthreads();
-    flush();
+    for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
+      const unsigned c = hist[x];
+      if (c != 0u) atomicAdd(count_row + x, static_cast<unsigned long long>(c));
+    }
   }
 }
 

@@ -121,6 +121,8 @@ class Event {
   operator cudaEvent_t() const { return event_; }  // NOLINT
   void record(cudaStream_t stream = nullptr) const;
   void synchronize() const;
+  // Whether the work before the last record() has completed (cudaEventQuery; throws on an error).
+  bool done() const;
   // Milliseconds between two recorded, completed events.
   static float elapsed_ms(const Event& start, const Event& end);
 
