@@ -76,12 +76,12 @@ double time_us(const Launch& launch, int num_sets, cudaStream_t stream, const Ti
     ends.emplace_back();
   }
   // The GPU sleeps while the host queues the timed runs, so that each run starts right after the one
-  // before and the host's own time (argument checks, launch calls: 5-15 us per run) never shows in
-  // an event pair. Whether the sleep outlasted the queueing is checked; if not, the runs are queued
+  // before and the host's own time (argument checks, launch calls, event records: over 10 us per run) never
+  // shows in an event pair. Whether the sleep outlasted the queueing is checked; if not, the runs are queued
   // again behind a four times longer sleep (the kernels' times would otherwise include host gaps,
   // which a plain copy's cheaper call hides better: session 18, NOTES).
   std::vector<double> times;
-  double sleep_us = 10.0 * options.iterations;
+  double sleep_us = 40.0 * options.iterations;  // 10 us per run was short on every suite (session 18)
   const cuda::Event slept;
   for (int attempt = 0;; ++attempt) {
     gpu_sleep(stream, sleep_us);
