@@ -65,26 +65,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// An L2 eviction policy for small tables that every launch reads while other work streams through L2:
-// their lines go last (createpolicy evict_last, for the whole access).
-__device__ __forceinline__ std::uint64_t l2_policy_evict_last() {
-  std::uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-// A read-only 32-bit load (as __ldg) under an L2 eviction policy.
-__device__ __forceinline__ std::int32_t ldg_l2_hint(const std::int32_t* p, std::uint64_t policy) {
-  std::int32_t v;
-  asm("ld.global.nc.L2::cache_hint.b32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(policy));
-  return v;
-}
-// atomicAdd without a result (red) under an L2 eviction policy.
-__device__ __forceinline__ void red_add_l2_hint(unsigned long long* p, unsigned long long v,
-                                                std::uint64_t policy) {
-  asm volatile("red.relaxed.gpu.global.add.L2::cache_hint.u64 [%0], %1, %2;" ::"l"(p), "l"(v), "l"(policy)
-               : "memory");
-}
-
 // ---------------------------------------------------------------- clocks and lanes
 // The global nanosecond timer (timeouts, watchdogs).
 __device__ __forceinline__ std::uint64_t global_timer_ns() {

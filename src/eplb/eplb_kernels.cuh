@@ -82,19 +82,14 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
 
   // Both tables' loads are issued before either is stored (one latency, not two in a row), and the
   // block's row of counters is brought into L2 meanwhile (the flush's atomics at the end then hit).
-  // The tables and the counters are a few KB that every launch touches while GEMM weights (in the
-  // layer) or the bench's rotating buffers stream through L2: they are kept there (evict_last), so
-  // that the tables' loads, which the ids' wait on, hit.
-  const std::uint64_t keep = ptx::l2_policy_evict_last();
   const int row_ints = p.rows_in_smem ? num_logical * max_replicas : 0;
   unsigned long long* const count_row =
       kCount ? p.counts +
                    static_cast<std::int64_t>(blockIdx.x % static_cast<unsigned>(p.count_rows)) * num_logical
              : nullptr;
   for (int x = static_cast<int>(threadIdx.x); x < num_logical || x < row_ints; x += threads) {
-    const int count =
-        x < num_logical && (kDynamic || !p.static_in_registers) ? ptx::ldg_l2_hint(p.logcnt + x, keep) : 0;
-    const int slot = x < row_ints ? ptx::ldg_l2_hint(p.log2phy + x, keep) : 0;
+    const int count = x < num_logical && (kDynamic || !p.static_in_registers) ? __ldg(p.logcnt + x) : 0;
+    const int slot = x < row_ints ? __ldg(p.log2phy + x) : 0;
     if constexpr (kCount) {
       if (x < num_logical && x % 16 == 0) ptx::prefetch_l2(count_row + x);  // 16 counters per 128-byte line
     }
@@ -112,11 +107,10 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
     if (p.static_in_registers) {
       // table[x]: the static slot, from the count and the (<= 4) slots loaded together by this thread.
       for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
-        const int count = ptx::ldg_l2_hint(p.logcnt + x, keep);
+        const int count = __ldg(p.logcnt + x);
         std::int32_t r[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          r[j] = j < max_replicas ? ptx::ldg_l2_hint(p.log2phy + x * max_replicas + j, keep) : -1;
+        for (int j = 0; j < 4; ++j) r[j] = j < max_replicas ? __ldg(p.log2phy + x * max_replicas + j) : -1;
         table[x] = count >= 1 && count <= max_replicas
                        ? eplb::choose_static_replica4(r, count, p.src_rank, p.slots_per_rank)
                        : -1;
@@ -171,7 +165,7 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
     __syncthreads();
     for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
       const unsigned c = hist[x];
-      if (c != 0u) ptx::red_add_l2_hint(count_row + x, c, keep);
+      if (c != 0u) atomicAdd(count_row + x, static_cast<unsigned long long>(c));
     }
   }
 }
