@@ -49,6 +49,9 @@ PlacementCase setup_named(const std::string& name) {
   if (name == "ds_ep8_r32") return {ExpertPlacement::initial(256, 288, 8), 8};  // experts 0..31 twice
   if (name == "ds_ep8_no_redundancy") return {ExpertPlacement::initial(256, 256, 8), 8};  // one replica each
   if (name == "tiny_ep4") return {ExpertPlacement::initial(16, 20, 4), 4};
+  // K = 3: not a power of two (the token index by division), and T * K not a multiple of 4 for odd T
+  // (one id per thread instead of 16-byte vectors).
+  if (name == "tiny_ep4_k3") return {ExpertPlacement::initial(16, 20, 4), 3};
   // Too many log2phy entries for the kernel's shared memory: rows read from global memory.
   if (name == "wide_e4096") return {ExpertPlacement::initial(4096, 5120, 8), 8};
   // A rebalanced placement under a skewed load: hot experts with many replicas, spread over ranks.
@@ -177,7 +180,7 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
 INSTANTIATE_TEST_SUITE_P(Placements, EplbMapGpu,
                          ::testing::Combine(::testing::Values("ds_ep8_r32", "ds_rebalanced",
                                                               "ds_ep8_no_redundancy", "tiny_ep4",
-                                                              "wide_e4096"),
+                                                              "tiny_ep4_k3", "wide_e4096"),
                                             // 300001: several passes of the grid (each thread's
                                             // next ids loaded while it maps the current ones)
                                             ::testing::Values<std::int64_t>(1, 3, 128, 4097, 16384, 300001),
