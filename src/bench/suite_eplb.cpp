@@ -42,7 +42,7 @@ std::vector<Result> run_eplb_suite(const SuiteOptions& options) {
   constexpr int kExperts = 256, kTopk = 8, kRanks = 8, kPhysical = 288;
   const ExpertPlacement placement = ExpertPlacement::initial(kExperts, kPhysical, kRanks);
   const cuda::DevicePlacement dpl = cuda::to_device(placement, stream);
-  const cuda::DeviceTensor counts(DType::i64, {cuda::kExpertCountRows, kExperts});  // as the layer
+  const cuda::DeviceTensor counts(DType::i64, {kExperts});
   EPMOE_CUDA_CHECK(cudaMemsetAsync(counts.data<std::int64_t>(), 0, counts.nbytes(), stream));
   std::uint64_t seed = 1;
 

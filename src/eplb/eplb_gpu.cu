@@ -22,7 +22,7 @@ void expect_device_i32(const TensorView& t, std::string_view name) {
 
 // Threads per block (EPMOE_EPLB_THREADS: 256, 512 or 1024; 512 by default, measured best of the three
 // in session 17), each mapping kEplbWidth ids per pass. Each block builds its tables and flushes its
-// histogram into one row of the counters: the grid is as small as one pass allows.
+// histogram into the counters: the grid is as small as one pass allows.
 unsigned eplb_threads() {
   static const unsigned threads = [] {
     const char* v = std::getenv("EPMOE_EPLB_THREADS");
@@ -63,13 +63,14 @@ void launch(const kernels::EplbParams& p, bool dynamic, cudaStream_t stream) {
   const bool wide = p.n % kernels::kEplbWidth == 0 && reinterpret_cast<std::uintptr_t>(p.logical) % 16 == 0 &&
                     reinterpret_cast<std::uintptr_t>(p.physical) % 16 == 0;
   const bool count = p.counts != nullptr;
-  // The instance table, indexed by (dynamic, count, pow2, wide) as bits 3..0.
+  // The instance table, indexed by (dynamic, count, pow2, wide) as bits 3..0 (pow2 is never set for
+  // static choice, whose entries repeat the plain instances).
   using Launch = void (*)(const kernels::EplbParams&, cudaStream_t);
   static constexpr Launch kLaunch[16] = {
       launch_kernel<false, false, false, false>, launch_kernel<false, false, false, true>,
-      launch_kernel<false, false, true, false>,  launch_kernel<false, false, true, true>,
+      launch_kernel<false, false, false, false>, launch_kernel<false, false, false, true>,
       launch_kernel<false, true, false, false>,  launch_kernel<false, true, false, true>,
-      launch_kernel<false, true, true, false>,   launch_kernel<false, true, true, true>,
+      launch_kernel<false, true, false, false>,  launch_kernel<false, true, false, true>,
       launch_kernel<true, false, false, false>,  launch_kernel<true, false, false, true>,
       launch_kernel<true, false, true, false>,   launch_kernel<true, false, true, true>,
       launch_kernel<true, true, false, false>,   launch_kernel<true, true, false, true>,
@@ -94,14 +95,6 @@ DevicePlacement to_device(const ExpertPlacement& placement, cudaStream_t stream)
   copy_to_device(d.logcnt, TensorView::contiguous(logcnt, DType::i32, {e}), stream);
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // the host tables may go away after we return
   return d;
-}
-
-std::vector<std::int64_t> sum_count_rows(std::span<const std::int64_t> counts, std::int64_t num_logical) {
-  EPMOE_CHECK(num_logical >= 1 && counts.size() % static_cast<std::size_t>(num_logical) == 0,
-              "sum_count_rows: {} counters are not whole rows of {} experts", counts.size(), num_logical);
-  std::vector<std::int64_t> sum(static_cast<std::size_t>(num_logical), 0);
-  for (std::size_t i = 0; i < counts.size(); ++i) sum[i % sum.size()] += counts[i];
-  return sum;
 }
 
 void map_to_physical(const PlacementView& placement, TensorView logical_ids, TensorView physical_ids,
@@ -139,17 +132,10 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   expect_device_i32(physical_ids, "physical_ids");
   expect_shape(physical_ids, {tokens, topk}, "physical_ids");
   const bool count = !expert_counts.empty_view();
-  std::int64_t count_rows = 1;
   if (count) {
     expect_device(expert_counts, Device::cuda, "expert_counts");
     expect_dtype(expert_counts, DType::i64, "expert_counts");
-    EPMOE_CHECK((expert_counts.rank == 1 || expert_counts.rank == 2) &&
-                    expert_counts.shape[expert_counts.rank - 1] == num_logical,
-                "expert_counts must be [{}] or [rows, {}] (one counter per logical expert), got {}",
-                num_logical, num_logical, expert_counts.describe());
-    if (expert_counts.rank == 2) count_rows = expert_counts.shape[0];
-    EPMOE_CHECK(count_rows >= 1 && count_rows <= kMaxExpertCountRows,
-                "expert_counts: rows must be in [1, {}], got {}", kMaxExpertCountRows, count_rows);
+    expect_shape(expert_counts, {num_logical}, "expert_counts");
     expect_contiguous(expert_counts, "expert_counts");
     EPMOE_CHECK(expert_counts.data != nullptr, "expert_counts has no data");
   }
@@ -177,7 +163,6 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   p.src_rank = src_rank;
   p.slots_per_rank = placement.slots_per_rank;
   p.counts = count ? static_cast<unsigned long long*>(expert_counts.data) : nullptr;
-  p.count_rows = static_cast<int>(count_rows);
   const bool dynamic = algorithm == DispatchAlgorithm::dynamic_choice;
   p.static_in_registers = !dynamic && max_replicas <= 4;
   p.rows_in_smem = !p.static_in_registers && kernels::eplb_smem_ints(num_logical, max_replicas, topk, dynamic,

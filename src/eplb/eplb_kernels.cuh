@@ -14,8 +14,8 @@
 //    (eplb::replica_hash_high; the launcher splits a launch whose tokens cross a multiple of 2^32, so the
 //    token's high word is one per launch), then eplb::replica_hash_finish of the token's low word and
 //    eplb::replica_index (0 for a single replica, as choose_replica's shortcut).
-//  - The counters are a per-block shared-memory histogram, flushed into row (block % rows) of the
-//    [rows, E] global counters: fewer blocks add into one address (same-address atomics serialize).
+//  - The counters are a per-block shared-memory histogram, added to the global counters once per
+//    non-empty bin at the end of the block (their lines prefetched into L2 at the start).
 // The CPU twin (ExpertPlacement::choose) uses the same functions, so both agree bit for bit.
 #pragma once
 
@@ -45,11 +45,10 @@ struct EplbParams {
   int slots_per_rank;
   std::uint32_t token_high;    // the high word of every token of this launch (dynamic)
   std::uint32_t token_low;     // the low word of the launch's first token (dynamic)
-  unsigned long long* counts;  // [count_rows, E] or nullptr (kCount == false)
-  int count_rows;
-  bool rows_in_smem;         // the log2phy rows fit in shared memory beside the other tables
-  bool static_in_registers;  // static choice with max_replicas <= 4: each thread tabulates its experts
-                             // from registers (no rows in shared memory, no second barrier)
+  unsigned long long* counts;  // [E] or nullptr (kCount == false)
+  bool rows_in_smem;           // the log2phy rows fit in shared memory beside the other tables
+  bool static_in_registers;    // static choice with max_replicas <= 4: each thread tabulates its experts
+                               // from registers (no rows in shared memory, no second barrier)
 };
 
 // Shared-memory ints the kernel needs: [E] count or static choice, [E] histogram, [K] the hash's high
@@ -74,24 +73,20 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
   std::int32_t* const smem_rows = smem + 2 * num_logical + (kDynamic ? p.topk : 0);
   const std::int32_t* const rows = p.rows_in_smem ? smem_rows : p.log2phy;
 
-  const std::uint32_t vectors = p.n / kW;  // whole vectors; kWide leaves n % kW to the last block
+  const std::uint32_t vectors = p.n / kW;  // (kWide: the launcher's choice only when n % kW == 0)
   const std::uint32_t stride = gridDim.x * static_cast<std::uint32_t>(threads);
   std::uint32_t v = blockIdx.x * static_cast<std::uint32_t>(threads) + threadIdx.x;
   Vec ids{};
   if (v < vectors) ids = __ldg(reinterpret_cast<const Vec*>(p.logical) + v);
 
   // Both tables' loads are issued before either is stored (one latency, not two in a row), and the
-  // block's row of counters is brought into L2 meanwhile (the flush's atomics at the end then hit).
+  // counters are brought into L2 meanwhile (the flush's atomics at the end then hit).
   const int row_ints = p.rows_in_smem ? num_logical * max_replicas : 0;
-  unsigned long long* const count_row =
-      kCount ? p.counts +
-                   static_cast<std::int64_t>(blockIdx.x % static_cast<unsigned>(p.count_rows)) * num_logical
-             : nullptr;
   for (int x = static_cast<int>(threadIdx.x); x < num_logical || x < row_ints; x += threads) {
     const int count = x < num_logical && (kDynamic || !p.static_in_registers) ? __ldg(p.logcnt + x) : 0;
     const int slot = x < row_ints ? __ldg(p.log2phy + x) : 0;
     if constexpr (kCount) {
-      if (x < num_logical && x % 16 == 0) ptx::prefetch_l2(count_row + x);  // 16 counters per 128-byte line
+      if (x < num_logical && x % 16 == 0) ptx::prefetch_l2(p.counts + x);  // 16 counters per 128-byte line
     }
     if (x < num_logical) {
       if (kDynamic || !p.static_in_registers) table[x] = count >= 1 && count <= max_replicas ? count : 0;
@@ -155,17 +150,12 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
     if (v + stride < vectors) ids = __ldg(reinterpret_cast<const Vec*>(p.logical) + v + stride);
     reinterpret_cast<Vec*>(p.physical)[v] = out;
   }
-  if constexpr (kWide) {
-    // The n % kW elements past the last whole vector.
-    const std::uint32_t i = vectors * kW + threadIdx.x;
-    if (blockIdx.x == gridDim.x - 1 && i < p.n) p.physical[i] = map_one(__ldg(p.logical + i), i);
-  }
 
   if constexpr (kCount) {
     __syncthreads();
     for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
       const unsigned c = hist[x];
-      if (c != 0u) atomicAdd(count_row + x, static_cast<unsigned long long>(c));
+      if (c != 0u) atomicAdd(p.counts + x, static_cast<unsigned long long>(c));
     }
   }
 }

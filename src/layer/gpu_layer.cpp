@@ -247,8 +247,7 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   topk_ids = DeviceTensor(DType::i32, {T_max, K});
   topk_weights = DeviceTensor(DType::f32, {T_max, K});
   physical_ids = DeviceTensor(DType::i32, {T_max, K});
-  // Rows of counters (one per group of the mapping kernel's blocks): see cuda::map_to_physical.
-  expert_counts = DeviceTensor(DType::i64, {kExpertCountRows, E});
+  expert_counts = DeviceTensor(DType::i64, {E});
   slot_counts = DeviceTensor(DType::i64, {P});
   EPMOE_CUDA_CHECK(cudaMemsetAsync(expert_counts.data<std::int64_t>(), 0, expert_counts.nbytes(), s0));
   EPMOE_CUDA_CHECK(cudaMemsetAsync(slot_counts.data<std::int64_t>(), 0, slot_counts.nbytes(), s0));
@@ -817,7 +816,7 @@ std::vector<std::int64_t> sum_over_ranks(const DeviceTensor& counts,
 }  // namespace
 
 std::vector<std::int64_t> GpuMoeLayer::expert_load() {
-  return sum_count_rows(sum_over_ranks(impl_->expert_counts, impl_->comm, impl_->s0), impl_->E);
+  return sum_over_ranks(impl_->expert_counts, impl_->comm, impl_->s0);
 }
 std::vector<std::int64_t> GpuMoeLayer::slot_load() {
   return sum_over_ranks(impl_->slot_counts, impl_->comm, impl_->s0);

@@ -4,13 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <ostream>
 #include <random>
-#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -113,18 +111,9 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
 
   cuda::Stream stream;
   const cuda::DevicePlacement dpl = cuda::to_device(pl, stream);
-  // Counters as [E] or as rows [R, E] (each block adds into one row; the count is the column sum).
-  const std::int64_t count_rows = std::array<std::int64_t, 3>{1, 3, cuda::kExpertCountRows}[tokens % 3];
-  SCOPED_TRACE("count rows " + std::to_string(count_rows));
-  const cuda::DeviceTensor counts = count_rows == 1 ? cuda::DeviceTensor(DType::i64, {e_count})
-                                                    : cuda::DeviceTensor(DType::i64, {count_rows, e_count});
+  const cuda::DeviceTensor counts(DType::i64, {e_count});
   EPMOE_CUDA_CHECK(cudaMemsetAsync(counts.data<std::int64_t>(), 0, counts.nbytes(), stream));
   std::vector<std::int64_t> want_counts(static_cast<std::size_t>(e_count), 0);
-  auto column_sums = [&] {
-    const HostTensor h = cuda::to_host(counts, stream);
-    return cuda::sum_count_rows(std::span(h.data<std::int64_t>(), static_cast<std::size_t>(h.numel())),
-                                e_count);
-  };
 
   for (int call = 0; call < 3; ++call) {  // the counters accumulate across calls
     const int src_rank = rank_dist(rng);
@@ -153,8 +142,8 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
       return "physical[" + std::to_string(i / s.topk) + ", " + std::to_string(i % s.topk) + "] of logical " +
              std::to_string(in[i]) + ": got " + std::to_string(g[i]) + ", want " + std::to_string(w[i]);
     }));
-    const std::vector<std::int64_t> got_counts = column_sums();
-    const auto* c = got_counts.data();
+    const HostTensor got_counts = cuda::to_host(counts, stream);
+    const auto* c = got_counts.data<std::int64_t>();
     EXPECT_TRUE(bits_equal(c, want_counts.data(), e_count, [&](std::int64_t e) {
       return "counts[" + std::to_string(e) + "]: got " + std::to_string(c[e]) + ", want " +
              std::to_string(want_counts[static_cast<std::size_t>(e)]);
@@ -172,8 +161,8 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
   const HostTensor got = cuda::to_host(dphys, stream);
   EXPECT_TRUE(bits_equal(got.data<std::int32_t>(), want.data<std::int32_t>(), tokens * s.topk,
                          [](std::int64_t i) { return "element " + std::to_string(i) + " (no counters)"; }));
-  const std::vector<std::int64_t> after = column_sums();
-  EXPECT_TRUE(bits_equal(after.data(), want_counts.data(), e_count,
+  const HostTensor after = cuda::to_host(counts, stream);
+  EXPECT_TRUE(bits_equal(after.data<std::int64_t>(), want_counts.data(), e_count,
                          [](std::int64_t e) { return "counts[" + std::to_string(e) + "] changed"; }));
 }
 

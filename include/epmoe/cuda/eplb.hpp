@@ -8,8 +8,6 @@
 #pragma once
 
 #include <cstdint>
-#include <span>
-#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -42,25 +40,16 @@ DevicePlacement to_device(const ExpertPlacement& placement, cudaStream_t stream)
 // logical_ids [T, K] i32 -> physical_ids (out) [T, K] i32 for tokens living on src_rank, tokens
 // numbered from token_offset (dynamic choice hashes token_offset + t), as
 // ExpertPlacement::map_to_physical.
-// expert_counts: [E] or [rows, E] i64 on the device, or an empty view. When given, the number of
-// (t, k) with logical_ids[t, k] == e is added to column e: with several rows, each block of the launch
-// adds into one row (block % rows), so that fewer blocks add into the same address (same-address
-// atomics serialize), and the count of e is the sum of column e (sum_count_rows). Counts accumulate
-// across calls until the caller clears them (cudaMemsetAsync), e.g. after reading them for a rebalance.
-// kExpertCountRows rows is what the layer uses; rows <= kMaxExpertCountRows.
+// expert_counts: [E] i64 on the device, or an empty view. When given, expert_counts[e] += the
+// number of (t, k) with logical_ids[t, k] == e: counts accumulate across calls until the caller
+// clears them (cudaMemsetAsync), e.g. after reading them for a rebalance.
 // Contents are checked on the device, without throwing: an out-of-range logical id, or an expert
 // whose logcnt is outside [1, max_replicas], gets physical id -1 (and a bad logical id is not
 // counted). (The CPU twin throws instead.)
 // T may be 0 (nothing is launched). E <= kMaxMappedExperts.
 inline constexpr int kMaxMappedExperts = 4096;
-inline constexpr int kExpertCountRows = 32;
-inline constexpr int kMaxExpertCountRows = 1024;
 void map_to_physical(const PlacementView& placement, TensorView logical_ids, TensorView physical_ids,
                      int src_rank, DispatchAlgorithm algorithm, cudaStream_t stream,
                      std::int64_t token_offset = 0, TensorView expert_counts = {});
-
-// Column sums of [rows, E] counters read back to the host (rows * E values, row-major): the count per
-// expert. A [E] read-back (rows == 1) comes back unchanged.
-std::vector<std::int64_t> sum_count_rows(std::span<const std::int64_t> counts, std::int64_t num_logical);
 
 }  // namespace epmoe::cuda
