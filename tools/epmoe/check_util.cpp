@@ -5,7 +5,8 @@
 namespace epmoe::tools {
 
 CheckResult check_against_reference(const ModelWeights& weights, std::span<const TensorView> x,
-                                    std::span<const TensorView> y, Numerics numerics, double tolerance) {
+                                    std::span<const TensorView> y, Numerics numerics, double tolerance,
+                                    const std::function<void(std::size_t rank)>& on_rank) {
   CheckResult result;
   result.tolerance = tolerance;
   const std::int64_t H = weights.config().hidden;
@@ -15,6 +16,7 @@ CheckResult check_against_reference(const ModelWeights& weights, std::span<const
   HostTensor all_actual(DType::f64, {total, H}), all_expected(DType::f64, {total, H});
   std::int64_t offset = 0;
   for (std::size_t r = 0; r < x.size(); ++r) {
+    if (on_rank) on_rank(r);
     const std::int64_t T = x[r].size(0);
     HostTensor expected(numerics == Numerics::mirror ? DType::bf16 : DType::f64, {T, H});
     reference_forward(weights, x[r], expected, numerics);

@@ -1,6 +1,7 @@
 // Layer output vs the direct reference evaluation, as `epmoe check` and `epmoe run` report it.
 #pragma once
 
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <vector>
@@ -17,8 +18,10 @@ struct CheckResult {
 };
 
 // y[r] is the layer's output for x[r]; each is compared with reference_forward(x[r], numerics).
+// on_rank(r), if given, is called before rank r's reference (progress of long checks).
 CheckResult check_against_reference(const ModelWeights& weights, std::span<const TensorView> x,
-                                    std::span<const TensorView> y, Numerics numerics, double tolerance);
+                                    std::span<const TensorView> y, Numerics numerics, double tolerance,
+                                    const std::function<void(std::size_t rank)>& on_rank = {});
 nlohmann::json to_json(const ErrorReport& report);
 nlohmann::json to_json(const CheckResult& result);
 

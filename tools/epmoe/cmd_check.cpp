@@ -1,7 +1,9 @@
 // epmoe check: the layer (the N-rank simulation on the CPU) against the direct evaluation of
 // design.md §1 on the same quantized values; exits 1 when over tolerance.
+#include <chrono>
 #include <cstdio>
 #include <memory>
+#include <string>
 
 #include "epmoe/layer.hpp"
 #include "tools/epmoe/check_util.hpp"
@@ -19,8 +21,22 @@ struct CheckOptions {
   bool exact = false;
 };
 
+// One progress line on stderr per step of the check, with the seconds since it started: at
+// DeepSeek-V3 dims the CPU layer and reference take minutes for a few thousand tokens.
+class CheckProgress {
+ public:
+  void step(const std::string& what) const {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    std::fprintf(stderr, "  [check %.1f s] %s\n", seconds, what.c_str());
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
 void run_check(const CheckOptions& o) {
   reserve_stdout_for_json(o.json);
+  const CheckProgress progress;
   const MoeConfig config = build_config(o.model);
   LayerOptions lo;
   lo.mode = parse_mode(o.mode);
@@ -38,9 +54,16 @@ void run_check(const CheckOptions& o) {
     x.push_back(xs.back());
     y.push_back(ys.back());
   }
+  const auto reference_progress = [&](const char* numerics) {
+    return [&progress, numerics, ranks = x.size()](std::size_t r) {
+      progress.step(fmt::format("{} reference, rank {}/{}", numerics, r + 1, ranks));
+    };
+  };
+  progress.step(fmt::format("layer forward: {} ranks x {} tokens", config.num_ranks, o.tokens));
   ForwardStats stats;
   layer.forward(x, y, &stats);
-  const CheckResult mirror = check_against_reference(*weights, x, y, Numerics::mirror, o.tolerance);
+  const CheckResult mirror =
+      check_against_reference(*weights, x, y, Numerics::mirror, o.tolerance, reference_progress("mirrored"));
 
   std::printf("epmoe check: %s\n", config.describe().c_str());
   std::printf("  mode %s, dispatcher %s, %lld tokens per rank, %zu experts built\n",
@@ -57,7 +80,8 @@ void run_check(const CheckOptions& o) {
                       {"quant", to_string(config.quant)}, {"mirror", to_json(mirror)}};
   if (o.exact) {
     // How far the quantized pipeline is from f64 arithmetic on the same quantized inputs (informational).
-    const CheckResult exact = check_against_reference(*weights, x, y, Numerics::exact, 1.0);
+    const CheckResult exact =
+        check_against_reference(*weights, x, y, Numerics::exact, 1.0, reference_progress("f64"));
     std::printf("  vs f64 reference (quantization error, informational): rel_l2 %.3e  calc_diff %.3e\n",
                 exact.overall.rel_l2, exact.overall.calc_diff);
     j["exact"] = to_json(exact);
