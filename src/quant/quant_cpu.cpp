@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string_view>
 #include <vector>
 
@@ -15,6 +16,14 @@ namespace {
 void expect_host(const TensorView& t, std::string_view name) {
   expect_device(t, Device::cpu, name);
   expect_contiguous(t, name);
+}
+
+// A contiguous host tensor of this dtype and shape (how each quantizer checks its outputs and scales).
+void expect_host_tensor(const TensorView& t, DType dtype, std::initializer_list<std::int64_t> shape,
+                        std::string_view name) {
+  expect_dtype(t, dtype, name);
+  expect_shape(t, shape, name);
+  expect_host(t, name);
 }
 
 void expect_real_input(const TensorView& t, std::string_view name) {
@@ -99,6 +108,33 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
   return (a + b - 1) / b;
 }
 
+// x [n, k] quantized in blocks of `rows` x `cols` (the last row block may be shorter; cols divides
+// k), one scale per block into scales [ceil(n / rows), k / cols].
+void quantize_blocks_fp8(const RealReader& x, fp8_e4m3* q, float* scales, std::int64_t n, std::int64_t k,
+                         std::int64_t rows, std::int64_t cols, bool power_of_two) {
+  const std::int64_t col_blocks = k / cols;
+  for (std::int64_t rb = 0; rb < ceil_div(n, rows); ++rb) {
+    for (std::int64_t cb = 0; cb < col_blocks; ++cb) {
+      const Rect r{k, rb * rows, std::min(n, (rb + 1) * rows), cb * cols, (cb + 1) * cols};
+      const float scale = fp8_scale_for_amax(rect_amax(x, r), power_of_two);
+      scales[rb * col_blocks + cb] = scale;
+      rect_quantize_fp8(x, q, r, scale);
+    }
+  }
+}
+
+// The inverse of quantize_blocks_fp8, into f32.
+void dequantize_blocks_fp8(const fp8_e4m3* q, const float* scales, float* out, std::int64_t n, std::int64_t k,
+                           std::int64_t rows, std::int64_t cols) {
+  const std::int64_t col_blocks = k / cols;
+  for (std::int64_t rb = 0; rb < ceil_div(n, rows); ++rb) {
+    for (std::int64_t cb = 0; cb < col_blocks; ++cb) {
+      const Rect r{k, rb * rows, std::min(n, (rb + 1) * rows), cb * cols, (cb + 1) * cols};
+      rect_dequantize_fp8(q, out, r, scales[rb * col_blocks + cb]);
+    }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- scales
@@ -122,26 +158,10 @@ void quantize_per_token_group_fp8(TensorView x, TensorView q, TensorView scales,
   expect_host(x, "x");
   const std::int64_t t = x.shape[0], k = x.shape[1];
   expect_group(group, k, "group", "x");
-  const std::int64_t groups = k / group;
-  expect_dtype(q, DType::fp8_e4m3, "q");
-  expect_shape(q, {t, k}, "q");
-  expect_host(q, "q");
-  expect_dtype(scales, DType::f32, "scales");
-  expect_shape(scales, {t, groups}, "scales");
-  expect_host(scales, "scales");
+  expect_host_tensor(q, DType::fp8_e4m3, {t, k}, "q");
+  expect_host_tensor(scales, DType::f32, {t, k / group}, "scales");
   expect_finite(x, "x");
-
-  const RealReader xs(x);
-  fp8_e4m3* qs = q.as<fp8_e4m3>();
-  float* ss = scales.as<float>();
-  for (std::int64_t i = 0; i < t; ++i) {
-    for (std::int64_t g = 0; g < groups; ++g) {
-      const Rect r{k, i, i + 1, g * group, (g + 1) * group};
-      const float scale = fp8_scale_for_amax(rect_amax(xs, r), power_of_two);
-      ss[i * groups + g] = scale;
-      rect_quantize_fp8(xs, qs, r, scale);
-    }
-  }
+  quantize_blocks_fp8(RealReader(x), q.as<fp8_e4m3>(), scales.as<float>(), t, k, 1, group, power_of_two);
 }
 
 void dequantize_per_token_group_fp8(TensorView q, TensorView scales, TensorView out, int group) {
@@ -150,24 +170,11 @@ void dequantize_per_token_group_fp8(TensorView q, TensorView scales, TensorView 
   expect_host(q, "q");
   const std::int64_t t = q.shape[0], k = q.shape[1];
   expect_group(group, k, "group", "q");
-  const std::int64_t groups = k / group;
-  expect_dtype(scales, DType::f32, "scales");
-  expect_shape(scales, {t, groups}, "scales");
-  expect_host(scales, "scales");
-  expect_dtype(out, DType::f32, "out");
-  expect_shape(out, {t, k}, "out");
-  expect_host(out, "out");
+  expect_host_tensor(scales, DType::f32, {t, k / group}, "scales");
+  expect_host_tensor(out, DType::f32, {t, k}, "out");
   expect_finite(q, "q");
   expect_scale_tensor(scales, "scales");
-
-  const fp8_e4m3* qs = q.as<fp8_e4m3>();
-  const float* ss = scales.as<float>();
-  float* os = out.as<float>();
-  for (std::int64_t i = 0; i < t; ++i) {
-    for (std::int64_t g = 0; g < groups; ++g) {
-      rect_dequantize_fp8(qs, os, Rect{k, i, i + 1, g * group, (g + 1) * group}, ss[i * groups + g]);
-    }
-  }
+  dequantize_blocks_fp8(q.as<fp8_e4m3>(), scales.as<float>(), out.as<float>(), t, k, 1, group);
 }
 
 // ---------------------------------------------------------------- 128 x 128 block FP8
@@ -178,26 +185,10 @@ void quantize_block_fp8(TensorView w, TensorView q, TensorView scale_inv, int bl
   expect_host(w, "w");
   const std::int64_t n = w.shape[0], k = w.shape[1];
   expect_group(block, k, "block", "w");
-  const std::int64_t row_blocks = ceil_div(n, block), col_blocks = k / block;
-  expect_dtype(q, DType::fp8_e4m3, "q");
-  expect_shape(q, {n, k}, "q");
-  expect_host(q, "q");
-  expect_dtype(scale_inv, DType::f32, "scale_inv");
-  expect_shape(scale_inv, {row_blocks, col_blocks}, "scale_inv");
-  expect_host(scale_inv, "scale_inv");
+  expect_host_tensor(q, DType::fp8_e4m3, {n, k}, "q");
+  expect_host_tensor(scale_inv, DType::f32, {ceil_div(n, block), k / block}, "scale_inv");
   expect_finite(w, "w");
-
-  const RealReader ws(w);
-  fp8_e4m3* qs = q.as<fp8_e4m3>();
-  float* ss = scale_inv.as<float>();
-  for (std::int64_t rb = 0; rb < row_blocks; ++rb) {
-    for (std::int64_t cb = 0; cb < col_blocks; ++cb) {
-      const Rect r{k, rb * block, std::min(n, (rb + 1) * block), cb * block, (cb + 1) * block};
-      const float scale = fp8_scale_for_amax(rect_amax(ws, r), false);
-      ss[rb * col_blocks + cb] = scale;
-      rect_quantize_fp8(ws, qs, r, scale);
-    }
-  }
+  quantize_blocks_fp8(RealReader(w), q.as<fp8_e4m3>(), scale_inv.as<float>(), n, k, block, block, false);
 }
 
 void dequantize_block_fp8(TensorView q, TensorView scale_inv, TensorView out, int block) {
@@ -206,25 +197,11 @@ void dequantize_block_fp8(TensorView q, TensorView scale_inv, TensorView out, in
   expect_host(q, "q");
   const std::int64_t n = q.shape[0], k = q.shape[1];
   expect_group(block, k, "block", "q");
-  const std::int64_t row_blocks = ceil_div(n, block), col_blocks = k / block;
-  expect_dtype(scale_inv, DType::f32, "scale_inv");
-  expect_shape(scale_inv, {row_blocks, col_blocks}, "scale_inv");
-  expect_host(scale_inv, "scale_inv");
-  expect_dtype(out, DType::f32, "out");
-  expect_shape(out, {n, k}, "out");
-  expect_host(out, "out");
+  expect_host_tensor(scale_inv, DType::f32, {ceil_div(n, block), k / block}, "scale_inv");
+  expect_host_tensor(out, DType::f32, {n, k}, "out");
   expect_finite(q, "q");
   expect_scale_tensor(scale_inv, "scale_inv");
-
-  const fp8_e4m3* qs = q.as<fp8_e4m3>();
-  const float* ss = scale_inv.as<float>();
-  float* os = out.as<float>();
-  for (std::int64_t rb = 0; rb < row_blocks; ++rb) {
-    for (std::int64_t cb = 0; cb < col_blocks; ++cb) {
-      const Rect r{k, rb * block, std::min(n, (rb + 1) * block), cb * block, (cb + 1) * block};
-      rect_dequantize_fp8(qs, os, r, ss[rb * col_blocks + cb]);
-    }
-  }
+  dequantize_blocks_fp8(q.as<fp8_e4m3>(), scale_inv.as<float>(), out.as<float>(), n, k, block, block);
 }
 
 // ---------------------------------------------------------------- per-tensor FP8
@@ -268,12 +245,8 @@ void quantize_int4_grouped(TensorView w, TensorView packed, TensorView scales, i
   EPMOE_CHECK(k % 2 == 0, "w: K = {} must be even (two int4 values per byte)", k);
   expect_group(group, k, "group", "w");
   const std::int64_t groups = k / group;
-  expect_dtype(packed, DType::i4x2, "packed");
-  expect_shape(packed, {n, k / 2}, "packed");
-  expect_host(packed, "packed");
-  expect_dtype(scales, DType::f32, "scales");
-  expect_shape(scales, {n, groups}, "scales");
-  expect_host(scales, "scales");
+  expect_host_tensor(packed, DType::i4x2, {n, k / 2}, "packed");
+  expect_host_tensor(scales, DType::f32, {n, groups}, "scales");
   expect_finite(w, "w");
 
   const RealReader ws(w);
@@ -306,12 +279,8 @@ void dequantize_int4_grouped(TensorView packed, TensorView scales, TensorView ou
   EPMOE_CHECK(k % 2 == 0, "out: K = {} must be even (two int4 values per byte)", k);
   expect_group(group, k, "group", "out");
   const std::int64_t groups = k / group;
-  expect_dtype(packed, DType::i4x2, "packed");
-  expect_shape(packed, {n, k / 2}, "packed");
-  expect_host(packed, "packed");
-  expect_dtype(scales, DType::f32, "scales");
-  expect_shape(scales, {n, groups}, "scales");
-  expect_host(scales, "scales");
+  expect_host_tensor(packed, DType::i4x2, {n, k / 2}, "packed");
+  expect_host_tensor(scales, DType::f32, {n, groups}, "scales");
   expect_scale_tensor(scales, "scales");
 
   const auto* ps = static_cast<const std::uint8_t*>(packed.data);
