@@ -134,6 +134,10 @@ std::vector<Suite> suites();  // sorted by order
 
 // Shared by the suites: timing options for --quick, and reporting a result as it is measured.
 TimingOptions timing_for(const SuiteOptions& options);
+// --tokens, or else the memory-bound suites' token counts (128, 4096 and 16384; --quick: 128, 4096),
+// or `full` where given.
+std::vector<std::int64_t> tokens_or_default(const SuiteOptions& options,
+                                            std::vector<std::int64_t> full = {128, 4096, 16384});
 void emit(const SuiteOptions& options, std::vector<Result>& results, Result r);
 
 }  // namespace epmoe::bench

@@ -31,11 +31,7 @@ void fill_ids(std::int32_t* p, std::int64_t tokens, int k, int num_logical, std:
 
 std::vector<Result> run_eplb_suite(const SuiteOptions& options) {
   std::vector<Result> results;
-  std::vector<std::int64_t> token_list = options.tokens;
-  if (token_list.empty()) {
-    token_list =
-        options.quick ? std::vector<std::int64_t>{128, 4096} : std::vector<std::int64_t>{128, 4096, 16384};
-  }
+  const std::vector<std::int64_t> token_list = tokens_or_default(options);
   const TimingOptions timing = timing_for(options);
   cuda::Stream stream;
   SameBytesCopy copy(stream, timing);

@@ -23,11 +23,6 @@ constexpr int kExperts = 128;
 constexpr int kTopk = 8;
 constexpr std::int64_t kHidden = 7168;
 
-std::vector<std::int64_t> default_tokens(const SuiteOptions& options) {
-  if (!options.tokens.empty()) return options.tokens;
-  return options.quick ? std::vector<std::int64_t>{128, 4096} : std::vector<std::int64_t>{128, 4096, 16384};
-}
-
 // topk ids [T, 8]: distinct random experts per token, seeded.
 HostTensor route(std::int64_t tokens, std::uint64_t seed) {
   HostTensor ids(DType::i32, {tokens, kTopk});
@@ -64,7 +59,7 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
   cuda::Stream stream;
   SameBytesCopy copy(stream, timing);
   const std::int64_t groups = kHidden / 128;
-  for (const std::int64_t tokens : default_tokens(options)) {
+  for (const std::int64_t tokens : tokens_or_default(options)) {
     const std::int64_t entries = tokens * kTopk;
     const HostTensor ids_host = route(tokens, static_cast<std::uint64_t>(tokens));
     const cuda::DeviceTensor ids = cuda::to_device(ids_host, stream);
@@ -156,7 +151,7 @@ std::vector<Result> run_gather_suite(const SuiteOptions& options) {
   const TimingOptions timing = timing_for(options);
   cuda::Stream stream;
   SameBytesCopy copy(stream, timing);
-  for (const std::int64_t tokens : default_tokens(options)) {
+  for (const std::int64_t tokens : tokens_or_default(options)) {
     const std::int64_t entries = tokens * kTopk;
     const HostTensor ids_host = route(tokens, static_cast<std::uint64_t>(tokens) + 1);
     const cuda::DeviceTensor ids = cuda::to_device(ids_host, stream);

@@ -135,11 +135,7 @@ void trace_rows(const SuiteOptions& options, std::vector<Result>& results, const
 
 std::vector<Result> run_router_suite(const SuiteOptions& options) {
   std::vector<Result> results;
-  std::vector<std::int64_t> token_list = options.tokens;
-  if (token_list.empty()) {
-    token_list = options.quick ? std::vector<std::int64_t>{128, 4096}
-                               : std::vector<std::int64_t>{128, 4096, 16384, 65536, 131072};
-  }
+  const std::vector<std::int64_t> token_list = tokens_or_default(options, {128, 4096, 16384, 65536, 131072});
   const TimingOptions timing = timing_for(options);
   const char* variants_env = std::getenv("EPMOE_BENCH_ROUTER_VARIANTS");
   const bool variants = variants_env != nullptr && std::string_view(variants_env) == "1";

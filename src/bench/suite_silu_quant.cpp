@@ -57,11 +57,7 @@ std::vector<Variant> variants() {
 
 std::vector<Result> run_silu_quant_suite(const SuiteOptions& options) {
   std::vector<Result> results;
-  std::vector<std::int64_t> token_list = options.tokens;
-  if (token_list.empty()) {
-    token_list =
-        options.quick ? std::vector<std::int64_t>{128, 4096} : std::vector<std::int64_t>{128, 4096, 16384};
-  }
+  const std::vector<std::int64_t> token_list = tokens_or_default(options);
   const TimingOptions timing = timing_for(options);
   cuda::Stream stream;
   SameBytesCopy copy(stream, timing);

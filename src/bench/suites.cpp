@@ -31,6 +31,11 @@ std::vector<Suite> suites() {
   return list;
 }
 
+std::vector<std::int64_t> tokens_or_default(const SuiteOptions& options, std::vector<std::int64_t> full) {
+  if (!options.tokens.empty()) return options.tokens;
+  return options.quick ? std::vector<std::int64_t>{128, 4096} : full;
+}
+
 TimingOptions timing_for(const SuiteOptions& options) {
   TimingOptions t;
   if (options.quick) {
@@ -75,11 +80,7 @@ std::vector<Result> run_copy_suite(const SuiteOptions& options) {
 // T in tokens (default 128, 4096, 16384) and K in {7168, 2048}.
 std::vector<Result> run_quant_suite(const SuiteOptions& options) {
   std::vector<Result> results;
-  std::vector<std::int64_t> token_list = options.tokens;
-  if (token_list.empty()) {
-    token_list =
-        options.quick ? std::vector<std::int64_t>{128, 4096} : std::vector<std::int64_t>{128, 4096, 16384};
-  }
+  const std::vector<std::int64_t> token_list = tokens_or_default(options);
   const TimingOptions timing = timing_for(options);
   cuda::Stream stream;
   SameBytesCopy copy(stream, timing);
