@@ -26,6 +26,7 @@ using cuda::ScaleLayout;
 using testing::expect_error_mentions;
 
 using testing::check_output;
+using testing::masked_valid;
 using testing::fill_random_fp8;
 using testing::fill_random_scales;
 using testing::fresh_seed;
@@ -411,13 +412,6 @@ MaskedInputs masked_inputs(std::int64_t G, std::int64_t M_max, std::int64_t N, s
       to_mn_major(in.sa.data<float>() + g * M_max * KB, M_max, KB, in.sa_mn.data<float>() + g * KB * padded);
   }
   return in;
-}
-
-std::vector<bool> masked_valid(const std::vector<std::int32_t>& counts, std::int64_t M_max) {
-  std::vector<bool> valid;
-  for (const std::int32_t c : counts)
-    for (std::int64_t r = 0; r < M_max; ++r) valid.push_back(r < c);
-  return valid;
 }
 
 class GroupedGemmMaskedGpu : public ::testing::TestWithParam<MaskedCase> {};

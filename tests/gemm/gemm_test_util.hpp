@@ -41,6 +41,14 @@ inline void fill_random_scales(float* p, std::int64_t n, std::mt19937_64& rng) {
   for (std::int64_t i = 0; i < n; ++i) p[i] = std::ldexp(u(rng), e(rng));
 }
 
+// The valid rows of a masked output [G, M_max, n] flattened to rows: row r of group g while r < counts[g].
+inline std::vector<bool> masked_valid(const std::vector<std::int32_t>& counts, std::int64_t M_max) {
+  std::vector<bool> valid;
+  for (const std::int32_t c : counts)
+    for (std::int64_t r = 0; r < M_max; ++r) valid.push_back(r < c);
+  return valid;
+}
+
 // Compares got (bf16 [rows, n] flattened) against the f64 reference on the rows where valid[row];
 // every other row must still hold the poison.
 inline void check_output(const HostTensor& got, const HostTensor& ref, const std::vector<bool>& valid,

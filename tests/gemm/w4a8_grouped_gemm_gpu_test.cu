@@ -29,6 +29,7 @@ namespace {
 using testing::expect_error_mentions;
 
 using testing::check_output;
+using testing::masked_valid;
 using testing::fill_random_fp8;
 using testing::fill_random_scales;
 using testing::fresh_seed;
@@ -144,13 +145,6 @@ MaskedInputs masked_inputs(std::int64_t G, std::int64_t M_max, std::int64_t N, s
       std::memset(a_bytes + (g * M_max + r) * K, 0x7f, static_cast<std::size_t>(K));
   }
   return in;
-}
-
-std::vector<bool> masked_valid(const std::vector<std::int32_t>& counts, std::int64_t M_max) {
-  std::vector<bool> valid;
-  for (const std::int32_t c : counts)
-    for (std::int64_t r = 0; r < M_max; ++r) valid.push_back(r < c);
-  return valid;
 }
 
 class W4A8GemmMaskedGpu : public ::testing::TestWithParam<MaskedCase> {};
