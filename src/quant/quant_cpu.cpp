@@ -108,31 +108,31 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
   return (a + b - 1) / b;
 }
 
-// x [n, k] quantized in blocks of `rows` x `cols` (the last row block may be shorter; cols divides
-// k), one scale per block into scales [ceil(n / rows), k / cols].
-void quantize_blocks_fp8(const RealReader& x, fp8_e4m3* q, float* scales, std::int64_t n, std::int64_t k,
-                         std::int64_t rows, std::int64_t cols, bool power_of_two) {
+// fn(block, index) for each block of `rows` x `cols` of a row-major [n, k] matrix (the last row block
+// may be shorter; cols divides k), index = row block * (k / cols) + column block: the scales' layout.
+template <class Fn>
+void for_each_block(std::int64_t n, std::int64_t k, std::int64_t rows, std::int64_t cols, Fn&& fn) {
   const std::int64_t col_blocks = k / cols;
   for (std::int64_t rb = 0; rb < ceil_div(n, rows); ++rb) {
-    for (std::int64_t cb = 0; cb < col_blocks; ++cb) {
-      const Rect r{k, rb * rows, std::min(n, (rb + 1) * rows), cb * cols, (cb + 1) * cols};
-      const float scale = fp8_scale_for_amax(rect_amax(x, r), power_of_two);
-      scales[rb * col_blocks + cb] = scale;
-      rect_quantize_fp8(x, q, r, scale);
-    }
+    for (std::int64_t cb = 0; cb < col_blocks; ++cb)
+      fn(Rect{k, rb * rows, std::min(n, (rb + 1) * rows), cb * cols, (cb + 1) * cols}, rb * col_blocks + cb);
   }
+}
+
+// x [n, k] quantized in blocks of `rows` x `cols`, one scale per block.
+void quantize_blocks_fp8(const RealReader& x, fp8_e4m3* q, float* scales, std::int64_t n, std::int64_t k,
+                         std::int64_t rows, std::int64_t cols, bool power_of_two) {
+  for_each_block(n, k, rows, cols, [&](const Rect& r, std::int64_t i) {
+    scales[i] = fp8_scale_for_amax(rect_amax(x, r), power_of_two);
+    rect_quantize_fp8(x, q, r, scales[i]);
+  });
 }
 
 // The inverse of quantize_blocks_fp8, into f32.
 void dequantize_blocks_fp8(const fp8_e4m3* q, const float* scales, float* out, std::int64_t n, std::int64_t k,
                            std::int64_t rows, std::int64_t cols) {
-  const std::int64_t col_blocks = k / cols;
-  for (std::int64_t rb = 0; rb < ceil_div(n, rows); ++rb) {
-    for (std::int64_t cb = 0; cb < col_blocks; ++cb) {
-      const Rect r{k, rb * rows, std::min(n, (rb + 1) * rows), cb * cols, (cb + 1) * cols};
-      rect_dequantize_fp8(q, out, r, scales[rb * col_blocks + cb]);
-    }
-  }
+  for_each_block(n, k, rows, cols,
+                 [&](const Rect& r, std::int64_t i) { rect_dequantize_fp8(q, out, r, scales[i]); });
 }
 
 }  // namespace
