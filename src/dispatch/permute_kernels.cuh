@@ -244,10 +244,20 @@ __global__ void __launch_bounds__(kPermuteThreads)
   using BlockScan = cub::BlockScan<int, kPermuteThreads>;
   constexpr int kPerThread = kPermuteExpertsMax / kPermuteThreads;
   constexpr int kBatch = 32;  // histogram loads in flight per thread (each batch is an L2 round trip)
-  __shared__ PermuteWarpCounts warp_count;
-  __shared__ int base[kPermuteExpertsMax];   // entries of each expert in the chunks before this one
-  __shared__ int start[kPermuteExpertsMax];  // totals, then (contiguous) each expert's first row
-  __shared__ typename BlockScan::TempStorage scan_storage;
+  // One shared-memory object, so that every address is one base plus an offset: as separate arrays,
+  // ptxas re-made each array's base (S2R SR_CgaCtaId and two more) for the unrolled atomics below,
+  // 34-38 times in the kernel.
+  struct Shared {
+    PermuteWarpCounts warp_count;
+    int base[kPermuteExpertsMax];   // entries of each expert in the chunks before this one
+    int start[kPermuteExpertsMax];  // totals, then (contiguous) each expert's first row
+    typename BlockScan::TempStorage scan_storage;
+  };
+  __shared__ Shared sh;
+  auto& warp_count = sh.warp_count;
+  auto& base = sh.base;
+  auto& start = sh.start;
+  auto& scan_storage = sh.scan_storage;
 
   ptx::grid_dependency_wait();
   ptx::launch_dependents();

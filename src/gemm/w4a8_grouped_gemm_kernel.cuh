@@ -438,6 +438,16 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
     int row_buf = 0;
     const std::uint32_t rows_base = smem_rows + static_cast<std::uint32_t>(consumer) * 2 * kBM * 4;
     std::uint32_t frag[2][4][4];  // converted weights of two K blocks (wgmma A operands)
+    // This thread's codes and scales within a stage. Derived from threadIdx, ptxas re-made them (an
+    // S2R of variable latency each) in every K block's load and fold; a shuffle's result is not
+    // rematerialised, so they are held in two registers instead, except on the 32-row tile with two
+    // partials, which then spills (ptxas).
+    constexpr bool kHoldAddresses = !(kParts == 2 && kBM >= 32);
+    const auto hold = [&](std::uint32_t v) { return kHoldAddresses ? __shfl_sync(0xffffffffu, v, lane) : v; };
+    const std::uint32_t w_thread =
+        hold(smem_w + static_cast<std::uint32_t>(consumer) * w4a8::kPanelBytes + t * 16);
+    const std::uint32_t s_thread =
+        hold(smem_s + static_cast<std::uint32_t>(consumer) * w4a8::kPanelScaleBytes + 4 * row_in_panel);
     using I0 = std::integral_constant<int, 0>;
     using I1 = std::integral_constant<int, 1>;
 
@@ -456,8 +466,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
       constexpr int B = decltype(b)::value;
       const int sub = kStageKB == 1 ? 0 : at.sub;
       if (sub == 0) ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
-      const std::uint32_t w_addr =
-          smem_w + at.stage * kWStride + sub * Traits::kWBytes + consumer * w4a8::kPanelBytes + t * 16;
+      const std::uint32_t w_addr = w_thread + at.stage * kWStride + sub * Traits::kWBytes;
       const uint4 v0 = ptx::ld_shared_v4(w_addr);
       const uint4 v1 = ptx::ld_shared_v4(w_addr + 2048);
       w4a8_convert8(v0.x, frag[B][0][0], frag[B][0][1]);
@@ -514,8 +523,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
       constexpr int P = decltype(pp)::value;
       const int stage = at.stage;
       const int sub = kStageKB == 1 ? 0 : at.sub;
-      const std::uint32_t s_addr = smem_s + stage * kSStride + sub * Traits::kSBytes +
-                                   consumer * w4a8::kPanelScaleBytes + 4 * row_in_panel;
+      const std::uint32_t s_addr = s_thread + stage * kSStride + sub * Traits::kSBytes;
       const float s_lo = ptx::ld_shared_f32(s_addr), s_hi = ptx::ld_shared_f32(s_addr + 4 * 8);
       if constexpr (Traits::kOffsetWarp) {
         // The offset warp's sums of this stage, for this thread's columns 8 j + 2 q + {0, 1}

@@ -968,14 +968,26 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8StagedMinBlocks<kTm
   constexpr unsigned kFull = 0xffffffffu;
   using Pipe = G8QuadPipe<kTmaStages, kTokenLanes>;
   constexpr int kTokens = G8Warp<kTokenLanes>::kTokens;
-  __shared__ typename Pipe::Stage pipe_stage;
-  __shared__ typename Pipe::Barriers pipe_full;
-  __shared__ float4 bias_s[64];  // [group][chunk ^ group]
-  // Per warp: its tokens' candidate keys.
-  __shared__ std::uint64_t cand[kRouterG8Warps][kTokens][kRouterG8ListStride];
-  __shared__ std::uint32_t slot[kRouterG8Warps][kTokens][8];
-  __shared__ std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
-  __shared__ std::uint16_t spread_items[kRouterG8Warps][kRouterG8SpreadItems];  // sieve_route_unit's items
+  // One shared-memory object: every address is then one base plus an offset, and the base is the one
+  // symbol ptxas materialises (S2R SR_CgaCtaId on sm_90), instead of one per array.
+  struct Shared {
+    typename Pipe::Stage pipe_stage;
+    typename Pipe::Barriers pipe_full;
+    float4 bias_s[64];  // [group][chunk ^ group]
+    // Per warp: its tokens' candidate keys.
+    std::uint64_t cand[kRouterG8Warps][kTokens][kRouterG8ListStride];
+    std::uint32_t slot[kRouterG8Warps][kTokens][8];
+    std::uint32_t bias_abs_max[2];  // bits of the largest |b| seen by warps 0 and 1
+    std::uint16_t spread_items[kRouterG8Warps][kRouterG8SpreadItems];  // sieve_route_unit's items
+  };
+  __shared__ Shared sh;
+  auto& pipe_stage = sh.pipe_stage;
+  auto& pipe_full = sh.pipe_full;
+  auto& bias_s = sh.bias_s;
+  auto& cand = sh.cand;
+  auto& slot = sh.slot;
+  auto& bias_abs_max = sh.bias_abs_max;
+  auto& spread_items = sh.spread_items;
 
   RouterStamps<kTrace> stamps;
   // This warp's trace record (kTrace): stamps.record while its first unit runs, this for its leave stamp.
