@@ -18,7 +18,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -264,6 +267,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // since the error is gone).
   void reset_device_errors();
   bool broken() const { return !broken_reason_.empty(); }
+  // What a user of the communicator (a dispatcher) knows of its own state, appended to the message
+  // of a device error (a timed-out wait): its sequence numbers and flags. The function runs on the
+  // thread that raises the error, after the failed kernel has returned; it must not throw. Returns
+  // an id for remove_diagnostic (the user's destructor).
+  int add_diagnostic(std::function<std::string()> describe);
+  void remove_diagnostic(int id);
 
   // Collective: allocates and registers `bytes` (rounded up to the allocation granularity) of
   // symmetric memory, zero-filled, and waits until every rank has zero-filled its part.
@@ -330,6 +339,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int lsa_rank_ = -1, lsa_size_ = 0;
   cudaEvent_t wait_event_ = nullptr;
   SetupMemory setup_memory_;
+  mutable std::mutex diagnostics_mutex_;
+  std::map<int, std::function<std::string()>> diagnostics_;
+  int next_diagnostic_ = 0;
 };
 
 }  // namespace epmoe

@@ -609,7 +609,23 @@ void Communicator::check_device_errors() const {
   if (r == nullptr || r->code == 0) return;
   DeviceErrorRecord copy;
   std::memcpy(&copy, const_cast<const DeviceErrorRecord*>(errors_host_), sizeof(copy));
-  EPMOE_FAIL("{}", describe_device_error(copy));
+  std::string state;
+  {
+    const std::lock_guard lock(diagnostics_mutex_);
+    for (const auto& [id, describe] : diagnostics_) state += "; " + describe();
+  }
+  EPMOE_FAIL("{}{}", describe_device_error(copy), state);
+}
+
+int Communicator::add_diagnostic(std::function<std::string()> describe) {
+  const std::lock_guard lock(diagnostics_mutex_);
+  diagnostics_.emplace(next_diagnostic_, std::move(describe));
+  return next_diagnostic_++;
+}
+
+void Communicator::remove_diagnostic(int id) {
+  const std::lock_guard lock(diagnostics_mutex_);
+  diagnostics_.erase(id);
 }
 
 void Communicator::reset_device_errors() {

@@ -132,9 +132,11 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       offsets_mapped_ = static_cast<std::int32_t*>(mapped);
     }
     comm_->barrier();  // every rank's state is ready before anyone sends
+    diagnostic_ = comm_->add_diagnostic([this] { return describe_state(); });
   }
 
   ~NvlinkLlDispatcher() override {
+    comm_->remove_diagnostic(diagnostic_);
     // Nothing of ours may still run when the window goes (every device wait is bounded; the copy
     // engines' stream waits end once the dispatch launch before them has packed).
     (void)cudaStreamSynchronize(comm_->stream());
@@ -575,6 +577,42 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     return env == nullptr || std::string(env) != "0";
   }
 
+  // For a timed-out wait's message: the device sequence numbers and done counters, and what every
+  // source wrote into this rank's window (combine flags, the first header words) at both parities.
+  std::string describe_state() const {
+    try {
+      const auto read = [](const void* device, std::size_t bytes) {
+        std::vector<std::uint32_t> v(bytes / 4);
+        EPMOE_CUDA_CHECK(
+            cudaMemcpyAsync(v.data(), device, bytes, cudaMemcpyDeviceToHost, cudaStreamPerThread));
+        EPMOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+        return v;
+      };
+      const std::vector<std::uint32_t> st = read(sync_state_.data(), 64);
+      const auto* local = static_cast<const char*>(window_->local());
+      std::string flags, headers;
+      for (int d = 0; d < g_.N; ++d) {
+        std::string f, h;
+        for (int parity = 0; parity < 2; ++parity) {
+          const char* base = local + parity * parity_stride_;
+          f += fmt::format("{}{}", parity == 0 ? "" : "|", read(base + cflag_off_ + d * 16, 4)[0]);
+          const std::vector<std::uint32_t> w = read(base + hdr_off_ + d * header_ints_ * 4, 16);
+          h += fmt::format("{}{},{},{},{}", parity == 0 ? "" : "|", w[0], w[1], w[2], w[3]);
+        }
+        flags += fmt::format(" {}:{}", d, f);
+        headers += fmt::format(" {}:{}", d, h);
+      }
+      return fmt::format(
+          "{} on rank {}: device seq receive {} combine {} send {}, done counters {} {} {} {}, host send seq "
+          "{}; "
+          "combine flags by source [parity 0|1]:{}; header words by source:{}",
+          name_, g_.me, st[0], st[1], st[2], st[4], st[5], st[6], st[7], send_seq_, flags, headers);
+    } catch (const std::exception& e) {
+      return name_ + ": state unreadable: " + e.what();
+    }
+  }
+
+  int diagnostic_ = -1;
   std::int64_t header_ints_ = 0, hdr_off_ = 0, slot_off_ = 0, cflag_off_ = 0, cslot_off_ = 0, chunk_off_ = 0,
                tag_off_ = 0, parity_stride_ = 0, n_chunks_ = 0;
   bool chunked_ = true;

@@ -409,6 +409,11 @@ void check_a_lone_dispatch_times_out(Transport transport, int max_tokens, std::i
       auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([&](int) { return tokens; }), seed,
                             Routing::random);
       const std::string m = dispatch_error(*d, in[0]);  // the other ranks never dispatch
+      // The nvlink dispatchers add their state: sequence numbers, the flags each source wrote.
+      if (transport != Transport::p2p_normal && transport != Transport::p2p_low_latency) {
+        EXPECT_NE(m.find("device seq receive"), std::string::npos) << m;
+        EXPECT_NE(m.find("combine flags by source [parity 0|1]: 0:"), std::string::npos) << m;
+      }
       expect_recoverable_dispatch_timeout(m);
     }
     world().set_timeout_s(saved);
