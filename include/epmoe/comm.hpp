@@ -273,6 +273,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // an id for remove_diagnostic (the user's destructor).
   int add_diagnostic(std::function<std::string()> describe);
   void remove_diagnostic(int id);
+  std::string diagnostics() const;  // "; " + each user's description (empty when none)
 
   // Collective: allocates and registers `bytes` (rounded up to the allocation granularity) of
   // symmetric memory, zero-filled, and waits until every rank has zero-filled its part.

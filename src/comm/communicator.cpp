@@ -609,12 +609,14 @@ void Communicator::check_device_errors() const {
   if (r == nullptr || r->code == 0) return;
   DeviceErrorRecord copy;
   std::memcpy(&copy, const_cast<const DeviceErrorRecord*>(errors_host_), sizeof(copy));
+  EPMOE_FAIL("{}{}", describe_device_error(copy), diagnostics());
+}
+
+std::string Communicator::diagnostics() const {
   std::string state;
-  {
-    const std::lock_guard lock(diagnostics_mutex_);
-    for (const auto& [id, describe] : diagnostics_) state += "; " + describe();
-  }
-  EPMOE_FAIL("{}{}", describe_device_error(copy), state);
+  const std::lock_guard lock(diagnostics_mutex_);
+  for (const auto& [id, describe] : diagnostics_) state += "; " + describe();
+  return state;
 }
 
 int Communicator::add_diagnostic(std::function<std::string()> describe) {
@@ -692,7 +694,11 @@ void Communicator::barrier() {
     // This rank's work first, then the threads meet: whatever each rank enqueued before the
     // barrier is done when any rank leaves it.
     synchronize(CommPhase::setup, "this rank's stream before a barrier");
-    loopback_->barrier(rank_, host_wait_limit_s());
+    try {
+      loopback_->barrier(rank_, host_wait_limit_s());
+    } catch (const Error& e) {
+      EPMOE_FAIL("{}{}", e.what(), diagnostics());  // what this rank's dispatchers saw
+    }
     return;
   }
   const char* nccl_barrier = std::getenv("EPMOE_COMM_NCCL_BARRIER");

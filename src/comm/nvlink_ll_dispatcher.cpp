@@ -590,23 +590,29 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       };
       const std::vector<std::uint32_t> st = read(sync_state_.data(), 64);
       const auto* local = static_cast<const char*>(window_->local());
-      std::string flags, headers;
+      std::string flags, headers, sent, windows;
       for (int d = 0; d < g_.N; ++d) {
-        std::string f, h;
+        std::string f, h, o;
+        const auto* peer = static_cast<const char*>(window_->peer_pointer(d));
         for (int parity = 0; parity < 2; ++parity) {
+          const char* sep = parity == 0 ? "" : "|";
           const char* base = local + parity * parity_stride_;
-          f += fmt::format("{}{}", parity == 0 ? "" : "|", read(base + cflag_off_ + d * 16, 4)[0]);
+          f += fmt::format("{}{}", sep, read(base + cflag_off_ + d * 16, 4)[0]);
           const std::vector<std::uint32_t> w = read(base + hdr_off_ + d * header_ints_ * 4, 16);
-          h += fmt::format("{}{},{},{},{}", parity == 0 ? "" : "|", w[0], w[1], w[2], w[3]);
+          h += fmt::format("{}{},{},{},{}", sep, w[0], w[1], w[2], w[3]);
+          o += fmt::format("{}{}", sep, read(peer + parity * parity_stride_ + cflag_off_ + g_.me * 16, 4)[0]);
         }
         flags += fmt::format(" {}:{}", d, f);
         headers += fmt::format(" {}:{}", d, h);
+        sent += fmt::format(" {}:{}", d, o);
+        windows += fmt::format(" {}:{}", d, static_cast<const void*>(peer));
       }
       return fmt::format(
-          "{} on rank {}: device seq receive {} combine {} send {}, done counters {} {} {} {}, host send seq "
-          "{}; "
-          "combine flags by source [parity 0|1]:{}; header words by source:{}",
-          name_, g_.me, st[0], st[1], st[2], st[4], st[5], st[6], st[7], send_seq_, flags, headers);
+          "{} on rank {} (window {}): device seq receive {} combine {} send {}, done counters {} {} {} {}, "
+          "host send seq {}; combine flags by source [parity 0|1]:{}; this rank's combine flag in each "
+          "peer's window [parity 0|1]:{}; header words by source:{}; peer windows:{}",
+          name_, g_.me, static_cast<const void*>(local), st[0], st[1], st[2], st[4], st[5], st[6], st[7],
+          send_seq_, flags, sent, headers, windows);
     } catch (const std::exception& e) {
       return name_ + ": state unreadable: " + e.what();
     }
