@@ -17,8 +17,8 @@
 //              16-row decode tiles and 1-17% on the 32-row ones, 3 2-13% (NOTES, W4A8 v6); the
 //              offset warp with 2 also: racecheck reports its hand-off (NOTES, W4A8 v5).
 //   parts = 2 (version 2, no offset warp): the 32-row four-consumer tile (masked expected_m in
-//              13..24) keeps two partial accumulators in flight instead of one. Pinned only: 1-6%
-//              slower than one on the 128 x 16 decode rows (NOTES, W4A8 v6).
+//              13..24) keeps two partial accumulators in flight instead of one. The automatic choice
+//              since session 19 (2-3% faster on the 128 x 16 decode rows; in W4A8 v6 it was 1-6% slower).
 //
 // Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
 // with offset_warp and stage_k_blocks as pinned when the pinned version is 2.
