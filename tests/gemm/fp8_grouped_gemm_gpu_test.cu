@@ -26,12 +26,12 @@ using cuda::ScaleLayout;
 using testing::expect_error_mentions;
 
 using testing::check_output;
-using testing::masked_valid;
 using testing::fill_random_fp8;
 using testing::fill_random_scales;
 using testing::fresh_seed;
 using testing::kPoison;
 using testing::kTolerance;
+using testing::masked_valid;
 
 // Token-major [rows, kb] -> MN-major TMA-aligned [kb, tma_aligned(rows)] (padding 0).
 void to_mn_major(const float* token_major, std::int64_t rows, std::int64_t kb, float* out) {

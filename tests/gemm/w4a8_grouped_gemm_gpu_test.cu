@@ -29,12 +29,12 @@ namespace {
 using testing::expect_error_mentions;
 
 using testing::check_output;
-using testing::masked_valid;
 using testing::fill_random_fp8;
 using testing::fill_random_scales;
 using testing::fresh_seed;
 using testing::kPoison;
 using testing::kTolerance;
+using testing::masked_valid;
 
 struct Weights {
   HostTensor w, s;  // checkpoint order: i4x2 [G, N, K/2], f32 [G, N, K/128]
