@@ -54,10 +54,24 @@ GpuDispatcherBase::GpuDispatcherBase(std::string name, const DispatcherContext& 
 }
 
 void GpuDispatcherBase::enter(std::string_view what) const {
+  last_call_ = what;
+  const auto at =
+      std::find_if(host_calls_.begin(), host_calls_.end(), [&](const auto& c) { return c.first == what; });
+  if (at == host_calls_.end()) {
+    host_calls_.emplace_back(std::string(what), 1);
+  } else {
+    ++at->second;
+  }
   comm_->check_usable(fmt::format("{} {}", name_, what));
   int current = -1;
   EPMOE_CUDA_CHECK(cudaGetDevice(&current));
   if (current != comm_->device()) EPMOE_CUDA_CHECK(cudaSetDevice(comm_->device()));
+}
+
+std::string GpuDispatcherBase::host_calls() const {
+  std::string s;
+  for (const auto& [what, n] : host_calls_) s += fmt::format("{}{} {}", s.empty() ? "" : ", ", what, n);
+  return fmt::format("{} (last: {})", s.empty() ? "none" : s, last_call_.empty() ? "none" : last_call_);
 }
 
 std::int64_t GpuDispatcherBase::validate_input(const DispatchInput& in) const {

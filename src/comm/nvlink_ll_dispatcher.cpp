@@ -580,42 +580,43 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   // For a timed-out wait's message: the device sequence numbers and done counters, and what every
   // source wrote into this rank's window (combine flags, the first header words) at both parities.
   std::string describe_state() const {
-    try {
-      const auto read = [](const void* device, std::size_t bytes) {
-        std::vector<std::uint32_t> v(bytes / 4);
-        EPMOE_CUDA_CHECK(
-            cudaMemcpyAsync(v.data(), device, bytes, cudaMemcpyDeviceToHost, cudaStreamPerThread));
-        EPMOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
-        return v;
-      };
-      const std::vector<std::uint32_t> st = read(sync_state_.data(), 64);
-      const auto* local = static_cast<const char*>(window_->local());
-      std::string flags, headers, sent, windows;
-      for (int d = 0; d < g_.N; ++d) {
-        std::string f, h, o;
-        const auto* peer = static_cast<const char*>(window_->peer_pointer(d));
-        for (int parity = 0; parity < 2; ++parity) {
-          const char* sep = parity == 0 ? "" : "|";
-          const char* base = local + parity * parity_stride_;
-          f += fmt::format("{}{}", sep, read(base + cflag_off_ + d * 16, 4)[0]);
-          const std::vector<std::uint32_t> w = read(base + hdr_off_ + d * header_ints_ * 4, 16);
-          h += fmt::format("{}{},{},{},{}", sep, w[0], w[1], w[2], w[3]);
-          o += fmt::format("{}{}", sep, read(peer + parity * parity_stride_ + cflag_off_ + g_.me * 16, 4)[0]);
-        }
-        flags += fmt::format(" {}:{}", d, f);
-        headers += fmt::format(" {}:{}", d, h);
-        sent += fmt::format(" {}:{}", d, o);
-        windows += fmt::format(" {}:{}", d, static_cast<const void*>(peer));
+    // Each word read on its own ("?" where a read fails: a peer that has gone freed its window).
+    const auto read = [](const void* device, std::size_t bytes) -> std::vector<std::string> {
+      std::vector<std::uint32_t> v(bytes / 4);
+      std::vector<std::string> out;
+      const bool ok = cudaMemcpyAsync(v.data(), device, bytes, cudaMemcpyDeviceToHost, cudaStreamPerThread) ==
+                          cudaSuccess &&
+                      cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess;
+      if (!ok) (void)cudaGetLastError();
+      for (const std::uint32_t w : v) out.push_back(ok ? std::to_string(w) : "?");
+      return out;
+    };
+    const std::vector<std::string> st = read(sync_state_.data(), 64);
+    const auto* local = static_cast<const char*>(window_->local());
+    std::string flags, headers, sent, windows;
+    for (int d = 0; d < g_.N; ++d) {
+      std::string f, h, o;
+      const auto* peer = static_cast<const char*>(window_->peer_pointer(d));
+      for (int parity = 0; parity < 2; ++parity) {
+        const char* sep = parity == 0 ? "" : "|";
+        const char* base = local + parity * parity_stride_;
+        f += fmt::format("{}{}", sep, read(base + cflag_off_ + d * 16, 4)[0]);
+        const std::vector<std::string> w = read(base + hdr_off_ + d * header_ints_ * 4, 16);
+        h += fmt::format("{}{},{},{},{}", sep, w[0], w[1], w[2], w[3]);
+        o += fmt::format("{}{}", sep, read(peer + parity * parity_stride_ + cflag_off_ + g_.me * 16, 4)[0]);
       }
-      return fmt::format(
-          "{} on rank {} (window {}): device seq receive {} combine {} send {}, done counters {} {} {} {}, "
-          "host send seq {}; combine flags by source [parity 0|1]:{}; this rank's combine flag in each "
-          "peer's window [parity 0|1]:{}; header words by source:{}; peer windows:{}",
-          name_, g_.me, static_cast<const void*>(local), st[0], st[1], st[2], st[4], st[5], st[6], st[7],
-          send_seq_, flags, sent, headers, windows);
-    } catch (const std::exception& e) {
-      return name_ + ": state unreadable: " + e.what();
+      flags += fmt::format(" {}:{}", d, f);
+      headers += fmt::format(" {}:{}", d, h);
+      sent += fmt::format(" {}:{}", d, o);
+      windows += fmt::format(" {}:{}", d, static_cast<const void*>(peer));
     }
+    return fmt::format(
+        "{} on rank {} (window {}): host calls {}; device seq receive {} combine {} send {}, done counters "
+        "{} {} "
+        "{} {}, host send seq {}; combine flags by source [parity 0|1]:{}; this rank's combine flag in each "
+        "peer's window [parity 0|1]:{}; header words by source:{}; peer windows:{}",
+        name_, g_.me, static_cast<const void*>(local), host_calls(), st[0], st[1], st[2], st[4], st[5], st[6],
+        st[7], send_seq_, flags, sent, headers, windows);
   }
 
   int diagnostic_ = -1;
