@@ -58,7 +58,7 @@ void GpuDispatcherBase::enter(std::string_view what) const {
   const auto at =
       std::find_if(host_calls_.begin(), host_calls_.end(), [&](const auto& c) { return c.first == what; });
   if (at == host_calls_.end()) {
-    host_calls_.emplace_back(std::string(what), 1);
+    host_calls_.emplace_back(what, 1);
   } else {
     ++at->second;
   }

@@ -22,7 +22,8 @@ class GpuDispatcherBase {
   std::int64_t validate_input(const DispatchInput& in) const;
   void validate_combine(const TensorView& expert_out, const TensorView& y) const;
   // Makes the communicator's device current and throws if an earlier error left it unusable; counts
-  // the host calls (for a timed-out wait's message: which calls this rank made).
+  // the host calls (for a timed-out wait's message: which calls this rank made). `what` is a string
+  // literal (kept as a view: no allocation per call).
   void enter(std::string_view what) const;
   std::string host_calls() const;  // "dispatch 2, combine_send 1, ... (last: combine_send)"
 
@@ -39,8 +40,8 @@ class GpuDispatcherBase {
   std::size_t base_buffer_bytes() const;
 
   std::string name_;
-  mutable std::vector<std::pair<std::string, int>> host_calls_;  // in first-call order
-  mutable std::string last_call_;
+  mutable std::vector<std::pair<std::string_view, int>> host_calls_;  // in first-call order
+  mutable std::string_view last_call_;
   DispatcherContext context_;
   std::shared_ptr<Communicator> comm_;
   EpGeometry g_;

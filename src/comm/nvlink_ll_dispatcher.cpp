@@ -611,10 +611,11 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       windows += fmt::format(" {}:{}", d, static_cast<const void*>(peer));
     }
     return fmt::format(
-        "{} on rank {} (window {}): host calls {}; device seq receive {} combine {} send {}, done counters "
-        "{} {} "
-        "{} {}, host send seq {}; combine flags by source [parity 0|1]:{}; this rank's combine flag in each "
-        "peer's window [parity 0|1]:{}; header words by source:{}; peer windows:{}",
+        "{} on rank {} (window {}): host calls {}; "
+        "device seq receive {} combine {} send {}, done counters {} {} {} {}, host send seq {}; "
+        "combine flags by source [parity 0|1]:{}; "
+        "this rank's combine flag in each peer's window [parity 0|1]:{}; "
+        "header words by source:{}; peer windows:{}",
         name_, g_.me, static_cast<const void*>(local), host_calls(), st[0], st[1], st[2], st[4], st[5], st[6],
         st[7], send_seq_, flags, sent, headers, windows);
   }
