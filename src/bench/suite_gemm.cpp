@@ -528,6 +528,10 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   const cuda::DeviceTensor b(DType::fp8_e4m3, {G, N, K}), sb(DType::f32, {G, N / 128, KB});
   const cuda::DeviceTensor w(DType::i4x2, {G, N, K / 2}), ws(DType::f32, {G, N, KB}),
       pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, KB});
+  // The masked W4A8 calls' workspace (the row-sum pre-pass, where their kernel takes it), allocated
+  // once as the runner does.
+  const cuda::DeviceTensor w4_workspace(
+      DType::f32, {s.masked ? static_cast<std::int64_t>(cuda::w4a8_workspace_bytes(G, s.m, K) / 4) : 0});
   fill_operands(a, b, seed, stream);
   fill_random_scales(sa, seed + 2, stream);
   fill_random_scales(sb, seed + 4, stream);
@@ -603,20 +607,32 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   const cuda::W4A8KernelChoice chosen = cuda::w4a8_kernel_choice(s.masked, s.expected_m, N, K);
   const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3({3}, s.masked, s.expected_m, N);
   std::vector<W4A8Variant> variants{{".w4a8", chosen}};
-  const auto same_v2 = [&](int offset_warp, int stage_k_blocks) {
-    return chosen.version == 2 && chosen.offset_warp == offset_warp &&
-           std::max(chosen.stage_k_blocks, 1) == stage_k_blocks;
+  // A v2 variant is listed unless it is the choice (the ".w4a8" line).
+  const auto add_v2 = [&](const cuda::W4A8KernelChoice& c) {
+    const bool same = chosen.version == 2 && chosen.offset_warp == c.offset_warp &&
+                      std::max(chosen.stage_k_blocks, 1) == std::max(c.stage_k_blocks, 1) &&
+                      chosen.parts == c.parts && chosen.row_sums == c.row_sums;
+    if (same) return;
+    std::string suffix = ".w4a8.v2";
+    if (c.stage_k_blocks > 1) suffix += ".k" + std::to_string(c.stage_k_blocks);
+    if (c.parts == 2) suffix += ".p2";
+    if (c.row_sums != 0) suffix += ".rs";
+    variants.push_back({suffix, c});
   };
-  if (!same_v2(0, 1)) variants.push_back({".w4a8.v2", {2}});
-  // Plain v2 with two and three K blocks per stage (bench/NOTES.md, W4A8 v6), where not the choice.
-  for (const int kb : {2, 3}) {
-    if (!same_v2(0, kb))
-      variants.push_back({".w4a8.v2.k" + std::to_string(kb), {.version = 2, .stage_k_blocks = kb}});
-  }
+  add_v2({2});
+  // Plain v2 with two and three K blocks per stage (bench/NOTES.md, W4A8 v6).
+  for (const int kb : {2, 3}) add_v2({.version = 2, .stage_k_blocks = kb});
   // The 32-row decode tile with two partials (".p2"), with one and two K blocks per stage.
   if (s.masked && s.expected_m > 12 && s.expected_m <= 24) {
-    variants.push_back({".w4a8.v2.p2", {.version = 2, .parts = 2}});
-    variants.push_back({".w4a8.v2.k2.p2", {.version = 2, .stage_k_blocks = 2, .parts = 2}});
+    add_v2({.version = 2, .parts = 2});
+    add_v2({.version = 2, .stage_k_blocks = 2, .parts = 2});
+  }
+  // The decode tiles with the offset term from the row-sum pre-pass (".rs"; the time includes the
+  // pre-pass kernel): one and two partials, two K blocks per stage.
+  if (s.masked && s.expected_m <= 24) {
+    add_v2({.version = 2, .row_sums = 1});
+    add_v2({.version = 2, .stage_k_blocks = 2, .row_sums = 1});
+    if (s.expected_m > 12) add_v2({.version = 2, .parts = 2, .row_sums = 1});
   }
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   for (const cuda::W4A8KernelChoice c :
@@ -664,7 +680,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     all_sms.options.max_ctas = cuda::device_props().sm_count;
     variants.push_back(all_sms);
   }
-  for (const W4A8Variant& v : variants) {
+  for (W4A8Variant& v : variants) {
+    if (s.masked) v.options.workspace = w4_workspace.view();
     cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);
     const double us = time_us(
         [&](int, cudaStream_t st) {
@@ -683,6 +700,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     p["kernel"] = static_cast<std::int64_t>(ran.version);
     p["offset_warp"] = static_cast<std::int64_t>(ran.offset_warp);
     p["stage_k_blocks"] = static_cast<std::int64_t>(std::max(ran.stage_k_blocks, 1));
+    p["parts"] = static_cast<std::int64_t>(ran.parts);
+    p["row_sums"] = static_cast<std::int64_t>(ran.row_sums);
     if (ran.version == 3) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = static_cast<std::int64_t>(ran.block_n);

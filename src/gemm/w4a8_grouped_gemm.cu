@@ -19,6 +19,7 @@
 #include "gemm/gemm_host.hpp"
 #include "gemm/w4a8_grouped_gemm_kernel.cuh"
 #include "gemm/w4a8_kernel_choice.hpp"
+#include "gemm/w4a8_row_sums_kernel.cuh"
 #include "gemm/w4a8_smem_gemm_kernel.cuh"
 
 namespace epmoe::cuda {
@@ -149,10 +150,10 @@ cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes,
   return config;
 }
 
-template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB, int kParts = 0>
+template <int kBM, int kConsumers, int kOffset, int kStageKB, int kParts = 0>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
-  using Traits = W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>;
-  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffsetWarp, kStageKB, kParts>;
+  using Traits = W4A8Traits<kBM, kConsumers, kOffset, kStageKB>;
+  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffset, kStageKB, kParts>;
   gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
   const std::int64_t ctas = plan_persistent(problem, options, kBM, Traits::kTileN, Traits::kStages);
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
@@ -161,27 +162,43 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-// parts = 2: the 32-row four-consumer tile with two partials (W4A8KernelChoice::parts).
-template <bool kOffsetWarp, int kStageKB>
+// parts = 2: the 32-row four-consumer tile with two partials (W4A8KernelChoice::parts). kOffsetSums
+// has only the decode tiles (block_m <= 32; run() checks).
+template <int kOffset, int kStageKB>
 void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& problem,
             const W4A8GemmOptions& options, cudaStream_t stream) {
+  constexpr bool kWarp = kOffset == kernels::kW4OffsetWarp;
+  constexpr bool kDecodeOnly = kOffset == kernels::kW4OffsetSums;
   if (tile.consumers == 4) {
-    if (tile.block_m == 16) return launch<16, 4, kOffsetWarp, kStageKB>(a, problem, options, stream);
-    if constexpr (!kOffsetWarp) {
-      if (parts == 2) return launch<32, 4, kOffsetWarp, kStageKB, 2>(a, problem, options, stream);
+    if (tile.block_m == 16) return launch<16, 4, kOffset, kStageKB>(a, problem, options, stream);
+    if constexpr (!kWarp) {
+      if (parts == 2) return launch<32, 4, kOffset, kStageKB, 2>(a, problem, options, stream);
     }
-    return launch<32, 4, kOffsetWarp, kStageKB>(a, problem, options, stream);
+    return launch<32, 4, kOffset, kStageKB>(a, problem, options, stream);
   }
   switch (tile.block_m) {
     case 16:
-      return launch<16, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
+      return launch<16, 2, kOffset, kStageKB>(a, problem, options, stream);
     case 32:
-      return launch<32, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
-    case 64:
-      return launch<64, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
+      return launch<32, 2, kOffset, kStageKB>(a, problem, options, stream);
     default:
-      return launch<128, 2, kOffsetWarp, kStageKB>(a, problem, options, stream);
+      break;
   }
+  if constexpr (!kDecodeOnly) {
+    if (tile.block_m == 64) return launch<64, 2, kOffset, kStageKB>(a, problem, options, stream);
+    return launch<128, 2, kOffset, kStageKB>(a, problem, options, stream);
+  }
+}
+
+// The offset term's row sums for a masked problem (kOffsetSums) into options.workspace.
+void launch_row_sums(const TensorView& a, const Problem& problem, float* sums, std::int32_t sums_rows,
+                     cudaStream_t stream) {
+  const W4A8Params& p = problem.params;
+  const dim3 grid(static_cast<unsigned>((sums_rows + kernels::kW4SumsWarps - 1) / kernels::kW4SumsWarps),
+                  static_cast<unsigned>(p.groups));
+  kernels::w4a8_row_sums_kernel<<<grid, kernels::kW4SumsWarps * 32, 0, stream>>>(
+      static_cast<const std::uint8_t*>(a.data), p.masked_m, p.rows, p.k, sums_rows, sums);
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 // The shared-memory-conversion kernel (v3).
@@ -248,18 +265,31 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
     c.offset_warp = g_pinned.offset_warp;
     c.stage_k_blocks = g_pinned.stage_k_blocks;
     c.parts = g_pinned.parts;
+    c.row_sums = g_pinned.row_sums;
   }
   Problem with = problem;
   with.ablation = c.ablation;
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
+  constexpr int kWgmma = kernels::kW4OffsetWgmma, kWarp = kernels::kW4OffsetWarp;
   if (c.offset_warp != 0) {
-    if (c.stage_k_blocks == 2) return launch<true, 2>(tile, c.parts, a, with, options, stream);
-    return launch<true, 1>(tile, c.parts, a, with, options, stream);
+    if (c.stage_k_blocks == 2) return launch<kWarp, 2>(tile, c.parts, a, with, options, stream);
+    return launch<kWarp, 1>(tile, c.parts, a, with, options, stream);
   }
-  if (c.stage_k_blocks == 2) return launch<false, 2>(tile, c.parts, a, with, options, stream);
-  if (c.stage_k_blocks == 3) return launch<false, 3>(tile, c.parts, a, with, options, stream);
-  launch<false, 1>(tile, c.parts, a, with, options, stream);
+  // The pre-pass's row sums: masked decode tiles with a workspace (else the offset wgmma).
+  if (c.row_sums != 0 && masked && tile.block_m <= 32 && !options.workspace.empty_view()) {
+    const std::int32_t sums_rows = static_cast<std::int32_t>((problem.tile_rows + 31) / 32 * 32);
+    auto* sums = static_cast<float*>(options.workspace.data);
+    with.params.row_sums = sums;
+    with.params.sums_rows = sums_rows;
+    launch_row_sums(a, with, sums, sums_rows, stream);
+    constexpr int kSums = kernels::kW4OffsetSums;
+    if (c.stage_k_blocks == 2) return launch<kSums, 2>(tile, c.parts, a, with, options, stream);
+    return launch<kSums, 1>(tile, c.parts, a, with, options, stream);
+  }
+  if (c.stage_k_blocks == 2) return launch<kWgmma, 2>(tile, c.parts, a, with, options, stream);
+  if (c.stage_k_blocks == 3) return launch<kWgmma, 3>(tile, c.parts, a, with, options, stream);
+  launch<kWgmma, 1>(tile, c.parts, a, with, options, stream);
 }
 
 // Checks shared by both layouts; fills the weight and scale fields of p.
@@ -390,7 +420,8 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
   static_cast<void>(k);
   // Two partials on the 32-row tile (w4a8_gemm_tile picks it for expected_m 13..24; other tiles ignore
   // parts): 2-3% faster than one on the 128 x 16 decode rows (session 19).
-  if (masked && expected_m <= 24) return W4A8KernelChoice{.version = 2, .parts = 2};
+  // The offset term from the row-sum pre-pass where the call has a workspace (session 20).
+  if (masked && expected_m <= 24) return W4A8KernelChoice{.version = 2, .parts = 2, .row_sums = 1};
   return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
 }
 
@@ -411,6 +442,11 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
               "W4A8 stage_k_blocks must be 0 or 1, 2 with version 2, or 3 with version 2 and no offset warp, "
               "got {} with version {} and offset_warp {}",
               choice.stage_k_blocks, choice.version, choice.offset_warp);
+  EPMOE_CHECK(
+      choice.row_sums == 0 || (choice.row_sums == 1 && choice.version == 2 && choice.offset_warp == 0),
+      "W4A8 row_sums must be 0, or 1 with version 2 and no offset warp, got {} with version {} and "
+      "offset_warp {}",
+      choice.row_sums, choice.version, choice.offset_warp);
   EPMOE_CHECK(choice.parts >= 0 && choice.parts <= 2 &&
                   (choice.parts != 2 || (choice.version == 2 && choice.offset_warp == 0)),
               "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got {} with version {} and "
@@ -431,6 +467,12 @@ W4A8TileShape w4a8_gemm_tile(bool masked, std::int64_t expected_m) {
   if (expected_m <= 24) return {32, 4};
   if (expected_m <= 48) return {64, 2};
   return {128, 2};
+}
+
+std::size_t w4a8_workspace_bytes(std::int64_t groups, std::int64_t m_max, std::int64_t k) {
+  EPMOE_CHECK(groups >= 0 && m_max >= 0 && k >= 0, "w4a8_workspace_bytes: sizes must be >= 0, got {}, {}, {}",
+              groups, m_max, k);
+  return static_cast<std::size_t>(groups * (k / kBlockK) * ((m_max + 31) / 32 * 32)) * sizeof(float);
 }
 
 std::size_t w4a8_packed_weight_bytes(std::int64_t groups, std::int64_t n, std::int64_t k) {
@@ -475,6 +517,13 @@ void w4a8_grouped_gemm_masked(TensorView a, float a_scale, TensorView a_scale_de
   EPMOE_CHECK(expected_m >= 0, "expected_m must be >= 0, got {}", expected_m);
   const W4A8TileShape tile = check_tile(options, true, expected_m, w.n);
   EPMOE_CHECK(w.groups * (M_max + 128) <= kInt32Max, "a {} has too many rows for one launch", a.describe());
+  if (!options.workspace.empty_view()) {
+    expect_aligned_tensor(options.workspace, DType::f32, Device::cuda, "options.workspace", 16);
+    const std::size_t need = w4a8_workspace_bytes(w.groups, M_max, w.k);
+    EPMOE_CHECK(options.workspace.nbytes() >= need,
+                "options.workspace {} must hold at least {} bytes (w4a8_workspace_bytes({}, {}, {}))",
+                options.workspace.describe(), need, w.groups, M_max, w.k);
+  }
   if (M_max == 0) return;
   check_device();
   p.m_indices = nullptr;

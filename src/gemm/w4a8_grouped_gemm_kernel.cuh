@@ -12,7 +12,8 @@
 // memory, into the same partial, which then holds 2^-9 Σ A · v; larger tiles compute it per
 // activation row with m64n8k32 and add it in the promotion (W4A8Traits::kRowOffset); the v5
 // variant (kOffsetWarp, any tile) has an otherwise idle producer warp sum the activation rows per
-// stage and the consumers add those sums in the promotion, so they issue only the weights' wgmma. (The
+// stage and the consumers add those sums in the promotion, so they issue only the weights' wgmma;
+// kOffsetSums (decode tiles) adds sums that a pre-pass kernel computed once per row and K block. (The
 // conversion was the bottleneck of decode with the prmt table codes: 9 integer instructions per 8
 // weights against 3 now; the extra wgmma per step costs the tensor core ~13 cycles per SM at
 // m64n16k32, bench/NOTES.md.) The per-(row, K block) weight scale then scales accumulator rows:
@@ -27,6 +28,8 @@
 //     contiguous per K block), all completing on the stage's "full" mbarrier;
 //   - kOffsetWarp: warp 1 waits for the same "full" barrier, writes the stage's kBM activation-row
 //     offsets into the stage's slot and arrives on the stage's "offset" mbarrier;
+//   - kOffsetSums: warp 1 bulk-copies the tile's kBM precomputed row sums of each K block (the
+//     pre-pass, w4a8_row_sums_kernel.cuh) into the stage's slot, as the full barrier's second arrival;
 //   - consumer warpgroup c (64 weight rows): per K block, two 16-byte shared loads give each thread
 //     its 64 int4 codes, masks turn them into 16 registers of e4m3, four wgmma m64nNk32 with the
 //     codes (A from registers) and the offset wgmma accumulate the partial product, the stage is
@@ -56,7 +59,12 @@ namespace epmoe::kernels {
 
 inline constexpr int kW4SmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
 
-template <int kBM, int kConsumers, bool kOffsetWarp_ = false, int kStageKB_ = 1>
+// Where the codes' offset term comes from (W4A8Traits below).
+inline constexpr int kW4OffsetWgmma = 0;  // the consumers' wgmma (constant-operand SS, or kRowOffset)
+inline constexpr int kW4OffsetWarp = 1;   // v5: a producer-side warp sums the stage's rows
+inline constexpr int kW4OffsetSums = 2;   // the rows' sums from a pre-pass, copied in with the stage
+
+template <int kBM, int kConsumers, int kOffset_ = kW4OffsetWgmma, int kStageKB_ = 1>
 struct W4A8Traits {
   static_assert(kBM == 16 || kBM == 32 || kBM == 64 || kBM == 128);
   static_assert(kConsumers == 2 || (kConsumers == 4 && kBM <= 32));
@@ -87,12 +95,23 @@ struct W4A8Traits {
   // kBM floats and arrives on the stage's "offset" mbarrier; the consumers issue only the weights'
   // four wgmma per stage and add the slot in the promotion (one FADD per accumulator), waiting on
   // that barrier only there, after their wgmma, so the sums are off their issue path.
-  static constexpr bool kOffsetWarp = kOffsetWarp_;
-  static constexpr bool kRowOffset = kBM >= 64 && !kOffsetWarp;
-  static constexpr bool kOffsetSS = kBM <= 32 && !kOffsetWarp;  // the constant-A wgmma per K step
-  static constexpr int kOffsetBytes = kOffsetWarp ? 0 : kRowOffset ? 1024 : w4a8::kPanelRows * w4a8::kBlockK;
+  //
+  // kOffsetSums (decode tiles, kBM <= 32): the same fold as the offset warp's, but the slot's kBM
+  // floats are precomputed for every (row, K block) by a small kernel before the GEMM
+  // (w4a8_row_sums_kernel) and bulk-copied by the producer into the stage with its other bytes,
+  // completing on the same "full" barrier: no offset wgmma (on the 32-row tile it read 3 KB of shared
+  // memory per consumer and k32 step, the tile's bottleneck under ncu) and no hand-off between warps.
+  static constexpr int kOffset = kOffset_;
+  static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4OffsetSums);
+  static_assert(kOffset != kW4OffsetSums || kBM <= 32);
+  static constexpr bool kOffsetWarp = kOffset == kW4OffsetWarp;
+  static constexpr bool kOffsetSums = kOffset == kW4OffsetSums;
+  static constexpr bool kSlot = kOffsetWarp || kOffsetSums;  // the consumers add a per-stage slot
+  static constexpr bool kRowOffset = kBM >= 64 && !kSlot;
+  static constexpr bool kOffsetSS = kBM <= 32 && !kSlot;  // the constant-A wgmma per K step
+  static constexpr int kOffsetBytes = kSlot ? 0 : kRowOffset ? 1024 : w4a8::kPanelRows * w4a8::kBlockK;
   static constexpr int kRowOffsetBytes = kRowOffset ? kConsumers * 2 * kBM * 4 : 0;
-  static constexpr int kSlotBytes = kOffsetWarp ? kBM * 4 : 0;   // per K block
+  static constexpr int kSlotBytes = kSlot ? kBM * 4 : 0;         // per K block
   static constexpr int kBarBytes = kOffsetWarp ? 3 * 8 : 2 * 8;  // per stage: full, empty (, offset)
   static constexpr int kStages = std::min(16, (kW4SmemBudget - 1024 - kOffsetBytes - kRowOffsetBytes) /
                                                   (kStageBytes + kStageKB * kSlotBytes + kBarBytes));
@@ -123,6 +142,10 @@ struct W4A8Params {
   std::int32_t stages;        // pipeline stages in use (v3: conversion stages)
   std::int32_t a_small_rows;  // v3, masked: tiles with at most this many valid rows load only these
   std::int32_t ablation;      // kW4Ablate* bits (timing experiments), else 0
+  // kOffsetSums, masked layout: -2^-6 Σ_{k in kb} A[g, r, k] at row_sums[(g * K/128 + kb) * sums_rows + r]
+  // for r < round_up(min(masked_m[g], M_max), 32) (w4a8_row_sums_kernel); sums_rows a multiple of 32.
+  const float* row_sums;
+  std::int32_t sums_rows;
 };
 
 // Ablations (W4A8Params::ablation, bits; timing experiments only, the output is garbage). v3: the
@@ -250,11 +273,11 @@ __device__ __forceinline__ std::uint32_t w4a8_pack_bf16x2(float lo, float hi) {
 
 // kParts_: 0 = the partial accumulators by the rule below; 2 = two also where the rule says one
 // (the 32-row four-consumer tile: fits 112 registers without the offset warp since v6).
-template <int kBM, int kConsumers, bool kOffsetWarp, int kStageKB, int kParts_ = 0>
-__global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>::kThreads, 1)
+template <int kBM, int kConsumers, int kOffset, int kStageKB, int kParts_ = 0>
+__global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>::kThreads, 1)
     w4a8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                              const __grid_constant__ W4A8Params p) {
-  using Traits = W4A8Traits<kBM, kConsumers, kOffsetWarp, kStageKB>;
+  using Traits = W4A8Traits<kBM, kConsumers, kOffset, kStageKB>;
   // Per-stage strides of the [kStageKB][...] arrays.
   constexpr int kAStride = kStageKB * Traits::kABytes, kWStride = kStageKB * Traits::kWBytes;
   constexpr int kSStride = kStageKB * Traits::kSBytes, kSlotStride = kStageKB * Traits::kSlotBytes;
@@ -269,7 +292,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
   const std::uint32_t smem_a = smem_rows + Traits::kRowOffsetBytes;    // kStages x [kBM x 128]
   const std::uint32_t smem_w = smem_a + kStages * kAStride;     // kStages x kStageKB x kConsumers x 4096
   const std::uint32_t smem_s = smem_w + kStages * kWStride;     // kStages x kStageKB x kConsumers x 64 f32
-  const std::uint32_t smem_slot = smem_s + kStages * kSStride;  // kOffsetWarp: kStages x kStageKB x kBM f32
+  const std::uint32_t smem_slot = smem_s + kStages * kSStride;  // kSlot: kStages x kStageKB x kBM f32
   const std::uint32_t full_bar = smem_slot + kStages * kSlotStride;  // kStages x 8 bytes
   const std::uint32_t empty_bar = full_bar + kStages * 8;            // kStages x 8 bytes
   const std::uint32_t offset_bar = empty_bar + kStages * 8;          // kOffsetWarp: kStages x 8 bytes
@@ -282,7 +305,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
   if (threadIdx.x == 0) {
 #pragma unroll 1
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(full_bar + 8 * s, 1);  // the producer's arrive (+ bytes)
+      ptx::mbar_init(full_bar + 8 * s, Traits::kOffsetSums ? 2 : 1);  // the producers' arrives (+ bytes)
       ptx::mbar_init(empty_bar + 8 * s, kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
       if constexpr (Traits::kOffsetWarp)
         ptx::mbar_init(offset_bar + 8 * s, ptx::kWarpArrivals);  // the offset warp
@@ -358,6 +381,35 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
         __syncwarp();
       }
     }
+    if constexpr (Traits::kOffsetSums) {
+      if (warp == 1) {
+        // ---------------------------------------------------------- the sums' copies
+        // kOffsetSums: per K block the tile's kBM row sums (consecutive in row_sums) into the stage's
+        // slot, on the stage's "full" barrier (its second arrival). A warp of its own: in warp 0's
+        // loop the pointer arithmetic spilled the producer warpgroup's 32 registers.
+        W4A8Scheduler<kBM, kTileN> scheduler(p);
+        W4A8Tile tile;
+        W4A8Pipe pipe;
+        while (scheduler.next(tile, p)) {
+          const float* sums = p.row_sums + static_cast<std::int64_t>(tile.group) * num_kb * p.sums_rows +
+                              (tile.row0 - tile.group * p.rows);
+          for (std::int32_t kb = 0; kb < num_kb; kb += kStageKB) {
+            if (lane == 0) {
+              const std::uint32_t full = full_bar + 8 * pipe.stage;
+              const int blocks = min(kStageKB, num_kb - kb);
+              ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+              ptx::mbar_arrive_expect_tx(full, blocks * Traits::kSlotBytes);
+              for (int c = 0; c < blocks; ++c)
+                ptx::bulk_load(smem_slot + pipe.stage * kSlotStride + c * Traits::kSlotBytes,
+                               sums + static_cast<std::int64_t>(kb + c) * p.sums_rows, Traits::kSlotBytes,
+                               full);
+            }
+            pipe.advance(stages);
+          }
+          __syncwarp();
+        }
+      }
+    }
     if constexpr (Traits::kOffsetWarp) {
       if (warp == 1) {
         // ---------------------------------------------------------- the offset warp
@@ -428,7 +480,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
     // the registers allow, else one (with four consumers, 112 registers, 32 x 256 tiles spilled 4
     // bytes with two before v6; 16 x 256 tiles fit since the offset operand comes from shared
     // memory). kParts_ = 2 asks for two on the 32 x 256 tile (no spill since v6, ptxas).
-    static_assert(kParts_ == 0 || (kParts_ == 2 && kBM <= 64 && !kOffsetWarp));
+    static_assert(kParts_ == 0 || (kParts_ == 2 && kBM <= 64 && !Traits::kOffsetWarp));
     constexpr int kParts = kParts_ != 0 ? kParts_ : kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
     float part[kParts][kAcc];
     // kRowOffset: per partial, the offset terms of activation rows 64 h + 16 w + g (+ 8) (the
@@ -493,7 +545,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
       // in-flight groups and spilled the 112-register consumers. Its descriptor is rebuilt per
       // issue (an opaque copy of the address: hoisted, it held two registers across the K loop).
       [[maybe_unused]] std::uint64_t offset_desc = 0;
-      if constexpr (!Traits::kOffsetWarp) {
+      if constexpr (!Traits::kSlot) {
         std::uint32_t offset_tile = smem_offset;
         asm volatile("" : "+r"(offset_tile));
         offset_desc = ptx::wgmma_desc_sw128(offset_tile);
@@ -525,11 +577,14 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffsetWarp, kStag
       const int sub = kStageKB == 1 ? 0 : at.sub;
       const std::uint32_t s_addr = s_thread + stage * kSStride + sub * Traits::kSBytes;
       const float s_lo = ptx::ld_shared_f32(s_addr), s_hi = ptx::ld_shared_f32(s_addr + 4 * 8);
-      if constexpr (Traits::kOffsetWarp) {
-        // The offset warp's sums of this stage, for this thread's columns 8 j + 2 q + {0, 1}
-        // (activation rows), read before the release (the slot is rewritten after it). The barrier
-        // has normally completed long before: the sums ran while this block's wgmma did.
-        if (sub == 0) ptx::mbar_wait(offset_bar + 8 * stage, at.phase);
+      if constexpr (Traits::kSlot) {
+        // The stage's sums (the offset warp's, or the pre-pass's copied in with the stage), for this
+        // thread's columns 8 j + 2 q + {0, 1} (activation rows), read before the release (the slot
+        // is rewritten after it). The offset warp's barrier has normally completed long before: the
+        // sums ran while this block's wgmma did.
+        if constexpr (Traits::kOffsetWarp) {
+          if (sub == 0) ptx::mbar_wait(offset_bar + 8 * stage, at.phase);
+        }
         const std::uint32_t slot = smem_slot + stage * kSlotStride + sub * Traits::kSlotBytes;
         w4a8_fence_all(part[P]);
 #pragma unroll

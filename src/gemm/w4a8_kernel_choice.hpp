@@ -19,6 +19,10 @@
 //   parts = 2 (version 2, no offset warp): the 32-row four-consumer tile (masked expected_m in
 //              13..24) keeps two partial accumulators in flight instead of one. The automatic choice
 //              since session 19 (2-3% faster on the 128 x 16 decode rows; in W4A8 v6 it was 1-6% slower).
+//   row_sums = 1 (version 2, no offset warp): on the masked decode tiles (block_m <= 32) of a call with
+//              options.workspace, a pre-pass kernel sums each activation row per K block and the GEMM's
+//              producer copies the sums in with each stage (W4A8Traits::kOffsetSums); without a
+//              workspace, or on other tiles, the constant-operand wgmma as before.
 //
 // Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
 // with offset_warp and stage_k_blocks as pinned when the pinned version is 2.
@@ -38,6 +42,8 @@ struct W4A8KernelChoice {
   int offset_warp = 0;     // version 2 only: 1 = the offset term from the producer-side offset warp
   int stage_k_blocks = 0;  // version 2: K blocks per stage, 0 or 1 (one), 2, 3 (not with offset_warp)
   int parts = 0;           // version 2 without offset_warp: 2 = two partials on the 32-row 4-consumer tile
+  int row_sums = 0;        // version 2 without offset_warp: 1 = the offset term from the row-sum pre-pass
+                           // (masked decode tiles, block_m <= 32, when the call has a workspace)
 };
 
 // The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved

@@ -53,6 +53,8 @@ inline constexpr int kGroupPanels = 4;                        // panels per grou
 
 // Four e4m3(-8 · 2^-9) = -2^-6 bytes (sign, exponent field 1, mantissa 0): the offset operand.
 inline constexpr std::uint32_t kOffsetE4m3x4 = 0x88888888u;
+// Its value: the offset term of a K block is kOffsetFactor · Σ_k A[m, k] (the row-sum pre-pass).
+inline constexpr float kOffsetFactor = -1.0f / 64.0f;
 // The e4m3 value of code c is c / kCodeScale.
 inline constexpr float kCodeScale = 512.0f;
 inline constexpr std::uint32_t kLowNibbles = 0x0f0f0f0fu;

@@ -1,6 +1,7 @@
 // The W4A8 GPU runner (int4 weights prepared for the kernel, per-128-K weight scales; FP8
 // activations with static per-tensor scales; issue 5's grouped GEMMs), for the contiguous and masked
 // layouts. The GEMM2 input is quantized by the fused SiLU·mul with the static scale a2.
+#include <algorithm>
 #include <cstdlib>
 #include <string_view>
 
@@ -13,9 +14,23 @@ namespace {
 
 class W4A8Runner final : public runner_detail::GroupedMlpRunner {
  public:
-  using GroupedMlpRunner::GroupedMlpRunner;
+  W4A8Runner(const GpuRunnerContext& context, Layout layout) : GroupedMlpRunner(context, layout) {
+    if (layout != Layout::masked) return;
+    // The masked GEMMs' workspace (the row-sum pre-pass of the decode tiles), for the larger K of
+    // the two and the most rows per group the runner takes (G * M_max <= max_rows).
+    const std::int64_t G = slots();
+    if (G == 0) return;
+    const std::int64_t k = std::max(context_.config.hidden, intermediate());
+    const std::int64_t m_max = context_.max_rows / G;
+    sums_ = DeviceTensor(DType::f32, {static_cast<std::int64_t>(w4a8_workspace_bytes(G, m_max, k) / 4)});
+  }
+  std::size_t workspace_bytes() const override {
+    return GroupedMlpRunner::workspace_bytes() + sums_.nbytes();
+  }
 
  private:
+  DeviceTensor sums_;
+
   W4A8GemmOptions options() const {
     W4A8GemmOptions o;
     o.max_ctas = max_ctas_;
@@ -37,6 +52,7 @@ class W4A8Runner final : public runner_detail::GroupedMlpRunner {
       return v != nullptr && std::string_view(v) == "1";
     }();
     if (all_sms && o.max_ctas == 0) o.max_ctas = device_props().sm_count;
+    o.workspace = sums_.view();
     w4a8_grouped_gemm_masked(g.a, g.a_tensor_scale, {}, g.w, g.w_scales, masked_m, expected_m, g.d, stream,
                              o);
   }

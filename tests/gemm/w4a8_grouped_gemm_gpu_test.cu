@@ -100,6 +100,7 @@ struct MaskedCase {
   bool device_scale = false;
   cuda::W4A8KernelChoice pin{};  // gemm/w4a8_kernel_choice.hpp: version 0 = the automatic choice
   int max_ctas = 0;              // options.max_ctas: few CTAs, many tiles each
+  bool workspace = false;        // options.workspace (poisoned with NaN before each run)
 };
 
 // v2 with the codes' offset term summed by the producer-side offset warp (bench/NOTES.md, W4A8 v5);
@@ -115,6 +116,11 @@ constexpr cuda::W4A8KernelChoice kK3{.version = 2, .stage_k_blocks = 3};
 // Two partials on the 32-row four-consumer tile, with one and two K blocks per stage.
 constexpr cuda::W4A8KernelChoice kP2{.version = 2, .parts = 2};
 constexpr cuda::W4A8KernelChoice kK2P2{.version = 2, .stage_k_blocks = 2, .parts = 2};
+// The offset term from the row-sum pre-pass (needs options.workspace; decode tiles only), with one
+// and two partials and two K blocks per stage.
+constexpr cuda::W4A8KernelChoice kRS{.version = 2, .row_sums = 1};
+constexpr cuda::W4A8KernelChoice kRSP2{.version = 2, .parts = 2, .row_sums = 1};
+constexpr cuda::W4A8KernelChoice kRSK2{.version = 2, .stage_k_blocks = 2, .row_sums = 1};
 
 // Pins the W4A8 kernel for the lifetime of the guard.
 class PinKernel {
@@ -182,6 +188,13 @@ TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   options.block_m = c.block_m;
   options.consumers = c.consumers;
   options.max_ctas = c.max_ctas;
+  cuda::DeviceTensor workspace;
+  if (c.workspace) {
+    const std::size_t bytes = cuda::w4a8_workspace_bytes(G, M_max, K);
+    workspace = cuda::DeviceTensor(DType::f32, {static_cast<std::int64_t>(bytes / 4)});
+    workspace.fill_bytes(0xff, stream);  // NaN: a sum the pre-pass did not write poisons the output
+    options.workspace = workspace.view();
+  }
   const PinKernel pin(c.pin);
   // With a device scale the host float is garbage: the kernel must not read it.
   const float host_scale = c.device_scale ? std::nanf("") : a_scale;
@@ -192,6 +205,7 @@ TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
 
   dd.fill_bytes(0xff, stream);
+  if (c.workspace) workspace.fill_bytes(0xff, stream);
   cuda::w4a8_grouped_gemm_masked(da, host_scale, scale_view, dw.w, dw.s, dcounts, expected_m, dd, stream,
                                  options);
   const HostTensor again = cuda::to_host(dd, stream);
@@ -388,7 +402,68 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N2048_K128_many_tiles_per_cta_one_k_block_block32_p2", 16, kManyTiles, 2048, 128, 32, 0,
                    false, kP2, 3},
         MaskedCase{"N2048_K1280_many_tiles_per_cta_block32_k2_p2", 16, kManyTiles, 2048, 1280, 32, 0, false,
-                   kK2P2, 5}),
+                   kK2P2, 5},
+        // The row-sum pre-pass (options.workspace): the decode tiles with four and two consumers, one
+        // and two partials, two K blocks per stage over an odd count, M_max not a multiple of 32,
+        // many tiles per CTA, nothing valid; the automatic choice with a workspace; a 64-row tile
+        // pinned with row_sums (no pre-pass there: the per-row wgmma).
+        MaskedCase{
+            "N4096_K7168_decode_rowsums", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, kRS, 0, true},
+        MaskedCase{"N7168_K2048_decode_block32_device_scale_rowsums_p2",
+                   48,
+                   {20, 5, 48, 0},
+                   7168,
+                   2048,
+                   32,
+                   0,
+                   true,
+                   kRSP2,
+                   0,
+                   true},
+        MaskedCase{
+            "N7168_K2048_decode_block32_rowsums", 48, {20, 5, 48, 0}, 7168, 2048, 32, 0, false, kRS, 0, true},
+        MaskedCase{"N1536_K2048_block16_consumers2_rowsums",
+                   37,
+                   {37, 3, 0, 17},
+                   1536,
+                   2048,
+                   16,
+                   2,
+                   false,
+                   kRS,
+                   0,
+                   true},
+        MaskedCase{"N1536_K2048_block32_consumers2_rowsums_p2",
+                   70,
+                   {70, 33, 1},
+                   1536,
+                   2048,
+                   32,
+                   2,
+                   false,
+                   kRSP2,
+                   0,
+                   true},
+        MaskedCase{
+            "N1536_K1152_odd_k_blocks_rowsums_k2", 20, {20, 7}, 1536, 1152, 0, 0, false, kRSK2, 0, true},
+        MaskedCase{"N2048_K1152_many_tiles_per_cta_block32_rowsums_p2", 16, kManyTiles, 2048, 1152, 32, 0,
+                   false, kRSP2, 6, true},
+        MaskedCase{"N2048_K128_many_tiles_per_cta_one_k_block_rowsums", 16, kManyTiles, 2048, 128, 0, 0,
+                   false, kRS, 3, true},
+        MaskedCase{"N1536_K2048_all_empty_rowsums", 130, {0, 0}, 1536, 2048, 0, 0, false, kRS, 0, true},
+        MaskedCase{
+            "N7168_K2048_decode_auto_workspace", 48, {20, 5, 48, 0}, 7168, 2048, 0, 0, false, {}, 0, true},
+        MaskedCase{"N1536_K2048_block64_rowsums_not_used",
+                   130,
+                   {130, 0, 64, 65},
+                   1536,
+                   2048,
+                   64,
+                   0,
+                   false,
+                   kRS,
+                   0,
+                   true}),
     [](const ::testing::TestParamInfo<MaskedCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------- contiguous
@@ -488,9 +563,9 @@ INSTANTIATE_TEST_SUITE_P(
         ContiguousCase{"N1536_K1152_odd_k_blocks_holes_v2_k3", {5, 130, 0, 33}, 1536, 1152, 1, true, kK3}),
     [](const ::testing::TestParamInfo<ContiguousCase>& info) { return info.param.name; });
 
-// The masked GEMM captured once in a CUDA graph, replayed with new counts written on the device.
-TEST(W4A8GemmGpuMisc, MaskedReplaysInACudaGraph) {
-  EPMOE_REQUIRE_GPU();
+// The masked GEMM captured once in a CUDA graph, replayed with new counts written on the device;
+// with row_sums, the 32-row tile with the row-sum pre-pass (two kernels in the graph).
+void masked_graph_replay(bool row_sums) {
   const std::uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
@@ -504,13 +579,23 @@ TEST(W4A8GemmGpuMisc, MaskedReplaysInACudaGraph) {
   const cuda::DeviceTensor da = cuda::to_device(in.a, stream);
   const cuda::DeviceTensor dcounts(DType::i32, {G}), dd(DType::bf16, {G, M_max, N});
   dcounts.fill_bytes(0x00, stream);
-  cuda::w4a8_grouped_gemm_masked(da, a_scale, {}, dw.w, dw.s, dcounts, 8, dd, stream);
+  cuda::W4A8GemmOptions options;
+  cuda::DeviceTensor workspace;
+  if (row_sums) {
+    workspace = cuda::DeviceTensor(DType::f32,
+                                   {static_cast<std::int64_t>(cuda::w4a8_workspace_bytes(G, M_max, K) / 4)});
+    workspace.fill_bytes(0xff, stream);
+    options.workspace = workspace.view();
+    options.block_m = 32;
+  }
+  const PinKernel pin(row_sums ? kRSP2 : cuda::W4A8KernelChoice{});
+  cuda::w4a8_grouped_gemm_masked(da, a_scale, {}, dw.w, dw.s, dcounts, 8, dd, stream, options);
   stream.synchronize();
 
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cuda::w4a8_grouped_gemm_masked(da, a_scale, {}, dw.w, dw.s, dcounts, 8, dd, stream);
+  cuda::w4a8_grouped_gemm_masked(da, a_scale, {}, dw.w, dw.s, dcounts, 8, dd, stream, options);
   EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (const auto* counts : {&first, &second}) {
@@ -526,6 +611,16 @@ TEST(W4A8GemmGpuMisc, MaskedReplaysInACudaGraph) {
   }
   EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+TEST(W4A8GemmGpuMisc, MaskedReplaysInACudaGraph) {
+  EPMOE_REQUIRE_GPU();
+  masked_graph_replay(false);
+}
+
+TEST(W4A8GemmGpuMisc, MaskedWithRowSumsReplaysInACudaGraph) {
+  EPMOE_REQUIRE_GPU();
+  masked_graph_replay(true);
 }
 
 TEST(W4A8GemmGpuMisc, RefusesBadArguments) {
@@ -584,6 +679,17 @@ TEST(W4A8GemmGpuMisc, RefusesBadArguments) {
   expect_error_mentions(
       [&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, bad_stages); },
       "options.stages must be 0 (all) or 1..");
+  cuda::W4A8GemmOptions small_ws;
+  const cuda::DeviceTensor ws_small(
+      DType::f32, {static_cast<std::int64_t>(cuda::w4a8_workspace_bytes(G, M_max, K) / 4) - 4});
+  small_ws.workspace = ws_small.view();
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, small_ws); },
+                        "must hold at least 512 bytes (w4a8_workspace_bytes(2, 20, 256))");
+  cuda::W4A8GemmOptions i32_ws;
+  const cuda::DeviceTensor ws_i32(DType::i32, {1024});
+  i32_ws.workspace = ws_i32.view();
+  expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, i32_ws); },
+                        "options.workspace must have dtype f32");
   const HostTensor a_host(DType::fp8_e4m3, {G, M_max, K});
   expect_error_mentions([&] { w4a8_grouped_gemm_masked(a_host, 1.0f, {}, w, s, counts, 8, d, stream); },
                         "a must live on cuda");

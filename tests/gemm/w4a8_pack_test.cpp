@@ -319,6 +319,15 @@ TEST(W4A8Pack, RefusesBadArguments) {
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .parts = 2}); },
                         "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got 2");
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .parts = 3}); }, "W4A8 parts must be");
+  // The row-sum pre-pass: v2 without the offset warp.
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .parts = 2, .row_sums = 1}));
+  expect_error_mentions(
+      [&] { cuda::w4a8_pin_kernel({.version = 3, .row_sums = 1}); },
+      "W4A8 row_sums must be 0, or 1 with version 2 and no offset warp, got 1 with version 3");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .row_sums = 1}); },
+                        "got 1 with version 2 and offset_warp 1");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .row_sums = 2}); },
+                        "W4A8 row_sums must be");
   cuda::w4a8_pin_kernel({});
 }
 

@@ -10,10 +10,10 @@
 // The weights are prepared once (w4a8_prepare_weights) into a packed order that the kernel converts
 // to e4m3 in registers with two prmt and one xor per four values; the packed tensors have the same
 // shapes, dtypes and byte counts as the checkpoint's. Every GEMM call only enqueues one kernel on
-// `stream` (no allocation, no host synchronisation; the masked call reads masked_m on the device and
-// can be captured in a CUDA graph). Tensors are Device::cuda views, contiguous; a, the weights and d
-// 16-byte aligned; K and N multiples of 128. Argument errors throw epmoe::Error naming the
-// argument. Needs an sm_90 GPU.
+// `stream`, or two with options.workspace (no allocation, no host synchronisation; the masked call
+// reads masked_m on the device and can be captured in a CUDA graph). Tensors are Device::cuda views,
+// contiguous; a, the weights and d 16-byte aligned; K and N multiples of 128. Argument errors throw
+// epmoe::Error naming the argument. Needs an sm_90 GPU.
 #pragma once
 
 #include <cstddef>
@@ -36,7 +36,16 @@ struct W4A8GemmOptions {
   int max_ctas = 0;
   // Pipeline stages: 0 = as many as fit (at most 16), else 1 .. that many.
   int stages = 0;
+  // Masked layout only (ignored by the contiguous call): an optional f32 device buffer of at least
+  // w4a8_workspace_bytes(G, M_max, K) bytes, 16-byte aligned, that the call may overwrite. With it the
+  // decode tiles (block_m <= 32) can take the codes' offset term from a pre-pass that sums each
+  // activation row once per 128 K (a second kernel on `stream`, before the GEMM), instead of one more
+  // wgmma per K step in every consumer warpgroup. Allocate it once, beside the output.
+  TensorView workspace{};
 };
+
+// Bytes of W4A8GemmOptions::workspace for a masked call with G groups of M_max rows and K.
+std::size_t w4a8_workspace_bytes(std::int64_t groups, std::int64_t m_max, std::int64_t k);
 
 struct W4A8TileShape {
   int block_m = 128;  // activation rows per tile
