@@ -141,8 +141,17 @@ std::int64_t plan_persistent(Problem& problem, const W4A8GemmOptions& options, i
   return persistent_ctas(expected_tiles(problem, block_m, block_n), max_tiles, options);
 }
 
-cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes, cudaStream_t stream) {
+// (`pdl`: the launch may start while the stream's previous kernel runs, W4A8Traits::kOffsetSums;
+// `attribute` must outlive the launch call.)
+cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes, cudaStream_t stream,
+                                 cudaLaunchAttribute* attribute = nullptr) {
   cudaLaunchConfig_t config{};
+  if (attribute != nullptr) {
+    attribute->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute->val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+  }
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.dynamicSmemBytes = static_cast<std::size_t>(smem_bytes);
@@ -157,7 +166,11 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
   const std::int64_t ctas = plan_persistent(problem, options, kBM, Traits::kTileN, Traits::kStages);
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
-  const cudaLaunchConfig_t config = launch_config(ctas, Traits::kThreads, Traits::kSmemBytes, stream);
+  // kOffsetSums: a dependent launch behind the row-sum pre-pass (only the warp that copies the sums
+  // waits for it: ptx::grid_dependency_wait).
+  cudaLaunchAttribute pdl{};
+  const cudaLaunchConfig_t config =
+      launch_config(ctas, Traits::kThreads, Traits::kSmemBytes, stream, Traits::kOffsetSums ? &pdl : nullptr);
   EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, problem.params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
@@ -194,7 +207,8 @@ void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& p
 void launch_row_sums(const TensorView& a, const Problem& problem, float* sums, std::int32_t sums_rows,
                      cudaStream_t stream) {
   const W4A8Params& p = problem.params;
-  const dim3 grid(static_cast<unsigned>((sums_rows + kernels::kW4SumsWarps - 1) / kernels::kW4SumsWarps),
+  const std::int64_t warps = static_cast<std::int64_t>(sums_rows) * ((p.k + 511) / 512);
+  const dim3 grid(static_cast<unsigned>((warps + kernels::kW4SumsWarps - 1) / kernels::kW4SumsWarps),
                   static_cast<unsigned>(p.groups));
   kernels::w4a8_row_sums_kernel<<<grid, kernels::kW4SumsWarps * 32, 0, stream>>>(
       static_cast<const std::uint8_t*>(a.data), p.masked_m, p.rows, p.k, sums_rows, sums);
@@ -267,6 +281,10 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
     c.parts = g_pinned.parts;
     c.row_sums = g_pinned.row_sums;
   }
+  // The automatic choice's row sums need a workspace; without one the 32-row tile keeps two partials
+  // (its best plain variant, session 19).
+  const bool sums_usable = masked && tile.block_m <= 32 && !options.workspace.empty_view();
+  if (!explicit_tile && g_pinned.version == 0 && c.row_sums != 0 && !sums_usable) c.parts = 2;
   Problem with = problem;
   with.ablation = c.ablation;
   if (c.version == 3)
@@ -277,7 +295,7 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
     return launch<kWarp, 1>(tile, c.parts, a, with, options, stream);
   }
   // The pre-pass's row sums: masked decode tiles with a workspace (else the offset wgmma).
-  if (c.row_sums != 0 && masked && tile.block_m <= 32 && !options.workspace.empty_view()) {
+  if (c.row_sums != 0 && sums_usable) {
     const std::int32_t sums_rows = static_cast<std::int32_t>((problem.tile_rows + 31) / 32 * 32);
     auto* sums = static_cast<float*>(options.workspace.data);
     with.params.row_sums = sums;
@@ -421,7 +439,7 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
   // Two partials on the 32-row tile (w4a8_gemm_tile picks it for expected_m 13..24; other tiles ignore
   // parts): 2-3% faster than one on the 128 x 16 decode rows (session 19).
   // The offset term from the row-sum pre-pass where the call has a workspace (session 20).
-  if (masked && expected_m <= 24) return W4A8KernelChoice{.version = 2, .parts = 2, .row_sums = 1};
+  if (masked && expected_m <= 24) return W4A8KernelChoice{.version = 2, .row_sums = 1};
   return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
 }
 

@@ -387,6 +387,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
         // kOffsetSums: per K block the tile's kBM row sums (consecutive in row_sums) into the stage's
         // slot, on the stage's "full" barrier (its second arrival). A warp of its own: in warp 0's
         // loop the pointer arithmetic spilled the producer warpgroup's 32 registers.
+        ptx::grid_dependency_wait();  // the pre-pass (a programmatic dependent launch)
         W4A8Scheduler<kBM, kTileN> scheduler(p);
         W4A8Tile tile;
         W4A8Pipe pipe;
