@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string_view>
@@ -168,9 +169,14 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
   // kOffsetSums: a dependent launch behind the row-sum pre-pass (only the warp that copies the sums
   // waits for it: ptx::grid_dependency_wait).
+  // EPMOE_W4A8_SUMS_PDL=0 (experiment, session 20): a plain launch after the pre-pass.
+  static const bool sums_pdl = [] {
+    const char* v = std::getenv("EPMOE_W4A8_SUMS_PDL");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
   cudaLaunchAttribute pdl{};
-  const cudaLaunchConfig_t config =
-      launch_config(ctas, Traits::kThreads, Traits::kSmemBytes, stream, Traits::kOffsetSums ? &pdl : nullptr);
+  const cudaLaunchConfig_t config = launch_config(ctas, Traits::kThreads, Traits::kSmemBytes, stream,
+                                                  Traits::kOffsetSums && sums_pdl ? &pdl : nullptr);
   EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, problem.params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
@@ -207,9 +213,9 @@ void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& p
 void launch_row_sums(const TensorView& a, const Problem& problem, float* sums, std::int32_t sums_rows,
                      cudaStream_t stream) {
   const W4A8Params& p = problem.params;
-  const std::int64_t warps = static_cast<std::int64_t>(sums_rows) * ((p.k + 511) / 512);
-  const dim3 grid(static_cast<unsigned>((warps + kernels::kW4SumsWarps - 1) / kernels::kW4SumsWarps),
-                  static_cast<unsigned>(p.groups));
+  const int slabs =
+      std::min(kernels::kW4SumsSlabs, (sums_rows + kernels::kW4SumsWarps - 1) / kernels::kW4SumsWarps);
+  const dim3 grid(static_cast<unsigned>(slabs), static_cast<unsigned>(p.groups));
   kernels::w4a8_row_sums_kernel<<<grid, kernels::kW4SumsWarps * 32, 0, stream>>>(
       static_cast<const std::uint8_t*>(a.data), p.masked_m, p.rows, p.k, sums_rows, sums);
   EPMOE_CUDA_CHECK_LAUNCH();

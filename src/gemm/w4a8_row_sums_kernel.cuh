@@ -10,11 +10,16 @@
 // Layout: sums[(g * K/128 + kb) * sums_rows + r], sums_rows = round_up(M_max, 32). Rows
 // r < min(masked_m[g], M_max) hold the term (f32 sums of the e4m3 values, then the exact power-of-two
 // factor); rows up to round_up(that count, 32) are written 0 (a tile of up to 32 rows copies them; the
-// GEMM never stores those rows); rows beyond are not written. One warp per (row, 512 bytes of K): each
-// lane one 16-byte load (every load of the grid in flight at once: a warp per row looping over K was
-// a chain of 14 memory latencies at K = 7168, session 20), the 8 lanes of a K block reduce with
-// shuffles. Each block lets the GEMM launch at once (programmatic dependent launch: only the GEMM's
-// sums-copying warp waits for this grid).
+// GEMM never stores those rows); rows beyond are not written.
+//
+// A warp per row, kW4SumsLoads 16-byte loads per lane issued before any is used (K = 7168: two
+// rounds of 8 and 6; 2048: one of 4), the 8 lanes of a K block reduce with shuffles. Session 20
+// measured two other shapes slower: a warp looping over its row's 512-byte pieces one at a time (a
+// chain of 14 memory latencies), and a warp per (row, 512 bytes) with a grid sized for every row of
+// M_max (57 000 blocks at 128 x 256 rows, nearly all exiting at once). Here the grid is small and
+// fixed, (kW4SumsSlabs, G) blocks of kW4SumsWarps rows that stride over the group's rows. Each block
+// lets the GEMM launch at once (programmatic dependent launch: only the GEMM's sums-copying warp waits
+// for this grid).
 #pragma once
 
 #include <cstdint>
@@ -26,7 +31,9 @@
 
 namespace epmoe::kernels {
 
-inline constexpr int kW4SumsWarps = 8;  // rows per block
+inline constexpr int kW4SumsWarps = 8;  // rows per block and pass
+inline constexpr int kW4SumsSlabs = 4;  // blocks per group (at most)
+inline constexpr int kW4SumsLoads = 8;  // 16-byte loads per lane in flight
 
 __device__ __forceinline__ float w4a8_sum_e4m3x4(std::uint32_t v) {
   const __half2_raw lo =
@@ -36,8 +43,7 @@ __device__ __forceinline__ float w4a8_sum_e4m3x4(std::uint32_t v) {
   return (a.x + a.y) + (b.x + b.y);
 }
 
-// grid (ceil(sums_rows * warps_per_row / kW4SumsWarps), G), kW4SumsWarps warps per block;
-// warps_per_row = ceil(K / 512).
+// grid (min(kW4SumsSlabs, ceil(sums_rows / kW4SumsWarps)), G), kW4SumsWarps warps per block.
 __global__ void __launch_bounds__(kW4SumsWarps * 32)
     w4a8_row_sums_kernel(const std::uint8_t* __restrict__ a, const std::int32_t* __restrict__ masked_m,
                          std::int32_t m_max, std::int32_t k, std::int32_t sums_rows,
@@ -45,27 +51,36 @@ __global__ void __launch_bounds__(kW4SumsWarps * 32)
   ptx::launch_dependents();
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int32_t g = static_cast<std::int32_t>(blockIdx.y);
-  const std::int32_t warps_per_row = (k + 511) / 512;
-  const std::int32_t w =
-      static_cast<std::int32_t>(blockIdx.x) * kW4SumsWarps + static_cast<std::int32_t>(threadIdx.x / 32);
-  const std::int32_t r = w / warps_per_row;
-  const std::int32_t c = (w - r * warps_per_row) * 32 + lane;  // this lane's 16 bytes of the row
   const std::int32_t count = min(max(__ldg(masked_m + g), 0), m_max);
   const std::int32_t written = min((count + 31) / 32 * 32, sums_rows);
-  if (r >= written) return;
-  const std::int32_t chunks = k / 16;  // 8 per K block
-  float s = 0.0f;
-  if (r < count && c < chunks) {
-    const uint4 v =
-        __ldg(reinterpret_cast<const uint4*>(a + (static_cast<std::int64_t>(g) * m_max + r) * k) + c);
-    s = (w4a8_sum_e4m3x4(v.x) + w4a8_sum_e4m3x4(v.y)) + (w4a8_sum_e4m3x4(v.z) + w4a8_sum_e4m3x4(v.w));
-  }
-  s += __shfl_xor_sync(0xffffffffu, s, 1);
-  s += __shfl_xor_sync(0xffffffffu, s, 2);
-  s += __shfl_xor_sync(0xffffffffu, s, 4);
   const std::int32_t num_kb = k / w4a8::kBlockK;
-  if (lane % 8 == 0 && c < chunks)
-    sums[(static_cast<std::int64_t>(g) * num_kb + c / 8) * sums_rows + r] = w4a8::kOffsetFactor * s;
+  const std::int32_t chunks = k / 16;  // 8 per K block
+  float* const out = sums + static_cast<std::int64_t>(g) * num_kb * sums_rows;
+  for (std::int32_t r = static_cast<std::int32_t>(blockIdx.x * kW4SumsWarps + threadIdx.x / 32); r < written;
+       r += static_cast<std::int32_t>(gridDim.x) * kW4SumsWarps) {
+    const auto* row = reinterpret_cast<const uint4*>(a + (static_cast<std::int64_t>(g) * m_max + r) * k);
+    const bool valid = r < count;
+    for (std::int32_t c0 = 0; c0 < chunks; c0 += 32 * kW4SumsLoads) {
+      uint4 v[kW4SumsLoads];
+#pragma unroll
+      for (int i = 0; i < kW4SumsLoads; ++i) {
+        const std::int32_t c = c0 + 32 * i + lane;
+        v[i] = valid && c < chunks ? __ldg(row + c) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int i = 0; i < kW4SumsLoads; ++i) {
+        const std::int32_t c = c0 + 32 * i + lane;
+        if (c0 + 32 * i >= chunks) break;  // warp-uniform
+        float s = (w4a8_sum_e4m3x4(v[i].x) + w4a8_sum_e4m3x4(v[i].y)) +
+                  (w4a8_sum_e4m3x4(v[i].z) + w4a8_sum_e4m3x4(v[i].w));
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        if (lane % 8 == 0 && c < chunks)
+          out[static_cast<std::int64_t>(c / 8) * sums_rows + r] = w4a8::kOffsetFactor * s;
+      }
+    }
+  }
 }
 
 }  // namespace epmoe::kernels
