@@ -442,10 +442,12 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
 // per stage and 3-14% ahead of the offset warp's k2.
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k) {
   static_cast<void>(k);
-  // Two partials on the 32-row tile (w4a8_gemm_tile picks it for expected_m 13..24; other tiles ignore
-  // parts): 2-3% faster than one on the 128 x 16 decode rows (session 19).
-  // The offset term from the row-sum pre-pass where the call has a workspace (session 20).
-  if (masked && expected_m <= 24) return W4A8KernelChoice{.version = 2, .row_sums = 1};
+  // The 32-row tile (expected_m 13..24) takes the offset term from the row-sum pre-pass where the call
+  // has a workspace: 11% faster on the 128 x 16 decode rows; the 16-row tile, at its weight floor
+  // already, 1% slower with it (session 20). Without a workspace the 32-row tile keeps two partials
+  // (run() sets them: 2-3% faster than one, session 19).
+  if (masked && expected_m > 12 && expected_m <= 24) return W4A8KernelChoice{.version = 2, .row_sums = 1};
+  if (masked && expected_m <= 12) return W4A8KernelChoice{.version = 2};
   return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
 }
 
