@@ -12,8 +12,8 @@
 // factor); rows up to round_up(that count, 32) are written 0 (a tile of up to 32 rows copies them; the
 // GEMM never stores those rows); rows beyond are not written.
 //
-// A warp per row, kW4SumsLoads 16-byte loads per lane issued before any is used (K = 7168: two
-// rounds of 8 and 6; 2048: one of 4), the 8 lanes of a K block reduce with shuffles. Session 20
+// A warp per row, kW4SumsLoads 16-byte loads per lane issued before any is used (K = 7168: one
+// round of 14; 2048: one of 4), the 8 lanes of a K block reduce with shuffles. Session 20
 // measured two other shapes slower: a warp looping over its row's 512-byte pieces one at a time (a
 // chain of 14 memory latencies), and a warp per (row, 512 bytes) with a grid sized for every row of
 // M_max (57 000 blocks at 128 x 256 rows, nearly all exiting at once). Here the grid is small and
@@ -31,9 +31,9 @@
 
 namespace epmoe::kernels {
 
-inline constexpr int kW4SumsWarps = 8;  // rows per block and pass
-inline constexpr int kW4SumsSlabs = 4;  // blocks per group (at most)
-inline constexpr int kW4SumsLoads = 8;  // 16-byte loads per lane in flight
+inline constexpr int kW4SumsWarps = 8;   // rows per block and pass
+inline constexpr int kW4SumsSlabs = 4;   // blocks per group (at most)
+inline constexpr int kW4SumsLoads = 16;  // 16-byte loads per lane in flight
 
 __device__ __forceinline__ float w4a8_sum_e4m3x4(std::uint32_t v) {
   const __half2_raw lo =
