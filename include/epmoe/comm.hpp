@@ -103,12 +103,14 @@ std::string_view to_string(CommPhase phase);
 
 // Written by device code (host-mapped pinned memory, so the host reads it without a sync).
 struct DeviceErrorRecord {
-  std::int32_t code;    // 0 none; kDeviceErrorTimeout; kDeviceErrorPeerInput
+  std::int32_t code;    // 0 none; kDeviceErrorTimeout; kDeviceErrorPeerInput; kDeviceErrorBadSlot
   std::int32_t phase;   // CommPhase
-  std::int32_t peer;    // the rank waited for (timeout) or the rank that reported bad input
+  std::int32_t peer;    // the rank waited for (timeout), that reported bad input, or written to (bad slot)
   std::int32_t rank;    // the rank that recorded it
-  std::int32_t detail;  // timeout: the sequence number waited for; peer input: the peer's status bits
-  std::int32_t seen;    // timeout: the flag's (or tagged word's) sequence number when the wait gave up
+  std::int32_t detail;  // timeout: the sequence number waited for; peer input: the peer's status bits;
+                        // bad slot: the slot index
+  std::int32_t seen;    // timeout: the flag's (or tagged word's) sequence number when the wait gave up;
+                        // bad slot: the token (send) or received row (combine) it was for
   std::uint64_t waited_ns;
 };
 // Where kernels report errors: the first reporter wins the claim word (device memory, atomicCAS;
@@ -120,6 +122,9 @@ struct DeviceErrorSink {
 };
 inline constexpr std::int32_t kDeviceErrorTimeout = 1;
 inline constexpr std::int32_t kDeviceErrorPeerInput = 2;
+// A store into a peer's window whose slot (or destination rank) lies outside the window's layout: the
+// store is skipped (it would overwrite another source's rows or the flags after them).
+inline constexpr std::int32_t kDeviceErrorBadSlot = 3;
 // The message of a recorded error, e.g. "rank 0: timed out after 30.0 s in phase dispatch-recv
 // waiting for rank 1 (arrival flag of sequence 7)".
 std::string describe_device_error(const DeviceErrorRecord& record);

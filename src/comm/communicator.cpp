@@ -279,6 +279,11 @@ std::string describe_device_error(const DeviceErrorRecord& r) {
   if (r.code == kDeviceErrorPeerInput)
     return fmt::format("rank {}: in phase {}, rank {} refused its input ({}); nothing of it was used", r.rank,
                        phase, r.peer, describe_input_status(r.detail));
+  if (r.code == kDeviceErrorBadSlot)
+    return fmt::format(
+        "rank {}: in phase {}, a store for rank {} at slot {} (for token / row {}) lies outside the window's "
+        "layout; it was skipped",
+        r.rank, phase, r.peer, r.detail, r.seen);
   return fmt::format("rank {}: device error code {} in phase {} (peer {})", r.rank, r.code, phase, r.peer);
 }
 

@@ -599,7 +599,14 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
         const unsigned m = __ballot_sync(kFull, has);
         if (has) {
           const int pos = n + __popc(m & lanemask_lt());
-          const int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
+          int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
+          if (j < 0 || j >= g.T_max) {
+            // Outside the destination's slots for this source: reported, and the row goes to slot 0 of
+            // this source instead (overwriting one of its own rows, never another source's or a flag).
+            record_error(a.sync.errors, kDeviceErrorBadSlot, CommPhase::dispatch_send, d, g.me, j, 0,
+                         static_cast<int>(t));
+            j = 0;
+          }
           target[warp][pos] = a.dest[d] + parity_bytes + static_cast<std::int64_t>(j) * g.row_stride;
           target_rank[warp][pos] = d;
           target_slot[warp][pos] = j;
@@ -1135,8 +1142,14 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
       w_s[warp][rank] = a.row_weight[row];
     }
     __syncwarp();
-    char* dest = a.dest[a.recv_src[r]] + parity_bytes +
-                 static_cast<std::int64_t>(a.recv_slot[r]) * g.partial_bytes + v0 * 16;
+    const int src = a.recv_src[r], slot = a.recv_slot[r];
+    if (src < 0 || src >= g.N || slot < 0 || slot >= g.T_max) {  // warp-uniform
+      if (lane == 0)
+        record_error(a.sync.errors, kDeviceErrorBadSlot, CommPhase::combine_send, src, g.me, slot, 0,
+                     static_cast<int>(r));
+      continue;
+    }
+    char* dest = a.dest[src] + parity_bytes + static_cast<std::int64_t>(slot) * g.partial_bytes + v0 * 16;
     weighted_sum_rows(rows_s[warp], w_s[warp], n, dest, n_vecs, lane);
     __syncwarp();
   }

@@ -91,7 +91,13 @@ __device__ void send_bulk_rows(const EpGeometry& g, const SendArgs& a, int block
         if (has) {
           const int pos = n + __popc(m & lanemask_lt());
           dest_rank[warp][tb][pos] = d;
-          dest_slot[warp][tb][pos] = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
+          int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
+          if (j < 0 || j >= g.T_max) {  // as send_body: reported, and the row goes to slot 0
+            record_error(a.sync.errors, kDeviceErrorBadSlot, CommPhase::dispatch_send, d, g.me, j, 0,
+                         static_cast<int>(t));
+            j = 0;
+          }
+          dest_slot[warp][tb][pos] = j;
         }
         n += __popc(m);
       }

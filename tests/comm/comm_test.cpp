@@ -205,6 +205,15 @@ TEST(CommErrors, DeviceErrorsNameThePhaseAndThePeer) {
   EXPECT_NE(p.find("rank 1 refused its input"), std::string::npos) << p;
   EXPECT_NE(p.find("out of range"), std::string::npos) << p;
   EXPECT_NE(p.find("more tokens"), std::string::npos) << p;
+  r.code = kDeviceErrorBadSlot;
+  r.phase = static_cast<std::int32_t>(CommPhase::combine_send);
+  r.detail = -1;
+  r.seen = 5;
+  const std::string b = describe_device_error(r);
+  EXPECT_NE(b.find("rank 0: in phase combine-send, a store for rank 1 at slot -1 (for token / row 5)"),
+            std::string::npos)
+      << b;
+  EXPECT_NE(b.find("it was skipped"), std::string::npos) << b;
   EXPECT_EQ(to_string(CommPhase::combine_send), "combine-send");
   EXPECT_EQ(to_string(CommPhase::count_exchange), "count-exchange");
 }
