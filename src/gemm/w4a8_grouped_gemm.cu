@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string_view>
@@ -169,14 +168,9 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
   // kOffsetSums: a dependent launch behind the row-sum pre-pass (only the warp that copies the sums
   // waits for it: ptx::grid_dependency_wait).
-  // EPMOE_W4A8_SUMS_PDL=0 (experiment, session 20): a plain launch after the pre-pass.
-  static const bool sums_pdl = [] {
-    const char* v = std::getenv("EPMOE_W4A8_SUMS_PDL");
-    return v == nullptr || std::string_view(v) != "0";
-  }();
   cudaLaunchAttribute pdl{};
   const cudaLaunchConfig_t config = launch_config(ctas, Traits::kThreads, Traits::kSmemBytes, stream,
-                                                  Traits::kOffsetSums && sums_pdl ? &pdl : nullptr);
+                                                  Traits::kOffsetSums ? &pdl : nullptr);
   EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, problem.params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
