@@ -169,8 +169,8 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   // kOffsetSums: a dependent launch behind the row-sum pre-pass (only the warp that copies the sums
   // waits for it: ptx::grid_dependency_wait).
   cudaLaunchAttribute pdl{};
-  const cudaLaunchConfig_t config = launch_config(ctas, Traits::kThreads, Traits::kSmemBytes, stream,
-                                                  Traits::kOffsetSums ? &pdl : nullptr);
+  const cudaLaunchConfig_t config =
+      launch_config(ctas, Traits::kThreads, Traits::kSmemBytes, stream, Traits::kOffsetSums ? &pdl : nullptr);
   EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, problem.params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
@@ -296,7 +296,7 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   }
   // The pre-pass's row sums: masked decode tiles with a workspace (else the offset wgmma).
   if (c.row_sums != 0 && sums_usable) {
-    const std::int32_t sums_rows = static_cast<std::int32_t>((problem.tile_rows + 31) / 32 * 32);
+    const auto sums_rows = static_cast<std::int32_t>(w4a8::row_sums_rows(problem.tile_rows));
     auto* sums = static_cast<float*>(options.workspace.data);
     with.params.row_sums = sums;
     with.params.sums_rows = sums_rows;
@@ -492,7 +492,7 @@ W4A8TileShape w4a8_gemm_tile(bool masked, std::int64_t expected_m) {
 std::size_t w4a8_workspace_bytes(std::int64_t groups, std::int64_t m_max, std::int64_t k) {
   EPMOE_CHECK(groups >= 0 && m_max >= 0 && k >= 0, "w4a8_workspace_bytes: sizes must be >= 0, got {}, {}, {}",
               groups, m_max, k);
-  return static_cast<std::size_t>(groups * (k / kBlockK) * ((m_max + 31) / 32 * 32)) * sizeof(float);
+  return static_cast<std::size_t>(groups * (k / kBlockK) * w4a8::row_sums_rows(m_max)) * sizeof(float);
 }
 
 std::size_t w4a8_packed_weight_bytes(std::int64_t groups, std::int64_t n, std::int64_t k) {

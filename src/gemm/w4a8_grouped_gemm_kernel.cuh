@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
         W4A8Tile tile;
         W4A8Pipe pipe;
         while (scheduler.next(tile, p)) {
-          const float* sums = p.row_sums + static_cast<std::int64_t>(tile.group) * num_kb * p.sums_rows +
-                              (tile.row0 - tile.group * p.rows);
+          const float* sums = p.row_sums + w4a8::row_sums_index(tile.group, num_kb, 0, p.sums_rows,
+                                                                tile.row0 - tile.group * p.rows);
           for (std::int32_t kb = 0; kb < num_kb; kb += kStageKB) {
             if (lane == 0) {
               const std::uint32_t full = full_bar + 8 * pipe.stage;

@@ -55,6 +55,15 @@ inline constexpr int kGroupPanels = 4;                        // panels per grou
 inline constexpr std::uint32_t kOffsetE4m3x4 = 0x88888888u;
 // Its value: the offset term of a K block is kOffsetFactor · Σ_k A[m, k] (the row-sum pre-pass).
 inline constexpr float kOffsetFactor = -1.0f / 64.0f;
+// The row-sum pre-pass's output (w4a8_row_sums_kernel.cuh), f32 [G][K / 128][sums_rows]: rows padded
+// to a multiple of 32 (the largest decode tile copies 32 consecutive ones).
+EPMOE_HD std::int64_t row_sums_rows(std::int64_t m_max) {
+  return (m_max + 31) / 32 * 32;
+}
+EPMOE_HD std::int64_t row_sums_index(std::int64_t g, std::int64_t num_kb, std::int64_t kb,
+                                     std::int64_t sums_rows, std::int64_t r) {
+  return (g * num_kb + kb) * sums_rows + r;
+}
 // The e4m3 value of code c is c / kCodeScale.
 inline constexpr float kCodeScale = 512.0f;
 inline constexpr std::uint32_t kLowNibbles = 0x0f0f0f0fu;

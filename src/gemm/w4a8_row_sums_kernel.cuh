@@ -55,7 +55,6 @@ __global__ void __launch_bounds__(kW4SumsWarps * 32)
   const std::int32_t written = min((count + 31) / 32 * 32, sums_rows);
   const std::int32_t num_kb = k / w4a8::kBlockK;
   const std::int32_t chunks = k / 16;  // 8 per K block
-  float* const out = sums + static_cast<std::int64_t>(g) * num_kb * sums_rows;
   for (std::int32_t r = static_cast<std::int32_t>(blockIdx.x * kW4SumsWarps + threadIdx.x / 32); r < written;
        r += static_cast<std::int32_t>(gridDim.x) * kW4SumsWarps) {
     const auto* row = reinterpret_cast<const uint4*>(a + (static_cast<std::int64_t>(g) * m_max + r) * k);
@@ -77,7 +76,7 @@ __global__ void __launch_bounds__(kW4SumsWarps * 32)
         s += __shfl_xor_sync(0xffffffffu, s, 2);
         s += __shfl_xor_sync(0xffffffffu, s, 4);
         if (lane % 8 == 0 && c < chunks)
-          out[static_cast<std::int64_t>(c / 8) * sums_rows + r] = w4a8::kOffsetFactor * s;
+          sums[w4a8::row_sums_index(g, num_kb, c / 8, sums_rows, r)] = w4a8::kOffsetFactor * s;
       }
     }
   }

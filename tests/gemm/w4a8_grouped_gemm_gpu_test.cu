@@ -19,8 +19,10 @@
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/w4a8_gemm.hpp"
 #include "epmoe/grouped_gemm.hpp"
+#include "epmoe/numerics.hpp"
 #include "gemm/gemm_test_util.hpp"
 #include "gemm/w4a8_kernel_choice.hpp"
+#include "gemm/w4a8_layout.hpp"
 #include "gpu_test_util.hpp"
 
 namespace epmoe {
@@ -611,6 +613,74 @@ void masked_graph_replay(bool row_sums) {
   }
   EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+// The row-sum pre-pass's output, read back from options.workspace after a call, against a CPU mirror
+// of the kernel's summation order (per 16 bytes ((b0 + b1) + (b2 + b3)) + ((b4 + b5) + (b6 + b7)) ...,
+// then the 8 pieces of a K block as a tree: bit for bit): the term of every valid row, 0 for the rows
+// up to the next multiple of 32, and the rest untouched (still the NaN poison).
+float row_sum_term_mirror(const std::uint8_t* block) {
+  const auto f = [&](int i) { return fp8_e4m3::from_bits(block[i]).to_float(); };
+  float piece[8];
+  for (int c = 0; c < 8; ++c) {
+    const int b = 16 * c;
+    float word[4];
+    for (int w = 0; w < 4; ++w)
+      word[w] = (f(b + 4 * w) + f(b + 4 * w + 1)) + (f(b + 4 * w + 2) + f(b + 4 * w + 3));
+    piece[c] = (word[0] + word[1]) + (word[2] + word[3]);
+  }
+  const float sum =
+      ((piece[0] + piece[1]) + (piece[2] + piece[3])) + ((piece[4] + piece[5]) + (piece[6] + piece[7]));
+  return w4a8::kOffsetFactor * sum;
+}
+
+TEST(W4A8GemmGpuMisc, RowSumsMatchTheCpuMirror) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<std::int32_t> counts{40, 7, 0, 33};
+  const auto G = static_cast<std::int64_t>(counts.size());
+  const std::int64_t M_max = 40, N = 512, K = 1152;
+  const MaskedInputs in = masked_inputs(G, M_max, N, K, counts, rng);
+  cuda::Stream stream;
+  const DeviceWeights dw = prepare(in.w, stream);
+  const cuda::DeviceTensor da = cuda::to_device(in.a, stream), dcounts = cuda::to_device(in.counts, stream);
+  const cuda::DeviceTensor dd(DType::bf16, {G, M_max, N});
+  const std::size_t bytes = cuda::w4a8_workspace_bytes(G, M_max, K);
+  const cuda::DeviceTensor workspace(DType::f32, {static_cast<std::int64_t>(bytes / 4)});
+  workspace.fill_bytes(0xff, stream);
+  cuda::W4A8GemmOptions options;
+  options.block_m = 32;
+  options.workspace = workspace.view();
+  const PinKernel pin(kRS);
+  cuda::w4a8_grouped_gemm_masked(da, 0.01f, {}, dw.w, dw.s, dcounts, 20, dd, stream, options);
+  const HostTensor got = cuda::to_host(workspace, stream);
+  const auto* sums = got.data<float>();
+  const std::int64_t num_kb = K / 128, rows = w4a8::row_sums_rows(M_max);
+  ASSERT_EQ(static_cast<std::int64_t>(bytes), G * num_kb * rows * 4);
+  const auto* a = static_cast<const std::uint8_t*>(in.a.view().data);
+  std::int64_t checked = 0;
+  for (std::int64_t g = 0; g < G; ++g) {
+    const std::int64_t count = counts[static_cast<std::size_t>(g)];
+    const std::int64_t zeros_to = std::min(w4a8::row_sums_rows(count), rows);
+    for (std::int64_t kb = 0; kb < num_kb; ++kb) {
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const float v = sums[w4a8::row_sums_index(g, num_kb, kb, rows, r)];
+        if (r < count) {
+          const float want = row_sum_term_mirror(a + (g * M_max + r) * K + kb * 128);
+          ASSERT_EQ(std::memcmp(&v, &want, 4), 0)
+              << "group " << g << " K block " << kb << " row " << r << ": " << v << " against " << want;
+          ++checked;
+        } else if (r < zeros_to) {
+          ASSERT_EQ(v, 0.0f) << "group " << g << " K block " << kb << " row " << r << " (past the count)";
+        } else {
+          ASSERT_TRUE(std::isnan(v)) << "group " << g << " K block " << kb << " row " << r << " was written";
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, (40 + 7 + 0 + 33) * num_kb);
 }
 
 TEST(W4A8GemmGpuMisc, MaskedReplaysInACudaGraph) {
