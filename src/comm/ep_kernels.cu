@@ -1418,6 +1418,25 @@ void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream) {
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+__global__ void watch_flags_kernel(const std::uint32_t* local_flags, const std::uint32_t* const* peer_flags,
+                                   std::int64_t parity_words, int n, std::uint32_t* out) {
+  for (int d = static_cast<int>(threadIdx.x); d < n; d += static_cast<int>(blockDim.x)) {
+    for (int parity = 0; parity < 2; ++parity) {
+      out[4 * d + parity] = ld_acquire_sys(local_flags + parity * parity_words + 4 * d);
+      out[4 * d + 2 + parity] = ld_acquire_sys(peer_flags[d] + parity * parity_words);
+    }
+  }
+  __threadfence_system();
+}
+}  // namespace
+
+void launch_watch_flags(const std::uint32_t* local_flags, const std::uint32_t* const* peer_flags,
+                        std::int64_t parity_stride, int n, std::uint32_t* out, cudaStream_t stream) {
+  watch_flags_kernel<<<1, 32, 0, stream>>>(local_flags, peer_flags, parity_stride / 4, n, out);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
 int low_latency_combine_split(const EpGeometry& g) {
   // One resident wave of the split reduce: S warps per token over N * T_max tokens.
   static const std::int64_t resident_warps = [] {

@@ -36,6 +36,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <thread>
@@ -131,6 +132,15 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, host, 0));
       offsets_mapped_ = static_cast<std::int32_t*>(mapped);
     }
+    if (env_int("EPMOE_COMM_WATCH", 0) == 1 && g_.N <= kWatchMaxRanks) {
+      void* host = nullptr;
+      EPMOE_CUDA_CHECK(cudaHostAlloc(&host, sizeof(WatchRecord) * kWatchRecords, cudaHostAllocMapped));
+      watch_host_ = static_cast<WatchRecord*>(host);
+      std::memset(watch_host_, 0, sizeof(WatchRecord) * kWatchRecords);
+      void* mapped = nullptr;
+      EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, host, 0));
+      watch_dev_ = static_cast<WatchRecord*>(mapped);
+    }
     comm_->barrier();  // every rank's state is ready before anyone sends
     diagnostic_ = comm_->add_diagnostic([this] { return describe_state(); });
   }
@@ -142,6 +152,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     (void)cudaStreamSynchronize(comm_->stream());
     for (const cuda::Stream& side : ce_streams_) (void)cudaStreamSynchronize(side);
     if (offsets_host_ != nullptr) (void)cudaFreeHost(offsets_host_);
+    if (watch_host_ != nullptr) (void)cudaFreeHost(watch_host_);
   }
 
   std::string name() const override { return name_; }
@@ -296,6 +307,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     }
     output_rows_ = out.num_output_rows();
     dispatched_ = true;
+    watch(1);
   }
 
   // Spins (bounded) until place has published the offsets of this call; a device-side error (a peer
@@ -503,6 +515,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     r.split = combine_split();
     comm_detail::launch_reduce(g_, r, comm_->stream());
     combine_sent_ = true;
+    watch(2);
   }
 
   void combine_recv(const TensorView& y) override {
@@ -526,6 +539,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     h.split = combine_split();
     comm_detail::launch_home(g_, h, comm_->stream());
     combine_sent_ = false;
+    watch(3);
   }
 
  private:
@@ -611,13 +625,55 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       windows += fmt::format(" {}:{}", d, static_cast<const void*>(peer));
     }
     return fmt::format(
-        "{} on rank {} (window {}): host calls {}; "
-        "device seq receive {} combine {} send {}, done counters {} {} {} {}, host send seq {}; "
-        "combine flags by source [parity 0|1]:{}; "
-        "this rank's combine flag in each peer's window [parity 0|1]:{}; "
-        "header words by source:{}; peer windows:{}",
-        name_, g_.me, static_cast<const void*>(local), host_calls(), st[0], st[1], st[2], st[4], st[5], st[6],
-        st[7], send_seq_, flags, sent, headers, windows);
+               "{} on rank {} (window {}): host calls {}; "
+               "device seq receive {} combine {} send {}, done counters {} {} {} {}, host send seq {}; "
+               "combine flags by source [parity 0|1]:{}; "
+               "this rank's combine flag in each peer's window [parity 0|1]:{}; "
+               "header words by source:{}; peer windows:{}",
+               name_, g_.me, static_cast<const void*>(local), host_calls(), st[0], st[1], st[2], st[4], st[5],
+               st[6], st[7], send_seq_, flags, sent, headers, windows) +
+           describe_watch();
+  }
+
+  // EPMOE_COMM_WATCH=1 (debugging the combine flags, eager calls only; at most kWatchMaxRanks ranks):
+  // after dispatch_recv (step 1), combine_send (2) and combine_recv (3), in stream order, the combine
+  // flags at both parities that every source wrote into this rank's window and that this rank wrote
+  // into every peer's, into a ring of host-mapped records that describe_state prints.
+  static constexpr int kWatchMaxRanks = 8, kWatchRecords = 16;
+  struct WatchRecord {
+    std::uint32_t step, call;
+    std::uint32_t words[4 * kWatchMaxRanks];  // per source d: [own p0, own p1, in d's window p0, p1]
+  };
+  WatchRecord* watch_host_ = nullptr;
+  WatchRecord* watch_dev_ = nullptr;
+  std::uint32_t watch_calls_ = 0;
+  void watch(std::uint32_t step) {
+    if (watch_host_ == nullptr) return;
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    EPMOE_CUDA_CHECK(cudaStreamIsCapturing(comm_->stream(), &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return;
+    const std::uint32_t i = watch_calls_++ % kWatchRecords;
+    watch_host_[i].step = step;
+    watch_host_[i].call = watch_calls_;
+    const auto* local =
+        reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(window_->local()) + cflag_off_);
+    comm_detail::launch_watch_flags(local, reduce_flag_.as<std::uint32_t* const>(), parity_stride_, g_.N,
+                                    watch_dev_[i].words, comm_->stream());
+  }
+  std::string describe_watch() const {
+    if (watch_host_ == nullptr) return {};
+    static constexpr const char* kSteps[] = {"?", "dispatch_recv", "combine_send", "combine_recv"};
+    std::string out = "; watch (after call: flags by source [p0|p1] / this rank's in each peer's [p0|p1]):";
+    const std::uint32_t first = watch_calls_ > kWatchRecords ? watch_calls_ - kWatchRecords : 0;
+    for (std::uint32_t c = first; c < watch_calls_; ++c) {
+      const WatchRecord& r = watch_host_[c % kWatchRecords];
+      out += fmt::format(" #{} {}:", r.call, kSteps[r.step <= 3 ? r.step : 0]);
+      for (int d = 0; d < g_.N; ++d) {
+        const std::uint32_t* w = r.words + 4 * d;
+        out += fmt::format(" {}:{}|{}/{}|{}", d, w[0], w[1], w[2], w[3]);
+      }
+    }
+    return out;
   }
 
   int diagnostic_ = -1;

@@ -468,6 +468,31 @@ TEST(CommNvlinkLl, APeerThatNeverArrivesIsATimeoutNamingIt) {
   on_ranks([&] { check_a_lone_dispatch_times_out(Transport::nvlink_ll, 32, 10, 21); });
 }
 
+// EPMOE_COMM_WATCH=1: after one round (dispatch, combine) the dispatcher's state in the
+// communicator's diagnostics lists, in order, the combine flags after each call: after the combine,
+// every source's flag of sequence 1 (parity 1) in this rank's window, and this rank's in every
+// peer's window. (The switch exists to find the loopback low-latency timeout whose combine flag
+// went missing, bench/NOTES.md session 20.)
+TEST(CommNvlinkLl, TheFlagWatchSeesEveryCombineFlag) {
+  const ScopedEnv watch("EPMOE_COMM_WATCH", "1");
+  on_ranks([&] {
+    const int N = world().size();
+    if (N > 8) return;  // the watch covers up to 8 ranks
+    const MoeConfig c = test_config(32);
+    auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+    const auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 9 + r; }), 24,
+                                Routing::random);
+    check_round(*d, c, ActivationFormat::fp8_group, in, "watched round");
+    const std::string m = world().diagnostics();
+    EXPECT_NE(m.find("#1 dispatch_recv:"), std::string::npos) << m;
+    EXPECT_NE(m.find("#2 combine_send:"), std::string::npos) << m;
+    std::string after = "#3 combine_recv:";
+    for (int src = 0; src < N; ++src) after += fmt::format(" {}:0|1/0|1", src);
+    EXPECT_NE(m.find(after), std::string::npos) << m;
+    world().barrier();
+  });
+}
+
 // ---------------------------------------------------------------- low latency: halves, graphs
 TEST(CommNvlinkLl, HalvesWithOtherWorkInBetween) {
   on_ranks([&] {
