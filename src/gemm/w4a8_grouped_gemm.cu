@@ -283,7 +283,9 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   }
   // The automatic choice's row sums need a workspace; without one the 32-row tile keeps two partials
   // (its best plain variant, session 19).
-  const bool sums_usable = masked && tile.block_m <= 32 && !options.workspace.empty_view();
+  // (The pre-pass's grid has one row of blocks per group: at most 65535.)
+  const bool sums_usable =
+      masked && tile.block_m <= 32 && !options.workspace.empty_view() && problem.params.groups <= 65535;
   if (!explicit_tile && g_pinned.version == 0 && c.row_sums != 0 && !sums_usable) c.parts = 2;
   Problem with = problem;
   with.ablation = c.ablation;
@@ -543,6 +545,13 @@ void w4a8_grouped_gemm_masked(TensorView a, float a_scale, TensorView a_scale_de
     EPMOE_CHECK(options.workspace.nbytes() >= need,
                 "options.workspace {} must hold at least {} bytes (w4a8_workspace_bytes({}, {}, {}))",
                 options.workspace.describe(), need, w.groups, M_max, w.k);
+    // The pre-pass writes it while the GEMM reads a (and, launched behind it, may write d).
+    const auto* ws = static_cast<const char*>(options.workspace.data);
+    for (const auto& [t, name] : {std::pair{a, "a"}, {d, "d"}}) {
+      const auto* begin = static_cast<const char*>(t.data);
+      EPMOE_CHECK(ws + need <= begin || begin + t.nbytes() <= ws, "options.workspace must not overlap {}",
+                  name);
+    }
   }
   if (M_max == 0) return;
   check_device();
