@@ -98,9 +98,10 @@ struct W4A8Traits {
   //
   // kOffsetSums (decode tiles, kBM <= 32): the same fold as the offset warp's, but the slot's kBM
   // floats are precomputed for every (row, K block) by a small kernel before the GEMM
-  // (w4a8_row_sums_kernel) and bulk-copied by the producer into the stage with its other bytes,
-  // completing on the same "full" barrier: no offset wgmma (on the 32-row tile it read 3 KB of shared
-  // memory per consumer and k32 step, the tile's bottleneck under ncu) and no hand-off between warps.
+  // (w4a8_row_sums_kernel) and bulk-copied by producer warp 1 into the stage's slot as the "full"
+  // barrier's second arrival: no offset wgmma (on the 32-row tile it read 3 KB of shared memory per
+  // consumer and k32 step, the tile's bottleneck under ncu), and no hand-off to the consumers beyond
+  // the full barrier they wait on anyway.
   static constexpr int kOffset = kOffset_;
   static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4OffsetSums);
   static_assert(kOffset != kW4OffsetSums || kBM <= 32);
