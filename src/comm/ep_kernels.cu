@@ -551,6 +551,17 @@ __device__ void send_tagged_counts(const EpGeometry& g, std::uint64_t* const* ta
   if (threadIdx.x == 0) stamp(kTraceCountFlag);
 }
 
+// The slot of token t's row at destination d (both send paths). One outside [0, T_max) would
+// overwrite another source's rows or the combine flags after them: it is reported
+// (kDeviceErrorBadSlot) and slot 0 of this source is used instead.
+__device__ __forceinline__ int send_slot(const EpGeometry& g, const SendArgs& a, int d, std::int64_t t) {
+  const int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
+  if (j >= 0 && j < g.T_max) return j;
+  record_error(a.sync.errors, kDeviceErrorBadSlot, CommPhase::dispatch_send, d, g.me, j, 0,
+               static_cast<int>(t));
+  return 0;
+}
+
 #include "comm/ep_pack.cuh"
 #include "comm/ep_send_bulk.cuh"
 
@@ -599,14 +610,7 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
         const unsigned m = __ballot_sync(kFull, has);
         if (has) {
           const int pos = n + __popc(m & lanemask_lt());
-          int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
-          if (j < 0 || j >= g.T_max) {
-            // Outside the destination's slots for this source: reported, and the row goes to slot 0 of
-            // this source instead (overwriting one of its own rows, never another source's or a flag).
-            record_error(a.sync.errors, kDeviceErrorBadSlot, CommPhase::dispatch_send, d, g.me, j, 0,
-                         static_cast<int>(t));
-            j = 0;
-          }
+          const int j = send_slot(g, a, d, t);
           target[warp][pos] = a.dest[d] + parity_bytes + static_cast<std::int64_t>(j) * g.row_stride;
           target_rank[warp][pos] = d;
           target_slot[warp][pos] = j;

@@ -91,13 +91,7 @@ __device__ void send_bulk_rows(const EpGeometry& g, const SendArgs& a, int block
         if (has) {
           const int pos = n + __popc(m & lanemask_lt());
           dest_rank[warp][tb][pos] = d;
-          int j = bucket_slot(a.bitmaps, a.prefix, g.W, d, t);
-          if (j < 0 || j >= g.T_max) {  // as send_body: reported, and the row goes to slot 0
-            record_error(a.sync.errors, kDeviceErrorBadSlot, CommPhase::dispatch_send, d, g.me, j, 0,
-                         static_cast<int>(t));
-            j = 0;
-          }
-          dest_slot[warp][tb][pos] = j;
+          dest_slot[warp][tb][pos] = send_slot(g, a, d, t);
         }
         n += __popc(m);
       }

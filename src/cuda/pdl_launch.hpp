@@ -13,6 +13,14 @@
 
 namespace epmoe::cuda {
 
+// The launch attribute that makes a launch a programmatic dependent one (when `allowed`).
+inline cudaLaunchAttribute programmatic_serialization(bool allowed) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = allowed ? 1 : 0;
+  return attribute;
+}
+
 template <class... Params, class... Args>
 void launch_pdl(bool dependent, void (*kernel)(Params...), unsigned grid, unsigned threads,
                 cudaStream_t stream, Args&&... args) {
@@ -21,9 +29,7 @@ void launch_pdl(bool dependent, void (*kernel)(Params...), unsigned grid, unsign
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = 0;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = dependent ? 1 : 0;
+  cudaLaunchAttribute attribute[1] = {programmatic_serialization(dependent)};
   config.attrs = attribute;
   config.numAttrs = 1;
   EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));

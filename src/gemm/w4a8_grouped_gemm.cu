@@ -15,6 +15,7 @@
 #include <limits>
 #include <string_view>
 
+#include "cuda/pdl_launch.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "gemm/gemm_host.hpp"
 #include "gemm/w4a8_grouped_gemm_kernel.cuh"
@@ -147,8 +148,7 @@ cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes,
                                  cudaLaunchAttribute* attribute = nullptr) {
   cudaLaunchConfig_t config{};
   if (attribute != nullptr) {
-    attribute->id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute->val.programmaticStreamSerializationAllowed = 1;
+    *attribute = programmatic_serialization(true);
     config.attrs = attribute;
     config.numAttrs = 1;
   }

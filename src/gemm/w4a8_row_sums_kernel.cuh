@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kW4SumsWarps * 32)
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int32_t g = static_cast<std::int32_t>(blockIdx.y);
   const std::int32_t count = min(max(__ldg(masked_m + g), 0), m_max);
-  const std::int32_t written = min((count + 31) / 32 * 32, sums_rows);
+  const auto written = static_cast<std::int32_t>(min(w4a8::row_sums_rows(count), std::int64_t{sums_rows}));
   const std::int32_t num_kb = k / w4a8::kBlockK;
   const std::int32_t chunks = k / 16;  // 8 per K block
   for (std::int32_t r = static_cast<std::int32_t>(blockIdx.x * kW4SumsWarps + threadIdx.x / 32); r < written;
