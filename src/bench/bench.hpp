@@ -45,7 +45,7 @@ struct Result {
 };
 
 struct TimingOptions {
-  int warmup = 10;       // untimed runs first (module load, caches, clocks)
+  int warmup = 10;       // untimed runs first (module load, caches, clocks), at least one per input set
   int iterations = 100;  // timed runs; the median is reported
   // DeepGEMM's method (its bench_kineto, which measured anchors.md's DeepGEMM rows) instead of
   // back-to-back runs: one untimed run, then two rounds of `iterations` runs, each after an 8 GB
@@ -58,8 +58,8 @@ struct TimingOptions {
 // Enqueues exactly the work to time on `stream`, using input set `set` (of the rotation).
 using Launch = std::function<void(int set, cudaStream_t stream)>;
 
-// Median microseconds of one launch (the mean with options.burst). Runs the launch warmup +
-// iterations times, cycling `set` through [0, num_sets). Throws epmoe::Error on any CUDA error.
+// Median microseconds of one launch (the mean with options.burst). Runs the launch max(warmup,
+// num_sets) + iterations times, cycling `set` through [0, num_sets). Throws epmoe::Error on any CUDA error.
 double time_us(const Launch& launch, int num_sets, cudaStream_t stream, const TimingOptions& options = {});
 
 // How many input sets of bytes_per_set bytes to rotate through so that together they exceed
