@@ -1,4 +1,5 @@
-// Host launcher of the EPLB mapping kernel (eplb_kernels.cuh); API in epmoe/cuda/eplb.hpp.
+// Host launchers of the EPLB mapping kernel (eplb_kernels.cuh) and the token counter
+// (eplb_count_kernel.cuh); API in epmoe/cuda/eplb.hpp.
 #include "epmoe/cuda/eplb.hpp"
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <limits>
 #include <string_view>
 
+#include "eplb/eplb_count_kernel.cuh"
 #include "eplb/eplb_kernels.cuh"
 #include "epmoe/cuda/launch.hpp"
 
@@ -21,8 +23,8 @@ void expect_device_i32(const TensorView& t, std::string_view name) {
 }
 
 // Threads per block (EPMOE_EPLB_THREADS: 256, 512 or 1024; 512 by default, measured best of the three
-// in session 17), each mapping kEplbWidth ids per pass. Each block builds its tables and flushes its
-// histogram into the counters: the grid is as small as one pass allows.
+// in session 17), each mapping kEplbWidth ids per pass. Each block builds its tables: the grid is as
+// small as one pass allows.
 unsigned eplb_threads() {
   static const unsigned threads = [] {
     const char* v = std::getenv("EPMOE_EPLB_THREADS");
@@ -35,9 +37,9 @@ unsigned eplb_threads() {
   return threads;
 }
 
-template <bool kDynamic, bool kCount, bool kPow2K, bool kWide>
+template <bool kDynamic, bool kPow2K, bool kWide>
 void launch_kernel(const kernels::EplbParams& p, cudaStream_t stream) {
-  constexpr auto kernel = &kernels::eplb_map_kernel<kDynamic, kCount, kPow2K, kWide>;
+  constexpr auto kernel = &kernels::eplb_map_kernel<kDynamic, kPow2K, kWide>;
   const unsigned threads = eplb_threads();
   static const int blocks_per_sm = [&] {
     int b = 0;
@@ -56,26 +58,40 @@ void launch_kernel(const kernels::EplbParams& p, cudaStream_t stream) {
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-// One launch over p's elements: picks the kernel instance (dynamic / static, counters, K a power of
-// two, 16-byte vectors when n and both pointers allow them).
+// One launch over p's elements: picks the kernel instance (dynamic / static, K a power of two,
+// 16-byte vectors when n and both pointers allow them).
 void launch(const kernels::EplbParams& p, bool dynamic, cudaStream_t stream) {
   const bool pow2 = dynamic && p.topk_shift >= 0;  // (static choice does not use K)
   const bool wide = p.n % kernels::kEplbWidth == 0 && reinterpret_cast<std::uintptr_t>(p.logical) % 16 == 0 &&
                     reinterpret_cast<std::uintptr_t>(p.physical) % 16 == 0;
-  const bool count = p.counts != nullptr;
-  // The instance table, indexed by (dynamic, count, pow2, wide) as bits 3..0 (pow2 is never set for
-  // static choice, whose entries repeat the plain instances).
+  // The instance table, indexed by (dynamic, pow2, wide) as bits 2..0 (pow2 is never set for static
+  // choice, whose entries repeat the plain instances).
   using Launch = void (*)(const kernels::EplbParams&, cudaStream_t);
-  static constexpr Launch kLaunch[16] = {
-      launch_kernel<false, false, false, false>, launch_kernel<false, false, false, true>,
-      launch_kernel<false, false, false, false>, launch_kernel<false, false, false, true>,
-      launch_kernel<false, true, false, false>,  launch_kernel<false, true, false, true>,
-      launch_kernel<false, true, false, false>,  launch_kernel<false, true, false, true>,
-      launch_kernel<true, false, false, false>,  launch_kernel<true, false, false, true>,
-      launch_kernel<true, false, true, false>,   launch_kernel<true, false, true, true>,
-      launch_kernel<true, true, false, false>,   launch_kernel<true, true, false, true>,
-      launch_kernel<true, true, true, false>,    launch_kernel<true, true, true, true>};
-  kLaunch[(dynamic ? 8 : 0) + (count ? 4 : 0) + (pow2 ? 2 : 0) + (wide ? 1 : 0)](p, stream);
+  static constexpr Launch kLaunch[8] = {launch_kernel<false, false, false>, launch_kernel<false, false, true>,
+                                        launch_kernel<false, false, false>, launch_kernel<false, false, true>,
+                                        launch_kernel<true, false, false>,  launch_kernel<true, false, true>,
+                                        launch_kernel<true, true, false>,   launch_kernel<true, true, true>};
+  kLaunch[(dynamic ? 4 : 0) + (pow2 ? 2 : 0) + (wide ? 1 : 0)](p, stream);
+}
+
+template <bool kShared, bool kWide>
+void launch_count(const std::int32_t* ids, std::uint32_t n, int num_counters, unsigned long long* counts,
+                  cudaStream_t stream) {
+  constexpr auto kernel = &kernels::eplb_count_kernel<kShared, kWide>;
+  constexpr unsigned kThreads = kernels::kEplbCountThreads;
+  const std::size_t smem = kShared ? static_cast<std::size_t>(num_counters) * sizeof(unsigned) : 0;
+  static const int blocks_per_sm = [] {
+    int b = 0;
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &b, kernel, static_cast<int>(kThreads), kShared ? kernels::kEplbCountBins * sizeof(unsigned) : 0));
+    return std::max(b, 1);
+  }();
+  const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
+  const std::uint64_t per_block = std::uint64_t{kThreads} * (kWide ? 4 : 1);
+  const auto grid =
+      static_cast<unsigned>(std::clamp<std::uint64_t>((n + per_block - 1) / per_block, 1, resident));
+  kernel<<<grid, kThreads, smem, stream>>>(ids, n, num_counters, counts);
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -99,7 +115,7 @@ DevicePlacement to_device(const ExpertPlacement& placement, cudaStream_t stream)
 
 void map_to_physical(const PlacementView& placement, TensorView logical_ids, TensorView physical_ids,
                      int src_rank, DispatchAlgorithm algorithm, cudaStream_t stream,
-                     std::int64_t token_offset, TensorView expert_counts) {
+                     std::int64_t token_offset) {
   expect_device_i32(placement.log2phy, "log2phy");
   expect_rank(placement.log2phy, 2, "log2phy");
   const std::int64_t num_logical = placement.log2phy.shape[0];
@@ -131,14 +147,6 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   const std::int64_t topk = logical_ids.shape[1];
   expect_device_i32(physical_ids, "physical_ids");
   expect_shape(physical_ids, {tokens, topk}, "physical_ids");
-  const bool count = !expert_counts.empty_view();
-  if (count) {
-    expect_device(expert_counts, Device::cuda, "expert_counts");
-    expect_dtype(expert_counts, DType::i64, "expert_counts");
-    expect_shape(expert_counts, {num_logical}, "expert_counts");
-    expect_contiguous(expert_counts, "expert_counts");
-    EPMOE_CHECK(expert_counts.data != nullptr, "expert_counts has no data");
-  }
   const std::int64_t n = tokens * topk;
   EPMOE_CHECK(n <= std::numeric_limits<std::int32_t>::max(), "logical_ids {} has too many elements",
               logical_ids.describe());
@@ -162,7 +170,6 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
   p.max_replicas = static_cast<int>(max_replicas);
   p.src_rank = src_rank;
   p.slots_per_rank = placement.slots_per_rank;
-  p.counts = count ? static_cast<unsigned long long*>(expert_counts.data) : nullptr;
   const bool dynamic = algorithm == DispatchAlgorithm::dynamic_choice;
   p.static_in_registers = !dynamic && max_replicas <= 4;
   p.rows_in_smem = !p.static_in_registers && kernels::eplb_smem_ints(num_logical, max_replicas, topk, dynamic,
@@ -182,6 +189,34 @@ void map_to_physical(const PlacementView& placement, TensorView logical_ids, Ten
     launch(p, dynamic, stream);
     first = end;
   }
+}
+
+void count_experts(TensorView ids, TensorView counts, cudaStream_t stream) {
+  expect_device_i32(ids, "ids");
+  expect_device(counts, Device::cuda, "counts");
+  expect_dtype(counts, DType::i64, "counts");
+  expect_rank(counts, 1, "counts");
+  expect_contiguous(counts, "counts");
+  const std::int64_t num_counters = counts.shape[0];
+  EPMOE_CHECK(num_counters >= 1 && num_counters <= std::numeric_limits<std::int32_t>::max(),
+              "counts: the number of counters must be in [1, 2^31), got {}", num_counters);
+  EPMOE_CHECK(counts.data != nullptr, "counts has no data");
+  const std::int64_t n = ids.numel();
+  EPMOE_CHECK(n <= std::numeric_limits<std::int32_t>::max(), "ids {} has too many elements", ids.describe());
+  if (n == 0) return;
+  EPMOE_CHECK(ids.data != nullptr, "ids has no data");
+  const auto* p = static_cast<const std::int32_t*>(ids.data);
+  auto* c = static_cast<unsigned long long*>(counts.data);
+  const bool shared = num_counters <= kernels::kEplbCountBins;
+  const bool wide = n % 4 == 0 && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+  const auto un = static_cast<std::uint32_t>(n);
+  const int nc = static_cast<int>(num_counters);
+  if (shared) {
+    if (wide) return launch_count<true, true>(p, un, nc, c, stream);
+    return launch_count<true, false>(p, un, nc, c, stream);
+  }
+  if (wide) return launch_count<false, true>(p, un, nc, c, stream);
+  launch_count<false, false>(p, un, nc, c, stream);
 }
 
 }  // namespace epmoe::cuda

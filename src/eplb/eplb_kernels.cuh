@@ -14,8 +14,9 @@
 //    (eplb::replica_hash_high; the launcher splits a launch whose tokens cross a multiple of 2^32, so the
 //    token's high word is one per launch), then eplb::replica_hash_finish of the token's low word and
 //    eplb::replica_index (0 for a single replica, as choose_replica's shortcut).
-//  - The counters are a per-block shared-memory histogram, added to the global counters once per
-//    non-empty bin at the end of the block (their lines prefetched into L2 at the start).
+//  - No counters: the per-expert load is counted later, off the critical path, from the physical ids
+//    (eplb_count_kernel.cuh). Counting here cost a barrier and a flush of atomics whose round trip
+//    ended the kernel (+0.4-0.6 us of a ~1.7 us kernel at T = 4096, more with more blocks: bench/NOTES.md).
 // The CPU twin (ExpertPlacement::choose) uses the same functions, so both agree bit for bit.
 #pragma once
 
@@ -43,23 +44,22 @@ struct EplbParams {
   int max_replicas;
   int src_rank;
   int slots_per_rank;
-  std::uint32_t token_high;    // the high word of every token of this launch (dynamic)
-  std::uint32_t token_low;     // the low word of the launch's first token (dynamic)
-  unsigned long long* counts;  // [E] or nullptr (kCount == false)
-  bool rows_in_smem;           // the log2phy rows fit in shared memory beside the other tables
-  bool static_in_registers;    // static choice with max_replicas <= 4: each thread tabulates its experts
-                               // from registers (no rows in shared memory, no second barrier)
+  std::uint32_t token_high;  // the high word of every token of this launch (dynamic)
+  std::uint32_t token_low;   // the low word of the launch's first token (dynamic)
+  bool rows_in_smem;         // the log2phy rows fit in shared memory beside the other tables
+  bool static_in_registers;  // static choice with max_replicas <= 4: each thread tabulates its experts
+                             // from registers (no rows in shared memory, no second barrier)
 };
 
-// Shared-memory ints the kernel needs: [E] count or static choice, [E] histogram, [K] the hash's high
-// half per k (dynamic), [E, max_replicas] the log2phy rows (rows_in_smem).
+// Shared-memory ints the kernel needs: [E] count or static choice, [K] the hash's high half per k
+// (dynamic), [E, max_replicas] the log2phy rows (rows_in_smem).
 __host__ __device__ constexpr std::int64_t eplb_smem_ints(std::int64_t num_logical, std::int64_t max_replicas,
                                                           std::int64_t topk, bool dynamic,
                                                           bool rows_in_smem) {
-  return 2 * num_logical + (dynamic ? topk : 0) + (rows_in_smem ? num_logical * max_replicas : 0);
+  return num_logical + (dynamic ? topk : 0) + (rows_in_smem ? num_logical * max_replicas : 0);
 }
 
-template <bool kDynamic, bool kCount, bool kPow2K, bool kWide>
+template <bool kDynamic, bool kPow2K, bool kWide>
 __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbParams p) {
   constexpr int kW = kWide ? kEplbWidth : 1;
   using Vec = std::conditional_t<kWide, int4, int>;
@@ -68,9 +68,8 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
   const int max_replicas = p.max_replicas;
   extern __shared__ std::int32_t smem[];
   std::int32_t* const table = smem;
-  unsigned* const hist = reinterpret_cast<unsigned*>(smem + num_logical);
-  std::uint32_t* const khigh = reinterpret_cast<std::uint32_t*>(smem + 2 * num_logical);
-  std::int32_t* const smem_rows = smem + 2 * num_logical + (kDynamic ? p.topk : 0);
+  std::uint32_t* const khigh = reinterpret_cast<std::uint32_t*>(smem + num_logical);
+  std::int32_t* const smem_rows = smem + num_logical + (kDynamic ? p.topk : 0);
   const std::int32_t* const rows = p.rows_in_smem ? smem_rows : p.log2phy;
 
   const std::uint32_t vectors = p.n / kW;  // (kWide: the launcher's choice only when n % kW == 0)
@@ -79,19 +78,13 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
   Vec ids{};
   if (v < vectors) ids = __ldg(reinterpret_cast<const Vec*>(p.logical) + v);
 
-  // Both tables' loads are issued before either is stored (one latency, not two in a row), and the
-  // counters are brought into L2 meanwhile (the flush's atomics at the end then hit).
+  // Both tables' loads are issued before either is stored (one latency, not two in a row).
   const int row_ints = p.rows_in_smem ? num_logical * max_replicas : 0;
   for (int x = static_cast<int>(threadIdx.x); x < num_logical || x < row_ints; x += threads) {
     const int count = x < num_logical && (kDynamic || !p.static_in_registers) ? __ldg(p.logcnt + x) : 0;
     const int slot = x < row_ints ? __ldg(p.log2phy + x) : 0;
-    if constexpr (kCount) {
-      if (x < num_logical && x % 16 == 0) ptx::prefetch_l2(p.counts + x);  // 16 counters per 128-byte line
-    }
-    if (x < num_logical) {
-      if (kDynamic || !p.static_in_registers) table[x] = count >= 1 && count <= max_replicas ? count : 0;
-      if constexpr (kCount) hist[x] = 0u;
-    }
+    if (x < num_logical && (kDynamic || !p.static_in_registers))
+      table[x] = count >= 1 && count <= max_replicas ? count : 0;
     if (x < row_ints) smem_rows[x] = slot;
   }
   if constexpr (kDynamic) {
@@ -124,10 +117,9 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
     __syncthreads();
   }
 
-  // The physical slot of element i (logical expert e); counts it.
+  // The physical slot of element i (logical expert e).
   auto map_one = [&](int e, std::uint32_t i) -> std::int32_t {
     if (static_cast<unsigned>(e) >= static_cast<unsigned>(num_logical)) return -1;
-    if constexpr (kCount) atomicAdd(hist + e, 1u);
     if constexpr (kDynamic) {
       const int count = table[e];
       const std::uint32_t t = kPow2K ? i >> p.topk_shift : i / p.topk;
@@ -149,14 +141,6 @@ __global__ void __launch_bounds__(kEplbMaxThreads) eplb_map_kernel(const EplbPar
     }
     if (v + stride < vectors) ids = __ldg(reinterpret_cast<const Vec*>(p.logical) + v + stride);
     reinterpret_cast<Vec*>(p.physical)[v] = out;
-  }
-
-  if constexpr (kCount) {
-    __syncthreads();
-    for (int x = static_cast<int>(threadIdx.x); x < num_logical; x += threads) {
-      const unsigned c = hist[x];
-      if (c != 0u) atomicAdd(p.counts + x, static_cast<unsigned long long>(c));
-    }
   }
 }
 

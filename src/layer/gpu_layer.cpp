@@ -123,6 +123,11 @@ struct GpuMoeLayer::Impl {
   void load_slot(int local_slot, int logical);
   void load_shared();
   int install_placement(const ExpertPlacement& p);
+  // The per-expert load: the slot counts since the last fold, through the placement they were
+  // counted under, into load_carry (this rank's; synchronises s0, which joins the count's stream).
+  void fold_load();
+  std::vector<std::int64_t> load_carry;  // [E] this rank's tokens per logical expert, folded so far
+  std::vector<std::int64_t> slot_base;   // [P] slot_counts at the last fold
   // x and y [T, H] bf16 contiguous device tensors, T <= T_max; returns T.
   std::int64_t check_io(const TensorView& x, const TensorView& y) const;
   void forward(TensorView x, TensorView y);
@@ -247,9 +252,10 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   topk_ids = DeviceTensor(DType::i32, {T_max, K});
   topk_weights = DeviceTensor(DType::f32, {T_max, K});
   physical_ids = DeviceTensor(DType::i32, {T_max, K});
-  expert_counts = DeviceTensor(DType::i64, {E});
+  expert_counts = DeviceTensor(DType::i64, {E});  // expert_load()'s staging for the sum over ranks
   slot_counts = DeviceTensor(DType::i64, {P});
-  EPMOE_CUDA_CHECK(cudaMemsetAsync(expert_counts.data<std::int64_t>(), 0, expert_counts.nbytes(), s0));
+  load_carry.assign(static_cast<std::size_t>(E), 0);
+  slot_base.assign(static_cast<std::size_t>(P), 0);
   EPMOE_CUDA_CHECK(cudaMemsetAsync(slot_counts.data<std::int64_t>(), 0, slot_counts.nbytes(), s0));
   q = DeviceTensor(DType::fp8_e4m3, {T_max, H});
   q_scales = DeviceTensor(DType::f32, {T_max, H / 128});
@@ -437,9 +443,21 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
   std::vector<std::int32_t> counts = p.logcnt();
   copy_to_device(log2phy, TensorView::contiguous(table.data(), DType::i32, {E, width}), s0);
   copy_to_device(logcnt, TensorView::contiguous(counts.data(), DType::i32, {E}), s0);
-  EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));  // the host tables go away
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));   // the host tables go away
+  if (placement.num_logical() > 0) fold_load();  // the counts so far were made under the old placement
   placement = p;
   return rewritten;
+}
+
+void GpuMoeLayer::Impl::fold_load() {
+  const HostTensor counts = to_host(slot_counts, s0);
+  const auto* now = counts.data<std::int64_t>();
+  const std::vector<std::int32_t>& phy2log = placement.phy2log();
+  for (std::int64_t slot = 0; slot < P; ++slot) {
+    const auto s = static_cast<std::size_t>(slot);
+    load_carry[static_cast<std::size_t>(phy2log[s])] += now[slot] - slot_base[s];
+    slot_base[s] = now[slot];
+  }
 }
 
 void GpuMoeLayer::Impl::shared_forward(TensorView x, std::int64_t T, cudaStream_t ss) {
@@ -551,8 +569,7 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
   gate->run(x, gate_weight, rows_of(logits, T), s0);
   route(c, rows_of(logits, T), correction_bias, rows_of(topk_ids, T), rows_of(topk_weights, T), s0);
   const PlacementView pv{log2phy, logcnt, ranks, L};
-  map_to_physical(pv, rows_of(topk_ids, T), rows_of(physical_ids, T), rank, c.dispatch_algorithm, s0, 0,
-                  expert_counts);
+  map_to_physical(pv, rows_of(topk_ids, T), rows_of(physical_ids, T), rank, c.dispatch_algorithm, s0, 0);
   if (w4a8) {
     quantize_per_tensor_fp8(x, rows_of(q, T), a1_scale, s0);
   } else {
@@ -572,7 +589,7 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
     fork.record(s0);
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(ss, fork, 0));
   }
-  layer_detail::count_ids(rows_of(physical_ids, T), slot_counts, ss);
+  count_experts(rows_of(physical_ids, T), slot_counts, ss);
   if (shared) {
     mark(kNumEvents, ss);
     shared_forward(x, T, ss);
@@ -816,7 +833,12 @@ std::vector<std::int64_t> sum_over_ranks(const DeviceTensor& counts,
 }  // namespace
 
 std::vector<std::int64_t> GpuMoeLayer::expert_load() {
-  return sum_over_ranks(impl_->expert_counts, impl_->comm, impl_->s0);
+  Impl& m = *impl_;
+  m.fold_load();
+  copy_to_device(m.expert_counts,
+                 TensorView::contiguous(m.load_carry.data(), DType::i64, {static_cast<std::int64_t>(m.E)}),
+                 m.s0);
+  return sum_over_ranks(m.expert_counts, m.comm, m.s0);
 }
 std::vector<std::int64_t> GpuMoeLayer::slot_load() {
   return sum_over_ranks(impl_->slot_counts, impl_->comm, impl_->s0);
@@ -824,9 +846,10 @@ std::vector<std::int64_t> GpuMoeLayer::slot_load() {
 
 void GpuMoeLayer::reset_load() {
   Impl& m = *impl_;
-  EPMOE_CUDA_CHECK(cudaMemsetAsync(m.expert_counts.data<std::int64_t>(), 0, m.expert_counts.nbytes(), m.s0));
   EPMOE_CUDA_CHECK(cudaMemsetAsync(m.slot_counts.data<std::int64_t>(), 0, m.slot_counts.nbytes(), m.s0));
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(m.s0));
+  std::fill(m.load_carry.begin(), m.load_carry.end(), 0);
+  std::fill(m.slot_base.begin(), m.slot_base.end(), 0);
   m.forwards_since_reset = 0;
 }
 

@@ -50,16 +50,6 @@ __global__ void fill_i32_kernel(std::int32_t* dst, std::int32_t value) {
   *dst = value;
 }
 
-__global__ void __launch_bounds__(kThreads)
-    count_ids_kernel(const std::int32_t* __restrict__ ids, std::uint64_t n, unsigned long long* counts,
-                     std::int32_t p) {
-  for (std::uint64_t i = blockIdx.x * static_cast<std::uint64_t>(kThreads) + threadIdx.x; i < n;
-       i += static_cast<std::uint64_t>(gridDim.x) * kThreads) {
-    const std::int32_t id = ids[i];
-    if (id >= 0 && id < p) atomicAdd(counts + id, 1ull);
-  }
-}
-
 }  // namespace
 
 void add_bf16(TensorView a, TensorView b, TensorView y, cudaStream_t stream) {
@@ -100,22 +90,6 @@ void fill_i32(TensorView dst, std::int32_t value, cudaStream_t stream) {
   expect_dtype(dst, DType::i32, "dst");
   expect_device(dst, Device::cuda, "dst");
   fill_i32_kernel<<<1, 1, 0, stream>>>(dst.as<std::int32_t>(), value);
-  EPMOE_CUDA_CHECK_LAUNCH();
-}
-
-void count_ids(TensorView ids, TensorView counts, cudaStream_t stream) {
-  expect_dtype(ids, DType::i32, "ids");
-  expect_device(ids, Device::cuda, "ids");
-  expect_contiguous(ids, "ids");
-  expect_dtype(counts, DType::i64, "counts");
-  expect_device(counts, Device::cuda, "counts");
-  expect_rank(counts, 1, "counts");
-  const auto n = static_cast<std::uint64_t>(ids.numel());
-  if (n == 0) return;
-  const auto blocks = static_cast<unsigned>(std::min<std::uint64_t>((n + kThreads - 1) / kThreads, 1024));
-  count_ids_kernel<<<blocks, kThreads, 0, stream>>>(ids.as<std::int32_t>(), n,
-                                                    static_cast<unsigned long long*>(counts.data),
-                                                    static_cast<std::int32_t>(counts.size(0)));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

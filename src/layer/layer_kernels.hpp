@@ -22,8 +22,4 @@ void copy_bf16(TensorView src, TensorView dst, cudaStream_t stream);
 // dst[0] = value (i32 on the device): a constant that a captured graph re-writes on every replay.
 void fill_i32(TensorView dst, std::int32_t value, cudaStream_t stream);
 
-// counts[ids[i]] += 1 for every id in [0, counts.size(0)) (ids: i32 device tensor of any shape;
-// counts: i64 [P] on the device).
-void count_ids(TensorView ids, TensorView counts, cudaStream_t stream);
-
 }  // namespace epmoe::layer_detail

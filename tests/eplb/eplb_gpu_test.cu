@@ -133,7 +133,8 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
     const cuda::DeviceTensor dids = cuda::to_device(ids, stream);
     const cuda::DeviceTensor dphys(DType::i32, {tokens, s.topk});
     dphys.fill_bytes(kPoison, stream);
-    cuda::map_to_physical(dpl.view(), dids, dphys, src_rank, algorithm, stream, token_offset, counts);
+    cuda::map_to_physical(dpl.view(), dids, dphys, src_rank, algorithm, stream, token_offset);
+    cuda::count_experts(dids, counts, stream);  // the load counter (on logical ids here)
     const HostTensor got = cuda::to_host(dphys, stream);
     const auto* g = got.data<std::int32_t>();
     const auto* w = want.data<std::int32_t>();
@@ -150,7 +151,7 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
     }));
   }
 
-  // Without counters: the same ids, counters untouched.
+  // Mapping alone: the same ids, counters untouched.
   const HostTensor ids = random_ids(e_count, tokens, s.topk, rng);
   HostTensor want(DType::i32, {tokens, s.topk});
   pl.map_to_physical(ids, want, 0, algorithm, 5);
@@ -180,7 +181,7 @@ INSTANTIATE_TEST_SUITE_P(Placements, EplbMapGpu,
                                   "_" + std::string(to_string(std::get<2>(info.param)));
                          });
 
-// Out-of-range logical ids map to -1 and are not counted; the other elements are unaffected.
+// Out-of-range logical ids map to -1 and the counter skips them; the other elements are unaffected.
 TEST(EplbGpu, OutOfRangeIdsMapToMinusOne) {
   EPMOE_REQUIRE_GPU();
   const PlacementCase s = setup_named("ds_rebalanced");
@@ -199,7 +200,8 @@ TEST(EplbGpu, OutOfRangeIdsMapToMinusOne) {
   const cuda::DeviceTensor dphys(DType::i32, {tokens, s.topk});
   for (auto algorithm : {DispatchAlgorithm::static_choice, DispatchAlgorithm::dynamic_choice}) {
     dphys.fill_bytes(kPoison, stream);
-    cuda::map_to_physical(dpl.view(), dids, dphys, 3, algorithm, stream, 11, counts);
+    cuda::map_to_physical(dpl.view(), dids, dphys, 3, algorithm, stream, 11);
+    cuda::count_experts(dids, counts, stream);
     const HostTensor got = cuda::to_host(dphys, stream);
     for (std::int64_t i = 0; i < ids.numel(); ++i) {
       const std::int32_t e = p[i];
@@ -215,6 +217,39 @@ TEST(EplbGpu, OutOfRangeIdsMapToMinusOne) {
   const HostTensor got_counts = cuda::to_host(counts, stream);
   EXPECT_TRUE(bits_equal(got_counts.data<std::int64_t>(), want_counts.data(), pl.num_logical(),
                          [](std::int64_t e) { return "counts[" + std::to_string(e) + "]"; }));
+}
+
+// The load counter alone: more counters than its shared-memory histogram holds (one global atomic
+// per id), odd element counts (no 16-byte loads), ids outside [0, C) skipped, accumulation.
+TEST(EplbGpu, CountExpertsMatchesAHistogram) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  cuda::Stream stream;
+  for (const std::int64_t num_counters : {std::int64_t{3}, std::int64_t{288}, std::int64_t{20000}}) {
+    for (const std::int64_t n : {std::int64_t{1}, std::int64_t{4097}, std::int64_t{65536}}) {
+      SCOPED_TRACE("counters " + std::to_string(num_counters) + ", n " + std::to_string(n));
+      std::uniform_int_distribution<std::int32_t> id(-2, static_cast<std::int32_t>(num_counters) + 1);
+      HostTensor ids(DType::i32, {n});
+      std::vector<std::int64_t> want(static_cast<std::size_t>(num_counters), 0);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int32_t v = id(rng);
+        ids.data<std::int32_t>()[i] = v;
+        if (v >= 0 && v < num_counters) want[static_cast<std::size_t>(v)] += 2;  // counted twice below
+      }
+      const cuda::DeviceTensor dids = cuda::to_device(ids, stream);
+      const cuda::DeviceTensor counts(DType::i64, {num_counters});
+      EPMOE_CUDA_CHECK(cudaMemsetAsync(counts.data<std::int64_t>(), 0, counts.nbytes(), stream));
+      cuda::count_experts(dids, counts, stream);
+      cuda::count_experts(dids, counts, stream);
+      const HostTensor got = cuda::to_host(counts, stream);
+      EXPECT_TRUE(bits_equal(got.data<std::int64_t>(), want.data(), num_counters, [&](std::int64_t c) {
+        return "counts[" + std::to_string(c) + "]: got " + std::to_string(got.data<std::int64_t>()[c]) +
+               ", want " + std::to_string(want[static_cast<std::size_t>(c)]);
+      }));
+    }
+  }
 }
 
 TEST(EplbGpu, RefusesBadArguments) {
@@ -236,15 +271,13 @@ TEST(EplbGpu, RefusesBadArguments) {
   expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, 4, st, stream); }, "src_rank");
   expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, -1, st, stream); }, "src_rank");
   expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, 0, st, stream, -3); }, "token_offset");
-  expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, 0, st, stream, 0, i32_counts); },
-                        "expert_counts");
-  expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, 0, st, stream, 0, short_counts); },
-                        "expert_counts");
-  const cuda::DeviceTensor short_rows(DType::i64, {2, 15}), cube_counts(DType::i64, {2, 2, 16});
-  expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, 0, st, stream, 0, short_rows); },
-                        "expert_counts");
-  expect_error_mentions([&] { cuda::map_to_physical(v, ids, phys, 0, st, stream, 0, cube_counts); },
-                        "expert_counts");
+  expect_error_mentions([&] { cuda::count_experts(ids, i32_counts, stream); }, "counts must have dtype i64");
+  expect_error_mentions([&] { cuda::count_experts(i64_ids, counts, stream); }, "ids must have dtype i32");
+  expect_error_mentions([&] { cuda::count_experts(host_ids, counts, stream); }, "ids");
+  const cuda::DeviceTensor cube_counts(DType::i64, {2, 2, 16}), no_counts(DType::i64, {0});
+  expect_error_mentions([&] { cuda::count_experts(ids, cube_counts, stream); }, "counts");
+  expect_error_mentions([&] { cuda::count_experts(ids, no_counts, stream); },
+                        "counts: the number of counters must be in [1, 2^31), got 0");
   cuda::PlacementView bad = v;
   bad.logcnt = short_counts.view();
   expect_error_mentions([&] { cuda::map_to_physical(bad, ids, phys, 0, st, stream); }, "logcnt");
@@ -256,7 +289,8 @@ TEST(EplbGpu, RefusesBadArguments) {
   expect_error_mentions([&] { cuda::map_to_physical(bad, ids, phys, 0, st, stream); }, "logcnt");
 
   const cuda::DeviceTensor no_ids(DType::i32, {0, k}), no_phys(DType::i32, {0, k});
-  EXPECT_NO_THROW(cuda::map_to_physical(v, no_ids, no_phys, 0, st, stream, 0, counts));
+  EXPECT_NO_THROW(cuda::map_to_physical(v, no_ids, no_phys, 0, st, stream, 0));
+  EXPECT_NO_THROW(cuda::count_experts(no_ids, counts, stream));
   stream.synchronize();
 }
 

@@ -203,6 +203,33 @@ TEST(GpuLayer, SharedStreamChoiceKeepsTheBits) {
   testing::expect_error_mentions([&] { cuda::GpuMoeLayer layer(w, bad); }, "shared_stream");
 }
 
+// The per-expert load is counted per slot and folded through the placement it was counted under
+// (cuda::count_experts on the physical ids): across a placement change, the same tokens (the same
+// logical routing) count the same per expert again, wherever their slots moved.
+TEST(GpuLayer, ExpertLoadSpansAPlacementChange) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = one_rank("tiny", 4);
+  auto w = gpu_synthetic(c, 9);
+  cuda::GpuMoeLayer layer(w, {});
+  const HostTensor x = synthetic_tokens(c, 22, 0, 32);
+  testing::layer_forward(layer, x, false);
+  const std::vector<std::int64_t> once = layer.expert_load();
+  std::int64_t total = 0;
+  for (std::int64_t v : once) total += v;
+  EXPECT_EQ(total, 32 * c.topk);
+  // Every logical expert in the reverse slot order.
+  const int E = c.num_experts, P = c.num_physical_experts();
+  std::vector<std::int32_t> phy2log(static_cast<std::size_t>(P));
+  for (int s = 0; s < P; ++s) phy2log[static_cast<std::size_t>(s)] = E - 1 - s % E;
+  EXPECT_GT(layer.set_placement(ExpertPlacement(phy2log, E, 1)), 0);
+  testing::layer_forward(layer, x, false);
+  const std::vector<std::int64_t> twice = layer.expert_load();
+  ASSERT_EQ(twice.size(), once.size());
+  for (std::size_t e = 0; e < once.size(); ++e) EXPECT_EQ(twice[e], 2 * once[e]) << "expert " << e;
+  layer.reset_load();
+  for (std::int64_t v : layer.expert_load()) EXPECT_EQ(v, 0);
+}
+
 TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = one_rank("tiny", 4);

@@ -40,16 +40,20 @@ DevicePlacement to_device(const ExpertPlacement& placement, cudaStream_t stream)
 // logical_ids [T, K] i32 -> physical_ids (out) [T, K] i32 for tokens living on src_rank, tokens
 // numbered from token_offset (dynamic choice hashes token_offset + t), as
 // ExpertPlacement::map_to_physical.
-// expert_counts: [E] i64 on the device, or an empty view. When given, expert_counts[e] += the
-// number of (t, k) with logical_ids[t, k] == e: counts accumulate across calls until the caller
-// clears them (cudaMemsetAsync), e.g. after reading them for a rebalance.
 // Contents are checked on the device, without throwing: an out-of-range logical id, or an expert
-// whose logcnt is outside [1, max_replicas], gets physical id -1 (and a bad logical id is not
-// counted). (The CPU twin throws instead.)
-// T may be 0 (nothing is launched). E <= kMaxMappedExperts.
+// whose logcnt is outside [1, max_replicas], gets physical id -1. (The CPU twin throws instead.)
+// T may be 0 (nothing is launched). E <= kMaxMappedExperts. The load is counted separately
+// (count_experts), so that the mapping on the critical path does not wait for counters.
 inline constexpr int kMaxMappedExperts = 4096;
 void map_to_physical(const PlacementView& placement, TensorView logical_ids, TensorView physical_ids,
                      int src_rank, DispatchAlgorithm algorithm, cudaStream_t stream,
-                     std::int64_t token_offset = 0, TensorView expert_counts = {});
+                     std::int64_t token_offset = 0);
+
+// The load counter: counts[id] += the number of elements of ids (i32, any shape, contiguous, on the
+// device) equal to id, for id in [0, C) with C = counts.size(0) (counts: [C] i64 on the device);
+// other ids (the mapping's -1) are skipped. Counts accumulate across calls until the caller clears
+// them (cudaMemsetAsync). On physical ids (C = P slots) it gives the per-slot load, from which the
+// per-expert load follows through the placement's phy2log (the layer does so).
+void count_experts(TensorView ids, TensorView counts, cudaStream_t stream);
 
 }  // namespace epmoe::cuda
