@@ -1424,7 +1424,10 @@ void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream) {
 
 namespace {
 __global__ void watch_flags_kernel(const std::uint32_t* local_flags, const std::uint32_t* const* peer_flags,
-                                   std::int64_t parity_words, int n, std::uint32_t* out) {
+                                   std::int64_t parity_words, int n, std::uint32_t* out,
+                                   unsigned long long* time_ns) {
+  // The GPU's global timer, one clock for every process on the device: the ranks' records order.
+  if (threadIdx.x == 0) *time_ns = ptx::global_timer_ns_ordered();
   for (int d = static_cast<int>(threadIdx.x); d < n; d += static_cast<int>(blockDim.x)) {
     for (int parity = 0; parity < 2; ++parity) {
       out[4 * d + parity] = ld_acquire_sys(local_flags + parity * parity_words + 4 * d);
@@ -1436,8 +1439,9 @@ __global__ void watch_flags_kernel(const std::uint32_t* local_flags, const std::
 }  // namespace
 
 void launch_watch_flags(const std::uint32_t* local_flags, const std::uint32_t* const* peer_flags,
-                        std::int64_t parity_stride, int n, std::uint32_t* out, cudaStream_t stream) {
-  watch_flags_kernel<<<1, 32, 0, stream>>>(local_flags, peer_flags, parity_stride / 4, n, out);
+                        std::int64_t parity_stride, int n, std::uint32_t* out, unsigned long long* time_ns,
+                        cudaStream_t stream) {
+  watch_flags_kernel<<<1, 32, 0, stream>>>(local_flags, peer_flags, parity_stride / 4, n, out, time_ns);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -342,6 +342,7 @@ void launch_home(const EpGeometry& g, const HomeArgs& a, cudaStream_t stream);
 // copies, in stream order, the combine flag source d wrote into this rank's window and the one this
 // rank wrote into d's window, at both parities, into out[4 d .. 4 d + 3] (host-mapped memory).
 void launch_watch_flags(const std::uint32_t* local_flags, const std::uint32_t* const* peer_flags,
-                        std::int64_t parity_stride, int n, std::uint32_t* out, cudaStream_t stream);
+                        std::int64_t parity_stride, int n, std::uint32_t* out, unsigned long long* time_ns,
+                        cudaStream_t stream);
 
 }  // namespace epmoe::comm_detail

@@ -642,6 +642,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   static constexpr int kWatchMaxRanks = 8, kWatchRecords = 16;
   struct WatchRecord {
     std::uint32_t step, call;
+    unsigned long long time_ns;               // the GPU's global timer when the watch kernel ran
     std::uint32_t words[4 * kWatchMaxRanks];  // per source d: [own p0, own p1, in d's window p0, p1]
   };
   WatchRecord* watch_host_ = nullptr;
@@ -658,16 +659,19 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     const auto* local =
         reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(window_->local()) + cflag_off_);
     comm_detail::launch_watch_flags(local, reduce_flag_.as<std::uint32_t* const>(), parity_stride_, g_.N,
-                                    watch_dev_[i].words, comm_->stream());
+                                    watch_dev_[i].words, &watch_dev_[i].time_ns, comm_->stream());
   }
   std::string describe_watch() const {
     if (watch_host_ == nullptr) return {};
     static constexpr const char* kSteps[] = {"?", "dispatch_recv", "combine_send", "combine_recv"};
-    std::string out = "; watch (after call: flags by source [p0|p1] / this rank's in each peer's [p0|p1]):";
+    std::string out =
+        "; watch (after call @ GPU global timer, ms mod 1e6: flags by source [p0|p1] / this rank's in each "
+        "peer's [p0|p1]):";
     const std::uint32_t first = watch_calls_ > kWatchRecords ? watch_calls_ - kWatchRecords : 0;
     for (std::uint32_t c = first; c < watch_calls_; ++c) {
       const WatchRecord& r = watch_host_[c % kWatchRecords];
-      out += fmt::format(" #{} {}:", r.call, kSteps[r.step <= 3 ? r.step : 0]);
+      out += fmt::format(" #{} {} @{:.3f}:", r.call, kSteps[r.step <= 3 ? r.step : 0],
+                         static_cast<double>(r.time_ns % 1000000000000ull) * 1e-6);
       for (int d = 0; d < g_.N; ++d) {
         const std::uint32_t* w = r.words + 4 * d;
         out += fmt::format(" {}:{}|{}/{}|{}", d, w[0], w[1], w[2], w[3]);
