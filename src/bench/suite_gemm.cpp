@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
@@ -500,6 +501,49 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   }
 }
 
+// The per-CTA stamps (cuda::w4a8_take_cta_trace) of three single launches of `launch` (pinned with the
+// trace bit) on an idle GPU, of the launch with the median span, into p, in µs from the first CTA's
+// entry: the CTAs' entry spread, their last copies issued (median, last), their stages all released
+// (first, median, last), and the launch's event time.
+void add_cta_stamps(Params& p, const std::function<void()>& launch, cudaStream_t stream) {
+  static_cast<void>(cuda::w4a8_take_cta_trace(cuda::kW4A8TraceMaxCtas, stream));  // the timed runs' stamps
+  std::vector<std::vector<double>> runs;
+  for (int r = 0; r < 3; ++r) {
+    const cuda::Event start, end;
+    start.record(stream);
+    launch();
+    end.record(stream);
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<cuda::W4A8CtaStamps> st = cuda::w4a8_take_cta_trace(cuda::kW4A8TraceMaxCtas, stream);
+    std::erase_if(st, [](const cuda::W4A8CtaStamps& x) { return x.entry == 0 || x.drained == 0; });
+    if (st.empty()) return;
+    std::uint64_t t0 = st[0].entry;
+    for (const auto& x : st) t0 = std::min(t0, x.entry);
+    double entry_last = 0;
+    std::vector<double> issued, drained;
+    for (const auto& x : st) {
+      entry_last = std::max(entry_last, 1e-3 * static_cast<double>(x.entry - t0));
+      issued.push_back(1e-3 * static_cast<double>(x.loads_issued - t0));
+      drained.push_back(1e-3 * static_cast<double>(x.drained - t0));
+    }
+    std::sort(issued.begin(), issued.end());
+    std::sort(drained.begin(), drained.end());
+    runs.push_back({entry_last, issued[issued.size() / 2], issued.back(), drained.front(),
+                    drained[drained.size() / 2], drained.back(), static_cast<double>(st.size()),
+                    1e3 * static_cast<double>(cuda::Event::elapsed_ms(start, end))});
+  }
+  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a[5] < b[5]; });
+  const std::vector<double>& m = runs[1];
+  p["cta_entry_spread_us"] = m[0];
+  p["cta_loads_issued_median_us"] = m[1];
+  p["cta_loads_issued_last_us"] = m[2];
+  p["cta_drained_first_us"] = m[3];
+  p["cta_drained_median_us"] = m[4];
+  p["cta_drained_last_us"] = m[5];
+  p["cta_traced"] = static_cast<std::int64_t>(m[6]);
+  p["cta_launch_event_us"] = m[7];
+}
+
 // --quant w4a8: the W4A8 kernel on an anchor row (its tile heuristic and a few alternatives), and
 // the FP8 kernel's main line on the same problem (same group sizes, same activation bytes).
 void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, bool experiment,
@@ -680,6 +724,14 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     all_sms.options.max_ctas = cuda::device_props().sm_count;
     variants.push_back(all_sms);
   }
+  // Decode rows with the register-operand kernel: the choice again with per-CTA stamps (".w4a8.cta_trace",
+  // timed like any line, plus the stamps of three single launches on an idle GPU: where a launch's time
+  // goes besides streaming, session 21).
+  if (s.masked && s.groups == 128 && chosen.version == 2) {
+    cuda::W4A8KernelChoice c = chosen;
+    c.ablation = cuda::kW4A8TraceCtas;
+    variants.push_back({".w4a8.cta_trace", c});
+  }
   for (W4A8Variant& v : variants) {
     if (s.masked) v.options.workspace = w4_workspace.view();
     cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);
@@ -693,9 +745,17 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
           }
         },
         1, stream, gemm_timing(options));
+    Params p = base;
+    if ((v.pin.ablation & cuda::kW4A8TraceCtas) != 0)
+      add_cta_stamps(
+          p,
+          [&] {
+            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, stream,
+                                           v.options);
+          },
+          stream);
     cuda::w4a8_pin_kernel({});
     const cuda::W4A8KernelChoice& ran = v.pin;
-    Params p = base;
     p["quant"] = std::string("w4a8");
     p["kernel"] = static_cast<std::int64_t>(ran.version);
     p["offset_warp"] = static_cast<std::int64_t>(ran.offset_warp);

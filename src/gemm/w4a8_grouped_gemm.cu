@@ -447,6 +447,20 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
   return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
 }
 
+std::vector<W4A8CtaStamps> w4a8_take_cta_trace(int ctas, cudaStream_t stream) {
+  EPMOE_CHECK(ctas >= 1 && ctas <= kW4A8TraceMaxCtas, "ctas must be in [1, {}], got {}", kW4A8TraceMaxCtas, ctas);
+  std::vector<unsigned long long> raw(static_cast<std::size_t>(3 * ctas));
+  EPMOE_CUDA_CHECK(cudaMemcpyFromSymbolAsync(raw.data(), kernels::g_w4a8_cta_trace, raw.size() * sizeof(raw[0]), 0,
+                                             cudaMemcpyDeviceToHost, stream));
+  const std::vector<unsigned long long> zeros(raw.size(), 0);
+  EPMOE_CUDA_CHECK(cudaMemcpyToSymbolAsync(kernels::g_w4a8_cta_trace, zeros.data(), zeros.size() * sizeof(zeros[0]),
+                                           0, cudaMemcpyHostToDevice, stream));
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<W4A8CtaStamps> out(static_cast<std::size_t>(ctas));
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = {raw[3 * i], raw[3 * i + 1], raw[3 * i + 2]};
+  return out;
+}
+
 W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, std::int64_t expected_m,
                                  std::int64_t n) {
   return resolve_v3(choice, masked, expected_m, n);
@@ -475,10 +489,11 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
               "offset_warp {}",
               choice.parts, choice.version, choice.offset_warp);
   EPMOE_CHECK(
-      choice.ablation >= 0 && choice.ablation <= 15 &&
-          (choice.ablation == 0 || choice.version == 3 ||
+      choice.ablation >= 0 && choice.ablation <= 31 &&
+          (choice.ablation == 0 || (choice.version == 3 && (choice.ablation & kW4A8TraceCtas) == 0) ||
            (choice.version == 2 && (choice.ablation & 6) == 0)),
-      "W4A8 ablation bits: 0..15 for version 3, 1 and 8 for version 2, got ablation {} with version {}",
+      "W4A8 ablation bits: 0..15 for version 3, 1, 8 and 16 (the CTA stamps) for version 2, got ablation {} "
+      "with version {}",
       choice.ablation, choice.version);
   g_pinned = choice;
 }

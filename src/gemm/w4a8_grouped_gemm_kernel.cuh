@@ -53,6 +53,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda/ptx_hopper.cuh"
+#include "gemm/w4a8_kernel_choice.hpp"
 #include "gemm/w4a8_layout.hpp"
 
 namespace epmoe::kernels {
@@ -159,6 +160,13 @@ inline constexpr int kW4AblateConvert = 1;
 inline constexpr int kW4AblateFence = 2;
 inline constexpr int kW4AblateMath = 4;
 inline constexpr int kW4AblateLoads = 8;
+// Not an ablation (the output is right): v2's producer warp stamps %globaltimer per CTA into
+// g_w4a8_cta_trace: [0] at entry, [1] when its last copy is issued, [2] when the consumers have released
+// every stage after it (their last K block read; the last tile's epilogue follows). Producer-side
+// only: stamps in the consumers spilled their registers (session 21).
+inline constexpr int kW4TraceCtas = cuda::kW4A8TraceCtas;
+inline constexpr int kW4TraceMaxCtas = cuda::kW4A8TraceMaxCtas;
+__device__ unsigned long long g_w4a8_cta_trace[3 * kW4TraceMaxCtas];
 
 struct W4A8Tile {
   std::int32_t group;
@@ -304,6 +312,8 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
   const int stages = p.stages;
 
   if (threadIdx.x == 0) {
+    if ((p.ablation & kW4TraceCtas) != 0 && blockIdx.x < kW4TraceMaxCtas)
+      g_w4a8_cta_trace[3 * blockIdx.x] = ptx::global_timer_ns();
 #pragma unroll 1
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(full_bar + 8 * s, Traits::kOffsetSums ? 2 : 1);  // the producers' arrives (+ bytes)
@@ -380,6 +390,15 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           pipe.advance(stages);
         }
         __syncwarp();
+      }
+      if ((p.ablation & kW4TraceCtas) != 0 && lane == 0 && blockIdx.x < kW4TraceMaxCtas) {
+        g_w4a8_cta_trace[3 * blockIdx.x + 1] = ptx::global_timer_ns();
+#pragma unroll 1
+        for (int s = 0; s < stages; ++s) {
+          ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+          pipe.advance(stages);
+        }
+        g_w4a8_cta_trace[3 * blockIdx.x + 2] = ptx::global_timer_ns();
       }
     }
     if constexpr (Traits::kOffsetSums) {

@@ -29,6 +29,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include <cuda_runtime_api.h>
 
 namespace epmoe::cuda {
 
@@ -38,7 +41,8 @@ struct W4A8KernelChoice {
   int block_n = 0;         // 128 or 256
   int waves = 0;           // 1 (128-column waves per consumer; two were retired, bench/NOTES.md)
   int ablation = 0;        // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
-                           // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads
+                           // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads; 16 (v2; the
+                           // output is right): per-CTA stamps (w4a8_take_cta_trace)
   int offset_warp = 0;     // version 2 only: 1 = the offset term from the producer-side offset warp
   int stage_k_blocks = 0;  // version 2: K blocks per stage, 0 or 1 (one), 2, 3 (not with offset_warp)
   int parts = 0;           // version 2 without offset_warp: 2 = two partials on the 32-row 4-consumer tile
@@ -54,6 +58,18 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
 // expected_m <= 64, else 128 x 128; 128 columns when N is not a multiple of 256).
 W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, std::int64_t expected_m,
                                  std::int64_t n);
+
+// Ablation bit 16 and the CTAs it stamps (the first 1024).
+inline constexpr int kW4A8TraceCtas = 16;
+inline constexpr int kW4A8TraceMaxCtas = 1024;
+
+// The per-CTA %globaltimer stamps (ns) of the launches since the last take that ran with ablation bit
+// 16 (version 2 only): entry, the producer's last copy issued, every stage released after it (0: the
+// CTA did not run). Reads the first `ctas` CTAs' stamps and clears them.
+struct W4A8CtaStamps {
+  std::uint64_t entry, loads_issued, drained;
+};
+std::vector<W4A8CtaStamps> w4a8_take_cta_trace(int ctas, cudaStream_t stream);
 
 // Pins the kernel of later automatic calls in this process (version 0 unpins). Not thread-safe:
 // for the bench and the tests.
