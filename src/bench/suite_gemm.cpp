@@ -750,8 +750,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       add_cta_stamps(
           p,
           [&] {
-            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, stream,
-                                           v.options);
+            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view,
+                                           stream, v.options);
           },
           stream);
     cuda::w4a8_pin_kernel({});
