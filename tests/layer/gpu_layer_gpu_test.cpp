@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <memory>
+#include <numeric>
 
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/gate.hpp"
@@ -203,51 +204,53 @@ TEST(GpuLayer, SharedStreamChoiceKeepsTheBits) {
   testing::expect_error_mentions([&] { cuda::GpuMoeLayer layer(w, bad); }, "shared_stream");
 }
 
+// A one-rank tiny layer on synthetic weights (seed 9), default options (the load and rebalance tests).
+struct TinyLayer {
+  MoeConfig c = one_rank("tiny", 4);
+  std::shared_ptr<SyntheticWeights> w = gpu_synthetic(c, 9);
+  cuda::GpuMoeLayer layer{w, {}};
+};
+
 // The per-expert load is counted per slot and folded through the placement it was counted under
 // (cuda::count_experts on the physical ids): across a placement change, the same tokens (the same
 // logical routing) count the same per expert again, wherever their slots moved.
 TEST(GpuLayer, ExpertLoadSpansAPlacementChange) {
   EPMOE_REQUIRE_GPU();
-  const MoeConfig c = one_rank("tiny", 4);
-  auto w = gpu_synthetic(c, 9);
-  cuda::GpuMoeLayer layer(w, {});
-  const HostTensor x = synthetic_tokens(c, 22, 0, 32);
-  testing::layer_forward(layer, x, false);
-  const std::vector<std::int64_t> once = layer.expert_load();
-  std::int64_t total = 0;
-  for (std::int64_t v : once) total += v;
-  EXPECT_EQ(total, 32 * c.topk);
+  TinyLayer tiny;
+  const HostTensor x = synthetic_tokens(tiny.c, 22, 0, 32);
+  testing::layer_forward(tiny.layer, x, false);
+  const std::vector<std::int64_t> once = tiny.layer.expert_load();
+  EXPECT_EQ(std::accumulate(once.begin(), once.end(), std::int64_t{0}), 32 * tiny.c.topk);
   // Every logical expert in the reverse slot order.
-  const int E = c.num_experts, P = c.num_physical_experts();
+  const int E = tiny.c.num_experts, P = tiny.c.num_physical_experts();
   std::vector<std::int32_t> phy2log(static_cast<std::size_t>(P));
   for (int s = 0; s < P; ++s) phy2log[static_cast<std::size_t>(s)] = E - 1 - s % E;
-  EXPECT_GT(layer.set_placement(ExpertPlacement(phy2log, E, 1)), 0);
-  testing::layer_forward(layer, x, false);
-  const std::vector<std::int64_t> twice = layer.expert_load();
+  EXPECT_GT(tiny.layer.set_placement(ExpertPlacement(phy2log, E, 1)), 0);
+  testing::layer_forward(tiny.layer, x, false);
+  const std::vector<std::int64_t> twice = tiny.layer.expert_load();
   ASSERT_EQ(twice.size(), once.size());
   for (std::size_t e = 0; e < once.size(); ++e) EXPECT_EQ(twice[e], 2 * once[e]) << "expert " << e;
-  layer.reset_load();
-  for (std::int64_t v : layer.expert_load()) EXPECT_EQ(v, 0);
+  tiny.layer.reset_load();
+  for (std::int64_t v : tiny.layer.expert_load()) EXPECT_EQ(v, 0);
 }
 
 TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {
   EPMOE_REQUIRE_GPU();
-  const MoeConfig c = one_rank("tiny", 4);
-  auto w = gpu_synthetic(c, 9);
-  cuda::GpuMoeLayer layer(w, {});
-  const HostTensor x = synthetic_tokens(c, 21, 0, 32);
-  const testing::LayerForward before = testing::layer_forward(layer, x, true);
-  for (int i = 0; i < 3; ++i) testing::layer_forward(layer, x, true);
-  const std::vector<std::int64_t> load = layer.expert_load();
-  std::int64_t total = 0;
-  for (std::int64_t v : load) total += v;
-  EXPECT_EQ(total, 4 * 32 * c.topk);  // every (token, k) of four forwards counted once
-  const int rewritten = layer.rebalance();
+  TinyLayer tiny;
+  const HostTensor x = synthetic_tokens(tiny.c, 21, 0, 32);
+  const testing::LayerForward before = testing::layer_forward(tiny.layer, x, true);
+  for (int i = 0; i < 3; ++i) testing::layer_forward(tiny.layer, x, true);
+  const std::vector<std::int64_t> load = tiny.layer.expert_load();
+  EXPECT_EQ(std::accumulate(load.begin(), load.end(), std::int64_t{0}),
+            4 * 32 * tiny.c.topk);  // every (token, k) of four forwards counted once
+  const int rewritten = tiny.layer.rebalance();
   EXPECT_GT(rewritten, 0);
-  for (std::int64_t v : layer.expert_load()) EXPECT_EQ(v, 0);
+  for (std::int64_t v : tiny.layer.expert_load()) EXPECT_EQ(v, 0);
   // The captured graph stays valid (slots rewritten in place) and gives the same bits.
-  EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, true).y, before.y, "graph after rebalance"));
-  EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, false).y, before.y, "eager after rebalance"));
+  EXPECT_TRUE(
+      same_bits<bf16>(testing::layer_forward(tiny.layer, x, true).y, before.y, "graph after rebalance"));
+  EXPECT_TRUE(
+      same_bits<bf16>(testing::layer_forward(tiny.layer, x, false).y, before.y, "eager after rebalance"));
 }
 
 TEST(GpuLayer, GemmsAloneAreTimedWithoutChangingTheNextForward) {
