@@ -216,7 +216,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Rank `rank` of a loopback group (see LoopbackGroup; tests): no NCCL communicator, every rank on
   // the group's GPU. Call from the rank's own thread; every collective (alloc_symmetric,
   // barrier) must be entered by all ranks, as with NCCL. The ranks share one context, so: the
-  // process must load modules eagerly (CUDA_MODULE_LOADING=EAGER, else this throws), and no rank may
+  // process must load modules eagerly (CUDA_MODULE_LOADING=EAGER, else this throws) and make the
+  // context with the most hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS=32, else this throws: a
+  // rank's kernel queued behind a waiting peer's stream on a shared queue waits with it), and no rank may
   // allocate, free, set or copy device memory while a peer's dispatch or combine waits for it (those
   // calls may wait for the whole device): meet at a barrier around them.
   static std::shared_ptr<Communicator> create_loopback(std::shared_ptr<LoopbackGroup> group, int rank,

@@ -426,6 +426,18 @@ std::shared_ptr<Communicator> Communicator::create_loopback(std::shared_ptr<Loop
               "Communicator: loopback ranks need CUDA_MODULE_LOADING=EAGER in the environment before the "
               "first CUDA call (they share one context, and a lazily loaded kernel waits for the peers' "
               "kernels, which may be waiting for it)");
+  // The ranks' streams also share the context's hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS,
+  // read when the context is made; 8 by default). Streams beyond that count are aliased onto the same
+  // queues, and a queue starts its work in order: a rank's kernel queued behind a peer's stream whose
+  // next work waits for a kernel that waits for this rank (a combine waiting for this rank's flag)
+  // cannot start until that wait times out. The most queues (32) make such aliasing rare; fewer are
+  // refused, as lazy loading is (the loopback timeout of sessions 20-21, bench/NOTES.md).
+  const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  EPMOE_CHECK(connections != nullptr && std::atoi(connections) >= 32,
+              "Communicator: loopback ranks need CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before "
+              "the first CUDA call (they share one context's hardware queues, and a rank's kernel queued "
+              "behind a waiting peer's stream waits with it), got '{}'",
+              connections != nullptr ? connections : "(unset)");
   c->init_stream(options.stream);
   c->init_error_record();
   return c;

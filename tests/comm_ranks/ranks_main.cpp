@@ -76,8 +76,11 @@ class ClearDeviceErrorsAfterAFailure : public ::testing::EmptyTestEventListener 
 int main(int argc, char** argv) {
   // Loopback ranks share one CUDA context, where a lazily loaded kernel synchronizes the context
   // (Communicator::create_loopback refuses lazy loading): load every module at the first CUDA call.
-  if (const char* n = std::getenv("EPMOE_LOOPBACK_RANKS"); n != nullptr && *n != '\0')
+  // They also share its hardware work queues: the most of them (create_loopback refuses fewer).
+  if (const char* n = std::getenv("EPMOE_LOOPBACK_RANKS"); n != nullptr && *n != '\0') {
     setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  }
   ::testing::InitGoogleTest(&argc, argv);
   ::testing::UnitTest::GetInstance()->listeners().Append(new ClearDeviceErrorsAfterAFailure);
   using namespace epmoe;
