@@ -506,8 +506,12 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
 // entry: the CTAs' entry spread, their last copies issued (median, last), their stages all released
 // (first, median, last), and the launch's event time.
 void add_cta_stamps(Params& p, const std::function<void()>& launch, cudaStream_t stream) {
+  struct LaunchStamps {
+    double entry_spread, issued_median, issued_last, drained_first, drained_median, drained_last, event_us;
+    std::int64_t ctas;
+  };
   static_cast<void>(cuda::w4a8_take_cta_trace(cuda::kW4A8TraceMaxCtas, stream));  // the timed runs' stamps
-  std::vector<std::vector<double>> runs;
+  std::vector<LaunchStamps> launches;
   for (int r = 0; r < 3; ++r) {
     const cuda::Event start, end;
     start.record(stream);
@@ -519,29 +523,32 @@ void add_cta_stamps(Params& p, const std::function<void()>& launch, cudaStream_t
     if (st.empty()) return;
     std::uint64_t t0 = st[0].entry;
     for (const auto& x : st) t0 = std::min(t0, x.entry);
+    const auto us = [t0](std::uint64_t ns) { return 1e-3 * static_cast<double>(ns - t0); };
     double entry_last = 0;
     std::vector<double> issued, drained;
     for (const auto& x : st) {
-      entry_last = std::max(entry_last, 1e-3 * static_cast<double>(x.entry - t0));
-      issued.push_back(1e-3 * static_cast<double>(x.loads_issued - t0));
-      drained.push_back(1e-3 * static_cast<double>(x.drained - t0));
+      entry_last = std::max(entry_last, us(x.entry));
+      issued.push_back(us(x.loads_issued));
+      drained.push_back(us(x.drained));
     }
     std::sort(issued.begin(), issued.end());
     std::sort(drained.begin(), drained.end());
-    runs.push_back({entry_last, issued[issued.size() / 2], issued.back(), drained.front(),
-                    drained[drained.size() / 2], drained.back(), static_cast<double>(st.size()),
-                    1e3 * static_cast<double>(cuda::Event::elapsed_ms(start, end))});
+    launches.push_back({entry_last, issued[issued.size() / 2], issued.back(), drained.front(),
+                        drained[drained.size() / 2], drained.back(),
+                        1e3 * static_cast<double>(cuda::Event::elapsed_ms(start, end)),
+                        static_cast<std::int64_t>(st.size())});
   }
-  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a[5] < b[5]; });
-  const std::vector<double>& m = runs[1];
-  p["cta_entry_spread_us"] = m[0];
-  p["cta_loads_issued_median_us"] = m[1];
-  p["cta_loads_issued_last_us"] = m[2];
-  p["cta_drained_first_us"] = m[3];
-  p["cta_drained_median_us"] = m[4];
-  p["cta_drained_last_us"] = m[5];
-  p["cta_traced"] = static_cast<std::int64_t>(m[6]);
-  p["cta_launch_event_us"] = m[7];
+  std::sort(launches.begin(), launches.end(),
+            [](const LaunchStamps& a, const LaunchStamps& b) { return a.drained_last < b.drained_last; });
+  const LaunchStamps& m = launches[1];
+  p["cta_entry_spread_us"] = m.entry_spread;
+  p["cta_loads_issued_median_us"] = m.issued_median;
+  p["cta_loads_issued_last_us"] = m.issued_last;
+  p["cta_drained_first_us"] = m.drained_first;
+  p["cta_drained_median_us"] = m.drained_median;
+  p["cta_drained_last_us"] = m.drained_last;
+  p["cta_traced"] = m.ctas;
+  p["cta_launch_event_us"] = m.event_us;
 }
 
 // --quant w4a8: the W4A8 kernel on an anchor row (its tile heuristic and a few alternatives), and
@@ -735,25 +742,19 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   for (W4A8Variant& v : variants) {
     if (s.masked) v.options.workspace = w4_workspace.view();
     cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);
-    const double us = time_us(
-        [&](int, cudaStream_t st) {
-          if (s.masked) {
-            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, st,
-                                           v.options);
-          } else {
-            cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, pw, ps, layout_ids, d_view, st, v.options);
-          }
-        },
-        1, stream, gemm_timing(options));
+    const auto call = [&](cudaStream_t st) {
+      if (s.masked) {
+        cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, st,
+                                       v.options);
+      } else {
+        cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, pw, ps, layout_ids, d_view, st, v.options);
+      }
+    };
+    const double us = time_us([&](int, cudaStream_t st) { call(st); }, 1, stream, gemm_timing(options));
     Params p = base;
     if ((v.pin.ablation & cuda::kW4A8TraceCtas) != 0)
       add_cta_stamps(
-          p,
-          [&] {
-            cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view,
-                                           stream, v.options);
-          },
-          stream);
+          p, [&] { call(stream); }, stream);
     cuda::w4a8_pin_kernel({});
     const cuda::W4A8KernelChoice& ran = v.pin;
     p["quant"] = std::string("w4a8");

@@ -142,8 +142,8 @@ std::int64_t plan_persistent(Problem& problem, const W4A8GemmOptions& options, i
   return persistent_ctas(expected_tiles(problem, block_m, block_n), max_tiles, options);
 }
 
-// (`pdl`: the launch may start while the stream's previous kernel runs, W4A8Traits::kOffsetSums;
-// `attribute` must outlive the launch call.)
+// (With `attribute`, filled here: a programmatic dependent launch, which may start while the stream's
+// previous kernel runs, W4A8Traits::kOffsetSums; the attribute must outlive the launch call.)
 cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes, cudaStream_t stream,
                                  cudaLaunchAttribute* attribute = nullptr) {
   cudaLaunchConfig_t config{};
