@@ -578,7 +578,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   const cuda::DeviceTensor sa(DType::f32, {s.masked ? G : 1, KB, cuda::tma_aligned_tokens(sa_rows)});
   const cuda::DeviceTensor b(DType::fp8_e4m3, {G, N, K}), sb(DType::f32, {G, N / 128, KB});
   const cuda::DeviceTensor w(DType::i4x2, {G, N, K / 2}), ws(DType::f32, {G, N, KB}),
-      pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, KB});
+      pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, KB});
   // The masked W4A8 calls' workspace (the row-sum pre-pass, where their kernel takes it), allocated
   // once as the runner does.
   const cuda::DeviceTensor w4_workspace(
@@ -617,7 +617,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   const double flops = 2.0 * static_cast<double>(valid) * static_cast<double>(N) * static_cast<double>(K);
   const double act_out = static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   const double fp8_bytes = static_cast<double>(G * N * K) + act_out;
-  const double w4_bytes = static_cast<double>(G * N * K / 2) + static_cast<double>(G * N * KB * 4) + act_out;
+  const double w4_bytes = static_cast<double>(cuda::w4a8_packed_weight_bytes(G, N, K)) +
+                          static_cast<double>(cuda::w4a8_packed_scale_bytes(G, N, K)) + act_out;
   Params base{{"layout", std::string(s.masked ? "masked" : "contiguous")},
               {"groups", G},
               {"m_per_group", s.masked ? s.expected_m : s.m},

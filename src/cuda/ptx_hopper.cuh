@@ -204,6 +204,13 @@ __device__ __forceinline__ float ld_shared_f32(std::uint32_t addr) {
   return v;
 }
 
+// A bf16 in shared memory, widened to f32 (exact: its bits are the f32's upper half).
+__device__ __forceinline__ float ld_shared_bf16_as_f32(std::uint32_t addr) {
+  std::uint32_t v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return __uint_as_float(v << 16);
+}
+
 // ---------------------------------------------------------------- setmaxnreg
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {

@@ -43,9 +43,10 @@ struct Dims {
   std::int64_t groups, n, k;
 };
 
-// Weights i4x2 [G, N, K/2] and scales f32 [G, N, K/128] (checkpoint or packed: the same shapes).
-Dims check_weight_pair(const TensorView& w, const TensorView& s, Device device, std::string_view w_name,
-                       std::string_view s_name) {
+// Weights i4x2 [G, N, K/2] and scales [G, N, K/128] (checkpoint or packed: the same shapes; the
+// checkpoint's scales are f32, the packed ones bf16).
+Dims check_weight_pair(const TensorView& w, const TensorView& s, DType scale_dtype, Device device,
+                       std::string_view w_name, std::string_view s_name) {
   expect_aligned_tensor(w, DType::i4x2, device, w_name, 16);
   expect_rank(w, 3, w_name);
   const Dims dims{w.shape[0], w.shape[1], 2 * w.shape[2]};
@@ -55,7 +56,7 @@ Dims check_weight_pair(const TensorView& w, const TensorView& s, Device device, 
               kBlockK);
   EPMOE_CHECK(dims.n > 0 && dims.n % 128 == 0, "{}: N = {} must be a positive multiple of 128", w_name,
               dims.n);
-  expect_aligned_tensor(s, DType::f32, device, s_name, 16);
+  expect_aligned_tensor(s, scale_dtype, device, s_name, 16);
   expect_shape(s, {dims.groups, dims.n, dims.k / kBlockK}, s_name);
   return dims;
 }
@@ -316,7 +317,8 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
 Dims check_common(const TensorView& a, float a_scale, const TensorView& a_scale_device,
                   const TensorView& packed_w, const TensorView& packed_scales, const TensorView& d,
                   W4A8Params& p) {
-  const Dims w = check_weight_pair(packed_w, packed_scales, Device::cuda, "packed_w", "packed_scales");
+  const Dims w =
+      check_weight_pair(packed_w, packed_scales, DType::bf16, Device::cuda, "packed_w", "packed_scales");
   EPMOE_CHECK(w.groups * w.n * (w.k / 2) < (std::int64_t{1} << 40), "packed_w {} is too large",
               packed_w.describe());
   EPMOE_CHECK(w.n <= kInt32Max / 2 && w.k <= kInt32Max / 2, "packed_w {} is too large for one launch",
@@ -334,7 +336,7 @@ Dims check_common(const TensorView& a, float a_scale, const TensorView& a_scale_
     p.a_scale_ptr = static_cast<const float*>(a_scale_device.data);
   }
   p.w = static_cast<const std::uint8_t*>(packed_w.data);
-  p.ws = static_cast<const float*>(packed_scales.data);
+  p.ws = static_cast<const __nv_bfloat16*>(packed_scales.data);
   p.d = static_cast<__nv_bfloat16*>(d.data);
   p.n = static_cast<std::int32_t>(w.n);
   p.k = static_cast<std::int32_t>(w.k);
@@ -343,7 +345,8 @@ Dims check_common(const TensorView& a, float a_scale, const TensorView& a_scale_
 }
 
 // The CPU packer (the device kernel's twin): gathers, as w4a8_prepare_kernel.
-void transform_cpu(const std::uint8_t* src, const float* src_scales, std::uint8_t* dst, float* dst_scales,
+// Scales: forward, f32 -> bf16 (nearest-even, as the device kernel); inverse, bf16 -> f32.
+void transform_cpu(const std::uint8_t* src, const void* src_scales, std::uint8_t* dst, void* dst_scales,
                    const Dims& dims, bool inverse) {
   const std::int64_t half_k = dims.k / 2, kb_count = dims.k / kBlockK, per_group = dims.n * half_k;
   const auto int4_at = [&](const std::uint8_t* w, std::int64_t row, std::int64_t k) {
@@ -374,9 +377,10 @@ void transform_cpu(const std::uint8_t* src, const float* src_scales, std::uint8_
         const std::int64_t packed =
             group * dims.n * kb_count + w4a8::packed_scale_index(row, kb, kb_count, dims.n);
         if (!inverse) {
-          dst_scales[packed] = src_scales[plain];
+          static_cast<bf16*>(dst_scales)[packed] =
+              bf16::from_float(static_cast<const float*>(src_scales)[plain]);
         } else {
-          dst_scales[plain] = src_scales[packed];
+          static_cast<float*>(dst_scales)[plain] = static_cast<const bf16*>(src_scales)[packed].to_float();
         }
       }
     }
@@ -385,10 +389,11 @@ void transform_cpu(const std::uint8_t* src, const float* src_scales, std::uint8_
 
 void prepare_device(const TensorView& src, const TensorView& src_scales, const TensorView& dst,
                     const TensorView& dst_scales, bool inverse, cudaStream_t stream) {
-  const Dims dims = check_weight_pair(src, src_scales, Device::cuda, inverse ? "packed_w" : "w_int4",
-                                      inverse ? "packed_scales" : "w_scales");
-  const Dims out = check_weight_pair(dst, dst_scales, Device::cuda, inverse ? "w_int4" : "packed_w",
-                                     inverse ? "w_scales" : "packed_scales");
+  const Dims dims =
+      check_weight_pair(src, src_scales, inverse ? DType::bf16 : DType::f32, Device::cuda,
+                        inverse ? "packed_w" : "w_int4", inverse ? "packed_scales" : "w_scales");
+  const Dims out = check_weight_pair(dst, dst_scales, inverse ? DType::f32 : DType::bf16, Device::cuda,
+                                     inverse ? "w_int4" : "packed_w", inverse ? "w_scales" : "packed_scales");
   EPMOE_CHECK(out.groups == dims.groups && out.n == dims.n && out.k == dims.k,
               "the output weights {} must have the shape of the input weights {}", dst.describe(),
               src.describe());
@@ -397,29 +402,35 @@ void prepare_device(const TensorView& src, const TensorView& src_scales, const T
   const std::int64_t items = dims.groups * dims.n * (dims.k / 2 + dims.k / kBlockK);
   const std::int64_t blocks = std::clamp<std::int64_t>((items + 255) / 256, 1, device_props().sm_count * 16);
   kernels::w4a8_prepare_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-      static_cast<const std::uint8_t*>(src.data), static_cast<const float*>(src_scales.data),
-      static_cast<std::uint8_t*>(dst.data), static_cast<float*>(dst_scales.data), dims.groups, dims.n, dims.k,
-      inverse);
+      static_cast<const std::uint8_t*>(src.data), src_scales.data, static_cast<std::uint8_t*>(dst.data),
+      dst_scales.data, dims.groups, dims.n, dims.k, inverse);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void prepare_host(const TensorView& src, const TensorView& src_scales, const TensorView& dst,
                   const TensorView& dst_scales, bool inverse) {
-  const Dims dims = check_weight_pair(src, src_scales, Device::cpu, inverse ? "packed_w" : "w_int4",
-                                      inverse ? "packed_scales" : "w_scales");
-  const Dims out = check_weight_pair(dst, dst_scales, Device::cpu, inverse ? "w_int4" : "packed_w",
-                                     inverse ? "w_scales" : "packed_scales");
+  const Dims dims =
+      check_weight_pair(src, src_scales, inverse ? DType::bf16 : DType::f32, Device::cpu,
+                        inverse ? "packed_w" : "w_int4", inverse ? "packed_scales" : "w_scales");
+  const Dims out = check_weight_pair(dst, dst_scales, inverse ? DType::f32 : DType::bf16, Device::cpu,
+                                     inverse ? "w_int4" : "packed_w", inverse ? "w_scales" : "packed_scales");
   EPMOE_CHECK(out.groups == dims.groups && out.n == dims.n && out.k == dims.k,
               "the output weights {} must have the shape of the input weights {}", dst.describe(),
               src.describe());
   EPMOE_CHECK(src.data != dst.data && src_scales.data != dst_scales.data,
               "the prepared tensors must not alias the inputs");
-  const auto* s = static_cast<const float*>(src_scales.data);
-  for (std::int64_t i = 0; i < src_scales.numel(); ++i)
-    EPMOE_CHECK(std::isfinite(s[i]), "{}[{}] = {} must be finite", inverse ? "packed_scales" : "w_scales", i,
-                s[i]);
-  transform_cpu(static_cast<const std::uint8_t*>(src.data), s, static_cast<std::uint8_t*>(dst.data),
-                static_cast<float*>(dst_scales.data), dims, inverse);
+  // Finite scales, also once rounded to bf16 (a magnitude above bf16's largest finite value, about
+  // 3.39e38, would round to infinity).
+  for (std::int64_t i = 0; i < src_scales.numel(); ++i) {
+    const float v = inverse ? static_cast<const bf16*>(src_scales.data)[i].to_float()
+                            : static_cast<const float*>(src_scales.data)[i];
+    EPMOE_CHECK(std::isfinite(v), "{}[{}] = {} must be finite", inverse ? "packed_scales" : "w_scales", i, v);
+    EPMOE_CHECK(
+        inverse || std::isfinite(round_to_bf16(v)),
+        "w_scales[{}] = {} must be finite as bf16 (|scale| <= 3.389e38: the prepared scales are bf16)", i, v);
+  }
+  transform_cpu(static_cast<const std::uint8_t*>(src.data), src_scales.data,
+                static_cast<std::uint8_t*>(dst.data), dst_scales.data, dims, inverse);
 }
 
 }  // namespace
@@ -518,7 +529,7 @@ std::size_t w4a8_packed_weight_bytes(std::int64_t groups, std::int64_t n, std::i
   return static_cast<std::size_t>(groups * n * (k / 2));
 }
 std::size_t w4a8_packed_scale_bytes(std::int64_t groups, std::int64_t n, std::int64_t k) {
-  return static_cast<std::size_t>(groups * n * (k / kBlockK)) * sizeof(float);
+  return static_cast<std::size_t>(groups * n * (k / kBlockK)) * w4a8::kScaleBytes;
 }
 
 void w4a8_prepare_weights(TensorView w_int4, TensorView w_scales, TensorView packed_w,

@@ -132,7 +132,7 @@ struct W4A8Traits {
 
 struct W4A8Params {
   const std::uint8_t* w;     // packed weights [G][N/256][K/128][4][4096] (w4a8_layout.hpp)
-  const float* ws;           // packed scales [G][N/256][K/128][4][64]
+  const __nv_bfloat16* ws;   // packed scales [G][N/256][K/128][4][64] (bf16, w4a8_layout.hpp)
   const float* a_scale_ptr;  // f32 [1] on the device, or nullptr: a_scale
   float a_scale;
   const std::int32_t* m_indices;  // contiguous layout: [M]; masked: nullptr
@@ -520,7 +520,8 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     const std::uint32_t w_thread =
         hold(smem_w + static_cast<std::uint32_t>(consumer) * w4a8::kPanelBytes + t * 16);
     const std::uint32_t s_thread =
-        hold(smem_s + static_cast<std::uint32_t>(consumer) * w4a8::kPanelScaleBytes + 4 * row_in_panel);
+        hold(smem_s + static_cast<std::uint32_t>(consumer) * w4a8::kPanelScaleBytes +
+             w4a8::kScaleBytes * row_in_panel);
     using I0 = std::integral_constant<int, 0>;
     using I1 = std::integral_constant<int, 1>;
 
@@ -597,7 +598,8 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       const int stage = at.stage;
       const int sub = kStageKB == 1 ? 0 : at.sub;
       const std::uint32_t s_addr = s_thread + stage * kSStride + sub * Traits::kSBytes;
-      const float s_lo = ptx::ld_shared_f32(s_addr), s_hi = ptx::ld_shared_f32(s_addr + 4 * 8);
+      const float s_lo = ptx::ld_shared_bf16_as_f32(s_addr);
+      const float s_hi = ptx::ld_shared_bf16_as_f32(s_addr + w4a8::kScaleBytes * 8);
       if constexpr (Traits::kSlot) {
         // The stage's sums (the offset warp's, or the pre-pass's copied in with the stage), for this
         // thread's columns 8 j + 2 q + {0, 1} (activation rows), read before the release (the slot
@@ -789,10 +791,11 @@ __device__ __forceinline__ int w4a8_checkpoint_int4(const std::uint8_t* __restri
   return static_cast<int>(static_cast<std::int8_t>((k % 2 == 0 ? b << 4 : b) & 0xf0u)) >> 4;
 }
 
-__global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src,
-                                    const float* __restrict__ src_scales, std::uint8_t* __restrict__ dst,
-                                    float* __restrict__ dst_scales, std::int64_t groups, std::int64_t n,
-                                    std::int64_t k, bool inverse) {
+// Scales: forward, f32 (checkpoint) -> bf16 (packed, rounded to nearest-even); inverse, bf16 -> f32
+// (exact).
+__global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src, const void* __restrict__ src_scales,
+                                    std::uint8_t* __restrict__ dst, void* __restrict__ dst_scales,
+                                    std::int64_t groups, std::int64_t n, std::int64_t k, bool inverse) {
   const std::int64_t half_k = k / 2, kb_count = k / w4a8::kBlockK;
   const std::int64_t bytes = groups * n * half_k, scales = groups * n * kb_count;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
@@ -823,9 +826,11 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src,
       const std::int64_t row = rest / kb_count, kb = rest % kb_count;
       const std::int64_t packed = group * n * kb_count + w4a8::packed_scale_index(row, kb, kb_count, n);
       if (!inverse) {
-        dst_scales[packed] = src_scales[j];
+        static_cast<__nv_bfloat16*>(dst_scales)[packed] =
+            __float2bfloat16_rn(static_cast<const float*>(src_scales)[j]);
       } else {
-        dst_scales[j] = src_scales[packed];
+        static_cast<float*>(dst_scales)[j] =
+            __bfloat162float(static_cast<const __nv_bfloat16*>(src_scales)[packed]);
       }
     }
   }

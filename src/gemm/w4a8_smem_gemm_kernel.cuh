@@ -62,7 +62,7 @@ struct W4A8SmemTraits {
   static constexpr int kPanels = kBN / w4a8::kPanelRows;
   static constexpr int kABytes = kBM * w4a8::kBlockK;  // multiples of 1024 (swizzle atoms)
   static constexpr int kBBytes = kBN * w4a8::kBlockK;
-  static constexpr int kCScaleBytes = kBN * 4;
+  static constexpr int kCScaleBytes = kBN * w4a8::kScaleBytes;
   static constexpr int kConvBytes = kABytes + kBBytes + kCScaleBytes + 16;  // + the two barriers
   static constexpr int kRawWBytes = kPanels * w4a8::kPanelBytes;
   static constexpr int kRawBytes = kRawWBytes + 16;
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
   const std::uint32_t smem_offset = smem_base;                                 // [8 x 128] of -2^-6
   const std::uint32_t smem_a = smem_offset + Traits::kOffsetBytes;             // conv stages x [kBM x 128]
   const std::uint32_t smem_b = smem_a + kConvStages * Traits::kABytes;         // conv stages x [kBN x 128]
-  const std::uint32_t smem_cs = smem_b + kConvStages * Traits::kBBytes;        // conv stages x kBN f32
+  const std::uint32_t smem_cs = smem_b + kConvStages * Traits::kBBytes;        // conv stages x kBN bf16
   const std::uint32_t smem_rw = smem_cs + kConvStages * Traits::kCScaleBytes;  // raw stages x panels x 4096
   const std::uint32_t raw_full = smem_rw + kRawStages * Traits::kRawWBytes;    // raw stages x 8 bytes
   const std::uint32_t raw_empty = raw_full + kRawStages * 8;
@@ -265,9 +265,10 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
         }
         const std::uint32_t a_tile = smem_a + stage * Traits::kABytes + row_block * 64 * w4a8::kBlockK;
         const std::uint32_t b_tile = smem_b + stage * Traits::kBBytes + col0 * w4a8::kBlockK;
-        const auto* scale_ptr =
-            reinterpret_cast<const float2*>(smem_raw + (smem_cs - ptx::smem_addr(smem_raw)) +
-                                            stage * Traits::kCScaleBytes + 4 * (col0 + 2 * q));
+        // The scales as bf16 pairs: word i holds columns 2 i (low half) and 2 i + 1.
+        const auto* scale_ptr = reinterpret_cast<const std::uint32_t*>(
+            smem_raw + (smem_cs - ptx::smem_addr(smem_raw)) + stage * Traits::kCScaleBytes +
+            w4a8::kScaleBytes * (col0 + 2 * q));
         // (A generic lambda per wave, so that acc[w] is always indexed by a constant.)
         const auto wave = [&](auto wc) {
           constexpr int w = decltype(wc)::value;
@@ -298,10 +299,13 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           // the last wave frees the stage after its promotion.
           constexpr bool kEarlyFree = kWaves == 1;
           // (Plain loads, which the compiler may interleave with the promotion.)
-          const float2* sc = scale_ptr + 64 * w;
+          const std::uint32_t* sc = scale_ptr + 64 * w;
           float2 scv[16];
 #pragma unroll
-          for (int j = 0; j < 16; ++j) scv[j] = sc[4 * j];
+          for (int j = 0; j < 16; ++j) {
+            const std::uint32_t pair = sc[4 * j];
+            scv[j] = make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+          }
           if constexpr (kEarlyFree) {
             ptx::mbar_arrive_warp(conv_empty + 8 * stage);  // each lane after its scale loads
           }

@@ -262,11 +262,11 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
 
   // Expert slots, then the placement (which fills them).
   if (w4a8) {
-    // Prepared (packed) int4 slots, the checkpoint's shapes (epmoe/cuda/w4a8_gemm.hpp).
+    // Prepared (packed) int4 slots, the checkpoint's shapes, bf16 scales (epmoe/cuda/w4a8_gemm.hpp).
     w13 = DeviceTensor(DType::i4x2, {L, 2 * I, H / 2});
-    w13_scale = DeviceTensor(DType::f32, {L, 2 * I, H / 128});
+    w13_scale = DeviceTensor(DType::bf16, {L, 2 * I, H / 128});
     w2 = DeviceTensor(DType::i4x2, {L, H, I / 2});
-    w2_scale = DeviceTensor(DType::f32, {L, H, I / 128});
+    w2_scale = DeviceTensor(DType::bf16, {L, H, I / 128});
     stage_w13 = DeviceTensor(DType::i4x2, {1, 2 * I, H / 2});
     stage_s13 = DeviceTensor(DType::f32, {1, 2 * I, H / 128});
     stage_w2 = DeviceTensor(DType::i4x2, {1, H, I / 2});

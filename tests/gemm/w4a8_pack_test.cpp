@@ -14,6 +14,7 @@
 
 #include "epmoe/cuda/w4a8_gemm.hpp"
 #include "epmoe/grouped_gemm.hpp"
+#include "epmoe/numerics.hpp"
 #include "gemm/w4a8_kernel_choice.hpp"
 #include "gemm/w4a8_layout.hpp"
 #include "gpu_test_util.hpp"
@@ -79,12 +80,21 @@ TEST_P(W4A8PackN, RoundTripsAndIsAPermutation) {
   std::mt19937_64 rng(7);
   const std::int64_t G = 2, N = GetParam(), K = 384;
   const Checkpoint c = random_checkpoint(G, N, K, rng);
-  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, K / 128});
+  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, K / 128});
   cuda::w4a8_prepare_weights_cpu(c.w, c.s, pw, ps);
   HostTensor w2(DType::i4x2, {G, N, K / 2}), s2(DType::f32, {G, N, K / 128});
   cuda::w4a8_unprepare_weights_cpu(pw, ps, w2, s2);
   EXPECT_EQ(std::memcmp(c.w.view().data, w2.view().data, c.w.nbytes()), 0);
-  EXPECT_EQ(std::memcmp(c.s.view().data, s2.view().data, c.s.nbytes()), 0);
+  // The scales come back as their bf16 roundings (nearest-even), each within a relative 2^-8 (half a bf16
+  // ulp) of the checkpoint's.
+  std::int64_t inexact = 0;
+  for (std::int64_t i = 0; i < c.s.numel(); ++i) {
+    const float want = c.s.data<float>()[i];
+    ASSERT_EQ(s2.data<float>()[i], round_to_bf16(want)) << "scale " << i;
+    ASSERT_LE(std::abs(s2.data<float>()[i] - want), std::ldexp(std::abs(want), -8)) << "scale " << i;
+    inexact += s2.data<float>()[i] != want ? 1 : 0;
+  }
+  EXPECT_GT(inexact, 0);  // the random scales are not bf16 values: the rounding was exercised
   // Every nibble position is hit exactly once, and packed_byte_source inverts packed_position:
   // a byte holds (n, k) low and (n + 8, k) high.
   std::vector<int> hits(static_cast<std::size_t>(N * K));
@@ -141,7 +151,7 @@ TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
   std::mt19937_64 rng(11);
   const std::int64_t G = 1, N = 128, K = 256, KB = K / 128;
   const Checkpoint c = random_checkpoint(G, N, K, rng);
-  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, K / 128});
+  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, K / 128});
   cuda::w4a8_prepare_weights_cpu(c.w, c.s, pw, ps);
   const auto* packed = static_cast<const std::uint8_t*>(pw.view().data);
   const auto* plain = static_cast<const std::uint8_t*>(c.w.view().data);
@@ -172,9 +182,11 @@ TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
           }
         }
         // The two scales of the thread's rows.
-        const float* scales = ps.data<float>() + w4a8::panel_chunk(panel, kb, KB, N / 64) * 64;
-        EXPECT_EQ(scales[warp * 16 + g], c.s.data<float>()[(panel * 64 + warp * 16 + g) * KB + kb]);
-        EXPECT_EQ(scales[warp * 16 + g + 8], c.s.data<float>()[(panel * 64 + warp * 16 + g + 8) * KB + kb]);
+        const bf16* scales = ps.data<bf16>() + w4a8::panel_chunk(panel, kb, KB, N / 64) * 64;
+        EXPECT_EQ(scales[warp * 16 + g].bits,
+                  bf16::from_float(c.s.data<float>()[(panel * 64 + warp * 16 + g) * KB + kb]).bits);
+        EXPECT_EQ(scales[warp * 16 + g + 8].bits,
+                  bf16::from_float(c.s.data<float>()[(panel * 64 + warp * 16 + g + 8) * KB + kb]).bits);
       }
     }
   }
@@ -189,7 +201,7 @@ TEST(W4A8Pack, ConverterStoresMatchTheSwizzledTile) {
   std::mt19937_64 rng(12);
   const std::int64_t G = 1, N = 256, K = 256, KB = K / 128;
   const Checkpoint c = random_checkpoint(G, N, K, rng);
-  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::f32, {G, N, K / 128});
+  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, K / 128});
   cuda::w4a8_prepare_weights_cpu(c.w, c.s, pw, ps);
   const auto* packed = static_cast<const std::uint8_t*>(pw.view().data);
   const auto* plain = static_cast<const std::uint8_t*>(c.w.view().data);
@@ -239,8 +251,8 @@ TEST(W4A8Pack, ConverterStoresMatchTheSwizzledTile) {
   // the converter copies, column i of the tile from packed index (panel, kb, i % 64).
   for (std::int64_t kb = 0; kb < KB; ++kb)
     for (int i = 0; i < kTileN; ++i)
-      EXPECT_EQ(ps.data<float>()[w4a8::panel_chunk(i / 64, kb, KB, N / 64) * 64 + i % 64],
-                c.s.data<float>()[i * KB + kb]);
+      EXPECT_EQ(ps.data<bf16>()[w4a8::panel_chunk(i / 64, kb, KB, N / 64) * 64 + i % 64].bits,
+                bf16::from_float(c.s.data<float>()[i * KB + kb]).bits);
 }
 
 // v2's offset warp (w4a8_grouped_gemm_kernel.cuh, kOffsetWarp): a lane-by-lane model of its
@@ -273,7 +285,7 @@ TEST(W4A8Pack, OffsetWarpLoadsCoverEveryRowOnce) {
 
 TEST(W4A8Pack, RefusesBadArguments) {
   const HostTensor w(DType::i4x2, {2, 128, 128}), s(DType::f32, {2, 128, 2});
-  HostTensor pw(DType::i4x2, {2, 128, 128}), ps(DType::f32, {2, 128, 2});
+  HostTensor pw(DType::i4x2, {2, 128, 128}), ps(DType::bf16, {2, 128, 2});
   std::memset(s.view().data, 0, s.nbytes());
   EXPECT_NO_THROW(cuda::w4a8_prepare_weights_cpu(w, s, pw, ps));
   const HostTensor w_k(DType::i4x2, {2, 128, 100});
@@ -293,8 +305,20 @@ TEST(W4A8Pack, RefusesBadArguments) {
   s_nan.data<float>()[5] = std::nanf("");
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_nan, pw, ps); },
                         "w_scales[5] = nan must be finite");
+  // Finite as f32, infinite once rounded to the packed bf16.
+  HostTensor s_big(DType::f32, {2, 128, 2});
+  std::memset(s_big.view().data, 0, s_big.nbytes());
+  s_big.data<float>()[3] = 3.4e38f;
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_big, pw, ps); },
+                        "w_scales[3] = 3.4e+38 must be finite as bf16");
+  const HostTensor ps_f32(DType::f32, {2, 128, 2});
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s, pw, ps_f32); },
+                        "packed_scales must have dtype bf16");
+  const HostTensor s_bf16(DType::bf16, {2, 128, 2});
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_bf16, pw, ps); },
+                        "w_scales must have dtype f32");
   const HostTensor pw_small(DType::i4x2, {1, 128, 128});
-  const HostTensor ps_small(DType::f32, {1, 128, 2});
+  const HostTensor ps_small(DType::bf16, {1, 128, 2});
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s, pw_small, ps_small); },
                         "must have the shape of the input weights");
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s, w, ps); }, "must not alias the inputs");

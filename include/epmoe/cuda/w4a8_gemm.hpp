@@ -56,17 +56,20 @@ struct W4A8TileShape {
 // and contiguous: 128 x 128.
 W4A8TileShape w4a8_gemm_tile(bool masked, std::int64_t expected_m);
 
-// Sizes of the prepared tensors (equal to the checkpoint's): packed_w i4x2 [G, N, K/2], packed_scales
-// f32 [G, N, K/128].
+// Sizes of the prepared tensors (the checkpoint's shapes): packed_w i4x2 [G, N, K/2], packed_scales
+// bf16 [G, N, K/128] (half the checkpoint's f32 scale bytes).
 std::size_t w4a8_packed_weight_bytes(std::int64_t groups, std::int64_t n, std::int64_t k);
 std::size_t w4a8_packed_scale_bytes(std::int64_t groups, std::int64_t n, std::int64_t k);
 
 // Once per checkpoint: w_int4 i4x2 [G, N, K/2] and w_scales f32 [G, N, K/128] (device) -> packed_w
-// i4x2 [G, N, K/2] and packed_scales f32 [G, N, K/128] (device, distinct from the inputs) in the
-// kernel's order. Scales must be finite (not checked on the device: the CPU packer checks them).
+// i4x2 [G, N, K/2] and packed_scales bf16 [G, N, K/128] (device, distinct from the inputs) in the
+// kernel's order. The scales are rounded once to bf16 (nearest-even), as SGLang's W4AFP8 MoE rounds
+// the same checkpoint's scales when it loads them; the GEMM widens them to f32 and scales each
+// 128-K partial sum in f32. Scales must be finite and within bf16's range (not checked on the
+// device: the CPU packer checks them).
 void w4a8_prepare_weights(TensorView w_int4, TensorView w_scales, TensorView packed_w,
                           TensorView packed_scales, cudaStream_t stream);
-// The inverse (tests): packed -> checkpoint order.
+// The inverse (tests): packed -> checkpoint order, the scales widened back to f32 (the bf16 values).
 void w4a8_unprepare_weights(TensorView packed_w, TensorView packed_scales, TensorView w_int4,
                             TensorView w_scales, cudaStream_t stream);
 
