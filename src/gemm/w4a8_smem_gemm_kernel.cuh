@@ -291,29 +291,23 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
                                        kk > 0);
           }
           ptx::wgmma_commit();
-          // The scales of this thread's columns 128 w + 8 j + 2 q + {0, 1}, widened from bf16. With
-          // one wave they are read and widened while the wgmma run (32 registers; the widening's 32
-          // integer instructions off the promotion's path) and all read before the stage is given
-          // back; with two (no registers to spare) after the wait, and the last wave frees the stage
-          // after its promotion.
-          constexpr bool kEarlyFree = kWaves == 1;
-          const std::uint32_t* sc = scale_ptr + 64 * w;
-          float2 scv[16];
-          const auto read_scales = [&] {
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-              const std::uint32_t pair = sc[4 * j];
-              scv[j] = make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
-            }
-          };
-          if constexpr (kEarlyFree) read_scales();
           ptx::wgmma_wait<0>();
           fence_all(part);
           if constexpr (w == 0) fence_all(offset);
+          // The scales of this thread's columns 128 w + 8 j + 2 q + {0, 1}. With one wave they are
+          // all read before the stage is given back (32 registers); with two (no registers to spare)
+          // the last wave frees the stage after its promotion.
+          constexpr bool kEarlyFree = kWaves == 1;
+          // (Plain loads, which the compiler may interleave with the promotion.)
+          const std::uint32_t* sc = scale_ptr + 64 * w;
+          float2 scv[16];
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const std::uint32_t pair = sc[4 * j];
+            scv[j] = make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+          }
           if constexpr (kEarlyFree) {
             ptx::mbar_arrive_warp(conv_empty + 8 * stage);  // each lane after its scale loads
-          } else {
-            read_scales();  // (plain loads, which the compiler may interleave with the promotion)
           }
           fence_all(part);
 #pragma unroll
