@@ -169,6 +169,9 @@ class SymmetricBuffer {
   void** peers_device_ = nullptr;
   std::unique_ptr<void*[]> peers_host_;
   bool nccl_memory_ = true;  // local_ from ncclMemAlloc (else cudaMalloc: a loopback rank's)
+  // Loopback ranks: every rank's allocation of this buffer, freed together when the last rank's
+  // buffer goes (LoopbackGroup::share_allocations); local_ is then not freed on its own.
+  std::shared_ptr<void> loopback_memory_;
 };
 
 // ---------------------------------------------------------------- loopback ranks
@@ -188,6 +191,11 @@ class LoopbackGroup {
   std::vector<void*> exchange(int rank, std::uint64_t seq, void* ptr, double timeout_s);
   // Returns once every rank has arrived (generation barrier); throws after timeout_s.
   void barrier(int rank, double timeout_s);
+  // Every rank's device allocation of exchange `seq` (a symmetric buffer's), owned together: every
+  // rank gets the same handle, and the allocations are freed when the last rank drops it. So a rank
+  // that fails and unwinds first does not free a window that its peers' kernels still address (on
+  // one GPU such a store faults the shared context, and every later call of every rank fails).
+  std::shared_ptr<void> share_allocations(std::uint64_t seq, const std::vector<void*>& ptrs);
 
  private:
   LoopbackGroup(int size, int device) : size_(size), device_(device) {}

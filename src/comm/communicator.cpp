@@ -303,7 +303,7 @@ SymmetricBuffer::~SymmetricBuffer() {
   if (window_ != nullptr && comm_ && comm_->nccl() != nullptr)
     (void)ncclCommWindowDeregister(comm_->nccl(), window_);
   if (local_ != nullptr && nccl_memory_) (void)ncclMemFree(local_);
-  if (local_ != nullptr && !nccl_memory_) (void)cudaFree(local_);
+  if (local_ != nullptr && !nccl_memory_ && !loopback_memory_) (void)cudaFree(local_);
   if (peers_device_ != nullptr) (void)cudaFree(peers_device_);
 }
 
@@ -343,6 +343,14 @@ struct LoopbackGroup::State {
   std::uint64_t generation = 0;
   std::map<std::uint64_t, std::vector<void*>> posted;  // exchange seq -> every rank's pointer
   std::map<std::uint64_t, int> posted_count;
+  // Exchange seq -> the owner of its allocations: held strongly until every rank has taken it (a rank
+  // that unwinds at once cannot free them before a slower one took its share), then weakly.
+  struct SharedAllocations {
+    std::shared_ptr<void> strong;
+    std::weak_ptr<void> weak;
+    int takers = 0;
+  };
+  std::map<std::uint64_t, SharedAllocations> shared;
 };
 
 std::shared_ptr<LoopbackGroup> LoopbackGroup::make(int size, int device) {
@@ -393,6 +401,29 @@ void LoopbackGroup::barrier(int rank, double timeout_s) {
   if (!ok) --state_->arrived;
   EPMOE_CHECK(ok, "loopback rank {}: timed out after {:.1f} s at a barrier waiting for the other ranks", rank,
               timeout_s);
+}
+
+std::shared_ptr<void> LoopbackGroup::share_allocations(std::uint64_t seq, const std::vector<void*>& ptrs) {
+  const std::lock_guard lock(state_->mutex);
+  std::erase_if(state_->shared,
+                [](const auto& entry) { return !entry.second.strong && entry.second.weak.expired(); });
+  State::SharedAllocations& entry = state_->shared[seq];
+  std::shared_ptr<void> owner = entry.strong;
+  if (!owner) {
+    auto* held = new std::vector<void*>(ptrs);
+    const int device = device_;
+    owner = std::shared_ptr<void>(held, [device](void* p) {
+      auto* allocations = static_cast<std::vector<void*>*>(p);
+      (void)cudaSetDevice(device);
+      for (void* a : *allocations)
+        if (a != nullptr) (void)cudaFree(a);
+      delete allocations;
+    });
+    entry.strong = owner;
+    entry.weak = owner;
+  }
+  if (++entry.takers >= size_) entry.strong.reset();
+  return owner;
 }
 
 std::shared_ptr<Communicator> Communicator::create_loopback(std::shared_ptr<LoopbackGroup> group, int rank,
@@ -699,8 +730,16 @@ void Communicator::wait_event(cudaEvent_t event, CommPhase phase, std::string_vi
 }
 
 void Communicator::synchronize(CommPhase phase, std::string_view waiting_for) {
-  EPMOE_CUDA_CHECK(cudaEventRecord(wait_event_, stream_));
-  wait_event(wait_event_, phase, waiting_for);
+  try {
+    EPMOE_CUDA_CHECK(cudaEventRecord(wait_event_, stream_));
+    wait_event(wait_event_, phase, waiting_for);
+  } catch (const Error& e) {
+    if (!broken_reason_.empty()) throw;  // fail_wait's (a timeout): complete as it is
+    // A CUDA error (sticky: a fault anywhere in the context) says nothing of this rank's calls; its
+    // dispatchers' state does (the loopback failure of session 22 showed only the error on one rank).
+    EPMOE_FAIL("rank {}: {} (phase {}{}{}){}", rank_, e.what(), to_string(phase),
+               waiting_for.empty() ? "" : ", waiting for ", waiting_for, diagnostics());
+  }
   check_device_errors();
 }
 
@@ -809,8 +848,9 @@ std::unique_ptr<SymmetricBuffer> Communicator::alloc_symmetric(std::size_t bytes
     b->nccl_memory_ = false;
     EPMOE_CUDA_CHECK(cudaMalloc(&b->local_, bytes));
     took(setup_memory_.buffers);
-    const std::vector<void*> all =
-        loopback_->exchange(rank_, loopback_seq_++, b->local_, host_wait_limit_s());
+    const std::uint64_t seq = loopback_seq_++;
+    const std::vector<void*> all = loopback_->exchange(rank_, seq, b->local_, host_wait_limit_s());
+    b->loopback_memory_ = loopback_->share_allocations(seq, all);
     std::copy(all.begin(), all.end(), b->peers_host_.get());
     // On this communicator's stream, which the barrier below synchronises (see all_reduce_sum_i64).
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(b->peers_device_, b->peers_host_.get(), table_bytes,

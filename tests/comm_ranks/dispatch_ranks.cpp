@@ -119,8 +119,21 @@ std::string error_of(const std::function<void()>& fn) {
   return "";
 }
 
+// The ranks meet around every allocation, memset and free between their calls. With loopback ranks
+// (one GPU, one context) a rank inside cudaFree, cudaMalloc or cudaMemset (CUDA's implicit
+// synchronization: they wait for the whole device) while a peer's dispatch or combine kernel already
+// waits for this rank deadlocks until the peer's timeout (call 152: round 4 of
+// RepeatedCallsReuseTheBuffers, one rank freeing round 3's buffers while the other's next dispatch
+// waited for it; bench/NOTES.md, session 22). So a call's device buffers are allocated and poisoned,
+// then the ranks meet, then the call; and its buffers are freed before they meet again. (The layer
+// tests meet the same way, layer_ranks.cpp.)
+void meet() {
+  world().barrier();
+}
+
 // The error text of one dispatch of `in` on `d`, waited for (a device-side refusal or timeout
-// surfaces at the synchronize); "" when it succeeds.
+// surfaces at the synchronize); "" when it succeeds. (No meet: some callers dispatch on one rank only,
+// and a refusal leaves the communicator unusable for a barrier.)
 std::string dispatch_error(Dispatcher& d, const RankInput& in) {
   const DeviceInput dev = to_device(in, stream());
   const DispatchInput view = dev.view();
@@ -183,13 +196,17 @@ void check_halves(LowLatencyDispatcher& d, const MoeConfig& c, ActivationFormat 
                   const std::function<void()>& between = {}) {
   const int me = world().rank();
   const Simulated simulated = simulate(c, d.context().mode, f, in);
-  const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-  d.dispatch_send(dev.view());
-  if (between) between();
-  DispatchOutput out;
-  d.dispatch_recv(out);
-  const HostOutput host = download(out, stream());
-  expect_same_dispatch(host.view, simulated.want[static_cast<std::size_t>(me)], what);
+  {
+    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+    meet();
+    d.dispatch_send(dev.view());
+    if (between) between();
+    DispatchOutput out;
+    d.dispatch_recv(out);
+    const HostOutput host = download(out, stream());
+    expect_same_dispatch(host.view, simulated.want[static_cast<std::size_t>(me)], what);
+  }
+  meet();
 }
 
 void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const std::vector<RankInput>& in,
@@ -200,34 +217,40 @@ void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const st
   Simulated simulated = simulate(c, mode, f, in);
   const std::vector<DispatchOutput>& want = simulated.want;
 
-  const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-  const DispatchInput dev_view = dev.view();
-  std::vector<DispatchOutput> got(1);
-  d.dispatch({&dev_view, 1}, got);
-  const HostOutput host = download(got[0], stream());
-  expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], what);
-  if (d.name() == "nccl-p2p") {
-    EXPECT_EQ(d.last_stats().tokens_sent.at(0),
-              simulated.sim->last_stats().tokens_sent.at(static_cast<std::size_t>(me)));
-    EXPECT_EQ(d.last_stats().bytes_sent.at(0),
-              simulated.sim->last_stats().bytes_sent.at(static_cast<std::size_t>(me)));
-    EXPECT_EQ(d.last_stats().rows_received.at(0),
-              simulated.sim->last_stats().rows_received.at(static_cast<std::size_t>(me)));
-    EXPECT_EQ(host.view.expected_m, want[static_cast<std::size_t>(me)].expected_m);
-  }
-
-  // Combine: the same stand-in expert outputs on both sides.
+  const std::int64_t T = in[static_cast<std::size_t>(me)].x.size(0);
   std::vector<std::int64_t> tokens;
   for (const RankInput& r : in) tokens.push_back(r.x.size(0));
   const std::vector<HostTensor> ys = simulate_combine(simulated, c, tokens);
-  const cuda::DeviceTensor out_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
-  const std::int64_t T = in[static_cast<std::size_t>(me)].x.size(0);
-  const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
-  y_dev.fill_bytes(0xff, stream());  // poison: every element must be written
-  const TensorView out_view = out_dev.view(), y_view = y_dev.view();
-  d.combine({&out_view, 1}, {&y_view, 1});
-  world().synchronize(CommPhase::none, "the combine to finish");
-  const HostTensor y = cuda::to_host(y_dev, stream());
+  HostTensor y;
+  {
+    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+    const DispatchInput dev_view = dev.view();
+    const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
+    y_dev.fill_bytes(0xff, stream());  // poison: every element must be written
+    meet();
+    std::vector<DispatchOutput> got(1);
+    d.dispatch({&dev_view, 1}, got);
+    const HostOutput host = download(got[0], stream());
+    expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], what);
+    if (d.name() == "nccl-p2p") {
+      EXPECT_EQ(d.last_stats().tokens_sent.at(0),
+                simulated.sim->last_stats().tokens_sent.at(static_cast<std::size_t>(me)));
+      EXPECT_EQ(d.last_stats().bytes_sent.at(0),
+                simulated.sim->last_stats().bytes_sent.at(static_cast<std::size_t>(me)));
+      EXPECT_EQ(d.last_stats().rows_received.at(0),
+                simulated.sim->last_stats().rows_received.at(static_cast<std::size_t>(me)));
+      EXPECT_EQ(host.view.expected_m, want[static_cast<std::size_t>(me)].expected_m);
+    }
+
+    // Combine: the same stand-in expert outputs on both sides.
+    const cuda::DeviceTensor out_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
+    meet();
+    const TensorView out_view = out_dev.view(), y_view = y_dev.view();
+    d.combine({&out_view, 1}, {&y_view, 1});
+    world().synchronize(CommPhase::none, "the combine to finish");
+    y = cuda::to_host(y_dev, stream());
+  }
+  meet();  // every rank's frees done before any rank's next call
   const Diff diff = compare_bf16(y, ys[static_cast<std::size_t>(me)]);
   EXPECT_EQ(diff.non_finite, 0);
   EXPECT_LE(diff.rel_l2, 1e-2);
@@ -961,6 +984,41 @@ TEST(CommWorld, BarrierAndASymmetricWindowThatEveryRankWritesInto) {
         cudaMemcpy(got.data(), buf->local(), 4 * static_cast<std::size_t>(N), cudaMemcpyDeviceToHost));
     for (int r = 0; r < N; ++r)
       EXPECT_EQ(got[static_cast<std::size_t>(r)], 1000 + r) << "written by rank " << r;
+    world().barrier();
+  });
+}
+
+// Loopback ranks (one GPU): a symmetric buffer that one rank drops first stays allocated until every
+// rank has dropped it, so a peer's kernels may still write into it (as they may after that rank failed
+// and unwound: in session 22's loopback failure a freed window under the peer's kernels faulted the
+// shared context, and every later test failed with it); the memory comes back once the last rank
+// drops it.
+TEST(CommWorld, ALoopbackWindowOutlivesTheRankThatDropsItFirst) {
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    if (!world().loopback() || N < 2) return;  // (NCCL windows: destruction is collective)
+    constexpr std::size_t kBytes = std::size_t{64} << 20;
+    std::size_t free_before = 0, free_after = 0, total = 0;
+    world().barrier();
+    if (me == 0) EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+    world().barrier();
+    auto buf = world().alloc_symmetric(kBytes);
+    void* const rank0_window = buf->peer_pointer(0);
+    if (me == 0) buf.reset();  // rank 0 drops it first
+    world().barrier();
+    if (me == N - 1) {  // a peer still writes into rank 0's window
+      EPMOE_CUDA_CHECK(cudaMemsetAsync(rank0_window, 0x5a, kBytes, stream()));
+      world().synchronize(CommPhase::none, "a write into a window its rank dropped");
+    }
+    world().barrier();
+    buf.reset();
+    world().barrier();
+    if (me == 0) {
+      EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+      // Every rank's 64 MB is back (a few MB of slack for the allocator's granularity).
+      EXPECT_GE(free_after + (std::size_t{8} << 20), free_before)
+          << "free before " << free_before << ", after " << free_after;
+    }
     world().barrier();
   });
 }
