@@ -462,7 +462,9 @@ std::shared_ptr<Communicator> Communicator::create_loopback(std::shared_ptr<Loop
   // queues, and a queue starts its work in order: a rank's kernel queued behind a peer's stream whose
   // next work waits for a kernel that waits for this rank (a combine waiting for this rank's flag)
   // cannot start until that wait times out. The most queues (32) make such aliasing rare; fewer are
-  // refused, as lazy loading is (the loopback timeout of sessions 20-21, bench/NOTES.md).
+  // refused, as lazy loading is. (The loopback timeouts of sessions 20-22 turned out to be a rank
+  // blocked in cudaFree while a peer's kernel waited for it, bench/NOTES.md session 22; the tests
+  // meet around their allocations and frees. The aliasing remains a hazard of its own.)
   const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   EPMOE_CHECK(connections != nullptr && std::atoi(connections) >= 32,
               "Communicator: loopback ranks need CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before "

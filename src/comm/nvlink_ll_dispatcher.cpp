@@ -643,6 +643,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   struct WatchRecord {
     std::uint32_t step, call;
     unsigned long long time_ns;               // the GPU's global timer when the watch kernel ran
+    long long host_ns;                        // the host's clock when the call had enqueued its work
     std::uint32_t words[4 * kWatchMaxRanks];  // per source d: [own p0, own p1, in d's window p0, p1]
   };
   WatchRecord* watch_host_ = nullptr;
@@ -656,6 +657,12 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     const std::uint32_t i = watch_calls_++ % kWatchRecords;
     watch_host_[i].step = step;
     watch_host_[i].call = watch_calls_;
+    // Host time beside the GPU's: a call enqueued late (the thread held, e.g. in a call that waits for
+    // the whole device) and a call enqueued at once whose kernels started late (the stream held) read
+    // differently.
+    watch_host_[i].host_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                 std::chrono::system_clock::now().time_since_epoch())
+                                 .count();
     const auto* local =
         reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(window_->local()) + cflag_off_);
     comm_detail::launch_watch_flags(local, reduce_flag_.as<std::uint32_t* const>(), parity_stride_, g_.N,
@@ -665,13 +672,15 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     if (watch_host_ == nullptr) return {};
     static constexpr const char* kSteps[] = {"?", "dispatch_recv", "combine_send", "combine_recv"};
     std::string out =
-        "; watch (after call @ GPU global timer, ms mod 1e6: flags by source [p0|p1] / this rank's in each "
-        "peer's [p0|p1]):";
+        "; watch (after call @ GPU global timer (host clock at its enqueue), ms mod 1e6: flags by source "
+        "[p0|p1] / this rank's in each peer's [p0|p1]):";
     const std::uint32_t first = watch_calls_ > kWatchRecords ? watch_calls_ - kWatchRecords : 0;
     for (std::uint32_t c = first; c < watch_calls_; ++c) {
       const WatchRecord& r = watch_host_[c % kWatchRecords];
-      out += fmt::format(" #{} {} @{:.3f}:", r.call, kSteps[r.step <= 3 ? r.step : 0],
-                         static_cast<double>(r.time_ns % 1000000000000ull) * 1e-6);
+      out += fmt::format(
+          " #{} {} @{:.3f} (host {:.3f}):", r.call, kSteps[r.step <= 3 ? r.step : 0],
+          static_cast<double>(r.time_ns % 1000000000000ull) * 1e-6,
+          static_cast<double>(static_cast<unsigned long long>(r.host_ns) % 1000000000000ull) * 1e-6);
       for (int d = 0; d < g_.N; ++d) {
         const std::uint32_t* w = r.words + 4 * d;
         out += fmt::format(" {}:{}|{}/{}|{}", d, w[0], w[1], w[2], w[3]);

@@ -509,14 +509,17 @@ TEST(CommNvlinkLl, TheFlagWatchSeesEveryCombineFlag) {
                                 Routing::random);
     check_round(*d, c, ActivationFormat::fp8_group, in, "watched round");
     const std::string m = world().diagnostics();
-    // Each record carries the GPU timer when its kernel ran (ms): in stream order, never decreasing.
-    std::string pattern =
-        R"(#1 dispatch_recv @([0-9.]+):.* #2 combine_send @([0-9.]+):.* #3 combine_recv @([0-9.]+):)";
+    // Each record carries the GPU timer when its kernel ran and the host clock when its call had
+    // enqueued (ms): each in call order, never decreasing.
+    std::string pattern = R"(#1 dispatch_recv @([0-9.]+) \(host ([0-9.]+)\):.* #2 combine_send @([0-9.]+) )"
+                          R"(\(host ([0-9.]+)\):.* #3 combine_recv @([0-9.]+) \(host ([0-9.]+)\):)";
     for (int src = 0; src < N; ++src) pattern += fmt::format(" {}:0\\|1/0\\|1", src);
     std::smatch match;
     ASSERT_TRUE(std::regex_search(m, match, std::regex(pattern))) << m;
-    EXPECT_LE(std::stod(match[1].str()), std::stod(match[2].str())) << m;
-    EXPECT_LE(std::stod(match[2].str()), std::stod(match[3].str())) << m;
+    EXPECT_LE(std::stod(match[1].str()), std::stod(match[3].str())) << m;  // GPU
+    EXPECT_LE(std::stod(match[3].str()), std::stod(match[5].str())) << m;
+    EXPECT_LE(std::stod(match[2].str()), std::stod(match[4].str())) << m;  // host
+    EXPECT_LE(std::stod(match[4].str()), std::stod(match[6].str())) << m;
     world().barrier();
   });
 }
