@@ -22,6 +22,7 @@
 #include "comm/comm_internal.hpp"
 #include "comm/ep_kernels.hpp"
 #include "cuda/driver_entry.hpp"
+#include "cuda/kernel_setup.hpp"
 #include "epmoe/cuda/runtime.hpp"
 
 namespace epmoe {
@@ -473,6 +474,10 @@ std::shared_ptr<Communicator> Communicator::create_loopback(std::shared_ptr<Loop
               connections != nullptr ? connections : "(unset)");
   c->init_stream(options.stream);
   c->init_error_record();
+  // Every kernel's one-time host set-up now, before any rank's first call (cuda/kernel_setup.hpp):
+  // a first attribute setting in the middle of a rank's call may wait for a peer's copy queued behind
+  // the peer's kernel, which waits for this rank.
+  cuda::prepare_kernels();
   return c;
 }
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cuda/kernel_setup.hpp"
 #include "cuda/ptx_hopper.cuh"
 #include "epmoe/cuda/launch.hpp"
 
@@ -1316,10 +1317,23 @@ std::size_t plan_bulk_send(const EpGeometry& g, SendArgs& s) {
   return static_cast<std::size_t>(warps) * kBulkStages * static_cast<std::size_t>(stage);
 }
 // Lets a kernel take more than 48 KB of dynamic shared memory (an attribute of the current device's
-// function: set at every launch, cheap, and right whichever device the process uses).
+// function: set at every launch, cheap, and right whichever device the process uses). The first
+// setting per device also runs for every such kernel through prepare_kernels (cuda/kernel_setup.hpp),
+// before any call, where the registration below puts it: a first setting may wait for the context's
+// outstanding copies, which loopback ranks cannot afford in the middle of a call.
 void allow_large_smem(const void* kernel) {
   EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
 }
+[[maybe_unused]] const bool g_large_smem_registered = [] {
+  for (const void* kernel :
+       {reinterpret_cast<const void*>(send_kernel<true>), reinterpret_cast<const void*>(send_kernel<false>),
+        reinterpret_cast<const void*>(dispatch_kernel<true, true>),
+        reinterpret_cast<const void*>(dispatch_kernel<true, false>),
+        reinterpret_cast<const void*>(dispatch_kernel<false, false>)})
+    cuda::register_kernel_setup("a dispatch kernel's shared-memory limit",
+                                [kernel] { allow_large_smem(kernel); });
+  return true;
+}();
 }  // namespace
 
 void launch_lsa_barrier(void* const* windows, std::uint32_t* own, int me, int n, std::uint32_t epoch,

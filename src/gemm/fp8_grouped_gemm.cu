@@ -148,7 +148,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   using Traits = GemmTraits<kBlockM, kBlockN>;
   constexpr auto kernel = &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN>;
   const DeviceProps& props = device_props();
-  gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
+  gemm_host::allow_dynamic_smem<kernel, Traits::kSmemBytes>();
   EPMOE_CHECK(options.stages >= 0 && options.stages <= Traits::kStages,
               "options.stages must be 0 (all) or 1..{} for {} x {} tiles, got {}", Traits::kStages, kBlockM,
               kBlockN, options.stages);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "cuda/kernel_setup.hpp"
 #include "cuda/tma_map.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "epmoe/tensor.hpp"
@@ -19,14 +20,32 @@ namespace epmoe::cuda::gemm_host {
 void expect_aligned_tensor(const TensorView& t, DType dtype, Device device, std::string_view name,
                            std::uintptr_t alignment);
 
-// Raises kKernel's dynamic shared-memory limit to `bytes` (needed above 48 KB), once per device.
-template <auto kKernel>
-void allow_dynamic_smem(int bytes) {
-  static std::atomic<std::uint64_t> raised{0};
-  const std::uint64_t bit = std::uint64_t{1} << (device_props().device % 64);
-  if ((raised.load(std::memory_order_acquire) & bit) != 0) return;
-  EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  raised.fetch_or(bit, std::memory_order_acq_rel);
+// Raises kKernel's dynamic shared-memory limit to kBytes (needed above 48 KB), once per device: at
+// the kernel's first launch (allow_dynamic_smem), or before, for every kernel at once, through
+// prepare_kernels (cuda/kernel_setup.hpp), where the registration below puts it when the library loads.
+template <auto kKernel, int kBytes>
+struct DynamicSmem {
+  static inline std::atomic<std::uint64_t> raised{0};  // bit d: done on device d % 64
+  static void raise() {
+    const std::uint64_t bit = std::uint64_t{1} << (device_props().device % 64);
+    if ((raised.load(std::memory_order_acquire) & bit) != 0) return;
+    EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+    raised.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  // (A limit above what the device allows is left to the launch, which reports it.)
+  static void prepare() {
+    int optin = 0;
+    EPMOE_CUDA_CHECK(
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_props().device));
+    if (kBytes <= optin) raise();
+  }
+  static inline const bool registered =
+      register_kernel_setup("a GEMM kernel's shared-memory limit", &prepare);
+};
+template <auto kKernel, int kBytes>
+void allow_dynamic_smem() {
+  static_cast<void>(DynamicSmem<kKernel, kBytes>::registered);  // (instantiates the registration)
+  DynamicSmem<kKernel, kBytes>::raise();
 }
 
 // Refuses anything but a Hopper GPU (sm_90), naming `what` (e.g. "the FP8 grouped GEMM").

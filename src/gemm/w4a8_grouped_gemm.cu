@@ -164,7 +164,7 @@ template <int kBM, int kConsumers, int kOffset, int kStageKB, int kParts = 0>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
   using Traits = W4A8Traits<kBM, kConsumers, kOffset, kStageKB>;
   constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffset, kStageKB, kParts>;
-  gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
+  gemm_host::allow_dynamic_smem<kernel, Traits::kSmemBytes>();
   const std::int64_t ctas = plan_persistent(problem, options, kBM, Traits::kTileN, Traits::kStages);
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
   // kOffsetSums: a dependent launch behind the row-sum pre-pass (only the warp that copies the sums
@@ -221,7 +221,7 @@ template <int kBM, int kBN, int kWaves>
 void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
   using Traits = kernels::W4A8SmemTraits<kBM, kBN, kWaves>;
   constexpr auto kernel = &kernels::w4a8_smem_gemm_kernel<kBM, kBN, kWaves>;
-  gemm_host::allow_dynamic_smem<kernel>(Traits::kSmemBytes);
+  gemm_host::allow_dynamic_smem<kernel, Traits::kSmemBytes>();
   const std::int64_t ctas = plan_persistent(problem, options, kBM, kBN, Traits::kConvStages);
   W4A8Params& params = problem.params;
   // Masked tiles whose valid rows fit a smaller box load only that many activation rows.

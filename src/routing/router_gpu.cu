@@ -8,6 +8,7 @@
 #include <limits>
 #include <string_view>
 
+#include "cuda/kernel_setup.hpp"
 #include "cuda/tma_map.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "routing/router_kernels.cuh"
@@ -122,17 +123,31 @@ bool route_g8_softmax_applies(const MoeConfig& c, const kernels::RouterParams& p
 // Blocks for a g8 kernel (route_g8_kernel, route_g8_sieve_kernel, route_g8_softmax_kernel: the same
 // layout): a warp per unit of kUnitTokens tokens (a quad; the sieve kernel also takes pairs), no more
 // than fit on the device at once.
+// Its carveout and the blocks that fit per SM, set and measured once: at the first launch, or before,
+// through prepare_kernels (cuda/kernel_setup.hpp), where the registration puts it when the library
+// loads (setting an attribute may wait for the context's outstanding copies).
+template <auto kKernel>
+struct G8Setup {
+  static int blocks_per_sm() {
+    static const int n = [] {
+      // 8 blocks of 25.75 KB (5 of 41.75 KB) need the largest shared-memory carveout.
+      EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            cudaSharedmemCarveoutMaxShared));
+      int blocks = 0;
+      EPMOE_CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, kernels::kRouterG8Threads, 0));
+      return std::max(blocks, 1);
+    }();
+    return n;
+  }
+  static inline const bool registered =
+      cuda::register_kernel_setup("a router kernel's carveout", [] { static_cast<void>(blocks_per_sm()); });
+};
+
 template <auto kKernel, int kUnitTokens = 4, typename... Extra>
 void launch_g8(const kernels::RouterParams& p, cudaStream_t stream, const Extra&... extra) {
-  static const int blocks_per_sm = [] {
-    // 8 blocks of 25.75 KB (5 of 41.75 KB) need the largest shared-memory carveout.
-    EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
-    int n = 0;
-    EPMOE_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kernels::kRouterG8Threads, 0));
-    return std::max(n, 1);
-  }();
+  static_cast<void>(G8Setup<kKernel>::registered);  // (instantiates the registration)
+  const int blocks_per_sm = G8Setup<kKernel>::blocks_per_sm();
   const std::uint64_t resident = static_cast<std::uint64_t>(device_props().sm_count) * blocks_per_sm;
   const std::uint64_t units = (static_cast<std::uint64_t>(p.tokens) + kUnitTokens - 1) / kUnitTokens;
   const std::uint64_t wanted = (units + kernels::kRouterG8Warps - 1) / kernels::kRouterG8Warps;
