@@ -22,6 +22,11 @@ namespace epmoe::comm_detail {
 
 [[noreturn]] void throw_nccl_error(ncclResult_t status, const char* expr, const char* file, int line);
 
+// `bytes` of zeroed host-mapped pinned memory (cudaHostAlloc, cudaHostAllocMapped): device code writes
+// it and the host reads it without a sync. Returns the host address (free it with cudaFreeHost);
+// *device gets the address device code uses.
+void* alloc_host_mapped(std::size_t bytes, void** device);
+
 // Device API pieces (symmetric.cu: nccl_device.h compiles only as CUDA).
 // ncclDevCommCreate with no requirements (no barriers, no multimem); reports the LSA team.
 ncclDevComm* create_dev_comm(ncclComm_t comm, int* lsa_rank, int* lsa_size);

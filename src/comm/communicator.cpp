@@ -270,6 +270,14 @@ std::string describe_input_status(std::int32_t status) {
   return s;
 }
 
+void* comm_detail::alloc_host_mapped(std::size_t bytes, void** device) {
+  void* host = nullptr;
+  EPMOE_CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocMapped));
+  std::memset(host, 0, bytes);
+  EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(device, host, 0));
+  return host;
+}
+
 std::string describe_device_error(const DeviceErrorRecord& r) {
   const auto phase = to_string(static_cast<CommPhase>(r.phase));
   if (r.code == kDeviceErrorTimeout)
@@ -344,14 +352,9 @@ struct LoopbackGroup::State {
   std::uint64_t generation = 0;
   std::map<std::uint64_t, std::vector<void*>> posted;  // exchange seq -> every rank's pointer
   std::map<std::uint64_t, int> posted_count;
-  // Exchange seq -> the owner of its allocations: held strongly until every rank has taken it (a rank
-  // that unwinds at once cannot free them before a slower one took its share), then weakly.
-  struct SharedAllocations {
-    std::shared_ptr<void> strong;
-    std::weak_ptr<void> weak;
-    int takers = 0;
-  };
-  std::map<std::uint64_t, SharedAllocations> shared;
+  // Exchange seq -> the owner of its allocations and how many ranks have taken it: held here until
+  // every rank has (a rank that unwinds at once cannot free them before a slower one took its share).
+  std::map<std::uint64_t, std::pair<std::shared_ptr<void>, int>> shared;
 };
 
 std::shared_ptr<LoopbackGroup> LoopbackGroup::make(int size, int device) {
@@ -406,25 +409,20 @@ void LoopbackGroup::barrier(int rank, double timeout_s) {
 
 std::shared_ptr<void> LoopbackGroup::share_allocations(std::uint64_t seq, const std::vector<void*>& ptrs) {
   const std::lock_guard lock(state_->mutex);
-  std::erase_if(state_->shared,
-                [](const auto& entry) { return !entry.second.strong && entry.second.weak.expired(); });
-  State::SharedAllocations& entry = state_->shared[seq];
-  std::shared_ptr<void> owner = entry.strong;
+  auto& [owner, takers] = state_->shared[seq];
   if (!owner) {
-    auto* held = new std::vector<void*>(ptrs);
     const int device = device_;
-    owner = std::shared_ptr<void>(held, [device](void* p) {
+    owner = std::shared_ptr<void>(new std::vector<void*>(ptrs), [device](void* p) {
       auto* allocations = static_cast<std::vector<void*>*>(p);
       (void)cudaSetDevice(device);
       for (void* a : *allocations)
         if (a != nullptr) (void)cudaFree(a);
       delete allocations;
     });
-    entry.strong = owner;
-    entry.weak = owner;
   }
-  if (++entry.takers >= size_) entry.strong.reset();
-  return owner;
+  std::shared_ptr<void> taken = owner;
+  if (++takers >= size_) state_->shared.erase(seq);  // every rank holds it now
+  return taken;
 }
 
 std::shared_ptr<Communicator> Communicator::create_loopback(std::shared_ptr<LoopbackGroup> group, int rank,
@@ -492,12 +490,9 @@ void Communicator::init_stream(cudaStream_t stream) {
 }
 
 void Communicator::init_error_record() {
-  void* p = nullptr;
-  EPMOE_CUDA_CHECK(cudaHostAlloc(&p, sizeof(DeviceErrorRecord), cudaHostAllocMapped));
-  std::memset(p, 0, sizeof(DeviceErrorRecord));
-  errors_host_ = static_cast<DeviceErrorRecord*>(p);
   void* d = nullptr;
-  EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
+  errors_host_ =
+      static_cast<DeviceErrorRecord*>(comm_detail::alloc_host_mapped(sizeof(DeviceErrorRecord), &d));
   errors_device_ = static_cast<DeviceErrorRecord*>(d);
   EPMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&barrier_word_), 16));
   EPMOE_CUDA_CHECK(cudaMemset(barrier_word_, 0, 16));

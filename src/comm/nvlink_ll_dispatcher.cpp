@@ -36,7 +36,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <thread>
@@ -123,22 +122,15 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       // Normal mode: the host learns the expert offsets once per dispatch (they size the output),
       // from mapped memory that place writes as soon as it knows them: {offsets [L + 1], tokens, stamp}.
       offsets_dev_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(g_.L + 1));
-      void* host = nullptr;
-      EPMOE_CUDA_CHECK(cudaHostAlloc(&host, sizeof(std::int32_t) * static_cast<std::size_t>(g_.L + 3),
-                                     cudaHostAllocMapped));
-      offsets_host_ = static_cast<std::int32_t*>(host);
-      offsets_host_[g_.L + 2] = 0;
       void* mapped = nullptr;
-      EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, host, 0));
+      offsets_host_ = static_cast<std::int32_t*>(
+          comm_detail::alloc_host_mapped(sizeof(std::int32_t) * static_cast<std::size_t>(g_.L + 3), &mapped));
       offsets_mapped_ = static_cast<std::int32_t*>(mapped);
     }
     if (env_int("EPMOE_COMM_WATCH", 0) == 1 && g_.N <= kWatchMaxRanks) {
-      void* host = nullptr;
-      EPMOE_CUDA_CHECK(cudaHostAlloc(&host, sizeof(WatchRecord) * kWatchRecords, cudaHostAllocMapped));
-      watch_host_ = static_cast<WatchRecord*>(host);
-      std::memset(watch_host_, 0, sizeof(WatchRecord) * kWatchRecords);
       void* mapped = nullptr;
-      EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, host, 0));
+      watch_host_ = static_cast<WatchRecord*>(
+          comm_detail::alloc_host_mapped(sizeof(WatchRecord) * kWatchRecords, &mapped));
       watch_dev_ = static_cast<WatchRecord*>(mapped);
     }
     comm_->barrier();  // every rank's state is ready before anyone sends
@@ -643,7 +635,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   struct WatchRecord {
     std::uint32_t step, call;
     unsigned long long time_ns;               // the GPU's global timer when the watch kernel ran
-    long long host_ns;                        // the host's clock when the call had enqueued its work
+    unsigned long long host_ns;               // the host's clock when the call had enqueued its work
     std::uint32_t words[4 * kWatchMaxRanks];  // per source d: [own p0, own p1, in d's window p0, p1]
   };
   WatchRecord* watch_host_ = nullptr;
@@ -660,9 +652,10 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     // Host time beside the GPU's: a call enqueued late (the thread held, e.g. in a call that waits for
     // the whole device) and a call enqueued at once whose kernels started late (the stream held) read
     // differently.
-    watch_host_[i].host_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                 std::chrono::system_clock::now().time_since_epoch())
-                                 .count();
+    watch_host_[i].host_ns =
+        static_cast<unsigned long long>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                            std::chrono::system_clock::now().time_since_epoch())
+                                            .count());
     const auto* local =
         reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(window_->local()) + cflag_off_);
     comm_detail::launch_watch_flags(local, reduce_flag_.as<std::uint32_t* const>(), parity_stride_, g_.N,
@@ -677,10 +670,9 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     const std::uint32_t first = watch_calls_ > kWatchRecords ? watch_calls_ - kWatchRecords : 0;
     for (std::uint32_t c = first; c < watch_calls_; ++c) {
       const WatchRecord& r = watch_host_[c % kWatchRecords];
-      out += fmt::format(
-          " #{} {} @{:.3f} (host {:.3f}):", r.call, kSteps[r.step <= 3 ? r.step : 0],
-          static_cast<double>(r.time_ns % 1000000000000ull) * 1e-6,
-          static_cast<double>(static_cast<unsigned long long>(r.host_ns) % 1000000000000ull) * 1e-6);
+      const auto ms = [](unsigned long long ns) { return static_cast<double>(ns % 1000000000000ull) * 1e-6; };
+      out += fmt::format(" #{} {} @{:.3f} (host {:.3f}):", r.call, kSteps[r.step <= 3 ? r.step : 0],
+                         ms(r.time_ns), ms(r.host_ns));
       for (int d = 0; d < g_.N; ++d) {
         const std::uint32_t* w = r.words + 4 * d;
         out += fmt::format(" {}:{}|{}/{}|{}", d, w[0], w[1], w[2], w[3]);
