@@ -698,8 +698,21 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
                               std::to_string(c.waves),
                           c});
   }
+  // v3 with the signed conversion (".w4a8.v3.s.m<rows>n<cols>w<waves>": no offset term; 128 x 256 with
+  // two waves per consumer) on the rows v3's 128-row tiles serve.
+  std::vector<cuda::W4A8KernelChoice> signed_tiles;
+  if (!s.masked || s.expected_m > 64) {
+    if (N % 256 == 0)
+      signed_tiles.push_back({.version = 3, .block_m = 128, .block_n = 256, .waves = 2, .signed_codes = 1});
+    signed_tiles.push_back({.version = 3, .block_m = 128, .block_n = 128, .waves = 1, .signed_codes = 1});
+  }
+  const auto signed_suffix = [](const cuda::W4A8KernelChoice& c) {
+    return ".w4a8.v3.s.m" + std::to_string(c.block_m) + "n" + std::to_string(c.block_n) + "w" +
+           std::to_string(c.waves);
+  };
+  for (const cuda::W4A8KernelChoice& c : signed_tiles) variants.push_back({signed_suffix(c), c});
   // EPMOE_BENCH_GEMM_EXPERIMENTS: v2 and v3 ablations on the experiment shapes (garbage output,
-  // timing only).
+  // timing only), and those of the first signed tile.
   if (experiment) {
     for (const auto& [label, bits] :
          {std::pair{"noconvert", 1}, std::pair{"nofence", 2}, std::pair{"nomath", 4}, std::pair{"noload", 8},
@@ -707,6 +720,11 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       cuda::W4A8KernelChoice c = v3;
       c.ablation = bits;
       variants.push_back({std::string(".w4a8.v3.ablate_") + label, c});
+      if (!signed_tiles.empty()) {
+        c = signed_tiles.front();
+        c.ablation = bits;
+        variants.push_back({signed_suffix(c) + ".ablate_" + label, c});
+      }
       if ((bits & (2 | 4)) != 0) continue;  // v2: no proxy fence, no math ablation
       c = cuda::W4A8KernelChoice{2};
       c.ablation = bits;
@@ -764,6 +782,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     p["stage_k_blocks"] = static_cast<std::int64_t>(std::max(ran.stage_k_blocks, 1));
     p["parts"] = static_cast<std::int64_t>(ran.parts);
     p["row_sums"] = static_cast<std::int64_t>(ran.row_sums);
+    p["signed_codes"] = static_cast<std::int64_t>(ran.signed_codes);
     if (ran.version == 3) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = static_cast<std::int64_t>(ran.block_n);

@@ -19,6 +19,9 @@
 //   parts = 2 (version 2, no offset warp): the 32-row four-consumer tile (masked expected_m in
 //              13..24) keeps two partial accumulators in flight instead of one. The automatic choice
 //              since session 19 (2-3% faster on the 128 x 16 decode rows; in W4A8 v6 it was 1-6% slower).
+//   signed_codes = 1 (version 3): the converter writes the weights' signed e4m3 values (11 integer
+//              instructions per 8 weights instead of 3) and the consumers drop the codes' offset term;
+//              128 x 256 tiles then run with two 128-column waves per consumer (waves = 2).
 //   row_sums = 1 (version 2, no offset warp): on the masked decode tiles (block_m <= 32) of a call with
 //              options.workspace, a pre-pass kernel sums each activation row per K block and the GEMM's
 //              producer copies the sums in with each stage (W4A8Traits::kOffsetSums); without a
@@ -48,6 +51,8 @@ struct W4A8KernelChoice {
   int parts = 0;           // version 2 without offset_warp: 2 = two partials on the 32-row 4-consumer tile
   int row_sums = 0;        // version 2 without offset_warp: 1 = the offset term from the row-sum pre-pass
                            // (masked decode tiles, block_m <= 32, when the call has a workspace)
+  int signed_codes = 0;    // version 3: 1 = the converter writes e4m3(v · 2^-9), no offset term
+                           // (W4A8SmemTraits::kSigned); the only way to 128 x 256 with two waves
 };
 
 // The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved

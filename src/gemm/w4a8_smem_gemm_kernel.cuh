@@ -51,7 +51,11 @@
 
 namespace epmoe::kernels {
 
-template <int kBM, int kBN, int kWaves>
+// kSigned: the converter writes the e4m3 bytes of v · 2^-9 (w4a8::signed_codes_lo / _hi) instead of
+// the codes c · 2^-9, so the consumers have no offset term (no m64n8k32 per K step, no offset
+// registers, one FFMA per accumulator in the fold): the registers that lets 128 x 256 tiles keep two
+// 128-column waves per consumer.
+template <int kBM, int kBN, int kWaves, bool kSigned = false>
 struct W4A8SmemTraits {
   static_assert((kBM == 64 || kBM == 128) && (kBN == 128 || kBN == 256) && (kWaves == 1 || kWaves == 2));
   static constexpr int kConsN = 128 * kWaves;  // weight columns per consumer
@@ -67,25 +71,27 @@ struct W4A8SmemTraits {
   static constexpr int kRawWBytes = kPanels * w4a8::kPanelBytes;
   static constexpr int kRawBytes = kRawWBytes + 16;
   static constexpr int kConvStages = kBN == 256 ? 3 : 4;
-  static constexpr int kOffsetBytes = 1024;  // the constant B operand of the offset term (8 x 128)
+  static constexpr int kOffsetBytes =
+      kSigned ? 0 : 1024;  // the constant B operand of the offset term (8 x 128)
   static constexpr int kRawStages =
       std::min(8, (kW4SmemBudget - 1024 - kOffsetBytes - kConvStages * kConvBytes) / kRawBytes);
   static_assert(kRawStages >= 2);
   static constexpr int kSmemBytes = 1024 + kOffsetBytes + kConvStages * kConvBytes + kRawStages * kRawBytes;
   // setmaxnreg (multiples of 8; the totals stay within the launch allocation, 512 x 128 or
-  // 384 x 168; ptxas: no spills with these, 24 for the producer spilled).
+  // 384 x 168; ptxas: no spills with these. The producer spills 4 bytes at 32 and 48 at 24 since
+  // the bf16 scales; the two-wave converter fits 40 with the signed conversion.)
   static constexpr bool kTwoWaves = kWaves == 2;
-  static constexpr int kProducerRegs = kTwoWaves ? 32 : 40;
-  static constexpr int kConverterRegs = kTwoWaves ? 48 : 56;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConverterRegs = kTwoWaves ? 40 : 56;
   static constexpr int kConsumerRegs = kConsumers == 1 ? 232 : (kTwoWaves ? 216 : 208);
 };
 
-template <int kBM, int kBN, int kWaves>
-__global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
+template <int kBM, int kBN, int kWaves, bool kSigned>
+__global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kThreads, 1)
     w4a8_smem_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                           const __grid_constant__ CUtensorMap tma_a_small,
                           const __grid_constant__ W4A8Params p) {
-  using Traits = W4A8SmemTraits<kBM, kBN, kWaves>;
+  using Traits = W4A8SmemTraits<kBM, kBN, kWaves, kSigned>;
   constexpr int kConvStages = Traits::kConvStages;
   constexpr int kRawStages = Traits::kRawStages;
   constexpr int kPanels = Traits::kPanels;
@@ -126,7 +132,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
     ptx::prefetch_tensormap(&tma_a_small);
   }
   // The offset operand: every byte e4m3(-8 · 2^-9), read by wgmma (the async proxy).
-  if (threadIdx.x < Traits::kOffsetBytes / 4) {
+  if (!kSigned && threadIdx.x < Traits::kOffsetBytes / 4) {
     ptx::st_shared_u32(smem_offset + 4 * threadIdx.x, w4a8::kOffsetE4m3x4);
     ptx::fence_proxy_async_shared();
   }
@@ -213,7 +219,12 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
 #pragma unroll
           for (int u = 0; u < 8; ++u) {
             std::uint32_t lo, hi;
-            w4a8_convert8(words[u], lo, hi);
+            if constexpr (kSigned) {
+              lo = w4a8::signed_codes_lo(words[u]);
+              hi = w4a8::signed_codes_hi(words[u]);
+            } else {
+              w4a8_convert8(words[u], lo, hi);
+            }
             const std::uint32_t at = panel + (row_base ^ static_cast<std::uint32_t>(16 * u));
             ptx::st_shared_u32(at, lo);
             ptx::st_shared_u32(at + 8 * w4a8::kBlockK, hi);
@@ -238,7 +249,8 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
     W4A8Pipe pipe;
     float acc[kWaves][64];
     float part[64];
-    float offset[4];  // per K block: -2^-6 Σ_k A[row, k] for rows row_a (0, 1) and row_b (2, 3)
+    [[maybe_unused]] float
+        offset[4];  // (not kSigned) per K block: -2^-6 Σ_k A[row, k] for rows row_a (0, 1) and row_b (2, 3)
 
     while (scheduler.next(tile, p)) {
 #pragma unroll
@@ -273,11 +285,11 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
         const auto wave = [&](auto wc) {
           constexpr int w = decltype(wc)::value;
           fence_all(part);
-          if constexpr (w == 0) fence_all(offset);
+          if constexpr (w == 0 && !kSigned) fence_all(offset);
           ptx::wgmma_fence();
           // The offset term of the codes (w4a8_layout.hpp), once per K block: the same for every
           // column.
-          if constexpr (w == 0) {
+          if constexpr (w == 0 && !kSigned) {
             // (One descriptor for all four steps: the tile is constant.)
             const std::uint64_t offset_desc = ptx::wgmma_desc_sw128(smem_offset);
 #pragma unroll
@@ -293,18 +305,25 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           ptx::wgmma_commit();
           ptx::wgmma_wait<0>();
           fence_all(part);
-          if constexpr (w == 0) fence_all(offset);
+          if constexpr (w == 0 && !kSigned) fence_all(offset);
           // The scales of this thread's columns 128 w + 8 j + 2 q + {0, 1}. With one wave they are
           // all read before the stage is given back (32 registers); with two (no registers to spare)
           // the last wave frees the stage after its promotion.
           constexpr bool kEarlyFree = kWaves == 1;
           // (Plain loads, which the compiler may interleave with the promotion.)
           const std::uint32_t* sc = scale_ptr + 64 * w;
-          float2 scv[16];
+          // (Signed: the bf16 pairs stay packed until their FFMAs, 16 registers instead of 32: the
+          // two-wave consumers have none to spare.)
+          [[maybe_unused]] float2 scv[kSigned ? 1 : 16];
+          [[maybe_unused]] std::uint32_t pairs[kSigned ? 16 : 1];
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
             const std::uint32_t pair = sc[4 * j];
-            scv[j] = make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+            if constexpr (kSigned) {
+              pairs[j] = pair;
+            } else {
+              scv[j] = make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+            }
           }
           if constexpr (kEarlyFree) {
             ptx::mbar_arrive_warp(conv_empty + 8 * stage);  // each lane after its scale loads
@@ -312,10 +331,19 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           fence_all(part);
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
-            acc[w][4 * j + 0] = fmaf(scv[j].x, part[4 * j + 0] + offset[0], acc[w][4 * j + 0]);
-            acc[w][4 * j + 1] = fmaf(scv[j].y, part[4 * j + 1] + offset[0], acc[w][4 * j + 1]);
-            acc[w][4 * j + 2] = fmaf(scv[j].x, part[4 * j + 2] + offset[2], acc[w][4 * j + 2]);
-            acc[w][4 * j + 3] = fmaf(scv[j].y, part[4 * j + 3] + offset[2], acc[w][4 * j + 3]);
+            if constexpr (kSigned) {
+              const float s_lo = __uint_as_float(pairs[j] << 16),
+                          s_hi = __uint_as_float(pairs[j] & 0xffff0000u);
+              acc[w][4 * j + 0] = fmaf(s_lo, part[4 * j + 0], acc[w][4 * j + 0]);
+              acc[w][4 * j + 1] = fmaf(s_hi, part[4 * j + 1], acc[w][4 * j + 1]);
+              acc[w][4 * j + 2] = fmaf(s_lo, part[4 * j + 2], acc[w][4 * j + 2]);
+              acc[w][4 * j + 3] = fmaf(s_hi, part[4 * j + 3], acc[w][4 * j + 3]);
+            } else {
+              acc[w][4 * j + 0] = fmaf(scv[j].x, part[4 * j + 0] + offset[0], acc[w][4 * j + 0]);
+              acc[w][4 * j + 1] = fmaf(scv[j].y, part[4 * j + 1] + offset[0], acc[w][4 * j + 1]);
+              acc[w][4 * j + 2] = fmaf(scv[j].x, part[4 * j + 2] + offset[2], acc[w][4 * j + 2]);
+              acc[w][4 * j + 3] = fmaf(scv[j].y, part[4 * j + 3] + offset[2], acc[w][4 * j + 3]);
+            }
           }
           if (!kEarlyFree && w == kWaves - 1) {
             fence_all(acc[w]);

@@ -61,6 +61,28 @@ TEST(W4A8Codes, EveryInt4ConvertsToItsExactE4m3) {
   }
 }
 
+// v3's signed conversion (w4a8::signed_codes_lo / _hi): each byte is e4m3(v · 2^-9) itself, for every
+// code in every nibble of a word, whatever its neighbours (no carry between bytes).
+TEST(W4A8Codes, SignedConversionGivesEachInt4ItsOwnE4m3) {
+  const auto value = [](std::uint32_t byte) {
+    return static_cast<double>(fp8_e4m3::from_bits(static_cast<std::uint8_t>(byte)).to_float()) *
+           static_cast<double>(w4a8::kCodeScale);
+  };
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 4096; ++trial) {
+    // Every code in every nibble (trial % 16 in nibble trial / 16 % 8), the rest random.
+    std::uint32_t w = static_cast<std::uint32_t>(rng());
+    const int nibble = (trial / 16) % 8;
+    w = (w & ~(0xfu << (4 * nibble))) | (static_cast<std::uint32_t>(trial % 16) << (4 * nibble));
+    const std::uint32_t lo = w4a8::signed_codes_lo(w), hi = w4a8::signed_codes_hi(w);
+    for (int j = 0; j < 4; ++j) {
+      const int v_lo = w4a8::decode_int4(w >> (8 * j)), v_hi = w4a8::decode_int4(w >> (8 * j + 4));
+      ASSERT_EQ(value((lo >> (8 * j)) & 0xffu), v_lo) << std::hex << "w = " << w << " byte " << j;
+      ASSERT_EQ(value((hi >> (8 * j)) & 0xffu), v_hi) << std::hex << "w = " << w << " byte " << j;
+    }
+  }
+}
+
 struct Checkpoint {
   HostTensor w, s;
 };
