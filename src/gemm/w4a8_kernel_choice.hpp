@@ -4,7 +4,8 @@
 //
 //   version 2: the register-operand kernel (w4a8_grouped_gemm_kernel.cuh), tile by
 //              w4a8_gemm_tile() unless options.block_m / options.consumers are given;
-//   version 3: weights converted to e4m3 in shared memory (w4a8_smem_gemm_kernel.cuh), tiles of
+//   version 3: weights converted to e4m3 in shared memory (w4a8_smem_gemm_kernel.cuh; the automatic
+//              choice with signed_codes = 1 since session 23), tiles of
 //              block_m (64 or 128) activation rows x block_n (128 or 256) weight columns, each
 //              consumer warpgroup owning 64 rows x 128 waves columns; zeros pick by the heuristic.
 //   offset_warp (version 2 only; bench/NOTES.md, W4A8 v5): the same kernel with the codes' offset
@@ -60,7 +61,8 @@ struct W4A8KernelChoice {
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k);
 
 // A version-3 choice with its zeros filled by v3's own tile heuristic (64 x 256 for masked
-// expected_m <= 64, else 128 x 128; 128 columns when N is not a multiple of 256).
+// expected_m <= 64, else 128 x 128, or 128 x 256 with two waves with signed_codes; 128 columns when
+// N is not a multiple of 256).
 W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, std::int64_t expected_m,
                                  std::int64_t n);
 

@@ -210,10 +210,25 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
         const std::uint32_t src = smem_rw + raw.stage * Traits::kRawWBytes + t * 16;
         const std::uint32_t dst = smem_b + conv.stage * Traits::kBBytes;
         const bool convert = (p.ablation & kW4AblateConvert) == 0;
+        // Panel c + 1's words are loaded before panel c's stores (the shared accesses are ordered
+        // asm), so their latency hides behind a panel's conversion instead of following it; not in
+        // the 40-register converter of two-wave tiles (it spills 48 bytes).
+        constexpr bool kPipelined = Traits::kConverterRegs >= 56;
+        uint4 next0{}, next1{};
+        if (kPipelined && convert) {
+          next0 = ptx::ld_shared_v4(src);
+          next1 = ptx::ld_shared_v4(src + 2048);
+        }
 #pragma unroll
         for (int c = 0; c < kPanels && convert; ++c) {
-          const uint4 v0 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes);
-          const uint4 v1 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes + 2048);
+          uint4 v0 = next0, v1 = next1;
+          if (!kPipelined) {
+            v0 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes);
+            v1 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes + 2048);
+          } else if (c + 1 < kPanels) {
+            next0 = ptx::ld_shared_v4(src + (c + 1) * w4a8::kPanelBytes);
+            next1 = ptx::ld_shared_v4(src + (c + 1) * w4a8::kPanelBytes + 2048);
+          }
           const std::uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
           const std::uint32_t panel = dst + static_cast<std::uint32_t>(c * w4a8::kPanelRows * w4a8::kBlockK);
 #pragma unroll
@@ -307,9 +322,9 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
           fence_all(part);
           if constexpr (w == 0 && !kSigned) fence_all(offset);
           // The scales of this thread's columns 128 w + 8 j + 2 q + {0, 1}. With one wave they are
-          // all read before the stage is given back (32 registers); with two (no registers to spare)
-          // the last wave frees the stage after its promotion.
-          constexpr bool kEarlyFree = kWaves == 1;
+          // all read before the stage is given back (32 registers); with two the last wave frees
+          // the stage after its promotion, unless the scales stay packed (kSigned: 16 registers).
+          constexpr bool kEarlyFree = kWaves == 1 || (kSigned && w == kWaves - 1);
           // (Plain loads, which the compiler may interleave with the promotion.)
           const std::uint32_t* sc = scale_ptr + 64 * w;
           // (Signed: the bf16 pairs stay packed until their FFMAs, 16 registers instead of 32: the
