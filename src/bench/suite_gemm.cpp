@@ -657,8 +657,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     cuda::W4A8GemmOptions options{};
   };
   const cuda::W4A8KernelChoice chosen = cuda::w4a8_kernel_choice(s.masked, s.expected_m, N, K);
-  const cuda::W4A8KernelChoice v3 =
-      cuda::w4a8_resolve_v3({.version = 3, .signed_codes = 1}, s.masked, s.expected_m, N);
+  const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3(
+      {.version = 3, .signed_codes = !s.masked || s.expected_m > 64 ? 1 : 0}, s.masked, s.expected_m, N);
   std::vector<W4A8Variant> variants{{".w4a8", chosen}};
   // A v2 variant is listed unless it is the choice (the ".w4a8" line).
   const auto add_v2 = [&](const cuda::W4A8KernelChoice& c) {
@@ -692,6 +692,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   for (const cuda::W4A8KernelChoice c :
        {cuda::W4A8KernelChoice{3, 64, 256, 1}, cuda::W4A8KernelChoice{3, 64, 128, 1},
         cuda::W4A8KernelChoice{3, 128, 128, 1}}) {
+    if (v3.signed_codes == 0 && c.block_m == v3.block_m && c.block_n == v3.block_n) continue;
     const bool near = s.masked && s.expected_m <= 24 ? c.block_m == 64
                                                      : (c.block_m == 128 || (s.masked && s.expected_m <= 64));
     if (near && N % c.block_n == 0)
@@ -703,7 +704,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   // 128 x 256 with two waves per consumer).
   std::vector<cuda::W4A8KernelChoice> signed_tiles;
   const auto add_signed = [&](const cuda::W4A8KernelChoice& c) {
-    const bool same = c.block_m == v3.block_m && c.block_n == v3.block_n && c.waves == v3.waves;
+    const bool same =
+        v3.signed_codes == 1 && c.block_m == v3.block_m && c.block_n == v3.block_n && c.waves == v3.waves;
     if (!same && N % c.block_n == 0) signed_tiles.push_back(c);
   };
   if (!s.masked || s.expected_m > 64) {

@@ -464,9 +464,12 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
   // (run() sets them: 2-3% faster than one, session 19).
   if (masked && expected_m > 12 && expected_m <= 24) return W4A8KernelChoice{.version = 2, .row_sums = 1};
   if (masked && expected_m <= 12) return W4A8KernelChoice{.version = 2};
-  // v3 with the signed conversion: 7-12% faster than the offset-binary codes on every contiguous row
-  // (128 x 256 with two waves where N allows; session 23, bench/NOTES.md).
-  return resolve_v3(W4A8KernelChoice{.version = 3, .signed_codes = 1}, masked, expected_m, n);
+  // v3's 128-row tiles with the signed conversion: 7-12% faster than the offset-binary codes on every
+  // contiguous row (128 x 256 with two waves where N allows); the 64 x 256 masked tile (expected_m
+  // 25..64) was 5-9% slower with it and keeps the codes' offset term (session 23, bench/NOTES.md).
+  const bool signed_codes = !masked || expected_m > 64;
+  return resolve_v3(W4A8KernelChoice{.version = 3, .signed_codes = signed_codes ? 1 : 0}, masked, expected_m,
+                    n);
 }
 
 std::vector<W4A8CtaStamps> w4a8_take_cta_trace(int ctas, cudaStream_t stream) {

@@ -5,7 +5,7 @@
 //   version 2: the register-operand kernel (w4a8_grouped_gemm_kernel.cuh), tile by
 //              w4a8_gemm_tile() unless options.block_m / options.consumers are given;
 //   version 3: weights converted to e4m3 in shared memory (w4a8_smem_gemm_kernel.cuh; the automatic
-//              choice with signed_codes = 1 since session 23), tiles of
+//              choice's 128-row tiles with signed_codes = 1 since session 23), tiles of
 //              block_m (64 or 128) activation rows x block_n (128 or 256) weight columns, each
 //              consumer warpgroup owning 64 rows x 128 waves columns; zeros pick by the heuristic.
 //   offset_warp (version 2 only; bench/NOTES.md, W4A8 v5): the same kernel with the codes' offset

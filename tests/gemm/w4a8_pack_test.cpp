@@ -391,8 +391,8 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 24, 7168, 2048), 2, 0, 0));
   EXPECT_EQ(cuda::w4a8_kernel_choice(true, 32, 4096, 7168).version, 3);
   EXPECT_EQ(cuda::w4a8_kernel_choice(false, 0, 4096, 7168).version, 3);
-  // v3 runs the signed conversion: 128 x 256 with two waves where N allows, 128 x 128 elsewhere;
-  // 64-row tiles for masked expected_m <= 64.
+  // v3's 128-row tiles run the signed conversion: 128 x 256 with two waves where N allows, 128 x 128
+  // elsewhere.
   const cuda::W4A8KernelChoice contiguous = cuda::w4a8_kernel_choice(false, 0, 4096, 7168);
   EXPECT_EQ(contiguous.signed_codes, 1);
   EXPECT_EQ(contiguous.block_m, 128);
@@ -402,10 +402,14 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   EXPECT_EQ(narrow.signed_codes, 1);
   EXPECT_EQ(narrow.block_n, 128);
   EXPECT_EQ(narrow.waves, 1);
+  // The masked 64 x 256 tile keeps the offset-binary codes; 128-row masked tiles are signed.
   const cuda::W4A8KernelChoice masked = cuda::w4a8_kernel_choice(true, 40, 4096, 7168);
   EXPECT_EQ(masked.block_m, 64);
   EXPECT_EQ(masked.block_n, 256);
-  EXPECT_EQ(masked.signed_codes, 1);
+  EXPECT_EQ(masked.signed_codes, 0);
+  const cuda::W4A8KernelChoice masked_large = cuda::w4a8_kernel_choice(true, 128, 7168, 2048);
+  EXPECT_EQ(masked_large.block_m, 128);
+  EXPECT_EQ(masked_large.signed_codes, 1);
   // The offset-binary two-wave tile does not exist.
   expect_error_mentions(
       [&] {
