@@ -657,7 +657,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     cuda::W4A8GemmOptions options{};
   };
   const cuda::W4A8KernelChoice chosen = cuda::w4a8_kernel_choice(s.masked, s.expected_m, N, K);
-  const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3({3}, s.masked, s.expected_m, N);
+  const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3(
+      {.version = 3, .signed_codes = !s.masked || s.expected_m > 64 ? 1 : 0}, s.masked, s.expected_m, N);
   std::vector<W4A8Variant> variants{{".w4a8", chosen}};
   // A v2 variant is listed unless it is the choice (the ".w4a8" line).
   const auto add_v2 = [&](const cuda::W4A8KernelChoice& c) {
@@ -687,19 +688,40 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     if (s.expected_m > 12) add_v2({.version = 2, .parts = 2, .row_sums = 1});
   }
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
+  // v3's tiles with the offset-binary codes (the default before session 23), for comparison.
   for (const cuda::W4A8KernelChoice c :
        {cuda::W4A8KernelChoice{3, 64, 256, 1}, cuda::W4A8KernelChoice{3, 64, 128, 1},
         cuda::W4A8KernelChoice{3, 128, 128, 1}}) {
-    const bool same = c.block_m == v3.block_m && c.block_n == v3.block_n && c.waves == v3.waves;
+    if (v3.signed_codes == 0 && c.block_m == v3.block_m && c.block_n == v3.block_n) continue;
     const bool near = s.masked && s.expected_m <= 24 ? c.block_m == 64
                                                      : (c.block_m == 128 || (s.masked && s.expected_m <= 64));
-    if (!same && near && N % c.block_n == 0)
+    if (near && N % c.block_n == 0)
       variants.push_back({".w4a8.v3.m" + std::to_string(c.block_m) + "n" + std::to_string(c.block_n) + "w" +
                               std::to_string(c.waves),
                           c});
   }
+  // v3's other tiles with the signed conversion (".w4a8.v3.s.m<rows>n<cols>w<waves>": no offset term;
+  // 128 x 256 with two waves per consumer).
+  std::vector<cuda::W4A8KernelChoice> signed_tiles;
+  const auto add_signed = [&](const cuda::W4A8KernelChoice& c) {
+    const bool same =
+        v3.signed_codes == 1 && c.block_m == v3.block_m && c.block_n == v3.block_n && c.waves == v3.waves;
+    if (!same && N % c.block_n == 0) signed_tiles.push_back(c);
+  };
+  if (!s.masked || s.expected_m > 64) {
+    add_signed({.version = 3, .block_m = 128, .block_n = 256, .waves = 2, .signed_codes = 1});
+    add_signed({.version = 3, .block_m = 128, .block_n = 128, .waves = 1, .signed_codes = 1});
+  } else if (s.expected_m > 24) {
+    add_signed({.version = 3, .block_m = 64, .block_n = 256, .waves = 1, .signed_codes = 1});
+    add_signed({.version = 3, .block_m = 64, .block_n = 128, .waves = 1, .signed_codes = 1});
+  }
+  const auto signed_suffix = [](const cuda::W4A8KernelChoice& c) {
+    return ".w4a8.v3.s.m" + std::to_string(c.block_m) + "n" + std::to_string(c.block_n) + "w" +
+           std::to_string(c.waves);
+  };
+  for (const cuda::W4A8KernelChoice& c : signed_tiles) variants.push_back({signed_suffix(c), c});
   // EPMOE_BENCH_GEMM_EXPERIMENTS: v2 and v3 ablations on the experiment shapes (garbage output,
-  // timing only).
+  // timing only; v3 = its default, the signed conversion).
   if (experiment) {
     for (const auto& [label, bits] :
          {std::pair{"noconvert", 1}, std::pair{"nofence", 2}, std::pair{"nomath", 4}, std::pair{"noload", 8},
@@ -764,6 +786,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     p["stage_k_blocks"] = static_cast<std::int64_t>(std::max(ran.stage_k_blocks, 1));
     p["parts"] = static_cast<std::int64_t>(ran.parts);
     p["row_sums"] = static_cast<std::int64_t>(ran.row_sums);
+    p["signed_codes"] = static_cast<std::int64_t>(ran.signed_codes);
     if (ran.version == 3) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = static_cast<std::int64_t>(ran.block_n);

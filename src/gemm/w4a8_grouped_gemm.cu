@@ -217,10 +217,10 @@ void launch_row_sums(const TensorView& a, const Problem& problem, float* sums, s
 }
 
 // The shared-memory-conversion kernel (v3).
-template <int kBM, int kBN, int kWaves>
+template <int kBM, int kBN, int kWaves, bool kSigned>
 void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
-  using Traits = kernels::W4A8SmemTraits<kBM, kBN, kWaves>;
-  constexpr auto kernel = &kernels::w4a8_smem_gemm_kernel<kBM, kBN, kWaves>;
+  using Traits = kernels::W4A8SmemTraits<kBM, kBN, kWaves, kSigned>;
+  constexpr auto kernel = &kernels::w4a8_smem_gemm_kernel<kBM, kBN, kWaves, kSigned>;
   gemm_host::allow_dynamic_smem<kernel, Traits::kSmemBytes>();
   const std::int64_t ctas = plan_persistent(problem, options, kBM, kBN, Traits::kConvStages);
   W4A8Params& params = problem.params;
@@ -245,25 +245,34 @@ void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& opti
 // Fills the zeros of a version-3 choice and checks it.
 W4A8KernelChoice resolve_v3(W4A8KernelChoice c, bool masked, std::int64_t expected_m, std::int64_t n) {
   if (c.block_m == 0) c.block_m = masked && expected_m <= 64 ? 64 : 128;
-  if (c.block_n == 0) c.block_n = c.block_m == 64 && n % 256 == 0 ? 256 : 128;
-  if (c.waves == 0) c.waves = 1;
-  // (128 x 256 with two waves per consumer was retired with the offset-binary codes: its
-  // consumers have no registers left for the offset term, bench/NOTES.md.)
+  if (c.block_n == 0) c.block_n = (c.block_m == 64 || c.signed_codes != 0) && n % 256 == 0 ? 256 : 128;
+  if (c.waves == 0) c.waves = c.signed_codes != 0 && c.block_n == 256 && c.block_m == 128 ? 2 : 1;
+  // (128 x 256 with two waves per consumer was retired with the offset-binary codes: its consumers
+  // have no registers left for the offset term, bench/NOTES.md; the signed conversion has none.)
   const bool known = (c.block_m == 64 && c.waves == 1 && (c.block_n == 128 || c.block_n == 256)) ||
-                     (c.block_m == 128 && c.block_n == 128 && c.waves == 1);
-  EPMOE_CHECK(known, "no W4A8 v3 kernel for block_m = {}, block_n = {}, waves = {}", c.block_m, c.block_n,
-              c.waves);
+                     (c.block_m == 128 && c.block_n == 128 && c.waves == 1) ||
+                     (c.block_m == 128 && c.block_n == 256 && c.waves == 2 && c.signed_codes != 0);
+  EPMOE_CHECK(known, "no W4A8 v3 kernel for block_m = {}, block_n = {}, waves = {}, signed_codes = {}",
+              c.block_m, c.block_n, c.waves, c.signed_codes);
   EPMOE_CHECK(n % c.block_n == 0, "N = {} must be a multiple of {} for the W4A8 v3 tile", n, c.block_n);
   return c;
 }
 
 void launch_v3(const W4A8KernelChoice& c, const TensorView& a, const Problem& problem,
                const W4A8GemmOptions& options, cudaStream_t stream) {
-  if (c.block_m == 64) {
-    if (c.block_n == 256) return launch_v3<64, 256, 1>(a, problem, options, stream);
-    return launch_v3<64, 128, 1>(a, problem, options, stream);
+  if (c.signed_codes != 0) {
+    if (c.block_m == 64) {
+      if (c.block_n == 256) return launch_v3<64, 256, 1, true>(a, problem, options, stream);
+      return launch_v3<64, 128, 1, true>(a, problem, options, stream);
+    }
+    if (c.block_n == 256) return launch_v3<128, 256, 2, true>(a, problem, options, stream);
+    return launch_v3<128, 128, 1, true>(a, problem, options, stream);
   }
-  return launch_v3<128, 128, 1>(a, problem, options, stream);
+  if (c.block_m == 64) {
+    if (c.block_n == 256) return launch_v3<64, 256, 1, false>(a, problem, options, stream);
+    return launch_v3<64, 128, 1, false>(a, problem, options, stream);
+  }
+  return launch_v3<128, 128, 1, false>(a, problem, options, stream);
 }
 
 // Runs the chosen kernel: explicit tiles are the register-operand kernel's; otherwise the pinned or
@@ -455,7 +464,12 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
   // (run() sets them: 2-3% faster than one, session 19).
   if (masked && expected_m > 12 && expected_m <= 24) return W4A8KernelChoice{.version = 2, .row_sums = 1};
   if (masked && expected_m <= 12) return W4A8KernelChoice{.version = 2};
-  return resolve_v3(W4A8KernelChoice{3}, masked, expected_m, n);
+  // v3's 128-row tiles with the signed conversion: 7-12% faster than the offset-binary codes on every
+  // contiguous row (128 x 256 with two waves where N allows); the 64 x 256 masked tile (expected_m
+  // 25..64) was 5-9% slower with it and keeps the codes' offset term (session 23, bench/NOTES.md).
+  const bool signed_codes = !masked || expected_m > 64;
+  return resolve_v3(W4A8KernelChoice{.version = 3, .signed_codes = signed_codes ? 1 : 0}, masked, expected_m,
+                    n);
 }
 
 std::vector<W4A8CtaStamps> w4a8_take_cta_trace(int ctas, cudaStream_t stream) {
@@ -496,6 +510,9 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
       "W4A8 row_sums must be 0, or 1 with version 2 and no offset warp, got {} with version {} and "
       "offset_warp {}",
       choice.row_sums, choice.version, choice.offset_warp);
+  EPMOE_CHECK(choice.signed_codes == 0 || (choice.signed_codes == 1 && choice.version == 3),
+              "W4A8 signed_codes must be 0, or 1 with version 3, got {} with version {}", choice.signed_codes,
+              choice.version);
   EPMOE_CHECK(choice.parts >= 0 && choice.parts <= 2 &&
                   (choice.parts != 2 || (choice.version == 2 && choice.offset_warp == 0)),
               "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got {} with version {} and "

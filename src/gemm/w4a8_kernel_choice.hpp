@@ -4,7 +4,8 @@
 //
 //   version 2: the register-operand kernel (w4a8_grouped_gemm_kernel.cuh), tile by
 //              w4a8_gemm_tile() unless options.block_m / options.consumers are given;
-//   version 3: weights converted to e4m3 in shared memory (w4a8_smem_gemm_kernel.cuh), tiles of
+//   version 3: weights converted to e4m3 in shared memory (w4a8_smem_gemm_kernel.cuh; the automatic
+//              choice's 128-row tiles with signed_codes = 1 since session 23), tiles of
 //              block_m (64 or 128) activation rows x block_n (128 or 256) weight columns, each
 //              consumer warpgroup owning 64 rows x 128 waves columns; zeros pick by the heuristic.
 //   offset_warp (version 2 only; bench/NOTES.md, W4A8 v5): the same kernel with the codes' offset
@@ -19,6 +20,9 @@
 //   parts = 2 (version 2, no offset warp): the 32-row four-consumer tile (masked expected_m in
 //              13..24) keeps two partial accumulators in flight instead of one. The automatic choice
 //              since session 19 (2-3% faster on the 128 x 16 decode rows; in W4A8 v6 it was 1-6% slower).
+//   signed_codes = 1 (version 3): the converter writes the weights' signed e4m3 values (11 integer
+//              instructions per 8 weights instead of 3) and the consumers drop the codes' offset term;
+//              128 x 256 tiles then run with two 128-column waves per consumer (waves = 2).
 //   row_sums = 1 (version 2, no offset warp): on the masked decode tiles (block_m <= 32) of a call with
 //              options.workspace, a pre-pass kernel sums each activation row per K block and the GEMM's
 //              producer copies the sums in with each stage (W4A8Traits::kOffsetSums); without a
@@ -48,6 +52,8 @@ struct W4A8KernelChoice {
   int parts = 0;           // version 2 without offset_warp: 2 = two partials on the 32-row 4-consumer tile
   int row_sums = 0;        // version 2 without offset_warp: 1 = the offset term from the row-sum pre-pass
                            // (masked decode tiles, block_m <= 32, when the call has a workspace)
+  int signed_codes = 0;    // version 3: 1 = the converter writes e4m3(v · 2^-9), no offset term
+                           // (W4A8SmemTraits::kSigned); the only way to 128 x 256 with two waves
 };
 
 // The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved
@@ -55,7 +61,8 @@ struct W4A8KernelChoice {
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k);
 
 // A version-3 choice with its zeros filled by v3's own tile heuristic (64 x 256 for masked
-// expected_m <= 64, else 128 x 128; 128 columns when N is not a multiple of 256).
+// expected_m <= 64, else 128 x 128, or 128 x 256 with two waves with signed_codes; 128 columns when
+// N is not a multiple of 256).
 W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, std::int64_t expected_m,
                                  std::int64_t n);
 

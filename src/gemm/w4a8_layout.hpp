@@ -92,6 +92,25 @@ EPMOE_HD std::uint32_t codes_hi(std::uint32_t w) {
   return (w >> 4) & kLowNibbles;
 }
 
+// v3's signed conversion (W4A8SmemTraits::kSigned): the e4m3 bytes of v · 2^-9 themselves (sign and
+// magnitude, no offset term) from the same codes. For a code c of a byte, nb = 1 when c < 8 (v < 0):
+// the magnitude's low bits d = (c ^ 7 nb) & 7 are v (c >= 8) or 7 - c (c < 8), and the byte is
+// d + 0x81 nb, i.e. v, or 0x80 | (8 - c) = e4m3(-(8 - c) · 2^-9) (|v| = 8 is exponent field 1,
+// mantissa 0). Per byte, so whole words at once with no carry between bytes (d + 0x81 <= 0x88):
+// about 11 integer instructions per packed word instead of 3, in the converter warpgroup, in exchange
+// for the consumers' offset wgmma and its term in every fold.
+EPMOE_HD std::uint32_t signed_codes_of(std::uint32_t x, std::uint32_t high_bits) {
+  // x: the codes in bits 0-2 of each byte (other bits free); high_bits: bit 3 of each code at bit 0.
+  const std::uint32_t nb = ~high_bits & 0x01010101u;
+  return nb * 0x81u + ((x ^ (nb * 7u)) & 0x07070707u);
+}
+EPMOE_HD std::uint32_t signed_codes_lo(std::uint32_t w) {
+  return signed_codes_of(w, w >> 3);
+}
+EPMOE_HD std::uint32_t signed_codes_hi(std::uint32_t w) {
+  return signed_codes_of(w >> 4, w >> 7);
+}
+
 // Index of chunk (panel, K block kb) among one matrix's chunks (4096 bytes / 64 scales each):
 // groups of kGroupPanels panels, K-block-major inside a group. n_panels = N / 64.
 EPMOE_HD std::int64_t panel_chunk(std::int64_t panel, std::int64_t kb, std::int64_t kb_count,

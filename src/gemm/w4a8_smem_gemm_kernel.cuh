@@ -51,7 +51,11 @@
 
 namespace epmoe::kernels {
 
-template <int kBM, int kBN, int kWaves>
+// kSigned: the converter writes the e4m3 bytes of v · 2^-9 (w4a8::signed_codes_lo / _hi) instead of
+// the codes c · 2^-9, so the consumers have no offset term (no m64n8k32 per K step, no offset
+// registers, one FFMA per accumulator in the fold): the registers that lets 128 x 256 tiles keep two
+// 128-column waves per consumer.
+template <int kBM, int kBN, int kWaves, bool kSigned = false>
 struct W4A8SmemTraits {
   static_assert((kBM == 64 || kBM == 128) && (kBN == 128 || kBN == 256) && (kWaves == 1 || kWaves == 2));
   static constexpr int kConsN = 128 * kWaves;  // weight columns per consumer
@@ -66,32 +70,41 @@ struct W4A8SmemTraits {
   static constexpr int kConvBytes = kABytes + kBBytes + kCScaleBytes + 16;  // + the two barriers
   static constexpr int kRawWBytes = kPanels * w4a8::kPanelBytes;
   static constexpr int kRawBytes = kRawWBytes + 16;
-  static constexpr int kConvStages = kBN == 256 ? 3 : 4;
-  static constexpr int kOffsetBytes = 1024;  // the constant B operand of the offset term (8 x 128)
+  // Four conversion stages where they fit (FP8 measured a fourth stage worth ~8%, session 15): the
+  // 128 x 256 tile's (~49 KB each) fit beside two raw stages only without the 1024 bytes of
+  // alignment slack, i.e. on the dynamic shared memory's own 1024-byte alignment (checked at entry).
+  static constexpr int kConvStages = kBM == 64 && kBN == 256 ? 3 : 4;
+  static constexpr int kAlignSlack = kBM == 128 && kBN == 256 ? 0 : 1024;
+  static constexpr int kOffsetBytes =
+      kSigned ? 0 : 1024;  // the constant B operand of the offset term (8 x 128)
   static constexpr int kRawStages =
-      std::min(8, (kW4SmemBudget - 1024 - kOffsetBytes - kConvStages * kConvBytes) / kRawBytes);
+      std::min(8, (kW4SmemBudget - kAlignSlack - kOffsetBytes - kConvStages * kConvBytes) / kRawBytes);
   static_assert(kRawStages >= 2);
-  static constexpr int kSmemBytes = 1024 + kOffsetBytes + kConvStages * kConvBytes + kRawStages * kRawBytes;
+  static constexpr int kSmemBytes =
+      kAlignSlack + kOffsetBytes + kConvStages * kConvBytes + kRawStages * kRawBytes;
   // setmaxnreg (multiples of 8; the totals stay within the launch allocation, 512 x 128 or
-  // 384 x 168; ptxas: no spills with these, 24 for the producer spilled).
+  // 384 x 168; ptxas: no spills with these. The producer spills 4 bytes at 32 and 48 at 24 since
+  // the bf16 scales; the two-wave converter fits 40 with the signed conversion.)
   static constexpr bool kTwoWaves = kWaves == 2;
-  static constexpr int kProducerRegs = kTwoWaves ? 32 : 40;
-  static constexpr int kConverterRegs = kTwoWaves ? 48 : 56;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConverterRegs = kTwoWaves ? 40 : 56;
   static constexpr int kConsumerRegs = kConsumers == 1 ? 232 : (kTwoWaves ? 216 : 208);
 };
 
-template <int kBM, int kBN, int kWaves>
-__global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
+template <int kBM, int kBN, int kWaves, bool kSigned>
+__global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kThreads, 1)
     w4a8_smem_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                           const __grid_constant__ CUtensorMap tma_a_small,
                           const __grid_constant__ W4A8Params p) {
-  using Traits = W4A8SmemTraits<kBM, kBN, kWaves>;
+  using Traits = W4A8SmemTraits<kBM, kBN, kWaves, kSigned>;
   constexpr int kConvStages = Traits::kConvStages;
   constexpr int kRawStages = Traits::kRawStages;
   constexpr int kPanels = Traits::kPanels;
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   const std::uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
+  // (Without slack the base must be aligned already: a misaligned swizzled tile would compute garbage.)
+  if (Traits::kAlignSlack == 0 && smem_base != ptx::smem_addr(smem_raw)) __trap();
   const std::uint32_t smem_offset = smem_base;                                 // [8 x 128] of -2^-6
   const std::uint32_t smem_a = smem_offset + Traits::kOffsetBytes;             // conv stages x [kBM x 128]
   const std::uint32_t smem_b = smem_a + kConvStages * Traits::kABytes;         // conv stages x [kBN x 128]
@@ -126,7 +139,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
     ptx::prefetch_tensormap(&tma_a_small);
   }
   // The offset operand: every byte e4m3(-8 · 2^-9), read by wgmma (the async proxy).
-  if (threadIdx.x < Traits::kOffsetBytes / 4) {
+  if (!kSigned && threadIdx.x < Traits::kOffsetBytes / 4) {
     ptx::st_shared_u32(smem_offset + 4 * threadIdx.x, w4a8::kOffsetE4m3x4);
     ptx::fence_proxy_async_shared();
   }
@@ -204,16 +217,36 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
         const std::uint32_t src = smem_rw + raw.stage * Traits::kRawWBytes + t * 16;
         const std::uint32_t dst = smem_b + conv.stage * Traits::kBBytes;
         const bool convert = (p.ablation & kW4AblateConvert) == 0;
+        // Panel c + 1's words are loaded before panel c's stores (the shared accesses are ordered
+        // asm), so their latency hides behind a panel's conversion instead of following it; not in
+        // the 40-register converter of two-wave tiles (it spills 48 bytes).
+        constexpr bool kPipelined = Traits::kConverterRegs >= 56;
+        uint4 next0{}, next1{};
+        if (kPipelined && convert) {
+          next0 = ptx::ld_shared_v4(src);
+          next1 = ptx::ld_shared_v4(src + 2048);
+        }
 #pragma unroll
         for (int c = 0; c < kPanels && convert; ++c) {
-          const uint4 v0 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes);
-          const uint4 v1 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes + 2048);
+          uint4 v0 = next0, v1 = next1;
+          if (!kPipelined) {
+            v0 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes);
+            v1 = ptx::ld_shared_v4(src + c * w4a8::kPanelBytes + 2048);
+          } else if (c + 1 < kPanels) {
+            next0 = ptx::ld_shared_v4(src + (c + 1) * w4a8::kPanelBytes);
+            next1 = ptx::ld_shared_v4(src + (c + 1) * w4a8::kPanelBytes + 2048);
+          }
           const std::uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
           const std::uint32_t panel = dst + static_cast<std::uint32_t>(c * w4a8::kPanelRows * w4a8::kBlockK);
 #pragma unroll
           for (int u = 0; u < 8; ++u) {
             std::uint32_t lo, hi;
-            w4a8_convert8(words[u], lo, hi);
+            if constexpr (kSigned) {
+              lo = w4a8::signed_codes_lo(words[u]);
+              hi = w4a8::signed_codes_hi(words[u]);
+            } else {
+              w4a8_convert8(words[u], lo, hi);
+            }
             const std::uint32_t at = panel + (row_base ^ static_cast<std::uint32_t>(16 * u));
             ptx::st_shared_u32(at, lo);
             ptx::st_shared_u32(at + 8 * w4a8::kBlockK, hi);
@@ -238,7 +271,8 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
     W4A8Pipe pipe;
     float acc[kWaves][64];
     float part[64];
-    float offset[4];  // per K block: -2^-6 Σ_k A[row, k] for rows row_a (0, 1) and row_b (2, 3)
+    [[maybe_unused]] float
+        offset[4];  // (not kSigned) per K block: -2^-6 Σ_k A[row, k] for rows row_a (0, 1) and row_b (2, 3)
 
     while (scheduler.next(tile, p)) {
 #pragma unroll
@@ -273,11 +307,11 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
         const auto wave = [&](auto wc) {
           constexpr int w = decltype(wc)::value;
           fence_all(part);
-          if constexpr (w == 0) fence_all(offset);
+          if constexpr (w == 0 && !kSigned) fence_all(offset);
           ptx::wgmma_fence();
           // The offset term of the codes (w4a8_layout.hpp), once per K block: the same for every
           // column.
-          if constexpr (w == 0) {
+          if constexpr (w == 0 && !kSigned) {
             // (One descriptor for all four steps: the tile is constant.)
             const std::uint64_t offset_desc = ptx::wgmma_desc_sw128(smem_offset);
 #pragma unroll
@@ -293,18 +327,25 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           ptx::wgmma_commit();
           ptx::wgmma_wait<0>();
           fence_all(part);
-          if constexpr (w == 0) fence_all(offset);
+          if constexpr (w == 0 && !kSigned) fence_all(offset);
           // The scales of this thread's columns 128 w + 8 j + 2 q + {0, 1}. With one wave they are
-          // all read before the stage is given back (32 registers); with two (no registers to spare)
-          // the last wave frees the stage after its promotion.
-          constexpr bool kEarlyFree = kWaves == 1;
+          // all read before the stage is given back (32 registers); with two the last wave frees
+          // the stage after its promotion, unless the scales stay packed (kSigned: 16 registers).
+          constexpr bool kEarlyFree = kWaves == 1 || (kSigned && w == kWaves - 1);
           // (Plain loads, which the compiler may interleave with the promotion.)
           const std::uint32_t* sc = scale_ptr + 64 * w;
-          float2 scv[16];
+          // (Signed: the bf16 pairs stay packed until their FFMAs, 16 registers instead of 32: the
+          // two-wave consumers have none to spare.)
+          [[maybe_unused]] float2 scv[kSigned ? 1 : 16];
+          [[maybe_unused]] std::uint32_t pairs[kSigned ? 16 : 1];
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
             const std::uint32_t pair = sc[4 * j];
-            scv[j] = make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+            if constexpr (kSigned) {
+              pairs[j] = pair;
+            } else {
+              scv[j] = make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+            }
           }
           if constexpr (kEarlyFree) {
             ptx::mbar_arrive_warp(conv_empty + 8 * stage);  // each lane after its scale loads
@@ -312,10 +353,19 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves>::kThreads, 1)
           fence_all(part);
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
-            acc[w][4 * j + 0] = fmaf(scv[j].x, part[4 * j + 0] + offset[0], acc[w][4 * j + 0]);
-            acc[w][4 * j + 1] = fmaf(scv[j].y, part[4 * j + 1] + offset[0], acc[w][4 * j + 1]);
-            acc[w][4 * j + 2] = fmaf(scv[j].x, part[4 * j + 2] + offset[2], acc[w][4 * j + 2]);
-            acc[w][4 * j + 3] = fmaf(scv[j].y, part[4 * j + 3] + offset[2], acc[w][4 * j + 3]);
+            if constexpr (kSigned) {
+              const float s_lo = __uint_as_float(pairs[j] << 16),
+                          s_hi = __uint_as_float(pairs[j] & 0xffff0000u);
+              acc[w][4 * j + 0] = fmaf(s_lo, part[4 * j + 0], acc[w][4 * j + 0]);
+              acc[w][4 * j + 1] = fmaf(s_hi, part[4 * j + 1], acc[w][4 * j + 1]);
+              acc[w][4 * j + 2] = fmaf(s_lo, part[4 * j + 2], acc[w][4 * j + 2]);
+              acc[w][4 * j + 3] = fmaf(s_hi, part[4 * j + 3], acc[w][4 * j + 3]);
+            } else {
+              acc[w][4 * j + 0] = fmaf(scv[j].x, part[4 * j + 0] + offset[0], acc[w][4 * j + 0]);
+              acc[w][4 * j + 1] = fmaf(scv[j].y, part[4 * j + 1] + offset[0], acc[w][4 * j + 1]);
+              acc[w][4 * j + 2] = fmaf(scv[j].x, part[4 * j + 2] + offset[2], acc[w][4 * j + 2]);
+              acc[w][4 * j + 3] = fmaf(scv[j].y, part[4 * j + 3] + offset[2], acc[w][4 * j + 3]);
+            }
           }
           if (!kEarlyFree && w == kWaves - 1) {
             fence_all(acc[w]);

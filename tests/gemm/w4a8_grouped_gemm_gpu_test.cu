@@ -117,6 +117,11 @@ const std::vector<std::int32_t> kManyTiles{7, 8, 1, 16, 3, 0, 5, 9, 12, 8, 8, 2,
 // Plain v2 (the offset term from the constant-operand wgmma) with two and three K blocks per stage.
 constexpr cuda::W4A8KernelChoice kK2{.version = 2, .stage_k_blocks = 2};
 constexpr cuda::W4A8KernelChoice kK3{.version = 2, .stage_k_blocks = 3};
+// v3 with the signed conversion (W4A8SmemTraits::kSigned): 128 x 256 with two waves, and 128 x 128.
+constexpr cuda::W4A8KernelChoice kSigned256{
+    .version = 3, .block_m = 128, .block_n = 256, .waves = 2, .signed_codes = 1};
+constexpr cuda::W4A8KernelChoice kSigned128{
+    .version = 3, .block_m = 128, .block_n = 128, .waves = 1, .signed_codes = 1};
 // Two partials on the 32-row four-consumer tile, with one and two K blocks per stage.
 constexpr cuda::W4A8KernelChoice kP2{.version = 2, .parts = 2};
 constexpr cuda::W4A8KernelChoice kK2P2{.version = 2, .stage_k_blocks = 2, .parts = 2};
@@ -252,6 +257,26 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{
             "N1536_K2048_v3_m128n128", 130, {130, 0, 64, 65}, 1536, 2048, 0, 0, false, {3, 128, 128, 1}},
         MaskedCase{"N640_K7168_v3_m128n128", 300, {300, 129, 7}, 640, 7168, 0, 0, false, {3, 128, 128, 1}},
+        // v3 with the signed conversion: 128 x 256 (two waves), 128 x 128 and 64 x 256.
+        MaskedCase{"N1536_K2048_v3_signed_m128n256",
+                   300,
+                   {300, 129, 0, 7, 256},
+                   1536,
+                   2048,
+                   0,
+                   0,
+                   false,
+                   kSigned256},
+        MaskedCase{"N640_K1152_v3_signed_m128n128", 130, {130, 0, 64, 65}, 640, 1152, 0, 0, true, kSigned128},
+        MaskedCase{"N4096_K7168_v3_signed_m64n256",
+                   40,
+                   {8, 0, 13, 40, 1},
+                   4096,
+                   7168,
+                   0,
+                   0,
+                   false,
+                   {.version = 3, .block_m = 64, .block_n = 256, .waves = 1, .signed_codes = 1}},
         MaskedCase{"N512_K384_odd_k_blocks_v3_m64n256_device_scale",
                    70,
                    {70, 31, 2},
@@ -552,6 +577,19 @@ INSTANTIATE_TEST_SUITE_P(
         ContiguousCase{
             "N1536_K1152_odd_k_blocks_v3_m128n128", {130, 7}, 1536, 1152, 0, false, {3, 128, 128, 1}},
         ContiguousCase{"N1536_K2048_holes_v3_m64n256", {5, 130, 0, 33}, 1536, 2048, 1, true, {3, 64, 256, 1}},
+        // v3 with the signed conversion (no offset term): 128 x 256 with two waves per consumer and
+        // 128 x 128, at both K, with holes and odd K-block counts; N = 640 (not a multiple of 256).
+        ContiguousCase{"N4096_K7168_v3_signed_m128n256", {1, 0, 130}, 4096, 7168, 0, false, kSigned256},
+        ContiguousCase{"N7168_K2048_v3_signed_m128n256", {150, 0, 64, 33}, 7168, 2048, 0, false, kSigned256},
+        ContiguousCase{"N1536_K1152_odd_k_blocks_holes_v3_signed_m128n256",
+                       {5, 130, 0, 33},
+                       1536,
+                       1152,
+                       1,
+                       true,
+                       kSigned256},
+        ContiguousCase{
+            "N640_K2048_holes_v3_signed_m128n128", {5, 17, 0, 128, 1, 90}, 640, 2048, 1, true, kSigned128},
         // v2 (128 x 128) with the offset warp.
         ContiguousCase{"N7168_K2048_v2_offwarp", {150, 0, 64, 33}, 7168, 2048, 0, false, kOffsetWarp},
         ContiguousCase{

@@ -61,6 +61,28 @@ TEST(W4A8Codes, EveryInt4ConvertsToItsExactE4m3) {
   }
 }
 
+// v3's signed conversion (w4a8::signed_codes_lo / _hi): each byte is e4m3(v · 2^-9) itself, for every
+// code in every nibble of a word, whatever its neighbours (no carry between bytes).
+TEST(W4A8Codes, SignedConversionGivesEachInt4ItsOwnE4m3) {
+  const auto value = [](std::uint32_t byte) {
+    return static_cast<double>(fp8_e4m3::from_bits(static_cast<std::uint8_t>(byte)).to_float()) *
+           static_cast<double>(w4a8::kCodeScale);
+  };
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 4096; ++trial) {
+    // Every code in every nibble (trial % 16 in nibble trial / 16 % 8), the rest random.
+    std::uint32_t w = static_cast<std::uint32_t>(rng());
+    const int nibble = (trial / 16) % 8;
+    w = (w & ~(0xfu << (4 * nibble))) | (static_cast<std::uint32_t>(trial % 16) << (4 * nibble));
+    const std::uint32_t lo = w4a8::signed_codes_lo(w), hi = w4a8::signed_codes_hi(w);
+    for (int j = 0; j < 4; ++j) {
+      const int v_lo = w4a8::decode_int4(w >> (8 * j)), v_hi = w4a8::decode_int4(w >> (8 * j + 4));
+      ASSERT_EQ(value((lo >> (8 * j)) & 0xffu), v_lo) << std::hex << "w = " << w << " byte " << j;
+      ASSERT_EQ(value((hi >> (8 * j)) & 0xffu), v_hi) << std::hex << "w = " << w << " byte " << j;
+    }
+  }
+}
+
 struct Checkpoint {
   HostTensor w, s;
 };
@@ -369,6 +391,31 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 24, 7168, 2048), 2, 0, 0));
   EXPECT_EQ(cuda::w4a8_kernel_choice(true, 32, 4096, 7168).version, 3);
   EXPECT_EQ(cuda::w4a8_kernel_choice(false, 0, 4096, 7168).version, 3);
+  // v3's 128-row tiles run the signed conversion: 128 x 256 with two waves where N allows, 128 x 128
+  // elsewhere.
+  const cuda::W4A8KernelChoice contiguous = cuda::w4a8_kernel_choice(false, 0, 4096, 7168);
+  EXPECT_EQ(contiguous.signed_codes, 1);
+  EXPECT_EQ(contiguous.block_m, 128);
+  EXPECT_EQ(contiguous.block_n, 256);
+  EXPECT_EQ(contiguous.waves, 2);
+  const cuda::W4A8KernelChoice narrow = cuda::w4a8_kernel_choice(false, 0, 640, 2048);
+  EXPECT_EQ(narrow.signed_codes, 1);
+  EXPECT_EQ(narrow.block_n, 128);
+  EXPECT_EQ(narrow.waves, 1);
+  // The masked 64 x 256 tile keeps the offset-binary codes; 128-row masked tiles are signed.
+  const cuda::W4A8KernelChoice masked = cuda::w4a8_kernel_choice(true, 40, 4096, 7168);
+  EXPECT_EQ(masked.block_m, 64);
+  EXPECT_EQ(masked.block_n, 256);
+  EXPECT_EQ(masked.signed_codes, 0);
+  const cuda::W4A8KernelChoice masked_large = cuda::w4a8_kernel_choice(true, 128, 7168, 2048);
+  EXPECT_EQ(masked_large.block_m, 128);
+  EXPECT_EQ(masked_large.signed_codes, 1);
+  // The offset-binary two-wave tile does not exist.
+  expect_error_mentions(
+      [&] {
+        cuda::w4a8_resolve_v3({.version = 3, .block_m = 128, .block_n = 256, .waves = 2}, false, 0, 4096);
+      },
+      "waves = 2, signed_codes = 0");
 }
 
 TEST(W4A8Reference, MatchesADirectSum) {
