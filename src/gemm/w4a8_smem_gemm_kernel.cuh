@@ -269,6 +269,10 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
     const int q = lane % 4;
     const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
     W4A8Pipe pipe;
+    // wgmma descriptors of stage 0 (low words; the high word is constant): this consumer's 64 rows of
+    // A and first weight column of B.
+    const std::uint32_t a_desc0 = ptx::wgmma_desc_sw128_lo(smem_a + row_block * 64 * w4a8::kBlockK);
+    const std::uint32_t b_desc0 = ptx::wgmma_desc_sw128_lo(smem_b + col0 * w4a8::kBlockK);
     float acc[kWaves][64];
     float part[64];
     [[maybe_unused]] float
@@ -297,8 +301,9 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
           pipe.advance(conv_stages);
           continue;
         }
-        const std::uint32_t a_tile = smem_a + stage * Traits::kABytes + row_block * 64 * w4a8::kBlockK;
-        const std::uint32_t b_tile = smem_b + stage * Traits::kBBytes + col0 * w4a8::kBlockK;
+        // The stage's descriptors: one 32-bit add from the first stage's (ptx::wgmma_desc_sw128_lo).
+        const std::uint32_t a_desc = a_desc0 + static_cast<std::uint32_t>(stage) * (Traits::kABytes >> 4);
+        const std::uint32_t b_desc = b_desc0 + static_cast<std::uint32_t>(stage) * (Traits::kBBytes >> 4);
         // The scales as bf16 pairs: word i holds columns 2 i (low half) and 2 i + 1.
         const auto* scale_ptr = reinterpret_cast<const std::uint32_t*>(
             smem_raw + (smem_cs - ptx::smem_addr(smem_raw)) + stage * Traits::kCScaleBytes +
@@ -316,13 +321,14 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
             const std::uint64_t offset_desc = ptx::wgmma_desc_sw128(smem_offset);
 #pragma unroll
             for (int kk = 0; kk < w4a8::kBlockK / 32; ++kk)
-              ptx::wgmma_m64n8k32_e4m3(offset, ptx::wgmma_desc_sw128(a_tile + kk * 32), offset_desc, kk > 0);
+              ptx::wgmma_m64n8k32_e4m3(offset, ptx::wgmma_desc_from_lo(a_desc + kk * (32 >> 4)), offset_desc,
+                                       kk > 0);
           }
 #pragma unroll
           for (int kk = 0; kk < w4a8::kBlockK / 32; ++kk) {
-            ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_sw128(a_tile + kk * 32),
-                                       ptx::wgmma_desc_sw128(b_tile + w * 128 * w4a8::kBlockK + kk * 32),
-                                       kk > 0);
+            ptx::wgmma_m64n128k32_e4m3(
+                part, ptx::wgmma_desc_from_lo(a_desc + kk * (32 >> 4)),
+                ptx::wgmma_desc_from_lo(b_desc + ((w * 128 * w4a8::kBlockK + kk * 32) >> 4)), kk > 0);
           }
           ptx::wgmma_commit();
           ptx::wgmma_wait<0>();

@@ -410,6 +410,12 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   const cuda::W4A8KernelChoice masked_large = cuda::w4a8_kernel_choice(true, 128, 7168, 2048);
   EXPECT_EQ(masked_large.block_m, 128);
   EXPECT_EQ(masked_large.signed_codes, 1);
+  // The signed conversion with v2 excludes the offset warp, row sums and three K blocks per stage.
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .signed_codes = 1}); },
+                        "signed_codes");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .row_sums = 1, .signed_codes = 1}); },
+                        "signed_codes");
+  cuda::w4a8_pin_kernel({});
   // The offset-binary two-wave tile does not exist.
   expect_error_mentions(
       [&] {
