@@ -392,24 +392,19 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   EXPECT_EQ(cuda::w4a8_kernel_choice(true, 32, 4096, 7168).version, 3);
   EXPECT_EQ(cuda::w4a8_kernel_choice(false, 0, 4096, 7168).version, 3);
   // v3's 128-row tiles run the signed conversion: 128 x 256 with two waves where N allows, 128 x 128
-  // elsewhere.
-  const cuda::W4A8KernelChoice contiguous = cuda::w4a8_kernel_choice(false, 0, 4096, 7168);
-  EXPECT_EQ(contiguous.signed_codes, 1);
-  EXPECT_EQ(contiguous.block_m, 128);
-  EXPECT_EQ(contiguous.block_n, 256);
-  EXPECT_EQ(contiguous.waves, 2);
-  const cuda::W4A8KernelChoice narrow = cuda::w4a8_kernel_choice(false, 0, 640, 2048);
-  EXPECT_EQ(narrow.signed_codes, 1);
-  EXPECT_EQ(narrow.block_n, 128);
-  EXPECT_EQ(narrow.waves, 1);
-  // The masked 64 x 256 tile keeps the offset-binary codes; 128-row masked tiles are signed.
-  const cuda::W4A8KernelChoice masked = cuda::w4a8_kernel_choice(true, 40, 4096, 7168);
-  EXPECT_EQ(masked.block_m, 64);
-  EXPECT_EQ(masked.block_n, 256);
-  EXPECT_EQ(masked.signed_codes, 0);
-  const cuda::W4A8KernelChoice masked_large = cuda::w4a8_kernel_choice(true, 128, 7168, 2048);
-  EXPECT_EQ(masked_large.block_m, 128);
-  EXPECT_EQ(masked_large.signed_codes, 1);
+  // elsewhere; the masked 64 x 256 tile keeps the offset-binary codes.
+  const auto expect_v3 = [](const cuda::W4A8KernelChoice& c, int block_m, int block_n, int waves,
+                            int signed_codes) {
+    EXPECT_EQ(c.version, 3);
+    EXPECT_EQ(c.block_m, block_m);
+    EXPECT_EQ(c.block_n, block_n);
+    EXPECT_EQ(c.waves, waves);
+    EXPECT_EQ(c.signed_codes, signed_codes);
+  };
+  expect_v3(cuda::w4a8_kernel_choice(false, 0, 4096, 7168), 128, 256, 2, 1);
+  expect_v3(cuda::w4a8_kernel_choice(false, 0, 640, 2048), 128, 128, 1, 1);
+  expect_v3(cuda::w4a8_kernel_choice(true, 40, 4096, 7168), 64, 256, 1, 0);
+  expect_v3(cuda::w4a8_kernel_choice(true, 128, 7168, 2048), 128, 256, 2, 1);
   // The signed conversion with v2 excludes the offset warp, row sums and three K blocks per stage.
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .signed_codes = 1}); },
                         "signed_codes");
