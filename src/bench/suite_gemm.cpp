@@ -664,14 +664,12 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   const auto add_v2 = [&](const cuda::W4A8KernelChoice& c) {
     const bool same = chosen.version == 2 && chosen.offset_warp == c.offset_warp &&
                       std::max(chosen.stage_k_blocks, 1) == std::max(c.stage_k_blocks, 1) &&
-                      chosen.parts == c.parts && chosen.row_sums == c.row_sums &&
-                      chosen.signed_codes == c.signed_codes;
+                      chosen.parts == c.parts && chosen.row_sums == c.row_sums;
     if (same) return;
     std::string suffix = ".w4a8.v2";
     if (c.stage_k_blocks > 1) suffix += ".k" + std::to_string(c.stage_k_blocks);
     if (c.parts == 2) suffix += ".p2";
     if (c.row_sums != 0) suffix += ".rs";
-    if (c.signed_codes != 0) suffix += ".s";
     variants.push_back({suffix, c});
   };
   add_v2({2});
@@ -685,11 +683,6 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   // The decode tiles with the offset term from the row-sum pre-pass (".rs"; the time includes the
   // pre-pass kernel): one and two partials, two K blocks per stage.
   if (s.masked && s.expected_m <= 24) {
-    // The signed conversion in the consumers (no offset term, no pre-pass), one and two K blocks per
-    // stage, and two partials on the 32-row tile.
-    add_v2({.version = 2, .signed_codes = 1});
-    add_v2({.version = 2, .stage_k_blocks = 2, .signed_codes = 1});
-    if (s.expected_m > 12) add_v2({.version = 2, .parts = 2, .signed_codes = 1});
     add_v2({.version = 2, .row_sums = 1});
     add_v2({.version = 2, .stage_k_blocks = 2, .row_sums = 1});
     if (s.expected_m > 12) add_v2({.version = 2, .parts = 2, .row_sums = 1});

@@ -182,7 +182,7 @@ template <int kOffset, int kStageKB>
 void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& problem,
             const W4A8GemmOptions& options, cudaStream_t stream) {
   constexpr bool kWarp = kOffset == kernels::kW4OffsetWarp;
-  constexpr bool kDecodeOnly = kOffset == kernels::kW4OffsetSums || kOffset == kernels::kW4OffsetNone;
+  constexpr bool kDecodeOnly = kOffset == kernels::kW4OffsetSums;
   if (tile.consumers == 4) {
     if (tile.block_m == 16) return launch<16, 4, kOffset, kStageKB>(a, problem, options, stream);
     if constexpr (!kWarp) {
@@ -290,7 +290,6 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
     c.stage_k_blocks = g_pinned.stage_k_blocks;
     c.parts = g_pinned.parts;
     c.row_sums = g_pinned.row_sums;
-    c.signed_codes = g_pinned.signed_codes;
   }
   // The automatic choice's row sums need a workspace; without one the 32-row tile keeps two partials
   // (its best plain variant, session 19).
@@ -306,15 +305,6 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   if (c.offset_warp != 0) {
     if (c.stage_k_blocks == 2) return launch<kWarp, 2>(tile, c.parts, a, with, options, stream);
     return launch<kWarp, 1>(tile, c.parts, a, with, options, stream);
-  }
-  // The signed conversion: the decode tiles only (its kernels exist for block_m <= 32).
-  if (c.signed_codes != 0) {
-    EPMOE_CHECK(tile.block_m <= 32,
-                "W4A8 signed_codes with version 2: the decode tiles only (block_m <= 32), got {}",
-                tile.block_m);
-    constexpr int kNone = kernels::kW4OffsetNone;
-    if (c.stage_k_blocks == 2) return launch<kNone, 2>(tile, c.parts, a, with, options, stream);
-    return launch<kNone, 1>(tile, c.parts, a, with, options, stream);
   }
   // The pre-pass's row sums: masked decode tiles with a workspace (else the offset wgmma).
   if (c.row_sums != 0 && sums_usable) {
@@ -520,14 +510,10 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
       "W4A8 row_sums must be 0, or 1 with version 2 and no offset warp, got {} with version {} and "
       "offset_warp {}",
       choice.row_sums, choice.version, choice.offset_warp);
-  EPMOE_CHECK(
-      choice.signed_codes == 0 ||
-          (choice.signed_codes == 1 &&
-           (choice.version == 3 || (choice.version == 2 && choice.offset_warp == 0 && choice.row_sums == 0 &&
-                                    choice.stage_k_blocks <= 2))),
-      "W4A8 signed_codes must be 0, or 1 with version 3, or with version 2 without offset warp, row sums "
-      "or 3 K blocks per stage, got {} with version {}",
-      choice.signed_codes, choice.version);
+  // (v2's decode tiles with the signed conversion were 4-7% slower than their defaults, session 23.)
+  EPMOE_CHECK(choice.signed_codes == 0 || (choice.signed_codes == 1 && choice.version == 3),
+              "W4A8 signed_codes must be 0, or 1 with version 3, got {} with version {}", choice.signed_codes,
+              choice.version);
   EPMOE_CHECK(choice.parts >= 0 && choice.parts <= 2 &&
                   (choice.parts != 2 || (choice.version == 2 && choice.offset_warp == 0)),
               "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got {} with version {} and "

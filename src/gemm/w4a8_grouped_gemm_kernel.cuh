@@ -64,7 +64,6 @@ inline constexpr int kW4SmemBudget = 232448;  // dynamic shared memory a block m
 inline constexpr int kW4OffsetWgmma = 0;  // the consumers' wgmma (constant-operand SS, or kRowOffset)
 inline constexpr int kW4OffsetWarp = 1;   // v5: a producer-side warp sums the stage's rows
 inline constexpr int kW4OffsetSums = 2;   // the rows' sums from a pre-pass, copied in with the stage
-inline constexpr int kW4OffsetNone = 3;   // signed conversion (w4a8::signed_codes_lo / _hi): no offset term
 
 template <int kBM, int kConsumers, int kOffset_ = kW4OffsetWgmma, int kStageKB_ = 1>
 struct W4A8Traits {
@@ -104,19 +103,15 @@ struct W4A8Traits {
   // barrier's second arrival: no offset wgmma (on the 32-row tile it read 3 KB of shared memory per
   // consumer and k32 step, the tile's bottleneck under ncu), and no hand-off to the consumers beyond
   // the full barrier they wait on anyway.
-  //
-  // kSigned (kW4OffsetNone, decode tiles): the consumers convert the codes to the e4m3 bytes of
-  // v · 2^-9 themselves (11 integer instructions per packed word instead of 3): no offset term at all.
   static constexpr int kOffset = kOffset_;
-  static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4OffsetNone);
-  static_assert(kOffset < kW4OffsetSums || kBM <= 32);
+  static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4OffsetSums);
+  static_assert(kOffset != kW4OffsetSums || kBM <= 32);
   static constexpr bool kOffsetWarp = kOffset == kW4OffsetWarp;
   static constexpr bool kOffsetSums = kOffset == kW4OffsetSums;
-  static constexpr bool kSigned = kOffset == kW4OffsetNone;
   static constexpr bool kSlot = kOffsetWarp || kOffsetSums;  // the consumers add a per-stage slot
-  static constexpr bool kRowOffset = kBM >= 64 && !kSlot && !kSigned;
-  static constexpr bool kOffsetSS = kBM <= 32 && !kSlot && !kSigned;  // the constant-A wgmma per K step
-  static constexpr int kOffsetBytes = kRowOffset ? 1024 : kOffsetSS ? w4a8::kPanelRows * w4a8::kBlockK : 0;
+  static constexpr bool kRowOffset = kBM >= 64 && !kSlot;
+  static constexpr bool kOffsetSS = kBM <= 32 && !kSlot;  // the constant-A wgmma per K step
+  static constexpr int kOffsetBytes = kSlot ? 0 : kRowOffset ? 1024 : w4a8::kPanelRows * w4a8::kBlockK;
   static constexpr int kRowOffsetBytes = kRowOffset ? kConsumers * 2 * kBM * 4 : 0;
   static constexpr int kSlotBytes = kSlot ? kBM * 4 : 0;         // per K block
   static constexpr int kBarBytes = kOffsetWarp ? 3 * 8 : 2 * 8;  // per stage: full, empty (, offset)
@@ -548,14 +543,6 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       const std::uint32_t w_addr = w_thread + at.stage * kWStride + sub * Traits::kWBytes;
       const uint4 v0 = ptx::ld_shared_v4(w_addr);
       const uint4 v1 = ptx::ld_shared_v4(w_addr + 2048);
-      const auto w4a8_convert8 = [](std::uint32_t w, std::uint32_t& lo, std::uint32_t& hi) {
-        if constexpr (Traits::kSigned) {
-          lo = w4a8::signed_codes_lo(w);
-          hi = w4a8::signed_codes_hi(w);
-        } else {
-          kernels::w4a8_convert8(w, lo, hi);
-        }
-      };
       w4a8_convert8(v0.x, frag[B][0][0], frag[B][0][1]);
       w4a8_convert8(v0.y, frag[B][0][2], frag[B][0][3]);
       w4a8_convert8(v0.z, frag[B][1][0], frag[B][1][1]);
@@ -580,7 +567,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       // in-flight groups and spilled the 112-register consumers. Its descriptor is rebuilt per
       // issue (an opaque copy of the address: hoisted, it held two registers across the K loop).
       [[maybe_unused]] std::uint64_t offset_desc = 0;
-      if constexpr (Traits::kOffsetSS || Traits::kRowOffset) {
+      if constexpr (!Traits::kSlot) {
         std::uint32_t offset_tile = smem_offset;
         asm volatile("" : "+r"(offset_tile));
         offset_desc = ptx::wgmma_desc_sw128(offset_tile);

@@ -130,11 +130,6 @@ constexpr cuda::W4A8KernelChoice kK2P2{.version = 2, .stage_k_blocks = 2, .parts
 constexpr cuda::W4A8KernelChoice kRS{.version = 2, .row_sums = 1};
 constexpr cuda::W4A8KernelChoice kRSP2{.version = 2, .parts = 2, .row_sums = 1};
 constexpr cuda::W4A8KernelChoice kRSK2{.version = 2, .stage_k_blocks = 2, .row_sums = 1};
-// The register-operand kernel with the signed conversion (no offset term), plain, with two partials
-// and with two K blocks per stage.
-constexpr cuda::W4A8KernelChoice kV2Signed{.version = 2, .signed_codes = 1};
-constexpr cuda::W4A8KernelChoice kV2SignedP2{.version = 2, .parts = 2, .signed_codes = 1};
-constexpr cuda::W4A8KernelChoice kV2SignedK2{.version = 2, .stage_k_blocks = 2, .signed_codes = 1};
 
 // Pins the W4A8 kernel for the lifetime of the guard.
 class PinKernel {
@@ -485,31 +480,6 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N2048_K128_many_tiles_per_cta_one_k_block_rowsums", 16, kManyTiles, 2048, 128, 0, 0,
                    false, kRS, 3, true},
         MaskedCase{"N1536_K2048_all_empty_rowsums", 130, {0, 0}, 1536, 2048, 0, 0, false, kRS, 0, true},
-        // v2's decode tiles with the signed conversion: 16 and 32 rows (four and two consumers), two
-        // partials, two K blocks per stage over an odd count, a device scale, many tiles per CTA.
-        MaskedCase{"N4096_K7168_decode_v2_signed", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, kV2Signed},
-        MaskedCase{"N7168_K2048_decode_block32_device_scale_v2_signed_p2",
-                   48,
-                   {20, 5, 48, 0},
-                   7168,
-                   2048,
-                   32,
-                   0,
-                   true,
-                   kV2SignedP2},
-        MaskedCase{"N1536_K2048_block16_consumers2_v2_signed",
-                   37,
-                   {37, 3, 0, 17},
-                   1536,
-                   2048,
-                   16,
-                   2,
-                   false,
-                   kV2Signed},
-        MaskedCase{
-            "N1536_K1152_odd_k_blocks_v2_signed_k2", 20, {20, 7}, 1536, 1152, 0, 0, false, kV2SignedK2},
-        MaskedCase{"N2048_K1152_many_tiles_per_cta_block32_v2_signed", 16, kManyTiles, 2048, 1152, 32, 0,
-                   false, kV2Signed, 6},
         MaskedCase{
             "N7168_K2048_decode_auto_workspace", 48, {20, 5, 48, 0}, 7168, 2048, 0, 0, false, {}, 0, true},
         MaskedCase{"N1536_K2048_block64_rowsums_not_used",

@@ -405,11 +405,8 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   expect_v3(cuda::w4a8_kernel_choice(false, 0, 640, 2048), 128, 128, 1, 1);
   expect_v3(cuda::w4a8_kernel_choice(true, 40, 4096, 7168), 64, 256, 1, 0);
   expect_v3(cuda::w4a8_kernel_choice(true, 128, 7168, 2048), 128, 256, 2, 1);
-  // The signed conversion with v2 excludes the offset warp, row sums and three K blocks per stage.
-  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .signed_codes = 1}); },
-                        "signed_codes");
-  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .row_sums = 1, .signed_codes = 1}); },
-                        "signed_codes");
+  // The signed conversion is v3's only.
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .signed_codes = 1}); }, "signed_codes");
   cuda::w4a8_pin_kernel({});
   // The offset-binary two-wave tile does not exist.
   expect_error_mentions(
