@@ -86,8 +86,8 @@ struct W4A8SmemTraits {
   // 384 x 168; ptxas: no spills with these. The producer spills 4 bytes at 32 and 48 at 24 since
   // the bf16 scales; the two-wave converter fits 40 with the signed conversion.)
   static constexpr bool kTwoWaves = kWaves == 2;
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConverterRegs = kTwoWaves ? 40 : 56;
+  static constexpr int kProducerRegs = kTwoWaves ? 32 : 40;
+  static constexpr int kConverterRegs = kTwoWaves ? 48 : 56;
   static constexpr int kConsumerRegs = kConsumers == 1 ? 232 : (kTwoWaves ? 216 : 208);
 };
 
@@ -152,13 +152,21 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
     // ------------------------------------------------------------ producer warpgroup (warps 0, 1)
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
     W4A8Pipe pipe;
-    const std::int64_t n_panels = p.n / w4a8::kPanelRows;
+    // A tile's chunk of K block kb is chunk0 + kb * group_size (w4a8::panel_chunk, in 32 bits: fewer
+    // live registers in the 32-register producer of the two-wave tile than its 64-bit arithmetic).
+    const std::int32_t n_panels = p.n / w4a8::kPanelRows;
+    const auto first_chunk = [&](const W4A8Tile& t, std::int32_t& group_size) {
+      const std::int32_t panel0 = t.n_tile * kPanels,
+                         group0 = panel0 / w4a8::kGroupPanels * w4a8::kGroupPanels;
+      group_size = min(w4a8::kGroupPanels, n_panels - group0);
+      return (t.group * n_panels + group0) * num_kb + panel0 - group0;
+    };
     if (warp == 0) {
       while (scheduler.next(tile, p)) {
         // The tile's panels are consecutive inside one panel group: per K block one bulk copy of
         // their weights (w4a8_layout.hpp).
-        const std::int64_t group_chunks = static_cast<std::int64_t>(tile.group) * n_panels * num_kb;
-        const std::int64_t panel0 = static_cast<std::int64_t>(tile.n_tile) * kPanels;
+        std::int32_t group_size;
+        const std::int32_t chunk0 = first_chunk(tile, group_size);
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           if (lane == 0) {
             const std::uint32_t full = raw_full + 8 * pipe.stage;
@@ -167,9 +175,10 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
               ptx::mbar_arrive(full);
             } else {
               ptx::mbar_arrive_expect_tx(full, Traits::kRawWBytes);
-              const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
-              ptx::bulk_load(smem_rw + pipe.stage * Traits::kRawWBytes, p.w + chunk * w4a8::kPanelBytes,
-                             Traits::kRawWBytes, full);
+              const std::uint32_t chunk = static_cast<std::uint32_t>(chunk0 + kb * group_size);
+              ptx::bulk_load(smem_rw + pipe.stage * Traits::kRawWBytes,
+                             p.w + static_cast<std::uint64_t>(chunk) * w4a8::kPanelBytes, Traits::kRawWBytes,
+                             full);
             }
           }
           pipe.advance(kRawStages);
@@ -186,17 +195,18 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
         const std::uint32_t bytes = small ? p.a_small_rows * w4a8::kBlockK : Traits::kABytes;
         // With the activations, the tile's kBN scales of the K block (one contiguous chunk, in the
         // packed order: panel-major, 64 rows each), straight into the conversion stage.
-        const std::int64_t group_chunks = static_cast<std::int64_t>(tile.group) * n_panels * num_kb;
-        const std::int64_t panel0 = static_cast<std::int64_t>(tile.n_tile) * kPanels;
+        std::int32_t group_size;
+        const std::int32_t chunk0 = first_chunk(tile, group_size);
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           if (lane == 0) {
             const std::uint32_t full = conv_full + 8 * pipe.stage;
             ptx::mbar_wait(conv_empty + 8 * pipe.stage, pipe.phase ^ 1u);
             ptx::mbar_arrive_expect_tx(full, bytes + Traits::kCScaleBytes);
             ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map, full, kb * w4a8::kBlockK, tile.row0);
-            const std::int64_t chunk = group_chunks + w4a8::panel_chunk(panel0, kb, num_kb, n_panels);
-            ptx::bulk_load(smem_cs + pipe.stage * Traits::kCScaleBytes, p.ws + chunk * w4a8::kPanelRows,
-                           Traits::kCScaleBytes, full);
+            const std::uint32_t chunk = static_cast<std::uint32_t>(chunk0 + kb * group_size);
+            ptx::bulk_load(smem_cs + pipe.stage * Traits::kCScaleBytes,
+                           p.ws + static_cast<std::uint64_t>(chunk) * w4a8::kPanelRows, Traits::kCScaleBytes,
+                           full);
           }
           pipe.advance(conv_stages);
         }
@@ -220,7 +230,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
         // Panel c + 1's words are loaded before panel c's stores (the shared accesses are ordered
         // asm), so their latency hides behind a panel's conversion instead of following it; not in
         // the 40-register converter of two-wave tiles (it spills 48 bytes).
-        constexpr bool kPipelined = Traits::kConverterRegs >= 56;
+        constexpr bool kPipelined = Traits::kConverterRegs >= 48;
         uint4 next0{}, next1{};
         if (kPipelined && convert) {
           next0 = ptx::ld_shared_v4(src);
