@@ -20,8 +20,9 @@
 //     the e4m3 weight tile [kBN x 128] written by the converter; freed by the consumers;
 //   - warpgroup 1 (the converter): per K block, waits for a raw stage and a free conversion stage;
 //     thread t reads its two 16-byte words of each panel (the register-operand kernel's fragment
-//     order: row 16 w + g (+ 8), k = 16 u + 4 q + j for word u), masks each word's low and high
-//     nibbles into 4 + 4 e4m3 bytes (codes c · 2^-9, w4a8_layout.hpp) and stores them at row r,
+//     order: row 16 w + g (+ 8), k = 16 u + 4 q + j for word u), turns each word's low and high
+//     nibbles into 4 + 4 e4m3 bytes (the codes c · 2^-9, or with kSigned the weights' own v · 2^-9;
+//     w4a8_layout.hpp) and stores them at row r,
 //     16-byte chunk u ^ (r % 8), byte 4 q of the swizzled tile (conflict-free: the 32 lanes of a store hit 32
 //     distinct banks); frees the raw stage, and publishes the conversion stage after
 //     fence.proxy.async (generic-proxy writes read by wgmma). Everything the consumers read with
@@ -30,11 +31,11 @@
 //     alone (racecheck does not model those waits, bench/NOTES.md);
 //   - consumer warpgroups (kConsumers): consumer c owns activation rows 64 (c / kColGroups) and
 //     kWaves x 128 weight columns from 128 kWaves (c % kColGroups); per wave four wgmma
-//     m64n128k32 into a per-K-block partial, and once per K block four m64n8k32 against a constant
-//     tile of e4m3(-8 · 2^-9) (the codes' offset, the same for every column: -2^-6 Σ_k A[row, k]),
-//     then acc += s[n] · (part + offset[row]) with the two scales of each of the thread's column
-//     pairs (f32, never re-quantised weights); a_scale · 2^9 in the epilogue, 16-byte bf16 stores
-//     after a quad transpose, valid rows only.
+//     m64n128k32 into a per-K-block partial, and (codes, not kSigned) once per K block four
+//     m64n8k32 against a constant tile of e4m3(-8 · 2^-9) (the codes' offset, the same for every
+//     column: -2^-6 Σ_k A[row, k]), then acc += s[n] · (part + offset[row]) with the two scales of
+//     each of the thread's column pairs (f32, never re-quantised weights); a_scale · 2^9 in the
+//     epilogue, 16-byte bf16 stores after a quad transpose, valid rows only.
 #pragma once
 
 #include <algorithm>
@@ -83,8 +84,9 @@ struct W4A8SmemTraits {
   static constexpr int kSmemBytes =
       kAlignSlack + kOffsetBytes + kConvStages * kConvBytes + kRawStages * kRawBytes;
   // setmaxnreg (multiples of 8; the totals stay within the launch allocation, 512 x 128 or
-  // 384 x 168; ptxas: no spills with these. The producer spills 4 bytes at 32 and 48 at 24 since
-  // the bf16 scales; the two-wave converter fits 40 with the signed conversion.)
+  // 384 x 168; ptxas: no spills with these). The two-wave tile: 32 + 48 + 2 x 216, the producer's
+  // chunk arithmetic in 32 bits (in 64 it spilled at 32), the converter's 48 for its pipelined panel
+  // loads (at 40 they spilled), the consumers' 216 for acc[2][64] + part[64] (208 spilled).
   static constexpr bool kTwoWaves = kWaves == 2;
   static constexpr int kProducerRegs = kTwoWaves ? 32 : 40;
   static constexpr int kConverterRegs = kTwoWaves ? 48 : 56;
