@@ -121,6 +121,17 @@ EPMOE_HD std::int64_t panel_chunk(std::int64_t panel, std::int64_t kb, std::int6
   return group * kGroupPanels * kb_count + kb * size + within;
 }
 
+// panel_chunk for the tiles of the GEMM's producers, in 32 bits (fewer live registers than 64-bit
+// arithmetic per K block): a tile's panels from panel0 lie in one group, so the chunk of its K block
+// kb is first + kb * step, relative to the matrix's first chunk.
+struct TileChunks {
+  std::int32_t first, step;
+};
+EPMOE_HD TileChunks tile_chunks(std::int32_t panel0, std::int32_t kb_count, std::int32_t n_panels) {
+  const std::int32_t group0 = panel0 / kGroupPanels * kGroupPanels, rest = n_panels - group0;
+  return {group0 * kb_count + panel0 - group0, rest < kGroupPanels ? rest : kGroupPanels};
+}
+
 // Byte offset of weight (n, k) of one group inside that group's packed bytes, and whether it is the
 // high nibble. KB = K / 128, n_rows = N.
 struct NibblePos {

@@ -154,21 +154,20 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
     // ------------------------------------------------------------ producer warpgroup (warps 0, 1)
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
     W4A8Pipe pipe;
-    // A tile's chunk of K block kb is chunk0 + kb * group_size (w4a8::panel_chunk, in 32 bits: fewer
-    // live registers in the 32-register producer of the two-wave tile than its 64-bit arithmetic).
+    // A tile's chunk of K block kb is chunk0 + kb * step (w4a8::tile_chunks: 32 bits, for the
+    // 32-register producer of the two-wave tile).
     const std::int32_t n_panels = p.n / w4a8::kPanelRows;
-    const auto first_chunk = [&](const W4A8Tile& t, std::int32_t& group_size) {
-      const std::int32_t panel0 = t.n_tile * kPanels,
-                         group0 = panel0 / w4a8::kGroupPanels * w4a8::kGroupPanels;
-      group_size = min(w4a8::kGroupPanels, n_panels - group0);
-      return (t.group * n_panels + group0) * num_kb + panel0 - group0;
+    const auto first_chunk = [&](const W4A8Tile& t, std::int32_t& step) {
+      const w4a8::TileChunks c = w4a8::tile_chunks(t.n_tile * kPanels, num_kb, n_panels);
+      step = c.step;
+      return t.group * n_panels * num_kb + c.first;
     };
     if (warp == 0) {
       while (scheduler.next(tile, p)) {
         // The tile's panels are consecutive inside one panel group: per K block one bulk copy of
         // their weights (w4a8_layout.hpp).
-        std::int32_t group_size;
-        const std::int32_t chunk0 = first_chunk(tile, group_size);
+        std::int32_t step;
+        const std::int32_t chunk0 = first_chunk(tile, step);
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           if (lane == 0) {
             const std::uint32_t full = raw_full + 8 * pipe.stage;
@@ -177,7 +176,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
               ptx::mbar_arrive(full);
             } else {
               ptx::mbar_arrive_expect_tx(full, Traits::kRawWBytes);
-              const std::uint32_t chunk = static_cast<std::uint32_t>(chunk0 + kb * group_size);
+              const std::uint32_t chunk = static_cast<std::uint32_t>(chunk0 + kb * step);
               ptx::bulk_load(smem_rw + pipe.stage * Traits::kRawWBytes,
                              p.w + static_cast<std::uint64_t>(chunk) * w4a8::kPanelBytes, Traits::kRawWBytes,
                              full);
@@ -197,15 +196,15 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
         const std::uint32_t bytes = small ? p.a_small_rows * w4a8::kBlockK : Traits::kABytes;
         // With the activations, the tile's kBN scales of the K block (one contiguous chunk, in the
         // packed order: panel-major, 64 rows each), straight into the conversion stage.
-        std::int32_t group_size;
-        const std::int32_t chunk0 = first_chunk(tile, group_size);
+        std::int32_t step;
+        const std::int32_t chunk0 = first_chunk(tile, step);
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           if (lane == 0) {
             const std::uint32_t full = conv_full + 8 * pipe.stage;
             ptx::mbar_wait(conv_empty + 8 * pipe.stage, pipe.phase ^ 1u);
             ptx::mbar_arrive_expect_tx(full, bytes + Traits::kCScaleBytes);
             ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map, full, kb * w4a8::kBlockK, tile.row0);
-            const std::uint32_t chunk = static_cast<std::uint32_t>(chunk0 + kb * group_size);
+            const std::uint32_t chunk = static_cast<std::uint32_t>(chunk0 + kb * step);
             ptx::bulk_load(smem_cs + pipe.stage * Traits::kCScaleBytes,
                            p.ws + static_cast<std::uint64_t>(chunk) * w4a8::kPanelRows, Traits::kCScaleBytes,
                            full);
@@ -365,25 +364,32 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
               scv[j] = make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
             }
           }
+          // Column pair j's two scales, and a partial with the codes' offset term of its row added.
+          const auto scales = [&](int j) {
+            if constexpr (kSigned) {
+              return make_float2(__uint_as_float(pairs[j] << 16), __uint_as_float(pairs[j] & 0xffff0000u));
+            } else {
+              return scv[j];
+            }
+          };
+          const auto with_offset = [&](float x, float off) {
+            if constexpr (kSigned) {
+              return x;
+            } else {
+              return x + off;
+            }
+          };
           if constexpr (kEarlyFree) {
             ptx::mbar_arrive_warp(conv_empty + 8 * stage);  // each lane after its scale loads
           }
           fence_all(part);
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
-            if constexpr (kSigned) {
-              const float s_lo = __uint_as_float(pairs[j] << 16),
-                          s_hi = __uint_as_float(pairs[j] & 0xffff0000u);
-              acc[w][4 * j + 0] = fmaf(s_lo, part[4 * j + 0], acc[w][4 * j + 0]);
-              acc[w][4 * j + 1] = fmaf(s_hi, part[4 * j + 1], acc[w][4 * j + 1]);
-              acc[w][4 * j + 2] = fmaf(s_lo, part[4 * j + 2], acc[w][4 * j + 2]);
-              acc[w][4 * j + 3] = fmaf(s_hi, part[4 * j + 3], acc[w][4 * j + 3]);
-            } else {
-              acc[w][4 * j + 0] = fmaf(scv[j].x, part[4 * j + 0] + offset[0], acc[w][4 * j + 0]);
-              acc[w][4 * j + 1] = fmaf(scv[j].y, part[4 * j + 1] + offset[0], acc[w][4 * j + 1]);
-              acc[w][4 * j + 2] = fmaf(scv[j].x, part[4 * j + 2] + offset[2], acc[w][4 * j + 2]);
-              acc[w][4 * j + 3] = fmaf(scv[j].y, part[4 * j + 3] + offset[2], acc[w][4 * j + 3]);
-            }
+            const float2 s = scales(j);
+            acc[w][4 * j + 0] = fmaf(s.x, with_offset(part[4 * j + 0], offset[0]), acc[w][4 * j + 0]);
+            acc[w][4 * j + 1] = fmaf(s.y, with_offset(part[4 * j + 1], offset[0]), acc[w][4 * j + 1]);
+            acc[w][4 * j + 2] = fmaf(s.x, with_offset(part[4 * j + 2], offset[2]), acc[w][4 * j + 2]);
+            acc[w][4 * j + 3] = fmaf(s.y, with_offset(part[4 * j + 3], offset[2]), acc[w][4 * j + 3]);
           }
           if (!kEarlyFree && w == kWaves - 1) {
             fence_all(acc[w]);

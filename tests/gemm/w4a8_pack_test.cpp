@@ -161,6 +161,14 @@ TEST(W4A8Pack, TileChunksAreContiguous) {
               ASSERT_EQ(w4a8::panel_chunk(p0 + i, kb, KB, P), w4a8::panel_chunk(p0, kb, KB, P) + i)
                   << "N " << N << " KB " << KB << " panel " << p0 + i;
       }
+      // The producers' 32-bit form (w4a8::tile_chunks) names the same chunks.
+      for (std::int64_t p0 = 0; p0 < P; ++p0) {
+        const w4a8::TileChunks t = w4a8::tile_chunks(
+            static_cast<std::int32_t>(p0), static_cast<std::int32_t>(KB), static_cast<std::int32_t>(P));
+        for (std::int64_t kb = 0; kb < KB; ++kb)
+          ASSERT_EQ(t.first + kb * t.step, w4a8::panel_chunk(p0, kb, KB, P))
+              << "N " << N << " KB " << KB << " panel " << p0;
+      }
     }
   }
 }
