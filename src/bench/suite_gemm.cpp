@@ -708,6 +708,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
         v3.signed_codes == 1 && c.block_m == v3.block_m && c.block_n == v3.block_n && c.waves == v3.waves;
     if (!same && N % c.block_n == 0) signed_tiles.push_back(c);
   };
+  // (The tall tile, 256 x 128 with two 64-row waves per consumer: contiguous only.)
+  if (!s.masked) add_signed({.version = 3, .block_m = 256, .block_n = 128, .waves = 2, .signed_codes = 1});
   if (!s.masked || s.expected_m > 64) {
     add_signed({.version = 3, .block_m = 128, .block_n = 256, .waves = 2, .signed_codes = 1});
     add_signed({.version = 3, .block_m = 128, .block_n = 128, .waves = 1, .signed_codes = 1});
@@ -729,6 +731,10 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       cuda::W4A8KernelChoice c = v3;
       c.ablation = bits;
       variants.push_back({std::string(".w4a8.v3.ablate_") + label, c});
+      if (!s.masked && v3.block_m != 256 && (bits == 1 || bits == 5)) {
+        c = {.version = 3, .block_m = 256, .block_n = 128, .waves = 2, .ablation = bits, .signed_codes = 1};
+        variants.push_back({std::string(".w4a8.v3.s.m256n128w2.ablate_") + label, c});
+      }
       if ((bits & (2 | 4)) != 0) continue;  // v2: no proxy fence, no math ablation
       c = cuda::W4A8KernelChoice{2};
       c.ablation = bits;

@@ -422,6 +422,15 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
         cuda::w4a8_resolve_v3({.version = 3, .block_m = 128, .block_n = 256, .waves = 2}, false, 0, 4096);
       },
       "waves = 2, signed_codes = 0");
+  // The tall tile (256 x 128, two 64-row waves per consumer): its zeros filled, contiguous and signed
+  // only.
+  expect_v3(cuda::w4a8_resolve_v3({.version = 3, .block_m = 256, .signed_codes = 1}, false, 0, 4096), 256,
+            128, 2, 1);
+  expect_error_mentions(
+      [&] { cuda::w4a8_resolve_v3({.version = 3, .block_m = 256, .signed_codes = 1}, true, 200, 4096); },
+      "contiguous layout only");
+  expect_error_mentions([&] { cuda::w4a8_resolve_v3({.version = 3, .block_m = 256}, false, 0, 4096); },
+                        "signed_codes = 0");
 }
 
 TEST(W4A8Reference, MatchesADirectSum) {
