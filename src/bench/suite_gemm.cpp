@@ -656,7 +656,9 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     cuda::W4A8KernelChoice pin;
     cuda::W4A8GemmOptions options{};
   };
-  const cuda::W4A8KernelChoice chosen = cuda::w4a8_kernel_choice(s.masked, s.expected_m, N, K);
+  // (Contiguous: the API's hint is the average rows per group, padding included.)
+  const cuda::W4A8KernelChoice chosen =
+      cuda::w4a8_kernel_choice(s.masked, s.masked ? s.expected_m : rows_total / G, N, K);
   const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3(
       {.version = 3, .signed_codes = !s.masked || s.expected_m > 64 ? 1 : 0}, s.masked, s.expected_m, N);
   std::vector<W4A8Variant> variants{{".w4a8", chosen}};
@@ -704,8 +706,12 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   // 128 x 256 with two waves per consumer).
   std::vector<cuda::W4A8KernelChoice> signed_tiles;
   const auto add_signed = [&](const cuda::W4A8KernelChoice& c) {
-    const bool same =
-        v3.signed_codes == 1 && c.block_m == v3.block_m && c.block_n == v3.block_n && c.waves == v3.waves;
+    const auto is = [&](const cuda::W4A8KernelChoice& x) {
+      return x.version == 3 && x.signed_codes == 1 && c.block_m == x.block_m && c.block_n == x.block_n &&
+             c.waves == x.waves;
+    };
+    // (Listed unless it is the ".w4a8" line, or the ".w4a8.v3" line when that one is listed.)
+    const bool same = is(chosen) || (chosen.version != 3 && is(v3));
     if (!same && N % c.block_n == 0) signed_tiles.push_back(c);
   };
   // (The tall tile, 256 x 128 with two 64-row waves per consumer: contiguous only.)

@@ -96,7 +96,7 @@ struct Problem {
   std::int64_t a_rows;     // rows of A viewed as [a_rows, K]
   std::int64_t tile_rows;  // contiguous: M; masked: M_max
   std::int64_t schedule_groups;
-  std::int64_t expected_m;  // masked: the host hint; contiguous: 0
+  std::int64_t expected_m;  // masked: the host hint; contiguous: rows per group on average (M / groups)
   std::int32_t ablation;    // timing experiments (W4A8KernelChoice::ablation)
 };
 
@@ -476,6 +476,13 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
   // contiguous row (128 x 256 with two waves where N allows); the 64 x 256 masked tile (expected_m
   // 25..64) was 5-9% slower with it and keeps the codes' offset term (session 23, bench/NOTES.md).
   const bool signed_codes = !masked || expected_m > 64;
+  // Contiguous groups of >= 2048 rows on average: the tall tile (256 x 128; half the conversion per
+  // flop), 11-12% faster than 128 x 256 on the 8 x 4096 and 4 x 8192 rows. Smaller groups keep
+  // 128 x 256: a group starting at an odd 128-row block costs the tall tile two half tiles (32 x 1024:
+  // 9% slower at 4096 x 7168, 2% faster at 7168 x 2048; session 24, bench/NOTES.md).
+  if (!masked && expected_m >= 2048)
+    return resolve_v3(W4A8KernelChoice{.version = 3, .block_m = 256, .signed_codes = 1}, masked, expected_m,
+                      n);
   return resolve_v3(W4A8KernelChoice{.version = 3, .signed_codes = signed_codes ? 1 : 0}, masked, expected_m,
                     n);
 }
@@ -641,7 +648,7 @@ void w4a8_grouped_gemm_contiguous(TensorView a, float a_scale, TensorView a_scal
   problem.a_rows = M;
   problem.tile_rows = M;
   problem.schedule_groups = 1;
-  problem.expected_m = 0;
+  problem.expected_m = M / w.groups;  // (padding included: the kernel choice's hint)
   run(tile, a, problem, options, false, stream);
 }
 

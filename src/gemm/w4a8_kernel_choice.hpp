@@ -56,7 +56,8 @@ struct W4A8KernelChoice {
                            // (W4A8SmemTraits::kSigned); the only way to 128 x 256 with two waves
 };
 
-// The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved
+// The choice of an automatic call (masked: by expected_m; contiguous: by the average rows per group,
+// M / groups, padding included; n, k: the weight matrix), resolved
 // (version 3 with its tile, or version 2, whose tile w4a8_gemm_tile() picks).
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k);
 

@@ -606,6 +606,8 @@ INSTANTIATE_TEST_SUITE_P(
                        true,
                        kTall},
         ContiguousCase{"N1536_K2048_one_block_v3_tall_m256n128", {77}, 1536, 2048, 0, false, kTall},
+        // The automatic choice on groups of >= 2048 rows on average: the tall tile.
+        ContiguousCase{"N384_K384_large_groups_auto_tall", {2100, 2400}, 384, 384, 0, true, {}},
         // v2 (128 x 128) with the offset warp.
         ContiguousCase{"N7168_K2048_v2_offwarp", {150, 0, 64, 33}, 7168, 2048, 0, false, kOffsetWarp},
         ContiguousCase{
