@@ -35,7 +35,11 @@
 //     m64n8k32 against a constant tile of e4m3(-8 · 2^-9) (the codes' offset, the same for every
 //     column: -2^-6 Σ_k A[row, k]), then acc += s[n] · (part + offset[row]) with the two scales of
 //     each of the thread's column pairs (f32, never re-quantised weights); a_scale · 2^9 in the
-//     epilogue, 16-byte bf16 stores after a quad transpose, valid rows only.
+//     epilogue, 16-byte bf16 stores after a quad transpose, valid rows only;
+//   - the tall tile (kBM = 256, kBN = 128, signed, contiguous only): consumer c owns rows 128 c as two
+//     64-row waves against the same 128 converted columns, so each converted weight tile serves twice
+//     the activation rows (half the conversion per flop); W4A8Scheduler pairs 128-row blocks of one
+//     group, and a block whose pair partner is another group's runs alone (a half tile).
 #pragma once
 
 #include <algorithm>
