@@ -656,7 +656,9 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     cuda::W4A8KernelChoice pin;
     cuda::W4A8GemmOptions options{};
   };
-  const cuda::W4A8KernelChoice chosen = cuda::w4a8_kernel_choice(s.masked, s.expected_m, N, K);
+  // (Contiguous: the API's hint is the average rows per group, padding included.)
+  const cuda::W4A8KernelChoice chosen =
+      cuda::w4a8_kernel_choice(s.masked, s.masked ? s.expected_m : rows_total / G, N, K);
   const cuda::W4A8KernelChoice v3 = cuda::w4a8_resolve_v3(
       {.version = 3, .signed_codes = !s.masked || s.expected_m > 64 ? 1 : 0}, s.masked, s.expected_m, N);
   std::vector<W4A8Variant> variants{{".w4a8", chosen}};
@@ -704,10 +706,16 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   // 128 x 256 with two waves per consumer).
   std::vector<cuda::W4A8KernelChoice> signed_tiles;
   const auto add_signed = [&](const cuda::W4A8KernelChoice& c) {
-    const bool same =
-        v3.signed_codes == 1 && c.block_m == v3.block_m && c.block_n == v3.block_n && c.waves == v3.waves;
+    const auto is = [&](const cuda::W4A8KernelChoice& x) {
+      return x.version == 3 && x.signed_codes == 1 && c.block_m == x.block_m && c.block_n == x.block_n &&
+             c.waves == x.waves;
+    };
+    // (Listed unless it is the ".w4a8" line, or the ".w4a8.v3" line when that one is listed.)
+    const bool same = is(chosen) || (chosen.version != 3 && is(v3));
     if (!same && N % c.block_n == 0) signed_tiles.push_back(c);
   };
+  // (The tall tile, 256 x 128 with two 64-row waves per consumer: contiguous only.)
+  if (!s.masked) add_signed({.version = 3, .block_m = 256, .block_n = 128, .waves = 2, .signed_codes = 1});
   if (!s.masked || s.expected_m > 64) {
     add_signed({.version = 3, .block_m = 128, .block_n = 256, .waves = 2, .signed_codes = 1});
     add_signed({.version = 3, .block_m = 128, .block_n = 128, .waves = 1, .signed_codes = 1});
@@ -729,6 +737,10 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       cuda::W4A8KernelChoice c = v3;
       c.ablation = bits;
       variants.push_back({std::string(".w4a8.v3.ablate_") + label, c});
+      if (!s.masked && v3.block_m != 256 && (bits == 1 || bits == 5)) {
+        c = {.version = 3, .block_m = 256, .block_n = 128, .waves = 2, .ablation = bits, .signed_codes = 1};
+        variants.push_back({std::string(".w4a8.v3.s.m256n128w2.ablate_") + label, c});
+      }
       if ((bits & (2 | 4)) != 0) continue;  // v2: no proxy fence, no math ablation
       c = cuda::W4A8KernelChoice{2};
       c.ablation = bits;

@@ -96,7 +96,7 @@ struct Problem {
   std::int64_t a_rows;     // rows of A viewed as [a_rows, K]
   std::int64_t tile_rows;  // contiguous: M; masked: M_max
   std::int64_t schedule_groups;
-  std::int64_t expected_m;  // masked: the host hint; contiguous: 0
+  std::int64_t expected_m;  // masked: the host hint; contiguous: rows per group on average (M / groups)
   std::int32_t ablation;    // timing experiments (W4A8KernelChoice::ablation)
 };
 
@@ -234,6 +234,7 @@ void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& opti
       }
     }
   }
+  if (Traits::kTall) params.a_small_rows = 128;  // the half tiles (W4A8Scheduler's split pairs)
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, params.k, kBM);
   const CUtensorMap tma_a_small =
       params.a_small_rows > 0 ? make_tma_a(a.data, problem.a_rows, params.k, params.a_small_rows) : tma_a;
@@ -245,15 +246,21 @@ void launch_v3(const TensorView& a, Problem problem, const W4A8GemmOptions& opti
 // Fills the zeros of a version-3 choice and checks it.
 W4A8KernelChoice resolve_v3(W4A8KernelChoice c, bool masked, std::int64_t expected_m, std::int64_t n) {
   if (c.block_m == 0) c.block_m = masked && expected_m <= 64 ? 64 : 128;
-  if (c.block_n == 0) c.block_n = (c.block_m == 64 || c.signed_codes != 0) && n % 256 == 0 ? 256 : 128;
-  if (c.waves == 0) c.waves = c.signed_codes != 0 && c.block_n == 256 && c.block_m == 128 ? 2 : 1;
+  if (c.block_n == 0)
+    c.block_n = c.block_m != 256 && (c.block_m == 64 || c.signed_codes != 0) && n % 256 == 0 ? 256 : 128;
+  if (c.waves == 0)
+    c.waves = c.signed_codes != 0 && ((c.block_n == 256 && c.block_m == 128) || c.block_m == 256) ? 2 : 1;
   // (128 x 256 with two waves per consumer was retired with the offset-binary codes: its consumers
   // have no registers left for the offset term, bench/NOTES.md; the signed conversion has none.)
   const bool known = (c.block_m == 64 && c.waves == 1 && (c.block_n == 128 || c.block_n == 256)) ||
                      (c.block_m == 128 && c.block_n == 128 && c.waves == 1) ||
-                     (c.block_m == 128 && c.block_n == 256 && c.waves == 2 && c.signed_codes != 0);
+                     (c.block_m == 128 && c.block_n == 256 && c.waves == 2 && c.signed_codes != 0) ||
+                     (c.block_m == 256 && c.block_n == 128 && c.waves == 2 && c.signed_codes != 0);
   EPMOE_CHECK(known, "no W4A8 v3 kernel for block_m = {}, block_n = {}, waves = {}, signed_codes = {}",
               c.block_m, c.block_n, c.waves, c.signed_codes);
+  // (The tall tile's scheduler pairs the contiguous layout's 128-row blocks; masked groups have none.)
+  EPMOE_CHECK(c.block_m != 256 || !masked,
+              "the W4A8 v3 tile with block_m = 256 is for the contiguous layout only");
   EPMOE_CHECK(n % c.block_n == 0, "N = {} must be a multiple of {} for the W4A8 v3 tile", n, c.block_n);
   return c;
 }
@@ -265,6 +272,7 @@ void launch_v3(const W4A8KernelChoice& c, const TensorView& a, const Problem& pr
       if (c.block_n == 256) return launch_v3<64, 256, 1, true>(a, problem, options, stream);
       return launch_v3<64, 128, 1, true>(a, problem, options, stream);
     }
+    if (c.block_m == 256) return launch_v3<256, 128, 2, true>(a, problem, options, stream);
     if (c.block_n == 256) return launch_v3<128, 256, 2, true>(a, problem, options, stream);
     return launch_v3<128, 128, 1, true>(a, problem, options, stream);
   }
@@ -468,6 +476,13 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
   // contiguous row (128 x 256 with two waves where N allows); the 64 x 256 masked tile (expected_m
   // 25..64) was 5-9% slower with it and keeps the codes' offset term (session 23, bench/NOTES.md).
   const bool signed_codes = !masked || expected_m > 64;
+  // Contiguous groups of >= 2048 rows on average: the tall tile (256 x 128; half the conversion per
+  // flop), 11-12% faster than 128 x 256 on the 8 x 4096 and 4 x 8192 rows. Smaller groups keep
+  // 128 x 256: a group starting at an odd 128-row block costs the tall tile two half tiles (32 x 1024:
+  // 9% slower at 4096 x 7168, 2% faster at 7168 x 2048; session 24, bench/NOTES.md).
+  if (!masked && expected_m >= 2048)
+    return resolve_v3(W4A8KernelChoice{.version = 3, .block_m = 256, .signed_codes = 1}, masked, expected_m,
+                      n);
   return resolve_v3(W4A8KernelChoice{.version = 3, .signed_codes = signed_codes ? 1 : 0}, masked, expected_m,
                     n);
 }
@@ -633,7 +648,7 @@ void w4a8_grouped_gemm_contiguous(TensorView a, float a_scale, TensorView a_scal
   problem.a_rows = M;
   problem.tile_rows = M;
   problem.schedule_groups = 1;
-  problem.expected_m = 0;
+  problem.expected_m = M / w.groups;  // (padding included: the kernel choice's hint)
   run(tile, a, problem, options, false, stream);
 }
 

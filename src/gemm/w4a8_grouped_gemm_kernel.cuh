@@ -185,10 +185,62 @@ class W4A8Scheduler {
   }
 
   __device__ bool next(W4A8Tile& tile, const W4A8Params& p) {
+    // (256-row tiles are contiguous only: the host refuses them for the masked layout.)
+    if constexpr (kBM == 256) return next_contiguous_pairs(tile, p);
     return p.masked_m != nullptr ? next_masked(tile, p) : next_contiguous(tile, p);
   }
 
  private:
+  // The group of the 128-row block at row0: the largest id of its rows (-1: padding only), as the
+  // 128-row tiles take it.
+  __device__ std::int32_t block_group(const W4A8Params& p, std::int32_t row0) const {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    std::int32_t g = -1;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const std::int32_t row = row0 + i * 32 + lane;
+      if (row < p.rows) g = max(g, __ldg(p.m_indices + row));
+    }
+    return __reduce_max_sync(0xffffffffu, g);
+  }
+
+  // Contiguous, 256-row tiles (v3's tall tile): unit t is a pair of 128-row blocks. A pair whose two
+  // blocks belong to one group is one tile; otherwise each block with a group is a tile of its own
+  // (row_end - row0 <= 128: the consumers run one 64-row wave each), the second one on the next call.
+  // (Groups are padded to 128 rows, so a block never holds two groups' rows; a group starting at an
+  // odd block costs two half tiles instead of one.)
+  __device__ bool next_contiguous_pairs(W4A8Tile& tile, const W4A8Params& p) {
+    const std::int32_t n_tiles = p.n / kTileN;
+    for (;;) {
+      const bool second = second_pending_;
+      if (!second && t_ >= p.total_tiles) return false;
+      const std::int32_t t = second ? t_ - static_cast<std::int32_t>(gridDim.x) : t_;
+      if (second) {
+        second_pending_ = false;
+      } else {
+        t_ += static_cast<std::int32_t>(gridDim.x);
+      }
+      const std::int32_t m_pair = t / n_tiles;
+      const std::int32_t n_tile = t - m_pair * n_tiles;
+      const std::int32_t row0 = m_pair * 256, row1 = row0 + 128;
+      const std::int32_t g0 = block_group(p, row0), g1 = block_group(p, row1);
+      const bool ok0 = g0 >= 0 && g0 < p.groups, ok1 = g1 >= 0 && g1 < p.groups;
+      if (!second && ok0 && g0 == g1) {
+        tile = W4A8Tile{g0, n_tile, row0, p.rows};
+        return true;
+      }
+      if (!second && ok0) {
+        second_pending_ = ok1;
+        tile = W4A8Tile{g0, n_tile, row0, min(row1, p.rows)};
+        return true;
+      }
+      if (ok1) {
+        tile = W4A8Tile{g1, n_tile, row1, min(row1 + 128, p.rows)};
+        return true;
+      }
+    }
+  }
+
   // Contiguous: the weight tiles vary fastest, so the CTAs of one wave share a few activation blocks
   // and one group's weights.
   __device__ bool next_contiguous(W4A8Tile& tile, const W4A8Params& p) {
@@ -237,6 +289,7 @@ class W4A8Scheduler {
   }
 
   std::int32_t t_;
+  bool second_pending_ = false;  // (256-row contiguous tiles) the pair's second block is next
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
 };
 

@@ -7,7 +7,10 @@
 //   version 3: weights converted to e4m3 in shared memory (w4a8_smem_gemm_kernel.cuh; the automatic
 //              choice's 128-row tiles with signed_codes = 1 since session 23), tiles of
 //              block_m (64 or 128) activation rows x block_n (128 or 256) weight columns, each
-//              consumer warpgroup owning 64 rows x 128 waves columns; zeros pick by the heuristic.
+//              consumer warpgroup owning 64 rows x 128 waves columns; or the tall tile (block_m = 256,
+//              block_n = 128, waves = 2, signed_codes = 1, contiguous only: each consumer 128 rows as
+//              two 64-row waves; the automatic choice for groups of >= 2048 rows on average since
+//              session 24); zeros pick by the heuristic.
 //   offset_warp (version 2 only; bench/NOTES.md, W4A8 v5): the same kernel with the codes' offset
 //              term summed per stage by a producer-side warp (W4A8Traits::kOffsetWarp) instead of
 //              by the consumers (a constant-operand wgmma per K step for tiles of <= 32 rows, or
@@ -56,7 +59,8 @@ struct W4A8KernelChoice {
                            // (W4A8SmemTraits::kSigned); the only way to 128 x 256 with two waves
 };
 
-// The choice of an automatic call (masked: by expected_m; n, k: the weight matrix), resolved
+// The choice of an automatic call (masked: by expected_m; contiguous: by the average rows per group,
+// M / groups, padding included; n, k: the weight matrix), resolved
 // (version 3 with its tile, or version 2, whose tile w4a8_gemm_tile() picks).
 W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::int64_t n, std::int64_t k);
 

@@ -35,7 +35,11 @@
 //     m64n8k32 against a constant tile of e4m3(-8 · 2^-9) (the codes' offset, the same for every
 //     column: -2^-6 Σ_k A[row, k]), then acc += s[n] · (part + offset[row]) with the two scales of
 //     each of the thread's column pairs (f32, never re-quantised weights); a_scale · 2^9 in the
-//     epilogue, 16-byte bf16 stores after a quad transpose, valid rows only.
+//     epilogue, 16-byte bf16 stores after a quad transpose, valid rows only;
+//   - the tall tile (kBM = 256, kBN = 128, signed, contiguous only): consumer c owns rows 128 c as two
+//     64-row waves against the same 128 converted columns, so each converted weight tile serves twice
+//     the activation rows (half the conversion per flop); W4A8Scheduler pairs 128-row blocks of one
+//     group, and a block whose pair partner is another group's runs alone (a half tile).
 #pragma once
 
 #include <algorithm>
@@ -56,13 +60,22 @@ namespace epmoe::kernels {
 // the codes c · 2^-9, so the consumers have no offset term (no m64n8k32 per K step, no offset
 // registers, one FFMA per accumulator in the fold): the registers that lets 128 x 256 tiles keep two
 // 128-column waves per consumer.
+//
+// kBM = 256 (the tall tile, kBN = 128, signed only): each converted weight tile feeds 256 activation rows
+// instead of 128, so the conversion per flop halves; each of the two consumers owns 128 rows as two
+// 64-row waves over the same 128 columns (kWaves counts those), and a tile whose second 128 rows
+// are another group's (W4A8Scheduler's pairs) runs with one 64-row wave per consumer.
 template <int kBM, int kBN, int kWaves, bool kSigned = false>
 struct W4A8SmemTraits {
-  static_assert((kBM == 64 || kBM == 128) && (kBN == 128 || kBN == 256) && (kWaves == 1 || kWaves == 2));
-  static constexpr int kConsN = 128 * kWaves;  // weight columns per consumer
+  static constexpr bool kTall = kBM == 256;
+  static_assert(kTall ? (kBN == 128 && kWaves == 2 && kSigned)
+                      : ((kBM == 64 || kBM == 128) && (kBN == 128 || kBN == 256) &&
+                         (kWaves == 1 || kWaves == 2)));
+  static constexpr int kConsN = kTall ? 128 : 128 * kWaves;  // weight columns per consumer
   static_assert(kBN % kConsN == 0);
   static constexpr int kColGroups = kBN / kConsN;
-  static constexpr int kConsumers = (kBM / 64) * kColGroups;
+  static constexpr int kConsumers = kTall ? 2 : (kBM / 64) * kColGroups;
+  static constexpr int kConsRows = kTall ? 128 : 64;  // activation rows per consumer (full tiles)
   static constexpr int kThreads = 128 * (2 + kConsumers);
   static constexpr int kPanels = kBN / w4a8::kPanelRows;
   static constexpr int kABytes = kBM * w4a8::kBlockK;  // multiples of 1024 (swizzle atoms)
@@ -88,6 +101,7 @@ struct W4A8SmemTraits {
   // chunk arithmetic in 32 bits (in 64 it spilled at 32), the converter's 48 for its pipelined panel
   // loads (at 40 they spilled), the consumers' 216 for acc[2][64] + part[64] (208 spilled).
   static constexpr bool kTwoWaves = kWaves == 2;
+  // (The tall tile has the same split: its consumers also hold acc[2][64] + part[64].)
   static constexpr int kProducerRegs = kTwoWaves ? 32 : 40;
   static constexpr int kConverterRegs = kTwoWaves ? 48 : 56;
   static constexpr int kConsumerRegs = kConsumers == 1 ? 232 : (kTwoWaves ? 216 : 208);
@@ -190,8 +204,9 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
       while (scheduler.next(tile, p)) {
         // Masked tiles with few valid rows load only the first a_small_rows activation rows: the rest
         // of the tile in shared memory is stale and feeds only output rows that are never stored.
+        // (Also the tall tile's half tiles: 128 rows.)
         const std::int32_t rows_used = min(kBM, tile.row_end - tile.row0);
-        const bool small = p.masked_m != nullptr && rows_used <= p.a_small_rows;
+        const bool small = (p.masked_m != nullptr || Traits::kTall) && rows_used <= p.a_small_rows;
         const CUtensorMap* map = small ? &tma_a_small : &tma_a;
         const std::uint32_t bytes = small ? p.a_small_rows * w4a8::kBlockK : Traits::kABytes;
         // With the activations, the tile's kBN scales of the K block (one contiguous chunk, in the
@@ -274,15 +289,15 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
     // ------------------------------------------------------------ consumer warpgroups
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
     const int consumer = warp / 4 - 2;
-    const int row_block = consumer / Traits::kColGroups;                  // which 64 activation rows
-    const int col0 = (consumer % Traits::kColGroups) * Traits::kConsN;    // first weight column
-    const int row_in_tile = row_block * 64 + (warp % 4) * 16 + lane / 4;  // and + 8
+    const int row_block = consumer / Traits::kColGroups;                // which kConsRows activation rows
+    const int col0 = (consumer % Traits::kColGroups) * Traits::kConsN;  // first weight column
+    const int row_in_wave = (warp % 4) * 16 + lane / 4;                 // and + 8
     const int q = lane % 4;
     const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
     W4A8Pipe pipe;
     // wgmma descriptors of stage 0 (low words; the high word is constant): this consumer's 64 rows of
     // A and first weight column of B.
-    const std::uint32_t a_desc0 = ptx::wgmma_desc_sw128_lo(smem_a + row_block * 64 * w4a8::kBlockK);
+    const std::uint32_t a_desc_tile0 = ptx::wgmma_desc_sw128_lo(smem_a);
     const std::uint32_t b_desc0 = ptx::wgmma_desc_sw128_lo(smem_b + col0 * w4a8::kBlockK);
     float acc[kWaves][64];
     float part[64];
@@ -297,12 +312,23 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[w][i] = 0.0f;
       }
-      const std::int32_t row_a = tile.row0 + row_in_tile, row_b = row_a + 8;
-      bool valid_a = row_a < tile.row_end, valid_b = row_b < tile.row_end;
-      if (p.m_indices != nullptr) {
-        valid_a = valid_a && __ldg(p.m_indices + row_a) == tile.group;
-        valid_b = valid_b && __ldg(p.m_indices + row_b) == tile.group;
-      }
+      // The tall tile's half tiles (at most 128 rows): one stored 64-row wave per consumer.
+      const bool two_m = Traits::kTall && tile.row_end - tile.row0 > 128;
+      // This consumer's first activation row in the tile; wave w's (tall) is 64 w further.
+      const int cons_row0 = Traits::kTall && !two_m ? 64 * consumer : row_block * Traits::kConsRows;
+      const std::uint32_t a_desc0 =
+          a_desc_tile0 + static_cast<std::uint32_t>((cons_row0 * w4a8::kBlockK) >> 4);
+      // Rows row_a and row_b = row_a + 8 of the wave starting at tile row r0: valid and of this group.
+      const auto wave_rows = [&](int r0, std::int32_t& row_a, bool& valid_a, bool& valid_b) {
+        row_a = tile.row0 + r0 + row_in_wave;
+        const std::int32_t row_b = row_a + 8;
+        valid_a = row_a < tile.row_end;
+        valid_b = row_b < tile.row_end;
+        if (p.m_indices != nullptr) {
+          valid_a = valid_a && __ldg(p.m_indices + row_a) == tile.group;
+          valid_b = valid_b && __ldg(p.m_indices + row_b) == tile.group;
+        }
+      };
 
       for (std::int32_t kb = 0; kb < num_kb; ++kb) {
         const int stage = pipe.stage;
@@ -337,9 +363,12 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
           }
 #pragma unroll
           for (int kk = 0; kk < w4a8::kBlockK / 32; ++kk) {
-            ptx::wgmma_m64n128k32_e4m3(
-                part, ptx::wgmma_desc_from_lo(a_desc + kk * (32 >> 4)),
-                ptx::wgmma_desc_from_lo(b_desc + ((w * 128 * w4a8::kBlockK + kk * 32) >> 4)), kk > 0);
+            // (Tall: wave w is the next 64 rows of A against the same columns; else the next 128
+            // columns of B against the same rows.)
+            constexpr int kAWave = Traits::kTall ? (w * 64 * w4a8::kBlockK) >> 4 : 0;
+            constexpr int kBWave = Traits::kTall ? 0 : (w * 128 * w4a8::kBlockK) >> 4;
+            ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_from_lo(a_desc + kAWave + kk * (32 >> 4)),
+                                       ptx::wgmma_desc_from_lo(b_desc + kBWave + kk * (32 >> 4)), kk > 0);
           }
           ptx::wgmma_commit();
           ptx::wgmma_wait<0>();
@@ -349,8 +378,9 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
           // all read before the stage is given back (32 registers); with two the last wave frees
           // the stage after its promotion, unless the scales stay packed (kSigned: 16 registers).
           constexpr bool kEarlyFree = kWaves == 1 || (kSigned && w == kWaves - 1);
-          // (Plain loads, which the compiler may interleave with the promotion.)
-          const std::uint32_t* sc = scale_ptr + 64 * w;
+          // (Plain loads, which the compiler may interleave with the promotion. Tall: both waves
+          // have the same columns.)
+          const std::uint32_t* sc = scale_ptr + (Traits::kTall ? 0 : 64 * w);
           // (Signed: the bf16 pairs stay packed until their FFMAs, 16 registers instead of 32: the
           // two-wave consumers have none to spare.)
           [[maybe_unused]] float2 scv[kSigned ? 1 : 16];
@@ -397,18 +427,27 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
           }
         };
         wave(std::integral_constant<int, 0>{});
-        if constexpr (kWaves == 2) wave(std::integral_constant<int, 1>{});
+        if constexpr (kWaves == 2) {
+          // (A tall half tile runs its second wave too, on rows it does not store: a run-time
+          // condition here cost ~26 spilled registers in the consumers.)
+          wave(std::integral_constant<int, 1>{});
+        }
         pipe.advance(conv_stages);
       }
 
       // Epilogue: a_scale, bf16, 16-byte stores of valid rows (as the FP8 kernel's).
       const auto store_wave = [&](auto wc) {
         constexpr int w = decltype(wc)::value;
-        store_wave_bf16<true>(acc[w], a_scale, p.d + tile.n_tile * kBN + col0 + w * 128, row_a, row_b,
-                              valid_a, valid_b, p.n, lane);
+        std::int32_t row_a;
+        bool valid_a, valid_b;
+        wave_rows(cons_row0 + (Traits::kTall ? 64 * w : 0), row_a, valid_a, valid_b);
+        store_wave_bf16<true>(acc[w], a_scale, p.d + tile.n_tile * kBN + col0 + (Traits::kTall ? 0 : w * 128),
+                              row_a, row_a + 8, valid_a, valid_b, p.n, lane);
       };
       store_wave(std::integral_constant<int, 0>{});
-      if constexpr (kWaves == 2) store_wave(std::integral_constant<int, 1>{});
+      if constexpr (kWaves == 2) {
+        if (!Traits::kTall || two_m) store_wave(std::integral_constant<int, 1>{});
+      }
     }
   }
 }

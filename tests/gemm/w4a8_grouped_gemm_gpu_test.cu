@@ -122,6 +122,9 @@ constexpr cuda::W4A8KernelChoice kSigned256{
     .version = 3, .block_m = 128, .block_n = 256, .waves = 2, .signed_codes = 1};
 constexpr cuda::W4A8KernelChoice kSigned128{
     .version = 3, .block_m = 128, .block_n = 128, .waves = 1, .signed_codes = 1};
+// The tall tile: 256 activation rows x 128 columns (two 64-row waves per consumer), contiguous only.
+constexpr cuda::W4A8KernelChoice kTall{
+    .version = 3, .block_m = 256, .block_n = 128, .waves = 2, .signed_codes = 1};
 // Two partials on the 32-row four-consumer tile, with one and two K blocks per stage.
 constexpr cuda::W4A8KernelChoice kP2{.version = 2, .parts = 2};
 constexpr cuda::W4A8KernelChoice kK2P2{.version = 2, .stage_k_blocks = 2, .parts = 2};
@@ -590,6 +593,21 @@ INSTANTIATE_TEST_SUITE_P(
                        kSigned256},
         ContiguousCase{
             "N640_K2048_holes_v3_signed_m128n128", {5, 17, 0, 128, 1, 90}, 640, 2048, 1, true, kSigned128},
+        // The tall tile (256 x 128): pairs of 128-row blocks of one group, pairs split between two
+        // groups (half tiles), an empty group, a group of one block, a last pair of one block,
+        // padding blocks, holes, both K and odd K-block counts.
+        ContiguousCase{"N4096_K7168_v3_tall_m256n128", {300, 0, 520, 129}, 4096, 7168, 1, false, kTall},
+        ContiguousCase{"N7168_K2048_v3_tall_m256n128", {150, 0, 64, 33, 255}, 7168, 2048, 0, false, kTall},
+        ContiguousCase{"N640_K1152_odd_k_blocks_holes_v3_tall_m256n128",
+                       {5, 130, 0, 33, 260},
+                       640,
+                       1152,
+                       1,
+                       true,
+                       kTall},
+        ContiguousCase{"N1536_K2048_one_block_v3_tall_m256n128", {77}, 1536, 2048, 0, false, kTall},
+        // The automatic choice on groups of >= 2048 rows on average: the tall tile.
+        ContiguousCase{"N384_K384_large_groups_auto_tall", {2100, 2400}, 384, 384, 0, true, {}},
         // v2 (128 x 128) with the offset warp.
         ContiguousCase{"N7168_K2048_v2_offwarp", {150, 0, 64, 33}, 7168, 2048, 0, false, kOffsetWarp},
         ContiguousCase{

@@ -411,6 +411,11 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   };
   expect_v3(cuda::w4a8_kernel_choice(false, 0, 4096, 7168), 128, 256, 2, 1);
   expect_v3(cuda::w4a8_kernel_choice(false, 0, 640, 2048), 128, 128, 1, 1);
+  // Contiguous groups of >= 2048 rows on average (the hint: M / groups): the tall tile.
+  expect_v3(cuda::w4a8_kernel_choice(false, 1024, 4096, 7168), 128, 256, 2, 1);
+  expect_v3(cuda::w4a8_kernel_choice(false, 2048, 4096, 7168), 256, 128, 2, 1);
+  expect_v3(cuda::w4a8_kernel_choice(false, 4096, 7168, 2048), 256, 128, 2, 1);
+  expect_v3(cuda::w4a8_kernel_choice(true, 4096, 7168, 2048), 128, 256, 2, 1);
   expect_v3(cuda::w4a8_kernel_choice(true, 40, 4096, 7168), 64, 256, 1, 0);
   expect_v3(cuda::w4a8_kernel_choice(true, 128, 7168, 2048), 128, 256, 2, 1);
   // The signed conversion is v3's only.
@@ -422,6 +427,15 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
         cuda::w4a8_resolve_v3({.version = 3, .block_m = 128, .block_n = 256, .waves = 2}, false, 0, 4096);
       },
       "waves = 2, signed_codes = 0");
+  // The tall tile (256 x 128, two 64-row waves per consumer): its zeros filled, contiguous and signed
+  // only.
+  expect_v3(cuda::w4a8_resolve_v3({.version = 3, .block_m = 256, .signed_codes = 1}, false, 0, 4096), 256,
+            128, 2, 1);
+  expect_error_mentions(
+      [&] { cuda::w4a8_resolve_v3({.version = 3, .block_m = 256, .signed_codes = 1}, true, 200, 4096); },
+      "contiguous layout only");
+  expect_error_mentions([&] { cuda::w4a8_resolve_v3({.version = 3, .block_m = 256}, false, 0, 4096); },
+                        "signed_codes = 0");
 }
 
 TEST(W4A8Reference, MatchesADirectSum) {
