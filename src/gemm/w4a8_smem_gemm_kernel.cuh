@@ -76,6 +76,9 @@ struct W4A8SmemTraits {
   static constexpr int kColGroups = kBN / kConsN;
   static constexpr int kConsumers = kTall ? 2 : (kBM / 64) * kColGroups;
   static constexpr int kConsRows = kTall ? 128 : 64;  // activation rows per consumer (full tiles)
+  // Scale pairs (of 16) each wave reads before its wgmma wait: the most without spills (ptxas: 14 spill
+  // 20 bytes in the tall tile; the 128 x 256 two-wave tile spills with any).
+  static constexpr int kEarlyPairs = kTall ? 12 : 0;
   static constexpr int kThreads = 128 * (2 + kConsumers);
   static constexpr int kPanels = kBN / w4a8::kPanelRows;
   static constexpr int kABytes = kBM * w4a8::kBlockK;  // multiples of 1024 (swizzle atoms)
@@ -371,6 +374,16 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
                                        ptx::wgmma_desc_from_lo(b_desc + kBWave + kk * (32 >> 4)), kk > 0);
           }
           ptx::wgmma_commit();
+          // The first kEarlyPairs scale pairs are read while the wave's wgmma runs (their latency was on
+          // the fold's path: ncu, session 24); as many as the registers allow.
+          constexpr int kEarly = Traits::kEarlyPairs;
+          [[maybe_unused]] std::uint32_t early_pairs[kEarly > 0 ? kEarly : 1];
+#pragma unroll
+          for (int j = 0; j < kEarly; ++j) {
+            early_pairs[j] = static_cast<std::uint32_t>(ptx::ld_shared_s32(
+                smem_cs + stage * Traits::kCScaleBytes + w4a8::kScaleBytes * (col0 + 2 * q) +
+                (Traits::kTall ? 0 : 256 * w) + 16 * j));
+          }
           ptx::wgmma_wait<0>();
           fence_all(part);
           if constexpr (w == 0 && !kSigned) fence_all(offset);
@@ -387,7 +400,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
           [[maybe_unused]] std::uint32_t pairs[kSigned ? 16 : 1];
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
-            const std::uint32_t pair = sc[4 * j];
+            const std::uint32_t pair = j < kEarly ? early_pairs[j < kEarly ? j : 0] : sc[4 * j];
             if constexpr (kSigned) {
               pairs[j] = pair;
             } else {
