@@ -690,6 +690,10 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     if (s.expected_m > 12) add_v2({.version = 2, .parts = 2, .row_sums = 1});
   }
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
+  // A v3 tile's line name: "m<rows>n<cols>w<waves>".
+  const auto tile_name = [](const cuda::W4A8KernelChoice& c) {
+    return "m" + std::to_string(c.block_m) + "n" + std::to_string(c.block_n) + "w" + std::to_string(c.waves);
+  };
   // v3's tiles with the offset-binary codes (the default before session 23), for comparison.
   for (const cuda::W4A8KernelChoice c :
        {cuda::W4A8KernelChoice{3, 64, 256, 1}, cuda::W4A8KernelChoice{3, 64, 128, 1},
@@ -697,14 +701,10 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     if (v3.signed_codes == 0 && c.block_m == v3.block_m && c.block_n == v3.block_n) continue;
     const bool near = s.masked && s.expected_m <= 24 ? c.block_m == 64
                                                      : (c.block_m == 128 || (s.masked && s.expected_m <= 64));
-    if (near && N % c.block_n == 0)
-      variants.push_back({".w4a8.v3.m" + std::to_string(c.block_m) + "n" + std::to_string(c.block_n) + "w" +
-                              std::to_string(c.waves),
-                          c});
+    if (near && N % c.block_n == 0) variants.push_back({".w4a8.v3." + tile_name(c), c});
   }
   // v3's other tiles with the signed conversion (".w4a8.v3.s.m<rows>n<cols>w<waves>": no offset term;
-  // 128 x 256 with two waves per consumer).
-  std::vector<cuda::W4A8KernelChoice> signed_tiles;
+  // 128 x 256 with two waves per consumer, and the tall tile).
   const auto add_signed = [&](const cuda::W4A8KernelChoice& c) {
     const auto is = [&](const cuda::W4A8KernelChoice& x) {
       return x.version == 3 && x.signed_codes == 1 && c.block_m == x.block_m && c.block_n == x.block_n &&
@@ -712,7 +712,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     };
     // (Listed unless it is the ".w4a8" line, or the ".w4a8.v3" line when that one is listed.)
     const bool same = is(chosen) || (chosen.version != 3 && is(v3));
-    if (!same && N % c.block_n == 0) signed_tiles.push_back(c);
+    if (!same && N % c.block_n == 0) variants.push_back({".w4a8.v3.s." + tile_name(c), c});
   };
   // (The tall tile, 256 x 128 with two 64-row waves per consumer: contiguous only.)
   if (!s.masked) add_signed({.version = 3, .block_m = 256, .block_n = 128, .waves = 2, .signed_codes = 1});
@@ -723,11 +723,6 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     add_signed({.version = 3, .block_m = 64, .block_n = 256, .waves = 1, .signed_codes = 1});
     add_signed({.version = 3, .block_m = 64, .block_n = 128, .waves = 1, .signed_codes = 1});
   }
-  const auto signed_suffix = [](const cuda::W4A8KernelChoice& c) {
-    return ".w4a8.v3.s.m" + std::to_string(c.block_m) + "n" + std::to_string(c.block_n) + "w" +
-           std::to_string(c.waves);
-  };
-  for (const cuda::W4A8KernelChoice& c : signed_tiles) variants.push_back({signed_suffix(c), c});
   // EPMOE_BENCH_GEMM_EXPERIMENTS: v2 and v3 ablations on the experiment shapes (garbage output,
   // timing only; v3 = its default, the signed conversion).
   if (experiment) {
@@ -737,9 +732,9 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       cuda::W4A8KernelChoice c = v3;
       c.ablation = bits;
       variants.push_back({std::string(".w4a8.v3.ablate_") + label, c});
-      if (!s.masked && v3.block_m != 256 && (bits == 1 || bits == 5)) {
+      if (!s.masked && (bits == 1 || bits == 5)) {
         c = {.version = 3, .block_m = 256, .block_n = 128, .waves = 2, .ablation = bits, .signed_codes = 1};
-        variants.push_back({std::string(".w4a8.v3.s.m256n128w2.ablate_") + label, c});
+        variants.push_back({".w4a8.v3.s." + tile_name(c) + ".ablate_" + label, c});
       }
       if ((bits & (2 | 4)) != 0) continue;  // v2: no proxy fence, no math ablation
       c = cuda::W4A8KernelChoice{2};

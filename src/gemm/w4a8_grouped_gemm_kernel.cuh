@@ -191,22 +191,23 @@ class W4A8Scheduler {
   }
 
  private:
-  // The group of the 128-row block at row0: the largest id of its rows (-1: padding only), as the
-  // 128-row tiles take it.
+  // The group of the kRows-row block at row0 (contiguous layout): the largest id of its rows (-1:
+  // padding only). Warp-collective.
+  template <int kRows>
   __device__ std::int32_t block_group(const W4A8Params& p, std::int32_t row0) const {
     const int lane = static_cast<int>(threadIdx.x % 32);
     std::int32_t g = -1;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i * 32 < kRows; ++i) {
       const std::int32_t row = row0 + i * 32 + lane;
-      if (row < p.rows) g = max(g, __ldg(p.m_indices + row));
+      if (i * 32 + lane < kRows && row < p.rows) g = max(g, __ldg(p.m_indices + row));
     }
     return __reduce_max_sync(0xffffffffu, g);
   }
 
   // Contiguous, 256-row tiles (v3's tall tile): unit t is a pair of 128-row blocks. A pair whose two
   // blocks belong to one group is one tile; otherwise each block with a group is a tile of its own
-  // (row_end - row0 <= 128: the consumers run one 64-row wave each), the second one on the next call.
+  // (row_end - row0 <= 128: the consumers store one 64-row wave each), the second one on the next call.
   // (Groups are padded to 128 rows, so a block never holds two groups' rows; a group starting at an
   // odd block costs two half tiles instead of one.)
   __device__ bool next_contiguous_pairs(W4A8Tile& tile, const W4A8Params& p) {
@@ -223,7 +224,7 @@ class W4A8Scheduler {
       const std::int32_t m_pair = t / n_tiles;
       const std::int32_t n_tile = t - m_pair * n_tiles;
       const std::int32_t row0 = m_pair * 256, row1 = row0 + 128;
-      const std::int32_t g0 = block_group(p, row0), g1 = block_group(p, row1);
+      const std::int32_t g0 = block_group<128>(p, row0), g1 = block_group<128>(p, row1);
       const bool ok0 = g0 >= 0 && g0 < p.groups, ok1 = g1 >= 0 && g1 < p.groups;
       if (!second && ok0 && g0 == g1) {
         tile = W4A8Tile{g0, n_tile, row0, p.rows};
@@ -244,20 +245,13 @@ class W4A8Scheduler {
   // Contiguous: the weight tiles vary fastest, so the CTAs of one wave share a few activation blocks
   // and one group's weights.
   __device__ bool next_contiguous(W4A8Tile& tile, const W4A8Params& p) {
-    const int lane = static_cast<int>(threadIdx.x % 32);
     const std::int32_t n_tiles = p.n / kTileN;
     while (t_ < p.total_tiles) {
       const std::int32_t t = t_;
       t_ += static_cast<std::int32_t>(gridDim.x);
       const std::int32_t m_block = t / n_tiles;
       const std::int32_t row0 = m_block * kBM;
-      std::int32_t g = -1;
-#pragma unroll
-      for (int i = 0; i * 32 < kBM; ++i) {
-        const std::int32_t row = row0 + i * 32 + lane;
-        if (i * 32 + lane < kBM && row < p.rows) g = max(g, __ldg(p.m_indices + row));
-      }
-      g = __reduce_max_sync(0xffffffffu, g);
+      const std::int32_t g = block_group<kBM>(p, row0);
       if (g < 0 || g >= p.groups) continue;  // padding only (or ids out of range): nothing to do
       tile = W4A8Tile{g, t - m_block * n_tiles, row0, p.rows};
       return true;

@@ -44,9 +44,10 @@ namespace epmoe::cuda {
 
 struct W4A8KernelChoice {
   int version = 0;         // 0: the heuristic; 2 or 3
-  int block_m = 0;         // version 3 only: 64 or 128 (0: heuristic)
+  int block_m = 0;         // version 3 only: 64, 128 or 256 (the tall tile; 0: heuristic)
   int block_n = 0;         // 128 or 256
-  int waves = 0;           // 128-column waves per consumer: 1, or 2 (128 x 256 with signed_codes only)
+  int waves = 0;           // waves per consumer: 1, or 2 (signed_codes only: 128 x 256's two 128-column
+                           // waves, or the tall tile's two 64-row waves)
   int ablation = 0;        // timing experiments only (garbage output): bits 1 no conversion, 2 no proxy
                            // fence (v3), 4 no wgmma / promotion (v3), 8 no weight loads; 16 (v2; the
                            // output is right): per-CTA stamps (w4a8_take_cta_trace)

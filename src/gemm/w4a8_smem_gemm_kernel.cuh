@@ -298,8 +298,8 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
     const int q = lane % 4;
     const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
     W4A8Pipe pipe;
-    // wgmma descriptors of stage 0 (low words; the high word is constant): this consumer's 64 rows of
-    // A and first weight column of B.
+    // wgmma descriptors of stage 0 (low words; the high word is constant): the activation tile (each
+    // tile adds this consumer's first row) and this consumer's first weight column.
     const std::uint32_t a_desc_tile0 = ptx::wgmma_desc_sw128_lo(smem_a);
     const std::uint32_t b_desc0 = ptx::wgmma_desc_sw128_lo(smem_b + col0 * w4a8::kBlockK);
     float acc[kWaves][64];
@@ -344,10 +344,12 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
         // The stage's descriptors: one 32-bit add from the first stage's (ptx::wgmma_desc_sw128_lo).
         const std::uint32_t a_desc = a_desc0 + static_cast<std::uint32_t>(stage) * (Traits::kABytes >> 4);
         const std::uint32_t b_desc = b_desc0 + static_cast<std::uint32_t>(stage) * (Traits::kBBytes >> 4);
-        // The scales as bf16 pairs: word i holds columns 2 i (low half) and 2 i + 1.
-        const auto* scale_ptr = reinterpret_cast<const std::uint32_t*>(
-            smem_raw + (smem_cs - ptx::smem_addr(smem_raw)) + stage * Traits::kCScaleBytes +
-            w4a8::kScaleBytes * (col0 + 2 * q));
+        // The scales as bf16 pairs: word i holds columns 2 i (low half) and 2 i + 1; this thread's
+        // first pair, as a shared address and as a pointer.
+        const std::uint32_t scale_addr =
+            smem_cs + stage * Traits::kCScaleBytes + w4a8::kScaleBytes * (col0 + 2 * q);
+        const auto* scale_ptr =
+            reinterpret_cast<const std::uint32_t*>(smem_raw + (scale_addr - ptx::smem_addr(smem_raw)));
         // (A generic lambda per wave, so that acc[w] is always indexed by a constant.)
         const auto wave = [&](auto wc) {
           constexpr int w = decltype(wc)::value;
@@ -374,15 +376,16 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
                                        ptx::wgmma_desc_from_lo(b_desc + kBWave + kk * (32 >> 4)), kk > 0);
           }
           ptx::wgmma_commit();
+          // This wave's scales: its 128 columns' (tall: both waves have the same columns).
+          constexpr int kWaveScaleBytes = Traits::kTall ? 0 : w * 128 * w4a8::kScaleBytes;
           // The first kEarlyPairs scale pairs are read while the wave's wgmma runs (their latency was on
           // the fold's path: ncu, session 24); as many as the registers allow.
           constexpr int kEarly = Traits::kEarlyPairs;
           [[maybe_unused]] std::uint32_t early_pairs[kEarly > 0 ? kEarly : 1];
 #pragma unroll
           for (int j = 0; j < kEarly; ++j) {
-            early_pairs[j] = static_cast<std::uint32_t>(ptx::ld_shared_s32(
-                smem_cs + stage * Traits::kCScaleBytes + w4a8::kScaleBytes * (col0 + 2 * q) +
-                (Traits::kTall ? 0 : 256 * w) + 16 * j));
+            early_pairs[j] =
+                static_cast<std::uint32_t>(ptx::ld_shared_s32(scale_addr + kWaveScaleBytes + 16 * j));
           }
           ptx::wgmma_wait<0>();
           fence_all(part);
@@ -391,9 +394,8 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
           // all read before the stage is given back (32 registers); with two the last wave frees
           // the stage after its promotion, unless the scales stay packed (kSigned: 16 registers).
           constexpr bool kEarlyFree = kWaves == 1 || (kSigned && w == kWaves - 1);
-          // (Plain loads, which the compiler may interleave with the promotion. Tall: both waves
-          // have the same columns.)
-          const std::uint32_t* sc = scale_ptr + (Traits::kTall ? 0 : 64 * w);
+          // (Plain loads, which the compiler may interleave with the promotion.)
+          const std::uint32_t* sc = scale_ptr + kWaveScaleBytes / 4;
           // (Signed: the bf16 pairs stay packed until their FFMAs, 16 registers instead of 32: the
           // two-wave consumers have none to spare.)
           [[maybe_unused]] float2 scv[kSigned ? 1 : 16];

@@ -330,15 +330,18 @@ TEST(W4A8Pack, RefusesBadArguments) {
   const HostTensor s_bad(DType::f32, {2, 128, 4});
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_bad, pw, ps); },
                         "w_scales must have shape");
-  HostTensor s_nan(DType::f32, {2, 128, 2});
-  std::memset(s_nan.view().data, 0, s_nan.nbytes());
-  s_nan.data<float>()[5] = std::nanf("");
+  // Zero scales but for one value.
+  const auto scales_with = [](std::int64_t i, float v) {
+    HostTensor t(DType::f32, {2, 128, 2});
+    std::memset(t.view().data, 0, t.nbytes());
+    t.data<float>()[i] = v;
+    return t;
+  };
+  const HostTensor s_nan = scales_with(5, std::nanf(""));
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_nan, pw, ps); },
                         "w_scales[5] = nan must be finite");
   // Finite as f32, infinite once rounded to the packed bf16.
-  HostTensor s_big(DType::f32, {2, 128, 2});
-  std::memset(s_big.view().data, 0, s_big.nbytes());
-  s_big.data<float>()[3] = 3.4e38f;
+  const HostTensor s_big = scales_with(3, 3.4e38f);
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_big, pw, ps); },
                         "w_scales[3] = 3.4e+38 must be finite as bf16");
   const HostTensor ps_f32(DType::f32, {2, 128, 2});
