@@ -689,6 +689,14 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     add_v2({.version = 2, .stage_k_blocks = 2, .row_sums = 1});
     if (s.expected_m > 12) add_v2({.version = 2, .parts = 2, .row_sums = 1});
   }
+  // v2 with signed codes (".w4a8.v2.s.m<rows>": no offset term): the wide tile (256 activation rows
+  // as two waves against each converted weight block; contiguous only) and 128 x 128.
+  for (const int block_m : {256, 128}) {
+    const cuda::W4A8KernelChoice c{.version = 2, .block_m = block_m, .signed_codes = 1};
+    const bool same = chosen.version == 2 && chosen.signed_codes == 1 && chosen.block_m == block_m;
+    if (!same && (!s.masked || (block_m == 128 && s.expected_m > 64)) && N % 128 == 0)
+      variants.push_back({".w4a8.v2.s.m" + std::to_string(block_m), c});
+  }
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   // A v3 tile's line name: "m<rows>n<cols>w<waves>".
   const auto tile_name = [](const cuda::W4A8KernelChoice& c) {
@@ -794,7 +802,10 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     p["parts"] = static_cast<std::int64_t>(ran.parts);
     p["row_sums"] = static_cast<std::int64_t>(ran.row_sums);
     p["signed_codes"] = static_cast<std::int64_t>(ran.signed_codes);
-    if (ran.version == 3) {
+    if (ran.version == 2 && ran.signed_codes == 1) {
+      p["block_m"] = static_cast<std::int64_t>(ran.block_m);
+      p["block_n"] = std::int64_t{128};
+    } else if (ran.version == 3) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = static_cast<std::int64_t>(ran.block_n);
       p["waves"] = static_cast<std::int64_t>(ran.waves);

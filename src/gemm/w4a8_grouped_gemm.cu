@@ -204,6 +204,28 @@ void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& p
   }
 }
 
+// The register-operand kernel with signed codes (W4A8KernelChoice::signed_codes with version 2):
+// 128-row tiles, or the wide tile (256 activation rows, two waves; contiguous only).
+void launch_v2_signed(int block_m, const TensorView& a, const Problem& problem,
+                      const W4A8GemmOptions& options, cudaStream_t stream) {
+  constexpr int kNone = kernels::kW4OffsetNone;
+  if (block_m == 256) return launch<256, 2, kNone, 1>(a, problem, options, stream);
+  launch<128, 2, kNone, 1>(a, problem, options, stream);
+}
+
+// Fills the zeros of a version-2 signed choice (the wide tile for contiguous calls) and checks it.
+W4A8KernelChoice resolve_v2_signed(W4A8KernelChoice c, bool masked, std::int64_t n) {
+  if (c.block_m == 0) c.block_m = masked ? 128 : 256;
+  EPMOE_CHECK(c.block_m == 128 || c.block_m == 256,
+              "the W4A8 register-operand kernel with signed codes has block_m = 128 or 256, got {}",
+              c.block_m);
+  // (The wide tile's scheduler pairs the contiguous layout's 128-row blocks; masked groups have none.)
+  EPMOE_CHECK(c.block_m != 256 || !masked,
+              "the W4A8 v2 tile with block_m = 256 is for the contiguous layout only");
+  EPMOE_CHECK(n % 128 == 0, "N = {} must be a multiple of 128 for the W4A8 v2 signed tiles", n);
+  return c;
+}
+
 // The offset term's row sums for a masked problem (kOffsetSums) into options.workspace.
 void launch_row_sums(const TensorView& a, const Problem& problem, float* sums, std::int32_t sums_rows,
                      cudaStream_t stream) {
@@ -309,6 +331,8 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   with.ablation = c.ablation;
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
+  if (c.signed_codes != 0)
+    return launch_v2_signed(resolve_v2_signed(c, masked, problem.params.n).block_m, a, with, options, stream);
   constexpr int kWgmma = kernels::kW4OffsetWgmma, kWarp = kernels::kW4OffsetWarp;
   if (c.offset_warp != 0) {
     if (c.stage_k_blocks == 2) return launch<kWarp, 2>(tile, c.parts, a, with, options, stream);
@@ -525,10 +549,17 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
       "W4A8 row_sums must be 0, or 1 with version 2 and no offset warp, got {} with version {} and "
       "offset_warp {}",
       choice.row_sums, choice.version, choice.offset_warp);
-  // (v2's decode tiles with the signed conversion were 4-7% slower than their defaults, session 23.)
-  EPMOE_CHECK(choice.signed_codes == 0 || (choice.signed_codes == 1 && choice.version == 3),
-              "W4A8 signed_codes must be 0, or 1 with version 3, got {} with version {}", choice.signed_codes,
-              choice.version);
+  // (v2's decode tiles with the signed conversion were 4-7% slower than their defaults, session 23: v2
+  // has it on its 128- and 256-row tiles only.)
+  EPMOE_CHECK(choice.signed_codes == 0 ||
+                  (choice.signed_codes == 1 &&
+                   (choice.version == 3 ||
+                    (choice.version == 2 && choice.offset_warp == 0 && choice.row_sums == 0 &&
+                     choice.parts <= 1 && choice.stage_k_blocks <= 1 &&
+                     (choice.block_m == 0 || choice.block_m == 128 || choice.block_m == 256)))),
+              "W4A8 signed_codes must be 0, or 1 with version 3, or with version 2 and block_m 0, 128 or 256 "
+              "and no offset warp, row sums, second partial or K blocks per stage, got {} with version {}",
+              choice.signed_codes, choice.version);
   EPMOE_CHECK(choice.parts >= 0 && choice.parts <= 2 &&
                   (choice.parts != 2 || (choice.version == 2 && choice.offset_warp == 0)),
               "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got {} with version {} and "

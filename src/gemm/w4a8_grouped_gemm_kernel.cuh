@@ -64,11 +64,18 @@ inline constexpr int kW4SmemBudget = 232448;  // dynamic shared memory a block m
 inline constexpr int kW4OffsetWgmma = 0;  // the consumers' wgmma (constant-operand SS, or kRowOffset)
 inline constexpr int kW4OffsetWarp = 1;   // v5: a producer-side warp sums the stage's rows
 inline constexpr int kW4OffsetSums = 2;   // the rows' sums from a pre-pass, copied in with the stage
+inline constexpr int kW4OffsetNone = 3;   // signed codes (w4a8::signed_codes_lo / _hi): no offset term
 
 template <int kBM, int kConsumers, int kOffset_ = kW4OffsetWgmma, int kStageKB_ = 1>
 struct W4A8Traits {
-  static_assert(kBM == 16 || kBM == 32 || kBM == 64 || kBM == 128);
+  static_assert(kBM == 16 || kBM == 32 || kBM == 64 || kBM == 128 || kBM == 256);
   static_assert(kConsumers == 2 || (kConsumers == 4 && kBM <= 32));
+  // kBM = 256 (the wide tile, signed codes, contiguous only): each consumer converts its 64 weight
+  // rows of a K block once and issues them against two 128-row waves of activations (two m64n128k32
+  // groups into one partial, folded in turn), so the conversion per flop is half the 128-row tile's.
+  static_assert(kBM != 256 || (kOffset_ == kW4OffsetNone && kConsumers == 2 && kStageKB_ == 1));
+  static constexpr int kWaves = kBM == 256 ? 2 : 1;
+  static constexpr int kWaveN = kBM / kWaves;  // wgmma N: activation rows per wave
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kTileN = w4a8::kPanelRows * kConsumers;  // weight rows per tile
   // K blocks per pipeline stage: 1, 2 or 3 (one barrier round trip per kStageKB x 128 K: the
@@ -103,15 +110,21 @@ struct W4A8Traits {
   // barrier's second arrival: no offset wgmma (on the 32-row tile it read 3 KB of shared memory per
   // consumer and k32 step, the tile's bottleneck under ncu), and no hand-off to the consumers beyond
   // the full barrier they wait on anyway.
+  //
+  // kOffsetNone: signed codes, converted to e4m3(v · 2^-9) themselves (11 integer instructions per
+  // packed word instead of 3), so there is no offset term at all.
   static constexpr int kOffset = kOffset_;
-  static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4OffsetSums);
+  static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4OffsetNone);
   static_assert(kOffset != kW4OffsetSums || kBM <= 32);
   static constexpr bool kOffsetWarp = kOffset == kW4OffsetWarp;
   static constexpr bool kOffsetSums = kOffset == kW4OffsetSums;
+  static constexpr bool kSigned = kOffset == kW4OffsetNone;
   static constexpr bool kSlot = kOffsetWarp || kOffsetSums;  // the consumers add a per-stage slot
-  static constexpr bool kRowOffset = kBM >= 64 && !kSlot;
-  static constexpr bool kOffsetSS = kBM <= 32 && !kSlot;  // the constant-A wgmma per K step
-  static constexpr int kOffsetBytes = kSlot ? 0 : kRowOffset ? 1024 : w4a8::kPanelRows * w4a8::kBlockK;
+  static constexpr bool kRowOffset = kBM >= 64 && !kSlot && !kSigned;
+  static constexpr bool kOffsetSS = kBM <= 32 && !kSlot && !kSigned;  // the constant-A wgmma per K step
+  static constexpr int kOffsetBytes = kSlot || kSigned ? 0
+                                      : kRowOffset     ? 1024
+                                                       : w4a8::kPanelRows * w4a8::kBlockK;
   static constexpr int kRowOffsetBytes = kRowOffset ? kConsumers * 2 * kBM * 4 : 0;
   static constexpr int kSlotBytes = kSlot ? kBM * 4 : 0;         // per K block
   static constexpr int kBarBytes = kOffsetWarp ? 3 * 8 : 2 * 8;  // per stage: full, empty (, offset)
@@ -125,9 +138,13 @@ struct W4A8Traits {
   // 56 / 224 (ptxas: 40 / 232 spilled 8 bytes on the 128-row tile; the consumers no longer hold
   // the m64n8 offsets). Four consumers with the offset warp: 40 / 104 (32 / 112 spilled 4 bytes in
   // the offset warp once all its lanes arrive on the offset barrier).
-  static constexpr int kProducerRegs = kConsumers == 2 ? (kOffsetWarp ? 56 : 40) : (kOffsetWarp ? 40 : 32);
-  static constexpr int kConsumerRegs =
-      kConsumers == 2 ? (kOffsetWarp ? 224 : 232) : (kOffsetWarp ? 104 : 112);
+  // The wide tile (acc 128 + one partial 64 + two K blocks' fragments 32): 32 / 240.
+  static constexpr int kProducerRegs = kBM == 256        ? 32
+                                       : kConsumers == 2 ? (kOffsetWarp ? 56 : 40)
+                                                         : (kOffsetWarp ? 40 : 32);
+  static constexpr int kConsumerRegs = kBM == 256        ? 240
+                                       : kConsumers == 2 ? (kOffsetWarp ? 224 : 232)
+                                                         : (kOffsetWarp ? 104 : 112);
 };
 
 struct W4A8Params {
@@ -311,9 +328,11 @@ struct W4A8Pipe {
 
 // One packed word -> two fragment registers (registers r, r + 1 of a step: its low and high
 // nibbles), e4m3 bytes c · 2^-9 of the codes (w4a8_layout.hpp): three integer instructions.
+// kSigned: the e4m3 bytes of v · 2^-9 themselves (about 11 integer instructions).
+template <bool kSigned>
 __device__ __forceinline__ void w4a8_convert8(std::uint32_t w, std::uint32_t& lo, std::uint32_t& hi) {
-  lo = w4a8::codes_lo(w);
-  hi = w4a8::codes_hi(w);
+  lo = kSigned ? w4a8::signed_codes_lo(w) : w4a8::codes_lo(w);
+  hi = kSigned ? w4a8::signed_codes_hi(w) : w4a8::codes_hi(w);
 }
 
 template <int kN>
@@ -339,6 +358,8 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
   constexpr int kSStride = kStageKB * Traits::kSBytes, kSlotStride = kStageKB * Traits::kSlotBytes;
   constexpr int kStages = Traits::kStages;
   constexpr int kAcc = Traits::kAcc;
+  constexpr int kWaves = Traits::kWaves;
+  constexpr int kWaveAcc = kAcc / kWaves;  // one wave's accumulators (and the partial's)
   constexpr int kTileN = Traits::kTileN;
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
@@ -550,7 +571,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     // memory). kParts_ = 2 asks for two on the 32 x 256 tile (no spill since v6, ptxas).
     static_assert(kParts_ == 0 || (kParts_ == 2 && kBM <= 64 && !Traits::kOffsetWarp));
     constexpr int kParts = kParts_ != 0 ? kParts_ : kBM <= 64 && (kConsumers == 2 || kBM <= 16) ? 2 : 1;
-    float part[kParts][kAcc];
+    // (The wide tile's two waves share one partial: acc[wave w] = acc[kWaveAcc w, kWaveAcc (w + 1)).)
+    static_assert(kWaves == 1 || kParts == 1);
+    float part[kParts][kWaveAcc];
     // kRowOffset: per partial, the offset terms of activation rows 64 h + 16 w + g (+ 8) (the
     // m64n8 fragment: [h][0, 1] row g, [h][2, 3] row g + 8), and which of the two buffers is next.
     constexpr int kHalves = Traits::kRowOffset ? kBM / 64 : 1;
@@ -583,27 +606,37 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     //
     // Waits for the stage at `at` if this is its first block, loads this thread's codes of the block
     // and converts them into frag[B].
-    const auto load = [&](auto b, const W4A8Pipe& at) {
-      constexpr int B = decltype(b)::value;
+    // (fetch and convert: its two halves, which the wide tile runs apart.)
+    const auto fetch = [&](const W4A8Pipe& at, uint4& v0, uint4& v1) {
       const int sub = kStageKB == 1 ? 0 : at.sub;
       if (sub == 0) ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
       const std::uint32_t w_addr = w_thread + at.stage * kWStride + sub * Traits::kWBytes;
-      const uint4 v0 = ptx::ld_shared_v4(w_addr);
-      const uint4 v1 = ptx::ld_shared_v4(w_addr + 2048);
-      w4a8_convert8(v0.x, frag[B][0][0], frag[B][0][1]);
-      w4a8_convert8(v0.y, frag[B][0][2], frag[B][0][3]);
-      w4a8_convert8(v0.z, frag[B][1][0], frag[B][1][1]);
-      w4a8_convert8(v0.w, frag[B][1][2], frag[B][1][3]);
-      w4a8_convert8(v1.x, frag[B][2][0], frag[B][2][1]);
-      w4a8_convert8(v1.y, frag[B][2][2], frag[B][2][3]);
-      w4a8_convert8(v1.z, frag[B][3][0], frag[B][3][1]);
-      w4a8_convert8(v1.w, frag[B][3][2], frag[B][3][3]);
+      v0 = ptx::ld_shared_v4(w_addr);
+      v1 = ptx::ld_shared_v4(w_addr + 2048);
     };
-    // Issues the K block in frag[B] against its activation tile (position `at`) into part[P].
-    const auto issue = [&](auto b, auto pp, const W4A8Pipe& at) {
-      constexpr int B = decltype(b)::value, P = decltype(pp)::value;
+    const auto convert = [&](auto b, const uint4& v0, const uint4& v1) {
+      constexpr int B = decltype(b)::value;
+      w4a8_convert8<Traits::kSigned>(v0.x, frag[B][0][0], frag[B][0][1]);
+      w4a8_convert8<Traits::kSigned>(v0.y, frag[B][0][2], frag[B][0][3]);
+      w4a8_convert8<Traits::kSigned>(v0.z, frag[B][1][0], frag[B][1][1]);
+      w4a8_convert8<Traits::kSigned>(v0.w, frag[B][1][2], frag[B][1][3]);
+      w4a8_convert8<Traits::kSigned>(v1.x, frag[B][2][0], frag[B][2][1]);
+      w4a8_convert8<Traits::kSigned>(v1.y, frag[B][2][2], frag[B][2][3]);
+      w4a8_convert8<Traits::kSigned>(v1.z, frag[B][3][0], frag[B][3][1]);
+      w4a8_convert8<Traits::kSigned>(v1.w, frag[B][3][2], frag[B][3][3]);
+    };
+    const auto load = [&](auto b, const W4A8Pipe& at) {
+      uint4 v0, v1;
+      fetch(at, v0, v1);
+      convert(b, v0, v1);
+    };
+    // Issues the K block in frag[B] against its activation tile (position `at`; the wide tile: the
+    // tile's 128-row wave W) into part[P].
+    const auto issue = [&](auto b, auto pp, const W4A8Pipe& at, auto wave) {
+      constexpr int B = decltype(b)::value, P = decltype(pp)::value, W = decltype(wave)::value;
       const int sub = kStageKB == 1 ? 0 : at.sub;
-      const std::uint32_t a_tile = smem_a + at.stage * kAStride + sub * Traits::kABytes;
+      const std::uint32_t a_tile = smem_a + at.stage * kAStride + sub * Traits::kABytes +
+                                   static_cast<std::uint32_t>(W * Traits::kWaveN * w4a8::kBlockK);
       w4a8_fence_all(part[P]);
       if constexpr (Traits::kRowOffset) {
 #pragma unroll
@@ -614,7 +647,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       // in-flight groups and spilled the 112-register consumers. Its descriptor is rebuilt per
       // issue (an opaque copy of the address: hoisted, it held two registers across the K loop).
       [[maybe_unused]] std::uint64_t offset_desc = 0;
-      if constexpr (!Traits::kSlot) {
+      if constexpr (Traits::kOffsetSS || Traits::kRowOffset) {
         std::uint32_t offset_tile = smem_offset;
         asm volatile("" : "+r"(offset_tile));
         offset_desc = ptx::wgmma_desc_sw128(offset_tile);
@@ -633,15 +666,18 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       for (int s = 0; s < 4; ++s) {
         const std::uint64_t desc = ptx::wgmma_desc_sw128(a_tile + s * 32);
         if constexpr (Traits::kOffsetSS) ptx::wgmma_m64k32_ss_e4m3<kBM>(part[P], offset_desc, desc, s > 0);
-        ptx::wgmma_m64k32_rs_e4m3<kBM>(part[P], frag[B][s], desc, Traits::kOffsetSS ? true : s > 0);
+        ptx::wgmma_m64k32_rs_e4m3<Traits::kWaveN>(part[P], frag[B][s], desc,
+                                                  Traits::kOffsetSS ? true : s > 0);
       }
       ptx::wgmma_commit();
     };
     // After the wgmma into part[P] completed: reads the scales of the block at `at`, frees its stage
     // if it was the stage's last block (`last`) and folds part[P]. (The scales are read here, not
     // with the codes: two registers less across the K loop.)
-    const auto fold = [&](auto pp, const W4A8Pipe& at, bool last) {
-      constexpr int P = decltype(pp)::value;
+    // The wide tile folds its waves in turn into acc[kWaveAcc W ..] (both: this thread's two weight rows'
+    // scales).
+    const auto fold = [&](auto pp, const W4A8Pipe& at, bool last, auto wave) {
+      constexpr int P = decltype(pp)::value, W0 = decltype(wave)::value * kWaveAcc;
       const int stage = at.stage;
       const int sub = kStageKB == 1 ? 0 : at.sub;
       const std::uint32_t s_addr = s_thread + stage * kSStride + sub * Traits::kSBytes;
@@ -700,11 +736,11 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           }
         } else {
 #pragma unroll
-          for (int j = 0; j < kAcc / 4; ++j) {
-            acc[4 * j + 0] = fmaf(s_lo, part[P][4 * j + 0], acc[4 * j + 0]);
-            acc[4 * j + 1] = fmaf(s_lo, part[P][4 * j + 1], acc[4 * j + 1]);
-            acc[4 * j + 2] = fmaf(s_hi, part[P][4 * j + 2], acc[4 * j + 2]);
-            acc[4 * j + 3] = fmaf(s_hi, part[P][4 * j + 3], acc[4 * j + 3]);
+          for (int j = 0; j < kWaveAcc / 4; ++j) {
+            acc[W0 + 4 * j + 0] = fmaf(s_lo, part[P][4 * j + 0], acc[W0 + 4 * j + 0]);
+            acc[W0 + 4 * j + 1] = fmaf(s_lo, part[P][4 * j + 1], acc[W0 + 4 * j + 1]);
+            acc[W0 + 4 * j + 2] = fmaf(s_hi, part[P][4 * j + 2], acc[W0 + 4 * j + 2]);
+            acc[W0 + 4 * j + 3] = fmaf(s_hi, part[P][4 * j + 3], acc[W0 + 4 * j + 3]);
           }
         }
       }
@@ -718,12 +754,28 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
       const bool odd = (g & 1) != 0;
       const std::int32_t n0 = done.n_tile * kTileN + consumer * w4a8::kPanelRows + row_in_panel;
+      // The wide tile: which of its rows are valid, as 8 ballots of 32 rows, read before the stores
+      // (its 32 m_indices loads, hoisted by ptxas beside 128 accumulators, spilled the consumers).
+      [[maybe_unused]] std::uint32_t valid_rows[kBM == 256 ? 8 : 1];
+      if constexpr (kBM == 256) {
+#pragma unroll
+        for (int i = 0; i < kBM / 32; ++i) {
+          const std::int32_t row = done.row0 + 32 * i + lane;
+          valid_rows[i] =
+              __ballot_sync(0xffffffffu, row < done.row_end && __ldg(p.m_indices + row) == done.group);
+        }
+      }
 #pragma unroll
       for (int j = 0; j < kAcc / 4; ++j) {
         const std::int32_t m = 8 * j + 2 * q + (odd ? 1 : 0);
         const std::int32_t row = done.row0 + m;
-        bool valid = row < done.row_end;
-        if (valid && p.m_indices != nullptr) valid = __ldg(p.m_indices + row) == done.group;
+        bool valid;
+        if constexpr (kBM == 256) {
+          valid = ((valid_rows[j / 4] >> (m % 32)) & 1u) != 0;
+        } else {
+          valid = row < done.row_end;
+          if (valid && p.m_indices != nullptr) valid = __ldg(p.m_indices + row) == done.group;
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float x0 = acc[4 * j + 2 * h] * a_scale, x1 = acc[4 * j + 2 * h + 1] * a_scale;
@@ -746,7 +798,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
 #pragma unroll
       for (int P = 0; P < kParts; ++P) {
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) part[P][i] = 0.0f;
+        for (int i = 0; i < kWaveAcc; ++i) part[P][i] = 0.0f;
       }
       W4A8Tile ld_tile = tile;  // the tile of the block issued next, and its index kb in it
       std::int32_t kb = 0;
@@ -766,10 +818,10 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
         const W4A8Pipe cur = pipe;
         pipe.next_block(last, stages);
         if constexpr (kParts == 2) {
-          issue(b, b, cur);
+          issue(b, b, cur, I0{});
           if (have_prev) {
             ptx::wgmma_wait<1>();
-            fold(Other{}, prev, prev_last);
+            fold(Other{}, prev, prev_last, I0{});
             if (prev_ends) {
               epilogue(tile);
               tile = ld_tile;
@@ -788,8 +840,33 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
             ++kb;
           }
           if (more) load(Other{}, pipe);
+        } else if constexpr (kWaves == 2) {
+          // The wide tile: wave 0, its fold, then wave 1 with the next block's codes read under it,
+          // its fold (which gives the stage back) and the codes' conversion, then (after a tile's
+          // last block) the epilogue. (frag[B] is held by wave 1 until it completes: two K blocks'
+          // fragments, or the conversion before the fold, beside acc and the partial spilled at 240
+          // registers. The other consumer's waves keep the tensor core busy meanwhile.)
+          issue(b, I0{}, cur, I0{});
+          ptx::wgmma_wait<0>();
+          fold(I0{}, cur, false, I0{});
+          issue(b, I0{}, cur, I1{});
+          if (ends) {
+            more = scheduler.next(ld_tile, p);
+            kb = 0;
+          } else {
+            ++kb;
+          }
+          uint4 v0{}, v1{};
+          if (more) fetch(pipe, v0, v1);
+          ptx::wgmma_wait<0>();
+          fold(I0{}, cur, last, I1{});
+          if (ends) {
+            epilogue(tile);
+            tile = ld_tile;
+          }
+          if (more) convert(Other{}, v0, v1);
         } else {
-          issue(b, I0{}, cur);
+          issue(b, I0{}, cur, I0{});
           if (ends) {
             more = scheduler.next(ld_tile, p);
             kb = 0;
@@ -798,7 +875,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           }
           if (more) load(Other{}, pipe);
           ptx::wgmma_wait<0>();
-          fold(I0{}, cur, last);
+          fold(I0{}, cur, last, I0{});
           if (ends) {
             epilogue(tile);
             tile = ld_tile;
@@ -810,7 +887,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       const auto finish = [&](auto b) {
         if constexpr (kParts == 2) {
           ptx::wgmma_wait<0>();
-          fold(b, prev, true);
+          fold(b, prev, true, I0{});
           epilogue(tile);
         }
       };

@@ -270,12 +270,7 @@ __global__ void __launch_bounds__(W4A8SmemTraits<kBM, kBN, kWaves, kSigned>::kTh
 #pragma unroll
           for (int u = 0; u < 8; ++u) {
             std::uint32_t lo, hi;
-            if constexpr (kSigned) {
-              lo = w4a8::signed_codes_lo(words[u]);
-              hi = w4a8::signed_codes_hi(words[u]);
-            } else {
-              w4a8_convert8(words[u], lo, hi);
-            }
+            w4a8_convert8<kSigned>(words[u], lo, hi);
             const std::uint32_t at = panel + (row_base ^ static_cast<std::uint32_t>(16 * u));
             ptx::st_shared_u32(at, lo);
             ptx::st_shared_u32(at + 8 * w4a8::kBlockK, hi);

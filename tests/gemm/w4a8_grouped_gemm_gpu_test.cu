@@ -125,6 +125,10 @@ constexpr cuda::W4A8KernelChoice kSigned128{
 // The tall tile: 256 activation rows x 128 columns (two 64-row waves per consumer), contiguous only.
 constexpr cuda::W4A8KernelChoice kTall{
     .version = 3, .block_m = 256, .block_n = 128, .waves = 2, .signed_codes = 1};
+// The register-operand kernel (v2) with signed codes: the wide tile (256 activation rows as two
+// 128-row waves against each consumer's converted weights; contiguous only) and 128 x 128.
+constexpr cuda::W4A8KernelChoice kV2Wide{.version = 2, .block_m = 256, .signed_codes = 1};
+constexpr cuda::W4A8KernelChoice kV2Signed128{.version = 2, .block_m = 128, .signed_codes = 1};
 // Two partials on the 32-row four-consumer tile, with one and two K blocks per stage.
 constexpr cuda::W4A8KernelChoice kP2{.version = 2, .parts = 2};
 constexpr cuda::W4A8KernelChoice kK2P2{.version = 2, .stage_k_blocks = 2, .parts = 2};
@@ -271,6 +275,7 @@ INSTANTIATE_TEST_SUITE_P(
                    false,
                    kSigned256},
         MaskedCase{"N640_K1152_v3_signed_m128n128", 130, {130, 0, 64, 65}, 640, 1152, 0, 0, true, kSigned128},
+        MaskedCase{"N640_K1152_v2_signed_m128", 130, {130, 0, 64, 65}, 640, 1152, 0, 0, true, kV2Signed128},
         MaskedCase{"N4096_K7168_v3_signed_m64n256",
                    40,
                    {8, 0, 13, 40, 1},
@@ -606,6 +611,15 @@ INSTANTIATE_TEST_SUITE_P(
                        true,
                        kTall},
         ContiguousCase{"N1536_K2048_one_block_v3_tall_m256n128", {77}, 1536, 2048, 0, false, kTall},
+        // v2's wide tile (256 x 128, signed codes): the same pairs, half tiles, padding and holes as the
+        // tall tile; and v2's signed 128 x 128.
+        ContiguousCase{"N4096_K7168_v2_wide_m256", {300, 0, 520, 129}, 4096, 7168, 1, false, kV2Wide},
+        ContiguousCase{"N7168_K2048_v2_wide_m256", {150, 0, 64, 33, 255}, 7168, 2048, 0, false, kV2Wide},
+        ContiguousCase{
+            "N640_K1152_odd_k_blocks_holes_v2_wide_m256", {5, 130, 0, 33, 260}, 640, 1152, 1, true, kV2Wide},
+        ContiguousCase{"N1536_K2048_one_block_v2_wide_m256", {77}, 1536, 2048, 0, false, kV2Wide},
+        ContiguousCase{
+            "N640_K2048_holes_v2_signed_m128", {5, 17, 0, 128, 1, 90}, 640, 2048, 1, true, kV2Signed128},
         // The automatic choice on groups of >= 2048 rows on average: the tall tile.
         ContiguousCase{"N384_K384_large_groups_auto_tall", {2100, 2400}, 384, 384, 0, true, {}},
         // v2 (128 x 128) with the offset warp.
@@ -763,6 +777,12 @@ TEST(W4A8GemmGpuMisc, RefusesBadArguments) {
   counts.fill_bytes(0x00, stream);
   using cuda::w4a8_grouped_gemm_masked;
   EXPECT_NO_THROW(w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream));
+  {
+    // v2's wide tile pairs the contiguous layout's 128-row blocks: masked calls are refused.
+    const PinKernel pin(kV2Wide);
+    expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream); },
+                          "the W4A8 v2 tile with block_m = 256 is for the contiguous layout only");
+  }
   expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 0.0f, {}, w, s, counts, 8, d, stream); },
                         "a_scale must be positive and finite");
   expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, std::nanf(""), {}, w, s, counts, 8, d, stream); },

@@ -421,8 +421,16 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   expect_v3(cuda::w4a8_kernel_choice(true, 4096, 7168, 2048), 128, 256, 2, 1);
   expect_v3(cuda::w4a8_kernel_choice(true, 40, 4096, 7168), 64, 256, 1, 0);
   expect_v3(cuda::w4a8_kernel_choice(true, 128, 7168, 2048), 128, 256, 2, 1);
-  // The signed conversion is v3's only.
-  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .signed_codes = 1}); }, "signed_codes");
+  // The signed conversion: v3, and v2's 128- and 256-row tiles without its other variants.
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .signed_codes = 1}));
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .block_m = 256, .signed_codes = 1}));
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .block_m = 128, .signed_codes = 1}));
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .block_m = 64, .signed_codes = 1}); },
+                        "signed_codes");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .signed_codes = 1}); },
+                        "signed_codes");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .row_sums = 1, .signed_codes = 1}); },
+                        "signed_codes");
   cuda::w4a8_pin_kernel({});
   // The offset-binary two-wave tile does not exist.
   expect_error_mentions(
