@@ -138,13 +138,14 @@ struct W4A8Traits {
   // 56 / 224 (ptxas: 40 / 232 spilled 8 bytes on the 128-row tile; the consumers no longer hold
   // the m64n8 offsets). Four consumers with the offset warp: 40 / 104 (32 / 112 spilled 4 bytes in
   // the offset warp once all its lanes arrive on the offset barrier).
-  // The wide tile (acc 128 + one partial 64 + two K blocks' fragments 32): 32 / 240.
-  static constexpr int kProducerRegs = kBM == 256        ? 32
-                                       : kConsumers == 2 ? (kOffsetWarp ? 56 : 40)
-                                                         : (kOffsetWarp ? 40 : 32);
-  static constexpr int kConsumerRegs = kBM == 256        ? 240
-                                       : kConsumers == 2 ? (kOffsetWarp ? 224 : 232)
-                                                         : (kOffsetWarp ? 104 : 112);
+  // The wide tile (acc 128 + one partial 64 + a K block's fragments 16 and the next block's codes 8)
+  // fits 232 too.
+  static constexpr int kProducerRegs = kConsumers == 2 ? (kOffsetWarp ? 56 : 40) : (kOffsetWarp ? 40 : 32);
+  static constexpr int kConsumerRegs =
+      kConsumers == 2 ? (kOffsetWarp ? 224 : 232) : (kOffsetWarp ? 104 : 112);
+  // (setmaxnreg can only hand out what the launch allocated: __launch_bounds__(kThreads, 1) gives
+  // each thread 65536 / kThreads registers rounded down to 8.)
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536 / kThreads / 8 * 8 * kThreads);
 };
 
 struct W4A8Params {

@@ -26,6 +26,10 @@
 //   signed_codes = 1 (version 3): the converter writes the weights' signed e4m3 values (11 integer
 //              instructions per 8 weights instead of 3) and the consumers drop the codes' offset term;
 //              128 x 256 tiles then run with two 128-column waves per consumer (waves = 2).
+//              (version 2, block_m 128 or 256, 0: 256 contiguous, 128 masked; no offset warp, row sums,
+//              second partial or K blocks per stage): the consumers convert the signed values in
+//              registers; block_m = 256 is v2's wide tile (contiguous only): each consumer's converted
+//              64 weight rows of a K block feed two 128-row waves of activations.
 //   row_sums = 1 (version 2, no offset warp): on the masked decode tiles (block_m <= 32) of a call with
 //              options.workspace, a pre-pass kernel sums each activation row per K block and the GEMM's
 //              producer copies the sums in with each stage (W4A8Traits::kOffsetSums); without a
@@ -44,7 +48,8 @@ namespace epmoe::cuda {
 
 struct W4A8KernelChoice {
   int version = 0;         // 0: the heuristic; 2 or 3
-  int block_m = 0;         // version 3 only: 64, 128 or 256 (the tall tile; 0: heuristic)
+  int block_m = 0;         // version 3: 64, 128 or 256 (the tall tile; 0: heuristic); version 2 with
+                           // signed_codes: 128 or 256 (the wide tile)
   int block_n = 0;         // 128 or 256
   int waves = 0;           // waves per consumer: 1, or 2 (signed_codes only: 128 x 256's two 128-column
                            // waves, or the tall tile's two 64-row waves)
