@@ -595,6 +595,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
              w4a8::kScaleBytes * row_in_panel);
     using I0 = std::integral_constant<int, 0>;
     using I1 = std::integral_constant<int, 1>;
+    // (kSigned) the low word of stage 0's activation tile's wgmma descriptor.
+    [[maybe_unused]] const std::uint32_t a_desc0 =
+        Traits::kSigned ? hold(ptx::wgmma_desc_sw128_lo(smem_a)) : 0u;
 
     // The consumers run one K-block pipeline across their tiles: the K blocks of all of a CTA's
     // tiles form one stream (frag[0] and frag[1] alternate through it, also across a tile
@@ -663,9 +666,14 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
                                      offset_desc, s > 0);
         }
       }
+      // (kSigned: from the ring's first descriptor by a 32-bit add, no descriptor built per wgmma.)
+      [[maybe_unused]] const std::uint32_t a_desc_lo =
+          a_desc0 +
+          static_cast<std::uint32_t>((at.stage * kAStride + W * Traits::kWaveN * w4a8::kBlockK) >> 4);
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        const std::uint64_t desc = ptx::wgmma_desc_sw128(a_tile + s * 32);
+        const std::uint64_t desc = Traits::kSigned ? ptx::wgmma_desc_from_lo(a_desc_lo + s * (32 >> 4))
+                                                   : ptx::wgmma_desc_sw128(a_tile + s * 32);
         if constexpr (Traits::kOffsetSS) ptx::wgmma_m64k32_ss_e4m3<kBM>(part[P], offset_desc, desc, s > 0);
         ptx::wgmma_m64k32_rs_e4m3<Traits::kWaveN>(part[P], frag[B][s], desc,
                                                   Traits::kOffsetSS ? true : s > 0);
@@ -677,13 +685,19 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     // with the codes: two registers less across the K loop.)
     // The wide tile folds its waves in turn into acc[kWaveAcc W ..] (both: this thread's two weight rows'
     // scales).
-    const auto fold = [&](auto pp, const W4A8Pipe& at, bool last, auto wave) {
+    // This thread's two weight rows' scales of the block at `at`.
+    const auto block_scales = [&](const W4A8Pipe& at) {
+      const int sub = kStageKB == 1 ? 0 : at.sub;
+      const std::uint32_t s_addr = s_thread + at.stage * kSStride + sub * Traits::kSBytes;
+      return float2{ptx::ld_shared_bf16_as_f32(s_addr),
+                    ptx::ld_shared_bf16_as_f32(s_addr + w4a8::kScaleBytes * 8)};
+    };
+    // (The wide tile reads the scales once, before its first wave's wait, and passes them to both folds.)
+    const auto fold_scaled = [&](auto pp, const W4A8Pipe& at, bool last, auto wave, float2 scales) {
       constexpr int P = decltype(pp)::value, W0 = decltype(wave)::value * kWaveAcc;
       const int stage = at.stage;
       const int sub = kStageKB == 1 ? 0 : at.sub;
-      const std::uint32_t s_addr = s_thread + stage * kSStride + sub * Traits::kSBytes;
-      const float s_lo = ptx::ld_shared_bf16_as_f32(s_addr);
-      const float s_hi = ptx::ld_shared_bf16_as_f32(s_addr + w4a8::kScaleBytes * 8);
+      const float s_lo = scales.x, s_hi = scales.y;
       if constexpr (Traits::kSlot) {
         // The stage's sums (the offset warp's, or the pre-pass's copied in with the stage), for this
         // thread's columns 8 j + 2 q + {0, 1} (activation rows), read before the release (the slot
@@ -745,6 +759,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           }
         }
       }
+    };
+    const auto fold = [&](auto pp, const W4A8Pipe& at, bool last, auto wave) {
+      fold_scaled(pp, at, last, wave, block_scales(at));
     };
     // Stores the finished tile `done` from acc and clears acc for the next one. acc[4 j + 2 h + e]
     // is D^T[n0 + 8 h, m0 + e] (n0 this thread's weight row, m0 = 8 j + 2 q). Lanes g and g ^ 1
@@ -848,8 +865,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           // fragments, or the conversion before the fold, beside acc and the partial spilled at 240
           // registers. The other consumer's waves keep the tensor core busy meanwhile.)
           issue(b, I0{}, cur, I0{});
+          const float2 scales = block_scales(cur);
           ptx::wgmma_wait<0>();
-          fold(I0{}, cur, false, I0{});
+          fold_scaled(I0{}, cur, false, I0{}, scales);
           issue(b, I0{}, cur, I1{});
           if (ends) {
             more = scheduler.next(ld_tile, p);
@@ -860,7 +878,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           uint4 v0{}, v1{};
           if (more) fetch(pipe, v0, v1);
           ptx::wgmma_wait<0>();
-          fold(I0{}, cur, last, I1{});
+          fold_scaled(I0{}, cur, last, I1{}, scales);
           if (ends) {
             epilogue(tile);
             tile = ld_tile;
