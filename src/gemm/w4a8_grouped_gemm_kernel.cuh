@@ -696,7 +696,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     const auto fold_scaled = [&](auto pp, const W4A8Pipe& at, bool last, auto wave, float2 scales) {
       constexpr int P = decltype(pp)::value, W0 = decltype(wave)::value * kWaveAcc;
       const int stage = at.stage;
-      const int sub = kStageKB == 1 ? 0 : at.sub;
+      [[maybe_unused]] const int sub = kStageKB == 1 ? 0 : at.sub;  // (kSlot)
       const float s_lo = scales.x, s_hi = scales.y;
       if constexpr (Traits::kSlot) {
         // The stage's sums (the offset warp's, or the pre-pass's copied in with the stage), for this
