@@ -9,8 +9,8 @@
 //              block_m (64 or 128) activation rows x block_n (128 or 256) weight columns, each
 //              consumer warpgroup owning 64 rows x 128 waves columns; or the tall tile (block_m = 256,
 //              block_n = 128, waves = 2, signed_codes = 1, contiguous only: each consumer 128 rows as
-//              two 64-row waves; the automatic choice for groups of >= 2048 rows on average since
-//              session 24); zeros pick by the heuristic.
+//              two 64-row waves; the automatic choice for groups of >= 2048 rows on average in
+//              session 24, replaced by v2's wide tile in session 25); zeros pick by the heuristic.
 //   offset_warp (version 2 only; bench/NOTES.md, W4A8 v5): the same kernel with the codes' offset
 //              term summed per stage by a producer-side warp (W4A8Traits::kOffsetWarp) instead of
 //              by the consumers (a constant-operand wgmma per K step for tiles of <= 32 rows, or
@@ -29,7 +29,8 @@
 //              (version 2, block_m 128 or 256, 0: 256 contiguous, 128 masked; no offset warp, row sums,
 //              second partial or K blocks per stage): the consumers convert the signed values in
 //              registers; block_m = 256 is v2's wide tile (contiguous only): each consumer's converted
-//              64 weight rows of a K block feed two 128-row waves of activations.
+//              64 weight rows of a K block feed two 128-row waves of activations (the automatic
+//              choice for contiguous groups of >= 1024 rows on average since session 25).
 //   row_sums = 1 (version 2, no offset warp): on the masked decode tiles (block_m <= 32) of a call with
 //              options.workspace, a pre-pass kernel sums each activation row per K block and the GEMM's
 //              producer copies the sums in with each stage (W4A8Traits::kOffsetSums); without a

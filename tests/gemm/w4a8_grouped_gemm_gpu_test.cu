@@ -620,8 +620,8 @@ INSTANTIATE_TEST_SUITE_P(
         ContiguousCase{"N1536_K2048_one_block_v2_wide_m256", {77}, 1536, 2048, 0, false, kV2Wide},
         ContiguousCase{
             "N640_K2048_holes_v2_signed_m128", {5, 17, 0, 128, 1, 90}, 640, 2048, 1, true, kV2Signed128},
-        // The automatic choice on groups of >= 2048 rows on average: the tall tile.
-        ContiguousCase{"N384_K384_large_groups_auto_tall", {2100, 2400}, 384, 384, 0, true, {}},
+        // The automatic choice on groups of >= 1024 rows on average: v2's wide tile.
+        ContiguousCase{"N384_K384_large_groups_auto_wide", {1100, 2400, 0, 700}, 384, 384, 0, true, {}},
         // v2 (128 x 128) with the offset warp.
         ContiguousCase{"N7168_K2048_v2_offwarp", {150, 0, 64, 33}, 7168, 2048, 0, false, kOffsetWarp},
         ContiguousCase{

@@ -414,10 +414,14 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   };
   expect_v3(cuda::w4a8_kernel_choice(false, 0, 4096, 7168), 128, 256, 2, 1);
   expect_v3(cuda::w4a8_kernel_choice(false, 0, 640, 2048), 128, 128, 1, 1);
-  // Contiguous groups of >= 2048 rows on average (the hint: M / groups): the tall tile.
-  expect_v3(cuda::w4a8_kernel_choice(false, 1024, 4096, 7168), 128, 256, 2, 1);
-  expect_v3(cuda::w4a8_kernel_choice(false, 2048, 4096, 7168), 256, 128, 2, 1);
-  expect_v3(cuda::w4a8_kernel_choice(false, 4096, 7168, 2048), 256, 128, 2, 1);
+  // Contiguous groups of >= 1024 rows on average (the hint: M / groups): v2's wide tile.
+  expect_v3(cuda::w4a8_kernel_choice(false, 1023, 4096, 7168), 128, 256, 2, 1);
+  for (const std::int64_t m : {1024, 4096}) {
+    const cuda::W4A8KernelChoice wide = cuda::w4a8_kernel_choice(false, m, 7168, 2048);
+    EXPECT_EQ(wide.version, 2);
+    EXPECT_EQ(wide.block_m, 256);
+    EXPECT_EQ(wide.signed_codes, 1);
+  }
   expect_v3(cuda::w4a8_kernel_choice(true, 4096, 7168, 2048), 128, 256, 2, 1);
   expect_v3(cuda::w4a8_kernel_choice(true, 40, 4096, 7168), 64, 256, 1, 0);
   expect_v3(cuda::w4a8_kernel_choice(true, 128, 7168, 2048), 128, 256, 2, 1);
