@@ -693,15 +693,10 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   // as two waves against each converted weight block; contiguous only) and 128 x 128.
   for (const int block_m : {256, 128}) {
     const cuda::W4A8KernelChoice c{.version = 2, .block_m = block_m, .signed_codes = 1};
-    const bool same =
-        chosen.version == 2 && chosen.signed_codes == 1 && chosen.block_m == block_m && chosen.converter == 0;
+    const bool same = chosen.version == 2 && chosen.signed_codes == 1 && chosen.block_m == block_m;
     if (!same && (!s.masked || (block_m == 128 && s.expected_m > 64)) && N % 128 == 0)
       variants.push_back({".w4a8.v2.s.m" + std::to_string(block_m), c});
   }
-  // The wide tile with the producer warpgroup's converter warps (".w4a8.v2.s.m256.cw").
-  if (!s.masked && !(chosen.version == 2 && chosen.converter == 1))
-    variants.push_back(
-        {".w4a8.v2.s.m256.cw", {.version = 2, .block_m = 256, .signed_codes = 1, .converter = 1}});
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   // A v3 tile's line name: "m<rows>n<cols>w<waves>".
   const auto tile_name = [](const cuda::W4A8KernelChoice& c) {

@@ -206,11 +206,10 @@ void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& p
 
 // The register-operand kernel with signed codes (W4A8KernelChoice::signed_codes with version 2):
 // 128-row tiles, or the wide tile (256 activation rows, two waves; contiguous only).
-void launch_v2_signed(const W4A8KernelChoice& c, const TensorView& a, const Problem& problem,
+void launch_v2_signed(int block_m, const TensorView& a, const Problem& problem,
                       const W4A8GemmOptions& options, cudaStream_t stream) {
   constexpr int kNone = kernels::kW4OffsetNone;
-  if (c.converter != 0) return launch<256, 2, kernels::kW4SignedConverter, 1>(a, problem, options, stream);
-  if (c.block_m == 256) return launch<256, 2, kNone, 1>(a, problem, options, stream);
+  if (block_m == 256) return launch<256, 2, kNone, 1>(a, problem, options, stream);
   launch<128, 2, kNone, 1>(a, problem, options, stream);
 }
 
@@ -224,9 +223,6 @@ W4A8KernelChoice resolve_v2_signed(W4A8KernelChoice c, bool masked, std::int64_t
   EPMOE_CHECK(c.block_m != 256 || !masked,
               "the W4A8 v2 tile with block_m = 256 is for the contiguous layout only");
   EPMOE_CHECK(n % 128 == 0, "N = {} must be a multiple of 128 for the W4A8 v2 signed tiles", n);
-  EPMOE_CHECK(c.converter == 0 || c.block_m == 256,
-              "the W4A8 v2 converter warps run the wide tile only (block_m = 256), got block_m = {}",
-              c.block_m);
   return c;
 }
 
@@ -336,7 +332,7 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
   if (c.signed_codes != 0)
-    return launch_v2_signed(resolve_v2_signed(c, masked, problem.params.n), a, with, options, stream);
+    return launch_v2_signed(resolve_v2_signed(c, masked, problem.params.n).block_m, a, with, options, stream);
   constexpr int kWgmma = kernels::kW4OffsetWgmma, kWarp = kernels::kW4OffsetWarp;
   if (c.offset_warp != 0) {
     if (c.stage_k_blocks == 2) return launch<kWarp, 2>(tile, c.parts, a, with, options, stream);
@@ -563,9 +559,6 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
               "W4A8 signed_codes must be 0, or 1 with version 3, or with version 2 and block_m 0, 128 or 256 "
               "and no offset warp, row sums, second partial or K blocks per stage, got {} with version {}",
               choice.signed_codes, choice.version);
-  EPMOE_CHECK(
-      choice.converter == 0 || (choice.converter == 1 && choice.version == 2 && choice.signed_codes == 1),
-      "W4A8 converter must be 0, or 1 with version 2 and signed_codes = 1, got {}", choice.converter);
   EPMOE_CHECK(choice.parts >= 0 && choice.parts <= 2 &&
                   (choice.parts != 2 || (choice.version == 2 && choice.offset_warp == 0)),
               "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got {} with version {} and "

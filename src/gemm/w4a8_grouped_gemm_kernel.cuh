@@ -61,11 +61,10 @@ namespace epmoe::kernels {
 inline constexpr int kW4SmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
 
 // Where the codes' offset term comes from (W4A8Traits below).
-inline constexpr int kW4OffsetWgmma = 0;      // the consumers' wgmma (constant-operand SS, or kRowOffset)
-inline constexpr int kW4OffsetWarp = 1;       // v5: a producer-side warp sums the stage's rows
-inline constexpr int kW4OffsetSums = 2;       // the rows' sums from a pre-pass, copied in with the stage
-inline constexpr int kW4OffsetNone = 3;       // signed codes (w4a8::signed_codes_lo / _hi): no offset term
-inline constexpr int kW4SignedConverter = 4;  // signed codes converted by the producer warpgroup's warps 1-3
+inline constexpr int kW4OffsetWgmma = 0;  // the consumers' wgmma (constant-operand SS, or kRowOffset)
+inline constexpr int kW4OffsetWarp = 1;   // v5: a producer-side warp sums the stage's rows
+inline constexpr int kW4OffsetSums = 2;   // the rows' sums from a pre-pass, copied in with the stage
+inline constexpr int kW4OffsetNone = 3;   // signed codes (w4a8::signed_codes_lo / _hi): no offset term
 
 template <int kBM, int kConsumers, int kOffset_ = kW4OffsetWgmma, int kStageKB_ = 1>
 struct W4A8Traits {
@@ -74,8 +73,7 @@ struct W4A8Traits {
   // kBM = 256 (the wide tile, signed codes, contiguous only): each consumer converts its 64 weight
   // rows of a K block once and issues them against two 128-row waves of activations (two m64n128k32
   // groups into one partial, folded in turn), so the conversion per flop is half the 128-row tile's.
-  static_assert(kBM != 256 || ((kOffset_ == kW4OffsetNone || kOffset_ == kW4SignedConverter) &&
-                               kConsumers == 2 && kStageKB_ == 1));
+  static_assert(kBM != 256 || (kOffset_ == kW4OffsetNone && kConsumers == 2 && kStageKB_ == 1));
   static constexpr int kWaves = kBM == 256 ? 2 : 1;
   static constexpr int kWaveN = kBM / kWaves;  // wgmma N: activation rows per wave
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -115,21 +113,12 @@ struct W4A8Traits {
   //
   // kOffsetNone: signed codes, converted to e4m3(v · 2^-9) themselves (11 integer instructions per
   // packed word instead of 3), so there is no offset term at all.
-  //
-  // kSignedConverter: the same values, converted not by the consumers but by warps 1-3 of the
-  // producer warpgroup (idle otherwise): per K block they read the stage's packed panels, write each
-  // consumer thread's 16 fragment registers into the stage's fragment slot ([consumer][K step][thread]
-  // x 16 bytes: conflict-free 16-byte stores and loads) and arrive on the stage's "converted"
-  // mbarrier; the consumers then load their fragments with four 16-byte loads instead of two loads and
-  // ~88 integer instructions on their own issue path (bench/NOTES.md, session 25).
   static constexpr int kOffset = kOffset_;
-  static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4SignedConverter);
+  static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4OffsetNone);
   static_assert(kOffset != kW4OffsetSums || kBM <= 32);
   static constexpr bool kOffsetWarp = kOffset == kW4OffsetWarp;
   static constexpr bool kOffsetSums = kOffset == kW4OffsetSums;
-  static constexpr bool kConverter = kOffset == kW4SignedConverter;
-  static_assert(!kConverter || (kConsumers == 2 && kStageKB_ == 1));
-  static constexpr bool kSigned = kOffset == kW4OffsetNone || kConverter;
+  static constexpr bool kSigned = kOffset == kW4OffsetNone;
   static constexpr bool kSlot = kOffsetWarp || kOffsetSums;  // the consumers add a per-stage slot
   static constexpr bool kRowOffset = kBM >= 64 && !kSlot && !kSigned;
   static constexpr bool kOffsetSS = kBM <= 32 && !kSlot && !kSigned;  // the constant-A wgmma per K step
@@ -137,12 +126,8 @@ struct W4A8Traits {
                                       : kRowOffset     ? 1024
                                                        : w4a8::kPanelRows * w4a8::kBlockK;
   static constexpr int kRowOffsetBytes = kRowOffset ? kConsumers * 2 * kBM * 4 : 0;
-  static constexpr int kFragBytes = 128 * 16;  // one K step's fragment registers of a consumer's threads
-  static constexpr int kSlotBytes = kSlot        ? kBM * 4
-                                    : kConverter ? kConsumers * 4 * kFragBytes
-                                                 : 0;  // per K block
-  // per stage: full, empty (, offset / converted)
-  static constexpr int kBarBytes = kOffsetWarp || kConverter ? 3 * 8 : 2 * 8;
+  static constexpr int kSlotBytes = kSlot ? kBM * 4 : 0;         // per K block
+  static constexpr int kBarBytes = kOffsetWarp ? 3 * 8 : 2 * 8;  // per stage: full, empty (, offset)
   static constexpr int kStages = std::min(16, (kW4SmemBudget - 1024 - kOffsetBytes - kRowOffsetBytes) /
                                                   (kStageBytes + kStageKB * kSlotBytes + kBarBytes));
   static constexpr int kSmemBytes =
@@ -401,11 +386,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
 #pragma unroll 1
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(full_bar + 8 * s, Traits::kOffsetSums ? 2 : 1);  // the producers' arrives (+ bytes)
-      // Every consumer lane (and converter lane: its reads of the packed panels).
-      ptx::mbar_init(empty_bar + 8 * s, (kConsumers * 4 + (Traits::kConverter ? 3 : 0)) * ptx::kWarpArrivals);
+      ptx::mbar_init(empty_bar + 8 * s, kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
       if constexpr (Traits::kOffsetWarp)
         ptx::mbar_init(offset_bar + 8 * s, ptx::kWarpArrivals);  // the offset warp
-      if constexpr (Traits::kConverter) ptx::mbar_init(offset_bar + 8 * s, 3 * ptx::kWarpArrivals);
     }
     ptx::fence_barrier_init();
   }
@@ -517,47 +500,6 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
         }
       }
     }
-    if constexpr (Traits::kConverter) {
-      if (warp >= 1) {
-        // ---------------------------------------------------------- the converter warps
-        // Per K block, once the stage has landed: item i (i = 96 k + this thread's index among the
-        // three warps, i < 256) is consumer i / 128's thread i % 128, whose 64 codes it converts as
-        // that thread's load() would and stores as four 16-byte fragment registers. Then one arrive
-        // per lane on "empty" (its reads of the panels) and on "converted" (its stores).
-        const int conv_thread = static_cast<int>(threadIdx.x) - 32;
-        W4A8Scheduler<kBM, kTileN> scheduler(p);
-        W4A8Tile tile;
-        W4A8Pipe pipe;
-        while (scheduler.next(tile, p)) {
-#pragma unroll 1
-          for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-            ptx::mbar_wait(full_bar + 8 * pipe.stage, pipe.phase);
-            const std::uint32_t w_stage = smem_w + pipe.stage * kWStride;
-            const std::uint32_t f_stage = smem_slot + pipe.stage * kSlotStride;
-#pragma unroll 1
-            for (int item = conv_thread; item < kConsumers * 128; item += 96) {
-              const int c = item / 128, t = item % 128;
-              const std::uint32_t src = w_stage + static_cast<std::uint32_t>(c * w4a8::kPanelBytes + t * 16);
-              const uint4 v0 = ptx::ld_shared_v4(src);
-              const uint4 v1 = ptx::ld_shared_v4(src + 2048);
-              const std::uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-              const std::uint32_t dst =
-                  f_stage + static_cast<std::uint32_t>(c * 4 * Traits::kFragBytes + t * 16);
-#pragma unroll
-              for (int step = 0; step < 4; ++step) {
-                std::uint32_t f[4];
-                w4a8_convert8<true>(words[2 * step], f[0], f[1]);
-                w4a8_convert8<true>(words[2 * step + 1], f[2], f[3]);
-                ptx::st_shared_v4(dst + step * Traits::kFragBytes, f[0], f[1], f[2], f[3]);
-              }
-            }
-            ptx::mbar_arrive_warp(empty_bar + 8 * pipe.stage);
-            ptx::mbar_arrive_warp(offset_bar + 8 * pipe.stage);
-            pipe.advance(stages);
-          }
-        }
-      }
-    }
     if constexpr (Traits::kOffsetWarp) {
       if (warp == 1) {
         // ---------------------------------------------------------- the offset warp
@@ -648,11 +590,6 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     const auto hold = [&](std::uint32_t v) { return kHoldAddresses ? __shfl_sync(0xffffffffu, v, lane) : v; };
     const std::uint32_t w_thread =
         hold(smem_w + static_cast<std::uint32_t>(consumer) * w4a8::kPanelBytes + t * 16);
-    // (kConverter) this thread's first fragment register in stage 0's fragment slot.
-    [[maybe_unused]] const std::uint32_t f_thread =
-        Traits::kConverter
-            ? hold(smem_slot + static_cast<std::uint32_t>(consumer * 4 * Traits::kFragBytes + t * 16))
-            : 0u;
     const std::uint32_t s_thread =
         hold(smem_s + static_cast<std::uint32_t>(consumer) * w4a8::kPanelScaleBytes +
              w4a8::kScaleBytes * row_in_panel);
@@ -693,26 +630,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       w4a8_convert8<Traits::kSigned>(v1.w, frag[B][3][2], frag[B][3][3]);
     };
     const auto load = [&](auto b, const W4A8Pipe& at) {
-      if constexpr (Traits::kConverter) {
-        // The converter warps' fragments (the stage's activation tile has landed too: "full" is
-        // waited for first, as the wgmma reads it).
-        constexpr int B = decltype(b)::value;
-        ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
-        ptx::mbar_wait(offset_bar + 8 * at.stage, at.phase);
-        const std::uint32_t f_addr = f_thread + at.stage * kSlotStride;
-#pragma unroll
-        for (int step = 0; step < 4; ++step) {
-          const uint4 v = ptx::ld_shared_v4(f_addr + step * Traits::kFragBytes);
-          frag[B][step][0] = v.x;
-          frag[B][step][1] = v.y;
-          frag[B][step][2] = v.z;
-          frag[B][step][3] = v.w;
-        }
-      } else {
-        uint4 v0, v1;
-        fetch(at, v0, v1);
-        convert(b, v0, v1);
-      }
+      uint4 v0, v1;
+      fetch(at, v0, v1);
+      convert(b, v0, v1);
     };
     // Issues the K block in frag[B] against its activation tile (position `at`; the wide tile: the
     // tile's 128-row wave W) into part[P].
@@ -955,21 +875,15 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           } else {
             ++kb;
           }
-          [[maybe_unused]] uint4 v0{}, v1{};
-          if constexpr (!Traits::kConverter) {
-            if (more) fetch(pipe, v0, v1);
-          }
+          uint4 v0{}, v1{};
+          if (more) fetch(pipe, v0, v1);
           ptx::wgmma_wait<0>();
           fold_scaled(I0{}, cur, last, I1{}, scales);
           if (ends) {
             epilogue(tile);
             tile = ld_tile;
           }
-          if constexpr (Traits::kConverter) {
-            if (more) load(Other{}, pipe);
-          } else {
-            if (more) convert(Other{}, v0, v1);
-          }
+          if (more) convert(Other{}, v0, v1);
         } else {
           issue(b, I0{}, cur, I0{});
           if (ends) {

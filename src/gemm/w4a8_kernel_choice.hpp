@@ -64,9 +64,6 @@ struct W4A8KernelChoice {
                            // (masked decode tiles, block_m <= 32, when the call has a workspace)
   int signed_codes = 0;    // version 3: 1 = the converter writes e4m3(v · 2^-9), no offset term
                            // (W4A8SmemTraits::kSigned); the only way to 128 x 256 with two waves
-  int converter = 0;       // version 2 with signed_codes and block_m 256: 1 = warps 1-3 of the producer
-                           // warpgroup convert the codes into fragments in shared memory, not the
-                           // consumers (W4A8Traits::kConverter)
 };
 
 // The choice of an automatic call (masked: by expected_m; contiguous: by the average rows per group,

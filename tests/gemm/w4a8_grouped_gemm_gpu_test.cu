@@ -129,8 +129,6 @@ constexpr cuda::W4A8KernelChoice kTall{
 // 128-row waves against each consumer's converted weights; contiguous only) and 128 x 128.
 constexpr cuda::W4A8KernelChoice kV2Wide{.version = 2, .block_m = 256, .signed_codes = 1};
 constexpr cuda::W4A8KernelChoice kV2Signed128{.version = 2, .block_m = 128, .signed_codes = 1};
-// The wide tile with the producer warpgroup's converter warps (W4A8Traits::kConverter).
-constexpr cuda::W4A8KernelChoice kV2WideCw{.version = 2, .block_m = 256, .signed_codes = 1, .converter = 1};
 // Two partials on the 32-row four-consumer tile, with one and two K blocks per stage.
 constexpr cuda::W4A8KernelChoice kP2{.version = 2, .parts = 2};
 constexpr cuda::W4A8KernelChoice kK2P2{.version = 2, .stage_k_blocks = 2, .parts = 2};
@@ -620,10 +618,6 @@ INSTANTIATE_TEST_SUITE_P(
         ContiguousCase{
             "N640_K1152_odd_k_blocks_holes_v2_wide_m256", {5, 130, 0, 33, 260}, 640, 1152, 1, true, kV2Wide},
         ContiguousCase{"N1536_K2048_one_block_v2_wide_m256", {77}, 1536, 2048, 0, false, kV2Wide},
-        ContiguousCase{"N4096_K7168_v2_wide_cw", {300, 0, 520, 129}, 4096, 7168, 1, false, kV2WideCw},
-        ContiguousCase{
-            "N640_K1152_odd_k_blocks_holes_v2_wide_cw", {5, 130, 0, 33, 260}, 640, 1152, 1, true, kV2WideCw},
-        ContiguousCase{"N1536_K2048_one_block_v2_wide_cw", {77}, 1536, 2048, 0, false, kV2WideCw},
         ContiguousCase{
             "N640_K2048_holes_v2_signed_m128", {5, 17, 0, 128, 1, 90}, 640, 2048, 1, true, kV2Signed128},
         // The automatic choice on groups of >= 1024 rows on average: v2's wide tile.

@@ -435,9 +435,6 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
                         "signed_codes");
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .row_sums = 1, .signed_codes = 1}); },
                         "signed_codes");
-  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .block_m = 256, .signed_codes = 1, .converter = 1}));
-  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .block_m = 256, .converter = 1}); },
-                        "converter");
   cuda::w4a8_pin_kernel({});
   // The offset-binary two-wave tile does not exist.
   expect_error_mentions(
