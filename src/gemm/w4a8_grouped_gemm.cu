@@ -500,12 +500,14 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
   // contiguous row (128 x 256 with two waves where N allows); the 64 x 256 masked tile (expected_m
   // 25..64) was 5-9% slower with it and keeps the codes' offset term (session 23, bench/NOTES.md).
   const bool signed_codes = !masked || expected_m > 64;
-  // Contiguous groups of >= 1024 rows on average: v2's wide tile (256 activation rows x 128 weight rows,
-  // signed codes converted in the consumers' registers, per-row scales), 13-14% faster than v3's tall
-  // tile on the 8 x 4096 and 4 x 8192 rows and 6-11% faster than 128 x 256 on 32 x 1024 (session 25,
-  // bench/NOTES.md). Smaller groups keep v3's 128 x 256: a group starting at an odd 128-row block
-  // costs a 256-row tile two half tiles.
-  if (!masked && expected_m >= 1024) return W4A8KernelChoice{.version = 2, .block_m = 256, .signed_codes = 1};
+  // Contiguous: v2 with signed codes (converted in the consumers' registers, per-row scales), faster
+  // than v3 on every contiguous row in session 25 (bench/NOTES.md): groups of >= 1024 rows on average
+  // take its wide tile (256 activation rows x 128 weight rows: 8 x 4096 1109-1111 TFLOP/s at
+  // 4096 x 7168 against v3's tall tile at 929-937), smaller groups its 128 x 128 tile (a group starting
+  // at an odd 128-row block costs a 256-row tile two half tiles; 128 x 128 groups: 1530 against v3's
+  // 128 x 256 at 1671 us at 4096 x 7168).
+  if (!masked)
+    return W4A8KernelChoice{.version = 2, .block_m = expected_m >= 1024 ? 256 : 128, .signed_codes = 1};
   return resolve_v3(W4A8KernelChoice{.version = 3, .signed_codes = signed_codes ? 1 : 0}, masked, expected_m,
                     n);
 }

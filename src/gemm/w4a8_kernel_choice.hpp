@@ -5,7 +5,8 @@
 //   version 2: the register-operand kernel (w4a8_grouped_gemm_kernel.cuh), tile by
 //              w4a8_gemm_tile() unless options.block_m / options.consumers are given;
 //   version 3: weights converted to e4m3 in shared memory (w4a8_smem_gemm_kernel.cuh; the automatic
-//              choice's 128-row tiles with signed_codes = 1 since session 23), tiles of
+//              choice's 128-row tiles with signed_codes = 1 since session 23, masked only since
+//              session 25), tiles of
 //              block_m (64 or 128) activation rows x block_n (128 or 256) weight columns, each
 //              consumer warpgroup owning 64 rows x 128 waves columns; or the tall tile (block_m = 256,
 //              block_n = 128, waves = 2, signed_codes = 1, contiguous only: each consumer 128 rows as
@@ -29,8 +30,9 @@
 //              (version 2, block_m 128 or 256, 0: 256 contiguous, 128 masked; no offset warp, row sums,
 //              second partial or K blocks per stage): the consumers convert the signed values in
 //              registers; block_m = 256 is v2's wide tile (contiguous only): each consumer's converted
-//              64 weight rows of a K block feed two 128-row waves of activations (the automatic
-//              choice for contiguous groups of >= 1024 rows on average since session 25).
+//              64 weight rows of a K block feed two 128-row waves of activations. The automatic
+//              choice for the contiguous layout since session 25: the wide tile for groups of >= 1024
+//              rows on average, else 128 x 128.
 //   row_sums = 1 (version 2, no offset warp): on the masked decode tiles (block_m <= 32) of a call with
 //              options.workspace, a pre-pass kernel sums each activation row per K block and the GEMM's
 //              producer copies the sums in with each stage (W4A8Traits::kOffsetSums); without a

@@ -401,9 +401,8 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 16, 4096, 7168), 2, 0, 0));
   EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 24, 7168, 2048), 2, 0, 0));
   EXPECT_EQ(cuda::w4a8_kernel_choice(true, 32, 4096, 7168).version, 3);
-  EXPECT_EQ(cuda::w4a8_kernel_choice(false, 0, 4096, 7168).version, 3);
-  // v3's 128-row tiles run the signed conversion: 128 x 256 with two waves where N allows, 128 x 128
-  // elsewhere; the masked 64 x 256 tile keeps the offset-binary codes.
+  // Masked, v3's 128-row tiles run the signed conversion: 128 x 256 with two waves where N allows,
+  // 128 x 128 elsewhere; the masked 64 x 256 tile keeps the offset-binary codes.
   const auto expect_v3 = [](const cuda::W4A8KernelChoice& c, int block_m, int block_n, int waves,
                             int signed_codes) {
     EXPECT_EQ(c.version, 3);
@@ -412,15 +411,14 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
     EXPECT_EQ(c.waves, waves);
     EXPECT_EQ(c.signed_codes, signed_codes);
   };
-  expect_v3(cuda::w4a8_kernel_choice(false, 0, 4096, 7168), 128, 256, 2, 1);
-  expect_v3(cuda::w4a8_kernel_choice(false, 0, 640, 2048), 128, 128, 1, 1);
-  // Contiguous groups of >= 1024 rows on average (the hint: M / groups): v2's wide tile.
-  expect_v3(cuda::w4a8_kernel_choice(false, 1023, 4096, 7168), 128, 256, 2, 1);
-  for (const std::int64_t m : {1024, 4096}) {
-    const cuda::W4A8KernelChoice wide = cuda::w4a8_kernel_choice(false, m, 7168, 2048);
-    EXPECT_EQ(wide.version, 2);
-    EXPECT_EQ(wide.block_m, 256);
-    EXPECT_EQ(wide.signed_codes, 1);
+  // Contiguous: v2 with signed codes, its wide tile for groups of >= 1024 rows on average (the hint:
+  // M / groups), else 128 x 128.
+  for (const auto& [m, block_m] :
+       {std::pair<std::int64_t, int>{0, 128}, {1023, 128}, {1024, 256}, {4096, 256}}) {
+    const cuda::W4A8KernelChoice c = cuda::w4a8_kernel_choice(false, m, 7168, 2048);
+    EXPECT_EQ(c.version, 2);
+    EXPECT_EQ(c.block_m, block_m);
+    EXPECT_EQ(c.signed_codes, 1);
   }
   expect_v3(cuda::w4a8_kernel_choice(true, 4096, 7168, 2048), 128, 256, 2, 1);
   expect_v3(cuda::w4a8_kernel_choice(true, 40, 4096, 7168), 64, 256, 1, 0);
