@@ -59,6 +59,10 @@
 namespace epmoe::kernels {
 
 inline constexpr int kW4SmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
+// The wide tile's pair table (w4a8_build_pair_table): up to 4095 128-row blocks (M <= 524160 rows;
+// longer calls pair the blocks from block 0).
+inline constexpr int kW4PairTableMaxBlocks = 4095;
+inline constexpr int kW4PairTableBytes = 4 * (1 + kW4PairTableMaxBlocks);
 
 // Where the codes' offset term comes from (W4A8Traits below).
 inline constexpr int kW4OffsetWgmma = 0;  // the consumers' wgmma (constant-operand SS, or kRowOffset)
@@ -128,10 +132,14 @@ struct W4A8Traits {
   static constexpr int kRowOffsetBytes = kRowOffset ? kConsumers * 2 * kBM * 4 : 0;
   static constexpr int kSlotBytes = kSlot ? kBM * 4 : 0;         // per K block
   static constexpr int kBarBytes = kOffsetWarp ? 3 * 8 : 2 * 8;  // per stage: full, empty (, offset)
-  static constexpr int kStages = std::min(16, (kW4SmemBudget - 1024 - kOffsetBytes - kRowOffsetBytes) /
-                                                  (kStageBytes + kStageKB * kSlotBytes + kBarBytes));
-  static constexpr int kSmemBytes =
-      1024 + kOffsetBytes + kRowOffsetBytes + kStages * (kStageBytes + kStageKB * kSlotBytes + kBarBytes);
+  // The wide tile's pair table (w4a8_build_pair_table), after the barriers.
+  static constexpr int kPairTableBytes = kBM == 256 ? kW4PairTableBytes : 0;
+  static constexpr int kStages =
+      std::min(16, (kW4SmemBudget - 1024 - kOffsetBytes - kRowOffsetBytes - kPairTableBytes) /
+                       (kStageBytes + kStageKB * kSlotBytes + kBarBytes));
+  static constexpr int kSmemBytes = 1024 + kOffsetBytes + kRowOffsetBytes +
+                                    kStages * (kStageBytes + kStageKB * kSlotBytes + kBarBytes) +
+                                    kPairTableBytes;
   static constexpr int kAcc = kBM / 2;  // f32 accumulator registers per thread (m64 x kBM)
   // setmaxnreg: the registers given up by the producer warpgroup go to the consumers (the totals
   // equal the launch allocation: 384 x 168 and 640 x 96). With the offset warp and two consumers,
@@ -193,12 +201,85 @@ struct W4A8Tile {
   std::int32_t row_end;  // rows >= row_end are never valid
 };
 
+// The pairs of 128-row blocks that 256-row contiguous tiles cover, aligned to each group's first
+// block (a CTA-local table in shared memory, built by every CTA before its warps take their roles):
+// word 0 the pair count (-1: no table, the scheduler pairs blocks 2u and 2u + 1 instead), then one word
+// per pair: its first block (bits 0-15), its group (bits 16-30), bit 31 set when the pair is that
+// block alone (the group's last block, with an odd block count). With groups of ~1024 rows, pairing
+// from block 0 splits about one pair in eight between two groups, each half then a full-cost tile.
+
+// Builds the table at `table` (all threads of the CTA; `scratch`: 4 bytes per block of shared memory
+// not in use yet). Ends with __syncthreads().
+__device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t table,
+                                             std::uint32_t scratch) {
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const int warps = static_cast<int>(blockDim.x / 32);
+  const std::int32_t blocks = (p.rows + 127) / 128;
+  if (blocks > kW4PairTableMaxBlocks || p.groups > 32767) {
+    if (threadIdx.x == 0) ptx::st_shared_u32(table, 0xffffffffu);
+    __syncthreads();
+    return;
+  }
+  // Each block's group (-1: padding only, or out of range) from its first row; a block whose first
+  // row is padding (holes, all-padding blocks) takes the largest id of its rows.
+  for (std::int32_t b0 = warp * 32; b0 < blocks; b0 += warps * 32) {
+    const std::int32_t b = b0 + lane;
+    std::int32_t g = b < blocks ? __ldg(p.m_indices + 128 * b) : 0;
+    for (unsigned need = __ballot_sync(0xffffffffu, g < 0); need != 0; need &= need - 1) {
+      const std::int32_t row0 = 128 * (b0 + __ffs(need) - 1);
+      std::int32_t gb = -1;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const std::int32_t row = row0 + 32 * i + lane;
+        if (row < p.rows) gb = max(gb, __ldg(p.m_indices + row));
+      }
+      gb = __reduce_max_sync(0xffffffffu, gb);
+      if (lane == __ffs(need) - 1) g = gb;
+    }
+    if (b < blocks) ptx::st_shared_u32(scratch + 4 * b, static_cast<std::uint32_t>(g < p.groups ? g : -1));
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // Runs of equal groups; a pair starts at each run's first block and every second block after it.
+    std::int32_t carry_start = 0, carry_group = -2, pairs = 0;
+    for (std::int32_t b0 = 0; b0 < blocks; b0 += 32) {
+      const std::int32_t b = b0 + lane;
+      const std::int32_t g = b < blocks ? ptx::ld_shared_s32(scratch + 4 * b) : -1;
+      std::int32_t before = __shfl_up_sync(0xffffffffu, g, 1);
+      if (lane == 0) before = carry_group;
+      std::int32_t after = __shfl_down_sync(0xffffffffu, g, 1);
+      if (lane == 31) after = b + 1 < blocks ? ptx::ld_shared_s32(scratch + 4 * (b + 1)) : -1;
+      // This block's run start: the largest run start at or before it (an inclusive max-scan).
+      std::int32_t start = g != before ? b : carry_start;
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const std::int32_t v = __shfl_up_sync(0xffffffffu, start, o);
+        if (lane >= o) start = max(start, v);
+      }
+      const bool first = b < blocks && g >= 0 && ((b - start) & 1) == 0;
+      const unsigned firsts = __ballot_sync(0xffffffffu, first);
+      if (first) {
+        const std::uint32_t alone = after == g ? 0u : 0x80000000u;
+        ptx::st_shared_u32(table + 4 * (1 + pairs + __popc(firsts & ((1u << lane) - 1u))),
+                           static_cast<std::uint32_t>(b) | (static_cast<std::uint32_t>(g) << 16) | alone);
+      }
+      pairs += __popc(firsts);
+      carry_start = __shfl_sync(0xffffffffu, start, 31);
+      carry_group = __shfl_sync(0xffffffffu, g, 31);
+    }
+    if (lane == 0) ptx::st_shared_u32(table, static_cast<std::uint32_t>(pairs));
+  }
+  __syncthreads();
+}
+
 // The static persistent schedule (tile t goes to CTA t mod gridDim.x). next() is warp-collective
 // for the contiguous layout (a block's m_indices are reduced over the warp).
 template <int kBM, int kTileN>
 class W4A8Scheduler {
  public:
-  __device__ explicit W4A8Scheduler(const W4A8Params& p) : t_(static_cast<std::int32_t>(blockIdx.x)) {
+  // pair_table: 256-row tiles' w4a8_build_pair_table result (0: none, pairs from block 0).
+  __device__ explicit W4A8Scheduler(const W4A8Params& p, std::uint32_t pair_table = 0)
+      : t_(static_cast<std::int32_t>(blockIdx.x)), pair_table_(pair_table) {
     if (p.masked_m != nullptr) load_segment(p);
   }
 
@@ -230,6 +311,18 @@ class W4A8Scheduler {
   // odd block costs two half tiles instead of one.)
   __device__ bool next_contiguous_pairs(W4A8Tile& tile, const W4A8Params& p) {
     const std::int32_t n_tiles = p.n / kTileN;
+    const std::int32_t pairs = pair_table_ != 0 ? ptx::ld_shared_s32(pair_table_) : -1;
+    if (pairs >= 0) {
+      if (t_ >= pairs * n_tiles) return false;
+      const std::int32_t t = t_;
+      t_ += static_cast<std::int32_t>(gridDim.x);
+      const std::int32_t u = t / n_tiles;
+      const auto e = static_cast<std::uint32_t>(ptx::ld_shared_s32(pair_table_ + 4 * (1 + u)));
+      const std::int32_t row0 = 128 * static_cast<std::int32_t>(e & 0xffffu);
+      tile = W4A8Tile{static_cast<std::int32_t>((e >> 16) & 0x7fffu), t - u * n_tiles, row0,
+                      (e >> 31) != 0 ? min(row0 + 128, p.rows) : p.rows};
+      return true;
+    }
     for (;;) {
       const bool second = second_pending_;
       if (!second && t_ >= p.total_tiles) return false;
@@ -301,6 +394,7 @@ class W4A8Scheduler {
   }
 
   std::int32_t t_;
+  std::uint32_t pair_table_;
   bool second_pending_ = false;  // (256-row contiguous tiles) the pair's second block is next
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
 };
@@ -374,6 +468,8 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
   const std::uint32_t full_bar = smem_slot + kStages * kSlotStride;  // kStages x 8 bytes
   const std::uint32_t empty_bar = full_bar + kStages * 8;            // kStages x 8 bytes
   const std::uint32_t offset_bar = empty_bar + kStages * 8;          // kOffsetWarp: kStages x 8 bytes
+  const std::uint32_t pair_table =
+      full_bar + kStages * Traits::kBarBytes;  // kBM = 256: w4a8_build_pair_table
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -395,6 +491,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
   if (threadIdx.x == 32) ptx::prefetch_tensormap(&tma_a);
   for (int i = static_cast<int>(threadIdx.x); i < Traits::kOffsetBytes / 4; i += Traits::kThreads)
     ptx::st_shared_u32(smem_offset + 4 * i, w4a8::kOffsetE4m3x4);
+  // (The wide tile's pair table, with the activation ring as its scratch: the fence below orders
+  // those writes before the ring's first copies.)
+  if constexpr (kBM == 256) w4a8_build_pair_table(p, pair_table, smem_a);
   ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (the async proxy)
   __syncthreads();
 
@@ -402,7 +501,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     // ------------------------------------------------------------ producer warpgroup (warp 0 works)
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
     if (warp == 0) {
-      W4A8Scheduler<kBM, kTileN> scheduler(p);
+      W4A8Scheduler<kBM, kTileN> scheduler(p, kBM == 256 ? pair_table : 0u);
       W4A8Tile tile;
       W4A8Pipe pipe;
       const std::int64_t n_panels = p.n / w4a8::kPanelRows;
@@ -564,7 +663,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     const int g = lane / 4, q = lane % 4;
     const int row_in_panel = warp_in_group * 16 + g;  // and + 8
 
-    W4A8Scheduler<kBM, kTileN> scheduler(p);
+    W4A8Scheduler<kBM, kTileN> scheduler(p, kBM == 256 ? pair_table : 0u);
     float acc[kAcc];
     // Partial accumulators: two (the next K block's wgmma runs while the last one is folded) where
     // the registers allow, else one (with four consumers, 112 registers, 32 x 256 tiles spilled 4
