@@ -304,11 +304,12 @@ class W4A8Scheduler {
     return __reduce_max_sync(0xffffffffu, g);
   }
 
-  // Contiguous, 256-row tiles (v3's tall tile): unit t is a pair of 128-row blocks. A pair whose two
-  // blocks belong to one group is one tile; otherwise each block with a group is a tile of its own
-  // (row_end - row0 <= 128: the consumers store one 64-row wave each), the second one on the next call.
-  // (Groups are padded to 128 rows, so a block never holds two groups' rows; a group starting at an
-  // odd block costs two half tiles instead of one.)
+  // Contiguous, 256-row tiles (v2's wide tile, v3's tall tile). With a pair table (the wide tile): unit
+  // t is the table's pair t / n_tiles. Without one: unit t is the pair of 128-row blocks 2u, 2u + 1; a
+  // pair whose two blocks belong to one group is one tile; otherwise each block with a group is a tile
+  // of its own (row_end - row0 <= 128: half tiles, whose second 128 rows nobody stores), the second one
+  // on the next call. (Groups are padded to 128 rows, so a block never holds two groups' rows; without
+  // the table a group starting at an odd block costs two half tiles instead of one.)
   __device__ bool next_contiguous_pairs(W4A8Tile& tile, const W4A8Params& p) {
     const std::int32_t n_tiles = p.n / kTileN;
     const std::int32_t pairs = pair_table_ != 0 ? ptx::ld_shared_s32(pair_table_) : -1;
