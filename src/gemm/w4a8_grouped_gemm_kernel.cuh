@@ -780,19 +780,18 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       }
       ptx::wgmma_commit();
     };
-    // After the wgmma into part[P] completed: reads the scales of the block at `at`, frees its stage
-    // if it was the stage's last block (`last`) and folds part[P]. (The scales are read here, not
-    // with the codes: two registers less across the K loop.)
-    // The wide tile folds its waves in turn into acc[kWaveAcc W ..] (both: this thread's two weight rows'
-    // scales).
-    // This thread's two weight rows' scales of the block at `at`.
+    // This thread's two weight rows' scales of the block at `at`. (Read at the fold, not with the
+    // codes: two registers less across the K loop; the wide tile reads them once per K block, right
+    // after issuing its first wave, for both folds.)
     const auto block_scales = [&](const W4A8Pipe& at) {
       const int sub = kStageKB == 1 ? 0 : at.sub;
       const std::uint32_t s_addr = s_thread + at.stage * kSStride + sub * Traits::kSBytes;
       return float2{ptx::ld_shared_bf16_as_f32(s_addr),
                     ptx::ld_shared_bf16_as_f32(s_addr + w4a8::kScaleBytes * 8)};
     };
-    // (The wide tile reads the scales once, before its first wave's wait, and passes them to both folds.)
+    // After the wgmma into part[P] completed: frees the stage of the block at `at` if it was the stage's
+    // last block (`last`) and folds part[P] into acc (the wide tile: into wave W's accumulators,
+    // acc[kWaveAcc W ..]) with `scales`.
     const auto fold_scaled = [&](auto pp, const W4A8Pipe& at, bool last, auto wave, float2 scales) {
       constexpr int P = decltype(pp)::value, W0 = decltype(wave)::value * kWaveAcc;
       const int stage = at.stage;
