@@ -213,9 +213,11 @@ void launch_v2_signed(int block_m, const TensorView& a, const Problem& problem,
   launch<128, 2, kNone, 1>(a, problem, options, stream);
 }
 
-// Fills the zeros of a version-2 signed choice (the wide tile for contiguous calls) and checks it.
-W4A8KernelChoice resolve_v2_signed(W4A8KernelChoice c, bool masked, std::int64_t n) {
-  if (c.block_m == 0) c.block_m = masked ? 128 : 256;
+// Fills the zeros of a version-2 signed choice and checks it: the wide tile for contiguous groups of
+// >= 1024 rows on average (expected_m: M / groups), else 128 x 128 (a group starting at an odd
+// 128-row block costs a 256-row tile a half tile; session 25, bench/NOTES.md).
+W4A8KernelChoice resolve_v2_signed(W4A8KernelChoice c, bool masked, std::int64_t expected_m, std::int64_t n) {
+  if (c.block_m == 0) c.block_m = !masked && expected_m >= 1024 ? 256 : 128;
   EPMOE_CHECK(c.block_m == 128 || c.block_m == 256,
               "the W4A8 register-operand kernel with signed codes has block_m = 128 or 256, got {}",
               c.block_m);
@@ -332,7 +334,8 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
   if (c.signed_codes != 0)
-    return launch_v2_signed(resolve_v2_signed(c, masked, problem.params.n).block_m, a, with, options, stream);
+    return launch_v2_signed(resolve_v2_signed(c, masked, problem.expected_m, problem.params.n).block_m, a,
+                            with, options, stream);
   constexpr int kWgmma = kernels::kW4OffsetWgmma, kWarp = kernels::kW4OffsetWarp;
   if (c.offset_warp != 0) {
     if (c.stage_k_blocks == 2) return launch<kWarp, 2>(tile, c.parts, a, with, options, stream);
@@ -501,13 +504,12 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
   // 25..64) was 5-9% slower with it and keeps the codes' offset term (session 23, bench/NOTES.md).
   const bool signed_codes = !masked || expected_m > 64;
   // Contiguous: v2 with signed codes (converted in the consumers' registers, per-row scales), faster
-  // than v3 on every contiguous row in session 25 (bench/NOTES.md): groups of >= 1024 rows on average
-  // take its wide tile (256 activation rows x 128 weight rows: 8 x 4096 1109-1111 TFLOP/s at
-  // 4096 x 7168 against v3's tall tile at 929-937), smaller groups its 128 x 128 tile (a group starting
-  // at an odd 128-row block costs a 256-row tile two half tiles; 128 x 128 groups: 1530 against v3's
-  // 128 x 256 at 1671 us at 4096 x 7168).
+  // than v3 on every contiguous row in session 25 (bench/NOTES.md): its wide tile (256 activation rows
+  // x 128 weight rows: 8 x 4096 1109-1111 TFLOP/s at 4096 x 7168 against v3's tall tile at 929-937)
+  // or its 128 x 128 tile (128 x 128 groups: 1530 against v3's 128 x 256 at 1671 us), by
+  // resolve_v2_signed.
   if (!masked)
-    return W4A8KernelChoice{.version = 2, .block_m = expected_m >= 1024 ? 256 : 128, .signed_codes = 1};
+    return resolve_v2_signed(W4A8KernelChoice{.version = 2, .signed_codes = 1}, masked, expected_m, n);
   return resolve_v3(W4A8KernelChoice{.version = 3, .signed_codes = signed_codes ? 1 : 0}, masked, expected_m,
                     n);
 }

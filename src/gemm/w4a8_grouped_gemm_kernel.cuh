@@ -201,6 +201,20 @@ struct W4A8Tile {
   std::int32_t row_end;  // rows >= row_end are never valid
 };
 
+// The group of the kRows-row block at row0 (contiguous layout): the largest id of its rows (-1:
+// padding only). Warp-collective.
+template <int kRows>
+__device__ __forceinline__ std::int32_t w4a8_block_group(const W4A8Params& p, std::int32_t row0) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  std::int32_t g = -1;
+#pragma unroll
+  for (int i = 0; i * 32 < kRows; ++i) {
+    const std::int32_t row = row0 + i * 32 + lane;
+    if (i * 32 + lane < kRows && row < p.rows) g = max(g, __ldg(p.m_indices + row));
+  }
+  return __reduce_max_sync(0xffffffffu, g);
+}
+
 // The pairs of 128-row blocks that 256-row contiguous tiles cover, aligned to each group's first
 // block (a CTA-local table in shared memory, built by every CTA before its warps take their roles):
 // word 0 the pair count (-1: no table, the scheduler pairs blocks 2u and 2u + 1 instead), then one word
@@ -226,14 +240,7 @@ __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t 
     const std::int32_t b = b0 + lane;
     std::int32_t g = b < blocks ? __ldg(p.m_indices + 128 * b) : 0;
     for (unsigned need = __ballot_sync(0xffffffffu, g < 0); need != 0; need &= need - 1) {
-      const std::int32_t row0 = 128 * (b0 + __ffs(need) - 1);
-      std::int32_t gb = -1;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const std::int32_t row = row0 + 32 * i + lane;
-        if (row < p.rows) gb = max(gb, __ldg(p.m_indices + row));
-      }
-      gb = __reduce_max_sync(0xffffffffu, gb);
+      const std::int32_t gb = w4a8_block_group<128>(p, 128 * (b0 + __ffs(need) - 1));
       if (lane == __ffs(need) - 1) g = gb;
     }
     if (b < blocks) ptx::st_shared_u32(scratch + 4 * b, static_cast<std::uint32_t>(g < p.groups ? g : -1));
@@ -290,20 +297,6 @@ class W4A8Scheduler {
   }
 
  private:
-  // The group of the kRows-row block at row0 (contiguous layout): the largest id of its rows (-1:
-  // padding only). Warp-collective.
-  template <int kRows>
-  __device__ std::int32_t block_group(const W4A8Params& p, std::int32_t row0) const {
-    const int lane = static_cast<int>(threadIdx.x % 32);
-    std::int32_t g = -1;
-#pragma unroll
-    for (int i = 0; i * 32 < kRows; ++i) {
-      const std::int32_t row = row0 + i * 32 + lane;
-      if (i * 32 + lane < kRows && row < p.rows) g = max(g, __ldg(p.m_indices + row));
-    }
-    return __reduce_max_sync(0xffffffffu, g);
-  }
-
   // Contiguous, 256-row tiles (v2's wide tile, v3's tall tile). With a pair table (the wide tile): unit
   // t is the table's pair t / n_tiles. Without one: unit t is the pair of 128-row blocks 2u, 2u + 1; a
   // pair whose two blocks belong to one group is one tile; otherwise each block with a group is a tile
@@ -336,7 +329,7 @@ class W4A8Scheduler {
       const std::int32_t m_pair = t / n_tiles;
       const std::int32_t n_tile = t - m_pair * n_tiles;
       const std::int32_t row0 = m_pair * 256, row1 = row0 + 128;
-      const std::int32_t g0 = block_group<128>(p, row0), g1 = block_group<128>(p, row1);
+      const std::int32_t g0 = w4a8_block_group<128>(p, row0), g1 = w4a8_block_group<128>(p, row1);
       const bool ok0 = g0 >= 0 && g0 < p.groups, ok1 = g1 >= 0 && g1 < p.groups;
       if (!second && ok0 && g0 == g1) {
         tile = W4A8Tile{g0, n_tile, row0, p.rows};
@@ -363,7 +356,7 @@ class W4A8Scheduler {
       t_ += static_cast<std::int32_t>(gridDim.x);
       const std::int32_t m_block = t / n_tiles;
       const std::int32_t row0 = m_block * kBM;
-      const std::int32_t g = block_group<kBM>(p, row0);
+      const std::int32_t g = w4a8_block_group<kBM>(p, row0);
       if (g < 0 || g >= p.groups) continue;  // padding only (or ids out of range): nothing to do
       tile = W4A8Tile{g, t - m_block * n_tiles, row0, p.rows};
       return true;

@@ -27,7 +27,7 @@
 //   signed_codes = 1 (version 3): the converter writes the weights' signed e4m3 values (11 integer
 //              instructions per 8 weights instead of 3) and the consumers drop the codes' offset term;
 //              128 x 256 tiles then run with two 128-column waves per consumer (waves = 2).
-//              (version 2, block_m 128 or 256, 0: 256 contiguous, 128 masked; no offset warp, row sums,
+//              (version 2, block_m 128 or 256, 0: as the automatic choice; no offset warp, row sums,
 //              second partial or K blocks per stage): the consumers convert the signed values in
 //              registers; block_m = 256 is v2's wide tile (contiguous only): each consumer's converted
 //              64 weight rows of a K block feed two 128-row waves of activations. The automatic
