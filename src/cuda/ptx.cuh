@@ -152,4 +152,14 @@ __device__ __forceinline__ std::uint16_t float2_to_e4m3x2(float a, float b) {
   return static_cast<std::uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
 }
 
+// ---------------------------------------------------------------- register fragments
+// Transposes an 8 x 8 matrix of 16-bit values held by the warp as an mma fragment (lane l: row l / 4,
+// columns 2 (l % 4) and + 1, one 32-bit register): afterwards lane l holds row l / 4 of the
+// transpose. Warp-collective (movmatrix.sync.aligned, sm_75+).
+__device__ __forceinline__ std::uint32_t movmatrix_trans_b16(std::uint32_t v) {
+  std::uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(v));
+  return r;
+}
+
 }  // namespace epmoe::ptx

@@ -855,37 +855,57 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     const auto fold = [&](auto pp, const W4A8Pipe& at, bool last, auto wave) {
       fold_scaled(pp, at, last, wave, block_scales(at));
     };
+    // The wide tile's epilogue, one 128-row wave at a time: acc[4 j + 2 h + e] is
+    // D^T[n0 + 8 h, 8 j + 2 q + e]; packed to bf16 pairs, (j, h) is one 8 x 8 fragment of the warp,
+    // which movmatrix transposes, so that lane (g, q) then holds D[8 j + g, n_w + 8 h + 2 q, + 1] (n_w:
+    // the warp's first weight row): one 4-byte store, no shuffle and no lane-parity selects. Which
+    // rows are valid: 4 ballots of 32 rows, read first. Clears the wave's accumulators. (Run under
+    // this consumer's own wgmma, i.e. with the partial and a fragment in flight, either wave spilled.)
+    [[maybe_unused]] const auto store_wave = [&](auto wave, const W4A8Tile& done) {
+      constexpr int W = decltype(wave)::value;
+      std::uint32_t valid[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const std::int32_t row = done.row0 + 128 * W + 32 * i + lane;
+        valid[i] = __ballot_sync(0xffffffffu, row < done.row_end && __ldg(p.m_indices + row) == done.group);
+      }
+      const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
+      __nv_bfloat16* const out = p.d + static_cast<std::int64_t>(done.row0 + g) * p.n + done.n_tile * kTileN +
+                                 consumer * w4a8::kPanelRows + warp_in_group * 16 + 2 * q;
+#pragma unroll
+      for (int jj = 0; jj < kAcc / 8; ++jj) {
+        const int j = kAcc / 8 * W + jj;
+        const bool ok = ((valid[jj / 4] >> (8 * (jj % 4) + g)) & 1u) != 0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const std::uint32_t pair = ptx::movmatrix_trans_b16(
+              w4a8_pack_bf16x2(acc[4 * j + 2 * h] * a_scale, acc[4 * j + 2 * h + 1] * a_scale));
+          if (ok) *reinterpret_cast<std::uint32_t*>(out + static_cast<std::int64_t>(8 * j) * p.n + 8 * h) = pair;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[4 * j + e] = 0.0f;
+      }
+    };
     // Stores the finished tile `done` from acc and clears acc for the next one. acc[4 j + 2 h + e]
     // is D^T[n0 + 8 h, m0 + e] (n0 this thread's weight row, m0 = 8 j + 2 q). Lanes g and g ^ 1
     // (lane ^ 4) hold neighbouring weight rows: after one exchange the even lane holds columns
     // (n, n + 1) of activation row m0 and the odd lane those of m0 + 1. (a_scale and the lane parity
     // are looked up here: registers held across the K loop spill the four-consumer tiles.)
     const auto epilogue = [&](const W4A8Tile& done) {
+      if constexpr (kBM == 256) {
+        store_wave(I0{}, done);
+        store_wave(I1{}, done);
+        return;
+      }
       const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
       const bool odd = (g & 1) != 0;
       const std::int32_t n0 = done.n_tile * kTileN + consumer * w4a8::kPanelRows + row_in_panel;
-      // The wide tile: which of its rows are valid, as 8 ballots of 32 rows, read before the stores
-      // (its 32 m_indices loads, hoisted by ptxas beside 128 accumulators, spilled the consumers).
-      [[maybe_unused]] std::uint32_t valid_rows[kBM == 256 ? 8 : 1];
-      if constexpr (kBM == 256) {
-#pragma unroll
-        for (int i = 0; i < kBM / 32; ++i) {
-          const std::int32_t row = done.row0 + 32 * i + lane;
-          valid_rows[i] =
-              __ballot_sync(0xffffffffu, row < done.row_end && __ldg(p.m_indices + row) == done.group);
-        }
-      }
 #pragma unroll
       for (int j = 0; j < kAcc / 4; ++j) {
         const std::int32_t m = 8 * j + 2 * q + (odd ? 1 : 0);
         const std::int32_t row = done.row0 + m;
-        bool valid;
-        if constexpr (kBM == 256) {
-          valid = ((valid_rows[j / 4] >> (m % 32)) & 1u) != 0;
-        } else {
-          valid = row < done.row_end;
-          if (valid && p.m_indices != nullptr) valid = __ldg(p.m_indices + row) == done.group;
-        }
+        bool valid = row < done.row_end;
+        if (valid && p.m_indices != nullptr) valid = __ldg(p.m_indices + row) == done.group;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float x0 = acc[4 * j + 2 * h] * a_scale, x1 = acc[4 * j + 2 * h + 1] * a_scale;
