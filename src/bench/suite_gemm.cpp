@@ -777,7 +777,12 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     c.ablation = cuda::kW4A8TraceCtas;
     variants.push_back({".w4a8.cta_trace", c});
   }
+  // EPMOE_BENCH_W4A8_LINES=.w4a8,.w4a8.v2.s.m128,...: only the listed W4A8 lines (the FP8 line always
+  // runs: the ratios need it), to spend less device time on A/B runs.
+  const char* lines_env = std::getenv("EPMOE_BENCH_W4A8_LINES");
+  const std::string lines = lines_env != nullptr ? "," + std::string(lines_env) + "," : std::string();
   for (W4A8Variant& v : variants) {
+    if (!lines.empty() && lines.find("," + v.suffix + ",") == std::string::npos) continue;
     if (s.masked) v.options.workspace = w4_workspace.view();
     cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);
     const auto call = [&](cudaStream_t st) {
