@@ -858,26 +858,19 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     // The signed tiles' epilogue (128 x 128, and the wide tile one 128-row wave at a time): acc[4 j + 2 h + e] is
     // D^T[n0 + 8 h, 8 j + 2 q + e]; packed to bf16 pairs, (j, h) is one 8 x 8 fragment of the warp,
     // which movmatrix transposes, so that lane (g, q) then holds D[8 j + g, n_w + 8 h + 2 q, + 1] (n_w:
-    // the warp's first weight row): one 4-byte store, no shuffle and no lane-parity selects. Which
-    // rows are valid: 4 ballots of 32 rows, read first. Clears the wave's accumulators. (Run under
+    // the warp's first weight row): one 4-byte store, no shuffle and no lane-parity selects. `valid`:
+    // the tile's rows' validity, bit r of word i for row 32 i + r. Clears the wave's accumulators. (Run under
     // this consumer's own wgmma, i.e. with the partial and a fragment in flight, either wave spilled.)
-    [[maybe_unused]] const auto store_wave = [&](auto wave, const W4A8Tile& done) {
+    [[maybe_unused]] const auto store_wave = [&](auto wave, const W4A8Tile& done, const std::uint32_t* valid) {
       constexpr int W = decltype(wave)::value;
       constexpr int kJ = kWaveAcc / 4;  // 8-row column blocks per wave (16: called for 128-row waves only)
-      std::uint32_t valid[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const std::int32_t row = done.row0 + 128 * W + 32 * i + lane;
-        valid[i] = __ballot_sync(0xffffffffu, row < done.row_end && (p.m_indices == nullptr ||
-                                                                     __ldg(p.m_indices + row) == done.group));
-      }
       const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
       __nv_bfloat16* const out = p.d + static_cast<std::int64_t>(done.row0 + g) * p.n + done.n_tile * kTileN +
                                  consumer * w4a8::kPanelRows + warp_in_group * 16 + 2 * q;
 #pragma unroll
       for (int jj = 0; jj < kJ; ++jj) {
         const int j = kJ * W + jj;
-        const bool ok = ((valid[jj / 4] >> (8 * (jj % 4) + g)) & 1u) != 0;
+        const bool ok = ((valid[4 * W + jj / 4] >> (8 * (jj % 4) + g)) & 1u) != 0;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const std::uint32_t pair = ptx::movmatrix_trans_b16(
@@ -895,8 +888,16 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     // are looked up here: registers held across the K loop spill the four-consumer tiles.)
     const auto epilogue = [&](const W4A8Tile& done) {
       if constexpr (kBM == 256 || (kBM == 128 && Traits::kSigned)) {
-        store_wave(I0{}, done);
-        if constexpr (kWaves == 2) store_wave(I1{}, done);
+        // (All the tile's validity loads at once: their latency once per tile, not once per wave.)
+        std::uint32_t valid[kBM / 32];
+#pragma unroll
+        for (int i = 0; i < kBM / 32; ++i) {
+          const std::int32_t row = done.row0 + 32 * i + lane;
+          valid[i] = __ballot_sync(0xffffffffu, row < done.row_end && (p.m_indices == nullptr ||
+                                                                       __ldg(p.m_indices + row) == done.group));
+        }
+        store_wave(I0{}, done, valid);
+        if constexpr (kWaves == 2) store_wave(I1{}, done, valid);
         return;
       }
       const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
