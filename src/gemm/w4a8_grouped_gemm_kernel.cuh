@@ -217,10 +217,13 @@ __device__ __forceinline__ std::int32_t w4a8_block_group(const W4A8Params& p, st
 
 // The pairs of 128-row blocks that 256-row contiguous tiles cover, aligned to each group's first
 // block (a CTA-local table in shared memory, built by every CTA before its warps take their roles):
-// word 0 the pair count (-1: no table, the scheduler pairs blocks 2u and 2u + 1 instead), then one word
-// per pair: its first block (bits 0-15), its group (bits 16-30), bit 31 set when the pair is that
-// block alone (the group's last block, with an odd block count). With groups of ~1024 rows, pairing
-// from block 0 splits about one pair in eight between two groups, each half then a full-cost tile.
+// word 0 the count of whole pairs (bits 0-15) and of half tiles (bits 16-31; all ones: no table, the
+// scheduler pairs blocks 2u and 2u + 1 instead), then one word per tile: its first block (bits 0-15),
+// its group (bits 16-30), bit 31 set when the tile is that block alone (the group's last block, with
+// an odd block count). Whole pairs fill words 1, 2, ..., half tiles words kW4PairTableMaxBlocks,
+// kW4PairTableMaxBlocks - 1, ... (W4A8Scheduler runs them on CTAs of their own). With groups of ~1024
+// rows, pairing from block 0 splits about one pair in eight between two groups, each half then a
+// full-cost tile.
 
 // Builds the table at `table` (all threads of the CTA; `scratch`: 4 bytes per block of shared memory
 // not in use yet). Ends with __syncthreads().
@@ -248,7 +251,7 @@ __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t 
   __syncthreads();
   if (warp == 0) {
     // Runs of equal groups; a pair starts at each run's first block and every second block after it.
-    std::int32_t carry_start = 0, carry_group = -2, pairs = 0;
+    std::int32_t carry_start = 0, carry_group = -2, pairs = 0, halves = 0;
     for (std::int32_t b0 = 0; b0 < blocks; b0 += 32) {
       const std::int32_t b = b0 + lane;
       const std::int32_t g = b < blocks ? ptx::ld_shared_s32(scratch + 4 * b) : -1;
@@ -264,17 +267,24 @@ __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t 
         if (lane >= o) start = max(start, v);
       }
       const bool first = b < blocks && g >= 0 && ((b - start) & 1) == 0;
-      const unsigned firsts = __ballot_sync(0xffffffffu, first);
+      const bool alone = after != g;
+      const unsigned firsts = __ballot_sync(0xffffffffu, first && !alone);
+      const unsigned lone = __ballot_sync(0xffffffffu, first && alone);
+      const unsigned below = (1u << lane) - 1u;
       if (first) {
-        const std::uint32_t alone = after == g ? 0u : 0x80000000u;
-        ptx::st_shared_u32(table + 4 * (1 + pairs + __popc(firsts & ((1u << lane) - 1u))),
-                           static_cast<std::uint32_t>(b) | (static_cast<std::uint32_t>(g) << 16) | alone);
+        // (Pairs from the front, half tiles from the back.)
+        const std::int32_t at = alone ? kW4PairTableMaxBlocks - 1 - (halves + __popc(lone & below))
+                                      : pairs + __popc(firsts & below);
+        ptx::st_shared_u32(table + 4 * (1 + at), static_cast<std::uint32_t>(b) |
+                                                     (static_cast<std::uint32_t>(g) << 16) |
+                                                     (alone ? 0x80000000u : 0u));
       }
       pairs += __popc(firsts);
+      halves += __popc(lone);
       carry_start = __shfl_sync(0xffffffffu, start, 31);
       carry_group = __shfl_sync(0xffffffffu, g, 31);
     }
-    if (lane == 0) ptx::st_shared_u32(table, static_cast<std::uint32_t>(pairs));
+    if (lane == 0) ptx::st_shared_u32(table, static_cast<std::uint32_t>(pairs | (halves << 16)));
   }
   __syncthreads();
 }
@@ -288,7 +298,13 @@ class W4A8Scheduler {
   __device__ explicit W4A8Scheduler(const W4A8Params& p, std::uint32_t pair_table = 0)
       : t_(static_cast<std::int32_t>(blockIdx.x)), pair_table_(pair_table) {
     if (p.masked_m != nullptr) load_segment(p);
+    if constexpr (kBM == 256) {
+      if (pair_table != 0) split_halves();
+    }
   }
+
+  // Whether this CTA runs the table's half tiles (wave 0 only) rather than its whole pairs.
+  __device__ bool half_tiles() const { return split_.half; }
 
   __device__ bool next(W4A8Tile& tile, const W4A8Params& p) {
     // (256-row tiles are contiguous only: the host refuses them for the masked layout.)
@@ -305,13 +321,17 @@ class W4A8Scheduler {
   // the table a group starting at an odd block costs two half tiles instead of one.)
   __device__ bool next_contiguous_pairs(W4A8Tile& tile, const W4A8Params& p) {
     const std::int32_t n_tiles = p.n / kTileN;
-    const std::int32_t pairs = pair_table_ != 0 ? ptx::ld_shared_s32(pair_table_) : -1;
-    if (pairs >= 0) {
-      if (t_ >= pairs * n_tiles) return false;
+    const auto counts = pair_table_ != 0 ? static_cast<std::uint32_t>(ptx::ld_shared_s32(pair_table_)) : ~0u;
+    if (counts != ~0u) {
+      // (Whole pairs, then, where no CTA has the half tiles, those: u counts both lists.)
+      const auto wholes = static_cast<std::int32_t>(split_.half ? 0u : counts & 0xffffu);
+      const auto tiles = wholes + static_cast<std::int32_t>(split_.half || split_.all ? counts >> 16 : 0u);
+      if (t_ >= tiles * n_tiles) return false;
       const std::int32_t t = t_;
-      t_ += static_cast<std::int32_t>(gridDim.x);
+      t_ += split_.stride;
       const std::int32_t u = t / n_tiles;
-      const auto e = static_cast<std::uint32_t>(ptx::ld_shared_s32(pair_table_ + 4 * (1 + u)));
+      const auto e = static_cast<std::uint32_t>(
+          ptx::ld_shared_s32(pair_table_ + 4 * (1 + (u < wholes ? u : kW4PairTableMaxBlocks - 1 - (u - wholes)))));
       const std::int32_t row0 = 128 * static_cast<std::int32_t>(e & 0xffffu);
       tile = W4A8Tile{static_cast<std::int32_t>((e >> 16) & 0x7fffu), t - u * n_tiles, row0,
                       (e >> 31) != 0 ? min(row0 + 128, p.rows) : p.rows};
@@ -387,7 +407,34 @@ class W4A8Scheduler {
     seg_tiles_ = seg_m_blocks_ * (p.n / kTileN);
   }
 
+  // The table's half tiles cost a CTA about 3/5 of a whole pair's time (wave 0 only; the conversion
+  // and the per-tile work stay): the last CTAs of the grid, their share of that cost, run them.
+  __device__ void split_halves() {
+    const auto counts = static_cast<std::uint32_t>(ptx::ld_shared_s32(pair_table_));
+    const auto grid = static_cast<std::int32_t>(gridDim.x);
+    if (counts == ~0u || (counts >> 16) == 0 || (grid == 1 && (counts & 0xffffu) != 0)) {
+      split_.all = true;  // (one CTA with both kinds: the half tiles as whole pairs, wave 1 idle)
+      return;
+    }
+    const std::int64_t whole = 5 * static_cast<std::int64_t>(counts & 0xffffu), halves = 3 * (counts >> 16);
+    std::int32_t half_ctas = static_cast<std::int32_t>((grid * halves + (whole + halves) / 2) / (whole + halves));
+    half_ctas = whole == 0 ? grid : max(1, min(half_ctas, grid - 1));
+    split_.half = t_ >= grid - half_ctas;
+    if (split_.half) t_ -= grid - half_ctas;
+    split_.stride = split_.half ? half_ctas : grid - half_ctas;
+  }
+
   std::int32_t t_;
+  // (256-row tiles only: the other tiles' code is as before the split.)
+  struct HalfSplit {
+    std::int32_t stride = static_cast<std::int32_t>(gridDim.x);  // of t_
+    bool half = false;  // this CTA runs the half tiles
+    bool all = false;   // this CTA runs both kinds (no CTA has the half tiles to itself)
+  };
+  struct NoSplit {
+    static constexpr bool half = false;
+  };
+  [[no_unique_address]] std::conditional_t<kBM == 256, HalfSplit, NoSplit> split_;
   std::uint32_t pair_table_;
   bool second_pending_ = false;  // (256-row contiguous tiles) the pair's second block is next
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
@@ -886,7 +933,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     // (lane ^ 4) hold neighbouring weight rows: after one exchange the even lane holds columns
     // (n, n + 1) of activation row m0 and the odd lane those of m0 + 1. (a_scale and the lane parity
     // are looked up here: registers held across the K loop spill the four-consumer tiles.)
-    const auto epilogue = [&](const W4A8Tile& done) {
+    const auto epilogue = [&](const W4A8Tile& done, bool half = false) {
       if constexpr (kBM == 256 || (kBM == 128 && Traits::kSigned)) {
         // (All the tile's validity loads at once: their latency once per tile, not once per wave.)
         std::uint32_t valid[kBM / 32];
@@ -897,7 +944,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
                                                                        __ldg(p.m_indices + row) == done.group));
         }
         store_wave(I0{}, done, valid);
-        if constexpr (kWaves == 2) store_wave(I1{}, done, valid);
+        if constexpr (kWaves == 2) {
+          if (!half) store_wave(I1{}, done, valid);  // (a half tile's wave 1: no rows, acc still 0)
+        }
         return;
       }
       const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
@@ -944,7 +993,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       // Issues the block in frag[B] (loaded), folds the one before (two partials) or this one (one),
       // finishes the tile whose last block was folded, and loads the next block of the stream into
       // frag[B ^ 1]. Returns whether there is a next block.
-      const auto step = [&](auto b) {
+      const auto step = [&](auto b, auto half) {
         using Other = std::integral_constant<int, decltype(b)::value ^ 1>;
         const bool ends = kb + 1 == num_kb;  // the last block of its tile
         const bool last = kStageKB == 1 || ends || pipe.sub + 1 == kStageKB;
@@ -978,12 +1027,17 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           // its fold (which gives the stage back) and the codes' conversion, then (after a tile's
           // last block) the epilogue. (frag[B] is held by wave 1 until it completes: two K blocks'
           // fragments, or the conversion before the fold, beside acc and the partial spilled at 240
-          // registers. The other consumer's waves keep the tensor core busy meanwhile.)
+          // registers. The other consumer's waves keep the tensor core busy meanwhile.) Half tiles
+          // (`half`: a CTA that runs only those) issue wave 0 alone, with the codes read under it.
+          constexpr bool kHalf = decltype(half)::value;
+          using Last = std::conditional_t<kHalf, I0, I1>;  // the wave whose fold ends the block
           issue(b, I0{}, cur, I0{});
           const float2 scales = block_scales(cur);
-          ptx::wgmma_wait<0>();
-          fold_scaled(I0{}, cur, false, I0{}, scales);
-          issue(b, I0{}, cur, I1{});
+          if constexpr (!kHalf) {
+            ptx::wgmma_wait<0>();
+            fold_scaled(I0{}, cur, false, I0{}, scales);
+            issue(b, I0{}, cur, I1{});
+          }
           if (ends) {
             more = scheduler.next(ld_tile, p);
             kb = 0;
@@ -993,9 +1047,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           uint4 v0{}, v1{};
           if (more) fetch(pipe, v0, v1);
           ptx::wgmma_wait<0>();
-          fold_scaled(I0{}, cur, last, I1{}, scales);
+          fold_scaled(I0{}, cur, last, Last{}, scales);
           if (ends) {
-            epilogue(tile);
+            epilogue(tile, kHalf);
             tile = ld_tile;
           }
           if (more) convert(Other{}, v0, v1);
@@ -1025,14 +1079,36 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           epilogue(tile);
         }
       };
-      for (;;) {
-        if (!step(I0{})) {
-          finish(I0{});
-          break;
+      const auto loop = [&](auto half) {
+        for (;;) {
+          if (!step(I0{}, half)) {
+            finish(I0{});
+            break;
+          }
+          if (!step(I1{}, half)) {
+            finish(I1{});
+            break;
+          }
         }
-        if (!step(I1{})) {
-          finish(I1{});
-          break;
+      };
+      // (The wide tile's half tiles: a loop of their own, wave 0 only. A run-time branch around wave 1
+      // inside one loop spilled the consumers in every form tried.)
+      if constexpr (kWaves == 2) {
+        if (scheduler.half_tiles()) {
+          loop(std::true_type{});
+        } else {
+          loop(std::false_type{});
+        }
+      } else {
+        for (;;) {
+          if (!step(I0{}, std::false_type{})) {
+            finish(I0{});
+            break;
+          }
+          if (!step(I1{}, std::false_type{})) {
+            finish(I1{});
+            break;
+          }
         }
       }
     }
