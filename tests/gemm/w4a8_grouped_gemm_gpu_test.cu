@@ -511,6 +511,7 @@ struct ContiguousCase {
   std::int64_t trailing_blocks = 0;  // all-padding 128-row blocks at the end
   bool holes = false;                // -1 rows inside groups' rows too
   cuda::W4A8KernelChoice pin{};      // version 0: the automatic choice (v3 for the contiguous layout)
+  int max_ctas = 0;                  // W4A8GemmOptions::max_ctas (0: the launch's own count)
 };
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
   *os << c.name;
@@ -559,12 +560,14 @@ TEST_P(W4A8GemmContiguousGpu, MatchesCpuReference) {
   const cuda::DeviceTensor dd(DType::bf16, {M, N});
   dd.fill_bytes(0xff, stream);
   const PinKernel pin(c.pin);
-  cuda::w4a8_grouped_gemm_contiguous(da, a_scale, {}, dw.w, dw.s, dids, dd, stream);
+  cuda::W4A8GemmOptions options;
+  options.max_ctas = c.max_ctas;
+  cuda::w4a8_grouped_gemm_contiguous(da, a_scale, {}, dw.w, dw.s, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
 
   dd.fill_bytes(0xff, stream);
-  cuda::w4a8_grouped_gemm_contiguous(da, a_scale, {}, dw.w, dw.s, dids, dd, stream);
+  cuda::w4a8_grouped_gemm_contiguous(da, a_scale, {}, dw.w, dw.s, dids, dd, stream, options);
   const HostTensor again = cuda::to_host(dd, stream);
   EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "two runs differ";
 }
@@ -618,6 +621,14 @@ INSTANTIATE_TEST_SUITE_P(
         ContiguousCase{
             "N640_K1152_odd_k_blocks_holes_v2_wide_m256", {5, 130, 0, 33, 260}, 640, 1152, 1, true, kV2Wide},
         ContiguousCase{"N1536_K2048_one_block_v2_wide_m256", {77}, 1536, 2048, 0, false, kV2Wide},
+        // The wide tile's half tiles on CTAs of their own: whole pairs only (no split); one CTA with both
+        // kinds (it runs the half tiles as whole pairs); two CTAs (one for each kind); three.
+        ContiguousCase{"N640_K2048_whole_pairs_only_v2_wide_m256", {256, 0, 512, 200}, 640, 2048, 1, false, kV2Wide},
+        ContiguousCase{
+            "N640_K1152_holes_one_cta_v2_wide_m256", {5, 130, 0, 33, 260}, 640, 1152, 1, true, kV2Wide, 1},
+        ContiguousCase{
+            "N640_K1152_holes_two_ctas_v2_wide_m256", {5, 130, 0, 33, 260}, 640, 1152, 1, true, kV2Wide, 2},
+        ContiguousCase{"N1536_K2048_three_ctas_v2_wide_m256", {300, 0, 520, 129}, 1536, 2048, 0, false, kV2Wide, 3},
         ContiguousCase{
             "N640_K2048_holes_v2_signed_m128", {5, 17, 0, 128, 1, 90}, 640, 2048, 1, true, kV2Signed128},
         // The automatic choice on groups of >= 1024 rows on average: v2's wide tile.
