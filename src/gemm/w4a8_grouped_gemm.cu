@@ -214,10 +214,11 @@ void launch_v2_signed(int block_m, const TensorView& a, const Problem& problem,
 }
 
 // Fills the zeros of a version-2 signed choice and checks it: the wide tile for contiguous groups of
-// >= 1024 rows on average (expected_m: M / groups), else 128 x 128 (a group starting at an odd
-// 128-row block costs a 256-row tile a half tile; session 25, bench/NOTES.md).
+// >= 128 rows on average (expected_m: M / groups), else 128 x 128. Since its half tiles (a group's odd
+// last block) run wave 0 alone on CTAs of their own, the wide tile is 4-15% faster than 128 x 128 on
+// the 32 x 256 and 128 x 128 rows as well (session 26, bench/NOTES.md).
 W4A8KernelChoice resolve_v2_signed(W4A8KernelChoice c, bool masked, std::int64_t expected_m, std::int64_t n) {
-  if (c.block_m == 0) c.block_m = !masked && expected_m >= 1024 ? 256 : 128;
+  if (c.block_m == 0) c.block_m = !masked && expected_m >= 128 ? 256 : 128;
   EPMOE_CHECK(c.block_m == 128 || c.block_m == 256,
               "the W4A8 register-operand kernel with signed codes has block_m = 128 or 256, got {}",
               c.block_m);

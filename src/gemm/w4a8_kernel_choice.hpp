@@ -31,8 +31,8 @@
 //              second partial or K blocks per stage): the consumers convert the signed values in
 //              registers; block_m = 256 is v2's wide tile (contiguous only): each consumer's converted
 //              64 weight rows of a K block feed two 128-row waves of activations. The automatic
-//              choice for the contiguous layout since session 25: the wide tile for groups of >= 1024
-//              rows on average, else 128 x 128.
+//              choice for the contiguous layout since session 25: the wide tile for groups of >= 128
+//              rows on average (padding included; >= 1024 before session 26), else 128 x 128.
 //   row_sums = 1 (version 2, no offset warp): on the masked decode tiles (block_m <= 32) of a call with
 //              options.workspace, a pre-pass kernel sums each activation row per K block and the GEMM's
 //              producer copies the sums in with each stage (W4A8Traits::kOffsetSums); without a

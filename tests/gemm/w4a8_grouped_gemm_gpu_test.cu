@@ -631,8 +631,11 @@ INSTANTIATE_TEST_SUITE_P(
         ContiguousCase{"N1536_K2048_three_ctas_v2_wide_m256", {300, 0, 520, 129}, 1536, 2048, 0, false, kV2Wide, 3},
         ContiguousCase{
             "N640_K2048_holes_v2_signed_m128", {5, 17, 0, 128, 1, 90}, 640, 2048, 1, true, kV2Signed128},
-        // The automatic choice on groups of >= 1024 rows on average: v2's wide tile.
+        // The automatic choice on groups of >= 128 rows on average (padding included): v2's wide tile,
+        // with large groups and with groups of one or two blocks (many half tiles); below, 128 x 128.
         ContiguousCase{"N384_K384_large_groups_auto_wide", {1100, 2400, 0, 700}, 384, 384, 0, true, {}},
+        ContiguousCase{"N640_K1152_small_groups_auto_wide", {90, 200, 130, 1, 256, 60}, 640, 1152, 0, true, {}},
+        ContiguousCase{"N640_K2048_sparse_groups_auto_128", {90, 0, 0, 200, 0, 0, 33}, 640, 2048, 0, false, {}},
         // v2 (128 x 128) with the offset warp.
         ContiguousCase{"N7168_K2048_v2_offwarp", {150, 0, 64, 33}, 7168, 2048, 0, false, kOffsetWarp},
         ContiguousCase{

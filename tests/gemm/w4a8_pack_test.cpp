@@ -411,10 +411,10 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
     EXPECT_EQ(c.waves, waves);
     EXPECT_EQ(c.signed_codes, signed_codes);
   };
-  // Contiguous: v2 with signed codes, its wide tile for groups of >= 1024 rows on average (the hint:
+  // Contiguous: v2 with signed codes, its wide tile for groups of >= 128 rows on average (the hint:
   // M / groups), else 128 x 128.
   for (const auto& [m, block_m] :
-       {std::pair<std::int64_t, int>{0, 128}, {1023, 128}, {1024, 256}, {4096, 256}}) {
+       {std::pair<std::int64_t, int>{0, 128}, {127, 128}, {128, 256}, {1024, 256}, {4096, 256}}) {
     const cuda::W4A8KernelChoice c = cuda::w4a8_kernel_choice(false, m, 7168, 2048);
     EXPECT_EQ(c.version, 2);
     EXPECT_EQ(c.block_m, block_m);
