@@ -411,14 +411,18 @@ class W4A8Scheduler {
   // and the per-tile work stay): the last CTAs of the grid, their share of that cost rounded up, run
   // them. (Rounded to nearest, one CTA took ~1.1 CTAs' share of a few half tiles on 4 x 8192 and was
   // the slowest: +14% there, call 174; rounded up, the half CTAs idle for at most one CTA's share.)
+  // The counts are the whole table's, so every CTA (and role) computes the same split.
   __device__ void split_halves() {
     const auto counts = static_cast<std::uint32_t>(ptx::ld_shared_s32(pair_table_));
     const auto grid = static_cast<std::int32_t>(gridDim.x);
-    if (counts == ~0u || (counts >> 16) == 0 || (grid == 1 && (counts & 0xffffu) != 0)) {
-      split_.all = true;  // (one CTA with both kinds: the half tiles as whole pairs, wave 1 idle)
+    const std::int64_t whole = 5 * static_cast<std::int64_t>(counts & 0xffffu), halves = 3 * (counts >> 16);
+    // Every CTA runs both kinds (the half tiles as whole pairs, wave 1 idle) where there are no half
+    // tiles, or too few for 4 CTAs of their own (groups of ~4096 rows and more: with 1-3 CTAs of half
+    // tiles, 8 x 4096 and 4 x 8192 ran 1-3% slower than without, call 175).
+    if (halves == 0 || (whole != 0 && grid * halves < 4 * (whole + halves))) {
+      split_.all = true;
       return;
     }
-    const std::int64_t whole = 5 * static_cast<std::int64_t>(counts & 0xffffu), halves = 3 * (counts >> 16);
     std::int32_t half_ctas = static_cast<std::int32_t>((grid * halves + whole + halves - 1) / (whole + halves));
     half_ctas = whole == 0 ? grid : max(1, min(half_ctas, grid - 1));
     split_.half = t_ >= grid - half_ctas;
