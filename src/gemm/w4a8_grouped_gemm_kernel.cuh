@@ -217,13 +217,29 @@ __device__ __forceinline__ std::int32_t w4a8_block_group(const W4A8Params& p, st
 
 // The pairs of 128-row blocks that 256-row contiguous tiles cover, aligned to each group's first
 // block (a CTA-local table in shared memory, built by every CTA before its warps take their roles):
-// word 0 the count of whole pairs (bits 0-15) and of half tiles (bits 16-31; all ones: no table, the
-// scheduler pairs blocks 2u and 2u + 1 instead), then one word per tile: its first block (bits 0-15),
-// its group (bits 16-30), bit 31 set when the tile is that block alone (the group's last block, with
-// an odd block count). Whole pairs fill words 1, 2, ..., half tiles words kW4PairTableMaxBlocks,
-// kW4PairTableMaxBlocks - 1, ... (W4A8Scheduler runs them on CTAs of their own). With groups of ~1024
+// word 0 the count of whole pairs (bits 0-15) and of half tiles (bits 16-30), bit 31 set when half
+// tiles get CTAs of their own (w4a8_half_tile_ctas; all ones: no table, the scheduler pairs blocks 2u
+// and 2u + 1 instead), then one word per tile: its first block (bits 0-15), its group (bits 16-30),
+// bit 31 set when the tile is that block alone (the group's last block, with an odd block count).
+// The tiles fill words 1, 2, ... in block order, or with the split whole pairs words 1, 2, ... and
+// half tiles words kW4PairTableMaxBlocks, kW4PairTableMaxBlocks - 1, .... With groups of ~1024
 // rows, pairing from block 0 splits about one pair in eight between two groups, each half then a
 // full-cost tile.
+
+// How many of `grid` CTAs run the table's half tiles on their own (0: none; every CTA runs both kinds,
+// the half tiles as whole pairs with wave 1 idle). A half tile costs a CTA about 3/5 of a whole pair's
+// time (wave 0 only; the conversion and the per-tile work stay): their share of that cost, rounded up
+// (rounded to nearest, one CTA took ~1.1 CTAs' share of a few half tiles on 4 x 8192 and was the
+// slowest: +14%, call 174), where it is at least 4 CTAs (groups of ~4096 rows and more have too few
+// half tiles: 1-3 CTAs of them were 1-9% slower than none on 8 x 4096 and 4 x 8192, calls 175-176).
+__device__ __forceinline__ std::int32_t w4a8_half_tile_ctas(std::int32_t pairs, std::int32_t halves,
+                                                            std::int32_t grid) {
+  const std::int64_t whole = 5 * static_cast<std::int64_t>(pairs), half = 3 * static_cast<std::int64_t>(halves);
+  if (half == 0) return 0;
+  if (whole == 0) return grid;
+  if (grid * half < 4 * (whole + half)) return 0;
+  return max(1, min(static_cast<std::int32_t>((grid * half + whole + half - 1) / (whole + half)), grid - 1));
+}
 
 // Builds the table at `table` (all threads of the CTA; `scratch`: 4 bytes per block of shared memory
 // not in use yet). Ends with __syncthreads().
@@ -251,40 +267,51 @@ __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t 
   __syncthreads();
   if (warp == 0) {
     // Runs of equal groups; a pair starts at each run's first block and every second block after it.
-    std::int32_t carry_start = 0, carry_group = -2, pairs = 0, halves = 0;
-    for (std::int32_t b0 = 0; b0 < blocks; b0 += 32) {
-      const std::int32_t b = b0 + lane;
-      const std::int32_t g = b < blocks ? ptx::ld_shared_s32(scratch + 4 * b) : -1;
-      std::int32_t before = __shfl_up_sync(0xffffffffu, g, 1);
-      if (lane == 0) before = carry_group;
-      std::int32_t after = __shfl_down_sync(0xffffffffu, g, 1);
-      if (lane == 31) after = b + 1 < blocks ? ptx::ld_shared_s32(scratch + 4 * (b + 1)) : -1;
-      // This block's run start: the largest run start at or before it (an inclusive max-scan).
-      std::int32_t start = g != before ? b : carry_start;
+    // Two walks: the first counts the pairs and half tiles, the second writes the table, in block
+    // order, or (where half tiles get CTAs of their own) pairs from the front, half tiles from the back.
+    std::int32_t pairs = 0, halves = 0;
+    bool split = false;
+    for (int walk = 0; walk < 2; ++walk) {
+      if (walk == 1) {
+        split = w4a8_half_tile_ctas(pairs, halves, static_cast<std::int32_t>(gridDim.x)) > 0;
+        pairs = halves = 0;
+      }
+      std::int32_t carry_start = 0, carry_group = -2;
+      for (std::int32_t b0 = 0; b0 < blocks; b0 += 32) {
+        const std::int32_t b = b0 + lane;
+        const std::int32_t g = b < blocks ? ptx::ld_shared_s32(scratch + 4 * b) : -1;
+        std::int32_t before = __shfl_up_sync(0xffffffffu, g, 1);
+        if (lane == 0) before = carry_group;
+        std::int32_t after = __shfl_down_sync(0xffffffffu, g, 1);
+        if (lane == 31) after = b + 1 < blocks ? ptx::ld_shared_s32(scratch + 4 * (b + 1)) : -1;
+        // This block's run start: the largest run start at or before it (an inclusive max-scan).
+        std::int32_t start = g != before ? b : carry_start;
 #pragma unroll
-      for (int o = 1; o < 32; o *= 2) {
-        const std::int32_t v = __shfl_up_sync(0xffffffffu, start, o);
-        if (lane >= o) start = max(start, v);
+        for (int o = 1; o < 32; o *= 2) {
+          const std::int32_t v = __shfl_up_sync(0xffffffffu, start, o);
+          if (lane >= o) start = max(start, v);
+        }
+        const bool first = b < blocks && g >= 0 && ((b - start) & 1) == 0;
+        const bool alone = after != g;
+        const unsigned firsts = __ballot_sync(0xffffffffu, first && !alone);
+        const unsigned lone = __ballot_sync(0xffffffffu, first && alone);
+        const unsigned below = (1u << lane) - 1u;
+        if (walk == 1 && first) {
+          const std::int32_t at = !split ? pairs + halves + __popc((firsts | lone) & below)
+                                  : alone ? kW4PairTableMaxBlocks - 1 - (halves + __popc(lone & below))
+                                          : pairs + __popc(firsts & below);
+          ptx::st_shared_u32(table + 4 * (1 + at), static_cast<std::uint32_t>(b) |
+                                                       (static_cast<std::uint32_t>(g) << 16) |
+                                                       (alone ? 0x80000000u : 0u));
+        }
+        pairs += __popc(firsts);
+        halves += __popc(lone);
+        carry_start = __shfl_sync(0xffffffffu, start, 31);
+        carry_group = __shfl_sync(0xffffffffu, g, 31);
       }
-      const bool first = b < blocks && g >= 0 && ((b - start) & 1) == 0;
-      const bool alone = after != g;
-      const unsigned firsts = __ballot_sync(0xffffffffu, first && !alone);
-      const unsigned lone = __ballot_sync(0xffffffffu, first && alone);
-      const unsigned below = (1u << lane) - 1u;
-      if (first) {
-        // (Pairs from the front, half tiles from the back.)
-        const std::int32_t at = alone ? kW4PairTableMaxBlocks - 1 - (halves + __popc(lone & below))
-                                      : pairs + __popc(firsts & below);
-        ptx::st_shared_u32(table + 4 * (1 + at), static_cast<std::uint32_t>(b) |
-                                                     (static_cast<std::uint32_t>(g) << 16) |
-                                                     (alone ? 0x80000000u : 0u));
-      }
-      pairs += __popc(firsts);
-      halves += __popc(lone);
-      carry_start = __shfl_sync(0xffffffffu, start, 31);
-      carry_group = __shfl_sync(0xffffffffu, g, 31);
     }
-    if (lane == 0) ptx::st_shared_u32(table, static_cast<std::uint32_t>(pairs | (halves << 16)));
+    if (lane == 0)
+      ptx::st_shared_u32(table, static_cast<std::uint32_t>(pairs | (halves << 16)) | (split ? 0x80000000u : 0u));
   }
   __syncthreads();
 }
@@ -323,15 +350,16 @@ class W4A8Scheduler {
     const std::int32_t n_tiles = p.n / kTileN;
     const auto counts = pair_table_ != 0 ? static_cast<std::uint32_t>(ptx::ld_shared_s32(pair_table_)) : ~0u;
     if (counts != ~0u) {
-      // (Whole pairs, then, where no CTA has the half tiles, those: u counts both lists.)
-      const auto wholes = static_cast<std::int32_t>(split_.half ? 0u : counts & 0xffffu);
-      const auto tiles = wholes + static_cast<std::int32_t>(split_.half || split_.all ? counts >> 16 : 0u);
+      // (Split: whole pairs from the front or half tiles from the back; else every tile in block order.)
+      const auto pairs = static_cast<std::int32_t>(counts & 0xffffu);
+      const auto halves = static_cast<std::int32_t>((counts >> 16) & 0x7fffu);
+      const std::int32_t tiles = split_.all ? pairs + halves : split_.half ? halves : pairs;
       if (t_ >= tiles * n_tiles) return false;
       const std::int32_t t = t_;
       t_ += split_.stride;
       const std::int32_t u = t / n_tiles;
       const auto e = static_cast<std::uint32_t>(
-          ptx::ld_shared_s32(pair_table_ + 4 * (1 + (u < wholes ? u : kW4PairTableMaxBlocks - 1 - (u - wholes)))));
+          ptx::ld_shared_s32(pair_table_ + 4 * (1 + (split_.half ? kW4PairTableMaxBlocks - 1 - u : u))));
       const std::int32_t row0 = 128 * static_cast<std::int32_t>(e & 0xffffu);
       tile = W4A8Tile{static_cast<std::int32_t>((e >> 16) & 0x7fffu), t - u * n_tiles, row0,
                       (e >> 31) != 0 ? min(row0 + 128, p.rows) : p.rows};
@@ -407,24 +435,18 @@ class W4A8Scheduler {
     seg_tiles_ = seg_m_blocks_ * (p.n / kTileN);
   }
 
-  // The table's half tiles cost a CTA about 3/5 of a whole pair's time (wave 0 only; the conversion
-  // and the per-tile work stay): the last CTAs of the grid, their share of that cost rounded up, run
-  // them. (Rounded to nearest, one CTA took ~1.1 CTAs' share of a few half tiles on 4 x 8192 and was
-  // the slowest: +14% there, call 174; rounded up, the half CTAs idle for at most one CTA's share.)
-  // The counts are the whole table's, so every CTA (and role) computes the same split.
+  // The CTA's role by w4a8_half_tile_ctas (the build's choice, bit 31 of the table's counts): the last
+  // CTAs of the grid run the half tiles. The counts are the whole table's, so every CTA (and role)
+  // computes the same split.
   __device__ void split_halves() {
     const auto counts = static_cast<std::uint32_t>(ptx::ld_shared_s32(pair_table_));
     const auto grid = static_cast<std::int32_t>(gridDim.x);
-    const std::int64_t whole = 5 * static_cast<std::int64_t>(counts & 0xffffu), halves = 3 * (counts >> 16);
-    // Every CTA runs both kinds (the half tiles as whole pairs, wave 1 idle) where there are no half
-    // tiles, or too few for 4 CTAs of their own (groups of ~4096 rows and more: with 1-3 CTAs of half
-    // tiles, 8 x 4096 and 4 x 8192 ran 1-3% slower than without, call 175).
-    if (halves == 0 || (whole != 0 && grid * halves < 4 * (whole + halves))) {
+    if (counts == ~0u || (counts >> 31) == 0) {
       split_.all = true;
       return;
     }
-    std::int32_t half_ctas = static_cast<std::int32_t>((grid * halves + whole + halves - 1) / (whole + halves));
-    half_ctas = whole == 0 ? grid : max(1, min(half_ctas, grid - 1));
+    const std::int32_t half_ctas = w4a8_half_tile_ctas(static_cast<std::int32_t>(counts & 0xffffu),
+                                                       static_cast<std::int32_t>((counts >> 16) & 0x7fffu), grid);
     split_.half = t_ >= grid - half_ctas;
     if (split_.half) t_ -= grid - half_ctas;
     split_.stride = split_.half ? half_ctas : grid - half_ctas;
