@@ -1122,10 +1122,10 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       // (The wide tile's half tiles: a loop of their own, wave 0 only. A run-time branch around wave 1
       // inside one loop spilled the consumers in every form tried.)
       if constexpr (kWaves == 2) {
-        if (scheduler.half_tiles()) {
-          loop(std::true_type{});
-        } else {
+        if (!scheduler.half_tiles()) {
           loop(std::false_type{});
+        } else {
+          loop(std::true_type{});
         }
       } else {
         for (;;) {
