@@ -234,7 +234,8 @@ __device__ __forceinline__ std::int32_t w4a8_block_group(const W4A8Params& p, st
 // half tiles: 1-3 CTAs of them were 1-9% slower than none on 8 x 4096 and 4 x 8192, calls 175-176).
 __device__ __forceinline__ std::int32_t w4a8_half_tile_ctas(std::int32_t pairs, std::int32_t halves,
                                                             std::int32_t grid) {
-  const std::int64_t whole = 5 * static_cast<std::int64_t>(pairs), half = 3 * static_cast<std::int64_t>(halves);
+  const std::int64_t whole = 5 * static_cast<std::int64_t>(pairs),
+                     half = 3 * static_cast<std::int64_t>(halves);
   if (half == 0) return 0;
   if (whole == 0) return grid;
   if (grid * half < 4 * (whole + half)) return 0;
@@ -297,7 +298,7 @@ __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t 
         const unsigned lone = __ballot_sync(0xffffffffu, first && alone);
         const unsigned below = (1u << lane) - 1u;
         if (walk == 1 && first) {
-          const std::int32_t at = !split ? pairs + halves + __popc((firsts | lone) & below)
+          const std::int32_t at = !split  ? pairs + halves + __popc((firsts | lone) & below)
                                   : alone ? kW4PairTableMaxBlocks - 1 - (halves + __popc(lone & below))
                                           : pairs + __popc(firsts & below);
           ptx::st_shared_u32(table + 4 * (1 + at), static_cast<std::uint32_t>(b) |
@@ -311,7 +312,8 @@ __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t 
       }
     }
     if (lane == 0)
-      ptx::st_shared_u32(table, static_cast<std::uint32_t>(pairs | (halves << 16)) | (split ? 0x80000000u : 0u));
+      ptx::st_shared_u32(table,
+                         static_cast<std::uint32_t>(pairs | (halves << 16)) | (split ? 0x80000000u : 0u));
   }
   __syncthreads();
 }
@@ -445,8 +447,9 @@ class W4A8Scheduler {
       split_.all = true;
       return;
     }
-    const std::int32_t half_ctas = w4a8_half_tile_ctas(static_cast<std::int32_t>(counts & 0xffffu),
-                                                       static_cast<std::int32_t>((counts >> 16) & 0x7fffu), grid);
+    const std::int32_t half_ctas =
+        w4a8_half_tile_ctas(static_cast<std::int32_t>(counts & 0xffffu),
+                            static_cast<std::int32_t>((counts >> 16) & 0x7fffu), grid);
     split_.half = t_ >= grid - half_ctas;
     if (split_.half) t_ -= grid - half_ctas;
     split_.stride = split_.half ? half_ctas : grid - half_ctas;
@@ -455,9 +458,11 @@ class W4A8Scheduler {
   std::int32_t t_;
   // (256-row tiles only: the other tiles' code is as before the split.)
   struct HalfSplit {
-    std::int32_t stride = static_cast<std::int32_t>(gridDim.x);  // of t_
-    bool half = false;  // this CTA runs the half tiles
-    bool all = false;   // this CTA runs both kinds (no CTA has the half tiles to itself)
+    // t_'s stride; whether this CTA runs the half tiles; whether it runs both kinds (no CTA has the
+    // half tiles to itself).
+    std::int32_t stride = static_cast<std::int32_t>(gridDim.x);
+    bool half = false;
+    bool all = false;
   };
   struct NoSplit {
     static constexpr bool half = false;
@@ -930,13 +935,15 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     const auto fold = [&](auto pp, const W4A8Pipe& at, bool last, auto wave) {
       fold_scaled(pp, at, last, wave, block_scales(at));
     };
-    // The signed tiles' epilogue (128 x 128, and the wide tile one 128-row wave at a time): acc[4 j + 2 h + e] is
-    // D^T[n0 + 8 h, 8 j + 2 q + e]; packed to bf16 pairs, (j, h) is one 8 x 8 fragment of the warp,
-    // which movmatrix transposes, so that lane (g, q) then holds D[8 j + g, n_w + 8 h + 2 q, + 1] (n_w:
-    // the warp's first weight row): one 4-byte store, no shuffle and no lane-parity selects. `valid`:
-    // the tile's rows' validity, bit r of word i for row 32 i + r. Clears the wave's accumulators. (Run under
-    // this consumer's own wgmma, i.e. with the partial and a fragment in flight, either wave spilled.)
-    [[maybe_unused]] const auto store_wave = [&](auto wave, const W4A8Tile& done, const std::uint32_t* valid) {
+    // The signed tiles' epilogue (128 x 128, and the wide tile one 128-row wave at a time):
+    // acc[4 j + 2 h + e] is D^T[n0 + 8 h, 8 j + 2 q + e]; packed to bf16 pairs, (j, h) is one 8 x 8
+    // fragment of the warp, which movmatrix transposes, so that lane (g, q) then holds
+    // D[8 j + g, n_w + 8 h + 2 q, + 1] (n_w: the warp's first weight row): one 4-byte store, no
+    // shuffle and no lane-parity selects. `valid`: the tile's rows' validity, bit r of word i for row
+    // 32 i + r. Clears the wave's accumulators. (Run under this consumer's own wgmma, i.e. with the
+    // partial and a fragment in flight, either wave spilled.)
+    [[maybe_unused]] const auto store_wave = [&](auto wave, const W4A8Tile& done,
+                                                 const std::uint32_t* valid) {
       constexpr int W = decltype(wave)::value;
       constexpr int kJ = kWaveAcc / 4;  // 8-row column blocks per wave (16: called for 128-row waves only)
       const float a_scale = (p.a_scale_ptr != nullptr ? __ldg(p.a_scale_ptr) : p.a_scale) * w4a8::kCodeScale;
@@ -950,7 +957,8 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
         for (int h = 0; h < 2; ++h) {
           const std::uint32_t pair = ptx::movmatrix_trans_b16(
               w4a8_pack_bf16x2(acc[4 * j + 2 * h] * a_scale, acc[4 * j + 2 * h + 1] * a_scale));
-          if (ok) *reinterpret_cast<std::uint32_t*>(out + static_cast<std::int64_t>(8 * j) * p.n + 8 * h) = pair;
+          if (ok)
+            *reinterpret_cast<std::uint32_t*>(out + static_cast<std::int64_t>(8 * j) * p.n + 8 * h) = pair;
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[4 * j + e] = 0.0f;
@@ -968,8 +976,9 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
 #pragma unroll
         for (int i = 0; i < kBM / 32; ++i) {
           const std::int32_t row = done.row0 + 32 * i + lane;
-          valid[i] = __ballot_sync(0xffffffffu, row < done.row_end && (p.m_indices == nullptr ||
-                                                                       __ldg(p.m_indices + row) == done.group));
+          valid[i] = __ballot_sync(
+              0xffffffffu,
+              row < done.row_end && (p.m_indices == nullptr || __ldg(p.m_indices + row) == done.group));
         }
         store_wave(I0{}, done, valid);
         if constexpr (kWaves == 2) {

@@ -624,22 +624,33 @@ INSTANTIATE_TEST_SUITE_P(
         // The wide tile's half tiles on CTAs of their own (W4A8Scheduler::split_halves): whole pairs only
         // (no split); few half tiles for the CTA count, on one, two and three CTAs (every CTA runs both
         // kinds); half tiles only, on two CTAs (both run half tiles); 7 of 8 CTAs for the half tiles.
-        ContiguousCase{"N640_K2048_whole_pairs_only_v2_wide_m256", {256, 0, 512, 200}, 640, 2048, 1, false, kV2Wide},
+        ContiguousCase{
+            "N640_K2048_whole_pairs_only_v2_wide_m256", {256, 0, 512, 200}, 640, 2048, 1, false, kV2Wide},
         ContiguousCase{
             "N640_K1152_holes_one_cta_v2_wide_m256", {5, 130, 0, 33, 260}, 640, 1152, 1, true, kV2Wide, 1},
         ContiguousCase{
             "N640_K1152_holes_two_ctas_v2_wide_m256", {5, 130, 0, 33, 260}, 640, 1152, 1, true, kV2Wide, 2},
-        ContiguousCase{"N1536_K2048_three_ctas_v2_wide_m256", {300, 0, 520, 129}, 1536, 2048, 0, false, kV2Wide, 3},
-        ContiguousCase{"N640_K2048_halves_only_two_ctas_v2_wide_m256", {100, 5, 60}, 640, 2048, 0, true, kV2Wide, 2},
         ContiguousCase{
-            "N640_K1152_split_eight_ctas_v2_wide_m256", {100, 5, 300, 60, 20, 90}, 640, 1152, 1, true, kV2Wide, 8},
+            "N1536_K2048_three_ctas_v2_wide_m256", {300, 0, 520, 129}, 1536, 2048, 0, false, kV2Wide, 3},
+        ContiguousCase{
+            "N640_K2048_halves_only_two_ctas_v2_wide_m256", {100, 5, 60}, 640, 2048, 0, true, kV2Wide, 2},
+        ContiguousCase{"N640_K1152_split_eight_ctas_v2_wide_m256",
+                       {100, 5, 300, 60, 20, 90},
+                       640,
+                       1152,
+                       1,
+                       true,
+                       kV2Wide,
+                       8},
         ContiguousCase{
             "N640_K2048_holes_v2_signed_m128", {5, 17, 0, 128, 1, 90}, 640, 2048, 1, true, kV2Signed128},
         // The automatic choice on groups of >= 128 rows on average (padding included): v2's wide tile,
         // with large groups and with groups of one or two blocks (many half tiles); below, 128 x 128.
         ContiguousCase{"N384_K384_large_groups_auto_wide", {1100, 2400, 0, 700}, 384, 384, 0, true, {}},
-        ContiguousCase{"N640_K1152_small_groups_auto_wide", {90, 200, 130, 1, 256, 60}, 640, 1152, 0, true, {}},
-        ContiguousCase{"N640_K2048_sparse_groups_auto_128", {90, 0, 0, 200, 0, 0, 33}, 640, 2048, 0, false, {}},
+        ContiguousCase{
+            "N640_K1152_small_groups_auto_wide", {90, 200, 130, 1, 256, 60}, 640, 1152, 0, true, {}},
+        ContiguousCase{
+            "N640_K2048_sparse_groups_auto_128", {90, 0, 0, 200, 0, 0, 33}, 640, 2048, 0, false, {}},
         // v2 (128 x 128) with the offset warp.
         ContiguousCase{"N7168_K2048_v2_offwarp", {150, 0, 64, 33}, 7168, 2048, 0, false, kOffsetWarp},
         ContiguousCase{
