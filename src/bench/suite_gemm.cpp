@@ -697,6 +697,11 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     if (!same && (!s.masked || (block_m == 128 && s.expected_m > 64)) && N % 128 == 0)
       variants.push_back({".w4a8.v2.s.m" + std::to_string(block_m), c});
   }
+  // The wide tile's kernel without its half-tile loop (".w4a8.v2.s.m256.nohalf": half_tiles = 2, every
+  // CTA runs every kind; an experiment, session 26).
+  if (!s.masked && N % 128 == 0)
+    variants.push_back(
+        {".w4a8.v2.s.m256.nohalf", {.version = 2, .block_m = 256, .signed_codes = 1, .half_tiles = 2}});
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   // A v3 tile's line name: "m<rows>n<cols>w<waves>".
   const auto tile_name = [](const cuda::W4A8KernelChoice& c) {
@@ -807,6 +812,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     p["parts"] = static_cast<std::int64_t>(ran.parts);
     p["row_sums"] = static_cast<std::int64_t>(ran.row_sums);
     p["signed_codes"] = static_cast<std::int64_t>(ran.signed_codes);
+    if (ran.half_tiles != 0) p["half_tiles"] = static_cast<std::int64_t>(ran.half_tiles);
     if (ran.version == 2 && ran.signed_codes == 1) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = std::int64_t{128};

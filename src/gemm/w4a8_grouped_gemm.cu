@@ -160,10 +160,11 @@ cudaLaunchConfig_t launch_config(std::int64_t ctas, int threads, int smem_bytes,
   return config;
 }
 
-template <int kBM, int kConsumers, int kOffset, int kStageKB, int kParts = 0>
+template <int kBM, int kConsumers, int kOffset, int kStageKB, int kParts = 0, bool kHalfLoop = true>
 void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options, cudaStream_t stream) {
   using Traits = W4A8Traits<kBM, kConsumers, kOffset, kStageKB>;
-  constexpr auto kernel = &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffset, kStageKB, kParts>;
+  constexpr auto kernel =
+      &kernels::w4a8_grouped_gemm_kernel<kBM, kConsumers, kOffset, kStageKB, kParts, kHalfLoop>;
   gemm_host::allow_dynamic_smem<kernel, Traits::kSmemBytes>();
   const std::int64_t ctas = plan_persistent(problem, options, kBM, Traits::kTileN, Traits::kStages);
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
@@ -206,9 +207,11 @@ void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& p
 
 // The register-operand kernel with signed codes (W4A8KernelChoice::signed_codes with version 2):
 // 128-row tiles, or the wide tile (256 activation rows, two waves; contiguous only).
-void launch_v2_signed(int block_m, const TensorView& a, const Problem& problem,
+void launch_v2_signed(int block_m, int half_tiles, const TensorView& a, const Problem& problem,
                       const W4A8GemmOptions& options, cudaStream_t stream) {
   constexpr int kNone = kernels::kW4OffsetNone;
+  if (block_m == 256 && half_tiles == 2)
+    return launch<256, 2, kNone, 1, 0, false>(a, problem, options, stream);
   if (block_m == 256) return launch<256, 2, kNone, 1>(a, problem, options, stream);
   launch<128, 2, kNone, 1>(a, problem, options, stream);
 }
@@ -335,8 +338,8 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
   if (c.signed_codes != 0)
-    return launch_v2_signed(resolve_v2_signed(c, masked, problem.expected_m, problem.params.n).block_m, a,
-                            with, options, stream);
+    return launch_v2_signed(resolve_v2_signed(c, masked, problem.expected_m, problem.params.n).block_m,
+                            c.half_tiles, a, with, options, stream);
   constexpr int kWgmma = kernels::kW4OffsetWgmma, kWarp = kernels::kW4OffsetWarp;
   if (c.offset_warp != 0) {
     if (c.stage_k_blocks == 2) return launch<kWarp, 2>(tile, c.parts, a, with, options, stream);
@@ -564,6 +567,13 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
               "W4A8 signed_codes must be 0, or 1 with version 3, or with version 2 and block_m 0, 128 or 256 "
               "and no offset warp, row sums, second partial or K blocks per stage, got {} with version {}",
               choice.signed_codes, choice.version);
+  EPMOE_CHECK(
+      choice.half_tiles >= 0 && choice.half_tiles <= 2 &&
+          (choice.half_tiles != 2 ||
+           (choice.version == 2 && choice.signed_codes == 1 && choice.block_m == 256)),
+      "W4A8 half_tiles must be 0 or 1, or 2 with version 2, signed_codes 1 and block_m 256, got {} with "
+      "version {}, signed_codes {}, block_m {}",
+      choice.half_tiles, choice.version, choice.signed_codes, choice.block_m);
   EPMOE_CHECK(choice.parts >= 0 && choice.parts <= 2 &&
                   (choice.parts != 2 || (choice.version == 2 && choice.offset_warp == 0)),
               "W4A8 parts must be 0 or 1, or 2 with version 2 and no offset warp, got {} with version {} and "

@@ -243,9 +243,9 @@ __device__ __forceinline__ std::int32_t w4a8_half_tile_ctas(std::int32_t pairs, 
 }
 
 // Builds the table at `table` (all threads of the CTA; `scratch`: 4 bytes per block of shared memory
-// not in use yet). Ends with __syncthreads().
-__device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t table,
-                                             std::uint32_t scratch) {
+// not in use yet; allow_split false: never split, block order). Ends with __syncthreads().
+__device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t table, std::uint32_t scratch,
+                                             bool allow_split = true) {
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const int warps = static_cast<int>(blockDim.x / 32);
   const std::int32_t blocks = (p.rows + 127) / 128;
@@ -274,7 +274,7 @@ __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t 
     bool split = false;
     for (int walk = 0; walk < 2; ++walk) {
       if (walk == 1) {
-        split = w4a8_half_tile_ctas(pairs, halves, static_cast<std::int32_t>(gridDim.x)) > 0;
+        split = allow_split && w4a8_half_tile_ctas(pairs, halves, static_cast<std::int32_t>(gridDim.x)) > 0;
         pairs = halves = 0;
       }
       std::int32_t carry_start = 0, carry_group = -2;
@@ -517,7 +517,9 @@ __device__ __forceinline__ std::uint32_t w4a8_pack_bf16x2(float lo, float hi) {
 
 // kParts_: 0 = the partial accumulators by the rule below; 2 = two also where the rule says one
 // (the 32-row four-consumer tile: fits 112 registers without the offset warp since v6).
-template <int kBM, int kConsumers, int kOffset, int kStageKB, int kParts_ = 0>
+// kHalfLoop (the wide tile): half tiles may run on CTAs of their own (the second consumer loop); false:
+// the kernel without that loop, every CTA runs every kind (an experiment, session 26).
+template <int kBM, int kConsumers, int kOffset, int kStageKB, int kParts_ = 0, bool kHalfLoop = true>
 __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>::kThreads, 1)
     w4a8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                              const __grid_constant__ W4A8Params p) {
@@ -567,7 +569,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     ptx::st_shared_u32(smem_offset + 4 * i, w4a8::kOffsetE4m3x4);
   // (The wide tile's pair table, with the activation ring as its scratch: the fence below orders
   // those writes before the ring's first copies.)
-  if constexpr (kBM == 256) w4a8_build_pair_table(p, pair_table, smem_a);
+  if constexpr (kBM == 256) w4a8_build_pair_table(p, pair_table, smem_a, kHalfLoop);
   ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (the async proxy)
   __syncthreads();
 
@@ -1130,7 +1132,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       };
       // (The wide tile's half tiles: a loop of their own, wave 0 only. A run-time branch around wave 1
       // inside one loop spilled the consumers in every form tried.)
-      if constexpr (kWaves == 2) {
+      if constexpr (kWaves == 2 && kHalfLoop) {
         if (!scheduler.half_tiles()) {
           loop(std::false_type{});
         } else {

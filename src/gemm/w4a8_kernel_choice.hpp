@@ -66,6 +66,9 @@ struct W4A8KernelChoice {
                            // (masked decode tiles, block_m <= 32, when the call has a workspace)
   int signed_codes = 0;    // version 3: 1 = the converter writes e4m3(v · 2^-9), no offset term
                            // (W4A8SmemTraits::kSigned); the only way to 128 x 256 with two waves
+  int half_tiles = 0;      // version 2, block_m 256: 0 or 1 = half tiles on CTAs of their own where they
+                           // fill >= 4 CTAs (session 26); 2 = never: the kernel without the half-tile
+                           // loop (pinned only: an experiment, UNMEASURED when written)
 };
 
 // The choice of an automatic call (masked: by expected_m; contiguous: by the average rows per group,

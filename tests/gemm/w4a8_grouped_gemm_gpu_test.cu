@@ -128,6 +128,9 @@ constexpr cuda::W4A8KernelChoice kTall{
 // The register-operand kernel (v2) with signed codes: the wide tile (256 activation rows as two
 // 128-row waves against each consumer's converted weights; contiguous only) and 128 x 128.
 constexpr cuda::W4A8KernelChoice kV2Wide{.version = 2, .block_m = 256, .signed_codes = 1};
+// The wide tile's kernel without the half-tile loop (W4A8KernelChoice::half_tiles = 2).
+constexpr cuda::W4A8KernelChoice kV2WideNoHalf{
+    .version = 2, .block_m = 256, .signed_codes = 1, .half_tiles = 2};
 constexpr cuda::W4A8KernelChoice kV2Signed128{.version = 2, .block_m = 128, .signed_codes = 1};
 // Two partials on the 32-row four-consumer tile, with one and two K blocks per stage.
 constexpr cuda::W4A8KernelChoice kP2{.version = 2, .parts = 2};
@@ -618,6 +621,13 @@ INSTANTIATE_TEST_SUITE_P(
         // tall tile; and v2's signed 128 x 128.
         ContiguousCase{"N4096_K7168_v2_wide_m256", {300, 0, 520, 129}, 4096, 7168, 1, false, kV2Wide},
         ContiguousCase{"N7168_K2048_v2_wide_m256", {150, 0, 64, 33, 255}, 7168, 2048, 0, false, kV2Wide},
+        ContiguousCase{"N640_K1152_holes_v2_wide_m256_no_half_loop",
+                       {100, 5, 300, 60, 20, 90},
+                       640,
+                       1152,
+                       1,
+                       true,
+                       kV2WideNoHalf},
         ContiguousCase{
             "N640_K1152_odd_k_blocks_holes_v2_wide_m256", {5, 130, 0, 33, 260}, 640, 1152, 1, true, kV2Wide},
         ContiguousCase{"N1536_K2048_one_block_v2_wide_m256", {77}, 1536, 2048, 0, false, kV2Wide},

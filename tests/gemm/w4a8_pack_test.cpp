@@ -429,6 +429,13 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .block_m = 128, .signed_codes = 1}));
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .block_m = 64, .signed_codes = 1}); },
                         "signed_codes");
+  // The wide tile without its half-tile loop: that tile only.
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .block_m = 256, .signed_codes = 1, .half_tiles = 2}));
+  expect_error_mentions(
+      [&] { cuda::w4a8_pin_kernel({.version = 2, .block_m = 128, .signed_codes = 1, .half_tiles = 2}); },
+      "half_tiles");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 3, .half_tiles = 2}); }, "half_tiles");
+  expect_error_mentions([&] { cuda::w4a8_pin_kernel({.half_tiles = 3}); }, "half_tiles");
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .offset_warp = 1, .signed_codes = 1}); },
                         "signed_codes");
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .row_sums = 1, .signed_codes = 1}); },
