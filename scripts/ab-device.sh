@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# A/B of two source trees in one device call (bench/NOTES.md, session 26): both trees are built side by
+# side (8 jobs each), tree B's GPU tests run, `epmoe bench gemm` alternates A and B REPS times, then
+# compute-sanitizer memcheck and racecheck on B's tests; logs and JSON into OUTDIR/x, packed as
+# OUTDIR/ab.tgz. Each tree is a `git archive` tar (e.g. in an ignored .carry/ that the device tool carries).
+#
+# Usage: scripts/ab-device.sh OUTDIR A.tar B.tar      (on the device: scripts/ab-device.sh "$OUT" ...)
+# Knobs (environment, with defaults):
+#   AB_QUANT=w4a8                   bench gemm --quant
+#   AB_ONLY=contiguous              EPMOE_BENCH_GEMM_ONLY (contiguous, masked, decode; empty: all rows)
+#   AB_LINES=.w4a8                  EPMOE_BENCH_W4A8_LINES (empty: every line)
+#   AB_REPS=2                       A/B alternations
+#   AB_TESTS='*W4A8*:*w4a8*'        gtest filter of B's GPU tests (empty: none)
+#   AB_SANITIZE='*v2_wide*'         gtest filter for memcheck and racecheck on B (empty: none)
+#   AB_RUN=0                        1: `epmoe run --quant $AB_QUANT --steps 20` on both trees too
+set -uo pipefail
+out=${1:?usage: scripts/ab-device.sh OUTDIR A.tar B.tar}
+tar_a=$(realpath "${2:?A.tar}")
+tar_b=$(realpath "${3:?B.tar}")
+mkdir -p "$out/x"
+out=$(cd "$out" && pwd)
+x=$out/x
+tests=${AB_TESTS-*W4A8*:*w4a8*}
+sanitize=${AB_SANITIZE-*v2_wide*}
+export NCCL_NVLS_ENABLE=0
+start=$SECONDS
+stamp() { echo "== $1 ($((SECONDS - start)) s)"; }
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv,noheader || true
+
+work=$(mktemp -d)
+for t in a b; do mkdir -p "$work/$t"; done
+tar -xf "$tar_a" -C "$work/a"
+tar -xf "$tar_b" -C "$work/b"
+stamp build
+build() {  # build TREE TARGETS...
+  local t=$1
+  shift
+  (cd "$work/$t" && cmake --preset gpu > "$x/cfg_$t.log" 2>&1 &&
+    cmake --build --preset gpu -j 8 --target "$@" > "$x/build_$t.log" 2>&1)
+  echo "build $t rc $?"
+}
+build a epmoe_cli &
+build b epmoe_cli epmoe_gpu_tests &
+wait
+stamp built
+for t in a b; do
+  [[ -x $work/$t/build-gpu/bin/epmoe ]] || { tail -n 30 "$x/build_$t.log"; exit 1; }
+done
+
+cd "$work/b" || exit 1
+if [[ -n $tests ]]; then
+  stamp tests
+  timeout 300 build-gpu/tests/epmoe_gpu_tests --gtest_filter="$tests" > "$x/tests.log" 2>&1
+  echo "tests rc $?"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED)|FAILED  \]" "$x/tests.log" | tail -n 8
+fi
+
+stamp bench
+export EPMOE_BENCH_GEMM_ONLY=${AB_ONLY-contiguous} EPMOE_BENCH_W4A8_LINES=${AB_LINES-.w4a8}
+for rep in $(seq 1 "${AB_REPS:-2}"); do
+  for t in a b; do
+    timeout 200 "$work/$t/build-gpu/bin/epmoe" bench gemm --quant "${AB_QUANT:-w4a8}" --quick \
+      --json "$x/ab_${t}_$rep.json" > "$x/ab_${t}_$rep.log" 2>&1
+    echo "bench $t $rep rc $?"
+  done
+done
+
+if [[ ${AB_RUN:-0} == 1 ]]; then
+  stamp run
+  for t in a b; do
+    timeout 120 "$work/$t/build-gpu/bin/epmoe" run --quant "${AB_QUANT:-w4a8}" --steps 20 \
+      --json "$x/run_$t.json" > "$x/run_$t.log" 2>&1
+    echo "run $t rc $?"
+    grep -E "^  (prefill|decode) |^check" "$x/run_$t.log" | cut -c1-140
+  done
+fi
+
+if [[ -n $sanitize ]]; then
+  for tool in memcheck racecheck; do
+    stamp "$tool"
+    timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 build-gpu/tests/epmoe_gpu_tests \
+      --gtest_filter="$sanitize" > "$x/$tool.log" 2>&1
+    echo "$tool rc $?"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$x/$tool.log" | tail -n 3
+  done
+fi
+
+cd "$out" && tar -czf ab.tgz x && rm -rf x "$work"
+stamp "done"
