@@ -1131,7 +1131,8 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
         }
       };
       // (The wide tile's half tiles: a loop of their own, wave 0 only. A run-time branch around wave 1
-      // inside one loop spilled the consumers in every form tried.)
+      // inside one loop spilled the consumers in every form tried. The other tiles keep the loop
+      // written out: through `loop` their SASS changed by 8 instructions, decode tiles included.)
       if constexpr (kWaves == 2 && kHalfLoop) {
         if (!scheduler.half_tiles()) {
           loop(std::false_type{});
