@@ -218,29 +218,13 @@ __device__ __forceinline__ std::int32_t w4a8_block_group(const W4A8Params& p, st
 // The pairs of 128-row blocks that 256-row contiguous tiles cover, aligned to each group's first
 // block (a CTA-local table in shared memory, built by every CTA before its warps take their roles):
 // word 0 the count of whole pairs (bits 0-15) and of half tiles (bits 16-30), bit 31 set when half
-// tiles get CTAs of their own (w4a8_half_tile_ctas; all ones: no table, the scheduler pairs blocks 2u
+// tiles get CTAs of their own (w4a8::half_tile_ctas; all ones: no table, the scheduler pairs blocks 2u
 // and 2u + 1 instead), then one word per tile: its first block (bits 0-15), its group (bits 16-30),
 // bit 31 set when the tile is that block alone (the group's last block, with an odd block count).
 // The tiles fill words 1, 2, ... in block order, or with the split whole pairs words 1, 2, ... and
 // half tiles words kW4PairTableMaxBlocks, kW4PairTableMaxBlocks - 1, .... With groups of ~1024
 // rows, pairing from block 0 splits about one pair in eight between two groups, each half then a
 // full-cost tile.
-
-// How many of `grid` CTAs run the table's half tiles on their own (0: none; every CTA runs both kinds,
-// the half tiles as whole pairs with wave 1 idle). A half tile costs a CTA about 3/5 of a whole pair's
-// time (wave 0 only; the conversion and the per-tile work stay): their share of that cost, rounded up
-// (rounded to nearest, one CTA took ~1.1 CTAs' share of a few half tiles on 4 x 8192 and was the
-// slowest: +14%, call 174), where it is at least 4 CTAs (groups of ~4096 rows and more have too few
-// half tiles: 1-3 CTAs of them were 1-9% slower than none on 8 x 4096 and 4 x 8192, calls 175-176).
-__device__ __forceinline__ std::int32_t w4a8_half_tile_ctas(std::int32_t pairs, std::int32_t halves,
-                                                            std::int32_t grid) {
-  const std::int64_t whole = 5 * static_cast<std::int64_t>(pairs),
-                     half = 3 * static_cast<std::int64_t>(halves);
-  if (half == 0) return 0;
-  if (whole == 0) return grid;
-  if (grid * half < 4 * (whole + half)) return 0;
-  return max(1, min(static_cast<std::int32_t>((grid * half + whole + half - 1) / (whole + half)), grid - 1));
-}
 
 // Builds the table at `table` (all threads of the CTA; `scratch`: 4 bytes per block of shared memory
 // not in use yet; allow_split false: never split, block order). Ends with __syncthreads().
@@ -274,7 +258,7 @@ __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t 
     bool split = false;
     for (int walk = 0; walk < 2; ++walk) {
       if (walk == 1) {
-        split = allow_split && w4a8_half_tile_ctas(pairs, halves, static_cast<std::int32_t>(gridDim.x)) > 0;
+        split = allow_split && w4a8::half_tile_ctas(pairs, halves, static_cast<std::int32_t>(gridDim.x)) > 0;
         pairs = halves = 0;
       }
       std::int32_t carry_start = 0, carry_group = -2;
@@ -437,7 +421,7 @@ class W4A8Scheduler {
     seg_tiles_ = seg_m_blocks_ * (p.n / kTileN);
   }
 
-  // The CTA's role by w4a8_half_tile_ctas (the build's choice, bit 31 of the table's counts): the last
+  // The CTA's role by w4a8::half_tile_ctas (the build's choice, bit 31 of the table's counts): the last
   // CTAs of the grid run the half tiles. The counts are the whole table's, so every CTA (and role)
   // computes the same split.
   __device__ void split_halves() {
@@ -448,8 +432,8 @@ class W4A8Scheduler {
       return;
     }
     const std::int32_t half_ctas =
-        w4a8_half_tile_ctas(static_cast<std::int32_t>(counts & 0xffffu),
-                            static_cast<std::int32_t>((counts >> 16) & 0x7fffu), grid);
+        w4a8::half_tile_ctas(static_cast<std::int32_t>(counts & 0xffffu),
+                             static_cast<std::int32_t>((counts >> 16) & 0x7fffu), grid);
     split_.half = t_ >= grid - half_ctas;
     if (split_.half) t_ -= grid - half_ctas;
     split_.stride = split_.half ? half_ctas : grid - half_ctas;

@@ -41,6 +41,7 @@
 // e4m3 wgmma; the offset roughly doubles the magnitudes the tensor core sums.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -200,6 +201,28 @@ EPMOE_HD std::uint32_t offset_warp_load(int lane, int half, int i) {
   const int g = lane / 4, q = lane % 4;
   const int chunk = (q + 4 * (g % 2)) ^ (4 * i);
   return static_cast<std::uint32_t>((g + 8 * half) * kBlockK + 16 * chunk);
+}
+
+// The wide tile's half tiles (a group's odd last 128-row block; W4A8Scheduler, w4a8_build_pair_table):
+// how many of `grid` CTAs run them on their own (0: none; every CTA runs both kinds, the half tiles as
+// whole pairs with wave 1 idle). A half tile costs a CTA about 3/5 of a whole pair's time (wave 0
+// only; the conversion and the per-tile work stay): their share of that cost, rounded up (rounded to
+// nearest, one CTA took ~1.1 CTAs' share of a few half tiles on 4 x 8192 and was the slowest: +14%,
+// call 174), where it is at least 4 CTAs (groups of ~4096 rows and more have too few half tiles: 1-3
+// CTAs of them were 1-9% slower than none on 8 x 4096 and 4 x 8192, calls 175-176; bench/NOTES.md).
+// (The device code's min / max: with std::min / std::max the wide kernels grew by 16 instructions.)
+EPMOE_HD std::int32_t half_tile_ctas(std::int32_t pairs, std::int32_t halves, std::int32_t grid) {
+  const std::int64_t whole = 5 * static_cast<std::int64_t>(pairs),
+                     half = 3 * static_cast<std::int64_t>(halves);
+  if (half == 0) return 0;
+  if (whole == 0) return grid;
+  if (grid * half < 4 * (whole + half)) return 0;
+#if defined(__CUDA_ARCH__)
+  return max(1, min(static_cast<std::int32_t>((grid * half + whole + half - 1) / (whole + half)), grid - 1));
+#else
+  return std::max(
+      1, std::min(static_cast<std::int32_t>((grid * half + whole + half - 1) / (whole + half)), grid - 1));
+#endif
 }
 
 }  // namespace epmoe::w4a8

@@ -458,6 +458,27 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
                         "signed_codes = 0");
 }
 
+// The wide tile's split of the grid between whole pairs and half tiles (w4a8::half_tile_ctas): no half
+// tiles, none; only half tiles, every CTA; a few half tiles beside many pairs (groups of ~4096 rows:
+// under 4 CTAs' share), none; groups of ~1024 rows (32 x 1024: ~133 pairs, ~15 half tiles), their
+// share rounded up; and never all CTAs while there are pairs.
+TEST(W4A8KernelChoice, HalfTileCtas) {
+  EXPECT_EQ(w4a8::half_tile_ctas(140, 0, 132), 0);
+  EXPECT_EQ(w4a8::half_tile_ctas(0, 7, 132), 132);
+  EXPECT_EQ(w4a8::half_tile_ctas(0, 7, 1), 1);
+  EXPECT_EQ(w4a8::half_tile_ctas(140, 4, 132), 0);  // 132 * 12 / 712 = 2.2 CTAs
+  EXPECT_EQ(w4a8::half_tile_ctas(141, 2, 132), 0);
+  EXPECT_EQ(w4a8::half_tile_ctas(133, 15, 132), 9);  // 132 * 45 / 710 = 8.4, rounded up
+  EXPECT_EQ(w4a8::half_tile_ctas(64, 64, 132), 50);  // 132 * 192 / 512 = 49.5
+  EXPECT_EQ(w4a8::half_tile_ctas(1, 6, 8), 7);       // 8 * 18 / 23 = 6.3
+  EXPECT_EQ(w4a8::half_tile_ctas(1, 1000, 8), 7);    // (the pairs keep one CTA)
+  EXPECT_EQ(w4a8::half_tile_ctas(2, 3, 2), 0);       // (too few CTAs: 2 * 9 < 4 * 19)
+  EXPECT_EQ(w4a8::half_tile_ctas(2, 3, 1), 0);
+  // (Exactly 4 CTAs' share splits, 8 * 15 = 4 * 30; just under does not.)
+  EXPECT_EQ(w4a8::half_tile_ctas(3, 5, 8), 4);
+  EXPECT_EQ(w4a8::half_tile_ctas(3, 5, 7), 0);
+}
+
 TEST(W4A8Reference, MatchesADirectSum) {
   std::mt19937_64 rng(3);
   const std::int64_t G = 2, M_max = 5, N = 8, K = 256;
