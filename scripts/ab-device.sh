@@ -8,7 +8,7 @@
 # Knobs (environment, with defaults):
 #   AB_QUANT=w4a8                   bench gemm --quant
 #   AB_ONLY=contiguous              EPMOE_BENCH_GEMM_ONLY (contiguous, masked, decode; empty: all rows)
-#   AB_LINES=.w4a8                  EPMOE_BENCH_W4A8_LINES (empty: every line)
+#   AB_LINES=.w4a8                  EPMOE_BENCH_GEMM_VARIANTS (empty: every line)
 #   AB_REPS=2                       A/B alternations
 #   AB_TESTS='*W4A8*:*w4a8*'        gtest filter of B's GPU tests (empty: none)
 #   AB_SANITIZE='*v2_wide*'         gtest filter for memcheck and racecheck on B (empty: none)
@@ -56,7 +56,7 @@ if [[ -n $tests ]]; then
 fi
 
 stamp bench
-export EPMOE_BENCH_GEMM_ONLY=${AB_ONLY-contiguous} EPMOE_BENCH_W4A8_LINES=${AB_LINES-.w4a8}
+export EPMOE_BENCH_GEMM_ONLY=${AB_ONLY-contiguous} EPMOE_BENCH_GEMM_VARIANTS=${AB_LINES-.w4a8}
 for rep in $(seq 1 "${AB_REPS:-2}"); do
   for t in a b; do
     timeout 200 "$work/$t/build-gpu/bin/epmoe" bench gemm --quant "${AB_QUANT:-w4a8}" --quick \

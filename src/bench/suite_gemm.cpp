@@ -280,6 +280,8 @@ std::vector<Variant> experiments(bool masked) {
 // EPMOE_BENCH_GEMM_VARIANTS=main,.exp.no_promote,...: the contiguous rows time only the listed lines
 // ("main" is the heuristic's line; VARIANTS=main for profiling), each EPMOE_BENCH_GEMM_REPEAT times (default
 // 1; one result per time), e.g. to watch the clocks of one configuration for seconds (power-capped cards).
+// With --quant w4a8 it picks the W4A8 lines of every row (".w4a8", ".w4a8.v2.s.m128", ...; the FP8 line
+// always runs: the ratios need it).
 bool variant_listed(const std::string& suffix) {
   const char* e = std::getenv("EPMOE_BENCH_GEMM_VARIANTS");
   if (e == nullptr || *e == '\0') return true;
@@ -782,12 +784,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     c.ablation = cuda::kW4A8TraceCtas;
     variants.push_back({".w4a8.cta_trace", c});
   }
-  // EPMOE_BENCH_W4A8_LINES=.w4a8,.w4a8.v2.s.m128,...: only the listed W4A8 lines (the FP8 line always
-  // runs: the ratios need it), to spend less device time on A/B runs.
-  const char* lines_env = std::getenv("EPMOE_BENCH_W4A8_LINES");
-  const std::string lines = lines_env != nullptr ? "," + std::string(lines_env) + "," : std::string();
   for (W4A8Variant& v : variants) {
-    if (!lines.empty() && lines.find("," + v.suffix + ",") == std::string::npos) continue;
+    if (!variant_listed(v.suffix)) continue;
     if (s.masked) v.options.workspace = w4_workspace.view();
     cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);
     const auto call = [&](cudaStream_t st) {

@@ -217,11 +217,11 @@ EPMOE_HD std::int32_t half_tile_ctas(std::int32_t pairs, std::int32_t halves, st
   if (half == 0) return 0;
   if (whole == 0) return grid;
   if (grid * half < 4 * (whole + half)) return 0;
+  const auto share = static_cast<std::int32_t>((grid * half + whole + half - 1) / (whole + half));
 #if defined(__CUDA_ARCH__)
-  return max(1, min(static_cast<std::int32_t>((grid * half + whole + half - 1) / (whole + half)), grid - 1));
+  return max(1, min(share, grid - 1));
 #else
-  return std::max(
-      1, std::min(static_cast<std::int32_t>((grid * half + whole + half - 1) / (whole + half)), grid - 1));
+  return std::max(1, std::min(share, grid - 1));
 #endif
 }
 
