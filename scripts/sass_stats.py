@@ -4,8 +4,9 @@ the build machine's toolkit, and the GPU machine's cuobjdump printed nothing for
 
 Per kernel: its instruction count, its S2R instructions by special register (S2R SR_CgaCtaId is how
 ptxas re-makes a shared-memory array's base address on sm_90; S2R SR_TID.X a re-read threadIdx.x;
-many of either mean values rematerialised under register pressure), and with --lines where they
-sit: the source line of the first following instruction of another line (build with -lineinfo).
+many of either mean values rematerialised under register pressure), its local-memory spill stores
+and loads (STL, LDL), and with --lines where they sit: for an S2R the source line of the first
+following instruction of another line, for STL / LDL their own line (build with -lineinfo).
 --perline prints the instruction count of every source line of the first matching kernel.
 
 Build the cubin as the project does, plus -cubin and -lineinfo, e.g.
@@ -15,7 +16,7 @@ Build the cubin as the project does, plus -cubin and -lineinfo, e.g.
 
 The decoding relies on two facts of the sm_90 encoding read off our own cubins, not on a
 specification: each instruction is 16 bytes, little-endian, with the opcode in its low 12 bits
-(S2R = 0x919), and an S2R's special register in byte 9 (0x21 SR_TID.X, 0x25 SR_CTAID.X, 0x88
+(S2R = 0x919, STL = 0x387, LDL = 0x983), and an S2R's special register in byte 9 (0x21 SR_TID.X, 0x25 SR_CTAID.X, 0x88
 SR_CgaCtaId). Source lines come from the DWARF .debug_line section that -lineinfo adds, read with
 pyelftools (Debian: python3-pyelftools, for /usr/bin/python3).
 """
@@ -31,6 +32,7 @@ except ImportError:
     sys.exit("sass_stats.py needs pyelftools: apt-get install python3-pyelftools (then run it with /usr/bin/python3)")
 
 OPCODE_S2R = 0x919
+OPCODES_LOCAL = {0x387: "STL", 0x983: "LDL"}  # spill stores and loads
 SPECIAL_REGISTERS = {0x21: "TID.X", 0x22: "TID.Y", 0x23: "TID.Z", 0x25: "CTAID.X", 0x88: "CgaCtaId"}
 
 
@@ -100,6 +102,12 @@ def main():
             word = int.from_bytes(code[at:at + 8], "little")
             if table:
                 per_line[source(at)] += 1
+            if word & 0xFFF in OPCODES_LOCAL:
+                name = OPCODES_LOCAL[word & 0xFFF]
+                s2r[name] += 1
+                if table:
+                    places[name]["%s:%d" % source(at)] += 1
+                continue
             if word & 0xFFF != OPCODE_S2R:
                 continue
             register = SPECIAL_REGISTERS.get(code[at + 9], f"SR{code[at + 9]:#x}")
@@ -108,7 +116,7 @@ def main():
                 own = source(at)
                 after = (source(b) for b in range(at + 16, min(len(code), at + 96), 16))
                 places[register]["%s:%d" % next((s for s in after if s != own), own)] += 1
-        print(len(code) // 16, "instructions;", "S2R", dict(sorted(s2r.items())), kernel)
+        print(len(code) // 16, "instructions;", "S2R / STL / LDL", dict(sorted(s2r.items())), kernel)
         if args.lines:
             for register, where in sorted(places.items()):
                 print("   ", register, ", ".join(f"{k} x{v}" for k, v in sorted(where.items())))
