@@ -13,6 +13,7 @@
 #   AB_TESTS='*W4A8*:*w4a8*'        gtest filter of B's GPU tests (empty: none)
 #   AB_SANITIZE='*v2_wide*'         gtest filter for memcheck and racecheck on B (empty: none)
 #   AB_RUN=0                        1: `epmoe run --quant $AB_QUANT --steps 20` on both trees too
+#   AB_AFTER=                       a bash snippet run in tree B after the rest (its files into $x)
 set -uo pipefail
 out=${1:?usage: scripts/ab-device.sh OUTDIR A.tar B.tar}
 tar_a=$(realpath "${2:?A.tar}")
@@ -83,6 +84,12 @@ if [[ -n $sanitize ]]; then
     echo "$tool rc $?"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$x/$tool.log" | tail -n 3
   done
+fi
+
+if [[ -n ${AB_AFTER:-} ]]; then
+  stamp after
+  (cd "$work/b" && x=$x bash -c "$AB_AFTER") > "$x/after.log" 2>&1
+  echo "after rc $?"
 fi
 
 cd "$out" && tar -czf ab.tgz x && rm -rf x "$work"

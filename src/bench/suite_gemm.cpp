@@ -699,11 +699,14 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     if (!same && (!s.masked || (block_m == 128 && s.expected_m > 64)) && N % 128 == 0)
       variants.push_back({".w4a8.v2.s.m" + std::to_string(block_m), c});
   }
-  // The wide tile's kernel without its half-tile loop (".w4a8.v2.s.m256.nohalf": half_tiles = 2, every
-  // CTA runs every kind; an experiment, session 26).
-  if (!s.masked && N % 128 == 0)
+  // The wide tile's two kernels, with the half-tile loop (".w4a8.v2.s.m256.half": half_tiles = 1) and
+  // without (".nohalf": 2; the automatic choice from kW4A8WideNoHalfRows rows per group, session 27).
+  if (!s.masked && N % 128 == 0) {
+    variants.push_back(
+        {".w4a8.v2.s.m256.half", {.version = 2, .block_m = 256, .signed_codes = 1, .half_tiles = 1}});
     variants.push_back(
         {".w4a8.v2.s.m256.nohalf", {.version = 2, .block_m = 256, .signed_codes = 1, .half_tiles = 2}});
+  }
   if (chosen.version != 3) variants.push_back({".w4a8.v3", v3});
   // A v3 tile's line name: "m<rows>n<cols>w<waves>".
   const auto tile_name = [](const cuda::W4A8KernelChoice& c) {

@@ -219,9 +219,12 @@ void launch_v2_signed(int block_m, int half_tiles, const TensorView& a, const Pr
 // Fills the zeros of a version-2 signed choice and checks it: the wide tile for contiguous groups of
 // >= 128 rows on average (expected_m: M / groups), else 128 x 128. Since its half tiles (a group's odd
 // last block) run wave 0 alone on CTAs of their own, the wide tile is 4-15% faster than 128 x 128 on
-// the 32 x 256 and 128 x 128 rows as well (session 26, bench/NOTES.md).
+// the 32 x 256 and 128 x 128 rows as well (session 26, bench/NOTES.md). The wide tile's kernel
+// without the half-tile loop from 2048 rows per group: with few half tiles (one per ~16 blocks) the
+// loop wins little, and its kernel was 2-6% slower on the 8 x 4096 and 4 x 8192 rows (session 27).
 W4A8KernelChoice resolve_v2_signed(W4A8KernelChoice c, bool masked, std::int64_t expected_m, std::int64_t n) {
   if (c.block_m == 0) c.block_m = !masked && expected_m >= 128 ? 256 : 128;
+  if (c.block_m == 256 && c.half_tiles == 0) c.half_tiles = expected_m >= kW4A8WideNoHalfRows ? 2 : 1;
   EPMOE_CHECK(c.block_m == 128 || c.block_m == 256,
               "the W4A8 register-operand kernel with signed codes has block_m = 128 or 256, got {}",
               c.block_m);
@@ -337,9 +340,10 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
   with.ablation = c.ablation;
   if (c.version == 3)
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
-  if (c.signed_codes != 0)
-    return launch_v2_signed(resolve_v2_signed(c, masked, problem.expected_m, problem.params.n).block_m,
-                            c.half_tiles, a, with, options, stream);
+  if (c.signed_codes != 0) {
+    const W4A8KernelChoice r = resolve_v2_signed(c, masked, problem.expected_m, problem.params.n);
+    return launch_v2_signed(r.block_m, r.half_tiles, a, with, options, stream);
+  }
   constexpr int kWgmma = kernels::kW4OffsetWgmma, kWarp = kernels::kW4OffsetWarp;
   if (c.offset_warp != 0) {
     if (c.stage_k_blocks == 2) return launch<kWarp, 2>(tile, c.parts, a, with, options, stream);
@@ -569,9 +573,9 @@ void w4a8_pin_kernel(const W4A8KernelChoice& choice) {
               choice.signed_codes, choice.version);
   EPMOE_CHECK(
       choice.half_tiles >= 0 && choice.half_tiles <= 2 &&
-          (choice.half_tiles != 2 ||
+          (choice.half_tiles == 0 ||
            (choice.version == 2 && choice.signed_codes == 1 && choice.block_m == 256)),
-      "W4A8 half_tiles must be 0 or 1, or 2 with version 2, signed_codes 1 and block_m 256, got {} with "
+      "W4A8 half_tiles must be 0, or 1 or 2 with version 2, signed_codes 1 and block_m 256, got {} with "
       "version {}, signed_codes {}, block_m {}",
       choice.half_tiles, choice.version, choice.signed_codes, choice.block_m);
   EPMOE_CHECK(choice.parts >= 0 && choice.parts <= 2 &&

@@ -32,7 +32,8 @@
 //              registers; block_m = 256 is v2's wide tile (contiguous only): each consumer's converted
 //              64 weight rows of a K block feed two 128-row waves of activations. The automatic
 //              choice for the contiguous layout since session 25: the wide tile for groups of >= 128
-//              rows on average (padding included; >= 1024 before session 26), else 128 x 128.
+//              rows on average (padding included; >= 1024 before session 26), else 128 x 128; the
+//              wide tile's kernel with or without its half-tile loop by half_tiles below.
 //   row_sums = 1 (version 2, no offset warp): on the masked decode tiles (block_m <= 32) of a call with
 //              options.workspace, a pre-pass kernel sums each activation row per K block and the GEMM's
 //              producer copies the sums in with each stage (W4A8Traits::kOffsetSums); without a
@@ -66,10 +67,15 @@ struct W4A8KernelChoice {
                            // (masked decode tiles, block_m <= 32, when the call has a workspace)
   int signed_codes = 0;    // version 3: 1 = the converter writes e4m3(v · 2^-9), no offset term
                            // (W4A8SmemTraits::kSigned); the only way to 128 x 256 with two waves
-  int half_tiles = 0;      // version 2, block_m 256: 0 or 1 = half tiles on CTAs of their own where they
-                           // fill >= 4 CTAs (session 26); 2 = never: the kernel without the half-tile
-                           // loop (pinned only: an experiment, UNMEASURED when written)
+  int half_tiles = 0;      // version 2, block_m 256 (the wide tile): 1 = the kernel with the half-tile
+                           // loop (a group's odd last block runs wave 0 alone, on CTAs of their own where
+                           // they fill >= 4 CTAs; session 26); 2 = the kernel without it (every tile
+                           // costs a whole pair); 0 = by the rows per group (kW4A8WideNoHalfRows)
 };
+
+// The wide tile's automatic half_tiles: the kernel without the half-tile loop from this many rows per
+// group on average (contiguous expected_m; bench/NOTES.md, session 27).
+inline constexpr std::int64_t kW4A8WideNoHalfRows = 2048;
 
 // The choice of an automatic call (masked: by expected_m; contiguous: by the average rows per group,
 // M / groups, padding included; n, k: the weight matrix), resolved

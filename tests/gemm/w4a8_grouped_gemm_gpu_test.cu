@@ -127,7 +127,7 @@ constexpr cuda::W4A8KernelChoice kTall{
     .version = 3, .block_m = 256, .block_n = 128, .waves = 2, .signed_codes = 1};
 // The register-operand kernel (v2) with signed codes: the wide tile (256 activation rows as two
 // 128-row waves against each consumer's converted weights; contiguous only) and 128 x 128.
-constexpr cuda::W4A8KernelChoice kV2Wide{.version = 2, .block_m = 256, .signed_codes = 1};
+constexpr cuda::W4A8KernelChoice kV2Wide{.version = 2, .block_m = 256, .signed_codes = 1, .half_tiles = 1};
 // The wide tile's kernel without the half-tile loop (W4A8KernelChoice::half_tiles = 2).
 constexpr cuda::W4A8KernelChoice kV2WideNoHalf{
     .version = 2, .block_m = 256, .signed_codes = 1, .half_tiles = 2};
@@ -657,6 +657,8 @@ INSTANTIATE_TEST_SUITE_P(
         // The automatic choice on groups of >= 128 rows on average (padding included): v2's wide tile,
         // with large groups and with groups of one or two blocks (many half tiles); below, 128 x 128.
         ContiguousCase{"N384_K384_large_groups_auto_wide", {1100, 2400, 0, 700}, 384, 384, 0, true, {}},
+        ContiguousCase{
+            "N384_K384_larger_groups_auto_wide_no_half_loop", {2100, 3000, 2400, 0}, 384, 384, 0, true, {}},
         ContiguousCase{
             "N640_K1152_small_groups_auto_wide", {90, 200, 130, 1, 256, 60}, 640, 1152, 0, true, {}},
         ContiguousCase{

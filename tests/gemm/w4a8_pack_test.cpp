@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "epmoe/cuda/w4a8_gemm.hpp"
@@ -412,13 +413,19 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
     EXPECT_EQ(c.signed_codes, signed_codes);
   };
   // Contiguous: v2 with signed codes, its wide tile for groups of >= 128 rows on average (the hint:
-  // M / groups), else 128 x 128.
-  for (const auto& [m, block_m] :
-       {std::pair<std::int64_t, int>{0, 128}, {127, 128}, {128, 256}, {1024, 256}, {4096, 256}}) {
+  // M / groups), else 128 x 128; the wide tile's kernel without the half-tile loop from 2048 rows.
+  for (const auto& [m, block_m, half_tiles] : {std::tuple<std::int64_t, int, int>{0, 128, 0},
+                                               {127, 128, 0},
+                                               {128, 256, 1},
+                                               {1024, 256, 1},
+                                               {2047, 256, 1},
+                                               {2048, 256, 2},
+                                               {4096, 256, 2}}) {
     const cuda::W4A8KernelChoice c = cuda::w4a8_kernel_choice(false, m, 7168, 2048);
     EXPECT_EQ(c.version, 2);
     EXPECT_EQ(c.block_m, block_m);
     EXPECT_EQ(c.signed_codes, 1);
+    EXPECT_EQ(c.half_tiles, half_tiles) << "M / groups = " << m;
   }
   expect_v3(cuda::w4a8_kernel_choice(true, 4096, 7168, 2048), 128, 256, 2, 1);
   expect_v3(cuda::w4a8_kernel_choice(true, 40, 4096, 7168), 64, 256, 1, 0);
@@ -429,8 +436,12 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .block_m = 128, .signed_codes = 1}));
   expect_error_mentions([&] { cuda::w4a8_pin_kernel({.version = 2, .block_m = 64, .signed_codes = 1}); },
                         "signed_codes");
-  // The wide tile without its half-tile loop: that tile only.
+  // The wide tile with and without its half-tile loop: that tile only.
+  EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .block_m = 256, .signed_codes = 1, .half_tiles = 1}));
   EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .block_m = 256, .signed_codes = 1, .half_tiles = 2}));
+  expect_error_mentions(
+      [&] { cuda::w4a8_pin_kernel({.version = 2, .block_m = 128, .signed_codes = 1, .half_tiles = 1}); },
+      "half_tiles");
   expect_error_mentions(
       [&] { cuda::w4a8_pin_kernel({.version = 2, .block_m = 128, .signed_codes = 1, .half_tiles = 2}); },
       "half_tiles");
