@@ -95,7 +95,7 @@ def main():
             i = bisect.bisect_right(addresses, address) - 1
             return table[i][1] if i >= 0 else ("?", 0)
 
-        s2r = collections.Counter()
+        counts = collections.Counter()  # S2R by register, STL, LDL
         places = collections.defaultdict(collections.Counter)
         per_line = collections.Counter()
         for at in range(0, len(code), 16):
@@ -104,19 +104,19 @@ def main():
                 per_line[source(at)] += 1
             if word & 0xFFF in OPCODES_LOCAL:
                 name = OPCODES_LOCAL[word & 0xFFF]
-                s2r[name] += 1
+                counts[name] += 1
                 if table:
                     places[name]["%s:%d" % source(at)] += 1
                 continue
             if word & 0xFFF != OPCODE_S2R:
                 continue
             register = SPECIAL_REGISTERS.get(code[at + 9], f"SR{code[at + 9]:#x}")
-            s2r[register] += 1
+            counts[register] += 1
             if table:
                 own = source(at)
                 after = (source(b) for b in range(at + 16, min(len(code), at + 96), 16))
                 places[register]["%s:%d" % next((s for s in after if s != own), own)] += 1
-        print(len(code) // 16, "instructions;", "S2R / STL / LDL", dict(sorted(s2r.items())), kernel)
+        print(len(code) // 16, "instructions;", "S2R / STL / LDL", dict(sorted(counts.items())), kernel)
         if args.lines:
             for register, where in sorted(places.items()):
                 print("   ", register, ", ".join(f"{k} x{v}" for k, v in sorted(where.items())))

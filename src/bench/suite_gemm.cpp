@@ -691,16 +691,15 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     add_v2({.version = 2, .stage_k_blocks = 2, .row_sums = 1});
     if (s.expected_m > 12) add_v2({.version = 2, .parts = 2, .row_sums = 1});
   }
-  // v2 with signed codes (".w4a8.v2.s.m<rows>": no offset term): the wide tile (256 activation rows
-  // as two waves against each converted weight block; contiguous only) and 128 x 128.
-  for (const int block_m : {256, 128}) {
-    const cuda::W4A8KernelChoice c{.version = 2, .block_m = block_m, .signed_codes = 1};
-    const bool same = chosen.version == 2 && chosen.signed_codes == 1 && chosen.block_m == block_m;
-    if (!same && (!s.masked || (block_m == 128 && s.expected_m > 64)) && N % 128 == 0)
-      variants.push_back({".w4a8.v2.s.m" + std::to_string(block_m), c});
+  // v2 with signed codes (no offset term): 128 x 128 (".w4a8.v2.s.m128"), and the wide tile (256
+  // activation rows as two waves against each converted weight block; contiguous only) as its two
+  // kernels, with the half-tile loop (".w4a8.v2.s.m256.half": half_tiles = 1) and without (".nohalf": 2;
+  // the automatic choice from kW4A8WideNoHalfRows rows per group, session 27).
+  {
+    const bool same = chosen.version == 2 && chosen.signed_codes == 1 && chosen.block_m == 128;
+    if (!same && (!s.masked || s.expected_m > 64) && N % 128 == 0)
+      variants.push_back({".w4a8.v2.s.m128", {.version = 2, .block_m = 128, .signed_codes = 1}});
   }
-  // The wide tile's two kernels, with the half-tile loop (".w4a8.v2.s.m256.half": half_tiles = 1) and
-  // without (".nohalf": 2; the automatic choice from kW4A8WideNoHalfRows rows per group, session 27).
   if (!s.masked && N % 128 == 0) {
     variants.push_back(
         {".w4a8.v2.s.m256.half", {.version = 2, .block_m = 256, .signed_codes = 1, .half_tiles = 1}});

@@ -229,7 +229,7 @@ __device__ __forceinline__ std::int32_t w4a8_block_group(const W4A8Params& p, st
 // Builds the table at `table` (all threads of the CTA; `scratch`: 4 bytes per block of shared memory
 // not in use yet; allow_split false: never split, block order). Ends with __syncthreads().
 __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t table, std::uint32_t scratch,
-                                             bool allow_split = true) {
+                                             bool allow_split) {
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const int warps = static_cast<int>(blockDim.x / 32);
   const std::int32_t blocks = (p.rows + 127) / 128;
@@ -502,7 +502,8 @@ __device__ __forceinline__ std::uint32_t w4a8_pack_bf16x2(float lo, float hi) {
 // kParts_: 0 = the partial accumulators by the rule below; 2 = two also where the rule says one
 // (the 32-row four-consumer tile: fits 112 registers without the offset warp since v6).
 // kHalfLoop (the wide tile): half tiles may run on CTAs of their own (the second consumer loop); false:
-// the kernel without that loop, every CTA runs every kind (an experiment, session 26).
+// the kernel without that loop, every CTA runs every kind (W4A8KernelChoice::half_tiles = 2: the
+// automatic choice for groups of >= kW4A8WideNoHalfRows rows).
 template <int kBM, int kConsumers, int kOffset, int kStageKB, int kParts_ = 0, bool kHalfLoop = true>
 __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>::kThreads, 1)
     w4a8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
