@@ -697,7 +697,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   // the automatic choice from kW4A8WideNoHalfRows rows per group, session 27).
   {
     const bool same = chosen.version == 2 && chosen.signed_codes == 1 && chosen.block_m == 128;
-    if (!same && (!s.masked || s.expected_m > 64) && N % 128 == 0)
+    if (!same && (!s.masked || s.expected_m > 24) && N % 128 == 0)
       variants.push_back({".w4a8.v2.s.m128", {.version = 2, .block_m = 128, .signed_codes = 1}});
   }
   if (!s.masked && N % 128 == 0) {

@@ -507,19 +507,18 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
   // (run() sets them: 2-3% faster than one, session 19).
   if (masked && expected_m > 12 && expected_m <= 24) return W4A8KernelChoice{.version = 2, .row_sums = 1};
   if (masked && expected_m <= 12) return W4A8KernelChoice{.version = 2};
-  // v3's 128-row tiles with the signed conversion: 7-12% faster than the offset-binary codes on every
-  // contiguous row (128 x 256 with two waves where N allows); the 64 x 256 masked tile (expected_m
-  // 25..64) was 5-9% slower with it and keeps the codes' offset term (session 23, bench/NOTES.md).
-  const bool signed_codes = !masked || expected_m > 64;
   // Contiguous: v2 with signed codes (converted in the consumers' registers, per-row scales), faster
   // than v3 on every contiguous row in session 25 (bench/NOTES.md): its wide tile (256 activation rows
   // x 128 weight rows: 8 x 4096 1109-1111 TFLOP/s at 4096 x 7168 against v3's tall tile at 929-937)
   // or its 128 x 128 tile (128 x 128 groups: 1530 against v3's 128 x 256 at 1671 us), by
-  // resolve_v2_signed.
-  if (!masked)
+  // resolve_v2_signed. Masked groups of > 64 rows: v2's signed 128 x 128 as well, 4-16% faster than
+  // v3's signed 128 x 256 on the masked 32 x 128 and 32 x 192 rows (session 28; v3 was the choice
+  // there since session 23, before v2's signed tiles got their movmatrix epilogue in session 26).
+  if (!masked || expected_m > 64)
     return resolve_v2_signed(W4A8KernelChoice{.version = 2, .signed_codes = 1}, masked, expected_m, n);
-  return resolve_v3(W4A8KernelChoice{.version = 3, .signed_codes = signed_codes ? 1 : 0}, masked, expected_m,
-                    n);
+  // The masked 64 x 256 tile (expected_m 25..64) keeps v3 with the codes' offset term: the signed
+  // conversion was 5-9% slower there (session 23, bench/NOTES.md).
+  return resolve_v3(W4A8KernelChoice{.version = 3}, masked, expected_m, n);
 }
 
 std::vector<W4A8CtaStamps> w4a8_take_cta_trace(int ctas, cudaStream_t stream) {

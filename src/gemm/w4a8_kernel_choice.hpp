@@ -5,8 +5,8 @@
 //   version 2: the register-operand kernel (w4a8_grouped_gemm_kernel.cuh), tile by
 //              w4a8_gemm_tile() unless options.block_m / options.consumers are given;
 //   version 3: weights converted to e4m3 in shared memory (w4a8_smem_gemm_kernel.cuh; the automatic
-//              choice's 128-row tiles with signed_codes = 1 since session 23, masked only since
-//              session 25), tiles of
+//              choice's 128-row tiles with signed_codes = 1 from session 23, masked only from session
+//              25, and since session 28 only the masked 64 x 256 tile, expected_m 25..64), tiles of
 //              block_m (64 or 128) activation rows x block_n (128 or 256) weight columns, each
 //              consumer warpgroup owning 64 rows x 128 waves columns; or the tall tile (block_m = 256,
 //              block_n = 128, waves = 2, signed_codes = 1, contiguous only: each consumer 128 rows as

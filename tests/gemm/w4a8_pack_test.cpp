@@ -402,8 +402,8 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
   EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 16, 4096, 7168), 2, 0, 0));
   EXPECT_TRUE(is(cuda::w4a8_kernel_choice(true, 24, 7168, 2048), 2, 0, 0));
   EXPECT_EQ(cuda::w4a8_kernel_choice(true, 32, 4096, 7168).version, 3);
-  // Masked, v3's 128-row tiles run the signed conversion: 128 x 256 with two waves where N allows,
-  // 128 x 128 elsewhere; the masked 64 x 256 tile keeps the offset-binary codes.
+  // Masked groups of 25..64 rows: v3's 64 x 256 tile with the offset-binary codes; larger: v2's signed
+  // 128 x 128 (below).
   const auto expect_v3 = [](const cuda::W4A8KernelChoice& c, int block_m, int block_n, int waves,
                             int signed_codes) {
     EXPECT_EQ(c.version, 3);
@@ -427,9 +427,14 @@ TEST(W4A8KernelChoice, DecodeTilesAndTheRest) {
     EXPECT_EQ(c.signed_codes, 1);
     EXPECT_EQ(c.half_tiles, half_tiles) << "M / groups = " << m;
   }
-  expect_v3(cuda::w4a8_kernel_choice(true, 4096, 7168, 2048), 128, 256, 2, 1);
   expect_v3(cuda::w4a8_kernel_choice(true, 40, 4096, 7168), 64, 256, 1, 0);
-  expect_v3(cuda::w4a8_kernel_choice(true, 128, 7168, 2048), 128, 256, 2, 1);
+  expect_v3(cuda::w4a8_kernel_choice(true, 64, 4096, 7168), 64, 256, 1, 0);
+  for (const std::int64_t m : {65, 128, 192, 4096}) {
+    const cuda::W4A8KernelChoice c = cuda::w4a8_kernel_choice(true, m, 7168, 2048);
+    EXPECT_EQ(c.version, 2) << "expected_m = " << m;
+    EXPECT_EQ(c.block_m, 128) << "expected_m = " << m;
+    EXPECT_EQ(c.signed_codes, 1) << "expected_m = " << m;
+  }
   // The signed conversion: v3, and v2's 128- and 256-row tiles without its other variants.
   EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .signed_codes = 1}));
   EXPECT_NO_THROW(cuda::w4a8_pin_kernel({.version = 2, .block_m = 256, .signed_codes = 1}));
