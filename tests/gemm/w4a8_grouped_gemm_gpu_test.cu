@@ -254,6 +254,9 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N1536_K2048_all_empty", 130, {0, 0}, 1536, 2048},
         // expected_m 40: the automatic choice is v3 (64 x 256).
         MaskedCase{"N1536_K2048_expected40_auto", 64, {64, 16, 40}, 1536, 2048},
+        // expected_m > 64: v2's signed 128 x 128 (session 28), with M_max not a multiple of 128, an empty
+        // group, a group of one row and one past a tile boundary.
+        MaskedCase{"N1536_K1152_expected100_auto_v2_signed", 200, {200, 0, 1, 129, 170}, 1536, 1152},
         // The automatic choice is the register-operand kernel (v2) for masked decode rows
         // (expected_m <= 24; <= 12 with the offset warp and two K blocks per stage) and v3
         // otherwise (w4a8_kernel_choice): v2 pinned, and the
