@@ -593,6 +593,15 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   fill_random_fp8(w_bytes, seed + 5, stream);
   fill_random_scales(ws, seed + 6, stream);
   cuda::w4a8_prepare_weights(w, ws, pw, ps, stream);
+  // The ".w4a8.sm" line's weights: the same with every -8 made -7, prepared with the sign-magnitude
+  // codes (session 28; a symmetric amax / 7 quantizer never writes -8).
+  const bool sm_listed = variant_listed(".w4a8.sm");
+  const cuda::DeviceTensor pw_sm(DType::i4x2, {sm_listed ? G : 0, N, K / 2}),
+      ps_sm(DType::bf16, {sm_listed ? G : 0, N, KB});
+  if (sm_listed) {
+    clear_int4_minus8(w, stream);
+    cuda::w4a8_prepare_weights(w, ws, pw_sm, ps_sm, stream, cuda::W4A8Codes::sign_magnitude);
+  }
   if (s.masked) {
     cuda::copy_to_device(layout_ids, counts, stream);
   } else {
@@ -786,16 +795,25 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     c.ablation = cuda::kW4A8TraceCtas;
     variants.push_back({".w4a8.cta_trace", c});
   }
+  // The automatic choice on the weights with the sign-magnitude codes.
+  {
+    W4A8Variant sm{".w4a8.sm", {}};
+    sm.options.codes = cuda::W4A8Codes::sign_magnitude;
+    variants.push_back(sm);
+  }
   for (W4A8Variant& v : variants) {
     if (!variant_listed(v.suffix)) continue;
     if (s.masked) v.options.workspace = w4_workspace.view();
-    cuda::w4a8_pin_kernel(v.suffix == ".w4a8" ? cuda::W4A8KernelChoice{} : v.pin);
+    const bool sm = v.options.codes == cuda::W4A8Codes::sign_magnitude;
+    cuda::w4a8_pin_kernel(v.suffix == ".w4a8" || sm ? cuda::W4A8KernelChoice{} : v.pin);
+    const TensorView w_used = sm ? pw_sm.view() : pw.view(), s_used = sm ? ps_sm.view() : ps.view();
     const auto call = [&](cudaStream_t st) {
       if (s.masked) {
-        cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, pw, ps, layout_ids, s.expected_m, d_view, st,
+        cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, w_used, s_used, layout_ids, s.expected_m, d_view, st,
                                        v.options);
       } else {
-        cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, pw, ps, layout_ids, d_view, st, v.options);
+        cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, w_used, s_used, layout_ids, d_view, st,
+                                           v.options);
       }
     };
     const double us = time_us([&](int, cudaStream_t st) { call(st); }, 1, stream, gemm_timing(options));
@@ -813,6 +831,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     p["row_sums"] = static_cast<std::int64_t>(ran.row_sums);
     p["signed_codes"] = static_cast<std::int64_t>(ran.signed_codes);
     if (ran.half_tiles != 0) p["half_tiles"] = static_cast<std::int64_t>(ran.half_tiles);
+    p["codes"] = std::string(sm ? "sign_magnitude" : "offset_binary");
     if (ran.version == 2 && ran.signed_codes == 1) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = std::int64_t{128};

@@ -95,6 +95,16 @@ __global__ void fill_normal_fp8_kernel(std::uint8_t* __restrict__ x, std::int64_
   }
 }
 
+__global__ void clear_int4_minus8_kernel(std::uint8_t* w, std::uint64_t bytes) {
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes; i += stride) {
+    std::uint8_t b = w[i];
+    if ((b & 0x0fu) == 0x08u) b = static_cast<std::uint8_t>(b + 0x01u);  // -8 -> -7 (two's complement nibble)
+    if ((b & 0xf0u) == 0x80u) b = static_cast<std::uint8_t>(b + 0x10u);
+    w[i] = b;
+  }
+}
+
 unsigned blocks_for(std::uint64_t threads_needed) {
   const std::uint64_t cap = static_cast<std::uint64_t>(cuda::device_props().sm_count) * 8;
   return static_cast<unsigned>(std::clamp<std::uint64_t>((threads_needed + 255) / 256, 1, cap));
@@ -112,6 +122,16 @@ void fill_random_fp8(TensorView x, std::uint64_t seed, cudaStream_t stream) {
   const auto n = static_cast<std::uint64_t>(x.numel());
   if (n == 0) return;
   fill_fp8_kernel<<<blocks_for((n + 7) / 8), 256, 0, stream>>>(static_cast<std::uint8_t*>(x.data), n, seed);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void clear_int4_minus8(TensorView w, cudaStream_t stream) {
+  expect_dtype(w, DType::i4x2, "w");
+  expect_device(w, Device::cuda, "w");
+  expect_contiguous(w, "w");
+  const auto n = static_cast<std::uint64_t>(w.nbytes());
+  if (n == 0) return;
+  clear_int4_minus8_kernel<<<blocks_for(n), 256, 0, stream>>>(static_cast<std::uint8_t*>(w.data), n);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

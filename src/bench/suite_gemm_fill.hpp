@@ -31,6 +31,10 @@ enum class Fp8Data {
 Fp8Data fp8_data_from_env();
 const char* fp8_data_name(Fp8Data data);
 
+// Every int4 value -8 of the i4x2 weights w (contiguous, on the device) becomes -7: weights that a
+// symmetric amax / 7 quantizer could have produced, which the sign-magnitude codes can hold.
+void clear_int4_minus8(TensorView w, cudaStream_t stream);
+
 // Positive f32 values (1 + u) * 2^e, u in [0, 1), e in [-10, -4], from a hash of (seed, index).
 void fill_random_scales(TensorView x, std::uint64_t seed, cudaStream_t stream);
 

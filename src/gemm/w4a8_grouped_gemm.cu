@@ -207,13 +207,14 @@ void launch(W4A8TileShape tile, int parts, const TensorView& a, const Problem& p
 
 // The register-operand kernel with signed codes (W4A8KernelChoice::signed_codes with version 2):
 // 128-row tiles, or the wide tile (256 activation rows, two waves; contiguous only).
+// (kOffset: kW4OffsetNone, or kW4OffsetSignMag for weights with the sign-magnitude codes.)
+template <int kOffset>
 void launch_v2_signed(int block_m, int half_tiles, const TensorView& a, const Problem& problem,
                       const W4A8GemmOptions& options, cudaStream_t stream) {
-  constexpr int kNone = kernels::kW4OffsetNone;
   if (block_m == 256 && half_tiles == 2)
-    return launch<256, 2, kNone, 1, 0, false>(a, problem, options, stream);
-  if (block_m == 256) return launch<256, 2, kNone, 1>(a, problem, options, stream);
-  launch<128, 2, kNone, 1>(a, problem, options, stream);
+    return launch<256, 2, kOffset, 1, 0, false>(a, problem, options, stream);
+  if (block_m == 256) return launch<256, 2, kOffset, 1>(a, problem, options, stream);
+  launch<128, 2, kOffset, 1>(a, problem, options, stream);
 }
 
 // Fills the zeros of a version-2 signed choice and checks it: the wide tile for contiguous groups of
@@ -316,9 +317,44 @@ void launch_v3(const W4A8KernelChoice& c, const TensorView& a, const Problem& pr
 
 // Runs the chosen kernel: explicit tiles are the register-operand kernel's; otherwise the pinned or
 // the heuristic choice.
+// Whether `codes` is W4A8Codes::sign_magnitude (checked: no other value).
+bool sign_magnitude(W4A8Codes codes) {
+  EPMOE_CHECK(codes == W4A8Codes::offset_binary || codes == W4A8Codes::sign_magnitude,
+              "W4A8Codes must be offset_binary (0) or sign_magnitude (1), got {}", static_cast<int>(codes));
+  return codes == W4A8Codes::sign_magnitude;
+}
+
+// Weights with the sign-magnitude codes: v2 without an offset term on every tile. Automatic: v2's signed
+// tiles where the offset-binary weights take them (contiguous, masked groups of > 64 rows), else the
+// tile of `tile` (the decode tiles); pinned: version 2 without the offset variants (its block_m,
+// half_tiles, parts).
+void run_sign_magnitude(W4A8TileShape tile, const TensorView& a, const Problem& problem,
+                        const W4A8GemmOptions& options, bool masked, bool explicit_tile, cudaStream_t stream) {
+  const W4A8KernelChoice c = g_pinned;
+  EPMOE_CHECK(c.version == 0 || (c.version == 2 && c.offset_warp == 0 && c.row_sums == 0 && c.stage_k_blocks <= 1),
+              "weights with W4A8Codes::sign_magnitude run the W4A8 register-operand kernel (version 2) "
+              "without the offset warp, row sums or K blocks per stage; the pinned choice has version {}, "
+              "offset_warp {}, row_sums {}, stage_k_blocks {}",
+              c.version, c.offset_warp, c.row_sums, c.stage_k_blocks);
+  Problem with = problem;
+  with.ablation = c.ablation;
+  constexpr int kSignMag = kernels::kW4OffsetSignMag;
+  const bool wide_or_128 = c.version == 2 ? (c.block_m == 128 || c.block_m == 256)
+                                          : !masked || problem.expected_m > 64;
+  if (!explicit_tile && wide_or_128) {
+    const W4A8KernelChoice r = resolve_v2_signed(
+        W4A8KernelChoice{.version = 2, .block_m = c.block_m, .signed_codes = 1, .half_tiles = c.half_tiles},
+        masked, problem.expected_m, problem.params.n);
+    return launch_v2_signed<kSignMag>(r.block_m, r.half_tiles, a, with, options, stream);
+  }
+  launch<kSignMag, 1>(tile, c.parts, a, with, options, stream);
+}
+
 void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const W4A8GemmOptions& options,
          bool masked, cudaStream_t stream) {
   const bool explicit_tile = options.block_m != 0 || options.consumers != 0;
+  if (sign_magnitude(options.codes))
+    return run_sign_magnitude(tile, a, problem, options, masked, explicit_tile, stream);
   W4A8KernelChoice c{2};
   if (!explicit_tile) {
     c = g_pinned.version != 0
@@ -342,7 +378,7 @@ void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const 
     return launch_v3(resolve_v3(c, masked, problem.expected_m, problem.params.n), a, with, options, stream);
   if (c.signed_codes != 0) {
     const W4A8KernelChoice r = resolve_v2_signed(c, masked, problem.expected_m, problem.params.n);
-    return launch_v2_signed(r.block_m, r.half_tiles, a, with, options, stream);
+    return launch_v2_signed<kernels::kW4OffsetNone>(r.block_m, r.half_tiles, a, with, options, stream);
   }
   constexpr int kWgmma = kernels::kW4OffsetWgmma, kWarp = kernels::kW4OffsetWarp;
   if (c.offset_warp != 0) {
@@ -399,7 +435,7 @@ Dims check_common(const TensorView& a, float a_scale, const TensorView& a_scale_
 // The CPU packer (the device kernel's twin): gathers, as w4a8_prepare_kernel.
 // Scales: forward, f32 -> bf16 (nearest-even, as the device kernel); inverse, bf16 -> f32.
 void transform_cpu(const std::uint8_t* src, const void* src_scales, std::uint8_t* dst, void* dst_scales,
-                   const Dims& dims, bool inverse) {
+                   const Dims& dims, bool inverse, bool sm) {
   const std::int64_t half_k = dims.k / 2, kb_count = dims.k / kBlockK, per_group = dims.n * half_k;
   const auto int4_at = [&](const std::uint8_t* w, std::int64_t row, std::int64_t k) {
     const std::uint8_t b = w[row * half_k + k / 2];
@@ -411,14 +447,14 @@ void transform_cpu(const std::uint8_t* src, const void* src_scales, std::uint8_t
     for (std::int64_t i = 0; i < per_group; ++i) {
       if (!inverse) {
         const w4a8::WeightPos at = w4a8::packed_byte_source(i, kb_count, dims.n);
-        d[i] = static_cast<std::uint8_t>(w4a8::encode_int4(int4_at(s, at.n, at.k)) |
-                                         (w4a8::encode_int4(int4_at(s, at.n + 8, at.k)) << 4));
+        d[i] = static_cast<std::uint8_t>(w4a8::encode_int4_as(int4_at(s, at.n, at.k), sm) |
+                                         (w4a8::encode_int4_as(int4_at(s, at.n + 8, at.k), sm) << 4));
       } else {
         const std::int64_t row = i / half_k, k = 2 * (i % half_k);
         int v[2];
         for (int e = 0; e < 2; ++e) {
           const w4a8::NibblePos pos = w4a8::packed_position(row, k + e, kb_count, dims.n);
-          v[e] = w4a8::decode_int4(static_cast<std::uint32_t>(s[pos.byte]) >> (pos.high ? 4 : 0));
+          v[e] = w4a8::decode_int4_as(static_cast<std::uint32_t>(s[pos.byte]) >> (pos.high ? 4 : 0), sm);
         }
         d[i] = pack_int4(v[0], v[1]);
       }
@@ -439,8 +475,35 @@ void transform_cpu(const std::uint8_t* src, const void* src_scales, std::uint8_t
   }
 }
 
+// Whether the checkpoint weights w_int4 (device) hold a -8 (one scan kernel; waits for it).
+bool device_holds_minus8(const TensorView& w_int4, cudaStream_t stream) {
+  expect_aligned_tensor(w_int4, DType::i4x2, Device::cuda, "w_int4", 16);
+  const std::int64_t bytes = static_cast<std::int64_t>(w_int4.nbytes());
+  int* flag = nullptr;
+  EPMOE_CUDA_CHECK(cudaMallocAsync(&flag, sizeof(int), stream));
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int), stream));
+  const std::int64_t words = bytes / 16;
+  const std::int64_t blocks = std::clamp<std::int64_t>((words + 255) / 256, 1, device_props().sm_count * 8);
+  kernels::w4a8_find_minus8_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      static_cast<const std::uint8_t*>(w_int4.data), bytes, flag);
+  EPMOE_CUDA_CHECK_LAUNCH();
+  int found = 0;
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&found, flag, sizeof(int), cudaMemcpyDeviceToHost, stream));
+  EPMOE_CUDA_CHECK(cudaFreeAsync(flag, stream));
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return found != 0;
+}
+
+bool host_holds_minus8(const TensorView& w_int4) {
+  expect_aligned_tensor(w_int4, DType::i4x2, Device::cpu, "w_int4", 1);
+  const auto* b = static_cast<const std::uint8_t*>(w_int4.data);
+  for (std::size_t i = 0; i < w_int4.nbytes(); ++i)
+    if ((b[i] & 0x0fu) == 0x08u || (b[i] & 0xf0u) == 0x80u) return true;
+  return false;
+}
+
 void prepare_device(const TensorView& src, const TensorView& src_scales, const TensorView& dst,
-                    const TensorView& dst_scales, bool inverse, cudaStream_t stream) {
+                    const TensorView& dst_scales, bool inverse, cudaStream_t stream, bool sm) {
   const Dims dims =
       check_weight_pair(src, src_scales, inverse ? DType::bf16 : DType::f32, Device::cuda,
                         inverse ? "packed_w" : "w_int4", inverse ? "packed_scales" : "w_scales");
@@ -453,14 +516,17 @@ void prepare_device(const TensorView& src, const TensorView& src_scales, const T
               "the prepared tensors must not alias the inputs");
   const std::int64_t items = dims.groups * dims.n * (dims.k / 2 + dims.k / kBlockK);
   const std::int64_t blocks = std::clamp<std::int64_t>((items + 255) / 256, 1, device_props().sm_count * 16);
+  EPMOE_CHECK(inverse || !sm || !device_holds_minus8(src, stream),
+              "w_int4 holds -8, which W4A8Codes::sign_magnitude cannot store: prepare it with "
+              "W4A8Codes::offset_binary (w4a8_pick_codes picks)");
   kernels::w4a8_prepare_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
       static_cast<const std::uint8_t*>(src.data), src_scales.data, static_cast<std::uint8_t*>(dst.data),
-      dst_scales.data, dims.groups, dims.n, dims.k, inverse);
+      dst_scales.data, dims.groups, dims.n, dims.k, inverse, sm);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void prepare_host(const TensorView& src, const TensorView& src_scales, const TensorView& dst,
-                  const TensorView& dst_scales, bool inverse) {
+                  const TensorView& dst_scales, bool inverse, bool sm) {
   const Dims dims =
       check_weight_pair(src, src_scales, inverse ? DType::bf16 : DType::f32, Device::cpu,
                         inverse ? "packed_w" : "w_int4", inverse ? "packed_scales" : "w_scales");
@@ -481,8 +547,11 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
         inverse || std::isfinite(round_to_bf16(v)),
         "w_scales[{}] = {} must be finite as bf16 (|scale| <= 3.389e38: the prepared scales are bf16)", i, v);
   }
+  EPMOE_CHECK(inverse || !sm || !host_holds_minus8(src),
+              "w_int4 holds -8, which W4A8Codes::sign_magnitude cannot store: prepare it with "
+              "W4A8Codes::offset_binary (w4a8_pick_codes_cpu picks)");
   transform_cpu(static_cast<const std::uint8_t*>(src.data), src_scales.data,
-                static_cast<std::uint8_t*>(dst.data), dst_scales.data, dims, inverse);
+                static_cast<std::uint8_t*>(dst.data), dst_scales.data, dims, inverse, sm);
 }
 
 }  // namespace
@@ -614,23 +683,31 @@ std::size_t w4a8_packed_scale_bytes(std::int64_t groups, std::int64_t n, std::in
 }
 
 void w4a8_prepare_weights(TensorView w_int4, TensorView w_scales, TensorView packed_w,
-                          TensorView packed_scales, cudaStream_t stream) {
-  prepare_device(w_int4, w_scales, packed_w, packed_scales, false, stream);
+                          TensorView packed_scales, cudaStream_t stream, W4A8Codes codes) {
+  prepare_device(w_int4, w_scales, packed_w, packed_scales, false, stream, sign_magnitude(codes));
 }
 
 void w4a8_unprepare_weights(TensorView packed_w, TensorView packed_scales, TensorView w_int4,
-                            TensorView w_scales, cudaStream_t stream) {
-  prepare_device(packed_w, packed_scales, w_int4, w_scales, true, stream);
+                            TensorView w_scales, cudaStream_t stream, W4A8Codes codes) {
+  prepare_device(packed_w, packed_scales, w_int4, w_scales, true, stream, sign_magnitude(codes));
+}
+
+W4A8Codes w4a8_pick_codes(TensorView w_int4, cudaStream_t stream) {
+  return device_holds_minus8(w_int4, stream) ? W4A8Codes::offset_binary : W4A8Codes::sign_magnitude;
 }
 
 void w4a8_prepare_weights_cpu(TensorView w_int4, TensorView w_scales, TensorView packed_w,
-                              TensorView packed_scales) {
-  prepare_host(w_int4, w_scales, packed_w, packed_scales, false);
+                              TensorView packed_scales, W4A8Codes codes) {
+  prepare_host(w_int4, w_scales, packed_w, packed_scales, false, sign_magnitude(codes));
 }
 
 void w4a8_unprepare_weights_cpu(TensorView packed_w, TensorView packed_scales, TensorView w_int4,
-                                TensorView w_scales) {
-  prepare_host(packed_w, packed_scales, w_int4, w_scales, true);
+                                TensorView w_scales, W4A8Codes codes) {
+  prepare_host(packed_w, packed_scales, w_int4, w_scales, true, sign_magnitude(codes));
+}
+
+W4A8Codes w4a8_pick_codes_cpu(TensorView w_int4) {
+  return host_holds_minus8(w_int4) ? W4A8Codes::offset_binary : W4A8Codes::sign_magnitude;
 }
 
 void w4a8_grouped_gemm_masked(TensorView a, float a_scale, TensorView a_scale_device, TensorView packed_w,

@@ -69,6 +69,7 @@ inline constexpr int kW4OffsetWgmma = 0;  // the consumers' wgmma (constant-oper
 inline constexpr int kW4OffsetWarp = 1;   // v5: a producer-side warp sums the stage's rows
 inline constexpr int kW4OffsetSums = 2;   // the rows' sums from a pre-pass, copied in with the stage
 inline constexpr int kW4OffsetNone = 3;   // signed codes (w4a8::signed_codes_lo / _hi): no offset term
+inline constexpr int kW4OffsetSignMag = 4;  // sign-magnitude codes (w4a8::sm_codes_lo / _hi): none either
 
 template <int kBM, int kConsumers, int kOffset_ = kW4OffsetWgmma, int kStageKB_ = 1>
 struct W4A8Traits {
@@ -77,7 +78,8 @@ struct W4A8Traits {
   // kBM = 256 (the wide tile, signed codes, contiguous only): each consumer converts its 64 weight
   // rows of a K block once and issues them against two 128-row waves of activations (two m64n128k32
   // groups into one partial, folded in turn), so the conversion per flop is half the 128-row tile's.
-  static_assert(kBM != 256 || (kOffset_ == kW4OffsetNone && kConsumers == 2 && kStageKB_ == 1));
+  static_assert(kBM != 256 ||
+                ((kOffset_ == kW4OffsetNone || kOffset_ == kW4OffsetSignMag) && kConsumers == 2 && kStageKB_ == 1));
   static constexpr int kWaves = kBM == 256 ? 2 : 1;
   static constexpr int kWaveN = kBM / kWaves;  // wgmma N: activation rows per wave
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -117,12 +119,18 @@ struct W4A8Traits {
   //
   // kOffsetNone: signed codes, converted to e4m3(v · 2^-9) themselves (11 integer instructions per
   // packed word instead of 3), so there is no offset term at all.
+  //
+  // kOffsetSignMag: the weights prepared with W4A8Codes::sign_magnitude (values in [-7, 7]): their
+  // e4m3 bytes are (sign << 7) | |v| (w4a8::sm_codes_lo / _hi, ~6 instructions per packed word), so
+  // there is no offset term either; everything else as kOffsetNone (session 28).
   static constexpr int kOffset = kOffset_;
-  static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4OffsetNone);
+  static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4OffsetSignMag);
   static_assert(kOffset != kW4OffsetSums || kBM <= 32);
   static constexpr bool kOffsetWarp = kOffset == kW4OffsetWarp;
   static constexpr bool kOffsetSums = kOffset == kW4OffsetSums;
-  static constexpr bool kSigned = kOffset == kW4OffsetNone;
+  static constexpr bool kSignMag = kOffset == kW4OffsetSignMag;
+  // (kSigned: no offset term, whichever the codes: kOffsetNone's signed or kOffsetSignMag's.)
+  static constexpr bool kSigned = kOffset == kW4OffsetNone || kSignMag;
   static constexpr bool kSlot = kOffsetWarp || kOffsetSums;  // the consumers add a per-stage slot
   static constexpr bool kRowOffset = kBM >= 64 && !kSlot && !kSigned;
   static constexpr bool kOffsetSS = kBM <= 32 && !kSlot && !kSigned;  // the constant-A wgmma per K step
@@ -481,11 +489,17 @@ struct W4A8Pipe {
 
 // One packed word -> two fragment registers (registers r, r + 1 of a step: its low and high
 // nibbles), e4m3 bytes c · 2^-9 of the codes (w4a8_layout.hpp): three integer instructions.
-// kSigned: the e4m3 bytes of v · 2^-9 themselves (about 11 integer instructions).
-template <bool kSigned>
+// kSigned: the e4m3 bytes of v · 2^-9 themselves (about 11 integer instructions); with kSignMag from
+// the sign-magnitude codes (about 6).
+template <bool kSigned, bool kSignMag = false>
 __device__ __forceinline__ void w4a8_convert8(std::uint32_t w, std::uint32_t& lo, std::uint32_t& hi) {
-  lo = kSigned ? w4a8::signed_codes_lo(w) : w4a8::codes_lo(w);
-  hi = kSigned ? w4a8::signed_codes_hi(w) : w4a8::codes_hi(w);
+  if constexpr (kSignMag) {
+    lo = w4a8::sm_codes_lo(w);
+    hi = w4a8::sm_codes_hi(w);
+  } else {
+    lo = kSigned ? w4a8::signed_codes_lo(w) : w4a8::codes_lo(w);
+    hi = kSigned ? w4a8::signed_codes_hi(w) : w4a8::codes_hi(w);
+  }
 }
 
 template <int kN>
@@ -780,14 +794,14 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
     };
     const auto convert = [&](auto b, const uint4& v0, const uint4& v1) {
       constexpr int B = decltype(b)::value;
-      w4a8_convert8<Traits::kSigned>(v0.x, frag[B][0][0], frag[B][0][1]);
-      w4a8_convert8<Traits::kSigned>(v0.y, frag[B][0][2], frag[B][0][3]);
-      w4a8_convert8<Traits::kSigned>(v0.z, frag[B][1][0], frag[B][1][1]);
-      w4a8_convert8<Traits::kSigned>(v0.w, frag[B][1][2], frag[B][1][3]);
-      w4a8_convert8<Traits::kSigned>(v1.x, frag[B][2][0], frag[B][2][1]);
-      w4a8_convert8<Traits::kSigned>(v1.y, frag[B][2][2], frag[B][2][3]);
-      w4a8_convert8<Traits::kSigned>(v1.z, frag[B][3][0], frag[B][3][1]);
-      w4a8_convert8<Traits::kSigned>(v1.w, frag[B][3][2], frag[B][3][3]);
+      w4a8_convert8<Traits::kSigned, Traits::kSignMag>(v0.x, frag[B][0][0], frag[B][0][1]);
+      w4a8_convert8<Traits::kSigned, Traits::kSignMag>(v0.y, frag[B][0][2], frag[B][0][3]);
+      w4a8_convert8<Traits::kSigned, Traits::kSignMag>(v0.z, frag[B][1][0], frag[B][1][1]);
+      w4a8_convert8<Traits::kSigned, Traits::kSignMag>(v0.w, frag[B][1][2], frag[B][1][3]);
+      w4a8_convert8<Traits::kSigned, Traits::kSignMag>(v1.x, frag[B][2][0], frag[B][2][1]);
+      w4a8_convert8<Traits::kSigned, Traits::kSignMag>(v1.y, frag[B][2][2], frag[B][2][3]);
+      w4a8_convert8<Traits::kSigned, Traits::kSignMag>(v1.z, frag[B][3][0], frag[B][3][1]);
+      w4a8_convert8<Traits::kSigned, Traits::kSignMag>(v1.w, frag[B][3][2], frag[B][3][3]);
     };
     const auto load = [&](auto b, const W4A8Pipe& at) {
       uint4 v0, v1;
@@ -1154,7 +1168,7 @@ __device__ __forceinline__ int w4a8_checkpoint_int4(const std::uint8_t* __restri
 // (exact).
 __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src, const void* __restrict__ src_scales,
                                     std::uint8_t* __restrict__ dst, void* __restrict__ dst_scales,
-                                    std::int64_t groups, std::int64_t n, std::int64_t k, bool inverse) {
+                                    std::int64_t groups, std::int64_t n, std::int64_t k, bool inverse, bool sm) {
   const std::int64_t half_k = k / 2, kb_count = k / w4a8::kBlockK;
   const std::int64_t bytes = groups * n * half_k, scales = groups * n * kb_count;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
@@ -1167,7 +1181,7 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src, const 
         const w4a8::WeightPos at = w4a8::packed_byte_source(rest, kb_count, n);
         const int lo = w4a8_checkpoint_int4(src + base, at.n, at.k, half_k);
         const int hi = w4a8_checkpoint_int4(src + base, at.n + 8, at.k, half_k);
-        dst[i] = static_cast<std::uint8_t>(w4a8::encode_int4(lo) | (w4a8::encode_int4(hi) << 4));
+        dst[i] = static_cast<std::uint8_t>(w4a8::encode_int4_as(lo, sm) | (w4a8::encode_int4_as(hi, sm) << 4));
       } else {
         const std::int64_t row = rest / half_k, kk = 2 * (rest % half_k);
         std::uint32_t out = 0;
@@ -1175,7 +1189,7 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src, const 
         for (int e = 0; e < 2; ++e) {
           const w4a8::NibblePos pos = w4a8::packed_position(row, kk + e, kb_count, n);
           const std::uint32_t code = src[base + pos.byte] >> (pos.high ? 4 : 0);
-          out |= (static_cast<std::uint32_t>(w4a8::decode_int4(code)) & 0xfu) << (4 * e);
+          out |= (static_cast<std::uint32_t>(w4a8::decode_int4_as(code, sm)) & 0xfu) << (4 * e);
         }
         dst[i] = static_cast<std::uint8_t>(out);
       }
@@ -1193,6 +1207,26 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src, const 
       }
     }
   }
+}
+
+// Sets *found when a byte of the i4x2 weights (bytes long, 16-byte aligned) holds the nibble -8.
+__global__ void w4a8_find_minus8_kernel(const std::uint8_t* __restrict__ w, std::int64_t bytes, int* found) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  bool any = false;
+  const std::int64_t words = bytes / 16;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += stride) {
+    const uint4 v = reinterpret_cast<const uint4*>(w)[i];
+    for (const std::uint32_t x : {v.x, v.y, v.z, v.w}) {
+      // A nibble is 8 when its bit 3 is set and bits 0-2 are clear.
+      const std::uint32_t lo3 = x & 0x77777777u;
+      const std::uint32_t nonzero = (lo3 + 0x77777777u) & 0x88888888u;  // bit 3 of a nibble: its bits 0-2 != 0
+      any |= ((x & 0x88888888u) & ~nonzero) != 0;
+    }
+  }
+  for (std::int64_t i = words * 16 + static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes;
+       i += stride)
+    any |= (w[i] & 0x0fu) == 0x08u || (w[i] & 0xf0u) == 0x80u;
+  if (__syncthreads_or(any) && threadIdx.x == 0) atomicExch(found, 1);
 }
 
 }  // namespace epmoe::kernels

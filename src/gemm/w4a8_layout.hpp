@@ -93,6 +93,32 @@ EPMOE_HD std::uint32_t codes_hi(std::uint32_t w) {
   return (w >> 4) & kLowNibbles;
 }
 
+// Sign-magnitude codes (W4A8Codes::sign_magnitude, for weights in [-7, 7] only: a symmetric amax / 7
+// quantizer never produces -8): bit 3 the sign, bits 0-2 |v|. The e4m3 byte of v · 2^-9 is then
+// (sign << 7) | |v| (|v| <= 7: exponent field 0, subnormal), so a packed word becomes its two
+// A-fragment registers with ~6 integer instructions and no offset term (bench/NOTES.md, session 28).
+// Code 8 (-0) is never written; it reads as 0.
+EPMOE_HD std::uint32_t encode_int4_sm(int v) {
+  return v < 0 ? 8u | static_cast<std::uint32_t>(-v) : static_cast<std::uint32_t>(v);
+}
+EPMOE_HD int decode_int4_sm(std::uint32_t c) {
+  const int m = static_cast<int>(c & 7u);
+  return (c & 8u) != 0 ? -m : m;
+}
+EPMOE_HD std::uint32_t sm_codes_lo(std::uint32_t w) {
+  return ((w << 4) & 0x80808080u) | (w & 0x07070707u);
+}
+EPMOE_HD std::uint32_t sm_codes_hi(std::uint32_t w) {
+  return (w & 0x80808080u) | ((w >> 4) & 0x07070707u);
+}
+// Either code of v, and back (sm: sign-magnitude; v in [-7, 7] then).
+EPMOE_HD std::uint32_t encode_int4_as(int v, bool sm) {
+  return sm ? encode_int4_sm(v) : encode_int4(v);
+}
+EPMOE_HD int decode_int4_as(std::uint32_t c, bool sm) {
+  return sm ? decode_int4_sm(c) : decode_int4(c);
+}
+
 // v3's signed conversion (W4A8SmemTraits::kSigned): the e4m3 bytes of v · 2^-9 themselves (sign and
 // magnitude, no offset term) from the same codes. For a code c of a byte, nb = 1 when c < 8 (v < 0):
 // the magnitude's low bits d = (c ^ 7 nb) & 7 are v (c >= 8) or 7 - c (c < 8), and the byte is

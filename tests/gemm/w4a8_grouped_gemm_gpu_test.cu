@@ -38,16 +38,24 @@ using testing::kPoison;
 using testing::kTolerance;
 using testing::masked_valid;
 
+constexpr auto kSM = cuda::W4A8Codes::sign_magnitude;
+
 struct Weights {
   HostTensor w, s;  // checkpoint order: i4x2 [G, N, K/2], f32 [G, N, K/128]
 };
-Weights random_weights(std::int64_t G, std::int64_t N, std::int64_t K, std::mt19937_64& rng) {
+// codes: sign_magnitude draws values in [-7, 7] only (a -8 nibble becomes -7), as the codes need.
+Weights random_weights(std::int64_t G, std::int64_t N, std::int64_t K, std::mt19937_64& rng,
+                       cuda::W4A8Codes codes = cuda::W4A8Codes::offset_binary) {
   Weights w{HostTensor(DType::i4x2, {G, N, K / 2}), HostTensor(DType::f32, {G, N, K / 128})};
   auto* b = static_cast<std::uint8_t*>(w.w.view().data);
   std::uint64_t bits = 0;
   for (std::int64_t i = 0; i < w.w.numel(); ++i) {
     if (i % 8 == 0) bits = rng();
     b[i] = static_cast<std::uint8_t>(bits >> (8 * (i % 8)));  // every int4 value, -8 included
+    if (codes == cuda::W4A8Codes::sign_magnitude) {
+      if ((b[i] & 0x0fu) == 0x08u) b[i] = static_cast<std::uint8_t>(b[i] + 1);
+      if ((b[i] & 0xf0u) == 0x80u) b[i] = static_cast<std::uint8_t>(b[i] + 0x10);
+    }
   }
   fill_random_scales(w.s.data<float>(), w.s.numel(), rng);
   return w;
@@ -56,11 +64,12 @@ Weights random_weights(std::int64_t G, std::int64_t N, std::int64_t K, std::mt19
 struct DeviceWeights {
   cuda::DeviceTensor w, s;
 };
-DeviceWeights prepare(const Weights& host, cuda::Stream& stream) {
+DeviceWeights prepare(const Weights& host, cuda::Stream& stream,
+                      cuda::W4A8Codes codes = cuda::W4A8Codes::offset_binary) {
   const cuda::DeviceTensor dw = cuda::to_device(host.w, stream), ds = cuda::to_device(host.s, stream);
   DeviceWeights out{cuda::DeviceTensor(DType::i4x2, {host.w.size(0), host.w.size(1), host.w.size(2)}),
                     cuda::DeviceTensor(DType::bf16, {host.s.size(0), host.s.size(1), host.s.size(2)})};
-  cuda::w4a8_prepare_weights(dw, ds, out.w, out.s, stream);
+  cuda::w4a8_prepare_weights(dw, ds, out.w, out.s, stream, codes);
   stream.synchronize();
   return out;
 }
@@ -93,6 +102,37 @@ TEST(W4A8GemmGpu, PreparationMatchesTheCpuPackerAndRoundTrips) {
     ASSERT_EQ(bs.data<float>()[i], round_to_bf16(host.s.data<float>()[i])) << "scale " << i;
 }
 
+// The sign-magnitude codes: the device packer matches the CPU one and round-trips; w4a8_pick_codes picks
+// them for weights in [-7, 7] only, and preparing weights that hold -8 with them is refused.
+TEST(W4A8GemmGpu, SignMagnitudeCodesPrepareRoundTripAndRefuseMinus8) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::int64_t G = 2, N = 384, K = 1152;
+  const Weights host = random_weights(G, N, K, rng, kSM);
+  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, K / 128});
+  cuda::w4a8_prepare_weights_cpu(host.w, host.s, pw, ps, kSM);
+  cuda::Stream stream;
+  const cuda::DeviceTensor raw = cuda::to_device(host.w, stream);
+  EXPECT_EQ(cuda::w4a8_pick_codes(raw, stream), kSM);
+  const DeviceWeights dev = prepare(host, stream, kSM);
+  const HostTensor got_w = cuda::to_host(dev.w, stream);
+  EXPECT_EQ(std::memcmp(got_w.view().data, pw.view().data, pw.nbytes()), 0);
+  const cuda::DeviceTensor back_w(DType::i4x2, {G, N, K / 2}), back_s(DType::f32, {G, N, K / 128});
+  cuda::w4a8_unprepare_weights(dev.w, dev.s, back_w, back_s, stream, kSM);
+  const HostTensor bw = cuda::to_host(back_w, stream);
+  EXPECT_EQ(std::memcmp(bw.view().data, host.w.view().data, bw.nbytes()), 0);
+  // One -8 (the last nibble of the last byte): offset-binary codes only.
+  Weights bad{HostTensor(DType::i4x2, {G, N, K / 2}), HostTensor(DType::f32, {G, N, K / 128})};
+  std::memcpy(bad.w.view().data, host.w.view().data, host.w.nbytes());
+  std::memcpy(bad.s.view().data, host.s.view().data, host.s.nbytes());
+  static_cast<std::uint8_t*>(bad.w.view().data)[bad.w.numel() - 1] = 0x83;
+  const cuda::DeviceTensor bad_raw = cuda::to_device(bad.w, stream);
+  EXPECT_EQ(cuda::w4a8_pick_codes(bad_raw, stream), cuda::W4A8Codes::offset_binary);
+  expect_error_mentions([&] { (void)prepare(bad, stream, kSM); }, "holds -8");
+}
+
 // ---------------------------------------------------------------- masked
 struct MaskedCase {
   std::string name;
@@ -105,6 +145,7 @@ struct MaskedCase {
   cuda::W4A8KernelChoice pin{};  // gemm/w4a8_kernel_choice.hpp: version 0 = the automatic choice
   int max_ctas = 0;              // options.max_ctas: few CTAs, many tiles each
   bool workspace = false;        // options.workspace (poisoned with NaN before each run)
+  cuda::W4A8Codes codes = cuda::W4A8Codes::offset_binary;  // sign_magnitude: weights in [-7, 7]
 };
 
 // v2 with the codes' offset term summed by the producer-side offset warp (bench/NOTES.md, W4A8 v5);
@@ -158,9 +199,10 @@ struct MaskedInputs {
   Weights w;
 };
 MaskedInputs masked_inputs(std::int64_t G, std::int64_t M_max, std::int64_t N, std::int64_t K,
-                           const std::vector<std::int32_t>& counts, std::mt19937_64& rng) {
+                           const std::vector<std::int32_t>& counts, std::mt19937_64& rng,
+                           cuda::W4A8Codes codes = cuda::W4A8Codes::offset_binary) {
   MaskedInputs in{HostTensor(DType::fp8_e4m3, {G, M_max, K}), HostTensor(DType::i32, {G}),
-                  random_weights(G, N, K, rng)};
+                  random_weights(G, N, K, rng, codes)};
   auto* a_bytes = static_cast<std::uint8_t*>(in.a.view().data);
   fill_random_fp8(a_bytes, in.a.numel(), rng);
   for (std::int64_t g = 0; g < G; ++g) {
@@ -182,7 +224,7 @@ TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   std::mt19937_64 rng(seed);
   const auto G = static_cast<std::int64_t>(c.masked_m.size());
   const std::int64_t N = c.n, K = c.k, M_max = c.m_max;
-  const MaskedInputs in = masked_inputs(G, M_max, N, K, c.masked_m, rng);
+  const MaskedInputs in = masked_inputs(G, M_max, N, K, c.masked_m, rng, c.codes);
   const float a_scale = random_a_scale(rng);
 
   HostTensor ref(DType::f64, {G, M_max, N});
@@ -193,7 +235,7 @@ TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   expected_m /= G;
 
   cuda::Stream stream;
-  const DeviceWeights dw = prepare(in.w, stream);
+  const DeviceWeights dw = prepare(in.w, stream, c.codes);
   const cuda::DeviceTensor da = cuda::to_device(in.a, stream), dcounts = cuda::to_device(in.counts, stream);
   cuda::DeviceTensor dscale;
   if (c.device_scale) {
@@ -207,6 +249,7 @@ TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   options.block_m = c.block_m;
   options.consumers = c.consumers;
   options.max_ctas = c.max_ctas;
+  options.codes = c.codes;
   cuda::DeviceTensor workspace;
   if (c.workspace) {
     const std::size_t bytes = cuda::w4a8_workspace_bytes(G, M_max, K);
@@ -257,6 +300,38 @@ INSTANTIATE_TEST_SUITE_P(
         // expected_m > 64: v2's signed 128 x 128 (session 28), with M_max not a multiple of 128, an empty
         // group, a group of one row and one past a tile boundary.
         MaskedCase{"N1536_K1152_expected100_auto_v2_signed", 200, {200, 0, 1, 129, 170}, 1536, 1152},
+        // Weights with the sign-magnitude codes (no offset term on any tile): the 16- and 32-row decode
+        // tiles (automatic), a device scale, 16 rows with two consumers, 64, the automatic 128 x 128 of
+        // groups of > 64 rows, an odd K-block count, N not a multiple of 256, one CTA.
+        MaskedCase{"N4096_K7168_decode_sm", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, {}, 0, false, kSM},
+        MaskedCase{"N7168_K2048_decode17_device_scale_sm",
+                   48,
+                   {20, 5, 48, 0},
+                   7168,
+                   2048,
+                   0,
+                   0,
+                   true,
+                   {},
+                   0,
+                   false,
+                   kSM},
+        MaskedCase{
+            "N1536_K2048_block16_consumers2_sm", 37, {37, 3, 0, 17}, 1536, 2048, 16, 2, false, {}, 0, false, kSM},
+        MaskedCase{"N1536_K2048_block64_sm", 130, {130, 0, 64, 65}, 1536, 2048, 64, 0, false, {}, 0, false, kSM},
+        MaskedCase{"N1536_K1152_expected100_auto_sm",
+                   200,
+                   {200, 0, 1, 129, 170},
+                   1536,
+                   1152,
+                   0,
+                   0,
+                   false,
+                   {},
+                   0,
+                   false,
+                   kSM},
+        MaskedCase{"N640_K1152_decode_n_not_256_one_cta_sm", 24, {24, 9, 17}, 640, 1152, 0, 0, false, {}, 1, false, kSM},
         // The automatic choice is the register-operand kernel (v2) for masked decode rows
         // (expected_m <= 24; <= 12 with the offset warp and two K blocks per stage) and v3
         // otherwise (w4a8_kernel_choice): v2 pinned, and the
@@ -518,6 +593,7 @@ struct ContiguousCase {
   bool holes = false;                // -1 rows inside groups' rows too
   cuda::W4A8KernelChoice pin{};      // version 0: the automatic choice (v3 for the contiguous layout)
   int max_ctas = 0;                  // W4A8GemmOptions::max_ctas (0: the launch's own count)
+  cuda::W4A8Codes codes = cuda::W4A8Codes::offset_binary;  // sign_magnitude: weights in [-7, 7]
 };
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
   *os << c.name;
@@ -555,19 +631,20 @@ TEST_P(W4A8GemmContiguousGpu, MatchesCpuReference) {
     valid[static_cast<std::size_t>(m)] = ids[static_cast<std::size_t>(m)] >= 0;
     if (!valid[static_cast<std::size_t>(m)]) std::memset(a_bytes + m * K, 0x7f, static_cast<std::size_t>(K));
   }
-  const Weights w = random_weights(G, N, K, rng);
+  const Weights w = random_weights(G, N, K, rng, c.codes);
   const float a_scale = random_a_scale(rng);
   HostTensor ref(DType::f64, {M, N});
   w4a8_grouped_gemm_contiguous_cpu(a, a_scale, w.w, w.s, m_indices, ref);
 
   cuda::Stream stream;
-  const DeviceWeights dw = prepare(w, stream);
+  const DeviceWeights dw = prepare(w, stream, c.codes);
   const cuda::DeviceTensor da = cuda::to_device(a, stream), dids = cuda::to_device(m_indices, stream);
   const cuda::DeviceTensor dd(DType::bf16, {M, N});
   dd.fill_bytes(0xff, stream);
   const PinKernel pin(c.pin);
   cuda::W4A8GemmOptions options;
   options.max_ctas = c.max_ctas;
+  options.codes = c.codes;
   cuda::w4a8_grouped_gemm_contiguous(da, a_scale, {}, dw.w, dw.s, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -623,6 +700,22 @@ INSTANTIATE_TEST_SUITE_P(
         // v2's wide tile (256 x 128, signed codes): the same pairs, half tiles, padding and holes as the
         // tall tile; and v2's signed 128 x 128.
         ContiguousCase{"N4096_K7168_v2_wide_m256", {300, 0, 520, 129}, 4096, 7168, 1, false, kV2Wide},
+        // Weights with the sign-magnitude codes: the automatic wide tile (with and without its
+        // half-tile loop), odd K blocks with holes, the automatic 128 x 128, the split on eight CTAs.
+        ContiguousCase{"N4096_K7168_auto_wide_sm", {300, 0, 520, 129}, 4096, 7168, 1, false, {}, 0, kSM},
+        ContiguousCase{
+            "N384_K384_larger_groups_auto_wide_no_half_loop_sm", {2100, 3000, 2400, 0}, 384, 384, 0, true, {}, 0, kSM},
+        ContiguousCase{"N640_K1152_odd_k_blocks_holes_wide_sm", {5, 130, 0, 33, 260}, 640, 1152, 1, true, {}, 0, kSM},
+        ContiguousCase{"N640_K2048_sparse_groups_auto_128_sm", {90, 0, 0, 200, 0, 0, 33}, 640, 2048, 0, false, {}, 0, kSM},
+        ContiguousCase{"N640_K1152_split_eight_ctas_wide_sm",
+                       {100, 5, 300, 60, 20, 90},
+                       640,
+                       1152,
+                       1,
+                       true,
+                       kV2Wide,
+                       8,
+                       kSM},
         ContiguousCase{"N7168_K2048_v2_wide_m256", {150, 0, 64, 33, 255}, 7168, 2048, 0, false, kV2Wide},
         ContiguousCase{"N640_K1152_holes_v2_wide_m256_no_half_loop",
                        {100, 5, 300, 60, 20, 90},

@@ -84,6 +84,58 @@ TEST(W4A8Codes, SignedConversionGivesEachInt4ItsOwnE4m3) {
   }
 }
 
+// The sign-magnitude codes (w4a8::sm_codes_lo / _hi): each byte is e4m3(v · 2^-9) for every v in
+// [-7, 7] in every nibble, whatever its neighbours; code 8 (-0, never written) reads as 0.
+TEST(W4A8Codes, SignMagnitudeConversionGivesEachInt4ItsOwnE4m3) {
+  const auto value = [](std::uint32_t byte) {
+    return static_cast<double>(fp8_e4m3::from_bits(static_cast<std::uint8_t>(byte)).to_float()) *
+           static_cast<double>(w4a8::kCodeScale);
+  };
+  for (int v = -7; v <= 7; ++v) EXPECT_EQ(w4a8::decode_int4_sm(w4a8::encode_int4_sm(v)), v);
+  std::mt19937_64 rng(12);
+  for (int trial = 0; trial < 4096; ++trial) {
+    std::uint32_t w = static_cast<std::uint32_t>(rng());
+    const int nibble = (trial / 16) % 8;
+    w = (w & ~(0xfu << (4 * nibble))) | (static_cast<std::uint32_t>(trial % 16) << (4 * nibble));
+    const std::uint32_t lo = w4a8::sm_codes_lo(w), hi = w4a8::sm_codes_hi(w);
+    for (int j = 0; j < 4; ++j) {
+      const int v_lo = w4a8::decode_int4_sm(w >> (8 * j)), v_hi = w4a8::decode_int4_sm(w >> (8 * j + 4));
+      ASSERT_EQ(value((lo >> (8 * j)) & 0xffu), v_lo) << std::hex << "w = " << w << " byte " << j;
+      ASSERT_EQ(value((hi >> (8 * j)) & 0xffu), v_hi) << std::hex << "w = " << w << " byte " << j;
+    }
+  }
+}
+
+// The CPU packer with the sign-magnitude codes: round trip, the choice of codes, -8 refused.
+TEST(W4A8Codes, SignMagnitudePackingRoundTripsAndRefusesMinus8) {
+  constexpr auto kSM = cuda::W4A8Codes::sign_magnitude;
+  const std::int64_t G = 2, N = 256, K = 384;
+  HostTensor w(DType::i4x2, {G, N, K / 2}), s(DType::f32, {G, N, K / 128});
+  std::mt19937_64 rng(13);
+  auto* b = static_cast<std::uint8_t*>(w.view().data);
+  for (std::int64_t i = 0; i < w.numel(); ++i) {
+    const int lo = static_cast<int>(rng() % 15) - 7, hi = static_cast<int>(rng() % 15) - 7;
+    b[i] = pack_int4(lo, hi);
+  }
+  for (std::int64_t i = 0; i < s.numel(); ++i) s.data<float>()[i] = 1e-3f * static_cast<float>(1 + i % 7);
+  EXPECT_EQ(cuda::w4a8_pick_codes_cpu(w), kSM);
+  HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, K / 128});
+  HostTensor w2(DType::i4x2, {G, N, K / 2}), s2(DType::f32, {G, N, K / 128});
+  cuda::w4a8_prepare_weights_cpu(w, s, pw, ps, kSM);
+  cuda::w4a8_unprepare_weights_cpu(pw, ps, w2, s2, kSM);
+  EXPECT_EQ(std::memcmp(w.view().data, w2.view().data, w.nbytes()), 0);
+  // The offset-binary packing of the same weights differs (the codes are not the same bytes).
+  HostTensor pw_ob(DType::i4x2, {G, N, K / 2}), ps_ob(DType::bf16, {G, N, K / 128});
+  cuda::w4a8_prepare_weights_cpu(w, s, pw_ob, ps_ob);
+  EXPECT_NE(std::memcmp(pw.view().data, pw_ob.view().data, pw.nbytes()), 0);
+  b[5] = pack_int4(3, -8);
+  EXPECT_EQ(cuda::w4a8_pick_codes_cpu(w), cuda::W4A8Codes::offset_binary);
+  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s, pw, ps, kSM); }, "holds -8");
+  expect_error_mentions(
+      [&] { cuda::w4a8_prepare_weights_cpu(w, s, pw, ps, static_cast<cuda::W4A8Codes>(7)); },
+      "W4A8Codes must be offset_binary (0) or sign_magnitude (1), got 7");
+}
+
 struct Checkpoint {
   HostTensor w, s;
 };

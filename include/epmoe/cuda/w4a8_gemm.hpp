@@ -25,6 +25,14 @@
 
 namespace epmoe::cuda {
 
+// How the prepared weights store each int4 value (w4a8_prepare_weights):
+//   offset_binary:  v + 8 (any v in [-8, 7]); the kernels take the codes' offset term out per 128 K;
+//   sign_magnitude: sign and |v| (v in [-7, 7] only, as a symmetric amax / 7 quantizer produces; see
+//                   w4a8_pick_codes): no offset term, 5-8% faster at K = 7168, 2-3% at K = 2048, and
+//                   7-8% on the decode tiles of 17-32 rows (bench/NOTES.md, session 28).
+// A GEMM call must name the codes its weights were prepared with (W4A8GemmOptions::codes).
+enum class W4A8Codes : int { offset_binary = 0, sign_magnitude = 1 };
+
 struct W4A8GemmOptions {
   // Activation rows per tile (the wgmma N): 0 picks by w4a8_gemm_tile(); else 16, 32, 64 or 128
   // (contiguous: 128 only, one 128-row block of m_indices per tile).
@@ -42,6 +50,8 @@ struct W4A8GemmOptions {
   // activation row once per 128 K (a second kernel on `stream`, before the GEMM), instead of one more
   // wgmma per K step in every consumer warpgroup. Allocate it once, beside the output.
   TensorView workspace{};
+  // The codes packed_w was prepared with.
+  W4A8Codes codes = W4A8Codes::offset_binary;
 };
 
 // Bytes of W4A8GemmOptions::workspace for a masked call with G groups of M_max rows and K.
@@ -67,17 +77,25 @@ std::size_t w4a8_packed_scale_bytes(std::int64_t groups, std::int64_t n, std::in
 // the same checkpoint's scales when it loads them; the GEMM widens them to f32 and scales each
 // 128-K partial sum in f32. Scales must be finite and within bf16's range (not checked on the
 // device: the CPU packer checks them).
+// `codes`: sign_magnitude refuses weights holding -8 (the device version scans them first and waits
+// for the scan: it synchronises `stream` once).
 void w4a8_prepare_weights(TensorView w_int4, TensorView w_scales, TensorView packed_w,
-                          TensorView packed_scales, cudaStream_t stream);
+                          TensorView packed_scales, cudaStream_t stream,
+                          W4A8Codes codes = W4A8Codes::offset_binary);
 // The inverse (tests): packed -> checkpoint order, the scales widened back to f32 (the bf16 values).
 void w4a8_unprepare_weights(TensorView packed_w, TensorView packed_scales, TensorView w_int4,
-                            TensorView w_scales, cudaStream_t stream);
+                            TensorView w_scales, cudaStream_t stream,
+                            W4A8Codes codes = W4A8Codes::offset_binary);
+// The faster codes the checkpoint weights w_int4 (i4x2, device) allow: sign_magnitude unless some
+// value is -8. Scans them on `stream` and waits for the scan.
+W4A8Codes w4a8_pick_codes(TensorView w_int4, cudaStream_t stream);
 
-// The same two transforms on host tensors (CPU reference of the device ones; bit-identical).
+// The same transforms on host tensors (CPU reference of the device ones; bit-identical).
 void w4a8_prepare_weights_cpu(TensorView w_int4, TensorView w_scales, TensorView packed_w,
-                              TensorView packed_scales);
+                              TensorView packed_scales, W4A8Codes codes = W4A8Codes::offset_binary);
 void w4a8_unprepare_weights_cpu(TensorView packed_w, TensorView packed_scales, TensorView w_int4,
-                                TensorView w_scales);
+                                TensorView w_scales, W4A8Codes codes = W4A8Codes::offset_binary);
+W4A8Codes w4a8_pick_codes_cpu(TensorView w_int4);
 
 // a_scale: the static per-tensor activation scale, a host float, unless a_scale_device is given
 // (non-empty: f32 [1] on the device, read by the kernel).
