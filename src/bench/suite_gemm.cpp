@@ -809,8 +809,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     const TensorView w_used = sm ? pw_sm.view() : pw.view(), s_used = sm ? ps_sm.view() : ps.view();
     const auto call = [&](cudaStream_t st) {
       if (s.masked) {
-        cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, w_used, s_used, layout_ids, s.expected_m, d_view, st,
-                                       v.options);
+        cuda::w4a8_grouped_gemm_masked(a_view, 0.01f, {}, w_used, s_used, layout_ids, s.expected_m, d_view,
+                                       st, v.options);
       } else {
         cuda::w4a8_grouped_gemm_contiguous(a_view, 0.01f, {}, w_used, s_used, layout_ids, d_view, st,
                                            v.options);

@@ -97,7 +97,8 @@ __global__ void fill_normal_fp8_kernel(std::uint8_t* __restrict__ x, std::int64_
 
 __global__ void clear_int4_minus8_kernel(std::uint8_t* w, std::uint64_t bytes) {
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
-  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes; i += stride) {
+  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes;
+       i += stride) {
     std::uint8_t b = w[i];
     if ((b & 0x0fu) == 0x08u) b = static_cast<std::uint8_t>(b + 0x01u);  // -8 -> -7 (two's complement nibble)
     if ((b & 0xf0u) == 0x80u) b = static_cast<std::uint8_t>(b + 0x10u);

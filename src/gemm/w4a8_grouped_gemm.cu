@@ -329,18 +329,20 @@ bool sign_magnitude(W4A8Codes codes) {
 // tile of `tile` (the decode tiles); pinned: version 2 without the offset variants (its block_m,
 // half_tiles, parts).
 void run_sign_magnitude(W4A8TileShape tile, const TensorView& a, const Problem& problem,
-                        const W4A8GemmOptions& options, bool masked, bool explicit_tile, cudaStream_t stream) {
+                        const W4A8GemmOptions& options, bool masked, bool explicit_tile,
+                        cudaStream_t stream) {
   const W4A8KernelChoice c = g_pinned;
-  EPMOE_CHECK(c.version == 0 || (c.version == 2 && c.offset_warp == 0 && c.row_sums == 0 && c.stage_k_blocks <= 1),
-              "weights with W4A8Codes::sign_magnitude run the W4A8 register-operand kernel (version 2) "
-              "without the offset warp, row sums or K blocks per stage; the pinned choice has version {}, "
-              "offset_warp {}, row_sums {}, stage_k_blocks {}",
-              c.version, c.offset_warp, c.row_sums, c.stage_k_blocks);
+  EPMOE_CHECK(
+      c.version == 0 || (c.version == 2 && c.offset_warp == 0 && c.row_sums == 0 && c.stage_k_blocks <= 1),
+      "weights with W4A8Codes::sign_magnitude run the W4A8 register-operand kernel (version 2) "
+      "without the offset warp, row sums or K blocks per stage; the pinned choice has version {}, "
+      "offset_warp {}, row_sums {}, stage_k_blocks {}",
+      c.version, c.offset_warp, c.row_sums, c.stage_k_blocks);
   Problem with = problem;
   with.ablation = c.ablation;
   constexpr int kSignMag = kernels::kW4OffsetSignMag;
-  const bool wide_or_128 = c.version == 2 ? (c.block_m == 128 || c.block_m == 256)
-                                          : !masked || problem.expected_m > 64;
+  const bool wide_or_128 =
+      c.version == 2 ? (c.block_m == 128 || c.block_m == 256) : !masked || problem.expected_m > 64;
   if (!explicit_tile && wide_or_128) {
     const W4A8KernelChoice r = resolve_v2_signed(
         W4A8KernelChoice{.version = 2, .block_m = c.block_m, .signed_codes = 1, .half_tiles = c.half_tiles},

@@ -65,10 +65,10 @@ inline constexpr int kW4PairTableMaxBlocks = 4095;
 inline constexpr int kW4PairTableBytes = 4 * (1 + kW4PairTableMaxBlocks);
 
 // Where the codes' offset term comes from (W4A8Traits below).
-inline constexpr int kW4OffsetWgmma = 0;  // the consumers' wgmma (constant-operand SS, or kRowOffset)
-inline constexpr int kW4OffsetWarp = 1;   // v5: a producer-side warp sums the stage's rows
-inline constexpr int kW4OffsetSums = 2;   // the rows' sums from a pre-pass, copied in with the stage
-inline constexpr int kW4OffsetNone = 3;   // signed codes (w4a8::signed_codes_lo / _hi): no offset term
+inline constexpr int kW4OffsetWgmma = 0;    // the consumers' wgmma (constant-operand SS, or kRowOffset)
+inline constexpr int kW4OffsetWarp = 1;     // v5: a producer-side warp sums the stage's rows
+inline constexpr int kW4OffsetSums = 2;     // the rows' sums from a pre-pass, copied in with the stage
+inline constexpr int kW4OffsetNone = 3;     // signed codes (w4a8::signed_codes_lo / _hi): no offset term
 inline constexpr int kW4OffsetSignMag = 4;  // sign-magnitude codes (w4a8::sm_codes_lo / _hi): none either
 
 template <int kBM, int kConsumers, int kOffset_ = kW4OffsetWgmma, int kStageKB_ = 1>
@@ -78,8 +78,8 @@ struct W4A8Traits {
   // kBM = 256 (the wide tile, signed codes, contiguous only): each consumer converts its 64 weight
   // rows of a K block once and issues them against two 128-row waves of activations (two m64n128k32
   // groups into one partial, folded in turn), so the conversion per flop is half the 128-row tile's.
-  static_assert(kBM != 256 ||
-                ((kOffset_ == kW4OffsetNone || kOffset_ == kW4OffsetSignMag) && kConsumers == 2 && kStageKB_ == 1));
+  static_assert(kBM != 256 || ((kOffset_ == kW4OffsetNone || kOffset_ == kW4OffsetSignMag) &&
+                               kConsumers == 2 && kStageKB_ == 1));
   static constexpr int kWaves = kBM == 256 ? 2 : 1;
   static constexpr int kWaveN = kBM / kWaves;  // wgmma N: activation rows per wave
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -1168,7 +1168,8 @@ __device__ __forceinline__ int w4a8_checkpoint_int4(const std::uint8_t* __restri
 // (exact).
 __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src, const void* __restrict__ src_scales,
                                     std::uint8_t* __restrict__ dst, void* __restrict__ dst_scales,
-                                    std::int64_t groups, std::int64_t n, std::int64_t k, bool inverse, bool sm) {
+                                    std::int64_t groups, std::int64_t n, std::int64_t k, bool inverse,
+                                    bool sm) {
   const std::int64_t half_k = k / 2, kb_count = k / w4a8::kBlockK;
   const std::int64_t bytes = groups * n * half_k, scales = groups * n * kb_count;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
@@ -1181,7 +1182,8 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src, const 
         const w4a8::WeightPos at = w4a8::packed_byte_source(rest, kb_count, n);
         const int lo = w4a8_checkpoint_int4(src + base, at.n, at.k, half_k);
         const int hi = w4a8_checkpoint_int4(src + base, at.n + 8, at.k, half_k);
-        dst[i] = static_cast<std::uint8_t>(w4a8::encode_int4_as(lo, sm) | (w4a8::encode_int4_as(hi, sm) << 4));
+        dst[i] =
+            static_cast<std::uint8_t>(w4a8::encode_int4_as(lo, sm) | (w4a8::encode_int4_as(hi, sm) << 4));
       } else {
         const std::int64_t row = rest / half_k, kk = 2 * (rest % half_k);
         std::uint32_t out = 0;
@@ -1214,17 +1216,19 @@ __global__ void w4a8_find_minus8_kernel(const std::uint8_t* __restrict__ w, std:
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   bool any = false;
   const std::int64_t words = bytes / 16;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += stride) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < words;
+       i += stride) {
     const uint4 v = reinterpret_cast<const uint4*>(w)[i];
     for (const std::uint32_t x : {v.x, v.y, v.z, v.w}) {
       // A nibble is 8 when its bit 3 is set and bits 0-2 are clear.
       const std::uint32_t lo3 = x & 0x77777777u;
-      const std::uint32_t nonzero = (lo3 + 0x77777777u) & 0x88888888u;  // bit 3 of a nibble: its bits 0-2 != 0
+      const std::uint32_t nonzero =
+          (lo3 + 0x77777777u) & 0x88888888u;  // bit 3 of a nibble: its bits 0-2 != 0
       any |= ((x & 0x88888888u) & ~nonzero) != 0;
     }
   }
-  for (std::int64_t i = words * 16 + static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes;
-       i += stride)
+  for (std::int64_t i = words * 16 + static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < bytes; i += stride)
     any |= (w[i] & 0x0fu) == 0x08u || (w[i] & 0xf0u) == 0x80u;
   if (__syncthreads_or(any) && threadIdx.x == 0) atomicExch(found, 1);
 }

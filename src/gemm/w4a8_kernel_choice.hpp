@@ -41,6 +41,10 @@
 //
 // Calls with options.block_m or options.consumers set always run version 2 (those are its tiles),
 // with offset_warp and stage_k_blocks as pinned when the pinned version is 2.
+// Weights with W4A8Codes::sign_magnitude (session 28) run version 2 without an offset term on every
+// tile (W4A8Traits::kSignMag): automatically v2's signed tiles where the offset-binary weights take
+// them (contiguous; masked groups of > 64 rows), else the decode tile of w4a8_gemm_tile(); a pinned
+// choice may only be version 2 without the offset warp, row sums or K blocks per stage.
 #pragma once
 
 #include <cstdint>

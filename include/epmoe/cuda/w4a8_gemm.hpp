@@ -7,9 +7,10 @@
 // [G, N, K/2], element 2i in the low nibble); s f32, one per 128 consecutive K of each row
 // ([G, N, K/128]); f32 accumulation, each 128-K block's partial sum scaled by s in f32; bf16 output.
 //
-// The weights are prepared once (w4a8_prepare_weights) into a packed order that the kernel converts
-// to e4m3 in registers with two prmt and one xor per four values; the packed tensors have the same
-// shapes, dtypes and byte counts as the checkpoint's. Every GEMM call only enqueues one kernel on
+// The weights are prepared once (w4a8_prepare_weights) into a packed order and 4-bit codes
+// (W4A8Codes) that the kernels convert to e4m3 in registers with a few integer instructions per
+// eight values (src/gemm/w4a8_layout.hpp); the packed tensors have the same shapes, dtypes and byte
+// counts as the checkpoint's. Every GEMM call only enqueues one kernel on
 // `stream`, or two with options.workspace (no allocation, no host synchronisation; the masked call
 // reads masked_m on the device and can be captured in a CUDA graph). Tensors are Device::cuda views,
 // contiguous; a, the weights and d 16-byte aligned; K and N multiples of 128. Argument errors throw
