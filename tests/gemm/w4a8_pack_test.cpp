@@ -62,48 +62,39 @@ TEST(W4A8Codes, EveryInt4ConvertsToItsExactE4m3) {
   }
 }
 
-// v3's signed conversion (w4a8::signed_codes_lo / _hi): each byte is e4m3(v · 2^-9) itself, for every
-// code in every nibble of a word, whatever its neighbours (no carry between bytes).
-TEST(W4A8Codes, SignedConversionGivesEachInt4ItsOwnE4m3) {
+// A conversion to e4m3(v · 2^-9) bytes (to_lo / to_hi: the two registers of a packed word, decode:
+// a nibble's value) gives every byte its own value, for every code in every nibble of a word (trial %
+// 16 in nibble trial / 16 % 8, the rest random), whatever its neighbours (no carry between bytes).
+template <class ToLo, class ToHi, class Decode>
+void expect_each_byte_its_e4m3(ToLo to_lo, ToHi to_hi, Decode decode, std::uint64_t seed) {
   const auto value = [](std::uint32_t byte) {
     return static_cast<double>(fp8_e4m3::from_bits(static_cast<std::uint8_t>(byte)).to_float()) *
            static_cast<double>(w4a8::kCodeScale);
   };
-  std::mt19937_64 rng(11);
+  std::mt19937_64 rng(seed);
   for (int trial = 0; trial < 4096; ++trial) {
-    // Every code in every nibble (trial % 16 in nibble trial / 16 % 8), the rest random.
     std::uint32_t w = static_cast<std::uint32_t>(rng());
     const int nibble = (trial / 16) % 8;
     w = (w & ~(0xfu << (4 * nibble))) | (static_cast<std::uint32_t>(trial % 16) << (4 * nibble));
-    const std::uint32_t lo = w4a8::signed_codes_lo(w), hi = w4a8::signed_codes_hi(w);
+    const std::uint32_t lo = to_lo(w), hi = to_hi(w);
     for (int j = 0; j < 4; ++j) {
-      const int v_lo = w4a8::decode_int4(w >> (8 * j)), v_hi = w4a8::decode_int4(w >> (8 * j + 4));
+      const int v_lo = decode(w >> (8 * j)), v_hi = decode(w >> (8 * j + 4));
       ASSERT_EQ(value((lo >> (8 * j)) & 0xffu), v_lo) << std::hex << "w = " << w << " byte " << j;
       ASSERT_EQ(value((hi >> (8 * j)) & 0xffu), v_hi) << std::hex << "w = " << w << " byte " << j;
     }
   }
 }
 
-// The sign-magnitude codes (w4a8::sm_codes_lo / _hi): each byte is e4m3(v · 2^-9) for every v in
-// [-7, 7] in every nibble, whatever its neighbours; code 8 (-0, never written) reads as 0.
+// v3's signed conversion (w4a8::signed_codes_lo / _hi) of the offset-binary codes.
+TEST(W4A8Codes, SignedConversionGivesEachInt4ItsOwnE4m3) {
+  expect_each_byte_its_e4m3(w4a8::signed_codes_lo, w4a8::signed_codes_hi, w4a8::decode_int4, 11);
+}
+
+// The sign-magnitude codes (w4a8::sm_codes_lo / _hi): every v in [-7, 7]; code 8 (-0, never written)
+// reads as 0.
 TEST(W4A8Codes, SignMagnitudeConversionGivesEachInt4ItsOwnE4m3) {
-  const auto value = [](std::uint32_t byte) {
-    return static_cast<double>(fp8_e4m3::from_bits(static_cast<std::uint8_t>(byte)).to_float()) *
-           static_cast<double>(w4a8::kCodeScale);
-  };
   for (int v = -7; v <= 7; ++v) EXPECT_EQ(w4a8::decode_int4_sm(w4a8::encode_int4_sm(v)), v);
-  std::mt19937_64 rng(12);
-  for (int trial = 0; trial < 4096; ++trial) {
-    std::uint32_t w = static_cast<std::uint32_t>(rng());
-    const int nibble = (trial / 16) % 8;
-    w = (w & ~(0xfu << (4 * nibble))) | (static_cast<std::uint32_t>(trial % 16) << (4 * nibble));
-    const std::uint32_t lo = w4a8::sm_codes_lo(w), hi = w4a8::sm_codes_hi(w);
-    for (int j = 0; j < 4; ++j) {
-      const int v_lo = w4a8::decode_int4_sm(w >> (8 * j)), v_hi = w4a8::decode_int4_sm(w >> (8 * j + 4));
-      ASSERT_EQ(value((lo >> (8 * j)) & 0xffu), v_lo) << std::hex << "w = " << w << " byte " << j;
-      ASSERT_EQ(value((hi >> (8 * j)) & 0xffu), v_hi) << std::hex << "w = " << w << " byte " << j;
-    }
-  }
+  expect_each_byte_its_e4m3(w4a8::sm_codes_lo, w4a8::sm_codes_hi, w4a8::decode_int4_sm, 12);
 }
 
 // The CPU packer with the sign-magnitude codes: round trip, the choice of codes, -8 refused.
