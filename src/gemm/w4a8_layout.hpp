@@ -111,6 +111,10 @@ EPMOE_HD std::uint32_t sm_codes_lo(std::uint32_t w) {
 EPMOE_HD std::uint32_t sm_codes_hi(std::uint32_t w) {
   return (w & 0x80808080u) | ((w >> 4) & 0x07070707u);
 }
+// Whether a checkpoint byte (two two's-complement int4) holds -8, which the sign-magnitude codes lack.
+EPMOE_HD bool byte_holds_minus8(std::uint32_t b) {
+  return (b & 0x0fu) == 0x08u || (b & 0xf0u) == 0x80u;
+}
 // Either code of v, and back (sm: sign-magnitude; v in [-7, 7] then).
 EPMOE_HD std::uint32_t encode_int4_as(int v, bool sm) {
   return sm ? encode_int4_sm(v) : encode_int4(v);
