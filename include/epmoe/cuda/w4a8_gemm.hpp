@@ -29,8 +29,9 @@ namespace epmoe::cuda {
 // How the prepared weights store each int4 value (w4a8_prepare_weights):
 //   offset_binary:  v + 8 (any v in [-8, 7]); the kernels take the codes' offset term out per 128 K;
 //   sign_magnitude: sign and |v| (v in [-7, 7] only, as a symmetric amax / 7 quantizer produces; see
-//                   w4a8_pick_codes): no offset term, 5-8% faster at K = 7168, 2-3% at K = 2048, and
-//                   7-8% on the decode tiles of 17-32 rows (bench/NOTES.md, session 28).
+//                   w4a8_pick_codes): no offset term; on one H200, 4.9-6.7% faster at K = 7168,
+//                   2.2-3.5% at K = 2048 and 3-6.5% on the decode tiles of 17-32 rows, level to 0.5%
+//                   slower on those of <= 12 rows (bench/NOTES.md, session 28, call 8).
 // A GEMM call must name the codes its weights were prepared with (W4A8GemmOptions::codes).
 enum class W4A8Codes : int { offset_binary = 0, sign_magnitude = 1 };
 
