@@ -315,8 +315,6 @@ void launch_v3(const W4A8KernelChoice& c, const TensorView& a, const Problem& pr
   return launch_v3<128, 128, 1, false>(a, problem, options, stream);
 }
 
-// Runs the chosen kernel: explicit tiles are the register-operand kernel's; otherwise the pinned or
-// the heuristic choice.
 // Whether `codes` is W4A8Codes::sign_magnitude (checked: no other value).
 bool sign_magnitude(W4A8Codes codes) {
   EPMOE_CHECK(codes == W4A8Codes::offset_binary || codes == W4A8Codes::sign_magnitude,
@@ -352,6 +350,8 @@ void run_sign_magnitude(W4A8TileShape tile, const TensorView& a, const Problem& 
   launch<kSignMag, 1>(tile, c.parts, a, with, options, stream);
 }
 
+// Runs the chosen kernel: explicit tiles are the register-operand kernel's; otherwise the pinned or
+// the heuristic choice.
 void run(W4A8TileShape tile, const TensorView& a, const Problem& problem, const W4A8GemmOptions& options,
          bool masked, cudaStream_t stream) {
   const bool explicit_tile = options.block_m != 0 || options.consumers != 0;
@@ -503,9 +503,7 @@ bool device_holds_minus8(const TensorView& w_int4, cudaStream_t stream) {
 bool host_holds_minus8(const TensorView& w_int4) {
   expect_aligned_tensor(w_int4, DType::i4x2, Device::cpu, "w_int4", 1);
   const auto* b = static_cast<const std::uint8_t*>(w_int4.data);
-  for (std::size_t i = 0; i < w_int4.nbytes(); ++i)
-    if ((b[i] & 0x0fu) == 0x08u || (b[i] & 0xf0u) == 0x80u) return true;
-  return false;
+  return std::any_of(b, b + w_int4.nbytes(), [](std::uint8_t x) { return w4a8::byte_holds_minus8(x); });
 }
 
 void prepare_device(const TensorView& src, const TensorView& src_scales, const TensorView& dst,

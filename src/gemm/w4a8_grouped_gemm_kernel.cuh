@@ -1234,7 +1234,7 @@ __global__ void w4a8_find_minus8_kernel(const std::uint8_t* __restrict__ w, std:
   }
   for (std::int64_t i = words * 16 + static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < bytes; i += stride)
-    any |= (w[i] & 0x0fu) == 0x08u || (w[i] & 0xf0u) == 0x80u;
+    any |= w4a8::byte_holds_minus8(w[i]);
   if (__syncthreads_or(any) && threadIdx.x == 0) atomicExch(found, 1);
 }
 

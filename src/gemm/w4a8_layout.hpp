@@ -111,6 +111,10 @@ EPMOE_HD std::uint32_t sm_codes_lo(std::uint32_t w) {
 EPMOE_HD std::uint32_t sm_codes_hi(std::uint32_t w) {
   return ((w >> 4) | (w << 28)) & kSignMagnitudeMask;
 }
+// Whether a checkpoint byte (two two's-complement int4) holds -8, which the sign-magnitude codes lack.
+EPMOE_HD bool byte_holds_minus8(std::uint32_t b) {
+  return (b & 0x0fu) == 0x08u || (b & 0xf0u) == 0x80u;
+}
 // Byte j of a packed word from its two values and the high value of byte j - 1 (mod 4) of the word
 // (sm), or from its two values alone (offset binary).
 EPMOE_HD std::uint8_t pack_byte(int v_lo, int v_hi, int v_hi_prev, bool sm) {
