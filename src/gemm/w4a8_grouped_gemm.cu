@@ -449,14 +449,18 @@ void transform_cpu(const std::uint8_t* src, const void* src_scales, std::uint8_t
     for (std::int64_t i = 0; i < per_group; ++i) {
       if (!inverse) {
         const w4a8::WeightPos at = w4a8::packed_byte_source(i, kb_count, dims.n);
-        d[i] = static_cast<std::uint8_t>(w4a8::encode_int4_as(int4_at(s, at.n, at.k), sm) |
-                                         (w4a8::encode_int4_as(int4_at(s, at.n + 8, at.k), sm) << 4));
+        int hi_prev = 0;
+        if (sm) {
+          const w4a8::WeightPos prev = w4a8::packed_byte_source(w4a8::word_prev_byte(i), kb_count, dims.n);
+          hi_prev = int4_at(s, prev.n + 8, prev.k);
+        }
+        d[i] = w4a8::pack_byte(int4_at(s, at.n, at.k), int4_at(s, at.n + 8, at.k), hi_prev, sm);
       } else {
         const std::int64_t row = i / half_k, k = 2 * (i % half_k);
         int v[2];
         for (int e = 0; e < 2; ++e) {
           const w4a8::NibblePos pos = w4a8::packed_position(row, k + e, kb_count, dims.n);
-          v[e] = w4a8::decode_int4_as(static_cast<std::uint32_t>(s[pos.byte]) >> (pos.high ? 4 : 0), sm);
+          v[e] = w4a8::unpack_value(s, pos.byte, pos.high, sm);
         }
         d[i] = pack_int4(v[0], v[1]);
       }

@@ -121,8 +121,9 @@ struct W4A8Traits {
   // packed word instead of 3), so there is no offset term at all.
   //
   // kOffsetSignMag: the weights prepared with W4A8Codes::sign_magnitude (values in [-7, 7]): their
-  // e4m3 bytes are (sign << 7) | |v| (w4a8::sm_codes_lo / _hi, ~6 instructions per packed word), so
-  // there is no offset term either; everything else as kOffsetNone (session 28).
+  // e4m3 bytes are (sign << 7) | |v| (w4a8::sm_codes_lo / _hi: two LOP3 and a funnel shift per packed
+  // word, as the offset-binary codes), so there is no offset term either; everything else as
+  // kOffsetNone (session 28).
   static constexpr int kOffset = kOffset_;
   static_assert(kOffset >= kW4OffsetWgmma && kOffset <= kW4OffsetSignMag);
   static_assert(kOffset != kW4OffsetSums || kBM <= 32);
@@ -490,7 +491,7 @@ struct W4A8Pipe {
 // One packed word -> two fragment registers (registers r, r + 1 of a step: its low and high
 // nibbles), e4m3 bytes c · 2^-9 of the codes (w4a8_layout.hpp): three integer instructions.
 // kSigned: the e4m3 bytes of v · 2^-9 themselves (about 11 integer instructions); with kSignMag from
-// the sign-magnitude codes (about 6).
+// the sign-magnitude codes (three).
 template <bool kSigned, bool kSignMag = false>
 __device__ __forceinline__ void w4a8_convert8(std::uint32_t w, std::uint32_t& lo, std::uint32_t& hi) {
   if constexpr (kSignMag) {
@@ -1182,16 +1183,20 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src, const 
         const w4a8::WeightPos at = w4a8::packed_byte_source(rest, kb_count, n);
         const int lo = w4a8_checkpoint_int4(src + base, at.n, at.k, half_k);
         const int hi = w4a8_checkpoint_int4(src + base, at.n + 8, at.k, half_k);
-        dst[i] =
-            static_cast<std::uint8_t>(w4a8::encode_int4_as(lo, sm) | (w4a8::encode_int4_as(hi, sm) << 4));
+        int hi_prev = 0;  // (sm: the high value of the word's previous byte, whose sign this byte carries)
+        if (sm) {
+          const w4a8::WeightPos prev = w4a8::packed_byte_source(w4a8::word_prev_byte(rest), kb_count, n);
+          hi_prev = w4a8_checkpoint_int4(src + base, prev.n + 8, prev.k, half_k);
+        }
+        dst[i] = w4a8::pack_byte(lo, hi, hi_prev, sm);
       } else {
         const std::int64_t row = rest / half_k, kk = 2 * (rest % half_k);
         std::uint32_t out = 0;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const w4a8::NibblePos pos = w4a8::packed_position(row, kk + e, kb_count, n);
-          const std::uint32_t code = src[base + pos.byte] >> (pos.high ? 4 : 0);
-          out |= (static_cast<std::uint32_t>(w4a8::decode_int4_as(code, sm)) & 0xfu) << (4 * e);
+          out |= (static_cast<std::uint32_t>(w4a8::unpack_value(src + base, pos.byte, pos.high, sm)) & 0xfu)
+                 << (4 * e);
         }
         dst[i] = static_cast<std::uint8_t>(out);
       }

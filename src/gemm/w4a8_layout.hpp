@@ -94,33 +94,51 @@ EPMOE_HD std::uint32_t codes_hi(std::uint32_t w) {
 }
 
 // Sign-magnitude codes (W4A8Codes::sign_magnitude, for weights in [-7, 7] only: a symmetric amax / 7
-// quantizer never produces -8): bit 3 the sign, bits 0-2 |v|. The e4m3 byte of v · 2^-9 is then
-// (sign << 7) | |v| (|v| <= 7: exponent field 0, subnormal), so a packed word becomes its two
-// A-fragment registers with ~6 integer instructions and no offset term (bench/NOTES.md, session 28).
-// Code 8 (-0) is never written; it reads as 0.
-EPMOE_HD std::uint32_t encode_int4_sm(int v) {
-  return v < 0 ? 8u | static_cast<std::uint32_t>(-v) : static_cast<std::uint32_t>(v);
-}
-EPMOE_HD int decode_int4_sm(std::uint32_t c) {
-  const int m = static_cast<int>(c & 7u);
-  return (c & 8u) != 0 ? -m : m;
-}
+// quantizer never produces -8): the e4m3 byte of v · 2^-9 is (sign << 7) | |v| (|v| <= 7: exponent
+// field 0, subnormal), so there is no offset term. The packed word is laid out so that both
+// A-fragment registers come out of it with one instruction each plus a funnel shift, as the
+// offset-binary codes do (bench/NOTES.md, session 28): byte j of a 32-bit word (the same two weights
+// (n, k), (n + 8, k) as above) holds |v_lo| in bits 0-2, |v_hi| in bits 4-6, the sign of v_lo in bit
+// 7, and in bit 3 the sign of the high value of byte j - 1 (mod 4) of the word. Then
+//   register r     = w & 0x87878787                  (|v_lo| and its sign in every byte),
+//   register r + 1 = rotate_right(w, 4) & 0x87878787 (|v_hi| from bits 4-6, its sign from the next
+//                                                     byte's bit 3).
+// A sign with magnitude 0 (-0) reads as 0.
+inline constexpr std::uint32_t kSignMagnitudeMask = 0x87878787u;
 EPMOE_HD std::uint32_t sm_codes_lo(std::uint32_t w) {
-  return ((w << 4) & 0x80808080u) | (w & 0x07070707u);
+  return w & kSignMagnitudeMask;
 }
 EPMOE_HD std::uint32_t sm_codes_hi(std::uint32_t w) {
-  return (w & 0x80808080u) | ((w >> 4) & 0x07070707u);
+  return ((w >> 4) | (w << 28)) & kSignMagnitudeMask;
 }
 // Whether a checkpoint byte (two two's-complement int4) holds -8, which the sign-magnitude codes lack.
 EPMOE_HD bool byte_holds_minus8(std::uint32_t b) {
   return (b & 0x0fu) == 0x08u || (b & 0xf0u) == 0x80u;
 }
-// Either code of v, and back (sm: sign-magnitude; v in [-7, 7] then).
-EPMOE_HD std::uint32_t encode_int4_as(int v, bool sm) {
-  return sm ? encode_int4_sm(v) : encode_int4(v);
+// Byte j of a packed word from its two values and the high value of byte j - 1 (mod 4) of the word
+// (sm), or from its two values alone (offset binary).
+EPMOE_HD std::uint8_t pack_byte(int v_lo, int v_hi, int v_hi_prev, bool sm) {
+  if (!sm) return static_cast<std::uint8_t>(encode_int4(v_lo) | (encode_int4(v_hi) << 4));
+  const auto mag = [](int v) { return static_cast<std::uint32_t>(v < 0 ? -v : v) & 7u; };
+  return static_cast<std::uint8_t>(mag(v_lo) | (v_hi_prev < 0 ? 8u : 0u) | (mag(v_hi) << 4) |
+                                   (v_lo < 0 ? 0x80u : 0u));
 }
-EPMOE_HD int decode_int4_as(std::uint32_t c, bool sm) {
-  return sm ? decode_int4_sm(c) : decode_int4(c);
+// The index of the byte whose high value's sign byte `byte` carries (sm: byte j - 1 of its word), and of
+// the byte that carries the sign of `byte`'s high value (byte j + 1).
+EPMOE_HD std::int64_t word_prev_byte(std::int64_t byte) {
+  return (byte & ~std::int64_t{3}) | ((byte + 3) & 3);
+}
+EPMOE_HD std::int64_t word_next_byte(std::int64_t byte) {
+  return (byte & ~std::int64_t{3}) | ((byte + 1) & 3);
+}
+// The value of the low (high = false) or high nibble of packed byte `byte` (bytes: the packed weights,
+// indexed as packed words are aligned).
+EPMOE_HD int unpack_value(const std::uint8_t* bytes, std::int64_t byte, bool high, bool sm) {
+  const std::uint32_t b = bytes[byte];
+  if (!sm) return decode_int4(b >> (high ? 4 : 0));
+  const int m = static_cast<int>((high ? b >> 4 : b) & 7u);
+  const bool negative = high ? (bytes[word_next_byte(byte)] & 8u) != 0 : (b & 0x80u) != 0;
+  return negative ? -m : m;
 }
 
 // v3's signed conversion (W4A8SmemTraits::kSigned): the e4m3 bytes of v · 2^-9 themselves (sign and

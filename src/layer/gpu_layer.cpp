@@ -65,6 +65,10 @@ struct GpuMoeLayer::Impl {
   // W4A8: int4 routed experts, per-tensor FP8 activations with the static scales a1 / a2 (the
   // shared expert stays FP8 block-scaled, with per-token-group activations of its own).
   bool w4a8 = false;
+  // w4a8: the slots' codes. The synthetic experts come from a symmetric amax / 7 quantizer, which never
+  // writes -8: the sign-magnitude codes (faster, bench/NOTES.md session 28). A checkpoint's experts keep
+  // the offset-binary codes (proving the absence of -8 would scan every expert at start-up).
+  W4A8Codes w4a8_codes = W4A8Codes::offset_binary;
   float a1_scale = 1.0f, a2_scale = 1.0f;
   ActivationFormat format = ActivationFormat::fp8_group;
   DeviceTensor stage_w13, stage_s13, stage_w2, stage_s2;  // one expert in checkpoint order (W4A8 prepare)
@@ -193,6 +197,7 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   a2_scale = weights->a2_scale();
   format = activation_format(c.quant);
   synthetic = dynamic_cast<const SyntheticWeights*>(weights.get());
+  if (w4a8 && synthetic != nullptr) w4a8_codes = W4A8Codes::sign_magnitude;
   if (comm) {
     EPMOE_CHECK(c.num_ranks == comm->size(), "config.num_ranks ({}) must equal the communicator's size ({})",
                 c.num_ranks, comm->size());
@@ -343,8 +348,9 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     }
   }
   if (o.on_setup_step) o.on_setup_step("dispatchers");
-  runner = make_gpu_runner(normal ? Layout::contiguous : Layout::masked,
-                           GpuRunnerContext{c, SlotWeights{w13, w13_scale, w2, w2_scale}, R_max, a2_scale});
+  runner = make_gpu_runner(
+      normal ? Layout::contiguous : Layout::masked,
+      GpuRunnerContext{c, SlotWeights{w13, w13_scale, w2, w2_scale, w4a8_codes}, R_max, a2_scale});
   runner->set_max_ctas(gemm_max_ctas);
   if (shared_runner) shared_runner->set_max_ctas(gemm_max_ctas);
   expert_out = DeviceTensor(DType::bf16, {R_max, H});
@@ -375,8 +381,9 @@ void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {
       copy_to_device(stage_s2.view().select(0), e.w2_scale, s0);
     }
     w4a8_prepare_weights(stage_w13, stage_s13, dw13.reshaped({1, 2 * I, H / 2}),
-                         ds13.reshaped({1, 2 * I, H / 128}), s0);
-    w4a8_prepare_weights(stage_w2, stage_s2, dw2.reshaped({1, H, I / 2}), ds2.reshaped({1, H, I / 128}), s0);
+                         ds13.reshaped({1, 2 * I, H / 128}), s0, w4a8_codes);
+    w4a8_prepare_weights(stage_w2, stage_s2, dw2.reshaped({1, H, I / 2}), ds2.reshaped({1, H, I / 128}), s0,
+                         w4a8_codes);
   } else if (synthetic) {
     // Bit-identical with the host tensors routed_expert() would build, without building them.
     synthetic_expert_fp8(synthetic->expert_seed(logical), H, I, dw13, ds13, dw2, ds2, s0);

@@ -34,6 +34,7 @@ class W4A8Runner final : public runner_detail::GroupedMlpRunner {
   W4A8GemmOptions options() const {
     W4A8GemmOptions o;
     o.max_ctas = max_ctas_;
+    o.codes = context_.weights.w4a8_codes;
     return o;
   }
   void gemm_contiguous(const runner_detail::GemmOperands& g, TensorView m_indices,

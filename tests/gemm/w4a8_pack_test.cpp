@@ -90,11 +90,33 @@ TEST(W4A8Codes, SignedConversionGivesEachInt4ItsOwnE4m3) {
   expect_each_byte_its_e4m3(w4a8::signed_codes_lo, w4a8::signed_codes_hi, w4a8::decode_int4, 11);
 }
 
-// The sign-magnitude codes (w4a8::sm_codes_lo / _hi): every v in [-7, 7]; code 8 (-0, never written)
-// reads as 0.
+// The sign-magnitude words (w4a8::pack_byte with sm, w4a8::sm_codes_lo / _hi): every v in [-7, 7] in
+// every value of every byte of a word, the other seven random, converts to its own e4m3 byte and
+// unpacks to itself (w4a8::unpack_value), the high values' signs coming from the next byte.
 TEST(W4A8Codes, SignMagnitudeConversionGivesEachInt4ItsOwnE4m3) {
-  for (int v = -7; v <= 7; ++v) EXPECT_EQ(w4a8::decode_int4_sm(w4a8::encode_int4_sm(v)), v);
-  expect_each_byte_its_e4m3(w4a8::sm_codes_lo, w4a8::sm_codes_hi, w4a8::decode_int4_sm, 12);
+  const auto value = [](std::uint32_t byte) {
+    return static_cast<double>(fp8_e4m3::from_bits(static_cast<std::uint8_t>(byte)).to_float()) *
+           static_cast<double>(w4a8::kCodeScale);
+  };
+  std::mt19937_64 rng(12);
+  std::uniform_int_distribution<int> any(-7, 7);
+  for (int trial = 0; trial < 8 * 15 * 8; ++trial) {
+    int v[8];  // byte j: v[2 j] low, v[2 j + 1] high
+    for (int& x : v) x = any(rng);
+    v[trial % 8] = trial / 8 % 15 - 7;
+    std::uint8_t bytes[4];
+    for (int j = 0; j < 4; ++j)
+      bytes[j] = w4a8::pack_byte(v[2 * j], v[2 * j + 1], v[2 * ((j + 3) % 4) + 1], true);
+    std::uint32_t w = 0;
+    std::memcpy(&w, bytes, 4);
+    const std::uint32_t lo = w4a8::sm_codes_lo(w), hi = w4a8::sm_codes_hi(w);
+    for (int j = 0; j < 4; ++j) {
+      ASSERT_EQ(value((lo >> (8 * j)) & 0xffu), v[2 * j]) << std::hex << "w = " << w << " byte " << j;
+      ASSERT_EQ(value((hi >> (8 * j)) & 0xffu), v[2 * j + 1]) << std::hex << "w = " << w << " byte " << j;
+      ASSERT_EQ(w4a8::unpack_value(bytes, j, false, true), v[2 * j]);
+      ASSERT_EQ(w4a8::unpack_value(bytes, j, true, true), v[2 * j + 1]);
+    }
+  }
 }
 
 // The CPU packer with the sign-magnitude codes: round trip, the choice of codes, -8 refused.
@@ -130,10 +152,14 @@ TEST(W4A8Codes, SignMagnitudePackingRoundTripsAndRefusesMinus8) {
 struct Checkpoint {
   HostTensor w, s;
 };
-Checkpoint random_checkpoint(std::int64_t G, std::int64_t N, std::int64_t K, std::mt19937_64& rng) {
+// (symmetric: values in [-7, 7] only, as the sign-magnitude codes need; else every int4 value)
+Checkpoint random_checkpoint(std::int64_t G, std::int64_t N, std::int64_t K, std::mt19937_64& rng,
+                             bool symmetric = false) {
   Checkpoint c{HostTensor(DType::i4x2, {G, N, K / 2}), HostTensor(DType::f32, {G, N, K / 128})};
   auto* w = static_cast<std::uint8_t*>(c.w.view().data);
-  for (std::int64_t i = 0; i < c.w.numel(); ++i) w[i] = static_cast<std::uint8_t>(rng());
+  std::uniform_int_distribution<int> any(-7, 7);
+  for (std::int64_t i = 0; i < c.w.numel(); ++i)
+    w[i] = symmetric ? pack_int4(any(rng), any(rng)) : static_cast<std::uint8_t>(rng());
   std::uniform_real_distribution<float> u(0.5f, 2.0f);
   for (std::int64_t i = 0; i < c.s.numel(); ++i) c.s.data<float>()[i] = u(rng) * 1e-3f;
   return c;
@@ -221,12 +247,21 @@ TEST(W4A8Pack, TileChunksAreContiguous) {
 // (panel, K block) chunk, converts word 2 (s % 2) + khalf into registers (r = 2 khalf, 2 khalf + 1)
 // of step s (low and high nibbles), and wgmma reads register r, byte j as A[row, k] with the m64nNk32
 // fragment layout.
-TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
+// For both codes (the sign-magnitude ones on weights in [-7, 7]).
+class W4A8PackCodes : public ::testing::TestWithParam<cuda::W4A8Codes> {};
+
+TEST_P(W4A8PackCodes, KernelLoadsMatchTheWgmmaFragment) {
+  const bool sm = GetParam() == cuda::W4A8Codes::sign_magnitude;
   std::mt19937_64 rng(11);
   const std::int64_t G = 1, N = 128, K = 256, KB = K / 128;
-  const Checkpoint c = random_checkpoint(G, N, K, rng);
+  const Checkpoint c = random_checkpoint(G, N, K, rng, sm);
   HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, K / 128});
-  cuda::w4a8_prepare_weights_cpu(c.w, c.s, pw, ps);
+  cuda::w4a8_prepare_weights_cpu(c.w, c.s, pw, ps, GetParam());
+  const auto value = [&](std::uint32_t byte) {  // the register byte's int4 value
+    return sm ? static_cast<double>(fp8_e4m3::from_bits(static_cast<std::uint8_t>(byte)).to_float()) *
+                    static_cast<double>(w4a8::kCodeScale)
+              : code_value(byte);
+  };
   const auto* packed = static_cast<const std::uint8_t*>(pw.view().data);
   const auto* plain = static_cast<const std::uint8_t*>(c.w.view().data);
   std::int64_t checked = 0;
@@ -241,13 +276,14 @@ TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
         for (int s = 0; s < 4; ++s) {
           for (int khalf = 0; khalf < 2; ++khalf) {
             const std::uint32_t w = words[(s / 2) * 4 + (s % 2) * 2 + khalf];
-            const std::uint32_t regs[2] = {w4a8::codes_lo(w), w4a8::codes_hi(w)};
+            const std::uint32_t regs[2] = {sm ? w4a8::sm_codes_lo(w) : w4a8::codes_lo(w),
+                                           sm ? w4a8::sm_codes_hi(w) : w4a8::codes_hi(w)};
             for (int rhalf = 0; rhalf < 2; ++rhalf) {
               for (int j = 0; j < 4; ++j) {
                 const std::int64_t row = panel * 64 + warp * 16 + g + 8 * rhalf;
                 const std::int64_t k = kb * 128 + s * 32 + khalf * 16 + 4 * q + j;
                 const int v = unpack_int4(plain + row * (K / 2), k);
-                ASSERT_EQ(code_value((regs[rhalf] >> (8 * j)) & 0xffu), v)
+                ASSERT_EQ(value((regs[rhalf] >> (8 * j)) & 0xffu), v)
                     << "panel " << panel << " kb " << kb << " thread " << t << " step " << s << " row " << row
                     << " k " << k;
                 ++checked;
@@ -266,6 +302,8 @@ TEST(W4A8Pack, KernelLoadsMatchTheWgmmaFragment) {
   }
   EXPECT_EQ(checked, N * K);
 }
+INSTANTIATE_TEST_SUITE_P(Codes, W4A8PackCodes,
+                         ::testing::Values(cuda::W4A8Codes::offset_binary, cuda::W4A8Codes::sign_magnitude));
 
 // v3: a thread-by-thread model of the converter warpgroup (w4a8_smem_gemm_kernel.cuh) writes every
 // weight's e4m3 exactly once where the 128-byte-swizzled K-major wgmma B tile wants it (row n at

@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "epmoe/config.hpp"
+#include "epmoe/cuda/w4a8_gemm.hpp"
 #include "epmoe/dispatch.hpp"
 #include "epmoe/registry.hpp"
 #include "epmoe/tensor.hpp"
@@ -27,6 +28,8 @@ namespace epmoe::cuda {
 //   w4a8: w13 [L, 2I, H/2] prepared int4 + w13_scale [L, 2I, H/128]; w2 [L, H, I/2] + w2_scale [L, H, I/128]
 struct SlotWeights {
   TensorView w13, w13_scale, w2, w2_scale;
+  // w4a8: the codes the slots were prepared with (w4a8_prepare_weights).
+  W4A8Codes w4a8_codes = W4A8Codes::offset_binary;
 };
 
 struct GpuRunnerContext {
