@@ -585,6 +585,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
   // once as the runner does.
   const cuda::DeviceTensor w4_workspace(
       DType::f32, {s.masked ? static_cast<std::int64_t>(cuda::w4a8_workspace_bytes(G, s.m, K) / 4) : 0});
+  w4_workspace.fill_bytes(0, stream);  // zeroed once (W4A8GemmOptions::workspace)
   fill_operands(a, b, seed, stream);
   fill_random_scales(sa, seed + 2, stream);
   fill_random_scales(sb, seed + 4, stream);
@@ -800,6 +801,15 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     W4A8Variant sm{".w4a8.sm", {}};
     sm.options.codes = cuda::W4A8Codes::sign_magnitude;
     variants.push_back(sm);
+    // Masked: both automatic lines again with the static schedule (W4A8GemmOptions::dynamic_tiles),
+    // which the decode tiles had before session 29.
+    if (s.masked) {
+      W4A8Variant fixed{".w4a8.static", {}}, sm_fixed{".w4a8.sm.static", {}};
+      fixed.options.dynamic_tiles = sm_fixed.options.dynamic_tiles = false;
+      sm_fixed.options.codes = cuda::W4A8Codes::sign_magnitude;
+      variants.push_back(fixed);
+      variants.push_back(sm_fixed);
+    }
   }
   for (W4A8Variant& v : variants) {
     if (!variant_listed(v.suffix)) continue;
@@ -832,6 +842,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     p["signed_codes"] = static_cast<std::int64_t>(ran.signed_codes);
     if (ran.half_tiles != 0) p["half_tiles"] = static_cast<std::int64_t>(ran.half_tiles);
     p["codes"] = std::string(sm ? "sign_magnitude" : "offset_binary");
+    if (s.masked) p["dynamic_tiles_option"] = static_cast<std::int64_t>(v.options.dynamic_tiles ? 1 : 0);
     if (ran.version == 2 && ran.signed_codes == 1) {
       p["block_m"] = static_cast<std::int64_t>(ran.block_m);
       p["block_n"] = std::int64_t{128};

@@ -9,6 +9,7 @@
 #include "epmoe/cuda/w4a8_gemm.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -98,7 +99,19 @@ struct Problem {
   std::int64_t schedule_groups;
   std::int64_t expected_m;  // masked: the host hint; contiguous: rows per group on average (M / groups)
   std::int32_t ablation;    // timing experiments (W4A8KernelChoice::ablation)
+  // Masked with a workspace: its tile counter (the kernels with W4A8Traits::kDynamicTiles use it
+  // unless options.dynamic_tiles is false or the CTA stamps are asked for).
+  unsigned long long* tile_counter;
 };
+
+// A tag per launch for the dynamic schedule's counter (W4A8Params::tile_counter; never 0, the tag of a
+// zeroed workspace).
+std::uint32_t next_tile_tag() {
+  static std::atomic<std::uint32_t> last{0};
+  std::uint32_t tag = last.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (tag == 0) tag = last.fetch_add(1, std::memory_order_relaxed) + 1;
+  return tag;
+}
 
 W4A8KernelChoice g_pinned{};  // version 0: none
 
@@ -170,6 +183,13 @@ void launch(const TensorView& a, Problem problem, const W4A8GemmOptions& options
   const CUtensorMap tma_a = make_tma_a(a.data, problem.a_rows, problem.params.k, kBM);
   // kOffsetSums: a dependent launch behind the row-sum pre-pass (only the warp that copies the sums
   // waits for it: ptx::grid_dependency_wait).
+  if constexpr (Traits::kDynamicTiles) {
+    if (problem.tile_counter != nullptr && options.dynamic_tiles &&
+        (problem.params.ablation & kernels::kW4TraceCtas) == 0) {
+      problem.params.tile_counter = problem.tile_counter;
+      problem.params.tile_tag = next_tile_tag();
+    }
+  }
   cudaLaunchAttribute pdl{};
   const cudaLaunchConfig_t config =
       launch_config(ctas, Traits::kThreads, Traits::kSmemBytes, stream, Traits::kOffsetSums ? &pdl : nullptr);
@@ -673,10 +693,19 @@ W4A8TileShape w4a8_gemm_tile(bool masked, std::int64_t expected_m) {
   return {128, 2};
 }
 
+// The workspace: the row sums (a multiple of 128 bytes), then 16 bytes for the dynamic schedule's
+// counter word (at the end of the caller's workspace, however large).
+namespace {
+constexpr std::size_t kTileCounterBytes = 16;
+std::size_t tile_counter_offset(std::int64_t groups, std::int64_t m_max, std::int64_t k) {
+  return static_cast<std::size_t>(groups * (k / kBlockK) * w4a8::row_sums_rows(m_max)) * sizeof(float);
+}
+}  // namespace
+
 std::size_t w4a8_workspace_bytes(std::int64_t groups, std::int64_t m_max, std::int64_t k) {
   EPMOE_CHECK(groups >= 0 && m_max >= 0 && k >= 0, "w4a8_workspace_bytes: sizes must be >= 0, got {}, {}, {}",
               groups, m_max, k);
-  return static_cast<std::size_t>(groups * (k / kBlockK) * w4a8::row_sums_rows(m_max)) * sizeof(float);
+  return tile_counter_offset(groups, m_max, k) + kTileCounterBytes;
 }
 
 std::size_t w4a8_packed_weight_bytes(std::int64_t groups, std::int64_t n, std::int64_t k) {
@@ -745,6 +774,12 @@ void w4a8_grouped_gemm_masked(TensorView a, float a_scale, TensorView a_scale_de
   }
   if (M_max == 0) return;
   check_device();
+  if (!options.workspace.empty_view())
+    // (The workspace's last 16 bytes, past any call's row sums: calls of other K sharing one
+    // workspace use the same word, which each leaves ready for the next.)
+    problem.tile_counter = reinterpret_cast<unsigned long long*>(
+        static_cast<char*>(options.workspace.data) +
+        ((options.workspace.nbytes() - kTileCounterBytes) & ~std::size_t{7}));
   p.m_indices = nullptr;
   p.masked_m = static_cast<const std::int32_t*>(masked_m.data);
   p.rows = static_cast<std::int32_t>(M_max);

@@ -139,8 +139,15 @@ struct W4A8Traits {
                                       : kRowOffset     ? 1024
                                                        : w4a8::kPanelRows * w4a8::kBlockK;
   static constexpr int kRowOffsetBytes = kRowOffset ? kConsumers * 2 * kBM * 4 : 0;
-  static constexpr int kSlotBytes = kSlot ? kBM * 4 : 0;         // per K block
-  static constexpr int kBarBytes = kOffsetWarp ? 3 * 8 : 2 * 8;  // per stage: full, empty (, offset)
+  static constexpr int kSlotBytes = kSlot ? kBM * 4 : 0;  // per K block
+  // The 16-row masked decode tiles without a slot may claim their tiles dynamically
+  // (W4A8Params::tile_counter): the producer passes each tile's index to the consumers in a per-stage
+  // word beside the barriers (written before the tile's first stage is armed; -1 after the last tile,
+  // on a stage armed without bytes). (With four consumers the producer then needs 40 registers, which
+  // leaves the consumers 104: the 32-row tile's two-partial variants spilled 176 bytes at 104.)
+  static constexpr bool kDynamicTiles = kBM == 16 && !kSlot;
+  // Per stage: full, empty (, offset) barriers (, the tile word, padded to 8).
+  static constexpr int kBarBytes = (kOffsetWarp ? 3 * 8 : 2 * 8) + (kDynamicTiles ? 8 : 0);
   // The wide tile's pair table (w4a8_build_pair_table), after the barriers.
   static constexpr int kPairTableBytes = kBM == 256 ? kW4PairTableBytes : 0;
   static constexpr int kStages =
@@ -157,9 +164,10 @@ struct W4A8Traits {
   // the offset warp once all its lanes arrive on the offset barrier).
   // The wide tile (acc 128 + one partial 64 + a K block's fragments 16 and the next block's codes 8)
   // fits 232 too.
-  static constexpr int kProducerRegs = kConsumers == 2 ? (kOffsetWarp ? 56 : 40) : (kOffsetWarp ? 40 : 32);
+  static constexpr int kProducerRegs =
+      kConsumers == 2 ? (kOffsetWarp ? 56 : 40) : (kOffsetWarp || kDynamicTiles ? 40 : 32);
   static constexpr int kConsumerRegs =
-      kConsumers == 2 ? (kOffsetWarp ? 224 : 232) : (kOffsetWarp ? 104 : 112);
+      kConsumers == 2 ? (kOffsetWarp ? 224 : 232) : (kOffsetWarp || kDynamicTiles ? 104 : 112);
   // (setmaxnreg can only hand out what the launch allocated: __launch_bounds__(kThreads, 1) gives
   // each thread 65536 / kThreads registers rounded down to 8.)
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536 / kThreads / 8 * 8 * kThreads);
@@ -183,6 +191,13 @@ struct W4A8Params {
   // for r < round_up(min(masked_m[g], M_max), 32) (w4a8_row_sums_kernel); sums_rows a multiple of 32.
   const float* row_sums;
   std::int32_t sums_rows;
+  // Masked decode tiles (W4A8Traits::kDynamicTiles), or nullptr: the static schedule. The tiles are
+  // claimed from this word (in the call's workspace): bits 63..32 the launch's tag, bits 31..0 the
+  // claims so far (w4a8_claim_tile); the launch's last claim leaves (tag, 0) behind, so that a graph
+  // replay of the same launch starts from 0 again and any other launch (another tag, or memory never
+  // used) starts over by its first claim.
+  unsigned long long* tile_counter;
+  std::uint32_t tile_tag;
 };
 
 // Ablations (W4A8Params::ablation, bits; timing experiments only, the output is garbage). v3: the
@@ -311,6 +326,22 @@ __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t 
   __syncthreads();
 }
 
+// The dynamic schedule's claim (W4A8Params::tile_counter; one thread): the next tile index of this
+// launch, counting from 0. A word with another tag (an earlier launch, or memory never used) is this
+// launch's first claim. Tiles go to whichever CTA asks next, so CTAs that stream faster take more
+// (the static schedule's last CTA drained ~8 µs after the median on the decode rows, session 21).
+__device__ __forceinline__ std::int32_t w4a8_claim_tile(unsigned long long* word, std::uint32_t tag) {
+  const unsigned long long mine = static_cast<unsigned long long>(tag) << 32;
+  unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(word);
+  for (;;) {
+    const bool ours = (seen & ~0xffffffffull) == mine;
+    const unsigned long long want = ours ? seen + 1 : mine + 1;
+    const unsigned long long before = atomicCAS(word, seen, want);
+    if (before == seen) return ours ? static_cast<std::int32_t>(seen & 0xffffffffull) : 0;
+    seen = before;
+  }
+}
+
 // The static persistent schedule (tile t goes to CTA t mod gridDim.x). next() is warp-collective
 // for the contiguous layout (a block's m_indices are reduced over the warp).
 template <int kBM, int kTileN>
@@ -410,20 +441,30 @@ class W4A8Scheduler {
   // Masked: only the valid m-blocks of each group are enumerated (group-major, then weight tile,
   // then m-block).
   __device__ bool next_masked(W4A8Tile& tile, const W4A8Params& p) {
-    while (g_ < p.groups && t_ >= seg_start_ + seg_tiles_) {
+    const std::int32_t t = t_;
+    t_ += static_cast<std::int32_t>(gridDim.x);
+    return masked_tile(tile, p, t);
+  }
+
+ public:
+  // Masked: tile t of the enumeration (t never below the previous call's: the walk over the groups
+  // only goes forward). False past the last tile; then walked_tiles() is the number of tiles.
+  __device__ bool masked_tile(W4A8Tile& tile, const W4A8Params& p, std::int32_t t) {
+    while (g_ < p.groups && t >= seg_start_ + seg_tiles_) {
       seg_start_ += seg_tiles_;
       ++g_;
       if (g_ < p.groups) load_segment(p);
     }
     if (g_ >= p.groups) return false;
-    const std::int32_t r = t_ - seg_start_;
-    t_ += static_cast<std::int32_t>(gridDim.x);
+    const std::int32_t r = t - seg_start_;
     const std::int32_t m_block = r % seg_m_blocks_;
     const std::int32_t seg_row0 = g_ * p.rows;
     tile = W4A8Tile{g_, r / seg_m_blocks_, seg_row0 + m_block * kBM, seg_row0 + seg_count_};
     return true;
   }
+  __device__ std::int32_t walked_tiles() const { return seg_start_; }
 
+ private:
   __device__ void load_segment(const W4A8Params& p) {
     seg_count_ = min(max(__ldg(p.masked_m + g_), 0), p.rows);
     seg_m_blocks_ = (seg_count_ + kBM - 1) / kBM;
@@ -544,6 +585,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
   const std::uint32_t full_bar = smem_slot + kStages * kSlotStride;  // kStages x 8 bytes
   const std::uint32_t empty_bar = full_bar + kStages * 8;            // kStages x 8 bytes
   const std::uint32_t offset_bar = empty_bar + kStages * 8;          // kOffsetWarp: kStages x 8 bytes
+  const std::uint32_t tile_ring = empty_bar + kStages * 8;           // kDynamicTiles: kStages x 8 bytes
   const std::uint32_t pair_table =
       full_bar + kStages * Traits::kBarBytes;  // kBM = 256: w4a8_build_pair_table
 
@@ -581,7 +623,27 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       W4A8Tile tile;
       W4A8Pipe pipe;
       const std::int64_t n_panels = p.n / w4a8::kPanelRows;
-      while (scheduler.next(tile, p)) {
+      // kDynamicTiles with a counter: each tile claimed when its copies are about to start (about a
+      // pipeline's depth before the consumers reach it); the claim that finds no tile left ends this
+      // CTA, and the launch's last claim resets the word for a replay.
+      [[maybe_unused]] const bool dynamic = Traits::kDynamicTiles && p.tile_counter != nullptr;
+      [[maybe_unused]] std::int32_t claimed = 0;
+      const auto next_tile = [&](W4A8Tile& next) {
+        if constexpr (Traits::kDynamicTiles) {
+          if (dynamic) {
+            std::int32_t c = 0;
+            if (lane == 0) c = w4a8_claim_tile(p.tile_counter, p.tile_tag);
+            claimed = __shfl_sync(0xffffffffu, c, 0);
+            const bool found = scheduler.masked_tile(next, p, claimed);
+            if (!found && lane == 0 &&
+                claimed == scheduler.walked_tiles() + static_cast<std::int32_t>(gridDim.x) - 1)
+              atomicExch(p.tile_counter, static_cast<unsigned long long>(p.tile_tag) << 32);
+            return found;
+          }
+        }
+        return scheduler.next(next, p);
+      };
+      while (next_tile(tile)) {
         // The tile's panels are consecutive inside one panel group: per K block one bulk copy of
         // their weights and one of their scales (w4a8_layout.hpp).
         const std::int64_t group_chunks = static_cast<std::int64_t>(tile.group) * n_panels * num_kb;
@@ -590,6 +652,10 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
             ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+            if constexpr (Traits::kDynamicTiles) {
+              // (Before the stage is armed: its arrival publishes the word to the consumers.)
+              if (dynamic && kb == 0) ptx::st_shared_u32(tile_ring + 8 * pipe.stage, claimed);
+            }
             const bool weights = (p.ablation & kW4AblateLoads) == 0;
             if constexpr (kStageKB == 1) {
               ptx::mbar_arrive_expect_tx(full, weights ? Traits::kStageBytes : Traits::kABytes);
@@ -634,6 +700,15 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           pipe.advance(stages);
         }
         __syncwarp();
+      }
+      if constexpr (Traits::kDynamicTiles) {
+        // The end: a stage armed with no bytes whose word is -1 (the host leaves the CTA stamps, which
+        // wait for every stage's release, to the static schedule).
+        if (dynamic && lane == 0) {
+          ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+          ptx::st_shared_u32(tile_ring + 8 * pipe.stage, 0xffffffffu);
+          ptx::mbar_arrive(full_bar + 8 * pipe.stage);
+        }
       }
       if ((p.ablation & kW4TraceCtas) != 0 && lane == 0 && blockIdx.x < kW4TraceMaxCtas) {
         g_w4a8_cta_trace[3 * blockIdx.x + 1] = ptx::global_timer_ns();
@@ -1011,8 +1086,21 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
     };
 
+    // The next tile of the stream, whose first K block is at `at`: kDynamicTiles with a counter, the
+    // producer's word for that stage (-1: no more), read once the stage is full; else the schedule.
+    [[maybe_unused]] const bool dynamic = Traits::kDynamicTiles && p.tile_counter != nullptr;
+    const auto next_tile = [&](W4A8Tile& next, const W4A8Pipe& at) {
+      if constexpr (Traits::kDynamicTiles) {
+        if (dynamic) {
+          ptx::mbar_wait(full_bar + 8 * at.stage, at.phase);
+          const std::int32_t t = ptx::ld_shared_s32(tile_ring + 8 * at.stage);
+          return t >= 0 && scheduler.masked_tile(next, p, t);
+        }
+      }
+      return scheduler.next(next, p);
+    };
     W4A8Tile tile;  // the tile whose K blocks acc is summing (the oldest block not yet folded)
-    bool more = scheduler.next(tile, p);
+    bool more = next_tile(tile, W4A8Pipe{});
     if (more) {
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
@@ -1055,7 +1143,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           // The next block (the next tile's first after a tile's last; the scheduler is asked only
           // now, so that `tile` above was still the finished one).
           if (ends) {
-            more = scheduler.next(ld_tile, p);
+            more = next_tile(ld_tile, pipe);
             kb = 0;
           } else {
             ++kb;
@@ -1078,7 +1166,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
             issue(b, I0{}, cur, I1{});
           }
           if (ends) {
-            more = scheduler.next(ld_tile, p);
+            more = next_tile(ld_tile, pipe);
             kb = 0;
           } else {
             ++kb;
@@ -1095,7 +1183,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
         } else {
           issue(b, I0{}, cur, I0{});
           if (ends) {
-            more = scheduler.next(ld_tile, p);
+            more = next_tile(ld_tile, pipe);
             kb = 0;
           } else {
             ++kb;

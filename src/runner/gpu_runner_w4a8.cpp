@@ -16,13 +16,18 @@ class W4A8Runner final : public runner_detail::GroupedMlpRunner {
  public:
   W4A8Runner(const GpuRunnerContext& context, Layout layout) : GroupedMlpRunner(context, layout) {
     if (layout != Layout::masked) return;
-    // The masked GEMMs' workspace (the row-sum pre-pass of the decode tiles), for the larger K of
+    // The masked GEMMs' workspace (the row-sum pre-pass and the tile counter of the decode tiles), for
+    // the larger K of
     // the two and the most rows per group the runner takes (G * M_max <= max_rows).
     const std::int64_t G = slots();
     if (G == 0) return;
     const std::int64_t k = std::max(context_.config.hidden, intermediate());
     const std::int64_t m_max = context_.max_rows / G;
     sums_ = DeviceTensor(DType::f32, {static_cast<std::int64_t>(w4a8_workspace_bytes(G, m_max, k) / 4)});
+    // Zeroed once, as W4A8GemmOptions::workspace asks (the dynamic schedule's counter), and finished
+    // before any stream of the layer uses it.
+    sums_.fill_bytes(0);
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(nullptr));
   }
   std::size_t workspace_bytes() const override {
     return GroupedMlpRunner::workspace_bytes() + sums_.nbytes();

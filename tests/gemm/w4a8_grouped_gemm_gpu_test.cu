@@ -906,7 +906,7 @@ TEST(W4A8GemmGpuMisc, RowSumsMatchTheCpuMirror) {
   const HostTensor got = cuda::to_host(workspace, stream);
   const auto* sums = got.data<float>();
   const std::int64_t num_kb = K / 128, rows = w4a8::row_sums_rows(M_max);
-  ASSERT_EQ(static_cast<std::int64_t>(bytes), G * num_kb * rows * 4);
+  ASSERT_EQ(static_cast<std::int64_t>(bytes), G * num_kb * rows * 4 + 16);  // + the tile counter's 16
   const auto* a = static_cast<const std::uint8_t*>(in.a.view().data);
   std::int64_t checked = 0;
   for (std::int64_t g = 0; g < G; ++g) {
@@ -940,6 +940,98 @@ TEST(W4A8GemmGpuMisc, MaskedWithRowSumsReplaysInACudaGraph) {
   EPMOE_REQUIRE_GPU();
   masked_graph_replay(true);
 }
+
+// The dynamic tile schedule (W4A8GemmOptions::dynamic_tiles, masked decode tiles with a workspace)
+// against the static one on the same inputs: bit for bit (a tile's sums do not depend on the CTA that
+// runs it), and both against the CPU reference; repeated eager calls on a workspace zeroed once, a
+// graph replayed three times (the launch's tag baked in: each replay must find the counter reset by
+// the one before), eager again after the graph (another tag), and a workspace of garbage. The 16-row
+// tile (four and two consumers), few CTAs (max_ctas 5) with many tiles each, groups of several 16-row
+// blocks, an empty group, an odd K-block count.
+struct DynamicCase {
+  std::string name;
+  cuda::W4A8Codes codes;
+  int consumers = 0;  // options.consumers: 0 (four on the 16-row tile) or 2
+};
+class W4A8GemmDynamicTilesGpu : public ::testing::TestWithParam<DynamicCase> {};
+void PrintTo(const DynamicCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+TEST_P(W4A8GemmDynamicTilesGpu, MatchTheStaticScheduleEagerAndInGraphs) {
+  EPMOE_REQUIRE_GPU();
+  const DynamicCase& c = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<std::int32_t> counts{7, 40, 0, 16, 33, 1, 12, 25, 8, 3};
+  const auto G = static_cast<std::int64_t>(counts.size());
+  const std::int64_t M_max = 40, N = 1536, K = 1152;
+  const MaskedInputs in = masked_inputs(G, M_max, N, K, counts, rng, c.codes);
+  const float a_scale = random_a_scale(rng);
+  HostTensor ref(DType::f64, {G, M_max, N});
+  w4a8_grouped_gemm_masked_cpu(in.a, a_scale, in.w.w, in.w.s, in.counts, ref);
+
+  cuda::Stream stream;
+  const DeviceWeights dw = prepare(in.w, stream, c.codes);
+  const cuda::DeviceTensor da = cuda::to_device(in.a, stream), dcounts = cuda::to_device(in.counts, stream);
+  const cuda::DeviceTensor dd(DType::bf16, {G, M_max, N});
+  const cuda::DeviceTensor workspace(
+      DType::f32, {static_cast<std::int64_t>(cuda::w4a8_workspace_bytes(G, M_max, K) / 4)});
+  workspace.fill_bytes(0x00, stream);
+  cuda::W4A8GemmOptions options;
+  options.codes = c.codes;
+  options.max_ctas = 5;
+  options.workspace = workspace.view();
+  options.block_m = 16;  // the tile with the dynamic schedule
+  options.consumers = c.consumers;
+  const auto call = [&](bool dynamic) {
+    cuda::W4A8GemmOptions o = options;
+    o.dynamic_tiles = dynamic;
+    cuda::w4a8_grouped_gemm_masked(da, a_scale, {}, dw.w, dw.s, dcounts, 8, dd, stream, o);
+  };
+  const auto run_eager = [&](bool dynamic) {
+    dd.fill_bytes(0xff, stream);
+    call(dynamic);
+    return cuda::to_host(dd, stream);
+  };
+  const HostTensor fixed = run_eager(false);
+  check_output(fixed, ref, masked_valid(counts, M_max), N);
+  const auto expect_same = [&](const HostTensor& got, const std::string& what) {
+    EXPECT_EQ(std::memcmp(got.view().data, fixed.view().data, fixed.nbytes()), 0)
+        << what << " differs from the static schedule";
+  };
+  for (int i = 0; i < 3; ++i) expect_same(run_eager(true), "eager call " + std::to_string(i));
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  call(true);
+  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) {
+    dd.fill_bytes(0xff, stream);
+    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    expect_same(cuda::to_host(dd, stream), "graph replay " + std::to_string(i));
+  }
+  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  expect_same(run_eager(true), "the eager call after the graph");
+  workspace.fill_bytes(0xa5, stream);
+  expect_same(run_eager(true), "the call on a workspace of garbage");
+  // The counter is left at (the last tag, 0): its low word reads 0.
+  const HostTensor ws = cuda::to_host(workspace, stream);
+  std::uint64_t word = 0;
+  std::memcpy(&word, static_cast<const char*>(ws.view().data) + ws.nbytes() - 16, sizeof(word));
+  EXPECT_EQ(word & 0xffffffffull, 0u) << "the counter was not reset";
+  EXPECT_NE(word >> 32, 0u) << "the counter holds no launch tag";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Tiles, W4A8GemmDynamicTilesGpu,
+    ::testing::Values(DynamicCase{"block16_offset_binary", cuda::W4A8Codes::offset_binary},
+                      DynamicCase{"block16_sm", kSM}, DynamicCase{"block16_consumers2_sm", kSM, 2}),
+    [](const ::testing::TestParamInfo<DynamicCase>& info) { return info.param.name; });
 
 TEST(W4A8GemmGpuMisc, RefusesBadArguments) {
   EPMOE_REQUIRE_GPU();

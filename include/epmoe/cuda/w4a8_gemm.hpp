@@ -50,8 +50,17 @@ struct W4A8GemmOptions {
   // w4a8_workspace_bytes(G, M_max, K) bytes, 16-byte aligned, that the call may overwrite. With it the
   // decode tiles (block_m <= 32) can take the codes' offset term from a pre-pass that sums each
   // activation row once per 128 K (a second kernel on `stream`, before the GEMM), instead of one more
-  // wgmma per K step in every consumer warpgroup. Allocate it once, beside the output.
+  // wgmma per K step in every consumer warpgroup, and claim their tiles dynamically (dynamic_tiles).
+  // Allocate it once, beside the output, and zero it once then (cudaMemset); a call leaves its last
+  // 16 bytes ready for the next call or graph replay (calls of different K, one after the other, may
+  // share one workspace sized for the larger). Calls that may run at the same time (other streams)
+  // need workspaces of their own.
   TensorView workspace{};
+  // Masked decode tiles (block_m <= 32) without the row-sum pre-pass, with a workspace: the CTAs claim
+  // tiles from a counter in the workspace as they go instead of taking every gridDim-th one, so that
+  // CTAs that stream faster take more tiles (a static schedule ends on its slowest CTA). false: the
+  // static schedule.
+  bool dynamic_tiles = true;
   // The codes packed_w was prepared with.
   W4A8Codes codes = W4A8Codes::offset_binary;
 };
