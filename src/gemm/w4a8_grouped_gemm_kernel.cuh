@@ -144,8 +144,9 @@ struct W4A8Traits {
   // (W4A8Params::tile_counter): the producer passes each tile's index to the consumers in a per-stage
   // word beside the barriers (written before the tile's first stage is armed; -1 after the last tile,
   // on a stage armed without bytes). (With four consumers the producer then needs 40 registers, which
-  // leaves the consumers 104: the 32-row tile's two-partial variants spilled 176 bytes at 104.)
-  static constexpr bool kDynamicTiles = kBM == 16 && !kSlot;
+  // leaves the consumers 104: the 32-row tile's two-partial variants spilled 176 bytes at 104; the
+  // two-consumer tile with three K blocks per stage spilled 8 bytes in the producer.)
+  static constexpr bool kDynamicTiles = kBM == 16 && !kSlot && kStageKB == 1;
   // Per stage: full, empty (, offset) barriers (, the tile word, padded to 8).
   static constexpr int kBarBytes = (kOffsetWarp ? 3 * 8 : 2 * 8) + (kDynamicTiles ? 8 : 0);
   // The wide tile's pair table (w4a8_build_pair_table), after the barriers.
@@ -326,20 +327,35 @@ __device__ inline void w4a8_build_pair_table(const W4A8Params& p, std::uint32_t 
   __syncthreads();
 }
 
-// The dynamic schedule's claim (W4A8Params::tile_counter; one thread): the next tile index of this
-// launch, counting from 0. A word with another tag (an earlier launch, or memory never used) is this
-// launch's first claim. Tiles go to whichever CTA asks next, so CTAs that stream faster take more
-// (the static schedule's last CTA drained ~8 µs after the median on the decode rows, session 21).
-__device__ __forceinline__ std::int32_t w4a8_claim_tile(unsigned long long* word, std::uint32_t tag) {
-  const unsigned long long mine = static_cast<unsigned long long>(tag) << 32;
-  unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(word);
-  for (;;) {
-    const bool ours = (seen & ~0xffffffffull) == mine;
-    const unsigned long long want = ours ? seen + 1 : mine + 1;
-    const unsigned long long before = atomicCAS(word, seen, want);
-    if (before == seen) return ours ? static_cast<std::int32_t>(seen & 0xffffffffull) : 0;
-    seen = before;
+// The dynamic schedule's counter (W4A8Params::tile_counter; one thread per CTA). Tiles go to whichever
+// CTA asks next, so CTAs that stream faster take more (the static schedule's last CTA drained ~8 µs
+// after the median on the decode rows, session 21). Before its first claim a CTA waits until the word
+// carries this launch's tag: CTA 0 puts (tag, 0) there if it holds another tag (an earlier launch, or
+// memory never used), and no other CTA writes the word before it sees the tag, so that exchange is
+// never raced. A graph replay finds (tag, 0) already, left by the launch's last claim. Then each
+// claim is one atomicAdd (a compare-and-swap loop instead cost ~13-25 µs per round of 128 CTAs
+// claiming together, session 29: 248 -> 940 µs on the 128 x 8, 7168 x 2048 row).
+__device__ __forceinline__ void w4a8_await_tile_counter(unsigned long long* word, std::uint32_t tag) {
+  const auto tag_of = [](unsigned long long v) { return static_cast<std::uint32_t>(v >> 32); };
+  auto* volatile_word = reinterpret_cast<volatile unsigned long long*>(word);
+  unsigned long long seen = *volatile_word;
+  if (blockIdx.x == 0) {
+    while (tag_of(seen) != tag) {
+      const unsigned long long before = atomicCAS(word, seen, static_cast<unsigned long long>(tag) << 32);
+      if (before == seen) break;
+      seen = before;
+    }
+    return;
   }
+  const std::uint64_t start = ptx::global_timer_ns();
+  for (std::uint32_t i = 1; tag_of(seen) != tag; ++i) {
+    if ((i & 1023u) == 0 && ptx::global_timer_ns() - start > ptx::kMbarWatchdogNs) __trap();
+    seen = *volatile_word;
+  }
+}
+// The next tile index of this launch (from 0; at least the number of tiles once they are all taken).
+__device__ __forceinline__ std::int32_t w4a8_claim_tile(unsigned long long* word) {
+  return static_cast<std::int32_t>(atomicAdd(word, 1ull) & 0xffffffffull);
 }
 
 // The static persistent schedule (tile t goes to CTA t mod gridDim.x). next() is warp-collective
@@ -628,11 +644,14 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       // CTA, and the launch's last claim resets the word for a replay.
       [[maybe_unused]] const bool dynamic = Traits::kDynamicTiles && p.tile_counter != nullptr;
       [[maybe_unused]] std::int32_t claimed = 0;
+      if constexpr (Traits::kDynamicTiles) {
+        if (dynamic && lane == 0) w4a8_await_tile_counter(p.tile_counter, p.tile_tag);
+      }
       const auto next_tile = [&](W4A8Tile& next) {
         if constexpr (Traits::kDynamicTiles) {
           if (dynamic) {
             std::int32_t c = 0;
-            if (lane == 0) c = w4a8_claim_tile(p.tile_counter, p.tile_tag);
+            if (lane == 0) c = w4a8_claim_tile(p.tile_counter);
             claimed = __shfl_sync(0xffffffffu, c, 0);
             const bool found = scheduler.masked_tile(next, p, claimed);
             if (!found && lane == 0 &&

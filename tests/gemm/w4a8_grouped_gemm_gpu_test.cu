@@ -1103,7 +1103,7 @@ TEST(W4A8GemmGpuMisc, RefusesBadArguments) {
       DType::f32, {static_cast<std::int64_t>(cuda::w4a8_workspace_bytes(G, M_max, K) / 4) - 4});
   small_ws.workspace = ws_small.view();
   expect_error_mentions([&] { w4a8_grouped_gemm_masked(a, 1.0f, {}, w, s, counts, 8, d, stream, small_ws); },
-                        "must hold at least 512 bytes (w4a8_workspace_bytes(2, 20, 256))");
+                        "must hold at least 528 bytes (w4a8_workspace_bytes(2, 20, 256))");
   cuda::W4A8GemmOptions d_ws;
   d_ws.workspace = TensorView::contiguous(d.view().data, DType::f32,
                                           {static_cast<std::int64_t>(d.view().nbytes() / 4)}, Device::cuda);
