@@ -140,13 +140,15 @@ struct W4A8Traits {
                                                        : w4a8::kPanelRows * w4a8::kBlockK;
   static constexpr int kRowOffsetBytes = kRowOffset ? kConsumers * 2 * kBM * 4 : 0;
   static constexpr int kSlotBytes = kSlot ? kBM * 4 : 0;  // per K block
-  // The 16-row masked decode tiles without a slot may claim their tiles dynamically
+  // The 16-row masked decode tiles on the sign-magnitude codes may claim their tiles dynamically
   // (W4A8Params::tile_counter): the producer passes each tile's index to the consumers in a per-stage
   // word beside the barriers (written before the tile's first stage is armed; -1 after the last tile,
-  // on a stage armed without bytes). (With four consumers the producer then needs 40 registers, which
-  // leaves the consumers 104: the 32-row tile's two-partial variants spilled 176 bytes at 104; the
-  // two-consumer tile with three K blocks per stage spilled 8 bytes in the producer.)
-  static constexpr bool kDynamicTiles = kBM == 16 && !kSlot && kStageKB == 1;
+  // on a stage armed without bytes). Measured (session 29, call 3): -2.0% / -3.5% on the 128 x 8 decode
+  // rows with these codes, but +0.7% / +2.4% on the offset-binary tile (its extra constant-operand
+  // wgmma per K step), which keeps the static schedule. (With four consumers the producer needs 40
+  // registers, which leaves the consumers 104: the 32-row tile's two-partial variants spilled 176
+  // bytes at 104; the two-consumer tile with three K blocks per stage spilled 8 bytes in the producer.)
+  static constexpr bool kDynamicTiles = kBM == 16 && kSignMag && kStageKB == 1;
   // Per stage: full, empty (, offset) barriers (, the tile word, padded to 8).
   static constexpr int kBarBytes = (kOffsetWarp ? 3 * 8 : 2 * 8) + (kDynamicTiles ? 8 : 0);
   // The wide tile's pair table (w4a8_build_pair_table), after the barriers.

@@ -50,16 +50,18 @@ struct W4A8GemmOptions {
   // w4a8_workspace_bytes(G, M_max, K) bytes, 16-byte aligned, that the call may overwrite. With it the
   // decode tiles (block_m <= 32) can take the codes' offset term from a pre-pass that sums each
   // activation row once per 128 K (a second kernel on `stream`, before the GEMM), instead of one more
-  // wgmma per K step in every consumer warpgroup, and claim their tiles dynamically (dynamic_tiles).
+  // wgmma per K step in every consumer warpgroup; and the 16-row tiles on the sign-magnitude codes can
+  // claim their tiles dynamically (dynamic_tiles).
   // Allocate it once, beside the output, and zero it once then (cudaMemset); a call leaves its last
   // 16 bytes ready for the next call or graph replay (calls of different K, one after the other, may
   // share one workspace sized for the larger). Calls that may run at the same time (other streams)
   // need workspaces of their own.
   TensorView workspace{};
-  // Masked decode tiles (block_m <= 32) without the row-sum pre-pass, with a workspace: the CTAs claim
-  // tiles from a counter in the workspace as they go instead of taking every gridDim-th one, so that
-  // CTAs that stream faster take more tiles (a static schedule ends on its slowest CTA). false: the
-  // static schedule.
+  // The 16-row masked decode tiles with W4A8Codes::sign_magnitude and a workspace: the CTAs claim tiles
+  // from a counter in the workspace as they go instead of taking every gridDim-th one, so that CTAs
+  // that stream faster take more tiles (a static schedule ends on its slowest CTA; 2-3.5% faster on the
+  // 128 x 8 decode rows, bench/NOTES.md session 29). false: the static schedule. (Other tiles and the
+  // offset-binary codes always run the static one: slower dynamically, or not built for it.)
   bool dynamic_tiles = true;
   // The codes packed_w was prepared with.
   W4A8Codes codes = W4A8Codes::offset_binary;
