@@ -65,9 +65,7 @@ struct GpuMoeLayer::Impl {
   // W4A8: int4 routed experts, per-tensor FP8 activations with the static scales a1 / a2 (the
   // shared expert stays FP8 block-scaled, with per-token-group activations of its own).
   bool w4a8 = false;
-  // w4a8: the slots' codes. The synthetic experts come from a symmetric amax / 7 quantizer, which never
-  // writes -8: the sign-magnitude codes (faster, bench/NOTES.md session 28). A checkpoint's experts keep
-  // the offset-binary codes (proving the absence of -8 would scan every expert at start-up).
+  // w4a8: the slots' codes (GpuLayerOptions::w4a8_codes, gpu_layer_w4a8_codes).
   W4A8Codes w4a8_codes = W4A8Codes::offset_binary;
   float a1_scale = 1.0f, a2_scale = 1.0f;
   ActivationFormat format = ActivationFormat::fp8_group;
@@ -184,6 +182,26 @@ struct GpuMoeLayer::Impl {
   std::size_t device_bytes() const;
 };
 
+W4A8Codes gpu_layer_w4a8_codes(const ModelWeights& weights, std::string_view requested) {
+  if (requested == "offset_binary") return W4A8Codes::offset_binary;
+  if (requested == "sign_magnitude") return W4A8Codes::sign_magnitude;
+  EPMOE_CHECK(requested == "auto",
+              "w4a8_codes must be \"auto\", \"offset_binary\" or \"sign_magnitude\", got \"{}\"", requested);
+  // (SyntheticWeights' experts come from a symmetric amax / 7 quantizer: no scan, which would build
+  // every expert on the host.)
+  if (dynamic_cast<const SyntheticWeights*>(&weights) != nullptr) return W4A8Codes::sign_magnitude;
+  const MoeConfig& c = weights.config();
+  EPMOE_CHECK(c.quant == QuantScheme::w4a8, "w4a8_codes: the weights' quant must be w4a8, got {}",
+              to_string(c.quant));
+  for (int e = 0; e < c.num_experts; ++e) {
+    const ExpertWeights& x = weights.routed_expert(e);
+    if (w4a8_pick_codes_cpu(x.w13) == W4A8Codes::offset_binary ||
+        w4a8_pick_codes_cpu(x.w2) == W4A8Codes::offset_binary)
+      return W4A8Codes::offset_binary;  // expert e holds -8
+  }
+  return W4A8Codes::sign_magnitude;
+}
+
 GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions options,
                         std::shared_ptr<Communicator> cm)
     : weights(std::move(w)), o(std::move(options)), comm(std::move(cm)) {
@@ -197,7 +215,7 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   a2_scale = weights->a2_scale();
   format = activation_format(c.quant);
   synthetic = dynamic_cast<const SyntheticWeights*>(weights.get());
-  if (w4a8 && synthetic != nullptr) w4a8_codes = W4A8Codes::sign_magnitude;
+  if (w4a8) w4a8_codes = gpu_layer_w4a8_codes(*weights, o.w4a8_codes);
   if (comm) {
     EPMOE_CHECK(c.num_ranks == comm->size(), "config.num_ranks ({}) must equal the communicator's size ({})",
                 c.num_ranks, comm->size());

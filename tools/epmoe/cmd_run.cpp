@@ -209,6 +209,12 @@ const CommandRegistration kRegistration{
                       "auto (inline in prefill on one GPU)")
           ->check(CLI::IsMember({"auto", "own", "main"}))
           ->capture_default_str();
+      cmd->add_option(
+             "--w4a8-codes", options->w4a8_codes,
+             "GPU, --quant w4a8: the routed experts' packed codes: sign_magnitude (weights in [-7, 7]), "
+             "offset_binary (any int4) or auto (sign_magnitude unless an expert holds -8)")
+          ->check(CLI::IsMember({"auto", "sign_magnitude", "offset_binary"}))
+          ->capture_default_str();
       cmd->add_option("--tbo-comm-sms", options->tbo_comm_sms,
                       "GPU: SMs the overlapped GEMMs leave to communication")
           ->check(non_negative())
@@ -240,7 +246,7 @@ const CommandRegistration kRegistration{
       cmd->callback([options, cmd] {
         for (const char* name :
              {"--concurrency", "--prompts", "--no-graphs", "--check-tokens", "--tbo", "--shared-stream",
-              "--tbo-comm-sms", "--zipf", "--rebalance", "--eplb-slot-cost", "--trace"})
+              "--w4a8-codes", "--tbo-comm-sms", "--zipf", "--rebalance", "--eplb-slot-cost", "--trace"})
           if (cmd->count(name) > 0) options->gpu_options_given.emplace_back(name);
         run_main(*options);
       });

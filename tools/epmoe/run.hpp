@@ -27,6 +27,7 @@ struct RunOptions {
   bool tbo = false;       // GPU: two-batch overlap in decode and prefill (N ranks), also timed without it
   int tbo_comm_sms = 24;  // GPU: SMs the overlapped GEMMs leave to communication
   std::string shared_stream = "auto";  // GPU: GpuLayerOptions::shared_stream
+  std::string w4a8_codes = "auto";     // GPU: GpuLayerOptions::w4a8_codes
   double zipf = 0;                     // GPU: Zipf-like routing skew (SyntheticWeights::skew_routing)
   bool rebalance = false;              // GPU: EPLB rebalance after the decode loop, then the loop again
   double eplb_slot_cost = -1;  // GPU: GpuMoeLayer::rebalance's slot_cost_tokens (-1: the layer's estimate)

@@ -169,6 +169,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   lo.tbo = plan.tbo;
   lo.tbo_comm_sms = o.tbo_comm_sms;
   lo.shared_stream = o.shared_stream;
+  lo.w4a8_codes = o.w4a8_codes;
   if (first_phase) lo.on_setup_step = [](const char* step) { g_startup.mark(std::string("layer_") + step); };
   cuda::GpuMoeLayer layer(weights, lo, comm);
   if (first_phase) g_startup.mark("layer_constructed");
@@ -517,7 +518,8 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
                       {"prefill_chunk", chunk},
                       {"prompts_per_rank", prompts},
                       {"prompt_tokens", o.prompt_tokens},
-                      {"shared_stream", o.shared_stream}};
+                      {"shared_stream", o.shared_stream},
+                      {"w4a8_codes", o.w4a8_codes}};
   bool pass = true;
   std::vector<std::pair<std::string, nlohmann::json>> printed;
   nlohmann::json trace = nlohmann::json::array();

@@ -25,12 +25,14 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
 #include "epmoe/comm.hpp"
 #include "epmoe/config.hpp"
+#include "epmoe/cuda/w4a8_gemm.hpp"
 #include "epmoe/eplb.hpp"
 #include "epmoe/tensor.hpp"
 #include "epmoe/weights.hpp"
@@ -68,12 +70,23 @@ struct GpuLayerOptions {
   // used alone until 2026-12-01. Off until measured on 2 GPUs (bench/NOTES.md, session 12);
   // EPMOE_LAYER_WHOLE_DISPATCH=0|1 overrides it.
   bool whole_dispatch = false;
+  // W4A8: the codes the routed experts are packed with (W4A8Codes, epmoe/cuda/w4a8_gemm.hpp):
+  // "sign_magnitude" (faster; weights in [-7, 7] only: an expert holding -8 is refused when its slot is
+  // loaded), "offset_binary" (any int4), or "auto": sign-magnitude for SyntheticWeights (an amax / 7
+  // quantizer: never -8), and for other weights sign-magnitude unless some routed expert holds -8,
+  // found by scanning every routed expert once at construction (gpu_layer_w4a8_codes).
+  std::string w4a8_codes = "auto";
   // Called on the constructing thread after each set-up step, for start-up timing: "weights" (the
   // gate, buffers and expert slots; their fill is enqueued, not finished), "dispatchers" (N ranks:
   // waits for NCCL's initialisation, registers the windows), "runner" (GEMM runners and the
   // remaining buffers; the constructor then waits for the stream).
   std::function<void(const char* step)> on_setup_step;
 };
+
+// The codes a W4A8 layer packs its routed experts with, for GpuLayerOptions::w4a8_codes = `requested`
+// ("auto", "offset_binary" or "sign_magnitude"; see there). Host only: "auto" on weights other than
+// SyntheticWeights reads every routed expert's int4 tensors once.
+W4A8Codes gpu_layer_w4a8_codes(const ModelWeights& weights, std::string_view requested);
 
 // Milliseconds measured with CUDA events, accumulated over timed eager forwards.
 struct GpuPhaseTimes {
