@@ -67,7 +67,8 @@ struct W4A8GemmOptions {
   W4A8Codes codes = W4A8Codes::offset_binary;
 };
 
-// Bytes of W4A8GemmOptions::workspace for a masked call with G groups of M_max rows and K.
+// Bytes of W4A8GemmOptions::workspace for a masked call with G groups of M_max rows and K: the row-sum
+// pre-pass's sums, then 16 bytes for the dynamic schedule's counter (the workspace's last 16 bytes).
 std::size_t w4a8_workspace_bytes(std::int64_t groups, std::int64_t m_max, std::int64_t k);
 
 struct W4A8TileShape {
