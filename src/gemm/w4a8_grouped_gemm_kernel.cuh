@@ -196,9 +196,8 @@ struct W4A8Params {
   std::int32_t sums_rows;
   // Masked decode tiles (W4A8Traits::kDynamicTiles), or nullptr: the static schedule. The tiles are
   // claimed from this word (in the call's workspace): bits 63..32 the launch's tag, bits 31..0 the
-  // claims so far (w4a8_claim_tile); the launch's last claim leaves (tag, 0) behind, so that a graph
-  // replay of the same launch starts from 0 again and any other launch (another tag, or memory never
-  // used) starts over by its first claim.
+  // claims so far (w4a8_await_tile_counter, w4a8_claim_tile); the launch's last claim leaves (tag, 0)
+  // behind for a graph replay of the same launch.
   unsigned long long* tile_counter;
   std::uint32_t tile_tag;
 };

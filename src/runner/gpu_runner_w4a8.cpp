@@ -17,8 +17,7 @@ class W4A8Runner final : public runner_detail::GroupedMlpRunner {
   W4A8Runner(const GpuRunnerContext& context, Layout layout) : GroupedMlpRunner(context, layout) {
     if (layout != Layout::masked) return;
     // The masked GEMMs' workspace (the row-sum pre-pass and the tile counter of the decode tiles), for
-    // the larger K of
-    // the two and the most rows per group the runner takes (G * M_max <= max_rows).
+    // the larger K of the two and the most rows per group the runner takes (G * M_max <= max_rows).
     const std::int64_t G = slots();
     if (G == 0) return;
     const std::int64_t k = std::max(context_.config.hidden, intermediate());

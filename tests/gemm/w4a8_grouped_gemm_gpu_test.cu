@@ -39,6 +39,13 @@ using testing::kTolerance;
 using testing::masked_valid;
 
 constexpr auto kSM = cuda::W4A8Codes::sign_magnitude;
+// A case again on weights with the sign-magnitude codes (in [-7, 7]), named "<name>_sm".
+template <class Case>
+Case sign_magnitude_case(Case c) {
+  c.name += "_sm";
+  c.codes = kSM;
+  return c;
+}
 
 struct Weights {
   HostTensor w, s;  // checkpoint order: i4x2 [G, N, K/2], f32 [G, N, K/128]
@@ -303,58 +310,16 @@ INSTANTIATE_TEST_SUITE_P(
         // Weights with the sign-magnitude codes (no offset term on any tile): the 16- and 32-row decode
         // tiles (automatic), a device scale, 16 rows with two consumers, 64, the automatic 128 x 128 of
         // groups of > 64 rows, an odd K-block count, N not a multiple of 256, one CTA.
-        MaskedCase{
-            "N4096_K7168_decode_sm", 40, {8, 0, 13, 40, 1}, 4096, 7168, 0, 0, false, {}, 0, false, kSM},
-        MaskedCase{"N7168_K2048_decode17_device_scale_sm",
-                   48,
-                   {20, 5, 48, 0},
-                   7168,
-                   2048,
-                   0,
-                   0,
-                   true,
-                   {},
-                   0,
-                   false,
-                   kSM},
-        MaskedCase{"N1536_K2048_block16_consumers2_sm",
-                   37,
-                   {37, 3, 0, 17},
-                   1536,
-                   2048,
-                   16,
-                   2,
-                   false,
-                   {},
-                   0,
-                   false,
-                   kSM},
-        MaskedCase{
-            "N1536_K2048_block64_sm", 130, {130, 0, 64, 65}, 1536, 2048, 64, 0, false, {}, 0, false, kSM},
-        MaskedCase{"N1536_K1152_expected100_auto_sm",
-                   200,
-                   {200, 0, 1, 129, 170},
-                   1536,
-                   1152,
-                   0,
-                   0,
-                   false,
-                   {},
-                   0,
-                   false,
-                   kSM},
-        MaskedCase{"N640_K1152_decode_n_not_256_one_cta_sm",
-                   24,
-                   {24, 9, 17},
-                   640,
-                   1152,
-                   0,
-                   0,
-                   false,
-                   {},
-                   1,
-                   false,
-                   kSM},
+        sign_magnitude_case(MaskedCase{"N4096_K7168_decode", 40, {8, 0, 13, 40, 1}, 4096, 7168}),
+        sign_magnitude_case(MaskedCase{
+            "N7168_K2048_decode17_device_scale", 48, {20, 5, 48, 0}, 7168, 2048, 0, 0, true}),
+        sign_magnitude_case(MaskedCase{
+            "N1536_K2048_block16_consumers2", 37, {37, 3, 0, 17}, 1536, 2048, 16, 2}),
+        sign_magnitude_case(MaskedCase{"N1536_K2048_block64", 130, {130, 0, 64, 65}, 1536, 2048, 64}),
+        sign_magnitude_case(MaskedCase{
+            "N1536_K1152_expected100_auto", 200, {200, 0, 1, 129, 170}, 1536, 1152}),
+        sign_magnitude_case(MaskedCase{
+            "N640_K1152_decode_n_not_256_one_cta", 24, {24, 9, 17}, 640, 1152, 0, 0, false, {}, 1}),
         // The automatic choice is the register-operand kernel (v2) for masked decode rows
         // (expected_m <= 24; <= 12 with the offset warp and two K blocks per stage) and v3
         // otherwise (w4a8_kernel_choice): v2 pinned, and the
@@ -725,36 +690,15 @@ INSTANTIATE_TEST_SUITE_P(
         ContiguousCase{"N4096_K7168_v2_wide_m256", {300, 0, 520, 129}, 4096, 7168, 1, false, kV2Wide},
         // Weights with the sign-magnitude codes: the automatic wide tile (with and without its
         // half-tile loop), odd K blocks with holes, the automatic 128 x 128, the split on eight CTAs.
-        ContiguousCase{"N4096_K7168_auto_wide_sm", {300, 0, 520, 129}, 4096, 7168, 1, false, {}, 0, kSM},
-        ContiguousCase{"N384_K384_larger_groups_auto_wide_no_half_loop_sm",
-                       {2100, 3000, 2400, 0},
-                       384,
-                       384,
-                       0,
-                       true,
-                       {},
-                       0,
-                       kSM},
-        ContiguousCase{
-            "N640_K1152_odd_k_blocks_holes_wide_sm", {5, 130, 0, 33, 260}, 640, 1152, 1, true, {}, 0, kSM},
-        ContiguousCase{"N640_K2048_sparse_groups_auto_128_sm",
-                       {90, 0, 0, 200, 0, 0, 33},
-                       640,
-                       2048,
-                       0,
-                       false,
-                       {},
-                       0,
-                       kSM},
-        ContiguousCase{"N640_K1152_split_eight_ctas_wide_sm",
-                       {100, 5, 300, 60, 20, 90},
-                       640,
-                       1152,
-                       1,
-                       true,
-                       kV2Wide,
-                       8,
-                       kSM},
+        sign_magnitude_case(ContiguousCase{"N4096_K7168_auto_wide", {300, 0, 520, 129}, 4096, 7168, 1}),
+        sign_magnitude_case(ContiguousCase{
+            "N384_K384_larger_groups_auto_wide_no_half_loop", {2100, 3000, 2400, 0}, 384, 384, 0, true}),
+        sign_magnitude_case(ContiguousCase{
+            "N640_K1152_odd_k_blocks_holes_wide", {5, 130, 0, 33, 260}, 640, 1152, 1, true}),
+        sign_magnitude_case(ContiguousCase{
+            "N640_K2048_sparse_groups_auto_128", {90, 0, 0, 200, 0, 0, 33}, 640, 2048}),
+        sign_magnitude_case(ContiguousCase{
+            "N640_K1152_split_eight_ctas_wide", {100, 5, 300, 60, 20, 90}, 640, 1152, 1, true, kV2Wide, 8}),
         ContiguousCase{"N7168_K2048_v2_wide_m256", {150, 0, 64, 33, 255}, 7168, 2048, 0, false, kV2Wide},
         ContiguousCase{"N640_K1152_holes_v2_wide_m256_no_half_loop",
                        {100, 5, 300, 60, 20, 90},
