@@ -234,10 +234,6 @@ std::vector<Variant> experiments(bool masked) {
     o.stages = 3;
   });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
-  // Session 30: the contiguous tile order's band width (1024 columns by default; "all": N).
-  add("band_512", [](auto& o) { o.band_columns = 512; });
-  add("band_2048", [](auto& o) { o.band_columns = 2048; });
-  add("band_all", [](auto& o) { o.band_columns = 1 << 30; });
   // Is the epilogue's cost the CTAs' stores meeting in L2 at once (less with half the SMs storing)?
   add("half_sms_no_epilogue", [](auto& o) {
     o.max_ctas = 66;
@@ -405,6 +401,12 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
     variants.push_back({".alt.p1", {}});  // 128 x 128 with one partial (before v7)
     variants.back().options.block_n = 128;
     variants.back().options.two_partials = false;
+  }
+  // Session 30: the tile order's band width (1024 columns by default; "all": N), every row.
+  for (const auto& [label, columns] :
+       {std::pair{"512", 512}, std::pair{"2048", 2048}, std::pair{"all", 1 << 30}}) {
+    variants.push_back({std::string(".band_") + label, {}});
+    variants.back().options.band_columns = columns;
   }
   if (experiment) {
     for (Variant& v : experiments(false)) variants.push_back(std::move(v));
