@@ -55,9 +55,12 @@
 
 namespace epmoe::kernels {
 
-inline constexpr int kGemmBlockK = 128;         // K per pipeline stage (one scale block; a 128-byte row)
-inline constexpr int kGemmWaveN = 128;          // columns per wgmma wave (one weight-scale block)
-inline constexpr int kGemmBandColumns = 1024;   // columns per band of the contiguous tile order
+inline constexpr int kGemmBlockK = 128;  // K per pipeline stage (one scale block; a 128-byte row)
+inline constexpr int kGemmWaveN = 128;   // columns per wgmma wave (one weight-scale block)
+// The contiguous tile order's default band: as many columns as hold about this many bytes of B per
+// group (K bytes per column), rounded down to a power of two: 1024 at K = 7168, 2048 at K = 2048
+// (bench/NOTES.md, session 30).
+inline constexpr std::int64_t kGemmBandBytes = 1024 * 7168;
 inline constexpr int kGemmSmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
 
 template <int kBlockM, int kBlockN>
@@ -194,8 +197,8 @@ class GemmScheduler {
   }
 
  private:
-  // Contiguous: bands of p.band_units n-units (1024 columns by default); inside a band the n-units vary
-  // fastest, so a wave of CTAs shares a few A blocks and one band of B.
+  // Contiguous: bands of p.band_units n-units (kGemmBandBytes of B by default); inside a band the
+  // n-units vary fastest, so a wave of CTAs shares a few A blocks and one band of B.
 
   // Unit t of the contiguous schedule: its m-block and its n-unit.
   __device__ __forceinline__ void unit(const GroupedGemmParams& p, std::int32_t t, std::int32_t& m_block,
