@@ -234,6 +234,12 @@ std::vector<Variant> experiments(bool masked) {
     o.stages = 3;
   });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
+  // Session 30: the contiguous tile order's band width (1024 columns by default; "all": N).
+  if (!masked) {
+    add("band_512", [](auto& o) { o.band_columns = 512; });
+    add("band_2048", [](auto& o) { o.band_columns = 2048; });
+    add("band_all", [](auto& o) { o.band_columns = 1 << 30; });
+  }
   // Is the epilogue's cost the CTAs' stores meeting in L2 at once (less with half the SMs storing)?
   add("half_sms_no_epilogue", [](auto& o) {
     o.max_ctas = 66;
@@ -401,12 +407,6 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
     variants.push_back({".alt.p1", {}});  // 128 x 128 with one partial (before v7)
     variants.back().options.block_n = 128;
     variants.back().options.two_partials = false;
-  }
-  // Session 30: the tile order's band width (default: ~7 MB of B, 1024 columns at K = 7168 and 2048 at
-  // K = 2048; 1024 at every K before; "all": N), every row.
-  for (const auto& [label, columns] : {std::pair{"1024", 1024}, std::pair{"all", 1 << 30}}) {
-    variants.push_back({std::string(".band_") + label, {}});
-    variants.back().options.band_columns = columns;
   }
   if (experiment) {
     for (Variant& v : experiments(false)) variants.push_back(std::move(v));

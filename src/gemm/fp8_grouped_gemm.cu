@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -166,10 +165,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   {
     // The contiguous tile order (kernels::GemmScheduler::unit); the products fit in 32 bits as the
     // tile count does.
-    const std::int64_t columns =
-        options.band_columns > 0 ? options.band_columns
-                                 : static_cast<std::int64_t>(std::bit_floor(static_cast<std::uint64_t>(
-                                       std::max<std::int64_t>(kernels::kGemmBandBytes / params.k, kBlockN))));
+    const std::int64_t columns = options.band_columns > 0 ? options.band_columns : kernels::kGemmBandColumns;
     const std::int64_t n_units = params.n / (kBlockN * cluster);
     params.n_units = static_cast<std::int32_t>(n_units);
     params.band_units = static_cast<std::int32_t>(

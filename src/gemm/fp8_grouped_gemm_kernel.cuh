@@ -57,10 +57,9 @@ namespace epmoe::kernels {
 
 inline constexpr int kGemmBlockK = 128;  // K per pipeline stage (one scale block; a 128-byte row)
 inline constexpr int kGemmWaveN = 128;   // columns per wgmma wave (one weight-scale block)
-// The contiguous tile order's default band: as many columns as hold about this many bytes of B per
-// group (K bytes per column), rounded down to a power of two: 1024 at K = 7168, 2048 at K = 2048
-// (bench/NOTES.md, session 30).
-inline constexpr std::int64_t kGemmBandBytes = 1024 * 7168;
+// Columns per band of the contiguous tile order (GroupedGemmOptions::band_columns; 512, 2048 and all
+// of N measured level or slower, bench/NOTES.md session 30).
+inline constexpr int kGemmBandColumns = 1024;
 inline constexpr int kGemmSmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
 
 template <int kBlockM, int kBlockN>
@@ -197,7 +196,7 @@ class GemmScheduler {
   }
 
  private:
-  // Contiguous: bands of p.band_units n-units (kGemmBandBytes of B by default); inside a band the
+  // Contiguous: bands of p.band_units n-units (kGemmBandColumns by default); inside a band the
   // n-units vary fastest, so a wave of CTAs shares a few A blocks and one band of B.
 
   // Unit t of the contiguous schedule: its m-block and its n-unit.
