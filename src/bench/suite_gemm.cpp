@@ -234,6 +234,12 @@ std::vector<Variant> experiments(bool masked) {
     o.stages = 3;
   });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
+  // Session 30: the contiguous tile order's band width (1024 columns by default; "all": N).
+  if (!masked) {
+    add("band_512", [](auto& o) { o.band_columns = 512; });
+    add("band_2048", [](auto& o) { o.band_columns = 2048; });
+    add("band_all", [](auto& o) { o.band_columns = 1 << 30; });
+  }
   // Is the epilogue's cost the CTAs' stores meeting in L2 at once (less with half the SMs storing)?
   add("half_sms_no_epilogue", [](auto& o) {
     o.max_ctas = 66;

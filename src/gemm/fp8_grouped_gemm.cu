@@ -103,6 +103,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
   EPMOE_CHECK(options.block_n == 0 || options.block_n == 128 || options.block_n == 256,
               "options.block_n must be 0 (automatic), 128 or 256, got {}", options.block_n);
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
+  EPMOE_CHECK(options.band_columns >= 0, "options.band_columns must be >= 0 (0: 1024), got {}",
+              options.band_columns);
   EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 2047,
               "options.ablation must be a bit set in 0..2047, got {}", options.ablation);
   EPMOE_CHECK(options.l2_promotion >= 0 && options.l2_promotion <= 2,
@@ -160,6 +162,16 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   params.total_units = params.masked_m != nullptr ? 0 : static_cast<std::int32_t>(max_units);
   params.stages = options.stages > 0 ? options.stages : Traits::kStages;
   params.ablation = options.ablation & ~kAblateNoEpiGate;  // (kernels::kBorrowNoGate below)
+  {
+    // The contiguous tile order (kernels::GemmScheduler::unit); the products fit in 32 bits as the
+    // tile count does.
+    const std::int64_t columns = options.band_columns > 0 ? options.band_columns : kernels::kGemmBandColumns;
+    const std::int64_t n_units = params.n / (kBlockN * cluster);
+    params.n_units = static_cast<std::int32_t>(n_units);
+    params.band_units = static_cast<std::int32_t>(
+        std::clamp<std::int64_t>(columns / (kBlockN * cluster), 1, std::max<std::int64_t>(n_units, 1)));
+    params.band_tiles = params.m_blocks * params.band_units;
+  }
   params.cluster = cluster;
   params.pingpong = options.pingpong ? 1 : 0;
   params.skew = options.consumer_skew && !options.pingpong ? 1 : 0;

@@ -55,9 +55,11 @@
 
 namespace epmoe::kernels {
 
-inline constexpr int kGemmBlockK = 128;         // K per pipeline stage (one scale block; a 128-byte row)
-inline constexpr int kGemmWaveN = 128;          // columns per wgmma wave (one weight-scale block)
-inline constexpr int kGemmBandColumns = 1024;   // columns per band of the contiguous tile order
+inline constexpr int kGemmBlockK = 128;  // K per pipeline stage (one scale block; a 128-byte row)
+inline constexpr int kGemmWaveN = 128;   // columns per wgmma wave (one weight-scale block)
+// Columns per band of the contiguous tile order (GroupedGemmOptions::band_columns; 512, 2048 and all
+// of N measured level or slower, bench/NOTES.md session 30).
+inline constexpr int kGemmBandColumns = 1024;
 inline constexpr int kGemmSmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
 
 template <int kBlockM, int kBlockN>
@@ -107,7 +109,10 @@ struct GroupedGemmParams {
   std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
   std::int32_t split_tiles;      // 1: 128 x 256 tiles with <= 64 valid rows split their columns (v11)
   std::int32_t borrow_epilogue;  // 1: the epilogue stages its output in the tile's last two stages (v12)
-  std::int32_t ablation;         // kAblate*: timing experiments only
+  std::int32_t n_units;     // contiguous: N / (kBlockN cluster): work units (p.cluster tiles) per m-block
+  std::int32_t band_units;  // contiguous: work units per band of the tile order
+  std::int32_t band_tiles;  // contiguous: m_blocks * band_units
+  std::int32_t ablation;    // kAblate*: timing experiments only
 };
 
 // Ablation bits (GroupedGemmParams::ablation): timing experiments only, the output is garbage.
@@ -191,20 +196,16 @@ class GemmScheduler {
   }
 
  private:
-  // Contiguous: bands of kBand n-blocks (1024 columns); inside a band the n-units vary fastest, so
-  // a wave of CTAs shares a few A blocks and one band of B.
-  static constexpr int kBand = kGemmBandColumns / kBlockN;
+  // Contiguous: bands of p.band_units n-units (kGemmBandColumns by default); inside a band the
+  // n-units vary fastest, so a wave of CTAs shares a few A blocks and one band of B.
 
   // Unit t of the contiguous schedule: its m-block and its n-unit.
   __device__ __forceinline__ void unit(const GroupedGemmParams& p, std::int32_t t, std::int32_t& m_block,
                                        std::int32_t& n_unit) const {
-    const std::int32_t n_units = p.n / (kBlockN * p.cluster);
-    const std::int32_t band_units = kBand / p.cluster;
-    const std::int32_t band_tiles = p.m_blocks * band_units;
-    const std::int32_t band = t / band_tiles;
-    const std::int32_t r = t - band * band_tiles;
-    const std::int32_t first_n = band * band_units;
-    const std::int32_t width = min(band_units, n_units - first_n);
+    const std::int32_t band = t / p.band_tiles;
+    const std::int32_t r = t - band * p.band_tiles;
+    const std::int32_t first_n = band * p.band_units;
+    const std::int32_t width = min(p.band_units, p.n_units - first_n);
     m_block = r / width;
     n_unit = first_n + (r - m_block * width);
   }

@@ -68,6 +68,7 @@ struct ContiguousCase {
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
   bool split_tiles = cuda::GroupedGemmOptions{}.split_tiles;
   bool borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;
+  int band_columns = 0;  // 0: the default tile order
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -156,6 +157,7 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   options.two_partials = c.two_partials;
   options.split_tiles = c.split_tiles;
   options.borrow_epilogue = c.borrow;
+  options.band_columns = c.band_columns;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -209,6 +211,28 @@ INSTANTIATE_TEST_SUITE_P(
         }(),
         // The consumers' own stores (borrow_epilogue off) on the same shape as the first.
         tails_holes_case("N4096_K2048_direct_epilogue_holes", false, false),
+        // The tile order's bands: one column tile wide (300 columns round down to it), and all of N
+        // (8 column tiles of 128 x 256 over 12 m-blocks: every CTA's tiles cross bands differently).
+        [] {
+          ContiguousCase c = tails_holes_case("N4096_K2048_band_one_tile", false, true);
+          c.band_columns = 300;
+          return c;
+        }(),
+        [] {
+          ContiguousCase c = tails_holes_case("N4096_K2048_band_all", false, true);
+          c.band_columns = 1 << 30;
+          return c;
+        }(),
+        [] {
+          ContiguousCase c{"N7168_K2048_band_2048_cluster2",
+                           {300, 16, 0, 250, 128},
+                           7168,
+                           2048,
+                           ScaleLayout::mn_major_tma};
+          c.cluster = 2;
+          c.band_columns = 2048;
+          return c;
+        }(),
         // DeepSeek-V3 gate_up: an empty expert and a single-row expert.
         ContiguousCase{"N4096_K7168_empty_and_single_row", {1, 0, 130}, 4096, 7168, ScaleLayout::token_major},
         // DeepSeek-V3 down, MN-major scales as the GPU quantizer writes them.
@@ -775,6 +799,10 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   bad_l2.l2_promotion = 3;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_l2); },
                         "options.l2_promotion must be 0, 1 or 2");
+  cuda::GroupedGemmOptions bad_band;
+  bad_band.band_columns = -1;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_band); },
+                        "options.band_columns must be >= 0");
 
   // Masked.
   const std::int64_t M_max = 100;

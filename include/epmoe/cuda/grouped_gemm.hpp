@@ -37,6 +37,11 @@ struct GroupedGemmOptions {
   int block_n = 0;
   // At most this many CTAs (persistent, one per SM); 0: every SM of the device.
   int max_ctas = 0;
+  // Contiguous layout: the tile order walks bands of this many columns (all m-blocks of a band, its
+  // column tiles fastest, then the next band); 0: 1024 (512, 2048 and all of N measured level or
+  // slower, bench/NOTES.md session 30). Wider bands read each A block from HBM fewer times, narrower
+  // ones keep less of B in L2. Rounded down to whole column tiles (at least one).
+  int band_columns = 0;
 
   // Tuning and timing experiments (the bench); the defaults are the tuned choice.
   // Pipeline stages: 0 = as many as fit in shared memory, else 1 .. that many.
