@@ -189,9 +189,14 @@ Variant direct_variant() {  // the consumers' own 16-byte stores (the default be
   v.options.borrow_epilogue = false;
   return v;
 }
-Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split (opt-in)
+Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split (automatic since session 30)
   Variant v{".split", {}};
-  v.options.split_tiles = true;
+  v.options.split_tiles = 1;
+  return v;
+}
+Variant nosplit_variant() {  // the default before session 30: never split
+  Variant v{".nosplit", {}};
+  v.options.split_tiles = 0;
   return v;
 }
 
@@ -402,6 +407,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   if (chosen.block_n == 256) {
     variants.push_back(direct_variant());
     variants.push_back(split_variant());
+    variants.push_back(nosplit_variant());
     variants.push_back({".alt", {}});
     variants.back().options.block_n = 128;
     variants.push_back({".alt.p1", {}});  // 128 x 128 with one partial (before v7)

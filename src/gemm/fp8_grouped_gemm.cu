@@ -94,6 +94,8 @@ void check_device() {
 
 // options.ablation bit 1024: v12 without the producer's epi_done gate (kernels::kBorrowNoGate).
 constexpr int kAblateNoEpiGate = 1024;
+// Automatic split tiles (GroupedGemmOptions::split_tiles): at most this many rows per group on average.
+constexpr std::int64_t kAutoSplitRowsPerGroup = 512;
 
 // The tile of this call: options, else the heuristic.
 GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::int64_t expected_m,
@@ -103,6 +105,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
   EPMOE_CHECK(options.block_n == 0 || options.block_n == 128 || options.block_n == 256,
               "options.block_n must be 0 (automatic), 128 or 256, got {}", options.block_n);
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
+  EPMOE_CHECK(options.split_tiles >= -1 && options.split_tiles <= 1,
+              "options.split_tiles must be -1 (automatic), 0 or 1, got {}", options.split_tiles);
   EPMOE_CHECK(options.band_columns >= 0, "options.band_columns must be >= 0 (0: 1024), got {}",
               options.band_columns);
   EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 2047,
@@ -181,7 +185,11 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   static const int split_tiles_env = env_switch("EPMOE_GEMM_SPLIT_TILES");
   static const int borrow_env = env_switch("EPMOE_GEMM_BORROW_EPILOGUE");
   params.two_partials = with_env(two_partials_env, options.two_partials) ? 1 : 0;
-  params.split_tiles = with_env(split_tiles_env, options.split_tiles) ? 1 : 0;
+  // split_tiles -1: split where measured faster (see GroupedGemmOptions::split_tiles).
+  const bool auto_split = params.masked_m == nullptr && params.k <= 2048 &&
+                          problem.a_rows <= kAutoSplitRowsPerGroup * std::int64_t{params.groups};
+  params.split_tiles =
+      with_env(split_tiles_env, options.split_tiles < 0 ? auto_split : options.split_tiles == 1) ? 1 : 0;
   // Only 128 x 256 tiles without a cluster can borrow (the kernel checks the rest): other launches
   // (the 64 x 128 decode tiles among them) encode no output map and prefetch none.
   params.borrow_epilogue =

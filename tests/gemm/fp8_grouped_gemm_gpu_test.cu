@@ -66,7 +66,7 @@ struct ContiguousCase {
   bool skew = false;  // consumer_skew
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
-  bool split_tiles = cuda::GroupedGemmOptions{}.split_tiles;
+  int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic
   bool borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;
   int band_columns = 0;  // 0: the default tile order
 };
@@ -207,6 +207,7 @@ INSTANTIATE_TEST_SUITE_P(
           ContiguousCase c{
               "N4096_K512_borrow_one_round", {700, 3, 130}, 4096, 512, ScaleLayout::mn_major_tma};
           c.borrow = true;
+          c.split_tiles = 0;  // (K <= 2048 with 384 rows per group: split, without v12, by default)
           return c;
         }(),
         // The consumers' own stores (borrow_epilogue off) on the same shape as the first.
@@ -400,7 +401,7 @@ struct MaskedCase {
   bool skew = false;  // consumer_skew
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
-  bool split_tiles = cuda::GroupedGemmOptions{}.split_tiles;
+  int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic (never in this layout)
   bool borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;
 };
 
@@ -799,6 +800,10 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   bad_l2.l2_promotion = 3;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_l2); },
                         "options.l2_promotion must be 0, 1 or 2");
+  cuda::GroupedGemmOptions bad_split;
+  bad_split.split_tiles = 2;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_split); },
+                        "options.split_tiles must be -1 (automatic), 0 or 1");
   cuda::GroupedGemmOptions bad_band;
   bad_band.band_columns = -1;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_band); },

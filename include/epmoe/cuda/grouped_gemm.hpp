@@ -86,12 +86,15 @@ struct GroupedGemmOptions {
   bool two_partials = true;
   // v11, 128 x 256 tiles without a cluster: a tile with at most 64 valid rows (a group's last block,
   // or a small masked group) is computed as 64 x 256, each consumer warpgroup taking 128 of its
-  // columns, instead of one warpgroup computing padding rows. Off by default: measured 0.5-5.5%
-  // faster on the contiguous K = 2048 rows but 1-12% slower on the K = 7168 and masked rows
-  // (bench/NOTES.md, session 15: a split tile loads as many bytes as a full one for half the work).
-  // EPMOE_GEMM_SPLIT_TILES=0|1 overrides it. Ignored with pingpong / consumer_skew / 4-byte stores /
-  // ablations (the trace aside).
-  bool split_tiles = false;
+  // columns, instead of one warpgroup computing padding rows. A split launch has no v12 epilogue
+  // (borrow_epilogue). 1: always; 0: never; -1 (automatic): in the contiguous layout with K <= 2048
+  // and at most 512 rows per group on average (M / groups), where tails are many and a tile's fixed
+  // costs weigh most: measured 6% faster on 32 groups x 256 rows and 3% on 128 x 128 at
+  // 7168 x 2048, but 1-2% slower on groups of 1024+ rows there and 1-11% slower on every K = 7168 row
+  // (a split tile loads as many bytes as a full one for half the work; bench/NOTES.md, sessions 15
+  // and 30). EPMOE_GEMM_SPLIT_TILES=0|1 overrides it. Ignored with pingpong / consumer_skew / 4-byte
+  // stores / ablations (the trace aside).
+  int split_tiles = -1;
   // v12, 128 x 256 tiles with the unrolled K loop, no cluster: the consumers write each tile's
   // output into the B halves of its last two pipeline stages and go on at once; the producer
   // warpgroup's idle warp stores it from there with TMA (tensor stores for whole warps of rows, 1D
