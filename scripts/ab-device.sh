@@ -10,6 +10,7 @@
 #   AB_ONLY=contiguous              EPMOE_BENCH_GEMM_ONLY (contiguous, masked, decode; empty: all rows)
 #   AB_LINES=.w4a8                  EPMOE_BENCH_GEMM_VARIANTS (empty: every line)
 #   AB_REPS=2                       A/B alternations
+#   AB_ROUNDS=1                     EPMOE_BENCH_GEMM_ROUNDS (each row's lines in rotated rounds)
 #   AB_TESTS='*W4A8*:*w4a8*'        gtest filter of B's GPU tests (empty: none)
 #   AB_SANITIZE='*v2_wide*'         gtest filter for memcheck and racecheck on B (empty: none)
 #   AB_RUN=0                        1: `epmoe run --quant $AB_QUANT --steps 20` on both trees too
@@ -58,6 +59,7 @@ fi
 
 stamp bench
 export EPMOE_BENCH_GEMM_ONLY=${AB_ONLY-contiguous} EPMOE_BENCH_GEMM_VARIANTS=${AB_LINES-.w4a8}
+export EPMOE_BENCH_GEMM_ROUNDS=${AB_ROUNDS:-1}
 for rep in $(seq 1 "${AB_REPS:-2}"); do
   for t in a b; do
     timeout 200 "$work/$t/build-gpu/bin/epmoe" bench gemm --quant "${AB_QUANT:-w4a8}" --quick \

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "bench/bench.hpp"
+#include "bench/line_order.hpp"
 #include "bench/suite_gemm_fill.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/grouped_gemm.hpp"
@@ -300,6 +301,29 @@ bool variant_listed(const std::string& suffix) {
   std::string list = std::string(",") + e + ",";
   return list.find("," + name + ",") != std::string::npos;
 }
+// EPMOE_BENCH_GEMM_ROUNDS=R (1..100, default 1): a row's listed lines are timed in R rounds, the order
+// rotated by one line per round (rotated_line_order); with R > 1 each result names its round and place.
+int line_rounds() {
+  const char* e = std::getenv("EPMOE_BENCH_GEMM_ROUNDS");
+  const int n = e != nullptr && *e != '\0' ? std::atoi(e) : 1;
+  EPMOE_CHECK(n >= 1 && n <= 100, "EPMOE_BENCH_GEMM_ROUNDS must be 1..100, got '{}'", e == nullptr ? "" : e);
+  return n;
+}
+// The timings of a row's lines (variants with a `suffix`), in line_rounds() rotated rounds.
+template <typename V>
+std::vector<LinePlace> line_order(const std::vector<V>& variants) {
+  std::vector<std::size_t> listed;
+  for (std::size_t i = 0; i < variants.size(); ++i) {
+    if (variant_listed(variants[i].suffix)) listed.push_back(i);
+  }
+  return rotated_line_order(listed, line_rounds());
+}
+// A timing's round and place in its row, when there are rounds.
+void add_place(Params& p, const LinePlace& l) {
+  if (line_rounds() == 1) return;
+  p["round"] = static_cast<std::int64_t>(l.round);
+  p["place"] = static_cast<std::int64_t>(l.place);
+}
 int variant_repeat() {
   const char* e = std::getenv("EPMOE_BENCH_GEMM_REPEAT");
   const int n = e != nullptr ? std::atoi(e) : 1;
@@ -417,9 +441,9 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   if (experiment) {
     for (Variant& v : experiments(false)) variants.push_back(std::move(v));
   }
-  for (const Variant& v : variants) {
-    if (!variant_listed(v.suffix)) continue;
-    const Params p{
+  for (const LinePlace& l : line_order(variants)) {
+    const Variant& v = variants[l.line];
+    Params p{
         {"layout", std::string("contiguous")},
         {"quant", std::string("fp8")},
         {"groups", G},
@@ -430,6 +454,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
         {"padded_m", M},
         {"block_m", static_cast<std::int64_t>(v.options.block_m != 0 ? v.options.block_m : chosen.block_m)},
         {"block_n", static_cast<std::int64_t>(v.options.block_n != 0 ? v.options.block_n : chosen.block_n)}};
+    add_place(p, l);
     time_line(options, results, "gemm.contiguous" + v.suffix, p, bytes, flops, s, stream,
               [&](cudaStream_t st) {
                 cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d,
@@ -492,22 +517,23 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   if (experiment) {
     for (Variant& v : experiments(true)) variants.push_back(std::move(v));
   }
-  for (const Variant& v : variants) {
-    if (!variant_listed(v.suffix)) continue;
+  for (const LinePlace& l : line_order(variants)) {
+    const Variant& v = variants[l.line];
     cuda::GemmTileShape tile = chosen;
     if (v.options.block_m != 0) tile = cuda::grouped_gemm_tile(v.options.block_m == 128, 1000, N);
     if (v.options.block_m == 64) tile = {64, 128};
     if (v.options.block_n != 0) tile.block_n = v.options.block_n;
-    const Params p{{"layout", std::string("masked")},
-                   {"quant", std::string("fp8")},
-                   {"groups", G},
-                   {"m_per_group", s.expected_m},
-                   {"max_m", M_max},
-                   {"n", N},
-                   {"k", K},
-                   {"valid_m", valid},
-                   {"block_m", static_cast<std::int64_t>(tile.block_m)},
-                   {"block_n", static_cast<std::int64_t>(tile.block_n)}};
+    Params p{{"layout", std::string("masked")},
+             {"quant", std::string("fp8")},
+             {"groups", G},
+             {"m_per_group", s.expected_m},
+             {"max_m", M_max},
+             {"n", N},
+             {"k", K},
+             {"valid_m", valid},
+             {"block_m", static_cast<std::int64_t>(tile.block_m)},
+             {"block_n", static_cast<std::int64_t>(tile.block_n)}};
+    add_place(p, l);
     time_line(options, results, "gemm.masked" + v.suffix, p, bytes, flops, s, stream, [&](cudaStream_t st) {
       cuda::fp8_grouped_gemm_masked(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, masked_m, s.expected_m, d,
                                     st, traced(v.options));
@@ -822,8 +848,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
       variants.push_back(sm_fixed);
     }
   }
-  for (W4A8Variant& v : variants) {
-    if (!variant_listed(v.suffix)) continue;
+  for (const LinePlace& l : line_order(variants)) {
+    W4A8Variant& v = variants[l.line];
     if (s.masked) v.options.workspace = w4_workspace.view();
     const bool sm = v.options.codes == cuda::W4A8Codes::sign_magnitude;
     cuda::w4a8_pin_kernel(v.suffix == ".w4a8" || sm ? cuda::W4A8KernelChoice{} : v.pin);
@@ -839,6 +865,7 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     };
     const double us = time_us([&](int, cudaStream_t st) { call(st); }, 1, stream, gemm_timing(options));
     Params p = base;
+    add_place(p, l);
     if ((v.pin.ablation & cuda::kW4A8TraceCtas) != 0)
       add_cta_stamps(
           p, [&] { call(stream); }, stream);
