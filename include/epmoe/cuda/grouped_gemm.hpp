@@ -118,6 +118,10 @@ struct GemmTileShape {
 };
 GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n);
 
+// The automatic choice of GroupedGemmOptions::split_tiles (-1): split in the contiguous layout when
+// K <= 2048 and the M rows of A hold at most 512 per group on average (M <= 512 groups).
+bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k);
+
 // Contiguous layout:
 //   a [M, K] fp8_e4m3; a_scales f32 (layout above); b [G, N, K] fp8_e4m3; b_scales [G, N/128, K/128] f32;
 //   m_indices [M] i32: the group of each row, -1 on padding rows; every 128-row block (counted from

@@ -1,0 +1,34 @@
+// The FP8 grouped GEMM's automatic choices (host functions, no GPU needed).
+#include <gtest/gtest.h>
+
+#include "epmoe/cuda/grouped_gemm.hpp"
+
+namespace epmoe::cuda {
+namespace {
+
+TEST(GroupedGemmSplitTiles, SplitsOnlyShortKAndSmallGroupsInTheContiguousLayout) {
+  // DeepSeek-V3 down (K = 2048): 32 groups of ~256 rows and 128 of ~128 split; 32 of ~1024 do not.
+  EXPECT_TRUE(grouped_gemm_split_tiles(false, 32 * 320, 32, 2048));
+  EXPECT_TRUE(grouped_gemm_split_tiles(false, 128 * 192, 128, 2048));
+  EXPECT_FALSE(grouped_gemm_split_tiles(false, 32 * 1152, 32, 2048));
+  // The edge: 512 rows per group on average.
+  EXPECT_TRUE(grouped_gemm_split_tiles(false, 512 * 4, 4, 2048));
+  EXPECT_FALSE(grouped_gemm_split_tiles(false, 512 * 4 + 1, 4, 2048));
+  // gate_up (K = 7168) never; a shorter K does.
+  EXPECT_FALSE(grouped_gemm_split_tiles(false, 32 * 320, 32, 7168));
+  EXPECT_TRUE(grouped_gemm_split_tiles(false, 32 * 320, 32, 512));
+  // The masked layout never; no groups never.
+  EXPECT_FALSE(grouped_gemm_split_tiles(true, 32 * 320, 32, 2048));
+  EXPECT_FALSE(grouped_gemm_split_tiles(false, 128, 0, 2048));
+}
+
+TEST(GroupedGemmTile, HeuristicShapes) {
+  EXPECT_EQ(grouped_gemm_tile(true, 16, 4096).block_m, 64);
+  EXPECT_EQ(grouped_gemm_tile(true, 16, 4096).block_n, 128);
+  EXPECT_EQ(grouped_gemm_tile(false, 0, 4096).block_n, 256);
+  EXPECT_EQ(grouped_gemm_tile(false, 0, 1536).block_n, 256);
+  EXPECT_EQ(grouped_gemm_tile(false, 0, 1664).block_n, 128);
+}
+
+}  // namespace
+}  // namespace epmoe::cuda
