@@ -190,7 +190,7 @@ Variant direct_variant() {  // the consumers' own 16-byte stores (the default be
   v.options.borrow_epilogue = false;
   return v;
 }
-Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split (automatic since session 30)
+Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split, on every row (always)
   Variant v{".split", {}};
   v.options.split_tiles = 1;
   return v;

@@ -110,10 +110,10 @@ struct GroupedGemmParams {
   std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
   std::int32_t split_tiles;      // 1: 128 x 256 tiles with <= 64 valid rows split their columns (v11)
   std::int32_t borrow_epilogue;  // 1: the epilogue stages its output in the tile's last two stages (v12)
-  std::int32_t n_units;     // contiguous: N / (kBlockN cluster): work units (p.cluster tiles) per m-block
-  std::int32_t band_units;  // contiguous: work units per band of the tile order
-  std::int32_t band_tiles;  // contiguous: m_blocks * band_units
-  std::int32_t ablation;    // kAblate*: timing experiments only
+  std::int32_t n_units;          // N / (kBlockN cluster): work units (p.cluster tiles) per m-block
+  std::int32_t band_units;       // contiguous: work units per band of the tile order
+  std::int32_t band_tiles;       // contiguous: m_blocks * band_units
+  std::int32_t ablation;         // kAblate*: timing experiments only
 };
 
 // Ablation bits (GroupedGemmParams::ablation): timing experiments only, the output is garbage.
@@ -307,7 +307,7 @@ class GemmScheduler {
   __device__ void load_segment(const GroupedGemmParams& p) {
     seg_count_ = min(max(__ldg(p.masked_m + g_), 0), p.rows);
     seg_m_blocks_ = (seg_count_ + kBlockM - 1) / kBlockM;
-    seg_tiles_ = seg_m_blocks_ * (p.n / (kBlockN * p.cluster));
+    seg_tiles_ = seg_m_blocks_ * p.n_units;
   }
 
   std::int32_t t_, rank_;
