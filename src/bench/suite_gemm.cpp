@@ -190,6 +190,11 @@ Variant direct_variant() {  // the consumers' own 16-byte stores (the default be
   v.options.borrow_epilogue = false;
   return v;
 }
+Variant borrow_variant() {  // v12 on every row it applies to (the masked default before session 31)
+  Variant v{".borrow", {}};
+  v.options.borrow_epilogue = 1;
+  return v;
+}
 Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split, on every row (always)
   Variant v{".split", {}};
   v.options.split_tiles = 1;
@@ -496,6 +501,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
     variants.push_back(v2_variant());
     if (chosen.block_n == 256) {
       variants.push_back(direct_variant());
+      variants.push_back(borrow_variant());
       variants.push_back(split_variant());
     }
   } else {

@@ -105,6 +105,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
   EPMOE_CHECK(options.split_tiles >= -1 && options.split_tiles <= 1,
               "options.split_tiles must be -1 (automatic), 0 or 1, got {}", options.split_tiles);
+  EPMOE_CHECK(options.borrow_epilogue >= -1 && options.borrow_epilogue <= 1,
+              "options.borrow_epilogue must be -1 (automatic), 0 or 1, got {}", options.borrow_epilogue);
   EPMOE_CHECK(options.band_columns >= 0, "options.band_columns must be >= 0 (0: 1024), got {}",
               options.band_columns);
   EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 2047,
@@ -190,8 +192,11 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
       with_env(split_tiles_env, options.split_tiles < 0 ? auto_split : options.split_tiles == 1) ? 1 : 0;
   // Only 128 x 256 tiles without a cluster can borrow (the kernel checks the rest): other launches
   // (the 64 x 128 decode tiles among them) encode no output map and prefetch none.
-  params.borrow_epilogue =
-      kBlockN == 256 && cluster == 1 && with_env(borrow_env, options.borrow_epilogue) ? 1 : 0;
+  // borrow_epilogue -1: where measured faster (see GroupedGemmOptions::borrow_epilogue).
+  const bool borrow = options.borrow_epilogue < 0
+                          ? grouped_gemm_borrow_epilogue(params.masked_m != nullptr, params.k)
+                          : options.borrow_epilogue == 1;
+  params.borrow_epilogue = kBlockN == 256 && cluster == 1 && with_env(borrow_env, borrow) ? 1 : 0;
   if (params.borrow_epilogue != 0 && (options.ablation & kAblateNoEpiGate) != 0)
     params.borrow_epilogue = kernels::kBorrowNoGate;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
@@ -282,6 +287,14 @@ bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, 
   // K = 2048; 1-2% slower on groups of 1024+ rows there and 1-11% slower on every K = 7168 row.
   constexpr std::int64_t kMaxRowsPerGroup = 512, kMaxK = 2048;
   return !masked && k <= kMaxK && groups > 0 && m <= kMaxRowsPerGroup * groups;
+}
+
+bool grouped_gemm_borrow_epilogue(bool masked, std::int64_t k) {
+  // Measured (bench/NOTES.md, session 31): the consumers' own stores 1-3.5% faster on masked 32 x 128
+  // and 32 x 192 at K = 2048 (calls of sessions 16 and 31); v12 level or faster on every K = 7168 row
+  // and every contiguous row.
+  constexpr std::int64_t kMaxDirectK = 2048;
+  return !(masked && k <= kMaxDirectK);
 }
 
 GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n) {

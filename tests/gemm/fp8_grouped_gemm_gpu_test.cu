@@ -67,8 +67,8 @@ struct ContiguousCase {
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
   int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic
-  bool borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;
-  int band_columns = 0;  // 0: the default tile order
+  int borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;   // -1: automatic
+  int band_columns = 0;                                      // 0: the default tile order
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -90,7 +90,7 @@ ContiguousCase tails_holes_case(std::string name, bool split, bool borrow) {
                    1,
                    true};
   c.split_tiles = split;
-  c.borrow = borrow;
+  c.borrow = borrow ? 1 : 0;
   return c;
 }
 
@@ -200,13 +200,13 @@ INSTANTIATE_TEST_SUITE_P(
         [] {
           ContiguousCase c{
               "N7168_K7168_borrow", {300, 16, 0, 250, 128}, 7168, 7168, ScaleLayout::mn_major_tma};
-          c.borrow = true;
+          c.borrow = 1;
           return c;
         }(),
         [] {
           ContiguousCase c{
               "N4096_K512_borrow_one_round", {700, 3, 130}, 4096, 512, ScaleLayout::mn_major_tma};
-          c.borrow = true;
+          c.borrow = 1;
           c.split_tiles = 0;  // (K <= 2048 with 384 rows per group: split, without v12, by default)
           return c;
         }(),
@@ -402,7 +402,7 @@ struct MaskedCase {
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
   int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic (never in this layout)
-  bool borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;
+  int borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;   // -1: automatic (off at K <= 2048 here)
 };
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
@@ -506,7 +506,7 @@ INSTANTIATE_TEST_SUITE_P(
         [] {
           MaskedCase c{"N4096_K2048_mmax200_borrow", 200, {1, 64, 65, 130, 200, 0, 77}, 4096, 2048,
                        ScaleLayout::mn_major_tma};
-          c.borrow = true;
+          c.borrow = 1;
           return c;
         }(),
         // M_max not a multiple of the tile; an empty group and a single-row group.
@@ -679,6 +679,7 @@ TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
     SCOPED_TRACE("block_m " + std::to_string(block_m));
     cuda::GroupedGemmOptions options;
     options.ablation = 256;
+    options.borrow_epilogue = 1;          // (masked at K = 2048: off by default)
     cuda::fp8_grouped_gemm_take_trace();  // zero it
     dd.fill_bytes(0xff, stream);
     cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts,
@@ -804,6 +805,10 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   bad_split.split_tiles = 2;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_split); },
                         "options.split_tiles must be -1 (automatic), 0 or 1");
+  cuda::GroupedGemmOptions bad_borrow;
+  bad_borrow.borrow_epilogue = -2;
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_borrow); },
+                        "options.borrow_epilogue must be -1 (automatic), 0 or 1");
   cuda::GroupedGemmOptions bad_band;
   bad_band.band_columns = -1;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_band); },

@@ -102,9 +102,12 @@ struct GroupedGemmOptions {
   // it the consumers store from registers and wait for their stores (~13 cycles per wgmma at K = 2048
   // whether 132 or 66 SMs store at once). Measured 2-7% faster on 8 of the 10 contiguous anchor rows,
   // 1% slower on one, mixed (+-3%) on the masked 128 x 256 rows: 3% less time over the contiguous rows
-  // (bench/NOTES.md, session 15). EPMOE_GEMM_BORROW_EPILOGUE=0|1 overrides it. Ignored with
-  // split_tiles, pingpong, consumer_skew, 4-byte stores and ablations.
-  bool borrow_epilogue = true;
+  // (bench/NOTES.md, session 15). 1: always; 0: never; -1 (automatic): except in the masked layout
+  // with K <= 2048, where the consumers' own stores measured 1-3.5% faster on the 32 x 128 and
+  // 32 x 192 anchor rows in three calls of two sessions, and v12 level or faster at K = 7168
+  // (grouped_gemm_borrow_epilogue; bench/NOTES.md, session 31). EPMOE_GEMM_BORROW_EPILOGUE=0|1
+  // overrides it. Ignored with split_tiles, pingpong, consumer_skew, 4-byte stores and ablations.
+  int borrow_epilogue = -1;
 };
 
 // The tile heuristic (block_m x block_n). Masked with expected_m <= 64 (decode): 64 x 128 (reading
@@ -121,6 +124,10 @@ GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64
 // The automatic choice of GroupedGemmOptions::split_tiles (-1): split in the contiguous layout when
 // K <= 2048 and the M rows of A hold at most 512 per group on average (M <= 512 groups).
 bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k);
+
+// The automatic choice of GroupedGemmOptions::borrow_epilogue (-1): v12's borrowed-stage epilogue
+// except in the masked layout with K <= 2048.
+bool grouped_gemm_borrow_epilogue(bool masked, std::int64_t k);
 
 // Contiguous layout:
 //   a [M, K] fp8_e4m3; a_scales f32 (layout above); b [G, N, K] fp8_e4m3; b_scales [G, N/128, K/128] f32;
