@@ -282,7 +282,8 @@ class GemmScheduler {
   }
 
   // Masked: only the valid m-blocks of each group are enumerated (group-major, then n-block,
-  // then m-block), so skipped rows cost nothing and the CTAs stay balanced.
+  // then m-block; with split tiles m-block, then n-block), so skipped rows cost nothing and the CTAs
+  // stay balanced.
   __device__ bool next_masked(GemmTile& tile, const GroupedGemmParams& p) {
     while (g_ < p.groups && t_ >= seg_start_ + seg_tiles_) {
       seg_start_ += seg_tiles_;
@@ -292,10 +293,15 @@ class GemmScheduler {
     if (g_ >= p.groups) return false;
     const std::int32_t r = t_ - seg_start_;
     t_ += static_cast<std::int32_t>(gridDim.x) / p.cluster;
-    const std::int32_t m_block = r % seg_m_blocks_;
+    // With split tiles a group's m-blocks go slowest (its n-units fastest): m-block fastest, a
+    // group's full blocks and its cheaper split tail alternate, and with an even number of CTAs the
+    // round-robin gives some CTAs only tails (bench/NOTES.md, session 31).
+    const bool m_slowest = p.split_tiles != 0;
+    const std::int32_t m_block = m_slowest ? r / p.n_units : r % seg_m_blocks_;
+    const std::int32_t n_unit = m_slowest ? r - m_block * p.n_units : r / seg_m_blocks_;
     const std::int32_t seg_row0 = g_ * p.rows;
     tile = GemmTile{g_,
-                    (r / seg_m_blocks_) * p.cluster + rank_,
+                    n_unit * p.cluster + rank_,
                     seg_row0 + m_block * kBlockM,
                     seg_row0,
                     seg_row0 + seg_count_,
