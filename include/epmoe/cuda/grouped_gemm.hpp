@@ -92,8 +92,10 @@ struct GroupedGemmOptions {
   // costs weigh most: measured 6% faster on 32 groups x 256 rows and 3% on 128 x 128 at
   // 7168 x 2048, but 1-2% slower on groups of 1024+ rows there and 1-11% slower on every K = 7168 row
   // (a split tile loads as many bytes as a full one for half the work; bench/NOTES.md, sessions 15
-  // and 30). EPMOE_GEMM_SPLIT_TILES=0|1 overrides it. Ignored with pingpong / consumer_skew / 4-byte
-  // stores / ablations (the trace aside).
+  // and 30). Never in the masked layout: there it measured level at K = 2048 and 6-9% slower at
+  // K = 7168 than the default (session 31; with v12 kept for split tiles it was slower still).
+  // EPMOE_GEMM_SPLIT_TILES=0|1 overrides it. Ignored with pingpong / consumer_skew / 4-byte stores /
+  // ablations (the trace aside).
   int split_tiles = -1;
   // v12, 128 x 256 tiles with the unrolled K loop, no cluster: the consumers write each tile's
   // output into the B halves of its last two pipeline stages and go on at once; the producer
