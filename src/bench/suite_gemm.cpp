@@ -187,7 +187,7 @@ Variant pingpong_variant() {
 }
 Variant direct_variant() {  // the consumers' own 16-byte stores (the default before v12)
   Variant v{".direct", {}};
-  v.options.borrow_epilogue = false;
+  v.options.borrow_epilogue = 0;
   return v;
 }
 Variant borrow_variant() {  // v12 on every row it applies to (the masked default before session 31)
