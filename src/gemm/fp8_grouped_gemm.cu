@@ -38,6 +38,10 @@ int env_switch(const char* name) {
 bool with_env(int env, bool option) {
   return env < 0 ? option : env == 1;
 }
+// A three-way option (-1 automatic, 0 off, 1 on) resolved against the automatic choice.
+bool resolve_choice(int option, bool automatic) {
+  return option < 0 ? automatic : option == 1;
+}
 
 void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name, std::uintptr_t alignment) {
   gemm_host::expect_aligned_tensor(t, dtype, Device::cuda, name, alignment);
@@ -186,16 +190,15 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   static const int borrow_env = env_switch("EPMOE_GEMM_BORROW_EPILOGUE");
   params.two_partials = with_env(two_partials_env, options.two_partials) ? 1 : 0;
   // split_tiles -1: split where measured faster (see GroupedGemmOptions::split_tiles).
-  const bool auto_split =
-      grouped_gemm_split_tiles(params.masked_m != nullptr, problem.a_rows, params.groups, params.k);
-  params.split_tiles =
-      with_env(split_tiles_env, options.split_tiles < 0 ? auto_split : options.split_tiles == 1) ? 1 : 0;
+  const bool split = resolve_choice(
+      options.split_tiles,
+      grouped_gemm_split_tiles(params.masked_m != nullptr, problem.a_rows, params.groups, params.k));
+  params.split_tiles = with_env(split_tiles_env, split) ? 1 : 0;
   // Only 128 x 256 tiles without a cluster can borrow (the kernel checks the rest): other launches
   // (the 64 x 128 decode tiles among them) encode no output map and prefetch none.
   // borrow_epilogue -1: where measured faster (see GroupedGemmOptions::borrow_epilogue).
-  const bool borrow = options.borrow_epilogue < 0
-                          ? grouped_gemm_borrow_epilogue(params.masked_m != nullptr, params.k)
-                          : options.borrow_epilogue == 1;
+  const bool borrow = resolve_choice(options.borrow_epilogue,
+                                     grouped_gemm_borrow_epilogue(params.masked_m != nullptr, params.k));
   params.borrow_epilogue = kBlockN == 256 && cluster == 1 && with_env(borrow_env, borrow) ? 1 : 0;
   if (params.borrow_epilogue != 0 && (options.ablation & kAblateNoEpiGate) != 0)
     params.borrow_epilogue = kernels::kBorrowNoGate;
