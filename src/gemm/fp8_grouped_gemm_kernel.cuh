@@ -350,16 +350,32 @@ struct PipeState {
   }
 };
 
-// acc += (sa·sw) · part on row a (registers 4j, 4j+1) and (sb·sw) · part on row b (4j+2, 4j+3).
+// acc += (sa·sw) · part on row a (elements 4j, 4j+1) and (sb·sw) · part on row b (4j+2, 4j+3), with
+// acc held pair-swapped during the K loop: slot 2i holds element 2i + 1 and slot 2i + 1 element 2i
+// (unswap_pairs() puts them back for the epilogue; in SSA that is a renaming, no instructions).
+// Why: the partial is the wgmma's register block (element e in an 8-aligned base + e), ptxas keeps
+// acc in aligned pairs in slot order, and the scale is one register; unswapped, half of the FFMAs
+// read three registers of one bank parity and stall on dispatch (bench/NOTES.md, session 32: ncu
+// showed every FFMA with partial, scale and accumulator of one parity at ~3x the samples of the others).
 __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64], float a, float b,
                                         float w) {
   const float s_a = a * w, s_b = b * w;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
-    acc[4 * j + 0] = fmaf(s_a, part[4 * j + 0], acc[4 * j + 0]);
-    acc[4 * j + 1] = fmaf(s_a, part[4 * j + 1], acc[4 * j + 1]);
-    acc[4 * j + 2] = fmaf(s_b, part[4 * j + 2], acc[4 * j + 2]);
-    acc[4 * j + 3] = fmaf(s_b, part[4 * j + 3], acc[4 * j + 3]);
+    acc[4 * j + 0] = fmaf(s_a, part[4 * j + 1], acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(s_a, part[4 * j + 0], acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(s_b, part[4 * j + 3], acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(s_b, part[4 * j + 2], acc[4 * j + 3]);
+  }
+}
+
+// The element order back from promote()'s pair-swapped slots.
+__device__ __forceinline__ void unswap_pairs(float (&acc)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const float t = acc[i];
+    acc[i] = acc[i + 1];
+    acc[i + 1] = t;
   }
 }
 
@@ -987,6 +1003,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
 #pragma unroll
           for (int i = 0; i < 64; ++i) acc[0][i] = 0.0f;
           k_loop(std::false_type{}, std::false_type{}, std::true_type{});
+          unswap_pairs(acc[0]);
           store_wave(acc[0], static_cast<int>(u_consumer));
           continue;
         }
@@ -1019,6 +1036,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       }
 
       // Epilogue: bf16 to global memory, valid rows only (store_wave above).
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) unswap_pairs(acc[w]);
       if (trace) atomicAdd(g_fp8_gemm_trace + 13, 0ull - static_cast<unsigned long long>(clock64()));
       if ((p.ablation & kAblateEpilogue) != 0) {
         // timing ablation: no stores
