@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# A/B of two source trees in one device call (bench/NOTES.md, session 26): both trees are built side by
-# side (8 jobs each), tree B's GPU tests run, `epmoe bench gemm` alternates A and B REPS times, then
-# compute-sanitizer memcheck and racecheck on B's tests; logs and JSON into OUTDIR/x, packed as
-# OUTDIR/ab.tgz. Each tree is a `git archive` tar (e.g. in an ignored .carry/ that the device tool carries).
+# A/B of two (or more) source trees in one device call (bench/NOTES.md, session 26): the trees are built
+# side by side (16 jobs shared), tree B's GPU tests run, `epmoe bench gemm` alternates A, B (, C, ...)
+# REPS times, then compute-sanitizer memcheck and racecheck on B's tests; logs and JSON into OUTDIR/x,
+# packed as OUTDIR/ab.tgz. Each tree is a `git archive` tar (e.g. in an ignored .carry/ that the device
+# tool carries). Trees after B are named c, d, ... and get only the CLI and the bench (and AB_RUN).
 #
-# Usage: scripts/ab-device.sh OUTDIR A.tar B.tar      (on the device: scripts/ab-device.sh "$OUT" ...)
+# Usage: scripts/ab-device.sh OUTDIR A.tar B.tar [C.tar ...]   (on the device: ... "$OUT" ...)
 # Knobs (environment, with defaults):
 #   AB_QUANT=w4a8                   bench gemm --quant
 #   AB_ONLY=contiguous              EPMOE_BENCH_GEMM_ONLY (contiguous, masked, decode; empty: all rows)
@@ -17,8 +18,12 @@
 #   AB_AFTER=                       a bash snippet run in tree B after the rest (its files into $x)
 set -uo pipefail
 out=${1:?usage: scripts/ab-device.sh OUTDIR A.tar B.tar}
-tar_a=$(realpath "${2:?A.tar}")
-tar_b=$(realpath "${3:?B.tar}")
+shift
+tars=()
+for f in "${@:?A.tar B.tar}"; do tars+=("$(realpath "$f")"); done
+((${#tars[@]} >= 2)) || { echo "need A.tar and B.tar" >&2; exit 2; }
+names=(a b c d e f)
+trees=("${names[@]:0:${#tars[@]}}")
 mkdir -p "$out/x"
 out=$(cd "$out" && pwd)
 x=$out/x
@@ -30,22 +35,25 @@ stamp() { echo "== $1 ($((SECONDS - start)) s)"; }
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv,noheader || true
 
 work=$(mktemp -d)
-for t in a b; do mkdir -p "$work/$t"; done
-tar -xf "$tar_a" -C "$work/a"
-tar -xf "$tar_b" -C "$work/b"
+for i in "${!trees[@]}"; do
+  mkdir -p "$work/${trees[$i]}"
+  tar -xf "${tars[$i]}" -C "$work/${trees[$i]}"
+done
+jobs=$((16 / ${#trees[@]}))
 stamp build
 build() {  # build TREE TARGETS...
   local t=$1
   shift
   (cd "$work/$t" && cmake --preset gpu > "$x/cfg_$t.log" 2>&1 &&
-    cmake --build --preset gpu -j 8 --target "$@" > "$x/build_$t.log" 2>&1)
+    cmake --build --preset gpu -j "$jobs" --target "$@" > "$x/build_$t.log" 2>&1)
   echo "build $t rc $?"
 }
-build a epmoe_cli &
-build b epmoe_cli epmoe_gpu_tests &
+for t in "${trees[@]}"; do
+  if [[ $t == b ]]; then build b epmoe_cli epmoe_gpu_tests & else build "$t" epmoe_cli & fi
+done
 wait
 stamp built
-for t in a b; do
+for t in "${trees[@]}"; do
   [[ -x $work/$t/build-gpu/bin/epmoe ]] || { tail -n 30 "$x/build_$t.log"; exit 1; }
 done
 
@@ -61,7 +69,7 @@ stamp bench
 export EPMOE_BENCH_GEMM_ONLY=${AB_ONLY-contiguous} EPMOE_BENCH_GEMM_VARIANTS=${AB_LINES-.w4a8}
 export EPMOE_BENCH_GEMM_ROUNDS=${AB_ROUNDS:-1}
 for rep in $(seq 1 "${AB_REPS:-2}"); do
-  for t in a b; do
+  for t in "${trees[@]}"; do
     timeout 200 "$work/$t/build-gpu/bin/epmoe" bench gemm --quant "${AB_QUANT:-w4a8}" --quick \
       --json "$x/ab_${t}_$rep.json" > "$x/ab_${t}_$rep.log" 2>&1
     echo "bench $t $rep rc $?"
@@ -70,7 +78,7 @@ done
 
 if [[ ${AB_RUN:-0} == 1 ]]; then
   stamp run
-  for t in a b; do
+  for t in "${trees[@]}"; do
     timeout 120 "$work/$t/build-gpu/bin/epmoe" run --quant "${AB_QUANT:-w4a8}" --steps 20 \
       --json "$x/run_$t.json" > "$x/run_$t.log" 2>&1
     echo "run $t rc $?"
