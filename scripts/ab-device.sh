@@ -23,6 +23,7 @@ tars=()
 for f in "${@:?A.tar B.tar}"; do tars+=("$(realpath "$f")"); done
 ((${#tars[@]} >= 2)) || { echo "need A.tar and B.tar" >&2; exit 2; }
 names=(a b c d e f)
+((${#tars[@]} <= ${#names[@]})) || { echo "at most ${#names[@]} trees" >&2; exit 2; }
 trees=("${names[@]:0:${#tars[@]}}")
 mkdir -p "$out/x"
 out=$(cd "$out" && pwd)

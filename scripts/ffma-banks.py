@@ -57,14 +57,13 @@ def main():
     parser.add_argument("name_filter", nargs="?", default="")
     parser.add_argument("--max-one-parity", type=int, default=None)
     args = parser.parse_args()
-    name_filter = args.name_filter
     worst, kernels = 0, 0
     for elf in cuda_elfs(open(args.file, "rb").read()):
-        worst_here, kernels_here = scan(elf, name_filter)
+        worst_here, kernels_here = scan(elf, args.name_filter)
         worst, kernels = max(worst, worst_here), kernels + kernels_here
     if args.max_one_parity is not None:
         if kernels == 0:
-            print(f"no kernel matching '{name_filter}' in {args.file}")
+            print(f"no kernel matching '{args.name_filter}' in {args.file}")
             sys.exit(2)
         if worst > args.max_one_parity:
             print(f"FAIL: {worst} one-parity FFMAs in a kernel, more than {args.max_one_parity}")

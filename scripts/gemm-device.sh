@@ -8,7 +8,8 @@
 # OUTDIR receives build.log, gpu-tests.log, memcheck.log, sass.txt, bench.log, gemm.json (the clocks
 # during the bench and the SASS summary are printed).
 # EPMOE_BENCH_GEMM_EXPERIMENTS=1 in the environment adds the bench's timing experiments;
-# EPMOE_GEMM_NCU=1 adds Nsight Compute on one launch of the 8 x 4096, 4096 x 7168 contiguous line.
+# EPMOE_GEMM_NCU=1 adds Nsight Compute on one launch of the 8 x 4096, 4096 x 7168 contiguous line
+# (scripts/gemm-ncu.sh, on this build).
 set -uo pipefail
 out=${1:?usage: scripts/gemm-device.sh OUTDIR [--full]}
 mode=${2:-}
@@ -77,17 +78,8 @@ fi
 
 if [[ ${EPMOE_GEMM_NCU:-0} == 1 ]]; then
   # Nsight Compute (clocks left alone) on one launch of the 8 x 4096, 4096 x 7168 contiguous main
-  # line: the details page, and the per-instruction stall samples of the SASS (compressed).
+  # line: details_ROW.txt and the per-instruction stall samples src_ROW.csv.gz (scripts/gemm-ncu.sh).
   stamp ncu
-  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
-  EPMOE_BENCH_GEMM_ROW=8x4096x4096 EPMOE_BENCH_GEMM_VARIANTS=main EPMOE_BENCH_GEMM_ONLY=contiguous \
-    timeout 150 "$ncu" --clock-control none --kernel-name regex:fp8_grouped_gemm --launch-skip 3 --launch-count 1 \
-    --set full --import-source no -f -o "$out/prof" build-gpu/bin/epmoe bench gemm --quick > "$out/ncu-run.log" 2>&1
-  echo "ncu exit: $?"
-  "$ncu" -i "$out/prof.ncu-rep" --page details > "$out/ncu-details.txt" 2>&1
-  "$ncu" -i "$out/prof.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -9 > "$out/ncu-source.csv.gz"
-  rm -f "$out/prof.ncu-rep" "$out/ncu-run.log"
-  grep -E "SM Frequency|Duration|Compute \(SM\) Throughput|DRAM Throughput|Issue Slots Busy|No Eligible|Registers Per" \
-    "$out/ncu-details.txt" | head -n 20
+  bash scripts/gemm-ncu.sh "$out" 8x4096x4096
 fi
 stamp done

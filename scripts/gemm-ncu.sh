@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute (clocks left alone) on one launch of the FP8 grouped GEMM's main line per bench row,
-# with a binary built elsewhere (no build on the device: ~100 s of device time saved). Per row:
+# with the binary at hand: gemm-device.sh's build, or one built elsewhere and carried (no build on
+# the device: ~100 s of device time saved). Per row:
 # details_ROW.txt (the details page) and src_ROW.csv.gz (per-SASS-instruction stall samples).
 #
 # Usage: scripts/gemm-ncu.sh OUTDIR [ROW ...]       ROW: GxMxN of `epmoe bench gemm` (default: the
