@@ -282,7 +282,8 @@ Fp8GemmTrace fp8_grouped_gemm_take_trace() {
   zero[6] = ~0ull;
   EPMOE_CUDA_CHECK(cudaMemcpyToSymbol(kernels::g_fp8_gemm_trace, zero, sizeof zero));
   return {sums[0], sums[1],  sums[2],  sums[3],  sums[4],  sums[5], sums[8],
-          sums[9], sums[10], sums[11], sums[12], sums[13], sums[14]};
+          sums[9], sums[10], sums[11], sums[12], sums[13], sums[14], sums[15], sums[16],
+          sums[17], sums[18], sums[19], sums[20], sums[21]};
 }
 
 bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k) {

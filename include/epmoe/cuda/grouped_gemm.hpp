@@ -162,6 +162,11 @@ struct Fp8GemmTrace {
                 stored_tiles = 0;
   // The traced consumer thread: its epilogue (K loop end to the tile staged or stored), its tiles.
   std::uint64_t epilogue_cycles = 0, consumer_tiles = 0;
+  // The tile turn (tiles after a CTA's first): the TMA warp's and the scale warp's cycles from the
+  // previous tile's last K block to the next tile in hand, their waits for K block 0's stage, the
+  // turns; the scale warp's copies of K block 0 and of a middle K block, issue to landing (per tile).
+  std::uint64_t producer_turn_cycles = 0, producer_kb0_wait_cycles = 0, scale_turn_cycles = 0,
+                scale_kb0_wait_cycles = 0, turns = 0, scale_kb0_copy_cycles = 0, scale_mid_copy_cycles = 0;
 };
 Fp8GemmTrace fp8_grouped_gemm_take_trace();
 
