@@ -179,6 +179,13 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
     params.band_units = static_cast<std::int32_t>(
         std::clamp<std::int64_t>(columns / (kBlockN * cluster), 1, std::max<std::int64_t>(n_units, 1)));
     params.band_tiles = params.m_blocks * params.band_units;
+    // div_small's range: unit indices below 2^24.
+    EPMOE_CHECK(max_units < (std::int64_t{1} << 24), "too many work units ({}) for one launch (at most 2^24)",
+                max_units);
+    const std::int64_t last_width = n_units - (std::max<std::int64_t>(n_units - 1, 0) / params.band_units) * params.band_units;
+    params.inv_band_tiles = 1.0f / static_cast<float>(std::max(params.band_tiles, 1));
+    params.inv_band_units = 1.0f / static_cast<float>(params.band_units);
+    params.inv_last_width = 1.0f / static_cast<float>(std::max<std::int64_t>(last_width, 1));
   }
   params.cluster = cluster;
   params.pingpong = options.pingpong ? 1 : 0;
@@ -257,6 +264,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   }
   ctas = std::clamp<std::int64_t>(ctas / cluster, 1, std::max<std::int64_t>(max_units, 1)) * cluster;
   config.gridDim = dim3(static_cast<unsigned>(ctas));
+  params.unit_stride = static_cast<std::int32_t>(ctas / cluster);
   EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, tma_a_part, tma_b, tma_d, params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }

@@ -53,6 +53,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda/ptx_hopper.cuh"
+#include "gemm/schedule_math.hpp"
 
 namespace epmoe::kernels {
 
@@ -113,6 +114,11 @@ struct GroupedGemmParams {
   std::int32_t n_units;          // N / (kBlockN cluster): work units (p.cluster tiles) per m-block
   std::int32_t band_units;       // contiguous: work units per band of the tile order
   std::int32_t band_tiles;       // contiguous: m_blocks * band_units
+  // The schedule without integer division (a runtime divisor costs ~25 dependent instructions; a
+  // tile turn had several, bench/NOTES.md session 35): units between one CTA's tiles (the grid's
+  // clusters), and 1 / band_tiles, 1 / band_units, 1 / the last band's width as floats (div_small).
+  std::int32_t unit_stride;
+  float inv_band_tiles, inv_band_units, inv_last_width;
   std::int32_t ablation;         // kAblate*: timing experiments only
 };
 
@@ -172,8 +178,8 @@ template <int kBlockM, int kBlockN, bool kLookahead = false>
 class GemmScheduler {
  public:
   __device__ explicit GemmScheduler(const GroupedGemmParams& p, std::uint32_t ids_slot = 0)
-      : t_(static_cast<std::int32_t>(blockIdx.x) / p.cluster),
-        rank_(static_cast<std::int32_t>(blockIdx.x) % p.cluster),
+      : t_(static_cast<std::int32_t>(blockIdx.x >> (p.cluster - 1))),  // (cluster: 1 or 2)
+        rank_(static_cast<std::int32_t>(blockIdx.x & static_cast<unsigned>(p.cluster - 1))),
         ids_slot_(ids_slot) {
     if (p.masked_m != nullptr) {
       load_segment(p);
@@ -203,11 +209,11 @@ class GemmScheduler {
   // Unit t of the contiguous schedule: its m-block and its n-unit.
   __device__ __forceinline__ void unit(const GroupedGemmParams& p, std::int32_t t, std::int32_t& m_block,
                                        std::int32_t& n_unit) const {
-    const std::int32_t band = t / p.band_tiles;
+    const std::int32_t band = div_small(t, p.band_tiles, p.inv_band_tiles);
     const std::int32_t r = t - band * p.band_tiles;
     const std::int32_t first_n = band * p.band_units;
     const std::int32_t width = min(p.band_units, p.n_units - first_n);
-    m_block = r / width;
+    m_block = div_small(r, width, width == p.band_units ? p.inv_band_units : p.inv_last_width);
     n_unit = first_n + (r - m_block * width);
   }
 
@@ -249,7 +255,7 @@ class GemmScheduler {
     const int lane = static_cast<int>(threadIdx.x % 32);
     while (t_ < p.total_units) {
       const std::int32_t t = t_;
-      t_ += static_cast<std::int32_t>(gridDim.x) / p.cluster;
+      t_ += p.unit_stride;
       std::int32_t m_block, n_unit;
       unit(p, t, m_block, n_unit);
       const std::int32_t row0 = m_block * kBlockM;
@@ -292,7 +298,7 @@ class GemmScheduler {
     }
     if (g_ >= p.groups) return false;
     const std::int32_t r = t_ - seg_start_;
-    t_ += static_cast<std::int32_t>(gridDim.x) / p.cluster;
+    t_ += p.unit_stride;
     // With split tiles a group's m-blocks go slowest (its n-units fastest): m-block fastest, a
     // group's full blocks and its cheaper split tail alternate, and with an even number of CTAs the
     // round-robin gives some CTAs only tails (bench/NOTES.md, session 31).
