@@ -119,7 +119,7 @@ struct GroupedGemmParams {
   // clusters), and 1 / band_tiles, 1 / band_units, 1 / the last band's width as floats (div_small).
   std::int32_t unit_stride;
   float inv_band_tiles, inv_band_units, inv_last_width;
-  std::int32_t ablation;         // kAblate*: timing experiments only
+  std::int32_t ablation;  // kAblate*: timing experiments only
 };
 
 // Ablation bits (GroupedGemmParams::ablation): timing experiments only, the output is garbage.

@@ -3,17 +3,20 @@
 
 #include <cstdint>
 
+// (Not cuda/hd.hpp's EPMOE_HD: w4a8_layout.hpp defines its own, and either include order must work.)
+#if defined(__CUDACC__)
+#define EPMOE_SCHEDULE_HD __host__ __device__
+#else
+#define EPMOE_SCHEDULE_HD
+#endif
+
 namespace epmoe::kernels {
 
 // n / d for 0 <= n < 2^24 and d >= 1, given inv = 1.0f / d (rounded to nearest): n converts to float
 // exactly, the float quotient is within one of the true one (d = 1: exact; d >= 2: error <= 2 / d), and
 // one correction step fixes it. Why: a division by a run-time int is ~25 dependent instructions, and
 // a tile turn of the FP8 GEMM had several (bench/NOTES.md, session 35).
-// (Spelled out rather than EPMOE_HD: w4a8_layout.hpp defines its own, and either include order must work.)
-#if defined(__CUDACC__)
-__host__ __device__
-#endif
-inline std::int32_t div_small(std::int32_t n, std::int32_t d, float inv) {
+EPMOE_SCHEDULE_HD inline std::int32_t div_small(std::int32_t n, std::int32_t d, float inv) {
   std::int32_t q = static_cast<std::int32_t>(static_cast<float>(n) * inv);  // truncates toward zero
   const std::int32_t r = n - q * d;
   q += static_cast<std::int32_t>(r >= d) - static_cast<std::int32_t>(r < 0);
