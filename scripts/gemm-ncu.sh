@@ -2,7 +2,9 @@
 # Nsight Compute (clocks left alone) on one launch of the FP8 grouped GEMM's main line per bench row,
 # with the binary at hand: gemm-device.sh's build, or one built elsewhere and carried (no build on
 # the device: ~100 s of device time saved). Per row:
-# details_ROW.txt (the details page) and src_ROW.csv.gz (per-SASS-instruction stall samples).
+# details_ROW.txt (the details page), src_ROW.csv.gz (per-SASS-instruction stall samples) and
+# regions_ROW.txt / .json (those samples by code region: scripts/ncu-regions.py, when the build's
+# object file is at hand).
 #
 # Usage: scripts/gemm-ncu.sh OUTDIR [ROW ...]       ROW: GxMxN of `epmoe bench gemm` (default: the
 #        K = 2048 and K = 7168 rows of 8 x 4096, i.e. 8x4096x7168 8x4096x4096)
@@ -29,6 +31,12 @@ for row in "${rows[@]}"; do
   [[ -f $out/p_$row.ncu-rep ]] || { tail -n 5 "$out/run_$row.log"; continue; }
   "$ncu" -i "$out/p_$row.ncu-rep" --page details > "$out/details_$row.txt" 2>&1
   "$ncu" -i "$out/p_$row.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -9 > "$out/src_$row.csv.gz"
+  # The samples by code region, the regions from the build's line table (where pyelftools is).
+  obj=$(dirname "$bin")/../CMakeFiles/epmoe.dir/src/gemm/fp8_grouped_gemm.cu.o
+  if [[ -f $obj ]]; then
+    python3 "$(dirname "$0")/ncu-regions.py" "$out/src_$row.csv.gz" "$obj" --json "$out/regions_$row.json" \
+      > "$out/regions_$row.txt" 2>&1 || echo "ncu-regions failed (see regions_$row.txt)"
+  fi
   rm -f "$out/p_$row.ncu-rep"
   grep -E "SM Frequency|^    Duration|Issue Slots Busy|No Eligible" "$out/details_$row.txt" | head -n 6
 done
