@@ -6,6 +6,9 @@
 # tool carries). Trees after B are named c, d, ... and get only the CLI and the bench (and AB_RUN).
 #
 # Usage: scripts/ab-device.sh OUTDIR A.tar B.tar [C.tar ...]   (on the device: ... "$OUT" ...)
+# Read the result with scripts/ab-table.py (tables; --json writes the bench/results file). A tree with
+# a patch of bench/experiments/: git worktree add /tmp/tb main && git -C /tmp/tb apply PATCH... &&
+# tar -C /tmp/tb --exclude=.git -cf .carry/b.tar .
 # Knobs (environment, with defaults):
 #   AB_QUANT=w4a8                   bench gemm --quant
 #   AB_ONLY=contiguous              EPMOE_BENCH_GEMM_ONLY (contiguous, masked, decode; empty: all rows)
@@ -15,6 +18,10 @@
 #   AB_TESTS='*W4A8*:*w4a8*'        gtest filter of B's GPU tests (empty: none)
 #   AB_SANITIZE='*v2_wide*'         gtest filter for memcheck and racecheck on B (empty: none)
 #   AB_RUN=0                        1: `epmoe run --quant $AB_QUANT --steps 20` on both trees too
+#   AB_TRACE_ROWS=                  rows (GxMxN) whose lines run traced (EPMOE_BENCH_GEMM_TRACE=1) in every
+#                                   tree after the bench: tr_TREE_ROW_REP.json (scripts/ab-table.py reads them)
+#   AB_TRACE_LINES=main             EPMOE_BENCH_GEMM_VARIANTS of the traced runs (.exp.* lines allowed)
+#   AB_TRACE_REPS=2                 alternations of the traced runs
 #   AB_AFTER=                       a bash snippet run in tree B after the rest (its files into $x)
 set -uo pipefail
 out=${1:?usage: scripts/ab-device.sh OUTDIR A.tar B.tar}
@@ -76,6 +83,21 @@ for rep in $(seq 1 "${AB_REPS:-2}"); do
     echo "bench $t $rep rc $?"
   done
 done
+
+if [[ -n ${AB_TRACE_ROWS:-} ]]; then
+  stamp traced
+  for rep in $(seq 1 "${AB_TRACE_REPS:-2}"); do
+    for row in $AB_TRACE_ROWS; do
+      for t in "${trees[@]}"; do
+        EPMOE_BENCH_GEMM_TRACE=1 EPMOE_BENCH_GEMM_EXPERIMENTS=1 EPMOE_BENCH_GEMM_ONLY=contiguous \
+          EPMOE_BENCH_GEMM_ROW=$row EPMOE_BENCH_GEMM_VARIANTS=${AB_TRACE_LINES:-main} \
+          timeout 100 "$work/$t/build-gpu/bin/epmoe" bench gemm --quant "${AB_QUANT:-w4a8}" --quick \
+          --json "$x/tr_${t}_${row}_$rep.json" > "$x/tr_${t}_${row}_$rep.log" 2>&1
+        echo "traced $t $row $rep rc $?"
+      done
+    done
+  done
+fi
 
 if [[ ${AB_RUN:-0} == 1 ]]; then
   stamp run
