@@ -576,6 +576,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     GemmScheduler<kBlockM, kBlockN> scheduler(p);
     GemmTile tile;
     PipeState pipe;
+    // The tile-turn trace's stamps go straight into the sums, a start negated: no register held.
+    const auto stamp = [](int word, bool start) {
+      const auto c = static_cast<unsigned long long>(clock64());
+      atomicAdd(g_fp8_gemm_trace + word, start ? 0ull - c : c);
+    };
     if ((p.ablation & kAblatePipe) != 0) {
       // timing ablation: no producer work
     } else if (warp == 0) {
@@ -583,11 +588,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       bool after_first = false;
       std::uint32_t epi_phase = 0;
       const bool trace_hand_off = (p.ablation & kTraceLoop) != 0 && lane == 0;
-      // (The turn's stamps go straight into the sums, a start negated: no register held.)
-      const auto stamp = [](int word, bool start) {
-        const auto c = static_cast<unsigned long long>(clock64());
-        atomicAdd(g_fp8_gemm_trace + word, start ? 0ull - c : c);
-      };
       while (scheduler.next(tile, p)) {
         if (trace_hand_off && after_first) stamp(15, false);
         const std::int32_t b_row = tile.group * p.n + tile.n_block * kBlockN;
@@ -646,10 +646,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // code added here made ptxas spill (the producer warpgroup's 40 registers are full).
       const auto trace_turn = [&] {
         return EPMOE_TRACE_SCALE_WARP != 0 && (p.ablation & kTraceLoop) != 0 && threadIdx.x == 32;
-      };
-      const auto stamp = [](int word, bool start) {
-        const auto c = static_cast<unsigned long long>(clock64());
-        atomicAdd(g_fp8_gemm_trace + word, start ? 0ull - c : c);
       };
       if (trace_turn()) stamp(17, true);
       while (scheduler.next(tile, p)) {
