@@ -375,20 +375,11 @@ Params with_trace(Params p, const cuda::Fp8GemmTrace& t) {
     p["store_per_tile"] = static_cast<double>(t.store_cycles) / tiles;
     p["staged_wait_per_tile"] = static_cast<double>(t.staged_wait_cycles) / tiles;
   }
-  if (t.turns > 0) {  // the tile turn (bench/NOTES.md, session 35), cycles per tile
-    const auto tiles = static_cast<double>(t.turns);
-    p["producer_turn_per_tile"] = static_cast<double>(t.producer_turn_cycles) / tiles;
-    p["producer_kb0_wait_per_tile"] = static_cast<double>(t.producer_kb0_wait_cycles) / tiles;
-    if (t.scale_turn_cycles > 0) {  // a build with EPMOE_TRACE_SCALE_WARP=1
-      p["scale_turn_per_tile"] = static_cast<double>(t.scale_turn_cycles) / tiles;
-      p["scale_kb0_wait_per_tile"] = static_cast<double>(t.scale_kb0_wait_cycles) / tiles;
-      p["scale_kb0_copy_per_tile"] = static_cast<double>(t.scale_kb0_copy_cycles) / tiles;
-      p["scale_mid_copy_per_tile"] = static_cast<double>(t.scale_mid_copy_cycles) / tiles;
-    }
-  }
-  if (t.consumer_tiles > 0) {  // the traced consumer's epilogue
+  if (t.consumer_tiles > 0) {  // the traced consumer's epilogue; the TMA warp's turn (session 35)
     const auto tiles = static_cast<double>(t.consumer_tiles);
     p["epilogue_per_tile"] = static_cast<double>(t.epilogue_cycles) / tiles;
+    p["producer_turn_per_tile"] = static_cast<double>(t.producer_turn_cycles) / tiles;
+    p["producer_kb0_wait_per_tile"] = static_cast<double>(t.producer_kb0_wait_cycles) / tiles;
   }
   return p;
 }

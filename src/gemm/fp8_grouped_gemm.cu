@@ -179,9 +179,9 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
     params.band_units = static_cast<std::int32_t>(
         std::clamp<std::int64_t>(columns / (kBlockN * cluster), 1, std::max<std::int64_t>(n_units, 1)));
     params.band_tiles = params.m_blocks * params.band_units;
-    // div_small's range: unit indices below 2^24.
-    EPMOE_CHECK(max_units < (std::int64_t{1} << 24), "too many work units ({}) for one launch (at most 2^24)",
-                max_units);
+    // div_small's range (the contiguous schedule's unit indices): below 2^24.
+    EPMOE_CHECK(params.masked_m != nullptr || max_units < (std::int64_t{1} << 24),
+                "too many work units ({}) for one contiguous launch (at most 2^24)", max_units);
     const std::int64_t last_width =
         n_units - (std::max<std::int64_t>(n_units - 1, 0) / params.band_units) * params.band_units;
     params.inv_band_tiles = 1.0f / static_cast<float>(std::max(params.band_tiles, 1));
@@ -290,8 +290,8 @@ Fp8GemmTrace fp8_grouped_gemm_take_trace() {
   unsigned long long zero[kernels::kFp8TraceWords] = {};
   zero[6] = ~0ull;
   EPMOE_CUDA_CHECK(cudaMemcpyToSymbol(kernels::g_fp8_gemm_trace, zero, sizeof zero));
-  return {sums[0],  sums[1],  sums[2],  sums[3],  sums[4],  sums[5],  sums[8],  sums[9],  sums[10], sums[11],
-          sums[12], sums[13], sums[14], sums[15], sums[16], sums[17], sums[18], sums[19], sums[20], sums[21]};
+  return {sums[0],  sums[1],  sums[2],  sums[3],  sums[4],  sums[5],  sums[8], sums[9],
+          sums[10], sums[11], sums[12], sums[13], sums[14], sums[15], sums[16]};
 }
 
 bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k) {

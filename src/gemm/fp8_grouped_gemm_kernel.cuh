@@ -392,15 +392,9 @@ __device__ __forceinline__ void unswap_pairs(float (&acc)[64]) {
 // tile staged to its epi_done, [11] the store warp's waits for a staged tile, [12] tiles it stored;
 // the traced consumer thread's [13] time from its K loop's end to the tile staged (v12) or stored,
 // [14] its tiles. (Stamps around the consumers' first full-barrier waits of a tile made ptxas spill.)
-// The tile turn, per CTA: [15] the TMA warp's cycles in next() after each tile (the last, failing call
-// included), [16] its waits for K block 0's empty stage, [19] its tiles; with EPMOE_TRACE_SCALE_WARP=1
-// (a diagnostic build) the scale warp's lane 0: [17] its cycles in next() (the first call too), [18]
-// its waits for K block 0's stage, [20] / [21] the copies of K block 0 / K block num_kb / 2 from issue
-// to landing (waited for there: that build's scale warp runs a little later).
-inline constexpr int kFp8TraceWords = 22;
-#ifndef EPMOE_TRACE_SCALE_WARP
-#define EPMOE_TRACE_SCALE_WARP 0
-#endif
+// The tile turn, the TMA warp's lane 0: [15] its cycles in next() after each tile (the last, failing
+// call included), [16] its waits for K block 0's empty stage. (Per tile: [14] counts the tiles.)
+inline constexpr int kFp8TraceWords = 17;
 __device__ unsigned long long g_fp8_gemm_trace[kFp8TraceWords] = {0, 0, 0, 0, 0, 0, ~0ull};
 
 // Named barrier of the two consumer warpgroups before v12's epilogue writes into the stages that
@@ -634,33 +628,20 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           }
           pipe.advance(stages);
         }
-        if (trace_hand_off) {
-          stamp(15, true);
-          atomicAdd(g_fp8_gemm_trace + 19, 1ull);
-        }
+        if (trace_hand_off) stamp(15, true);
         __syncwarp();
       }
       if (trace_hand_off && after_first) stamp(15, false);
     } else if (warp == 1) {
-      // The scale warp's turn stamps exist only in a diagnostic build (EPMOE_TRACE_SCALE_WARP=1): any
-      // code added here made ptxas spill (the producer warpgroup's 40 registers are full).
-      const auto trace_turn = [&] {
-        return EPMOE_TRACE_SCALE_WARP != 0 && (p.ablation & kTraceLoop) != 0 && threadIdx.x == 32;
-      };
-      if (trace_turn()) stamp(17, true);
       while (scheduler.next(tile, p)) {
-        if (trace_turn()) stamp(17, false);
         // This lane's scale sources (32-bit element offsets; the launcher checks they fit): A rows
         // local0 + 32 i of the tile, B wave `lane`.
         const std::int32_t local0 = tile.row0 - tile.seg_row0 + lane;
         std::int32_t sa_off = tile.scale_group * p.sa_group_stride + local0 * p.sa_row_stride;
         const std::int32_t sb_off = (tile.group * (p.n / kGemmWaveN) + tile.n_block * kWaves + lane) * num_kb;
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
-          if (kb == 0 && trace_turn()) stamp(18, true);
           ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
-          if (kb == 0 && trace_turn()) stamp(18, false);
           const std::uint32_t scales = smem_scales + pipe.stage * Traits::kScaleBytes + 4 * lane;
-          if ((kb == 0 || kb == num_kb / 2) && trace_turn()) stamp(kb == 0 ? 20 : 21, true);
           if (kWaves == 1 || (p.ablation & kAblateScales) == 0) {
 #pragma unroll
             for (int i = 0; i < kBlockM / 32; ++i) {
@@ -671,17 +652,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             }
             if (lane < kWaves) ptx::cp_async_4(scales + 4 * kBlockM, p.sb + sb_off + kb);
           }
-          if ((kb == 0 || kb == num_kb / 2) && trace_turn()) {
-            ptx::cp_async_wait_all();
-            stamp(kb == 0 ? 20 : 21, false);
-          }
           ptx::cp_async_mbar_arrive_noinc(full_bar + 8 * pipe.stage);  // once this lane's copies land
           sa_off += p.sa_kb_stride;
           pipe.advance(stages);
         }
-        if (trace_turn()) stamp(17, true);
       }
-      if (trace_turn()) stamp(17, false);
     } else if (warp == 2 && borrowing()) {
       // v12's store warp (see borrowing()): per tile, once the consumers staged it, consumer warp
       // cw's rows (tile rows 16 cw ..) go out as two tensor stores (all 16 valid: lane 0) or as one

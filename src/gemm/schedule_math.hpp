@@ -3,12 +3,7 @@
 
 #include <cstdint>
 
-// (Not cuda/hd.hpp's EPMOE_HD: w4a8_layout.hpp defines its own, and either include order must work.)
-#if defined(__CUDACC__)
-#define EPMOE_SCHEDULE_HD __host__ __device__
-#else
-#define EPMOE_SCHEDULE_HD
-#endif
+#include "cuda/hd.hpp"
 
 namespace epmoe::kernels {
 
@@ -16,7 +11,7 @@ namespace epmoe::kernels {
 // exactly, the float quotient is within one of the true one (d = 1: exact; d >= 2: error <= 2 / d), and
 // one correction step fixes it. Why: a division by a run-time int is ~25 dependent instructions, and
 // a tile turn of the FP8 GEMM had several (bench/NOTES.md, session 35).
-EPMOE_SCHEDULE_HD inline std::int32_t div_small(std::int32_t n, std::int32_t d, float inv) {
+EPMOE_HD inline std::int32_t div_small(std::int32_t n, std::int32_t d, float inv) {
   std::int32_t q = static_cast<std::int32_t>(static_cast<float>(n) * inv);  // truncates toward zero
   const std::int32_t r = n - q * d;
   q += static_cast<std::int32_t>(r >= d) - static_cast<std::int32_t>(r < 0);

@@ -45,9 +45,9 @@
 #include <cstdint>
 
 #if defined(__CUDACC__)
-#define EPMOE_HD __host__ __device__ __forceinline__
+#define EPMOE_W4A8_HD __host__ __device__ __forceinline__
 #else
-#define EPMOE_HD inline
+#define EPMOE_W4A8_HD inline
 #endif
 
 namespace epmoe::w4a8 {
@@ -65,11 +65,11 @@ inline constexpr std::uint32_t kOffsetE4m3x4 = 0x88888888u;
 inline constexpr float kOffsetFactor = -1.0f / 64.0f;
 // The row-sum pre-pass's output (w4a8_row_sums_kernel.cuh), f32 [G][K / 128][sums_rows]: rows padded
 // to a multiple of 32 (the largest decode tile copies 32 consecutive ones).
-EPMOE_HD std::int64_t row_sums_rows(std::int64_t m_max) {
+EPMOE_W4A8_HD std::int64_t row_sums_rows(std::int64_t m_max) {
   return (m_max + 31) / 32 * 32;
 }
-EPMOE_HD std::int64_t row_sums_index(std::int64_t g, std::int64_t num_kb, std::int64_t kb,
-                                     std::int64_t sums_rows, std::int64_t r) {
+EPMOE_W4A8_HD std::int64_t row_sums_index(std::int64_t g, std::int64_t num_kb, std::int64_t kb,
+                                          std::int64_t sums_rows, std::int64_t r) {
   return (g * num_kb + kb) * sums_rows + r;
 }
 // The e4m3 value of code c is c / kCodeScale.
@@ -77,19 +77,19 @@ inline constexpr float kCodeScale = 512.0f;
 inline constexpr std::uint32_t kLowNibbles = 0x0f0f0f0fu;
 
 // The code of v in [-8, 7], and back.
-EPMOE_HD std::uint32_t encode_int4(int v) {
+EPMOE_W4A8_HD std::uint32_t encode_int4(int v) {
   return static_cast<std::uint32_t>(v + 8);
 }
-EPMOE_HD int decode_int4(std::uint32_t c) {
+EPMOE_W4A8_HD int decode_int4(std::uint32_t c) {
   return static_cast<int>(c & 0xfu) - 8;
 }
 
 // The two A-fragment registers of one packed word: e4m3 bytes c · 2^-9 of its low nibbles
 // (register r) and of its high nibbles (register r + 1).
-EPMOE_HD std::uint32_t codes_lo(std::uint32_t w) {
+EPMOE_W4A8_HD std::uint32_t codes_lo(std::uint32_t w) {
   return w & kLowNibbles;
 }
-EPMOE_HD std::uint32_t codes_hi(std::uint32_t w) {
+EPMOE_W4A8_HD std::uint32_t codes_hi(std::uint32_t w) {
   return (w >> 4) & kLowNibbles;
 }
 
@@ -105,19 +105,19 @@ EPMOE_HD std::uint32_t codes_hi(std::uint32_t w) {
 //                                                     byte's bit 3).
 // A sign with magnitude 0 (-0) reads as 0.
 inline constexpr std::uint32_t kSignMagnitudeMask = 0x87878787u;
-EPMOE_HD std::uint32_t sm_codes_lo(std::uint32_t w) {
+EPMOE_W4A8_HD std::uint32_t sm_codes_lo(std::uint32_t w) {
   return w & kSignMagnitudeMask;
 }
-EPMOE_HD std::uint32_t sm_codes_hi(std::uint32_t w) {
+EPMOE_W4A8_HD std::uint32_t sm_codes_hi(std::uint32_t w) {
   return ((w >> 4) | (w << 28)) & kSignMagnitudeMask;
 }
 // Whether a checkpoint byte (two two's-complement int4) holds -8, which the sign-magnitude codes lack.
-EPMOE_HD bool byte_holds_minus8(std::uint32_t b) {
+EPMOE_W4A8_HD bool byte_holds_minus8(std::uint32_t b) {
   return (b & 0x0fu) == 0x08u || (b & 0xf0u) == 0x80u;
 }
 // Byte j of a packed word from its two values and the high value of byte j - 1 (mod 4) of the word
 // (sm), or from its two values alone (offset binary).
-EPMOE_HD std::uint8_t pack_byte(int v_lo, int v_hi, int v_hi_prev, bool sm) {
+EPMOE_W4A8_HD std::uint8_t pack_byte(int v_lo, int v_hi, int v_hi_prev, bool sm) {
   if (!sm) return static_cast<std::uint8_t>(encode_int4(v_lo) | (encode_int4(v_hi) << 4));
   const auto mag = [](int v) { return static_cast<std::uint32_t>(v < 0 ? -v : v) & 7u; };
   return static_cast<std::uint8_t>(mag(v_lo) | (v_hi_prev < 0 ? 8u : 0u) | (mag(v_hi) << 4) |
@@ -125,15 +125,15 @@ EPMOE_HD std::uint8_t pack_byte(int v_lo, int v_hi, int v_hi_prev, bool sm) {
 }
 // The index of the byte whose high value's sign byte `byte` carries (sm: byte j - 1 of its word), and of
 // the byte that carries the sign of `byte`'s high value (byte j + 1).
-EPMOE_HD std::int64_t word_prev_byte(std::int64_t byte) {
+EPMOE_W4A8_HD std::int64_t word_prev_byte(std::int64_t byte) {
   return (byte & ~std::int64_t{3}) | ((byte + 3) & 3);
 }
-EPMOE_HD std::int64_t word_next_byte(std::int64_t byte) {
+EPMOE_W4A8_HD std::int64_t word_next_byte(std::int64_t byte) {
   return (byte & ~std::int64_t{3}) | ((byte + 1) & 3);
 }
 // The value of the low (high = false) or high nibble of packed byte `byte` (bytes: the packed weights,
 // indexed as packed words are aligned).
-EPMOE_HD int unpack_value(const std::uint8_t* bytes, std::int64_t byte, bool high, bool sm) {
+EPMOE_W4A8_HD int unpack_value(const std::uint8_t* bytes, std::int64_t byte, bool high, bool sm) {
   const std::uint32_t b = bytes[byte];
   if (!sm) return decode_int4(b >> (high ? 4 : 0));
   const int m = static_cast<int>((high ? b >> 4 : b) & 7u);
@@ -148,22 +148,22 @@ EPMOE_HD int unpack_value(const std::uint8_t* bytes, std::int64_t byte, bool hig
 // mantissa 0). Per byte, so whole words at once with no carry between bytes (d + 0x81 <= 0x88):
 // about 11 integer instructions per packed word instead of 3, in the converter warpgroup, in exchange
 // for the consumers' offset wgmma and its term in every fold.
-EPMOE_HD std::uint32_t signed_codes_of(std::uint32_t x, std::uint32_t high_bits) {
+EPMOE_W4A8_HD std::uint32_t signed_codes_of(std::uint32_t x, std::uint32_t high_bits) {
   // x: the codes in bits 0-2 of each byte (other bits free); high_bits: bit 3 of each code at bit 0.
   const std::uint32_t nb = ~high_bits & 0x01010101u;
   return nb * 0x81u + ((x ^ (nb * 7u)) & 0x07070707u);
 }
-EPMOE_HD std::uint32_t signed_codes_lo(std::uint32_t w) {
+EPMOE_W4A8_HD std::uint32_t signed_codes_lo(std::uint32_t w) {
   return signed_codes_of(w, w >> 3);
 }
-EPMOE_HD std::uint32_t signed_codes_hi(std::uint32_t w) {
+EPMOE_W4A8_HD std::uint32_t signed_codes_hi(std::uint32_t w) {
   return signed_codes_of(w >> 4, w >> 7);
 }
 
 // Index of chunk (panel, K block kb) among one matrix's chunks (4096 bytes / 64 scales each):
 // groups of kGroupPanels panels, K-block-major inside a group. n_panels = N / 64.
-EPMOE_HD std::int64_t panel_chunk(std::int64_t panel, std::int64_t kb, std::int64_t kb_count,
-                                  std::int64_t n_panels) {
+EPMOE_W4A8_HD std::int64_t panel_chunk(std::int64_t panel, std::int64_t kb, std::int64_t kb_count,
+                                       std::int64_t n_panels) {
   const std::int64_t group = panel / kGroupPanels, within = panel % kGroupPanels;
   const std::int64_t rest = n_panels - group * kGroupPanels;
   const std::int64_t size = rest < kGroupPanels ? rest : kGroupPanels;
@@ -176,7 +176,7 @@ EPMOE_HD std::int64_t panel_chunk(std::int64_t panel, std::int64_t kb, std::int6
 struct TileChunks {
   std::int32_t first, step;
 };
-EPMOE_HD TileChunks tile_chunks(std::int32_t panel0, std::int32_t kb_count, std::int32_t n_panels) {
+EPMOE_W4A8_HD TileChunks tile_chunks(std::int32_t panel0, std::int32_t kb_count, std::int32_t n_panels) {
   const std::int32_t group0 = panel0 / kGroupPanels * kGroupPanels, rest = n_panels - group0;
   return {group0 * kb_count + panel0 - group0, rest < kGroupPanels ? rest : kGroupPanels};
 }
@@ -187,8 +187,8 @@ struct NibblePos {
   std::int64_t byte;
   bool high;
 };
-EPMOE_HD NibblePos packed_position(std::int64_t n, std::int64_t k, std::int64_t kb_count,
-                                   std::int64_t n_rows) {
+EPMOE_W4A8_HD NibblePos packed_position(std::int64_t n, std::int64_t k, std::int64_t kb_count,
+                                        std::int64_t n_rows) {
   const std::int64_t panel = n / kPanelRows, kb = k / kBlockK;
   const int r64 = static_cast<int>(n % kPanelRows), kk = static_cast<int>(k % kBlockK);
   const int w = r64 / 16, g = r64 % 8, rhalf = (r64 % 16) / 8;
@@ -203,7 +203,7 @@ EPMOE_HD NibblePos packed_position(std::int64_t n, std::int64_t k, std::int64_t 
 struct WeightPos {
   std::int64_t n, k;
 };
-EPMOE_HD WeightPos packed_byte_source(std::int64_t byte, std::int64_t kb_count, std::int64_t n_rows) {
+EPMOE_W4A8_HD WeightPos packed_byte_source(std::int64_t byte, std::int64_t kb_count, std::int64_t n_rows) {
   const std::int64_t n_panels = n_rows / kPanelRows;
   const std::int64_t chunk = byte / kPanelBytes, off = byte % kPanelBytes;
   const std::int64_t group = chunk / (kGroupPanels * kb_count), rest = chunk % (kGroupPanels * kb_count);
@@ -217,8 +217,8 @@ EPMOE_HD WeightPos packed_byte_source(std::int64_t byte, std::int64_t kb_count, 
 }
 
 // Index of scale (n, kb) of one group inside that group's packed scales.
-EPMOE_HD std::int64_t packed_scale_index(std::int64_t n, std::int64_t kb, std::int64_t kb_count,
-                                         std::int64_t n_rows) {
+EPMOE_W4A8_HD std::int64_t packed_scale_index(std::int64_t n, std::int64_t kb, std::int64_t kb_count,
+                                              std::int64_t n_rows) {
   return panel_chunk(n / kPanelRows, kb, kb_count, n_rows / kPanelRows) * kPanelRows + n % kPanelRows;
 }
 
@@ -228,11 +228,11 @@ EPMOE_HD std::int64_t packed_scale_index(std::int64_t n, std::int64_t kb, std::i
 // of row + 8. The e4m3 tile is K-major with the 128-byte swizzle (row r at r * 128, its 16-byte chunk c
 // at chunk c ^ (r % 8)), so the 4 bytes of the low nibbles go to the byte offset below inside
 // the panel's 64 rows (8192 bytes), the high nibbles' 1024 bytes further.
-EPMOE_HD std::uint32_t converter_row_base(int t) {
+EPMOE_W4A8_HD std::uint32_t converter_row_base(int t) {
   const int g = (t % 32) / 4, q = t % 4;
   return static_cast<std::uint32_t>((16 * (t / 32) + g) * kBlockK + 16 * g + 4 * q);
 }
-EPMOE_HD std::uint32_t converter_store_offset(int t, int u) {
+EPMOE_W4A8_HD std::uint32_t converter_store_offset(int t, int u) {
   return converter_row_base(t) ^ static_cast<std::uint32_t>(16 * u);  // flips chunk bits 4-6 only
 }
 
@@ -245,7 +245,7 @@ EPMOE_HD std::uint32_t converter_store_offset(int t, int u) {
 // are picked so that every quarter warp's 16-byte load covers 32 distinct banks: rows g and g + 1
 // are 128 bytes apart (the same banks), so odd rows start at the row's other half. Byte offset
 // inside a 16-row slice of the tile for load i (0, 1) of row g + 8 half.
-EPMOE_HD std::uint32_t offset_warp_load(int lane, int half, int i) {
+EPMOE_W4A8_HD std::uint32_t offset_warp_load(int lane, int half, int i) {
   const int g = lane / 4, q = lane % 4;
   const int chunk = (q + 4 * (g % 2)) ^ (4 * i);
   return static_cast<std::uint32_t>((g + 8 * half) * kBlockK + 16 * chunk);
@@ -259,7 +259,7 @@ EPMOE_HD std::uint32_t offset_warp_load(int lane, int half, int i) {
 // call 174), where it is at least 4 CTAs (groups of ~4096 rows and more have too few half tiles: 1-3
 // CTAs of them were 1-9% slower than none on 8 x 4096 and 4 x 8192, calls 175-176; bench/NOTES.md).
 // (The device code's min / max: with std::min / std::max the wide kernels grew by 16 instructions.)
-EPMOE_HD std::int32_t half_tile_ctas(std::int32_t pairs, std::int32_t halves, std::int32_t grid) {
+EPMOE_W4A8_HD std::int32_t half_tile_ctas(std::int32_t pairs, std::int32_t halves, std::int32_t grid) {
   const std::int64_t whole = 5 * static_cast<std::int64_t>(pairs),
                      half = 3 * static_cast<std::int64_t>(halves);
   if (half == 0) return 0;

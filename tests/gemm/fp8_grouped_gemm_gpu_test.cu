@@ -696,8 +696,7 @@ TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
     EXPECT_EQ(t.consumer_tiles, static_cast<std::uint64_t>(tiles));
     EXPECT_GT(t.epilogue_cycles, 0u);
     EXPECT_EQ(t.stored_tiles, block_m == 128 ? static_cast<std::uint64_t>(tiles) : 0u);
-    // The TMA warp counts its tiles, and every CTA's next() after its last tile takes some cycles.
-    EXPECT_EQ(t.turns, static_cast<std::uint64_t>(tiles));
+    // Every CTA's next() after its last tile takes some cycles.
     EXPECT_GT(t.producer_turn_cycles, 0u);
     EXPECT_GE(t.ctas, 1u);
     EXPECT_GT(t.span_ns, 0u);

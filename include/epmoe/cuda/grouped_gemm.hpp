@@ -162,11 +162,9 @@ struct Fp8GemmTrace {
                 stored_tiles = 0;
   // The traced consumer thread: its epilogue (K loop end to the tile staged or stored), its tiles.
   std::uint64_t epilogue_cycles = 0, consumer_tiles = 0;
-  // The tile turn: the TMA warp's cycles in next() after each tile, its waits for K block 0's stage,
-  // its tiles; the scale warp's next() cycles, K block 0 waits and copies of K block 0 and of a middle
-  // K block (issue to landing) only in a build with EPMOE_TRACE_SCALE_WARP=1 (else 0).
-  std::uint64_t producer_turn_cycles = 0, producer_kb0_wait_cycles = 0, scale_turn_cycles = 0,
-                scale_kb0_wait_cycles = 0, turns = 0, scale_kb0_copy_cycles = 0, scale_mid_copy_cycles = 0;
+  // The tile turn: the TMA warp's cycles in next() after each tile and its waits for K block 0's stage
+  // (per tile: consumer_tiles).
+  std::uint64_t producer_turn_cycles = 0, producer_kb0_wait_cycles = 0;
 };
 Fp8GemmTrace fp8_grouped_gemm_take_trace();
 
