@@ -6,6 +6,10 @@
 # tool carries). Trees after B are named c, d, ... and get only the CLI and the bench (and AB_RUN).
 #
 # Usage: scripts/ab-device.sh OUTDIR A.tar B.tar [C.tar ...]   (on the device: ... "$OUT" ...)
+#        scripts/ab-device.sh OUTDIR --prebuilt BINS.tgz      (no build there: ~150 s of device time saved)
+# --prebuilt: BINS.tgz (scripts/ab-pack.sh) holds trees a/, b/, ... of binaries built on the CPU machine
+# for sm_90a: build-gpu/{bin/epmoe, libepmoe.so} and, in b/, build-gpu/tests/epmoe_gpu_tests. Every
+# binary runs with its tree's build-gpu first on LD_LIBRARY_PATH (their RUNPATH names the CPU machine's).
 # Read the result with scripts/ab-table.py (tables; --json writes the bench/results file). A tree with
 # a patch of bench/experiments/: git worktree add /tmp/tb main && git -C /tmp/tb apply PATCH... &&
 # tar -C /tmp/tb --exclude=.git -cf .carry/b.tar .
@@ -26,12 +30,18 @@
 set -uo pipefail
 out=${1:?usage: scripts/ab-device.sh OUTDIR A.tar B.tar}
 shift
-tars=()
-for f in "${@:?A.tar B.tar}"; do tars+=("$(realpath "$f")"); done
-((${#tars[@]} >= 2)) || { echo "need A.tar and B.tar" >&2; exit 2; }
 names=(a b c d e f)
-((${#tars[@]} <= ${#names[@]})) || { echo "at most ${#names[@]} trees" >&2; exit 2; }
-trees=("${names[@]:0:${#tars[@]}}")
+tars=()
+prebuilt=
+if [[ ${1:-} == --prebuilt ]]; then
+  prebuilt=$(realpath "${2:?--prebuilt BINS.tgz}")
+  mapfile -t trees < <(tar -tzf "$prebuilt" | sed -n 's#^\(\./\)\{0,1\}\([a-f]\)/build-gpu/bin/epmoe$#\2#p' | sort)
+else
+  for f in "${@:?A.tar B.tar}"; do tars+=("$(realpath "$f")"); done
+  ((${#tars[@]} <= ${#names[@]})) || { echo "at most ${#names[@]} trees" >&2; exit 2; }
+  trees=("${names[@]:0:${#tars[@]}}")
+fi
+((${#trees[@]} >= 2)) && [[ ${trees[1]} == b ]] || { echo "need trees a and b" >&2; exit 2; }
 mkdir -p "$out/x"
 out=$(cd "$out" && pwd)
 x=$out/x
@@ -43,24 +53,35 @@ stamp() { echo "== $1 ($((SECONDS - start)) s)"; }
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv,noheader || true
 
 work=$(mktemp -d)
-for i in "${!trees[@]}"; do
-  mkdir -p "$work/${trees[$i]}"
-  tar -xf "${tars[$i]}" -C "$work/${trees[$i]}"
-done
-jobs=$((16 / ${#trees[@]}))
-stamp build
-build() {  # build TREE TARGETS...
-  local t=$1
-  shift
-  (cd "$work/$t" && cmake --preset gpu > "$x/cfg_$t.log" 2>&1 &&
-    cmake --build --preset gpu -j "$jobs" --target "$@" > "$x/build_$t.log" 2>&1)
-  echo "build $t rc $?"
+# Each tree's binaries with its own library (LD_LIBRARY_PATH beats a prebuilt binary's RUNPATH).
+epmoe() {  # epmoe SECONDS TREE ARGS...: tree TREE's CLI under timeout SECONDS
+  local limit=$1 t=$2
+  shift 2
+  LD_LIBRARY_PATH="$work/$t/build-gpu:${LD_LIBRARY_PATH:-}" timeout "$limit" "$work/$t/build-gpu/bin/epmoe" "$@"
 }
-for t in "${trees[@]}"; do
-  if [[ $t == b ]]; then build b epmoe_cli epmoe_gpu_tests & else build "$t" epmoe_cli & fi
-done
-wait
-stamp built
+export LD_LIBRARY_PATH="$work/b/build-gpu:${LD_LIBRARY_PATH:-}"  # tree b's tests, sanitizers, AB_AFTER
+if [[ -n $prebuilt ]]; then
+  tar -xzf "$prebuilt" -C "$work"
+else
+  for i in "${!trees[@]}"; do
+    mkdir -p "$work/${trees[$i]}"
+    tar -xf "${tars[$i]}" -C "$work/${trees[$i]}"
+  done
+  jobs=$((16 / ${#trees[@]}))
+  stamp build
+  build() {  # build TREE TARGETS...
+    local t=$1
+    shift
+    (cd "$work/$t" && cmake --preset gpu > "$x/cfg_$t.log" 2>&1 &&
+      cmake --build --preset gpu -j "$jobs" --target "$@" > "$x/build_$t.log" 2>&1)
+    echo "build $t rc $?"
+  }
+  for t in "${trees[@]}"; do
+    if [[ $t == b ]]; then build b epmoe_cli epmoe_gpu_tests & else build "$t" epmoe_cli & fi
+  done
+  wait
+  stamp built
+fi
 for t in "${trees[@]}"; do
   [[ -x $work/$t/build-gpu/bin/epmoe ]] || { tail -n 30 "$x/build_$t.log"; exit 1; }
 done
@@ -78,7 +99,7 @@ export EPMOE_BENCH_GEMM_ONLY=${AB_ONLY-contiguous} EPMOE_BENCH_GEMM_VARIANTS=${A
 export EPMOE_BENCH_GEMM_ROUNDS=${AB_ROUNDS:-1}
 for rep in $(seq 1 "${AB_REPS:-2}"); do
   for t in "${trees[@]}"; do
-    timeout 200 "$work/$t/build-gpu/bin/epmoe" bench gemm --quant "${AB_QUANT:-w4a8}" --quick \
+    epmoe 200 "$t" bench gemm --quant "${AB_QUANT:-w4a8}" --quick \
       --json "$x/ab_${t}_$rep.json" > "$x/ab_${t}_$rep.log" 2>&1
     echo "bench $t $rep rc $?"
   done
@@ -91,7 +112,7 @@ if [[ -n ${AB_TRACE_ROWS:-} ]]; then
       for t in "${trees[@]}"; do
         EPMOE_BENCH_GEMM_TRACE=1 EPMOE_BENCH_GEMM_EXPERIMENTS=1 EPMOE_BENCH_GEMM_ONLY=contiguous \
           EPMOE_BENCH_GEMM_ROW=$row EPMOE_BENCH_GEMM_VARIANTS=${AB_TRACE_LINES:-main} \
-          timeout 100 "$work/$t/build-gpu/bin/epmoe" bench gemm --quant "${AB_QUANT:-w4a8}" --quick \
+          epmoe 100 "$t" bench gemm --quant "${AB_QUANT:-w4a8}" --quick \
           --json "$x/tr_${t}_${row}_$rep.json" > "$x/tr_${t}_${row}_$rep.log" 2>&1
         echo "traced $t $row $rep rc $?"
       done
@@ -102,7 +123,7 @@ fi
 if [[ ${AB_RUN:-0} == 1 ]]; then
   stamp run
   for t in "${trees[@]}"; do
-    timeout 120 "$work/$t/build-gpu/bin/epmoe" run --quant "${AB_QUANT:-w4a8}" --steps 20 \
+    epmoe 120 "$t" run --quant "${AB_QUANT:-w4a8}" --steps 20 \
       --json "$x/run_$t.json" > "$x/run_$t.log" 2>&1
     echo "run $t rc $?"
     grep -E "^  (prefill|decode) |^check" "$x/run_$t.log" | cut -c1-140

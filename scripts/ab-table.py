@@ -17,7 +17,8 @@ import statistics
 
 TRACE_KEYS = [
     "loop_cycles_per_tile", "producer_turn_per_tile", "producer_kb0_wait_per_tile", "consumer_turn_per_tile",
-    "consumer_kb0_wait_per_tile", "epilogue_per_tile", "epi_done_wait_per_tile", "empty_wait_per_tile",
+    "consumer_kb0_wait_per_tile", "epilogue_per_tile", "store_per_tile", "epi_done_wait_per_tile",
+    "empty_wait_per_tile",
 ]
 NAME = re.compile(r"(ab|abl|tr)_([a-z])_(?:(\S+)_)?(\d+)\.json$")
 
