@@ -64,6 +64,17 @@ inline constexpr int kGemmWaveN = 128;   // columns per wgmma wave (one weight-s
 inline constexpr int kGemmBandColumns = 1024;
 inline constexpr int kGemmSmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
 
+// v13's tile ring (bench/NOTES.md, session 35): the producer warpgroup's otherwise idle warp 3 walks
+// the schedule up to kTileSlots tiles ahead of the TMA, scale and store warps and hands each tile over
+// in shared memory. Walking it themselves (next(): in the contiguous layout a dependent read of
+// m_indices and two warp reductions) took the TMA warp ~2 800 cycles at every tile turn under load,
+// measured, and K block 0's loads waited for it. Per slot: the tile (32 bytes), "full" and "empty"
+// barriers (8 bytes each).
+// (Four slots: with fewer K blocks per tile than stages the producers run several tiles ahead.)
+inline constexpr int kTileSlots = 4;
+inline constexpr int kTileSlotBytes = 64;
+inline constexpr int kTileRingBytes = kTileSlots * (kTileSlotBytes + 16);
+
 template <int kBlockM, int kBlockN>
 struct GemmTraits {
   static_assert((kBlockM == 64 || kBlockM == 128) && (kBlockN == 128 || kBlockN == 256));
@@ -77,13 +88,18 @@ struct GemmTraits {
   // Per stage: sa of the tile's rows, then sb of its waves (padded to 16 bytes).
   static constexpr int kScaleFloats = kBlockM + 4;
   static constexpr int kScaleBytes = kScaleFloats * 4;
-  // Per consumer warp: the next unit's m_indices (contiguous layout), copied a tile ahead.
+  // Per consumer warp, before v13: the next unit's m_indices, copied a tile ahead. Unused since the
+  // consumers read the tile ring, and kept as measured: the consumers address staged_bar and the row
+  // masks at a compile-time distance past it, and moving them changed ptxas's register allocation
+  // (a spill, bench/NOTES.md session 36); reclaiming these bytes needs a device run.
   static constexpr int kIdsBytes = kConsumers * 4 * kBlockM * 4;
   // 1024 bytes of slack to align the swizzled tiles, the tiles, the scales, the barriers, the ids.
-  // 96 more for v12's two barriers and eight consumer warps' row masks.
+  // 96 more for v12's two barriers and eight consumer warps' row masks, then v13's tile ring.
+  static constexpr int kTailBytes = 96 + kTileRingBytes;
   static constexpr int kStages =
-      std::min(8, (kGemmSmemBudget - 1024 - kIdsBytes - 96) / (kStageBytes + kScaleBytes + 16));
-  static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + kScaleBytes + 16) + kIdsBytes + 96;
+      std::min(8, (kGemmSmemBudget - 1024 - kIdsBytes - kTailBytes) / (kStageBytes + kScaleBytes + 16));
+  static constexpr int kSmemBytes =
+      1024 + kStages * (kStageBytes + kScaleBytes + 16) + kIdsBytes + kTailBytes;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 };
@@ -170,39 +186,37 @@ struct GemmTile {
 // every lane of the calling warp must call it (the contiguous layout reduces a block's m_indices
 // over the warp). Only the walking state lives in registers; the problem is read from the
 // (grid-constant) kernel parameters.
-// kLookahead (the consumers): in the contiguous layout, the m_indices of the next unit are copied
-// (cp.async) into this warp's shared-memory slot `ids_slot` (kBlockM words) when a unit is handed
-// out, so their latency (a dependent global load at every tile start, the tensor cores idle)
-// passes during the current tile's K loop, in no register.
-template <int kBlockM, int kBlockN, bool kLookahead = false>
+// Walked by one warp only since v13 (TileRing::write_all), which hands the tiles to the others.
+template <int kBlockM, int kBlockN>
 class GemmScheduler {
  public:
-  __device__ explicit GemmScheduler(const GroupedGemmParams& p, std::uint32_t ids_slot = 0)
-      : t_(static_cast<std::int32_t>(blockIdx.x >> (p.cluster - 1))),  // (cluster: 1 or 2)
-        rank_(static_cast<std::int32_t>(blockIdx.x & static_cast<unsigned>(p.cluster - 1))),
-        ids_slot_(ids_slot) {
-    if (p.masked_m != nullptr) {
-      load_segment(p);
-    } else if constexpr (kLookahead) {
-      copy_ids(p, t_);
-    }
+  __device__ explicit GemmScheduler(const GroupedGemmParams& p)
+      : t_(static_cast<std::int32_t>(blockIdx.x >> (p.cluster - 1))) {  // (cluster: 1 or 2)
+    if (p.masked_m != nullptr) load_segment(p);
   }
 
-  __device__ __forceinline__ bool next(GemmTile& tile, const GroupedGemmParams& p) {
-    std::uint32_t rows = 0;
-    return p.masked_m != nullptr ? next_masked(tile, p) : next_contiguous(tile, p, -1, rows);
-  }
-  // The same, and (contiguous layout) which rows of the tile's 32-row word `word` belong to its
-  // group: bit l of `rows` is tile row 32 word + l (the masked layout leaves `rows` as it is; its
-  // rows are valid below tile.row_end). Saves the consumers a second dependent load of m_indices
-  // per tile. In a split tile (split_tile) the word is `word % 2`: the consumers both take the
-  // tile's first 64 rows, consumer 1's warps those of consumer 0's.
-  __device__ __forceinline__ bool next(GemmTile& tile, const GroupedGemmParams& p, int word,
-                                       std::uint32_t& rows) {
-    return p.masked_m != nullptr ? next_masked(tile, p) : next_contiguous(tile, p, word, rows);
+  // The next tile of this CTA, or false at the end, and the valid rows of each of its 32-row words:
+  // bit l of rows[i] is tile row 32 i + l, in both layouts (contiguous: the rows of the tile's group;
+  // masked: the rows below tile.row_end).
+  __device__ __forceinline__ bool next_all_rows(GemmTile& tile, const GroupedGemmParams& p,
+                                                std::uint32_t (&rows)[kBlockM / 32]) {
+    if (p.masked_m == nullptr) return next_contiguous(tile, p, rows);
+    if (!next_masked(tile, p)) return false;
+#pragma unroll
+    for (int i = 0; i < kBlockM / 32; ++i) {
+      const std::int32_t n = tile.row_end - (tile.row0 + 32 * i);
+      rows[i] = n >= 32 ? ~0u : (n <= 0 ? 0u : (1u << n) - 1u);
+    }
+    return true;
   }
 
  private:
+  // This CTA's place in its cluster (re-read per tile rather than held: a register more in the
+  // consumers' scheduler state made ptxas spill it).
+  __device__ __forceinline__ static std::int32_t rank(const GroupedGemmParams& p) {
+    return static_cast<std::int32_t>(blockIdx.x & static_cast<unsigned>(p.cluster - 1));  // (1 or 2)
+  }
+
   // Contiguous: bands of p.band_units n-units (kGemmBandColumns by default); inside a band the
   // n-units vary fastest, so a wave of CTAs shares a few A blocks and one band of B.
 
@@ -226,32 +240,12 @@ class GemmScheduler {
 #pragma unroll
     for (int i = 0; i < kBlockM / 32; ++i) {
       const std::int32_t row = m_block * kBlockM + i * 32 + lane;
-      if constexpr (kLookahead) {
-        // Copied by this lane (copy_ids) for this unit: wait for them (no other cp.async here).
-        if (i == 0) ptx::cp_async_wait_all();
-        ids[i] = row < p.rows ? ptx::ld_shared_s32(ids_slot_ + 4 * (i * 32 + lane)) : -1;
-      } else {
-        ids[i] = row < p.rows ? __ldg(p.m_indices + row) : -1;
-      }
+      ids[i] = row < p.rows ? __ldg(p.m_indices + row) : -1;
     }
   }
 
-  // kLookahead: starts copying unit t's m_indices (the rows below p.rows) into this lane's words of
-  // the slot. Called only once the slot's previous contents are in registers and used (reduced).
-  __device__ __forceinline__ void copy_ids(const GroupedGemmParams& p, std::int32_t t) const {
-    if (t >= p.total_units) return;
-    const int lane = static_cast<int>(threadIdx.x % 32);
-    std::int32_t m_block, n_unit;
-    unit(p, t, m_block, n_unit);
-#pragma unroll
-    for (int i = 0; i < kBlockM / 32; ++i) {
-      const std::int32_t row = m_block * kBlockM + i * 32 + lane;
-      if (row < p.rows) ptx::cp_async_4(ids_slot_ + 4 * (i * 32 + lane), p.m_indices + row);
-    }
-  }
-
-  __device__ __forceinline__ bool next_contiguous(GemmTile& tile, const GroupedGemmParams& p, int word,
-                                                  std::uint32_t& rows) {
+  __device__ __forceinline__ bool next_contiguous(GemmTile& tile, const GroupedGemmParams& p,
+                                                  std::uint32_t (&rows)[kBlockM / 32]) {
     const int lane = static_cast<int>(threadIdx.x % 32);
     while (t_ < p.total_units) {
       const std::int32_t t = t_;
@@ -264,8 +258,6 @@ class GemmScheduler {
 #pragma unroll
       for (int i = 0; i < kBlockM / 32; ++i) g = max(g, ids[i]);
       g = __reduce_max_sync(0xffffffffu, g);
-      if constexpr (kLookahead)
-        copy_ids(p, t_);                     // the next unit's (the slot's words are read: g needed them)
       if (g < 0 || g >= p.groups) continue;  // padding only (or ids out of range): nothing to do
       std::int32_t last = 0;
 #pragma unroll
@@ -273,15 +265,9 @@ class GemmScheduler {
         if (ids[i] == g) last = i * 32 + lane + 1;
       }
       last = __reduce_max_sync(0xffffffffu, last);
-      if (word >= 0) {
-        const int w = split_tile<kBlockM, kBlockN>(p, last) ? word % 2 : word;
 #pragma unroll
-        for (int i = 0; i < kBlockM / 32; ++i) {
-          const std::uint32_t mine = __ballot_sync(0xffffffffu, ids[i] == g);
-          if (i == w) rows = mine;
-        }
-      }
-      tile = GemmTile{g, n_unit * p.cluster + rank_, row0, 0, p.rows, 0, last};
+      for (int i = 0; i < kBlockM / 32; ++i) rows[i] = __ballot_sync(0xffffffffu, ids[i] == g);
+      tile = GemmTile{g, n_unit * p.cluster + rank(p), row0, 0, p.rows, 0, last};
       return true;
     }
     return false;
@@ -307,7 +293,7 @@ class GemmScheduler {
     const std::int32_t n_unit = m_slowest ? r - m_block * p.n_units : r / seg_m_blocks_;
     const std::int32_t seg_row0 = g_ * p.rows;
     tile = GemmTile{g_,
-                    n_unit * p.cluster + rank_,
+                    n_unit * p.cluster + rank(p),
                     seg_row0 + m_block * kBlockM,
                     seg_row0,
                     seg_row0 + seg_count_,
@@ -322,9 +308,8 @@ class GemmScheduler {
     seg_tiles_ = seg_m_blocks_ * p.n_units;
   }
 
-  std::int32_t t_, rank_;
+  std::int32_t t_;
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
-  std::uint32_t ids_slot_;  // kLookahead: this warp's kBlockM words of shared memory
 };
 
 __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
@@ -354,6 +339,115 @@ struct PipeState {
       phase ^= 1u;
     }
   }
+};
+
+// v13's tile ring (kTileSlots above) at shared address `base`: slot s's words at base + 32 s, then the
+// slots' "full" barriers, then their "empty" ones. A slot holds what the readers need of a tile,
+// derived by the writer (warp 3) so that the readers, at the edge of their 40 registers, hold no more
+// than before: the words below, kMore 0 marking the end of the schedule. Every lane of a reading warp
+// calls next().
+class TileRing {
+ public:
+  // try_wait rounds before a consumer gives up on a slot (each suspends the thread up to a hardware
+  // time limit, so this is far beyond the producers' 10-second watchdog).
+  static constexpr std::uint32_t kRingSpinLimit = 1u << 30;
+
+  enum Word : int {
+    kNBlock,    // tile.n_block
+    kRow0,      // tile.row0
+    kBRow,      // B's first row: group * N + n_block * kBlockN
+    kRowsUsed,  // tile.rows_used
+    kSaBase,    // A-scale offset of the tile's first row (its K block 0)
+    kSbBase,    // B-scale offset of the tile's first wave (its K block 0)
+    kMore,      // 1: a tile; 0: the end
+    kRows = 8,  // kBlockM / 32 words: the valid rows of each 32-row word (bit l: row 32 i + l)
+  };
+
+  __device__ static constexpr std::uint32_t full(std::uint32_t base, std::uint32_t slot) {
+    return base + kTileSlotBytes * kTileSlots + 8u * slot;
+  }
+  __device__ static constexpr std::uint32_t empty(std::uint32_t base, std::uint32_t slot) {
+    return base + (kTileSlotBytes + 8) * kTileSlots + 8u * slot;
+  }
+
+  __device__ explicit TileRing(std::uint32_t base) : base_(base) {}
+
+  // The reading end: words kFirst .. kFirst + kCount - 1 of the next tile, or false at the end.
+  template <int kFirst, int kCount>
+  __device__ __forceinline__ bool next(std::int32_t (&words)[kCount]) {
+    static_assert(kFirst >= 0 && kFirst + kCount <= kMore);
+    const std::uint32_t slot = count_ % kTileSlots;
+    ptx::mbar_wait(full(base_, slot), (count_ / kTileSlots) & 1u);
+    const std::uint32_t at = base_ + kTileSlotBytes * slot;
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) words[i] = ptx::ld_shared_s32(at + 4u * (kFirst + i));
+    const bool more = ptx::ld_shared_s32(at + 4u * kMore) != 0;
+    ptx::mbar_arrive(empty(base_, slot));  // (release: the reads above come first)
+    ++count_;
+    return more;
+  }
+
+  // The consumers' reading end: the tile's n-block, first row and rows used, and the valid rows of
+  // 32-row words `word` and `word % 2` (a split tile's).
+  __device__ __forceinline__ bool next_rows(std::int32_t& n_block, std::int32_t& row0,
+                                            std::int32_t& rows_used, std::uint32_t& rows,
+                                            std::uint32_t& split_rows, std::uint32_t word) {
+    const std::uint32_t slot = count_ % kTileSlots;
+    // Bounded without a trap here (mbar_wait's watchdog, or a counter and a trap, made ptxas spill the
+    // consumers' accumulators, 2.4 KB): past the bound the consumer stops as at the schedule's end,
+    // and the producers' watchdogs, waiting on stages it never frees, fail the launch.
+    for (std::uint32_t i = 0; !ptx::mbar_try_wait(full(base_, slot), (count_ / kTileSlots) & 1u); ++i) {
+      if (i == kRingSpinLimit) return false;
+    }
+    const std::uint32_t at = base_ + kTileSlotBytes * slot;
+    const uint4 head = ptx::ld_shared_v4(at);  // kNBlock, kRow0, kBRow, kRowsUsed
+    const bool more = ptx::ld_shared_s32(at + 4u * kMore) != 0;
+    n_block = static_cast<std::int32_t>(head.x);
+    row0 = static_cast<std::int32_t>(head.y);
+    rows_used = static_cast<std::int32_t>(head.w);
+    rows = static_cast<std::uint32_t>(ptx::ld_shared_s32(at + 4u * (kRows + word)));
+    split_rows = static_cast<std::uint32_t>(ptx::ld_shared_s32(at + 4u * (kRows + word % 2u)));
+    ptx::mbar_arrive(empty(base_, slot));  // (release: the reads above come first)
+    ++count_;
+    return more;
+  }
+
+  // The writing end (warp 3, every lane): walks the whole schedule, then writes the end.
+  template <int kBlockM, int kBlockN>
+  __device__ __forceinline__ void write_all(const GroupedGemmParams& p) {
+    GemmScheduler<kBlockM, kBlockN> scheduler(p);
+    const bool writer = threadIdx.x % 32 == 0;
+    const std::int32_t num_kb = p.k / kGemmBlockK;
+    for (;;) {
+      GemmTile tile{};
+      std::uint32_t rows[kBlockM / 32] = {};
+      const bool more = scheduler.next_all_rows(tile, p, rows);  // before the slot is free: overlaps
+      const std::uint32_t slot = count_ % kTileSlots;
+      ptx::mbar_wait(empty(base_, slot), ((count_ / kTileSlots) & 1u) ^ 1u);
+      if (writer) {
+        const std::uint32_t at = base_ + kTileSlotBytes * slot;
+        const std::int32_t sa_base =
+            tile.scale_group * p.sa_group_stride + (tile.row0 - tile.seg_row0) * p.sa_row_stride;
+        const std::int32_t sb_base =
+            (tile.group * (p.n / kGemmWaveN) + tile.n_block * (kBlockN / kGemmWaveN)) * num_kb;
+        ptx::st_shared_v4(at, static_cast<std::uint32_t>(tile.n_block), static_cast<std::uint32_t>(tile.row0),
+                          static_cast<std::uint32_t>(tile.group * p.n + tile.n_block * kBlockN),
+                          static_cast<std::uint32_t>(tile.rows_used));
+        ptx::st_shared_v4(at + 16u, static_cast<std::uint32_t>(sa_base), static_cast<std::uint32_t>(sb_base),
+                          more ? 1u : 0u, 0u);
+#pragma unroll
+        for (int i = 0; i < kBlockM / 32; ++i) ptx::st_shared_u32(at + 4u * (kRows + i), rows[i]);
+        ptx::mbar_arrive(full(base_, slot));  // (release: the stores above come first)
+      }
+      __syncwarp();
+      ++count_;
+      if (!more) return;
+    }
+  }
+
+ private:
+  std::uint32_t base_;
+  std::uint32_t count_ = 0;  // tiles read (written): slot count_ % kTileSlots, its parity the next bit
 };
 
 // acc += (sa·sw) · part on row a (elements 4j, 4j+1) and (sb·sw) · part on row b (4j+2, 4j+3), with
@@ -508,6 +602,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const std::uint32_t epi_done_bar = smem_ids + Traits::kIdsBytes;             // 8 bytes (v12)
   const std::uint32_t staged_bar = epi_done_bar + 8;                           // 8 bytes (v12)
   const std::uint32_t smem_row_masks = staged_bar + 8;                         // 8 warps x 4 bytes (v12)
+  const std::uint32_t tile_ring = smem_row_masks + 32;                         // kTileRingBytes (v13)
+  static_assert(Traits::kIdsBytes % 16 == 0);                                  // (the slots 16-aligned)
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -520,6 +616,12 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const bool trace = (p.ablation & kTraceLoop) != 0 && threadIdx.x == 128;
   if (trace) atomicMin(g_fp8_gemm_trace + 6, static_cast<unsigned long long>(ptx::global_timer_ns()));
 
+  // Whether v12 runs (see below; read from the parameters where needed, not held in a register).
+  const auto borrowing = [&] {
+    return kWaves == 2 && kStages >= 4 && p.borrow_epilogue != 0 && p.cluster == 1 && p.pingpong == 0 &&
+           p.skew == 0 && p.split_tiles == 0 && p.vector_epilogue != 0 && (p.ablation & ~kTraceLoop) == 0 &&
+           p.unroll != 0 && p.stages == kStages && num_kb % kStages == 0;
+  };
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -529,6 +631,13 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     }
     ptx::mbar_init(epi_done_bar, 1);                                          // the store warp's lane 0
     ptx::mbar_init(staged_bar, Traits::kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
+    for (int s = 0; s < kTileSlots; ++s) {
+      const auto slot = static_cast<std::uint32_t>(s);
+      ptx::mbar_init(TileRing::full(tile_ring, slot), 1);  // warp 3's lane 0
+      // Every lane of the TMA and scale warps, of the store warp when it runs, and of every consumer warp.
+      ptx::mbar_init(TileRing::empty(tile_ring, slot),
+                     ((borrowing() ? 3 : 2) + Traits::kConsumers * 4) * ptx::kWarpArrivals);
+    }
     ptx::fence_barrier_init();
   }
   if (threadIdx.x == 32) {
@@ -556,19 +665,13 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   // stay untouched), and arrives on epi_done_bar once the stores have read shared memory. The
   // producer loads the next tile's K blocks into the first kStages - 2 stages as usual and waits on
   // epi_done_bar before the ones that go into the borrowed two.
-  // (Read from the parameters where needed, not held in a register.) The unrolled loop's
-  // condition included: every tile starts at stage 0.
-  const auto borrowing = [&] {
-    return kWaves == 2 && kStages >= 4 && p.borrow_epilogue != 0 && p.cluster == 1 && p.pingpong == 0 &&
-           p.skew == 0 && p.split_tiles == 0 && p.vector_epilogue != 0 && (p.ablation & ~kTraceLoop) == 0 &&
-           p.unroll != 0 && p.stages == kStages && num_kb % kStages == 0;
-  };
+  // borrowing() (above) includes the unrolled loop's condition: every tile starts at stage 0.
   if (warp < 4) {
     // ------------------------------------------------------------ producer warpgroup
-    // Warp 0 issues the TMA loads, warp 1 copies the scales; both walk the same schedule.
+    // Warp 0 issues the TMA loads, warp 1 copies the scales (warp 2 stores, v12); warp 3 walks the
+    // schedule and hands them its tiles (v13's tile ring).
     if constexpr (Traits::kConsumers > 1) ptx::setmaxnreg_dec<Traits::kProducerRegs>();
-    GemmScheduler<kBlockM, kBlockN> scheduler(p);
-    GemmTile tile;
+    TileRing ring(tile_ring);
     PipeState pipe;
     // The tile-turn trace's stamps go straight into the sums, a start negated: no register held.
     const auto stamp = [](int word, bool start) {
@@ -577,18 +680,21 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     };
     if ((p.ablation & kAblatePipe) != 0) {
       // timing ablation: no producer work
+    } else if (warp == 3) {
+      ring.write_all<kBlockM, kBlockN>(p);
     } else if (warp == 0) {
       // v12: from the second tile on, the borrowed stages' loads wait for the consumers' epi_done.
       bool after_first = false;
       std::uint32_t epi_phase = 0;
       const bool trace_hand_off = (p.ablation & kTraceLoop) != 0 && lane == 0;
-      while (scheduler.next(tile, p)) {
+      std::int32_t w[3];  // TileRing::kRow0, kBRow, kRowsUsed
+      while (ring.next<TileRing::kRow0, 3>(w)) {
         if (trace_hand_off && after_first) stamp(15, false);
-        const std::int32_t b_row = tile.group * p.n + tile.n_block * kBlockN;
+        const std::int32_t row0 = w[0], b_row = w[1], rows_used = w[2];
         // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest
         // of the A tile in shared memory is stale, and feeds only rows that are never stored.
         // (Never in a cluster, where tma_a_part is this CTA's 64-row half of A.)
-        const bool small = tile.rows_used <= p.a_small_rows;
+        const bool small = rows_used <= p.a_small_rows;
         const CUtensorMap* map_a = small ? &tma_a_part : &tma_a;
         const std::uint32_t bytes =
             small ? p.a_small_rows * kGemmBlockK + Traits::kBBytes : Traits::kStageBytes;
@@ -618,10 +724,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
               if (clustered) {
                 ptx::tma_load_2d_multicast(smem_a + pipe.stage * Traits::kABytes + rank * Traits::kAHalfBytes,
                                            &tma_a_part, full, kb * kGemmBlockK,
-                                           tile.row0 + static_cast<std::int32_t>(rank) * (kBlockM / 2), 0x3);
+                                           row0 + static_cast<std::int32_t>(rank) * (kBlockM / 2), 0x3);
               } else {
-                ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, kb * kGemmBlockK,
-                                 tile.row0);
+                ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, kb * kGemmBlockK, row0);
               }
               ptx::tma_load_2d(smem_b + pipe.stage * Traits::kBBytes, &tma_b, full, kb * kGemmBlockK, b_row);
             }
@@ -633,12 +738,13 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       }
       if (trace_hand_off && after_first) stamp(15, false);
     } else if (warp == 1) {
-      while (scheduler.next(tile, p)) {
+      std::int32_t w[3];  // TileRing::kRowsUsed, kSaBase, kSbBase
+      while (ring.next<TileRing::kRowsUsed, 3>(w)) {
         // This lane's scale sources (32-bit element offsets; the launcher checks they fit): A rows
-        // local0 + 32 i of the tile, B wave `lane`.
-        const std::int32_t local0 = tile.row0 - tile.seg_row0 + lane;
-        std::int32_t sa_off = tile.scale_group * p.sa_group_stride + local0 * p.sa_row_stride;
-        const std::int32_t sb_off = (tile.group * (p.n / kGemmWaveN) + tile.n_block * kWaves + lane) * num_kb;
+        // 32 i + lane of the tile, B wave `lane`.
+        const std::int32_t rows_used = w[0];
+        std::int32_t sa_off = w[1] + lane * p.sa_row_stride;
+        const std::int32_t sb_off = w[2] + lane * num_kb;
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
           const std::uint32_t scales = smem_scales + pipe.stage * Traits::kScaleBytes + 4 * lane;
@@ -647,7 +753,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             for (int i = 0; i < kBlockM / 32; ++i) {
               // Rows past the tile's last valid one (padding, rows past masked_m) have no scale:
               // their quantizer skips them, and no consumer reads their slot.
-              if (i * 32 + lane < tile.rows_used)
+              if (i * 32 + lane < rows_used)
                 ptx::cp_async_4(scales + 4 * 32 * i, p.sa + sa_off + i * 32 * p.sa_row_stride);
             }
             if (lane < kWaves) ptx::cp_async_4(scales + 4 * kBlockM, p.sb + sb_off + kb);
@@ -664,7 +770,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // memory, lane 0 arrives on epi_done_bar, which the producer waits on before it loads over them.
       std::uint32_t phase = 0;
       const bool trace_hand_off = (p.ablation & kTraceLoop) != 0 && lane == 0;
-      while (scheduler.next(tile, p)) {
+      std::int32_t t[2];  // TileRing::kNBlock, kRow0
+      while (ring.next<TileRing::kNBlock, 2>(t)) {
         const long long c0 = trace_hand_off ? clock64() : 0;
         ptx::mbar_wait(staged_bar, phase);
         phase ^= 1u;
@@ -677,21 +784,21 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           const std::uint32_t box = smem_b +
                                     (kStages - 2 + cw / 4) * static_cast<std::uint32_t>(Traits::kBBytes) +
                                     static_cast<std::uint32_t>(cw % 4) * (16 * kBlockN * 2);
-          const std::int32_t row0 = tile.row0 + 16 * cw;
+          const std::int32_t row0 = t[1] + 16 * cw;
           if (mask == 0xffffu) {
             if (lane == 0) {
 #pragma unroll
               for (int w = 0; w < kWaves; ++w)
                 ptx::tma_store_2d(&tma_d, box + static_cast<std::uint32_t>(w * 16 * 256),
-                                  2 * (tile.n_block * kBlockN + w * kGemmWaveN), row0);
+                                  2 * (t[0] * kBlockN + w * kGemmWaveN), row0);
               issued = true;
             }
           } else if (lane < 16 && ((mask >> lane) & 1u) != 0u) {
 #pragma unroll
             for (int w = 0; w < kWaves; ++w)
-              ptx::bulk_store(p.d + static_cast<std::int64_t>(row0 + lane) * p.n + tile.n_block * kBlockN +
-                                  w * kGemmWaveN,
-                              box + static_cast<std::uint32_t>(w * 16 * 256 + lane * 256), 256);
+              ptx::bulk_store(
+                  p.d + static_cast<std::int64_t>(row0 + lane) * p.n + t[0] * kBlockN + w * kGemmWaveN,
+                  box + static_cast<std::uint32_t>(w * 16 * 256 + lane * 256), 256);
             issued = true;
           }
         }
@@ -772,9 +879,12 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     constexpr std::uint32_t kBDescWave = (kGemmWaveN * kGemmBlockK) >> 4;
     constexpr std::uint32_t kDescK = 32 >> 4;  // 32 bytes of K per wgmma
 
-    GemmScheduler<kBlockM, kBlockN, true> scheduler(
-        p, __shfl_sync(0xffffffffu, smem_ids + static_cast<std::uint32_t>(warp - 4) * kBlockM * 4, 0));
-    GemmTile tile;
+    // v13: the tiles from warp 3's ring (the slot's words read here; the tile's 32-row word of this
+    // thread's rows, split tiles included, picked by the ring reader once rows_used is known).
+    TileRing ring(__shfl_sync(0xffffffffu, tile_ring, 0));
+    struct {
+      std::int32_t n_block, row0, rows_used;
+    } tile;
     PipeState pipe;
     float acc[kWaves][64];
     float part[1][64];  // one per-K-block partial (a second one does not fit: see bench/NOTES.md)
@@ -785,8 +895,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       atomicAdd(g_fp8_gemm_trace + 0, 0ull - static_cast<unsigned long long>(clock64()));
       atomicAdd(g_fp8_gemm_trace + 1, 0ull - static_cast<unsigned long long>(ptx::global_timer_ns()));
     }
-    while (scheduler.next(tile, p, row_in_tile / 32, tile_rows)) {
+    std::uint32_t split_rows = 0;
+    while (ring.next_rows(tile.n_block, tile.row0, tile.rows_used, tile_rows, split_rows,
+                          static_cast<std::uint32_t>(row_in_tile / 32))) {
       const bool split = split_tile<kBlockM, kBlockN>(p, tile.rows_used);
+      if (split) tile_rows = split_rows;
       // This thread's rows (my_row and my_row + 8): in a split tile consumer 1's warps take those of
       // consumer 0's.
       const int my_row = split ? row_in_tile - consumer * 64 : row_in_tile;
@@ -795,12 +908,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         atomicAdd(g_fp8_gemm_trace + 2, static_cast<unsigned long long>(split ? num_kb / 2 : num_kb));
       const std::int32_t row_a = tile.row0 + my_row;
       const std::int32_t row_b = row_a + 8;
-      bool valid_a = row_a < tile.row_end;
-      bool valid_b = row_b < tile.row_end;
-      if (p.m_indices != nullptr) {
-        valid_a = valid_a && ((tile_rows >> (my_row % 32)) & 1u) != 0;  // (my_row's word: next())
-        valid_b = valid_b && ((tile_rows >> ((my_row + 8) % 32)) & 1u) != 0;
-      }
+      // (my_row's word: the ring's; both layouts' valid rows are in it.)
+      const bool valid_a = ((tile_rows >> (my_row % 32)) & 1u) != 0;
+      const bool valid_b = ((tile_rows >> ((my_row + 8) % 32)) & 1u) != 0;
       // Per tile, after the split tile's branch (which zeroes its own): the wgmma asm reads part, so
       // a value from before the loop would keep these registers live through the epilogue and the
       // scheduler, and one from before that branch would be live into it.
