@@ -41,7 +41,10 @@ else
   ((${#tars[@]} <= ${#names[@]})) || { echo "at most ${#names[@]} trees" >&2; exit 2; }
   trees=("${names[@]:0:${#tars[@]}}")
 fi
-((${#trees[@]} >= 2)) && [[ ${trees[1]} == b ]] || { echo "need trees a and b" >&2; exit 2; }
+if ((${#trees[@]} < 2)) || [[ ${trees[1]} != b ]]; then
+  echo "need trees a and b" >&2
+  exit 2
+fi
 mkdir -p "$out/x"
 out=$(cd "$out" && pwd)
 x=$out/x

@@ -22,4 +22,4 @@ for arg in "$@"; do
 done
 [[ -x $stage/b/build-gpu/tests/epmoe_gpu_tests ]] || { echo "ab-pack: tree b needs tests/epmoe_gpu_tests" >&2; exit 2; }
 tar -czf "$out" -C "$stage" .
-echo "ab-pack: $(du -h "$out" | cut -f1) in $out (trees: $(ls "$stage" | tr '\n' ' '))"
+echo "ab-pack: $(du -h "$out" | cut -f1) in $out (trees: ${*%%=*})"
