@@ -5,12 +5,12 @@
 //
 // One persistent CTA per SM, warp-specialised, tiles of kBlockM x kBlockN (64 x 128, 128 x 128 or
 // 128 x 256), 128 of K per pipeline stage:
-//   - warpgroup 0 (the producer; two warps of it work): warp 0 walks the tile schedule and, per K
-//     block, waits for a free stage (its "empty" mbarrier) and TMA-loads the A tile [kBlockM x 128]
-//     and the B tile [kBlockN x 128] (K-major, 128-byte swizzled) into it; warp 1 copies the K
-//     block's scales (sa of the tile's rows, sb of its 128-column blocks) into the stage with
-//     cp.async; the stage's "full" mbarrier completes when the TMA bytes and every lane's copies
-//     have landed;
+//   - warpgroup 0 (the producer): warp 3 walks the tile schedule and hands each tile to the other
+//     roles through a ring in shared memory (TileRing, v13); warp 0, per K block, waits for a free stage (its
+//     "empty" mbarrier) and TMA-loads the A tile [kBlockM x 128] and the B tile [kBlockN x 128] (K-major,
+//     128-byte swizzled) into it; warp 1 copies the K block's scales (sa of the tile's rows, sb of its
+//     128-column blocks) into the stage with cp.async; the stage's "full" mbarrier completes when the TMA
+//     bytes and every lane's copies have landed;
 //   - warpgroups 1.. (the consumers, 64 rows of the tile each): wait on "full", read the stage's
 //     scales, and per 128 columns (a "wave") issue four wgmma m64n128k32 (e4m3 x e4m3 -> f32) into
 //     a per-K-block accumulator, wait for them, free the stage after the last (one arrive per warp
@@ -34,9 +34,9 @@
 // "empty" barriers).
 // No consumer touches global memory inside the K loop: scales come with the stage, so nothing
 // waits on a load's latency there.
-// The schedule is static (work unit u goes to cluster u mod the number of clusters); all roles of
-// both CTAs of a cluster walk it identically and skip the same units, so their pipeline stages and
-// phases stay in lockstep.
+// The schedule is static (work unit u goes to cluster u mod the number of clusters); both CTAs of a
+// cluster walk it identically and skip the same units, so their pipeline stages and phases stay in
+// lockstep.
 //
 // Layouts. Contiguous: A [M, K], m_indices [M]; every 128-row block (from row 0) holds rows of at
 // most one group (its group is the max of its m_indices; all -1: the block is skipped); a row is
@@ -68,8 +68,8 @@ inline constexpr int kGemmSmemBudget = 232448;  // dynamic shared memory a block
 // the schedule up to kTileSlots tiles ahead of the TMA, scale and store warps and hands each tile over
 // in shared memory. Walking it themselves (next(): in the contiguous layout a dependent read of
 // m_indices and two warp reductions) took the TMA warp ~2 800 cycles at every tile turn under load,
-// measured, and K block 0's loads waited for it. Per slot: the tile (32 bytes), "full" and "empty"
-// barriers (8 bytes each).
+// measured, and K block 0's loads waited for it. Per slot: the tile's words (kTileSlotBytes), "full"
+// and "empty" barriers (8 bytes each).
 // (Four slots: with fewer K blocks per tile than stages the producers run several tiles ahead.)
 inline constexpr int kTileSlots = 4;
 inline constexpr int kTileSlotBytes = 64;
@@ -182,7 +182,7 @@ struct GemmTile {
 };
 
 // The static persistent schedule over work units: a unit is p.cluster tiles side by side along N
-// (one per CTA of a cluster: rank r takes n-block cluster * n_unit + r). next() is warp-collective:
+// (one per CTA of a cluster: rank r takes n-block cluster * n_unit + r). next_all_rows() is warp-collective:
 // every lane of the calling warp must call it (the contiguous layout reduces a block's m_indices
 // over the warp). Only the walking state lives in registers; the problem is read from the
 // (grid-constant) kernel parameters.
@@ -211,8 +211,7 @@ class GemmScheduler {
   }
 
  private:
-  // This CTA's place in its cluster (re-read per tile rather than held: a register more in the
-  // consumers' scheduler state made ptxas spill it).
+  // This CTA's place in its cluster (re-read per tile rather than held in the walking state).
   __device__ __forceinline__ static std::int32_t rank(const GroupedGemmParams& p) {
     return static_cast<std::int32_t>(blockIdx.x & static_cast<unsigned>(p.cluster - 1));  // (1 or 2)
   }
@@ -341,10 +340,10 @@ struct PipeState {
   }
 };
 
-// v13's tile ring (kTileSlots above) at shared address `base`: slot s's words at base + 32 s, then the
-// slots' "full" barriers, then their "empty" ones. A slot holds what the readers need of a tile,
-// derived by the writer (warp 3) so that the readers, at the edge of their 40 registers, hold no more
-// than before: the words below, kMore 0 marking the end of the schedule. Every lane of a reading warp
+// v13's tile ring (kTileSlots above) at shared address `base`: slot s's words at base +
+// kTileSlotBytes s, then the slots' "full" barriers, then their "empty" ones. A slot holds what the readers
+// need of a tile, derived by the writer (warp 3) so that the readers, at the edge of their 40 registers, hold
+// no more than before: the words below, kMore 0 marking the end of the schedule. Every lane of a reading warp
 // calls next().
 class TileRing {
  public:
@@ -376,9 +375,9 @@ class TileRing {
   template <int kFirst, int kCount>
   __device__ __forceinline__ bool next(std::int32_t (&words)[kCount]) {
     static_assert(kFirst >= 0 && kFirst + kCount <= kMore);
-    const std::uint32_t slot = count_ % kTileSlots;
-    ptx::mbar_wait(full(base_, slot), (count_ / kTileSlots) & 1u);
-    const std::uint32_t at = base_ + kTileSlotBytes * slot;
+    const std::uint32_t slot = this->slot();
+    ptx::mbar_wait(full(base_, slot), parity());
+    const std::uint32_t at = words_at(slot);
 #pragma unroll
     for (int i = 0; i < kCount; ++i) words[i] = ptx::ld_shared_s32(at + 4u * (kFirst + i));
     const bool more = ptx::ld_shared_s32(at + 4u * kMore) != 0;
@@ -392,14 +391,14 @@ class TileRing {
   __device__ __forceinline__ bool next_rows(std::int32_t& n_block, std::int32_t& row0,
                                             std::int32_t& rows_used, std::uint32_t& rows,
                                             std::uint32_t& split_rows, std::uint32_t word) {
-    const std::uint32_t slot = count_ % kTileSlots;
+    const std::uint32_t slot = this->slot();
     // Bounded without a trap here (mbar_wait's watchdog, or a counter and a trap, made ptxas spill the
     // consumers' accumulators, 2.4 KB): past the bound the consumer stops as at the schedule's end,
     // and the producers' watchdogs, waiting on stages it never frees, fail the launch.
-    for (std::uint32_t i = 0; !ptx::mbar_try_wait(full(base_, slot), (count_ / kTileSlots) & 1u); ++i) {
+    for (std::uint32_t i = 0; !ptx::mbar_try_wait(full(base_, slot), parity()); ++i) {
       if (i == kRingSpinLimit) return false;
     }
-    const std::uint32_t at = base_ + kTileSlotBytes * slot;
+    const std::uint32_t at = words_at(slot);
     const uint4 head = ptx::ld_shared_v4(at);  // kNBlock, kRow0, kBRow, kRowsUsed
     const bool more = ptx::ld_shared_s32(at + 4u * kMore) != 0;
     n_block = static_cast<std::int32_t>(head.x);
@@ -422,10 +421,10 @@ class TileRing {
       GemmTile tile{};
       std::uint32_t rows[kBlockM / 32] = {};
       const bool more = scheduler.next_all_rows(tile, p, rows);  // before the slot is free: overlaps
-      const std::uint32_t slot = count_ % kTileSlots;
-      ptx::mbar_wait(empty(base_, slot), ((count_ / kTileSlots) & 1u) ^ 1u);
+      const std::uint32_t slot = this->slot();
+      ptx::mbar_wait(empty(base_, slot), parity() ^ 1u);
       if (writer) {
-        const std::uint32_t at = base_ + kTileSlotBytes * slot;
+        const std::uint32_t at = words_at(slot);
         const std::int32_t sa_base =
             tile.scale_group * p.sa_group_stride + (tile.row0 - tile.seg_row0) * p.sa_row_stride;
         const std::int32_t sb_base =
@@ -446,6 +445,17 @@ class TileRing {
   }
 
  private:
+  // The slot of tile count_, the parity of its "full" phase, and its words.
+  __device__ __forceinline__ std::uint32_t slot() const {
+    return count_ % kTileSlots;
+  }
+  __device__ __forceinline__ std::uint32_t parity() const {
+    return (count_ / kTileSlots) & 1u;
+  }
+  __device__ __forceinline__ std::uint32_t words_at(std::uint32_t slot) const {
+    return base_ + kTileSlotBytes * slot;
+  }
+
   std::uint32_t base_;
   std::uint32_t count_ = 0;  // tiles read (written): slot count_ % kTileSlots, its parity the next bit
 };
@@ -486,8 +496,9 @@ __device__ __forceinline__ void unswap_pairs(float (&acc)[64]) {
 // tile staged to its epi_done, [11] the store warp's waits for a staged tile, [12] tiles it stored;
 // the traced consumer thread's [13] time from its K loop's end to the tile staged (v12) or stored,
 // [14] its tiles. (Stamps around the consumers' first full-barrier waits of a tile made ptxas spill.)
-// The tile turn, the TMA warp's lane 0: [15] its cycles in next() after each tile (the last, failing
-// call included), [16] its waits for K block 0's empty stage. (Per tile: [14] counts the tiles.)
+// The tile turn, the TMA warp's lane 0: [15] its cycles in the tile ring's next() after each tile (the
+// last, failing call included), [16] its waits for K block 0's empty stage. (Per tile: [14] counts the
+// tiles.)
 inline constexpr int kFp8TraceWords = 17;
 __device__ unsigned long long g_fp8_gemm_trace[kFp8TraceWords] = {0, 0, 0, 0, 0, 0, ~0ull};
 
