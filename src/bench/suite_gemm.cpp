@@ -264,6 +264,9 @@ std::vector<Variant> experiments(bool masked) {
   // Session 16: v12 without the producer's wait for the store warp (garbage output): what the
   // hand-off costs each next tile's K blocks 2 and 3.
   add("no_epi_gate", [](auto& o) { o.ablation = 1024; });
+  // v17: whole-tile stores on every row, or never (session 36).
+  add("tile_store", [](auto& o) { o.tile_store = 1; });
+  add("no_tile_store", [](auto& o) { o.tile_store = 0; });
   add("no_scales", [](auto& o) { o.ablation = 32; });
   add("no_loads_no_scales", [](auto& o) { o.ablation = 2 | 32; });
   add("no_loads_no_promote", [](auto& o) { o.ablation = 2 | 32 | 4; });

@@ -451,6 +451,24 @@ __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// This thread's lane, read where it is used (volatile: the compiler cannot hoist it, and what is
+// derived from it, out of a loop, so it holds no register across the loop).
+__device__ __forceinline__ std::uint32_t lane_id_here() {
+  std::uint32_t lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+
+// Four 8 x 8 matrices of 16-bit elements into shared memory (stmatrix .x4): register i of every
+// lane holds 2 consecutive elements of matrix i in the mma accumulator layout (row lane / 4, columns
+// 2 (lane % 4) ..), and lane 8 i + r gives the 16-byte aligned address of matrix i's row r.
+__device__ __forceinline__ void stmatrix_x4(std::uint32_t addr, std::uint32_t r0, std::uint32_t r1,
+                                            std::uint32_t r2, std::uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // 16-byte shared-memory load (addr 16-byte aligned).
 __device__ __forceinline__ uint4 ld_shared_v4(std::uint32_t addr) {
   uint4 v;

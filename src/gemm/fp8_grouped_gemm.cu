@@ -109,6 +109,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
   EPMOE_CHECK(options.split_tiles >= -1 && options.split_tiles <= 1,
               "options.split_tiles must be -1 (automatic), 0 or 1, got {}", options.split_tiles);
+  EPMOE_CHECK(options.tile_store >= -1 && options.tile_store <= 1,
+              "options.tile_store must be -1 (automatic), 0 or 1, got {}", options.tile_store);
   EPMOE_CHECK(options.borrow_epilogue >= -1 && options.borrow_epilogue <= 1,
               "options.borrow_epilogue must be -1 (automatic), 0 or 1, got {}", options.borrow_epilogue);
   EPMOE_CHECK(options.band_columns >= 0, "options.band_columns must be >= 0 (0: 1024), got {}",
@@ -208,6 +210,9 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   const bool borrow = resolve_choice(options.borrow_epilogue,
                                      grouped_gemm_borrow_epilogue(params.masked_m != nullptr, params.k));
   params.borrow_epilogue = kBlockN == 256 && cluster == 1 && with_env(borrow_env, borrow) ? 1 : 0;
+  static const int tile_store_env = env_switch("EPMOE_GEMM_TILE_STORE");
+  params.tile_store =
+      with_env(tile_store_env, resolve_choice(options.tile_store, grouped_gemm_tile_store(params.k))) ? 1 : 0;
   if (params.borrow_epilogue != 0 && (options.ablation & kAblateNoEpiGate) != 0)
     params.borrow_epilogue = kernels::kBorrowNoGate;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
@@ -224,12 +229,18 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
                         promotion);
   const CUtensorMap tma_b = make_tma_2d(b.data, static_cast<std::int64_t>(params.groups) * params.n, params.k,
                                         kBlockN, "b", promotion);
-  // v12's TMA stores (p.borrow_epilogue): d as bytes [a_rows, 2 N], box 16 rows (one warp's) x 256
-  // bytes (one wave). Without it the B map stands in (never read).
+  // v12's TMA stores (p.borrow_epilogue): d as bytes [a_rows, 2 N], 128-byte boxes (64 columns) in the
+  // 128-byte swizzle (v17: the staging's stmatrix layout), 16 rows (one consumer warp's) or, v16, a
+  // whole tile's kBlockM rows. Without it the B map stands in (never read).
   const CUtensorMap tma_d =
       params.borrow_epilogue != 0
-          ? make_tma_2d_plain(params.d, problem.a_rows, 2 * static_cast<std::int64_t>(params.n),
-                              2 * kernels::kGemmWaveN, 16, "d")
+          ? make_tma_2d(params.d, problem.a_rows, 2 * static_cast<std::int64_t>(params.n), 16, "d",
+                        CU_TENSOR_MAP_L2_PROMOTION_NONE)
+          : tma_b;
+  const CUtensorMap tma_d_tile =
+      params.borrow_epilogue != 0
+          ? make_tma_2d(params.d, problem.a_rows, 2 * static_cast<std::int64_t>(params.n), kBlockM,
+                        "d (tile)", CU_TENSOR_MAP_L2_PROMOTION_NONE)
           : tma_b;
   std::int64_t ctas = props.sm_count;
   if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
@@ -266,7 +277,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   ctas = std::clamp<std::int64_t>(ctas / cluster, 1, std::max<std::int64_t>(max_units, 1)) * cluster;
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   params.unit_stride = static_cast<std::int32_t>(ctas / cluster);
-  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, tma_a_part, tma_b, tma_d, params));
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, tma_a_part, tma_b, tma_d, tma_d_tile, params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -307,6 +318,14 @@ bool grouped_gemm_borrow_epilogue(bool masked, std::int64_t k) {
   // and every contiguous row.
   constexpr std::int64_t kMaxDirectK = 2048;
   return !(masked && k <= kMaxDirectK);
+}
+
+bool grouped_gemm_tile_store(std::int64_t k) {
+  // Measured (bench/NOTES.md, session 36; v17 against per-warp stores): 2.6-4.2% faster on the
+  // contiguous K = 2048 rows that borrow (the store is on the next tile's critical path there); 5-18%
+  // slower on the K = 7168 rows with many groups, where it is not.
+  constexpr std::int64_t kMaxK = 2048;
+  return k <= kMaxK;
 }
 
 GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n) {

@@ -94,7 +94,7 @@ struct GemmTraits {
   // (a spill, bench/NOTES.md session 36); reclaiming these bytes needs a device run.
   static constexpr int kIdsBytes = kConsumers * 4 * kBlockM * 4;
   // 1024 bytes of slack to align the swizzled tiles, the tiles, the scales, the barriers, the ids.
-  // 96 more for v12's two barriers and eight consumer warps' row masks, then v13's tile ring.
+  // 96 more for v12's (v14's) three barriers and eight consumer warps' row masks, then v13's tile ring.
   static constexpr int kTailBytes = 96 + kTileRingBytes;
   static constexpr int kStages =
       std::min(8, (kGemmSmemBudget - 1024 - kIdsBytes - kTailBytes) / (kStageBytes + kScaleBytes + 16));
@@ -127,6 +127,7 @@ struct GroupedGemmParams {
   std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
   std::int32_t split_tiles;      // 1: 128 x 256 tiles with <= 64 valid rows split their columns (v11)
   std::int32_t borrow_epilogue;  // 1: the epilogue stages its output in the tile's last two stages (v12)
+  std::int32_t tile_store;       // 1: a whole staged tile leaves in four tensor stores (v17)
   std::int32_t n_units;          // N / (kBlockN cluster): work units (p.cluster tiles) per m-block
   std::int32_t band_units;       // contiguous: work units per band of the tile order
   std::int32_t band_tiles;       // contiguous: m_blocks * band_units
@@ -597,6 +598,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
                             const __grid_constant__ CUtensorMap tma_a_part,
                             const __grid_constant__ CUtensorMap tma_b,
                             const __grid_constant__ CUtensorMap tma_d,
+                            const __grid_constant__ CUtensorMap tma_d_tile,
                             const __grid_constant__ GroupedGemmParams p) {
   using Traits = GemmTraits<kBlockM, kBlockN>;
   constexpr int kStages = Traits::kStages;
@@ -615,6 +617,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const std::uint32_t smem_row_masks = staged_bar + 8;                         // 8 warps x 4 bytes (v12)
   const std::uint32_t tile_ring = smem_row_masks + 32;                         // kTileRingBytes (v13)
   static_assert(Traits::kIdsBytes % 16 == 0);                                  // (the slots 16-aligned)
+  // v14: the second borrowed stage's epi_done (after the ring: the consumers' compile-time offsets
+  // to staged_bar and the masks stay as they were, which ptxas's register allocation was tuned to).
+  const std::uint32_t epi_done_bar1 = tile_ring + kTileRingBytes;  // 8 bytes
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -641,6 +646,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       ptx::mbar_init(empty_bar + 8 * s, Traits::kConsumers * 4 * p.cluster * ptx::kWarpArrivals);
     }
     ptx::mbar_init(epi_done_bar, 1);                                          // the store warp's lane 0
+    ptx::mbar_init(epi_done_bar1, 1);                                         // (v14: per borrowed stage)
     ptx::mbar_init(staged_bar, Traits::kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
     for (int s = 0; s < kTileSlots; ++s) {
       const auto slot = static_cast<std::uint32_t>(s);
@@ -655,7 +661,10 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     ptx::prefetch_tensormap(&tma_a);
     ptx::prefetch_tensormap(&tma_a_part);
     ptx::prefetch_tensormap(&tma_b);
-    if (p.borrow_epilogue != 0) ptx::prefetch_tensormap(&tma_d);
+    if (p.borrow_epilogue != 0) {
+      ptx::prefetch_tensormap(&tma_d);
+      ptx::prefetch_tensormap(&tma_d_tile);
+    }
   }
   // The peer CTA's TMA and arrives reach this CTA's barriers only once they are initialised.
   if (clustered) {
@@ -675,7 +684,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   // wave where all 16 rows are valid, else one 1D bulk store per valid row and wave (padding rows
   // stay untouched), and arrives on epi_done_bar once the stores have read shared memory. The
   // producer loads the next tile's K blocks into the first kStages - 2 stages as usual and waits on
-  // epi_done_bar before the ones that go into the borrowed two.
+  // epi_done_bar before the ones that go into the borrowed two. v14: one epi_done per borrowed stage
+  // (v17: stage kStages - 2 + w holds wave w's boxes, stored as bulk group w), so the next tile's K
+  // block kStages - 2 loads while the second wave is still being stored (bench/NOTES.md, session 36).
   // borrowing() (above) includes the unrolled loop's condition: every tile starts at stage 0.
   if (warp < 4) {
     // ------------------------------------------------------------ producer warpgroup
@@ -721,9 +732,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
               atomicAdd(g_fp8_gemm_trace + 9, static_cast<unsigned long long>(c1 - c0));
               if (kb == 0) atomicAdd(g_fp8_gemm_trace + 16, static_cast<unsigned long long>(c1 - c0));
             }
-            if (gate && kb == kStages - 2) {
-              ptx::mbar_wait(epi_done_bar, epi_phase);
-              epi_phase ^= 1u;
+            // v14: borrowed stage kStages - 2 + c waits for consumer c's rows stored (epi_done c).
+            // (Its A half, never borrowed, loaded before the wait made ptxas spill.)
+            if (gate && (kb == kStages - 2 || kb == kStages - 1)) {
+              ptx::mbar_wait(kb == kStages - 2 ? epi_done_bar : epi_done_bar1, epi_phase);
+              if (kb == kStages - 1) epi_phase ^= 1u;
               if (trace_hand_off)
                 atomicAdd(g_fp8_gemm_trace + 8, static_cast<unsigned long long>(clock64() - c1));
             }
@@ -787,38 +800,45 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         ptx::mbar_wait(staged_bar, phase);
         phase ^= 1u;
         const long long c1 = trace_hand_off ? clock64() : 0;
-        bool issued = false;
+        // v17: the staged tile is four [kBlockM rows x 128-byte] swizzled boxes over the two borrowed
+        // stages (box b, columns 64 b .., in stage kStages - 2 + b / 2). A tile whose warps all staged
+        // goes out as one tensor store per box (each TMA store costs the store warp ~200 cycles
+        // whatever its size: v12's 16 per tile took ~3 400 cycles, on the next tile's critical path);
+        // else each warp that staged as four [16-row] stores (warps with invalid rows stored
+        // themselves). Wave w (boxes 2w, 2w + 1) is bulk group w; epi_done w once it has read shared
+        // memory (v14).
+        bool whole = p.tile_store != 0;
+#pragma unroll
+        for (int cw = 0; cw < Traits::kConsumers * 4; ++cw)
+          whole = whole && ptx::ld_shared_s32(smem_row_masks + 4 * static_cast<std::uint32_t>(cw)) != 0;
 #pragma unroll 1
-        for (int cw = 0; cw < Traits::kConsumers * 4; ++cw) {
-          const auto mask = static_cast<std::uint32_t>(
-              ptx::ld_shared_s32(smem_row_masks + 4 * static_cast<std::uint32_t>(cw)));
-          const std::uint32_t box = smem_b +
-                                    (kStages - 2 + cw / 4) * static_cast<std::uint32_t>(Traits::kBBytes) +
-                                    static_cast<std::uint32_t>(cw % 4) * (16 * kBlockN * 2);
-          const std::int32_t row0 = t[1] + 16 * cw;
-          if (mask == 0xffffu) {
-            if (lane == 0) {
-#pragma unroll
-              for (int w = 0; w < kWaves; ++w)
-                ptx::tma_store_2d(&tma_d, box + static_cast<std::uint32_t>(w * 16 * 256),
-                                  2 * (t[0] * kBlockN + w * kGemmWaveN), row0);
-              issued = true;
+        for (int w = 0; w < kWaves; ++w) {
+          if (lane == 0) {
+#pragma unroll 1
+            for (int b = 2 * w; b < 2 * w + 2; ++b) {
+              const std::uint32_t box = smem_b + static_cast<std::uint32_t>((kStages - 2) * Traits::kBBytes) +
+                                        static_cast<std::uint32_t>(b * kBlockM * 128);
+              const std::int32_t col_bytes = 2 * (t[0] * kBlockN + b * 64);
+              if (whole) {
+                ptx::tma_store_2d(&tma_d_tile, box, col_bytes, t[1]);
+              } else {
+#pragma unroll 1
+                for (int cw = 0; cw < Traits::kConsumers * 4; ++cw) {
+                  if (ptx::ld_shared_s32(smem_row_masks + 4 * static_cast<std::uint32_t>(cw)) != 0)
+                    ptx::tma_store_2d(&tma_d, box + static_cast<std::uint32_t>(cw * 16 * 128), col_bytes,
+                                      t[1] + 16 * cw);
+                }
+              }
             }
-          } else if (lane < 16 && ((mask >> lane) & 1u) != 0u) {
-#pragma unroll
-            for (int w = 0; w < kWaves; ++w)
-              ptx::bulk_store(
-                  p.d + static_cast<std::int64_t>(row0 + lane) * p.n + t[0] * kBlockN + w * kGemmWaveN,
-                  box + static_cast<std::uint32_t>(w * 16 * 256 + lane * 256), 256);
-            issued = true;
           }
+          ptx::bulk_commit();  // (an empty group where this lane stored nothing)
         }
-        if (issued) {
-          ptx::bulk_commit();
-          ptx::bulk_wait_read<0>();
-        }
+        ptx::bulk_wait_read<kWaves - 1>();  // group 0 (wave 0, stage kStages - 2) has read
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(epi_done_bar);
+        ptx::bulk_wait_read<0>();
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(epi_done_bar1);
         if (trace_hand_off) {
           atomicAdd(g_fp8_gemm_trace + 10, static_cast<unsigned long long>(clock64() - c1));
           atomicAdd(g_fp8_gemm_trace + 11, static_cast<unsigned long long>(c1 - c0));
@@ -1187,28 +1207,44 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // [16 rows x 256 bytes] boxes (one per wave) and its row mask (bit r: row r of the warp; lane
         // 4 (r % 8) held it, as row_a for r < 8) for the store warp.
         ptx::named_bar_sync(kEpilogueBarrier, 256);
-        const auto area = [&] {
-          return u_smem + (smem_b - smem_base) +
-                 (kStages - 2 + u_consumer) * static_cast<std::uint32_t>(Traits::kBBytes) +
-                 static_cast<std::uint32_t>(warp_in_group) * (16 * kBlockN * 2);
-        };
+        // v17: the tile as four [kBlockM rows x 128 bytes] boxes (64 columns each; box b in borrowed
+        // stage kStages - 2 + b / 2) in the 128-byte swizzle (16-byte chunk c of row r at r * 128 +
+        // 16 (c ^ r % 8)), written by stmatrix straight from the accumulator layout: no quad transposes
+        // and no bank conflicts (v12's 256-byte rows took two wavefronts per 16-byte store). Per
+        // stmatrix: chunks j, j + 1 of rows 0-7 and 8-15 of this warp; lane 8 i + r addresses row
+        // r + 8 (i % 2) of chunk j + i / 2. A warp with invalid rows (a group's end) stores its valid
+        // rows itself and stages nothing (copying them out of the swizzle spilled the store warp).
+        const bool whole_warp = __all_sync(0xffffffffu, valid_a && valid_b);
+        if (whole_warp) {
+          // (The lane's address re-derived at each stmatrix: held across them it cost a spill.)
+          const auto chunk_pair = [&](int w, int jj) {
+            const std::uint32_t here = ptx::lane_id_here();
+            const std::uint32_t rr = here & 7u;
+            const std::uint32_t warp_rows =
+                u_smem + (smem_b - smem_base) + (kStages - 2) * static_cast<std::uint32_t>(Traits::kBBytes) +
+                (u_consumer * 64u + static_cast<std::uint32_t>(warp_in_group) * 16u) * 128u;
+            return warp_rows + (rr + 8u * ((here >> 3) & 1u)) * 128u +
+                   static_cast<std::uint32_t>((2 * w + jj / 4) * (kBlockM * 128)) +
+                   (static_cast<std::uint32_t>(32 * (jj % 4)) ^ (16u * (((here >> 4) & 1u) ^ rr)));
+          };
 #pragma unroll
-        for (int w = 0; w < kWaves; ++w) {
-          transposed_wave_bf16<false>(acc[w], 1.0f, lane % 4, [&](int h, int c, const std::uint32_t(&v)[4]) {
-            ptx::st_shared_v4(
-                area() + static_cast<std::uint32_t>((lane / 4) * 256 + w * 16 * 256 + h * 8 * 256 + c * 16),
-                v[0], v[1], v[2], v[3]);
-          });
-        }
-        const std::uint32_t va = __ballot_sync(0xffffffffu, valid_a),
-                            vb = __ballot_sync(0xffffffffu, valid_b);
-        if (lane == 0) {
-          std::uint32_t mask = 0;
+          for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
-          for (int r = 0; r < 8; ++r)
-            mask |= (((va >> (4 * r)) & 1u) << r) | (((vb >> (4 * r)) & 1u) << (r + 8));
-          ptx::st_shared_u32(u_empty + kStagedFromEmpty + 8 + 4 * static_cast<std::uint32_t>(warp - 4), mask);
+            for (int jj = 0; jj < 8; ++jj) {
+              const int j = 2 * jj;
+              ptx::stmatrix_x4(chunk_pair(w, jj), pack_bf16x2(acc[w][4 * j + 0], acc[w][4 * j + 1]),
+                               pack_bf16x2(acc[w][4 * j + 2], acc[w][4 * j + 3]),
+                               pack_bf16x2(acc[w][4 * j + 4], acc[w][4 * j + 5]),
+                               pack_bf16x2(acc[w][4 * j + 6], acc[w][4 * j + 7]));
+            }
+          }
+        } else {
+#pragma unroll
+          for (int w = 0; w < kWaves; ++w) store_wave(acc[w], w);
         }
+        if (lane == 0)
+          ptx::st_shared_u32(u_empty + kStagedFromEmpty + 8 + 4 * static_cast<std::uint32_t>(warp - 4),
+                             whole_warp ? 1u : 0u);
         ptx::fence_proxy_async_shared();  // this lane's writes, before the store warp's TMA reads them
         ptx::mbar_arrive_warp(u_empty + kStagedFromEmpty);  // (release: the mask and the boxes)
       } else if (p.vector_epilogue != 0) {

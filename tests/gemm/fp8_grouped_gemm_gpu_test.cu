@@ -69,6 +69,7 @@ struct ContiguousCase {
   int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic
   int borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;   // -1: automatic
   int band_columns = 0;                                      // 0: the default tile order
+  int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (K <= 2048)
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -158,6 +159,7 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   options.split_tiles = c.split_tiles;
   options.borrow_epilogue = c.borrow;
   options.band_columns = c.band_columns;
+  options.tile_store = c.tile_store;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -208,6 +210,20 @@ INSTANTIATE_TEST_SUITE_P(
               "N4096_K512_borrow_one_round", {700, 3, 130}, 4096, 512, ScaleLayout::mn_major_tma};
           c.borrow = 1;
           c.split_tiles = 0;  // (K <= 2048 with 384 rows per group: split, without v12, by default)
+          return c;
+        }(),
+        // v17's whole-tile stores off at K = 2048 (per-warp stores of every whole warp) and on at
+        // K = 7168 (whole tiles among partial ones).
+        [] {
+          ContiguousCase c = tails_holes_case("N4096_K2048_borrow_holes_no_tile_store", false, true);
+          c.tile_store = 0;
+          return c;
+        }(),
+        [] {
+          ContiguousCase c{
+              "N7168_K7168_borrow_tile_store", {300, 16, 0, 250, 128}, 7168, 7168, ScaleLayout::mn_major_tma};
+          c.borrow = 1;
+          c.tile_store = 1;
           return c;
         }(),
         // The consumers' own stores (borrow_epilogue off) on the same shape as the first.
@@ -403,6 +419,7 @@ struct MaskedCase {
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
   int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic (never in this layout)
   int borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;   // -1: automatic (off at K <= 2048 here)
+  int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (K <= 2048)
 };
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
@@ -476,6 +493,7 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.two_partials = c.two_partials;
   options.split_tiles = c.split_tiles;
   options.borrow_epilogue = c.borrow;
+  options.tile_store = c.tile_store;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
@@ -507,6 +525,17 @@ INSTANTIATE_TEST_SUITE_P(
           MaskedCase c{"N4096_K2048_mmax200_borrow", 200, {1, 64, 65, 130, 200, 0, 77}, 4096, 2048,
                        ScaleLayout::mn_major_tma};
           c.borrow = 1;
+          return c;
+        }(),
+        [] {  // (v17: per-warp stores at K = 2048)
+          MaskedCase c{"N4096_K2048_mmax200_borrow_no_tile_store",
+                       200,
+                       {1, 64, 65, 130, 200, 0, 77},
+                       4096,
+                       2048,
+                       ScaleLayout::mn_major_tma};
+          c.borrow = 1;
+          c.tile_store = 0;
           return c;
         }(),
         // M_max not a multiple of the tile; an empty group and a single-row group.

@@ -33,6 +33,13 @@ TEST(GroupedGemmBorrowEpilogue, OffOnlyInTheMaskedLayoutAtShortK) {
   EXPECT_TRUE(grouped_gemm_borrow_epilogue(false, 7168));
 }
 
+TEST(GroupedGemmTileStore, OnlyAtShortK) {
+  EXPECT_TRUE(grouped_gemm_tile_store(2048));
+  EXPECT_TRUE(grouped_gemm_tile_store(512));
+  EXPECT_FALSE(grouped_gemm_tile_store(2176));
+  EXPECT_FALSE(grouped_gemm_tile_store(7168));
+}
+
 TEST(GroupedGemmTile, HeuristicShapes) {
   EXPECT_EQ(grouped_gemm_tile(true, 16, 4096).block_m, 64);
   EXPECT_EQ(grouped_gemm_tile(true, 16, 4096).block_n, 128);

@@ -110,6 +110,14 @@ struct GroupedGemmOptions {
   // (grouped_gemm_borrow_epilogue; bench/NOTES.md, session 31). EPMOE_GEMM_BORROW_EPILOGUE=0|1
   // overrides it. Ignored with split_tiles, pingpong, consumer_skew, 4-byte stores and ablations.
   int borrow_epilogue = -1;
+  // v17, with borrow_epilogue: a tile whose 128 rows are all valid leaves as four tensor stores of
+  // [128 rows x 64 columns] instead of one [16 rows x 64 columns] store per warp and 64 columns (32):
+  // each TMA store costs the store warp ~150 cycles, and the next tile's loads into the borrowed
+  // stages wait for the store (bench/NOTES.md, session 36). Measured 2.6-4.2% faster on the
+  // contiguous K = 2048 rows that borrow, and 5-18% slower on K = 7168 rows with many groups.
+  // 1: always; 0: never; -1 (automatic): K <= 2048 (grouped_gemm_tile_store).
+  // EPMOE_GEMM_TILE_STORE=0|1 overrides it.
+  int tile_store = -1;
 };
 
 // The tile heuristic (block_m x block_n). Masked with expected_m <= 64 (decode): 64 x 128 (reading
@@ -130,6 +138,9 @@ bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, 
 // The automatic choice of GroupedGemmOptions::borrow_epilogue (-1): v12's borrowed-stage epilogue
 // except in the masked layout with K <= 2048.
 bool grouped_gemm_borrow_epilogue(bool masked, std::int64_t k);
+
+// The automatic choice of GroupedGemmOptions::tile_store (-1): whole-tile stores when K <= 2048.
+bool grouped_gemm_tile_store(std::int64_t k);
 
 // Contiguous layout:
 //   a [M, K] fp8_e4m3; a_scales f32 (layout above); b [G, N, K] fp8_e4m3; b_scales [G, N/128, K/128] f32;
