@@ -88,18 +88,18 @@ struct GemmTraits {
   // Per stage: sa of the tile's rows, then sb of its waves (padded to 16 bytes).
   static constexpr int kScaleFloats = kBlockM + 4;
   static constexpr int kScaleBytes = kScaleFloats * 4;
-  // Per consumer warp, before v13: the next unit's m_indices, copied a tile ahead. Unused since the
-  // consumers read the tile ring, and kept as measured: the consumers address staged_bar and the row
-  // masks at a compile-time distance past it, and moving them changed ptxas's register allocation
-  // (a spill, bench/NOTES.md session 36); reclaiming these bytes needs a device run.
-  static constexpr int kIdsBytes = kConsumers * 4 * kBlockM * 4;
-  // 1024 bytes of slack to align the swizzled tiles, the tiles, the scales, the barriers, the ids.
-  // 96 more for v12's (v14's) three barriers and eight consumer warps' row masks, then v13's tile ring.
+  // v18: the staged output's wave 0 (two [kBlockM rows x 128 bytes] swizzled boxes) in memory of its
+  // own, so that a borrowing epilogue takes only the last stage (bench/NOTES.md, session 37). It fits
+  // beside 128 x 256's four stages without the 1024 bytes of alignment slack (the dynamic shared
+  // memory starts 1024-aligned, checked at run time) and without v13's unused ids (4 KB); the other
+  // shapes keep their stage counts.
+  static constexpr int kEpiBytes = kWaves == 2 ? kBlockM * 128 * 2 : 0;
+  // The tiles, the scales and the stages' barriers; v18's wave-0 boxes; 96 bytes for v12's (v14's)
+  // three barriers and eight consumer warps' row masks, then v13's tile ring.
   static constexpr int kTailBytes = 96 + kTileRingBytes;
   static constexpr int kStages =
-      std::min(8, (kGemmSmemBudget - 1024 - kIdsBytes - kTailBytes) / (kStageBytes + kScaleBytes + 16));
-  static constexpr int kSmemBytes =
-      1024 + kStages * (kStageBytes + kScaleBytes + 16) + kIdsBytes + kTailBytes;
+      std::min(8, (kGemmSmemBudget - kEpiBytes - kTailBytes) / (kStageBytes + kScaleBytes + 16));
+  static constexpr int kSmemBytes = kStages * (kStageBytes + kScaleBytes + 16) + kEpiBytes + kTailBytes;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 };
@@ -372,6 +372,11 @@ class TileRing {
 
   __device__ explicit TileRing(std::uint32_t base) : base_(base) {}
 
+  // Tiles read (written) so far.
+  __device__ __forceinline__ std::uint32_t tiles_read() const {
+    return count_;
+  }
+
   // The reading end: words kFirst .. kFirst + kCount - 1 of the next tile, or false at the end.
   template <int kFirst, int kCount>
   __device__ __forceinline__ bool next(std::int32_t (&words)[kCount]) {
@@ -605,21 +610,23 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   constexpr int kWaves = Traits::kWaves;
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
-  const std::uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
+  // (The swizzled tiles need 1024-byte alignment; Traits::kSmemBytes has no slack for more.)
+  const std::uint32_t smem_base = ptx::smem_addr(smem_raw);
+  if (threadIdx.x == 0 && (smem_base & 1023u) != 0) __trap();
   const std::uint32_t smem_a = smem_base;                                      // kStages x [kBlockM x 128]
   const std::uint32_t smem_b = smem_a + kStages * Traits::kABytes;             // kStages x [kBlockN x 128]
-  const std::uint32_t smem_scales = smem_b + kStages * Traits::kBBytes;        // kStages x kScaleFloats f32
+  const std::uint32_t smem_epi = smem_b + kStages * Traits::kBBytes;           // Traits::kEpiBytes (v18)
+  const std::uint32_t smem_scales = smem_epi + Traits::kEpiBytes;              // kStages x kScaleFloats f32
   const std::uint32_t full_bar = smem_scales + kStages * Traits::kScaleBytes;  // kStages x 8 bytes
   const std::uint32_t empty_bar = full_bar + kStages * 8;                      // kStages x 8 bytes
-  const std::uint32_t smem_ids = (empty_bar + kStages * 8 + 15u) & ~15u;       // Traits::kIdsBytes
-  const std::uint32_t epi_done_bar = smem_ids + Traits::kIdsBytes;             // 8 bytes (v12)
+  // v18: epi_done_bar once the store warp has read wave 0's boxes (the consumers stage the next tile's
+  // there after it), epi_done_bar1 once it has read wave 1's (the producer loads the last stage after it).
+  const std::uint32_t epi_done_bar = empty_bar + kStages * 8;                  // 8 bytes (v12)
   const std::uint32_t staged_bar = epi_done_bar + 8;                           // 8 bytes (v12)
   const std::uint32_t smem_row_masks = staged_bar + 8;                         // 8 warps x 4 bytes (v12)
   const std::uint32_t tile_ring = smem_row_masks + 32;                         // kTileRingBytes (v13)
-  static_assert(Traits::kIdsBytes % 16 == 0);                                  // (the slots 16-aligned)
-  // v14: the second borrowed stage's epi_done (after the ring: the consumers' compile-time offsets
-  // to staged_bar and the masks stay as they were, which ptxas's register allocation was tuned to).
-  const std::uint32_t epi_done_bar1 = tile_ring + kTileRingBytes;  // 8 bytes
+  static_assert((Traits::kScaleBytes + 16) % 16 == 0);                         // (the slots 16-aligned)
+  const std::uint32_t epi_done_bar1 = tile_ring + kTileRingBytes;  // 8 bytes (v14)
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -732,11 +739,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
               atomicAdd(g_fp8_gemm_trace + 9, static_cast<unsigned long long>(c1 - c0));
               if (kb == 0) atomicAdd(g_fp8_gemm_trace + 16, static_cast<unsigned long long>(c1 - c0));
             }
-            // v14: borrowed stage kStages - 2 + c waits for consumer c's rows stored (epi_done c).
+            // v18: the borrowed last stage waits for wave 1's boxes read out of it (epi_done_bar1).
             // (Its A half, never borrowed, loaded before the wait made ptxas spill.)
-            if (gate && (kb == kStages - 2 || kb == kStages - 1)) {
-              ptx::mbar_wait(kb == kStages - 2 ? epi_done_bar : epi_done_bar1, epi_phase);
-              if (kb == kStages - 1) epi_phase ^= 1u;
+            if (gate && kb == kStages - 1) {
+              ptx::mbar_wait(epi_done_bar1, epi_phase);
+              epi_phase ^= 1u;
               if (trace_hand_off)
                 atomicAdd(g_fp8_gemm_trace + 8, static_cast<unsigned long long>(clock64() - c1));
             }
@@ -800,24 +807,26 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         ptx::mbar_wait(staged_bar, phase);
         phase ^= 1u;
         const long long c1 = trace_hand_off ? clock64() : 0;
-        // v17: the staged tile is four [kBlockM rows x 128-byte] swizzled boxes over the two borrowed
-        // stages (box b, columns 64 b .., in stage kStages - 2 + b / 2). A tile whose warps all staged
-        // goes out as one tensor store per box (each TMA store costs the store warp ~200 cycles
-        // whatever its size: v12's 16 per tile took ~3 400 cycles, on the next tile's critical path);
-        // else each warp that staged as four [16-row] stores (warps with invalid rows stored
-        // themselves). Wave w (boxes 2w, 2w + 1) is bulk group w; epi_done w once it has read shared
-        // memory (v14).
+        // v17: the staged tile is four [kBlockM rows x 128-byte] swizzled boxes (box b: columns 64 b ..;
+        // v18: wave 1's boxes 2, 3 in the last stage's B half, wave 0's in smem_epi right after it, so
+        // box b at the last stage's B + 16 KB (b ^ 2)). A tile whose warps all staged goes out as one
+        // tensor store per box (each TMA store costs the store warp ~200 cycles whatever its size:
+        // v12's 16 per tile took ~3 400 cycles, on the next tile's critical path); else each warp that
+        // staged as four [16-row] stores (warps with invalid rows stored themselves). Wave 1 first (bulk
+        // group 0): the producer's load of the next tile's last stage waits for it (epi_done_bar1); wave
+        // 0 (group 1), before the consumers stage the next tile's (epi_done_bar).
+        static_assert(kWaves != 2 || Traits::kEpiBytes == 2 * kBlockM * 128);
         bool whole = p.tile_store != 0;
 #pragma unroll
         for (int cw = 0; cw < Traits::kConsumers * 4; ++cw)
           whole = whole && ptx::ld_shared_s32(smem_row_masks + 4 * static_cast<std::uint32_t>(cw)) != 0;
 #pragma unroll 1
-        for (int w = 0; w < kWaves; ++w) {
+        for (int w = kWaves - 1; w >= 0; --w) {
           if (lane == 0) {
 #pragma unroll 1
             for (int b = 2 * w; b < 2 * w + 2; ++b) {
-              const std::uint32_t box = smem_b + static_cast<std::uint32_t>((kStages - 2) * Traits::kBBytes) +
-                                        static_cast<std::uint32_t>(b * kBlockM * 128);
+              const std::uint32_t box = smem_b + static_cast<std::uint32_t>((kStages - 1) * Traits::kBBytes) +
+                                        static_cast<std::uint32_t>((b ^ 2) * kBlockM * 128);
               const std::int32_t col_bytes = 2 * (t[0] * kBlockN + b * 64);
               if (whole) {
                 ptx::tma_store_2d(&tma_d_tile, box, col_bytes, t[1]);
@@ -833,12 +842,12 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           }
           ptx::bulk_commit();  // (an empty group where this lane stored nothing)
         }
-        ptx::bulk_wait_read<kWaves - 1>();  // group 0 (wave 0, stage kStages - 2) has read
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(epi_done_bar);
-        ptx::bulk_wait_read<0>();
+        ptx::bulk_wait_read<kWaves - 1>();  // group 0 (wave 1, the last stage) has read
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(epi_done_bar1);
+        ptx::bulk_wait_read<0>();  // and group 1 (wave 0, smem_epi)
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(epi_done_bar);
         if (trace_hand_off) {
           atomicAdd(g_fp8_gemm_trace + 10, static_cast<unsigned long long>(clock64() - c1));
           atomicAdd(g_fp8_gemm_trace + 11, static_cast<unsigned long long>(c1 - c0));
@@ -893,11 +902,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     const std::uint32_t u_consumer = __shfl_sync(0xffffffffu, static_cast<std::uint32_t>(consumer), 0);
     const std::uint32_t u_full = u_smem + (full_bar - smem_base);
     const std::uint32_t u_empty = u_smem + (empty_bar - smem_base);
-    // (v12's staged_bar and row masks sit a compile-time distance after the empty barriers, no
-    // registers of their own: full_bar is 16-byte aligned (the scales' kScaleBytes a multiple of 16),
-    // so smem_ids is full_bar + 16 kStages, i.e. empty_bar + 8 kStages.)
-    static_assert(Traits::kScaleBytes % 16 == 0);
-    constexpr std::uint32_t kStagedFromEmpty = kStages * 8 + Traits::kIdsBytes + 8;
+    // (v12's epi_done_bar, staged_bar and row masks sit a compile-time distance after the empty
+    // barriers, no registers of their own.)
+    constexpr std::uint32_t kStagedFromEmpty = kStages * 8 + 8;
     const std::uint32_t u_scales = u_smem + (smem_scales - smem_base);
     // The peer CTA's empty barriers (cluster of two), or 0.
     const std::uint32_t u_peer_empty =
@@ -1216,15 +1223,23 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // rows itself and stages nothing (copying them out of the swizzle spilled the store warp).
         const bool whole_warp = __all_sync(0xffffffffu, valid_a && valid_b);
         if (whole_warp) {
+          // v18: wave 0's boxes (smem_epi) are free once the store warp has read the previous tile's
+          // (epi_done_bar's phase of that tile; the ring has counted this tile: parity count & 1, which
+          // passes at once on the first tile). Bounded as the ring's reads (the producers' watchdogs
+          // fail the launch first).
+          for (std::uint32_t i = 0;
+               !ptx::mbar_try_wait(u_empty + kStages * 8, ring.tiles_read() & 1u) && i < TileRing::kRingSpinLimit;
+               ++i) {
+          }
           // (The lane's address re-derived at each stmatrix: held across them it cost a spill.)
           const auto chunk_pair = [&](int w, int jj) {
             const std::uint32_t here = ptx::lane_id_here();
             const std::uint32_t rr = here & 7u;
             const std::uint32_t warp_rows =
-                u_smem + (smem_b - smem_base) + (kStages - 2) * static_cast<std::uint32_t>(Traits::kBBytes) +
+                u_smem + (smem_b - smem_base) + (kStages - 1) * static_cast<std::uint32_t>(Traits::kBBytes) +
                 (u_consumer * 64u + static_cast<std::uint32_t>(warp_in_group) * 16u) * 128u;
             return warp_rows + (rr + 8u * ((here >> 3) & 1u)) * 128u +
-                   static_cast<std::uint32_t>((2 * w + jj / 4) * (kBlockM * 128)) +
+                   static_cast<std::uint32_t>(((2 * w + jj / 4) ^ 2) * (kBlockM * 128)) +
                    (static_cast<std::uint32_t>(32 * (jj % 4)) ^ (16u * (((here >> 4) & 1u) ^ rr)));
           };
 #pragma unroll
