@@ -212,7 +212,12 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   params.borrow_epilogue = kBlockN == 256 && cluster == 1 && with_env(borrow_env, borrow) ? 1 : 0;
   static const int tile_store_env = env_switch("EPMOE_GEMM_TILE_STORE");
   params.tile_store =
-      with_env(tile_store_env, resolve_choice(options.tile_store, grouped_gemm_tile_store(params.k))) ? 1 : 0;
+      with_env(tile_store_env,
+               resolve_choice(options.tile_store,
+                              grouped_gemm_tile_store(params.masked_m != nullptr, problem.a_rows,
+                                                      params.groups, params.k)))
+          ? 1
+          : 0;
   if (params.borrow_epilogue != 0 && (options.ablation & kAblateNoEpiGate) != 0)
     params.borrow_epilogue = kernels::kBorrowNoGate;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
@@ -320,12 +325,13 @@ bool grouped_gemm_borrow_epilogue(bool masked, std::int64_t k) {
   return !(masked && k <= kMaxDirectK);
 }
 
-bool grouped_gemm_tile_store(std::int64_t k) {
-  // Measured (bench/NOTES.md, session 36; v17 against per-warp stores): 2.6-4.2% faster on the
-  // contiguous K = 2048 rows that borrow (the store is on the next tile's critical path there); 5-18%
-  // slower on the K = 7168 rows with many groups, where it is not.
-  constexpr std::int64_t kMaxK = 2048;
-  return k <= kMaxK;
+bool grouped_gemm_tile_store(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k) {
+  // Measured (bench/NOTES.md, sessions 36-37; whole-tile against per-warp stores): 2.6-4.2% faster on
+  // the contiguous K = 2048 rows that borrow (the store is on the next tile's critical path there);
+  // at K = 7168 0.8-1.5% faster on groups of 1024+ rows (8 x 4096, 4 x 8192, 32 x 1024) but 1.2-1.3%
+  // slower on groups of 128-256 rows (32 x 256, 128 x 128) and 1.4-8.6% on masked 32 x 128 / 32 x 192.
+  constexpr std::int64_t kMaxK = 2048, kMinRowsPerGroup = 512;
+  return k <= kMaxK || (!masked && groups > 0 && m >= kMinRowsPerGroup * groups);
 }
 
 GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n) {

@@ -373,9 +373,7 @@ class TileRing {
   __device__ explicit TileRing(std::uint32_t base) : base_(base) {}
 
   // Tiles read (written) so far.
-  __device__ __forceinline__ std::uint32_t tiles_read() const {
-    return count_;
-  }
+  __device__ __forceinline__ std::uint32_t tiles_read() const { return count_; }
 
   // The reading end: words kFirst .. kFirst + kCount - 1 of the next tile, or false at the end.
   template <int kFirst, int kCount>
@@ -621,11 +619,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const std::uint32_t empty_bar = full_bar + kStages * 8;                      // kStages x 8 bytes
   // v18: epi_done_bar once the store warp has read wave 0's boxes (the consumers stage the next tile's
   // there after it), epi_done_bar1 once it has read wave 1's (the producer loads the last stage after it).
-  const std::uint32_t epi_done_bar = empty_bar + kStages * 8;                  // 8 bytes (v12)
-  const std::uint32_t staged_bar = epi_done_bar + 8;                           // 8 bytes (v12)
-  const std::uint32_t smem_row_masks = staged_bar + 8;                         // 8 warps x 4 bytes (v12)
-  const std::uint32_t tile_ring = smem_row_masks + 32;                         // kTileRingBytes (v13)
-  static_assert((Traits::kScaleBytes + 16) % 16 == 0);                         // (the slots 16-aligned)
+  const std::uint32_t epi_done_bar = empty_bar + kStages * 8;      // 8 bytes (v12)
+  const std::uint32_t staged_bar = epi_done_bar + 8;               // 8 bytes (v12)
+  const std::uint32_t smem_row_masks = staged_bar + 8;             // 8 warps x 4 bytes (v12)
+  const std::uint32_t tile_ring = smem_row_masks + 32;             // kTileRingBytes (v13)
+  static_assert((Traits::kScaleBytes + 16) % 16 == 0);             // (the slots 16-aligned)
   const std::uint32_t epi_done_bar1 = tile_ring + kTileRingBytes;  // 8 bytes (v14)
 
   const int warp = static_cast<int>(threadIdx.x / 32);
@@ -1227,8 +1225,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           // (epi_done_bar's phase of that tile; the ring has counted this tile: parity count & 1, which
           // passes at once on the first tile). Bounded as the ring's reads (the producers' watchdogs
           // fail the launch first).
-          for (std::uint32_t i = 0;
-               !ptx::mbar_try_wait(u_empty + kStages * 8, ring.tiles_read() & 1u) && i < TileRing::kRingSpinLimit;
+          for (std::uint32_t i = 0; !ptx::mbar_try_wait(u_empty + kStages * 8, ring.tiles_read() & 1u) &&
+                                    i < TileRing::kRingSpinLimit;
                ++i) {
           }
           // (The lane's address re-derived at each stmatrix: held across them it cost a spill.)

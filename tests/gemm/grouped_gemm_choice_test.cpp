@@ -33,11 +33,18 @@ TEST(GroupedGemmBorrowEpilogue, OffOnlyInTheMaskedLayoutAtShortK) {
   EXPECT_TRUE(grouped_gemm_borrow_epilogue(false, 7168));
 }
 
-TEST(GroupedGemmTileStore, OnlyAtShortK) {
-  EXPECT_TRUE(grouped_gemm_tile_store(2048));
-  EXPECT_TRUE(grouped_gemm_tile_store(512));
-  EXPECT_FALSE(grouped_gemm_tile_store(2176));
-  EXPECT_FALSE(grouped_gemm_tile_store(7168));
+TEST(GroupedGemmTileStore, AtShortKOrLargeContiguousGroups) {
+  // K <= 2048: both layouts, any group size.
+  EXPECT_TRUE(grouped_gemm_tile_store(false, 32 * 256, 32, 2048));
+  EXPECT_TRUE(grouped_gemm_tile_store(true, 32 * 256, 32, 512));
+  // K = 7168: contiguous groups of 512+ rows on average only.
+  EXPECT_TRUE(grouped_gemm_tile_store(false, 8 * 4096, 8, 7168));
+  EXPECT_TRUE(grouped_gemm_tile_store(false, 32 * 512, 32, 7168));
+  EXPECT_FALSE(grouped_gemm_tile_store(false, 32 * 512 - 1, 32, 7168));
+  EXPECT_FALSE(grouped_gemm_tile_store(false, 128 * 192, 128, 7168));
+  EXPECT_FALSE(grouped_gemm_tile_store(true, 32 * 4096, 32, 7168));
+  EXPECT_FALSE(grouped_gemm_tile_store(false, 32 * 256, 32, 2176));
+  EXPECT_FALSE(grouped_gemm_tile_store(false, 0, 0, 7168));
 }
 
 TEST(GroupedGemmTile, HeuristicShapes) {

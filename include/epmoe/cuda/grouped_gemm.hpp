@@ -113,9 +113,10 @@ struct GroupedGemmOptions {
   // v17, with borrow_epilogue: a tile whose 128 rows are all valid leaves as four tensor stores of
   // [128 rows x 64 columns] instead of one [16 rows x 64 columns] store per warp and 64 columns (32):
   // each TMA store costs the store warp ~150 cycles, and the next tile's loads into the borrowed
-  // stages wait for the store (bench/NOTES.md, session 36). Measured 2.6-4.2% faster on the
-  // contiguous K = 2048 rows that borrow, and 5-18% slower on K = 7168 rows with many groups.
-  // 1: always; 0: never; -1 (automatic): K <= 2048 (grouped_gemm_tile_store).
+  // stages wait for the store (bench/NOTES.md, sessions 36-37). Measured 2.6-4.2% faster on the
+  // contiguous K = 2048 rows that borrow and 0.8-1.5% on K = 7168 rows with large groups, 1.2-8.6%
+  // slower on K = 7168 rows with groups of 128-256 rows.
+  // 1: always; 0: never; -1 (automatic): grouped_gemm_tile_store.
   // EPMOE_GEMM_TILE_STORE=0|1 overrides it.
   int tile_store = -1;
 };
@@ -139,8 +140,9 @@ bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, 
 // except in the masked layout with K <= 2048.
 bool grouped_gemm_borrow_epilogue(bool masked, std::int64_t k);
 
-// The automatic choice of GroupedGemmOptions::tile_store (-1): whole-tile stores when K <= 2048.
-bool grouped_gemm_tile_store(std::int64_t k);
+// The automatic choice of GroupedGemmOptions::tile_store (-1): whole-tile stores when K <= 2048, or in
+// the contiguous layout when the M rows of A hold at least 512 per group on average (M >= 512 groups).
+bool grouped_gemm_tile_store(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k);
 
 // Contiguous layout:
 //   a [M, K] fp8_e4m3; a_scales f32 (layout above); b [G, N, K] fp8_e4m3; b_scales [G, N/128, K/128] f32;
