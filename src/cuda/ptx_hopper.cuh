@@ -157,6 +157,14 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, std::uint32
                : "memory");
 }
 
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, std::uint32_t src, std::int32_t c2,
+                                             std::int32_t c3) {  // (c0 = c1 = 0)
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(src), "r"(0), "r"(c2), "r"(c3)
+               : "memory");
+}
+
 // ---------------------------------------------------------------- named barriers
 // bar.sync / bar.arrive on hardware barrier `id` (1..15; 0 is __syncthreads) for `count` threads
 // (a multiple of 32): sync waits until `count` threads arrived, arrive only counts itself.

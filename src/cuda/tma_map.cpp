@@ -49,4 +49,24 @@ CUtensorMap make_tma_2d_plain(void* base, std::int64_t rows, std::int64_t cols, 
                          CU_TENSOR_MAP_L2_PROMOTION_NONE, name);
 }
 
+bool make_tma_row_groups(void* base, std::int64_t rows, std::int64_t row_bytes, int box_row_groups,
+                         CUtensorMap& map) {
+  if (rows <= 0 || rows % 16 != 0 || row_bytes <= 0 || row_bytes % 256 != 0) return false;
+  const cuuint64_t dims[4] = {128, 16, static_cast<cuuint64_t>(row_bytes / 128),
+                              static_cast<cuuint64_t>(rows / 16)};
+  // Bytes between rows, column blocks, row groups (not increasing: the driver accepts or refuses).
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_bytes), 128,
+                                 static_cast<cuuint64_t>(16 * row_bytes)};
+  const cuuint32_t box[4] = {128, 16, 2, static_cast<cuuint32_t>(box_row_groups)};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  CUtensorMap m{};
+  const CUresult r =
+      encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base, dims, strides, box, element_strides,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                     CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return false;
+  map = m;
+  return true;
+}
+
 }  // namespace epmoe::cuda

@@ -237,16 +237,21 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   // v12's TMA stores (p.borrow_epilogue): d as bytes [a_rows, 2 N], 128-byte boxes (64 columns) in the
   // 128-byte swizzle (v17: the staging's stmatrix layout), 16 rows (one consumer warp's) or, v16, a
   // whole tile's kBlockM rows. Without it the B map stands in (never read).
-  const CUtensorMap tma_d =
-      params.borrow_epilogue != 0
-          ? make_tma_2d(params.d, problem.a_rows, 2 * static_cast<std::int64_t>(params.n), 16, "d",
-                        CU_TENSOR_MAP_L2_PROMOTION_NONE)
-          : tma_b;
-  const CUtensorMap tma_d_tile =
-      params.borrow_epilogue != 0
-          ? make_tma_2d(params.d, problem.a_rows, 2 * static_cast<std::int64_t>(params.n), kBlockM,
-                        "d (tile)", CU_TENSOR_MAP_L2_PROMOTION_NONE)
-          : tma_b;
+  // v19: 4D row-group maps (a consumer warp's 16 rows x 128 columns, or a tile's kBlockM rows, in one
+  // store) where the rows allow (M, or the masked layout's M_max, a multiple of 16: every tile's rows
+  // start 16-aligned) and the driver takes them; else the 2D map and per-box stores, whole tiles never.
+  CUtensorMap tma_d = tma_b, tma_d_tile = tma_b;
+  params.row_group_maps = 0;
+  if (params.borrow_epilogue != 0) {
+    const std::int64_t row_bytes = 2 * static_cast<std::int64_t>(params.n);
+    if (problem.tile_rows % 16 == 0 && make_tma_row_groups(params.d, problem.a_rows, row_bytes, 1, tma_d) &&
+        make_tma_row_groups(params.d, problem.a_rows, row_bytes, kBlockM / 16, tma_d_tile)) {
+      params.row_group_maps = 1;
+    } else {
+      tma_d = make_tma_2d(params.d, problem.a_rows, row_bytes, 16, "d", CU_TENSOR_MAP_L2_PROMOTION_NONE);
+      params.tile_store = 0;
+    }
+  }
   std::int64_t ctas = props.sm_count;
   if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
   cudaLaunchConfig_t config{};

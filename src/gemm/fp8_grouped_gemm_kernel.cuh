@@ -128,6 +128,7 @@ struct GroupedGemmParams {
   std::int32_t split_tiles;      // 1: 128 x 256 tiles with <= 64 valid rows split their columns (v11)
   std::int32_t borrow_epilogue;  // 1: the epilogue stages its output in the tile's last two stages (v12)
   std::int32_t tile_store;       // 1: a whole staged tile leaves in four tensor stores (v17)
+  std::int32_t row_group_maps;   // v19: tma_d / tma_d_tile are 4D row-group maps (make_tma_row_groups)
   std::int32_t n_units;          // N / (kBlockN cluster): work units (p.cluster tiles) per m-block
   std::int32_t band_units;       // contiguous: work units per band of the tile order
   std::int32_t band_tiles;       // contiguous: m_blocks * band_units
@@ -805,14 +806,15 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         ptx::mbar_wait(staged_bar, phase);
         phase ^= 1u;
         const long long c1 = trace_hand_off ? clock64() : 0;
-        // v17: the staged tile is four [kBlockM rows x 128-byte] swizzled boxes (box b: columns 64 b ..;
-        // v18: wave 1's boxes 2, 3 in the last stage's B half, wave 0's in smem_epi right after it, so
-        // box b at the last stage's B + 16 KB (b ^ 2)). A tile whose warps all staged goes out as one
-        // tensor store per box (each TMA store costs the store warp ~200 cycles whatever its size:
-        // v12's 16 per tile took ~3 400 cycles, on the next tile's critical path); else each warp that
-        // staged as four [16-row] stores (warps with invalid rows stored themselves). Wave 1 first (bulk
-        // group 0): the producer's load of the next tile's last stage waits for it (epi_done_bar1); wave
-        // 0 (group 1), before the consumers stage the next tile's (epi_done_bar).
+        // The staged tile, per wave w (128 columns), is [consumer warp cw][half h][16 rows][128 bytes] in
+        // the 128-byte swizzle (v19; half h: columns 64 h .. of the wave); v18: wave 1 in the last stage's
+        // B half, wave 0 in smem_epi right after it. Each TMA store costs the store warp ~150-200 cycles
+        // whatever its size (v12's 16 per tile took ~3 400 cycles, on the next tile's critical path), so
+        // a wave whose warps all staged leaves in one store (tile_store), else one store per warp that
+        // staged (warps with invalid rows stored themselves), with the 4D row-group maps; with the 2D
+        // map (row_group_maps 0) one per warp and half. Wave 1 first (bulk group 0): the producer's
+        // load of the next tile's last stage waits for it (epi_done_bar1); wave 0 (group 1), before the
+        // consumers stage the next tile's (epi_done_bar).
         static_assert(kWaves != 2 || Traits::kEpiBytes == 2 * kBlockM * 128);
         bool whole = p.tile_store != 0;
 #pragma unroll
@@ -821,19 +823,21 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
 #pragma unroll 1
         for (int w = kWaves - 1; w >= 0; --w) {
           if (lane == 0) {
+            const std::uint32_t wave = smem_b + static_cast<std::uint32_t>((kStages - 1) * Traits::kBBytes) +
+                                       static_cast<std::uint32_t>((1 - w) * kBlockM * 256);
+            const std::int32_t col_block = t[0] * (kBlockN / 64) + 2 * w;
+            if (whole) {
+              ptx::tma_store_4d(&tma_d_tile, wave, col_block, t[1] / 16);
+            } else {
 #pragma unroll 1
-            for (int b = 2 * w; b < 2 * w + 2; ++b) {
-              const std::uint32_t box = smem_b + static_cast<std::uint32_t>((kStages - 1) * Traits::kBBytes) +
-                                        static_cast<std::uint32_t>((b ^ 2) * kBlockM * 128);
-              const std::int32_t col_bytes = 2 * (t[0] * kBlockN + b * 64);
-              if (whole) {
-                ptx::tma_store_2d(&tma_d_tile, box, col_bytes, t[1]);
-              } else {
-#pragma unroll 1
-                for (int cw = 0; cw < Traits::kConsumers * 4; ++cw) {
-                  if (ptx::ld_shared_s32(smem_row_masks + 4 * static_cast<std::uint32_t>(cw)) != 0)
-                    ptx::tma_store_2d(&tma_d, box + static_cast<std::uint32_t>(cw * 16 * 128), col_bytes,
-                                      t[1] + 16 * cw);
+              for (int cw = 0; cw < Traits::kConsumers * 4; ++cw) {
+                if (ptx::ld_shared_s32(smem_row_masks + 4 * static_cast<std::uint32_t>(cw)) == 0) continue;
+                const std::uint32_t rows = wave + static_cast<std::uint32_t>(cw * 4096);
+                if (p.row_group_maps != 0) {
+                  ptx::tma_store_4d(&tma_d, rows, col_block, t[1] / 16 + cw);
+                } else {
+                  ptx::tma_store_2d(&tma_d, rows, 128 * col_block, t[1] + 16 * cw);
+                  ptx::tma_store_2d(&tma_d, rows + 2048u, 128 * col_block + 128, t[1] + 16 * cw);
                 }
               }
             }
@@ -1212,13 +1216,14 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // [16 rows x 256 bytes] boxes (one per wave) and its row mask (bit r: row r of the warp; lane
         // 4 (r % 8) held it, as row_a for r < 8) for the store warp.
         ptx::named_bar_sync(kEpilogueBarrier, 256);
-        // v17: the tile as four [kBlockM rows x 128 bytes] boxes (64 columns each; box b in borrowed
-        // stage kStages - 2 + b / 2) in the 128-byte swizzle (16-byte chunk c of row r at r * 128 +
-        // 16 (c ^ r % 8)), written by stmatrix straight from the accumulator layout: no quad transposes
-        // and no bank conflicts (v12's 256-byte rows took two wavefronts per 16-byte store). Per
-        // stmatrix: chunks j, j + 1 of rows 0-7 and 8-15 of this warp; lane 8 i + r addresses row
-        // r + 8 (i % 2) of chunk j + i / 2. A warp with invalid rows (a group's end) stores its valid
-        // rows itself and stages nothing (copying them out of the swizzle spilled the store warp).
+        // v17: the tile in [16 rows x 128 bytes] boxes (v19: per wave [warp][half][16 rows][128 bytes],
+        // half h: 64 columns; the waves where the store warp's comment says) in the 128-byte swizzle
+        // (16-byte chunk c of row r at r * 128 + 16 (c ^ r % 8)), written by stmatrix straight from the
+        // accumulator layout: no quad transposes and no bank conflicts (v12's 256-byte rows took two
+        // wavefronts per 16-byte store). Per stmatrix: chunks j, j + 1 of rows 0-7 and 8-15 of this warp;
+        // lane 8 i + r addresses row r + 8 (i % 2) of chunk j + i / 2. A warp with invalid rows (a group's
+        // end) stores its valid rows itself and stages nothing (copying them out of the swizzle spilled the
+        // store warp).
         const bool whole_warp = __all_sync(0xffffffffu, valid_a && valid_b);
         if (whole_warp) {
           // v18: wave 0's boxes (smem_epi) are free once the store warp has read the previous tile's
@@ -1235,9 +1240,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             const std::uint32_t rr = here & 7u;
             const std::uint32_t warp_rows =
                 u_smem + (smem_b - smem_base) + (kStages - 1) * static_cast<std::uint32_t>(Traits::kBBytes) +
-                (u_consumer * 64u + static_cast<std::uint32_t>(warp_in_group) * 16u) * 128u;
+                (u_consumer * 64u + static_cast<std::uint32_t>(warp_in_group) * 16u) * 256u;
             return warp_rows + (rr + 8u * ((here >> 3) & 1u)) * 128u +
-                   static_cast<std::uint32_t>(((2 * w + jj / 4) ^ 2) * (kBlockM * 128)) +
+                   static_cast<std::uint32_t>((1 - w) * (kBlockM * 256) + (jj / 4) * 2048) +
                    (static_cast<std::uint32_t>(32 * (jj % 4)) ^ (16u * (((here >> 4) & 1u) ^ rr)));
           };
 #pragma unroll
