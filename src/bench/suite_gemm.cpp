@@ -264,7 +264,7 @@ std::vector<Variant> experiments(bool masked) {
   // Session 16: v12 without the producer's wait for the store warp (garbage output): what the
   // hand-off costs each next tile's K blocks 2 and 3.
   add("no_epi_gate", [](auto& o) { o.ablation = 1024; });
-  // v17: whole-tile stores on every row, or never (session 36).
+  // Whole-tile stores (GroupedGemmOptions::tile_store) on every row, or never (sessions 36-37).
   add("tile_store", [](auto& o) { o.tile_store = 1; });
   add("no_tile_store", [](auto& o) { o.tile_store = 0; });
   add("no_scales", [](auto& o) { o.ablation = 32; });

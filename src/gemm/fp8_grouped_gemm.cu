@@ -234,9 +234,8 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
                         promotion);
   const CUtensorMap tma_b = make_tma_2d(b.data, static_cast<std::int64_t>(params.groups) * params.n, params.k,
                                         kBlockN, "b", promotion);
-  // v12's TMA stores (p.borrow_epilogue): d as bytes [a_rows, 2 N], 128-byte boxes (64 columns) in the
-  // 128-byte swizzle (v17: the staging's stmatrix layout), 16 rows (one consumer warp's) or, v16, a
-  // whole tile's kBlockM rows. Without it the B map stands in (never read).
+  // v12's TMA stores (p.borrow_epilogue): d as bytes [a_rows, 2 N] in the 128-byte swizzle (v17: the
+  // staging's stmatrix layout). Without it the B map stands in (never read).
   // v19: 4D row-group maps (a consumer warp's 16 rows x 128 columns, or a tile's kBlockM rows, in one
   // store) where the rows allow (M, or the masked layout's M_max, a multiple of 16: every tile's rows
   // start 16-aligned) and the driver takes them; else the 2D map and per-box stores, whole tiles never.

@@ -127,7 +127,7 @@ struct GroupedGemmParams {
   std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
   std::int32_t split_tiles;      // 1: 128 x 256 tiles with <= 64 valid rows split their columns (v11)
   std::int32_t borrow_epilogue;  // 1: the epilogue stages its output in the tile's last two stages (v12)
-  std::int32_t tile_store;       // 1: a whole staged tile leaves in four tensor stores (v17)
+  std::int32_t tile_store;       // 1: a wave whose warps all staged leaves in one tensor store (v17, v19)
   std::int32_t row_group_maps;   // v19: tma_d / tma_d_tile are 4D row-group maps (make_tma_row_groups)
   std::int32_t n_units;          // N / (kBlockN cluster): work units (p.cluster tiles) per m-block
   std::int32_t band_units;       // contiguous: work units per band of the tile order
@@ -682,17 +682,17 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   // v12 (p.borrow_epilogue, the default; 128 x 256 tiles, the unrolled loop, no cluster): the epilogue needs
   // 64 KB of shared memory to hand the output to TMA stores without waiting for them, and giving the
   // pipeline's memory to it for good costs a stage (8%, bench/NOTES.md session 15). So it borrows the
-  // B halves of the tile's last two stages (2 x 32 KB; every tile starts at stage 0 in the unrolled
-  // loop, so they are stages kStages - 2 and kStages - 1). After the K loop each consumer warp writes
-  // its 16 rows x 256 columns (bf16) there and its valid rows as a mask, and every consumer lane
-  // arrives on staged_bar; the consumers go on with the next tile at once. The producer warpgroup's
-  // otherwise idle warp 2 (the store warp) then stores the tile: one TMA tensor store per warp and
-  // wave where all 16 rows are valid, else one 1D bulk store per valid row and wave (padding rows
-  // stay untouched), and arrives on epi_done_bar once the stores have read shared memory. The
-  // producer loads the next tile's K blocks into the first kStages - 2 stages as usual and waits on
-  // epi_done_bar before the ones that go into the borrowed two. v14: one epi_done per borrowed stage
-  // (v17: stage kStages - 2 + w holds wave w's boxes, stored as bulk group w), so the next tile's K
-  // block kStages - 2 loads while the second wave is still being stored (bench/NOTES.md, session 36).
+  // B half of the tile's last stage (32 KB; every tile starts at stage 0 in the unrolled loop, so it is
+  // stage kStages - 1) for wave 1 and has 32 KB of its own (smem_epi, v18) for wave 0. After the K loop
+  // each consumer warp whose 16 rows are all valid writes its 16 rows x 256 columns (bf16) there by
+  // stmatrix in the 128-byte swizzle (v17, v19's layout at the staging), warps with invalid rows store
+  // their valid rows themselves (padding rows stay untouched); each warp writes its mask, and every
+  // consumer lane arrives on staged_bar; the consumers go on with the next tile at once. The producer
+  // warpgroup's otherwise idle warp 2 (the store warp) then stores the tile with TMA tensor stores
+  // (one per staged warp and wave, or one per wave: tile_store) and arrives on epi_done_bar1 once wave 1's
+  // have read shared memory (the producer loads the next tile's K block kStages - 1 after it) and on
+  // epi_done_bar once wave 0's have (the consumers stage the next tile's wave 0 after it). The next
+  // tile's first kStages - 1 K blocks never wait for the store (bench/NOTES.md, sessions 36-37).
   // borrowing() (above) includes the unrolled loop's condition: every tile starts at stage 0.
   if (warp < 4) {
     // ------------------------------------------------------------ producer warpgroup
@@ -794,10 +794,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         }
       }
     } else if (warp == 2 && borrowing()) {
-      // v12's store warp (see borrowing()): per tile, once the consumers staged it, consumer warp
-      // cw's rows (tile rows 16 cw ..) go out as two tensor stores (all 16 valid: lane 0) or as one
-      // 1D bulk store per valid row and wave (lane r: row r); then, once every store has read shared
-      // memory, lane 0 arrives on epi_done_bar, which the producer waits on before it loads over them.
+      // v12's store warp (see borrowing()): per tile, once the consumers staged it, lane 0 stores it
+      // (below), then arrives on epi_done_bar1 and epi_done_bar as the stores have read shared memory.
       std::uint32_t phase = 0;
       const bool trace_hand_off = (p.ablation & kTraceLoop) != 0 && lane == 0;
       std::int32_t t[2];  // TileRing::kNBlock, kRow0

@@ -69,7 +69,7 @@ struct ContiguousCase {
   int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic
   int borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;   // -1: automatic
   int band_columns = 0;                                      // 0: the default tile order
-  int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (K <= 2048)
+  int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (grouped_gemm_tile_store)
 };
 
 void PrintTo(const ContiguousCase& c, std::ostream* os) {
@@ -212,8 +212,8 @@ INSTANTIATE_TEST_SUITE_P(
           c.split_tiles = 0;  // (K <= 2048 with 384 rows per group: split, without v12, by default)
           return c;
         }(),
-        // v17's whole-tile stores off at K = 2048 (per-warp stores of every whole warp) and on at
-        // K = 7168 (whole tiles among partial ones).
+        // Whole-tile stores off at K = 2048 (per-warp stores of every whole warp) and on at K = 7168
+        // (whole tiles among partial ones).
         [] {
           ContiguousCase c = tails_holes_case("N4096_K2048_borrow_holes_no_tile_store", false, true);
           c.tile_store = 0;
@@ -419,7 +419,7 @@ struct MaskedCase {
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
   int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic (never in this layout)
   int borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;   // -1: automatic (off at K <= 2048 here)
-  int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (K <= 2048)
+  int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (grouped_gemm_tile_store)
 };
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
@@ -527,10 +527,36 @@ INSTANTIATE_TEST_SUITE_P(
           c.borrow = 1;
           return c;
         }(),
-        [] {  // (v17: per-warp stores at K = 2048)
+        // (M_max = 200: not a multiple of 16, so the 2D output map and two stores per warp and wave.)
+        [] {  // (per-warp stores at K = 2048)
           MaskedCase c{"N4096_K2048_mmax200_borrow_no_tile_store",
                        200,
                        {1, 64, 65, 130, 200, 0, 77},
+                       4096,
+                       2048,
+                       ScaleLayout::mn_major_tma};
+          c.borrow = 1;
+          c.tile_store = 0;
+          return c;
+        }(),
+        // v19's 4D row-group output maps in the masked layout (M_max = 144, a multiple of 16: groups
+        // start 16-aligned, at g x 144 rows): whole tiles, a 16-row tail (one whole warp), tails with a
+        // partial warp, an empty group; stores per wave and per warp.
+        [] {
+          MaskedCase c{"N4096_K2048_mmax144_borrow_tile_store",
+                       144,
+                       {144, 0, 130, 16, 129, 128},
+                       4096,
+                       2048,
+                       ScaleLayout::mn_major_tma};
+          c.borrow = 1;
+          c.tile_store = 1;
+          return c;
+        }(),
+        [] {
+          MaskedCase c{"N4096_K2048_mmax144_borrow_no_tile_store",
+                       144,
+                       {144, 0, 130, 16, 129, 128},
                        4096,
                        2048,
                        ScaleLayout::mn_major_tma};

@@ -110,10 +110,10 @@ struct GroupedGemmOptions {
   // (grouped_gemm_borrow_epilogue; bench/NOTES.md, session 31). EPMOE_GEMM_BORROW_EPILOGUE=0|1
   // overrides it. Ignored with split_tiles, pingpong, consumer_skew, 4-byte stores and ablations.
   int borrow_epilogue = -1;
-  // v17, with borrow_epilogue: a tile whose 128 rows are all valid leaves as four tensor stores of
-  // [128 rows x 64 columns] instead of one [16 rows x 64 columns] store per warp and 64 columns (32):
-  // each TMA store costs the store warp ~150 cycles, and the next tile's loads into the borrowed
-  // stages wait for the store (bench/NOTES.md, sessions 36-37). Measured 2.6-4.2% faster on the
+  // With borrow_epilogue: a tile whose 128 rows are all valid leaves as one tensor store per 128
+  // columns (2) instead of one per consumer warp and 128 columns (16): each TMA store costs the store
+  // warp ~150 cycles, and the next tile's load into the borrowed stage waits for the store
+  // (bench/NOTES.md, sessions 36-37). Measured 2.6-4.2% faster on the
   // contiguous K = 2048 rows that borrow and 0.8-1.5% on K = 7168 rows with large groups, 1.2-8.6%
   // slower on K = 7168 rows with groups of 128-256 rows.
   // 1: always; 0: never; -1 (automatic): grouped_gemm_tile_store.
