@@ -52,13 +52,19 @@ def body_regions():
     kernel = line_of(lines, r"fp8_grouped_gemm_kernel\(const __grid_constant__")
     producer = line_of(lines, r"-{20,} producer warpgroup", kernel)
     consumer = line_of(lines, r"-{20,} consumer warpgroups", producer)
-    k_loop = min(line_of(lines, r"const auto k_block = \[&\]", consumer),
+    # The K loop's code starts with free_stage (called per K block), then the loops themselves.
+    k_loop = min(line_of(lines, r"const auto free_stage = \[&\]", consumer),
+                 line_of(lines, r"const auto k_block = \[&\]", consumer),
                  line_of(lines, r"const auto two_partial_k_loop = \[&\]", consumer))
     k_loop_end = line_of(lines, r"const auto store_wave = \[&\]", k_loop)
     epilogue = line_of(lines, r"// Epilogue: bf16 to global memory, valid rows only \(store_wave above\)", k_loop_end)
     epilogue_end = line_of(lines, r"^\s+if \(trace\) \{", epilogue)
     end = len(lines)
+    # promote() (before the kernel; inlined into the K loop only).
+    promote = line_of(lines, r"^__device__ __forceinline__ void promote\(")
+    promote_end = line_of(lines, r"^}", promote)
     return scheduler, [
+        (promote, promote_end, "consumer.k_loop"),
         (kernel, producer - 1, "kernel.start"),
         (producer, consumer - 1, "producer"),
         (consumer, k_loop - 1, "consumer.turn"),
@@ -77,6 +83,7 @@ def read_csv(path):
         sys.exit(f"ncu-regions: no 'Address' column in {path}")
     header = [c.strip() for c in rows[header_at]]
     address = header.index("Address")
+    source = header.index("Source") if "Source" in header else None
     records = []
     for r in rows[header_at + 1:]:
         if len(r) != len(header):
@@ -93,12 +100,12 @@ def read_csv(path):
                 values[name] = float(r[i].replace(",", ""))
             except ValueError:
                 pass
-        records.append((at, values))
+        records.append((at, values, r[source] if source is not None else ""))
     if not records:
         sys.exit(f"ncu-regions: no instruction rows in {path}")
-    base = min(at for at, _ in records)
+    base = min(at for at, _, _ in records)
     columns = [c for c in header if "ampl" in c or "stall" in c.lower()]
-    return [(at - base, v) for at, v in records], columns
+    return [(at - base, v, s) for at, v, s in records], columns
 
 
 def main():
@@ -131,6 +138,11 @@ def main():
                 return name
         return None
 
+    # Code of other files (ptx_hopper.cuh's wrappers) takes the region of the kernel-body code before
+    # it, except the K loop's own instructions: K block 0's wgmma and waits follow the tile turn's code
+    # in the unrolled loop (session 37: counted as the turn's, they were most of its samples).
+    k_loop_ops = ("QGMMA", "HGMMA", "WARPGROUP.")
+
     def region_at(at, context):
         i = bisect.bisect_right(addresses, at) - 1
         name, line = table[i][1] if i >= 0 else ("?", 0)
@@ -145,8 +157,11 @@ def main():
     records, columns = read_csv(args.csv)
     sums = collections.defaultdict(collections.Counter)
     context = "kernel.start"
-    for at, values in sorted(records, key=lambda r: r[0]):
+    for at, values, source in sorted(records, key=lambda r: r[0]):
         region, context = region_at(at, context)
+        opcode = source.split()[1] if source.lstrip().startswith("@") and len(source.split()) > 1 else source.strip()
+        if region == "consumer.turn" and opcode.startswith(k_loop_ops):
+            region = "consumer.k_loop"
         sums[region]["instructions"] += 1
         for c in columns:
             sums[region][c] += values.get(c, 0.0)
