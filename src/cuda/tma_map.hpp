@@ -23,7 +23,7 @@ CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, 
 CUtensorMap make_tma_2d_plain(void* base, std::int64_t rows, std::int64_t cols, int box_cols, int box_rows,
                               std::string_view name);
 
-// v19's output map: a row-major byte matrix [rows, row_bytes] (rows % 16 == 0, row_bytes % 128 == 0) as
+// v19's output map: a row-major byte matrix [rows, row_bytes] (rows % 16 == 0, row_bytes % 256 == 0) as
 // 4D (128 bytes, 16 rows, row_bytes / 128 column blocks, rows / 16 row groups), box (128, 16, 2,
 // box_row_groups), 128-byte swizzle: in shared memory [row group][column block][16 rows][128 bytes], so
 // that a consumer warp's 16 rows x 256 bytes are one 4 KB box of two conflict-free swizzled 2 KB halves.

@@ -332,8 +332,9 @@ bool grouped_gemm_borrow_epilogue(bool masked, std::int64_t k) {
 bool grouped_gemm_tile_store(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k) {
   // Measured (bench/NOTES.md, sessions 36-37; whole-tile against per-warp stores): 2.6-4.2% faster on
   // the contiguous K = 2048 rows that borrow (the store is on the next tile's critical path there);
-  // at K = 7168 0.8-1.5% faster on groups of 1024+ rows (8 x 4096, 4 x 8192, 32 x 1024) but 1.2-1.3%
-  // slower on groups of 128-256 rows (32 x 256, 128 x 128) and 1.4-8.6% on masked 32 x 128 / 32 x 192.
+  // at K = 7168 0.8-1.5% faster on groups of 1024+ rows (8 x 4096, 4 x 8192, 32 x 1024) but slower on
+  // groups of 128-256 rows: 32 x 256 1.001, masked 32 x 192 1.020 with v19's staging (1.013, 1.086
+  // with v18's).
   constexpr std::int64_t kMaxK = 2048, kMinRowsPerGroup = 512;
   return k <= kMaxK || (!masked && groups > 0 && m >= kMinRowsPerGroup * groups);
 }

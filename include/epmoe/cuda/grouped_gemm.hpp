@@ -113,9 +113,9 @@ struct GroupedGemmOptions {
   // With borrow_epilogue: a tile whose 128 rows are all valid leaves as one tensor store per 128
   // columns (2) instead of one per consumer warp and 128 columns (16): each TMA store costs the store
   // warp ~150 cycles, and the next tile's load into the borrowed stage waits for the store
-  // (bench/NOTES.md, sessions 36-37). Measured 2.6-4.2% faster on the
-  // contiguous K = 2048 rows that borrow and 0.8-1.5% on K = 7168 rows with large groups, 1.2-8.6%
-  // slower on K = 7168 rows with groups of 128-256 rows.
+  // (bench/NOTES.md, sessions 36-37). Measured faster on the contiguous K = 2048 rows that borrow
+  // (2.6-4.2%) and on K = 7168 rows with groups of 1024+ rows (0.8-1.5%), slower on K = 7168 rows
+  // with groups of 128-256 rows (up to 2% with v19's staging, 8.6% before).
   // 1: always; 0: never; -1 (automatic): grouped_gemm_tile_store.
   // EPMOE_GEMM_TILE_STORE=0|1 overrides it.
   int tile_store = -1;
