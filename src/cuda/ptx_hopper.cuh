@@ -89,6 +89,17 @@ __device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parit
   }
 }
 
+// Waits at most `rounds` try_wait rounds (each suspends the thread up to a hardware time limit) for the
+// phase of parity `parity`; false if it had not completed. For waits whose register budget has no room
+// for mbar_wait's watchdog (the FP8 GEMM's consumers), bounded by the waits of other warps that trap.
+__device__ __forceinline__ bool mbar_wait_rounds(std::uint32_t bar, std::uint32_t parity,
+                                                 std::uint32_t rounds) {
+  for (std::uint32_t i = 0; !mbar_try_wait(bar, parity); ++i) {
+    if (i == rounds) return false;
+  }
+  return true;
+}
+
 // ---------------------------------------------------------------- TMA
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
@@ -193,11 +204,6 @@ __device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src) {
 // toward the barrier's expected arrivals (.noinc).
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(std::uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-
-// Waits until all of this thread's earlier cp.async have landed (and are visible to it).
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
 __device__ __forceinline__ std::int32_t ld_shared_s32(std::uint32_t addr) {

@@ -43,12 +43,6 @@ CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, 
   return encode_2d_bytes(base, rows, cols, 128, box_rows, CU_TENSOR_MAP_SWIZZLE_128B, promotion, name);
 }
 
-CUtensorMap make_tma_2d_plain(void* base, std::int64_t rows, std::int64_t cols, int box_cols, int box_rows,
-                              std::string_view name) {
-  return encode_2d_bytes(base, rows, cols, box_cols, box_rows, CU_TENSOR_MAP_SWIZZLE_NONE,
-                         CU_TENSOR_MAP_L2_PROMOTION_NONE, name);
-}
-
 bool make_tma_row_groups(void* base, std::int64_t rows, std::int64_t row_bytes, int box_row_groups,
                          CUtensorMap& map) {
   if (rows <= 0 || rows % 16 != 0 || row_bytes <= 0 || row_bytes % 256 != 0) return false;

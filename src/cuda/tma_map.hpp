@@ -17,12 +17,6 @@ namespace epmoe::cuda {
 CUtensorMap make_tma_2d(const void* base, std::int64_t rows, std::int64_t cols, int box_rows,
                         std::string_view name, CUtensorMapL2promotion promotion);
 
-// A 2D map over a row-major byte matrix [rows, cols], box [box_rows, box_cols bytes] (a multiple of
-// 16), no swizzle (the box dense in shared memory: row r at r * box_cols), for TMA stores of staged
-// output tiles; out-of-bounds parts of a box are not written.
-CUtensorMap make_tma_2d_plain(void* base, std::int64_t rows, std::int64_t cols, int box_cols, int box_rows,
-                              std::string_view name);
-
 // v19's output map: a row-major byte matrix [rows, row_bytes] (rows % 16 == 0, row_bytes % 256 == 0) as
 // 4D (128 bytes, 16 rows, row_bytes / 128 column blocks, rows / 16 row groups), box (128, 16, 2,
 // box_row_groups), 128-byte swizzle: in shared memory [row group][column block][16 rows][128 bytes], so

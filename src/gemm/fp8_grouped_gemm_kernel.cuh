@@ -400,9 +400,7 @@ class TileRing {
     // Bounded without a trap here (mbar_wait's watchdog, or a counter and a trap, made ptxas spill the
     // consumers' accumulators, 2.4 KB): past the bound the consumer stops as at the schedule's end,
     // and the producers' watchdogs, waiting on stages it never frees, fail the launch.
-    for (std::uint32_t i = 0; !ptx::mbar_try_wait(full(base_, slot), parity()); ++i) {
-      if (i == kRingSpinLimit) return false;
-    }
+    if (!ptx::mbar_wait_rounds(full(base_, slot), parity(), kRingSpinLimit)) return false;
     const std::uint32_t at = words_at(slot);
     const uint4 head = ptx::ld_shared_v4(at);  // kNBlock, kRow0, kBRow, kRowsUsed
     const bool more = ptx::ld_shared_s32(at + 4u * kMore) != 0;
@@ -554,24 +552,6 @@ __device__ __forceinline__ void transposed_words_bf16(const float (&v)[64], floa
   quad_transpose(words, q);
 }
 
-// The conversion and transposes of store_wave_bf16 (below) for any destination: store(h, c, words)
-// stores lane q's 16 bytes of row h (0: row_a, 1: row_b), 8-column chunk c = 4 i + q. (v12's staging
-// uses it; store_wave_bf16 keeps its own loop around transposed_words_bf16: written through this one,
-// the 128 x 256 kernel spilled 4 bytes.)
-template <bool kScaled, typename Store>
-__device__ __forceinline__ void transposed_wave_bf16(const float (&v)[64], float scale, int q,
-                                                     Store&& store) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      std::uint32_t words[4];
-      transposed_words_bf16<kScaled>(v, scale, h, i, q, words);
-      store(h, 4 * i + q, words);
-    }
-  }
-}
-
 // One wave's 64 accumulators v (the wgmma m64n128 layout: this thread's rows row_a and row_b =
 // row_a + 8), times `scale` when kScaled, as bf16 into the 128 columns at d_col of those rows (valid
 // rows only; n: d's row stride in elements). Per row and 32 columns the quad's lanes hold 2 columns of
@@ -624,7 +604,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const std::uint32_t staged_bar = epi_done_bar + 8;               // 8 bytes (v12)
   const std::uint32_t smem_row_masks = staged_bar + 8;             // 8 warps x 4 bytes (v12)
   const std::uint32_t tile_ring = smem_row_masks + 32;             // kTileRingBytes (v13)
-  static_assert((Traits::kScaleBytes + 16) % 16 == 0);             // (the slots 16-aligned)
+  static_assert(Traits::kScaleBytes % 16 == 0);                    // (the ring's slots 16-aligned)
   const std::uint32_t epi_done_bar1 = tile_ring + kTileRingBytes;  // 8 bytes (v14)
 
   const int warp = static_cast<int>(threadIdx.x / 32);
@@ -651,8 +631,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // Every lane of every consumer warp of every CTA of the cluster (ptx::mbar_arrive_warp).
       ptx::mbar_init(empty_bar + 8 * s, Traits::kConsumers * 4 * p.cluster * ptx::kWarpArrivals);
     }
-    ptx::mbar_init(epi_done_bar, 1);                                          // the store warp's lane 0
-    ptx::mbar_init(epi_done_bar1, 1);                                         // (v14: per borrowed stage)
+    ptx::mbar_init(epi_done_bar, 1);   // the store warp's lane 0: wave 0's boxes read (v18)
+    ptx::mbar_init(epi_done_bar1, 1);  // the same: wave 1's, the borrowed last stage
     ptx::mbar_init(staged_bar, Traits::kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
     for (int s = 0; s < kTileSlots; ++s) {
       const auto slot = static_cast<std::uint32_t>(s);
@@ -904,7 +884,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     const std::uint32_t u_empty = u_smem + (empty_bar - smem_base);
     // (v12's epi_done_bar, staged_bar and row masks sit a compile-time distance after the empty
     // barriers, no registers of their own.)
-    constexpr std::uint32_t kStagedFromEmpty = kStages * 8 + 8;
+    constexpr std::uint32_t kEpiDoneFromEmpty = kStages * 8;
+    constexpr std::uint32_t kStagedFromEmpty = kEpiDoneFromEmpty + 8;
     const std::uint32_t u_scales = u_smem + (smem_scales - smem_base);
     // The peer CTA's empty barriers (cluster of two), or 0.
     const std::uint32_t u_peer_empty =
@@ -1228,10 +1209,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           // (epi_done_bar's phase of that tile; the ring has counted this tile: parity count & 1, which
           // passes at once on the first tile). Bounded as the ring's reads (the producers' watchdogs
           // fail the launch first).
-          for (std::uint32_t i = 0; !ptx::mbar_try_wait(u_empty + kStages * 8, ring.tiles_read() & 1u) &&
-                                    i < TileRing::kRingSpinLimit;
-               ++i) {
-          }
+          ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
+                                TileRing::kRingSpinLimit);
           // (The lane's address re-derived at each stmatrix: held across them it cost a spill.)
           const auto chunk_pair = [&](int w, int jj) {
             const std::uint32_t here = ptx::lane_id_here();

@@ -426,6 +426,16 @@ void PrintTo(const MaskedCase& c, std::ostream* os) {
   *os << c.name;
 }
 
+// v12's borrowed-stage epilogue at N = 4096, K = 2048 (128 x 256 tiles), with whole-tile stores as
+// `tile_store` says.
+MaskedCase masked_borrow_case(std::string name, std::int64_t m_max, std::vector<std::int32_t> masked_m,
+                              int tile_store) {
+  MaskedCase c{std::move(name), m_max, std::move(masked_m), 4096, 2048, ScaleLayout::mn_major_tma};
+  c.borrow = 1;
+  c.tile_store = tile_store;
+  return c;
+}
+
 struct MaskedInputs {
   HostTensor a, sa, sa_mn, counts;  // sa_mn: the MN-major copy of sa, when asked for
   Weights w;
@@ -521,49 +531,14 @@ INSTANTIATE_TEST_SUITE_P(
           return c;
         }(),
         // v12's borrowed-stage epilogue, masked (128 x 256 tiles: expected m above 64).
-        [] {
-          MaskedCase c{"N4096_K2048_mmax200_borrow", 200, {1, 64, 65, 130, 200, 0, 77}, 4096, 2048,
-                       ScaleLayout::mn_major_tma};
-          c.borrow = 1;
-          return c;
-        }(),
         // (M_max = 200: not a multiple of 16, so the 2D output map and two stores per warp and wave.)
-        [] {  // (per-warp stores at K = 2048)
-          MaskedCase c{"N4096_K2048_mmax200_borrow_no_tile_store",
-                       200,
-                       {1, 64, 65, 130, 200, 0, 77},
-                       4096,
-                       2048,
-                       ScaleLayout::mn_major_tma};
-          c.borrow = 1;
-          c.tile_store = 0;
-          return c;
-        }(),
+        masked_borrow_case("N4096_K2048_mmax200_borrow", 200, {1, 64, 65, 130, 200, 0, 77}, -1),
+        masked_borrow_case("N4096_K2048_mmax200_borrow_no_tile_store", 200, {1, 64, 65, 130, 200, 0, 77}, 0),
         // v19's 4D row-group output maps in the masked layout (M_max = 144, a multiple of 16: groups
         // start 16-aligned, at g x 144 rows): whole tiles, a 16-row tail (one whole warp), tails with a
         // partial warp, an empty group; stores per wave and per warp.
-        [] {
-          MaskedCase c{"N4096_K2048_mmax144_borrow_tile_store",
-                       144,
-                       {144, 0, 130, 16, 129, 128},
-                       4096,
-                       2048,
-                       ScaleLayout::mn_major_tma};
-          c.borrow = 1;
-          c.tile_store = 1;
-          return c;
-        }(),
-        [] {
-          MaskedCase c{"N4096_K2048_mmax144_borrow_no_tile_store",
-                       144,
-                       {144, 0, 130, 16, 129, 128},
-                       4096,
-                       2048,
-                       ScaleLayout::mn_major_tma};
-          c.borrow = 1;
-          c.tile_store = 0;
-          return c;
-        }(),
+        masked_borrow_case("N4096_K2048_mmax144_borrow_tile_store", 144, {144, 0, 130, 16, 129, 128}, 1),
+        masked_borrow_case("N4096_K2048_mmax144_borrow_no_tile_store", 144, {144, 0, 130, 16, 129, 128}, 0),
         // M_max not a multiple of the tile; an empty group and a single-row group.
         MaskedCase{"N4096_K2048_mmax200", 200, {0, 1, 200, 77}, 4096, 2048, ScaleLayout::token_major},
         MaskedCase{"N4096_K2048_mmax200_block64_mn_major_full_a_box",
