@@ -205,6 +205,11 @@ Variant nosplit_variant() {  // the default before session 30: never split
   v.options.split_tiles = 0;
   return v;
 }
+Variant no_split_tail_variant() {  // the default before v21 (session 38): the tail tiles whole
+  Variant v{".no_split_tail", {}};
+  v.options.split_tail = 0;
+  return v;
+}
 
 // Timing experiments (EPMOE_BENCH_GEMM_EXPERIMENTS=1): ablations that locate the bottleneck
 // (no tensor-core work, no loads), pipeline depth, half the SMs, L2 promotion, the A box.
@@ -346,8 +351,21 @@ bool trace_enabled() {
   const char* e = std::getenv("EPMOE_BENCH_GEMM_TRACE");
   return e != nullptr && *e != '\0' && *e != '0';
 }
+// Every line's options: the trace where asked, and v21's split-tail workspace (one per process, zeroed
+// once; the lines run one at a time on one stream).
 cuda::GroupedGemmOptions traced(cuda::GroupedGemmOptions o) {
   if (trace_enabled()) o.ablation |= 256;
+  // (Never freed: it would outlive the CUDA context at exit.)
+  static const cuda::DeviceTensor* const workspace = [] {
+    auto* w = new cuda::DeviceTensor(DType::i32,
+                                     {static_cast<std::int64_t>(cuda::grouped_gemm_workspace_bytes() / 4)});
+    cuda::Stream stream;
+    w->fill_bytes(0x00, stream);
+    stream.synchronize();
+    return w;
+  }();
+  o.workspace = workspace->view().data;
+  o.workspace_bytes = workspace->nbytes();
   return o;
 }
 
@@ -383,6 +401,14 @@ Params with_trace(Params p, const cuda::Fp8GemmTrace& t) {
     p["epilogue_per_tile"] = static_cast<double>(t.epilogue_cycles) / tiles;
     p["producer_turn_per_tile"] = static_cast<double>(t.producer_turn_cycles) / tiles;
     p["producer_kb0_wait_per_tile"] = static_cast<double>(t.producer_kb0_wait_cycles) / tiles;
+  }
+  if (t.split_chunks > 0) {  // v21's split tail (session 38): per chunk, and per sum
+    p["split_chunks"] = static_cast<std::int64_t>(t.split_chunks);
+    p["split_write_per_chunk"] =
+        static_cast<double>(t.split_write_cycles) / static_cast<double>(t.split_chunks);
+    if (t.split_reductions > 0)
+      p["split_sum_per_tile"] =
+          static_cast<double>(t.split_sum_cycles) / static_cast<double>(t.split_reductions);
   }
   return p;
 }
@@ -436,8 +462,8 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
-  std::vector<Variant> variants{{"", {}},       c2_variant(),         pingpong_variant(),
-                                skew_variant(), plain_loop_variant(), v2_variant()};
+  std::vector<Variant> variants{{"", {}},       no_split_tail_variant(), c2_variant(), pingpong_variant(),
+                                skew_variant(), plain_loop_variant(),    v2_variant()};
   if (chosen.block_n == 256) {
     variants.push_back(direct_variant());
     variants.push_back(split_variant());
@@ -500,7 +526,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then the others (".alt*") to keep the choice honest.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(true, s.expected_m, N);
-  std::vector<Variant> variants{{"", {}}};
+  std::vector<Variant> variants{{"", {}}, no_split_tail_variant()};
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());

@@ -121,6 +121,15 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
               "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
   EPMOE_CHECK(options.cluster >= 0 && options.cluster <= 2,
               "options.cluster must be 0 (automatic), 1 or 2, got {}", options.cluster);
+  EPMOE_CHECK(options.split_tail >= -1 && options.split_tail <= 1,
+              "options.split_tail must be -1 (automatic), 0 or 1, got {}", options.split_tail);
+  EPMOE_CHECK(options.split_tail != 1 || options.workspace != nullptr,
+              "options.split_tail = 1 needs options.workspace (grouped_gemm_workspace_bytes() bytes)");
+  EPMOE_CHECK(options.workspace == nullptr || options.workspace_bytes >= grouped_gemm_workspace_bytes(),
+              "options.workspace_bytes must be >= grouped_gemm_workspace_bytes() = {}, got {}",
+              grouped_gemm_workspace_bytes(), options.workspace_bytes);
+  EPMOE_CHECK(reinterpret_cast<std::uintptr_t>(options.workspace) % 256 == 0,
+              "options.workspace must be 256-byte aligned");
   GemmTileShape tile = grouped_gemm_tile(masked, expected_m, n);
   if (options.block_m != 0) tile.block_m = options.block_m;
   if (options.block_n != 0) tile.block_n = options.block_n;
@@ -154,13 +163,49 @@ struct Problem {
   std::int64_t groups_in_schedule;  // masked: G (upper bound of the tiles); contiguous: 1
 };
 
+// v21's workspace: the counters (per CTA kSplitCountersPerTile), then per CTA one partial of the largest
+// tile.
+constexpr std::int64_t kSplitPartialFloats = 128 * 256;
+std::size_t split_counter_bytes(int sm_count) {
+  const std::size_t bytes = static_cast<std::size_t>(sm_count) * kernels::kSplitCountersPerTile * 4;
+  return (bytes + 255) / 256 * 256;
+}
+
+// v21's chunk choice (kernels::GroupedGemmParams::split_table), for each limit m on the chunks that fit:
+// the s in 2..m of least cost, in tenths of a K block - a chunk's whole quanta of K blocks plus ~2.3 K
+// blocks per chunk for the last warp's sum of s partials (latency-bound loads; measured, bench/NOTES.md
+// session 38) - or 1 (no split) unless that beats the whole tile by ~4 K blocks (the partial written,
+// the fence, the extra tile turn).
+std::uint64_t split_table(std::int32_t num_kb, std::int32_t quantum, std::int32_t max_chunks, bool most) {
+  constexpr std::int32_t kChunkCost = 23, kSplitCost = 40;
+  const std::int32_t quanta = num_kb / quantum;
+  std::uint64_t table = 0;
+  std::int32_t best = 1, best_cost = 10 * num_kb - kSplitCost;
+  for (std::int32_t m = 0; m < 16; ++m) {
+    if (most && m >= 2 && m <= max_chunks) {
+      best = m;
+    } else if (m >= 2 && m <= max_chunks) {
+      const std::int32_t cost = 10 * ((quanta + m - 1) / m) * quantum + kChunkCost * m;
+      if (cost < best_cost) {
+        best = m;
+        best_cost = cost;
+      }
+    }
+    table |= static_cast<std::uint64_t>(best) << (4 * m);
+  }
+  return table;
+}
+
 template <int kBlockM, int kBlockN>
 void launch(const TensorView& a, const TensorView& b, Problem problem, const GroupedGemmOptions& options,
             int cluster, cudaStream_t stream) {
   using Traits = GemmTraits<kBlockM, kBlockN>;
-  constexpr auto kernel = &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN>;
+  // Without and with v21's split tail (the consumers' side; picked below).
+  constexpr auto kernel_whole = &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN, false>;
+  constexpr auto kernel_split = &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN, true>;
   const DeviceProps& props = device_props();
-  gemm_host::allow_dynamic_smem<kernel, Traits::kSmemBytes>();
+  gemm_host::allow_dynamic_smem<kernel_whole, Traits::kSmemBytes>();
+  gemm_host::allow_dynamic_smem<kernel_split, Traits::kSmemBytes>();
   EPMOE_CHECK(options.stages >= 0 && options.stages <= Traits::kStages,
               "options.stages must be 0 (all) or 1..{} for {} x {} tiles, got {}", Traits::kStages, kBlockM,
               kBlockN, options.stages);
@@ -274,7 +319,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
       config.gridDim = dim3(static_cast<unsigned>(props.sm_count / cluster * cluster));
       int n = 0;
       // A failed query (none should fail) costs only the cap: the schedule works for any grid.
-      if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess || n <= 0) {
+      if (cudaOccupancyMaxActiveClusters(&n, kernel_whole, &config) != cudaSuccess || n <= 0) {
         (void)cudaGetLastError();
         n = props.sm_count / cluster;
       }
@@ -286,7 +331,48 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   ctas = std::clamp<std::int64_t>(ctas / cluster, 1, std::max<std::int64_t>(max_units, 1)) * cluster;
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   params.unit_stride = static_cast<std::int32_t>(ctas / cluster);
-  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_a, tma_a_part, tma_b, tma_d, tma_d_tile, params));
+  // v21's split tail (GroupedGemmOptions::split_tail): chunks of whole quanta of K blocks, a quantum
+  // being the stages where the unrolled loop runs (every unit must start at stage 0 there).
+  params.split_quantum = 0;
+  params.split_max_chunks = 0;
+  params.split_table = 0;
+  params.split_max_rounds = 0;
+  params.split_partials = nullptr;
+  params.split_counters = nullptr;
+  static const int split_tail_env = env_switch("EPMOE_GEMM_SPLIT_TAIL");
+  const std::int32_t num_kb = params.k / kGemmBlockK;
+  const std::int32_t quantum =
+      params.unroll != 0 && params.stages == Traits::kStages && num_kb % Traits::kStages == 0
+          ? Traits::kStages
+          : 1;
+  const bool split_tail_applies = cluster == 1 && params.split_tiles == 0 && params.pingpong == 0 &&
+                                  params.skew == 0 && params.vector_epilogue != 0 &&
+                                  (params.ablation & ~kernels::kTraceLoop) == 0 && num_kb / quantum >= 2;
+  if (split_tail_applies && options.workspace != nullptr &&
+      with_env(split_tail_env, resolve_choice(options.split_tail, true))) {
+    params.split_quantum = quantum;
+    params.split_max_chunks = std::min(kernels::kMaxSplitChunks, num_kb / quantum);
+    // (Forced on: every tail split into as many chunks as fit, the tests' and experiments' choice.)
+    params.split_table = split_table(num_kb, quantum, params.split_max_chunks, options.split_tail == 1);
+    // Any number of rounds (the cost model's chunks measured 1.3-1.7% faster on contiguous rows of 22-34
+    // rounds at K = 7168, bench/NOTES.md session 38); EPMOE_GEMM_SPLIT_ROUNDS=R splits only below R
+    // whole rounds (experiments).
+    static const int rounds_env = [] {
+      const char* e = std::getenv("EPMOE_GEMM_SPLIT_ROUNDS");
+      return e != nullptr && *e != '\0' ? std::max(1, std::atoi(e)) : 0;
+    }();
+    params.split_max_rounds = options.split_tail != 1 && rounds_env > 0 ? rounds_env : kInt32Max;
+    params.split_counters = static_cast<std::int32_t*>(options.workspace);
+    params.split_partials =
+        reinterpret_cast<float*>(static_cast<char*>(options.workspace) + split_counter_bytes(props.sm_count));
+    static_assert(kBlockM * kBlockN <= kSplitPartialFloats);
+  }
+  // The split kernel where a tail may split: some chunk count of the table above 1.
+  constexpr std::uint64_t kNoSplit = 0x1111111111111111ull;
+  const bool may_split = params.split_quantum != 0 && params.split_table != kNoSplit;
+  if (!may_split) params.split_quantum = 0;  // (the walker then plans whole tiles only)
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, may_split ? kernel_split : kernel_whole, tma_a, tma_a_part,
+                                      tma_b, tma_d, tma_d_tile, params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -310,8 +396,24 @@ Fp8GemmTrace fp8_grouped_gemm_take_trace() {
   unsigned long long zero[kernels::kFp8TraceWords] = {};
   zero[6] = ~0ull;
   EPMOE_CUDA_CHECK(cudaMemcpyToSymbol(kernels::g_fp8_gemm_trace, zero, sizeof zero));
-  return {sums[0],  sums[1],  sums[2],  sums[3],  sums[4],  sums[5],  sums[8], sums[9],
-          sums[10], sums[11], sums[12], sums[13], sums[14], sums[15], sums[16]};
+  return {sums[0],  sums[1],  sums[2],  sums[3],  sums[4],  sums[5],  sums[8],  sums[9],  sums[10], sums[11],
+          sums[12], sums[13], sums[14], sums[15], sums[16], sums[17], sums[18], sums[19], sums[20]};
+}
+
+std::size_t grouped_gemm_workspace_bytes() {
+  const int sm_count = device_props().sm_count;
+  return split_counter_bytes(sm_count) + static_cast<std::size_t>(sm_count) * kSplitPartialFloats * 4;
+}
+
+int grouped_gemm_split_tail_chunks(std::int64_t k, int quantum, int limit) {
+  EPMOE_CHECK(k > 0 && k % kGemmBlockK == 0, "k must be a positive multiple of 128, got {}", k);
+  const auto num_kb = static_cast<std::int32_t>(k / kGemmBlockK);
+  EPMOE_CHECK(quantum >= 1 && num_kb % quantum == 0, "quantum must divide K / 128 = {}, got {}", num_kb,
+              quantum);
+  EPMOE_CHECK(limit >= 0, "limit must be >= 0, got {}", limit);
+  const std::int32_t max_chunks = std::min(kernels::kMaxSplitChunks, num_kb / quantum);
+  const std::uint64_t table = split_table(num_kb, quantum, max_chunks, false);
+  return static_cast<int>((table >> (4 * std::min(limit, 15))) & 15u);
 }
 
 bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k) {

@@ -34,6 +34,12 @@
 // "empty" barriers).
 // No consumer touches global memory inside the K loop: scales come with the stage, so nothing
 // waits on a load's latency there.
+// Split tail (v21, p.split_quantum != 0, with a workspace): the tiles left after the grid's last whole
+// round (tiles mod CTAs) are split along K into chunks of whole quanta for the CTAs that would idle
+// (GemmScheduler::plan_split; the host's cost model picks the chunk count). A chunk's consumer warps
+// write their f32 accumulators to the workspace and count themselves in; the warp that arrives last
+// sums the chunks in chunk order (split_tile_reduce) and stores the tile's rows, the others store
+// nothing.
 // The schedule is static (work unit u goes to cluster u mod the number of clusters); both CTAs of a
 // cluster walk it identically and skip the same units, so their pipeline stages and phases stay in
 // lockstep.
@@ -95,7 +101,8 @@ struct GemmTraits {
   // shapes keep their stage counts.
   static constexpr int kEpiBytes = kWaves == 2 ? kBlockM * 128 * 2 : 0;
   // The tiles, the scales and the stages' barriers; v18's wave-0 boxes; 96 bytes for v12's (v14's)
-  // three barriers and eight consumer warps' row masks, then v13's tile ring.
+  // three barriers and eight consumer warps' row masks, then v13's tile ring (v14's barrier and v21's
+  // split plan after it, in the 96 bytes' slack).
   static constexpr int kTailBytes = 96 + kTileRingBytes;
   static constexpr int kStages =
       std::min(8, (kGemmSmemBudget - kEpiBytes - kTailBytes) / (kStageBytes + kScaleBytes + 16));
@@ -138,7 +145,23 @@ struct GroupedGemmParams {
   std::int32_t unit_stride;
   float inv_band_tiles, inv_band_units, inv_last_width;
   std::int32_t ablation;  // kAblate*: timing experiments only
+  // v21's split tail (bench/NOTES.md, session 38): the tiles past the last whole round of the grid
+  // (tiles mod unit_stride) are split along K into chunks that idle CTAs take; each chunk's warps
+  // write their f32 partials to split_partials, and the last warp to arrive on its counter sums them
+  // in chunk order (deterministic) and stores the tile. 0: off; else K blocks per chunk quantum (the
+  // stages of the unrolled loop, so that every chunk starts at stage 0).
+  std::int32_t split_quantum;
+  std::int32_t split_max_chunks;  // at most this many chunks per tile (<= kMaxSplitChunks)
+  std::uint64_t split_table;      // nibble m: the chunks to use when at most m fit (1: no split)
+  std::int32_t split_max_rounds;  // split only where the tiles fill fewer whole rounds of the grid
+  float* split_partials;          // [unit_stride][consumer warps][kBlockN / 4 float4][32 lanes]
+  std::int32_t* split_counters;   // [unit_stride][8]: zero between launches (the last warp resets its own)
 };
+
+// v21: chunks per split tile, at most (the ring packs the chunk and the count in 4 bits each).
+inline constexpr int kMaxSplitChunks = 15;
+// Per split tile, one counter per consumer warp (at most 8).
+inline constexpr int kSplitCountersPerTile = 8;
 
 // Ablation bits (GroupedGemmParams::ablation): timing experiments only, the output is garbage.
 inline constexpr int kAblateNone = 0;
@@ -174,13 +197,16 @@ __device__ __forceinline__ bool split_tile(const GroupedGemmParams& p, std::int3
 
 // One output tile.
 struct GemmTile {
-  std::int32_t group;        // B group
-  std::int32_t n_block;      // columns [kBlockN n_block, kBlockN (n_block + 1))
-  std::int32_t row0;         // first row of the tile in A's (flattened) rows
-  std::int32_t seg_row0;     // first row of the tile's group segment (masked: g * M_max; else 0)
-  std::int32_t row_end;      // rows >= row_end are never valid
-  std::int32_t scale_group;  // masked: g; contiguous: 0 (selects the A-scale slab)
-  std::int32_t rows_used;    // 1 + the last tile row that may be valid (A rows past it need no load)
+  std::int32_t group;         // B group
+  std::int32_t n_block;       // columns [kBlockN n_block, kBlockN (n_block + 1))
+  std::int32_t row0;          // first row of the tile in A's (flattened) rows
+  std::int32_t seg_row0;      // first row of the tile's group segment (masked: g * M_max; else 0)
+  std::int32_t row_end;       // rows >= row_end are never valid
+  std::int32_t scale_group;   // masked: g; contiguous: 0 (selects the A-scale slab)
+  std::int32_t rows_used;     // 1 + the last tile row that may be valid (A rows past it need no load)
+  std::int32_t kb_begin = 0;  // v21: the K blocks [kb_begin, kb_begin + kb_count) of this unit
+  std::int32_t kb_count = 0;
+  std::int32_t split = -1;  // v21: -1 a whole tile; else (tail tile << 8) | (chunk << 4) | chunks
 };
 
 // The static persistent schedule over work units: a unit is p.cluster tiles side by side along N
@@ -192,8 +218,13 @@ struct GemmTile {
 template <int kBlockM, int kBlockN>
 class GemmScheduler {
  public:
-  __device__ explicit GemmScheduler(const GroupedGemmParams& p)
-      : t_(static_cast<std::int32_t>(blockIdx.x >> (p.cluster - 1))) {  // (cluster: 1 or 2)
+  // plan: 12 bytes of shared memory of the walking warp's own (v21's split plan; written here).
+  __device__ GemmScheduler(const GroupedGemmParams& p, std::uint32_t plan)
+      : u_(static_cast<std::int32_t>(blockIdx.x >> (p.cluster - 1))) {  // (cluster: 1 or 2)
+    // (The plan first: its loads of masked_m, one round trip for all groups, then bring group 0's count
+    // close for load_segment; the other order cost every masked launch a second round trip before its
+    // first tile, ~0.7% at K = 2048, bench/NOTES.md session 38.)
+    plan_split(p, plan);
     if (p.masked_m != nullptr) load_segment(p);
   }
 
@@ -201,9 +232,11 @@ class GemmScheduler {
   // bit l of rows[i] is tile row 32 i + l, in both layouts (contiguous: the rows of the tile's group;
   // masked: the rows below tile.row_end).
   __device__ __forceinline__ bool next_all_rows(GemmTile& tile, const GroupedGemmParams& p,
-                                                std::uint32_t (&rows)[kBlockM / 32]) {
-    if (p.masked_m == nullptr) return next_contiguous(tile, p, rows);
-    if (!next_masked(tile, p)) return false;
+                                                std::uint32_t (&rows)[kBlockM / 32], std::uint32_t plan) {
+    if (p.masked_m == nullptr) return next_contiguous(tile, p, rows, plan);
+    std::int32_t t, v;
+    if (!take(p, plan, t, v) || !next_masked(tile, p, t)) return false;
+    set_k_range(tile, p, plan, t, v);
 #pragma unroll
     for (int i = 0; i < kBlockM / 32; ++i) {
       const std::int32_t n = tile.row_end - (tile.row0 + 32 * i);
@@ -213,6 +246,89 @@ class GemmScheduler {
   }
 
  private:
+  // v21: the split tail's plan (p.split_quantum != 0), warp-collective (the masked layout counts its
+  // tiles over the warp): with T tiles and C = p.unit_stride CTAs, the last T mod C tiles (fewer than
+  // half of C) are split into s = min(C / (T mod C), p.split_max_chunks) chunks each, work units
+  // T - T mod C .. of one chunk each, so that the last round's CTAs each take a chunk. The plan's
+  // words (kUnitsEnd, kSplitFrom, kChunks) live in shared memory: in the walking warp's 40 registers
+  // they made ptxas spill.
+  enum PlanWord : std::uint32_t { kUnitsEnd = 0, kSplitFrom = 4, kChunks = 8 };
+  __device__ void plan_split(const GroupedGemmParams& p, std::uint32_t plan) {
+    const std::int32_t end = p.masked_m == nullptr ? p.total_units : 0x7fffffff;  // masked: the groups end it
+    write_plan(plan, end, end, 1);
+    if (p.split_quantum == 0) return;
+    std::int32_t tiles = p.total_units;
+    if (p.masked_m != nullptr) {
+      std::int32_t blocks = 0;
+      for (std::int32_t g = static_cast<std::int32_t>(threadIdx.x % 32); g < p.groups; g += 32)
+        blocks += (min(max(__ldg(p.masked_m + g), 0), p.rows) + kBlockM - 1) / kBlockM;
+      tiles = static_cast<std::int32_t>(__reduce_add_sync(0xffffffffu, static_cast<std::uint32_t>(blocks))) *
+              p.n_units;
+    }
+    const std::int32_t chunks = split_chunks(p, tiles);
+    const std::int32_t tail = tiles % p.unit_stride;
+    if (chunks < 2) {
+      write_plan(plan, tiles, tiles, 1);
+    } else {
+      write_plan(plan, tiles - tail + tail * chunks, tiles - tail, chunks);
+    }
+  }
+  // The chunks per tail tile, or 1 (no split): the host's choice for the chunk limit min(CTAs / tail,
+  // p.split_max_chunks) (GroupedGemmParams::split_table), where the grid runs at most
+  // p.split_max_rounds rounds.
+  __device__ static std::int32_t split_chunks(const GroupedGemmParams& p, std::int32_t tiles) {
+    const std::int32_t tail = tiles % p.unit_stride;
+    if (tail == 0 || tiles / p.unit_stride >= p.split_max_rounds) return 1;
+    const std::int32_t limit = min(p.unit_stride / tail, p.split_max_chunks);
+    return static_cast<std::int32_t>((p.split_table >> (4 * limit)) & 15u);
+  }
+  __device__ static void write_plan(std::uint32_t plan, std::int32_t units_end, std::int32_t split_from,
+                                    std::int32_t chunks) {
+    __syncwarp();  // (every lane's reads of an earlier plan done)
+    if (threadIdx.x % 32 == 0) {
+      ptx::st_shared_u32(plan + kUnitsEnd, static_cast<std::uint32_t>(units_end));
+      ptx::st_shared_u32(plan + kSplitFrom, static_cast<std::uint32_t>(split_from));
+      ptx::st_shared_u32(plan + kChunks, static_cast<std::uint32_t>(chunks));
+    }
+    __syncwarp();
+  }
+
+  // This CTA's next work unit: its tile t and, for a chunk of a split tile, v (its index among the
+  // chunks, tail tile (t - split_from_) times chunks_ plus the chunk); else v = -1.
+  __device__ __forceinline__ bool take(const GroupedGemmParams& p, std::uint32_t plan, std::int32_t& t,
+                                       std::int32_t& v) {
+    if (u_ >= ptx::ld_shared_s32(plan + kUnitsEnd)) return false;
+    const std::int32_t u = u_, split_from = ptx::ld_shared_s32(plan + kSplitFrom);
+    u_ += p.unit_stride;
+    if (u < split_from) {
+      t = u;
+      v = -1;
+    } else {
+      v = u - split_from;
+      t = split_from + v / ptx::ld_shared_s32(plan + kChunks);
+    }
+    return true;
+  }
+
+  // The K blocks of unit (t, v) (take()): all, or chunk v % chunks_'s share of whole quanta.
+  __device__ __forceinline__ void set_k_range(GemmTile& tile, const GroupedGemmParams& p, std::uint32_t plan,
+                                              std::int32_t t, std::int32_t v) const {
+    const std::int32_t num_kb = p.k / kGemmBlockK;
+    if (v < 0) {
+      tile.kb_begin = 0;
+      tile.kb_count = num_kb;
+      tile.split = -1;
+      return;
+    }
+    const std::int32_t chunks = ptx::ld_shared_s32(plan + kChunks);
+    const std::int32_t i = t - ptx::ld_shared_s32(plan + kSplitFrom), c = v - i * chunks;
+    const std::int32_t quanta = num_kb / p.split_quantum;
+    const std::int32_t q0 = c * quanta / chunks, q1 = (c + 1) * quanta / chunks;
+    tile.kb_begin = q0 * p.split_quantum;
+    tile.kb_count = (q1 - q0) * p.split_quantum;
+    tile.split = (i << 8) | (c << 4) | chunks;
+  }
+
   // This CTA's place in its cluster (re-read per tile rather than held in the walking state).
   __device__ __forceinline__ static std::int32_t rank(const GroupedGemmParams& p) {
     return static_cast<std::int32_t>(blockIdx.x & static_cast<unsigned>(p.cluster - 1));  // (1 or 2)
@@ -246,11 +362,10 @@ class GemmScheduler {
   }
 
   __device__ __forceinline__ bool next_contiguous(GemmTile& tile, const GroupedGemmParams& p,
-                                                  std::uint32_t (&rows)[kBlockM / 32]) {
+                                                  std::uint32_t (&rows)[kBlockM / 32], std::uint32_t plan) {
     const int lane = static_cast<int>(threadIdx.x % 32);
-    while (t_ < p.total_units) {
-      const std::int32_t t = t_;
-      t_ += p.unit_stride;
+    std::int32_t t, v;
+    while (take(p, plan, t, v)) {
       std::int32_t m_block, n_unit;
       unit(p, t, m_block, n_unit);
       const std::int32_t row0 = m_block * kBlockM;
@@ -269,6 +384,7 @@ class GemmScheduler {
 #pragma unroll
       for (int i = 0; i < kBlockM / 32; ++i) rows[i] = __ballot_sync(0xffffffffu, ids[i] == g);
       tile = GemmTile{g, n_unit * p.cluster + rank(p), row0, 0, p.rows, 0, last};
+      set_k_range(tile, p, plan, t, v);
       return true;
     }
     return false;
@@ -277,15 +393,15 @@ class GemmScheduler {
   // Masked: only the valid m-blocks of each group are enumerated (group-major, then n-block,
   // then m-block; with split tiles m-block, then n-block), so skipped rows cost nothing and the CTAs
   // stay balanced.
-  __device__ bool next_masked(GemmTile& tile, const GroupedGemmParams& p) {
-    while (g_ < p.groups && t_ >= seg_start_ + seg_tiles_) {
+  // Tile t (the CTA's tiles come in increasing order: the segments are walked forward only).
+  __device__ bool next_masked(GemmTile& tile, const GroupedGemmParams& p, std::int32_t t) {
+    while (g_ < p.groups && t >= seg_start_ + seg_tiles_) {
       seg_start_ += seg_tiles_;
       ++g_;
       if (g_ < p.groups) load_segment(p);
     }
     if (g_ >= p.groups) return false;
-    const std::int32_t r = t_ - seg_start_;
-    t_ += p.unit_stride;
+    const std::int32_t r = t - seg_start_;
     // With split tiles a group's m-blocks go slowest (its n-units fastest): m-block fastest, a
     // group's full blocks and its cheaper split tail alternate, and with an even number of CTAs the
     // round-robin gives some CTAs only tails (bench/NOTES.md, session 31).
@@ -309,7 +425,7 @@ class GemmScheduler {
     seg_tiles_ = seg_m_blocks_ * p.n_units;
   }
 
-  std::int32_t t_;
+  std::int32_t u_;  // this CTA's next work unit
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
 };
 
@@ -354,15 +470,19 @@ class TileRing {
   static constexpr std::uint32_t kRingSpinLimit = 1u << 30;
 
   enum Word : int {
-    kNBlock,    // tile.n_block
-    kRow0,      // tile.row0
-    kBRow,      // B's first row: group * N + n_block * kBlockN
-    kRowsUsed,  // tile.rows_used
-    kSaBase,    // A-scale offset of the tile's first row (its K block 0)
-    kSbBase,    // B-scale offset of the tile's first wave (its K block 0)
-    kMore,      // 1: a tile; 0: the end
-    kRows = 8,  // kBlockM / 32 words: the valid rows of each 32-row word (bit l: row 32 i + l)
+    kNBlock,        // tile.n_block
+    kRow0,          // tile.row0
+    kBRow,          // B's first row: group * N + n_block * kBlockN
+    kRowsUsed,      // tile.rows_used
+    kSaBase,        // A-scale offset of the tile's first row (its K block 0)
+    kSbBase,        // B-scale offset of the tile's first wave (its K block 0)
+    kMore,          // 1: a tile; 0: the end
+    kSplit,         // v21: tile.split
+    kRows = 8,      // kBlockM / 32 words: the valid rows of each 32-row word (bit l: row 32 i + l)
+    kKbBegin = 12,  // v21: tile.kb_begin, tile.kb_count
+    kKbCount,
   };
+  static_assert(kRows + 4 <= kKbBegin && (kKbCount + 1) * 4 <= kTileSlotBytes);
 
   __device__ static constexpr std::uint32_t full(std::uint32_t base, std::uint32_t slot) {
     return base + kTileSlotBytes * kTileSlots + 8u * slot;
@@ -376,15 +496,20 @@ class TileRing {
   // Tiles read (written) so far.
   __device__ __forceinline__ std::uint32_t tiles_read() const { return count_; }
 
-  // The reading end: words kFirst .. kFirst + kCount - 1 of the next tile, or false at the end.
-  template <int kFirst, int kCount>
-  __device__ __forceinline__ bool next(std::int32_t (&words)[kCount]) {
+  // The reading end: words kFirst .. kFirst + kCount - 1 of the next tile, or false at the end; with
+  // kKbRange also its K range (kKbBegin, kKbCount) in words[kCount], words[kCount + 1].
+  template <int kFirst, int kCount, bool kKbRange = false>
+  __device__ __forceinline__ bool next(std::int32_t (&words)[kCount + (kKbRange ? 2 : 0)]) {
     static_assert(kFirst >= 0 && kFirst + kCount <= kMore);
     const std::uint32_t slot = this->slot();
     ptx::mbar_wait(full(base_, slot), parity());
     const std::uint32_t at = words_at(slot);
 #pragma unroll
     for (int i = 0; i < kCount; ++i) words[i] = ptx::ld_shared_s32(at + 4u * (kFirst + i));
+    if constexpr (kKbRange) {
+      words[kCount] = ptx::ld_shared_s32(at + 4u * kKbBegin);
+      words[kCount + 1] = ptx::ld_shared_s32(at + 4u * kKbCount);
+    }
     const bool more = ptx::ld_shared_s32(at + 4u * kMore) != 0;
     ptx::mbar_arrive(empty(base_, slot));  // (release: the reads above come first)
     ++count_;
@@ -392,10 +517,14 @@ class TileRing {
   }
 
   // The consumers' reading end: the tile's n-block, first row and rows used, and the valid rows of
-  // 32-row words `word` and `word % 2` (a split tile's).
+  // 32-row words `word` and `word % 2` (a split tile's). With kHold (v21's split tail) also its K
+  // blocks, and the slot stays taken until release_rows() after the tile (its split word is read there;
+  // the writer, kTileSlots tiles ahead at most, needs it back only then).
+  template <bool kHold>
   __device__ __forceinline__ bool next_rows(std::int32_t& n_block, std::int32_t& row0,
                                             std::int32_t& rows_used, std::uint32_t& rows,
-                                            std::uint32_t& split_rows, std::uint32_t word) {
+                                            std::uint32_t& split_rows, std::uint32_t word,
+                                            std::int32_t& kb_count) {
     const std::uint32_t slot = this->slot();
     // Bounded without a trap here (mbar_wait's watchdog, or a counter and a trap, made ptxas spill the
     // consumers' accumulators, 2.4 KB): past the bound the consumer stops as at the schedule's end,
@@ -409,34 +538,52 @@ class TileRing {
     rows_used = static_cast<std::int32_t>(head.w);
     rows = static_cast<std::uint32_t>(ptx::ld_shared_s32(at + 4u * (kRows + word)));
     split_rows = static_cast<std::uint32_t>(ptx::ld_shared_s32(at + 4u * (kRows + word % 2u)));
-    ptx::mbar_arrive(empty(base_, slot));  // (release: the reads above come first)
+    if constexpr (kHold) {
+      kb_count = ptx::ld_shared_s32(at + 4u * kKbCount);
+    } else {
+      ptx::mbar_arrive(empty(base_, slot));  // (release: the reads above come first)
+    }
     ++count_;
     return more;
+  }
+
+  // The consumers' end of the tile next_rows() gave: its GemmTile::split word, and the slot back.
+  __device__ __forceinline__ std::int32_t release_rows() {
+    const std::uint32_t slot = (count_ - 1u) % kTileSlots;
+    const std::int32_t split = ptx::ld_shared_s32(words_at(slot) + 4u * kSplit);
+    ptx::mbar_arrive(empty(base_, slot));  // (release: the read above comes first)
+    return split;
   }
 
   // The writing end (warp 3, every lane): walks the whole schedule, then writes the end.
   template <int kBlockM, int kBlockN>
   __device__ __forceinline__ void write_all(const GroupedGemmParams& p) {
-    GemmScheduler<kBlockM, kBlockN> scheduler(p);
+    GemmScheduler<kBlockM, kBlockN> scheduler(p, plan(base_));
     const bool writer = threadIdx.x % 32 == 0;
     const std::int32_t num_kb = p.k / kGemmBlockK;
     for (;;) {
       GemmTile tile{};
       std::uint32_t rows[kBlockM / 32] = {};
-      const bool more = scheduler.next_all_rows(tile, p, rows);  // before the slot is free: overlaps
+      const bool more =
+          scheduler.next_all_rows(tile, p, rows, plan(base_));  // before the slot is free: overlaps
       const std::uint32_t slot = this->slot();
       ptx::mbar_wait(empty(base_, slot), parity() ^ 1u);
       if (writer) {
         const std::uint32_t at = words_at(slot);
-        const std::int32_t sa_base =
-            tile.scale_group * p.sa_group_stride + (tile.row0 - tile.seg_row0) * p.sa_row_stride;
+        // (Both at the unit's first K block.)
+        const std::int32_t sa_base = tile.scale_group * p.sa_group_stride +
+                                     (tile.row0 - tile.seg_row0) * p.sa_row_stride +
+                                     tile.kb_begin * p.sa_kb_stride;
         const std::int32_t sb_base =
-            (tile.group * (p.n / kGemmWaveN) + tile.n_block * (kBlockN / kGemmWaveN)) * num_kb;
+            (tile.group * (p.n / kGemmWaveN) + tile.n_block * (kBlockN / kGemmWaveN)) * num_kb +
+            tile.kb_begin;
         ptx::st_shared_v4(at, static_cast<std::uint32_t>(tile.n_block), static_cast<std::uint32_t>(tile.row0),
                           static_cast<std::uint32_t>(tile.group * p.n + tile.n_block * kBlockN),
                           static_cast<std::uint32_t>(tile.rows_used));
         ptx::st_shared_v4(at + 16u, static_cast<std::uint32_t>(sa_base), static_cast<std::uint32_t>(sb_base),
-                          more ? 1u : 0u, 0u);
+                          more ? 1u : 0u, static_cast<std::uint32_t>(tile.split));
+        ptx::st_shared_u32(at + 4u * kKbBegin, static_cast<std::uint32_t>(tile.kb_begin));
+        ptx::st_shared_u32(at + 4u * kKbCount, static_cast<std::uint32_t>(tile.kb_count));
 #pragma unroll
         for (int i = 0; i < kBlockM / 32; ++i) ptx::st_shared_u32(at + 4u * (kRows + i), rows[i]);
         ptx::mbar_arrive(full(base_, slot));  // (release: the stores above come first)
@@ -457,6 +604,11 @@ class TileRing {
   }
   __device__ __forceinline__ std::uint32_t words_at(std::uint32_t slot) const {
     return base_ + kTileSlotBytes * slot;
+  }
+  // v21: the writer's split plan (GemmScheduler::plan_split), after the ring and epi_done_bar1 (the
+  // kernel's shared-memory map).
+  __device__ static constexpr std::uint32_t plan(std::uint32_t base) {
+    return base + kTileRingBytes + 8;
   }
 
   std::uint32_t base_;
@@ -502,7 +654,10 @@ __device__ __forceinline__ void unswap_pairs(float (&acc)[64]) {
 // The tile turn, the TMA warp's lane 0: [15] its cycles in the tile ring's next() after each tile (the
 // last, failing call included), [16] its waits for K block 0's empty stage. (Per tile: [14] counts the
 // tiles.)
-inline constexpr int kFp8TraceWords = 17;
+// v21's split tail, the traced thread's warp: [17] chunks of split tiles it computed, [18] the tiles
+// it summed (its warp arrived last), [19] its cycles from the K loop's end to its arrival counted
+// (the partial written), [20] its cycles summing (last arrivals).
+inline constexpr int kFp8TraceWords = 21;
 __device__ unsigned long long g_fp8_gemm_trace[kFp8TraceWords] = {0, 0, 0, 0, 0, 0, ~0ull};
 
 // Named barrier of the two consumer warpgroups before v12's epilogue writes into the stages that
@@ -576,7 +731,83 @@ __device__ __forceinline__ void store_wave_bf16(const float (&v)[64], float scal
   }
 }
 
-template <int kBlockM, int kBlockN>
+// v21: one consumer warp's part of a split tile's chunk (GroupedGemmParams::split_quantum): its
+// accumulators (kWaves x 64 per lane) go to the chunk's partial as kWaves x 32 float2 per lane in lane
+// order (coalesced; only this function reads them back; float2, not float4: 16-byte stores want the
+// accumulators in aligned quads, and ptxas then gave up the promotion's bank-friendly pairs), then to
+// the tile's counter of this warp. The warp that arrives last sums every chunk's partial into acc in
+// chunk order (the sum does not depend on which chunk came last), resets the counter for the next
+// launch and returns true; the others return false. (The classic fence pattern: every lane's stores,
+// its fence, then one lane's atomic; the last one's fence before its loads, which bypass L1.)
+template <int kWaves, int kWarps>
+__device__ __forceinline__ bool split_tile_reduce(float (&acc)[kWaves][64], const GroupedGemmParams& p,
+                                                  std::int32_t split, int warp_index, int lane,
+                                                  unsigned long long* trace) {
+  const std::int32_t tail_tile = split >> 8, chunk = (split >> 4) & 15, chunks = split & 15;
+  // (The trace's stamps go straight into its sums, a start negated: no register held.)
+  const auto stamp = [&](int word, bool start) {
+    if (trace == nullptr) return;
+    const auto c = static_cast<unsigned long long>(clock64());
+    atomicAdd(trace + word, start ? 0ull - c : c);
+  };
+  stamp(0, true);
+  constexpr int kVecs = kWaves * 32;  // float2 per lane
+  const auto partial = [&](std::int32_t c) {
+    return reinterpret_cast<float2*>(p.split_partials) +
+           (static_cast<std::int64_t>((tail_tile * chunks + c) * kWarps + warp_index) * kVecs) * 32 + lane;
+  };
+  float2* mine = partial(chunk);
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v)
+    __stcg(mine + 32 * v, make_float2(acc[v / 32][2 * (v % 32)], acc[v / 32][2 * (v % 32) + 1]));
+  __threadfence();
+  __syncwarp();
+  std::int32_t* counter = p.split_counters + tail_tile * kSplitCountersPerTile + warp_index;
+  std::int32_t arrived = 0;
+  if (lane == 0) arrived = atomicAdd(counter, 1);
+  arrived = __shfl_sync(0xffffffffu, arrived, 0);
+  stamp(0, false);
+  if (arrived != chunks - 1) return false;
+  stamp(1, true);
+  if (lane == 0) *counter = 0;  // every chunk has arrived: the next launch starts from 0
+  __threadfence();
+  // Chunk 0 straight into acc (all its loads in flight at once), then kBatch float2 of each further
+  // chunk at a time, in the registers the K loop's partial held: the sum is latency-bound.
+  {
+    const float2* from = partial(0);
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const float2 x = __ldcg(from + 32 * v);
+      acc[v / 32][2 * (v % 32)] = x.x;
+      acc[v / 32][2 * (v % 32) + 1] = x.y;
+    }
+  }
+  constexpr int kBatch = 32;
+  static_assert(kVecs % kBatch == 0);
+#pragma unroll
+  for (int v0 = 0; v0 < kVecs; v0 += kBatch) {
+#pragma unroll 1
+    for (std::int32_t c = 1; c < chunks; ++c) {
+      const float2* from = partial(c);
+      float2 x[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) x[b] = __ldcg(from + 32 * (v0 + b));
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        float* a = &acc[(v0 + b) / 32][2 * ((v0 + b) % 32)];
+        a[0] += x[b].x;
+        a[1] += x[b].y;
+      }
+    }
+  }
+  stamp(1, false);
+  return true;
+}
+
+// kSplitTail: the consumers' side of v21's split tail (a unit's K range, the chunk's sum); the launcher
+// picks the instantiation without it wherever no tail can split, so that those launches run the
+// consumers' code as before v21 (whose extra per-tile work measured ~0.5-1% on short-K rows).
+template <int kBlockM, int kBlockN, bool kSplitTail>
 __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                             const __grid_constant__ CUtensorMap tma_a_part,
@@ -606,6 +837,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const std::uint32_t tile_ring = smem_row_masks + 32;             // kTileRingBytes (v13)
   static_assert(Traits::kScaleBytes % 16 == 0);                    // (the ring's slots 16-aligned)
   const std::uint32_t epi_done_bar1 = tile_ring + kTileRingBytes;  // 8 bytes (v14)
+  // v21: then the tile walker's split plan (12 bytes; TileRing::plan), within kTailBytes.
+  static_assert(48 + kTileRingBytes + 8 + 12 <= Traits::kTailBytes);
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -695,10 +928,12 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       bool after_first = false;
       std::uint32_t epi_phase = 0;
       const bool trace_hand_off = (p.ablation & kTraceLoop) != 0 && lane == 0;
-      std::int32_t w[3];  // TileRing::kRow0, kBRow, kRowsUsed
-      while (ring.next<TileRing::kRow0, 3>(w)) {
+      std::int32_t w[kSplitTail ? 5 : 3];  // TileRing::kRow0, kBRow, kRowsUsed; the K range (split tail)
+      while (ring.next<TileRing::kRow0, 3, kSplitTail>(w)) {
         if (trace_hand_off && after_first) stamp(15, false);
         const std::int32_t row0 = w[0], b_row = w[1], rows_used = w[2];
+        const std::int32_t kb_begin = kSplitTail ? w[kSplitTail ? 3 : 0] : 0;
+        const std::int32_t kb_count = kSplitTail ? w[kSplitTail ? 4 : 0] : num_kb;
         // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest
         // of the A tile in shared memory is stale, and feeds only rows that are never stored.
         // (Never in a cluster, where tma_a_part is this CTA's 64-row half of A.)
@@ -708,7 +943,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             small ? p.a_small_rows * kGemmBlockK + Traits::kBBytes : Traits::kStageBytes;
         const bool gate = after_first && borrowing() && p.borrow_epilogue != kBorrowNoGate;
         after_first = true;
-        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+        for (std::int32_t kb = 0; kb < kb_count; ++kb) {
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
             const long long c0 = trace_hand_off ? clock64() : 0;
@@ -731,14 +966,15 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             } else {
               // Both halves of A (this CTA's and the peer's multicast) count toward this barrier.
               ptx::mbar_arrive_expect_tx(full, bytes);
+              const std::int32_t k0 = (kb_begin + kb) * kGemmBlockK;
               if (clustered) {
                 ptx::tma_load_2d_multicast(smem_a + pipe.stage * Traits::kABytes + rank * Traits::kAHalfBytes,
-                                           &tma_a_part, full, kb * kGemmBlockK,
+                                           &tma_a_part, full, k0,
                                            row0 + static_cast<std::int32_t>(rank) * (kBlockM / 2), 0x3);
               } else {
-                ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, kb * kGemmBlockK, row0);
+                ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, k0, row0);
               }
-              ptx::tma_load_2d(smem_b + pipe.stage * Traits::kBBytes, &tma_b, full, kb * kGemmBlockK, b_row);
+              ptx::tma_load_2d(smem_b + pipe.stage * Traits::kBBytes, &tma_b, full, k0, b_row);
             }
           }
           pipe.advance(stages);
@@ -748,14 +984,16 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       }
       if (trace_hand_off && after_first) stamp(15, false);
     } else if (warp == 1) {
-      std::int32_t w[3];  // TileRing::kRowsUsed, kSaBase, kSbBase
-      while (ring.next<TileRing::kRowsUsed, 3>(w)) {
+      // TileRing::kRowsUsed, kSaBase, kSbBase (at the unit's first K block); the K range (split tail)
+      std::int32_t w[kSplitTail ? 5 : 3];
+      while (ring.next<TileRing::kRowsUsed, 3, kSplitTail>(w)) {
+        const std::int32_t kb_count = kSplitTail ? w[kSplitTail ? 4 : 0] : num_kb;
         // This lane's scale sources (32-bit element offsets; the launcher checks they fit): A rows
         // 32 i + lane of the tile, B wave `lane`.
         const std::int32_t rows_used = w[0];
         std::int32_t sa_off = w[1] + lane * p.sa_row_stride;
         const std::int32_t sb_off = w[2] + lane * num_kb;
-        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+        for (std::int32_t kb = 0; kb < kb_count; ++kb) {
           ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
           const std::uint32_t scales = smem_scales + pipe.stage * Traits::kScaleBytes + 4 * lane;
           if (kWaves == 1 || (p.ablation & kAblateScales) == 0) {
@@ -903,7 +1141,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     TileRing ring(__shfl_sync(0xffffffffu, tile_ring, 0));
     struct {
       std::int32_t n_block, row0, rows_used;
+      std::int32_t kb_count;  // v21: this unit's K blocks
     } tile;
+
     PipeState pipe;
     float acc[kWaves][64];
     float part[1][64];  // one per-K-block partial (a second one does not fit: see bench/NOTES.md)
@@ -915,8 +1155,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       atomicAdd(g_fp8_gemm_trace + 1, 0ull - static_cast<unsigned long long>(ptx::global_timer_ns()));
     }
     std::uint32_t split_rows = 0;
-    while (ring.next_rows(tile.n_block, tile.row0, tile.rows_used, tile_rows, split_rows,
-                          static_cast<std::uint32_t>(row_in_tile / 32))) {
+    while (ring.next_rows<kSplitTail>(tile.n_block, tile.row0, tile.rows_used, tile_rows, split_rows,
+                                      static_cast<std::uint32_t>(row_in_tile / 32), tile.kb_count)) {
+      if constexpr (!kSplitTail) tile.kb_count = num_kb;
       const bool split = split_tile<kBlockM, kBlockN>(p, tile.rows_used);
       if (split) tile_rows = split_rows;
       // This thread's rows (my_row and my_row + 8): in a split tile consumer 1's warps take those of
@@ -924,12 +1165,14 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       const int my_row = split ? row_in_tile - consumer * 64 : row_in_tile;
       // (The trace counts K blocks of kWaves waves: a split tile's consumer 0 runs half as many waves.)
       if (trace)
-        atomicAdd(g_fp8_gemm_trace + 2, static_cast<unsigned long long>(split ? num_kb / 2 : num_kb));
+        atomicAdd(g_fp8_gemm_trace + 2,
+                  static_cast<unsigned long long>(split ? tile.kb_count / 2 : tile.kb_count));
       const std::int32_t row_a = tile.row0 + my_row;
       const std::int32_t row_b = row_a + 8;
       // (my_row's word: the ring's; both layouts' valid rows are in it.)
-      const bool valid_a = ((tile_rows >> (my_row % 32)) & 1u) != 0;
-      const bool valid_b = ((tile_rows >> ((my_row + 8) % 32)) & 1u) != 0;
+      // (Cleared after the K loop for a chunk whose warp does not store: v21.)
+      bool valid_a = ((tile_rows >> (my_row % 32)) & 1u) != 0;
+      bool valid_b = ((tile_rows >> ((my_row + 8) % 32)) & 1u) != 0;
       // Per tile, after the split tile's branch (which zeroes its own): the wgmma asm reads part, so
       // a value from before the loop would keep these registers live through the epilogue and the
       // scheduler, and one from before that branch would be live into it.
@@ -995,7 +1238,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             for (int i = 0; i < 64; ++i) ptx::fence_operand(part2[kSlot][i]);
           };
           // K blocks after the first: an opaque count (see above).
-          std::int32_t blocks_left = num_kb - 1;
+          std::int32_t blocks_left = tile.kb_count - 1;
           asm volatile("" : "+r"(blocks_left));
           ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
           Scales prev = load_scales(pipe.stage);
@@ -1091,7 +1334,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           ptx::wgmma_commit();
           if (turn) ptx::named_bar_arrive(their_turn, 256);
           if constexpr (kLookahead) {
-            if (w == kBlockWaves - 1 && kb + 1 < num_kb && wait_full)
+            if (w == kBlockWaves - 1 && kb + 1 < tile.kb_count && wait_full)
               ptx::mbar_wait(u_full + 8 * next_stage, next_phase);
           }
           ptx::wgmma_wait<0>();
@@ -1117,8 +1360,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       const auto k_loop = [&](auto one_wait, auto no_promote, auto split_v) {
         if constexpr (!decltype(one_wait)::value && !decltype(no_promote)::value) {
           if (unrolled) {
-            // Every tile starts at stage 0 here (num_kb is a multiple of the stages).
-            for (std::int32_t kb0 = 0; kb0 < num_kb; kb0 += kStages) {
+            // Every tile starts at stage 0 here (num_kb, and a split tile's chunk, is a multiple of the
+            // stages).
+            for (std::int32_t kb0 = 0; kb0 < tile.kb_count; kb0 += kStages) {
               for_each_index(std::make_integer_sequence<int, kStages>{}, [&](auto s) {
                 constexpr int kS = decltype(s)::value;
                 k_block(one_wait, no_promote, split_v, s, kb0 + kS, pipe.phase, (kS + 1) % kStages,
@@ -1129,7 +1373,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             return;
           }
         }
-        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+        for (std::int32_t kb = 0; kb < tile.kb_count; ++kb) {
           PipeState next = pipe;
           next.advance(stages);
           k_block(one_wait, no_promote, split_v, pipe.stage, kb, pipe.phase, next.stage, next.phase);
@@ -1151,6 +1395,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
 #pragma unroll
           for (int i = 0; i < 64; ++i) acc[0][i] = 0.0f;
           k_loop(std::false_type{}, std::false_type{}, std::true_type{});
+          if constexpr (kSplitTail) ring.release_rows();  // (never a chunk: no split tail with split tiles)
           unswap_pairs(acc[0]);
           store_wave(acc[0], static_cast<int>(u_consumer));
           continue;
@@ -1160,7 +1405,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       if (two_partials) {
         two_partial_k_loop();
       } else if ((p.ablation & kAblateMath) != 0) {
-        for (std::int32_t kb = 0; kb < num_kb; ++kb) {
+        for (std::int32_t kb = 0; kb < tile.kb_count; ++kb) {
           ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
           free_stage(pipe.stage);
           pipe.advance(stages);
@@ -1183,6 +1428,22 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         }
       }
 
+      // v21: a chunk of a split tile. Its partial goes out; the warp that arrives last on its counter
+      // sums the chunks' partials and stores the tile's rows, the others store nothing (and stage
+      // nothing: the store warp skips warps whose mask is 0). (On the pair-swapped slots, before
+      // unswap_pairs: the partials are in slot order, pairs as the promotion keeps them.)
+      if (const std::int32_t split_now = kSplitTail ? ring.release_rows() : -1; split_now >= 0) {
+        const bool last = split_tile_reduce<kWaves, Traits::kConsumers * 4>(
+            acc, p, split_now, warp - 4, lane, trace ? g_fp8_gemm_trace + 19 : nullptr);
+        if (trace) {
+          atomicAdd(g_fp8_gemm_trace + 17, 1ull);
+          if (last) atomicAdd(g_fp8_gemm_trace + 18, 1ull);
+        }
+        if (!last) {
+          valid_a = false;
+          valid_b = false;
+        }
+      }
       // Epilogue: bf16 to global memory, valid rows only (store_wave above).
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) unswap_pairs(acc[w]);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <ostream>
 #include <random>
 #include <sstream>
@@ -684,6 +685,162 @@ TEST(GroupedGemmGpuMisc, MaskedReplaysInACudaGraph) {
   EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
 }
+
+// ---------------------------------------------------------------- v21's split tail
+// The tiles past the grid's last whole round split along K (GroupedGemmOptions::split_tail): a grid of
+// max_ctas CTAs over a problem whose tiles leave a tail of fewer than half of them, so that the tail
+// splits into `chunks` chunks each. Checked: the output against the reference (poisoned first), the
+// trace's count of chunks and of summed tiles (the split ran, every chunk once, one sum per tile),
+// two more launches bit-identical (the counters left at zero; the sum in chunk order, whichever
+// chunk finishes last), and a CUDA graph replayed twice giving the same bits.
+struct SplitTailCase {
+  std::string name;
+  bool masked;
+  std::vector<std::int32_t> rows;  // contiguous: rows per group (each padded to 128); masked: masked_m
+  std::int64_t m_max;              // masked only
+  std::int64_t n, k;
+  int block_m, block_n;  // the tile the launch gets (forced)
+  int max_ctas;
+  std::int64_t chunks;  // expected chunks per tail tile (the kernel's plan, worked out by hand)
+};
+
+void PrintTo(const SplitTailCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class GroupedGemmSplitTailGpu : public ::testing::TestWithParam<SplitTailCase> {};
+
+TEST_P(GroupedGemmSplitTailGpu, MatchesTheReferenceDeterministicallyEagerAndInGraphs) {
+  EPMOE_REQUIRE_GPU();
+  const SplitTailCase& c = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto G = static_cast<std::int64_t>(c.rows.size());
+  const std::int64_t N = c.n, K = c.k, KB = K / 128;
+  std::int64_t m_blocks = 0;
+  for (const std::int32_t r : c.rows) m_blocks += (r + c.block_m - 1) / c.block_m;
+  const std::int64_t tiles = m_blocks * (N / c.block_n), tail = tiles % c.max_ctas;
+  ASSERT_GT(tail, 0);
+  ASSERT_LE(tail * c.chunks, c.max_ctas);
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor workspace(DType::i32,
+                                     {static_cast<std::int64_t>(cuda::grouped_gemm_workspace_bytes() / 4)});
+  workspace.fill_bytes(0x00, stream);
+  cuda::GroupedGemmOptions options;
+  options.block_m = c.block_m;
+  options.block_n = c.block_n;
+  options.max_ctas = c.max_ctas;
+  options.split_tiles = 0;
+  options.split_tail = 1;
+  options.workspace = workspace.view().data;
+  options.workspace_bytes = cuda::grouped_gemm_workspace_bytes();
+  options.ablation = 256;  // the trace (output intact)
+
+  HostTensor ref;
+  std::vector<bool> valid;
+  std::function<void(const cuda::DeviceTensor&)> launch;
+  MaskedInputs masked;
+  HostTensor a, sa, m_indices;
+  std::vector<cuda::DeviceTensor> keep;  // the device operands
+  std::int64_t rows_total = 0;
+  if (c.masked) {
+    masked = masked_inputs(G, c.m_max, N, K, ScaleLayout::mn_major_tma, c.rows, rng);
+    ref = HostTensor(DType::f64, {G, c.m_max, N});
+    grouped_gemm_masked_cpu(masked.a, masked.sa, masked.w.b, masked.w.b_scales, masked.counts, ref);
+    valid = masked_valid(c.rows, c.m_max);
+    rows_total = G * c.m_max;
+    for (const TensorView& v : {masked.a.view(), masked.sa_gpu(), masked.w.b.view(), masked.w.b_scales.view(),
+                                masked.counts.view()})
+      keep.push_back(cuda::to_device(v, stream));
+    launch = [&](const cuda::DeviceTensor& d) {
+      cuda::fp8_grouped_gemm_masked(keep[0], keep[1], ScaleLayout::mn_major_tma, keep[2], keep[3], keep[4],
+                                    c.m_max / 2, d, stream, options);
+    };
+  } else {
+    std::vector<std::int32_t> ids;
+    for (std::int64_t g = 0; g < G; ++g) {
+      const std::int64_t r = c.rows[static_cast<std::size_t>(g)], padded = (r + 127) / 128 * 128;
+      for (std::int64_t i = 0; i < padded; ++i) ids.push_back(i < r ? static_cast<std::int32_t>(g) : -1);
+    }
+    rows_total = static_cast<std::int64_t>(ids.size());
+    a = HostTensor(DType::fp8_e4m3, {rows_total, K});
+    sa = HostTensor(DType::f32, {rows_total, KB});
+    m_indices = HostTensor(DType::i32, {rows_total});
+    fill_random_fp8(static_cast<std::uint8_t*>(a.view().data), a.numel(), rng);
+    fill_random_scales(sa.data<float>(), sa.numel(), rng);
+    std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
+    for (const std::int32_t id : ids) valid.push_back(id >= 0);
+    const Weights w = random_weights(G, N, K, rng);
+    ref = HostTensor(DType::f64, {rows_total, N});
+    grouped_gemm_contiguous_cpu(a, sa, w.b, w.b_scales, m_indices, ref);
+    for (const TensorView& v : {a.view(), sa.view(), w.b.view(), w.b_scales.view(), m_indices.view()})
+      keep.push_back(cuda::to_device(v, stream));
+    launch = [&](const cuda::DeviceTensor& d) {
+      cuda::fp8_grouped_gemm_contiguous(keep[0], keep[1], ScaleLayout::token_major, keep[2], keep[3], keep[4],
+                                        d, stream, options);
+    };
+  }
+  const cuda::DeviceTensor dd = c.masked ? cuda::DeviceTensor(DType::bf16, {G, c.m_max, N})
+                                         : cuda::DeviceTensor(DType::bf16, {rows_total, N});
+  cuda::fp8_grouped_gemm_take_trace();  // zero it
+  dd.fill_bytes(0xff, stream);
+  launch(dd);
+  const HostTensor got = cuda::to_host(dd, stream);
+  check_output(got, ref, valid, N);
+  const cuda::Fp8GemmTrace t = cuda::fp8_grouped_gemm_take_trace();
+  EXPECT_EQ(t.launches, 1u);
+  EXPECT_EQ(t.k_blocks, static_cast<std::uint64_t>(tiles * KB));  // the chunks partition K
+  EXPECT_EQ(t.split_chunks, static_cast<std::uint64_t>(tail * c.chunks));
+  EXPECT_EQ(t.split_reductions, static_cast<std::uint64_t>(tail));
+
+  for (int run = 0; run < 2; ++run) {
+    dd.fill_bytes(0xff, stream);
+    launch(dd);
+    const HostTensor again = cuda::to_host(dd, stream);
+    EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0)
+        << "eager run " << run << " differs";
+  }
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  launch(dd);
+  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    dd.fill_bytes(0xff, stream);
+    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const HostTensor again = cuda::to_host(dd, stream);
+    EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0)
+        << "replay " << replay << " differs";
+  }
+  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  cuda::fp8_grouped_gemm_take_trace();  // (the replays' sums)
+}
+
+// Chunks: whole quanta of K blocks (the stages where the unrolled loop runs: 4 for 128 x 256, 8 for
+// 64 x 128 at K = 7168; 1 for 128 x 128 at K = 2048, 16 K blocks over 6 stages), at most 15.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GroupedGemmSplitTailGpu,
+    ::testing::Values(
+        // 128 x 256, K = 2048 (4 quanta): 6 m-blocks x 4 = 24 tiles on 20 CTAs: tail 4, 4 chunks (the
+        // borrowed-stage epilogue).
+        SplitTailCase{
+            "contiguous_N1024_K2048_128x256", false, {300, 130, 77}, 0, 1024, 2048, 128, 256, 20, 4},
+        // K = 7168 (14 quanta): 4 m-blocks x 8 = 32 tiles on 30 CTAs: tail 2, 14 chunks; a group tail of 72
+        // rows (a partial warp), one of 122.
+        SplitTailCase{"contiguous_N2048_K7168_128x256", false, {250, 200}, 0, 2048, 7168, 128, 256, 30, 14},
+        // Masked, K = 7168: 5 m-blocks x 4 = 20 tiles on 18 CTAs: tail 2, 9 chunks; an empty group.
+        SplitTailCase{
+            "masked_N1024_K7168_128x256", true, {130, 0, 77, 200}, 200, 1024, 7168, 128, 256, 18, 9},
+        // 64 x 128 decode tiles (two partials, 7 quanta of 8): 3 m-blocks x 12 = 36 tiles on 32 CTAs:
+        // tail 4, 7 chunks.
+        SplitTailCase{"masked_N1536_K7168_64x128", true, {72, 0, 9}, 72, 1536, 7168, 64, 128, 32, 7},
+        // 128 x 128 at K = 2048 (16 quanta of 1): 4 m-blocks x 12 = 48 tiles on 40 CTAs: tail 8, 5 chunks.
+        SplitTailCase{"contiguous_N1536_K2048_128x128", false, {128, 257}, 0, 1536, 2048, 128, 128, 40, 5}),
+    [](const ::testing::TestParamInfo<SplitTailCase>& info) { return info.param.name; });
 
 // The consumer-loop trace (options.ablation bit 256): the output as without it (checked against the
 // reference), and the trace counts every K block of every tile once, in one launch, at an SM clock

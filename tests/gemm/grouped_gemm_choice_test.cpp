@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "epmoe/cuda/grouped_gemm.hpp"
+#include "epmoe/error.hpp"
 
 namespace epmoe::cuda {
 namespace {
@@ -45,6 +46,26 @@ TEST(GroupedGemmTileStore, AtShortKOrLargeContiguousGroups) {
   EXPECT_FALSE(grouped_gemm_tile_store(true, 32 * 4096, 32, 7168));
   EXPECT_FALSE(grouped_gemm_tile_store(false, 32 * 256, 32, 2176));
   EXPECT_FALSE(grouped_gemm_tile_store(false, 0, 0, 7168));
+}
+
+TEST(GroupedGemmSplitTail, ChunksByTheCostModel) {
+  // K = 7168 with 128 x 256 tiles (quanta of 4 K blocks, 14 of them): 5 chunks (3 quanta each at
+  // most, ~23.5 K blocks of cost against 56) wherever 5 fit; fewer where fewer fit; none of 1.
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(7168, 4, 5), 5);
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(7168, 4, 11), 5);
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(7168, 4, 15), 5);
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(7168, 4, 4), 4);
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(7168, 4, 2), 2);
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(7168, 4, 1), 1);
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(7168, 4, 0), 1);
+  // 64 x 128 decode tiles at K = 7168 (quanta of 8, 7 of them): one quantum each where 7 fit.
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(7168, 8, 7), 7);
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(7168, 8, 5), 4);
+  // K = 2048: the sum costs more than the chunks save (measured slower), whatever fits.
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(2048, 4, 15), 1);
+  EXPECT_EQ(grouped_gemm_split_tail_chunks(2048, 1, 15), 1);
+  EXPECT_THROW(grouped_gemm_split_tail_chunks(2048, 3, 4), Error);
+  EXPECT_THROW(grouped_gemm_split_tail_chunks(100, 1, 4), Error);
 }
 
 TEST(GroupedGemmTile, HeuristicShapes) {

@@ -20,6 +20,7 @@
 // 128. Argument errors throw epmoe::Error naming the argument. Needs an sm_90 GPU.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
@@ -119,7 +120,34 @@ struct GroupedGemmOptions {
   // 1: always; 0: never; -1 (automatic): grouped_gemm_tile_store.
   // EPMOE_GEMM_TILE_STORE=0|1 overrides it.
   int tile_store = -1;
+  // v21, the split tail: the tiles left over after the last whole round of the persistent CTAs
+  // (tiles mod CTAs, when fewer than half the CTAs) are split along K into chunks for the CTAs that
+  // would idle; each chunk writes an f32 partial into `workspace`, and the last chunk to finish sums
+  // them in chunk order (the result does not depend on which chunk finishes last) and stores the
+  // tile. -1 (automatic): where a workspace is given and a cost model (a chunk's K blocks, ~2.3 K
+  // blocks per chunk for the sum, ~4 for the split itself) predicts a gain, with its chunk count:
+  // measured 5% faster on masked 32 x 128 at K = 7168, 0.8-1.7% on the K = 7168 rows whose tail
+  // splits, never at K = 2048 (bench/NOTES.md, session 38). 1: every tail of fewer than half the CTAs
+  // split into as many chunks as fit (needs the workspace; tests, experiments; as many chunks measured
+  // slower than the model's); 0: off. EPMOE_GEMM_SPLIT_TAIL=0|1 overrides it (1: automatic, where a
+  // workspace is given). Not with a cluster, split_tiles, pingpong,
+  // consumer_skew, 4-byte stores or the ablations (the trace aside).
+  int split_tail = -1;
+  // The split tail's device memory: at least grouped_gemm_workspace_bytes() bytes, 256-byte aligned,
+  // zero-filled once before its first use (the kernel leaves it so), and used by one launch at a time
+  // (launches on different streams need workspaces of their own).
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
+
+// The bytes GroupedGemmOptions::workspace needs on the current device (every SM a CTA: per CTA one
+// 128 x 256 f32 partial and its counters).
+std::size_t grouped_gemm_workspace_bytes();
+
+// The automatic split tail's chunks per tail tile (1: no split) for K, the launch's quantum of K blocks
+// (its pipeline stages where the unrolled K loop runs, else 1) and `limit`, the chunks that fit
+// (CTAs / tail tiles): the cost model of GroupedGemmOptions::split_tail.
+int grouped_gemm_split_tail_chunks(std::int64_t k, int quantum, int limit);
 
 // The tile heuristic (block_m x block_n). Masked with expected_m <= 64 (decode): 64 x 128 (reading
 // the weights bounds the time; 64-row tiles halve the wasted tensor-core work and A traffic).
@@ -178,6 +206,11 @@ struct Fp8GemmTrace {
   // The tile turn: the TMA warp's cycles in next() after each tile and its waits for K block 0's stage
   // (per tile: consumer_tiles).
   std::uint64_t producer_turn_cycles = 0, producer_kb0_wait_cycles = 0;
+  // v21's split tail, the traced thread's warp: chunks of split tiles it computed, tiles it summed
+  // (one per split tile: every tile's last-arriving warp 0 of consumer 0).
+  std::uint64_t split_chunks = 0, split_reductions = 0;
+  // ... and its cycles from a chunk's K loop end to its arrival counted (partial written), and summing.
+  std::uint64_t split_write_cycles = 0, split_sum_cycles = 0;
 };
 Fp8GemmTrace fp8_grouped_gemm_take_trace();
 
