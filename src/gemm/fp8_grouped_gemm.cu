@@ -354,7 +354,7 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
     params.split_max_chunks = std::min(kernels::kMaxSplitChunks, num_kb / quantum);
     // (Forced on: every tail split into as many chunks as fit, the tests' and experiments' choice.)
     params.split_table = split_table(num_kb, quantum, params.split_max_chunks, options.split_tail == 1);
-    // Any number of rounds (the cost model's chunks measured 1.3-1.7% faster on contiguous rows of 22-34
+    // Any number of rounds (the cost model's chunks measured 0.7-1.7% faster on contiguous rows of 22-34
     // rounds at K = 7168, bench/NOTES.md session 38); EPMOE_GEMM_SPLIT_ROUNDS=R splits only below R
     // whole rounds (experiments).
     static const int rounds_env = [] {

@@ -126,7 +126,7 @@ struct GroupedGemmOptions {
   // them in chunk order (the result does not depend on which chunk finishes last) and stores the
   // tile. -1 (automatic): where a workspace is given and a cost model (a chunk's K blocks, ~2.3 K
   // blocks per chunk for the sum, ~4 for the split itself) predicts a gain, with its chunk count:
-  // measured 5% faster on masked 32 x 128 at K = 7168, 0.8-1.7% on the K = 7168 rows whose tail
+  // measured 5% faster on masked 32 x 128 at K = 7168, 0.7-1.7% on the K = 7168 rows whose tail
   // splits, never at K = 2048 (bench/NOTES.md, session 38). 1: every tail of fewer than half the CTAs
   // split into as many chunks as fit (needs the workspace; tests, experiments; as many chunks measured
   // slower than the model's); 0: off. EPMOE_GEMM_SPLIT_TAIL=0|1 overrides it (1: automatic, where a
