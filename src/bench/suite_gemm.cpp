@@ -353,7 +353,7 @@ bool trace_enabled() {
 }
 // Every line's options: the trace where asked, and v21's split-tail workspace (one per process, zeroed
 // once; the lines run one at a time on one stream).
-cuda::GroupedGemmOptions traced(cuda::GroupedGemmOptions o) {
+cuda::GroupedGemmOptions line_options(cuda::GroupedGemmOptions o) {
   if (trace_enabled()) o.ablation |= 256;
   // (Never freed: it would outlive the CUDA context at exit.)
   static const cuda::DeviceTensor* const workspace = [] {
@@ -494,7 +494,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
     time_line(options, results, "gemm.contiguous" + v.suffix, p, bytes, flops, s, stream,
               [&](cudaStream_t st) {
                 cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d,
-                                                  st, traced(v.options));
+                                                  st, line_options(v.options));
               });
   }
 }
@@ -573,7 +573,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
     add_place(p, l);
     time_line(options, results, "gemm.masked" + v.suffix, p, bytes, flops, s, stream, [&](cudaStream_t st) {
       cuda::fp8_grouped_gemm_masked(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, masked_m, s.expected_m, d,
-                                    st, traced(v.options));
+                                    st, line_options(v.options));
     });
   }
 }

@@ -171,14 +171,16 @@ std::size_t split_counter_bytes(int sm_count) {
   return (bytes + 255) / 256 * 256;
 }
 
-// v21's chunk choice (kernels::GroupedGemmParams::split_table), for each limit m on the chunks that fit:
-// the s in 2..m of least cost, in tenths of a K block - a chunk's whole quanta of K blocks plus ~2.3 K
-// blocks per chunk for the last warp's sum of s partials (latency-bound loads; measured, bench/NOTES.md
-// session 38) - or 1 (no split) unless that beats the whole tile by ~4 K blocks (the partial written,
-// the fence, the extra tile turn).
-std::uint64_t split_table(std::int32_t num_kb, std::int32_t quantum, std::int32_t max_chunks, bool most) {
+// v21's chunk choice (kernels::GroupedGemmParams::split_table), for each limit m (0..15) on the chunks
+// that fit: the s in 2..min(m, the quanta, kMaxSplitChunks) of least cost, in tenths of a K block - a chunk's
+// whole quanta of K blocks plus ~2.3 K blocks per chunk for the last warp's sum of s partials (latency-bound
+// loads; measured, bench/NOTES.md session 38) - or 1 (no split) unless that beats the whole tile by ~4 K
+// blocks (the partial written, the fence, the extra tile turn). With `most`, as many chunks as fit (forced
+// on: the tests' and experiments' choice).
+std::uint64_t split_table(std::int32_t num_kb, std::int32_t quantum, bool most) {
   constexpr std::int32_t kChunkCost = 23, kSplitCost = 40;
   const std::int32_t quanta = num_kb / quantum;
+  const std::int32_t max_chunks = std::min(kernels::kMaxSplitChunks, quanta);
   std::uint64_t table = 0;
   std::int32_t best = 1, best_cost = 10 * num_kb - kSplitCost;
   for (std::int32_t m = 0; m < 16; ++m) {
@@ -348,12 +350,14 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   const bool split_tail_applies = cluster == 1 && params.split_tiles == 0 && params.pingpong == 0 &&
                                   params.skew == 0 && params.vector_epilogue != 0 &&
                                   (params.ablation & ~kernels::kTraceLoop) == 0 && num_kb / quantum >= 2;
-  if (split_tail_applies && options.workspace != nullptr &&
+  // (A table of 1s: no tail can split, the whole kernel runs.)
+  constexpr std::uint64_t kNoSplit = 0x1111111111111111ull;
+  const std::uint64_t table = split_table(num_kb, quantum, options.split_tail == 1);
+  if (split_tail_applies && table != kNoSplit && options.workspace != nullptr &&
       with_env(split_tail_env, resolve_choice(options.split_tail, true))) {
     params.split_quantum = quantum;
-    params.split_max_chunks = std::min(kernels::kMaxSplitChunks, num_kb / quantum);
-    // (Forced on: every tail split into as many chunks as fit, the tests' and experiments' choice.)
-    params.split_table = split_table(num_kb, quantum, params.split_max_chunks, options.split_tail == 1);
+    params.split_max_chunks = std::min(kernels::kMaxSplitChunks, num_kb / quantum);  // (the table's own cap)
+    params.split_table = table;
     // Any number of rounds (the cost model's chunks measured 0.7-1.7% faster on contiguous rows of 22-34
     // rounds at K = 7168, bench/NOTES.md session 38); EPMOE_GEMM_SPLIT_ROUNDS=R splits only below R
     // whole rounds (experiments).
@@ -367,12 +371,8 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
         reinterpret_cast<float*>(static_cast<char*>(options.workspace) + split_counter_bytes(props.sm_count));
     static_assert(kBlockM * kBlockN <= kSplitPartialFloats);
   }
-  // The split kernel where a tail may split: some chunk count of the table above 1.
-  constexpr std::uint64_t kNoSplit = 0x1111111111111111ull;
-  const bool may_split = params.split_quantum != 0 && params.split_table != kNoSplit;
-  if (!may_split) params.split_quantum = 0;  // (the walker then plans whole tiles only)
-  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, may_split ? kernel_split : kernel_whole, tma_a, tma_a_part,
-                                      tma_b, tma_d, tma_d_tile, params));
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, params.split_quantum != 0 ? kernel_split : kernel_whole, tma_a,
+                                      tma_a_part, tma_b, tma_d, tma_d_tile, params));
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -411,9 +411,7 @@ int grouped_gemm_split_tail_chunks(std::int64_t k, int quantum, int limit) {
   EPMOE_CHECK(quantum >= 1 && num_kb % quantum == 0, "quantum must divide K / 128 = {}, got {}", num_kb,
               quantum);
   EPMOE_CHECK(limit >= 0, "limit must be >= 0, got {}", limit);
-  const std::int32_t max_chunks = std::min(kernels::kMaxSplitChunks, num_kb / quantum);
-  const std::uint64_t table = split_table(num_kb, quantum, max_chunks, false);
-  return static_cast<int>((table >> (4 * std::min(limit, 15))) & 15u);
+  return static_cast<int>((split_table(num_kb, quantum, false) >> (4 * std::min(limit, 15))) & 15u);
 }
 
 bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k) {

@@ -154,7 +154,7 @@ struct GroupedGemmParams {
   std::int32_t split_max_chunks;  // at most this many chunks per tile (<= kMaxSplitChunks)
   std::uint64_t split_table;      // nibble m: the chunks to use when at most m fit (1: no split)
   std::int32_t split_max_rounds;  // split only where the tiles fill fewer whole rounds of the grid
-  float* split_partials;          // [unit_stride][consumer warps][kBlockN / 4 float4][32 lanes]
+  float* split_partials;          // [tail tile x chunks + chunk][consumer warp][kWaves x 32 float2][32 lanes]
   std::int32_t* split_counters;   // [unit_stride][8]: zero between launches (the last warp resets its own)
 };
 
@@ -660,6 +660,13 @@ __device__ __forceinline__ void unswap_pairs(float (&acc)[64]) {
 inline constexpr int kFp8TraceWords = 21;
 __device__ unsigned long long g_fp8_gemm_trace[kFp8TraceWords] = {0, 0, 0, 0, 0, 0, ~0ull};
 
+// A trace stamp straight into its sum (a start added negated, the end as is: no register held across
+// the timed code).
+__device__ __forceinline__ void trace_stamp(unsigned long long* sum, bool start) {
+  const auto c = static_cast<unsigned long long>(clock64());
+  atomicAdd(sum, start ? 0ull - c : c);
+}
+
 // Named barrier of the two consumer warpgroups before v12's epilogue writes into the stages that
 // either one's last wgmma read.
 inline constexpr std::uint32_t kEpilogueBarrier = 3;
@@ -744,11 +751,8 @@ __device__ __forceinline__ bool split_tile_reduce(float (&acc)[kWaves][64], cons
                                                   std::int32_t split, int warp_index, int lane,
                                                   unsigned long long* trace) {
   const std::int32_t tail_tile = split >> 8, chunk = (split >> 4) & 15, chunks = split & 15;
-  // (The trace's stamps go straight into its sums, a start negated: no register held.)
   const auto stamp = [&](int word, bool start) {
-    if (trace == nullptr) return;
-    const auto c = static_cast<unsigned long long>(clock64());
-    atomicAdd(trace + word, start ? 0ull - c : c);
+    if (trace != nullptr) trace_stamp(trace + word, start);
   };
   stamp(0, true);
   constexpr int kVecs = kWaves * 32;  // float2 per lane
@@ -914,11 +918,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     if constexpr (Traits::kConsumers > 1) ptx::setmaxnreg_dec<Traits::kProducerRegs>();
     TileRing ring(tile_ring);
     PipeState pipe;
-    // The tile-turn trace's stamps go straight into the sums, a start negated: no register held.
-    const auto stamp = [](int word, bool start) {
-      const auto c = static_cast<unsigned long long>(clock64());
-      atomicAdd(g_fp8_gemm_trace + word, start ? 0ull - c : c);
-    };
+    const auto stamp = [](int word, bool start) { trace_stamp(g_fp8_gemm_trace + word, start); };
     if ((p.ablation & kAblatePipe) != 0) {
       // timing ablation: no producer work
     } else if (warp == 3) {
@@ -932,6 +932,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       while (ring.next<TileRing::kRow0, 3, kSplitTail>(w)) {
         if (trace_hand_off && after_first) stamp(15, false);
         const std::int32_t row0 = w[0], b_row = w[1], rows_used = w[2];
+        // (The inner index keeps the whole kernel's w[3] in bounds. The K range as out-parameters of
+        // next() compiled to a renumbering of the whole 128 x 256 kernel's registers,
+        // unmeasured: kept.)
         const std::int32_t kb_begin = kSplitTail ? w[kSplitTail ? 3 : 0] : 0;
         const std::int32_t kb_count = kSplitTail ? w[kSplitTail ? 4 : 0] : num_kb;
         // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest

@@ -79,6 +79,24 @@ void PrintTo(const ContiguousCase& c, std::ostream* os) {
 
 class GroupedGemmContiguousGpu : public ::testing::TestWithParam<ContiguousCase> {};
 
+// The contiguous layout's m_indices: each group's rows (with `holes`, every 7th from the 4th -1 too),
+// then -1 up to the next multiple of 128; then `trailing_blocks` all-padding 128-row blocks.
+template <typename Rows>
+std::vector<std::int32_t> contiguous_ids(const std::vector<Rows>& group_rows, bool holes,
+                                         std::int64_t trailing_blocks) {
+  std::vector<std::int32_t> ids;
+  for (std::size_t g = 0; g < group_rows.size(); ++g) {
+    const auto rows = static_cast<std::int64_t>(group_rows[g]);
+    const std::int64_t padded = (rows + 127) / 128 * 128;
+    for (std::int64_t r = 0; r < padded; ++r) {
+      const bool hole = holes && r < rows && r % 7 == 3;
+      ids.push_back(r < rows && !hole ? static_cast<std::int32_t>(g) : -1);
+    }
+  }
+  for (std::int64_t i = 0; i < 128 * trailing_blocks; ++i) ids.push_back(-1);
+  return ids;
+}
+
 // Groups ending anywhere in a warp's 16 rows and in a tile's two 64-row halves (tails of 1, 33, 64,
 // 65, 72, 127 and 128 rows), -1 rows inside groups, a trailing empty block, several tiles per CTA:
 // for v11's split tiles (opt-in) and v12's borrowed-stage epilogue or the consumers' own stores.
@@ -105,17 +123,7 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   const auto G = static_cast<std::int64_t>(c.group_rows.size());
   const std::int64_t N = c.n, K = c.k, KB = K / 128;
 
-  // m_indices: each group's rows, then -1 up to the next multiple of 128.
-  std::vector<std::int32_t> ids;
-  for (std::int64_t g = 0; g < G; ++g) {
-    const std::int64_t rows = c.group_rows[static_cast<std::size_t>(g)];
-    const std::int64_t padded = (rows + 127) / 128 * 128;
-    for (std::int64_t r = 0; r < padded; ++r) {
-      const bool hole = c.holes && r < rows && r % 7 == 3;
-      ids.push_back(r < rows && !hole ? static_cast<std::int32_t>(g) : -1);
-    }
-  }
-  for (std::int64_t i = 0; i < 128 * c.trailing_blocks; ++i) ids.push_back(-1);
+  const std::vector<std::int32_t> ids = contiguous_ids(c.group_rows, c.holes, c.trailing_blocks);
   const auto M = static_cast<std::int64_t>(ids.size());
   ASSERT_GT(M, 0);
 
@@ -759,11 +767,7 @@ TEST_P(GroupedGemmSplitTailGpu, MatchesTheReferenceDeterministicallyEagerAndInGr
                                     c.m_max / 2, d, stream, options);
     };
   } else {
-    std::vector<std::int32_t> ids;
-    for (std::int64_t g = 0; g < G; ++g) {
-      const std::int64_t r = c.rows[static_cast<std::size_t>(g)], padded = (r + 127) / 128 * 128;
-      for (std::int64_t i = 0; i < padded; ++i) ids.push_back(i < r ? static_cast<std::int32_t>(g) : -1);
-    }
+    const std::vector<std::int32_t> ids = contiguous_ids(c.rows, false, 0);
     rows_total = static_cast<std::int64_t>(ids.size());
     a = HostTensor(DType::fp8_e4m3, {rows_total, K});
     sa = HostTensor(DType::f32, {rows_total, KB});
