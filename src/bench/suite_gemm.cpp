@@ -210,6 +210,11 @@ Variant no_split_tail_variant() {  // the default before v21 (session 38): the t
   v.options.split_tail = 0;
   return v;
 }
+Variant no_tail_pieces_variant() {  // masked: the default before v22 (session 39): v21's split tail only
+  Variant v{".no_tail_pieces", {}};
+  v.options.tail_pieces = 0;
+  return v;
+}
 
 // Timing experiments (EPMOE_BENCH_GEMM_EXPERIMENTS=1): ablations that locate the bottleneck
 // (no tensor-core work, no loads), pipeline depth, half the SMs, L2 promotion, the A box.
@@ -250,6 +255,10 @@ std::vector<Variant> experiments(bool masked) {
     o.stages = 3;
   });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
+  // Session 39: fewer CTAs than SMs (does a weight-streaming row's last, partial round run at the
+  // whole HBM bandwidth, or at what its CTAs can pull each?).
+  for (const int ctas : {128, 116, 100})
+    add("ctas_" + std::to_string(ctas), [ctas](auto& o) { o.max_ctas = ctas; });
   // Session 30: the contiguous tile order's band width (1024 columns by default; "all": N).
   if (!masked) {
     add("band_512", [](auto& o) { o.band_columns = 512; });
@@ -526,7 +535,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then the others (".alt*") to keep the choice honest.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(true, s.expected_m, N);
-  std::vector<Variant> variants{{"", {}}, no_split_tail_variant()};
+  std::vector<Variant> variants{{"", {}}, no_split_tail_variant(), no_tail_pieces_variant()};
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());

@@ -14,6 +14,7 @@
 #include <limits>
 #include <string_view>
 
+#include "cuda/pdl_launch.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "gemm/fp8_grouped_gemm_kernel.cuh"
 #include "gemm/gemm_host.hpp"
@@ -121,6 +122,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
               "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
   EPMOE_CHECK(options.cluster >= 0 && options.cluster <= 2,
               "options.cluster must be 0 (automatic), 1 or 2, got {}", options.cluster);
+  EPMOE_CHECK(options.tail_pieces >= -1 && options.tail_pieces <= 1,
+              "options.tail_pieces must be -1 (automatic), 0 or 1, got {}", options.tail_pieces);
   EPMOE_CHECK(options.split_tail >= -1 && options.split_tail <= 1,
               "options.split_tail must be -1 (automatic), 0 or 1, got {}", options.split_tail);
   EPMOE_CHECK(options.split_tail != 1 || options.workspace != nullptr,
@@ -198,9 +201,21 @@ std::uint64_t split_table(std::int32_t num_kb, std::int32_t quantum, bool most) 
   return table;
 }
 
+// v22's tail pieces (GroupedGemmOptions::tail_pieces) between the two launches of a masked problem: the
+// 128 x 256 parent's request (mode kTailWhole, the follower's CTAs) and what the 64 x 128 follower needs
+// of its parent (mode kTailPieces).
+struct TailPieces {
+  int mode = 0;
+  std::int32_t piece_ctas = 0;
+  const kernels::GroupedGemmParams* parent = nullptr;  // kTailPieces: the parent's launch
+};
+
+// Launches one kernel; returns its parameters (for a kTailWhole request, tail_pieces says whether the
+// launch took it: its follower must then be launched).
 template <int kBlockM, int kBlockN>
-void launch(const TensorView& a, const TensorView& b, Problem problem, const GroupedGemmOptions& options,
-            int cluster, cudaStream_t stream) {
+GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem problem,
+                         const GroupedGemmOptions& options, int cluster, cudaStream_t stream,
+                         const TailPieces& tail = {}) {
   using Traits = GemmTraits<kBlockM, kBlockN>;
   // Without and with v21's split tail (the consumers' side; picked below).
   constexpr auto kernel_whole = &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN, false>;
@@ -330,9 +345,47 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
     }
     ctas = std::min<std::int64_t>(ctas, std::int64_t{fit} * cluster);
   }
-  ctas = std::clamp<std::int64_t>(ctas / cluster, 1, std::max<std::int64_t>(max_units, 1)) * cluster;
+  // (v22's follower runs the grid its parent was told of, tail.piece_ctas: both decide from it.)
+  ctas = tail.mode == kernels::kTailPieces
+             ? tail.piece_ctas
+             : std::clamp<std::int64_t>(ctas / cluster, 1, std::max<std::int64_t>(max_units, 1)) * cluster;
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   params.unit_stride = static_cast<std::int32_t>(ctas / cluster);
+  // v22: the parent leaves its tail to the follower where the device finds it fits (GemmScheduler::
+  // plan_split); the follower computes only that.
+  // (Problem's params come zeroed: the parent fields stay 0 but in a follower.)
+  const bool plain = cluster == 1 && params.split_tiles == 0 && params.pingpong == 0 && params.skew == 0 &&
+                     (params.ablation & ~kernels::kTraceLoop) == 0;
+  if (tail.mode == kernels::kTailWhole && plain && kBlockM == 128 && kBlockN == 256) {
+    // Contiguous: the tail is known here (every unit counts, padding ones too), masked only on the device.
+    const std::int32_t tail_units = params.total_units % params.unit_stride;
+    if (params.masked_m != nullptr ||
+        (tail_units > 0 && kernels::kPiecesPerTile * tail_units <= tail.piece_ctas)) {
+      params.tail_pieces = kernels::kTailWhole;
+      params.piece_ctas = tail.piece_ctas;
+    }
+  } else if (tail.mode == kernels::kTailPieces) {
+    EPMOE_CHECK(plain && kBlockM == 64 && kBlockN == 128 && tail.parent != nullptr,
+                "the tail's follower runs plain 64 x 128 tiles");
+    const GroupedGemmParams& parent = *tail.parent;
+    params.tail_pieces = kernels::kTailPieces;
+    params.parent_stride = parent.unit_stride;
+    params.parent_n_units = parent.n_units;
+    params.parent_units = parent.total_units;
+    params.parent_band_units = parent.band_units;
+    params.parent_band_tiles = parent.band_tiles;
+    params.inv_parent_band_tiles = parent.inv_band_tiles;
+    params.inv_parent_band_units = parent.inv_band_units;
+    params.inv_parent_last_width = parent.inv_last_width;
+    // Experiments (session 39): EPMOE_GEMM_PIECES_PDL=0 launches the follower plainly,
+    // EPMOE_GEMM_PIECES_WAIT=0 lets it end before its parent.
+    static const int pdl_env = env_switch("EPMOE_GEMM_PIECES_PDL");
+    static const int wait_env = env_switch("EPMOE_GEMM_PIECES_WAIT");
+    if (wait_env == 0) params.tail_pieces = kernels::kTailPiecesNoWait;
+    attributes[0] = programmatic_serialization(pdl_env != 0);
+    config.attrs = attributes;
+    config.numAttrs = 1;
+  }
   // v21's split tail (GroupedGemmOptions::split_tail): chunks of whole quanta of K blocks, a quantum
   // being the stages where the unrolled loop runs (every unit must start at stage 0 there).
   params.split_quantum = 0;
@@ -353,8 +406,8 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   // (A table of 1s: no tail can split, the whole kernel runs.)
   constexpr std::uint64_t kNoSplit = 0x1111111111111111ull;
   const std::uint64_t table = split_table(num_kb, quantum, options.split_tail == 1);
-  if (split_tail_applies && table != kNoSplit && options.workspace != nullptr &&
-      with_env(split_tail_env, resolve_choice(options.split_tail, true))) {
+  if (params.tail_pieces != kernels::kTailPieces && split_tail_applies && table != kNoSplit &&
+      options.workspace != nullptr && with_env(split_tail_env, resolve_choice(options.split_tail, true))) {
     params.split_quantum = quantum;
     params.split_max_chunks = std::min(kernels::kMaxSplitChunks, num_kb / quantum);  // (the table's own cap)
     params.split_table = table;
@@ -374,15 +427,33 @@ void launch(const TensorView& a, const TensorView& b, Problem problem, const Gro
   EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, params.split_quantum != 0 ? kernel_split : kernel_whole, tma_a,
                                       tma_a_part, tma_b, tma_d, tma_d_tile, params));
   EPMOE_CUDA_CHECK_LAUNCH();
+  return params;
 }
 
 void launch(GemmTileShape tile, const TensorView& a, const TensorView& b, const Problem& problem,
             const GroupedGemmOptions& options, cudaStream_t stream) {
   const int cluster = cluster_size(options);
+  static const int tail_pieces_env = env_switch("EPMOE_GEMM_TAIL_PIECES");
   if (tile.block_m == 64) {
     launch<64, 128>(a, b, problem, options, cluster, stream);
   } else if (tile.block_n == 256) {
-    launch<128, 256>(a, b, problem, options, cluster, stream);
+    // v22: the 64 x 128 follower takes the tail where it fits (masked: as the device finds); its grid
+    // is fixed here, before the parent, which decides from it.
+    TailPieces whole;
+    if (cluster == 1 && with_env(tail_pieces_env, resolve_choice(options.tail_pieces, true))) {
+      whole.mode = kernels::kTailWhole;
+      whole.piece_ctas = device_props().sm_count;
+      if (options.max_ctas > 0) whole.piece_ctas = std::min(whole.piece_ctas, options.max_ctas);
+    }
+    const GroupedGemmParams parent = launch<128, 256>(a, b, problem, options, cluster, stream, whole);
+    if (parent.tail_pieces == kernels::kTailWhole) {
+      TailPieces pieces = whole;
+      pieces.mode = kernels::kTailPieces;
+      pieces.parent = &parent;
+      GroupedGemmOptions follower = options;
+      follower.split_tail = 0;
+      launch<64, 128>(a, b, problem, follower, 1, stream, pieces);
+    }
   } else {
     launch<128, 128>(a, b, problem, options, cluster, stream);
   }

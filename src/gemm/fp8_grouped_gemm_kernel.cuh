@@ -156,7 +156,28 @@ struct GroupedGemmParams {
   std::int32_t split_max_rounds;  // split only where the tiles fill fewer whole rounds of the grid
   float* split_partials;          // [tail tile x chunks + chunk][consumer warp][kWaves x 32 float2][32 lanes]
   std::int32_t* split_counters;   // [unit_stride][8]: zero between launches (the last warp resets its own)
+  // v22, the tail as pieces (bench/NOTES.md session 39): kTailWhole in a 128 x 256 launch
+  // (no cluster, no split tiles) leaves the tiles past the grid's last whole round to the 64 x 128
+  // launch that follows it (kTailPieces) wherever four pieces of each fit that launch's CTAs
+  // (piece_ctas); the follower computes each such tile as four 64 x 128 pieces (row half, column
+  // half; empty halves skipped), one per CTA, from the parent's schedule (parent_stride CTAs,
+  // parent_n_units = N / 256). Every element is the same sum over K as in a whole tile (batch
+  // invariance holds), no workspace is needed, and the follower's CTAs start on the SMs the parent's
+  // CTAs leave (programmatic dependent launch: the parent triggers it at its start; the follower
+  // reads nothing the parent writes).
+  // (Contiguous: the parent's tile order too, its band_units, band_tiles and their inverses.)
+  std::int32_t tail_pieces;  // 0 (off), kTailWhole or kTailPieces
+  std::int32_t piece_ctas;
+  std::int32_t parent_stride, parent_n_units;
+  std::int32_t parent_units;  // contiguous: the parent's total_units
+  std::int32_t parent_band_units, parent_band_tiles;
+  float inv_parent_band_tiles, inv_parent_band_units, inv_parent_last_width;
 };
+
+inline constexpr int kTailWhole = 1;
+inline constexpr int kTailPieces = 2;
+inline constexpr int kTailPiecesNoWait = 3;  // experiment: a follower that does not wait for its parent
+inline constexpr int kPiecesPerTile = 4;
 
 // v21: chunks per split tile, at most (the ring packs the chunk and the count in 4 bits each).
 inline constexpr int kMaxSplitChunks = 15;
@@ -233,10 +254,15 @@ class GemmScheduler {
   // masked: the rows below tile.row_end).
   __device__ __forceinline__ bool next_all_rows(GemmTile& tile, const GroupedGemmParams& p,
                                                 std::uint32_t (&rows)[kBlockM / 32], std::uint32_t plan) {
-    if (p.masked_m == nullptr) return next_contiguous(tile, p, rows, plan);
-    std::int32_t t, v;
-    if (!take(p, plan, t, v) || !next_masked(tile, p, t)) return false;
-    set_k_range(tile, p, plan, t, v);
+    if (p.masked_m == nullptr)
+      return pieces(p) ? next_contiguous_piece(tile, p, rows, plan) : next_contiguous(tile, p, rows, plan);
+    if (pieces(p)) {
+      if (!next_piece(tile, p, plan)) return false;
+    } else {
+      std::int32_t t, v;
+      if (!take(p, plan, t, v) || !next_masked(tile, p, t)) return false;
+      set_k_range(tile, p, plan, t, v);
+    }
 #pragma unroll
     for (int i = 0; i < kBlockM / 32; ++i) {
       const std::int32_t n = tile.row_end - (tile.row0 + 32 * i);
@@ -256,14 +282,33 @@ class GemmScheduler {
   __device__ void plan_split(const GroupedGemmParams& p, std::uint32_t plan) {
     const std::int32_t end = p.masked_m == nullptr ? p.total_units : 0x7fffffff;  // masked: the groups end it
     write_plan(plan, end, end, 1);
-    if (p.split_quantum == 0) return;
-    std::int32_t tiles = p.total_units;
+    if (p.split_quantum == 0 && p.tail_pieces == 0) return;
+    std::int32_t tiles = pieces(p) ? p.parent_units : p.total_units;
     if (p.masked_m != nullptr) {
+      // (v22's follower counts its parent's 128-row tiles.)
+      const std::int32_t block_m = pieces(p) ? 128 : kBlockM;
       std::int32_t blocks = 0;
       for (std::int32_t g = static_cast<std::int32_t>(threadIdx.x % 32); g < p.groups; g += 32)
-        blocks += (min(max(__ldg(p.masked_m + g), 0), p.rows) + kBlockM - 1) / kBlockM;
+        blocks += (min(max(__ldg(p.masked_m + g), 0), p.rows) + block_m - 1) / block_m;
       tiles = static_cast<std::int32_t>(__reduce_add_sync(0xffffffffu, static_cast<std::uint32_t>(blocks))) *
-              p.n_units;
+              (pieces(p) ? p.parent_n_units : p.n_units);
+    }
+    if (p.tail_pieces != 0) {
+      // v22: both launches decide alike from the same counts. The follower: the parent's tail tiles,
+      // kPiecesPerTile units each (kSplitFrom: the first tail tile), or nothing.
+      const std::int32_t stride = pieces(p) ? p.parent_stride : p.unit_stride;
+      const std::int32_t ctas = pieces(p) ? p.unit_stride : p.piece_ctas;
+      const std::int32_t tail = tiles % stride;
+      const bool apply = tail > 0 && kPiecesPerTile * tail <= ctas;
+      if (pieces(p)) {
+        write_plan(plan, apply ? kPiecesPerTile * tail : 0, tiles - tail, 1);
+        return;
+      }
+      if (apply) {
+        write_plan(plan, tiles - tail, tiles - tail, 1);
+        return;
+      }
+      if (p.split_quantum == 0) return;
     }
     const std::int32_t chunks = split_chunks(p, tiles);
     const std::int32_t tail = tiles % p.unit_stride;
@@ -337,15 +382,25 @@ class GemmScheduler {
   // Contiguous: bands of p.band_units n-units (kGemmBandColumns by default); inside a band the
   // n-units vary fastest, so a wave of CTAs shares a few A blocks and one band of B.
 
-  // Unit t of the contiguous schedule: its m-block and its n-unit.
+  // Unit t of a contiguous schedule of n_units units per m-block in bands of band_units (band_tiles =
+  // m-blocks x band_units): its m-block and its n-unit.
+  __device__ __forceinline__ static void band_unit(std::int32_t t, std::int32_t n_units,
+                                                   std::int32_t band_units, std::int32_t band_tiles,
+                                                   float inv_band_tiles, float inv_band_units,
+                                                   float inv_last_width, std::int32_t& m_block,
+                                                   std::int32_t& n_unit) {
+    const std::int32_t band = div_small(t, band_tiles, inv_band_tiles);
+    const std::int32_t r = t - band * band_tiles;
+    const std::int32_t first_n = band * band_units;
+    const std::int32_t width = min(band_units, n_units - first_n);
+    m_block = div_small(r, width, width == band_units ? inv_band_units : inv_last_width);
+    n_unit = first_n + (r - m_block * width);
+  }
+  // Unit t of this launch's contiguous schedule.
   __device__ __forceinline__ void unit(const GroupedGemmParams& p, std::int32_t t, std::int32_t& m_block,
                                        std::int32_t& n_unit) const {
-    const std::int32_t band = div_small(t, p.band_tiles, p.inv_band_tiles);
-    const std::int32_t r = t - band * p.band_tiles;
-    const std::int32_t first_n = band * p.band_units;
-    const std::int32_t width = min(p.band_units, p.n_units - first_n);
-    m_block = div_small(r, width, width == p.band_units ? p.inv_band_units : p.inv_last_width);
-    n_unit = first_n + (r - m_block * width);
+    band_unit(t, p.n_units, p.band_units, p.band_tiles, p.inv_band_tiles, p.inv_band_units, p.inv_last_width,
+              m_block, n_unit);
   }
 
   // This lane's m_indices of unit t's rows (row0 + 32 i + lane; -1 past the rows).
@@ -419,10 +474,104 @@ class GemmScheduler {
     return true;
   }
 
+  // v22: this launch computes a parent's tail tiles as pieces (64 x 128 launches only).
+  __device__ __forceinline__ static bool pieces(const GroupedGemmParams& p) {
+    if constexpr (kBlockM == 64 && kBlockN == 128) {
+      return p.tail_pieces >= kTailPieces;
+    } else {
+      return false;
+    }
+  }
+
+  // v22's follower: this CTA's next piece of the parent's tail tiles (unit u: tail tile u / 4, piece
+  // u % 4: rows 64 (u % 4 / 2) and columns 128 (u % 2) of it), the parent's 128 x 256 tiles enumerated
+  // as its masked schedule does (group-major, then n-block, then m-block); pieces of no valid rows are
+  // skipped.
+  __device__ bool next_piece(GemmTile& tile, const GroupedGemmParams& p, std::uint32_t plan) {
+    const std::int32_t units_end = ptx::ld_shared_s32(plan + kUnitsEnd);
+    const std::int32_t first = ptx::ld_shared_s32(plan + kSplitFrom);
+    while (u_ < units_end) {
+      const std::int32_t u = u_;
+      u_ += p.unit_stride;
+      const std::int32_t t = first + u / kPiecesPerTile, q = u % kPiecesPerTile;
+      while (g_ < p.groups && t >= seg_start_ + seg_tiles_) {
+        seg_start_ += seg_tiles_;
+        ++g_;
+        if (g_ < p.groups) load_segment(p);
+      }
+      if (g_ >= p.groups) return false;
+      const std::int32_t r = t - seg_start_;
+      const std::int32_t m_block = r % seg_m_blocks_, n_unit = r / seg_m_blocks_;
+      const std::int32_t first_row = m_block * 128 + 64 * (q / 2);
+      if (first_row >= seg_count_) continue;  // an empty lower half
+      const std::int32_t seg_row0 = g_ * p.rows;
+      tile = GemmTile{g_,
+                      2 * n_unit + q % 2,
+                      seg_row0 + first_row,
+                      seg_row0,
+                      seg_row0 + seg_count_,
+                      g_,
+                      min(64, seg_count_ - first_row)};
+      tile.kb_begin = 0;
+      tile.kb_count = p.k / kGemmBlockK;
+      tile.split = -1;
+      return true;
+    }
+    return false;
+  }
+
+  // v22's follower, contiguous: the parent's tail units (its tile order, 128-row m-blocks, 256-column
+  // n-units) as pieces; a piece's group is its 64 rows' (the parent block's at most one), a piece of
+  // padding rows only is skipped.
+  __device__ bool next_contiguous_piece(GemmTile& tile, const GroupedGemmParams& p,
+                                        std::uint32_t (&rows)[kBlockM / 32], std::uint32_t plan) {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const std::int32_t units_end = ptx::ld_shared_s32(plan + kUnitsEnd);
+    const std::int32_t first = ptx::ld_shared_s32(plan + kSplitFrom);
+    while (u_ < units_end) {
+      const std::int32_t u = u_;
+      u_ += p.unit_stride;
+      const std::int32_t t = first + u / kPiecesPerTile, q = u % kPiecesPerTile;
+      std::int32_t m_block, n_unit;
+      band_unit(t, p.parent_n_units, p.parent_band_units, p.parent_band_tiles, p.inv_parent_band_tiles,
+                p.inv_parent_band_units, p.inv_parent_last_width, m_block, n_unit);
+      const std::int32_t row0 = m_block * 128 + 64 * (q / 2);
+      std::int32_t g = -1, ids[kBlockM / 32];
+#pragma unroll
+      for (int i = 0; i < kBlockM / 32; ++i) {
+        const std::int32_t row = row0 + i * 32 + lane;
+        ids[i] = row < p.rows ? __ldg(p.m_indices + row) : -1;
+        g = max(g, ids[i]);
+      }
+      g = __reduce_max_sync(0xffffffffu, g);
+      if (g < 0 || g >= p.groups) continue;  // padding only (or ids out of range)
+      std::int32_t last = 0;
+#pragma unroll
+      for (int i = 0; i < kBlockM / 32; ++i) {
+        if (ids[i] == g) last = i * 32 + lane + 1;
+      }
+      last = __reduce_max_sync(0xffffffffu, last);
+#pragma unroll
+      for (int i = 0; i < kBlockM / 32; ++i) rows[i] = __ballot_sync(0xffffffffu, ids[i] == g);
+      tile = GemmTile{g, 2 * n_unit + q % 2, row0, 0, p.rows, 0, last};
+      tile.kb_begin = 0;
+      tile.kb_count = p.k / kGemmBlockK;
+      tile.split = -1;
+      return true;
+    }
+    return false;
+  }
+
+  // The segment of group g_: its rows, m-blocks and tiles (v22's follower: its parent's 128 x 256 ones).
   __device__ void load_segment(const GroupedGemmParams& p) {
     seg_count_ = min(max(__ldg(p.masked_m + g_), 0), p.rows);
-    seg_m_blocks_ = (seg_count_ + kBlockM - 1) / kBlockM;
-    seg_tiles_ = seg_m_blocks_ * p.n_units;
+    if (pieces(p)) {
+      seg_m_blocks_ = (seg_count_ + 127) / 128;
+      seg_tiles_ = seg_m_blocks_ * p.parent_n_units;
+    } else {
+      seg_m_blocks_ = (seg_count_ + kBlockM - 1) / kBlockM;
+      seg_tiles_ = seg_m_blocks_ * p.n_units;
+    }
   }
 
   std::int32_t u_;  // this CTA's next work unit
@@ -854,6 +1003,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   // costs the loop registers): a start stamp is added negated, the end stamp as is.
   const bool trace = (p.ablation & kTraceLoop) != 0 && threadIdx.x == 128;
   if (trace) atomicMin(g_fp8_gemm_trace + 6, static_cast<unsigned long long>(ptx::global_timer_ns()));
+  // v22: the tail's follower may be scheduled at once (its CTAs take the SMs this grid's CTAs leave).
+  if (p.tail_pieces == kTailWhole) ptx::launch_dependents();
 
   // Whether v12 runs (see below; read from the parameters where needed, not held in a register).
   const auto borrowing = [&] {
@@ -923,6 +1074,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // timing ablation: no producer work
     } else if (warp == 3) {
       ring.write_all<kBlockM, kBlockN>(p);
+      // v22's follower ends only after its parent: a later kernel of the stream that waits for the
+      // follower alone (a programmatic dependent launch) then finds the parent's rows written too.
+      if (p.tail_pieces == kTailPieces) ptx::grid_dependency_wait();
     } else if (warp == 0) {
       // v12: from the second tile on, the borrowed stages' loads wait for the consumers' epi_done.
       bool after_first = false;

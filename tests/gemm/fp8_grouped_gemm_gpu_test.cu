@@ -12,6 +12,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "epmoe/cuda/device_buffer.hpp"
@@ -742,6 +743,7 @@ TEST_P(GroupedGemmSplitTailGpu, MatchesTheReferenceDeterministicallyEagerAndInGr
   options.max_ctas = c.max_ctas;
   options.split_tiles = 0;
   options.split_tail = 1;
+  options.tail_pieces = 0;  // (v22's pieces would take the masked tails)
   options.workspace = workspace.view().data;
   options.workspace_bytes = cuda::grouped_gemm_workspace_bytes();
   options.ablation = 256;  // the trace (output intact)
@@ -846,6 +848,157 @@ INSTANTIATE_TEST_SUITE_P(
         SplitTailCase{"contiguous_N1536_K2048_128x128", false, {128, 257}, 0, 1536, 2048, 128, 128, 40, 5}),
     [](const ::testing::TestParamInfo<SplitTailCase>& info) { return info.param.name; });
 
+// v22, the tail as pieces (128 x 256 tiles): the tiles past the grid's last whole round, where four
+// pieces of each fit the CTAs, are left to a 64 x 128 follower launch. Checked: the output against the
+// reference (poisoned first); the trace's K blocks and tiles (the tiles before the tail, then every
+// non-empty piece; without pieces every tile); the same bits as without pieces (batch invariance) and
+// in two CUDA graph replays.
+struct TailPiecesCase {
+  std::string name;
+  bool masked;
+  std::vector<std::int32_t>
+      rows;            // masked: masked_m; contiguous: rows per group (holes inside, padded to 128)
+  std::int64_t m_max;  // masked: M_max; contiguous: all-padding 128-row blocks at the end
+  std::int64_t n, k;
+  int max_ctas;
+  std::int64_t computed;  // tiles and pieces with valid rows the two launches compute (worked out by hand)
+};
+
+void PrintTo(const TailPiecesCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class GroupedGemmTailPiecesGpu : public ::testing::TestWithParam<TailPiecesCase> {};
+
+TEST_P(GroupedGemmTailPiecesGpu, MatchesTheReferenceAndTheWholeTilesBits) {
+  EPMOE_REQUIRE_GPU();
+  const TailPiecesCase& c = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto G = static_cast<std::int64_t>(c.rows.size());
+  const std::int64_t N = c.n, K = c.k, KB = K / 128;
+  cuda::Stream stream;
+  HostTensor ref, a, sa, m_indices;
+  MaskedInputs masked;
+  std::vector<bool> valid;
+  std::vector<cuda::DeviceTensor> keep;  // the device operands
+  cuda::DeviceTensor dd;
+  std::function<void(const cuda::GroupedGemmOptions&)> launch;
+  if (c.masked) {
+    masked = masked_inputs(G, c.m_max, N, K, ScaleLayout::mn_major_tma, c.rows, rng);
+    ref = HostTensor(DType::f64, {G, c.m_max, N});
+    grouped_gemm_masked_cpu(masked.a, masked.sa, masked.w.b, masked.w.b_scales, masked.counts, ref);
+    valid = masked_valid(c.rows, c.m_max);
+    for (const TensorView& v : {masked.a.view(), masked.sa_gpu(), masked.w.b.view(), masked.w.b_scales.view(),
+                                masked.counts.view()})
+      keep.push_back(cuda::to_device(v, stream));
+    dd = cuda::DeviceTensor(DType::bf16, {G, c.m_max, N});
+    launch = [&](const cuda::GroupedGemmOptions& o) {
+      cuda::fp8_grouped_gemm_masked(keep[0], keep[1], ScaleLayout::mn_major_tma, keep[2], keep[3], keep[4],
+                                    c.m_max / 2, dd, stream, o);
+    };
+  } else {
+    const std::vector<std::int32_t> ids = contiguous_ids(c.rows, true, c.m_max);
+    const auto M = static_cast<std::int64_t>(ids.size());
+    a = HostTensor(DType::fp8_e4m3, {M, K});
+    sa = HostTensor(DType::f32, {M, KB});
+    m_indices = HostTensor(DType::i32, {M});
+    fill_random_fp8(static_cast<std::uint8_t*>(a.view().data), a.numel(), rng);
+    fill_random_scales(sa.data<float>(), sa.numel(), rng);
+    std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
+    for (const std::int32_t id : ids) valid.push_back(id >= 0);
+    const Weights w = random_weights(G, N, K, rng);
+    ref = HostTensor(DType::f64, {M, N});
+    grouped_gemm_contiguous_cpu(a, sa, w.b, w.b_scales, m_indices, ref);
+    for (const TensorView& v : {a.view(), sa.view(), w.b.view(), w.b_scales.view(), m_indices.view()})
+      keep.push_back(cuda::to_device(v, stream));
+    dd = cuda::DeviceTensor(DType::bf16, {M, N});
+    launch = [&](const cuda::GroupedGemmOptions& o) {
+      cuda::fp8_grouped_gemm_contiguous(keep[0], keep[1], ScaleLayout::token_major, keep[2], keep[3], keep[4],
+                                        dd, stream, o);
+    };
+  }
+  const auto run = [&](int tail_pieces, int ablation) {
+    cuda::GroupedGemmOptions o;
+    o.block_m = 128;
+    o.block_n = 256;
+    o.max_ctas = c.max_ctas;
+    o.tail_pieces = tail_pieces;
+    o.ablation = ablation;
+    o.split_tiles = 0;
+    dd.fill_bytes(0xff, stream);
+    launch(o);
+    return cuda::to_host(dd, stream);
+  };
+  cuda::fp8_grouped_gemm_take_trace();  // zero it
+  const HostTensor got = run(1, 256);
+  check_output(got, ref, valid, N);
+  const cuda::Fp8GemmTrace t = cuda::fp8_grouped_gemm_take_trace();
+  EXPECT_EQ(t.k_blocks, static_cast<std::uint64_t>(c.computed * KB));
+  EXPECT_EQ(t.consumer_tiles, static_cast<std::uint64_t>(c.computed));
+
+  const HostTensor whole = run(0, 0);
+  EXPECT_EQ(std::memcmp(got.view().data, whole.view().data, got.nbytes()), 0)
+      << "the pieces' bits differ from the whole tiles'";
+  const HostTensor again = run(-1, 0);
+  EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "a second run differs";
+
+  cuda::GroupedGemmOptions o;
+  o.block_m = 128;
+  o.block_n = 256;
+  o.max_ctas = c.max_ctas;
+  o.split_tiles = 0;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  launch(o);
+  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    dd.fill_bytes(0xff, stream);
+    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const HostTensor replayed = cuda::to_host(dd, stream);
+    EXPECT_EQ(std::memcmp(got.view().data, replayed.view().data, got.nbytes()), 0)
+        << "replay " << replay << " differs";
+  }
+  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+// N = 512: two 256-column n-units per m-block (masked: group-major, then n-unit, then m-block;
+// contiguous: one band, m-block-major).
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GroupedGemmTailPiecesGpu,
+    ::testing::Values(
+        // 2+2+1+1+0+2+1+2 m-blocks x 2 = 22 tiles on 7 CTAs: tail 1 (group 7's rows 128-199, columns
+        // 256-511): 21 whole tiles and 4 pieces (the lower half of 8 rows).
+        TailPiecesCase{"masked_tail1_K2048", true, {130, 200, 64, 1, 0, 256, 65, 200}, 256, 512, 2048, 7, 25},
+        // 20 tiles on 9 CTAs: tail 2 (group 7's 33 rows, both n-units): 18 + 4 pieces (lower halves empty).
+        TailPiecesCase{"masked_tail2_empty_halves_K7168",
+                       true,
+                       {130, 200, 64, 1, 0, 256, 65, 33},
+                       256,
+                       512,
+                       7168,
+                       9,
+                       22},
+        // 22 tiles on 5 CTAs: tail 2, 8 pieces > 5 CTAs: the 22 tiles whole.
+        TailPiecesCase{
+            "masked_tail_too_large", true, {130, 200, 64, 1, 0, 256, 65, 200}, 256, 512, 2048, 5, 22},
+        // 4 tiles (M_max 256: the parent's grid 8 CTAs, the follower's 16), no whole round: all pieces
+        // (group 0: 2 tiles x 4, group 1's 30 rows: 2 tiles x 2).
+        TailPiecesCase{"masked_all_pieces", true, {100, 30}, 256, 512, 2048, 16, 12},
+        // Contiguous (v11's split tiles off: they exclude the pieces), 6 m-blocks x 2 = 12 units on 10
+        // CTAs: tail 2 (group 3's 100 rows, holes inside, both n-units): 10 + 2 x 4 pieces.
+        TailPiecesCase{"contiguous_tail2_K2048", false, {130, 200, 64, 100}, 0, 512, 2048, 10, 18},
+        // With an all-padding block at the end: 14 units on 12 CTAs, tail 2 = that block: 12 + 0 pieces.
+        TailPiecesCase{"contiguous_padding_tail_K7168", false, {130, 200, 64, 100}, 1, 512, 7168, 12, 12},
+        // Group 3 of 33 rows (holes: 28 valid, all in the first half), 12 units on 10 CTAs: 10 + 2 x 2
+        // pieces.
+        TailPiecesCase{"contiguous_tail2_half_K2048", false, {130, 200, 64, 33}, 0, 512, 2048, 10, 14}),
+    [](const ::testing::TestParamInfo<TailPiecesCase>& info) { return info.param.name; });
+
 // The consumer-loop trace (options.ablation bit 256): the output as without it (checked against the
 // reference), and the trace counts every K block of every tile once, in one launch, at an SM clock
 // (cycles per nanosecond) a Hopper part can run at, and every tile's epilogue (and v12's stores) once;
@@ -871,6 +1024,7 @@ TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
     cuda::GroupedGemmOptions options;
     options.ablation = 256;
     options.borrow_epilogue = 1;          // (masked at K = 2048: off by default)
+    options.tail_pieces = 0;              // (one launch: v22's follower would take these few tiles)
     cuda::fp8_grouped_gemm_take_trace();  // zero it
     dd.fill_bytes(0xff, stream);
     cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts,
@@ -898,6 +1052,109 @@ TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
     const cuda::Fp8GemmTrace again = cuda::fp8_grouped_gemm_take_trace();
     EXPECT_EQ(again.launches, 0u);
     EXPECT_EQ(again.k_blocks, 0u);
+  }
+}
+
+// Batch invariance: without the split tail (no workspace), a row's output bits depend only on its own
+// activations and its group's weights - not on the other groups in the launch, the tile shape, the
+// layout, the CTA count or the cluster - since every output element is the same f32 sum over K in
+// the same order. (The layer's two-batch overlap and its bit-exact tests rely on it; a split tail
+// sums K in chunks and is why the layer's runner passes no workspace: bench/NOTES.md session 39.)
+TEST(GroupedGemmGpuMisc, RowsDoNotDependOnTheBatchTheTileOrTheLayout) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::int64_t N = 1536, K = 7168, KB = K / 128;
+  // Group 0 (the rows compared: 200, so one whole and one partial 128-row block) beside three others.
+  const std::vector<std::int32_t> rows{200, 129, 64, 300};
+  const auto G = static_cast<std::int64_t>(rows.size());
+  const std::int64_t r0 = rows[0];
+  const Weights w = random_weights(G, N, K, rng);
+  const std::vector<std::int32_t> ids = contiguous_ids(rows, false, 0);
+  const auto M = static_cast<std::int64_t>(ids.size());
+  HostTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {M, KB}), m_indices(DType::i32, {M});
+  fill_random_fp8(static_cast<std::uint8_t*>(a.view().data), a.numel(), rng);
+  fill_random_scales(sa.data<float>(), sa.numel(), rng);
+  std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor da = cuda::to_device(a, stream), dsa = cuda::to_device(sa, stream),
+                           db = cuda::to_device(w.b, stream), dsb = cuda::to_device(w.b_scales, stream),
+                           dids = cuda::to_device(m_indices, stream);
+  // Group 0's rows [0, r0) x N of an output, as bytes.
+  const auto group0 = [&](const cuda::DeviceTensor& d) {
+    const HostTensor h = cuda::to_host(d, stream);
+    const auto* bytes = static_cast<const std::uint8_t*>(h.view().data);
+    return std::vector<std::uint8_t>(bytes, bytes + r0 * N * 2);
+  };
+  const auto contiguous = [&](const cuda::GroupedGemmOptions& o) {
+    const cuda::DeviceTensor dd(DType::bf16, {M, N});
+    dd.fill_bytes(0xff, stream);
+    cuda::fp8_grouped_gemm_contiguous(da, dsa, ScaleLayout::token_major, db, dsb, dids, dd, stream, o);
+    return group0(dd);
+  };
+  const std::vector<std::uint8_t> want = contiguous({});
+  {  // Against the reference once (the bits compared below are the right ones).
+    const cuda::DeviceTensor dd(DType::bf16, {M, N});
+    dd.fill_bytes(0xff, stream);
+    cuda::fp8_grouped_gemm_contiguous(da, dsa, ScaleLayout::token_major, db, dsb, dids, dd, stream, {});
+    HostTensor ref(DType::f64, {M, N});
+    grouped_gemm_contiguous_cpu(a, sa, w.b, w.b_scales, m_indices, ref);
+    std::vector<bool> valid;
+    for (const std::int32_t id : ids) valid.push_back(id >= 0);
+    check_output(cuda::to_host(dd, stream), ref, valid, N);
+  }
+  struct Variant {
+    const char* name;
+    int block_m, block_n, max_ctas, cluster;
+  };
+  for (const Variant v :
+       {Variant{"128 x 128 tiles", 128, 128, 0, 0}, Variant{"64 x 128 tiles", 64, 128, 0, 0},
+        Variant{"7 CTAs", 0, 0, 7, 0}, Variant{"a cluster pair", 128, 256, 0, 2}}) {
+    cuda::GroupedGemmOptions o;
+    o.block_m = v.block_m;
+    o.block_n = v.block_n;
+    o.max_ctas = v.max_ctas;
+    o.cluster = v.cluster;
+    EXPECT_TRUE(contiguous(o) == want) << v.name << " changes group 0's bits";
+  }
+  {  // Group 0 alone (its rows and weights only).
+    const cuda::DeviceTensor db0 = cuda::to_device(w.b.view().slice_rows(0, 1), stream),
+                             dsb0 = cuda::to_device(w.b_scales.view().slice_rows(0, 1), stream);
+    const std::int64_t M0 = (r0 + 127) / 128 * 128;
+    const cuda::DeviceTensor dd(DType::bf16, {M0, N});
+    dd.fill_bytes(0xff, stream);
+    cuda::fp8_grouped_gemm_contiguous(da.view().slice_rows(0, M0), dsa.view().slice_rows(0, M0),
+                                      ScaleLayout::token_major, db0, dsb0, dids.view().slice_rows(0, M0), dd,
+                                      stream, {});
+    EXPECT_TRUE(group0(dd) == want) << "group 0 alone differs";
+    // And in the masked layout (M_max 256, the scales MN-major), at two tile heights.
+    const std::int64_t M_max = 256;
+    HostTensor am(DType::fp8_e4m3, {1, M_max, K}), sam(DType::f32, {1, M_max, KB}), count(DType::i32, {1});
+    std::memcpy(am.view().data, a.view().data, static_cast<std::size_t>(r0 * K));
+    std::memset(static_cast<std::uint8_t*>(am.view().data) + r0 * K, 0x7f,
+                static_cast<std::size_t>((M_max - r0) * K));
+    std::memcpy(sam.data<float>(), sa.data<float>(), static_cast<std::size_t>(r0 * KB) * sizeof(float));
+    for (std::int64_t i = r0 * KB; i < M_max * KB; ++i) sam.data<float>()[i] = 1.0f;
+    count.data<std::int32_t>()[0] = static_cast<std::int32_t>(r0);
+    const std::int64_t padded = cuda::tma_aligned_tokens(M_max);
+    HostTensor sam_mn(DType::f32, {1, KB, padded});
+    to_mn_major(sam.data<float>(), M_max, KB, sam_mn.data<float>());
+    const cuda::DeviceTensor dam = cuda::to_device(am, stream), dsam = cuda::to_device(sam_mn, stream),
+                             dcount = cuda::to_device(count, stream);
+    // (128-row tiles: 12 of them, all v22's pieces by default; whole without.)
+    for (const auto& [block_m, tail_pieces] : {std::pair{128, 0}, std::pair{128, 1}, std::pair{64, 0}}) {
+      cuda::GroupedGemmOptions o;
+      o.block_m = block_m;
+      o.tail_pieces = tail_pieces;
+      const cuda::DeviceTensor dm(DType::bf16, {1, M_max, N});
+      dm.fill_bytes(0xff, stream);
+      cuda::fp8_grouped_gemm_masked(dam, dsam, ScaleLayout::mn_major_tma, db0, dsb0, dcount, r0, dm, stream,
+                                    o);
+      EXPECT_TRUE(group0(dm) == want)
+          << "the masked layout with " << block_m << "-row tiles (tail pieces " << tail_pieces << ") differs";
+    }
   }
 }
 
