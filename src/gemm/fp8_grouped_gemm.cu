@@ -377,12 +377,8 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
     params.inv_parent_band_tiles = parent.inv_band_tiles;
     params.inv_parent_band_units = parent.inv_band_units;
     params.inv_parent_last_width = parent.inv_last_width;
-    // Experiments (session 39): EPMOE_GEMM_PIECES_PDL=0 launches the follower plainly,
-    // EPMOE_GEMM_PIECES_WAIT=0 lets it end before its parent.
-    static const int pdl_env = env_switch("EPMOE_GEMM_PIECES_PDL");
-    static const int wait_env = env_switch("EPMOE_GEMM_PIECES_WAIT");
-    if (wait_env == 0) params.tail_pieces = kernels::kTailPiecesNoWait;
-    attributes[0] = programmatic_serialization(pdl_env != 0);
+    // (Launched plainly, the follower cost the rows it served 1.5% more: session 39.)
+    attributes[0] = programmatic_serialization(true);
     config.attrs = attributes;
     config.numAttrs = 1;
   }
@@ -439,8 +435,12 @@ void launch(GemmTileShape tile, const TensorView& a, const TensorView& b, const 
   } else if (tile.block_n == 256) {
     // v22: the 64 x 128 follower takes the tail where it fits (masked: as the device finds); its grid
     // is fixed here, before the parent, which decides from it.
+    // Automatic: contiguous only, where the host sees the tail fit (masked, the follower is launched
+    // whether or not the device finds a tail that fits, and that launch cost the masked rows 2-4%,
+    // bench/NOTES.md session 39).
     TailPieces whole;
-    if (cluster == 1 && with_env(tail_pieces_env, resolve_choice(options.tail_pieces, true))) {
+    const bool automatic = problem.params.masked_m == nullptr;
+    if (cluster == 1 && with_env(tail_pieces_env, resolve_choice(options.tail_pieces, automatic))) {
       whole.mode = kernels::kTailWhole;
       whole.piece_ctas = device_props().sm_count;
       if (options.max_ctas > 0) whole.piece_ctas = std::min(whole.piece_ctas, options.max_ctas);

@@ -39,7 +39,10 @@
 // (GemmScheduler::plan_split; the host's cost model picks the chunk count). A chunk's consumer warps
 // write their f32 accumulators to the workspace and count themselves in; the warp that arrives last
 // sums the chunks in chunk order (split_tile_reduce) and stores the tile's rows, the others store
-// nothing.
+// nothing. Its rows' bits then differ from an unsplit launch's (not batch-invariant).
+// Tail pieces (v22, p.tail_pieces): instead, a 128 x 256 launch stops at its last whole round and a
+// 64 x 128 launch (programmatic dependent, on the SMs the first one's CTAs leave) computes each tail
+// tile as four 64 x 128 pieces over the whole of K: the same sums as a whole tile, bit for bit.
 // The schedule is static (work unit u goes to cluster u mod the number of clusters); both CTAs of a
 // cluster walk it identically and skip the same units, so their pipeline stages and phases stay in
 // lockstep.
@@ -176,7 +179,6 @@ struct GroupedGemmParams {
 
 inline constexpr int kTailWhole = 1;
 inline constexpr int kTailPieces = 2;
-inline constexpr int kTailPiecesNoWait = 3;  // experiment: a follower that does not wait for its parent
 inline constexpr int kPiecesPerTile = 4;
 
 // v21: chunks per split tile, at most (the ring packs the chunk and the count in 4 bits each).
@@ -477,7 +479,7 @@ class GemmScheduler {
   // v22: this launch computes a parent's tail tiles as pieces (64 x 128 launches only).
   __device__ __forceinline__ static bool pieces(const GroupedGemmParams& p) {
     if constexpr (kBlockM == 64 && kBlockN == 128) {
-      return p.tail_pieces >= kTailPieces;
+      return p.tail_pieces == kTailPieces;
     } else {
       return false;
     }

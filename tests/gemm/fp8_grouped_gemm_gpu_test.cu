@@ -949,6 +949,7 @@ TEST_P(GroupedGemmTailPiecesGpu, MatchesTheReferenceAndTheWholeTilesBits) {
   o.block_n = 256;
   o.max_ctas = c.max_ctas;
   o.split_tiles = 0;
+  o.tail_pieces = 1;  // (the two launches captured: a programmatic edge between them)
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));

@@ -139,13 +139,15 @@ struct GroupedGemmOptions {
   // launch repeated gives the same bits). That is why the layer's runner passes no workspace: its
   // two-batch overlap and every bit-exact comparison of the layer rely on batch invariance.
   int split_tail = -1;
-  // v22, the tail as pieces (masked layout, 128 x 256 tiles): where the tiles past the grid's last
-  // whole round number at most a quarter of the CTAs (decided on the device, from masked_m), a 64 x 128
-  // launch right after the 128 x 256 one computes each of them as four 64 x 128 pieces on the SMs the
-  // whole rounds leave (a programmatic dependent launch; no workspace, and every element the same sum
-  // over K as in a whole tile: batch-invariant). Takes precedence over split_tail where both apply.
-  // -1 (automatic): on; 1: on; 0: off. EPMOE_GEMM_TAIL_PIECES=0|1 overrides it. Not with a cluster,
-  // split_tiles, pingpong, consumer_skew or the ablations (the trace aside).
+  // v22, the tail as pieces (128 x 256 tiles): where the tiles past the grid's last whole round number
+  // at most a quarter of the CTAs (contiguous: known on the host; masked: decided on the device, from
+  // masked_m), a 64 x 128 launch right after the 128 x 256 one computes each of them as four 64 x 128
+  // pieces on the SMs the whole rounds leave (a programmatic dependent launch; no workspace, and every
+  // element the same sum over K as in a whole tile: batch-invariant). Takes precedence over split_tail
+  // where both apply. -1 (automatic): contiguous only (masked, the follower launch is made whether or
+  // not the tail fits, and measured 2-4% slower, bench/NOTES.md session 39); 1: on; 0: off.
+  // EPMOE_GEMM_TAIL_PIECES=0|1 overrides it. Not with a cluster, split_tiles, pingpong, consumer_skew
+  // or the ablations (the trace aside).
   int tail_pieces = -1;
   // The split tail's device memory: at least grouped_gemm_workspace_bytes() bytes, 256-byte aligned,
   // zero-filled once before its first use (the kernel leaves it so), and used by one launch at a time
