@@ -255,10 +255,6 @@ std::vector<Variant> experiments(bool masked) {
     o.stages = 3;
   });
   add("half_sms", [](auto& o) { o.max_ctas = 66; });
-  // Session 39: fewer CTAs than SMs (does a weight-streaming row's last, partial round run at the
-  // whole HBM bandwidth, or at what its CTAs can pull each?).
-  for (const int ctas : {128, 116, 100})
-    add("ctas_" + std::to_string(ctas), [ctas](auto& o) { o.max_ctas = ctas; });
   // Session 30: the contiguous tile order's band width (1024 columns by default; "all": N).
   if (!masked) {
     add("band_512", [](auto& o) { o.band_columns = 512; });
