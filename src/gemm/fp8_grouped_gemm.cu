@@ -201,7 +201,7 @@ std::uint64_t split_table(std::int32_t num_kb, std::int32_t quantum, bool most) 
   return table;
 }
 
-// v22's tail pieces (GroupedGemmOptions::tail_pieces) between the two launches of a masked problem: the
+// v22's tail pieces (GroupedGemmOptions::tail_pieces) between the two launches of a problem: the
 // 128 x 256 parent's request (mode kTailWhole, the follower's CTAs) and what the 64 x 128 follower needs
 // of its parent (mode kTailPieces).
 struct TailPieces {
@@ -244,7 +244,9 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
         std::clamp<std::int64_t>(columns / (kBlockN * cluster), 1, std::max<std::int64_t>(n_units, 1)));
     params.band_tiles = params.m_blocks * params.band_units;
     // div_small's range (the contiguous schedule's unit indices): below 2^24.
-    EPMOE_CHECK(params.masked_m != nullptr || max_units < (std::int64_t{1} << 24),
+    // (v22's follower walks its parent's units, which the parent's launch checked.)
+    EPMOE_CHECK(params.masked_m != nullptr || tail.mode == kernels::kTailPieces ||
+                    max_units < (std::int64_t{1} << 24),
                 "too many work units ({}) for one contiguous launch (at most 2^24)", max_units);
     const std::int64_t last_width =
         n_units - (std::max<std::int64_t>(n_units - 1, 0) / params.band_units) * params.band_units;
