@@ -356,6 +356,8 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   // v22: the parent leaves its tail to the follower where the device finds it fits (GemmScheduler::
   // plan_split); the follower computes only that.
   // (Problem's params come zeroed: the parent fields stay 0 but in a follower.)
+  // (Both tail schemes want the plain launch: no cluster, split tiles, ping-pong, skew or ablation but the
+  // trace.)
   const bool plain = cluster == 1 && params.split_tiles == 0 && params.pingpong == 0 && params.skew == 0 &&
                      (params.ablation & ~kernels::kTraceLoop) == 0;
   if (tail.mode == kernels::kTailWhole && plain && kBlockM == 128 && kBlockN == 256) {
@@ -398,9 +400,7 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
       params.unroll != 0 && params.stages == Traits::kStages && num_kb % Traits::kStages == 0
           ? Traits::kStages
           : 1;
-  const bool split_tail_applies = cluster == 1 && params.split_tiles == 0 && params.pingpong == 0 &&
-                                  params.skew == 0 && params.vector_epilogue != 0 &&
-                                  (params.ablation & ~kernels::kTraceLoop) == 0 && num_kb / quantum >= 2;
+  const bool split_tail_applies = plain && params.vector_epilogue != 0 && num_kb / quantum >= 2;
   // (A table of 1s: no tail can split, the whole kernel runs.)
   constexpr std::uint64_t kNoSplit = 0x1111111111111111ull;
   const std::uint64_t table = split_table(num_kb, quantum, options.split_tail == 1);

@@ -405,41 +405,50 @@ class GemmScheduler {
               m_block, n_unit);
   }
 
-  // This lane's m_indices of unit t's rows (row0 + 32 i + lane; -1 past the rows).
-  __device__ __forceinline__ void load_ids(const GroupedGemmParams& p, std::int32_t t,
-                                           std::int32_t (&ids)[kBlockM / 32]) const {
+  // This lane's m_indices of the kBlockM rows from row0 (row0 + 32 i + lane; -1 past the rows).
+  __device__ __forceinline__ static void load_ids(const GroupedGemmParams& p, std::int32_t row0,
+                                                  std::int32_t (&ids)[kBlockM / 32]) {
     const int lane = static_cast<int>(threadIdx.x % 32);
-    std::int32_t m_block, n_unit;
-    unit(p, t, m_block, n_unit);
 #pragma unroll
     for (int i = 0; i < kBlockM / 32; ++i) {
-      const std::int32_t row = m_block * kBlockM + i * 32 + lane;
+      const std::int32_t row = row0 + i * 32 + lane;
       ids[i] = row < p.rows ? __ldg(p.m_indices + row) : -1;
     }
   }
 
+  // Warp-collective: the group g of kBlockM rows' ids (their largest; a block holds rows of at most
+  // one group), 1 + its last row, and its rows as 32-row words; false for padding only (or ids out of
+  // range): nothing to do.
+  __device__ __forceinline__ static bool group_rows(const GroupedGemmParams& p,
+                                                    const std::int32_t (&ids)[kBlockM / 32], std::int32_t& g,
+                                                    std::int32_t& last, std::uint32_t (&rows)[kBlockM / 32]) {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    g = -1;
+#pragma unroll
+    for (int i = 0; i < kBlockM / 32; ++i) g = max(g, ids[i]);
+    g = __reduce_max_sync(0xffffffffu, g);
+    if (g < 0 || g >= p.groups) return false;
+    last = 0;
+#pragma unroll
+    for (int i = 0; i < kBlockM / 32; ++i) {
+      if (ids[i] == g) last = i * 32 + lane + 1;
+    }
+    last = __reduce_max_sync(0xffffffffu, last);
+#pragma unroll
+    for (int i = 0; i < kBlockM / 32; ++i) rows[i] = __ballot_sync(0xffffffffu, ids[i] == g);
+    return true;
+  }
+
   __device__ __forceinline__ bool next_contiguous(GemmTile& tile, const GroupedGemmParams& p,
                                                   std::uint32_t (&rows)[kBlockM / 32], std::uint32_t plan) {
-    const int lane = static_cast<int>(threadIdx.x % 32);
     std::int32_t t, v;
     while (take(p, plan, t, v)) {
       std::int32_t m_block, n_unit;
       unit(p, t, m_block, n_unit);
       const std::int32_t row0 = m_block * kBlockM;
-      std::int32_t g = -1, ids[kBlockM / 32];
-      load_ids(p, t, ids);
-#pragma unroll
-      for (int i = 0; i < kBlockM / 32; ++i) g = max(g, ids[i]);
-      g = __reduce_max_sync(0xffffffffu, g);
-      if (g < 0 || g >= p.groups) continue;  // padding only (or ids out of range): nothing to do
-      std::int32_t last = 0;
-#pragma unroll
-      for (int i = 0; i < kBlockM / 32; ++i) {
-        if (ids[i] == g) last = i * 32 + lane + 1;
-      }
-      last = __reduce_max_sync(0xffffffffu, last);
-#pragma unroll
-      for (int i = 0; i < kBlockM / 32; ++i) rows[i] = __ballot_sync(0xffffffffu, ids[i] == g);
+      std::int32_t g, last, ids[kBlockM / 32];
+      load_ids(p, row0, ids);
+      if (!group_rows(p, ids, g, last, rows)) continue;
       tile = GemmTile{g, n_unit * p.cluster + rank(p), row0, 0, p.rows, 0, last};
       set_k_range(tile, p, plan, t, v);
       return true;
@@ -452,12 +461,7 @@ class GemmScheduler {
   // stay balanced.
   // Tile t (the CTA's tiles come in increasing order: the segments are walked forward only).
   __device__ bool next_masked(GemmTile& tile, const GroupedGemmParams& p, std::int32_t t) {
-    while (g_ < p.groups && t >= seg_start_ + seg_tiles_) {
-      seg_start_ += seg_tiles_;
-      ++g_;
-      if (g_ < p.groups) load_segment(p);
-    }
-    if (g_ >= p.groups) return false;
+    if (!seek_segment(p, t)) return false;
     const std::int32_t r = t - seg_start_;
     // With split tiles a group's m-blocks go slowest (its n-units fastest): m-block fastest, a
     // group's full blocks and its cheaper split tail alternate, and with an even number of CTAs the
@@ -496,12 +500,7 @@ class GemmScheduler {
       const std::int32_t u = u_;
       u_ += p.unit_stride;
       const std::int32_t t = first + u / kPiecesPerTile, q = u % kPiecesPerTile;
-      while (g_ < p.groups && t >= seg_start_ + seg_tiles_) {
-        seg_start_ += seg_tiles_;
-        ++g_;
-        if (g_ < p.groups) load_segment(p);
-      }
-      if (g_ >= p.groups) return false;
+      if (!seek_segment(p, t)) return false;
       const std::int32_t r = t - seg_start_;
       const std::int32_t m_block = r % seg_m_blocks_, n_unit = r / seg_m_blocks_;
       const std::int32_t first_row = m_block * 128 + 64 * (q / 2);
@@ -514,9 +513,7 @@ class GemmScheduler {
                       seg_row0 + seg_count_,
                       g_,
                       min(64, seg_count_ - first_row)};
-      tile.kb_begin = 0;
-      tile.kb_count = p.k / kGemmBlockK;
-      tile.split = -1;
+      set_k_range(tile, p, plan, t, -1);  // (the whole of K)
       return true;
     }
     return false;
@@ -527,7 +524,6 @@ class GemmScheduler {
   // padding rows only is skipped.
   __device__ bool next_contiguous_piece(GemmTile& tile, const GroupedGemmParams& p,
                                         std::uint32_t (&rows)[kBlockM / 32], std::uint32_t plan) {
-    const int lane = static_cast<int>(threadIdx.x % 32);
     const std::int32_t units_end = ptx::ld_shared_s32(plan + kUnitsEnd);
     const std::int32_t first = ptx::ld_shared_s32(plan + kSplitFrom);
     while (u_ < units_end) {
@@ -538,30 +534,25 @@ class GemmScheduler {
       band_unit(t, p.parent_n_units, p.parent_band_units, p.parent_band_tiles, p.inv_parent_band_tiles,
                 p.inv_parent_band_units, p.inv_parent_last_width, m_block, n_unit);
       const std::int32_t row0 = m_block * 128 + 64 * (q / 2);
-      std::int32_t g = -1, ids[kBlockM / 32];
-#pragma unroll
-      for (int i = 0; i < kBlockM / 32; ++i) {
-        const std::int32_t row = row0 + i * 32 + lane;
-        ids[i] = row < p.rows ? __ldg(p.m_indices + row) : -1;
-        g = max(g, ids[i]);
-      }
-      g = __reduce_max_sync(0xffffffffu, g);
-      if (g < 0 || g >= p.groups) continue;  // padding only (or ids out of range)
-      std::int32_t last = 0;
-#pragma unroll
-      for (int i = 0; i < kBlockM / 32; ++i) {
-        if (ids[i] == g) last = i * 32 + lane + 1;
-      }
-      last = __reduce_max_sync(0xffffffffu, last);
-#pragma unroll
-      for (int i = 0; i < kBlockM / 32; ++i) rows[i] = __ballot_sync(0xffffffffu, ids[i] == g);
+      std::int32_t g, last, ids[kBlockM / 32];
+      load_ids(p, row0, ids);
+      if (!group_rows(p, ids, g, last, rows)) continue;
       tile = GemmTile{g, 2 * n_unit + q % 2, row0, 0, p.rows, 0, last};
-      tile.kb_begin = 0;
-      tile.kb_count = p.k / kGemmBlockK;
-      tile.split = -1;
+      set_k_range(tile, p, plan, t, -1);  // (the whole of K)
       return true;
     }
     return false;
+  }
+
+  // Masked: walks the segments forward to the group of tile t (t never below an earlier call's);
+  // false past the last group.
+  __device__ __forceinline__ bool seek_segment(const GroupedGemmParams& p, std::int32_t t) {
+    while (g_ < p.groups && t >= seg_start_ + seg_tiles_) {
+      seg_start_ += seg_tiles_;
+      ++g_;
+      if (g_ < p.groups) load_segment(p);
+    }
+    return g_ < p.groups;
   }
 
   // The segment of group g_: its rows, m-blocks and tiles (v22's follower: its parent's 128 x 256 ones).

@@ -695,6 +695,81 @@ TEST(GroupedGemmGpuMisc, MaskedReplaysInACudaGraph) {
   EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
+// A masked or contiguous problem on fresh random inputs (masked: scales MN-major, expected_m M_max / 2;
+// contiguous: token-major scales, groups padded to 128 rows, with `holes` and `trailing_blocks` as
+// contiguous_ids), its f64 reference and valid rows, its device operands and output, and its launch.
+struct GemmProblem {
+  bool masked;
+  std::int64_t m_max;  // masked only
+  HostTensor ref;
+  std::vector<bool> valid;
+  std::vector<cuda::DeviceTensor> operands;  // a, a scales, b, b scales, masked_m or m_indices
+  cuda::DeviceTensor d;
+
+  void launch(const cuda::GroupedGemmOptions& options, cudaStream_t stream) const {
+    const auto& o = operands;
+    if (masked) {
+      cuda::fp8_grouped_gemm_masked(o[0], o[1], ScaleLayout::mn_major_tma, o[2], o[3], o[4], m_max / 2, d,
+                                    stream, options);
+    } else {
+      cuda::fp8_grouped_gemm_contiguous(o[0], o[1], ScaleLayout::token_major, o[2], o[3], o[4], d, stream,
+                                        options);
+    }
+  }
+};
+
+GemmProblem gemm_problem(bool masked, const std::vector<std::int32_t>& rows, std::int64_t m_max,
+                         std::int64_t n, std::int64_t k, bool holes, std::int64_t trailing_blocks,
+                         std::mt19937_64& rng, cudaStream_t stream) {
+  const auto G = static_cast<std::int64_t>(rows.size());
+  GemmProblem problem{masked, m_max, {}, {}, {}, {}};
+  if (masked) {
+    const MaskedInputs in = masked_inputs(G, m_max, n, k, ScaleLayout::mn_major_tma, rows, rng);
+    problem.ref = HostTensor(DType::f64, {G, m_max, n});
+    grouped_gemm_masked_cpu(in.a, in.sa, in.w.b, in.w.b_scales, in.counts, problem.ref);
+    problem.valid = masked_valid(rows, m_max);
+    for (const TensorView& v :
+         {in.a.view(), in.sa_gpu(), in.w.b.view(), in.w.b_scales.view(), in.counts.view()})
+      problem.operands.push_back(cuda::to_device(v, stream));
+    problem.d = cuda::DeviceTensor(DType::bf16, {G, m_max, n});
+    return problem;
+  }
+  const std::vector<std::int32_t> ids = contiguous_ids(rows, holes, trailing_blocks);
+  const auto M = static_cast<std::int64_t>(ids.size());
+  HostTensor a(DType::fp8_e4m3, {M, k}), sa(DType::f32, {M, k / 128}), m_indices(DType::i32, {M});
+  fill_random_fp8(static_cast<std::uint8_t*>(a.view().data), a.numel(), rng);
+  fill_random_scales(sa.data<float>(), sa.numel(), rng);
+  std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
+  for (const std::int32_t id : ids) problem.valid.push_back(id >= 0);
+  const Weights w = random_weights(G, n, k, rng);
+  problem.ref = HostTensor(DType::f64, {M, n});
+  grouped_gemm_contiguous_cpu(a, sa, w.b, w.b_scales, m_indices, problem.ref);
+  for (const TensorView& v : {a.view(), sa.view(), w.b.view(), w.b_scales.view(), m_indices.view()})
+    problem.operands.push_back(cuda::to_device(v, stream));
+  problem.d = cuda::DeviceTensor(DType::bf16, {M, n});
+  return problem;
+}
+
+// `launch` captured in a CUDA graph, replayed twice into d (poisoned first): the same bits as `want`.
+void expect_graph_replays_give(const std::function<void()>& launch, const cuda::DeviceTensor& d,
+                               const HostTensor& want, cuda::Stream& stream) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  launch();
+  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    d.fill_bytes(0xff, stream);
+    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const HostTensor replayed = cuda::to_host(d, stream);
+    EXPECT_EQ(std::memcmp(want.view().data, replayed.view().data, want.nbytes()), 0)
+        << "replay " << replay << " differs";
+  }
+  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
 // ---------------------------------------------------------------- v21's split tail
 // The tiles past the grid's last whole round split along K (GroupedGemmOptions::split_tail): a grid of
 // max_ctas CTAs over a problem whose tiles leave a tail of fewer than half of them, so that the tail
@@ -725,7 +800,6 @@ TEST_P(GroupedGemmSplitTailGpu, MatchesTheReferenceDeterministicallyEagerAndInGr
   const std::uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  const auto G = static_cast<std::int64_t>(c.rows.size());
   const std::int64_t N = c.n, K = c.k, KB = K / 128;
   std::int64_t m_blocks = 0;
   for (const std::int32_t r : c.rows) m_blocks += (r + c.block_m - 1) / c.block_m;
@@ -748,53 +822,13 @@ TEST_P(GroupedGemmSplitTailGpu, MatchesTheReferenceDeterministicallyEagerAndInGr
   options.workspace_bytes = cuda::grouped_gemm_workspace_bytes();
   options.ablation = 256;  // the trace (output intact)
 
-  HostTensor ref;
-  std::vector<bool> valid;
-  std::function<void(const cuda::DeviceTensor&)> launch;
-  MaskedInputs masked;
-  HostTensor a, sa, m_indices;
-  std::vector<cuda::DeviceTensor> keep;  // the device operands
-  std::int64_t rows_total = 0;
-  if (c.masked) {
-    masked = masked_inputs(G, c.m_max, N, K, ScaleLayout::mn_major_tma, c.rows, rng);
-    ref = HostTensor(DType::f64, {G, c.m_max, N});
-    grouped_gemm_masked_cpu(masked.a, masked.sa, masked.w.b, masked.w.b_scales, masked.counts, ref);
-    valid = masked_valid(c.rows, c.m_max);
-    rows_total = G * c.m_max;
-    for (const TensorView& v : {masked.a.view(), masked.sa_gpu(), masked.w.b.view(), masked.w.b_scales.view(),
-                                masked.counts.view()})
-      keep.push_back(cuda::to_device(v, stream));
-    launch = [&](const cuda::DeviceTensor& d) {
-      cuda::fp8_grouped_gemm_masked(keep[0], keep[1], ScaleLayout::mn_major_tma, keep[2], keep[3], keep[4],
-                                    c.m_max / 2, d, stream, options);
-    };
-  } else {
-    const std::vector<std::int32_t> ids = contiguous_ids(c.rows, false, 0);
-    rows_total = static_cast<std::int64_t>(ids.size());
-    a = HostTensor(DType::fp8_e4m3, {rows_total, K});
-    sa = HostTensor(DType::f32, {rows_total, KB});
-    m_indices = HostTensor(DType::i32, {rows_total});
-    fill_random_fp8(static_cast<std::uint8_t*>(a.view().data), a.numel(), rng);
-    fill_random_scales(sa.data<float>(), sa.numel(), rng);
-    std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
-    for (const std::int32_t id : ids) valid.push_back(id >= 0);
-    const Weights w = random_weights(G, N, K, rng);
-    ref = HostTensor(DType::f64, {rows_total, N});
-    grouped_gemm_contiguous_cpu(a, sa, w.b, w.b_scales, m_indices, ref);
-    for (const TensorView& v : {a.view(), sa.view(), w.b.view(), w.b_scales.view(), m_indices.view()})
-      keep.push_back(cuda::to_device(v, stream));
-    launch = [&](const cuda::DeviceTensor& d) {
-      cuda::fp8_grouped_gemm_contiguous(keep[0], keep[1], ScaleLayout::token_major, keep[2], keep[3], keep[4],
-                                        d, stream, options);
-    };
-  }
-  const cuda::DeviceTensor dd = c.masked ? cuda::DeviceTensor(DType::bf16, {G, c.m_max, N})
-                                         : cuda::DeviceTensor(DType::bf16, {rows_total, N});
+  const GemmProblem problem = gemm_problem(c.masked, c.rows, c.m_max, N, K, false, 0, rng, stream);
+  const cuda::DeviceTensor& dd = problem.d;
   cuda::fp8_grouped_gemm_take_trace();  // zero it
   dd.fill_bytes(0xff, stream);
-  launch(dd);
+  problem.launch(options, stream);
   const HostTensor got = cuda::to_host(dd, stream);
-  check_output(got, ref, valid, N);
+  check_output(got, problem.ref, problem.valid, N);
   const cuda::Fp8GemmTrace t = cuda::fp8_grouped_gemm_take_trace();
   EXPECT_EQ(t.launches, 1u);
   EXPECT_EQ(t.k_blocks, static_cast<std::uint64_t>(tiles * KB));  // the chunks partition K
@@ -803,26 +837,12 @@ TEST_P(GroupedGemmSplitTailGpu, MatchesTheReferenceDeterministicallyEagerAndInGr
 
   for (int run = 0; run < 2; ++run) {
     dd.fill_bytes(0xff, stream);
-    launch(dd);
+    problem.launch(options, stream);
     const HostTensor again = cuda::to_host(dd, stream);
     EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0)
         << "eager run " << run << " differs";
   }
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  launch(dd);
-  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 2; ++replay) {
-    dd.fill_bytes(0xff, stream);
-    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    const HostTensor again = cuda::to_host(dd, stream);
-    EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0)
-        << "replay " << replay << " differs";
-  }
-  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  expect_graph_replays_give([&] { problem.launch(options, stream); }, dd, got, stream);
   cuda::fp8_grouped_gemm_take_trace();  // (the replays' sums)
 }
 
@@ -876,50 +896,11 @@ TEST_P(GroupedGemmTailPiecesGpu, MatchesTheReferenceAndTheWholeTilesBits) {
   const std::uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  const auto G = static_cast<std::int64_t>(c.rows.size());
   const std::int64_t N = c.n, K = c.k, KB = K / 128;
   cuda::Stream stream;
-  HostTensor ref, a, sa, m_indices;
-  MaskedInputs masked;
-  std::vector<bool> valid;
-  std::vector<cuda::DeviceTensor> keep;  // the device operands
-  cuda::DeviceTensor dd;
-  std::function<void(const cuda::GroupedGemmOptions&)> launch;
-  if (c.masked) {
-    masked = masked_inputs(G, c.m_max, N, K, ScaleLayout::mn_major_tma, c.rows, rng);
-    ref = HostTensor(DType::f64, {G, c.m_max, N});
-    grouped_gemm_masked_cpu(masked.a, masked.sa, masked.w.b, masked.w.b_scales, masked.counts, ref);
-    valid = masked_valid(c.rows, c.m_max);
-    for (const TensorView& v : {masked.a.view(), masked.sa_gpu(), masked.w.b.view(), masked.w.b_scales.view(),
-                                masked.counts.view()})
-      keep.push_back(cuda::to_device(v, stream));
-    dd = cuda::DeviceTensor(DType::bf16, {G, c.m_max, N});
-    launch = [&](const cuda::GroupedGemmOptions& o) {
-      cuda::fp8_grouped_gemm_masked(keep[0], keep[1], ScaleLayout::mn_major_tma, keep[2], keep[3], keep[4],
-                                    c.m_max / 2, dd, stream, o);
-    };
-  } else {
-    const std::vector<std::int32_t> ids = contiguous_ids(c.rows, true, c.m_max);
-    const auto M = static_cast<std::int64_t>(ids.size());
-    a = HostTensor(DType::fp8_e4m3, {M, K});
-    sa = HostTensor(DType::f32, {M, KB});
-    m_indices = HostTensor(DType::i32, {M});
-    fill_random_fp8(static_cast<std::uint8_t*>(a.view().data), a.numel(), rng);
-    fill_random_scales(sa.data<float>(), sa.numel(), rng);
-    std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
-    for (const std::int32_t id : ids) valid.push_back(id >= 0);
-    const Weights w = random_weights(G, N, K, rng);
-    ref = HostTensor(DType::f64, {M, N});
-    grouped_gemm_contiguous_cpu(a, sa, w.b, w.b_scales, m_indices, ref);
-    for (const TensorView& v : {a.view(), sa.view(), w.b.view(), w.b_scales.view(), m_indices.view()})
-      keep.push_back(cuda::to_device(v, stream));
-    dd = cuda::DeviceTensor(DType::bf16, {M, N});
-    launch = [&](const cuda::GroupedGemmOptions& o) {
-      cuda::fp8_grouped_gemm_contiguous(keep[0], keep[1], ScaleLayout::token_major, keep[2], keep[3], keep[4],
-                                        dd, stream, o);
-    };
-  }
-  const auto run = [&](int tail_pieces, int ablation) {
+  // (Contiguous: holes inside the groups, m_max all-padding blocks at the end.)
+  const GemmProblem problem = gemm_problem(c.masked, c.rows, c.m_max, N, K, true, c.m_max, rng, stream);
+  const auto options = [&](int tail_pieces, int ablation) {
     cuda::GroupedGemmOptions o;
     o.block_m = 128;
     o.block_n = 256;
@@ -927,13 +908,16 @@ TEST_P(GroupedGemmTailPiecesGpu, MatchesTheReferenceAndTheWholeTilesBits) {
     o.tail_pieces = tail_pieces;
     o.ablation = ablation;
     o.split_tiles = 0;
-    dd.fill_bytes(0xff, stream);
-    launch(o);
-    return cuda::to_host(dd, stream);
+    return o;
+  };
+  const auto run = [&](int tail_pieces, int ablation) {
+    problem.d.fill_bytes(0xff, stream);
+    problem.launch(options(tail_pieces, ablation), stream);
+    return cuda::to_host(problem.d, stream);
   };
   cuda::fp8_grouped_gemm_take_trace();  // zero it
   const HostTensor got = run(1, 256);
-  check_output(got, ref, valid, N);
+  check_output(got, problem.ref, problem.valid, N);
   const cuda::Fp8GemmTrace t = cuda::fp8_grouped_gemm_take_trace();
   EXPECT_EQ(t.k_blocks, static_cast<std::uint64_t>(c.computed * KB));
   EXPECT_EQ(t.consumer_tiles, static_cast<std::uint64_t>(c.computed));
@@ -943,28 +927,8 @@ TEST_P(GroupedGemmTailPiecesGpu, MatchesTheReferenceAndTheWholeTilesBits) {
       << "the pieces' bits differ from the whole tiles'";
   const HostTensor again = run(-1, 0);
   EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "a second run differs";
-
-  cuda::GroupedGemmOptions o;
-  o.block_m = 128;
-  o.block_n = 256;
-  o.max_ctas = c.max_ctas;
-  o.split_tiles = 0;
-  o.tail_pieces = 1;  // (the two launches captured: a programmatic edge between them)
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  launch(o);
-  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 2; ++replay) {
-    dd.fill_bytes(0xff, stream);
-    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    const HostTensor replayed = cuda::to_host(dd, stream);
-    EXPECT_EQ(std::memcmp(got.view().data, replayed.view().data, got.nbytes()), 0)
-        << "replay " << replay << " differs";
-  }
-  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  // (The two launches captured: a programmatic edge between them.)
+  expect_graph_replays_give([&] { problem.launch(options(1, 0), stream); }, problem.d, got, stream);
 }
 
 // N = 512: two 256-column n-units per m-block (masked: group-major, then n-unit, then m-block;
