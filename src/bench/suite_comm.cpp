@@ -227,17 +227,6 @@ void print_trace(const std::string& what, int origin = comm_detail::kTraceRouteS
   comm_detail::reset_trace();
 }
 
-cudaGraphExec_t capture(cudaStream_t stream, const std::function<void()>& enqueue) {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  enqueue();
-  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
-  return exec;
-}
-
 void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options,
                  std::vector<Result>& results) {
   const TimingOptions timing = timing_for(options);
@@ -429,22 +418,19 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       }
       d->dispatch({&view, 1}, out);
       d->combine({&eo, 1}, {&yv, 1});
-      const cudaGraphExec_t g_dispatch = capture(stream, [&] { d->dispatch({&view, 1}, out); });
-      const cudaGraphExec_t g_combine = capture(stream, [&] { d->combine({&eo, 1}, {&yv, 1}); });
-      auto replay = [](cudaGraphExec_t g) {
-        return [g](int, cudaStream_t s) { EPMOE_CUDA_CHECK(cudaGraphLaunch(g, s)); };
-      };
+      const cuda::Graph g_dispatch = cuda::Graph::capture(stream, [&] { d->dispatch({&view, 1}, out); });
+      const cuda::Graph g_combine = cuda::Graph::capture(stream, [&] { d->combine({&eo, 1}, {&yv, 1}); });
+      auto replay = [](const cuda::Graph& g) { return [&g](int, cudaStream_t s) { g.launch(s); }; };
       {
         // The floor under every graph-replayed row: a graph of one (nearly) empty kernel, timed the
         // same way ("comm.graph_floor", at every T: it should not move): graph launch, event pair and
         // the kernel boundary, which the dispatch's ~8 us after its last stamp includes (bench/NOTES.md,
         // LL v7).
-        const cudaGraphExec_t g_floor = capture(stream, [&] { gpu_sleep(stream, 0.001); });
+        const cuda::Graph g_floor = cuda::Graph::capture(stream, [&] { gpu_sleep(stream, 0.001); });
         const double us_floor = timed(comm, replay(g_floor), timing);
         emit(options, results,
              make_result("comm.graph_floor", params(transport, "low_latency", "graph_floor", T, comm, 1, 1),
                          us_floor, 0.0, 0.0, kNvlinkGBps));
-        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_floor));
       }
       comm_detail::reset_trace();
       const double us_d = timed(comm, replay(g_dispatch), timing);
@@ -458,8 +444,8 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       {
         // Without early counts (EPMOE_COMM_LL_EARLY_COUNTS=0, read at capture; the default has
         // them), the same graph-replayed call: "nvlink-ll-no-early".
-        const cudaGraphExec_t g_e = with_env({{"EPMOE_COMM_LL_EARLY_COUNTS", "0"}}, [&] {
-          return capture(stream, [&] { d->dispatch({&view, 1}, out); });
+        const cuda::Graph g_e = with_env({{"EPMOE_COMM_LL_EARLY_COUNTS", "0"}}, [&] {
+          return cuda::Graph::capture(stream, [&] { d->dispatch({&view, 1}, out); });
         });
         comm_detail::reset_trace();
         const double us_e = timed(comm, replay(g_e), timing);
@@ -470,15 +456,14 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                                 sms_of(comm_detail::send_blocks(T)),
                                 sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                          us_e, dispatch_bytes, 0.0, kNvlinkGBps));
-        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_e));
       }
       // The low-latency dispatch's own switches (read at capture), the same graph-replayed call:
       // "nvlink-ll-route-kernel" routes in a kernel before the dispatch launch
       // (EPMOE_COMM_LL_ROUTE_IN_LAUNCH=0); "-chunk8" / "-chunk64": tokens per arrival counter
       // (EPMOE_COMM_LL_ARRIVAL_CHUNK; default 1); "-v6": both as before (LL v6's dispatch).
       for (const SendVariant& v : low_latency_dispatch_variants()) {
-        const cudaGraphExec_t g_v = with_env(v.env, [&] {
-          return capture(stream, [&] { d->dispatch({&view, 1}, out); });
+        const cuda::Graph g_v = with_env(v.env, [&] {
+          return cuda::Graph::capture(stream, [&] { d->dispatch({&view, 1}, out); });
         });
         comm_detail::reset_trace();
         const double us_v = timed(comm, replay(g_v), timing);
@@ -489,14 +474,13 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                                 sms_of(comm_detail::send_blocks(T)),
                                 sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                          us_v, dispatch_bytes, 0.0, kNvlinkGBps));
-        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_v));
       }
       if (T == 128) {
         // The send-path variants in the same graph-replayed call (the last one's SMs differ).
         for (const SendVariant& v : send_variants()) {
           if (std::string_view(v.label).starts_with("ce")) continue;
-          const cudaGraphExec_t g_v = with_env(v.env, [&] {
-            return capture(stream, [&] { d->dispatch({&view, 1}, out); });
+          const cuda::Graph g_v = with_env(v.env, [&] {
+            return cuda::Graph::capture(stream, [&] { d->dispatch({&view, 1}, out); });
           });
           const double us_v = timed(comm, replay(g_v), timing);
           print_trace(std::string("nvlink-ll dispatch ") + v.label + ", T " + std::to_string(T));
@@ -507,7 +491,6 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                           sms_of(comm_detail::send_blocks(T)),
                           sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
                    us_v, dispatch_bytes, 0.0, kNvlinkGBps));
-          EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_v));
         }
       }
       const double us_c = timed(comm, replay(g_combine), timing);
@@ -526,8 +509,8 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       // The combine with S warps per token (EPMOE_COMM_COMBINE_SPLIT, read at capture), the same
       // graph-replayed call: "nvlink-ll-split<S>", sms = the reduce grid's SMs.
       for (const int split : combine_splits()) {
-        const cudaGraphExec_t g_s = with_env({{"EPMOE_COMM_COMBINE_SPLIT", std::to_string(split)}}, [&] {
-          return capture(stream, [&] { d->combine({&eo, 1}, {&yv, 1}); });
+        const cuda::Graph g_s = with_env({{"EPMOE_COMM_COMBINE_SPLIT", std::to_string(split)}}, [&] {
+          return cuda::Graph::capture(stream, [&] { d->combine({&eo, 1}, {&yv, 1}); });
         });
         const double us_s = timed(comm, replay(g_s), timing);
         print_trace("nvlink-ll combine split " + std::to_string(split) + ", T " + std::to_string(T),
@@ -539,7 +522,6 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
                          params("nvlink-ll-split" + std::to_string(split), "low_latency", "combine", T, comm,
                                 sms_reduce, sms_reduce),
                          us_s, combine_bytes, 0.0, kNvlinkGBps));
-        EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g_s));
       }
       // The send halves are not timed alone: the transport checks that halves alternate (a
       // graph of one half replayed on its own is refused), so they need events inside a full cycle.
@@ -547,7 +529,6 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       d->dispatch({&view, 1}, out);
       d->combine({&eo, 1}, {&yv, 1});
       comm.synchronize(CommPhase::none, "the last low-latency call");
-      for (cudaGraphExec_t g : {g_dispatch, g_combine}) EPMOE_CUDA_CHECK(cudaGraphExecDestroy(g));
     } else {
       auto d = make_nccl_p2p_dispatcher(ctx, comm.shared_from_this());
       d->dispatch({&view, 1}, out);

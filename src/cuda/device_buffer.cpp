@@ -128,6 +128,49 @@ float Event::elapsed_ms(const Event& start, const Event& end) {
   return ms;
 }
 
+// ---------------------------------------------------------------- Graph
+Graph Graph::capture(cudaStream_t stream, const std::function<void()>& enqueue) {
+  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    enqueue();
+  } catch (...) {
+    cudaGraph_t partial = nullptr;
+    (void)cudaStreamEndCapture(stream, &partial);
+    if (partial != nullptr) (void)cudaGraphDestroy(partial);
+    (void)cudaGetLastError();
+    throw;
+  }
+  cudaGraph_t graph = nullptr;
+  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  return instantiate(graph);
+}
+
+Graph Graph::instantiate(cudaGraph_t graph) {
+  Graph g;
+  const cudaError_t status = cudaGraphInstantiate(&g.exec_, graph, 0);
+  (void)cudaGraphDestroy(graph);  // (the instantiated graph does not need it)
+  EPMOE_CUDA_CHECK(status);
+  return g;
+}
+
+Graph::~Graph() {
+  if (exec_ != nullptr) (void)cudaGraphExecDestroy(exec_);
+}
+
+Graph::Graph(Graph&& other) noexcept : exec_(std::exchange(other.exec_, nullptr)) {}
+
+Graph& Graph::operator=(Graph&& other) noexcept {
+  if (this != &other) {
+    if (exec_ != nullptr) (void)cudaGraphExecDestroy(exec_);
+    exec_ = std::exchange(other.exec_, nullptr);
+  }
+  return *this;
+}
+
+void Graph::launch(cudaStream_t stream) const {
+  EPMOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream));
+}
+
 // ---------------------------------------------------------------- copies
 void copy(TensorView dst, TensorView src, cudaStream_t stream) {
   EPMOE_CHECK(dst.dtype == src.dtype, "copy: dst {} and src {} differ in dtype", dst.describe(),

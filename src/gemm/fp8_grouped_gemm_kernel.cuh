@@ -357,6 +357,18 @@ class GemmScheduler {
     return true;
   }
 
+  // v22's follower: this CTA's next work unit, the parent's tail tile t (from the plan's kSplitFrom) and
+  // its piece q (take()'s counterpart; the plan's kUnitsEnd counts pieces).
+  __device__ __forceinline__ bool take_piece(const GroupedGemmParams& p, std::uint32_t plan, std::int32_t& t,
+                                             std::int32_t& q) {
+    if (u_ >= ptx::ld_shared_s32(plan + kUnitsEnd)) return false;
+    const std::int32_t u = u_;
+    u_ += p.unit_stride;
+    t = ptx::ld_shared_s32(plan + kSplitFrom) + u / kPiecesPerTile;
+    q = u % kPiecesPerTile;
+    return true;
+  }
+
   // The K blocks of unit (t, v) (take()): all, or chunk v % chunks_'s share of whole quanta.
   __device__ __forceinline__ void set_k_range(GemmTile& tile, const GroupedGemmParams& p, std::uint32_t plan,
                                               std::int32_t t, std::int32_t v) const {
@@ -494,12 +506,8 @@ class GemmScheduler {
   // as its masked schedule does (group-major, then n-block, then m-block); pieces of no valid rows are
   // skipped.
   __device__ bool next_piece(GemmTile& tile, const GroupedGemmParams& p, std::uint32_t plan) {
-    const std::int32_t units_end = ptx::ld_shared_s32(plan + kUnitsEnd);
-    const std::int32_t first = ptx::ld_shared_s32(plan + kSplitFrom);
-    while (u_ < units_end) {
-      const std::int32_t u = u_;
-      u_ += p.unit_stride;
-      const std::int32_t t = first + u / kPiecesPerTile, q = u % kPiecesPerTile;
+    std::int32_t t, q;
+    while (take_piece(p, plan, t, q)) {
       if (!seek_segment(p, t)) return false;
       const std::int32_t r = t - seg_start_;
       const std::int32_t m_block = r % seg_m_blocks_, n_unit = r / seg_m_blocks_;
@@ -524,12 +532,8 @@ class GemmScheduler {
   // padding rows only is skipped.
   __device__ bool next_contiguous_piece(GemmTile& tile, const GroupedGemmParams& p,
                                         std::uint32_t (&rows)[kBlockM / 32], std::uint32_t plan) {
-    const std::int32_t units_end = ptx::ld_shared_s32(plan + kUnitsEnd);
-    const std::int32_t first = ptx::ld_shared_s32(plan + kSplitFrom);
-    while (u_ < units_end) {
-      const std::int32_t u = u_;
-      u_ += p.unit_stride;
-      const std::int32_t t = first + u / kPiecesPerTile, q = u % kPiecesPerTile;
+    std::int32_t t, q;
+    while (take_piece(p, plan, t, q)) {
       std::int32_t m_block, n_unit;
       band_unit(t, p.parent_n_units, p.parent_band_units, p.parent_band_tiles, p.inv_parent_band_tiles,
                 p.inv_parent_band_units, p.inv_parent_last_width, m_block, n_unit);

@@ -28,25 +28,6 @@ TensorView rows_of(const DeviceTensor& t, std::int64_t rows) {
   return t.view().slice_rows(0, rows);
 }
 
-class GraphExec {
- public:
-  GraphExec() = default;
-  explicit GraphExec(cudaGraph_t graph) : graph_(graph) {
-    EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
-  }
-  ~GraphExec() {
-    if (exec_) cudaGraphExecDestroy(exec_);
-    if (graph_) cudaGraphDestroy(graph_);
-  }
-  GraphExec(const GraphExec&) = delete;
-  GraphExec& operator=(const GraphExec&) = delete;
-  void launch(cudaStream_t stream) const { EPMOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
-
- private:
-  cudaGraph_t graph_ = nullptr;
-  cudaGraphExec_t exec_ = nullptr;
-};
-
 enum EventId { kStart, kRouted, kDispatched, kComputed, kCombined, kNumEvents };
 
 }  // namespace
@@ -118,7 +99,7 @@ struct GpuMoeLayer::Impl {
 
   // Graphs.
   DeviceTensor x_static, y_static;
-  std::map<std::int64_t, std::unique_ptr<GraphExec>> graphs;
+  std::map<std::int64_t, Graph> graphs;
   bool capturing = false;
 
   Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions options, std::shared_ptr<Communicator> cm);
@@ -822,7 +803,7 @@ void GpuMoeLayer::capture_graphs(std::span<const std::int64_t> batch_sizes) {
     }
     EPMOE_CUDA_CHECK(cudaStreamEndCapture(m.s0, &graph));
     m.capturing = false;
-    m.graphs.emplace(T, std::make_unique<GraphExec>(graph));
+    m.graphs.emplace(T, Graph::instantiate(graph));
   }
 }
 
@@ -833,7 +814,7 @@ void GpuMoeLayer::forward_graph(TensorView x, TensorView y) {
   capture_graphs(sizes);
   // Kernel copies, not cudaMemcpyAsync (layer_detail::copy_bf16 says why).
   if (x.data != m.x_static.view().data) layer_detail::copy_bf16(x, m.x_static.view().slice_rows(0, T), m.s0);
-  m.graphs.at(T)->launch(m.s0);
+  m.graphs.at(T).launch(m.s0);
   ++m.forwards_since_reset;
   m.last_T = T;
   if (y.data != m.y_static.view().data) layer_detail::copy_bf16(m.y_static.view().slice_rows(0, T), y, m.s0);

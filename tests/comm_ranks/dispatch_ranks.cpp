@@ -665,18 +665,14 @@ TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
     const cuda::DeviceTensor y_dev(DType::bf16, {tokens[static_cast<std::size_t>(me)], c.hidden});
 
     DispatchOutput out;
-    cudaGraph_t g_dispatch = nullptr, g_combine = nullptr;
-    cudaGraphExec_t e_dispatch = nullptr, e_combine = nullptr;
-    EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
-    d->dispatch_send(dev.view());
-    d->dispatch_recv(out);
-    EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &g_dispatch));
-    EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
-    d->combine_send(out_dev.view());
-    d->combine_recv(y_dev.view());
-    EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &g_combine));
-    EPMOE_CUDA_CHECK(cudaGraphInstantiate(&e_dispatch, g_dispatch, 0));
-    EPMOE_CUDA_CHECK(cudaGraphInstantiate(&e_combine, g_combine, 0));
+    const cuda::Graph g_dispatch = cuda::Graph::capture(stream(), [&] {
+      d->dispatch_send(dev.view());
+      d->dispatch_recv(out);
+    });
+    const cuda::Graph g_combine = cuda::Graph::capture(stream(), [&] {
+      d->combine_send(out_dev.view());
+      d->combine_recv(y_dev.view());
+    });
 
     for (int replay = 0; replay < 4; ++replay) {
       SCOPED_TRACE(fmt::format("replay {}", replay));
@@ -686,24 +682,20 @@ TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
       Simulated simulated = simulate(c, Mode::low_latency, ActivationFormat::fp8_group, in);
       const std::vector<DispatchOutput>& want = simulated.want;
 
-      EPMOE_CUDA_CHECK(cudaGraphLaunch(e_dispatch, stream()));
+      g_dispatch.launch(stream());
       const HostOutput host = download(out, stream());
       expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "graph dispatch");
       const std::vector<HostTensor> ys = simulate_combine(simulated, c, tokens);
       const HostTensor mine = fake_expert_out(host.view, c);
       cuda::copy(out_dev.view(), mine, stream());
       y_dev.fill_bytes(0xff, stream());
-      EPMOE_CUDA_CHECK(cudaGraphLaunch(e_combine, stream()));
+      g_combine.launch(stream());
       world().synchronize(CommPhase::none, "the combine graph");
       const HostTensor y = cuda::to_host(y_dev.view(), stream());
       const Diff diff = compare_bf16(y, ys[static_cast<std::size_t>(me)]);
       EXPECT_EQ(diff.non_finite, 0);
       EXPECT_LE(diff.rel_l2, 1e-2);
     }
-    EPMOE_CUDA_CHECK(cudaGraphExecDestroy(e_dispatch));
-    EPMOE_CUDA_CHECK(cudaGraphExecDestroy(e_combine));
-    EPMOE_CUDA_CHECK(cudaGraphDestroy(g_dispatch));
-    EPMOE_CUDA_CHECK(cudaGraphDestroy(g_combine));
   });
 }
 
@@ -759,24 +751,17 @@ TEST(CommNvlinkCombineSplit, SameBitsAsOneWarpPerTokenEagerAndGraphed) {
               << what << ": split " << split << " differs from one warp per token";
         }
         if (mode == Mode::low_latency) {
-          cudaGraph_t graph = nullptr;
-          cudaGraphExec_t exec = nullptr;
-          {
+          const cuda::Graph graph = [&] {
             const ScopedEnv env("EPMOE_COMM_COMBINE_SPLIT", "14");
-            EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
-            d->combine({&eo, 1}, {&yv, 1});
-            EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
-          }
-          EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            return cuda::Graph::capture(stream(), [&] { d->combine({&eo, 1}, {&yv, 1}); });
+          }();
           for (int replay = 0; replay < 3; ++replay) {
             y_dev.fill_bytes(0xff, stream());
-            EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream()));
+            graph.launch(stream());
             world().synchronize(CommPhase::none, "the combine graph");
             EXPECT_EQ(same_bits(cuda::to_host(y_dev, stream()), want), 0)
                 << what << ": graph replay " << replay;
           }
-          EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-          EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
         }
         world().barrier();  // every rank is done before the dispatcher (its window) goes
       }
@@ -873,22 +858,17 @@ TEST(CommNvlinkEarlyCounts, SameBitsAsTheDefaultEagerAndGraphed) {
         }
         if (mode == Mode::low_latency) {
           std::vector<DispatchOutput> out(1);
-          cudaGraph_t graph = nullptr;
-          cudaGraphExec_t exec = nullptr;
-          {
+          const cuda::Graph graph = [&] {
             const ScopedEnv env("EPMOE_COMM_LL_EARLY_COUNTS", "1");
             const DispatchInput view = dev.view();
-            EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
-            d->dispatch({&view, 1}, out);
-            EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
-          }
-          EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            return cuda::Graph::capture(stream(), [&] { d->dispatch({&view, 1}, out); });
+          }();
           for (int replay = 0; replay < 3; ++replay) {
             SCOPED_TRACE(fmt::format("graph replay {}", replay));
             const auto next = make_inputs(c, k.format, tokens, 60u + static_cast<unsigned>(replay),
                                           replay == 1 ? Routing::same_experts : k.routing);
             copy_into(dev, next[static_cast<std::size_t>(me)], stream());
-            EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream()));
+            graph.launch(stream());
             const HostOutput graphed = download(out[0], stream());
             const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(graphed.view, c), stream());
             const TensorView eo = eo_dev.view();
@@ -900,8 +880,6 @@ TEST(CommNvlinkEarlyCounts, SameBitsAsTheDefaultEagerAndGraphed) {
             expect_same_dispatch(graphed.view, want.first.view, what + ": graphed early vs default dispatch");
             EXPECT_EQ(bits_differ(y_graphed, want.second), 0) << what << ": graphed early vs default combine";
           }
-          EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-          EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
         }
         world().barrier();  // every rank is done before the dispatcher (its window) goes
       }

@@ -673,26 +673,21 @@ TEST(GroupedGemmGpuMisc, MaskedReplaysInACudaGraph) {
   cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts, 32, dd, stream);
   stream.synchronize();
 
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts, 32, dd, stream);
-  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const cuda::Graph graph = cuda::Graph::capture(stream, [&] {
+    cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts, 32, dd, stream);
+  });
 
   for (const auto* counts : {&first, &second}) {
     HostTensor hc(DType::i32, {G});
     std::memcpy(hc.data<std::int32_t>(), counts->data(), static_cast<std::size_t>(G) * sizeof(std::int32_t));
     cuda::copy_to_device(dcounts, hc, stream);
     dd.fill_bytes(0xff, stream);
-    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch(stream);
     const HostTensor got = cuda::to_host(dd, stream);
     HostTensor ref(DType::f64, {G, M_max, N});
     grouped_gemm_masked_cpu(in.a, in.sa, in.w.b, in.w.b_scales, hc, ref);
     check_output(got, ref, masked_valid(*counts, M_max), N);
   }
-  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
 // A masked or contiguous problem on fresh random inputs (masked: scales MN-major, expected_m M_max / 2;
@@ -753,21 +748,14 @@ GemmProblem gemm_problem(bool masked, const std::vector<std::int32_t>& rows, std
 // `launch` captured in a CUDA graph, replayed twice into d (poisoned first): the same bits as `want`.
 void expect_graph_replays_give(const std::function<void()>& launch, const cuda::DeviceTensor& d,
                                const HostTensor& want, cuda::Stream& stream) {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  launch();
-  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const cuda::Graph graph = cuda::Graph::capture(stream, launch);
   for (int replay = 0; replay < 2; ++replay) {
     d.fill_bytes(0xff, stream);
-    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch(stream);
     const HostTensor replayed = cuda::to_host(d, stream);
     EXPECT_EQ(std::memcmp(want.view().data, replayed.view().data, want.nbytes()), 0)
         << "replay " << replay << " differs";
   }
-  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
 // ---------------------------------------------------------------- v21's split tail

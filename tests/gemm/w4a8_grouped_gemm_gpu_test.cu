@@ -786,25 +786,20 @@ void masked_graph_replay(bool row_sums) {
   cuda::w4a8_grouped_gemm_masked(da, a_scale, {}, dw.w, dw.s, dcounts, 8, dd, stream, options);
   stream.synchronize();
 
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cuda::w4a8_grouped_gemm_masked(da, a_scale, {}, dw.w, dw.s, dcounts, 8, dd, stream, options);
-  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const cuda::Graph graph = cuda::Graph::capture(stream, [&] {
+    cuda::w4a8_grouped_gemm_masked(da, a_scale, {}, dw.w, dw.s, dcounts, 8, dd, stream, options);
+  });
   for (const auto* counts : {&first, &second}) {
     HostTensor hc(DType::i32, {G});
     std::memcpy(hc.data<std::int32_t>(), counts->data(), static_cast<std::size_t>(G) * sizeof(std::int32_t));
     cuda::copy_to_device(dcounts, hc, stream);
     dd.fill_bytes(0xff, stream);
-    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch(stream);
     const HostTensor got = cuda::to_host(dd, stream);
     HostTensor ref(DType::f64, {G, M_max, N});
     w4a8_grouped_gemm_masked_cpu(in.a, a_scale, in.w.w, in.w.s, hc, ref);
     check_output(got, ref, masked_valid(*counts, M_max), N);
   }
-  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
 // The row-sum pre-pass's output, read back from options.workspace after a call, against a CPU mirror
@@ -949,19 +944,14 @@ TEST_P(W4A8GemmDynamicTilesGpu, MatchTheStaticScheduleEagerAndInGraphs) {
   };
   for (int i = 0; i < 3; ++i) expect_same(run_eager(true), "eager call " + std::to_string(i));
 
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  EPMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  call(true);
-  EPMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) {
-    dd.fill_bytes(0xff, stream);
-    EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    expect_same(cuda::to_host(dd, stream), "graph replay " + std::to_string(i));
+  {
+    const cuda::Graph graph = cuda::Graph::capture(stream, [&] { call(true); });
+    for (int i = 0; i < 3; ++i) {
+      dd.fill_bytes(0xff, stream);
+      graph.launch(stream);
+      expect_same(cuda::to_host(dd, stream), "graph replay " + std::to_string(i));
+    }
   }
-  EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
   expect_same(run_eager(true), "the eager call after the graph");
   workspace.fill_bytes(0xa5, stream);
   expect_same(run_eager(true), "the call on a workspace of garbage");

@@ -1,4 +1,4 @@
-// RAII device memory, streams and events, and host <-> device copies of tensors.
+// RAII device memory, streams, events and graphs, and host <-> device copies of tensors.
 //
 // Everything here allocates only where it says so (constructors, to_host/to_device); the copy
 // helpers and views never allocate, so they are safe on hot paths. Every CUDA call is checked
@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <span>
 
@@ -128,6 +129,29 @@ class Event {
 
  private:
   cudaEvent_t event_ = nullptr;
+};
+
+// ---------------------------------------------------------------- Graph
+// An owning, move-only instantiated CUDA graph. capture() records what `enqueue` puts on `stream`
+// (thread-local capture mode; if enqueue throws, the capture is ended and discarded and the error
+// passes on) and instantiates it; instantiate() takes a graph captured by the caller (destroyed here
+// once instantiated). launch() replays it on a stream.
+class Graph {
+ public:
+  Graph() = default;
+  static Graph capture(cudaStream_t stream, const std::function<void()>& enqueue);
+  static Graph instantiate(cudaGraph_t graph);
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  Graph(Graph&& other) noexcept;
+  Graph& operator=(Graph&& other) noexcept;
+
+  cudaGraphExec_t get() const { return exec_; }
+  void launch(cudaStream_t stream) const;
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
 };
 
 // ---------------------------------------------------------------- copies
