@@ -565,6 +565,9 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       variants.back().options.block_n = 128;
     }
   }
+  // The swapped-operand kernel (options.swap_ab), beside the row-major one.
+  variants.push_back({".swap", {}});
+  variants.back().options.swap_ab = 1;
   if (experiment) {
     for (Variant& v : experiments(true)) variants.push_back(std::move(v));
   }
@@ -583,7 +586,9 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
              {"k", K},
              {"valid_m", valid},
              {"block_m", static_cast<std::int64_t>(tile.block_m)},
-             {"block_n", static_cast<std::int64_t>(tile.block_n)}};
+             {"block_n", static_cast<std::int64_t>(tile.block_n)},
+             {"swap_ab", std::int64_t{v.options.swap_ab == 1 || (v.options.swap_ab == -1 &&
+                                                                 cuda::grouped_gemm_swap_ab(s.expected_m))}}};
     add_place(p, l);
     time_line(options, results, "gemm.masked" + v.suffix, p, bytes, flops, s, stream, decode_copy,
               [&](cudaStream_t st) {

@@ -17,6 +17,7 @@
 #include "cuda/pdl_launch.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "gemm/fp8_grouped_gemm_kernel.cuh"
+#include "gemm/fp8_masked_swap_kernel.cuh"
 #include "gemm/gemm_host.hpp"
 
 namespace epmoe::cuda {
@@ -122,6 +123,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
               "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
   EPMOE_CHECK(options.cluster >= 0 && options.cluster <= 2,
               "options.cluster must be 0 (automatic), 1 or 2, got {}", options.cluster);
+  EPMOE_CHECK(options.swap_ab >= -1 && options.swap_ab <= 1,
+              "options.swap_ab must be -1 (automatic), 0 or 1, got {}", options.swap_ab);
   EPMOE_CHECK(options.tail_pieces >= -1 && options.tail_pieces <= 1,
               "options.tail_pieces must be -1 (automatic), 0 or 1, got {}", options.tail_pieces);
   EPMOE_CHECK(options.split_tail >= -1 && options.split_tail <= 1,
@@ -461,6 +464,82 @@ void launch(GemmTileShape tile, const TensorView& a, const TensorView& b, const 
   }
 }
 
+// The swapped-operand kernel's schedule segments, at most: (group, 256-row chunk) pairs.
+std::int64_t swap_segments(std::int64_t groups, std::int64_t m_max) {
+  return groups * ((m_max + kernels::kSwapChunk - 1) / kernels::kSwapChunk);
+}
+
+// The swapped-operand masked kernel (GroupedGemmOptions::swap_ab): one launch, its tiles its own.
+void launch_swapped(const TensorView& a, const TensorView& b, const Problem& problem,
+                    const GroupedGemmOptions& options, cudaStream_t stream) {
+  using Traits = kernels::SwapGemmTraits;
+  constexpr auto kernel = &kernels::fp8_masked_swap_kernel;
+  gemm_host::allow_dynamic_smem<kernel, Traits::kSmemBytes>();
+  EPMOE_CHECK(options.stages >= 0 && options.stages <= Traits::kStages,
+              "options.stages must be 0 (all) or 1..{} with swap_ab, got {}", Traits::kStages,
+              options.stages);
+  const GroupedGemmParams& gp = problem.params;
+  kernels::SwapGemmParams p{};
+  p.sa = gp.sa;
+  p.sa_group_stride = gp.sa_group_stride;
+  p.sa_row_stride = gp.sa_row_stride;
+  p.sa_kb_stride = gp.sa_kb_stride;
+  p.sb = gp.sb;
+  p.masked_m = gp.masked_m;
+  p.d = gp.d;
+  p.m_max = gp.rows;
+  p.n = gp.n;
+  p.k = gp.k;
+  p.groups = gp.groups;
+  p.stages = options.stages > 0 ? options.stages : Traits::kStages;
+  // EPMOE_GEMM_SWAP_ORDER=0: the tiles in group order, dealt round-robin (experiments); else by cost.
+  static const int order_env = env_switch("EPMOE_GEMM_SWAP_ORDER");
+  p.balanced = order_env == 0 ? 0 : 1;
+  // (Token rows are addressed up to a chunk past the last group's: TMA fills rows past the end with zeros.)
+  EPMOE_CHECK(problem.a_rows + kernels::kSwapTokenRows <= kInt32Max,
+              "a has too many rows ({}) for one launch", problem.a_rows);
+  constexpr CUtensorMapL2promotion kPromotions[] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                    CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B};
+  const CUtensorMapL2promotion promotion = kPromotions[options.l2_promotion];
+  const CUtensorMap tma_tokens =
+      make_tma_2d(a.data, problem.a_rows, p.k, kernels::kSwapTokenBox, "a (token box)", promotion);
+  const CUtensorMap tma_weights = make_tma_2d(b.data, static_cast<std::int64_t>(p.groups) * p.n, p.k,
+                                              kernels::kSwapWeightRows, "b", promotion);
+  const std::int64_t max_segments = swap_segments(p.groups, p.m_max);
+  EPMOE_CHECK(max_segments <= kernels::kSwapSegmentsMax,
+              "options.swap_ab = 1 takes at most {} (group, 256-row chunk) pairs, got G = {} x ceil(M_max = "
+              "{} / 256)",
+              kernels::kSwapSegmentsMax, p.groups, p.m_max);
+  const std::int64_t max_tiles = max_segments * (p.n / kernels::kSwapWeightRows);
+  EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
+  std::int64_t ctas = device_props().sm_count;
+  if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
+  ctas = std::clamp<std::int64_t>(ctas, 1, std::max<std::int64_t>(max_tiles, 1));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(Traits::kThreads);
+  config.dynamicSmemBytes = Traits::kSmemBytes;
+  config.stream = stream;
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tma_tokens, tma_weights, p));
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+// Whether a masked call runs swapped (GroupedGemmOptions::swap_ab), after check_tile.
+bool swapped(const GroupedGemmOptions& options, std::int64_t expected_m, std::int64_t groups,
+             std::int64_t m_max) {
+  const bool own_tile = options.block_m == 0 && options.block_n == 0 && options.cluster != 2 &&
+                        !options.pingpong && !options.consumer_skew;
+  EPMOE_CHECK(
+      options.swap_ab != 1 || own_tile,
+      "options.swap_ab = 1 picks its own tiles: block_m and block_n must be 0, cluster not 2, pingpong "
+      "and consumer_skew off");
+  static const int swap_env = env_switch("EPMOE_GEMM_SWAP_AB");
+  if (options.swap_ab != -1) return options.swap_ab == 1;
+  return own_tile && swap_segments(groups, m_max) <= kernels::kSwapSegmentsMax &&
+         with_env(swap_env, grouped_gemm_swap_ab(expected_m));
+}
+
 }  // namespace
 
 Fp8GemmTrace fp8_grouped_gemm_take_trace() {
@@ -512,6 +591,12 @@ bool grouped_gemm_tile_store(bool masked, std::int64_t m, std::int64_t groups, s
   return k <= kMaxK || (!masked && groups > 0 && m >= kMinRowsPerGroup * groups);
 }
 
+bool grouped_gemm_swap_ab(std::int64_t /*expected_m*/) {
+  // Measured (bench/NOTES.md, session 41): 5-12% slower than the row-major kernel on every masked anchor
+  // row, decode and 32 x 32 included: off until it is faster somewhere.
+  return false;
+}
+
 GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n) {
   if (masked && expected_m <= 64) return {64, 128};
   return {128, n % 256 == 0 ? 256 : 128};
@@ -531,6 +616,7 @@ void fp8_grouped_gemm_contiguous(TensorView a, TensorView a_scales, ScaleLayout 
   expect_device_tensor(d, DType::bf16, "d", 16);
   expect_shape(d, {M, w.n}, "d");
   const GemmTileShape tile = check_tile(options, false, 0, w.n);
+  EPMOE_CHECK(options.swap_ab != 1, "options.swap_ab = 1 applies to the masked layout only");
   EPMOE_CHECK(M + 128 <= kInt32Max, "a {} has too many rows for one launch", a.describe());
   if (M == 0) return;
   check_device();
@@ -570,6 +656,7 @@ void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_sc
   expect_shape(d, {w.groups, M_max, w.n}, "d");
   EPMOE_CHECK(expected_m >= 0, "expected_m must be >= 0, got {}", expected_m);
   const GemmTileShape tile = check_tile(options, true, expected_m, w.n);
+  const bool swap = swapped(options, expected_m, w.groups, M_max);
   EPMOE_CHECK(w.groups * (M_max + 128) <= kInt32Max, "a {} has too many rows for one launch", a.describe());
   if (M_max == 0) return;
   check_device();
@@ -591,6 +678,10 @@ void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_sc
   problem.a_rows = w.groups * M_max;
   problem.tile_rows = M_max;
   problem.groups_in_schedule = w.groups;
+  if (swap) {
+    launch_swapped(a, b, problem, options, stream);
+    return;
+  }
   launch(tile, a, b, problem, options, stream);
 }
 

@@ -430,7 +430,16 @@ struct MaskedCase {
   int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic (never in this layout)
   int borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;   // -1: automatic (off at K <= 2048 here)
   int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (grouped_gemm_tile_store)
+  int swap_ab = cuda::GroupedGemmOptions{}.swap_ab;          // -1: automatic (grouped_gemm_swap_ab)
 };
+
+// The swapped-operand kernel (options.swap_ab = 1) on `masked_m`.
+MaskedCase masked_swap_case(std::string name, std::int64_t m_max, std::vector<std::int32_t> masked_m,
+                            std::int64_t n, std::int64_t k, ScaleLayout layout) {
+  MaskedCase c{std::move(name), m_max, std::move(masked_m), n, k, layout};
+  c.swap_ab = 1;
+  return c;
+}
 
 void PrintTo(const MaskedCase& c, std::ostream* os) {
   *os << c.name;
@@ -514,6 +523,7 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.split_tiles = c.split_tiles;
   options.borrow_epilogue = c.borrow;
   options.tile_store = c.tile_store;
+  options.swap_ab = c.swap_ab;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
@@ -549,6 +559,21 @@ INSTANTIATE_TEST_SUITE_P(
         // partial warp, an empty group; stores per wave and per warp.
         masked_borrow_case("N4096_K2048_mmax144_borrow_tile_store", 144, {144, 0, 130, 16, 129, 128}, 1),
         masked_borrow_case("N4096_K2048_mmax144_borrow_no_tile_store", 144, {144, 0, 130, 16, 129, 128}, 0),
+        // Swapped operands: every wave shape (1-176 tokens: one wave of 16 .. 176; 177-240: two of
+        // 96 .. 120; 241-256: three of 88), chunks of 256 tokens past it (257, 300: a second chunk of 1
+        // and 44), empty groups; N = 384 (3 weight blocks) and K = 640 (5 K blocks: the 4 stages wrap
+        // inside a tile).
+        masked_swap_case("N384_K640_swap_every_wave_shape", 300,
+                         {1,   16,  17,  40,  64,  65,  90,  100, 128, 129, 160, 176, 177,
+                          192, 200, 224, 225, 236, 240, 241, 256, 257, 300, 0,   299},
+                         384, 640, ScaleLayout::mn_major_tma),
+        // DeepSeek-V3's down shape (N = 7168 in 56 weight blocks, K = 2048), token-major scales.
+        masked_swap_case("N7168_K2048_swap_token_major", 200, {200, 0, 77, 150, 9}, 7168, 2048,
+                         ScaleLayout::token_major),
+        // K = 7168, N = 1536 (not a power of two), M_max = 40 (every chunk's token boxes past the last
+        // group's rows: TMA fills them with zeros).
+        masked_swap_case("N1536_K7168_swap_mmax40", 40, {40, 33, 0, 1}, 1536, 7168,
+                         ScaleLayout::mn_major_tma),
         // M_max not a multiple of the tile; an empty group and a single-row group.
         MaskedCase{"N4096_K2048_mmax200", 200, {0, 1, 200, 77}, 4096, 2048, ScaleLayout::token_major},
         MaskedCase{"N4096_K2048_mmax200_block64_mn_major_full_a_box",
@@ -667,27 +692,77 @@ TEST(GroupedGemmGpuMisc, MaskedReplaysInACudaGraph) {
   const cuda::DeviceTensor da = cuda::to_device(in.a, stream), dsa = cuda::to_device(in.sa_gpu(), stream),
                            db = cuda::to_device(in.w.b, stream), dsb = cuda::to_device(in.w.b_scales, stream);
   const cuda::DeviceTensor dcounts(DType::i32, {G}), dd(DType::bf16, {G, M_max, N});
-  // One plain run first: one-time host work (driver entry point, shared-memory attribute) stays
-  // out of the capture.
-  dcounts.fill_bytes(0x00, stream);
-  cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts, 32, dd, stream);
-  stream.synchronize();
+  // Both kernels: the row-major one and the swapped-operand one.
+  for (const int swap_ab : {0, 1}) {
+    SCOPED_TRACE("swap_ab " + std::to_string(swap_ab));
+    cuda::GroupedGemmOptions options;
+    options.swap_ab = swap_ab;
+    // One plain run first: one-time host work (driver entry point, shared-memory attribute) stays
+    // out of the capture.
+    dcounts.fill_bytes(0x00, stream);
+    cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts, 32, dd, stream,
+                                  options);
+    stream.synchronize();
 
-  const cuda::Graph graph = cuda::Graph::capture(stream, [&] {
-    cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts, 32, dd, stream);
-  });
+    const cuda::Graph graph = cuda::Graph::capture(stream, [&] {
+      cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts, 32, dd, stream,
+                                    options);
+    });
 
-  for (const auto* counts : {&first, &second}) {
-    HostTensor hc(DType::i32, {G});
-    std::memcpy(hc.data<std::int32_t>(), counts->data(), static_cast<std::size_t>(G) * sizeof(std::int32_t));
-    cuda::copy_to_device(dcounts, hc, stream);
-    dd.fill_bytes(0xff, stream);
-    graph.launch(stream);
-    const HostTensor got = cuda::to_host(dd, stream);
-    HostTensor ref(DType::f64, {G, M_max, N});
-    grouped_gemm_masked_cpu(in.a, in.sa, in.w.b, in.w.b_scales, hc, ref);
-    check_output(got, ref, masked_valid(*counts, M_max), N);
+    for (const auto* counts : {&first, &second}) {
+      HostTensor hc(DType::i32, {G});
+      std::memcpy(hc.data<std::int32_t>(), counts->data(),
+                  static_cast<std::size_t>(G) * sizeof(std::int32_t));
+      cuda::copy_to_device(dcounts, hc, stream);
+      dd.fill_bytes(0xff, stream);
+      graph.launch(stream);
+      const HostTensor got = cuda::to_host(dd, stream);
+      HostTensor ref(DType::f64, {G, M_max, N});
+      grouped_gemm_masked_cpu(in.a, in.sa, in.w.b, in.w.b_scales, hc, ref);
+      check_output(got, ref, masked_valid(*counts, M_max), N);
+    }
   }
+}
+
+// The swapped-operand kernel and the row-major one give every valid row the same bits (the same
+// products, the same promotions in the same order), so that a caller may pick either per batch without
+// breaking batch invariance; both against the reference too.
+TEST(GroupedGemmGpuMisc, SwappedOperandsGiveTheRowMajorKernelsBits) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::int64_t M_max = 256, N = 1536, K = 7168;
+  const std::vector<std::int32_t> counts{150, 40, 230, 256, 7};
+  const auto G = static_cast<std::int64_t>(counts.size());
+  const MaskedInputs in = masked_inputs(G, M_max, N, K, ScaleLayout::mn_major_tma, counts, rng);
+  HostTensor ref(DType::f64, {G, M_max, N});
+  grouped_gemm_masked_cpu(in.a, in.sa, in.w.b, in.w.b_scales, in.counts, ref);
+  const std::vector<bool> valid = masked_valid(counts, M_max);
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor da = cuda::to_device(in.a, stream), dsa = cuda::to_device(in.sa_gpu(), stream),
+                           db = cuda::to_device(in.w.b, stream), dsb = cuda::to_device(in.w.b_scales, stream),
+                           dcounts = cuda::to_device(in.counts, stream);
+  std::vector<HostTensor> outputs;
+  for (const int swap_ab : {0, 1}) {
+    const cuda::DeviceTensor dd(DType::bf16, {G, M_max, N});
+    dd.fill_bytes(0xff, stream);
+    cuda::GroupedGemmOptions options;
+    options.swap_ab = swap_ab;
+    cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::mn_major_tma, db, dsb, dcounts, 128, dd, stream,
+                                  options);
+    outputs.push_back(cuda::to_host(dd, stream));
+    check_output(outputs.back(), ref, valid, N);
+  }
+  std::int64_t differing = 0;
+  const auto* x = static_cast<const std::uint16_t*>(outputs[0].view().data);
+  const auto* y = static_cast<const std::uint16_t*>(outputs[1].view().data);
+  for (std::int64_t row = 0; row < G * M_max; ++row) {
+    if (!valid[static_cast<std::size_t>(row)]) continue;
+    for (std::int64_t col = 0; col < N; ++col) differing += x[row * N + col] != y[row * N + col] ? 1 : 0;
+  }
+  EXPECT_EQ(differing, 0) << "elements whose bits differ between the two kernels";
 }
 
 // A masked or contiguous problem on fresh random inputs (masked: scales MN-major, expected_m M_max / 2;
@@ -1242,6 +1317,22 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
                         "expected_m must be >= 0");
   expect_error_mentions([&] { fp8_grouped_gemm_masked(a, sa, tm, b, sb, counts, 8, d, stream); },
                         "a must have rank 3");
+  cuda::GroupedGemmOptions swap;
+  swap.swap_ab = 1;
+  EXPECT_NO_THROW(fp8_grouped_gemm_masked(am, sam, tm, b, sb, counts, 8, dm, stream, swap));
+  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, swap); },
+                        "options.swap_ab = 1 applies to the masked layout only");
+  swap.block_m = 64;
+  expect_error_mentions([&] { fp8_grouped_gemm_masked(am, sam, tm, b, sb, counts, 8, dm, stream, swap); },
+                        "options.swap_ab = 1 picks its own tiles");
+  swap.block_m = 0;
+  swap.stages = 9;
+  expect_error_mentions([&] { fp8_grouped_gemm_masked(am, sam, tm, b, sb, counts, 8, dm, stream, swap); },
+                        "options.stages must be 0 (all) or 1..");
+  swap.stages = 0;
+  swap.swap_ab = 2;
+  expect_error_mentions([&] { fp8_grouped_gemm_masked(am, sam, tm, b, sb, counts, 8, dm, stream, swap); },
+                        "options.swap_ab must be -1 (automatic), 0 or 1, got 2");
   stream.synchronize();
 }
 

@@ -149,6 +149,18 @@ struct GroupedGemmOptions {
   // EPMOE_GEMM_TAIL_PIECES=0|1 overrides it. Not with a cluster, split_tiles, pingpong, consumer_skew
   // or the ablations (the trace aside).
   int tail_pieces = -1;
+  // Masked layout: swapped operands (D^T = B · A^T: the weights as the tensor cores' M, 128 rows per
+  // tile, a group's tokens as their N in one or two waves of 16 .. 128 tokens, a multiple of 16 per
+  // tile), so that groups of 65-256 rows compute their rows to within 16 per wave instead of padding
+  // them to 64- or 128-row blocks. Measured 5-12% slower than the row-major kernel on every masked anchor
+  // row so far (bench/NOTES.md, session 41), hence off by default; the same bits as the row-major kernel
+  // in every valid row. 1: on; 0: off; -1 (automatic): grouped_gemm_swap_ab.
+  // EPMOE_GEMM_SWAP_AB=0|1 overrides the automatic choice. With 1, block_m,
+  // block_n, cluster, pingpong and consumer_skew must stay at their defaults (the tile is its own); the
+  // row-major kernel's other options do not apply to it (stages and l2_promotion do). At most 1024
+  // (group, 256-row chunk) pairs, G x ceil(M_max / 256) (automatic: the row-major kernel beyond).
+  // Refused in the contiguous layout.
+  int swap_ab = -1;
   // The split tail's device memory: at least grouped_gemm_workspace_bytes() bytes, 256-byte aligned,
   // zero-filled once before its first use (the kernel leaves it so), and used by one launch at a time
   // (launches on different streams need workspaces of their own).
@@ -184,6 +196,9 @@ bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, 
 // except in the masked layout with K <= 2048.
 bool grouped_gemm_borrow_epilogue(bool masked, std::int64_t k);
 
+// The automatic choice of GroupedGemmOptions::swap_ab (-1), masked layout, from the expected rows
+// per group: never yet (measured slower everywhere).
+bool grouped_gemm_swap_ab(std::int64_t expected_m);
 // The automatic choice of GroupedGemmOptions::tile_store (-1): whole-tile stores when K <= 2048, or in
 // the contiguous layout when the M rows of A hold at least 512 per group on average (M >= 512 groups).
 bool grouped_gemm_tile_store(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k);
