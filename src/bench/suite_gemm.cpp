@@ -570,6 +570,12 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   variants.back().options.swap_ab = 1;
   if (experiment) {
     for (Variant& v : experiments(true)) variants.push_back(std::move(v));
+    // The swapped kernel's timing ablations (session 41): without its loads, without its epilogue.
+    for (const auto& [name, bits] : {std::pair{"no_loads", 2}, std::pair{"no_epilogue", 16}}) {
+      variants.push_back({std::string(".swap.exp.") + name, {}});
+      variants.back().options.swap_ab = 1;
+      variants.back().options.ablation = bits;
+    }
   }
   for (const LinePlace& l : line_order(variants)) {
     const Variant& v = variants[l.line];
@@ -963,7 +969,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
 bool experiment_shape(const Anchor& s) {
   return (!s.masked && s.groups == 8 && s.n == 4096) ||
          (!s.masked && s.groups == 32 && s.m == 256 && s.n == 7168) ||
-         (s.masked && s.groups == 128 && s.expected_m == 8 && s.n == 4096);
+         (s.masked && s.groups == 128 && s.expected_m == 8 && s.n == 4096) ||
+         (s.masked && s.groups == 32 && s.expected_m == 192);  // (session 41: the swapped kernel's)
 }
 
 std::vector<Result> run_gemm_suite(const SuiteOptions& options) {

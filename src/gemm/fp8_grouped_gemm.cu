@@ -495,6 +495,7 @@ void launch_swapped(const TensorView& a, const TensorView& b, const Problem& pro
   // EPMOE_GEMM_SWAP_ORDER=0: the tiles in group order, dealt round-robin (experiments); else by cost.
   static const int order_env = env_switch("EPMOE_GEMM_SWAP_ORDER");
   p.balanced = order_env == 0 ? 0 : 1;
+  p.ablation = options.ablation & (kernels::kAblateLoads | kernels::kAblateEpilogue);
   // (Token rows are addressed up to a chunk past the last group's: TMA fills rows past the end with zeros.)
   EPMOE_CHECK(problem.a_rows + kernels::kSwapTokenRows <= kInt32Max,
               "a has too many rows ({}) for one launch", problem.a_rows);

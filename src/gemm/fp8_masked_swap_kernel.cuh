@@ -75,6 +75,9 @@ struct SwapGemmParams {
   std::int32_t m_max, n, k, groups;
   std::int32_t stages;    // in use, 1..SwapGemmTraits::kStages
   std::int32_t balanced;  // 1: segments by descending cost, snake order (SwapScheduler); 0: group order
+  // Timing ablations (output garbage; GroupedGemmOptions::ablation's bits): kAblateLoads (2) no TMA loads,
+  // kAblateEpilogue (16) no output stores.
+  std::int32_t ablation;
 };
 
 // The waves of a chunk of `tokens` (1..kSwapChunk) tokens: one wave up to 176 tokens, two up to 240,
@@ -388,6 +391,11 @@ __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
           if (lane == 0) {
             const std::uint32_t full = full_bar + 8 * pipe.stage;
             ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+            if ((p.ablation & kAblateLoads) != 0) {
+              ptx::mbar_arrive(full);
+              pipe.advance(stages);
+              continue;
+            }
             ptx::mbar_arrive_expect_tx(full, bytes);
             const std::int32_t k0 = kb * kGemmBlockK;
             ptx::tma_load_2d(smem_weights + pipe.stage * Traits::kWeightBytes, &tma_weights, full, k0,
@@ -497,6 +505,11 @@ __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
         __nv_bfloat16* d_tile =
             p.d + (static_cast<std::int64_t>(tile.group) * p.m_max + tile.chunk * kSwapChunk) * p.n +
             tile.n_block * kSwapWeightRows + even_row;
+        if ((p.ablation & kAblateEpilogue) != 0) {
+          // (One conditional store keeps the accumulators, and so the K loop, live.)
+          if (acc[0][0] == -1.5e-38f) p.d[0] = __float2bfloat16(acc[kWaves - 1][kN / 2 - 1]);
+          return;
+        }
 #pragma unroll
         for (int w = 0; w < kWaves; ++w)
           store_wave_transposed<kN>(acc[w], d_tile + static_cast<std::int64_t>(w * kN) * p.n, p.n,
