@@ -6,12 +6,15 @@
 // Why (bench/NOTES.md, session 40, v23): in the row-major kernel a group's tokens are the wgmma M
 // dimension, in 64-row steps per consumer warpgroup, so a group of 134-250 rows computes 256 rows, and
 // the padding costs whole waves. Here the weights are the wgmma M (64 rows per consumer, 128 per tile)
-// and a group's tokens the wgmma N, in one to three waves of 16 .. 128 tokens (swap_waves): the work
-// follows the valid rows to within 16 per wave.
+// and a group's tokens the wgmma N, in one wave of 16 .. 176 tokens, two of 96 .. 120 or three of 88
+// (swap_waves): the work follows the valid rows to within 16 per wave.
+// Status (bench/NOTES.md, session 41): correct and bit-identical to the row-major kernel, but 5.6-12.1%
+// slower than it on every masked anchor row, so off by default (GroupedGemmOptions::swap_ab); its K block
+// takes ~960 cycles on decode even without loads, twice the row-major kernel's, for reasons not yet found.
 //
-// One persistent CTA per SM, tiles (group g, 256-token chunk c, 128-row weight block nb), group-major,
-// then chunk, then weight block (neighbouring CTAs read the same tokens from L2). Every role walks the
-// same static schedule (tile t = blockIdx.x + i gridDim.x) from masked_m on the device:
+// One persistent CTA per SM, tiles (group g, 256-token chunk c, 128-row weight block nb) dealt from a
+// segment table of (group, chunk) pairs that warp 3 builds in shared memory at the start (by descending
+// cost, then weight block; SwapScheduler's snake order over rounds). Every role reads the same table:
 //   - warp 0 (lane 0): per K block, waits for a free stage and TMA-loads the weights [128 x 128 of K]
 //     and the chunk's token rows [waves x width x 128], in 32-row boxes (128-byte swizzle, K-major);
 //   - warp 1: copies the K block's token scales (one per valid token) and the weight block's scale
