@@ -161,6 +161,20 @@ int cluster_size(const GroupedGemmOptions& options) {
   return options.cluster != 0 ? options.cluster : 1;
 }
 
+// The TMA loads' L2 promotion (GroupedGemmOptions::l2_promotion, checked by check_tile).
+CUtensorMapL2promotion l2_promotion(const GroupedGemmOptions& options) {
+  constexpr CUtensorMapL2promotion kPromotions[] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                    CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B};
+  return kPromotions[options.l2_promotion];
+}
+
+// The persistent CTAs a launch may have: one per SM, at most options.max_ctas.
+std::int64_t ctas_allowed(const GroupedGemmOptions& options) {
+  const std::int64_t sms = device_props().sm_count;
+  return options.max_ctas > 0 ? std::min<std::int64_t>(sms, options.max_ctas) : sms;
+}
+
 // The layout-specific parts of a launch.
 struct Problem {
   GroupedGemmParams params;         // everything but the tile-dependent fields
@@ -289,10 +303,7 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
     params.borrow_epilogue = kernels::kBorrowNoGate;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;
-  constexpr CUtensorMapL2promotion kPromotions[] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                                    CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B};
-  const CUtensorMapL2promotion promotion = kPromotions[options.l2_promotion];
+  const CUtensorMapL2promotion promotion = l2_promotion(options);
   const CUtensorMap tma_a = make_tma_2d(a.data, problem.a_rows, params.k, kBlockM, "a", promotion);
   const CUtensorMap tma_a_part =
       cluster > 1
@@ -318,8 +329,7 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
       params.tile_store = 0;
     }
   }
-  std::int64_t ctas = props.sm_count;
-  if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
+  std::int64_t ctas = ctas_allowed(options);
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute attributes[1]{};
   config.blockDim = dim3(Traits::kThreads);
@@ -447,8 +457,7 @@ void launch(GemmTileShape tile, const TensorView& a, const TensorView& b, const 
     const bool automatic = problem.params.masked_m == nullptr;
     if (cluster == 1 && with_env(tail_pieces_env, resolve_choice(options.tail_pieces, automatic))) {
       whole.mode = kernels::kTailWhole;
-      whole.piece_ctas = device_props().sm_count;
-      if (options.max_ctas > 0) whole.piece_ctas = std::min(whole.piece_ctas, options.max_ctas);
+      whole.piece_ctas = static_cast<std::int32_t>(ctas_allowed(options));
     }
     const GroupedGemmParams parent = launch<128, 256>(a, b, problem, options, cluster, stream, whole);
     if (parent.tail_pieces == kernels::kTailWhole) {
@@ -496,13 +505,11 @@ void launch_swapped(const TensorView& a, const TensorView& b, const Problem& pro
   static const int order_env = env_switch("EPMOE_GEMM_SWAP_ORDER");
   p.balanced = order_env == 0 ? 0 : 1;
   p.ablation = options.ablation & (kernels::kAblateLoads | kernels::kAblateEpilogue);
-  // (Token rows are addressed up to a chunk past the last group's: TMA fills rows past the end with zeros.)
+  // (Token rows are addressed up to kSwapTokenRows past the last group's: TMA fills rows past the end with
+  // zeros.)
   EPMOE_CHECK(problem.a_rows + kernels::kSwapTokenRows <= kInt32Max,
               "a has too many rows ({}) for one launch", problem.a_rows);
-  constexpr CUtensorMapL2promotion kPromotions[] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                                    CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B};
-  const CUtensorMapL2promotion promotion = kPromotions[options.l2_promotion];
+  const CUtensorMapL2promotion promotion = l2_promotion(options);
   const CUtensorMap tma_tokens =
       make_tma_2d(a.data, problem.a_rows, p.k, kernels::kSwapTokenBox, "a (token box)", promotion);
   const CUtensorMap tma_weights = make_tma_2d(b.data, static_cast<std::int64_t>(p.groups) * p.n, p.k,
@@ -514,9 +521,8 @@ void launch_swapped(const TensorView& a, const TensorView& b, const Problem& pro
               kernels::kSwapSegmentsMax, p.groups, p.m_max);
   const std::int64_t max_tiles = max_segments * (p.n / kernels::kSwapWeightRows);
   EPMOE_CHECK(max_tiles <= kInt32Max / 2, "too many tiles ({}) for one launch", max_tiles);
-  std::int64_t ctas = device_props().sm_count;
-  if (options.max_ctas > 0) ctas = std::min<std::int64_t>(ctas, options.max_ctas);
-  ctas = std::clamp<std::int64_t>(ctas, 1, std::max<std::int64_t>(max_tiles, 1));
+  const std::int64_t ctas =
+      std::clamp<std::int64_t>(ctas_allowed(options), 1, std::max<std::int64_t>(max_tiles, 1));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(Traits::kThreads);

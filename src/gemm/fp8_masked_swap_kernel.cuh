@@ -42,8 +42,8 @@ namespace epmoe::kernels {
 inline constexpr int kSwapWeightRows = 128;  // weight rows per tile (two consumers x the wgmma M of 64)
 inline constexpr int kSwapChunk = 256;       // tokens per tile, at most
 inline constexpr int kSwapTokenBox = 32;     // rows per TMA box of tokens
-inline constexpr int kSwapTokenRows =
-    288;  // token rows per stage: the widest chunk's waves (3 x 88), in boxes
+// Token rows per stage: the widest chunk's waves (3 x 88), in whole boxes.
+inline constexpr int kSwapTokenRows = 288;
 
 struct SwapGemmTraits {
   static constexpr int kThreads = 384;  // the producer warpgroup and two consumers
@@ -85,10 +85,9 @@ struct SwapGemmParams {
 
 // The waves of a chunk of `tokens` (1..kSwapChunk) tokens: one wave up to 176 tokens, two up to 240,
 // three of 88 above; the width a multiple of 16 (two waves: at most 120, three: 88). One wave as wide as
-// the registers allow: each wave's wgmma group is waited for before its promotion, and that latency,
-// paid per wave, held the tensor pipe at 47% busy with two waves of 96 (ncu, bench/NOTES.md session 41).
-// The widest shapes are what the consumers' 232 registers hold: two waves of 128 tokens (192
-// accumulators) made ptxas spill beside the other shapes.
+// the registers allow (one wgmma wait per K block instead of two; measured level with two waves of 80-96,
+// bench/NOTES.md session 41). The widest shapes are what the consumers' 232 registers hold: two waves of
+// 128 tokens (192 accumulators) made ptxas spill beside the other shapes.
 struct SwapWaves {
   std::int32_t count, width;
 };
@@ -353,7 +352,7 @@ __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   const std::uint32_t smem_base = ptx::smem_addr(smem_raw);
   if (threadIdx.x == 0 && (smem_base & 1023u) != 0) __trap();
-  const std::uint32_t smem_tokens = smem_base;                           // kStages x 32 KB
+  const std::uint32_t smem_tokens = smem_base;                           // kStages x 36 KB
   const std::uint32_t smem_weights = smem_base + Traits::kWeightOffset;  // kStages x 16 KB
   const std::uint32_t smem_scales = smem_base + Traits::kScaleOffset;
   const std::uint32_t full_bar = smem_base + Traits::kFullOffset;
