@@ -570,8 +570,15 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   variants.back().options.swap_ab = 1;
   if (experiment) {
     for (Variant& v : experiments(true)) variants.push_back(std::move(v));
-    // The swapped kernel's timing ablations (session 41): without its loads, without its epilogue.
-    for (const auto& [name, bits] : {std::pair{"no_loads", 2}, std::pair{"no_epilogue", 16}}) {
+    // The swapped kernel's timing ablations (sessions 41-42): without its loads, its epilogue, its scale
+    // copies, the consumers' full waits (stale stages), their math (the pipeline's barriers alone).
+    for (const auto& [name, bits] :
+         {std::pair{"no_loads", 2}, std::pair{"no_epilogue", 16}, std::pair{"no_scales", 32},
+          std::pair{"no_loads_no_scales", 2 | 32}, std::pair{"no_loads_no_scales_no_full_wait", 2 | 32 | 64},
+          std::pair{"no_loads_no_scales_no_math", 1 | 2 | 32},
+          std::pair{"no_loads_no_scales_no_full_wait_no_promote", 2 | 4 | 32 | 64},
+          std::pair{"no_loads_no_scales_no_promote", 2 | 4 | 32}, std::pair{"no_promote", 4},
+          std::pair{"scalar_promote", 8}, std::pair{"no_loads_scalar_promote", 2 | 8}}) {
       variants.push_back({std::string(".swap.exp.") + name, {}});
       variants.back().options.swap_ab = 1;
       variants.back().options.ablation = bits;

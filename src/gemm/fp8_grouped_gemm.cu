@@ -482,8 +482,14 @@ std::int64_t swap_segments(std::int64_t groups, std::int64_t m_max) {
 void launch_swapped(const TensorView& a, const TensorView& b, const Problem& problem,
                     const GroupedGemmOptions& options, cudaStream_t stream) {
   using Traits = kernels::SwapGemmTraits;
-  constexpr auto kernel = &kernels::fp8_masked_swap_kernel;
-  gemm_host::allow_dynamic_smem<kernel, Traits::kSmemBytes>();
+  // The experiment instance where an ablation only it reads is asked for (bench lines ".swap.exp.*").
+  constexpr int kExperimentBits = kernels::kAblateMath | kernels::kAblateScales | kernels::kAblateFullWait |
+                                  kernels::kAblatePromote | kernels::kAblateOneWait;
+  const bool experiment = (options.ablation & kExperimentBits) != 0;
+  const auto kernel =
+      experiment ? &kernels::fp8_masked_swap_kernel<true> : &kernels::fp8_masked_swap_kernel<false>;
+  gemm_host::allow_dynamic_smem<&kernels::fp8_masked_swap_kernel<false>, Traits::kSmemBytes>();
+  gemm_host::allow_dynamic_smem<&kernels::fp8_masked_swap_kernel<true>, Traits::kSmemBytes>();
   EPMOE_CHECK(options.stages >= 0 && options.stages <= Traits::kStages,
               "options.stages must be 0 (all) or 1..{} with swap_ab, got {}", Traits::kStages,
               options.stages);
@@ -504,7 +510,7 @@ void launch_swapped(const TensorView& a, const TensorView& b, const Problem& pro
   // EPMOE_GEMM_SWAP_ORDER=0: the tiles in group order, dealt round-robin (experiments); else by cost.
   static const int order_env = env_switch("EPMOE_GEMM_SWAP_ORDER");
   p.balanced = order_env == 0 ? 0 : 1;
-  p.ablation = options.ablation & (kernels::kAblateLoads | kernels::kAblateEpilogue);
+  p.ablation = options.ablation & (kernels::kAblateLoads | kernels::kAblateEpilogue | kExperimentBits);
   // (Token rows are addressed up to kSwapTokenRows past the last group's: TMA fills rows past the end with
   // zeros.)
   EPMOE_CHECK(problem.a_rows + kernels::kSwapTokenRows <= kInt32Max,

@@ -8,9 +8,12 @@
 // the padding costs whole waves. Here the weights are the wgmma M (64 rows per consumer, 128 per tile)
 // and a group's tokens the wgmma N, in one wave of 16 .. 176 tokens, two of 96 .. 120 or three of 88
 // (swap_waves): the work follows the valid rows to within 16 per wave.
-// Status (bench/NOTES.md, session 41): correct and bit-identical to the row-major kernel, but 5.6-12.1%
-// slower than it on every masked anchor row, so off by default (GroupedGemmOptions::swap_ab); its K block
-// takes ~960 cycles on decode even without loads, twice the row-major kernel's, for reasons not yet found.
+// Status (bench/NOTES.md, sessions 41-42): correct and bit-identical to the row-major kernel, but 5.6-12.1%
+// slower than it on every masked anchor row, so off by default (GroupedGemmOptions::swap_ab). Where the
+// time goes (session 42's ablations): on decode, the scale copies' round trip (a stage freed, the scale
+// warp's cp.async issued, landed, "full" complete: ~4 400 cycles) over only 4 stages (the row-major
+// decode tile has 8); on groups of 134-250 rows, the promotion (16% of the time with loads, 33% without;
+// the row-major kernel's ~10%), which neither ping-pong turns nor two partials per K block recovered.
 //
 // One persistent CTA per SM, tiles (group g, 256-token chunk c, 128-row weight block nb) dealt from a
 // segment table of (group, chunk) pairs that warp 3 builds in shared memory at the start (by descending
@@ -343,6 +346,13 @@ __device__ __forceinline__ void with_wave_shape(SwapWaves w, F&& f) {
   }
 }
 
+// kExperiments: the timing-experiment instance (bench lines ".swap.exp.*", bench/NOTES.md session 42),
+// which also reads kAblateScales (the scale warp arrives without copying), kAblateFullWait (consumers
+// compute on stale stages), kAblateMath (consumers wait and free, nothing else), kAblatePromote (one add
+// per wave instead of the promotion) and kAblateOneWait (here: the promotion with one scale for every
+// column); the default instance reads only kAblateLoads and kAblateEpilogue, so that its allocation does
+// not carry the branches.
+template <bool kExperiments>
 __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
     fp8_masked_swap_kernel(const __grid_constant__ CUtensorMap tma_tokens,
                            const __grid_constant__ CUtensorMap tma_weights,
@@ -419,6 +429,13 @@ __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
         const std::int32_t sb_off = (tile.group * (p.n / kSwapWeightRows) + tile.n_block) * num_kb;
         for (std::int32_t kb = 0; kb < num_kb; ++kb) {
           ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+          if constexpr (kExperiments) {
+            if ((p.ablation & kAblateScales) != 0) {
+              ptx::mbar_arrive(full_bar + 8 * pipe.stage);
+              pipe.advance(stages);
+              continue;
+            }
+          }
           const std::uint32_t scales = smem_scales + pipe.stage * Traits::kScaleBytes;
           // (Not unrolled: eight copies' addresses at once do not fit the producer's 40 registers.)
 #pragma unroll 1
@@ -475,7 +492,16 @@ __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
           // pipe.stage as is, every wgmma's descriptors were moved there one R2UR at a time: 10% of the
           // kernel's instructions, ncu, bench/NOTES.md session 41.)
           const int stage = __shfl_sync(0xffffffffu, pipe.stage, 0);
-          ptx::mbar_wait(u_full + 8 * stage, pipe.phase);
+          if constexpr (kExperiments) {
+            if ((p.ablation & kAblateFullWait) == 0) ptx::mbar_wait(u_full + 8 * stage, pipe.phase);
+            if ((p.ablation & kAblateMath) != 0) {
+              ptx::mbar_arrive_warp(u_empty + 8 * stage);
+              pipe.advance(stages);
+              continue;
+            }
+          } else {
+            ptx::mbar_wait(u_full + 8 * stage, pipe.phase);
+          }
           const std::uint32_t scales = u_scales + stage * Traits::kScaleBytes;
           const float sb = ptx::ld_shared_f32(scales + 4 * kSwapTokenRows);
           const std::uint32_t w_desc =
@@ -495,6 +521,17 @@ __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
             ptx::wgmma_commit();
             ptx::wgmma_wait<0>();
             fence_all(part);
+            if constexpr (kExperiments) {
+              if ((p.ablation & kAblatePromote) != 0) {
+                acc[w][0] += part[0];  // (keeps the wgmma's results live)
+                continue;
+              }
+              if ((p.ablation & kAblateOneWait) != 0) {
+#pragma unroll
+                for (int i = 0; i < kN / 2; ++i) acc[w][i] = fmaf(sb, part[i], acc[w][i]);
+                continue;
+              }
+            }
             promote_columns<kN>(acc[w], part, scales + 4 * (w * kN), sb, q);
           }
           ptx::mbar_arrive_warp(u_empty + 8 * stage);  // each lane after its reads of the stage

@@ -150,10 +150,10 @@ struct GroupedGemmOptions {
   // or the ablations (the trace aside).
   int tail_pieces = -1;
   // Masked layout: swapped operands (D^T = B · A^T: the weights as the tensor cores' M, 128 rows per
-  // tile, a group's tokens as their N in one or two waves of 16 .. 128 tokens, a multiple of 16 per
-  // tile), so that groups of 65-256 rows compute their rows to within 16 per wave instead of padding
+  // tile, a group's 256-token chunk as their N in one wave of 16 .. 176 tokens, two of 96 .. 120 or three
+  // of 88), so that groups of 65-256 rows compute their rows to within 16 per wave instead of padding
   // them to 64- or 128-row blocks. Measured 5-12% slower than the row-major kernel on every masked anchor
-  // row so far (bench/NOTES.md, session 41), hence off by default; the same bits as the row-major kernel
+  // row (bench/NOTES.md, sessions 41-42), hence off by default; the same bits as the row-major kernel
   // in every valid row. 1: on; 0: off; -1 (automatic): grouped_gemm_swap_ab.
   // EPMOE_GEMM_SWAP_AB=0|1 overrides the automatic choice. With 1, block_m,
   // block_n, cluster, pingpong and consumer_skew must stay at their defaults (the tile is its own); the
