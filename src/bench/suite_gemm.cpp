@@ -578,7 +578,9 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
           std::pair{"no_loads_no_scales_no_math", 1 | 2 | 32},
           std::pair{"no_loads_no_scales_no_full_wait_no_promote", 2 | 4 | 32 | 64},
           std::pair{"no_loads_no_scales_no_promote", 2 | 4 | 32}, std::pair{"no_promote", 4},
-          std::pair{"scalar_promote", 8}, std::pair{"no_loads_scalar_promote", 2 | 8}}) {
+          std::pair{"scalar_promote", 8}, std::pair{"no_loads_scalar_promote", 2 | 8},
+          std::pair{"tensor_only", 2 | 4 | 32}, std::pair{"tensor_only_one_consumer", 2 | 4 | 32 | 512},
+          std::pair{"no_loads_no_scales_one_consumer", 2 | 32 | 512}}) {
       variants.push_back({std::string(".swap.exp.") + name, {}});
       variants.back().options.swap_ab = 1;
       variants.back().options.ablation = bits;

@@ -484,7 +484,7 @@ void launch_swapped(const TensorView& a, const TensorView& b, const Problem& pro
   using Traits = kernels::SwapGemmTraits;
   // The experiment instance where an ablation only it reads is asked for (bench lines ".swap.exp.*").
   constexpr int kExperimentBits = kernels::kAblateMath | kernels::kAblateScales | kernels::kAblateFullWait |
-                                  kernels::kAblatePromote | kernels::kAblateOneWait;
+                                  kernels::kAblatePromote | kernels::kAblateOneWait | kernels::kAblateSpin;
   const bool experiment = (options.ablation & kExperimentBits) != 0;
   const auto kernel =
       experiment ? &kernels::fp8_masked_swap_kernel<true> : &kernels::fp8_masked_swap_kernel<false>;

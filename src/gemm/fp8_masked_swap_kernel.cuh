@@ -349,9 +349,9 @@ __device__ __forceinline__ void with_wave_shape(SwapWaves w, F&& f) {
 // kExperiments: the timing-experiment instance (bench lines ".swap.exp.*", bench/NOTES.md session 42),
 // which also reads kAblateScales (the scale warp arrives without copying), kAblateFullWait (consumers
 // compute on stale stages), kAblateMath (consumers wait and free, nothing else), kAblatePromote (one add
-// per wave instead of the promotion) and kAblateOneWait (here: the promotion with one scale for every
-// column); the default instance reads only kAblateLoads and kAblateEpilogue, so that its allocation does
-// not carry the branches.
+// per wave instead of the promotion), kAblateOneWait (here: the promotion with one scale for every
+// column) and kAblateSpin (here: consumer 1 computes nothing); the default instance reads only kAblateLoads
+// and kAblateEpilogue, so that its allocation does not carry the branches.
 template <bool kExperiments>
 __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
     fp8_masked_swap_kernel(const __grid_constant__ CUtensorMap tma_tokens,
@@ -494,7 +494,9 @@ __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
           const int stage = __shfl_sync(0xffffffffu, pipe.stage, 0);
           if constexpr (kExperiments) {
             if ((p.ablation & kAblateFullWait) == 0) ptx::mbar_wait(u_full + 8 * stage, pipe.phase);
-            if ((p.ablation & kAblateMath) != 0) {
+            // (kAblateSpin, here: consumer 1 only waits and frees, consumer 0 computes alone: is one
+            // consumer's wgmma stream as fast per group alone as beside the other's?)
+            if ((p.ablation & kAblateMath) != 0 || ((p.ablation & kAblateSpin) != 0 && u_consumer == 1)) {
               ptx::mbar_arrive_warp(u_empty + 8 * stage);
               pipe.advance(stages);
               continue;
