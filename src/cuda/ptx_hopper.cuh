@@ -288,352 +288,112 @@ __device__ __forceinline__ void mbar_arrive_remote(std::uint32_t remote_bar) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
 }
 
-// D[64 x 128] (+)= A[64 x 32] · B[128 x 32]^T, e4m3 x e4m3 -> f32, both operands K-major in
-// shared memory; accumulate = false overwrites d.
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint64_t desc_a,
-                                                      std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-      "%42, "
-      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
-      "%63}, "
-      "%64, %65, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
-        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
-        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
+// The wgmma wrappers' operand lists, written once: EPMOE_WGMMA_ACC_<R> is the accumulators' place-holders
+// "%0, %1, ..., %<R - 1>" and EPMOE_WGMMA_OUT_<R> their operands "+f"(d[0]), ..., "+f"(d[R - 1]), for R a
+// multiple of 4 up to 96 (an m64nN tile holds N / 2 per thread).
+#define EPMOE_WGMMA_PCT4(i0, i1, i2, i3) "%" #i0 ", %" #i1 ", %" #i2 ", %" #i3
+#define EPMOE_WGMMA_OUT4(i0, i1, i2, i3) "+f"(d[i0]), "+f"(d[i1]), "+f"(d[i2]), "+f"(d[i3])
+#define EPMOE_WGMMA_ACC_4 EPMOE_WGMMA_PCT4(0, 1, 2, 3)
+#define EPMOE_WGMMA_OUT_4 EPMOE_WGMMA_OUT4(0, 1, 2, 3)
+#define EPMOE_WGMMA_ACC_8 EPMOE_WGMMA_ACC_4 ", " EPMOE_WGMMA_PCT4(4, 5, 6, 7)
+#define EPMOE_WGMMA_OUT_8 EPMOE_WGMMA_OUT_4, EPMOE_WGMMA_OUT4(4, 5, 6, 7)
+#define EPMOE_WGMMA_ACC_12 EPMOE_WGMMA_ACC_8 ", " EPMOE_WGMMA_PCT4(8, 9, 10, 11)
+#define EPMOE_WGMMA_OUT_12 EPMOE_WGMMA_OUT_8, EPMOE_WGMMA_OUT4(8, 9, 10, 11)
+#define EPMOE_WGMMA_ACC_16 EPMOE_WGMMA_ACC_12 ", " EPMOE_WGMMA_PCT4(12, 13, 14, 15)
+#define EPMOE_WGMMA_OUT_16 EPMOE_WGMMA_OUT_12, EPMOE_WGMMA_OUT4(12, 13, 14, 15)
+#define EPMOE_WGMMA_ACC_20 EPMOE_WGMMA_ACC_16 ", " EPMOE_WGMMA_PCT4(16, 17, 18, 19)
+#define EPMOE_WGMMA_OUT_20 EPMOE_WGMMA_OUT_16, EPMOE_WGMMA_OUT4(16, 17, 18, 19)
+#define EPMOE_WGMMA_ACC_24 EPMOE_WGMMA_ACC_20 ", " EPMOE_WGMMA_PCT4(20, 21, 22, 23)
+#define EPMOE_WGMMA_OUT_24 EPMOE_WGMMA_OUT_20, EPMOE_WGMMA_OUT4(20, 21, 22, 23)
+#define EPMOE_WGMMA_ACC_28 EPMOE_WGMMA_ACC_24 ", " EPMOE_WGMMA_PCT4(24, 25, 26, 27)
+#define EPMOE_WGMMA_OUT_28 EPMOE_WGMMA_OUT_24, EPMOE_WGMMA_OUT4(24, 25, 26, 27)
+#define EPMOE_WGMMA_ACC_32 EPMOE_WGMMA_ACC_28 ", " EPMOE_WGMMA_PCT4(28, 29, 30, 31)
+#define EPMOE_WGMMA_OUT_32 EPMOE_WGMMA_OUT_28, EPMOE_WGMMA_OUT4(28, 29, 30, 31)
+#define EPMOE_WGMMA_ACC_36 EPMOE_WGMMA_ACC_32 ", " EPMOE_WGMMA_PCT4(32, 33, 34, 35)
+#define EPMOE_WGMMA_OUT_36 EPMOE_WGMMA_OUT_32, EPMOE_WGMMA_OUT4(32, 33, 34, 35)
+#define EPMOE_WGMMA_ACC_40 EPMOE_WGMMA_ACC_36 ", " EPMOE_WGMMA_PCT4(36, 37, 38, 39)
+#define EPMOE_WGMMA_OUT_40 EPMOE_WGMMA_OUT_36, EPMOE_WGMMA_OUT4(36, 37, 38, 39)
+#define EPMOE_WGMMA_ACC_44 EPMOE_WGMMA_ACC_40 ", " EPMOE_WGMMA_PCT4(40, 41, 42, 43)
+#define EPMOE_WGMMA_OUT_44 EPMOE_WGMMA_OUT_40, EPMOE_WGMMA_OUT4(40, 41, 42, 43)
+#define EPMOE_WGMMA_ACC_48 EPMOE_WGMMA_ACC_44 ", " EPMOE_WGMMA_PCT4(44, 45, 46, 47)
+#define EPMOE_WGMMA_OUT_48 EPMOE_WGMMA_OUT_44, EPMOE_WGMMA_OUT4(44, 45, 46, 47)
+#define EPMOE_WGMMA_ACC_52 EPMOE_WGMMA_ACC_48 ", " EPMOE_WGMMA_PCT4(48, 49, 50, 51)
+#define EPMOE_WGMMA_OUT_52 EPMOE_WGMMA_OUT_48, EPMOE_WGMMA_OUT4(48, 49, 50, 51)
+#define EPMOE_WGMMA_ACC_56 EPMOE_WGMMA_ACC_52 ", " EPMOE_WGMMA_PCT4(52, 53, 54, 55)
+#define EPMOE_WGMMA_OUT_56 EPMOE_WGMMA_OUT_52, EPMOE_WGMMA_OUT4(52, 53, 54, 55)
+#define EPMOE_WGMMA_ACC_60 EPMOE_WGMMA_ACC_56 ", " EPMOE_WGMMA_PCT4(56, 57, 58, 59)
+#define EPMOE_WGMMA_OUT_60 EPMOE_WGMMA_OUT_56, EPMOE_WGMMA_OUT4(56, 57, 58, 59)
+#define EPMOE_WGMMA_ACC_64 EPMOE_WGMMA_ACC_60 ", " EPMOE_WGMMA_PCT4(60, 61, 62, 63)
+#define EPMOE_WGMMA_OUT_64 EPMOE_WGMMA_OUT_60, EPMOE_WGMMA_OUT4(60, 61, 62, 63)
+#define EPMOE_WGMMA_ACC_68 EPMOE_WGMMA_ACC_64 ", " EPMOE_WGMMA_PCT4(64, 65, 66, 67)
+#define EPMOE_WGMMA_OUT_68 EPMOE_WGMMA_OUT_64, EPMOE_WGMMA_OUT4(64, 65, 66, 67)
+#define EPMOE_WGMMA_ACC_72 EPMOE_WGMMA_ACC_68 ", " EPMOE_WGMMA_PCT4(68, 69, 70, 71)
+#define EPMOE_WGMMA_OUT_72 EPMOE_WGMMA_OUT_68, EPMOE_WGMMA_OUT4(68, 69, 70, 71)
+#define EPMOE_WGMMA_ACC_76 EPMOE_WGMMA_ACC_72 ", " EPMOE_WGMMA_PCT4(72, 73, 74, 75)
+#define EPMOE_WGMMA_OUT_76 EPMOE_WGMMA_OUT_72, EPMOE_WGMMA_OUT4(72, 73, 74, 75)
+#define EPMOE_WGMMA_ACC_80 EPMOE_WGMMA_ACC_76 ", " EPMOE_WGMMA_PCT4(76, 77, 78, 79)
+#define EPMOE_WGMMA_OUT_80 EPMOE_WGMMA_OUT_76, EPMOE_WGMMA_OUT4(76, 77, 78, 79)
+#define EPMOE_WGMMA_ACC_84 EPMOE_WGMMA_ACC_80 ", " EPMOE_WGMMA_PCT4(80, 81, 82, 83)
+#define EPMOE_WGMMA_OUT_84 EPMOE_WGMMA_OUT_80, EPMOE_WGMMA_OUT4(80, 81, 82, 83)
+#define EPMOE_WGMMA_ACC_88 EPMOE_WGMMA_ACC_84 ", " EPMOE_WGMMA_PCT4(84, 85, 86, 87)
+#define EPMOE_WGMMA_OUT_88 EPMOE_WGMMA_OUT_84, EPMOE_WGMMA_OUT4(84, 85, 86, 87)
+#define EPMOE_WGMMA_ACC_92 EPMOE_WGMMA_ACC_88 ", " EPMOE_WGMMA_PCT4(88, 89, 90, 91)
+#define EPMOE_WGMMA_OUT_92 EPMOE_WGMMA_OUT_88, EPMOE_WGMMA_OUT4(88, 89, 90, 91)
+#define EPMOE_WGMMA_ACC_96 EPMOE_WGMMA_ACC_92 ", " EPMOE_WGMMA_PCT4(92, 93, 94, 95)
+#define EPMOE_WGMMA_OUT_96 EPMOE_WGMMA_OUT_92, EPMOE_WGMMA_OUT4(92, 93, 94, 95)
 
 // D[64 x N] (+)= A[64 x 32] · B[N x 32]^T, e4m3 x e4m3 -> f32, both operands K-major in shared
-// memory; N = 16 .. 176 in steps of 16 (128: wgmma_m64n128k32_e4m3 above), 88, 120 or 192; d holds N / 2
-// values.
+// memory; accumulate = false overwrites d. N = 8, 16 .. 176 in steps of 16, 88, 120 or 192 (d holds N / 2
+// values).
 template <int N>
 __device__ __forceinline__ void wgmma_m64k32_ss_e4m3(float (&d)[N / 2], std::uint64_t desc_a,
                                                      std::uint64_t desc_b, bool accumulate);
 
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<16>(float (&d)[8], std::uint64_t desc_a,
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
+// The specialisation for N: R = N / 2 accumulators, then desc_a, desc_b and the flag as operands R, R + 1
+// and R + 2 (IA, IB, IP: the preprocessor does not add).
+#define EPMOE_WGMMA_SS_E4M3(N, R, IA, IB, IP)                                                      \
+  template <>                                                                                      \
+  __device__ __forceinline__ void wgmma_m64k32_ss_e4m3<N>(float(&d)[R], std::uint64_t desc_a,      \
+                                                          std::uint64_t desc_b, bool accumulate) { \
+    asm volatile(                                                                                  \
+        "{\n"                                                                                      \
+        ".reg .pred p;\n"                                                                          \
+        "setp.ne.b32 p, %" #IP                                                                     \
+        ", 0;\n"                                                                                   \
+        "wgmma.mma_async.sync.aligned.m64n" #N                                                     \
+        "k32.f32.e4m3.e4m3 "                                                                       \
+        "{" EPMOE_WGMMA_ACC_##R "}, %" #IA ", %" #IB                                               \
+                                ", p, 1, 1;\n"                                                     \
+                                "}\n"                                                              \
+        : EPMOE_WGMMA_OUT_##R                                                                      \
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));                  \
+  }
+EPMOE_WGMMA_SS_E4M3(8, 4, 4, 5, 6)
+EPMOE_WGMMA_SS_E4M3(16, 8, 8, 9, 10)
+EPMOE_WGMMA_SS_E4M3(32, 16, 16, 17, 18)
+EPMOE_WGMMA_SS_E4M3(48, 24, 24, 25, 26)
+EPMOE_WGMMA_SS_E4M3(64, 32, 32, 33, 34)
+EPMOE_WGMMA_SS_E4M3(80, 40, 40, 41, 42)
+EPMOE_WGMMA_SS_E4M3(88, 44, 44, 45, 46)
+EPMOE_WGMMA_SS_E4M3(96, 48, 48, 49, 50)
+EPMOE_WGMMA_SS_E4M3(112, 56, 56, 57, 58)
+EPMOE_WGMMA_SS_E4M3(120, 60, 60, 61, 62)
+EPMOE_WGMMA_SS_E4M3(128, 64, 64, 65, 66)
+EPMOE_WGMMA_SS_E4M3(144, 72, 72, 73, 74)
+EPMOE_WGMMA_SS_E4M3(160, 80, 80, 81, 82)
+EPMOE_WGMMA_SS_E4M3(176, 88, 88, 89, 90)
+EPMOE_WGMMA_SS_E4M3(192, 96, 96, 97, 98)
+#undef EPMOE_WGMMA_SS_E4M3
 
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<32>(float (&d)[16], std::uint64_t desc_a,
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+// The FP8 grouped GEMM's wave (N = 128) and the W4A8 shared-memory kernel's offset term (N = 8: B is a
+// constant tile), by their own names.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint64_t desc_a,
+                                                      std::uint64_t desc_b, bool accumulate) {
+  wgmma_m64k32_ss_e4m3<128>(d, desc_a, desc_b, accumulate);
 }
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<64>(float (&d)[32], std::uint64_t desc_a,
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<128>(float (&d)[64], std::uint64_t desc_a,
-                                                          std::uint64_t desc_b, bool accumulate) {
-  wgmma_m64n128k32_e4m3(d, desc_a, desc_b, accumulate);
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<192>(float (&d)[96], std::uint64_t desc_a,
-                                                          std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %98, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
-      "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "
-      "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
-        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
-        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]),
-        "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]),
-        "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]),
-        "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-// (The swapped-operand masked kernel's token waves: N = 48, 80, 88, 96, 112, 120, 144, 160, 176 as well.)
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<48>(float (&d)[24], std::uint64_t desc_a,
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %26, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23}, %24, %25, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<80>(float (&d)[40], std::uint64_t desc_a,
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %42, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n80k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, "
-      "p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<96>(float (&d)[48], std::uint64_t desc_a,
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %50, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-      "%42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<112>(float (&d)[56], std::uint64_t desc_a,
-                                                          std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %58, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n112k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, %56, %57, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
-        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<88>(float (&d)[44], std::uint64_t desc_a,
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %46, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n88k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-      "%42, %43}, %44, %45, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<120>(float (&d)[60], std::uint64_t desc_a,
-                                                          std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %62, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n120k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59}, %60, %61, "
-      "p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
-        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
-        "+f"(d[58]), "+f"(d[59])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<144>(float (&d)[72], std::uint64_t desc_a,
-                                                          std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %74, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n144k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
-      "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71}, %72, %73, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
-        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
-        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<160>(float (&d)[80], std::uint64_t desc_a,
-                                                          std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %82, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n160k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
-      "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, %80, %81, "
-      "p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
-        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
-        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_ss_e4m3<176>(float (&d)[88], std::uint64_t desc_a,
-                                                          std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %90, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n176k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
-      "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "
-      "%82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
-        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
-        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]),
-        "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]),
-        "+f"(d[86]), "+f"(d[87])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-// D[64 x 8] (+)= A[64 x 32] · B[8 x 32]^T, e4m3 x e4m3 -> f32, both operands K-major in shared
-// memory (the W4A8 shared-memory kernel's offset term: B is a constant tile).
 __device__ __forceinline__ void wgmma_m64n8k32_e4m3(float (&d)[4], std::uint64_t desc_a, std::uint64_t desc_b,
                                                     bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %6, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
+  wgmma_m64k32_ss_e4m3<8>(d, desc_a, desc_b, accumulate);
 }
 
 // ---------------------------------------------------------------- bulk copies, shared loads, prmt
@@ -747,100 +507,81 @@ template <int N>
 __device__ __forceinline__ void wgmma_m64k32_rs_e4m3(float (&d)[N / 2], const std::uint32_t (&a)[4],
                                                      std::uint64_t desc_b, bool accumulate);
 
-template <>
-__device__ __forceinline__ void wgmma_m64k32_rs_e4m3<8>(float (&d)[4], const std::uint32_t (&a)[4],
-                                                        std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %9, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_rs_e4m3<16>(float (&d)[8], const std::uint32_t (&a)[4],
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7"
-      "}, {%8, %9, %10, %11}, %12, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_rs_e4m3<32>(float (&d)[16], const std::uint32_t (&a)[4],
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-      "}, {%16, %17, %18, %19}, %20, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_rs_e4m3<64>(float (&d)[32], const std::uint32_t (&a)[4],
-                                                         std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_rs_e4m3<128>(float (&d)[64], const std::uint32_t (&a)[4],
-                                                          std::uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
-        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
-        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));
-}
+// The specialisation for N: R = N / 2 accumulators, then a[0..3], desc_b and the flag as operands R .. R + 5.
+#define EPMOE_WGMMA_RS_E4M3(N, R, IA0, IA1, IA2, IA3, IB, IP)                                       \
+  template <>                                                                                       \
+  __device__ __forceinline__ void wgmma_m64k32_rs_e4m3<N>(float(&d)[R], const std::uint32_t(&a)[4], \
+                                                          std::uint64_t desc_b, bool accumulate) {  \
+    asm volatile(                                                                                   \
+        "{\n"                                                                                       \
+        ".reg .pred p;\n"                                                                           \
+        "setp.ne.b32 p, %" #IP                                                                      \
+        ", 0;\n"                                                                                    \
+        "wgmma.mma_async.sync.aligned.m64n" #N                                                      \
+        "k32.f32.e4m3.e4m3 "                                                                        \
+        "{" EPMOE_WGMMA_ACC_##R "}, {" EPMOE_WGMMA_PCT4(IA0, IA1, IA2, IA3) "}, %" #IB              \
+                                                                            ", p, 1, 1;\n"          \
+                                                                            "}\n"                   \
+        : EPMOE_WGMMA_OUT_##R                                                                       \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b),                                  \
+          "r"(static_cast<std::uint32_t>(accumulate)));                                             \
+  }
+EPMOE_WGMMA_RS_E4M3(8, 4, 4, 5, 6, 7, 8, 9)
+EPMOE_WGMMA_RS_E4M3(16, 8, 8, 9, 10, 11, 12, 13)
+EPMOE_WGMMA_RS_E4M3(32, 16, 16, 17, 18, 19, 20, 21)
+EPMOE_WGMMA_RS_E4M3(64, 32, 32, 33, 34, 35, 36, 37)
+EPMOE_WGMMA_RS_E4M3(128, 64, 64, 65, 66, 67, 68, 69)
+#undef EPMOE_WGMMA_RS_E4M3
+#undef EPMOE_WGMMA_PCT4
+#undef EPMOE_WGMMA_OUT4
+#undef EPMOE_WGMMA_ACC_4
+#undef EPMOE_WGMMA_OUT_4
+#undef EPMOE_WGMMA_ACC_8
+#undef EPMOE_WGMMA_OUT_8
+#undef EPMOE_WGMMA_ACC_12
+#undef EPMOE_WGMMA_OUT_12
+#undef EPMOE_WGMMA_ACC_16
+#undef EPMOE_WGMMA_OUT_16
+#undef EPMOE_WGMMA_ACC_20
+#undef EPMOE_WGMMA_OUT_20
+#undef EPMOE_WGMMA_ACC_24
+#undef EPMOE_WGMMA_OUT_24
+#undef EPMOE_WGMMA_ACC_28
+#undef EPMOE_WGMMA_OUT_28
+#undef EPMOE_WGMMA_ACC_32
+#undef EPMOE_WGMMA_OUT_32
+#undef EPMOE_WGMMA_ACC_36
+#undef EPMOE_WGMMA_OUT_36
+#undef EPMOE_WGMMA_ACC_40
+#undef EPMOE_WGMMA_OUT_40
+#undef EPMOE_WGMMA_ACC_44
+#undef EPMOE_WGMMA_OUT_44
+#undef EPMOE_WGMMA_ACC_48
+#undef EPMOE_WGMMA_OUT_48
+#undef EPMOE_WGMMA_ACC_52
+#undef EPMOE_WGMMA_OUT_52
+#undef EPMOE_WGMMA_ACC_56
+#undef EPMOE_WGMMA_OUT_56
+#undef EPMOE_WGMMA_ACC_60
+#undef EPMOE_WGMMA_OUT_60
+#undef EPMOE_WGMMA_ACC_64
+#undef EPMOE_WGMMA_OUT_64
+#undef EPMOE_WGMMA_ACC_68
+#undef EPMOE_WGMMA_OUT_68
+#undef EPMOE_WGMMA_ACC_72
+#undef EPMOE_WGMMA_OUT_72
+#undef EPMOE_WGMMA_ACC_76
+#undef EPMOE_WGMMA_OUT_76
+#undef EPMOE_WGMMA_ACC_80
+#undef EPMOE_WGMMA_OUT_80
+#undef EPMOE_WGMMA_ACC_84
+#undef EPMOE_WGMMA_OUT_84
+#undef EPMOE_WGMMA_ACC_88
+#undef EPMOE_WGMMA_OUT_88
+#undef EPMOE_WGMMA_ACC_92
+#undef EPMOE_WGMMA_OUT_92
+#undef EPMOE_WGMMA_ACC_96
+#undef EPMOE_WGMMA_OUT_96
 
 // ---------------------------------------------------------------- mma.sync (warp level)
 // D[16 x 8] += A[16 x 32] · B[8 x 32]^T, e4m3 x e4m3 -> f32 (sm_89+), the warp-level tensor-core
