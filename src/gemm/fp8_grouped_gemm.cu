@@ -183,6 +183,31 @@ struct Problem {
   std::int64_t groups_in_schedule;  // masked: G (upper bound of the tiles); contiguous: 1
 };
 
+// A checked call's problem: `rows` per group of `groups_in_schedule` (contiguous: M and 1; masked: M_max
+// and G), with m_indices (contiguous) or masked_m (masked) as given, the other null.
+Problem make_problem(const TensorView& a_scales, const ScaleStrides& ss, const TensorView& b_scales,
+                     const Dims& w, const TensorView& d, std::int64_t rows, std::int64_t groups_in_schedule,
+                     const std::int32_t* m_indices, const std::int32_t* masked_m) {
+  Problem problem{};
+  GroupedGemmParams& p = problem.params;
+  p.sa = static_cast<const float*>(a_scales.data);
+  p.sa_group_stride = static_cast<std::int32_t>(ss.group);
+  p.sa_row_stride = static_cast<std::int32_t>(ss.row);
+  p.sa_kb_stride = static_cast<std::int32_t>(ss.kb);
+  p.sb = static_cast<const float*>(b_scales.data);
+  p.m_indices = m_indices;
+  p.masked_m = masked_m;
+  p.d = static_cast<__nv_bfloat16*>(d.data);
+  p.rows = static_cast<std::int32_t>(rows);
+  p.n = static_cast<std::int32_t>(w.n);
+  p.k = static_cast<std::int32_t>(w.k);
+  p.groups = static_cast<std::int32_t>(w.groups);
+  problem.a_rows = groups_in_schedule * rows;
+  problem.tile_rows = rows;
+  problem.groups_in_schedule = groups_in_schedule;
+  return problem;
+}
+
 // v21's workspace: the counters (per CTA kSplitCountersPerTile), then per CTA one partial of the largest
 // tile.
 constexpr std::int64_t kSplitPartialFloats = 128 * 256;
@@ -634,23 +659,8 @@ void fp8_grouped_gemm_contiguous(TensorView a, TensorView a_scales, ScaleLayout 
   if (M == 0) return;
   check_device();
 
-  Problem problem{};
-  GroupedGemmParams& p = problem.params;
-  p.sa = static_cast<const float*>(a_scales.data);
-  p.sa_group_stride = static_cast<std::int32_t>(ss.group);
-  p.sa_row_stride = static_cast<std::int32_t>(ss.row);
-  p.sa_kb_stride = static_cast<std::int32_t>(ss.kb);
-  p.sb = static_cast<const float*>(b_scales.data);
-  p.m_indices = static_cast<const std::int32_t*>(m_indices.data);
-  p.masked_m = nullptr;
-  p.d = static_cast<__nv_bfloat16*>(d.data);
-  p.rows = static_cast<std::int32_t>(M);
-  p.n = static_cast<std::int32_t>(w.n);
-  p.k = static_cast<std::int32_t>(w.k);
-  p.groups = static_cast<std::int32_t>(w.groups);
-  problem.a_rows = M;
-  problem.tile_rows = M;
-  problem.groups_in_schedule = 1;
+  const Problem problem = make_problem(a_scales, ss, b_scales, w, d, M, 1,
+                                       static_cast<const std::int32_t*>(m_indices.data), nullptr);
   launch(tile, a, b, problem, options, stream);
 }
 
@@ -674,23 +684,8 @@ void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_sc
   if (M_max == 0) return;
   check_device();
 
-  Problem problem{};
-  GroupedGemmParams& p = problem.params;
-  p.sa = static_cast<const float*>(a_scales.data);
-  p.sa_group_stride = static_cast<std::int32_t>(ss.group);
-  p.sa_row_stride = static_cast<std::int32_t>(ss.row);
-  p.sa_kb_stride = static_cast<std::int32_t>(ss.kb);
-  p.sb = static_cast<const float*>(b_scales.data);
-  p.m_indices = nullptr;
-  p.masked_m = static_cast<const std::int32_t*>(masked_m.data);
-  p.d = static_cast<__nv_bfloat16*>(d.data);
-  p.rows = static_cast<std::int32_t>(M_max);
-  p.n = static_cast<std::int32_t>(w.n);
-  p.k = static_cast<std::int32_t>(w.k);
-  p.groups = static_cast<std::int32_t>(w.groups);
-  problem.a_rows = w.groups * M_max;
-  problem.tile_rows = M_max;
-  problem.groups_in_schedule = w.groups;
+  const Problem problem = make_problem(a_scales, ss, b_scales, w, d, M_max, w.groups, nullptr,
+                                       static_cast<const std::int32_t*>(masked_m.data));
   if (swap) {
     launch_swapped(a, b, problem, options, stream);
     return;
