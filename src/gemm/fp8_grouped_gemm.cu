@@ -509,12 +509,17 @@ void launch_swapped(const TensorView& a, const TensorView& b, const Problem& pro
   using Traits = kernels::SwapGemmTraits;
   // The experiment instance where an ablation only it reads is asked for (bench lines ".swap.exp.*").
   constexpr int kExperimentBits = kernels::kAblateMath | kernels::kAblateScales | kernels::kAblateFullWait |
-                                  kernels::kAblatePromote | kernels::kAblateOneWait | kernels::kAblateSpin;
+                                  kernels::kAblatePromote | kernels::kSwapAblateScalarPromote |
+                                  kernels::kSwapAblateOneConsumer;
+  constexpr auto kDefault = &kernels::fp8_masked_swap_kernel<false>;
+  constexpr auto kExperiment = &kernels::fp8_masked_swap_kernel<true>;
   const bool experiment = (options.ablation & kExperimentBits) != 0;
-  const auto kernel =
-      experiment ? &kernels::fp8_masked_swap_kernel<true> : &kernels::fp8_masked_swap_kernel<false>;
-  gemm_host::allow_dynamic_smem<&kernels::fp8_masked_swap_kernel<false>, Traits::kSmemBytes>();
-  gemm_host::allow_dynamic_smem<&kernels::fp8_masked_swap_kernel<true>, Traits::kSmemBytes>();
+  if (experiment) {
+    gemm_host::allow_dynamic_smem<kExperiment, Traits::kSmemBytes>();
+  } else {
+    gemm_host::allow_dynamic_smem<kDefault, Traits::kSmemBytes>();
+  }
+  const auto kernel = experiment ? kExperiment : kDefault;
   EPMOE_CHECK(options.stages >= 0 && options.stages <= Traits::kStages,
               "options.stages must be 0 (all) or 1..{} with swap_ab, got {}", Traits::kStages,
               options.stages);

@@ -47,6 +47,11 @@ inline constexpr int kSwapChunk = 256;       // tokens per tile, at most
 inline constexpr int kSwapTokenBox = 32;     // rows per TMA box of tokens
 // Token rows per stage: the widest chunk's waves (3 x 88), in whole boxes.
 inline constexpr int kSwapTokenRows = 288;
+// The swapped kernel's own timing ablations (its experiment instance only), on bits whose row-major
+// meanings (one wait per K block, the consumer spin) do not apply to it: the promotion with one scale for
+// every column (no per-column scale loads or multiplies), and consumer 1 idle (it waits and frees only).
+inline constexpr int kSwapAblateScalarPromote = kAblateOneWait;
+inline constexpr int kSwapAblateOneConsumer = kAblateSpin;
 
 struct SwapGemmTraits {
   static constexpr int kThreads = 384;  // the producer warpgroup and two consumers
@@ -349,9 +354,8 @@ __device__ __forceinline__ void with_wave_shape(SwapWaves w, F&& f) {
 // kExperiments: the timing-experiment instance (bench lines ".swap.exp.*", bench/NOTES.md session 42),
 // which also reads kAblateScales (the scale warp arrives without copying), kAblateFullWait (consumers
 // compute on stale stages), kAblateMath (consumers wait and free, nothing else), kAblatePromote (one add
-// per wave instead of the promotion), kAblateOneWait (here: the promotion with one scale for every
-// column) and kAblateSpin (here: consumer 1 computes nothing); the default instance reads only kAblateLoads
-// and kAblateEpilogue, so that its allocation does not carry the branches.
+// per wave instead of the promotion), kSwapAblateScalarPromote and kSwapAblateOneConsumer; the default
+// instance reads only kAblateLoads and kAblateEpilogue, so that its allocation does not carry the branches.
 template <bool kExperiments>
 __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
     fp8_masked_swap_kernel(const __grid_constant__ CUtensorMap tma_tokens,
@@ -494,9 +498,10 @@ __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
           const int stage = __shfl_sync(0xffffffffu, pipe.stage, 0);
           if constexpr (kExperiments) {
             if ((p.ablation & kAblateFullWait) == 0) ptx::mbar_wait(u_full + 8 * stage, pipe.phase);
-            // (kAblateSpin, here: consumer 1 only waits and frees, consumer 0 computes alone: is one
-            // consumer's wgmma stream as fast per group alone as beside the other's?)
-            if ((p.ablation & kAblateMath) != 0 || ((p.ablation & kAblateSpin) != 0 && u_consumer == 1)) {
+            // (kSwapAblateOneConsumer: is one consumer's wgmma stream as fast per group alone as beside
+            // the other's?)
+            if ((p.ablation & kAblateMath) != 0 ||
+                ((p.ablation & kSwapAblateOneConsumer) != 0 && u_consumer == 1)) {
               ptx::mbar_arrive_warp(u_empty + 8 * stage);
               pipe.advance(stages);
               continue;
@@ -528,7 +533,7 @@ __global__ void __launch_bounds__(SwapGemmTraits::kThreads, 1)
                 acc[w][0] += part[0];  // (keeps the wgmma's results live)
                 continue;
               }
-              if ((p.ablation & kAblateOneWait) != 0) {
+              if ((p.ablation & kSwapAblateScalarPromote) != 0) {
 #pragma unroll
                 for (int i = 0; i < kN / 2; ++i) acc[w][i] = fmaf(sb, part[i], acc[w][i]);
                 continue;
