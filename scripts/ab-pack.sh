@@ -16,7 +16,7 @@ for arg in "$@"; do
   [[ $t =~ ^[a-f]$ && -x $dir/bin/epmoe && -f $dir/libepmoe.so ]] ||
     { echo "ab-pack: $arg: want TREE=BUILD_DIR with bin/epmoe and libepmoe.so (TREE one of a-f)" >&2; exit 2; }
   mkdir -p "$stage/$t/build-gpu/bin" "$stage/$t/build-gpu/tests"
-  cp "$dir/bin/epmoe" "$stage/$t/build-gpu/bin/"
+  cp "$dir"/bin/epmoe* "$stage/$t/build-gpu/bin/"  # (epmoe.real too, behind a wrapper that sets a switch)
   cp "$dir/libepmoe.so" "$stage/$t/build-gpu/"
   if [[ -x $dir/tests/epmoe_gpu_tests ]]; then cp "$dir/tests/epmoe_gpu_tests" "$stage/$t/build-gpu/tests/"; fi
 done

@@ -212,6 +212,11 @@ Variant no_split_tail_variant() {  // the default before v21 (session 38): the t
   v.options.split_tail = 0;
   return v;
 }
+Variant no_zero_padding_variant() {  // the default before v29 (session 43): padding rows' A as it is
+  Variant v{".no_zero_padding", {}};
+  v.options.zero_padding_rows = false;
+  return v;
+}
 Variant no_tail_pieces_variant() {  // masked: the default before v22 (session 39): v21's split tail only
   Variant v{".no_tail_pieces", {}};
   v.options.tail_pieces = 0;
@@ -472,8 +477,9 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
-  std::vector<Variant> variants{{"", {}},       no_split_tail_variant(), c2_variant(), pingpong_variant(),
-                                skew_variant(), plain_loop_variant(),    v2_variant()};
+  std::vector<Variant> variants{
+      {"", {}},           no_split_tail_variant(), no_zero_padding_variant(), c2_variant(),
+      pingpong_variant(), skew_variant(),          plain_loop_variant(),      v2_variant()};
   if (chosen.block_n == 256) {
     variants.push_back(direct_variant());
     variants.push_back(split_variant());
@@ -525,6 +531,18 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       sa(DType::f32, {G, KB, cuda::tma_aligned_tokens(M_max)}), b(DType::fp8_e4m3, {G, N, K}),
       sb(DType::f32, {G, N / 128, KB}), masked_m(DType::i32, {G}), d(DType::bf16, {G, M_max, N});
   fill_operands(a, b, seed, stream);
+  // EPMOE_BENCH_GEMM_ZERO_PADDING=1: the rows past each group's count (which the kernels compute where a
+  // tile holds valid rows too, and never store) zero instead of random (session 43: what the padding
+  // rows' operand values cost a card whose clock drops under tensor work).
+  if (const char* e = std::getenv("EPMOE_BENCH_GEMM_ZERO_PADDING");
+      e != nullptr && std::string_view(e) == "1") {
+    for (std::int64_t g = 0; g < G; ++g) {
+      const std::int64_t rows = sizes[static_cast<std::size_t>(g)];
+      if (rows < M_max)
+        EPMOE_CUDA_CHECK(cudaMemsetAsync(static_cast<std::uint8_t*>(a.view().data) + (g * M_max + rows) * K,
+                                         0, static_cast<std::size_t>((M_max - rows) * K), stream));
+    }
+  }
   fill_random_scales(sa, seed + 2, stream);
   fill_random_scales(sb, seed + 4, stream);
   cuda::copy_to_device(masked_m, counts, stream);
@@ -540,7 +558,8 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   SameBytesCopy* decode_copy = s.groups == 128 ? &same_bytes : nullptr;
   // The heuristic's tile first, then the others (".alt*") to keep the choice honest.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(true, s.expected_m, N);
-  std::vector<Variant> variants{{"", {}}, no_split_tail_variant(), no_tail_pieces_variant()};
+  std::vector<Variant> variants{
+      {"", {}}, no_split_tail_variant(), no_tail_pieces_variant(), no_zero_padding_variant()};
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());

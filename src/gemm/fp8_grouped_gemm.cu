@@ -328,13 +328,16 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
     params.borrow_epilogue = kernels::kBorrowNoGate;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;
+  // v29: zeros past a tile's valid 32-row boxes of A (the small box's rows; not in a cluster).
+  params.zero_padding_rows = options.zero_padding_rows && cluster == 1 ? 1 : 0;
   const CUtensorMapL2promotion promotion = l2_promotion(options);
   const CUtensorMap tma_a = make_tma_2d(a.data, problem.a_rows, params.k, kBlockM, "a", promotion);
   const CUtensorMap tma_a_part =
       cluster > 1
           ? make_tma_2d(a.data, problem.a_rows, params.k, kBlockM / cluster, "a (cluster part)", promotion)
-          : make_tma_2d(a.data, problem.a_rows, params.k, std::max(params.a_small_rows, 8), "a (small box)",
-                        promotion);
+          : make_tma_2d(a.data, problem.a_rows, params.k,
+                        params.zero_padding_rows != 0 ? kSmallABoxRows : std::max(params.a_small_rows, 8),
+                        "a (small box)", promotion);
   const CUtensorMap tma_b = make_tma_2d(b.data, static_cast<std::int64_t>(params.groups) * params.n, params.k,
                                         kBlockN, "b", promotion);
   // v12's TMA stores (p.borrow_epilogue): d as bytes [a_rows, 2 N] in the 128-byte swizzle (v17: the

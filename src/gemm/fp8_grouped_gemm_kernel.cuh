@@ -73,6 +73,10 @@ inline constexpr int kGemmWaveN = 128;   // columns per wgmma wave (one weight-s
 inline constexpr int kGemmBandColumns = 1024;
 inline constexpr int kGemmSmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
 
+// v29: zeros for the A rows past a tile's valid ones (GroupedGemmParams::zero_padding_rows): the bytes of
+// 128 rows of one K block, zero as every static object is at load; the kernels only read them.
+static __device__ __align__(128) std::uint8_t g_zero_a_rows[128 * kGemmBlockK];
+
 // v13's tile ring (bench/NOTES.md, session 35): the producer warpgroup's otherwise idle warp 3 walks
 // the schedule up to kTileSlots tiles ahead of the TMA, scale and store warps and hands each tile over
 // in shared memory. Walking it themselves (next(): in the contiguous layout a dependent read of
@@ -175,6 +179,11 @@ struct GroupedGemmParams {
   std::int32_t parent_units;  // contiguous: the parent's total_units
   std::int32_t parent_band_units, parent_band_tiles;
   float inv_parent_band_tiles, inv_parent_band_units, inv_parent_last_width;
+  // v29 (session 43): 1: tiles with fewer valid rows than kBlockM load only A's 32-row boxes (tma_a_part's)
+  // that hold valid rows, and the rest of the stage's A rows are zeros (a bulk copy of g_zero_a_rows that
+  // the scale warp issues when the tile first uses the stage); 0: as a_small_rows says. (Last: beside
+  // a_small_rows, the new member moved ptxas's allocation of the 128 x 256 consumers into spills.)
+  std::int32_t zero_padding_rows;
 };
 
 inline constexpr int kTailWhole = 1;
@@ -968,6 +977,10 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   using Traits = GemmTraits<kBlockM, kBlockN>;
   constexpr int kStages = Traits::kStages;
   constexpr int kWaves = Traits::kWaves;
+  // v29's zero padding rows: 128 x 256 tiles only (64 x 128 tiles, memory-bound, measured 0.4-1% slower
+  // with them; in 128 x 128 tiles the code moved ptxas's register allocation of the promotion into 205
+  // one-parity FFMAs; bench/NOTES.md session 43).
+  constexpr bool kZeroPaddingRows = kBlockM == 128 && kBlockN == 256;
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   // (The swizzled tiles need 1024-byte alignment; Traits::kSmemBytes has no slack for more.)
@@ -1091,10 +1104,19 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // Tiles with few valid rows (decode) load only the first a_small_rows rows of A: the rest
         // of the A tile in shared memory is stale, and feeds only rows that are never stored.
         // (Never in a cluster, where tma_a_part is this CTA's 64-row half of A.)
-        const bool small = rows_used <= p.a_small_rows;
+        // v29: or, with p.zero_padding_rows and at least one whole 32-row box of padding rows, only A's
+        // 32-row boxes that hold valid rows; the rest of the stage's A rows are zeros (the scale warp's
+        // bulk copy, below): the padding rows' products then cost the tensor cores less energy, and a card
+        // whose clock drops under tensor work runs faster (bench/NOTES.md session 43). TMA's own zero fill
+        // (boxes out of A's bounds) made those tiles ~1.5x slower, measured.
+        const std::int32_t valid_boxes =
+            kZeroPaddingRows && p.zero_padding_rows != 0 && rows_used <= kBlockM - 32 ? (rows_used + 31) / 32
+                                                                                      : 0;
+        const bool small = valid_boxes > 0 || rows_used <= p.a_small_rows;
         const CUtensorMap* map_a = small ? &tma_a_part : &tma_a;
         const std::uint32_t bytes =
-            small ? p.a_small_rows * kGemmBlockK + Traits::kBBytes : Traits::kStageBytes;
+            small ? (valid_boxes > 0 ? valid_boxes * 32 : p.a_small_rows) * kGemmBlockK + Traits::kBBytes
+                  : Traits::kStageBytes;
         const bool gate = after_first && borrowing() && p.borrow_epilogue != kBorrowNoGate;
         after_first = true;
         for (std::int32_t kb = 0; kb < kb_count; ++kb) {
@@ -1127,6 +1149,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
                                            row0 + static_cast<std::int32_t>(rank) * (kBlockM / 2), 0x3);
               } else {
                 ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, k0, row0);
+                for (int box = 1; box < valid_boxes; ++box)
+                  ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes + box * 32 * kGemmBlockK, map_a,
+                                   full, k0, row0 + box * 32);
               }
               ptx::tma_load_2d(smem_b + pipe.stage * Traits::kBBytes, &tma_b, full, k0, b_row);
             }
@@ -1147,8 +1172,20 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         const std::int32_t rows_used = w[0];
         std::int32_t sa_off = w[1] + lane * p.sa_row_stride;
         const std::int32_t sb_off = w[2] + lane * num_kb;
+        // v29: the bytes of A's rows past the tile's valid 32-row boxes (the TMA warp loads only those),
+        // zeros in each stage the tile uses from its first use on (the tile's loads leave them).
+        const std::uint32_t zero_bytes =
+            kZeroPaddingRows && p.zero_padding_rows != 0 && rows_used <= kBlockM - 32
+                ? Traits::kABytes - (rows_used + 31) / 32 * 32 * kGemmBlockK
+                : 0u;
         for (std::int32_t kb = 0; kb < kb_count; ++kb) {
           ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+          if (zero_bytes != 0 && kb < stages && lane == 0) {
+            // (Counted on "full" before this warp's arrivals, so the stage cannot complete without them.)
+            ptx::mbar_expect_tx(full_bar + 8 * pipe.stage, zero_bytes);
+            ptx::bulk_load(smem_a + (pipe.stage + 1) * Traits::kABytes - zero_bytes, g_zero_a_rows,
+                           zero_bytes, full_bar + 8 * pipe.stage);
+          }
           const std::uint32_t scales = smem_scales + pipe.stage * Traits::kScaleBytes + 4 * lane;
           if (kWaves == 1 || (p.ablation & kAblateScales) == 0) {
 #pragma unroll

@@ -431,7 +431,17 @@ struct MaskedCase {
   int borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;   // -1: automatic (off at K <= 2048 here)
   int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (grouped_gemm_tile_store)
   int swap_ab = cuda::GroupedGemmOptions{}.swap_ab;          // -1: automatic (grouped_gemm_swap_ab)
+  bool zero_padding = cuda::GroupedGemmOptions{}.zero_padding_rows;
 };
+
+// v29's zero boxes off (zero_padding_rows false): A's padding rows loaded as they are (small_a_box as given).
+MaskedCase masked_unzeroed_case(std::string name, std::int64_t m_max, std::vector<std::int32_t> masked_m,
+                                std::int64_t n, std::int64_t k, int block_m, bool small_a_box) {
+  MaskedCase c{std::move(name),           m_max,   std::move(masked_m), n, k,
+               ScaleLayout::mn_major_tma, block_m, small_a_box};
+  c.zero_padding = false;
+  return c;
+}
 
 // The swapped-operand kernel (options.swap_ab = 1) on `masked_m`.
 MaskedCase masked_swap_case(std::string name, std::int64_t m_max, std::vector<std::int32_t> masked_m,
@@ -524,6 +534,7 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.borrow_epilogue = c.borrow;
   options.tile_store = c.tile_store;
   options.swap_ab = c.swap_ab;
+  options.zero_padding_rows = c.zero_padding;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
@@ -576,6 +587,14 @@ INSTANTIATE_TEST_SUITE_P(
                          ScaleLayout::mn_major_tma),
         // M_max not a multiple of the tile; an empty group and a single-row group.
         MaskedCase{"N4096_K2048_mmax200", 200, {0, 1, 200, 77}, 4096, 2048, ScaleLayout::token_major},
+        // The same without v29's zero boxes (the padding rows' NaN codes loaded and computed, never stored),
+        // with 128- and 64-row tiles, with and without the small A box.
+        masked_unzeroed_case("N4096_K2048_mmax200_no_zero_padding", 200, {0, 1, 200, 77, 33, 130}, 4096, 2048,
+                             128, true),
+        masked_unzeroed_case("N1536_K2048_mmax200_block64_no_zero_padding", 200, {0, 1, 200, 77, 31, 64},
+                             1536, 2048, 64, true),
+        masked_unzeroed_case("N1536_K2048_mmax200_block64_no_zero_padding_full_a_box", 200,
+                             {0, 1, 200, 77, 31}, 1536, 2048, 64, false),
         MaskedCase{"N4096_K2048_mmax200_block64_mn_major_full_a_box",
                    200,
                    {0, 1, 200, 77},

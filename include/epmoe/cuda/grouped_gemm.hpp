@@ -49,6 +49,11 @@ struct GroupedGemmOptions {
   int stages = 0;
   // Tiles with at most 32 valid rows load only those rows of A (decode).
   bool small_a_box = true;
+  // Tiles with fewer valid rows than the tile load A in 32-row boxes, and the boxes past the valid rows
+  // as zeros (no memory read): the padding rows' products, which are never stored, then cost the tensor
+  // cores less energy, and a card whose clock drops under tensor work runs faster (v29, bench/NOTES.md
+  // session 43). Takes precedence over small_a_box. Not in a cluster, nor in 128 x 128 tiles.
+  bool zero_padding_rows = true;
   // L2 promotion of the TMA loads: 0 = 256 bytes, 1 = none, 2 = 128 bytes.
   int l2_promotion = 0;
   // Bits, 0: off. 1: skip the tensor-core work and the promotion; 2: skip the loads (the pipeline
