@@ -966,7 +966,11 @@ __device__ __forceinline__ bool split_tile_reduce(float (&acc)[kWaves][64], cons
 // kSplitTail: the consumers' side of v21's split tail (a unit's K range, the chunk's sum); the launcher
 // picks the instantiation without it wherever no tail can split, so that those launches run the
 // consumers' code as before v21 (whose extra per-tile work measured ~0.5-1% on short-K rows).
-template <int kBlockM, int kBlockN, bool kSplitTail>
+// kZeroPadding: v29's zero padding rows (128 x 256 tiles; GroupedGemmParams::zero_padding_rows), in an
+// instance of its own: its code in the kernel cost the rows with few partial tiles 0.7-0.8% even where
+// it did nothing (8 x 4096, 4 x 8192 at K = 7168, bench/NOTES.md session 43), so those launch the kernel
+// without it.
+template <int kBlockM, int kBlockN, bool kSplitTail, bool kZeroPadding = false>
 __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                             const __grid_constant__ CUtensorMap tma_a_part,
@@ -980,7 +984,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   // v29's zero padding rows: 128 x 256 tiles only (64 x 128 tiles, memory-bound, measured 0.4-1% slower
   // with them; in 128 x 128 tiles the code moved ptxas's register allocation of the promotion into 205
   // one-parity FFMAs; bench/NOTES.md session 43).
-  constexpr bool kZeroPaddingRows = kBlockM == 128 && kBlockN == 256;
+  static_assert(!kZeroPadding || (kBlockM == 128 && kBlockN == 256 && !kSplitTail));
+  constexpr bool kZeroPaddingRows = kZeroPadding;
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   // (The swizzled tiles need 1024-byte alignment; Traits::kSmemBytes has no slack for more.)
