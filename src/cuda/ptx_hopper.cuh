@@ -56,12 +56,12 @@ __device__ __forceinline__ void mbar_arrive_warp(std::uint32_t bar) {
   mbar_arrive(bar);
 }
 
-// Arrives and adds `bytes` to the transaction count the current phase waits for.
-// Raises the mbarrier's expected transaction bytes of the current phase without arriving (bytes that a
-// copy issued by this thread will complete on it).
+// Adds `bytes` to the transaction count the current phase waits for, without arriving (bytes that a copy
+// issued by this thread will complete on it).
 __device__ __forceinline__ void mbar_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
+// Arrives and adds `bytes` to the transaction count the current phase waits for.
 __device__ __forceinline__ void mbar_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }

@@ -49,12 +49,12 @@ struct GroupedGemmOptions {
   int stages = 0;
   // Tiles with at most 32 valid rows load only those rows of A (decode).
   bool small_a_box = true;
-  // Tiles with fewer valid rows than the tile load A in 32-row boxes, and the boxes past the valid rows
-  // as zeros (no memory read): the padding rows' products, which are never stored, then cost the tensor
-  // cores less energy, and a card whose clock drops under tensor work runs faster (v29, bench/NOTES.md
-  // session 43). Takes precedence over small_a_box. 128 x 256 tiles only, not in a cluster; masked launches
-  // and contiguous ones with groups of fewer than 2048 rows on average (larger groups have few padded
-  // tiles, and the kernel without the code ran 0.7-0.8% faster there).
+  // Tiles with at least 32 padding rows load only A's 32-row boxes that hold valid rows, and zeros over
+  // the rest (a bulk copy of a small zero buffer, once per stage and tile): the padding rows' products,
+  // which are never stored, then cost the tensor cores less energy, and a card whose clock drops under
+  // tensor work runs faster (v29, bench/NOTES.md session 43). Takes precedence over small_a_box. 128 x 256
+  // tiles only, not in a cluster; masked launches and contiguous ones with groups of fewer than 2048 rows on
+  // average (larger groups have few padded tiles, and the kernel without the code ran 0.7-0.8% faster there).
   bool zero_padding_rows = true;
   // L2 promotion of the TMA loads: 0 = 256 bytes, 1 = none, 2 = 128 bytes.
   int l2_promotion = 0;
