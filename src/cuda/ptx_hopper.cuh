@@ -354,24 +354,22 @@ template <int N>
 __device__ __forceinline__ void wgmma_m64k32_ss_e4m3(float (&d)[N / 2], std::uint64_t desc_a,
                                                      std::uint64_t desc_b, bool accumulate);
 
+// The text of one e4m3 x e4m3 -> f32 wgmma m64nNk32 around its operands (both wrappers below): the
+// scale-d predicate from operand IP, then the instruction; its operands; the scales and its end.
+#define EPMOE_WGMMA_E4M3_HEAD(N, IP) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 "
+#define EPMOE_WGMMA_E4M3_TAIL ", p, 1, 1;\n}\n"
+
 // The specialisation for N: R = N / 2 accumulators, then desc_a, desc_b and the flag as operands R, R + 1
 // and R + 2 (IA, IB, IP: the preprocessor does not add).
-#define EPMOE_WGMMA_SS_E4M3(N, R, IA, IB, IP)                                                      \
-  template <>                                                                                      \
-  __device__ __forceinline__ void wgmma_m64k32_ss_e4m3<N>(float(&d)[R], std::uint64_t desc_a,      \
-                                                          std::uint64_t desc_b, bool accumulate) { \
-    asm volatile(                                                                                  \
-        "{\n"                                                                                      \
-        ".reg .pred p;\n"                                                                          \
-        "setp.ne.b32 p, %" #IP                                                                     \
-        ", 0;\n"                                                                                   \
-        "wgmma.mma_async.sync.aligned.m64n" #N                                                     \
-        "k32.f32.e4m3.e4m3 "                                                                       \
-        "{" EPMOE_WGMMA_ACC_##R "}, %" #IA ", %" #IB                                               \
-                                ", p, 1, 1;\n"                                                     \
-                                "}\n"                                                              \
-        : EPMOE_WGMMA_OUT_##R                                                                      \
-        : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));                  \
+#define EPMOE_WGMMA_SS_E4M3(N, R, IA, IB, IP)                                                         \
+  template <>                                                                                         \
+  __device__ __forceinline__ void wgmma_m64k32_ss_e4m3<N>(float(&d)[R], std::uint64_t desc_a,         \
+                                                          std::uint64_t desc_b, bool accumulate) {    \
+    asm volatile(EPMOE_WGMMA_E4M3_HEAD(N, IP) "{" EPMOE_WGMMA_ACC_##R "}, %" #IA                      \
+                                                                      ", %" #IB EPMOE_WGMMA_E4M3_TAIL \
+                 : EPMOE_WGMMA_OUT_##R                                                                \
+                 : "l"(desc_a), "l"(desc_b), "r"(static_cast<std::uint32_t>(accumulate)));            \
   }
 EPMOE_WGMMA_SS_E4M3(8, 4, 4, 5, 6)
 EPMOE_WGMMA_SS_E4M3(16, 8, 8, 9, 10)
@@ -517,19 +515,11 @@ __device__ __forceinline__ void wgmma_m64k32_rs_e4m3(float (&d)[N / 2], const st
   template <>                                                                                       \
   __device__ __forceinline__ void wgmma_m64k32_rs_e4m3<N>(float(&d)[R], const std::uint32_t(&a)[4], \
                                                           std::uint64_t desc_b, bool accumulate) {  \
-    asm volatile(                                                                                   \
-        "{\n"                                                                                       \
-        ".reg .pred p;\n"                                                                           \
-        "setp.ne.b32 p, %" #IP                                                                      \
-        ", 0;\n"                                                                                    \
-        "wgmma.mma_async.sync.aligned.m64n" #N                                                      \
-        "k32.f32.e4m3.e4m3 "                                                                        \
-        "{" EPMOE_WGMMA_ACC_##R "}, {" EPMOE_WGMMA_PCT4(IA0, IA1, IA2, IA3) "}, %" #IB              \
-                                                                            ", p, 1, 1;\n"          \
-                                                                            "}\n"                   \
-        : EPMOE_WGMMA_OUT_##R                                                                       \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b),                                  \
-          "r"(static_cast<std::uint32_t>(accumulate)));                                             \
+    asm volatile(EPMOE_WGMMA_E4M3_HEAD(N, IP) "{" EPMOE_WGMMA_ACC_##R                               \
+                 "}, {" EPMOE_WGMMA_PCT4(IA0, IA1, IA2, IA3) "}, %" #IB EPMOE_WGMMA_E4M3_TAIL       \
+                 : EPMOE_WGMMA_OUT_##R                                                              \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b),                         \
+                   "r"(static_cast<std::uint32_t>(accumulate)));                                    \
   }
 EPMOE_WGMMA_RS_E4M3(8, 4, 4, 5, 6, 7, 8, 9)
 EPMOE_WGMMA_RS_E4M3(16, 8, 8, 9, 10, 11, 12, 13)
@@ -537,6 +527,8 @@ EPMOE_WGMMA_RS_E4M3(32, 16, 16, 17, 18, 19, 20, 21)
 EPMOE_WGMMA_RS_E4M3(64, 32, 32, 33, 34, 35, 36, 37)
 EPMOE_WGMMA_RS_E4M3(128, 64, 64, 65, 66, 67, 68, 69)
 #undef EPMOE_WGMMA_RS_E4M3
+#undef EPMOE_WGMMA_E4M3_HEAD
+#undef EPMOE_WGMMA_E4M3_TAIL
 #undef EPMOE_WGMMA_PCT4
 #undef EPMOE_WGMMA_OUT4
 #undef EPMOE_WGMMA_ACC_4

@@ -985,7 +985,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   // with them; in 128 x 128 tiles the code moved ptxas's register allocation of the promotion into 205
   // one-parity FFMAs; bench/NOTES.md session 43).
   static_assert(!kZeroPadding || (kBlockM == 128 && kBlockN == 256 && !kSplitTail));
-  constexpr bool kZeroPaddingRows = kZeroPadding;
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   // (The swizzled tiles need 1024-byte alignment; Traits::kSmemBytes has no slack for more.)
@@ -1115,8 +1114,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // whose clock drops under tensor work runs faster (bench/NOTES.md session 43). TMA's own zero fill
         // (boxes out of A's bounds) made those tiles ~1.5x slower, measured.
         const std::int32_t valid_boxes =
-            kZeroPaddingRows && p.zero_padding_rows != 0 && rows_used <= kBlockM - 32 ? (rows_used + 31) / 32
-                                                                                      : 0;
+            kZeroPadding && p.zero_padding_rows != 0 && rows_used <= kBlockM - 32 ? (rows_used + 31) / 32 : 0;
         const bool small = valid_boxes > 0 || rows_used <= p.a_small_rows;
         const CUtensorMap* map_a = small ? &tma_a_part : &tma_a;
         const std::uint32_t bytes =
@@ -1179,10 +1177,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         const std::int32_t sb_off = w[2] + lane * num_kb;
         // v29: the bytes of A's rows past the tile's valid 32-row boxes (the TMA warp loads only those),
         // zeros in each stage the tile uses from its first use on (the tile's loads leave them).
-        const std::uint32_t zero_bytes =
-            kZeroPaddingRows && p.zero_padding_rows != 0 && rows_used <= kBlockM - 32
-                ? Traits::kABytes - (rows_used + 31) / 32 * 32 * kGemmBlockK
-                : 0u;
+        const std::uint32_t zero_bytes = kZeroPadding && p.zero_padding_rows != 0 && rows_used <= kBlockM - 32
+                                             ? Traits::kABytes - (rows_used + 31) / 32 * 32 * kGemmBlockK
+                                             : 0u;
         for (std::int32_t kb = 0; kb < kb_count; ++kb) {
           ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
           if (zero_bytes != 0 && kb < stages && lane == 0) {

@@ -587,8 +587,9 @@ INSTANTIATE_TEST_SUITE_P(
                          ScaleLayout::mn_major_tma),
         // M_max not a multiple of the tile; an empty group and a single-row group.
         MaskedCase{"N4096_K2048_mmax200", 200, {0, 1, 200, 77}, 4096, 2048, ScaleLayout::token_major},
-        // The same without v29's zero boxes (the padding rows' NaN codes loaded and computed, never stored),
-        // with 128- and 64-row tiles, with and without the small A box.
+        // The same without v29's zero boxes (the padding rows' NaN codes loaded and computed, never stored;
+        // 128 x 256 tiles, the only ones with zero boxes), and two 64-row-tile cases (which never zero: the
+        // small A box and the full one on such groups).
         masked_unzeroed_case("N4096_K2048_mmax200_no_zero_padding", 200, {0, 1, 200, 77, 33, 130}, 4096, 2048,
                              128, true),
         masked_unzeroed_case("N1536_K2048_mmax200_block64_no_zero_padding", 200, {0, 1, 200, 77, 31, 64},
