@@ -9,7 +9,7 @@
 #
 # OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, configure.log,
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
-# memcheck.log, racecheck.log, initcheck.log, bench.log). Every step runs even when an earlier one fails (steps
+# memcheck.log, racecheck.log, initcheck.log, bench.log, gemm-kernel-times.{txt,json}). Every step runs even when an earlier one fails (steps
 # that need the build are skipped without it); the exit status is non-zero when the build, a
 # test or a sanitizer failed.
 set -euo pipefail
@@ -147,6 +147,16 @@ if ((built)) && want bench; then
   step bench bash -o pipefail -c "build-gpu/bin/epmoe bench all --json '$out/bench.json' 2>&1 | tee '$out/bench.log'"
   # The tensor cores alone under the FP8 GEMM's consumer-loop shapes (cycles per wgmma; 64 = peak).
   step tensor-probe bash -o pipefail -c "build-gpu/bin/epmoe_tensor_probe gemm 2>&1 | tee '$out/tensor-probe.log'"
+  # The FP8 GEMM rows again under the CUPTI tracer: kernel durations, DeepGEMM's own way of timing
+  # its anchors, beside the event times (which also hold ~3 us of launch and events).
+  if [[ -f build-gpu/lib/libepmoe_kernel_trace.so ]]; then
+    step gemm-kernel-times bash -o pipefail -c "rm -rf '$out/gemm-trace' &&
+      LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} CUDA_INJECTION64_PATH='$root/build-gpu/lib/libepmoe_kernel_trace.so' \
+      EPMOE_KERNEL_TRACE_DIR='$out/gemm-trace' build-gpu/bin/epmoe bench gemm --quant fp8 --json '$out/gemm-traced.json' > '$out/gemm-traced.log' 2>&1 &&
+      python3 scripts/gemm-kernel-times.py '$out/gemm-traced.json' '$out'/gemm-trace/kernels-*.json --json '$out/gemm-kernel-times.json' | tee '$out/gemm-kernel-times.txt'"
+  else
+    skip gemm-kernel-times "no kernel trace library"
+  fi
 else
   skip bench "no build or not in EPMOE_GPU_CHECK_STEPS"
 fi
@@ -186,6 +196,10 @@ fi
   if [[ -f $out/layer/runs.log ]]; then
     echo "layer (epmoe run):"
     grep -E "^(\[rank 0\] )?  (decode|prefill)" "$out/layer/runs.log" | sed 's/^/  /' | cut -c1-170 || true
+  fi
+  if [[ -f $out/gemm-kernel-times.txt ]]; then
+    echo "FP8 GEMM kernel durations (CUPTI) against DeepGEMM's:"
+    sed 's/^/  /' "$out/gemm-kernel-times.txt"
   fi
   if [[ -f $out/bench.log ]]; then
     echo "bench:"
