@@ -13,8 +13,9 @@ kernels, so that the two sides are compared the same way:
 Burst timing (src/bench/bench.cpp) runs each line as: one untimed launch, then 2 x I iterations of
 (memset of the gap buffer, the launch), the second I averaged. A launch's kernels are the GEMM kernels
 that start within 50 us of the memset's end, one after another (a parent and its tail follower
-both count: the span from the first start to the last end). Iterations without GEMM kernels (the
-decode rows' same-bytes copies) are skipped. Writes per line: kernel_us (the mean span over the
+both count: the span from the first start to the last end); a line's iterations follow each other
+with nothing else between, so the runs of iterations pair with the bench's lines one to one (runs
+without GEMM kernels, the decode rows' same-bytes copies, are skipped). Writes per line: kernel_us (the mean span over the
 second I iterations), event_us (the bench's time_us), and vs_deepgemm_kernel (deepgemm_us / kernel_us).
 """
 import argparse
@@ -46,38 +47,48 @@ def main():
     gap = max((memset_bytes(e) for e in ev), default=0)
     if gap < (1 << 30):
         sys.exit("no gap-buffer memsets (>= 1 GiB) in the trace: was the bench burst-timed?")
-    # Each gap memset opens an iteration; its launch is the GEMM kernels right after it.
-    iterations = []
-    for i, e in enumerate(ev):
+    # Each gap memset opens an iteration; its launch is what starts within 50 us of it, one event after
+    # another (the GEMM kernels of it: the span). Anything else before the next gap memset (a warm-up
+    # launch, fills, host work's kernels) ends a line's run of iterations.
+    runs, run = [], []
+    i = 0
+    while i < len(ev):
+        e = ev[i]
         if memset_bytes(e) != gap:
+            if run:
+                runs.append(run)
+                run = []
+            i += 1
             continue
-        start = end = None
-        for f in ev[i + 1:]:
-            if memset_bytes(f) == gap:
-                break
-            if not GEMM.search(f["name"]):
-                if start is not None:
-                    break
-                continue
-            if start is None:
-                if f["s"] - e["e"] > 50_000:
-                    break
-                start, end = f["s"], f["e"]
-            elif f["s"] - end > 50_000:
-                break
-            else:
-                end = max(end, f["e"])
-        iterations.append(None if start is None else (end - start) * 1e-3)
-    # Burst blocks: 2 x I iterations per timed line; I from the count (10 with --quick, else 30).
-    gemm_iters = [t for t in iterations if t is not None]
+        last_end, start, end = e["e"], None, None
+        i += 1
+        while i < len(ev) and memset_bytes(ev[i]) != gap and ev[i]["s"] - last_end <= 50_000:
+            f = ev[i]
+            last_end = max(last_end, f["e"])
+            if GEMM.search(f["name"]):
+                start = f["s"] if start is None else start
+                end = f["e"] if end is None else max(end, f["e"])
+            i += 1
+        run.append(None if start is None else (end - start) * 1e-3)
+    if run:
+        runs.append(run)
+    # A line's run: 2 x I launches with GEMM kernels (I: 10 with --quick, else 30); runs without any
+    # (the decode rows' same-bytes copies) are not lines.
+    line_runs = []
+    for r in runs:
+        if all(t is None for t in r):
+            continue
+        if any(t is None for t in r) or len(r) % 2 != 0:
+            sys.exit(f"a run of {len(r)} timed launches mixes GEMM and other launches or is odd")
+        line_runs.append(r)
     lines = len(results)
-    if lines == 0 or len(gemm_iters) % (2 * lines) != 0:
-        sys.exit(f"{len(gemm_iters)} timed GEMM launches do not divide into {lines} lines of 2 x I")
-    per = len(gemm_iters) // (2 * lines)
+    if len(line_runs) != lines or len({len(r) for r in line_runs}) != 1:
+        sys.exit(f"{len(line_runs)} runs of timed GEMM launches ({sorted({len(r) for r in line_runs})} each) do "
+                 f"not pair with the bench's {lines} lines")
+    per = len(line_runs[0]) // 2
     out = []
     for j, r in enumerate(results):
-        block = gemm_iters[2 * per * j:2 * per * (j + 1)]
-        kernel_us = statistics.fmean(block[per:])
+        kernel_us = statistics.fmean(line_runs[j][per:])
         p = r["params"]
         row = {
             "bench": r["bench"],
