@@ -217,6 +217,11 @@ Variant no_zero_padding_variant() {  // the default before v29 (session 43): pad
   v.options.zero_padding_rows = false;
   return v;
 }
+Variant no_trim_variant() {  // masked: the default before v30 (session 44): every SM a CTA
+  Variant v{".no_trim", {}};
+  v.options.trim_ctas = 0;
+  return v;
+}
 Variant no_tail_pieces_variant() {  // masked: the default before v22 (session 39): v21's split tail only
   Variant v{".no_tail_pieces", {}};
   v.options.tail_pieces = 0;
@@ -558,8 +563,11 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   SameBytesCopy* decode_copy = s.groups == 128 ? &same_bytes : nullptr;
   // The heuristic's tile first, then the others (".alt*") to keep the choice honest.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(true, s.expected_m, N);
-  std::vector<Variant> variants{
-      {"", {}}, no_split_tail_variant(), no_tail_pieces_variant(), no_zero_padding_variant()};
+  std::vector<Variant> variants{{"", {}},
+                                no_split_tail_variant(),
+                                no_tail_pieces_variant(),
+                                no_zero_padding_variant(),
+                                no_trim_variant()};
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());

@@ -127,6 +127,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
               "options.swap_ab must be -1 (automatic), 0 or 1, got {}", options.swap_ab);
   EPMOE_CHECK(options.tail_pieces >= -1 && options.tail_pieces <= 1,
               "options.tail_pieces must be -1 (automatic), 0 or 1, got {}", options.tail_pieces);
+  EPMOE_CHECK(options.trim_ctas >= -1 && options.trim_ctas <= 1,
+              "options.trim_ctas must be -1 (automatic), 0 or 1, got {}", options.trim_ctas);
   EPMOE_CHECK(options.split_tail >= -1 && options.split_tail <= 1,
               "options.split_tail must be -1 (automatic), 0 or 1, got {}", options.split_tail);
   EPMOE_CHECK(options.split_tail != 1 || options.workspace != nullptr,
@@ -172,7 +174,13 @@ CUtensorMapL2promotion l2_promotion(const GroupedGemmOptions& options) {
 // The persistent CTAs a launch may have: one per SM, at most options.max_ctas.
 std::int64_t ctas_allowed(const GroupedGemmOptions& options) {
   const std::int64_t sms = device_props().sm_count;
-  return options.max_ctas > 0 ? std::min<std::int64_t>(sms, options.max_ctas) : sms;
+  // EPMOE_GEMM_MAX_CTAS=C: the same cap where the options leave it open (experiments, A/B timing).
+  static const std::int64_t env_ctas = [] {
+    const char* e = std::getenv("EPMOE_GEMM_MAX_CTAS");
+    return e != nullptr && *e != '\0' ? std::max(0, std::atoi(e)) : 0;
+  }();
+  const std::int64_t cap = options.max_ctas > 0 ? options.max_ctas : env_ctas;
+  return cap > 0 ? std::min<std::int64_t>(sms, cap) : sms;
 }
 
 // The layout-specific parts of a launch.
@@ -181,6 +189,7 @@ struct Problem {
   std::int64_t a_rows;              // rows of A viewed as a 2D [a_rows, K] tensor
   std::int64_t tile_rows;           // contiguous: M; masked: M_max (per group)
   std::int64_t groups_in_schedule;  // masked: G (upper bound of the tiles); contiguous: 1
+  std::int64_t expected_m = 0;      // masked: the caller's expected rows per group (a hint)
 };
 
 // A checked call's problem: `rows` per group of `groups_in_schedule` (contiguous: M and 1; masked: M_max
@@ -265,10 +274,17 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   // v29's zero padding rows in an instance of their own (128 x 256 only; the others never take it).
   constexpr bool kZeroPaddingTile = kBlockM == 128 && kBlockN == 256;
   constexpr auto kernel_zero = &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN, false, kZeroPaddingTile>;
+  // (And with the split tail: a launch with a workspace runs the split instance whether or not its tail
+  // splits, so without this one the masked K = 7168 rows lost v29's zeros, session 44.)
+  constexpr auto kernel_split_zero =
+      &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN, true, kZeroPaddingTile>;
   const DeviceProps& props = device_props();
   gemm_host::allow_dynamic_smem<kernel_whole, Traits::kSmemBytes>();
   gemm_host::allow_dynamic_smem<kernel_split, Traits::kSmemBytes>();
-  if constexpr (kZeroPaddingTile) gemm_host::allow_dynamic_smem<kernel_zero, Traits::kSmemBytes>();
+  if constexpr (kZeroPaddingTile) {
+    gemm_host::allow_dynamic_smem<kernel_zero, Traits::kSmemBytes>();
+    gemm_host::allow_dynamic_smem<kernel_split_zero, Traits::kSmemBytes>();
+  }
   EPMOE_CHECK(options.stages >= 0 && options.stages <= Traits::kStages,
               "options.stages must be 0 (all) or 1..{} for {} x {} tiles, got {}", Traits::kStages, kBlockM,
               kBlockN, options.stages);
@@ -439,6 +455,19 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
     config.attrs = attributes;
     config.numAttrs = 1;
   }
+  // v30's trimmed grid (GroupedGemmOptions::trim_ctas): the device decides from the tiles it counts;
+  // automatic where the tiles expected from expected_m would leave the last round at least half busy.
+  static const int trim_env = env_switch("EPMOE_GEMM_TRIM_CTAS");
+  params.trim_ctas = 0;
+  // (Not in 128 x 128 tiles: kernels::GemmScheduler::kTrimmable.)
+  if (params.masked_m != nullptr && cluster == 1 && params.tail_pieces == 0 &&
+      !(kBlockM == 128 && kBlockN == 128)) {
+    const std::int64_t expected_blocks =
+        (std::min(problem.expected_m, problem.tile_rows) + kBlockM - 1) / kBlockM;
+    const std::int64_t expected_tiles = problem.groups_in_schedule * expected_blocks * (params.n / kBlockN);
+    const bool automatic = 2 * (expected_tiles % params.unit_stride) >= params.unit_stride;
+    params.trim_ctas = with_env(trim_env, resolve_choice(options.trim_ctas, automatic)) ? 1 : 0;
+  }
   // v21's split tail (GroupedGemmOptions::split_tail): chunks of whole quanta of K blocks, a quantum
   // being the stages where the unrolled loop runs (every unit must start at stage 0 there).
   params.split_quantum = 0;
@@ -475,10 +504,11 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
         reinterpret_cast<float*>(static_cast<char*>(options.workspace) + split_counter_bytes(props.sm_count));
     static_assert(kBlockM * kBlockN <= kSplitPartialFloats);
   }
-  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(
-      &config,
-      params.split_quantum != 0 ? kernel_split : (params.zero_padding_rows != 0 ? kernel_zero : kernel_whole),
-      tma_a, tma_a_part, tma_b, tma_d, tma_d_tile, params));
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config,
+                                      params.split_quantum != 0
+                                          ? (params.zero_padding_rows != 0 ? kernel_split_zero : kernel_split)
+                                          : (params.zero_padding_rows != 0 ? kernel_zero : kernel_whole),
+                                      tma_a, tma_a_part, tma_b, tma_d, tma_d_tile, params));
   EPMOE_CUDA_CHECK_LAUNCH();
   return params;
 }
@@ -706,8 +736,9 @@ void fp8_grouped_gemm_masked(TensorView a, TensorView a_scales, ScaleLayout a_sc
   if (M_max == 0) return;
   check_device();
 
-  const Problem problem = make_problem(a_scales, ss, b_scales, w, d, M_max, w.groups, nullptr,
-                                       static_cast<const std::int32_t*>(masked_m.data));
+  Problem problem = make_problem(a_scales, ss, b_scales, w, d, M_max, w.groups, nullptr,
+                                 static_cast<const std::int32_t*>(masked_m.data));
+  problem.expected_m = expected_m;
   if (swap) {
     launch_swapped(a, b, problem, options, stream);
     return;

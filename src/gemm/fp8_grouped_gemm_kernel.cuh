@@ -184,6 +184,12 @@ struct GroupedGemmParams {
   // the scale warp issues when the tile first uses the stage); 0: as a_small_rows says. (Last: beside
   // a_small_rows, the new member moved ptxas's allocation of the 128 x 256 consumers into spills.)
   std::int32_t zero_padding_rows;
+  // v30 (session 44): 1: a masked launch whose tiles (counted on the device) leave at least half of the
+  // grid's last round busy and are not split (v21) runs on only as many CTAs as keep the same number
+  // of rounds, ceil(T / ceil(T / C)), every one with the same count; the others exit at once. The
+  // fewer SMs the same rounds take, the higher the power-capped clock of the busy ones (masked 32 x 192
+  // -1.4%, 32 x 32 -1.2% at 128 of 132 CTAs, bench/NOTES.md session 44). (Last, as zero_padding_rows.)
+  std::int32_t trim_ctas;
 };
 
 inline constexpr int kTailWhole = 1;
@@ -250,7 +256,7 @@ struct GemmTile {
 template <int kBlockM, int kBlockN>
 class GemmScheduler {
  public:
-  // plan: 12 bytes of shared memory of the walking warp's own (v21's split plan; written here).
+  // plan: 16 bytes of shared memory of the walking warp's own (v21's split plan; written here).
   __device__ GemmScheduler(const GroupedGemmParams& p, std::uint32_t plan)
       : u_(static_cast<std::int32_t>(blockIdx.x >> (p.cluster - 1))) {  // (cluster: 1 or 2)
     // (The plan first: its loads of masked_m, one round trip for all groups, then bring group 0's count
@@ -288,12 +294,16 @@ class GemmScheduler {
   // half of C) are split into s = min(C / (T mod C), p.split_max_chunks) chunks each, work units
   // T - T mod C .. of one chunk each, so that the last round's CTAs each take a chunk. The plan's
   // words (kUnitsEnd, kSplitFrom, kChunks) live in shared memory: in the walking warp's 40 registers
-  // they made ptxas spill.
-  enum PlanWord : std::uint32_t { kUnitsEnd = 0, kSplitFrom = 4, kChunks = 8 };
+  // they made ptxas spill. v30 (p.trim_ctas): kStride, the units between this CTA's tiles (the grid's
+  // CTAs, or fewer where the plan trims them).
+  enum PlanWord : std::uint32_t { kUnitsEnd = 0, kSplitFrom = 4, kChunks = 8, kStride = 12 };
+  // (Not in 128 x 128 tiles, which masked launches take only for N not a multiple of 256: there the
+  // trim's code moved ptxas's allocation of the promotion into 105 one-parity FFMAs.)
+  static constexpr bool kTrimmable = !(kBlockM == 128 && kBlockN == 128);
   __device__ void plan_split(const GroupedGemmParams& p, std::uint32_t plan) {
     const std::int32_t end = p.masked_m == nullptr ? p.total_units : 0x7fffffff;  // masked: the groups end it
-    write_plan(plan, end, end, 1);
-    if (p.split_quantum == 0 && p.tail_pieces == 0) return;
+    write_plan(plan, end, end, 1, p.unit_stride);
+    if (p.split_quantum == 0 && p.tail_pieces == 0 && (!kTrimmable || p.trim_ctas == 0)) return;
     std::int32_t tiles = pieces(p) ? p.parent_units : p.total_units;
     if (p.masked_m != nullptr) {
       // (v22's follower counts its parent's 128-row tiles.)
@@ -312,21 +322,28 @@ class GemmScheduler {
       const std::int32_t tail = tiles % stride;
       const bool apply = tail > 0 && kPiecesPerTile * tail <= ctas;
       if (pieces(p)) {
-        write_plan(plan, apply ? kPiecesPerTile * tail : 0, tiles - tail, 1);
+        write_plan(plan, apply ? kPiecesPerTile * tail : 0, tiles - tail, 1, p.unit_stride);
         return;
       }
       if (apply) {
-        write_plan(plan, tiles - tail, tiles - tail, 1);
+        write_plan(plan, tiles - tail, tiles - tail, 1, p.unit_stride);
         return;
       }
       if (p.split_quantum == 0) return;
     }
-    const std::int32_t chunks = split_chunks(p, tiles);
+    const std::int32_t chunks = p.split_quantum != 0 ? split_chunks(p, tiles) : 1;
     const std::int32_t tail = tiles % p.unit_stride;
     if (chunks < 2) {
-      write_plan(plan, tiles, tiles, 1);
+      // v30: the same rounds on fewer CTAs where the last one is at least half busy (a smaller tail
+      // costs its few CTAs little, and v21 splits it where it pays).
+      std::int32_t stride = p.unit_stride;
+      if (kTrimmable && p.trim_ctas != 0 && 2 * tail >= stride) {
+        const std::int32_t rounds = tiles / stride + 1;
+        stride = (tiles + rounds - 1) / rounds;
+      }
+      write_plan(plan, u_ < stride ? tiles : 0, tiles, 1, stride);
     } else {
-      write_plan(plan, tiles - tail + tail * chunks, tiles - tail, chunks);
+      write_plan(plan, tiles - tail + tail * chunks, tiles - tail, chunks, p.unit_stride);
     }
   }
   // The chunks per tail tile, or 1 (no split): the host's choice for the chunk limit min(CTAs / tail,
@@ -339,12 +356,13 @@ class GemmScheduler {
     return static_cast<std::int32_t>((p.split_table >> (4 * limit)) & 15u);
   }
   __device__ static void write_plan(std::uint32_t plan, std::int32_t units_end, std::int32_t split_from,
-                                    std::int32_t chunks) {
+                                    std::int32_t chunks, std::int32_t stride) {
     __syncwarp();  // (every lane's reads of an earlier plan done)
     if (threadIdx.x % 32 == 0) {
       ptx::st_shared_u32(plan + kUnitsEnd, static_cast<std::uint32_t>(units_end));
       ptx::st_shared_u32(plan + kSplitFrom, static_cast<std::uint32_t>(split_from));
       ptx::st_shared_u32(plan + kChunks, static_cast<std::uint32_t>(chunks));
+      ptx::st_shared_u32(plan + kStride, static_cast<std::uint32_t>(stride));
     }
     __syncwarp();
   }
@@ -355,7 +373,7 @@ class GemmScheduler {
                                        std::int32_t& v) {
     if (u_ >= ptx::ld_shared_s32(plan + kUnitsEnd)) return false;
     const std::int32_t u = u_, split_from = ptx::ld_shared_s32(plan + kSplitFrom);
-    u_ += p.unit_stride;
+    u_ += kTrimmable ? ptx::ld_shared_s32(plan + kStride) : p.unit_stride;
     if (u < split_from) {
       t = u;
       v = -1;
@@ -966,10 +984,10 @@ __device__ __forceinline__ bool split_tile_reduce(float (&acc)[kWaves][64], cons
 // kSplitTail: the consumers' side of v21's split tail (a unit's K range, the chunk's sum); the launcher
 // picks the instantiation without it wherever no tail can split, so that those launches run the
 // consumers' code as before v21 (whose extra per-tile work measured ~0.5-1% on short-K rows).
-// kZeroPadding: v29's zero padding rows (128 x 256 tiles; GroupedGemmParams::zero_padding_rows), in an
-// instance of its own: its code in the kernel cost the rows with few partial tiles 0.7-0.8% even where
-// it did nothing (8 x 4096, 4 x 8192 at K = 7168, bench/NOTES.md session 43), so those launch the kernel
-// without it.
+// kZeroPadding: v29's zero padding rows (128 x 256 tiles; GroupedGemmParams::zero_padding_rows), in
+// instances of their own (with and without the split tail): its code in the kernel cost the rows with few
+// partial tiles 0.7-0.8% even where it did nothing (8 x 4096, 4 x 8192 at K = 7168, bench/NOTES.md
+// session 43), so those launch the kernels without it.
 template <int kBlockM, int kBlockN, bool kSplitTail, bool kZeroPadding = false>
 __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
@@ -983,8 +1001,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   constexpr int kWaves = Traits::kWaves;
   // v29's zero padding rows: 128 x 256 tiles only (64 x 128 tiles, memory-bound, measured 0.4-1% slower
   // with them; in 128 x 128 tiles the code moved ptxas's register allocation of the promotion into 205
-  // one-parity FFMAs; bench/NOTES.md session 43).
-  static_assert(!kZeroPadding || (kBlockM == 128 && kBlockN == 256 && !kSplitTail));
+  // one-parity FFMAs; bench/NOTES.md session 43). With the split tail too (a chunk starts at stage 0, and
+  // the scale warp zeros the stages a unit first uses, whole tile or chunk).
+  static_assert(!kZeroPadding || (kBlockM == 128 && kBlockN == 256));
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   // (The swizzled tiles need 1024-byte alignment; Traits::kSmemBytes has no slack for more.)
@@ -1004,8 +1023,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   const std::uint32_t tile_ring = smem_row_masks + 32;             // kTileRingBytes (v13)
   static_assert(Traits::kScaleBytes % 16 == 0);                    // (the ring's slots 16-aligned)
   const std::uint32_t epi_done_bar1 = tile_ring + kTileRingBytes;  // 8 bytes (v14)
-  // v21: then the tile walker's split plan (12 bytes; TileRing::plan), within kTailBytes.
-  static_assert(48 + kTileRingBytes + 8 + 12 <= Traits::kTailBytes);
+  // v21: then the tile walker's split plan (16 bytes with v30's stride; TileRing::plan), within kTailBytes.
+  static_assert(48 + kTileRingBytes + 8 + 16 <= Traits::kTailBytes);
 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);

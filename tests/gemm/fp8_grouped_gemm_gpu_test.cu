@@ -1047,6 +1047,91 @@ INSTANTIATE_TEST_SUITE_P(
         TailPiecesCase{"contiguous_tail2_half_K2048", false, {130, 200, 64, 33}, 0, 512, 2048, 10, 14}),
     [](const ::testing::TestParamInfo<TailPiecesCase>& info) { return info.param.name; });
 
+// v30, the trimmed grid (GroupedGemmOptions::trim_ctas): a masked problem whose tiles leave the grid's
+// last round at least half busy runs on ceil(T / ceil(T / CTAs)) CTAs, the others leaving at once.
+// Checked: the output against the reference (poisoned first; a unit the trimmed stride skipped would
+// stay poisoned), the same bits as the untrimmed grid (every tile whole on one CTA either way), and a
+// CUDA graph replayed twice. The case's tiles are worked out here, and must meet the rule.
+struct TrimCase {
+  std::string name;
+  std::vector<std::int32_t> rows;  // masked_m
+  std::int64_t m_max, n, k;
+  int block_m, block_n;
+  int max_ctas;
+  bool workspace;  // with v21's split-tail workspace (the split instances; no tail of this rule splits)
+};
+
+void PrintTo(const TrimCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class GroupedGemmTrimmedGridGpu : public ::testing::TestWithParam<TrimCase> {};
+
+TEST_P(GroupedGemmTrimmedGridGpu, MatchesTheReferenceAndTheFullGridsBits) {
+  EPMOE_REQUIRE_GPU();
+  const TrimCase& c = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::int64_t m_blocks = 0;
+  for (const std::int32_t r : c.rows) m_blocks += (r + c.block_m - 1) / c.block_m;
+  const std::int64_t tiles = m_blocks * (c.n / c.block_n), tail = tiles % c.max_ctas;
+  ASSERT_GT(tiles, c.max_ctas);
+  ASSERT_GE(2 * tail, c.max_ctas) << "the case does not meet the trim's rule";
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor workspace(
+      DType::i32, {c.workspace ? static_cast<std::int64_t>(cuda::grouped_gemm_workspace_bytes() / 4) : 0});
+  workspace.fill_bytes(0x00, stream);
+  cuda::GroupedGemmOptions options;
+  options.block_m = c.block_m;
+  options.block_n = c.block_n;
+  options.max_ctas = c.max_ctas;
+  if (c.workspace) {
+    options.workspace = workspace.view().data;
+    options.workspace_bytes = cuda::grouped_gemm_workspace_bytes();
+  }
+  const GemmProblem problem = gemm_problem(true, c.rows, c.m_max, c.n, c.k, false, 0, rng, stream);
+  const cuda::DeviceTensor& dd = problem.d;
+  std::vector<HostTensor> outputs;
+  for (const int trim : {1, 0}) {
+    options.trim_ctas = trim;
+    dd.fill_bytes(0xff, stream);
+    problem.launch(options, stream);
+    outputs.push_back(cuda::to_host(dd, stream));
+    check_output(outputs.back(), problem.ref, problem.valid, c.n);
+  }
+  std::int64_t differing = 0;
+  const auto* x = static_cast<const std::uint16_t*>(outputs[0].view().data);
+  const auto* y = static_cast<const std::uint16_t*>(outputs[1].view().data);
+  for (std::size_t row = 0; row < problem.valid.size(); ++row) {
+    if (!problem.valid[row]) continue;
+    for (std::int64_t col = 0; col < c.n; ++col)
+      differing +=
+          x[static_cast<std::int64_t>(row) * c.n + col] != y[static_cast<std::int64_t>(row) * c.n + col];
+  }
+  EXPECT_EQ(differing, 0) << "elements whose bits differ between the trimmed and the full grid";
+  options.trim_ctas = 1;
+  expect_graph_replays_give([&] { problem.launch(options, stream); }, dd, outputs[0], stream);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GroupedGemmTrimmedGridGpu,
+    ::testing::Values(
+        // 128 x 256 (v29's zeros: groups of 77 and 150 rows have whole padding boxes), K = 2048:
+        // 7 m-blocks x 4 = 28 tiles on 16 CTAs, tail 12: 2 rounds of 14 CTAs; an empty group.
+        TrimCase{"N1024_K2048_128x256", {200, 130, 77, 0, 150}, 200, 1024, 2048, 128, 256, 16, false},
+        // The same at K = 7168 with the split tail's workspace (the split instance with zeros; the tail
+        // is too large to split).
+        TrimCase{
+            "N1024_K7168_128x256_workspace", {200, 130, 77, 0, 150}, 200, 1024, 7168, 128, 256, 16, true},
+        // 64 x 128 decode tiles, K = 1024: 4 m-blocks x 12 = 48 tiles on 28 CTAs, tail 20: 2 rounds of
+        // 24 CTAs; a 64-row group and a single row.
+        TrimCase{"N1536_K1024_64x128", {40, 1, 64, 0, 33}, 64, 1536, 1024, 64, 128, 28, false},
+        // 3 rounds: 5 m-blocks x 12 = 60 tiles on 22 CTAs, tail 16: 3 rounds of 20 CTAs.
+        TrimCase{"N1536_K1024_64x128_3_rounds", {40, 9, 64, 17, 33}, 64, 1536, 1024, 64, 128, 22, false}),
+    [](const ::testing::TestParamInfo<TrimCase>& info) { return info.param.name; });
+
 // The consumer-loop trace (options.ablation bit 256): the output as without it (checked against the
 // reference), and the trace counts every K block of every tile once, in one launch, at an SM clock
 // (cycles per nanosecond) a Hopper part can run at, and every tile's epilogue (and v12's stores) once;
