@@ -217,7 +217,7 @@ Variant no_zero_padding_variant() {  // the default before v29 (session 43): pad
   v.options.zero_padding_rows = false;
   return v;
 }
-Variant no_trim_variant() {  // masked: the default before v30 (session 44): every SM a CTA
+Variant no_trim_variant() {  // the default before v30 (session 44): every SM a CTA
   Variant v{".no_trim", {}};
   v.options.trim_ctas = 0;
   return v;
@@ -483,7 +483,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
   std::vector<Variant> variants{
-      {"", {}},           no_split_tail_variant(), no_zero_padding_variant(), c2_variant(),
+      {"", {}},           no_split_tail_variant(), no_zero_padding_variant(), no_trim_variant(), c2_variant(),
       pingpong_variant(), skew_variant(),          plain_loop_variant(),      v2_variant()};
   if (chosen.block_n == 256) {
     variants.push_back(direct_variant());

@@ -420,6 +420,16 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   ctas = tail.mode == kernels::kTailPieces
              ? tail.piece_ctas
              : std::clamp<std::int64_t>(ctas / cluster, 1, std::max<std::int64_t>(max_units, 1)) * cluster;
+  // v30 (GroupedGemmOptions::trim_ctas) in the contiguous layout: the tiles are known here, so the grid
+  // itself is trimmed where the last round would be at least half busy (masked: on the device, below).
+  // Not with v11's split tiles, whose tiles cost unequal time.
+  static const int trim_env = env_switch("EPMOE_GEMM_TRIM_CTAS");
+  if (params.masked_m == nullptr && cluster == 1 && tail.mode != kernels::kTailPieces &&
+      params.split_tiles == 0 && with_env(trim_env, resolve_choice(options.trim_ctas, true)) &&
+      max_units > ctas && 2 * (max_units % ctas) >= ctas) {
+    const std::int64_t rounds = max_units / ctas + 1;
+    ctas = (max_units + rounds - 1) / rounds;
+  }
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   params.unit_stride = static_cast<std::int32_t>(ctas / cluster);
   // v22: the parent leaves its tail to the follower where the device finds it fits (GemmScheduler::
@@ -457,7 +467,6 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   }
   // v30's trimmed grid (GroupedGemmOptions::trim_ctas): the device decides from the tiles it counts;
   // automatic where the tiles expected from expected_m would leave the last round at least half busy.
-  static const int trim_env = env_switch("EPMOE_GEMM_TRIM_CTAS");
   params.trim_ctas = 0;
   // (Not in 128 x 128 tiles: kernels::GemmScheduler::kTrimmable.)
   if (params.masked_m != nullptr && cluster == 1 && params.tail_pieces == 0 &&

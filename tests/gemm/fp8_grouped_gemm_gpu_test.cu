@@ -1047,8 +1047,9 @@ INSTANTIATE_TEST_SUITE_P(
         TailPiecesCase{"contiguous_tail2_half_K2048", false, {130, 200, 64, 33}, 0, 512, 2048, 10, 14}),
     [](const ::testing::TestParamInfo<TailPiecesCase>& info) { return info.param.name; });
 
-// v30, the trimmed grid (GroupedGemmOptions::trim_ctas): a masked problem whose tiles leave the grid's
-// last round at least half busy runs on ceil(T / ceil(T / CTAs)) CTAs, the others leaving at once.
+// v30, the trimmed grid (GroupedGemmOptions::trim_ctas): a problem whose tiles leave the grid's last
+// round at least half busy runs on ceil(T / ceil(T / CTAs)) CTAs (masked: the others leaving at once;
+// contiguous: a smaller grid).
 // Checked: the output against the reference (poisoned first; a unit the trimmed stride skipped would
 // stay poisoned), the same bits as the untrimmed grid (every tile whole on one CTA either way), and a
 // CUDA graph replayed twice. The case's tiles are worked out here, and must meet the rule.
@@ -1058,7 +1059,8 @@ struct TrimCase {
   std::int64_t m_max, n, k;
   int block_m, block_n;
   int max_ctas;
-  bool workspace;  // with v21's split-tail workspace (the split instances; no tail of this rule splits)
+  bool workspace;      // with v21's split-tail workspace (the split instances; no tail of this rule splits)
+  bool masked = true;  // else contiguous: rows per group, each padded to 128
 };
 
 void PrintTo(const TrimCase& c, std::ostream* os) {
@@ -1087,11 +1089,12 @@ TEST_P(GroupedGemmTrimmedGridGpu, MatchesTheReferenceAndTheFullGridsBits) {
   options.block_m = c.block_m;
   options.block_n = c.block_n;
   options.max_ctas = c.max_ctas;
+  options.split_tiles = 0;  // (v11's split tiles, automatic in contiguous K <= 2048, exclude the trim)
   if (c.workspace) {
     options.workspace = workspace.view().data;
     options.workspace_bytes = cuda::grouped_gemm_workspace_bytes();
   }
-  const GemmProblem problem = gemm_problem(true, c.rows, c.m_max, c.n, c.k, false, 0, rng, stream);
+  const GemmProblem problem = gemm_problem(c.masked, c.rows, c.m_max, c.n, c.k, false, 0, rng, stream);
   const cuda::DeviceTensor& dd = problem.d;
   std::vector<HostTensor> outputs;
   for (const int trim : {1, 0}) {
@@ -1129,7 +1132,10 @@ INSTANTIATE_TEST_SUITE_P(
         // 24 CTAs; a 64-row group and a single row.
         TrimCase{"N1536_K1024_64x128", {40, 1, 64, 0, 33}, 64, 1536, 1024, 64, 128, 28, false},
         // 3 rounds: 5 m-blocks x 12 = 60 tiles on 22 CTAs, tail 16: 3 rounds of 20 CTAs.
-        TrimCase{"N1536_K1024_64x128_3_rounds", {40, 9, 64, 17, 33}, 64, 1536, 1024, 64, 128, 22, false}),
+        TrimCase{"N1536_K1024_64x128_3_rounds", {40, 9, 64, 17, 33}, 64, 1536, 1024, 64, 128, 22, false},
+        // Contiguous (groups padded to 128 rows): 6 m-blocks x 4 = 24 tiles on 14 CTAs, tail 10: a grid of
+        // 12; the workspace given (no tail of the rule splits) and v22's pieces left automatic (none fit).
+        TrimCase{"contiguous_N1024_K2048_128x256", {300, 130, 77}, 0, 1024, 2048, 128, 256, 14, true, false}),
     [](const ::testing::TestParamInfo<TrimCase>& info) { return info.param.name; });
 
 // The consumer-loop trace (options.ablation bit 256): the output as without it (checked against the

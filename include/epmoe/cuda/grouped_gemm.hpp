@@ -156,15 +156,17 @@ struct GroupedGemmOptions {
   // EPMOE_GEMM_TAIL_PIECES=0|1 overrides it. Not with a cluster, split_tiles, pingpong, consumer_skew
   // or the ablations (the trace aside).
   int tail_pieces = -1;
-  // v30, the trimmed grid (masked layout, no cluster, no tail pieces): where the tiles, counted on the
-  // device from masked_m, leave the grid's last round at least half busy and are not split (split_tail),
-  // the launch runs them on as few CTAs as keep the same number of rounds, ceil(T / ceil(T / CTAs)), each
-  // with the same number of tiles; the other CTAs exit at once. The busy SMs of a power-capped card then
-  // run at a higher clock: masked 32 x 192 1.4% and 32 x 32 1.2% faster on 128 of 132 CTAs, but the
-  // decode rows (a last round of 4 tiles) 0.5% slower, hence the half-round rule (bench/NOTES.md,
-  // session 44). Every tile is still computed whole by one CTA: the same bits. -1 (automatic): where the
-  // tiles the host expects (every group expected_m rows) would leave the last round at least half busy;
-  // 1: every masked launch (the device's rule still applies); 0: off. EPMOE_GEMM_TRIM_CTAS=0|1 overrides it.
+  // v30, the trimmed grid (no cluster, no tail pieces; not 128 x 128 masked, not with split_tiles
+  // contiguous): where the tiles leave the grid's last round at least half busy (and so are not split,
+  // split_tail), the launch runs them on as few CTAs as keep the same number of rounds,
+  // ceil(T / ceil(T / CTAs)), each with the same number of tiles. Contiguous: the host sizes the grid;
+  // masked: the device counts the tiles from masked_m and the CTAs past the count exit at once. The busy
+  // SMs of a power-capped card then run at a higher clock: masked 32 x 192 at K = 7168 0.8-1.4% faster on
+  // 128 of 132 CTAs, contiguous 32 x 256 0.5% on 130; but the decode rows (a last round of 4 tiles) 0.5%
+  // slower, hence the half-round rule (bench/NOTES.md, session 44). Every tile is still computed whole by
+  // one CTA: the same bits. -1 (automatic): contiguous, by the rule; masked where the tiles the host
+  // expects (every group expected_m rows) would meet it, the device's count deciding; 1: every launch the
+  // rule may apply to (masked: the device still decides); 0: off. EPMOE_GEMM_TRIM_CTAS=0|1 overrides it.
   int trim_ctas = -1;
   // Masked layout: swapped operands (D^T = B · A^T: the weights as the tensor cores' M, 128 rows per
   // tile, a group's 256-token chunk as their N in one wave of 16 .. 176 tokens, two of 96 .. 120 or three
