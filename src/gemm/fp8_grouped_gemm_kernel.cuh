@@ -184,11 +184,12 @@ struct GroupedGemmParams {
   // the scale warp issues when the tile first uses the stage); 0: as a_small_rows says. (Last: beside
   // a_small_rows, the new member moved ptxas's allocation of the 128 x 256 consumers into spills.)
   std::int32_t zero_padding_rows;
-  // v30 (session 44): 1: a masked launch whose tiles (counted on the device) leave at least half of the
-  // grid's last round busy and are not split (v21) runs on only as many CTAs as keep the same number
-  // of rounds, ceil(T / ceil(T / C)), every one with the same count; the others exit at once. The
-  // fewer SMs the same rounds take, the higher the power-capped clock of the busy ones (masked 32 x 192
-  // -1.4%, 32 x 32 -1.2% at 128 of 132 CTAs, bench/NOTES.md session 44). (Last, as zero_padding_rows.)
+  // v30 (session 44; GroupedGemmOptions::trim_ctas): 1: a masked launch whose tiles (counted on the
+  // device) leave at least half of the grid's last round busy and are not split (v21) runs on only as
+  // many CTAs as keep the same number of rounds, ceil(T / ceil(T / C)), every one with the same count;
+  // the others exit at once. The fewer SMs the same rounds take, the higher the power-capped clock of
+  // the busy ones (masked 32 x 192 at K = 7168 0.8-1.0% faster, bench/NOTES.md session 44). (Contiguous
+  // launches get a trimmed grid from the host instead: 0 there.) (Last, as zero_padding_rows.)
   std::int32_t trim_ctas;
 };
 

@@ -161,8 +161,8 @@ struct GroupedGemmOptions {
   // split_tail), the launch runs them on as few CTAs as keep the same number of rounds,
   // ceil(T / ceil(T / CTAs)), each with the same number of tiles. Contiguous: the host sizes the grid;
   // masked: the device counts the tiles from masked_m and the CTAs past the count exit at once. The busy
-  // SMs of a power-capped card then run at a higher clock: masked 32 x 192 at K = 7168 0.8-1.4% faster on
-  // 128 of 132 CTAs, contiguous 32 x 256 0.5% on 130; but the decode rows (a last round of 4 tiles) 0.5%
+  // SMs of a power-capped card then run at a higher clock: masked 32 x 192 at K = 7168 0.8-1.0% faster on
+  // 128 of 132 CTAs, contiguous 32 x 256 0.6% on 130; but the decode rows (a last round of 4 tiles) 0.5%
   // slower, hence the half-round rule (bench/NOTES.md, session 44). Every tile is still computed whole by
   // one CTA: the same bits. -1 (automatic): contiguous, by the rule; masked where the tiles the host
   // expects (every group expected_m rows) would meet it, the device's count deciding; 1: every launch the
