@@ -425,10 +425,9 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   // Not with v11's split tiles, whose tiles cost unequal time.
   static const int trim_env = env_switch("EPMOE_GEMM_TRIM_CTAS");
   if (params.masked_m == nullptr && cluster == 1 && tail.mode != kernels::kTailPieces &&
-      params.split_tiles == 0 && with_env(trim_env, resolve_choice(options.trim_ctas, true)) &&
-      max_units > ctas && 2 * (max_units % ctas) >= ctas) {
-    const std::int64_t rounds = max_units / ctas + 1;
-    ctas = (max_units + rounds - 1) / rounds;
+      params.split_tiles == 0 && with_env(trim_env, resolve_choice(options.trim_ctas, true))) {
+    // (ctas <= max_units < 2^31, checked above.)
+    ctas = kernels::trimmed_ctas(static_cast<std::int32_t>(max_units), static_cast<std::int32_t>(ctas));
   }
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   params.unit_stride = static_cast<std::int32_t>(ctas / cluster);
@@ -474,7 +473,9 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
     const std::int64_t expected_blocks =
         (std::min(problem.expected_m, problem.tile_rows) + kBlockM - 1) / kBlockM;
     const std::int64_t expected_tiles = problem.groups_in_schedule * expected_blocks * (params.n / kBlockN);
-    const bool automatic = 2 * (expected_tiles % params.unit_stride) >= params.unit_stride;
+    const bool automatic = expected_tiles > 0 && expected_tiles <= kInt32Max &&
+                           kernels::trimmed_ctas(static_cast<std::int32_t>(expected_tiles),
+                                                 params.unit_stride) < params.unit_stride;
     params.trim_ctas = with_env(trim_env, resolve_choice(options.trim_ctas, automatic)) ? 1 : 0;
   }
   // v21's split tail (GroupedGemmOptions::split_tail): chunks of whole quanta of K blocks, a quantum

@@ -335,8 +335,8 @@ class GemmScheduler {
     const std::int32_t chunks = p.split_quantum != 0 ? split_chunks(p, tiles) : 1;
     const std::int32_t tail = tiles % p.unit_stride;
     if (chunks < 2) {
-      // v30: the same rounds on fewer CTAs where the last one is at least half busy (a smaller tail
-      // costs its few CTAs little, and v21 splits it where it pays).
+      // v30: the same rounds on fewer CTAs where the last one is at least half busy: trimmed_ctas's rule,
+      // written out (the call compiled the 128 x 256 split instance to other registers, unmeasured).
       std::int32_t stride = p.unit_stride;
       if (kTrimmable && p.trim_ctas != 0 && 2 * tail >= stride) {
         const std::int32_t rounds = tiles / stride + 1;

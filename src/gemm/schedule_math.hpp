@@ -18,4 +18,16 @@ EPMOE_HD inline std::int32_t div_small(std::int32_t n, std::int32_t d, float inv
   return q;
 }
 
+// v30's trimmed grid (GroupedGemmOptions::trim_ctas): the CTAs that run `tiles` equal tiles in as many
+// rounds as `ctas` CTAs would, where the last round would be at least half busy (a smaller tail costs its
+// few CTAs little, and v21 splits it where that pays): ceil(T / ceil(T / C)); else `ctas`. The launcher
+// asks it (contiguous: the tiles it knows; masked: the tiles it expects, to decide whether the kernel
+// should count them), the kernel applies the same rule to the tiles it counts (GemmScheduler::
+// plan_split). With tiles <= ctas the answer is ctas or tiles: one tile per busy CTA either way.
+EPMOE_HD inline std::int32_t trimmed_ctas(std::int32_t tiles, std::int32_t ctas) {
+  if (2 * (tiles % ctas) < ctas) return ctas;
+  const std::int32_t rounds = tiles / ctas + 1;
+  return (tiles + rounds - 1) / rounds;
+}
+
 }  // namespace epmoe::kernels
