@@ -473,8 +473,8 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
     const std::int64_t expected_blocks =
         (std::min(problem.expected_m, problem.tile_rows) + kBlockM - 1) / kBlockM;
     const std::int64_t expected_tiles = problem.groups_in_schedule * expected_blocks * (params.n / kBlockN);
-    const bool automatic = expected_tiles > 0 && expected_tiles <= kInt32Max &&
-                           kernels::trimmed_ctas(static_cast<std::int32_t>(expected_tiles),
+    // (expected_tiles <= max_tiles < 2^31, checked above; 0 tiles: no trim.)
+    const bool automatic = kernels::trimmed_ctas(static_cast<std::int32_t>(expected_tiles),
                                                  params.unit_stride) < params.unit_stride;
     params.trim_ctas = with_env(trim_env, resolve_choice(options.trim_ctas, automatic)) ? 1 : 0;
   }
