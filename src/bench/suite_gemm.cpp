@@ -197,6 +197,11 @@ Variant borrow_variant() {  // v12 on every row it applies to (the masked defaul
   v.options.borrow_epilogue = 1;
   return v;
 }
+Variant wave0_variant() {  // v31: wave 0 staged, wave 1 stored by the consumers (masked K <= 2048 default)
+  Variant v{".wave0", {}};
+  v.options.borrow_epilogue = 2;
+  return v;
+}
 Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split, on every row (always)
   Variant v{".split", {}};
   v.options.split_tiles = 1;
@@ -574,6 +579,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
     if (chosen.block_n == 256) {
       variants.push_back(direct_variant());
       variants.push_back(borrow_variant());
+      variants.push_back(wave0_variant());
       variants.push_back(split_variant());
     }
   } else {

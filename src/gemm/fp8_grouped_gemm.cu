@@ -37,6 +37,15 @@ int env_switch(const char* name) {
   const char* v = std::getenv(name);
   return v == nullptr || *v == '\0' ? -1 : std::string_view(v) == "1" ? 1 : 0;
 }
+// An environment mode 0..max_mode, or -1 when unset (anything else is refused).
+int env_mode(const char* name, int max_mode) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return -1;
+  const std::string_view s(v);
+  EPMOE_CHECK(s.size() == 1 && s[0] >= '0' && s[0] - '0' <= max_mode, "{} must be 0..{}, got '{}'", name,
+              max_mode, s);
+  return s[0] - '0';
+}
 bool with_env(int env, bool option) {
   return env < 0 ? option : env == 1;
 }
@@ -113,8 +122,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
               "options.split_tiles must be -1 (automatic), 0 or 1, got {}", options.split_tiles);
   EPMOE_CHECK(options.tile_store >= -1 && options.tile_store <= 1,
               "options.tile_store must be -1 (automatic), 0 or 1, got {}", options.tile_store);
-  EPMOE_CHECK(options.borrow_epilogue >= -1 && options.borrow_epilogue <= 1,
-              "options.borrow_epilogue must be -1 (automatic), 0 or 1, got {}", options.borrow_epilogue);
+  EPMOE_CHECK(options.borrow_epilogue >= -1 && options.borrow_epilogue <= 2,
+              "options.borrow_epilogue must be -1 (automatic), 0, 1 or 2, got {}", options.borrow_epilogue);
   EPMOE_CHECK(options.band_columns >= 0, "options.band_columns must be >= 0 (0: 1024), got {}",
               options.band_columns);
   EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 2047,
@@ -278,12 +287,19 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   // splits, so without this one the masked K = 7168 rows lost v29's zeros, session 44.)
   constexpr auto kernel_split_zero =
       &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN, true, kZeroPaddingTile>;
+  // v31 (kernels::kBorrowWave0): only wave 0 staged, with and without the zeros (no split tail).
+  constexpr auto kernel_wave0 =
+      &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN, false, false, kZeroPaddingTile>;
+  constexpr auto kernel_zero_wave0 =
+      &kernels::fp8_grouped_gemm_kernel<kBlockM, kBlockN, false, kZeroPaddingTile, kZeroPaddingTile>;
   const DeviceProps& props = device_props();
   gemm_host::allow_dynamic_smem<kernel_whole, Traits::kSmemBytes>();
   gemm_host::allow_dynamic_smem<kernel_split, Traits::kSmemBytes>();
   if constexpr (kZeroPaddingTile) {
     gemm_host::allow_dynamic_smem<kernel_zero, Traits::kSmemBytes>();
     gemm_host::allow_dynamic_smem<kernel_split_zero, Traits::kSmemBytes>();
+    gemm_host::allow_dynamic_smem<kernel_wave0, Traits::kSmemBytes>();
+    gemm_host::allow_dynamic_smem<kernel_zero_wave0, Traits::kSmemBytes>();
   }
   EPMOE_CHECK(options.stages >= 0 && options.stages <= Traits::kStages,
               "options.stages must be 0 (all) or 1..{} for {} x {} tiles, got {}", Traits::kStages, kBlockM,
@@ -323,7 +339,7 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   params.vector_epilogue = options.vector_epilogue ? 1 : 0;
   static const int two_partials_env = env_switch("EPMOE_GEMM_TWO_PARTIALS");
   static const int split_tiles_env = env_switch("EPMOE_GEMM_SPLIT_TILES");
-  static const int borrow_env = env_switch("EPMOE_GEMM_BORROW_EPILOGUE");
+  static const int borrow_env = env_mode("EPMOE_GEMM_BORROW_EPILOGUE", 2);
   params.two_partials = with_env(two_partials_env, options.two_partials) ? 1 : 0;
   // split_tiles -1: split where measured faster (see GroupedGemmOptions::split_tiles).
   const bool split = resolve_choice(
@@ -333,9 +349,13 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   // Only 128 x 256 tiles without a cluster can borrow (the kernel checks the rest): other launches
   // (the 64 x 128 decode tiles among them) encode no output map and prefetch none.
   // borrow_epilogue -1: where measured faster (see GroupedGemmOptions::borrow_epilogue).
-  const bool borrow = resolve_choice(options.borrow_epilogue,
-                                     grouped_gemm_borrow_epilogue(params.masked_m != nullptr, params.k));
-  params.borrow_epilogue = kBlockN == 256 && cluster == 1 && with_env(borrow_env, borrow) ? 1 : 0;
+  // (2, v31, runs as kernels::kBorrowWave0 in an instance of its own.)
+  const int borrow = borrow_env >= 0 ? borrow_env
+                     : options.borrow_epilogue >= 0
+                         ? options.borrow_epilogue
+                         : grouped_gemm_borrow_epilogue(params.masked_m != nullptr, params.k);
+  params.borrow_epilogue =
+      kBlockN == 256 && cluster == 1 && borrow != 0 ? (borrow == 2 ? kernels::kBorrowWave0 : 1) : 0;
   static const int tile_store_env = env_switch("EPMOE_GEMM_TILE_STORE");
   params.tile_store =
       with_env(tile_store_env,
@@ -344,7 +364,7 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
                                                       params.groups, params.k)))
           ? 1
           : 0;
-  if (params.borrow_epilogue != 0 && (options.ablation & kAblateNoEpiGate) != 0)
+  if (params.borrow_epilogue == 1 && (options.ablation & kAblateNoEpiGate) != 0)
     params.borrow_epilogue = kernels::kBorrowNoGate;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;
@@ -514,11 +534,15 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
         reinterpret_cast<float*>(static_cast<char*>(options.workspace) + split_counter_bytes(props.sm_count));
     static_assert(kBlockM * kBlockN <= kSplitPartialFloats);
   }
-  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config,
-                                      params.split_quantum != 0
-                                          ? (params.zero_padding_rows != 0 ? kernel_split_zero : kernel_split)
-                                          : (params.zero_padding_rows != 0 ? kernel_zero : kernel_whole),
-                                      tma_a, tma_a_part, tma_b, tma_d, tma_d_tile, params));
+  // (v31's instances have no split tail: a wave-0 launch runs without it.)
+  const bool wave0 = kZeroPaddingTile && params.borrow_epilogue == kernels::kBorrowWave0;
+  if (wave0) params.split_quantum = 0;
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(
+      &config,
+      wave0                       ? (params.zero_padding_rows != 0 ? kernel_zero_wave0 : kernel_wave0)
+      : params.split_quantum != 0 ? (params.zero_padding_rows != 0 ? kernel_split_zero : kernel_split)
+                                  : (params.zero_padding_rows != 0 ? kernel_zero : kernel_whole),
+      tma_a, tma_a_part, tma_b, tma_d, tma_d_tile, params));
   EPMOE_CUDA_CHECK_LAUNCH();
   return params;
 }
@@ -673,12 +697,12 @@ bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, 
   return !masked && k <= kMaxK && groups > 0 && m <= kMaxRowsPerGroup * groups;
 }
 
-bool grouped_gemm_borrow_epilogue(bool masked, std::int64_t k) {
-  // Measured (bench/NOTES.md, session 31): the consumers' own stores 1-3.5% faster on masked 32 x 128
-  // and 32 x 192 at K = 2048 (calls of sessions 16 and 31); v12 level or faster on every K = 7168 row
-  // and every contiguous row.
-  constexpr std::int64_t kMaxDirectK = 2048;
-  return !(masked && k <= kMaxDirectK);
+int grouped_gemm_borrow_epilogue(bool masked, std::int64_t k) {
+  // Measured (bench/NOTES.md, sessions 31 and 45): at masked K <= 2048 v12 lost 2-7% to the consumers'
+  // own stores, and v31 (wave 0 staged, no borrowed stage) beat those by 1-3%; v12 level or faster on
+  // every K = 7168 row and every contiguous row, where v31 was 2-4% slower on the large groups.
+  constexpr std::int64_t kMaxWave0K = 2048;
+  return masked && k <= kMaxWave0K ? 2 : 1;
 }
 
 bool grouped_gemm_tile_store(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k) {

@@ -140,7 +140,7 @@ struct GroupedGemmParams {
   std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
   std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
   std::int32_t split_tiles;      // 1: 128 x 256 tiles with <= 64 valid rows split their columns (v11)
-  std::int32_t borrow_epilogue;  // 1: the epilogue stages its output in the tile's last two stages (v12)
+  std::int32_t borrow_epilogue;  // 1: v12 (wave 1 in the last stage, wave 0 in smem_epi); 3: v31
   std::int32_t tile_store;       // 1: a wave whose warps all staged leaves in one tensor store (v17, v19)
   std::int32_t row_group_maps;   // v19: tma_d / tma_d_tile are 4D row-group maps (make_tma_row_groups)
   std::int32_t n_units;          // N / (kBlockN cluster): work units (p.cluster tiles) per m-block
@@ -224,6 +224,9 @@ inline constexpr int kAblateSpin = 512;
 // off): the producer loads the next tile's K blocks into the borrowed stages without waiting for the
 // store warp's epi_done, i.e. what the hand-off costs the start of each next tile.
 inline constexpr int kBorrowNoGate = 2;
+// v31 (GroupedGemmOptions::borrow_epilogue 2) as GroupedGemmParams::borrow_epilogue == 3: the kWave0
+// instances (see the kernel).
+inline constexpr int kBorrowWave0 = 3;
 
 // v11: whether a kBlockM x kBlockN tile with rows_used possibly valid rows is computed split (both
 // consumers on its first 64 rows, one 128-column wave each; see the consumer loop). The scheduler
@@ -989,7 +992,11 @@ __device__ __forceinline__ bool split_tile_reduce(float (&acc)[kWaves][64], cons
 // instances of their own (with and without the split tail): its code in the kernel cost the rows with few
 // partial tiles 0.7-0.8% even where it did nothing (8 x 4096, 4 x 8192 at K = 7168, bench/NOTES.md
 // session 43), so those launch the kernels without it.
-template <int kBlockM, int kBlockN, bool kSplitTail, bool kZeroPadding = false>
+// kWave0 (v31, session 45): v12 with only wave 0 staged (in smem_epi, memory of its own) and
+// stored by the store warp; the consumers store wave 1 themselves after the hand-over, so no pipeline stage
+// is borrowed and the producer never waits for the store (in an instance of its own: the same code in
+// the zero-padding instance moved its promotion into 211 one-parity FFMAs).
+template <int kBlockM, int kBlockN, bool kSplitTail, bool kZeroPadding = false, bool kWave0 = false>
 __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                             const __grid_constant__ CUtensorMap tma_a_part,
@@ -1005,6 +1012,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   // one-parity FFMAs; bench/NOTES.md session 43). With the split tail too (a chunk starts at stage 0, and
   // the scale warp zeros the stages a unit first uses, whole tile or chunk).
   static_assert(!kZeroPadding || (kBlockM == 128 && kBlockN == 256));
+  static_assert(!kWave0 || (kBlockM == 128 && kBlockN == 256 && !kSplitTail));
 
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   // (The swizzled tiles need 1024-byte alignment; Traits::kSmemBytes has no slack for more.)
@@ -1140,7 +1148,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         const std::uint32_t bytes =
             small ? (valid_boxes > 0 ? valid_boxes * 32 : p.a_small_rows) * kGemmBlockK + Traits::kBBytes
                   : Traits::kStageBytes;
-        const bool gate = after_first && borrowing() && p.borrow_epilogue != kBorrowNoGate;
+        const bool gate = !kWave0 && after_first && borrowing() && p.borrow_epilogue != kBorrowNoGate;
         after_first = true;
         for (std::int32_t kb = 0; kb < kb_count; ++kb) {
           if (lane == 0) {
@@ -1251,7 +1259,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           whole = whole && ptx::ld_shared_s32(smem_row_masks + 4 * static_cast<std::uint32_t>(cw)) != 0;
 #pragma unroll 1
         for (int w = kWaves - 1; w >= 0; --w) {
-          if (lane == 0) {
+          if (lane == 0 && (w == 0 || !kWave0)) {
             const std::uint32_t wave = smem_b + static_cast<std::uint32_t>((kStages - 1) * Traits::kBBytes) +
                                        static_cast<std::uint32_t>((1 - w) * kBlockM * 256);
             const std::int32_t col_block = t[0] * (kBlockN / 64) + 2 * w;
@@ -1668,7 +1676,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // complete before either writes there; then this warp's 16 rows x 256 columns into its two
         // [16 rows x 256 bytes] boxes (one per wave) and its row mask (bit r: row r of the warp; lane
         // 4 (r % 8) held it, as row_a for r < 8) for the store warp.
-        ptx::named_bar_sync(kEpilogueBarrier, 256);
+        if constexpr (!kWave0) ptx::named_bar_sync(kEpilogueBarrier, 256);
         // v17: the tile in [16 rows x 128 bytes] boxes (v19: per wave [warp][half][16 rows][128 bytes],
         // half h: 64 columns; the waves where the store warp's comment says) in the 128-byte swizzle
         // (16-byte chunk c of row r at r * 128 + 16 (c ^ r % 8)), written by stmatrix straight from the
@@ -1678,44 +1686,79 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // end) stores its valid rows itself and stages nothing (copying them out of the swizzle spilled the
         // store warp).
         const bool whole_warp = __all_sync(0xffffffffu, valid_a && valid_b);
-        if (whole_warp) {
-          // v18: wave 0's boxes (smem_epi) are free once the store warp has read the previous tile's
-          // (epi_done_bar's phase of that tile; the ring has counted this tile: parity count & 1, which
-          // passes at once on the first tile). Bounded as the ring's reads (the producers' watchdogs
-          // fail the launch first).
-          ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
-                                TileRing::kRingSpinLimit);
-          // (The lane's address re-derived at each stmatrix: held across them it cost a spill.)
-          const auto chunk_pair = [&](int w, int jj) {
+        if constexpr (kWave0) {
+          // (As below: wave 0's boxes are free once the store warp has read the previous tile's.)
+          if (whole_warp)
+            ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
+                                  TileRing::kRingSpinLimit);
+          const auto chunk_pair = [&](int jj) {
             const std::uint32_t here = ptx::lane_id_here();
             const std::uint32_t rr = here & 7u;
             const std::uint32_t warp_rows =
                 u_smem + (smem_b - smem_base) + (kStages - 1) * static_cast<std::uint32_t>(Traits::kBBytes) +
                 (u_consumer * 64u + static_cast<std::uint32_t>(warp_in_group) * 16u) * 256u;
             return warp_rows + (rr + 8u * ((here >> 3) & 1u)) * 128u +
-                   static_cast<std::uint32_t>((1 - w) * (kBlockM * 256) + (jj / 4) * 2048) +
+                   static_cast<std::uint32_t>(kBlockM * 256 + (jj / 4) * 2048) +
                    (static_cast<std::uint32_t>(32 * (jj % 4)) ^ (16u * (((here >> 4) & 1u) ^ rr)));
           };
-#pragma unroll
-          for (int w = 0; w < kWaves; ++w) {
+          if (whole_warp) {
 #pragma unroll
             for (int jj = 0; jj < 8; ++jj) {
               const int j = 2 * jj;
-              ptx::stmatrix_x4(chunk_pair(w, jj), pack_bf16x2(acc[w][4 * j + 0], acc[w][4 * j + 1]),
-                               pack_bf16x2(acc[w][4 * j + 2], acc[w][4 * j + 3]),
-                               pack_bf16x2(acc[w][4 * j + 4], acc[w][4 * j + 5]),
-                               pack_bf16x2(acc[w][4 * j + 6], acc[w][4 * j + 7]));
+              ptx::stmatrix_x4(chunk_pair(jj), pack_bf16x2(acc[0][4 * j + 0], acc[0][4 * j + 1]),
+                               pack_bf16x2(acc[0][4 * j + 2], acc[0][4 * j + 3]),
+                               pack_bf16x2(acc[0][4 * j + 4], acc[0][4 * j + 5]),
+                               pack_bf16x2(acc[0][4 * j + 6], acc[0][4 * j + 7]));
             }
+          } else {
+            store_wave(acc[0], 0);
+            // A warp that stages nothing waits too, before its row mask: with no borrowed stage the
+            // producer's gate no longer orders the mask after the store warp's reads of the previous tile's.
+            ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
+                                  TileRing::kRingSpinLimit);
           }
         } else {
+          if (whole_warp) {
+            // v18: wave 0's boxes (smem_epi) are free once the store warp has read the previous tile's
+            // (epi_done_bar's phase of that tile; the ring has counted this tile: parity count & 1, which
+            // passes at once on the first tile). Bounded as the ring's reads (the producers' watchdogs
+            // fail the launch first).
+            ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
+                                  TileRing::kRingSpinLimit);
+            // (The lane's address re-derived at each stmatrix: held across them it cost a spill.)
+            const auto chunk_pair = [&](int w, int jj) {
+              const std::uint32_t here = ptx::lane_id_here();
+              const std::uint32_t rr = here & 7u;
+              const std::uint32_t warp_rows =
+                  u_smem + (smem_b - smem_base) +
+                  (kStages - 1) * static_cast<std::uint32_t>(Traits::kBBytes) +
+                  (u_consumer * 64u + static_cast<std::uint32_t>(warp_in_group) * 16u) * 256u;
+              return warp_rows + (rr + 8u * ((here >> 3) & 1u)) * 128u +
+                     static_cast<std::uint32_t>((1 - w) * (kBlockM * 256) + (jj / 4) * 2048) +
+                     (static_cast<std::uint32_t>(32 * (jj % 4)) ^ (16u * (((here >> 4) & 1u) ^ rr)));
+            };
 #pragma unroll
-          for (int w = 0; w < kWaves; ++w) store_wave(acc[w], w);
+            for (int w = 0; w < kWaves; ++w) {
+#pragma unroll
+              for (int jj = 0; jj < 8; ++jj) {
+                const int j = 2 * jj;
+                ptx::stmatrix_x4(chunk_pair(w, jj), pack_bf16x2(acc[w][4 * j + 0], acc[w][4 * j + 1]),
+                                 pack_bf16x2(acc[w][4 * j + 2], acc[w][4 * j + 3]),
+                                 pack_bf16x2(acc[w][4 * j + 4], acc[w][4 * j + 5]),
+                                 pack_bf16x2(acc[w][4 * j + 6], acc[w][4 * j + 7]));
+              }
+            }
+          } else {
+#pragma unroll
+            for (int w = 0; w < kWaves; ++w) store_wave(acc[w], w);
+          }
         }
         if (lane == 0)
           ptx::st_shared_u32(u_empty + kStagedFromEmpty + 8 + 4 * static_cast<std::uint32_t>(warp - 4),
                              whole_warp ? 1u : 0u);
         ptx::fence_proxy_async_shared();  // this lane's writes, before the store warp's TMA reads them
         ptx::mbar_arrive_warp(u_empty + kStagedFromEmpty);  // (release: the mask and the boxes)
+        if constexpr (kWave0) store_wave(acc[1], 1);  // (after the hand-over: the store warp starts first)
       } else if (p.vector_epilogue != 0) {
 #pragma unroll
         for (int w = 0; w < kWaves; ++w) store_wave(acc[w], w);

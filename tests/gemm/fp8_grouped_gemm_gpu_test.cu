@@ -238,6 +238,19 @@ INSTANTIATE_TEST_SUITE_P(
         }(),
         // The consumers' own stores (borrow_epilogue off) on the same shape as the first.
         tails_holes_case("N4096_K2048_direct_epilogue_holes", false, false),
+        // v31's wave-0 staging (borrow_epilogue 2; a masked default, allowed here too): the same tails
+        // and holes, and K = 7168 with N = 7168.
+        [] {
+          ContiguousCase c = tails_holes_case("N4096_K2048_wave0_holes", false, true);
+          c.borrow = 2;
+          return c;
+        }(),
+        [] {
+          ContiguousCase c{
+              "N7168_K7168_wave0", {300, 16, 0, 250, 128}, 7168, 7168, ScaleLayout::mn_major_tma};
+          c.borrow = 2;
+          return c;
+        }(),
         // The tile order's bands: one column tile wide (300 columns round down to it), and all of N
         // (8 column tiles of 128 x 256 over 12 m-blocks: every CTA's tiles cross bands differently).
         [] {
@@ -455,12 +468,12 @@ void PrintTo(const MaskedCase& c, std::ostream* os) {
   *os << c.name;
 }
 
-// v12's borrowed-stage epilogue at N = 4096, K = 2048 (128 x 256 tiles), with whole-tile stores as
-// `tile_store` says.
+// v12's borrowed-stage epilogue (borrow 1) or v31's wave-0 staging (2) at N = 4096, K = 2048 (128 x 256
+// tiles), with whole-tile stores as `tile_store` says.
 MaskedCase masked_borrow_case(std::string name, std::int64_t m_max, std::vector<std::int32_t> masked_m,
-                              int tile_store) {
+                              int tile_store, int borrow = 1) {
   MaskedCase c{std::move(name), m_max, std::move(masked_m), 4096, 2048, ScaleLayout::mn_major_tma};
-  c.borrow = 1;
+  c.borrow = borrow;
   c.tile_store = tile_store;
   return c;
 }
@@ -570,6 +583,11 @@ INSTANTIATE_TEST_SUITE_P(
         // partial warp, an empty group; stores per wave and per warp.
         masked_borrow_case("N4096_K2048_mmax144_borrow_tile_store", 144, {144, 0, 130, 16, 129, 128}, 1),
         masked_borrow_case("N4096_K2048_mmax144_borrow_no_tile_store", 144, {144, 0, 130, 16, 129, 128}, 0),
+        // v31 (borrow_epilogue 2, the masked default at K <= 2048): wave 0 staged and stored by the store
+        // warp, wave 1 by the consumers; the same row patterns (partial warps, 2D and 4D output maps).
+        masked_borrow_case("N4096_K2048_mmax200_wave0", 200, {1, 64, 65, 130, 200, 0, 77}, -1, 2),
+        masked_borrow_case("N4096_K2048_mmax144_wave0_tile_store", 144, {144, 0, 130, 16, 129, 128}, 1, 2),
+        masked_borrow_case("N4096_K2048_mmax144_wave0_no_tile_store", 144, {144, 0, 130, 16, 129, 128}, 0, 2),
         // Swapped operands: every wave shape (1-176 tokens: one wave of 16 .. 176; 177-240: two of
         // 96 .. 120; 241-256: three of 88), chunks of 256 tokens past it (257, 300: a second chunk of 1
         // and 44), empty groups; N = 384 (3 weight blocks) and K = 640 (5 K blocks: the 4 stages wrap
@@ -1390,7 +1408,7 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   cuda::GroupedGemmOptions bad_borrow;
   bad_borrow.borrow_epilogue = -2;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_borrow); },
-                        "options.borrow_epilogue must be -1 (automatic), 0 or 1");
+                        "options.borrow_epilogue must be -1 (automatic), 0, 1 or 2");
   cuda::GroupedGemmOptions bad_band;
   bad_band.band_columns = -1;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_band); },

@@ -112,11 +112,15 @@ struct GroupedGemmOptions {
   // it the consumers store from registers and wait for their stores (~13 cycles per wgmma at K = 2048
   // whether 132 or 66 SMs store at once). Measured 2-7% faster on 8 of the 10 contiguous anchor rows,
   // 1% slower on one, mixed (+-3%) on the masked 128 x 256 rows: 3% less time over the contiguous rows
-  // (bench/NOTES.md, session 15). 1: always; 0: never; -1 (automatic): except in the masked layout
-  // with K <= 2048, where the consumers' own stores measured 1-3.5% faster on the 32 x 128 and
-  // 32 x 192 anchor rows in three calls of two sessions, and v12 level or faster at K = 7168
-  // (grouped_gemm_borrow_epilogue; bench/NOTES.md, session 31). EPMOE_GEMM_BORROW_EPILOGUE=0|1
-  // overrides it. Ignored with split_tiles, pingpong, consumer_skew, 4-byte stores and ablations.
+  // (bench/NOTES.md, session 15). 2 (v31): only the first 128 columns are staged, in 32 KB of shared
+  // memory of their own, and stored by the idle warp; the consumers store the other 128 themselves
+  // after the hand-over, so no pipeline stage is borrowed and the next tile's loads never wait for the
+  // store (no v21 split tail with it). 1: always; 0: never; -1 (automatic,
+  // grouped_gemm_borrow_epilogue): 2 in the masked layout with K <= 2048, where it measured 2-3% faster
+  // than the consumers' own stores on 32 x 192 and ~1% on 32 x 128 (which were 1-3.5% faster than 1
+  // there, session 31), 1 elsewhere (2 measured 2-4% slower on the large contiguous rows, slower at
+  // K = 7168; bench/NOTES.md, session 45). EPMOE_GEMM_BORROW_EPILOGUE=0|1|2 overrides it. Ignored with
+  // split_tiles, pingpong, consumer_skew, 4-byte stores and ablations.
   int borrow_epilogue = -1;
   // With borrow_epilogue: a tile whose 128 rows are all valid leaves as one tensor store per 128
   // columns (2) instead of one per consumer warp and 128 columns (16): each TMA store costs the store
@@ -211,9 +215,10 @@ GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64
 // K <= 2048 and the M rows of A hold at most 512 per group on average (M <= 512 groups).
 bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k);
 
-// The automatic choice of GroupedGemmOptions::borrow_epilogue (-1): v12's borrowed-stage epilogue
-// except in the masked layout with K <= 2048.
-bool grouped_gemm_borrow_epilogue(bool masked, std::int64_t k);
+// The automatic choice of GroupedGemmOptions::borrow_epilogue (-1): 2 (v31: the first 128 columns
+// staged, the rest stored by the consumers) in the masked layout with K <= 2048, else 1 (v12's
+// borrowed-stage epilogue).
+int grouped_gemm_borrow_epilogue(bool masked, std::int64_t k);
 
 // The automatic choice of GroupedGemmOptions::swap_ab (-1), masked layout, from the expected rows
 // per group: never yet (measured slower everywhere).
