@@ -512,7 +512,9 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
       params.unroll != 0 && params.stages == Traits::kStages && num_kb % Traits::kStages == 0
           ? Traits::kStages
           : 1;
-  const bool split_tail_applies = plain && params.vector_epilogue != 0 && num_kb / quantum >= 2;
+  // (v31's wave-0 instances have no split tail.)
+  const bool split_tail_applies = plain && params.vector_epilogue != 0 && num_kb / quantum >= 2 &&
+                                  params.borrow_epilogue != kernels::kBorrowWave0;
   // (A table of 1s: no tail can split, the whole kernel runs.)
   constexpr std::uint64_t kNoSplit = 0x1111111111111111ull;
   const std::uint64_t table = split_table(num_kb, quantum, options.split_tail == 1);
@@ -534,9 +536,7 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
         reinterpret_cast<float*>(static_cast<char*>(options.workspace) + split_counter_bytes(props.sm_count));
     static_assert(kBlockM * kBlockN <= kSplitPartialFloats);
   }
-  // (v31's instances have no split tail: a wave-0 launch runs without it.)
   const bool wave0 = kZeroPaddingTile && params.borrow_epilogue == kernels::kBorrowWave0;
-  if (wave0) params.split_quantum = 0;
   EPMOE_CUDA_CHECK(cudaLaunchKernelEx(
       &config,
       wave0                       ? (params.zero_padding_rows != 0 ? kernel_zero_wave0 : kernel_wave0)

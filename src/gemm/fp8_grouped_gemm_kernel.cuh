@@ -1686,72 +1686,45 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // end) stores its valid rows itself and stages nothing (copying them out of the swizzle spilled the
         // store warp).
         const bool whole_warp = __all_sync(0xffffffffu, valid_a && valid_b);
-        if constexpr (kWave0) {
-          // (As below: wave 0's boxes are free once the store warp has read the previous tile's.)
-          if (whole_warp)
-            ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
-                                  TileRing::kRingSpinLimit);
-          const auto chunk_pair = [&](int jj) {
+        // v31 (kWave0): only wave 0 is staged; wave 1 leaves from registers after the hand-over (below).
+        constexpr int kStagedWaves = kWave0 ? 1 : kWaves;
+        if (whole_warp) {
+          // v18: wave 0's boxes (smem_epi) are free once the store warp has read the previous tile's
+          // (epi_done_bar's phase of that tile; the ring has counted this tile: parity count & 1, which
+          // passes at once on the first tile). Bounded as the ring's reads (the producers' watchdogs
+          // fail the launch first).
+          ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
+                                TileRing::kRingSpinLimit);
+          // (The lane's address re-derived at each stmatrix: held across them it cost a spill.)
+          const auto chunk_pair = [&](int w, int jj) {
             const std::uint32_t here = ptx::lane_id_here();
             const std::uint32_t rr = here & 7u;
             const std::uint32_t warp_rows =
                 u_smem + (smem_b - smem_base) + (kStages - 1) * static_cast<std::uint32_t>(Traits::kBBytes) +
                 (u_consumer * 64u + static_cast<std::uint32_t>(warp_in_group) * 16u) * 256u;
             return warp_rows + (rr + 8u * ((here >> 3) & 1u)) * 128u +
-                   static_cast<std::uint32_t>(kBlockM * 256 + (jj / 4) * 2048) +
+                   static_cast<std::uint32_t>((1 - w) * (kBlockM * 256) + (jj / 4) * 2048) +
                    (static_cast<std::uint32_t>(32 * (jj % 4)) ^ (16u * (((here >> 4) & 1u) ^ rr)));
           };
-          if (whole_warp) {
+#pragma unroll
+          for (int w = 0; w < kStagedWaves; ++w) {
 #pragma unroll
             for (int jj = 0; jj < 8; ++jj) {
               const int j = 2 * jj;
-              ptx::stmatrix_x4(chunk_pair(jj), pack_bf16x2(acc[0][4 * j + 0], acc[0][4 * j + 1]),
-                               pack_bf16x2(acc[0][4 * j + 2], acc[0][4 * j + 3]),
-                               pack_bf16x2(acc[0][4 * j + 4], acc[0][4 * j + 5]),
-                               pack_bf16x2(acc[0][4 * j + 6], acc[0][4 * j + 7]));
+              ptx::stmatrix_x4(chunk_pair(w, jj), pack_bf16x2(acc[w][4 * j + 0], acc[w][4 * j + 1]),
+                               pack_bf16x2(acc[w][4 * j + 2], acc[w][4 * j + 3]),
+                               pack_bf16x2(acc[w][4 * j + 4], acc[w][4 * j + 5]),
+                               pack_bf16x2(acc[w][4 * j + 6], acc[w][4 * j + 7]));
             }
-          } else {
-            store_wave(acc[0], 0);
-            // A warp that stages nothing waits too, before its row mask: with no borrowed stage the
-            // producer's gate no longer orders the mask after the store warp's reads of the previous tile's.
-            ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
-                                  TileRing::kRingSpinLimit);
           }
         } else {
-          if (whole_warp) {
-            // v18: wave 0's boxes (smem_epi) are free once the store warp has read the previous tile's
-            // (epi_done_bar's phase of that tile; the ring has counted this tile: parity count & 1, which
-            // passes at once on the first tile). Bounded as the ring's reads (the producers' watchdogs
-            // fail the launch first).
+#pragma unroll
+          for (int w = 0; w < kStagedWaves; ++w) store_wave(acc[w], w);
+          // v31: a warp that stages nothing waits too, before its row mask: with no borrowed stage the
+          // producer's gate no longer orders the mask after the store warp's reads of the previous tile's.
+          if constexpr (kWave0)
             ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
                                   TileRing::kRingSpinLimit);
-            // (The lane's address re-derived at each stmatrix: held across them it cost a spill.)
-            const auto chunk_pair = [&](int w, int jj) {
-              const std::uint32_t here = ptx::lane_id_here();
-              const std::uint32_t rr = here & 7u;
-              const std::uint32_t warp_rows =
-                  u_smem + (smem_b - smem_base) +
-                  (kStages - 1) * static_cast<std::uint32_t>(Traits::kBBytes) +
-                  (u_consumer * 64u + static_cast<std::uint32_t>(warp_in_group) * 16u) * 256u;
-              return warp_rows + (rr + 8u * ((here >> 3) & 1u)) * 128u +
-                     static_cast<std::uint32_t>((1 - w) * (kBlockM * 256) + (jj / 4) * 2048) +
-                     (static_cast<std::uint32_t>(32 * (jj % 4)) ^ (16u * (((here >> 4) & 1u) ^ rr)));
-            };
-#pragma unroll
-            for (int w = 0; w < kWaves; ++w) {
-#pragma unroll
-              for (int jj = 0; jj < 8; ++jj) {
-                const int j = 2 * jj;
-                ptx::stmatrix_x4(chunk_pair(w, jj), pack_bf16x2(acc[w][4 * j + 0], acc[w][4 * j + 1]),
-                                 pack_bf16x2(acc[w][4 * j + 2], acc[w][4 * j + 3]),
-                                 pack_bf16x2(acc[w][4 * j + 4], acc[w][4 * j + 5]),
-                                 pack_bf16x2(acc[w][4 * j + 6], acc[w][4 * j + 7]));
-              }
-            }
-          } else {
-#pragma unroll
-            for (int w = 0; w < kWaves; ++w) store_wave(acc[w], w);
-          }
         }
         if (lane == 0)
           ptx::st_shared_u32(u_empty + kStagedFromEmpty + 8 + 4 * static_cast<std::uint32_t>(warp - 4),

@@ -100,8 +100,8 @@ std::vector<std::int32_t> contiguous_ids(const std::vector<Rows>& group_rows, bo
 
 // Groups ending anywhere in a warp's 16 rows and in a tile's two 64-row halves (tails of 1, 33, 64,
 // 65, 72, 127 and 128 rows), -1 rows inside groups, a trailing empty block, several tiles per CTA:
-// for v11's split tiles (opt-in) and v12's borrowed-stage epilogue or the consumers' own stores.
-ContiguousCase tails_holes_case(std::string name, bool split, bool borrow) {
+// for v11's split tiles (opt-in) and the epilogues (borrow: GroupedGemmOptions::borrow_epilogue, 0-2).
+ContiguousCase tails_holes_case(std::string name, bool split, int borrow) {
   ContiguousCase c{std::move(name),
                    {1, 64, 65, 127, 128, 129, 192, 200, 0, 33, 300},
                    4096,
@@ -111,7 +111,16 @@ ContiguousCase tails_holes_case(std::string name, bool split, bool borrow) {
                    1,
                    true};
   c.split_tiles = split;
-  c.borrow = borrow ? 1 : 0;
+  c.borrow = borrow;
+  return c;
+}
+
+// N = K = 7168 with a 16-row group, an empty one and tails (128 x 256 tiles over 56 K blocks), with the
+// epilogue `borrow` (GroupedGemmOptions::borrow_epilogue) and whole-tile stores as `tile_store` says.
+ContiguousCase n7168_k7168_epilogue_case(std::string name, int borrow, int tile_store = -1) {
+  ContiguousCase c{std::move(name), {300, 16, 0, 250, 128}, 7168, 7168, ScaleLayout::mn_major_tma};
+  c.borrow = borrow;
+  c.tile_store = tile_store;
   return c;
 }
 
@@ -186,8 +195,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         // v11's split tiles (opt-in; 128 x 256, <= 64 valid rows: consumer 1 on consumer 0's rows and
         // the second wave): split and not, with the plain K loop, and at K = 7168 with MN-major scales.
-        tails_holes_case("N4096_K2048_split_tails_holes", true, false),
-        tails_holes_case("N4096_K2048_split_tails_holes_unsplit", false, false),
+        tails_holes_case("N4096_K2048_split_tails_holes", true, 0),
+        tails_holes_case("N4096_K2048_split_tails_holes_unsplit", false, 0),
         [] {
           ContiguousCase c{"N4096_K1536_split_tails_plain_k_loop",
                            {3, 130, 60, 190},
@@ -208,13 +217,8 @@ INSTANTIATE_TEST_SUITE_P(
         // stores per row for the others): tails of every size, holes, a trailing empty block, many
         // tiles per CTA (K = 2048: 16 K blocks, 4 rounds), K = 7168 with N = 7168, and K = 512 (one
         // round: the borrowed stages are the tile's second half).
-        tails_holes_case("N4096_K2048_borrow_holes", false, true),
-        [] {
-          ContiguousCase c{
-              "N7168_K7168_borrow", {300, 16, 0, 250, 128}, 7168, 7168, ScaleLayout::mn_major_tma};
-          c.borrow = 1;
-          return c;
-        }(),
+        tails_holes_case("N4096_K2048_borrow_holes", false, 1),
+        n7168_k7168_epilogue_case("N7168_K7168_borrow", 1),
         [] {
           ContiguousCase c{
               "N4096_K512_borrow_one_round", {700, 3, 130}, 4096, 512, ScaleLayout::mn_major_tma};
@@ -225,41 +229,26 @@ INSTANTIATE_TEST_SUITE_P(
         // Whole-tile stores off at K = 2048 (per-warp stores of every whole warp) and on at K = 7168
         // (whole tiles among partial ones).
         [] {
-          ContiguousCase c = tails_holes_case("N4096_K2048_borrow_holes_no_tile_store", false, true);
+          ContiguousCase c = tails_holes_case("N4096_K2048_borrow_holes_no_tile_store", false, 1);
           c.tile_store = 0;
           return c;
         }(),
-        [] {
-          ContiguousCase c{
-              "N7168_K7168_borrow_tile_store", {300, 16, 0, 250, 128}, 7168, 7168, ScaleLayout::mn_major_tma};
-          c.borrow = 1;
-          c.tile_store = 1;
-          return c;
-        }(),
+        n7168_k7168_epilogue_case("N7168_K7168_borrow_tile_store", 1, 1),
         // The consumers' own stores (borrow_epilogue off) on the same shape as the first.
-        tails_holes_case("N4096_K2048_direct_epilogue_holes", false, false),
+        tails_holes_case("N4096_K2048_direct_epilogue_holes", false, 0),
         // v31's wave-0 staging (borrow_epilogue 2; a masked default, allowed here too): the same tails
         // and holes, and K = 7168 with N = 7168.
-        [] {
-          ContiguousCase c = tails_holes_case("N4096_K2048_wave0_holes", false, true);
-          c.borrow = 2;
-          return c;
-        }(),
-        [] {
-          ContiguousCase c{
-              "N7168_K7168_wave0", {300, 16, 0, 250, 128}, 7168, 7168, ScaleLayout::mn_major_tma};
-          c.borrow = 2;
-          return c;
-        }(),
+        tails_holes_case("N4096_K2048_wave0_holes", false, 2),
+        n7168_k7168_epilogue_case("N7168_K7168_wave0", 2),
         // The tile order's bands: one column tile wide (300 columns round down to it), and all of N
         // (8 column tiles of 128 x 256 over 12 m-blocks: every CTA's tiles cross bands differently).
         [] {
-          ContiguousCase c = tails_holes_case("N4096_K2048_band_one_tile", false, true);
+          ContiguousCase c = tails_holes_case("N4096_K2048_band_one_tile", false, 1);
           c.band_columns = 300;
           return c;
         }(),
         [] {
-          ContiguousCase c = tails_holes_case("N4096_K2048_band_all", false, true);
+          ContiguousCase c = tails_holes_case("N4096_K2048_band_all", false, 1);
           c.band_columns = 1 << 30;
           return c;
         }(),
