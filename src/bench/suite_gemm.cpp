@@ -156,6 +156,9 @@ Result finish(std::string name, Params params, double us, double bytes, double f
 struct Variant {
   std::string suffix;
   cuda::GroupedGemmOptions options;
+  // The A scales token-major ([rows, K/128], the layer's layout) instead of the DeepGEMM layout
+  // (mn_major_tma, [K/128, rows]) that every other line and DeepGEMM's anchors use.
+  bool token_major_scales = false;
 };
 
 // Timed beside the main line in the same run: the v2 kernel's configuration (".v2": no cluster,
@@ -200,6 +203,11 @@ Variant borrow_variant() {  // v12 on every row it applies to (the masked defaul
 Variant wave0_variant() {  // v31: wave 0 staged, wave 1 stored by the consumers (masked K <= 2048 default)
   Variant v{".wave0", {}};
   v.options.borrow_epilogue = 2;
+  return v;
+}
+Variant token_major_variant() {  // the layer's scale layout (ScaleLayout::token_major)
+  Variant v{".token_major", {}};
+  v.token_major_scales = true;
   return v;
 }
 Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split, on every row (always)
@@ -474,7 +482,9 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       b(DType::fp8_e4m3, {G, N, K}), sb(DType::f32, {G, N / 128, KB}), m_indices(DType::i32, {M}),
       d(DType::bf16, {M, N});
   fill_operands(a, b, seed, stream);
+  const cuda::DeviceTensor sa_token_major(DType::f32, {M, KB});
   fill_random_scales(sa, seed + 2, stream);
+  fill_random_scales(sa_token_major, seed + 2, stream);
   fill_random_scales(sb, seed + 4, stream);
   HostTensor host_ids(DType::i32, {M});
   std::copy(ids.begin(), ids.end(), host_ids.data<std::int32_t>());
@@ -487,9 +497,16 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
-  std::vector<Variant> variants{
-      {"", {}},           no_split_tail_variant(), no_zero_padding_variant(), no_trim_variant(), c2_variant(),
-      pingpong_variant(), skew_variant(),          plain_loop_variant(),      v2_variant()};
+  std::vector<Variant> variants{{"", {}},
+                                no_split_tail_variant(),
+                                no_zero_padding_variant(),
+                                no_trim_variant(),
+                                c2_variant(),
+                                pingpong_variant(),
+                                skew_variant(),
+                                plain_loop_variant(),
+                                v2_variant(),
+                                token_major_variant()};
   if (chosen.block_n == 256) {
     variants.push_back(direct_variant());
     variants.push_back(split_variant());
@@ -519,8 +536,12 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
     add_place(p, l);
     time_line(options, results, "gemm.contiguous" + v.suffix, p, bytes, flops, s, stream, nullptr,
               [&](cudaStream_t st) {
-                cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices, d,
-                                                  st, line_options(v.options));
+                if (v.token_major_scales)
+                  cuda::fp8_grouped_gemm_contiguous(a, sa_token_major, cuda::ScaleLayout::token_major, b, sb,
+                                                    m_indices, d, st, line_options(v.options));
+                else
+                  cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices,
+                                                    d, st, line_options(v.options));
               });
   }
 }
@@ -553,7 +574,9 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
                                          0, static_cast<std::size_t>((M_max - rows) * K), stream));
     }
   }
+  const cuda::DeviceTensor sa_token_major(DType::f32, {G, M_max, KB});
   fill_random_scales(sa, seed + 2, stream);
+  fill_random_scales(sa_token_major, seed + 2, stream);
   fill_random_scales(sb, seed + 4, stream);
   cuda::copy_to_device(masked_m, counts, stream);
   d.fill_bytes(0xff, stream);
@@ -568,11 +591,9 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   SameBytesCopy* decode_copy = s.groups == 128 ? &same_bytes : nullptr;
   // The heuristic's tile first, then the others (".alt*") to keep the choice honest.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(true, s.expected_m, N);
-  std::vector<Variant> variants{{"", {}},
-                                no_split_tail_variant(),
-                                no_tail_pieces_variant(),
-                                no_zero_padding_variant(),
-                                no_trim_variant()};
+  std::vector<Variant> variants{
+      {"", {}},          no_split_tail_variant(), no_tail_pieces_variant(), no_zero_padding_variant(),
+      no_trim_variant(), token_major_variant()};
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());
@@ -640,8 +661,12 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
     add_place(p, l);
     time_line(options, results, "gemm.masked" + v.suffix, p, bytes, flops, s, stream, decode_copy,
               [&](cudaStream_t st) {
-                cuda::fp8_grouped_gemm_masked(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, masked_m,
-                                              s.expected_m, d, st, line_options(v.options));
+                if (v.token_major_scales)
+                  cuda::fp8_grouped_gemm_masked(a, sa_token_major, cuda::ScaleLayout::token_major, b, sb,
+                                                masked_m, s.expected_m, d, st, line_options(v.options));
+                else
+                  cuda::fp8_grouped_gemm_masked(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, masked_m,
+                                                s.expected_m, d, st, line_options(v.options));
               });
   }
 }
