@@ -9,7 +9,8 @@
 #        scripts/ab-device.sh OUTDIR --prebuilt BINS.tgz      (no build there: ~150 s of device time saved)
 # --prebuilt: BINS.tgz (scripts/ab-pack.sh) holds trees a/, b/, ... of binaries built on the CPU machine
 # for sm_90a: build-gpu/{bin/epmoe, libepmoe.so} and, in b/, build-gpu/tests/epmoe_gpu_tests. Every
-# binary runs with its tree's build-gpu first on LD_LIBRARY_PATH (their RUNPATH names the CPU machine's).
+# binary runs with its tree's build-gpu first on LD_LIBRARY_PATH (their RUNPATH names the CPU machine's),
+# and a libnccl of the version they were compiled against (scripts/nccl-lib-dir.sh).
 # Read the result with scripts/ab-table.py (tables; --json writes the bench/results file). A tree with
 # a patch of bench/experiments/: git worktree add /tmp/tb main && git -C /tmp/tb apply PATCH... &&
 # tar -C /tmp/tb --exclude=.git -cf .carry/b.tar .
@@ -88,6 +89,13 @@ fi
 for t in "${trees[@]}"; do
   [[ -x $work/$t/build-gpu/bin/epmoe ]] || { tail -n 30 "$x/build_$t.log"; exit 1; }
 done
+# Binaries built on the CPU machine carry its NCCL headers (2.28.9); the device's /usr/lib has 2.28.3. Put a
+# matching libnccl first (the communicator refuses a mismatch; the GEMM paths never load one).
+if nccl_dir=$("$(dirname "$0")/nccl-lib-dir.sh" "$work/b/build-gpu/bin/epmoe"); then
+  [[ -n $nccl_dir ]] && export LD_LIBRARY_PATH="$nccl_dir:$LD_LIBRARY_PATH" && echo "NCCL from $nccl_dir"
+else
+  echo "no libnccl matching tree b's headers: the communicator's tests will refuse to run" >&2
+fi
 
 cd "$work/b" || exit 1
 if [[ -n $tests ]]; then

@@ -7,7 +7,7 @@
 #
 # Usage: scripts/gpu-check.sh OUTDIR      (e.g. scripts/gpu-check.sh "$OUT")
 #
-# OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, configure.log,
+# OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, version.{txt,json}, configure.log,
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
 # memcheck.log, racecheck.log, initcheck.log, bench.log, gemm-kernel-times.{txt,json}). Every step runs even when an earlier one fails (steps
 # that need the build are skipped without it); the exit status is non-zero when the build, a
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 jobs=$(nproc)
 
-# Never NVLink multicast on the lent machines (shared hosts); NCCL is not used by this build yet.
+# Never NVLink multicast on the lent machines (shared hosts).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
@@ -52,12 +52,6 @@ want() { [[ $steps == *",$1,"* ]]; }
 # ---------------------------------------------------------------- the machine
 step nvidia-smi bash -o pipefail -c "nvidia-smi 2>&1 | tee '$out/nvidia-smi.txt'"
 # shellcheck disable=SC2317  # called through step
-nccl_note() {
-  local libs
-  libs=$( (ldconfig -p 2>/dev/null | grep -o 'libnccl\.so[^ ]*' || true; ls /usr/local/cuda/lib64/libnccl* 2>/dev/null || true) | sort -u | tr '\n' ' ')
-  echo "NCCL libraries: ${libs:-none found} (not needed by this build; NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE)"
-}
-step nccl nccl_note
 
 # ---------------------------------------------------------------- build
 step configure bash -o pipefail -c "cmake --preset gpu > '$out/configure.log' 2>&1"
@@ -69,6 +63,24 @@ if [[ ${result[build]} != ok* ]]; then
   step build-gpu-targets bash -o pipefail -c \
     "cmake --build --preset gpu -j '$jobs' --target epmoe epmoe_gpu_tests epmoe_cli epmoe_tensor_probe > '$out/build-gpu-targets.log' 2>&1"
   [[ ${result[build-gpu-targets]} == ok* ]] || built=0
+fi
+
+# ---------------------------------------------------------------- NCCL
+# The communicator refuses a libnccl other than the headers' version (NCCL's device API is inline):
+# `epmoe version` says which was loaded; scripts/nccl-lib-dir.sh finds a matching one if the loader's is not.
+# shellcheck disable=SC2317  # called through step
+nccl_check() {
+  local dir
+  dir=$(scripts/nccl-lib-dir.sh build-gpu/bin/epmoe) || return 1
+  [[ -n $dir ]] && export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  build-gpu/bin/epmoe version --json "$out/version.json" | tee "$out/version.txt"
+}
+if ((built)); then
+  # (Not through step: its export must reach the steps below.)
+  order+=(nccl)
+  if nccl_check; then result[nccl]="ok"; else result[nccl]="FAILED (no libnccl matching the headers)"; fi
+else
+  skip nccl "no build"
 fi
 
 # ---------------------------------------------------------------- kernel resources
@@ -179,6 +191,7 @@ fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /' || true
   printf '%-12s %s\n' step result
   for name in "${order[@]}"; do printf '%-12s %s\n' "$name" "${result[$name]}"; done
+  [[ -f $out/version.txt ]] && sed 's/^/version:   /' "$out/version.txt"
   if [[ -f $out/gpu-tests.log ]]; then
     echo "tests:     $(grep -E 'tests passed' "$out/gpu-tests.log" | tail -n 1)"
     echo "skipped:   $(grep -c '(Skipped)' "$out/gpu-tests.log" || true)"
@@ -215,7 +228,7 @@ fi
   find . -mindepth 1 ! -name logs.tar.gz ! -name summary.txt ! -name bench.json ! -name layer.json -delete) || true
 
 status=0
-for name in configure build gpu-tests memcheck racecheck initcheck layer; do
+for name in configure build nccl gpu-tests memcheck racecheck initcheck layer; do
   [[ ${result[$name]:-} == FAILED* ]] && status=1
 done
 exit "$status"

@@ -36,6 +36,21 @@ check_fails() {
 
 check "--help" "$epmoe" --help
 
+# --- version ----------------------------------------------------------------------------------
+# The CI machine's toolkit supplies both the NCCL headers and the library: they match.
+check "version" "$epmoe" version --json "$tmp/version.json"
+if grep -q "^NCCL: compiled against .*: match$" "$tmp/stdout" &&
+  python3 - "$tmp/version.json" <<'PY'; then pass; else fail "version: text or JSON"; fi
+import json, sys
+doc = json.load(open(sys.argv[1]))
+assert set(doc) == {"commit", "cuda_runtime", "cuda_driver", "gpus", "nccl"}, sorted(doc)
+n = doc["nccl"]
+assert n["match"] is True and n["compiled"] == n["loaded"] and n["compiled_code"] == n["loaded_code"], n
+assert n["compiled_code"] >= 22800 and n["library"], n
+for g in doc["gpus"]:
+    assert g["sms"] > 0 and g["memory_gib"] > 0 and g["sm"].isdigit(), g
+PY
+
 # --- eplb -------------------------------------------------------------------------------------
 # 2 layers x 16 experts; expert 5 (layer 0) and expert 12 (layer 1) are hot.
 cat >"$tmp/load.json" <<'JSON'
