@@ -75,7 +75,10 @@ void run_version(const std::string& json_path) {
   std::printf("NCCL: compiled against %s, loaded %s from %s: %s\n",
               nccl["compiled"].get<std::string>().c_str(), nccl["loaded"].get<std::string>().c_str(),
               nccl["library"].get<std::string>().c_str(), nccl["match"].get<bool>() ? "match" : "MISMATCH");
-  if (!nccl["match"].get<bool>()) std::fprintf(stderr, "%s\n", nccl["problem"].get<std::string>().c_str());
+  if (!nccl["match"].get<bool>()) {
+    std::fflush(stdout);  // (the reason after the summary line, on a terminal too)
+    std::fprintf(stderr, "%s\n", nccl["problem"].get<std::string>().c_str());
+  }
   if (!json_path.empty()) {
     std::ofstream out(json_path);
     EPMOE_CHECK(out.good(), "--json: cannot write {}", json_path);
