@@ -1356,52 +1356,67 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
   a_strided.stride[0] = 2 * K;
   expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a_strided, sa, tm, b, sb, ids, d, stream); },
                         "a must be contiguous");
-  cuda::GroupedGemmOptions bad_n;
-  bad_n.block_n = 192;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_n); },
-                        "options.block_n must be 0 (automatic), 128 or 256");
-  cuda::GroupedGemmOptions tile_64x256;
-  tile_64x256.block_m = 64;
-  tile_64x256.block_n = 256;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, tile_64x256); },
-                        "64 x 256 tiles are not built");
-  cuda::GroupedGemmOptions bad_tile;
-  bad_tile.block_m = 96;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_tile); },
-                        "options.block_m must be 0 (automatic), 64 or 128");
-  cuda::GroupedGemmOptions bad_stages;
-  bad_stages.stages = 99;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_stages); },
-                        "options.stages must be 0 (all) or 1..");
-  cuda::GroupedGemmOptions bad_cluster;
-  bad_cluster.cluster = 3;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_cluster); },
-                        "options.cluster must be 0 (automatic), 1 or 2");
-  cuda::GroupedGemmOptions cluster_64;
-  cluster_64.cluster = 2;
-  cluster_64.block_m = 64;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, cluster_64); },
-                        "options.cluster = 2 needs 128-row tiles");
-  cuda::GroupedGemmOptions cluster_odd;  // N = 256 with 256-wide tiles: one column tile
-  cluster_odd.cluster = 2;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, cluster_odd); },
-                        "options.cluster = 2 needs an even number of column tiles");
-  cuda::GroupedGemmOptions bad_l2;
-  bad_l2.l2_promotion = 3;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_l2); },
-                        "options.l2_promotion must be 0, 1 or 2");
-  cuda::GroupedGemmOptions bad_split;
-  bad_split.split_tiles = 2;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_split); },
-                        "options.split_tiles must be -1 (automatic), 0 or 1");
-  cuda::GroupedGemmOptions bad_borrow;
-  bad_borrow.borrow_epilogue = -2;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_borrow); },
-                        "options.borrow_epilogue must be -1 (automatic), 0, 1 or 2");
-  cuda::GroupedGemmOptions bad_band;
-  bad_band.band_columns = -1;
-  expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, bad_band); },
-                        "options.band_columns must be >= 0");
+  // Each bad option (or pair) alone, and the message that must name it.
+  struct BadOptions {
+    std::function<void(cuda::GroupedGemmOptions&)> set;
+    std::string message;
+  };
+  const std::vector<BadOptions> bad_options{
+      {[](cuda::GroupedGemmOptions& o) { o.block_n = 192; },
+       "options.block_n must be 0 (automatic), 128 or 256"},
+      {[](cuda::GroupedGemmOptions& o) {
+         o.block_m = 64;
+         o.block_n = 256;
+       },
+       "64 x 256 tiles are not built"},
+      {[](cuda::GroupedGemmOptions& o) { o.block_m = 96; },
+       "options.block_m must be 0 (automatic), 64 or 128"},
+      {[](cuda::GroupedGemmOptions& o) { o.stages = 99; }, "options.stages must be 0 (all) or 1.."},
+      {[](cuda::GroupedGemmOptions& o) { o.cluster = 3; }, "options.cluster must be 0 (automatic), 1 or 2"},
+      {[](cuda::GroupedGemmOptions& o) {
+         o.cluster = 2;
+         o.block_m = 64;
+       },
+       "options.cluster = 2 needs 128-row tiles"},
+      // N = 256 with 256-wide tiles: one column tile.
+      {[](cuda::GroupedGemmOptions& o) { o.cluster = 2; },
+       "options.cluster = 2 needs an even number of column tiles"},
+      {[](cuda::GroupedGemmOptions& o) { o.l2_promotion = 3; }, "options.l2_promotion must be 0, 1 or 2"},
+      {[](cuda::GroupedGemmOptions& o) { o.split_tiles = 2; },
+       "options.split_tiles must be -1 (automatic), 0 or 1"},
+      {[](cuda::GroupedGemmOptions& o) { o.borrow_epilogue = -2; },
+       "options.borrow_epilogue must be -1 (automatic), 0, 1 or 2"},
+      {[](cuda::GroupedGemmOptions& o) { o.band_columns = -1; }, "options.band_columns must be >= 0"},
+      {[](cuda::GroupedGemmOptions& o) { o.max_ctas = -1; }, "options.max_ctas must be >= 0, got -1"},
+      {[](cuda::GroupedGemmOptions& o) { o.tile_store = 2; },
+       "options.tile_store must be -1 (automatic), 0 or 1"},
+      {[](cuda::GroupedGemmOptions& o) { o.ablation = -1; }, "options.ablation must be a bit set in 0.."},
+      {[](cuda::GroupedGemmOptions& o) { o.tail_pieces = 2; },
+       "options.tail_pieces must be -1 (automatic), 0 or 1"},
+      {[](cuda::GroupedGemmOptions& o) { o.trim_ctas = -2; },
+       "options.trim_ctas must be -1 (automatic), 0 or 1"},
+      {[](cuda::GroupedGemmOptions& o) { o.split_tail = 2; },
+       "options.split_tail must be -1 (automatic), 0 or 1"},
+      {[](cuda::GroupedGemmOptions& o) { o.split_tail = 1; },
+       "options.split_tail = 1 needs options.workspace"},
+      // (Fake workspace addresses: refused before anything is launched.)
+      {[](cuda::GroupedGemmOptions& o) {
+         o.workspace = reinterpret_cast<void*>(std::uintptr_t{0x1000});
+         o.workspace_bytes = 1;
+       },
+       "options.workspace_bytes must be >= grouped_gemm_workspace_bytes()"},
+      {[](cuda::GroupedGemmOptions& o) {
+         o.workspace = reinterpret_cast<void*>(std::uintptr_t{0x1010});
+         o.workspace_bytes = cuda::grouped_gemm_workspace_bytes();
+       },
+       "options.workspace must be 256-byte aligned"},
+  };
+  for (const BadOptions& bad : bad_options) {
+    cuda::GroupedGemmOptions o;
+    bad.set(o);
+    expect_error_mentions([&] { fp8_grouped_gemm_contiguous(a, sa, tm, b, sb, ids, d, stream, o); },
+                          bad.message);
+  }
 
   // Masked.
   const std::int64_t M_max = 100;
