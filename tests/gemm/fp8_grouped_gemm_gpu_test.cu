@@ -28,6 +28,7 @@ using cuda::ScaleLayout;
 using testing::expect_error_mentions;
 
 using testing::check_output;
+using testing::fill_masked_activations;
 using testing::fill_random_fp8;
 using testing::fill_random_scales;
 using testing::fresh_seed;
@@ -479,15 +480,9 @@ MaskedInputs masked_inputs(std::int64_t G, std::int64_t M_max, std::int64_t N, s
   const std::int64_t KB = K / 128;
   MaskedInputs in{HostTensor(DType::fp8_e4m3, {G, M_max, K}), HostTensor(DType::f32, {G, M_max, KB}),
                   HostTensor(), HostTensor(DType::i32, {G}), random_weights(G, N, K, rng)};
-  auto* a_bytes = static_cast<std::uint8_t*>(in.a.view().data);
-  fill_random_fp8(a_bytes, in.a.numel(), rng);
+  fill_masked_activations(static_cast<std::uint8_t*>(in.a.view().data), counts, M_max, K,
+                          in.counts.data<std::int32_t>(), rng);
   fill_random_scales(in.sa.data<float>(), in.sa.numel(), rng);
-  for (std::int64_t g = 0; g < G; ++g) {
-    in.counts.data<std::int32_t>()[g] = counts[static_cast<std::size_t>(g)];
-    // Rows past the count hold NaN codes: nothing of them may leak into valid rows.
-    for (std::int64_t r = counts[static_cast<std::size_t>(g)]; r < M_max; ++r)
-      std::memset(a_bytes + (g * M_max + r) * K, 0x7f, static_cast<std::size_t>(K));
-  }
   if (layout == ScaleLayout::mn_major_tma) {
     const std::int64_t padded = cuda::tma_aligned_tokens(M_max);
     in.sa_mn = HostTensor(DType::f32, {G, KB, padded});

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <sstream>
 #include <vector>
@@ -39,6 +40,21 @@ inline void fill_random_scales(float* p, std::int64_t n, std::mt19937_64& rng) {
   std::uniform_real_distribution<float> u(1.0f, 2.0f);
   std::uniform_int_distribution<int> e(-10, -4);
   for (std::int64_t i = 0; i < n; ++i) p[i] = std::ldexp(u(rng), e(rng));
+}
+
+// A masked layout's activations [G, M_max, K] (e4m3 bytes): random codes in every row (fill_random_fp8),
+// then NaN codes in the rows past each group's count, so that nothing of them may leak into valid rows.
+// `counts_out` (i32 [G]) receives the counts.
+inline void fill_masked_activations(std::uint8_t* a, const std::vector<std::int32_t>& counts,
+                                    std::int64_t M_max, std::int64_t K, std::int32_t* counts_out,
+                                    std::mt19937_64& rng) {
+  const auto G = static_cast<std::int64_t>(counts.size());
+  fill_random_fp8(a, G * M_max * K, rng);
+  for (std::int64_t g = 0; g < G; ++g) {
+    counts_out[g] = counts[static_cast<std::size_t>(g)];
+    for (std::int64_t r = counts[static_cast<std::size_t>(g)]; r < M_max; ++r)
+      std::memset(a + (g * M_max + r) * K, 0x7f, static_cast<std::size_t>(K));
+  }
 }
 
 // The valid rows of a masked output [G, M_max, n] flattened to rows: row r of group g while r < counts[g].

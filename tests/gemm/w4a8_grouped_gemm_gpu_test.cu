@@ -31,6 +31,7 @@ namespace {
 using testing::expect_error_mentions;
 
 using testing::check_output;
+using testing::fill_masked_activations;
 using testing::fill_random_fp8;
 using testing::fill_random_scales;
 using testing::fresh_seed;
@@ -210,14 +211,8 @@ MaskedInputs masked_inputs(std::int64_t G, std::int64_t M_max, std::int64_t N, s
                            cuda::W4A8Codes codes = cuda::W4A8Codes::offset_binary) {
   MaskedInputs in{HostTensor(DType::fp8_e4m3, {G, M_max, K}), HostTensor(DType::i32, {G}),
                   random_weights(G, N, K, rng, codes)};
-  auto* a_bytes = static_cast<std::uint8_t*>(in.a.view().data);
-  fill_random_fp8(a_bytes, in.a.numel(), rng);
-  for (std::int64_t g = 0; g < G; ++g) {
-    in.counts.data<std::int32_t>()[g] = counts[static_cast<std::size_t>(g)];
-    // Rows past the count hold NaN codes: nothing of them may leak into valid rows.
-    for (std::int64_t r = counts[static_cast<std::size_t>(g)]; r < M_max; ++r)
-      std::memset(a_bytes + (g * M_max + r) * K, 0x7f, static_cast<std::size_t>(K));
-  }
+  fill_masked_activations(static_cast<std::uint8_t*>(in.a.view().data), counts, M_max, K,
+                          in.counts.data<std::int32_t>(), rng);
   return in;
 }
 
