@@ -20,9 +20,17 @@ tmp=$(mktemp -d)
 } >"$out/machine.txt" 2>&1
 [ -x build-gpu/bin/epmoe ] || { cmake --preset gpu >/dev/null && cmake --build --preset gpu -j "$(nproc)" >"$tmp/build.log" 2>&1; } ||
   { tail -n 30 "$tmp/build.log"; exit 1; }
+# A tree built elsewhere (the CPU machine: NCCL 2.28.9 headers) needs a matching libnccl first on the path.
+if nccl_dir=$(scripts/nccl-lib-dir.sh build-gpu/bin/epmoe); then
+  [ -n "$nccl_dir" ] && export LD_LIBRARY_PATH="$nccl_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  echo "no libnccl matching the headers epmoe was built against: the communicator will refuse to start" >&2
+  status_nccl=1
+fi
 ldd build-gpu/bin/epmoe | grep -i nccl >>"$out/machine.txt"
+build-gpu/bin/epmoe version >>"$out/machine.txt" 2>&1
 
-status=0
+status=${status_nccl:-0}
 echo "== single-GPU tests"
 ctest --test-dir build-gpu -L gpu -E 'CommGpu' -j 8 >"$tmp/gpu-tests.log" 2>&1 || status=1
 grep -E "tests passed|tests failed" "$tmp/gpu-tests.log"

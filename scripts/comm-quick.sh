@@ -24,6 +24,9 @@ targets="epmoe_cli epmoe_comm_tests"
 # shellcheck disable=SC2086
 { cmake --preset gpu >/dev/null && cmake --build --preset gpu -j "$(nproc)" --target $targets; } \
   >"$out/build.log" 2>&1 || { tail -n 40 "$out/build.log"; exit 1; }
+# (The device's own build matches its /usr/lib NCCL; a libnccl of the headers' version first otherwise.)
+nccl_dir=$(scripts/nccl-lib-dir.sh build-gpu/bin/epmoe) || status=1
+[ -n "$nccl_dir" ] && export LD_LIBRARY_PATH="$nccl_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 [ "$comm_only" = 1 ] || {
 echo "== silu_quant GPU tests"
 {
