@@ -210,6 +210,14 @@ Variant token_major_variant() {  // the layer's scale layout (ScaleLayout::token
   v.token_major_scales = true;
   return v;
 }
+// A line's A scales: the DeepGEMM layout's, or the token-major copy for Variant::token_major_scales.
+cuda::ScaleLayout scale_layout_of(const Variant& v) {
+  return v.token_major_scales ? cuda::ScaleLayout::token_major : cuda::ScaleLayout::mn_major_tma;
+}
+const cuda::DeviceTensor& scales_of(const Variant& v, const cuda::DeviceTensor& mn_major,
+                                    const cuda::DeviceTensor& token_major) {
+  return v.token_major_scales ? token_major : mn_major;
+}
 Variant split_variant() {  // v11: 128 x 256 tiles with <= 64 valid rows split, on every row (always)
   Variant v{".split", {}};
   v.options.split_tiles = 1;
@@ -536,12 +544,8 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
     add_place(p, l);
     time_line(options, results, "gemm.contiguous" + v.suffix, p, bytes, flops, s, stream, nullptr,
               [&](cudaStream_t st) {
-                if (v.token_major_scales)
-                  cuda::fp8_grouped_gemm_contiguous(a, sa_token_major, cuda::ScaleLayout::token_major, b, sb,
-                                                    m_indices, d, st, line_options(v.options));
-                else
-                  cuda::fp8_grouped_gemm_contiguous(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, m_indices,
-                                                    d, st, line_options(v.options));
+                cuda::fp8_grouped_gemm_contiguous(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b,
+                                                  sb, m_indices, d, st, line_options(v.options));
               });
   }
 }
@@ -661,12 +665,8 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
     add_place(p, l);
     time_line(options, results, "gemm.masked" + v.suffix, p, bytes, flops, s, stream, decode_copy,
               [&](cudaStream_t st) {
-                if (v.token_major_scales)
-                  cuda::fp8_grouped_gemm_masked(a, sa_token_major, cuda::ScaleLayout::token_major, b, sb,
-                                                masked_m, s.expected_m, d, st, line_options(v.options));
-                else
-                  cuda::fp8_grouped_gemm_masked(a, sa, cuda::ScaleLayout::mn_major_tma, b, sb, masked_m,
-                                                s.expected_m, d, st, line_options(v.options));
+                cuda::fp8_grouped_gemm_masked(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b, sb,
+                                              masked_m, s.expected_m, d, st, line_options(v.options));
               });
   }
 }

@@ -14,6 +14,7 @@
 
 #include "bench/bench.hpp"
 #include "epmoe/comm.hpp"
+#include "epmoe/cuda/runtime.hpp"
 #include "epmoe/error.hpp"
 #include "tools/epmoe/commands.hpp"
 
@@ -34,15 +35,11 @@ nlohmann::json describe() {
   j["cuda_runtime"] = cuda_version_string(runtime);
   j["cuda_driver"] = cuda_version_string(driver);
   nlohmann::json gpus = nlohmann::json::array();
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    count = 0;
-    static_cast<void>(cudaGetLastError());  // no driver or no GPU: not an error here
-  }
-  for (int d = 0; d < count; ++d) {
+  for (int d = 0, count = cuda::device_count(); d < count; ++d) {  // (0 without a driver or a GPU)
     cudaDeviceProp props{};
     if (cudaGetDeviceProperties(&props, d) != cudaSuccess) continue;
     gpus.push_back({{"index", d},
+                    {"description", cuda::device_description(d)},
                     {"name", props.name},
                     {"sm", std::to_string(props.major) + std::to_string(props.minor)},
                     {"sms", props.multiProcessorCount},
@@ -51,13 +48,12 @@ nlohmann::json describe() {
   j["gpus"] = gpus;
   const NcclVersion compiled = decode_nccl_version(NCCL_VERSION_CODE);
   const NcclVersion loaded = loaded_nccl_version();
+  const std::string library = loaded_nccl_library_path();
   const bool match = loaded.code == compiled.code;
-  j["nccl"] = {
-      {"compiled", compiled.str()}, {"compiled_code", compiled.code},        {"loaded", loaded.str()},
-      {"loaded_code", loaded.code}, {"library", loaded_nccl_library_path()}, {"match", match}};
-  if (!match)
-    j["nccl"]["problem"] =
-        nccl_version_mismatch_message(loaded.code, compiled.code, loaded_nccl_library_path());
+  j["nccl"] = {{"compiled", compiled.str()}, {"compiled_code", compiled.code},
+               {"loaded", loaded.str()},     {"loaded_code", loaded.code},
+               {"library", library},         {"match", match}};
+  if (!match) j["nccl"]["problem"] = nccl_version_mismatch_message(loaded.code, compiled.code, library);
   return j;
 }
 
@@ -68,9 +64,7 @@ void run_version(const std::string& json_path) {
               j["cuda_driver"].get<std::string>().c_str());
   if (j["gpus"].empty()) std::printf("GPUs: none (the CPU reference runs instead)\n");
   for (const auto& g : j["gpus"])
-    std::printf("GPU %d: %s (sm_%s, %d SMs, %.1f GiB)\n", g["index"].get<int>(),
-                g["name"].get<std::string>().c_str(), g["sm"].get<std::string>().c_str(), g["sms"].get<int>(),
-                g["memory_gib"].get<double>());
+    std::printf("GPU %d: %s\n", g["index"].get<int>(), g["description"].get<std::string>().c_str());
   const auto& nccl = j["nccl"];
   std::printf("NCCL: compiled against %s, loaded %s from %s: %s\n",
               nccl["compiled"].get<std::string>().c_str(), nccl["loaded"].get<std::string>().c_str(),
