@@ -205,6 +205,11 @@ Variant wave0_variant() {  // v31: wave 0 staged, wave 1 stored by the consumers
   v.options.borrow_epilogue = 2;
   return v;
 }
+Variant wave0_first_variant() {  // v33: v12 with wave 0 staged before the consumers meet (experiment)
+  Variant v{".wave0_first", {}};
+  v.options.borrow_epilogue = 3;
+  return v;
+}
 Variant token_major_variant() {  // the layer's scale layout (ScaleLayout::token_major)
   Variant v{".token_major", {}};
   v.token_major_scales = true;
@@ -517,6 +522,7 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
                                 token_major_variant()};
   if (chosen.block_n == 256) {
     variants.push_back(direct_variant());
+    variants.push_back(wave0_first_variant());
     variants.push_back(split_variant());
     variants.push_back(nosplit_variant());
     variants.push_back({".alt", {}});
@@ -605,6 +611,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       variants.push_back(direct_variant());
       variants.push_back(borrow_variant());
       variants.push_back(wave0_variant());
+      variants.push_back(wave0_first_variant());
       variants.push_back(split_variant());
     }
   } else {

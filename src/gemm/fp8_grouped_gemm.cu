@@ -122,8 +122,9 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
               "options.split_tiles must be -1 (automatic), 0 or 1, got {}", options.split_tiles);
   EPMOE_CHECK(options.tile_store >= -1 && options.tile_store <= 1,
               "options.tile_store must be -1 (automatic), 0 or 1, got {}", options.tile_store);
-  EPMOE_CHECK(options.borrow_epilogue >= -1 && options.borrow_epilogue <= 2,
-              "options.borrow_epilogue must be -1 (automatic), 0, 1 or 2, got {}", options.borrow_epilogue);
+  EPMOE_CHECK(options.borrow_epilogue >= -1 && options.borrow_epilogue <= 3,
+              "options.borrow_epilogue must be -1 (automatic), 0, 1, 2 or 3, got {}",
+              options.borrow_epilogue);
   EPMOE_CHECK(options.band_columns >= 0, "options.band_columns must be >= 0 (0: 1024), got {}",
               options.band_columns);
   EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 2047,
@@ -339,7 +340,7 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   params.vector_epilogue = options.vector_epilogue ? 1 : 0;
   static const int two_partials_env = env_switch("EPMOE_GEMM_TWO_PARTIALS");
   static const int split_tiles_env = env_switch("EPMOE_GEMM_SPLIT_TILES");
-  static const int borrow_env = env_mode("EPMOE_GEMM_BORROW_EPILOGUE", 2);
+  static const int borrow_env = env_mode("EPMOE_GEMM_BORROW_EPILOGUE", 3);
   params.two_partials = with_env(two_partials_env, options.two_partials) ? 1 : 0;
   // split_tiles -1: split where measured faster (see GroupedGemmOptions::split_tiles).
   const bool split = resolve_choice(
@@ -354,8 +355,11 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
                      : options.borrow_epilogue >= 0
                          ? options.borrow_epilogue
                          : grouped_gemm_borrow_epilogue(params.masked_m != nullptr, params.k);
-  params.borrow_epilogue =
-      kBlockN == 256 && cluster == 1 && borrow != 0 ? (borrow == 2 ? kernels::kBorrowWave0 : 1) : 0;
+  params.borrow_epilogue = kBlockN == 256 && cluster == 1 && borrow != 0
+                               ? (borrow == 2   ? kernels::kBorrowWave0
+                                  : borrow == 3 ? kernels::kBorrowWave0First
+                                                : 1)
+                               : 0;
   static const int tile_store_env = env_switch("EPMOE_GEMM_TILE_STORE");
   params.tile_store =
       with_env(tile_store_env,

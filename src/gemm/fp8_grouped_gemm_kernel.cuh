@@ -140,7 +140,7 @@ struct GroupedGemmParams {
   std::int32_t vector_epilogue;  // 1: 16-byte stores after a quad transpose; 0: 4-byte stores
   std::int32_t two_partials;     // 1: single-wave tiles alternate two partials (wait_group 1)
   std::int32_t split_tiles;      // 1: 128 x 256 tiles with <= 64 valid rows split their columns (v11)
-  std::int32_t borrow_epilogue;  // 1: v12 (wave 1 in the last stage, wave 0 in smem_epi); 3: v31
+  std::int32_t borrow_epilogue;  // 1: v12 (wave 1 in the last stage, wave 0 in smem_epi); 3: v31; 4: v33
   std::int32_t tile_store;       // 1: a wave whose warps all staged leaves in one tensor store (v17, v19)
   std::int32_t row_group_maps;   // v19: tma_d / tma_d_tile are 4D row-group maps (make_tma_row_groups)
   std::int32_t n_units;          // N / (kBlockN cluster): work units (p.cluster tiles) per m-block
@@ -227,6 +227,11 @@ inline constexpr int kBorrowNoGate = 2;
 // v31 (GroupedGemmOptions::borrow_epilogue 2) as GroupedGemmParams::borrow_epilogue == 3: the kWave0
 // instances (see the kernel).
 inline constexpr int kBorrowWave0 = 3;
+// v33 (GroupedGemmOptions::borrow_epilogue 3) as GroupedGemmParams::borrow_epilogue == 4: v12 whose
+// consumer warps stage wave 0 (smem_epi, their own rows) before the two consumers meet, wave 1 (the
+// borrowed stage, which both consumers' wgmma read) after: the consumer that finishes its K loop first
+// stages half its tile while the other still computes.
+inline constexpr int kBorrowWave0First = 4;
 
 // v11: whether a kBlockM x kBlockN tile with rows_used possibly valid rows is computed split (both
 // consumers on its first 64 rows, one 128-column wave each; see the consumer loop). The scheduler
@@ -1676,7 +1681,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // complete before either writes there; then this warp's 16 rows x 256 columns into its two
         // [16 rows x 256 bytes] boxes (one per wave) and its row mask (bit r: row r of the warp; lane
         // 4 (r % 8) held it, as row_a for r < 8) for the store warp.
-        if constexpr (!kWave0) ptx::named_bar_sync(kEpilogueBarrier, 256);
+        // v33: wave 0 first (its boxes are this warp's own), the meeting before wave 1.
+        const bool wave0_first = !kWave0 && p.borrow_epilogue == kBorrowWave0First;
+        if constexpr (!kWave0) {
+          if (!wave0_first) ptx::named_bar_sync(kEpilogueBarrier, 256);
+        }
         // v17: the tile in [16 rows x 128 bytes] boxes (v19: per wave [warp][half][16 rows][128 bytes],
         // half h: 64 columns; the waves where the store warp's comment says) in the 128-byte swizzle
         // (16-byte chunk c of row r at r * 128 + 16 (c ^ r % 8)), written by stmatrix straight from the
@@ -1708,6 +1717,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           };
 #pragma unroll
           for (int w = 0; w < kStagedWaves; ++w) {
+            if (w == 1 && wave0_first) ptx::named_bar_sync(kEpilogueBarrier, 256);
 #pragma unroll
             for (int jj = 0; jj < 8; ++jj) {
               const int j = 2 * jj;
@@ -1718,6 +1728,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
             }
           }
         } else {
+          if (wave0_first) ptx::named_bar_sync(kEpilogueBarrier, 256);
 #pragma unroll
           for (int w = 0; w < kStagedWaves; ++w) store_wave(acc[w], w);
           // v31: a warp that stages nothing waits too, before its row mask: with no borrowed stage the

@@ -101,7 +101,7 @@ std::vector<std::int32_t> contiguous_ids(const std::vector<Rows>& group_rows, bo
 
 // Groups ending anywhere in a warp's 16 rows and in a tile's two 64-row halves (tails of 1, 33, 64,
 // 65, 72, 127 and 128 rows), -1 rows inside groups, a trailing empty block, several tiles per CTA:
-// for v11's split tiles (opt-in) and the epilogues (borrow: GroupedGemmOptions::borrow_epilogue, 0-2).
+// for v11's split tiles (opt-in) and the epilogues (borrow: GroupedGemmOptions::borrow_epilogue, 0-3).
 ContiguousCase tails_holes_case(std::string name, bool split, int borrow) {
   ContiguousCase c{std::move(name),
                    {1, 64, 65, 127, 128, 129, 192, 200, 0, 33, 300},
@@ -241,6 +241,9 @@ INSTANTIATE_TEST_SUITE_P(
         // and holes, and K = 7168 with N = 7168.
         tails_holes_case("N4096_K2048_wave0_holes", false, 2),
         n7168_k7168_epilogue_case("N7168_K7168_wave0", 2),
+        // v33 (borrow_epilogue 3): v12 with wave 0 staged before the consumers meet; the same shapes.
+        tails_holes_case("N4096_K2048_wave0_first_holes", false, 3),
+        n7168_k7168_epilogue_case("N7168_K7168_wave0_first_tile_store", 3, 1),
         // The tile order's bands: one column tile wide (300 columns round down to it), and all of N
         // (8 column tiles of 128 x 256 over 12 m-blocks: every CTA's tiles cross bands differently).
         [] {
@@ -572,6 +575,10 @@ INSTANTIATE_TEST_SUITE_P(
         masked_borrow_case("N4096_K2048_mmax200_wave0", 200, {1, 64, 65, 130, 200, 0, 77}, -1, 2),
         masked_borrow_case("N4096_K2048_mmax144_wave0_tile_store", 144, {144, 0, 130, 16, 129, 128}, 1, 2),
         masked_borrow_case("N4096_K2048_mmax144_wave0_no_tile_store", 144, {144, 0, 130, 16, 129, 128}, 0, 2),
+        // v33 (borrow_epilogue 3), masked: partial warps with the 2D map, whole tiles with the 4D one.
+        masked_borrow_case("N4096_K2048_mmax200_wave0_first", 200, {1, 64, 65, 130, 200, 0, 77}, -1, 3),
+        masked_borrow_case("N4096_K2048_mmax144_wave0_first_tile_store", 144, {144, 0, 130, 16, 129, 128}, 1,
+                           3),
         // Swapped operands: every wave shape (1-176 tokens: one wave of 16 .. 176; 177-240: two of
         // 96 .. 120; 241-256: three of 88), chunks of 256 tokens past it (257, 300: a second chunk of 1
         // and 44), empty groups; N = 384 (3 weight blocks) and K = 640 (5 K blocks: the 4 stages wrap
@@ -1380,7 +1387,7 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
       {[](cuda::GroupedGemmOptions& o) { o.split_tiles = 2; },
        "options.split_tiles must be -1 (automatic), 0 or 1"},
       {[](cuda::GroupedGemmOptions& o) { o.borrow_epilogue = -2; },
-       "options.borrow_epilogue must be -1 (automatic), 0, 1 or 2"},
+       "options.borrow_epilogue must be -1 (automatic), 0, 1, 2 or 3"},
       {[](cuda::GroupedGemmOptions& o) { o.band_columns = -1; }, "options.band_columns must be >= 0"},
       {[](cuda::GroupedGemmOptions& o) { o.max_ctas = -1; }, "options.max_ctas must be >= 0, got -1"},
       {[](cuda::GroupedGemmOptions& o) { o.tile_store = 2; },
