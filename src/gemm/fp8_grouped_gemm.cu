@@ -704,9 +704,12 @@ bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, 
 int grouped_gemm_borrow_epilogue(bool masked, std::int64_t k) {
   // Measured (bench/NOTES.md, sessions 31 and 45): at masked K <= 2048 v12 lost 2-7% to the consumers'
   // own stores, and v31 (wave 0 staged, no borrowed stage) beat those by 1-3%; v12 level or faster on
-  // every K = 7168 row and every contiguous row, where v31 was 2-4% slower on the large groups.
+  // every K = 7168 row and every contiguous row, where v31 was 2-4% slower on the large groups. v33 (v12
+  // with wave 0 staged before the consumers meet) took ~135 cycles off each tile's epilogue: contiguous
+  // K = 2048 rows 0.1-0.5% faster, K = 7168 level; masked K = 7168 0.2% slower twice (session 47).
   constexpr std::int64_t kMaxWave0K = 2048;
-  return masked && k <= kMaxWave0K ? 2 : 1;
+  if (!masked) return 3;
+  return k <= kMaxWave0K ? 2 : 1;
 }
 
 bool grouped_gemm_tile_store(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k) {

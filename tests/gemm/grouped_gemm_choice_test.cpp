@@ -23,16 +23,16 @@ TEST(GroupedGemmSplitTiles, SplitsOnlyShortKAndSmallGroupsInTheContiguousLayout)
   EXPECT_FALSE(grouped_gemm_split_tiles(false, 128, 0, 2048));
 }
 
-TEST(GroupedGemmBorrowEpilogue, WaveZeroOnlyInTheMaskedLayoutAtShortK) {
+TEST(GroupedGemmBorrowEpilogue, PerLayoutAndK) {
   // Masked DeepSeek-V3 down (K = 2048) and shorter: v31 (wave 0 staged, no borrowed stage).
   EXPECT_EQ(grouped_gemm_borrow_epilogue(true, 2048), 2);
   EXPECT_EQ(grouped_gemm_borrow_epilogue(true, 512), 2);
-  // Masked gate_up (K = 7168), and every contiguous K: v12.
+  // Masked gate_up (K = 7168): v12; every contiguous K: v33 (v12 with wave 0 staged first).
   EXPECT_EQ(grouped_gemm_borrow_epilogue(true, 7168), 1);
   EXPECT_EQ(grouped_gemm_borrow_epilogue(true, 2176), 1);
-  EXPECT_EQ(grouped_gemm_borrow_epilogue(false, 2048), 1);
-  EXPECT_EQ(grouped_gemm_borrow_epilogue(false, 512), 1);
-  EXPECT_EQ(grouped_gemm_borrow_epilogue(false, 7168), 1);
+  EXPECT_EQ(grouped_gemm_borrow_epilogue(false, 2048), 3);
+  EXPECT_EQ(grouped_gemm_borrow_epilogue(false, 512), 3);
+  EXPECT_EQ(grouped_gemm_borrow_epilogue(false, 7168), 3);
 }
 
 TEST(GroupedGemmTileStore, AtShortKOrLargeContiguousGroups) {

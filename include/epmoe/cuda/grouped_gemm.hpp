@@ -118,11 +118,13 @@ struct GroupedGemmOptions {
   // store (no v21 split tail with it). 1: always; 0: never; -1 (automatic,
   // grouped_gemm_borrow_epilogue): 2 in the masked layout with K <= 2048, where it measured 2-3% faster
   // than the consumers' own stores on 32 x 192 and ~1% on 32 x 128 (which were 1-3.5% faster than 1
-  // there, session 31), 1 elsewhere (2 measured 2-4% slower on the large contiguous rows, slower at
-  // K = 7168; bench/NOTES.md, session 45). 3 (v33, an experiment): 1 whose consumer warps stage wave 0
-  // (memory of their own) before the two consumers meet and wave 1 (the borrowed stage) after, so that the
-  // consumer that finishes first stages while the other computes. EPMOE_GEMM_BORROW_EPILOGUE=0..3 overrides
-  // it. Ignored with split_tiles, pingpong, consumer_skew, 4-byte stores and ablations.
+  // there, session 31), 3 in the contiguous layout, 1 elsewhere (2 measured 2-4% slower on the large
+  // contiguous rows, slower at K = 7168; bench/NOTES.md, session 45). 3 (v33): 1 whose consumer warps
+  // stage wave 0 (memory of their own) before the two consumers meet and wave 1 (the borrowed stage)
+  // after, so that the consumer that finishes first stages while the other computes: ~135 cycles less per
+  // tile's epilogue, 0.1-0.5% on the contiguous K = 2048 rows, level at K = 7168, 0.2% slower on masked
+  // K = 7168 (session 47). EPMOE_GEMM_BORROW_EPILOGUE=0..3 overrides it. Ignored with split_tiles, pingpong,
+  // consumer_skew, 4-byte stores and ablations.
   int borrow_epilogue = -1;
   // With borrow_epilogue: a tile whose 128 rows are all valid leaves as one tensor store per 128
   // columns (2) instead of one per consumer warp and 128 columns (16): each TMA store costs the store
