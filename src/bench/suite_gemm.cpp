@@ -395,6 +395,25 @@ bool trace_enabled() {
   const char* e = std::getenv("EPMOE_BENCH_GEMM_TRACE");
   return e != nullptr && *e != '\0' && *e != '0';
 }
+// EPMOE_BENCH_GEMM_CTA_STAMPS=1: every FP8 line also reports its CTAs' stamps (add_cta_stamps; three
+// launches with options.ablation bit 2048, apart from the timed ones).
+bool cta_stamps_enabled() {
+  const char* e = std::getenv("EPMOE_BENCH_GEMM_CTA_STAMPS");
+  return e != nullptr && *e != '\0' && *e != '0';
+}
+void add_cta_stamps(Params& p, const std::function<void()>& launch,
+                    const std::function<std::vector<cuda::GemmCtaStamps>()>& take, cudaStream_t stream);
+// An FP8 line's CTA stamps into p (where asked), from `launch` given the options to launch with.
+void add_fp8_cta_stamps(Params& p, const cuda::GroupedGemmOptions& options,
+                        const std::function<void(const cuda::GroupedGemmOptions&)>& launch,
+                        cudaStream_t stream) {
+  if (!cta_stamps_enabled()) return;
+  cuda::GroupedGemmOptions stamped = options;
+  stamped.ablation |= 2048;
+  add_cta_stamps(
+      p, [&] { launch(stamped); },
+      [&] { return cuda::fp8_grouped_gemm_take_cta_trace(cuda::kGemmTraceMaxCtas, stream); }, stream);
+}
 // Every line's options: the trace where asked, and v21's split-tail workspace (one per process, zeroed
 // once; the lines run one at a time on one stream).
 cuda::GroupedGemmOptions line_options(cuda::GroupedGemmOptions o) {
@@ -549,6 +568,13 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
         {"block_m", static_cast<std::int64_t>(v.options.block_m != 0 ? v.options.block_m : chosen.block_m)},
         {"block_n", static_cast<std::int64_t>(v.options.block_n != 0 ? v.options.block_n : chosen.block_n)}};
     add_place(p, l);
+    add_fp8_cta_stamps(
+        p, line_options(v.options),
+        [&](const cuda::GroupedGemmOptions& o) {
+          cuda::fp8_grouped_gemm_contiguous(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b, sb,
+                                            m_indices, d, stream, o);
+        },
+        stream);
     time_line(options, results, "gemm.contiguous" + v.suffix, p, bytes, flops, s, stream, nullptr,
               [&](cudaStream_t st) {
                 cuda::fp8_grouped_gemm_contiguous(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b,
@@ -671,6 +697,13 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
              {"swap_ab", std::int64_t{v.options.swap_ab == 1 || (v.options.swap_ab == -1 &&
                                                                  cuda::grouped_gemm_swap_ab(s.expected_m))}}};
     add_place(p, l);
+    add_fp8_cta_stamps(
+        p, line_options(v.options),
+        [&](const cuda::GroupedGemmOptions& o) {
+          cuda::fp8_grouped_gemm_masked(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b, sb,
+                                        masked_m, s.expected_m, d, stream, o);
+        },
+        stream);
     time_line(options, results, "gemm.masked" + v.suffix, p, bytes, flops, s, stream, decode_copy,
               [&](cudaStream_t st) {
                 cuda::fp8_grouped_gemm_masked(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b, sb,
@@ -679,16 +712,17 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   }
 }
 
-// The per-CTA stamps (cuda::w4a8_take_cta_trace) of three single launches of `launch` (pinned with the
-// trace bit) on an idle GPU, of the launch with the median span, into p, in µs from the first CTA's
-// entry: the CTAs' entry spread, their last copies issued (median, last), their stages all released
-// (first, median, last), and the launch's event time.
-void add_cta_stamps(Params& p, const std::function<void()>& launch, cudaStream_t stream) {
+// The per-CTA stamps (`take`: cuda::w4a8_take_cta_trace, cuda::fp8_grouped_gemm_take_cta_trace) of three
+// single launches of `launch` (with the stamp bit) on an idle GPU, of the launch with the median span,
+// into p, in µs from the first CTA's entry: the CTAs' entry spread, their last loads issued (median,
+// last), their stages all released (first, median, last), and the launch's event time.
+void add_cta_stamps(Params& p, const std::function<void()>& launch,
+                    const std::function<std::vector<cuda::GemmCtaStamps>()>& take, cudaStream_t stream) {
   struct LaunchStamps {
     double entry_spread, issued_median, issued_last, drained_first, drained_median, drained_last, event_us;
     std::int64_t ctas;
   };
-  static_cast<void>(cuda::w4a8_take_cta_trace(cuda::kW4A8TraceMaxCtas, stream));  // the timed runs' stamps
+  static_cast<void>(take());  // (earlier launches' stamps)
   std::vector<LaunchStamps> launches;
   for (int r = 0; r < 3; ++r) {
     const cuda::Event start, end;
@@ -696,8 +730,8 @@ void add_cta_stamps(Params& p, const std::function<void()>& launch, cudaStream_t
     launch();
     end.record(stream);
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    std::vector<cuda::W4A8CtaStamps> st = cuda::w4a8_take_cta_trace(cuda::kW4A8TraceMaxCtas, stream);
-    std::erase_if(st, [](const cuda::W4A8CtaStamps& x) { return x.entry == 0 || x.drained == 0; });
+    std::vector<cuda::GemmCtaStamps> st = take();
+    std::erase_if(st, [](const cuda::GemmCtaStamps& x) { return x.entry == 0 || x.drained == 0; });
     if (st.empty()) return;
     std::uint64_t t0 = st[0].entry;
     for (const auto& x : st) t0 = std::min(t0, x.entry);
@@ -1006,7 +1040,8 @@ void run_w4a8(const Anchor& s, std::uint64_t seed, const SuiteOptions& options, 
     add_place(p, l);
     if ((v.pin.ablation & cuda::kW4A8TraceCtas) != 0)
       add_cta_stamps(
-          p, [&] { call(stream); }, stream);
+          p, [&] { call(stream); },
+          [&] { return cuda::w4a8_take_cta_trace(cuda::kW4A8TraceMaxCtas, stream); }, stream);
     cuda::w4a8_pin_kernel({});
     const cuda::W4A8KernelChoice& ran = v.pin;
     p["quant"] = std::string("w4a8");

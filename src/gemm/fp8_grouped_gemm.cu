@@ -127,8 +127,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
               options.borrow_epilogue);
   EPMOE_CHECK(options.band_columns >= 0, "options.band_columns must be >= 0 (0: 1024), got {}",
               options.band_columns);
-  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 2047,
-              "options.ablation must be a bit set in 0..2047, got {}", options.ablation);
+  EPMOE_CHECK(options.ablation >= 0 && options.ablation <= 4095,
+              "options.ablation must be a bit set in 0..4095, got {}", options.ablation);
   EPMOE_CHECK(options.l2_promotion >= 0 && options.l2_promotion <= 2,
               "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
   EPMOE_CHECK(options.cluster >= 0 && options.cluster <= 2,
@@ -461,7 +461,7 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   // (Both tail schemes want the plain launch: no cluster, split tiles, ping-pong, skew or ablation but the
   // trace.)
   const bool plain = cluster == 1 && params.split_tiles == 0 && params.pingpong == 0 && params.skew == 0 &&
-                     (params.ablation & ~kernels::kTraceLoop) == 0;
+                     (params.ablation & ~kernels::kTraceBits) == 0;
   if (tail.mode == kernels::kTailWhole && plain && kBlockM == 128 && kBlockN == 256) {
     // Contiguous: the tail is known here (every unit counts, padding ones too), masked only on the device.
     const std::int32_t tail_units = params.total_units % params.unit_stride;
@@ -669,6 +669,10 @@ bool swapped(const GroupedGemmOptions& options, std::int64_t expected_m, std::in
 }
 
 }  // namespace
+
+std::vector<GemmCtaStamps> fp8_grouped_gemm_take_cta_trace(int ctas, cudaStream_t stream) {
+  return gemm_host::take_cta_stamps(&kernels::g_fp8_cta_trace, ctas, kGemmTraceMaxCtas, stream);
+}
 
 Fp8GemmTrace fp8_grouped_gemm_take_trace() {
   unsigned long long sums[kernels::kFp8TraceWords] = {};

@@ -220,6 +220,13 @@ inline constexpr int kTraceLoop = 256;
 // Timing ablation: each consumer warp spins 200 cycles after each K block's last wave completes (is
 // the consumers' per-K-block latency hidden by the other warpgroup's wgmma, or exposed?).
 inline constexpr int kAblateSpin = 512;
+// Not an ablation: warp 0's lane 0 stamps %globaltimer per CTA into g_fp8_cta_trace (the first
+// cuda::kGemmTraceMaxCtas CTAs): [0] entry, [1] its last TMA load issued, [2] every stage released by the
+// consumers after it (read by fp8_grouped_gemm_take_cta_trace). Only the producer stamps: its waits are
+// off the consumers' path.
+inline constexpr int kTraceCtas = 2048;
+inline constexpr int kTraceBits = kTraceLoop | kTraceCtas;
+__device__ unsigned long long g_fp8_cta_trace[3 * cuda::kGemmTraceMaxCtas];
 // Timing ablation (v12 launches), as GroupedGemmParams::borrow_epilogue == 2 (the ablation bits turn v12
 // off): the producer loads the next tile's K blocks into the borrowed stages without waiting for the
 // store warp's epi_done, i.e. what the hand-off costs the start of each next tile.
@@ -239,7 +246,7 @@ inline constexpr int kBorrowWave0First = 4;
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ bool split_tile(const GroupedGemmParams& p, std::int32_t rows_used) {
   return kBlockM == 128 && kBlockN == 256 && rows_used <= 64 && p.split_tiles != 0 && p.cluster == 1 &&
-         p.pingpong == 0 && p.skew == 0 && p.vector_epilogue != 0 && (p.ablation & ~kTraceLoop) == 0;
+         p.pingpong == 0 && p.skew == 0 && p.vector_epilogue != 0 && (p.ablation & ~kTraceBits) == 0;
 }
 
 // One output tile.
@@ -1050,13 +1057,16 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
   // costs the loop registers): a start stamp is added negated, the end stamp as is.
   const bool trace = (p.ablation & kTraceLoop) != 0 && threadIdx.x == 128;
   if (trace) atomicMin(g_fp8_gemm_trace + 6, static_cast<unsigned long long>(ptx::global_timer_ns()));
+  // (kTraceCtas: warp 0's lane 0 stamps the entry here, the rest after its loads.)
+  if ((p.ablation & kTraceCtas) != 0 && threadIdx.x == 0 && blockIdx.x < cuda::kGemmTraceMaxCtas)
+    g_fp8_cta_trace[3 * blockIdx.x] = ptx::global_timer_ns();
   // v22: the tail's follower may be scheduled at once (its CTAs take the SMs this grid's CTAs leave).
   if (p.tail_pieces == kTailWhole) ptx::launch_dependents();
 
   // Whether v12 runs (see below; read from the parameters where needed, not held in a register).
   const auto borrowing = [&] {
     return kWaves == 2 && kStages >= 4 && p.borrow_epilogue != 0 && p.cluster == 1 && p.pingpong == 0 &&
-           p.skew == 0 && p.split_tiles == 0 && p.vector_epilogue != 0 && (p.ablation & ~kTraceLoop) == 0 &&
+           p.skew == 0 && p.split_tiles == 0 && p.vector_epilogue != 0 && (p.ablation & ~kTraceBits) == 0 &&
            p.unroll != 0 && p.stages == kStages && num_kb % kStages == 0;
   };
   if (threadIdx.x == 0) {
@@ -1198,6 +1208,17 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         __syncwarp();
       }
       if (trace_hand_off && after_first) stamp(15, false);
+      // (kTraceCtas: the condition re-derived here; held across the loop it cost the split-tail instances a
+      // spill.)
+      if ((p.ablation & kTraceCtas) != 0 && lane == 0 && blockIdx.x < cuda::kGemmTraceMaxCtas) {
+        g_fp8_cta_trace[3 * blockIdx.x + 1] = ptx::global_timer_ns();
+        // Every stage's next fill would wait for its release: the consumers are done with them all.
+        for (int s = 0; s < stages; ++s) {
+          ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
+          pipe.advance(stages);
+        }
+        g_fp8_cta_trace[3 * blockIdx.x + 2] = ptx::global_timer_ns();
+      }
     } else if (warp == 1) {
       // TileRing::kRowsUsed, kSaBase, kSbBase (at the unit's first K block); the K range (split tail)
       std::int32_t w[kSplitTail ? 5 : 3];
@@ -1325,7 +1346,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     // v7's K loop (single-wave tiles: two partials, each K block's promotion under the next block's
     // wgmma); not with the turn passing or the ablations (the trace aside).
     const bool two_partials =
-        kWaves == 1 && p.two_partials != 0 && !ordered && !skewed && (p.ablation & ~kTraceLoop) == 0;
+        kWaves == 1 && p.two_partials != 0 && !ordered && !skewed && (p.ablation & ~kTraceBits) == 0;
     // v11 (p.split_tiles; 128 x 256 tiles, no cluster): a tile with at most 64 valid rows (in the
     // contiguous layout a group's last block: ~a third of the blocks at ~128 rows per group) runs as
     // 64 x 256 with its columns split: both consumers take the tile's first 64 rows of A and consumer

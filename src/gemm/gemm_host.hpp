@@ -8,9 +8,11 @@
 #include <atomic>
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "cuda/kernel_setup.hpp"
 #include "cuda/tma_map.hpp"
+#include "epmoe/cuda/grouped_gemm.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "epmoe/tensor.hpp"
 
@@ -50,5 +52,9 @@ void allow_dynamic_smem() {
 
 // Refuses anything but a Hopper GPU (sm_90), naming `what` (e.g. "the FP8 grouped GEMM").
 void require_hopper(std::string_view what);
+
+// The first `ctas` CTAs' stamps out of a kernel's stamp array `symbol` (3 words per CTA, max_ctas CTAs:
+// GemmCtaStamps' order), which it then clears.
+std::vector<GemmCtaStamps> take_cta_stamps(const void* symbol, int ctas, int max_ctas, cudaStream_t stream);
 
 }  // namespace epmoe::cuda::gemm_host

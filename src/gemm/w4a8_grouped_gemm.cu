@@ -615,19 +615,7 @@ W4A8KernelChoice w4a8_kernel_choice(bool masked, std::int64_t expected_m, std::i
 }
 
 std::vector<W4A8CtaStamps> w4a8_take_cta_trace(int ctas, cudaStream_t stream) {
-  EPMOE_CHECK(ctas >= 1 && ctas <= kW4A8TraceMaxCtas, "ctas must be in [1, {}], got {}", kW4A8TraceMaxCtas,
-              ctas);
-  std::vector<unsigned long long> raw(static_cast<std::size_t>(3 * ctas));
-  EPMOE_CUDA_CHECK(cudaMemcpyFromSymbolAsync(raw.data(), kernels::g_w4a8_cta_trace,
-                                             raw.size() * sizeof(raw[0]), 0, cudaMemcpyDeviceToHost, stream));
-  const std::vector<unsigned long long> zeros(raw.size(), 0);
-  EPMOE_CUDA_CHECK(cudaMemcpyToSymbolAsync(kernels::g_w4a8_cta_trace, zeros.data(),
-                                           zeros.size() * sizeof(zeros[0]), 0, cudaMemcpyHostToDevice,
-                                           stream));
-  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<W4A8CtaStamps> out(static_cast<std::size_t>(ctas));
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = {raw[3 * i], raw[3 * i + 1], raw[3 * i + 2]};
-  return out;
+  return gemm_host::take_cta_stamps(&kernels::g_w4a8_cta_trace, ctas, kW4A8TraceMaxCtas, stream);
 }
 
 W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, std::int64_t expected_m,

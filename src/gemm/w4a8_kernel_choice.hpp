@@ -52,6 +52,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "epmoe/cuda/grouped_gemm.hpp"
+
 namespace epmoe::cuda {
 
 struct W4A8KernelChoice {
@@ -94,14 +96,12 @@ W4A8KernelChoice w4a8_resolve_v3(const W4A8KernelChoice& choice, bool masked, st
 
 // Ablation bit 16 and the CTAs it stamps (the first 1024).
 inline constexpr int kW4A8TraceCtas = 16;
-inline constexpr int kW4A8TraceMaxCtas = 1024;
+inline constexpr int kW4A8TraceMaxCtas = kGemmTraceMaxCtas;
 
 // The per-CTA %globaltimer stamps (ns) of the launches since the last take that ran with ablation bit
 // 16 (version 2 only): entry, the producer's last copy issued, every stage released after it (0: the
 // CTA did not run). Reads the first `ctas` CTAs' stamps and clears them.
-struct W4A8CtaStamps {
-  std::uint64_t entry, loads_issued, drained;
-};
+using W4A8CtaStamps = GemmCtaStamps;
 std::vector<W4A8CtaStamps> w4a8_take_cta_trace(int ctas, cudaStream_t stream);
 
 // Pins the kernel of later automatic calls in this process (version 0 unpins). Not thread-safe:

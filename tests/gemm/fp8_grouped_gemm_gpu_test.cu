@@ -1196,6 +1196,60 @@ TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
   }
 }
 
+// The per-CTA stamps (options.ablation 2048, fp8_grouped_gemm_take_cta_trace): the output intact, every
+// CTA that ran stamped in order (entry <= last load issued <= stages released, within a second), at most
+// one per SM, and the stamps cleared by the take. Both tile kernels, masked
+// (64 x 128 and 128 x 256 with v12) and contiguous (128 x 256 with v33, the default).
+TEST(GroupedGemmGpuMisc, CtaStampsAreOrderedAndKeepTheOutput) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::int64_t N = 1536, K = 2048;
+  cuda::Stream stream;
+  int sm_count = 0;
+  EPMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
+  const auto check_stamps = [&] {
+    const std::vector<cuda::GemmCtaStamps> st =
+        cuda::fp8_grouped_gemm_take_cta_trace(cuda::kGemmTraceMaxCtas, stream);
+    int ran = 0;
+    for (const cuda::GemmCtaStamps& s : st) {
+      if (s.entry == 0) {
+        EXPECT_EQ(s.loads_issued, 0u);
+        EXPECT_EQ(s.drained, 0u);
+        continue;
+      }
+      ++ran;
+      EXPECT_LE(s.entry, s.loads_issued);
+      EXPECT_LE(s.loads_issued, s.drained);
+      EXPECT_LT(s.drained - s.entry, 1'000'000'000u);
+    }
+    EXPECT_GE(ran, 1);
+    EXPECT_LE(ran, sm_count);
+    for (const cuda::GemmCtaStamps& s :
+         cuda::fp8_grouped_gemm_take_cta_trace(cuda::kGemmTraceMaxCtas, stream))
+      EXPECT_EQ(s.entry, 0u);
+  };
+  for (const bool masked : {true, false}) {
+    for (const std::int64_t block_m : {64, 128}) {
+      if (!masked && block_m == 64) continue;
+      SCOPED_TRACE(std::string(masked ? "masked" : "contiguous") + " block_m " + std::to_string(block_m));
+      const std::vector<std::int32_t> rows{96, 33, 0, 200};
+      const GemmProblem problem = gemm_problem(masked, rows, 200, N, K, false, 0, rng, stream);
+      cuda::GroupedGemmOptions options;
+      options.ablation = 2048;
+      options.block_m = static_cast<int>(block_m);
+      if (masked) options.borrow_epilogue = 1;
+      static_cast<void>(cuda::fp8_grouped_gemm_take_cta_trace(cuda::kGemmTraceMaxCtas, stream));
+      problem.d.fill_bytes(0xff, stream);
+      problem.launch(options, stream);
+      const HostTensor got = cuda::to_host(problem.d, stream);
+      check_output(got, problem.ref, problem.valid, N);
+      check_stamps();
+    }
+  }
+}
+
 // Batch invariance: without the split tail (no workspace), a row's output bits depend only on its own
 // activations and its group's weights - not on the other groups in the launch, the tile shape, the
 // layout, the CTA count or the cluster - since every output element is the same f32 sum over K in

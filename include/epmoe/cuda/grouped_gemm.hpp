@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -66,7 +67,8 @@ struct GroupedGemmOptions {
   // stage). All leave garbage in d: for locating a bottleneck only. 256 (not an ablation, output
   // intact): every CTA adds its consumer loop's cycles and time to the trace that
   // fp8_grouped_gemm_take_trace reads. 512: each consumer warp spins 200 cycles per K block. 1024:
-  // (v12 launches) the next tile's loads into the borrowed stages do not wait for the stores.
+  // (v12 launches) the next tile's loads into the borrowed stages do not wait for the stores. 2048 (not
+  // an ablation, output intact): per-CTA stamps (fp8_grouped_gemm_take_cta_trace).
   int ablation = 0;
   // CTAs per cluster along N: 0 = automatic (1: measured level or faster than 2 on every anchor
   // row, bench/NOTES.md session 13), 1, or 2 (each pair of CTAs computes two neighbouring column
@@ -272,5 +274,17 @@ struct Fp8GemmTrace {
   std::uint64_t split_write_cycles = 0, split_sum_cycles = 0;
 };
 Fp8GemmTrace fp8_grouped_gemm_take_trace();
+
+// Per-CTA %globaltimer stamps (ns) of a GEMM launch (0: the CTA did not run): entry, its producer's last
+// load issued, every pipeline stage released by the consumers after it (the K loops done).
+struct GemmCtaStamps {
+  std::uint64_t entry = 0, loads_issued = 0, drained = 0;
+};
+// The CTAs a launch stamps (the first ones of its grid).
+inline constexpr int kGemmTraceMaxCtas = 1024;
+// The stamps of the FP8 launches since the last take that ran with ablation bit 2048 (the 128-row and
+// 64-row kernels; a CTA that ran in several launches keeps the last one's): the first `ctas` CTAs',
+// cleared.
+std::vector<GemmCtaStamps> fp8_grouped_gemm_take_cta_trace(int ctas, cudaStream_t stream);
 
 }  // namespace epmoe::cuda
