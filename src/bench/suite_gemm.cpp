@@ -644,6 +644,8 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   } else {
     variants.push_back({".p1", {}});  // the 64 x 128 tile with one partial (before v7)
     variants.back().options.two_partials = false;
+    variants.push_back({".no_row_boxes", {}});  // A in one 32-row box or all 64 rows (before v35)
+    variants.back().options.a_row_boxes = false;
   }
   if (chosen.block_m == 64) {
     variants.push_back({".alt", {}});

@@ -30,6 +30,7 @@ using kernels::kGemmBlockK;
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 // Rows of the small A box (tiles with at most this many valid rows: decode).
 constexpr int kSmallABoxRows = 32;
+constexpr int kRowBoxRows = 16;  // v35
 
 // A boolean option's override from the environment (A/B timing without rebuilding): -1 when
 // `name` is unset or empty, 1 when it is "1", else 0. Read once per process.
@@ -371,7 +372,10 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   if (params.borrow_epilogue == 1 && (options.ablation & kAblateNoEpiGate) != 0)
     params.borrow_epilogue = kernels::kBorrowNoGate;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
-  params.a_small_rows = options.small_a_box && cluster == 1 ? std::min(kSmallABoxRows, kBlockM) : 0;
+  // (v35: 64-row tiles load A in boxes of this many rows, those that hold valid rows.)
+  params.a_small_rows = !options.small_a_box || cluster != 1   ? 0
+                        : kBlockM == 64 && options.a_row_boxes ? kRowBoxRows
+                                                               : std::min(kSmallABoxRows, kBlockM);
   // v29: zeros past a tile's valid 32-row boxes of A (the small box's rows; not in a cluster), where tiles
   // with padding rows are common: masked launches, and contiguous ones with groups of fewer than
   // kZeroPaddingMaxRows rows on average (measured: 32 x 256 -1.8%, 128 x 128 -1.9%, 32 x 1024 -0.4%; the

@@ -1156,13 +1156,24 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // bulk copy, below): the padding rows' products then cost the tensor cores less energy, and a card
         // whose clock drops under tensor work runs faster (bench/NOTES.md session 43). TMA's own zero fill
         // (boxes out of A's bounds) made those tiles ~1.5x slower, measured.
+        // v35 (64-row tiles): A's a_small_rows-row boxes that hold valid rows (16 rows by default), the rest
+        // stale as above: a tile of 33-48 rows loads 48 rows instead of 64, one of 1-16 rows 16 instead
+        // of 32.
+        constexpr bool kRowBoxes = kBlockM == 64;
+        const std::int32_t box_rows = kRowBoxes ? p.a_small_rows : 32;
         const std::int32_t valid_boxes =
-            kZeroPadding && p.zero_padding_rows != 0 && rows_used <= kBlockM - 32 ? (rows_used + 31) / 32 : 0;
+            kRowBoxes
+                ? (box_rows > 0 && rows_used <= kBlockM - box_rows ? (rows_used + box_rows - 1) / box_rows
+                                                                   : 0)
+                : (kZeroPadding && p.zero_padding_rows != 0 && rows_used <= kBlockM - 32
+                       ? (rows_used + 31) / 32
+                       : 0);
         const bool small = valid_boxes > 0 || rows_used <= p.a_small_rows;
         const CUtensorMap* map_a = small ? &tma_a_part : &tma_a;
         const std::uint32_t bytes =
-            small ? (valid_boxes > 0 ? valid_boxes * 32 : p.a_small_rows) * kGemmBlockK + Traits::kBBytes
-                  : Traits::kStageBytes;
+            small
+                ? (valid_boxes > 0 ? valid_boxes * box_rows : p.a_small_rows) * kGemmBlockK + Traits::kBBytes
+                : Traits::kStageBytes;
         const bool gate = !kWave0 && after_first && borrowing() && p.borrow_epilogue != kBorrowNoGate;
         after_first = true;
         for (std::int32_t kb = 0; kb < kb_count; ++kb) {
@@ -1196,8 +1207,8 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
               } else {
                 ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes, map_a, full, k0, row0);
                 for (int box = 1; box < valid_boxes; ++box)
-                  ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes + box * 32 * kGemmBlockK, map_a,
-                                   full, k0, row0 + box * 32);
+                  ptx::tma_load_2d(smem_a + pipe.stage * Traits::kABytes + box * box_rows * kGemmBlockK,
+                                   map_a, full, k0, row0 + box * box_rows);
               }
               ptx::tma_load_2d(smem_b + pipe.stage * Traits::kBBytes, &tma_b, full, k0, b_row);
             }

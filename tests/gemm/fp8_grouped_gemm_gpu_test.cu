@@ -438,6 +438,7 @@ struct MaskedCase {
   int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (grouped_gemm_tile_store)
   int swap_ab = cuda::GroupedGemmOptions{}.swap_ab;          // -1: automatic (grouped_gemm_swap_ab)
   bool zero_padding = cuda::GroupedGemmOptions{}.zero_padding_rows;
+  bool a_row_boxes = cuda::GroupedGemmOptions{}.a_row_boxes;
 };
 
 // v29's zero boxes off (zero_padding_rows false): A's padding rows loaded as they are (small_a_box as given).
@@ -524,6 +525,7 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.block_m = c.block_m;
   options.block_n = c.block_n;
   options.small_a_box = c.small_a_box;
+  options.a_row_boxes = c.a_row_boxes;
   options.cluster = c.cluster;
   options.pingpong = c.pingpong;
   options.vector_epilogue = c.vector_epilogue;
@@ -605,6 +607,17 @@ INSTANTIATE_TEST_SUITE_P(
                              1536, 2048, 64, true),
         masked_unzeroed_case("N1536_K2048_mmax200_block64_no_zero_padding_full_a_box", 200,
                              {0, 1, 200, 77, 31}, 1536, 2048, 64, false),
+        // v35's 16-row A boxes in 64-row tiles: tiles of 1, 5, 16 (one box), 17, 31 (two), 33, 40, 48 (three)
+        // and 49, 64 rows (the whole box), an empty group; and the same with 32-row boxes only.
+        masked_unzeroed_case("N1536_K2048_mmax64_block64_row_boxes", 64,
+                             {16, 17, 33, 48, 49, 5, 40, 0, 64, 1, 31}, 1536, 2048, 64, true),
+        [] {
+          MaskedCase c =
+              masked_unzeroed_case("N1536_K2048_mmax64_block64_no_row_boxes", 64,
+                                   {16, 17, 33, 48, 49, 5, 40, 0, 64, 1, 31}, 1536, 2048, 64, true);
+          c.a_row_boxes = false;
+          return c;
+        }(),
         MaskedCase{"N4096_K2048_mmax200_block64_mn_major_full_a_box",
                    200,
                    {0, 1, 200, 77},
