@@ -645,7 +645,9 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
     variants.push_back({".p1", {}});  // the 64 x 128 tile with one partial (before v7)
     variants.back().options.two_partials = false;
     variants.push_back({".no_row_boxes", {}});  // A in one 32-row box or all 64 rows (before v35)
-    variants.back().options.a_row_boxes = false;
+    variants.back().options.a_row_box_rows = 0;
+    variants.push_back({".row_boxes16", {}});  // v35's 16-row boxes whatever the expected rows
+    variants.back().options.a_row_box_rows = 16;
   }
   if (chosen.block_m == 64) {
     variants.push_back({".alt", {}});

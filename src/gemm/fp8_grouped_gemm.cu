@@ -30,7 +30,9 @@ using kernels::kGemmBlockK;
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 // Rows of the small A box (tiles with at most this many valid rows: decode).
 constexpr int kSmallABoxRows = 32;
-constexpr int kRowBoxRows = 16;  // v35
+constexpr int kRowBoxRows = 16;      // v35
+constexpr int kSmallRowBoxRows = 8;  // v35 at decode sizes (expected_m <= kSmallRowBoxMaxM)
+constexpr int kSmallRowBoxMaxM = 16;
 
 // A boolean option's override from the environment (A/B timing without rebuilding): -1 when
 // `name` is unset or empty, 1 when it is "1", else 0. Read once per process.
@@ -123,6 +125,9 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
               "options.split_tiles must be -1 (automatic), 0 or 1, got {}", options.split_tiles);
   EPMOE_CHECK(options.tile_store >= -1 && options.tile_store <= 1,
               "options.tile_store must be -1 (automatic), 0 or 1, got {}", options.tile_store);
+  EPMOE_CHECK(options.a_row_box_rows == -1 || options.a_row_box_rows == 0 || options.a_row_box_rows == 8 ||
+                  options.a_row_box_rows == 16,
+              "options.a_row_box_rows must be -1 (automatic), 0, 8 or 16, got {}", options.a_row_box_rows);
   EPMOE_CHECK(options.borrow_epilogue >= -1 && options.borrow_epilogue <= 3,
               "options.borrow_epilogue must be -1 (automatic), 0, 1, 2 or 3, got {}",
               options.borrow_epilogue);
@@ -373,9 +378,13 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
     params.borrow_epilogue = kernels::kBorrowNoGate;
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   // (v35: 64-row tiles load A in boxes of this many rows, those that hold valid rows.)
-  params.a_small_rows = !options.small_a_box || cluster != 1   ? 0
-                        : kBlockM == 64 && options.a_row_boxes ? kRowBoxRows
-                                                               : std::min(kSmallABoxRows, kBlockM);
+  const int row_box_rows = options.a_row_box_rows >= 0 ? options.a_row_box_rows
+                           : problem.expected_m > 0 && problem.expected_m <= kSmallRowBoxMaxM
+                               ? kSmallRowBoxRows
+                               : kRowBoxRows;
+  params.a_small_rows = !options.small_a_box || cluster != 1 ? 0
+                        : kBlockM == 64 && row_box_rows > 0  ? row_box_rows
+                                                             : std::min(kSmallABoxRows, kBlockM);
   // v29: zeros past a tile's valid 32-row boxes of A (the small box's rows; not in a cluster), where tiles
   // with padding rows are common: masked launches, and contiguous ones with groups of fewer than
   // kZeroPaddingMaxRows rows on average (measured: 32 x 256 -1.8%, 128 x 128 -1.9%, 32 x 1024 -0.4%; the

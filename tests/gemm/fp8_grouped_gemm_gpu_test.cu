@@ -438,7 +438,7 @@ struct MaskedCase {
   int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (grouped_gemm_tile_store)
   int swap_ab = cuda::GroupedGemmOptions{}.swap_ab;          // -1: automatic (grouped_gemm_swap_ab)
   bool zero_padding = cuda::GroupedGemmOptions{}.zero_padding_rows;
-  bool a_row_boxes = cuda::GroupedGemmOptions{}.a_row_boxes;
+  int a_row_box_rows = cuda::GroupedGemmOptions{}.a_row_box_rows;
 };
 
 // v29's zero boxes off (zero_padding_rows false): A's padding rows loaded as they are (small_a_box as given).
@@ -525,7 +525,7 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   options.block_m = c.block_m;
   options.block_n = c.block_n;
   options.small_a_box = c.small_a_box;
-  options.a_row_boxes = c.a_row_boxes;
+  options.a_row_box_rows = c.a_row_box_rows;
   options.cluster = c.cluster;
   options.pingpong = c.pingpong;
   options.vector_epilogue = c.vector_epilogue;
@@ -615,7 +615,15 @@ INSTANTIATE_TEST_SUITE_P(
           MaskedCase c =
               masked_unzeroed_case("N1536_K2048_mmax64_block64_no_row_boxes", 64,
                                    {16, 17, 33, 48, 49, 5, 40, 0, 64, 1, 31}, 1536, 2048, 64, true);
-          c.a_row_boxes = false;
+          c.a_row_box_rows = 0;
+          return c;
+        }(),
+        // 8-row boxes (the automatic choice at decode sizes): 1-7 boxes, and all 64 rows from 57 on.
+        [] {
+          MaskedCase c =
+              masked_unzeroed_case("N1536_K2048_mmax64_block64_row_boxes8", 64,
+                                   {8, 9, 16, 17, 33, 55, 56, 57, 5, 0, 64, 1}, 1536, 2048, 64, true);
+          c.a_row_box_rows = 8;
           return c;
         }(),
         MaskedCase{"N4096_K2048_mmax200_block64_mn_major_full_a_box",
@@ -1457,6 +1465,8 @@ TEST(GroupedGemmGpuMisc, RefusesBadArguments) {
        "options.borrow_epilogue must be -1 (automatic), 0, 1, 2 or 3"},
       {[](cuda::GroupedGemmOptions& o) { o.band_columns = -1; }, "options.band_columns must be >= 0"},
       {[](cuda::GroupedGemmOptions& o) { o.max_ctas = -1; }, "options.max_ctas must be >= 0, got -1"},
+      {[](cuda::GroupedGemmOptions& o) { o.a_row_box_rows = 4; },
+       "options.a_row_box_rows must be -1 (automatic), 0, 8 or 16"},
       {[](cuda::GroupedGemmOptions& o) { o.tile_store = 2; },
        "options.tile_store must be -1 (automatic), 0 or 1"},
       {[](cuda::GroupedGemmOptions& o) { o.ablation = -1; }, "options.ablation must be a bit set in 0.."},

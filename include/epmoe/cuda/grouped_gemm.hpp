@@ -50,9 +50,10 @@ struct GroupedGemmOptions {
   int stages = 0;
   // Tiles with at most 32 valid rows load only those rows of A (decode).
   bool small_a_box = true;
-  // v35, with small_a_box: 64-row tiles load only A's 16-row boxes that hold valid rows (a tile of 33-48
-  // rows 48 of them, not 64; of 1-16 rows 16, not 32); off: as small_a_box alone.
-  bool a_row_boxes = true;
+  // v35, with small_a_box: 64-row tiles load only A's boxes of this many rows that hold valid rows (16: a
+  // tile of 33-48 rows 48 of them, not 64; of 1-16 rows 16, not 32). -1 (automatic): 8 where the masked
+  // caller expects at most 16 rows per group (decode), else 16; 0: off (small_a_box alone); 8 or 16.
+  int a_row_box_rows = -1;
   // Tiles with at least 32 padding rows load only A's 32-row boxes that hold valid rows, and zeros over
   // the rest (a bulk copy of a small zero buffer, once per stage and tile): the padding rows' products,
   // which are never stored, then cost the tensor cores less energy, and a card whose clock drops under
