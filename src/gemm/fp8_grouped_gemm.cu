@@ -33,6 +33,9 @@ constexpr int kSmallABoxRows = 32;
 constexpr int kRowBoxRows = 16;      // v35
 constexpr int kSmallRowBoxRows = 8;  // v35 at decode sizes (expected_m <= kSmallRowBoxMaxM)
 constexpr int kSmallRowBoxMaxM = 16;
+// v35's boxes measured level or slower at K = 2048 (decode 128 x 16 0.3%, 32 x 32 0.15%; one more TMA load
+// per box and K block, with few K blocks per tile), faster at K = 7168 (decode 128 x 8 1.2%): from this K on.
+constexpr std::int32_t kRowBoxMinK = 4096;
 
 // A boolean option's override from the environment (A/B timing without rebuilding): -1 when
 // `name` is unset or empty, 1 when it is "1", else 0. Read once per process.
@@ -379,6 +382,7 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
   // (v35: 64-row tiles load A in boxes of this many rows, those that hold valid rows.)
   const int row_box_rows = options.a_row_box_rows >= 0 ? options.a_row_box_rows
+                           : params.k < kRowBoxMinK    ? 0
                            : problem.expected_m > 0 && problem.expected_m <= kSmallRowBoxMaxM
                                ? kSmallRowBoxRows
                                : kRowBoxRows;

@@ -608,9 +608,15 @@ INSTANTIATE_TEST_SUITE_P(
         masked_unzeroed_case("N1536_K2048_mmax200_block64_no_zero_padding_full_a_box", 200,
                              {0, 1, 200, 77, 31}, 1536, 2048, 64, false),
         // v35's 16-row A boxes in 64-row tiles: tiles of 1, 5, 16 (one box), 17, 31 (two), 33, 40, 48 (three)
-        // and 49, 64 rows (the whole box), an empty group; and the same with 32-row boxes only.
-        masked_unzeroed_case("N1536_K2048_mmax64_block64_row_boxes", 64,
-                             {16, 17, 33, 48, 49, 5, 40, 0, 64, 1, 31}, 1536, 2048, 64, true),
+        // and 49, 64 rows (the whole box), an empty group (asked for: the automatic choice has none at
+        // K = 2048); and the same with 32-row boxes only.
+        [] {
+          MaskedCase c =
+              masked_unzeroed_case("N1536_K2048_mmax64_block64_row_boxes", 64,
+                                   {16, 17, 33, 48, 49, 5, 40, 0, 64, 1, 31}, 1536, 2048, 64, true);
+          c.a_row_box_rows = 16;
+          return c;
+        }(),
         [] {
           MaskedCase c =
               masked_unzeroed_case("N1536_K2048_mmax64_block64_no_row_boxes", 64,
@@ -618,6 +624,9 @@ INSTANTIATE_TEST_SUITE_P(
           c.a_row_box_rows = 0;
           return c;
         }(),
+        // The automatic choice at K = 7168 and decode sizes (expected m 15): 8-row boxes.
+        masked_unzeroed_case("N1536_K7168_mmax40_block64_auto_row_boxes", 40, {8, 9, 16, 1, 0, 40, 33}, 1536,
+                             7168, 64, true),
         // 8-row boxes (the automatic choice at decode sizes): 1-7 boxes, and all 64 rows from 57 on.
         [] {
           MaskedCase c =

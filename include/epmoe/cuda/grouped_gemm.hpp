@@ -51,8 +51,10 @@ struct GroupedGemmOptions {
   // Tiles with at most 32 valid rows load only those rows of A (decode).
   bool small_a_box = true;
   // v35, with small_a_box: 64-row tiles load only A's boxes of this many rows that hold valid rows (16: a
-  // tile of 33-48 rows 48 of them, not 64; of 1-16 rows 16, not 32). -1 (automatic): 8 where the masked
-  // caller expects at most 16 rows per group (decode), else 16; 0: off (small_a_box alone); 8 or 16.
+  // tile of 33-48 rows 48 of them, not 64; of 1-16 rows 16, not 32). -1 (automatic): from K = 4096 on, 8
+  // where the masked caller expects at most 16 rows per group (decode), else 16 (measured: decode 128 x 8
+  // at K = 7168 1.2% faster than without, 0.4% faster than 16; level or up to 0.4% slower at K = 2048,
+  // bench/NOTES.md session 47); 0: off (small_a_box alone); 8 or 16.
   int a_row_box_rows = -1;
   // Tiles with at least 32 padding rows load only A's 32-row boxes that hold valid rows, and zeros over
   // the rest (a bulk copy of a small zero buffer, once per stage and tile): the padding rows' products,
