@@ -403,15 +403,16 @@ bool cta_stamps_enabled() {
 }
 void add_cta_stamps(Params& p, const std::function<void()>& launch,
                     const std::function<std::vector<cuda::GemmCtaStamps>()>& take, cudaStream_t stream);
-// An FP8 line's CTA stamps into p (where asked), from `launch` given the options to launch with.
+// An FP8 line's CTA stamps into p (where asked), from the line's `launch` (stream, options) with `options`
+// and the stamp bit.
 void add_fp8_cta_stamps(Params& p, const cuda::GroupedGemmOptions& options,
-                        const std::function<void(const cuda::GroupedGemmOptions&)>& launch,
+                        const std::function<void(cudaStream_t, const cuda::GroupedGemmOptions&)>& launch,
                         cudaStream_t stream) {
   if (!cta_stamps_enabled()) return;
   cuda::GroupedGemmOptions stamped = options;
   stamped.ablation |= 2048;
   add_cta_stamps(
-      p, [&] { launch(stamped); },
+      p, [&] { launch(stream, stamped); },
       [&] { return cuda::fp8_grouped_gemm_take_cta_trace(cuda::kGemmTraceMaxCtas, stream); }, stream);
 }
 // Every line's options: the trace where asked, and v21's split-tail workspace (one per process, zeroed
@@ -568,18 +569,13 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
         {"block_m", static_cast<std::int64_t>(v.options.block_m != 0 ? v.options.block_m : chosen.block_m)},
         {"block_n", static_cast<std::int64_t>(v.options.block_n != 0 ? v.options.block_n : chosen.block_n)}};
     add_place(p, l);
-    add_fp8_cta_stamps(
-        p, line_options(v.options),
-        [&](const cuda::GroupedGemmOptions& o) {
-          cuda::fp8_grouped_gemm_contiguous(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b, sb,
-                                            m_indices, d, stream, o);
-        },
-        stream);
+    const auto launch = [&](cudaStream_t st, const cuda::GroupedGemmOptions& o) {
+      cuda::fp8_grouped_gemm_contiguous(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b, sb,
+                                        m_indices, d, st, o);
+    };
+    add_fp8_cta_stamps(p, line_options(v.options), launch, stream);
     time_line(options, results, "gemm.contiguous" + v.suffix, p, bytes, flops, s, stream, nullptr,
-              [&](cudaStream_t st) {
-                cuda::fp8_grouped_gemm_contiguous(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b,
-                                                  sb, m_indices, d, st, line_options(v.options));
-              });
+              [&](cudaStream_t st) { launch(st, line_options(v.options)); });
   }
 }
 
@@ -701,18 +697,13 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
              {"swap_ab", std::int64_t{v.options.swap_ab == 1 || (v.options.swap_ab == -1 &&
                                                                  cuda::grouped_gemm_swap_ab(s.expected_m))}}};
     add_place(p, l);
-    add_fp8_cta_stamps(
-        p, line_options(v.options),
-        [&](const cuda::GroupedGemmOptions& o) {
-          cuda::fp8_grouped_gemm_masked(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b, sb,
-                                        masked_m, s.expected_m, d, stream, o);
-        },
-        stream);
+    const auto launch = [&](cudaStream_t st, const cuda::GroupedGemmOptions& o) {
+      cuda::fp8_grouped_gemm_masked(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b, sb, masked_m,
+                                    s.expected_m, d, st, o);
+    };
+    add_fp8_cta_stamps(p, line_options(v.options), launch, stream);
     time_line(options, results, "gemm.masked" + v.suffix, p, bytes, flops, s, stream, decode_copy,
-              [&](cudaStream_t st) {
-                cuda::fp8_grouped_gemm_masked(a, scales_of(v, sa, sa_token_major), scale_layout_of(v), b, sb,
-                                              masked_m, s.expected_m, d, st, line_options(v.options));
-              });
+              [&](cudaStream_t st) { launch(st, line_options(v.options)); });
   }
 }
 

@@ -450,6 +450,14 @@ MaskedCase masked_unzeroed_case(std::string name, std::int64_t m_max, std::vecto
   return c;
 }
 
+// v35's A row boxes of `box_rows` rows (GroupedGemmOptions::a_row_box_rows) in 64-row tiles, M_max 64,
+// N = 1536, K = 2048 (where the automatic choice takes none).
+MaskedCase row_boxes_case(std::string name, std::vector<std::int32_t> masked_m, int box_rows) {
+  MaskedCase c = masked_unzeroed_case(std::move(name), 64, std::move(masked_m), 1536, 2048, 64, true);
+  c.a_row_box_rows = box_rows;
+  return c;
+}
+
 // The swapped-operand kernel (options.swap_ab = 1) on `masked_m`.
 MaskedCase masked_swap_case(std::string name, std::int64_t m_max, std::vector<std::int32_t> masked_m,
                             std::int64_t n, std::int64_t k, ScaleLayout layout) {
@@ -610,31 +618,15 @@ INSTANTIATE_TEST_SUITE_P(
         // v35's 16-row A boxes in 64-row tiles: tiles of 1, 5, 16 (one box), 17, 31 (two), 33, 40, 48 (three)
         // and 49, 64 rows (the whole box), an empty group (asked for: the automatic choice has none at
         // K = 2048); and the same with 32-row boxes only.
-        [] {
-          MaskedCase c =
-              masked_unzeroed_case("N1536_K2048_mmax64_block64_row_boxes", 64,
-                                   {16, 17, 33, 48, 49, 5, 40, 0, 64, 1, 31}, 1536, 2048, 64, true);
-          c.a_row_box_rows = 16;
-          return c;
-        }(),
-        [] {
-          MaskedCase c =
-              masked_unzeroed_case("N1536_K2048_mmax64_block64_no_row_boxes", 64,
-                                   {16, 17, 33, 48, 49, 5, 40, 0, 64, 1, 31}, 1536, 2048, 64, true);
-          c.a_row_box_rows = 0;
-          return c;
-        }(),
+        row_boxes_case("N1536_K2048_mmax64_block64_row_boxes", {16, 17, 33, 48, 49, 5, 40, 0, 64, 1, 31}, 16),
+        row_boxes_case("N1536_K2048_mmax64_block64_no_row_boxes", {16, 17, 33, 48, 49, 5, 40, 0, 64, 1, 31},
+                       0),
         // The automatic choice at K = 7168 and decode sizes (expected m 15): 8-row boxes.
         masked_unzeroed_case("N1536_K7168_mmax40_block64_auto_row_boxes", 40, {8, 9, 16, 1, 0, 40, 33}, 1536,
                              7168, 64, true),
         // 8-row boxes (the automatic choice at decode sizes): 1-7 boxes, and all 64 rows from 57 on.
-        [] {
-          MaskedCase c =
-              masked_unzeroed_case("N1536_K2048_mmax64_block64_row_boxes8", 64,
-                                   {8, 9, 16, 17, 33, 55, 56, 57, 5, 0, 64, 1}, 1536, 2048, 64, true);
-          c.a_row_box_rows = 8;
-          return c;
-        }(),
+        row_boxes_case("N1536_K2048_mmax64_block64_row_boxes8", {8, 9, 16, 17, 33, 55, 56, 57, 5, 0, 64, 1},
+                       8),
         MaskedCase{"N4096_K2048_mmax200_block64_mn_major_full_a_box",
                    200,
                    {0, 1, 200, 77},
