@@ -635,7 +635,11 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       variants.push_back(borrow_variant());
       variants.push_back(wave0_variant());
       variants.push_back(wave0_first_variant());
-      variants.push_back(split_variant());
+      // v36 (session 48): groups of 17-64 rows run split 128 x 256 tiles, the rest whole.
+      if (cuda::grouped_gemm_split_tiles(true, s.expected_m * G, G, K))
+        variants.push_back(nosplit_variant());
+      else
+        variants.push_back(split_variant());
     }
   } else {
     variants.push_back({".p1", {}});  // the 64 x 128 tile with one partial (before v7)
@@ -646,8 +650,9 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
     variants.back().options.a_row_box_rows = 16;
   }
   if (chosen.block_m == 64) {
+    // The heuristic's 128-row tile (split where the automatic rule splits: <= 64 expected rows).
     variants.push_back({".alt", {}});
-    variants.back().options.block_m = 128;  // the heuristic's 128-row tile
+    variants.back().options.block_m = 128;
   } else {
     variants.push_back({".alt", {}});
     variants.back().options.block_m = 64;
@@ -1088,17 +1093,21 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   const bool decode_only = only_s == "decode";
   // EPMOE_BENCH_GEMM_ROW=GxMxN (e.g. 8x4096x4096): only that row (groups x m per group x n).
   const char* row = std::getenv("EPMOE_BENCH_GEMM_ROW");
-  // EPMOE_BENCH_GEMM_CUSTOM=[m]GxMxNxK: only a contiguous (masked) problem of G groups of exactly M rows (no
+  // EPMOE_BENCH_GEMM_CUSTOM=[m|r]GxMxNxK: only a contiguous (masked) problem of G groups of exactly M rows (no
   // DeepGEMM anchor), e.g. to compare one tile per CTA against many at the same work.
   std::vector<Anchor> anchors(std::begin(kAnchors), std::end(kAnchors));
-  // A leading 'm' (mGxMxNxK) makes it a masked problem: G groups of M_max = M rows, all valid.
+  // A leading 'm' (mGxMxNxK) makes it a masked problem: G groups of M_max = M rows, all valid; a leading 'r'
+  // a masked problem as the anchors' masked rows draw it: G groups of M x U(0.7, 1.3) rows, M_max the
+  // smallest multiple of 256 above 1.3 M (e.g. to place a tile rule's boundary between the anchors' sizes).
   if (const char* custom = std::getenv("EPMOE_BENCH_GEMM_CUSTOM"); custom != nullptr && *custom != '\0') {
-    const bool masked = custom[0] == 'm';
+    const bool random_sizes = custom[0] == 'r';
+    const bool masked = custom[0] == 'm' || random_sizes;
     long long g = 0, m = 0, n = 0, k = 0;
     EPMOE_CHECK(std::sscanf(custom + (masked ? 1 : 0), "%lldx%lldx%lldx%lld", &g, &m, &n, &k) == 4 && g > 0 &&
                     m > 0 && n > 0 && k > 0,
-                "EPMOE_BENCH_GEMM_CUSTOM: expected [m]GxMxNxK (positive), got '{}'", custom);
-    anchors = {Anchor{masked, g, m, masked ? m : 0, n, k, 0.0, 0.0, true}};
+                "EPMOE_BENCH_GEMM_CUSTOM: expected [m|r]GxMxNxK (positive), got '{}'", custom);
+    anchors = {random_sizes ? Anchor{true, g, (13 * m / 10) / 256 * 256 + 256, m, n, k, 0.0, 0.0, false}
+                            : Anchor{masked, g, m, masked ? m : 0, n, k, 0.0, 0.0, true}};
   }
   for (const Anchor& s : anchors) {
     seed += 101;

@@ -354,7 +354,9 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   // split_tiles -1: split where measured faster (see GroupedGemmOptions::split_tiles).
   const bool split = resolve_choice(
       options.split_tiles,
-      grouped_gemm_split_tiles(params.masked_m != nullptr, problem.a_rows, params.groups, params.k));
+      grouped_gemm_split_tiles(params.masked_m != nullptr,
+                               params.masked_m != nullptr ? problem.expected_m * params.groups : problem.a_rows,
+                               params.groups, params.k));
   params.split_tiles = with_env(split_tiles_env, split) ? 1 : 0;
   // Only 128 x 256 tiles without a cluster can borrow (the kernel checks the rest): other launches
   // (the 64 x 128 decode tiles among them) encode no output map and prefetch none.
@@ -716,10 +718,14 @@ int grouped_gemm_split_tail_chunks(std::int64_t k, int quantum, int limit) {
 }
 
 bool grouped_gemm_split_tiles(bool masked, std::int64_t m, std::int64_t groups, std::int64_t k) {
-  // Measured (bench/NOTES.md, session 30): 6% faster on 32 groups x 256 rows and 3% on 128 x 128 at
-  // K = 2048; 1-2% slower on groups of 1024+ rows there and 1-11% slower on every K = 7168 row.
-  constexpr std::int64_t kMaxRowsPerGroup = 512, kMaxK = 2048;
-  return !masked && k <= kMaxK && groups > 0 && m <= kMaxRowsPerGroup * groups;
+  // Contiguous, measured (bench/NOTES.md, session 30): 6% faster on 32 groups x 256 rows and 3% on
+  // 128 x 128 at K = 2048; 1-2% slower on groups of 1024+ rows there and 1-11% slower on every K = 7168 row.
+  // Masked, measured (session 48, against whole 128 x 256 tiles): 2.2-2.4% faster with groups of 24-48
+  // rows (+-30%) at K = 7168, level at 64; 9-14% slower on 32 x 128 / 32 x 192 at K = 7168 (session 31),
+  // where a group's last m-block alone splits and falls out of step with its neighbours.
+  constexpr std::int64_t kMaxRowsPerGroup = 512, kMaxK = 2048, kMaskedMaxRowsPerGroup = 64;
+  if (masked) return groups > 0 && m > 0 && m <= kMaskedMaxRowsPerGroup * groups;
+  return k <= kMaxK && groups > 0 && m <= kMaxRowsPerGroup * groups;
 }
 
 int grouped_gemm_borrow_epilogue(bool masked, std::int64_t k) {
@@ -750,7 +756,12 @@ bool grouped_gemm_swap_ab(std::int64_t /*expected_m*/) {
 }
 
 GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n) {
-  if (masked && expected_m <= 64) return {64, 128};
+  // Measured (bench/NOTES.md, session 48; masked, +-30% groups, against 64 x 128): split 128 x 256 tiles
+  // 1.6-2.2% faster with 24-48 rows per group at K = 7168 and 0.5-0.8% at K = 2048, 8-11% with 64 (where
+  // 64 x 128 tiles take two m-blocks of many groups); level on the decode rows (128 groups x 16) and 1.6%
+  // slower on 128 x 8 at K = 7168, whose 64 x 128 tiles load A in 8-row boxes (v35).
+  constexpr std::int64_t kDecodeMaxM = 16, kSmallMaxM = 64;
+  if (masked && (expected_m <= kDecodeMaxM || (expected_m <= kSmallMaxM && n % 256 != 0))) return {64, 128};
   return {128, n % 256 == 0 ? 256 : 128};
 }
 

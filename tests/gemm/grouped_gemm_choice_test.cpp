@@ -7,7 +7,7 @@
 namespace epmoe::cuda {
 namespace {
 
-TEST(GroupedGemmSplitTiles, SplitsOnlyShortKAndSmallGroupsInTheContiguousLayout) {
+TEST(GroupedGemmSplitTiles, SplitsShortKAndSmallGroupsContiguousAndSmallGroupsMasked) {
   // DeepSeek-V3 down (K = 2048): 32 groups of ~256 rows and 128 of ~128 split; 32 of ~1024 do not.
   EXPECT_TRUE(grouped_gemm_split_tiles(false, 32 * 320, 32, 2048));
   EXPECT_TRUE(grouped_gemm_split_tiles(false, 128 * 192, 128, 2048));
@@ -18,8 +18,14 @@ TEST(GroupedGemmSplitTiles, SplitsOnlyShortKAndSmallGroupsInTheContiguousLayout)
   // gate_up (K = 7168) never; a shorter K does.
   EXPECT_FALSE(grouped_gemm_split_tiles(false, 32 * 320, 32, 7168));
   EXPECT_TRUE(grouped_gemm_split_tiles(false, 32 * 320, 32, 512));
-  // The masked layout never; no groups never.
+  // Masked: groups expected to hold 1-64 rows, at any K; more, unknown (0) or no groups never.
+  EXPECT_TRUE(grouped_gemm_split_tiles(true, 32 * 32, 32, 7168));
+  EXPECT_TRUE(grouped_gemm_split_tiles(true, 32 * 64, 32, 2048));
+  EXPECT_TRUE(grouped_gemm_split_tiles(true, 128 * 1, 128, 7168));
+  EXPECT_FALSE(grouped_gemm_split_tiles(true, 32 * 64 + 1, 32, 7168));
   EXPECT_FALSE(grouped_gemm_split_tiles(true, 32 * 320, 32, 2048));
+  EXPECT_FALSE(grouped_gemm_split_tiles(true, 0, 32, 2048));
+  EXPECT_FALSE(grouped_gemm_split_tiles(true, 64, 0, 2048));
   EXPECT_FALSE(grouped_gemm_split_tiles(false, 128, 0, 2048));
 }
 
@@ -70,8 +76,18 @@ TEST(GroupedGemmSplitTail, ChunksByTheCostModel) {
 }
 
 TEST(GroupedGemmTile, HeuristicShapes) {
+  // Masked decode (<= 16 rows per group, or unknown): 64 x 128.
   EXPECT_EQ(grouped_gemm_tile(true, 16, 4096).block_m, 64);
   EXPECT_EQ(grouped_gemm_tile(true, 16, 4096).block_n, 128);
+  EXPECT_EQ(grouped_gemm_tile(true, 0, 7168).block_m, 64);
+  // Masked 17-64 rows: 128 x 256 (split) where N allows, else 64 x 128; more: as contiguous.
+  EXPECT_EQ(grouped_gemm_tile(true, 17, 4096).block_m, 128);
+  EXPECT_EQ(grouped_gemm_tile(true, 32, 7168).block_n, 256);
+  EXPECT_EQ(grouped_gemm_tile(true, 64, 4096).block_m, 128);
+  EXPECT_EQ(grouped_gemm_tile(true, 32, 1664).block_m, 64);
+  EXPECT_EQ(grouped_gemm_tile(true, 32, 1664).block_n, 128);
+  EXPECT_EQ(grouped_gemm_tile(true, 65, 1664).block_m, 128);
+  EXPECT_EQ(grouped_gemm_tile(true, 65, 1664).block_n, 128);
   EXPECT_EQ(grouped_gemm_tile(false, 0, 4096).block_n, 256);
   EXPECT_EQ(grouped_gemm_tile(false, 0, 1536).block_n, 256);
   EXPECT_EQ(grouped_gemm_tile(false, 0, 1664).block_n, 128);
