@@ -401,13 +401,18 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
       problem.tile_rows < kZeroPaddingMaxRows * std::max<std::int64_t>(params.groups, 1);
   params.zero_padding_rows =
       kZeroPaddingTile && options.zero_padding_rows && cluster == 1 && padding_common ? 1 : 0;
+  // v37: a zero-padding tile's A boxes (a_small_rows there): 32 rows, or v35's row boxes where the launch
+  // splits its tiles (masked groups of <= 64 rows; automatic) or where the caller asked for them.
+  if (params.zero_padding_rows != 0)
+    params.a_small_rows =
+        row_box_rows > 0 && (options.a_row_box_rows > 0 || params.split_tiles != 0) ? row_box_rows : kSmallABoxRows;
   const CUtensorMapL2promotion promotion = l2_promotion(options);
   const CUtensorMap tma_a = make_tma_2d(a.data, problem.a_rows, params.k, kBlockM, "a", promotion);
   const CUtensorMap tma_a_part =
       cluster > 1
           ? make_tma_2d(a.data, problem.a_rows, params.k, kBlockM / cluster, "a (cluster part)", promotion)
           : make_tma_2d(a.data, problem.a_rows, params.k,
-                        params.zero_padding_rows != 0 ? kSmallABoxRows : std::max(params.a_small_rows, 8),
+                        std::max(params.a_small_rows, 8),
                         "a (small box)", promotion);
   const CUtensorMap tma_b = make_tma_2d(b.data, static_cast<std::int64_t>(params.groups) * params.n, params.k,
                                         kBlockN, "b", promotion);

@@ -1159,14 +1159,16 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // v35 (64-row tiles): A's a_small_rows-row boxes that hold valid rows (16 rows by default), the rest
         // stale as above: a tile of 33-48 rows loads 48 rows instead of 64, one of 1-16 rows 16 instead
         // of 32.
+        // v37 (zero-padding tiles): their boxes are a_small_rows too (32, or 8 / 16 rows where the host
+        // chose v35's row boxes for them).
         constexpr bool kRowBoxes = kBlockM == 64;
-        const std::int32_t box_rows = kRowBoxes ? p.a_small_rows : 32;
+        const std::int32_t box_rows = kRowBoxes || kZeroPadding ? p.a_small_rows : 32;
         const std::int32_t valid_boxes =
             kRowBoxes
                 ? (box_rows > 0 && rows_used <= kBlockM - box_rows ? (rows_used + box_rows - 1) / box_rows
                                                                    : 0)
-                : (kZeroPadding && p.zero_padding_rows != 0 && rows_used <= kBlockM - 32
-                       ? (rows_used + 31) / 32
+                : (kZeroPadding && p.zero_padding_rows != 0 && rows_used <= kBlockM - box_rows
+                       ? (rows_used + box_rows - 1) / box_rows
                        : 0);
         const bool small = valid_boxes > 0 || rows_used <= p.a_small_rows;
         const CUtensorMap* map_a = small ? &tma_a_part : &tma_a;
@@ -1240,11 +1242,14 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         const std::int32_t rows_used = w[0];
         std::int32_t sa_off = w[1] + lane * p.sa_row_stride;
         const std::int32_t sb_off = w[2] + lane * num_kb;
-        // v29: the bytes of A's rows past the tile's valid 32-row boxes (the TMA warp loads only those),
-        // zeros in each stage the tile uses from its first use on (the tile's loads leave them).
-        const std::uint32_t zero_bytes = kZeroPadding && p.zero_padding_rows != 0 && rows_used <= kBlockM - 32
-                                             ? Traits::kABytes - (rows_used + 31) / 32 * 32 * kGemmBlockK
-                                             : 0u;
+        // v29: the bytes of A's rows past the tile's valid boxes (a_small_rows each, v37; the TMA warp
+        // loads only those), zeros in each stage the tile uses from its first use on (the tile's loads leave
+        // them).
+        const std::int32_t box_rows = p.a_small_rows;
+        const std::uint32_t zero_bytes =
+            kZeroPadding && p.zero_padding_rows != 0 && rows_used <= kBlockM - box_rows
+                ? Traits::kABytes - (rows_used + box_rows - 1) / box_rows * box_rows * kGemmBlockK
+                : 0u;
         for (std::int32_t kb = 0; kb < kb_count; ++kb) {
           ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
           if (zero_bytes != 0 && kb < stages && lane == 0) {

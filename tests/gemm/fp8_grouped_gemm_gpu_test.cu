@@ -458,6 +458,21 @@ MaskedCase row_boxes_case(std::string name, std::vector<std::int32_t> masked_m, 
   return c;
 }
 
+// v37's row boxes in zero-padding 128 x 256 tiles (`box_rows` rows, the rest of A zeros), whole
+// (split_tiles 0) or split (1), M_max 128, N = 512, K = 2048.
+MaskedCase zero_row_boxes_case(std::string name, int box_rows, int split_tiles) {
+  MaskedCase c{std::move(name),
+               128,
+               {1, 5, 8, 9, 16, 17, 33, 40, 64, 0, 65, 100, 112, 113, 120, 121, 128},
+               512,
+               2048,
+               ScaleLayout::mn_major_tma,
+               128};
+  c.a_row_box_rows = box_rows;
+  c.split_tiles = split_tiles;
+  return c;
+}
+
 // The swapped-operand kernel (options.swap_ab = 1) on `masked_m`.
 MaskedCase masked_swap_case(std::string name, std::int64_t m_max, std::vector<std::int32_t> masked_m,
                             std::int64_t n, std::int64_t k, ScaleLayout layout) {
@@ -651,6 +666,12 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N7168_K7168_mmax72_split_auto", 72, {72, 0, 9, 40, 64, 65, 17}, 7168, 7168,
                    ScaleLayout::token_major},
         MaskedCase{"N4096_K2048_mmax64_split_auto", 64, {33, 1, 64, 0, 20}, 4096, 2048, ScaleLayout::mn_major_tma},
+        // v37: zero-padding 128 x 256 tiles with 8- and 16-row A boxes: 1-15 boxes loaded (the rest zeros),
+        // all 128 rows past the last box's start; whole tiles and split ones.
+        zero_row_boxes_case("N512_K2048_mmax128_zero_row_boxes8", 8, 0),
+        zero_row_boxes_case("N512_K2048_mmax128_zero_row_boxes16", 16, 0),
+        zero_row_boxes_case("N512_K2048_mmax128_zero_row_boxes8_split", 8, 1),
+        zero_row_boxes_case("N512_K2048_mmax128_zero_row_boxes16_split", 16, 1),
         MaskedCase{"N4096_K384_decode_block64", 40, {40, 3, 0, 17}, 4096, 384, ScaleLayout::token_major, 64},
         // 128 x 128 tiles (the heuristic's pick here is 128 x 256).
         MaskedCase{"N1536_K7168_mmax300_block128x128",

@@ -54,7 +54,9 @@ struct GroupedGemmOptions {
   // tile of 33-48 rows 48 of them, not 64; of 1-16 rows 16, not 32). -1 (automatic): from K = 4096 on, 8
   // where the masked caller expects at most 16 rows per group (decode), else 16 (measured: decode 128 x 8
   // at K = 7168 1.2% faster than without, 0.4% faster than 16; level or up to 0.4% slower at K = 2048,
-  // bench/NOTES.md session 47); 0: off (small_a_box alone); 8 or 16.
+  // bench/NOTES.md session 47); 0: off (small_a_box alone); 8 or 16. v37: also the boxes of the zero-padding
+  // 128 x 256 tiles (zero_padding_rows; 32 rows without them), automatically where the launch splits its
+  // tiles (split_tiles: masked groups of <= 64 rows), and wherever 8 or 16 is asked for.
   int a_row_box_rows = -1;
   // Tiles with at least 32 padding rows load only A's 32-row boxes that hold valid rows, and zeros over
   // the rest (a bulk copy of a small zero buffer, once per stage and tile): the padding rows' products,
