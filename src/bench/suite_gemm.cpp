@@ -635,7 +635,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       variants.push_back(borrow_variant());
       variants.push_back(wave0_variant());
       variants.push_back(wave0_first_variant());
-      // v36 (session 48): groups of 17-64 rows run split 128 x 256 tiles, the rest whole.
+      // v36 (session 48): groups of 1-64 expected rows run split 128 x 256 tiles, the rest whole.
       if (cuda::grouped_gemm_split_tiles(true, s.expected_m * G, G, K))
         variants.push_back(nosplit_variant());
       else

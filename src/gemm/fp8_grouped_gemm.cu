@@ -763,9 +763,9 @@ bool grouped_gemm_swap_ab(std::int64_t /*expected_m*/) {
 GemmTileShape grouped_gemm_tile(bool masked, std::int64_t expected_m, std::int64_t n) {
   // Measured (bench/NOTES.md, session 48; masked, +-30% groups, against 64 x 128): split 128 x 256 tiles
   // 1.6-2.2% faster with 24-48 rows per group at K = 7168 and 0.5-0.8% at K = 2048, 8-11% with 64 (where
-  // 64 x 128 tiles take two m-blocks of many groups); level on the decode rows (128 groups x 16) and 1.6%
-  // slower on 128 x 8 at K = 7168, whose 64 x 128 tiles load A in 8-row boxes (v35).
-  constexpr std::int64_t kDecodeMaxM = 16, kSmallMaxM = 64;
+  // 64 x 128 tiles take two m-blocks of many groups); with v37's 8-row A boxes 1.6% faster on the decode
+  // row 128 x 16 at K = 7168 (level at K = 2048), but 0.25% slower on 128 x 8.
+  constexpr std::int64_t kDecodeMaxM = 8, kSmallMaxM = 64;
   if (masked && (expected_m <= kDecodeMaxM || (expected_m <= kSmallMaxM && n % 256 != 0))) return {64, 128};
   return {128, n % 256 == 0 ? 256 : 128};
 }

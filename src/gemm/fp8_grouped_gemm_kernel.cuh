@@ -21,7 +21,7 @@
 //     block, the f32 accumulators go to bf16 and to global memory (valid rows only), 16 bytes per
 //     store after a transpose inside each quad of lanes. With p.split_tiles (v11; by default only
 //     for short K and small groups, the host's choice: slower where loads set the pace, bench/NOTES.md
-//     sessions 15 and 30; and for masked groups of 17-64 rows, session 48) a 128 x 256 tile with at
+//     sessions 15 and 30; and for masked groups of 9-64 rows, session 48) a 128 x 256 tile with at
 //     most 64 valid rows (a group's last block) is split: both consumers take its first 64 rows, each
 //     one 128-column wave, so no warpgroup computes only padding rows.
 // Ping-pong (p.pingpong, off by default): the two consumer warpgroups issue their waves in turn

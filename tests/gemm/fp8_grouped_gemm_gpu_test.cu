@@ -433,7 +433,7 @@ struct MaskedCase {
   bool skew = false;  // consumer_skew
   bool unrolled = cuda::GroupedGemmOptions{}.unrolled_k_loop;
   bool two_partials = cuda::GroupedGemmOptions{}.two_partials;
-  int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic (17-64 expected rows)
+  int split_tiles = cuda::GroupedGemmOptions{}.split_tiles;  // -1: automatic (1-64 expected rows)
   int borrow = cuda::GroupedGemmOptions{}.borrow_epilogue;   // -1: automatic (off at K <= 2048 here)
   int tile_store = cuda::GroupedGemmOptions{}.tile_store;    // -1: automatic (grouped_gemm_tile_store)
   int swap_ab = cuda::GroupedGemmOptions{}.swap_ab;          // -1: automatic (grouped_gemm_swap_ab)
@@ -651,7 +651,7 @@ INSTANTIATE_TEST_SUITE_P(
                    64,
                    false},
         // Decode-like: a few rows per group, DeepSeek-V3 down shape with K = 7168, in 64 x 128 tiles (the
-        // heuristic's pick up to 16 expected rows; these average 27).
+        // heuristic's pick up to 8 expected rows; these average 27).
         MaskedCase{"N7168_K7168_decode", 72, {72, 0, 9}, 7168, 7168, ScaleLayout::mn_major_tma, 64},
         // The same with one partial per K block; then 3 K blocks (the two-partial loop leaves from
         // its second slot).
@@ -661,8 +661,8 @@ INSTANTIATE_TEST_SUITE_P(
           c.two_partials = false;
           return c;
         }(),
-        // The heuristic's pick for 17-64 expected rows: 128 x 256 tiles, split where a tile has <= 64 rows
-        // (v36), whole past that (72, 65).
+        // The heuristic's pick for 9-64 expected rows: 128 x 256 tiles, split where a tile has <= 64 rows
+        // (v36; v37's 16-row A boxes at this K), whole past that (72, 65).
         MaskedCase{"N7168_K7168_mmax72_split_auto", 72, {72, 0, 9, 40, 64, 65, 17}, 7168, 7168,
                    ScaleLayout::token_major},
         MaskedCase{"N4096_K2048_mmax64_split_auto", 64, {33, 1, 64, 0, 20}, 4096, 2048, ScaleLayout::mn_major_tma},
@@ -1208,7 +1208,7 @@ TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
   const cuda::DeviceTensor dd(DType::bf16, {G, M_max, N});
   HostTensor ref(DType::f64, {G, M_max, N});
   grouped_gemm_masked_cpu(in.a, in.sa, in.w.b, in.w.b_scales, in.counts, ref);
-  // 64 x 128 tiles (expected_m 16; two partials) and 128 x 256 tiles (expected_m 128).
+  // 64 x 128 tiles (expected_m 8; two partials) and 128 x 256 tiles (expected_m 128).
   for (const std::int64_t block_m : {64, 128}) {
     SCOPED_TRACE("block_m " + std::to_string(block_m));
     cuda::GroupedGemmOptions options;
@@ -1218,7 +1218,7 @@ TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
     cuda::fp8_grouped_gemm_take_trace();  // zero it
     dd.fill_bytes(0xff, stream);
     cuda::fp8_grouped_gemm_masked(da, dsa, ScaleLayout::token_major, db, dsb, dcounts,
-                                  block_m == 64 ? 16 : 128, dd, stream, options);
+                                  block_m == 64 ? 8 : 128, dd, stream, options);
     const HostTensor got = cuda::to_host(dd, stream);
     check_output(got, ref, masked_valid(counts, M_max), N);
     const cuda::Fp8GemmTrace t = cuda::fp8_grouped_gemm_take_trace();

@@ -76,12 +76,13 @@ TEST(GroupedGemmSplitTail, ChunksByTheCostModel) {
 }
 
 TEST(GroupedGemmTile, HeuristicShapes) {
-  // Masked decode (<= 16 rows per group, or unknown): 64 x 128.
-  EXPECT_EQ(grouped_gemm_tile(true, 16, 4096).block_m, 64);
-  EXPECT_EQ(grouped_gemm_tile(true, 16, 4096).block_n, 128);
+  // Masked decode (<= 8 rows per group, or unknown): 64 x 128.
+  EXPECT_EQ(grouped_gemm_tile(true, 8, 4096).block_m, 64);
+  EXPECT_EQ(grouped_gemm_tile(true, 8, 4096).block_n, 128);
   EXPECT_EQ(grouped_gemm_tile(true, 0, 7168).block_m, 64);
-  // Masked 17-64 rows: 128 x 256 (split) where N allows, else 64 x 128; more: as contiguous.
-  EXPECT_EQ(grouped_gemm_tile(true, 17, 4096).block_m, 128);
+  // Masked 9-64 rows: 128 x 256 (split) where N allows, else 64 x 128; more: as contiguous.
+  EXPECT_EQ(grouped_gemm_tile(true, 9, 4096).block_m, 128);
+  EXPECT_EQ(grouped_gemm_tile(true, 16, 4096).block_n, 256);
   EXPECT_EQ(grouped_gemm_tile(true, 32, 7168).block_n, 256);
   EXPECT_EQ(grouped_gemm_tile(true, 64, 4096).block_m, 128);
   EXPECT_EQ(grouped_gemm_tile(true, 32, 1664).block_m, 64);

@@ -111,7 +111,7 @@ struct GroupedGemmOptions {
   // 7168 x 2048, but 1-2% slower on groups of 1024+ rows there and 1-11% slower on every K = 7168 row
   // (a split tile loads as many bytes as a full one for half the work; bench/NOTES.md, sessions 15
   // and 30). In the masked layout where the caller expects at most 64 rows per group (the tile heuristic
-  // gives 128 x 256 tiles from 17 rows on): 2.2-2.4% faster than whole tiles with 24-48 rows (+-30%) at
+  // gives 128 x 256 tiles from 9 rows on): 2.2-2.4% faster than whole tiles with 24-48 rows (+-30%) at
   // K = 7168, level at 64 (session 48); not with more, where only a group's last m-block splits: 9-14%
   // slower at K = 7168 on 32 x 128 / 32 x 192 (session 31).
   // EPMOE_GEMM_SPLIT_TILES=0|1 overrides it. Ignored with pingpong / consumer_skew / 4-byte stores /
@@ -216,13 +216,14 @@ std::size_t grouped_gemm_workspace_bytes();
 // (CTAs / tail tiles): the cost model of GroupedGemmOptions::split_tail.
 int grouped_gemm_split_tail_chunks(std::int64_t k, int quantum, int limit);
 
-// The tile heuristic (block_m x block_n). Masked with expected_m <= 16 (decode), or <= 64 with N not a
+// The tile heuristic (block_m x block_n). Masked with expected_m <= 8 (decode), or <= 64 with N not a
 // multiple of 256: 64 x 128 (reading the weights bounds the time; 64-row tiles halve the wasted
 // tensor-core work and A traffic, and v35 loads A in 8-row boxes there). Otherwise 128 x 256 when
 // N % 256 == 0 (a quarter less L2 -> shared-memory traffic per flop than 128 x 128: each consumer
-// warpgroup runs two 128-column waves per K block), else 128 x 128; masked groups of 17-64 rows then run
-// split (split_tiles: a tile of <= 64 rows as 64 x 256, A read once per 256 columns), measured 1.6-2.2%
-// faster than 64 x 128 at K = 7168 and 8-11% at 64 rows (bench/NOTES.md, session 48).
+// warpgroup runs two 128-column waves per K block), else 128 x 128; masked groups of 9-64 rows then run
+// split (split_tiles: a tile of <= 64 rows as 64 x 256, A read once per 256 columns; v37's row boxes from
+// K = 4096 on), measured 1.6% faster than 64 x 128 on 128 x 16 and 1.6-2.2% on 32 x 24-48 at K = 7168,
+// 8-11% at 64 rows (bench/NOTES.md, session 48).
 // Options that force only block_m get that height's width: 64 -> 128, 128 -> as above.
 struct GemmTileShape {
   int block_m = 128;
