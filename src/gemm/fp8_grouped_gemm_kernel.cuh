@@ -1245,18 +1245,20 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // v29: the bytes of A's rows past the tile's valid boxes (a_small_rows each, v37; the TMA warp
         // loads only those), zeros in each stage the tile uses from its first use on (the tile's loads leave
         // them).
+        // v37c: a split tile's wgmma read only its first 64 rows, so its zeros end there.
         const std::int32_t box_rows = p.a_small_rows;
+        const std::int32_t zero_end = split_tile<kBlockM, kBlockN>(p, rows_used) ? 64 : kBlockM;
         const std::uint32_t zero_bytes =
             kZeroPadding && p.zero_padding_rows != 0 && rows_used <= kBlockM - box_rows
-                ? Traits::kABytes - (rows_used + box_rows - 1) / box_rows * box_rows * kGemmBlockK
+                ? (zero_end - (rows_used + box_rows - 1) / box_rows * box_rows) * kGemmBlockK
                 : 0u;
         for (std::int32_t kb = 0; kb < kb_count; ++kb) {
           ptx::mbar_wait(empty_bar + 8 * pipe.stage, pipe.phase ^ 1u);
           if (zero_bytes != 0 && kb < stages && lane == 0) {
             // (Counted on "full" before this warp's arrivals, so the stage cannot complete without them.)
             ptx::mbar_expect_tx(full_bar + 8 * pipe.stage, zero_bytes);
-            ptx::bulk_load(smem_a + (pipe.stage + 1) * Traits::kABytes - zero_bytes, g_zero_a_rows,
-                           zero_bytes, full_bar + 8 * pipe.stage);
+            ptx::bulk_load(smem_a + pipe.stage * Traits::kABytes + zero_end * kGemmBlockK - zero_bytes,
+                           g_zero_a_rows, zero_bytes, full_bar + 8 * pipe.stage);
           }
           const std::uint32_t scales = smem_scales + pipe.stage * Traits::kScaleBytes + 4 * lane;
           if (kWaves == 1 || (p.ablation & kAblateScales) == 0) {
