@@ -399,8 +399,12 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   const bool padding_common =
       params.masked_m != nullptr ||
       problem.tile_rows < kZeroPaddingMaxRows * std::max<std::int64_t>(params.groups, 1);
+  // (EPMOE_GEMM_SPLIT_ZEROS_ALL=1, an experiment: 2, a split tile's zeros over all 128 rows as before v37c.)
+  static const int split_zeros_all_env = env_switch("EPMOE_GEMM_SPLIT_ZEROS_ALL");
   params.zero_padding_rows =
-      kZeroPaddingTile && options.zero_padding_rows && cluster == 1 && padding_common ? 1 : 0;
+      kZeroPaddingTile && options.zero_padding_rows && cluster == 1 && padding_common
+          ? (split_zeros_all_env == 1 ? 2 : 1)
+          : 0;
   // v37: a zero-padding tile's A boxes (a_small_rows there): 32 rows, or v35's row boxes where the launch
   // splits its tiles (masked groups of <= 64 rows; automatic) or where the caller asked for them.
   if (params.zero_padding_rows != 0)

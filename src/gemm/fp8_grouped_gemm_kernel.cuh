@@ -181,7 +181,8 @@ struct GroupedGemmParams {
   float inv_parent_band_tiles, inv_parent_band_units, inv_parent_last_width;
   // v29 (session 43): 1: tiles with fewer valid rows than kBlockM load only A's 32-row boxes (tma_a_part's)
   // that hold valid rows, and the rest of the stage's A rows are zeros (a bulk copy of g_zero_a_rows that
-  // the scale warp issues when the tile first uses the stage); 0: as a_small_rows says. (Last: beside
+  // the scale warp issues when the tile first uses the stage; 2: the same, a split tile's zeros over all 128
+  // rows, as before v37c: EPMOE_GEMM_SPLIT_ZEROS_ALL); 0: as a_small_rows says. (Last: beside
   // a_small_rows, the new member moved ptxas's allocation of the 128 x 256 consumers into spills.)
   std::int32_t zero_padding_rows;
   // v30 (session 44; GroupedGemmOptions::trim_ctas): 1: a masked launch whose tiles (counted on the
@@ -1245,9 +1246,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         // v29: the bytes of A's rows past the tile's valid boxes (a_small_rows each, v37; the TMA warp
         // loads only those), zeros in each stage the tile uses from its first use on (the tile's loads leave
         // them).
-        // v37c: a split tile's wgmma read only its first 64 rows, so its zeros end there.
+        // v37c: a split tile's wgmma read only its first 64 rows, so its zeros end there (zero_padding_rows
+        // 2: all 128, an experiment).
         const std::int32_t box_rows = p.a_small_rows;
-        const std::int32_t zero_end = split_tile<kBlockM, kBlockN>(p, rows_used) ? 64 : kBlockM;
+        const std::int32_t zero_end =
+            split_tile<kBlockM, kBlockN>(p, rows_used) && p.zero_padding_rows == 1 ? 64 : kBlockM;
         const std::uint32_t zero_bytes =
             kZeroPadding && p.zero_padding_rows != 0 && rows_used <= kBlockM - box_rows
                 ? (zero_end - (rows_used + box_rows - 1) / box_rows * box_rows) * kGemmBlockK
