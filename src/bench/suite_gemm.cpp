@@ -640,9 +640,6 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
         variants.push_back(nosplit_variant());
       else
         variants.push_back(split_variant());
-      // v38 (session 48): also groups of 129-192 rows (and of 257-320, ...) in 64-row split tiles.
-      variants.push_back({".split2", {}});
-      variants.back().options.split_tiles = 2;
     }
     // v37: the zero-padding tiles' A in 32-row boxes (before v37; the automatic choice where the launch
     // does not split) and in 16-row ones.

@@ -124,8 +124,8 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
   EPMOE_CHECK(options.block_n == 0 || options.block_n == 128 || options.block_n == 256,
               "options.block_n must be 0 (automatic), 128 or 256, got {}", options.block_n);
   EPMOE_CHECK(options.max_ctas >= 0, "options.max_ctas must be >= 0, got {}", options.max_ctas);
-  EPMOE_CHECK(options.split_tiles >= -1 && options.split_tiles <= 2,
-              "options.split_tiles must be -1 (automatic), 0, 1 or 2, got {}", options.split_tiles);
+  EPMOE_CHECK(options.split_tiles >= -1 && options.split_tiles <= 1,
+              "options.split_tiles must be -1 (automatic), 0 or 1, got {}", options.split_tiles);
   EPMOE_CHECK(options.tile_store >= -1 && options.tile_store <= 1,
               "options.tile_store must be -1 (automatic), 0 or 1, got {}", options.tile_store);
   EPMOE_CHECK(options.a_row_box_rows == -1 || options.a_row_box_rows == 0 || options.a_row_box_rows == 8 ||
@@ -353,11 +353,11 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   params.two_partials = with_env(two_partials_env, options.two_partials) ? 1 : 0;
   // split_tiles -1: split where measured faster (see GroupedGemmOptions::split_tiles).
   const bool split = resolve_choice(
-      std::min(options.split_tiles, 1),
+      options.split_tiles,
       grouped_gemm_split_tiles(params.masked_m != nullptr,
                                params.masked_m != nullptr ? problem.expected_m * params.groups : problem.a_rows,
                                params.groups, params.k));
-  params.split_tiles = with_env(split_tiles_env, split) ? (options.split_tiles == 2 ? 2 : 1) : 0;
+  params.split_tiles = with_env(split_tiles_env, split) ? 1 : 0;
   // Only 128 x 256 tiles without a cluster can borrow (the kernel checks the rest): other launches
   // (the 64 x 128 decode tiles among them) encode no output map and prefetch none.
   // borrow_epilogue -1: where measured faster (see GroupedGemmOptions::borrow_epilogue).

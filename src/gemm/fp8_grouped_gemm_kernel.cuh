@@ -324,12 +324,10 @@ class GemmScheduler {
     std::int32_t tiles = pieces(p) ? p.parent_units : p.total_units;
     if (p.masked_m != nullptr) {
       // (v22's follower counts its parent's 128-row tiles.)
+      const std::int32_t block_m = pieces(p) ? 128 : kBlockM;
       std::int32_t blocks = 0;
-      for (std::int32_t g = static_cast<std::int32_t>(threadIdx.x % 32); g < p.groups; g += 32) {
-        const std::int32_t count = min(max(__ldg(p.masked_m + g), 0), p.rows);
-        const std::int32_t shift = pieces(p) ? 7 : m_block_shift(p, count);
-        blocks += (count + (1 << shift) - 1) >> shift;
-      }
+      for (std::int32_t g = static_cast<std::int32_t>(threadIdx.x % 32); g < p.groups; g += 32)
+        blocks += (min(max(__ldg(p.masked_m + g), 0), p.rows) + block_m - 1) / block_m;
       tiles = static_cast<std::int32_t>(__reduce_add_sync(0xffffffffu, static_cast<std::uint32_t>(blocks))) *
               (pieces(p) ? p.parent_n_units : p.n_units);
     }
@@ -528,30 +526,14 @@ class GemmScheduler {
     const std::int32_t m_block = m_slowest ? r / p.n_units : r % seg_m_blocks_;
     const std::int32_t n_unit = m_slowest ? r - m_block * p.n_units : r / seg_m_blocks_;
     const std::int32_t seg_row0 = g_ * p.rows;
-    const std::int32_t block_m = 1 << m_block_shift(p, seg_count_);
     tile = GemmTile{g_,
                     n_unit * p.cluster + rank(p),
-                    seg_row0 + m_block * block_m,
+                    seg_row0 + m_block * kBlockM,
                     seg_row0,
                     seg_row0 + seg_count_,
                     g_,
-                    min(block_m, seg_count_ - m_block * block_m)};
+                    min(kBlockM, seg_count_ - m_block * kBlockM)};
     return true;
-  }
-
-  // Masked: log2 of the rows per m-block of a group of `count` rows: kBlockM, or v38 (p.split_tiles 2, 128 x 256
-  // tiles): 64 where the rows past the group's last whole 128 are 1-64, so that every tile of the group is
-  // split (the same time each: the group's tiles, which share its weights through L2, stay in step)
-  // instead of whole tiles and a split tail (session 31: the tail falls out of step).
-  // (As a shift: a division by a run-time block height made the walking warp spill.)
-  __device__ __forceinline__ static std::int32_t m_block_shift(const GroupedGemmParams& p, std::int32_t count) {
-    constexpr std::int32_t kShift = kBlockM == 128 ? 7 : 6;
-    if constexpr (kBlockM == 128 && kBlockN == 256) {
-      const std::int32_t past = count & 127;
-      return p.split_tiles == 2 && past != 0 && past <= 64 ? 6 : kShift;
-    } else {
-      return kShift;
-    }
   }
 
   // v22: this launch computes a parent's tail tiles as pieces (64 x 128 launches only).
@@ -628,8 +610,7 @@ class GemmScheduler {
       seg_m_blocks_ = (seg_count_ + 127) / 128;
       seg_tiles_ = seg_m_blocks_ * p.parent_n_units;
     } else {
-      const std::int32_t shift = m_block_shift(p, seg_count_);
-      seg_m_blocks_ = (seg_count_ + (1 << shift) - 1) >> shift;
+      seg_m_blocks_ = (seg_count_ + kBlockM - 1) / kBlockM;
       seg_tiles_ = seg_m_blocks_ * p.n_units;
     }
   }

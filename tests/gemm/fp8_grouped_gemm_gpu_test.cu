@@ -666,21 +666,6 @@ INSTANTIATE_TEST_SUITE_P(
         MaskedCase{"N7168_K7168_mmax72_split_auto", 72, {72, 0, 9, 40, 64, 65, 17}, 7168, 7168,
                    ScaleLayout::token_major},
         MaskedCase{"N4096_K2048_mmax64_split_auto", 64, {33, 1, 64, 0, 20}, 4096, 2048, ScaleLayout::mn_major_tma},
-        // v38 (split_tiles 2): groups whose rows past their last whole 128 are 1-64 (1, 64, 129, 150, 192, 257,
-        // 300, 320) in 64-row split tiles throughout, the others (65, 128, 193, 256, 321) in whole tiles and
-        // a split tail; M_max 330.
-        [] {
-          MaskedCase c{"N512_K2048_mmax330_split2", 330, {1, 64, 65, 128, 129, 150, 192, 193, 0, 256, 257, 300, 320, 321},
-                       512, 2048, ScaleLayout::mn_major_tma, 128};
-          c.split_tiles = 2;
-          return c;
-        }(),
-        [] {
-          MaskedCase c{"N512_K7168_mmax200_split2", 200, {150, 129, 1, 192, 0, 100, 200, 64},
-                       512, 7168, ScaleLayout::token_major, 128};
-          c.split_tiles = 2;
-          return c;
-        }(),
         // v37: zero-padding 128 x 256 tiles with 8- and 16-row A boxes: 1-15 boxes loaded (the rest zeros),
         // all 128 rows past the last box's start; whole tiles and split ones.
         zero_row_boxes_case("N512_K2048_mmax128_zero_row_boxes8", 8, 0),
