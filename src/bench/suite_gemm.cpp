@@ -249,6 +249,11 @@ Variant no_trim_variant() {  // the default before v30 (session 44): every SM a 
   v.options.trim_ctas = 0;
   return v;
 }
+Variant trim_variant() {  // v30's trimmed grid asked for (masked: the device still decides)
+  Variant v{".trim", {}};
+  v.options.trim_ctas = 1;
+  return v;
+}
 Variant no_tail_pieces_variant() {  // masked: the default before v22 (session 39): v21's split tail only
   Variant v{".no_tail_pieces", {}};
   v.options.tail_pieces = 0;
@@ -626,7 +631,7 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(true, s.expected_m, N);
   std::vector<Variant> variants{
       {"", {}},          no_split_tail_variant(), no_tail_pieces_variant(), no_zero_padding_variant(),
-      no_trim_variant(), token_major_variant()};
+      no_trim_variant(), trim_variant(),          token_major_variant()};
   if (chosen.block_m == 128) {
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());
@@ -1103,8 +1108,8 @@ std::vector<Result> run_gemm_suite(const SuiteOptions& options) {
   const bool decode_only = only_s == "decode";
   // EPMOE_BENCH_GEMM_ROW=GxMxN (e.g. 8x4096x4096): only that row (groups x m per group x n).
   const char* row = std::getenv("EPMOE_BENCH_GEMM_ROW");
-  // EPMOE_BENCH_GEMM_CUSTOM=[m|r]GxMxNxK: only a contiguous (masked) problem of G groups of exactly M rows (no
-  // DeepGEMM anchor), e.g. to compare one tile per CTA against many at the same work.
+  // EPMOE_BENCH_GEMM_CUSTOM=[m|r]GxMxNxK: only a contiguous (masked) problem of G groups of exactly M rows
+  // (no DeepGEMM anchor), e.g. to compare one tile per CTA against many at the same work.
   std::vector<Anchor> anchors(std::begin(kAnchors), std::end(kAnchors));
   // A leading 'm' (mGxMxNxK) makes it a masked problem: G groups of M_max = M rows, all valid; a leading 'r'
   // a masked problem as the anchors' masked rows draw it: G groups of M x U(0.7, 1.3) rows, M_max the

@@ -352,11 +352,12 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   static const int borrow_env = env_mode("EPMOE_GEMM_BORROW_EPILOGUE", 3);
   params.two_partials = with_env(two_partials_env, options.two_partials) ? 1 : 0;
   // split_tiles -1: split where measured faster (see GroupedGemmOptions::split_tiles).
-  const bool split = resolve_choice(
-      options.split_tiles,
-      grouped_gemm_split_tiles(params.masked_m != nullptr,
-                               params.masked_m != nullptr ? problem.expected_m * params.groups : problem.a_rows,
-                               params.groups, params.k));
+  const bool split =
+      resolve_choice(options.split_tiles,
+                     grouped_gemm_split_tiles(
+                         params.masked_m != nullptr,
+                         params.masked_m != nullptr ? problem.expected_m * params.groups : problem.a_rows,
+                         params.groups, params.k));
   params.split_tiles = with_env(split_tiles_env, split) ? 1 : 0;
   // Only 128 x 256 tiles without a cluster can borrow (the kernel checks the rest): other launches
   // (the 64 x 128 decode tiles among them) encode no output map and prefetch none.
@@ -401,23 +402,22 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
       problem.tile_rows < kZeroPaddingMaxRows * std::max<std::int64_t>(params.groups, 1);
   // (EPMOE_GEMM_SPLIT_ZEROS_ALL=1, an experiment: 2, a split tile's zeros over all 128 rows as before v37c.)
   static const int split_zeros_all_env = env_switch("EPMOE_GEMM_SPLIT_ZEROS_ALL");
-  params.zero_padding_rows =
-      kZeroPaddingTile && options.zero_padding_rows && cluster == 1 && padding_common
-          ? (split_zeros_all_env == 1 ? 2 : 1)
-          : 0;
+  params.zero_padding_rows = kZeroPaddingTile && options.zero_padding_rows && cluster == 1 && padding_common
+                                 ? (split_zeros_all_env == 1 ? 2 : 1)
+                                 : 0;
   // v37: a zero-padding tile's A boxes (a_small_rows there): 32 rows, or v35's row boxes where the launch
   // splits its tiles (masked groups of <= 64 rows; automatic) or where the caller asked for them.
   if (params.zero_padding_rows != 0)
-    params.a_small_rows =
-        row_box_rows > 0 && (options.a_row_box_rows > 0 || params.split_tiles != 0) ? row_box_rows : kSmallABoxRows;
+    params.a_small_rows = row_box_rows > 0 && (options.a_row_box_rows > 0 || params.split_tiles != 0)
+                              ? row_box_rows
+                              : kSmallABoxRows;
   const CUtensorMapL2promotion promotion = l2_promotion(options);
   const CUtensorMap tma_a = make_tma_2d(a.data, problem.a_rows, params.k, kBlockM, "a", promotion);
   const CUtensorMap tma_a_part =
       cluster > 1
           ? make_tma_2d(a.data, problem.a_rows, params.k, kBlockM / cluster, "a (cluster part)", promotion)
-          : make_tma_2d(a.data, problem.a_rows, params.k,
-                        std::max(params.a_small_rows, 8),
-                        "a (small box)", promotion);
+          : make_tma_2d(a.data, problem.a_rows, params.k, std::max(params.a_small_rows, 8), "a (small box)",
+                        promotion);
   const CUtensorMap tma_b = make_tma_2d(b.data, static_cast<std::int64_t>(params.groups) * params.n, params.k,
                                         kBlockN, "b", promotion);
   // v12's TMA stores (p.borrow_epilogue): d as bytes [a_rows, 2 N] in the 128-byte swizzle (v17: the
@@ -525,9 +525,12 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
     const std::int64_t expected_blocks =
         (std::min(problem.expected_m, problem.tile_rows) + kBlockM - 1) / kBlockM;
     const std::int64_t expected_tiles = problem.groups_in_schedule * expected_blocks * (params.n / kBlockN);
-    // (expected_tiles <= max_tiles < 2^31, checked above; 0 tiles: no trim.)
-    const bool automatic = kernels::trimmed_ctas(static_cast<std::int32_t>(expected_tiles),
-                                                 params.unit_stride) < params.unit_stride;
+    // (expected_tiles <= max_tiles < 2^31, checked above; 0 tiles: no trim.) Not where the launch splits
+    // its tiles (the small groups, memory-bound): every SM pulling weights measured 0.2-0.5% faster there
+    // (bench/NOTES.md, session 48).
+    const bool automatic =
+        params.split_tiles == 0 && kernels::trimmed_ctas(static_cast<std::int32_t>(expected_tiles),
+                                                         params.unit_stride) < params.unit_stride;
     params.trim_ctas = with_env(trim_env, resolve_choice(options.trim_ctas, automatic)) ? 1 : 0;
   }
   // v21's split tail (GroupedGemmOptions::split_tail): chunks of whole quanta of K blocks, a quantum

@@ -657,15 +657,20 @@ INSTANTIATE_TEST_SUITE_P(
         // its second slot).
         [] {
           MaskedCase c{"N7168_K7168_decode_one_partial", 72, {72, 0, 9}, 7168, 7168,
-                       ScaleLayout::mn_major_tma, 64};
+                       ScaleLayout::mn_major_tma,        64};
           c.two_partials = false;
           return c;
         }(),
         // The heuristic's pick for 9-64 expected rows: 128 x 256 tiles, split where a tile has <= 64 rows
         // (v36; v37's 16-row A boxes at this K), whole past that (72, 65).
-        MaskedCase{"N7168_K7168_mmax72_split_auto", 72, {72, 0, 9, 40, 64, 65, 17}, 7168, 7168,
+        MaskedCase{"N7168_K7168_mmax72_split_auto",
+                   72,
+                   {72, 0, 9, 40, 64, 65, 17},
+                   7168,
+                   7168,
                    ScaleLayout::token_major},
-        MaskedCase{"N4096_K2048_mmax64_split_auto", 64, {33, 1, 64, 0, 20}, 4096, 2048, ScaleLayout::mn_major_tma},
+        MaskedCase{
+            "N4096_K2048_mmax64_split_auto", 64, {33, 1, 64, 0, 20}, 4096, 2048, ScaleLayout::mn_major_tma},
         // v37: zero-padding 128 x 256 tiles with 8- and 16-row A boxes: 1-15 boxes loaded (the rest zeros),
         // all 128 rows past the last box's start; whole tiles and split ones.
         zero_row_boxes_case("N512_K2048_mmax128_zero_row_boxes8", 8, 0),

@@ -185,8 +185,10 @@ struct GroupedGemmOptions {
   // 128 of 132 CTAs, contiguous 32 x 256 0.6% on 130; but the decode rows (a last round of 4 tiles) 0.5%
   // slower, hence the half-round rule (bench/NOTES.md, session 44). Every tile is still computed whole by
   // one CTA: the same bits. -1 (automatic): contiguous, by the rule; masked where the tiles the host
-  // expects (every group expected_m rows) would meet it, the device's count deciding; 1: every launch the
-  // rule may apply to (masked: the device still decides); 0: off. EPMOE_GEMM_TRIM_CTAS=0|1 overrides it.
+  // expects (every group expected_m rows) would meet it and the launch does not split its tiles (split_tiles:
+  // memory-bound small groups, 0.2-0.5% faster on every SM, session 48), the device's count deciding; 1:
+  // every launch the rule may apply to (masked: the device still decides); 0: off. EPMOE_GEMM_TRIM_CTAS=0|1
+  // overrides it.
   int trim_ctas = -1;
   // Masked layout: swapped operands (D^T = B · A^T: the weights as the tensor cores' M, 128 rows per
   // tile, a group's 256-token chunk as their N in one wave of 16 .. 176 tokens, two of 96 .. 120 or three
