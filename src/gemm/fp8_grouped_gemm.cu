@@ -33,6 +33,10 @@ constexpr int kSmallABoxRows = 32;
 constexpr int kRowBoxRows = 16;      // v35
 constexpr int kSmallRowBoxRows = 8;  // v35 at decode sizes (expected_m <= kSmallRowBoxMaxM)
 constexpr int kSmallRowBoxMaxM = 16;
+// v37: masked launches that split their tiles load A in row boxes up to this many expected rows per group
+// (measured: 8 and 16 rows with 8-row boxes, 32 with 16-row ones, bench/NOTES.md session 48); above it
+// whole tiles of 65+ rows would take up to 8 loads of A per K block, which made 32 x 192 17% slower.
+constexpr std::int64_t kSplitRowBoxMaxM = 32;
 // v35's boxes measured level or slower at K = 2048 (decode 128 x 16 0.3%, 32 x 32 0.15%; one more TMA load
 // per box and K block, with few K blocks per tile), faster at K = 7168 (decode 128 x 8 1.2%): from this K on.
 constexpr std::int32_t kRowBoxMinK = 4096;
@@ -405,12 +409,14 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   params.zero_padding_rows = kZeroPaddingTile && options.zero_padding_rows && cluster == 1 && padding_common
                                  ? (split_zeros_all_env == 1 ? 2 : 1)
                                  : 0;
-  // v37: a zero-padding tile's A boxes (a_small_rows there): 32 rows, or v35's row boxes where the launch
-  // splits its tiles (masked groups of <= 64 rows; automatic) or where the caller asked for them.
+  // v37: a zero-padding tile's A boxes (a_small_rows there): 32 rows, or v35's row boxes where a masked
+  // launch splits its tiles and expects at most kSplitRowBoxMaxM rows per group (automatic), or where the
+  // caller asked for them.
+  const bool split_row_boxes =
+      params.masked_m != nullptr && params.split_tiles != 0 && problem.expected_m <= kSplitRowBoxMaxM;
   if (params.zero_padding_rows != 0)
-    params.a_small_rows = row_box_rows > 0 && (options.a_row_box_rows > 0 || params.split_tiles != 0)
-                              ? row_box_rows
-                              : kSmallABoxRows;
+    params.a_small_rows =
+        row_box_rows > 0 && (options.a_row_box_rows > 0 || split_row_boxes) ? row_box_rows : kSmallABoxRows;
   const CUtensorMapL2promotion promotion = l2_promotion(options);
   const CUtensorMap tma_a = make_tma_2d(a.data, problem.a_rows, params.k, kBlockM, "a", promotion);
   const CUtensorMap tma_a_part =

@@ -662,13 +662,20 @@ INSTANTIATE_TEST_SUITE_P(
           return c;
         }(),
         // The heuristic's pick for 9-64 expected rows: 128 x 256 tiles, split where a tile has <= 64 rows
-        // (v36; v37's 16-row A boxes at this K), whole past that (72, 65).
+        // (v36; 32-row A boxes: these expect 38 rows), whole past that (72, 65); then 19 expected rows at
+        // K = 7168 (v37's 16-row boxes).
         MaskedCase{"N7168_K7168_mmax72_split_auto",
                    72,
                    {72, 0, 9, 40, 64, 65, 17},
                    7168,
                    7168,
                    ScaleLayout::token_major},
+        MaskedCase{"N1536_K7168_mmax48_split_auto_row_boxes",
+                   48,
+                   {9, 33, 17, 1, 40, 0, 30, 48, 16, 2},
+                   1536,
+                   7168,
+                   ScaleLayout::mn_major_tma},
         MaskedCase{
             "N4096_K2048_mmax64_split_auto", 64, {33, 1, 64, 0, 20}, 4096, 2048, ScaleLayout::mn_major_tma},
         // v37: zero-padding 128 x 256 tiles with 8- and 16-row A boxes: 1-15 boxes loaded (the rest zeros),

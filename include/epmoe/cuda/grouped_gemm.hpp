@@ -55,8 +55,10 @@ struct GroupedGemmOptions {
   // where the masked caller expects at most 16 rows per group (decode), else 16 (measured: decode 128 x 8
   // at K = 7168 1.2% faster than without, 0.4% faster than 16; level or up to 0.4% slower at K = 2048,
   // bench/NOTES.md session 47); 0: off (small_a_box alone); 8 or 16. v37: also the boxes of the zero-padding
-  // 128 x 256 tiles (zero_padding_rows; 32 rows without them), automatically where the launch splits its
-  // tiles (split_tiles: masked groups of <= 64 rows), and wherever 8 or 16 is asked for.
+  // 128 x 256 tiles (zero_padding_rows; 32 rows without them), automatically where a masked launch splits its
+  // tiles and expects at most 32 rows per group (measured 0.3-1.6% faster there, session 48; whole tiles of
+  // 65+ rows in 16-row boxes took up to 8 loads per K block: 3-17% slower), and wherever 8 or 16 is asked
+  // for.
   int a_row_box_rows = -1;
   // Tiles with at least 32 padding rows load only A's 32-row boxes that hold valid rows, and zeros over
   // the rest (a bulk copy of a small zero buffer, once per stage and tile): the padding rows' products,
