@@ -646,20 +646,17 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       else
         variants.push_back(split_variant());
     }
-    // v37: the zero-padding tiles' A in 32-row boxes (before v37; the automatic choice where the launch
-    // does not split) and in 16-row ones.
-    variants.push_back({".no_row_boxes", {}});
-    variants.back().options.a_row_box_rows = 0;
-    variants.push_back({".row_boxes16", {}});
-    variants.back().options.a_row_box_rows = 16;
   } else {
     variants.push_back({".p1", {}});  // the 64 x 128 tile with one partial (before v7)
     variants.back().options.two_partials = false;
-    variants.push_back({".no_row_boxes", {}});  // A in one 32-row box or all 64 rows (before v35)
-    variants.back().options.a_row_box_rows = 0;
-    variants.push_back({".row_boxes16", {}});  // v35's 16-row boxes whatever the expected rows
-    variants.back().options.a_row_box_rows = 16;
   }
+  // A without row boxes (64-row tiles: one 32-row box or all 64 rows, before v35; zero-padding 128-row
+  // tiles: 32-row boxes, before v37 and where the automatic choice has none) and in 16-row boxes whatever
+  // the expected rows.
+  variants.push_back({".no_row_boxes", {}});
+  variants.back().options.a_row_box_rows = 0;
+  variants.push_back({".row_boxes16", {}});
+  variants.back().options.a_row_box_rows = 16;
   if (chosen.block_m == 64) {
     // The heuristic's 128-row tile (split where the automatic rule splits: <= 64 expected rows; v37's row
     // boxes where the automatic choice has them), and the same in 32-row boxes.

@@ -386,17 +386,7 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
           : 0;
   if (params.borrow_epilogue == 1 && (options.ablation & kAblateNoEpiGate) != 0)
     params.borrow_epilogue = kernels::kBorrowNoGate;
-  // The small A box is for decode tiles; in a cluster the second A map is this CTA's half instead.
-  // (v35: 64-row tiles load A in boxes of this many rows, those that hold valid rows.)
-  const int row_box_rows = options.a_row_box_rows >= 0 ? options.a_row_box_rows
-                           : params.k < kRowBoxMinK    ? 0
-                           : problem.expected_m > 0 && problem.expected_m <= kSmallRowBoxMaxM
-                               ? kSmallRowBoxRows
-                               : kRowBoxRows;
-  params.a_small_rows = !options.small_a_box || cluster != 1 ? 0
-                        : kBlockM == 64 && row_box_rows > 0  ? row_box_rows
-                                                             : std::min(kSmallABoxRows, kBlockM);
-  // v29: zeros past a tile's valid 32-row boxes of A (the small box's rows; not in a cluster), where tiles
+  // v29: zeros past a tile's valid boxes of A (the small box's rows; not in a cluster), where tiles
   // with padding rows are common: masked launches, and contiguous ones with groups of fewer than
   // kZeroPaddingMaxRows rows on average (measured: 32 x 256 -1.8%, 128 x 128 -1.9%, 32 x 1024 -0.4%; the
   // kernel with the code cost 8 x 4096 and 4 x 8192 0.7-0.8%, bench/NOTES.md session 43).
@@ -409,14 +399,25 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   params.zero_padding_rows = kZeroPaddingTile && options.zero_padding_rows && cluster == 1 && padding_common
                                  ? (split_zeros_all_env == 1 ? 2 : 1)
                                  : 0;
-  // v37: a zero-padding tile's A boxes (a_small_rows there): 32 rows, or v35's row boxes where a masked
-  // launch splits its tiles and expects at most kSplitRowBoxMaxM rows per group (automatic), or where the
-  // caller asked for them.
+  // The rows of tma_a_part's box (a_small_rows). The small A box is for decode tiles; in a cluster the
+  // second A map is this CTA's half instead. v35: 64-row tiles load A in boxes of row_box_rows rows, those
+  // that hold valid rows; v37: so do the zero-padding tiles (which take precedence over small_a_box; 32
+  // rows otherwise) where a masked launch splits its tiles and expects at most kSplitRowBoxMaxM rows per
+  // group, or where the caller asked for the boxes.
+  const int row_box_rows = options.a_row_box_rows >= 0 ? options.a_row_box_rows
+                           : params.k < kRowBoxMinK    ? 0
+                           : problem.expected_m > 0 && problem.expected_m <= kSmallRowBoxMaxM
+                               ? kSmallRowBoxRows
+                               : kRowBoxRows;
   const bool split_row_boxes =
       params.masked_m != nullptr && params.split_tiles != 0 && problem.expected_m <= kSplitRowBoxMaxM;
-  if (params.zero_padding_rows != 0)
-    params.a_small_rows =
-        row_box_rows > 0 && (options.a_row_box_rows > 0 || split_row_boxes) ? row_box_rows : kSmallABoxRows;
+  const bool row_boxes = row_box_rows > 0 && (params.zero_padding_rows != 0
+                                                  ? options.a_row_box_rows > 0 || split_row_boxes
+                                                  : kBlockM == 64 && options.small_a_box && cluster == 1);
+  params.a_small_rows = row_boxes                              ? row_box_rows
+                        : params.zero_padding_rows != 0        ? kSmallABoxRows
+                        : !options.small_a_box || cluster != 1 ? 0
+                                                               : std::min(kSmallABoxRows, kBlockM);
   const CUtensorMapL2promotion promotion = l2_promotion(options);
   const CUtensorMap tma_a = make_tma_2d(a.data, problem.a_rows, params.k, kBlockM, "a", promotion);
   const CUtensorMap tma_a_part =
