@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <sstream>
@@ -35,6 +36,8 @@ using testing::fresh_seed;
 using testing::kPoison;
 using testing::kTolerance;
 using testing::masked_valid;
+using testing::pick;
+using testing::uniform;
 
 // Token-major [rows, kb] -> MN-major TMA-aligned [kb, tma_aligned(rows)] (padding 0).
 void to_mn_major(const float* token_major, std::int64_t rows, std::int64_t kb, float* out) {
@@ -857,10 +860,13 @@ TEST(GroupedGemmGpuMisc, SwappedOperandsGiveTheRowMajorKernelsBits) {
 
 // A masked or contiguous problem on fresh random inputs (masked: scales MN-major, expected_m M_max / 2;
 // contiguous: token-major scales, groups padded to 128 rows, with `holes` and `trailing_blocks` as
-// contiguous_ids), its f64 reference and valid rows, its device operands and output, and its launch.
+// contiguous_ids, NaN codes in the padding rows; `scale_layout` overrides the layout), its f64 reference
+// and valid rows, its device operands and output, and its launch.
 struct GemmProblem {
   bool masked;
-  std::int64_t m_max;  // masked only
+  std::int64_t m_max;       // masked only
+  std::int64_t expected_m;  // masked only: the launch's hint
+  ScaleLayout scale_layout;
   HostTensor ref;
   std::vector<bool> valid;
   std::vector<cuda::DeviceTensor> operands;  // a, a scales, b, b scales, masked_m or m_indices
@@ -869,22 +875,24 @@ struct GemmProblem {
   void launch(const cuda::GroupedGemmOptions& options, cudaStream_t stream) const {
     const auto& o = operands;
     if (masked) {
-      cuda::fp8_grouped_gemm_masked(o[0], o[1], ScaleLayout::mn_major_tma, o[2], o[3], o[4], m_max / 2, d,
-                                    stream, options);
+      cuda::fp8_grouped_gemm_masked(o[0], o[1], scale_layout, o[2], o[3], o[4], expected_m, d, stream,
+                                    options);
     } else {
-      cuda::fp8_grouped_gemm_contiguous(o[0], o[1], ScaleLayout::token_major, o[2], o[3], o[4], d, stream,
-                                        options);
+      cuda::fp8_grouped_gemm_contiguous(o[0], o[1], scale_layout, o[2], o[3], o[4], d, stream, options);
     }
   }
 };
 
 GemmProblem gemm_problem(bool masked, const std::vector<std::int32_t>& rows, std::int64_t m_max,
                          std::int64_t n, std::int64_t k, bool holes, std::int64_t trailing_blocks,
-                         std::mt19937_64& rng, cudaStream_t stream) {
+                         std::mt19937_64& rng, cudaStream_t stream,
+                         std::optional<ScaleLayout> scale_layout = std::nullopt) {
   const auto G = static_cast<std::int64_t>(rows.size());
-  GemmProblem problem{masked, m_max, {}, {}, {}, {}};
+  const ScaleLayout layout =
+      scale_layout.value_or(masked ? ScaleLayout::mn_major_tma : ScaleLayout::token_major);
+  GemmProblem problem{masked, m_max, m_max / 2, layout, {}, {}, {}, {}};
   if (masked) {
-    const MaskedInputs in = masked_inputs(G, m_max, n, k, ScaleLayout::mn_major_tma, rows, rng);
+    const MaskedInputs in = masked_inputs(G, m_max, n, k, layout, rows, rng);
     problem.ref = HostTensor(DType::f64, {G, m_max, n});
     grouped_gemm_masked_cpu(in.a, in.sa, in.w.b, in.w.b_scales, in.counts, problem.ref);
     problem.valid = masked_valid(rows, m_max);
@@ -896,15 +904,27 @@ GemmProblem gemm_problem(bool masked, const std::vector<std::int32_t>& rows, std
   }
   const std::vector<std::int32_t> ids = contiguous_ids(rows, holes, trailing_blocks);
   const auto M = static_cast<std::int64_t>(ids.size());
-  HostTensor a(DType::fp8_e4m3, {M, k}), sa(DType::f32, {M, k / 128}), m_indices(DType::i32, {M});
-  fill_random_fp8(static_cast<std::uint8_t*>(a.view().data), a.numel(), rng);
+  const std::int64_t KB = k / 128;
+  HostTensor a(DType::fp8_e4m3, {M, k}), sa(DType::f32, {M, KB}), m_indices(DType::i32, {M});
+  auto* a_bytes = static_cast<std::uint8_t*>(a.view().data);
+  fill_random_fp8(a_bytes, a.numel(), rng);
   fill_random_scales(sa.data<float>(), sa.numel(), rng);
   std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
-  for (const std::int32_t id : ids) problem.valid.push_back(id >= 0);
+  for (std::int64_t m = 0; m < M; ++m) {
+    problem.valid.push_back(ids[static_cast<std::size_t>(m)] >= 0);
+    if (!problem.valid.back()) std::memset(a_bytes + m * k, 0x7f, static_cast<std::size_t>(k));
+  }
   const Weights w = random_weights(G, n, k, rng);
   problem.ref = HostTensor(DType::f64, {M, n});
   grouped_gemm_contiguous_cpu(a, sa, w.b, w.b_scales, m_indices, problem.ref);
-  for (const TensorView& v : {a.view(), sa.view(), w.b.view(), w.b_scales.view(), m_indices.view()})
+  HostTensor sa_mn;
+  TensorView sa_gpu = sa.view();
+  if (layout == ScaleLayout::mn_major_tma) {
+    sa_mn = HostTensor(DType::f32, {KB, cuda::tma_aligned_tokens(M)});
+    to_mn_major(sa.data<float>(), M, KB, sa_mn.data<float>());
+    sa_gpu = sa_mn.view();
+  }
+  for (const TensorView& v : {a.view(), sa_gpu, w.b.view(), w.b_scales.view(), m_indices.view()})
     problem.operands.push_back(cuda::to_device(v, stream));
   problem.d = cuda::DeviceTensor(DType::bf16, {M, n});
   return problem;
@@ -1412,6 +1432,83 @@ TEST(GroupedGemmGpuMisc, RowsDoNotDependOnTheBatchTheTileOrTheLayout) {
           << "the masked layout with " << block_m << "-row tiles (tail pieces " << tail_pieces << ") differs";
     }
   }
+}
+
+// ---------------------------------------------------------------- random problems, automatic choices
+// The cases above pin one path each. Here the automatic choices (tile shape, split tiles, A row boxes,
+// zero padding, the trimmed grid, swapped operands, the epilogue, whole-tile stores; the split tail where a
+// workspace is given) meet random problems: group counts, rows per group (empty groups, full M_max, a few
+// masked counts outside [0, M_max], which the kernel clamps), N, K, both scale layouts and an expected_m
+// hint that is sometimes far off (a caller's estimate picks the tiles, never the result). A fresh seed per
+// run (in the failure message); every problem against the reference with its output poisoned, then again
+// for the same bits.
+
+// Poisons d, launches, checks against the reference; then once more: the same bits.
+void expect_problem_matches(const GemmProblem& problem, const cuda::GroupedGemmOptions& options,
+                            std::int64_t n, cuda::Stream& stream) {
+  problem.d.fill_bytes(0xff, stream);
+  problem.launch(options, stream);
+  const HostTensor got = cuda::to_host(problem.d, stream);
+  check_output(got, problem.ref, problem.valid, n);
+  problem.d.fill_bytes(0xff, stream);
+  problem.launch(options, stream);
+  const HostTensor again = cuda::to_host(problem.d, stream);
+  EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "two runs differ";
+}
+
+// Where the problem's masked counts leave [0, M_max] on the device (SweepProblem::device_rows), the
+// launch reads those.
+void use_device_rows(GemmProblem& problem, const testing::SweepProblem& p, cuda::Stream& stream) {
+  if (p.device_rows.empty()) return;
+  HostTensor counts(DType::i32, {static_cast<std::int64_t>(p.device_rows.size())});
+  std::memcpy(counts.data<std::int32_t>(), p.device_rows.data(), p.device_rows.size() * sizeof(std::int32_t));
+  problem.operands[4] = cuda::to_device(counts, stream);
+}
+
+void sweep(bool masked) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  cuda::Stream stream;
+  const cuda::DeviceTensor workspace(DType::i32,
+                                     {static_cast<std::int64_t>(cuda::grouped_gemm_workspace_bytes() / 4)});
+  workspace.fill_bytes(0x00, stream);  // (its counters: zero once, and the kernel leaves them so)
+  for (int i = 0; i < testing::kSweepProblems; ++i) {
+    const testing::SweepProblem p =
+        masked ? testing::draw_masked_problem(rng) : testing::draw_contiguous_problem(rng);
+    const ScaleLayout layout = uniform(rng, 0, 1) == 0 ? ScaleLayout::mn_major_tma : ScaleLayout::token_major;
+    GemmProblem problem =
+        gemm_problem(masked, p.rows, p.m_max, p.n, p.k, p.holes, p.trailing_blocks, rng, stream, layout);
+    problem.expected_m = p.expected_m;
+    use_device_rows(problem, p, stream);
+    cuda::GroupedGemmOptions options;
+    const bool with_workspace = uniform(rng, 0, 1) == 0;
+    if (with_workspace) {
+      options.workspace = workspace.view().data;
+      options.workspace_bytes = cuda::grouped_gemm_workspace_bytes();
+    }
+    std::ostringstream what;
+    what << "problem " << i << ": " << p.describe() << "; "
+         << (layout == ScaleLayout::mn_major_tma ? "MN-major" : "token-major") << " scales, workspace "
+         << with_workspace;
+    if (masked) {
+      const cuda::GemmTileShape tile = cuda::grouped_gemm_tile(true, p.expected_m, p.n);
+      what << ", tile " << tile.block_m << " x " << tile.block_n;
+    }
+    SCOPED_TRACE(what.str());
+    std::printf("  %s\n", what.str().c_str());
+    expect_problem_matches(problem, options, p.n, stream);
+  }
+}
+
+TEST(GroupedGemmSweepGpu, RandomMaskedProblemsWithTheAutomaticChoices) {
+  EPMOE_REQUIRE_GPU();
+  sweep(true);
+}
+
+TEST(GroupedGemmSweepGpu, RandomContiguousProblemsWithTheAutomaticChoices) {
+  EPMOE_REQUIRE_GPU();
+  sweep(false);
 }
 
 TEST(GroupedGemmGpuMisc, RefusesBadArguments) {

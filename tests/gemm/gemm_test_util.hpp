@@ -4,12 +4,15 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include "epmoe/tensor.hpp"
@@ -106,5 +109,116 @@ inline void check_output(const HostTensor& got, const HostTensor& ref, const std
   std::printf("    rel_l2 %.3g, calc_diff %.3g over %lld values\n", rel, calc_diff,
               static_cast<long long>(checked));
 }
+
+// ---------------------------------------------------------------- the random sweeps
+// (GroupedGemmSweepGpu, W4A8GemmSweepGpu: random problems under the automatic kernel choices.)
+template <class T>
+T pick(std::mt19937_64& rng, std::initializer_list<T> values) {
+  return values.begin()[std::uniform_int_distribution<std::size_t>(0, values.size() - 1)(rng)];
+}
+
+inline std::int64_t uniform(std::mt19937_64& rng, std::int64_t lo, std::int64_t hi) {
+  return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+}
+
+// Rows per group: +-30% around `expected` (mode 0), uniform in [0, limit] (1), all `limit` (2), or half
+// of the groups empty and the rest uniform in [1, limit] (3); each within [0, limit].
+inline std::vector<std::int32_t> random_rows(std::mt19937_64& rng, std::int64_t groups, std::int64_t expected,
+                                             std::int64_t limit) {
+  const std::int64_t mode = uniform(rng, 0, 3);
+  std::uniform_real_distribution<double> spread(0.7, 1.3);
+  std::vector<std::int32_t> rows;
+  for (std::int64_t g = 0; g < groups; ++g) {
+    std::int64_t r = limit;
+    if (mode == 0) r = std::llround(static_cast<double>(expected) * spread(rng));
+    if (mode == 1) r = uniform(rng, 0, limit);
+    if (mode == 3) r = uniform(rng, 0, 1) == 0 ? 0 : uniform(rng, 1, limit);
+    rows.push_back(static_cast<std::int32_t>(std::clamp<std::int64_t>(r, 0, limit)));
+  }
+  return rows;
+}
+
+inline std::string rows_text(const std::vector<std::int32_t>& rows) {
+  std::ostringstream os;
+  for (std::size_t i = 0; i < rows.size(); ++i) os << (i > 0 ? "," : "") << rows[i];
+  return os.str();
+}
+
+struct SweepProblem {
+  bool masked = false;
+  std::vector<std::int32_t> rows;  // masked: masked_m, within [0, M_max]; contiguous: rows per group
+  // Masked, when not empty: the counts the launch reads, one above M_max and one negative, which the
+  // kernel clamps to `rows`.
+  std::vector<std::int32_t> device_rows;
+  std::int64_t m_max = 0;       // masked
+  std::int64_t expected_m = 0;  // masked: the launch's hint (mostly the mean; else 0, M_max, far off)
+  std::int64_t n = 0, k = 0;
+  bool holes = false;                // contiguous: -1 rows inside groups
+  std::int64_t trailing_blocks = 0;  // contiguous: all-padding 128-row blocks at the end
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << (masked ? "masked" : "contiguous") << " G " << rows.size() << ", N " << n << ", K " << k;
+    if (masked) {
+      os << ", M_max " << m_max << ", expected_m " << expected_m << ", masked_m " << rows_text(rows);
+      if (!device_rows.empty()) os << " (on the device: " << rows_text(device_rows) << ")";
+    } else {
+      os << ", holes " << holes << ", trailing blocks " << trailing_blocks << ", rows " << rows_text(rows);
+    }
+    return os.str();
+  }
+};
+
+// N and K (multiples of 128, up to 7168) drawn, then halved in turn until the reference's multiply-adds
+// (valid rows x N x K) fit the sweep's budget.
+inline void draw_n_k(std::mt19937_64& rng, SweepProblem& p) {
+  constexpr std::int64_t kBudget = 1'500'000'000;
+  std::int64_t rows = 0;
+  for (const std::int32_t r : p.rows) rows += r;
+  p.n = 128 * pick<std::int64_t>(rng, {1, 2, 3, 4, 8, 12, 16, 32, 56});
+  p.k = 128 * pick<std::int64_t>(rng, {1, 2, 3, 9, 16, 32, 56});
+  const auto halve = [](std::int64_t& v) { v = std::max<std::int64_t>(128, v / 2 / 128 * 128); };
+  while (rows * p.n * p.k > kBudget && (p.n > 128 || p.k > 128)) halve(p.n >= p.k ? p.n : p.k);
+}
+
+inline SweepProblem draw_masked_problem(std::mt19937_64& rng) {
+  SweepProblem p;
+  p.masked = true;
+  const std::int64_t G = pick<std::int64_t>(rng, {1, 2, 3, 7, 16, 32, 48});
+  const std::int64_t expected =
+      pick<std::int64_t>(rng, {1, 4, 8, 9, 16, 19, 24, 32, 33, 48, 64, 65, 96, 128, 129, 192, 256});
+  p.m_max = uniform(rng, 0, 3) == 0 ? expected : expected * 13 / 10 + uniform(rng, 1, 80);
+  p.rows = random_rows(rng, G, expected, p.m_max);
+  if (G >= 2 && uniform(rng, 0, 4) == 0) {
+    const auto high = static_cast<std::size_t>(uniform(rng, 0, G - 1));
+    const auto low = (high + 1) % static_cast<std::size_t>(G);
+    p.rows[high] = static_cast<std::int32_t>(p.m_max);
+    p.rows[low] = 0;
+    p.device_rows = p.rows;
+    p.device_rows[high] = static_cast<std::int32_t>(p.m_max + uniform(rng, 1, 100));
+    p.device_rows[low] = static_cast<std::int32_t>(-uniform(rng, 1, 5));
+  }
+  draw_n_k(rng, p);
+  std::int64_t mean = 0;
+  for (const std::int32_t r : p.rows) mean += r;
+  mean /= G;
+  const std::int64_t hints[] = {mean, mean, mean, mean, mean, mean, 0, p.m_max, mean / 8, 4 * mean + 1};
+  p.expected_m = hints[uniform(rng, 0, 9)];
+  return p;
+}
+
+inline SweepProblem draw_contiguous_problem(std::mt19937_64& rng) {
+  SweepProblem p;
+  const std::int64_t G = pick<std::int64_t>(rng, {1, 2, 5, 8, 16, 33, 64});
+  const std::int64_t expected = pick<std::int64_t>(rng, {1, 16, 64, 100, 128, 129, 200, 256, 512, 1024});
+  p.rows = random_rows(rng, G, expected, 2 * expected);
+  draw_n_k(rng, p);
+  p.holes = uniform(rng, 0, 3) == 0;
+  p.trailing_blocks = uniform(rng, 0, 2);
+  return p;
+}
+
+// Problems per sweep test.
+inline constexpr int kSweepProblems = 24;
 
 }  // namespace epmoe::testing

@@ -154,6 +154,9 @@ struct MaskedCase {
   int max_ctas = 0;              // options.max_ctas: few CTAs, many tiles each
   bool workspace = false;        // options.workspace (poisoned with NaN before each run)
   cuda::W4A8Codes codes = cuda::W4A8Codes::offset_binary;  // sign_magnitude: weights in [-7, 7]
+  std::int64_t expected_m = -1;                            // the launch's hint; -1: the mean of masked_m
+  // When not empty: the counts on the device (some outside [0, M_max], which the kernel clamps to masked_m).
+  std::vector<std::int32_t> device_masked_m{};
 };
 
 // v2 with the codes' offset term summed by the producer-side offset warp (bench/NOTES.md, W4A8 v5);
@@ -218,12 +221,9 @@ MaskedInputs masked_inputs(std::int64_t G, std::int64_t M_max, std::int64_t N, s
 
 class W4A8GemmMaskedGpu : public ::testing::TestWithParam<MaskedCase> {};
 
-TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
-  EPMOE_REQUIRE_GPU();
-  const MaskedCase& c = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+// One masked case on fresh inputs from rng: against the reference (output poisoned first), then again
+// (the workspace's sums poisoned too) for the same bits.
+void check_masked_case(const MaskedCase& c, std::mt19937_64& rng) {
   const auto G = static_cast<std::int64_t>(c.masked_m.size());
   const std::int64_t N = c.n, K = c.k, M_max = c.m_max;
   const MaskedInputs in = masked_inputs(G, M_max, N, K, c.masked_m, rng, c.codes);
@@ -232,13 +232,21 @@ TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   HostTensor ref(DType::f64, {G, M_max, N});
   w4a8_grouped_gemm_masked_cpu(in.a, a_scale, in.w.w, in.w.s, in.counts, ref);
 
-  std::int64_t expected_m = 0;
-  for (const std::int32_t m : c.masked_m) expected_m += m;
-  expected_m /= G;
+  std::int64_t expected_m = c.expected_m;
+  if (expected_m < 0) {
+    expected_m = 0;
+    for (const std::int32_t m : c.masked_m) expected_m += m;
+    expected_m /= G;
+  }
 
   cuda::Stream stream;
   const DeviceWeights dw = prepare(in.w, stream, c.codes);
-  const cuda::DeviceTensor da = cuda::to_device(in.a, stream), dcounts = cuda::to_device(in.counts, stream);
+  HostTensor device_counts(DType::i32, {G});
+  std::memcpy(device_counts.data<std::int32_t>(),
+              c.device_masked_m.empty() ? in.counts.data<std::int32_t>() : c.device_masked_m.data(),
+              device_counts.nbytes());
+  const cuda::DeviceTensor da = cuda::to_device(in.a, stream),
+                           dcounts = cuda::to_device(device_counts, stream);
   cuda::DeviceTensor dscale;
   if (c.device_scale) {
     HostTensor hs(DType::f32, {1});
@@ -253,10 +261,16 @@ TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   options.max_ctas = c.max_ctas;
   options.codes = c.codes;
   cuda::DeviceTensor workspace;
+  // NaN in the row sums (a sum the pre-pass did not write poisons the output); the last 16 bytes, the
+  // dynamic schedule's counter, zeroed once as documented and then left as each call leaves them.
+  const std::size_t workspace_bytes = cuda::w4a8_workspace_bytes(G, M_max, K);
+  const auto poison_sums = [&] {
+    EPMOE_CUDA_CHECK(cudaMemsetAsync(workspace.view().data, 0xff, workspace_bytes - 16, stream));
+  };
   if (c.workspace) {
-    const std::size_t bytes = cuda::w4a8_workspace_bytes(G, M_max, K);
-    workspace = cuda::DeviceTensor(DType::f32, {static_cast<std::int64_t>(bytes / 4)});
-    workspace.fill_bytes(0xff, stream);  // NaN: a sum the pre-pass did not write poisons the output
+    workspace = cuda::DeviceTensor(DType::f32, {static_cast<std::int64_t>(workspace_bytes / 4)});
+    workspace.fill_bytes(0x00, stream);
+    poison_sums();
     options.workspace = workspace.view();
   }
   const PinKernel pin(c.pin);
@@ -269,11 +283,19 @@ TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   check_output(got, ref, masked_valid(c.masked_m, M_max), N);
 
   dd.fill_bytes(0xff, stream);
-  if (c.workspace) workspace.fill_bytes(0xff, stream);
+  if (c.workspace) poison_sums();
   cuda::w4a8_grouped_gemm_masked(da, host_scale, scale_view, dw.w, dw.s, dcounts, expected_m, dd, stream,
                                  options);
   const HostTensor again = cuda::to_host(dd, stream);
   EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "two runs differ";
+}
+
+TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  check_masked_case(GetParam(), rng);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -584,12 +606,9 @@ void PrintTo(const ContiguousCase& c, std::ostream* os) {
 
 class W4A8GemmContiguousGpu : public ::testing::TestWithParam<ContiguousCase> {};
 
-TEST_P(W4A8GemmContiguousGpu, MatchesCpuReference) {
-  EPMOE_REQUIRE_GPU();
-  const ContiguousCase& c = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+// One contiguous case on fresh inputs from rng (NaN codes in the padding rows): against the reference
+// (output poisoned first), then again for the same bits.
+void check_contiguous_case(const ContiguousCase& c, std::mt19937_64& rng) {
   const auto G = static_cast<std::int64_t>(c.group_rows.size());
   const std::int64_t N = c.n, K = c.k;
   std::vector<std::int32_t> ids;
@@ -636,6 +655,14 @@ TEST_P(W4A8GemmContiguousGpu, MatchesCpuReference) {
   cuda::w4a8_grouped_gemm_contiguous(da, a_scale, {}, dw.w, dw.s, dids, dd, stream, options);
   const HostTensor again = cuda::to_host(dd, stream);
   EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "two runs differ";
+}
+
+TEST_P(W4A8GemmContiguousGpu, MatchesCpuReference) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  check_contiguous_case(GetParam(), rng);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -814,6 +841,55 @@ float row_sum_term_mirror(const std::uint8_t* block) {
   const float sum =
       ((piece[0] + piece[1]) + (piece[2] + piece[3])) + ((piece[4] + piece[5]) + (piece[6] + piece[7]));
   return w4a8::kOffsetFactor * sum;
+}
+
+// ---------------------------------------------------------------- random problems, automatic choice
+// As the FP8 sweep (GroupedGemmSweepGpu): random problems (tests/gemm/gemm_test_util.hpp's draws: group
+// counts, rows, N, K, a hint sometimes far off) under the automatic kernel choice, with either codes,
+// and in the masked layout a device or host activation scale and a workspace or none.
+TEST(W4A8GemmSweepGpu, RandomMaskedProblemsWithTheAutomaticChoice) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < testing::kSweepProblems; ++i) {
+    const testing::SweepProblem p = testing::draw_masked_problem(rng);
+    MaskedCase c{"sweep", p.m_max, p.rows, p.n, p.k};
+    c.expected_m = p.expected_m;
+    c.device_masked_m = p.device_rows;
+    c.codes =
+        testing::uniform(rng, 0, 1) == 0 ? cuda::W4A8Codes::offset_binary : cuda::W4A8Codes::sign_magnitude;
+    c.device_scale = testing::uniform(rng, 0, 1) == 0;
+    c.workspace = testing::uniform(rng, 0, 1) == 0;
+    const cuda::W4A8TileShape tile = cuda::w4a8_gemm_tile(true, p.expected_m);
+    std::ostringstream what;
+    what << "problem " << i << ": " << p.describe() << "; "
+         << (c.codes == cuda::W4A8Codes::sign_magnitude ? "sign-magnitude" : "offset-binary") << " codes, "
+         << (c.device_scale ? "device" : "host") << " scale, workspace " << c.workspace << ", tile block_m "
+         << tile.block_m;
+    SCOPED_TRACE(what.str());
+    std::printf("  %s\n", what.str().c_str());
+    check_masked_case(c, rng);
+  }
+}
+
+TEST(W4A8GemmSweepGpu, RandomContiguousProblemsWithTheAutomaticChoice) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < testing::kSweepProblems; ++i) {
+    const testing::SweepProblem p = testing::draw_contiguous_problem(rng);
+    ContiguousCase c{"sweep", {p.rows.begin(), p.rows.end()}, p.n, p.k, p.trailing_blocks, p.holes};
+    c.codes =
+        testing::uniform(rng, 0, 1) == 0 ? cuda::W4A8Codes::offset_binary : cuda::W4A8Codes::sign_magnitude;
+    std::ostringstream what;
+    what << "problem " << i << ": " << p.describe() << "; "
+         << (c.codes == cuda::W4A8Codes::sign_magnitude ? "sign-magnitude" : "offset-binary") << " codes";
+    SCOPED_TRACE(what.str());
+    std::printf("  %s\n", what.str().c_str());
+    check_contiguous_case(c, rng);
+  }
 }
 
 TEST(W4A8GemmGpuMisc, RowSumsMatchTheCpuMirror) {
