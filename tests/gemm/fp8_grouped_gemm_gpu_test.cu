@@ -191,7 +191,7 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   dd.fill_bytes(0xff, stream);
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor again = cuda::to_host(dd, stream);
-  EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "two runs differ";
+  EXPECT_TRUE(testing::same_bits(got, again)) << "two runs differ";
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -1453,7 +1453,7 @@ void expect_problem_matches(const GemmProblem& problem, const cuda::GroupedGemmO
   problem.d.fill_bytes(0xff, stream);
   problem.launch(options, stream);
   const HostTensor again = cuda::to_host(problem.d, stream);
-  EXPECT_EQ(std::memcmp(got.view().data, again.view().data, got.nbytes()), 0) << "two runs differ";
+  EXPECT_TRUE(testing::same_bits(got, again)) << "two runs differ";
 }
 
 // Where the problem's masked counts leave [0, M_max] on the device (SweepProblem::device_rows), the
