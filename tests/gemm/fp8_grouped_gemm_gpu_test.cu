@@ -1331,6 +1331,76 @@ TEST(GroupedGemmGpuMisc, CtaStampsAreOrderedAndKeepTheOutput) {
   }
 }
 
+// ---------------------------------------------------------------- v40's idle consumer
+// Whole 128-row tiles of at most 64 valid rows with consumer 1 idle
+// (GroupedGemmOptions::idle_padding_consumer) and without: both against the reference with the output
+// poisoned, the same bits in every valid row (consumer 0's sums do not change), in each epilogue the tiles
+// reach: v12's borrowed stage (masked K = 7168), v31's wave 0 (masked K = 2048), v33's (contiguous), the
+// unsplit contiguous K = 2048 tiles and 128 x 128 (N = 640).
+struct IdleConsumerCase {
+  std::string name;
+  bool masked;
+  std::vector<std::int32_t> rows;  // masked: masked_m; contiguous: rows per group
+  std::int64_t m_max;              // masked only
+  std::int64_t n, k;
+  int borrow = -1;  // GroupedGemmOptions::borrow_epilogue
+};
+
+void PrintTo(const IdleConsumerCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class GroupedGemmIdleConsumerGpu : public ::testing::TestWithParam<IdleConsumerCase> {};
+
+TEST_P(GroupedGemmIdleConsumerGpu, MatchesTheReferenceAndTheBusyConsumersBits) {
+  EPMOE_REQUIRE_GPU();
+  const IdleConsumerCase& c = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  cuda::Stream stream;
+  GemmProblem problem =
+      gemm_problem(c.masked, c.rows, c.m_max, c.n, c.k, !c.masked, c.masked ? 0 : 1, rng, stream);
+  problem.expected_m = 100;  // (128-row tiles, not split)
+  std::vector<HostTensor> outputs;
+  for (const int idle : {1, 0}) {
+    SCOPED_TRACE("idle_padding_consumer " + std::to_string(idle));
+    cuda::GroupedGemmOptions options;
+    options.idle_padding_consumer = idle;
+    options.split_tiles = 0;
+    options.borrow_epilogue = c.borrow;
+    for (int run = 0; run < 2; ++run) {
+      problem.d.fill_bytes(0xff, stream);
+      problem.launch(options, stream);
+      outputs.push_back(cuda::to_host(problem.d, stream));
+      check_output(outputs.back(), problem.ref, problem.valid, c.n);
+    }
+  }
+  for (std::size_t i = 1; i < outputs.size(); ++i)
+    EXPECT_TRUE(testing::same_bits(outputs[0], outputs[i])) << "output " << i << " differs from the first";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GroupedGemmIdleConsumerGpu,
+    ::testing::Values(
+        IdleConsumerCase{
+            "masked_N4096_K7168_borrowed_stage", true, {1, 64, 65, 130, 192, 0, 100}, 200, 4096, 7168},
+        IdleConsumerCase{"masked_N4096_K2048_wave0", true, {1, 64, 65, 130, 192, 0, 100}, 200, 4096, 2048},
+        IdleConsumerCase{
+            "masked_N4096_K2048_borrowed_stage", true, {33, 160, 129, 0, 64}, 200, 4096, 2048, 1},
+        IdleConsumerCase{"masked_N640_K2048_128x128", true, {1, 64, 65, 130, 192, 0}, 200, 640, 2048},
+        IdleConsumerCase{"contiguous_N4096_K7168_wave0_first_holes",
+                         false,
+                         {1, 64, 65, 127, 128, 129, 192, 200, 0, 33, 300},
+                         0,
+                         4096,
+                         7168},
+        IdleConsumerCase{
+            "contiguous_N4096_K2048_holes", false, {1, 64, 65, 129, 192, 0, 33, 300}, 0, 4096, 2048},
+        IdleConsumerCase{
+            "contiguous_N4096_K2048_direct_stores", false, {1, 64, 129, 0, 33}, 0, 4096, 2048, 0}),
+    [](const ::testing::TestParamInfo<IdleConsumerCase>& info) { return info.param.name; });
+
 // Batch invariance: without the split tail (no workspace), a row's output bits depend only on its own
 // activations and its group's weights - not on the other groups in the launch, the tile shape, the
 // layout, the CTA count or the cluster - since every output element is the same f32 sum over K in
