@@ -254,11 +254,6 @@ Variant trim_variant() {  // v30's trimmed grid asked for (masked: the device st
   v.options.trim_ctas = 1;
   return v;
 }
-Variant no_idle_variant() {  // the default before v40 (session 49): consumer 1 computes all-padding rows
-  Variant v{".no_idle", {}};
-  v.options.idle_padding_consumer = 0;
-  return v;
-}
 Variant no_tail_pieces_variant() {  // masked: the default before v22 (session 39): v21's split tail only
   Variant v{".no_tail_pieces", {}};
   v.options.tail_pieces = 0;
@@ -541,10 +536,16 @@ void run_contiguous(const Anchor& s, std::uint64_t seed, const SuiteOptions& opt
       static_cast<double>(G * N * K) + static_cast<double>(valid) * static_cast<double>(K + 2 * N);
   // The heuristic's tile first, then 128 x 128 (".alt") when the heuristic picked 128 x 256.
   const cuda::GemmTileShape chosen = cuda::grouped_gemm_tile(false, s.m, N);
-  std::vector<Variant> variants{{"", {}},           no_split_tail_variant(), no_zero_padding_variant(),
-                                no_trim_variant(),  no_idle_variant(),       c2_variant(),
-                                pingpong_variant(), skew_variant(),          plain_loop_variant(),
-                                v2_variant(),       token_major_variant()};
+  std::vector<Variant> variants{{"", {}},
+                                no_split_tail_variant(),
+                                no_zero_padding_variant(),
+                                no_trim_variant(),
+                                c2_variant(),
+                                pingpong_variant(),
+                                skew_variant(),
+                                plain_loop_variant(),
+                                v2_variant(),
+                                token_major_variant()};
   if (chosen.block_n == 256) {
     variants.push_back(direct_variant());
     variants.push_back(borrow_variant());
@@ -632,7 +633,6 @@ void run_masked(const Anchor& s, std::uint64_t seed, const SuiteOptions& options
       {"", {}},          no_split_tail_variant(), no_tail_pieces_variant(), no_zero_padding_variant(),
       no_trim_variant(), trim_variant(),          token_major_variant()};
   if (chosen.block_m == 128) {
-    variants.push_back(no_idle_variant());
     variants.push_back(c2_variant());
     variants.push_back(v2_variant());
     if (chosen.block_n == 256) {

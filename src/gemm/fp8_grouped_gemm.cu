@@ -146,9 +146,6 @@ GemmTileShape check_tile(const GroupedGemmOptions& options, bool masked, std::in
               "options.l2_promotion must be 0, 1 or 2, got {}", options.l2_promotion);
   EPMOE_CHECK(options.cluster >= 0 && options.cluster <= 2,
               "options.cluster must be 0 (automatic), 1 or 2, got {}", options.cluster);
-  EPMOE_CHECK(options.idle_padding_consumer >= -1 && options.idle_padding_consumer <= 1,
-              "options.idle_padding_consumer must be -1 (automatic), 0 or 1, got {}",
-              options.idle_padding_consumer);
   EPMOE_CHECK(options.swap_ab >= -1 && options.swap_ab <= 1,
               "options.swap_ab must be -1 (automatic), 0 or 1, got {}", options.swap_ab);
   EPMOE_CHECK(options.tail_pieces >= -1 && options.tail_pieces <= 1,
@@ -402,10 +399,6 @@ GroupedGemmParams launch(const TensorView& a, const TensorView& b, Problem probl
   params.zero_padding_rows = kZeroPaddingTile && options.zero_padding_rows && cluster == 1 && padding_common
                                  ? (split_zeros_all_env == 1 ? 2 : 1)
                                  : 0;
-  // v40: consumer 1 idle in whole 128-row tiles of at most 64 valid rows.
-  static const int idle_consumer_env = env_switch("EPMOE_GEMM_IDLE_CONSUMER");
-  params.idle_padding_consumer =
-      with_env(idle_consumer_env, resolve_choice(options.idle_padding_consumer, true)) ? 1 : 0;
   // The rows of tma_a_part's box (a_small_rows). The small A box is for decode tiles; in a cluster the
   // second A map is this CTA's half instead. v35: 64-row tiles load A in boxes of row_box_rows rows, those
   // that hold valid rows; v37: so do the zero-padding tiles (which take precedence over small_a_box; 32

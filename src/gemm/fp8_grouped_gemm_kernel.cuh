@@ -192,10 +192,6 @@ struct GroupedGemmParams {
   // the busy ones (masked 32 x 192 at K = 7168 0.8-1.0% faster, bench/NOTES.md session 44). (Contiguous
   // launches get a trimmed grid from the host instead: 0 there.) (Last, as zero_padding_rows.)
   std::int32_t trim_ctas;
-  // v40 (session 49; GroupedGemmOptions::idle_padding_consumer): 1: in a whole (not split) 128-row tile
-  // of at most 64 valid rows, consumer warpgroup 1, whose rows are all padding, issues no wgmma: it takes
-  // each stage and gives it back. (Last, as zero_padding_rows.)
-  std::int32_t idle_padding_consumer;
 };
 
 inline constexpr int kTailWhole = 1;
@@ -1379,7 +1375,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
     // Without it consumer 1 computes 64 padding rows and consumer 0 two waves per K block. (v7's two
     // partials here made ptxas spill 0.2-2 KB in every arrangement tried.)
     constexpr bool kSplittable = kWaves == 2 && Traits::kConsumers == 2;
-    constexpr bool kIdleable = kBlockM == 128 && !kSplitTail;  // (v40)
     const std::uint32_t my_turn =
         __shfl_sync(0xffffffffu, kTurnBarrier + static_cast<std::uint32_t>(consumer), 0);
     const std::uint32_t their_turn = my_turn ^ 3u;  // kTurnBarrier + (consumer ^ 1): barriers 1 and 2
@@ -1671,36 +1666,6 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           if constexpr (kSplitTail) ring.release_rows();  // (never a chunk: no split tail with split tiles)
           unswap_pairs(acc[0]);
           store_wave(acc[0], static_cast<int>(u_consumer));
-          continue;
-        }
-      }
-      if constexpr (kIdleable) {
-        // v40: consumer 1 of a whole 128-row tile of at most 64 valid rows has only padding rows: no
-        // tensor-core work for them (zero padding made it cheap; skipped, it costs nothing), only each
-        // stage taken and given back, then the epilogue's hand-over as a warp with no valid rows takes
-        // part in it (the meeting before the borrowed stage is written, or the previous tile's stores
-        // read; a row mask of 0). A branch of its own, as the split tile's (merged with the K loop's
-        // paths it made ptxas spill ~1.4 KB). Not with the turn passing, which needs both consumers,
-        // nor in the split-tail instances (a chunk's partial per warp).
-        if (p.idle_padding_consumer != 0 && u_consumer == 1u && tile.rows_used <= 64 && !ordered && !skewed) {
-          for (std::int32_t kb = 0; kb < tile.kb_count; ++kb) {
-            ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
-            free_stage(pipe.stage);
-            pipe.advance(stages);
-          }
-          if ((p.ablation & kAblateEpilogue) == 0 && borrowing()) {
-            if constexpr (kWave0) {
-              ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
-                                    TileRing::kRingSpinLimit);
-            } else {
-              ptx::named_bar_sync(kEpilogueBarrier, 256);
-            }
-            if (lane == 0)
-              ptx::st_shared_u32(u_empty + kStagedFromEmpty + 8 + 4 * static_cast<std::uint32_t>(warp - 4),
-                                 0u);
-            ptx::fence_proxy_async_shared();
-            ptx::mbar_arrive_warp(u_empty + kStagedFromEmpty);
-          }
           continue;
         }
       }

@@ -204,12 +204,6 @@ struct GroupedGemmOptions {
   // (group, 256-row chunk) pairs, G x ceil(M_max / 256) (automatic: the row-major kernel beyond).
   // Refused in the contiguous layout.
   int swap_ab = -1;
-  // v40: in a whole (not split) 128-row tile of at most 64 valid rows, consumer warpgroup 1, whose 64 rows
-  // are all padding, issues no tensor-core work (it takes each pipeline stage and gives it back): a
-  // power-capped card spends that energy on the other tiles. 1: on; 0: off (it computes the padding rows,
-  // never stored); -1 (automatic): on. EPMOE_GEMM_IDLE_CONSUMER=0|1 overrides it. Not with pingpong or
-  // consumer_skew.
-  int idle_padding_consumer = -1;
   // The split tail's device memory: at least grouped_gemm_workspace_bytes() bytes, 256-byte aligned,
   // zero-filled once before its first use (the kernel leaves it so), and used by one launch at a time
   // (launches on different streams need workspaces of their own).
