@@ -3,9 +3,14 @@
 // weights against the CPU's, and the gate GEMM against the CPU's.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
 
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/gate.hpp"
@@ -269,6 +274,59 @@ TEST(GpuLayer, GemmsAloneAreTimedWithoutChangingTheNextForward) {
   EXPECT_GT(t.shared_ms, 0.0);
   EXPECT_TRUE(
       same_bits<bf16>(testing::layer_forward(layer, x, false).y, first.y, "forward after the timing"));
+}
+
+// Random batches through a fresh layer per draw (a fresh seed per run, in the failure message): the tiny
+// model mostly and DeepSeek-V3 dims at a few tokens, either mode and quant, 0 or some redundant slots, the
+// shared expert inline or on its own stream, a buffer of 1-64 tokens and a batch of 0 to all of them (0: a
+// forward that writes nothing), and one token past the buffer now and then, which is refused. Each forward
+// against the CPU reference, again for the same bits, and by graph replay in low-latency mode.
+TEST(GpuLayerSweep, RandomBatchesMatchTheReference) {
+  EPMOE_REQUIRE_GPU();
+  const std::uint64_t seed =
+      (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto uniform = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
+  for (int i = 0; i < 8; ++i) {
+    const bool dsv3 = uniform(0, 3) == 0;
+    const Mode mode = uniform(0, 1) == 0 ? Mode::low_latency : Mode::normal;
+    const QuantScheme quant = uniform(0, 1) == 0 ? QuantScheme::fp8 : QuantScheme::w4a8;
+    const int redundant = uniform(0, 1) == 0 ? 0 : (dsv3 ? 32 : 4);
+    const std::int64_t max_tokens = dsv3 ? uniform(1, 8) : std::int64_t{1} << uniform(0, 6);
+    const std::int64_t tokens = std::min(uniform(0, max_tokens), dsv3 ? std::int64_t{6} : max_tokens);
+    const bool over = uniform(0, 4) == 0;
+    const char* shared = uniform(0, 1) == 0 ? "own" : "main";
+    std::ostringstream what;
+    what << "draw " << i << ": " << (dsv3 ? "deepseek-v3" : "tiny") << ", "
+         << (mode == Mode::normal ? "normal" : "low-latency") << ", " << to_string(quant) << ", " << redundant
+         << " redundant slots, buffer " << max_tokens << " tokens, batch " << tokens << ", shared expert "
+         << shared << (over ? ", then one past the buffer" : "");
+    SCOPED_TRACE(what.str());
+    std::printf("  %s\n", what.str().c_str());
+    const MoeConfig c =
+        one_rank(dsv3 ? "deepseek-v3" : "tiny", redundant, static_cast<int>(max_tokens), quant);
+    auto w = gpu_synthetic(c, rng());
+    cuda::GpuLayerOptions o;
+    o.mode = mode;
+    o.max_tokens = max_tokens;
+    o.shared_stream = shared;
+    cuda::GpuMoeLayer layer(w, o);
+    const HostTensor x = synthetic_tokens(c, rng(), 0, tokens);
+    const testing::LayerForward eager = testing::layer_forward(layer, x, false);
+    if (tokens > 0) testing::expect_matches_reference(*w, x, eager, "eager forward");
+    EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, false).y, eager.y, "eager repeat"));
+    if (mode == Mode::low_latency) {
+      EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, true).y, eager.y, "graph replay"));
+    }
+    if (over) {
+      DeviceTensor big_x(DType::bf16, {max_tokens + 1, c.hidden}),
+          big_y(DType::bf16, {max_tokens + 1, c.hidden});
+      testing::expect_error_mentions([&] { layer.forward(big_x, big_y); }, "max_tokens");
+    }
+  }
 }
 
 TEST(GpuLayer, RefusesBadInput) {
