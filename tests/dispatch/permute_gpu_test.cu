@@ -19,6 +19,7 @@
 #include "epmoe/cuda/permute.hpp"
 #include "epmoe/permute.hpp"
 #include "gpu_test_util.hpp"
+#include "test_seed.hpp"
 
 namespace epmoe {
 namespace {
@@ -29,10 +30,7 @@ using testing::expect_error_mentions;
 
 constexpr std::uint8_t kPoison = 0xff;
 
-std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
-}
+using testing::fresh_seed;
 
 std::string hex(std::uint32_t v) {
   std::ostringstream s;

@@ -13,16 +13,14 @@
 
 #include "epmoe/permute.hpp"
 #include "epmoe/quant.hpp"
+#include "test_seed.hpp"
 
 namespace epmoe {
 namespace {
 
 constexpr std::uint8_t kPoison = 0xff;
 
-std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
-}
+using testing::fresh_seed;
 
 struct Tokens {
   HostTensor x, scales, ids;

@@ -18,6 +18,7 @@
 #include "epmoe/cuda/eplb.hpp"
 #include "epmoe/eplb.hpp"
 #include "gpu_test_util.hpp"
+#include "test_seed.hpp"
 
 namespace epmoe {
 // gtest prints parameters with this (found by ADL).
@@ -32,10 +33,7 @@ using testing::expect_error_mentions;
 
 constexpr std::uint8_t kPoison = 0xff;
 
-std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
-}
+using testing::fresh_seed;
 
 struct PlacementCase {
   ExpertPlacement placement;

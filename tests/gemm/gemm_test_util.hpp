@@ -16,16 +16,12 @@
 #include <vector>
 
 #include "epmoe/tensor.hpp"
+#include "test_seed.hpp"
 
 namespace epmoe::testing {
 
 inline constexpr double kTolerance = 5e-3;
 inline constexpr std::uint16_t kPoison = 0xffff;  // bf16 NaN: never a valid output
-
-inline std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
-}
 
 // e4m3 normal numbers of random sign, exponent and mantissa (never zero, never NaN).
 inline void fill_random_fp8(std::uint8_t* p, std::int64_t n, std::mt19937_64& rng) {

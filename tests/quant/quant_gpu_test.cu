@@ -16,6 +16,7 @@
 #include "epmoe/cuda/quant.hpp"
 #include "epmoe/quant.hpp"
 #include "gpu_test_util.hpp"
+#include "test_seed.hpp"
 
 namespace epmoe::cuda {
 // gtest prints parameters with this (found by ADL).
@@ -33,10 +34,7 @@ using testing::expect_error_mentions;
 
 constexpr std::uint8_t kPoison = 0xff;  // fp8 0xff is NaN, f32 0xffffffff is NaN: never a valid output
 
-std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
-}
+using testing::fresh_seed;
 
 std::string hex32(std::uint32_t v) {
   std::ostringstream s;

@@ -22,6 +22,7 @@
 #include "gpu_test_util.hpp"
 #include "routing/router_kernels.cuh"
 #include "routing/router_math.hpp"
+#include "test_seed.hpp"
 
 namespace epmoe {
 namespace {
@@ -31,10 +32,7 @@ using testing::expect_error_mentions;
 
 constexpr std::uint8_t kPoison = 0xff;  // i32 -1, f32 NaN: never a valid output
 
-std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
-}
+using testing::fresh_seed;
 
 std::uint32_t bits_of(float f) {
   std::uint32_t u;

@@ -36,6 +36,7 @@
 #include "epmoe/cuda/silu_quant.hpp"
 #include "epmoe/silu_quant.hpp"
 #include "gpu_test_util.hpp"
+#include "test_seed.hpp"
 
 namespace epmoe {
 namespace {
@@ -47,11 +48,7 @@ using testing::expect_error_mentions;
 constexpr std::uint8_t kPoison = 0xff;  // fp8 0xff and f32 0xffffffff are NaN: never a valid output
 
 // Fresh per test, printed on failure; EPMOE_TEST_SEED=<n> replays one.
-std::uint64_t fresh_seed() {
-  if (const char* fixed = std::getenv("EPMOE_TEST_SEED")) return std::strtoull(fixed, nullptr, 10);
-  std::random_device rd;
-  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
-}
+using testing::fresh_seed;
 
 std::string hex(std::uint32_t v) {
   std::ostringstream s;

@@ -12,16 +12,14 @@
 #include "epmoe/quant.hpp"
 #include "epmoe/silu_quant.hpp"
 #include "runner/silu_math.hpp"
+#include "test_seed.hpp"
 
 namespace epmoe {
 namespace {
 
 constexpr std::uint8_t kPoison = 0xff;
 
-std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
-}
+using testing::fresh_seed;
 
 // Random bf16 GEMM1 output [rows, 2I]: N(0, sigma^2) with sigma varying per row, never zero.
 HostTensor random_h(std::int64_t rows, std::int64_t inter, std::mt19937_64& rng) {
