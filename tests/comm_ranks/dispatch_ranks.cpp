@@ -7,7 +7,9 @@
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <random>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -346,6 +348,37 @@ TEST_P(Transports, OnlyRankZerosExpertsSoTheOthersReceiveNothing) {
                 make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return 30 - r; }), 15,
                             Routing::first_rank_only),
                 name_of(GetParam()) + " rank 0's experts only");
+  });
+}
+
+// Random rounds through one dispatcher (test_seed(), the same on every rank): per round every rank's token
+// count (0 in one draw of five, the buffer's 64 in another, else uniform), the routing (random, all to
+// the same experts, only rank 0's experts) and the inputs' seed; each round's received data byte for
+// byte against the simulation and its combine within 1e-2, the buffers reused from round to round.
+TEST_P(Transports, RandomRoundsMatchTheSimulation) {
+  on_ranks([&] {
+    const std::uint64_t seed = test_seed() ^ (static_cast<std::uint64_t>(GetParam()) << 48);
+    std::mt19937_64 rng(seed);
+    const auto uniform = [&](std::int64_t lo, std::int64_t hi) {
+      return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+    };
+    const MoeConfig c = test_config(64);
+    auto d = make(GetParam(), c, ActivationFormat::fp8_group);
+    for (int round = 0; round < 6; ++round) {
+      const std::vector<std::int64_t> tokens = per_rank([&](int) {
+        const std::int64_t kind = uniform(0, 4);
+        return kind == 0 ? 0 : kind == 1 ? 64 : uniform(1, 63);
+      });
+      const auto routing = static_cast<Routing>(uniform(0, 2));
+      const auto input_seed = static_cast<std::uint32_t>(rng());
+      std::ostringstream what;
+      what << name_of(GetParam()) << " random round " << round << " (test seed " << test_seed()
+           << "): tokens";
+      for (const std::int64_t t : tokens) what << " " << t;
+      what << ", routing " << static_cast<int>(routing);
+      check_round(*d, c, ActivationFormat::fp8_group,
+                  make_inputs(c, ActivationFormat::fp8_group, tokens, input_seed, routing), what.str());
+    }
   });
 }
 

@@ -4,6 +4,7 @@
 // "[  SKIPPED ]" and exits 0 (ctest's SKIP_REGULAR_EXPRESSION reports it as skipped).
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -12,13 +13,18 @@
 
 #include "epmoe/cuda/runtime.hpp"
 #include "ranks_util.hpp"
+#include "test_seed.hpp"
 
 namespace epmoe::ranks {
 namespace {
 std::shared_ptr<Communicator> g_world;               // this process's rank (one process per GPU)
 std::vector<std::shared_ptr<Communicator>> g_ranks;  // loopback: every rank, each run by a thread
 thread_local std::shared_ptr<Communicator> t_world;  // loopback: the rank of this thread
+std::uint64_t g_seed = 0;                            // test_seed()
 }  // namespace
+std::uint64_t test_seed() {
+  return g_seed;
+}
 Communicator& world() {
   return *world_ptr();
 }
@@ -119,6 +125,26 @@ int main(int argc, char** argv) {
                 loaded_nccl_version().str().c_str(), loaded_nccl_library_path().c_str());
   } catch (const Error& e) {
     std::fprintf(stderr, "epmoe_comm_tests: cannot start: %s\n", e.what());
+    return 1;
+  }
+  // The randomized tests' seed, the same on every rank: EPMOE_TEST_SEED when set; launched ranks hash the
+  // NCCL unique id they share (a fresh one per launch); loopback ranks and a lone rank draw one.
+  try {
+    const LaunchEnvironment env = LaunchEnvironment::from_env();
+    if (const char* fixed = std::getenv("EPMOE_TEST_SEED"); fixed != nullptr && *fixed != '\0') {
+      ranks::g_seed = std::strtoull(fixed, nullptr, 10);
+    } else if (env.present) {
+      const ncclUniqueId id = env.unique_id(0.0);
+      std::uint64_t h = 14695981039346656037ull;  // FNV-1a over the id's bytes
+      for (const char byte : id.internal) h = (h ^ static_cast<unsigned char>(byte)) * 1099511628211ull;
+      ranks::g_seed = h;
+    } else {
+      ranks::g_seed = epmoe::testing::fresh_seed();
+    }
+    std::printf("test seed %llu (EPMOE_TEST_SEED replays it)\n",
+                static_cast<unsigned long long>(ranks::g_seed));
+  } catch (const Error& e) {
+    std::fprintf(stderr, "epmoe_comm_tests: no test seed: %s\n", e.what());
     return 1;
   }
   const int rc = RUN_ALL_TESTS();

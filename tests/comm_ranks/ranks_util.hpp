@@ -23,6 +23,8 @@ std::shared_ptr<Communicator> world_ptr();
 // Runs a test's body as every rank: once (one process per rank), or on one thread per rank with
 // that rank as world() (EPMOE_LOOPBACK_RANKS). Every TEST body of the multi-rank suite goes through it.
 void on_ranks(const std::function<void()>& body);
+// The randomized tests' seed, the same on every rank of a run (printed at start; EPMOE_TEST_SEED sets it).
+std::uint64_t test_seed();
 
 enum class Routing { random, same_experts, first_rank_only };
 
