@@ -1,5 +1,6 @@
 // What the FP8 and W4A8 grouped GEMM GPU tests share: random operands (never zero, never NaN), a
-// fresh seed per run, the poison of the outputs and the check of an output against the f64 reference.
+// fresh seed per run (test_seed.hpp), the poison of the outputs, the check of an output against the f64
+// reference, and the random sweeps' problem draws.
 #pragma once
 
 #include <gtest/gtest.h>
