@@ -34,8 +34,9 @@ constexpr int kRowBoxRows = 16;      // v35
 constexpr int kSmallRowBoxRows = 8;  // v35 at decode sizes (expected_m <= kSmallRowBoxMaxM)
 constexpr int kSmallRowBoxMaxM = 16;
 // v37: masked launches that split their tiles load A in row boxes up to this many expected rows per group
-// (measured: 8 and 16 rows with 8-row boxes, 32 with 16-row ones, bench/NOTES.md session 48); above it
-// whole tiles of 65+ rows would take up to 8 loads of A per K block, which made 32 x 192 17% slower.
+// (measured: 8 and 16 rows with 8-row boxes, 32 with 16-row ones, bench/NOTES.md session 48); from 24 to 64
+// expected rows every box size measured within 0.3% (session 49), and launches expecting more have whole
+// tiles of 65+ rows, where up to 8 loads of A per K block made 32 x 192 17% slower.
 constexpr std::int64_t kSplitRowBoxMaxM = 32;
 // v35's boxes measured level or slower at K = 2048 (decode 128 x 16 0.3%, 32 x 32 0.15%; one more TMA load
 // per box and K block, with few K blocks per tile), faster at K = 7168 (decode 128 x 8 1.2%): from this K on.

@@ -16,6 +16,7 @@
 #include "epmoe/comm_dispatch.hpp"
 #include "ranks_util.hpp"
 #include "scoped_env.hpp"
+#include "test_random.hpp"
 
 namespace epmoe::ranks {
 namespace {
@@ -360,7 +361,7 @@ TEST_P(Transports, RandomRoundsMatchTheSimulation) {
     const std::uint64_t seed = test_seed() ^ (static_cast<std::uint64_t>(GetParam()) << 48);
     std::mt19937_64 rng(seed);
     const auto uniform = [&](std::int64_t lo, std::int64_t hi) {
-      return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+      return epmoe::testing::uniform(rng, lo, hi);
     };
     const MoeConfig c = test_config(64);
     auto d = make(GetParam(), c, ActivationFormat::fp8_group);

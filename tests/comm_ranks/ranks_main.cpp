@@ -13,7 +13,7 @@
 
 #include "epmoe/cuda/runtime.hpp"
 #include "ranks_util.hpp"
-#include "test_seed.hpp"
+#include "test_random.hpp"
 
 namespace epmoe::ranks {
 namespace {
@@ -119,21 +119,11 @@ int main(int argc, char** argv) {
       ranks::g_world = Communicator::create(new_nccl_id(), 0, 1, 0);
     }
     if (ranks::g_ranks.empty()) Communicator::set_process_default(ranks::g_world);
-    std::printf("rank %d of %d on GPU %d (%s), NCCL %s from %s\n", ranks::g_world->rank(),
-                ranks::g_world->size(), ranks::g_world->device(),
-                cuda::device_description(ranks::g_world->device()).c_str(),
-                loaded_nccl_version().str().c_str(), loaded_nccl_library_path().c_str());
-  } catch (const Error& e) {
-    std::fprintf(stderr, "epmoe_comm_tests: cannot start: %s\n", e.what());
-    return 1;
-  }
-  // The randomized tests' seed, the same on every rank: EPMOE_TEST_SEED when set; launched ranks hash the
-  // NCCL unique id they share (a fresh one per launch); loopback ranks and a lone rank draw one.
-  try {
-    const LaunchEnvironment env = LaunchEnvironment::from_env();
-    if (const char* fixed = std::getenv("EPMOE_TEST_SEED"); fixed != nullptr && *fixed != '\0') {
-      ranks::g_seed = std::strtoull(fixed, nullptr, 10);
-    } else if (env.present) {
+    // The randomized tests' seed, the same on every rank: EPMOE_TEST_SEED when set (fresh_seed reads it);
+    // else launched ranks hash the NCCL unique id they share (a fresh one per launch), and loopback ranks
+    // and a lone rank draw one.
+    if (const char* fixed = std::getenv("EPMOE_TEST_SEED");
+        env.present && (fixed == nullptr || *fixed == '\0')) {
       const ncclUniqueId id = env.unique_id(0.0);
       std::uint64_t h = 14695981039346656037ull;  // FNV-1a over the id's bytes
       for (const char byte : id.internal) h = (h ^ static_cast<unsigned char>(byte)) * 1099511628211ull;
@@ -143,8 +133,12 @@ int main(int argc, char** argv) {
     }
     std::printf("test seed %llu (EPMOE_TEST_SEED replays it)\n",
                 static_cast<unsigned long long>(ranks::g_seed));
+    std::printf("rank %d of %d on GPU %d (%s), NCCL %s from %s\n", ranks::g_world->rank(),
+                ranks::g_world->size(), ranks::g_world->device(),
+                cuda::device_description(ranks::g_world->device()).c_str(),
+                loaded_nccl_version().str().c_str(), loaded_nccl_library_path().c_str());
   } catch (const Error& e) {
-    std::fprintf(stderr, "epmoe_comm_tests: no test seed: %s\n", e.what());
+    std::fprintf(stderr, "epmoe_comm_tests: cannot start: %s\n", e.what());
     return 1;
   }
   const int rc = RUN_ALL_TESTS();

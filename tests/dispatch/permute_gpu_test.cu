@@ -19,7 +19,7 @@
 #include "epmoe/cuda/permute.hpp"
 #include "epmoe/permute.hpp"
 #include "gpu_test_util.hpp"
-#include "test_seed.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 namespace {

@@ -13,7 +13,7 @@
 
 #include "epmoe/permute.hpp"
 #include "epmoe/quant.hpp"
-#include "test_seed.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 namespace {

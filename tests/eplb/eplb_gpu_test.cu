@@ -18,7 +18,7 @@
 #include "epmoe/cuda/eplb.hpp"
 #include "epmoe/eplb.hpp"
 #include "gpu_test_util.hpp"
-#include "test_seed.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 // gtest prints parameters with this (found by ADL).

@@ -1,6 +1,6 @@
 // What the FP8 and W4A8 grouped GEMM GPU tests share: random operands (never zero, never NaN), a
-// fresh seed per run (test_seed.hpp), the poison of the outputs, the check of an output against the f64
-// reference, and the random sweeps' problem draws.
+// fresh seed per run (test_random.hpp, with its draws), the poison of the outputs, the check of an output
+// against the f64 reference, and the random sweeps' problem draws.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,14 +10,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <initializer_list>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "epmoe/tensor.hpp"
-#include "test_seed.hpp"
+#include "test_random.hpp"
 
 namespace epmoe::testing {
 
@@ -115,15 +114,6 @@ inline bool same_bits(const HostTensor& x, const HostTensor& y) {
 
 // ---------------------------------------------------------------- the random sweeps
 // (GroupedGemmSweepGpu, W4A8GemmSweepGpu: random problems under the automatic kernel choices.)
-template <class T>
-T pick(std::mt19937_64& rng, std::initializer_list<T> values) {
-  return values.begin()[std::uniform_int_distribution<std::size_t>(0, values.size() - 1)(rng)];
-}
-
-inline std::int64_t uniform(std::mt19937_64& rng, std::int64_t lo, std::int64_t hi) {
-  return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
-}
-
 // Rows per group: +-30% around `expected` (mode 0), uniform in [0, limit] (1), all `limit` (2), or half
 // of the groups empty and the rest uniform in [1, limit] (3); each within [0, limit].
 inline std::vector<std::int32_t> random_rows(std::mt19937_64& rng, std::int64_t groups, std::int64_t expected,

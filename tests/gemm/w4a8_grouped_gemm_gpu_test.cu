@@ -846,49 +846,48 @@ float row_sum_term_mirror(const std::uint8_t* block) {
 // As the FP8 sweep (GroupedGemmSweepGpu): random problems (tests/gemm/gemm_test_util.hpp's draws: group
 // counts, rows, N, K, a hint sometimes far off) under the automatic kernel choice, with either codes,
 // and in the masked layout a device or host activation scale and a workspace or none.
-TEST(W4A8GemmSweepGpu, RandomMaskedProblemsWithTheAutomaticChoice) {
-  EPMOE_REQUIRE_GPU();
+void sweep(bool masked) {
   const std::uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   for (int i = 0; i < testing::kSweepProblems; ++i) {
-    const testing::SweepProblem p = testing::draw_masked_problem(rng);
-    MaskedCase c{"sweep", p.m_max, p.rows, p.n, p.k};
-    c.expected_m = p.expected_m;
-    c.device_masked_m = p.device_rows;
-    c.codes =
+    const testing::SweepProblem p =
+        masked ? testing::draw_masked_problem(rng) : testing::draw_contiguous_problem(rng);
+    const cuda::W4A8Codes codes =
         testing::uniform(rng, 0, 1) == 0 ? cuda::W4A8Codes::offset_binary : cuda::W4A8Codes::sign_magnitude;
-    c.device_scale = testing::uniform(rng, 0, 1) == 0;
-    c.workspace = testing::uniform(rng, 0, 1) == 0;
-    const cuda::W4A8TileShape tile = cuda::w4a8_gemm_tile(true, p.expected_m);
     std::ostringstream what;
     what << "problem " << i << ": " << p.describe() << "; "
-         << (c.codes == cuda::W4A8Codes::sign_magnitude ? "sign-magnitude" : "offset-binary") << " codes, "
-         << (c.device_scale ? "device" : "host") << " scale, workspace " << c.workspace << ", tile block_m "
-         << tile.block_m;
-    SCOPED_TRACE(what.str());
-    std::printf("  %s\n", what.str().c_str());
-    check_masked_case(c, rng);
+         << (codes == cuda::W4A8Codes::sign_magnitude ? "sign-magnitude" : "offset-binary") << " codes";
+    if (masked) {
+      MaskedCase c{"sweep", p.m_max, p.rows, p.n, p.k};
+      c.expected_m = p.expected_m;
+      c.device_masked_m = p.device_rows;
+      c.codes = codes;
+      c.device_scale = testing::uniform(rng, 0, 1) == 0;
+      c.workspace = testing::uniform(rng, 0, 1) == 0;
+      what << ", " << (c.device_scale ? "device" : "host") << " scale, workspace " << c.workspace
+           << ", tile block_m " << cuda::w4a8_gemm_tile(true, p.expected_m).block_m;
+      SCOPED_TRACE(what.str());
+      std::printf("  %s\n", what.str().c_str());
+      check_masked_case(c, rng);
+    } else {
+      ContiguousCase c{"sweep", {p.rows.begin(), p.rows.end()}, p.n, p.k, p.trailing_blocks, p.holes};
+      c.codes = codes;
+      SCOPED_TRACE(what.str());
+      std::printf("  %s\n", what.str().c_str());
+      check_contiguous_case(c, rng);
+    }
   }
+}
+
+TEST(W4A8GemmSweepGpu, RandomMaskedProblemsWithTheAutomaticChoice) {
+  EPMOE_REQUIRE_GPU();
+  sweep(true);
 }
 
 TEST(W4A8GemmSweepGpu, RandomContiguousProblemsWithTheAutomaticChoice) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
-  for (int i = 0; i < testing::kSweepProblems; ++i) {
-    const testing::SweepProblem p = testing::draw_contiguous_problem(rng);
-    ContiguousCase c{"sweep", {p.rows.begin(), p.rows.end()}, p.n, p.k, p.trailing_blocks, p.holes};
-    c.codes =
-        testing::uniform(rng, 0, 1) == 0 ? cuda::W4A8Codes::offset_binary : cuda::W4A8Codes::sign_magnitude;
-    std::ostringstream what;
-    what << "problem " << i << ": " << p.describe() << "; "
-         << (c.codes == cuda::W4A8Codes::sign_magnitude ? "sign-magnitude" : "offset-binary") << " codes";
-    SCOPED_TRACE(what.str());
-    std::printf("  %s\n", what.str().c_str());
-    check_contiguous_case(c, rng);
-  }
+  sweep(false);
 }
 
 TEST(W4A8GemmGpuMisc, RowSumsMatchTheCpuMirror) {

@@ -20,7 +20,7 @@
 #include "epmoe/router.hpp"
 #include "gpu_test_util.hpp"
 #include "layer/layer_test_util.hpp"
-#include "test_seed.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 namespace {
@@ -287,9 +287,7 @@ TEST(GpuLayerSweep, RandomBatchesMatchTheReference) {
   const std::uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  const auto uniform = [&](std::int64_t lo, std::int64_t hi) {
-    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
-  };
+  const auto uniform = [&](std::int64_t lo, std::int64_t hi) { return testing::uniform(rng, lo, hi); };
   for (int i = 0; i < 8; ++i) {
     const bool dsv3 = uniform(0, 3) == 0;
     const Mode mode = uniform(0, 1) == 0 ? Mode::low_latency : Mode::normal;

@@ -16,7 +16,7 @@
 #include "epmoe/cuda/quant.hpp"
 #include "epmoe/quant.hpp"
 #include "gpu_test_util.hpp"
-#include "test_seed.hpp"
+#include "test_random.hpp"
 
 namespace epmoe::cuda {
 // gtest prints parameters with this (found by ADL).

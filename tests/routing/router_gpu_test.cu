@@ -22,7 +22,7 @@
 #include "gpu_test_util.hpp"
 #include "routing/router_kernels.cuh"
 #include "routing/router_math.hpp"
-#include "test_seed.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 namespace {

@@ -36,7 +36,7 @@
 #include "epmoe/cuda/silu_quant.hpp"
 #include "epmoe/silu_quant.hpp"
 #include "gpu_test_util.hpp"
-#include "test_seed.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 namespace {

@@ -12,7 +12,7 @@
 #include "epmoe/quant.hpp"
 #include "epmoe/silu_quant.hpp"
 #include "runner/silu_math.hpp"
-#include "test_seed.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 namespace {
