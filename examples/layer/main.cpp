@@ -1,0 +1,191 @@
+// The MoE layer from a program of plain C++, as an inference engine would take it: weights of its
+// own behind epmoe::ModelWeights (a checkpoint loader would fill them; here seeded values stand in),
+// the layer on the CPU (two expert-parallel ranks simulated in one process) and, where a GPU is
+// present, on the GPU (one rank, low-latency mode, eager and through a CUDA graph), each checked
+// against the library's reference. Prints one JSON object; exit code 1 when a check fails.
+//
+//   epmoe_example_layer [--device auto|cpu|gpu] [--tokens N] [--quant fp8|w4a8]
+//
+// --device gpu without a GPU prints "SKIPPED" and exits 0.
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "epmoe/cuda/device_buffer.hpp"
+#include "epmoe/cuda/layer.hpp"
+#include "epmoe/cuda/runtime.hpp"
+#include "epmoe/epmoe.hpp"
+
+namespace {
+
+// Weights as an engine holds them: one ExpertWeights per routed expert in the checkpoint's format
+// (epmoe/weights.hpp), the fused shared expert, the gate and the router's correction bias.
+class EngineWeights final : public epmoe::ModelWeights {
+ public:
+  EngineWeights(const epmoe::MoeConfig& config, std::uint64_t seed) : config_(config) {
+    config_.validate();
+    const std::int64_t H = config_.hidden, E = config_.num_experts;
+    for (int e = 0; e < config_.num_experts; ++e) {
+      routed_.push_back(epmoe::make_synthetic_expert(config_.quant, H, config_.intermediate,
+                                                     seed + 1 + static_cast<std::uint64_t>(e)));
+    }
+    const epmoe::QuantScheme shared_quant =
+        config_.quant == epmoe::QuantScheme::none ? epmoe::QuantScheme::none : epmoe::QuantScheme::fp8;
+    shared_ = epmoe::make_synthetic_expert(shared_quant, H, config_.intermediate * config_.num_shared_experts,
+                                           seed + 1 + static_cast<std::uint64_t>(E));
+    gate_ = epmoe::HostTensor(epmoe::DType::bf16, {E, H});
+    bias_ = epmoe::HostTensor(epmoe::DType::f32, {E});
+    auto* gate = gate_.data<epmoe::bf16>();
+    for (std::int64_t i = 0; i < E * H; ++i) {
+      gate[i] = epmoe::bf16::from_float(0.05f * epmoe::uniform_pm1(seed, static_cast<std::uint64_t>(i)));
+    }
+    auto* bias = bias_.data<float>();
+    for (std::int64_t e = 0; e < E; ++e)
+      bias[e] = 0.01f * epmoe::uniform_pm1(seed + E + 2, static_cast<std::uint64_t>(e));
+  }
+  const epmoe::MoeConfig& config() const override { return config_; }
+  const epmoe::ExpertWeights& routed_expert(int logical) const override { return *routed_.at(logical); }
+  const epmoe::ExpertWeights& shared_expert() const override { return *shared_; }
+  epmoe::TensorView gate_weight() const override { return gate_; }
+  epmoe::TensorView correction_bias() const override { return bias_; }
+  // W4A8's static per-tensor activation scales, which a W4AFP8 checkpoint ships: bounds of the GEMM
+  // inputs over 448 (the tokens are within ±kSyntheticInputBound; SiLU(gate)·up of these weights
+  // stays within ±8). FP8 models do not use them.
+  float a1_scale() const override { return epmoe::kSyntheticInputBound / epmoe::kFp8E4m3Max; }
+  float a2_scale() const override { return 8.0f / epmoe::kFp8E4m3Max; }
+
+ private:
+  epmoe::MoeConfig config_;
+  std::vector<std::unique_ptr<epmoe::ExpertWeights>> routed_;
+  std::unique_ptr<epmoe::ExpertWeights> shared_;
+  epmoe::HostTensor gate_, bias_;
+};
+
+constexpr double kTolerance = 1e-2;  // design.md §8, the layer against the mirrored reference
+constexpr std::uint64_t kSeed = 2026;
+
+nlohmann::json report(const epmoe::ErrorReport& r) {
+  return {{"rel_l2", r.rel_l2},
+          {"calc_diff", r.calc_diff},
+          {"non_finite", r.non_finite},
+          {"pass", r.within(kTolerance)}};
+}
+
+// Two ranks of expert parallelism simulated in one process: the CPU layer serves both.
+nlohmann::json run_cpu(epmoe::MoeConfig config, std::int64_t tokens, bool& pass) {
+  config.num_ranks = 2;
+  const auto weights = std::make_shared<const EngineWeights>(config, kSeed);
+  epmoe::LayerOptions options;
+  options.mode = epmoe::Mode::normal;
+  epmoe::MoeLayer layer(weights, options);
+  std::vector<epmoe::HostTensor> x, y;
+  std::vector<epmoe::TensorView> xv, yv;
+  for (int r = 0; r < config.num_ranks; ++r) {
+    // Uneven batches: the second rank has one token fewer (none at --tokens 1).
+    const std::int64_t rank_tokens = tokens - r;
+    x.push_back(epmoe::synthetic_tokens(config, kSeed, r, rank_tokens));
+    y.emplace_back(epmoe::DType::bf16, std::initializer_list<std::int64_t>{rank_tokens, config.hidden});
+    xv.push_back(x.back());
+    yv.push_back(y.back());
+  }
+  layer.forward(xv, yv);
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int r = 0; r < config.num_ranks; ++r) {
+    epmoe::HostTensor expected(epmoe::DType::bf16, {tokens - r, config.hidden});
+    epmoe::reference_forward(*weights, x[r], expected, epmoe::Numerics::mirror);
+    const epmoe::ErrorReport e = epmoe::compare(y[r], expected);
+    pass = pass && e.within(kTolerance);
+    ranks.push_back(report(e));
+  }
+  return {{"ranks", config.num_ranks}, {"tokens_per_rank", {tokens, tokens - 1}}, {"per_rank", ranks}};
+}
+
+// One GPU, one rank (no communicator): a low-latency forward, eager with a poisoned output, then
+// twice through the CUDA graph the layer captures for this batch size (the same bits).
+nlohmann::json run_gpu(epmoe::MoeConfig config, std::int64_t tokens, bool& pass) {
+  namespace cuda = epmoe::cuda;
+  config.num_ranks = 1;
+  const auto weights = std::make_shared<const EngineWeights>(config, kSeed);
+  cuda::GpuLayerOptions options;
+  options.mode = epmoe::Mode::low_latency;
+  cuda::GpuMoeLayer layer(weights, options);
+  const cudaStream_t stream = layer.stream();
+  const epmoe::HostTensor x = epmoe::synthetic_tokens(config, kSeed, 0, tokens);
+  const cuda::DeviceTensor dx = cuda::to_device(x, stream);
+  const cuda::DeviceTensor dy(epmoe::DType::bf16, {tokens, config.hidden});
+  dy.fill_bytes(0xff, stream);  // NaN everywhere: every row must be written
+  layer.forward(dx, dy);
+  const epmoe::HostTensor y = cuda::to_host(dy, stream);
+  const epmoe::HostTensor logits = cuda::to_host(layer.last_logits(), stream);
+  epmoe::HostTensor expected(epmoe::DType::bf16, {tokens, config.hidden});
+  // Routed from the GPU's gate logits: its gate GEMM sums in another order than the CPU's.
+  epmoe::reference_forward(*weights, x, logits, expected, epmoe::Numerics::mirror);
+  const epmoe::ErrorReport e = epmoe::compare(y, expected);
+  pass = pass && e.within(kTolerance);
+
+  bool graph_same = true;
+  for (int replay = 0; replay < 2; ++replay) {
+    dy.fill_bytes(0xff, stream);
+    layer.forward_graph(dx, dy);
+    const epmoe::HostTensor again = cuda::to_host(dy, stream);
+    graph_same = graph_same && std::memcmp(again.view().data, y.view().data, y.nbytes()) == 0;
+  }
+  pass = pass && graph_same;
+  nlohmann::json out = report(e);
+  out["device"] = cuda::device_description(0);
+  out["tokens"] = tokens;
+  out["graph_replays_identical"] = graph_same;
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string device = "auto", quant = "fp8";
+  std::int64_t tokens = 48;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (i + 1 < argc && arg == "--device") {
+      device = argv[++i];
+    } else if (i + 1 < argc && arg == "--tokens") {
+      tokens = std::stoll(argv[++i]);
+    } else if (i + 1 < argc && arg == "--quant") {
+      quant = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--device auto|cpu|gpu] [--tokens N] [--quant fp8|w4a8]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    if (device != "auto" && device != "cpu" && device != "gpu") {
+      throw epmoe::Error("--device must be auto, cpu or gpu, got '" + device + "'");
+    }
+    epmoe::MoeConfig config = epmoe::MoeConfig::preset("tiny");
+    config.quant = epmoe::parse_quant(quant);
+    if (tokens < 1 || tokens > config.max_tokens_per_rank) {
+      throw epmoe::Error("--tokens must be in [1, " + std::to_string(config.max_tokens_per_rank) + "], got " +
+                         std::to_string(tokens));
+    }
+    const bool have_gpu = epmoe::cuda::device_count() > 0;
+    if (device == "gpu" && !have_gpu) {
+      std::printf("SKIPPED: --device gpu, and no GPU is present\n");
+      return 0;
+    }
+    bool pass = true;
+    nlohmann::json out = {{"model", config.name}, {"quant", quant}, {"tolerance", kTolerance}};
+    if (device != "gpu") out["cpu"] = run_cpu(config, tokens, pass);
+    if (device != "cpu") out["gpu"] = have_gpu ? run_gpu(config, tokens, pass) : nlohmann::json("no GPU");
+    out["pass"] = pass;
+    std::printf("%s\n", out.dump(2).c_str());
+    return pass ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "epmoe_example_layer: %s\n", e.what());
+    return 2;
+  }
+}
