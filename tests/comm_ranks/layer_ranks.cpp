@@ -2,11 +2,14 @@
 // CPU reference (mirror numerics, routed from the GPU's logits) at DeepSeek-V3 dims and the tiny
 // model, low-latency eager and graph replay (identical bits), both modes with and without two-batch
 // overlap (identical bits; W4A8 low latency: both against the reference, its kernel choice follows the
-// micro-batch size), and graph replay after a rebalance that moves experts.
+// micro-batch size), graph replay after a rebalance that moves experts, and the layer on an engine's
+// own NCCL communicator (Communicator::borrow).
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <memory>
+
+#include <nccl.h>
 
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/layer.hpp"
@@ -232,6 +235,56 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
     EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the result";
     EXPECT_TRUE(same_bits(layer_forward(layer, x, false).y, plain.y))
         << "a repeated overlapped forward differs";
+  });
+}
+
+// An inference engine brings its own NCCL communicator (issue 6): here one split off the world's, lent
+// to the layer through Communicator::borrow. The layer gives the bits it gives on the world's own
+// communicator, eager and replayed; destroying the layer and the borrowing Communicator leaves the
+// engine's communicator working (an all-reduce over it afterwards), and the engine destroys it.
+// (NCCL ranks only: loopback ranks have no NCCL communicator to split.)
+TEST(LayerNcclBorrowed, AnEnginesOwnCommunicatorGivesTheSameBits) {
+  on_ranks([&] {
+    const MoeConfig c = low_latency_config("tiny/fp8");
+    auto w = weights_for(c);
+    const std::int64_t T = c.max_tokens_per_rank - world().rank();
+    const HostTensor x = synthetic_tokens(c, 39, world().rank(), T);
+    const Out on_world = forward_and_destroy(make_layer(w, Mode::low_latency), x);
+
+    ncclComm_t engine_comm = nullptr;
+    ASSERT_EQ(ncclCommSplit(world().nccl(), /*color=*/0, /*key=*/world().rank(), &engine_comm, nullptr),
+              ncclSuccess);
+    {
+      std::shared_ptr<Communicator> borrowed = Communicator::borrow(engine_comm);
+      EXPECT_EQ(borrowed->rank(), world().rank());
+      EXPECT_EQ(borrowed->size(), world().size());
+      EXPECT_EQ(borrowed->device(), world().device());
+      cuda::GpuLayerOptions o;
+      o.mode = Mode::low_latency;
+      auto layer = std::make_unique<cuda::GpuMoeLayer>(w, o, borrowed);
+      world().barrier();
+      EXPECT_TRUE(same_bits(layer_forward(*layer, x, false).y, on_world.y))
+          << "eager on the borrowed communicator differs from the world's";
+      EXPECT_TRUE(same_bits(layer_forward(*layer, x, true).y, on_world.y))
+          << "graph replay on the borrowed communicator differs from the world's";
+      layer.reset();
+      world().barrier();
+      borrowed.reset();  // (collective: its windows are deregistered)
+    }
+    const cuda::Stream stream;
+    HostTensor ones(DType::f32, {4});
+    for (int i = 0; i < 4; ++i) ones.data<float>()[i] = static_cast<float>(world().rank() + 1 + i);
+    const cuda::DeviceTensor v = cuda::to_device(ones, stream);
+    ASSERT_EQ(ncclAllReduce(v.data<float>(), v.data<float>(), 4, ncclFloat, ncclSum, engine_comm, stream),
+              ncclSuccess);
+    const HostTensor sum = cuda::to_host(v, stream);
+    const int n = world().size();
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(sum.data<float>()[i], static_cast<float>(n * (n + 1) / 2 + n * i))
+          << "the engine's communicator after the layer let it go, element " << i;
+    }
+    EXPECT_EQ(ncclCommDestroy(engine_comm), ncclSuccess);
+    world().barrier();
   });
 }
 
