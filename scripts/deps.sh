@@ -2,7 +2,7 @@
 # Installs the Debian packages epmoe builds with, when any is missing. The CUDA toolkit
 # (nvcc, CCCL, NCCL) is expected at /usr/local/cuda.
 set -euo pipefail
-packages=(cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libfmt-dev
+packages=(cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libfmt-dev pkgconf
   python3-pyelftools)
 missing=()
 for p in "${packages[@]}"; do
