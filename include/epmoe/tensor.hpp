@@ -113,13 +113,10 @@ void expect_contiguous(const TensorView& t, std::string_view name);
 // Throws when any element of a f32/f64/bf16/fp8 host tensor is NaN or Inf.
 void expect_finite(const TensorView& t, std::string_view name);
 
-// An owning, 64-byte aligned, contiguous host tensor.
-class HostTensor {
+// What an owning tensor (HostTensor, cuda::DeviceTensor) shows of itself: its contiguous view and
+// the view's properties. The owner sets view_ where it allocates.
+class OwningTensor {
  public:
-  HostTensor() = default;
-  HostTensor(DType dtype, std::initializer_list<std::int64_t> shape);
-  HostTensor(DType dtype, std::span<const std::int64_t> shape);
-
   TensorView view() const { return view_; }
   operator TensorView() const { return view_; }  // NOLINT: views are the currency of the API
   template <class T>
@@ -130,6 +127,19 @@ class HostTensor {
   std::int64_t size(int dim) const { return view_.size(dim); }
   DType dtype() const { return view_.dtype; }
   std::size_t nbytes() const { return view_.nbytes(); }
+
+ protected:
+  OwningTensor() = default;
+  TensorView view_;
+};
+
+// An owning, 64-byte aligned, contiguous host tensor.
+class HostTensor : public OwningTensor {
+ public:
+  HostTensor() = default;
+  HostTensor(DType dtype, std::initializer_list<std::int64_t> shape);
+  HostTensor(DType dtype, std::span<const std::int64_t> shape);
+
   bool defined() const { return storage_ != nullptr; }
   void fill_bytes(std::uint8_t byte);  // e.g. poison before a run
 
@@ -138,7 +148,6 @@ class HostTensor {
     void operator()(std::byte* p) const;
   };
   std::unique_ptr<std::byte, Free> storage_;
-  TensorView view_;
 };
 
 }  // namespace epmoe

@@ -56,22 +56,12 @@ class DeviceBuffer {
 // ---------------------------------------------------------------- DeviceTensor
 // An owning, contiguous device tensor: a DeviceBuffer with its view (the device twin of
 // HostTensor).
-class DeviceTensor {
+class DeviceTensor : public OwningTensor {
  public:
   DeviceTensor() = default;
   DeviceTensor(DType dtype, std::initializer_list<std::int64_t> shape);
   DeviceTensor(DType dtype, std::span<const std::int64_t> shape);
 
-  TensorView view() const { return view_; }
-  operator TensorView() const { return view_; }  // NOLINT: views are the currency of the API
-  template <class T>
-  T* data() const {
-    return view_.as<T>();
-  }
-  std::int64_t numel() const { return view_.numel(); }
-  std::int64_t size(int dim) const { return view_.size(dim); }
-  DType dtype() const { return view_.dtype; }
-  std::size_t nbytes() const { return view_.nbytes(); }
   bool defined() const { return defined_; }
   void fill_bytes(std::uint8_t byte, cudaStream_t stream = nullptr) const {
     buffer_.fill_bytes(byte, stream);
@@ -79,7 +69,6 @@ class DeviceTensor {
 
  private:
   DeviceBuffer buffer_;
-  TensorView view_;
   bool defined_ = false;
 };
 
