@@ -3,7 +3,7 @@
 # examples/layer against it with find_package(epmoe) and with pkg-config (running the latter on the
 # CPU), and checks the installed CLI starts (its RPATH).
 #   install_example_test.sh BUILD_DIR SOURCE_DIR WORK_DIR
-# Then install.example_cpu / install.example_gpu run WORK_DIR/example/epmoe_example_layer.
+# Then install.example_{cpu,gpu}_{fp8,w4a8} run WORK_DIR/example/epmoe_example_layer.
 set -euo pipefail
 build=$1 source=$2 work=$3
 rm -rf "$work"
@@ -31,7 +31,8 @@ else
 fi
 # The installed CLI finds the installed library by its RPATH alone.
 env -u LD_LIBRARY_PATH "$work/prefix/bin/epmoe" --help >/dev/null
-# The example's executable resolves libepmoe from the install, not from the build tree.
-lib=$(ldd "$work/example/epmoe_example_layer" | awk '/libepmoe\.so/ {print $3}')
+# The example's executable resolves libepmoe from the install, not from the build tree (by its own
+# RUNPATH: a device run may put the build tree on LD_LIBRARY_PATH).
+lib=$(env -u LD_LIBRARY_PATH ldd "$work/example/epmoe_example_layer" | awk '/libepmoe\.so/ {print $3}')
 [[ "$lib" == "$work/prefix/"* ]] || { echo "FAIL: the example links '$lib', not the installed library"; exit 1; }
 echo "installed into $work/prefix; example built against it"
