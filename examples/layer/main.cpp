@@ -1,12 +1,17 @@
 // The MoE layer from a program of plain C++, as an inference engine would take it: weights of its
 // own behind epmoe::ModelWeights (a checkpoint loader would fill them; here seeded values stand in),
 // the layer on the CPU (two expert-parallel ranks simulated in one process) and, where a GPU is
-// present, on the GPU (one rank, low-latency mode, eager and through a CUDA graph), each checked
-// against the library's reference. Prints one JSON object; exit code 1 when a check fails.
+// present, on the GPU (low-latency mode, eager and through a CUDA graph), each checked against the
+// library's reference. Prints one JSON object; exit code 1 when a check fails.
 //
 //   epmoe_example_layer [--device auto|cpu|gpu] [--tokens N] [--quant fp8|w4a8]
+//   epmoe launch -n N -- epmoe_example_layer --device gpu     (N ranks, one GPU each)
 //
-// --device gpu without a GPU prints "SKIPPED" and exits 0.
+// Started by `epmoe launch`, each process is one rank and, as an engine does, creates its own NCCL
+// communicator from the launcher's unique id and lends it to the layer (Communicator::borrow); rank r
+// has `--tokens` - r tokens. Without it, one rank and no communicator. --device gpu without the GPUs
+// prints "SKIPPED" and exits 0.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -15,8 +20,10 @@
 #include <string>
 #include <vector>
 
+#include <nccl.h>
 #include <nlohmann/json.hpp>
 
+#include "epmoe/comm.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/layer.hpp"
 #include "epmoe/cuda/runtime.hpp"
@@ -106,24 +113,47 @@ nlohmann::json run_cpu(epmoe::MoeConfig config, std::int64_t tokens, bool& pass)
   return {{"ranks", config.num_ranks}, {"tokens_per_rank", {tokens, tokens - 1}}, {"per_rank", ranks}};
 }
 
-// One GPU, one rank (no communicator): a low-latency forward, eager with a poisoned output, then
-// twice through the CUDA graph the layer captures for this batch size (the same bits).
-nlohmann::json run_gpu(epmoe::MoeConfig config, std::int64_t tokens, bool& pass) {
+// The engine's NCCL communicator, destroyed by its owner after the layer and the borrowing
+// Communicator are gone.
+struct EngineComm {
+  ncclComm_t nccl = nullptr;
+  ~EngineComm() {
+    if (nccl != nullptr) (void)ncclCommDestroy(nccl);
+  }
+};
+
+// This rank on its GPU: a low-latency forward, eager with a poisoned output, then twice through the
+// CUDA graph the layer captures for this batch size (the same bits). Under a launch every rank runs
+// it (each call is collective over the ranks).
+nlohmann::json run_gpu(epmoe::MoeConfig config, std::int64_t tokens, const epmoe::LaunchEnvironment& env,
+                       bool& pass) {
   namespace cuda = epmoe::cuda;
-  config.num_ranks = 1;
+  EngineComm engine;
+  std::shared_ptr<epmoe::Communicator> comm;  // (declared after `engine`: released before it)
+  config.num_ranks = env.world_size;
+  if (env.present) {
+    EPMOE_CUDA_CHECK(cudaSetDevice(env.device));
+    const ncclUniqueId id = env.unique_id(/*wait_s=*/60.0);
+    if (const ncclResult_t r = ncclCommInitRank(&engine.nccl, env.world_size, id, env.rank);
+        r != ncclSuccess) {
+      throw epmoe::Error(std::string("ncclCommInitRank: ") + ncclGetErrorString(r));
+    }
+    comm = epmoe::Communicator::borrow(engine.nccl);
+  }
   const auto weights = std::make_shared<const EngineWeights>(config, kSeed);
   cuda::GpuLayerOptions options;
   options.mode = epmoe::Mode::low_latency;
-  cuda::GpuMoeLayer layer(weights, options);
+  cuda::GpuMoeLayer layer(weights, options, comm);
   const cudaStream_t stream = layer.stream();
-  const epmoe::HostTensor x = epmoe::synthetic_tokens(config, kSeed, 0, tokens);
+  const std::int64_t rank_tokens = std::max<std::int64_t>(tokens - env.rank, 0);
+  const epmoe::HostTensor x = epmoe::synthetic_tokens(config, kSeed, env.rank, rank_tokens);
   const cuda::DeviceTensor dx = cuda::to_device(x, stream);
-  const cuda::DeviceTensor dy(epmoe::DType::bf16, {tokens, config.hidden});
+  const cuda::DeviceTensor dy(epmoe::DType::bf16, {rank_tokens, config.hidden});
   dy.fill_bytes(0xff, stream);  // NaN everywhere: every row must be written
   layer.forward(dx, dy);
   const epmoe::HostTensor y = cuda::to_host(dy, stream);
   const epmoe::HostTensor logits = cuda::to_host(layer.last_logits(), stream);
-  epmoe::HostTensor expected(epmoe::DType::bf16, {tokens, config.hidden});
+  epmoe::HostTensor expected(epmoe::DType::bf16, {rank_tokens, config.hidden});
   // Routed from the GPU's gate logits: its gate GEMM sums in another order than the CPU's.
   epmoe::reference_forward(*weights, x, logits, expected, epmoe::Numerics::mirror);
   const epmoe::ErrorReport e = epmoe::compare(y, expected);
@@ -138,8 +168,11 @@ nlohmann::json run_gpu(epmoe::MoeConfig config, std::int64_t tokens, bool& pass)
   }
   pass = pass && graph_same;
   nlohmann::json out = report(e);
-  out["device"] = cuda::device_description(0);
-  out["tokens"] = tokens;
+  out["device"] = cuda::device_description(env.present ? env.device : 0);
+  out["rank"] = env.rank;
+  out["ranks"] = env.world_size;
+  out["communicator"] = env.present ? "the engine's own NCCL communicator, borrowed" : "none (one rank)";
+  out["tokens"] = rank_tokens;
   out["graph_replays_identical"] = graph_same;
   return out;
 }
@@ -172,15 +205,21 @@ int main(int argc, char** argv) {
       throw epmoe::Error("--tokens must be in [1, " + std::to_string(config.max_tokens_per_rank) + "], got " +
                          std::to_string(tokens));
     }
-    const bool have_gpu = epmoe::cuda::device_count() > 0;
-    if (device == "gpu" && !have_gpu) {
-      std::printf("SKIPPED: --device gpu, and no GPU is present\n");
+    // Under `epmoe launch`: this rank's GPU (the launcher's environment says which, and whether every
+    // rank has one: the same answer on all of them, so all skip or none does).
+    const epmoe::LaunchEnvironment env = epmoe::LaunchEnvironment::from_env();
+    const int visible = epmoe::cuda::device_count();
+    const std::string no_gpu =
+        env.present ? env.missing_gpus(visible) : (visible > 0 ? "" : "no GPU is present");
+    if (device == "gpu" && !no_gpu.empty()) {
+      std::printf("SKIPPED: --device gpu: %s\n", no_gpu.c_str());
       return 0;
     }
     bool pass = true;
     nlohmann::json out = {{"model", config.name}, {"quant", quant}, {"tolerance", kTolerance}};
-    if (device != "gpu") out["cpu"] = run_cpu(config, tokens, pass);
-    if (device != "cpu") out["gpu"] = have_gpu ? run_gpu(config, tokens, pass) : nlohmann::json("no GPU");
+    if (device != "gpu" && env.rank == 0) out["cpu"] = run_cpu(config, tokens, pass);
+    if (device != "cpu")
+      out["gpu"] = no_gpu.empty() ? run_gpu(config, tokens, env, pass) : nlohmann::json(no_gpu);
     out["pass"] = pass;
     std::printf("%s\n", out.dump(2).c_str());
     return pass ? 0 : 1;
