@@ -61,9 +61,10 @@ class EngineWeights final : public epmoe::ModelWeights {
   const epmoe::ExpertWeights& shared_expert() const override { return *shared_; }
   epmoe::TensorView gate_weight() const override { return gate_; }
   epmoe::TensorView correction_bias() const override { return bias_; }
-  // W4A8's static per-tensor activation scales, which a W4AFP8 checkpoint ships: bounds of the GEMM
-  // inputs over 448 (the tokens are within ±kSyntheticInputBound; SiLU(gate)·up of these weights
-  // stays within ±8). FP8 models do not use them.
+  // W4A8's static per-tensor activation scales, which a W4AFP8 checkpoint ships calibrated: a bound of
+  // each GEMM input over 448. Here the tokens' bound (±kSyntheticInputBound) and a fixed 8 for
+  // SiLU(gate)·up (values past it saturate, in the layer and the reference alike). FP8 models do not
+  // use them.
   float a1_scale() const override { return epmoe::kSyntheticInputBound / epmoe::kFp8E4m3Max; }
   float a2_scale() const override { return 8.0f / epmoe::kFp8E4m3Max; }
 
@@ -98,6 +99,7 @@ nlohmann::json run_cpu(epmoe::MoeConfig config, std::int64_t tokens, bool& pass)
     const std::int64_t rank_tokens = tokens - r;
     x.push_back(epmoe::synthetic_tokens(config, kSeed, r, rank_tokens));
     y.emplace_back(epmoe::DType::bf16, std::initializer_list<std::int64_t>{rank_tokens, config.hidden});
+    y.back().fill_bytes(0xff);  // NaN everywhere: every row must be written
     xv.push_back(x.back());
     yv.push_back(y.back());
   }
@@ -131,6 +133,8 @@ nlohmann::json run_gpu(epmoe::MoeConfig config, std::int64_t tokens, const epmoe
   EngineComm engine;
   std::shared_ptr<epmoe::Communicator> comm;  // (declared after `engine`: released before it)
   config.num_ranks = env.world_size;
+  // The fewest redundant slots that spread the experts evenly over the ranks.
+  config.num_redundant_experts = (env.world_size - config.num_experts % env.world_size) % env.world_size;
   if (env.present) {
     EPMOE_CUDA_CHECK(cudaSetDevice(env.device));
     const ncclUniqueId id = env.unique_id(/*wait_s=*/60.0);
