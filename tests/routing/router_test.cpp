@@ -13,6 +13,7 @@
 
 #include "epmoe/router.hpp"
 #include "routing/router_math.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 namespace {
@@ -180,20 +181,24 @@ Reference brute_force(const MoeConfig& c, const float* logit, const float* bias)
     std::sort(v.begin(), v.end(), std::greater<>());
     group_score[g] = c.scoring == Scoring::sigmoid && groups > 1 ? static_cast<double>(v[0] + v[1]) : v[0];
   }
+  // The subset with the largest total is the one whose scores, sorted in descending order, are
+  // lexicographically largest; compared that way rather than by a double sum, which absorbs scores far
+  // below the others (softmax: 1 + 2.8e-19 == 1 + 2.9e-18) and so breaks real differences as ties.
   std::vector<int> best;
-  double best_total = -1e300;
+  std::vector<double> best_scores;
   for (unsigned mask = 0; mask < (1u << groups); ++mask) {
     if (std::popcount(mask) != c.topk_groups) continue;
     std::vector<int> subset;
-    double total = 0.0;
+    std::vector<double> scores;
     for (int g = 0; g < groups; ++g) {
       if (mask & (1u << g)) {
         subset.push_back(g);
-        total += group_score[g];
+        scores.push_back(group_score[g]);
       }
     }
-    if (total > best_total || (total == best_total && subset < best)) {
-      best_total = total;
+    std::sort(scores.begin(), scores.end(), std::greater<>());
+    if (best.empty() || scores > best_scores || (scores == best_scores && subset < best)) {
+      best_scores = scores;
       best = subset;
     }
   }
@@ -321,6 +326,54 @@ TEST(Router, SoftmaxMatchesBruteForce) {
   auto logits = random_logits(32 * grouped.num_experts, seed);
   auto bias = random_bias(grouped.num_experts, seed);
   EXPECT_EQ(run_router(grouped, logits, bias).ids, run_router(grouped, logits, no_bias).ids);
+}
+
+// Random routing configurations against the brute force: 1-16 groups of 1-32 experts (sigmoid's
+// grouped scores need 2 per group), any kept groups and top-k, either scoring, with or without
+// renormalisation, scaling factors, bias or none (sigmoid), logits of several spreads or on a coarse
+// grid (ties everywhere), batches of 1-64 tokens. The seed is printed on failure; EPMOE_TEST_SEED
+// replays it.
+TEST(RouterSweep, RandomConfigurationsMatchBruteForce) {
+  using testing::pick;
+  using testing::uniform;
+  const std::uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (EPMOE_TEST_SEED replays it)");
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 200; ++i) {
+    MoeConfig c = MoeConfig::preset("tiny");
+    c.name = "sweep";
+    c.scoring = pick(rng, {Scoring::sigmoid, Scoring::softmax});
+    c.num_groups = pick(rng, {1, 1, 2, 3, 4, 8, 16});
+    const bool paired = c.scoring == Scoring::sigmoid && c.num_groups > 1;  // (top-2 sums per group)
+    const int per_group = static_cast<int>(uniform(rng, paired ? 2 : 1, pick(rng, {4, 8, 32})));
+    c.num_experts = c.num_groups * per_group;
+    c.topk_groups = static_cast<int>(uniform(rng, 1, c.num_groups));
+    c.topk = static_cast<int>(uniform(rng, 1, std::min(c.topk_groups * per_group, 16)));
+    c.renormalize = pick(rng, {true, false});
+    c.routed_scaling_factor = pick(rng, {1.0f, 2.5f, 16.0f});
+    c.validate();
+    const std::int64_t tokens = uniform(rng, 1, 64);
+    const auto logit_seed = static_cast<unsigned>(rng());
+    std::vector<float> logits;
+    const bool grid = pick(rng, {false, false, true});
+    if (grid) {
+      std::mt19937 level_rng(logit_seed);
+      std::uniform_int_distribution<int> level(-2, 2);
+      logits.resize(static_cast<std::size_t>(tokens * c.num_experts));
+      for (float& x : logits) x = static_cast<float>(level(level_rng));
+    } else {
+      logits = random_logits(tokens * c.num_experts, logit_seed, pick(rng, {0.5f, 2.0f, 8.0f}));
+    }
+    std::vector<float> bias;
+    if (c.scoring == Scoring::sigmoid) {
+      bias = pick(rng, {false, true}) ? random_bias(c.num_experts, static_cast<unsigned>(rng()))
+                                      : std::vector<float>(static_cast<std::size_t>(c.num_experts), 0.0f);
+    }
+    SCOPED_TRACE(
+        fmt::format("case {}: {}, {} tokens, {} logits", i, c.describe(), tokens, grid ? "grid" : "normal"));
+    check_against_brute_force(c, logits, bias);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }
 
 TEST(Router, PlainSigmoidTopK) {
