@@ -9,6 +9,7 @@
 
 #include "epmoe/dispatch.hpp"
 #include "epmoe/quant.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 namespace {
@@ -17,12 +18,13 @@ struct RankBatch {
   HostTensor x, scales, ids, weights;
 };
 
-// Random fp8 tokens with random distinct physical ids per token.
-std::vector<RankBatch> make_batches(const MoeConfig& c, const std::vector<std::int64_t>& tokens, std::uint32_t seed,
-                                    ActivationFormat format) {
+// Random fp8 tokens with random distinct physical ids per token, drawn from the first id_pool slots
+// (0: all of them; fewer concentrate the tokens on a few experts).
+std::vector<RankBatch> make_batches(const MoeConfig& c, const std::vector<std::int64_t>& tokens,
+                                    std::uint32_t seed, ActivationFormat format, int id_pool = 0) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> val(-3.0f, 3.0f);
-  std::uniform_int_distribution<int> slot(0, c.num_physical_experts() - 1);
+  std::uniform_int_distribution<int> slot(0, (id_pool > 0 ? id_pool : c.num_physical_experts()) - 1);
   std::vector<RankBatch> out;
   for (std::int64_t T : tokens) {
     RankBatch b;
@@ -30,7 +32,8 @@ std::vector<RankBatch> make_batches(const MoeConfig& c, const std::vector<std::i
     for (std::int64_t i = 0; i < xf.numel(); ++i) xf.data<float>()[i] = val(rng);
     if (format == ActivationFormat::bf16) {
       b.x = HostTensor(DType::bf16, {T, c.hidden});
-      for (std::int64_t i = 0; i < xf.numel(); ++i) b.x.data<bf16>()[i] = bf16::from_float(xf.data<float>()[i]);
+      for (std::int64_t i = 0; i < xf.numel(); ++i)
+        b.x.data<bf16>()[i] = bf16::from_float(xf.data<float>()[i]);
     } else {
       b.x = HostTensor(DType::fp8_e4m3, {T, c.hidden});
       b.scales = HostTensor(DType::f32, {T, c.hidden / 128});
@@ -67,14 +70,13 @@ MoeConfig tiny(int ranks, int redundant = 0) {
   return c;
 }
 
-class SimDispatch : public ::testing::TestWithParam<std::tuple<int, Mode>> {};
-
-TEST_P(SimDispatch, EveryTokenKReachesItsExpertExactlyOnceAndBytesMatch) {
-  const auto [ranks, mode] = GetParam();
-  const MoeConfig c = tiny(ranks, ranks == 4 ? 4 : 0);
+// Dispatches `batches` (fp8_group, one per rank) through the simulation and checks that every
+// (token, k) reaches its expert exactly once, with its bytes and weight, in the mode's layout, and that
+// each token goes at most once to each other rank.
+void expect_every_token_k_once(const MoeConfig& c, Mode mode, const std::vector<RankBatch>& batches) {
+  const int ranks = c.num_ranks;
   std::vector<std::int64_t> tokens;
-  for (int r = 0; r < ranks; ++r) tokens.push_back(r == 1 ? 0 : 17 + 5 * r);  // rank 1 sends nothing
-  const auto batches = make_batches(c, tokens, 42u + static_cast<unsigned>(ranks), ActivationFormat::fp8_group);
+  for (const RankBatch& b : batches) tokens.push_back(b.x.size(0));
   auto dispatcher = make_dispatcher("cpu-sim", {c, mode, ActivationFormat::fp8_group, 0, ranks});
   std::vector<DispatchOutput> outs(static_cast<std::size_t>(ranks));
   dispatcher->dispatch(inputs_of(batches), outs);
@@ -101,8 +103,9 @@ TEST_P(SimDispatch, EveryTokenKReachesItsExpertExactlyOnceAndBytesMatch) {
       }
       if (recv < 0) continue;
       // Find which (src, token) this row holds by its bytes and id: search the sources.
-      const void* data = o.layout == Layout::contiguous ? o.rows.select(row).data
-                                                        : o.rows.select(row / o.rows.size(1)).select(row % o.rows.size(1)).data;
+      const void* data = o.layout == Layout::contiguous
+                             ? o.rows.select(row).data
+                             : o.rows.select(row / o.rows.size(1)).select(row % o.rows.size(1)).data;
       int matches = 0;
       for (int src = 0; src < ranks; ++src) {
         const RankBatch& b = batches[static_cast<std::size_t>(src)];
@@ -120,7 +123,8 @@ TEST_P(SimDispatch, EveryTokenKReachesItsExpertExactlyOnceAndBytesMatch) {
     }
     if (o.layout == Layout::contiguous) {
       ASSERT_EQ(o.expert_offsets.size(), static_cast<std::size_t>(L) + 1);
-      for (int j = 0; j < L; ++j) EXPECT_EQ(o.expert_offsets[static_cast<std::size_t>(j)] % kContiguousAlign, 0);
+      for (int j = 0; j < L; ++j)
+        EXPECT_EQ(o.expert_offsets[static_cast<std::size_t>(j)] % kContiguousAlign, 0);
     }
   }
   std::int64_t expected_pairs = 0;
@@ -143,10 +147,52 @@ TEST_P(SimDispatch, EveryTokenKReachesItsExpertExactlyOnceAndBytesMatch) {
   }
 }
 
+class SimDispatch : public ::testing::TestWithParam<std::tuple<int, Mode>> {};
+
+TEST_P(SimDispatch, EveryTokenKReachesItsExpertExactlyOnceAndBytesMatch) {
+  const auto [ranks, mode] = GetParam();
+  const MoeConfig c = tiny(ranks, ranks == 4 ? 4 : 0);
+  std::vector<std::int64_t> tokens;
+  for (int r = 0; r < ranks; ++r) tokens.push_back(r == 1 ? 0 : 17 + 5 * r);  // rank 1 sends nothing
+  expect_every_token_k_once(
+      c, mode, make_batches(c, tokens, 42u + static_cast<unsigned>(ranks), ActivationFormat::fp8_group));
+}
+
+// Random rounds: 1-8 ranks with redundant slots, any top-k, either mode, batches of 0 up to the
+// low-latency limit, ids over every slot or concentrated on a few. The seed is printed on failure;
+// EPMOE_TEST_SEED replays it.
+TEST(SimDispatchSweep, RandomRoundsReachEveryExpertExactlyOnce) {
+  using testing::pick;
+  using testing::uniform;
+  const std::uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (EPMOE_TEST_SEED replays it)");
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 96; ++i) {  // (~0.2 s)
+    MoeConfig c = tiny(pick(rng, {1, 2, 3, 4, 8}));
+    c.topk = static_cast<int>(uniform(rng, 1, 6));
+    c.num_redundant_experts = (c.num_ranks - c.num_experts % c.num_ranks) % c.num_ranks +
+                              c.num_ranks * static_cast<int>(uniform(rng, 0, 1));
+    c.max_tokens_per_rank = static_cast<int>(uniform(rng, 1, 40));
+    c.validate();
+    const Mode mode = pick(rng, {Mode::normal, Mode::low_latency});
+    std::vector<std::int64_t> tokens;
+    for (int r = 0; r < c.num_ranks; ++r)
+      tokens.push_back(uniform(rng, 0, 3) == 0 ? 0 : uniform(rng, 1, c.max_tokens_per_rank));
+    const int id_pool = pick(rng, {0, 0, static_cast<int>(uniform(rng, c.topk, c.num_physical_experts()))});
+    SCOPED_TRACE(fmt::format("round {}: {}, {} mode, ids from {} slots", i, c.describe(),
+                             mode == Mode::normal ? "normal" : "low-latency", id_pool));
+    expect_every_token_k_once(
+        c, mode,
+        make_batches(c, tokens, static_cast<std::uint32_t>(rng()), ActivationFormat::fp8_group, id_pool));
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 TEST_P(SimDispatch, IdentityExpertsCombineToWeightedSums) {
   const auto [ranks, mode] = GetParam();
   const MoeConfig c = tiny(ranks);
-  const auto batches = make_batches(c, std::vector<std::int64_t>(static_cast<std::size_t>(ranks), 9), 7u, ActivationFormat::bf16);
+  const auto batches = make_batches(c, std::vector<std::int64_t>(static_cast<std::size_t>(ranks), 9), 7u,
+                                    ActivationFormat::bf16);
   auto dispatcher = make_dispatcher("cpu-sim", {c, mode, ActivationFormat::bf16, 0, ranks});
   std::vector<DispatchOutput> outs(static_cast<std::size_t>(ranks));
   dispatcher->dispatch(inputs_of(batches), outs);
@@ -161,7 +207,8 @@ TEST_P(SimDispatch, IdentityExpertsCombineToWeightedSums) {
     expert_out.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{o.num_output_rows(), H});
     for (std::int64_t row = 0; row < o.num_output_rows(); ++row) {
       if (o.row_token.as<std::int32_t>()[row] < 0) continue;
-      const int j = o.layout == Layout::contiguous ? o.m_indices.as<std::int32_t>()[row] : static_cast<int>(row / o.rows.size(1));
+      const int j = o.layout == Layout::contiguous ? o.m_indices.as<std::int32_t>()[row]
+                                                   : static_cast<int>(row / o.rows.size(1));
       const bf16* src = o.rows.as<bf16>() + row * H;  // both layouts are [rows, H] in memory
       const float f = static_cast<float>(r * L + j + 1) / 16.0f;
       for (std::int64_t h = 0; h < H; ++h)
@@ -180,27 +227,32 @@ TEST_P(SimDispatch, IdentityExpertsCombineToWeightedSums) {
         double expected = 0;
         for (int k = 0; k < K; ++k) {
           const int p = b.ids.data<std::int32_t>()[t * K + k];
-          expected += b.weights.data<float>()[t * K + k] *
-                      round_to_bf16(b.x.data<bf16>()[t * H + h].to_float() * static_cast<float>(p + 1) / 16.0f);
+          expected +=
+              b.weights.data<float>()[t * K + k] *
+              round_to_bf16(b.x.data<bf16>()[t * H + h].to_float() * static_cast<float>(p + 1) / 16.0f);
         }
         const double got = ys[static_cast<std::size_t>(r)].data<bf16>()[t * H + h].to_float();
-        EXPECT_NEAR(got, expected, 2e-2 * std::abs(expected) + 1e-2) << "rank " << r << " token " << t << " h " << h;
+        EXPECT_NEAR(got, expected, 2e-2 * std::abs(expected) + 1e-2)
+            << "rank " << r << " token " << t << " h " << h;
       }
     }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(RanksAndModes, SimDispatch,
-                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Values(Mode::normal, Mode::low_latency)),
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8),
+                                            ::testing::Values(Mode::normal, Mode::low_latency)),
                          [](const auto& test_info) {
-                           return fmt::format("ranks{}_{}", std::get<0>(test_info.param),
-                                              std::get<1>(test_info.param) == Mode::normal ? "normal" : "low_latency");
+                           return fmt::format(
+                               "ranks{}_{}", std::get<0>(test_info.param),
+                               std::get<1>(test_info.param) == Mode::normal ? "normal" : "low_latency");
                          });
 
 TEST(SimDispatchErrors, LowLatencyRefusesTooManyTokensBeforeSending) {
   const MoeConfig c = tiny(2);
   auto dispatcher = make_dispatcher("cpu-sim", {c, Mode::low_latency, ActivationFormat::fp8_group, 0, 2});
-  const auto batches = make_batches(c, {c.max_tokens_per_rank, c.max_tokens_per_rank + 1}, 3u, ActivationFormat::fp8_group);
+  const auto batches =
+      make_batches(c, {c.max_tokens_per_rank, c.max_tokens_per_rank + 1}, 3u, ActivationFormat::fp8_group);
   std::vector<DispatchOutput> outs(2);
   try {
     dispatcher->dispatch(inputs_of(batches), outs);
@@ -235,7 +287,8 @@ TEST(SimDispatchErrors, OutOfRangeIdsAndBadShapesAreRefused) {
   batches[0].weights.data<float>()[0] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_THROW(dispatcher->dispatch(inputs_of(batches), outs), Error);
   std::vector<DispatchOutput> one(1);
-  EXPECT_THROW(dispatcher->dispatch(std::span<const DispatchInput>(inputs_of(batches).data(), 1), one), Error);
+  EXPECT_THROW(dispatcher->dispatch(std::span<const DispatchInput>(inputs_of(batches).data(), 1), one),
+               Error);
 }
 
 TEST(SimDispatchErrors, UnknownDispatcherNamesTheKnownOnes) {
