@@ -164,9 +164,7 @@ TEST_P(SimDispatch, EveryTokenKReachesItsExpertExactlyOnceAndBytesMatch) {
 TEST(SimDispatchSweep, RandomRoundsReachEveryExpertExactlyOnce) {
   using testing::pick;
   using testing::uniform;
-  const std::uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed) + " (EPMOE_TEST_SEED replays it)");
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   for (int i = 0; i < 96; ++i) {  // (~0.2 s)
     MoeConfig c = tiny(pick(rng, {1, 2, 3, 4, 8}));
     c.topk = static_cast<int>(uniform(rng, 1, 6));

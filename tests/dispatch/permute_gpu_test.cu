@@ -30,8 +30,6 @@ using testing::expect_error_mentions;
 
 constexpr std::uint8_t kPoison = 0xff;
 
-using testing::fresh_seed;
-
 std::string hex(std::uint32_t v) {
   std::ostringstream s;
   s << "0x" << std::hex << v;
@@ -145,9 +143,8 @@ std::string case_name(const PermuteCase& c) {
 
 void run_contiguous(const PermuteCase& c, ScaleLayout layout) {
   const auto [tokens, hidden, topk, experts, fp8, routing] = c;
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed) + " scales " + std::string(cuda::to_string(layout)));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
+  SCOPED_TRACE("scales " + std::string(cuda::to_string(layout)));
   const Tokens in = make_tokens(tokens, hidden, topk, experts, fp8, routing, rng);
   const std::int64_t m = contiguous_capacity(tokens * topk, experts), groups = hidden / 128;
 
@@ -220,10 +217,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PermuteGpuContiguous, kCases,
 
 void run_masked(const PermuteCase& c, ScaleLayout layout, bool overflow) {
   const auto [tokens, hidden, topk, experts, fp8, routing] = c;
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed) + " scales " + std::string(cuda::to_string(layout)) +
-               (overflow ? " overflow" : ""));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
+  SCOPED_TRACE("scales " + std::string(cuda::to_string(layout)) + (overflow ? " overflow" : ""));
   const Tokens in = make_tokens(tokens, hidden, topk, experts, fp8, routing, rng);
   std::vector<std::int64_t> per_expert(static_cast<std::size_t>(experts), 0);
   for (std::int64_t i = 0; i < tokens * topk; ++i)
@@ -327,9 +322,7 @@ class GatherGpu : public ::testing::TestWithParam<GatherCase> {};
 TEST_P(GatherGpu, BitExactWithCpu) {
   EPMOE_REQUIRE_GPU();
   const auto [tokens, hidden, topk, rows] = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   HostTensor out(DType::bf16, {rows, hidden}), src_row(DType::i32, {tokens, topk}),
       w(DType::f32, {tokens, topk});
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -396,7 +389,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GatherGpu,
 // Permute on the GPU, then gather the permuted rows back with one-hot weights: the tokens return.
 TEST(GatherGpuMisc, RoundTripThroughPermute) {
   EPMOE_REQUIRE_GPU();
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   const std::int64_t tokens = 257, hidden = 7168;
   const int topk = 8, experts = 64;
   const Tokens in = make_tokens(tokens, hidden, topk, experts, false, Routing::random, rng);

@@ -20,8 +20,6 @@ namespace {
 
 constexpr std::uint8_t kPoison = 0xff;
 
-using testing::fresh_seed;
-
 struct Tokens {
   HostTensor x, scales, ids;
 };
@@ -146,7 +144,7 @@ TEST(PermuteCpu, ContiguousCapacityIsATightBound) {
   EXPECT_EQ(contiguous_capacity(5, 8), 5 * 128);         // each entry its own expert
   EXPECT_EQ(contiguous_capacity(1024, 128), 135 * 128);  // 127 experts of 1 entry and one of 897
   EXPECT_EQ(contiguous_capacity(128 * 64, 1), 128 * 64);
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   for (int it = 0; it < 2000; ++it) {
     const int experts = 1 + static_cast<int>(rng() % 40);
     const std::int64_t entries = static_cast<std::int64_t>(rng() % 700);
@@ -165,9 +163,8 @@ TEST(PermuteCpu, ContiguousCapacityIsATightBound) {
 
 TEST(PermuteCpu, ContiguousLayoutFp8AndBf16) {
   for (const bool fp8 : {true, false}) {
-    const std::uint64_t seed = fresh_seed();
-    SCOPED_TRACE("seed " + std::to_string(seed) + (fp8 ? " fp8" : " bf16"));
-    std::mt19937_64 rng(seed);
+    testing::SeededRng rng;
+    SCOPED_TRACE(fp8 ? "fp8" : "bf16");
     const int experts = 6, topk = 3;
     const std::int64_t tokens = 97, hidden = 256;
     const Tokens in = make_tokens(tokens, hidden, topk, experts, fp8, 0.2, rng);
@@ -178,7 +175,7 @@ TEST(PermuteCpu, ContiguousLayoutFp8AndBf16) {
 }
 
 TEST(PermuteCpu, ContiguousEdgeCases) {
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   const int experts = 4;
   {  // all entries to one expert (duplicates within a token, too: ids need not be distinct)
     const Tokens in = make_tokens(50, 128, 4, experts, true, 0.0, rng, 2);
@@ -221,9 +218,7 @@ TEST(PermuteCpu, ContiguousEdgeCases) {
 // ---------------------------------------------------------------- masked
 
 TEST(PermuteCpu, MaskedLayout) {
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const int experts = 5, topk = 2;
   const std::int64_t tokens = 40, hidden = 128, m_max = 40;
   const Tokens in = make_tokens(tokens, hidden, topk, experts, true, 0.1, rng);
@@ -268,9 +263,7 @@ TEST(PermuteCpu, MaskedLayout) {
 // ---------------------------------------------------------------- gather
 
 TEST(GatherCpu, WeightedSumInKOrder) {
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t rows = 50, hidden = 256, tokens = 20, topk = 4;
   HostTensor out(DType::bf16, {rows, hidden}), src_row(DType::i32, {tokens, topk}),
       w(DType::f32, {tokens, topk});
@@ -317,7 +310,7 @@ TEST(GatherCpu, WeightedSumInKOrder) {
 
 // Permute then gather with weights 1 for one k: the round trip gives the tokens back (bf16).
 TEST(GatherCpu, RoundTripThroughContiguous) {
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   const int experts = 3, topk = 2;
   const Tokens in = make_tokens(30, 128, topk, experts, false, 0.0, rng);
   const Contiguous c = make_contiguous(in, experts, contiguous_capacity(60, experts));

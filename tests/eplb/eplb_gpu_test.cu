@@ -33,8 +33,6 @@ using testing::expect_error_mentions;
 
 constexpr std::uint8_t kPoison = 0xff;
 
-using testing::fresh_seed;
-
 struct PlacementCase {
   ExpertPlacement placement;
   int topk = 8;
@@ -101,9 +99,7 @@ TEST_P(EplbMapGpu, BitExactWithCpuAndCountsAccumulate) {
   const PlacementCase s = setup_named(name);
   const ExpertPlacement& pl = s.placement;
   const int e_count = pl.num_logical();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   std::uniform_int_distribution<int> rank_dist(0, pl.num_ranks() - 1);
   std::uniform_int_distribution<std::int64_t> offset_dist(0, std::int64_t{1} << 40);
 
@@ -185,7 +181,7 @@ TEST(EplbGpu, OutOfRangeIdsMapToMinusOne) {
   const PlacementCase s = setup_named("ds_rebalanced");
   const ExpertPlacement& pl = s.placement;
   const std::int64_t tokens = 300;
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   HostTensor ids = random_ids(pl.num_logical(), tokens, s.topk, rng);
   std::int32_t* p = ids.data<std::int32_t>();
   const std::vector<std::int32_t> bad{-1, pl.num_logical(), -1000, 1 << 30};
@@ -221,9 +217,7 @@ TEST(EplbGpu, OutOfRangeIdsMapToMinusOne) {
 // per id), odd element counts (no 16-byte loads), ids outside [0, C) skipped, accumulation.
 TEST(EplbGpu, CountExpertsMatchesAHistogram) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   cuda::Stream stream;
   for (const std::int64_t num_counters : {std::int64_t{3}, std::int64_t{288}, std::int64_t{20000}}) {
     for (const std::int64_t n : {std::int64_t{1}, std::int64_t{4097}, std::int64_t{65536}}) {

@@ -441,9 +441,7 @@ TEST(EplbRebalance, NoRedundantSlotsAndUniformLoad) {
 // The seed is printed on failure; EPMOE_TEST_SEED replays it.
 TEST(EplbRebalanceSweep, RandomShapesAndLoadsGiveValidPlacements) {
   using testing::pick;
-  const std::uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed) + " (EPMOE_TEST_SEED replays it)");
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   for (int i = 0; i < 256; ++i) {  // (~10 ms)
     const int nodes = pick(rng, {1, 2, 4});
     const int gpus = nodes * pick(rng, {1, 2, 4, 8});

@@ -32,7 +32,6 @@ using testing::check_output;
 using testing::fill_masked_activations;
 using testing::fill_random_fp8;
 using testing::fill_random_scales;
-using testing::fresh_seed;
 using testing::kPoison;
 using testing::kTolerance;
 using testing::masked_valid;
@@ -131,9 +130,7 @@ ContiguousCase n7168_k7168_epilogue_case(std::string name, int borrow, int tile_
 TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   EPMOE_REQUIRE_GPU();
   const ContiguousCase& c = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const auto G = static_cast<std::int64_t>(c.group_rows.size());
   const std::int64_t N = c.n, K = c.k, KB = K / 128;
 
@@ -527,9 +524,7 @@ class GroupedGemmMaskedGpu : public ::testing::TestWithParam<MaskedCase> {};
 TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
   EPMOE_REQUIRE_GPU();
   const MaskedCase& c = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const auto G = static_cast<std::int64_t>(c.masked_m.size());
   const std::int64_t N = c.n, K = c.k, M_max = c.m_max;
   const MaskedInputs in = masked_inputs(G, M_max, N, K, c.layout, c.masked_m, rng);
@@ -774,9 +769,7 @@ INSTANTIATE_TEST_SUITE_P(
 // between: no host sync and no host-side knowledge of the counts.
 TEST(GroupedGemmGpuMisc, MaskedReplaysInACudaGraph) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t G = 3, M_max = 96, N = 1536, K = 2048;
   const std::vector<std::int32_t> first{5, 96, 0}, second{0, 33, 64};
   const MaskedInputs in = masked_inputs(G, M_max, N, K, ScaleLayout::token_major, {96, 96, 96}, rng);
@@ -822,9 +815,7 @@ TEST(GroupedGemmGpuMisc, MaskedReplaysInACudaGraph) {
 // breaking batch invariance; both against the reference too.
 TEST(GroupedGemmGpuMisc, SwappedOperandsGiveTheRowMajorKernelsBits) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t M_max = 256, N = 1536, K = 7168;
   const std::vector<std::int32_t> counts{150, 40, 230, 256, 7};
   const auto G = static_cast<std::int64_t>(counts.size());
@@ -970,9 +961,7 @@ class GroupedGemmSplitTailGpu : public ::testing::TestWithParam<SplitTailCase> {
 TEST_P(GroupedGemmSplitTailGpu, MatchesTheReferenceDeterministicallyEagerAndInGraphs) {
   EPMOE_REQUIRE_GPU();
   const SplitTailCase& c = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t N = c.n, K = c.k, KB = K / 128;
   std::int64_t m_blocks = 0;
   for (const std::int32_t r : c.rows) m_blocks += (r + c.block_m - 1) / c.block_m;
@@ -1066,9 +1055,7 @@ class GroupedGemmTailPiecesGpu : public ::testing::TestWithParam<TailPiecesCase>
 TEST_P(GroupedGemmTailPiecesGpu, MatchesTheReferenceAndTheWholeTilesBits) {
   EPMOE_REQUIRE_GPU();
   const TailPiecesCase& c = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t N = c.n, K = c.k, KB = K / 128;
   cuda::Stream stream;
   // (Contiguous: holes inside the groups, m_max all-padding blocks at the end.)
@@ -1162,9 +1149,7 @@ class GroupedGemmTrimmedGridGpu : public ::testing::TestWithParam<TrimCase> {};
 TEST_P(GroupedGemmTrimmedGridGpu, MatchesTheReferenceAndTheFullGridsBits) {
   EPMOE_REQUIRE_GPU();
   const TrimCase& c = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   std::int64_t m_blocks = 0;
   for (const std::int32_t r : c.rows) m_blocks += (r + c.block_m - 1) / c.block_m;
   const std::int64_t tiles = m_blocks * (c.n / c.block_n), tail = tiles % c.max_ctas;
@@ -1227,9 +1212,7 @@ INSTANTIATE_TEST_SUITE_P(
 // the read zeroes it.
 TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t G = 3, M_max = 96, N = 1536, K = 2048, KB = K / 128;
   const std::vector<std::int32_t> counts{96, 33, 0};
   const MaskedInputs in = masked_inputs(G, M_max, N, K, ScaleLayout::token_major, counts, rng);
@@ -1283,9 +1266,7 @@ TEST(GroupedGemmGpuMisc, LoopTraceCountsEveryKBlockAndKeepsTheOutput) {
 // (64 x 128 and 128 x 256 with v12) and contiguous (128 x 256 with v33, the default).
 TEST(GroupedGemmGpuMisc, CtaStampsAreOrderedAndKeepTheOutput) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t N = 1536, K = 2048;
   cuda::Stream stream;
   int sm_count = 0;
@@ -1338,9 +1319,7 @@ TEST(GroupedGemmGpuMisc, CtaStampsAreOrderedAndKeepTheOutput) {
 // sums K in chunks and is why the layer's runner passes no workspace: bench/NOTES.md session 39.)
 TEST(GroupedGemmGpuMisc, RowsDoNotDependOnTheBatchTheTileOrTheLayout) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t N = 1536, K = 7168, KB = K / 128;
   // Group 0 (the rows compared: 200, so one whole and one partial 128-row block) beside three others.
   const std::vector<std::int32_t> rows{200, 129, 64, 300};
@@ -1466,9 +1445,7 @@ void use_device_rows(GemmProblem& problem, const testing::SweepProblem& p, cuda:
 }
 
 void sweep(bool masked) {
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   cuda::Stream stream;
   const cuda::DeviceTensor workspace(DType::i32,
                                      {static_cast<std::int64_t>(cuda::grouped_gemm_workspace_bytes() / 4)});

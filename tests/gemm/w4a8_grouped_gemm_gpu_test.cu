@@ -34,7 +34,6 @@ using testing::check_output;
 using testing::fill_masked_activations;
 using testing::fill_random_fp8;
 using testing::fill_random_scales;
-using testing::fresh_seed;
 using testing::kPoison;
 using testing::kTolerance;
 using testing::masked_valid;
@@ -89,9 +88,7 @@ float random_a_scale(std::mt19937_64& rng) {
 
 TEST(W4A8GemmGpu, PreparationMatchesTheCpuPackerAndRoundTrips) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t G = 3, N = 384, K = 640;
   const Weights host = random_weights(G, N, K, rng);
   HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, K / 128});
@@ -114,9 +111,7 @@ TEST(W4A8GemmGpu, PreparationMatchesTheCpuPackerAndRoundTrips) {
 // them for weights in [-7, 7] only, and preparing weights that hold -8 with them is refused.
 TEST(W4A8GemmGpu, SignMagnitudeCodesPrepareRoundTripAndRefuseMinus8) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t G = 2, N = 384, K = 1152;
   const Weights host = random_weights(G, N, K, rng, kSM);
   HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, K / 128});
@@ -292,9 +287,7 @@ void check_masked_case(const MaskedCase& c, std::mt19937_64& rng) {
 
 TEST_P(W4A8GemmMaskedGpu, MatchesCpuReference) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   check_masked_case(GetParam(), rng);
 }
 
@@ -658,9 +651,7 @@ void check_contiguous_case(const ContiguousCase& c, std::mt19937_64& rng) {
 
 TEST_P(W4A8GemmContiguousGpu, MatchesCpuReference) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   check_contiguous_case(GetParam(), rng);
 }
 
@@ -781,9 +772,7 @@ INSTANTIATE_TEST_SUITE_P(
 // The masked GEMM captured once in a CUDA graph, replayed with new counts written on the device;
 // with row_sums, the 32-row tile with the row-sum pre-pass (two kernels in the graph).
 void masked_graph_replay(bool row_sums) {
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t G = 3, M_max = 24, N = 1536, K = 2048;
   const std::vector<std::int32_t> first{5, 24, 0}, second{0, 13, 17};
   const MaskedInputs in = masked_inputs(G, M_max, N, K, {24, 24, 24}, rng);
@@ -847,9 +836,7 @@ float row_sum_term_mirror(const std::uint8_t* block) {
 // counts, rows, N, K, a hint sometimes far off) under the automatic kernel choice, with either codes,
 // and in the masked layout a device or host activation scale and a workspace or none.
 void sweep(bool masked) {
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   for (int i = 0; i < testing::kSweepProblems; ++i) {
     const testing::SweepProblem p =
         masked ? testing::draw_masked_problem(rng) : testing::draw_contiguous_problem(rng);
@@ -892,9 +879,7 @@ TEST(W4A8GemmSweepGpu, RandomContiguousProblemsWithTheAutomaticChoice) {
 
 TEST(W4A8GemmGpuMisc, RowSumsMatchTheCpuMirror) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::vector<std::int32_t> counts{40, 7, 0, 33};
   const auto G = static_cast<std::int64_t>(counts.size());
   const std::int64_t M_max = 40, N = 512, K = 1152;
@@ -971,9 +956,7 @@ void PrintTo(const DynamicCase& c, std::ostream* os) {
 TEST_P(W4A8GemmDynamicTilesGpu, MatchTheStaticScheduleEagerAndInGraphs) {
   EPMOE_REQUIRE_GPU();
   const DynamicCase& c = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::vector<std::int32_t> counts{7, 40, 0, 16, 33, 1, 12, 25, 8, 3};
   const auto G = static_cast<std::int64_t>(counts.size());
   const std::int64_t M_max = 40, N = 1536, K = 1152;

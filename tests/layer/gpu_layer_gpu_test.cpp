@@ -284,9 +284,7 @@ TEST(GpuLayer, GemmsAloneAreTimedWithoutChangingTheNextForward) {
 // against the CPU reference, again for the same bits, and by graph replay in low-latency mode.
 TEST(GpuLayerSweep, RandomBatchesMatchTheReference) {
   EPMOE_REQUIRE_GPU();
-  const std::uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const auto uniform = [&](std::int64_t lo, std::int64_t hi) { return testing::uniform(rng, lo, hi); };
   for (int i = 0; i < 8; ++i) {
     const bool dsv3 = uniform(0, 3) == 0;

@@ -75,9 +75,7 @@ Batch draw_batch(const MoeConfig& c, Mode mode, std::mt19937_64& rng) {
 }
 
 TEST(LayerSweep, RandomLayersMatchTheReference) {
-  const std::uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed) + " (EPMOE_TEST_SEED replays it)");
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   for (int i = 0; i < kLayers; ++i) {
     const MoeConfig c = draw_config(rng);
     const Mode mode = pick(rng, {Mode::normal, Mode::low_latency});

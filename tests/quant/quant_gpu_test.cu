@@ -34,8 +34,6 @@ using testing::expect_error_mentions;
 
 constexpr std::uint8_t kPoison = 0xff;  // fp8 0xff is NaN, f32 0xffffffff is NaN: never a valid output
 
-using testing::fresh_seed;
-
 std::string hex32(std::uint32_t v) {
   std::ostringstream s;
   s << "0x" << std::hex << v;
@@ -124,9 +122,7 @@ class QuantPerTokenGroupGpu : public ::testing::TestWithParam<GroupCase> {};
 TEST_P(QuantPerTokenGroupGpu, BitExactWithCpu) {
   EPMOE_REQUIRE_GPU();
   const auto [tokens, k, layout, pow2] = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t groups = k / 128;
   const std::int64_t tokens_padded = cuda::tma_aligned_tokens(tokens);
 
@@ -204,7 +200,7 @@ INSTANTIATE_TEST_SUITE_P(
 // The same input quantized twice gives the same bytes (no dependence on leftover state).
 TEST(QuantPerTokenGroupGpuMisc, RepeatableAndEmpty) {
   EPMOE_REQUIRE_GPU();
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   const HostTensor x = random_activations(257, 2048, rng);
   cuda::Stream stream;
   const cuda::DeviceTensor dx = cuda::to_device(x, stream);
@@ -276,9 +272,7 @@ class QuantPerTensorGpu : public ::testing::TestWithParam<std::tuple<std::int64_
 TEST_P(QuantPerTensorGpu, BitExactWithCpu) {
   EPMOE_REQUIRE_GPU();
   const auto [rows, cols] = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const std::int64_t n = rows * cols;
   const HostTensor x =
       random_plain(rows, cols, std::uniform_real_distribution<float>(0.01f, 100.0f)(rng), rng);

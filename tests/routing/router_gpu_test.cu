@@ -32,8 +32,6 @@ using testing::expect_error_mentions;
 
 constexpr std::uint8_t kPoison = 0xff;  // i32 -1, f32 NaN: never a valid output
 
-using testing::fresh_seed;
-
 std::uint32_t bits_of(float f) {
   std::uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -221,9 +219,7 @@ void expect_same_routes(const MoeConfig& c, const HostTensor& logits, const Host
 
 void check_sigmoid(const MoeConfig& c, std::int64_t tokens, bool periodic, bool misaligned,
                    const cuda::RouteKernelChoice& choice = cuda::route_kernel_choice_from_env()) {
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   const HostTensor bias = random_bias(c, periodic, rng);
   const HostTensor logits = random_sigmoid_logits(c, tokens, rng);
   expect_same_routes(c, logits, bias, misaligned, choice);
@@ -346,7 +342,7 @@ TEST(RouterGpu, TracedSieveKeepsTheBitsAndStampsInOrder) {
   cuda::RouteKernelChoice general = choice_named("general", false);
   general.trace = trace.as<std::uint64_t>();
   const MoeConfig c = config_named("deepseek_v3");
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   const HostTensor logits = random_sigmoid_logits(c, 8, rng);
   expect_error_mentions([&] { route_on_gpu(c, logits, random_bias(c, false, rng), false, general); },
                         "router trace");
@@ -373,9 +369,7 @@ TEST(RouterGpu, SieveChoiceOnEveryConfig) {
 TEST(RouterGpu, LongCandidateListsTakeTheRoundsPath) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = config_named("deepseek_v3");
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const std::int64_t tokens = 4099, e_count = c.num_experts, per_group = e_count / c.num_groups;
   HostTensor bias(DType::f32, {e_count});
@@ -418,9 +412,7 @@ TEST(RouterGpu, LongCandidateListsTakeTheRoundsPath) {
 TEST(RouterGpu, SieveCandidateListBoundary) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = config_named("deepseek_v3");
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const std::int64_t tokens = 4101, e_count = c.num_experts, per_group = e_count / c.num_groups;
   HostTensor bias(DType::f32, {e_count});
@@ -462,9 +454,8 @@ TEST(RouterGpu, SieveHugeBiasFallsBackToExact) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = config_named("deepseek_v3");
   for (const float huge : {0x1p+99f, 0x1p+101f, -0x1p+101f}) {
-    const std::uint64_t seed = fresh_seed();
-    SCOPED_TRACE("seed " + std::to_string(seed) + ", bias " + std::to_string(huge));
-    std::mt19937_64 rng(seed);
+    testing::SeededRng rng;
+    SCOPED_TRACE("bias " + std::to_string(huge));
     HostTensor bias = random_bias(c, false, rng);
     bias.data<float>()[37] = huge;
     const HostTensor logits = random_sigmoid_logits(c, 4097, rng);
@@ -606,9 +597,7 @@ TEST_P(RouterSoftmaxGpu, MatchesCpuWithinRounding) {
   EPMOE_REQUIRE_GPU();
   const auto& [name, tokens, staging] = GetParam();
   const MoeConfig c = config_named(name);
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   cuda::RouteKernelChoice choice = cuda::route_kernel_choice_from_env();
   if (staging >= 0) {
     choice = forced_g8();
@@ -648,9 +637,7 @@ TEST(RouterSoftmaxG8Gpu, TiesAndFlatRows) {
   for (const char* name : {"softmax_flat256", "softmax_flat256_no_renorm"}) {
     const MoeConfig c = config_named(name);
     SCOPED_TRACE(name);
-    const std::uint64_t seed = fresh_seed();
-    SCOPED_TRACE("seed " + std::to_string(seed));
-    std::mt19937_64 rng(seed);
+    testing::SeededRng rng;
     std::normal_distribution<float> normal(0.0f, 2.0f);
     const std::int64_t tokens = 4099;
     HostTensor logits(DType::f32, {tokens, c.num_experts});

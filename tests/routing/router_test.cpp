@@ -336,9 +336,7 @@ TEST(Router, SoftmaxMatchesBruteForce) {
 TEST(RouterSweep, RandomConfigurationsMatchBruteForce) {
   using testing::pick;
   using testing::uniform;
-  const std::uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed) + " (EPMOE_TEST_SEED replays it)");
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   for (int i = 0; i < 200; ++i) {
     MoeConfig c = MoeConfig::preset("tiny");
     c.name = "sweep";

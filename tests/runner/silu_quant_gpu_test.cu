@@ -48,7 +48,6 @@ using testing::expect_error_mentions;
 constexpr std::uint8_t kPoison = 0xff;  // fp8 0xff and f32 0xffffffff are NaN: never a valid output
 
 // Fresh per test, printed on failure; EPMOE_TEST_SEED=<n> replays one.
-using testing::fresh_seed;
 
 std::string hex(std::uint32_t v) {
   std::ostringstream s;
@@ -333,9 +332,7 @@ class SiluMulQuantGpuContiguous : public ::testing::TestWithParam<ContiguousCase
 TEST_P(SiluMulQuantGpuContiguous, MatchesCpuAndExact) {
   EPMOE_REQUIRE_GPU();
   const auto [valid, inter, experts] = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   // Random counts (some experts empty), then a capacity tail.
   std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
   for (std::int64_t i = 0; i < valid; ++i) counts[rng() % static_cast<std::uint64_t>(experts)] += 1;
@@ -357,7 +354,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SiluMulQuantGpuContiguous,
 
 TEST(SiluMulQuantGpuContiguousMisc, AllPaddingAndOneExpert) {
   EPMOE_REQUIRE_GPU();
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   // Every row padding: nothing written (but the MN-major TMA padding).
   const HostTensor none = m_indices_for({0, 0, 0}, 130);
   for (const Variant v : {Variant::group, Variant::group_mn, Variant::tensor_host})
@@ -427,9 +424,7 @@ class SiluMulQuantGpuMasked : public ::testing::TestWithParam<MaskedCase> {};
 TEST_P(SiluMulQuantGpuMasked, MatchesCpuAndExact) {
   EPMOE_REQUIRE_GPU();
   const auto [experts, m_max, inter, mode] = GetParam();
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   std::vector<std::int32_t> masked_m(static_cast<std::size_t>(experts), 0);
   for (std::size_t e = 0; e < masked_m.size(); ++e) {
     switch (mode) {
@@ -466,7 +461,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SiluMulQuantGpuMasked,
 // masked_m outside [0, M_max] is clamped on the GPU (the CPU refuses it).
 TEST(SiluMulQuantGpuMaskedMisc, ClampsMaskedM) {
   EPMOE_REQUIRE_GPU();
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   const std::int64_t experts = 3, m_max = 5, inter = 128;
   const HostTensor h2 = random_h(experts * m_max, inter, rng);
   cuda::Stream stream;

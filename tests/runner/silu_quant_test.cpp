@@ -19,8 +19,6 @@ namespace {
 
 constexpr std::uint8_t kPoison = 0xff;
 
-using testing::fresh_seed;
-
 // Random bf16 GEMM1 output [rows, 2I]: N(0, sigma^2) with sigma varying per row, never zero.
 HostTensor random_h(std::int64_t rows, std::int64_t inter, std::mt19937_64& rng) {
   HostTensor h(DType::bf16, {rows, 2 * inter});
@@ -49,7 +47,7 @@ std::int64_t ulp_distance(float a, float b) {
 // ---------------------------------------------------------------- the f32 math
 
 TEST(SiluMulQuantCpu, ExpNonPositiveIsAccurate) {
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   std::uniform_real_distribution<float> arg(-87.0f, 0.0f);
   std::int64_t worst = 0;
   for (int i = 0; i < 200000; ++i) {
@@ -65,7 +63,7 @@ TEST(SiluMulQuantCpu, ExpNonPositiveIsAccurate) {
 }
 
 TEST(SiluMulQuantCpu, SiluIsAccurate) {
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   std::int64_t worst = 0;
   for (int i = 0; i < 200000; ++i) {
     // bf16 gate values over the whole useful range (GEMM1 outputs are bf16).
@@ -89,9 +87,7 @@ TEST(SiluMulQuantCpu, SiluIsAccurate) {
 // The GPU's group quantizer divides by Markstein's method; its e4m3 bytes must equal those of the
 // IEEE quotient for every (a, s) the quantizer can meet: s = max(amax, kMinAmax) / 448, |a| <= amax.
 TEST(SiluMulQuantCpu, MarksteinQuotientGivesTheSameFp8) {
-  const std::uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  testing::SeededRng rng;
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
   std::int64_t mismatches = 0, checked = 0;
   for (int it = 0; it < 40000; ++it) {
@@ -140,7 +136,7 @@ TEST(SiluMulQuantCpu, MarksteinQuotientGivesTheSameFp8) {
 // ---------------------------------------------------------------- silu_mul_quant_cpu
 
 TEST(SiluMulQuantCpu, Fp8GroupIsSiluThenTheGroupQuantizer) {
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   for (const bool pow2 : {false, true}) {
     const std::int64_t rows = 5, inter = 256;
     const HostTensor h = random_h(rows, inter, rng);
@@ -172,7 +168,7 @@ TEST(SiluMulQuantCpu, Fp8GroupIsSiluThenTheGroupQuantizer) {
 }
 
 TEST(SiluMulQuantCpu, Fp8TensorAndBf16) {
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   const std::int64_t rows = 3, inter = 128;
   const HostTensor h = random_h(rows, inter, rng);
   HostTensor act(DType::f32, {rows, inter});
@@ -193,7 +189,7 @@ TEST(SiluMulQuantCpu, Fp8TensorAndBf16) {
 }
 
 TEST(SiluMulQuantCpu, ContiguousSkipsPaddingRows) {
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   const std::int64_t rows = 7, inter = 256;
   const HostTensor h = random_h(rows, inter, rng);
   HostTensor m_indices(DType::i32, {rows});
@@ -219,7 +215,7 @@ TEST(SiluMulQuantCpu, ContiguousSkipsPaddingRows) {
 }
 
 TEST(SiluMulQuantCpu, MaskedProcessesOnlyValidRows) {
-  std::mt19937_64 rng(fresh_seed());
+  testing::SeededRng rng;
   const std::int64_t experts = 3, m_max = 4, inter = 128;
   const HostTensor h2 = random_h(experts * m_max, inter, rng);
   TensorView h = h2.view();
