@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "epmoe/config.hpp"
@@ -70,5 +71,20 @@ RebalanceResult rebalance_experts(const std::vector<std::vector<double>>& load, 
 
 // Placement of one layer of a rebalance result.
 ExpertPlacement placement_from(const RebalanceResult& result, int layer, int num_ranks);
+
+// The load of the busiest rank under a placement, by the model the rebalance packs on: the sum over
+// the rank's slots of load[e] / replicas(e), plus slot_cost for each slot whose expert has load.
+// load: [E] per logical expert, finite and non-negative.
+double busiest_rank_load(const ExpertPlacement& placement, std::span<const double> load,
+                         double slot_cost = 0.0);
+
+// One layer's rebalance from its current placement (what MoeLayer / GpuMoeLayer::rebalance install):
+// rebalance_experts' placement, unless across ranks it would leave the busiest rank busier by
+// busiest_rank_load than the current placement does, in which case the current placement stays.
+// DeepSeek's greedy replication can do that on small shapes: one hot expert of 4 on 4 ranks with 16
+// slots gets 13 replicas, 4 of them on one rank (0.31 of the load against the current 4 x 4's 0.25).
+// On one rank every placement carries the whole load, so rebalance_experts' placement is taken.
+ExpertPlacement rebalance_placement(const ExpertPlacement& current, std::span<const double> load,
+                                    int num_groups, int num_nodes, double slot_cost = 0.0);
 
 }  // namespace epmoe

@@ -28,9 +28,9 @@ struct PhaseTimes {  // milliseconds of host wall time, accumulated over forward
 
 struct ForwardStats {
   PhaseTimes times;
-  std::int64_t tokens = 0;                 // over all served ranks
-  std::vector<std::int64_t> rows_per_rank; // expert rows each rank computed in the last forward
-  std::int64_t bytes_sent = 0;             // dispatch payload to other ranks, last forward
+  std::int64_t tokens = 0;                  // over all served ranks
+  std::vector<std::int64_t> rows_per_rank;  // expert rows each rank computed in the last forward
+  std::int64_t bytes_sent = 0;              // dispatch payload to other ranks, last forward
 };
 
 class MoeLayer {
@@ -48,7 +48,9 @@ class MoeLayer {
   const ExpertPlacement& placement() const { return placement_; }
   // Tokens routed to each logical expert, accumulated since construction or the last rebalance.
   const std::vector<std::int64_t>& expert_load() const { return expert_load_; }
-  // DeepSeek EPLB over the accumulated load; installs the new placement and clears the counters.
+  // DeepSeek EPLB over the accumulated load; installs the new placement (rebalance_placement: across
+  // ranks, the current one stays where DeepSeek's would leave the busiest rank busier) and clears the
+  // counters.
   // nodes: the number of nodes the ranks span (groups % nodes == 0 selects the hierarchical policy).
   void rebalance(int nodes = 1);
   void set_placement(ExpertPlacement placement);
@@ -68,15 +70,18 @@ class MoeLayer {
 void reference_forward(const ModelWeights& weights, TensorView x, TensorView y, Numerics numerics);
 // The same, routed from given gate logits [T, E] f32 (host) instead of the CPU's own: those of a
 // GPU forward, whose gate GEMM sums in another order (epmoe/cuda/gate.hpp says why).
-void reference_forward(const ModelWeights& weights, TensorView x, TensorView logits, TensorView y, Numerics numerics);
+void reference_forward(const ModelWeights& weights, TensorView x, TensorView logits, TensorView y,
+                       Numerics numerics);
 
 // Error measures of design.md §8 over all elements (bf16, f32 or f64 tensors of equal numel).
 struct ErrorReport {
-  double calc_diff = 0;       // 1 - 2Σxy / Σ(x² + y²)
-  double rel_l2 = 0;          // ‖x - y‖ / ‖y‖
+  double calc_diff = 0;  // 1 - 2Σxy / Σ(x² + y²)
+  double rel_l2 = 0;     // ‖x - y‖ / ‖y‖
   std::int64_t non_finite = 0;
   std::int64_t count = 0;
-  bool within(double tolerance) const { return non_finite == 0 && rel_l2 <= tolerance && calc_diff <= tolerance; }
+  bool within(double tolerance) const {
+    return non_finite == 0 && rel_l2 <= tolerance && calc_diff <= tolerance;
+  }
 };
 ErrorReport compare(TensorView actual, TensorView expected);
 

@@ -217,4 +217,36 @@ ExpertPlacement placement_from(const RebalanceResult& result, int layer, int num
                          result.num_logical, num_ranks);
 }
 
+double busiest_rank_load(const ExpertPlacement& placement, std::span<const double> load, double slot_cost) {
+  EPMOE_CHECK(static_cast<int>(load.size()) == placement.num_logical(),
+              "load has {} experts, the placement {} logical experts", load.size(), placement.num_logical());
+  EPMOE_CHECK(std::isfinite(slot_cost) && slot_cost >= 0, "slot_cost must be finite and >= 0, got {}",
+              slot_cost);
+  std::vector<double> rank_load(static_cast<std::size_t>(placement.num_ranks()), 0.0);
+  for (int p = 0; p < placement.num_physical(); ++p) {
+    const int e = placement.phy2log()[p];
+    const double v = load[e];
+    EPMOE_CHECK(std::isfinite(v) && v >= 0.0, "load[{}] = {} must be finite and non-negative", e, v);
+    rank_load[placement.rank_of_slot(p)] += v / placement.logcnt()[e] + (v > 0 ? slot_cost : 0.0);
+  }
+  return *std::max_element(rank_load.begin(), rank_load.end());
+}
+
+ExpertPlacement rebalance_placement(const ExpertPlacement& current, std::span<const double> load,
+                                    int num_groups, int num_nodes, double slot_cost) {
+  EPMOE_CHECK(static_cast<int>(load.size()) == current.num_logical(),
+              "load has {} experts, the current placement {} logical experts", load.size(),
+              current.num_logical());
+  const RebalanceResult result =
+      rebalance_experts({std::vector<double>(load.begin(), load.end())}, current.num_physical(), num_groups,
+                        num_nodes, current.num_ranks(), slot_cost);
+  ExpertPlacement next = placement_from(result, 0, current.num_ranks());
+  if (current.num_ranks() == 1) return next;
+  // Sums in another order may differ in the last bits where the loads are equal: only a clear loss
+  // keeps the current placement.
+  const double now = busiest_rank_load(current, load, slot_cost);
+  const double then = busiest_rank_load(next, load, slot_cost);
+  return then > now * (1 + 1e-12) ? current : next;
+}
+
 }  // namespace epmoe

@@ -876,13 +876,13 @@ int GpuMoeLayer::rebalance(int nodes, double slot_cost_tokens) {
   EPMOE_CHECK(std::isfinite(slot_cost_tokens) && (slot_cost_tokens >= 0 || slot_cost_tokens == -1.0),
               "rebalance: slot_cost_tokens must be -1 (the layer's estimate) or finite and >= 0, got {}",
               slot_cost_tokens);
-  const std::vector<std::int64_t> load = expert_load();
-  std::vector<std::vector<double>> l(1, std::vector<double>(load.begin(), load.end()));
+  const std::vector<std::int64_t> counts = expert_load();
+  const std::vector<double> load(counts.begin(), counts.end());
   // The load counters sum over the forwards since the last reset: the per-forward slot cost scales alike.
   const double per_forward = slot_cost_tokens < 0 ? weight_read_tokens() : slot_cost_tokens;
   const double slot_cost = per_forward * static_cast<double>(m.forwards_since_reset);
-  const RebalanceResult result = rebalance_experts(l, m.P, m.c.num_groups, nodes, m.ranks, slot_cost);
-  const int rewritten = m.install_placement(placement_from(result, 0, m.ranks));
+  const int rewritten =
+      m.install_placement(rebalance_placement(placement(), load, m.c.num_groups, nodes, slot_cost));
   reset_load();
   return rewritten;
 }

@@ -10,7 +10,8 @@ class PhaseTimer {
  public:
   explicit PhaseTimer(double* sink) : sink_(sink), start_(std::chrono::steady_clock::now()) {}
   ~PhaseTimer() {
-    if (sink_) *sink_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+    if (sink_)
+      *sink_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
   }
   PhaseTimer(const PhaseTimer&) = delete;
   PhaseTimer& operator=(const PhaseTimer&) = delete;
@@ -28,34 +29,37 @@ MoeLayer::MoeLayer(std::shared_ptr<const ModelWeights> weights, LayerOptions opt
   const MoeConfig& c = weights_->config();
   c.validate();
   EPMOE_CHECK(options_.device == Device::cpu,
-              "MoeLayer: the GPU layer is not built yet (device must be cpu); the CPU backend runs everything");
+              "MoeLayer runs on the CPU (device must be cpu); the GPU layer is epmoe::cuda::GpuMoeLayer");
   placement_ = ExpertPlacement::initial(c.num_experts, c.num_physical_experts(), c.num_ranks);
   expert_load_.assign(static_cast<std::size_t>(c.num_experts), 0);
   if (options_.dispatcher.empty()) options_.dispatcher = "cpu-sim";
   DispatcherContext dc{c, options_.mode, activation_format(c.quant), 0, c.num_ranks};
   dispatcher_ = make_dispatcher(options_.dispatcher, dc);
-  runner_ = make_runner(options_.device, dispatcher_->layout(), RunnerContext{c, weights_.get(), &placement_, options_.numerics});
+  runner_ = make_runner(options_.device, dispatcher_->layout(),
+                        RunnerContext{c, weights_.get(), &placement_, options_.numerics});
 }
 
 MoeLayer::~MoeLayer() = default;
 
-const MoeConfig& MoeLayer::config() const { return weights_->config(); }
+const MoeConfig& MoeLayer::config() const {
+  return weights_->config();
+}
 
 void MoeLayer::set_placement(ExpertPlacement placement) {
   const MoeConfig& c = config();
-  EPMOE_CHECK(placement.num_logical() == c.num_experts && placement.num_physical() == c.num_physical_experts() &&
+  EPMOE_CHECK(placement.num_logical() == c.num_experts &&
+                  placement.num_physical() == c.num_physical_experts() &&
                   placement.num_ranks() == c.num_ranks,
-              "placement must have {} logical experts, {} slots and {} ranks, got {}, {} and {}", c.num_experts,
-              c.num_physical_experts(), c.num_ranks, placement.num_logical(), placement.num_physical(),
-              placement.num_ranks());
+              "placement must have {} logical experts, {} slots and {} ranks, got {}, {} and {}",
+              c.num_experts, c.num_physical_experts(), c.num_ranks, placement.num_logical(),
+              placement.num_physical(), placement.num_ranks());
   placement_ = std::move(placement);  // in place: the runner holds a pointer to this member
 }
 
 void MoeLayer::rebalance(int nodes) {
   const MoeConfig& c = config();
-  std::vector<std::vector<double>> load(1, std::vector<double>(expert_load_.begin(), expert_load_.end()));
-  const RebalanceResult result = rebalance_experts(load, c.num_physical_experts(), c.num_groups, nodes, c.num_ranks);
-  set_placement(placement_from(result, 0, c.num_ranks));
+  const std::vector<double> load(expert_load_.begin(), expert_load_.end());
+  set_placement(rebalance_placement(placement_, load, c.num_groups, nodes));
   std::fill(expert_load_.begin(), expert_load_.end(), 0);
 }
 
@@ -82,8 +86,8 @@ void MoeLayer::forward(std::span<const TensorView> x, std::span<const TensorView
     expect_contiguous(y[r], yname);
     if (options_.mode == Mode::low_latency)
       EPMOE_CHECK(x[r].size(0) <= c.max_tokens_per_rank,
-                  "rank {} has {} tokens, more than the low-latency buffers hold (max_tokens_per_rank = {})", r,
-                  x[r].size(0), c.max_tokens_per_rank);
+                  "rank {} has {} tokens, more than the low-latency buffers hold (max_tokens_per_rank = {})",
+                  r, x[r].size(0), c.max_tokens_per_rank);
   }
 
   std::vector<HostTensor> logical(static_cast<std::size_t>(N)), physical(static_cast<std::size_t>(N)),
@@ -95,7 +99,8 @@ void MoeLayer::forward(std::span<const TensorView> x, std::span<const TensorView
       detail::route_tokens(*weights_, x[r], ids, topk_weights[static_cast<std::size_t>(r)]);
       physical[static_cast<std::size_t>(r)] = HostTensor(DType::i32, {x[r].size(0), c.topk});
       placement_.map_to_physical(ids, physical[static_cast<std::size_t>(r)], r, c.dispatch_algorithm);
-      for (std::int64_t i = 0; i < ids.numel(); ++i) ++expert_load_[static_cast<std::size_t>(ids.data<std::int32_t>()[i])];
+      for (std::int64_t i = 0; i < ids.numel(); ++i)
+        ++expert_load_[static_cast<std::size_t>(ids.data<std::int32_t>()[i])];
     }
   }
 
@@ -106,7 +111,8 @@ void MoeLayer::forward(std::span<const TensorView> x, std::span<const TensorView
     for (int r = 0; r < N; ++r) {
       auto& q = quantized[static_cast<std::size_t>(r)];
       q = detail::quantize_tokens(format, x[r], weights_->a1_scale(), c.power_of_two_scales);
-      inputs[static_cast<std::size_t>(r)] = {q.x, q.scales, q.tensor_scale, physical[static_cast<std::size_t>(r)],
+      inputs[static_cast<std::size_t>(r)] = {q.x, q.scales, q.tensor_scale,
+                                             physical[static_cast<std::size_t>(r)],
                                              topk_weights[static_cast<std::size_t>(r)]};
     }
   }
@@ -145,7 +151,8 @@ void MoeLayer::forward(std::span<const TensorView> x, std::span<const TensorView
       for (int r = 0; r < N; ++r) {
         bf16* yr = y[r].as<bf16>();
         const bf16* sr = shared[static_cast<std::size_t>(r)].data<bf16>();
-        for (std::int64_t i = 0; i < y[r].numel(); ++i) yr[i] = bf16::from_float(yr[i].to_float() + sr[i].to_float());
+        for (std::int64_t i = 0; i < y[r].numel(); ++i)
+          yr[i] = bf16::from_float(yr[i].to_float() + sr[i].to_float());
       }
     }
   }

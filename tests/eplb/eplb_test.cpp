@@ -53,16 +53,6 @@ std::vector<double> zipf_load(int num_experts, double s, std::uint64_t seed) {
   return load;
 }
 
-// Max over GPUs of the sum over the GPU's slots of load / replica count of the slot's expert.
-double max_gpu_load(const ExpertPlacement& placement, const std::vector<double>& load) {
-  std::vector<double> gpu(static_cast<std::size_t>(placement.num_ranks()), 0.0);
-  for (int p = 0; p < placement.num_physical(); ++p) {
-    const int e = placement.phy2log()[p];
-    gpu[placement.rank_of_slot(p)] += load[e] / placement.logcnt()[e];
-  }
-  return *std::max_element(gpu.begin(), gpu.end());
-}
-
 // Structural checks of one result; returns the placements of each layer with num_gpus ranks.
 std::vector<ExpertPlacement> check_result(const RebalanceResult& r,
                                           const std::vector<std::vector<double>>& load, int num_physical,
@@ -129,8 +119,8 @@ double check_better_than_naive(const std::vector<std::vector<double>>& load, int
   const ExpertPlacement naive = ExpertPlacement::initial(E, P, gpus);
   double worst = 0.0;
   for (std::size_t l = 0; l < load.size(); ++l) {
-    const double balanced = max_gpu_load(placements[l], load[l]);
-    const double baseline = max_gpu_load(naive, load[l]);
+    const double balanced = busiest_rank_load(placements[l], load[l]);
+    const double baseline = busiest_rank_load(naive, load[l]);
     const double total = std::accumulate(load[l].begin(), load[l].end(), 0.0);
     EXPECT_LE(balanced, baseline) << what << " layer " << l;
     EXPECT_LT(balanced / (total / gpus), 1.25) << what << " layer " << l;  // close to the mean
@@ -435,10 +425,11 @@ TEST(EplbRebalance, NoRedundantSlotsAndUniformLoad) {
 // Random shapes and loads (uniform, Zipf, all zero, all equal, one expert with everything) through
 // both policies, with and without a slot cost: every result is a valid placement (check_result); a
 // hierarchical one keeps each group's replicas on one node; without a slot cost the global policy's
-// replica counts follow the load. (Not asserted: a busiest GPU no busier than the initial placement's.
-// DeepSeek's greedy replication breaks that on small shapes: one hot expert of 4 on 4 GPUs with 16
-// slots gets 13 replicas, 4 of them on one GPU, 0.31 of its load against the initial placement's 0.25.)
-// The seed is printed on failure; EPMOE_TEST_SEED replays it.
+// replica counts follow the load. rebalance_experts alone may leave the busiest GPU busier than the
+// initial placement (DeepSeek's greedy replication on small shapes: EplbRebalance.
+// KeepsTheCurrentPlacementWhereDeepSeeksIsWorse); rebalance_placement from the initial placement never
+// does across GPUs, and otherwise gives rebalance_experts' placement. The seed is printed on failure;
+// EPMOE_TEST_SEED replays it.
 TEST(EplbRebalanceSweep, RandomShapesAndLoadsGiveValidPlacements) {
   using testing::pick;
   testing::SeededRng rng;
@@ -477,8 +468,22 @@ TEST(EplbRebalanceSweep, RandomShapesAndLoadsGiveValidPlacements) {
                              i, E, P, groups, nodes, gpus, slot_cost, load.size(), kinds,
                              hierarchical ? "hierarchical" : "global"));
     const RebalanceResult r = rebalance_experts(load, P, groups, nodes, gpus, slot_cost);
-    check_result(r, load, P, gpus);
+    const auto placements = check_result(r, load, P, gpus);
+    const ExpertPlacement initial = ExpertPlacement::initial(E, P, gpus);
     for (std::size_t l = 0; l < load.size(); ++l) {
+      const ExpertPlacement kept = rebalance_placement(initial, load[l], groups, nodes, slot_cost);
+      const double before = busiest_rank_load(initial, load[l], slot_cost);
+      const double after = busiest_rank_load(kept, load[l], slot_cost);
+      // (On one GPU rebalance_experts' placement is taken as it is: with a slot cost its replicas of a
+      // hot expert add slot costs the model counts, and buy nothing it counts.)
+      if (gpus > 1) {
+        EXPECT_LE(after, before * (1 + 1e-12)) << "layer " << l << ": rebalance_placement made it worse";
+      }
+      if (kept.phy2log() != placements[l].phy2log()) {
+        EXPECT_EQ(kept.phy2log(), initial.phy2log())
+            << "layer " << l << ": neither DeepSeek's nor the current";
+        EXPECT_GT(busiest_rank_load(placements[l], load[l], slot_cost), before) << "layer " << l;
+      }
       if (hierarchical) {
         std::vector<int> node_of_group(static_cast<std::size_t>(groups), -1);
         for (int p = 0; p < P; ++p) {
@@ -498,6 +503,36 @@ TEST(EplbRebalanceSweep, RandomShapesAndLoadsGiveValidPlacements) {
       }
     }
   }
+}
+
+// DeepSeek's greedy replication gives all 12 spare slots of 4 experts on 4 GPUs to the one hot expert;
+// 13 replicas in 4 slots per GPU put 4 of them on one GPU (4/13 of the hot load, 0.31) where the initial
+// placement (each GPU one replica of every expert) has 0.25 everywhere. rebalance_placement keeps that.
+TEST(EplbRebalance, KeepsTheCurrentPlacementWhereDeepSeeksIsWorse) {
+  const std::vector<double> load = {0, 1000, 0, 0};
+  const ExpertPlacement initial = ExpertPlacement::initial(4, 16, 4);
+  EXPECT_DOUBLE_EQ(busiest_rank_load(initial, load), 250.0);
+  const ExpertPlacement deepseek = placement_from(rebalance_experts({load}, 16, 1, 1, 4), 0, 4);
+  EXPECT_EQ(deepseek.logcnt()[1], 13);
+  EXPECT_DOUBLE_EQ(busiest_rank_load(deepseek, load), 4 * 1000.0 / 13);
+  EXPECT_EQ(rebalance_placement(initial, load, 1, 1).phy2log(), initial.phy2log());
+  // From a placement DeepSeek's does improve on (the hot expert once), DeepSeek's is taken.
+  std::vector<std::int32_t> once(16);
+  for (int p = 0; p < 16; ++p) once[p] = p == 0 ? 1 : (p % 3 == 0 ? 0 : (p % 3 == 1 ? 2 : 3));
+  const ExpertPlacement single(once, 4, 4);
+  EXPECT_DOUBLE_EQ(busiest_rank_load(single, load), 1000.0);
+  EXPECT_EQ(rebalance_placement(single, load, 1, 1).phy2log(), deepseek.phy2log());
+  // On one rank every placement carries everything: DeepSeek's is taken.
+  const ExpertPlacement one_rank = ExpertPlacement::initial(4, 16, 1);
+  EXPECT_EQ(rebalance_placement(one_rank, load, 1, 1).phy2log(),
+            placement_from(rebalance_experts({load}, 16, 1, 1, 1), 0, 1).phy2log());
+  // The slot cost counts once per loaded slot.
+  EXPECT_DOUBLE_EQ(busiest_rank_load(initial, load, 10.0), 260.0);
+  expect_error([&] { (void)busiest_rank_load(initial, std::vector<double>(3, 1.0)); }, "load has 3 experts");
+  expect_error([&] { (void)busiest_rank_load(initial, std::vector<double>{0, -1, 0, 0}); }, "load[1] = -1");
+  expect_error([&] { (void)busiest_rank_load(initial, load, -1.0); }, "slot_cost");
+  expect_error([&] { (void)rebalance_placement(initial, std::vector<double>(5, 1.0), 1, 1); },
+               "load has 5 experts");
 }
 
 TEST(EplbRebalance, RefusesBadInputs) {

@@ -157,10 +157,11 @@ class GpuMoeLayer {
   // Tokens routed to each logical expert since construction or the last rebalance, summed over the
   // ranks (collective; synchronises the stream).
   std::vector<std::int64_t> expert_load();
-  // DeepSeek EPLB over expert_load() (collective): installs the new placement on every rank, rewrites
-  // the local slots whose expert changed in place, clears the counters. Returns the slots rewritten
-  // on this rank. slot_cost_tokens: what reading one slot's weights costs per forward, in tokens of
-  // GEMM work (rebalance_experts' slot_cost, times the forwards counted): -1 takes
+  // DeepSeek EPLB over expert_load() (collective): installs the new placement on every rank
+  // (rebalance_placement: across ranks, the current one stays where DeepSeek's would leave the busiest
+  // rank busier), rewrites the local slots whose expert changed in place, clears the counters. Returns the
+  // slots rewritten on this rank. slot_cost_tokens: what reading one slot's weights costs per forward, in
+  // tokens of GEMM work (rebalance_experts' slot_cost, times the forwards counted): -1 takes
   // weight_read_tokens(), so that at decode a replica is made only where it carries enough tokens to
   // pay for its reads; 0 is DeepSeek's algorithm unchanged.
   int rebalance(int nodes = 1, double slot_cost_tokens = -1.0);
