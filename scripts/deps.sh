@@ -3,7 +3,7 @@
 # (nvcc, CCCL, NCCL) is expected at /usr/local/cuda.
 set -euo pipefail
 packages=(cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libfmt-dev pkgconf
-  python3-pyelftools)
+  python3-pyelftools clang-format)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

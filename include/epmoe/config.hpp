@@ -26,23 +26,23 @@ inline constexpr int kQuantGroup = 128;  // K values per activation scale / weig
 
 struct MoeConfig {
   std::string name = "custom";
-  std::int64_t hidden = 7168;         // H
-  std::int64_t intermediate = 2048;   // I, per routed expert
-  int num_experts = 256;              // E, logical routed experts
-  int topk = 8;                       // K
-  int num_groups = 8;                 // expert groups for grouped top-k (1 = plain top-k)
-  int topk_groups = 4;                // groups kept per token
-  Scoring scoring = Scoring::sigmoid; // sigmoid + correction bias (noaux_tc) or softmax
-  bool renormalize = true;            // renormalise the top-k weights to sum 1
-  float routed_scaling_factor = 2.5f; // s, applied to the routing weights
-  int num_shared_experts = 1;         // shared experts of width `intermediate`, fused into one MLP
+  std::int64_t hidden = 7168;          // H
+  std::int64_t intermediate = 2048;    // I, per routed expert
+  int num_experts = 256;               // E, logical routed experts
+  int topk = 8;                        // K
+  int num_groups = 8;                  // expert groups for grouped top-k (1 = plain top-k)
+  int topk_groups = 4;                 // groups kept per token
+  Scoring scoring = Scoring::sigmoid;  // sigmoid + correction bias (noaux_tc) or softmax
+  bool renormalize = true;             // renormalise the top-k weights to sum 1
+  float routed_scaling_factor = 2.5f;  // s, applied to the routing weights
+  int num_shared_experts = 1;          // shared experts of width `intermediate`, fused into one MLP
   QuantScheme quant = QuantScheme::fp8;
-  bool power_of_two_scales = false;   // UE8M0 activation scales
+  bool power_of_two_scales = false;  // UE8M0 activation scales
 
   // Expert parallelism.
   int num_ranks = 1;
-  int num_redundant_experts = 0;      // R: physical slots = E + R
-  int max_tokens_per_rank = 128;      // sizes the low-latency buffers
+  int num_redundant_experts = 0;  // R: physical slots = E + R
+  int max_tokens_per_rank = 128;  // sizes the low-latency buffers
   DispatchAlgorithm dispatch_algorithm = DispatchAlgorithm::static_choice;
 
   static MoeConfig preset(std::string_view name);  // "deepseek-v3" or "tiny"
@@ -55,9 +55,7 @@ struct MoeConfig {
   int num_local_experts() const { return num_physical_experts() / num_ranks; }
   std::int64_t shared_intermediate() const { return intermediate * num_shared_experts; }
   // Worst-case rows any local expert can receive in low-latency mode (every token of every rank).
-  std::int64_t masked_max_m() const {
-    return static_cast<std::int64_t>(max_tokens_per_rank) * num_ranks;
-  }
+  std::int64_t masked_max_m() const { return static_cast<std::int64_t>(max_tokens_per_rank) * num_ranks; }
   std::string describe() const;
 };
 

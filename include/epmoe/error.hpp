@@ -21,11 +21,11 @@ namespace detail {
 }  // namespace epmoe
 
 // EPMOE_CHECK(cond, "fmt {}", args...) throws epmoe::Error("file:line: message") when cond is false.
-#define EPMOE_CHECK(cond, ...)                                                   \
-  do {                                                                           \
-    if (!(cond)) [[unlikely]] {                                                  \
+#define EPMOE_CHECK(cond, ...)                                                      \
+  do {                                                                              \
+    if (!(cond)) [[unlikely]] {                                                     \
       ::epmoe::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__)); \
-    }                                                                            \
+    }                                                                               \
   } while (0)
 
 #define EPMOE_FAIL(...) ::epmoe::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__))

@@ -18,7 +18,7 @@ struct bf16 {
   static constexpr bf16 from_bits(std::uint16_t b) { return bf16{b}; }
   static bf16 from_float(float f) {
     const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{0x7fff};  // canonical NaN, as CUDA
+    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{0x7fff};      // canonical NaN, as CUDA
     const std::uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);  // round to nearest-even
     return bf16{static_cast<std::uint16_t>(rounded >> 16)};
   }
@@ -26,7 +26,9 @@ struct bf16 {
 };
 static_assert(sizeof(bf16) == 2);
 
-inline float round_to_bf16(float f) { return bf16::from_float(f).to_float(); }
+inline float round_to_bf16(float f) {
+  return bf16::from_float(f).to_float();
+}
 
 // ---------------------------------------------------------------- fp8 e4m3 (OCP "E4M3FN")
 inline constexpr float kFp8E4m3Max = 448.0f;
@@ -52,7 +54,8 @@ struct fp8_e4m3 {
     const std::uint32_t rounded = a + 0x7ffffu + ((a >> 20) & 1u);
     const std::uint32_t exponent = (rounded >> 23) - 120u;  // rebias 127 -> 7
     const std::uint32_t mant = (rounded >> 20) & 0x7u;
-    if (exponent > 15u || (exponent == 15u && mant == 7u)) return fp8_e4m3{static_cast<std::uint8_t>(sign | 0x7e)};
+    if (exponent > 15u || (exponent == 15u && mant == 7u))
+      return fp8_e4m3{static_cast<std::uint8_t>(sign | 0x7e)};
     return fp8_e4m3{static_cast<std::uint8_t>(sign | (exponent << 3) | mant)};
   }
 
@@ -70,7 +73,9 @@ struct fp8_e4m3 {
 };
 static_assert(sizeof(fp8_e4m3) == 1);
 
-inline float round_to_fp8(float f) { return fp8_e4m3::from_float(f).to_float(); }
+inline float round_to_fp8(float f) {
+  return fp8_e4m3::from_float(f).to_float();
+}
 
 // ---------------------------------------------------------------- packed signed int4
 // Two values per byte: element 2i in the low nibble, element 2i+1 in the high nibble,
@@ -82,8 +87,12 @@ inline std::uint8_t pack_int4(int lo, int hi) {
   return static_cast<std::uint8_t>((static_cast<unsigned>(lo) & 0xfu) |
                                    ((static_cast<unsigned>(hi) & 0xfu) << 4));
 }
-inline int unpack_int4_lo(std::uint8_t b) { return static_cast<int>(static_cast<std::int8_t>(b << 4)) >> 4; }
-inline int unpack_int4_hi(std::uint8_t b) { return static_cast<int>(static_cast<std::int8_t>(b)) >> 4; }
+inline int unpack_int4_lo(std::uint8_t b) {
+  return static_cast<int>(static_cast<std::int8_t>(b << 4)) >> 4;
+}
+inline int unpack_int4_hi(std::uint8_t b) {
+  return static_cast<int>(static_cast<std::int8_t>(b)) >> 4;
+}
 inline int unpack_int4(const std::uint8_t* packed, std::int64_t index) {
   const std::uint8_t b = packed[index >> 1];
   return (index & 1) ? unpack_int4_hi(b) : unpack_int4_lo(b);

@@ -19,8 +19,8 @@ std::string_view to_string(Numerics n);
 
 struct RunnerContext {
   MoeConfig config;
-  const ModelWeights* weights = nullptr;        // logical expert weights
-  const ExpertPlacement* placement = nullptr;   // physical slot -> logical expert
+  const ModelWeights* weights = nullptr;       // logical expert weights
+  const ExpertPlacement* placement = nullptr;  // physical slot -> logical expert
   Numerics numerics = Numerics::mirror;
 };
 

@@ -4,16 +4,23 @@
 
 namespace epmoe {
 
-std::string_view to_string(Scoring v) { return v == Scoring::sigmoid ? "sigmoid" : "softmax"; }
+std::string_view to_string(Scoring v) {
+  return v == Scoring::sigmoid ? "sigmoid" : "softmax";
+}
 std::string_view to_string(QuantScheme v) {
   switch (v) {
-    case QuantScheme::fp8: return "fp8";
-    case QuantScheme::w4a8: return "w4a8";
-    case QuantScheme::none: return "none";
+    case QuantScheme::fp8:
+      return "fp8";
+    case QuantScheme::w4a8:
+      return "w4a8";
+    case QuantScheme::none:
+      return "none";
   }
   return "?";
 }
-std::string_view to_string(Mode v) { return v == Mode::normal ? "normal" : "low-latency"; }
+std::string_view to_string(Mode v) {
+  return v == Mode::normal ? "normal" : "low-latency";
+}
 std::string_view to_string(DispatchAlgorithm v) {
   return v == DispatchAlgorithm::static_choice ? "static" : "dynamic";
 }
@@ -60,7 +67,9 @@ MoeConfig MoeConfig::preset(std::string_view name) {
   EPMOE_FAIL("preset must be one of 'deepseek-v3', 'tiny', got '{}'", name);
 }
 
-std::vector<std::string> MoeConfig::preset_names() { return {"deepseek-v3", "tiny"}; }
+std::vector<std::string> MoeConfig::preset_names() {
+  return {"deepseek-v3", "tiny"};
+}
 
 void MoeConfig::validate() const {
   EPMOE_CHECK(hidden > 0 && hidden % kQuantGroup == 0, "hidden must be a positive multiple of {}, got {}",
@@ -68,8 +77,7 @@ void MoeConfig::validate() const {
   EPMOE_CHECK(intermediate > 0 && intermediate % kQuantGroup == 0,
               "intermediate must be a positive multiple of {}, got {}", kQuantGroup, intermediate);
   EPMOE_CHECK(num_experts >= 1, "experts must be >= 1, got {}", num_experts);
-  EPMOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, experts={}], got {}", num_experts,
-              topk);
+  EPMOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, experts={}], got {}", num_experts, topk);
   EPMOE_CHECK(num_groups >= 1 && num_experts % num_groups == 0,
               "groups must be >= 1 and divide experts={}, got {}", num_experts, num_groups);
   EPMOE_CHECK(topk_groups >= 1 && topk_groups <= num_groups, "topk_groups must be in [1, groups={}], got {}",
@@ -79,10 +87,11 @@ void MoeConfig::validate() const {
               "topk_groups * experts per group ({} * {}) must be >= topk={}", topk_groups, experts_per_group,
               topk);
   if (scoring == Scoring::sigmoid && num_groups > 1) {
-    EPMOE_CHECK(experts_per_group >= 2,
-                "grouped sigmoid routing sums the top-2 scores of each group: experts per group must be >= 2, "
-                "got {}",
-                experts_per_group);
+    EPMOE_CHECK(
+        experts_per_group >= 2,
+        "grouped sigmoid routing sums the top-2 scores of each group: experts per group must be >= 2, "
+        "got {}",
+        experts_per_group);
   }
   EPMOE_CHECK(routed_scaling_factor > 0.0f && routed_scaling_factor < 1e6f,
               "routed_scaling_factor must be positive and finite, got {}", routed_scaling_factor);

@@ -52,7 +52,6 @@ EPMOE_HD inline float rn_fma(float a, float b, float c) {
 #endif
 }
 
-
 EPMOE_HD inline std::uint32_t f32_bits(float x) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(x);

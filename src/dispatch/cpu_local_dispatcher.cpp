@@ -19,13 +19,15 @@ class CpuLocalDispatcher final : public Dispatcher {
   const DispatchStats& last_stats() const override { return stats_; }
 
   void dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) override {
-    EPMOE_CHECK(inputs.size() == 1 && outputs.size() == 1, "cpu-local dispatch takes one input and one output");
+    EPMOE_CHECK(inputs.size() == 1 && outputs.size() == 1,
+                "cpu-local dispatch takes one input and one output");
     const DispatchInput& in = inputs[0];
     detail::validate_dispatch_input(context_, in, 0);
     const std::int64_t T = in.x.size(0);
     const int K = context_.config.topk;
     local_ids_ = HostTensor(DType::i32, {T, K});
-    std::copy_n(in.topk_ids.as<std::int32_t>(), T * K, local_ids_.data<std::int32_t>());  // one rank: slot = local id
+    std::copy_n(in.topk_ids.as<std::int32_t>(), T * K,
+                local_ids_.data<std::int32_t>());  // one rank: slot = local id
     weights_ = in.topk_weights;
     DispatchOutput& out = outputs[0];
     out = DispatchOutput{};
@@ -42,7 +44,8 @@ class CpuLocalDispatcher final : public Dispatcher {
   }
 
   void combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) override {
-    EPMOE_CHECK(expert_out.size() == 1 && y.size() == 1, "cpu-local combine takes one expert output and one y");
+    EPMOE_CHECK(expert_out.size() == 1 && y.size() == 1,
+                "cpu-local combine takes one expert output and one y");
     const std::int64_t T = local_ids_.size(0), H = context_.config.hidden;
     const int K = context_.config.topk;
     expect_dtype(expert_out[0], DType::bf16, "expert_out");
@@ -55,7 +58,8 @@ class CpuLocalDispatcher final : public Dispatcher {
       for (int k = 0; k < K; ++k)
         detail::accumulate_weighted_row(acc.data(), expert_out[0].as<bf16>() + (t * K + k) * H,
                                         weights_.as<float>()[t * K + k], H);
-      for (std::int64_t h = 0; h < H; ++h) y[0].as<bf16>()[t * H + h] = bf16::from_float(acc[static_cast<std::size_t>(h)]);
+      for (std::int64_t h = 0; h < H; ++h)
+        y[0].as<bf16>()[t * H + h] = bf16::from_float(acc[static_cast<std::size_t>(h)]);
     }
   }
 

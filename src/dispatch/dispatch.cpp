@@ -6,18 +6,24 @@ namespace epmoe {
 
 std::string_view to_string(Layout layout) {
   switch (layout) {
-    case Layout::token_major: return "token-major";
-    case Layout::contiguous: return "contiguous";
-    case Layout::masked: return "masked";
+    case Layout::token_major:
+      return "token-major";
+    case Layout::contiguous:
+      return "contiguous";
+    case Layout::masked:
+      return "masked";
   }
   return "?";
 }
 
 std::int64_t DispatchOutput::num_output_rows() const {
   switch (layout) {
-    case Layout::token_major: return local_ids.rank == 2 ? local_ids.size(0) * local_ids.size(1) : 0;
-    case Layout::contiguous: return rows.rank == 2 ? rows.size(0) : 0;
-    case Layout::masked: return rows.rank == 3 ? rows.size(0) * rows.size(1) : 0;
+    case Layout::token_major:
+      return local_ids.rank == 2 ? local_ids.size(0) * local_ids.size(1) : 0;
+    case Layout::contiguous:
+      return rows.rank == 2 ? rows.size(0) : 0;
+    case Layout::masked:
+      return rows.rank == 3 ? rows.size(0) * rows.size(1) : 0;
   }
   return 0;
 }
@@ -69,8 +75,8 @@ void validate_dispatch_input(const DispatcherContext& context, const DispatchInp
   const int P = c.num_physical_experts();
   for (std::int64_t i = 0; i < T * c.topk; ++i) {
     const std::int32_t id = in.topk_ids.as<std::int32_t>()[i];
-    EPMOE_CHECK(id >= 0 && id < P, "{}topk_ids[{}][{}] = {} is out of range [0, {})", r, i / c.topk, i % c.topk,
-                id, P);
+    EPMOE_CHECK(id >= 0 && id < P, "{}topk_ids[{}][{}] = {} is out of range [0, {})", r, i / c.topk,
+                i % c.topk, id, P);
   }
   if (context.mode == Mode::low_latency) {
     EPMOE_CHECK(T <= c.max_tokens_per_rank,

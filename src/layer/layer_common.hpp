@@ -8,7 +8,8 @@ namespace epmoe::detail {
 // x [T, H] bf16 -> logical top-k ids [T, K] i32 and weights [T, K] f32.
 void route_tokens(const ModelWeights& weights, TensorView x, HostTensor& ids, HostTensor& topk_weights);
 // The same from given gate logits [T, E] f32 (host).
-void route_from_logits(const ModelWeights& weights, TensorView logits, HostTensor& ids, HostTensor& topk_weights);
+void route_from_logits(const ModelWeights& weights, TensorView logits, HostTensor& ids,
+                       HostTensor& topk_weights);
 
 // Activations in the format the routed runner wants (design.md §4).
 struct QuantizedTokens {

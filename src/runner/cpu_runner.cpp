@@ -57,11 +57,13 @@ class CpuRunner final : public Runner {
             std::memcpy(static_cast<std::byte*>(x.view().data) + r * static_cast<std::int64_t>(row_bytes),
                         in.rows.select(t).data, row_bytes);
             if (in.format == ActivationFormat::fp8_group)
-              std::memcpy(scales.data<float>() + r * (H / 128), in.scales.select(t).data, (H / 128) * sizeof(float));
+              std::memcpy(scales.data<float>() + r * (H / 128), in.scales.select(t).data,
+                          (H / 128) * sizeof(float));
           }
           run_expert(rank, j, in, x, scales, y);
           for (std::int64_t r = 0; r < n; ++r)
-            std::memcpy(out.select(list[static_cast<std::size_t>(r)]).data, y.view().select(r).data, H * sizeof(bf16));
+            std::memcpy(out.select(list[static_cast<std::size_t>(r)]).data, y.view().select(r).data,
+                        H * sizeof(bf16));
         }
         break;
       }
@@ -71,9 +73,10 @@ class CpuRunner final : public Runner {
           std::int64_t end = in.expert_offsets[static_cast<std::size_t>(j) + 1];
           while (end > begin && in.m_indices.as<std::int32_t>()[end - 1] < 0) --end;  // padding rows
           if (end == begin) continue;
-          run_expert(rank, j, in, in.rows.slice_rows(begin, end),
-                     in.format == ActivationFormat::fp8_group ? in.scales.slice_rows(begin, end) : TensorView{},
-                     out.slice_rows(begin, end));
+          run_expert(
+              rank, j, in, in.rows.slice_rows(begin, end),
+              in.format == ActivationFormat::fp8_group ? in.scales.slice_rows(begin, end) : TensorView{},
+              out.slice_rows(begin, end));
         }
         break;
       }
@@ -83,9 +86,10 @@ class CpuRunner final : public Runner {
           const std::int64_t m = in.masked_m.as<std::int32_t>()[j];
           EPMOE_CHECK(m >= 0 && m <= max_m, "masked_m[{}] must be in [0, {}], got {}", j, max_m, m);
           if (m == 0) continue;
-          run_expert(rank, j, in, in.rows.select(j).slice_rows(0, m),
-                     in.format == ActivationFormat::fp8_group ? in.scales.select(j).slice_rows(0, m) : TensorView{},
-                     out.slice_rows(j * max_m, j * max_m + m));
+          run_expert(
+              rank, j, in, in.rows.select(j).slice_rows(0, m),
+              in.format == ActivationFormat::fp8_group ? in.scales.select(j).slice_rows(0, m) : TensorView{},
+              out.slice_rows(j * max_m, j * max_m + m));
         }
         break;
       }
@@ -93,7 +97,8 @@ class CpuRunner final : public Runner {
   }
 
  private:
-  void run_expert(int rank, int local_slot, const DispatchOutput& in, TensorView x, TensorView scales, TensorView y) {
+  void run_expert(int rank, int local_slot, const DispatchOutput& in, TensorView x, TensorView scales,
+                  TensorView y) {
     const int physical = rank * context_.config.num_local_experts() + local_slot;
     const int logical = context_.placement->phy2log()[static_cast<std::size_t>(physical)];
     expert_mlp_cpu(context_.weights->routed_expert(logical), in.format, x, scales, in.tensor_scale,
@@ -108,9 +113,9 @@ class CpuRunner final : public Runner {
 [[maybe_unused]] const bool kRegistered = [] {
   for (Layout layout : {Layout::token_major, Layout::contiguous, Layout::masked})
     for (QuantScheme quant : {QuantScheme::fp8, QuantScheme::w4a8, QuantScheme::none})
-      RunnerRegistry::instance().add(runner_key(Device::cpu, layout, quant), [layout](const RunnerContext& c) {
-        return std::make_unique<CpuRunner>(c, layout);
-      });
+      RunnerRegistry::instance().add(
+          runner_key(Device::cpu, layout, quant),
+          [layout](const RunnerContext& c) { return std::make_unique<CpuRunner>(c, layout); });
   return true;
 }();
 

@@ -60,7 +60,8 @@ TEST_P(LayerVsReference, WithinTolerance) {
   auto w = std::make_shared<SyntheticWeights>(c, 11);
   MoeLayer layer(w, {mode});
   std::vector<std::int64_t> tokens;
-  for (int r = 0; r < ranks; ++r) tokens.push_back(r == ranks - 1 && ranks > 1 ? 0 : 13 + 3 * r);  // one rank idle
+  for (int r = 0; r < ranks; ++r)
+    tokens.push_back(r == ranks - 1 && ranks > 1 ? 0 : 13 + 3 * r);  // one rank idle
   Batch b = make_batch(c, tokens, 5);
   ForwardStats stats;
   layer.forward(b.xv, b.yv, &stats);
@@ -189,7 +190,8 @@ TEST(Layer, BadInputIsRefusedWithClearMessages) {
     bad.validate();
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("hidden must be a positive multiple of 128"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("hidden must be a positive multiple of 128"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -22,23 +22,29 @@ TEST(ExpertMlp, RefusesBadShapesAndScales) {
   for (std::int64_t i = 0; i < s.numel(); ++i) s.data<float>()[i] = 0.01f;
   EXPECT_NO_THROW(expert_mlp_cpu(*w, ActivationFormat::fp8_group, x, s, 1, 1, false, Numerics::mirror, y));
   HostTensor wide(DType::fp8_e4m3, {4, 384});
-  EXPECT_NE(message_of([&] { expert_mlp_cpu(*w, ActivationFormat::fp8_group, wide, s, 1, 1, false, Numerics::mirror, y); })
-                .find("x must have shape [4, 256]"),
+  EXPECT_NE(message_of([&] {
+              expert_mlp_cpu(*w, ActivationFormat::fp8_group, wide, s, 1, 1, false, Numerics::mirror, y);
+            }).find("x must have shape [4, 256]"),
             std::string::npos);
   HostTensor bad_scales(DType::f32, {4, 3});
-  EXPECT_NE(message_of([&] { expert_mlp_cpu(*w, ActivationFormat::fp8_group, x, bad_scales, 1, 1, false, Numerics::mirror, y); })
-                .find("x_scales"),
+  EXPECT_NE(message_of([&] {
+              expert_mlp_cpu(*w, ActivationFormat::fp8_group, x, bad_scales, 1, 1, false, Numerics::mirror,
+                             y);
+            }).find("x_scales"),
             std::string::npos);
   HostTensor bf(DType::bf16, {4, 256});
-  EXPECT_NE(message_of([&] { expert_mlp_cpu(*w, ActivationFormat::fp8_group, bf, s, 1, 1, false, Numerics::mirror, y); })
-                .find("x must have dtype fp8_e4m3"),
+  EXPECT_NE(message_of([&] {
+              expert_mlp_cpu(*w, ActivationFormat::fp8_group, bf, s, 1, 1, false, Numerics::mirror, y);
+            }).find("x must have dtype fp8_e4m3"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { expert_mlp_cpu(*w, ActivationFormat::fp8_tensor, x, {}, 0.0f, 1, false, Numerics::mirror, y); })
-                .find("x_tensor_scale must be positive"),
+  EXPECT_NE(message_of([&] {
+              expert_mlp_cpu(*w, ActivationFormat::fp8_tensor, x, {}, 0.0f, 1, false, Numerics::mirror, y);
+            }).find("x_tensor_scale must be positive"),
             std::string::npos);
   HostTensor y_f32(DType::f32, {4, 256});
-  EXPECT_NE(message_of([&] { expert_mlp_cpu(*w, ActivationFormat::fp8_group, x, s, 1, 1, false, Numerics::mirror, y_f32); })
-                .find("out must be bf16 or f64"),
+  EXPECT_NE(message_of([&] {
+              expert_mlp_cpu(*w, ActivationFormat::fp8_group, x, s, 1, 1, false, Numerics::mirror, y_f32);
+            }).find("out must be bf16 or f64"),
             std::string::npos);
 }
 
@@ -73,8 +79,9 @@ TEST(Reference, RefusesBadInput) {
   EXPECT_NE(message_of([&] { reference_forward(weights, x, y, Numerics::mirror); }).find("x must be finite"),
             std::string::npos);
   HostTensor x2 = synthetic_tokens(c, 1, 0, 3), y2(DType::bf16, {4, c.hidden});
-  EXPECT_NE(message_of([&] { reference_forward(weights, x2, y2, Numerics::mirror); }).find("y must have shape"),
-            std::string::npos);
+  EXPECT_NE(
+      message_of([&] { reference_forward(weights, x2, y2, Numerics::mirror); }).find("y must have shape"),
+      std::string::npos);
   EXPECT_NE(message_of([&] { (void)weights.routed_expert(16); }).find("logical expert id must be in [0, 16)"),
             std::string::npos);
 }
@@ -82,14 +89,17 @@ TEST(Reference, RefusesBadInput) {
 TEST(Runner, RegistryNamesEveryCpuBackendAndRefusesUnknown) {
   const MoeConfig c = MoeConfig::preset("tiny");
   SyntheticWeights weights(c, 1);
-  const ExpertPlacement placement = ExpertPlacement::initial(c.num_experts, c.num_physical_experts(), c.num_ranks);
+  const ExpertPlacement placement =
+      ExpertPlacement::initial(c.num_experts, c.num_physical_experts(), c.num_ranks);
   for (Layout l : {Layout::token_major, Layout::contiguous, Layout::masked})
     EXPECT_NO_THROW((void)make_runner(Device::cpu, l, {c, &weights, &placement, Numerics::mirror}));
-  EXPECT_NE(message_of([&] { (void)make_runner(Device::cuda, Layout::masked, {c, &weights, &placement}); })
-                .find("no implementation registered for 'cuda/masked/fp8'"),
+  EXPECT_NE(message_of([&] {
+              (void)make_runner(Device::cuda, Layout::masked, {c, &weights, &placement});
+            }).find("no implementation registered for 'cuda/masked/fp8'"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { (void)make_runner(Device::cpu, Layout::masked, {c, nullptr, &placement}); })
-                .find("weights must be set"),
+  EXPECT_NE(message_of([&] {
+              (void)make_runner(Device::cpu, Layout::masked, {c, nullptr, &placement});
+            }).find("weights must be set"),
             std::string::npos);
 }
 

@@ -52,7 +52,8 @@ void report(CUptiResult r, const char* what) {
 std::string demangle(const char* name) {
   if (name == nullptr) return "?";
   int status = 0;
-  std::unique_ptr<char, decltype(&std::free)> d(abi::__cxa_demangle(name, nullptr, nullptr, &status), std::free);
+  std::unique_ptr<char, decltype(&std::free)> d(abi::__cxa_demangle(name, nullptr, nullptr, &status),
+                                                std::free);
   return status == 0 && d ? std::string(d.get()) : std::string(name);
 }
 
@@ -72,7 +73,8 @@ void keep(Record&& r) {
   g_records.push_back(std::move(r));
 }
 
-void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, std::size_t, std::size_t valid) {
+void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, std::size_t,
+                               std::size_t valid) {
   CUpti_Activity* a = nullptr;
   while (cuptiActivityGetNextRecord(buffer, valid, &a) == CUPTI_SUCCESS) {
     Record r;
@@ -80,20 +82,41 @@ void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, s
       case CUPTI_ACTIVITY_KIND_KERNEL:
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
         const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(a);
-        r = {demangle(k->name), k->start, k->end, k->deviceId, k->streamId, k->correlationId, k->graphId,
-             k->gridX * k->gridY * k->gridZ, k->blockX * k->blockY * k->blockZ};
+        r = {demangle(k->name),
+             k->start,
+             k->end,
+             k->deviceId,
+             k->streamId,
+             k->correlationId,
+             k->graphId,
+             k->gridX * k->gridY * k->gridZ,
+             k->blockX * k->blockY * k->blockZ};
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMCPY: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(a);
-        r = {"memcpy " + std::to_string(m->copyKind) + " (" + std::to_string(m->bytes) + " B)", m->start, m->end,
-             m->deviceId, m->streamId, m->correlationId, m->graphId, 0, 0};
+        r = {"memcpy " + std::to_string(m->copyKind) + " (" + std::to_string(m->bytes) + " B)",
+             m->start,
+             m->end,
+             m->deviceId,
+             m->streamId,
+             m->correlationId,
+             m->graphId,
+             0,
+             0};
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMSET: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(a);
-        r = {"memset (" + std::to_string(m->bytes) + " B)", m->start, m->end, m->deviceId, m->streamId,
-             m->correlationId, m->graphId, 0, 0};
+        r = {"memset (" + std::to_string(m->bytes) + " B)",
+             m->start,
+             m->end,
+             m->deviceId,
+             m->streamId,
+             m->correlationId,
+             m->graphId,
+             0,
+             0};
         break;
       }
       default:
@@ -119,8 +142,8 @@ std::string escaped(const std::string& s) {
 void write_trace() {
   report(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
   const char* dir = std::getenv("EPMOE_KERNEL_TRACE_DIR");
-  const std::string path =
-      std::string(dir != nullptr && *dir != '\0' ? dir : ".") + "/kernels-" + std::to_string(getpid()) + ".json";
+  const std::string path = std::string(dir != nullptr && *dir != '\0' ? dir : ".") + "/kernels-" +
+                           std::to_string(getpid()) + ".json";
   std::FILE* f = std::fopen(path.c_str(), "w");
   if (f == nullptr) {
     std::fprintf(stderr, "epmoe kernel trace: cannot write %s\n", path.c_str());
@@ -129,19 +152,21 @@ void write_trace() {
   std::lock_guard<std::mutex> lock(g_mutex);
   std::uint64_t t0 = ~0ull;
   for (const Record& r : g_records) t0 = r.start < t0 ? r.start : t0;
-  std::fprintf(f, "{\"pid\": %d, \"dropped\": %zu, \"cupti_failed\": %s, \"t0_ns\": %llu, \"traceEvents\": [\n",
+  std::fprintf(f,
+               "{\"pid\": %d, \"dropped\": %zu, \"cupti_failed\": %s, \"t0_ns\": %llu, \"traceEvents\": [\n",
                static_cast<int>(getpid()), g_dropped, g_failed ? "true" : "false",
                static_cast<unsigned long long>(t0 == ~0ull ? 0 : t0));
   for (std::size_t i = 0; i < g_records.size(); ++i) {
     const Record& r = g_records[i];
-    std::fprintf(f,
-                 "{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %u, \"tid\": %u, \"ts\": %.3f, \"dur\": %.3f, "
-                 "\"args\": {\"start_ns\": %llu, \"end_ns\": %llu, \"graph\": %u, \"grid\": %d, \"block\": %d, "
-                 "\"correlation\": %u}}%s\n",
-                 escaped(r.name).c_str(), r.device, r.stream, static_cast<double>(r.start - t0) * 1e-3,
-                 static_cast<double>(r.end - r.start) * 1e-3, static_cast<unsigned long long>(r.start),
-                 static_cast<unsigned long long>(r.end), r.graph, r.grid, r.block, r.correlation,
-                 i + 1 < g_records.size() ? "," : "");
+    std::fprintf(
+        f,
+        "{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %u, \"tid\": %u, \"ts\": %.3f, \"dur\": %.3f, "
+        "\"args\": {\"start_ns\": %llu, \"end_ns\": %llu, \"graph\": %u, \"grid\": %d, \"block\": %d, "
+        "\"correlation\": %u}}%s\n",
+        escaped(r.name).c_str(), r.device, r.stream, static_cast<double>(r.start - t0) * 1e-3,
+        static_cast<double>(r.end - r.start) * 1e-3, static_cast<unsigned long long>(r.start),
+        static_cast<unsigned long long>(r.end), r.graph, r.grid, r.block, r.correlation,
+        i + 1 < g_records.size() ? "," : "");
   }
   std::fprintf(f, "]}\n");
   std::fclose(f);
@@ -154,7 +179,8 @@ void write_trace() {
 extern "C" int InitializeInjection() {
   if (const char* max = std::getenv("EPMOE_KERNEL_TRACE_MAX"); max != nullptr)
     g_max_records = static_cast<std::size_t>(std::strtoull(max, nullptr, 10));
-  report(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed), "cuptiActivityRegisterCallbacks");
+  report(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed),
+         "cuptiActivityRegisterCallbacks");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable kernels");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable memcpy");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enable memset");
