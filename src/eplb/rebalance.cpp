@@ -18,6 +18,12 @@
 namespace epmoe {
 namespace {
 
+// The load one replica carries in the model the GPUs are packed on (and busiest_rank_load measures):
+// its share of the expert's load, plus the slot cost when the expert has any load.
+double replica_load(double expert_load, int replicas, double slot_cost) {
+  return expert_load / replicas + (expert_load > 0 ? slot_cost : 0.0);
+}
+
 // Where each item went: pack[i] is its pack, slot[i] its position inside that pack.
 struct Packing {
   std::vector<int> pack, slot;
@@ -110,7 +116,7 @@ void rebalance_layer(std::span<const double> load, int num_physical, int num_gro
   }
 
   std::vector<double> node_load(static_cast<std::size_t>(logical_per_node));
-  std::vector<double> replica_load(static_cast<std::size_t>(physical_per_node));
+  std::vector<double> load_of_replica(static_cast<std::size_t>(physical_per_node));
   for (int node = 0; node < num_nodes; ++node) {
     const int* experts = node_expert.data() + static_cast<std::ptrdiff_t>(node) * logical_per_node;
     for (int j = 0; j < logical_per_node; ++j) node_load[j] = load[experts[j]];
@@ -122,9 +128,9 @@ void rebalance_layer(std::span<const double> load, int num_physical, int num_gro
     // 3. Replicas to the node's GPUs, by the load each replica carries.
     for (int r = 0; r < physical_per_node; ++r) {
       const int j = rep.replica_expert[r];
-      replica_load[r] = node_load[j] / rep.count[j] + (node_load[j] > 0 ? slot_cost : 0.0);
+      load_of_replica[r] = replica_load(node_load[j], rep.count[j], slot_cost);
     }
-    const Packing gpus = balanced_packing(replica_load, gpus_per_node);
+    const Packing gpus = balanced_packing(load_of_replica, gpus_per_node);
     for (int r = 0; r < physical_per_node; ++r) {
       const int slot = node * physical_per_node + gpus.pack[r] * slots_per_gpu + gpus.slot[r];
       phy2log[slot] = experts[rep.replica_expert[r]];
@@ -227,7 +233,7 @@ double busiest_rank_load(const ExpertPlacement& placement, std::span<const doubl
     const int e = placement.phy2log()[p];
     const double v = load[e];
     EPMOE_CHECK(std::isfinite(v) && v >= 0.0, "load[{}] = {} must be finite and non-negative", e, v);
-    rank_load[placement.rank_of_slot(p)] += v / placement.logcnt()[e] + (v > 0 ? slot_cost : 0.0);
+    rank_load[placement.rank_of_slot(p)] += replica_load(v, placement.logcnt()[e], slot_cost);
   }
   return *std::max_element(rank_load.begin(), rank_load.end());
 }

@@ -73,6 +73,12 @@ void keep(Record&& r) {
   g_records.push_back(std::move(r));
 }
 
+// A memcpy's or memset's record: the fields the two activity kinds share, no grid or block.
+template <typename Activity>
+Record copy_record(std::string name, const Activity& m) {
+  return {std::move(name), m.start, m.end, m.deviceId, m.streamId, m.correlationId, m.graphId, 0, 0};
+}
+
 void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, std::size_t,
                                std::size_t valid) {
   CUpti_Activity* a = nullptr;
@@ -95,28 +101,13 @@ void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, s
       }
       case CUPTI_ACTIVITY_KIND_MEMCPY: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(a);
-        r = {"memcpy " + std::to_string(m->copyKind) + " (" + std::to_string(m->bytes) + " B)",
-             m->start,
-             m->end,
-             m->deviceId,
-             m->streamId,
-             m->correlationId,
-             m->graphId,
-             0,
-             0};
+        r = copy_record("memcpy " + std::to_string(m->copyKind) + " (" + std::to_string(m->bytes) + " B)",
+                        *m);
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMSET: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(a);
-        r = {"memset (" + std::to_string(m->bytes) + " B)",
-             m->start,
-             m->end,
-             m->deviceId,
-             m->streamId,
-             m->correlationId,
-             m->graphId,
-             0,
-             0};
+        r = copy_record("memset (" + std::to_string(m->bytes) + " B)", *m);
         break;
       }
       default:
