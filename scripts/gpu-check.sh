@@ -166,11 +166,31 @@ if want asan; then
     # protect_shadow_gap=0: the CUDA driver maps memory inside ASan's shadow gap. detect_leaks=0: the
     # driver's and NCCL's allocations that live until exit would drown ours (scripts/sanitize.sh keeps
     # leak checks on for everything that runs without a GPU). The slow sanitizers' filter (no large
-    # shapes, no sweeps): the CPU references under ASan are slow, and the memcheck filter ran 169 tests
-    # in 580 s (session 51). EPMOE_ASAN_FILTER chooses others.
-    step asan-gpu-tests bash -o pipefail -c "ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
-      build-sanitize/tests/epmoe_gpu_tests --gtest_filter='${EPMOE_ASAN_FILTER:-${slow_filter:-*}}' > '$out/asan-gpu-tests.log' 2>&1"
-    grep -E "ERROR: AddressSanitizer|runtime error|\[  PASSED  \]|\[  FAILED  \]" "$out/asan-gpu-tests.log" | head -n 10 || true
+    # shapes, no sweeps): the CPU references under ASan are slow, and one process ran 169 tests in 580 s
+    # (session 51), so the tests run as EPMOE_ASAN_SHARDS GoogleTest shards side by side (the time is the
+    # CPU references', the GPU has room for all). EPMOE_ASAN_FILTER chooses other tests.
+    asan_shards=${EPMOE_ASAN_SHARDS:-12}
+    # shellcheck disable=SC2317  # called through step
+    asan_gpu_tests() {
+      local shard pids=() rc=0
+      for ((shard = 0; shard < asan_shards; ++shard)); do
+        ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+          GTEST_TOTAL_SHARDS=$asan_shards GTEST_SHARD_INDEX=$shard \
+          build-sanitize/tests/epmoe_gpu_tests --gtest_filter="${EPMOE_ASAN_FILTER:-${slow_filter:-*}}" \
+          > "$out/asan-shard-$shard.log" 2>&1 &
+        pids+=($!)
+      done
+      for shard in "${!pids[@]}"; do wait "${pids[$shard]}" || { echo "asan shard $shard failed"; rc=1; }; done
+      # One log comes back (the device returns few files): the shards' logs one after another.
+      for ((shard = 0; shard < asan_shards; ++shard)); do
+        echo "==== shard $shard"
+        cat "$out/asan-shard-$shard.log"
+        rm -f "$out/asan-shard-$shard.log"
+      done > "$out/asan-gpu-tests.log"
+      return $rc
+    }
+    step asan-gpu-tests asan_gpu_tests
+    grep -E "ERROR: AddressSanitizer|runtime error|\[  PASSED  \]|\[  FAILED  \]|^asan shard" "$out/asan-gpu-tests.log" | head -n 40 || true
   else
     grep -E "FAILED:|error" "$out/asan-build.log" | head -n 20 || true
   fi
