@@ -9,7 +9,7 @@
 #
 # OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, version.{txt,json}, configure.log,
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
-# memcheck.log, racecheck.log, initcheck.log, bench.log, gemm-kernel-times.{txt,json}). Every step runs even when an earlier one fails (steps
+# memcheck.log, racecheck.log, initcheck.log, asan-{build,gpu-tests}.log, bench.log, gemm-kernel-times.{txt,json}). Every step runs even when an earlier one fails (steps
 # that need the build are skipped without it); the exit status is non-zero when the build, a
 # test or a sanitizer failed.
 set -euo pipefail
