@@ -32,6 +32,7 @@ using testing::check_output;
 using testing::fill_masked_activations;
 using testing::fill_random_fp8;
 using testing::fill_random_scales;
+using testing::host_i32;
 using testing::kPoison;
 using testing::kTolerance;
 using testing::masked_valid;
@@ -138,11 +139,11 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
   const auto M = static_cast<std::int64_t>(ids.size());
   ASSERT_GT(M, 0);
 
-  HostTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {M, KB}), m_indices(DType::i32, {M});
+  HostTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {M, KB});
+  const HostTensor m_indices = host_i32(ids);
   auto* a_bytes = static_cast<std::uint8_t*>(a.view().data);
   fill_random_fp8(a_bytes, M * K, rng);
   fill_random_scales(sa.data<float>(), M * KB, rng);
-  std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
   std::vector<bool> valid(static_cast<std::size_t>(M));
   for (std::int64_t m = 0; m < M; ++m) {
     valid[static_cast<std::size_t>(m)] = ids[static_cast<std::size_t>(m)] >= 0;
@@ -896,11 +897,11 @@ GemmProblem gemm_problem(bool masked, const std::vector<std::int32_t>& rows, std
   const std::vector<std::int32_t> ids = contiguous_ids(rows, holes, trailing_blocks);
   const auto M = static_cast<std::int64_t>(ids.size());
   const std::int64_t KB = k / 128;
-  HostTensor a(DType::fp8_e4m3, {M, k}), sa(DType::f32, {M, KB}), m_indices(DType::i32, {M});
+  HostTensor a(DType::fp8_e4m3, {M, k}), sa(DType::f32, {M, KB});
+  const HostTensor m_indices = host_i32(ids);
   auto* a_bytes = static_cast<std::uint8_t*>(a.view().data);
   fill_random_fp8(a_bytes, a.numel(), rng);
   fill_random_scales(sa.data<float>(), sa.numel(), rng);
-  std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
   for (std::int64_t m = 0; m < M; ++m) {
     problem.valid.push_back(ids[static_cast<std::size_t>(m)] >= 0);
     if (!problem.valid.back()) std::memset(a_bytes + m * k, 0x7f, static_cast<std::size_t>(k));
@@ -1328,10 +1329,10 @@ TEST(GroupedGemmGpuMisc, RowsDoNotDependOnTheBatchTheTileOrTheLayout) {
   const Weights w = random_weights(G, N, K, rng);
   const std::vector<std::int32_t> ids = contiguous_ids(rows, false, 0);
   const auto M = static_cast<std::int64_t>(ids.size());
-  HostTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {M, KB}), m_indices(DType::i32, {M});
+  HostTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {M, KB});
+  const HostTensor m_indices = host_i32(ids);
   fill_random_fp8(static_cast<std::uint8_t*>(a.view().data), a.numel(), rng);
   fill_random_scales(sa.data<float>(), sa.numel(), rng);
-  std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
 
   cuda::Stream stream;
   const cuda::DeviceTensor da = cuda::to_device(a, stream), dsa = cuda::to_device(sa, stream),
@@ -1439,9 +1440,7 @@ void expect_problem_matches(const GemmProblem& problem, const cuda::GroupedGemmO
 // launch reads those.
 void use_device_rows(GemmProblem& problem, const testing::SweepProblem& p, cuda::Stream& stream) {
   if (p.device_rows.empty()) return;
-  HostTensor counts(DType::i32, {static_cast<std::int64_t>(p.device_rows.size())});
-  std::memcpy(counts.data<std::int32_t>(), p.device_rows.data(), p.device_rows.size() * sizeof(std::int32_t));
-  problem.operands[4] = cuda::to_device(counts, stream);
+  problem.operands[4] = cuda::to_device(host_i32(p.device_rows), stream);
 }
 
 void sweep(bool masked) {

@@ -41,6 +41,15 @@ inline void fill_random_scales(float* p, std::int64_t n, std::mt19937_64& rng) {
   for (std::int64_t i = 0; i < n; ++i) p[i] = std::ldexp(u(rng), e(rng));
 }
 
+// An i32 [n] host tensor holding `values` (m_indices, masked counts). (std::copy, not memcpy: with no
+// values the tensor's data is null, and memcpy's pointer arguments must not be, even for zero bytes: UBSan
+// caught a sweep's empty contiguous problem, session 52.)
+inline HostTensor host_i32(const std::vector<std::int32_t>& values) {
+  HostTensor t(DType::i32, {static_cast<std::int64_t>(values.size())});
+  std::copy(values.begin(), values.end(), t.data<std::int32_t>());
+  return t;
+}
+
 // A masked layout's activations [G, M_max, K] (e4m3 bytes): random codes in every row (fill_random_fp8),
 // then NaN codes in the rows past each group's count, so that nothing of them may leak into valid rows.
 // `counts_out` (i32 [G]) receives the counts.

@@ -34,6 +34,7 @@ using testing::check_output;
 using testing::fill_masked_activations;
 using testing::fill_random_fp8;
 using testing::fill_random_scales;
+using testing::host_i32;
 using testing::kPoison;
 using testing::kTolerance;
 using testing::masked_valid;
@@ -616,10 +617,10 @@ void check_contiguous_case(const ContiguousCase& c, std::mt19937_64& rng) {
   for (std::int64_t i = 0; i < 128 * c.trailing_blocks; ++i) ids.push_back(-1);
   const auto M = static_cast<std::int64_t>(ids.size());  // (0: the call does nothing)
 
-  HostTensor a(DType::fp8_e4m3, {M, K}), m_indices(DType::i32, {M});
+  HostTensor a(DType::fp8_e4m3, {M, K});
+  const HostTensor m_indices = host_i32(ids);
   auto* a_bytes = static_cast<std::uint8_t*>(a.view().data);
   fill_random_fp8(a_bytes, M * K, rng);
-  std::memcpy(m_indices.data<std::int32_t>(), ids.data(), ids.size() * sizeof(std::int32_t));
   std::vector<bool> valid(static_cast<std::size_t>(M));
   for (std::int64_t m = 0; m < M; ++m) {
     valid[static_cast<std::size_t>(m)] = ids[static_cast<std::size_t>(m)] >= 0;
