@@ -169,18 +169,26 @@ if want asan; then
     # shapes, no sweeps): the CPU references under ASan are slow, and one process ran 169 tests in 580 s
     # (session 51), so the tests run as EPMOE_ASAN_SHARDS GoogleTest shards side by side (the time is the
     # CPU references', the GPU has room for all). EPMOE_ASAN_FILTER chooses other tests.
+    # EPMOE_ASAN_SHARD_TIMEOUT (seconds, default 420) bounds each shard, so that a call's limit leaves
+    # the logs of what ran (the large shapes' CPU references crawl under ASan: session 52).
     asan_shards=${EPMOE_ASAN_SHARDS:-12}
+    asan_timeout=${EPMOE_ASAN_SHARD_TIMEOUT:-420}
     # shellcheck disable=SC2317  # called through step
     asan_gpu_tests() {
       local shard pids=() rc=0
       for ((shard = 0; shard < asan_shards; ++shard)); do
         ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
-          GTEST_TOTAL_SHARDS=$asan_shards GTEST_SHARD_INDEX=$shard \
+          GTEST_TOTAL_SHARDS=$asan_shards GTEST_SHARD_INDEX=$shard timeout "$asan_timeout" \
           build-sanitize/tests/epmoe_gpu_tests --gtest_filter="${EPMOE_ASAN_FILTER:-${slow_filter:-*}}" \
           > "$out/asan-shard-$shard.log" 2>&1 &
         pids+=($!)
       done
-      for shard in "${!pids[@]}"; do wait "${pids[$shard]}" || { echo "asan shard $shard failed"; rc=1; }; done
+      for shard in "${!pids[@]}"; do
+        wait "${pids[$shard]}" || {
+          echo "asan shard $shard failed (exit $?; 124: stopped at EPMOE_ASAN_SHARD_TIMEOUT)"
+          rc=1
+        }
+      done
       # One log comes back (the device returns few files): the shards' logs one after another.
       for ((shard = 0; shard < asan_shards; ++shard)); do
         echo "==== shard $shard"
