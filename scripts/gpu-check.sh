@@ -168,18 +168,21 @@ if want asan; then
     # leak checks on for everything that runs without a GPU). The slow sanitizers' filter (no large
     # shapes, no sweeps): the CPU references under ASan are slow, and one process ran 169 tests in 580 s
     # (session 51), so the tests run as EPMOE_ASAN_SHARDS GoogleTest shards side by side (the time is the
-    # CPU references', the GPU has room for all). EPMOE_ASAN_FILTER chooses other tests.
+    # CPU references', the GPU has room for all). EPMOE_ASAN_FILTER chooses other tests (`rest`: the
+    # ones the default leaves out, i.e. the slow filter's exclusions).
     # EPMOE_ASAN_SHARD_TIMEOUT (seconds, default 420) bounds each shard, so that a call's limit leaves
     # the logs of what ran (the large shapes' CPU references crawl under ASan: session 52).
     asan_shards=${EPMOE_ASAN_SHARDS:-12}
     asan_timeout=${EPMOE_ASAN_SHARD_TIMEOUT:-420}
+    asan_filter=${EPMOE_ASAN_FILTER:-${slow_filter:-*}}
+    [[ $asan_filter == rest ]] && asan_filter=${slow_filter#*:-}
     # shellcheck disable=SC2317  # called through step
     asan_gpu_tests() {
       local shard pids=() rc=0
       for ((shard = 0; shard < asan_shards; ++shard)); do
         ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
           GTEST_TOTAL_SHARDS=$asan_shards GTEST_SHARD_INDEX=$shard timeout "$asan_timeout" \
-          build-sanitize/tests/epmoe_gpu_tests --gtest_filter="${EPMOE_ASAN_FILTER:-${slow_filter:-*}}" \
+          build-sanitize/tests/epmoe_gpu_tests --gtest_filter="$asan_filter" \
           > "$out/asan-shard-$shard.log" 2>&1 &
         pids+=($!)
       done
