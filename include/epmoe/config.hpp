@@ -10,16 +10,27 @@ namespace epmoe {
 
 enum class Scoring : std::uint8_t { sigmoid, softmax };
 enum class QuantScheme : std::uint8_t { fp8, w4a8, none };
-enum class Mode : std::uint8_t { normal, low_latency };
+// A dispatcher serves one of normal (prefill: contiguous layout, high bandwidth) and low_latency
+// (decode: masked layout, fixed buffers, no host sync, graph capturable). A layer may also be
+// `automatic` ("auto"): it holds both and each forward names its batch kind (resolve_mode).
+enum class Mode : std::uint8_t { normal, low_latency, automatic };
+// What a forward's batch is, as an engine knows it: prefill (extend) or decode. Every rank of a
+// collective forward must pass the same kind (the two modes move data through different buffers).
+enum class BatchKind : std::uint8_t { prefill, decode };
 enum class DispatchAlgorithm : std::uint8_t { static_choice, dynamic_choice };
 
 std::string_view to_string(Scoring v);
 std::string_view to_string(QuantScheme v);
 std::string_view to_string(Mode v);
+std::string_view to_string(BatchKind v);
 std::string_view to_string(DispatchAlgorithm v);
 Scoring parse_scoring(std::string_view s);
 QuantScheme parse_quant(std::string_view s);
-Mode parse_mode(std::string_view s);
+Mode parse_mode(std::string_view s);  // "normal", "low-latency" (or "low_latency"), "auto"
+BatchKind parse_batch_kind(std::string_view s);
+// The mode a forward of `kind` runs in on a layer of `mode`: automatic picks normal for prefill and
+// low_latency for decode (SGLang's DeepEP "auto"); a fixed mode serves every kind.
+Mode resolve_mode(Mode mode, BatchKind kind);
 DispatchAlgorithm parse_dispatch_algorithm(std::string_view s);
 
 inline constexpr int kQuantGroup = 128;  // K values per activation scale / weight block edge

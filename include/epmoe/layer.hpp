@@ -15,6 +15,7 @@
 namespace epmoe {
 
 struct LayerOptions {
+  // normal, low_latency, or automatic: both, each forward's BatchKind picking (resolve_mode).
   Mode mode = Mode::normal;
   Device device = Device::cpu;
   Numerics numerics = Numerics::mirror;
@@ -28,6 +29,7 @@ struct PhaseTimes {  // milliseconds of host wall time, accumulated over forward
 
 struct ForwardStats {
   PhaseTimes times;
+  Mode mode = Mode::normal;                 // the mode the last forward ran in
   std::int64_t tokens = 0;                  // over all served ranks
   std::vector<std::int64_t> rows_per_rank;  // expert rows each rank computed in the last forward
   std::int64_t bytes_sent = 0;              // dispatch payload to other ranks, last forward
@@ -42,8 +44,13 @@ class MoeLayer {
   const LayerOptions& options() const { return options_; }
 
   // x[r]: rank r's tokens [T_r, H] bf16 (finite; T_r <= max_tokens_per_rank in low-latency mode),
-  // y[r] (out): [T_r, H] bf16. One entry per served rank.
+  // y[r] (out): [T_r, H] bf16. One entry per served rank. A layer in auto mode needs the batch kind
+  // (the overload below) and refuses this one.
   void forward(std::span<const TensorView> x, std::span<const TensorView> y, ForwardStats* stats = nullptr);
+  // The same for a batch of `kind`: in auto mode prefill runs in normal mode and decode in
+  // low-latency mode (resolve_mode); a layer of a fixed mode serves every kind in that mode.
+  void forward(std::span<const TensorView> x, std::span<const TensorView> y, BatchKind kind,
+               ForwardStats* stats = nullptr);
 
   const ExpertPlacement& placement() const { return placement_; }
   // Tokens routed to each logical expert, accumulated since construction or the last rebalance.
@@ -56,12 +63,16 @@ class MoeLayer {
   void set_placement(ExpertPlacement placement);
 
  private:
+  void forward_in(Mode mode, std::span<const TensorView> x, std::span<const TensorView> y,
+                  ForwardStats* stats);
+
   std::shared_ptr<const ModelWeights> weights_;
   LayerOptions options_;
   ExpertPlacement placement_;
   std::vector<std::int64_t> expert_load_;
-  std::unique_ptr<Dispatcher> dispatcher_;
-  std::unique_ptr<Runner> runner_;
+  // Per mode (index 0 normal, 1 low-latency); null for a mode the layer does not serve.
+  std::unique_ptr<Dispatcher> dispatchers_[2];
+  std::unique_ptr<Runner> runners_[2];
 };
 
 // Direct single-process evaluation of design.md §1 for tokens x [T, H] bf16 -> y [T, H] (bf16 or

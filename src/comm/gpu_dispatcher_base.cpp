@@ -4,6 +4,8 @@
 #include <cmath>
 #include <utility>
 
+#include "dispatch/dispatch_common.hpp"
+
 namespace epmoe::comm_detail {
 
 GpuDispatcherBase::GpuDispatcherBase(std::string name, const DispatcherContext& context,
@@ -11,6 +13,7 @@ GpuDispatcherBase::GpuDispatcherBase(std::string name, const DispatcherContext& 
     : name_(std::move(name)), context_(context), comm_(std::move(comm)) {
   const MoeConfig& c = context.config;
   c.validate();
+  detail::check_dispatcher_mode(context, name_);
   EPMOE_CHECK(
       comm_ != nullptr,
       "{} needs a Communicator: create one (Communicator::from_environment() under `epmoe launch`) and pass "

@@ -19,7 +19,18 @@ std::string_view to_string(QuantScheme v) {
   return "?";
 }
 std::string_view to_string(Mode v) {
-  return v == Mode::normal ? "normal" : "low-latency";
+  switch (v) {
+    case Mode::normal:
+      return "normal";
+    case Mode::low_latency:
+      return "low-latency";
+    case Mode::automatic:
+      return "auto";
+  }
+  return "?";
+}
+std::string_view to_string(BatchKind v) {
+  return v == BatchKind::prefill ? "prefill" : "decode";
 }
 std::string_view to_string(DispatchAlgorithm v) {
   return v == DispatchAlgorithm::static_choice ? "static" : "dynamic";
@@ -39,7 +50,17 @@ QuantScheme parse_quant(std::string_view s) {
 Mode parse_mode(std::string_view s) {
   if (s == "normal") return Mode::normal;
   if (s == "low-latency" || s == "low_latency") return Mode::low_latency;
-  EPMOE_FAIL("mode must be 'normal' or 'low-latency', got '{}'", s);
+  if (s == "auto") return Mode::automatic;
+  EPMOE_FAIL("mode must be 'normal', 'low-latency' or 'auto', got '{}'", s);
+}
+BatchKind parse_batch_kind(std::string_view s) {
+  if (s == "prefill") return BatchKind::prefill;
+  if (s == "decode") return BatchKind::decode;
+  EPMOE_FAIL("batch kind must be 'prefill' or 'decode', got '{}'", s);
+}
+Mode resolve_mode(Mode mode, BatchKind kind) {
+  if (mode != Mode::automatic) return mode;
+  return kind == BatchKind::prefill ? Mode::normal : Mode::low_latency;
 }
 DispatchAlgorithm parse_dispatch_algorithm(std::string_view s) {
   if (s == "static") return DispatchAlgorithm::static_choice;

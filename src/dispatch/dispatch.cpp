@@ -34,10 +34,18 @@ std::unique_ptr<Dispatcher> make_dispatcher(const std::string& name, const Dispa
                   context.first_rank + context.num_ranks_served <= context.config.num_ranks,
               "served ranks [{}, {}) must lie in [0, ranks={})", context.first_rank,
               context.first_rank + context.num_ranks_served, context.config.num_ranks);
+  detail::check_dispatcher_mode(context, name);
   return DispatcherRegistry::instance().make(name, context);
 }
 
 namespace detail {
+
+void check_dispatcher_mode(const DispatcherContext& context, std::string_view name) {
+  EPMOE_CHECK(context.mode == Mode::normal || context.mode == Mode::low_latency,
+              "dispatcher '{}': the context's mode must be normal or low-latency, got {} (a layer in auto "
+              "mode resolves it per forward: resolve_mode)",
+              name, to_string(context.mode));
+}
 
 std::int64_t token_payload_bytes(const DispatcherContext& context) {
   const MoeConfig& c = context.config;

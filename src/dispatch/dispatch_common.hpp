@@ -1,9 +1,14 @@
 // Pieces every dispatcher shares: input validation and the f32 weighted row reduction.
 #pragma once
 
+#include <string_view>
+
 #include "epmoe/dispatch.hpp"
 
 namespace epmoe::detail {
+
+// A dispatcher serves one mode: refuses Mode::automatic, naming the dispatcher.
+void check_dispatcher_mode(const DispatcherContext& context, std::string_view name);
 
 // Checks one rank's DispatchInput against the config before anything moves: shapes, dtypes,
 // physical ids in [0, P), finite weights, and (low-latency) T <= max_tokens_per_rank.

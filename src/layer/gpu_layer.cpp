@@ -30,6 +30,36 @@ TensorView rows_of(const DeviceTensor& t, std::int64_t rows) {
 
 enum EventId { kStart, kRouted, kDispatched, kComputed, kCombined, kNumEvents };
 
+int mode_index(Mode mode) {
+  return mode == Mode::normal ? 0 : 1;
+}
+
+// What the forwards of one mode need: the dispatchers (N ranks; two with two-batch overlap) or the
+// local permutation's buffers (one rank), the runner for their layout and the expert output. A
+// layer of one mode holds one path; a layer in auto mode holds both, around the same weights.
+struct ModePath {
+  Mode mode = Mode::normal;
+  std::int64_t T_max = 0;  // the largest batch of a forward in this mode
+  std::int64_t M_max = 0;  // masked rows per expert
+  std::int64_t R_max = 0;  // expert rows of the layout
+  std::string dispatcher_name;
+  bool own_shared_stream = true;  // GpuLayerOptions::shared_stream, resolved for this mode
+
+  std::unique_ptr<Dispatcher> dispatchers[2];
+  LowLatencyDispatcher* lls[2] = {nullptr, nullptr};  // the same objects when they have send / receive halves
+  Dispatcher* dispatcher = nullptr;                   // dispatchers[0]; null on one rank
+  std::size_t dispatcher_bytes = 0;  // the dispatchers' own buffers and windows (Dispatcher::device_bytes)
+  DeviceTensor perm_workspace, perm_rows, perm_scales, perm_m_indices, perm_row_src, perm_src_row,
+      perm_offsets, perm_counts;
+
+  // The runner for the layout and the quant scheme (epmoe/cuda/runner.hpp); the expert output (one
+  // per micro-batch).
+  std::unique_ptr<GpuRunner> runner;
+  DeviceTensor expert_out, expert_out2;
+
+  bool normal() const { return mode == Mode::normal; }
+};
+
 }  // namespace
 
 struct GpuMoeLayer::Impl {
@@ -41,8 +71,9 @@ struct GpuMoeLayer::Impl {
   GpuLayerOptions o;
   std::shared_ptr<Communicator> comm;
   int rank = 0, ranks = 1, L = 0, E = 0, K = 0, P = 0;
-  std::int64_t H = 0, I = 0, Is = 0, T_max = 0, M_max = 0, R_max = 0;
-  std::string dispatcher_name;
+  // T_max: the largest batch of any forward (in auto mode the normal path's; the low-latency path
+  // stops at max_tokens_per_rank).
+  std::int64_t H = 0, I = 0, Is = 0, T_max = 0;
   // W4A8: int4 routed experts, per-tensor FP8 activations with the static scales a1 / a2 (the
   // shared expert stays FP8 block-scaled, with per-token-group activations of its own).
   bool w4a8 = false;
@@ -75,27 +106,52 @@ struct GpuMoeLayer::Impl {
   DeviceTensor sw13, sw13_scale, sw2, sw2_scale, shared_m, shared_out;
   std::unique_ptr<GpuRunner> shared_runner;  // one group of T rows, masked
 
-  // Dispatch: a dispatcher per micro-batch (N ranks; two with two-batch overlap) or the local
-  // permutation (one rank).
-  std::unique_ptr<Dispatcher> dispatchers[2];
-  LowLatencyDispatcher* lls[2] = {nullptr, nullptr};  // the same objects when they have send / receive halves
-  Dispatcher* dispatcher = nullptr;                   // dispatchers[0]
+  // Dispatch, experts and combine per mode (mode_index; a path with T_max 0 is a mode the layer
+  // does not serve).
+  ModePath paths[2];
   bool tbo = false;
-  bool own_shared_stream = true;  // GpuLayerOptions::shared_stream, resolved
-  bool whole_dispatch = false;    // GpuLayerOptions::whole_dispatch (or its variable), without tbo
-  Stream s2;                      // two-batch overlap: the compute stream
+  bool whole_dispatch = false;  // GpuLayerOptions::whole_dispatch (or its variable), without tbo
+  Stream s2;                    // two-batch overlap: the compute stream
   Event dispatched[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
   Event computed[2] = {Event{cudaEventDisableTiming}, Event{cudaEventDisableTiming}};
-  int gemm_max_ctas = 0;             // two-batch overlap: the SMs the runners' GEMMs may take (0: all)
-  std::size_t dispatcher_bytes = 0;  // the dispatchers' own buffers and windows (Dispatcher::device_bytes)
-  std::size_t dispatcher_setup_bytes = 0;  // device memory their creation took in all (NCCL's too)
-  DeviceTensor perm_workspace, perm_rows, perm_scales, perm_m_indices, perm_row_src, perm_src_row,
-      perm_offsets, perm_counts;
+  int gemm_max_ctas = 0;                   // two-batch overlap: the SMs the runners' GEMMs may take (0: all)
+  std::size_t dispatcher_setup_bytes = 0;  // device memory the dispatchers' creation took (NCCL's too)
+  DeviceTensor y_routed;                   // the routed combine result
 
-  // The runner for the dispatcher's layout and the quant scheme (epmoe/cuda/runner.hpp); the expert
-  // output (one per micro-batch) and the routed combine result.
-  std::unique_ptr<GpuRunner> runner;
-  DeviceTensor expert_out, expert_out2, y_routed;
+  bool serves(Mode mode) const { return paths[mode_index(mode)].T_max > 0; }  // set for the modes served
+  // The path of a forward of `kind` (resolve_mode), refused where the layer does not serve its mode.
+  ModePath& path_for(BatchKind kind) { return path_for(resolve_mode(o.mode, kind)); }
+  ModePath& path_for(Mode mode) {
+    EPMOE_CHECK(serves(mode), "this layer serves {} mode, not {}", to_string(o.mode), to_string(mode));
+    return paths[mode_index(mode)];
+  }
+  // A forward's path without a batch kind: the layer's one mode (auto mode needs the kind).
+  ModePath& single_path() {
+    EPMOE_CHECK(
+        o.mode != Mode::automatic,
+        "a GpuMoeLayer in auto mode needs each forward's batch kind: forward(x, y, BatchKind::prefill "
+        "or BatchKind::decode)");
+    return path_for(o.mode);
+  }
+  void make_path(Mode mode);
+
+  // Waits for s0 (or an event on it) where peers may hold it up: through the communicator, bounded
+  // by its timeout (an error naming this rank and `what`, not a hang: a stuck NCCL kernel of the
+  // nccl-p2p transport has no device-side timeout of its own); one rank: a plain wait.
+  void wait_s0(std::string_view what) {
+    if (comm && comm->size() > 1) {
+      comm->synchronize(CommPhase::none, what);
+    } else {
+      EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));
+    }
+  }
+  void wait_event(const Event& event, std::string_view what) {
+    if (comm && comm->size() > 1) {
+      comm->wait_event(event.get(), CommPhase::none, what);
+    } else {
+      event.synchronize();
+    }
+  }
 
   // Graphs.
   DeviceTensor x_static, y_static;
@@ -111,15 +167,17 @@ struct GpuMoeLayer::Impl {
   void fold_load();
   std::vector<std::int64_t> load_carry;  // [E] this rank's tokens per logical expert, folded so far
   std::vector<std::int64_t> slot_base;   // [P] slot_counts at the last fold
-  // x and y [T, H] bf16 contiguous device tensors, T <= T_max; returns T.
-  std::int64_t check_io(const TensorView& x, const TensorView& y) const;
-  void forward(TensorView x, TensorView y);
+  // x and y [T, H] bf16 contiguous device tensors, T <= the path's T_max; returns T.
+  std::int64_t check_io(const TensorView& x, const TensorView& y, const ModePath& p) const;
+  void forward(ModePath& p, TensorView x, TensorView y);
   void shared_forward(TensorView x, std::int64_t T, cudaStream_t stream);
   void shared_experts(std::int64_t T, cudaStream_t stream);  // on the tokens shared_forward quantized
-  // The last eager forward's dispatch output without two-batch overlap (time_gemms_alone()).
+  // The last eager forward's dispatch output without two-batch overlap, and its path
+  // (time_gemms_alone()).
   DispatchOutput last_dispatch;
-  bool has_last_dispatch = false;
-  DispatchOutput dispatch(int part, std::int64_t row0, std::int64_t T);
+  ModePath* last_dispatch_path = nullptr;
+  bool has_last_dispatch = false;  // an eager forward has set them
+  DispatchOutput dispatch(ModePath& p, int part, std::int64_t row0, std::int64_t T);
   // Tokens [row0, row0 + T) of this forward, as a dispatcher takes them.
   DispatchInput dispatch_input(std::int64_t row0, std::int64_t T) const {
     auto part_rows = [&](const DeviceTensor& t) { return t.view().slice_rows(row0, row0 + T); };
@@ -154,11 +212,12 @@ struct GpuMoeLayer::Impl {
     capturing = false;
   }
 
-  // The routed experts on a dispatch output, into `out` (expert_out or expert_out2).
-  void run_experts(const DispatchOutput& d, const DeviceTensor& out, cudaStream_t stream) {
-    runner->run(d, rows_of(out, d.num_output_rows()), stream);
+  // The routed experts on a dispatch output, into `out` (the path's expert_out or expert_out2).
+  static void run_experts(const ModePath& p, const DispatchOutput& d, const DeviceTensor& out,
+                          cudaStream_t stream) {
+    p.runner->run(d, rows_of(out, d.num_output_rows()), stream);
   }
-  void combine(int part, const DispatchOutput& d, std::int64_t T, TensorView y);
+  void combine(ModePath& p, int part, const DispatchOutput& d, std::int64_t T, TensorView y);
   std::size_t comm_layout_bytes() const;
   std::size_t device_bytes() const;
 };
@@ -223,22 +282,27 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
                 "max_tokens ({}) must be <= max_tokens_per_rank ({}) in low-latency mode", T_max,
                 c.max_tokens_per_rank);
   EPMOE_CHECK(route_supports(c), "the GPU router does not support this config ({})", c.describe());
-  const bool normal = o.mode == Mode::normal;
-
-  dispatcher_name = o.dispatcher;
-  if (dispatcher_name == "auto") dispatcher_name = ranks == 1 ? "local" : (normal ? "nvlink" : "nvlink-ll");
   EPMOE_CHECK(o.shared_stream == "auto" || o.shared_stream == "own" || o.shared_stream == "main",
               "GpuLayerOptions.shared_stream must be \"auto\", \"own\" or \"main\", got \"{}\"",
               o.shared_stream);
-  own_shared_stream = o.shared_stream == "own" || (o.shared_stream == "auto" && !(normal && ranks == 1));
-  EPMOE_CHECK(dispatcher_name == "local" || dispatcher_name == "nvlink" || dispatcher_name == "nvlink-ll" ||
-                  dispatcher_name == "nccl-p2p",
-              "dispatcher must be auto, local, nvlink, nvlink-ll or nccl-p2p, got '{}'", dispatcher_name);
-  EPMOE_CHECK((dispatcher_name == "local") == (ranks == 1),
-              "dispatcher '{}' does not fit {} rank(s): 'local' serves exactly one rank", dispatcher_name,
-              ranks);
-  EPMOE_CHECK(dispatcher_name != "nvlink-ll" || !normal,
-              "dispatcher 'nvlink-ll' serves low-latency mode only");
+  // The modes served (auto: both), named and checked before anything is allocated.
+  for (const Mode mode : {Mode::normal, Mode::low_latency}) {
+    if (o.mode != Mode::automatic && o.mode != mode) continue;
+    ModePath& p = paths[mode_index(mode)];
+    p.mode = mode;
+    const bool normal = p.normal();
+    p.T_max = normal ? T_max : std::min<std::int64_t>(T_max, c.max_tokens_per_rank);
+    std::string& name = p.dispatcher_name;
+    name = o.dispatcher;
+    if (name == "auto") name = ranks == 1 ? "local" : (normal ? "nvlink" : "nvlink-ll");
+    p.own_shared_stream = o.shared_stream == "own" || (o.shared_stream == "auto" && !(normal && ranks == 1));
+    EPMOE_CHECK(name == "local" || name == "nvlink" || name == "nvlink-ll" || name == "nccl-p2p",
+                "dispatcher must be auto, local, nvlink, nvlink-ll or nccl-p2p, got '{}'", name);
+    EPMOE_CHECK((name == "local") == (ranks == 1),
+                "dispatcher '{}' does not fit {} rank(s): 'local' serves exactly one rank", name, ranks);
+    EPMOE_CHECK(name != "nvlink-ll" || !normal, "dispatcher 'nvlink-ll' serves low-latency mode only{}",
+                o.mode == Mode::automatic ? " (an auto-mode layer runs prefill batches in normal mode)" : "");
+  }
 
   for (int i = 0; i < kNumEvents + 2; ++i) events.emplace_back();
   gate = std::make_unique<GateGemm>();
@@ -291,75 +355,84 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   if (c.num_shared_experts > 0) load_shared();
   if (o.on_setup_step) o.on_setup_step("weights");
 
-  // Dispatch.
-  if (dispatcher_name == "local") {
-    M_max = T_max;  // an expert gets each token at most once
-    R_max = normal ? contiguous_capacity(T_max * K, L) : L * M_max;
-    perm_workspace =
-        DeviceTensor(DType::u8, {static_cast<std::int64_t>(permute_workspace_bytes(T_max * K, L))});
-    perm_rows = DeviceTensor(DType::fp8_e4m3, {R_max, H});
-    perm_scales = DeviceTensor(DType::f32, {R_max, H / 128});
-    perm_row_src = DeviceTensor(DType::i32, {R_max});
-    perm_src_row = DeviceTensor(DType::i32, {T_max, K});
-    if (normal) {
-      perm_m_indices = DeviceTensor(DType::i32, {R_max});
-      perm_offsets = DeviceTensor(DType::i32, {L + 1});
-      perm_counts = DeviceTensor(DType::i32, {L});
-    } else {
-      perm_counts = DeviceTensor(DType::i32, {L});  // masked_m
-    }
-  } else {
+  // Dispatch: every rank creates the dispatchers in the same order (collective), normal mode first.
+  if (ranks > 1) {
     tbo = o.tbo;
     whole_dispatch = o.whole_dispatch;
     if (const char* env = std::getenv("EPMOE_LAYER_WHOLE_DISPATCH"); env != nullptr && *env != '\0')
       whole_dispatch = std::string_view(env) == "1";
     whole_dispatch = whole_dispatch && !tbo;  // with two-batch overlap the halves stay
-    // With two-batch overlap each dispatcher carries one micro-batch: about half the tokens (the
-    // first is the larger one).
-    const std::int64_t T_part = tbo ? first_micro_batch(T_max) : T_max;
-    MoeConfig dc = c;
-    dc.max_tokens_per_rank = static_cast<int>(T_part);
-    const DispatcherContext context{dc, o.mode, format, rank, 1};
-    std::size_t free_before = 0, free_after = 0, total = 0;
-    EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
-    for (int part = 0; part < (tbo ? 2 : 1); ++part) {  // collective: every rank creates them in this order
-      if (dispatcher_name == "nccl-p2p") {
-        dispatchers[part] = make_nccl_p2p_dispatcher(context, comm);
-      } else {
-        auto d = dispatcher_name == "nvlink" ? make_nvlink_dispatcher(context, comm)
-                                             : make_nvlink_ll_dispatcher(context, comm);
-        lls[part] = d.get();
-        dispatchers[part] = std::move(d);
-      }
-    }
-    EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
-    dispatcher_setup_bytes = free_before > free_after ? free_before - free_after : 0;
-    for (const auto& d : dispatchers)
-      if (d) dispatcher_bytes += d->device_bytes();
-    dispatcher = dispatchers[0].get();
-    M_max = dc.masked_max_m();
-    // The receive side's bound (src/comm/gpu_dispatcher_base.hpp): each of N * T_part tokens at most
-    // min(K, L) rows here, plus each expert block's padding.
-    R_max = normal ? static_cast<std::int64_t>(ranks) * T_part * std::min(K, L) + L * 127 : L * M_max;
-    if (tbo) {
-      expert_out2 = DeviceTensor(DType::bf16, {R_max, H});
-      gemm_max_ctas = std::max(1, device_props().sm_count - std::max(0, o.tbo_comm_sms));
-    }
+    if (tbo) gemm_max_ctas = std::max(1, device_props().sm_count - std::max(0, o.tbo_comm_sms));
   }
+  std::size_t free_before = 0, free_after = 0, total = 0;
+  EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  for (const Mode mode : {Mode::normal, Mode::low_latency})
+    if (serves(mode)) make_path(mode);
+  EPMOE_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+  if (ranks > 1) dispatcher_setup_bytes = free_before > free_after ? free_before - free_after : 0;
   if (o.on_setup_step) o.on_setup_step("dispatchers");
-  runner = make_gpu_runner(
-      normal ? Layout::contiguous : Layout::masked,
-      GpuRunnerContext{c, SlotWeights{w13, w13_scale, w2, w2_scale, w4a8_codes}, R_max, a2_scale});
-  runner->set_max_ctas(gemm_max_ctas);
+  for (ModePath& p : paths) {
+    if (p.T_max == 0) continue;
+    p.runner = make_gpu_runner(
+        p.normal() ? Layout::contiguous : Layout::masked,
+        GpuRunnerContext{c, SlotWeights{w13, w13_scale, w2, w2_scale, w4a8_codes}, p.R_max, a2_scale});
+    p.runner->set_max_ctas(gemm_max_ctas);
+    p.expert_out = DeviceTensor(DType::bf16, {p.R_max, H});
+    if (tbo) p.expert_out2 = DeviceTensor(DType::bf16, {p.R_max, H});
+  }
   if (shared_runner) shared_runner->set_max_ctas(gemm_max_ctas);
-  expert_out = DeviceTensor(DType::bf16, {R_max, H});
   y_routed = DeviceTensor(DType::bf16, {T_max, H});
-  if (!normal) {
-    x_static = DeviceTensor(DType::bf16, {T_max, H});
-    y_static = DeviceTensor(DType::bf16, {T_max, H});
+  if (serves(Mode::low_latency)) {  // the graphs' static input and output
+    const std::int64_t T_ll = paths[mode_index(Mode::low_latency)].T_max;
+    x_static = DeviceTensor(DType::bf16, {T_ll, H});
+    y_static = DeviceTensor(DType::bf16, {T_ll, H});
   }
   if (o.on_setup_step) o.on_setup_step("runner");
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));
+}
+
+void GpuMoeLayer::Impl::make_path(Mode mode) {
+  ModePath& p = paths[mode_index(mode)];
+  const bool normal = p.normal();
+  if (p.dispatcher_name == "local") {
+    p.M_max = p.T_max;  // an expert gets each token at most once
+    p.R_max = normal ? contiguous_capacity(p.T_max * K, L) : L * p.M_max;
+    p.perm_workspace =
+        DeviceTensor(DType::u8, {static_cast<std::int64_t>(permute_workspace_bytes(p.T_max * K, L))});
+    p.perm_rows = DeviceTensor(DType::fp8_e4m3, {p.R_max, H});
+    p.perm_scales = DeviceTensor(DType::f32, {p.R_max, H / 128});
+    p.perm_row_src = DeviceTensor(DType::i32, {p.R_max});
+    p.perm_src_row = DeviceTensor(DType::i32, {p.T_max, K});
+    if (normal) {
+      p.perm_m_indices = DeviceTensor(DType::i32, {p.R_max});
+      p.perm_offsets = DeviceTensor(DType::i32, {L + 1});
+    }
+    p.perm_counts = DeviceTensor(DType::i32, {L});  // normal: rows per expert; low-latency: masked_m
+    return;
+  }
+  // With two-batch overlap each dispatcher carries one micro-batch: about half the tokens (the first
+  // is the larger one).
+  const std::int64_t T_part = tbo ? first_micro_batch(p.T_max) : p.T_max;
+  MoeConfig dc = c;
+  dc.max_tokens_per_rank = static_cast<int>(T_part);
+  const DispatcherContext context{dc, mode, format, rank, 1};
+  for (int part = 0; part < (tbo ? 2 : 1); ++part) {
+    if (p.dispatcher_name == "nccl-p2p") {
+      p.dispatchers[part] = make_nccl_p2p_dispatcher(context, comm);
+    } else {
+      auto d = p.dispatcher_name == "nvlink" ? make_nvlink_dispatcher(context, comm)
+                                             : make_nvlink_ll_dispatcher(context, comm);
+      p.lls[part] = d.get();
+      p.dispatchers[part] = std::move(d);
+    }
+  }
+  for (const auto& d : p.dispatchers)
+    if (d) p.dispatcher_bytes += d->device_bytes();
+  p.dispatcher = p.dispatchers[0].get();
+  p.M_max = dc.masked_max_m();
+  // The receive side's bound (src/comm/gpu_dispatcher_base.hpp): each of N * T_part tokens at most
+  // min(K, L) rows here, plus each expert block's padding.
+  p.R_max = normal ? static_cast<std::int64_t>(ranks) * T_part * std::min(K, L) + L * 127 : L * p.M_max;
 }
 
 void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {
@@ -449,13 +522,14 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
   std::vector<std::int32_t> counts = p.logcnt();
   copy_to_device(log2phy, TensorView::contiguous(table.data(), DType::i32, {E, width}), s0);
   copy_to_device(logcnt, TensorView::contiguous(counts.data(), DType::i32, {E}), s0);
-  EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));   // the host tables go away
+  wait_s0("the placement tables' upload");       // the host tables go away
   if (placement.num_logical() > 0) fold_load();  // the counts so far were made under the old placement
   placement = p;
   return rewritten;
 }
 
 void GpuMoeLayer::Impl::fold_load() {
+  wait_s0("the forwards before reading the expert load");
   const HostTensor counts = to_host(slot_counts, s0);
   const auto* now = counts.data<std::int64_t>();
   const std::vector<std::int32_t>& phy2log = placement.phy2log();
@@ -491,65 +565,66 @@ void GpuMoeLayer::Impl::shared_experts(std::int64_t T, cudaStream_t ss) {
   shared_runner->run(d, rows_of(shared_out, T), ss);
 }
 
-DispatchOutput GpuMoeLayer::Impl::dispatch(int part, std::int64_t row0, std::int64_t T) {
+DispatchOutput GpuMoeLayer::Impl::dispatch(ModePath& p, int part, std::int64_t row0, std::int64_t T) {
   DispatchOutput d;
-  if (!dispatcher) {
+  if (!p.dispatcher) {
     const PermuteInput in{rows_of(q, T), rows_of(q_scales, T), rows_of(physical_ids, T)};
     d.format = format;
     d.tensor_scale = w4a8 ? a1_scale : 1.0f;
     d.num_local_experts = L;
     d.num_recv_tokens = T;
-    if (o.mode == Mode::normal) {
+    if (p.normal()) {
       const ContiguousLayout out{
-          perm_rows,    perm_scales, perm_m_indices, perm_row_src, rows_of(perm_src_row, T),
-          perm_offsets, perm_counts};
-      permute_contiguous(in, out, perm_workspace, s0);
+          p.perm_rows,    p.perm_scales, p.perm_m_indices, p.perm_row_src, rows_of(p.perm_src_row, T),
+          p.perm_offsets, p.perm_counts};
+      permute_contiguous(in, out, p.perm_workspace, s0);
       d.layout = Layout::contiguous;
-      d.rows = perm_rows;
-      d.scales = perm_scales;
-      d.m_indices = perm_m_indices;
+      d.rows = p.perm_rows;
+      d.scales = p.perm_scales;
+      d.m_indices = p.perm_m_indices;
     } else {
-      const MaskedLayout out{perm_rows.view().reshaped({L, M_max, H}),
-                             perm_scales.view().reshaped({L, M_max, H / 128}), perm_counts,
-                             perm_row_src.view().reshaped({L, M_max}), rows_of(perm_src_row, T)};
-      permute_masked(in, out, perm_workspace, s0);
+      const MaskedLayout out{p.perm_rows.view().reshaped({L, p.M_max, H}),
+                             p.perm_scales.view().reshaped({L, p.M_max, H / 128}), p.perm_counts,
+                             p.perm_row_src.view().reshaped({L, p.M_max}), rows_of(p.perm_src_row, T)};
+      permute_masked(in, out, p.perm_workspace, s0);
       d.layout = Layout::masked;
       d.rows = out.rows;
       d.scales = out.scales;
-      d.masked_m = perm_counts;
+      d.masked_m = p.perm_counts;
       d.expected_m = std::max<std::int64_t>(1, (T * K + L - 1) / L);
     }
     return d;
   }
   const DispatchInput in = dispatch_input(row0, T);
-  LowLatencyDispatcher* ll = lls[part];
+  LowLatencyDispatcher* ll = p.lls[part];
   if (ll != nullptr && !whole_dispatch) {
     ll->dispatch_send(in);
     ll->dispatch_recv(d);
   } else {
     std::span<DispatchOutput> outs(&d, 1);
-    dispatchers[part]->dispatch(std::span<const DispatchInput>(&in, 1), outs);
+    p.dispatchers[part]->dispatch(std::span<const DispatchInput>(&in, 1), outs);
   }
   return d;
 }
 
-void GpuMoeLayer::Impl::combine(int part, const DispatchOutput& d, std::int64_t T, TensorView y) {
-  const DeviceTensor& out_buffer = part == 0 ? expert_out : expert_out2;
-  if (!dispatcher) {
-    gather_weighted(rows_of(out_buffer, d.num_output_rows()), rows_of(perm_src_row, T),
+void GpuMoeLayer::Impl::combine(ModePath& p, int part, const DispatchOutput& d, std::int64_t T,
+                                TensorView y) {
+  const DeviceTensor& out_buffer = part == 0 ? p.expert_out : p.expert_out2;
+  if (!p.dispatcher) {
+    gather_weighted(rows_of(out_buffer, d.num_output_rows()), rows_of(p.perm_src_row, T),
                     rows_of(topk_weights, T), y, s0);
     return;
   }
   const TensorView out = rows_of(out_buffer, d.num_output_rows());
-  if (LowLatencyDispatcher* ll = lls[part]) {
+  if (LowLatencyDispatcher* ll = p.lls[part]) {
     ll->combine_send(out);
     ll->combine_recv(y);
   } else {
-    dispatchers[part]->combine(std::span<const TensorView>(&out, 1), std::span<const TensorView>(&y, 1));
+    p.dispatchers[part]->combine(std::span<const TensorView>(&out, 1), std::span<const TensorView>(&y, 1));
   }
 }
 
-std::int64_t GpuMoeLayer::Impl::check_io(const TensorView& x, const TensorView& y) const {
+std::int64_t GpuMoeLayer::Impl::check_io(const TensorView& x, const TensorView& y, const ModePath& p) const {
   expect_rank(x, 2, "x");
   const std::int64_t T = x.size(0);
   for (const auto& [t, name] : {std::pair{&x, "x"}, std::pair{&y, "y"}}) {
@@ -558,18 +633,26 @@ std::int64_t GpuMoeLayer::Impl::check_io(const TensorView& x, const TensorView& 
     expect_device(*t, Device::cuda, name);
     expect_contiguous(*t, name);
   }
-  EPMOE_CHECK(T <= T_max, "x has {} tokens, more than the layer's buffers hold (max_tokens = {})", T, T_max);
+  if (p.normal() || p.T_max == T_max) {
+    EPMOE_CHECK(T <= p.T_max, "x has {} tokens, more than the layer's buffers hold (max_tokens = {})", T,
+                p.T_max);
+  } else {  // auto mode, where decode batches stop at max_tokens_per_rank
+    EPMOE_CHECK(T <= p.T_max,
+                "x has {} tokens, more than the layer's low-latency buffers hold (max_tokens_per_rank = {}): "
+                "a batch this large is a prefill batch",
+                T, p.T_max);
+  }
   return T;
 }
 
-void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
-  const std::int64_t T = check_io(x, y);
+void GpuMoeLayer::Impl::forward(ModePath& p, TensorView x, TensorView y) {
+  const std::int64_t T = check_io(x, y, p);
   last_T = T;
   const bool timed = o.timing && !capturing;
   auto mark = [&](int id, cudaStream_t s) {
     if (timed) events[static_cast<std::size_t>(id)].record(s);
   };
-  if (T == 0 && !dispatcher) return;
+  if (T == 0 && !p.dispatcher) return;
 
   mark(kStart, s0);
   gate->run(x, gate_weight, rows_of(logits, T), s0);
@@ -588,7 +671,7 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
   // path (overlapped with dispatch and the routed experts), or inline. s0 joins s1 before the final
   // add, so the next forward's mapping cannot overwrite physical_ids under the count.
   const bool shared = c.num_shared_experts > 0 && T > 0;
-  const bool fork_side = shared && own_shared_stream;
+  const bool fork_side = shared && p.own_shared_stream;
   cudaStream_t ss = s0;
   if (fork_side) {
     ss = s1.get();
@@ -605,56 +688,57 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
 
   const TensorView y_out = shared ? rows_of(y_routed, T) : y;
   if (!tbo) {
-    last_dispatch = dispatch(0, 0, T);  // kept (not copied) for time_gemms_alone()
+    last_dispatch = dispatch(p, 0, 0, T);  // kept (not copied) for time_gemms_alone()
+    last_dispatch_path = &p;
     has_last_dispatch = has_last_dispatch || !capturing;
     const DispatchOutput& d = last_dispatch;
     mark(kDispatched, s0);
-    run_experts(d, expert_out, s0);
+    run_experts(p, d, p.expert_out, s0);
     mark(kComputed, s0);
-    combine(0, d, T, y_out);
-  } else if (o.mode == Mode::low_latency && lls[0] != nullptr) {
+    combine(p, 0, d, T, y_out);
+  } else if (!p.normal() && p.lls[0] != nullptr) {
     // Two micro-batches through the send / receive halves: both sends go out at once; A's experts
     // run on s2 while B's receive and, later, A's combine send run on s0; B's experts overlap A's
     // combine. (Each micro-batch reads the expert weights again: it pays where communication, not
     // the weight read, bounds a step.)
     const std::int64_t T_a = first_micro_batch(T), T_b = T - T_a;
-    lls[0]->dispatch_send(dispatch_input(0, T_a));
-    lls[1]->dispatch_send(dispatch_input(T_a, T_b));
+    p.lls[0]->dispatch_send(dispatch_input(0, T_a));
+    p.lls[1]->dispatch_send(dispatch_input(T_a, T_b));
     DispatchOutput d[2];
     for (int part = 0; part < 2; ++part) {
-      lls[part]->dispatch_recv(d[part]);
+      p.lls[part]->dispatch_recv(d[part]);
       if (part == 1) mark(kDispatched, s0);
       dispatched[part].record(s0);
       EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s2, dispatched[part], 0));
-      run_experts(d[part], part == 0 ? expert_out : expert_out2, s2);
+      run_experts(p, d[part], part == 0 ? p.expert_out : p.expert_out2, s2);
       computed[part].record(s2);
     }
     for (int part = 0; part < 2; ++part) {
       EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[part], 0));
-      lls[part]->combine_send(rows_of(part == 0 ? expert_out : expert_out2, d[part].num_output_rows()));
+      p.lls[part]->combine_send(rows_of(part == 0 ? p.expert_out : p.expert_out2, d[part].num_output_rows()));
     }
     mark(kComputed, s0);
-    lls[0]->combine_recv(y_out.slice_rows(0, T_a));
-    lls[1]->combine_recv(y_out.slice_rows(T_a, T));
+    p.lls[0]->combine_recv(y_out.slice_rows(0, T_a));
+    p.lls[1]->combine_recv(y_out.slice_rows(T_a, T));
   } else {
     // Two micro-batches: B's dispatch overlaps A's GEMMs, A's combine overlaps B's GEMMs.
     const std::int64_t T_a = first_micro_batch(T), T_b = T - T_a;
-    const DispatchOutput da = dispatch(0, 0, T_a);
+    const DispatchOutput da = dispatch(p, 0, 0, T_a);
     dispatched[0].record(s0);
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s2, dispatched[0], 0));
-    run_experts(da, expert_out, s2);
+    run_experts(p, da, p.expert_out, s2);
     computed[0].record(s2);
-    const DispatchOutput db = dispatch(1, T_a, T_b);
+    const DispatchOutput db = dispatch(p, 1, T_a, T_b);
     mark(kDispatched, s0);
     dispatched[1].record(s0);
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s2, dispatched[1], 0));
-    run_experts(db, expert_out2, s2);
+    run_experts(p, db, p.expert_out2, s2);
     computed[1].record(s2);
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[0], 0));
-    combine(0, da, T_a, y_out.slice_rows(0, T_a));
+    combine(p, 0, da, T_a, y_out.slice_rows(0, T_a));
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[1], 0));
     mark(kComputed, s0);
-    combine(1, db, T_b, y_out.slice_rows(T_a, T));
+    combine(p, 1, db, T_b, y_out.slice_rows(T_a, T));
   }
   if (shared) {
     if (fork_side) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, join, 0));
@@ -663,7 +747,7 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
   mark(kCombined, s0);
 
   if (timed) {
-    events[kCombined].synchronize();
+    wait_event(events[kCombined], "a timed forward");
     auto ms = [&](int a, int b) {
       return static_cast<double>(
           Event::elapsed_ms(events[static_cast<std::size_t>(a)], events[static_cast<std::size_t>(b)]));
@@ -682,23 +766,29 @@ void GpuMoeLayer::Impl::forward(TensorView x, TensorView y) {
 
 std::size_t GpuMoeLayer::Impl::comm_layout_bytes() const {
   std::size_t bytes = 0;
-  for (const DeviceTensor* t :
-       {&logits, &topk_ids, &topk_weights, &physical_ids, &expert_counts, &slot_counts, &q, &q_scales,
-        &log2phy, &logcnt, &perm_workspace, &perm_rows, &perm_scales, &perm_m_indices, &perm_row_src,
-        &perm_src_row, &perm_offsets, &perm_counts})
+  for (const DeviceTensor* t : {&logits, &topk_ids, &topk_weights, &physical_ids, &expert_counts,
+                                &slot_counts, &q, &q_scales, &log2phy, &logcnt})
     bytes += t->nbytes();
-  return bytes + dispatcher_bytes;
+  for (const ModePath& p : paths) {
+    for (const DeviceTensor* t : {&p.perm_workspace, &p.perm_rows, &p.perm_scales, &p.perm_m_indices,
+                                  &p.perm_row_src, &p.perm_src_row, &p.perm_offsets, &p.perm_counts})
+      bytes += t->nbytes();
+    bytes += p.dispatcher_bytes;
+  }
+  return bytes;
 }
 
 std::size_t GpuMoeLayer::Impl::device_bytes() const {
   std::size_t bytes = comm_layout_bytes();  // includes the dispatchers' memory
   for (const DeviceTensor* t :
-       {&gate_weight, &correction_bias, &w13,       &w13_scale, &w2,       &w2_scale,
-        &sw13,        &sw13_scale,      &sw2,       &sw2_scale, &shared_m, &shared_out,
-        &expert_out,  &expert_out2,     &stage_w13, &stage_s13, &stage_w2, &stage_s2,
-        &shared_q,    &shared_q_scales, &y_routed,  &x_static,  &y_static})
+       {&gate_weight, &correction_bias, &w13,      &w13_scale, &w2,       &w2_scale,
+        &sw13,        &sw13_scale,      &sw2,      &sw2_scale, &shared_m, &shared_out,
+        &stage_w13,   &stage_s13,       &stage_w2, &stage_s2,  &shared_q, &shared_q_scales,
+        &y_routed,    &x_static,        &y_static})
     bytes += t->nbytes();
-  return bytes + runner->workspace_bytes() + (shared_runner ? shared_runner->workspace_bytes() : 0);
+  for (const ModePath& p : paths)
+    if (p.runner) bytes += p.expert_out.nbytes() + p.expert_out2.nbytes() + p.runner->workspace_bytes();
+  return bytes + (shared_runner ? shared_runner->workspace_bytes() : 0);
 }
 
 // ---------------------------------------------------------------- GpuMoeLayer
@@ -721,8 +811,8 @@ int GpuMoeLayer::rank() const {
 int GpuMoeLayer::num_ranks() const {
   return impl_->ranks;
 }
-bool GpuMoeLayer::shared_expert_on_own_stream() const {
-  return impl_->own_shared_stream;
+bool GpuMoeLayer::shared_expert_on_own_stream(BatchKind kind) const {
+  return impl_->path_for(kind).own_shared_stream;
 }
 std::int64_t GpuMoeLayer::max_tokens() const {
   return impl_->T_max;
@@ -760,7 +850,12 @@ TensorView GpuMoeLayer::last_logits() const {
 }
 
 void GpuMoeLayer::forward(TensorView x, TensorView y) {
-  impl_->forward(x, y);
+  impl_->forward(impl_->single_path(), x, y);
+  ++impl_->forwards_since_reset;
+}
+
+void GpuMoeLayer::forward(TensorView x, TensorView y, BatchKind kind) {
+  impl_->forward(impl_->path_for(kind), x, y);
   ++impl_->forwards_since_reset;
 }
 
@@ -769,7 +864,7 @@ GpuMoeLayer::GemmTimes GpuMoeLayer::time_gemms_alone(int reps) {
   EPMOE_CHECK(reps >= 1, "time_gemms_alone: reps must be >= 1, got {}", reps);
   EPMOE_CHECK(m.has_last_dispatch,
               "time_gemms_alone() needs an eager forward without two-batch overlap first");
-  EPMOE_CUDA_CHECK(cudaStreamSynchronize(m.s0));
+  m.wait_s0("the forwards before timing the GEMMs alone");
   Event start, end;
   auto time = [&](auto&& step) {
     step();  // warm-up
@@ -780,23 +875,25 @@ GpuMoeLayer::GemmTimes GpuMoeLayer::time_gemms_alone(int reps) {
     return static_cast<double>(Event::elapsed_ms(start, end)) / reps;
   };
   GemmTimes t;
-  t.routed_ms = time([&] { m.run_experts(m.last_dispatch, m.expert_out, m.s0); });
+  const ModePath& p = *m.last_dispatch_path;
+  t.routed_ms = time([&] { Impl::run_experts(p, m.last_dispatch, p.expert_out, m.s0); });
   if (m.shared_runner && m.last_T > 0) t.shared_ms = time([&] { m.shared_experts(m.last_T, m.s0); });
   return t;
 }
 
 void GpuMoeLayer::capture_graphs(std::span<const std::int64_t> batch_sizes) {
   Impl& m = *impl_;
-  EPMOE_CHECK(m.o.mode == Mode::low_latency,
+  EPMOE_CHECK(m.serves(Mode::low_latency),
               "CUDA graphs serve the low-latency mode (normal mode syncs the host)");
+  ModePath& p = m.path_for(Mode::low_latency);
   for (const std::int64_t T : batch_sizes) {
-    EPMOE_CHECK(T >= 0 && T <= m.T_max, "graph batch size {} must be in [0, {}]", T, m.T_max);
+    EPMOE_CHECK(T >= 0 && T <= p.T_max, "graph batch size {} must be in [0, {}]", T, p.T_max);
     if (m.graphs.count(T)) continue;
     cudaGraph_t graph = nullptr;
     m.capturing = true;
     EPMOE_CUDA_CHECK(cudaStreamBeginCapture(m.s0, cudaStreamCaptureModeThreadLocal));
     try {
-      m.forward(rows_of(m.x_static, T), rows_of(m.y_static, T));
+      m.forward(p, rows_of(m.x_static, T), rows_of(m.y_static, T));
     } catch (...) {
       m.abandon_capture();
       throw;
@@ -809,7 +906,9 @@ void GpuMoeLayer::capture_graphs(std::span<const std::int64_t> batch_sizes) {
 
 void GpuMoeLayer::forward_graph(TensorView x, TensorView y) {
   Impl& m = *impl_;
-  const std::int64_t T = m.check_io(x, y);
+  EPMOE_CHECK(m.serves(Mode::low_latency),
+              "CUDA graphs serve the low-latency mode (normal mode syncs the host)");
+  const std::int64_t T = m.check_io(x, y, m.path_for(Mode::low_latency));
   const std::int64_t sizes[] = {T};
   capture_graphs(sizes);
   // Kernel copies, not cudaMemcpyAsync (layer_detail::copy_bf16 says why).
@@ -829,6 +928,7 @@ std::vector<std::int64_t> sum_over_ranks(const DeviceTensor& counts,
   if (comm && comm->size() > 1) {
     comm->all_reduce_sum_i64(counts.data<std::int64_t>(), sum.data<std::int64_t>(),
                              static_cast<std::size_t>(n), stream);
+    comm->synchronize(CommPhase::none, "the load counters' sum over the ranks");  // bounded: stream is comm's
   } else {
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(sum.data<std::int64_t>(), counts.data<std::int64_t>(), sum.nbytes(),
                                      cudaMemcpyDeviceToDevice, stream));
@@ -853,7 +953,7 @@ std::vector<std::int64_t> GpuMoeLayer::slot_load() {
 void GpuMoeLayer::reset_load() {
   Impl& m = *impl_;
   EPMOE_CUDA_CHECK(cudaMemsetAsync(m.slot_counts.data<std::int64_t>(), 0, m.slot_counts.nbytes(), m.s0));
-  EPMOE_CUDA_CHECK(cudaStreamSynchronize(m.s0));
+  m.wait_s0("clearing the load counters");
   std::fill(m.load_carry.begin(), m.load_carry.end(), 0);
   std::fill(m.slot_base.begin(), m.slot_base.end(), 0);
   m.forwards_since_reset = 0;

@@ -21,6 +21,10 @@ class PhaseTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
+int mode_index(Mode mode) {
+  return mode == Mode::normal ? 0 : 1;
+}
+
 }  // namespace
 
 MoeLayer::MoeLayer(std::shared_ptr<const ModelWeights> weights, LayerOptions options)
@@ -33,10 +37,14 @@ MoeLayer::MoeLayer(std::shared_ptr<const ModelWeights> weights, LayerOptions opt
   placement_ = ExpertPlacement::initial(c.num_experts, c.num_physical_experts(), c.num_ranks);
   expert_load_.assign(static_cast<std::size_t>(c.num_experts), 0);
   if (options_.dispatcher.empty()) options_.dispatcher = "cpu-sim";
-  DispatcherContext dc{c, options_.mode, activation_format(c.quant), 0, c.num_ranks};
-  dispatcher_ = make_dispatcher(options_.dispatcher, dc);
-  runner_ = make_runner(options_.device, dispatcher_->layout(),
-                        RunnerContext{c, weights_.get(), &placement_, options_.numerics});
+  for (const Mode mode : {Mode::normal, Mode::low_latency}) {
+    if (options_.mode != Mode::automatic && options_.mode != mode) continue;
+    const int m = mode_index(mode);
+    const DispatcherContext dc{c, mode, activation_format(c.quant), 0, c.num_ranks};
+    dispatchers_[m] = make_dispatcher(options_.dispatcher, dc);
+    runners_[m] = make_runner(options_.device, dispatchers_[m]->layout(),
+                              RunnerContext{c, weights_.get(), &placement_, options_.numerics});
+  }
 }
 
 MoeLayer::~MoeLayer() = default;
@@ -64,8 +72,23 @@ void MoeLayer::rebalance(int nodes) {
 }
 
 void MoeLayer::forward(std::span<const TensorView> x, std::span<const TensorView> y, ForwardStats* stats) {
+  EPMOE_CHECK(options_.mode != Mode::automatic,
+              "a layer in auto mode needs each forward's batch kind: forward(x, y, BatchKind::prefill or "
+              "BatchKind::decode, stats)");
+  forward_in(options_.mode, x, y, stats);
+}
+
+void MoeLayer::forward(std::span<const TensorView> x, std::span<const TensorView> y, BatchKind kind,
+                       ForwardStats* stats) {
+  forward_in(resolve_mode(options_.mode, kind), x, y, stats);
+}
+
+void MoeLayer::forward_in(Mode mode, std::span<const TensorView> x, std::span<const TensorView> y,
+                          ForwardStats* stats) {
   const MoeConfig& c = config();
-  const int N = dispatcher_->context().num_ranks_served;
+  Dispatcher& dispatcher = *dispatchers_[mode_index(mode)];
+  Runner& runner = *runners_[mode_index(mode)];
+  const int N = dispatcher.context().num_ranks_served;
   EPMOE_CHECK(static_cast<int>(x.size()) == N && static_cast<int>(y.size()) == N,
               "forward needs one x and one y per served rank ({}), got {} and {}", N, x.size(), y.size());
   const ActivationFormat format = activation_format(c.quant);
@@ -84,7 +107,7 @@ void MoeLayer::forward(std::span<const TensorView> x, std::span<const TensorView
     expect_shape(y[r], {x[r].size(0), c.hidden}, yname);
     expect_dtype(y[r], DType::bf16, yname);
     expect_contiguous(y[r], yname);
-    if (options_.mode == Mode::low_latency)
+    if (mode == Mode::low_latency)
       EPMOE_CHECK(x[r].size(0) <= c.max_tokens_per_rank,
                   "rank {} has {} tokens, more than the low-latency buffers hold (max_tokens_per_rank = {})",
                   r, x[r].size(0), c.max_tokens_per_rank);
@@ -129,7 +152,7 @@ void MoeLayer::forward(std::span<const TensorView> x, std::span<const TensorView
   std::vector<DispatchOutput> outputs(static_cast<std::size_t>(N));
   {
     PhaseTimer timer(sink(&PhaseTimes::dispatch));
-    dispatcher_->dispatch(inputs, outputs);
+    dispatcher.dispatch(inputs, outputs);
   }
 
   std::vector<HostTensor> expert_out(static_cast<std::size_t>(N));
@@ -139,14 +162,14 @@ void MoeLayer::forward(std::span<const TensorView> x, std::span<const TensorView
     for (int r = 0; r < N; ++r) {
       auto& out = expert_out[static_cast<std::size_t>(r)];
       out = HostTensor(DType::bf16, {outputs[static_cast<std::size_t>(r)].num_output_rows(), c.hidden});
-      runner_->run(outputs[static_cast<std::size_t>(r)], out, r);
+      runner.run(outputs[static_cast<std::size_t>(r)], out, r);
       expert_views[static_cast<std::size_t>(r)] = out;
     }
   }
 
   {
     PhaseTimer timer(sink(&PhaseTimes::combine));
-    dispatcher_->combine(expert_views, y);
+    dispatcher.combine(expert_views, y);
     if (c.num_shared_experts > 0) {
       for (int r = 0; r < N; ++r) {
         bf16* yr = y[r].as<bf16>();
@@ -158,7 +181,8 @@ void MoeLayer::forward(std::span<const TensorView> x, std::span<const TensorView
   }
 
   if (stats) {
-    const DispatchStats& ds = dispatcher_->last_stats();
+    stats->mode = mode;
+    const DispatchStats& ds = dispatcher.last_stats();
     stats->rows_per_rank = ds.rows_received;
     stats->bytes_sent = 0;
     for (std::int64_t b : ds.bytes_sent) stats->bytes_sent += b;

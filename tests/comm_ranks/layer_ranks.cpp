@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 
 #include <nccl.h>
 
@@ -33,13 +34,15 @@ using Out = testing::LayerForward;
 // and filled; then the ranks meet; after the forward they meet before the buffers are freed (no
 // rank's kernels may still read a peer's data) and again after (no rank starts its next dispatch
 // while a peer is in cudaFree).
-Out layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph) {
+// kind: the eager forward's batch kind (auto-mode layers).
+Out layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph,
+                  std::optional<BatchKind> kind = std::nullopt) {
   if (graph) {
     const std::int64_t sizes[] = {x.size(0)};
     layer.capture_graphs(sizes);
   }
   const auto meet = [] { world().barrier(); };
-  Out out = testing::layer_forward(layer, x, graph, meet, meet);
+  Out out = testing::layer_forward(layer, x, graph, meet, meet, kind);
   world().barrier();
   return out;
 }
@@ -235,6 +238,37 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
     EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the result";
     EXPECT_TRUE(same_bits(layer_forward(layer, x, false).y, plain.y))
         << "a repeated overlapped forward differs";
+  });
+}
+
+// One layer in auto mode on every rank: prefill batches through the normal-mode dispatcher, decode
+// batches through the low-latency one, each with the bits of a layer of that mode; decode replayed.
+TEST_P(LayerRanks, AutoModeGivesEachBatchKindItsModesBits) {
+  on_ranks([&] {
+    const bool big = preset_of(GetParam()) == "deepseek-v3";
+    const MoeConfig c = low_latency_config(GetParam());
+    auto w = weights_for(c);
+    const std::int64_t prefill_max = 128;
+    const std::int64_t T_prefill = big ? 9 + world().rank() : 60 + 9 * world().rank();
+    const std::int64_t T_decode = c.max_tokens_per_rank - world().rank();
+    const HostTensor xp = synthetic_tokens(c, 41, world().rank(), T_prefill);
+    const HostTensor xd = synthetic_tokens(c, 42, world().rank(), T_decode);
+    const Out normal = forward_and_destroy(make_layer(w, Mode::normal, false, prefill_max), xp);
+    const Out low_latency = forward_and_destroy(make_layer(w, Mode::low_latency), xd);
+    const auto layer_ptr = make_layer(w, Mode::automatic, false, prefill_max);
+    cuda::GpuMoeLayer& layer = *layer_ptr;
+    const Out prefill = layer_forward(layer, xp, false, BatchKind::prefill);
+    expect_reference(*w, xp, prefill, "auto mode, prefill");
+    EXPECT_TRUE(same_bits(prefill.y, normal.y)) << "auto mode's prefill differs from normal mode";
+    const Out decode = layer_forward(layer, xd, false, BatchKind::decode);
+    expect_reference(*w, xd, decode, "auto mode, decode");
+    EXPECT_TRUE(same_bits(decode.y, low_latency.y)) << "auto mode's decode differs from low-latency mode";
+    EXPECT_TRUE(same_bits(layer_forward(layer, xd, true).y, low_latency.y))
+        << "auto mode's decode graph differs";
+    EXPECT_TRUE(same_bits(layer_forward(layer, xp, false, BatchKind::prefill).y, normal.y))
+        << "a prefill forward after the graph differs";
+    EXPECT_TRUE(same_bits(layer_forward(layer, xd, true).y, low_latency.y))
+        << "the decode graph replayed after a prefill forward differs";
   });
 }
 

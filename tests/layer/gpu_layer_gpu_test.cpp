@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/gate.hpp"
@@ -209,6 +210,72 @@ TEST(GpuLayer, SharedStreamChoiceKeepsTheBits) {
   bad.shared_stream = "side";
   testing::expect_error_mentions([&] { cuda::GpuMoeLayer layer(w, bad); }, "shared_stream");
 }
+
+// One layer in auto mode (both paths around one set of weights) gives each batch kind the bits of a
+// layer of that kind's mode: prefill through the contiguous path (a batch over the low-latency
+// buffers), decode through the masked path, eager and by graph replay; both kinds count their load.
+class GpuLayerAutoMode : public ::testing::TestWithParam<std::tuple<const char*, QuantScheme>> {};
+
+TEST_P(GpuLayerAutoMode, EachBatchKindGetsItsModesBits) {
+  EPMOE_REQUIRE_GPU();
+  const auto [preset, quant] = GetParam();
+  const MoeConfig c = one_rank(preset, /*redundant=*/4, /*max_tokens=*/16, quant);
+  auto w = gpu_synthetic(c, 13);
+  const std::int64_t prefill_tokens = 40, decode_tokens = 16;
+  cuda::GpuLayerOptions o;
+  o.mode = Mode::automatic;
+  o.max_tokens = prefill_tokens;
+  cuda::GpuMoeLayer layer(w, o);
+  EXPECT_EQ(layer.max_tokens(), prefill_tokens);
+  EXPECT_FALSE(layer.shared_expert_on_own_stream(BatchKind::prefill));  // "auto": inline in normal mode
+  EXPECT_TRUE(layer.shared_expert_on_own_stream(BatchKind::decode));
+  cuda::GpuLayerOptions on;
+  on.mode = Mode::normal;
+  on.max_tokens = prefill_tokens;
+  cuda::GpuMoeLayer normal(w, on);
+  cuda::GpuMoeLayer low_latency(w, {});
+
+  const HostTensor xp = synthetic_tokens(c, 7, 0, prefill_tokens),
+                   xd = synthetic_tokens(c, 8, 0, decode_tokens);
+  const testing::LayerForward prefill = testing::layer_forward(layer, xp, false, {}, {}, BatchKind::prefill);
+  testing::expect_matches_reference(*w, xp, prefill, "auto, prefill");
+  EXPECT_TRUE(
+      same_bits<bf16>(prefill.y, testing::layer_forward(normal, xp, false).y, "prefill against normal"));
+  const testing::LayerForward decode = testing::layer_forward(layer, xd, false, {}, {}, BatchKind::decode);
+  testing::expect_matches_reference(*w, xd, decode, "auto, decode");
+  EXPECT_TRUE(same_bits<bf16>(decode.y, testing::layer_forward(low_latency, xd, false).y,
+                              "decode against low-latency"));
+  EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, xd, true).y, decode.y, "decode graph"));
+  // A prefill forward between graph replays leaves the graph's buffers alone.
+  EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, xp, false, {}, {}, BatchKind::prefill).y,
+                              prefill.y, "prefill again"));
+  EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, xd, true).y, decode.y, "decode graph replay"));
+  EXPECT_EQ(layer.graphs_captured(), 1u);
+  const std::vector<std::int64_t> load = layer.expert_load();
+  EXPECT_EQ(std::accumulate(load.begin(), load.end(), std::int64_t{0}),
+            (2 * prefill_tokens + 3 * decode_tokens) * c.topk);
+
+  // Refusals: no batch kind; a decode batch over max_tokens_per_rank (eager or graph).
+  DeviceTensor dx = cuda::to_device(xp, layer.stream()), dy(DType::bf16, {prefill_tokens, c.hidden});
+  testing::expect_error_mentions([&] { layer.forward(dx, dy); }, "needs each forward's batch kind");
+  testing::expect_error_mentions([&] { layer.forward(dx, dy, BatchKind::decode); },
+                                 "max_tokens_per_rank = 16");
+  testing::expect_error_mentions([&] { layer.forward_graph(dx, dy); }, "max_tokens_per_rank = 16");
+  // A layer of one mode runs every kind in it, and has no other mode's graphs.
+  EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(normal, xp, false, {}, {}, BatchKind::decode).y,
+                              prefill.y, "normal layer, decode kind"));
+  testing::expect_error_mentions([&] { normal.forward_graph(dx, dy); },
+                                 "CUDA graphs serve the low-latency mode");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuLayerAutoMode,
+                         ::testing::Values(std::tuple{"tiny", QuantScheme::fp8},
+                                           std::tuple{"tiny", QuantScheme::w4a8},
+                                           std::tuple{"deepseek-v3", QuantScheme::fp8}),
+                         [](const auto& case_info) {
+                           return std::string(std::get<0>(case_info.param)[0] == 't' ? "tiny" : "dsv3") +
+                                  "_" + std::string(to_string(std::get<1>(case_info.param)));
+                         });
 
 // A one-rank tiny layer on synthetic weights (seed 9), default options (the load and rebalance tests).
 struct TinyLayer {

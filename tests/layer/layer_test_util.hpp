@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 
 #include <gtest/gtest.h>
 
@@ -22,9 +23,11 @@ struct LayerForward {
 // the outputs are on the host and before the device buffers of x and y are freed. With loopback ranks
 // (one GPU) a rank must not allocate, free, set or copy device memory while a peer's dispatch already
 // waits for it: those calls may wait for the whole device (CUDA's implicit synchronization).
+// kind: the eager forward's batch kind (an auto-mode layer needs one); none: forward(x, y).
 inline LayerForward layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x, bool graph,
                                   const std::function<void()>& before_free = {},
-                                  const std::function<void()>& before_forward = {}) {
+                                  const std::function<void()>& before_forward = {},
+                                  std::optional<BatchKind> kind = std::nullopt) {
   cudaStream_t s = layer.stream();
   cuda::DeviceTensor dx = cuda::to_device(x, s);
   cuda::DeviceTensor dy(DType::bf16, {x.size(0), x.size(1)});
@@ -32,6 +35,8 @@ inline LayerForward layer_forward(cuda::GpuMoeLayer& layer, const HostTensor& x,
   if (before_forward) before_forward();
   if (graph) {
     layer.forward_graph(dx, dy);
+  } else if (kind) {
+    layer.forward(dx, dy, *kind);
   } else {
     layer.forward(dx, dy);
   }

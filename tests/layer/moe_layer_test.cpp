@@ -2,6 +2,7 @@
 // independence, EPLB placements and bad input.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <memory>
 #include <tuple>
 
@@ -193,6 +194,87 @@ TEST(Layer, BadInputIsRefusedWithClearMessages) {
     EXPECT_NE(std::string(e.what()).find("hidden must be a positive multiple of 128"), std::string::npos)
         << e.what();
   }
+}
+
+TEST(Layer, ModeNamesAndTheirResolution) {
+  EXPECT_EQ(parse_mode("auto"), Mode::automatic);
+  EXPECT_EQ(parse_mode("low-latency"), Mode::low_latency);
+  EXPECT_EQ(to_string(Mode::automatic), "auto");
+  EXPECT_EQ(parse_mode(to_string(Mode::low_latency)), Mode::low_latency);
+  EXPECT_EQ(parse_batch_kind("prefill"), BatchKind::prefill);
+  EXPECT_EQ(to_string(BatchKind::decode), "decode");
+  EXPECT_THROW(parse_batch_kind("extend"), Error);
+  EXPECT_EQ(resolve_mode(Mode::automatic, BatchKind::prefill), Mode::normal);
+  EXPECT_EQ(resolve_mode(Mode::automatic, BatchKind::decode), Mode::low_latency);
+  for (const BatchKind kind : {BatchKind::prefill, BatchKind::decode}) {
+    EXPECT_EQ(resolve_mode(Mode::normal, kind), Mode::normal);
+    EXPECT_EQ(resolve_mode(Mode::low_latency, kind), Mode::low_latency);
+  }
+  // A dispatcher serves one mode: auto is the layer's to resolve.
+  const MoeConfig c = tiny(2, QuantScheme::fp8);
+  try {
+    (void)make_dispatcher("cpu-sim", {c, Mode::automatic, ActivationFormat::fp8_group, 0, 2});
+    FAIL() << "expected a throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("mode must be normal or low-latency, got auto"), std::string::npos)
+        << e.what();
+  }
+}
+
+// One layer in auto mode serves prefill batches in normal mode and decode batches in low-latency mode,
+// with the same bits as a layer of each mode, and counts both kinds' load.
+TEST(Layer, AutoModeServesPrefillAndDecodeWithOneLayer) {
+  MoeConfig c = tiny(2, QuantScheme::fp8, /*redundant=*/2);
+  c.max_tokens_per_rank = 16;
+  auto w = std::make_shared<SyntheticWeights>(c, 12);
+  MoeLayer layer(w, {Mode::automatic});
+  MoeLayer normal(w, {Mode::normal}), low_latency(w, {Mode::low_latency});
+
+  // A prefill batch larger than the low-latency buffers, then a decode batch.
+  Batch prefill = make_batch(c, {40, 23}, 3), prefill_fixed = make_batch(c, {40, 23}, 3);
+  ForwardStats stats;
+  layer.forward(prefill.xv, prefill.yv, BatchKind::prefill, &stats);
+  EXPECT_EQ(stats.mode, Mode::normal);
+  normal.forward(prefill_fixed.xv, prefill_fixed.yv, BatchKind::decode);  // a fixed mode serves every kind
+  EXPECT_LE(check(*w, prefill).rel_l2, 5e-3);
+  Batch decode = make_batch(c, {16, 5}, 4), decode_fixed = make_batch(c, {16, 5}, 4);
+  layer.forward(decode.xv, decode.yv, BatchKind::decode, &stats);
+  EXPECT_EQ(stats.mode, Mode::low_latency);
+  low_latency.forward(decode_fixed.xv, decode_fixed.yv);
+  EXPECT_LE(check(*w, decode).rel_l2, 5e-3);
+  for (int r = 0; r < 2; ++r) {
+    const std::size_t n = static_cast<std::size_t>(prefill.y[r].nbytes());
+    EXPECT_EQ(std::memcmp(prefill.y[r].data<bf16>(), prefill_fixed.y[r].data<bf16>(), n), 0) << "rank " << r;
+    const std::size_t m = static_cast<std::size_t>(decode.y[r].nbytes());
+    EXPECT_EQ(std::memcmp(decode.y[r].data<bf16>(), decode_fixed.y[r].data<bf16>(), m), 0) << "rank " << r;
+  }
+  std::int64_t counted = 0;
+  for (std::int64_t n : layer.expert_load()) counted += n;
+  EXPECT_EQ(counted, (40 + 23 + 16 + 5) * c.topk);
+
+  // A rebalance serves both kinds: same results, other slots.
+  layer.rebalance();
+  Batch again = make_batch(c, {16, 5}, 4);
+  layer.forward(again.xv, again.yv, BatchKind::decode);
+  EXPECT_LE(compare(again.y[0], decode.y[0]).rel_l2, 5e-3);
+  EXPECT_LE(check(*w, again).rel_l2, 5e-3);
+
+  // Refusals: no batch kind, and a decode batch over the low-latency buffers.
+  try {
+    layer.forward(decode.xv, decode.yv);
+    FAIL() << "expected a throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs each forward's batch kind"), std::string::npos) << e.what();
+  }
+  Batch big = make_batch(c, {17, 1}, 5);
+  try {
+    layer.forward(big.xv, big.yv, BatchKind::decode);
+    FAIL() << "expected a throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_tokens_per_rank = 16"), std::string::npos) << e.what();
+  }
+  layer.forward(big.xv, big.yv, BatchKind::prefill);  // the same batch as a prefill batch is fine
+  EXPECT_LE(check(*w, big).rel_l2, 5e-3);
 }
 
 TEST(Layer, DeepSeekV3DimsFewTokensTwoRanks) {

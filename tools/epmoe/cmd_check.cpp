@@ -16,7 +16,7 @@ namespace {
 struct CheckOptions {
   ModelOptions model;
   std::int64_t tokens = 8;
-  std::string mode = "normal", dispatcher, json;
+  std::string mode = "normal", batch = "prefill", dispatcher, json;
   double tolerance = 1e-2;
   bool exact = false;
 };
@@ -61,13 +61,15 @@ void run_check(const CheckOptions& o) {
   };
   progress.step(fmt::format("layer forward: {} ranks x {} tokens", config.num_ranks, o.tokens));
   ForwardStats stats;
-  layer.forward(x, y, &stats);
+  const BatchKind kind = parse_batch_kind(o.batch);
+  layer.forward(x, y, kind, &stats);
   const CheckResult mirror =
       check_against_reference(*weights, x, y, Numerics::mirror, o.tolerance, reference_progress("mirrored"));
 
   std::printf("epmoe check: %s\n", config.describe().c_str());
-  std::printf("  mode %s, dispatcher %s, %lld tokens per rank, %zu experts built\n",
-              std::string(to_string(lo.mode)).c_str(), layer.options().dispatcher.c_str(),
+  std::printf("  mode %s (a %s batch: %s), dispatcher %s, %lld tokens per rank, %zu experts built\n",
+              std::string(to_string(lo.mode)).c_str(), o.batch.c_str(),
+              std::string(to_string(stats.mode)).c_str(), layer.options().dispatcher.c_str(),
               static_cast<long long>(o.tokens), weights->experts_built());
   for (std::size_t r = 0; r < mirror.per_rank.size(); ++r)
     std::printf("  rank %zu: rel_l2 %.3e  calc_diff %.3e  rows %lld\n", r, mirror.per_rank[r].rel_l2,
@@ -75,9 +77,10 @@ void run_check(const CheckOptions& o) {
                 static_cast<long long>(r < stats.rows_per_rank.size() ? stats.rows_per_rank[r] : 0));
   std::printf("  overall vs mirrored reference: rel_l2 %.3e  calc_diff %.3e  (tolerance %.1e)  %s\n",
               mirror.overall.rel_l2, mirror.overall.calc_diff, o.tolerance, mirror.pass ? "PASS" : "FAIL");
-  nlohmann::json j = {{"config", config.describe()},      {"mode", to_string(lo.mode)},
-                      {"tokens_per_rank", o.tokens},      {"ranks", config.num_ranks},
-                      {"quant", to_string(config.quant)}, {"mirror", to_json(mirror)}};
+  nlohmann::json j = {
+      {"config", config.describe()},           {"mode", to_string(lo.mode)},  {"batch", o.batch},
+      {"forward_mode", to_string(stats.mode)}, {"tokens_per_rank", o.tokens}, {"ranks", config.num_ranks},
+      {"quant", to_string(config.quant)},      {"mirror", to_json(mirror)}};
   if (o.exact) {
     // How far the quantized pipeline is from f64 arithmetic on the same quantized inputs (informational).
     const CheckResult exact =
@@ -99,8 +102,13 @@ const CommandRegistration kRegistration{
       cmd->add_option("--tokens", options->tokens, "Tokens per rank")
           ->check(non_negative())
           ->capture_default_str();
-      cmd->add_option("--mode", options->mode, "normal or low-latency")
-          ->check(CLI::IsMember({"normal", "low-latency"}))
+      cmd->add_option("--mode", options->mode,
+                      "normal, low-latency, or auto (the layer holds both; --batch picks the forward's)")
+          ->check(CLI::IsMember({"normal", "low-latency", "auto"}))
+          ->capture_default_str();
+      cmd->add_option("--batch", options->batch,
+                      "The forward's batch kind, prefill or decode (auto mode: normal or low-latency)")
+          ->check(CLI::IsMember({"prefill", "decode"}))
           ->capture_default_str();
       cmd->add_option("--dispatcher", options->dispatcher,
                       "Dispatcher: cpu-sim (default) or cpu-local (one rank)");

@@ -27,20 +27,16 @@ struct PhaseResult {
   CheckResult check;
 };
 
-// One forward per entry of `tokens_per_forward` (tokens on every rank); checks the first pass
-// against the reference.
-PhaseResult run_phase(const std::string& name, const std::shared_ptr<const ModelWeights>& weights, Mode mode,
-                      Device device, const std::vector<std::int64_t>& tokens_per_forward, std::uint64_t seed,
+// One forward of `kind` per entry of `tokens_per_forward` (tokens on every rank) through `layer`;
+// checks the first pass against the reference.
+PhaseResult run_phase(const std::string& name, MoeLayer& layer, const ModelWeights& weights, BatchKind kind,
+                      const std::vector<std::int64_t>& tokens_per_forward, std::uint64_t seed,
                       double tolerance) {
   const std::int64_t forwards = static_cast<std::int64_t>(tokens_per_forward.size());
-  const MoeConfig& c = weights->config();
-  LayerOptions lo;
-  lo.mode = mode;
-  lo.device = device;
-  MoeLayer layer(weights, lo);
+  const MoeConfig& c = weights.config();
   PhaseResult result;
   result.name = name;
-  result.mode = mode;
+  result.mode = resolve_mode(layer.options().mode, kind);
   Progress progress(name);
   ForwardStats stats;
   for (std::int64_t f = 0; f < forwards; ++f) {
@@ -55,10 +51,10 @@ PhaseResult run_phase(const std::string& name, const std::shared_ptr<const Model
       y.push_back(ys.back());
     }
     const auto start = Clock::now();
-    layer.forward(x, y, &stats);
+    layer.forward(x, y, kind, &stats);
     result.seconds += std::chrono::duration<double>(Clock::now() - start).count();
     result.bytes_sent += stats.bytes_sent;
-    if (f == 0) result.check = check_against_reference(*weights, x, y, Numerics::mirror, tolerance);
+    if (f == 0) result.check = check_against_reference(weights, x, y, Numerics::mirror, tolerance);
     progress.update(f + 1, forwards, stats.tokens, result.seconds, f + 1 == forwards);
   }
   result.forwards = forwards;
@@ -121,8 +117,11 @@ void run_main(const RunOptions& o) {
   const std::int64_t decode_tokens =
       o.tokens >= 0 ? o.tokens : std::min<std::int64_t>(32, config.max_tokens_per_rank);
   const std::int64_t chunk = o.chunk > 0 ? o.chunk : 256;
-  const Mode decode_mode = o.mode == "auto" ? Mode::low_latency : parse_mode(o.mode);
-  const Mode prefill_mode = o.mode == "auto" ? Mode::normal : parse_mode(o.mode);
+  // One layer serves both phases, as in an engine: in auto mode (the default) prefill batches run in
+  // normal mode and decode batches in low-latency mode.
+  const Mode layer_mode = parse_mode(o.mode);
+  const Mode decode_mode = resolve_mode(layer_mode, BatchKind::decode);
+  const Mode prefill_mode = resolve_mode(layer_mode, BatchKind::prefill);
   if (decode_mode == Mode::low_latency)
     EPMOE_CHECK(decode_tokens <= config.max_tokens_per_rank,
                 "tokens ({}) must be <= max_tokens_per_rank ({}) in low-latency mode", decode_tokens,
@@ -138,10 +137,14 @@ void run_main(const RunOptions& o) {
               cuda::device_description(0).c_str());
   std::fflush(stdout);  // the header before the progress lines on stderr
   auto weights = std::make_shared<SyntheticWeights>(config, o.model.seed);
+  LayerOptions lo;
+  lo.mode = layer_mode;
+  lo.device = device;
+  MoeLayer layer(weights, lo);
 
   std::vector<PhaseResult> phases;
   if (steps > 0) {
-    phases.push_back(run_phase("decode", weights, decode_mode, device,
+    phases.push_back(run_phase("decode", layer, *weights, BatchKind::decode,
                                std::vector<std::int64_t>(static_cast<std::size_t>(steps), decode_tokens),
                                o.model.seed + 1, o.tolerance));
   }
@@ -150,14 +153,18 @@ void run_main(const RunOptions& o) {
     for (std::int64_t done = 0; done < o.prompt_tokens; done += chunk)
       chunks.push_back(std::min(chunk, o.prompt_tokens - done));
     phases.push_back(
-        run_phase("prefill", weights, prefill_mode, device, chunks, o.model.seed + 2, o.tolerance));
+        run_phase("prefill", layer, *weights, BatchKind::prefill, chunks, o.model.seed + 2, o.tolerance));
   }
 
   bool pass = true;
-  nlohmann::json j = {{"commit", bench::git_commit()},   {"date", bench::utc_now_iso8601()},
-                      {"device", device_name(device)},   {"config", config.describe()},
-                      {"preset", config.name},           {"ranks", config.num_ranks},
-                      {"quant", to_string(config.quant)}};
+  nlohmann::json j = {{"commit", bench::git_commit()},
+                      {"date", bench::utc_now_iso8601()},
+                      {"device", device_name(device)},
+                      {"config", config.describe()},
+                      {"preset", config.name},
+                      {"ranks", config.num_ranks},
+                      {"quant", to_string(config.quant)},
+                      {"layer_mode", to_string(layer_mode)}};
   std::printf("results:\n");
   for (const PhaseResult& p : phases) {
     print_phase(p);

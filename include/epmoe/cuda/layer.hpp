@@ -40,9 +40,13 @@
 namespace epmoe::cuda {
 
 struct GpuLayerOptions {
+  // low_latency, normal, or automatic: both around the same weights (each mode's dispatchers, layout
+  // buffers and runner), each forward's BatchKind picking one (resolve_mode: prefill normal, decode
+  // low-latency), as an engine serves prefill and decode batches with one layer.
   Mode mode = Mode::low_latency;
   // The largest batch (tokens on this rank) of one forward; sizes every buffer. 0: the config's
-  // max_tokens_per_rank. Low-latency mode refuses more than max_tokens_per_rank.
+  // max_tokens_per_rank. Low-latency mode refuses more than max_tokens_per_rank; in auto mode decode
+  // batches stop at max_tokens_per_rank and prefill batches at max_tokens.
   std::int64_t max_tokens = 0;
   // "auto" (one rank: "local"; N ranks: "nvlink" in normal mode, "nvlink-ll" in low-latency mode),
   // "local", "nvlink", "nvlink-ll" or "nccl-p2p".
@@ -113,18 +117,23 @@ class GpuMoeLayer {
   const GpuLayerOptions& options() const;
   int rank() const;
   int num_ranks() const;
-  bool shared_expert_on_own_stream() const;  // GpuLayerOptions::shared_stream, resolved
-  std::int64_t max_tokens() const;
-  cudaStream_t stream() const;  // where forward() enqueues; outputs are valid in its order
+  // GpuLayerOptions::shared_stream, resolved for the forwards of `kind` (a layer of one mode: its mode).
+  bool shared_expert_on_own_stream(BatchKind kind = BatchKind::decode) const;
+  std::int64_t max_tokens() const;  // the largest batch of any forward
+  cudaStream_t stream() const;      // where forward() enqueues; outputs are valid in its order
 
   // x [T, H] bf16, y (out) [T, H] bf16, contiguous Device::cuda views, T <= max_tokens(); every rank
   // calls it (T may differ per rank, and may be 0). Enqueues on stream(); returns without waiting,
-  // except for the host sync of the "nvlink" / "nccl-p2p" receive in normal mode.
+  // except for the host sync of the "nvlink" / "nccl-p2p" receive in normal mode. A layer in auto
+  // mode refuses this one: it needs the batch kind (below).
   void forward(TensorView x, TensorView y);
+  // The same for a batch of `kind`: in auto mode prefill runs in normal mode and decode in
+  // low-latency mode; a layer of one mode runs every kind in it. Every rank must pass the same kind.
+  void forward(TensorView x, TensorView y, BatchKind kind);
 
-  // The same through a CUDA graph captured for this T (low-latency mode only; the first call for a
-  // T captures, later calls replay). x and y may be any device tensors: they are copied into and
-  // out of the layer's static buffers inside the stream order.
+  // The same through a CUDA graph captured for this T (low-latency mode only, or auto mode's decode
+  // batches; the first call for a T captures, later calls replay). x and y may be any device tensors: they
+  // are copied into and out of the layer's static buffers inside the stream order.
   void forward_graph(TensorView x, TensorView y);
   void capture_graphs(std::span<const std::int64_t> batch_sizes);
   std::size_t graphs_captured() const;
