@@ -50,9 +50,10 @@ struct DispatchOutput {
   TensorView local_ids;      // [T, K] i32
   TensorView local_weights;  // [T, K] f32
 
-  // contiguous
+  // contiguous (M_sum: the exact rows, or contiguous_rows_bound() without a host sync)
   TensorView m_indices;                      // [M_sum] i32, local expert per row, -1 on padding
-  std::vector<std::int64_t> expert_offsets;  // [E_local + 1] first row of each expert (host)
+  std::vector<std::int64_t> expert_offsets;  // [E_local + 1] first row of each expert (host; empty
+                                             // without a host sync)
 
   // masked
   TensorView masked_m;          // [E_local] i32 valid rows per expert
@@ -75,7 +76,16 @@ struct DispatcherContext {
   ActivationFormat format = ActivationFormat::fp8_group;
   int first_rank = 0;  // ranks served are [first_rank, first_rank + num_ranks_served)
   int num_ranks_served = 1;
+  // Normal mode: true, the host learns the exact row counts of the contiguous layout once per
+  // dispatch (one wait); false, no host sync at all: the layout has contiguous_rows_bound() rows,
+  // those past the last expert block -1 in m_indices and row_token (the GEMMs skip them),
+  // expert_offsets is empty and num_recv_tokens -1. (Low-latency mode never syncs.)
+  bool host_sync = true;
 };
+
+// The contiguous layout's worst case on one rank: each of ranks x tokens_per_rank tokens at most
+// min(K, E_local) rows here, plus each expert block's padding to kContiguousAlign.
+std::int64_t contiguous_rows_bound(const MoeConfig& config, std::int64_t tokens_per_rank);
 
 struct DispatchStats {
   std::vector<std::int64_t> tokens_sent;    // per served rank: (token, destination) pairs to other ranks

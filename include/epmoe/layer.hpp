@@ -20,6 +20,9 @@ struct LayerOptions {
   Device device = Device::cpu;
   Numerics numerics = Numerics::mirror;
   std::string dispatcher;  // empty: "cpu-local" for one rank, else "cpu-sim"
+  // Normal mode: the dispatcher learns the exact rows on the host (true) or hands out the layout at
+  // its bound with no host sync (false; DispatcherContext::host_sync).
+  bool host_sync = true;
 };
 
 struct PhaseTimes {  // milliseconds of host wall time, accumulated over forwards

@@ -36,7 +36,7 @@ GpuDispatcherBase::GpuDispatcherBase(std::string name, const DispatcherContext& 
   const std::int64_t slots = static_cast<std::int64_t>(g_.N) * g_.T_max;
   M_max_ = c.masked_max_m();
   if (contiguous()) {
-    max_rows_ = slots * std::min(g_.K, g_.L) + static_cast<std::int64_t>(g_.L) * (kContiguousAlign - 1);
+    max_rows_ = contiguous_rows_bound(c, g_.T_max);
     m_indices_ = cuda::DeviceBuffer(sizeof(std::int32_t) * static_cast<std::size_t>(max_rows_));
   } else {
     max_rows_ = static_cast<std::int64_t>(g_.L) * M_max_;

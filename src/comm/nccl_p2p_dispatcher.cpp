@@ -24,6 +24,10 @@ class NcclP2pDispatcher final : public Dispatcher, comm_detail::GpuDispatcherBas
  public:
   NcclP2pDispatcher(const DispatcherContext& context, std::shared_ptr<Communicator> comm)
       : GpuDispatcherBase("nccl-p2p", context, std::move(comm)) {
+    EPMOE_CHECK(
+        context.host_sync || context.mode == Mode::low_latency,
+        "nccl-p2p needs the host sync of normal mode (DispatcherContext::host_sync): its transfers are "
+        "sized on the host from the exchanged counts; the nvlink dispatcher works without it");
     const std::size_t region = static_cast<std::size_t>(g_.T_max) * static_cast<std::size_t>(g_.row_stride);
     const std::size_t partials =
         static_cast<std::size_t>(g_.T_max) * static_cast<std::size_t>(g_.partial_bytes);

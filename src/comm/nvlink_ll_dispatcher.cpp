@@ -275,6 +275,12 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       p.expert_offsets = offsets_dev_.as<std::int32_t>();
       p.host_offsets = offsets_mapped_;
       p.host_stamp = static_cast<std::int32_t>(++host_stamp_ & 0x7fffffff);
+      // Without a host sync the layout is handed out at its bound (max_rows_): place writes the rows
+      // up to the last expert block, and these -1s, enqueued first, stand for the rest.
+      if (!context_.host_sync) {
+        m_indices_.fill_bytes(0xff, comm_->stream());
+        row_token_.fill_bytes(0xff, comm_->stream());
+      }
     }
     if (copy_engines_ == 1)
       dispatch_by_copy_engines(p);
@@ -285,7 +291,9 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     else
       comm_detail::launch_place(g_, p, comm_->stream());
     sent_ = false;
-    if (contiguous()) {
+    if (contiguous() && !context_.host_sync) {
+      fill_output(out, max_rows_, -1, tensor_scale_, {}, 0);
+    } else if (contiguous()) {
       // One bounded host wait: the contiguous layout's size and offsets, written by place before it
       // copies any row.
       wait_offsets(p.host_stamp);

@@ -220,7 +220,14 @@ class CpuSimDispatcher final : public Dispatcher {
             out.expert_offsets[static_cast<std::size_t>(j)] +
             (n + kContiguousAlign - 1) / kContiguousAlign * kContiguousAlign;
       }
-      const std::int64_t M = out.expert_offsets.back();
+      // Without a host sync the GPU dispatchers hand out the layout at its bound: the same rows,
+      // then -1 (m_indices, row_token) to the end; the host learns neither the offsets nor the count.
+      std::int64_t M = out.expert_offsets.back();
+      if (!context_.host_sync) {
+        M = contiguous_rows_bound(c, c.max_tokens_per_rank);
+        EPMOE_CHECK(out.expert_offsets.back() <= M, "rank {}: {} contiguous rows exceed the bound {}", dst,
+                    out.expert_offsets.back(), M);
+      }
       s.rows = HostTensor(row_dtype(), {M, H});
       s.scales = has_scales ? HostTensor(DType::f32, {M, G}) : HostTensor();
       s.m_indices = HostTensor(DType::i32, {M});
@@ -242,6 +249,10 @@ class CpuSimDispatcher final : public Dispatcher {
       out.rows = s.rows;
       out.scales = has_scales ? s.scales.view() : TensorView{};
       out.m_indices = s.m_indices;
+      if (!context_.host_sync) {
+        out.expert_offsets.clear();
+        out.num_recv_tokens = -1;
+      }
     } else {
       const std::int64_t M = c.masked_max_m();
       std::fill_n(s.row_token.data<std::int32_t>(), L * M, -1);

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 
 #include "dispatch/dispatch_common.hpp"
@@ -36,6 +37,12 @@ std::unique_ptr<Dispatcher> make_dispatcher(const std::string& name, const Dispa
               context.first_rank + context.num_ranks_served, context.config.num_ranks);
   detail::check_dispatcher_mode(context, name);
   return DispatcherRegistry::instance().make(name, context);
+}
+
+std::int64_t contiguous_rows_bound(const MoeConfig& c, std::int64_t tokens_per_rank) {
+  const int L = c.num_local_experts();
+  return static_cast<std::int64_t>(c.num_ranks) * tokens_per_rank * std::min(c.topk, L) +
+         static_cast<std::int64_t>(L) * (kContiguousAlign - 1);
 }
 
 namespace detail {
@@ -90,6 +97,11 @@ void validate_dispatch_input(const DispatcherContext& context, const DispatchInp
     EPMOE_CHECK(T <= c.max_tokens_per_rank,
                 "{}has {} tokens, more than the low-latency buffers hold (max_tokens_per_rank = {})", r, T,
                 c.max_tokens_per_rank);
+  } else if (!context.host_sync) {
+    EPMOE_CHECK(T <= c.max_tokens_per_rank,
+                "{}has {} tokens, more than the layout's bound allows without a host sync "
+                "(max_tokens_per_rank = {})",
+                r, T, c.max_tokens_per_rank);
   }
 }
 

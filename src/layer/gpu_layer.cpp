@@ -415,7 +415,7 @@ void GpuMoeLayer::Impl::make_path(Mode mode) {
   const std::int64_t T_part = tbo ? first_micro_batch(p.T_max) : p.T_max;
   MoeConfig dc = c;
   dc.max_tokens_per_rank = static_cast<int>(T_part);
-  const DispatcherContext context{dc, mode, format, rank, 1};
+  const DispatcherContext context{dc, mode, format, rank, 1, !normal || o.normal_host_sync};
   for (int part = 0; part < (tbo ? 2 : 1); ++part) {
     if (p.dispatcher_name == "nccl-p2p") {
       p.dispatchers[part] = make_nccl_p2p_dispatcher(context, comm);
@@ -430,9 +430,7 @@ void GpuMoeLayer::Impl::make_path(Mode mode) {
     if (d) p.dispatcher_bytes += d->device_bytes();
   p.dispatcher = p.dispatchers[0].get();
   p.M_max = dc.masked_max_m();
-  // The receive side's bound (src/comm/gpu_dispatcher_base.hpp): each of N * T_part tokens at most
-  // min(K, L) rows here, plus each expert block's padding.
-  p.R_max = normal ? static_cast<std::int64_t>(ranks) * T_part * std::min(K, L) + L * 127 : L * p.M_max;
+  p.R_max = normal ? contiguous_rows_bound(dc, T_part) : L * p.M_max;  // the receive side's bound
 }
 
 void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {

@@ -40,7 +40,7 @@ MoeLayer::MoeLayer(std::shared_ptr<const ModelWeights> weights, LayerOptions opt
   for (const Mode mode : {Mode::normal, Mode::low_latency}) {
     if (options_.mode != Mode::automatic && options_.mode != mode) continue;
     const int m = mode_index(mode);
-    const DispatcherContext dc{c, mode, activation_format(c.quant), 0, c.num_ranks};
+    const DispatcherContext dc{c, mode, activation_format(c.quant), 0, c.num_ranks, options_.host_sync};
     dispatchers_[m] = make_dispatcher(options_.dispatcher, dc);
     runners_[m] = make_runner(options_.device, dispatchers_[m]->layout(),
                               RunnerContext{c, weights_.get(), &placement_, options_.numerics});

@@ -68,15 +68,23 @@ class CpuRunner final : public Runner {
         break;
       }
       case Layout::contiguous: {
-        for (int j = 0; j < local_experts; ++j) {
-          const std::int64_t begin = in.expert_offsets[static_cast<std::size_t>(j)];
-          std::int64_t end = in.expert_offsets[static_cast<std::size_t>(j) + 1];
-          while (end > begin && in.m_indices.as<std::int32_t>()[end - 1] < 0) --end;  // padding rows
-          if (end == begin) continue;
-          run_expert(
-              rank, j, in, in.rows.slice_rows(begin, end),
-              in.format == ActivationFormat::fp8_group ? in.scales.slice_rows(begin, end) : TensorView{},
-              out.slice_rows(begin, end));
+        // Each expert's rows are one run of its index in m_indices (padding and, without a host sync,
+        // everything past the last block is -1), so the runs are found without expert_offsets.
+        const std::int32_t* m_indices = in.m_indices.as<std::int32_t>();
+        const std::int64_t rows = in.m_indices.numel();
+        for (std::int64_t begin = 0; begin < rows;) {
+          const std::int32_t j = m_indices[begin];
+          std::int64_t end = begin + 1;
+          while (end < rows && m_indices[end] == j) ++end;
+          if (j >= 0) {
+            EPMOE_CHECK(j < local_experts, "m_indices[{}] = {} is out of range [0, {})", begin, j,
+                        local_experts);
+            run_expert(
+                rank, j, in, in.rows.slice_rows(begin, end),
+                in.format == ActivationFormat::fp8_group ? in.scales.slice_rows(begin, end) : TensorView{},
+                out.slice_rows(begin, end));
+          }
+          begin = end;
         }
         break;
       }

@@ -51,7 +51,8 @@ enum class Transport {
   nvlink_ll_one_warp,
   nvlink_ll_fenced_counts,
   nvlink_normal_early,
-  nvlink_ll_route_kernel
+  nvlink_ll_route_kernel,
+  nvlink_normal_no_sync  // DispatcherContext::host_sync = false: the layout at its bound
 };
 
 // Every rank runs the same tests in the same order, so every rank sets the same switch values (the
@@ -78,12 +79,14 @@ std::string name_of(Transport t) {
       return "nvlink normal, early counts";
     case Transport::nvlink_ll_route_kernel:
       return "nvlink-ll, route kernel";
+    case Transport::nvlink_normal_no_sync:
+      return "nvlink normal, no host sync";
   }
   return "?";
 }
 Mode mode_of(Transport t) {
   return t == Transport::p2p_normal || t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce ||
-                 t == Transport::nvlink_normal_early
+                 t == Transport::nvlink_normal_early || t == Transport::nvlink_normal_no_sync
              ? Mode::normal
              : Mode::low_latency;
 }
@@ -103,12 +106,12 @@ MoeConfig test_config(int max_tokens, bool deepseek = false) {
 }
 
 std::unique_ptr<Dispatcher> make(Transport t, const MoeConfig& c, ActivationFormat f) {
-  const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1};
+  const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1, t != Transport::nvlink_normal_no_sync};
   if (t == Transport::nvlink_ll || t == Transport::nvlink_ll_one_warp ||
       t == Transport::nvlink_ll_fenced_counts || t == Transport::nvlink_ll_route_kernel)
     return make_nvlink_ll_dispatcher(ctx, world_ptr());
   if (t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce ||
-      t == Transport::nvlink_normal_early)
+      t == Transport::nvlink_normal_early || t == Transport::nvlink_normal_no_sync)
     return make_nvlink_dispatcher(ctx, world_ptr());
   return make_nccl_p2p_dispatcher(ctx, world_ptr());
 }
@@ -159,13 +162,15 @@ void expect_rank0_too_many_reported(const std::string& m) {
 }
 
 // What every rank should receive: cpu-sim over every rank's inputs (`want` views the simulator's
-// buffers, so it lives as long as `sim`).
+// buffers, so it lives as long as `sim`), with the dispatcher's host_sync (normal mode's layout at its
+// bound without it).
 struct Simulated {
   std::unique_ptr<Dispatcher> sim;
   std::vector<DispatchOutput> want;
 };
-Simulated simulate(const MoeConfig& c, Mode mode, ActivationFormat f, const std::vector<RankInput>& in) {
-  Simulated r{make_dispatcher("cpu-sim", {c, mode, f, 0, c.num_ranks}), {}};
+Simulated simulate(const MoeConfig& c, Mode mode, ActivationFormat f, const std::vector<RankInput>& in,
+                   bool host_sync = true) {
+  Simulated r{make_dispatcher("cpu-sim", {c, mode, f, 0, c.num_ranks, host_sync}), {}};
   std::vector<DispatchInput> views;
   for (const RankInput& ri : in) views.push_back(ri.view());
   r.want.resize(static_cast<std::size_t>(c.num_ranks));
@@ -198,7 +203,7 @@ void check_halves(LowLatencyDispatcher& d, const MoeConfig& c, ActivationFormat 
                   const std::vector<RankInput>& in, const std::string& what,
                   const std::function<void()>& between = {}) {
   const int me = world().rank();
-  const Simulated simulated = simulate(c, d.context().mode, f, in);
+  const Simulated simulated = simulate(c, d.context().mode, f, in, d.context().host_sync);
   {
     const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
     meet();
@@ -217,7 +222,7 @@ void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const st
   SCOPED_TRACE(what);
   const int me = world().rank();
   const Mode mode = d.context().mode;
-  Simulated simulated = simulate(c, mode, f, in);
+  Simulated simulated = simulate(c, mode, f, in, d.context().host_sync);
   const std::vector<DispatchOutput>& want = simulated.want;
 
   const std::int64_t T = in[static_cast<std::size_t>(me)].x.size(0);
@@ -427,7 +432,8 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                                            Transport::nvlink_ll, Transport::nvlink_normal,
                                            Transport::nvlink_normal_ce, Transport::nvlink_ll_one_warp,
                                            Transport::nvlink_ll_fenced_counts, Transport::nvlink_normal_early,
-                                           Transport::nvlink_ll_route_kernel),
+                                           Transport::nvlink_ll_route_kernel,
+                                           Transport::nvlink_normal_no_sync),
                          [](const ::testing::TestParamInfo<Transport>& p) {
                            switch (p.param) {
                              case Transport::p2p_normal:
@@ -448,6 +454,8 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                                return std::string("NvlinkNormalEarlyCounts");
                              case Transport::nvlink_ll_route_kernel:
                                return std::string("NvlinkLlRouteKernel");
+                             case Transport::nvlink_normal_no_sync:
+                               return std::string("NvlinkNormalNoHostSync");
                            }
                            return std::string("unknown");
                          });
@@ -503,6 +511,16 @@ TEST(CommNcclP2p, BadInputOnOneRankIsRefusedOnEveryRankAndTheNextCallWorks) {
         *d, c, ActivationFormat::fp8_group,
         make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 25; }), 19, Routing::random),
         "nccl-p2p after refusals");
+  });
+}
+
+// Normal mode without a host sync is the nvlink dispatcher's: nccl-p2p sizes its transfers on the host.
+TEST(CommNcclP2p, RefusesNormalModeWithoutAHostSync) {
+  on_ranks([&] {
+    const MoeConfig c = test_config(32);
+    const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1, false};
+    const std::string m = error_of([&] { (void)make_nccl_p2p_dispatcher(ctx, world_ptr()); });
+    EXPECT_NE(m.find("nccl-p2p needs the host sync of normal mode"), std::string::npos) << m;
   });
 }
 

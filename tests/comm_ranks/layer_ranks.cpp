@@ -241,6 +241,28 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
   });
 }
 
+// Normal mode without a host sync (GpuLayerOptions::normal_host_sync = false): the runner gets the
+// contiguous layout at its bound and skips the rows past the last expert block: the same bits.
+TEST_P(LayerRanks, NormalWithoutAHostSyncGivesTheSameBits) {
+  on_ranks([&] {
+    const bool big = preset_of(GetParam()) == "deepseek-v3";
+    const MoeConfig c = config_for(GetParam(), big ? 32 : 4, 128);
+    auto w = weights_for(c);
+    const std::int64_t T = big ? 7 + world().rank() : 90 + 5 * world().rank();
+    const HostTensor x = synthetic_tokens(c, 43, world().rank(), T);
+    const Out exact = forward_and_destroy(make_layer(w, Mode::normal, false, 128), x);
+    cuda::GpuLayerOptions o;
+    o.mode = Mode::normal;
+    o.max_tokens = 128;
+    o.normal_host_sync = false;
+    auto layer = std::make_unique<cuda::GpuMoeLayer>(w, o, world_ptr());
+    world().barrier();
+    const Out bound = layer_forward(*layer, x, false);
+    EXPECT_TRUE(same_bits(bound.y, exact.y)) << "normal mode without a host sync changes the result";
+    EXPECT_TRUE(same_bits(layer_forward(*layer, x, false).y, exact.y)) << "a repeated forward differs";
+  });
+}
+
 // One layer in auto mode on every rank: prefill batches through the normal-mode dispatcher, decode
 // batches through the low-latency one, each with the bits of a layer of that mode; decode replayed.
 TEST_P(LayerRanks, AutoModeGivesEachBatchKindItsModesBits) {

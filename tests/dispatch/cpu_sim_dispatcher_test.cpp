@@ -1,6 +1,7 @@
 // The N-rank simulation's dispatch/combine semantics (design.md §6).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <random>
@@ -245,6 +246,82 @@ INSTANTIATE_TEST_SUITE_P(RanksAndModes, SimDispatch,
                                "ranks{}_{}", std::get<0>(test_info.param),
                                std::get<1>(test_info.param) == Mode::normal ? "normal" : "low_latency");
                          });
+
+// Normal mode without a host sync (DispatcherContext::host_sync = false): the layout at
+// contiguous_rows_bound() rows holds the exact layout's rows first and -1 after them, with no offsets
+// or token count for the host; the combine of the same expert outputs gives the same bits.
+TEST(SimDispatch, NormalModeWithoutAHostSyncIsTheExactLayoutAtItsBound) {
+  const MoeConfig c = tiny(4, /*redundant=*/4);
+  const auto batches = make_batches(c, {c.max_tokens_per_rank, 17, 0, 40}, 21u, ActivationFormat::fp8_group);
+  auto exact = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, 4});
+  auto bound = make_dispatcher("cpu-sim", {c, Mode::normal, ActivationFormat::fp8_group, 0, 4, false});
+  std::vector<DispatchOutput> want(4), got(4);
+  exact->dispatch(inputs_of(batches), want);
+  bound->dispatch(inputs_of(batches), got);
+  const std::int64_t M = contiguous_rows_bound(c, c.max_tokens_per_rank);
+  EXPECT_EQ(M, 4 * c.max_tokens_per_rank * std::min(c.topk, c.num_local_experts()) +
+                   c.num_local_experts() * (kContiguousAlign - 1));
+  std::vector<HostTensor> outs_exact, outs_bound;
+  std::vector<TensorView> views_exact, views_bound;
+  for (int r = 0; r < 4; ++r) {
+    SCOPED_TRACE(fmt::format("rank {}", r));
+    const DispatchOutput& w = want[static_cast<std::size_t>(r)];
+    const DispatchOutput& g = got[static_cast<std::size_t>(r)];
+    ASSERT_EQ(g.num_output_rows(), M);
+    EXPECT_TRUE(g.expert_offsets.empty());
+    EXPECT_EQ(g.num_recv_tokens, -1);
+    const std::int64_t m = w.num_output_rows(), H = c.hidden;
+    ASSERT_LE(m, M);
+    EXPECT_EQ(std::memcmp(g.rows.data, w.rows.data, static_cast<std::size_t>(m * H)), 0);
+    EXPECT_EQ(std::memcmp(g.scales.data, w.scales.data, static_cast<std::size_t>(m * (H / 128)) * 4), 0);
+    EXPECT_EQ(std::memcmp(g.m_indices.data, w.m_indices.data, static_cast<std::size_t>(m) * 4), 0);
+    EXPECT_EQ(std::memcmp(g.row_token.data, w.row_token.data, static_cast<std::size_t>(m) * 4), 0);
+    for (std::int64_t row = m; row < M; ++row) {
+      ASSERT_EQ(g.m_indices.as<std::int32_t>()[row], -1) << "row " << row;
+      ASSERT_EQ(g.row_token.as<std::int32_t>()[row], -1) << "row " << row;
+    }
+    // Stand-in expert outputs: the same values on the exact rows, NaN past them (never read).
+    outs_exact.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{m, H});
+    outs_bound.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{M, H});
+    outs_bound.back().fill_bytes(0xff);
+    for (std::int64_t i = 0; i < m * H; ++i) {
+      const bf16 v = bf16::from_float(static_cast<float>((i * 7 + r) % 23) - 11.0f);
+      outs_exact.back().data<bf16>()[i] = v;
+      outs_bound.back().data<bf16>()[i] = v;
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    views_exact.push_back(outs_exact[static_cast<std::size_t>(r)]);
+    views_bound.push_back(outs_bound[static_cast<std::size_t>(r)]);
+  }
+  std::vector<HostTensor> y_exact, y_bound;
+  std::vector<TensorView> yv_exact, yv_bound;
+  for (const RankBatch& b : batches) {
+    y_exact.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{b.x.size(0), c.hidden});
+    y_bound.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{b.x.size(0), c.hidden});
+  }
+  for (int r = 0; r < 4; ++r) {
+    yv_exact.push_back(y_exact[static_cast<std::size_t>(r)]);
+    yv_bound.push_back(y_bound[static_cast<std::size_t>(r)]);
+  }
+  exact->combine(views_exact, yv_exact);
+  bound->combine(views_bound, yv_bound);
+  for (int r = 0; r < 4; ++r)
+    EXPECT_EQ(std::memcmp(y_exact[static_cast<std::size_t>(r)].view().data,
+                          y_bound[static_cast<std::size_t>(r)].view().data,
+                          y_exact[static_cast<std::size_t>(r)].nbytes()),
+              0)
+        << "rank " << r;
+
+  // The bound needs T <= max_tokens_per_rank on every rank.
+  const auto big = make_batches(c, {c.max_tokens_per_rank + 1, 1, 1, 1}, 22u, ActivationFormat::fp8_group);
+  try {
+    bound->dispatch(inputs_of(big), got);
+    FAIL() << "expected a throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("without a host sync"), std::string::npos) << e.what();
+  }
+}
 
 TEST(SimDispatchErrors, LowLatencyRefusesTooManyTokensBeforeSending) {
   const MoeConfig c = tiny(2);

@@ -277,6 +277,28 @@ TEST(Layer, AutoModeServesPrefillAndDecodeWithOneLayer) {
   EXPECT_LE(check(*w, big).rel_l2, 5e-3);
 }
 
+// Normal mode without a host sync: the layout at its bound (the CPU runner finds each expert's rows
+// from m_indices alone) gives the same bits.
+TEST(Layer, NormalModeWithoutAHostSyncGivesTheSameBits) {
+  for (const QuantScheme quant : {QuantScheme::fp8, QuantScheme::w4a8}) {
+    SCOPED_TRACE(to_string(quant));
+    const MoeConfig c = tiny(4, quant, /*redundant=*/4);
+    auto w = std::make_shared<SyntheticWeights>(c, 14);
+    LayerOptions no_sync;
+    no_sync.host_sync = false;
+    MoeLayer exact(w, {Mode::normal}), bound(w, no_sync);
+    Batch a = make_batch(c, {c.max_tokens_per_rank, 9, 0, 31}, 6),
+          b = make_batch(c, {c.max_tokens_per_rank, 9, 0, 31}, 6);
+    exact.forward(a.xv, a.yv);
+    bound.forward(b.xv, b.yv);
+    for (int r = 0; r < 4; ++r)
+      EXPECT_EQ(
+          std::memcmp(a.y[r].data<bf16>(), b.y[r].data<bf16>(), static_cast<std::size_t>(a.y[r].nbytes())), 0)
+          << "rank " << r;
+    EXPECT_LE(check(*w, b).rel_l2, 5e-3);
+  }
+}
+
 TEST(Layer, DeepSeekV3DimsFewTokensTwoRanks) {
   // The real dims, a couple of tokens: only the experts touched are built.
   MoeConfig c = MoeConfig::preset("deepseek-v3");

@@ -74,6 +74,11 @@ struct GpuLayerOptions {
   // used alone until 2026-12-01. Off until measured on 2 GPUs (bench/NOTES.md, session 12);
   // EPMOE_LAYER_WHOLE_DISPATCH=0|1 overrides it.
   bool whole_dispatch = false;
+  // Normal mode on N ranks: the dispatcher's receive learns the exact row counts with one host wait
+  // (true), or hands the runner the contiguous layout at its worst-case bound with no host sync at
+  // all (false: the GEMMs skip the -1 rows past the last expert block; "nvlink" only, "nccl-p2p"
+  // refuses it). One rank never syncs.
+  bool normal_host_sync = true;
   // W4A8: the codes the routed experts are packed with (W4A8Codes, epmoe/cuda/w4a8_gemm.hpp):
   // "sign_magnitude" (faster; weights in [-7, 7] only: an expert holding -8 is refused when its slot is
   // loaded), "offset_binary" (any int4), or "auto": sign-magnitude for SyntheticWeights (an amax / 7
@@ -124,7 +129,8 @@ class GpuMoeLayer {
 
   // x [T, H] bf16, y (out) [T, H] bf16, contiguous Device::cuda views, T <= max_tokens(); every rank
   // calls it (T may differ per rank, and may be 0). Enqueues on stream(); returns without waiting,
-  // except for the host sync of the "nvlink" / "nccl-p2p" receive in normal mode. A layer in auto
+  // except for the host sync of the "nvlink" / "nccl-p2p" receive in normal mode (none with
+  // normal_host_sync = false). A layer in auto
   // mode refuses this one: it needs the batch kind (below).
   void forward(TensorView x, TensorView y);
   // The same for a batch of `kind`: in auto mode prefill runs in normal mode and decode in
