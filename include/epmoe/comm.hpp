@@ -308,6 +308,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int lsa_rank() const { return lsa_rank_; }
   int lsa_size() const { return lsa_size_; }
   bool all_ranks_lsa() const { return lsa_size_ == size_; }
+  // Whether every rank's memory is reachable by this GPU's NVLink loads and stores (the LSA team is
+  // the whole communicator), as the "nvlink" dispatchers need; false across nodes, where "nccl-p2p"
+  // serves. Collective the first time on NCCL ranks (it creates NCCL's device communicator, which the
+  // first symmetric window would create anyway); loopback ranks: true.
+  bool all_ranks_load_store_reachable();
   const ncclDevComm* dev_comm() const { return dev_comm_; }
 
   // The communicator that dispatchers made through the DispatcherRegistry ("nccl-p2p",

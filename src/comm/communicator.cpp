@@ -817,6 +817,14 @@ bool Communicator::ensure_barrier_window() {
   return true;
 }
 
+bool Communicator::all_ranks_load_store_reachable() {
+  if (loopback_ != nullptr) return true;  // one process on one GPU
+  check_usable("all_ranks_load_store_reachable");
+  EPMOE_CUDA_CHECK(cudaSetDevice(device_));
+  ensure_dev_comm();
+  return all_ranks_lsa();
+}
+
 void Communicator::ensure_dev_comm() {
   if (dev_comm_ != nullptr) return;
   wait_init();

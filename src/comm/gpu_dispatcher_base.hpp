@@ -55,7 +55,7 @@ class GpuDispatcherBase {
   cuda::DeviceBuffer recv_rows_, recv_src_, recv_slot_, recv_total_;
   std::int64_t last_T_ = 0;
   bool dispatched_ = false;
-  DispatchStats stats_;
+  mutable DispatchStats stats_;  // mutable: the NVLink dispatchers read theirs from the device when asked
 };
 
 // dest[d] table of N device pointers.

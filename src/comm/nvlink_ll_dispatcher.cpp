@@ -45,6 +45,7 @@
 #include "comm/comm_internal.hpp"
 #include "comm/gpu_dispatcher_base.hpp"
 #include "cuda/driver_entry.hpp"
+#include "dispatch/dispatch_common.hpp"
 #include "epmoe/comm_dispatch.hpp"
 
 namespace epmoe {
@@ -150,7 +151,32 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::string name() const override { return name_; }
   Layout layout() const override { return contiguous() ? Layout::contiguous : Layout::masked; }
   const DispatcherContext& context() const override { return context_; }
-  const DispatchStats& last_stats() const override { return stats_; }
+  // The last dispatch's statistics, read from the device when asked (the dispatch itself never syncs
+  // for them): this rank's tokens per destination from the routing's counts, its rows from m_indices
+  // (contiguous) or masked_m. Synchronises the stream (bounded), so not inside a graph capture.
+  const DispatchStats& last_stats() const override {
+    if (!dispatched_ || stats_seq_ == send_seq_) return stats_;
+    comm_->synchronize(CommPhase::none, "the last dispatch, for its statistics");
+    EPMOE_CUDA_CHECK(cudaSetDevice(comm_->device()));
+    std::vector<std::int32_t> counts(static_cast<std::size_t>(g_.N));
+    EPMOE_CUDA_CHECK(cudaMemcpy(counts.data(), count_row_.data(), counts.size() * sizeof(std::int32_t),
+                                cudaMemcpyDeviceToHost));
+    std::int64_t tokens_out = 0;
+    for (int d = 0; d < g_.N; ++d)
+      if (d != g_.me) tokens_out += counts[static_cast<std::size_t>(d)];
+    std::int64_t rows = 0;
+    const bool by_rows = contiguous();
+    std::vector<std::int32_t> values(static_cast<std::size_t>(by_rows ? output_rows_ : g_.L));
+    if (!values.empty())
+      EPMOE_CUDA_CHECK(cudaMemcpy(values.data(), by_rows ? m_indices_.data() : masked_m_.data(),
+                                  values.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+    for (const std::int32_t v : values) rows += by_rows ? (v >= 0 ? 1 : 0) : v;
+    stats_.tokens_sent[0] = tokens_out;
+    stats_.bytes_sent[0] = tokens_out * detail::token_payload_bytes(context_);
+    stats_.rows_received[0] = rows;
+    stats_seq_ = send_seq_;
+    return stats_;
+  }
   std::size_t window_bytes() const override { return window_->size(); }
   std::size_t device_bytes() const override {
     std::size_t bytes = base_buffer_bytes() + window_->size();
@@ -707,6 +733,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   // The device's send sequence as the host counts it (one per send; the copy-engine path needs the
   // parity on the host) and the copy-engine path's buffers, side stream and events.
   std::uint32_t send_seq_ = 0;
+  mutable std::uint32_t stats_seq_ = 0;  // the send_seq_ whose statistics stats_ holds
   std::vector<char*> send_dest_host_;
   std::vector<std::uint32_t*> send_chunks_host_;
   cuda::DeviceBuffer staging_, want_, ce_flags_;

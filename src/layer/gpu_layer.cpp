@@ -294,10 +294,13 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     p.T_max = normal ? T_max : std::min<std::int64_t>(T_max, c.max_tokens_per_rank);
     std::string& name = p.dispatcher_name;
     name = o.dispatcher;
-    if (name == "auto") name = ranks == 1 ? "local" : (normal ? "nvlink" : "nvlink-ll");
+    // auto on N ranks is resolved by make_path, where the dispatchers are made: it asks the
+    // communicator, which waits for NCCL's initialisation (overlapped with the weights' set-up here).
+    if (name == "auto" && ranks == 1) name = "local";
     p.own_shared_stream = o.shared_stream == "own" || (o.shared_stream == "auto" && !(normal && ranks == 1));
-    EPMOE_CHECK(name == "local" || name == "nvlink" || name == "nvlink-ll" || name == "nccl-p2p",
-                "dispatcher must be auto, local, nvlink, nvlink-ll or nccl-p2p, got '{}'", name);
+    EPMOE_CHECK(
+        name == "auto" || name == "local" || name == "nvlink" || name == "nvlink-ll" || name == "nccl-p2p",
+        "dispatcher must be auto, local, nvlink, nvlink-ll or nccl-p2p, got '{}'", name);
     EPMOE_CHECK((name == "local") == (ranks == 1),
                 "dispatcher '{}' does not fit {} rank(s): 'local' serves exactly one rank", name, ranks);
     EPMOE_CHECK(name != "nvlink-ll" || !normal, "dispatcher 'nvlink-ll' serves low-latency mode only{}",
@@ -410,6 +413,13 @@ void GpuMoeLayer::Impl::make_path(Mode mode) {
     p.perm_counts = DeviceTensor(DType::i32, {L});  // normal: rows per expert; low-latency: masked_m
     return;
   }
+  // auto: the NVLink dispatchers where every peer is load/store reachable (one node), else the
+  // portable NCCL point-to-point transport (across nodes). The query is collective: every rank asks
+  // here, in the same order.
+  if (p.dispatcher_name == "auto")
+    p.dispatcher_name = !comm->all_ranks_load_store_reachable() ? "nccl-p2p"
+                        : normal                                ? "nvlink"
+                                                                : "nvlink-ll";
   // With two-batch overlap each dispatcher carries one micro-batch: about half the tokens (the first
   // is the larger one).
   const std::int64_t T_part = tbo ? first_micro_batch(p.T_max) : p.T_max;

@@ -240,13 +240,15 @@ void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const st
     d.dispatch({&dev_view, 1}, got);
     const HostOutput host = download(got[0], stream());
     expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], what);
+    // Every transport's statistics (the NVLink ones read from the device when asked): each token at
+    // most once per other rank, its bytes, the rows this rank received.
+    EXPECT_EQ(d.last_stats().tokens_sent.at(0),
+              simulated.sim->last_stats().tokens_sent.at(static_cast<std::size_t>(me)));
+    EXPECT_EQ(d.last_stats().bytes_sent.at(0),
+              simulated.sim->last_stats().bytes_sent.at(static_cast<std::size_t>(me)));
+    EXPECT_EQ(d.last_stats().rows_received.at(0),
+              simulated.sim->last_stats().rows_received.at(static_cast<std::size_t>(me)));
     if (d.name() == "nccl-p2p") {
-      EXPECT_EQ(d.last_stats().tokens_sent.at(0),
-                simulated.sim->last_stats().tokens_sent.at(static_cast<std::size_t>(me)));
-      EXPECT_EQ(d.last_stats().bytes_sent.at(0),
-                simulated.sim->last_stats().bytes_sent.at(static_cast<std::size_t>(me)));
-      EXPECT_EQ(d.last_stats().rows_received.at(0),
-                simulated.sim->last_stats().rows_received.at(static_cast<std::size_t>(me)));
       EXPECT_EQ(host.view.expected_m, want[static_cast<std::size_t>(me)].expected_m);
     }
 
@@ -550,6 +552,47 @@ TEST(CommNvlinkLl, APeerThatNeverArrivesIsATimeoutNamingIt) {
 // every source's flag of sequence 1 (parity 1) in this rank's window, and this rank's in every
 // peer's window. (The switch exists to find the loopback low-latency timeout whose combine flag
 // went missing, bench/NOTES.md session 20.)
+// Every rank dispatches, then rank 0 alone combines (the others never send their partial sums): its
+// combine ends in a bounded timeout naming the phase and the peer, and the communicator stays usable.
+TEST(CommNvlinkLl, ACombineThatAPeerNeverJoinsIsATimeoutNamingIt) {
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    if (N < 2) return;  // needs a peer
+    const double saved = world().timeout_s();
+    {
+      const MoeConfig c = test_config(32);
+      auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+      const auto in =
+          make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 20; }), 28, Routing::random);
+      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+      const DispatchInput view = dev.view();
+      std::vector<DispatchOutput> out(1);
+      meet();
+      d->dispatch({&view, 1}, out);
+      world().synchronize(CommPhase::none, "the dispatch");
+      world().set_timeout_s(0.5);
+      if (me == 0) {
+        const cuda::DeviceTensor expert_out(DType::bf16, {out[0].num_output_rows(), c.hidden});
+        const cuda::DeviceTensor y(DType::bf16, {20, c.hidden});
+        expert_out.fill_bytes(0, stream());
+        const TensorView expert_view = expert_out.view(), y_view = y.view();
+        const std::string m = error_of([&] {
+          d->combine({&expert_view, 1}, {&y_view, 1});
+          world().synchronize(CommPhase::none, "the combine");
+        });
+        EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
+        EXPECT_NE(m.find("combine-"), std::string::npos) << m;
+        EXPECT_NE(m.find("waiting for rank"), std::string::npos) << m;
+        EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
+        world().reset_device_errors();
+      }
+      world().set_timeout_s(saved);
+      world().barrier();
+    }  // the dispatcher (its window) goes, collectively
+    world().barrier();
+  });
+}
+
 TEST(CommNvlinkLl, TheFlagWatchSeesEveryCombineFlag) {
   const ScopedEnv watch("EPMOE_COMM_WATCH", "1");
   on_ranks([&] {

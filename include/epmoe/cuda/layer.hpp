@@ -48,8 +48,9 @@ struct GpuLayerOptions {
   // max_tokens_per_rank. Low-latency mode refuses more than max_tokens_per_rank; in auto mode decode
   // batches stop at max_tokens_per_rank and prefill batches at max_tokens.
   std::int64_t max_tokens = 0;
-  // "auto" (one rank: "local"; N ranks: "nvlink" in normal mode, "nvlink-ll" in low-latency mode),
-  // "local", "nvlink", "nvlink-ll" or "nccl-p2p".
+  // "auto" (one rank: "local"; N ranks on one node: "nvlink" in normal mode, "nvlink-ll" in
+  // low-latency mode; ranks not all load/store reachable, as across nodes: "nccl-p2p"), "local",
+  // "nvlink", "nvlink-ll" or "nccl-p2p".
   std::string dispatcher = "auto";
   // Where the shared expert runs: "own" (its own stream, overlapped with dispatch and the routed
   // experts), "main" (inline on the main stream, before dispatch) or "auto": inline in normal mode on
