@@ -940,7 +940,13 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     const std::int64_t gthreads = static_cast<std::int64_t>(nblocks) * nthreads;
     if (a.contiguous) {
       const std::int64_t rows = eoff[g.L];
-      for (std::int64_t row = gtid; row < rows; row += gthreads) {
+      const std::int64_t end = a.empty_rows_to_max && a.max_rows > rows ? a.max_rows : rows;
+      for (std::int64_t row = gtid; row < end; row += gthreads) {
+        if (row >= rows) {  // past the last expert block (empty_rows_to_max)
+          a.row_token[row] = -1;
+          a.m_indices[row] = -1;
+          continue;
+        }
         const int lo = last_at_most(eoff, g.L, row);  // the expert whose block holds `row`
         if (row >= eoff[lo] + total[lo]) {
           a.row_token[row] = -1;

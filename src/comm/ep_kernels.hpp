@@ -246,6 +246,9 @@ struct PlaceArgs {
   bool contiguous = true;
   std::int64_t M_max = 0;     // masked
   std::int64_t max_rows = 0;  // rows the output buffers hold
+  // Contiguous without a host sync: the layout is handed out at max_rows, so the rows past the last
+  // expert block are marked -1 (m_indices, row_token) too.
+  bool empty_rows_to_max = false;
   char* rows = nullptr;
   float* out_scales = nullptr;
   std::int32_t* m_indices = nullptr;  // contiguous

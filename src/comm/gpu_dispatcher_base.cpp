@@ -126,6 +126,7 @@ PlaceArgs GpuDispatcherBase::place_outputs() const {
   a.contiguous = contiguous();
   a.M_max = M_max_;
   a.max_rows = max_rows_;
+  a.empty_rows_to_max = contiguous() && !context_.host_sync;
   a.rows = rows_.as<char>();
   a.out_scales = scales_.as<float>();
   a.m_indices = m_indices_.as<std::int32_t>();

@@ -301,12 +301,6 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       p.expert_offsets = offsets_dev_.as<std::int32_t>();
       p.host_offsets = offsets_mapped_;
       p.host_stamp = static_cast<std::int32_t>(++host_stamp_ & 0x7fffffff);
-      // Without a host sync the layout is handed out at its bound (max_rows_): place writes the rows
-      // up to the last expert block, and these -1s, enqueued first, stand for the rest.
-      if (!context_.host_sync) {
-        m_indices_.fill_bytes(0xff, comm_->stream());
-        row_token_.fill_bytes(0xff, comm_->stream());
-      }
     }
     if (copy_engines_ == 1)
       dispatch_by_copy_engines(p);
@@ -318,6 +312,8 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       comm_detail::launch_place(g_, p, comm_->stream());
     sent_ = false;
     if (contiguous() && !context_.host_sync) {
+      // The layout at its bound (max_rows_): place marks the rows past the last expert block -1
+      // (PlaceArgs::empty_rows_to_max), so the host needs neither the offsets nor a wait.
       fill_output(out, max_rows_, -1, tensor_scale_, {}, 0);
     } else if (contiguous()) {
       // One bounded host wait: the contiguous layout's size and offsets, written by place before it
