@@ -2,14 +2,18 @@
 // own behind epmoe::ModelWeights (a checkpoint loader would fill them; here seeded values stand in),
 // the layer on the CPU (two expert-parallel ranks simulated in one process) and, where a GPU is
 // present, on the GPU (low-latency mode, eager and through a CUDA graph), each checked against the
-// library's reference. Prints one JSON object; exit code 1 when a check fails.
+// library's reference. One layer serves both kinds of batch, as in an engine: made in auto mode, it
+// runs a prefill batch in normal mode and decode batches in low-latency mode (decode on the GPU also
+// through a CUDA graph) around one set of weights. Prints one JSON object; exit code 1 when a check
+// fails.
 //
 //   epmoe_example_layer [--device auto|cpu|gpu] [--tokens N] [--quant fp8|w4a8]
 //   epmoe launch -n N -- epmoe_example_layer --device gpu     (N ranks, one GPU each)
 //
 // Started by `epmoe launch`, each process is one rank and, as an engine does, creates its own NCCL
 // communicator from the launcher's unique id and lends it to the layer (Communicator::borrow); rank r
-// has `--tokens` - r tokens. Without it, one rank and no communicator. --device gpu without the GPUs
+// has `--tokens` - r decode tokens (and a prefill batch of twice that). Without it, one rank and no
+// communicator. --device gpu without the GPUs
 // prints "SKIPPED" and exits 0.
 #include <algorithm>
 #include <cstdint>
@@ -87,35 +91,47 @@ nlohmann::json report(const epmoe::ErrorReport& r, double tolerance) {
           {"pass", r.within(tolerance)}};
 }
 
-// Two ranks of expert parallelism simulated in one process: the CPU layer serves both.
+// Two ranks of expert parallelism simulated in one process: the CPU layer serves both, a prefill
+// batch and then a decode batch through the same layer (auto mode).
 nlohmann::json run_cpu(epmoe::MoeConfig config, std::int64_t tokens, bool& pass) {
   config.num_ranks = 2;
   const auto weights = std::make_shared<const EngineWeights>(config, kSeed);
   epmoe::LayerOptions options;
-  options.mode = epmoe::Mode::normal;
+  options.mode = epmoe::Mode::automatic;
   epmoe::MoeLayer layer(weights, options);
-  std::vector<epmoe::HostTensor> x, y;
-  std::vector<epmoe::TensorView> xv, yv;
-  for (int r = 0; r < config.num_ranks; ++r) {
-    // Uneven batches: the second rank has one token fewer (none at --tokens 1).
-    const std::int64_t rank_tokens = tokens - r;
-    x.push_back(epmoe::synthetic_tokens(config, kSeed, r, rank_tokens));
-    y.emplace_back(epmoe::DType::bf16, std::initializer_list<std::int64_t>{rank_tokens, config.hidden});
-    y.back().fill_bytes(0xff);  // NaN everywhere: every row must be written
-    xv.push_back(x.back());
-    yv.push_back(y.back());
+  nlohmann::json out = {{"ranks", config.num_ranks}, {"layer_mode", "auto"}};
+  for (const epmoe::BatchKind kind : {epmoe::BatchKind::prefill, epmoe::BatchKind::decode}) {
+    const std::int64_t batch = kind == epmoe::BatchKind::prefill ? 2 * tokens : tokens;
+    std::vector<epmoe::HostTensor> x, y;
+    std::vector<epmoe::TensorView> xv, yv;
+    std::vector<std::int64_t> per_rank_tokens;
+    for (int r = 0; r < config.num_ranks; ++r) {
+      // Uneven batches: the second rank has one token fewer (none in decode at --tokens 1).
+      const std::int64_t rank_tokens = batch - r;
+      per_rank_tokens.push_back(rank_tokens);
+      x.push_back(epmoe::synthetic_tokens(config, kind == epmoe::BatchKind::prefill ? kSeed + 1 : kSeed, r,
+                                          rank_tokens));
+      y.emplace_back(epmoe::DType::bf16, std::initializer_list<std::int64_t>{rank_tokens, config.hidden});
+      y.back().fill_bytes(0xff);  // NaN everywhere: every row must be written
+      xv.push_back(x.back());
+      yv.push_back(y.back());
+    }
+    epmoe::ForwardStats stats;
+    layer.forward(xv, yv, kind, &stats);
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int r = 0; r < config.num_ranks; ++r) {
+      const std::int64_t rank_tokens = per_rank_tokens[static_cast<std::size_t>(r)];
+      epmoe::HostTensor expected(epmoe::DType::bf16, {rank_tokens, config.hidden});
+      epmoe::reference_forward(*weights, x[r], expected, epmoe::Numerics::mirror);
+      const epmoe::ErrorReport e = epmoe::compare(y[r], expected);
+      const double tolerance = epmoe::layer_tolerance(config, rank_tokens);
+      pass = pass && e.within(tolerance);
+      ranks.push_back(report(e, tolerance));
+    }
+    out[std::string(epmoe::to_string(kind))] = {
+        {"mode", epmoe::to_string(stats.mode)}, {"tokens_per_rank", per_rank_tokens}, {"per_rank", ranks}};
   }
-  layer.forward(xv, yv);
-  nlohmann::json ranks = nlohmann::json::array();
-  for (int r = 0; r < config.num_ranks; ++r) {
-    epmoe::HostTensor expected(epmoe::DType::bf16, {tokens - r, config.hidden});
-    epmoe::reference_forward(*weights, x[r], expected, epmoe::Numerics::mirror);
-    const epmoe::ErrorReport e = epmoe::compare(y[r], expected);
-    const double tolerance = epmoe::layer_tolerance(config, tokens - r);
-    pass = pass && e.within(tolerance);
-    ranks.push_back(report(e, tolerance));
-  }
-  return {{"ranks", config.num_ranks}, {"tokens_per_rank", {tokens, tokens - 1}}, {"per_rank", ranks}};
+  return out;
 }
 
 // The engine's NCCL communicator, destroyed by its owner after the layer and the borrowing
@@ -127,9 +143,10 @@ struct EngineComm {
   }
 };
 
-// This rank on its GPU: a low-latency forward, eager with a poisoned output, then twice through the
-// CUDA graph the layer captures for this batch size (the same bits). Under a launch every rank runs
-// it (each call is collective over the ranks).
+// This rank on its GPU, one layer in auto mode: a prefill forward (normal mode), then a decode forward
+// (low-latency mode), eager with a poisoned output, then twice through the CUDA graph the layer
+// captures for this batch size (the same bits). Under a launch every rank runs it (each call is
+// collective over the ranks).
 nlohmann::json run_gpu(epmoe::MoeConfig config, std::int64_t tokens, const epmoe::LaunchEnvironment& env,
                        bool& pass) {
   namespace cuda = epmoe::cuda;
@@ -149,24 +166,40 @@ nlohmann::json run_gpu(epmoe::MoeConfig config, std::int64_t tokens, const epmoe
   }
   const auto weights = std::make_shared<const EngineWeights>(config, kSeed);
   cuda::GpuLayerOptions options;
-  options.mode = epmoe::Mode::low_latency;
+  options.mode = epmoe::Mode::automatic;
+  options.max_tokens = 2 * tokens;  // the prefill batch; decode batches stop at max_tokens_per_rank
   cuda::GpuMoeLayer layer(weights, options, comm);
   const cudaStream_t stream = layer.stream();
+  // `batch` (this rank's tokens of `kind`) through the layer, eager, into a poisoned output (copied to
+  // `out`); checked against the reference.
+  const auto checked_forward = [&](epmoe::BatchKind kind, const epmoe::HostTensor& batch,
+                                   epmoe::HostTensor& out) {
+    const cuda::DeviceTensor d_in = cuda::to_device(batch, stream);
+    const cuda::DeviceTensor d_out(epmoe::DType::bf16, {batch.size(0), config.hidden});
+    d_out.fill_bytes(0xff, stream);  // NaN everywhere: every row must be written
+    layer.forward(d_in, d_out, kind);
+    out = cuda::to_host(d_out, stream);
+    const epmoe::HostTensor logits = cuda::to_host(layer.last_logits(), stream);
+    epmoe::HostTensor expected(epmoe::DType::bf16, {batch.size(0), config.hidden});
+    // Routed from the GPU's gate logits: its gate GEMM sums in another order than the CPU's.
+    epmoe::reference_forward(*weights, batch, logits, expected, epmoe::Numerics::mirror);
+    const epmoe::ErrorReport e = epmoe::compare(out, expected);
+    const double tolerance = epmoe::layer_tolerance(config, batch.size(0));
+    pass = pass && e.within(tolerance);
+    return report(e, tolerance);
+  };
+  epmoe::HostTensor prefill_y, y;
+  const nlohmann::json prefill = checked_forward(
+      epmoe::BatchKind::prefill,
+      epmoe::synthetic_tokens(config, kSeed + 1, env.rank, std::max<std::int64_t>(2 * tokens - env.rank, 0)),
+      prefill_y);
   const std::int64_t rank_tokens = std::max<std::int64_t>(tokens - env.rank, 0);
   const epmoe::HostTensor x = epmoe::synthetic_tokens(config, kSeed, env.rank, rank_tokens);
+  nlohmann::json out = checked_forward(epmoe::BatchKind::decode, x, y);
+
+  // The decode batch again through the layer's CUDA graph for its size: the same bits.
   const cuda::DeviceTensor dx = cuda::to_device(x, stream);
   const cuda::DeviceTensor dy(epmoe::DType::bf16, {rank_tokens, config.hidden});
-  dy.fill_bytes(0xff, stream);  // NaN everywhere: every row must be written
-  layer.forward(dx, dy);
-  const epmoe::HostTensor y = cuda::to_host(dy, stream);
-  const epmoe::HostTensor logits = cuda::to_host(layer.last_logits(), stream);
-  epmoe::HostTensor expected(epmoe::DType::bf16, {rank_tokens, config.hidden});
-  // Routed from the GPU's gate logits: its gate GEMM sums in another order than the CPU's.
-  epmoe::reference_forward(*weights, x, logits, expected, epmoe::Numerics::mirror);
-  const epmoe::ErrorReport e = epmoe::compare(y, expected);
-  const double tolerance = epmoe::layer_tolerance(config, rank_tokens);
-  pass = pass && e.within(tolerance);
-
   bool graph_same = true;
   for (int replay = 0; replay < 2; ++replay) {
     dy.fill_bytes(0xff, stream);
@@ -175,13 +208,14 @@ nlohmann::json run_gpu(epmoe::MoeConfig config, std::int64_t tokens, const epmoe
     graph_same = graph_same && std::memcmp(again.view().data, y.view().data, y.nbytes()) == 0;
   }
   pass = pass && graph_same;
-  nlohmann::json out = report(e, tolerance);
   out["device"] = cuda::device_description(env.present ? env.device : 0);
   out["rank"] = env.rank;
   out["ranks"] = env.world_size;
   out["communicator"] = env.present ? "the engine's own NCCL communicator, borrowed" : "none (one rank)";
   out["tokens"] = rank_tokens;
   out["graph_replays_identical"] = graph_same;
+  out["layer_mode"] = "auto";
+  out["prefill"] = prefill;
   return out;
 }
 
