@@ -326,6 +326,67 @@ TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {
       same_bits<bf16>(testing::layer_forward(tiny.layer, x, false).y, before.y, "eager after rebalance"));
 }
 
+// A rebalance that moves experts (DeepSeek's algorithm unchanged: slot cost 0) leaves every output
+// bit as it was, in both modes and both quant schemes, at the tiny dims and DeepSeek-V3's with 32
+// redundant slots; in low-latency mode through the graph captured before it too.
+class GpuLayerRebalance : public ::testing::TestWithParam<LayerCase> {};
+
+TEST_P(GpuLayerRebalance, MovedExpertsGiveTheSameBits) {
+  EPMOE_REQUIRE_GPU();
+  const LayerCase p = GetParam();
+  const MoeConfig c = one_rank(p.preset, p.redundant, 32, p.quant);
+  auto w = gpu_synthetic(c, 15);
+  cuda::GpuLayerOptions o;
+  o.mode = p.mode;
+  o.max_tokens = p.mode == Mode::normal ? p.tokens : 0;
+  cuda::GpuMoeLayer layer(w, o);
+  const bool ll = p.mode == Mode::low_latency;
+  const HostTensor x = synthetic_tokens(c, 25, 0, p.tokens);
+  const testing::LayerForward before = testing::layer_forward(layer, x, false);
+  testing::expect_matches_reference(*w, x, before, "before the rebalance");
+  if (ll) {
+    EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, true).y, before.y, "graph before"));
+  }
+  const int rewritten = layer.rebalance(1, /*slot_cost_tokens=*/0.0);
+  EXPECT_GT(rewritten, 0) << "the rebalance moved no expert: the test checks nothing";
+  EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, false).y, before.y, "eager after"));
+  if (ll) {
+    EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, true).y, before.y, "graph after"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuLayerRebalance,
+                         ::testing::Values(LayerCase{"tiny", Mode::normal, 40, 4},
+                                           LayerCase{"tiny", Mode::low_latency, 32, 4, QuantScheme::w4a8},
+                                           LayerCase{"deepseek-v3", Mode::low_latency, 8, 32},
+                                           LayerCase{"deepseek-v3", Mode::normal, 12, 32, QuantScheme::w4a8}),
+                         [](const auto& case_info) {
+                           return std::string(case_info.param.preset[0] == 't' ? "tiny" : "dsv3") + "_" +
+                                  std::string(to_string(case_info.param.quant)) + "_" +
+                                  (case_info.param.mode == Mode::normal ? "normal" : "ll");
+                         });
+
+// capture_graphs with a list of batch sizes (as an engine's --cuda-graph-bs): one graph each, and
+// every replay gives the eager forward's bits for its size, in any order.
+TEST(GpuLayer, GraphsCapturedForAListOfBatchSizes) {
+  EPMOE_REQUIRE_GPU();
+  const MoeConfig c = one_rank("tiny", 4);
+  auto w = gpu_synthetic(c, 16);
+  cuda::GpuMoeLayer layer(w, {});
+  const std::int64_t sizes[] = {1, 7, 32, 0};
+  layer.capture_graphs(sizes);
+  EXPECT_EQ(layer.graphs_captured(), 4u);
+  for (const std::int64_t T : {32, 1, 7, 0, 32}) {
+    SCOPED_TRACE("T = " + std::to_string(T));
+    const HostTensor x = synthetic_tokens(c, 26 + static_cast<std::uint64_t>(T), 0, T);
+    const testing::LayerForward eager = testing::layer_forward(layer, x, false);
+    EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, true).y, eager.y, "replay"));
+  }
+  EXPECT_EQ(layer.graphs_captured(), 4u);  // no capture on the way
+  const std::int64_t too_big[] = {c.max_tokens_per_rank + 1};
+  testing::expect_error_mentions([&] { layer.capture_graphs(too_big); }, "graph batch size");
+}
+
 TEST(GpuLayer, GemmsAloneAreTimedWithoutChangingTheNextForward) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = one_rank("tiny");
