@@ -84,7 +84,8 @@ struct DispatcherContext {
 };
 
 // The contiguous layout's worst case on one rank: each of ranks x tokens_per_rank tokens at most
-// min(K, E_local) rows here, plus each expert block's padding to kContiguousAlign.
+// min(K, E_local) rows here, in expert blocks padded to kContiguousAlign (contiguous_capacity of
+// those rows; a multiple of kContiguousAlign).
 std::int64_t contiguous_rows_bound(const MoeConfig& config, std::int64_t tokens_per_rank);
 
 struct DispatchStats {

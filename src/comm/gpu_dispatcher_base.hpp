@@ -45,7 +45,7 @@ class GpuDispatcherBase {
   DispatcherContext context_;
   std::shared_ptr<Communicator> comm_;
   EpGeometry g_;
-  std::int64_t max_rows_ = 0;  // contiguous: N * T_max * min(K, L) + L * 127; masked: L * M_max
+  std::int64_t max_rows_ = 0;  // contiguous: contiguous_rows_bound(config, T_max); masked: L * M_max
   std::int64_t M_max_ = 0;
 
   // Routing (persists from a dispatch to its combine).

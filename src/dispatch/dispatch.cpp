@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "dispatch/dispatch_common.hpp"
+#include "epmoe/permute.hpp"
 
 namespace epmoe {
 
@@ -41,8 +42,10 @@ std::unique_ptr<Dispatcher> make_dispatcher(const std::string& name, const Dispa
 
 std::int64_t contiguous_rows_bound(const MoeConfig& c, std::int64_t tokens_per_rank) {
   const int L = c.num_local_experts();
-  return static_cast<std::int64_t>(c.num_ranks) * tokens_per_rank * std::min(c.topk, L) +
-         static_cast<std::int64_t>(L) * (kContiguousAlign - 1);
+  // Each of the ranks' tokens brings at most min(K, L) rows here; the blocks of those rows, each
+  // expert's padded to 128 (a multiple of 128 in all, as the GEMMs' m-blocks want).
+  return contiguous_capacity(static_cast<std::int64_t>(c.num_ranks) * tokens_per_rank * std::min(c.topk, L),
+                             L);
 }
 
 namespace detail {

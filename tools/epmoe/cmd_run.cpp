@@ -226,6 +226,9 @@ const CommandRegistration kRegistration{
                       "GPU: SMs the overlapped GEMMs leave to communication")
           ->check(non_negative())
           ->capture_default_str();
+      cmd->add_flag("!--no-host-sync", options->normal_host_sync,
+                    "GPU, N ranks: prefill (normal mode) without the host's wait for the row counts: the "
+                    "contiguous layout at its worst-case bound");
       cmd->add_option("--zipf", options->zipf, "GPU: Zipf-like routing skew strength (0: none)")
           ->check(non_negative())
           ->capture_default_str();
@@ -251,9 +254,9 @@ const CommandRegistration kRegistration{
       cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)")
           ->check(writable_output());
       cmd->callback([options, cmd] {
-        for (const char* name :
-             {"--concurrency", "--prompts", "--no-graphs", "--check-tokens", "--tbo", "--shared-stream",
-              "--w4a8-codes", "--tbo-comm-sms", "--zipf", "--rebalance", "--eplb-slot-cost", "--trace"})
+        for (const char* name : {"--concurrency", "--prompts", "--no-graphs", "--check-tokens", "--tbo",
+                                 "--shared-stream", "--w4a8-codes", "--tbo-comm-sms", "--no-host-sync",
+                                 "--zipf", "--rebalance", "--eplb-slot-cost", "--trace"})
           if (cmd->count(name) > 0) options->gpu_options_given.emplace_back(name);
         run_main(*options);
       });

@@ -26,6 +26,7 @@ struct RunOptions {
   std::int64_t check_tokens = 4;  // GPU: tokens per rank and phase checked against the CPU reference
   bool tbo = false;       // GPU: two-batch overlap in decode and prefill (N ranks), also timed without it
   int tbo_comm_sms = 24;  // GPU: SMs the overlapped GEMMs leave to communication
+  bool normal_host_sync = true;  // GPU, N ranks: GpuLayerOptions::normal_host_sync (prefill's count wait)
   std::string shared_stream = "auto";  // GPU: GpuLayerOptions::shared_stream
   std::string w4a8_codes = "auto";     // GPU: GpuLayerOptions::w4a8_codes
   double zipf = 0;                     // GPU: Zipf-like routing skew (SyntheticWeights::skew_routing)

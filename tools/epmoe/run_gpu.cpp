@@ -168,6 +168,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   lo.max_tokens = T_max;
   lo.tbo = plan.tbo;
   lo.tbo_comm_sms = o.tbo_comm_sms;
+  lo.normal_host_sync = o.normal_host_sync;
   lo.shared_stream = o.shared_stream;
   lo.w4a8_codes = o.w4a8_codes;
   if (first_phase) lo.on_setup_step = [](const char* step) { g_startup.mark(std::string("layer_") + step); };
@@ -528,6 +529,7 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
                       {"prompts_per_rank", prompts},
                       {"prompt_tokens", o.prompt_tokens},
                       {"shared_stream", o.shared_stream},
+                      {"normal_host_sync", o.normal_host_sync},
                       {"w4a8_codes", o.w4a8_codes}};
   bool pass = true;
   std::vector<std::pair<std::string, nlohmann::json>> printed;
