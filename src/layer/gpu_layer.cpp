@@ -29,6 +29,17 @@ TensorView rows_of(const DeviceTensor& t, std::int64_t rows) {
 }
 
 enum EventId { kStart, kRouted, kDispatched, kComputed, kCombined, kNumEvents };
+// The spans of GpuForwardSpans beyond route, shared and total (which kStart .. kCombined and the shared
+// expert's events give): two events each, begin and end, per micro-batch.
+enum SpanId {
+  kSpanDispatch0,
+  kSpanDispatch1,
+  kSpanGemm0,
+  kSpanGemm1,
+  kSpanCombine0,
+  kSpanCombine1,
+  kNumSpans
+};
 
 int mode_index(Mode mode) {
   return mode == Mode::normal ? 0 : 1;
@@ -90,6 +101,18 @@ struct GpuMoeLayer::Impl {
   Event fork{cudaEventDisableTiming}, join{cudaEventDisableTiming};
   std::vector<Event> events;  // kNumEvents on s0, then the shared expert's start and end on s1
   GpuPhaseTimes times;
+  // GpuForwardSpans of the last timed forward: a begin and an end event per SpanId, and which of them
+  // this forward recorded (only those are read).
+  std::vector<Event> span_events;
+  unsigned span_recorded = 0;
+  bool timing_forward = false;  // this forward is timed (o.timing, not capturing)
+  GpuForwardSpans spans;
+  void span_mark(int span, bool end, cudaStream_t stream) {
+    if (!timing_forward) return;
+    const int i = 2 * span + (end ? 1 : 0);
+    span_events[static_cast<std::size_t>(i)].record(stream);
+    span_recorded |= 1u << i;
+  }
 
   std::unique_ptr<GateGemm> gate;
   DeviceTensor gate_weight, correction_bias;
@@ -308,6 +331,7 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   }
 
   for (int i = 0; i < kNumEvents + 2; ++i) events.emplace_back();
+  for (int i = 0; i < 2 * kNumSpans; ++i) span_events.emplace_back();
   gate = std::make_unique<GateGemm>();
   gate_weight = to_device(weights->gate_weight(), s0);
   // cuBLAS's first calls (every decode-sized batch) at set-up, not in a forward (GateGemm says why).
@@ -657,6 +681,8 @@ void GpuMoeLayer::Impl::forward(ModePath& p, TensorView x, TensorView y) {
   const std::int64_t T = check_io(x, y, p);
   last_T = T;
   const bool timed = o.timing && !capturing;
+  timing_forward = timed;
+  span_recorded = 0;
   auto mark = [&](int id, cudaStream_t s) {
     if (timed) events[static_cast<std::size_t>(id)].record(s);
   };
@@ -696,57 +722,83 @@ void GpuMoeLayer::Impl::forward(ModePath& p, TensorView x, TensorView y) {
 
   const TensorView y_out = shared ? rows_of(y_routed, T) : y;
   if (!tbo) {
+    span_mark(kSpanDispatch0, false, s0);
     last_dispatch = dispatch(p, 0, 0, T);  // kept (not copied) for time_gemms_alone()
     last_dispatch_path = &p;
     has_last_dispatch = has_last_dispatch || !capturing;
     const DispatchOutput& d = last_dispatch;
     mark(kDispatched, s0);
+    span_mark(kSpanDispatch0, true, s0);
+    span_mark(kSpanGemm0, false, s0);
     run_experts(p, d, p.expert_out, s0);
+    span_mark(kSpanGemm0, true, s0);
     mark(kComputed, s0);
+    span_mark(kSpanCombine0, false, s0);
     combine(p, 0, d, T, y_out);
+    span_mark(kSpanCombine0, true, s0);
   } else if (!p.normal() && p.lls[0] != nullptr) {
     // Two micro-batches through the send / receive halves: both sends go out at once; A's experts
     // run on s2 while B's receive and, later, A's combine send run on s0; B's experts overlap A's
     // combine. (Each micro-batch reads the expert weights again: it pays where communication, not
     // the weight read, bounds a step.)
     const std::int64_t T_a = first_micro_batch(T), T_b = T - T_a;
+    span_mark(kSpanDispatch0, false, s0);
     p.lls[0]->dispatch_send(dispatch_input(0, T_a));
+    span_mark(kSpanDispatch1, false, s0);
     p.lls[1]->dispatch_send(dispatch_input(T_a, T_b));
     DispatchOutput d[2];
     for (int part = 0; part < 2; ++part) {
       p.lls[part]->dispatch_recv(d[part]);
+      span_mark(kSpanDispatch0 + part, true, s0);
       if (part == 1) mark(kDispatched, s0);
       dispatched[part].record(s0);
       EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s2, dispatched[part], 0));
+      span_mark(kSpanGemm0 + part, false, s2);
       run_experts(p, d[part], part == 0 ? p.expert_out : p.expert_out2, s2);
+      span_mark(kSpanGemm0 + part, true, s2);
       computed[part].record(s2);
     }
     for (int part = 0; part < 2; ++part) {
       EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[part], 0));
+      span_mark(kSpanCombine0 + part, false, s0);
       p.lls[part]->combine_send(rows_of(part == 0 ? p.expert_out : p.expert_out2, d[part].num_output_rows()));
     }
     mark(kComputed, s0);
     p.lls[0]->combine_recv(y_out.slice_rows(0, T_a));
+    span_mark(kSpanCombine0, true, s0);
     p.lls[1]->combine_recv(y_out.slice_rows(T_a, T));
+    span_mark(kSpanCombine1, true, s0);
   } else {
     // Two micro-batches: B's dispatch overlaps A's GEMMs, A's combine overlaps B's GEMMs.
     const std::int64_t T_a = first_micro_batch(T), T_b = T - T_a;
+    span_mark(kSpanDispatch0, false, s0);
     const DispatchOutput da = dispatch(p, 0, 0, T_a);
+    span_mark(kSpanDispatch0, true, s0);
     dispatched[0].record(s0);
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s2, dispatched[0], 0));
+    span_mark(kSpanGemm0, false, s2);
     run_experts(p, da, p.expert_out, s2);
+    span_mark(kSpanGemm0, true, s2);
     computed[0].record(s2);
+    span_mark(kSpanDispatch1, false, s0);
     const DispatchOutput db = dispatch(p, 1, T_a, T_b);
+    span_mark(kSpanDispatch1, true, s0);
     mark(kDispatched, s0);
     dispatched[1].record(s0);
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s2, dispatched[1], 0));
+    span_mark(kSpanGemm1, false, s2);
     run_experts(p, db, p.expert_out2, s2);
+    span_mark(kSpanGemm1, true, s2);
     computed[1].record(s2);
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[0], 0));
+    span_mark(kSpanCombine0, false, s0);
     combine(p, 0, da, T_a, y_out.slice_rows(0, T_a));
+    span_mark(kSpanCombine0, true, s0);
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, computed[1], 0));
     mark(kComputed, s0);
+    span_mark(kSpanCombine1, false, s0);
     combine(p, 1, db, T_b, y_out.slice_rows(T_a, T));
+    span_mark(kSpanCombine1, true, s0);
   }
   if (shared) {
     if (fork_side) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s0, join, 0));
@@ -769,6 +821,27 @@ void GpuMoeLayer::Impl::forward(ModePath& p, TensorView x, TensorView y) {
     times.total += ms(kStart, kCombined);
     if (shared) times.shared += ms(kNumEvents, kNumEvents + 1);
     ++times.forwards;
+    // The spans, from the forward's start (events recorded in this forward only).
+    spans = GpuForwardSpans{};
+    spans.route = {0.0, ms(kStart, kRouted)};
+    spans.total = {0.0, ms(kStart, kCombined)};
+    if (shared) spans.shared = {ms(kStart, kNumEvents), ms(kStart, kNumEvents + 1)};
+    spans.shared_on_own_stream = fork_side;
+    spans.gemm_on_compute_stream = tbo;
+    auto span_ms = [&](int span) -> GpuForwardSpans::Span {
+      const unsigned both = 3u << (2 * span);
+      if ((span_recorded & both) != both) return {-1.0, -1.0};
+      auto since_start = [&](int i) {
+        return static_cast<double>(
+            Event::elapsed_ms(events[kStart], span_events[static_cast<std::size_t>(i)]));
+      };
+      return {since_start(2 * span), since_start(2 * span + 1)};
+    };
+    for (int part = 0; part < 2; ++part) {
+      spans.dispatch[static_cast<std::size_t>(part)] = span_ms(kSpanDispatch0 + part);
+      spans.gemm[static_cast<std::size_t>(part)] = span_ms(kSpanGemm0 + part);
+      spans.combine[static_cast<std::size_t>(part)] = span_ms(kSpanCombine0 + part);
+    }
   }
 }
 
@@ -830,6 +903,9 @@ cudaStream_t GpuMoeLayer::stream() const {
 }
 const GpuPhaseTimes& GpuMoeLayer::times() const {
   return impl_->times;
+}
+const GpuForwardSpans& GpuMoeLayer::last_spans() const {
+  return impl_->spans;
 }
 void GpuMoeLayer::reset_times() {
   impl_->times = GpuPhaseTimes{};

@@ -67,6 +67,21 @@ void expect_reference(const ModelWeights& w, const HostTensor& x, const Out& o, 
                                     std::string(what) + " on rank " + std::to_string(world().rank()));
 }
 
+// A timed two-batch-overlap forward's spans follow the streams' order: each micro-batch's GEMMs start
+// after its dispatch ends (on the compute stream) and its combine after its GEMMs.
+void expect_overlap_spans(const cuda::GpuForwardSpans& sp) {
+  EXPECT_TRUE(sp.gemm_on_compute_stream);
+  for (std::size_t part = 0; part < 2; ++part) {
+    SCOPED_TRACE("micro-batch " + std::to_string(part));
+    EXPECT_GE(sp.dispatch[part][0], sp.route[1]);
+    EXPECT_LE(sp.dispatch[part][0], sp.dispatch[part][1]);
+    EXPECT_GE(sp.gemm[part][0], sp.dispatch[part][1]);
+    EXPECT_LE(sp.gemm[part][0], sp.gemm[part][1]);
+    EXPECT_GE(sp.combine[part][0], sp.gemm[part][1]);
+    EXPECT_LE(sp.combine[part][1], sp.total[1]);
+  }
+}
+
 bool same_bits(const HostTensor& a, const HostTensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.view().data, b.view().data, a.nbytes()) == 0;
 }
@@ -208,7 +223,10 @@ TEST_P(LayerRanks, LowLatencyTwoBatchOverlapMatchesWithout) {
     const Out plain = forward_and_destroy(make_layer(w, Mode::low_latency), x);
     const auto layer_ptr = make_layer(w, Mode::low_latency, /*tbo=*/true);
     cuda::GpuMoeLayer& layer = *layer_ptr;
+    layer.set_timing(true);
     const Out tbo = layer_forward(layer, x, false);
+    layer.set_timing(false);
+    expect_overlap_spans(layer.last_spans());
     expect_reference(*w, x, tbo, "low-latency two-batch overlap");
     // Each token's rows meet the same experts on the same ranks either way: the same bits where the
     // GEMMs run the same kernels. W4A8 picks its kernel by the expected rows per expert (the 16/32-row
@@ -234,7 +252,10 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
     expect_reference(*w, x, plain, "normal");
     const auto layer_ptr = make_layer(w, Mode::normal, /*tbo=*/true, 128);
     cuda::GpuMoeLayer& layer = *layer_ptr;
+    layer.set_timing(true);
     const Out tbo = layer_forward(layer, x, false);
+    layer.set_timing(false);
+    expect_overlap_spans(layer.last_spans());
     EXPECT_TRUE(same_bits(tbo.y, plain.y)) << "two-batch overlap changes the result";
     EXPECT_TRUE(same_bits(layer_forward(layer, x, false).y, plain.y))
         << "a repeated overlapped forward differs";

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -385,6 +386,42 @@ TEST(GpuLayer, GraphsCapturedForAListOfBatchSizes) {
   EXPECT_EQ(layer.graphs_captured(), 4u);  // no capture on the way
   const std::int64_t too_big[] = {c.max_tokens_per_rank + 1};
   testing::expect_error_mentions([&] { layer.capture_graphs(too_big); }, "graph batch size");
+}
+
+// A timed eager forward's spans (what `epmoe run --trace` draws): in order on the main stream, inside
+// the forward, the second micro-batch absent without two-batch overlap; an untimed forward leaves them.
+TEST(GpuLayer, TimedForwardRecordsItsPhaseSpans) {
+  EPMOE_REQUIRE_GPU();
+  for (const Mode mode : {Mode::low_latency, Mode::normal}) {
+    SCOPED_TRACE(std::string(to_string(mode)));
+    const MoeConfig c = one_rank("tiny", 4);
+    auto w = gpu_synthetic(c, 17);
+    cuda::GpuLayerOptions o;
+    o.mode = mode;
+    o.timing = true;
+    cuda::GpuMoeLayer layer(w, o);
+    const HostTensor x = synthetic_tokens(c, 27, 0, 24);
+    const testing::LayerForward f = testing::layer_forward(layer, x, false);
+    testing::expect_matches_reference(*w, x, f, "timed forward");
+    const cuda::GpuForwardSpans sp = layer.last_spans();
+    const double end = sp.total[1];
+    EXPECT_GT(end, 0.0);
+    EXPECT_EQ(sp.route[0], 0.0);
+    const std::array<double, 8> chain = {sp.route[0],   sp.route[1],   sp.dispatch[0][0], sp.dispatch[0][1],
+                                         sp.gemm[0][0], sp.gemm[0][1], sp.combine[0][0],  sp.combine[0][1]};
+    for (std::size_t i = 1; i < chain.size(); ++i) EXPECT_LE(chain[i - 1], chain[i]) << "span edge " << i;
+    EXPECT_LE(chain.back(), end);
+    EXPECT_EQ(sp.dispatch[1][0], -1.0);
+    EXPECT_EQ(sp.gemm[1][0], -1.0);
+    EXPECT_FALSE(sp.gemm_on_compute_stream);
+    EXPECT_GE(sp.shared[0], 0.0);
+    EXPECT_LE(sp.shared[1], end);
+    EXPECT_EQ(sp.shared_on_own_stream, layer.shared_expert_on_own_stream());
+    EXPECT_EQ(layer.times().forwards, 1);
+    layer.set_timing(false);
+    testing::layer_forward(layer, x, false);
+    EXPECT_EQ(layer.last_spans().total[1], end) << "an untimed forward changed the spans";
+  }
 }
 
 TEST(GpuLayer, GemmsAloneAreTimedWithoutChangingTheNextForward) {

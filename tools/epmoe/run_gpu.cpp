@@ -106,8 +106,15 @@ struct PhaseStats {
   // slots average more than 16 / 32 rows (a 16-row GEMM tile reads such a slot's weights twice).
   double slot_rows_max = 0, slots_over_16 = 0, slots_over_32 = 0;
   double shared_own_stream = 0;  // 1: the shared expert ran on its own stream (else inline, in dispatch)
+  // The last timed eager forward's spans (GpuForwardSpans, ms from its start; -1: none): route,
+  // shared, dispatch / gemm / combine of micro-batch 0 and 1, and whether the GEMMs ran on the
+  // compute stream (two-batch overlap).
+  double span_route[2] = {-1, -1}, span_shared[2] = {-1, -1};
+  double span_dispatch[2][2] = {{-1, -1}, {-1, -1}}, span_gemm[2][2] = {{-1, -1}, {-1, -1}},
+         span_combine[2][2] = {{-1, -1}, {-1, -1}};
+  double span_gemm_on_compute_stream = 0;
   // Only doubles: all-gathered as they are laid out (gather()).
-  static constexpr int kFields = 30;
+  static constexpr int kFields = 47;
 };
 
 static_assert(sizeof(PhaseStats) == PhaseStats::kFields * sizeof(double) &&
@@ -223,6 +230,19 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   st.combine = t.combine / n;
   st.shared = t.shared / n;
   st.shared_own_stream = layer.shared_expert_on_own_stream() ? 1.0 : 0.0;
+  {
+    const cuda::GpuForwardSpans& sp = layer.last_spans();
+    for (int e = 0; e < 2; ++e) {
+      st.span_route[e] = sp.route[static_cast<std::size_t>(e)];
+      st.span_shared[e] = sp.shared[static_cast<std::size_t>(e)];
+      for (int part = 0; part < 2; ++part) {
+        st.span_dispatch[part][e] = sp.dispatch[static_cast<std::size_t>(part)][static_cast<std::size_t>(e)];
+        st.span_gemm[part][e] = sp.gemm[static_cast<std::size_t>(part)][static_cast<std::size_t>(e)];
+        st.span_combine[part][e] = sp.combine[static_cast<std::size_t>(part)][static_cast<std::size_t>(e)];
+      }
+    }
+    st.span_gemm_on_compute_stream = sp.gemm_on_compute_stream ? 1.0 : 0.0;
+  }
   st.total = t.total / n;
 
   // 3. Graphs captured ahead of the timed loop (one per batch size).
@@ -394,27 +414,39 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
   return j;
 }
 
-// One eager forward per phase and rank as Chrome-trace "complete" events (pid = rank, tid 0 = the
-// main stream's phases, tid 1 = the shared expert's stream), from the per-phase CUDA-event times.
+// One eager forward per phase and rank as Chrome-trace "complete" events (pid = rank; tid 0 = the
+// main stream, 1 = the shared expert's, 2 = the compute stream of two-batch overlap), from the spans
+// the layer recorded with CUDA events on the stream that ran each phase (GpuForwardSpans): where the
+// micro-batches' GEMMs overlap the other's dispatch and combine, the timeline shows it. Each rank's
+// forward starts at offset_us (the ranks' clocks are not aligned beyond that).
 nlohmann::json trace_events(const std::string& phase, const std::vector<PhaseStats>& ranks,
                             double offset_us) {
   nlohmann::json events = nlohmann::json::array();
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const PhaseStats& s = ranks[r];
-    double t = offset_us;
-    const std::pair<const char*, double> steps[] = {
-        {"route", s.route}, {"dispatch", s.dispatch}, {"gemm", s.gemm}, {"combine", s.combine}};
-    for (const auto& [name, ms] : steps) {
-      events.push_back(
-          {{"name", phase + " " + name}, {"ph", "X"}, {"ts", t}, {"dur", 1e3 * ms}, {"pid", r}, {"tid", 0}});
-      t += 1e3 * ms;
+    const int gemm_tid = s.span_gemm_on_compute_stream > 0 ? 2 : 0;
+    auto span = [&](const std::string& name, const double* b_e, int tid) {
+      if (b_e[0] < 0 || b_e[1] < b_e[0]) return;
+      events.push_back({{"name", phase + " " + name},
+                        {"ph", "X"},
+                        {"ts", offset_us + 1e3 * b_e[0]},
+                        {"dur", 1e3 * (b_e[1] - b_e[0])},
+                        {"pid", r},
+                        {"tid", tid}});
+    };
+    span("route", s.span_route, 0);
+    for (int part = 0; part < 2; ++part) {
+      const std::string mb = s.span_dispatch[1][0] >= 0 ? (part == 0 ? " A" : " B") : "";
+      span("dispatch" + mb, s.span_dispatch[part], 0);
+      span("gemm" + mb, s.span_gemm[part], gemm_tid);
+      span("combine" + mb, s.span_combine[part], 0);
     }
-    events.push_back({{"name", phase + " shared expert"},
-                      {"ph", "X"},
-                      {"ts", offset_us + 1e3 * s.route},
-                      {"dur", 1e3 * s.shared},
-                      {"pid", r},
-                      {"tid", 1}});
+    span(s.shared_own_stream > 0 ? "shared expert" : "shared expert (inline, main stream)", s.span_shared, 1);
+    const std::pair<int, const char*> threads[] = {
+        {0, "main stream"}, {1, "shared expert stream"}, {2, "compute stream (two-batch overlap)"}};
+    for (const auto& [tid, name] : threads)
+      events.push_back(
+          {{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", tid}, {"args", {{"name", name}}}});
   }
   return events;
 }

@@ -20,6 +20,7 @@
 // scheme): epmoe/cuda/runner.hpp. Unquantized models are refused.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -109,6 +110,21 @@ struct GpuPhaseTimes {
   std::int64_t forwards = 0;
 };
 
+// When each phase of the last timed eager forward ran, in ms from its start on the main stream
+// ({begin, end} from CUDA events recorded around the phase on the stream that ran it; {-1, -1} where
+// the forward had no such phase). With two-batch overlap, index 0 and 1 are the two micro-batches
+// (their GEMMs on the compute stream, overlapping the other's dispatch and combine); without it the
+// whole batch is micro-batch 0. A span includes the waits inside it (a dispatch waiting for its peers).
+// What `epmoe run --trace` draws, per rank.
+struct GpuForwardSpans {
+  using Span = std::array<double, 2>;
+  Span route{-1, -1}, shared{-1, -1}, total{-1, -1};
+  std::array<Span, 2> dispatch{Span{-1, -1}, Span{-1, -1}}, gemm{Span{-1, -1}, Span{-1, -1}},
+      combine{Span{-1, -1}, Span{-1, -1}};
+  bool gemm_on_compute_stream = false;  // two-batch overlap: the GEMMs on their own stream
+  bool shared_on_own_stream = false;    // the shared expert on its own stream (else inline)
+};
+
 class GpuMoeLayer {
  public:
   // comm: nullptr for one rank (config.num_ranks must be 1), else config.num_ranks must equal
@@ -159,6 +175,7 @@ class GpuMoeLayer {
   GemmTimes time_gemms_alone(int reps = 5);
 
   const GpuPhaseTimes& times() const;
+  const GpuForwardSpans& last_spans() const;  // of the last timed eager forward
   void reset_times();
   void set_timing(bool on);  // GpuLayerOptions::timing, for the following forwards
 
