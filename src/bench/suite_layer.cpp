@@ -7,9 +7,17 @@
 // GB/s); prefill is the routed + shared GEMM flops at 1979 TFLOP/s (tokens x top-k rows per rank
 // when the load is balanced). `epmoe run` gives the same forward with its accuracy check and the
 // phase breakdown.
+// Per configuration, the rows issue 7's bars compare: decode by graph replay (`layer.decode`) and
+// eagerly (`layer.decode_eager`); prefill (`layer.prefill`) and its expert GEMMs alone
+// (`layer.prefill_gemm_alone`: GpuMoeLayer::time_gemms_alone, routed + shared); on N ranks both with
+// two-batch overlap too (`layer.decode_tbo`, `layer.prefill_tbo`). EPMOE_BENCH_LAYER_VARIANTS picks
+// among graph, eager, gemm_alone, tbo (default: all).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench/bench.hpp"
@@ -64,11 +72,28 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
   timing.iterations = std::min(timing.iterations, 50);
   constexpr int kSets = 4;
 
-  auto run_mode = [&](Mode mode, const std::vector<std::int64_t>& token_list) {
+  // EPMOE_BENCH_LAYER_VARIANTS: a comma-separated list (graph, eager, gemm_alone, tbo); unset: all.
+  std::vector<std::string> variants;
+  {
+    const char* chosen = std::getenv("EPMOE_BENCH_LAYER_VARIANTS");
+    std::string_view list = chosen != nullptr && *chosen != '\0' ? chosen : "graph,eager,gemm_alone,tbo";
+    while (!list.empty()) {
+      const std::size_t comma = list.find(',');
+      variants.emplace_back(list.substr(0, comma));
+      list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
+    }
+  }
+  auto wants = [&](std::string_view v) {
+    return std::find(variants.begin(), variants.end(), v) != variants.end();
+  };
+
+  // One layer per mode and overlap choice; `eager` times decode without its graphs too.
+  auto run_mode = [&](Mode mode, const std::vector<std::int64_t>& token_list, bool tbo) {
     if (token_list.empty()) return;
     cuda::GpuLayerOptions lo;
     lo.mode = mode;
     lo.max_tokens = *std::max_element(token_list.begin(), token_list.end());
+    lo.tbo = tbo;
     cuda::GpuMoeLayer layer(weights, lo, comm);
     cudaStream_t s = layer.stream();
     // The synthetic token batches of `epmoe run` (moderate values, outlier channels): their routing
@@ -80,37 +105,55 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
       x.push_back(cuda::to_device(
           synthetic_tokens(c, 100 + static_cast<std::uint64_t>(set), rank, lo.max_tokens), s));
     cuda::DeviceTensor y(DType::bf16, {lo.max_tokens, c.hidden});
+    const bool decode_mode = mode == Mode::low_latency;
+    const std::string base =
+        std::string(decode_mode ? "layer.decode" : "layer.prefill") + (tbo ? "_tbo" : "");
     for (const std::int64_t T : token_list) {
-      const bool decode_mode = mode == Mode::low_latency;
+      const double flops =
+          2.0 * T * c.hidden * (3.0 * c.topk * c.intermediate + 3.0 * c.shared_intermediate());
+      auto row = [&](const std::string& name, double us, const char* how) {
+        Params p{{"tokens", T},
+                 {"ranks", static_cast<std::int64_t>(ranks)},
+                 {"mode", std::string(to_string(mode))},
+                 {"quant", quant},
+                 {"tbo", static_cast<std::int64_t>(tbo ? 1 : 0)},
+                 {"phase", std::string(how)}};
+        Result r = make_result(name, std::move(p), us, weight_bytes, flops);
+        if (!decode_mode) r.floor_us = std::max(r.floor_us, flops / (kPeakTflops * 1e6));
+        emit(options, results, r);
+      };
+      auto timed = [&](bool graph) {
+        return time_us(
+            [&](int set, cudaStream_t) {
+              const TensorView xs = x[static_cast<std::size_t>(set)].view().slice_rows(0, T);
+              if (graph) {
+                layer.forward_graph(xs, y.view().slice_rows(0, T));
+              } else {
+                layer.forward(xs, y.view().slice_rows(0, T));
+              }
+            },
+            kSets, s, timing);
+      };
       if (decode_mode) {
         const std::int64_t sizes[] = {T};
         layer.capture_graphs(sizes);
+        if (wants("graph") || tbo) row(base, timed(true), "forward, graph replay");
+        if (wants("eager") && !tbo) row(base + "_eager", timed(false), "forward, eager");
+      } else {
+        row(base, timed(false), "forward");
+        if (wants("gemm_alone") && !tbo) {
+          const cuda::GpuMoeLayer::GemmTimes g = layer.time_gemms_alone();
+          row("layer.prefill_gemm_alone", 1e3 * (g.routed_ms + g.shared_ms),
+              "expert GEMMs alone (routed + shared)");
+        }
       }
-      const double us = time_us(
-          [&](int set, cudaStream_t) {
-            const TensorView xs = x[static_cast<std::size_t>(set)].view().slice_rows(0, T);
-            if (decode_mode) {
-              layer.forward_graph(xs, y.view().slice_rows(0, T));
-            } else {
-              layer.forward(xs, y.view().slice_rows(0, T));
-            }
-          },
-          kSets, s, timing);
-      const double flops =
-          2.0 * T * c.hidden * (3.0 * c.topk * c.intermediate + 3.0 * c.shared_intermediate());
-      Params p{{"tokens", T},
-               {"ranks", static_cast<std::int64_t>(ranks)},
-               {"mode", std::string(to_string(mode))},
-               {"quant", quant},
-               {"phase", std::string("forward")}};
-      Result r =
-          make_result(decode_mode ? "layer.decode" : "layer.prefill", std::move(p), us, weight_bytes, flops);
-      if (!decode_mode) r.floor_us = std::max(r.floor_us, flops / (kPeakTflops * 1e6));
-      emit(options, results, r);
     }
   };
-  run_mode(Mode::low_latency, decode);
-  run_mode(Mode::normal, prefill);
+  for (const bool tbo : {false, true}) {
+    if (tbo && !(ranks > 1 && wants("tbo"))) continue;  // two-batch overlap needs peers to overlap with
+    run_mode(Mode::low_latency, decode, tbo);
+    run_mode(Mode::normal, prefill, tbo);
+  }
   if (comm && ranks > 1) comm->barrier();
   return results;
 }
