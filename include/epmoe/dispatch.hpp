@@ -19,6 +19,8 @@
 
 namespace epmoe {
 
+class Communicator;  // epmoe/comm.hpp
+
 enum class Layout : std::uint8_t { token_major, contiguous, masked };
 std::string_view to_string(Layout layout);
 
@@ -81,6 +83,9 @@ struct DispatcherContext {
   // those past the last expert block -1 in m_indices and row_token (the GEMMs skip them),
   // expert_offsets is empty and num_recv_tokens -1. (Low-latency mode never syncs.)
   bool host_sync = true;
+  // The GPU dispatchers' communicator ("nvlink", "nvlink-ll", "nccl-p2p" made by name); null: the
+  // thread's or process's default (Communicator::process_default()). The CPU ones take none.
+  std::shared_ptr<Communicator> communicator;
 };
 
 // The contiguous layout's worst case on one rank: each of ranks x tokens_per_rank tokens at most

@@ -744,11 +744,11 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
 
 const DispatcherRegistry::Registration kRegistration{
     "nvlink-ll", [](const DispatcherContext& c) -> std::unique_ptr<Dispatcher> {
-      return make_nvlink_ll_dispatcher(c, Communicator::process_default());
+      return make_nvlink_ll_dispatcher(c, c.communicator ? c.communicator : Communicator::process_default());
     }};
 const DispatcherRegistry::Registration kRegistrationNormal{
     "nvlink", [](const DispatcherContext& c) -> std::unique_ptr<Dispatcher> {
-      return make_nvlink_dispatcher(c, Communicator::process_default());
+      return make_nvlink_dispatcher(c, c.communicator ? c.communicator : Communicator::process_default());
     }};
 
 }  // namespace

@@ -321,9 +321,15 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
     // communicator, which waits for NCCL's initialisation (overlapped with the weights' set-up here).
     if (name == "auto" && ranks == 1) name = "local";
     p.own_shared_stream = o.shared_stream == "own" || (o.shared_stream == "auto" && !(normal && ranks == 1));
-    EPMOE_CHECK(
-        name == "auto" || name == "local" || name == "nvlink" || name == "nvlink-ll" || name == "nccl-p2p",
-        "dispatcher must be auto, local, nvlink, nvlink-ll or nccl-p2p, got '{}'", name);
+    // Any GPU dispatcher registered by name (DispatcherRegistry: "nvlink", "nvlink-ll", "nccl-p2p"),
+    // not the CPU simulation's.
+    const DispatcherRegistry& registry = DispatcherRegistry::instance();
+    if (name != "auto" && name != "local" && (!registry.contains(name) || name.starts_with("cpu-"))) {
+      std::string known = "auto, local";
+      for (const std::string& key : registry.keys())
+        if (!key.starts_with("cpu-")) known += ", " + key;
+      EPMOE_FAIL("dispatcher must be one of {}, got '{}'", known, name);
+    }
     EPMOE_CHECK((name == "local") == (ranks == 1),
                 "dispatcher '{}' does not fit {} rank(s): 'local' serves exactly one rank", name, ranks);
     EPMOE_CHECK(name != "nvlink-ll" || !normal, "dispatcher 'nvlink-ll' serves low-latency mode only{}",
@@ -449,16 +455,12 @@ void GpuMoeLayer::Impl::make_path(Mode mode) {
   const std::int64_t T_part = tbo ? first_micro_batch(p.T_max) : p.T_max;
   MoeConfig dc = c;
   dc.max_tokens_per_rank = static_cast<int>(T_part);
-  const DispatcherContext context{dc, mode, format, rank, 1, !normal || o.normal_host_sync};
+  const DispatcherContext context{dc, mode, format, rank, 1, !normal || o.normal_host_sync, comm};
   for (int part = 0; part < (tbo ? 2 : 1); ++part) {
-    if (p.dispatcher_name == "nccl-p2p") {
-      p.dispatchers[part] = make_nccl_p2p_dispatcher(context, comm);
-    } else {
-      auto d = p.dispatcher_name == "nvlink" ? make_nvlink_dispatcher(context, comm)
-                                             : make_nvlink_ll_dispatcher(context, comm);
-      p.lls[part] = d.get();
-      p.dispatchers[part] = std::move(d);
-    }
+    // By name from the registry (each dispatcher registers itself in its own file); the ones with send
+    // / receive halves serve two-batch overlap in low-latency mode through them.
+    p.dispatchers[part] = make_dispatcher(p.dispatcher_name, context);
+    p.lls[part] = dynamic_cast<LowLatencyDispatcher*>(p.dispatchers[part].get());
   }
   for (const auto& d : p.dispatchers)
     if (d) p.dispatcher_bytes += d->device_bytes();

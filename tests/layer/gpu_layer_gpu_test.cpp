@@ -508,6 +508,17 @@ TEST(GpuLayer, RefusesBadInput) {
   cuda::GpuLayerOptions big;
   big.max_tokens = 64;
   testing::expect_error_mentions([&] { cuda::GpuMoeLayer bad(w, big); }, "max_tokens_per_rank");
+  // Dispatchers by name: the registered GPU ones, not the CPU simulation's; on one rank only "local".
+  for (const char* name : {"nope", "cpu-sim"}) {
+    cuda::GpuLayerOptions named;
+    named.dispatcher = name;
+    testing::expect_error_mentions([&] { cuda::GpuMoeLayer bad(w, named); },
+                                   "dispatcher must be one of auto, local");
+  }
+  cuda::GpuLayerOptions nvlink;
+  nvlink.dispatcher = "nvlink";
+  testing::expect_error_mentions([&] { cuda::GpuMoeLayer bad(w, nvlink); },
+                                 "'local' serves exactly one rank");
 }
 
 }  // namespace
