@@ -46,7 +46,8 @@ class MoeLayer {
   const MoeConfig& config() const;
   const LayerOptions& options() const { return options_; }
 
-  // x[r]: rank r's tokens [T_r, H] bf16 (finite; T_r <= max_tokens_per_rank in low-latency mode),
+  // x[r]: rank r's tokens [T_r, H] bf16 (finite; T_r <= max_tokens_per_rank in low-latency mode and
+  // without a host sync),
   // y[r] (out): [T_r, H] bf16. One entry per served rank. A layer in auto mode needs the batch kind
   // (the overload below) and refuses this one.
   void forward(std::span<const TensorView> x, std::span<const TensorView> y, ForwardStats* stats = nullptr);

@@ -98,7 +98,7 @@ double time_us(const Launch& launch, int num_sets, cudaStream_t stream, const Ti
     }
     const bool covered = !slept.done();
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    if (covered || attempt == 3) break;
+    if (covered || attempt == 3 || options.single_attempt) break;
     sleep_us = std::min(4 * sleep_us, 200000.0);
     fmt::print(
         stderr,

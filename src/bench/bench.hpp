@@ -53,6 +53,9 @@ struct TimingOptions {
   // hold the clock down as it does in back-to-back tensor-core work); the mean of the second round
   // is reported. `warmup` is ignored.
   bool burst = false;
+  // Collective launches (every rank must run the same number): queue the timed runs once, never again
+  // behind a longer sleep when the host was slower than the sleep (each rank would decide alone).
+  bool single_attempt = false;
 };
 
 // Enqueues exactly the work to time on `stream`, using input set `set` (of the rotation).

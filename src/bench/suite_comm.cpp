@@ -127,7 +127,9 @@ int sms_of(int blocks) {
 // Times `launch` with every rank starting together.
 double timed(Communicator& comm, const Launch& launch, const TimingOptions& t) {
   comm.barrier();
-  const double us = time_us(launch, 1, comm.stream(), t);
+  TimingOptions collective = t;
+  collective.single_attempt = comm.size() > 1;  // the calls are collective: the same count on every rank
+  const double us = time_us(launch, 1, comm.stream(), collective);
   comm.check_device_errors();
   return us;
 }

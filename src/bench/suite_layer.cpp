@@ -70,6 +70,7 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
   const double weight_bytes = c.num_local_experts() * slot_bytes + shared_bytes;
   TimingOptions timing = timing_for(options);
   timing.iterations = std::min(timing.iterations, 50);
+  timing.single_attempt = ranks > 1;  // every forward is collective: the same count on every rank
   constexpr int kSets = 4;
 
   // EPMOE_BENCH_LAYER_VARIANTS: a comma-separated list (graph, eager, gemm_alone, tbo); unset: all.

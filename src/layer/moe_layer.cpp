@@ -111,6 +111,11 @@ void MoeLayer::forward_in(Mode mode, std::span<const TensorView> x, std::span<co
       EPMOE_CHECK(x[r].size(0) <= c.max_tokens_per_rank,
                   "rank {} has {} tokens, more than the low-latency buffers hold (max_tokens_per_rank = {})",
                   r, x[r].size(0), c.max_tokens_per_rank);
+    else if (!options_.host_sync)  // refused here, before the load counters see the batch
+      EPMOE_CHECK(x[r].size(0) <= c.max_tokens_per_rank,
+                  "rank {} has {} tokens, more than the layout's bound allows without a host sync "
+                  "(max_tokens_per_rank = {})",
+                  r, x[r].size(0), c.max_tokens_per_rank);
   }
 
   std::vector<HostTensor> logical(static_cast<std::size_t>(N)), physical(static_cast<std::size_t>(N)),

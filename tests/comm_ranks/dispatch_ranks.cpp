@@ -547,11 +547,6 @@ TEST(CommNvlinkLl, APeerThatNeverArrivesIsATimeoutNamingIt) {
   on_ranks([&] { check_a_lone_dispatch_times_out(Transport::nvlink_ll, 32, 10, 21); });
 }
 
-// EPMOE_COMM_WATCH=1: after one round (dispatch, combine) the dispatcher's state in the
-// communicator's diagnostics lists, in order, the combine flags after each call: after the combine,
-// every source's flag of sequence 1 (parity 1) in this rank's window, and this rank's in every
-// peer's window. (The switch exists to find the loopback low-latency timeout whose combine flag
-// went missing, bench/NOTES.md session 20.)
 // Every rank dispatches, then rank 0 alone combines (the others never send their partial sums): its
 // combine ends in a bounded timeout naming the phase and the peer, and the communicator stays usable.
 TEST(CommNvlinkLl, ACombineThatAPeerNeverJoinsIsATimeoutNamingIt) {
@@ -593,6 +588,11 @@ TEST(CommNvlinkLl, ACombineThatAPeerNeverJoinsIsATimeoutNamingIt) {
   });
 }
 
+// EPMOE_COMM_WATCH=1: after one round (dispatch, combine) the dispatcher's state in the
+// communicator's diagnostics lists, in order, the combine flags after each call: after the combine,
+// every source's flag of sequence 1 (parity 1) in this rank's window, and this rank's in every
+// peer's window. (The switch exists to find the loopback low-latency timeout whose combine flag
+// went missing, bench/NOTES.md session 20.)
 TEST(CommNvlinkLl, TheFlagWatchSeesEveryCombineFlag) {
   const ScopedEnv watch("EPMOE_COMM_WATCH", "1");
   on_ranks([&] {

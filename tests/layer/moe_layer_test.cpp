@@ -296,6 +296,16 @@ TEST(Layer, NormalModeWithoutAHostSyncGivesTheSameBits) {
           std::memcmp(a.y[r].data<bf16>(), b.y[r].data<bf16>(), static_cast<std::size_t>(a.y[r].nbytes())), 0)
           << "rank " << r;
     EXPECT_LE(check(*w, b).rel_l2, 5e-3);
+    // The bound needs T <= max_tokens_per_rank: refused before the load counters see the batch.
+    const std::vector<std::int64_t> load = bound.expert_load();
+    Batch big = make_batch(c, {c.max_tokens_per_rank + 1, 1, 1, 1}, 7);
+    try {
+      bound.forward(big.xv, big.yv);
+      FAIL() << "expected a throw";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("without a host sync"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(bound.expert_load(), load);
   }
 }
 
