@@ -240,8 +240,7 @@ class NcclP2pDispatcher final : public Dispatcher, comm_detail::GpuDispatcherBas
 };
 
 const DispatcherRegistry::Registration kRegistration{
-    "nccl-p2p",
-    [](const DispatcherContext& c) {
+    "nccl-p2p", [](const DispatcherContext& c) {
       return make_nccl_p2p_dispatcher(c, c.communicator ? c.communicator : Communicator::process_default());
     }};
 
