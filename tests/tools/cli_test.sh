@@ -127,6 +127,7 @@ for phase, mode in (("decode", "low-latency"), ("prefill", "normal")):
     assert p["check"]["pass"] is True and p["check"]["overall"]["rel_l2"] < 1e-2, p
     assert set(p["time_ms"]) >= {"route", "dispatch", "experts", "combine", "shared", "total"}, p
 assert doc["prefill"]["forwards"] == 3 and doc["prefill"]["tokens"] == 600, doc["prefill"]
+assert doc["layer_mode"] == "auto", doc  # one layer served both phases
 PY
 check "run w4a8 dynamic redundant" "$epmoe" run --device cpu --quant w4a8 --ranks 4 --redundant-experts 4 \
   --dispatch-algorithm dynamic --steps 2 --prompt-tokens 64
@@ -137,6 +138,17 @@ for ranks in 1 2 4; do
     done
   done
 done
+# One auto-mode layer: a decode batch in low-latency mode, a prefill batch (over max_tokens_per_rank) in
+# normal mode; the same batch as decode is refused.
+check "check auto decode" "$epmoe" check --ranks 2 --mode auto --batch decode --tokens 12 --json "$tmp/auto.json"
+check "check auto decode JSON" python3 -c \
+  "import json; d=json.load(open('$tmp/auto.json')); assert d['forward_mode'] == 'low-latency' and d['mirror']['pass'], d"
+check "check auto prefill" "$epmoe" check --ranks 2 --mode auto --batch prefill --tokens 80 --json "$tmp/auto.json"
+check "check auto prefill JSON" python3 -c \
+  "import json; d=json.load(open('$tmp/auto.json')); assert d['forward_mode'] == 'normal' and d['mirror']['pass'], d"
+check_fails "check auto decode over the buffers" "max_tokens_per_rank" \
+  "$epmoe" check --ranks 2 --mode auto --batch decode --tokens 80
+check_fails "check bad batch kind" "--batch" "$epmoe" check --mode auto --batch extend
 check "check cpu-local" "$epmoe" check --ranks 1 --dispatcher cpu-local --exact --json "$tmp/check.json"
 check "check JSON" python3 -c "import json,sys; d=json.load(open('$tmp/check.json')); assert d['mirror']['pass'] and 'exact' in d"
 check "check deepseek-v3 dims, 2 ranks" "$epmoe" check --preset deepseek-v3 --ranks 2 --tokens 2 --mode low-latency
