@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -142,5 +143,8 @@ TimingOptions timing_for(const SuiteOptions& options);
 std::vector<std::int64_t> tokens_or_default(const SuiteOptions& options,
                                             std::vector<std::int64_t> full = {128, 4096, 16384});
 void emit(const SuiteOptions& options, std::vector<Result>& results, Result r);
+// Whether the comma-separated list in environment variable `variable` names `name` (the suites'
+// EPMOE_BENCH_*_VARIANTS switches); unset or empty: every name is listed.
+bool env_list_has(const char* variable, std::string_view name);
 
 }  // namespace epmoe::bench

@@ -357,11 +357,7 @@ std::vector<Variant> experiments(bool masked) {
 // With --quant w4a8 it picks the W4A8 lines of every row (".w4a8", ".w4a8.v2.s.m128", ...; the FP8 line
 // always runs: the ratios need it).
 bool variant_listed(const std::string& suffix) {
-  const char* e = std::getenv("EPMOE_BENCH_GEMM_VARIANTS");
-  if (e == nullptr || *e == '\0') return true;
-  const std::string name = suffix.empty() ? "main" : suffix;
-  std::string list = std::string(",") + e + ",";
-  return list.find("," + name + ",") != std::string::npos;
+  return env_list_has("EPMOE_BENCH_GEMM_VARIANTS", suffix.empty() ? "main" : suffix);
 }
 // EPMOE_BENCH_GEMM_ROUNDS=R (1..100, default 1): a row's listed lines are timed in R rounds, the order
 // rotated by one line per round (rotated_line_order); with R > 1 each result names its round and place.

@@ -74,19 +74,7 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
   constexpr int kSets = 4;
 
   // EPMOE_BENCH_LAYER_VARIANTS: a comma-separated list (graph, eager, gemm_alone, tbo); unset: all.
-  std::vector<std::string> variants;
-  {
-    const char* chosen = std::getenv("EPMOE_BENCH_LAYER_VARIANTS");
-    std::string_view list = chosen != nullptr && *chosen != '\0' ? chosen : "graph,eager,gemm_alone,tbo";
-    while (!list.empty()) {
-      const std::size_t comma = list.find(',');
-      variants.emplace_back(list.substr(0, comma));
-      list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
-    }
-  }
-  auto wants = [&](std::string_view v) {
-    return std::find(variants.begin(), variants.end(), v) != variants.end();
-  };
+  auto wants = [](std::string_view v) { return env_list_has("EPMOE_BENCH_LAYER_VARIANTS", v); };
 
   // One layer per mode and overlap choice; `eager` times decode without its graphs too.
   auto run_mode = [&](Mode mode, const std::vector<std::int64_t>& token_list, bool tbo) {

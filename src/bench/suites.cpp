@@ -45,6 +45,17 @@ TimingOptions timing_for(const SuiteOptions& options) {
   return t;
 }
 
+bool env_list_has(const char* variable, std::string_view name) {
+  const char* value = std::getenv(variable);
+  if (value == nullptr || *value == '\0') return true;
+  for (std::string_view list = value; !list.empty();) {
+    const std::size_t comma = list.find(',');
+    if (list.substr(0, comma) == name) return true;
+    list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
+  }
+  return false;
+}
+
 void emit(const SuiteOptions& options, std::vector<Result>& results, Result r) {
   if (options.on_result) options.on_result(r);
   results.push_back(std::move(r));

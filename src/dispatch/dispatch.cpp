@@ -50,6 +50,15 @@ std::int64_t contiguous_rows_bound(const MoeConfig& c, std::int64_t tokens_per_r
 
 namespace detail {
 
+void check_token_bound(const DispatcherContext& context, std::int64_t T, std::string_view who) {
+  if (context.mode != Mode::low_latency && context.host_sync) return;
+  EPMOE_CHECK(T <= context.config.max_tokens_per_rank,
+              "{}has {} tokens, more than {} (max_tokens_per_rank = {})", who, T,
+              context.mode == Mode::low_latency ? "the low-latency buffers hold"
+                                                : "the layout's bound allows without a host sync",
+              context.config.max_tokens_per_rank);
+}
+
 void check_dispatcher_mode(const DispatcherContext& context, std::string_view name) {
   EPMOE_CHECK(context.mode == Mode::normal || context.mode == Mode::low_latency,
               "dispatcher '{}': the context's mode must be normal or low-latency, got {} (a layer in auto "
@@ -96,16 +105,7 @@ void validate_dispatch_input(const DispatcherContext& context, const DispatchInp
     EPMOE_CHECK(id >= 0 && id < P, "{}topk_ids[{}][{}] = {} is out of range [0, {})", r, i / c.topk,
                 i % c.topk, id, P);
   }
-  if (context.mode == Mode::low_latency) {
-    EPMOE_CHECK(T <= c.max_tokens_per_rank,
-                "{}has {} tokens, more than the low-latency buffers hold (max_tokens_per_rank = {})", r, T,
-                c.max_tokens_per_rank);
-  } else if (!context.host_sync) {
-    EPMOE_CHECK(T <= c.max_tokens_per_rank,
-                "{}has {} tokens, more than the layout's bound allows without a host sync "
-                "(max_tokens_per_rank = {})",
-                r, T, c.max_tokens_per_rank);
-  }
+  check_token_bound(context, T, r);
 }
 
 }  // namespace detail

@@ -7,6 +7,10 @@
 
 namespace epmoe::detail {
 
+// T <= max_tokens_per_rank where the buffers are sized by it (low-latency mode, or normal mode without a
+// host sync); `who` starts the message ("rank 1 ").
+void check_token_bound(const DispatcherContext& context, std::int64_t T, std::string_view who);
+
 // A dispatcher serves one mode: refuses Mode::automatic, naming the dispatcher.
 void check_dispatcher_mode(const DispatcherContext& context, std::string_view name);
 

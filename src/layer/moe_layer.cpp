@@ -1,5 +1,6 @@
 #include <chrono>
 
+#include "dispatch/dispatch_common.hpp"
 #include "epmoe/layer.hpp"
 #include "layer/layer_common.hpp"
 
@@ -107,15 +108,8 @@ void MoeLayer::forward_in(Mode mode, std::span<const TensorView> x, std::span<co
     expect_shape(y[r], {x[r].size(0), c.hidden}, yname);
     expect_dtype(y[r], DType::bf16, yname);
     expect_contiguous(y[r], yname);
-    if (mode == Mode::low_latency)
-      EPMOE_CHECK(x[r].size(0) <= c.max_tokens_per_rank,
-                  "rank {} has {} tokens, more than the low-latency buffers hold (max_tokens_per_rank = {})",
-                  r, x[r].size(0), c.max_tokens_per_rank);
-    else if (!options_.host_sync)  // refused here, before the load counters see the batch
-      EPMOE_CHECK(x[r].size(0) <= c.max_tokens_per_rank,
-                  "rank {} has {} tokens, more than the layout's bound allows without a host sync "
-                  "(max_tokens_per_rank = {})",
-                  r, x[r].size(0), c.max_tokens_per_rank);
+    // Refused here, before the load counters see the batch (the dispatcher would refuse it later).
+    detail::check_token_bound(dispatcher.context(), x[r].size(0), fmt::format("rank {} ", r));
   }
 
   std::vector<HostTensor> logical(static_cast<std::size_t>(N)), physical(static_cast<std::size_t>(N)),

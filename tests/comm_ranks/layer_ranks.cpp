@@ -119,6 +119,12 @@ MoeConfig low_latency_config(std::string_view param) {
 
 // A layer on this rank, then a barrier: its set-up frees memory, and cudaFree waits for every kernel
 // of the process (with loopback ranks, a peer's first dispatch waiting for this rank).
+std::unique_ptr<cuda::GpuMoeLayer> make_layer(const std::shared_ptr<SyntheticWeights>& w,
+                                              const cuda::GpuLayerOptions& o) {
+  auto layer = std::make_unique<cuda::GpuMoeLayer>(w, o, world_ptr());
+  world().barrier();
+  return layer;
+}
 std::unique_ptr<cuda::GpuMoeLayer> make_layer(const std::shared_ptr<SyntheticWeights>& w, Mode mode,
                                               bool tbo = false, std::int64_t max_tokens = 0,
                                               bool whole_dispatch = false) {
@@ -127,9 +133,7 @@ std::unique_ptr<cuda::GpuMoeLayer> make_layer(const std::shared_ptr<SyntheticWei
   o.tbo = tbo;
   o.max_tokens = max_tokens;
   o.whole_dispatch = whole_dispatch;
-  auto layer = std::make_unique<cuda::GpuMoeLayer>(w, o, world_ptr());
-  world().barrier();
-  return layer;
+  return make_layer(w, o);
 }
 
 class LayerRanks : public ::testing::TestWithParam<const char*> {};
@@ -276,8 +280,7 @@ TEST_P(LayerRanks, NormalWithoutAHostSyncGivesTheSameBits) {
     o.mode = Mode::normal;
     o.max_tokens = 128;
     o.normal_host_sync = false;
-    auto layer = std::make_unique<cuda::GpuMoeLayer>(w, o, world_ptr());
-    world().barrier();
+    const auto layer = make_layer(w, o);
     const Out bound = layer_forward(*layer, x, false);
     EXPECT_TRUE(same_bits(bound.y, exact.y)) << "normal mode without a host sync changes the result";
     EXPECT_TRUE(same_bits(layer_forward(*layer, x, false).y, exact.y)) << "a repeated forward differs";

@@ -146,6 +146,14 @@ struct LayerCase {
   QuantScheme quant = QuantScheme::fp8;
 };
 
+// The case's layer options: its mode, and in normal mode buffers for its batch.
+cuda::GpuLayerOptions options_for(const LayerCase& p) {
+  cuda::GpuLayerOptions o;
+  o.mode = p.mode;
+  o.max_tokens = p.mode == Mode::normal ? std::max<std::int64_t>(p.tokens, 1) : 0;
+  return o;
+}
+
 class GpuLayerOneRank : public ::testing::TestWithParam<LayerCase> {};
 
 TEST_P(GpuLayerOneRank, MatchesReferenceEagerAndGraph) {
@@ -153,10 +161,7 @@ TEST_P(GpuLayerOneRank, MatchesReferenceEagerAndGraph) {
   const LayerCase p = GetParam();
   const MoeConfig c = one_rank(p.preset, p.redundant, 32, p.quant);
   auto w = gpu_synthetic(c, 3);
-  cuda::GpuLayerOptions o;
-  o.mode = p.mode;
-  o.max_tokens = p.mode == Mode::normal ? std::max<std::int64_t>(p.tokens, 1) : 0;
-  cuda::GpuMoeLayer layer(w, o);
+  cuda::GpuMoeLayer layer(w, options_for(p));
   const HostTensor x = synthetic_tokens(c, 5, 0, p.tokens);
   const testing::LayerForward eager = testing::layer_forward(layer, x, false);
   testing::expect_matches_reference(*w, x, eager, "eager forward");
@@ -337,10 +342,7 @@ TEST_P(GpuLayerRebalance, MovedExpertsGiveTheSameBits) {
   const LayerCase p = GetParam();
   const MoeConfig c = one_rank(p.preset, p.redundant, 32, p.quant);
   auto w = gpu_synthetic(c, 15);
-  cuda::GpuLayerOptions o;
-  o.mode = p.mode;
-  o.max_tokens = p.mode == Mode::normal ? p.tokens : 0;
-  cuda::GpuMoeLayer layer(w, o);
+  cuda::GpuMoeLayer layer(w, options_for(p));
   const bool ll = p.mode == Mode::low_latency;
   const HostTensor x = synthetic_tokens(c, 25, 0, p.tokens);
   const testing::LayerForward before = testing::layer_forward(layer, x, false);
