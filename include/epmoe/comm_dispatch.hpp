@@ -4,9 +4,11 @@
 //
 //   "nccl-p2p"  the portable transport: ncclSend/ncclRecv inside ncclGroupStart/End, so it runs
 //               wherever NCCL runs, across nodes too. The counts are computed on the device and
-//               all-gathered first; the host learns them once per dispatch (it sizes the exchange
-//               and the contiguous layout). Normal mode -> contiguous layout; low-latency mode ->
-//               masked layout (through the same host sync: not graph capturable).
+//               all-gathered first. Normal mode (contiguous layout) with DispatcherContext::host_sync:
+//               the host learns them once per dispatch and sends exactly the packed bytes. Low-latency
+//               mode (masked layout) and normal mode without the host sync: no host sync, each peer
+//               gets its whole region (max_tokens_per_rank rows), CUDA-graph capturable; send and
+//               receive halves as below.
 //   "nvlink-ll" the low-latency transport over NVLink loads/stores (symmetric window, LSA
 //               pointers): each token is written once per destination rank straight into the
 //               peer's window, with a per-(source rank) arrival flag carrying a sequence number
@@ -29,19 +31,19 @@
 
 namespace epmoe {
 
-std::unique_ptr<Dispatcher> make_nccl_p2p_dispatcher(const DispatcherContext& context,
-                                                     std::shared_ptr<Communicator> comm);
-
-// The low-latency dispatcher's halves. dispatch() = dispatch_send() + dispatch_recv() and
-// combine() = combine_send() + combine_recv(); the calls must alternate in that order.
-//   dispatch_send: routes and writes this rank's tokens into the peers' windows, raises the flags.
-//   dispatch_recv: waits (bounded) for every source's flag, fans the tokens out to the masked
-//                  layout. num_recv_tokens is -1 (known only on the device); expected_m is an
+// The send and receive halves (every GPU dispatcher has them). dispatch() = dispatch_send() +
+// dispatch_recv() and combine() = combine_send() + combine_recv(); the calls must alternate in that
+// order. Without a host sync (low-latency mode; normal mode with host_sync = false):
+//   dispatch_send: routes and sends this rank's tokens ("nvlink-ll": stores into the peers' windows
+//                  and raises the flags; "nccl-p2p": all-gathers the counts, packs, and enqueues the
+//                  grouped send/recv).
+//   dispatch_recv: waits (bounded; nccl-p2p: in stream order) for every source, fans the tokens out
+//                  to the layout. num_recv_tokens is -1 (known only on the device); expected_m is an
 //                  estimate (T * ranks * top-k / physical experts) that needs no sync.
-//   combine_send:  per received token one bf16 partial sum into its home rank's window, flags.
-//   combine_recv:  waits (bounded) and adds the partial sums into y.
-// A rank whose input is refused (too many tokens, bad ids) still raises its flags with an error
-// status, so that its peers record the error instead of waiting; it throws after sending.
+//   combine_send:  per received token one bf16 partial sum to its home rank.
+//   combine_recv:  adds the partial sums into y once they are there.
+// A rank whose input is refused (too many tokens, bad ids) still sends its error status, so that
+// its peers record the error instead of waiting; it throws after sending.
 class LowLatencyDispatcher : public Dispatcher {
  public:
   virtual void dispatch_send(const DispatchInput& input) = 0;
@@ -52,6 +54,8 @@ class LowLatencyDispatcher : public Dispatcher {
   virtual std::size_t window_bytes() const = 0;
 };
 
+std::unique_ptr<LowLatencyDispatcher> make_nccl_p2p_dispatcher(const DispatcherContext& context,
+                                                               std::shared_ptr<Communicator> comm);
 std::unique_ptr<LowLatencyDispatcher> make_nvlink_ll_dispatcher(const DispatcherContext& context,
                                                                 std::shared_ptr<Communicator> comm);
 

@@ -532,32 +532,44 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       d->combine({&eo, 1}, {&yv, 1});
       comm.synchronize(CommPhase::none, "the last low-latency call");
     } else {
+      // Graph-replayed like nvlink-ll (no host sync in low-latency mode): "nccl-p2p"; the same calls
+      // eager: "nccl-p2p-eager" (before 2026-12-05, "nccl-p2p" was the eager call through a host sync).
       auto d = make_nccl_p2p_dispatcher(ctx, comm.shared_from_this());
       d->dispatch({&view, 1}, out);
-      const double us_d = timed(
-          comm,
-          [&](int, cudaStream_t) {
-            d->dispatch({&view, 1}, out);
-          },
-          timing);
-      emit(options, results,
-           make_result(
-               "comm.dispatch",
-               params(transport, "low_latency", "dispatch", T, comm, sms_of(comm_detail::work_blocks(T)),
-                      sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
-               us_d, dispatch_bytes, 0.0, kNvlinkGBps));
-      const double us_c = timed(
-          comm,
-          [&](int, cudaStream_t) {
-            d->combine({&eo, 1}, {&yv, 1});
-          },
-          timing);
-      emit(options, results,
-           make_result("comm.combine",
-                       params(transport, "low_latency", "combine", T, comm,
-                              sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T)),
-                              sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T))),
-                       us_c, combine_bytes, 0.0, kNvlinkGBps));
+      d->combine({&eo, 1}, {&yv, 1});
+      const cuda::Graph g_dispatch = cuda::Graph::capture(stream, [&] { d->dispatch({&view, 1}, out); });
+      const cuda::Graph g_combine = cuda::Graph::capture(stream, [&] { d->combine({&eo, 1}, {&yv, 1}); });
+      const int sms_work = sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T));
+      const int sms_pack = sms_of(comm_detail::work_blocks(T));
+      auto replay = [](const cuda::Graph& g) { return [&g](int, cudaStream_t s) { g.launch(s); }; };
+      for (const bool graph : {true, false}) {
+        const std::string label = graph ? transport : transport + "-eager";
+        const double us_d = graph ? timed(comm, replay(g_dispatch), timing)
+                                  : timed(
+                                        comm,
+                                        [&](int, cudaStream_t) {
+                                          d->dispatch({&view, 1}, out);
+                                        },
+                                        timing);
+        emit(options, results,
+             make_result("comm.dispatch",
+                         params(label, "low_latency", "dispatch", T, comm, sms_pack, sms_work), us_d,
+                         dispatch_bytes, 0.0, kNvlinkGBps));
+        const double us_c = graph ? timed(comm, replay(g_combine), timing)
+                                  : timed(
+                                        comm,
+                                        [&](int, cudaStream_t) {
+                                          d->combine({&eo, 1}, {&yv, 1});
+                                        },
+                                        timing);
+        emit(options, results,
+             make_result("comm.combine", params(label, "low_latency", "combine", T, comm, sms_work, sms_work),
+                         us_c, combine_bytes, 0.0, kNvlinkGBps));
+      }
+      // Every rank back to a completed call (dispatch, then combine) before the dispatcher goes.
+      d->dispatch({&view, 1}, out);
+      d->combine({&eo, 1}, {&yv, 1});
+      comm.synchronize(CommPhase::none, "the last low-latency call");
     }
     comm.synchronize(CommPhase::none, "the benchmark");
   }

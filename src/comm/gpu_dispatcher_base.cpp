@@ -102,17 +102,19 @@ std::int64_t GpuDispatcherBase::validate_input(const DispatchInput& in) const {
   return T;
 }
 
-void GpuDispatcherBase::validate_combine(const TensorView& expert_out, const TensorView& y) const {
+void GpuDispatcherBase::validate_expert_out(const TensorView& expert_out) const {
   EPMOE_CHECK(dispatched_, "{}: combine needs a dispatch first", name_);
   const std::string r = fmt::format("{}: rank {} ", name_, comm_->rank());
-  const std::int64_t rows = contiguous() ? -1 : max_rows_;
   expect_dtype(expert_out, DType::bf16, r + "expert_out");
-  expect_rank(expert_out, 2, r + "expert_out");
-  if (rows >= 0) expect_shape(expert_out, {rows, context_.config.hidden}, r + "expert_out");
-  if (expert_out.numel() > 0) {
+  expect_shape(expert_out, {output_rows_, context_.config.hidden}, r + "expert_out");
+  if (output_rows_ > 0) {
     expect_device(expert_out, Device::cuda, r + "expert_out");
     expect_contiguous(expert_out, r + "expert_out");
   }
+}
+
+void GpuDispatcherBase::validate_y(const TensorView& y) const {
+  const std::string r = fmt::format("{}: rank {} ", name_, comm_->rank());
   expect_dtype(y, DType::bf16, r + "y");
   expect_shape(y, {last_T_, context_.config.hidden}, r + "y");
   if (last_T_ > 0) {
@@ -138,6 +140,34 @@ PlaceArgs GpuDispatcherBase::place_outputs() const {
   a.recv_slot = recv_slot_.as<std::int32_t>();
   a.recv_total = recv_total_.as<std::int32_t>();
   return a;
+}
+
+std::int64_t GpuDispatcherBase::estimated_m(std::int64_t T) const {
+  return std::max<std::int64_t>(1, (T * g_.N * g_.K + g_.P - 1) / std::max(1, g_.P));
+}
+
+const DispatchStats& GpuDispatcherBase::stats_from_device(std::uint32_t dispatch_seq) const {
+  if (!dispatched_ || stats_seq_ == dispatch_seq) return stats_;
+  comm_->synchronize(CommPhase::none, "the last dispatch, for its statistics");
+  EPMOE_CUDA_CHECK(cudaSetDevice(comm_->device()));
+  std::vector<std::int32_t> counts(static_cast<std::size_t>(g_.N));
+  EPMOE_CUDA_CHECK(cudaMemcpy(counts.data(), count_row_.data(), counts.size() * sizeof(std::int32_t),
+                              cudaMemcpyDeviceToHost));
+  std::int64_t tokens_out = 0;
+  for (int d = 0; d < g_.N; ++d)
+    if (d != g_.me) tokens_out += counts[static_cast<std::size_t>(d)];
+  std::int64_t rows = 0;
+  const bool by_rows = contiguous();
+  std::vector<std::int32_t> values(static_cast<std::size_t>(by_rows ? output_rows_ : g_.L));
+  if (!values.empty())
+    EPMOE_CUDA_CHECK(cudaMemcpy(values.data(), by_rows ? m_indices_.data() : masked_m_.data(),
+                                values.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+  for (const std::int32_t v : values) rows += by_rows ? (v >= 0 ? 1 : 0) : v;
+  stats_.tokens_sent[0] = tokens_out;
+  stats_.bytes_sent[0] = tokens_out * detail::token_payload_bytes(context_);
+  stats_.rows_received[0] = rows;
+  stats_seq_ = dispatch_seq;
+  return stats_;
 }
 
 void GpuDispatcherBase::fill_output(DispatchOutput& out, std::int64_t rows, std::int64_t recv_tokens,

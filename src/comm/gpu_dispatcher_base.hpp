@@ -20,7 +20,10 @@ class GpuDispatcherBase {
 
   // Shapes, dtypes, device and alignment of one rank's input; returns T.
   std::int64_t validate_input(const DispatchInput& in) const;
-  void validate_combine(const TensorView& expert_out, const TensorView& y) const;
+  // A combine's inputs: expert_out [rows of the last dispatch's output, H] bf16 (after a dispatch), y
+  // [T of the last dispatch, H] bf16.
+  void validate_expert_out(const TensorView& expert_out) const;
+  void validate_y(const TensorView& y) const;
   // Makes the communicator's device current and throws if an earlier error left it unusable; counts
   // the host calls (for a timed-out wait's message: which calls this rank made). `what` is a string
   // literal (kept as a view: no allocation per call).
@@ -36,6 +39,13 @@ class GpuDispatcherBase {
                    float tensor_scale, std::vector<std::int64_t> expert_offsets,
                    std::int64_t expected_m) const;
   PlaceArgs place_outputs() const;
+  // expected_m where the host does not learn the counts: T * ranks * top-k / physical experts (>= 1).
+  std::int64_t estimated_m(std::int64_t T) const;
+  // The last dispatch's statistics read from the device (for the dispatches that never sync the host
+  // for them): this rank's tokens per destination from the routing's count row, its rows from
+  // m_indices (contiguous, output_rows_ of them) or masked_m. `dispatch_seq` numbers the dispatches
+  // (stats_ is re-read once per dispatch). Synchronises the stream (bounded): not inside a capture.
+  const DispatchStats& stats_from_device(std::uint32_t dispatch_seq) const;
   // Bytes of the buffers below.
   std::size_t base_buffer_bytes() const;
 
@@ -54,8 +64,10 @@ class GpuDispatcherBase {
   cuda::DeviceBuffer rows_, scales_, m_indices_, masked_m_, row_token_, row_weight_;
   cuda::DeviceBuffer recv_rows_, recv_src_, recv_slot_, recv_total_;
   std::int64_t last_T_ = 0;
+  std::int64_t output_rows_ = 0;  // rows of the last dispatch's output
   bool dispatched_ = false;
-  mutable DispatchStats stats_;  // mutable: the NVLink dispatchers read theirs from the device when asked
+  mutable DispatchStats stats_;          // mutable: read from the device when asked (stats_from_device)
+  mutable std::uint32_t stats_seq_ = 0;  // the dispatch whose statistics stats_ holds
 };
 
 // dest[d] table of N device pointers.

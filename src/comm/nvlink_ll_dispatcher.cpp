@@ -151,32 +151,8 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::string name() const override { return name_; }
   Layout layout() const override { return contiguous() ? Layout::contiguous : Layout::masked; }
   const DispatcherContext& context() const override { return context_; }
-  // The last dispatch's statistics, read from the device when asked (the dispatch itself never syncs
-  // for them): this rank's tokens per destination from the routing's counts, its rows from m_indices
-  // (contiguous) or masked_m. Synchronises the stream (bounded), so not inside a graph capture.
-  const DispatchStats& last_stats() const override {
-    if (!dispatched_ || stats_seq_ == send_seq_) return stats_;
-    comm_->synchronize(CommPhase::none, "the last dispatch, for its statistics");
-    EPMOE_CUDA_CHECK(cudaSetDevice(comm_->device()));
-    std::vector<std::int32_t> counts(static_cast<std::size_t>(g_.N));
-    EPMOE_CUDA_CHECK(cudaMemcpy(counts.data(), count_row_.data(), counts.size() * sizeof(std::int32_t),
-                                cudaMemcpyDeviceToHost));
-    std::int64_t tokens_out = 0;
-    for (int d = 0; d < g_.N; ++d)
-      if (d != g_.me) tokens_out += counts[static_cast<std::size_t>(d)];
-    std::int64_t rows = 0;
-    const bool by_rows = contiguous();
-    std::vector<std::int32_t> values(static_cast<std::size_t>(by_rows ? output_rows_ : g_.L));
-    if (!values.empty())
-      EPMOE_CUDA_CHECK(cudaMemcpy(values.data(), by_rows ? m_indices_.data() : masked_m_.data(),
-                                  values.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
-    for (const std::int32_t v : values) rows += by_rows ? (v >= 0 ? 1 : 0) : v;
-    stats_.tokens_sent[0] = tokens_out;
-    stats_.bytes_sent[0] = tokens_out * detail::token_payload_bytes(context_);
-    stats_.rows_received[0] = rows;
-    stats_seq_ = send_seq_;
-    return stats_;
-  }
+  // Read from the device when asked (the dispatch itself never syncs for them).
+  const DispatchStats& last_stats() const override { return stats_from_device(send_seq_); }
   std::size_t window_bytes() const override { return window_->size(); }
   std::size_t device_bytes() const override {
     std::size_t bytes = base_buffer_bytes() + window_->size();
@@ -323,9 +299,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
       const std::int64_t m_sum = offsets.back();
       fill_output(out, m_sum, offsets_host_[g_.L + 1], tensor_scale_, std::move(offsets), 0);
     } else {
-      const std::int64_t estimate =
-          std::max<std::int64_t>(1, (last_T_ * g_.N * g_.K + g_.P - 1) / std::max(1, g_.P));
-      fill_output(out, max_rows_, -1, tensor_scale_, {}, estimate);
+      fill_output(out, max_rows_, -1, tensor_scale_, {}, estimated_m(last_T_));
     }
     output_rows_ = out.num_output_rows();
     dispatched_ = true;
@@ -517,13 +491,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
 
   void combine_send(const TensorView& expert_out) override {
     enter("combine_send");
-    EPMOE_CHECK(dispatched_, "{}: combine_send needs a dispatch first", name_);
-    expect_dtype(expert_out, DType::bf16, name_ + ": expert_out");
-    expect_shape(expert_out, {output_rows_, context_.config.hidden}, name_ + ": expert_out");
-    if (output_rows_ > 0) {
-      expect_device(expert_out, Device::cuda, name_ + ": expert_out");
-      expect_contiguous(expert_out, name_ + ": expert_out");
-    }
+    validate_expert_out(expert_out);
     comm_detail::ReduceArgs r;
     r.expert_out = expert_out.data;
     r.row_weight = row_weight_.as<float>();
@@ -543,12 +511,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   void combine_recv(const TensorView& y) override {
     enter("combine_recv");
     EPMOE_CHECK(combine_sent_, "{}: combine_recv needs a combine_send first", name_);
-    expect_dtype(y, DType::bf16, name_ + ": y");
-    expect_shape(y, {last_T_, context_.config.hidden}, name_ + ": y");
-    if (last_T_ > 0) {
-      expect_device(y, Device::cuda, name_ + ": y");
-      expect_contiguous(y, name_ + ": y");
-    }
+    validate_y(y);
     comm_detail::HomeArgs h;
     h.partials = static_cast<const char*>(window_->local()) + cslot_off_;
     h.flags = reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(window_->local()) + cflag_off_);
@@ -729,7 +692,6 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   // The device's send sequence as the host counts it (one per send; the copy-engine path needs the
   // parity on the host) and the copy-engine path's buffers, side stream and events.
   std::uint32_t send_seq_ = 0;
-  mutable std::uint32_t stats_seq_ = 0;  // the send_seq_ whose statistics stats_ holds
   std::vector<char*> send_dest_host_;
   std::vector<std::uint32_t*> send_chunks_host_;
   cuda::DeviceBuffer staging_, want_, ce_flags_;
@@ -737,7 +699,6 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   std::vector<cuda::Event> ce_done_;
   std::optional<cuda::Event> ce_routed_;
   std::vector<cuda::Event> piece_events_;
-  std::int64_t output_rows_ = 0;
   float tensor_scale_ = 1.0f;
   bool sent_ = false, combine_sent_ = false;
 };

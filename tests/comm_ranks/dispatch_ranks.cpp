@@ -45,6 +45,7 @@ void expect_recoverable_dispatch_timeout(const std::string& m) {
 enum class Transport {
   p2p_normal,
   p2p_low_latency,
+  p2p_normal_no_sync,  // nccl-p2p with DispatcherContext::host_sync = false: whole regions, the bound
   nvlink_ll,
   nvlink_normal,
   nvlink_normal_ce,
@@ -65,6 +66,8 @@ std::string name_of(Transport t) {
       return "nccl-p2p normal";
     case Transport::p2p_low_latency:
       return "nccl-p2p low-latency";
+    case Transport::p2p_normal_no_sync:
+      return "nccl-p2p normal, no host sync";
     case Transport::nvlink_ll:
       return "nvlink-ll";
     case Transport::nvlink_normal:
@@ -85,8 +88,9 @@ std::string name_of(Transport t) {
   return "?";
 }
 Mode mode_of(Transport t) {
-  return t == Transport::p2p_normal || t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce ||
-                 t == Transport::nvlink_normal_early || t == Transport::nvlink_normal_no_sync
+  return t == Transport::p2p_normal || t == Transport::p2p_normal_no_sync || t == Transport::nvlink_normal ||
+                 t == Transport::nvlink_normal_ce || t == Transport::nvlink_normal_early ||
+                 t == Transport::nvlink_normal_no_sync
              ? Mode::normal
              : Mode::low_latency;
 }
@@ -105,8 +109,9 @@ MoeConfig test_config(int max_tokens, bool deepseek = false) {
   return c;
 }
 
-std::unique_ptr<Dispatcher> make(Transport t, const MoeConfig& c, ActivationFormat f) {
-  const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1, t != Transport::nvlink_normal_no_sync};
+std::unique_ptr<LowLatencyDispatcher> make(Transport t, const MoeConfig& c, ActivationFormat f) {
+  const bool host_sync = t != Transport::nvlink_normal_no_sync && t != Transport::p2p_normal_no_sync;
+  const DispatcherContext ctx{c, mode_of(t), f, world().rank(), 1, host_sync};
   if (t == Transport::nvlink_ll || t == Transport::nvlink_ll_one_warp ||
       t == Transport::nvlink_ll_fenced_counts || t == Transport::nvlink_ll_route_kernel)
     return make_nvlink_ll_dispatcher(ctx, world_ptr());
@@ -248,8 +253,8 @@ void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const st
               simulated.sim->last_stats().bytes_sent.at(static_cast<std::size_t>(me)));
     EXPECT_EQ(d.last_stats().rows_received.at(0),
               simulated.sim->last_stats().rows_received.at(static_cast<std::size_t>(me)));
-    if (d.name() == "nccl-p2p") {
-      EXPECT_EQ(host.view.expected_m, want[static_cast<std::size_t>(me)].expected_m);
+    if (d.name() == "nccl-p2p" && mode == Mode::normal && d.context().host_sync) {
+      EXPECT_EQ(host.view.expected_m, want[static_cast<std::size_t>(me)].expected_m);  // learnt on the host
     }
 
     // Combine: the same stand-in expert outputs on both sides.
@@ -431,10 +436,10 @@ TEST_P(Transports, Bf16AndPerTensorFp8) {
 
 INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                          ::testing::Values(Transport::p2p_normal, Transport::p2p_low_latency,
-                                           Transport::nvlink_ll, Transport::nvlink_normal,
-                                           Transport::nvlink_normal_ce, Transport::nvlink_ll_one_warp,
-                                           Transport::nvlink_ll_fenced_counts, Transport::nvlink_normal_early,
-                                           Transport::nvlink_ll_route_kernel,
+                                           Transport::p2p_normal_no_sync, Transport::nvlink_ll,
+                                           Transport::nvlink_normal, Transport::nvlink_normal_ce,
+                                           Transport::nvlink_ll_one_warp, Transport::nvlink_ll_fenced_counts,
+                                           Transport::nvlink_normal_early, Transport::nvlink_ll_route_kernel,
                                            Transport::nvlink_normal_no_sync),
                          [](const ::testing::TestParamInfo<Transport>& p) {
                            switch (p.param) {
@@ -442,6 +447,8 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                                return std::string("NcclP2pNormal");
                              case Transport::p2p_low_latency:
                                return std::string("NcclP2pLowLatency");
+                             case Transport::p2p_normal_no_sync:
+                               return std::string("NcclP2pNormalNoHostSync");
                              case Transport::nvlink_ll:
                                return std::string("NvlinkLl");
                              case Transport::nvlink_normal:
@@ -479,7 +486,9 @@ void check_a_lone_dispatch_times_out(Transport transport, int max_tokens, std::i
                             Routing::random);
       const std::string m = dispatch_error(*d, in[0]);  // the other ranks never dispatch
       // The nvlink dispatchers add their state: sequence numbers, the flags each source wrote.
-      if (transport != Transport::p2p_normal && transport != Transport::p2p_low_latency) {
+      if (mode_of(transport) == Mode::low_latency
+              ? transport != Transport::p2p_low_latency
+              : transport != Transport::p2p_normal && transport != Transport::p2p_normal_no_sync) {
         EXPECT_NE(m.find("device seq receive"), std::string::npos) << m;
         EXPECT_NE(m.find("combine flags by source [parity 0|1]: 0:"), std::string::npos) << m;
       }
@@ -516,23 +525,15 @@ TEST(CommNcclP2p, BadInputOnOneRankIsRefusedOnEveryRankAndTheNextCallWorks) {
   });
 }
 
-// Normal mode without a host sync is the nvlink dispatcher's: nccl-p2p sizes its transfers on the host.
-TEST(CommNcclP2p, RefusesNormalModeWithoutAHostSync) {
-  on_ranks([&] {
-    const MoeConfig c = test_config(32);
-    const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1, false};
-    const std::string m = error_of([&] { (void)make_nccl_p2p_dispatcher(ctx, world_ptr()); });
-    EXPECT_NE(m.find("nccl-p2p needs the host sync of normal mode"), std::string::npos) << m;
-  });
-}
-
-TEST(CommNvlinkLl, TooManyTokensOnOneRankIsReportedToItsPeers) {
+// Without a host sync (low-latency mode): rank 0 refuses on the host after sending its status, its
+// peers record the status instead of waiting.
+void check_too_many_tokens_reported_to_peers(Transport transport) {
   on_ranks([&] {
     const int N = world().size(), me = world().rank();
     if (N < 2) return;  // needs a peer
     {
       const MoeConfig c = test_config(32);
-      auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+      auto d = make(transport, c, ActivationFormat::fp8_group);
       auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return r == 0 ? 33 : 10; }),
                             20, Routing::random);
       expect_rank0_too_many_reported(dispatch_error(*d, in[static_cast<std::size_t>(me)]));
@@ -541,6 +542,12 @@ TEST(CommNvlinkLl, TooManyTokensOnOneRankIsReportedToItsPeers) {
     }  // the dispatcher (its window) goes, collectively
     world().barrier();
   });
+}
+TEST(CommNvlinkLl, TooManyTokensOnOneRankIsReportedToItsPeers) {
+  check_too_many_tokens_reported_to_peers(Transport::nvlink_ll);
+}
+TEST(CommNcclP2p, LowLatencyTooManyTokensOnOneRankIsReportedToItsPeers) {
+  check_too_many_tokens_reported_to_peers(Transport::p2p_low_latency);
 }
 
 TEST(CommNvlinkLl, APeerThatNeverArrivesIsATimeoutNamingIt) {
@@ -620,11 +627,10 @@ TEST(CommNvlinkLl, TheFlagWatchSeesEveryCombineFlag) {
 }
 
 // ---------------------------------------------------------------- low latency: halves, graphs
-TEST(CommNvlinkLl, HalvesWithOtherWorkInBetween) {
+void check_halves_with_work_between(Transport transport) {
   on_ranks([&] {
     const MoeConfig c = test_config(64);
-    const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
-    auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
+    auto d = make(transport, c, ActivationFormat::fp8_group);
     const auto in = make_inputs(c, ActivationFormat::fp8_group,
                                 per_rank([](int r) { return ramp(r, 50, 1); }), 22, Routing::random);
     const cuda::DeviceBuffer other(std::size_t{64} << 20);
@@ -632,15 +638,23 @@ TEST(CommNvlinkLl, HalvesWithOtherWorkInBetween) {
                  [&] { other.fill_bytes(0x3c, stream()); });  // unrelated work between the halves
   });
 }
+TEST(CommNvlinkLl, HalvesWithOtherWorkInBetween) {
+  check_halves_with_work_between(Transport::nvlink_ll);
+}
+TEST(CommNcclP2p, LowLatencyHalvesWithOtherWorkInBetween) {
+  check_halves_with_work_between(Transport::p2p_low_latency);
+}
+TEST(CommNcclP2p, NormalHalvesWithoutAHostSync) {
+  check_halves_with_work_between(Transport::p2p_normal_no_sync);
+}
 
-// Normal mode through the halves (send then place on one stream, own tokens through the window),
-// alternating with whole dispatch() calls (send on a side stream, own tokens read from x): the
-// same bytes either way, and the sequence numbers stay in step.
-TEST(CommNvlinkNormal, HalvesAndWholeCallsAlternate) {
+// Normal mode through the halves (own tokens through the window / the own receive region),
+// alternating with whole dispatch() calls (own tokens read from x): the same bytes either way, and
+// the sequence numbers (nvlink) stay in step.
+void check_halves_and_whole_calls_alternate(Transport transport) {
   on_ranks([&] {
     const MoeConfig c = test_config(64);
-    const DispatcherContext ctx{c, Mode::normal, ActivationFormat::fp8_group, world().rank(), 1};
-    auto d = make_nvlink_dispatcher(ctx, world_ptr());
+    auto d = make(transport, c, ActivationFormat::fp8_group);
     const int me = world().rank();
     const auto in = make_inputs(c, ActivationFormat::fp8_group,
                                 per_rank([](int r) { return ramp(r, 40, 55); }), 23, Routing::random);
@@ -660,6 +674,12 @@ TEST(CommNvlinkNormal, HalvesAndWholeCallsAlternate) {
       expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "round " + std::to_string(round));
     }
   });
+}
+TEST(CommNvlinkNormal, HalvesAndWholeCallsAlternate) {
+  check_halves_and_whole_calls_alternate(Transport::nvlink_normal);
+}
+TEST(CommNcclP2p, NormalHalvesAndWholeCallsAlternate) {
+  check_halves_and_whole_calls_alternate(Transport::p2p_normal);
 }
 
 // ---------------------------------------------------------------- normal: copy-engine send
@@ -746,16 +766,19 @@ TEST(CommNvlinkNormal, CopyEngineSendAPeerThatNeverArrivesIsATimeoutNamingIt) {
   });
 }
 
-TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
+// Dispatch and combine captured once (halves) and replayed on new inputs: the layout and y of each.
+void check_graph_replays(Transport transport) {
   on_ranks([&] {
     const MoeConfig c = test_config(64);
-    const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, world().rank(), 1};
-    auto d = make_nvlink_ll_dispatcher(ctx, world_ptr());
+    auto d = make(transport, c, ActivationFormat::fp8_group);
     const int me = world().rank();
     const auto tokens = per_rank([](int r) { return ramp(r, 37, 52); });
     std::vector<RankInput> first = make_inputs(c, ActivationFormat::fp8_group, tokens, 30, Routing::random);
     DeviceInput dev = to_device(first[static_cast<std::size_t>(me)], stream());
-    const std::int64_t rows = static_cast<std::int64_t>(c.num_local_experts()) * c.masked_max_m();
+    const Mode mode = d->context().mode;  // normal: without a host sync, the layout at its bound
+    const std::int64_t rows = mode == Mode::low_latency
+                                  ? static_cast<std::int64_t>(c.num_local_experts()) * c.masked_max_m()
+                                  : contiguous_rows_bound(c, c.max_tokens_per_rank);
     const cuda::DeviceTensor out_dev(DType::bf16, {rows, c.hidden});
     const cuda::DeviceTensor y_dev(DType::bf16, {tokens[static_cast<std::size_t>(me)], c.hidden});
 
@@ -774,7 +797,7 @@ TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
       const auto in = make_inputs(c, ActivationFormat::fp8_group, tokens, 31u + static_cast<unsigned>(replay),
                                   replay == 2 ? Routing::same_experts : Routing::random);
       copy_into(dev, in[static_cast<std::size_t>(me)], stream());
-      Simulated simulated = simulate(c, Mode::low_latency, ActivationFormat::fp8_group, in);
+      Simulated simulated = simulate(c, mode, ActivationFormat::fp8_group, in, d->context().host_sync);
       const std::vector<DispatchOutput>& want = simulated.want;
 
       g_dispatch.launch(stream());
@@ -792,6 +815,18 @@ TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
       EXPECT_LE(diff.rel_l2, 1e-2);
     }
   });
+}
+TEST(CommNvlinkLl, GraphReplaysReuseTheBuffers) {
+  check_graph_replays(Transport::nvlink_ll);
+}
+TEST(CommNvlinkNormal, GraphReplaysWithoutAHostSync) {
+  check_graph_replays(Transport::nvlink_normal_no_sync);
+}
+TEST(CommNcclP2p, LowLatencyGraphReplaysReuseTheBuffers) {
+  check_graph_replays(Transport::p2p_low_latency);
+}
+TEST(CommNcclP2p, NormalGraphReplaysWithoutAHostSync) {
+  check_graph_replays(Transport::p2p_normal_no_sync);
 }
 
 // ---------------------------------------------------------------- combine: warps per token

@@ -78,8 +78,8 @@ struct GpuLayerOptions {
   bool whole_dispatch = false;
   // Normal mode on N ranks: the dispatcher's receive learns the exact row counts with one host wait
   // (true), or hands the runner the contiguous layout at its worst-case bound with no host sync at
-  // all (false: the GEMMs skip the -1 rows past the last expert block; "nvlink" only, "nccl-p2p"
-  // refuses it). One rank never syncs.
+  // all (false: the GEMMs skip the -1 rows past the last expert block; "nccl-p2p" then sends every
+  // peer its whole region of max_tokens rows). One rank never syncs.
   bool normal_host_sync = true;
   // W4A8: the codes the routed experts are packed with (W4A8Codes, epmoe/cuda/w4a8_gemm.hpp):
   // "sign_magnitude" (faster; weights in [-7, 7] only: an expert holding -8 is refused when its slot is
