@@ -2,8 +2,8 @@
 // CPU reference (mirror numerics, routed from the GPU's logits) at DeepSeek-V3 dims and the tiny
 // model, low-latency eager and graph replay (identical bits), both modes with and without two-batch
 // overlap (identical bits; W4A8 low latency: both against the reference, its kernel choice follows the
-// micro-batch size), graph replay after a rebalance that moves experts, and the layer on an engine's
-// own NCCL communicator (Communicator::borrow).
+// micro-batch size), graph replay after a rebalance that moves experts, the nccl-p2p transport, and the
+// layer on an engine's own NCCL communicator (Communicator::borrow).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -315,6 +315,48 @@ TEST_P(LayerRanks, AutoModeGivesEachBatchKindItsModesBits) {
         << "a prefill forward after the graph differs";
     EXPECT_TRUE(same_bits(layer_forward(layer, xd, true).y, low_latency.y))
         << "the decode graph replayed after a prefill forward differs";
+  });
+}
+
+// The portable transport in the layer (GpuLayerOptions::dispatcher = "nccl-p2p", as across nodes):
+// the bits of the NVLink dispatchers that "auto" picks here, low latency eager, replayed and with
+// two-batch overlap (the send / receive halves), normal mode with and without the host sync.
+TEST(LayerNcclP2p, GivesTheBitsOfTheNvlinkDispatchers) {
+  on_ranks([&] {
+    if (world().size() < 2) return;  // one rank: the local dispatcher
+    const MoeConfig c = low_latency_config("tiny/fp8");
+    auto w = weights_for(c);
+    const HostTensor xd = synthetic_tokens(c, 44, world().rank(), c.max_tokens_per_rank - world().rank());
+    const HostTensor xp = synthetic_tokens(c, 45, world().rank(), 60 + 9 * world().rank());
+    auto options = [](Mode mode, const char* dispatcher, bool tbo = false, bool host_sync = true) {
+      cuda::GpuLayerOptions o;
+      o.mode = mode;
+      o.dispatcher = dispatcher;
+      o.tbo = tbo;
+      o.normal_host_sync = host_sync;
+      o.max_tokens = mode == Mode::normal ? 128 : 0;
+      return o;
+    };
+    const Out decode = forward_and_destroy(make_layer(w, options(Mode::low_latency, "auto")), xd);
+    const Out prefill = forward_and_destroy(make_layer(w, options(Mode::normal, "auto")), xp);
+    for (const bool tbo : {false, true}) {
+      SCOPED_TRACE(tbo ? "low latency, two-batch overlap" : "low latency");
+      auto layer = make_layer(w, options(Mode::low_latency, "nccl-p2p", tbo));
+      const Out eager = layer_forward(*layer, xd, false);
+      expect_reference(*w, xd, eager, "nccl-p2p low latency");
+      EXPECT_TRUE(same_bits(eager.y, decode.y)) << "nccl-p2p differs from nvlink-ll";
+      EXPECT_TRUE(same_bits(layer_forward(*layer, xd, true).y, decode.y)) << "graph replay differs";
+      EXPECT_TRUE(same_bits(layer_forward(*layer, xd, true).y, decode.y)) << "second graph replay differs";
+      layer.reset();
+      world().barrier();
+    }
+    for (const bool host_sync : {true, false}) {
+      SCOPED_TRACE(host_sync ? "normal" : "normal without a host sync");
+      const Out got =
+          forward_and_destroy(make_layer(w, options(Mode::normal, "nccl-p2p", false, host_sync)), xp);
+      expect_reference(*w, xp, got, "nccl-p2p normal");
+      EXPECT_TRUE(same_bits(got.y, prefill.y)) << "nccl-p2p differs from nvlink";
+    }
   });
 }
 
