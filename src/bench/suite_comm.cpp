@@ -6,10 +6,12 @@
 // other way (or with fewer GPUs than ranks) it says so and measures nothing.
 //
 //   normal mode   4096 tokens per rank, DeepSeek-V3 (H = 7168, top-8 of 256), FP8 dispatch / bf16
-//                 combine over nvlink (LSA stores, one host sync per dispatch) and nccl-p2p; and
+//                 combine over nvlink (LSA stores, one host sync per dispatch) and nccl-p2p, each
+//                 also without the host sync ("-no-sync": the layout at its bound); and
 //                 ncclAlltoAll moving the same bytes per peer.
 //   low latency   1, 32, 64, 128, 256 tokens per rank (buffers sized to the batch), graph-replayed,
-//                 over nvlink-ll and nccl-p2p; plus the send halves of nvlink-ll alone.
+//                 over nvlink-ll and nccl-p2p ("nccl-p2p-eager": the same calls eager); plus the send
+//                 halves of nvlink-ll alone.
 // GB/s counts the bytes a rank sends to other ranks (token payloads: x + scales + ids + weights
 // for dispatch, bf16 partial sums for combine) over the median time of one call; floor_us is those
 // bytes at the measured NVLink P2P rate (396 GB/s). "sms": the SMs of the kernel that writes to the
@@ -245,16 +247,20 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
   const TensorView yv = y.view();
   const int N = comm.size();
   const int work_sms = sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(N) * T));
-  for (const std::string transport : {"nvlink", "nccl-p2p"}) {
+  // "-no-sync": DispatcherContext::host_sync = false (the layout at its bound; nccl-p2p sends whole
+  // regions): what the host's count wait costs against what the bound costs.
+  for (const std::string transport : {"nvlink", "nccl-p2p", "nvlink-no-sync", "nccl-p2p-no-sync"}) {
+    DispatcherContext transport_ctx = ctx;
+    transport_ctx.host_sync = !transport.ends_with("-no-sync");
     std::unique_ptr<Dispatcher> d;
-    LowLatencyDispatcher* nv = nullptr;
+    LowLatencyDispatcher* nv = nullptr;  // "nvlink": its variants are timed too
     try {
-      if (transport == "nvlink") {
-        auto ll = make_nvlink_dispatcher(ctx, comm.shared_from_this());
-        nv = ll.get();
+      if (transport.starts_with("nvlink")) {
+        auto ll = make_nvlink_dispatcher(transport_ctx, comm.shared_from_this());
+        if (transport == "nvlink") nv = ll.get();
         d = std::move(ll);
       } else {
-        d = make_nccl_p2p_dispatcher(ctx, comm.shared_from_this());
+        d = make_nccl_p2p_dispatcher(transport_ctx, comm.shared_from_this());
       }
     } catch (const Error& e) {
       std::printf("comm: %s unavailable here: %s\n", transport.c_str(), e.what());
