@@ -924,6 +924,9 @@ std::size_t GpuMoeLayer::comm_layout_bytes() const {
 std::size_t GpuMoeLayer::dispatcher_setup_bytes() const {
   return impl_->dispatcher_setup_bytes;
 }
+std::string GpuMoeLayer::dispatcher_name(BatchKind kind) const {
+  return impl_->path_for(kind).dispatcher_name;
+}
 const ExpertPlacement& GpuMoeLayer::placement() const {
   return impl_->placement;
 }

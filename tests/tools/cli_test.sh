@@ -180,6 +180,7 @@ check_fails "run --trace in a missing directory" "does not exist" "$epmoe" run -
 check_fails "check negative tokens" "--tokens: must be >= 0" "$epmoe" check --tokens -1
 check_fails "run unknown mode lists auto" "not in \{auto,normal,low-latency\}" "$epmoe" run --device cpu --mode nope
 check_fails "run negative seed" "--seed: must be >= 0" "$epmoe" run --device cpu --seed -1
+check_fails "run unknown dispatcher lists them" "not in \{auto,nvlink,nccl-p2p\}" "$epmoe" run --device cpu --dispatcher nope
 check_fails "bench zero tokens" "--tokens: must be > 0, got 0" "$epmoe" bench router --tokens 0,4096
 check_fails "eplb --output in a missing directory" "does not exist" \
   "$epmoe" eplb --load "$tmp/load.json" --replicas 24 --output "$tmp/missing/p.json"
@@ -187,7 +188,8 @@ check "run --steps 0 runs the prefill only" "$epmoe" run --device cpu --steps 0 
 check "run --steps 0 JSON has no decode phase" python3 -c "import json,sys; d=json.load(open('$tmp/steps0.json')); sys.exit('decode' in d or 'prefill' not in d)"
 # GPU-only options on a CPU run: the run goes on, and says they have no effect.
 check "cpu run names the GPU options it ignores" bash -c "'$epmoe' run --device cpu --steps 1 --prompt-tokens 10 \
-  --tbo --trace '$tmp/t.json' 2>&1 >/dev/null | grep -q 'GPU options have no effect here: --tbo, --trace'"
+  --tbo --dispatcher nccl-p2p --trace '$tmp/t.json' 2>&1 >/dev/null | \
+  grep -q 'GPU options have no effect here: --tbo, --dispatcher, --trace'"
 # --json -: stdout is the JSON document alone (the report goes to stderr).
 check "run --json - runs" "$epmoe" run --device cpu --steps 2 --prompt-tokens 100 --json -
 cp "$tmp/stdout" "$tmp/run_stdout.json"

@@ -229,6 +229,11 @@ const CommandRegistration kRegistration{
       cmd->add_flag("!--no-host-sync", options->normal_host_sync,
                     "GPU, N ranks: prefill (normal mode) without the host's wait for the row counts: the "
                     "contiguous layout at its worst-case bound");
+      cmd->add_option("--dispatcher", options->dispatcher,
+                      "GPU, N ranks: auto (NVLink where every rank is load/store reachable, else nccl-p2p), "
+                      "nvlink (nvlink in prefill, nvlink-ll in decode) or nccl-p2p (the portable transport)")
+          ->check(CLI::IsMember({"auto", "nvlink", "nccl-p2p"}))
+          ->capture_default_str();
       cmd->add_option("--zipf", options->zipf, "GPU: Zipf-like routing skew strength (0: none)")
           ->check(non_negative())
           ->capture_default_str();
@@ -256,7 +261,7 @@ const CommandRegistration kRegistration{
       cmd->callback([options, cmd] {
         for (const char* name : {"--concurrency", "--prompts", "--no-graphs", "--check-tokens", "--tbo",
                                  "--shared-stream", "--w4a8-codes", "--tbo-comm-sms", "--no-host-sync",
-                                 "--zipf", "--rebalance", "--eplb-slot-cost", "--trace"})
+                                 "--dispatcher", "--zipf", "--rebalance", "--eplb-slot-cost", "--trace"})
           if (cmd->count(name) > 0) options->gpu_options_given.emplace_back(name);
         run_main(*options);
       });

@@ -28,6 +28,7 @@ struct RunOptions {
   int tbo_comm_sms = 24;  // GPU: SMs the overlapped GEMMs leave to communication
   bool normal_host_sync = true;  // GPU, N ranks: GpuLayerOptions::normal_host_sync (prefill's count wait)
   std::string shared_stream = "auto";  // GPU: GpuLayerOptions::shared_stream
+  std::string dispatcher = "auto";     // GPU, N ranks: GpuLayerOptions::dispatcher
   std::string w4a8_codes = "auto";     // GPU: GpuLayerOptions::w4a8_codes
   double zipf = 0;                     // GPU: Zipf-like routing skew (SyntheticWeights::skew_routing)
   bool rebalance = false;              // GPU: EPLB rebalance after the decode loop, then the loop again

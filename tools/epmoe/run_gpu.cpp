@@ -163,8 +163,10 @@ double load_imbalance(const std::vector<std::int64_t>& slot_load, int ranks) {
   return sum > 0 ? max / (sum / ranks) : 0.0;
 }
 
+// dispatcher_used (out): the dispatcher the layer resolved for the phase.
 PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWeights>& weights,
-                     const std::shared_ptr<Communicator>& comm, const RunOptions& o, bool first_phase) {
+                     const std::shared_ptr<Communicator>& comm, const RunOptions& o, bool first_phase,
+                     std::string& dispatcher_used) {
   const MoeConfig& c = weights->config();
   const int rank = comm ? comm->rank() : 0;
   const bool root = rank == 0;
@@ -178,9 +180,11 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   lo.normal_host_sync = o.normal_host_sync;
   lo.shared_stream = o.shared_stream;
   lo.w4a8_codes = o.w4a8_codes;
+  lo.dispatcher = o.dispatcher;
   if (first_phase) lo.on_setup_step = [](const char* step) { g_startup.mark(std::string("layer_") + step); };
   cuda::GpuMoeLayer layer(weights, lo, comm);
   if (first_phase) g_startup.mark("layer_constructed");
+  dispatcher_used = layer.dispatcher_name(plan.mode == Mode::normal ? BatchKind::prefill : BatchKind::decode);
   cudaStream_t s = layer.stream();
   const std::int64_t H = c.hidden;
 
@@ -453,10 +457,12 @@ nlohmann::json trace_events(const std::string& phase, const std::vector<PhaseSta
 
 void print_phase(const std::string& name, const nlohmann::json& j) {
   std::printf(
-      "  %-8s %-11s %5.0f forwards %9.0f tokens %11.1f tokens/s %8.3f ms/forward  check rel_l2 %.2e %s\n",
-      name.c_str(), j["mode"].get<std::string>().c_str(), j["forwards"].get<double>(),
-      j["tokens"].get<double>(), j["tokens_per_s"].get<double>(), j["ms_per_forward"].get<double>(),
-      j["check"]["rel_l2"].get<double>(), j["check"]["pass"].get<bool>() ? "PASS" : "FAIL");
+      "  %-8s %-11s %-9s %5.0f forwards %9.0f tokens %11.1f tokens/s %8.3f ms/forward  check rel_l2 %.2e "
+      "%s\n",
+      name.c_str(), j["mode"].get<std::string>().c_str(), j["dispatcher"].get<std::string>().c_str(),
+      j["forwards"].get<double>(), j["tokens"].get<double>(), j["tokens_per_s"].get<double>(),
+      j["ms_per_forward"].get<double>(), j["check"]["rel_l2"].get<double>(),
+      j["check"]["pass"].get<bool>() ? "PASS" : "FAIL");
   const auto& r0 = j["per_rank"][0]["ms_per_forward"];
   const std::string idle =
       r0["idle"].is_null() ? std::string("n/a (no graph replay to compare)")
@@ -487,6 +493,11 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   const int rank = comm ? comm->rank() : 0;
   const int ranks = config.num_ranks;
   const int device = comm ? comm->device() : 0;
+  EPMOE_CHECK(
+      o.dispatcher == "auto" || ranks > 1,
+      "--dispatcher {} needs 2 or more ranks (`epmoe launch -n N -- epmoe run`); one GPU runs the local "
+      "permutation",
+      o.dispatcher);
   EPMOE_CUDA_CHECK(cudaSetDevice(device));
   const bool root = rank == 0;
   if (root) {
@@ -562,15 +573,18 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
                       {"prompt_tokens", o.prompt_tokens},
                       {"shared_stream", o.shared_stream},
                       {"normal_host_sync", o.normal_host_sync},
+                      {"dispatcher", o.dispatcher},
                       {"w4a8_codes", o.w4a8_codes}};
   bool pass = true;
   std::vector<std::pair<std::string, nlohmann::json>> printed;
   nlohmann::json trace = nlohmann::json::array();
   double trace_offset_us = 0;
   for (std::size_t i = 0; i < plans.size(); ++i) {
-    const PhaseStats mine = run_phase(plans[i], weights, comm, o, i == 0);
+    std::string dispatcher_used;
+    const PhaseStats mine = run_phase(plans[i], weights, comm, o, i == 0, dispatcher_used);
     const std::vector<PhaseStats> all = gather(mine, comm);
     nlohmann::json pj = phase_json(plans[i], all, ranks);
+    pj["dispatcher"] = dispatcher_used;
     if (i == 0) pj["first_forward_s_after_start"] = all.front().first_forward_s;
     pass = pass && pj["check"]["pass"].get<bool>();
     j[plans[i].name] = pj;

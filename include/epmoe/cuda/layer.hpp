@@ -186,6 +186,9 @@ class GpuMoeLayer {
   // What creating the dispatchers took from the device's free memory, NCCL's own allocations for
   // window registration and the device communicator included (cudaMemGetInfo before and after).
   std::size_t dispatcher_setup_bytes() const;
+  // The dispatcher that serves batches of `kind` ("auto" resolved: "local" on one rank, "nvlink",
+  // "nvlink-ll" or "nccl-p2p"); refused where the layer does not serve that kind's mode.
+  std::string dispatcher_name(BatchKind kind) const;
 
   // Tokens routed to each logical expert since construction or the last rebalance, summed over the
   // ranks (collective; synchronises the stream).
