@@ -10,8 +10,10 @@
 // Per configuration, the rows issue 7's bars compare: decode by graph replay (`layer.decode`) and
 // eagerly (`layer.decode_eager`); prefill (`layer.prefill`) and its expert GEMMs alone
 // (`layer.prefill_gemm_alone`: GpuMoeLayer::time_gemms_alone, routed + shared); on N ranks both with
-// two-batch overlap too (`layer.decode_tbo`, `layer.prefill_tbo`). EPMOE_BENCH_LAYER_VARIANTS picks
-// among graph, eager, gemm_alone, tbo (default: all).
+// two-batch overlap too (`layer.decode_tbo`, `layer.prefill_tbo`) and over the portable NCCL
+// point-to-point transport (`layer.decode_nccl_p2p`, graph replay, and `layer.prefill_nccl_p2p`; the
+// others use the dispatcher "auto" picks, named in each row). EPMOE_BENCH_LAYER_VARIANTS picks among
+// graph, eager, gemm_alone, tbo, nccl_p2p (default: all).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -73,17 +75,21 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
   timing.single_attempt = ranks > 1;  // every forward is collective: the same count on every rank
   constexpr int kSets = 4;
 
-  // EPMOE_BENCH_LAYER_VARIANTS: a comma-separated list (graph, eager, gemm_alone, tbo); unset: all.
+  // EPMOE_BENCH_LAYER_VARIANTS: a comma-separated list (graph, eager, gemm_alone, tbo, nccl_p2p);
+  // unset: all.
   auto wants = [](std::string_view v) { return env_list_has("EPMOE_BENCH_LAYER_VARIANTS", v); };
 
-  // One layer per mode and overlap choice; `eager` times decode without its graphs too.
-  auto run_mode = [&](Mode mode, const std::vector<std::int64_t>& token_list, bool tbo) {
+  // One layer per mode, overlap choice and dispatcher; `eager` times decode without its graphs too.
+  auto run_mode = [&](Mode mode, const std::vector<std::int64_t>& token_list, bool tbo,
+                      const std::string& dispatcher) {
     if (token_list.empty()) return;
     cuda::GpuLayerOptions lo;
     lo.mode = mode;
     lo.max_tokens = *std::max_element(token_list.begin(), token_list.end());
     lo.tbo = tbo;
+    lo.dispatcher = dispatcher;
     cuda::GpuMoeLayer layer(weights, lo, comm);
+    const bool portable = dispatcher == "nccl-p2p";
     cudaStream_t s = layer.stream();
     // The synthetic token batches of `epmoe run` (moderate values, outlier channels): their routing
     // spreads over the experts like a real batch's. (Hash-filled bf16 of widely varied magnitude,
@@ -95,8 +101,10 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
           synthetic_tokens(c, 100 + static_cast<std::uint64_t>(set), rank, lo.max_tokens), s));
     cuda::DeviceTensor y(DType::bf16, {lo.max_tokens, c.hidden});
     const bool decode_mode = mode == Mode::low_latency;
-    const std::string base =
-        std::string(decode_mode ? "layer.decode" : "layer.prefill") + (tbo ? "_tbo" : "");
+    const std::string base = std::string(decode_mode ? "layer.decode" : "layer.prefill") +
+                             (tbo ? "_tbo" : "") + (portable ? "_nccl_p2p" : "");
+    const std::string dispatcher_used =
+        layer.dispatcher_name(decode_mode ? BatchKind::decode : BatchKind::prefill);
     for (const std::int64_t T : token_list) {
       const double flops =
           2.0 * T * c.hidden * (3.0 * c.topk * c.intermediate + 3.0 * c.shared_intermediate());
@@ -106,6 +114,7 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
                  {"mode", std::string(to_string(mode))},
                  {"quant", quant},
                  {"tbo", static_cast<std::int64_t>(tbo ? 1 : 0)},
+                 {"dispatcher", dispatcher_used},
                  {"phase", std::string(how)}};
         Result r = make_result(name, std::move(p), us, weight_bytes, flops);
         if (!decode_mode) r.floor_us = std::max(r.floor_us, flops / (kPeakTflops * 1e6));
@@ -127,10 +136,10 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
         const std::int64_t sizes[] = {T};
         layer.capture_graphs(sizes);
         if (wants("graph") || tbo) row(base, timed(true), "forward, graph replay");
-        if (wants("eager") && !tbo) row(base + "_eager", timed(false), "forward, eager");
+        if (wants("eager") && !tbo && !portable) row(base + "_eager", timed(false), "forward, eager");
       } else {
         row(base, timed(false), "forward");
-        if (wants("gemm_alone") && !tbo) {
+        if (wants("gemm_alone") && !tbo && !portable) {
           const cuda::GpuMoeLayer::GemmTimes g = layer.time_gemms_alone();
           row("layer.prefill_gemm_alone", 1e3 * (g.routed_ms + g.shared_ms),
               "expert GEMMs alone (routed + shared)");
@@ -140,8 +149,12 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
   };
   for (const bool tbo : {false, true}) {
     if (tbo && !(ranks > 1 && wants("tbo"))) continue;  // two-batch overlap needs peers to overlap with
-    run_mode(Mode::low_latency, decode, tbo);
-    run_mode(Mode::normal, prefill, tbo);
+    run_mode(Mode::low_latency, decode, tbo, "auto");
+    run_mode(Mode::normal, prefill, tbo, "auto");
+  }
+  if (ranks > 1 && wants("nccl_p2p")) {  // the transport across nodes, here over NVLink
+    run_mode(Mode::low_latency, decode, false, "nccl-p2p");
+    run_mode(Mode::normal, prefill, false, "nccl-p2p");
   }
   if (comm && ranks > 1) comm->barrier();
   return results;
