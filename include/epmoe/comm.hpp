@@ -103,14 +103,15 @@ std::string_view to_string(CommPhase phase);
 
 // Written by device code (host-mapped pinned memory, so the host reads it without a sync).
 struct DeviceErrorRecord {
-  std::int32_t code;    // 0 none; kDeviceErrorTimeout; kDeviceErrorPeerInput; kDeviceErrorBadSlot
+  std::int32_t code;    // 0 none; kDeviceErrorTimeout, PeerInput, BadSlot or ScaleMismatch
   std::int32_t phase;   // CommPhase
   std::int32_t peer;    // the rank waited for (timeout), that reported bad input, or written to (bad slot)
   std::int32_t rank;    // the rank that recorded it
   std::int32_t detail;  // timeout: the sequence number waited for; peer input: the peer's status bits;
-                        // bad slot: the slot index
+                        // bad slot: the slot index; scale mismatch: the peer's scale (f32 bits)
   std::int32_t seen;    // timeout: the flag's (or tagged word's) sequence number when the wait gave up;
-                        // bad slot: the token (send) or received row (combine) it was for
+                        // bad slot: the token (send) or received row (combine) it was for; scale
+                        // mismatch: this rank's scale (f32 bits)
   std::uint64_t waited_ns;
 };
 // Where kernels report errors: the first reporter wins the claim word (device memory, atomicCAS;
@@ -125,6 +126,9 @@ inline constexpr std::int32_t kDeviceErrorPeerInput = 2;
 // A store into a peer's window whose slot (or destination rank) lies outside the window's layout: the
 // store is skipped (it would overwrite another source's rows or the flags after them).
 inline constexpr std::int32_t kDeviceErrorBadSlot = 3;
+// Per-tensor FP8 (ActivationFormat::fp8_tensor): a peer quantized with another static scale than this
+// rank (nccl-p2p without a host sync checks it on the device; every rank must use the same).
+inline constexpr std::int32_t kDeviceErrorScaleMismatch = 4;
 // The message of a recorded error, e.g. "rank 0: timed out after 30.0 s in phase dispatch-recv
 // waiting for rank 1 (arrival flag of sequence 7)".
 std::string describe_device_error(const DeviceErrorRecord& record);

@@ -15,8 +15,9 @@
 //               kept on the device; masked layout; no host sync, no allocation, CUDA-graph
 //               capturable; send and receive halves launch separately. Needs every rank in one LSA
 //               team (one NVLink domain).
-//   "nvlink"    the same transport, also in normal mode (contiguous layout, one host sync in
-//               dispatch_recv to learn the expert offsets).
+//   "nvlink"    the same transport, also in normal mode (contiguous layout; with the host sync one
+//               bounded wait in dispatch_recv to learn the expert offsets, without it none: graph
+//               capturable).
 //
 // Both produce exactly the CPU simulation's layout ("cpu-sim": rows, scales, weights, m_indices /
 // masked_m and row_token, byte for byte) and combine the same way (per token, rows summed in f32
@@ -37,13 +38,17 @@ namespace epmoe {
 //   dispatch_send: routes and sends this rank's tokens ("nvlink-ll": stores into the peers' windows
 //                  and raises the flags; "nccl-p2p": all-gathers the counts, packs, and enqueues the
 //                  grouped send/recv).
-//   dispatch_recv: waits (bounded; nccl-p2p: in stream order) for every source, fans the tokens out
-//                  to the layout. num_recv_tokens is -1 (known only on the device); expected_m is an
-//                  estimate (T * ranks * top-k / physical experts) that needs no sync.
+//   dispatch_recv: fans every source's tokens out to the layout once they are there (nvlink: a
+//                  bounded device wait per source; nccl-p2p: in stream order after NCCL's transfers,
+//                  bounded only by the host's waits, Communicator::synchronize). num_recv_tokens is -1
+//                  (known only on the device); expected_m is an estimate (T * ranks * top-k / physical
+//                  experts) that needs no sync.
 //   combine_send:  per received token one bf16 partial sum to its home rank.
 //   combine_recv:  adds the partial sums into y once they are there.
 // A rank whose input is refused (too many tokens, bad ids) still sends its error status, so that
-// its peers record the error instead of waiting; it throws after sending.
+// its peers record the error (Communicator's device error record, reported by its next wait) instead
+// of waiting for its tokens; with too many tokens it throws after sending. (nccl-p2p: a peer's next
+// NCCL transfer with the refusing rank, its combine, can still wait until a host wait gives up.)
 class LowLatencyDispatcher : public Dispatcher {
  public:
   virtual void dispatch_send(const DispatchInput& input) = 0;
@@ -59,9 +64,10 @@ std::unique_ptr<LowLatencyDispatcher> make_nccl_p2p_dispatcher(const DispatcherC
 std::unique_ptr<LowLatencyDispatcher> make_nvlink_ll_dispatcher(const DispatcherContext& context,
                                                                 std::shared_ptr<Communicator> comm);
 
-// "nvlink": the same transport in either mode. Normal mode produces the contiguous layout; its
-// dispatch_recv learns the expert offsets with one bounded host sync (they size the output), so
-// it is not graph capturable; low-latency mode is exactly "nvlink-ll".
+// "nvlink": the same transport in either mode. Normal mode produces the contiguous layout; with
+// DispatcherContext::host_sync its dispatch_recv learns the expert offsets with one bounded host sync
+// (they size the output), so it is not graph capturable; without it the layout is at its bound and
+// nothing syncs. Low-latency mode is exactly "nvlink-ll".
 std::unique_ptr<LowLatencyDispatcher> make_nvlink_dispatcher(const DispatcherContext& context,
                                                              std::shared_ptr<Communicator> comm);
 

@@ -293,6 +293,15 @@ std::string describe_device_error(const DeviceErrorRecord& r) {
         "rank {}: in phase {}, a store for rank {} at slot {} (for token / row {}) lies outside the window's "
         "layout; it was skipped",
         r.rank, phase, r.peer, r.detail, r.seen);
+  if (r.code == kDeviceErrorScaleMismatch) {
+    float theirs = 0, mine = 0;
+    std::memcpy(&theirs, &r.detail, sizeof(theirs));
+    std::memcpy(&mine, &r.seen, sizeof(mine));
+    return fmt::format(
+        "rank {}: in phase {}, rank {} quantized with the static scale {} and this rank with {}: every rank "
+        "must use the same per-tensor scale",
+        r.rank, phase, r.peer, theirs, mine);
+  }
   return fmt::format("rank {}: device error code {} in phase {} (peer {})", r.rank, r.code, phase, r.peer);
 }
 

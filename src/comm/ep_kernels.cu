@@ -878,6 +878,12 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
           record_error(a.sync.errors, kDeviceErrorPeerInput, CommPhase::dispatch_recv, src, g.me, status, 0);
         good = false;
       }
+      if (good && a.scale_field >= 0 && block == 0) {
+        const int theirs = *field(src, a.scale_field), mine = *field(g.me, a.scale_field);
+        if (theirs != mine)
+          record_error(a.sync.errors, kDeviceErrorScaleMismatch, CommPhase::dispatch_recv, src, g.me, theirs,
+                       0, mine);
+      }
       tok[src] = good ? *field(src, a.tokens_field) : 0;
       ok[src] = good;
     }

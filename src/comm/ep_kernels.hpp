@@ -77,7 +77,7 @@ struct EpGeometry {
   static EpGeometry make(const MoeConfig& config, ActivationFormat format, int rank, int T_max);
 };
 
-// The NVLink transport's flag protocol; all null / zero for the NCCL transport.
+// The NVLink transport's flag protocol; for the NCCL transport only `errors` is set (no flags).
 struct FlagSync {
   std::uint32_t* seq = nullptr;    // this call uses s = *seq + 1 and parity s & 1
   std::int32_t* done = nullptr;    // finished-block counter of the last-block pattern
@@ -237,6 +237,9 @@ struct PlaceArgs {
   const std::int32_t* header = nullptr;
   std::int64_t header_stride = 0;
   int flag_field = -1, count_flag_field = -1, status_field = 0, tokens_field = 0, counts_field = 0;
+  // Optional (NCCL transport, fp8 per tensor, no host sync): the header's scale word (f32 bits), which
+  // must be this rank's on every source (else kDeviceErrorScaleMismatch is recorded).
+  int scale_field = -1;
   const char* slots = nullptr;  // slot j of source s: slots + parity * ps + (s * T_max + j) * row_stride
   // Optional (NVLink): arrival counters, source s at chunks + parity * ps / 4 + s * n_chunks; place
   // waits per chunk instead of for the source's arrival flag.

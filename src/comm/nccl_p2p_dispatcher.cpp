@@ -97,6 +97,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     r.recv_slot = recv_slot_.as<std::int32_t>();
     r.recv_total = recv_total_.as<std::int32_t>();
     r.dest = comb_dest_.as<char* const>();
+    r.sync = errors_only();
     comm_detail::launch_reduce(g_, r, comm_->stream());
     // Partial sums go back the way the tokens came.
     exchange(comb_send_, comb_recv_, g_.partial_bytes, recv_tokens_, send_tokens_);
@@ -113,6 +114,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     h.prefix = prefix_.as<std::int32_t>();
     h.T = last_T_;
     h.y = y.data;
+    h.sync = errors_only();
     comm_detail::launch_home(g_, h, comm_->stream());
     combine_sent_ = false;
   }
@@ -121,8 +123,11 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
   // Routes, all-gathers the count rows, packs each token once per destination (whole calls: the own
   // tokens stay in x, place reads them there; halves: into the own receive region) and exchanges the
   // regions. Normal mode with the host sync learns the counts first (one bounded wait) and refuses a
-  // bad input on every rank before anything is sent; otherwise a refused input (too many tokens) sends
-  // its status and no token, and throws after the exchange, as its peers' place records the status.
+  // bad input on every rank before anything is sent. Otherwise a refused input sends its status and no
+  // token: too many tokens throws here after the exchange, ids out of range (found on the device) do
+  // not; every rank's place records the status in the communicator's device error record, which its
+  // next bounded wait reports. The peers' next calls (combine) may meanwhile wait in NCCL for the
+  // refusing rank until that wait gives up (Communicator::synchronize aborts the communicator).
   void send(const DispatchInput& in, bool whole) {
     enter("dispatch_send");
     const std::int64_t T = validate_input(in);
@@ -154,6 +159,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     s.count_row = count_row_.as<std::int32_t>();
     s.dest = dest_.as<char* const>();
     s.skip_self = whole;  // whole calls: place reads the own tokens from x
+    s.sync = errors_only();
     // Packing into the send buffers is on this transport's critical path: every SM.
     s.blocks = std::max(1, comm_detail::work_blocks(s.T));
     comm_detail::launch_send(g_, s, stream);
@@ -181,6 +187,10 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     p.tokens_field = g_.me;
     p.counts_field = g_.N + g_.me * g_.L;
     p.slots = recv_.as<const char>();
+    p.sync = errors_only();
+    // Without the host's check: every source's static scale against this rank's, on the device.
+    if (!sized_on_host_ && context_.format == ActivationFormat::fp8_tensor)
+      p.scale_field = g_.status_index() + 2;
     if (own != nullptr) {
       p.own_x = own->x.data;
       p.own_scales = g_.G > 0 ? own->x_scales.as<float>() : nullptr;
@@ -193,7 +203,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     comm_detail::launch_place(g_, p, comm_->stream());
     sent_ = false;
     if (sized_on_host_) {
-      fill_output(out, known_.rows, known_.recv_total, tensor_scale_, known_.offsets, known_.expected_m);
+      fill_output(out, known_.rows, known_.recv_total, tensor_scale_, known_.offsets, 0);
     } else {
       // No host sync: the contiguous layout at its bound (place marks the rows past the last expert
       // block -1), or the masked layout with an estimated expected_m.
@@ -244,19 +254,24 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
       if (r != me) tokens_out += at(me, r);
       for (int e = 0; e < L; ++e) total[static_cast<std::size_t>(e)] += at(r, N + me * L + e);
     }
-    std::int64_t valid_rows = 0, touched = 0;
+    std::int64_t valid_rows = 0;
     known_.offsets.push_back(0);
     for (int e = 0; e < L; ++e) {
       const std::int64_t n = total[static_cast<std::size_t>(e)];
       valid_rows += n;
-      touched += n > 0;
       known_.rows += (n + kContiguousAlign - 1) / kContiguousAlign * kContiguousAlign;
       known_.offsets.push_back(known_.rows);
     }
-    known_.expected_m = touched > 0 ? (valid_rows + touched - 1) / touched : 0;
     stats_.tokens_sent[0] = tokens_out;
     stats_.bytes_sent[0] = tokens_out * detail::token_payload_bytes(context_);
     stats_.rows_received[0] = valid_rows;
+  }
+
+  // The kernels' error reporting (no flags: NCCL orders the transfers).
+  comm_detail::FlagSync errors_only() const {
+    comm_detail::FlagSync s;
+    s.errors = comm_->device_error_sink();
+    return s;
   }
 
   float at_scale(int r) const {
@@ -299,7 +314,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
 
   // What learn_counts() found (normal mode with the host sync).
   struct Known {
-    std::int64_t rows = 0, recv_total = 0, expected_m = 0;
+    std::int64_t rows = 0, recv_total = 0;
     std::vector<std::int64_t> offsets;
   };
 

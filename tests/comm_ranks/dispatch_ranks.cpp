@@ -253,9 +253,6 @@ void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const st
               simulated.sim->last_stats().bytes_sent.at(static_cast<std::size_t>(me)));
     EXPECT_EQ(d.last_stats().rows_received.at(0),
               simulated.sim->last_stats().rows_received.at(static_cast<std::size_t>(me)));
-    if (d.name() == "nccl-p2p" && mode == Mode::normal && d.context().host_sync) {
-      EXPECT_EQ(host.view.expected_m, want[static_cast<std::size_t>(me)].expected_m);  // learnt on the host
-    }
 
     // Combine: the same stand-in expert outputs on both sides.
     const cuda::DeviceTensor out_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
@@ -548,6 +545,27 @@ TEST(CommNvlinkLl, TooManyTokensOnOneRankIsReportedToItsPeers) {
 }
 TEST(CommNcclP2p, LowLatencyTooManyTokensOnOneRankIsReportedToItsPeers) {
   check_too_many_tokens_reported_to_peers(Transport::p2p_low_latency);
+}
+
+// Per-tensor FP8 without a host sync: a peer whose static scale differs from this rank's is recorded
+// on the device (the host-synced path refuses it on every rank before sending).
+TEST(CommNcclP2p, LowLatencyPerTensorScalesThatDifferAreReported) {
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    if (N < 2) return;  // needs a peer
+    const MoeConfig c = test_config(32);
+    auto d = make(Transport::p2p_low_latency, c, ActivationFormat::fp8_tensor);
+    auto in =
+        make_inputs(c, ActivationFormat::fp8_tensor, per_rank([](int) { return 12; }), 24, Routing::random);
+    in[0].tensor_scale *= 2.0f;  // rank 0 alone
+    const std::string m = dispatch_error(*d, in[static_cast<std::size_t>(me)]);
+    EXPECT_NE(m.find("static scale"), std::string::npos) << m;
+    if (me != 0) {
+      EXPECT_NE(m.find("rank 0 quantized"), std::string::npos) << m;  // (rank 0: any peer may be named)
+    }
+    world().reset_device_errors();
+    world().barrier();
+  });
 }
 
 TEST(CommNvlinkLl, APeerThatNeverArrivesIsATimeoutNamingIt) {

@@ -73,8 +73,9 @@ struct GpuLayerOptions {
   // Without two-batch overlap, dispatch through the dispatcher's whole call (send and place in one
   // launch; own tokens read from the input; in low-latency mode early counts and the routing inside
   // the launch: what `epmoe bench comm` times) instead of its send / receive halves, which the layer
-  // used alone until 2026-12-01. Off until measured on 2 GPUs (bench/NOTES.md, session 12);
-  // EPMOE_LAYER_WHOLE_DISPATCH=0|1 overrides it.
+  // used alone until 2026-12-01 (every GPU dispatcher has both; "nccl-p2p" since 2026-12-05, its halves
+  // send the own tokens through its receive buffer). Off until measured on 2 GPUs (bench/NOTES.md,
+  // session 12); EPMOE_LAYER_WHOLE_DISPATCH=0|1 overrides it.
   bool whole_dispatch = false;
   // Normal mode on N ranks: the dispatcher's receive learns the exact row counts with one host wait
   // (true), or hands the runner the contiguous layout at its worst-case bound with no host sync at
@@ -146,7 +147,7 @@ class GpuMoeLayer {
 
   // x [T, H] bf16, y (out) [T, H] bf16, contiguous Device::cuda views, T <= max_tokens(); every rank
   // calls it (T may differ per rank, and may be 0). Enqueues on stream(); returns without waiting,
-  // except for the host sync of the "nvlink" / "nccl-p2p" receive in normal mode (none with
+  // except for the host sync of the "nvlink" / "nccl-p2p" dispatch in normal mode (none with
   // normal_host_sync = false). A layer in auto
   // mode refuses this one: it needs the batch kind (below).
   void forward(TensorView x, TensorView y);
