@@ -136,6 +136,11 @@ double timed(Communicator& comm, const Launch& launch, const TimingOptions& t) {
   return us;
 }
 
+// A timed() launch that replays graph g.
+auto replay(const cuda::Graph& g) {
+  return [&g](int, cudaStream_t s) { g.launch(s); };
+}
+
 // Runs fn with the environment variables `vars` ({name, value}) set (every rank sets the same),
 // then restores them.
 using EnvVars = std::vector<std::pair<std::string, std::string>>;
@@ -428,7 +433,6 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       d->combine({&eo, 1}, {&yv, 1});
       const cuda::Graph g_dispatch = cuda::Graph::capture(stream, [&] { d->dispatch({&view, 1}, out); });
       const cuda::Graph g_combine = cuda::Graph::capture(stream, [&] { d->combine({&eo, 1}, {&yv, 1}); });
-      auto replay = [](const cuda::Graph& g) { return [&g](int, cudaStream_t s) { g.launch(s); }; };
       {
         // The floor under every graph-replayed row: a graph of one (nearly) empty kernel, timed the
         // same way ("comm.graph_floor", at every T: it should not move): graph launch, event pair and
@@ -547,7 +551,6 @@ void low_latency(Communicator& comm, std::int64_t T, const SuiteOptions& options
       const cuda::Graph g_combine = cuda::Graph::capture(stream, [&] { d->combine({&eo, 1}, {&yv, 1}); });
       const int sms_work = sms_of(comm_detail::work_blocks(static_cast<std::int64_t>(comm.size()) * T));
       const int sms_pack = sms_of(comm_detail::work_blocks(T));
-      auto replay = [](const cuda::Graph& g) { return [&g](int, cudaStream_t s) { g.launch(s); }; };
       for (const bool graph : {true, false}) {
         const std::string label = graph ? transport : transport + "-eager";
         const double us_d = graph ? timed(comm, replay(g_dispatch), timing)

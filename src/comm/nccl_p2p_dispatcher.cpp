@@ -80,6 +80,8 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     EPMOE_CHECK(expert_out.size() == 1 && y.size() == 1,
                 "nccl-p2p serves one rank: pass one expert output and one y, got {} and {}",
                 expert_out.size(), y.size());
+    validate_expert_out(expert_out[0]);  // both before anything is sent
+    validate_y(y[0]);
     combine_send(expert_out[0]);
     combine_recv(y[0]);
   }
