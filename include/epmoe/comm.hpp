@@ -272,6 +272,17 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // one int.
   void barrier();
 
+  // Completes a call on nccl(): ncclSuccess returns; an error throws (naming `call`, e.g. its text);
+  // ncclInProgress, the answer of a nonblocking communicator (an engine's, lent with borrow(); NCCL's
+  // config.blocking = 0), is waited for with ncclCommGetAsyncError until the call has completed, as
+  // NCCL requires before its result is used or the next call is made, bounded by host_wait_limit_s()
+  // (then an error naming this rank and the call; an owned communicator is aborted). Every NCCL call
+  // of epmoe's on the communicator goes through it (EPMOE_NCCL_COMM_CHECK inside the library).
+  void complete_nccl(ncclResult_t status, const char* call, const char* file = "", int line = 0);
+  // The same for teardown (deregistration, destruction): never throws; false when the call failed or
+  // did not complete in time.
+  bool complete_nccl_quietly(ncclResult_t status) noexcept;
+
   // Collective: out[i] = the sum over the ranks of in[i] (n int64 in device memory on this rank's
   // GPU), ordered on `stream`; ncclAllReduce, or for loopback ranks a host-side sum (synchronous).
   void all_reduce_sum_i64(const std::int64_t* in, std::int64_t* out, std::size_t n, cudaStream_t stream);

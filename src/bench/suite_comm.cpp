@@ -393,7 +393,8 @@ void normal_mode(Communicator& comm, std::int64_t T, const SuiteOptions& options
     const double us = timed(
         comm,
         [&](int, cudaStream_t s) {
-          EPMOE_NCCL_CHECK(ncclAlltoAll(send.data(), recv.data(), per_peer, ncclUint8, comm.nccl(), s));
+          EPMOE_NCCL_COMM_CHECK(comm,
+                                ncclAlltoAll(send.data(), recv.data(), per_peer, ncclUint8, comm.nccl(), s));
         },
         timing);
     emit(options, results,

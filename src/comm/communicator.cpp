@@ -319,7 +319,7 @@ double default_comm_timeout_s() {
 SymmetricBuffer::~SymmetricBuffer() {
   // Collective (deregistration); skipped once the communicator was aborted.
   if (window_ != nullptr && comm_ && comm_->nccl() != nullptr)
-    (void)ncclCommWindowDeregister(comm_->nccl(), window_);
+    (void)comm_->complete_nccl_quietly(ncclCommWindowDeregister(comm_->nccl(), window_));
   if (local_ != nullptr && nccl_memory_) (void)ncclMemFree(local_);
   if (local_ != nullptr && !nccl_memory_ && !loopback_memory_) (void)cudaFree(local_);
   if (peers_device_ != nullptr) (void)cudaFree(peers_device_);
@@ -608,6 +608,8 @@ std::shared_ptr<Communicator> Communicator::borrow(ncclComm_t comm, const CommOp
   c->comm_ = comm;
   c->owned_ = false;
   c->timeout_s_ = options.timeout_s;
+  // A nonblocking communicator may still be setting up: its queries wait for that (bounded).
+  c->complete_nccl(ncclInProgress, "the lent communicator's initialisation");
   EPMOE_NCCL_CHECK(ncclCommUserRank(comm, &c->rank_));
   EPMOE_NCCL_CHECK(ncclCommCount(comm, &c->size_));
   EPMOE_NCCL_CHECK(ncclCommCuDevice(comm, &c->device_));
@@ -626,10 +628,11 @@ Communicator::~Communicator() {
   }
   // The barrier window before the device communicator and NCCL's (deregistration is collective:
   // every rank destroys its communicator; skipped once aborted).
-  if (barrier_window_ != nullptr && comm_ != nullptr) (void)ncclCommWindowDeregister(comm_, barrier_window_);
+  if (barrier_window_ != nullptr && comm_ != nullptr)
+    (void)complete_nccl_quietly(ncclCommWindowDeregister(comm_, barrier_window_));
   if (barrier_local_ != nullptr) (void)ncclMemFree(barrier_local_);
   if (barrier_peers_ != nullptr) (void)cudaFree(barrier_peers_);
-  if (comm_ != nullptr) comm_detail::destroy_dev_comm(comm_, dev_comm_);
+  if (comm_ != nullptr) comm_detail::destroy_dev_comm(*this, comm_, dev_comm_);
   if (owned_ && comm_ != nullptr) {
     (void)ncclCommFinalize(comm_);
     (void)ncclCommDestroy(comm_);
@@ -710,6 +713,47 @@ void Communicator::fail_wait(CommPhase phase, std::string_view waiting_for, cons
   EPMOE_FAIL("{}", msg);
 }
 
+void Communicator::complete_nccl(ncclResult_t status, const char* call, const char* file, int line) {
+  if (status == ncclSuccess) return;
+  if (status != ncclInProgress) comm_detail::throw_nccl_error(status, call, file, line);
+  EPMOE_CHECK(comm_ != nullptr, "rank {}: {} answered ncclInProgress on no communicator", rank_, call);
+  using clock = std::chrono::steady_clock;
+  const double limit_s = host_wait_limit_s();
+  const auto deadline = clock::now() + std::chrono::duration<double>(limit_s);
+  for (int spins = 0;; ++spins) {
+    ncclResult_t async = ncclInProgress;
+    EPMOE_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
+    if (async == ncclSuccess) return;
+    if (async != ncclInProgress) {
+      const char* last = ncclGetLastError(comm_);
+      fail_wait(CommPhase::setup, call,
+                fmt::format("NCCL reported error {} ({}{}{}) completing a nonblocking call at {}:{}",
+                            static_cast<int>(async), ncclGetErrorString(async),
+                            last != nullptr && *last ? ": " : "", last != nullptr ? last : "", file, line));
+    }
+    if (clock::now() > deadline)
+      fail_wait(
+          CommPhase::setup, call,
+          fmt::format("a nonblocking NCCL call (at {}:{}) did not complete within {:.1f} s: did every rank "
+                      "make it?",
+                      file, line, limit_s));
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+bool Communicator::complete_nccl_quietly(ncclResult_t status) noexcept {
+  if (status == ncclSuccess) return true;
+  if (status != ncclInProgress || comm_ == nullptr) return false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(host_wait_limit_s());
+  for (int spins = 0;; ++spins) {
+    ncclResult_t async = ncclInProgress;
+    if (ncclCommGetAsyncError(comm_, &async) != ncclSuccess) return false;
+    if (async != ncclInProgress) return async == ncclSuccess;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
 void Communicator::wait_event(cudaEvent_t event, CommPhase phase, std::string_view waiting_for) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
@@ -776,7 +820,8 @@ void Communicator::barrier() {
                                     barrier_epoch_, device_error_sink(),
                                     static_cast<std::uint64_t>(timeout_s_ * 1e9), stream_);
   } else {
-    EPMOE_NCCL_CHECK(ncclAllReduce(barrier_word_, barrier_word_ + 1, 1, ncclInt32, ncclSum, comm_, stream_));
+    EPMOE_NCCL_COMM_CHECK(
+        *this, ncclAllReduce(barrier_word_, barrier_word_ + 1, 1, ncclInt32, ncclSum, comm_, stream_));
   }
   synchronize(CommPhase::setup, size_ > 1 ? "every rank at a barrier" : "");
 }
@@ -786,7 +831,7 @@ void Communicator::all_reduce_sum_i64(const std::int64_t* in, std::int64_t* out,
   check_usable("all_reduce_sum_i64");
   EPMOE_CUDA_CHECK(cudaSetDevice(device_));
   if (loopback_ == nullptr) {
-    EPMOE_NCCL_CHECK(ncclAllReduce(in, out, n, ncclInt64, ncclSum, comm_, stream));
+    EPMOE_NCCL_COMM_CHECK(*this, ncclAllReduce(in, out, n, ncclInt64, ncclSum, comm_, stream));
     return;
   }
   // Loopback: every rank's counts on the host, summed by each rank in rank order; the barrier keeps
@@ -817,8 +862,8 @@ bool Communicator::ensure_barrier_window() {
   EPMOE_NCCL_CHECK(ncclMemAlloc(&barrier_local_, kBytes));
   EPMOE_CUDA_CHECK(cudaMemsetAsync(barrier_local_, 0, kBytes, stream_));
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  EPMOE_NCCL_CHECK(
-      ncclCommWindowRegister(comm_, barrier_local_, kBytes, &barrier_window_, NCCL_WIN_COLL_SYMMETRIC));
+  EPMOE_NCCL_COMM_CHECK(*this, ncclCommWindowRegister(comm_, barrier_local_, kBytes, &barrier_window_,
+                                                      NCCL_WIN_COLL_SYMMETRIC));
   EPMOE_CUDA_CHECK(
       cudaMalloc(reinterpret_cast<void**>(&barrier_peers_), sizeof(void*) * static_cast<std::size_t>(size_)));
   comm_detail::fill_peer_pointers(barrier_window_, rank_, lsa_rank_, lsa_size_, size_, barrier_peers_,
@@ -837,7 +882,7 @@ bool Communicator::all_ranks_load_store_reachable() {
 void Communicator::ensure_dev_comm() {
   if (dev_comm_ != nullptr) return;
   wait_init();
-  dev_comm_ = comm_detail::create_dev_comm(comm_, &lsa_rank_, &lsa_size_);
+  dev_comm_ = comm_detail::create_dev_comm(*this, &lsa_rank_, &lsa_size_);
 }
 
 std::unique_ptr<SymmetricBuffer> Communicator::alloc_symmetric(std::size_t bytes) {
@@ -877,7 +922,8 @@ std::unique_ptr<SymmetricBuffer> Communicator::alloc_symmetric(std::size_t bytes
   } else {
     EPMOE_NCCL_CHECK(ncclMemAlloc(&b->local_, bytes));
     took(setup_memory_.buffers);
-    EPMOE_NCCL_CHECK(ncclCommWindowRegister(comm_, b->local_, bytes, &b->window_, NCCL_WIN_COLL_SYMMETRIC));
+    EPMOE_NCCL_COMM_CHECK(
+        *this, ncclCommWindowRegister(comm_, b->local_, bytes, &b->window_, NCCL_WIN_COLL_SYMMETRIC));
     took(setup_memory_.window_register);
     ensure_dev_comm();
     took(setup_memory_.dev_comm);

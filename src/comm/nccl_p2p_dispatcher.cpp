@@ -144,8 +144,9 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     comm_detail::launch_route(g_, in.topk_ids.as<std::int32_t>(), T, host_status, in.x_tensor_scale,
                               bitmaps_.as<std::uint32_t>(), prefix_.as<std::int32_t>(),
                               count_row_.as<std::int32_t>(), stream);
-    EPMOE_NCCL_CHECK(ncclAllGather(count_row_.data(), matrix_.data(), static_cast<std::size_t>(row_len),
-                                   ncclInt32, comm_->nccl(), stream));
+    EPMOE_NCCL_COMM_CHECK(
+        *comm_, ncclAllGather(count_row_.data(), matrix_.data(), static_cast<std::size_t>(row_len), ncclInt32,
+                              comm_->nccl(), stream));
     ++dispatch_seq_;
     tensor_scale_ = in.x_tensor_scale;
     if (sized_on_host_) learn_counts();
@@ -311,7 +312,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
         EPMOE_NCCL_CHECK(
             ncclRecv(recv.as<char>() + region * i, n, ncclUint8, d, comm_->nccl(), comm_->stream()));
     }
-    EPMOE_NCCL_CHECK(ncclGroupEnd());
+    EPMOE_NCCL_COMM_CHECK(*comm_, ncclGroupEnd());  // (inside the group the calls answer at once)
   }
 
   // What learn_counts() found (normal mode with the host sync).

@@ -22,19 +22,20 @@ __global__ void peer_pointers_kernel(ncclWindow_t window, int world_rank, int ls
 
 }  // namespace
 
-ncclDevComm* create_dev_comm(ncclComm_t comm, int* lsa_rank, int* lsa_size) {
+ncclDevComm* create_dev_comm(Communicator& comm, int* lsa_rank, int* lsa_size) {
   auto dev = std::make_unique<ncclDevComm>();
   ncclDevCommRequirements reqs{};  // zero: no barriers, no GIN, and never multimem (NVLS stays off)
   reqs.lsaMultimem = false;
-  EPMOE_NCCL_CHECK(ncclDevCommCreate(comm, &reqs, dev.get()));
+  EPMOE_NCCL_COMM_CHECK(comm, ncclDevCommCreate(comm.nccl(), &reqs, dev.get()));
   *lsa_rank = dev->lsaRank;
   *lsa_size = dev->lsaSize;
   return dev.release();
 }
 
-void destroy_dev_comm(ncclComm_t comm, ncclDevComm* dev_comm) {
+void destroy_dev_comm(Communicator& comm, ncclComm_t nccl, ncclDevComm* dev_comm) noexcept {
   if (dev_comm == nullptr) return;
-  (void)ncclDevCommDestroy(comm, dev_comm);  // teardown: errors are not actionable
+  // Teardown: errors are not actionable.
+  (void)comm.complete_nccl_quietly(ncclDevCommDestroy(nccl, dev_comm));
   delete dev_comm;
 }
 

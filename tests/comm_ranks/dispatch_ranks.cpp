@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -11,7 +12,10 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
+
+#include <nccl.h>
 
 #include "epmoe/comm_dispatch.hpp"
 #include "ranks_util.hpp"
@@ -545,6 +549,46 @@ TEST(CommNvlinkLl, TooManyTokensOnOneRankIsReportedToItsPeers) {
 }
 TEST(CommNcclP2p, LowLatencyTooManyTokensOnOneRankIsReportedToItsPeers) {
   check_too_many_tokens_reported_to_peers(Transport::p2p_low_latency);
+}
+
+// An engine's nonblocking NCCL communicator (config.blocking = 0, lent with Communicator::borrow):
+// its calls answer ncclInProgress, which epmoe completes before going on (Communicator::complete_nccl;
+// before, the answer was taken for success and the next call made at once, which NCCL forbids). The
+// transport gives the simulation's data in both modes, as on the world's own communicator.
+TEST(CommNcclP2p, OnAnEnginesNonblockingCommunicator) {
+  on_ranks([&] {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t engine = nullptr;
+    const ncclResult_t split = ncclCommSplit(world().nccl(), /*color=*/0, world().rank(), &engine, &config);
+    ASSERT_TRUE(split == ncclSuccess || split == ncclInProgress) << ncclGetErrorString(split);
+    {
+      CommOptions o;
+      o.stream = world().stream();  // the test's copies and the transport in one order
+      std::shared_ptr<Communicator> borrowed = Communicator::borrow(engine, o);  // waits for the split
+      for (const Mode mode : {Mode::normal, Mode::low_latency}) {
+        const MoeConfig c = test_config(32);
+        const DispatcherContext ctx{c, mode, ActivationFormat::fp8_group, world().rank(), 1};
+        auto d = make_nccl_p2p_dispatcher(ctx, borrowed);
+        check_round(*d, c, ActivationFormat::fp8_group,
+                    make_inputs(c, ActivationFormat::fp8_group,
+                                per_rank([](int r) { return ramp(r, 20, 29); }), 25, Routing::random),
+                    mode == Mode::normal ? "nonblocking, normal" : "nonblocking, low latency");
+      }
+    }
+    // The engine's teardown of a nonblocking communicator: finalize, wait, destroy.
+    const ncclResult_t finalize = ncclCommFinalize(engine);
+    ASSERT_TRUE(finalize == ncclSuccess || finalize == ncclInProgress) << ncclGetErrorString(finalize);
+    ncclResult_t state = ncclInProgress;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
+      ASSERT_EQ(ncclCommGetAsyncError(engine, &state), ncclSuccess);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(state, ncclSuccess);
+    EXPECT_EQ(ncclCommDestroy(engine), ncclSuccess);
+    world().barrier();
+  });
 }
 
 // Per-tensor FP8 without a host sync: a peer whose static scale differs from this rank's is recorded

@@ -128,9 +128,9 @@ std::vector<PhaseStats> gather(const PhaseStats& mine, const std::shared_ptr<Com
   cuda::DeviceTensor send(DType::f64, {PhaseStats::kFields}), recv(DType::f64, {n, PhaseStats::kFields});
   cuda::copy_to_device(send, TensorView::contiguous(&local, DType::f64, {PhaseStats::kFields}),
                        comm->stream());
-  EPMOE_CHECK(ncclAllGather(send.data<double>(), recv.data<double>(), PhaseStats::kFields, ncclFloat64,
-                            comm->nccl(), comm->stream()) == ncclSuccess,
-              "ncclAllGather of the run statistics failed");
+  comm->complete_nccl(ncclAllGather(send.data<double>(), recv.data<double>(), PhaseStats::kFields,
+                                    ncclFloat64, comm->nccl(), comm->stream()),
+                      "ncclAllGather of the run statistics", __FILE__, __LINE__);
   const HostTensor all = cuda::to_host(recv, comm->stream());
   std::vector<PhaseStats> out(static_cast<std::size_t>(n));
   std::memcpy(static_cast<void*>(out.data()), all.data<double>(),
