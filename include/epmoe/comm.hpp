@@ -223,7 +223,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // create() from LaunchEnvironment::from_env(): device = its device; waits up to the timeout for
   // the id file.
   static std::shared_ptr<Communicator> from_environment(const CommOptions& options = {});
-  // Wraps a communicator the caller made and keeps owning (never finalized or aborted here).
+  // Wraps a communicator the caller made and keeps owning (never finalized or aborted here), blocking
+  // or nonblocking (config.blocking = 0: borrow waits, bounded, for one still setting up, and every
+  // call epmoe makes on it is completed before the next; nothing of the caller's may be in flight on
+  // it meanwhile).
   static std::shared_ptr<Communicator> borrow(ncclComm_t comm, const CommOptions& options = {});
   // Rank `rank` of a loopback group (see LoopbackGroup; tests): no NCCL communicator, every rank on
   // the group's GPU. Call from the rank's own thread; every collective (alloc_symmetric,
@@ -272,12 +275,15 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // one int.
   void barrier();
 
-  // Completes a call on nccl(): ncclSuccess returns; an error throws (naming `call`, e.g. its text);
-  // ncclInProgress, the answer of a nonblocking communicator (an engine's, lent with borrow(); NCCL's
-  // config.blocking = 0), is waited for with ncclCommGetAsyncError until the call has completed, as
-  // NCCL requires before its result is used or the next call is made, bounded by host_wait_limit_s()
-  // (then an error naming this rank and the call; an owned communicator is aborted). Every NCCL call
-  // of epmoe's on the communicator goes through it (EPMOE_NCCL_COMM_CHECK inside the library).
+  // Completes a call on nccl(): an error status throws (naming `call`, e.g. its text); otherwise the
+  // communicator's asynchronous state is polled (ncclCommGetAsyncError) until the call has completed,
+  // as NCCL requires of a nonblocking communicator (an engine's, lent with borrow(); config.blocking =
+  // 0) before the call's outputs are used or the next call is made. (Its window registrations and
+  // device communicators answer ncclSuccess while still in progress, its collectives and group ends
+  // ncclInProgress; a blocking communicator answers the poll at once.) Bounded by host_wait_limit_s():
+  // then, or on an asynchronous error, an error naming this rank and the call (an owned communicator is
+  // aborted). Every call of epmoe's that can leave work in progress goes through it (collectives, group
+  // ends, window registration, the device communicator; EPMOE_NCCL_COMM_CHECK inside the library).
   void complete_nccl(ncclResult_t status, const char* call, const char* file = "", int line = 0);
   // The same for teardown (deregistration, destruction): never throws; false when the call failed or
   // did not complete in time.

@@ -37,6 +37,23 @@ void throw_nccl_error(ncclResult_t status, const char* expr, const char* file, i
 }
 }  // namespace comm_detail
 
+namespace {
+// Polls a communicator's asynchronous state until it leaves ncclInProgress (a nonblocking
+// communicator's call completing in the background) or limit_s passes; returns the state then, or
+// ncclInProgress on timeout (the first poll is immediate: a blocking communicator answers at once).
+ncclResult_t poll_async(ncclComm_t comm, double limit_s) noexcept {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(limit_s);
+  for (int spins = 0;; ++spins) {
+    ncclResult_t async = ncclInProgress;
+    const ncclResult_t query = ncclCommGetAsyncError(comm, &async);
+    if (query != ncclSuccess) return query;
+    if (async != ncclInProgress) return async;
+    if (std::chrono::steady_clock::now() > deadline) return ncclInProgress;
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+}  // namespace
+
 // ---------------------------------------------------------------- version
 std::string NcclVersion::str() const {
   return fmt::format("{}.{}.{}", major, minor, patch);
@@ -608,8 +625,14 @@ std::shared_ptr<Communicator> Communicator::borrow(ncclComm_t comm, const CommOp
   c->comm_ = comm;
   c->owned_ = false;
   c->timeout_s_ = options.timeout_s;
-  // A nonblocking communicator may still be setting up: its queries wait for that (bounded).
-  c->complete_nccl(ncclInProgress, "the lent communicator's initialisation");
+  // A nonblocking communicator (ncclCommInitRankConfig with config.blocking = 0) may still be setting
+  // up, and its queries answer only once it is done: wait for that (bounded).
+  const ncclResult_t ready = poll_async(comm, c->host_wait_limit_s());
+  EPMOE_CHECK(ready != ncclInProgress,
+              "Communicator::borrow: the lent NCCL communicator did not finish its set-up within {:.1f} s",
+              c->host_wait_limit_s());
+  if (ready != ncclSuccess)
+    comm_detail::throw_nccl_error(ready, "the lent communicator's set-up", __FILE__, __LINE__);
   EPMOE_NCCL_CHECK(ncclCommUserRank(comm, &c->rank_));
   EPMOE_NCCL_CHECK(ncclCommCount(comm, &c->size_));
   EPMOE_NCCL_CHECK(ncclCommCuDevice(comm, &c->device_));
@@ -634,7 +657,9 @@ Communicator::~Communicator() {
   if (barrier_peers_ != nullptr) (void)cudaFree(barrier_peers_);
   if (comm_ != nullptr) comm_detail::destroy_dev_comm(*this, comm_, dev_comm_);
   if (owned_ && comm_ != nullptr) {
-    (void)ncclCommFinalize(comm_);
+    // (NCCL_COMM_BLOCKING=0 in the environment makes even our communicators nonblocking: finalize may
+    // answer ncclInProgress, and destroy must wait for it.)
+    (void)complete_nccl_quietly(ncclCommFinalize(comm_));
     (void)ncclCommDestroy(comm_);
   }
   if (wait_event_ != nullptr) (void)cudaEventDestroy(wait_event_);
@@ -713,45 +738,33 @@ void Communicator::fail_wait(CommPhase phase, std::string_view waiting_for, cons
   EPMOE_FAIL("{}", msg);
 }
 
+
 void Communicator::complete_nccl(ncclResult_t status, const char* call, const char* file, int line) {
-  if (status == ncclSuccess) return;
-  if (status != ncclInProgress) comm_detail::throw_nccl_error(status, call, file, line);
-  EPMOE_CHECK(comm_ != nullptr, "rank {}: {} answered ncclInProgress on no communicator", rank_, call);
-  using clock = std::chrono::steady_clock;
+  if (status != ncclSuccess && status != ncclInProgress)
+    comm_detail::throw_nccl_error(status, call, file, line);
+  if (comm_ == nullptr) return;
+  // Also after ncclSuccess: NCCL's calls that run as a group of their own (window registration, the
+  // device communicator) answer ncclSuccess on a nonblocking communicator while the work is still in
+  // progress, their outputs not yet written.
   const double limit_s = host_wait_limit_s();
-  const auto deadline = clock::now() + std::chrono::duration<double>(limit_s);
-  for (int spins = 0;; ++spins) {
-    ncclResult_t async = ncclInProgress;
-    EPMOE_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
-    if (async == ncclSuccess) return;
-    if (async != ncclInProgress) {
-      const char* last = ncclGetLastError(comm_);
-      fail_wait(CommPhase::setup, call,
-                fmt::format("NCCL reported error {} ({}{}{}) completing a nonblocking call at {}:{}",
-                            static_cast<int>(async), ncclGetErrorString(async),
-                            last != nullptr && *last ? ": " : "", last != nullptr ? last : "", file, line));
-    }
-    if (clock::now() > deadline)
-      fail_wait(
-          CommPhase::setup, call,
-          fmt::format("a nonblocking NCCL call (at {}:{}) did not complete within {:.1f} s: did every rank "
-                      "make it?",
-                      file, line, limit_s));
-    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
+  const ncclResult_t async = poll_async(comm_, limit_s);
+  if (async == ncclSuccess) return;
+  if (async == ncclInProgress)
+    fail_wait(CommPhase::setup, call,
+              fmt::format(
+                  "a nonblocking NCCL call (at {}:{}) did not complete within {:.1f} s: did every rank make "
+                  "it?",
+                  file, line, limit_s));
+  const char* last = ncclGetLastError(comm_);
+  fail_wait(CommPhase::setup, call,
+            fmt::format("NCCL reported error {} ({}{}{}) after the call at {}:{}", static_cast<int>(async),
+                        ncclGetErrorString(async), last != nullptr && *last ? ": " : "",
+                        last != nullptr ? last : "", file, line));
 }
 
 bool Communicator::complete_nccl_quietly(ncclResult_t status) noexcept {
-  if (status == ncclSuccess) return true;
-  if (status != ncclInProgress || comm_ == nullptr) return false;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(host_wait_limit_s());
-  for (int spins = 0;; ++spins) {
-    ncclResult_t async = ncclInProgress;
-    if (ncclCommGetAsyncError(comm_, &async) != ncclSuccess) return false;
-    if (async != ncclInProgress) return async == ncclSuccess;
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
+  if (status != ncclSuccess && status != ncclInProgress) return false;
+  return comm_ == nullptr || poll_async(comm_, host_wait_limit_s()) == ncclSuccess;
 }
 
 void Communicator::wait_event(cudaEvent_t event, CommPhase phase, std::string_view waiting_for) {

@@ -302,15 +302,20 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
       return sized_on_host_ ? static_cast<std::size_t>(counts[i] * item) : region;
     };
     EPMOE_NCCL_CHECK(ncclGroupStart());
-    for (int d = 0; d < g_.N; ++d) {
-      if (d == g_.me) continue;
-      const auto i = static_cast<std::size_t>(d);
-      if (const std::size_t n = bytes(count_out, i); n > 0)
-        EPMOE_NCCL_CHECK(
-            ncclSend(send.as<char>() + region * i, n, ncclUint8, d, comm_->nccl(), comm_->stream()));
-      if (const std::size_t n = bytes(count_in, i); n > 0)
-        EPMOE_NCCL_CHECK(
-            ncclRecv(recv.as<char>() + region * i, n, ncclUint8, d, comm_->nccl(), comm_->stream()));
+    try {
+      for (int d = 0; d < g_.N; ++d) {
+        if (d == g_.me) continue;
+        const auto i = static_cast<std::size_t>(d);
+        if (const std::size_t n = bytes(count_out, i); n > 0)
+          EPMOE_NCCL_CHECK(
+              ncclSend(send.as<char>() + region * i, n, ncclUint8, d, comm_->nccl(), comm_->stream()));
+        if (const std::size_t n = bytes(count_in, i); n > 0)
+          EPMOE_NCCL_CHECK(
+              ncclRecv(recv.as<char>() + region * i, n, ncclUint8, d, comm_->nccl(), comm_->stream()));
+      }
+    } catch (...) {
+      (void)ncclGroupEnd();  // not left open on this thread (later NCCL calls would join it)
+      throw;
     }
     EPMOE_NCCL_COMM_CHECK(*comm_, ncclGroupEnd());  // (inside the group the calls answer at once)
   }

@@ -551,34 +551,69 @@ TEST(CommNcclP2p, LowLatencyTooManyTokensOnOneRankIsReportedToItsPeers) {
   check_too_many_tokens_reported_to_peers(Transport::p2p_low_latency);
 }
 
-// An engine's nonblocking NCCL communicator (config.blocking = 0, lent with Communicator::borrow):
-// its calls answer ncclInProgress, which epmoe completes before going on (Communicator::complete_nccl;
-// before, the answer was taken for success and the next call made at once, which NCCL forbids). The
-// transport gives the simulation's data in both modes, as on the world's own communicator.
+// An engine's nonblocking NCCL communicator (config.blocking = 0), lent with Communicator::borrow
+// while it is still setting up: borrow waits for it, and every call epmoe makes on it completes before
+// the next (Communicator::complete_nccl; before, ncclInProgress was taken for success and the next call
+// made at once, which NCCL forbids, and a window registration's or device communicator's outputs were
+// used before NCCL wrote them). The transports give the simulation's data as on the world's own
+// communicator: nccl-p2p in both modes; on 2+ ranks also the LSA query (a device communicator), a
+// barrier (its window) and nvlink-ll (a window).
 TEST(CommNcclP2p, OnAnEnginesNonblockingCommunicator) {
   on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    ncclUniqueId id{};
+    if (me == 0) {
+      ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+    }
+    {
+      const cuda::DeviceBuffer shared(sizeof(id));
+      ASSERT_EQ(cudaMemcpyAsync(shared.data(), &id, sizeof(id), cudaMemcpyHostToDevice, stream()),
+                cudaSuccess);
+      ASSERT_EQ(
+          ncclBroadcast(shared.data(), shared.data(), sizeof(id), ncclUint8, 0, world().nccl(), stream()),
+          ncclSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(&id, shared.data(), sizeof(id), cudaMemcpyDeviceToHost, stream()),
+                cudaSuccess);
+      world().synchronize(CommPhase::none, "the engine's NCCL id");
+    }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t engine = nullptr;
-    const ncclResult_t split = ncclCommSplit(world().nccl(), /*color=*/0, world().rank(), &engine, &config);
-    ASSERT_TRUE(split == ncclSuccess || split == ncclInProgress) << ncclGetErrorString(split);
+    const ncclResult_t init = ncclCommInitRankConfig(&engine, N, id, me, &config);
+    ASSERT_TRUE(init == ncclSuccess || init == ncclInProgress) << ncclGetErrorString(init);
+    ASSERT_NE(engine, nullptr);
     {
       CommOptions o;
-      o.stream = world().stream();  // the test's copies and the transport in one order
-      std::shared_ptr<Communicator> borrowed = Communicator::borrow(engine, o);  // waits for the split
-      for (const Mode mode : {Mode::normal, Mode::low_latency}) {
-        const MoeConfig c = test_config(32);
-        const DispatcherContext ctx{c, mode, ActivationFormat::fp8_group, world().rank(), 1};
-        auto d = make_nccl_p2p_dispatcher(ctx, borrowed);
+      o.stream = world().stream();  // the test's copies and the transports in one order
+      std::shared_ptr<Communicator> borrowed = Communicator::borrow(engine, o);  // waits for the set-up
+      EXPECT_EQ(borrowed->rank(), me);
+      EXPECT_EQ(borrowed->size(), N);
+      const MoeConfig c = test_config(32);
+      auto round = [&](std::unique_ptr<LowLatencyDispatcher> d, const char* what) {
         check_round(*d, c, ActivationFormat::fp8_group,
                     make_inputs(c, ActivationFormat::fp8_group,
                                 per_rank([](int r) { return ramp(r, 20, 29); }), 25, Routing::random),
-                    mode == Mode::normal ? "nonblocking, normal" : "nonblocking, low latency");
+                    what);
+      };
+      for (const Mode mode : {Mode::normal, Mode::low_latency}) {
+        const DispatcherContext ctx{c, mode, ActivationFormat::fp8_group, me, 1};
+        round(make_nccl_p2p_dispatcher(ctx, borrowed),
+              mode == Mode::normal ? "nccl-p2p, nonblocking, normal" : "nccl-p2p, nonblocking, low latency");
       }
-    }
-    // The engine's teardown of a nonblocking communicator: finalize, wait, destroy.
+      if (N > 1) {
+        const bool lsa = borrowed->all_ranks_load_store_reachable();
+        EXPECT_EQ(lsa, world().all_ranks_load_store_reachable());
+        borrowed->barrier();
+        if (lsa) {
+          const DispatcherContext ctx{c, Mode::low_latency, ActivationFormat::fp8_group, me, 1};
+          round(make_nvlink_ll_dispatcher(ctx, borrowed), "nvlink-ll, nonblocking");
+        }
+      }
+      world().barrier();
+    }  // (windows deregistered, collectively)
+    // The engine's teardown of a nonblocking communicator: finalize, wait, then destroy (or abort).
     const ncclResult_t finalize = ncclCommFinalize(engine);
-    ASSERT_TRUE(finalize == ncclSuccess || finalize == ncclInProgress) << ncclGetErrorString(finalize);
+    EXPECT_TRUE(finalize == ncclSuccess || finalize == ncclInProgress) << ncclGetErrorString(finalize);
     ncclResult_t state = ncclInProgress;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
@@ -586,7 +621,11 @@ TEST(CommNcclP2p, OnAnEnginesNonblockingCommunicator) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     EXPECT_EQ(state, ncclSuccess);
-    EXPECT_EQ(ncclCommDestroy(engine), ncclSuccess);
+    if (state == ncclSuccess) {
+      EXPECT_EQ(ncclCommDestroy(engine), ncclSuccess);
+    } else {
+      (void)ncclCommAbort(engine);
+    }
     world().barrier();
   });
 }
