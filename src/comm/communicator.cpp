@@ -738,7 +738,6 @@ void Communicator::fail_wait(CommPhase phase, std::string_view waiting_for, cons
   EPMOE_FAIL("{}", msg);
 }
 
-
 void Communicator::complete_nccl(ncclResult_t status, const char* call, const char* file, int line) {
   if (status != ncclSuccess && status != ncclInProgress)
     comm_detail::throw_nccl_error(status, call, file, line);
