@@ -142,6 +142,26 @@ PlaceArgs GpuDispatcherBase::place_outputs() const {
   return a;
 }
 
+ReduceArgs GpuDispatcherBase::reduce_inputs(const TensorView& expert_out) const {
+  ReduceArgs r;
+  r.expert_out = expert_out.data;
+  r.row_weight = row_weight_.as<float>();
+  r.recv_rows = recv_rows_.as<std::int32_t>();
+  r.recv_src = recv_src_.as<std::int32_t>();
+  r.recv_slot = recv_slot_.as<std::int32_t>();
+  r.recv_total = recv_total_.as<std::int32_t>();
+  return r;
+}
+
+HomeArgs GpuDispatcherBase::home_inputs(const TensorView& y) const {
+  HomeArgs h;
+  h.bitmaps = bitmaps_.as<std::uint32_t>();
+  h.prefix = prefix_.as<std::int32_t>();
+  h.T = last_T_;
+  h.y = y.data;
+  return h;
+}
+
 std::int64_t GpuDispatcherBase::estimated_m(std::int64_t T) const {
   return std::max<std::int64_t>(1, (T * g_.N * g_.K + g_.P - 1) / std::max(1, g_.P));
 }

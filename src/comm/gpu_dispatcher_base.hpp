@@ -39,6 +39,10 @@ class GpuDispatcherBase {
                    float tensor_scale, std::vector<std::int64_t> expert_offsets,
                    std::int64_t expected_m) const;
   PlaceArgs place_outputs() const;
+  // The combine kernels' arguments from the last dispatch's tables (the transport adds its destinations,
+  // flags and sync).
+  ReduceArgs reduce_inputs(const TensorView& expert_out) const;
+  HomeArgs home_inputs(const TensorView& y) const;
   // expected_m where the host does not learn the counts: T * ranks * top-k / physical experts (>= 1).
   std::int64_t estimated_m(std::int64_t T) const;
   // The last dispatch's statistics read from the device (for the dispatches that never sync the host

@@ -91,13 +91,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
   void combine_send(const TensorView& expert_out) override {
     enter("combine_send");
     validate_expert_out(expert_out);
-    comm_detail::ReduceArgs r;
-    r.expert_out = expert_out.data;
-    r.row_weight = row_weight_.as<float>();
-    r.recv_rows = recv_rows_.as<std::int32_t>();
-    r.recv_src = recv_src_.as<std::int32_t>();
-    r.recv_slot = recv_slot_.as<std::int32_t>();
-    r.recv_total = recv_total_.as<std::int32_t>();
+    comm_detail::ReduceArgs r = reduce_inputs(expert_out);
     r.dest = comb_dest_.as<char* const>();
     r.sync = errors_only();
     comm_detail::launch_reduce(g_, r, comm_->stream());
@@ -110,12 +104,8 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     enter("combine_recv");
     EPMOE_CHECK(combine_sent_, "{}: combine_recv needs a combine_send first", name_);
     validate_y(y);
-    comm_detail::HomeArgs h;
+    comm_detail::HomeArgs h = home_inputs(y);
     h.partials = comb_recv_.as<const char>();
-    h.bitmaps = bitmaps_.as<std::uint32_t>();
-    h.prefix = prefix_.as<std::int32_t>();
-    h.T = last_T_;
-    h.y = y.data;
     h.sync = errors_only();
     comm_detail::launch_home(g_, h, comm_->stream());
     combine_sent_ = false;

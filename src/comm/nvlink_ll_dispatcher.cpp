@@ -492,13 +492,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   void combine_send(const TensorView& expert_out) override {
     enter("combine_send");
     validate_expert_out(expert_out);
-    comm_detail::ReduceArgs r;
-    r.expert_out = expert_out.data;
-    r.row_weight = row_weight_.as<float>();
-    r.recv_rows = recv_rows_.as<std::int32_t>();
-    r.recv_src = recv_src_.as<std::int32_t>();
-    r.recv_slot = recv_slot_.as<std::int32_t>();
-    r.recv_total = recv_total_.as<std::int32_t>();
+    comm_detail::ReduceArgs r = reduce_inputs(expert_out);
     r.dest = reduce_dest_.as<char* const>();
     r.flag = reduce_flag_.as<std::uint32_t* const>();
     r.sync = sync(1, 6);
@@ -512,14 +506,10 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     enter("combine_recv");
     EPMOE_CHECK(combine_sent_, "{}: combine_recv needs a combine_send first", name_);
     validate_y(y);
-    comm_detail::HomeArgs h;
+    comm_detail::HomeArgs h = home_inputs(y);
     h.partials = static_cast<const char*>(window_->local()) + cslot_off_;
     h.flags = reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(window_->local()) + cflag_off_);
     h.flag_stride = 4;
-    h.bitmaps = bitmaps_.as<std::uint32_t>();
-    h.prefix = prefix_.as<std::int32_t>();
-    h.T = last_T_;
-    h.y = y.data;
     h.sync = sync(1, 7);
     h.split = combine_split();
     comm_detail::launch_home(g_, h, comm_->stream());
