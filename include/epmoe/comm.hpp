@@ -141,6 +141,8 @@ std::string describe_input_status(std::int32_t status);
 
 // Default bound of every wait: $EPMOE_COMM_TIMEOUT_S seconds, else 60.
 double default_comm_timeout_s();
+// Default of CommOptions::nonblocking: $EPMOE_COMM_NONBLOCKING (0 or 1), else false.
+bool default_comm_nonblocking();
 
 // ---------------------------------------------------------------- symmetric memory
 class Communicator;
@@ -212,12 +214,19 @@ class LoopbackGroup {
 struct CommOptions {
   double timeout_s = default_comm_timeout_s();
   cudaStream_t stream = nullptr;  // borrowed; nullptr: the communicator owns a non-blocking stream
+  // create() only: make the NCCL communicator nonblocking (ncclConfig_t::blocking = 0). Then the
+  // collective set-up calls after its creation (window registration, the device communicator) are
+  // bounded too: a rank whose peer never makes such a call aborts the communicator after
+  // host_wait_limit_s() and throws, where on a blocking communicator NCCL waits inside the call
+  // without a bound (`epmoe launch --timeout` then stops the ranks). Off by default until it has been
+  // measured on the device like the blocking path; EPMOE_COMM_NONBLOCKING=1 turns it on.
+  bool nonblocking = default_comm_nonblocking();
 };
 
 class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   // Owns a new communicator: sets the device, checks the NCCL version and the NVLS setting,
-  // ncclCommInitRank (collective over `size` ranks).
+  // ncclCommInitRankConfig (collective over `size` ranks; nonblocking with options.nonblocking).
   static std::shared_ptr<Communicator> create(const ncclUniqueId& id, int rank, int size, int device,
                                               const CommOptions& options = {});
   // create() from LaunchEnvironment::from_env(): device = its device; waits up to the timeout for

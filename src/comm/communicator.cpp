@@ -322,6 +322,14 @@ std::string describe_device_error(const DeviceErrorRecord& r) {
   return fmt::format("rank {}: device error code {} in phase {} (peer {})", r.rank, r.code, phase, r.peer);
 }
 
+bool default_comm_nonblocking() {
+  const char* v = std::getenv("EPMOE_COMM_NONBLOCKING");
+  if (v == nullptr || *v == '\0') return false;
+  const std::string_view value(v);
+  EPMOE_CHECK(value == "0" || value == "1", "EPMOE_COMM_NONBLOCKING='{}' must be 0 or 1", value);
+  return value == "1";
+}
+
 double default_comm_timeout_s() {
   const char* v = std::getenv("EPMOE_COMM_TIMEOUT_S");
   if (v == nullptr) return 60.0;
@@ -556,12 +564,21 @@ std::shared_ptr<Communicator> Communicator::create(const ncclUniqueId& id, int r
   // NCCL's set-up (~0.4-0.6 s for 2 ranks on an H200 host) runs on its own thread; its state is
   // shared with that thread so that a thread abandoned after a timeout never writes into a
   // destroyed Communicator.
+  // A nonblocking communicator's ncclCommInitRankConfig answers ncclInProgress at once (NCCL sets it up
+  // on a thread of its own); wait_init polls it, bounded, and aborts it on timeout. A blocking one
+  // (unless NCCL_COMM_BLOCKING=0 in the environment) answers when every rank has joined: on timeout
+  // wait_init abandons this thread.
   auto pending = std::make_shared<PendingInit>();
   pending->done = pending->result.get_future();
-  pending->thread = std::thread([state = pending, size, id, rank, device]() mutable {
+  const bool nonblocking = options.nonblocking;
+  pending->thread = std::thread([state = pending, size, id, rank, device, nonblocking]() mutable {
     try {
       EPMOE_CUDA_CHECK(cudaSetDevice(device));
-      EPMOE_NCCL_CHECK(ncclCommInitRank(&state->comm, size, id, rank));
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      if (nonblocking) config.blocking = 0;  // (else NCCL's default: NCCL_COMM_BLOCKING, else blocking)
+      const ncclResult_t status = ncclCommInitRankConfig(&state->comm, size, id, rank, &config);
+      if (status != ncclSuccess && status != ncclInProgress)
+        comm_detail::throw_nccl_error(status, "ncclCommInitRankConfig", __FILE__, __LINE__);
       state->result.set_value();
     } catch (...) {
       state->result.set_exception(std::current_exception());
@@ -577,15 +594,17 @@ void Communicator::wait_init() const {
     return;
   }
   const double limit_s = host_wait_limit_s();
-  if (pending_->done.wait_for(std::chrono::duration<double>(limit_s)) != std::future_status::ready) {
-    // A peer that never starts keeps ncclCommInitRank waiting: abandon the thread (it owns its state).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(limit_s);
+  const std::string late = fmt::format(
+      "the NCCL communicator (rank {} of {}) was not set up within {:.1f} s: did every rank start, with "
+      "the same NCCL id?",
+      rank_, size_, limit_s);
+  if (pending_->done.wait_until(deadline) != std::future_status::ready) {
+    // A peer that never starts keeps a blocking ncclCommInitRankConfig waiting: abandon the thread (it
+    // owns its state).
     pending_->thread.detach();
     pending_.reset();
-    init_error_ = fmt::format(
-        "the NCCL communicator (rank {} of {}) was not set up within {:.1f} s: did every rank start, with "
-        "the "
-        "same NCCL id?",
-        rank_, size_, limit_s);
+    init_error_ = late;
     EPMOE_FAIL("{}", init_error_);
   }
   pending_->thread.join();
@@ -594,6 +613,18 @@ void Communicator::wait_init() const {
     pending->done.get();
   } catch (const std::exception& e) {
     init_error_ = fmt::format("setting up the NCCL communicator failed: {}", e.what());
+    EPMOE_FAIL("rank {}: {}", rank_, init_error_);
+  }
+  // A nonblocking communicator is still setting up (a blocking one answers the first poll).
+  const double left_s =
+      std::max(0.0, std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count());
+  const ncclResult_t state = poll_async(pending->comm, left_s);
+  if (state != ncclSuccess) {
+    init_error_ = state == ncclInProgress
+                      ? late
+                      : fmt::format("setting up the NCCL communicator failed: NCCL error {} ({})",
+                                    static_cast<int>(state), ncclGetErrorString(state));
+    (void)ncclCommAbort(pending->comm);  // (a nonblocking communicator may be aborted at any time)
     EPMOE_FAIL("rank {}: {}", rank_, init_error_);
   }
   comm_ = pending->comm;

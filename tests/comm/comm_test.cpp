@@ -186,6 +186,28 @@ TEST(CommEnv, TimeoutFromTheEnvironment) {
   }
 }
 
+TEST(CommEnv, NonblockingFromTheEnvironment) {
+  {
+    ScopedEnv t("EPMOE_COMM_NONBLOCKING", nullptr);
+    EXPECT_FALSE(default_comm_nonblocking());
+    EXPECT_FALSE(CommOptions{}.nonblocking);
+  }
+  {
+    ScopedEnv t("EPMOE_COMM_NONBLOCKING", "1");
+    EXPECT_TRUE(default_comm_nonblocking());
+    EXPECT_TRUE(CommOptions{}.nonblocking);
+  }
+  {
+    ScopedEnv t("EPMOE_COMM_NONBLOCKING", "0");
+    EXPECT_FALSE(default_comm_nonblocking());
+  }
+  {
+    ScopedEnv t("EPMOE_COMM_NONBLOCKING", "yes");
+    const std::string e = error_of([] { default_comm_nonblocking(); });
+    EXPECT_NE(e.find("EPMOE_COMM_NONBLOCKING='yes' must be 0 or 1"), std::string::npos) << e;
+  }
+}
+
 TEST(CommErrors, DeviceErrorsNameThePhaseAndThePeer) {
   DeviceErrorRecord r{};
   r.code = kDeviceErrorTimeout;

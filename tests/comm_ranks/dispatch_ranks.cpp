@@ -561,21 +561,7 @@ TEST(CommNcclP2p, LowLatencyTooManyTokensOnOneRankIsReportedToItsPeers) {
 TEST(CommNcclP2p, OnAnEnginesNonblockingCommunicator) {
   on_ranks([&] {
     const int N = world().size(), me = world().rank();
-    ncclUniqueId id{};
-    if (me == 0) {
-      ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
-    }
-    {
-      const cuda::DeviceBuffer shared(sizeof(id));
-      ASSERT_EQ(cudaMemcpyAsync(shared.data(), &id, sizeof(id), cudaMemcpyHostToDevice, stream()),
-                cudaSuccess);
-      ASSERT_EQ(
-          ncclBroadcast(shared.data(), shared.data(), sizeof(id), ncclUint8, 0, world().nccl(), stream()),
-          ncclSuccess);
-      ASSERT_EQ(cudaMemcpyAsync(&id, shared.data(), sizeof(id), cudaMemcpyDeviceToHost, stream()),
-                cudaSuccess);
-      world().synchronize(CommPhase::none, "the engine's NCCL id");
-    }
+    const ncclUniqueId id = shared_nccl_id();
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t engine = nullptr;
@@ -627,6 +613,50 @@ TEST(CommNcclP2p, OnAnEnginesNonblockingCommunicator) {
       (void)ncclCommAbort(engine);
     }
     world().barrier();
+  });
+}
+
+// An owned nonblocking communicator (CommOptions::nonblocking) bounds the collective set-up calls
+// made after its creation: rank 0 registers a window that no peer registers until rank 0 has given
+// up, and throws within its host limit, naming the call (on a blocking communicator NCCL would wait
+// inside the call without a bound); the late ranks' registration then fails too (their peer is gone),
+// bounded the same way. Both communicators are aborted, the world's stays usable.
+TEST(CommNcclOwned, ASetUpCallAPeerNeverMakesIsBoundedWhenNonblocking) {
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    // (Needs a peer that leaves the call out; not a GTEST_SKIP, which would mark a whole ctest entry
+    // of this suite skipped. The one-rank entries leave it out.)
+    if (N < 2) return;
+    CommOptions o;
+    o.nonblocking = true;
+    o.timeout_s = 2.0;
+    std::shared_ptr<Communicator> own = Communicator::create(shared_nccl_id(), me, N, world().device(), o);
+    ASSERT_NE(own->nccl(), nullptr);  // (waits for the set-up, bounded)
+    auto register_window = [&](const char* who) {
+      const auto start = std::chrono::steady_clock::now();
+      std::string message;
+      try {
+        (void)own->alloc_symmetric(std::size_t{1} << 20);
+      } catch (const Error& e) {
+        message = e.what();
+      }
+      const double took_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_FALSE(message.empty()) << who << ": the window registration succeeded without its peers";
+      EXPECT_LE(took_s, own->host_wait_limit_s() + 5.0) << who << ": " << message;
+      return message;
+    };
+    if (me == 0) {
+      const std::string message = register_window("rank 0, alone");
+      EXPECT_NE(message.find("ncclCommWindowRegister"), std::string::npos) << message;
+      EXPECT_NE(message.find("did not complete within"), std::string::npos) << message;
+      EXPECT_NE(message.find("rank 0"), std::string::npos) << message;
+      EXPECT_TRUE(own->broken()) << "rank 0's communicator was not aborted after the timeout";
+    }
+    world().barrier();  // rank 0 has given up and aborted its communicator
+    if (me != 0) (void)register_window("a late rank");
+    world().barrier();
+    own.reset();
+    world().barrier();  // the world's communicator still works
   });
 }
 

@@ -373,9 +373,14 @@ TEST(LayerNcclBorrowed, AnEnginesOwnCommunicatorGivesTheSameBits) {
     const HostTensor x = synthetic_tokens(c, 39, world().rank(), T);
     const Out on_world = forward_and_destroy(make_layer(w, Mode::low_latency), x);
 
+    // (A blocking engine communicator, also where the world's is nonblocking: EPMOE_COMM_NONBLOCKING=1.)
     ncclComm_t engine_comm = nullptr;
-    ASSERT_EQ(ncclCommSplit(world().nccl(), /*color=*/0, /*key=*/world().rank(), &engine_comm, nullptr),
-              ncclSuccess);
+    ncclConfig_t engine_config = NCCL_CONFIG_INITIALIZER;
+    engine_config.blocking = 1;
+    world().complete_nccl(
+        ncclCommSplit(world().nccl(), /*color=*/0, /*key=*/world().rank(), &engine_comm, &engine_config),
+        "ncclCommSplit");
+    ASSERT_NE(engine_comm, nullptr);
     {
       std::shared_ptr<Communicator> borrowed = Communicator::borrow(engine_comm);
       EXPECT_EQ(borrowed->rank(), world().rank());

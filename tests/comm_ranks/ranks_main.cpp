@@ -118,6 +118,8 @@ int main(int argc, char** argv) {
     } else {
       ranks::g_world = Communicator::create(new_nccl_id(), 0, 1, 0);
     }
+    if (!ranks::g_world->loopback() && CommOptions{}.nonblocking)
+      std::printf("the world's NCCL communicator is nonblocking (EPMOE_COMM_NONBLOCKING=1)\n");
     if (ranks::g_ranks.empty()) Communicator::set_process_default(ranks::g_world);
     // The randomized tests' seed, the same on every rank: EPMOE_TEST_SEED when set (fresh_seed reads it);
     // else launched ranks hash the NCCL unique id they share (a fresh one per launch), and loopback ranks

@@ -9,6 +9,23 @@
 
 namespace epmoe::ranks {
 
+ncclUniqueId shared_nccl_id() {
+  ncclUniqueId id{};
+  if (world().rank() == 0) {
+    const ncclResult_t drawn = ncclGetUniqueId(&id);
+    EPMOE_CHECK(drawn == ncclSuccess, "ncclGetUniqueId: {}", ncclGetErrorString(drawn));
+  }
+  const cuda::DeviceBuffer shared(sizeof(id));
+  const cudaStream_t stream = world().stream();
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(shared.data(), &id, sizeof(id), cudaMemcpyHostToDevice, stream));
+  world().complete_nccl(
+      ncclBroadcast(shared.data(), shared.data(), sizeof(id), ncclUint8, 0, world().nccl(), stream),
+      "ncclBroadcast of a test's NCCL id");
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&id, shared.data(), sizeof(id), cudaMemcpyDeviceToHost, stream));
+  world().synchronize(CommPhase::none, "a test's NCCL id");
+  return id;
+}
+
 std::vector<RankInput> make_inputs(const MoeConfig& c, ActivationFormat format,
                                    const std::vector<std::int64_t>& tokens, std::uint32_t seed,
                                    Routing routing) {

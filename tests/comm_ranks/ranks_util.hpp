@@ -25,6 +25,9 @@ std::shared_ptr<Communicator> world_ptr();
 void on_ranks(const std::function<void()>& body);
 // The randomized tests' seed, the same on every rank of a run (printed at start; EPMOE_TEST_SEED sets it).
 std::uint64_t test_seed();
+// A fresh NCCL unique id, drawn by rank 0 and broadcast over world() (collective; NCCL ranks only), for
+// tests that make communicators of their own.
+ncclUniqueId shared_nccl_id();
 
 enum class Routing { random, same_experts, first_rank_only };
 
