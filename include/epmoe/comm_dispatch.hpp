@@ -3,12 +3,13 @@
 // enqueued on Communicator::stream() (outputs are valid in that stream's order).
 //
 //   "nccl-p2p"  the portable transport: ncclSend/ncclRecv inside ncclGroupStart/End, so it runs
-//               wherever NCCL runs, across nodes too. The counts are computed on the device and
-//               all-gathered first. Normal mode (contiguous layout) with DispatcherContext::host_sync:
-//               the host learns them once per dispatch and sends exactly the packed bytes. Low-latency
-//               mode (masked layout) and normal mode without the host sync: no host sync, each peer
-//               gets its whole region (max_tokens_per_rank rows), CUDA-graph capturable; send and
-//               receive halves as below.
+//               wherever NCCL runs, across nodes too. The counts are computed on the device. Normal
+//               mode (contiguous layout) with DispatcherContext::host_sync: they are all-gathered
+//               first, the host learns them once per dispatch and sends exactly the packed bytes.
+//               Low-latency mode (masked layout) and normal mode without the host sync: no host sync,
+//               each peer gets this rank's count row and its whole region (max_tokens_per_rank rows)
+//               in one group (one NCCL launch), CUDA-graph capturable; send and receive halves as
+//               below.
 //   "nvlink-ll" the low-latency transport over NVLink loads/stores (symmetric window, LSA
 //               pointers): each token is written once per destination rank straight into the
 //               peer's window, with a per-(source rank) arrival flag carrying a sequence number
@@ -36,8 +37,8 @@ namespace epmoe {
 // dispatch_recv() and combine() = combine_send() + combine_recv(); the calls must alternate in that
 // order. Without a host sync (low-latency mode; normal mode with host_sync = false):
 //   dispatch_send: routes and sends this rank's tokens ("nvlink-ll": stores into the peers' windows
-//                  and raises the flags; "nccl-p2p": all-gathers the counts, packs, and enqueues the
-//                  grouped send/recv).
+//                  and raises the flags; "nccl-p2p": packs, and enqueues the grouped send/recv of
+//                  the count rows and the regions).
 //   dispatch_recv: fans every source's tokens out to the layout once they are there (nvlink: a
 //                  bounded device wait per source; nccl-p2p: in stream order after NCCL's transfers,
 //                  bounded only by the host's waits, Communicator::synchronize). num_recv_tokens is -1

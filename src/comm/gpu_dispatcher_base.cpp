@@ -166,13 +166,14 @@ std::int64_t GpuDispatcherBase::estimated_m(std::int64_t T) const {
   return std::max<std::int64_t>(1, (T * g_.N * g_.K + g_.P - 1) / std::max(1, g_.P));
 }
 
-const DispatchStats& GpuDispatcherBase::stats_from_device(std::uint32_t dispatch_seq) const {
+const DispatchStats& GpuDispatcherBase::stats_from_device(std::uint32_t dispatch_seq,
+                                                          const std::int32_t* count_row) const {
   if (!dispatched_ || stats_seq_ == dispatch_seq) return stats_;
   comm_->synchronize(CommPhase::none, "the last dispatch, for its statistics");
   EPMOE_CUDA_CHECK(cudaSetDevice(comm_->device()));
   std::vector<std::int32_t> counts(static_cast<std::size_t>(g_.N));
-  EPMOE_CUDA_CHECK(cudaMemcpy(counts.data(), count_row_.data(), counts.size() * sizeof(std::int32_t),
-                              cudaMemcpyDeviceToHost));
+  EPMOE_CUDA_CHECK(cudaMemcpy(counts.data(), count_row != nullptr ? count_row : count_row_.as<std::int32_t>(),
+                              counts.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
   std::int64_t tokens_out = 0;
   for (int d = 0; d < g_.N; ++d)
     if (d != g_.me) tokens_out += counts[static_cast<std::size_t>(d)];

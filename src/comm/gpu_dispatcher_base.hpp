@@ -49,7 +49,9 @@ class GpuDispatcherBase {
   // for them): this rank's tokens per destination from the routing's count row, its rows from
   // m_indices (contiguous, output_rows_ of them) or masked_m. `dispatch_seq` numbers the dispatches
   // (stats_ is re-read once per dispatch). Synchronises the stream (bounded): not inside a capture.
-  const DispatchStats& stats_from_device(std::uint32_t dispatch_seq) const;
+  // `count_row`: where the routing wrote this rank's count row (nullptr: count_row_).
+  const DispatchStats& stats_from_device(std::uint32_t dispatch_seq,
+                                         const std::int32_t* count_row = nullptr) const;
   // Bytes of the buffers below.
   std::size_t base_buffer_bytes() const;
 

@@ -1,15 +1,15 @@
 // "nccl-p2p": dispatch / combine over ncclSend / ncclRecv (epmoe/comm_dispatch.hpp).
 //
-// dispatch_send: route (device) -> ncclAllGather of every rank's count row (tokens per
-// destination, rows per physical expert, input status) -> pack each token once per destination
-// (whole dispatch() calls: the own tokens stay in x) -> grouped send/recv of the regions.
-// dispatch_recv: place (contiguous or masked layout) from the gathered counts. combine_send: reduce
+// dispatch_send: route (device; this rank's count row: tokens per destination, rows per physical
+// expert, input status) -> pack each token once per destination (whole dispatch() calls: the own
+// tokens stay in x) -> grouped send/recv of the count rows and the regions, one NCCL launch.
+// dispatch_recv: place (contiguous or masked layout) from every rank's count row. combine_send: reduce
 // per received token -> grouped send/recv of the partial sums; combine_recv: home sums in rank order.
 // Normal mode with DispatcherContext::host_sync: the host learns the counts once per dispatch (one
 // bounded wait), refuses bad input on every rank alike, and sends exactly the packed bytes. Otherwise
-// (low-latency mode, normal mode without the host sync) nothing waits for the host: whole regions
-// (T_max rows per peer) travel, the receive sizes the layout on the device, and the calls can be
-// captured in a CUDA graph.
+// (low-latency mode, normal mode without the host sync) nothing waits for the host: the count rows
+// travel in the same group as whole regions (T_max rows per peer), the receive sizes the layout on
+// the device, and the calls can be captured in a CUDA graph.
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -65,7 +65,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
   // Normal mode with the host sync: counted on the host in dispatch_send; otherwise read from the device
   // when asked.
   const DispatchStats& last_stats() const override {
-    return sized_on_host_ ? stats_ : stats_from_device(dispatch_seq_);
+    return sized_on_host_ ? stats_ : stats_from_device(dispatch_seq_, own_count_row());
   }
   std::size_t window_bytes() const override { return 0; }  // no symmetric memory
 
@@ -96,7 +96,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     r.sync = errors_only();
     comm_detail::launch_reduce(g_, r, comm_->stream());
     // Partial sums go back the way the tokens came.
-    exchange(comb_send_, comb_recv_, g_.partial_bytes, recv_tokens_, send_tokens_);
+    exchange(comb_send_, comb_recv_, g_.partial_bytes, recv_tokens_, send_tokens_, /*with_count_rows=*/false);
     combine_sent_ = true;
   }
 
@@ -112,14 +112,14 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
   }
 
  private:
-  // Routes, all-gathers the count rows, packs each token once per destination (whole calls: the own
-  // tokens stay in x, place reads them there; halves: into the own receive region) and exchanges the
-  // regions. Normal mode with the host sync learns the counts first (one bounded wait) and refuses a
-  // bad input on every rank before anything is sent. Otherwise a refused input sends its status and no
-  // token: too many tokens throws here after the exchange, ids out of range (found on the device) do
-  // not; every rank's place records the status in the communicator's device error record, which its
-  // next bounded wait reports. The peers' next calls (combine) may meanwhile wait in NCCL for the
-  // refusing rank until that wait gives up (Communicator::synchronize aborts the communicator).
+  // Routes, packs each token once per destination (whole calls: the own tokens stay in x, place reads
+  // them there; halves: into the own receive region) and exchanges the count rows and the regions.
+  // Normal mode with the host sync all-gathers the count rows first, learns them (one bounded wait) and
+  // refuses a bad input on every rank before anything is sent. Otherwise a refused input sends its status and
+  // no token: too many tokens throws here after the exchange, ids out of range (found on the device) do not;
+  // every rank's place records the status in the communicator's device error record, which its next bounded
+  // wait reports. The peers' next calls (combine) may meanwhile wait in NCCL for the refusing rank until that
+  // wait gives up (Communicator::synchronize aborts the communicator).
   void send(const DispatchInput& in, bool whole) {
     enter("dispatch_send");
     const std::int64_t T = validate_input(in);
@@ -130,13 +130,16 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     sent_ = false;
     combine_sent_ = false;
 
-    // Counts: computed on the device and all-gathered (place reads them from matrix_).
+    // Counts: computed on the device into this rank's row of matrix_ (place reads every source's row
+    // there). With the host sync all-gathered now (in place) and learnt; otherwise they travel with the
+    // regions (exchange), which spares an NCCL launch.
+    std::int32_t* const own_row = own_count_row();
     comm_detail::launch_route(g_, in.topk_ids.as<std::int32_t>(), T, host_status, in.x_tensor_scale,
-                              bitmaps_.as<std::uint32_t>(), prefix_.as<std::int32_t>(),
-                              count_row_.as<std::int32_t>(), stream);
-    EPMOE_NCCL_COMM_CHECK(
-        *comm_, ncclAllGather(count_row_.data(), matrix_.data(), static_cast<std::size_t>(row_len), ncclInt32,
-                              comm_->nccl(), stream));
+                              bitmaps_.as<std::uint32_t>(), prefix_.as<std::int32_t>(), own_row, stream);
+    if (sized_on_host_) {
+      EPMOE_NCCL_COMM_CHECK(*comm_, ncclAllGather(own_row, matrix_.data(), static_cast<std::size_t>(row_len),
+                                                  ncclInt32, comm_->nccl(), stream));
+    }
     ++dispatch_seq_;
     tensor_scale_ = in.x_tensor_scale;
     if (sized_on_host_) learn_counts();
@@ -149,14 +152,14 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     s.T = host_status != 0 ? 0 : T;
     s.bitmaps = bitmaps_.as<std::uint32_t>();
     s.prefix = prefix_.as<std::int32_t>();
-    s.count_row = count_row_.as<std::int32_t>();
+    s.count_row = own_row;
     s.dest = dest_.as<char* const>();
     s.skip_self = whole;  // whole calls: place reads the own tokens from x
     s.sync = errors_only();
     // Packing into the send buffers is on this transport's critical path: every SM.
     s.blocks = std::max(1, comm_detail::work_blocks(s.T));
     comm_detail::launch_send(g_, s, stream);
-    exchange(send_, recv_, g_.row_stride, send_tokens_, recv_tokens_);
+    exchange(send_, recv_, g_.row_stride, send_tokens_, recv_tokens_, /*with_count_rows=*/!sized_on_host_);
     last_T_ = host_status != 0 ? 0 : T;
     own_direct_ = whole;
     // The peers got an error status instead of tokens; now refuse here too.
@@ -260,6 +263,12 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     stats_.rows_received[0] = valid_rows;
   }
 
+  // This rank's row of matrix_ (the routing writes its counts there).
+  std::int32_t* own_count_row() const {
+    return matrix_.as<std::int32_t>() +
+           static_cast<std::size_t>(g_.me) * static_cast<std::size_t>(g_.count_row_len());
+  }
+
   // The kernels' error reporting (no flags: NCCL orders the transfers).
   comm_detail::FlagSync errors_only() const {
     comm_detail::FlagSync s;
@@ -285,8 +294,12 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
   // Region d of `send` to rank d, region d of `recv` from it: count_out[d] / count_in[d] items of `item`
   // bytes where the host learnt the counts, else whole regions (T_max items: the receiver cannot size
   // what it does not know, and NCCL needs both sides' sizes equal), so that nothing waits for the host.
+  // with_count_rows: first this rank's count row to every peer and theirs into matrix_, in the same
+  // group (one NCCL launch; a pair's sends and receives match in the order they are posted).
   void exchange(const cuda::DeviceBuffer& send, const cuda::DeviceBuffer& recv, std::int64_t item,
-                const std::vector<std::int64_t>& count_out, const std::vector<std::int64_t>& count_in) {
+                const std::vector<std::int64_t>& count_out, const std::vector<std::int64_t>& count_in,
+                bool with_count_rows) {
+    const auto row_len = static_cast<std::size_t>(g_.count_row_len());
     const std::size_t region = static_cast<std::size_t>(g_.T_max) * static_cast<std::size_t>(item);
     auto bytes = [&](const std::vector<std::int64_t>& counts, std::size_t i) {
       return sized_on_host_ ? static_cast<std::size_t>(counts[i] * item) : region;
@@ -296,6 +309,11 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
       for (int d = 0; d < g_.N; ++d) {
         if (d == g_.me) continue;
         const auto i = static_cast<std::size_t>(d);
+        if (with_count_rows) {
+          EPMOE_NCCL_CHECK(ncclSend(own_count_row(), row_len, ncclInt32, d, comm_->nccl(), comm_->stream()));
+          EPMOE_NCCL_CHECK(ncclRecv(matrix_.as<std::int32_t>() + row_len * i, row_len, ncclInt32, d,
+                                    comm_->nccl(), comm_->stream()));
+        }
         if (const std::size_t n = bytes(count_out, i); n > 0)
           EPMOE_NCCL_CHECK(
               ncclSend(send.as<char>() + region * i, n, ncclUint8, d, comm_->nccl(), comm_->stream()));
