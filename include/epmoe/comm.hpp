@@ -218,8 +218,9 @@ struct CommOptions {
   // collective set-up calls after its creation (window registration, the device communicator) are
   // bounded too: a rank whose peer never makes such a call aborts the communicator after
   // host_wait_limit_s() and throws, where on a blocking communicator NCCL waits inside the call
-  // without a bound (`epmoe launch --timeout` then stops the ranks). Off by default until it has been
-  // measured on the device like the blocking path; EPMOE_COMM_NONBLOCKING=1 turns it on.
+  // without a bound (`epmoe launch --timeout` then stops the ranks). Off by default: NCCL starts a
+  // thread for every group end on a nonblocking communicator (each eager collective, each nccl-p2p
+  // exchange; graph replays do not pay it). EPMOE_COMM_NONBLOCKING=1 turns it on.
   bool nonblocking = default_comm_nonblocking();
 };
 
