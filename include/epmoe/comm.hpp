@@ -294,10 +294,16 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // then, or on an asynchronous error, an error naming this rank and the call (an owned communicator is
   // aborted). Every call of epmoe's that can leave work in progress goes through it (collectives, group
   // ends, window registration, the device communicator; EPMOE_NCCL_COMM_CHECK inside the library).
-  void complete_nccl(ncclResult_t status, const char* call, const char* file = "", int line = 0);
+  // `phase` names the phase in the error (the set-up calls', by default).
+  void complete_nccl(ncclResult_t status, const char* call, const char* file = "", int line = 0,
+                     CommPhase phase = CommPhase::setup);
   // The same for teardown (deregistration, destruction): never throws; false when the call failed or
-  // did not complete in time.
+  // did not complete in time, and then no collective call may follow on the communicator (NCCL refuses
+  // them): it is marked broken and, when owned, aborted.
   bool complete_nccl_quietly(ncclResult_t status) noexcept;
+  // Whether collective calls (a window's deregistration, the device communicator's destruction) may
+  // still be made: an NCCL communicator that was neither aborted nor broken by an earlier error.
+  bool can_make_collective_calls() const { return comm_ != nullptr && broken_reason_.empty(); }
 
   // Collective: out[i] = the sum over the ranks of in[i] (n int64 in device memory on this rank's
   // GPU), ordered on `stream`; ncclAllReduce, or for loopback ranks a host-side sum (synchronous).

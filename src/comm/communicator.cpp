@@ -343,7 +343,7 @@ double default_comm_timeout_s() {
 // ---------------------------------------------------------------- SymmetricBuffer
 SymmetricBuffer::~SymmetricBuffer() {
   // Collective (deregistration); skipped once the communicator was aborted.
-  if (window_ != nullptr && comm_ && comm_->nccl() != nullptr)
+  if (window_ != nullptr && comm_ && comm_->can_make_collective_calls())
     (void)comm_->complete_nccl_quietly(ncclCommWindowDeregister(comm_->nccl(), window_));
   if (local_ != nullptr && nccl_memory_) (void)ncclMemFree(local_);
   if (local_ != nullptr && !nccl_memory_ && !loopback_memory_) (void)cudaFree(local_);
@@ -577,8 +577,11 @@ std::shared_ptr<Communicator> Communicator::create(const ncclUniqueId& id, int r
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       if (nonblocking) config.blocking = 0;  // (else NCCL's default: NCCL_COMM_BLOCKING, else blocking)
       const ncclResult_t status = ncclCommInitRankConfig(&state->comm, size, id, rank, &config);
-      if (status != ncclSuccess && status != ncclInProgress)
+      if (status != ncclSuccess && status != ncclInProgress) {
+        if (state->comm != nullptr) (void)ncclCommAbort(state->comm);  // (a half-made one)
+        state->comm = nullptr;
         comm_detail::throw_nccl_error(status, "ncclCommInitRankConfig", __FILE__, __LINE__);
+      }
       state->result.set_value();
     } catch (...) {
       state->result.set_exception(std::current_exception());
@@ -682,16 +685,15 @@ Communicator::~Communicator() {
   }
   // The barrier window before the device communicator and NCCL's (deregistration is collective:
   // every rank destroys its communicator; skipped once aborted).
-  if (barrier_window_ != nullptr && comm_ != nullptr)
+  if (barrier_window_ != nullptr && can_make_collective_calls())
     (void)complete_nccl_quietly(ncclCommWindowDeregister(comm_, barrier_window_));
   if (barrier_local_ != nullptr) (void)ncclMemFree(barrier_local_);
   if (barrier_peers_ != nullptr) (void)cudaFree(barrier_peers_);
   if (comm_ != nullptr) comm_detail::destroy_dev_comm(*this, comm_, dev_comm_);
   if (owned_ && comm_ != nullptr) {
-    // (NCCL_COMM_BLOCKING=0 in the environment makes even our communicators nonblocking: finalize may
-    // answer ncclInProgress, and destroy must wait for it.)
-    (void)complete_nccl_quietly(ncclCommFinalize(comm_));
-    (void)ncclCommDestroy(comm_);
+    // (A nonblocking communicator's finalize may answer ncclInProgress, and destroy must wait for it;
+    // when it fails or does not complete, complete_nccl_quietly aborts the communicator instead.)
+    if (complete_nccl_quietly(ncclCommFinalize(comm_))) (void)ncclCommDestroy(comm_);
   }
   if (wait_event_ != nullptr) (void)cudaEventDestroy(wait_event_);
   if (owns_stream_ && stream_ != nullptr) (void)cudaStreamDestroy(stream_);
@@ -769,7 +771,8 @@ void Communicator::fail_wait(CommPhase phase, std::string_view waiting_for, cons
   EPMOE_FAIL("{}", msg);
 }
 
-void Communicator::complete_nccl(ncclResult_t status, const char* call, const char* file, int line) {
+void Communicator::complete_nccl(ncclResult_t status, const char* call, const char* file, int line,
+                                 CommPhase phase) {
   if (status != ncclSuccess && status != ncclInProgress)
     comm_detail::throw_nccl_error(status, call, file, line);
   if (comm_ == nullptr) return;
@@ -780,21 +783,37 @@ void Communicator::complete_nccl(ncclResult_t status, const char* call, const ch
   const ncclResult_t async = poll_async(comm_, limit_s);
   if (async == ncclSuccess) return;
   if (async == ncclInProgress)
-    fail_wait(CommPhase::setup, call,
+    fail_wait(phase, call,
               fmt::format(
                   "a nonblocking NCCL call (at {}:{}) did not complete within {:.1f} s: did every rank make "
                   "it?",
                   file, line, limit_s));
   const char* last = ncclGetLastError(comm_);
-  fail_wait(CommPhase::setup, call,
+  fail_wait(phase, call,
             fmt::format("NCCL reported error {} ({}{}{}) after the call at {}:{}", static_cast<int>(async),
                         ncclGetErrorString(async), last != nullptr && *last ? ": " : "",
                         last != nullptr ? last : "", file, line));
 }
 
 bool Communicator::complete_nccl_quietly(ncclResult_t status) noexcept {
-  if (status != ncclSuccess && status != ncclInProgress) return false;
-  return comm_ == nullptr || poll_async(comm_, host_wait_limit_s()) == ncclSuccess;
+  bool completed = status == ncclSuccess || status == ncclInProgress;
+  if (comm_ == nullptr) return completed;
+  if (completed) completed = poll_async(comm_, host_wait_limit_s()) == ncclSuccess;
+  if (!completed) {
+    // The communicator may be left in the middle of the call, when NCCL refuses every later call (and
+    // some of them return inside an open NCCL group): no more collective calls on it. An owned one is
+    // aborted (allowed at any time), a borrowed one left to its owner.
+    try {
+      broken_reason_ = "an NCCL call on a teardown or error path failed or did not complete";
+    } catch (...) {  // (no memory for the reason: an owned communicator is still aborted below)
+    }
+    if (owned_) {
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+      dev_comm_ = nullptr;  // (its host struct: see fail_wait)
+    }
+  }
+  return completed;
 }
 
 void Communicator::wait_event(cudaEvent_t event, CommPhase phase, std::string_view waiting_for) {

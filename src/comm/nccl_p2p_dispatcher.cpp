@@ -96,7 +96,8 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     r.sync = errors_only();
     comm_detail::launch_reduce(g_, r, comm_->stream());
     // Partial sums go back the way the tokens came.
-    exchange(comb_send_, comb_recv_, g_.partial_bytes, recv_tokens_, send_tokens_, /*with_count_rows=*/false);
+    exchange(comb_send_, comb_recv_, g_.partial_bytes, recv_tokens_, send_tokens_, /*with_count_rows=*/false,
+             CommPhase::combine_send);
     combine_sent_ = true;
   }
 
@@ -159,7 +160,8 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     // Packing into the send buffers is on this transport's critical path: every SM.
     s.blocks = std::max(1, comm_detail::work_blocks(s.T));
     comm_detail::launch_send(g_, s, stream);
-    exchange(send_, recv_, g_.row_stride, send_tokens_, recv_tokens_, /*with_count_rows=*/!sized_on_host_);
+    exchange(send_, recv_, g_.row_stride, send_tokens_, recv_tokens_, /*with_count_rows=*/!sized_on_host_,
+             CommPhase::dispatch_send);
     last_T_ = host_status != 0 ? 0 : T;
     own_direct_ = whole;
     // The peers got an error status instead of tokens; now refuse here too.
@@ -298,7 +300,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
   // group (one NCCL launch; a pair's sends and receives match in the order they are posted).
   void exchange(const cuda::DeviceBuffer& send, const cuda::DeviceBuffer& recv, std::int64_t item,
                 const std::vector<std::int64_t>& count_out, const std::vector<std::int64_t>& count_in,
-                bool with_count_rows) {
+                bool with_count_rows, CommPhase phase) {
     const auto row_len = static_cast<std::size_t>(g_.count_row_len());
     const std::size_t region = static_cast<std::size_t>(g_.T_max) * static_cast<std::size_t>(item);
     auto bytes = [&](const std::vector<std::int64_t>& counts, std::size_t i) {
@@ -322,10 +324,14 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
               ncclRecv(recv.as<char>() + region * i, n, ncclUint8, d, comm_->nccl(), comm_->stream()));
       }
     } catch (...) {
-      (void)ncclGroupEnd();  // not left open on this thread (later NCCL calls would join it)
+      // Not left open on this thread (later NCCL calls would join it), and completed where it is in
+      // progress (a nonblocking communicator refuses the next call meanwhile).
+      if (const ncclResult_t end = ncclGroupEnd(); end == ncclInProgress)
+        (void)comm_->complete_nccl_quietly(end);
       throw;
     }
-    EPMOE_NCCL_COMM_CHECK(*comm_, ncclGroupEnd());  // (inside the group the calls answer at once)
+    // (Inside the group the calls answer at once.)
+    comm_->complete_nccl(ncclGroupEnd(), "ncclGroupEnd of the nccl-p2p exchange", __FILE__, __LINE__, phase);
   }
 
   // What learn_counts() found (normal mode with the host sync).

@@ -34,8 +34,9 @@ ncclDevComm* create_dev_comm(Communicator& comm, int* lsa_rank, int* lsa_size) {
 
 void destroy_dev_comm(Communicator& comm, ncclComm_t nccl, ncclDevComm* dev_comm) noexcept {
   if (dev_comm == nullptr) return;
-  // Teardown: errors are not actionable.
-  (void)comm.complete_nccl_quietly(ncclDevCommDestroy(nccl, dev_comm));
+  // Teardown: errors are not actionable. (Skipped on a communicator broken by an earlier error: its
+  // owner aborts it.)
+  if (comm.can_make_collective_calls()) (void)comm.complete_nccl_quietly(ncclDevCommDestroy(nccl, dev_comm));
   delete dev_comm;
 }
 
