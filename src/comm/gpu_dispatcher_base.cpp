@@ -123,6 +123,20 @@ void GpuDispatcherBase::validate_y(const TensorView& y) const {
   }
 }
 
+void GpuDispatcherBase::check_one_rank_dispatch(std::size_t inputs, std::size_t outputs) const {
+  EPMOE_CHECK(inputs == 1 && outputs == 1, "{} serves one rank: pass one input and one output, got {} and {}",
+              name_, inputs, outputs);
+}
+
+void GpuDispatcherBase::check_one_rank_combine(std::span<const TensorView> expert_out,
+                                               std::span<const TensorView> y) const {
+  EPMOE_CHECK(expert_out.size() == 1 && y.size() == 1,
+              "{} serves one rank: pass one expert output and one y, got {} and {}", name_, expert_out.size(),
+              y.size());
+  validate_expert_out(expert_out[0]);
+  validate_y(y[0]);
+}
+
 PlaceArgs GpuDispatcherBase::place_outputs() const {
   PlaceArgs a;
   a.contiguous = contiguous();

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,10 @@ class GpuDispatcherBase {
   // [T of the last dispatch, H] bf16.
   void validate_expert_out(const TensorView& expert_out) const;
   void validate_y(const TensorView& y) const;
+  // The whole calls (dispatch(), combine()) of a dispatcher that serves one rank: one element in each
+  // span, else an error naming the call. combine() checks expert_out and y here, before anything is sent.
+  void check_one_rank_dispatch(std::size_t inputs, std::size_t outputs) const;
+  void check_one_rank_combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) const;
   // Makes the communicator's device current and throws if an earlier error left it unusable; counts
   // the host calls (for a timed-out wait's message: which calls this rank made). `what` is a string
   // literal (kept as a view: no allocation per call).

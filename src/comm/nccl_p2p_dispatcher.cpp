@@ -70,18 +70,12 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
   std::size_t window_bytes() const override { return 0; }  // no symmetric memory
 
   void dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) override {
-    EPMOE_CHECK(inputs.size() == 1 && outputs.size() == 1,
-                "nccl-p2p serves one rank: pass one input and one output, got {} and {}", inputs.size(),
-                outputs.size());
+    check_one_rank_dispatch(inputs.size(), outputs.size());
     send(inputs[0], /*whole=*/true);
     recv(outputs[0], &inputs[0]);
   }
   void combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) override {
-    EPMOE_CHECK(expert_out.size() == 1 && y.size() == 1,
-                "nccl-p2p serves one rank: pass one expert output and one y, got {} and {}",
-                expert_out.size(), y.size());
-    validate_expert_out(expert_out[0]);  // both before anything is sent
-    validate_y(y[0]);
+    check_one_rank_combine(expert_out, y);  // (y too, before anything is sent)
     combine_send(expert_out[0]);
     combine_recv(y[0]);
   }
