@@ -261,9 +261,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int size() const { return size_; }
   int device() const { return device_; }
   bool owned() const { return owned_; }
-  // The NCCL communicator. create() starts ncclCommInitRank on a thread of its own and returns at once,
-  // so that a caller's other set-up (weights, buffers) overlaps NCCL's; this and every collective
-  // entry point wait for it, bounded by host_wait_limit_s().
+  // The NCCL communicator. create() starts ncclCommInitRankConfig on a thread of its own and returns at
+  // once, so that a caller's other set-up (weights, buffers) overlaps NCCL's; this and every collective
+  // entry point wait for it, bounded by host_wait_limit_s() (then a nonblocking communicator is
+  // aborted; a blocking one's thread, still inside NCCL, is abandoned).
   ncclComm_t nccl() const;
   // All communication is enqueued on this stream; outputs are valid in its order.
   cudaStream_t stream() const { return stream_; }
