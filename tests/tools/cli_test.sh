@@ -186,6 +186,9 @@ check_fails "eplb --output in a missing directory" "does not exist" \
   "$epmoe" eplb --load "$tmp/load.json" --replicas 24 --output "$tmp/missing/p.json"
 check "run --steps 0 runs the prefill only" "$epmoe" run --device cpu --steps 0 --prompt-tokens 300 --json "$tmp/steps0.json"
 check "run --steps 0 JSON has no decode phase" python3 -c "import json,sys; d=json.load(open('$tmp/steps0.json')); sys.exit('decode' in d or 'prefill' not in d)"
+check "run --tokens 0 runs the prefill only" "$epmoe" run --device cpu --tokens 0 --prompt-tokens 300 --json "$tmp/tokens0.json"
+check "run --tokens 0 JSON has no decode phase" python3 -c "import json,sys; d=json.load(open('$tmp/tokens0.json')); sys.exit('decode' in d or 'prefill' not in d)"
+check_fails "run with no phase" "nothing to run: no decode phase" "$epmoe" run --device cpu --tokens 0 --prompt-tokens 0
 # GPU-only options on a CPU run: the run goes on, and says they have no effect.
 check "cpu run names the GPU options it ignores" bash -c "'$epmoe' run --device cpu --steps 1 --prompt-tokens 10 \
   --tbo --dispatcher nccl-p2p --trace '$tmp/t.json' 2>&1 >/dev/null | \

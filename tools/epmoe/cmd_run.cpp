@@ -112,10 +112,13 @@ void run_main(const RunOptions& o) {
                  names.c_str());
   }
   const MoeConfig config = build_config(o.model, device);
-  const int steps = o.steps >= 0 ? o.steps : 32;
-  EPMOE_CHECK(steps > 0 || o.prompt_tokens > 0, "nothing to run: steps and prompt-tokens are both 0");
   const std::int64_t decode_tokens =
       o.tokens >= 0 ? o.tokens : std::min<std::int64_t>(32, config.max_tokens_per_rank);
+  // --steps 0 or --tokens 0: no decode phase (as --prompt-tokens 0: no prefill phase).
+  const int steps = decode_tokens > 0 ? (o.steps >= 0 ? o.steps : 32) : 0;
+  EPMOE_CHECK(
+      steps > 0 || o.prompt_tokens > 0,
+      "nothing to run: no decode phase (--steps or --tokens 0) and no prefill phase (--prompt-tokens 0)");
   const std::int64_t chunk = o.chunk > 0 ? o.chunk : 256;
   // One layer serves both phases, as in an engine: in auto mode (the default) prefill batches run in
   // normal mode and decode batches in low-latency mode.
@@ -188,7 +191,8 @@ const CommandRegistration kRegistration{
           ->check(non_negative());
       cmd->add_option(
              "--tokens", options->tokens,
-             "Decode tokens per rank (default: CPU min(32, max_tokens_per_rank); GPU concurrency / ranks)")
+             "Decode tokens per rank (default: CPU min(32, max_tokens_per_rank); GPU concurrency / ranks; "
+             "0: no decode phase)")
           ->check(non_negative());
       cmd->add_option("--concurrency", options->concurrency, "GPU: decode requests over all ranks")
           ->check(positive())

@@ -509,9 +509,10 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   std::shared_ptr<SyntheticWeights> weights = host_weights.get();
   weights->set_expert_factory(cuda::gpu_expert_factory(device));
 
-  const int steps = o.steps >= 0 ? o.steps : 1000;
   const std::int64_t decode_tokens =
       o.tokens >= 0 ? o.tokens : std::max<std::int64_t>(1, o.concurrency / std::max(1, ranks));
+  // --steps 0 or --tokens 0: no decode phase (as --prompt-tokens 0: no prefill phase).
+  const int steps = decode_tokens > 0 ? (o.steps >= 0 ? o.steps : 1000) : 0;
   const std::int64_t chunk = o.chunk > 0 ? o.chunk : 4096;
   const std::int64_t prompts =
       o.prompts >= 0 ? o.prompts : std::max<std::int64_t>(1, o.concurrency / std::max(1, ranks));
@@ -557,7 +558,10 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
       plans.push_back(std::move(p));
     }
   }
-  EPMOE_CHECK(!plans.empty(), "nothing to run: steps and prompt-tokens are both 0");
+  EPMOE_CHECK(
+      !plans.empty(),
+      "nothing to run: no decode phase (--steps or --tokens 0) and no prefill phase (--prompt-tokens 0 "
+      "or --prompts 0)");
 
   nlohmann::json j = {{"commit", bench::git_commit()},
                       {"date", bench::utc_now_iso8601()},
