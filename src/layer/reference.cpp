@@ -109,7 +109,7 @@ double element(const TensorView& t, std::int64_t i) {
 
 double layer_tolerance(const MoeConfig& config, std::int64_t tokens) {
   if (config.hidden < 2048) return 2e-2;
-  return tokens < 4 ? 1.5e-2 : 1e-2;
+  return tokens < 16 ? 1.5e-2 : 1e-2;
 }
 
 ErrorReport compare(TensorView actual, TensorView expected) {
