@@ -26,7 +26,7 @@ class GpuDispatcherBase {
   void validate_expert_out(const TensorView& expert_out) const;
   void validate_y(const TensorView& y) const;
   // The whole calls (dispatch(), combine()) of a dispatcher that serves one rank: one element in each
-  // span, else an error naming the call. combine() checks expert_out and y here, before anything is sent.
+  // span, else an error naming the call. combine() checks y here, before combine_send sends anything.
   void check_one_rank_dispatch(std::size_t inputs, std::size_t outputs) const;
   void check_one_rank_combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) const;
   // Makes the communicator's device current and throws if an earlier error left it unusable; counts
