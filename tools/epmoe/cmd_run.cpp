@@ -253,6 +253,9 @@ const CommandRegistration kRegistration{
       cmd->add_option("--trace", options->trace,
                       "GPU: write a Chrome-trace / Perfetto timeline of one forward per phase and rank")
           ->check(writable_output());
+      cmd->add_flag("!--no-device-idle", options->device_idle,
+                    "GPU: skip the device's idle time inside a forward (a few extra forwards with CUPTI's "
+                    "activity records on)");
       cmd->add_option("--mode", options->mode,
                       "auto (decode low-latency, prefill normal), normal or low-latency")
           ->check(CLI::IsMember({"auto", "normal", "low-latency"}))
@@ -263,9 +266,10 @@ const CommandRegistration kRegistration{
       cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)")
           ->check(writable_output());
       cmd->callback([options, cmd] {
-        for (const char* name : {"--concurrency", "--prompts", "--no-graphs", "--check-tokens", "--tbo",
-                                 "--shared-stream", "--w4a8-codes", "--tbo-comm-sms", "--no-host-sync",
-                                 "--dispatcher", "--zipf", "--rebalance", "--eplb-slot-cost", "--trace"})
+        for (const char* name :
+             {"--concurrency", "--prompts", "--no-graphs", "--check-tokens", "--tbo", "--shared-stream",
+              "--w4a8-codes", "--tbo-comm-sms", "--no-host-sync", "--dispatcher", "--zipf", "--rebalance",
+              "--eplb-slot-cost", "--trace", "--no-device-idle"})
           if (cmd->count(name) > 0) options->gpu_options_given.emplace_back(name);
         run_main(*options);
       });

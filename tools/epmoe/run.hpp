@@ -34,6 +34,7 @@ struct RunOptions {
   bool rebalance = false;              // GPU: EPLB rebalance after the decode loop, then the loop again
   double eplb_slot_cost = -1;  // GPU: GpuMoeLayer::rebalance's slot_cost_tokens (-1: the layer's estimate)
   std::string trace;           // GPU: Chrome-trace / Perfetto JSON of one forward per phase and rank
+  bool device_idle = true;     // GPU: the device's idle time inside a forward (CUPTI; --no-device-idle)
   std::vector<std::string>
       gpu_options_given;  // the GPU-only options on the command line (for a CPU run's note)
 };

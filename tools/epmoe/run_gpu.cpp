@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "bench/bench.hpp"
+#include "bench/device_activity.hpp"
 #include "epmoe/comm.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/layer.hpp"
@@ -113,12 +114,20 @@ struct PhaseStats {
   double span_dispatch[2][2] = {{-1, -1}, {-1, -1}}, span_gemm[2][2] = {{-1, -1}, {-1, -1}},
          span_combine[2][2] = {{-1, -1}, {-1, -1}};
   double span_gemm_on_compute_stream = 0;
+  // What the device did in a few forwards apart from the timed ones (CUPTI's records; forwards = 0
+  // where they could not be taken): eager, and replayed as graphs where the phase has graphs.
+  bench::ActivitySummary activity_eager, activity_graph;
   // Only doubles: all-gathered as they are laid out (gather()).
-  static constexpr int kFields = 47;
+  static constexpr int kActivityFields = 5 + 2 * bench::kActivityKinds;
+  static constexpr int kFields = 47 + 2 * kActivityFields;
 };
 
+static_assert(sizeof(bench::ActivitySummary) == PhaseStats::kActivityFields * sizeof(double));
 static_assert(sizeof(PhaseStats) == PhaseStats::kFields * sizeof(double) &&
               std::is_trivially_copyable_v<PhaseStats>);
+
+// Rank 0's reason, where the device's activity could not be recorded (printed once, in the JSON).
+std::string g_activity_unavailable;
 
 // Every rank's stats, in rank order (collective).
 std::vector<PhaseStats> gather(const PhaseStats& mine, const std::shared_ptr<Communicator>& comm) {
@@ -310,7 +319,40 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
     st.rebalanced_load_max_over_mean = load_imbalance(layer.slot_load(), ranks);
   }
 
-  // 5. The accuracy check of the first forward on a sample of tokens (the CPU reference, routed from
+  // 5. The device's idle time inside a forward: a few forwards with CUPTI's records on, each started
+  // from an idle stream, so that a forward's window runs from its first kernel to its last.
+  if (o.device_idle) {
+    const std::size_t measured = std::min<std::size_t>(3, forwards);
+    auto measure = [&](bool graphs) {
+      std::string why;
+      std::unique_ptr<bench::DeviceActivity> activity = bench::DeviceActivity::open(&why);
+      if (!activity) {
+        if (root) g_activity_unavailable = why;
+        return bench::ActivitySummary{};
+      }
+      EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      if (comm && comm->size() > 1) comm->barrier();
+      activity->begin();
+      for (std::size_t f = 0; f < measured; ++f) {
+        const std::int64_t T = plan.tokens_per_forward[f];
+        activity->mark();
+        if (graphs) {
+          layer.forward_graph(x_rows(f, T), y.view().slice_rows(0, T));
+        } else {
+          layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
+        }
+        EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      }
+      std::vector<bench::ActivitySummary> per_forward;
+      for (std::vector<bench::ActivityRecord>& records : activity->end())
+        per_forward.push_back(bench::summarize_activity(std::move(records)));
+      return bench::mean_activity(per_forward);
+    };
+    st.activity_eager = measure(false);
+    if (plan.graphs) st.activity_graph = measure(true);
+  }
+
+  // 6. The accuracy check of the first forward on a sample of tokens (the CPU reference, routed from
   // the GPU's logits).
   const std::int64_t S = plan.check ? std::min(o.check_tokens, T0) : 0;
   if (S > 0) {
@@ -346,25 +388,27 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
     cd = std::max(cd, r.calc_diff);
     nf += r.non_finite;
     pass = pass && r.pass > 0;
-    per_rank.push_back({{"seconds", r.seconds},
-                        {"tokens", r.tokens},
-                        {"ms_per_forward",
-                         {{"route", r.route},
-                          {"dispatch", r.dispatch},
-                          {"gemm", r.gemm},
-                          {"combine", r.combine},
-                          {"shared", r.shared},
-                          {"shared_own_stream", r.shared_own_stream > 0},
-                          {"gemm_alone_routed", r.gemm_alone_routed},
-                          {"gemm_alone_shared", r.gemm_alone_shared},
-                          {"total", r.total},
-                          {"idle", idle}}},
-                        {"check",
-                         {{"tokens", r.checked},
-                          {"rel_l2", r.rel_l2},
-                          {"calc_diff", r.calc_diff},
-                          {"non_finite", r.non_finite},
-                          {"pass", r.pass > 0}}}});
+    per_rank.push_back(
+        {{"seconds", r.seconds},
+         {"tokens", r.tokens},
+         {"ms_per_forward",
+          {{"route", r.route},
+           {"dispatch", r.dispatch},
+           {"gemm", r.gemm},
+           {"combine", r.combine},
+           {"shared", r.shared},
+           {"shared_own_stream", r.shared_own_stream > 0},
+           {"gemm_alone_routed", r.gemm_alone_routed},
+           {"gemm_alone_shared", r.gemm_alone_shared},
+           {"total", r.total},
+           {"idle", idle}}},
+         {"device_activity", {{"eager", r.activity_eager.json()}, {"graph", r.activity_graph.json()}}},
+         {"check",
+          {{"tokens", r.checked},
+           {"rel_l2", r.rel_l2},
+           {"calc_diff", r.calc_diff},
+           {"non_finite", r.non_finite},
+           {"pass", r.pass > 0}}}});
   }
   const double forwards = ranks.front().forwards;
   const PhaseStats& r0 = ranks.front();
@@ -403,6 +447,11 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
           {"load_max_over_mean", r0.rebalanced_load_max_over_mean}}},
         {"speedup", rebal_max > 0 ? max_s / rebal_max : 0.0}};
   }
+  // Rank 0's device activity at the phase's level (every rank's in per_rank): the idle time inside a
+  // forward, which the CUDA-event phase times cannot show; null with the reason where not recorded.
+  extra["device_activity"] = {{"eager", r0.activity_eager.json()}, {"graph", r0.activity_graph.json()}};
+  if (r0.activity_eager.forwards == 0 && !g_activity_unavailable.empty())
+    extra["device_activity"]["unavailable"] = g_activity_unavailable;
   nlohmann::json j = {{"mode", to_string(plan.mode)},
                       {"graphs", plan.graphs},
                       {"ranks", ranks_n},
@@ -473,6 +522,21 @@ void print_phase(const std::string& name, const nlohmann::json& j) {
       r0["route"].get<double>(), r0["dispatch"].get<double>(), r0["gemm"].get<double>(),
       r0["combine"].get<double>(), r0["total"].get<double>(), r0["shared"].get<double>(),
       r0["shared_own_stream"].get<bool>() ? "on its own stream" : "inline, inside dispatch", idle.c_str());
+  const auto& activity = j["device_activity"];
+  for (const char* how : {"eager", "graph"}) {
+    const auto& a = activity[how];
+    if (a.is_null()) continue;
+    const auto& before = a["idle_before_kind_ms"];
+    std::printf(
+        "           rank 0 device (CUPTI, %s): idle %.3f of %.3f ms per forward; idle before route %.3f  "
+        "dispatch/combine %.3f  experts %.3f  copies %.3f  other %.3f\n",
+        how, a["idle_ms"].get<double>(), a["window_ms"].get<double>(), before["route"].get<double>(),
+        before["dispatch_combine"].get<double>(), before["experts"].get<double>(),
+        before["copies"].get<double>(), before["other"].get<double>());
+  }
+  if (activity.contains("unavailable"))
+    std::printf("           device idle: not recorded (%s)\n",
+                activity["unavailable"].get<std::string>().c_str());
 }
 
 // The host side of the synthetic model (gate, bias, the W4A8 activation-scale calibration), started on
