@@ -191,8 +191,8 @@ check "run --tokens 0 JSON has no decode phase" python3 -c "import json,sys; d=j
 check_fails "run with no phase" "nothing to run: no decode phase" "$epmoe" run --device cpu --tokens 0 --prompt-tokens 0
 # GPU-only options on a CPU run: the run goes on, and says they have no effect.
 check "cpu run names the GPU options it ignores" bash -c "'$epmoe' run --device cpu --steps 1 --prompt-tokens 10 \
-  --tbo --dispatcher nccl-p2p --trace '$tmp/t.json' 2>&1 >/dev/null | \
-  grep -q 'GPU options have no effect here: --tbo, --dispatcher, --trace'"
+  --tbo --dispatcher nccl-p2p --trace '$tmp/t.json' --no-device-idle 2>&1 >/dev/null | \
+  grep -q 'GPU options have no effect here: --tbo, --dispatcher, --trace, --no-device-idle'"
 # --json -: stdout is the JSON document alone (the report goes to stderr).
 check "run --json - runs" "$epmoe" run --device cpu --steps 2 --prompt-tokens 100 --json -
 cp "$tmp/stdout" "$tmp/run_stdout.json"
