@@ -1,6 +1,7 @@
 // The device-activity summary (src/bench/device_activity.hpp) on hand-made records: the window, the
 // union of overlapping records, idle gaps charged to what ran next, per-kind unions, the mean of
-// several forwards, and the kernel-name classification on names shaped as the layer's kernels' demangled names.
+// several forwards, and the kernel-name classification on names shaped as the layer's kernels' demangled
+// names.
 #include <gtest/gtest.h>
 
 #include <vector>

@@ -320,9 +320,11 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   }
 
   // 5. The device's idle time inside a forward: a few forwards with CUPTI's records on, each started
-  // from an idle stream, so that a forward's window runs from its first kernel to its last.
+  // from an idle stream, so that a forward's window runs from its first kernel to its last. The first
+  // one is a warm-up and not counted: CUPTI sets itself up for each kernel (and a graph) the first time
+  // it sees it, which a forward's window would show as idle.
   if (o.device_idle) {
-    const std::size_t measured = std::min<std::size_t>(3, forwards);
+    const std::size_t measured = std::min<std::size_t>(4, forwards);
     auto measure = [&](bool graphs) {
       std::string why;
       std::unique_ptr<bench::DeviceActivity> activity = bench::DeviceActivity::open(&why);
@@ -343,9 +345,10 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
         }
         EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
       }
+      std::vector<std::vector<bench::ActivityRecord>> per_mark = activity->end();
       std::vector<bench::ActivitySummary> per_forward;
-      for (std::vector<bench::ActivityRecord>& records : activity->end())
-        per_forward.push_back(bench::summarize_activity(std::move(records)));
+      for (std::size_t f = 1; f < per_mark.size(); ++f)  // (forward 0: the warm-up)
+        per_forward.push_back(bench::summarize_activity(std::move(per_mark[f])));
       return bench::mean_activity(per_forward);
     };
     st.activity_eager = measure(false);
