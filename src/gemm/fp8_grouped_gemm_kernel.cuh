@@ -1773,15 +1773,11 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           if (wave0_first) ptx::named_bar_sync(kEpilogueBarrier, 256);
 #pragma unroll
           for (int w = 0; w < kStagedWaves; ++w) store_wave(acc[w], w);
-          // A warp that stages nothing waits too, before its row mask overwrites the previous tile's,
-          // until the store warp has read that one (v31 for kWave0, where nothing else orders them).
-          // With a borrowed stage the producer's gate orders them as well, but only through the
-          // TMA's completion of that stage (store warp -> epi_done_bar1 -> producer -> TMA -> full
-          // barrier -> consumer), which compute-sanitizer's racecheck cannot follow: it reported the
-          // mask's write after the store warp's read as a hazard (session 56). Only warps holding a
-          // group's end come here, and their wait ends no later than the whole warps' above.
-          ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
-                                TileRing::kRingSpinLimit);
+          // v31: a warp that stages nothing waits too, before its row mask: with no borrowed stage the
+          // producer's gate no longer orders the mask after the store warp's reads of the previous tile's.
+          if constexpr (kWave0)
+            ptx::mbar_wait_rounds(u_empty + kEpiDoneFromEmpty, ring.tiles_read() & 1u,
+                                  TileRing::kRingSpinLimit);
         }
         if (lane == 0)
           ptx::st_shared_u32(u_empty + kStagedFromEmpty + 8 + 4 * static_cast<std::uint32_t>(warp - 4),
