@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "epmoe/cuda/runtime.hpp"
 #include "epmoe/error.hpp"
 
 #if EPMOE_HAVE_CUPTI
@@ -146,6 +147,26 @@ nlohmann::json ActivitySummary::json() const {
           {"records", records},
           {"busy_by_kind_ms", busy},
           {"idle_before_kind_ms", idle_before}};
+}
+
+ActivitySummary measure_forwards(const std::function<void(int)>& forward, int count, cudaStream_t stream,
+                                 std::string* why_not, const std::function<void()>& before) {
+  EPMOE_CHECK(count >= 1, "measure_forwards: count must be >= 1, got {}", count);
+  std::unique_ptr<DeviceActivity> activity = DeviceActivity::open(why_not);
+  if (!activity) return {};
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (before) before();
+  activity->begin();
+  for (int i = 0; i <= count; ++i) {
+    activity->mark();
+    forward(i);
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  std::vector<std::vector<ActivityRecord>> per_mark = activity->end();
+  std::vector<ActivitySummary> per_forward;
+  for (std::size_t i = 1; i < per_mark.size(); ++i)  // (forward 0: the warm-up)
+    per_forward.push_back(summarize_activity(std::move(per_mark[i])));
+  return mean_activity(per_forward);
 }
 
 // ---------------------------------------------------------------- CUPTI (loaded at run time)

@@ -10,11 +10,13 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include <cuda_runtime_api.h>
 #include <nlohmann/json.hpp>
 
 namespace epmoe::bench {
@@ -79,5 +81,13 @@ class DeviceActivity {
   std::vector<std::uint64_t> marks_;
   bool active_ = false;
 };
+
+// The device's activity in `count` forwards: forward(i) for i = 0 .. count (forward 0 a warm-up, not
+// counted: CUPTI sets itself up for each kernel and graph the first time it sees one, which would show as
+// idle), each started from an idle `stream` (synchronised after each), under one DeviceActivity. On N
+// ranks every forward is collective; `before` (e.g. a barrier) runs once before the first. Returns the
+// mean of forwards 1 .. count, or forwards = 0 with the reason in why_not where CUPTI cannot be used.
+ActivitySummary measure_forwards(const std::function<void(int)>& forward, int count, cudaStream_t stream,
+                                 std::string* why_not, const std::function<void()>& before = {});
 
 }  // namespace epmoe::bench

@@ -13,7 +13,9 @@
 // two-batch overlap too (`layer.decode_tbo`, `layer.prefill_tbo`) and over the portable NCCL
 // point-to-point transport (`layer.decode_nccl_p2p`, graph replay, and `layer.prefill_nccl_p2p`; the
 // others use the dispatcher "auto" picks, named in each row). EPMOE_BENCH_LAYER_VARIANTS picks among
-// graph, eager, gemm_alone, tbo, nccl_p2p (default: all).
+// graph, eager, gemm_alone, tbo, nccl_p2p (default: all). Each forward row's params carry
+// device_idle_us: the time inside a forward when nothing ran on the device (bench::measure_forwards,
+// CUPTI's records of a few more forwards; left out where CUPTI cannot be used).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "bench/bench.hpp"
+#include "bench/device_activity.hpp"
 #include "epmoe/comm.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/layer.hpp"
@@ -108,7 +111,26 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
     for (const std::int64_t T : token_list) {
       const double flops =
           2.0 * T * c.hidden * (3.0 * c.topk * c.intermediate + 3.0 * c.shared_intermediate());
-      auto row = [&](const std::string& name, double us, const char* how) {
+      // The device's idle time inside a forward of the row's kind (CUPTI's records, a few forwards after
+      // the timed ones; bench::measure_forwards), in the row's params where it could be taken.
+      auto idle_us = [&](bool graph) {
+        std::string why;
+        const ActivitySummary a = measure_forwards(
+            [&](int i) {
+              const TensorView xs = x[static_cast<std::size_t>(i % kSets)].view().slice_rows(0, T);
+              if (graph) {
+                layer.forward_graph(xs, y.view().slice_rows(0, T));
+              } else {
+                layer.forward(xs, y.view().slice_rows(0, T));
+              }
+            },
+            3, s, &why,
+            [&] {
+              if (comm && ranks > 1) comm->barrier();
+            });
+        return a.forwards > 0 ? 1e3 * a.idle_ms : -1.0;
+      };
+      auto row = [&](const std::string& name, double us, const char* how, double device_idle_us = -1) {
         Params p{{"tokens", T},
                  {"ranks", static_cast<std::int64_t>(ranks)},
                  {"mode", std::string(to_string(mode))},
@@ -116,6 +138,7 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
                  {"tbo", static_cast<std::int64_t>(tbo ? 1 : 0)},
                  {"dispatcher", dispatcher_used},
                  {"phase", std::string(how)}};
+        if (device_idle_us >= 0) p["device_idle_us"] = device_idle_us;
         Result r = make_result(name, std::move(p), us, weight_bytes, flops);
         if (!decode_mode) r.floor_us = std::max(r.floor_us, flops / (kPeakTflops * 1e6));
         emit(options, results, r);
@@ -135,10 +158,17 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
       if (decode_mode) {
         const std::int64_t sizes[] = {T};
         layer.capture_graphs(sizes);
-        if (wants("graph") || tbo) row(base, timed(true), "forward, graph replay");
-        if (wants("eager") && !tbo && !portable) row(base + "_eager", timed(false), "forward, eager");
+        if (wants("graph") || tbo) {
+          const double us = timed(true);
+          row(base, us, "forward, graph replay", idle_us(true));
+        }
+        if (wants("eager") && !tbo && !portable) {
+          const double us = timed(false);
+          row(base + "_eager", us, "forward, eager", idle_us(false));
+        }
       } else {
-        row(base, timed(false), "forward");
+        const double us = timed(false);
+        row(base, us, "forward", idle_us(false));
         if (wants("gemm_alone") && !tbo && !portable) {
           const cuda::GpuMoeLayer::GemmTimes g = layer.time_gemms_alone();
           row("layer.prefill_gemm_alone", 1e3 * (g.routed_ms + g.shared_ms),

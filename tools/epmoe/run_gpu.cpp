@@ -319,40 +319,32 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
     st.rebalanced_load_max_over_mean = load_imbalance(layer.slot_load(), ranks);
   }
 
-  // 5. The device's idle time inside a forward: a few forwards with CUPTI's records on, each started
-  // from an idle stream, so that a forward's window runs from its first kernel to its last. The first
-  // one is a warm-up and not counted: CUPTI sets itself up for each kernel (and a graph) the first time
-  // it sees it, which a forward's window would show as idle.
+  // 5. The device's idle time inside a forward (CUPTI's records; forwards apart from the timed ones).
   if (o.device_idle) {
-    const std::size_t measured = std::min<std::size_t>(4, forwards);
+    const int measured = static_cast<int>(std::min<std::size_t>(3, forwards));
     auto measure = [&](bool graphs) {
       std::string why;
-      std::unique_ptr<bench::DeviceActivity> activity = bench::DeviceActivity::open(&why);
-      if (!activity) {
-        if (root) g_activity_unavailable = why;
-        return bench::ActivitySummary{};
-      }
-      EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
-      if (comm && comm->size() > 1) comm->barrier();
-      activity->begin();
-      for (std::size_t f = 0; f < measured; ++f) {
-        const std::int64_t T = plan.tokens_per_forward[f];
-        activity->mark();
-        if (graphs) {
-          layer.forward_graph(x_rows(f, T), y.view().slice_rows(0, T));
-        } else {
-          layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
-        }
-        EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
-      }
-      std::vector<std::vector<bench::ActivityRecord>> per_mark = activity->end();
-      std::vector<bench::ActivitySummary> per_forward;
-      for (std::size_t f = 1; f < per_mark.size(); ++f)  // (forward 0: the warm-up)
-        per_forward.push_back(bench::summarize_activity(std::move(per_mark[f])));
-      return bench::mean_activity(per_forward);
+      const bench::ActivitySummary a = bench::measure_forwards(
+          [&](int i) {
+            const std::size_t f = static_cast<std::size_t>(i) % forwards;
+            const std::int64_t T = plan.tokens_per_forward[f];
+            if (graphs) {
+              layer.forward_graph(x_rows(f, T), y.view().slice_rows(0, T));
+            } else {
+              layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
+            }
+          },
+          measured, s, &why,
+          [&] {
+            if (comm && comm->size() > 1) comm->barrier();
+          });
+      if (a.forwards == 0 && root && !why.empty()) g_activity_unavailable = why;
+      return a;
     };
-    st.activity_eager = measure(false);
-    if (plan.graphs) st.activity_graph = measure(true);
+    if (measured > 0) {
+      st.activity_eager = measure(false);
+      if (plan.graphs) st.activity_graph = measure(true);
+    }
   }
 
   // 6. The accuracy check of the first forward on a sample of tokens (the CPU reference, routed from
