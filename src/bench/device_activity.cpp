@@ -4,9 +4,13 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
+#include <iterator>
 #include <mutex>
 
+#include "epmoe/comm.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/runtime.hpp"
 #include "epmoe/error.hpp"
 
@@ -149,24 +153,61 @@ nlohmann::json ActivitySummary::json() const {
           {"idle_before_kind_ms", idle_before}};
 }
 
+namespace {
+
+// Whether `mine` holds on every rank of comm (collective; true alone without peers).
+bool on_every_rank(Communicator* comm, bool mine, cudaStream_t stream) {
+  if (comm == nullptr || comm->size() == 1) return mine;
+  HostTensor host(DType::i64, {1});
+  host.data<std::int64_t>()[0] = mine ? 1 : 0;
+  const cuda::DeviceTensor flag = cuda::to_device(host, stream);
+  comm->all_reduce_sum_i64(flag.data<std::int64_t>(), flag.data<std::int64_t>(), 1, stream);
+  return cuda::to_host(flag, stream).data<std::int64_t>()[0] == comm->size();
+}
+
+}  // namespace
+
 ActivitySummary measure_forwards(const std::function<void(int)>& forward, int count, cudaStream_t stream,
-                                 std::string* why_not, const std::function<void()>& before) {
+                                 std::string* why_not, Communicator* comm) {
   EPMOE_CHECK(count >= 1, "measure_forwards: count must be >= 1, got {}", count);
-  std::unique_ptr<DeviceActivity> activity = DeviceActivity::open(why_not);
-  if (!activity) return {};
-  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (before) before();
-  activity->begin();
-  for (int i = 0; i <= count; ++i) {
-    activity->mark();
-    forward(i);
-    EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::string why;
+  std::unique_ptr<DeviceActivity> activity = DeviceActivity::open(&why);
+  // The forwards are collective on N ranks: every rank runs them, or none does.
+  if (!on_every_rank(comm, activity != nullptr, stream)) {
+    if (why_not != nullptr) *why_not = activity ? "another rank could not record its device's activity" : why;
+    return {};
   }
-  std::vector<std::vector<ActivityRecord>> per_mark = activity->end();
+  EPMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  if (comm != nullptr && comm->size() > 1) comm->barrier();
+  bool recording = true;
+  try {
+    activity->begin();
+  } catch (const Error& e) {
+    recording = false;  // (the forwards still run: the peers run theirs)
+    why = e.what();
+  }
+  for (int i = 0; i <= count; ++i) {
+    if (recording) activity->mark();
+    forward(i);
+    // The whole device idle before the next mark: work of the layer's other streams lands in its own
+    // forward.
+    EPMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  std::vector<std::vector<ActivityRecord>> per_mark;
+  if (recording) {
+    try {
+      per_mark = activity->end();
+    } catch (const Error& e) {
+      why = e.what();
+    }
+  }
   std::vector<ActivitySummary> per_forward;
   for (std::size_t i = 1; i < per_mark.size(); ++i)  // (forward 0: the warm-up)
     per_forward.push_back(summarize_activity(std::move(per_mark[i])));
-  return mean_activity(per_forward);
+  const ActivitySummary mean = mean_activity(per_forward);
+  if (mean.forwards == 0 && why.empty()) why = "CUPTI delivered no records of the forwards";
+  if (mean.forwards == 0 && why_not != nullptr) *why_not = why;
+  return mean;
 }
 
 // ---------------------------------------------------------------- CUPTI (loaded at run time)
@@ -198,7 +239,7 @@ constexpr CUpti_ActivityKind kKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, 
 // CUPTI hands finished buffers to a callback, possibly on its own thread: the records land here.
 std::mutex g_mutex;
 std::vector<ActivityRecord> g_records;
-const DeviceActivity::Api* g_api = nullptr;
+std::atomic<const DeviceActivity::Api*> g_api{nullptr};  // set once, read by CUPTI's thread
 bool g_in_use = false;
 
 std::string demangled(const char* name) {
@@ -221,7 +262,8 @@ void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, s
                                std::size_t valid) {
   std::vector<ActivityRecord> got;
   CUpti_Activity* a = nullptr;
-  while (g_api != nullptr && g_api->next_record(buffer, valid, &a) == CUPTI_SUCCESS) {
+  const DeviceActivity::Api* api = g_api.load();
+  while (api != nullptr && api->next_record(buffer, valid, &a) == CUPTI_SUCCESS) {
     switch (a->kind) {
       case CUPTI_ACTIVITY_KIND_KERNEL:
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
@@ -258,7 +300,8 @@ const DeviceActivity::Api* load_api(std::string* why_not) {
       if (handle != nullptr) break;
     }
     if (handle == nullptr) {
-      load_error = fmt::format("no libcupti could be loaded (tried {} and libcupti.so)", EPMOE_CUPTI_LIBRARY);
+      load_error = fmt::format("no libcupti could be loaded (tried {}, libcupti.so, .so.13, .so.12)",
+                               EPMOE_CUPTI_LIBRARY);
       return nullptr;
     }
     auto* a = new DeviceActivity::Api{};  // lives as long as the process (CUPTI is never unloaded)
@@ -302,7 +345,7 @@ std::unique_ptr<DeviceActivity> DeviceActivity::open(std::string* why_not) {
     if (why_not != nullptr) *why_not = "a DeviceActivity is already open in this process";
     return nullptr;
   }
-  if (g_api == nullptr) {
+  if (g_api.load() == nullptr) {
     const CUptiResult r = api->register_callbacks(buffer_requested, buffer_completed);
     if (r != CUPTI_SUCCESS) {
       const char* text = nullptr;
@@ -311,15 +354,17 @@ std::unique_ptr<DeviceActivity> DeviceActivity::open(std::string* why_not) {
         *why_not = fmt::format("cuptiActivityRegisterCallbacks failed: {}", text != nullptr ? text : "?");
       return nullptr;
     }
-    g_api = api;
+    g_api.store(api);
   }
   g_in_use = true;
   return std::unique_ptr<DeviceActivity>(new DeviceActivity(api));
 }
 
 DeviceActivity::~DeviceActivity() {
-  if (active_) {
-    for (const CUpti_ActivityKind kind : kKinds) api_->disable(kind);
+  // Whatever begin() enabled, even where it or end() failed half-way (never throws).
+  if (enabled_ != 0) {
+    for (std::size_t i = 0; i < std::size(kKinds); ++i)
+      if ((enabled_ >> i) & 1u) api_->disable(kKinds[i]);
     api_->flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
   }
   std::lock_guard lock(g_mutex);
@@ -328,27 +373,31 @@ DeviceActivity::~DeviceActivity() {
 }
 
 void DeviceActivity::begin() {
-  EPMOE_CHECK(!active_, "DeviceActivity::begin: already begun (call end() first)");
+  EPMOE_CHECK(enabled_ == 0, "DeviceActivity::begin: already begun (call end() first)");
   {
     std::lock_guard lock(g_mutex);
     g_records.clear();
   }
   marks_.clear();
-  for (const CUpti_ActivityKind kind : kKinds) api_->check(api_->enable(kind), "cuptiActivityEnable");
-  active_ = true;
+  for (std::size_t i = 0; i < std::size(kKinds); ++i) {
+    api_->check(api_->enable(kKinds[i]), "cuptiActivityEnable");
+    enabled_ |= 1u << i;
+  }
 }
 
 void DeviceActivity::mark() {
-  EPMOE_CHECK(active_, "DeviceActivity::mark: call begin() first");
+  EPMOE_CHECK(enabled_ != 0, "DeviceActivity::mark: call begin() first");
   std::uint64_t now = 0;
   api_->check(api_->timestamp(&now), "cuptiGetTimestamp");
   marks_.push_back(now);
 }
 
 std::vector<std::vector<ActivityRecord>> DeviceActivity::end() {
-  EPMOE_CHECK(active_, "DeviceActivity::end: call begin() first");
-  active_ = false;
-  for (const CUpti_ActivityKind kind : kKinds) api_->check(api_->disable(kind), "cuptiActivityDisable");
+  EPMOE_CHECK(enabled_ != 0, "DeviceActivity::end: call begin() first");
+  for (std::size_t i = 0; i < std::size(kKinds); ++i) {
+    api_->check(api_->disable(kKinds[i]), "cuptiActivityDisable");
+    enabled_ &= ~(1u << i);
+  }
   api_->check(api_->flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
   std::vector<ActivityRecord> records;
   {

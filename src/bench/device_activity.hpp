@@ -19,6 +19,10 @@
 #include <cuda_runtime_api.h>
 #include <nlohmann/json.hpp>
 
+namespace epmoe {
+class Communicator;
+}
+
 namespace epmoe::bench {
 
 // One activity record: a kernel (name demangled) or a copy, on the device's clock (ns).
@@ -79,15 +83,17 @@ class DeviceActivity {
   explicit DeviceActivity(const Api* api) : api_(api) {}
   const Api* api_;
   std::vector<std::uint64_t> marks_;
-  bool active_ = false;
+  std::uint32_t enabled_ = 0;  // the activity kinds begin() enabled (bit i: kind i), for the destructor
 };
 
 // The device's activity in `count` forwards: forward(i) for i = 0 .. count (forward 0 a warm-up, not
 // counted: CUPTI sets itself up for each kernel and graph the first time it sees one, which would show as
-// idle), each started from an idle `stream` (synchronised after each), under one DeviceActivity. On N
-// ranks every forward is collective; `before` (e.g. a barrier) runs once before the first. Returns the
-// mean of forwards 1 .. count, or forwards = 0 with the reason in why_not where CUPTI cannot be used.
+// idle), each started from an idle device (synchronised after each), under one DeviceActivity. With a
+// communicator of N ranks (collective): the ranks first agree that every one of them can record, then
+// meet at a barrier, and run the forwards (collective too) or, where one cannot, none of them does. A
+// CUPTI error after that still runs every forward. Returns the mean of forwards 1 .. count, or forwards = 0
+// with the reason in why_not (CUPTI cannot be used, a peer cannot, a CUPTI error, no records).
 ActivitySummary measure_forwards(const std::function<void(int)>& forward, int count, cudaStream_t stream,
-                                 std::string* why_not, const std::function<void()>& before = {});
+                                 std::string* why_not, Communicator* comm = nullptr);
 
 }  // namespace epmoe::bench

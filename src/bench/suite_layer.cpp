@@ -13,9 +13,10 @@
 // two-batch overlap too (`layer.decode_tbo`, `layer.prefill_tbo`) and over the portable NCCL
 // point-to-point transport (`layer.decode_nccl_p2p`, graph replay, and `layer.prefill_nccl_p2p`; the
 // others use the dispatcher "auto" picks, named in each row). EPMOE_BENCH_LAYER_VARIANTS picks among
-// graph, eager, gemm_alone, tbo, nccl_p2p (default: all). Each forward row's params carry
-// device_idle_us: the time inside a forward when nothing ran on the device (bench::measure_forwards,
-// CUPTI's records of a few more forwards; left out where CUPTI cannot be used).
+// graph, eager, gemm_alone, tbo, nccl_p2p, device_idle (default: all). With device_idle, each forward
+// row's params carry device_idle_us: the time inside a forward when nothing ran on the device
+// (bench::measure_forwards, CUPTI's records of a few more forwards after the row's timed ones; left out
+// where CUPTI cannot be used).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -78,7 +79,8 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
   timing.single_attempt = ranks > 1;  // every forward is collective: the same count on every rank
   constexpr int kSets = 4;
 
-  // EPMOE_BENCH_LAYER_VARIANTS: a comma-separated list (graph, eager, gemm_alone, tbo, nccl_p2p);
+  // EPMOE_BENCH_LAYER_VARIANTS: a comma-separated list (graph, eager, gemm_alone, tbo, nccl_p2p,
+  // device_idle);
   // unset: all.
   auto wants = [](std::string_view v) { return env_list_has("EPMOE_BENCH_LAYER_VARIANTS", v); };
 
@@ -114,6 +116,7 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
       // The device's idle time inside a forward of the row's kind (CUPTI's records, a few forwards after
       // the timed ones; bench::measure_forwards), in the row's params where it could be taken.
       auto idle_us = [&](bool graph) {
+        if (!wants("device_idle")) return -1.0;
         std::string why;
         const ActivitySummary a = measure_forwards(
             [&](int i) {
@@ -124,10 +127,7 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
                 layer.forward(xs, y.view().slice_rows(0, T));
               }
             },
-            3, s, &why,
-            [&] {
-              if (comm && ranks > 1) comm->barrier();
-            });
+            3, s, &why, comm.get());
         return a.forwards > 0 ? 1e3 * a.idle_ms : -1.0;
       };
       auto row = [&](const std::string& name, double us, const char* how, double device_idle_us = -1) {

@@ -334,10 +334,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
               layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
             }
           },
-          measured, s, &why,
-          [&] {
-            if (comm && comm->size() > 1) comm->barrier();
-          });
+          measured, s, &why, comm.get());
       if (a.forwards == 0 && root && !why.empty()) g_activity_unavailable = why;
       return a;
     };
@@ -444,7 +441,9 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
   }
   // Rank 0's device activity at the phase's level (every rank's in per_rank): the idle time inside a
   // forward, which the CUDA-event phase times cannot show; null with the reason where not recorded.
-  extra["device_activity"] = {{"eager", r0.activity_eager.json()}, {"graph", r0.activity_graph.json()}};
+  extra["device_activity"] = {{"eager", r0.activity_eager.json()},
+                              {"graph", r0.activity_graph.json()},
+                              {"measured_after_rebalance", plan.rebalance}};
   if (r0.activity_eager.forwards == 0 && !g_activity_unavailable.empty())
     extra["device_activity"]["unavailable"] = g_activity_unavailable;
   nlohmann::json j = {{"mode", to_string(plan.mode)},
