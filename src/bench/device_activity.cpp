@@ -36,7 +36,7 @@ const char* to_string(ActivityKind kind) {
   return "?";
 }
 
-// By the kernel's (demangled) name, first match wins:
+// By the kernel's (demangled) name without its parameter list, first match wins:
 //   copies            every memcpy and memset;
 //   dispatch_combine  NCCL's kernels (the nccl-p2p transport, the all-gathers), every kernel of the
 //                     transports (epmoe::comm_detail), the one-GPU permutation and its un-permute;
@@ -47,6 +47,19 @@ const char* to_string(ActivityKind kind) {
 //   other             the rest (the layer's own small kernels: the shared and routed sum, copies).
 ActivityKind classify_activity(std::string_view name, bool is_copy) {
   if (is_copy) return ActivityKind::copies;
+  // Only the function's own name counts, not its parameters' types (a GEMM taking a comm_detail type
+  // stays an expert kernel): the parameter list is the parenthesis that closes the name (namespaces may
+  // hold "(anonymous namespace)").
+  if (!name.empty() && name.back() == ')') {
+    int depth = 0;
+    for (std::size_t i = name.size(); i-- > 0;) {
+      if (name[i] == ')') ++depth;
+      if (name[i] == '(' && --depth == 0) {
+        name = name.substr(0, i);
+        break;
+      }
+    }
+  }
   auto has = [&](std::string_view part) { return name.find(part) != std::string_view::npos; };
   if (has("nccl") || has("comm_detail::") || has("permute_")) return ActivityKind::dispatch_combine;
   if (has("grouped_gemm") || has("w4a8_") || has("masked_swap") || has("silu_quant") || has("_fp8_kernel"))

@@ -42,6 +42,12 @@ TEST(DeviceActivity, ClassifiesTheLayersKernelsByName) {
       kind("void epmoe::layer_detail::(anonymous namespace)::add_bf16_kernel(uint4 const*, uint4 const*)"),
       ActivityKind::other);
   EXPECT_EQ(classify_activity("memcpy", true), ActivityKind::copies);
+  // The parameters' types do not count; an anonymous namespace does not end the name.
+  EXPECT_EQ(kind("void epmoe::kernels::(anonymous namespace)::silu_quant_kernel<8>(epmoe::comm_detail::Args, "
+                 "void (*)(int))"),
+            ActivityKind::experts);
+  EXPECT_EQ(kind("void epmoe::layer_detail::copy_kernel<int>(epmoe::kernels::routing::RouteArgs const*)"),
+            ActivityKind::other);
   EXPECT_STREQ(to_string(ActivityKind::dispatch_combine), "dispatch_combine");
 }
 
