@@ -6,6 +6,7 @@
 # one call and bench,layer in the next.
 #
 # Usage: scripts/gpu-check.sh OUTDIR      (e.g. scripts/gpu-check.sh "$OUT")
+#        EPMOE_GPU_CHECK_TIME_S=540 scripts/gpu-check.sh "$OUT"   (stop each step in time to pack the logs)
 #
 # OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, version.{txt,json}, configure.log,
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
@@ -26,6 +27,21 @@ export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 
 declare -A result
 order=()
+# EPMOE_GPU_CHECK_TIME_S=N: every step ends by N seconds after the start, less a margin for the
+# summary and the archive (a step cut short is FAILED, exit 124), so that the logs come back packed
+# even where the device call's own limit would have cut the script off with its files loose (the device
+# tool returns only a few files). 0 or unset: no limit.
+time_limit=${EPMOE_GPU_CHECK_TIME_S:-0}
+# limited CMD...: CMD under the time left (a shell function runs as it is: timeout cannot run one).
+limited() {
+  if ((time_limit <= 0)) || declare -F "$1" > /dev/null; then
+    "$@"
+    return
+  fi
+  local left=$((time_limit - SECONDS - 20))
+  ((left >= 1)) || left=1
+  timeout --kill-after=5 "$left" "$@"
+}
 # step NAME CMD...: runs CMD, records ok/FAILED (never stops the script).
 step() {
   local name=$1
@@ -33,7 +49,7 @@ step() {
   order+=("$name")
   echo "== $name"
   local start=$SECONDS
-  if "$@"; then
+  if limited "$@"; then
     result[$name]="ok ($((SECONDS - start)) s)"
   else
     result[$name]="FAILED (exit $?, $((SECONDS - start)) s)"
@@ -131,7 +147,7 @@ if ((built)); then
       # goes through EPMOE_CUDA_CHECK, so an API error of ours fails its test anyway.
       (
         rc=0
-        "$sanitizer" --tool "$tool" --report-api-errors no --error-exitcode 1 "$gpu_tests" \
+        limited "$sanitizer" --tool "$tool" --report-api-errors no --error-exitcode 1 "$gpu_tests" \
           --gtest_filter="$tool_filter" > "$out/$tool.log" 2>&1 || rc=$?
         echo "$rc" > "$out/$tool.rc"
       ) &
@@ -181,6 +197,11 @@ if want asan; then
     # shellcheck disable=SC2317  # called through step
     asan_gpu_tests() {
       local shard pids=() rc=0
+      if ((time_limit > 0)); then  # (EPMOE_GPU_CHECK_TIME_S: the shards end in time too)
+        local left=$((time_limit - SECONDS - 20))
+        ((left >= 1)) || left=1
+        ((asan_timeout <= left)) || asan_timeout=$left
+      fi
       for ((shard = 0; shard < asan_shards; ++shard)); do
         ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
           GTEST_TOTAL_SHARDS=$asan_shards GTEST_SHARD_INDEX=$shard timeout "$asan_timeout" \
@@ -200,7 +221,7 @@ if want asan; then
         cat "$out/asan-shard-$shard.log"
         rm -f "$out/asan-shard-$shard.log"
       done > "$out/asan-gpu-tests.log"
-      return $rc
+      return "$rc"
     }
     step asan-gpu-tests asan_gpu_tests
     grep -E "ERROR: AddressSanitizer|runtime error|\[  PASSED  \]|\[  FAILED  \]|^asan shard" "$out/asan-gpu-tests.log" | head -n 40 || true
