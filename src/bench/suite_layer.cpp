@@ -113,21 +113,21 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
     for (const std::int64_t T : token_list) {
       const double flops =
           2.0 * T * c.hidden * (3.0 * c.topk * c.intermediate + 3.0 * c.shared_intermediate());
+      // One forward of T tokens from input set `set`, replayed as a graph or eager.
+      auto forward = [&](int set, bool graph) {
+        const TensorView xs = x[static_cast<std::size_t>(set % kSets)].view().slice_rows(0, T);
+        if (graph) {
+          layer.forward_graph(xs, y.view().slice_rows(0, T));
+        } else {
+          layer.forward(xs, y.view().slice_rows(0, T));
+        }
+      };
       // The device's idle time inside a forward of the row's kind (CUPTI's records, a few forwards after
       // the timed ones; bench::measure_forwards), in the row's params where it could be taken.
       auto idle_us = [&](bool graph) {
         if (!wants("device_idle")) return -1.0;
         std::string why;
-        const ActivitySummary a = measure_forwards(
-            [&](int i) {
-              const TensorView xs = x[static_cast<std::size_t>(i % kSets)].view().slice_rows(0, T);
-              if (graph) {
-                layer.forward_graph(xs, y.view().slice_rows(0, T));
-              } else {
-                layer.forward(xs, y.view().slice_rows(0, T));
-              }
-            },
-            3, s, &why, comm.get());
+        const ActivitySummary a = measure_forwards([&](int i) { forward(i, graph); }, 3, s, &why, comm.get());
         return a.forwards > 0 ? 1e3 * a.idle_ms : -1.0;
       };
       auto row = [&](const std::string& name, double us, const char* how, double device_idle_us = -1) {
@@ -144,16 +144,7 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
         emit(options, results, r);
       };
       auto timed = [&](bool graph) {
-        return time_us(
-            [&](int set, cudaStream_t) {
-              const TensorView xs = x[static_cast<std::size_t>(set)].view().slice_rows(0, T);
-              if (graph) {
-                layer.forward_graph(xs, y.view().slice_rows(0, T));
-              } else {
-                layer.forward(xs, y.view().slice_rows(0, T));
-              }
-            },
-            kSets, s, timing);
+        return time_us([&](int set, cudaStream_t) { forward(set, graph); }, kSets, s, timing);
       };
       if (decode_mode) {
         const std::int64_t sizes[] = {T};

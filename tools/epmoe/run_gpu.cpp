@@ -126,9 +126,6 @@ static_assert(sizeof(bench::ActivitySummary) == PhaseStats::kActivityFields * si
 static_assert(sizeof(PhaseStats) == PhaseStats::kFields * sizeof(double) &&
               std::is_trivially_copyable_v<PhaseStats>);
 
-// Rank 0's reason, where the device's activity could not be recorded (printed once, in the JSON).
-std::string g_activity_unavailable;
-
 // Every rank's stats, in rank order (collective).
 std::vector<PhaseStats> gather(const PhaseStats& mine, const std::shared_ptr<Communicator>& comm) {
   if (!comm || comm->size() == 1) return {mine};
@@ -172,10 +169,11 @@ double load_imbalance(const std::vector<std::int64_t>& slot_load, int ranks) {
   return sum > 0 ? max / (sum / ranks) : 0.0;
 }
 
-// dispatcher_used (out): the dispatcher the layer resolved for the phase.
+// dispatcher_used (out): the dispatcher the layer resolved for the phase; activity_unavailable (out): why
+// the device's activity was not recorded (for the graph replays: so prefixed), or empty.
 PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWeights>& weights,
                      const std::shared_ptr<Communicator>& comm, const RunOptions& o, bool first_phase,
-                     std::string& dispatcher_used) {
+                     std::string& dispatcher_used, std::string& activity_unavailable) {
   const MoeConfig& c = weights->config();
   const int rank = comm ? comm->rank() : 0;
   const bool root = rank == 0;
@@ -207,6 +205,15 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   }
   cuda::DeviceTensor y(DType::bf16, {T_max, H});
   auto x_rows = [&](std::size_t f, std::int64_t T) { return pool[f % kPool].view().slice_rows(0, T); };
+  // Forward f of the phase, replayed as a graph or eager.
+  auto forward = [&](std::size_t f, bool graphs) {
+    const std::int64_t T = plan.tokens_per_forward[f];
+    if (graphs) {
+      layer.forward_graph(x_rows(f, T), y.view().slice_rows(0, T));
+    } else {
+      layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
+    }
+  };
 
   PhaseStats st;
   st.device_gb = static_cast<double>(layer.device_bytes()) / 1e9;
@@ -225,10 +232,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
 
   // 2. The phase breakdown from a few eager forwards timed with CUDA events.
   layer.set_timing(true);
-  for (std::size_t f = 0; f < 3 && f < plan.tokens_per_forward.size(); ++f) {
-    const std::int64_t T = plan.tokens_per_forward[f];
-    layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
-  }
+  for (std::size_t f = 0; f < 3 && f < plan.tokens_per_forward.size(); ++f) forward(f, false);
   layer.set_timing(false);
   if (!plan.tbo || layer.num_ranks() == 1) {
     const cuda::GpuMoeLayer::GemmTimes g = layer.time_gemms_alone();
@@ -279,13 +283,8 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
     Progress progress(plan.name + label);
     std::int64_t done_tokens = 0;
     for (std::size_t f = 0; f < count; ++f) {
-      const std::int64_t T = plan.tokens_per_forward[f];
-      if (graphs) {
-        layer.forward_graph(x_rows(f, T), y.view().slice_rows(0, T));
-      } else {
-        layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
-      }
-      done_tokens += T;
+      forward(f, graphs);
+      done_tokens += plan.tokens_per_forward[f];
       if (f % 64 == 63 || f + 1 == count) {
         EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
         if (root)
@@ -324,18 +323,10 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
     const int measured = static_cast<int>(std::min<std::size_t>(3, forwards));
     auto measure = [&](bool graphs) {
       std::string why;
-      const bench::ActivitySummary a = bench::measure_forwards(
-          [&](int i) {
-            const std::size_t f = static_cast<std::size_t>(i) % forwards;
-            const std::int64_t T = plan.tokens_per_forward[f];
-            if (graphs) {
-              layer.forward_graph(x_rows(f, T), y.view().slice_rows(0, T));
-            } else {
-              layer.forward(x_rows(f, T), y.view().slice_rows(0, T));
-            }
-          },
-          measured, s, &why, comm.get());
-      if (a.forwards == 0 && root && !why.empty()) g_activity_unavailable = why;
+      const bench::ActivitySummary a =
+          bench::measure_forwards([&](int i) { forward(static_cast<std::size_t>(i) % forwards, graphs); },
+                                  measured, s, &why, comm.get());
+      if (a.forwards == 0) activity_unavailable = fmt::format("{}{}", graphs ? "graph replay: " : "", why);
       return a;
     };
     if (measured > 0) {
@@ -441,11 +432,10 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
   }
   // Rank 0's device activity at the phase's level (every rank's in per_rank): the idle time inside a
   // forward, which the CUDA-event phase times cannot show; null with the reason where not recorded.
+  // (run_rank adds rank 0's reason where it was not recorded: "unavailable".)
   extra["device_activity"] = {{"eager", r0.activity_eager.json()},
                               {"graph", r0.activity_graph.json()},
                               {"measured_after_rebalance", plan.rebalance}};
-  if (r0.activity_eager.forwards == 0 && !g_activity_unavailable.empty())
-    extra["device_activity"]["unavailable"] = g_activity_unavailable;
   nlohmann::json j = {{"mode", to_string(plan.mode)},
                       {"graphs", plan.graphs},
                       {"ranks", ranks_n},
@@ -642,11 +632,13 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   nlohmann::json trace = nlohmann::json::array();
   double trace_offset_us = 0;
   for (std::size_t i = 0; i < plans.size(); ++i) {
-    std::string dispatcher_used;
-    const PhaseStats mine = run_phase(plans[i], weights, comm, o, i == 0, dispatcher_used);
+    std::string dispatcher_used, activity_unavailable;
+    const PhaseStats mine =
+        run_phase(plans[i], weights, comm, o, i == 0, dispatcher_used, activity_unavailable);
     const std::vector<PhaseStats> all = gather(mine, comm);
     nlohmann::json pj = phase_json(plans[i], all, ranks);
     pj["dispatcher"] = dispatcher_used;
+    if (!activity_unavailable.empty()) pj["device_activity"]["unavailable"] = activity_unavailable;
     if (i == 0) pj["first_forward_s_after_start"] = all.front().first_forward_s;
     pass = pass && pj["check"]["pass"].get<bool>();
     j[plans[i].name] = pj;
