@@ -300,8 +300,16 @@ fi
 # The device tool returns at most 8 files: keep summary.txt and bench.json beside one archive
 # of every log.
 [[ -f $out/layer/layer.json ]] && cp "$out/layer/layer.json" "$out/layer.json"
-(cd "$out" && tar czf logs.tar.gz --exclude=logs.tar.gz --exclude=summary.txt --exclude=bench.json --exclude=layer.json . &&
-  find . -mindepth 1 ! -name logs.tar.gz ! -name summary.txt ! -name bench.json ! -name layer.json -delete) || true
+# The archive is written outside OUTDIR and moved in: written inside, GNU tar sees "." change while it
+# reads it and exits 1, which left every log loose (session 57: the tool then dropped summary.txt).
+archive=$(mktemp --suffix=.tar.gz)
+if (cd "$out" && tar czf "$archive" --exclude=./summary.txt --exclude=./bench.json --exclude=./layer.json .); then
+  (cd "$out" && find . -mindepth 1 ! -path ./summary.txt ! -path ./bench.json ! -path ./layer.json -delete) || true
+  mv "$archive" "$out/logs.tar.gz"
+else
+  echo "gpu-check: packing the logs failed; they stay loose in $out" >&2
+  rm -f "$archive"
+fi
 
 status=0
 for name in configure build nccl gpu-tests memcheck racecheck initcheck asan-build asan-gpu-tests layer; do

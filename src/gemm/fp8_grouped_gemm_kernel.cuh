@@ -1077,7 +1077,9 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
       // Every lane of every consumer warp of every CTA of the cluster (ptx::mbar_arrive_warp).
       ptx::mbar_init(empty_bar + 8 * s, Traits::kConsumers * 4 * p.cluster * ptx::kWarpArrivals);
     }
-    ptx::mbar_init(epi_done_bar, 1);   // the store warp's lane 0: wave 0's boxes read (v18)
+    // Every lane of the store warp: wave 0's boxes read (v18), and each lane's reads of the row masks
+    // (ptx::mbar_arrive_warp; lane 0 alone made racecheck report them, session 56).
+    ptx::mbar_init(epi_done_bar, ptx::kWarpArrivals);
     ptx::mbar_init(epi_done_bar1, 1);  // the same: wave 1's, the borrowed last stage
     ptx::mbar_init(staged_bar, Traits::kConsumers * 4 * ptx::kWarpArrivals);  // every consumer lane
     for (int s = 0; s < kTileSlots; ++s) {
@@ -1333,7 +1335,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
         if (lane == 0) ptx::mbar_arrive(epi_done_bar1);
         ptx::bulk_wait_read<0>();  // and group 1 (wave 0, smem_epi)
         __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(epi_done_bar);
+        ptx::mbar_arrive_warp(epi_done_bar);  // (release: this lane's mask reads above)
         if (trace_hand_off) {
           atomicAdd(g_fp8_gemm_trace + 10, static_cast<unsigned long long>(clock64() - c1));
           atomicAdd(g_fp8_gemm_trace + 11, static_cast<unsigned long long>(c1 - c0));
