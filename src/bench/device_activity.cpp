@@ -1,6 +1,5 @@
 #include "bench/device_activity.hpp"
 
-#include <cxxabi.h>
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -8,6 +7,7 @@
 #include <cstdlib>
 #include <iterator>
 #include <mutex>
+#include <optional>
 
 #include "epmoe/comm.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
@@ -15,7 +15,7 @@
 #include "epmoe/error.hpp"
 
 #if EPMOE_HAVE_CUPTI
-#include <cupti.h>
+#include "bench/cupti_records.hpp"
 #endif
 
 namespace epmoe::bench {
@@ -168,25 +168,28 @@ nlohmann::json ActivitySummary::json() const {
 
 namespace {
 
-// Whether `mine` holds on every rank of comm (collective; true alone without peers).
-bool on_every_rank(Communicator* comm, bool mine, cudaStream_t stream) {
+// Whether `mine` holds on every rank of comm (collective; true alone without peers). On the
+// communicator's stream, whose wait is bounded (a peer that never joins: an error naming it, no hang).
+bool on_every_rank(Communicator* comm, bool mine) {
   if (comm == nullptr || comm->size() == 1) return mine;
+  const cudaStream_t stream = comm->stream();
   HostTensor host(DType::i64, {1});
   host.data<std::int64_t>()[0] = mine ? 1 : 0;
   const cuda::DeviceTensor flag = cuda::to_device(host, stream);
   comm->all_reduce_sum_i64(flag.data<std::int64_t>(), flag.data<std::int64_t>(), 1, stream);
+  comm->synchronize(CommPhase::none, "the ranks' agreement to record the device's activity");
   return cuda::to_host(flag, stream).data<std::int64_t>()[0] == comm->size();
 }
 
 }  // namespace
 
-ActivitySummary measure_forwards(const std::function<void(int)>& forward, int count, cudaStream_t stream,
-                                 std::string* why_not, Communicator* comm) {
+ActivitySummary measure_forwards(const std::function<void(int)>& forward, int count, std::string* why_not,
+                                 Communicator* comm) {
   EPMOE_CHECK(count >= 1, "measure_forwards: count must be >= 1, got {}", count);
   std::string why;
   std::unique_ptr<DeviceActivity> activity = DeviceActivity::open(&why);
   // The forwards are collective on N ranks: every rank runs them, or none does.
-  if (!on_every_rank(comm, activity != nullptr, stream)) {
+  if (!on_every_rank(comm, activity != nullptr)) {
     if (why_not != nullptr) *why_not = activity ? "another rank could not record its device's activity" : why;
     return {};
   }
@@ -255,48 +258,14 @@ std::vector<ActivityRecord> g_records;
 std::atomic<const DeviceActivity::Api*> g_api{nullptr};  // set once, read by CUPTI's thread
 bool g_in_use = false;
 
-std::string demangled(const char* name) {
-  if (name == nullptr) return "?";
-  int status = 0;
-  char* d = abi::__cxa_demangle(name, nullptr, nullptr, &status);
-  std::string out = status == 0 && d != nullptr ? std::string(d) : std::string(name);
-  std::free(d);
-  return out;
-}
-
-void CUPTIAPI buffer_requested(std::uint8_t** buffer, std::size_t* size, std::size_t* max_records) {
-  constexpr std::size_t kBytes = 4u << 20;
-  *buffer = static_cast<std::uint8_t*>(std::aligned_alloc(8, kBytes));
-  *size = *buffer != nullptr ? kBytes : 0;
-  *max_records = 0;  // as many as fit
-}
-
 void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, std::size_t,
                                std::size_t valid) {
   std::vector<ActivityRecord> got;
   CUpti_Activity* a = nullptr;
   const DeviceActivity::Api* api = g_api.load();
   while (api != nullptr && api->next_record(buffer, valid, &a) == CUPTI_SUCCESS) {
-    switch (a->kind) {
-      case CUPTI_ACTIVITY_KIND_KERNEL:
-      case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
-        const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(a);
-        got.push_back({demangled(k->name), k->start, k->end, false});
-        break;
-      }
-      case CUPTI_ACTIVITY_KIND_MEMCPY: {
-        const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(a);
-        got.push_back({"memcpy", m->start, m->end, true});
-        break;
-      }
-      case CUPTI_ACTIVITY_KIND_MEMSET: {
-        const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(a);
-        got.push_back({"memset", m->start, m->end, true});
-        break;
-      }
-      default:
-        break;
-    }
+    if (std::optional<cupti::Record> r = cupti::read_record(a))
+      got.push_back({std::move(r->name), r->start, r->end, r->is_copy});
   }
   std::free(buffer);
   std::lock_guard lock(g_mutex);
@@ -359,7 +328,7 @@ std::unique_ptr<DeviceActivity> DeviceActivity::open(std::string* why_not) {
     return nullptr;
   }
   if (g_api.load() == nullptr) {
-    const CUptiResult r = api->register_callbacks(buffer_requested, buffer_completed);
+    const CUptiResult r = api->register_callbacks(cupti::request_buffer, buffer_completed);
     if (r != CUPTI_SUCCESS) {
       const char* text = nullptr;
       api->result_string(r, &text);

@@ -16,7 +16,6 @@
 #include <string_view>
 #include <vector>
 
-#include <cuda_runtime_api.h>
 #include <nlohmann/json.hpp>
 
 namespace epmoe {
@@ -93,7 +92,7 @@ class DeviceActivity {
 // meet at a barrier, and run the forwards (collective too) or, where one cannot, none of them does. A
 // CUPTI error after that still runs every forward. Returns the mean of forwards 1 .. count, or forwards = 0
 // with the reason in why_not (CUPTI cannot be used, a peer cannot, a CUPTI error, no records).
-ActivitySummary measure_forwards(const std::function<void(int)>& forward, int count, cudaStream_t stream,
-                                 std::string* why_not, Communicator* comm = nullptr);
+ActivitySummary measure_forwards(const std::function<void(int)>& forward, int count, std::string* why_not,
+                                 Communicator* comm = nullptr);
 
 }  // namespace epmoe::bench

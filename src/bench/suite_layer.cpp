@@ -127,7 +127,7 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
       auto idle_us = [&](bool graph) {
         if (!wants("device_idle")) return -1.0;
         std::string why;
-        const ActivitySummary a = measure_forwards([&](int i) { forward(i, graph); }, 3, s, &why, comm.get());
+        const ActivitySummary a = measure_forwards([&](int i) { forward(i, graph); }, 3, &why, comm.get());
         return a.forwards > 0 ? 1e3 * a.idle_ms : -1.0;
       };
       auto row = [&](const std::string& name, double us, const char* how, double device_idle_us = -1) {

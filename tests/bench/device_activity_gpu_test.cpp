@@ -110,7 +110,7 @@ TEST(DeviceActivityGpu, AGraphReplayedInALaterMeasurementIsRecorded) {
         ++launches;
         EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
       },
-      3, stream, &why);
+      3, &why);
   EPMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   EPMOE_CUDA_CHECK(cudaGraphDestroy(graph));
   EPMOE_CUDA_CHECK(cudaStreamDestroy(stream));

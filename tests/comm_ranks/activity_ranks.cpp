@@ -26,7 +26,7 @@ TEST(DeviceActivityRanks, EveryRankRunsTheForwardsOrNoneDoes) {
           bench::gpu_sleep(stream, 200);
           comm.barrier();  // a peer that skipped its forwards makes this a timeout
         },
-        2, stream, &why, &comm);
+        2, &why, &comm);
     // The same number of forwards on every rank.
     cuda::DeviceTensor count(DType::i64, {1});
     HostTensor mine(DType::i64, {1});

@@ -325,7 +325,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
       std::string why;
       const bench::ActivitySummary a =
           bench::measure_forwards([&](int i) { forward(static_cast<std::size_t>(i) % forwards, graphs); },
-                                  measured, s, &why, comm.get());
+                                  measured, &why, comm.get());
       if (a.forwards == 0) activity_unavailable = fmt::format("{}{}", graphs ? "graph replay: " : "", why);
       return a;
     };

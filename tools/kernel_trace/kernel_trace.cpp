@@ -11,29 +11,21 @@
 // carry the raw nanosecond timestamps, for scripts (scripts/kernel-trace-summary.py). Records are
 // kept in memory until exit (about 100 bytes each); EPMOE_KERNEL_TRACE_MAX caps their number
 // (default 2,000,000) so that a long run cannot exhaust host memory.
-#include <cupti.h>
-#include <cxxabi.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "bench/cupti_records.hpp"
+
 namespace {
 
-struct Record {
-  std::string name;  // demangled kernel name, or "memcpy <kind>" / "memset"
-  std::uint64_t start = 0, end = 0;
-  std::uint32_t device = 0, stream = 0;
-  std::uint32_t correlation = 0;
-  std::uint32_t graph = 0;  // CUDA graph id (0: not in a graph)
-  std::int32_t grid = 0, block = 0;
-};
+using epmoe::cupti::Record;  // a memcpy's or memset's name here also says its kind and bytes
 
 std::mutex g_mutex;
 std::vector<Record> g_records;
@@ -49,21 +41,6 @@ void report(CUptiResult r, const char* what) {
   g_failed = true;
 }
 
-std::string demangle(const char* name) {
-  if (name == nullptr) return "?";
-  int status = 0;
-  std::unique_ptr<char, decltype(&std::free)> d(abi::__cxa_demangle(name, nullptr, nullptr, &status),
-                                                std::free);
-  return status == 0 && d ? std::string(d.get()) : std::string(name);
-}
-
-void CUPTIAPI buffer_requested(std::uint8_t** buffer, std::size_t* size, std::size_t* max_records) {
-  constexpr std::size_t kBytes = 8u << 20;
-  *buffer = static_cast<std::uint8_t*>(std::aligned_alloc(8, kBytes));
-  *size = *buffer != nullptr ? kBytes : 0;
-  *max_records = 0;  // as many as fit
-}
-
 void keep(Record&& r) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_records.size() >= g_max_records) {
@@ -73,47 +50,23 @@ void keep(Record&& r) {
   g_records.push_back(std::move(r));
 }
 
-// A memcpy's or memset's record: the fields the two activity kinds share, no grid or block.
-template <typename Activity>
-Record copy_record(std::string name, const Activity& m) {
-  return {std::move(name), m.start, m.end, m.deviceId, m.streamId, m.correlationId, m.graphId, 0, 0};
-}
-
 void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, std::size_t,
                                std::size_t valid) {
   CUpti_Activity* a = nullptr;
   while (cuptiActivityGetNextRecord(buffer, valid, &a) == CUPTI_SUCCESS) {
-    Record r;
-    switch (a->kind) {
-      case CUPTI_ACTIVITY_KIND_KERNEL:
-      case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
-        const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(a);
-        r = {demangle(k->name),
-             k->start,
-             k->end,
-             k->deviceId,
-             k->streamId,
-             k->correlationId,
-             k->graphId,
-             k->gridX * k->gridY * k->gridZ,
-             k->blockX * k->blockY * k->blockZ};
-        break;
+    std::optional<Record> r = epmoe::cupti::read_record(a);
+    if (!r) continue;
+    if (r->is_copy) {  // "memcpy <CUpti_ActivityMemcpyKind> (<bytes> B)", "memset (<bytes> B)"
+      char label[64];
+      const auto bytes = static_cast<unsigned long long>(r->bytes);
+      if (r->copy_kind >= 0) {
+        std::snprintf(label, sizeof(label), "memcpy %d (%llu B)", r->copy_kind, bytes);
+      } else {
+        std::snprintf(label, sizeof(label), "memset (%llu B)", bytes);
       }
-      case CUPTI_ACTIVITY_KIND_MEMCPY: {
-        const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(a);
-        r = copy_record("memcpy " + std::to_string(m->copyKind) + " (" + std::to_string(m->bytes) + " B)",
-                        *m);
-        break;
-      }
-      case CUPTI_ACTIVITY_KIND_MEMSET: {
-        const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(a);
-        r = copy_record("memset (" + std::to_string(m->bytes) + " B)", *m);
-        break;
-      }
-      default:
-        continue;
+      r->name = label;
     }
-    keep(std::move(r));
+    keep(std::move(*r));
   }
   std::free(buffer);
 }
@@ -170,7 +123,7 @@ void write_trace() {
 extern "C" int InitializeInjection() {
   if (const char* max = std::getenv("EPMOE_KERNEL_TRACE_MAX"); max != nullptr)
     g_max_records = static_cast<std::size_t>(std::strtoull(max, nullptr, 10));
-  report(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed),
+  report(cuptiActivityRegisterCallbacks(epmoe::cupti::request_buffer, buffer_completed),
          "cuptiActivityRegisterCallbacks");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable kernels");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable memcpy");
