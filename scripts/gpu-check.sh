@@ -32,15 +32,18 @@ order=()
 # even where the device call's own limit would have cut the script off with its files loose (the device
 # tool returns only a few files). 0 or unset: no limit.
 time_limit=${EPMOE_GPU_CHECK_TIME_S:-0}
+# Seconds a step may still take under the limit (at least 1).
+time_left() {
+  local left=$((time_limit - SECONDS - 20))
+  echo $((left >= 1 ? left : 1))
+}
 # limited CMD...: CMD under the time left (a shell function runs as it is: timeout cannot run one).
 limited() {
   if ((time_limit <= 0)) || declare -F "$1" > /dev/null; then
     "$@"
     return
   fi
-  local left=$((time_limit - SECONDS - 20))
-  ((left >= 1)) || left=1
-  timeout --kill-after=5 "$left" "$@"
+  timeout --kill-after=5 "$(time_left)" "$@"
 }
 # step NAME CMD...: runs CMD, records ok/FAILED (never stops the script).
 step() {
@@ -198,8 +201,8 @@ if want asan; then
     asan_gpu_tests() {
       local shard pids=() rc=0
       if ((time_limit > 0)); then  # (EPMOE_GPU_CHECK_TIME_S: the shards end in time too)
-        local left=$((time_limit - SECONDS - 20))
-        ((left >= 1)) || left=1
+        local left
+        left=$(time_left)
         ((asan_timeout <= left)) || asan_timeout=$left
       fi
       for ((shard = 0; shard < asan_shards; ++shard)); do
