@@ -14,7 +14,8 @@ Burst timing (src/bench/bench.cpp) runs each line as: one untimed launch, then 2
 (memset of the gap buffer, the launch), the second I averaged. A launch's kernels are the GEMM kernels
 that start within 50 us of the memset's end, one after another (a parent and its tail follower
 both count: the span from the first start to the last end); a line's iterations follow each other
-with nothing else between, so the runs of iterations pair with the bench's lines one to one (runs
+with nothing else between (a next line's warm-up that joins the last iteration is cut off by its kernel
+count), so the runs of iterations pair with the bench's lines one to one (runs
 without GEMM kernels, the decode rows' same-bytes copies, are skipped). Writes per line: kernel_us (the mean span over the
 second I iterations), event_us (the bench's time_us), and vs_deepgemm_kernel (deepgemm_us / kernel_us).
 """
@@ -50,6 +51,7 @@ def main():
     # Each gap memset opens an iteration; its launch is what starts within 50 us of it, one event after
     # another (the GEMM kernels of it: the span). Anything else before the next gap memset (a warm-up
     # launch, fills, host work's kernels) ends a line's run of iterations.
+    # Each iteration: the list of its GEMM kernels' (start, end).
     runs, run = [], []
     i = 0
     while i < len(ev):
@@ -60,18 +62,31 @@ def main():
                 run = []
             i += 1
             continue
-        last_end, start, end = e["e"], None, None
+        last_end, kernels = e["e"], []
         i += 1
         while i < len(ev) and memset_bytes(ev[i]) != gap and ev[i]["s"] - last_end <= 50_000:
             f = ev[i]
             last_end = max(last_end, f["e"])
             if GEMM.search(f["name"]):
-                start = f["s"] if start is None else start
-                end = f["e"] if end is None else max(end, f["e"])
+                kernels.append((f["s"], f["e"]))
             i += 1
-        run.append(None if start is None else (end - start) * 1e-3)
+        run.append(kernels)
     if run:
         runs.append(run)
+    # The next line's warm-up launch may start within 50 us of a line's last iteration (lines that share
+    # their operands fill nothing in between) and join it: an iteration with more GEMM kernels than the one
+    # before it keeps as many as that one had, and its run ends there.
+    split_runs = []
+    for r in runs:
+        begin = 0
+        for j in range(1, len(r)):
+            if r[j - 1] and len(r[j]) > len(r[j - 1]):
+                r[j] = r[j][: len(r[j - 1])]
+                split_runs.append(r[begin : j + 1])
+                begin = j + 1
+        if begin < len(r):
+            split_runs.append(r[begin:])
+    runs = [[(max(k[1] for k in it) - it[0][0]) * 1e-3 if it else None for it in r] for r in split_runs]
     # A line's run: 2 x I launches with GEMM kernels (I: 10 with --quick, else 30); runs without any
     # (the decode rows' same-bytes copies) are not lines.
     line_runs = []
