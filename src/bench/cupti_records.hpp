@@ -59,6 +59,15 @@ Record common_fields(std::string name, const Activity& x) {
   return r;
 }
 
+// A memcpy's or memset's: the shared fields and the bytes.
+template <typename Copy>
+Record copy_fields(std::string name, const Copy& x) {
+  Record r = common_fields(std::move(name), x);
+  r.is_copy = true;
+  r.bytes = x.bytes;
+  return r;
+}
+
 // The record `a` holds, or nothing for the activity kinds neither client enables.
 inline std::optional<Record> read_record(const CUpti_Activity* a) {
   switch (a->kind) {
@@ -72,19 +81,12 @@ inline std::optional<Record> read_record(const CUpti_Activity* a) {
     }
     case CUPTI_ACTIVITY_KIND_MEMCPY: {
       const auto& m = *reinterpret_cast<const CUpti_ActivityMemcpy6*>(a);
-      Record r = common_fields("memcpy", m);
-      r.is_copy = true;
-      r.bytes = m.bytes;
+      Record r = copy_fields("memcpy", m);
       r.copy_kind = m.copyKind;
       return r;
     }
-    case CUPTI_ACTIVITY_KIND_MEMSET: {
-      const auto& m = *reinterpret_cast<const CUpti_ActivityMemset4*>(a);
-      Record r = common_fields("memset", m);
-      r.is_copy = true;
-      r.bytes = m.bytes;
-      return r;
-    }
+    case CUPTI_ACTIVITY_KIND_MEMSET:
+      return copy_fields("memset", *reinterpret_cast<const CUpti_ActivityMemset4*>(a));
     default:
       return std::nullopt;
   }
