@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -86,8 +87,12 @@ std::string escaped(const std::string& s) {
 void write_trace() {
   report(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
   const char* dir = std::getenv("EPMOE_KERNEL_TRACE_DIR");
-  const std::string path = std::string(dir != nullptr && *dir != '\0' ? dir : ".") + "/kernels-" +
-                           std::to_string(getpid()) + ".json";
+  const std::string folder = dir != nullptr && *dir != '\0' ? dir : ".";
+  // The folder may not exist yet (a script that clears it before the run): make it, as `mkdir -p`
+  // would; a failure shows as the fopen error below.
+  std::error_code ignored;
+  std::filesystem::create_directories(folder, ignored);
+  const std::string path = folder + "/kernels-" + std::to_string(getpid()) + ".json";
   std::FILE* f = std::fopen(path.c_str(), "w");
   if (f == nullptr) {
     std::fprintf(stderr, "epmoe kernel trace: cannot write %s\n", path.c_str());
