@@ -107,7 +107,11 @@ class Launcher {
     EPMOE_CHECK(o_.first_rank >= 0 && o_.first_rank + o_.num_ranks <= world,
                 "launch: ranks [{}, {}) do not fit in a world of {}", o_.first_rank,
                 o_.first_rank + o_.num_ranks, world);
-    EPMOE_CHECK(o_.timeout_s >= 0 && o_.kill_grace_s >= 0, "launch: timeouts must not be negative");
+    EPMOE_CHECK(o_.world_size >= 0, "launch: world_size must be >= 0 (0: num_ranks), got {}", o_.world_size);
+    // (Written so that nan fails too.)
+    EPMOE_CHECK(o_.timeout_s >= 0, "launch: timeout_s must be >= 0 seconds (0: no limit), got {}",
+                o_.timeout_s);
+    EPMOE_CHECK(o_.kill_grace_s >= 0, "launch: kill_grace_s must be >= 0 seconds, got {}", o_.kill_grace_s);
 
     LaunchResult result;
     bool remove_id_file = false;

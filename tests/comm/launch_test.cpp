@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -158,6 +159,36 @@ TEST(LaunchTest, BadOptionsAreRefused) {
   o.world_size = 2;
   o.first_rank = 1;
   EXPECT_THROW(run(o, c), Error);  // ranks [1, 3) do not fit
+}
+
+// Each bad number is named with its value (one message for both timeouts named neither, and said
+// "negative" of nan); a negative world size is refused rather than read as "num_ranks".
+TEST(LaunchTest, BadNumbersAreNamedWithTheirValue) {
+  const auto message = [](const LaunchOptions& o) {
+    Captured c;
+    try {
+      run(o, c);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  LaunchOptions o;
+  o.num_ranks = 1;
+  o.command = {"true"};
+  o.timeout_s = -1;
+  EXPECT_NE(message(o).find("timeout_s must be >= 0 seconds (0: no limit), got -1"), std::string::npos)
+      << message(o);
+  o.timeout_s = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_NE(message(o).find("timeout_s must be >= 0 seconds (0: no limit), got nan"), std::string::npos)
+      << message(o);
+  o.timeout_s = 0;
+  o.kill_grace_s = -2;
+  EXPECT_NE(message(o).find("kill_grace_s must be >= 0 seconds, got -2"), std::string::npos) << message(o);
+  o.kill_grace_s = 3;
+  o.world_size = -4;
+  EXPECT_NE(message(o).find("world_size must be >= 0 (0: num_ranks), got -4"), std::string::npos)
+      << message(o);
 }
 
 TEST(LaunchTest, MulticastIsTurnedOffForTheRanks) {

@@ -201,5 +201,53 @@ check "check --json - runs" "$epmoe" check --json -
 cp "$tmp/stdout" "$tmp/check_stdout.json"
 check "check --json - leaves only JSON on stdout" python3 -c "import json; d=json.load(open('$tmp/check_stdout.json')); assert 'mirror' in d"
 
+# Bad input found by an audit: each refused with a message naming the option, nothing half-written.
+check_fails "unknown subcommand is named" "unknown subcommand 'nope' \(expected one of: run, check" "$epmoe" nope
+# CLI11 reads integers in base 0 and saturates past 64 bits: "010" was 8 tokens, 2^64 the seed 2^64 - 1.
+check_fails "run octal-looking tokens" "--tokens: must be a decimal number without leading zeros" \
+  "$epmoe" run --device cpu --tokens 010
+check_fails "check seed past 64 bits" "--seed: is out of the range of a 64-bit integer" \
+  "$epmoe" check --seed 18446744073709551616
+check_fails "run infinite tolerance" "--tolerance: must be a finite number, got inf" \
+  "$epmoe" run --device cpu --tolerance inf
+# A directory that takes no new files (root passes access(W_OK) on /proc): refused before the run.
+check_fails "run --json under /proc" "directory of '/proc/x.json'" "$epmoe" run --device cpu --json /proc/x.json
+check "run --json under /proc prints no report" test ! -s "$tmp/stdout"
+check_fails "version --json under /proc" "directory of '/proc/x.json'" "$epmoe" version --json /proc/x.json
+# A write that fails at the close (a full disk; here a file size limit of 0) used to exit 0 with an
+# empty file.
+for cmd in "check --json" "version --json" "eplb --load $tmp/load.json --replicas 24 --output"; do
+  name=${cmd%% *}
+  check_fails "$name: a failed write is an error" "cannot write '$tmp/full.json'" bash -c \
+    "set -o pipefail; (trap '' XFSZ; ulimit -f 0; exec '$epmoe' $cmd '$tmp/full.json') 2>&1 | cat >&2"
+  check "$name: a failed write leaves no file" test ! -e "$tmp/full.json"
+done
+# Sizes past the machine's memory: a message, not std::terminate (ASan: bad_alloc rather than its abort).
+check_fails "check with 10^12 tokens" "out of host memory" \
+  env ASAN_OPTIONS=allocator_may_return_null=1 "$epmoe" check --tokens 1000000000000
+# '-' is stdout for version --json and eplb --output too (both wrote a file named '-').
+check "version --json - is JSON on stdout" bash -c "cd '$tmp' && '$epmoe' version --json - 2>/dev/null | \
+  python3 -c 'import json, sys; assert \"nccl\" in json.load(sys.stdin)' && test ! -e '$tmp/-'"
+check "eplb --output - is stdout" bash -c "cd '$tmp' && '$epmoe' eplb --load load.json --replicas 24 --groups 4 \
+  --nodes 2 --gpus 4 --output - | cmp -s - hier.json && test ! -e '$tmp/-'"
+check_fails "eplb --load a directory" "cannot open --load file '$tmp': it is a directory" \
+  "$epmoe" eplb --load "$tmp" --replicas 4
+check_fails "eplb zero replicas" "--replicas: must be > 0, got 0" "$epmoe" eplb --load "$tmp/load.json" --replicas 0
+check_fails "eplb negative gpus" "--gpus: must be > 0, got -1" \
+  "$epmoe" eplb --load "$tmp/load.json" --replicas 16 --gpus -1
+check_fails "launch -n 0" "--ranks: must be > 0, got 0" "$epmoe" launch -n 0 -- true
+check_fails "launch without a command" "command is required" "$epmoe" launch -n 2
+check_fails "launch nan timeout" "--timeout: must be a finite number, got nan" "$epmoe" launch -n 1 --timeout nan -- true
+check_fails "launch negative kill grace" "--kill-grace: must be >= 0, got -5" \
+  "$epmoe" launch -n 1 --kill-grace -5 -- true
+check_fails "launch negative world size" "--world-size: must be > 0, got -1" \
+  "$epmoe" launch -n 1 --world-size -1 -- true
+# The CPU prefill's forwards are counted as it goes (a list of 4e9 chunks for 10^12 prompt tokens ran
+# out of memory): the ragged last chunk is still right.
+check "run prefill with a ragged last chunk" "$epmoe" run --device cpu --steps 0 --prompt-tokens 1000 --chunk 300 \
+  --json "$tmp/ragged.json"
+check "run ragged prefill JSON" python3 -c \
+  "import json; d=json.load(open('$tmp/ragged.json'))['prefill']; assert d['forwards'] == 4 and d['tokens'] == 2000, d"
+
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -29,6 +30,10 @@ struct EplbOptions {
 };
 
 std::vector<std::vector<double>> read_load(const std::string& path) {
+  // (A directory opens as an ifstream, and reading it throws std::ios_failure.)
+  std::error_code ec;
+  EPMOE_CHECK(!std::filesystem::is_directory(path, ec),
+              "eplb: cannot open --load file '{}': it is a directory, expected a JSON file", path);
   std::ifstream in(path);
   EPMOE_CHECK(in.is_open(), "eplb: cannot open --load file '{}'", path);
   nlohmann::json doc;
@@ -90,16 +95,8 @@ void run_eplb(const EplbOptions& opts) {
   out["logcnt"] = std::move(logcnt);
   const std::string text = out.dump() + "\n";
 
-  if (opts.output_path.empty()) {
-    std::fwrite(text.data(), 1, text.size(), stdout);
-    std::fflush(stdout);
-    return;
-  }
-  std::ofstream file(opts.output_path, std::ios::binary | std::ios::trunc);
-  EPMOE_CHECK(file.is_open(), "eplb: cannot open --output file '{}' for writing", opts.output_path);
-  file << text;
-  file.close();
-  EPMOE_CHECK(!file.fail(), "eplb: writing --output file '{}' failed", opts.output_path);
+  // ("-", which --output's check lets through, is stdout as for the other commands' --json.)
+  write_text_file(opts.output_path.empty() ? "-" : opts.output_path, text);
 }
 
 const CommandRegistration kRegisterEplb(40, [](CLI::App& app) {
@@ -110,12 +107,16 @@ const CommandRegistration kRegisterEplb(40, [](CLI::App& app) {
   cmd->add_option("--load", opts->load_path, "JSON file {\"load\": [[per-expert load, ...], ...per layer]}")
       ->required();
   cmd->add_option("--replicas", opts->replicas, "physical expert slots P per layer (experts + redundant)")
-      ->required();
+      ->required()
+      ->check(positive());
   cmd->add_option("--groups", opts->groups, "expert groups (hierarchical policy when groups % nodes == 0)")
+      ->check(positive())
       ->capture_default_str();
-  cmd->add_option("--nodes", opts->nodes, "nodes")->capture_default_str();
-  cmd->add_option("--gpus", opts->gpus, "GPUs in all (ranks); P must be a multiple")->capture_default_str();
-  cmd->add_option("--output", opts->output_path, "write the JSON here instead of stdout")
+  cmd->add_option("--nodes", opts->nodes, "nodes")->check(positive())->capture_default_str();
+  cmd->add_option("--gpus", opts->gpus, "GPUs in all (ranks); P must be a multiple")
+      ->check(positive())
+      ->capture_default_str();
+  cmd->add_option("--output", opts->output_path, "write the JSON here instead of stdout ('-' = stdout)")
       ->check(writable_output());
   cmd->callback([opts] { run_eplb(*opts); });
 });

@@ -9,6 +9,7 @@
 
 #include "epmoe/launch.hpp"
 #include "tools/epmoe/commands.hpp"
+#include "tools/epmoe/options.hpp"
 
 namespace epmoe::tools {
 namespace {
@@ -41,11 +42,16 @@ const CommandRegistration kRegistration{
           "launch",
           "Start N local ranks of a multi-GPU program (one per GPU) with a shared NCCL unique id: "
           "epmoe launch -n 2 -- <command...>");
-      cmd->add_option("-n,--ranks", o->num_ranks, "Ranks (processes) to start on this machine")->required();
+      cmd->add_option("-n,--ranks", o->num_ranks, "Ranks (processes) to start on this machine")
+          ->required()
+          ->check(positive());
       cmd->add_option("--timeout", o->timeout_s, "Stop every rank after this many seconds (0: no limit)")
+          ->check(non_negative())
           ->capture_default_str();
-      cmd->add_option("--world-size", o->world_size, "Ranks of the whole job, several nodes (default: -n)");
+      cmd->add_option("--world-size", o->world_size, "Ranks of the whole job, several nodes (default: -n)")
+          ->check(positive());
       cmd->add_option("--first-rank", o->first_rank, "First rank started here (several nodes)")
+          ->check(non_negative())
           ->capture_default_str();
       cmd->add_option(
           "--id-file", o->id_file,
@@ -53,6 +59,7 @@ const CommandRegistration kRegistration{
           "the others");
       cmd->add_option("--kill-grace", o->kill_grace_s,
                       "Seconds between SIGTERM and SIGKILL when stopping ranks")
+          ->check(non_negative())
           ->capture_default_str();
       cmd->add_flag_callback(
           "--all-gpus", [o] { o->one_gpu_per_rank = false; },

@@ -3,6 +3,7 @@
 // (normal mode, chunked prompts) — then reports tokens/s, time per phase and the accuracy check.
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
 
 #include "bench/bench.hpp"
@@ -27,12 +28,13 @@ struct PhaseResult {
   CheckResult check;
 };
 
-// One forward of `kind` per entry of `tokens_per_forward` (tokens on every rank) through `layer`;
+// `forwards` forwards of `kind` through `layer`, forward f with tokens_per_forward(f) tokens on every
+// rank (computed as it goes, not a list: --steps or --prompt-tokens may ask for billions of forwards);
 // checks the first pass against the reference.
 PhaseResult run_phase(const std::string& name, MoeLayer& layer, const ModelWeights& weights, BatchKind kind,
-                      const std::vector<std::int64_t>& tokens_per_forward, std::uint64_t seed,
+                      std::int64_t forwards,
+                      const std::function<std::int64_t(std::int64_t)>& tokens_per_forward, std::uint64_t seed,
                       double tolerance) {
-  const std::int64_t forwards = static_cast<std::int64_t>(tokens_per_forward.size());
   const MoeConfig& c = weights.config();
   PhaseResult result;
   result.name = name;
@@ -40,7 +42,7 @@ PhaseResult run_phase(const std::string& name, MoeLayer& layer, const ModelWeigh
   Progress progress(name);
   ForwardStats stats;
   for (std::int64_t f = 0; f < forwards; ++f) {
-    const std::int64_t tokens_per_rank = tokens_per_forward[static_cast<std::size_t>(f)];
+    const std::int64_t tokens_per_rank = tokens_per_forward(f);
     std::vector<HostTensor> xs, ys;
     std::vector<TensorView> x, y;
     for (int r = 0; r < c.num_ranks; ++r) {
@@ -147,16 +149,16 @@ void run_main(const RunOptions& o) {
 
   std::vector<PhaseResult> phases;
   if (steps > 0) {
-    phases.push_back(run_phase("decode", layer, *weights, BatchKind::decode,
-                               std::vector<std::int64_t>(static_cast<std::size_t>(steps), decode_tokens),
-                               o.model.seed + 1, o.tolerance));
+    phases.push_back(run_phase(
+        "decode", layer, *weights, BatchKind::decode, steps, [&](std::int64_t) { return decode_tokens; },
+        o.model.seed + 1, o.tolerance));
   }
   if (o.prompt_tokens > 0) {
-    std::vector<std::int64_t> chunks;
-    for (std::int64_t done = 0; done < o.prompt_tokens; done += chunk)
-      chunks.push_back(std::min(chunk, o.prompt_tokens - done));
-    phases.push_back(
-        run_phase("prefill", layer, *weights, BatchKind::prefill, chunks, o.model.seed + 2, o.tolerance));
+    const std::int64_t forwards = o.prompt_tokens / chunk + (o.prompt_tokens % chunk != 0 ? 1 : 0);
+    phases.push_back(run_phase(
+        "prefill", layer, *weights, BatchKind::prefill, forwards,
+        [&](std::int64_t f) { return std::min(chunk, o.prompt_tokens - f * chunk); }, o.model.seed + 2,
+        o.tolerance));
   }
 
   bool pass = true;

@@ -7,7 +7,6 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -17,6 +16,7 @@
 #include "epmoe/cuda/runtime.hpp"
 #include "epmoe/error.hpp"
 #include "tools/epmoe/commands.hpp"
+#include "tools/epmoe/options.hpp"
 
 namespace epmoe::tools {
 namespace {
@@ -58,6 +58,7 @@ nlohmann::json describe() {
 }
 
 void run_version(const std::string& json_path) {
+  reserve_stdout_for_json(json_path);
   const nlohmann::json j = describe();
   std::printf("epmoe %s\n", j["commit"].get<std::string>().c_str());
   std::printf("CUDA runtime %s, driver %s\n", j["cuda_runtime"].get<std::string>().c_str(),
@@ -73,11 +74,7 @@ void run_version(const std::string& json_path) {
     std::fflush(stdout);  // (the reason after the summary line, on a terminal too)
     std::fprintf(stderr, "%s\n", nccl["problem"].get<std::string>().c_str());
   }
-  if (!json_path.empty()) {
-    std::ofstream out(json_path);
-    EPMOE_CHECK(out.good(), "--json: cannot write {}", json_path);
-    out << j.dump(1) << "\n";
-  }
+  if (!json_path.empty()) write_text_file(json_path, j.dump(1) + "\n");
   set_exit_code(nccl["match"].get<bool>() ? 0 : 1);
 }
 
@@ -88,7 +85,8 @@ const CommandRegistration kRegistration{
                                          "This build and its machine: commit, CUDA, GPUs, and whether the "
                                          "loaded libnccl is the version epmoe "
                                          "was compiled against (exit 1 if not)");
-      cmd->add_option("--json", *json_path, "Also write it as JSON to FILE");
+      cmd->add_option("--json", *json_path, "Also write it as JSON to FILE ('-' = stdout)")
+          ->check(writable_output());
       cmd->callback([json_path] { run_version(*json_path); });
     }};
 

@@ -1,6 +1,10 @@
 // epmoe: the command-line tool. Subcommands live in their own files (cmd_*.cpp).
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
 
 #include "epmoe/error.hpp"
 #include "tools/epmoe/commands.hpp"
@@ -13,9 +17,29 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    // `epmoe nope`: CLI11 says only "A subcommand is required"; name the word it did not know.
+    const std::vector<std::string> rest = app.remaining();
+    if (app.get_subcommands().empty() && !rest.empty() && !rest.front().starts_with("-")) {
+      std::string names;
+      for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+        names += (names.empty() ? "" : ", ") + sub->get_name();
+      std::fprintf(stderr, "epmoe: unknown subcommand '%s' (expected one of: %s)\n", rest.front().c_str(),
+                   names.c_str());
+      return e.get_exit_code();
+    }
     return app.exit(e);
   } catch (const epmoe::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    // Sizes from the command line (tokens, --hidden, --experts, steps...) past this machine's memory:
+    // a message and exit 2 instead of std::terminate's abort.
+    std::fprintf(stderr,
+                 "epmoe: out of host memory: the sizes asked for (tokens, steps, --hidden, --intermediate, "
+                 "--experts, --max-tokens-per-rank...) need more memory than this machine has\n");
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "epmoe: %s\n", e.what());
     return 2;
   }
   return epmoe::tools::exit_code();

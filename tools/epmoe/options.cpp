@@ -1,11 +1,17 @@
 #include "tools/epmoe/options.hpp"
 
 #include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include "epmoe/cuda/runtime.hpp"
@@ -112,15 +118,40 @@ void write_text_file(const std::string& path, const std::string& text) {
   std::ofstream out(path);
   EPMOE_CHECK(out.good(), "cannot open '{}' for writing", path);
   out << text;
-  EPMOE_CHECK(out.good(), "cannot write '{}'", path);
+  out.close();  // (a short text is only written here: a full disk shows at the close)
+  if (out.fail()) {
+    std::error_code ec;
+    std::filesystem::remove(path, ec);  // no half-written file a script could take for the result
+    EPMOE_FAIL("cannot write '{}' (disk full or a file size limit?); removed it", path);
+  }
 }
 
 namespace {
+// CLI11 reads integers with strtoll / strtoull in base 0 and without their range check, so "010" would
+// quietly be 8 and a number past 64 bits the largest one: both are refused here.
+std::string integer_text_problem(const std::string& text) {
+  const std::size_t start = !text.empty() && (text[0] == '+' || text[0] == '-') ? 1 : 0;
+  const std::string digits = text.substr(start);
+  if (digits.empty() ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return {};  // not a plain integer: left to the conversion
+  if (digits.size() > 1 && digits[0] == '0')
+    return "must be a decimal number without leading zeros (it would be read as octal), got " + text;
+  std::uint64_t value = 0;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+  if (ec != std::errc() || end != digits.data() + digits.size() ||
+      (start == 1 && text[0] == '-' && value > (std::uint64_t{1} << 63)))
+    return "is out of the range of a 64-bit integer, got " + text;
+  return {};
+}
+
 CLI::Validator number_above(double bound, bool strict, const char* name) {
   return CLI::Validator(
       [bound, strict](std::string& text) -> std::string {
+        if (std::string problem = integer_text_problem(text); !problem.empty()) return problem;
         double value = 0;
         if (!CLI::detail::lexical_cast(text, value)) return "must be a number, got '" + text + "'";
+        if (!std::isfinite(value)) return "must be a finite number, got " + text;
         if (strict ? value > bound : value >= bound) return {};
         return std::string("must be ") + (strict ? "> " : ">= ") + CLI::detail::to_string(bound) + ", got " +
                text;
@@ -147,11 +178,21 @@ CLI::Validator writable_output() {
         if (fs::exists(p, ec)) {
           if (!fs::is_regular_file(p, ec)) return "'" + path + "' exists and is not a regular file";
           if (::access(path.c_str(), W_OK) != 0) return "'" + path + "' is not writable";
+          const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND);  // (neither truncates nor writes)
+          if (fd < 0) return "cannot open '" + path + "' for writing: " + std::strerror(errno);
+          ::close(fd);
           return {};
         }
         const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
         if (!fs::is_directory(dir, ec)) return "the directory of '" + path + "' does not exist";
         if (::access(dir.c_str(), W_OK | X_OK) != 0) return "the directory of '" + path + "' is not writable";
+        // access() passes for root and knows nothing of file systems that take no new files (/proc, a
+        // read-only mount): create a scratch file beside it, so such a path fails now, not after the run.
+        std::string probe = (dir / ".epmoe-write-test-XXXXXX").string();
+        const int fd = ::mkstemp(probe.data());
+        if (fd < 0) return "cannot create files in the directory of '" + path + "': " + std::strerror(errno);
+        ::close(fd);
+        ::unlink(probe.c_str());
         return {};
       },
       "FILE (writable)", "writable_output");

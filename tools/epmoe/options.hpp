@@ -31,7 +31,8 @@ Device resolve_device(const std::string& device, bool gpu_path = false);
 // --ranks when given, else the default: the GPUs present for a GPU run, 2 for the CPU simulation.
 int resolve_ranks(const ModelOptions& options, Device device);
 
-// Writes `text` to `path` ("-" = stdout), throwing epmoe::Error when it cannot.
+// Writes `text` to `path` ("-" = stdout), throwing epmoe::Error when it cannot (and then removing the
+// half-written file).
 void write_text_file(const std::string& path, const std::string& text);
 // For `--json -`: keeps the process's stdout for the JSON (write_text_file("-")) and sends everything
 // else printed to stdout from now on (the human-readable report) to stderr, so that stdout is one JSON
@@ -39,12 +40,14 @@ void write_text_file(const std::string& path, const std::string& text);
 void reserve_stdout_for_json(const std::string& path);
 
 // CLI validators of numbers: >= 0 and > 0, with a message that names the bound ("must be >= 0, got -3").
+// Both refuse what CLI11 would read quietly wrong: an integer with a leading 0 (octal), one past 64 bits
+// (saturated), and inf / nan.
 CLI::Validator non_negative();
 CLI::Validator positive();
 
 // CLI validator of an output file, checked when the command line is parsed rather than when a long run
-// ends: "-", or a path whose directory exists and is writable and which, if it exists, is a writable
-// regular file.
+// ends: "-", or a path whose directory exists and takes new files (a scratch file is created there and
+// removed) and which, if it exists, is a regular file that opens for writing.
 CLI::Validator writable_output();
 
 }  // namespace epmoe::tools

@@ -595,6 +595,9 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   }
   if (o.prompt_tokens > 0 && prompts > 0) {
     PhasePlan p{"prefill", Mode::normal, {}, false, o.model.seed + 2, o.tbo, false, false, true};
+    EPMOE_CHECK(o.prompt_tokens <= LLONG_MAX / prompts,
+                "--prompts ({}) x --prompt-tokens ({}): the prefill tokens per rank overflow 64 bits",
+                prompts, o.prompt_tokens);
     const std::int64_t total = prompts * o.prompt_tokens;
     for (std::int64_t done = 0; done < total; done += chunk)
       p.tokens_per_forward.push_back(std::min(chunk, total - done));
