@@ -5,24 +5,37 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <exception>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 namespace epmoe {
 
 // Runs fn(begin, end) over [0, n) in `chunk`-wide items taken in turn by `threads` threads (this
-// one included).
+// one included). An exception from fn (an epmoe::Error, std::bad_alloc) stops the items not yet
+// taken, waits for every thread and is rethrown here: escaping a thread, or leaving threads
+// unjoined, would end the process in std::terminate.
 template <class Fn>
 void parallel_chunks(std::int64_t n, std::int64_t chunk, unsigned threads, const Fn& fn) {
   std::atomic<std::int64_t> next{0};
+  std::mutex failure_mutex;
+  std::exception_ptr failure;
   auto worker = [&] {
-    for (std::int64_t begin = next.fetch_add(chunk); begin < n; begin = next.fetch_add(chunk))
-      fn(begin, std::min(n, begin + chunk));
+    try {
+      for (std::int64_t begin = next.fetch_add(chunk); begin < n; begin = next.fetch_add(chunk))
+        fn(begin, std::min(n, begin + chunk));
+    } catch (...) {
+      next.store(n);  // (no new items; those under way finish)
+      const std::lock_guard<std::mutex> lock(failure_mutex);
+      if (!failure) failure = std::current_exception();
+    }
   };
   std::vector<std::thread> pool;
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
   worker();
   for (std::thread& t : pool) t.join();
+  if (failure) std::rethrow_exception(failure);
 }
 
 // Threads worth starting for `work` units when one thread should get at least `per_thread` of them:
