@@ -101,13 +101,13 @@ class Launcher {
   }
 
   LaunchResult run() {
-    const int world = o_.world_size > 0 ? o_.world_size : o_.num_ranks;
     EPMOE_CHECK(!o_.command.empty(), "launch: no command given (usage: epmoe launch -n N -- <command...>)");
     EPMOE_CHECK(o_.num_ranks >= 1, "launch: -n must be at least 1, got {}", o_.num_ranks);
+    EPMOE_CHECK(o_.world_size >= 0, "launch: world_size must be >= 0 (0: num_ranks), got {}", o_.world_size);
+    const int world = o_.world_size > 0 ? o_.world_size : o_.num_ranks;
     EPMOE_CHECK(o_.first_rank >= 0 && o_.first_rank + o_.num_ranks <= world,
                 "launch: ranks [{}, {}) do not fit in a world of {}", o_.first_rank,
                 o_.first_rank + o_.num_ranks, world);
-    EPMOE_CHECK(o_.world_size >= 0, "launch: world_size must be >= 0 (0: num_ranks), got {}", o_.world_size);
     // (Written so that nan fails too.)
     EPMOE_CHECK(o_.timeout_s >= 0, "launch: timeout_s must be >= 0 seconds (0: no limit), got {}",
                 o_.timeout_s);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -32,7 +33,11 @@ void parallel_chunks(std::int64_t n, std::int64_t chunk, unsigned threads, const
     }
   };
   std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
+  try {
+    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
+  } catch (const std::system_error&) {
+    // No more threads to be had (a process or system limit): the ones started and this one do the work.
+  }
   worker();
   for (std::thread& t : pool) t.join();
   if (failure) std::rethrow_exception(failure);

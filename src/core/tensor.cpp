@@ -211,7 +211,11 @@ HostTensor::HostTensor(DType dtype, std::initializer_list<std::int64_t> shape)
 HostTensor::HostTensor(DType dtype, std::span<const std::int64_t> shape) {
   view_ = TensorView::contiguous(nullptr, dtype, shape);
   const std::size_t bytes = std::max<std::size_t>(view_.nbytes(), 1);
-  storage_.reset(static_cast<std::byte*>(::operator new[](bytes, std::align_val_t{64})));
+  // nothrow and a message of our own: a shape from a command line past the host's memory is an error
+  // naming the size (and AddressSanitizer aborts where a throwing new would throw bad_alloc).
+  storage_.reset(static_cast<std::byte*>(::operator new[](bytes, std::align_val_t{64}, std::nothrow)));
+  EPMOE_CHECK(storage_ != nullptr, "HostTensor: out of host memory for {} bytes ({})", bytes,
+              view_.describe());
   std::memset(storage_.get(), 0, bytes);
   view_.data = storage_.get();
 }

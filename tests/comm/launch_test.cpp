@@ -161,8 +161,8 @@ TEST(LaunchTest, BadOptionsAreRefused) {
   EXPECT_THROW(run(o, c), Error);  // ranks [1, 3) do not fit
 }
 
-// Each bad number is named with its value (one message for both timeouts named neither, and said
-// "negative" of nan); a negative world size is refused rather than read as "num_ranks".
+// Each bad number is named with its value (the old message named neither timeout and called nan
+// negative); a negative world size is refused rather than read as "num_ranks".
 TEST(LaunchTest, BadNumbersAreNamedWithTheirValue) {
   const auto message = [](const LaunchOptions& o) {
     Captured c;

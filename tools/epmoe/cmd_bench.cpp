@@ -41,7 +41,7 @@ void run_bench(const BenchOptions& o) {
   };
   for (const bench::Suite& suite : bench::suites())
     if (o.what == suite.name || o.what == "all") append(suite.run(so));
-  if (!o.json.empty()) write_text_file(o.json, bench::report_json(results).dump(2) + "\n");
+  if (!o.json.empty()) write_text_file("--json", o.json, bench::report_json(results).dump(2) + "\n");
 }
 
 const CommandRegistration kRegistration{

@@ -92,7 +92,7 @@ void run_check(const CheckOptions& o) {
                 exact.overall.rel_l2, exact.overall.calc_diff);
     j["exact"] = to_json(exact);
   }
-  if (!o.json.empty()) write_text_file(o.json, j.dump(2) + "\n");
+  if (!o.json.empty()) write_text_file("--json", o.json, j.dump(2) + "\n");
   set_exit_code(mirror.pass ? 0 : 1);
 }
 

@@ -96,7 +96,7 @@ void run_eplb(const EplbOptions& opts) {
   const std::string text = out.dump() + "\n";
 
   // ("-", which --output's check lets through, is stdout as for the other commands' --json.)
-  write_text_file(opts.output_path.empty() ? "-" : opts.output_path, text);
+  write_text_file("--output", opts.output_path.empty() ? "-" : opts.output_path, text);
 }
 
 const CommandRegistration kRegisterEplb(40, [](CLI::App& app) {

@@ -178,7 +178,7 @@ void run_main(const RunOptions& o) {
   }
   j["pass"] = pass;
   std::printf("check against the CPU reference (tolerance %.0e): %s\n", o.tolerance, pass ? "PASS" : "FAIL");
-  if (!o.json.empty()) write_text_file(o.json, j.dump(2) + "\n");
+  if (!o.json.empty()) write_text_file("--json", o.json, j.dump(2) + "\n");
   set_exit_code(pass ? 0 : 1);
 }
 
@@ -250,6 +250,7 @@ const CommandRegistration kRegistration{
              "--eplb-slot-cost", options->eplb_slot_cost,
              "GPU: --rebalance's cost of reading one slot's weights per forward, in tokens of GEMM work "
              "(-1: the layer's estimate for this GPU; 0: DeepSeek's EPLB unchanged)")
+          ->check(finite())
           ->check(CLI::Range(-1.0, 1e9))
           ->capture_default_str();
       cmd->add_option("--trace", options->trace,

@@ -74,7 +74,7 @@ void run_version(const std::string& json_path) {
     std::fflush(stdout);  // (the reason after the summary line, on a terminal too)
     std::fprintf(stderr, "%s\n", nccl["problem"].get<std::string>().c_str());
   }
-  if (!json_path.empty()) write_text_file(json_path, j.dump(1) + "\n");
+  if (!json_path.empty()) write_text_file("--json", json_path, j.dump(1) + "\n");
   set_exit_code(nccl["match"].get<bool>() ? 0 : 1);
 }
 

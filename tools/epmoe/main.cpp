@@ -19,7 +19,9 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // `epmoe nope`: CLI11 says only "A subcommand is required"; name the word it did not know.
     const std::vector<std::string> rest = app.remaining();
-    if (app.get_subcommands().empty() && !rest.empty() && !rest.front().starts_with("-")) {
+    // (Not for --help, which CLI11 answers before it looks at the rest: exit code 0.)
+    if (e.get_exit_code() != 0 && app.get_subcommands().empty() && !rest.empty() &&
+        !rest.front().starts_with("-")) {
       std::string names;
       for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
         names += (names.empty() ? "" : ", ") + sub->get_name();

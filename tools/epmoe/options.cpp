@@ -108,21 +108,21 @@ void reserve_stdout_for_json(const std::string& path) {
   EPMOE_CHECK(::dup2(STDERR_FILENO, STDOUT_FILENO) >= 0, "--json -: cannot send the report to stderr");
 }
 
-void write_text_file(const std::string& path, const std::string& text) {
+void write_text_file(std::string_view option, const std::string& path, const std::string& text) {
   if (path == "-") {
     std::FILE* out = g_json_out != nullptr ? g_json_out : stdout;
     std::fwrite(text.data(), 1, text.size(), out);
-    EPMOE_CHECK(std::fflush(out) == 0, "cannot write the JSON to stdout");
+    EPMOE_CHECK(std::fflush(out) == 0, "{} -: cannot write to stdout", option);
     return;
   }
   std::ofstream out(path);
-  EPMOE_CHECK(out.good(), "cannot open '{}' for writing", path);
+  EPMOE_CHECK(out.good(), "{}: cannot open '{}' for writing", option, path);
   out << text;
   out.close();  // (a short text is only written here: a full disk shows at the close)
   if (out.fail()) {
     std::error_code ec;
     std::filesystem::remove(path, ec);  // no half-written file a script could take for the result
-    EPMOE_FAIL("cannot write '{}' (disk full or a file size limit?); removed it", path);
+    EPMOE_FAIL("{}: cannot write '{}' (disk full or a file size limit?); removed it", option, path);
   }
 }
 
@@ -136,7 +136,7 @@ std::string integer_text_problem(const std::string& text) {
       !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
     return {};  // not a plain integer: left to the conversion
   if (digits.size() > 1 && digits[0] == '0')
-    return "must be a decimal number without leading zeros (it would be read as octal), got " + text;
+    return "must be written without leading zeros (an integer option would read it as octal), got " + text;
   std::uint64_t value = 0;
   const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
   if (ec != std::errc() || end != digits.data() + digits.size() ||
@@ -145,13 +145,19 @@ std::string integer_text_problem(const std::string& text) {
   return {};
 }
 
+// The problem with `text` as a finite number (empty: none; *value: the number).
+std::string finite_number_problem(const std::string& text, double* value) {
+  if (!CLI::detail::lexical_cast(text, *value)) return "must be a number, got '" + text + "'";
+  if (!std::isfinite(*value)) return "must be a finite number, got " + text;
+  return {};
+}
+
 CLI::Validator number_above(double bound, bool strict, const char* name) {
   return CLI::Validator(
       [bound, strict](std::string& text) -> std::string {
         if (std::string problem = integer_text_problem(text); !problem.empty()) return problem;
         double value = 0;
-        if (!CLI::detail::lexical_cast(text, value)) return "must be a number, got '" + text + "'";
-        if (!std::isfinite(value)) return "must be a finite number, got " + text;
+        if (std::string problem = finite_number_problem(text, &value); !problem.empty()) return problem;
         if (strict ? value > bound : value >= bound) return {};
         return std::string("must be ") + (strict ? "> " : ">= ") + CLI::detail::to_string(bound) + ", got " +
                text;
@@ -165,6 +171,14 @@ CLI::Validator non_negative() {
 }
 CLI::Validator positive() {
   return number_above(0.0, true, "positive");
+}
+CLI::Validator finite() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double value = 0;
+        return finite_number_problem(text, &value);
+      },
+      "FINITE", "finite");
 }
 
 CLI::Validator writable_output() {

@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "epmoe/config.hpp"
 #include "epmoe/tensor.hpp"
@@ -31,9 +32,9 @@ Device resolve_device(const std::string& device, bool gpu_path = false);
 // --ranks when given, else the default: the GPUs present for a GPU run, 2 for the CPU simulation.
 int resolve_ranks(const ModelOptions& options, Device device);
 
-// Writes `text` to `path` ("-" = stdout), throwing epmoe::Error when it cannot (and then removing the
-// half-written file).
-void write_text_file(const std::string& path, const std::string& text);
+// Writes `text` to `path` ("-" = stdout), the value of the command-line option `option`, throwing
+// epmoe::Error that names both when it cannot (and then removing the half-written file).
+void write_text_file(std::string_view option, const std::string& path, const std::string& text);
 // For `--json -`: keeps the process's stdout for the JSON (write_text_file("-")) and sends everything
 // else printed to stdout from now on (the human-readable report) to stderr, so that stdout is one JSON
 // document a script can read. Does nothing for any other path; call before the command prints.
@@ -41,9 +42,13 @@ void reserve_stdout_for_json(const std::string& path);
 
 // CLI validators of numbers: >= 0 and > 0, with a message that names the bound ("must be >= 0, got -3").
 // Both refuse what CLI11 would read quietly wrong: an integer with a leading 0 (octal), one past 64 bits
-// (saturated), and inf / nan.
+// (saturated), and inf / nan. (A signed 64-bit option still reads 2^63 .. 2^64 - 1 as its largest value:
+// the validator does not know the field's type; every such size ends in a range or memory error.)
 CLI::Validator non_negative();
 CLI::Validator positive();
+// A finite number (for options with their own range check, which nan would pass: every comparison
+// with nan is false).
+CLI::Validator finite();
 
 // CLI validator of an output file, checked when the command line is parsed rather than when a long run
 // ends: "-", or a path whose directory exists and takes new files (a scratch file is created there and

@@ -716,8 +716,9 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
           "GEMM time alone (%.3f ms: routed + shared expert, re-run by themselves)\n",
           j["prefill"]["tbo_speedup"].get<double>(), j["prefill"]["layer_over_gemm"].get<double>(),
           j["prefill"]["layer_no_tbo_over_gemm"].get<double>(), j["prefill"]["gemm_alone_ms"].get<double>());
-    if (!o.json.empty()) write_text_file(o.json, j.dump(2) + "\n");
-    if (!o.trace.empty()) write_text_file(o.trace, nlohmann::json{{"traceEvents", trace}}.dump() + "\n");
+    if (!o.json.empty()) write_text_file("--json", o.json, j.dump(2) + "\n");
+    if (!o.trace.empty())
+      write_text_file("--trace", o.trace, nlohmann::json{{"traceEvents", trace}}.dump() + "\n");
   }
   set_exit_code(pass ? 0 : 1);
 }
