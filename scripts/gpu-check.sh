@@ -242,7 +242,7 @@ if ((built)) && want bench; then
   # The FP8 GEMM rows again under the CUPTI tracer: kernel durations, DeepGEMM's own way of timing
   # its anchors, beside the event times (which also hold ~3 us of launch and events).
   if [[ -f build-gpu/lib/libepmoe_kernel_trace.so ]]; then
-    step gemm-kernel-times bash -o pipefail -c "rm -rf '$out/gemm-trace' && mkdir -p '$out/gemm-trace' &&
+    step gemm-kernel-times bash -o pipefail -c "rm -rf '$out/gemm-trace' &&
       LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} CUDA_INJECTION64_PATH='$root/build-gpu/lib/libepmoe_kernel_trace.so' \
       EPMOE_KERNEL_TRACE_DIR='$out/gemm-trace' build-gpu/bin/epmoe bench gemm --quant fp8 --json '$out/gemm-traced.json' > '$out/gemm-traced.log' 2>&1 &&
       python3 scripts/gemm-kernel-times.py '$out/gemm-traced.json' '$out'/gemm-trace/kernels-*.json --json '$out/gemm-kernel-times.json' | tee '$out/gemm-kernel-times.txt'"
