@@ -36,7 +36,8 @@ class Trace:
 
     def line(self, kernels_per_iteration, warm_up_after_ns=5_000_000):
         """kernels_per_iteration(i) -> [(name, dur_ns, gap_before_ns)] for iteration i of 8."""
-        self.add(GEMM, 300_000, after_ns=warm_up_after_ns)  # the untimed warm-up launch
+        for j, (name, dur, gap) in enumerate(kernels_per_iteration(0)):  # the untimed warm-up launch
+            self.add(name, dur, after_ns=warm_up_after_ns if j == 0 else gap)
         for i in range(8):
             self.add(f"memset ({GAP} B)", 3_700_000)
             for name, dur, gap in kernels_per_iteration(i):
@@ -66,10 +67,14 @@ def main():
     tr.line(lambda i: [(GEMM, 100_000, 3_000)])
     # A fourth, whose warm-up starts 10 us after line 3's last kernel ends.
     tr.line(lambda i: [(GEMM, 150_000, 3_000)], warm_up_after_ns=10_000)
+    # A fifth, parent and follower, whose warm-up (two kernels) joins line 4's last iteration the same way:
+    # line 4 keeps its one kernel, line 5's iterations keep both (an H100 run of session 60 saw this
+    # split every iteration of such a line into a run of its own).
+    tr.line(lambda i: [(GEMM, 180_000, 3_000), (FOLLOWER, 30_000, 1_000)], warm_up_after_ns=10_000)
     bench = {"results": [result("gemm.masked", 301.0), result("gemm.contiguous", 221.0), result("gemm.masked.x", 0),
-                         result("gemm.masked.y", 0)]}
+                         result("gemm.masked.y", 0), result("gemm.contiguous.split", 0)]}
     for i, r in enumerate(bench["results"]):
-        r["time_us"] = [304.2, 224.1, 103.1, 153.1][i]
+        r["time_us"] = [304.2, 224.1, 103.1, 153.1, 214.0][i]
     with tempfile.TemporaryDirectory() as d:
         trace = os.path.join(d, "kernels-1.json")
         json.dump({"pid": 1, "traceEvents": tr.events}, open(trace, "w"))
@@ -80,11 +85,11 @@ def main():
         out = json.load(open(oj))
         assert out["iterations_per_line"] == 4, out
         got = [round(line["kernel_us"], 3) for line in out["lines"]]
-        assert got == [303.0, 221.0, 100.0, 150.0], got
+        assert got == [303.0, 221.0, 100.0, 150.0, 211.0], got
         assert abs(out["lines"][0]["vs_deepgemm_kernel"] - 301.0 / 303.0) < 1e-9, out["lines"][0]
         assert abs(out["lines"][1]["vs_deepgemm_tflops_kernel"] - 224.1 / 221.0) < 1e-9, out["lines"][1]
         assert "vs_deepgemm_kernel" not in out["lines"][2], out["lines"][2]
-        # A bench of three lines for a trace of four: refused.
+        # A bench of four lines for a trace of five: refused.
         bench["results"].pop()
         json.dump(bench, open(bj, "w"))
         r = subprocess.run([sys.executable, SCRIPT, bj, trace], capture_output=True, text=True)
