@@ -207,8 +207,12 @@ check_fails "unknown subcommand is named" "unknown subcommand 'nope' \(expected 
 # CLI11 reads integers in base 0 and saturates past 64 bits: "010" was 8 tokens, 2^64 the seed 2^64 - 1.
 check_fails "run octal-looking tokens" "--tokens: must be written without leading zeros" \
   "$epmoe" run --device cpu --tokens 010
-check_fails "check seed past 64 bits" "--seed: is out of the range of a 64-bit integer" \
+check_fails "check seed past 64 bits" "--seed: is out of range \(at most 18446744073709551615\)" \
   "$epmoe" check --seed 18446744073709551616
+check "check takes the largest seed" "$epmoe" check --seed 18446744073709551615
+# A signed 64-bit option past 2^63 - 1 (strtoll would read it as 2^63 - 1).
+check_fails "run tokens past int64" "--tokens: is out of range \(at most 9223372036854775807\)" \
+  "$epmoe" run --device cpu --tokens 9223372036854775808
 check_fails "run nan slot cost" "--eplb-slot-cost: must be a finite number, got nan" \
   "$epmoe" run --device cpu --eplb-slot-cost nan
 check_fails "run infinite tolerance" "--tolerance: must be a finite number, got inf" \

@@ -3,7 +3,6 @@
 // (normal mode, chunked prompts) — then reports tokens/s, time per phase and the accuracy check.
 #include <chrono>
 #include <cstdio>
-#include <functional>
 #include <memory>
 
 #include "bench/bench.hpp"
@@ -28,21 +27,18 @@ struct PhaseResult {
   CheckResult check;
 };
 
-// `forwards` forwards of `kind` through `layer`, forward f with tokens_per_forward(f) tokens on every
-// rank (computed as it goes, not a list: --steps or --prompt-tokens may ask for billions of forwards);
-// checks the first pass against the reference.
+// The forwards of `kind` through `layer`, forward f with forwards[f] tokens on every rank; checks the
+// first pass against the reference.
 PhaseResult run_phase(const std::string& name, MoeLayer& layer, const ModelWeights& weights, BatchKind kind,
-                      std::int64_t forwards,
-                      const std::function<std::int64_t(std::int64_t)>& tokens_per_forward, std::uint64_t seed,
-                      double tolerance) {
+                      const PhaseForwards& forwards, std::uint64_t seed, double tolerance) {
   const MoeConfig& c = weights.config();
   PhaseResult result;
   result.name = name;
   result.mode = resolve_mode(layer.options().mode, kind);
   Progress progress(name);
   ForwardStats stats;
-  for (std::int64_t f = 0; f < forwards; ++f) {
-    const std::int64_t tokens_per_rank = tokens_per_forward(f);
+  for (std::int64_t f = 0; f < forwards.count; ++f) {
+    const std::int64_t tokens_per_rank = forwards[f];
     std::vector<HostTensor> xs, ys;
     std::vector<TensorView> x, y;
     for (int r = 0; r < c.num_ranks; ++r) {
@@ -57,9 +53,9 @@ PhaseResult run_phase(const std::string& name, MoeLayer& layer, const ModelWeigh
     result.seconds += std::chrono::duration<double>(Clock::now() - start).count();
     result.bytes_sent += stats.bytes_sent;
     if (f == 0) result.check = check_against_reference(weights, x, y, Numerics::mirror, tolerance);
-    progress.update(f + 1, forwards, stats.tokens, result.seconds, f + 1 == forwards);
+    progress.update(f + 1, forwards.count, stats.tokens, result.seconds, f + 1 == forwards.count);
   }
-  result.forwards = forwards;
+  result.forwards = forwards.count;
   result.tokens = stats.tokens;
   result.times = stats.times;
   return result;
@@ -149,16 +145,13 @@ void run_main(const RunOptions& o) {
 
   std::vector<PhaseResult> phases;
   if (steps > 0) {
-    phases.push_back(run_phase(
-        "decode", layer, *weights, BatchKind::decode, steps, [&](std::int64_t) { return decode_tokens; },
-        o.model.seed + 1, o.tolerance));
+    phases.push_back(run_phase("decode", layer, *weights, BatchKind::decode,
+                               PhaseForwards::uniform(steps, decode_tokens), o.model.seed + 1, o.tolerance));
   }
   if (o.prompt_tokens > 0) {
-    const std::int64_t forwards = o.prompt_tokens / chunk + (o.prompt_tokens % chunk != 0 ? 1 : 0);
-    phases.push_back(run_phase(
-        "prefill", layer, *weights, BatchKind::prefill, forwards,
-        [&](std::int64_t f) { return std::min(chunk, o.prompt_tokens - f * chunk); }, o.model.seed + 2,
-        o.tolerance));
+    phases.push_back(run_phase("prefill", layer, *weights, BatchKind::prefill,
+                               PhaseForwards::chunked(o.prompt_tokens, chunk), o.model.seed + 2,
+                               o.tolerance));
   }
 
   bool pass = true;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 
 #include <fcntl.h>
@@ -49,7 +50,7 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
       ->capture_default_str();
   cmd->add_flag("--pow2-scales", o.pow2_scales, "Round FP8 activation scales to powers of two (UE8M0)");
   cmd->add_option("--seed", o.seed, "Seed of the synthetic model and inputs")
-      ->check(non_negative())
+      ->check(non_negative_u64())
       ->capture_default_str();
   cmd->add_option("--device", o.device, "auto, cpu or gpu")->capture_default_str();
 }
@@ -128,8 +129,9 @@ void write_text_file(std::string_view option, const std::string& path, const std
 
 namespace {
 // CLI11 reads integers with strtoll / strtoull in base 0 and without their range check, so "010" would
-// quietly be 8 and a number past 64 bits the largest one: both are refused here.
-std::string integer_text_problem(const std::string& text) {
+// quietly be 8 and a number past the option's 64 bits the largest one: both are refused here. `largest`:
+// the largest value the option holds (INT64_MAX for a signed option, UINT64_MAX for the seed).
+std::string integer_text_problem(const std::string& text, std::uint64_t largest) {
   const std::size_t start = !text.empty() && (text[0] == '+' || text[0] == '-') ? 1 : 0;
   const std::string digits = text.substr(start);
   if (digits.empty() ||
@@ -139,9 +141,10 @@ std::string integer_text_problem(const std::string& text) {
     return "must be written without leading zeros (an integer option would read it as octal), got " + text;
   std::uint64_t value = 0;
   const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+  const bool negative = start == 1 && text[0] == '-';
   if (ec != std::errc() || end != digits.data() + digits.size() ||
-      (start == 1 && text[0] == '-' && value > (std::uint64_t{1} << 63)))
-    return "is out of the range of a 64-bit integer, got " + text;
+      (negative && value > (std::uint64_t{1} << 63)) || (!negative && value > largest))
+    return fmt::format("is out of range (at most {}), got {}", largest, text);
   return {};
 }
 
@@ -152,10 +155,11 @@ std::string finite_number_problem(const std::string& text, double* value) {
   return {};
 }
 
-CLI::Validator number_above(double bound, bool strict, const char* name) {
+CLI::Validator number_above(double bound, bool strict, const char* name,
+                            std::uint64_t largest = std::numeric_limits<std::int64_t>::max()) {
   return CLI::Validator(
-      [bound, strict](std::string& text) -> std::string {
-        if (std::string problem = integer_text_problem(text); !problem.empty()) return problem;
+      [bound, strict, largest](std::string& text) -> std::string {
+        if (std::string problem = integer_text_problem(text, largest); !problem.empty()) return problem;
         double value = 0;
         if (std::string problem = finite_number_problem(text, &value); !problem.empty()) return problem;
         if (strict ? value > bound : value >= bound) return {};
@@ -171,6 +175,9 @@ CLI::Validator non_negative() {
 }
 CLI::Validator positive() {
   return number_above(0.0, true, "positive");
+}
+CLI::Validator non_negative_u64() {
+  return number_above(0.0, false, "non_negative_u64", std::numeric_limits<std::uint64_t>::max());
 }
 CLI::Validator finite() {
   return CLI::Validator(

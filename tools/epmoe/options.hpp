@@ -41,11 +41,12 @@ void write_text_file(std::string_view option, const std::string& path, const std
 void reserve_stdout_for_json(const std::string& path);
 
 // CLI validators of numbers: >= 0 and > 0, with a message that names the bound ("must be >= 0, got -3").
-// Both refuse what CLI11 would read quietly wrong: an integer with a leading 0 (octal), one past 64 bits
-// (saturated), and inf / nan. (A signed 64-bit option still reads 2^63 .. 2^64 - 1 as its largest value:
-// the validator does not know the field's type; every such size ends in a range or memory error.)
+// Both refuse what CLI11 would read quietly wrong: an integer with a leading 0 (octal), one past the
+// option's range (strtoll saturates), and inf / nan. They are for signed fields (at most 2^63 - 1; an `int`
+// field's narrower range CLI11 checks itself); non_negative_u64 is for an unsigned 64-bit field (the seed).
 CLI::Validator non_negative();
 CLI::Validator positive();
+CLI::Validator non_negative_u64();
 // A finite number (for options with their own range check, which nan would pass: every comparison
 // with nan is false).
 CLI::Validator finite();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "tools/epmoe/options.hpp"
+#include "tools/epmoe/phase_forwards.hpp"
 
 namespace epmoe::tools {
 

@@ -147,7 +147,7 @@ std::vector<PhaseStats> gather(const PhaseStats& mine, const std::shared_ptr<Com
 struct PhasePlan {
   std::string name;
   Mode mode = Mode::low_latency;
-  std::vector<std::int64_t> tokens_per_forward;  // this rank
+  PhaseForwards forwards;  // tokens per forward on this rank
   bool graphs = false;
   std::uint64_t seed = 0;
   bool tbo = true;
@@ -177,8 +177,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   const MoeConfig& c = weights->config();
   const int rank = comm ? comm->rank() : 0;
   const bool root = rank == 0;
-  std::int64_t T_max = 1;
-  for (std::int64_t t : plan.tokens_per_forward) T_max = std::max(T_max, t);
+  const std::int64_t T_max = std::max<std::int64_t>(1, plan.forwards.max());
   cuda::GpuLayerOptions lo;
   lo.mode = plan.mode;
   lo.max_tokens = T_max;
@@ -207,7 +206,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   auto x_rows = [&](std::size_t f, std::int64_t T) { return pool[f % kPool].view().slice_rows(0, T); };
   // Forward f of the phase, replayed as a graph or eager.
   auto forward = [&](std::size_t f, bool graphs) {
-    const std::int64_t T = plan.tokens_per_forward[f];
+    const std::int64_t T = plan.forwards[static_cast<std::int64_t>(f)];
     if (graphs) {
       layer.forward_graph(x_rows(f, T), y.view().slice_rows(0, T));
     } else {
@@ -220,7 +219,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   st.comm_layout_gb = static_cast<double>(layer.comm_layout_bytes()) / 1e9;
   st.dispatcher_setup_gb = static_cast<double>(layer.dispatcher_setup_bytes()) / 1e9;
   // 1. The first forward, eager, poisoned output: the accuracy sample.
-  const std::int64_t T0 = plan.tokens_per_forward.front();
+  const std::int64_t T0 = plan.forwards[0];
   y.fill_bytes(0xff, s);
   layer.forward(x_rows(0, T0), y.view().slice_rows(0, T0));
   const HostTensor y0 = cuda::to_host(y.view().slice_rows(0, T0), s);
@@ -232,7 +231,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
 
   // 2. The phase breakdown from a few eager forwards timed with CUDA events.
   layer.set_timing(true);
-  for (std::size_t f = 0; f < 3 && f < plan.tokens_per_forward.size(); ++f) forward(f, false);
+  for (std::int64_t f = 0; f < 3 && f < plan.forwards.count; ++f) forward(static_cast<std::size_t>(f), false);
   layer.set_timing(false);
   if (!plan.tbo || layer.num_ranks() == 1) {
     const cuda::GpuMoeLayer::GemmTimes g = layer.time_gemms_alone();
@@ -264,17 +263,13 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
 
   // 3. Graphs captured ahead of the timed loop (one per batch size).
   if (plan.graphs) {
-    std::vector<std::int64_t> sizes(plan.tokens_per_forward.begin(), plan.tokens_per_forward.end());
-    std::sort(sizes.begin(), sizes.end());
-    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
-    layer.capture_graphs(sizes);
+    layer.capture_graphs(plan.forwards.sizes());
     layer.forward_graph(x_rows(0, T0), y.view().slice_rows(0, T0));  // warm replay
   }
 
   // 4. The timed phase (and, on request, the same eagerly, and again after a rebalance).
-  const std::size_t forwards = plan.tokens_per_forward.size();
-  std::int64_t tokens = 0;
-  for (std::int64_t t_f : plan.tokens_per_forward) tokens += t_f;
+  const auto forwards = static_cast<std::size_t>(plan.forwards.count);
+  const std::int64_t tokens = plan.forwards.total();
   auto timed_loop = [&](bool graphs, std::size_t count, const char* label) {
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
     if (comm && comm->size() > 1) comm->barrier();
@@ -284,7 +279,7 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
     std::int64_t done_tokens = 0;
     for (std::size_t f = 0; f < count; ++f) {
       forward(f, graphs);
-      done_tokens += plan.tokens_per_forward[f];
+      done_tokens += plan.forwards[static_cast<std::int64_t>(f)];
       if (f % 64 == 63 || f + 1 == count) {
         EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
         if (root)
@@ -574,15 +569,9 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
 
   std::vector<PhasePlan> plans;
   if (steps > 0) {
-    PhasePlan p{"decode",
-                Mode::low_latency,
-                std::vector<std::int64_t>(static_cast<std::size_t>(steps), decode_tokens),
-                o.graphs,
-                o.model.seed + 1,
-                o.tbo,
-                o.graphs,
-                o.rebalance,
-                true};
+    PhasePlan p{"decode", Mode::low_latency, PhaseForwards::uniform(steps, decode_tokens),
+                o.graphs, o.model.seed + 1,  o.tbo,
+                o.graphs, o.rebalance,       true};
     plans.push_back(p);
     if (o.tbo && ranks > 1) {  // the same without two-batch overlap, for the comparison
       p.name = "decode-no-tbo";
@@ -598,9 +587,7 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
     EPMOE_CHECK(o.prompt_tokens <= LLONG_MAX / prompts,
                 "--prompts ({}) x --prompt-tokens ({}): the prefill tokens per rank overflow 64 bits",
                 prompts, o.prompt_tokens);
-    const std::int64_t total = prompts * o.prompt_tokens;
-    for (std::int64_t done = 0; done < total; done += chunk)
-      p.tokens_per_forward.push_back(std::min(chunk, total - done));
+    p.forwards = PhaseForwards::chunked(prompts * o.prompt_tokens, chunk);
     plans.push_back(p);
     if (o.tbo && ranks > 1) {  // the same without two-batch overlap, for the comparison
       p.name = "prefill-no-tbo";
