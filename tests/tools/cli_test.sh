@@ -153,10 +153,13 @@ check_fails "check bad batch kind" "--batch" "$epmoe" check --mode auto --batch 
 check "check cpu-local" "$epmoe" check --ranks 1 --dispatcher cpu-local --exact --json "$tmp/check.json"
 check "check JSON" python3 -c "import json,sys; d=json.load(open('$tmp/check.json')); assert d['mirror']['pass'] and 'exact' in d"
 check "check deepseek-v3 dims, 2 ranks" "$epmoe" check --preset deepseek-v3 --ranks 2 --tokens 2 --mode low-latency
-check_fails "check bad hidden" "hidden must be a positive multiple of 128" "$epmoe" check --hidden 200
-check_fails "check bad preset" "preset must be one of" "$epmoe" check --preset nope
-check_fails "check ranks not dividing slots" "must be a multiple of ranks=3" "$epmoe" check --ranks 3
-check_fails "run too many decode tokens" "max_tokens_per_rank" "$epmoe" run --device cpu --tokens 65
+check_fails "check bad hidden" "^epmoe: --hidden must be a positive multiple of 128" "$epmoe" check --hidden 200
+check_fails "check bad preset" "--preset must be one of" "$epmoe" check --preset nope
+check_fails "check ranks not dividing slots" "--experts \+ --redundant-experts \(16 \+ 0\) must be a multiple of --ranks=3" "$epmoe" check --ranks 3
+# Config errors name the flags (MoeConfig's messages name its fields).
+check_fails "check topk groups named as flags" "--topk-groups must be in \[1, --groups=4\], got 9" \
+  "$epmoe" check --topk-groups 9
+check_fails "run too many decode tokens" "--tokens \(65\) must be <= --max-tokens-per-rank \(64\)" "$epmoe" run --device cpu --tokens 65
 check "check 8 ranks low-latency" "$epmoe" check --ranks 8 --mode low-latency --tokens 12
 check "check 8 ranks normal w4a8 dynamic" "$epmoe" check --ranks 8 --mode normal --quant w4a8 --redundant-experts 8 \
   --dispatch-algorithm dynamic --tokens 12

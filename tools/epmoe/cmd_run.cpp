@@ -125,11 +125,11 @@ void run_main(const RunOptions& o) {
   const Mode prefill_mode = resolve_mode(layer_mode, BatchKind::prefill);
   if (decode_mode == Mode::low_latency)
     EPMOE_CHECK(decode_tokens <= config.max_tokens_per_rank,
-                "tokens ({}) must be <= max_tokens_per_rank ({}) in low-latency mode", decode_tokens,
+                "--tokens ({}) must be <= --max-tokens-per-rank ({}) in low-latency mode", decode_tokens,
                 config.max_tokens_per_rank);
   if (prefill_mode == Mode::low_latency)
     EPMOE_CHECK(chunk <= config.max_tokens_per_rank,
-                "chunk ({}) must be <= max_tokens_per_rank ({}) in low-latency mode", chunk,
+                "--chunk ({}) must be <= --max-tokens-per-rank ({}) in low-latency mode", chunk,
                 config.max_tokens_per_rank);
 
   std::printf("epmoe run: %s\n", config.describe().c_str());

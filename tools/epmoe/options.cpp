@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <regex>
 #include <string>
 
 #include <fcntl.h>
@@ -60,7 +61,28 @@ int resolve_ranks(const ModelOptions& o, Device device) {
   return device == Device::cuda ? std::max(1, cuda::device_count_without_cuda_init()) : 2;
 }
 
-MoeConfig build_config(const ModelOptions& o, Device device) {
+namespace {
+// MoeConfig's errors name its fields (the library's API); on the command line they name the flags:
+// "topk_groups must be in [1, groups=4]" -> "--topk-groups must be in [1, --groups=4]".
+std::string with_flag_names(const std::string& message) {
+  static const std::regex field(
+      R"(\b(hidden|intermediate|experts(?! per group)|topk|groups|topk_groups|scoring|shared_experts|ranks|)"
+      R"(redundant_experts|max_tokens_per_rank|quant|preset|dispatch_algorithm)\b)");
+  std::string out;
+  auto last = message.cbegin();
+  for (auto it = std::sregex_iterator(message.begin(), message.end(), field); it != std::sregex_iterator();
+       ++it) {
+    out.append(last, message.cbegin() + it->position());
+    std::string flag = "--" + it->str();
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    out += flag;
+    last = message.cbegin() + it->position() + it->length();
+  }
+  out.append(last, message.cend());
+  return out;
+}
+
+MoeConfig build_config_fields(const ModelOptions& o, Device device) {
   const bool gpu = device == Device::cuda;
   MoeConfig c = MoeConfig::preset(o.preset.empty() ? (gpu ? "deepseek-v3" : "tiny") : o.preset);
   if (o.hidden >= 0) c.hidden = o.hidden;
@@ -79,6 +101,15 @@ MoeConfig build_config(const ModelOptions& o, Device device) {
   c.power_of_two_scales = o.pow2_scales;
   c.validate();
   return c;
+}
+}  // namespace
+
+MoeConfig build_config(const ModelOptions& o, Device device) {
+  try {
+    return build_config_fields(o, device);
+  } catch (const Error& e) {
+    throw Error(with_flag_names(e.what()));
+  }
 }
 
 Device resolve_device(const std::string& device, bool gpu_path) {

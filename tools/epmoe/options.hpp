@@ -24,7 +24,8 @@ struct ModelOptions {
 };
 
 void add_model_options(CLI::App* cmd, ModelOptions& options);
-// The validated config (throws epmoe::Error naming the bad field).
+// The validated config (throws epmoe::Error naming the bad option: MoeConfig's message, its fields
+// written as the flags that set them).
 MoeConfig build_config(const ModelOptions& options, Device device = Device::cpu);
 // "cpu" or "gpu" for --device auto|cpu|gpu. auto picks the GPU when one is present and the command
 // has a GPU path (gpu_path), else the CPU; "gpu" without a GPU (or a GPU path) is refused.
