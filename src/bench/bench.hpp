@@ -121,6 +121,9 @@ struct SuiteOptions {
   bool quick = false;                            // fewer runs and shapes
   std::string quant;                             // suites with variants per scheme: "" = default
   std::function<void(const Result&)> on_result;  // called as each result is measured
+  // Called for each result a suite checked and found wrong (e.g. the layer against the CPU reference):
+  // the caller keeps the rows and fails after writing them. Unset: the suite throws instead.
+  std::function<void(const std::string&)> on_failure;
 };
 using SuiteFn = std::function<std::vector<Result>(const SuiteOptions& options)>;
 

@@ -17,6 +17,13 @@
 // row's params carry device_idle_us: the time inside a forward when nothing ran on the device
 // (bench::measure_forwards, CUPTI's records of a few more forwards after the row's timed ones; left out
 // where CUPTI cannot be used).
+// Beside the time, each configuration's first row (decode: the graph replay; prefill: the forward) carries
+// what `epmoe run` reports for a phase: tokens_per_s (all ranks' tokens per second), the phase breakdown
+// of three eager forwards timed with CUDA events (route_us, dispatch_us, gemm_us, combine_us, shared_us,
+// eager_total_us; `timing` on, which adds a few events per phase), and the accuracy of one eager forward
+// on this rank against the CPU reference on its first tokens (check_tokens, check_rel_l2,
+// check_calc_diff, check_pass; design.md §8's tolerance, layer_tolerance). A failed check is printed and
+// reported (SuiteOptions::on_failure: `epmoe bench` writes its rows, then exits with an error).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +38,9 @@
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/layer.hpp"
 #include "epmoe/cuda/runtime.hpp"
+#include "epmoe/cuda/synthetic.hpp"
+#include "epmoe/error.hpp"
+#include "epmoe/layer.hpp"
 
 namespace epmoe::bench {
 namespace {
@@ -63,6 +73,11 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
   c.max_tokens_per_rank = static_cast<int>(kMaxDecodeTokens);
   c.validate();
   auto weights = std::make_shared<SyntheticWeights>(c, 1);  // the layer generates its slots on the device
+  // The reference check's experts too (bit-identical with the host's make_synthetic_expert, faster).
+  int device = 0;
+  EPMOE_CUDA_CHECK(cudaGetDevice(&device));
+  weights->set_expert_factory(cuda::gpu_expert_factory(device));
+  std::vector<std::string> failures;
 
   std::vector<std::int64_t> decode, prefill;
   for (const std::int64_t t : options.tokens) (t <= kMaxDecodeTokens ? decode : prefill).push_back(t);
@@ -101,9 +116,12 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
     // tried first, sent nearly every token to the same few experts: 0.18x the all-experts floor.)
     const int rank = comm ? comm->rank() : 0;
     std::vector<cuda::DeviceTensor> x;
+    const HostTensor x0 = synthetic_tokens(c, 100, rank, lo.max_tokens);  // set 0, kept for the check
     for (int set = 0; set < kSets; ++set)
-      x.push_back(cuda::to_device(
-          synthetic_tokens(c, 100 + static_cast<std::uint64_t>(set), rank, lo.max_tokens), s));
+      x.push_back(
+          set == 0 ? cuda::to_device(x0, s)
+                   : cuda::to_device(
+                         synthetic_tokens(c, 100 + static_cast<std::uint64_t>(set), rank, lo.max_tokens), s));
     cuda::DeviceTensor y(DType::bf16, {lo.max_tokens, c.hidden});
     const bool decode_mode = mode == Mode::low_latency;
     const std::string base = std::string(decode_mode ? "layer.decode" : "layer.prefill") +
@@ -130,7 +148,47 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
         const ActivitySummary a = measure_forwards([&](int i) { forward(i, graph); }, 3, &why, comm.get());
         return a.forwards > 0 ? 1e3 * a.idle_ms : -1.0;
       };
-      auto row = [&](const std::string& name, double us, const char* how, double device_idle_us = -1) {
+      // What `epmoe run` reports beside the time (see the top of the file), for the configuration's
+      // first row.
+      auto phases_and_check = [&](Params& p, double us) {
+        p["tokens_per_s"] = us > 0 ? static_cast<double>(T * ranks) / (us * 1e-6) : 0.0;
+        layer.reset_times();
+        layer.set_timing(true);
+        for (int i = 0; i < 3; ++i) forward(i, false);
+        layer.set_timing(false);
+        const cuda::GpuPhaseTimes& t = layer.times();
+        const double per = 1e3 / static_cast<double>(std::max<std::int64_t>(1, t.forwards));
+        p["route_us"] = t.route * per;
+        p["dispatch_us"] = t.dispatch * per;
+        p["gemm_us"] = t.gemm * per;
+        p["combine_us"] = t.combine * per;
+        p["shared_us"] = t.shared * per;
+        p["eager_total_us"] = t.total * per;
+        const std::int64_t S = std::min<std::int64_t>(4, T);
+        y.fill_bytes(0xff, s);  // poisoned: an unwritten row is NaN
+        forward(0, false);
+        const HostTensor y0 = cuda::to_host(y.view().slice_rows(0, S), s);
+        const HostTensor logits0 = cuda::to_host(layer.last_logits().slice_rows(0, S), s);
+        HostTensor ref(DType::bf16, {S, c.hidden});
+        reference_forward(*weights, x0.view().slice_rows(0, S), logits0.view(), ref, Numerics::mirror);
+        const ErrorReport r = compare(y0.view(), ref);
+        const double tolerance = layer_tolerance(c, S);
+        p["check_tokens"] = S;
+        p["check_rel_l2"] = r.rel_l2;
+        p["check_calc_diff"] = r.calc_diff;
+        const bool pass = r.within(tolerance);
+        p["check_pass"] = static_cast<std::int64_t>(pass ? 1 : 0);
+        if (!pass) {
+          failures.push_back(
+              fmt::format("{} tokens={} rank {}: rel_l2 {:.3g}, calc_diff {:.3g}, {} non-finite "
+                          "(tolerance {:.3g})",
+                          base, T, rank, r.rel_l2, r.calc_diff, r.non_finite, tolerance));
+          std::fprintf(stderr, "layer: CHECK FAILED: %s\n", failures.back().c_str());
+          if (options.on_failure) options.on_failure(failures.back());
+        }
+      };
+      auto row = [&](const std::string& name, double us, const char* how, double device_idle_us = -1,
+                     bool first = false) {
         Params p{{"tokens", T},
                  {"ranks", static_cast<std::int64_t>(ranks)},
                  {"mode", std::string(to_string(mode))},
@@ -139,6 +197,7 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
                  {"dispatcher", dispatcher_used},
                  {"phase", std::string(how)}};
         if (device_idle_us >= 0) p["device_idle_us"] = device_idle_us;
+        if (first) phases_and_check(p, us);
         Result r = make_result(name, std::move(p), us, weight_bytes, flops);
         if (!decode_mode) r.floor_us = std::max(r.floor_us, flops / (kPeakTflops * 1e6));
         emit(options, results, r);
@@ -151,15 +210,15 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
         layer.capture_graphs(sizes);
         if (wants("graph") || tbo) {
           const double us = timed(true);
-          row(base, us, "forward, graph replay", idle_us(true));
+          row(base, us, "forward, graph replay", idle_us(true), true);
         }
         if (wants("eager") && !tbo && !portable) {
           const double us = timed(false);
-          row(base + "_eager", us, "forward, eager", idle_us(false));
+          row(base + "_eager", us, "forward, eager", idle_us(false), !(wants("graph") || tbo));
         }
       } else {
         const double us = timed(false);
-        row(base, us, "forward", idle_us(false));
+        row(base, us, "forward", idle_us(false), true);
         if (wants("gemm_alone") && !tbo && !portable) {
           const cuda::GpuMoeLayer::GemmTimes g = layer.time_gemms_alone();
           row("layer.prefill_gemm_alone", 1e3 * (g.routed_ms + g.shared_ms),
@@ -178,6 +237,9 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
     run_mode(Mode::normal, prefill, false, "nccl-p2p");
   }
   if (comm && ranks > 1) comm->barrier();
+  EPMOE_CHECK(failures.empty() || options.on_failure,
+              "layer: {} configuration(s) differ from the CPU reference; first: {}", failures.size(),
+              failures.empty() ? std::string() : failures.front());
   return results;
 }
 

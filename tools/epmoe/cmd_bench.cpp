@@ -35,6 +35,8 @@ void run_bench(const BenchOptions& o) {
     std::printf("%s\n", bench::describe(r).c_str());
     std::fflush(stdout);
   };
+  std::vector<std::string> failures;
+  so.on_failure = [&failures](const std::string& what) { failures.push_back(what); };
   std::vector<bench::Result> results;
   auto append = [&](std::vector<bench::Result> more) {
     results.insert(results.end(), more.begin(), more.end());
@@ -42,6 +44,8 @@ void run_bench(const BenchOptions& o) {
   for (const bench::Suite& suite : bench::suites())
     if (o.what == suite.name || o.what == "all") append(suite.run(so));
   if (!o.json.empty()) write_text_file("--json", o.json, bench::report_json(results).dump(2) + "\n");
+  EPMOE_CHECK(failures.empty(), "{} result(s) failed their check (rows written; check_pass = 0); first: {}",
+              failures.size(), failures.empty() ? std::string() : failures.front());
 }
 
 const CommandRegistration kRegistration{
