@@ -166,22 +166,16 @@ nlohmann::json ActivitySummary::json() const {
           {"idle_before_kind_ms", idle_before}};
 }
 
-namespace {
-
-// Whether `mine` holds on every rank of comm (collective; true alone without peers). On the
-// communicator's stream, whose wait is bounded (a peer that never joins: an error naming it, no hang).
-bool on_every_rank(Communicator* comm, bool mine) {
+bool on_every_rank(Communicator* comm, bool mine, const char* what) {
   if (comm == nullptr || comm->size() == 1) return mine;
   const cudaStream_t stream = comm->stream();
   HostTensor host(DType::i64, {1});
   host.data<std::int64_t>()[0] = mine ? 1 : 0;
   const cuda::DeviceTensor flag = cuda::to_device(host, stream);
   comm->all_reduce_sum_i64(flag.data<std::int64_t>(), flag.data<std::int64_t>(), 1, stream);
-  comm->synchronize(CommPhase::none, "the ranks' agreement to record the device's activity");
+  comm->synchronize(CommPhase::none, what);
   return cuda::to_host(flag, stream).data<std::int64_t>()[0] == comm->size();
 }
-
-}  // namespace
 
 ActivitySummary measure_forwards(const std::function<void(int)>& forward, int count, std::string* why_not,
                                  Communicator* comm) {
@@ -189,7 +183,7 @@ ActivitySummary measure_forwards(const std::function<void(int)>& forward, int co
   std::string why;
   std::unique_ptr<DeviceActivity> activity = DeviceActivity::open(&why);
   // The forwards are collective on N ranks: every rank runs them, or none does.
-  if (!on_every_rank(comm, activity != nullptr)) {
+  if (!on_every_rank(comm, activity != nullptr, "the ranks' agreement to record the device's activity")) {
     if (why_not != nullptr) *why_not = activity ? "another rank could not record its device's activity" : why;
     return {};
   }

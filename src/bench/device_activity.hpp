@@ -95,4 +95,9 @@ class DeviceActivity {
 ActivitySummary measure_forwards(const std::function<void(int)>& forward, int count, std::string* why_not,
                                  Communicator* comm = nullptr);
 
+// Whether `mine` holds on every rank of comm (collective: every rank calls it at the same point; `mine`
+// alone without peers). On the communicator's stream, whose wait is bounded (a peer that never joins: an
+// error naming `what`, no hang).
+bool on_every_rank(Communicator* comm, bool mine, const char* what);
+
 }  // namespace epmoe::bench

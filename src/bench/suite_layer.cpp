@@ -23,7 +23,9 @@
 // eager_total_us; `timing` on, which adds a few events per phase), and the accuracy of one eager forward
 // on this rank against the CPU reference on its first tokens (check_tokens, check_rel_l2,
 // check_calc_diff, check_pass; design.md §8's tolerance, layer_tolerance). A failed check is printed and
-// reported (SuiteOptions::on_failure: `epmoe bench` writes its rows, then exits with an error).
+// reported (SuiteOptions::on_failure: `epmoe bench` writes its rows, then exits with an error); on N ranks
+// check_pass is whether every rank passed. The checked tokens are the same rows of the same seeded batch
+// in every configuration, so the reference builds the same few experts once (host copies, ~44 MB each).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -177,13 +179,19 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
         p["check_rel_l2"] = r.rel_l2;
         p["check_calc_diff"] = r.calc_diff;
         const bool pass = r.within(tolerance);
-        p["check_pass"] = static_cast<std::int64_t>(pass ? 1 : 0);
-        if (!pass) {
-          failures.push_back(
-              fmt::format("{} tokens={} rank {}: rel_l2 {:.3g}, calc_diff {:.3g}, {} non-finite "
-                          "(tolerance {:.3g})",
-                          base, T, rank, r.rel_l2, r.calc_diff, r.non_finite, tolerance));
-          std::fprintf(stderr, "layer: CHECK FAILED: %s\n", failures.back().c_str());
+        // Every rank's row says whether all ranks passed, and every rank reports a failure (so each
+        // rank's JSON and exit status agree); the rank whose tokens failed prints its numbers.
+        const bool all_pass = on_every_rank(comm.get(), pass, "the ranks' layer accuracy checks");
+        p["check_pass"] = static_cast<std::int64_t>(all_pass ? 1 : 0);
+        if (!pass)
+          std::fprintf(stderr,
+                       "layer: CHECK FAILED: %s tokens=%lld rank %d: rel_l2 %.3g, calc_diff %.3g, %lld "
+                       "non-finite (tolerance %.3g)\n",
+                       base.c_str(), static_cast<long long>(T), rank, r.rel_l2, r.calc_diff,
+                       static_cast<long long>(r.non_finite), tolerance);
+        if (!all_pass) {
+          failures.push_back(fmt::format("{} tokens={}: the accuracy check failed on {} (see its stderr)",
+                                         base, T, pass ? "another rank" : fmt::format("rank {}", rank)));
           if (options.on_failure) options.on_failure(failures.back());
         }
       };

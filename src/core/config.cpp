@@ -65,7 +65,7 @@ Mode resolve_mode(Mode mode, BatchKind kind) {
 DispatchAlgorithm parse_dispatch_algorithm(std::string_view s) {
   if (s == "static") return DispatchAlgorithm::static_choice;
   if (s == "dynamic") return DispatchAlgorithm::dynamic_choice;
-  EPMOE_FAIL("dispatch algorithm must be 'static' or 'dynamic', got '{}'", s);
+  EPMOE_FAIL("dispatch_algorithm must be 'static' or 'dynamic', got '{}'", s);
 }
 
 MoeConfig MoeConfig::preset(std::string_view name) {

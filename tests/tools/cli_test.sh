@@ -159,6 +159,11 @@ check_fails "check ranks not dividing slots" "--experts \+ --redundant-experts \
 # Config errors name the flags (MoeConfig's messages name its fields).
 check_fails "check topk groups named as flags" "--topk-groups must be in \[1, --groups=4\], got 9" \
   "$epmoe" check --topk-groups 9
+# ... but not the user's own value quoted back.
+check_fails "check quoted value stays" "--scoring must be 'sigmoid' or 'softmax', got 'groups'" \
+  "$epmoe" check --scoring groups
+check_fails "run tokens below int64" "--tokens: is out of range \(at least -9223372036854775808\)" \
+  "$epmoe" run --device cpu --tokens -9223372036854775809
 check_fails "run too many decode tokens" "--tokens \(65\) must be <= --max-tokens-per-rank \(64\)" "$epmoe" run --device cpu --tokens 65
 check "check 8 ranks low-latency" "$epmoe" check --ranks 8 --mode low-latency --tokens 12
 check "check 8 ranks normal w4a8 dynamic" "$epmoe" check --ranks 8 --mode normal --quant w4a8 --redundant-experts 8 \

@@ -129,8 +129,8 @@ void run_main(const RunOptions& o) {
                 config.max_tokens_per_rank);
   if (prefill_mode == Mode::low_latency)
     EPMOE_CHECK(chunk <= config.max_tokens_per_rank,
-                "--chunk ({}) must be <= --max-tokens-per-rank ({}) in low-latency mode", chunk,
-                config.max_tokens_per_rank);
+                "--chunk ({}{}) must be <= --max-tokens-per-rank ({}) in low-latency mode", chunk,
+                o.chunk > 0 ? "" : ", the default", config.max_tokens_per_rank);
 
   std::printf("epmoe run: %s\n", config.describe().c_str());
   std::printf("  device: %s, %d ranks simulated in one process (GPU present: %s)\n",

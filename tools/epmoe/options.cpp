@@ -63,22 +63,37 @@ int resolve_ranks(const ModelOptions& o, Device device) {
 
 namespace {
 // MoeConfig's errors name its fields (the library's API); on the command line they name the flags:
-// "topk_groups must be in [1, groups=4]" -> "--topk-groups must be in [1, --groups=4]".
+// "topk_groups must be in [1, groups=4]" -> "--topk-groups must be in [1, --groups=4]". Text in single
+// quotes is the user's own value quoted back ("got 'groups'") and stays as it is.
 std::string with_flag_names(const std::string& message) {
   static const std::regex field(
       R"(\b(hidden|intermediate|experts(?! per group)|topk|groups|topk_groups|scoring|shared_experts|ranks|)"
       R"(redundant_experts|max_tokens_per_rank|quant|preset|dispatch_algorithm)\b)");
   std::string out;
-  auto last = message.cbegin();
-  for (auto it = std::sregex_iterator(message.begin(), message.end(), field); it != std::sregex_iterator();
-       ++it) {
-    out.append(last, message.cbegin() + it->position());
-    std::string flag = "--" + it->str();
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    out += flag;
-    last = message.cbegin() + it->position() + it->length();
+  bool quoted = false;
+  std::size_t begin = 0;
+  while (begin <= message.size()) {
+    const std::size_t quote = std::min(message.find('\'', begin), message.size());
+    const std::string piece = message.substr(begin, quote - begin);
+    if (quoted) {
+      out += piece;
+    } else {
+      auto last = piece.cbegin();
+      for (auto it = std::sregex_iterator(piece.begin(), piece.end(), field); it != std::sregex_iterator();
+           ++it) {
+        out.append(last, piece.cbegin() + it->position());
+        std::string flag = "--" + it->str();
+        std::replace(flag.begin(), flag.end(), '_', '-');
+        out += flag;
+        last = piece.cbegin() + it->position() + it->length();
+      }
+      out.append(last, piece.cend());
+    }
+    if (quote == message.size()) break;
+    out += '\'';
+    quoted = !quoted;
+    begin = quote + 1;
   }
-  out.append(last, message.cend());
   return out;
 }
 
@@ -175,7 +190,8 @@ std::string integer_text_problem(const std::string& text, std::uint64_t largest)
   const bool negative = start == 1 && text[0] == '-';
   if (ec != std::errc() || end != digits.data() + digits.size() ||
       (negative && value > (std::uint64_t{1} << 63)) || (!negative && value > largest))
-    return fmt::format("is out of range (at most {}), got {}", largest, text);
+    return negative ? "is out of range (at least -9223372036854775808), got " + text
+                    : fmt::format("is out of range (at most {}), got {}", largest, text);
   return {};
 }
 

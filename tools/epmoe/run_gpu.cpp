@@ -563,9 +563,11 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
               "--mode: the GPU run uses low-latency mode for decode and normal mode for prefill "
               "(auto); got '{}'",
               o.mode);
-  EPMOE_CHECK(decode_tokens <= config.max_tokens_per_rank,
-              "decode tokens per rank ({}) must be <= max_tokens_per_rank ({}); raise --max-tokens-per-rank",
-              decode_tokens, config.max_tokens_per_rank);
+  EPMOE_CHECK(
+      decode_tokens <= config.max_tokens_per_rank,
+      "decode tokens per rank ({}: --tokens, or --concurrency / ranks) must be <= --max-tokens-per-rank "
+      "({})",
+      decode_tokens, config.max_tokens_per_rank);
 
   std::vector<PhasePlan> plans;
   if (steps > 0) {
