@@ -82,7 +82,9 @@ def main():
         for j in range(1, len(r)):
             # Compared within the current run only: the first iteration after a cut belongs to the next
             # line, whose launches may hold more kernels (a parent and its tail follower) than the last.
-            if j - 1 >= begin and r[j - 1] and len(r[j]) > len(r[j - 1]):
+            # (A same-bytes copy's iteration has no GEMM kernel: a GEMM warm-up joining its last one is cut
+            # off the same way, to none.)
+            if j - 1 >= begin and len(r[j]) > len(r[j - 1]):
                 r[j] = r[j][: len(r[j - 1])]
                 split_runs.append(r[begin : j + 1])
                 begin = j + 1

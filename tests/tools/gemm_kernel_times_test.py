@@ -71,10 +71,18 @@ def main():
     # line 4 keeps its one kernel, line 5's iterations keep both (an H100 run of session 60 saw this
     # split every iteration of such a line into a run of its own).
     tr.line(lambda i: [(GEMM, 180_000, 3_000), (FOLLOWER, 30_000, 1_000)], warm_up_after_ns=10_000)
+    # A same-bytes copy, then a sixth line whose warm-up starts 10 us after the copy's last iteration
+    # (joins it): the copy stays a run without GEMM kernels (skipped), the sixth line is paired.
+    tr.add("memcpy 8 (1000000 B)", 200_000, after_ns=3_000_000)
+    for _ in range(8):
+        tr.add(f"memset ({GAP} B)", 3_700_000)
+        tr.add("memcpy 8 (1000000 B)", 200_000)
+    tr.line(lambda i: [(GEMM, 120_000, 3_000)], warm_up_after_ns=10_000)
     bench = {"results": [result("gemm.masked", 301.0), result("gemm.contiguous", 221.0), result("gemm.masked.x", 0),
-                         result("gemm.masked.y", 0), result("gemm.contiguous.split", 0)]}
+                         result("gemm.masked.y", 0), result("gemm.contiguous.split", 0),
+                         result("gemm.masked.after_copy", 0)]}
     for i, r in enumerate(bench["results"]):
-        r["time_us"] = [304.2, 224.1, 103.1, 153.1, 214.0][i]
+        r["time_us"] = [304.2, 224.1, 103.1, 153.1, 214.0, 123.0][i]
     with tempfile.TemporaryDirectory() as d:
         trace = os.path.join(d, "kernels-1.json")
         json.dump({"pid": 1, "traceEvents": tr.events}, open(trace, "w"))
@@ -85,11 +93,11 @@ def main():
         out = json.load(open(oj))
         assert out["iterations_per_line"] == 4, out
         got = [round(line["kernel_us"], 3) for line in out["lines"]]
-        assert got == [303.0, 221.0, 100.0, 150.0, 211.0], got
+        assert got == [303.0, 221.0, 100.0, 150.0, 211.0, 120.0], got
         assert abs(out["lines"][0]["vs_deepgemm_kernel"] - 301.0 / 303.0) < 1e-9, out["lines"][0]
         assert abs(out["lines"][1]["vs_deepgemm_tflops_kernel"] - 224.1 / 221.0) < 1e-9, out["lines"][1]
         assert "vs_deepgemm_kernel" not in out["lines"][2], out["lines"][2]
-        # A bench of four lines for a trace of five: refused.
+        # A bench of five lines for a trace of six: refused.
         bench["results"].pop()
         json.dump(bench, open(bj, "w"))
         r = subprocess.run([sys.executable, SCRIPT, bj, trace], capture_output=True, text=True)
