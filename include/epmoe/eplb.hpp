@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "epmoe/config.hpp"
+#include "epmoe/error.hpp"
 #include "epmoe/tensor.hpp"
 
 namespace epmoe {
@@ -25,7 +26,11 @@ class ExpertPlacement {
   int num_ranks() const { return num_ranks_; }
   int slots_per_rank() const { return num_physical() / num_ranks_; }
   int max_replicas() const { return max_replicas_; }
-  int rank_of_slot(int physical) const { return physical / slots_per_rank(); }
+  int rank_of_slot(int physical) const {
+    EPMOE_CHECK(physical >= 0 && physical < num_physical(),
+                "rank_of_slot: physical slot must be in [0, {}), got {}", num_physical(), physical);
+    return physical / slots_per_rank();
+  }
 
   const std::vector<std::int32_t>& phy2log() const { return phy2log_; }
   const std::vector<std::int32_t>& log2phy() const { return log2phy_; }  // [E, max_replicas], -1 padded

@@ -85,7 +85,7 @@ struct TensorView {
   std::int64_t numel() const;
   std::int64_t size(int dim) const;
   bool is_contiguous() const;
-  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype); }
+  std::size_t nbytes() const;    // numel() x the dtype's size (throws where that overflows)
   std::string describe() const;  // e.g. "bf16[128, 7168] cpu"
 
   template <class T>
@@ -110,6 +110,10 @@ void expect_shape(const TensorView& t, std::initializer_list<std::int64_t> shape
 void expect_rank(const TensorView& t, int rank, std::string_view name);
 void expect_device(const TensorView& t, Device device, std::string_view name);
 void expect_contiguous(const TensorView& t, std::string_view name);
+// Throws when the bytes of output `out` overlap those of `other` (an argument the call reads while it
+// writes `out`): such aliasing gives silently wrong results. Views without data never overlap.
+void expect_disjoint(const TensorView& out, std::string_view out_name, const TensorView& other,
+                     std::string_view other_name);
 // Throws when any element of a f32/f64/bf16/fp8 host tensor is NaN or Inf.
 void expect_finite(const TensorView& t, std::string_view name);
 

@@ -93,11 +93,17 @@ std::vector<std::string> MoeConfig::preset_names() {
 }
 
 void MoeConfig::validate() const {
-  EPMOE_CHECK(hidden > 0 && hidden % kQuantGroup == 0, "hidden must be a positive multiple of {}, got {}",
-              kQuantGroup, hidden);
-  EPMOE_CHECK(intermediate > 0 && intermediate % kQuantGroup == 0,
-              "intermediate must be a positive multiple of {}, got {}", kQuantGroup, intermediate);
-  EPMOE_CHECK(num_experts >= 1, "experts must be >= 1, got {}", num_experts);
+  // Upper bounds far above any model (DeepSeek-V3: H 7168, I 2048, 256 experts), so that every product
+  // the layer forms (H x I x experts, tokens x ranks, E + R) stays inside int64 / int.
+  constexpr std::int64_t kMaxDim = std::int64_t{1} << 20;
+  constexpr int kMaxCount = 1 << 20;
+  EPMOE_CHECK(hidden > 0 && hidden % kQuantGroup == 0 && hidden <= kMaxDim,
+              "hidden must be a positive multiple of {} and <= {}, got {}", kQuantGroup, kMaxDim, hidden);
+  EPMOE_CHECK(intermediate > 0 && intermediate % kQuantGroup == 0 && intermediate <= kMaxDim,
+              "intermediate must be a positive multiple of {} and <= {}, got {}", kQuantGroup, kMaxDim,
+              intermediate);
+  EPMOE_CHECK(num_experts >= 1 && num_experts <= kMaxCount, "experts must be in [1, {}], got {}", kMaxCount,
+              num_experts);
   EPMOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, experts={}], got {}", num_experts, topk);
   EPMOE_CHECK(num_groups >= 1 && num_experts % num_groups == 0,
               "groups must be >= 1 and divide experts={}, got {}", num_experts, num_groups);
@@ -116,13 +122,19 @@ void MoeConfig::validate() const {
   }
   EPMOE_CHECK(routed_scaling_factor > 0.0f && routed_scaling_factor < 1e6f,
               "routed_scaling_factor must be positive and finite, got {}", routed_scaling_factor);
-  EPMOE_CHECK(num_shared_experts >= 0, "shared_experts must be >= 0, got {}", num_shared_experts);
-  EPMOE_CHECK(num_ranks >= 1, "ranks must be >= 1, got {}", num_ranks);
-  EPMOE_CHECK(num_redundant_experts >= 0, "redundant_experts must be >= 0, got {}", num_redundant_experts);
+  EPMOE_CHECK(num_shared_experts >= 0 && shared_intermediate() <= kMaxDim,
+              "shared_experts must be >= 0 with shared_experts x intermediate <= {}, got {} x {}", kMaxDim,
+              num_shared_experts, intermediate);
+  EPMOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxCount, "ranks must be in [1, {}], got {}", kMaxCount,
+              num_ranks);
+  EPMOE_CHECK(num_redundant_experts >= 0 && num_redundant_experts <= kMaxCount,
+              "redundant_experts must be in [0, {}], got {}", kMaxCount, num_redundant_experts);
   EPMOE_CHECK(num_physical_experts() % num_ranks == 0,
               "experts + redundant_experts ({} + {}) must be a multiple of ranks={}", num_experts,
               num_redundant_experts, num_ranks);
-  EPMOE_CHECK(max_tokens_per_rank >= 1, "max_tokens_per_rank must be >= 1, got {}", max_tokens_per_rank);
+  constexpr int kMaxTokens = 1 << 30;
+  EPMOE_CHECK(max_tokens_per_rank >= 1 && max_tokens_per_rank <= kMaxTokens,
+              "max_tokens_per_rank must be in [1, {}], got {}", kMaxTokens, max_tokens_per_rank);
 }
 
 std::string MoeConfig::describe() const {

@@ -64,13 +64,19 @@ TensorView TensorView::contiguous(void* data, DType dtype, std::span<const std::
   v.dtype = dtype;
   v.device = device;
   v.rank = static_cast<int>(shape.size());
+  // Every stride and the size in bytes fit in int64 (a wrapped product would size a buffer too small).
   std::int64_t stride = 1;
+  bool overflow = false;
   for (int d = v.rank - 1; d >= 0; --d) {
     EPMOE_CHECK(shape[d] >= 0, "tensor dimension {} is negative ({})", d, shape[d]);
     v.shape[d] = shape[d];
     v.stride[d] = stride;
-    stride *= shape[d];
+    overflow = overflow || __builtin_mul_overflow(stride, shape[d], &stride);
   }
+  std::int64_t bytes = 0;
+  overflow = overflow || __builtin_mul_overflow(stride, static_cast<std::int64_t>(dtype_size(dtype)), &bytes);
+  EPMOE_CHECK(!overflow, "tensor shape {} is too large: its size in bytes does not fit in 64 bits",
+              v.describe());
   return v;
 }
 
@@ -80,9 +86,21 @@ TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list
 }
 
 std::int64_t TensorView::numel() const {
+  EPMOE_CHECK(rank >= 0 && rank <= kMaxRank, "tensor rank {} is outside [0, {}]", rank, kMaxRank);
   std::int64_t n = 1;
-  for (int d = 0; d < rank; ++d) n *= shape[d];
+  for (int d = 0; d < rank; ++d) {
+    EPMOE_CHECK(shape[d] >= 0, "tensor dimension {} is negative ({})", d, shape[d]);
+    EPMOE_CHECK(!__builtin_mul_overflow(n, shape[d], &n),
+                "tensor shape {} has more elements than int64 holds", describe());
+  }
   return n;
+}
+
+std::size_t TensorView::nbytes() const {
+  std::int64_t bytes = 0;
+  EPMOE_CHECK(!__builtin_mul_overflow(numel(), static_cast<std::int64_t>(dtype_size(dtype)), &bytes),
+              "tensor shape {} has more bytes than int64 holds", describe());
+  return static_cast<std::size_t>(bytes);
 }
 
 std::int64_t TensorView::size(int dim) const {
@@ -101,6 +119,7 @@ bool TensorView::is_contiguous() const {
 
 std::string TensorView::describe() const {
   std::string s = fmt::format("{}[", dtype_name(dtype));
+  if (rank < 0 || rank > kMaxRank) return s + fmt::format("<rank {}>] {}", rank, device_name(device));
   for (int d = 0; d < rank; ++d) s += fmt::format("{}{}", d ? ", " : "", shape[d]);
   return s + fmt::format("] {}", device_name(device));
 }
@@ -166,6 +185,26 @@ void expect_device(const TensorView& t, Device device, std::string_view name) {
 void expect_contiguous(const TensorView& t, std::string_view name) {
   EPMOE_CHECK(t.is_contiguous(), "{} must be contiguous (row-major), got {}", name, t.describe());
   EPMOE_CHECK(t.data != nullptr || t.numel() == 0, "{} has no data pointer", name);
+}
+
+void expect_disjoint(const TensorView& out, std::string_view out_name, const TensorView& other,
+                     std::string_view other_name) {
+  if (out.data == nullptr || other.data == nullptr || out.device != other.device) return;
+  // The byte span each view can touch: [data, data + (Σ (shape - 1) * stride + 1) * element size).
+  auto span_end = [](const TensorView& t) {
+    std::int64_t last = 0;
+    for (int d = 0; d < t.rank; ++d) {
+      if (t.shape[d] == 0) return static_cast<const std::byte*>(t.data);
+      last += (t.shape[d] - 1) * t.stride[d];
+    }
+    return static_cast<const std::byte*>(t.data) +
+           (last + 1) * static_cast<std::int64_t>(dtype_size(t.dtype));
+  };
+  const auto* a = static_cast<const std::byte*>(out.data);
+  const auto* b = static_cast<const std::byte*>(other.data);
+  const bool overlap = a < span_end(other) && b < span_end(out);
+  EPMOE_CHECK(!overlap, "{} ({}) must not overlap {} ({}) in memory", out_name, out.describe(), other_name,
+              other.describe());
 }
 
 void expect_finite(const TensorView& t, std::string_view name) {

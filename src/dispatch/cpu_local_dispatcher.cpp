@@ -28,7 +28,9 @@ class CpuLocalDispatcher final : public Dispatcher {
     local_ids_ = HostTensor(DType::i32, {T, K});
     std::copy_n(in.topk_ids.as<std::int32_t>(), T * K,
                 local_ids_.data<std::int32_t>());  // one rank: slot = local id
-    weights_ = in.topk_weights;
+    // A copy: the caller may free its weights before the combine.
+    weights_ = HostTensor(DType::f32, {T, K});
+    std::copy_n(in.topk_weights.as<float>(), T * K, weights_.data<float>());
     DispatchOutput& out = outputs[0];
     out = DispatchOutput{};
     out.layout = Layout::token_major;
@@ -39,25 +41,24 @@ class CpuLocalDispatcher final : public Dispatcher {
     out.scales = in.x_scales;
     out.tensor_scale = in.x_tensor_scale;
     out.local_ids = local_ids_;
-    out.local_weights = in.topk_weights;
+    out.local_weights = weights_;
     stats_ = DispatchStats{{0}, {0}, {T * K}};
   }
 
   void combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) override {
     EPMOE_CHECK(expert_out.size() == 1 && y.size() == 1,
                 "cpu-local combine takes one expert output and one y");
+    EPMOE_CHECK(local_ids_.defined(), "cpu-local combine needs a dispatch first");
     const std::int64_t T = local_ids_.size(0), H = context_.config.hidden;
     const int K = context_.config.topk;
-    expect_dtype(expert_out[0], DType::bf16, "expert_out");
-    expect_shape(expert_out[0], {T * K, H}, "expert_out");
-    expect_dtype(y[0], DType::bf16, "y");
-    expect_shape(y[0], {T, H}, "y");
+    detail::expect_combine_tensor(expert_out[0], T * K, H, "expert_out");
+    detail::expect_combine_tensor(y[0], T, H, "y");
     std::vector<float> acc(static_cast<std::size_t>(H));
     for (std::int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int k = 0; k < K; ++k)
         detail::accumulate_weighted_row(acc.data(), expert_out[0].as<bf16>() + (t * K + k) * H,
-                                        weights_.as<float>()[t * K + k], H);
+                                        weights_.data<float>()[t * K + k], H);
       for (std::int64_t h = 0; h < H; ++h)
         y[0].as<bf16>()[t * H + h] = bf16::from_float(acc[static_cast<std::size_t>(h)]);
     }
@@ -65,8 +66,7 @@ class CpuLocalDispatcher final : public Dispatcher {
 
  private:
   DispatcherContext context_;
-  HostTensor local_ids_;
-  TensorView weights_;
+  HostTensor local_ids_, weights_;
   DispatchStats stats_;
 };
 

@@ -72,6 +72,7 @@ class CpuSimDispatcher final : public Dispatcher {
     // buffers are ordered by source rank, then source token, as per-source regions of a real one
     // (rotated to start at the receiver in low-latency mode, below).
     for (RankState& s : ranks_) s.recv.clear();
+    dispatched_ = true;
     std::vector<char> sent(static_cast<std::size_t>(N));
     for (int src = 0; src < N; ++src) {
       const std::int64_t T = inputs[src].x.size(0);
@@ -111,16 +112,15 @@ class CpuSimDispatcher final : public Dispatcher {
     const MoeConfig& c = context_.config;
     const int N = c.num_ranks;
     const std::int64_t H = c.hidden;
+    EPMOE_CHECK(dispatched_, "cpu-sim combine needs a dispatch first");
     EPMOE_CHECK(static_cast<int>(expert_out.size()) == N && static_cast<int>(y.size()) == N,
                 "cpu-sim combine needs one expert output and one y per rank ({}), got {} and {}", N,
                 expert_out.size(), y.size());
     for (int r = 0; r < N; ++r) {
       const RankState& s = ranks_[static_cast<std::size_t>(r)];
-      expect_dtype(y[r], DType::bf16, fmt::format("rank {} y", r));
-      expect_shape(y[r], {s.home_tokens, H}, fmt::format("rank {} y", r));
-      expect_contiguous(y[r], fmt::format("rank {} y", r));
-      expect_dtype(expert_out[r], DType::bf16, fmt::format("rank {} expert_out", r));
-      expect_shape(expert_out[r], {s.row_token.numel(), H}, fmt::format("rank {} expert_out", r));
+      detail::expect_combine_tensor(y[r], s.home_tokens, H, fmt::format("rank {} y", r));
+      detail::expect_combine_tensor(expert_out[r], s.row_token.numel(), H,
+                                    fmt::format("rank {} expert_out", r));
     }
 
     // Expert side: one bf16 partial sum per received token, reduced in f32 over its local rows.
@@ -284,6 +284,7 @@ class CpuSimDispatcher final : public Dispatcher {
 
   DispatcherContext context_;
   std::vector<RankState> ranks_;
+  bool dispatched_ = false;
   DispatchStats stats_;
 };
 

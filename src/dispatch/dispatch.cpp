@@ -41,11 +41,18 @@ std::unique_ptr<Dispatcher> make_dispatcher(const std::string& name, const Dispa
 }
 
 std::int64_t contiguous_rows_bound(const MoeConfig& c, std::int64_t tokens_per_rank) {
+  c.validate();
+  EPMOE_CHECK(tokens_per_rank >= 0, "contiguous_rows_bound: tokens_per_rank must be >= 0, got {}",
+              tokens_per_rank);
   const int L = c.num_local_experts();
   // Each of the ranks' tokens brings at most min(K, L) rows here; the blocks of those rows, each
   // expert's padded to 128 (a multiple of 128 in all, as the GEMMs' m-blocks want).
-  return contiguous_capacity(static_cast<std::int64_t>(c.num_ranks) * tokens_per_rank * std::min(c.topk, L),
-                             L);
+  std::int64_t entries = 0;
+  EPMOE_CHECK(!__builtin_mul_overflow(static_cast<std::int64_t>(c.num_ranks) * std::min(c.topk, L),
+                                      tokens_per_rank, &entries),
+              "contiguous_rows_bound: {} tokens per rank x {} ranks x top-{} overflows 64 bits",
+              tokens_per_rank, c.num_ranks, std::min(c.topk, L));
+  return contiguous_capacity(entries, L);
 }
 
 namespace detail {
@@ -64,6 +71,13 @@ void check_dispatcher_mode(const DispatcherContext& context, std::string_view na
               "dispatcher '{}': the context's mode must be normal or low-latency, got {} (a layer in auto "
               "mode resolves it per forward: resolve_mode)",
               name, to_string(context.mode));
+}
+
+void expect_combine_tensor(const TensorView& t, std::int64_t rows, std::int64_t H, const std::string& name) {
+  expect_dtype(t, DType::bf16, name);
+  expect_shape(t, {rows, H}, name);
+  expect_device(t, Device::cpu, name);
+  expect_contiguous(t, name);
 }
 
 std::int64_t token_payload_bytes(const DispatcherContext& context) {

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "epmoe/dispatch.hpp"
@@ -15,8 +17,11 @@ namespace epmoe {
 static_assert(kPermuteAlign == kContiguousAlign);
 
 std::int64_t contiguous_capacity(std::int64_t entries, int num_experts) {
-  EPMOE_CHECK(entries >= 0 && num_experts > 0,
-              "contiguous_capacity: entries ({}) and num_experts ({}) out of range", entries, num_experts);
+  // (The bound keeps (entries + 127 n) and blocks x 128 inside int64.)
+  constexpr std::int64_t kMaxEntries = std::int64_t{1} << 53;
+  EPMOE_CHECK(entries >= 0 && entries <= kMaxEntries,
+              "contiguous_capacity: entries must be in [0, 2^53], got {}", entries);
+  EPMOE_CHECK(num_experts > 0, "contiguous_capacity: num_experts must be > 0, got {}", num_experts);
   // Σ_e ceil(c_e / 128) blocks over the n <= min(E, entries) non-empty experts with Σ c_e = entries:
   // at most (entries + 127 n) / 128, and at most one block per entry.
   const std::int64_t busy = std::min<std::int64_t>(num_experts, entries);
@@ -29,6 +34,16 @@ namespace {
 void expect_host(const TensorView& t, std::string_view name) {
   expect_device(t, Device::cpu, name);
   expect_contiguous(t, name);
+}
+
+// No output of a permutation may share memory with its inputs (it writes while it reads them).
+void expect_outputs_apart(const PermuteInput& in,
+                          std::initializer_list<std::pair<TensorView, const char*>> outs) {
+  for (const auto& [out, name] : outs) {
+    expect_disjoint(out, name, in.x, "x");
+    expect_disjoint(out, name, in.x_scales, "x_scales");
+    expect_disjoint(out, name, in.topk_ids, "topk_ids");
+  }
 }
 
 struct Shape {
@@ -116,6 +131,13 @@ void permute_contiguous_cpu(const PermuteInput& in, const ContiguousLayout& out)
   check_i32(out.m_indices, {m}, "m_indices");
   check_i32(out.row_src, {m}, "row_src");
   check_i32(out.src_row, {s.tokens, s.topk}, "src_row");
+  expect_outputs_apart(in, {{out.rows, "rows"},
+                            {out.scales, "scales"},
+                            {out.m_indices, "m_indices"},
+                            {out.row_src, "row_src"},
+                            {out.src_row, "src_row"},
+                            {out.expert_offsets, "expert_offsets"},
+                            {out.counts, "counts"}});
 
   const auto lists = entries_per_expert(in, s, static_cast<int>(experts));
   std::vector<std::int64_t> offsets(static_cast<std::size_t>(experts) + 1, 0);
@@ -168,6 +190,11 @@ void permute_masked_cpu(const PermuteInput& in, const MaskedLayout& out) {
   }
   check_i32(out.row_src, {experts, m_max}, "row_src");
   check_i32(out.src_row, {s.tokens, s.topk}, "src_row");
+  expect_outputs_apart(in, {{out.rows, "rows"},
+                            {out.scales, "scales"},
+                            {out.masked_m, "masked_m"},
+                            {out.row_src, "row_src"},
+                            {out.src_row, "src_row"}});
 
   const auto lists = entries_per_expert(in, s, static_cast<int>(experts));
   for (std::int64_t e = 0; e < experts; ++e) {
@@ -209,6 +236,10 @@ void gather_weighted_cpu(TensorView expert_out, TensorView src_row, TensorView t
   expect_dtype(y, DType::bf16, "y");
   expect_shape(y, {tokens, hidden}, "y");
   expect_host(y, "y");
+  expect_finite(topk_weights, "topk_weights");
+  expect_disjoint(y, "y", expert_out, "expert_out");
+  expect_disjoint(y, "y", src_row, "src_row");
+  expect_disjoint(y, "y", topk_weights, "topk_weights");
 
   const std::int32_t* map = src_row.as<std::int32_t>();
   for (std::int64_t i = 0; i < tokens * topk; ++i)

@@ -194,6 +194,10 @@ void router_logits_cpu(TensorView x, TensorView gate_weight, TensorView logits) 
         const float product = xf[h] * w[h];  // rounded, then added: no FMA (ISO mode, no contraction)
         acc += product;
       }
+      // Finite inputs can still overflow f32 in the sum: a logit the router would then rank as NaN.
+      EPMOE_CHECK(std::isfinite(acc),
+                  "logits[{}, {}] = {}: the dot product of x's token and gate_weight's row overflows f32", t,
+                  e, acc);
       out[t * num_experts + e] = acc;
     }
   }

@@ -100,6 +100,7 @@ std::vector<double> gemm_f64(QuantScheme quant, const HostTensor& w, const HostT
 void expert_mlp_cpu(const ExpertWeights& weights, ActivationFormat format, TensorView x, TensorView x_scales,
                     float x_tensor_scale, float a2_scale, bool power_of_two_scales, Numerics numerics,
                     TensorView out) {
+  weights.validate();  // (shapes only: cheap)
   const std::int64_t H = weights.hidden, I = weights.intermediate;
   expect_rank(x, 2, "x");
   const std::int64_t rows = x.size(0);
@@ -110,6 +111,7 @@ void expert_mlp_cpu(const ExpertWeights& weights, ActivationFormat format, Tenso
   if (format == ActivationFormat::fp8_group) {
     expect_dtype(x_scales, DType::f32, "x_scales");
     expect_shape(x_scales, {rows, H / 128}, "x_scales");
+    expect_finite(x_scales, "x_scales");  // (host, contiguous, no NaN / Inf)
   }
   if (format == ActivationFormat::fp8_tensor) {
     EPMOE_CHECK(std::isfinite(x_tensor_scale) && x_tensor_scale > 0,

@@ -60,6 +60,8 @@ void check_operands(const TensorView& a, const TensorView& a_scales, const Tenso
   expect_shape(b_scales, {G, (N + kBlock - 1) / kBlock, K / kBlock}, "b_scales");
   expect_finite(b_scales, "b_scales");
   expect_finite(a_scales, "a_scales");
+  expect_finite(a, "a");  // (e4m3's NaN codes; a scan, cheap beside the GEMM)
+  expect_finite(b, "b");
 }
 
 }  // namespace

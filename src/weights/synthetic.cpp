@@ -210,13 +210,31 @@ SyntheticWeights::SyntheticWeights(const MoeConfig& config, std::uint64_t seed)
   }
 }
 
+namespace {
+// What a factory built matches what was asked (a custom factory's mistake is named here, not found as
+// an out-of-bounds read in a GEMM).
+std::unique_ptr<ExpertWeights> checked_expert(std::unique_ptr<ExpertWeights> expert, QuantScheme quant,
+                                              std::int64_t hidden, std::int64_t intermediate,
+                                              std::string_view what) {
+  EPMOE_CHECK(expert != nullptr, "the expert factory returned no {}", what);
+  EPMOE_CHECK(expert->quant == quant && expert->hidden == hidden && expert->intermediate == intermediate,
+              "the expert factory built {} as {} H={} I={}, asked for {} H={} I={}", what,
+              to_string(expert->quant), expert->hidden, expert->intermediate, to_string(quant), hidden,
+              intermediate);
+  expert->validate();
+  return expert;
+}
+}  // namespace
+
 const ExpertWeights& SyntheticWeights::routed_expert(int logical) const {
   EPMOE_CHECK(logical >= 0 && logical < config_.num_experts, "logical expert id must be in [0, {}), got {}",
               config_.num_experts, logical);
   std::lock_guard lock(mutex_);
   auto& slot = experts_[logical];
   if (!slot) {
-    slot = factory_ ? factory_(config_.quant, config_.hidden, config_.intermediate, expert_seed(logical))
+    slot = factory_ ? checked_expert(
+                          factory_(config_.quant, config_.hidden, config_.intermediate, expert_seed(logical)),
+                          config_.quant, config_.hidden, config_.intermediate, "a routed expert")
                     : make_synthetic_expert(config_.quant, config_.hidden, config_.intermediate,
                                             expert_seed(logical));
   }
@@ -229,8 +247,10 @@ const ExpertWeights& SyntheticWeights::shared_expert() const {
   if (!shared_) {
     const QuantScheme quant = config_.quant == QuantScheme::none ? QuantScheme::none : QuantScheme::fp8;
     shared_ =
-        factory_ ? factory_(quant, config_.hidden, config_.shared_intermediate(), shared_seed())
-                 : make_synthetic_expert(quant, config_.hidden, config_.shared_intermediate(), shared_seed());
+        factory_
+            ? checked_expert(factory_(quant, config_.hidden, config_.shared_intermediate(), shared_seed()),
+                             quant, config_.hidden, config_.shared_intermediate(), "the shared expert")
+            : make_synthetic_expert(quant, config_.hidden, config_.shared_intermediate(), shared_seed());
   }
   return *shared_;
 }
@@ -242,8 +262,8 @@ std::uint64_t SyntheticWeights::expert_seed(int logical) const {
 }
 
 void SyntheticWeights::skew_routing(double strength) {
-  EPMOE_CHECK(std::isfinite(strength) && strength >= 0, "routing skew must be finite and >= 0, got {}",
-              strength);
+  EPMOE_CHECK(std::isfinite(strength) && strength >= 0 && strength <= 1e6,
+              "routing skew must be in [0, 1e6] (a bias past f32's range routes nothing), got {}", strength);
   const int E = config_.num_experts;
   std::vector<int> order(static_cast<std::size_t>(E));
   for (int e = 0; e < E; ++e) order[static_cast<std::size_t>(e)] = e;

@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <string>
+
 #include "epmoe/tensor.hpp"
 
 namespace epmoe {
@@ -54,6 +57,30 @@ TEST(Tensor, FiniteCheckFindsNaNAndInf) {
   b.data<bf16>()[0] = bf16::from_float(1.0f);
   b.data<bf16>()[1] = bf16::from_bits(0x7fc0);
   EXPECT_THROW(expect_finite(b, "b"), Error);
+}
+
+// Shapes whose size wraps around int64 would size a buffer too small: refused at construction.
+TEST(Tensor, ShapesPastInt64AreRefused) {
+  EXPECT_THROW(HostTensor(DType::f32, {std::int64_t{1} << 62, 4}), Error);
+  EXPECT_THROW(HostTensor(DType::f32, {std::int64_t{1} << 62}), Error);  // 2^64 bytes
+  EXPECT_THROW(TensorView::contiguous(nullptr, DType::f32, {0, std::int64_t{1} << 40, std::int64_t{1} << 40}),
+               Error);
+  TensorView hand;  // a hand-built view: numel() checks its product
+  hand.rank = 2;
+  hand.shape = {std::int64_t{1} << 40, std::int64_t{1} << 40, 0, 0};
+  EXPECT_THROW((void)hand.numel(), Error);
+  hand.rank = 5;
+  EXPECT_THROW((void)hand.numel(), Error);
+  EXPECT_NE(hand.describe().find("rank 5"), std::string::npos);
+}
+
+TEST(Tensor, OverlappingOutputsAreRefused) {
+  HostTensor a(DType::f32, {4, 8}), b(DType::f32, {4, 8});
+  EXPECT_NO_THROW(expect_disjoint(a, "out", b, "in"));
+  EXPECT_THROW(expect_disjoint(a, "out", a, "in"), Error);
+  EXPECT_THROW(expect_disjoint(a.view().slice_rows(1, 3), "out", a.view().slice_rows(2, 4), "in"), Error);
+  EXPECT_NO_THROW(expect_disjoint(a.view().slice_rows(0, 2), "out", a.view().slice_rows(2, 4), "in"));
+  EXPECT_NO_THROW(expect_disjoint(TensorView{}, "out", a, "in"));  // an absent argument
 }
 
 }  // namespace

@@ -2,11 +2,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 #include <tuple>
+#include <vector>
 
 #include "epmoe/dispatch.hpp"
 #include "epmoe/permute.hpp"
@@ -375,6 +378,55 @@ TEST(SimDispatchErrors, UnknownDispatcherNamesTheKnownOnes) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("cpu-sim"), std::string::npos) << e.what();
   }
+}
+
+// Configs whose products overflow, and bounds asked of an invalid config: refused, not wrapped.
+TEST(CpuSimDispatcher, BoundsRefuseOverflowingConfigs) {
+  MoeConfig c = tiny(2);
+  EXPECT_GT(contiguous_rows_bound(c, 64), 0);
+  EXPECT_THROW(contiguous_rows_bound(c, -5), Error);
+  EXPECT_THROW(contiguous_rows_bound(c, std::int64_t{1} << 62), Error);
+  EXPECT_THROW(contiguous_capacity(INT64_MAX - 10, 256), Error);
+  MoeConfig zero = c;
+  zero.num_ranks = 0;  // (was a division by zero)
+  EXPECT_THROW(contiguous_rows_bound(zero, 8), Error);
+  MoeConfig huge = c;
+  huge.num_experts = INT32_MAX;
+  huge.num_redundant_experts = 1;
+  EXPECT_THROW(huge.validate(), Error);
+  huge = c;
+  huge.hidden = std::int64_t{1} << 62;
+  EXPECT_THROW(huge.validate(), Error);
+}
+
+// cpu-local keeps its own copy of the top-k weights: the caller may change or free its tensor between
+// dispatch and combine.
+TEST(CpuSimDispatcher, CpuLocalCopiesTheWeightsAndNeedsADispatch) {
+  MoeConfig c = tiny(1);
+  const std::int64_t T = 3, H = c.hidden;
+  const int K = c.topk;
+  auto dispatcher = make_dispatcher("cpu-local", {c, Mode::normal, ActivationFormat::bf16, 0, 1});
+  HostTensor expert_out(DType::bf16, {T * K, H}), y(DType::bf16, {T, H});
+  for (std::int64_t i = 0; i < T * K * H; ++i) expert_out.data<bf16>()[i] = bf16::from_float(1.0f);
+  EXPECT_THROW(dispatcher->combine(std::vector<TensorView>{expert_out}, std::vector<TensorView>{y}), Error);
+  HostTensor x(DType::bf16, {T, H}), ids(DType::i32, {T, K});
+  auto w = std::make_unique<HostTensor>(DType::f32, std::initializer_list<std::int64_t>{T, K});
+  x.fill_bytes(0);
+  for (std::int64_t i = 0; i < T * K; ++i) {
+    ids.data<std::int32_t>()[i] = static_cast<std::int32_t>(i % c.num_physical_experts());
+    w->data<float>()[i] = 0.25f;
+  }
+  std::vector<DispatchInput> in{{x, TensorView{}, 1.0f, ids, *w}};
+  std::vector<DispatchOutput> out(1);
+  dispatcher->dispatch(in, out);
+  w.reset();  // freed before the combine
+  dispatcher->combine(std::vector<TensorView>{expert_out}, std::vector<TensorView>{y});
+  EXPECT_EQ(y.data<bf16>()[0].to_float(), 0.25f * static_cast<float>(K));
+  HostTensor wide(DType::bf16, {T, 2 * H});  // a column slice of it: not contiguous
+  TensorView strided = wide.view();
+  strided.shape[1] = H;
+  EXPECT_THROW(dispatcher->combine(std::vector<TensorView>{expert_out}, std::vector<TensorView>{strided}),
+               Error);
 }
 
 }  // namespace

@@ -325,5 +325,28 @@ TEST(GatherCpu, RoundTripThroughContiguous) {
   EXPECT_EQ(std::memcmp(y.data<bf16>(), in.x.data<bf16>(), y.nbytes()), 0);
 }
 
+// An output that shares memory with an input (written while read) and non-finite weights: refused.
+TEST(PermuteCpu, AliasingAndNonFiniteWeightsAreRefused) {
+  testing::SeededRng rng;
+  const int experts = 4;
+  const Tokens in = make_tokens(10, 128, 2, experts, false, 0.0, rng);
+  Contiguous c = make_contiguous(in, experts, contiguous_capacity(20, experts));
+  ContiguousLayout aliased = c.layout();
+  HostTensor big(DType::bf16, {c.rows.size(0) + 10, 128});
+  aliased.rows = big.view().slice_rows(0, c.rows.size(0));
+  const PermuteInput overlapping{big.view().slice_rows(0, 10), TensorView{}, in.ids};
+  EXPECT_THROW(permute_contiguous_cpu(overlapping, aliased), Error);
+  EXPECT_NO_THROW(permute_contiguous_cpu({in.x, in.scales, in.ids}, c.layout()));
+
+  HostTensor expert_out(DType::bf16, {c.rows.size(0), 128}), w(DType::f32, {10, 2}),
+      y(DType::bf16, {10, 128});
+  expert_out.fill_bytes(0);
+  for (int i = 0; i < 20; ++i) w.data<float>()[i] = 0.5f;
+  EXPECT_NO_THROW(gather_weighted_cpu(expert_out, c.src_row, w, y));
+  EXPECT_THROW(gather_weighted_cpu(expert_out, c.src_row, w, expert_out.view().slice_rows(0, 10)), Error);
+  w.data<float>()[3] = std::nanf("");
+  EXPECT_THROW(gather_weighted_cpu(expert_out, c.src_row, w, y), Error);
+}
+
 }  // namespace
 }  // namespace epmoe

@@ -144,6 +144,9 @@ TEST(EplbPlacement, InitialPlacement) {
     EXPECT_EQ(pl.log2phy()[e * 2 + 1], e < 4 ? e + 8 : -1);
   }
   EXPECT_EQ(pl.rank_of_slot(11), 3);
+  EXPECT_THROW((void)pl.rank_of_slot(12), Error);
+  EXPECT_THROW((void)pl.rank_of_slot(-1), Error);
+  EXPECT_THROW((void)ExpertPlacement{}.rank_of_slot(0), Error);  // an empty placement (divided by 0)
 }
 
 TEST(EplbPlacement, ConstructorRefusesBadTables) {

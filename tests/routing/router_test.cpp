@@ -601,5 +601,16 @@ TEST(RouterLogits, RefusesBadInputs) {
   expect_error_mentions([&] { router_logits_cpu(x, gate, logits); }, "x must be finite");
 }
 
+// Finite inputs whose dot product overflows f32: an error naming the logit, not an Inf / NaN logit.
+TEST(RouterLogits, RefusesAnOverflowingProduct) {
+  HostTensor x(DType::bf16, {1, 128}), gate(DType::bf16, {2, 128}), logits(DType::f32, {1, 2});
+  for (int h = 0; h < 128; ++h) {
+    x.data<bf16>()[h] = bf16::from_float(h < 2 ? 3e38f : 0.0f);
+    gate.data<bf16>()[h] = bf16::from_float(1.0f);
+    gate.data<bf16>()[128 + h] = bf16::from_float(1.0f);
+  }
+  expect_error_mentions([&] { router_logits_cpu(x, gate, logits); }, "overflows f32");
+}
+
 }  // namespace
 }  // namespace epmoe

@@ -1,8 +1,11 @@
 // The expert MLP, the runner registry and the reference refuse bad input with clear messages.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "epmoe/layer.hpp"
 #include "epmoe/quant.hpp"
+#include "epmoe/weights.hpp"
 
 namespace epmoe {
 namespace {
@@ -114,6 +117,36 @@ TEST(Compare, MeasuresAndFlagsNonFinite) {
   const ErrorReport e = compare(a, b);
   EXPECT_EQ(e.non_finite, 1);
   EXPECT_FALSE(e.within(1.0));
+}
+
+// Weights that do not match their declared dims (a hand-edited expert, a custom factory's mistake) and
+// non-finite or absent activation scales: refused before any read past a buffer.
+TEST(ExpertMlp, RefusesMismatchedWeightsAndBadScales) {
+  auto w = make_synthetic_expert(QuantScheme::fp8, 256, 128, 3);
+  HostTensor x(DType::fp8_e4m3, {4, 256}), s(DType::f32, {4, 2}), y(DType::bf16, {4, 256});
+  x.fill_bytes(0x38);  // 1.0
+  for (std::int64_t i = 0; i < s.numel(); ++i) s.data<float>()[i] = 0.01f;
+  s.data<float>()[1] = std::nanf("");
+  EXPECT_NE(message_of([&] {
+              expert_mlp_cpu(*w, ActivationFormat::fp8_group, x, s, 1, 1, false, Numerics::exact, y);
+            }).find("x_scales must be finite"),
+            std::string::npos);
+  s.data<float>()[1] = 0.01f;
+  w->intermediate = 256;  // the tensors still hold I = 128
+  EXPECT_NE(message_of([&] {
+              expert_mlp_cpu(*w, ActivationFormat::fp8_group, x, s, 1, 1, false, Numerics::mirror, y);
+            }).find("w13 must have shape"),
+            std::string::npos);
+
+  MoeConfig c = MoeConfig::preset("tiny");
+  SyntheticWeights weights(c, 1);
+  weights.set_expert_factory(
+      [](QuantScheme quant, std::int64_t hidden, std::int64_t intermediate, std::uint64_t seed) {
+        return make_synthetic_expert(quant, hidden, intermediate + 128, seed);  // not the I it was asked for
+      });
+  EXPECT_NE(
+      message_of([&] { (void)weights.routed_expert(0); }).find("the expert factory built a routed expert"),
+      std::string::npos);
 }
 
 }  // namespace
