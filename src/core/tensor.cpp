@@ -190,6 +190,7 @@ void expect_contiguous(const TensorView& t, std::string_view name) {
 void expect_disjoint(const TensorView& out, std::string_view out_name, const TensorView& other,
                      std::string_view other_name) {
   if (out.data == nullptr || other.data == nullptr || out.device != other.device) return;
+  if (out.numel() == 0 || other.numel() == 0) return;  // no bytes, no overlap
   // The byte span each view can touch: [data, data + (Σ (shape - 1) * stride + 1) * element size).
   auto span_end = [](const TensorView& t) {
     std::int64_t last = 0;

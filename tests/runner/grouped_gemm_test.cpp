@@ -131,6 +131,13 @@ TEST(GroupedGemmCpu, MaskedSkipsRowsPastTheCount) {
   }
   const std::int32_t valid[G] = {0, 5, 2};
   std::memcpy(counts.data<std::int32_t>(), valid, sizeof(valid));
+  // NaN codes where nothing is read (group 2's rows past its count; group 0's weights, which no row uses)
+  // are accepted; one in a row the GEMM reads is refused.
+  a.data<fp8_e4m3>()[(2 * M_max + 3) * K + 7] = fp8_e4m3::from_bits(0x7f);
+  b.data<fp8_e4m3>()[5] = fp8_e4m3::from_bits(0xff);
+  a.data<fp8_e4m3>()[(1 * M_max + 4) * K + 9] = fp8_e4m3::from_bits(0x7f);
+  EXPECT_THROW(grouped_gemm_masked_cpu(a, sa, b, sb, counts, d), Error);
+  a.data<fp8_e4m3>()[(1 * M_max + 4) * K + 9] = fp8_e4m3::from_float(2.0f);
   d.fill_bytes(0xff);
   grouped_gemm_masked_cpu(a, sa, b, sb, counts, d);
   for (std::int64_t g = 0; g < G; ++g) {
