@@ -110,6 +110,10 @@ void expect_shape(const TensorView& t, std::initializer_list<std::int64_t> shape
 void expect_rank(const TensorView& t, int rank, std::string_view name);
 void expect_device(const TensorView& t, Device device, std::string_view name);
 void expect_contiguous(const TensorView& t, std::string_view name);
+// A contiguous host (CPU) tensor; and one of this dtype and shape too.
+void expect_host(const TensorView& t, std::string_view name);
+void expect_host_tensor(const TensorView& t, DType dtype, std::initializer_list<std::int64_t> shape,
+                        std::string_view name);
 // Throws when the bytes of output `out` overlap those of `other` (an argument the call reads while it
 // writes `out`): such aliasing gives silently wrong results. Views without data never overlap.
 void expect_disjoint(const TensorView& out, std::string_view out_name, const TensorView& other,

@@ -119,11 +119,10 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
     const int rank = comm ? comm->rank() : 0;
     std::vector<cuda::DeviceTensor> x;
     const HostTensor x0 = synthetic_tokens(c, 100, rank, lo.max_tokens);  // set 0, kept for the check
-    for (int set = 0; set < kSets; ++set)
-      x.push_back(
-          set == 0 ? cuda::to_device(x0, s)
-                   : cuda::to_device(
-                         synthetic_tokens(c, 100 + static_cast<std::uint64_t>(set), rank, lo.max_tokens), s));
+    x.push_back(cuda::to_device(x0, s));
+    for (int set = 1; set < kSets; ++set)
+      x.push_back(cuda::to_device(
+          synthetic_tokens(c, 100 + static_cast<std::uint64_t>(set), rank, lo.max_tokens), s));
     cuda::DeviceTensor y(DType::bf16, {lo.max_tokens, c.hidden});
     const bool decode_mode = mode == Mode::low_latency;
     const std::string base = std::string(decode_mode ? "layer.decode" : "layer.prefill") +

@@ -187,6 +187,18 @@ void expect_contiguous(const TensorView& t, std::string_view name) {
   EPMOE_CHECK(t.data != nullptr || t.numel() == 0, "{} has no data pointer", name);
 }
 
+void expect_host(const TensorView& t, std::string_view name) {
+  expect_device(t, Device::cpu, name);
+  expect_contiguous(t, name);
+}
+
+void expect_host_tensor(const TensorView& t, DType dtype, std::initializer_list<std::int64_t> shape,
+                        std::string_view name) {
+  expect_dtype(t, dtype, name);
+  expect_shape(t, shape, name);
+  expect_host(t, name);
+}
+
 void expect_disjoint(const TensorView& out, std::string_view out_name, const TensorView& other,
                      std::string_view other_name) {
   if (out.data == nullptr || other.data == nullptr || out.device != other.device) return;

@@ -51,8 +51,8 @@ class CpuLocalDispatcher final : public Dispatcher {
     EPMOE_CHECK(local_ids_.defined(), "cpu-local combine needs a dispatch first");
     const std::int64_t T = local_ids_.size(0), H = context_.config.hidden;
     const int K = context_.config.topk;
-    detail::expect_combine_tensor(expert_out[0], T * K, H, "expert_out");
-    detail::expect_combine_tensor(y[0], T, H, "y");
+    expect_host_tensor(expert_out[0], DType::bf16, {T * K, H}, "expert_out");
+    expect_host_tensor(y[0], DType::bf16, {T, H}, "y");
     std::vector<float> acc(static_cast<std::size_t>(H));
     for (std::int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);

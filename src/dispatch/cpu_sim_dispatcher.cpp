@@ -118,9 +118,9 @@ class CpuSimDispatcher final : public Dispatcher {
                 expert_out.size(), y.size());
     for (int r = 0; r < N; ++r) {
       const RankState& s = ranks_[static_cast<std::size_t>(r)];
-      detail::expect_combine_tensor(y[r], s.home_tokens, H, fmt::format("rank {} y", r));
-      detail::expect_combine_tensor(expert_out[r], s.row_token.numel(), H,
-                                    fmt::format("rank {} expert_out", r));
+      expect_host_tensor(y[r], DType::bf16, {s.home_tokens, H}, fmt::format("rank {} y", r));
+      expect_host_tensor(expert_out[r], DType::bf16, {s.row_token.numel(), H},
+                         fmt::format("rank {} expert_out", r));
     }
 
     // Expert side: one bf16 partial sum per received token, reduced in f32 over its local rows.

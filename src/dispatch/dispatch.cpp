@@ -73,13 +73,6 @@ void check_dispatcher_mode(const DispatcherContext& context, std::string_view na
               name, to_string(context.mode));
 }
 
-void expect_combine_tensor(const TensorView& t, std::int64_t rows, std::int64_t H, const std::string& name) {
-  expect_dtype(t, DType::bf16, name);
-  expect_shape(t, {rows, H}, name);
-  expect_device(t, Device::cpu, name);
-  expect_contiguous(t, name);
-}
-
 std::int64_t token_payload_bytes(const DispatcherContext& context) {
   const MoeConfig& c = context.config;
   std::int64_t bytes = c.hidden * (context.format == ActivationFormat::bf16 ? 2 : 1);

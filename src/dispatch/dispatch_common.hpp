@@ -18,9 +18,6 @@ void check_dispatcher_mode(const DispatcherContext& context, std::string_view na
 // physical ids in [0, P), finite weights, and (low-latency) T <= max_tokens_per_rank.
 void validate_dispatch_input(const DispatcherContext& context, const DispatchInput& input, int rank);
 
-// A CPU dispatcher's combine tensor (expert_out or y): bf16 [rows, H], a contiguous host tensor.
-void expect_combine_tensor(const TensorView& t, std::int64_t rows, std::int64_t H, const std::string& name);
-
 // Bytes of one token's payload: activation row, its scales and its top-k ids + weights.
 std::int64_t token_payload_bytes(const DispatcherContext& context);
 

@@ -31,11 +31,6 @@ std::int64_t contiguous_capacity(std::int64_t entries, int num_experts) {
 
 namespace {
 
-void expect_host(const TensorView& t, std::string_view name) {
-  expect_device(t, Device::cpu, name);
-  expect_contiguous(t, name);
-}
-
 // No output of a permutation may share memory with its inputs (it writes while it reads them).
 void expect_outputs_apart(const PermuteInput& in,
                           std::initializer_list<std::pair<TensorView, const char*>> outs) {

@@ -13,19 +13,6 @@ namespace {
 
 // ---------------------------------------------------------------- argument checks
 
-void expect_host(const TensorView& t, std::string_view name) {
-  expect_device(t, Device::cpu, name);
-  expect_contiguous(t, name);
-}
-
-// A contiguous host tensor of this dtype and shape (how each quantizer checks its outputs and scales).
-void expect_host_tensor(const TensorView& t, DType dtype, std::initializer_list<std::int64_t> shape,
-                        std::string_view name) {
-  expect_dtype(t, dtype, name);
-  expect_shape(t, shape, name);
-  expect_host(t, name);
-}
-
 void expect_real_input(const TensorView& t, std::string_view name) {
   EPMOE_CHECK(t.dtype == DType::f32 || t.dtype == DType::bf16, "{} must have dtype f32 or bf16, got {}", name,
               t.describe());

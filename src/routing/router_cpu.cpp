@@ -123,14 +123,6 @@ void route_token(const MoeConfig& c, const float* logit, const float* bias, std:
   }
 }
 
-void expect_host_tensor(const TensorView& t, DType dtype, std::initializer_list<std::int64_t> shape,
-                        std::string_view name) {
-  expect_device(t, Device::cpu, name);
-  expect_dtype(t, dtype, name);
-  expect_shape(t, shape, name);
-  expect_contiguous(t, name);
-}
-
 }  // namespace
 
 void route_cpu(const MoeConfig& config, TensorView logits, TensorView correction_bias, TensorView topk_ids,

@@ -41,10 +41,7 @@ class CpuRunner final : public Runner {
       case Layout::token_major: {
         // Gather the (token, k) pairs of each local expert, run them as one batch, scatter back.
         const std::int64_t T = in.rows.size(0), K = cfg.topk;
-        expect_dtype(in.local_ids, DType::i32, "local_ids");
-        expect_shape(in.local_ids, {T, K}, "local_ids");
-        expect_device(in.local_ids, Device::cpu, "local_ids");
-        expect_contiguous(in.local_ids, "local_ids");
+        expect_host_tensor(in.local_ids, DType::i32, {T, K}, "local_ids");
         std::vector<std::vector<std::int64_t>> pairs(static_cast<std::size_t>(local_experts));
         for (std::int64_t i = 0; i < T * K; ++i) {
           const std::int32_t j = in.local_ids.as<std::int32_t>()[i];
@@ -96,10 +93,7 @@ class CpuRunner final : public Runner {
       }
       case Layout::masked: {
         const std::int64_t max_m = in.rows.size(1);
-        expect_dtype(in.masked_m, DType::i32, "masked_m");
-        expect_shape(in.masked_m, {local_experts}, "masked_m");
-        expect_device(in.masked_m, Device::cpu, "masked_m");
-        expect_contiguous(in.masked_m, "masked_m");
+        expect_host_tensor(in.masked_m, DType::i32, {local_experts}, "masked_m");
         for (int j = 0; j < local_experts; ++j) {
           const std::int64_t m = in.masked_m.as<std::int32_t>()[j];
           EPMOE_CHECK(m >= 0 && m <= max_m, "masked_m[{}] must be in [0, {}], got {}", j, max_m, m);

@@ -19,11 +19,6 @@ float silu_mul(float gate, float up) {
 
 namespace {
 
-void expect_host(const TensorView& t, std::string_view name) {
-  expect_device(t, Device::cpu, name);
-  expect_contiguous(t, name);
-}
-
 DType output_dtype(ActivationFormat format) {
   return format == ActivationFormat::bf16 ? DType::bf16 : DType::fp8_e4m3;
 }
