@@ -11,6 +11,7 @@
 
 #include "epmoe/cuda/runtime.hpp"
 #include "epmoe/error.hpp"
+#include "expect_error.hpp"
 
 // First statement of every GPU test: without a CUDA device the test is reported as skipped
 // (ctest "Skipped", via the SKIP_REGULAR_EXPRESSION in tests/CMakeLists.txt), never as passed.
@@ -22,18 +23,6 @@
   } while (0)
 
 namespace epmoe::testing {
-
-// Runs fn and expects an epmoe::Error whose message contains `needle` (so that a validation
-// failure is told apart from, say, a CUDA error that also throws epmoe::Error).
-inline void expect_error_mentions(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an epmoe::Error mentioning \"" << needle << "\", nothing was thrown";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message \"" << e.what() << "\" does not mention \"" << needle << "\"";
-  }
-}
 
 // Bitwise comparison of n elements of width sizeof(T); `describe(i)` explains element i. Reports
 // the number of mismatches and the first few of them as one failure.

@@ -94,9 +94,7 @@ std::int64_t GpuDispatcherBase::validate_input(const DispatchInput& in) const {
   device_tensor(in.x, row_dtype(), T, c.hidden, "x");
   if (context_.format == ActivationFormat::fp8_group)
     device_tensor(in.x_scales, DType::f32, T, c.hidden / 128, "x_scales");
-  if (context_.format == ActivationFormat::fp8_tensor)
-    EPMOE_CHECK(std::isfinite(in.x_tensor_scale) && in.x_tensor_scale > 0,
-                "{}x_tensor_scale must be positive and finite, got {}", r, in.x_tensor_scale);
+  if (context_.format == ActivationFormat::fp8_tensor) expect_scale(in.x_tensor_scale, r + "x_tensor_scale");
   device_tensor(in.topk_ids, DType::i32, T, c.topk, "topk_ids");
   device_tensor(in.topk_weights, DType::f32, T, c.topk, "topk_weights");
   return T;

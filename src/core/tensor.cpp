@@ -253,6 +253,30 @@ void expect_finite(const TensorView& t, std::string_view name) {
   }
 }
 
+namespace {
+bool valid_scale(float scale, float max_code) {
+  return scale > 0.0f && std::isfinite(scale * max_code);
+}
+std::string scale_rule(float max_code) {
+  return max_code == 1.0f ? std::string("positive and finite")
+                          : fmt::format("positive and finite, with {} x it finite", max_code);
+}
+}  // namespace
+
+void expect_scale(float scale, std::string_view name, float max_code) {
+  EPMOE_CHECK(valid_scale(scale, max_code), "{} must be {}, got {}", name, scale_rule(max_code), scale);
+}
+
+void expect_scales(const TensorView& t, std::string_view name, float max_code) {
+  expect_dtype(t, DType::f32, name);
+  expect_host(t, name);
+  const float* s = t.as<float>();
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    EPMOE_CHECK(valid_scale(s[i], max_code), "{} must be {}: element {} is {}", name, scale_rule(max_code), i,
+                s[i]);
+  }
+}
+
 void HostTensor::Free::operator()(std::byte* p) const {
   ::operator delete[](p, std::align_val_t{64});
 }

@@ -86,22 +86,19 @@ void validate_dispatch_input(const DispatcherContext& context, const DispatchInp
   expect_rank(in.x, 2, r + "x");
   const std::int64_t T = in.x.size(0);
   expect_shape(in.x, {T, c.hidden}, r + "x");
-  expect_device(in.x, Device::cpu, r + "x");
-  expect_contiguous(in.x, r + "x");
+  expect_host(in.x, r + "x");
   expect_dtype(in.x, context.format == ActivationFormat::bf16 ? DType::bf16 : DType::fp8_e4m3, r + "x");
   if (context.format == ActivationFormat::fp8_group) {
     expect_dtype(in.x_scales, DType::f32, r + "x_scales");
     expect_shape(in.x_scales, {T, c.hidden / 128}, r + "x_scales");
-    expect_contiguous(in.x_scales, r + "x_scales");
-    expect_finite(in.x_scales, r + "x_scales");
+    expect_scales(in.x_scales, r + "x_scales");
   }
   if (context.format == ActivationFormat::fp8_tensor) {
-    EPMOE_CHECK(std::isfinite(in.x_tensor_scale) && in.x_tensor_scale > 0,
-                "{}x_tensor_scale must be positive and finite, got {}", r, in.x_tensor_scale);
+    expect_scale(in.x_tensor_scale, r + "x_tensor_scale");
   }
   expect_dtype(in.topk_ids, DType::i32, r + "topk_ids");
   expect_shape(in.topk_ids, {T, c.topk}, r + "topk_ids");
-  expect_contiguous(in.topk_ids, r + "topk_ids");
+  expect_host(in.topk_ids, r + "topk_ids");
   expect_dtype(in.topk_weights, DType::f32, r + "topk_weights");
   expect_shape(in.topk_weights, {T, c.topk}, r + "topk_weights");
   expect_contiguous(in.topk_weights, r + "topk_weights");

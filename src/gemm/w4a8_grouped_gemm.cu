@@ -438,8 +438,7 @@ Dims check_common(const TensorView& a, float a_scale, const TensorView& a_scale_
   p.a_scale_ptr = nullptr;
   p.a_scale = a_scale;
   if (a_scale_device.empty_view()) {
-    EPMOE_CHECK(std::isfinite(a_scale) && a_scale > 0.0f, "a_scale must be positive and finite, got {}",
-                a_scale);
+    expect_scale(a_scale, "a_scale");
   } else {
     expect_aligned_tensor(a_scale_device, DType::f32, Device::cuda, "a_scale_device", 4);
     expect_shape(a_scale_device, {1}, "a_scale_device");

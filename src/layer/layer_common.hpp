@@ -1,6 +1,8 @@
 // Steps the layer and the reference share, so that both quantize and route identically.
 #pragma once
 
+#include <string_view>
+
 #include "epmoe/layer.hpp"
 
 namespace epmoe::detail {
@@ -21,5 +23,8 @@ QuantizedTokens quantize_tokens(ActivationFormat format, TensorView x, float a1_
 
 // The shared expert on x [T, H] bf16 -> out [T, H] (bf16 or f64).
 void shared_expert_forward(const ModelWeights& weights, TensorView x, TensorView out, Numerics numerics);
+
+// The name an overflowed output goes by in the error (x finite but too large for the layer's bf16 sums).
+inline constexpr std::string_view kOverflowedOutput = "y (the layer's output; x is too large for bf16)";
 
 }  // namespace epmoe::detail

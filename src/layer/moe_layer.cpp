@@ -177,6 +177,7 @@ void MoeLayer::forward_in(Mode mode, std::span<const TensorView> x, std::span<co
           yr[i] = bf16::from_float(yr[i].to_float() + sr[i].to_float());
       }
     }
+    for (int r = 0; r < N; ++r) expect_finite(y[r], fmt::format("rank {} {}", r, detail::kOverflowedOutput));
   }
 
   if (stats) {

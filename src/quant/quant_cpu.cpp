@@ -32,19 +32,6 @@ void expect_group(int group, std::int64_t k, std::string_view group_name, std::s
   EPMOE_CHECK(k % group == 0, "{}: K = {} must be a multiple of {} = {}", tensor_name, k, group_name, group);
 }
 
-void expect_scale_value(float scale, std::string_view name) {
-  EPMOE_CHECK(std::isfinite(scale) && scale > 0.0f, "{} must be positive and finite, got {}", name, scale);
-}
-
-// Every element of an f32 host tensor is a valid scale (positive and finite).
-void expect_scale_tensor(const TensorView& t, std::string_view name) {
-  expect_finite(t, name);
-  const float* s = t.as<float>();
-  for (std::int64_t i = 0; i < t.numel(); ++i) {
-    EPMOE_CHECK(s[i] > 0.0f, "{} must be positive, element {} is {}", name, i, s[i]);
-  }
-}
-
 // ---------------------------------------------------------------- element access
 
 // Reads an f32 or bf16 host tensor as float.
@@ -160,7 +147,7 @@ void dequantize_per_token_group_fp8(TensorView q, TensorView scales, TensorView 
   expect_host_tensor(scales, DType::f32, {t, k / group}, "scales");
   expect_host_tensor(out, DType::f32, {t, k}, "out");
   expect_finite(q, "q");
-  expect_scale_tensor(scales, "scales");
+  expect_scales(scales, "scales", kFp8E4m3Max);
   dequantize_blocks_fp8(q.as<fp8_e4m3>(), scales.as<float>(), out.as<float>(), t, k, 1, group);
 }
 
@@ -187,7 +174,7 @@ void dequantize_block_fp8(TensorView q, TensorView scale_inv, TensorView out, in
   expect_host_tensor(scale_inv, DType::f32, {ceil_div(n, block), k / block}, "scale_inv");
   expect_host_tensor(out, DType::f32, {n, k}, "out");
   expect_finite(q, "q");
-  expect_scale_tensor(scale_inv, "scale_inv");
+  expect_scales(scale_inv, "scale_inv", kFp8E4m3Max);
   dequantize_blocks_fp8(q.as<fp8_e4m3>(), scale_inv.as<float>(), out.as<float>(), n, k, block, block);
 }
 
@@ -199,7 +186,7 @@ void quantize_per_tensor_fp8(TensorView x, TensorView q, float scale) {
   expect_dtype(q, DType::fp8_e4m3, "q");
   expect_same_shape(q, x, "q", "x");
   expect_host(q, "q");
-  expect_scale_value(scale, "scale");
+  expect_scale(scale, "scale");
   expect_finite(x, "x");
   rect_quantize_fp8(RealReader(x), q.as<fp8_e4m3>(), Rect{0, 0, 1, 0, x.numel()}, scale);
 }
@@ -217,7 +204,7 @@ void dequantize_per_tensor_fp8(TensorView q, float scale, TensorView out) {
   expect_dtype(out, DType::f32, "out");
   expect_same_shape(out, q, "out", "q");
   expect_host(out, "out");
-  expect_scale_value(scale, "scale");
+  expect_scale(scale, "scale", kFp8E4m3Max);
   expect_finite(q, "q");
   rect_dequantize_fp8(q.as<fp8_e4m3>(), out.as<float>(), Rect{0, 0, 1, 0, q.numel()}, scale);
 }
@@ -268,7 +255,7 @@ void dequantize_int4_grouped(TensorView packed, TensorView scales, TensorView ou
   const std::int64_t groups = k / group;
   expect_host_tensor(packed, DType::i4x2, {n, k / 2}, "packed");
   expect_host_tensor(scales, DType::f32, {n, groups}, "scales");
-  expect_scale_tensor(scales, "scales");
+  expect_scales(scales, "scales", static_cast<float>(kInt4Max));
 
   const auto* ps = static_cast<const std::uint8_t*>(packed.data);
   const float* ss = scales.as<float>();

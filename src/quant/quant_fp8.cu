@@ -158,7 +158,7 @@ void quantize_per_tensor_fp8(TensorView x, TensorView q, float scale, cudaStream
   expect_device_tensor(x, DType::bf16, "x");
   expect_device_tensor(q, DType::fp8_e4m3, "q");
   expect_same_shape(q, x, "q", "x");
-  EPMOE_CHECK(std::isfinite(scale) && scale > 0.0f, "scale must be positive and finite, got {}", scale);
+  expect_scale(scale, "scale");
   launch_per_tensor(x, q, nullptr, scale, stream);
 }
 

@@ -111,13 +111,11 @@ void expert_mlp_cpu(const ExpertWeights& weights, ActivationFormat format, Tenso
   if (format == ActivationFormat::fp8_group) {
     expect_dtype(x_scales, DType::f32, "x_scales");
     expect_shape(x_scales, {rows, H / 128}, "x_scales");
-    expect_finite(x_scales, "x_scales");  // (host, contiguous, no NaN / Inf)
+    expect_scales(x_scales, "x_scales");  // (host, contiguous, positive and finite)
   }
   if (format == ActivationFormat::fp8_tensor) {
-    EPMOE_CHECK(std::isfinite(x_tensor_scale) && x_tensor_scale > 0,
-                "x_tensor_scale must be positive and finite, got {}", x_tensor_scale);
-    EPMOE_CHECK(std::isfinite(a2_scale) && a2_scale > 0, "a2_scale must be positive and finite, got {}",
-                a2_scale);
+    expect_scale(x_tensor_scale, "x_tensor_scale");
+    expect_scale(a2_scale, "a2_scale");
   }
   expect_shape(out, {rows, H}, "out");
   expect_contiguous(out, "out");

@@ -30,10 +30,14 @@ void run(const TensorView& a, const TensorView& a_scales, const TensorView& b, c
   auto is_nan_code = [](std::uint8_t q) { return (q & 0x7f) == 0x7f; };
   for (std::size_t g = 0; g < rows.size(); ++g) {
     if (rows[g].empty()) continue;
-    for (const std::int64_t row : rows[g])
+    for (const std::int64_t row : rows[g]) {
       for (std::int64_t k = 0; k < K; ++k)
         EPMOE_CHECK(!is_nan_code(qa[row * K + k]), "a must be finite: row {} column {} is an e4m3 NaN", row,
                     k);
+      for (std::int64_t kb = 0; kb < kb_count; ++kb)
+        EPMOE_CHECK(sa[row * kb_count + kb] > 0.0f, "a_scales must be positive: row {} block {} is {}", row,
+                    kb, sa[row * kb_count + kb]);
+    }
     const std::uint8_t* w = qb + static_cast<std::int64_t>(g) * N * K;
     for (std::int64_t i = 0; i < N * K; ++i)
       EPMOE_CHECK(!is_nan_code(w[i]), "b must be finite: group {} row {} column {} is an e4m3 NaN", g, i / K,
@@ -72,8 +76,8 @@ void check_operands(const TensorView& a, const TensorView& a_scales, const Tenso
   EPMOE_CHECK(K > 0 && K % kBlock == 0, "b: K = {} must be a positive multiple of {}", K, kBlock);
   EPMOE_CHECK(N > 0 && G > 0, "b must have at least one group and one row, got {}", b.describe());
   expect_shape(b_scales, {G, (N + kBlock - 1) / kBlock, K / kBlock}, "b_scales");
-  expect_finite(b_scales, "b_scales");
-  expect_finite(a_scales, "a_scales");
+  expect_scales(b_scales, "b_scales");
+  expect_finite(a_scales, "a_scales");  // (positive where the GEMM reads: run())
 }
 
 }  // namespace

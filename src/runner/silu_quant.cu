@@ -89,8 +89,7 @@ Plan plan_for(const TensorView& h, const TensorView& q, const TensorView& scales
                   o.tensor_scale_device.describe());
       plan.params.tensor_scale_ptr = static_cast<const float*>(o.tensor_scale_device.data);
     } else {
-      EPMOE_CHECK(std::isfinite(o.tensor_scale) && o.tensor_scale > 0.0f,
-                  "tensor_scale must be positive and finite, got {}", o.tensor_scale);
+      expect_scale(o.tensor_scale, "tensor_scale");
       plan.params.tensor_scale = o.tensor_scale;
     }
     return plan;

@@ -52,8 +52,7 @@ std::int64_t check_tensors(const TensorView& h, const TensorView& q, const Tenso
     expect_host(scales, "scales");
   }
   if (quant.format == ActivationFormat::fp8_tensor) {
-    EPMOE_CHECK(std::isfinite(quant.tensor_scale) && quant.tensor_scale > 0.0f,
-                "tensor_scale must be positive and finite, got {}", quant.tensor_scale);
+    expect_scale(quant.tensor_scale, "tensor_scale");
   }
   return inter;
 }

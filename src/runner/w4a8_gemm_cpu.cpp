@@ -49,14 +49,13 @@ void check_operands(const TensorView& a, float a_scale, const TensorView& w, con
   expect_dtype(w, DType::i4x2, "w");
   expect_dtype(w_scales, DType::f32, "w_scales");
   EPMOE_CHECK(d.dtype == DType::bf16 || d.dtype == DType::f64, "d must be bf16 or f64, got {}", d.describe());
-  EPMOE_CHECK(std::isfinite(a_scale) && a_scale > 0.0f, "a_scale must be positive and finite, got {}",
-              a_scale);
+  expect_scale(a_scale, "a_scale");
   expect_rank(w, 3, "w");
   const std::int64_t G = w.shape[0], N = w.shape[1], K = 2 * w.shape[2];
   EPMOE_CHECK(K > 0 && K % kBlock == 0, "w: K = {} must be a positive multiple of {}", K, kBlock);
   EPMOE_CHECK(N > 0 && G > 0, "w must have at least one group and one row, got {}", w.describe());
   expect_shape(w_scales, {G, N, K / kBlock}, "w_scales");
-  expect_finite(w_scales, "w_scales");
+  expect_scales(w_scales, "w_scales");
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "epmoe/dispatch.hpp"
 #include "epmoe/permute.hpp"
 #include "epmoe/quant.hpp"
+#include "expect_error.hpp"
 #include "test_random.hpp"
 
 namespace epmoe {
@@ -364,6 +365,15 @@ TEST(SimDispatchErrors, OutOfRangeIdsAndBadShapesAreRefused) {
   inputs = inputs_of(batches);
   inputs[0].x_scales = TensorView{};
   EXPECT_THROW(dispatcher->dispatch(inputs, outs), Error);
+  // Device memory the host dispatcher would read (ids) or a scale no quantizer gives: named, not read.
+  inputs = inputs_of(batches);
+  inputs[1].topk_ids.device = Device::cuda;
+  testing::expect_error_mentions([&] { dispatcher->dispatch(inputs, outs); },
+                                 "rank 1 topk_ids must live on cpu");
+  batches[1].scales.data<float>()[2] = -1.0f;
+  testing::expect_error_mentions([&] { dispatcher->dispatch(inputs_of(batches), outs); },
+                                 "rank 1 x_scales must be positive and finite: element 2 is -1");
+  batches[1].scales.data<float>()[2] = 0.25f;
   batches[0].weights.data<float>()[0] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_THROW(dispatcher->dispatch(inputs_of(batches), outs), Error);
   std::vector<DispatchOutput> one(1);

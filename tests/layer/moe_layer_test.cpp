@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "epmoe/layer.hpp"
+#include "expect_error.hpp"
 
 namespace epmoe {
 namespace {
@@ -176,6 +177,28 @@ TEST(Layer, BadInputIsRefusedWithClearMessages) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("rank 1 x must be finite"), std::string::npos) << e.what();
     }
+  }
+  {
+    // Finite x too large for the layer's bf16 sums: an error naming it, in the layer and in the reference
+    // (both numerics), never an output of Inf / NaN. Mirror numerics stop at the f32 SiLU product; exact
+    // numerics (f64 inside) at the bf16 output.
+    Batch b = make_batch(c, {4, 4}, 2);
+    for (auto& x : b.x)
+      for (std::int64_t i = 0; i < x.numel(); ++i)
+        x.data<bf16>()[i] = bf16::from_float(x.data<bf16>()[i].to_float() * 1e20f);
+    const std::string silu = "silu(gate) * up is not finite";
+    const std::string overflow = "y (the layer's output; x is too large for bf16) must be finite";
+    testing::expect_error_mentions([&] { layer.forward(b.xv, b.yv); }, silu);
+    MoeLayer exact_layer(w, {Mode::low_latency, Device::cpu, Numerics::exact});
+    testing::expect_error_mentions([&] { exact_layer.forward(b.xv, b.yv); }, "rank 0 " + overflow);
+    HostTensor y16(DType::bf16, {4, c.hidden}), y64(DType::f64, {4, c.hidden});
+    testing::expect_error_mentions([&] { reference_forward(*w, b.x[0], y16, Numerics::mirror); }, silu);
+    testing::expect_error_mentions([&] { reference_forward(*w, b.x[0], y16, Numerics::exact); }, overflow);
+    EXPECT_NO_THROW(reference_forward(*w, b.x[0], y64, Numerics::exact));  // f64 holds it
+    TensorView on_gpu = y16;                                               // compare reads both on the host
+    on_gpu.device = Device::cuda;
+    testing::expect_error_mentions([&] { (void)compare(on_gpu, y64); }, "actual must live on cpu");
+    testing::expect_error_mentions([&] { (void)compare(y64, on_gpu); }, "expected must live on cpu");
   }
   {
     Batch b = make_batch(c, {4, 4}, 2);

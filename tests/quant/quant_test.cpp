@@ -255,8 +255,14 @@ TEST(QuantPerTokenGroup, DequantRefusesBadArguments) {
   expect_error([&] { dequantize_per_token_group_fp8(q, s, out, 100); }, {"q", "multiple of group"});
   s.data<float>()[3] = 0.0f;
   expect_error([&] { dequantize_per_token_group_fp8(q, s, out); }, {"scales", "positive"});
+  s.data<float>()[3] = -1.0f;
+  expect_error([&] { dequantize_per_token_group_fp8(q, s, out); }, {"scales", "positive", "element 3"});
   s.data<float>()[3] = kInf;
-  expect_error([&] { dequantize_per_token_group_fp8(q, s, out); }, {"scales must be finite"});
+  expect_error([&] { dequantize_per_token_group_fp8(q, s, out); }, {"scales must be positive and finite"});
+  // Finite, but 448 x it is not: the dequantized values would be Inf.
+  s.data<float>()[3] = 1e37f;
+  expect_error([&] { dequantize_per_token_group_fp8(q, s, out); },
+               {"scales", "448 x it finite", "element 3"});
   s.data<float>()[3] = 1.0f;
   q.data<fp8_e4m3>()[7] = fp8_e4m3::from_bits(0xff);
   expect_error([&] { dequantize_per_token_group_fp8(q, s, out); }, {"q must be finite"});
@@ -371,7 +377,9 @@ TEST(QuantBlock, RefusesBadArguments) {
   s.data<float>()[2] = -1.0f;
   expect_error([&] { dequantize_block_fp8(q, s, out); }, {"scale_inv", "positive"});
   s.data<float>()[2] = kNaN;
-  expect_error([&] { dequantize_block_fp8(q, s, out); }, {"scale_inv must be finite"});
+  expect_error([&] { dequantize_block_fp8(q, s, out); }, {"scale_inv must be positive and finite"});
+  s.data<float>()[2] = 1e37f;
+  expect_error([&] { dequantize_block_fp8(q, s, out); }, {"scale_inv", "448 x it finite"});
 }
 
 // ================================================================ per-tensor FP8
@@ -432,6 +440,10 @@ TEST(QuantPerTensor, RefusesBadArguments) {
     expect_error([&] { quantize_per_tensor_fp8(x, q, bad); }, {"scale must be positive and finite"});
     expect_error([&] { dequantize_per_tensor_fp8(q, bad, out); }, {"scale must be positive and finite"});
   }
+  // The largest scale a quantizer can give (FLT_MAX / 448) dequantizes; one that overflows 448 x it does not.
+  EXPECT_NO_THROW(quantize_per_tensor_fp8(x, q, 1e37f));
+  EXPECT_NO_THROW(dequantize_per_tensor_fp8(q, std::numeric_limits<float>::max() / 448.0f, out));
+  expect_error([&] { dequantize_per_tensor_fp8(q, 1e37f, out); }, {"scale", "448 x it finite", "1e+37"});
   HostTensor q_bad(DType::fp8_e4m3, {32});
   expect_error([&] { quantize_per_tensor_fp8(x, q_bad, 1.0f); }, {"q must have the shape of x"});
   HostTensor out_bad(DType::f32, {4, 9});
@@ -566,7 +578,11 @@ TEST(QuantInt4, RefusesBadArguments) {
   s.data<float>()[1] = 0.0f;
   expect_error([&] { dequantize_int4_grouped(packed, s, out); }, {"scales", "positive"});
   s.data<float>()[1] = kNaN;
-  expect_error([&] { dequantize_int4_grouped(packed, s, out); }, {"scales must be finite"});
+  expect_error([&] { dequantize_int4_grouped(packed, s, out); }, {"scales must be positive and finite"});
+  s.data<float>()[1] = 1e38f;  // 7 x it overflows f32
+  expect_error([&] { dequantize_int4_grouped(packed, s, out); }, {"scales", "7 x it finite"});
+  s.data<float>()[1] = 1e37f;  // 7 x it does not
+  EXPECT_NO_THROW(dequantize_int4_grouped(packed, s, out));
 }
 
 }  // namespace

@@ -129,7 +129,12 @@ TEST(ExpertMlp, RefusesMismatchedWeightsAndBadScales) {
   s.data<float>()[1] = std::nanf("");
   EXPECT_NE(message_of([&] {
               expert_mlp_cpu(*w, ActivationFormat::fp8_group, x, s, 1, 1, false, Numerics::exact, y);
-            }).find("x_scales must be finite"),
+            }).find("x_scales must be positive and finite"),
+            std::string::npos);
+  s.data<float>()[1] = -0.01f;  // a negative scale flips the row's sign, which no quantizer gives
+  EXPECT_NE(message_of([&] {
+              expert_mlp_cpu(*w, ActivationFormat::fp8_group, x, s, 1, 1, false, Numerics::exact, y);
+            }).find("x_scales must be positive and finite: element 1 is -0.01"),
             std::string::npos);
   s.data<float>()[1] = 0.01f;
   w->intermediate = 256;  // the tensors still hold I = 128

@@ -138,6 +138,15 @@ TEST(GroupedGemmCpu, MaskedSkipsRowsPastTheCount) {
   a.data<fp8_e4m3>()[(1 * M_max + 4) * K + 9] = fp8_e4m3::from_bits(0x7f);
   EXPECT_THROW(grouped_gemm_masked_cpu(a, sa, b, sb, counts, d), Error);
   a.data<fp8_e4m3>()[(1 * M_max + 4) * K + 9] = fp8_e4m3::from_float(2.0f);
+  // The same for the scales: a zero or negative scale in a row past the count passes, in a read row it is
+  // refused (the GPU kernels' power-of-two scale path has no sign).
+  sa.data<float>()[2 * M_max + 4] = 0.0f;
+  sa.data<float>()[1 * M_max + 2] = -0.5f;
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_masked_cpu(a, sa, b, sb, counts, d);
+            }).find("a_scales must be positive: row 7 block 0 is -0.5"),
+            std::string::npos);
+  sa.data<float>()[1 * M_max + 2] = 0.5f;
   d.fill_bytes(0xff);
   grouped_gemm_masked_cpu(a, sa, b, sb, counts, d);
   for (std::int64_t g = 0; g < G; ++g) {
@@ -255,9 +264,10 @@ TEST(GroupedGemmCpu, RefusesBadArguments) {
       message_of([&] { grouped_gemm_contiguous_cpu(a, sa, b, sb, ids, d_bad); }).find("d must have shape"),
       std::string::npos);
   sb.data<float>()[1] = std::nanf("");
-  EXPECT_NE(
-      message_of([&] { grouped_gemm_contiguous_cpu(a, sa, b, sb, ids, d); }).find("b_scales must be finite"),
-      std::string::npos);
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_contiguous_cpu(a, sa, b, sb, ids, d);
+            }).find("b_scales must be positive and finite"),
+            std::string::npos);
   fill_f32(sb, 1.0f);
   TensorView on_gpu = a.view();
   on_gpu.device = Device::cuda;
