@@ -14,20 +14,11 @@
 #include "eplb/replica_choice.hpp"
 #include "epmoe/eplb.hpp"
 #include "epmoe/tensor.hpp"
+#include "expect_error.hpp"
 #include "test_random.hpp"
 
 namespace epmoe {
 namespace {
-
-template <class Fn>
-void expect_error(const Fn& fn, const std::string& needle) {
-  try {
-    fn();
-    FAIL() << "expected a throw mentioning " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
 
 // Deterministic uniform [0, 1) from a 64-bit engine (std distributions differ between libraries).
 double uniform(std::mt19937_64& rng) {
@@ -279,14 +270,14 @@ TEST(EplbPlacement, MapToPhysical) {
   HostTensor wrong_dtype(DType::i64, {T, K});
   HostTensor wrong_shape(DType::i32, {T, K + 1});
   const auto s = DispatchAlgorithm::static_choice;
-  expect_error([&] { pl.map_to_physical(wrong_dtype, out, 0, s); }, "logical_ids");
-  expect_error([&] { pl.map_to_physical(ids, wrong_dtype, 0, s); }, "physical_ids");
-  expect_error([&] { pl.map_to_physical(ids, wrong_shape, 0, s); }, "physical_ids");
-  expect_error([&] { pl.map_to_physical(ids, out, 4, s); }, "src_rank");
+  testing::expect_error_mentions([&] { pl.map_to_physical(wrong_dtype, out, 0, s); }, "logical_ids");
+  testing::expect_error_mentions([&] { pl.map_to_physical(ids, wrong_dtype, 0, s); }, "physical_ids");
+  testing::expect_error_mentions([&] { pl.map_to_physical(ids, wrong_shape, 0, s); }, "physical_ids");
+  testing::expect_error_mentions([&] { pl.map_to_physical(ids, out, 4, s); }, "src_rank");
   ids.data<std::int32_t>()[7] = 5;
-  expect_error([&] { pl.map_to_physical(ids, out, 0, s); }, "logical_ids[2, 1] = 5");
+  testing::expect_error_mentions([&] { pl.map_to_physical(ids, out, 0, s); }, "logical_ids[2, 1] = 5");
   ids.data<std::int32_t>()[7] = -1;
-  expect_error([&] { pl.map_to_physical(ids, out, 0, s); }, "logical_ids[2, 1] = -1");
+  testing::expect_error_mentions([&] { pl.map_to_physical(ids, out, 0, s); }, "logical_ids[2, 1] = -1");
 }
 
 TEST(EplbRebalance, HottestExpertsGetTheReplicas) {
@@ -348,8 +339,8 @@ TEST(EplbRebalance, SlotCostReplicatesOnlyWhereAReplicaPaysForItsWeightReads) {
             70.0 + 1e-9);
   // slot_cost 0 is DeepSeek's algorithm: expert 7 gets its replica then.
   EXPECT_EQ(rebalance_experts(load, 20, 1, 1, 4, 0.0).logcnt[7], 2);
-  expect_error([&] { rebalance_experts(load, 20, 1, 1, 4, -1.0); }, "slot_cost");
-  expect_error([&] { rebalance_experts(load, 20, 1, 1, 4, std::nan("")); }, "slot_cost");
+  testing::expect_error_mentions([&] { rebalance_experts(load, 20, 1, 1, 4, -1.0); }, "slot_cost");
+  testing::expect_error_mentions([&] { rebalance_experts(load, 20, 1, 1, 4, std::nan("")); }, "slot_cost");
 }
 
 TEST(EplbRebalance, ReplicaCountsFollowLoadInGlobalPolicy) {
@@ -531,11 +522,16 @@ TEST(EplbRebalance, KeepsTheCurrentPlacementWhereDeepSeeksIsWorse) {
             placement_from(rebalance_experts({load}, 16, 1, 1, 1), 0, 1).phy2log());
   // The slot cost counts once per loaded slot.
   EXPECT_DOUBLE_EQ(busiest_rank_load(initial, load, 10.0), 260.0);
-  expect_error([&] { (void)busiest_rank_load(initial, std::vector<double>(3, 1.0)); }, "load has 3 experts");
-  expect_error([&] { (void)busiest_rank_load(initial, std::vector<double>{0, -1, 0, 0}); }, "load[1] = -1");
-  expect_error([&] { (void)busiest_rank_load(initial, load, -1.0); }, "slot_cost");
-  expect_error([&] { (void)rebalance_placement(initial, std::vector<double>(5, 1.0), 1, 1); },
-               "load has 5 experts");
+  testing::expect_error_mentions([&] { (void)busiest_rank_load(initial, std::vector<double>(3, 1.0)); },
+                                 "load has 3 experts");
+  testing::expect_error_mentions(
+      [&] {
+        (void)busiest_rank_load(initial, std::vector<double>{0, -1, 0, 0});
+      },
+      "load[1] = -1");
+  testing::expect_error_mentions([&] { (void)busiest_rank_load(initial, load, -1.0); }, "slot_cost");
+  testing::expect_error_mentions(
+      [&] { (void)rebalance_placement(initial, std::vector<double>(5, 1.0), 1, 1); }, "load has 5 experts");
 }
 
 TEST(EplbRebalance, RefusesBadInputs) {
@@ -546,26 +542,33 @@ TEST(EplbRebalance, RefusesBadInputs) {
   nan[2] = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> inf = ok;
   inf[3] = std::numeric_limits<double>::infinity();
-  expect_error([&] { rebalance_experts({ok, negative}, 16, 1, 1, 4); }, "load[1][5]");
-  expect_error([&] { rebalance_experts({nan}, 16, 1, 1, 4); }, "load[0][2]");
-  expect_error([&] { rebalance_experts({inf}, 16, 1, 1, 4); }, "load[0][3]");
-  expect_error([&] { rebalance_experts({ok, std::vector<double>(15, 1.0)}, 16, 1, 1, 4); }, "load[1] has 15");
-  expect_error([&] { rebalance_experts({}, 16, 1, 1, 4); }, "at least one layer");
-  expect_error([&] { rebalance_experts({std::vector<double>{}}, 16, 1, 1, 4); }, "load[0] is empty");
-  expect_error([&] { rebalance_experts({ok}, 12, 1, 1, 4); }, "num_physical (12) must be at least");
-  expect_error([&] { rebalance_experts({ok}, 18, 1, 1, 4); }, "multiple of num_gpus");
-  expect_error([&] { rebalance_experts({ok}, 18, 1, 2, 3); },
-               "num_gpus (3) must be a multiple of num_nodes (2)");
-  expect_error([&] { rebalance_experts({ok}, 16, 0, 1, 4); }, "num_groups must be positive");
-  expect_error([&] { rebalance_experts({ok}, 16, 1, 1, 0); }, "num_gpus must be positive");
-  expect_error([&] { rebalance_experts({std::vector<double>(10, 1.0)}, 12, 4, 2, 4); },
-               "multiple of num_groups");
+  testing::expect_error_mentions([&] { rebalance_experts({ok, negative}, 16, 1, 1, 4); }, "load[1][5]");
+  testing::expect_error_mentions([&] { rebalance_experts({nan}, 16, 1, 1, 4); }, "load[0][2]");
+  testing::expect_error_mentions([&] { rebalance_experts({inf}, 16, 1, 1, 4); }, "load[0][3]");
+  testing::expect_error_mentions(
+      [&] {
+        rebalance_experts({ok, std::vector<double>(15, 1.0)}, 16, 1, 1, 4);
+      },
+      "load[1] has 15");
+  testing::expect_error_mentions([&] { rebalance_experts({}, 16, 1, 1, 4); }, "at least one layer");
+  testing::expect_error_mentions([&] { rebalance_experts({std::vector<double>{}}, 16, 1, 1, 4); },
+                                 "load[0] is empty");
+  testing::expect_error_mentions([&] { rebalance_experts({ok}, 12, 1, 1, 4); },
+                                 "num_physical (12) must be at least");
+  testing::expect_error_mentions([&] { rebalance_experts({ok}, 18, 1, 1, 4); }, "multiple of num_gpus");
+  testing::expect_error_mentions([&] { rebalance_experts({ok}, 18, 1, 2, 3); },
+                                 "num_gpus (3) must be a multiple of num_nodes (2)");
+  testing::expect_error_mentions([&] { rebalance_experts({ok}, 16, 0, 1, 4); },
+                                 "num_groups must be positive");
+  testing::expect_error_mentions([&] { rebalance_experts({ok}, 16, 1, 1, 0); }, "num_gpus must be positive");
+  testing::expect_error_mentions([&] { rebalance_experts({std::vector<double>(10, 1.0)}, 12, 4, 2, 4); },
+                                 "multiple of num_groups");
   // groups 3, nodes 2: global policy, so 16 % 3 != 0 is fine.
   EXPECT_NO_THROW(rebalance_experts({ok}, 16, 3, 2, 4));
 
   const RebalanceResult r = rebalance_experts({ok, ok}, 16, 1, 1, 4);
-  expect_error([&] { (void)placement_from(r, 2, 4); }, "layer 2");
-  expect_error([&] { (void)placement_from(r, 0, 3); }, "multiple of num_ranks");
+  testing::expect_error_mentions([&] { (void)placement_from(r, 2, 4); }, "layer 2");
+  testing::expect_error_mentions([&] { (void)placement_from(r, 0, 3); }, "multiple of num_ranks");
 }
 
 }  // namespace

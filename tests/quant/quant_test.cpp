@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "epmoe/quant.hpp"
+#include "expect_error.hpp"
 
 namespace epmoe {
 namespace {
@@ -20,17 +21,6 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // Runs f, expecting an epmoe::Error whose message contains every needle.
-void expect_error(const std::function<void()>& f, std::initializer_list<std::string_view> needles) {
-  try {
-    f();
-    ADD_FAILURE() << "expected epmoe::Error mentioning '" << *needles.begin() << "'";
-  } catch (const Error& e) {
-    const std::string what = e.what();
-    for (std::string_view needle : needles) {
-      EXPECT_NE(what.find(needle), std::string::npos) << "'" << needle << "' not in: " << what;
-    }
-  }
-}
 
 // Random values whose magnitude spans several binades (never zero).
 HostTensor random_f32(std::initializer_list<std::int64_t> shape, std::uint32_t seed, float spread = 6.0f) {
@@ -100,9 +90,9 @@ TEST(QuantScale, PowerOfTwoRoundsUp) {
 }
 
 TEST(QuantScale, RefusesBadAmax) {
-  expect_error([] { fp8_scale_for_amax(kNaN, false); }, {"amax"});
-  expect_error([] { fp8_scale_for_amax(kInf, true); }, {"amax"});
-  expect_error([] { fp8_scale_for_amax(-1.0f, false); }, {"amax"});
+  testing::expect_error_mentions([] { fp8_scale_for_amax(kNaN, false); }, {"amax"});
+  testing::expect_error_mentions([] { fp8_scale_for_amax(kInf, true); }, {"amax"});
+  testing::expect_error_mentions([] { fp8_scale_for_amax(-1.0f, false); }, {"amax"});
 }
 
 // ================================================================ per-token-group FP8
@@ -207,39 +197,40 @@ TEST(QuantPerTokenGroup, RefusesBadArguments) {
   EXPECT_NO_THROW(quantize_per_token_group_fp8(x, q, s));
 
   HostTensor xi(DType::i32, {2, 256});
-  expect_error([&] { quantize_per_token_group_fp8(xi, q, s); }, {"x", "f32 or bf16"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(xi, q, s); }, {"x", "f32 or bf16"});
   HostTensor x3(DType::f32, {2, 2, 64});
-  expect_error([&] { quantize_per_token_group_fp8(x3, q, s); }, {"x", "rank 2"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(x3, q, s); }, {"x", "rank 2"});
   HostTensor q_bad(DType::fp8_e4m3, {2, 128});
-  expect_error([&] { quantize_per_token_group_fp8(x, q_bad, s); }, {"q", "shape"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(x, q_bad, s); }, {"q", "shape"});
   HostTensor q_dtype(DType::u8, {2, 256});
-  expect_error([&] { quantize_per_token_group_fp8(x, q_dtype, s); }, {"q", "dtype"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(x, q_dtype, s); }, {"q", "dtype"});
   HostTensor s_bad(DType::f32, {2, 3});
-  expect_error([&] { quantize_per_token_group_fp8(x, q, s_bad); }, {"scales", "shape"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(x, q, s_bad); }, {"scales", "shape"});
   HostTensor s_dtype(DType::bf16, {2, 2});
-  expect_error([&] { quantize_per_token_group_fp8(x, q, s_dtype); }, {"scales", "dtype"});
-  expect_error([&] { quantize_per_token_group_fp8(x, q, s, 96); }, {"x", "multiple of group"});
-  expect_error([&] { quantize_per_token_group_fp8(x, q, s, 0); }, {"group", "positive"});
-  expect_error([&] { quantize_per_token_group_fp8(x, q, s, -128); }, {"group", "positive"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(x, q, s_dtype); }, {"scales", "dtype"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(x, q, s, 96); },
+                                 {"x", "multiple of group"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(x, q, s, 0); }, {"group", "positive"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(x, q, s, -128); }, {"group", "positive"});
 
   TensorView on_gpu = x.view();
   on_gpu.device = Device::cuda;
-  expect_error([&] { quantize_per_token_group_fp8(on_gpu, q, s); }, {"x", "cpu"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(on_gpu, q, s); }, {"x", "cpu"});
   TensorView strided = x.view();
   strided.shape[0] = 1;
   strided.shape[1] = 128;
   strided.stride[1] = 2;
   HostTensor q1(DType::fp8_e4m3, {1, 128});
   HostTensor s1(DType::f32, {1, 1});
-  expect_error([&] { quantize_per_token_group_fp8(strided, q1, s1); }, {"x", "contiguous"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(strided, q1, s1); }, {"x", "contiguous"});
 
   x.data<float>()[300] = kNaN;
-  expect_error([&] { quantize_per_token_group_fp8(x, q, s); }, {"x must be finite", "300"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(x, q, s); }, {"x must be finite", "300"});
   x.data<float>()[300] = -kInf;
-  expect_error([&] { quantize_per_token_group_fp8(x, q, s); }, {"x must be finite"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(x, q, s); }, {"x must be finite"});
   HostTensor xb(DType::bf16, {2, 256});
   xb.data<bf16>()[5] = bf16::from_bits(0x7f80);
-  expect_error([&] { quantize_per_token_group_fp8(xb, q, s); }, {"x must be finite"});
+  testing::expect_error_mentions([&] { quantize_per_token_group_fp8(xb, q, s); }, {"x must be finite"});
 }
 
 TEST(QuantPerTokenGroup, DequantRefusesBadArguments) {
@@ -249,23 +240,26 @@ TEST(QuantPerTokenGroup, DequantRefusesBadArguments) {
   HostTensor out(DType::f32, {2, 256});
   EXPECT_NO_THROW(dequantize_per_token_group_fp8(q, s, out));
   HostTensor out_bf16(DType::bf16, {2, 256});
-  expect_error([&] { dequantize_per_token_group_fp8(q, s, out_bf16); }, {"out", "dtype"});
+  testing::expect_error_mentions([&] { dequantize_per_token_group_fp8(q, s, out_bf16); }, {"out", "dtype"});
   HostTensor out_bad(DType::f32, {2, 255});
-  expect_error([&] { dequantize_per_token_group_fp8(q, s, out_bad); }, {"out", "shape"});
-  expect_error([&] { dequantize_per_token_group_fp8(q, s, out, 100); }, {"q", "multiple of group"});
+  testing::expect_error_mentions([&] { dequantize_per_token_group_fp8(q, s, out_bad); }, {"out", "shape"});
+  testing::expect_error_mentions([&] { dequantize_per_token_group_fp8(q, s, out, 100); },
+                                 {"q", "multiple of group"});
   s.data<float>()[3] = 0.0f;
-  expect_error([&] { dequantize_per_token_group_fp8(q, s, out); }, {"scales", "positive"});
+  testing::expect_error_mentions([&] { dequantize_per_token_group_fp8(q, s, out); }, {"scales", "positive"});
   s.data<float>()[3] = -1.0f;
-  expect_error([&] { dequantize_per_token_group_fp8(q, s, out); }, {"scales", "positive", "element 3"});
+  testing::expect_error_mentions([&] { dequantize_per_token_group_fp8(q, s, out); },
+                                 {"scales", "positive", "element 3"});
   s.data<float>()[3] = kInf;
-  expect_error([&] { dequantize_per_token_group_fp8(q, s, out); }, {"scales must be positive and finite"});
+  testing::expect_error_mentions([&] { dequantize_per_token_group_fp8(q, s, out); },
+                                 {"scales must be positive and finite"});
   // Finite, but 448 x it is not: the dequantized values would be Inf.
   s.data<float>()[3] = 1e37f;
-  expect_error([&] { dequantize_per_token_group_fp8(q, s, out); },
-               {"scales", "448 x it finite", "element 3"});
+  testing::expect_error_mentions([&] { dequantize_per_token_group_fp8(q, s, out); },
+                                 {"scales", "448 x it finite", "element 3"});
   s.data<float>()[3] = 1.0f;
   q.data<fp8_e4m3>()[7] = fp8_e4m3::from_bits(0xff);
-  expect_error([&] { dequantize_per_token_group_fp8(q, s, out); }, {"q must be finite"});
+  testing::expect_error_mentions([&] { dequantize_per_token_group_fp8(q, s, out); }, {"q must be finite"});
 }
 
 // ================================================================ 128 x 128 block FP8
@@ -357,29 +351,30 @@ TEST(QuantBlock, RefusesBadArguments) {
   HostTensor s(DType::f32, {2, 2});
   EXPECT_NO_THROW(quantize_block_fp8(w, q, s));
   HostTensor s_floor(DType::f32, {1, 2});  // N/128 rounded down is wrong: the last block counts
-  expect_error([&] { quantize_block_fp8(w, q, s_floor); }, {"scale_inv", "shape [2, 2]"});
+  testing::expect_error_mentions([&] { quantize_block_fp8(w, q, s_floor); }, {"scale_inv", "shape [2, 2]"});
   HostTensor w_k(DType::f32, {128, 200});
   HostTensor q_k(DType::fp8_e4m3, {128, 200});
   HostTensor s_k(DType::f32, {1, 2});
-  expect_error([&] { quantize_block_fp8(w_k, q_k, s_k); }, {"w", "multiple of block"});
-  expect_error([&] { quantize_block_fp8(w, q, s, 0); }, {"block", "positive"});
+  testing::expect_error_mentions([&] { quantize_block_fp8(w_k, q_k, s_k); }, {"w", "multiple of block"});
+  testing::expect_error_mentions([&] { quantize_block_fp8(w, q, s, 0); }, {"block", "positive"});
   HostTensor q_bad(DType::fp8_e4m3, {128, 256});
-  expect_error([&] { quantize_block_fp8(w, q_bad, s); }, {"q", "shape"});
+  testing::expect_error_mentions([&] { quantize_block_fp8(w, q_bad, s); }, {"q", "shape"});
   w.data<float>()[1000] = kInf;
-  expect_error([&] { quantize_block_fp8(w, q, s); }, {"w must be finite"});
+  testing::expect_error_mentions([&] { quantize_block_fp8(w, q, s); }, {"w must be finite"});
   w.data<float>()[1000] = kNaN;
-  expect_error([&] { quantize_block_fp8(w, q, s); }, {"w must be finite"});
+  testing::expect_error_mentions([&] { quantize_block_fp8(w, q, s); }, {"w must be finite"});
 
   HostTensor out(DType::f32, {130, 256});
   for (int i = 0; i < 4; ++i) s.data<float>()[i] = 1.0f;
   EXPECT_NO_THROW(dequantize_block_fp8(q, s, out));
-  expect_error([&] { dequantize_block_fp8(q, s_floor, out); }, {"scale_inv", "shape"});
+  testing::expect_error_mentions([&] { dequantize_block_fp8(q, s_floor, out); }, {"scale_inv", "shape"});
   s.data<float>()[2] = -1.0f;
-  expect_error([&] { dequantize_block_fp8(q, s, out); }, {"scale_inv", "positive"});
+  testing::expect_error_mentions([&] { dequantize_block_fp8(q, s, out); }, {"scale_inv", "positive"});
   s.data<float>()[2] = kNaN;
-  expect_error([&] { dequantize_block_fp8(q, s, out); }, {"scale_inv must be positive and finite"});
+  testing::expect_error_mentions([&] { dequantize_block_fp8(q, s, out); },
+                                 {"scale_inv must be positive and finite"});
   s.data<float>()[2] = 1e37f;
-  expect_error([&] { dequantize_block_fp8(q, s, out); }, {"scale_inv", "448 x it finite"});
+  testing::expect_error_mentions([&] { dequantize_block_fp8(q, s, out); }, {"scale_inv", "448 x it finite"});
 }
 
 // ================================================================ per-tensor FP8
@@ -437,24 +432,29 @@ TEST(QuantPerTensor, RefusesBadArguments) {
   HostTensor q(DType::fp8_e4m3, {4, 8});
   HostTensor out(DType::f32, {4, 8});
   for (float bad : {0.0f, -0.0f, -1.0f, kNaN, kInf, -kInf}) {
-    expect_error([&] { quantize_per_tensor_fp8(x, q, bad); }, {"scale must be positive and finite"});
-    expect_error([&] { dequantize_per_tensor_fp8(q, bad, out); }, {"scale must be positive and finite"});
+    testing::expect_error_mentions([&] { quantize_per_tensor_fp8(x, q, bad); },
+                                   {"scale must be positive and finite"});
+    testing::expect_error_mentions([&] { dequantize_per_tensor_fp8(q, bad, out); },
+                                   {"scale must be positive and finite"});
   }
   // The largest scale a quantizer can give (FLT_MAX / 448) dequantizes; one that overflows 448 x it does not.
   EXPECT_NO_THROW(quantize_per_tensor_fp8(x, q, 1e37f));
   EXPECT_NO_THROW(dequantize_per_tensor_fp8(q, std::numeric_limits<float>::max() / 448.0f, out));
-  expect_error([&] { dequantize_per_tensor_fp8(q, 1e37f, out); }, {"scale", "448 x it finite", "1e+37"});
+  testing::expect_error_mentions([&] { dequantize_per_tensor_fp8(q, 1e37f, out); },
+                                 {"scale", "448 x it finite", "1e+37"});
   HostTensor q_bad(DType::fp8_e4m3, {32});
-  expect_error([&] { quantize_per_tensor_fp8(x, q_bad, 1.0f); }, {"q must have the shape of x"});
+  testing::expect_error_mentions([&] { quantize_per_tensor_fp8(x, q_bad, 1.0f); },
+                                 {"q must have the shape of x"});
   HostTensor out_bad(DType::f32, {4, 9});
-  expect_error([&] { dequantize_per_tensor_fp8(q, 1.0f, out_bad); }, {"out must have the shape of q"});
+  testing::expect_error_mentions([&] { dequantize_per_tensor_fp8(q, 1.0f, out_bad); },
+                                 {"out must have the shape of q"});
   HostTensor out_dtype(DType::f64, {4, 8});
-  expect_error([&] { dequantize_per_tensor_fp8(q, 1.0f, out_dtype); }, {"out", "dtype"});
+  testing::expect_error_mentions([&] { dequantize_per_tensor_fp8(q, 1.0f, out_dtype); }, {"out", "dtype"});
   x.data<float>()[9] = kNaN;
-  expect_error([&] { quantize_per_tensor_fp8(x, q, 1.0f); }, {"x must be finite"});
-  expect_error([&] { (void)per_tensor_fp8_scale(x); }, {"x must be finite"});
+  testing::expect_error_mentions([&] { quantize_per_tensor_fp8(x, q, 1.0f); }, {"x must be finite"});
+  testing::expect_error_mentions([&] { (void)per_tensor_fp8_scale(x); }, {"x must be finite"});
   HostTensor xi(DType::i64, {4});
-  expect_error([&] { (void)per_tensor_fp8_scale(xi); }, {"x", "f32 or bf16"});
+  testing::expect_error_mentions([&] { (void)per_tensor_fp8_scale(xi); }, {"x", "f32 or bf16"});
 }
 
 // ================================================================ grouped int4
@@ -553,34 +553,38 @@ TEST(QuantInt4, RefusesBadArguments) {
   HostTensor s(DType::f32, {4, 2});
   EXPECT_NO_THROW(quantize_int4_grouped(w, packed, s));
   HostTensor packed_u8(DType::u8, {4, 128});
-  expect_error([&] { quantize_int4_grouped(w, packed_u8, s); }, {"packed", "i4x2"});
+  testing::expect_error_mentions([&] { quantize_int4_grouped(w, packed_u8, s); }, {"packed", "i4x2"});
   HostTensor packed_full(DType::i4x2, {4, 256});  // one byte per value is wrong
-  expect_error([&] { quantize_int4_grouped(w, packed_full, s); }, {"packed", "shape [4, 128]"});
+  testing::expect_error_mentions([&] { quantize_int4_grouped(w, packed_full, s); },
+                                 {"packed", "shape [4, 128]"});
   HostTensor s_bad(DType::f32, {4, 1});
-  expect_error([&] { quantize_int4_grouped(w, packed, s_bad); }, {"scales", "shape"});
-  expect_error([&] { quantize_int4_grouped(w, packed, s, 96); }, {"w", "multiple of group"});
-  expect_error([&] { quantize_int4_grouped(w, packed, s, 0); }, {"group", "positive"});
+  testing::expect_error_mentions([&] { quantize_int4_grouped(w, packed, s_bad); }, {"scales", "shape"});
+  testing::expect_error_mentions([&] { quantize_int4_grouped(w, packed, s, 96); },
+                                 {"w", "multiple of group"});
+  testing::expect_error_mentions([&] { quantize_int4_grouped(w, packed, s, 0); }, {"group", "positive"});
   HostTensor w_odd(DType::f32, {4, 3});
   HostTensor p_odd(DType::i4x2, {4, 1});
   HostTensor s_odd(DType::f32, {4, 1});
-  expect_error([&] { quantize_int4_grouped(w_odd, p_odd, s_odd, 3); }, {"w", "even"});
+  testing::expect_error_mentions([&] { quantize_int4_grouped(w_odd, p_odd, s_odd, 3); }, {"w", "even"});
   w.data<float>()[17] = kNaN;
-  expect_error([&] { quantize_int4_grouped(w, packed, s); }, {"w must be finite", "17"});
+  testing::expect_error_mentions([&] { quantize_int4_grouped(w, packed, s); }, {"w must be finite", "17"});
   w.data<float>()[17] = kInf;
-  expect_error([&] { quantize_int4_grouped(w, packed, s); }, {"w must be finite"});
+  testing::expect_error_mentions([&] { quantize_int4_grouped(w, packed, s); }, {"w must be finite"});
 
   HostTensor out(DType::f32, {4, 256});
   for (int i = 0; i < 8; ++i) s.data<float>()[i] = 1.0f;
   EXPECT_NO_THROW(dequantize_int4_grouped(packed, s, out));
-  expect_error([&] { dequantize_int4_grouped(packed_full, s, out); }, {"packed", "shape"});
+  testing::expect_error_mentions([&] { dequantize_int4_grouped(packed_full, s, out); }, {"packed", "shape"});
   HostTensor out_bad(DType::bf16, {4, 256});
-  expect_error([&] { dequantize_int4_grouped(packed, s, out_bad); }, {"out", "dtype"});
+  testing::expect_error_mentions([&] { dequantize_int4_grouped(packed, s, out_bad); }, {"out", "dtype"});
   s.data<float>()[1] = 0.0f;
-  expect_error([&] { dequantize_int4_grouped(packed, s, out); }, {"scales", "positive"});
+  testing::expect_error_mentions([&] { dequantize_int4_grouped(packed, s, out); }, {"scales", "positive"});
   s.data<float>()[1] = kNaN;
-  expect_error([&] { dequantize_int4_grouped(packed, s, out); }, {"scales must be positive and finite"});
+  testing::expect_error_mentions([&] { dequantize_int4_grouped(packed, s, out); },
+                                 {"scales must be positive and finite"});
   s.data<float>()[1] = 1e38f;  // 7 x it overflows f32
-  expect_error([&] { dequantize_int4_grouped(packed, s, out); }, {"scales", "7 x it finite"});
+  testing::expect_error_mentions([&] { dequantize_int4_grouped(packed, s, out); },
+                                 {"scales", "7 x it finite"});
   s.data<float>()[1] = 1e37f;  // 7 x it does not
   EXPECT_NO_THROW(dequantize_int4_grouped(packed, s, out));
 }

@@ -6,18 +6,12 @@
 #include "epmoe/layer.hpp"
 #include "epmoe/quant.hpp"
 #include "epmoe/weights.hpp"
+#include "expect_error.hpp"
 
 namespace epmoe {
 namespace {
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no throw>";
-}
+using testing::message_of;
 
 TEST(ExpertMlp, RefusesBadShapesAndScales) {
   const auto w = make_synthetic_expert(QuantScheme::fp8, 256, 128, 3);

@@ -12,18 +12,12 @@
 #include <string>
 
 #include "epmoe/quant.hpp"
+#include "expect_error.hpp"
 
 namespace epmoe {
 namespace {
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no throw>";
-}
+using testing::message_of;
 
 void fill_fp8(HostTensor& t, float value) {
   const fp8_e4m3 q = fp8_e4m3::from_float(value);
