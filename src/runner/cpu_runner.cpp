@@ -34,7 +34,7 @@ class CpuRunner final : public Runner {
     EPMOE_CHECK(rank >= 0 && rank < cfg.num_ranks, "rank must be in [0, {}), got {}", cfg.num_ranks, rank);
     expect_dtype(out, DType::bf16, "out");
     expect_shape(out, {in.num_output_rows(), H}, "out");
-    expect_contiguous(out, "out");
+    expect_host(out, "out");
     const int local_experts = cfg.num_local_experts();
 
     switch (layout_) {
@@ -42,6 +42,11 @@ class CpuRunner final : public Runner {
         // Gather the (token, k) pairs of each local expert, run them as one batch, scatter back.
         const std::int64_t T = in.rows.size(0), K = cfg.topk;
         expect_host_tensor(in.local_ids, DType::i32, {T, K}, "local_ids");
+        // Rows are copied out by pointer below: host, contiguous, H wide (the expert call checks only the
+        // copies).
+        expect_host_tensor(in.rows, in.rows.dtype, {T, H}, "rows");
+        if (in.format == ActivationFormat::fp8_group)
+          expect_host_tensor(in.scales, DType::f32, {T, H / 128}, "scales");
         std::vector<std::vector<std::int64_t>> pairs(static_cast<std::size_t>(local_experts));
         for (std::int64_t i = 0; i < T * K; ++i) {
           const std::int32_t j = in.local_ids.as<std::int32_t>()[i];
@@ -73,6 +78,7 @@ class CpuRunner final : public Runner {
       case Layout::contiguous: {
         // Each expert's rows are one run of its index in m_indices (padding and, without a host sync,
         // everything past the last block is -1), so the runs are found without expert_offsets.
+        expect_host_tensor(in.m_indices, DType::i32, {in.rows.size(0)}, "m_indices");
         const std::int32_t* m_indices = in.m_indices.as<std::int32_t>();
         const std::int64_t rows = in.m_indices.numel();
         for (std::int64_t begin = 0; begin < rows;) {

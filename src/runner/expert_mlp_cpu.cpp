@@ -118,7 +118,7 @@ void expert_mlp_cpu(const ExpertWeights& weights, ActivationFormat format, Tenso
     expect_scale(a2_scale, "a2_scale");
   }
   expect_shape(out, {rows, H}, "out");
-  expect_contiguous(out, "out");
+  expect_host(out, "out");
   EPMOE_CHECK(out.dtype == DType::bf16 || out.dtype == DType::f64, "out must be bf16 or f64, got {}",
               out.describe());
   if (rows == 0) return;

@@ -195,7 +195,13 @@ TEST(Layer, BadInputIsRefusedWithClearMessages) {
     testing::expect_error_mentions([&] { reference_forward(*w, b.x[0], y16, Numerics::mirror); }, silu);
     testing::expect_error_mentions([&] { reference_forward(*w, b.x[0], y16, Numerics::exact); }, overflow);
     EXPECT_NO_THROW(reference_forward(*w, b.x[0], y64, Numerics::exact));  // f64 holds it
-    TensorView on_gpu = y16;                                               // compare reads both on the host
+    // A device y is refused before the load counters see the batch.
+    Batch ok = make_batch(c, {4, 4}, 3);
+    const std::vector<std::int64_t> load_before = layer.expert_load();
+    ok.yv[1].device = Device::cuda;
+    testing::expect_error_mentions([&] { layer.forward(ok.xv, ok.yv); }, "rank 1 y must live on cpu");
+    EXPECT_EQ(layer.expert_load(), load_before);
+    TensorView on_gpu = y16;  // compare reads both on the host
     on_gpu.device = Device::cuda;
     testing::expect_error_mentions([&] { (void)compare(on_gpu, y64); }, "actual must live on cpu");
     testing::expect_error_mentions([&] { (void)compare(y64, on_gpu); }, "expected must live on cpu");

@@ -100,6 +100,79 @@ TEST(Runner, RegistryNamesEveryCpuBackendAndRefusesUnknown) {
             std::string::npos);
 }
 
+// A hand-built DispatchOutput (Runner::run is public): the views the CPU runner reads or writes on the host
+// by pointer are refused by name when they live on the device or are short, never read (a host memcpy from
+// a device pointer crashes; a short view over-reads).
+TEST(Runner, RefusesDeviceAndShortViews) {
+  const MoeConfig c = MoeConfig::preset("tiny");
+  ASSERT_EQ(activation_format(c.quant), ActivationFormat::fp8_group);
+  SyntheticWeights weights(c, 1);
+  const ExpertPlacement placement =
+      ExpertPlacement::initial(c.num_experts, c.num_physical_experts(), c.num_ranks);
+  const std::int64_t T = 3, H = c.hidden, K = c.topk;
+  HostTensor rows(DType::fp8_e4m3, {T, H}), scales(DType::f32, {T, H / 128}), ids(DType::i32, {T, K}),
+      id_weights(DType::f32, {T, K}), m_indices(DType::i32, {T});
+  rows.fill_bytes(0x38);  // 1.0
+  for (std::int64_t i = 0; i < scales.numel(); ++i) scales.data<float>()[i] = 0.01f;
+  for (std::int64_t i = 0; i < ids.numel(); ++i) ids.data<std::int32_t>()[i] = i % 3 == 0 ? 1 : -1;
+  for (std::int64_t i = 0; i < id_weights.numel(); ++i) id_weights.data<float>()[i] = 0.25f;
+  const std::int32_t experts_of_rows[T] = {0, 0, -1};
+  for (std::int64_t i = 0; i < T; ++i) m_indices.data<std::int32_t>()[i] = experts_of_rows[i];
+  auto on_device = [](TensorView v) {
+    v.device = Device::cuda;
+    return v;
+  };
+
+  DispatchOutput token_major;
+  token_major.layout = Layout::token_major;
+  token_major.format = ActivationFormat::fp8_group;
+  token_major.num_local_experts = c.num_local_experts();
+  token_major.rows = rows;
+  token_major.scales = scales;
+  token_major.local_ids = ids;
+  token_major.local_weights = id_weights;
+  DispatchOutput contiguous = token_major;
+  contiguous.layout = Layout::contiguous;
+  contiguous.m_indices = m_indices;
+  HostTensor out_tm(DType::bf16, {T * K, H}), out_c(DType::bf16, {T, H});
+  const RunnerContext context{c, &weights, &placement, Numerics::mirror};
+  auto tm_runner = make_runner(Device::cpu, Layout::token_major, context);
+  auto c_runner = make_runner(Device::cpu, Layout::contiguous, context);
+  EXPECT_NO_THROW(tm_runner->run(token_major, out_tm, 0));
+  EXPECT_NO_THROW(c_runner->run(contiguous, out_c, 0));
+
+  auto expect_tm = [&](DispatchOutput in, const std::string& needle) {
+    testing::expect_error_mentions([&] { tm_runner->run(in, out_tm, 0); }, needle);
+  };
+  DispatchOutput bad = token_major;
+  bad.rows = on_device(rows);
+  expect_tm(bad, "rows must live on cpu");
+  bad = token_major;
+  bad.scales = scales.view().slice_rows(0, 2);
+  expect_tm(bad, "scales must have shape");
+  testing::expect_error_mentions([&] { tm_runner->run(token_major, on_device(out_tm), 0); },
+                                 "out must live on cpu");
+  testing::expect_error_mentions([&] { c_runner->run(contiguous, on_device(out_c), 0); },
+                                 "out must live on cpu");
+  bad = contiguous;
+  bad.m_indices = on_device(m_indices);
+  testing::expect_error_mentions([&] { c_runner->run(bad, out_c, 0); }, "m_indices must live on cpu");
+  bad.m_indices = m_indices.view().slice_rows(0, 2);
+  testing::expect_error_mentions([&] { c_runner->run(bad, out_c, 0); }, "m_indices must have shape");
+
+  // The expert MLP and the reference write their outputs on the host too.
+  auto expert = make_synthetic_expert(QuantScheme::fp8, H, c.intermediate, 3);
+  testing::expect_error_mentions(
+      [&] {
+        expert_mlp_cpu(*expert, ActivationFormat::fp8_group, rows, scales, 1, 1, false, Numerics::mirror,
+                       on_device(out_c));
+      },
+      "out must live on cpu");
+  HostTensor x = synthetic_tokens(c, 1, 0, T);
+  testing::expect_error_mentions([&] { reference_forward(weights, x, on_device(out_c), Numerics::mirror); },
+                                 "y must live on cpu");
+}
+
 TEST(Compare, MeasuresAndFlagsNonFinite) {
   HostTensor a(DType::f32, {3}), b(DType::f32, {3});
   for (int i = 0; i < 3; ++i) a.data<float>()[i] = b.data<float>()[i] = 1.0f + static_cast<float>(i);

@@ -7,6 +7,8 @@ namespace epmoe::tools {
 CheckResult check_against_reference(const ModelWeights& weights, std::span<const TensorView> x,
                                     std::span<const TensorView> y, Numerics numerics, double tolerance,
                                     const std::function<void(std::size_t rank)>& on_rank) {
+  EPMOE_CHECK(y.size() == x.size(), "check_against_reference needs one y per x ({}), got {}", x.size(),
+              y.size());
   CheckResult result;
   result.tolerance = tolerance;
   const std::int64_t H = weights.config().hidden;
