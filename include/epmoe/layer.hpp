@@ -106,7 +106,10 @@ ErrorReport compare(TensorView actual, TensorView expected);
 // few tokens are a few samples of the statistic, not its mean: one token measured 1.006e-2, and 9 tokens
 // of W4A8 on two loopback ranks 1.0099e-2, EPMOE_TEST_SEED=968563398228457635, session 55); 2e-2 for models
 // with rows narrower than 2048 (the tiny preset's 256-wide rows: a few flipped e4m3 steps weigh more;
-// measured 1.2e-2 for 7 tokens, 1.26e-2 for 48 tokens of W4A8).
+// measured 1.2e-2 for 7 tokens, 1.26e-2 for 48 tokens of W4A8), and 3e-2 there for fewer than 16 tokens
+// (2 tokens of W4A8 measured 2.25e-2, EPMOE_TEST_SEED=13402843134430987817, session 61: the mirror itself
+// 2.84e-2 from the exact f64 result and the GPU 2.63e-2, so the spread of the quantization points, not a
+// fault).
 double layer_tolerance(const MoeConfig& config, std::int64_t tokens);
 
 }  // namespace epmoe

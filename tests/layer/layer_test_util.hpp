@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <optional>
+#include <string>
 
 #include <gtest/gtest.h>
 
@@ -55,6 +56,18 @@ inline void expect_matches_reference(const ModelWeights& w, const HostTensor& x,
   EXPECT_EQ(r.non_finite, 0) << what;
   EXPECT_LE(r.rel_l2, tolerance) << what;
   EXPECT_LE(r.calc_diff, 1e-3) << what;
+  if (r.rel_l2 <= tolerance || r.non_finite > 0) return;
+  // Which side is off: both against the exact (f64) reference, and the error of each token, so that a
+  // failure tells a GPU fault (far from both) from the quantization points' spread (mirror and GPU about as
+  // far from exact, the difference in a token or two).
+  const std::int64_t T = x.size(0), H = x.size(1);
+  HostTensor exact(DType::f64, {T, H});
+  reference_forward(w, x, f.logits, exact, Numerics::exact);
+  std::string per_token;
+  for (std::int64_t t = 0; t < T && t < 16; ++t)
+    per_token += " " + std::to_string(compare(f.y.view().select(t), ref.view().select(t)).rel_l2);
+  ADD_FAILURE() << what << ": rel_l2 against exact: GPU " << compare(f.y, exact).rel_l2 << ", mirror "
+                << compare(ref, exact).rel_l2 << "; GPU against mirror per token (first 16):" << per_token;
 }
 
 }  // namespace epmoe::testing

@@ -225,6 +225,16 @@ TEST(Layer, BadInputIsRefusedWithClearMessages) {
   }
 }
 
+// design.md §8's 1e-2 and the allowances layer_tolerance documents (few tokens; narrow rows).
+TEST(Layer, ToleranceRule) {
+  const MoeConfig dsv3 = MoeConfig::preset("deepseek-v3"), narrow = MoeConfig::preset("tiny");
+  EXPECT_EQ(layer_tolerance(dsv3, 16), 1e-2);
+  EXPECT_EQ(layer_tolerance(dsv3, 4096), 1e-2);
+  EXPECT_EQ(layer_tolerance(dsv3, 15), 1.5e-2);
+  EXPECT_EQ(layer_tolerance(narrow, 16), 2e-2);
+  EXPECT_EQ(layer_tolerance(narrow, 2), 3e-2);
+}
+
 TEST(Layer, ModeNamesAndTheirResolution) {
   EXPECT_EQ(parse_mode("auto"), Mode::automatic);
   EXPECT_EQ(parse_mode("low-latency"), Mode::low_latency);
