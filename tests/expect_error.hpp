@@ -29,7 +29,8 @@ inline void expect_error_mentions(const std::function<void()>& fn,
                                   std::initializer_list<std::string_view> needles) {
   try {
     fn();
-    ADD_FAILURE() << "expected an epmoe::Error mentioning \"" << *needles.begin() << "\", nothing was thrown";
+    ADD_FAILURE() << "expected an epmoe::Error mentioning \"" << (needles.size() > 0 ? *needles.begin() : "")
+                  << "\", nothing was thrown";
   } catch (const Error& e) {
     const std::string what = e.what();
     for (std::string_view needle : needles)

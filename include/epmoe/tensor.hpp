@@ -120,9 +120,9 @@ void expect_disjoint(const TensorView& out, std::string_view out_name, const Ten
                      std::string_view other_name);
 // Throws when any element of a f32/f64/bf16/fp8 host tensor is NaN or Inf.
 void expect_finite(const TensorView& t, std::string_view name);
-// A quantization scale: positive and finite, and small enough that max_code x scale (the largest value it
-// dequantizes to: 448 for e4m3, 7 for int4) is finite too. A negative scale flips signs the GPU kernels'
-// power-of-two (UE8M0) and bf16 scale paths cannot represent; zero loses the values.
+// A quantization scale: positive and finite, and small enough that max_code x scale (the largest magnitude
+// it dequantizes to: 448 for e4m3, 8 for int4's -8) is finite too. No quantizer gives a negative scale (it
+// would flip the values' signs, and the GPU's power-of-two UE8M0 scales have no sign bit); zero loses them.
 void expect_scale(float scale, std::string_view name, float max_code = 1.0f);
 // Every element of an f32 host tensor is such a scale.
 void expect_scales(const TensorView& t, std::string_view name, float max_code = 1.0f);

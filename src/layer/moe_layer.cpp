@@ -108,7 +108,7 @@ void MoeLayer::forward_in(Mode mode, std::span<const TensorView> x, std::span<co
     expect_shape(y[r], {x[r].size(0), c.hidden}, yname);
     expect_dtype(y[r], DType::bf16, yname);
     expect_host(y[r], yname);
-    // Refused here, before the load counters see the batch (the dispatcher would refuse it later).
+    // Refused here, before any work (the dispatcher would refuse it later).
     detail::check_token_bound(dispatcher.context(), x[r].size(0), fmt::format("rank {} ", r));
   }
 
@@ -121,8 +121,6 @@ void MoeLayer::forward_in(Mode mode, std::span<const TensorView> x, std::span<co
       detail::route_tokens(*weights_, x[r], ids, topk_weights[static_cast<std::size_t>(r)]);
       physical[static_cast<std::size_t>(r)] = HostTensor(DType::i32, {x[r].size(0), c.topk});
       placement_.map_to_physical(ids, physical[static_cast<std::size_t>(r)], r, c.dispatch_algorithm);
-      for (std::int64_t i = 0; i < ids.numel(); ++i)
-        ++expert_load_[static_cast<std::size_t>(ids.data<std::int32_t>()[i])];
     }
   }
 
@@ -177,8 +175,13 @@ void MoeLayer::forward_in(Mode mode, std::span<const TensorView> x, std::span<co
           yr[i] = bf16::from_float(yr[i].to_float() + sr[i].to_float());
       }
     }
-    for (int r = 0; r < N; ++r) expect_finite(y[r], fmt::format("rank {} {}", r, detail::kOverflowedOutput));
   }
+  for (int r = 0; r < N; ++r) expect_finite(y[r], fmt::format("rank {} {}", r, detail::kOverflowedOutput));
+
+  // The load counters see only a forward that completed: one refused anywhere above leaves them as they were.
+  for (const HostTensor& ids : logical)
+    for (std::int64_t i = 0; i < ids.numel(); ++i)
+      ++expert_load_[static_cast<std::size_t>(ids.data<std::int32_t>()[i])];
 
   if (stats) {
     stats->mode = mode;

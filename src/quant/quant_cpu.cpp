@@ -255,7 +255,7 @@ void dequantize_int4_grouped(TensorView packed, TensorView scales, TensorView ou
   const std::int64_t groups = k / group;
   expect_host_tensor(packed, DType::i4x2, {n, k / 2}, "packed");
   expect_host_tensor(scales, DType::f32, {n, groups}, "scales");
-  expect_scales(scales, "scales", static_cast<float>(kInt4Max));
+  expect_scales(scales, "scales", static_cast<float>(-kInt4Min));  // codes reach -8
 
   const auto* ps = static_cast<const std::uint8_t*>(packed.data);
   const float* ss = scales.as<float>();

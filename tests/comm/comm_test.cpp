@@ -19,6 +19,7 @@
 #include "epmoe/comm.hpp"
 #include "epmoe/comm_dispatch.hpp"
 #include "epmoe/dispatch.hpp"
+#include "expect_error.hpp"
 #include "scoped_env.hpp"
 
 namespace epmoe {
@@ -26,14 +27,7 @@ namespace {
 
 using testing::ScopedEnv;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::message_of;
 
 std::string temp_path(const std::string& stem) {
   const char* tmp = std::getenv("TMPDIR");
@@ -79,10 +73,10 @@ TEST(CommIds, HexRoundTrip) {
 }
 
 TEST(CommIds, MalformedHexIsRefused) {
-  EXPECT_NE(error_of([] { nccl_id_from_hex("abc"); }).find("256 hex digits"), std::string::npos);
+  EXPECT_NE(message_of([] { nccl_id_from_hex("abc"); }).find("256 hex digits"), std::string::npos);
   std::string bad(kNcclIdHexChars, '0');
   bad[17] = 'g';
-  EXPECT_NE(error_of([&] { nccl_id_from_hex(bad); }).find("character 17"), std::string::npos);
+  EXPECT_NE(message_of([&] { nccl_id_from_hex(bad); }).find("character 17"), std::string::npos);
 }
 
 TEST(CommIds, FileRoundTripAndMissingFile) {
@@ -92,14 +86,14 @@ TEST(CommIds, FileRoundTripAndMissingFile) {
   const ncclUniqueId back = read_nccl_id_file(path);
   EXPECT_EQ(std::memcmp(id.internal, back.internal, NCCL_UNIQUE_ID_BYTES), 0);
   std::remove(path.c_str());
-  const std::string missing = error_of([&] { read_nccl_id_file(path, 0.1); });
+  const std::string missing = message_of([&] { read_nccl_id_file(path, 0.1); });
   EXPECT_NE(missing.find(path), std::string::npos) << missing;
   EXPECT_NE(missing.find("does not exist"), std::string::npos) << missing;
   { std::ofstream(path) << "not an id\n"; }
-  EXPECT_NE(error_of([&] { read_nccl_id_file(path); }).find("does not hold an id"), std::string::npos);
+  EXPECT_NE(message_of([&] { read_nccl_id_file(path); }).find("does not hold an id"), std::string::npos);
   // An empty file is one the launcher has not filled yet: waited for, then named as still empty.
   { std::ofstream(path) << ""; }
-  const std::string empty = error_of([&] { read_nccl_id_file(path, 0.1); });
+  const std::string empty = message_of([&] { read_nccl_id_file(path, 0.1); });
   EXPECT_NE(empty.find("is still empty"), std::string::npos) << empty;
   std::thread writer([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -131,11 +125,11 @@ TEST(CommEnv, LaunchEnvironmentIsReadAndChecked) {
   }
   {
     ScopedEnv w("EPMOE_WORLD_SIZE", "2"), r("EPMOE_RANK", "2"), l("EPMOE_LOCAL_RANK", nullptr);
-    EXPECT_NE(error_of([] { LaunchEnvironment::from_env(); }).find("EPMOE_RANK=2"), std::string::npos);
+    EXPECT_NE(message_of([] { LaunchEnvironment::from_env(); }).find("EPMOE_RANK=2"), std::string::npos);
   }
   {
     ScopedEnv w("EPMOE_WORLD_SIZE", "two"), r("EPMOE_RANK", "0");
-    EXPECT_NE(error_of([] { LaunchEnvironment::from_env(); }).find("EPMOE_WORLD_SIZE='two'"),
+    EXPECT_NE(message_of([] { LaunchEnvironment::from_env(); }).find("EPMOE_WORLD_SIZE='two'"),
               std::string::npos);
   }
   {
@@ -143,7 +137,7 @@ TEST(CommEnv, LaunchEnvironmentIsReadAndChecked) {
         f("EPMOE_NCCL_ID_FILE", nullptr);
     const LaunchEnvironment e = LaunchEnvironment::from_env();
     EXPECT_EQ(e.local_rank, 1);  // defaults to the rank
-    EXPECT_NE(error_of([&] { e.unique_id(0); }).find("EPMOE_NCCL_ID_FILE"), std::string::npos);
+    EXPECT_NE(message_of([&] { e.unique_id(0); }).find("EPMOE_NCCL_ID_FILE"), std::string::npos);
   }
 }
 
@@ -156,12 +150,12 @@ TEST(CommEnv, NvlinkMulticastStaysOff) {
   }
   {
     ScopedEnv v("NCCL_NVLS_ENABLE", nullptr);
-    EXPECT_NE(error_of([] { require_nvls_disabled(false); }).find("NCCL_NVLS_ENABLE is not set"),
+    EXPECT_NE(message_of([] { require_nvls_disabled(false); }).find("NCCL_NVLS_ENABLE is not set"),
               std::string::npos);
   }
   {
     ScopedEnv v("NCCL_NVLS_ENABLE", "1");
-    const std::string m = error_of([] { require_nvls_disabled(true); });
+    const std::string m = message_of([] { require_nvls_disabled(true); });
     EXPECT_NE(m.find("NCCL_NVLS_ENABLE=1"), std::string::npos) << m;
     EXPECT_NE(m.find("NCCL_NVLS_ENABLE=0"), std::string::npos) << m;
   }
@@ -182,7 +176,7 @@ TEST(CommEnv, TimeoutFromTheEnvironment) {
   }
   {
     ScopedEnv t("EPMOE_COMM_TIMEOUT_S", "-1");
-    EXPECT_NE(error_of([] { default_comm_timeout_s(); }).find("EPMOE_COMM_TIMEOUT_S"), std::string::npos);
+    EXPECT_NE(message_of([] { default_comm_timeout_s(); }).find("EPMOE_COMM_TIMEOUT_S"), std::string::npos);
   }
 }
 
@@ -203,7 +197,7 @@ TEST(CommEnv, NonblockingFromTheEnvironment) {
   }
   {
     ScopedEnv t("EPMOE_COMM_NONBLOCKING", "yes");
-    const std::string e = error_of([] { default_comm_nonblocking(); });
+    const std::string e = message_of([] { default_comm_nonblocking(); });
     EXPECT_NE(e.find("EPMOE_COMM_NONBLOCKING='yes' must be 0 or 1"), std::string::npos) << e;
   }
 }
@@ -247,7 +241,7 @@ TEST(CommDispatchers, RegisteredAndTheyNeedACommunicator) {
   MoeConfig c = MoeConfig::preset("tiny");
   c.num_ranks = 2;
   for (const char* name : {"nccl-p2p", "nvlink-ll"}) {
-    const std::string m = error_of([&] {
+    const std::string m = message_of([&] {
       make_dispatcher(name, {c, Mode::low_latency, ActivationFormat::fp8_group, 0, 1});
     });
     EXPECT_NE(m.find("needs a Communicator"), std::string::npos) << m;
@@ -257,13 +251,13 @@ TEST(CommDispatchers, RegisteredAndTheyNeedACommunicator) {
 
 TEST(CommCommunicator, RefusesBadRanksAndMissingGpus) {
   const ncclUniqueId id = new_nccl_id();
-  EXPECT_NE(error_of([&] { Communicator::create(id, 2, 2, 0); }).find("rank 2 must lie in [0, size=2)"),
+  EXPECT_NE(message_of([&] { Communicator::create(id, 2, 2, 0); }).find("rank 2 must lie in [0, size=2)"),
             std::string::npos);
-  const std::string m = error_of([&] { Communicator::create(id, 0, 1, 4096); });
+  const std::string m = message_of([&] { Communicator::create(id, 0, 1, 4096); });
   EXPECT_NE(m.find("wants GPU 4096"), std::string::npos) << m;
   ScopedEnv w("EPMOE_WORLD_SIZE", nullptr);
-  EXPECT_NE(error_of([] { Communicator::from_environment(); }).find("epmoe launch"), std::string::npos);
-  EXPECT_NE(error_of([] { Communicator::borrow(nullptr); }).find("null"), std::string::npos);
+  EXPECT_NE(message_of([] { Communicator::from_environment(); }).find("epmoe launch"), std::string::npos);
+  EXPECT_NE(message_of([] { Communicator::borrow(nullptr); }).find("null"), std::string::npos);
 }
 
 // Loopback ranks' host side (no GPU needed): the barrier lets no thread through before every rank
@@ -295,9 +289,10 @@ TEST(CommLoopback, BarrierAndExchangeAcrossThreads) {
 
 TEST(CommLoopback, ATimedOutRankLeavesTheGroupUsable) {
   const auto group = LoopbackGroup::make(2, 0);
-  const std::string m = error_of([&] { group->barrier(0, 0.05); });  // rank 1 never comes
+  const std::string m = message_of([&] { group->barrier(0, 0.05); });  // rank 1 never comes
   EXPECT_NE(m.find("loopback rank 0: timed out"), std::string::npos) << m;
-  EXPECT_NE(error_of([&] { group->exchange(1, 7, nullptr, 0.05); }).find("in exchange 7"), std::string::npos);
+  EXPECT_NE(message_of([&] { group->exchange(1, 7, nullptr, 0.05); }).find("in exchange 7"),
+            std::string::npos);
   // Both ranks now meet: the abandoned arrival and post are gone, so neither passes alone.
   std::atomic<bool> passed{false};
   std::thread other([&] {
@@ -316,7 +311,7 @@ TEST(CommLoopback, ATimedOutRankLeavesTheGroupUsable) {
   t1.join();
   EXPECT_EQ(got0, (std::vector<void*>{&a, &b}));
   EXPECT_EQ(got1, got0);
-  EXPECT_NE(error_of([] { LoopbackGroup::make(0, 0); }).find("size must be at least 1"), std::string::npos);
+  EXPECT_NE(message_of([] { LoopbackGroup::make(0, 0); }).find("size must be at least 1"), std::string::npos);
 }
 
 }  // namespace

@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "epmoe/tensor.hpp"
+#include "expect_error.hpp"
 
 namespace epmoe {
 namespace {
@@ -60,6 +62,28 @@ TEST(Tensor, FiniteCheckFindsNaNAndInf) {
 }
 
 // Shapes whose size wraps around int64 would size a buffer too small: refused at construction.
+// Quantization scales: positive and finite, and (given the largest code) dequantizable without overflow.
+TEST(Tensor, ScalesArePositiveFiniteAndDequantizable) {
+  using testing::expect_error_mentions;
+  EXPECT_NO_THROW(expect_scale(0.5f, "s"));
+  for (float bad :
+       {0.0f, -0.0f, -1.0f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()})
+    expect_error_mentions([&] { expect_scale(bad, "s"); }, "s must be positive and finite, got");
+  EXPECT_NO_THROW(expect_scale(1e37f, "s"));
+  expect_error_mentions([&] { expect_scale(1e37f, "s", 448.0f); },
+                        "s must be positive and finite, with 448 x it finite");
+  HostTensor t(DType::f32, {3});
+  for (int i = 0; i < 3; ++i) t.data<float>()[i] = 0.25f;
+  EXPECT_NO_THROW(expect_scales(t, "t", 448.0f));
+  t.data<float>()[2] = -0.0f;
+  expect_error_mentions([&] { expect_scales(t, "t"); }, "t must be positive and finite: element 2 is -0");
+  HostTensor half(DType::bf16, {3});
+  expect_error_mentions([&] { expect_scales(half, "h"); }, "h must have dtype f32");
+  TensorView on_gpu = t;
+  on_gpu.device = Device::cuda;
+  expect_error_mentions([&] { expect_scales(on_gpu, "g"); }, "g must live on cpu");
+}
+
 TEST(Tensor, ShapesPastInt64AreRefused) {
   EXPECT_THROW(HostTensor(DType::f32, {std::int64_t{1} << 62, 4}), Error);
   EXPECT_THROW(HostTensor(DType::f32, {std::int64_t{1} << 62}), Error);  // 2^64 bytes

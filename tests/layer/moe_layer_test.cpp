@@ -188,16 +188,18 @@ TEST(Layer, BadInputIsRefusedWithClearMessages) {
         x.data<bf16>()[i] = bf16::from_float(x.data<bf16>()[i].to_float() * 1e20f);
     const std::string silu = "silu(gate) * up is not finite";
     const std::string overflow = "y (the layer's output; x is too large for bf16) must be finite";
+    const std::vector<std::int64_t> load_before = layer.expert_load();
     testing::expect_error_mentions([&] { layer.forward(b.xv, b.yv); }, silu);
+    EXPECT_EQ(layer.expert_load(), load_before);  // a forward that failed is not counted
     MoeLayer exact_layer(w, {Mode::low_latency, Device::cpu, Numerics::exact});
     testing::expect_error_mentions([&] { exact_layer.forward(b.xv, b.yv); }, "rank 0 " + overflow);
+    for (std::int64_t n : exact_layer.expert_load()) EXPECT_EQ(n, 0);
     HostTensor y16(DType::bf16, {4, c.hidden}), y64(DType::f64, {4, c.hidden});
     testing::expect_error_mentions([&] { reference_forward(*w, b.x[0], y16, Numerics::mirror); }, silu);
     testing::expect_error_mentions([&] { reference_forward(*w, b.x[0], y16, Numerics::exact); }, overflow);
     EXPECT_NO_THROW(reference_forward(*w, b.x[0], y64, Numerics::exact));  // f64 holds it
-    // A device y is refused before the load counters see the batch.
+    // A device y is refused, and the batch is not counted.
     Batch ok = make_batch(c, {4, 4}, 3);
-    const std::vector<std::int64_t> load_before = layer.expert_load();
     ok.yv[1].device = Device::cuda;
     testing::expect_error_mentions([&] { layer.forward(ok.xv, ok.yv); }, "rank 1 y must live on cpu");
     EXPECT_EQ(layer.expert_load(), load_before);

@@ -582,10 +582,10 @@ TEST(QuantInt4, RefusesBadArguments) {
   s.data<float>()[1] = kNaN;
   testing::expect_error_mentions([&] { dequantize_int4_grouped(packed, s, out); },
                                  {"scales must be positive and finite"});
-  s.data<float>()[1] = 1e38f;  // 7 x it overflows f32
+  s.data<float>()[1] = 4.5e37f;  // 7 x it is finite, but a code of -8 x it overflows f32
   testing::expect_error_mentions([&] { dequantize_int4_grouped(packed, s, out); },
-                                 {"scales", "7 x it finite"});
-  s.data<float>()[1] = 1e37f;  // 7 x it does not
+                                 {"scales", "8 x it finite"});
+  s.data<float>()[1] = 4e37f;  // 8 x it does not
   EXPECT_NO_THROW(dequantize_int4_grouped(packed, s, out));
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "epmoe/router.hpp"
+#include "expect_error.hpp"
 #include "routing/router_math.hpp"
 #include "test_random.hpp"
 
@@ -472,15 +473,7 @@ TEST(Router, UnderflowedScoresStillGiveFiniteWeights) {
 
 // ------------------------------------------------------------------ validation
 
-template <class F>
-void expect_error_mentions(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an epmoe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error_mentions;
 
 TEST(Router, RefusesBadInputs) {
   const MoeConfig c = MoeConfig::preset("tiny");

@@ -220,6 +220,18 @@ TEST(GroupedGemmCpu, RefusesBadArguments) {
   EXPECT_NE(message_of([&] { grouped_gemm_contiguous_cpu(a, sa, b, sb, ids, d); }).find("m_indices[2] = -2"),
             std::string::npos);
   ids.data<std::int32_t>()[2] = 0;
+  // Scales: a padding row's (m_indices -1) are not read, so zero passes; a read row's second K block
+  // negative is refused by row and block.
+  ids.data<std::int32_t>()[3] = -1;
+  sa.data<float>()[3 * 2 + 0] = 0.0f;
+  EXPECT_NO_THROW(grouped_gemm_contiguous_cpu(a, sa, b, sb, ids, d));
+  sa.data<float>()[1 * 2 + 1] = -2.0f;
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_contiguous_cpu(a, sa, b, sb, ids, d);
+            }).find("a_scales must be positive: row 1 block 1 is -2"),
+            std::string::npos);
+  fill_f32(sa, 1.0f);
+  ids.data<std::int32_t>()[3] = 0;
 
   HostTensor a_bf16(DType::bf16, {M, K});
   EXPECT_NE(message_of([&] {

@@ -5,12 +5,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
 
 #include "epmoe/quant.hpp"
 #include "epmoe/silu_quant.hpp"
+#include "expect_error.hpp"
 #include "runner/silu_math.hpp"
 #include "test_random.hpp"
 
@@ -252,37 +254,32 @@ TEST(SiluMulQuantCpu, MaskedProcessesOnlyValidRows) {
 }
 
 TEST(SiluMulQuantCpu, RefusesBadArguments) {
-  auto mentions = [](auto fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "nothing thrown, expected \"" << needle << "\"";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
+  using testing::expect_error_mentions;
+
   HostTensor h(DType::bf16, {2, 256}), q(DType::fp8_e4m3, {2, 128}), s(DType::f32, {2, 1});
   h.fill_bytes(0x3c);
   EXPECT_NO_THROW(silu_mul_quant_cpu(h, q, s, {}));
   HostTensor h_f32(DType::f32, {2, 256});
-  mentions([&] { silu_mul_quant_cpu(h_f32, q, s, {}); }, "h must have dtype bf16");
+  expect_error_mentions([&] { silu_mul_quant_cpu(h_f32, q, s, {}); }, "h must have dtype bf16");
   HostTensor h_odd(DType::bf16, {2, 200});
-  mentions([&] { silu_mul_quant_cpu(h_odd, q, s, {}); }, "twice a positive multiple of 128");
+  expect_error_mentions([&] { silu_mul_quant_cpu(h_odd, q, s, {}); }, "twice a positive multiple of 128");
   HostTensor q_bad(DType::fp8_e4m3, {2, 256});
-  mentions([&] { silu_mul_quant_cpu(h, q_bad, s, {}); }, "q must have shape");
-  mentions([&] { silu_mul_quant_cpu(h, h, s, {}); }, "q must have dtype fp8_e4m3");
+  expect_error_mentions([&] { silu_mul_quant_cpu(h, q_bad, s, {}); }, "q must have shape");
+  expect_error_mentions([&] { silu_mul_quant_cpu(h, h, s, {}); }, "q must have dtype fp8_e4m3");
   HostTensor s_bad(DType::f32, {2, 2});
-  mentions([&] { silu_mul_quant_cpu(h, q, s_bad, {}); }, "scales must have shape");
-  mentions(
+  expect_error_mentions([&] { silu_mul_quant_cpu(h, q, s_bad, {}); }, "scales must have shape");
+  expect_error_mentions(
       [&] {
         silu_mul_quant_cpu(h, q, s, {ActivationFormat::fp8_tensor, false, 0.0f});
       },
       "tensor_scale must be positive");
   HostTensor m_bad(DType::i32, {3});
-  mentions([&] { silu_mul_quant_contiguous_cpu(h, m_bad, q, s, {}); }, "m_indices must have shape");
+  expect_error_mentions([&] { silu_mul_quant_contiguous_cpu(h, m_bad, q, s, {}); },
+                        "m_indices must have shape");
   // An act that overflows f32: silu(3e38) * 3e38.
   HostTensor h_big(DType::bf16, {1, 256}), q1(DType::fp8_e4m3, {1, 128}), s1(DType::f32, {1, 1});
   for (int j = 0; j < 256; ++j) h_big.data<bf16>()[j] = bf16::from_float(3e38f);
-  mentions([&] { silu_mul_quant_cpu(h_big, q1, s1, {}); }, "is not finite");
+  expect_error_mentions([&] { silu_mul_quant_cpu(h_big, q1, s1, {}); }, "is not finite");
 }
 
 }  // namespace
