@@ -499,7 +499,7 @@ void GpuMoeLayer::Impl::load_slot(int local_slot, int logical) {
     copy_to_device(ds13, e.w13_scale, s0);
     copy_to_device(dw2, e.w2, s0);
     copy_to_device(ds2, e.w2_scale, s0);
-    EPMOE_CUDA_CHECK(cudaStreamSynchronize(s0));
+    wait_s0("an expert's weights upload");  // the host tensors of routed_expert() go away
   }
   slot_logical[static_cast<std::size_t>(local_slot)] = logical;
 }
@@ -539,6 +539,9 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
               "placement must have {} logical experts, {} slots and {} ranks, got {}, {} and {}", E, P, ranks,
               p.num_logical(), p.num_physical(), p.num_ranks());
   int rewritten = 0;
+  // The forwards in flight read the slots about to be rewritten: wait for them, bounded by the
+  // communicator's timeout (the slot loads below may synchronize s0 plainly, e.g. W4A8's -8 scan).
+  if (placement.num_logical() > 0) wait_s0("the forwards before rewriting expert slots");
   for (int s = 0; s < L; ++s) {
     const int logical = p.phy2log()[static_cast<std::size_t>(rank * L + s)];
     if (slot_logical[static_cast<std::size_t>(s)] != logical) {
