@@ -271,7 +271,8 @@ void expect_scales(const TensorView& t, std::string_view name, float max_code) {
   expect_dtype(t, DType::f32, name);
   expect_host(t, name);
   const float* s = t.as<float>();
-  for (std::int64_t i = 0; i < t.numel(); ++i) {
+  const std::int64_t n = t.numel();
+  for (std::int64_t i = 0; i < n; ++i) {
     EPMOE_CHECK(valid_scale(s[i], max_code), "{} must be {}: element {} is {}", name, scale_rule(max_code), i,
                 s[i]);
   }

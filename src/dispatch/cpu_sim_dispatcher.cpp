@@ -132,7 +132,8 @@ class CpuSimDispatcher final : public Dispatcher {
       const std::int32_t* row_token = s.row_token.data<std::int32_t>();
       const float* row_weight = s.row_weight.data<float>();
       const bf16* out = expert_out[r].as<bf16>();
-      for (std::int64_t row = 0; row < s.row_token.numel(); ++row) {
+      const std::int64_t rows = s.row_token.numel();
+      for (std::int64_t row = 0; row < rows; ++row) {
         const std::int32_t i = row_token[row];
         if (i < 0) continue;  // padding, or past masked_m
         detail::accumulate_weighted_row(acc.data() + i * H, out + row * H, row_weight[row], H);

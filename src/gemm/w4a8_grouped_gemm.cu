@@ -562,7 +562,8 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
               "the prepared tensors must not alias the inputs");
   // Finite scales, also once rounded to bf16 (a magnitude above bf16's largest finite value, about
   // 3.39e38, would round to infinity).
-  for (std::int64_t i = 0; i < src_scales.numel(); ++i) {
+  const std::int64_t scale_count = src_scales.numel();
+  for (std::int64_t i = 0; i < scale_count; ++i) {
     const float v = inverse ? static_cast<const bf16*>(src_scales.data)[i].to_float()
                             : static_cast<const float*>(src_scales.data)[i];
     EPMOE_CHECK(std::isfinite(v), "{}[{}] = {} must be finite", inverse ? "packed_scales" : "w_scales", i, v);

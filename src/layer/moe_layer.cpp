@@ -171,17 +171,19 @@ void MoeLayer::forward_in(Mode mode, std::span<const TensorView> x, std::span<co
       for (int r = 0; r < N; ++r) {
         bf16* yr = y[r].as<bf16>();
         const bf16* sr = shared[static_cast<std::size_t>(r)].data<bf16>();
-        for (std::int64_t i = 0; i < y[r].numel(); ++i)
-          yr[i] = bf16::from_float(yr[i].to_float() + sr[i].to_float());
+        const std::int64_t n = y[r].numel();
+        for (std::int64_t i = 0; i < n; ++i) yr[i] = bf16::from_float(yr[i].to_float() + sr[i].to_float());
       }
     }
   }
   for (int r = 0; r < N; ++r) expect_finite(y[r], fmt::format("rank {} {}", r, detail::kOverflowedOutput));
 
   // The load counters see only a forward that completed: one refused anywhere above leaves them as they were.
-  for (const HostTensor& ids : logical)
-    for (std::int64_t i = 0; i < ids.numel(); ++i)
-      ++expert_load_[static_cast<std::size_t>(ids.data<std::int32_t>()[i])];
+  for (const HostTensor& ids : logical) {
+    const std::int32_t* id = ids.data<std::int32_t>();
+    const std::int64_t n = ids.numel();
+    for (std::int64_t i = 0; i < n; ++i) ++expert_load_[static_cast<std::size_t>(id[i])];
+  }
 
   if (stats) {
     stats->mode = mode;
