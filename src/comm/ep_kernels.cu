@@ -92,6 +92,33 @@ __device__ void record_error(const DeviceErrorSink& sink, int code, CommPhase ph
   __threadfence_system();
 }
 
+// Whether this rank has a recorded device error: a wait that timed out or gave up, a peer's refused
+// input. The call's outputs are then poisoned (see poison_bytes) instead of holding stale or partial
+// rows, so a caller that reads them before the error surfaces (a graph replay reports it only at the
+// next host check) cannot take them for a result.
+__device__ __forceinline__ bool errors_recorded(const DeviceErrorSink& sink) {
+  return sink.claim != nullptr && *static_cast<volatile std::int32_t*>(sink.claim) != 0;
+}
+
+// Sets every bit of bytes [0, bytes) of p: NaN in bf16 (0xFFFF), FP8 e4m3 (0xFF) and f32 alike. Thread i
+// of `stride` threads; 16-byte stores where p and bytes allow (the payload rows), else 4-byte ones (a
+// scale array); byte stores for a tail.
+__device__ void poison_bytes(void* p, std::int64_t bytes, std::int64_t i, std::int64_t stride) {
+  auto* b = static_cast<unsigned char*>(p);
+  std::int64_t done = 0;
+  if (reinterpret_cast<std::uintptr_t>(p) % 16 == 0) {
+    const std::int64_t vecs = bytes / 16;
+    for (std::int64_t v = i; v < vecs; v += stride)
+      reinterpret_cast<uint4*>(b)[v] = make_uint4(~0u, ~0u, ~0u, ~0u);
+    done = vecs * 16;
+  } else if (reinterpret_cast<std::uintptr_t>(p) % 4 == 0) {
+    const std::int64_t words = bytes / 4;
+    for (std::int64_t w = i; w < words; w += stride) reinterpret_cast<std::uint32_t*>(b)[w] = ~0u;
+    done = words * 4;
+  }
+  for (std::int64_t k = done + i; k < bytes; k += stride) b[k] = 0xFF;
+}
+
 // Waits until *flag reaches `expect` (sequence numbers compare modulo 2^32). Gives up after the
 // timeout (recording which peer did not arrive) or as soon as another wait has given up.
 __device__ bool wait_flag(const std::uint32_t* flag, std::uint32_t expect, const FlagSync& sync,
@@ -977,6 +1004,8 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   if (!own_first && tid == 0) stamp_max(kTraceOwnDone);
   if constexpr (kRouteInLaunch) mark_empty_rows();
   const bool chunked = lsa && a.chunks != nullptr;
+  // A wait below that gives up leaves its error claimed: the rows go on being placed (stale for a
+  // source that never arrived) and the last block poisons them all.
   if (lsa && !chunked) {
     for (int src = tid; src < g.N; src += nthreads)
       if (ok[src] && tok[src] > 0 && !(own && src == g.me))
@@ -1042,6 +1071,15 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
   if (lsa)
     last_block = kRouteInLaunch ? finish_block_gpu(a.sync.done, nblocks) : finish_block(a.sync.done, nblocks);
   if (last_block) {
+    // A wait gave up (or a peer refused its input): rows whose tokens never arrived were placed from
+    // stale slots, or not at all, and the layout lacks the sources that did not answer. Every row of the
+    // layout becomes NaN, so nothing computed from this call passes for a result.
+    if (errors_recorded(a.sync.errors)) {
+      const std::int64_t laid_out = a.contiguous ? eoff[g.L] : static_cast<std::int64_t>(g.L) * a.M_max;
+      const std::int64_t rows = laid_out < a.max_rows ? laid_out : a.max_rows;
+      poison_bytes(a.rows, rows * g.x_bytes, tid, nthreads);
+      if (a.out_scales != nullptr) poison_bytes(a.out_scales, rows * g.G * 4, tid, nthreads);
+    }
     // Every block has read its tokens: zero this parity's arrival counters for the call after next
     // (the senders reach this parity again only after this rank's next count flag).
     if (chunked)
@@ -1134,6 +1172,10 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
   const std::uint32_t c = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(c & 1u) * a.sync.parity_stride : 0;
   if (blockIdx.x == 0 && tid == 0) stamp(kTraceReduceStart);
+  // After a recorded error this rank's received rows are poisoned or missing (place), so it sends no
+  // partial sums and raises no combine flag: each peer's combine times out naming this rank (and
+  // poisons its output) instead of summing slots that this call never wrote. Warp-uniform per block.
+  if (lsa && __syncthreads_or(errors_recorded(a.sync.errors))) return;
   const int R = *a.recv_total;
   const std::int64_t vecs = g.partial_bytes / 16;
   const auto* out = static_cast<const char*>(a.expert_out);
@@ -1192,6 +1234,10 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
     __syncthreads();
     if (tid == 0) stamp_max(kTraceHomeArrived);
   }
+  // A wait here, or anywhere in this call's dispatch, gave up (or was refused): some partial sums were
+  // never written, so the whole output is NaN rather than a plausible wrong sum. (The claim is read
+  // after the waits: every thread's wait has returned, so a timeout of this block is in it.)
+  const bool poisoned = __syncthreads_or(errors_recorded(a.sync.errors));
   const std::int64_t vecs = g.partial_bytes / 16;
   const int S = kSplit ? a.split : 1;
   const std::int64_t slice_vecs = kSplit ? split_slice_vecs(vecs, S) : vecs;
@@ -1215,8 +1261,11 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
       n += __popc(m);
     }
     __syncwarp();
-    weighted_sum_rows(part[warp], nullptr, n, static_cast<char*>(a.y) + t * g.partial_bytes + v0 * 16, n_vecs,
-                      lane);
+    char* y_t = static_cast<char*>(a.y) + t * g.partial_bytes + v0 * 16;
+    if (poisoned)
+      poison_bytes(y_t, n_vecs * 16, lane, 32);
+    else
+      weighted_sum_rows(part[warp], nullptr, n, y_t, n_vecs, lane);
     __syncwarp();
   }
   if (tid == 0) stamp_max(kTraceHomeEnd);

@@ -519,6 +519,40 @@ bool device_holds_minus8(const TensorView& w_int4, cudaStream_t stream) {
   return found != 0;
 }
 
+// The rule both packers hold the checkpoint's f32 weight scales to (the CPU GEMM reference refuses
+// scales that are not positive; the prepared ones are bf16, whose largest finite value is ~3.39e38).
+bool preparable_scale(float v) {
+  return v > 0.0f && std::isfinite(round_to_bf16(v));
+}
+[[noreturn]] void refuse_scale(std::int64_t i, float v) {
+  EPMOE_FAIL(
+      "w_scales[{}] = {} must be positive and finite as bf16 (0 < scale <= 3.389e38: the prepared scales "
+      "are bf16)",
+      i, v);
+}
+
+// Refuses the first weight scale (f32, device) that preparable_scale refuses; waits for the scan.
+void refuse_bad_scales_on_device(const TensorView& w_scales, cudaStream_t stream) {
+  const std::int64_t n = w_scales.numel();
+  unsigned long long* first_bad = nullptr;
+  EPMOE_CUDA_CHECK(cudaMallocAsync(&first_bad, sizeof(*first_bad), stream));
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(first_bad, 0xFF, sizeof(*first_bad), stream));
+  const std::int64_t blocks = std::clamp<std::int64_t>((n + 255) / 256, 1, device_props().sm_count * 8);
+  kernels::w4a8_find_bad_scale_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      static_cast<const float*>(w_scales.data), n, first_bad);
+  EPMOE_CUDA_CHECK_LAUNCH();
+  unsigned long long found = 0;
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&found, first_bad, sizeof(found), cudaMemcpyDeviceToHost, stream));
+  EPMOE_CUDA_CHECK(cudaFreeAsync(first_bad, stream));
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (found == ~0ull) return;
+  const auto i = static_cast<std::int64_t>(found);
+  float v = 0.0f;
+  EPMOE_CUDA_CHECK(
+      cudaMemcpy(&v, static_cast<const float*>(w_scales.data) + i, sizeof(v), cudaMemcpyDeviceToHost));
+  refuse_scale(i, v);
+}
+
 bool host_holds_minus8(const TensorView& w_int4) {
   expect_aligned_tensor(w_int4, DType::i4x2, Device::cpu, "w_int4", 1);
   const auto* b = static_cast<const std::uint8_t*>(w_int4.data);
@@ -539,6 +573,7 @@ void prepare_device(const TensorView& src, const TensorView& src_scales, const T
               "the prepared tensors must not alias the inputs");
   const std::int64_t items = dims.groups * dims.n * (dims.k / 2 + dims.k / kBlockK);
   const std::int64_t blocks = std::clamp<std::int64_t>((items + 255) / 256, 1, device_props().sm_count * 16);
+  if (!inverse) refuse_bad_scales_on_device(src_scales, stream);
   EPMOE_CHECK(inverse || !sm || !device_holds_minus8(src, stream),
               "w_int4 holds -8, which W4A8Codes::sign_magnitude cannot store: prepare it with "
               "W4A8Codes::offset_binary (w4a8_pick_codes picks)");
@@ -560,16 +595,15 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
               src.describe());
   EPMOE_CHECK(src.data != dst.data && src_scales.data != dst_scales.data,
               "the prepared tensors must not alias the inputs");
-  // Finite scales, also once rounded to bf16 (a magnitude above bf16's largest finite value, about
-  // 3.39e38, would round to infinity).
+  // Checkpoint scales: preparable_scale (the device packer scans them alike); packed ones: finite.
   const std::int64_t scale_count = src_scales.numel();
   for (std::int64_t i = 0; i < scale_count; ++i) {
-    const float v = inverse ? static_cast<const bf16*>(src_scales.data)[i].to_float()
-                            : static_cast<const float*>(src_scales.data)[i];
-    EPMOE_CHECK(std::isfinite(v), "{}[{}] = {} must be finite", inverse ? "packed_scales" : "w_scales", i, v);
-    EPMOE_CHECK(
-        inverse || std::isfinite(round_to_bf16(v)),
-        "w_scales[{}] = {} must be finite as bf16 (|scale| <= 3.389e38: the prepared scales are bf16)", i, v);
+    if (inverse) {
+      const float v = static_cast<const bf16*>(src_scales.data)[i].to_float();
+      EPMOE_CHECK(std::isfinite(v), "packed_scales[{}] = {} must be finite", i, v);
+    } else if (const float v = static_cast<const float*>(src_scales.data)[i]; !preparable_scale(v)) {
+      refuse_scale(i, v);
+    }
   }
   EPMOE_CHECK(inverse || !sm || !host_holds_minus8(src),
               "w_int4 holds -8, which W4A8Codes::sign_magnitude cannot store: prepare it with "

@@ -159,6 +159,14 @@ std::string dispatch_error(Dispatcher& d, const RankInput& in) {
   });
 }
 
+// Bytes of a device view that are not 0xFF: once an error is recorded on a rank, its calls write all
+// bits set (NaN in bf16, e4m3 and f32) instead of results.
+std::int64_t bytes_not_poisoned(const TensorView& device_view) {
+  const HostTensor h = cuda::to_host(device_view, stream());
+  const auto* b = static_cast<const unsigned char*>(h.view().data);
+  return std::count_if(b, b + h.nbytes(), [](unsigned char x) { return x != 0xFF; });
+}
+
 // Rank 0 sent more tokens than the buffers hold: it refuses on the host, and its peers learn it
 // from its status instead of timing out.
 void expect_rank0_too_many_reported(const std::string& m) {
@@ -708,6 +716,7 @@ TEST(CommNvlinkLl, ACombineThatAPeerNeverJoinsIsATimeoutNamingIt) {
         const cuda::DeviceTensor expert_out(DType::bf16, {out[0].num_output_rows(), c.hidden});
         const cuda::DeviceTensor y(DType::bf16, {20, c.hidden});
         expert_out.fill_bytes(0, stream());
+        y.fill_bytes(0, stream());
         const TensorView expert_view = expert_out.view(), y_view = y.view();
         const std::string m = error_of([&] {
           d->combine({&expert_view, 1}, {&y_view, 1});
@@ -716,10 +725,83 @@ TEST(CommNvlinkLl, ACombineThatAPeerNeverJoinsIsATimeoutNamingIt) {
         EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
         EXPECT_NE(m.find("combine-"), std::string::npos) << m;
         EXPECT_NE(m.find("waiting for rank"), std::string::npos) << m;
+        // The partial sums that never came leave no plausible wrong sum behind: y is NaN throughout.
+        EXPECT_EQ(bytes_not_poisoned(y_view), 0);
         EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
         world().reset_device_errors();
       }
       world().set_timeout_s(saved);
+      world().barrier();
+    }  // the dispatcher (its window) goes, collectively
+    world().barrier();
+  });
+}
+
+// A rank whose wait gave up (its error claim taken: here set by hand on rank 0, without a record, so
+// that its host goes on as a graph replay would) poisons what it writes: its received rows and y are
+// NaN throughout, and it sends no partial sums, so its peers' combines time out naming it (and their y
+// is NaN) instead of summing slots that the call never wrote. Round 1 runs clean and shows the rows
+// buffer holding tokens; its bytes are zeroed before round 2, and y is zeroed before each combine.
+TEST(CommNvlinkLl, ARankWhoseWaitGaveUpPoisonsItsOutputsAndItsPeersTimeOut) {
+  on_ranks([&] {
+    const int N = world().size(), me = world().rank();
+    if (N < 2) return;  // needs a peer
+    const double saved = world().timeout_s();
+    {
+      const MoeConfig c = test_config(32);
+      auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+      const auto in =
+          make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 20; }), 30, Routing::random);
+      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+      const DispatchInput view = dev.view();
+      const cuda::DeviceTensor y(DType::bf16, {20, c.hidden});
+      const TensorView y_view = y.view();
+      for (const bool gave_up : {false, true}) {
+        SCOPED_TRACE(gave_up ? "rank 0's claim taken" : "a clean round");
+        std::vector<DispatchOutput> out(1);
+        y.fill_bytes(0, stream());
+        meet();
+        if (gave_up) {
+          world().set_timeout_s(0.5);
+          if (me == 0) {
+            const std::int32_t taken = 1;
+            EPMOE_CUDA_CHECK(cudaMemcpyAsync(world().device_error_sink().claim, &taken, sizeof(taken),
+                                             cudaMemcpyHostToDevice, stream()));
+          }
+        }
+        std::int64_t rows_not_poisoned = -1;
+        const std::string m = error_of([&] {
+          d->dispatch({&view, 1}, out);
+          const cuda::DeviceTensor expert_out(DType::bf16, {out[0].num_output_rows(), c.hidden});
+          expert_out.fill_bytes(0x3c, stream());  // finite stand-in expert outputs
+          const TensorView expert_view = expert_out.view();
+          d->combine({&expert_view, 1}, {&y_view, 1});
+          world().synchronize(CommPhase::none, "the round");
+          rows_not_poisoned = bytes_not_poisoned(out[0].rows) + bytes_not_poisoned(out[0].scales);
+        });
+        if (!gave_up) {
+          EXPECT_EQ(m, "");
+          EXPECT_GT(rows_not_poisoned, 0) << "the clean round placed no token";
+          EXPECT_GT(bytes_not_poisoned(y_view), 0);
+          // Zeroed, so that only round 2's place can set their bits.
+          EPMOE_CUDA_CHECK(cudaMemsetAsync(out[0].rows.data, 0, out[0].rows.nbytes(), stream()));
+          EPMOE_CUDA_CHECK(cudaMemsetAsync(out[0].scales.data, 0, out[0].scales.nbytes(), stream()));
+          EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream()));
+          continue;
+        }
+        if (me == 0) {
+          EXPECT_EQ(m, "") << "rank 0's error record was left empty: its host sees nothing";
+          EXPECT_EQ(rows_not_poisoned, 0) << "rank 0's received rows and scales are not NaN throughout";
+        } else {
+          EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
+          EXPECT_NE(m.find("combine-"), std::string::npos) << m;
+          EXPECT_NE(m.find("waiting for rank 0"), std::string::npos) << m;
+        }
+        EXPECT_EQ(bytes_not_poisoned(y_view), 0) << "y is not NaN throughout";
+        EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
+        world().reset_device_errors();
+        world().set_timeout_s(saved);
+      }
       world().barrier();
     }  // the dispatcher (its window) goes, collectively
     world().barrier();

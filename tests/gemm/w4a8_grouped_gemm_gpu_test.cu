@@ -14,7 +14,10 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/w4a8_gemm.hpp"
@@ -135,6 +138,33 @@ TEST(W4A8GemmGpu, SignMagnitudeCodesPrepareRoundTripAndRefuseMinus8) {
   const cuda::DeviceTensor bad_raw = cuda::to_device(bad.w, stream);
   EXPECT_EQ(cuda::w4a8_pick_codes(bad_raw, stream), cuda::W4A8Codes::offset_binary);
   expect_error_mentions([&] { (void)prepare(bad, stream, kSM); }, "holds -8");
+}
+
+// The device packer holds the checkpoint's scales to the CPU packer's rule (positive, finite as bf16),
+// naming the first bad one by index and value (a scan the packer waits for), and leaves the good ones
+// as the CPU packer does.
+TEST(W4A8GemmGpu, PrepareRefusesTheScalesTheCpuPackerRefuses) {
+  EPMOE_REQUIRE_GPU();
+  testing::SeededRng rng;
+  const std::int64_t G = 2, N = 256, K = 512;
+  const Weights host = random_weights(G, N, K, rng);
+  cuda::Stream stream;
+  const std::int64_t last = host.s.numel() - 1;
+  for (const auto& [i, v, shown] :
+       {std::tuple{last, std::nanf(""), "nan"}, std::tuple{std::int64_t{0}, 0.0f, "0"},
+        std::tuple{std::int64_t{77}, -0.5f, "-0.5"}, std::tuple{std::int64_t{300}, 3.4e38f, "3.4e+38"}}) {
+    Weights bad{HostTensor(DType::i4x2, {G, N, K / 2}), HostTensor(DType::f32, {G, N, K / 128})};
+    std::memcpy(bad.w.view().data, host.w.view().data, host.w.nbytes());
+    std::memcpy(bad.s.view().data, host.s.view().data, host.s.nbytes());
+    bad.s.data<float>()[i] = v;
+    bad.s.data<float>()[last - 1] = -1.0f;  // a later bad one: the first is named
+    if (i == last) bad.s.data<float>()[last - 1] = host.s.data<float>()[last - 1];
+    const std::string want = fmt::format("w_scales[{}] = {} must be positive and finite as bf16", i, shown);
+    HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, K / 128});
+    expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(bad.w, bad.s, pw, ps); }, want);
+    expect_error_mentions([&] { (void)prepare(bad, stream); }, want);
+  }
+  (void)prepare(host, stream);  // the good scales pass
 }
 
 // ---------------------------------------------------------------- masked

@@ -3,6 +3,7 @@
 // the CPU packer and its inverse round-trip, and a thread-by-thread model of the kernel's loads
 // finds every weight where the wgmma A fragment wants it. Plus the W4A8 CPU reference against a
 // direct evaluation, and argument checks.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -412,20 +413,20 @@ TEST(W4A8Pack, RefusesBadArguments) {
   const HostTensor s_bad(DType::f32, {2, 128, 4});
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_bad, pw, ps); },
                         "w_scales must have shape");
-  // Zero scales but for one value.
+  // Scales of 1 but for one value: NaN, zero and negative ones are refused (as the CPU GEMM reference
+  // refuses them), and so is one finite as f32 but infinite once rounded to the packed bf16.
   const auto scales_with = [](std::int64_t i, float v) {
     HostTensor t(DType::f32, {2, 128, 2});
-    std::memset(t.view().data, 0, t.nbytes());
+    std::fill_n(t.data<float>(), t.numel(), 1.0f);
     t.data<float>()[i] = v;
     return t;
   };
-  const HostTensor s_nan = scales_with(5, std::nanf(""));
-  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_nan, pw, ps); },
-                        "w_scales[5] = nan must be finite");
-  // Finite as f32, infinite once rounded to the packed bf16.
-  const HostTensor s_big = scales_with(3, 3.4e38f);
-  expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_big, pw, ps); },
-                        "w_scales[3] = 3.4e+38 must be finite as bf16");
+  for (const auto& [i, v, shown] : {std::tuple{5, std::nanf(""), "nan"}, std::tuple{0, 0.0f, "0"},
+                                    std::tuple{511, -0.5f, "-0.5"}, std::tuple{3, 3.4e38f, "3.4e+38"}}) {
+    const HostTensor bad = scales_with(i, v);
+    expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, bad, pw, ps); },
+                          fmt::format("w_scales[{}] = {} must be positive and finite as bf16", i, shown));
+  }
   const HostTensor ps_f32(DType::f32, {2, 128, 2});
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s, pw, ps_f32); },
                         "packed_scales must have dtype bf16");
