@@ -399,7 +399,7 @@ TEST(W4A8Pack, OffsetWarpLoadsCoverEveryRowOnce) {
 TEST(W4A8Pack, RefusesBadArguments) {
   const HostTensor w(DType::i4x2, {2, 128, 128}), s(DType::f32, {2, 128, 2});
   HostTensor pw(DType::i4x2, {2, 128, 128}), ps(DType::bf16, {2, 128, 2});
-  std::memset(s.view().data, 0, s.nbytes());
+  std::fill_n(s.data<float>(), s.numel(), 0.25f);
   EXPECT_NO_THROW(cuda::w4a8_prepare_weights_cpu(w, s, pw, ps));
   const HostTensor w_k(DType::i4x2, {2, 128, 100});
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w_k, s, pw, ps); },
