@@ -1072,9 +1072,11 @@ __device__ void place_body(const EpGeometry& g, const PlaceArgs& a, int block, i
     last_block = kRouteInLaunch ? finish_block_gpu(a.sync.done, nblocks) : finish_block(a.sync.done, nblocks);
   if (last_block) {
     // A wait gave up (or a peer refused its input): rows whose tokens never arrived were placed from
-    // stale slots, or not at all, and the layout lacks the sources that did not answer. Every row of the
-    // layout becomes NaN, so nothing computed from this call passes for a result.
-    if (errors_recorded(a.sync.errors)) {
+    // stale slots, or not at all, and the layout lacks the sources that did not answer. Every laid-out
+    // row (the rows past eoff[L] in contiguous mode hold m_indices -1) becomes NaN, so nothing computed
+    // from this call passes for a result. One block writes them all: slow (a few ms for a normal-mode
+    // batch), but only after an error.
+    if (__syncthreads_or(errors_recorded(a.sync.errors))) {
       const std::int64_t laid_out = a.contiguous ? eoff[g.L] : static_cast<std::int64_t>(g.L) * a.M_max;
       const std::int64_t rows = laid_out < a.max_rows ? laid_out : a.max_rows;
       poison_bytes(a.rows, rows * g.x_bytes, tid, nthreads);
@@ -1172,10 +1174,6 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
   const std::uint32_t c = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(c & 1u) * a.sync.parity_stride : 0;
   if (blockIdx.x == 0 && tid == 0) stamp(kTraceReduceStart);
-  // After a recorded error this rank's received rows are poisoned or missing (place), so it sends no
-  // partial sums and raises no combine flag: each peer's combine times out naming this rank (and
-  // poisons its output) instead of summing slots that this call never wrote. Warp-uniform per block.
-  if (lsa && __syncthreads_or(errors_recorded(a.sync.errors))) return;
   const int R = *a.recv_total;
   const std::int64_t vecs = g.partial_bytes / 16;
   const auto* out = static_cast<const char*>(a.expert_out);
@@ -1215,6 +1213,11 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(EpGeometry g, ReduceAr
   if (tid == 0) stamp_max(kTraceReduceEnd);
   if (a.flag == nullptr) return;
   if (!finish_block(a.sync.done, static_cast<int>(gridDim.x))) return;
+  // After a recorded error (this call's dispatch gave up or was refused, or a bad slot above) the sums
+  // were made from poisoned, missing or stale rows: no combine flag is raised, so each peer's combine
+  // times out naming this rank (and poisons its output) instead of taking them. Every block has run
+  // its work and the finish above, so the done counter stays balanced.
+  if (__syncthreads_or(errors_recorded(a.sync.errors))) return;
   for (int d = tid; d < g.N; d += static_cast<int>(blockDim.x))
     st_release_sys(a.flag[d] + parity_bytes / 4, c);
 }
@@ -1228,16 +1231,18 @@ __global__ void __launch_bounds__(kThreads) home_kernel(EpGeometry g, HomeArgs a
   const std::uint32_t c = lsa ? *a.sync.seq + 1u : 0u;
   const std::int64_t parity_bytes = lsa ? static_cast<std::int64_t>(c & 1u) * a.sync.parity_stride : 0;
   if (blockIdx.x == 0 && tid == 0) stamp(kTraceHomeStart);
+  // An error recorded before this kernel (this call's dispatch or combine send gave up or was refused)
+  // or a wait here that gives up: some partial sums are missing or stale, so the whole output is NaN
+  // rather than a plausible wrong sum. The claim is read before the waits, its load in flight with them.
+  bool failed = errors_recorded(a.sync.errors);
   if (lsa) {
     for (int d = tid; d < g.N; d += static_cast<int>(blockDim.x))
-      wait_flag(a.flags + parity_bytes / 4 + d * a.flag_stride, c, a.sync, CommPhase::combine_recv, g.me, d);
-    __syncthreads();
-    if (tid == 0) stamp_max(kTraceHomeArrived);
+      if (!wait_flag(a.flags + parity_bytes / 4 + d * a.flag_stride, c, a.sync, CommPhase::combine_recv, g.me,
+                     d))
+        failed = true;
   }
-  // A wait here, or anywhere in this call's dispatch, gave up (or was refused): some partial sums were
-  // never written, so the whole output is NaN rather than a plausible wrong sum. (The claim is read
-  // after the waits: every thread's wait has returned, so a timeout of this block is in it.)
-  const bool poisoned = __syncthreads_or(errors_recorded(a.sync.errors));
+  const bool poisoned = __syncthreads_or(failed);
+  if (lsa && tid == 0) stamp_max(kTraceHomeArrived);
   const std::int64_t vecs = g.partial_bytes / 16;
   const int S = kSplit ? a.split : 1;
   const std::int64_t slice_vecs = kSplit ? split_slice_vecs(vecs, S) : vecs;

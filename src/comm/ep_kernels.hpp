@@ -25,9 +25,9 @@
 // every token is written; two parities of every window region alternate between calls. Every wait
 // is bounded (DeviceErrorSink on timeout). Once an error is recorded on a rank (a wait that gave up, a
 // peer's refused input; until Communicator::reset_device_errors) its calls write NaN (all bits set)
-// instead of results: on the NVLink transport place poisons the whole layout's rows and scales and
-// reduce sends nothing and raises no flag (so each peer's combine times out naming this rank); on
-// either transport home writes NaN into y.
+// instead of results: on the NVLink transport place poisons the laid-out rows and scales and reduce
+// raises no combine flag (so each peer's combine times out naming this rank instead of taking its
+// sums); on either transport home writes NaN into y.
 //
 // Copies are latency-bound unless each warp keeps many loads in flight: every copy loop below loads
 // a batch of 16-byte vectors (up to 8 per lane, 4 KB per warp) before it stores or uses any of them.

@@ -739,17 +739,19 @@ TEST(CommNvlinkLl, ACombineThatAPeerNeverJoinsIsATimeoutNamingIt) {
 
 // A rank whose wait gave up (its error claim taken: here set by hand on rank 0, without a record, so
 // that its host goes on as a graph replay would) poisons what it writes: its received rows and y are
-// NaN throughout, and it sends no partial sums, so its peers' combines time out naming it (and their y
-// is NaN) instead of summing slots that the call never wrote. Round 1 runs clean and shows the rows
-// buffer holding tokens; its bytes are zeroed before round 2, and y is zeroed before each combine.
-TEST(CommNvlinkLl, ARankWhoseWaitGaveUpPoisonsItsOutputsAndItsPeersTimeOut) {
+// NaN throughout, and it raises no combine flag, so its peers' combines time out naming it (and their y
+// is NaN) instead of summing what it sent. Round 1 runs clean and shows the rows buffer holding tokens;
+// its bytes are zeroed before round 2, and y is zeroed before each combine. Each rank dispatches, waits
+// for it, allocates the stand-in expert outputs, then meets the others before combining (meet() says
+// why). Normal mode keeps the dispatcher's host sync: rank 0's host learns a layout and goes on.
+void check_a_rank_that_gave_up_poisons(Transport transport) {
   on_ranks([&] {
     const int N = world().size(), me = world().rank();
     if (N < 2) return;  // needs a peer
     const double saved = world().timeout_s();
     {
       const MoeConfig c = test_config(32);
-      auto d = make(Transport::nvlink_ll, c, ActivationFormat::fp8_group);
+      auto d = make(transport, c, ActivationFormat::fp8_group);
       const auto in =
           make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 20; }), 30, Routing::random);
       const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
@@ -769,14 +771,20 @@ TEST(CommNvlinkLl, ARankWhoseWaitGaveUpPoisonsItsOutputsAndItsPeersTimeOut) {
                                              cudaMemcpyHostToDevice, stream()));
           }
         }
+        EXPECT_EQ(error_of([&] {
+                    d->dispatch({&view, 1}, out);
+                    world().synchronize(CommPhase::none, "the dispatch");
+                  }),
+                  "");
+        const cuda::DeviceTensor expert_out(DType::bf16, {out[0].num_output_rows(), c.hidden});
+        expert_out.fill_bytes(0x3c, stream());  // finite stand-in expert outputs
+        EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream()));
+        const TensorView expert_view = expert_out.view();
+        meet();
         std::int64_t rows_not_poisoned = -1;
         const std::string m = error_of([&] {
-          d->dispatch({&view, 1}, out);
-          const cuda::DeviceTensor expert_out(DType::bf16, {out[0].num_output_rows(), c.hidden});
-          expert_out.fill_bytes(0x3c, stream());  // finite stand-in expert outputs
-          const TensorView expert_view = expert_out.view();
           d->combine({&expert_view, 1}, {&y_view, 1});
-          world().synchronize(CommPhase::none, "the round");
+          world().synchronize(CommPhase::none, "the combine");
           rows_not_poisoned = bytes_not_poisoned(out[0].rows) + bytes_not_poisoned(out[0].scales);
         });
         if (!gave_up) {
@@ -794,7 +802,7 @@ TEST(CommNvlinkLl, ARankWhoseWaitGaveUpPoisonsItsOutputsAndItsPeersTimeOut) {
           EXPECT_EQ(rows_not_poisoned, 0) << "rank 0's received rows and scales are not NaN throughout";
         } else {
           EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
-          EXPECT_NE(m.find("combine-"), std::string::npos) << m;
+          EXPECT_NE(m.find("combine-recv"), std::string::npos) << m;
           EXPECT_NE(m.find("waiting for rank 0"), std::string::npos) << m;
         }
         EXPECT_EQ(bytes_not_poisoned(y_view), 0) << "y is not NaN throughout";
@@ -806,6 +814,12 @@ TEST(CommNvlinkLl, ARankWhoseWaitGaveUpPoisonsItsOutputsAndItsPeersTimeOut) {
     }  // the dispatcher (its window) goes, collectively
     world().barrier();
   });
+}
+TEST(CommNvlinkLl, ARankWhoseWaitGaveUpPoisonsItsOutputsAndItsPeersTimeOut) {
+  check_a_rank_that_gave_up_poisons(Transport::nvlink_ll);
+}
+TEST(CommNvlinkNormal, ARankWhoseWaitGaveUpPoisonsItsOutputsAndItsPeersTimeOut) {
+  check_a_rank_that_gave_up_poisons(Transport::nvlink_normal);
 }
 
 // EPMOE_COMM_WATCH=1: after one round (dispatch, combine) the dispatcher's state in the
