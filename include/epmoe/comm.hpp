@@ -13,7 +13,11 @@
 //   * Every wait is bounded by timeout_s(): host waits poll the stream and, past the deadline, abort
 //     an owned communicator and throw; device waits (flags of the low-latency kernels) read the
 //     global timer and record {phase, peer} in a host-mapped DeviceErrorRecord, which
-//     check_device_errors() turns into an epmoe::Error. Never a silent hang.
+//     check_device_errors() turns into an epmoe::Error. Never a silent hang, and never a silent wrong
+//     result: from the recorded error until reset_device_errors(), the dispatch and combine kernels
+//     on this rank write NaN (all bits set) into their outputs (received rows, scales, y) and raise
+//     no combine flag, so a caller that reads a graph replay's output before the error surfaces
+//     sees NaN, and the peers' combines time out naming this rank.
 #pragma once
 
 #include <cstddef>
