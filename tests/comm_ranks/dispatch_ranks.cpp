@@ -815,6 +815,52 @@ void check_a_rank_that_gave_up_poisons(Transport transport) {
     world().barrier();
   });
 }
+// The NCCL point-to-point transport has no flags to withhold: a rank with a recorded error (its claim
+// set by hand on rank 0, as above) still takes part in every NCCL call, and its home kernel writes NaN
+// into y instead of the sums (runs on one rank too: CommGpu.one_rank_nccl).
+TEST(CommNcclP2p, ARankWithARecordedErrorWritesNaNIntoY) {
+  on_ranks([&] {
+    const int me = world().rank();
+    const MoeConfig c = test_config(32);
+    auto d = make(Transport::p2p_low_latency, c, ActivationFormat::fp8_group);
+    const auto in =
+        make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 16; }), 31, Routing::random);
+    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
+    const DispatchInput view = dev.view();
+    const cuda::DeviceTensor y(DType::bf16, {16, c.hidden});
+    const TensorView y_view = y.view();
+    for (const bool recorded : {false, true}) {
+      SCOPED_TRACE(recorded ? "rank 0's claim taken" : "a clean round");
+      y.fill_bytes(0, stream());
+      if (recorded && me == 0) {
+        const std::int32_t taken = 1;
+        EPMOE_CUDA_CHECK(cudaMemcpyAsync(world().device_error_sink().claim, &taken, sizeof(taken),
+                                         cudaMemcpyHostToDevice, stream()));
+      }
+      std::vector<DispatchOutput> out(1);
+      EXPECT_EQ(error_of([&] {
+                  d->dispatch({&view, 1}, out);
+                  world().synchronize(CommPhase::none, "the dispatch");
+                }),
+                "");
+      const cuda::DeviceTensor expert_out(DType::bf16, {out[0].num_output_rows(), c.hidden});
+      expert_out.fill_bytes(0x3c, stream());  // finite stand-in expert outputs
+      const TensorView expert_view = expert_out.view();
+      EXPECT_EQ(error_of([&] {
+                  d->combine({&expert_view, 1}, {&y_view, 1});
+                  world().synchronize(CommPhase::none, "the combine");
+                }),
+                "");
+      if (recorded && me == 0)
+        EXPECT_EQ(bytes_not_poisoned(y_view), 0) << "rank 0's y is not NaN throughout";
+      else
+        EXPECT_GT(bytes_not_poisoned(y_view), 0) << "y was not written";
+      if (recorded) world().reset_device_errors();
+      world().barrier();
+    }
+  });
+}
+
 TEST(CommNvlinkLl, ARankWhoseWaitGaveUpPoisonsItsOutputsAndItsPeersTimeOut) {
   check_a_rank_that_gave_up_poisons(Transport::nvlink_ll);
 }
