@@ -167,6 +167,20 @@ std::int64_t bytes_not_poisoned(const TensorView& device_view) {
   return std::count_if(b, b + h.nbytes(), [](unsigned char x) { return x != 0xFF; });
 }
 
+// A combine that a peer never joined (`peer`: the rank it must name, or -1 for any): it times out in
+// combine-recv naming the rank, y is NaN throughout (no plausible wrong sum is left behind), and the
+// communicator stays usable once the device errors are reset.
+void expect_recoverable_combine_timeout(const std::string& m, const TensorView& y, int peer) {
+  EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
+  EXPECT_NE(m.find("combine-recv"), std::string::npos) << m;
+  EXPECT_NE(m.find(peer < 0 ? std::string("waiting for rank") : fmt::format("waiting for rank {}", peer)),
+            std::string::npos)
+      << m;
+  EXPECT_EQ(bytes_not_poisoned(y), 0) << "y is not NaN throughout";
+  EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
+  world().reset_device_errors();
+}
+
 // Rank 0 sent more tokens than the buffers hold: it refuses on the host, and its peers learn it
 // from its status instead of timing out.
 void expect_rank0_too_many_reported(const std::string& m) {
@@ -722,13 +736,7 @@ TEST(CommNvlinkLl, ACombineThatAPeerNeverJoinsIsATimeoutNamingIt) {
           d->combine({&expert_view, 1}, {&y_view, 1});
           world().synchronize(CommPhase::none, "the combine");
         });
-        EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
-        EXPECT_NE(m.find("combine-"), std::string::npos) << m;
-        EXPECT_NE(m.find("waiting for rank"), std::string::npos) << m;
-        // The partial sums that never came leave no plausible wrong sum behind: y is NaN throughout.
-        EXPECT_EQ(bytes_not_poisoned(y_view), 0);
-        EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
-        world().reset_device_errors();
+        expect_recoverable_combine_timeout(m, y_view, -1);
       }
       world().set_timeout_s(saved);
       world().barrier();
@@ -737,53 +745,77 @@ TEST(CommNvlinkLl, ACombineThatAPeerNeverJoinsIsATimeoutNamingIt) {
   });
 }
 
-// A rank whose wait gave up (its error claim taken: here set by hand on rank 0, without a record, so
-// that its host goes on as a graph replay would) poisons what it writes: its received rows and y are
-// NaN throughout, and it raises no combine flag, so its peers' combines time out naming it (and their y
-// is NaN) instead of summing what it sent. Round 1 runs clean and shows the rows buffer holding tokens;
-// its bytes are zeroed before round 2, and y is zeroed before each combine. Each rank dispatches, waits
-// for it, allocates the stand-in expert outputs, then meets the others before combining (meet() says
-// why). Normal mode keeps the dispatcher's host sync: rank 0's host learns a layout and goes on.
+// What the poison tests share: a dispatcher on `transport`, this rank's `tokens` random tokens on the
+// device, and y for them.
+struct PoisonRig {
+  PoisonRig(Transport transport, std::int64_t tokens, std::uint32_t seed)
+      : d(make(transport, c, ActivationFormat::fp8_group)),
+        dev(to_device(make_inputs(c, ActivationFormat::fp8_group, per_rank([&](int) { return tokens; }), seed,
+                                  Routing::random)[static_cast<std::size_t>(world().rank())],
+                      stream())),
+        view(dev.view()),
+        y(DType::bf16, {tokens, c.hidden}) {}
+  const MoeConfig c = test_config(32);
+  std::unique_ptr<LowLatencyDispatcher> d;
+  const DeviceInput dev;
+  const DispatchInput view;
+  const cuda::DeviceTensor y;
+};
+
+// Takes this rank's error claim without a record, in stream order: its kernels act as after a wait
+// that gave up, while its host sees no error and goes on, as a graph replay would.
+void take_error_claim() {
+  const std::int32_t taken = 1;
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(world().device_error_sink().claim, &taken, sizeof(taken),
+                                   cudaMemcpyHostToDevice, stream()));
+}
+
+// One dispatch of `view` into `out` that the host must accept, waited for; then finite stand-in expert
+// outputs for its rows (allocated before any meet: see meet()).
+cuda::DeviceTensor dispatch_with_stand_in_outputs(Dispatcher& d, const DispatchInput& view,
+                                                  std::vector<DispatchOutput>& out, std::int64_t hidden) {
+  EXPECT_EQ(error_of([&] {
+              d.dispatch({&view, 1}, out);
+              world().synchronize(CommPhase::none, "the dispatch");
+            }),
+            "");
+  cuda::DeviceTensor expert_out(DType::bf16, {out[0].num_output_rows(), hidden});
+  expert_out.fill_bytes(0x3c, stream());
+  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  return expert_out;
+}
+
+// A rank whose wait gave up (its error claim taken by hand on rank 0: take_error_claim) poisons what it
+// writes: its received rows and y are NaN throughout, and it raises no combine flag, so its peers' combines
+// time out naming it (and their y is NaN) instead of summing what it sent. Round 1 runs clean and shows the
+// rows buffer holding tokens; its bytes are zeroed before round 2, and y is zeroed before each combine. Each
+// rank dispatches, waits for it, allocates the stand-in expert outputs, then meets the others before
+// combining (meet() says why). Normal mode keeps the dispatcher's host sync: rank 0's host learns a layout
+// and goes on.
 void check_a_rank_that_gave_up_poisons(Transport transport) {
   on_ranks([&] {
     const int N = world().size(), me = world().rank();
     if (N < 2) return;  // needs a peer
     const double saved = world().timeout_s();
     {
-      const MoeConfig c = test_config(32);
-      auto d = make(transport, c, ActivationFormat::fp8_group);
-      const auto in =
-          make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 20; }), 30, Routing::random);
-      const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-      const DispatchInput view = dev.view();
-      const cuda::DeviceTensor y(DType::bf16, {20, c.hidden});
-      const TensorView y_view = y.view();
+      PoisonRig rig(transport, 20, 30);
+      const TensorView y_view = rig.y.view();
       for (const bool gave_up : {false, true}) {
         SCOPED_TRACE(gave_up ? "rank 0's claim taken" : "a clean round");
         std::vector<DispatchOutput> out(1);
-        y.fill_bytes(0, stream());
+        rig.y.fill_bytes(0, stream());
         meet();
         if (gave_up) {
           world().set_timeout_s(0.5);
-          if (me == 0) {
-            const std::int32_t taken = 1;
-            EPMOE_CUDA_CHECK(cudaMemcpyAsync(world().device_error_sink().claim, &taken, sizeof(taken),
-                                             cudaMemcpyHostToDevice, stream()));
-          }
+          if (me == 0) take_error_claim();
         }
-        EXPECT_EQ(error_of([&] {
-                    d->dispatch({&view, 1}, out);
-                    world().synchronize(CommPhase::none, "the dispatch");
-                  }),
-                  "");
-        const cuda::DeviceTensor expert_out(DType::bf16, {out[0].num_output_rows(), c.hidden});
-        expert_out.fill_bytes(0x3c, stream());  // finite stand-in expert outputs
-        EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream()));
+        const cuda::DeviceTensor expert_out =
+            dispatch_with_stand_in_outputs(*rig.d, rig.view, out, rig.c.hidden);
         const TensorView expert_view = expert_out.view();
         meet();
         std::int64_t rows_not_poisoned = -1;
         const std::string m = error_of([&] {
-          d->combine({&expert_view, 1}, {&y_view, 1});
+          rig.d->combine({&expert_view, 1}, {&y_view, 1});
           world().synchronize(CommPhase::none, "the combine");
           rows_not_poisoned = bytes_not_poisoned(out[0].rows) + bytes_not_poisoned(out[0].scales);
         });
@@ -800,14 +832,11 @@ void check_a_rank_that_gave_up_poisons(Transport transport) {
         if (me == 0) {
           EXPECT_EQ(m, "") << "rank 0's error record was left empty: its host sees nothing";
           EXPECT_EQ(rows_not_poisoned, 0) << "rank 0's received rows and scales are not NaN throughout";
+          EXPECT_EQ(bytes_not_poisoned(y_view), 0) << "rank 0's y is not NaN throughout";
+          world().reset_device_errors();
         } else {
-          EXPECT_NE(m.find("timed out after"), std::string::npos) << m;
-          EXPECT_NE(m.find("combine-recv"), std::string::npos) << m;
-          EXPECT_NE(m.find("waiting for rank 0"), std::string::npos) << m;
+          expect_recoverable_combine_timeout(m, y_view, 0);
         }
-        EXPECT_EQ(bytes_not_poisoned(y_view), 0) << "y is not NaN throughout";
-        EXPECT_FALSE(world().broken()) << "a device-side timeout leaves the communicator usable";
-        world().reset_device_errors();
         world().set_timeout_s(saved);
       }
       world().barrier();
@@ -821,33 +850,18 @@ void check_a_rank_that_gave_up_poisons(Transport transport) {
 TEST(CommNcclP2p, ARankWithARecordedErrorWritesNaNIntoY) {
   on_ranks([&] {
     const int me = world().rank();
-    const MoeConfig c = test_config(32);
-    auto d = make(Transport::p2p_low_latency, c, ActivationFormat::fp8_group);
-    const auto in =
-        make_inputs(c, ActivationFormat::fp8_group, per_rank([](int) { return 16; }), 31, Routing::random);
-    const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
-    const DispatchInput view = dev.view();
-    const cuda::DeviceTensor y(DType::bf16, {16, c.hidden});
-    const TensorView y_view = y.view();
+    PoisonRig rig(Transport::p2p_low_latency, 16, 31);
+    const TensorView y_view = rig.y.view();
     for (const bool recorded : {false, true}) {
       SCOPED_TRACE(recorded ? "rank 0's claim taken" : "a clean round");
-      y.fill_bytes(0, stream());
-      if (recorded && me == 0) {
-        const std::int32_t taken = 1;
-        EPMOE_CUDA_CHECK(cudaMemcpyAsync(world().device_error_sink().claim, &taken, sizeof(taken),
-                                         cudaMemcpyHostToDevice, stream()));
-      }
+      rig.y.fill_bytes(0, stream());
+      if (recorded && me == 0) take_error_claim();
       std::vector<DispatchOutput> out(1);
-      EXPECT_EQ(error_of([&] {
-                  d->dispatch({&view, 1}, out);
-                  world().synchronize(CommPhase::none, "the dispatch");
-                }),
-                "");
-      const cuda::DeviceTensor expert_out(DType::bf16, {out[0].num_output_rows(), c.hidden});
-      expert_out.fill_bytes(0x3c, stream());  // finite stand-in expert outputs
+      const cuda::DeviceTensor expert_out =
+          dispatch_with_stand_in_outputs(*rig.d, rig.view, out, rig.c.hidden);
       const TensorView expert_view = expert_out.view();
       EXPECT_EQ(error_of([&] {
-                  d->combine({&expert_view, 1}, {&y_view, 1});
+                  rig.d->combine({&expert_view, 1}, {&y_view, 1});
                   world().synchronize(CommPhase::none, "the combine");
                 }),
                 "");
