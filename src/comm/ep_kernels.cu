@@ -93,9 +93,9 @@ __device__ void record_error(const DeviceErrorSink& sink, int code, CommPhase ph
 }
 
 // Whether this rank has a recorded device error: a wait that timed out or gave up, a peer's refused
-// input. The call's outputs are then poisoned (see poison_bytes) instead of holding stale or partial
-// rows, so a caller that reads them before the error surfaces (a graph replay reports it only at the
-// next host check) cannot take them for a result.
+// input. Every wait then gives up at once, and the call's outputs are poisoned (see poison_bytes)
+// instead of holding stale or partial rows, so a caller that reads them before the error surfaces (a
+// graph replay reports it only at the next host check) cannot take them for a result.
 __device__ __forceinline__ bool errors_recorded(const DeviceErrorSink& sink) {
   return sink.claim != nullptr && *static_cast<volatile std::int32_t*>(sink.claim) != 0;
 }
@@ -134,7 +134,7 @@ __device__ bool wait_flag(const std::uint32_t* flag, std::uint32_t expect, const
                      static_cast<int>(seen));
         return false;
       }
-      if (*static_cast<volatile std::int32_t*>(sync.errors.claim) != 0) return false;
+      if (errors_recorded(sync.errors)) return false;
     }
   }
 }
@@ -159,7 +159,7 @@ __device__ bool wait_tagged(const std::uint64_t* word, std::uint32_t expect, con
         *value = 0;
         return false;
       }
-      if (*static_cast<volatile std::int32_t*>(sync.errors.claim) != 0) {
+      if (errors_recorded(sync.errors)) {
         *value = 0;
         return false;
       }

@@ -17,6 +17,7 @@
 #include <string_view>
 
 #include "cuda/pdl_launch.hpp"
+#include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "gemm/gemm_host.hpp"
 #include "gemm/w4a8_grouped_gemm_kernel.cuh"
@@ -500,57 +501,43 @@ void transform_cpu(const std::uint8_t* src, const void* src_scales, std::uint8_t
   }
 }
 
-// Whether the checkpoint weights w_int4 (device) hold a -8 (one scan kernel; waits for it).
-bool device_holds_minus8(const TensorView& w_int4, cudaStream_t stream) {
-  expect_aligned_tensor(w_int4, DType::i4x2, Device::cuda, "w_int4", 16);
-  const std::int64_t bytes = static_cast<std::int64_t>(w_int4.nbytes());
-  int* flag = nullptr;
-  EPMOE_CUDA_CHECK(cudaMallocAsync(&flag, sizeof(int), stream));
-  EPMOE_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int), stream));
-  const std::int64_t words = bytes / 16;
-  const std::int64_t blocks = std::clamp<std::int64_t>((words + 255) / 256, 1, device_props().sm_count * 8);
-  kernels::w4a8_find_minus8_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-      static_cast<const std::uint8_t*>(w_int4.data), bytes, flag);
-  EPMOE_CUDA_CHECK_LAUNCH();
-  int found = 0;
-  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&found, flag, sizeof(int), cudaMemcpyDeviceToHost, stream));
-  EPMOE_CUDA_CHECK(cudaFreeAsync(flag, stream));
-  EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return found != 0;
-}
+// The largest magnitude an int4 code dequantizes to (-8): the checkpoint's f32 weight scales must be
+// valid for it (expect_scale's rule, as the CPU dequantizer's), so that no prepared bf16 scale or
+// dequantized value overflows.
+constexpr float kInt4MaxCode = static_cast<float>(-kInt4Min);
 
-// The rule both packers hold the checkpoint's f32 weight scales to (the CPU GEMM reference refuses
-// scales that are not positive; the prepared ones are bf16, whose largest finite value is ~3.39e38).
-bool preparable_scale(float v) {
-  return v > 0.0f && std::isfinite(round_to_bf16(v));
-}
-[[noreturn]] void refuse_scale(std::int64_t i, float v) {
-  EPMOE_FAIL(
-      "w_scales[{}] = {} must be positive and finite as bf16 (0 < scale <= 3.389e38: the prepared scales "
-      "are bf16)",
-      i, v);
-}
-
-// Refuses the first weight scale (f32, device) that preparable_scale refuses; waits for the scan.
-void refuse_bad_scales_on_device(const TensorView& w_scales, cudaStream_t stream) {
-  const std::int64_t n = w_scales.numel();
-  unsigned long long* first_bad = nullptr;
-  EPMOE_CUDA_CHECK(cudaMallocAsync(&first_bad, sizeof(*first_bad), stream));
-  EPMOE_CUDA_CHECK(cudaMemsetAsync(first_bad, 0xFF, sizeof(*first_bad), stream));
-  const std::int64_t blocks = std::clamp<std::int64_t>((n + 255) / 256, 1, device_props().sm_count * 8);
-  kernels::w4a8_find_bad_scale_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-      static_cast<const float*>(w_scales.data), n, first_bad);
-  EPMOE_CUDA_CHECK_LAUNCH();
-  unsigned long long found = 0;
-  EPMOE_CUDA_CHECK(cudaMemcpyAsync(&found, first_bad, sizeof(found), cudaMemcpyDeviceToHost, stream));
-  EPMOE_CUDA_CHECK(cudaFreeAsync(first_bad, stream));
+// What one scan of checkpoint weights on the device found; both scans share one wait.
+struct DeviceWeightScan {
+  bool holds_minus8 = false;  // w_int4 holds a -8
+  bool bad_scale = false;     // some scale is not valid for the int4 codes (expect_scale, kInt4MaxCode)
+};
+DeviceWeightScan scan_device_weights(const TensorView* w_int4, const TensorView* w_scales,
+                                     cudaStream_t stream) {
+  int* found_d = nullptr;  // [0]: a -8, [1]: a bad scale
+  EPMOE_CUDA_CHECK(cudaMallocAsync(&found_d, 2 * sizeof(int), stream));
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(found_d, 0, 2 * sizeof(int), stream));
+  const auto grid = [](std::int64_t items) {
+    return static_cast<unsigned>(
+        std::clamp<std::int64_t>((items + 255) / 256, 1, device_props().sm_count * 8));
+  };
+  if (w_int4 != nullptr) {
+    expect_aligned_tensor(*w_int4, DType::i4x2, Device::cuda, "w_int4", 16);
+    const std::int64_t bytes = static_cast<std::int64_t>(w_int4->nbytes());
+    kernels::w4a8_find_minus8_kernel<<<grid(bytes / 16), 256, 0, stream>>>(
+        static_cast<const std::uint8_t*>(w_int4->data), bytes, found_d);
+    EPMOE_CUDA_CHECK_LAUNCH();
+  }
+  if (w_scales != nullptr) {
+    const std::int64_t n = w_scales->numel();
+    kernels::w4a8_find_bad_scale_kernel<<<grid(n), 256, 0, stream>>>(
+        static_cast<const float*>(w_scales->data), n, kInt4MaxCode, found_d + 1);
+    EPMOE_CUDA_CHECK_LAUNCH();
+  }
+  int found[2] = {};
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(found, found_d, sizeof(found), cudaMemcpyDeviceToHost, stream));
+  EPMOE_CUDA_CHECK(cudaFreeAsync(found_d, stream));
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (found == ~0ull) return;
-  const auto i = static_cast<std::int64_t>(found);
-  float v = 0.0f;
-  EPMOE_CUDA_CHECK(
-      cudaMemcpy(&v, static_cast<const float*>(w_scales.data) + i, sizeof(v), cudaMemcpyDeviceToHost));
-  refuse_scale(i, v);
+  return {found[0] != 0, found[1] != 0};
 }
 
 bool host_holds_minus8(const TensorView& w_int4) {
@@ -573,10 +560,14 @@ void prepare_device(const TensorView& src, const TensorView& src_scales, const T
               "the prepared tensors must not alias the inputs");
   const std::int64_t items = dims.groups * dims.n * (dims.k / 2 + dims.k / kBlockK);
   const std::int64_t blocks = std::clamp<std::int64_t>((items + 255) / 256, 1, device_props().sm_count * 16);
-  if (!inverse) refuse_bad_scales_on_device(src_scales, stream);
-  EPMOE_CHECK(inverse || !sm || !device_holds_minus8(src, stream),
-              "w_int4 holds -8, which W4A8Codes::sign_magnitude cannot store: prepare it with "
-              "W4A8Codes::offset_binary (w4a8_pick_codes picks)");
+  if (!inverse) {
+    const DeviceWeightScan scan = scan_device_weights(sm ? &src : nullptr, &src_scales, stream);
+    // Refused as the CPU packer refuses it, naming the first bad scale (the error path only copies them).
+    if (scan.bad_scale) expect_scales(to_host(src_scales, stream).view(), "w_scales", kInt4MaxCode);
+    EPMOE_CHECK(!scan.holds_minus8,
+                "w_int4 holds -8, which W4A8Codes::sign_magnitude cannot store: prepare it with "
+                "W4A8Codes::offset_binary (w4a8_pick_codes picks)");
+  }
   kernels::w4a8_prepare_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
       static_cast<const std::uint8_t*>(src.data), src_scales.data, static_cast<std::uint8_t*>(dst.data),
       dst_scales.data, dims.groups, dims.n, dims.k, inverse, sm);
@@ -595,15 +586,15 @@ void prepare_host(const TensorView& src, const TensorView& src_scales, const Ten
               src.describe());
   EPMOE_CHECK(src.data != dst.data && src_scales.data != dst_scales.data,
               "the prepared tensors must not alias the inputs");
-  // Checkpoint scales: preparable_scale (the device packer scans them alike); packed ones: finite.
-  const std::int64_t scale_count = src_scales.numel();
-  for (std::int64_t i = 0; i < scale_count; ++i) {
-    if (inverse) {
+  // Checkpoint scales: valid for the int4 codes (the device packer scans them alike); packed ones: finite.
+  if (inverse) {
+    const std::int64_t scale_count = src_scales.numel();
+    for (std::int64_t i = 0; i < scale_count; ++i) {
       const float v = static_cast<const bf16*>(src_scales.data)[i].to_float();
       EPMOE_CHECK(std::isfinite(v), "packed_scales[{}] = {} must be finite", i, v);
-    } else if (const float v = static_cast<const float*>(src_scales.data)[i]; !preparable_scale(v)) {
-      refuse_scale(i, v);
     }
+  } else {
+    expect_scales(src_scales, "w_scales", kInt4MaxCode);
   }
   EPMOE_CHECK(inverse || !sm || !host_holds_minus8(src),
               "w_int4 holds -8, which W4A8Codes::sign_magnitude cannot store: prepare it with "
@@ -748,7 +739,8 @@ void w4a8_unprepare_weights(TensorView packed_w, TensorView packed_scales, Tenso
 }
 
 W4A8Codes w4a8_pick_codes(TensorView w_int4, cudaStream_t stream) {
-  return device_holds_minus8(w_int4, stream) ? W4A8Codes::offset_binary : W4A8Codes::sign_magnitude;
+  return scan_device_weights(&w_int4, nullptr, stream).holds_minus8 ? W4A8Codes::offset_binary
+                                                                    : W4A8Codes::sign_magnitude;
 }
 
 void w4a8_prepare_weights_cpu(TensorView w_int4, TensorView w_scales, TensorView packed_w,

@@ -1324,17 +1324,18 @@ __global__ void w4a8_prepare_kernel(const std::uint8_t* __restrict__ src, const 
   }
 }
 
-// Lowers *first_bad to the index of every weight scale (n f32) that the prepared bf16 scales cannot
-// carry: not positive (NaN included) or infinite once rounded to bf16. *first_bad starts at ~0.
-__global__ void w4a8_find_bad_scale_kernel(const float* __restrict__ scales, std::int64_t n,
-                                           unsigned long long* first_bad) {
+// Sets *found when a weight scale (n f32) is not a valid scale for codes up to max_code in magnitude
+// (expect_scale's rule: positive, NaN refused, and max_code x it finite).
+__global__ void w4a8_find_bad_scale_kernel(const float* __restrict__ scales, std::int64_t n, float max_code,
+                                           int* found) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  bool any = false;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     const float v = scales[i];
-    if (!(v > 0.0f) || isinf(__bfloat162float(__float2bfloat16_rn(v))))
-      atomicMin(first_bad, static_cast<unsigned long long>(i));
+    any |= !(v > 0.0f) || !isfinite(v * max_code);
   }
+  if (__syncthreads_or(any) && threadIdx.x == 0) atomicExch(found, 1);
 }
 
 // Sets *found when a byte of the i4x2 weights (bytes long, 16-byte aligned) holds the nibble -8.

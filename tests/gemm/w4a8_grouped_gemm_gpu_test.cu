@@ -159,7 +159,8 @@ TEST(W4A8GemmGpu, PrepareRefusesTheScalesTheCpuPackerRefuses) {
     bad.s.data<float>()[i] = v;
     bad.s.data<float>()[last - 1] = -1.0f;  // a later bad one: the first is named
     if (i == last) bad.s.data<float>()[last - 1] = host.s.data<float>()[last - 1];
-    const std::string want = fmt::format("w_scales[{}] = {} must be positive and finite as bf16", i, shown);
+    const std::string want =
+        fmt::format("w_scales must be positive and finite, with 8 x it finite: element {} is {}", i, shown);
     HostTensor pw(DType::i4x2, {G, N, K / 2}), ps(DType::bf16, {G, N, K / 128});
     expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(bad.w, bad.s, pw, ps); }, want);
     expect_error_mentions([&] { (void)prepare(bad, stream); }, want);

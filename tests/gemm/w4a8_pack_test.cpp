@@ -414,7 +414,7 @@ TEST(W4A8Pack, RefusesBadArguments) {
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s_bad, pw, ps); },
                         "w_scales must have shape");
   // Scales of 1 but for one value: NaN, zero and negative ones are refused (as the CPU GEMM reference
-  // refuses them), and so is one finite as f32 but infinite once rounded to the packed bf16.
+  // refuses them), and so is one whose -8 code would overflow (3.4e38, also infinite as a packed bf16).
   const auto scales_with = [](std::int64_t i, float v) {
     HostTensor t(DType::f32, {2, 128, 2});
     std::fill_n(t.data<float>(), t.numel(), 1.0f);
@@ -424,8 +424,9 @@ TEST(W4A8Pack, RefusesBadArguments) {
   for (const auto& [i, v, shown] : {std::tuple{5, std::nanf(""), "nan"}, std::tuple{0, 0.0f, "0"},
                                     std::tuple{511, -0.5f, "-0.5"}, std::tuple{3, 3.4e38f, "3.4e+38"}}) {
     const HostTensor bad = scales_with(i, v);
-    expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, bad, pw, ps); },
-                          fmt::format("w_scales[{}] = {} must be positive and finite as bf16", i, shown));
+    expect_error_mentions(
+        [&] { cuda::w4a8_prepare_weights_cpu(w, bad, pw, ps); },
+        fmt::format("w_scales must be positive and finite, with 8 x it finite: element {} is {}", i, shown));
   }
   const HostTensor ps_f32(DType::f32, {2, 128, 2});
   expect_error_mentions([&] { cuda::w4a8_prepare_weights_cpu(w, s, pw, ps_f32); },

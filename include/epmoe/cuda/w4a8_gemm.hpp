@@ -89,11 +89,11 @@ std::size_t w4a8_packed_scale_bytes(std::int64_t groups, std::int64_t n, std::in
 // i4x2 [G, N, K/2] and packed_scales bf16 [G, N, K/128] (device, distinct from the inputs) in the
 // kernel's order. The scales are rounded once to bf16 (nearest-even), as SGLang's W4AFP8 MoE rounds
 // the same checkpoint's scales when it loads them; the GEMM widens them to f32 and scales each
-// 128-K partial sum in f32. Scales must be positive and finite once rounded to bf16 (<= ~3.39e38), as
-// the CPU reference requires: the device version scans them first and waits for the scan
-// (synchronising `stream`), then refuses the first bad one by index and value.
-// `codes`: sign_magnitude refuses weights holding -8 (the device version scans them too, with a second
-// wait).
+// 128-K partial sum in f32. Scales must be positive with 8 x scale finite (expect_scale's rule for the
+// int4 codes, as the CPU reference's; so the bf16 scales stay finite too).
+// `codes`: sign_magnitude refuses weights holding -8. The device version scans the scales (and, for
+// sign_magnitude, the weights) first, waits for the scan (synchronising `stream` once) and refuses the
+// first bad scale by index and value.
 void w4a8_prepare_weights(TensorView w_int4, TensorView w_scales, TensorView packed_w,
                           TensorView packed_scales, cudaStream_t stream,
                           W4A8Codes codes = W4A8Codes::offset_binary);
