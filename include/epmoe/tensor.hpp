@@ -110,6 +110,16 @@ void expect_shape(const TensorView& t, std::initializer_list<std::int64_t> shape
 void expect_rank(const TensorView& t, int rank, std::string_view name);
 void expect_device(const TensorView& t, Device device, std::string_view name);
 void expect_contiguous(const TensorView& t, std::string_view name);
+// The data pointer is a multiple of `alignment` bytes (the kernels' vector loads and TMA need 16).
+void expect_aligned(const TensorView& t, std::uintptr_t alignment, std::string_view name);
+// dtype, device, contiguity and the data pointer's alignment, each named in the error; and the same on
+// the GPU (Device::cuda), as every launcher checks its tensors.
+void expect_aligned_tensor(const TensorView& t, DType dtype, Device device, std::string_view name,
+                           std::uintptr_t alignment);
+void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name, std::uintptr_t alignment);
+// `t` has the shape of `ref` (an output sized by an input).
+void expect_same_shape(const TensorView& t, const TensorView& ref, std::string_view name,
+                       std::string_view ref_name);
 // A contiguous host (CPU) tensor; and one of this dtype and shape too.
 void expect_host(const TensorView& t, std::string_view name);
 void expect_host_tensor(const TensorView& t, DType dtype, std::initializer_list<std::int64_t> shape,

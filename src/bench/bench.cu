@@ -15,9 +15,7 @@ void gpu_sleep(cudaStream_t stream, double microseconds) {
 }
 
 void fill_random_bf16(TensorView x, std::uint64_t seed, cudaStream_t stream) {
-  expect_dtype(x, DType::bf16, "x");
-  expect_device(x, Device::cuda, "x");
-  expect_contiguous(x, "x");
+  expect_device_tensor(x, DType::bf16, "x", 2);
   const auto n = static_cast<std::uint64_t>(x.numel());
   if (n == 0) return;
   constexpr int kThreads = 256;

@@ -127,9 +127,7 @@ void fill_random_fp8(TensorView x, std::uint64_t seed, cudaStream_t stream) {
 }
 
 void clear_int4_minus8(TensorView w, cudaStream_t stream) {
-  expect_dtype(w, DType::i4x2, "w");
-  expect_device(w, Device::cuda, "w");
-  expect_contiguous(w, "w");
+  expect_device_tensor(w, DType::i4x2, "w", 1);
   const auto n = static_cast<std::uint64_t>(w.nbytes());
   if (n == 0) return;
   clear_int4_minus8_kernel<<<blocks_for(n), 256, 0, stream>>>(static_cast<std::uint8_t*>(w.data), n);
@@ -138,14 +136,10 @@ void clear_int4_minus8(TensorView w, cudaStream_t stream) {
 
 void fill_quantized_normal_fp8(TensorView x, std::int64_t block_rows, std::uint64_t seed,
                                cudaStream_t stream) {
-  expect_dtype(x, DType::fp8_e4m3, "x");
-  expect_device(x, Device::cuda, "x");
-  expect_contiguous(x, "x");
+  expect_device_tensor(x, DType::fp8_e4m3, "x", 16);
   EPMOE_CHECK(block_rows == 1 || block_rows == 128, "block_rows must be 1 or 128, got {}", block_rows);
   EPMOE_CHECK(x.rank >= 2 && x.size(x.rank - 1) % 128 == 0,
               "x must be [..., cols] with cols % 128 == 0, got {}", x.describe());
-  EPMOE_CHECK(reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0, "x must be 16-byte aligned, got {}",
-              x.describe());
   const std::int64_t cols = x.size(x.rank - 1), rows = x.numel() / cols;
   if (rows == 0) return;
   const std::int64_t tiles = (rows + 127) / 128;
@@ -169,9 +163,7 @@ const char* fp8_data_name(Fp8Data data) {
 }
 
 void fill_random_scales(TensorView x, std::uint64_t seed, cudaStream_t stream) {
-  expect_dtype(x, DType::f32, "x");
-  expect_device(x, Device::cuda, "x");
-  expect_contiguous(x, "x");
+  expect_device_tensor(x, DType::f32, "x", 4);
   const auto n = static_cast<std::uint64_t>(x.numel());
   if (n == 0) return;
   fill_scales_kernel<<<blocks_for(n), 256, 0, stream>>>(static_cast<float*>(x.data), n, seed);

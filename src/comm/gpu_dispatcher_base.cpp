@@ -87,7 +87,7 @@ std::int64_t GpuDispatcherBase::validate_input(const DispatchInput& in) const {
     if (rows == 0) return;
     expect_device(t, Device::cuda, r + what);
     expect_contiguous(t, r + what);
-    EPMOE_CHECK(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, "{}{} must be 16-byte aligned", r, what);
+    expect_aligned(t, 16, r + what);
   };
   expect_rank(in.x, 2, r + "x");
   const std::int64_t T = in.x.size(0);
@@ -121,17 +121,21 @@ void GpuDispatcherBase::validate_y(const TensorView& y) const {
   }
 }
 
-void GpuDispatcherBase::check_one_rank_dispatch(std::size_t inputs, std::size_t outputs) const {
-  EPMOE_CHECK(inputs == 1 && outputs == 1, "{} serves one rank: pass one input and one output, got {} and {}",
-              name_, inputs, outputs);
+void GpuDispatcherBase::dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) {
+  EPMOE_CHECK(inputs.size() == 1 && outputs.size() == 1,
+              "{} serves one rank: pass one input and one output, got {} and {}", name_, inputs.size(),
+              outputs.size());
+  send(inputs[0], /*whole=*/true);
+  recv(outputs[0], &inputs[0]);
 }
 
-void GpuDispatcherBase::check_one_rank_combine(std::span<const TensorView> expert_out,
-                                               std::span<const TensorView> y) const {
+void GpuDispatcherBase::combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) {
   EPMOE_CHECK(expert_out.size() == 1 && y.size() == 1,
               "{} serves one rank: pass one expert output and one y, got {} and {}", name_, expert_out.size(),
               y.size());
-  validate_y(y[0]);  // (expert_out: combine_send checks it before it sends anything)
+  validate_y(y[0]);  // before anything is sent (expert_out: combine_send checks it before it sends)
+  combine_send(expert_out[0]);
+  combine_recv(y[0]);
 }
 
 PlaceArgs GpuDispatcherBase::place_outputs() const {

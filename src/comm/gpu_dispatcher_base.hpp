@@ -1,5 +1,6 @@
-// What the GPU dispatchers share: the checks of their context and inputs, the routing workspace
-// and the receive-side buffers of both layouts.
+// What the GPU dispatchers (nvlink / nvlink-ll, nccl-p2p) share: the whole calls made of their halves,
+// the checks of their context and inputs, the routing workspace and the receive-side buffers of both
+// layouts.
 #pragma once
 
 #include <cstdint>
@@ -10,14 +11,30 @@
 
 #include "comm/ep_kernels.hpp"
 #include "epmoe/comm.hpp"
+#include "epmoe/comm_dispatch.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/dispatch.hpp"
 
 namespace epmoe::comm_detail {
 
-class GpuDispatcherBase {
+class GpuDispatcherBase : public LowLatencyDispatcher {
+ public:
+  std::string name() const override { return name_; }
+  Layout layout() const override { return contiguous() ? Layout::contiguous : Layout::masked; }
+  const DispatcherContext& context() const override { return context_; }
+  // One rank's whole calls: both halves in a row (combine() checks y before anything is sent).
+  void dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) override;
+  void combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) override;
+  void dispatch_send(const DispatchInput& in) override { send(in, /*whole=*/false); }
+  void dispatch_recv(DispatchOutput& out) override { recv(out, nullptr); }
+
  protected:
   GpuDispatcherBase(std::string name, const DispatcherContext& context, std::shared_ptr<Communicator> comm);
+
+  // The transport's halves of a dispatch. `whole`: called by dispatch(), whose recv follows at once;
+  // `own`: the input of that whole call (nullptr after a separate dispatch_send).
+  virtual void send(const DispatchInput& in, bool whole) = 0;
+  virtual void recv(DispatchOutput& out, const DispatchInput* own) = 0;
 
   // Shapes, dtypes, device and alignment of one rank's input; returns T.
   std::int64_t validate_input(const DispatchInput& in) const;
@@ -25,10 +42,6 @@ class GpuDispatcherBase {
   // [T of the last dispatch, H] bf16.
   void validate_expert_out(const TensorView& expert_out) const;
   void validate_y(const TensorView& y) const;
-  // The whole calls (dispatch(), combine()) of a dispatcher that serves one rank: one element in each
-  // span, else an error naming the call. combine() checks y here, before combine_send sends anything.
-  void check_one_rank_dispatch(std::size_t inputs, std::size_t outputs) const;
-  void check_one_rank_combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) const;
   // Makes the communicator's device current and throws if an earlier error left it unusable; counts
   // the host calls (for a timed-out wait's message: which calls this rank made). `what` is a string
   // literal (kept as a view: no allocation per call).

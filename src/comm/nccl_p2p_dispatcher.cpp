@@ -24,7 +24,7 @@ namespace {
 
 using comm_detail::EpGeometry;
 
-class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDispatcherBase {
+class NcclP2pDispatcher final : public comm_detail::GpuDispatcherBase {
  public:
   NcclP2pDispatcher(const DispatcherContext& context, std::shared_ptr<Communicator> comm)
       : GpuDispatcherBase("nccl-p2p", context, std::move(comm)),
@@ -59,28 +59,12 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
     if (host_matrix_ != nullptr) (void)cudaFreeHost(host_matrix_);
   }
 
-  std::string name() const override { return name_; }
-  Layout layout() const override { return contiguous() ? Layout::contiguous : Layout::masked; }
-  const DispatcherContext& context() const override { return context_; }
   // Normal mode with the host sync: counted on the host in dispatch_send; otherwise read from the device
   // when asked.
   const DispatchStats& last_stats() const override {
     return sized_on_host_ ? stats_ : stats_from_device(dispatch_seq_, own_count_row());
   }
   std::size_t window_bytes() const override { return 0; }  // no symmetric memory
-
-  void dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) override {
-    check_one_rank_dispatch(inputs.size(), outputs.size());
-    send(inputs[0], /*whole=*/true);
-    recv(outputs[0], &inputs[0]);
-  }
-  void combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) override {
-    check_one_rank_combine(expert_out, y);  // (y too, before anything is sent)
-    combine_send(expert_out[0]);
-    combine_recv(y[0]);
-  }
-  void dispatch_send(const DispatchInput& in) override { send(in, /*whole=*/false); }
-  void dispatch_recv(DispatchOutput& out) override { recv(out, nullptr); }
 
   void combine_send(const TensorView& expert_out) override {
     enter("combine_send");
@@ -115,7 +99,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
   // every rank's place records the status in the communicator's device error record, which its next bounded
   // wait reports. The peers' next calls (combine) may meanwhile wait in NCCL for the refusing rank until that
   // wait gives up (Communicator::synchronize aborts the communicator).
-  void send(const DispatchInput& in, bool whole) {
+  void send(const DispatchInput& in, bool whole) override {
     enter("dispatch_send");
     const std::int64_t T = validate_input(in);
     const int me = g_.me, row_len = g_.count_row_len();
@@ -166,7 +150,7 @@ class NcclP2pDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDis
   }
 
   // own: the input of a whole dispatch() (own tokens are read from it), else nullptr.
-  void recv(DispatchOutput& out, const DispatchInput* own) {
+  void recv(DispatchOutput& out, const DispatchInput* own) override {
     enter("dispatch_recv");
     EPMOE_CHECK(sent_, "{}: dispatch_recv needs a dispatch_send first", name_);
     EPMOE_CHECK(own_direct_ == (own != nullptr),

@@ -63,7 +63,7 @@ PFN_cuStreamWaitValue32_v11070 stream_wait_value32() {
   return fn;
 }
 
-class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDispatcherBase {
+class NvlinkLlDispatcher final : public comm_detail::GpuDispatcherBase {
  public:
   NvlinkLlDispatcher(const std::string& name, const DispatcherContext& context,
                      std::shared_ptr<Communicator> comm, bool allow_normal)
@@ -148,9 +148,6 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     if (watch_host_ != nullptr) (void)cudaFreeHost(watch_host_);
   }
 
-  std::string name() const override { return name_; }
-  Layout layout() const override { return contiguous() ? Layout::contiguous : Layout::masked; }
-  const DispatcherContext& context() const override { return context_; }
   // Read from the device when asked (the dispatch itself never syncs for them).
   const DispatchStats& last_stats() const override { return stats_from_device(send_seq_); }
   std::size_t window_bytes() const override { return window_->size(); }
@@ -163,22 +160,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
     return bytes;
   }
 
-  void dispatch(std::span<const DispatchInput> inputs, std::span<DispatchOutput> outputs) override {
-    check_one_rank_dispatch(inputs.size(), outputs.size());
-    send(inputs[0], /*whole=*/true);
-    recv(outputs[0], &inputs[0]);
-  }
-
-  void combine(std::span<const TensorView> expert_out, std::span<const TensorView> y) override {
-    check_one_rank_combine(expert_out, y);  // (y too, before anything is sent)
-    combine_send(expert_out[0]);
-    combine_recv(y[0]);
-  }
-
-  void dispatch_send(const DispatchInput& in) override { send(in, /*whole=*/false); }
-  void dispatch_recv(DispatchOutput& out) override { recv(out, nullptr); }
-
-  void send(const DispatchInput& in, bool whole) {
+  void send(const DispatchInput& in, bool whole) override {
     enter("dispatch_send");
     const std::int64_t T = validate_input(in);
     const std::int32_t host_status = T > g_.T_max ? kInputTooManyTokens : 0;
@@ -235,7 +217,7 @@ class NvlinkLlDispatcher final : public LowLatencyDispatcher, comm_detail::GpuDi
   }
 
   // own: the input of a whole dispatch() (own tokens are read from it), else nullptr.
-  void recv(DispatchOutput& out, const DispatchInput* own) {
+  void recv(DispatchOutput& out, const DispatchInput* own) override {
     enter("dispatch_recv");
     EPMOE_CHECK(sent_, "{}: dispatch_recv needs a dispatch_send first", name_);
     comm_detail::PlaceArgs p = place_outputs();

@@ -187,6 +187,32 @@ void expect_contiguous(const TensorView& t, std::string_view name) {
   EPMOE_CHECK(t.data != nullptr || t.numel() == 0, "{} has no data pointer", name);
 }
 
+void expect_aligned(const TensorView& t, std::uintptr_t alignment, std::string_view name) {
+  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
+  EPMOE_CHECK(address % alignment == 0, "{} must be {}-byte aligned, got {} at {:#x}", name, alignment,
+              t.describe(), address);
+}
+
+void expect_aligned_tensor(const TensorView& t, DType dtype, Device device, std::string_view name,
+                           std::uintptr_t alignment) {
+  expect_dtype(t, dtype, name);
+  expect_device(t, device, name);
+  expect_contiguous(t, name);
+  expect_aligned(t, alignment, name);
+}
+
+void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name, std::uintptr_t alignment) {
+  expect_aligned_tensor(t, dtype, Device::cuda, name, alignment);
+}
+
+void expect_same_shape(const TensorView& t, const TensorView& ref, std::string_view name,
+                       std::string_view ref_name) {
+  bool same = t.rank == ref.rank;
+  for (int d = 0; same && d < t.rank; ++d) same = t.shape[d] == ref.shape[d];
+  EPMOE_CHECK(same, "{} must have the shape of {} ({}), got {}", name, ref_name, ref.describe(),
+              t.describe());
+}
+
 void expect_host(const TensorView& t, std::string_view name) {
   expect_device(t, Device::cpu, name);
   expect_contiguous(t, name);

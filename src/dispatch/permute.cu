@@ -23,16 +23,6 @@ static_assert(kPermuteMaxTopk == 32);  // a lane per k
 
 constexpr std::int64_t kI32Max = std::numeric_limits<std::int32_t>::max();
 
-// A contiguous device tensor of `dtype` whose data pointer is `align`-byte aligned.
-void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name, std::uintptr_t align = 4) {
-  expect_dtype(t, dtype, name);
-  expect_device(t, Device::cuda, name);
-  expect_contiguous(t, name);
-  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
-  EPMOE_CHECK(address % align == 0, "{} must be {}-byte aligned, got {} at {:#x}", name, align, t.describe(),
-              address);
-}
-
 template <auto kKernel>
 unsigned grid_for(std::uint64_t work_blocks, int threads = kPermuteThreads) {
   static const int blocks_per_sm = [threads] {
@@ -94,11 +84,11 @@ InShape check_input(const PermuteInput& in) {
   EPMOE_CHECK(s.hidden > 0 && s.hidden % 128 == 0, "x: H = {} must be a positive multiple of 128", s.hidden);
   s.vecs_per_row = s.hidden * static_cast<std::int64_t>(dtype_size(in.x.dtype)) / 16;
   if (s.fp8) {
-    expect_device_tensor(in.x_scales, DType::f32, "x_scales");
+    expect_device_tensor(in.x_scales, DType::f32, "x_scales", 4);
     expect_shape(in.x_scales, {s.tokens, s.groups}, "x_scales");
   }
   expect_rank(in.topk_ids, 2, "topk_ids");
-  expect_device_tensor(in.topk_ids, DType::i32, "topk_ids");
+  expect_device_tensor(in.topk_ids, DType::i32, "topk_ids", 4);
   EPMOE_CHECK(in.topk_ids.shape[0] == s.tokens, "topk_ids must have {} rows (x's tokens), got {}", s.tokens,
               in.topk_ids.describe());
   s.topk = in.topk_ids.shape[1];
@@ -123,7 +113,7 @@ void check_workspace(const TensorView& workspace, std::int64_t entries, std::int
 }
 
 void check_i32(const TensorView& t, std::initializer_list<std::int64_t> shape, std::string_view name) {
-  expect_device_tensor(t, DType::i32, name);
+  expect_device_tensor(t, DType::i32, name, 4);
   expect_shape(t, shape, name);
 }
 
@@ -131,7 +121,7 @@ void check_i32(const TensorView& t, std::initializer_list<std::int64_t> shape, s
 // Returns scale_ld (MN-major: the padded row count).
 std::int64_t check_out_scales(const TensorView& scales, ScaleLayout layout, std::int64_t experts,
                               std::int64_t rows, std::int64_t groups) {
-  expect_device_tensor(scales, DType::f32, "scales");
+  expect_device_tensor(scales, DType::f32, "scales", 4);
   const std::int64_t padded = tma_aligned_tokens(rows);
   if (layout == ScaleLayout::token_major) {
     if (experts == 0) {
@@ -375,11 +365,11 @@ void gather_weighted(TensorView expert_out, TensorView src_row, TensorView topk_
   EPMOE_CHECK(hidden > 0 && hidden % 8 == 0, "expert_out: H = {} must be a positive multiple of 8", hidden);
   const std::int64_t rows = expert_out.numel() / hidden;
   expect_rank(src_row, 2, "src_row");
-  expect_device_tensor(src_row, DType::i32, "src_row");
+  expect_device_tensor(src_row, DType::i32, "src_row", 4);
   const std::int64_t tokens = src_row.shape[0], topk = src_row.shape[1];
   EPMOE_CHECK(topk >= 1 && topk <= kPermuteMaxTopk, "src_row: K = {} must lie in [1, {}]", topk,
               kPermuteMaxTopk);
-  expect_device_tensor(topk_weights, DType::f32, "topk_weights");
+  expect_device_tensor(topk_weights, DType::f32, "topk_weights", 4);
   expect_shape(topk_weights, {tokens, topk}, "topk_weights");
   expect_device_tensor(y, DType::bf16, "y", 16);
   expect_shape(y, {tokens, hidden}, "y");

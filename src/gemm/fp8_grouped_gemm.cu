@@ -65,10 +65,6 @@ bool resolve_choice(int option, bool automatic) {
   return option < 0 ? automatic : option == 1;
 }
 
-void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name, std::uintptr_t alignment) {
-  gemm_host::expect_aligned_tensor(t, dtype, Device::cuda, name, alignment);
-}
-
 // b [G, N, K] and b_scales [G, N/128, K/128]; returns (G, N, K).
 struct Dims {
   std::int64_t groups, n, k;

@@ -1,5 +1,5 @@
 // Host pieces both grouped GEMM launchers use (fp8_grouped_gemm.cu, w4a8_grouped_gemm.cu): the
-// aligned-tensor argument check, the Hopper check (their TMA maps: cuda/tma_map.hpp).
+// Hopper check (their TMA maps: cuda/tma_map.hpp).
 #pragma once
 
 #include <cuda.h>
@@ -17,10 +17,6 @@
 #include "epmoe/tensor.hpp"
 
 namespace epmoe::cuda::gemm_host {
-
-// dtype, device, contiguity and the alignment of the data pointer, each named in the error.
-void expect_aligned_tensor(const TensorView& t, DType dtype, Device device, std::string_view name,
-                           std::uintptr_t alignment);
 
 // Raises kKernel's dynamic shared-memory limit to kBytes (needed above 48 KB), once per device: at
 // the kernel's first launch (allow_dynamic_smem), or before, for every kernel at once, through

@@ -39,8 +39,6 @@ CUtensorMap make_tma_a(const void* base, std::int64_t rows, std::int64_t k, int 
   return make_tma_2d(base, rows, k, box_rows, "a", CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
-using gemm_host::expect_aligned_tensor;
-
 struct Dims {
   std::int64_t groups, n, k;
 };
@@ -546,18 +544,26 @@ bool host_holds_minus8(const TensorView& w_int4) {
   return std::any_of(b, b + w_int4.nbytes(), [](std::uint8_t x) { return w4a8::byte_holds_minus8(x); });
 }
 
-void prepare_device(const TensorView& src, const TensorView& src_scales, const TensorView& dst,
-                    const TensorView& dst_scales, bool inverse, cudaStream_t stream, bool sm) {
+// A preparation's four tensors (inverse: packed -> checkpoint): input and output weight pairs of one
+// shape, on `device`, not aliased. Returns the shape.
+Dims check_prepare_args(const TensorView& src, const TensorView& src_scales, const TensorView& dst,
+                        const TensorView& dst_scales, bool inverse, Device device) {
   const Dims dims =
-      check_weight_pair(src, src_scales, inverse ? DType::bf16 : DType::f32, Device::cuda,
+      check_weight_pair(src, src_scales, inverse ? DType::bf16 : DType::f32, device,
                         inverse ? "packed_w" : "w_int4", inverse ? "packed_scales" : "w_scales");
-  const Dims out = check_weight_pair(dst, dst_scales, inverse ? DType::f32 : DType::bf16, Device::cuda,
+  const Dims out = check_weight_pair(dst, dst_scales, inverse ? DType::f32 : DType::bf16, device,
                                      inverse ? "w_int4" : "packed_w", inverse ? "w_scales" : "packed_scales");
   EPMOE_CHECK(out.groups == dims.groups && out.n == dims.n && out.k == dims.k,
               "the output weights {} must have the shape of the input weights {}", dst.describe(),
               src.describe());
   EPMOE_CHECK(src.data != dst.data && src_scales.data != dst_scales.data,
               "the prepared tensors must not alias the inputs");
+  return dims;
+}
+
+void prepare_device(const TensorView& src, const TensorView& src_scales, const TensorView& dst,
+                    const TensorView& dst_scales, bool inverse, cudaStream_t stream, bool sm) {
+  const Dims dims = check_prepare_args(src, src_scales, dst, dst_scales, inverse, Device::cuda);
   const std::int64_t items = dims.groups * dims.n * (dims.k / 2 + dims.k / kBlockK);
   const std::int64_t blocks = std::clamp<std::int64_t>((items + 255) / 256, 1, device_props().sm_count * 16);
   if (!inverse) {
@@ -576,16 +582,7 @@ void prepare_device(const TensorView& src, const TensorView& src_scales, const T
 
 void prepare_host(const TensorView& src, const TensorView& src_scales, const TensorView& dst,
                   const TensorView& dst_scales, bool inverse, bool sm) {
-  const Dims dims =
-      check_weight_pair(src, src_scales, inverse ? DType::bf16 : DType::f32, Device::cpu,
-                        inverse ? "packed_w" : "w_int4", inverse ? "packed_scales" : "w_scales");
-  const Dims out = check_weight_pair(dst, dst_scales, inverse ? DType::f32 : DType::bf16, Device::cpu,
-                                     inverse ? "w_int4" : "packed_w", inverse ? "w_scales" : "packed_scales");
-  EPMOE_CHECK(out.groups == dims.groups && out.n == dims.n && out.k == dims.k,
-              "the output weights {} must have the shape of the input weights {}", dst.describe(),
-              src.describe());
-  EPMOE_CHECK(src.data != dst.data && src_scales.data != dst_scales.data,
-              "the prepared tensors must not alias the inputs");
+  const Dims dims = check_prepare_args(src, src_scales, dst, dst_scales, inverse, Device::cpu);
   // Checkpoint scales: valid for the int4 codes (the device packer scans them alike); packed ones: finite.
   if (inverse) {
     const std::int64_t scale_count = src_scales.numel();

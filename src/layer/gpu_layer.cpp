@@ -666,9 +666,7 @@ std::int64_t GpuMoeLayer::Impl::check_io(const TensorView& x, const TensorView& 
   const std::int64_t T = x.size(0);
   for (const auto& [t, name] : {std::pair{&x, "x"}, std::pair{&y, "y"}}) {
     expect_shape(*t, {T, H}, name);
-    expect_dtype(*t, DType::bf16, name);
-    expect_device(*t, Device::cuda, name);
-    expect_contiguous(*t, name);
+    expect_device_tensor(*t, DType::bf16, name, 2);
   }
   if (p.normal() || p.T_max == T_max) {
     EPMOE_CHECK(T <= p.T_max, "x has {} tokens, more than the layer's buffers hold (max_tokens = {})", T,

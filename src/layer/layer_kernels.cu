@@ -40,12 +40,6 @@ unsigned vector_blocks(std::uint64_t vectors) {
   return static_cast<unsigned>(std::min<std::uint64_t>((vectors + kThreads - 1) / kThreads, 8ull * sms));
 }
 
-void expect_bf16_on_device(TensorView t, const char* name) {
-  expect_dtype(t, DType::bf16, name);
-  expect_device(t, Device::cuda, name);
-  expect_contiguous(t, name);
-}
-
 __global__ void fill_i32_kernel(std::int32_t* dst, std::int32_t value) {
   *dst = value;
 }
@@ -53,10 +47,8 @@ __global__ void fill_i32_kernel(std::int32_t* dst, std::int32_t value) {
 }  // namespace
 
 void add_bf16(TensorView a, TensorView b, TensorView y, cudaStream_t stream) {
-  for (const auto& [t, name] : {std::pair{a, "a"}, {b, "b"}, {y, "y"}}) {
-    expect_bf16_on_device(t, name);
-    EPMOE_CHECK(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, "{} must be 16-byte aligned", name);
-  }
+  for (const auto& [t, name] : {std::pair{a, "a"}, {b, "b"}, {y, "y"}})
+    expect_device_tensor(t, DType::bf16, name, 16);
   EPMOE_CHECK(a.numel() == b.numel() && a.numel() == y.numel(),
               "add_bf16: a, b and y must have equal sizes, got {}, {}, {}", a.numel(), b.numel(), y.numel());
   EPMOE_CHECK(a.numel() % 8 == 0, "add_bf16: the element count must be a multiple of 8, got {}", a.numel());
@@ -69,7 +61,8 @@ void add_bf16(TensorView a, TensorView b, TensorView y, cudaStream_t stream) {
 }
 
 void copy_bf16(TensorView src, TensorView dst, cudaStream_t stream) {
-  for (const auto& [t, name] : {std::pair{src, "src"}, {dst, "dst"}}) expect_bf16_on_device(t, name);
+  for (const auto& [t, name] : {std::pair{src, "src"}, {dst, "dst"}})
+    expect_device_tensor(t, DType::bf16, name, 2);
   EPMOE_CHECK(src.numel() == dst.numel(), "copy_bf16: src and dst must have equal sizes, got {} and {}",
               src.numel(), dst.numel());
   const auto n = static_cast<std::uint64_t>(src.numel());

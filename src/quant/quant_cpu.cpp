@@ -18,14 +18,6 @@ void expect_real_input(const TensorView& t, std::string_view name) {
               t.describe());
 }
 
-void expect_same_shape(const TensorView& t, const TensorView& ref, std::string_view name,
-                       std::string_view ref_name) {
-  bool same = t.rank == ref.rank;
-  for (int d = 0; same && d < t.rank; ++d) same = t.shape[d] == ref.shape[d];
-  EPMOE_CHECK(same, "{} must have the shape of {} ({}), got {}", name, ref_name, ref.describe(),
-              t.describe());
-}
-
 // `group` must be positive and divide K (the last dimension of `tensor_name`).
 void expect_group(int group, std::int64_t k, std::string_view group_name, std::string_view tensor_name) {
   EPMOE_CHECK(group > 0, "{} must be positive, got {}", group_name, group);

@@ -17,22 +17,6 @@ namespace {
 
 using kernels::kQuantThreads;
 
-void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name) {
-  expect_dtype(t, dtype, name);
-  expect_device(t, Device::cuda, name);
-  expect_contiguous(t, name);
-  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
-  EPMOE_CHECK(address % 16 == 0, "{} must be 16-byte aligned, got {} at {:#x}", name, t.describe(), address);
-}
-
-void expect_same_shape(const TensorView& t, const TensorView& ref, std::string_view name,
-                       std::string_view ref_name) {
-  bool same = t.rank == ref.rank;
-  for (int d = 0; same && d < t.rank; ++d) same = t.shape[d] == ref.shape[d];
-  EPMOE_CHECK(same, "{} must have the shape of {} ({}), got {}", name, ref_name, ref.describe(),
-              t.describe());
-}
-
 // Blocks for `work_blocks` blocks of work: no more than fit on the device at once (the kernels
 // stride over the rest). The occupancy is read once per kernel (kKernel is a template argument,
 // so kernels of one signature keep separate values).
@@ -84,14 +68,14 @@ void launch_per_tensor(const TensorView& x, const TensorView& q, const float* sc
 }
 
 void expect_scalar_f32(const TensorView& t, std::string_view name) {
-  expect_device_tensor(t, DType::f32, name);
+  expect_device_tensor(t, DType::f32, name, 16);
   EPMOE_CHECK(t.numel() == 1, "{} must hold exactly one f32 value, got {}", name, t.describe());
 }
 
 // The amax of x into out (f32 bits), and with `to_scale` the scale from it (quant_fp8_kernels.cuh).
 void launch_amax(const TensorView& x, const TensorView& out, std::string_view out_name, bool to_scale,
                  cudaStream_t stream) {
-  expect_device_tensor(x, DType::bf16, "x");
+  expect_device_tensor(x, DType::bf16, "x", 16);
   expect_scalar_f32(out, out_name);
   auto* const bits = static_cast<unsigned int*>(out.data);
   kernels::zero_amax_kernel<<<1, 1, 0, stream>>>(bits);
@@ -121,13 +105,13 @@ std::string_view to_string(ScaleLayout layout) {
 
 void quantize_per_token_group_fp8(TensorView x, TensorView q, TensorView scales, cudaStream_t stream,
                                   ScaleLayout layout, bool power_of_two) {
-  expect_device_tensor(x, DType::bf16, "x");
+  expect_device_tensor(x, DType::bf16, "x", 16);
   expect_rank(x, 2, "x");
   const std::int64_t tokens = x.shape[0], k = x.shape[1];
   EPMOE_CHECK(k % kernels::kQuantGroup == 0, "x: K = {} must be a multiple of {}", k, kernels::kQuantGroup);
-  expect_device_tensor(q, DType::fp8_e4m3, "q");
+  expect_device_tensor(q, DType::fp8_e4m3, "q", 16);
   expect_shape(q, {tokens, k}, "q");
-  expect_device_tensor(scales, DType::f32, "scales");
+  expect_device_tensor(scales, DType::f32, "scales", 16);
   const std::int64_t groups_per_row = k / kernels::kQuantGroup;
   const std::int64_t tokens_padded = tma_aligned_tokens(tokens);
   if (layout == ScaleLayout::token_major) {
@@ -155,16 +139,16 @@ void quantize_per_token_group_fp8(TensorView x, TensorView q, TensorView scales,
 }
 
 void quantize_per_tensor_fp8(TensorView x, TensorView q, float scale, cudaStream_t stream) {
-  expect_device_tensor(x, DType::bf16, "x");
-  expect_device_tensor(q, DType::fp8_e4m3, "q");
+  expect_device_tensor(x, DType::bf16, "x", 16);
+  expect_device_tensor(q, DType::fp8_e4m3, "q", 16);
   expect_same_shape(q, x, "q", "x");
   expect_scale(scale, "scale");
   launch_per_tensor(x, q, nullptr, scale, stream);
 }
 
 void quantize_per_tensor_fp8(TensorView x, TensorView q, TensorView scale, cudaStream_t stream) {
-  expect_device_tensor(x, DType::bf16, "x");
-  expect_device_tensor(q, DType::fp8_e4m3, "q");
+  expect_device_tensor(x, DType::bf16, "x", 16);
+  expect_device_tensor(q, DType::fp8_e4m3, "q", 16);
   expect_same_shape(q, x, "q", "x");
   expect_scalar_f32(scale, "scale");
   launch_per_tensor(x, q, static_cast<const float*>(scale.data), 0.0f, stream);

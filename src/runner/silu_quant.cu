@@ -24,14 +24,6 @@ static_assert(kSiluQuantMaxExperts == kernels::kSiluMaxExperts);
 // positions a few steps past the end stay within 32 bits.
 constexpr std::int64_t kMaxItems = std::numeric_limits<std::int32_t>::max();
 
-void expect_device_tensor(const TensorView& t, DType dtype, std::string_view name) {
-  expect_dtype(t, dtype, name);
-  expect_device(t, Device::cuda, name);
-  expect_contiguous(t, name);
-  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
-  EPMOE_CHECK(address % 16 == 0, "{} must be 16-byte aligned, got {} at {:#x}", name, t.describe(), address);
-}
-
 // Resident blocks of kKernel on the current device, read once per kernel.
 template <auto kKernel>
 std::uint64_t resident_blocks() {
@@ -64,13 +56,13 @@ struct Plan {
 // one MN-major scale column (M or M_max), `experts`: 0 for contiguous.
 Plan plan_for(const TensorView& h, const TensorView& q, const TensorView& scales, const SiluQuantOptions& o,
               int rank, std::int64_t experts, std::int64_t scale_rows) {
-  expect_device_tensor(h, DType::bf16, "h");
+  expect_device_tensor(h, DType::bf16, "h", 16);
   expect_rank(h, rank, "h");
   const std::int64_t two_i = h.shape[rank - 1];
   EPMOE_CHECK(two_i > 0 && two_i % 256 == 0,
               "h: the last dimension (2I = {}) must be twice a positive multiple of 128", two_i);
   const std::int64_t inter = two_i / 2, groups = inter / 128;
-  expect_device_tensor(q, DType::fp8_e4m3, "q");
+  expect_device_tensor(q, DType::fp8_e4m3, "q", 16);
   if (rank == 2) {
     expect_shape(q, {h.shape[0], inter}, "q");
   } else {
@@ -83,7 +75,7 @@ Plan plan_for(const TensorView& h, const TensorView& q, const TensorView& scales
   if (o.scaling == Fp8Scaling::per_tensor) {
     plan.mode = SiluScaleMode::tensor;
     if (o.tensor_scale_device.data != nullptr) {
-      expect_device_tensor(o.tensor_scale_device, DType::f32, "tensor_scale_device");
+      expect_device_tensor(o.tensor_scale_device, DType::f32, "tensor_scale_device", 16);
       EPMOE_CHECK(o.tensor_scale_device.numel() == 1,
                   "tensor_scale_device must hold exactly one f32 value, got {}",
                   o.tensor_scale_device.describe());
@@ -96,7 +88,7 @@ Plan plan_for(const TensorView& h, const TensorView& q, const TensorView& scales
   }
   EPMOE_CHECK(o.scaling == Fp8Scaling::per_token_group, "unknown Fp8Scaling {}", static_cast<int>(o.scaling));
   plan.mode = o.power_of_two ? SiluScaleMode::group_pow2 : SiluScaleMode::group;
-  expect_device_tensor(scales, DType::f32, "scales");
+  expect_device_tensor(scales, DType::f32, "scales", 16);
   const std::int64_t padded = tma_aligned_tokens(scale_rows);
   if (o.scale_layout == ScaleLayout::token_major) {
     if (rank == 2) {
@@ -177,7 +169,7 @@ void silu_mul_quant_contiguous(TensorView h, TensorView m_indices, TensorView q,
   expect_rank(h, 2, "h");
   const std::int64_t rows = h.shape[0];
   Plan plan = plan_for(h, q, scales, options, 2, 0, rows);
-  expect_device_tensor(m_indices, DType::i32, "m_indices");
+  expect_device_tensor(m_indices, DType::i32, "m_indices", 16);
   expect_shape(m_indices, {rows}, "m_indices");
   EPMOE_CHECK(tma_aligned_tokens(rows) * plan.params.groups <= kMaxItems,
               "h {} has too many (row, group) items for one launch", h.describe());
@@ -194,7 +186,7 @@ void silu_mul_quant_masked(TensorView h, TensorView masked_m, TensorView q, Tens
   EPMOE_CHECK(experts >= 1 && experts <= kSiluQuantMaxExperts, "h: E = {} must lie in [1, {}]", experts,
               kSiluQuantMaxExperts);
   Plan plan = plan_for(h, q, scales, options, 3, experts, m_max);
-  expect_device_tensor(masked_m, DType::i32, "masked_m");
+  expect_device_tensor(masked_m, DType::i32, "masked_m", 16);
   expect_shape(masked_m, {experts}, "masked_m");
   EPMOE_CHECK(experts * tma_aligned_tokens(m_max) * plan.params.groups <= kMaxItems,
               "h {} has too many (row, group) items for one launch", h.describe());

@@ -56,6 +56,24 @@ Weights random_weights(std::int64_t groups, std::int64_t n, std::int64_t k, std:
   return w;
 }
 
+// The kernel knobs both layouts' cases carry (ContiguousCase, MaskedCase), as options.
+template <class Case>
+cuda::GroupedGemmOptions kernel_options(const Case& c) {
+  cuda::GroupedGemmOptions options;
+  options.block_m = c.block_m;
+  options.block_n = c.block_n;
+  options.cluster = c.cluster;
+  options.pingpong = c.pingpong;
+  options.vector_epilogue = c.vector_epilogue;
+  options.consumer_skew = c.skew;
+  options.unrolled_k_loop = c.unrolled;
+  options.two_partials = c.two_partials;
+  options.split_tiles = c.split_tiles;
+  options.borrow_epilogue = c.borrow;
+  options.tile_store = c.tile_store;
+  return options;
+}
+
 // ---------------------------------------------------------------- contiguous
 struct ContiguousCase {
   std::string name;
@@ -168,19 +186,8 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
                            dids = cuda::to_device(m_indices, stream);
   const cuda::DeviceTensor dd(DType::bf16, {M, N});
   dd.fill_bytes(0xff, stream);
-  cuda::GroupedGemmOptions options;
-  options.block_m = c.block_m;
-  options.block_n = c.block_n;
-  options.cluster = c.cluster;
-  options.pingpong = c.pingpong;
-  options.vector_epilogue = c.vector_epilogue;
-  options.consumer_skew = c.skew;
-  options.unrolled_k_loop = c.unrolled;
-  options.two_partials = c.two_partials;
-  options.split_tiles = c.split_tiles;
-  options.borrow_epilogue = c.borrow;
+  cuda::GroupedGemmOptions options = kernel_options(c);
   options.band_columns = c.band_columns;
-  options.tile_store = c.tile_store;
   cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
   const HostTensor got = cuda::to_host(dd, stream);
   check_output(got, ref, valid, N);
@@ -543,20 +550,9 @@ TEST_P(GroupedGemmMaskedGpu, MatchesCpuReference) {
                            dcounts = cuda::to_device(in.counts, stream);
   const cuda::DeviceTensor dd(DType::bf16, {G, M_max, N});
   dd.fill_bytes(0xff, stream);
-  cuda::GroupedGemmOptions options;
-  options.block_m = c.block_m;
-  options.block_n = c.block_n;
+  cuda::GroupedGemmOptions options = kernel_options(c);
   options.small_a_box = c.small_a_box;
   options.a_row_box_rows = c.a_row_box_rows;
-  options.cluster = c.cluster;
-  options.pingpong = c.pingpong;
-  options.vector_epilogue = c.vector_epilogue;
-  options.consumer_skew = c.skew;
-  options.unrolled_k_loop = c.unrolled;
-  options.two_partials = c.two_partials;
-  options.split_tiles = c.split_tiles;
-  options.borrow_epilogue = c.borrow;
-  options.tile_store = c.tile_store;
   options.swap_ab = c.swap_ab;
   options.zero_padding_rows = c.zero_padding;
   cuda::fp8_grouped_gemm_masked(da, dsa, c.layout, db, dsb, dcounts, expected_m, dd, stream, options);
