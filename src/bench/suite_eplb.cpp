@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bench/bench.hpp"
+#include "cuda/hd.hpp"
 #include "epmoe/config.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/eplb.hpp"
@@ -19,10 +20,7 @@ namespace {
 // Router-like ids: K distinct experts per token (a hash-driven walk, cheap for millions of ids).
 void fill_ids(std::int32_t* p, std::int64_t tokens, int k, int num_logical, std::uint64_t seed) {
   for (std::int64_t t = 0; t < tokens; ++t) {
-    std::uint64_t z = (seed << 32) ^ static_cast<std::uint64_t>(t);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
+    const std::uint64_t z = detail::mix64_finalize((seed << 32) ^ static_cast<std::uint64_t>(t));
     const auto start = static_cast<int>(z % static_cast<std::uint64_t>(num_logical));
     const int step = 2 * static_cast<int>((z >> 32) % 64) + 1;  // odd: distinct ids for power-of-two E
     for (int j = 0; j < k; ++j) p[t * k + j] = (start + j * step) % num_logical;

@@ -7,24 +7,18 @@
 
 #include <cuda_fp8.h>
 
+#include "cuda/hd.hpp"
 #include "epmoe/cuda/launch.hpp"
 
 namespace epmoe::bench {
 namespace {
-
-__device__ __forceinline__ std::uint64_t hash64(std::uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 // Eight bytes per thread step, one 8-byte store each (x is 8-byte aligned), bytes at the tail.
 __global__ void fill_fp8_kernel(std::uint8_t* __restrict__ x, std::uint64_t n, std::uint64_t seed) {
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
   for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i * 8 < n;
        i += stride) {
-    const std::uint64_t h = hash64(seed ^ (i * 0x9e3779b97f4a7c15ull));
+    const std::uint64_t h = detail::splitmix64(seed ^ (i * 0x9e3779b97f4a7c15ull));
     std::uint64_t word = 0;
     for (int b = 0; b < 8; ++b) {
       const auto r = static_cast<std::uint32_t>(h >> (8 * b)) & 0xffu;
@@ -43,7 +37,7 @@ __global__ void fill_scales_kernel(float* __restrict__ x, std::uint64_t n, std::
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
   for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    const std::uint64_t h = hash64(seed ^ (i * 0xd1b54a32d192ed03ull));
+    const std::uint64_t h = detail::splitmix64(seed ^ (i * 0xd1b54a32d192ed03ull));
     const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
     x[i] = ldexpf(1.0f + u, static_cast<int>(h % 7u) - 10);
   }
@@ -51,7 +45,7 @@ __global__ void fill_scales_kernel(float* __restrict__ x, std::uint64_t n, std::
 
 // A standard normal value from one 64-bit hash (Box-Muller on two 24-bit uniforms).
 __device__ __forceinline__ float normal_at(std::uint64_t seed, std::uint64_t i) {
-  const std::uint64_t h = hash64(seed ^ (i * 0x9e3779b97f4a7c15ull));
+  const std::uint64_t h = detail::splitmix64(seed ^ (i * 0x9e3779b97f4a7c15ull));
   const float u1 = (static_cast<float>(h >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
   const float u2 = static_cast<float>((h >> 8) & 0xffffffu) * (1.0f / 16777216.0f);
   return sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);

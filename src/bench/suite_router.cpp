@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bench/bench.hpp"
+#include "cuda/hd.hpp"
 #include "epmoe/config.hpp"
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/router.hpp"
@@ -33,10 +34,8 @@ namespace {
 // tens of millions of logits of the rotation sets).
 void fill_logits(float* p, std::int64_t n, std::uint64_t seed) {
   for (std::int64_t i = 0; i < n; ++i) {
-    std::uint64_t z = seed * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(i);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
+    const std::uint64_t z =
+        detail::mix64_finalize(seed * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(i));
     p[i] = (static_cast<float>(z >> 40) + 0.5f) * 0x1p-21f - 4.0f;  // (k + 0.5) / 2^21 - 4: never 0
   }
 }

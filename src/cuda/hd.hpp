@@ -18,6 +18,19 @@
 
 namespace epmoe::detail {
 
+// The splitmix64 finaliser: a bijection of 64-bit words with good avalanche, the counter-based random
+// numbers of the synthetic weights and the benchmarks' inputs (a hash of seed and index: no state, the
+// same value on the host and the device).
+EPMOE_HD inline std::uint64_t mix64_finalize(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+// splitmix64's output for state z (the golden-ratio increment, then the finaliser).
+EPMOE_HD inline std::uint64_t splitmix64(std::uint64_t z) {
+  return mix64_finalize(z + 0x9e3779b97f4a7c15ull);
+}
+
 // Round-to-nearest-even f32 operations spelled out, so that nvcc cannot contract a multiply and an
 // add into an FMA: the same operation sequence gives the same bits on the host and the device.
 EPMOE_HD inline float rn_add(float a, float b) {

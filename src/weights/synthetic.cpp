@@ -58,7 +58,7 @@ void ExpertWeights::validate() const {
 }
 
 std::uint64_t mix64(std::uint64_t x) {
-  return detail::synth_mix64(x);
+  return detail::splitmix64(x);
 }
 
 float uniform_pm1(std::uint64_t stream, std::uint64_t i) {

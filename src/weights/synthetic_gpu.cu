@@ -125,9 +125,9 @@ void synthetic_expert_fp8(std::uint64_t seed, std::int64_t hidden, std::int64_t 
   check_matrix(w13, w13_scale, DType::fp8_e4m3, 2 * I, H, 2 * I / kBlock, H / kBlock, "w13", "w13_scale");
   check_matrix(w2, w2_scale, DType::fp8_e4m3, H, I, H / kBlock, I / kBlock, "w2", "w2_scale");
   // The same streams and bounds as make_synthetic_expert (src/weights/synthetic.cpp).
-  launch_matrix(detail::synth_mix64(seed ^ detail::kTagW13), 1.0f / std::sqrt(static_cast<float>(H)), 2 * I,
-                H, w13, w13_scale, stream);
-  launch_matrix(detail::synth_mix64(seed ^ detail::kTagW2), 1.0f / std::sqrt(static_cast<float>(I)), H, I, w2,
+  launch_matrix(detail::splitmix64(seed ^ detail::kTagW13), 1.0f / std::sqrt(static_cast<float>(H)), 2 * I, H,
+                w13, w13_scale, stream);
+  launch_matrix(detail::splitmix64(seed ^ detail::kTagW2), 1.0f / std::sqrt(static_cast<float>(I)), H, I, w2,
                 w2_scale, stream);
 }
 
@@ -138,10 +138,10 @@ void synthetic_expert_w4a8(std::uint64_t seed, std::int64_t hidden, std::int64_t
               "hidden and intermediate must be positive multiples of 128, got {} and {}", H, I);
   check_matrix(w13, w13_scale, DType::i4x2, 2 * I, H, 2 * I, H / kBlock, "w13", "w13_scale");
   check_matrix(w2, w2_scale, DType::i4x2, H, I, H, I / kBlock, "w2", "w2_scale");
-  launch_int4_matrix(detail::synth_mix64(seed ^ detail::kTagW13), 1.0f / std::sqrt(static_cast<float>(H)),
+  launch_int4_matrix(detail::splitmix64(seed ^ detail::kTagW13), 1.0f / std::sqrt(static_cast<float>(H)),
                      2 * I, H, w13, w13_scale, stream);
-  launch_int4_matrix(detail::synth_mix64(seed ^ detail::kTagW2), 1.0f / std::sqrt(static_cast<float>(I)), H,
-                     I, w2, w2_scale, stream);
+  launch_int4_matrix(detail::splitmix64(seed ^ detail::kTagW2), 1.0f / std::sqrt(static_cast<float>(I)), H, I,
+                     w2, w2_scale, stream);
 }
 
 SyntheticWeights::ExpertFactory gpu_expert_factory(int device) {

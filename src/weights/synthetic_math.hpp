@@ -8,18 +8,10 @@
 
 namespace epmoe::detail {
 
-// splitmix64 finaliser: a bijection with good avalanche, so (stream, i) pairs never collide.
-EPMOE_HD inline std::uint64_t synth_mix64(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // Value i of stream `stream`, uniform in [-1, 1) on a 2^-23 grid (24 random bits; both operations
 // are exact, so contraction could not change the result either).
 EPMOE_HD inline float synth_uniform_pm1(std::uint64_t stream, std::uint64_t i) {
-  const std::uint64_t bits = synth_mix64(stream ^ synth_mix64(i));
+  const std::uint64_t bits = splitmix64(stream ^ splitmix64(i));
   return rn_add(rn_mul(static_cast<float>(bits >> 40), 2.0f / 16777216.0f), -1.0f);
 }
 
