@@ -63,7 +63,8 @@ skip() {
   result[$1]="skipped ($2)"
 }
 # The whole check takes longer than one 10-minute device call: EPMOE_GPU_CHECK_STEPS picks the
-# groups to run (comma-separated, any of tests,sanitizers,bench,layer,asan; default all but asan). The
+# groups to run (comma-separated, any of tests,sanitizers,comm-sanitizers,bench,layer,asan; default all but asan and comm-sanitizers,
+# which sanitizers includes). The
 # build always runs. asan builds the host code under AddressSanitizer + UndefinedBehaviorSanitizer
 # (preset sanitize, build-sanitize/: ~2 minutes on 16 cores) and runs the GPU tests with it: the host side
 # of the GPU paths (launchers, the GPU layer, the dispatchers), which scripts/sanitize.sh on a machine
@@ -176,6 +177,27 @@ if ((built)); then
     skip racecheck "no compute-sanitizer"
     skip initcheck "no compute-sanitizer"
   fi
+  # The communication kernels live in a test binary of their own (epmoe_comm_tests). On one GPU: the
+  # poison / timeout cases on two loopback ranks under memcheck and racecheck, and the NCCL point-to-point
+  # transport's error case on a one-rank communicator under memcheck (also alone: EPMOE_GPU_CHECK_STEPS=
+  # comm-sanitizers). Only these: the sanitizer serialises launches, and the loopback data rounds, whose
+  # ranks' kernels wait for each other, could then wait out their timeouts (bench/NOTES.md, session 63).
+  if [[ -n $sanitizer ]] && { want sanitizers || want comm-sanitizers; }; then
+    # (One step, bounded as a whole; the three runs' status is the step's.)
+    comm_tests=build-gpu/tests/epmoe_comm_tests
+    comm_poison='*GaveUp*:*CombineThatAPeer*'
+    step comm-sanitize bash -c "status=0
+      for tool in memcheck racecheck; do
+        EPMOE_LOOPBACK_RANKS=2 EPMOE_COMM_TIMEOUT_S=30 '$sanitizer' --tool \$tool --error-exitcode 1 $comm_tests \\
+          --gtest_filter='$comm_poison' || status=1
+      done
+      '$sanitizer' --tool memcheck --report-api-errors no --error-exitcode 1 $comm_tests \\
+        --gtest_filter='CommNcclP2p.ARankWithARecordedError*' || status=1
+      exit \$status" > "$out/comm-sanitize.log" 2>&1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/comm-sanitize.log" || true
+  elif [[ -n $sanitizer ]]; then
+    skip comm-sanitize "not in EPMOE_GPU_CHECK_STEPS"
+  fi
 fi
 ((built)) || skip gpu-tests "no build"
 ((built)) && ! want tests && skip gpu-tests "not in EPMOE_GPU_CHECK_STEPS"
@@ -277,7 +299,7 @@ fi
     echo "skipped:   $(grep -c '(Skipped)' "$out/gpu-tests.log" || true)"
     grep -E '\(Failed\)|\(Timeout\)|\(SEGFAULT\)|Exception' "$out/gpu-tests.log" | sed 's/^/  /' | head -n 20 || true
   fi
-  for tool in memcheck racecheck initcheck; do
+  for tool in memcheck racecheck initcheck comm-sanitize; do
     if [[ -f $out/$tool.log ]]; then
       echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -n 1 || true)"
     fi
@@ -316,7 +338,7 @@ else
 fi
 
 status=0
-for name in configure build nccl gpu-tests memcheck racecheck initcheck asan-build asan-gpu-tests layer; do
+for name in configure build nccl gpu-tests memcheck racecheck initcheck comm-sanitize asan-build asan-gpu-tests layer; do
   [[ ${result[$name]:-} == FAILED* ]] && status=1
 done
 exit "$status"
