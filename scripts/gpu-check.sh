@@ -177,19 +177,19 @@ if ((built)); then
     skip racecheck "no compute-sanitizer"
     skip initcheck "no compute-sanitizer"
   fi
-  # The communication kernels live in a test binary of their own (epmoe_comm_tests). On one GPU: the
-  # poison / timeout cases on two loopback ranks under memcheck and racecheck, and the NCCL point-to-point
-  # transport's error case on a one-rank communicator under memcheck (also alone: EPMOE_GPU_CHECK_STEPS=
-  # comm-sanitizers). Only these: the sanitizer serialises launches, and the loopback data rounds, whose
-  # ranks' kernels wait for each other, could then wait out their timeouts (bench/NOTES.md, session 63).
+  # The communication kernels live in a test binary of their own (epmoe_comm_tests). On one GPU: every
+  # load/store transport's data rounds and the poison / timeout cases on two loopback ranks under memcheck
+  # and racecheck, and the NCCL point-to-point transport's error case on a one-rank communicator under
+  # memcheck (also alone: EPMOE_GPU_CHECK_STEPS=comm-sanitizers). Not the whole loopback suite: its layer
+  # cases take minutes under a sanitizer (bench/NOTES.md, session 63).
   if [[ -n $sanitizer ]] && { want sanitizers || want comm-sanitizers; }; then
     # (One step, bounded as a whole; the three runs' status is the step's.)
     comm_tests=build-gpu/tests/epmoe_comm_tests
-    comm_poison='*GaveUp*:*CombineThatAPeer*'
+    comm_loopback='Comm/Transports.*:*GaveUp*:*CombineThatAPeer*:-*NcclP2p*'
     step comm-sanitize bash -c "status=0
       for tool in memcheck racecheck; do
         EPMOE_LOOPBACK_RANKS=2 EPMOE_COMM_TIMEOUT_S=30 '$sanitizer' --tool \$tool --error-exitcode 1 $comm_tests \\
-          --gtest_filter='$comm_poison' || status=1
+          --gtest_filter='$comm_loopback' || status=1
       done
       '$sanitizer' --tool memcheck --report-api-errors no --error-exitcode 1 $comm_tests \\
         --gtest_filter='CommNcclP2p.ARankWithARecordedError*' || status=1
