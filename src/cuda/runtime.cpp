@@ -6,10 +6,40 @@
 
 namespace epmoe::cuda {
 
+namespace {
+
+// The errors a kernel raises on the device. CUDA reports them at whatever call comes next on the host, and
+// they are sticky: the context is lost. (The GEMM kernels' pipeline waits trap after a 10 s watchdog, so a
+// hang there ends as one of these, without a message of its own.)
+bool kernel_fault(cudaError_t status) {
+  switch (status) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
 void throw_cuda_error(cudaError_t status, const char* expr, const char* file, int line) {
-  detail::throw_error(
-      file, line,
-      fmt::format("CUDA error {} ({}) in {}", cudaGetErrorName(status), cudaGetErrorString(status), expr));
+  std::string message =
+      fmt::format("CUDA error {} ({}) in {}", cudaGetErrorName(status), cudaGetErrorString(status), expr);
+  if (kernel_fault(status))
+    message +=
+        ": a kernel failed on the device, possibly one launched before this call (a fault, or a trap: the "
+        "GEMM kernels trap when a pipeline wait passes its 10 s watchdog). The CUDA context is lost and "
+        "every "
+        "later call fails: restart the process; compute-sanitizer --tool memcheck names the kernel";
+  detail::throw_error(file, line, message);
 }
 
 int device_count() {
