@@ -63,8 +63,8 @@ skip() {
   result[$1]="skipped ($2)"
 }
 # The whole check takes longer than one 10-minute device call: EPMOE_GPU_CHECK_STEPS picks the
-# groups to run (comma-separated, any of tests,sanitizers,comm-sanitizers,bench,layer,asan; default all but asan and comm-sanitizers,
-# which sanitizers includes). The
+# groups to run (comma-separated, any of tests,sanitizers,comm-sanitizers,bench,layer,asan; default all
+# but asan; sanitizers includes comm-sanitizers, which alone runs only the comm tests' step). The
 # build always runs. asan builds the host code under AddressSanitizer + UndefinedBehaviorSanitizer
 # (preset sanitize, build-sanitize/: ~2 minutes on 16 cores) and runs the GPU tests with it: the host side
 # of the GPU paths (launchers, the GPU layer, the dispatchers), which scripts/sanitize.sh on a machine
@@ -84,7 +84,7 @@ if [[ ${result[build]} != ok* ]]; then
   grep -E "FAILED:|error" "$out/build.log" | head -n 20 || true
   # Something outside the GPU harness may be broken: still build what the GPU steps need.
   step build-gpu-targets bash -o pipefail -c \
-    "cmake --build --preset gpu -j '$jobs' --target epmoe epmoe_gpu_tests epmoe_cli epmoe_tensor_probe > '$out/build-gpu-targets.log' 2>&1"
+    "cmake --build --preset gpu -j '$jobs' --target epmoe epmoe_gpu_tests epmoe_comm_tests epmoe_cli epmoe_tensor_probe > '$out/build-gpu-targets.log' 2>&1"
   [[ ${result[build-gpu-targets]} == ok* ]] || built=0
 fi
 
@@ -185,18 +185,21 @@ if ((built)); then
   if [[ -n $sanitizer ]] && { want sanitizers || want comm-sanitizers; }; then
     # (One step, bounded as a whole; the three runs' status is the step's.)
     comm_tests=build-gpu/tests/epmoe_comm_tests
-    comm_loopback='Comm/Transports.*:*GaveUp*:*CombineThatAPeer*:-*NcclP2p*'
-    step comm-sanitize bash -c "status=0
+    comm_loopback='Comm/Transports.*:*GaveUp*:*CombineThatAPeer*:CommNvlinkNormal.HalvesAndWholeCallsAlternate:-*NcclP2p*'
+    step comm-sanitize bash -c "exec > '$out/comm-sanitize.log' 2>&1
+      status=0
       for tool in memcheck racecheck; do
         EPMOE_LOOPBACK_RANKS=2 EPMOE_COMM_TIMEOUT_S=30 '$sanitizer' --tool \$tool --error-exitcode 1 $comm_tests \\
           --gtest_filter='$comm_loopback' || status=1
       done
       '$sanitizer' --tool memcheck --report-api-errors no --error-exitcode 1 $comm_tests \\
         --gtest_filter='CommNcclP2p.ARankWithARecordedError*' || status=1
-      exit \$status" > "$out/comm-sanitize.log" 2>&1
+      exit \$status"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/comm-sanitize.log" || true
   elif [[ -n $sanitizer ]]; then
     skip comm-sanitize "not in EPMOE_GPU_CHECK_STEPS"
+  else
+    skip comm-sanitize "no compute-sanitizer"
   fi
 fi
 ((built)) || skip gpu-tests "no build"
@@ -291,19 +294,22 @@ fi
   echo
   echo "==================== gpu-check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), commit $EPMOE_COMMIT)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /' || true
-  printf '%-12s %s\n' step result
-  for name in "${order[@]}"; do printf '%-12s %s\n' "$name" "${result[$name]}"; done
+  printf '%-14s %s\n' step result
+  for name in "${order[@]}"; do printf '%-14s %s\n' "$name" "${result[$name]}"; done
   [[ -f $out/version.txt ]] && sed 's/^/version:   /' "$out/version.txt"
   if [[ -f $out/gpu-tests.log ]]; then
     echo "tests:     $(grep -E 'tests passed' "$out/gpu-tests.log" | tail -n 1)"
     echo "skipped:   $(grep -c '(Skipped)' "$out/gpu-tests.log" || true)"
     grep -E '\(Failed\)|\(Timeout\)|\(SEGFAULT\)|Exception' "$out/gpu-tests.log" | sed 's/^/  /' | head -n 20 || true
   fi
-  for tool in memcheck racecheck initcheck comm-sanitize; do
+  for tool in memcheck racecheck initcheck; do
     if [[ -f $out/$tool.log ]]; then
       echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -n 1 || true)"
     fi
   done
+  # (Three runs: loopback memcheck, loopback racecheck, the NCCL case's memcheck.)
+  [[ -f $out/comm-sanitize.log ]] &&
+    grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/comm-sanitize.log" | sed 's/^/comm-sanitize: /' || true
   if [[ -f $out/ptxas-summary.txt ]]; then
     echo "kernels (regs / stack / spills):"
     sed 's/^/  /' "$out/ptxas-summary.txt" | cut -c1-150
