@@ -47,6 +47,32 @@ TEST(Tensor, ValidationNamesArgument) {
   EXPECT_NO_THROW(expect_dtype(t, DType::bf16, "x"));
 }
 
+// The launchers' tensor checks: alignment of the data pointer (named with the address), dtype, device and
+// contiguity in one call, and an output shaped like its input.
+TEST(Tensor, AlignedTensorsAndSameShapes) {
+  HostTensor t(DType::bf16, {4, 64});  // host tensors are 64-byte aligned
+  EXPECT_NO_THROW(expect_aligned(t, 16, "x"));
+  EXPECT_NO_THROW(expect_aligned_tensor(t, DType::bf16, Device::cpu, "x", 16));
+  const TensorView off = TensorView::contiguous(t.data<bf16>() + 1, DType::bf16, {4, 8}, Device::cpu);
+  testing::expect_error_mentions([&] { expect_aligned(off, 16, "x"); }, {"x must be 16-byte aligned", "0x"});
+  EXPECT_NO_THROW(expect_aligned(off, 2, "x"));
+  testing::expect_error_mentions([&] { expect_aligned_tensor(t, DType::f32, Device::cpu, "x", 16); },
+                                 {"x must have dtype f32"});
+  testing::expect_error_mentions([&] { expect_device_tensor(t, DType::bf16, "x", 16); }, {"x must live on"});
+  EXPECT_NO_THROW(
+      expect_aligned_tensor(t.view().select(1), DType::bf16, Device::cpu, "x", 16));  // row 1: 128 B in
+  HostTensor strided(DType::bf16, {4, 64});
+  TensorView column = strided.view();
+  column.shape[1] = 32;  // rows of 32 with a stride of 64: not contiguous
+  testing::expect_error_mentions([&] { expect_aligned_tensor(column, DType::bf16, Device::cpu, "x", 16); },
+                                 {"x must be contiguous"});
+
+  HostTensor same(DType::f32, {4, 64}), other(DType::f32, {64, 4});
+  EXPECT_NO_THROW(expect_same_shape(same, t, "q", "x"));  // shapes only, not dtypes
+  testing::expect_error_mentions([&] { expect_same_shape(other, t, "q", "x"); },
+                                 {"q must have the shape of x"});
+}
+
 TEST(Tensor, FiniteCheckFindsNaNAndInf) {
   HostTensor t(DType::f32, {4});
   for (int i = 0; i < 4; ++i) t.data<float>()[i] = 1.0f + static_cast<float>(i);
