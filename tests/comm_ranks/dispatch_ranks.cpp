@@ -145,12 +145,21 @@ std::string error_of(const std::function<void()>& fn) {
 void meet() {
   world().barrier();
 }
+// The same where only loopback ranks need it: between calls that every rank makes with no meet of their
+// own, after a rank's device allocations or copies. Processes on GPUs of their own are left to drift
+// apart between calls, as an engine's ranks do. (Under compute-sanitizer even a copy to the host waits
+// for the whole device: session 63's deadlocks until the timeout.)
+void meet_on_loopback() {
+  if (world().loopback()) meet();
+}
 
 // The error text of one dispatch of `in` on `d`, waited for (a device-side refusal or timeout
-// surfaces at the synchronize); "" when it succeeds. (No meet: some callers dispatch on one rank only,
-// and a refusal leaves the communicator unusable for a barrier.)
-std::string dispatch_error(Dispatcher& d, const RankInput& in) {
+// surfaces at the synchronize); "" when it succeeds. (No meet after it: some callers dispatch on one rank
+// only, and a refusal leaves the communicator unusable for a barrier.) `every_rank`: every rank makes this
+// call, so loopback ranks meet between the upload and the dispatch.
+std::string dispatch_error(Dispatcher& d, const RankInput& in, bool every_rank = false) {
   const DeviceInput dev = to_device(in, stream());
+  if (every_rank) meet_on_loopback();
   const DispatchInput view = dev.view();
   std::vector<DispatchOutput> out(1);
   return error_of([&] {
@@ -559,7 +568,8 @@ void check_too_many_tokens_reported_to_peers(Transport transport) {
       auto d = make(transport, c, ActivationFormat::fp8_group);
       auto in = make_inputs(c, ActivationFormat::fp8_group, per_rank([](int r) { return r == 0 ? 33 : 10; }),
                             20, Routing::random);
-      expect_rank0_too_many_reported(dispatch_error(*d, in[static_cast<std::size_t>(me)]));
+      expect_rank0_too_many_reported(
+          dispatch_error(*d, in[static_cast<std::size_t>(me)], /*every_rank=*/true));
       world().reset_device_errors();
       world().barrier();
     }  // the dispatcher (its window) goes, collectively
@@ -949,6 +959,7 @@ void check_halves_and_whole_calls_alternate(Transport transport) {
     const std::vector<DispatchOutput>& want = simulated.want;
     const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
     const DispatchInput dev_view = dev.view();
+    meet_on_loopback();
     for (int round = 0; round < 4; ++round) {
       std::vector<DispatchOutput> out(1);
       if (round % 2 == 0) {
@@ -959,11 +970,9 @@ void check_halves_and_whole_calls_alternate(Transport transport) {
       }
       const HostOutput host = download(out[0], stream());
       expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "round " + std::to_string(round));
-      // Processes on GPUs of their own drift apart between rounds (as an engine's ranks do). Loopback
-      // ranks meet after the copies instead (meet()'s rule): under compute-sanitizer a copy waits for the
-      // whole device, so a rank still copying round r out held back its round r + 1 while the peer's
-      // round r + 1 kernel waited for it, until the timeout (session 63, memcheck).
-      if (world().loopback()) meet();
+      // (Under compute-sanitizer a rank still copying round r out held back its round r + 1 while the
+      // peer's round r + 1 kernel waited for it, until the timeout: session 63, memcheck.)
+      meet_on_loopback();
     }
   });
 }
@@ -1092,6 +1101,7 @@ void check_graph_replays(Transport transport) {
       Simulated simulated = simulate(c, mode, ActivationFormat::fp8_group, in, d->context().host_sync);
       const std::vector<DispatchOutput>& want = simulated.want;
 
+      meet_on_loopback();  // (after the set-up, the upload, and the last replay's copies)
       g_dispatch.launch(stream());
       const HostOutput host = download(out, stream());
       expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "graph dispatch");
@@ -1099,6 +1109,7 @@ void check_graph_replays(Transport transport) {
       const HostTensor mine = fake_expert_out(host.view, c);
       cuda::copy(out_dev.view(), mine, stream());
       y_dev.fill_bytes(0xff, stream());
+      meet_on_loopback();
       g_combine.launch(stream());
       world().synchronize(CommPhase::none, "the combine graph");
       const HostTensor y = cuda::to_host(y_dev.view(), stream());
