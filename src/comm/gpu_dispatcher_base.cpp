@@ -85,9 +85,7 @@ std::int64_t GpuDispatcherBase::validate_input(const DispatchInput& in) const {
     expect_dtype(t, dtype, r + what);
     expect_shape(t, {rows, cols}, r + what);
     if (rows == 0) return;
-    expect_device(t, Device::cuda, r + what);
-    expect_contiguous(t, r + what);
-    expect_aligned(t, 16, r + what);
+    expect_device_tensor(t, dtype, r + what, 16);
   };
   expect_rank(in.x, 2, r + "x");
   const std::int64_t T = in.x.size(0);

@@ -35,10 +35,10 @@ void throw_cuda_error(cudaError_t status, const char* expr, const char* file, in
       fmt::format("CUDA error {} ({}) in {}", cudaGetErrorName(status), cudaGetErrorString(status), expr);
   if (kernel_fault(status))
     message +=
-        ": a kernel failed on the device, possibly one launched before this call (a fault, or a trap: the "
-        "GEMM kernels trap when a pipeline wait passes its 10 s watchdog). The CUDA context is lost and "
-        "every "
-        "later call fails: restart the process; compute-sanitizer --tool memcheck names the kernel";
+        ": a kernel failed on the device, possibly one launched before this call (a fault, or a trap: "
+        "the GEMM kernels trap when a pipeline wait passes its 10 s watchdog). The CUDA context is lost "
+        "and every later call fails: restart the process; compute-sanitizer --tool memcheck names the "
+        "kernel";
   detail::throw_error(file, line, message);
 }
 

@@ -140,7 +140,7 @@ TEST(W4A8GemmGpu, SignMagnitudeCodesPrepareRoundTripAndRefuseMinus8) {
   expect_error_mentions([&] { (void)prepare(bad, stream, kSM); }, "holds -8");
 }
 
-// The device packer holds the checkpoint's scales to the CPU packer's rule (positive, finite as bf16),
+// The device packer holds the checkpoint's scales to the CPU packer's rule (positive, 8 x it finite),
 // naming the first bad one by index and value (a scan the packer waits for), and leaves the good ones
 // as the CPU packer does.
 TEST(W4A8GemmGpu, PrepareRefusesTheScalesTheCpuPackerRefuses) {
