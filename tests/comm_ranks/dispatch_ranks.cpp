@@ -176,6 +176,27 @@ std::int64_t bytes_not_poisoned(const TensorView& device_view) {
   return std::count_if(b, b + h.nbytes(), [](unsigned char x) { return x != 0xFF; });
 }
 
+// Elements of a bf16 device view that are not finite. Over a y poisoned with 0xFF before its combine:
+// the elements the combine left unwritten (a combine that ran cleanly writes finite sums everywhere).
+std::int64_t non_finite_elements(const TensorView& device_view) {
+  const HostTensor h = cuda::to_host(device_view, stream());
+  return compare_bf16(h, h).non_finite;
+}
+
+// Sets every byte of a dispatch's outputs (rows, scales, m_indices / masked_m, row_token, row_weight) on
+// the stream: the views point into buffers the dispatcher keeps from call to call, so a later call that
+// wrote nothing would still show the last call's data. Poisoned, its rows hold NaN and every row_token
+// -1 (no token) unless this call writes them. Before a call on the same dispatcher, with the same
+// extents (the same inputs, or the masked layout's fixed ones); enqueued like any other device fill, so
+// loopback ranks meet after it (meet()).
+void poison_outputs(const DispatchOutput& out) {
+  for (const TensorView* v :
+       {&out.rows, &out.scales, &out.m_indices, &out.masked_m, &out.row_token, &out.row_weight}) {
+    if (v->rank > 0 && v->data != nullptr)
+      EPMOE_CUDA_CHECK(cudaMemsetAsync(v->data, 0xFF, v->nbytes(), stream()));
+  }
+}
+
 // A combine that a peer never joined (`peer`: the rank it must name, or -1 for any): it times out in
 // combine-recv naming the rank, y is NaN throughout (no plausible wrong sum is left behind), and the
 // communicator stays usable once the device errors are reset.
@@ -301,6 +322,7 @@ void check_round(Dispatcher& d, const MoeConfig& c, ActivationFormat f, const st
   const Diff diff = compare_bf16(y, ys[static_cast<std::size_t>(me)]);
   EXPECT_EQ(diff.non_finite, 0);
   EXPECT_LE(diff.rel_l2, 1e-2);
+  EXPECT_LE(diff.worst_row_rel_l2, 1e-2) << "worst token " << diff.worst_row << " of y";
   if (diff.bit_mismatches != 0)
     std::printf("  note: %s combine: %lld of %lld elements differ in bits from cpu-sim (rel_l2 %.3g)\n",
                 what.c_str(), static_cast<long long>(diff.bit_mismatches), static_cast<long long>(y.numel()),
@@ -755,17 +777,18 @@ TEST(CommNvlinkLl, ACombineThatAPeerNeverJoinsIsATimeoutNamingIt) {
   });
 }
 
-// What the poison tests share: a dispatcher on `transport`, this rank's `tokens` random tokens on the
-// device, and y for them.
+// What the poison tests share: a dispatcher on `transport`, every rank's `tokens` random tokens (for
+// cpu-sim), this rank's on the device, and y for them.
 struct PoisonRig {
   PoisonRig(Transport transport, std::int64_t tokens, std::uint32_t seed)
-      : d(make(transport, c, ActivationFormat::fp8_group)),
-        dev(to_device(make_inputs(c, ActivationFormat::fp8_group, per_rank([&](int) { return tokens; }), seed,
-                                  Routing::random)[static_cast<std::size_t>(world().rank())],
-                      stream())),
+      : inputs(make_inputs(c, ActivationFormat::fp8_group, per_rank([&](int) { return tokens; }), seed,
+                           Routing::random)),
+        d(make(transport, c, ActivationFormat::fp8_group)),
+        dev(to_device(inputs[static_cast<std::size_t>(world().rank())], stream())),
         view(dev.view()),
         y(DType::bf16, {tokens, c.hidden}) {}
   const MoeConfig c = test_config(32);
+  const std::vector<RankInput> inputs;
   std::unique_ptr<LowLatencyDispatcher> d;
   const DeviceInput dev;
   const DispatchInput view;
@@ -797,8 +820,10 @@ cuda::DeviceTensor dispatch_with_stand_in_outputs(Dispatcher& d, const DispatchI
 
 // A rank whose wait gave up (its error claim taken by hand on rank 0: take_error_claim) poisons what it
 // writes: its received rows and y are NaN throughout, and it raises no combine flag, so its peers' combines
-// time out naming it (and their y is NaN) instead of summing what it sent. Round 1 runs clean and shows the
-// rows buffer holding tokens; its bytes are zeroed before round 2, and y is zeroed before each combine. Each
+// time out naming it (and their y is NaN) instead of summing what it sent. Round 1 runs clean: its received
+// data is cpu-sim's (the rows buffer cannot be poisoned before it: the dispatcher's buffers are known only
+// from a call's outputs), and its combine writes every element of a y poisoned beforehand. The rows buffer is
+// then zeroed, and y zeroed before round 2, so that only round 2's poisoning can set all their bits. Each
 // rank dispatches, waits for it, allocates the stand-in expert outputs, then meets the others before
 // combining (meet() says why). Normal mode keeps the dispatcher's host sync: rank 0's host learns a layout
 // and goes on.
@@ -809,11 +834,13 @@ void check_a_rank_that_gave_up_poisons(Transport transport) {
     const double saved = world().timeout_s();
     {
       PoisonRig rig(transport, 20, 30);
+      const Simulated simulated =
+          simulate(rig.c, mode_of(transport), ActivationFormat::fp8_group, rig.inputs);
       const TensorView y_view = rig.y.view();
       for (const bool gave_up : {false, true}) {
         SCOPED_TRACE(gave_up ? "rank 0's claim taken" : "a clean round");
         std::vector<DispatchOutput> out(1);
-        rig.y.fill_bytes(0, stream());
+        rig.y.fill_bytes(gave_up ? 0x00 : 0xFF, stream());
         meet();
         if (gave_up) {
           world().set_timeout_s(0.5);
@@ -831,8 +858,9 @@ void check_a_rank_that_gave_up_poisons(Transport transport) {
         });
         if (!gave_up) {
           EXPECT_EQ(m, "");
-          EXPECT_GT(rows_not_poisoned, 0) << "the clean round placed no token";
-          EXPECT_GT(bytes_not_poisoned(y_view), 0);
+          const HostOutput host = download(out[0], stream());
+          expect_same_dispatch(host.view, simulated.want[static_cast<std::size_t>(me)], "the clean round");
+          EXPECT_EQ(non_finite_elements(y_view), 0) << "the clean combine left elements of y unwritten";
           // Zeroed, so that only round 2's place can set their bits.
           EPMOE_CUDA_CHECK(cudaMemsetAsync(out[0].rows.data, 0, out[0].rows.nbytes(), stream()));
           EPMOE_CUDA_CHECK(cudaMemsetAsync(out[0].scales.data, 0, out[0].scales.nbytes(), stream()));
@@ -864,7 +892,9 @@ TEST(CommNcclP2p, ARankWithARecordedErrorWritesNaNIntoY) {
     const TensorView y_view = rig.y.view();
     for (const bool recorded : {false, true}) {
       SCOPED_TRACE(recorded ? "rank 0's claim taken" : "a clean round");
-      rig.y.fill_bytes(0, stream());
+      // Zeroed where the combine must set every bit (NaN), poisoned where it must write every element.
+      const bool writes_nan = recorded && me == 0;
+      rig.y.fill_bytes(writes_nan ? 0x00 : 0xFF, stream());
       if (recorded && me == 0) take_error_claim();
       std::vector<DispatchOutput> out(1);
       const cuda::DeviceTensor expert_out =
@@ -875,10 +905,10 @@ TEST(CommNcclP2p, ARankWithARecordedErrorWritesNaNIntoY) {
                   world().synchronize(CommPhase::none, "the combine");
                 }),
                 "");
-      if (recorded && me == 0)
+      if (writes_nan)
         EXPECT_EQ(bytes_not_poisoned(y_view), 0) << "rank 0's y is not NaN throughout";
       else
-        EXPECT_GT(bytes_not_poisoned(y_view), 0) << "y was not written";
+        EXPECT_EQ(non_finite_elements(y_view), 0) << "the combine left elements of y unwritten";
       if (recorded) world().reset_device_errors();
       world().barrier();
     }
@@ -959,10 +989,13 @@ void check_halves_and_whole_calls_alternate(Transport transport) {
     const std::vector<DispatchOutput>& want = simulated.want;
     const DeviceInput dev = to_device(in[static_cast<std::size_t>(me)], stream());
     const DispatchInput dev_view = dev.view();
+    DispatchOutput last;  // the last round's outputs: the buffers (and extents) this round writes
     for (int round = 0; round < 4; ++round) {
-      // (After the upload and the last round's copies. Under compute-sanitizer a rank still copying round
-      // r out held back its round r + 1 while the peer's round r + 1 kernel waited for it, until the
-      // timeout: session 63, memcheck.)
+      // Every round has the same inputs: poisoned, the last round's bytes cannot pass for this round's.
+      poison_outputs(last);
+      // (After the upload, the poisoning and the last round's copies. Under compute-sanitizer a rank still
+      // copying round r out held back its round r + 1 while the peer's round r + 1 kernel waited for it,
+      // until the timeout: session 63, memcheck.)
       meet_on_loopback();
       std::vector<DispatchOutput> out(1);
       if (round % 2 == 0) {
@@ -973,6 +1006,7 @@ void check_halves_and_whole_calls_alternate(Transport transport) {
       }
       const HostOutput host = download(out[0], stream());
       expect_same_dispatch(host.view, want[static_cast<std::size_t>(me)], "round " + std::to_string(round));
+      last = out[0];
     }
   });
 }
@@ -1116,6 +1150,7 @@ void check_graph_replays(Transport transport) {
       const Diff diff = compare_bf16(y, ys[static_cast<std::size_t>(me)]);
       EXPECT_EQ(diff.non_finite, 0);
       EXPECT_LE(diff.rel_l2, 1e-2);
+      EXPECT_LE(diff.worst_row_rel_l2, 1e-2) << "worst token " << diff.worst_row << " of y";
     }
   });
 }
@@ -1264,12 +1299,18 @@ TEST(CommNvlinkEarlyCounts, SameBitsAsTheDefaultEagerAndGraphed) {
         const std::int64_t T = tokens[static_cast<std::size_t>(me)];
         const cuda::DeviceTensor y_dev(DType::bf16, {T, c.hidden});
         const TensorView yv = y_dev.view();
+        // The last call's outputs: the buffers every call of `d` writes, poisoned before the next call so
+        // that a path that writes nothing cannot pass on the other path's bytes (both paths get the same
+        // inputs, so the same extents). (This test runs on launched ranks only: no loopback meets.)
+        DispatchOutput last;
         // One dispatch (eager) and the combine of its stand-in expert outputs.
         auto round = [&](const DeviceInput& dev, const std::string& early) {
           const ScopedEnv env("EPMOE_COMM_LL_EARLY_COUNTS", early);
           const DispatchInput view = dev.view();
           std::vector<DispatchOutput> out(1);
+          poison_outputs(last);
           d->dispatch({&view, 1}, out);
+          last = out[0];
           HostOutput host = download(out[0], stream());
           const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(host.view, c), stream());
           const TensorView eo = eo_dev.view();
@@ -1300,8 +1341,10 @@ TEST(CommNvlinkEarlyCounts, SameBitsAsTheDefaultEagerAndGraphed) {
             SCOPED_TRACE(fmt::format("graph replay {}", replay));
             const auto next = make_inputs(c, k.format, tokens, 60u + static_cast<unsigned>(replay),
                                           replay == 1 ? Routing::same_experts : k.routing);
+            poison_outputs(last);  // (low latency: the masked extents do not depend on the inputs)
             copy_into(dev, next[static_cast<std::size_t>(me)], stream());
             graph.launch(stream());
+            last = out[0];
             const HostOutput graphed = download(out[0], stream());
             const cuda::DeviceTensor eo_dev = cuda::to_device(fake_expert_out(graphed.view, c), stream());
             const TensorView eo = eo_dev.view();

@@ -183,6 +183,9 @@ TEST_P(LayerRanks, LowLatencyRepeatedCallsGiveTheSameBits) {
     const std::int64_t T = c.max_tokens_per_rank - world().rank();
     const HostTensor x = synthetic_tokens(c, 34, world().rank(), T);
     const Out first = layer_forward(layer, x, false);
+    // The repeats are compared with this one alone: a forward that wrote nothing (the poison left) would
+    // repeat its bits too.
+    expect_reference(*w, x, first, "low-latency eager");
     for (int i = 0; i < 3; ++i)
       EXPECT_TRUE(same_bits(layer_forward(layer, x, false).y, first.y))
           << "eager call " << i + 2 << " differs";
@@ -276,6 +279,8 @@ TEST_P(LayerRanks, NormalWithoutAHostSyncGivesTheSameBits) {
     const std::int64_t T = big ? 7 + world().rank() : 90 + 5 * world().rank();
     const HostTensor x = synthetic_tokens(c, 43, world().rank(), T);
     const Out exact = forward_and_destroy(make_layer(w, Mode::normal, false, 128), x);
+    // The forwards without the sync are compared with this one alone: it must be right itself.
+    expect_reference(*w, x, exact, "normal with a host sync");
     cuda::GpuLayerOptions o;
     o.mode = Mode::normal;
     o.max_tokens = 128;
@@ -372,6 +377,8 @@ TEST(LayerNcclBorrowed, AnEnginesOwnCommunicatorGivesTheSameBits) {
     const std::int64_t T = c.max_tokens_per_rank - world().rank();
     const HostTensor x = synthetic_tokens(c, 39, world().rank(), T);
     const Out on_world = forward_and_destroy(make_layer(w, Mode::low_latency), x);
+    // The borrowed communicator's forwards are compared with this one alone: it must be right itself.
+    expect_reference(*w, x, on_world, "low latency on the world's communicator");
 
     // (A blocking engine communicator, also where the world's is nonblocking: EPMOE_COMM_NONBLOCKING=1.)
     ncclComm_t engine_comm = nullptr;

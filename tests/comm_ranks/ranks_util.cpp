@@ -1,5 +1,6 @@
 #include "ranks_util.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -32,7 +33,13 @@ std::vector<RankInput> make_inputs(const MoeConfig& c, ActivationFormat format,
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> val(-3.0f, 3.0f);
   const int P = c.num_physical_experts(), L = c.num_local_experts(), K = c.topk;
-  std::uniform_int_distribution<int> any(0, P - 1), first(0, std::max(L, K) - 1);
+  // Rank 0 alone must hold K distinct experts per token; with fewer (the tiny dims at 8 ranks: 24
+  // physical experts, 3 local, top-4) the draw below would never end.
+  EPMOE_CHECK(routing != Routing::first_rank_only || K <= L,
+              "Routing::first_rank_only needs top-k = {} distinct experts on rank 0, which holds only {} "
+              "local experts ({} physical over {} ranks)",
+              K, L, P, c.num_ranks);
+  std::uniform_int_distribution<int> any(0, P - 1), first(0, L - 1);
   std::vector<int> shared;
   while (static_cast<int>(shared.size()) < K) {
     const int id = any(rng);
@@ -65,7 +72,7 @@ std::vector<RankInput> make_inputs(const MoeConfig& c, ActivationFormat format,
         if (routing == Routing::same_experts) {
           id = shared[static_cast<std::size_t>(k)];
         } else {
-          do id = routing == Routing::random ? any(rng) : first(rng) % L;
+          do id = routing == Routing::random ? any(rng) : first(rng);
           while (used.count(id));
         }
         used.insert(id);
@@ -212,16 +219,30 @@ HostTensor fake_expert_out(const DispatchOutput& o, const MoeConfig& c) {
 
 Diff compare_bf16(const HostTensor& got, const HostTensor& want) {
   Diff d;
+  const std::int64_t rows = want.numel() > 0 ? want.size(0) : 0;
+  const std::int64_t per_row = rows > 0 ? want.numel() / rows : 0;
   double num = 0, den = 0;
-  for (std::int64_t i = 0; i < want.numel(); ++i) {
-    const float g = got.data<bf16>()[i].to_float(), w = want.data<bf16>()[i].to_float();
-    if (!std::isfinite(g)) {
-      ++d.non_finite;
-      continue;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double row_num = 0, row_den = 0;
+    for (std::int64_t i = r * per_row; i < (r + 1) * per_row; ++i) {
+      const float g = got.data<bf16>()[i].to_float(), w = want.data<bf16>()[i].to_float();
+      if (!std::isfinite(g)) {
+        ++d.non_finite;
+        continue;
+      }
+      d.bit_mismatches += got.data<bf16>()[i].bits != want.data<bf16>()[i].bits;
+      row_num += (static_cast<double>(g) - w) * (static_cast<double>(g) - w);
+      row_den += static_cast<double>(w) * w;
     }
-    d.bit_mismatches += got.data<bf16>()[i].bits != want.data<bf16>()[i].bits;
-    num += (static_cast<double>(g) - w) * (static_cast<double>(g) - w);
-    den += static_cast<double>(w) * w;
+    num += row_num;
+    den += row_den;
+    if (row_den > 0) {
+      const double row_rel_l2 = std::sqrt(row_num / row_den);
+      if (d.worst_row < 0 || row_rel_l2 > d.worst_row_rel_l2) {
+        d.worst_row_rel_l2 = row_rel_l2;
+        d.worst_row = r;
+      }
+    }
   }
   d.rel_l2 = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   return d;

@@ -70,8 +70,13 @@ void expect_same_dispatch(const DispatchOutput& got, const DispatchOutput& want,
 // (value: the dequantized activation); rows that hold no token are NaN (never read by a combine).
 HostTensor fake_expert_out(const DispatchOutput& host_out, const MoeConfig& c);
 
+// rel_l2 over the whole tensor hides one row gone wrong among many (a combine that drops one (token, k)
+// pair of a small weight moves it by that token's error over about sqrt(T)): worst_row_rel_l2 is the
+// largest relative L2 error of a row (a token of y, the leading dimension) whose reference is not all
+// zero, and worst_row that row (-1: none).
 struct Diff {
-  double rel_l2 = 0;
+  double rel_l2 = 0, worst_row_rel_l2 = 0;
+  std::int64_t worst_row = -1;
   std::int64_t non_finite = 0, bit_mismatches = 0;
 };
 Diff compare_bf16(const HostTensor& got, const HostTensor& want);

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -302,9 +303,12 @@ TEST(SimDispatch, NormalModeWithoutAHostSyncIsTheExactLayoutAtItsBound) {
   }
   std::vector<HostTensor> y_exact, y_bound;
   std::vector<TensorView> yv_exact, yv_bound;
+  // Both poisoned (bf16 NaN): two combines that wrote nothing would otherwise compare equal.
   for (const RankBatch& b : batches) {
     y_exact.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{b.x.size(0), c.hidden});
     y_bound.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{b.x.size(0), c.hidden});
+    y_exact.back().fill_bytes(0xff);
+    y_bound.back().fill_bytes(0xff);
   }
   for (int r = 0; r < 4; ++r) {
     yv_exact.push_back(y_exact[static_cast<std::size_t>(r)]);
@@ -312,12 +316,14 @@ TEST(SimDispatch, NormalModeWithoutAHostSyncIsTheExactLayoutAtItsBound) {
   }
   exact->combine(views_exact, yv_exact);
   bound->combine(views_bound, yv_bound);
-  for (int r = 0; r < 4; ++r)
-    EXPECT_EQ(std::memcmp(y_exact[static_cast<std::size_t>(r)].view().data,
-                          y_bound[static_cast<std::size_t>(r)].view().data,
-                          y_exact[static_cast<std::size_t>(r)].nbytes()),
-              0)
+  for (int r = 0; r < 4; ++r) {
+    const HostTensor& ye = y_exact[static_cast<std::size_t>(r)];
+    EXPECT_EQ(std::memcmp(ye.view().data, y_bound[static_cast<std::size_t>(r)].view().data, ye.nbytes()), 0)
         << "rank " << r;
+    std::int64_t not_written = 0;
+    for (std::int64_t i = 0; i < ye.numel(); ++i) not_written += std::isnan(ye.data<bf16>()[i].to_float());
+    EXPECT_EQ(not_written, 0) << "rank " << r << ": elements of y the combine left poisoned";
+  }
 
   // The bound needs T <= max_tokens_per_rank on every rank.
   const auto big = make_batches(c, {c.max_tokens_per_rank + 1, 1, 1, 1}, 22u, ActivationFormat::fp8_group);
@@ -417,21 +423,45 @@ TEST(CpuSimDispatcher, CpuLocalCopiesTheWeightsAndNeedsADispatch) {
   const int K = c.topk;
   auto dispatcher = make_dispatcher("cpu-local", {c, Mode::normal, ActivationFormat::bf16, 0, 1});
   HostTensor expert_out(DType::bf16, {T * K, H}), y(DType::bf16, {T, H});
-  for (std::int64_t i = 0; i < T * K * H; ++i) expert_out.data<bf16>()[i] = bf16::from_float(1.0f);
+  expert_out.fill_bytes(0);
   EXPECT_THROW(dispatcher->combine(std::vector<TensorView>{expert_out}, std::vector<TensorView>{y}), Error);
-  HostTensor x(DType::bf16, {T, H}), ids(DType::i32, {T, K});
-  auto w = std::make_unique<HostTensor>(DType::f32, std::initializer_list<std::int64_t>{T, K});
-  x.fill_bytes(0);
+  // Small multiples of 1/2 and 1/8 throughout: every product and sum below is exact in f32 (in any
+  // order), so the combine's result is known to the bit.
+  HostTensor x(DType::bf16, {T, H}), ids(DType::i32, {T, K}), w(DType::f32, {T, K});
+  for (std::int64_t i = 0; i < T * H; ++i)
+    x.data<bf16>()[i] = bf16::from_float(0.5f * static_cast<float>(i % 7 - 3));
   for (std::int64_t i = 0; i < T * K; ++i) {
     ids.data<std::int32_t>()[i] = static_cast<std::int32_t>(i % c.num_physical_experts());
-    w->data<float>()[i] = 0.25f;
+    w.data<float>()[i] = 0.125f * static_cast<float>(i + 1);  // a different weight for each (token, k)
   }
-  std::vector<DispatchInput> in{{x, TensorView{}, 1.0f, ids, *w}};
+  std::vector<DispatchInput> in{{x, TensorView{}, 1.0f, ids, w}};
   std::vector<DispatchOutput> out(1);
   dispatcher->dispatch(in, out);
-  w.reset();  // freed before the combine
+  // Stand-in expert k of token t: x[t] * (k + 1).
+  for (std::int64_t t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k)
+      for (std::int64_t h = 0; h < H; ++h)
+        expert_out.data<bf16>()[(t * K + k) * H + h] =
+            bf16::from_float(x.data<bf16>()[t * H + h].to_float() * static_cast<float>(k + 1));
+  // The caller's weights change before the combine (as a freed tensor's memory would): the combine
+  // must use the values handed to the dispatch.
+  const std::vector<float> handed(w.data<float>(), w.data<float>() + T * K);
+  for (std::int64_t i = 0; i < T * K; ++i) w.data<float>()[i] = -4.0f;
+  y.fill_bytes(0xff);  // bf16 NaN: every element must be written
   dispatcher->combine(std::vector<TensorView>{expert_out}, std::vector<TensorView>{y});
-  EXPECT_EQ(y.data<bf16>()[0].to_float(), 0.25f * static_cast<float>(K));
+  std::int64_t wrong = 0;
+  for (std::int64_t t = 0; t < T; ++t) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      float sum = 0;
+      for (int k = 0; k < K; ++k)
+        sum += handed[static_cast<std::size_t>(t * K + k)] *
+               expert_out.data<bf16>()[(t * K + k) * H + h].to_float();
+      const float want = bf16::from_float(sum).to_float(), got = y.data<bf16>()[t * H + h].to_float();
+      if (got == want) continue;
+      if (wrong++ == 0) ADD_FAILURE() << "y[" << t << ", " << h << "] = " << got << ", want " << want;
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "elements of y other than the weighted sum of the weights handed to the dispatch";
   HostTensor wide(DType::bf16, {T, 2 * H});  // a column slice of it: not contiguous
   TensorView strided = wide.view();
   strided.shape[1] = H;

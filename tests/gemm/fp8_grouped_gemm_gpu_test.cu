@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <optional>
@@ -20,6 +21,7 @@
 #include "epmoe/cuda/grouped_gemm.hpp"
 #include "epmoe/grouped_gemm.hpp"
 #include "gemm/gemm_test_util.hpp"
+#include "gemm/schedule_math.hpp"
 #include "gpu_test_util.hpp"
 
 namespace epmoe {
@@ -764,6 +766,21 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The masked GEMM captured once in a CUDA graph, replayed with new counts written on the device in
 // between: no host sync and no host-side knowledge of the counts.
+// The launchers' experiment switches (src/gemm: read once per process) override the options with which
+// each case here pins its path: with one set, those cases would test some other path and still pass.
+TEST(GroupedGemmGpuMisc, NoLauncherSwitchIsSetInTheEnvironment) {
+  EPMOE_REQUIRE_GPU();
+  std::string set;
+  for (const char* name :
+       {"EPMOE_GEMM_BORROW_EPILOGUE", "EPMOE_GEMM_MAX_CTAS", "EPMOE_GEMM_SPLIT_ROUNDS",
+        "EPMOE_GEMM_SPLIT_TAIL", "EPMOE_GEMM_SPLIT_TILES", "EPMOE_GEMM_SPLIT_ZEROS_ALL", "EPMOE_GEMM_SWAP_AB",
+        "EPMOE_GEMM_SWAP_ORDER", "EPMOE_GEMM_TAIL_PIECES", "EPMOE_GEMM_TILE_STORE", "EPMOE_GEMM_TRIM_CTAS",
+        "EPMOE_GEMM_TWO_PARTIALS", "EPMOE_W4A8_MASKED_ALL_SMS"}) {
+    if (const char* value = std::getenv(name)) set += std::string(" ") + name + "=" + value;
+  }
+  EXPECT_TRUE(set.empty()) << "unset these to test the paths the cases pin:" << set;
+}
+
 TEST(GroupedGemmGpuMisc, MaskedReplaysInACudaGraph) {
   EPMOE_REQUIRE_GPU();
   testing::SeededRng rng;
@@ -1181,6 +1198,27 @@ TEST_P(GroupedGemmTrimmedGridGpu, MatchesTheReferenceAndTheFullGridsBits) {
       << "the trimmed grid's bits differ from the full grid's";
   options.trim_ctas = 1;
   expect_graph_replays_give([&] { problem.launch(options, stream); }, dd, outputs[0], stream);
+  // The contiguous grid itself is trimmed on the host: count the CTAs that ran by their entry stamps
+  // (options.ablation 2048, output intact). (A masked grid keeps its size, its CTAs past the trimmed
+  // stride leaving after their entry: the same bits above are what checks them.)
+  if (!c.masked) {
+    const std::int32_t want_trimmed =
+        kernels::trimmed_ctas(static_cast<std::int32_t>(tiles), static_cast<std::int32_t>(c.max_ctas));
+    ASSERT_LT(want_trimmed, c.max_ctas);
+    for (const int trim : {1, 0}) {
+      SCOPED_TRACE("trim_ctas " + std::to_string(trim));
+      cuda::GroupedGemmOptions traced = options;
+      traced.trim_ctas = trim;
+      traced.ablation |= 2048;
+      static_cast<void>(cuda::fp8_grouped_gemm_take_cta_trace(cuda::kGemmTraceMaxCtas, stream));
+      problem.launch(traced, stream);
+      int ran = 0;
+      for (const cuda::GemmCtaStamps& s :
+           cuda::fp8_grouped_gemm_take_cta_trace(cuda::kGemmTraceMaxCtas, stream))
+        ran += s.entry != 0 ? 1 : 0;
+      EXPECT_EQ(ran, trim == 1 ? want_trimmed : c.max_ctas);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

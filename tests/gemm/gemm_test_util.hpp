@@ -74,17 +74,27 @@ inline std::vector<bool> masked_valid(const std::vector<std::int32_t>& counts, s
 }
 
 // Compares got (bf16 [rows, n] flattened) against the f64 reference on the rows where valid[row];
-// every other row must still hold the poison.
+// every other row must still hold the poison. Two bounds: design.md section 8's relative L2 error over
+// all valid values, and one per value, so that a few wrong values cannot hide in the mean (one 16-byte
+// store of another row's results moves the L2 error of a 2M-value output by ~3e-3 only). The per-value
+// bound is the bf16 output's rounding (at most 2^-8 of the value) twice over, plus 2^-8 of the row's RMS
+// for the accumulation order (the tensor cores' ~2^-14 per 128-K block is far below it); a value taken
+// from another row or column misses by ~1.4 RMS.
 inline void check_output(const HostTensor& got, const HostTensor& ref, const std::vector<bool>& valid,
                          std::int64_t n) {
   const bf16* g = got.data<bf16>();
   const double* r = ref.data<double>();
   double err2 = 0, ref2 = 0, dot = 0, sum2 = 0;
-  std::int64_t non_finite = 0, overwritten = 0, checked = 0;
-  std::ostringstream first;
+  std::int64_t non_finite = 0, overwritten = 0, checked = 0, outside = 0;
+  std::ostringstream first, first_outside;
   for (std::size_t row = 0; row < valid.size(); ++row) {
+    const std::int64_t row_begin = static_cast<std::int64_t>(row) * n;
+    double row_ref2 = 0;
+    if (valid[row])
+      for (std::int64_t j = 0; j < n; ++j) row_ref2 += r[row_begin + j] * r[row_begin + j];
+    const double row_rms = n > 0 ? std::sqrt(row_ref2 / static_cast<double>(n)) : 0.0;
     for (std::int64_t j = 0; j < n; ++j) {
-      const std::int64_t i = static_cast<std::int64_t>(row) * n + j;
+      const std::int64_t i = row_begin + j;
       if (!valid[row]) {
         if (g[i].bits != kPoison) {
           if (overwritten++ < 4) first << " row " << row << " col " << j << " = " << g[i].to_float() << ";";
@@ -96,6 +106,10 @@ inline void check_output(const HostTensor& got, const HostTensor& ref, const std
         if (non_finite++ < 4) first << " non-finite at row " << row << " col " << j << ";";
         continue;
       }
+      const double bound = 0x1p-7 * std::abs(y) + 0x1p-8 * row_rms;
+      if (!(std::abs(x - y) <= bound) && outside++ < 4)
+        first_outside << " row " << row << " col " << j << ": " << x << " against " << y << " (bound "
+                      << bound << ");";
       err2 += (x - y) * (x - y);
       ref2 += y * y;
       dot += x * y;
@@ -105,12 +119,14 @@ inline void check_output(const HostTensor& got, const HostTensor& ref, const std
   }
   EXPECT_EQ(non_finite, 0) << first.str();
   EXPECT_EQ(overwritten, 0) << "skipped rows were written:" << first.str();
+  EXPECT_EQ(outside, 0) << "values outside their bound, first:" << first_outside.str();
   if (checked == 0) return;
   const double rel = std::sqrt(err2 / ref2);
+  // (DeepGEMM's measure, printed beside ours: 1 - 2xy / (x^2 + y^2) is at most rel^2, so the L2 bound
+  // holds it too.)
   const double calc_diff = 1.0 - 2.0 * dot / sum2;
   EXPECT_LE(rel, kTolerance) << "relative L2 error over " << checked << " values (calc_diff " << calc_diff
                              << ")";
-  EXPECT_LE(calc_diff, kTolerance);
   std::printf("    rel_l2 %.3g, calc_diff %.3g over %lld values\n", rel, calc_diff,
               static_cast<long long>(checked));
 }

@@ -58,7 +58,8 @@ TEST(ScheduleMath, TrimmedCtasKeepTheRoundsOnFewerCtas) {
       ASSERT_EQ((tiles + got - 1) / got, rounds) << tiles << " tiles on " << ctas << " -> " << got;
       const bool trimmed = got < ctas;
       const bool rule = 2 * (tiles % ctas) >= ctas;
-      ASSERT_TRUE(!trimmed || rule) << tiles << " tiles on " << ctas;
+      // Trimmed exactly where the rule holds and the same rounds fit on fewer CTAs.
+      ASSERT_EQ(trimmed, rule && (tiles + rounds - 1) / rounds < ctas) << tiles << " tiles on " << ctas;
       if (trimmed) {
         ASSERT_GT(tiles, (rounds - 1) * got);           // the last round not empty
         ASSERT_EQ(got, (tiles + rounds - 1) / rounds);  // the fewest CTAs with those rounds

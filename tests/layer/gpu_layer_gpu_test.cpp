@@ -13,6 +13,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/gate.hpp"
@@ -208,7 +209,10 @@ TEST(GpuLayer, SharedStreamChoiceKeepsTheBits) {
     o.max_tokens = x.size(0);
     o.shared_stream = where;
     cuda::GpuMoeLayer layer(w, o);
-    ys.push_back(testing::layer_forward(layer, x, false).y);
+    testing::LayerForward f = testing::layer_forward(layer, x, false);
+    // The other choices are compared with the first alone: it must be right itself.
+    if (ys.empty()) testing::expect_matches_reference(*w, x, f, "shared expert on its own stream");
+    ys.push_back(std::move(f.y));
   }
   EXPECT_TRUE(same_bits<bf16>(ys[1], ys[0], "main against own"));
   EXPECT_TRUE(same_bits<bf16>(ys[2], ys[0], "auto against own"));
@@ -318,6 +322,8 @@ TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {
   TinyLayer tiny;
   const HostTensor x = synthetic_tokens(tiny.c, 21, 0, 32);
   const testing::LayerForward before = testing::layer_forward(tiny.layer, x, true);
+  // The forwards after the rebalance are compared with this one alone: it must be right itself.
+  testing::expect_matches_reference(*tiny.w, x, before, "graph before the rebalance");
   for (int i = 0; i < 3; ++i) testing::layer_forward(tiny.layer, x, true);
   const std::vector<std::int64_t> load = tiny.layer.expert_load();
   EXPECT_EQ(std::accumulate(load.begin(), load.end(), std::int64_t{0}),
@@ -383,6 +389,9 @@ TEST(GpuLayer, GraphsCapturedForAListOfBatchSizes) {
     SCOPED_TRACE("T = " + std::to_string(T));
     const HostTensor x = synthetic_tokens(c, 26 + static_cast<std::uint64_t>(T), 0, T);
     const testing::LayerForward eager = testing::layer_forward(layer, x, false);
+    // The replay is compared with the eager forward alone: it must be right itself (an empty batch
+    // has nothing to compare).
+    if (T > 0) testing::expect_matches_reference(*w, x, eager, "eager forward");
     EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, true).y, eager.y, "replay"));
   }
   EXPECT_EQ(layer.graphs_captured(), 4u);  // no capture on the way
@@ -436,6 +445,8 @@ TEST(GpuLayer, GemmsAloneAreTimedWithoutChangingTheNextForward) {
   testing::expect_error_mentions([&] { layer.time_gemms_alone(); }, "eager forward");
   const HostTensor x = synthetic_tokens(c, 23, 0, 20);
   const testing::LayerForward first = testing::layer_forward(layer, x, false);
+  // The forward after the timing is compared with this one alone: it must be right itself.
+  testing::expect_matches_reference(*w, x, first, "forward before the timing");
   testing::expect_error_mentions([&] { layer.time_gemms_alone(0); }, "reps");
   const cuda::GpuMoeLayer::GemmTimes t = layer.time_gemms_alone(3);
   EXPECT_GT(t.routed_ms, 0.0);

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <tuple>
+#include <vector>
 
 #include "epmoe/layer.hpp"
 #include "expect_error.hpp"
@@ -52,6 +53,16 @@ ErrorReport check(const ModelWeights& w, const Batch& b, Numerics numerics = Num
     }
   }
   return worst_report;
+}
+
+// A rebalance over the load `counted` (per logical expert) that the test relies on to move work: it
+// changed the placement and unloaded the busiest rank, by the model EPLB packs on. One that kept the
+// placement would leave "the same results from other slots" untested.
+void expect_rebalance_moved_experts(const ExpertPlacement& before, const ExpertPlacement& after,
+                                    const std::vector<std::int64_t>& counted) {
+  EXPECT_NE(after.phy2log(), before.phy2log()) << "the rebalance kept the placement";
+  const std::vector<double> load(counted.begin(), counted.end());
+  EXPECT_LT(busiest_rank_load(after, load), busiest_rank_load(before, load));
 }
 
 class LayerVsReference : public ::testing::TestWithParam<std::tuple<int, Mode, QuantScheme>> {};
@@ -139,20 +150,21 @@ TEST(Layer, RedundantExpertsDynamicChoiceAndRebalance) {
   Batch b = make_batch(c, {32, 32, 32, 32}, 4);
   layer.forward(b.xv, b.yv);
   EXPECT_LE(check(*w, b).rel_l2, 5e-3);
+  const std::vector<std::int64_t> load = layer.expert_load();
   std::int64_t counted = 0;
-  for (std::int64_t n : layer.expert_load()) counted += n;
+  for (std::int64_t n : load) counted += n;
   EXPECT_EQ(counted, 4 * 32 * c.topk);
 
-  const auto before = layer.placement().phy2log();
+  const ExpertPlacement before = layer.placement();
   layer.rebalance();
   for (std::int64_t n : layer.expert_load()) EXPECT_EQ(n, 0);
   EXPECT_EQ(layer.placement().num_physical(), c.num_physical_experts());
+  expect_rebalance_moved_experts(before, layer.placement(), load);
   Batch again = make_batch(c, {32, 32, 32, 32}, 4);
   layer.forward(again.xv, again.yv);
   EXPECT_LE(check(*w, again).rel_l2, 5e-3);
   const ErrorReport same = compare(again.y[0], b.y[0]);
   EXPECT_LE(same.rel_l2, 5e-3);  // a placement change moves work, not results
-  (void)before;
 }
 
 TEST(Layer, BadInputIsRefusedWithClearMessages) {
@@ -289,12 +301,15 @@ TEST(Layer, AutoModeServesPrefillAndDecodeWithOneLayer) {
     const std::size_t m = static_cast<std::size_t>(decode.y[r].nbytes());
     EXPECT_EQ(std::memcmp(decode.y[r].data<bf16>(), decode_fixed.y[r].data<bf16>(), m), 0) << "rank " << r;
   }
+  const std::vector<std::int64_t> load = layer.expert_load();
   std::int64_t counted = 0;
-  for (std::int64_t n : layer.expert_load()) counted += n;
+  for (std::int64_t n : load) counted += n;
   EXPECT_EQ(counted, (40 + 23 + 16 + 5) * c.topk);
 
   // A rebalance serves both kinds: same results, other slots.
+  const ExpertPlacement before = layer.placement();
   layer.rebalance();
+  expect_rebalance_moved_experts(before, layer.placement(), load);
   Batch again = make_batch(c, {16, 5}, 4);
   layer.forward(again.xv, again.yv, BatchKind::decode);
   EXPECT_LE(compare(again.y[0], decode.y[0]).rel_l2, 5e-3);

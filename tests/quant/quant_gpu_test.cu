@@ -197,21 +197,29 @@ INSTANTIATE_TEST_SUITE_P(
              std::string(cuda::to_string(std::get<2>(c))) + (std::get<3>(c) ? "_pow2" : "_f32");
     });
 
-// The same input quantized twice gives the same bytes (no dependence on leftover state).
+// The same input quantized twice gives the CPU's bytes both times (no dependence on leftover state: the
+// outputs are poisoned before each run).
 TEST(QuantPerTokenGroupGpuMisc, RepeatableAndEmpty) {
   EPMOE_REQUIRE_GPU();
   testing::SeededRng rng;
   const HostTensor x = random_activations(257, 2048, rng);
+  HostTensor q_ref(DType::fp8_e4m3, {257, 2048});
+  HostTensor s_ref(DType::f32, {257, 16});
+  quantize_per_token_group_fp8(x, q_ref, s_ref, 128, false);
   cuda::Stream stream;
   const cuda::DeviceTensor dx = cuda::to_device(x, stream);
   const cuda::DeviceTensor dq(DType::fp8_e4m3, {257, 2048});
   const cuda::DeviceTensor ds(DType::f32, {257, 16});
-  cuda::quantize_per_token_group_fp8(dx, dq, ds, stream);
-  const HostTensor q1 = cuda::to_host(dq, stream);
-  dq.fill_bytes(kPoison, stream);
-  cuda::quantize_per_token_group_fp8(dx, dq, ds, stream);
-  const HostTensor q2 = cuda::to_host(dq, stream);
-  EXPECT_EQ(std::memcmp(q1.data<fp8_e4m3>(), q2.data<fp8_e4m3>(), q1.nbytes()), 0);
+  for (int run = 0; run < 2; ++run) {
+    SCOPED_TRACE("run " + std::to_string(run));
+    dq.fill_bytes(kPoison, stream);
+    ds.fill_bytes(kPoison, stream);
+    cuda::quantize_per_token_group_fp8(dx, dq, ds, stream);
+    const HostTensor q = cuda::to_host(dq, stream);
+    const HostTensor s = cuda::to_host(ds, stream);
+    EXPECT_EQ(std::memcmp(q.view().data, q_ref.view().data, q_ref.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(s.view().data, s_ref.view().data, s_ref.nbytes()), 0);
+  }
 
   // T = 0: accepted, nothing launched.
   const cuda::DeviceTensor ex(DType::bf16, {0, 256});

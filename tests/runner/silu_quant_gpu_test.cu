@@ -136,9 +136,21 @@ cuda::SiluQuantOptions gpu_options(Variant v, float tensor_scale, const cuda::De
   } else {
     o.scaling = Fp8Scaling::per_tensor;
     o.tensor_scale = tensor_scale;
-    if (v == Variant::tensor_device) o.tensor_scale_device = device_scale;
+    // The device scale alone: a NaN host scale, so that a launcher which read the host value instead
+    // would write NaN codes, which the reference check refuses.
+    if (v == Variant::tensor_device) {
+      o.tensor_scale = std::nanf("");
+      o.tensor_scale_device = device_scale;
+    }
   }
   return o;
+}
+
+// Per-tensor mode writes no scale: the poisoned scale buffer is untouched.
+void expect_no_scale_written(const HostTensor& s) {
+  const auto* b = static_cast<const std::uint8_t*>(s.view().data);
+  EXPECT_TRUE(std::all_of(b, b + s.nbytes(), [](std::uint8_t x) { return x == kPoison; }))
+      << "per-tensor mode wrote scales";
 }
 
 // Where the GPU scale of flattened row r (expert e = r / rows_per_block, m = r % rows_per_block),
@@ -325,11 +337,7 @@ void run_contiguous(const HostTensor& m_indices, std::int64_t inter, Variant v, 
   const ScaleIndex at{is_mn(v), groups, rows, cuda::tma_aligned_tokens(rows)};
   expect_matches_reference(h, q, s, q_ref, s_ref, v, tensor_scale, at);
   if (is_mn(v)) expect_zero_padding(s, at, 1);
-  if (!is_group(v)) {
-    const auto* b = static_cast<const std::uint8_t*>(s.view().data);
-    EXPECT_TRUE(std::all_of(b, b + s.nbytes(), [](std::uint8_t x) { return x == kPoison; }))
-        << "per-tensor mode wrote scales";
-  }
+  if (!is_group(v)) expect_no_scale_written(s);
 }
 
 // (valid rows spread over experts, I, experts)
@@ -418,6 +426,7 @@ void run_masked(const std::vector<std::int32_t>& masked_m, std::int64_t m_max, s
   const ScaleIndex at{is_mn(v), groups, m_max, cuda::tma_aligned_tokens(m_max)};
   expect_matches_reference(h2, q, s, q_ref, s_ref, v, tensor_scale, at);
   if (is_mn(v)) expect_zero_padding(s, at, experts);
+  if (!is_group(v)) expect_no_scale_written(s);
 }
 
 // (E, M_max, I, valid-row mode: 0 random, 1 all zero, 2 all to one expert, 3 all full)

@@ -55,6 +55,30 @@ TEST(CheckAgainstReference, PassesTheLayerAndFailsACorruptedRank) {
   EXPECT_FALSE(to_json(bad)["pass"].get<bool>());
 }
 
+// A finite error, 10% on every element of rank 0: its rel_l2 (about 0.1) fails at 1e-2 while its calc_diff
+// (about 5e-3) alone would pass; at a tolerance of 1.0 the same outputs pass. A verdict that only looked for
+// NaN / Inf, ignored rel_l2 or ignored the tolerance given fails one of these.
+TEST(CheckAgainstReference, FailsAFiniteErrorPastTheToleranceOnly) {
+  TwoRanks t = forward_two_ranks();
+  HostTensor& y0 = t.y[0];
+  for (std::int64_t i = 0; i < y0.numel(); ++i)
+    y0.data<bf16>()[i] = bf16::from_float(y0.data<bf16>()[i].to_float() * 1.1f);
+  const CheckResult tight = check_against_reference(*t.weights, t.xv, t.yv, Numerics::mirror, 1e-2);
+  EXPECT_FALSE(tight.pass);
+  ASSERT_EQ(tight.per_rank.size(), 2u);
+  EXPECT_EQ(tight.per_rank[0].non_finite, 0);
+  EXPECT_NEAR(tight.per_rank[0].rel_l2, 0.1, 0.01);
+  EXPECT_LT(tight.per_rank[0].calc_diff, 1e-2);
+  EXPECT_TRUE(tight.per_rank[1].within(1e-2));
+  EXPECT_GT(tight.overall.rel_l2, 1e-2);
+  EXPECT_FALSE(to_json(tight)["pass"].get<bool>());
+
+  const CheckResult loose = check_against_reference(*t.weights, t.xv, t.yv, Numerics::mirror, 1.0);
+  EXPECT_TRUE(loose.pass);
+  EXPECT_EQ(loose.tolerance, 1.0);
+  EXPECT_TRUE(to_json(loose)["pass"].get<bool>());
+}
+
 TEST(CheckAgainstReference, NeedsOneOutputPerRank) {
   const TwoRanks t = forward_two_ranks();
   testing::expect_error_mentions(

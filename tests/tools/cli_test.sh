@@ -88,8 +88,9 @@ check "eplb global --output runs" "$epmoe" eplb --load "$tmp/load.json" --replic
 cp "$tmp/stdout" "$tmp/eplb_output_stdout"  # (check sends test's own stdout to $tmp/stdout, emptying it)
 check "eplb --output leaves stdout empty" test ! -s "$tmp/eplb_output_stdout"
 check "eplb global output is a consistent placement" validate_eplb "$tmp/global.json" 20
-check "eplb is deterministic" bash -c "'$epmoe' eplb --load '$tmp/load.json' --replicas 24 --groups 4 --nodes 2 \
-  --gpus 4 | cmp -s - '$tmp/hier.json'"
+check "eplb hierarchical runs again" "$epmoe" eplb --load "$tmp/load.json" --replicas 24 --groups 4 --nodes 2 --gpus 4
+cp "$tmp/stdout" "$tmp/hier_again.json"
+check "eplb is deterministic" cmp -s "$tmp/hier_again.json" "$tmp/hier.json"
 
 # Bad inputs: clear message, non-zero exit.
 echo '{"load": [[1, 2, 3' >"$tmp/bad_json.json"
@@ -199,9 +200,12 @@ check "run --tokens 0 runs the prefill only" "$epmoe" run --device cpu --tokens 
 check "run --tokens 0 JSON has no decode phase" python3 -c "import json,sys; d=json.load(open('$tmp/tokens0.json')); sys.exit('decode' in d or 'prefill' not in d)"
 check_fails "run with no phase" "nothing to run: no decode phase" "$epmoe" run --device cpu --tokens 0 --prompt-tokens 0
 # GPU-only options on a CPU run: the run goes on, and says they have no effect.
-check "cpu run names the GPU options it ignores" bash -c "'$epmoe' run --device cpu --steps 1 --prompt-tokens 10 \
-  --tbo --dispatcher nccl-p2p --trace '$tmp/t.json' --no-device-idle 2>&1 >/dev/null | \
-  grep -q 'GPU options have no effect here: --tbo, --dispatcher, --trace, --no-device-idle'"
+# (The run's own exit status counts: a run that warned and then failed is a failure.)
+check "cpu run with GPU options runs" "$epmoe" run --device cpu --steps 1 --prompt-tokens 10 \
+  --tbo --dispatcher nccl-p2p --trace "$tmp/t.json" --no-device-idle
+cp "$tmp/stderr" "$tmp/gpu_options_stderr"
+check "cpu run names the GPU options it ignores" \
+  grep -q 'GPU options have no effect here: --tbo, --dispatcher, --trace, --no-device-idle' "$tmp/gpu_options_stderr"
 # --json -: stdout is the JSON document alone (the report goes to stderr).
 check "run --json - runs" "$epmoe" run --device cpu --steps 2 --prompt-tokens 100 --json -
 cp "$tmp/stdout" "$tmp/run_stdout.json"
@@ -243,11 +247,18 @@ done
 # return null; its other options are kept.)
 check_fails "check with 10^12 tokens" "out of host memory for [0-9]+ bytes" \
   env ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}allocator_may_return_null=1" "$epmoe" check --tokens 1000000000000
-# '-' is stdout for version --json and eplb --output too (both wrote a file named '-').
-check "version --json - is JSON on stdout" bash -c "cd '$tmp' && '$epmoe' version --json - 2>/dev/null | \
-  python3 -c 'import json, sys; assert \"nccl\" in json.load(sys.stdin)' && test ! -e '$tmp/-'"
-check "eplb --output - is stdout" bash -c "cd '$tmp' && '$epmoe' eplb --load load.json --replicas 24 --groups 4 \
-  --nodes 2 --gpus 4 --output - | cmp -s - hier.json && test ! -e '$tmp/-'"
+# '-' is stdout for version --json and eplb --output too (both wrote a file named '-'). Run in $tmp (a file
+# named '-' would land there), each run's exit status its own.
+check "version --json - runs" bash -c "cd '$tmp' && exec '$epmoe' version --json -"
+cp "$tmp/stdout" "$tmp/version_stdout.json"
+check "version --json - is JSON on stdout" python3 -c \
+  "import json; assert 'nccl' in json.load(open('$tmp/version_stdout.json'))"
+check "version --json - writes no file named -" test ! -e "$tmp/-"
+check "eplb --output - runs" bash -c "cd '$tmp' && exec '$epmoe' eplb --load load.json --replicas 24 --groups 4 \
+  --nodes 2 --gpus 4 --output -"
+cp "$tmp/stdout" "$tmp/eplb_stdout.json"
+check "eplb --output - is stdout" cmp -s "$tmp/eplb_stdout.json" "$tmp/hier.json"
+check "eplb --output - writes no file named -" test ! -e "$tmp/-"
 check_fails "eplb --load a directory" "cannot open --load file '$tmp': it is a directory" \
   "$epmoe" eplb --load "$tmp" --replicas 4
 check_fails "eplb zero replicas" "--replicas: must be > 0, got 0" "$epmoe" eplb --load "$tmp/load.json" --replicas 0
