@@ -106,7 +106,7 @@ MoeConfig config_for(std::string_view param, int redundant, int max_tokens) {
 }
 
 std::shared_ptr<SyntheticWeights> weights_for(const MoeConfig& c) {
-  auto w = std::make_shared<SyntheticWeights>(c, 17);
+  auto w = std::make_shared<SyntheticWeights>(c, input_seed(17));
   w->set_expert_factory(cuda::gpu_expert_factory(world().device()));
   return w;
 }
@@ -147,7 +147,7 @@ TEST_P(LayerRanks, LowLatencyEagerAndGraphMatchTheReference) {
     cuda::GpuMoeLayer& layer = *layer_ptr;
     // Different token counts per rank, one rank with a single token.
     const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
-    const HostTensor x = synthetic_tokens(c, 33, world().rank(), T);
+    const HostTensor x = synthetic_tokens(c, input_seed(33), world().rank(), T);
     const Out eager = layer_forward(layer, x, false);
     expect_reference(*w, x, eager, "low-latency eager");
     EXPECT_TRUE(same_bits(layer_forward(layer, x, true).y, eager.y))
@@ -182,7 +182,7 @@ TEST_P(LayerRanks, LowLatencyRepeatedCallsGiveTheSameBits) {
     const auto layer_ptr = make_layer(w, Mode::low_latency);
     cuda::GpuMoeLayer& layer = *layer_ptr;
     const std::int64_t T = c.max_tokens_per_rank - world().rank();
-    const HostTensor x = synthetic_tokens(c, 34, world().rank(), T);
+    const HostTensor x = synthetic_tokens(c, input_seed(34), world().rank(), T);
     const Out first = layer_forward(layer, x, false);
     // The repeats are compared with this one alone: a forward that wrote nothing (the poison left) would
     // repeat its bits too.
@@ -207,7 +207,7 @@ TEST_P(LayerRanks, WholeDispatchCallGivesTheSameBitsAsTheHalves) {
       const MoeConfig c = ll ? low_latency_config(GetParam()) : config_for(GetParam(), 4, 128);
       auto w = weights_for(c);
       const std::int64_t T = ll ? c.max_tokens_per_rank - 1 - world().rank() : 60 + 9 * world().rank();
-      const HostTensor x = synthetic_tokens(c, 38, world().rank(), T);
+      const HostTensor x = synthetic_tokens(c, input_seed(38), world().rank(), T);
       const Out halves = forward_and_destroy(make_layer(w, mode, false, ll ? 0 : 128), x);
       const auto layer_ptr = make_layer(w, mode, false, ll ? 0 : 128, /*whole_dispatch=*/true);
       const Out whole = layer_forward(*layer_ptr, x, false);
@@ -227,7 +227,7 @@ TEST_P(LayerRanks, LowLatencyTwoBatchOverlapMatchesWithout) {
     auto w = weights_for(c);
     // Odd token counts (micro-batches of different sizes), and one rank whose second micro-batch is empty.
     const std::int64_t T = world().rank() == 0 ? 1 : c.max_tokens_per_rank - world().rank();
-    const HostTensor x = synthetic_tokens(c, 37, world().rank(), T);
+    const HostTensor x = synthetic_tokens(c, input_seed(37), world().rank(), T);
     const Out plain = forward_and_destroy(make_layer(w, Mode::low_latency), x);
     const auto layer_ptr = make_layer(w, Mode::low_latency, /*tbo=*/true);
     cuda::GpuMoeLayer& layer = *layer_ptr;
@@ -255,7 +255,7 @@ TEST_P(LayerRanks, NormalWithAndWithoutTwoBatchOverlapMatchTheReference) {
     const MoeConfig c = config_for(GetParam(), big ? 32 : 4, 128);
     auto w = weights_for(c);
     const std::int64_t T = big ? 6 + world().rank() : 100 + 7 * world().rank();
-    const HostTensor x = synthetic_tokens(c, 35, world().rank(), T);
+    const HostTensor x = synthetic_tokens(c, input_seed(35), world().rank(), T);
     const Out plain = forward_and_destroy(make_layer(w, Mode::normal, false, 128), x);
     expect_reference(*w, x, plain, "normal");
     const auto layer_ptr = make_layer(w, Mode::normal, /*tbo=*/true, 128);
@@ -278,7 +278,7 @@ TEST_P(LayerRanks, NormalWithoutAHostSyncGivesTheSameBits) {
     const MoeConfig c = config_for(GetParam(), big ? 32 : 4, 128);
     auto w = weights_for(c);
     const std::int64_t T = big ? 7 + world().rank() : 90 + 5 * world().rank();
-    const HostTensor x = synthetic_tokens(c, 43, world().rank(), T);
+    const HostTensor x = synthetic_tokens(c, input_seed(43), world().rank(), T);
     const Out exact = forward_and_destroy(make_layer(w, Mode::normal, false, 128), x);
     // The forwards without the sync are compared with this one alone: it must be right itself.
     expect_reference(*w, x, exact, "normal with a host sync");
@@ -303,8 +303,8 @@ TEST_P(LayerRanks, AutoModeGivesEachBatchKindItsModesBits) {
     const std::int64_t prefill_max = 128;
     const std::int64_t T_prefill = big ? 9 + world().rank() : 60 + 9 * world().rank();
     const std::int64_t T_decode = c.max_tokens_per_rank - world().rank();
-    const HostTensor xp = synthetic_tokens(c, 41, world().rank(), T_prefill);
-    const HostTensor xd = synthetic_tokens(c, 42, world().rank(), T_decode);
+    const HostTensor xp = synthetic_tokens(c, input_seed(41), world().rank(), T_prefill);
+    const HostTensor xd = synthetic_tokens(c, input_seed(42), world().rank(), T_decode);
     const Out normal = forward_and_destroy(make_layer(w, Mode::normal, false, prefill_max), xp);
     const Out low_latency = forward_and_destroy(make_layer(w, Mode::low_latency), xd);
     const auto layer_ptr = make_layer(w, Mode::automatic, false, prefill_max);
@@ -350,8 +350,9 @@ TEST(LayerNcclP2p, GivesTheBitsOfTheNvlinkDispatchers) {
     if (world().size() < 2) return;  // one rank: the local dispatcher
     const MoeConfig c = low_latency_config("tiny/fp8");
     auto w = weights_for(c);
-    const HostTensor xd = synthetic_tokens(c, 44, world().rank(), c.max_tokens_per_rank - world().rank());
-    const HostTensor xp = synthetic_tokens(c, 45, world().rank(), 60 + 9 * world().rank());
+    const HostTensor xd =
+        synthetic_tokens(c, input_seed(44), world().rank(), c.max_tokens_per_rank - world().rank());
+    const HostTensor xp = synthetic_tokens(c, input_seed(45), world().rank(), 60 + 9 * world().rank());
     auto options = [](Mode mode, const char* dispatcher, bool tbo = false, bool host_sync = true) {
       cuda::GpuLayerOptions o;
       o.mode = mode;
@@ -394,7 +395,7 @@ TEST(LayerNcclBorrowed, AnEnginesOwnCommunicatorGivesTheSameBits) {
     const MoeConfig c = low_latency_config("tiny/fp8");
     auto w = weights_for(c);
     const std::int64_t T = c.max_tokens_per_rank - world().rank();
-    const HostTensor x = synthetic_tokens(c, 39, world().rank(), T);
+    const HostTensor x = synthetic_tokens(c, input_seed(39), world().rank(), T);
     const Out on_world = forward_and_destroy(make_layer(w, Mode::low_latency), x);
     // The borrowed communicator's forwards are compared with this one alone: it must be right itself.
     expect_reference(*w, x, on_world, "low latency on the world's communicator");

@@ -8,9 +8,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "cuda/hd.hpp"
 #include "epmoe/cuda/runtime.hpp"
 #include "ranks_util.hpp"
 #include "test_random.hpp"
@@ -25,6 +27,9 @@ std::uint64_t g_seed = 0;                            // test_seed()
 std::uint64_t test_seed() {
   return g_seed;
 }
+std::uint64_t input_seed(std::uint64_t salt) {
+  return detail::splitmix64(g_seed ^ detail::splitmix64(salt));
+}
 Communicator& world() {
   return *world_ptr();
 }
@@ -32,7 +37,10 @@ std::shared_ptr<Communicator> world_ptr() {
   return t_world ? t_world : g_world;
 }
 void on_ranks(const std::function<void()>& body) {
+  // Every failure message names the seed that replays it (a trace is per thread: one in each rank's).
+  const std::string seed_trace = "test seed " + std::to_string(g_seed) + " (EPMOE_TEST_SEED replays it)";
   if (g_ranks.empty()) {
+    SCOPED_TRACE(seed_trace);
     body();
     return;
   }
@@ -41,7 +49,8 @@ void on_ranks(const std::function<void()>& body) {
   // exception ends that rank's part as a failure (the others then time out at their next wait).
   std::vector<std::thread> threads;
   for (const auto& rank : g_ranks) {
-    threads.emplace_back([&body, rank] {
+    threads.emplace_back([&body, &seed_trace, rank] {
+      SCOPED_TRACE(seed_trace);
       t_world = rank;
       Communicator::set_thread_default(rank);
       try {

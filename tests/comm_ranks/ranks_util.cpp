@@ -28,9 +28,9 @@ ncclUniqueId shared_nccl_id() {
 }
 
 std::vector<RankInput> make_inputs(const MoeConfig& c, ActivationFormat format,
-                                   const std::vector<std::int64_t>& tokens, std::uint32_t seed,
+                                   const std::vector<std::int64_t>& tokens, std::uint64_t salt,
                                    Routing routing) {
-  std::mt19937 rng(seed);
+  std::mt19937_64 rng(input_seed(salt));
   std::uniform_real_distribution<float> val(-3.0f, 3.0f);
   const int P = c.num_physical_experts(), L = c.num_local_experts(), K = c.topk;
   // Rank 0 alone must hold K distinct experts per token; with fewer (the tiny dims at 8 ranks: 24

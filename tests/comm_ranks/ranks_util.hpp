@@ -23,8 +23,12 @@ std::shared_ptr<Communicator> world_ptr();
 // Runs a test's body as every rank: once (one process per rank), or on one thread per rank with
 // that rank as world() (EPMOE_LOOPBACK_RANKS). Every TEST body of the multi-rank suite goes through it.
 void on_ranks(const std::function<void()>& body);
-// The randomized tests' seed, the same on every rank of a run (printed at start; EPMOE_TEST_SEED sets it).
+// The randomized tests' seed, the same on every rank of a run (printed at start and in every failure
+// message; EPMOE_TEST_SEED sets it).
 std::uint64_t test_seed();
+// An input's seed: `salt` (which input of a test) mixed with test_seed(), so that every rank draws the
+// same inputs and every run fresh ones (design.md section 8), and one salt the same inputs twice.
+std::uint64_t input_seed(std::uint64_t salt);
 // A fresh NCCL unique id, drawn by rank 0 and broadcast over world() (collective; NCCL ranks only), for
 // tests that make communicators of their own.
 ncclUniqueId shared_nccl_id();
@@ -37,12 +41,13 @@ struct RankInput {
   DispatchInput view() const { return {x, scales, tensor_scale, ids, weights}; }
 };
 
-// Inputs of every rank: x random in ±3, quantized as `format` wants; ids distinct per token:
+// Inputs of every rank, drawn from input_seed(salt): x random in ±3, quantized as `format` wants; ids
+// distinct per token:
 //   random           uniform over the physical experts;
 //   same_experts     every token has the same K experts (all tokens to one expert set);
 //   first_rank_only  only experts of rank 0 (the other ranks receive nothing).
 std::vector<RankInput> make_inputs(const MoeConfig& c, ActivationFormat format,
-                                   const std::vector<std::int64_t>& tokens, std::uint32_t seed,
+                                   const std::vector<std::int64_t>& tokens, std::uint64_t salt,
                                    Routing routing);
 
 // The same data on this rank's GPU (empty tensors stay empty views).

@@ -66,10 +66,11 @@ template <class T>
 
 TEST(SyntheticGpu, Fp8ExpertBitIdenticalWithCpu) {
   EPMOE_REQUIRE_GPU();
+  testing::SeededRng rng;
   const std::pair<std::int64_t, std::int64_t> dims[] = {{256, 128}, {7168, 2048}};
   for (const auto& [H, I] : dims) {
     SCOPED_TRACE(::testing::Message() << "H=" << H << " I=" << I);
-    const std::uint64_t seed = 0x1234 + static_cast<std::uint64_t>(H);
+    const std::uint64_t seed = rng();
     const auto cpu = make_synthetic_expert(QuantScheme::fp8, H, I, seed);
     const auto gpu = cuda::gpu_expert_factory(0)(QuantScheme::fp8, H, I, seed);
     EXPECT_TRUE(same_bits<fp8_e4m3>(gpu->w13, cpu->w13, "w13"));
@@ -81,10 +82,11 @@ TEST(SyntheticGpu, Fp8ExpertBitIdenticalWithCpu) {
 
 TEST(SyntheticGpu, W4a8ExpertBitIdenticalWithCpu) {
   EPMOE_REQUIRE_GPU();
+  testing::SeededRng rng;
   const std::pair<std::int64_t, std::int64_t> dims[] = {{256, 128}, {7168, 2048}};
   for (const auto& [H, I] : dims) {
     SCOPED_TRACE(::testing::Message() << "H=" << H << " I=" << I);
-    const std::uint64_t seed = 0x4a8 + static_cast<std::uint64_t>(H);
+    const std::uint64_t seed = rng();
     const auto cpu = make_synthetic_expert(QuantScheme::w4a8, H, I, seed);
     const auto gpu = cuda::gpu_expert_factory(0)(QuantScheme::w4a8, H, I, seed);
     EXPECT_TRUE(same_raw_bytes(gpu->w13, cpu->w13, "w13"));
@@ -97,9 +99,10 @@ TEST(SyntheticGpu, W4a8ExpertBitIdenticalWithCpu) {
 TEST(GateGemmGpu, MatchesCpuToF32Rounding) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = one_rank("deepseek-v3");
-  SyntheticWeights w(c, 7);
+  testing::SeededRng rng;
+  SyntheticWeights w(c, rng());
   const std::int64_t T = 37;
-  const HostTensor x = synthetic_tokens(c, 11, 0, T);
+  const HostTensor x = synthetic_tokens(c, rng(), 0, T);
   HostTensor want(DType::f32, {T, c.num_experts});
   router_logits_cpu(x, w.gate_weight(), want);
   cuda::Stream stream;
@@ -120,13 +123,14 @@ TEST(GateGemmGpu, MatchesCpuToF32Rounding) {
 TEST(GateGemmGpu, EveryLogitWrittenAtSmallShapes) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = one_rank("tiny");
-  SyntheticWeights w(c, 5);
+  testing::SeededRng rng;
+  SyntheticWeights w(c, rng());
   cuda::Stream stream;
   cuda::GateGemm gate;
   const DeviceTensor dg = cuda::to_device(w.gate_weight(), stream);
   for (const std::int64_t T : {1, 2, 3, 7, 16, 32, 100}) {
     SCOPED_TRACE("T = " + std::to_string(T));
-    const HostTensor x = synthetic_tokens(c, 13, 0, T);
+    const HostTensor x = synthetic_tokens(c, rng(), 0, T);
     HostTensor want(DType::f32, {T, c.num_experts});
     router_logits_cpu(x, w.gate_weight(), want);
     const DeviceTensor dx = cuda::to_device(x, stream);
@@ -161,9 +165,10 @@ TEST_P(GpuLayerOneRank, MatchesReferenceEagerAndGraph) {
   EPMOE_REQUIRE_GPU();
   const LayerCase p = GetParam();
   const MoeConfig c = one_rank(p.preset, p.redundant, 32, p.quant);
-  auto w = gpu_synthetic(c, 3);
+  testing::SeededRng rng;
+  auto w = gpu_synthetic(c, rng());
   cuda::GpuMoeLayer layer(w, options_for(p));
-  const HostTensor x = synthetic_tokens(c, 5, 0, p.tokens);
+  const HostTensor x = synthetic_tokens(c, rng(), 0, p.tokens);
   const testing::LayerForward eager = testing::layer_forward(layer, x, false);
   testing::expect_matches_reference(*w, x, eager, "eager forward");
   // Repeats reuse the buffers; graph replays give the same bits.
@@ -200,8 +205,9 @@ TEST(GpuLayer, SharedStreamChoiceKeepsTheBits) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = one_rank("tiny", 0);
   ASSERT_GT(c.num_shared_experts, 0);
-  auto w = gpu_synthetic(c, 9);
-  const HostTensor x = synthetic_tokens(c, 21, 0, 50);
+  testing::SeededRng rng;
+  auto w = gpu_synthetic(c, rng());
+  const HostTensor x = synthetic_tokens(c, rng(), 0, 50);
   std::vector<HostTensor> ys;
   for (const char* where : {"own", "main", "auto"}) {
     cuda::GpuLayerOptions o;
@@ -230,7 +236,8 @@ TEST_P(GpuLayerAutoMode, EachBatchKindGetsItsModesBits) {
   EPMOE_REQUIRE_GPU();
   const auto [preset, quant] = GetParam();
   const MoeConfig c = one_rank(preset, /*redundant=*/4, /*max_tokens=*/16, quant);
-  auto w = gpu_synthetic(c, 13);
+  testing::SeededRng rng;
+  auto w = gpu_synthetic(c, rng());
   const std::int64_t prefill_tokens = 40, decode_tokens = 16;
   cuda::GpuLayerOptions o;
   o.mode = Mode::automatic;
@@ -245,8 +252,8 @@ TEST_P(GpuLayerAutoMode, EachBatchKindGetsItsModesBits) {
   cuda::GpuMoeLayer normal(w, on);
   cuda::GpuMoeLayer low_latency(w, {});
 
-  const HostTensor xp = synthetic_tokens(c, 7, 0, prefill_tokens),
-                   xd = synthetic_tokens(c, 8, 0, decode_tokens);
+  const HostTensor xp = synthetic_tokens(c, rng(), 0, prefill_tokens),
+                   xd = synthetic_tokens(c, rng(), 0, decode_tokens);
   const testing::LayerForward prefill = testing::layer_forward(layer, xp, false, {}, {}, BatchKind::prefill);
   testing::expect_matches_reference(*w, xp, prefill, "auto, prefill");
   EXPECT_TRUE(
@@ -287,10 +294,11 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuLayerAutoMode,
                                   "_" + std::string(to_string(std::get<1>(case_info.param)));
                          });
 
-// A one-rank tiny layer on synthetic weights (seed 9), default options (the load and rebalance tests).
+// A one-rank tiny layer on synthetic weights, default options (the load and rebalance tests).
 struct TinyLayer {
+  explicit TinyLayer(std::uint64_t weights_seed) : w(gpu_synthetic(c, weights_seed)) {}
   MoeConfig c = one_rank("tiny", 4);
-  std::shared_ptr<SyntheticWeights> w = gpu_synthetic(c, 9);
+  std::shared_ptr<SyntheticWeights> w;
   cuda::GpuMoeLayer layer{w, {}};
 };
 
@@ -299,8 +307,9 @@ struct TinyLayer {
 // logical routing) count the same per expert again, wherever their slots moved.
 TEST(GpuLayer, ExpertLoadSpansAPlacementChange) {
   EPMOE_REQUIRE_GPU();
-  TinyLayer tiny;
-  const HostTensor x = synthetic_tokens(tiny.c, 22, 0, 32);
+  testing::SeededRng rng;
+  TinyLayer tiny(rng());
+  const HostTensor x = synthetic_tokens(tiny.c, rng(), 0, 32);
   testing::layer_forward(tiny.layer, x, false);
   const std::vector<std::int64_t> once = tiny.layer.expert_load();
   EXPECT_EQ(std::accumulate(once.begin(), once.end(), std::int64_t{0}), 32 * tiny.c.topk);
@@ -319,8 +328,9 @@ TEST(GpuLayer, ExpertLoadSpansAPlacementChange) {
 
 TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {
   EPMOE_REQUIRE_GPU();
-  TinyLayer tiny;
-  const HostTensor x = synthetic_tokens(tiny.c, 21, 0, 32);
+  testing::SeededRng rng;
+  TinyLayer tiny(rng());
+  const HostTensor x = synthetic_tokens(tiny.c, rng(), 0, 32);
   const testing::LayerForward before = testing::layer_forward(tiny.layer, x, true);
   // The forwards after the rebalance are compared with this one alone: it must be right itself.
   testing::expect_matches_reference(*tiny.w, x, before, "graph before the rebalance");
@@ -347,10 +357,11 @@ TEST_P(GpuLayerRebalance, MovedExpertsGiveTheSameBits) {
   EPMOE_REQUIRE_GPU();
   const LayerCase p = GetParam();
   const MoeConfig c = one_rank(p.preset, p.redundant, 32, p.quant);
-  auto w = gpu_synthetic(c, 15);
+  testing::SeededRng rng;
+  auto w = gpu_synthetic(c, rng());
   cuda::GpuMoeLayer layer(w, options_for(p));
   const bool ll = p.mode == Mode::low_latency;
-  const HostTensor x = synthetic_tokens(c, 25, 0, p.tokens);
+  const HostTensor x = synthetic_tokens(c, rng(), 0, p.tokens);
   const testing::LayerForward before = testing::layer_forward(layer, x, false);
   testing::expect_matches_reference(*w, x, before, "before the rebalance");
   if (ll) {
@@ -380,14 +391,15 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuLayerRebalance,
 TEST(GpuLayer, GraphsCapturedForAListOfBatchSizes) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = one_rank("tiny", 4);
-  auto w = gpu_synthetic(c, 16);
+  testing::SeededRng rng;
+  auto w = gpu_synthetic(c, rng());
   cuda::GpuMoeLayer layer(w, {});
   const std::int64_t sizes[] = {1, 7, 32, 0};
   layer.capture_graphs(sizes);
   EXPECT_EQ(layer.graphs_captured(), 4u);
   for (const std::int64_t T : {32, 1, 7, 0, 32}) {
     SCOPED_TRACE("T = " + std::to_string(T));
-    const HostTensor x = synthetic_tokens(c, 26 + static_cast<std::uint64_t>(T), 0, T);
+    const HostTensor x = synthetic_tokens(c, rng(), 0, T);
     const testing::LayerForward eager = testing::layer_forward(layer, x, false);
     // The replay is compared with the eager forward alone: it must be right itself (an empty batch
     // has nothing to compare).
@@ -403,15 +415,16 @@ TEST(GpuLayer, GraphsCapturedForAListOfBatchSizes) {
 // the forward, the second micro-batch absent without two-batch overlap; an untimed forward leaves them.
 TEST(GpuLayer, TimedForwardRecordsItsPhaseSpans) {
   EPMOE_REQUIRE_GPU();
+  testing::SeededRng rng;
   for (const Mode mode : {Mode::low_latency, Mode::normal}) {
     SCOPED_TRACE(std::string(to_string(mode)));
     const MoeConfig c = one_rank("tiny", 4);
-    auto w = gpu_synthetic(c, 17);
+    auto w = gpu_synthetic(c, rng());
     cuda::GpuLayerOptions o;
     o.mode = mode;
     o.timing = true;
     cuda::GpuMoeLayer layer(w, o);
-    const HostTensor x = synthetic_tokens(c, 27, 0, 24);
+    const HostTensor x = synthetic_tokens(c, rng(), 0, 24);
     const testing::LayerForward f = testing::layer_forward(layer, x, false);
     testing::expect_matches_reference(*w, x, f, "timed forward");
     const cuda::GpuForwardSpans sp = layer.last_spans();
@@ -438,12 +451,13 @@ TEST(GpuLayer, TimedForwardRecordsItsPhaseSpans) {
 TEST(GpuLayer, GemmsAloneAreTimedWithoutChangingTheNextForward) {
   EPMOE_REQUIRE_GPU();
   const MoeConfig c = one_rank("tiny");
-  auto w = gpu_synthetic(c, 3);
+  testing::SeededRng rng;
+  auto w = gpu_synthetic(c, rng());
   cuda::GpuLayerOptions o;
   o.mode = Mode::normal;
   cuda::GpuMoeLayer layer(w, o);
   testing::expect_error_mentions([&] { layer.time_gemms_alone(); }, "eager forward");
-  const HostTensor x = synthetic_tokens(c, 23, 0, 20);
+  const HostTensor x = synthetic_tokens(c, rng(), 0, 20);
   const testing::LayerForward first = testing::layer_forward(layer, x, false);
   // The forward after the timing is compared with this one alone: it must be right itself.
   testing::expect_matches_reference(*w, x, first, "forward before the timing");

@@ -2,13 +2,16 @@
 // independence, EPLB placements and bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <tuple>
 #include <vector>
 
 #include "epmoe/layer.hpp"
 #include "expect_error.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 namespace {
@@ -65,17 +68,36 @@ void expect_rebalance_moved_experts(const ExpertPlacement& before, const ExpertP
   EXPECT_LT(busiest_rank_load(after, load), busiest_rank_load(before, load));
 }
 
+// A placement that serves `counted` (per logical expert) badly: rank 0's slots hold the busiest experts,
+// the other slots the rest, then the idlest again. A rebalance from it must move experts, where from the
+// initial placement it may rightly keep it (a random load that placement already serves best: ~5% of
+// the seeds of AutoModeServesPrefillAndDecodeWithOneLayer).
+ExpertPlacement busiest_experts_on_rank_zero(const MoeConfig& c, const std::vector<std::int64_t>& counted) {
+  std::vector<std::int32_t> by_load(static_cast<std::size_t>(c.num_experts));
+  std::iota(by_load.begin(), by_load.end(), 0);
+  std::stable_sort(by_load.begin(), by_load.end(), [&](std::int32_t a, std::int32_t b) {
+    return counted[static_cast<std::size_t>(a)] > counted[static_cast<std::size_t>(b)];
+  });
+  std::vector<std::int32_t> phy2log;
+  for (int s = 0; s < c.num_physical_experts(); ++s)
+    phy2log.push_back(s < c.num_experts
+                          ? by_load[static_cast<std::size_t>(s)]
+                          : by_load[static_cast<std::size_t>(c.num_experts - 1 - (s - c.num_experts))]);
+  return ExpertPlacement(phy2log, c.num_experts, c.num_ranks);
+}
+
 class LayerVsReference : public ::testing::TestWithParam<std::tuple<int, Mode, QuantScheme>> {};
 
 TEST_P(LayerVsReference, WithinTolerance) {
   const auto [ranks, mode, quant] = GetParam();
   const MoeConfig c = tiny(ranks, quant);
-  auto w = std::make_shared<SyntheticWeights>(c, 11);
+  testing::SeededRng rng;
+  auto w = std::make_shared<SyntheticWeights>(c, rng());
   MoeLayer layer(w, {mode});
   std::vector<std::int64_t> tokens;
   for (int r = 0; r < ranks; ++r)
     tokens.push_back(r == ranks - 1 && ranks > 1 ? 0 : 13 + 3 * r);  // one rank idle
-  Batch b = make_batch(c, tokens, 5);
+  Batch b = make_batch(c, tokens, rng());
   ForwardStats stats;
   layer.forward(b.xv, b.yv, &stats);
   const ErrorReport e = check(*w, b);
@@ -105,11 +127,12 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(Layer, LocalDispatcherMatchesReference) {
   const MoeConfig c = tiny(1, QuantScheme::fp8);
-  auto w = std::make_shared<SyntheticWeights>(c, 3);
+  testing::SeededRng rng;
+  auto w = std::make_shared<SyntheticWeights>(c, rng());
   LayerOptions o;
   o.dispatcher = "cpu-local";
   MoeLayer layer(w, o);
-  Batch b = make_batch(c, {21}, 9);
+  Batch b = make_batch(c, {21}, rng());
   layer.forward(b.xv, b.yv);
   EXPECT_LE(check(*w, b).rel_l2, 5e-3);
 }
@@ -119,10 +142,12 @@ TEST(Layer, ResultsDoNotDependOnRankCount) {
   const std::int64_t total = 64;
   std::vector<HostTensor> outputs;
   const MoeConfig c1 = tiny(1, QuantScheme::fp8);
-  HostTensor all = synthetic_tokens(c1, 77, 0, total);
+  testing::SeededRng rng;
+  HostTensor all = synthetic_tokens(c1, rng(), 0, total);
+  const std::uint64_t weights_seed = rng();  // the same model at every rank count
   for (int ranks : {1, 2, 4, 8}) {
     const MoeConfig c = tiny(ranks, QuantScheme::fp8);
-    auto w = std::make_shared<SyntheticWeights>(c, 21);
+    auto w = std::make_shared<SyntheticWeights>(c, weights_seed);
     MoeLayer layer(w, {Mode::normal});
     HostTensor y(DType::bf16, {total, c.hidden});
     y.fill_bytes(0xff);
@@ -145,9 +170,11 @@ TEST(Layer, ResultsDoNotDependOnRankCount) {
 TEST(Layer, RedundantExpertsDynamicChoiceAndRebalance) {
   MoeConfig c = tiny(4, QuantScheme::fp8, /*redundant=*/4);
   c.dispatch_algorithm = DispatchAlgorithm::dynamic_choice;
-  auto w = std::make_shared<SyntheticWeights>(c, 8);
+  testing::SeededRng rng;
+  auto w = std::make_shared<SyntheticWeights>(c, rng());
   MoeLayer layer(w, {Mode::low_latency});
-  Batch b = make_batch(c, {32, 32, 32, 32}, 4);
+  const std::uint64_t batch_seed = rng();
+  Batch b = make_batch(c, {32, 32, 32, 32}, batch_seed);
   layer.forward(b.xv, b.yv);
   EXPECT_LE(check(*w, b).rel_l2, 5e-3);
   const std::vector<std::int64_t> load = layer.expert_load();
@@ -160,7 +187,7 @@ TEST(Layer, RedundantExpertsDynamicChoiceAndRebalance) {
   for (std::int64_t n : layer.expert_load()) EXPECT_EQ(n, 0);
   EXPECT_EQ(layer.placement().num_physical(), c.num_physical_experts());
   expect_rebalance_moved_experts(before, layer.placement(), load);
-  Batch again = make_batch(c, {32, 32, 32, 32}, 4);
+  Batch again = make_batch(c, {32, 32, 32, 32}, batch_seed);
   layer.forward(again.xv, again.yv);
   EXPECT_LE(check(*w, again).rel_l2, 5e-3);
   const ErrorReport same = compare(again.y[0], b.y[0]);
@@ -169,10 +196,11 @@ TEST(Layer, RedundantExpertsDynamicChoiceAndRebalance) {
 
 TEST(Layer, BadInputIsRefusedWithClearMessages) {
   const MoeConfig c = tiny(2, QuantScheme::fp8);
-  auto w = std::make_shared<SyntheticWeights>(c, 1);
+  testing::SeededRng rng;
+  auto w = std::make_shared<SyntheticWeights>(c, rng());
   MoeLayer layer(w, {Mode::low_latency});
   {
-    Batch b = make_batch(c, {c.max_tokens_per_rank + 1, 1}, 2);
+    Batch b = make_batch(c, {c.max_tokens_per_rank + 1, 1}, rng());
     try {
       layer.forward(b.xv, b.yv);
       FAIL() << "expected a throw";
@@ -181,7 +209,7 @@ TEST(Layer, BadInputIsRefusedWithClearMessages) {
     }
   }
   {
-    Batch b = make_batch(c, {4, 4}, 2);
+    Batch b = make_batch(c, {4, 4}, rng());
     b.x[1].data<bf16>()[17] = bf16::from_bits(0x7fc0);  // NaN
     try {
       layer.forward(b.xv, b.yv);
@@ -194,7 +222,7 @@ TEST(Layer, BadInputIsRefusedWithClearMessages) {
     // Finite x too large for the layer's bf16 sums: an error naming it, in the layer and in the reference
     // (both numerics), never an output of Inf / NaN. Mirror numerics stop at the f32 SiLU product; exact
     // numerics (f64 inside) at the bf16 output.
-    Batch b = make_batch(c, {4, 4}, 2);
+    Batch b = make_batch(c, {4, 4}, rng());
     for (auto& x : b.x)
       for (std::int64_t i = 0; i < x.numel(); ++i)
         x.data<bf16>()[i] = bf16::from_float(x.data<bf16>()[i].to_float() * 1e20f);
@@ -211,7 +239,7 @@ TEST(Layer, BadInputIsRefusedWithClearMessages) {
     testing::expect_error_mentions([&] { reference_forward(*w, b.x[0], y16, Numerics::exact); }, overflow);
     EXPECT_NO_THROW(reference_forward(*w, b.x[0], y64, Numerics::exact));  // f64 holds it
     // A device y is refused, and the batch is not counted.
-    Batch ok = make_batch(c, {4, 4}, 3);
+    Batch ok = make_batch(c, {4, 4}, rng());
     ok.yv[1].device = Device::cuda;
     testing::expect_error_mentions([&] { layer.forward(ok.xv, ok.yv); }, "rank 1 y must live on cpu");
     EXPECT_EQ(layer.expert_load(), load_before);
@@ -221,11 +249,11 @@ TEST(Layer, BadInputIsRefusedWithClearMessages) {
     testing::expect_error_mentions([&] { (void)compare(y64, on_gpu); }, "expected must live on cpu");
   }
   {
-    Batch b = make_batch(c, {4, 4}, 2);
+    Batch b = make_batch(c, {4, 4}, rng());
     HostTensor wrong(DType::bf16, {4, c.hidden + 128});
     b.xv[0] = wrong;
     EXPECT_THROW(layer.forward(b.xv, b.yv), Error);
-    b = make_batch(c, {4}, 2);
+    b = make_batch(c, {4}, rng());
     EXPECT_THROW(layer.forward(b.xv, b.yv), Error);  // one rank missing
   }
   MoeConfig bad = c;
@@ -279,18 +307,21 @@ TEST(Layer, ModeNamesAndTheirResolution) {
 TEST(Layer, AutoModeServesPrefillAndDecodeWithOneLayer) {
   MoeConfig c = tiny(2, QuantScheme::fp8, /*redundant=*/2);
   c.max_tokens_per_rank = 16;
-  auto w = std::make_shared<SyntheticWeights>(c, 12);
+  testing::SeededRng rng;
+  auto w = std::make_shared<SyntheticWeights>(c, rng());
   MoeLayer layer(w, {Mode::automatic});
   MoeLayer normal(w, {Mode::normal}), low_latency(w, {Mode::low_latency});
 
   // A prefill batch larger than the low-latency buffers, then a decode batch.
-  Batch prefill = make_batch(c, {40, 23}, 3), prefill_fixed = make_batch(c, {40, 23}, 3);
+  const std::uint64_t prefill_seed = rng(), decode_seed = rng();
+  Batch prefill = make_batch(c, {40, 23}, prefill_seed),
+        prefill_fixed = make_batch(c, {40, 23}, prefill_seed);
   ForwardStats stats;
   layer.forward(prefill.xv, prefill.yv, BatchKind::prefill, &stats);
   EXPECT_EQ(stats.mode, Mode::normal);
   normal.forward(prefill_fixed.xv, prefill_fixed.yv, BatchKind::decode);  // a fixed mode serves every kind
   EXPECT_LE(check(*w, prefill).rel_l2, 5e-3);
-  Batch decode = make_batch(c, {16, 5}, 4), decode_fixed = make_batch(c, {16, 5}, 4);
+  Batch decode = make_batch(c, {16, 5}, decode_seed), decode_fixed = make_batch(c, {16, 5}, decode_seed);
   layer.forward(decode.xv, decode.yv, BatchKind::decode, &stats);
   EXPECT_EQ(stats.mode, Mode::low_latency);
   low_latency.forward(decode_fixed.xv, decode_fixed.yv);
@@ -306,11 +337,13 @@ TEST(Layer, AutoModeServesPrefillAndDecodeWithOneLayer) {
   for (std::int64_t n : load) counted += n;
   EXPECT_EQ(counted, (40 + 23 + 16 + 5) * c.topk);
 
-  // A rebalance serves both kinds: same results, other slots.
+  // A rebalance serves both kinds: same results, other slots. (From a placement that serves this load
+  // badly, so that the rebalance must move experts.)
+  layer.set_placement(busiest_experts_on_rank_zero(c, load));
   const ExpertPlacement before = layer.placement();
   layer.rebalance();
   expect_rebalance_moved_experts(before, layer.placement(), load);
-  Batch again = make_batch(c, {16, 5}, 4);
+  Batch again = make_batch(c, {16, 5}, decode_seed);
   layer.forward(again.xv, again.yv, BatchKind::decode);
   EXPECT_LE(compare(again.y[0], decode.y[0]).rel_l2, 5e-3);
   EXPECT_LE(check(*w, again).rel_l2, 5e-3);
@@ -322,7 +355,7 @@ TEST(Layer, AutoModeServesPrefillAndDecodeWithOneLayer) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("needs each forward's batch kind"), std::string::npos) << e.what();
   }
-  Batch big = make_batch(c, {17, 1}, 5);
+  Batch big = make_batch(c, {17, 1}, rng());
   try {
     layer.forward(big.xv, big.yv, BatchKind::decode);
     FAIL() << "expected a throw";
@@ -339,12 +372,14 @@ TEST(Layer, NormalModeWithoutAHostSyncGivesTheSameBits) {
   for (const QuantScheme quant : {QuantScheme::fp8, QuantScheme::w4a8}) {
     SCOPED_TRACE(to_string(quant));
     const MoeConfig c = tiny(4, quant, /*redundant=*/4);
-    auto w = std::make_shared<SyntheticWeights>(c, 14);
+    testing::SeededRng rng;
+    auto w = std::make_shared<SyntheticWeights>(c, rng());
     LayerOptions no_sync;
     no_sync.host_sync = false;
     MoeLayer exact(w, {Mode::normal}), bound(w, no_sync);
-    Batch a = make_batch(c, {c.max_tokens_per_rank, 9, 0, 31}, 6),
-          b = make_batch(c, {c.max_tokens_per_rank, 9, 0, 31}, 6);
+    const std::uint64_t batch_seed = rng();
+    Batch a = make_batch(c, {c.max_tokens_per_rank, 9, 0, 31}, batch_seed),
+          b = make_batch(c, {c.max_tokens_per_rank, 9, 0, 31}, batch_seed);
     exact.forward(a.xv, a.yv);
     bound.forward(b.xv, b.yv);
     for (int r = 0; r < 4; ++r)
@@ -354,7 +389,7 @@ TEST(Layer, NormalModeWithoutAHostSyncGivesTheSameBits) {
     EXPECT_LE(check(*w, b).rel_l2, 5e-3);
     // The bound needs T <= max_tokens_per_rank: refused before the load counters see the batch.
     const std::vector<std::int64_t> load = bound.expert_load();
-    Batch big = make_batch(c, {c.max_tokens_per_rank + 1, 1, 1, 1}, 7);
+    Batch big = make_batch(c, {c.max_tokens_per_rank + 1, 1, 1, 1}, rng());
     try {
       bound.forward(big.xv, big.yv);
       FAIL() << "expected a throw";
@@ -369,9 +404,10 @@ TEST(Layer, DeepSeekV3DimsFewTokensTwoRanks) {
   // The real dims, a couple of tokens: only the experts touched are built.
   MoeConfig c = MoeConfig::preset("deepseek-v3");
   c.num_ranks = 2;
-  auto w = std::make_shared<SyntheticWeights>(c, 5);
+  testing::SeededRng rng;
+  auto w = std::make_shared<SyntheticWeights>(c, rng());
   MoeLayer layer(w, {Mode::low_latency});
-  Batch b = make_batch(c, {1, 1}, 6);
+  Batch b = make_batch(c, {1, 1}, rng());
   layer.forward(b.xv, b.yv);
   EXPECT_LE(check(*w, b).rel_l2, 5e-3);
   EXPECT_LE(w->experts_built(), static_cast<std::size_t>(2 * c.topk));
