@@ -11,9 +11,10 @@
 
 namespace epmoe {
 
-// How the CPU backend rounds: `mirror` follows the GPU's quantization points (bf16 GEMM1 output,
-// SiLU·mul in f32, FP8 re-quantization of the GEMM2 input, bf16 output); `exact` evaluates the
-// same quantized weights and inputs in f64 without intermediate rounding.
+// How the CPU backend rounds: `mirror` follows the GPU's quantization points (the W4A8 weight scales
+// rounded to bf16 as the packer stores them, bf16 GEMM1 output, SiLU·mul in f32, FP8 re-quantization of
+// the GEMM2 input, bf16 output); `exact` evaluates the checkpoint's quantized weights (f32 scales) and
+// the same inputs in f64 without intermediate rounding.
 enum class Numerics : std::uint8_t { mirror, exact };
 std::string_view to_string(Numerics n);
 

@@ -1,8 +1,8 @@
 // One expert MLP on the CPU: GEMM1 -> SiLU·mul -> GEMM2, the piece every CPU path shares.
 //
 // The GEMMs are evaluated in f64 on the dequantized operands (each product of an fp8/int4 value
-// and its f32 scale is exact in f64), so the only roundings are the ones the GPU pipeline has
-// at its quantization points (Numerics::mirror), or none at all (Numerics::exact).
+// and its f32 (or bf16) scale is exact in f64), so the only roundings are the ones the GPU pipeline
+// has at its quantization points (Numerics::mirror), or none at all (Numerics::exact).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -20,9 +20,11 @@ std::string_view to_string(Numerics n) {
 
 namespace {
 
-// Row n of a weight matrix [N, K] in checkpoint format, dequantized into `row` (f64).
+// Row n of a weight matrix [N, K] in checkpoint format, dequantized into `row` (f64): with the W4A8
+// scales the kernels multiply by under mirror numerics, the checkpoint's f32 ones rounded once to bf16
+// (nearest-even) as the packer stores them (gemm/w4a8_layout.hpp); exact numerics keep the checkpoint's.
 void dequantize_weight_row(QuantScheme quant, const HostTensor& w, const HostTensor& scale, std::int64_t n,
-                           std::int64_t K, double* row) {
+                           std::int64_t K, Numerics numerics, double* row) {
   switch (quant) {
     case QuantScheme::fp8: {
       const fp8_e4m3* q = w.data<fp8_e4m3>() + n * K;
@@ -33,7 +35,11 @@ void dequantize_weight_row(QuantScheme quant, const HostTensor& w, const HostTen
     case QuantScheme::w4a8: {
       const auto* packed = static_cast<const std::uint8_t*>(w.view().data) + n * (K / 2);
       const float* s = scale.data<float>() + n * (K / 128);
-      for (std::int64_t k = 0; k < K; ++k) row[k] = static_cast<double>(unpack_int4(packed, k)) * s[k / 128];
+      for (std::int64_t kb = 0; kb < K / 128; ++kb) {
+        const double block_scale = numerics == Numerics::mirror ? bf16::from_float(s[kb]).to_float() : s[kb];
+        for (std::int64_t k = kb * 128; k < (kb + 1) * 128; ++k)
+          row[k] = static_cast<double>(unpack_int4(packed, k)) * block_scale;
+      }
       break;
     }
     case QuantScheme::none: {
@@ -74,13 +80,13 @@ std::vector<double> dequantize_activations(ActivationFormat format, TensorView x
 // problems; each element is still summed by one thread in k order, so results do not depend on
 // the thread count.
 std::vector<double> gemm_f64(QuantScheme quant, const HostTensor& w, const HostTensor& scale,
-                             const std::vector<double>& a, std::int64_t rows, std::int64_t N,
-                             std::int64_t K) {
+                             const std::vector<double>& a, std::int64_t rows, std::int64_t N, std::int64_t K,
+                             Numerics numerics) {
   std::vector<double> out(static_cast<std::size_t>(rows * N));
   auto columns = [&](std::int64_t n_begin, std::int64_t n_end) {
     std::vector<double> wrow(static_cast<std::size_t>(K));
     for (std::int64_t n = n_begin; n < n_end; ++n) {
-      dequantize_weight_row(quant, w, scale, n, K, wrow.data());
+      dequantize_weight_row(quant, w, scale, n, K, numerics, wrow.data());
       for (std::int64_t m = 0; m < rows; ++m) {
         const double* am = a.data() + m * K;
         double acc = 0;
@@ -125,7 +131,8 @@ void expert_mlp_cpu(const ExpertWeights& weights, ActivationFormat format, Tenso
 
   // GEMM1: [rows, H] x [2I, H]^T -> [rows, 2I].
   const std::vector<double> a1 = dequantize_activations(format, x, x_scales, x_tensor_scale);
-  std::vector<double> h = gemm_f64(weights.quant, weights.w13, weights.w13_scale, a1, rows, 2 * I, H);
+  std::vector<double> h =
+      gemm_f64(weights.quant, weights.w13, weights.w13_scale, a1, rows, 2 * I, H, numerics);
 
   // SiLU(gate) * up, then the GEMM2 input in the same activation format as the GEMM1 input.
   std::vector<double> a2(static_cast<std::size_t>(rows * I));
@@ -167,7 +174,8 @@ void expert_mlp_cpu(const ExpertWeights& weights, ActivationFormat format, Tenso
   }
 
   // GEMM2: [rows, I] x [H, I]^T -> [rows, H].
-  const std::vector<double> y = gemm_f64(weights.quant, weights.w2, weights.w2_scale, a2, rows, H, I);
+  const std::vector<double> y =
+      gemm_f64(weights.quant, weights.w2, weights.w2_scale, a2, rows, H, I, numerics);
   if (out.dtype == DType::f64) {
     for (std::int64_t i = 0; i < rows * H; ++i) out.as<double>()[i] = y[static_cast<std::size_t>(i)];
   } else {

@@ -2,6 +2,7 @@
 // forward with a poisoned output, and the check against the CPU reference.
 #pragma once
 
+#include <cstdio>
 #include <functional>
 #include <optional>
 #include <string>
@@ -56,6 +57,10 @@ inline void expect_matches_reference(const ModelWeights& w, const HostTensor& x,
   EXPECT_EQ(r.non_finite, 0) << what;
   EXPECT_LE(r.rel_l2, tolerance) << what;
   EXPECT_LE(r.calc_diff, 1e-3) << what;
+  // Every check's margin in the log (one line: a run's worst is a grep away), so that the tolerances can
+  // be watched over fresh seeds, passes included.
+  std::printf("reference check: %s: rel_l2 %.3e of %.1e (%.2f), %lld tokens, %s\n", what.c_str(), r.rel_l2,
+              tolerance, r.rel_l2 / tolerance, static_cast<long long>(x.size(0)), w.config().name.c_str());
   if (r.rel_l2 <= tolerance || r.non_finite > 0) return;
   // Which side is off: both against the exact (f64) reference, and the error of each token, so that a
   // failure tells a GPU fault (far from both) from the quantization points' spread (mirror and GPU about as
