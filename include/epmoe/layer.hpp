@@ -100,17 +100,17 @@ struct ErrorReport {
 };
 ErrorReport compare(TensorView actual, TensorView expected);
 // The relative error a layer's output may have against reference_forward (Numerics::mirror) over
-// `tokens` tokens: design.md §8's 1e-2 at DeepSeek-V3 dims (measured 4e-3 to 6e-3: FP8 tensor-core
-// partial sums promoted every 128 K, then bf16 rounding and the FP8 re-quantisation of GEMM2's input,
-// which turns a one-ulp bf16 difference into one e4m3 step); 1.5e-2 there for fewer than 16 tokens (a
-// few tokens are a few samples of the statistic, not its mean: one token measured 1.006e-2, and 9 tokens
-// of W4A8 on two loopback ranks 1.0099e-2, EPMOE_TEST_SEED=968563398228457635, session 55); 2e-2 for models
-// with rows narrower than 2048 (the tiny preset's 256-wide rows: a few flipped e4m3 steps weigh more;
-// measured 1.2e-2 for 7 tokens, 1.26e-2 for 48 tokens of W4A8), and 3e-2 there for fewer than 16 tokens
-// (2 tokens of W4A8 measured 2.25e-2, EPMOE_TEST_SEED=13402843134430987817, session 61: the mirror itself
-// 2.84e-2 from the exact f64 result and the GPU 2.63e-2, so the spread of the quantization points, not a
-// fault). The W4A8 figures were measured against a mirror that took the checkpoint's f32 W4A8 scales,
-// not the kernels' bf16 ones (until ed4c928; bench/NOTES.md, session 65): they await re-measuring.
+// `tokens` tokens: design.md §8's 1e-2 at DeepSeek-V3 dims (measured 4e-3 to 6.3e-3, FP8 and W4A8 alike:
+// FP8 tensor-core partial sums promoted every 128 K, then bf16 rounding and the FP8 re-quantisation of
+// GEMM2's input, which turns a one-ulp bf16 difference into one e4m3 step); 1.5e-2 there for fewer than
+// 16 tokens (a few tokens are a few samples of the statistic, not its mean: 163 checks of 1-15 tokens
+// measured up to 7.4e-3, but one token 1.006e-2 (session 55) and one token with two-batch overlap
+// 1.14e-2 (session 65; its quantization was not recorded, W4A8 then had the old mirror below)); 2e-2 for
+// models with rows narrower than 2048 (the tiny preset's 256-wide rows: a few flipped e4m3 steps weigh more;
+// 271 checks of 16+ tokens measured up to 1.0e-2), and 3e-2 there for fewer than 16 tokens (one token:
+// median 4.0e-3, up to 1.27e-2 in 45 checks, a heavy tail). Measured on an H100 in session 66
+// (bench/NOTES.md), against the mirror with the kernels' bf16 W4A8 scales (ed4c928); before it, W4A8 measured
+// up to 2.25e-2 (tiny, 2 tokens) and 9.55e-3 (DeepSeek-V3).
 double layer_tolerance(const MoeConfig& config, std::int64_t tokens);
 
 }  // namespace epmoe
