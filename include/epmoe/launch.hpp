@@ -46,12 +46,15 @@ struct LaunchOptions {
   bool prefix_stdout = true;
   // The launcher's own messages. Default: "[launch] message" on stderr.
   std::function<void(std::string_view message)> on_note;
-  // Set (e.g. from a SIGINT handler) to stop every rank and return.
+  // Set to a signal's number (from its handler: SIGINT, SIGTERM, SIGHUP, ...) to stop every rank and
+  // return 128 + that number; any other non-zero value returns 130, as SIGINT.
   const volatile std::sig_atomic_t* interrupted = nullptr;
 };
 
 struct LaunchResult {
-  int exit_code = 0;           // 0; the first failing rank's code (128 + signal if killed); 124 on timeout
+  // 0; the first failing rank's code (128 + signal if killed); 124 on timeout; 128 + the signal when
+  // interrupted; 141 (128 + SIGPIPE) when the launcher's output was closed.
+  int exit_code = 0;
   int first_failed_rank = -1;  // -1 when none failed
   bool timed_out = false;
   std::vector<int> rank_codes;  // per local rank: exit code, 128 + signal, or -1 if never started
@@ -64,8 +67,16 @@ struct LaunchResult {
 // ends the list, as it ends CUDA's.
 std::vector<std::string> launch_gpu_ids(const char* cuda_visible_devices, int listed);
 
-// Throws epmoe::Error for bad options (no command, num_ranks < 1, ranks outside the world) and
-// when the first process cannot be started; a rank that fails later is reported in the result.
+// Throws epmoe::Error for bad options (no command, num_ranks < 1, ranks outside the world, a timeout or
+// grace that is not a finite number of seconds, a grace over a day). A rank that cannot be started (no
+// such program) ends the launch with code 127 and stops those started before it; one that fails later
+// is reported in the result.
+//
+// The ranks' stdin is /dev/null. Each has a death signal (SIGKILL) tied to the launching thread, so a
+// launcher that dies does not leave its ranks running. With the default `on_line` / `on_note` the
+// launcher never blocks on its own stdout / stderr: output waits in memory (up to 8 MiB, then the ranks'
+// pipes are no longer read) while its timeout and signals go on; if that output is closed (EPIPE: the
+// caller should ignore SIGPIPE) every rank is stopped and the result is 128 + SIGPIPE.
 LaunchResult launch_ranks(const LaunchOptions& options);
 
 }  // namespace epmoe

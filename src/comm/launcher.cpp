@@ -2,13 +2,17 @@
 #include "epmoe/launch.hpp"
 
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
-#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -66,38 +70,99 @@ int decode_status(int status) {
   return 1;
 }
 
-std::vector<std::string> child_environment(const std::vector<std::pair<std::string, std::string>>& set) {
+// The launcher's environment with `set` replacing (or adding) its variables and `unset` removed.
+std::vector<std::string> child_environment(const std::vector<std::pair<std::string, std::string>>& set,
+                                           const std::vector<std::string>& unset) {
+  const auto names = [](std::string_view kv, std::string_view k) {
+    return kv.size() > k.size() && kv.substr(0, k.size()) == k && kv[k.size()] == '=';
+  };
   std::vector<std::string> env;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
     const std::string_view kv(*e);
-    bool replaced = false;
-    for (const auto& [k, v] : set)
-      if (kv.size() > k.size() && kv.substr(0, k.size()) == k && kv[k.size()] == '=') replaced = true;
-    if (!replaced) env.emplace_back(kv);
+    bool dropped = false;
+    for (const auto& [k, v] : set) dropped |= names(kv, k);
+    for (const std::string& k : unset) dropped |= names(kv, k);
+    if (!dropped) env.emplace_back(kv);
   }
   for (const auto& [k, v] : set) env.push_back(k + "=" + v);
   return env;
 }
 
+// The program `name` runs: itself when it has a slash, else the first executable regular file of that
+// name on PATH (as execvp searches, done before fork: the child may only make async-signal-safe calls).
+// Empty when there is none.
+std::string resolve_program(const std::string& name) {
+  if (name.find('/') != std::string::npos) return name;
+  const char* path_env = std::getenv("PATH");
+  const std::string_view path(path_env != nullptr && *path_env != '\0' ? path_env
+                                                                       : "/usr/local/bin:/usr/bin:/bin");
+  std::size_t start = 0;
+  while (start <= path.size()) {
+    const std::size_t colon = std::min(path.find(':', start), path.size());
+    const std::string dir(path.substr(start, colon - start));
+    const std::string candidate = (dir.empty() ? std::string(".") : dir) + "/" + name;
+    struct stat st {};
+    if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(candidate.c_str(), X_OK) == 0)
+      return candidate;
+    start = colon + 1;
+  }
+  return {};
+}
+
+// What the ranks print, on its way to one of the launcher's own descriptors (stdout or stderr) without
+// ever blocking the launcher: a reader that stops reading must not stop its timeout, its signals or its
+// reaping. Written as far as the descriptor takes it; the launcher stops reading the ranks' pipes while
+// too much waits here (the ranks then block on their writes, as on any pipe).
+struct Sink {
+  int fd = -1;
+  std::string buffer;
+  std::size_t sent = 0;  // bytes of `buffer` already written
+  bool broken = false;   // the descriptor failed (its reader is gone: EPIPE): what comes is dropped
+
+  std::size_t pending() const { return buffer.size() - sent; }
+  void add(std::string_view text) {
+    if (!broken) buffer.append(text);
+  }
+  // Writes what the descriptor takes now, PIPE_BUF bytes at a time (a write of at most PIPE_BUF to a
+  // pipe that polls writable does not block).
+  void pump() {
+    while (pending() > 0 && !broken) {
+      pollfd p{fd, POLLOUT, 0};
+      if (::poll(&p, 1, 0) <= 0 || (p.revents & (POLLOUT | POLLERR | POLLHUP)) == 0) break;
+      const ssize_t n = ::write(fd, buffer.data() + sent, std::min<std::size_t>(pending(), PIPE_BUF));
+      if (n > 0) {
+        sent += static_cast<std::size_t>(n);
+      } else if (n < 0 && (errno == EINTR || errno == EAGAIN)) {
+        break;
+      } else {
+        broken = true;
+      }
+    }
+    if (broken || sent == buffer.size() || sent > (std::size_t{1} << 20)) {
+      buffer.erase(0, broken ? buffer.size() : sent);
+      sent = 0;
+    }
+  }
+};
+
+constexpr double kMaxKillGraceS = 86400.0;
+
+// Output held for the launcher's descriptors before it stops reading the ranks' pipes.
+constexpr std::size_t kMaxHeldOutput = std::size_t{8} << 20;
+
 class Launcher {
  public:
   explicit Launcher(const LaunchOptions& o) : o_(o) {
     if (!o_.on_line) {
-      o_.on_line = [prefix_stdout = o_.prefix_stdout](int rank, bool is_stderr, std::string_view line) {
-        std::string s = is_stderr || prefix_stdout ? fmt::format("[rank {}] {}\n", rank, line)
-                                                   : fmt::format("{}\n", line);
-        std::FILE* f = is_stderr ? stderr : stdout;
-        std::fwrite(s.data(), 1, s.size(), f);
-        std::fflush(f);
+      std::fflush(stdout);  // what this process printed before comes first
+      std::fflush(stderr);
+      o_.on_line = [this](int rank, bool is_stderr, std::string_view line) {
+        (is_stderr ? err_ : out_)
+            .add(is_stderr || o_.prefix_stdout ? fmt::format("[rank {}] {}\n", rank, line)
+                                               : fmt::format("{}\n", line));
       };
     }
-    if (!o_.on_note) {
-      o_.on_note = [](std::string_view m) {
-        std::string s = fmt::format("[launch] {}\n", m);
-        std::fwrite(s.data(), 1, s.size(), stderr);
-        std::fflush(stderr);
-      };
-    }
+    if (!o_.on_note) o_.on_note = [this](std::string_view m) { err_.add(fmt::format("[launch] {}\n", m)); };
   }
 
   LaunchResult run() {
@@ -109,9 +174,12 @@ class Launcher {
                 "launch: ranks [{}, {}) do not fit in a world of {}", o_.first_rank,
                 o_.first_rank + o_.num_ranks, world);
     // (Written so that nan fails too.)
-    EPMOE_CHECK(o_.timeout_s >= 0, "launch: timeout_s must be >= 0 seconds (0: no limit), got {}",
-                o_.timeout_s);
-    EPMOE_CHECK(o_.kill_grace_s >= 0, "launch: kill_grace_s must be >= 0 seconds, got {}", o_.kill_grace_s);
+    EPMOE_CHECK(o_.timeout_s >= 0 && std::isfinite(o_.timeout_s),
+                "launch: timeout_s must be >= 0 seconds (0: no limit), got {}", o_.timeout_s);
+    // (A day at most: the grace is added to the clock's integer nanoseconds, which a grace past ~292
+    // years overflowed into none at all.)
+    EPMOE_CHECK(o_.kill_grace_s >= 0 && o_.kill_grace_s <= kMaxKillGraceS,
+                "launch: kill_grace_s must be in [0, {}] seconds, got {}", kMaxKillGraceS, o_.kill_grace_s);
 
     LaunchResult result;
     bool remove_id_file = false;
@@ -135,6 +203,12 @@ class Launcher {
       }
       result.id_file = path;
       write_id_after_spawn_ = true;
+      // The ranks read a fresh id from the file; an inherited EPMOE_NCCL_ID (an earlier job's) would take
+      // precedence over it in Communicator::from_environment and lead them to a bootstrap root that is gone.
+      unset_.emplace_back("EPMOE_NCCL_ID");
+      if (std::getenv("EPMOE_NCCL_ID") != nullptr)
+        o_.on_note(
+            "EPMOE_NCCL_ID in the environment ignored: this launcher hosts rank 0 and writes a fresh id");
     } else {
       EPMOE_CHECK(
           !o_.id_file.empty() || std::getenv("EPMOE_NCCL_ID") != nullptr,
@@ -176,7 +250,7 @@ class Launcher {
         vars.emplace_back("EPMOE_LOCAL_DEVICE", std::to_string(i));
         vars.emplace_back("EPMOE_ONE_GPU_PER_RANK", "0");
       }
-      const int err = spawn(r, child_environment(vars));
+      const int err = spawn(r, child_environment(vars, unset_));
       if (err != 0) {
         o_.on_note(fmt::format("cannot start rank {} ('{}'): {}", r.rank, o_.command[0], std::strerror(err)));
         r.code = 127;
@@ -204,7 +278,10 @@ class Launcher {
     if (timed_out_) {
       result.exit_code = 124;
     } else if (interrupted_) {
-      result.exit_code = 130;
+      result.exit_code =
+          128 + (interrupt_signal_ > 0 && interrupt_signal_ < 128 ? interrupt_signal_ : SIGINT);
+    } else if (output_broken_) {
+      result.exit_code = 128 + SIGPIPE;
     } else if (first_failed_ >= 0) {
       result.exit_code = ranks_[static_cast<std::size_t>(first_failed_ - o_.first_rank)].code;
       if (result.exit_code == 0) result.exit_code = 1;
@@ -214,45 +291,73 @@ class Launcher {
   }
 
  private:
+  // fork and exec rather than posix_spawn, for what only the child can set up: its death signal
+  // (PR_SET_PDEATHSIG: a launcher that dies, even by SIGKILL, takes its ranks with it instead of
+  // leaving them running on the GPUs) and /dev/null as its stdin (a rank in a background process group
+  // that read the terminal would be stopped by SIGTTIN for ever). Between fork and exec the child makes
+  // async-signal-safe calls only; an exec failure comes back through a close-on-exec pipe.
   int spawn(Rank& r, const std::vector<std::string>& env) {
-    int out[2], err[2];
-    if (pipe2(out, O_CLOEXEC) != 0) return errno;
-    if (pipe2(err, O_CLOEXEC) != 0) {
-      const int e = errno;
-      close(out[0]);
-      close(out[1]);
-      return e;
-    }
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
-    posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    sigset_t none, defaults;
-    sigemptyset(&none);
-    sigemptyset(&defaults);
-    for (int s : {SIGINT, SIGTERM, SIGPIPE, SIGHUP, SIGQUIT}) sigaddset(&defaults, s);
-    posix_spawnattr_setsigmask(&attr, &none);
-    posix_spawnattr_setsigdefault(&attr, &defaults);
-    posix_spawnattr_setpgroup(&attr, 0);  // its own process group: stopping it reaches its children
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-
+    const std::string program = resolve_program(o_.command[0]);
+    if (program.empty()) return ENOENT;
     std::vector<char*> argv, envp;
     for (const std::string& a : o_.command) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
     for (const std::string& e : env) envp.push_back(const_cast<char*>(e.c_str()));
     envp.push_back(nullptr);
-    pid_t pid = -1;
-    const int rc = posix_spawnp(&pid, argv[0], &actions, &attr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    posix_spawnattr_destroy(&attr);
+
+    int out[2], err[2], status_pipe[2];
+    if (pipe2(out, O_CLOEXEC) != 0) return errno;
+    if (pipe2(err, O_CLOEXEC) != 0 || pipe2(status_pipe, O_CLOEXEC) != 0) {
+      const int e = errno;
+      for (int fd : {out[0], out[1], err[0], err[1]}) close(fd);
+      return e;
+    }
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid == 0) {
+      // The child: its own process group (stopping it reaches its children), the signals a rank
+      // expects, its descriptors, then the program.
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);  // the launcher died before the death signal was set
+      struct sigaction defaults {};
+      defaults.sa_handler = SIG_DFL;
+      sigemptyset(&defaults.sa_mask);
+      static constexpr int kDefaultSignals[] = {SIGINT, SIGTERM, SIGPIPE, SIGHUP, SIGQUIT};
+      for (int sig : kDefaultSignals) sigaction(sig, &defaults, nullptr);
+      sigset_t none;
+      sigemptyset(&none);
+      sigprocmask(SIG_SETMASK, &none, nullptr);
+      const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+      if (null_fd >= 0 && dup2(null_fd, STDIN_FILENO) >= 0 && dup2(out[1], STDOUT_FILENO) >= 0 &&
+          dup2(err[1], STDERR_FILENO) >= 0)
+        execve(program.c_str(), argv.data(), envp.data());
+      const int e = errno;
+      (void)!write(status_pipe[1], &e, sizeof(e));
+      _exit(127);
+    }
+    const int fork_errno = errno;
     close(out[1]);
     close(err[1]);
-    if (rc != 0) {
+    close(status_pipe[1]);
+    if (pid < 0) {
+      for (int fd : {out[0], err[0], status_pipe[0]}) close(fd);
+      return fork_errno;
+    }
+    setpgid(pid, pid);  // (also here: no signal to the group can come before the child's own call)
+    int exec_errno = 0;
+    ssize_t n = 0;
+    do {
+      n = read(status_pipe[0], &exec_errno, sizeof(exec_errno));
+    } while (n < 0 && errno == EINTR);
+    close(status_pipe[0]);
+    if (n == static_cast<ssize_t>(sizeof(exec_errno))) {  // exec failed: nothing ran
+      int status = 0;
+      while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
       close(out[0]);
       close(err[0]);
-      return rc;
+      return exec_errno != 0 ? exec_errno : ENOEXEC;
     }
     r.pid = pid;
     r.running = true;
@@ -330,20 +435,55 @@ class Launcher {
     }
   }
 
+  std::size_t held_output() const { return out_.pending() + err_.pending(); }
+
+  void check_interrupt_and_timeout() {
+    const auto now = Clock::now();
+    if (o_.interrupted != nullptr && *o_.interrupted != 0 && !stopping_) {
+      interrupted_ = true;
+      interrupt_signal_ = static_cast<int>(*o_.interrupted);
+      stop_all(fmt::format("interrupted{}; stopping every rank",
+                           interrupt_signal_ > 0 && interrupt_signal_ < 128
+                               ? fmt::format(" (signal {})", interrupt_signal_)
+                               : std::string()));
+    }
+    if (o_.timeout_s > 0 && !stopping_ && now - start_ > std::chrono::duration<double>(o_.timeout_s)) {
+      timed_out_ = true;
+      stop_all(fmt::format("timed out after {:.1f} s; stopping every rank", o_.timeout_s));
+    }
+    if (stopping_ && now > kill_at_) signal_all(SIGKILL);
+  }
+
+  void pump_output() {
+    out_.pump();
+    err_.pump();
+    if ((out_.broken || err_.broken) && !output_broken_) {
+      output_broken_ = true;  // the reader of the launcher's output is gone (`| head`): nobody sees more
+      stop_all("the launcher's output was closed; stopping every rank");
+    }
+  }
+
   void loop() {
     Clock::time_point all_exited{};
     bool any_exited_all = false;
     while (true) {
       std::vector<pollfd> fds;
       std::vector<std::pair<Rank*, Stream*>> owners;
+      const bool reading = held_output() < kMaxHeldOutput;
       for (Rank& r : ranks_)
         for (Stream* s : {&r.out, &r.err})
-          if (s->fd >= 0) {
+          if (s->fd >= 0 && reading) {
             fds.push_back({s->fd, POLLIN, 0});
             owners.emplace_back(&r, s);
           }
-      bool running = false;
-      for (const Rank& r : ranks_) running |= r.running;
+      const std::size_t rank_fds = fds.size();
+      for (const Sink* sink : {&out_, &err_})
+        if (sink->pending() > 0 && !sink->broken) fds.push_back({sink->fd, POLLOUT, 0});
+      bool running = false, open_pipes = false;
+      for (const Rank& r : ranks_) {
+        running |= r.running;
+        open_pipes |= r.out.fd >= 0 || r.err.fd >= 0;
+      }
       if (!running) {
         // Every rank has exited: read what is left, but do not wait for descendants that keep a
         // pipe open after their rank is gone.
@@ -351,27 +491,19 @@ class Launcher {
           any_exited_all = true;
           all_exited = Clock::now();
         }
-        if (fds.empty() || Clock::now() - all_exited > std::chrono::milliseconds(200)) break;
+        if (!open_pipes || Clock::now() - all_exited > std::chrono::milliseconds(200)) break;
       }
       if (!fds.empty()) {
         const int n = poll(fds.data(), fds.size(), 20);
         if (n > 0)
-          for (std::size_t i = 0; i < fds.size(); ++i)
+          for (std::size_t i = 0; i < rank_fds; ++i)
             if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) drain(*owners[i].first, *owners[i].second);
       } else {
         usleep(20000);
       }
+      pump_output();
       reap();
-      const auto now = Clock::now();
-      if (o_.interrupted != nullptr && *o_.interrupted && !stopping_) {
-        interrupted_ = true;
-        stop_all("interrupted; stopping every rank");
-      }
-      if (o_.timeout_s > 0 && !stopping_ && now - start_ > std::chrono::duration<double>(o_.timeout_s)) {
-        timed_out_ = true;
-        stop_all(fmt::format("timed out after {:.1f} s; stopping every rank", o_.timeout_s));
-      }
-      if (stopping_ && now > kill_at_) signal_all(SIGKILL);
+      check_interrupt_and_timeout();
     }
     for (Rank& r : ranks_)
       for (Stream* s : {&r.out, &r.err})
@@ -380,13 +512,37 @@ class Launcher {
           close(s->fd);
           s->fd = -1;
         }
+    flush_output();
+  }
+
+  // What the ranks printed, to its end: as long as the reader takes it when the launch ended by itself
+  // (a slow reader, `| less`, still gets everything); within the timeout when there is one; a second
+  // more after an interrupt or a timeout, and then it is dropped.
+  void flush_output() {
+    while (held_output() > 0 && !out_.broken && !err_.broken) {
+      check_interrupt_and_timeout();
+      const auto now = Clock::now();
+      if (interrupted_ || timed_out_) {
+        if (flush_deadline_ == Clock::time_point{}) flush_deadline_ = now + std::chrono::seconds(1);
+        if (now > flush_deadline_) break;
+      }
+      std::vector<pollfd> fds;
+      for (const Sink* sink : {&out_, &err_})
+        if (sink->pending() > 0) fds.push_back({sink->fd, POLLOUT, 0});
+      poll(fds.data(), fds.size(), 20);
+      pump_output();
+    }
   }
 
   LaunchOptions o_;
   std::vector<Rank> ranks_;
   Clock::time_point start_{}, kill_at_{};
   bool stopping_ = false, timed_out_ = false, interrupted_ = false, write_id_after_spawn_ = false;
-  int first_failed_ = -1;
+  bool output_broken_ = false;
+  int first_failed_ = -1, interrupt_signal_ = 0;
+  std::vector<std::string> unset_;  // variables the ranks do not inherit
+  Sink out_{STDOUT_FILENO}, err_{STDERR_FILENO};
+  Clock::time_point flush_deadline_{};
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -147,6 +148,62 @@ TEST(LaunchTest, AProgramThatDoesNotExistIs127) {
   EXPECT_NE(c.notes[0].find("cannot start rank 0"), std::string::npos) << c.notes[0];
 }
 
+// A rank's stdin is /dev/null: one that reads reads nothing, not the launcher's input (under a terminal
+// a rank in its own process group that read it was stopped by SIGTTIN, and the launch hung for ever).
+TEST(LaunchTest, RanksReadNothingFromTheLaunchersStdin) {
+  int input[2];
+  ASSERT_EQ(pipe(input), 0);
+  ASSERT_EQ(write(input[1], "hello\n", 6), 6);
+  close(input[1]);
+  const int saved_stdin = dup(STDIN_FILENO);
+  ASSERT_GE(saved_stdin, 0);
+  ASSERT_GE(dup2(input[0], STDIN_FILENO), 0);
+  close(input[0]);
+  Captured c;
+  const LaunchResult r = run(sh(1, "if read x; then echo \"got $x\"; else echo eof; fi"), c);
+  dup2(saved_stdin, STDIN_FILENO);
+  close(saved_stdin);
+  ASSERT_EQ(r.exit_code, 0);
+  EXPECT_EQ(c.out[0], std::vector<std::string>{"eof"});
+}
+
+// Rank 0's launcher writes a fresh id: an EPMOE_NCCL_ID left in the environment (an earlier job's) would
+// take precedence over the id file in the ranks and send them to a bootstrap root that is gone. The
+// launchers of the other nodes pass it on (that is how they may get the id).
+TEST(LaunchTest, AnInheritedNcclIdIsDroppedOnlyByRankZerosLauncher) {
+  const ScopedEnv id("EPMOE_NCCL_ID", "abab");
+  Captured c;
+  const LaunchResult r = run(sh(1, "echo ${EPMOE_NCCL_ID:-unset}"), c);
+  ASSERT_EQ(r.exit_code, 0);
+  EXPECT_EQ(c.out[0], std::vector<std::string>{"unset"});
+  ASSERT_FALSE(c.notes.empty());
+  EXPECT_NE(c.notes[0].find("EPMOE_NCCL_ID in the environment ignored"), std::string::npos) << c.notes[0];
+  LaunchOptions second = sh(1, "echo ${EPMOE_NCCL_ID:-unset}");
+  second.world_size = 2;
+  second.first_rank = 1;
+  Captured c2;
+  ASSERT_EQ(run(second, c2).exit_code, 0);
+  EXPECT_EQ(c2.out[1], std::vector<std::string>{"abab"});
+}
+
+// An interrupt names its signal and the launch returns 128 + it (SIGTERM: 143, as a shell reports a
+// process that SIGTERM ended), after stopping every rank.
+TEST(LaunchTest, AnInterruptReturnsItsSignal) {
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    volatile std::sig_atomic_t interrupted = sig;
+    Captured c;
+    LaunchOptions o = sh(2, "sleep 60");
+    o.interrupted = &interrupted;
+    o.kill_grace_s = 1.0;
+    const auto start = std::chrono::steady_clock::now();
+    const LaunchResult r = run(o, c);
+    EXPECT_LT(seconds_since(start), 20.0);
+    EXPECT_EQ(r.exit_code, 128 + sig);
+    ASSERT_FALSE(c.notes.empty());
+    EXPECT_NE(c.notes[0].find(fmt::format("interrupted (signal {})", sig)), std::string::npos) << c.notes[0];
+  }
+}
+
 TEST(LaunchTest, BadOptionsAreRefused) {
   Captured c;
   LaunchOptions o;
@@ -184,8 +241,16 @@ TEST(LaunchTest, BadNumbersAreNamedWithTheirValue) {
       << message(o);
   o.timeout_s = 0;
   o.kill_grace_s = -2;
-  EXPECT_NE(message(o).find("kill_grace_s must be >= 0 seconds, got -2"), std::string::npos) << message(o);
+  EXPECT_NE(message(o).find("kill_grace_s must be in [0, 86400] seconds, got -2"), std::string::npos)
+      << message(o);
+  o.kill_grace_s = 1e10;  // (its nanoseconds overflowed the clock: no grace at all)
+  EXPECT_NE(message(o).find("kill_grace_s must be in [0, 86400] seconds, got 10000000000"), std::string::npos)
+      << message(o);
   o.kill_grace_s = 3;
+  o.timeout_s = std::numeric_limits<double>::infinity();
+  EXPECT_NE(message(o).find("timeout_s must be >= 0 seconds (0: no limit), got inf"), std::string::npos)
+      << message(o);
+  o.timeout_s = 0;
   o.world_size = -4;
   EXPECT_NE(message(o).find("world_size must be >= 0 (0: num_ranks), got -4"), std::string::npos)
       << message(o);

@@ -271,6 +271,54 @@ check_fails "launch negative kill grace" "--kill-grace: must be >= 0, got -5" \
   "$epmoe" launch -n 1 --kill-grace -5 -- true
 check_fails "launch negative world size" "--world-size: must be > 0, got -1" \
   "$epmoe" launch -n 1 --world-size -1 -- true
+check_fails "launch kill grace over a day" "--kill-grace: must be <= 86400, got 1e10" \
+  "$epmoe" launch -n 1 --kill-grace 1e10 -- true
+
+# The launcher's end never leaves its ranks running. alive MARK: a process whose command line holds MARK
+# runs (read from /proc: no procps on a bare machine).
+alive() {
+  local f
+  for f in /proc/[0-9]*/cmdline; do
+    [[ $f == "/proc/$BASHPID/cmdline" ]] && continue
+    if tr '\0' ' ' <"$f" 2>/dev/null | grep -q -- "$1"; then return 0; fi
+  done
+  return 1
+}
+# launch_and_signal SIG MARK: a launcher of two `sleep MARK` ranks gets SIG; prints its exit status.
+launch_and_signal() {
+  "$epmoe" launch -n 2 -- sleep "$2" 2>/dev/null &
+  local pid=$!
+  sleep 1
+  kill -"$1" "$pid"
+  wait "$pid"
+  echo $?
+}
+rc=$(launch_and_signal HUP 47.1231)
+sleep 0.5
+if [[ $rc == 129 ]] && ! alive "sleep 47.1231"; then pass; else fail "launch: SIGHUP stops the ranks (exit $rc)"; fi
+rc=$(launch_and_signal KILL 47.1232)  # (no handler runs: the ranks' death signal does it)
+sleep 0.5
+if [[ $rc == 137 ]] && ! alive "sleep 47.1232"; then pass; else fail "launch: SIGKILL takes the ranks (exit $rc)"; fi
+# A reader that goes away (`| head`): the ranks are stopped, exit 141 (128 + SIGPIPE), the id file removed.
+ids_before=$(find "${TMPDIR:-/tmp}" -maxdepth 1 -name 'epmoe-nccl-id-*' 2>/dev/null | wc -l)
+"$epmoe" launch -n 2 -- sh -c 'echo a; sleep 0.3; echo b; exec sleep 47.1233' 2>/dev/null | head -n 1 >/dev/null
+rc=${PIPESTATUS[0]}
+sleep 0.5
+ids_after=$(find "${TMPDIR:-/tmp}" -maxdepth 1 -name 'epmoe-nccl-id-*' 2>/dev/null | wc -l)
+if [[ $rc == 141 && $ids_after -le $ids_before ]] && ! alive "sleep 47.1233"; then pass; else
+  fail "launch: a closed output stops the ranks (exit $rc, id files $ids_before -> $ids_after)"
+fi
+# A reader that stops reading: the launcher's timeout still ends the launch (124, about 2 + 1 + 1 s).
+(
+  start=$SECONDS
+  "$epmoe" launch -n 1 --timeout 2 --kill-grace 1 -- sh -c 'yes | head -c 2000000; exec sleep 47.1234' 2>/dev/null
+  echo "$? $((SECONDS - start))" >"$tmp/blocked"
+) | sleep 8
+read -r rc took <"$tmp/blocked"
+if [[ $rc == 124 && $took -le 6 ]] && ! alive "sleep 47.1234"; then pass; else
+  fail "launch: a blocked output does not stop the timeout (exit $rc after $took s)"
+fi
+
 # The CPU prefill's forwards are counted as it goes (a list of 4e9 chunks for 10^12 prompt tokens ran
 # out of memory): the ragged last chunk is still right.
 check "run prefill with a ragged last chunk" "$epmoe" run --device cpu --steps 0 --prompt-tokens 1000 --chunk 300 \

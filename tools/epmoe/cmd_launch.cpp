@@ -1,38 +1,25 @@
 // `epmoe launch -n N [--timeout S] -- <command...>`: N local ranks of a multi-GPU program with a
 // shared NCCL unique id (epmoe/launch.hpp). The exit code is 0 when every rank succeeded, the
-// first failing rank's code otherwise, 124 on timeout.
+// first failing rank's code otherwise, 124 on timeout, 128 + the signal that stopped it (SIGINT, SIGTERM,
+// SIGHUP, SIGQUIT: every rank is stopped first), 141 when its output was closed.
 #include <CLI/CLI.hpp>
-#include <csignal>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "epmoe/launch.hpp"
 #include "tools/epmoe/commands.hpp"
+#include "tools/epmoe/launch_signals.hpp"
 #include "tools/epmoe/options.hpp"
 
 namespace epmoe::tools {
 namespace {
 
-volatile std::sig_atomic_t g_interrupted = 0;
-extern "C" void on_interrupt(int) {
-  g_interrupted = 1;
-}
-
 void run_launch(const LaunchOptions& options) {
+  const LaunchSignals signals;
   LaunchOptions o = options;
-  o.interrupted = &g_interrupted;
-  struct sigaction sa {};
-  sa.sa_handler = on_interrupt;
-  sigemptyset(&sa.sa_mask);
-  struct sigaction old_int {
-  }, old_term{};
-  sigaction(SIGINT, &sa, &old_int);
-  sigaction(SIGTERM, &sa, &old_term);
-  const LaunchResult r = launch_ranks(o);
-  sigaction(SIGINT, &old_int, nullptr);
-  sigaction(SIGTERM, &old_term, nullptr);
-  set_exit_code(r.exit_code);
+  o.interrupted = signals.interrupted();
+  set_exit_code(launch_ranks(o).exit_code);
 }
 
 const CommandRegistration kRegistration{
@@ -58,8 +45,9 @@ const CommandRegistration kRegistration{
           "NCCL id file: written here by the launcher of rank 0 (default: a temporary file), read by "
           "the others");
       cmd->add_option("--kill-grace", o->kill_grace_s,
-                      "Seconds between SIGTERM and SIGKILL when stopping ranks")
+                      "Seconds between SIGTERM and SIGKILL when stopping ranks (at most 86400)")
           ->check(non_negative())
+          ->check(at_most(86400))
           ->capture_default_str();
       cmd->add_flag_callback(
           "--all-gpus", [o] { o->one_gpu_per_rank = false; },

@@ -226,6 +226,16 @@ CLI::Validator positive() {
 CLI::Validator non_negative_u64() {
   return number_above(0.0, false, "non_negative_u64", std::numeric_limits<std::uint64_t>::max());
 }
+CLI::Validator at_most(double bound) {
+  return CLI::Validator(
+      [bound](std::string& text) -> std::string {
+        double value = 0;
+        if (std::string problem = finite_number_problem(text, &value); !problem.empty()) return problem;
+        if (value <= bound) return {};
+        return "must be <= " + CLI::detail::to_string(bound) + ", got " + text;
+      },
+      "<= " + CLI::detail::to_string(bound), "at_most");
+}
 CLI::Validator finite() {
   return CLI::Validator(
       [](std::string& text) -> std::string {

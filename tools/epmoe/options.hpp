@@ -48,6 +48,8 @@ void reserve_stdout_for_json(const std::string& path);
 CLI::Validator non_negative();
 CLI::Validator positive();
 CLI::Validator non_negative_u64();
+// A finite number at most `bound` (with the message "must be <= bound, got text").
+CLI::Validator at_most(double bound);
 // A finite number (for options with their own range check, which nan would pass: every comparison
 // with nan is false).
 CLI::Validator finite();

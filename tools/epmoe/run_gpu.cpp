@@ -29,6 +29,7 @@
 #include "epmoe/layer.hpp"
 #include "tools/epmoe/check_util.hpp"
 #include "tools/epmoe/commands.hpp"
+#include "tools/epmoe/launch_signals.hpp"
 #include "tools/epmoe/run.hpp"
 
 namespace epmoe::tools {
@@ -740,6 +741,8 @@ void run_gpu_main(const RunOptions& o) {
     // With --json - the ranks keep stdout for rank 0's JSON (their reports go to stderr): passed on
     // unprefixed.
     lo.prefix_stdout = o.json != "-";
+    const LaunchSignals signals;  // Ctrl-C, SIGTERM, SIGHUP stop the ranks too, not only this process
+    lo.interrupted = signals.interrupted();
     const LaunchResult r = launch_ranks(lo);
     set_exit_code(r.exit_code);
     return;
