@@ -236,6 +236,11 @@ void launch_copy_variant(kernels::PermuteCopyParams p, cudaStream_t stream) {
       std::clamp<std::uint64_t>(ceil_div(p.total_rows, 4 * kernels::kPermuteCopyThreads), 1,
                                 static_cast<std::uint64_t>(device_props().sm_count)));
   EPMOE_CHECK(p.fill_blocks + copy_blocks <= 0x7fffffffu, "too many blocks for one launch");
+  // The kernel's thread index over the copy blocks is 32-bit: past 2^32 threads (fp8 rows of 128 at
+  // 2^27 tokens) it wrapped, and the last tokens were never copied.
+  EPMOE_CHECK(copy_blocks * kernels::kPermuteCopyThreads <= std::numeric_limits<std::uint32_t>::max(),
+              "{} tokens x {} row segments are too many for one launch (at most {} warps)", p.tokens,
+              p.segments, std::numeric_limits<std::uint32_t>::max() / 32);
   p.token_order_rows = (experiment_bits() & 32u) != 0 && !kMasked ? 1u : 0u;
   launch_dependent(
       (experiment_bits() & 1024u) == 0, &kernels::permute_copy_kernel<kScales, kMnMajor, kMasked>,

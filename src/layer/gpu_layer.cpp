@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <string_view>
 
@@ -119,6 +120,7 @@ struct GpuMoeLayer::Impl {
 
   // Routing.
   DeviceTensor logits, topk_ids, topk_weights, physical_ids, expert_counts, slot_counts, q, q_scales;
+  DeviceTensor load_sum;  // sum_over_ranks' result, and install_placement's all-ranks verdict
   ExpertPlacement placement;
   DeviceTensor log2phy, logcnt;  // fixed width P - E + 1 (the most replicas any placement can have)
   std::int64_t last_T = 0;
@@ -185,6 +187,10 @@ struct GpuMoeLayer::Impl {
   void load_slot(int local_slot, int logical);
   void load_shared();
   int install_placement(const ExpertPlacement& p);
+  // True on every rank when `ok` is true on every rank (collective on N ranks; one rank: `ok`).
+  bool all_ranks_agree(bool ok);
+  // Puts the experts of `before` back into the slots `touched` (install_placement's failure path).
+  void restore_slots(const std::vector<int>& before, const std::vector<int>& touched);
   // The per-expert load: the slot counts since the last fold, through the placement they were
   // counted under, into load_carry (this rank's; synchronises s0, which joins the count's stream).
   void fold_load();
@@ -355,6 +361,7 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   physical_ids = DeviceTensor(DType::i32, {T_max, K});
   expert_counts = DeviceTensor(DType::i64, {E});  // expert_load()'s staging for the sum over ranks
   slot_counts = DeviceTensor(DType::i64, {P});
+  load_sum = DeviceTensor(DType::i64, {std::max<std::int64_t>(E, P)});
   load_carry.assign(static_cast<std::size_t>(E), 0);
   slot_base.assign(static_cast<std::size_t>(P), 0);
   EPMOE_CUDA_CHECK(cudaMemsetAsync(slot_counts.data<std::int64_t>(), 0, slot_counts.nbytes(), s0));
@@ -542,12 +549,34 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
   // The forwards in flight read the slots about to be rewritten: wait for them, bounded by the
   // communicator's timeout (the slot loads below may synchronize s0 plainly, e.g. W4A8's -8 scan).
   if (placement.num_logical() > 0) wait_s0("the forwards before rewriting expert slots");
-  for (int s = 0; s < L; ++s) {
-    const int logical = p.phy2log()[static_cast<std::size_t>(rank * L + s)];
-    if (slot_logical[static_cast<std::size_t>(s)] != logical) {
-      load_slot(s, logical);
-      ++rewritten;
+  // All or nothing, on every rank: a slot that cannot take its expert (W4A8 sign-magnitude codes and a
+  // -8, a bad scale) throws half-way, with earlier slots (and that slot's w13) rewritten while the tables
+  // still name the old experts: every later forward would send tokens to the wrong weights. So the
+  // slots rewritten so far get their old experts back, and on N ranks no rank installs the placement
+  // unless every rank's slots took it (a rank left on the old tables would route unlike the others).
+  const std::vector<int> before = slot_logical;
+  std::vector<int> touched;
+  std::exception_ptr failure;
+  try {
+    for (int s = 0; s < L; ++s) {
+      const int logical = p.phy2log()[static_cast<std::size_t>(rank * L + s)];
+      if (slot_logical[static_cast<std::size_t>(s)] != logical) {
+        touched.push_back(s);
+        load_slot(s, logical);
+        ++rewritten;
+      }
     }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  const bool others_failed = !all_ranks_agree(failure == nullptr);
+  if (failure != nullptr || others_failed) {
+    restore_slots(before, touched);
+    if (failure != nullptr) std::rethrow_exception(failure);
+    EPMOE_FAIL(
+        "rank {}: another rank's expert slots could not take the new placement; every rank keeps "
+        "the previous one",
+        rank);
   }
   // The tables in place, padded to the fixed width with -1.
   const std::int64_t width = P - E + 1;
@@ -563,6 +592,37 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
   if (placement.num_logical() > 0) fold_load();  // the counts so far were made under the old placement
   placement = p;
   return rewritten;
+}
+
+bool GpuMoeLayer::Impl::all_ranks_agree(bool ok) {
+  if (!comm || comm->size() <= 1) return ok;
+  // Ranks that failed, summed: load_sum's first word is the input, its second the sum.
+  const std::int64_t failed = ok ? 0 : 1;
+  std::int64_t* words = load_sum.data<std::int64_t>();
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(words, &failed, sizeof(failed), cudaMemcpyHostToDevice, s0));
+  comm->all_reduce_sum_i64(words, words + 1, 1, s0);
+  comm->synchronize(CommPhase::none, "the ranks' verdict on a new placement");
+  std::int64_t failed_ranks = 0;
+  EPMOE_CUDA_CHECK(
+      cudaMemcpyAsync(&failed_ranks, words + 1, sizeof(failed_ranks), cudaMemcpyDeviceToHost, s0));
+  wait_s0("the ranks' verdict on a new placement");
+  return failed_ranks == 0;
+}
+
+void GpuMoeLayer::Impl::restore_slots(const std::vector<int>& before, const std::vector<int>& touched) {
+  for (const int s : touched) {
+    const int logical = before[static_cast<std::size_t>(s)];
+    if (logical < 0) continue;  // (never loaded: the layer's construction failed, and the layer with it)
+    try {
+      load_slot(s, logical);  // these experts were in place before: they load again
+    } catch (const std::exception& e) {
+      EPMOE_FAIL(
+          "rank {}: putting expert {} back into slot {} after a failed placement failed too ({}); "
+          "this layer's expert slots are inconsistent: build a new layer",
+          rank, logical, s, e.what());
+    }
+  }
+  wait_s0("restoring the previous experts");
 }
 
 void GpuMoeLayer::Impl::fold_load() {
@@ -980,16 +1040,23 @@ void GpuMoeLayer::capture_graphs(std::span<const std::int64_t> batch_sizes) {
     EPMOE_CHECK(T >= 0 && T <= p.T_max, "graph batch size {} must be in [0, {}]", T, p.T_max);
     if (m.graphs.count(T)) continue;
     cudaGraph_t graph = nullptr;
+    // (`capturing` is cleared on every way out: left set, it would keep every later eager forward
+    // untimed.)
     m.capturing = true;
-    EPMOE_CUDA_CHECK(cudaStreamBeginCapture(m.s0, cudaStreamCaptureModeThreadLocal));
+    if (const cudaError_t begun = cudaStreamBeginCapture(m.s0, cudaStreamCaptureModeThreadLocal);
+        begun != cudaSuccess) {
+      m.capturing = false;
+      EPMOE_CUDA_CHECK(begun);
+    }
     try {
       m.forward(p, rows_of(m.x_static, T), rows_of(m.y_static, T));
     } catch (...) {
       m.abandon_capture();
       throw;
     }
-    EPMOE_CUDA_CHECK(cudaStreamEndCapture(m.s0, &graph));
+    const cudaError_t ended = cudaStreamEndCapture(m.s0, &graph);
     m.capturing = false;
+    EPMOE_CUDA_CHECK(ended);
     m.graphs.emplace(T, Graph::instantiate(graph));
   }
 }
@@ -1010,17 +1077,19 @@ void GpuMoeLayer::forward_graph(TensorView x, TensorView y) {
 }
 
 namespace {
-// A device i64 counter array summed over the ranks, on the host (collective).
-std::vector<std::int64_t> sum_over_ranks(const DeviceTensor& counts,
+// A device i64 counter array summed over the ranks, on the host (collective), through `sum` (at least
+// as large; allocated once: a cudaFree here waited for the whole device, and on loopback ranks sharing
+// one GPU a peer's next dispatch then waited for this rank until the communicator's timeout).
+std::vector<std::int64_t> sum_over_ranks(const DeviceTensor& counts, const DeviceTensor& sum_buffer,
                                          const std::shared_ptr<Communicator>& comm, cudaStream_t stream) {
   const std::int64_t n = counts.numel();
-  DeviceTensor sum(DType::i64, {n});
+  const TensorView sum = sum_buffer.view().slice_rows(0, n);
   if (comm && comm->size() > 1) {
-    comm->all_reduce_sum_i64(counts.data<std::int64_t>(), sum.data<std::int64_t>(),
-                             static_cast<std::size_t>(n), stream);
+    comm->all_reduce_sum_i64(counts.data<std::int64_t>(), sum.as<std::int64_t>(), static_cast<std::size_t>(n),
+                             stream);
     comm->synchronize(CommPhase::none, "the load counters' sum over the ranks");  // bounded: stream is comm's
   } else {
-    EPMOE_CUDA_CHECK(cudaMemcpyAsync(sum.data<std::int64_t>(), counts.data<std::int64_t>(), sum.nbytes(),
+    EPMOE_CUDA_CHECK(cudaMemcpyAsync(sum.as<std::int64_t>(), counts.data<std::int64_t>(), sum.nbytes(),
                                      cudaMemcpyDeviceToDevice, stream));
   }
   HostTensor host = to_host(sum, stream);
@@ -1034,10 +1103,10 @@ std::vector<std::int64_t> GpuMoeLayer::expert_load() {
   copy_to_device(m.expert_counts,
                  TensorView::contiguous(m.load_carry.data(), DType::i64, {static_cast<std::int64_t>(m.E)}),
                  m.s0);
-  return sum_over_ranks(m.expert_counts, m.comm, m.s0);
+  return sum_over_ranks(m.expert_counts, m.load_sum, m.comm, m.s0);
 }
 std::vector<std::int64_t> GpuMoeLayer::slot_load() {
-  return sum_over_ranks(impl_->slot_counts, impl_->comm, impl_->s0);
+  return sum_over_ranks(impl_->slot_counts, impl_->load_sum, impl_->comm, impl_->s0);
 }
 
 void GpuMoeLayer::reset_load() {

@@ -50,6 +50,9 @@ void launch_per_token_group(const TensorView& x, const TensorView& q, const Tens
   // kUnroll groups per half-warp.
   const unsigned grid =
       oneshot_grid(ceil_div(num_groups, kQuantThreads / kernels::kLanesPerGroup * kernels::kUnroll));
+  // The kernel's thread index is 32-bit (past 2^32 threads it would wrap and leave groups unquantized).
+  EPMOE_CHECK(static_cast<std::uint64_t>(grid) * kQuantThreads <= std::numeric_limits<std::uint32_t>::max(),
+              "{} groups of {} are too many for one launch", num_groups, kernels::kQuantGroup);
   kernel<<<grid, kQuantThreads, 0, stream>>>(
       static_cast<const std::uint16_t*>(x.data), static_cast<std::uint8_t*>(q.data),
       static_cast<float*>(scales.data), num_groups, groups_per_row, tokens, tokens_padded);

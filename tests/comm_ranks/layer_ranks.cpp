@@ -17,6 +17,7 @@
 #include "epmoe/cuda/layer.hpp"
 #include "epmoe/cuda/synthetic.hpp"
 #include "epmoe/layer.hpp"
+#include "expect_error.hpp"
 #include "layer/layer_test_util.hpp"
 #include "ranks_util.hpp"
 
@@ -138,6 +139,45 @@ std::unique_ptr<cuda::GpuMoeLayer> make_layer(const std::shared_ptr<SyntheticWei
 }
 
 class LayerRanks : public ::testing::TestWithParam<const char*> {};
+
+// A placement that one rank's slots cannot take is installed on no rank (a rank left on the old tables
+// would route unlike the others): that rank's error is the refusal, every other rank's names it, and
+// each keeps its placement and its output bits.
+TEST(LayerRanksPlacement, ARefusalOnOneRankKeepsEveryRanksPlacement) {
+  on_ranks([] {
+    const MoeConfig c = config_for("tiny/fp8", 4, 32);
+    auto w = std::make_shared<testing::RefusingWeights>(weights_for(c));
+    auto layer = std::make_unique<cuda::GpuMoeLayer>(w, cuda::GpuLayerOptions{}, world_ptr());
+    world().barrier();
+    const HostTensor x = synthetic_tokens(c, input_seed(31), world().rank(), 16);
+    const Out before = layer_forward(*layer, x, false);
+    expect_reference(*w, x, before, "before the refused placement");
+    const std::vector<std::int32_t> initial = layer->placement().phy2log();
+    // Every logical expert in the reverse slot order; rank 0 refuses the expert of its middle slot.
+    const int E = c.num_experts, P = c.num_physical_experts(), L = P / world().size();
+    std::vector<std::int32_t> phy2log(static_cast<std::size_t>(P));
+    for (int s = 0; s < P; ++s) phy2log[static_cast<std::size_t>(s)] = E - 1 - s % E;
+    const ExpertPlacement reversed(phy2log, E, world().size());
+    if (world().rank() == 0) {
+      w->refuse_once = phy2log[static_cast<std::size_t>(L / 2)];
+      ASSERT_NE(initial[static_cast<std::size_t>(L / 2)], w->refuse_once);
+    }
+    const std::string message = testing::message_of([&] { layer->set_placement(reversed); });
+    world().barrier();
+    if (world().rank() == 0) {
+      EXPECT_NE(message.find("refused by the test"), std::string::npos) << message;
+      EXPECT_EQ(w->refuse_once, -1) << "the refused expert was never read: the test checks nothing";
+    } else {
+      EXPECT_NE(message.find("another rank's expert slots could not take the new placement"),
+                std::string::npos)
+          << message;
+    }
+    EXPECT_EQ(layer->placement().phy2log(), initial);
+    EXPECT_TRUE(same_bits(layer_forward(*layer, x, false).y, before.y)) << "after the refusal";
+    layer.reset();
+    world().barrier();
+  });
+}
 
 TEST_P(LayerRanks, LowLatencyEagerAndGraphMatchTheReference) {
   on_ranks([&] {

@@ -337,6 +337,37 @@ TEST(GpuLayer, ExpertLoadSpansAPlacementChange) {
   for (std::int64_t v : tiny.layer.expert_load()) EXPECT_EQ(v, 0);
 }
 
+// A placement change whose slots cannot all take their experts changes nothing: the slots rewritten
+// before the refused one get their experts back, the tables and the placement stay, and the output keeps
+// every bit (it used to keep the new experts in the early slots, and the refused slot half-written,
+// under the old tables: wrong output, no error).
+TEST(GpuLayer, ARefusedPlacementKeepsTheOldExpertsAndResults) {
+  EPMOE_REQUIRE_GPU();
+  testing::SeededRng rng;
+  const MoeConfig c = one_rank("tiny", 4);
+  auto w = std::make_shared<testing::RefusingWeights>(gpu_synthetic(c, rng()));
+  cuda::GpuMoeLayer layer(w, {});
+  const HostTensor x = synthetic_tokens(c, rng(), 0, 32);
+  const testing::LayerForward before = testing::layer_forward(layer, x, false);
+  testing::expect_matches_reference(*w, x, before, "before the refused placement");
+  const std::vector<std::int32_t> initial = layer.placement().phy2log();
+  // Every logical expert in the reverse slot order; the expert bound for the middle slot is refused, so
+  // the slots before it are rewritten first.
+  const int E = c.num_experts, P = c.num_physical_experts();
+  std::vector<std::int32_t> phy2log(static_cast<std::size_t>(P));
+  for (int s = 0; s < P; ++s) phy2log[static_cast<std::size_t>(s)] = E - 1 - s % E;
+  const ExpertPlacement reversed(phy2log, E, 1);
+  w->refuse_once = phy2log[static_cast<std::size_t>(P / 2)];
+  ASSERT_NE(initial[static_cast<std::size_t>(P / 2)], w->refuse_once);
+  testing::expect_error_mentions([&] { layer.set_placement(reversed); }, "refused by the test");
+  EXPECT_EQ(w->refuse_once, -1) << "the refused expert was never read: the test checks nothing";
+  EXPECT_EQ(layer.placement().phy2log(), initial);
+  EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, false).y, before.y, "after the refusal"));
+  // The same placement, now that every expert loads: installed, same bits.
+  EXPECT_GT(layer.set_placement(reversed), 0);
+  EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, false).y, before.y, "after the placement"));
+}
+
 TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {
   EPMOE_REQUIRE_GPU();
   testing::SeededRng rng;

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -12,6 +13,7 @@
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/layer.hpp"
 #include "epmoe/layer.hpp"
+#include "epmoe/weights.hpp"
 
 namespace epmoe::testing {
 
@@ -74,5 +76,30 @@ inline void expect_matches_reference(const ModelWeights& w, const HostTensor& x,
   ADD_FAILURE() << what << ": rel_l2 against exact: GPU " << compare(f.y, exact).rel_l2 << ", mirror "
                 << compare(ref, exact).rel_l2 << "; GPU against mirror per token (first 16):" << per_token;
 }
+
+// The synthetic weights, read through the plain ModelWeights interface (the path a checkpoint takes),
+// refusing one expert once when asked: a slot that cannot take its expert (in life: W4A8 sign-magnitude
+// codes and a -8, a bad scale).
+class RefusingWeights final : public ModelWeights {
+ public:
+  explicit RefusingWeights(std::shared_ptr<SyntheticWeights> inner) : inner_(std::move(inner)) {}
+  const MoeConfig& config() const override { return inner_->config(); }
+  const ExpertWeights& routed_expert(int logical) const override {
+    if (logical == refuse_once) {
+      refuse_once = -1;
+      throw Error(fmt::format("expert {} refused by the test", logical));
+    }
+    return inner_->routed_expert(logical);
+  }
+  const ExpertWeights& shared_expert() const override { return inner_->shared_expert(); }
+  TensorView gate_weight() const override { return inner_->gate_weight(); }
+  TensorView correction_bias() const override { return inner_->correction_bias(); }
+  float a1_scale() const override { return inner_->a1_scale(); }
+  float a2_scale() const override { return inner_->a2_scale(); }
+  mutable int refuse_once = -1;
+
+ private:
+  std::shared_ptr<SyntheticWeights> inner_;
+};
 
 }  // namespace epmoe::testing
