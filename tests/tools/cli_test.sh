@@ -271,6 +271,12 @@ check_fails "launch negative kill grace" "--kill-grace: must be >= 0, got -5" \
   "$epmoe" launch -n 1 --kill-grace -5 -- true
 check_fails "launch negative world size" "--world-size: must be > 0, got -1" \
   "$epmoe" launch -n 1 --world-size -1 -- true
+# A run that fails before writing its results removes an earlier run's, so that a script cannot take them
+# for this run's; eplb's --output (which may also be its --load) is left alone.
+echo '{"stale": true}' >"$tmp/stale.json"
+check_fails "check failing with an old --json file" "removed '$tmp/stale.json', an earlier run's output" \
+  "$epmoe" check --experts 7 --json "$tmp/stale.json"
+check "the old --json file is gone" test ! -e "$tmp/stale.json"
 check_fails "launch kill grace over a day" "--kill-grace: must be <= 86400, got 1e10" \
   "$epmoe" launch -n 1 --kill-grace 1e10 -- true
 
@@ -280,7 +286,7 @@ alive() {
   local f
   for f in /proc/[0-9]*/cmdline; do
     [[ $f == "/proc/$BASHPID/cmdline" ]] && continue
-    if tr '\0' ' ' <"$f" 2>/dev/null | grep -q -- "$1"; then return 0; fi
+    if { tr '\0' ' ' <"$f"; } 2>/dev/null | grep -q -- "$1"; then return 0; fi  # (it may exit meanwhile)
   done
   return 1
 }

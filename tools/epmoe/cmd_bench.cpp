@@ -61,7 +61,7 @@ const CommandRegistration kRegistration{
       }
       cmd->add_option("what", options->what, help)->required()->check(CLI::IsMember(names));
       cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)")
-          ->check(writable_output());
+          ->check(writable_output(/*result_file=*/true));
       cmd->add_option("--tokens", options->tokens,
                       "Token counts to measure, e.g. 128,4096 (default: per suite)")
           ->delimiter(',')

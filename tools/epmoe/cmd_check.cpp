@@ -120,7 +120,7 @@ const CommandRegistration kRegistration{
           ->capture_default_str();
       cmd->add_flag("--exact", options->exact, "Also report the error against an f64 reference");
       cmd->add_option("--json", options->json, "Write the results as JSON to FILE ('-' = stdout)")
-          ->check(writable_output());
+          ->check(writable_output(/*result_file=*/true));
       cmd->callback([options] { run_check(*options); });
     }};
 

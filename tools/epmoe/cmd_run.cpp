@@ -248,7 +248,7 @@ const CommandRegistration kRegistration{
           ->capture_default_str();
       cmd->add_option("--trace", options->trace,
                       "GPU: write a Chrome-trace / Perfetto timeline of one forward per phase and rank")
-          ->check(writable_output());
+          ->check(writable_output(/*result_file=*/true));
       cmd->add_flag("!--no-device-idle", options->device_idle,
                     "GPU: skip the device's idle time inside a forward (a few extra forwards with CUPTI's "
                     "activity records on)");
@@ -260,7 +260,7 @@ const CommandRegistration kRegistration{
           ->check(positive())
           ->capture_default_str();
       cmd->add_option("--json", options->json, "Write all results as JSON to FILE ('-' = stdout)")
-          ->check(writable_output());
+          ->check(writable_output(/*result_file=*/true));
       cmd->callback([options, cmd] {
         for (const char* name :
              {"--concurrency", "--prompts", "--no-graphs", "--check-tokens", "--tbo", "--shared-stream",

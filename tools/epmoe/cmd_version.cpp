@@ -86,7 +86,7 @@ const CommandRegistration kRegistration{
                                          "loaded libnccl is the version epmoe "
                                          "was compiled against (exit 1 if not)");
       cmd->add_option("--json", *json_path, "Also write it as JSON to FILE ('-' = stdout)")
-          ->check(writable_output());
+          ->check(writable_output(/*result_file=*/true));
       cmd->callback([json_path] { run_version(*json_path); });
     }};
 

@@ -8,6 +8,7 @@
 
 #include "epmoe/error.hpp"
 #include "tools/epmoe/commands.hpp"
+#include "tools/epmoe/options.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"epmoe: expert-parallel Mixture-of-Experts layer for DeepSeek-V3/R1-class models"};
@@ -32,6 +33,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const epmoe::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
+    epmoe::tools::remove_unwritten_results();
     return 2;
   } catch (const std::bad_alloc&) {
     // Sizes from the command line (tokens, --hidden, --experts, steps...) past this machine's memory:
@@ -39,9 +41,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "epmoe: out of host memory: the sizes asked for (tokens, steps, --hidden, --intermediate, "
                  "--experts, --max-tokens-per-rank...) need more memory than this machine has\n");
+    epmoe::tools::remove_unwritten_results();
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epmoe: %s\n", e.what());
+    epmoe::tools::remove_unwritten_results();
     return 2;
   }
   return epmoe::tools::exit_code();

@@ -12,6 +12,7 @@
 #include <limits>
 #include <regex>
 #include <string>
+#include <vector>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -142,7 +143,9 @@ Device resolve_device(const std::string& device, bool gpu_path) {
 }
 
 namespace {
-std::FILE* g_json_out = nullptr;  // the original stdout once reserve_stdout_for_json moved the report
+std::FILE* g_json_out = nullptr;          // the original stdout once reserve_stdout_for_json moved the report
+std::vector<std::string> g_result_files;  // writable_output(true)'s paths
+std::vector<std::string> g_written;       // write_text_file's
 }  // namespace
 
 void reserve_stdout_for_json(const std::string& path) {
@@ -156,6 +159,7 @@ void reserve_stdout_for_json(const std::string& path) {
 }
 
 void write_text_file(std::string_view option, const std::string& path, const std::string& text) {
+  g_written.push_back(path);
   if (path == "-") {
     std::FILE* out = g_json_out != nullptr ? g_json_out : stdout;
     std::fwrite(text.data(), 1, text.size(), out);
@@ -245,10 +249,22 @@ CLI::Validator finite() {
       "FINITE", "finite");
 }
 
-CLI::Validator writable_output() {
+void remove_unwritten_results() {
+  for (const std::string& path : g_result_files) {
+    if (std::find(g_written.begin(), g_written.end(), path) != g_written.end()) continue;
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(path, ec) && std::filesystem::remove(path, ec))
+      std::fprintf(stderr,
+                   "epmoe: removed '%s', an earlier run's output: this run failed before writing its own\n",
+                   path.c_str());
+  }
+}
+
+CLI::Validator writable_output(bool result_file) {
   return CLI::Validator(
-      [](std::string& path) -> std::string {
+      [result_file](std::string& path) -> std::string {
         if (path == "-") return {};
+        if (result_file) g_result_files.push_back(path);
         namespace fs = std::filesystem;
         std::error_code ec;
         const fs::path p(path);

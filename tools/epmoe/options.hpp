@@ -57,6 +57,11 @@ CLI::Validator finite();
 // CLI validator of an output file, checked when the command line is parsed rather than when a long run
 // ends: "-", or a path whose directory exists and takes new files (a scratch file is created there and
 // removed) and which, if it exists, is a regular file that opens for writing.
-CLI::Validator writable_output();
+// result_file: a command's results (--json, --trace), which an earlier run may have left there: if this run
+// fails with an error before writing its own, remove_unwritten_results() removes the old one, so that a
+// script cannot take it for this run's (not for --output files, which may also be a command's input).
+CLI::Validator writable_output(bool result_file = false);
+// main's error path: see writable_output.
+void remove_unwritten_results();
 
 }  // namespace epmoe::tools
