@@ -116,8 +116,9 @@ std::string resolve_program(const std::string& name) {
 struct Sink {
   int fd = -1;
   std::string buffer;
-  std::size_t sent = 0;  // bytes of `buffer` already written
-  bool broken = false;   // the descriptor failed (its reader is gone: EPIPE): what comes is dropped
+  std::size_t sent = 0;      // bytes of `buffer` already written
+  bool broken = false;       // the descriptor failed: what comes is dropped
+  bool reader_gone = false;  // ... because its reader went away (EPIPE)
 
   std::size_t pending() const { return buffer.size() - sent; }
   void add(std::string_view text) {
@@ -128,7 +129,12 @@ struct Sink {
   void pump() {
     while (pending() > 0 && !broken) {
       pollfd p{fd, POLLOUT, 0};
-      if (::poll(&p, 1, 0) <= 0 || (p.revents & (POLLOUT | POLLERR | POLLHUP)) == 0) break;
+      if (::poll(&p, 1, 0) <= 0) break;
+      if ((p.revents & POLLNVAL) != 0) {  // not open (`>&-`): dropped, as a write to it would be
+        broken = true;
+        break;
+      }
+      if ((p.revents & (POLLOUT | POLLERR | POLLHUP)) == 0) break;
       const ssize_t n = ::write(fd, buffer.data() + sent, std::min<std::size_t>(pending(), PIPE_BUF));
       if (n > 0) {
         sent += static_cast<std::size_t>(n);
@@ -136,6 +142,7 @@ struct Sink {
         break;
       } else {
         broken = true;
+        reader_gone = n < 0 && errno == EPIPE;
       }
     }
     if (broken || sent == buffer.size() || sent > (std::size_t{1} << 20)) {
@@ -457,7 +464,7 @@ class Launcher {
   void pump_output() {
     out_.pump();
     err_.pump();
-    if ((out_.broken || err_.broken) && !output_broken_) {
+    if ((out_.reader_gone || err_.reader_gone) && !output_broken_) {
       output_broken_ = true;  // the reader of the launcher's output is gone (`| head`): nobody sees more
       stop_all("the launcher's output was closed; stopping every rank");
     }
@@ -519,7 +526,7 @@ class Launcher {
   // (a slow reader, `| less`, still gets everything); within the timeout when there is one; a second
   // more after an interrupt or a timeout, and then it is dropped.
   void flush_output() {
-    while (held_output() > 0 && !out_.broken && !err_.broken) {
+    while ((out_.pending() > 0 && !out_.broken) || (err_.pending() > 0 && !err_.broken)) {
       check_interrupt_and_timeout();
       const auto now = Clock::now();
       if (interrupted_ || timed_out_) {
@@ -528,7 +535,7 @@ class Launcher {
       }
       std::vector<pollfd> fds;
       for (const Sink* sink : {&out_, &err_})
-        if (sink->pending() > 0) fds.push_back({sink->fd, POLLOUT, 0});
+        if (sink->pending() > 0 && !sink->broken) fds.push_back({sink->fd, POLLOUT, 0});
       poll(fds.data(), fds.size(), 20);
       pump_output();
     }
