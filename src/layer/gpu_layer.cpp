@@ -569,7 +569,10 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
   } catch (...) {
     failure = std::current_exception();
   }
-  const bool others_failed = !all_ranks_agree(failure == nullptr);
+  // (Not at construction: a rank whose constructor throws ends the layer anyway, and the first NCCL
+  // all-reduce's connection set-up would cost the first forward's start-up budget.)
+  const bool constructing = placement.num_logical() == 0;
+  const bool others_failed = !constructing && !all_ranks_agree(failure == nullptr);
   if (failure != nullptr || others_failed) {
     restore_slots(before, touched);
     if (failure != nullptr) std::rethrow_exception(failure);
