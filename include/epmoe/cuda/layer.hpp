@@ -210,7 +210,10 @@ class GpuMoeLayer {
   // the sums over each rank's slots.
   std::vector<std::int64_t> slot_load();
   void reset_load();  // clears the expert and slot counters
-  // Installs a placement (every rank must pass the same one); rewrites the changed local slots.
+  // Installs a placement (collective: every rank must pass the same one); rewrites the changed local
+  // slots. All or nothing: if any rank's slots cannot take their experts (W4A8 sign-magnitude codes and a
+  // -8, a bad scale, a checkpoint read that throws), every rank keeps the previous placement and its
+  // experts, and throws (that rank its own error, the others one that names it). rebalance() likewise.
   int set_placement(const ExpertPlacement& placement);
 
  private:
