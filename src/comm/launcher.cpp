@@ -284,7 +284,7 @@ class Launcher {
     result.first_failed_rank = first_failed_;
     if (timed_out_) {
       result.exit_code = 124;
-    } else if (interrupted_) {
+    } else if (interrupt_signal_ != 0) {
       result.exit_code =
           128 + (interrupt_signal_ > 0 && interrupt_signal_ < 128 ? interrupt_signal_ : SIGINT);
     } else if (output_broken_) {
@@ -312,11 +312,11 @@ class Launcher {
     for (const std::string& e : env) envp.push_back(const_cast<char*>(e.c_str()));
     envp.push_back(nullptr);
 
-    int out[2], err[2], status_pipe[2];
-    if (pipe2(out, O_CLOEXEC) != 0) return errno;
-    if (pipe2(err, O_CLOEXEC) != 0 || pipe2(status_pipe, O_CLOEXEC) != 0) {
+    int out[2] = {-1, -1}, err[2] = {-1, -1}, status_pipe[2] = {-1, -1};
+    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0 || pipe2(status_pipe, O_CLOEXEC) != 0) {
       const int e = errno;
-      for (int fd : {out[0], out[1], err[0], err[1]}) close(fd);
+      for (int fd : {out[0], out[1], err[0], err[1]})  // (a failed pipe2 leaves its pair at -1)
+        if (fd >= 0) close(fd);
       return e;
     }
     const pid_t parent = getpid();
@@ -443,11 +443,12 @@ class Launcher {
   }
 
   std::size_t held_output() const { return out_.pending() + err_.pending(); }
+  // Timed out, interrupted or nobody reading: what the ranks printed is not worth waiting for.
+  bool giving_up() const { return timed_out_ || interrupt_signal_ != 0 || output_broken_; }
 
   void check_interrupt_and_timeout() {
     const auto now = Clock::now();
     if (o_.interrupted != nullptr && *o_.interrupted != 0 && !stopping_) {
-      interrupted_ = true;
       interrupt_signal_ = static_cast<int>(*o_.interrupted);
       stop_all(fmt::format("interrupted{}; stopping every rank",
                            interrupt_signal_ > 0 && interrupt_signal_ < 128
@@ -493,8 +494,9 @@ class Launcher {
       }
       if (!running) {
         // Every rank has exited: read what is left, but do not wait for descendants that keep a
-        // pipe open after their rank is gone.
-        if (!any_exited_all) {
+        // pipe open after their rank is gone. (The 200 ms count while the pipes are read: held back
+        // by a slow reader, what the ranks left in them is not dropped, unless the launch gives up.)
+        if (!any_exited_all || (!reading && !giving_up())) {
           any_exited_all = true;
           all_exited = Clock::now();
         }
@@ -526,12 +528,13 @@ class Launcher {
   // (a slow reader, `| less`, still gets everything); within the timeout when there is one; a second
   // more after an interrupt or a timeout, and then it is dropped.
   void flush_output() {
+    Clock::time_point deadline{};
     while ((out_.pending() > 0 && !out_.broken) || (err_.pending() > 0 && !err_.broken)) {
       check_interrupt_and_timeout();
       const auto now = Clock::now();
-      if (interrupted_ || timed_out_) {
-        if (flush_deadline_ == Clock::time_point{}) flush_deadline_ = now + std::chrono::seconds(1);
-        if (now > flush_deadline_) break;
+      if (giving_up()) {
+        if (deadline == Clock::time_point{}) deadline = now + std::chrono::seconds(1);
+        if (now > deadline) break;
       }
       std::vector<pollfd> fds;
       for (const Sink* sink : {&out_, &err_})
@@ -544,12 +547,11 @@ class Launcher {
   LaunchOptions o_;
   std::vector<Rank> ranks_;
   Clock::time_point start_{}, kill_at_{};
-  bool stopping_ = false, timed_out_ = false, interrupted_ = false, write_id_after_spawn_ = false;
-  bool output_broken_ = false;
-  int first_failed_ = -1, interrupt_signal_ = 0;
+  bool stopping_ = false, timed_out_ = false, write_id_after_spawn_ = false, output_broken_ = false;
+  int first_failed_ = -1;
+  int interrupt_signal_ = 0;        // non-zero: interrupted (LaunchOptions::interrupted's value)
   std::vector<std::string> unset_;  // variables the ranks do not inherit
   Sink out_{STDOUT_FILENO}, err_{STDERR_FILENO};
-  Clock::time_point flush_deadline_{};
 };
 
 }  // namespace

@@ -546,9 +546,10 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
               "placement must have {} logical experts, {} slots and {} ranks, got {}, {} and {}", E, P, ranks,
               p.num_logical(), p.num_physical(), p.num_ranks());
   int rewritten = 0;
+  const bool constructing = placement.num_logical() == 0;
   // The forwards in flight read the slots about to be rewritten: wait for them, bounded by the
   // communicator's timeout (the slot loads below may synchronize s0 plainly, e.g. W4A8's -8 scan).
-  if (placement.num_logical() > 0) wait_s0("the forwards before rewriting expert slots");
+  if (!constructing) wait_s0("the forwards before rewriting expert slots");
   // All or nothing, on every rank: a slot that cannot take its expert (W4A8 sign-magnitude codes and a
   // -8, a bad scale) throws half-way, with earlier slots (and that slot's w13) rewritten while the tables
   // still name the old experts: every later forward would send tokens to the wrong weights. So the
@@ -571,7 +572,6 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
   }
   // (Not at construction: a rank whose constructor throws ends the layer anyway, and the first NCCL
   // all-reduce's connection set-up would cost the first forward's start-up budget.)
-  const bool constructing = placement.num_logical() == 0;
   const bool others_failed = !constructing && !all_ranks_agree(failure == nullptr);
   if (failure != nullptr || others_failed) {
     restore_slots(before, touched);
@@ -591,8 +591,8 @@ int GpuMoeLayer::Impl::install_placement(const ExpertPlacement& p) {
   std::vector<std::int32_t> counts = p.logcnt();
   copy_to_device(log2phy, TensorView::contiguous(table.data(), DType::i32, {E, width}), s0);
   copy_to_device(logcnt, TensorView::contiguous(counts.data(), DType::i32, {E}), s0);
-  wait_s0("the placement tables' upload");       // the host tables go away
-  if (placement.num_logical() > 0) fold_load();  // the counts so far were made under the old placement
+  wait_s0("the placement tables' upload");  // the host tables go away
+  if (!constructing) fold_load();           // the counts so far were made under the old placement
   placement = p;
   return rewritten;
 }
