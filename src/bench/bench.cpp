@@ -175,21 +175,11 @@ std::string describe(const Result& r) {
   return line;
 }
 
-// EPMOE_COMMIT first (scripts set it for trees that are not a git checkout, or that run with another
-// checkout as the working directory), then the working directory's git.
 std::string git_commit() {
+  const std::string built = build_commit();
+  if (built != "unknown") return built;
   if (const char* env = std::getenv("EPMOE_COMMIT"); env != nullptr && *env != '\0') return env;
-  std::string commit;
-  if (FILE* pipe = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
-    std::array<char, 128> buf{};
-    while (std::fgets(buf.data(), static_cast<int>(buf.size()), pipe) != nullptr) commit += buf.data();
-    const int status = pclose(pipe);
-    if (status != 0) commit.clear();
-  }
-  while (!commit.empty() && (commit.back() == '\n' || commit.back() == '\r' || commit.back() == ' '))
-    commit.pop_back();
-  if (!commit.empty()) return commit;
-  return "unknown";
+  return built;
 }
 
 nlohmann::json to_json(const Result& r) {

@@ -140,10 +140,11 @@ void MoeConfig::validate() const {
 std::string MoeConfig::describe() const {
   return fmt::format(
       "{}: H={} I={} experts={} topk={} groups={}/{} scoring={} s={} shared={} quant={} ranks={} "
-      "redundant={} max_tokens_per_rank={} dispatch={}",
+      "redundant={} max_tokens_per_rank={} dispatch={}{}{}",
       name, hidden, intermediate, num_experts, topk, num_groups, topk_groups, to_string(scoring),
       routed_scaling_factor, num_shared_experts, to_string(quant), num_ranks, num_redundant_experts,
-      max_tokens_per_rank, to_string(dispatch_algorithm));
+      max_tokens_per_rank, to_string(dispatch_algorithm), renormalize ? "" : " renormalize=off",
+      power_of_two_scales ? " pow2_scales=on" : "");
 }
 
 }  // namespace epmoe

@@ -108,9 +108,9 @@ check_fails "eplb negative load" "load\[0\]\[1\] = -2 must be finite and non-neg
 check_fails "eplb non-number load" "load\[0\]\[1\].*must be a number" \
   "$epmoe" eplb --load "$tmp/string.json" --replicas 4
 check_fails "eplb no load field" "\"load\" field" "$epmoe" eplb --load "$tmp/no_load.json" --replicas 4
-check_fails "eplb replicas < experts" "num_physical \(2\) must be at least" \
+check_fails "eplb replicas < experts" "--replicas \(2\) must be at least" \
   "$epmoe" eplb --load "$tmp/small.json" --replicas 2
-check_fails "eplb replicas not a multiple of gpus" "multiple of num_gpus" \
+check_fails "eplb replicas not a multiple of gpus" "--replicas \(6\) must be a multiple of --gpus \(4\)" \
   "$epmoe" eplb --load "$tmp/small.json" --replicas 6 --gpus 4
 check_fails "eplb --replicas required" "replicas" "$epmoe" eplb --load "$tmp/small.json"
 
@@ -127,9 +127,17 @@ for phase, mode in (("decode", "low-latency"), ("prefill", "normal")):
     assert p["mode"] == mode, p
     assert p["tokens_per_s"] > 0 and p["tokens"] > 0, p
     assert p["check"]["pass"] is True and p["check"]["overall"]["rel_l2"] < 1e-2, p
-    assert set(p["time_ms"]) >= {"route", "dispatch", "experts", "combine", "shared", "total"}, p
+    for block in ("phases_ms_per_forward", "phases_ms_all_forwards"):
+        assert set(p[block]) >= {"route", "dispatch", "gemm", "combine", "shared", "total"}, p
 assert doc["prefill"]["forwards"] == 3 and doc["prefill"]["tokens"] == 600, doc["prefill"]
 assert doc["layer_mode"] == "auto", doc  # one layer served both phases
+# What ran, as fields a script reads without parsing the config line: the build's commit, the model's
+# dims and seed, the phase sizes.
+assert doc["commit"] and doc["device"] == "cpu" and doc["date"].endswith("Z"), doc
+model = doc["model"]
+assert model["preset"] == "tiny" and model["seed"] == 1 and model["pow2_scales"] is False, model
+assert model["hidden"] > 0 and model["experts"] > 0 and model["ranks"] == doc["ranks"], model
+assert doc["decode_steps"] == 4 and doc["prefill_chunk"] == 128 and doc["prompt_tokens"] == 300, doc
 PY
 check "run w4a8 dynamic redundant" "$epmoe" run --device cpu --quant w4a8 --ranks 4 --redundant-experts 4 \
   --dispatch-algorithm dynamic --steps 2 --prompt-tokens 64
@@ -153,6 +161,16 @@ check_fails "check auto decode over the buffers" "max_tokens_per_rank" \
 check_fails "check bad batch kind" "--batch" "$epmoe" check --mode auto --batch extend
 check "check cpu-local" "$epmoe" check --ranks 1 --dispatcher cpu-local --exact --json "$tmp/check.json"
 check "check JSON" python3 -c "import json,sys; d=json.load(open('$tmp/check.json')); assert d['mirror']['pass'] and 'exact' in d"
+# The verdict at the top; the f64 comparison is informational (no verdict of its own); the seed and the
+# scale rounding in the model's fields.
+check "check --pow2-scales --seed" "$epmoe" check --ranks 1 --pow2-scales --seed 7 --exact --json "$tmp/check.json"
+check "check JSON fields" python3 - "$tmp/check.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["pass"] is True and d["mirror"]["pass"] is True and d["commit"] and d["device"] == "cpu", d
+assert d["model"]["seed"] == 7 and d["model"]["pow2_scales"] is True and "pow2_scales=on" in d["config"], d
+assert d["exact"]["informational"] is True and "pass" not in d["exact"] and "tolerance" not in d["exact"], d
+PY
 check "check deepseek-v3 dims, 2 ranks" "$epmoe" check --preset deepseek-v3 --ranks 2 --tokens 2 --mode low-latency
 check_fails "check bad hidden" "^epmoe: --hidden must be a positive multiple of 128" "$epmoe" check --hidden 200
 check_fails "check bad preset" "--preset must be one of" "$epmoe" check --preset nope
@@ -219,6 +237,19 @@ check_fails "unknown subcommand is named" "unknown subcommand 'nope' \(expected 
 # CLI11 reads integers in base 0 and saturates past 64 bits: "010" was 8 tokens, 2^64 the seed 2^64 - 1.
 check_fails "run octal-looking tokens" "--tokens: must be written without leading zeros" \
   "$epmoe" run --device cpu --tokens 010
+# strtoll / strtod read hexadecimal, CLI11 binary too: only decimal is taken.
+check_fails "check hexadecimal tokens" "--tokens: must be a decimal number, got 0x10" "$epmoe" check --tokens 0x10
+check_fails "run hexadecimal float tolerance" "--tolerance: must be a decimal number, got 0x1p-3" \
+  "$epmoe" run --device cpu --tolerance 0x1p-3
+check_fails "check binary seed" "--seed: must be a (decimal )?number" "$epmoe" check --seed 0b101
+# A command line refused by the parser also removes an earlier run's result file (the --json after the bad
+# option included), so a script cannot take it for this run's.
+echo '{"pass": true}' > "$tmp/stale.json"
+check_fails "check refused tokens" "--tokens" "$epmoe" check --json "$tmp/stale.json" --tokens -1
+check "the refused command line's stale --json is gone" test ! -e "$tmp/stale.json"
+echo '{"pass": true}' > "$tmp/stale.json"
+check_fails "run refused tokens, --json after it" "--tokens" "$epmoe" run --device cpu --tokens -1 --json "$tmp/stale.json"
+check "the stale --json after the refused option is gone" test ! -e "$tmp/stale.json"
 check_fails "check seed past 64 bits" "--seed: is out of range \(at most 18446744073709551615\)" \
   "$epmoe" check --seed 18446744073709551616
 check "check takes the largest seed" "$epmoe" check --seed 18446744073709551615

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "bench/bench.hpp"
+
 namespace epmoe::tools {
 
 CheckResult check_against_reference(const ModelWeights& weights, std::span<const TensorView> x,
@@ -35,6 +37,35 @@ CheckResult check_against_reference(const ModelWeights& weights, std::span<const
   result.pass = result.overall.within(tolerance);
   for (const ErrorReport& r : result.per_rank) result.pass = result.pass && r.within(tolerance);
   return result;
+}
+
+nlohmann::json model_json(const MoeConfig& c, const ModelOptions& o) {
+  return {{"preset", c.name},
+          {"hidden", c.hidden},
+          {"intermediate", c.intermediate},
+          {"experts", c.num_experts},
+          {"topk", c.topk},
+          {"groups", c.num_groups},
+          {"topk_groups", c.topk_groups},
+          {"scoring", to_string(c.scoring)},
+          {"renormalize", c.renormalize},
+          {"routed_scaling_factor", c.routed_scaling_factor},
+          {"shared_experts", c.num_shared_experts},
+          {"quant", to_string(c.quant)},
+          {"pow2_scales", c.power_of_two_scales},
+          {"ranks", c.num_ranks},
+          {"redundant_experts", c.num_redundant_experts},
+          {"max_tokens_per_rank", c.max_tokens_per_rank},
+          {"dispatch_algorithm", to_string(c.dispatch_algorithm)},
+          {"seed", o.seed}};
+}
+
+nlohmann::json result_header_json(Device device, const MoeConfig& config, const ModelOptions& options) {
+  return {{"commit", bench::git_commit()},
+          {"date", bench::utc_now_iso8601()},
+          {"device", device == Device::cpu ? "cpu" : "gpu"},
+          {"config", config.describe()},
+          {"model", model_json(config, options)}};
 }
 
 nlohmann::json to_json(const ErrorReport& r) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "epmoe/layer.hpp"
+#include "tools/epmoe/options.hpp"
 
 namespace epmoe::tools {
 
@@ -22,6 +23,12 @@ struct CheckResult {
 CheckResult check_against_reference(const ModelWeights& weights, std::span<const TensorView> x,
                                     std::span<const TensorView> y, Numerics numerics, double tolerance,
                                     const std::function<void(std::size_t rank)>& on_rank = {});
+// The model a command ran, for its JSON: the preset's name, every dimension and choice of `config` as
+// its own field (what describe() writes as one line), and the synthetic weights' and inputs' seed.
+nlohmann::json model_json(const MoeConfig& config, const ModelOptions& options);
+// What every command's JSON starts with: "commit" (bench::git_commit()), "date" (UTC, ISO 8601), "device"
+// ("cpu" or "gpu"), "config" (config.describe(), one line) and "model" (model_json: each field apart).
+nlohmann::json result_header_json(Device device, const MoeConfig& config, const ModelOptions& options);
 nlohmann::json to_json(const ErrorReport& report);
 nlohmann::json to_json(const CheckResult& result);
 

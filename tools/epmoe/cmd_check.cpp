@@ -77,20 +77,31 @@ void run_check(const CheckOptions& o) {
                 static_cast<long long>(r < stats.rows_per_rank.size() ? stats.rows_per_rank[r] : 0));
   // An empty batch is a case worth running (every kernel and exchange with T = 0), but its check
   // compares nothing: say so rather than a bare PASS.
-  std::printf("  overall vs mirrored reference: rel_l2 %.3e  calc_diff %.3e  (tolerance %.1e)  %s%s\n",
+  std::printf("  overall vs mirrored reference: rel_l2 %.3e  calc_diff %.3e  (tolerance %g)  %s%s\n",
               mirror.overall.rel_l2, mirror.overall.calc_diff, o.tolerance, mirror.pass ? "PASS" : "FAIL",
               o.tokens == 0 ? " (0 tokens: the empty forward ran; nothing to compare)" : "");
-  nlohmann::json j = {
-      {"config", config.describe()},           {"mode", to_string(lo.mode)},  {"batch", o.batch},
-      {"forward_mode", to_string(stats.mode)}, {"tokens_per_rank", o.tokens}, {"ranks", config.num_ranks},
-      {"quant", to_string(config.quant)},      {"mirror", to_json(mirror)}};
+  nlohmann::json j = result_header_json(lo.device, config, o.model);
+  j.update({{"layer_mode", to_string(lo.mode)},
+            {"batch", o.batch},
+            {"forward_mode", to_string(stats.mode)},
+            {"dispatcher", layer.options().dispatcher},
+            {"tokens_per_rank", o.tokens},
+            {"ranks", config.num_ranks},
+            {"quant", to_string(config.quant)},
+            {"mirror", to_json(mirror)},
+            {"pass", mirror.pass}});
   if (o.exact) {
-    // How far the quantized pipeline is from f64 arithmetic on the same quantized inputs (informational).
+    // How far the quantized pipeline is from f64 arithmetic on the same quantized inputs (informational:
+    // no tolerance, no verdict).
     const CheckResult exact =
         check_against_reference(*weights, x, y, Numerics::exact, 1.0, reference_progress("f64"));
     std::printf("  vs f64 reference (quantization error, informational): rel_l2 %.3e  calc_diff %.3e\n",
                 exact.overall.rel_l2, exact.overall.calc_diff);
-    j["exact"] = to_json(exact);
+    nlohmann::json e = to_json(exact);
+    e.erase("tolerance");
+    e.erase("pass");
+    e["informational"] = true;
+    j["exact"] = e;
   }
   if (!o.json.empty()) write_text_file("--json", o.json, j.dump(2) + "\n");
   set_exit_code(mirror.pass ? 0 : 1);
@@ -114,7 +125,8 @@ const CommandRegistration kRegistration{
           ->check(CLI::IsMember({"prefill", "decode"}))
           ->capture_default_str();
       cmd->add_option("--dispatcher", options->dispatcher,
-                      "Dispatcher: cpu-sim (default) or cpu-local (one rank)");
+                      "Dispatcher: cpu-sim (default) or cpu-local (one rank)")
+          ->check(CLI::IsMember({"cpu-sim", "cpu-local"}));
       cmd->add_option("--tolerance", options->tolerance, "Largest allowed rel_l2 and calc_diff")
           ->check(positive())
           ->capture_default_str();

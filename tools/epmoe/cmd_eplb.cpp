@@ -9,7 +9,9 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "epmoe/eplb.hpp"
@@ -65,9 +67,28 @@ std::vector<std::vector<double>> read_load(const std::string& path) {
   return load;
 }
 
+// rebalance_experts' messages name its parameters; the command's user knows them as the options that set
+// them ("num_physical (20) must be a multiple of num_gpus (3)": "--replicas (20) ... --gpus (3)").
+std::string eplb_flag_names(std::string message) {
+  static const std::pair<std::regex, const char*> names[] = {
+      {std::regex(R"(\bnum_physical\b)"), "--replicas"},
+      {std::regex(R"(\bnum_gpus\b)"), "--gpus"},
+      {std::regex(R"(\bnum_nodes\b)"), "--nodes"},
+      {std::regex(R"(\bnum_groups\b)"), "--groups"},
+      {std::regex(R"(\bnum_logical\b)"), "the experts per layer in --load"}};
+  for (const auto& [pattern, flag] : names) message = std::regex_replace(message, pattern, flag);
+  return message;
+}
+
 void run_eplb(const EplbOptions& opts) {
   const std::vector<std::vector<double>> load = read_load(opts.load_path);
-  const RebalanceResult r = rebalance_experts(load, opts.replicas, opts.groups, opts.nodes, opts.gpus);
+  const RebalanceResult r = [&] {
+    try {
+      return rebalance_experts(load, opts.replicas, opts.groups, opts.nodes, opts.gpus);
+    } catch (const Error& e) {
+      throw Error(eplb_flag_names(e.what()));
+    }
+  }();
 
   const auto L = static_cast<std::size_t>(r.num_layers);
   const auto E = static_cast<std::size_t>(r.num_logical);

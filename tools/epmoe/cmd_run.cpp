@@ -61,22 +61,26 @@ PhaseResult run_phase(const std::string& name, MoeLayer& layer, const ModelWeigh
   return result;
 }
 
+// The phase times under the GPU run's names (its "gemm" is the CPU's expert MLPs), each divided by
+// `forwards` (1: the sums over the phase's forwards).
+nlohmann::json phase_times_json(const PhaseTimes& t, double forwards) {
+  return {{"route", t.route / forwards},   {"quantize", t.quantize / forwards},
+          {"shared", t.shared / forwards}, {"dispatch", t.dispatch / forwards},
+          {"gemm", t.experts / forwards},  {"combine", t.combine / forwards},
+          {"total", t.total() / forwards}};
+}
+
 nlohmann::json to_json(const PhaseResult& p) {
-  const PhaseTimes& t = p.times;
+  const double forwards = p.forwards > 0 ? static_cast<double>(p.forwards) : 1.0;
   return {{"mode", to_string(p.mode)},
           {"forwards", p.forwards},
           {"tokens", p.tokens},
           {"seconds", p.seconds},
           {"tokens_per_s", p.seconds > 0 ? static_cast<double>(p.tokens) / p.seconds : 0.0},
+          {"ms_per_forward", 1e3 * p.seconds / forwards},
           {"dispatch_bytes_sent", p.bytes_sent},
-          {"time_ms",
-           {{"route", t.route},
-            {"quantize", t.quantize},
-            {"shared", t.shared},
-            {"dispatch", t.dispatch},
-            {"experts", t.experts},
-            {"combine", t.combine},
-            {"total", t.total()}}},
+          {"phases_ms_per_forward", phase_times_json(p.times, forwards)},
+          {"phases_ms_all_forwards", phase_times_json(p.times, 1.0)},
           {"check", tools::to_json(p.check)}};
 }
 
@@ -155,14 +159,16 @@ void run_main(const RunOptions& o) {
   }
 
   bool pass = true;
-  nlohmann::json j = {{"commit", bench::git_commit()},
-                      {"date", bench::utc_now_iso8601()},
-                      {"device", device_name(device)},
-                      {"config", config.describe()},
-                      {"preset", config.name},
-                      {"ranks", config.num_ranks},
-                      {"quant", to_string(config.quant)},
-                      {"layer_mode", to_string(layer_mode)}};
+  nlohmann::json j = result_header_json(device, config, o.model);
+  j.update({{"preset", config.name},
+            {"ranks", config.num_ranks},
+            {"quant", to_string(config.quant)},
+            {"layer_mode", to_string(layer_mode)},
+            {"decode_tokens_per_rank", decode_tokens},
+            {"decode_steps", steps},
+            {"prefill_chunk", chunk},
+            {"prompt_tokens", o.prompt_tokens},
+            {"tolerance", o.tolerance}});
   std::printf("results:\n");
   for (const PhaseResult& p : phases) {
     print_phase(p);
@@ -170,7 +176,7 @@ void run_main(const RunOptions& o) {
     pass = pass && p.check.pass;
   }
   j["pass"] = pass;
-  std::printf("check against the CPU reference (tolerance %.0e): %s\n", o.tolerance, pass ? "PASS" : "FAIL");
+  std::printf("check against the CPU reference (tolerance %g): %s\n", o.tolerance, pass ? "PASS" : "FAIL");
   if (!o.json.empty()) write_text_file("--json", o.json, j.dump(2) + "\n");
   set_exit_code(pass ? 0 : 1);
 }

@@ -30,7 +30,9 @@ int main(int argc, char** argv) {
                    names.c_str());
       return e.get_exit_code();
     }
-    return app.exit(e);
+    const int code = app.exit(e);
+    if (code != 0) epmoe::tools::remove_results_of_refused_command_line(app);
+    return code;
   } catch (const epmoe::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     epmoe::tools::remove_unwritten_results();

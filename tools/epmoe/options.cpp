@@ -139,7 +139,7 @@ Device resolve_device(const std::string& device, bool gpu_path) {
                 "device 'gpu': no CUDA device is present; use --device cpu or auto");
     return Device::cuda;
   }
-  EPMOE_FAIL("device must be 'auto', 'cpu' or 'gpu', got '{}'", device);
+  EPMOE_FAIL("--device must be 'auto', 'cpu' or 'gpu', got '{}'", device);
 }
 
 namespace {
@@ -199,10 +199,16 @@ std::string integer_text_problem(const std::string& text, std::uint64_t largest)
   return {};
 }
 
-// The problem with `text` as a finite number (empty: none; *value: the number).
+// The problem with `text` as a finite number (empty: none; *value: the number). Decimal only: the
+// conversions would also read hexadecimal ("0x10", "0x1p-3") and CLI11 binary and octal prefixes ("0b11",
+// "0o17") without a word, where the decimal reading was more likely meant.
 std::string finite_number_problem(const std::string& text, double* value) {
   if (!CLI::detail::lexical_cast(text, *value)) return "must be a number, got '" + text + "'";
   if (!std::isfinite(*value)) return "must be a finite number, got " + text;
+  if (!std::all_of(text.begin(), text.end(), [](char c) {
+        return (c >= '0' && c <= '9') || c == '+' || c == '-' || c == '.' || c == 'e' || c == 'E';
+      }))
+    return "must be a decimal number, got " + text;
   return {};
 }
 
@@ -258,6 +264,18 @@ void remove_unwritten_results() {
                    "epmoe: removed '%s', an earlier run's output: this run failed before writing its own\n",
                    path.c_str());
   }
+}
+
+void remove_results_of_refused_command_line(const CLI::App& app) {
+  for (const CLI::App* sub : app.get_subcommands()) {
+    for (const char* name : {"--json", "--trace"}) {  // every writable_output(true) option
+      const CLI::Option* option = sub->get_option_no_throw(name);
+      if (option == nullptr || option->count() == 0 || option->results().empty()) continue;
+      const std::string& path = option->results().back();
+      if (path != "-") g_result_files.push_back(path);
+    }
+  }
+  remove_unwritten_results();
 }
 
 CLI::Validator writable_output(bool result_file) {

@@ -63,5 +63,9 @@ CLI::Validator finite();
 CLI::Validator writable_output(bool result_file = false);
 // main's error path: see writable_output.
 void remove_unwritten_results();
+// main's path for a command line CLI11 refused: its options' validators ran in their declared order, so
+// the --json / --trace after a bad option were never seen by writable_output; this finds them on the
+// parsed subcommand and removes what an earlier run left there, as remove_unwritten_results does.
+void remove_results_of_refused_command_line(const CLI::App& app);
 
 }  // namespace epmoe::tools

@@ -348,7 +348,8 @@ PhaseStats run_phase(const PhasePlan& plan, const std::shared_ptr<const ModelWei
   return st;
 }
 
-nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& ranks, std::int64_t ranks_n) {
+nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& ranks, std::int64_t ranks_n,
+                          double tolerance) {
   double max_s = 0, tokens = 0, rel = 0, cd = 0, nf = 0;
   bool pass = true;
   nlohmann::json per_rank = nlohmann::json::array();
@@ -432,17 +433,19 @@ nlohmann::json phase_json(const PhasePlan& plan, const std::vector<PhaseStats>& 
   extra["device_activity"] = {{"eager", r0.activity_eager.json()},
                               {"graph", r0.activity_graph.json()},
                               {"measured_after_rebalance", plan.rebalance}};
-  nlohmann::json j = {{"mode", to_string(plan.mode)},
-                      {"graphs", plan.graphs},
-                      {"ranks", ranks_n},
-                      {"forwards", forwards},
-                      {"tokens", tokens},
-                      {"seconds", max_s},
-                      {"tokens_per_s", max_s > 0 ? tokens / max_s : 0.0},
-                      {"ms_per_forward", forwards > 0 ? 1e3 * max_s / forwards : 0.0},
-                      {"check", {{"rel_l2", rel}, {"calc_diff", cd}, {"non_finite", nf}, {"pass", pass}}},
-                      {"tbo", plan.tbo && ranks_n > 1},
-                      {"per_rank", per_rank}};
+  nlohmann::json j = {
+      {"mode", to_string(plan.mode)},
+      {"graphs", plan.graphs},
+      {"ranks", ranks_n},
+      {"forwards", forwards},
+      {"tokens", tokens},
+      {"seconds", max_s},
+      {"tokens_per_s", max_s > 0 ? tokens / max_s : 0.0},
+      {"ms_per_forward", forwards > 0 ? 1e3 * max_s / forwards : 0.0},
+      {"check",
+       {{"rel_l2", rel}, {"calc_diff", cd}, {"non_finite", nf}, {"tolerance", tolerance}, {"pass", pass}}},
+      {"tbo", plan.tbo && ranks_n > 1},
+      {"per_rank", per_rank}};
   j.update(extra);
   return j;
 }
@@ -604,22 +607,22 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
       "nothing to run: no decode phase (--steps or --tokens 0) and no prefill phase (--prompt-tokens 0 "
       "or --prompts 0)");
 
-  nlohmann::json j = {{"commit", bench::git_commit()},
-                      {"date", bench::utc_now_iso8601()},
-                      {"device", "gpu"},
-                      {"gpu", cuda::device_description(device)},
-                      {"config", config.describe()},
-                      {"preset", config.name},
-                      {"ranks", ranks},
-                      {"quant", to_string(config.quant)},
-                      {"decode_tokens_per_rank", decode_tokens},
-                      {"prefill_chunk", chunk},
-                      {"prompts_per_rank", prompts},
-                      {"prompt_tokens", o.prompt_tokens},
-                      {"shared_stream", o.shared_stream},
-                      {"normal_host_sync", o.normal_host_sync},
-                      {"dispatcher", o.dispatcher},
-                      {"w4a8_codes", o.w4a8_codes}};
+  nlohmann::json j = result_header_json(Device::cuda, config, o.model);
+  j.update({{"gpu", cuda::device_description(device)},
+            {"preset", config.name},
+            {"ranks", ranks},
+            {"quant", to_string(config.quant)},
+            {"layer_mode", "auto"},
+            {"decode_tokens_per_rank", decode_tokens},
+            {"decode_steps", steps},
+            {"prefill_chunk", chunk},
+            {"prompts_per_rank", prompts},
+            {"prompt_tokens", o.prompt_tokens},
+            {"shared_stream", o.shared_stream},
+            {"normal_host_sync", o.normal_host_sync},
+            {"dispatcher", o.dispatcher},
+            {"w4a8_codes", o.w4a8_codes},
+            {"tolerance", o.tolerance}});
   bool pass = true;
   std::vector<std::pair<std::string, nlohmann::json>> printed;
   nlohmann::json trace = nlohmann::json::array();
@@ -629,7 +632,7 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
     const PhaseStats mine =
         run_phase(plans[i], weights, comm, o, i == 0, dispatcher_used, activity_unavailable);
     const std::vector<PhaseStats> all = gather(mine, comm);
-    nlohmann::json pj = phase_json(plans[i], all, ranks);
+    nlohmann::json pj = phase_json(plans[i], all, ranks, o.tolerance);
     pj["dispatcher"] = dispatcher_used;
     if (!activity_unavailable.empty()) pj["device_activity"]["unavailable"] = activity_unavailable;
     if (i == 0) pj["first_forward_s_after_start"] = all.front().first_forward_s;
@@ -680,7 +683,7 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
       std::printf("  first forward done %.2f s after the command started (%s)\n",
                   j["decode"]["first_forward_s_after_start"].get<double>(), g_startup.describe().c_str());
     }
-    std::printf("check against the CPU reference (%lld tokens per rank and phase, tolerance %.0e): %s\n",
+    std::printf("check against the CPU reference (%lld tokens per rank and phase, tolerance %g): %s\n",
                 static_cast<long long>(o.check_tokens), o.tolerance, pass ? "PASS" : "FAIL");
     if (j.contains("decode") && j["decode"].contains("graph_speedup"))
       std::printf("  decode: CUDA graphs %.2fx faster than eager (%.3f vs %.3f ms/forward)\n",
