@@ -64,7 +64,10 @@ struct RebalanceResult {
 // DeepSeek's rebalance: hierarchical (pack groups to nodes, replicate within nodes, pack replicas
 // to GPUs) when num_groups % num_nodes == 0, else global (one node, one group).
 //   load: [L][E] per-expert load, non-negative and finite.
-//   num_physical % num_gpus == 0, num_gpus % num_nodes == 0, num_physical >= E.
+//   num_physical % num_gpus == 0, num_physical >= E; the hierarchical policy also needs
+//   num_gpus % num_nodes == 0 and E % num_groups == 0 (the global one places over all GPUs as one node).
+//   Ties (equal loads, e.g. idle experts) are broken as eplb.py's argmax and sort break them: the lowest
+//   index first, so that slot_cost = 0 gives its placement on integer counts too.
 //   slot_cost: the fixed cost, in load units, of a slot that receives any load — reading its weights
 //   once per forward, which dominates when each expert gets few tokens (decode). 0 (the default) is
 //   DeepSeek's algorithm exactly. Above 0, an expert gets another replica only while each replica

@@ -354,7 +354,7 @@ class NvlinkLlDispatcher final : public comm_detail::GpuDispatcherBase {
           if (d == g_.me) continue;
           EPMOE_CUDA_CHECK(cudaMemcpyAsync(
               send_dest_host_[static_cast<std::size_t>(d)] + parity_bytes + a.slot_begin * stride,
-              staging_.as<char>() + (d * g_.T_max + a.slot_begin) * stride,
+              staging_.as<char>() + (std::int64_t{d} * g_.T_max + a.slot_begin) * stride,
               static_cast<std::size_t>((a.slot_end - a.slot_begin) * stride), cudaMemcpyDeviceToDevice,
               ce_streams_[0]));
           EPMOE_CUDA_CHECK(
@@ -428,7 +428,7 @@ class NvlinkLlDispatcher final : public comm_detail::GpuDispatcherBase {
         if (d == g_.me) continue;
         EPMOE_CUDA_CHECK(cudaMemcpyAsync(
             send_dest_host_[static_cast<std::size_t>(d)] + parity_bytes + begin * stride,
-            staging_.as<char>() + (d * g_.T_max + begin) * stride,
+            staging_.as<char>() + (std::int64_t{d} * g_.T_max + begin) * stride,
             static_cast<std::size_t>((end - begin) * stride), cudaMemcpyDeviceToDevice, side));
         EPMOE_CUDA_CHECK(cudaMemcpyAsync(
             reinterpret_cast<char*>(send_chunks_host_[static_cast<std::size_t>(d)]) + parity_bytes +
@@ -456,8 +456,9 @@ class NvlinkLlDispatcher final : public comm_detail::GpuDispatcherBase {
   // [kMaxCePieces], zeroed), side streams and events, made at the first such call.
   void ensure_copy_engine_state() {
     if (!staging_.empty()) return;
-    staging_ = cuda::DeviceBuffer(static_cast<std::size_t>(g_.N * g_.T_max * g_.row_stride));
-    want_ = cuda::DeviceBuffer(static_cast<std::size_t>(g_.N * n_chunks_) * sizeof(std::uint32_t));
+    staging_ = cuda::DeviceBuffer(static_cast<std::size_t>(std::int64_t{g_.N} * g_.T_max * g_.row_stride));
+    want_ = cuda::DeviceBuffer(static_cast<std::size_t>(g_.N) * static_cast<std::size_t>(n_chunks_) *
+                               sizeof(std::uint32_t));
     ce_flags_ = cuda::DeviceBuffer(2 * comm_detail::kMaxCePieces * sizeof(std::uint32_t));
     ce_flags_.fill_bytes(0, comm_->stream());
     for (int q = 0; q < 2; ++q) {

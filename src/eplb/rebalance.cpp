@@ -58,7 +58,8 @@ Packing balanced_packing(std::span<const double> weight, int num_packs) {
 }
 
 // Grows n experts to num_slots replicas. Replica i < n is expert i; every further replica goes to
-// the expert with the highest load per replica (ties: fewer replicas, then lower index).
+// the expert with the highest load per replica, the lowest index among equals (DeepSeek's argmax, so
+// that tied loads, e.g. integer counts or idle experts, give eplb.py's placement).
 struct Replication {
   std::vector<int> replica_expert;  // [num_slots]
   std::vector<int> count;           // [n]
@@ -75,7 +76,7 @@ Replication replicate_experts(std::span<const double> weight, int num_slots, dou
     for (int e = 1; e < n; ++e) {
       const double per = weight[e] / out.count[e];
       const double best_per = weight[best] / out.count[best];
-      if (per > best_per || (per == best_per && out.count[e] < out.count[best])) best = e;
+      if (per > best_per) best = e;
     }
     if (slot_cost > 0 && weight[best] / (out.count[best] + 1) < slot_cost) {
       // No replica pays for its weight reads: this slot replicates the coldest expert (fewest
@@ -166,11 +167,15 @@ RebalanceResult rebalance_experts(const std::vector<std::vector<double>>& load, 
               num_logical);
   EPMOE_CHECK(num_physical % num_gpus == 0, "num_physical ({}) must be a multiple of num_gpus ({})",
               num_physical, num_gpus);
-  EPMOE_CHECK(num_gpus % num_nodes == 0, "num_gpus ({}) must be a multiple of num_nodes ({})", num_gpus,
-              num_nodes);
-
+  // (DeepSeek's global policy, for groups that do not divide over the nodes, places over all GPUs as one
+  // node: only the hierarchical policy needs the GPUs to divide over the nodes.)
   const bool hierarchical = num_groups % num_nodes == 0;
   if (hierarchical) {
+    EPMOE_CHECK(
+        num_gpus % num_nodes == 0,
+        "num_gpus ({}) must be a multiple of num_nodes ({}) for the hierarchical policy (num_groups % "
+        "num_nodes == 0)",
+        num_gpus, num_nodes);
     EPMOE_CHECK(num_logical % num_groups == 0,
                 "the number of logical experts ({}) must be a multiple of num_groups ({}) for the "
                 "hierarchical policy (num_groups % num_nodes == 0)",

@@ -348,6 +348,9 @@ GpuMoeLayer::Impl::Impl(std::shared_ptr<const ModelWeights> w, GpuLayerOptions o
   gate_weight = to_device(weights->gate_weight(), s0);
   // cuBLAS's first calls (every decode-sized batch) at set-up, not in a forward (GateGemm says why).
   gate->warm_up(gate_weight, std::max<std::int64_t>(T_max, 1), s0);
+  // A NaN bias would win every comparison in the router's kernels (its order key is the largest):
+  // refused here, as route_cpu refuses it, while it is still a host tensor.
+  if (!weights->correction_bias().empty_view()) expect_finite(weights->correction_bias(), "correction_bias");
   correction_bias = to_device(weights->correction_bias(), s0);
 
   logits = DeviceTensor(DType::f32, {T_max, E});

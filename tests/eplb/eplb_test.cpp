@@ -413,7 +413,11 @@ TEST(EplbRebalance, NoRedundantSlotsAndUniformLoad) {
   EXPECT_EQ(r.max_replicas, 1);
   const RebalanceResult r2 = rebalance_experts(load, 40, 4, 2, 4);
   check_result(r2, load, 40, 4);
-  EXPECT_EQ(r2.max_replicas, 2);  // spare slots spread over distinct experts, even at zero load
+  // Layer 0's spare slots go to distinct experts (equal loads: each replica halves one's share); layer
+  // 1's (all idle) all go to each node's first expert, as DeepSeek's argmax takes the lowest index.
+  EXPECT_EQ(*std::max_element(r2.logcnt.begin(), r2.logcnt.begin() + 32), 2);
+  EXPECT_EQ(r2.logcnt[32 + r2.phy2log[40]], 5);
+  EXPECT_EQ(r2.max_replicas, 5);
 }
 
 // Random shapes and loads (uniform, Zipf, all zero, all equal, one expert with everything) through
@@ -534,6 +538,33 @@ TEST(EplbRebalance, KeepsTheCurrentPlacementWhereDeepSeeksIsWorse) {
       [&] { (void)rebalance_placement(initial, std::vector<double>(5, 1.0), 1, 1); }, "load has 5 experts");
 }
 
+// The placements DeepSeek's eplb.py (deepseek-ai/EPLB) gives for loads with ties, where a tie rule of
+// our own would show: idle experts, integer counts, and a global policy whose GPUs do not divide over
+// the nodes. The expected tables were computed by running eplb.py's algorithm on these inputs.
+TEST(EplbRebalance, TiedLoadsGiveDeepSeeksPlacement) {
+  struct Case {
+    std::vector<double> load;
+    int physical, groups, nodes, gpus;
+    std::vector<std::int32_t> phy2log, logcnt;
+  };
+  const std::vector<Case> cases = {
+      // Idle experts: every extra replica goes to the lowest id (DeepSeek's first argmax).
+      {{0, 0, 0, 0, 0, 0, 0, 0}, 12, 1, 1, 4, {0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0}, {5, 1, 1, 1, 1, 1, 1, 1}},
+      {{0, 0, 3, 2}, 8, 1, 1, 4, {3, 0, 3, 1, 2, 2, 2, 2}, {1, 1, 4, 2}},
+      // Hierarchical over 2 nodes with tied groups and experts.
+      {{2, 2, 1, 1, 0, 0, 4, 4}, 12, 4, 2, 4, {6, 6, 4, 7, 7, 5, 0, 2, 0, 1, 3, 1}, {2, 2, 1, 1, 1, 1, 2, 2}},
+      // 4 groups over 3 nodes: the global policy, which does not need the 4 GPUs to divide over 3 nodes.
+      {{9, 1, 1, 1, 1, 1, 1, 1}, 8, 4, 3, 4, {0, 7, 1, 4, 2, 5, 3, 6}, {1, 1, 1, 1, 1, 1, 1, 1}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "physical " << c.physical << " groups " << c.groups << " nodes "
+                                      << c.nodes << " gpus " << c.gpus);
+    const RebalanceResult r = rebalance_experts({c.load}, c.physical, c.groups, c.nodes, c.gpus);
+    EXPECT_EQ(r.phy2log, c.phy2log);
+    EXPECT_EQ(r.logcnt, c.logcnt);
+  }
+}
+
 TEST(EplbRebalance, RefusesBadInputs) {
   const std::vector<double> ok(16, 1.0);
   std::vector<double> negative = ok;
@@ -556,7 +587,7 @@ TEST(EplbRebalance, RefusesBadInputs) {
   testing::expect_error_mentions([&] { rebalance_experts({ok}, 12, 1, 1, 4); },
                                  "num_physical (12) must be at least");
   testing::expect_error_mentions([&] { rebalance_experts({ok}, 18, 1, 1, 4); }, "multiple of num_gpus");
-  testing::expect_error_mentions([&] { rebalance_experts({ok}, 18, 1, 2, 3); },
+  testing::expect_error_mentions([&] { rebalance_experts({ok}, 18, 2, 2, 3); },
                                  "num_gpus (3) must be a multiple of num_nodes (2)");
   testing::expect_error_mentions([&] { rebalance_experts({ok}, 16, 0, 1, 4); },
                                  "num_groups must be positive");

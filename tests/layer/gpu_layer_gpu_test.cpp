@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -366,6 +367,22 @@ TEST(GpuLayer, ARefusedPlacementKeepsTheOldExpertsAndResults) {
   // The same placement, now that every expert loads: installed, same bits.
   EXPECT_GT(layer.set_placement(reversed), 0);
   EXPECT_TRUE(same_bits<bf16>(testing::layer_forward(layer, x, false).y, before.y, "after the placement"));
+}
+
+// A NaN in the correction bias would be picked first by every token's routing on the GPU (its order
+// key is the largest): the layer refuses it at construction, as the CPU router does at each call.
+TEST(GpuLayer, ANanCorrectionBiasIsRefused) {
+  EPMOE_REQUIRE_GPU();
+  testing::SeededRng rng;
+  const MoeConfig c = one_rank("tiny", 4);
+  auto w = std::make_shared<testing::RefusingWeights>(gpu_synthetic(c, rng()));
+  ASSERT_EQ(c.scoring, Scoring::sigmoid);
+  const TensorView bias = w->correction_bias();
+  w->bias_override = HostTensor(DType::f32, {bias.shape[0]});
+  std::copy_n(bias.as<float>(), bias.shape[0], w->bias_override.view().as<float>());
+  w->bias_override.view().as<float>()[3] = std::numeric_limits<float>::quiet_NaN();
+  testing::expect_error_mentions([&] { cuda::GpuMoeLayer layer(w, {}); },
+                                 "correction_bias must be finite, element 3");
 }
 
 TEST(GpuLayer, RebalanceMovesExpertsAndKeepsResults) {

@@ -93,10 +93,13 @@ class RefusingWeights final : public ModelWeights {
   }
   const ExpertWeights& shared_expert() const override { return inner_->shared_expert(); }
   TensorView gate_weight() const override { return inner_->gate_weight(); }
-  TensorView correction_bias() const override { return inner_->correction_bias(); }
+  TensorView correction_bias() const override {
+    return bias_override.defined() ? bias_override.view() : inner_->correction_bias();
+  }
   float a1_scale() const override { return inner_->a1_scale(); }
   float a2_scale() const override { return inner_->a2_scale(); }
   mutable int refuse_once = -1;
+  HostTensor bias_override;  // when not empty, the correction bias instead of the inner one's
 
  private:
   std::shared_ptr<SyntheticWeights> inner_;
