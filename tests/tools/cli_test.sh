@@ -164,6 +164,17 @@ check "check JSON" python3 -c "import json,sys; d=json.load(open('$tmp/check.jso
 # The verdict at the top; the f64 comparison is informational (no verdict of its own); the seed and the
 # scale rounding in the model's fields.
 check "check --pow2-scales --seed" "$epmoe" check --ranks 1 --pow2-scales --seed 7 --exact --json "$tmp/check.json"
+# Mixtral / Qwen-style routing from the command line: softmax over all experts, s = 1, with and without
+# renormalised top-k weights.
+for renorm in "" --no-renormalize; do
+  check "check softmax routing $renorm" "$epmoe" check --scoring softmax --groups 1 --topk-groups 1 \
+    --routed-scaling-factor 1 $renorm --json "$tmp/softmax.json"
+  check "check softmax routing JSON $renorm" python3 -c "import json; m=json.load(open('$tmp/softmax.json'))['model']; \
+assert m['scoring'] == 'softmax' and m['routed_scaling_factor'] == 1 and m['groups'] == 1, m; \
+assert m['renormalize'] == ('$renorm' == ''), m"
+done
+check_fails "check scaling factor past float" "--routed-scaling-factor must be positive and finite" \
+  "$epmoe" check --routed-scaling-factor 1e300
 check "check JSON fields" python3 - "$tmp/check.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))

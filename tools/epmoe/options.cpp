@@ -35,7 +35,15 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
   cmd->add_option("--topk", o.topk, "Experts per token K")->check(positive());
   cmd->add_option("--groups", o.groups, "Expert groups for grouped top-k")->check(positive());
   cmd->add_option("--topk-groups", o.topk_groups, "Groups kept per token")->check(positive());
-  cmd->add_option("--scoring", o.scoring, "Router scoring: sigmoid (noaux_tc) or softmax");
+  cmd->add_option(
+      "--scoring", o.scoring,
+      "Router scoring: sigmoid (noaux_tc) or softmax (Mixtral / Qwen style with --groups 1 "
+      "--topk-groups 1 --routed-scaling-factor 1; --no-renormalize for Qwen's norm_topk_prob off)");
+  cmd->add_option("--routed-scaling-factor", o.routed_scaling_factor,
+                  "Factor s on the routing weights (default: the preset's, 2.5 for deepseek-v3)")
+      ->check(positive());
+  cmd->add_flag("--no-renormalize", o.no_renormalize,
+                "Keep the top-k scores as they are instead of renormalising them to sum 1");
   cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (fused into one MLP)")
       ->check(non_negative());
   cmd->add_option("--ranks", o.ranks,
@@ -68,7 +76,8 @@ namespace {
 // quotes is the user's own value quoted back ("got 'groups'") and stays as it is.
 std::string with_flag_names(const std::string& message) {
   static const std::regex field(
-      R"(\b(hidden|intermediate|experts(?! per group)|topk|groups|topk_groups|scoring|shared_experts|ranks|)"
+      R"(\b(hidden|intermediate|experts(?! per group)|topk|groups|topk_groups|scoring|routed_scaling_factor|)"
+      R"(shared_experts|ranks|)"
       R"(redundant_experts|max_tokens_per_rank|quant|preset|dispatch_algorithm)\b)");
   std::string out;
   bool quoted = false;
@@ -108,6 +117,8 @@ MoeConfig build_config_fields(const ModelOptions& o, Device device) {
   if (o.groups >= 0) c.num_groups = o.groups;
   if (o.topk_groups >= 0) c.topk_groups = o.topk_groups;
   if (!o.scoring.empty()) c.scoring = parse_scoring(o.scoring);
+  if (o.routed_scaling_factor > 0) c.routed_scaling_factor = static_cast<float>(o.routed_scaling_factor);
+  if (o.no_renormalize) c.renormalize = false;
   if (o.shared_experts >= 0) c.num_shared_experts = o.shared_experts;
   if (o.max_tokens_per_rank >= 0) c.max_tokens_per_rank = o.max_tokens_per_rank;
   c.num_ranks = resolve_ranks(o, device);

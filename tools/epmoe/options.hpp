@@ -18,6 +18,8 @@ struct ModelOptions {
   int experts = -1, topk = -1, groups = -1, topk_groups = -1, shared_experts = -1;
   int ranks = -1, redundant_experts = -1, max_tokens_per_rank = -1;  // redundant -1: GPU run 32, CPU 0
   std::string scoring, quant = "fp8", dispatch_algorithm = "static";
+  double routed_scaling_factor = -1;  // -1: the preset's
+  bool no_renormalize = false;
   bool pow2_scales = false;
   std::uint64_t seed = 1;
   std::string device = "auto";
