@@ -22,9 +22,15 @@
 
 namespace epmoe::bench {
 
-// Device-to-device copy bandwidth (bytes read + written) measured on an H200 of this workplace:
-// the memory ceiling that floor_us is computed from.
+// Device-to-device copy bandwidth (bytes read + written) measured on an H200 of this workplace
+// (anchors.md): the memory ceiling that floor_us is computed from on an H200.
 inline constexpr double kCopyCeilingGBps = 4269.0;
+
+// The memory ceiling of the current device that floor_us is computed from (GB/s, bytes read + written):
+// kCopyCeilingGBps on an H200; on any other GPU (an H100's HBM3 is ~25% slower) a 1 GiB device-to-device
+// copy timed once, at the first call, so that its floors are its own. copy_ceiling_source() says which.
+double copy_ceiling_gbps();
+std::string copy_ceiling_source();
 
 // Parameter values: use the names tokens, ranks, mode, quant, layout, groups, m_per_group, n, k,
 // phase.
@@ -37,7 +43,7 @@ struct Result {
   double time_us = 0;   // median time of one run
   double gbps = 0;      // bytes moved (read + written) / time
   double tflops = 0;    // 0 for memory-bound work
-  double floor_us = 0;  // bytes / kCopyCeilingGBps (or the larger of that and the flops floor)
+  double floor_us = 0;  // bytes / copy_ceiling_gbps() (or the larger of that and the flops floor)
   // Memory-bound suites: a device-to-device copy of the same bytes, timed the same way in the same run
   // (0 where not measured). Small kernels cannot reach the 2 GiB copy's bandwidth (launch, ramp-up and
   // tail weigh as much as the traffic), so issue 3's bar (>= 80% of copy bandwidth) reads as
@@ -89,8 +95,9 @@ class SameBytesCopy {
 };
 
 // A result with gbps, tflops and floor_us derived from the bytes and flops of one run.
+// (ceiling_gbps < 0: copy_ceiling_gbps().)
 Result make_result(std::string bench, Params params, double time_us, double bytes, double flops = 0.0,
-                   double ceiling_gbps = kCopyCeilingGBps);
+                   double ceiling_gbps = -1.0);
 
 // One human-readable line: name, params, µs, GB/s, floor and time/floor.
 std::string describe(const Result& result);

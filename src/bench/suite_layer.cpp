@@ -3,12 +3,13 @@
 // decode (low-latency mode, graph replay) at 1, 32, 64 and 128 tokens per rank, and prefill
 // (normal mode) at 4096 and 8192 tokens per rank; --quant fp8 (default) or w4a8; --tokens picks
 // the counts (<= 256: decode, larger: prefill).
-// Floors: decode reads every local expert's weights and the shared expert's once (bytes / 4269
-// GB/s); prefill is the routed + shared GEMM flops at 1979 TFLOP/s (tokens x top-k rows per rank
-// when the load is balanced). `epmoe run` gives the same forward with its accuracy check and the
-// phase breakdown.
-// Per configuration, the rows issue 7's bars compare: decode by graph replay (`layer.decode`) and
-// eagerly (`layer.decode_eager`); prefill (`layer.prefill`) and its expert GEMMs alone
+// Floors: decode reads the weights of every local slot that gets rows, on the busiest rank, and the
+// shared expert's, once (bytes / the copy ceiling; the slots counted from the layer's slot_load() over
+// the timed input sets: `slots_read`); prefill is the larger of that and the routed + shared GEMM flops
+// at 1979 TFLOP/s (tokens x top-k rows per rank when the load is balanced). `epmoe run` gives the same
+// forward with its accuracy check and the phase breakdown. Per configuration, the rows issue 7's bars
+// compare: decode by graph replay (`layer.decode`) and eagerly (`layer.decode_eager`); prefill
+// (`layer.prefill`) and its expert GEMMs alone
 // (`layer.prefill_gemm_alone`: GpuMoeLayer::time_gemms_alone, routed + shared); on N ranks both with
 // two-batch overlap too (`layer.decode_tbo`, `layer.prefill_tbo`) and over the portable NCCL
 // point-to-point transport (`layer.decode_nccl_p2p`, graph replay, and `layer.prefill_nccl_p2p`; the
@@ -23,7 +24,7 @@
 // eager_total_us; `timing` on, which adds a few events per phase), and the accuracy of one eager forward
 // on this rank against the CPU reference on its first tokens (check_tokens, check_rel_l2,
 // check_calc_diff, check_pass; design.md §8's tolerance, layer_tolerance). A failed check is printed and
-// reported (SuiteOptions::on_failure: `epmoe bench` writes its rows, then exits with an error); on N ranks
+// reported (SuiteOptions::on_failure: `epmoe bench` writes its rows, then exits 1); on N ranks
 // check_pass is whether every rank passed. The checked tokens are the same rows of the same seeded batch
 // in every configuration, so the reference builds the same few experts once (host copies, ~44 MB each).
 #include <algorithm>
@@ -50,9 +51,10 @@ namespace {
 constexpr double kPeakTflops = 1979.0;  // H200 dense FP8
 constexpr std::int64_t kMaxDecodeTokens = 256;
 
-// Bytes of one expert MLP's weights and scales (hidden H, intermediate I).
+// Bytes of one expert MLP's weights and scales (hidden H, intermediate I): FP8 with f32 128 x 128 block
+// scales; W4A8 packed int4 with a bf16 scale per output row and 128 K (w4a8_layout.hpp's kScaleBytes).
 double expert_bytes(QuantScheme quant, std::int64_t H, std::int64_t I) {
-  if (quant == QuantScheme::w4a8) return 3.0 * H * I / 2 + 4.0 * (2 * I * (H / 128) + H * (I / 128));
+  if (quant == QuantScheme::w4a8) return 3.0 * H * I / 2 + 2.0 * (2 * I * (H / 128) + H * (I / 128));
   return 3.0 * H * I + 4.0 * ((2 * I / 128) * (H / 128) + (H / 128) * (I / 128));
 }
 
@@ -90,7 +92,6 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
   const std::string quant(to_string(c.quant));
   const double slot_bytes = expert_bytes(c.quant, c.hidden, c.intermediate);
   const double shared_bytes = expert_bytes(QuantScheme::fp8, c.hidden, c.shared_intermediate());
-  const double weight_bytes = c.num_local_experts() * slot_bytes + shared_bytes;
   TimingOptions timing = timing_for(options);
   timing.iterations = std::min(timing.iterations, 50);
   timing.single_attempt = ranks > 1;  // every forward is collective: the same count on every rank
@@ -141,6 +142,27 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
           layer.forward(xs, y.view().slice_rows(0, T));
         }
       };
+      // The weights a forward of T tokens reads (its floor's bytes): the slots the routing sends rows to
+      // on the busiest rank (the collective forward waits for it), plus the shared expert; the mean over
+      // the input sets the timing rotates through. Every local slot would overstate it: redundant replicas
+      // the static choice never picks, and, at a few tokens, the experts no token chose (1 token reads 8 of
+      // 256).
+      double slots_read = 0;
+      for (int set = 0; set < kSets; ++set) {
+        layer.reset_load();
+        forward(set, false);
+        const std::vector<std::int64_t> load = layer.slot_load();  // every rank's slots (collective)
+        const auto L = static_cast<std::size_t>(c.num_local_experts());
+        std::int64_t busiest = 0;
+        for (std::size_t r = 0; r < static_cast<std::size_t>(ranks); ++r)
+          busiest = std::max<std::int64_t>(
+              busiest, std::count_if(load.begin() + static_cast<std::ptrdiff_t>(r * L),
+                                     load.begin() + static_cast<std::ptrdiff_t>((r + 1) * L),
+                                     [](std::int64_t rows) { return rows > 0; }));
+        slots_read += static_cast<double>(busiest) / kSets;
+      }
+      layer.reset_load();
+      const double weight_bytes = slots_read * slot_bytes + shared_bytes;
       // The device's idle time inside a forward of the row's kind (CUPTI's records, a few forwards after
       // the timed ones; bench::measure_forwards), in the row's params where it could be taken.
       auto idle_us = [&](bool graph) {
@@ -202,7 +224,8 @@ std::vector<Result> run_layer_suite(const SuiteOptions& options) {
                  {"quant", quant},
                  {"tbo", static_cast<std::int64_t>(tbo ? 1 : 0)},
                  {"dispatcher", dispatcher_used},
-                 {"phase", std::string(how)}};
+                 {"phase", std::string(how)},
+                 {"slots_read", slots_read}};
         if (device_idle_us >= 0) p["device_idle_us"] = device_idle_us;
         if (first) phases_and_check(p, us);
         Result r = make_result(name, std::move(p), us, weight_bytes, flops);

@@ -47,10 +47,17 @@ std::int64_t masked_rows(const HostTensor& ids) {
   return (*std::max_element(counts.begin(), counts.end()) + 127) / 128 * 128;
 }
 
-// One input set: tokens (fp8 and bf16 share the buffer: the copy does not look at the values), scales.
-struct Inputs {
+// One rotated set: the input tokens (fp8 and bf16 share the buffer: the copy does not look at the
+// values) and scales, and the permuted rows and scales written from them. The outputs rotate too: one
+// output buffer rewritten every run keeps its dirty lines in L2 at small T, so most of the writes the row
+// counts never reach HBM.
+struct RotatedSet {
   cuda::DeviceTensor x_bytes;  // [T, 2H] bytes: viewed as fp8 [T, H] or bf16 [T, H]
   cuda::DeviceTensor scales;   // [T, H/128]
+  cuda::DeviceTensor rows;     // [m, 2H] bytes: contiguous rows, viewed as fp8 or bf16
+  cuda::DeviceTensor row_scales;
+  cuda::DeviceTensor masked_rows;  // [E, m_max, H] fp8
+  cuda::DeviceTensor masked_scales;
 };
 
 std::vector<Result> run_permute_suite(const SuiteOptions& options) {
@@ -66,21 +73,24 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
     const std::int64_t m = contiguous_capacity(entries, kExperts), m_max = masked_rows(ids_host);
     const cuda::DeviceTensor ws(
         DType::u8, {static_cast<std::int64_t>(cuda::permute_workspace_bytes(entries, kExperts))});
-    // Outputs (one set: the writes are what the rotation cannot defeat anyway) ...
-    const cuda::DeviceTensor rows(DType::bf16, {m, kHidden}), scales(DType::f32, {m, groups}),
-        m_indices(DType::i32, {m}), row_src(DType::i32, {m}), src_row(DType::i32, {tokens, kTopk}),
-        offsets(DType::i32, {kExperts + 1}), counts(DType::i32, {kExperts});
-    const cuda::DeviceTensor mrows(DType::fp8_e4m3, {kExperts, m_max, kHidden}),
-        mscales(DType::f32, {kExperts, m_max, groups}), masked_m(DType::i32, {kExperts}),
+    // The maps (small, one set) ...
+    const cuda::DeviceTensor m_indices(DType::i32, {m}), row_src(DType::i32, {m}),
+        src_row(DType::i32, {tokens, kTopk}), offsets(DType::i32, {kExperts + 1}),
+        counts(DType::i32, {kExperts}), masked_m(DType::i32, {kExperts}),
         mrow_src(DType::i32, {kExperts, m_max});
-    // ... and rotated inputs.
-    const double in_bytes = static_cast<double>(tokens) * (2.0 * kHidden + 4.0 * groups);
-    const int sets = rotation_sets(static_cast<std::size_t>(in_bytes));
-    std::vector<Inputs> in(static_cast<std::size_t>(sets));
+    // ... and rotated tokens and rows: the bytes a run reads and writes (bf16: the larger) at least twice
+    // the L2 over the sets.
+    const double set_bytes = static_cast<double>(tokens + entries) * (2.0 * kHidden + 4.0 * groups);
+    const int sets = rotation_sets(static_cast<std::size_t>(set_bytes));
+    std::vector<RotatedSet> in(static_cast<std::size_t>(sets));
     for (int i = 0; i < sets; ++i) {
-      Inputs& s = in[static_cast<std::size_t>(i)];
+      RotatedSet& s = in[static_cast<std::size_t>(i)];
       s.x_bytes = cuda::DeviceTensor(DType::bf16, {tokens, kHidden});
       s.scales = cuda::DeviceTensor(DType::f32, {tokens, groups});
+      s.rows = cuda::DeviceTensor(DType::bf16, {m, kHidden});
+      s.row_scales = cuda::DeviceTensor(DType::f32, {m, groups});
+      s.masked_rows = cuda::DeviceTensor(DType::fp8_e4m3, {kExperts, m_max, kHidden});
+      s.masked_scales = cuda::DeviceTensor(DType::f32, {kExperts, m_max, groups});
       fill_random_bf16(s.x_bytes, static_cast<std::uint64_t>(7 * tokens + i), stream);
       s.scales.fill_bytes(0x3c, stream);
     }
@@ -90,8 +100,11 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
       x.dtype = DType::fp8_e4m3;
       return x;
     };
-    TensorView rows_fp8 = rows.view();
-    rows_fp8.dtype = DType::fp8_e4m3;
+    auto rows_fp8 = [&](int i) {
+      TensorView rows = in[static_cast<std::size_t>(i)].rows.view();
+      rows.dtype = DType::fp8_e4m3;
+      return rows;
+    };
 
     const double fp8_scale_bytes = 4.0 * groups;
     const double maps = 4.0 * entries * 2;  // ids read, src_row written
@@ -102,8 +115,10 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
     {  // contiguous, fp8
       const double us = time_us(
           [&](int i, cudaStream_t s) {
-            cuda::permute_contiguous({fp8_view(i), in[static_cast<std::size_t>(i)].scales, ids},
-                                     {rows_fp8, scales, m_indices, row_src, src_row, offsets, counts}, ws, s);
+            const RotatedSet& set = in[static_cast<std::size_t>(i)];
+            cuda::permute_contiguous(
+                {fp8_view(i), set.scales, ids},
+                {rows_fp8(i), set.row_scales, m_indices, row_src, src_row, offsets, counts}, ws, s);
           },
           sets, stream, timing);
       const double bytes = static_cast<double>(tokens) * (kHidden + fp8_scale_bytes) +
@@ -116,8 +131,9 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
     {  // masked, fp8
       const double us = time_us(
           [&](int i, cudaStream_t s) {
-            cuda::permute_masked({fp8_view(i), in[static_cast<std::size_t>(i)].scales, ids},
-                                 {mrows, mscales, masked_m, mrow_src, src_row}, ws, s);
+            const RotatedSet& set = in[static_cast<std::size_t>(i)];
+            cuda::permute_masked({fp8_view(i), set.scales, ids},
+                                 {set.masked_rows, set.masked_scales, masked_m, mrow_src, src_row}, ws, s);
           },
           sets, stream, timing);
       const double bytes = static_cast<double>(tokens) * (kHidden + fp8_scale_bytes) +
@@ -131,9 +147,10 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
     {  // contiguous, bf16
       const double us = time_us(
           [&](int i, cudaStream_t s) {
-            cuda::permute_contiguous({in[static_cast<std::size_t>(i)].x_bytes, TensorView{}, ids},
-                                     {rows, TensorView{}, m_indices, row_src, src_row, offsets, counts}, ws,
-                                     s);
+            const RotatedSet& set = in[static_cast<std::size_t>(i)];
+            cuda::permute_contiguous({set.x_bytes, TensorView{}, ids},
+                                     {set.rows, TensorView{}, m_indices, row_src, src_row, offsets, counts},
+                                     ws, s);
           },
           sets, stream, timing);
       const double bytes = static_cast<double>(tokens + entries) * 2.0 * kHidden + maps + 8.0 * m;
@@ -167,23 +184,26 @@ std::vector<Result> run_gather_suite(const SuiteOptions& options) {
       w_host.data<float>()[i] = 0.125f + 0.01f * static_cast<float>(i % 7);
     const cuda::DeviceTensor w = cuda::to_device(w_host, stream);
     const double read_bytes = static_cast<double>(entries) * 2.0 * kHidden;
-    const int sets = rotation_sets(static_cast<std::size_t>(read_bytes));
-    std::vector<cuda::DeviceTensor> expert_rows;  // rotated: the permuted rows (contiguous layout)
+    const double y_bytes = 2.0 * static_cast<double>(tokens) * kHidden;
+    const int sets = rotation_sets(static_cast<std::size_t>(read_bytes + y_bytes));
+    // Rotated: the permuted rows (contiguous layout) read and the outputs written (as in permute).
+    std::vector<cuda::DeviceTensor> expert_rows, ys;
     for (int i = 0; i < sets; ++i) {
       expert_rows.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{m, kHidden});
       fill_random_bf16(expert_rows.back(), static_cast<std::uint64_t>(11 * tokens + i), stream);
+      ys.emplace_back(DType::bf16, std::initializer_list<std::int64_t>{tokens, kHidden});
     }
     cuda::permute_contiguous({x, TensorView{}, ids},
                              {expert_rows[0], TensorView{}, m_indices, row_src, src_row, offsets, counts}, ws,
                              stream);
-    const cuda::DeviceTensor y(DType::bf16, {tokens, kHidden});
     stream.synchronize();
     const double us = time_us(
         [&](int i, cudaStream_t s) {
-          cuda::gather_weighted(expert_rows[static_cast<std::size_t>(i)], src_row, w, y, s);
+          cuda::gather_weighted(expert_rows[static_cast<std::size_t>(i)], src_row, w,
+                                ys[static_cast<std::size_t>(i)], s);
         },
         sets, stream, timing);
-    const double bytes = read_bytes + 8.0 * entries + 2.0 * static_cast<double>(tokens) * kHidden;
+    const double bytes = read_bytes + 8.0 * entries + y_bytes;
     emit(options, results,
          copy.attach(make_result("gather",
                                  {{"tokens", tokens},

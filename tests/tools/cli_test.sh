@@ -127,6 +127,9 @@ for phase, mode in (("decode", "low-latency"), ("prefill", "normal")):
     assert p["mode"] == mode, p
     assert p["tokens_per_s"] > 0 and p["tokens"] > 0, p
     assert p["check"]["pass"] is True and p["check"]["overall"]["rel_l2"] < 1e-2, p
+    # The GPU run's names too: the overall values at the check's top.
+    assert p["check"]["rel_l2"] == p["check"]["overall"]["rel_l2"] and p["check"]["non_finite"] == 0, p
+    assert p["ms_per_forward"] > 0 and p["check"]["tolerance"] == doc["tolerance"], p
     for block in ("phases_ms_per_forward", "phases_ms_all_forwards"):
         assert set(p[block]) >= {"route", "dispatch", "gemm", "combine", "shared", "total"}, p
 assert doc["prefill"]["forwards"] == 3 and doc["prefill"]["tokens"] == 600, doc["prefill"]

@@ -76,7 +76,12 @@ nlohmann::json to_json(const ErrorReport& r) {
 nlohmann::json to_json(const CheckResult& result) {
   nlohmann::json per_rank = nlohmann::json::array();
   for (const ErrorReport& r : result.per_rank) per_rank.push_back(to_json(r));
-  return {{"overall", to_json(result.overall)},
+  // (rel_l2, calc_diff and non_finite at the top as well: the overall values, where the GPU run's JSON has
+  // its check's.)
+  return {{"rel_l2", result.overall.rel_l2},
+          {"calc_diff", result.overall.calc_diff},
+          {"non_finite", result.overall.non_finite},
+          {"overall", to_json(result.overall)},
           {"per_rank", per_rank},
           {"tolerance", result.tolerance},
           {"pass", result.pass}};

@@ -26,7 +26,8 @@ void run_bench(const BenchOptions& o) {
   EPMOE_CHECK(cuda::device_count() > 0, "epmoe bench needs a CUDA GPU, and none is visible here ({})",
               cuda::device_description());
   std::printf("device: %s\n", cuda::device_description().c_str());
-  std::printf("floor = bytes moved / %.0f GB/s (device-to-device copy ceiling)\n", bench::kCopyCeilingGBps);
+  std::printf("floor = bytes moved / %.0f GB/s (%s)\n", bench::copy_ceiling_gbps(),
+              bench::copy_ceiling_source().c_str());
   bench::SuiteOptions so;
   so.tokens = o.tokens;
   so.quick = o.quick;
