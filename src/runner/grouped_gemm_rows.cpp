@@ -9,10 +9,22 @@ GroupRows rows_from_m_indices(const TensorView& m_indices, std::int64_t M, std::
   expect_shape(m_indices, {M}, "m_indices");
   GroupRows rows(static_cast<std::size_t>(G));
   const std::int32_t* ids = m_indices.as<std::int32_t>();
+  // The contiguous layout pads each group to 128 rows (design.md §3), and the GPU kernels take each
+  // 128-row block (from row 0) as one group's: a block that mixes groups is refused here, where the GPU
+  // would leave some of its rows unwritten, so that the reference never accepts what they cannot run.
+  std::int32_t block_group = -1;
   for (std::int64_t m = 0; m < M; ++m) {
     EPMOE_CHECK(ids[m] >= -1 && ids[m] < G, "m_indices[{}] = {} must be -1 or a group in [0, {})", m, ids[m],
                 G);
-    if (ids[m] >= 0) rows[static_cast<std::size_t>(ids[m])].push_back(m);
+    if (m % 128 == 0) block_group = -1;
+    if (ids[m] < 0) continue;
+    EPMOE_CHECK(
+        block_group < 0 || ids[m] == block_group,
+        "m_indices[{}] = {} shares the 128-row block of rows [{}, {}) with group {}: each group's rows "
+        "must be padded to a multiple of 128 (-1 rows), one group per block",
+        m, ids[m], m / 128 * 128, m / 128 * 128 + 128, block_group);
+    block_group = ids[m];
+    rows[static_cast<std::size_t>(ids[m])].push_back(m);
   }
   return rows;
 }

@@ -296,8 +296,11 @@ __global__ void __launch_bounds__(kSiluThreads, Cfg::kMinBlocks) silu_quant_kern
         if constexpr (kMode == SiluScaleMode::tensor) {
           scale = tensor_scale;
           y = tensor_y;
+          // Saturated to the static scale's range, a NaN kept (fmaxf would drop it for -lim): a NaN
+          // activation stays a NaN code, as torch.clamp keeps it in SGLang's per-tensor quantization.
 #pragma unroll
-          for (int i = 0; i < kSiluVals; ++i) act[i] = fminf(fmaxf(act[i], -tensor_lim), tensor_lim);
+          for (int i = 0; i < kSiluVals; ++i)
+            act[i] = act[i] == act[i] ? fminf(fmaxf(act[i], -tensor_lim), tensor_lim) : act[i];
         } else {
           float m = 0.0f;
 #pragma unroll
@@ -305,8 +308,12 @@ __global__ void __launch_bounds__(kSiluThreads, Cfg::kMinBlocks) silu_quant_kern
           m = ptx::group_max<kSiluLanes>(m);
           scale = silu_scale_for(m);
           if constexpr (kMode == SiluScaleMode::group_pow2) {
-            scale = ptx::round_up_pow2(scale);
-            y = silu_pow2_inverse(scale);
+            // An infinite amax gives a NaN scale, which the exponent arithmetic below would turn into
+            // -0 (and the group into zeros): kept NaN, so the group's codes and scale are NaN, as without
+            // power-of-two scales.
+            const bool finite = scale <= 3.402823466e38f;  // false for NaN and Inf
+            scale = finite ? ptx::round_up_pow2(scale) : __uint_as_float(0x7fffffffu);
+            y = finite ? silu_pow2_inverse(scale) : scale;
           } else {
             y = __frcp_rn(scale);
           }

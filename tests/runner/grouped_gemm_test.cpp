@@ -44,8 +44,9 @@ void fill_random_scales(HostTensor& t, std::mt19937_64& rng) {
 constexpr std::uint16_t kPoisonBits = 0xffff;  // bf16 NaN: never a valid output
 
 TEST(GroupedGemmCpu, ContiguousKnownAnswer) {
-  // G = 2, N = 128, K = 256. a = 1, b[0] = 0.5, b[1] = -2; scales differ per K block.
-  const std::int64_t M = 5, N = 128, K = 256;
+  // G = 2, N = 128, K = 256. a = 1, b[0] = 0.5, b[1] = -2; scales differ per K block. The contiguous
+  // layout: group 0's rows in the first 128-row block, group 1's in the second, -1 between and after.
+  const std::int64_t M = 133, N = 128, K = 256;
   HostTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {M, 2}), b(DType::fp8_e4m3, {2, N, K}),
       sb(DType::f32, {2, 1, 2}), ids(DType::i32, {M}), d(DType::bf16, {M, N});
   fill_fp8(a, 1.0f);
@@ -61,7 +62,8 @@ TEST(GroupedGemmCpu, ContiguousKnownAnswer) {
   sb.data<float>()[1] = 4.0f;  // group 0, block 1
   sb.data<float>()[2] = 0.5f;  // group 1, block 0
   sb.data<float>()[3] = 1.0f;  // group 1, block 1
-  const std::int32_t groups[M] = {0, 1, -1, 1, 0};
+  std::int32_t groups[M];
+  for (std::int64_t m = 0; m < M; ++m) groups[m] = m < 128 ? (m % 3 == 1 ? -1 : 0) : (m == 130 ? -1 : 1);
   std::memcpy(ids.data<std::int32_t>(), groups, sizeof(groups));
   d.fill_bytes(0xff);
   grouped_gemm_contiguous_cpu(a, sa, b, sb, ids, d);
@@ -84,6 +86,22 @@ TEST(GroupedGemmCpu, ContiguousKnownAnswer) {
   }
   // Row 0: 128 * 0.5 * (1 * 2 + 0.25 * 4) = 192, exactly.
   EXPECT_EQ(d.data<bf16>()[0].to_float(), 192.0f);
+}
+
+// A 128-row block that holds two groups' rows (not the contiguous layout: each group is padded to 128
+// rows) is refused, naming the row: the GPU kernels take each block as one group's and would leave rows of
+// the other unwritten.
+TEST(GroupedGemmCpu, ContiguousBlockOfTwoGroupsIsRefused) {
+  const std::int64_t M = 4, N = 128, K = 128;
+  HostTensor a(DType::fp8_e4m3, {M, K}), sa(DType::f32, {M, 1}), b(DType::fp8_e4m3, {2, N, K}),
+      sb(DType::f32, {2, 1, 1}), ids(DType::i32, {M}), d(DType::bf16, {M, N});
+  fill_fp8(a, 1.0f);
+  fill_f32(sa, 1.0f);
+  fill_f32(sb, 1.0f);
+  const std::int32_t groups[M] = {0, 0, -1, 1};
+  std::memcpy(ids.data<std::int32_t>(), groups, sizeof(groups));
+  testing::expect_error_mentions([&] { grouped_gemm_contiguous_cpu(a, sa, b, sb, ids, d); },
+                                 "m_indices[3] = 1 shares the 128-row block of rows [0, 128) with group 0");
 }
 
 TEST(GroupedGemmCpu, NonUniformColumnsAndWeightBlocks) {

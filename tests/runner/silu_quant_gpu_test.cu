@@ -517,6 +517,71 @@ TEST(SiluMulQuantGpuMaskedMisc, ClampsMaskedM) {
 
 // ---------------------------------------------------------------- arguments
 
+// Non-finite activations stay visible, as in the CPU reference (which refuses them): an activation
+// that overflows to Inf makes its group's scale and codes NaN, with and without power-of-two scales (the
+// exponent arithmetic of the power-of-two rounding once turned that NaN scale into -0: the group read as
+// zeros); a NaN activation stays a NaN code in every mode (the per-tensor clamp once made it -448). In
+// per-tensor mode an Inf saturates to +-448, as torch.clamp does in SGLang's static quantization.
+TEST(SiluMulQuantGpuMisc, NonFiniteActivationsStayNonFinite) {
+  EPMOE_REQUIRE_GPU();
+  constexpr std::int64_t kRows = 4, kInter = 256, kGroups = kInter / 128;
+  HostTensor h(DType::bf16, {kRows, 2 * kInter});
+  bf16* hv = h.data<bf16>();
+  for (std::int64_t i = 0; i < h.numel(); ++i)
+    hv[i] = bf16::from_float(0.25f + 0.001f * static_cast<float>(i % 97));
+  hv[0] = bf16::from_float(1e20f);  // row 0: gate = up = 1e20, silu(gate) * up = 1e40: Inf in f32
+  hv[kInter] = bf16::from_float(1e20f);
+  hv[2 * kInter + 5] = bf16::from_bits(0x7fc0);  // row 1: a NaN gate in group 0
+  HostTensor m(DType::i32, {kRows});
+  for (std::int64_t r = 0; r < kRows; ++r) m.data<std::int32_t>()[r] = r == 3 ? -1 : 0;  // row 3: padding
+
+  cuda::Stream stream;
+  const cuda::DeviceTensor dh = cuda::to_device(h, stream), dm = cuda::to_device(m, stream);
+  for (const int mode : {0, 1, 2}) {  // per-group, per-group power-of-two, per-tensor
+    SCOPED_TRACE(mode == 0 ? "per-group" : mode == 1 ? "per-group pow2" : "per-tensor");
+    cuda::SiluQuantOptions o;
+    o.power_of_two = mode == 1;
+    if (mode == 2) {
+      o.scaling = Fp8Scaling::per_tensor;
+      o.tensor_scale = 0.01f;
+    }
+    const cuda::DeviceTensor dq(DType::fp8_e4m3, {kRows, kInter}), ds(DType::f32, {kRows, kGroups});
+    dq.fill_bytes(kPoison, stream);
+    ds.fill_bytes(kPoison, stream);
+    cuda::silu_mul_quant_contiguous(dh, dm, dq, ds, o, stream);
+    const HostTensor q = cuda::to_host(dq, stream), sc = cuda::to_host(ds, stream);
+    const std::uint8_t* qb = reinterpret_cast<const std::uint8_t*>(q.data<fp8_e4m3>());
+    const float* sv = sc.data<float>();
+    for (std::int64_t r = 0; r < kRows; ++r) {
+      for (std::int64_t j = 0; j < kInter; ++j) {
+        const std::uint8_t b = qb[r * kInter + j];
+        const bool inf_group = r == 0 && j < 128 && mode != 2;
+        const bool nan_value = r == 1 && j == 5;
+        if (r == 3) {
+          EXPECT_EQ(b, kPoison) << "padding row written, column " << j;
+        } else if (inf_group || nan_value) {
+          EXPECT_TRUE(is_fp8_nan(b)) << "row " << r << " column " << j << ": code " << hex(b);
+        } else if (r == 0 && j == 0) {
+          EXPECT_EQ(b & 0x7f, 0x7e) << "the Inf saturates to +-448 in per-tensor mode: code " << hex(b);
+        } else {
+          EXPECT_FALSE(is_fp8_nan(b)) << "row " << r << " column " << j << " became NaN";
+        }
+      }
+      if (mode == 2) continue;
+      for (std::int64_t g = 0; g < kGroups; ++g) {
+        const float scale = sv[r * kGroups + g];
+        if (r == 3) {
+          EXPECT_TRUE(is_poison_f32(scale)) << "padding row's scale written, group " << g;
+        } else if (r == 0 && g == 0) {
+          EXPECT_TRUE(std::isnan(scale)) << "the Inf group's scale is " << scale;
+        } else {
+          EXPECT_TRUE(std::isfinite(scale) && scale > 0) << "row " << r << " group " << g << ": " << scale;
+        }
+      }
+    }
+  }
+}
+
 TEST(SiluMulQuantGpuMisc, RefusesBadArguments) {
   EPMOE_REQUIRE_GPU();
   cuda::Stream stream;
