@@ -12,11 +12,14 @@
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
 # memcheck.log, racecheck.log, initcheck.log, asan-{build,gpu-tests}.log, bench.log, gemm-kernel-times.{txt,json}). Every step runs even when an earlier one fails (steps
 # that need the build are skipped without it); the exit status is non-zero when the build, a
-# test or a sanitizer failed.
+# test, a sanitizer, a benchmark's check or the layer runs failed, or when epmoe sees fewer GPUs than
+# nvidia-smi lists (the GPU tests would then only skip).
 set -euo pipefail
 out=${1:?usage: scripts/gpu-check.sh OUTDIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+# An earlier run's results in a reused OUTDIR (the packing keeps these three) are not this run's.
+rm -f "$out/summary.txt" "$out/bench.json" "$out/layer.json"
 cd "$(dirname "$0")/.."
 root=$(pwd)
 jobs=$(nproc)
@@ -102,6 +105,17 @@ if ((built)); then
   # (Not through step: its export must reach the steps below.)
   order+=(nccl)
   if nccl_check; then result[nccl]="ok"; else result[nccl]="FAILED (no libnccl matching the headers)"; fi
+  # Every GPU test skips itself where CUDA sees no GPU (a driver too old for the runtime, a bad
+  # CUDA_VISIBLE_DEVICES): then the tests and the sanitizers all "pass". Where nvidia-smi lists GPUs, epmoe
+  # must see them too.
+  order+=(gpus-visible)
+  smi_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  epmoe_gpus=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['gpus']))" "$out/version.json" 2>/dev/null || echo 0)
+  if ((epmoe_gpus > 0 && epmoe_gpus >= smi_gpus)); then
+    result[gpus-visible]="ok ($epmoe_gpus)"
+  else
+    result[gpus-visible]="FAILED (nvidia-smi lists ${smi_gpus:-0}, epmoe sees $epmoe_gpus: the GPU tests would only skip)"
+  fi
 else
   skip nccl "no build"
 fi
@@ -117,7 +131,7 @@ fi
 # ---------------------------------------------------------------- tests
 gpu_tests=build-gpu/tests/epmoe_gpu_tests
 if ((built)) && want tests; then
-  step gpu-tests bash -o pipefail -c "ctest --test-dir build-gpu -L gpu --output-on-failure -j 8 > '$out/gpu-tests.log' 2>&1"
+  step gpu-tests bash -o pipefail -c "ctest --test-dir build-gpu -L gpu --no-tests=error --output-on-failure -j 8 > '$out/gpu-tests.log' 2>&1"
   grep -E "tests passed|tests failed|\(Failed\)|\(Skipped\)" "$out/gpu-tests.log" | tail -n 20 || true
 fi
 # Every GPU test except the large shapes: sanitizers slow kernels down a lot. racecheck and
@@ -344,7 +358,8 @@ else
 fi
 
 status=0
-for name in configure build nccl gpu-tests memcheck racecheck initcheck comm-sanitize asan-build asan-gpu-tests layer; do
+for name in configure build nccl gpus-visible gpu-tests memcheck racecheck initcheck comm-sanitize asan-build \
+  asan-gpu-tests bench layer; do
   [[ ${result[$name]:-} == FAILED* ]] && status=1
 done
 exit "$status"

@@ -5,8 +5,8 @@
 # into the build).
 #
 # Usage: scripts/layer-check.sh OUTDIR [RANKS] [--no-tests]   (EPMOE_LAYER_RUNS: other runs, below)
-# OUTDIR receives tests.log, runs.log, layer.json ({"commit", "device", "date", "runs": {name: the
-# run's --json}}) and trace.json (the main run's timeline, Chrome trace / Perfetto).
+# OUTDIR receives tests.log, runs.log, layer.json ({"commit", "device", "date", "pass", "runs": {name: the
+# run's --json with its "exit", or {"error", "exit"} where it left none}}) and trace.json (the main run's timeline, Chrome trace / Perfetto).
 set -uo pipefail
 out=${1:?usage: scripts/layer-check.sh OUTDIR [RANKS] [--no-tests]}
 ranks=${2:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
@@ -27,9 +27,13 @@ if ! timeout 400 cmake --build --preset gpu -j "$(nproc)" >"$tmp/build.log" 2>&1
   exit 1
 fi
 status=0
+# shellcheck source=scripts/device-common.sh
+source "$(dirname "$0")/device-common.sh"
+use_matching_nccl build-gpu/bin/epmoe || status=1
 if [[ $tests != --no-tests ]]; then
   stamp gpu-tests
-  timeout 420 ctest --test-dir build-gpu -L gpu -E CommGpu --output-on-failure -j 8 >"$out/tests.log" 2>&1 || status=1
+  timeout 420 ctest --test-dir build-gpu -L gpu -E CommGpu --no-tests=error --output-on-failure -j 8 >"$out/tests.log" 2>&1 ||
+    status=1
   grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)" "$out/tests.log" | tail -n 20
   stamp "compute-sanitizer (layer tests, tiny model)"
   for tool in memcheck racecheck; do
@@ -43,7 +47,7 @@ if [[ $tests != --no-tests ]]; then
   if ((ranks > 1)); then
     stamp "$ranks-rank tests"
     timeout 300 build-gpu/bin/epmoe launch -n "$ranks" --timeout 280 -- build-gpu/tests/epmoe_comm_tests \
-      >>"$out/tests.log" 2>&1 || status=1
+      "$EPMOE_LAUNCHED_COMM_FILTER" >>"$out/tests.log" 2>&1 || status=1
     grep -E "^\[rank 0\] \[  (PASSED|FAILED)" "$out/tests.log" | tail -n 5
   fi
 fi
@@ -78,23 +82,37 @@ for r in "${runs[@]}"; do
     args=${args%%|*}
   fi
   stamp "run $name${envs:+ ($envs)}"
+  # (Each run's output in a log of its own first, so that the lines shown are this run's: a run that
+  # died before printing would otherwise show the previous run's numbers. Its exit code goes to layer.json.)
+  rc=0
   # shellcheck disable=SC2086  # args and envs are word lists
-  timeout 240 env $envs build-gpu/bin/epmoe run $args --json "$tmp/run-$name.json" >>"$out/runs.log" 2>&1 || status=1
-  grep -E "^(\[rank 0\] )?(  (decode|prefill)|  first|check|  decode:|  prefill:)" "$out/runs.log" | tail -n 12
-  echo "--" >>"$out/runs.log"
+  timeout 240 env $envs build-gpu/bin/epmoe run $args --json "$tmp/run-$name.json" >"$tmp/run-$name.log" 2>&1 || rc=$?
+  ((rc == 0)) || status=1
+  echo "$rc" >"$tmp/rc-$name"
+  grep -E "^(\[rank 0\] )?(  (decode|prefill)|  first|check|  decode:|  prefill:)" "$tmp/run-$name.log" | tail -n 12
+  { echo "== run $name (exit $rc)"; cat "$tmp/run-$name.log"; echo "--"; } >>"$out/runs.log"
 done
 cp "$tmp/trace.json" "$out/trace.json" 2>/dev/null || true
-python3 - "$tmp" "$out/layer.json" <<'PY'
+# Every run that was started has an entry: its JSON, or {"error", "exit"} where it left none (epmoe removes
+# its --json on an error; 124: the time limit); `pass`: every run exited 0 and its check passed.
+python3 - "$tmp" "$out/layer.json" <<'PY' || status=1
 import datetime, glob, json, os, subprocess, sys
-runs = {}
-for f in sorted(glob.glob(sys.argv[1] + "/run-*.json")):
+runs, ok = {}, True
+for rc_file in sorted(glob.glob(sys.argv[1] + "/rc-*")):
+    name = os.path.basename(rc_file)[3:]
+    rc = int(open(rc_file).read().strip() or "1")
     try:
-        runs[os.path.basename(f)[4:-5]] = json.load(open(f))
+        runs[name] = json.load(open(f"{sys.argv[1]}/run-{name}.json"))
+        runs[name]["exit"] = rc
+        ok = ok and rc == 0 and runs[name].get("pass", False)
     except Exception as e:  # a run that failed leaves no or half a file
-        runs[os.path.basename(f)[4:-5]] = {"error": str(e)}
+        runs[name] = {"error": f"no JSON ({e})", "exit": rc}
+        ok = False
 dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.split("\n")[0]
 json.dump({"commit": os.environ.get("EPMOE_COMMIT", "unknown"), "device": dev, "ranks": int(os.environ.get("EPMOE_RANKS", "0")),
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), "runs": runs}, open(sys.argv[2], "w"), indent=1)
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), "pass": ok, "runs": runs},
+          open(sys.argv[2], "w"), indent=1)
+sys.exit(0 if ok else 1)
 PY
 stamp done
 exit $status

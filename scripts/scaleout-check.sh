@@ -21,17 +21,31 @@ status=0
 echo "== build"
 cmake --preset gpu >"$tmp/configure.log" 2>&1 || { tail -n 30 "$tmp/configure.log"; exit 1; }
 timeout 400 cmake --build --preset gpu -j "$(nproc)" >"$tmp/build.log" 2>&1 || { grep -E "error|FAILED" "$tmp/build.log" | head -n 30; exit 1; }
+# shellcheck source=scripts/device-common.sh
+source "$(dirname "$0")/device-common.sh"
+use_matching_nccl build-gpu/bin/epmoe || status=1
 echo "== $ranks-rank tests"
-timeout 150 build-gpu/bin/epmoe launch -n "$ranks" --timeout 140 -- build-gpu/tests/epmoe_comm_tests >"$out/tests.log" 2>&1 || status=1
+timeout 150 build-gpu/bin/epmoe launch -n "$ranks" --timeout 140 -- build-gpu/tests/epmoe_comm_tests \
+  "$EPMOE_LAUNCHED_COMM_FILTER" >"$out/tests.log" 2>&1 || status=1
 grep -E "^\[rank 0\] \[  (PASSED|FAILED)" "$out/tests.log" | tail -n 5
 echo "== bench comm"
 timeout 240 build-gpu/bin/epmoe launch -n "$ranks" --timeout 230 -- \
   sh -c "build-gpu/bin/epmoe bench comm --json $tmp/comm-rank\$EPMOE_RANK.json" >"$tmp/comm.log" 2>&1 || status=1
 grep -E ' us ' "$tmp/comm.log" | grep '^\[rank 0\]' | cut -c1-160
-python3 - "$tmp" "$out/comm.json" <<'PY'
-import glob, json, sys
-ranks = {f.split("rank")[-1].split(".")[0]: json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + "/comm-rank*.json"))}
-json.dump({"ranks": ranks}, open(sys.argv[2], "w"), indent=1)
+# Every rank's results, or {"error"} where a rank left none; `pass` only when every rank's are there and
+# passed.
+python3 - "$tmp" "$out/comm.json" "$ranks" <<'PY' || status=1
+import json, sys
+ranks, ok = {}, True
+for r in range(int(sys.argv[3])):
+    try:
+        ranks[str(r)] = json.load(open(f"{sys.argv[1]}/comm-rank{r}.json"))
+        ok = ok and ranks[str(r)].get("pass", True)
+    except Exception as e:
+        ranks[str(r)] = {"error": f"no results ({e})"}
+        ok = False
+json.dump({"pass": ok, "ranks": ranks}, open(sys.argv[2], "w"), indent=1)
+sys.exit(0 if ok else 1)
 PY
 echo "== layer"
 # The layer runs through scripts/layer-check.sh (its build is up to date; tests ran above).
