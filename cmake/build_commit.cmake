@@ -1,16 +1,27 @@
 # Run at every build (cmake -P): writes OUTPUT, a source file with the commit this build compiles: git's
-# short HEAD of SOURCE_DIR, with "-dirty" when a tracked file differs from it; "unknown" outside a
-# checkout (or without git). The file is only rewritten when the text changes, so a build on an unchanged
-# commit recompiles nothing.
-execute_process(COMMAND git -C "${SOURCE_DIR}" rev-parse --short HEAD OUTPUT_VARIABLE commit
+# short HEAD of SOURCE_DIR, with "-dirty" when a tracked file differs from it or a source file is not
+# tracked (the build globs src/, tools/ and tests/); "unknown" outside a checkout of its own (no git, or
+# SOURCE_DIR inside another repository, whose commit would not be this tree's). The file is only
+# rewritten when the text changes, so a build on an unchanged commit recompiles nothing.
+set(commit "unknown")
+execute_process(COMMAND git -C "${SOURCE_DIR}" rev-parse --show-toplevel OUTPUT_VARIABLE toplevel
                 RESULT_VARIABLE status OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-if(NOT status EQUAL 0 OR commit STREQUAL "")
-  set(commit "unknown")
-else()
-  execute_process(COMMAND git -C "${SOURCE_DIR}" status --porcelain --untracked-files=no OUTPUT_VARIABLE changes
-                  RESULT_VARIABLE status ERROR_QUIET)
-  if(NOT status EQUAL 0 OR NOT changes STREQUAL "")
-    set(commit "${commit}-dirty")
+if(status EQUAL 0)
+  file(REAL_PATH "${SOURCE_DIR}" source_real)
+  file(REAL_PATH "${toplevel}" toplevel_real)
+  if(source_real STREQUAL toplevel_real)
+    execute_process(COMMAND git -C "${SOURCE_DIR}" rev-parse --short HEAD OUTPUT_VARIABLE head
+                    RESULT_VARIABLE status OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    if(status EQUAL 0 AND NOT head STREQUAL "")
+      set(commit "${head}")
+      execute_process(COMMAND git -C "${SOURCE_DIR}" status --porcelain --untracked-files=no
+                      OUTPUT_VARIABLE changes RESULT_VARIABLE status ERROR_QUIET)
+      execute_process(COMMAND git -C "${SOURCE_DIR}" status --porcelain --untracked-files=normal -- src include
+                              tools tests cmake OUTPUT_VARIABLE untracked ERROR_QUIET)
+      if(NOT status EQUAL 0 OR NOT changes STREQUAL "" OR NOT untracked STREQUAL "")
+        set(commit "${commit}-dirty")
+      endif()
+    endif()
   endif()
 endif()
 file(WRITE "${OUTPUT}.new"

@@ -6,13 +6,17 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <string>
 #include <utility>
+
+#include <cuda_runtime.h>
 
 #include <fmt/format.h>
 
 #include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/launch.hpp"
 #include "epmoe/cuda/runtime.hpp"
+#include "epmoe/error.hpp"
 
 namespace epmoe::bench {
 
@@ -150,27 +154,59 @@ struct CopyCeiling {
   std::string source;
 };
 
+// A device-to-device copy of `bytes` each way on the current device: bytes read + written per second in
+// GB/s (the median of 5 after 2 untimed copies).
+double timed_copy_gbps(std::size_t bytes) {
+  cuda::Stream stream;
+  const cuda::DeviceBuffer src(bytes), dst(bytes);
+  src.fill_bytes(0x5a, stream);
+  dst.fill_bytes(0xa5, stream);
+  TimingOptions t;
+  t.iterations = 5;
+  t.warmup = 2;
+  const double us = time_us(
+      [&](int, cudaStream_t s) {
+        EPMOE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice, s));
+      },
+      1, stream, t);
+  return 2.0 * static_cast<double>(bytes) / (us * 1e3);
+}
+
 const CopyCeiling& copy_ceiling() {
   static const CopyCeiling ceiling = [] {
-    const std::string device = cuda::device_description();
-    if (device.find("H200") != std::string::npos)
+    // The rank's own GPU under `epmoe launch` (EPMOE_LOCAL_DEVICE; with --all-gpus every rank sees every
+    // GPU, and all would otherwise time device 0 at once), restored after.
+    int previous = 0;
+    EPMOE_CUDA_CHECK(cudaGetDevice(&previous));
+    int device = previous;
+    if (const char* local = std::getenv("EPMOE_LOCAL_DEVICE"); local != nullptr && *local != '\0') {
+      const int d = std::atoi(local);
+      if (d >= 0 && d < cuda::device_count()) device = d;
+    }
+    cudaDeviceProp props{};
+    EPMOE_CUDA_CHECK(cudaGetDeviceProperties(&props, device));
+    const std::string description = cuda::device_description(device);
+    const std::string name = props.name;
+    // The H200 of anchors.md: its full 132 SMs (not a MIG slice), not a GH200 (another memory system).
+    if (name.find("H200") != std::string::npos && name.find("GH200") == std::string::npos &&
+        props.multiProcessorCount == 132)
       return CopyCeiling{kCopyCeilingGBps, "H200: anchors.md's device-to-device copy"};
-    // 1 GiB each way: far past any L2; the median of 5 after 2 untimed copies.
-    constexpr std::size_t kBytes = std::size_t{1} << 30;
-    cuda::Stream stream;
-    const cuda::DeviceBuffer src(kBytes), dst(kBytes);
-    src.fill_bytes(0x5a, stream);
-    dst.fill_bytes(0xa5, stream);
-    TimingOptions t;
-    t.iterations = 5;
-    t.warmup = 2;
-    const double us = time_us(
-        [&](int, cudaStream_t s) {
-          EPMOE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), kBytes, cudaMemcpyDeviceToDevice, s));
-        },
-        1, stream, t);
-    return CopyCeiling{2.0 * static_cast<double>(kBytes) / (us * 1e3),
-                       "measured: a 1 GiB device-to-device copy on this " + device};
+    EPMOE_CUDA_CHECK(cudaSetDevice(device));
+    CopyCeiling measured;
+    // 1 GiB each way, far past any L2; 256 MiB where that much memory is not free.
+    for (const std::size_t bytes : {std::size_t{1} << 30, std::size_t{256} << 20}) {
+      try {
+        measured = {timed_copy_gbps(bytes), fmt::format("measured: a {} MiB device-to-device copy on this {}",
+                                                        bytes >> 20, description)};
+        break;
+      } catch (const Error&) {
+        cudaGetLastError();  // (the failed allocation's error is not sticky)
+      }
+    }
+    EPMOE_CUDA_CHECK(cudaSetDevice(previous));
+    if (measured.gbps <= 0)
+      measured = {kCopyCeilingGBps, "not measured (no memory free for the copy): the H200's 4269 GB/s"};
+    return measured;
   }();
   return ceiling;
 }

@@ -78,9 +78,11 @@ std::vector<Result> run_permute_suite(const SuiteOptions& options) {
         src_row(DType::i32, {tokens, kTopk}), offsets(DType::i32, {kExperts + 1}),
         counts(DType::i32, {kExperts}), masked_m(DType::i32, {kExperts}),
         mrow_src(DType::i32, {kExperts, m_max});
-    // ... and rotated tokens and rows: the bytes a run reads and writes (bf16: the larger) at least twice
-    // the L2 over the sets.
-    const double set_bytes = static_cast<double>(tokens + entries) * (2.0 * kHidden + 4.0 * groups);
+    // ... and rotated tokens and rows: sets enough that the bytes allocated per set (the contiguous rows
+    // at bf16, the masked rows, their scales), which bound what a run touches, exceed twice the L2 (the
+    // masked layout's [E, m_max, H] alone is >= 117 MB: one set at a few tokens).
+    const double set_bytes = static_cast<double>(tokens + m) * (2.0 * kHidden + 4.0 * groups) +
+                             static_cast<double>(kExperts * m_max) * (kHidden + 4.0 * groups);
     const int sets = rotation_sets(static_cast<std::size_t>(set_bytes));
     std::vector<RotatedSet> in(static_cast<std::size_t>(sets));
     for (int i = 0; i < sets; ++i) {

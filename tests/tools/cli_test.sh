@@ -255,7 +255,7 @@ check_fails "run octal-looking tokens" "--tokens: must be written without leadin
 check_fails "check hexadecimal tokens" "--tokens: must be a decimal number, got 0x10" "$epmoe" check --tokens 0x10
 check_fails "run hexadecimal float tolerance" "--tolerance: must be a decimal number, got 0x1p-3" \
   "$epmoe" run --device cpu --tolerance 0x1p-3
-check_fails "check binary seed" "--seed: must be a (decimal )?number" "$epmoe" check --seed 0b101
+check_fails "check hexadecimal seed" "--seed: must be a decimal number, got 0x10" "$epmoe" check --seed 0x10
 # A command line refused by the parser also removes an earlier run's result file (the --json after the bad
 # option included), so a script cannot take it for this run's.
 echo '{"pass": true}' > "$tmp/stale.json"

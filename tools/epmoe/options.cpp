@@ -277,13 +277,44 @@ void remove_unwritten_results() {
   }
 }
 
+namespace {
+// What keeps `path` from being written as an output file (empty: nothing); see writable_output.
+std::string output_problem(const std::string& path) {
+  if (path == "-") return {};
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(path);
+  if (p.filename().empty()) return "'" + path + "' names a directory, not a file";
+  if (fs::exists(p, ec)) {
+    if (!fs::is_regular_file(p, ec)) return "'" + path + "' exists and is not a regular file";
+    if (::access(path.c_str(), W_OK) != 0) return "'" + path + "' is not writable";
+    const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND);  // (neither truncates nor writes)
+    if (fd < 0) return "cannot open '" + path + "' for writing: " + std::strerror(errno);
+    ::close(fd);
+    return {};
+  }
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) return "the directory of '" + path + "' does not exist";
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) return "the directory of '" + path + "' is not writable";
+  // access() passes for root and knows nothing of file systems that take no new files (/proc, a
+  // read-only mount): create a scratch file beside it, so such a path fails now, not after the run.
+  std::string probe = (dir / ".epmoe-write-test-XXXXXX").string();
+  const int fd = ::mkstemp(probe.data());
+  if (fd < 0) return "cannot create files in the directory of '" + path + "': " + std::strerror(errno);
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return {};
+}
+}  // namespace
+
 void remove_results_of_refused_command_line(const CLI::App& app) {
   for (const CLI::App* sub : app.get_subcommands()) {
     for (const char* name : {"--json", "--trace"}) {  // every writable_output(true) option
       const CLI::Option* option = sub->get_option_no_throw(name);
       if (option == nullptr || option->count() == 0 || option->results().empty()) continue;
       const std::string& path = option->results().back();
-      if (path != "-") g_result_files.push_back(path);
+      // (A path the output check refuses, e.g. a read-only file, is never removed.)
+      if (path != "-" && output_problem(path).empty()) g_result_files.push_back(path);
     }
   }
   remove_unwritten_results();
@@ -292,31 +323,10 @@ void remove_results_of_refused_command_line(const CLI::App& app) {
 CLI::Validator writable_output(bool result_file) {
   return CLI::Validator(
       [result_file](std::string& path) -> std::string {
-        if (path == "-") return {};
-        if (result_file) g_result_files.push_back(path);
-        namespace fs = std::filesystem;
-        std::error_code ec;
-        const fs::path p(path);
-        if (p.filename().empty()) return "'" + path + "' names a directory, not a file";
-        if (fs::exists(p, ec)) {
-          if (!fs::is_regular_file(p, ec)) return "'" + path + "' exists and is not a regular file";
-          if (::access(path.c_str(), W_OK) != 0) return "'" + path + "' is not writable";
-          const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND);  // (neither truncates nor writes)
-          if (fd < 0) return "cannot open '" + path + "' for writing: " + std::strerror(errno);
-          ::close(fd);
-          return {};
-        }
-        const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
-        if (!fs::is_directory(dir, ec)) return "the directory of '" + path + "' does not exist";
-        if (::access(dir.c_str(), W_OK | X_OK) != 0) return "the directory of '" + path + "' is not writable";
-        // access() passes for root and knows nothing of file systems that take no new files (/proc, a
-        // read-only mount): create a scratch file beside it, so such a path fails now, not after the run.
-        std::string probe = (dir / ".epmoe-write-test-XXXXXX").string();
-        const int fd = ::mkstemp(probe.data());
-        if (fd < 0) return "cannot create files in the directory of '" + path + "': " + std::strerror(errno);
-        ::close(fd);
-        ::unlink(probe.c_str());
-        return {};
+        std::string problem = output_problem(path);
+        // (Only a path this run could write is a result it may remove: never one the check refused.)
+        if (problem.empty() && result_file && path != "-") g_result_files.push_back(path);
+        return problem;
       },
       "FILE (writable)", "writable_output");
 }
