@@ -154,24 +154,6 @@ struct CopyCeiling {
   std::string source;
 };
 
-// A device-to-device copy of `bytes` each way on the current device: bytes read + written per second in
-// GB/s (the median of 5 after 2 untimed copies).
-double timed_copy_gbps(std::size_t bytes) {
-  cuda::Stream stream;
-  const cuda::DeviceBuffer src(bytes), dst(bytes);
-  src.fill_bytes(0x5a, stream);
-  dst.fill_bytes(0xa5, stream);
-  TimingOptions t;
-  t.iterations = 5;
-  t.warmup = 2;
-  const double us = time_us(
-      [&](int, cudaStream_t s) {
-        EPMOE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice, s));
-      },
-      1, stream, t);
-  return 2.0 * static_cast<double>(bytes) / (us * 1e3);
-}
-
 const CopyCeiling& copy_ceiling() {
   static const CopyCeiling ceiling = [] {
     // The rank's own GPU under `epmoe launch` (EPMOE_LOCAL_DEVICE; with --all-gpus every rank sees every
@@ -196,8 +178,14 @@ const CopyCeiling& copy_ceiling() {
     // 1 GiB each way, far past any L2; 256 MiB where that much memory is not free.
     for (const std::size_t bytes : {std::size_t{1} << 30, std::size_t{256} << 20}) {
       try {
-        measured = {timed_copy_gbps(bytes), fmt::format("measured: a {} MiB device-to-device copy on this {}",
-                                                        bytes >> 20, description)};
+        cuda::Stream stream;
+        TimingOptions t;
+        t.iterations = 5;
+        t.warmup = 2;
+        const double moved = 2.0 * static_cast<double>(bytes);  // read + written
+        measured = {
+            moved / (SameBytesCopy(stream, t).us(moved) * 1e3),
+            fmt::format("measured: a {} MiB device-to-device copy on this {}", bytes >> 20, description)};
         break;
       } catch (const Error&) {
         cudaGetLastError();  // (the failed allocation's error is not sticky)

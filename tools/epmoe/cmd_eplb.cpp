@@ -7,11 +7,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "epmoe/eplb.hpp"
@@ -69,15 +69,15 @@ std::vector<std::vector<double>> read_load(const std::string& path) {
 
 // rebalance_experts' messages name its parameters; the command's user knows them as the options that set
 // them ("num_physical (20) must be a multiple of num_gpus (3)": "--replicas (20) ... --gpus (3)").
-std::string eplb_flag_names(std::string message) {
-  static const std::pair<std::regex, const char*> names[] = {
-      {std::regex(R"(\bnum_physical\b)"), "--replicas"},
-      {std::regex(R"(\bnum_gpus\b)"), "--gpus"},
-      {std::regex(R"(\bnum_nodes\b)"), "--nodes"},
-      {std::regex(R"(\bnum_groups\b)"), "--groups"},
-      {std::regex(R"(\bnum_logical\b)"), "the experts per layer in --load"}};
-  for (const auto& [pattern, flag] : names) message = std::regex_replace(message, pattern, flag);
-  return message;
+std::string eplb_flag_names(const std::string& message) {
+  static const std::regex fields(R"(\b(num_physical|num_gpus|num_nodes|num_groups|num_logical)\b)");
+  static const std::map<std::string, std::string> options = {
+      {"num_physical", "--replicas"},
+      {"num_gpus", "--gpus"},
+      {"num_nodes", "--nodes"},
+      {"num_groups", "--groups"},
+      {"num_logical", "the experts per layer in --load"}};
+  return with_option_names(message, fields, [](const std::string& name) { return options.at(name); });
 }
 
 void run_eplb(const EplbOptions& opts) {

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <regex>
 #include <string>
@@ -70,15 +71,8 @@ int resolve_ranks(const ModelOptions& o, Device device) {
   return device == Device::cuda ? std::max(1, cuda::device_count_without_cuda_init()) : 2;
 }
 
-namespace {
-// MoeConfig's errors name its fields (the library's API); on the command line they name the flags:
-// "topk_groups must be in [1, groups=4]" -> "--topk-groups must be in [1, --groups=4]". Text in single
-// quotes is the user's own value quoted back ("got 'groups'") and stays as it is.
-std::string with_flag_names(const std::string& message) {
-  static const std::regex field(
-      R"(\b(hidden|intermediate|experts(?! per group)|topk|groups|topk_groups|scoring|routed_scaling_factor|)"
-      R"(shared_experts|ranks|)"
-      R"(redundant_experts|max_tokens_per_rank|quant|preset|dispatch_algorithm)\b)");
+std::string with_option_names(const std::string& message, const std::regex& fields,
+                              const std::function<std::string(const std::string&)>& option_of) {
   std::string out;
   bool quoted = false;
   std::size_t begin = 0;
@@ -89,12 +83,10 @@ std::string with_flag_names(const std::string& message) {
       out += piece;
     } else {
       auto last = piece.cbegin();
-      for (auto it = std::sregex_iterator(piece.begin(), piece.end(), field); it != std::sregex_iterator();
+      for (auto it = std::sregex_iterator(piece.begin(), piece.end(), fields); it != std::sregex_iterator();
            ++it) {
         out.append(last, piece.cbegin() + it->position());
-        std::string flag = "--" + it->str();
-        std::replace(flag.begin(), flag.end(), '_', '-');
-        out += flag;
+        out += option_of(it->str());
         last = piece.cbegin() + it->position() + it->length();
       }
       out.append(last, piece.cend());
@@ -105,6 +97,21 @@ std::string with_flag_names(const std::string& message) {
     begin = quote + 1;
   }
   return out;
+}
+
+namespace {
+// MoeConfig's errors name its fields (the library's API); on the command line they name the flags:
+// "topk_groups must be in [1, groups=4]" -> "--topk-groups must be in [1, --groups=4]".
+std::string with_flag_names(const std::string& message) {
+  static const std::regex field(
+      R"(\b(hidden|intermediate|experts(?! per group)|topk|groups|topk_groups|scoring|routed_scaling_factor|)"
+      R"(shared_experts|ranks|)"
+      R"(redundant_experts|max_tokens_per_rank|quant|preset|dispatch_algorithm)\b)");
+  return with_option_names(message, field, [](const std::string& name) {
+    std::string flag = "--" + name;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    return flag;
+  });
 }
 
 MoeConfig build_config_fields(const ModelOptions& o, Device device) {

@@ -3,6 +3,8 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <functional>
+#include <regex>
 #include <string>
 #include <string_view>
 
@@ -29,6 +31,11 @@ void add_model_options(CLI::App* cmd, ModelOptions& options);
 // The validated config (throws epmoe::Error naming the bad option: MoeConfig's message, its fields
 // written as the flags that set them).
 MoeConfig build_config(const ModelOptions& options, Device device = Device::cpu);
+// A library error message with its parameter names written as the options that set them: each match of
+// `fields` is replaced by option_of(match). Text in single quotes (a user's own value quoted back, "got
+// 'groups'") stays as it is.
+std::string with_option_names(const std::string& message, const std::regex& fields,
+                              const std::function<std::string(const std::string&)>& option_of);
 // "cpu" or "gpu" for --device auto|cpu|gpu. auto picks the GPU when one is present and the command
 // has a GPU path (gpu_path), else the CPU; "gpu" without a GPU (or a GPU path) is refused.
 Device resolve_device(const std::string& device, bool gpu_path = false);
