@@ -19,7 +19,7 @@ struct LayerOptions {
   Mode mode = Mode::normal;
   Device device = Device::cpu;
   Numerics numerics = Numerics::mirror;
-  std::string dispatcher;  // empty: "cpu-local" for one rank, else "cpu-sim"
+  std::string dispatcher;  // empty: "cpu-sim" (any rank count; "cpu-local" serves one rank)
   // Normal mode: the dispatcher learns the exact rows on the host (true) or hands out the layout at
   // its bound with no host sync (false; DispatcherContext::host_sync).
   bool host_sync = true;

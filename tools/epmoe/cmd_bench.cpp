@@ -80,7 +80,7 @@ const CommandRegistration kRegistration{
       cmd->add_option(
              "--quant", options->quant,
              "Quantization scheme of the suites that have several (gemm: fp8 (default) or w4a8, which "
-             "also times the FP8 kernel on the same rows and prints the ratio)")
+             "also times the FP8 kernel on the same rows and prints the ratio; layer: the layer's scheme)")
           ->check(CLI::IsMember({"fp8", "w4a8"}));
       cmd->callback([options] { run_bench(*options); });
     }};

@@ -258,8 +258,9 @@ const CommandRegistration kRegistration{
       cmd->add_flag("!--no-device-idle", options->device_idle,
                     "GPU: skip the device's idle time inside a forward (a few extra forwards with CUPTI's "
                     "activity records on)");
-      cmd->add_option("--mode", options->mode,
-                      "auto (decode low-latency, prefill normal), normal or low-latency")
+      cmd->add_option(
+             "--mode", options->mode,
+             "auto (decode low-latency, prefill normal), normal or low-latency (these two: CPU only)")
           ->check(CLI::IsMember({"auto", "normal", "low-latency"}))
           ->capture_default_str();
       cmd->add_option("--tolerance", options->tolerance, "Accuracy check tolerance")

@@ -604,8 +604,7 @@ void run_rank(const RunOptions& o, const MoeConfig& config, std::shared_ptr<Comm
   }
   EPMOE_CHECK(
       !plans.empty(),
-      "nothing to run: no decode phase (--steps or --tokens 0) and no prefill phase (--prompt-tokens 0 "
-      "or --prompts 0)");
+      "nothing to run: no decode phase (--steps or --tokens 0) and no prefill phase (--prompt-tokens 0)");
 
   nlohmann::json j = result_header_json(Device::cuda, config, o.model);
   j.update({{"gpu", cuda::device_description(device)},
