@@ -188,7 +188,7 @@ const CopyCeiling& copy_ceiling() {
             fmt::format("measured: a {} MiB device-to-device copy on this {}", bytes >> 20, description)};
         break;
       } catch (const Error&) {
-        cudaGetLastError();  // (the failed allocation's error is not sticky)
+        (void)cudaGetLastError();  // (the failed allocation's error is not sticky)
       }
     }
     EPMOE_CUDA_CHECK(cudaSetDevice(previous));

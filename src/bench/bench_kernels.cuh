@@ -6,19 +6,14 @@
 #include <cuda_bf16.h>
 
 #include "cuda/hd.hpp"
+#include "cuda/ptx.cuh"
 
 namespace epmoe::bench::kernels {
 
-__device__ __forceinline__ std::uint64_t global_timer_ns() {
-  std::uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // One thread spins until `ns` nanoseconds of global time have passed.
 __global__ void sleep_kernel(std::uint64_t ns) {
-  const std::uint64_t start = global_timer_ns();
-  while (global_timer_ns() - start < ns) __nanosleep(1000);
+  const std::uint64_t start = ptx::global_timer_ns();
+  while (ptx::global_timer_ns() - start < ns) __nanosleep(1000);
 }
 
 // x[i] = ±(1 + u) * 2^e with u in [0, 1) and e in [-8, 7], from a hash of (seed, i).

@@ -891,6 +891,9 @@ void Communicator::barrier() {
 void Communicator::all_reduce_sum_i64(const std::int64_t* in, std::int64_t* out, std::size_t n,
                                       cudaStream_t stream) {
   check_usable("all_reduce_sum_i64");
+  EPMOE_CHECK(n == 0 || (in != nullptr && out != nullptr),
+              "all_reduce_sum_i64: in and out must be non-null for n = {} values, got in = {}, out = {}", n,
+              static_cast<const void*>(in), static_cast<const void*>(out));
   EPMOE_CUDA_CHECK(cudaSetDevice(device_));
   if (loopback_ == nullptr) {
     EPMOE_NCCL_COMM_CHECK(*this, ncclAllReduce(in, out, n, ncclInt64, ncclSum, comm_, stream));

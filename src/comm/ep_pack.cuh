@@ -1,7 +1,7 @@
 // Pack of the copy-engine send: lays out this rank's payload rows for each peer in local staging
 // memory exactly as they must land there. Two forms: pack_kernel (PackArgs, one launch per piece,
 // EPMOE_COMM_SEND_CE=1, v4) and pack_pieces (SendArgs::ce, the send blocks of the one dispatch
-// launch, EPMOE_COMM_SEND_CE=2, v5). Included by ep_kernels.cu inside its anonymous namespace,
+// launch, EPMOE_COMM_SEND_CE=2, v5). Included by ep_send_kernels.cuh inside its anonymous namespace,
 // after the routing helpers, send_headers and finish_block.
 //
 // Why: SM stores to a peer saturate at ~270 GB/s per direction on 2xH200 whatever the SM count

@@ -1,5 +1,5 @@
 // Send over bulk copies (cp.async.bulk), a path of the send kernel's token loop
-// (SendArgs::bulk_warps > 0, EPMOE_COMM_SEND_BULK=1). Included by ep_kernels.cu inside its
+// (SendArgs::bulk_warps > 0, EPMOE_COMM_SEND_BULK=1). Included by ep_send_kernels.cuh inside its
 // anonymous namespace, after the routing helpers (bucket_has, bucket_slot, lanemask_lt) it uses.
 //
 // Why: with per-lane 16-byte stores each warp has one payload row in flight and, with arrival

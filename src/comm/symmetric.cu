@@ -5,22 +5,10 @@
 #include <memory>
 
 #include "comm/comm_internal.hpp"
+#include "comm/symmetric_kernels.cuh"
 #include "epmoe/cuda/launch.hpp"
 
 namespace epmoe::comm_detail {
-namespace {
-
-// Peer r of the world is LSA rank lsa_rank + (r - world_rank) when that lies in [0, lsa_size)
-// (LSA teams are consecutive world ranks).
-__global__ void peer_pointers_kernel(ncclWindow_t window, int world_rank, int lsa_rank, int lsa_size,
-                                     int world_size, void** out) {
-  for (int r = static_cast<int>(threadIdx.x); r < world_size; r += static_cast<int>(blockDim.x)) {
-    const int lsa_peer = lsa_rank + (r - world_rank);
-    out[r] = (lsa_peer >= 0 && lsa_peer < lsa_size) ? ncclGetLsaPointer(window, 0, lsa_peer) : nullptr;
-  }
-}
-
-}  // namespace
 
 ncclDevComm* create_dev_comm(Communicator& comm, int* lsa_rank, int* lsa_size) {
   auto dev = std::make_unique<ncclDevComm>();

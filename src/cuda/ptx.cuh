@@ -99,6 +99,52 @@ __device__ __forceinline__ unsigned lanemask_lt() {
   return m;
 }
 
+// An opaque copy: the compiler can no longer see where v came from, so it neither hoists nor
+// rematerializes the computation behind it (a value that would otherwise hold registers across a loop).
+__device__ __forceinline__ void opaque(std::uint32_t& v) {
+  asm volatile("" : "+r"(v));
+}
+__device__ __forceinline__ void opaque(std::int32_t& v) {
+  asm volatile("" : "+r"(v));
+}
+
+// ---------------------------------------------------------------- fast math (MUFU approximations)
+// 2^x, about 2 ulp, subnormal inputs and results flushed to zero (ex2.approx.ftz.f32).
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// 1 / x, about 1 ulp, subnormals flushed to zero (rcp.approx.ftz.f32).
+__device__ __forceinline__ float rcp_approx_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---------------------------------------------------------------- carries
+// count + the carry out of a + b (64-bit): three adds with carry, where a 64-bit compare and select
+// takes four (with b = ~c the carry is 1 exactly when a > c).
+__device__ __forceinline__ int add_carry_out(int count, std::uint64_t a, std::uint64_t b) {
+  asm("{\n\t.reg .u32 t;\n\t"
+      "add.cc.u32 t, %1, %2;\n\t"
+      "addc.cc.u32 t, %3, %4;\n\t"
+      "addc.u32 %0, %0, 0;\n\t}"
+      : "+r"(count)
+      : "r"(static_cast<std::uint32_t>(a)), "r"(static_cast<std::uint32_t>(b)),
+        "r"(static_cast<std::uint32_t>(a >> 32)), "r"(static_cast<std::uint32_t>(b >> 32)));
+  return count;
+}
+// count + the carry out of a + b (32-bit): two instructions.
+__device__ __forceinline__ int add_carry_out(int count, std::uint32_t a, std::uint32_t b) {
+  asm("{\n\t.reg .u32 t;\n\t"
+      "add.cc.u32 t, %1, %2;\n\t"
+      "addc.u32 %0, %0, 0;\n\t}"
+      : "+r"(count)
+      : "r"(a), "r"(b));
+  return count;
+}
+
 // ---------------------------------------------------------------- warp reductions
 // Reduce over aligned groups of kWidth consecutive lanes (kWidth a power of two <= 32); every
 // lane of a group gets the result. All 32 lanes of the warp must execute the call.

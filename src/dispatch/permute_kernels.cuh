@@ -212,6 +212,44 @@ __device__ __forceinline__ void permute_write_rows(const PermuteRankParams& p, s
   }
 }
 
+// From each expert's total entries (this thread's kPerThread experts, e = threadIdx.x * kPerThread + j),
+// the layout's per-expert outputs, written where `writer` (one block of the grid): masked_m = min(total,
+// M_max) (masked), or offsets (each expert's rows padded to 128) with offsets[E] and counts
+// (contiguous); contiguous also leaves each expert's first row in start[] for every block. The block
+// scan syncs the block: every thread has read its totals before any start[] is written.
+template <bool kMasked, class BlockScan, int kPerThread>
+__device__ __forceinline__ void permute_write_layout(const int (&total)[kPerThread],
+                                                     const PermuteRankParams& p, bool writer, int* start,
+                                                     typename BlockScan::TempStorage& scan_storage,
+                                                     std::int32_t* offsets, std::int32_t* counts,
+                                                     std::int32_t* masked_m) {
+  if constexpr (kMasked) {
+    if (!writer) return;
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const std::uint32_t e = threadIdx.x * kPerThread + j;
+      if (e < p.experts) masked_m[e] = min(total[j], p.m_max);
+    }
+  } else {
+    int offset[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) offset[j] = (total[j] + 127) / 128 * 128;
+    int aggregate = 0;
+    BlockScan(scan_storage).ExclusiveSum(offset, offset, aggregate);
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const std::uint32_t e = threadIdx.x * kPerThread + j;
+      if (e >= p.experts) continue;
+      start[e] = offset[j];
+      if (writer) {
+        offsets[e] = offset[j];
+        counts[e] = total[j];
+      }
+    }
+    if (writer && threadIdx.x == 0) offsets[p.experts] = aggregate;
+  }
+}
+
 // Multi-block path: one block per chunk, bases from the scan.
 template <bool kMasked>
 __global__ void __launch_bounds__(kPermuteThreads) permute_rank_kernel(PermuteRankParams p) {
@@ -306,32 +344,9 @@ __global__ void __launch_bounds__(kPermuteThreads)
     const std::uint32_t e = threadIdx.x * kPerThread + j;
     total[j] = e < p.experts ? start[e] : 0;
   }
-  if constexpr (kMasked) {
-    if (blockIdx.x == 0) {
-#pragma unroll
-      for (int j = 0; j < kPerThread; ++j) {
-        const std::uint32_t e = threadIdx.x * kPerThread + j;
-        if (e < p.experts) masked_m[e] = min(total[j], p.m_max);
-      }
-    }
-  } else {
-    int offset[kPerThread];
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) offset[j] = (total[j] + 127) / 128 * 128;
-    int aggregate = 0;
-    BlockScan(scan_storage).ExclusiveSum(offset, offset, aggregate);  // (syncs: every total read)
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const std::uint32_t e = threadIdx.x * kPerThread + j;
-      if (e >= p.experts) continue;
-      start[e] = offset[j];
-      if (blockIdx.x == 0) {
-        offsets[e] = offset[j];
-        counts[e] = total[j];
-      }
-    }
-    if (blockIdx.x == 0 && threadIdx.x == 0) offsets[p.experts] = aggregate;
-  }
+  // (start[] held the totals: the scan's sync orders every read of them before the first store)
+  permute_write_layout<kMasked, BlockScan>(total, p, blockIdx.x == 0, start, scan_storage, offsets, counts,
+                                           masked_m);
   // (permute_rank_chunk's first __syncthreads publishes start)
   int id[kPermuteRounds], rank[kPermuteRounds];
   permute_rank_chunk(p, blockIdx.x, warp_count, id, rank, [](std::uint32_t, int) {});
@@ -371,29 +386,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
     const std::uint32_t e = threadIdx.x * kPerThread + j;
     total[j] = e < p.experts ? base[e] : 0;
   }
-  if constexpr (kMasked) {
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const std::uint32_t e = threadIdx.x * kPerThread + j;
-      if (e < p.experts) masked_m[e] = min(total[j], p.m_max);
-    }
-  } else {
-    int offset[kPerThread];
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) offset[j] = (total[j] + 127) / 128 * 128;
-    int aggregate = 0;
-    BlockScan(scan_storage).ExclusiveSum(offset, offset, aggregate);
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const std::uint32_t e = threadIdx.x * kPerThread + j;
-      if (e < p.experts) {
-        offsets[e] = offset[j];
-        counts[e] = total[j];
-        start[e] = offset[j];
-      }
-    }
-    if (threadIdx.x == 0) offsets[p.experts] = aggregate;
-  }
+  permute_write_layout<kMasked, BlockScan>(total, p, true, start, scan_storage, offsets, counts, masked_m);
   __syncthreads();  // every total read: base becomes the running base
   for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = 0;
 

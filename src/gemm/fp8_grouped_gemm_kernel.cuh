@@ -1514,7 +1514,7 @@ __global__ void __launch_bounds__(GemmTraits<kBlockM, kBlockN>::kThreads, 1)
           };
           // K blocks after the first: an opaque count (see above).
           std::int32_t blocks_left = tile.kb_count - 1;
-          asm volatile("" : "+r"(blocks_left));
+          ptx::opaque(blocks_left);
           ptx::mbar_wait(u_full + 8 * pipe.stage, pipe.phase);
           Scales prev = load_scales(pipe.stage);
           issue(std::integral_constant<int, 0>{}, pipe.stage);

@@ -707,22 +707,35 @@ W4A8TileShape w4a8_gemm_tile(bool masked, std::int64_t expected_m) {
 // counter word (at the end of the caller's workspace, however large).
 namespace {
 constexpr std::size_t kTileCounterBytes = 16;
-std::size_t tile_counter_offset(std::int64_t groups, std::int64_t m_max, std::int64_t k) {
-  return static_cast<std::size_t>(groups * (k / kBlockK) * w4a8::row_sums_rows(m_max)) * sizeof(float);
+
+// The sizes each byte count takes: non-negative, K whole 128-wide scale blocks, and a product that
+// fits (a negative or wrapped count would otherwise come back as a huge size_t).
+std::size_t checked_bytes(const char* function, const char* rows_name, std::int64_t groups, std::int64_t rows,
+                          std::int64_t k, std::int64_t bytes_per_k_block_row) {
+  EPMOE_CHECK(groups >= 0 && rows >= 0 && k >= 0, "{}: groups, {} and k must be >= 0, got {}, {}, {}",
+              function, rows_name, groups, rows, k);
+  EPMOE_CHECK(k % kBlockK == 0, "{}: k must be a multiple of {}, got {}", function, kBlockK, k);
+  std::int64_t bytes = 0;
+  EPMOE_CHECK(!__builtin_mul_overflow(groups, rows, &bytes) &&
+                  !__builtin_mul_overflow(bytes, k / kBlockK, &bytes) &&
+                  !__builtin_mul_overflow(bytes, bytes_per_k_block_row, &bytes),
+              "{}: groups {} x {} {} x k {} overflows", function, groups, rows_name, rows, k);
+  return static_cast<std::size_t>(bytes);
 }
 }  // namespace
 
 std::size_t w4a8_workspace_bytes(std::int64_t groups, std::int64_t m_max, std::int64_t k) {
-  EPMOE_CHECK(groups >= 0 && m_max >= 0 && k >= 0, "w4a8_workspace_bytes: sizes must be >= 0, got {}, {}, {}",
-              groups, m_max, k);
-  return tile_counter_offset(groups, m_max, k) + kTileCounterBytes;
+  // The row sums' rows (m_max padded; a negative m_max is passed on as it is, for the message).
+  const std::int64_t sums_rows = m_max >= 0 ? w4a8::row_sums_rows(m_max) : m_max;
+  return checked_bytes("w4a8_workspace_bytes", "m_max", groups, sums_rows, k, sizeof(float)) +
+         kTileCounterBytes;
 }
 
 std::size_t w4a8_packed_weight_bytes(std::int64_t groups, std::int64_t n, std::int64_t k) {
-  return static_cast<std::size_t>(groups * n * (k / 2));
+  return checked_bytes("w4a8_packed_weight_bytes", "n", groups, n, k, kBlockK / 2);  // two int4 per byte
 }
 std::size_t w4a8_packed_scale_bytes(std::int64_t groups, std::int64_t n, std::int64_t k) {
-  return static_cast<std::size_t>(groups * n * (k / kBlockK)) * w4a8::kScaleBytes;
+  return checked_bytes("w4a8_packed_scale_bytes", "n", groups, n, k, w4a8::kScaleBytes);
 }
 
 void w4a8_prepare_weights(TensorView w_int4, TensorView w_scales, TensorView packed_w,

@@ -923,7 +923,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       [[maybe_unused]] std::uint64_t offset_desc = 0;
       if constexpr (Traits::kOffsetSS || Traits::kRowOffset) {
         std::uint32_t offset_tile = smem_offset;
-        asm volatile("" : "+r"(offset_tile));
+        ptx::opaque(offset_tile);
         offset_desc = ptx::wgmma_desc_sw128(offset_tile);
       }
       if constexpr (Traits::kRowOffset) {

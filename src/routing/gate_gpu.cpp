@@ -29,7 +29,7 @@ GateGemm::GateGemm() : workspace_(kWorkspaceBytes) {
 }
 
 GateGemm::~GateGemm() {
-  if (handle_) cublasDestroy(static_cast<cublasHandle_t>(handle_));
+  if (handle_) (void)cublasDestroy(static_cast<cublasHandle_t>(handle_));  // (teardown: cannot throw)
 }
 
 void GateGemm::run(TensorView x, TensorView gate_weight, TensorView logits, cudaStream_t stream) {

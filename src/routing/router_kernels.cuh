@@ -299,24 +299,12 @@ __device__ __forceinline__ std::uint64_t g8_key(float value, int id) {
 // count + (key > a), given not_a = ~a: the carry out of key + ~a (= key - a - 1 + 2^64) is 1 exactly
 // when key > a. Three integer adds with carry, where the compiler's 64-bit compare and select took four.
 __device__ __forceinline__ int add_if_above(int count, std::uint64_t key, std::uint64_t not_a) {
-  asm("{\n\t.reg .u32 t;\n\t"
-      "add.cc.u32 t, %1, %2;\n\t"
-      "addc.cc.u32 t, %3, %4;\n\t"
-      "addc.u32 %0, %0, 0;\n\t}"
-      : "+r"(count)
-      : "r"(static_cast<std::uint32_t>(key)), "r"(static_cast<std::uint32_t>(not_a)),
-        "r"(static_cast<std::uint32_t>(key >> 32)), "r"(static_cast<std::uint32_t>(not_a >> 32)));
-  return count;
+  return ptx::add_carry_out(count, key, not_a);
 }
 
 // count + (key > a) on 32-bit keys, given not_a = ~a: the carry out of key + ~a (two instructions).
 __device__ __forceinline__ int add_if_above32(int count, std::uint32_t key, std::uint32_t not_a) {
-  asm("{\n\t.reg .u32 t;\n\t"
-      "add.cc.u32 t, %1, %2;\n\t"
-      "addc.u32 %0, %0, 0;\n\t}"
-      : "+r"(count)
-      : "r"(key), "r"(not_a));
-  return count;
+  return ptx::add_carry_out(count, key, not_a);
 }
 
 // The two largest of a lane's N values (a tie counting twice), larger first; NaN is skipped (fmaxf /
@@ -679,10 +667,7 @@ __global__ void __launch_bounds__(kRouterG8Threads, kRouterG8MinBlocks)
 // (NaN becomes 126 too: 2^-126 for NaN).
 __device__ __forceinline__ float sigmoid_approx(float x) {
   const float u = fminf(__fmul_rn(x, -0x1.715476p+0f), 126.0f);
-  float e, s;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(__fadd_rn(1.0f, e)));
-  return s;
+  return ptx::rcp_approx_ftz(__fadd_rn(1.0f, ptx::ex2_approx_ftz(u)));
 }
 
 // One unit (kTokenLanes = 8: a quad, 16: a pair) of route_g8_sieve_kernel: X holds its logits as

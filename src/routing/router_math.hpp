@@ -9,6 +9,9 @@
 #include "cuda/hd.hpp"
 
 #include <cstdint>
+#if defined(__CUDACC__)
+#include "cuda/ptx.cuh"  // rcp_approx_ftz (device code only)
+#endif
 #if !defined(__CUDA_ARCH__)
 #include <bit>
 #include <cmath>
@@ -137,8 +140,7 @@ EPMOE_HD inline float sigmoid_f32_fast(float x) {
 // RouterMathGpu.BranchFreeSigmoidBitIdenticalOnEveryFloat. On the host: n / d.
 EPMOE_HD inline float div_rn_sigmoid(float n, float d) {
 #if defined(__CUDA_ARCH__)
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  float r = ptx::rcp_approx_ftz(d);
   r = rn_fma(r, rn_fma(-d, r, 1.0f), r);
   const float q0 = rn_mul(n, r);
   return rn_fma(rn_fma(-d, q0, n), r, q0);

@@ -72,9 +72,8 @@ struct SiluQuantParams {
 // act = (g r) u. g -> +inf: e = 0, r = 1; g < -88.7: e = +inf, r = 0, g r = -0 (the exact silu is
 // below 1e-36 there); g r never overflows, so act overflows only where the exact value does.
 __device__ __forceinline__ float silu_mul_fast(float g, float u) {
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  const float e = ptx::ex2_approx_ftz(g * -1.4426950408889634f);
+  const float r = ptx::rcp_approx_ftz(1.0f + e);
   return (g * r) * u;
 }
 

@@ -129,6 +129,11 @@ void quantize_matrix(QuantScheme quant, const HostTensor& w, HostTensor& q, Host
 
 std::unique_ptr<ExpertWeights> make_synthetic_expert(QuantScheme quant, std::int64_t hidden,
                                                      std::int64_t intermediate, std::uint64_t seed) {
+  // Checked before the matrices are drawn (validate() at the end would come after them).
+  EPMOE_CHECK(
+      hidden > 0 && hidden % kQuantGroup == 0 && intermediate > 0 && intermediate % kQuantGroup == 0,
+      "make_synthetic_expert: hidden and intermediate must be positive multiples of {}, got {} and {}",
+      kQuantGroup, hidden, intermediate);
   auto e = std::make_unique<ExpertWeights>();
   e->quant = quant;
   e->hidden = hidden;

@@ -609,5 +609,32 @@ TEST(W4A8Reference, MatchesADirectSum) {
       }
 }
 
+TEST(W4A8Sizes, ByteCountsOfTheDeepSeekShapes) {
+  // gate_up of 32 experts at DeepSeek-V3 dims: N 4096, K 7168: half a byte per weight, a bf16 per 128 K.
+  EXPECT_EQ(cuda::w4a8_packed_weight_bytes(32, 4096, 7168), std::size_t{32} * 4096 * 7168 / 2);
+  EXPECT_EQ(cuda::w4a8_packed_scale_bytes(32, 4096, 7168), std::size_t{32} * 4096 * 56 * 2);
+  // The row sums pad M_max to 32 rows, then 16 bytes of counter: 2 x 32 x 2 x 4 + 16.
+  EXPECT_EQ(cuda::w4a8_workspace_bytes(2, 20, 256), 528u);
+  EXPECT_EQ(cuda::w4a8_workspace_bytes(0, 0, 0), 16u);
+}
+
+TEST(W4A8Sizes, ByteCountsRefuseSizesNoTensorCouldHave) {
+  using cuda::w4a8_packed_scale_bytes;
+  using cuda::w4a8_packed_weight_bytes;
+  using cuda::w4a8_workspace_bytes;
+  // Negative sizes used to wrap to a huge size_t, and K off the 128 grid was truncated.
+  expect_error_mentions([] { (void)w4a8_packed_weight_bytes(-1, 4096, 7168); },
+                        "groups, n and k must be >= 0");
+  expect_error_mentions([] { (void)w4a8_packed_scale_bytes(32, -4096, 7168); },
+                        "groups, n and k must be >= 0");
+  expect_error_mentions([] { (void)w4a8_packed_weight_bytes(32, 4096, 7000); },
+                        "k must be a multiple of 128");
+  expect_error_mentions([] { (void)w4a8_packed_scale_bytes(32, 4096, 200); }, "k must be a multiple of 128");
+  expect_error_mentions([] { (void)w4a8_workspace_bytes(2, -20, 256); }, "groups, m_max and k must be >= 0");
+  expect_error_mentions([] { (void)w4a8_workspace_bytes(2, 20, 100); }, "k must be a multiple of 128");
+  expect_error_mentions(
+      [] { (void)w4a8_packed_weight_bytes(std::int64_t{1} << 40, std::int64_t{1} << 40, 128); }, "overflows");
+}
+
 }  // namespace
 }  // namespace epmoe
