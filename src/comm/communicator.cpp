@@ -424,6 +424,7 @@ std::vector<void*> LoopbackGroup::exchange(int rank, std::uint64_t seq, void* pt
 }
 
 void LoopbackGroup::barrier(int rank, double timeout_s) {
+  EPMOE_CHECK(rank >= 0 && rank < size_, "LoopbackGroup::barrier: rank {} outside [0, {})", rank, size_);
   std::unique_lock lock(state_->mutex);
   const std::uint64_t gen = state_->generation;
   if (++state_->arrived == size_) {
@@ -442,6 +443,9 @@ void LoopbackGroup::barrier(int rank, double timeout_s) {
 }
 
 std::shared_ptr<void> LoopbackGroup::share_allocations(std::uint64_t seq, const std::vector<void*>& ptrs) {
+  // One allocation per rank (every rank passes the same list; the first one's is kept).
+  EPMOE_CHECK(ptrs.size() == static_cast<std::size_t>(size_),
+              "LoopbackGroup::share_allocations: {} allocations for a group of {} ranks", ptrs.size(), size_);
   const std::lock_guard lock(state_->mutex);
   auto& [owner, takers] = state_->shared[seq];
   if (!owner) {

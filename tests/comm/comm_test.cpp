@@ -314,5 +314,20 @@ TEST(CommLoopback, ATimedOutRankLeavesTheGroupUsable) {
   EXPECT_NE(message_of([] { LoopbackGroup::make(0, 0); }).find("size must be at least 1"), std::string::npos);
 }
 
+TEST(CommLoopback, RanksAndAllocationListsOutsideTheGroupAreRefused) {
+  const auto group = LoopbackGroup::make(2, 0);
+  for (const int rank : {-1, 2}) {
+    const std::string m = message_of([&] { group->barrier(rank, 0.05); });
+    EXPECT_NE(m.find("LoopbackGroup::barrier: rank " + std::to_string(rank) + " outside [0, 2)"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(message_of([&] { group->exchange(rank, 3, nullptr, 0.05); }).find("outside [0, 2)"),
+              std::string::npos);
+  }
+  // (No device memory is touched: the list is refused before it is kept.)
+  const std::string m = message_of([&] { (void)group->share_allocations(5, {nullptr}); });
+  EXPECT_NE(m.find("1 allocations for a group of 2 ranks"), std::string::npos) << m;
+}
+
 }  // namespace
 }  // namespace epmoe
