@@ -50,6 +50,8 @@ void copy_bf16(TensorView src, TensorView dst, cudaStream_t stream) {
 void fill_i32(TensorView dst, std::int32_t value, cudaStream_t stream) {
   expect_dtype(dst, DType::i32, "dst");
   expect_device(dst, Device::cuda, "dst");
+  EPMOE_CHECK(dst.numel() >= 1 && dst.data != nullptr, "fill_i32: dst must hold at least one element, got {}",
+              dst.describe());
   fill_i32_kernel<<<1, 1, 0, stream>>>(dst.as<std::int32_t>(), value);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
