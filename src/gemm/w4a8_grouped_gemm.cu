@@ -22,6 +22,7 @@
 #include "gemm/gemm_host.hpp"
 #include "gemm/w4a8_grouped_gemm_kernel.cuh"
 #include "gemm/w4a8_kernel_choice.hpp"
+#include "gemm/w4a8_prepare_kernels.cuh"
 #include "gemm/w4a8_row_sums_kernel.cuh"
 #include "gemm/w4a8_smem_gemm_kernel.cuh"
 
