@@ -726,7 +726,9 @@ std::size_t checked_bytes(const char* function, const char* rows_name, std::int6
 }  // namespace
 
 std::size_t w4a8_workspace_bytes(std::int64_t groups, std::int64_t m_max, std::int64_t k) {
-  // The row sums' rows (m_max padded; a negative m_max is passed on as it is, for the message).
+  // The row sums' rows: m_max padded to 32 (a negative m_max passed on as it is, for the message).
+  EPMOE_CHECK(m_max <= std::numeric_limits<std::int64_t>::max() - 31,
+              "w4a8_workspace_bytes: m_max {} overflows", m_max);
   const std::int64_t sums_rows = m_max >= 0 ? w4a8::row_sums_rows(m_max) : m_max;
   return checked_bytes("w4a8_workspace_bytes", "m_max", groups, sums_rows, k, sizeof(float)) +
          kTileCounterBytes;

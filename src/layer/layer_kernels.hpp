@@ -10,7 +10,7 @@
 namespace epmoe::layer_detail {
 
 // y = bf16(f32(a) + f32(b)) element-wise (the CPU layer's shared-expert add); bf16 tensors of equal
-// numel (a multiple of 8), 16-byte aligned. y may alias a.
+// numel (a multiple of 8), 16-byte aligned; y distinct from a and b (the kernel reads them as restrict).
 void add_bf16(TensorView a, TensorView b, TensorView y, cudaStream_t stream);
 
 // dst = src, contiguous bf16 tensors of equal numel on the device, by a kernel: a

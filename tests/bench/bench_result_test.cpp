@@ -4,12 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <regex>
 #include <string>
 
 #include "bench/bench.hpp"
+#include "scoped_env.hpp"
 
 namespace epmoe::bench {
 namespace {
@@ -72,14 +72,8 @@ TEST(BenchResult, DateIsUtcIso8601) {
 TEST(BenchResult, CommitIsTheBuildsAndTheEnvironmentOnlyWhereThatIsUnknown) {
   const std::string built = build_commit();
   ASSERT_FALSE(built.empty());
-  const char* before = std::getenv("EPMOE_COMMIT");
-  const std::string saved = before != nullptr ? before : "";
-  ::setenv("EPMOE_COMMIT", "from-the-environment", 1);
+  const testing::ScopedEnv env("EPMOE_COMMIT", "from-the-environment");
   EXPECT_EQ(git_commit(), built == "unknown" ? "from-the-environment" : built);
-  if (before != nullptr)
-    ::setenv("EPMOE_COMMIT", saved.c_str(), 1);
-  else
-    ::unsetenv("EPMOE_COMMIT");
 }
 
 }  // namespace

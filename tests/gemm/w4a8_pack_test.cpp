@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -632,6 +633,8 @@ TEST(W4A8Sizes, ByteCountsRefuseSizesNoTensorCouldHave) {
   expect_error_mentions([] { (void)w4a8_packed_scale_bytes(32, 4096, 200); }, "k must be a multiple of 128");
   expect_error_mentions([] { (void)w4a8_workspace_bytes(2, -20, 256); }, "groups, m_max and k must be >= 0");
   expect_error_mentions([] { (void)w4a8_workspace_bytes(2, 20, 100); }, "k must be a multiple of 128");
+  expect_error_mentions(
+      [] { (void)w4a8_workspace_bytes(1, std::numeric_limits<std::int64_t>::max() - 3, 128); }, "overflows");
   expect_error_mentions(
       [] { (void)w4a8_packed_weight_bytes(std::int64_t{1} << 40, std::int64_t{1} << 40, 128); }, "overflows");
 }
