@@ -42,6 +42,7 @@
 #include "epmoe/cuda/layer.hpp"
 #include "epmoe/cuda/runtime.hpp"
 #include "epmoe/cuda/synthetic.hpp"
+#include "epmoe/cuda/w4a8_gemm.hpp"
 #include "epmoe/error.hpp"
 #include "epmoe/layer.hpp"
 
@@ -52,9 +53,15 @@ constexpr double kPeakTflops = 1979.0;  // H200 dense FP8
 constexpr std::int64_t kMaxDecodeTokens = 256;
 
 // Bytes of one expert MLP's weights and scales (hidden H, intermediate I): FP8 with f32 128 x 128 block
-// scales; W4A8 packed int4 with a bf16 scale per output row and 128 K (w4a8_layout.hpp's kScaleBytes).
+// scales; W4A8 as the GEMM packs it (w13 [2I, H] and w2 [H, I]).
 double expert_bytes(QuantScheme quant, std::int64_t H, std::int64_t I) {
-  if (quant == QuantScheme::w4a8) return 3.0 * H * I / 2 + 2.0 * (2 * I * (H / 128) + H * (I / 128));
+  if (quant == QuantScheme::w4a8) {
+    const auto packed = [](std::int64_t n, std::int64_t k) {
+      return static_cast<double>(cuda::w4a8_packed_weight_bytes(1, n, k) +
+                                 cuda::w4a8_packed_scale_bytes(1, n, k));
+    };
+    return packed(2 * I, H) + packed(H, I);
+  }
   return 3.0 * H * I + 4.0 * ((2 * I / 128) * (H / 128) + (H / 128) * (I / 128));
 }
 

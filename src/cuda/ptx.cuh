@@ -101,10 +101,9 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 
 // An opaque copy: the compiler can no longer see where v came from, so it neither hoists nor
 // rematerializes the computation behind it (a value that would otherwise hold registers across a loop).
-__device__ __forceinline__ void opaque(std::uint32_t& v) {
-  asm volatile("" : "+r"(v));
-}
-__device__ __forceinline__ void opaque(std::int32_t& v) {
+template <typename T>
+__device__ __forceinline__ void opaque(T& v) {
+  static_assert(sizeof(T) == 4, "a 32-bit register");
   asm volatile("" : "+r"(v));
 }
 

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 #include <vector>
 
 #include "core/parallel.hpp"
@@ -22,11 +23,18 @@ ActivationFormat activation_format(QuantScheme quant) {
   EPMOE_FAIL("unknown quant scheme {}", static_cast<int>(quant));
 }
 
+namespace {
+// The dims of every expert (both GEMMs' N and K on the 128 grid); `what` names the caller.
+void expect_expert_dims(std::int64_t hidden, std::int64_t intermediate, std::string_view what) {
+  EPMOE_CHECK(hidden > 0 && hidden % kQuantGroup == 0 && intermediate > 0 && intermediate % kQuantGroup == 0,
+              "{}: hidden and intermediate must be positive multiples of {}, got {} and {}", what,
+              kQuantGroup, hidden, intermediate);
+}
+}  // namespace
+
 void ExpertWeights::validate() const {
   const std::int64_t H = hidden, I = intermediate;
-  EPMOE_CHECK(H > 0 && H % kQuantGroup == 0 && I > 0 && I % kQuantGroup == 0,
-              "expert dims must be positive multiples of {}, got hidden={} intermediate={}", kQuantGroup, H,
-              I);
+  expect_expert_dims(H, I, "ExpertWeights");
   switch (quant) {
     case QuantScheme::fp8:
       expect_dtype(w13, DType::fp8_e4m3, "w13");
@@ -129,11 +137,7 @@ void quantize_matrix(QuantScheme quant, const HostTensor& w, HostTensor& q, Host
 
 std::unique_ptr<ExpertWeights> make_synthetic_expert(QuantScheme quant, std::int64_t hidden,
                                                      std::int64_t intermediate, std::uint64_t seed) {
-  // Checked before the matrices are drawn (validate() at the end would come after them).
-  EPMOE_CHECK(
-      hidden > 0 && hidden % kQuantGroup == 0 && intermediate > 0 && intermediate % kQuantGroup == 0,
-      "make_synthetic_expert: hidden and intermediate must be positive multiples of {}, got {} and {}",
-      kQuantGroup, hidden, intermediate);
+  expect_expert_dims(hidden, intermediate, "make_synthetic_expert");  // (before any matrix is drawn)
   auto e = std::make_unique<ExpertWeights>();
   e->quant = quant;
   e->hidden = hidden;
