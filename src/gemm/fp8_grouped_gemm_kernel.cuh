@@ -62,16 +62,15 @@
 #include <cuda_bf16.h>
 
 #include "cuda/ptx_hopper.cuh"
+#include "gemm/gemm_common.cuh"
 #include "gemm/schedule_math.hpp"
 
 namespace epmoe::kernels {
 
-inline constexpr int kGemmBlockK = 128;  // K per pipeline stage (one scale block; a 128-byte row)
-inline constexpr int kGemmWaveN = 128;   // columns per wgmma wave (one weight-scale block)
+inline constexpr int kGemmWaveN = 128;  // columns per wgmma wave (one weight-scale block)
 // Columns per band of the contiguous tile order (GroupedGemmOptions::band_columns; 512, 2048 and all
 // of N measured level or slower, bench/NOTES.md session 30).
 inline constexpr int kGemmBandColumns = 1024;
-inline constexpr int kGemmSmemBudget = 232448;  // dynamic shared memory a block may have on sm_90
 
 // v29: zeros for the A rows past a tile's valid ones (GroupedGemmParams::zero_padding_rows): the bytes of
 // 128 rows of one K block, zero as every static object is at load; the kernels only read them.
@@ -203,24 +202,10 @@ inline constexpr int kMaxSplitChunks = 15;
 // Per split tile, one counter per consumer warp (at most 8).
 inline constexpr int kSplitCountersPerTile = 8;
 
-// Ablation bits (GroupedGemmParams::ablation): timing experiments only, the output is garbage.
-inline constexpr int kAblateNone = 0;
-inline constexpr int kAblateMath = 1;     // consumers skip the wgmma and the promotion
-inline constexpr int kAblateLoads = 2;    // the producer arms the full barriers without loading A and B
-inline constexpr int kAblatePromote = 4;  // consumers promote one accumulator per wave (wgmma and wait kept)
-inline constexpr int kAblateOneWait = 8;  // all waves of a K block into one partial: one wait, one promotion
-inline constexpr int kAblateEpilogue = 16;  // no output stores
-inline constexpr int kAblateScales = 32;    // the scale warp copies nothing (arrives only)
-inline constexpr int kAblateFullWait = 64;  // consumers do not wait on "full" (stale stages)
-inline constexpr int kAblatePipe =
-    128;  // no pipeline at all: producers idle, consumers neither wait nor free
 // Not an ablation: consumer 0's first thread of every CTA adds its consumer loop's SM cycles and
 // nanoseconds to g_fp8_gemm_trace (the loop's cycles per wgmma and the clock it ran at, against the
 // probe's; read by fp8_grouped_gemm_take_trace).
 inline constexpr int kTraceLoop = 256;
-// Timing ablation: each consumer warp spins 200 cycles after each K block's last wave completes (is
-// the consumers' per-K-block latency hidden by the other warpgroup's wgmma, or exposed?).
-inline constexpr int kAblateSpin = 512;
 // Not an ablation: warp 0's lane 0 stamps %globaltimer per CTA into g_fp8_cta_trace (the first
 // cuda::kGemmTraceMaxCtas CTAs): [0] entry, [1] its last TMA load issued, [2] every stage released by the
 // consumers after it (read by fp8_grouped_gemm_take_cta_trace). Only the producer stamps: its waits are
@@ -619,35 +604,6 @@ class GemmScheduler {
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
 };
 
-__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const std::uint32_t*>(&v);
-}
-
-template <int kN>
-__device__ __forceinline__ void fence_all(float (&r)[kN]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i) ptx::fence_operand(r[i]);
-}
-
-// Calls f(std::integral_constant<int, I>{}) for I = 0 .. N - 1, in order.
-template <typename F, int... I>
-__device__ __forceinline__ void for_each_index(std::integer_sequence<int, I...>, F&& f) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-
-// The pipeline position (stage, phase) that producer and consumers advance in lockstep.
-struct PipeState {
-  int stage = 0;
-  std::uint32_t phase = 0;
-  __device__ void advance(int stages) {
-    if (++stage == stages) {
-      stage = 0;
-      phase ^= 1u;
-    }
-  }
-};
-
 // v13's tile ring (kTileSlots above) at shared address `base`: slot s's words at base +
 // kTileSlotBytes s, then the slots' "full" barriers, then their "empty" ones. A slot holds what the readers
 // need of a tile, derived by the writer (warp 3) so that the readers, at the edge of their 40 registers, hold
@@ -805,35 +761,6 @@ class TileRing {
   std::uint32_t count_ = 0;  // tiles read (written): slot count_ % kTileSlots, its parity the next bit
 };
 
-// acc += (sa·sw) · part on row a (elements 4j, 4j+1) and (sb·sw) · part on row b (4j+2, 4j+3), with
-// acc held pair-swapped during the K loop: slot 2i holds element 2i + 1 and slot 2i + 1 element 2i
-// (unswap_pairs() puts them back for the epilogue; in SSA that is a renaming, no instructions).
-// Why: the partial is the wgmma's register block (element e in an 8-aligned base + e), ptxas keeps
-// acc in aligned pairs in slot order, and the scale is one register; unswapped, half of the FFMAs
-// read three registers of one bank parity and stall on dispatch (bench/NOTES.md, session 32: ncu
-// showed every FFMA with partial, scale and accumulator of one parity at ~3x the samples of the others).
-__device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64], float a, float b,
-                                        float w) {
-  const float s_a = a * w, s_b = b * w;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    acc[4 * j + 0] = fmaf(s_a, part[4 * j + 1], acc[4 * j + 0]);
-    acc[4 * j + 1] = fmaf(s_a, part[4 * j + 0], acc[4 * j + 1]);
-    acc[4 * j + 2] = fmaf(s_b, part[4 * j + 3], acc[4 * j + 2]);
-    acc[4 * j + 3] = fmaf(s_b, part[4 * j + 2], acc[4 * j + 3]);
-  }
-}
-
-// The element order back from promote()'s pair-swapped slots.
-__device__ __forceinline__ void unswap_pairs(float (&acc)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; i += 2) {
-    const float t = acc[i];
-    acc[i] = acc[i + 1];
-    acc[i + 1] = t;
-  }
-}
-
 // The trace's sums: [0] loop cycles, [1] loop ns, [2] K blocks, [3] CTAs, [4] launch spans (first
 // CTA entry to last loop exit, ns), [5] launches, [6] this launch's earliest entry, [7] its latest exit;
 // v12's hand-off (borrowing launches), in cycles of the TMA warp's and store warp's lane 0: [8] the
@@ -864,69 +791,6 @@ inline constexpr std::uint32_t kEpilogueBarrier = 3;
 // waits on kTurnBarrier + c before issuing a wave and arrives on the other's after issuing it.
 inline constexpr std::uint32_t kTurnBarrier = 1;
 static_assert((kTurnBarrier ^ 3u) == kTurnBarrier + 1);
-
-// Transposes 4 x 4 words across the 4 lanes of a quad (q = lane % 4): on return w[k] holds what
-// lane k held in w[q] (two rounds of xor shuffles, two words each).
-__device__ __forceinline__ void quad_transpose(std::uint32_t (&w)[4], int q) {
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const bool hi = (q & 2) != 0;
-    const std::uint32_t got = __shfl_xor_sync(0xffffffffu, hi ? w[k] : w[k + 2], 2);
-    if (hi) {
-      w[k] = got;
-    } else {
-      w[k + 2] = got;
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < 4; k += 2) {
-    const bool odd = (q & 1) != 0;
-    const std::uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[k] : w[k + 1], 1);
-    if (odd) {
-      w[k] = got;
-    } else {
-      w[k + 1] = got;
-    }
-  }
-}
-
-// Lane q's 16 bytes of row h (0: row_a, 1: row_b), 8-column chunk 4 i + q, of one wave's 64
-// accumulators v: the quad's 4 x 2 columns of chunks 4 i .. 4 i + 3 as bf16x2, transposed across the quad.
-template <bool kScaled>
-__device__ __forceinline__ void transposed_words_bf16(const float (&v)[64], float scale, int h, int i, int q,
-                                                      std::uint32_t (&words)[4]) {
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int j = 4 * i + k;
-    const float lo = v[4 * j + 2 * h], hi = v[4 * j + 2 * h + 1];
-    words[k] = kScaled ? pack_bf16x2(lo * scale, hi * scale) : pack_bf16x2(lo, hi);
-  }
-  quad_transpose(words, q);
-}
-
-// One wave's 64 accumulators v (the wgmma m64n128 layout: this thread's rows row_a and row_b =
-// row_a + 8), times `scale` when kScaled, as bf16 into the 128 columns at d_col of those rows (valid
-// rows only; n: d's row stride in elements). Per row and 32 columns the quad's lanes hold 2 columns of
-// each 8 (j = 4 i + k): after the transpose lane q holds the 8 columns of j = 4 i + q and stores them
-// as one 16-byte word, so each store instruction writes 64 contiguous bytes of 8 rows. The epilogue
-// of the FP8 and W4A8 kernels.
-template <bool kScaled>
-__device__ __forceinline__ void store_wave_bf16(const float (&v)[64], float scale, __nv_bfloat16* d_col,
-                                                std::int64_t row_a, std::int64_t row_b, bool valid_a,
-                                                bool valid_b, std::int64_t n, int lane) {
-  const int q = lane % 4;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const bool valid = h == 0 ? valid_a : valid_b;
-    __nv_bfloat16* d_row = d_col + (h == 0 ? row_a : row_b) * n;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      std::uint32_t words[4];
-      transposed_words_bf16<kScaled>(v, scale, h, i, q, words);
-      if (valid) ptx::st_global_v4(d_row + 8 * (4 * i + q), words[0], words[1], words[2], words[3]);
-    }
-  }
-}
 
 // v21: one consumer warp's part of a split tile's chunk (GroupedGemmParams::split_quantum): its
 // accumulators (kWaves x 64 per lane) go to the chunk's partial as kWaves x 32 float2 per lane in lane

@@ -38,7 +38,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda/ptx_hopper.cuh"
-#include "gemm/fp8_grouped_gemm_kernel.cuh"  // kGemmBlockK, kGemmSmemBudget, PipeState, pack_bf16x2, fence_all
+#include "gemm/gemm_common.cuh"
 
 namespace epmoe::kernels {
 

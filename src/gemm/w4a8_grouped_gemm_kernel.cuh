@@ -54,6 +54,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda/ptx_hopper.cuh"
+#include "gemm/gemm_common.cuh"
 #include "gemm/w4a8_kernel_choice.hpp"
 #include "gemm/w4a8_layout.hpp"
 
@@ -525,16 +526,9 @@ class W4A8Scheduler {
   std::int32_t g_ = 0, seg_start_ = 0, seg_tiles_ = 0, seg_count_ = 0, seg_m_blocks_ = 1;
 };
 
-struct W4A8Pipe {
-  int stage = 0;
-  std::uint32_t phase = 0;
+// PipeState with the K block's place inside a stage of several.
+struct W4A8Pipe : PipeState {
   int sub = 0;  // consumers: the K block's index in its stage (kStageKB > 1)
-  __device__ void advance(int stages) {
-    if (++stage == stages) {
-      stage = 0;
-      phase ^= 1u;
-    }
-  }
   // The next K block's position: the next stage after a stage's last block, else the next block of
   // the same stage.
   __device__ void next_block(bool last_in_stage, int stages) {
@@ -560,17 +554,6 @@ __device__ __forceinline__ void w4a8_convert8(std::uint32_t w, std::uint32_t& lo
     lo = kSigned ? w4a8::signed_codes_lo(w) : w4a8::codes_lo(w);
     hi = kSigned ? w4a8::signed_codes_hi(w) : w4a8::codes_hi(w);
   }
-}
-
-template <int kN>
-__device__ __forceinline__ void w4a8_fence_all(float (&r)[kN]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i) ptx::fence_operand(r[i]);
-}
-
-__device__ __forceinline__ std::uint32_t w4a8_pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const std::uint32_t*>(&v);
 }
 
 // kParts_: 0 = the partial accumulators by the rule below; 2 = two also where the rule says one
@@ -912,10 +895,10 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
       const int sub = kStageKB == 1 ? 0 : at.sub;
       const std::uint32_t a_tile = smem_a + at.stage * kAStride + sub * Traits::kABytes +
                                    static_cast<std::uint32_t>(W * Traits::kWaveN * w4a8::kBlockK);
-      w4a8_fence_all(part[P]);
+      fence_all(part[P]);
       if constexpr (Traits::kRowOffset) {
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) w4a8_fence_all(row_off[P][h]);
+        for (int h = 0; h < kHalves; ++h) fence_all(row_off[P][h]);
       }
       ptx::wgmma_fence();
       // The offset from shared memory (SS): as a register operand it held registers across the
@@ -977,7 +960,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           if (sub == 0) ptx::mbar_wait(offset_bar + 8 * stage, at.phase);
         }
         const std::uint32_t slot = smem_slot + stage * kSlotStride + sub * Traits::kSlotBytes;
-        w4a8_fence_all(part[P]);
+        fence_all(part[P]);
 #pragma unroll
         for (int j = 0; j < kAcc / 4; ++j) {
           const float2 o = ptx::ld_shared_f32x2(slot + 4 * (8 * j + 2 * q));
@@ -986,16 +969,16 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           acc[4 * j + 2] = fmaf(s_hi, part[P][4 * j + 2] + o.x, acc[4 * j + 2]);
           acc[4 * j + 3] = fmaf(s_hi, part[P][4 * j + 3] + o.y, acc[4 * j + 3]);
         }
-        w4a8_fence_all(part[P]);
+        fence_all(part[P]);
         if (last) {
           ptx::mbar_arrive_warp(empty_bar + 8 * stage);  // each lane after its shared loads of the stage
         }
       } else {
-        w4a8_fence_all(part[P]);
+        fence_all(part[P]);
         if (last) {
           ptx::mbar_arrive_warp(empty_bar + 8 * stage);  // each lane after its shared loads of the stage
         }
-        w4a8_fence_all(part[P]);
+        fence_all(part[P]);
         if constexpr (Traits::kRowOffset) {
           // Offsets by activation row -> by this thread's columns 8 j + 2 q + {0, 1}, through this
           // consumer's buffer row_buf (the buffer written two folds later is read-free once every
@@ -1005,7 +988,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
           if (q == 0) {
 #pragma unroll
             for (int h = 0; h < kHalves; ++h) {
-              w4a8_fence_all(row_off[P][h]);
+              fence_all(row_off[P][h]);
               ptx::st_shared_u32(buf + 4 * (64 * h + row_in_panel), __float_as_uint(row_off[P][h][0]));
               ptx::st_shared_u32(buf + 4 * (64 * h + row_in_panel + 8), __float_as_uint(row_off[P][h][2]));
             }
@@ -1054,7 +1037,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const std::uint32_t pair = ptx::movmatrix_trans_b16(
-              w4a8_pack_bf16x2(acc[4 * j + 2 * h] * a_scale, acc[4 * j + 2 * h + 1] * a_scale));
+              pack_bf16x2(acc[4 * j + 2 * h] * a_scale, acc[4 * j + 2 * h + 1] * a_scale));
           if (ok)
             *reinterpret_cast<std::uint32_t*>(out + static_cast<std::int64_t>(8 * j) * p.n + 8 * h) = pair;
         }
@@ -1097,7 +1080,7 @@ __global__ void __launch_bounds__(W4A8Traits<kBM, kConsumers, kOffset, kStageKB>
         for (int h = 0; h < 2; ++h) {
           const float x0 = acc[4 * j + 2 * h] * a_scale, x1 = acc[4 * j + 2 * h + 1] * a_scale;
           const float recv = __shfl_xor_sync(0xffffffffu, odd ? x0 : x1, 4);
-          const std::uint32_t pair = odd ? w4a8_pack_bf16x2(recv, x1) : w4a8_pack_bf16x2(x0, recv);
+          const std::uint32_t pair = odd ? pack_bf16x2(recv, x1) : pack_bf16x2(x0, recv);
           const std::int32_t col = n0 + 8 * h - (odd ? 1 : 0);
           if (valid)
             *reinterpret_cast<std::uint32_t*>(p.d + static_cast<std::int64_t>(row) * p.n + col) = pair;

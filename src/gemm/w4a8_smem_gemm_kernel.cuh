@@ -50,7 +50,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda/ptx_hopper.cuh"
-#include "gemm/fp8_grouped_gemm_kernel.cuh"   // store_wave_bf16, fence_all
+#include "gemm/gemm_common.cuh"
 #include "gemm/w4a8_grouped_gemm_kernel.cuh"  // W4A8Params, W4A8Scheduler, W4A8Pipe, w4a8_convert8
 #include "gemm/w4a8_layout.hpp"
 
