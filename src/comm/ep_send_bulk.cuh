@@ -82,19 +82,11 @@ __device__ void send_bulk_rows(const EpGeometry& g, const SendArgs& a, int block
     // until its group has read the stage (its table was signalled: staged - kBulkTables < signalled).
     if (lane == 0) ptx::bulk_wait_read<kBulkStages - 1 - kBulkLookahead>();
     for (; t < a.T; t += stride) {
-      int n = 0;     // destinations of token t, in rank order
       __syncwarp();  // lane 0's wait happened before any lane writes the stage or the table
-      for (int d0 = 0; d0 < g.N; d0 += 32) {
-        const int d = d0 + lane;
-        const bool has = d < g.N && (!a.skip_self || d != g.me) && bucket_has(a.bitmaps, g.W, d, t);
-        const unsigned m = __ballot_sync(kFull, has);
-        if (has) {
-          const int pos = n + __popc(m & lanemask_lt());
-          dest_rank[warp][tb][pos] = d;
-          dest_slot[warp][tb][pos] = send_slot(g, a, d, t);
-        }
-        n += __popc(m);
-      }
+      const int n = for_each_destination(g, a, t, lane, [&](int pos, int d) {
+        dest_rank[warp][tb][pos] = d;
+        dest_slot[warp][tb][pos] = send_slot(g, a, d, t);
+      });
       if (n == 0) continue;
       if (lane == 0) {
         dest_n[warp][tb] = n;
@@ -110,12 +102,9 @@ __device__ void send_bulk_rows(const EpGeometry& g, const SendArgs& a, int block
         const int id = a.ids[t * g.K + lane];
         const float w = a.weights[t * g.K + lane];
         const int slot_e = bucket_slot(a.bitmaps, a.prefix, g.W, g.N + id, t);
-        for (int i = 0; i < n; ++i) {
-          auto* meta = reinterpret_cast<std::int32_t*>(row + g.meta_off + i * tail) + 3 * lane;
-          meta[0] = id / g.L == dest_rank[warp][tb][i] ? id % g.L : -1;
-          meta[1] = slot_e;
-          meta[2] = __float_as_int(w);
-        }
+        for (int i = 0; i < n; ++i)
+          write_topk_meta(reinterpret_cast<std::int32_t*>(row + g.meta_off + i * tail) + 3 * lane, g,
+                          dest_rank[warp][tb][i], id, slot_e, w);
       }
       ptx::fence_proxy_async_shared();  // the lanes' shared writes before the bulk stores read them
       t += stride;

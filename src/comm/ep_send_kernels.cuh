@@ -82,6 +82,32 @@ __device__ __forceinline__ int send_slot(const EpGeometry& g, const SendArgs& a,
   return 0;
 }
 
+// Token t's destination ranks in rank order (this rank left out with skip_self): on the lane of
+// each destination d, on_destination(pos, d) with pos its place in that order. Returns how many there
+// are (the same on every lane). Both send paths.
+template <typename OnDestination>
+__device__ __forceinline__ int for_each_destination(const EpGeometry& g, const SendArgs& a, std::int64_t t,
+                                                    int lane, OnDestination&& on_destination) {
+  int n = 0;
+  for (int d0 = 0; d0 < g.N; d0 += 32) {
+    const int d = d0 + lane;
+    const bool has = d < g.N && (!a.skip_self || d != g.me) && bucket_has(a.bitmaps, g.W, d, t);
+    const unsigned m = __ballot_sync(kFull, has);
+    if (has) on_destination(n + __popc(m & lanemask_lt()), d);
+    n += __popc(m);
+  }
+  return n;
+}
+
+// One top-k entry of a row's metadata at `meta` (3 words), for a row bound for rank `rank`: the
+// expert's local index there (-1 where another rank owns it), the expert's receive slot, the weight.
+__device__ __forceinline__ void write_topk_meta(std::int32_t* meta, const EpGeometry& g, int rank, int id,
+                                                int slot_e, float w) {
+  meta[0] = id / g.L == rank ? id % g.L : -1;
+  meta[1] = slot_e;
+  meta[2] = __float_as_int(w);
+}
+
 #include "comm/ep_pack.cuh"
 #include "comm/ep_send_bulk.cuh"
 
@@ -123,20 +149,12 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
   } else if (status == 0) {
     for (std::int64_t t = static_cast<std::int64_t>(block) * kSendWarps + warp; t < a.T;
          t += static_cast<std::int64_t>(nblocks) * kSendWarps) {
-      int n = 0;  // destinations of token t, in rank order
-      for (int d0 = 0; d0 < g.N; d0 += 32) {
-        const int d = d0 + lane;
-        const bool has = d < g.N && (!a.skip_self || d != g.me) && bucket_has(a.bitmaps, g.W, d, t);
-        const unsigned m = __ballot_sync(kFull, has);
-        if (has) {
-          const int pos = n + __popc(m & lanemask_lt());
-          const int j = send_slot(g, a, d, t);
-          target[warp][pos] = a.dest[d] + parity_bytes + static_cast<std::int64_t>(j) * g.row_stride;
-          target_rank[warp][pos] = d;
-          target_slot[warp][pos] = j;
-        }
-        n += __popc(m);
-      }
+      const int n = for_each_destination(g, a, t, lane, [&](int pos, int d) {
+        const int j = send_slot(g, a, d, t);
+        target[warp][pos] = a.dest[d] + parity_bytes + static_cast<std::int64_t>(j) * g.row_stride;
+        target_rank[warp][pos] = d;
+        target_slot[warp][pos] = j;
+      });
       __syncwarp();
       if (n == 0) continue;
       int id = -1, slot_e = 0;
@@ -153,12 +171,9 @@ __device__ void send_body(const EpGeometry& g, const SendArgs& a, int block, int
         for (int i = 0; i < n; ++i) reinterpret_cast<float*>(target[warp][i] + g.x_bytes)[c] = sc;
       }
       if (lane < g.K) {
-        for (int i = 0; i < n; ++i) {
-          std::int32_t* meta = reinterpret_cast<std::int32_t*>(target[warp][i] + g.meta_off) + 3 * lane;
-          meta[0] = id / g.L == target_rank[warp][i] ? id % g.L : -1;
-          meta[1] = slot_e;
-          meta[2] = __float_as_int(w);
-        }
+        for (int i = 0; i < n; ++i)
+          write_topk_meta(reinterpret_cast<std::int32_t*>(target[warp][i] + g.meta_off) + 3 * lane, g,
+                          target_rank[warp][i], id, slot_e, w);
       }
       if (a.chunks != nullptr) {
         // The counters of this token's chunks join the warp's pending list; every fence_batch
