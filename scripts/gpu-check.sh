@@ -7,6 +7,7 @@
 #
 # Usage: scripts/gpu-check.sh OUTDIR      (e.g. scripts/gpu-check.sh "$OUT")
 #        EPMOE_GPU_CHECK_TIME_S=540 scripts/gpu-check.sh "$OUT"   (stop each step in time to pack the logs)
+#        EPMOE_SANITIZER_SHARDS=N: GoogleTest shards per sanitizer, run side by side (default 3)
 #
 # OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, version.{txt,json}, configure.log,
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
@@ -151,11 +152,15 @@ if ((built)); then
   sanitizer=$(command -v compute-sanitizer || true)
   [[ -n $sanitizer || ! -x /usr/local/cuda/bin/compute-sanitizer ]] || sanitizer=/usr/local/cuda/bin/compute-sanitizer
   if [[ -n $sanitizer ]] && want sanitizers; then
-    # The three tools run side by side (each is bound by its own host-side work; one GPU holds
-    # all three), so the group takes as long as racecheck alone.
+    # The three tools run side by side, each as EPMOE_SANITIZER_SHARDS GoogleTest shards (default 3):
+    # a sanitizer is bound by its own host-side work, and one GPU holds all of them, so the group takes
+    # about as long as racecheck's slowest shard (racecheck unsharded: ~500 s, session 65).
+    shards=${EPMOE_SANITIZER_SHARDS:-3}
+    [[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "EPMOE_SANITIZER_SHARDS must be a positive integer, got '$shards'" >&2; exit 2; }
     declare -A sanitizer_pid
     sanitizer_start=$SECONDS
     for tool in memcheck racecheck initcheck; do
+      rm -f "$out/$tool.log"
       tool_filter=$slow_filter
       case $tool in
         memcheck) tool_filter=$filter ;;
@@ -164,25 +169,35 @@ if ((built)); then
       # --report-api-errors no: libnccl probes its kernel images with cudaFuncGetAttributes during
       # ncclCommInitRank and handles the "no kernel image" answers itself; every CUDA call of ours
       # goes through EPMOE_CUDA_CHECK, so an API error of ours fails its test anyway.
-      (
-        rc=0
-        limited "$sanitizer" --tool "$tool" --report-api-errors no --error-exitcode 1 "$gpu_tests" \
-          --gtest_filter="$tool_filter" > "$out/$tool.log" 2>&1 || rc=$?
-        echo "$rc" > "$out/$tool.rc"
-      ) &
-      sanitizer_pid[$tool]=$!
+      for ((shard = 0; shard < shards; ++shard)); do
+        (
+          rc=0
+          GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$shard limited "$sanitizer" --tool "$tool" \
+            --report-api-errors no --error-exitcode 1 "$gpu_tests" --gtest_filter="$tool_filter" \
+            > "$out/$tool-$shard.log" 2>&1 || rc=$?
+          echo "$rc" > "$out/$tool-$shard.rc"
+        ) &
+        sanitizer_pid[$tool-$shard]=$!
+      done
     done
     for tool in memcheck racecheck initcheck; do
-      wait "${sanitizer_pid[$tool]}" || true
+      failed=()
+      for ((shard = 0; shard < shards; ++shard)); do
+        wait "${sanitizer_pid[$tool-$shard]}" || true
+        rc=$(cat "$out/$tool-$shard.rc" 2>/dev/null || echo "none")
+        [[ $rc == 0 ]] || failed+=("shard $shard exit $rc")
+        # One log per tool (what the summary and the packing read), shard by shard.
+        { echo "==== $tool shard $shard of $shards (exit $rc)"; cat "$out/$tool-$shard.log"; } >> "$out/$tool.log"
+        rm -f "$out/$tool-$shard.log" "$out/$tool-$shard.rc"
+      done
       order+=("$tool")
-      rc=$(cat "$out/$tool.rc" 2>/dev/null || echo "none")
-      if [[ $rc == 0 ]]; then
-        result[$tool]="ok ($((SECONDS - sanitizer_start)) s, in parallel)"
+      if ((${#failed[@]} == 0)); then
+        result[$tool]="ok ($((SECONDS - sanitizer_start)) s, $shards shards, in parallel)"
       else
-        result[$tool]="FAILED (exit $rc, $((SECONDS - sanitizer_start)) s, in parallel)"
+        result[$tool]="FAILED (${failed[*]}, $((SECONDS - sanitizer_start)) s, in parallel)"
       fi
       echo "== $tool: ${result[$tool]}"
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/$tool.log" | tail -n 3 || true
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|\[  PASSED  \]|\[  FAILED  \]" "$out/$tool.log" || true
     done
   elif [[ -n $sanitizer ]]; then
     for tool in memcheck racecheck initcheck; do skip "$tool" "not in EPMOE_GPU_CHECK_STEPS"; done
@@ -317,8 +332,8 @@ fi
     grep -E '\(Failed\)|\(Timeout\)|\(SEGFAULT\)|Exception' "$out/gpu-tests.log" | sed 's/^/  /' | head -n 20 || true
   fi
   for tool in memcheck racecheck initcheck; do
-    if [[ -f $out/$tool.log ]]; then
-      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -n 1 || true)"
+    if [[ -f $out/$tool.log ]]; then  # (one line per shard)
+      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | paste -sd ';' || true)"
     fi
   done
   # (Three runs: loopback memcheck, loopback racecheck, the NCCL case's memcheck.)
