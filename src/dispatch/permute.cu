@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "cuda/pdl_launch.hpp"
+#include "dispatch/gather_kernels.cuh"
 #include "dispatch/permute_kernels.cuh"
 #include "epmoe/cuda/launch.hpp"
 
@@ -397,8 +398,9 @@ void gather_weighted(TensorView expert_out, TensorView src_row, TensorView topk_
   p.y = static_cast<uint4*>(y.data);
   constexpr auto kernel = &kernels::gather_weighted_kernel;
   const unsigned grid =
-      grid_for<kernel>(ceil_div(static_cast<std::uint64_t>(tokens * segments), kernels::kPermuteWarps));
-  kernel<<<grid, kPermuteThreads, 0, stream>>>(p);
+      grid_for<kernel>(ceil_div(static_cast<std::uint64_t>(tokens * segments), kernels::kGatherWarps),
+                       kernels::kGatherThreads);
+  kernel<<<grid, kernels::kGatherThreads, 0, stream>>>(p);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
