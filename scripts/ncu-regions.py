@@ -29,6 +29,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL_SOURCE = os.path.join(HERE, "..", "src", "gemm", "fp8_grouped_gemm_kernel.cuh")
 KERNEL_FILE = "fp8_grouped_gemm_kernel.cuh"
+# The helpers the GEMMs share (promote() among them).
+COMMON_SOURCE = os.path.join(HERE, "..", "src", "gemm", "gemm_common.cuh")
+COMMON_FILE = "gemm_common.cuh"
 
 
 def load(name):
@@ -38,17 +41,19 @@ def load(name):
     return module
 
 
-def line_of(lines, pattern, start=0):
+def line_of(lines, pattern, start=0, path=KERNEL_SOURCE):
     for i in range(start, len(lines)):
         if re.search(pattern, lines[i]):
             return i + 1  # 1-based
-    sys.exit(f"ncu-regions: no line matching {pattern!r} in {KERNEL_SOURCE}")
+    sys.exit(f"ncu-regions: no line matching {pattern!r} in {path}")
 
 
 def body_regions():
-    """[(first line, last line, region)] of the kernel body, and the scheduler's line range."""
+    """[(first line, last line, region)] of the kernel body, the scheduler's line range, and promote()'s
+    in gemm_common.cuh (inlined into the K loop only)."""
     lines = open(KERNEL_SOURCE).read().split("\n")
-    scheduler = (line_of(lines, r"^class GemmScheduler"), line_of(lines, r"^__device__ __forceinline__ std::uint32_t pack_bf16x2"))
+    scheduler_start = line_of(lines, r"^class GemmScheduler")
+    scheduler = (scheduler_start, line_of(lines, r"^};", scheduler_start))
     kernel = line_of(lines, r"fp8_grouped_gemm_kernel\(const __grid_constant__")
     producer = line_of(lines, r"-{20,} producer warpgroup", kernel)
     consumer = line_of(lines, r"-{20,} consumer warpgroups", producer)
@@ -60,11 +65,10 @@ def body_regions():
     epilogue = line_of(lines, r"// Epilogue: bf16 to global memory, valid rows only \(store_wave above\)", k_loop_end)
     epilogue_end = line_of(lines, r"^\s+if \(trace\) \{", epilogue)
     end = len(lines)
-    # promote() (before the kernel; inlined into the K loop only).
-    promote = line_of(lines, r"^__device__ __forceinline__ void promote\(")
-    promote_end = line_of(lines, r"^}", promote)
-    return scheduler, [
-        (promote, promote_end, "consumer.k_loop"),
+    common = open(COMMON_SOURCE).read().split("\n")
+    promote = line_of(common, r"^__device__ __forceinline__ void promote\(", path=COMMON_SOURCE)
+    promote_lines = (promote, line_of(common, r"^}", promote, path=COMMON_SOURCE))
+    return scheduler, promote_lines, [
         (kernel, producer - 1, "kernel.start"),
         (producer, consumer - 1, "producer"),
         (consumer, k_loop - 1, "consumer.turn"),
@@ -130,7 +134,7 @@ def main():
     if not table:
         sys.exit(f"ncu-regions: no line table for a kernel matching {args.filter!r} in {args.object}")
     addresses = [a for a, _ in table]
-    scheduler, regions = body_regions()
+    scheduler, promote_lines, regions = body_regions()
 
     def body_region(line):
         for first, last, name in regions:
@@ -152,6 +156,8 @@ def main():
                 return region, region
             if scheduler[0] <= line <= scheduler[1]:
                 return context + ".scheduler", context
+        if name == COMMON_FILE and promote_lines[0] <= line <= promote_lines[1]:
+            return "consumer.k_loop", "consumer.k_loop"
         return context, context
 
     records, columns = read_csv(args.csv)
