@@ -136,6 +136,21 @@ void GpuDispatcherBase::combine(std::span<const TensorView> expert_out, std::spa
   combine_recv(y[0]);
 }
 
+SendArgs GpuDispatcherBase::send_inputs(const DispatchInput& in, std::int64_t T, std::int32_t host_status,
+                                        const std::int32_t* count_row, bool whole) const {
+  SendArgs s;
+  s.x = in.x.data;
+  s.scales = g_.G > 0 ? in.x_scales.as<float>() : nullptr;
+  s.ids = in.topk_ids.as<std::int32_t>();
+  s.weights = in.topk_weights.as<float>();
+  s.T = host_status != 0 ? 0 : T;
+  s.bitmaps = bitmaps_.as<std::uint32_t>();
+  s.prefix = prefix_.as<std::int32_t>();
+  s.count_row = count_row;
+  s.skip_self = whole;
+  return s;
+}
+
 PlaceArgs GpuDispatcherBase::place_outputs() const {
   PlaceArgs a;
   a.contiguous = contiguous();

@@ -57,6 +57,12 @@ class GpuDispatcherBase : public LowLatencyDispatcher {
                    float tensor_scale, std::vector<std::int64_t> expert_offsets,
                    std::int64_t expected_m) const;
   PlaceArgs place_outputs() const;
+  // The send kernel's arguments from one rank's input and this dispatch's routing tables (the
+  // transport adds its destinations, flags, sync and grid): T tokens (none where host_status refused
+  // the input), this rank's count row at `count_row`; skip_self for whole calls (place reads the
+  // own tokens from x).
+  SendArgs send_inputs(const DispatchInput& in, std::int64_t T, std::int32_t host_status,
+                       const std::int32_t* count_row, bool whole) const;
   // The combine kernels' arguments from the last dispatch's tables (the transport adds its destinations,
   // flags and sync).
   ReduceArgs reduce_inputs(const TensorView& expert_out) const;

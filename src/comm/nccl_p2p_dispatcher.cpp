@@ -123,17 +123,8 @@ class NcclP2pDispatcher final : public comm_detail::GpuDispatcherBase {
     tensor_scale_ = in.x_tensor_scale;
     if (sized_on_host_) learn_counts();
 
-    comm_detail::SendArgs s;
-    s.x = in.x.data;
-    s.scales = g_.G > 0 ? in.x_scales.as<float>() : nullptr;
-    s.ids = in.topk_ids.as<std::int32_t>();
-    s.weights = in.topk_weights.as<float>();
-    s.T = host_status != 0 ? 0 : T;
-    s.bitmaps = bitmaps_.as<std::uint32_t>();
-    s.prefix = prefix_.as<std::int32_t>();
-    s.count_row = own_row;
+    comm_detail::SendArgs s = send_inputs(in, T, host_status, own_row, whole);
     s.dest = dest_.as<char* const>();
-    s.skip_self = whole;  // whole calls: place reads the own tokens from x
     s.sync = errors_only();
     // Packing into the send buffers is on this transport's critical path: every SM.
     s.blocks = std::max(1, comm_detail::work_blocks(s.T));

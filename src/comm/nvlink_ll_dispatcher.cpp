@@ -177,18 +177,9 @@ class NvlinkLlDispatcher final : public comm_detail::GpuDispatcherBase {
       comm_detail::launch_route(g_, in.topk_ids.as<std::int32_t>(), T, host_status, in.x_tensor_scale,
                                 bitmaps_.as<std::uint32_t>(), prefix_.as<std::int32_t>(),
                                 count_row_.as<std::int32_t>(), stream);
-    comm_detail::SendArgs s;
-    s.x = in.x.data;
-    s.scales = g_.G > 0 ? in.x_scales.as<float>() : nullptr;
-    s.ids = in.topk_ids.as<std::int32_t>();
-    s.weights = in.topk_weights.as<float>();
-    s.T = host_status != 0 ? 0 : T;
-    s.bitmaps = bitmaps_.as<std::uint32_t>();
-    s.prefix = prefix_.as<std::int32_t>();
-    s.count_row = count_row_.as<std::int32_t>();
+    comm_detail::SendArgs s = send_inputs(in, T, host_status, count_row_.as<std::int32_t>(), whole);
     s.dest = send_dest_.as<char* const>();
     s.header = send_hdr_.as<std::int32_t* const>();
-    s.skip_self = whole;
     s.chunks = chunked_ ? send_chunks_.as<std::uint32_t* const>() : nullptr;
     arrival_chunk_ = contiguous() ? comm_detail::kArrivalChunk : low_latency_arrival_chunk();
     s.arrival_chunk = arrival_chunk_;
