@@ -142,7 +142,10 @@ fi
 # keeps them (one sweep round under memcheck: ~20 s on one H200). DeviceActivityGpu is left out of all three:
 # CUPTI is a second profiling client beside the sanitizer. (Outside the build's branch: the
 # asan group, which builds on its own, takes the slow filter too.)
-filter=${EPMOE_SANITIZER_FILTER:-'*:-*4096*:*4097*:*16384*:DeviceActivityGpu.*'}
+# CommunicatorSetup is left out of all three too: it has no kernel of ours, and its bounds are the host's
+# wall-clock times, which the side-by-side sanitizer shards stretch (session 69: its destroy took 6.1 s
+# against a 2 s bound beside eight other shards; alone under memcheck it passes).
+filter=${EPMOE_SANITIZER_FILTER:-'*:-*4096*:*4097*:*16384*:CommunicatorSetup.*:DeviceActivityGpu.*'}
 slow_filter=${EPMOE_SLOW_SANITIZER_FILTER:-'*:-*4096*:*4097*:*16384*:*65537*:*dsv3*:*many_tiles*:*Sweep*:CommunicatorSetup.*:DeviceActivityGpu.*'}
 if ((built)); then
   # cuBLAS's kernels (the gate GEMM) are not ours to check, but they stay instrumented: left out by
