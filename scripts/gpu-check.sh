@@ -29,6 +29,10 @@ jobs=$(nproc)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
+# Checked before anything runs (a bad value found after the build would leave no summary).
+shards=${EPMOE_SANITIZER_SHARDS:-3}
+[[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "EPMOE_SANITIZER_SHARDS must be a positive integer, got '$shards'" >&2; exit 2; }
+
 declare -A result
 order=()
 # EPMOE_GPU_CHECK_TIME_S=N: every step ends by N seconds after the start, less a margin for the
@@ -144,7 +148,8 @@ fi
 # asan group, which builds on its own, takes the slow filter too.)
 # CommunicatorSetup is left out of all three too: it has no kernel of ours, and its bounds are the host's
 # wall-clock times, which the side-by-side sanitizer shards stretch (session 69: its destroy took 6.1 s
-# against a 2 s bound beside eight other shards; alone under memcheck it passes).
+# against a 2 s bound beside the other shards, the whole test suite and two loopback ranks; alone under
+# memcheck it passes).
 filter=${EPMOE_SANITIZER_FILTER:-'*:-*4096*:*4097*:*16384*:CommunicatorSetup.*:DeviceActivityGpu.*'}
 slow_filter=${EPMOE_SLOW_SANITIZER_FILTER:-'*:-*4096*:*4097*:*16384*:*65537*:*dsv3*:*many_tiles*:*Sweep*:CommunicatorSetup.*:DeviceActivityGpu.*'}
 if ((built)); then
@@ -158,8 +163,6 @@ if ((built)); then
     # The three tools run side by side, each as EPMOE_SANITIZER_SHARDS GoogleTest shards (default 3):
     # a sanitizer is bound by its own host-side work, and one GPU holds all of them, so the group takes
     # about as long as racecheck's slowest shard (racecheck unsharded: ~500 s, session 65).
-    shards=${EPMOE_SANITIZER_SHARDS:-3}
-    [[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "EPMOE_SANITIZER_SHARDS must be a positive integer, got '$shards'" >&2; exit 2; }
     declare -A sanitizer_pid
     sanitizer_start=$SECONDS
     for tool in memcheck racecheck initcheck; do
@@ -336,7 +339,7 @@ fi
   fi
   for tool in memcheck racecheck initcheck; do
     if [[ -f $out/$tool.log ]]; then  # (one line per shard)
-      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | paste -sd ';' || true)"
+      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | sed 's/^=* *//' | paste -sd ';' | sed 's/;/; /g' || true)"
     fi
   done
   # (Three runs: loopback memcheck, loopback racecheck, the NCCL case's memcheck.)

@@ -12,7 +12,7 @@ Regions (from src/gemm/fp8_grouped_gemm_kernel.cuh's markers): producer, consume
 loop's own code outside the K loop and the epilogue: its head, set-up, accumulator zeroing),
 consumer.k_loop, consumer.epilogue; GemmScheduler's inlined code and helpers from other lines or files
 count toward the region of the closest kernel-body instruction before them (".scheduler" appended
-for the scheduler's). Prints, per region, instructions and every sample column of the CSV.
+for the scheduler's), except promote() (gemm_common.cuh), which counts toward consumer.k_loop. Prints, per region, instructions and every sample column of the CSV.
 """
 import argparse
 import bisect

@@ -1,6 +1,7 @@
 // Send over bulk copies (cp.async.bulk), a path of the send kernel's token loop
 // (SendArgs::bulk_warps > 0, EPMOE_COMM_SEND_BULK=1). Included by ep_send_kernels.cuh inside its
-// anonymous namespace, after the routing helpers (bucket_has, bucket_slot, lanemask_lt) it uses.
+// anonymous namespace, after the helpers it uses (for_each_destination, send_slot, bucket_slot,
+// write_topk_meta).
 //
 // Why: with per-lane 16-byte stores each warp has one payload row in flight and, with arrival
 // counters, a system fence per token that waits for the row to land on the peer (v3: 24 send SMs

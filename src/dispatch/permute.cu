@@ -1,5 +1,5 @@
-// Host launchers of the permutation and weighted-gather kernels (permute_kernels.cuh); API in
-// epmoe/cuda/permute.hpp.
+// Host launchers of the permutation and weighted-gather kernels (permute_kernels.cuh,
+// gather_kernels.cuh); API in epmoe/cuda/permute.hpp.
 #include "epmoe/cuda/permute.hpp"
 
 #include <algorithm>

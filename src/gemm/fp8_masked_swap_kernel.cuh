@@ -24,13 +24,14 @@
 //     into the stage with cp.async, arriving on the stage's "full" barrier as they land;
 //   - warpgroups 1 and 2 (the consumers, 64 weight rows each): per K block and wave, four wgmma
 //     m64nN_wk32 into a partial, wait, promote acc += (sa[token] sb) · partial (one scale per column
-//     pair, pair-swapped slots as the row-major kernel's promote()), free the stage after the last
+//     pair, pair-swapped slots as gemm_common.cuh's promote()), free the stage after the last
 //     wave; after the last K block, bf16 stores of the valid tokens, transposed back to D[m, n]: two
 //     neighbouring weight rows (lanes l and l ^ 4) make one 4-byte store per token.
 // A token past the chunk's valid ones (padding of the last wave) only ever reaches its own column
 // of D^T, which is never stored: stale shared memory or another group's rows cannot leak into D.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 
@@ -242,7 +243,7 @@ class SwapScheduler {
 };
 
 // acc += (sa[token] · sb) · part over one wave of kN tokens, acc pair-swapped (slot 2i holds element
-// 2i + 1: the row-major kernel's promote() explains why). Thread column pair j: tokens 8 j + 2 q and
+// 2i + 1: gemm_common.cuh's promote() explains why). Thread column pair j: tokens 8 j + 2 q and
 // + 1 of the wave, whose scales sit side by side at `scales` + 4 (8 j + 2 q).
 template <int kN>
 __device__ __forceinline__ void promote_columns(float (&acc)[kN / 2], const float (&part)[kN / 2],

@@ -32,6 +32,7 @@ inline constexpr int kAblatePipe =
 // Timing ablation: each consumer warp spins 200 cycles after each K block's last wave completes (is
 // the consumers' per-K-block latency hidden by the other warpgroup's wgmma, or exposed?).
 inline constexpr int kAblateSpin = 512;
+// (256 and 2048 are taken: kTraceLoop and kTraceCtas, fp8_grouped_gemm_kernel.cuh.)
 
 __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
