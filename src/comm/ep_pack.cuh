@@ -62,10 +62,8 @@ __device__ __forceinline__ void pack_row(const EpGeometry& g, const void* x, con
   for (int c = lane; c < g.G; c += 32) reinterpret_cast<float*>(row + g.x_bytes)[c] = scales[t * g.G + c];
   if (lane < g.K) {
     const int id = ids[t * g.K + lane];
-    auto* meta = reinterpret_cast<std::int32_t*>(row + g.meta_off) + 3 * lane;
-    meta[0] = id / g.L == d ? id % g.L : -1;
-    meta[1] = bucket_slot(bitmaps, prefix, g.W, g.N + id, t);
-    meta[2] = __float_as_int(weights[t * g.K + lane]);
+    write_topk_meta(reinterpret_cast<std::int32_t*>(row + g.meta_off) + 3 * lane, g, d, id,
+                    bucket_slot(bitmaps, prefix, g.W, g.N + id, t), weights[t * g.K + lane]);
   }
   __syncwarp();
 }
@@ -159,12 +157,8 @@ __device__ __forceinline__ void pack_row_if_in_bucket(const EpGeometry& g, const
   if (lane < g.G) row_scales[lane] = s0;
   if (lane + 32 < g.G) row_scales[lane + 32] = s1;
   for (int c = lane + 64; c < g.G; c += 32) row_scales[c] = sc[c];
-  if (lane < g.K) {
-    auto* meta = reinterpret_cast<std::int32_t*>(row + g.meta_off) + 3 * lane;
-    meta[0] = id / g.L == d ? id % g.L : -1;
-    meta[1] = slot_e;
-    meta[2] = __float_as_int(w);
-  }
+  if (lane < g.K)
+    write_topk_meta(reinterpret_cast<std::int32_t*>(row + g.meta_off) + 3 * lane, g, d, id, slot_e, w);
 }
 
 // The send blocks of the dispatch launch under the copy-engine send (SendArgs::ce): block 0 writes
