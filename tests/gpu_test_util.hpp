@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 
+#include "epmoe/cuda/device_buffer.hpp"
 #include "epmoe/cuda/runtime.hpp"
 #include "epmoe/error.hpp"
 #include "expect_error.hpp"
@@ -41,6 +42,27 @@ template <class T>
   if (mismatches == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure()
          << mismatches << " of " << n << " elements differ; first:" << first.str();
+}
+
+// Two outputs hold the same bits (two empty ones too).
+inline bool same_bits(const HostTensor& x, const HostTensor& y) {
+  return x.nbytes() == y.nbytes() &&
+         (x.nbytes() == 0 || std::memcmp(x.view().data, y.view().data, x.nbytes()) == 0);
+}
+
+// Runs `launch` twice, `out` poisoned (0xff bytes) before each run, and returns the first run's output.
+// The second must have the same bits: a kernel with a race, or one that reads what an earlier call left
+// behind, differs. `launch` also does whatever else each run needs first (e.g. poison a workspace).
+template <class Launch>
+HostTensor run_twice_same_bits(const cuda::DeviceTensor& out, cudaStream_t stream, Launch&& launch) {
+  out.fill_bytes(0xff, stream);
+  launch();
+  HostTensor got = cuda::to_host(out, stream);
+  out.fill_bytes(0xff, stream);
+  launch();
+  const HostTensor again = cuda::to_host(out, stream);
+  EXPECT_TRUE(same_bits(got, again)) << "two runs differ";
+  return got;
 }
 
 }  // namespace epmoe::testing

@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <cstring>
 #include <memory>
 #include <optional>
 
@@ -18,6 +17,7 @@
 #include "epmoe/cuda/synthetic.hpp"
 #include "epmoe/layer.hpp"
 #include "expect_error.hpp"
+#include "gpu_test_util.hpp"
 #include "layer/layer_test_util.hpp"
 #include "ranks_util.hpp"
 
@@ -84,9 +84,7 @@ void expect_overlap_spans(const cuda::GpuForwardSpans& sp) {
   }
 }
 
-bool same_bits(const HostTensor& a, const HostTensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.view().data, b.view().data, a.nbytes()) == 0;
-}
+using testing::same_bits;
 
 // Test parameters: "preset/quant".
 std::string_view preset_of(std::string_view p) {

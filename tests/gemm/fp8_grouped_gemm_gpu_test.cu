@@ -187,18 +187,12 @@ TEST_P(GroupedGemmContiguousGpu, MatchesCpuReference) {
                            db = cuda::to_device(w.b, stream), dsb = cuda::to_device(w.b_scales, stream),
                            dids = cuda::to_device(m_indices, stream);
   const cuda::DeviceTensor dd(DType::bf16, {M, N});
-  dd.fill_bytes(0xff, stream);
   cuda::GroupedGemmOptions options = kernel_options(c);
   options.band_columns = c.band_columns;
-  cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
-  const HostTensor got = cuda::to_host(dd, stream);
+  const HostTensor got = testing::run_twice_same_bits(dd, stream, [&] {
+    cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
+  });
   check_output(got, ref, valid, N);
-
-  // The same inputs again (poisoned first): bit-identical (no races, no dependence on leftovers).
-  dd.fill_bytes(0xff, stream);
-  cuda::fp8_grouped_gemm_contiguous(da, dsa, c.layout, db, dsb, dids, dd, stream, options);
-  const HostTensor again = cuda::to_host(dd, stream);
-  EXPECT_TRUE(testing::same_bits(got, again)) << "two runs differ";
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -1460,14 +1454,9 @@ TEST(GroupedGemmGpuMisc, RowsDoNotDependOnTheBatchTheTileOrTheLayout) {
 // Poisons d, launches, checks against the reference; then once more: the same bits.
 void expect_problem_matches(const GemmProblem& problem, const cuda::GroupedGemmOptions& options,
                             std::int64_t n, cuda::Stream& stream) {
-  problem.d.fill_bytes(0xff, stream);
-  problem.launch(options, stream);
-  const HostTensor got = cuda::to_host(problem.d, stream);
+  const HostTensor got =
+      testing::run_twice_same_bits(problem.d, stream, [&] { problem.launch(options, stream); });
   check_output(got, problem.ref, problem.valid, n);
-  problem.d.fill_bytes(0xff, stream);
-  problem.launch(options, stream);
-  const HostTensor again = cuda::to_host(problem.d, stream);
-  EXPECT_TRUE(testing::same_bits(got, again)) << "two runs differ";
 }
 
 // Where the problem's masked counts leave [0, M_max] on the device (SweepProblem::device_rows), the

@@ -132,12 +132,6 @@ inline void check_output(const HostTensor& got, const HostTensor& ref, const std
               static_cast<long long>(checked));
 }
 
-// Two outputs of one problem hold the same bits (an empty problem's too).
-inline bool same_bits(const HostTensor& x, const HostTensor& y) {
-  return x.nbytes() == y.nbytes() &&
-         (x.nbytes() == 0 || std::memcmp(x.view().data, y.view().data, x.nbytes()) == 0);
-}
-
 // ---------------------------------------------------------------- the random sweeps
 // (GroupedGemmSweepGpu, W4A8GemmSweepGpu: random problems under the automatic kernel choices.)
 // Rows per group: +-30% around `expected` (mode 0), uniform in [0, limit] (1), all `limit` (2), or half
