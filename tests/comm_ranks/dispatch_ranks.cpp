@@ -36,8 +36,9 @@ void expect_recoverable_dispatch_timeout(const std::string& m) {
 }
 
 // nvlink_normal_ce: the "nvlink" transport with EPMOE_COMM_SEND_CE=2 (the copy-engine send packed
-// inside the dispatch launch) for the whole test. "nvlink-ll" runs its defaults (early counts, the
-// combine split by size: at the tiny dims a partial is one 512-byte unit, so all slices but one are
+// inside the dispatch launch) for the whole test; nvlink_normal_ce_launches: with EPMOE_COMM_SEND_CE=1
+// (v4: separate pack launches, a piece each, before the copies). "nvlink-ll" runs its defaults (early counts,
+// the combine split by size: at the tiny dims a partial is one 512-byte unit, so all slices but one are
 // empty; at DeepSeek-V3's 4 units each); nvlink_ll_one_warp: with EPMOE_COMM_COMBINE_SPLIT=1 (one
 // warp per token, the combine before the split); nvlink_ll_fenced_counts: with
 // EPMOE_COMM_LL_EARLY_COUNTS=0 (the count header behind a fence and a flag, before early counts);
@@ -53,6 +54,7 @@ enum class Transport {
   nvlink_ll,
   nvlink_normal,
   nvlink_normal_ce,
+  nvlink_normal_ce_launches,
   nvlink_ll_one_warp,
   nvlink_ll_fenced_counts,
   nvlink_normal_early,
@@ -78,6 +80,8 @@ std::string name_of(Transport t) {
       return "nvlink normal";
     case Transport::nvlink_normal_ce:
       return "nvlink normal, copy engines";
+    case Transport::nvlink_normal_ce_launches:
+      return "nvlink normal, copy engines after pack launches";
     case Transport::nvlink_ll_one_warp:
       return "nvlink-ll, combine split 7";
     case Transport::nvlink_ll_fenced_counts:
@@ -93,8 +97,8 @@ std::string name_of(Transport t) {
 }
 Mode mode_of(Transport t) {
   return t == Transport::p2p_normal || t == Transport::p2p_normal_no_sync || t == Transport::nvlink_normal ||
-                 t == Transport::nvlink_normal_ce || t == Transport::nvlink_normal_early ||
-                 t == Transport::nvlink_normal_no_sync
+                 t == Transport::nvlink_normal_ce || t == Transport::nvlink_normal_ce_launches ||
+                 t == Transport::nvlink_normal_early || t == Transport::nvlink_normal_no_sync
              ? Mode::normal
              : Mode::low_latency;
 }
@@ -120,7 +124,8 @@ std::unique_ptr<LowLatencyDispatcher> make(Transport t, const MoeConfig& c, Acti
       t == Transport::nvlink_ll_fenced_counts || t == Transport::nvlink_ll_route_kernel)
     return make_nvlink_ll_dispatcher(ctx, world_ptr());
   if (t == Transport::nvlink_normal || t == Transport::nvlink_normal_ce ||
-      t == Transport::nvlink_normal_early || t == Transport::nvlink_normal_no_sync)
+      t == Transport::nvlink_normal_ce_launches || t == Transport::nvlink_normal_early ||
+      t == Transport::nvlink_normal_no_sync)
     return make_nvlink_dispatcher(ctx, world_ptr());
   return make_nccl_p2p_dispatcher(ctx, world_ptr());
 }
@@ -347,6 +352,7 @@ class Transports : public ::testing::TestWithParam<Transport> {
  protected:
   void SetUp() override {
     if (GetParam() == Transport::nvlink_normal_ce) send_ce_.emplace("EPMOE_COMM_SEND_CE", "2");
+    if (GetParam() == Transport::nvlink_normal_ce_launches) send_ce_.emplace("EPMOE_COMM_SEND_CE", "1");
     if (GetParam() == Transport::nvlink_ll_one_warp) split_.emplace("EPMOE_COMM_COMBINE_SPLIT", "1");
     if (GetParam() == Transport::nvlink_ll_fenced_counts) early_.emplace("EPMOE_COMM_LL_EARLY_COUNTS", "0");
     if (GetParam() == Transport::nvlink_normal_early) early_.emplace("EPMOE_COMM_LL_EARLY_COUNTS", "1");
@@ -491,6 +497,7 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                          ::testing::Values(Transport::p2p_normal, Transport::p2p_low_latency,
                                            Transport::p2p_normal_no_sync, Transport::nvlink_ll,
                                            Transport::nvlink_normal, Transport::nvlink_normal_ce,
+                                           Transport::nvlink_normal_ce_launches,
                                            Transport::nvlink_ll_one_warp, Transport::nvlink_ll_fenced_counts,
                                            Transport::nvlink_normal_early, Transport::nvlink_ll_route_kernel,
                                            Transport::nvlink_normal_no_sync),
@@ -508,6 +515,8 @@ INSTANTIATE_TEST_SUITE_P(Comm, Transports,
                                return std::string("NvlinkNormal");
                              case Transport::nvlink_normal_ce:
                                return std::string("NvlinkNormalCopyEngines");
+                             case Transport::nvlink_normal_ce_launches:
+                               return std::string("NvlinkNormalCopyEnginesPackLaunches");
                              case Transport::nvlink_ll_one_warp:
                                return std::string("NvlinkLlOneWarpCombine");
                              case Transport::nvlink_ll_fenced_counts:
