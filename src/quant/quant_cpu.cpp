@@ -24,6 +24,16 @@ void expect_group(int group, std::int64_t k, std::string_view group_name, std::s
   EPMOE_CHECK(k % group == 0, "{}: K = {} must be a multiple of {} = {}", tensor_name, k, group_name, group);
 }
 
+// The int4 form of an [n, k] matrix `matrix_name` in groups of `group` along K: packed [n, k / 2] codes
+// (two a byte) and f32 scales [n, k / group], both on the host.
+void expect_int4_grouped(std::int64_t n, std::int64_t k, int group, const TensorView& packed,
+                         const TensorView& scales, std::string_view matrix_name) {
+  EPMOE_CHECK(k % 2 == 0, "{}: K = {} must be even (two int4 values per byte)", matrix_name, k);
+  expect_group(group, k, "group", matrix_name);
+  expect_host_tensor(packed, DType::i4x2, {n, k / 2}, "packed");
+  expect_host_tensor(scales, DType::f32, {n, k / group}, "scales");
+}
+
 // ---------------------------------------------------------------- element access
 
 // Reads an f32 or bf16 host tensor as float.
@@ -208,11 +218,8 @@ void quantize_int4_grouped(TensorView w, TensorView packed, TensorView scales, i
   expect_real_input(w, "w");
   expect_host(w, "w");
   const std::int64_t n = w.shape[0], k = w.shape[1];
-  EPMOE_CHECK(k % 2 == 0, "w: K = {} must be even (two int4 values per byte)", k);
-  expect_group(group, k, "group", "w");
+  expect_int4_grouped(n, k, group, packed, scales, "w");
   const std::int64_t groups = k / group;
-  expect_host_tensor(packed, DType::i4x2, {n, k / 2}, "packed");
-  expect_host_tensor(scales, DType::f32, {n, groups}, "scales");
   expect_finite(w, "w");
 
   const RealReader ws(w);
@@ -242,11 +249,8 @@ void dequantize_int4_grouped(TensorView packed, TensorView scales, TensorView ou
   expect_dtype(out, DType::f32, "out");
   expect_host(out, "out");
   const std::int64_t n = out.shape[0], k = out.shape[1];
-  EPMOE_CHECK(k % 2 == 0, "out: K = {} must be even (two int4 values per byte)", k);
-  expect_group(group, k, "group", "out");
+  expect_int4_grouped(n, k, group, packed, scales, "out");
   const std::int64_t groups = k / group;
-  expect_host_tensor(packed, DType::i4x2, {n, k / 2}, "packed");
-  expect_host_tensor(scales, DType::f32, {n, groups}, "scales");
   expect_scales(scales, "scales", static_cast<float>(-kInt4Min));  // codes reach -8
 
   const auto* ps = static_cast<const std::uint8_t*>(packed.data);
