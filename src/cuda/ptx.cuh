@@ -184,6 +184,12 @@ __device__ __forceinline__ float2 bf16x2_to_float2(std::uint32_t v) {
   return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
 }
 
+// The inverse: lo and hi rounded to bf16 (nearest-even) and packed, lo in the low half.
+__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
 // Smallest power of two >= s, exactly, for finite positive normal s.
 __device__ __forceinline__ float round_up_pow2(float s) {
   std::uint32_t u = __float_as_uint(s);

@@ -28,11 +28,6 @@ struct GatherParams {
   uint4* y;  // [T, vecs_per_row] bf16
 };
 
-__device__ __forceinline__ std::uint32_t gather_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return (static_cast<std::uint32_t>(__bfloat16_as_ushort(v.y)) << 16) | __bfloat16_as_ushort(v.x);
-}
-
 __global__ void __launch_bounds__(kGatherThreads) gather_weighted_kernel(GatherParams p) {
   const int lane = threadIdx.x % 32;
   const std::uint32_t num_warps = gridDim.x * kGatherWarps;
@@ -94,8 +89,8 @@ __global__ void __launch_bounds__(kGatherThreads) gather_weighted_kernel(GatherP
     for (int u = 0; u < kGatherVecs; ++u) {
       const std::uint32_t idx = v0 + 32 * u;
       if (idx >= p.vecs_per_row) continue;
-      dst[idx] = make_uint4(gather_bf16x2(acc[u][0], acc[u][1]), gather_bf16x2(acc[u][2], acc[u][3]),
-                            gather_bf16x2(acc[u][4], acc[u][5]), gather_bf16x2(acc[u][6], acc[u][7]));
+      dst[idx] = make_uint4(ptx::pack_bf16x2(acc[u][0], acc[u][1]), ptx::pack_bf16x2(acc[u][2], acc[u][3]),
+                            ptx::pack_bf16x2(acc[u][4], acc[u][5]), ptx::pack_bf16x2(acc[u][6], acc[u][7]));
     }
   }
 }

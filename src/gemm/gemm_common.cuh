@@ -34,10 +34,7 @@ inline constexpr int kAblatePipe =
 inline constexpr int kAblateSpin = 512;
 // (256 and 2048 are taken: kTraceLoop and kTraceCtas, fp8_grouped_gemm_kernel.cuh.)
 
-__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const std::uint32_t*>(&v);
-}
+using ptx::pack_bf16x2;
 
 template <int kN>
 __device__ __forceinline__ void fence_all(float (&r)[kN]) {

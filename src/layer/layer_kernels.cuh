@@ -15,8 +15,7 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ std::uint32_t add_bf16x2(std::uint32_t a, std::uint32_t b) {
   const float2 fa = ptx::bf16x2_to_float2(a), fb = ptx::bf16x2_to_float2(b);
-  const __nv_bfloat162 r = __floats2bfloat162_rn(__fadd_rn(fa.x, fb.x), __fadd_rn(fa.y, fb.y));
-  return *reinterpret_cast<const std::uint32_t*>(&r);
+  return ptx::pack_bf16x2(__fadd_rn(fa.x, fb.x), __fadd_rn(fa.y, fb.y));
 }
 
 __global__ void __launch_bounds__(kThreads)
