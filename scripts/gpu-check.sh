@@ -2,8 +2,9 @@
 # The GPU machine's whole check: build (preset gpu: sm_90a into build-gpu), kernel resource usage,
 # GPU tests, compute-sanitizer (memcheck, racecheck, initcheck) on the GPU tests' small shapes,
 # benchmarks, the layer runs, and a summary table. On one H200 all of it takes ~15 minutes, more
-# than one 10-minute device call: split it with EPMOE_GPU_CHECK_STEPS, e.g. tests,sanitizers in
-# one call and bench,layer in the next.
+# than one 10-minute device call: split it with EPMOE_GPU_CHECK_STEPS, e.g. tests in one call, then
+# sanitizers, then bench,layer (a warm machine keeps build-gpu, so the later calls skip the build; on one
+# H100, build + tests took ~350 s and the sanitizers ~240 s: session 71).
 #
 # Usage: scripts/gpu-check.sh OUTDIR      (e.g. scripts/gpu-check.sh "$OUT")
 #        EPMOE_GPU_CHECK_TIME_S=540 scripts/gpu-check.sh "$OUT"   (stop each step in time to pack the logs)
