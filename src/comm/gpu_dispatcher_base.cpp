@@ -151,6 +151,16 @@ SendArgs GpuDispatcherBase::send_inputs(const DispatchInput& in, std::int64_t T,
   return s;
 }
 
+void GpuDispatcherBase::place_own_inputs(PlaceArgs& p, const DispatchInput& own) const {
+  p.own_x = own.x.data;
+  p.own_scales = g_.G > 0 ? own.x_scales.as<float>() : nullptr;
+  p.own_ids = own.topk_ids.as<std::int32_t>();
+  p.own_weights = own.topk_weights.as<float>();
+  p.own_T = last_T_;
+  p.bitmaps = bitmaps_.as<std::uint32_t>();
+  p.prefix = prefix_.as<std::int32_t>();
+}
+
 PlaceArgs GpuDispatcherBase::place_outputs() const {
   PlaceArgs a;
   a.contiguous = contiguous();

@@ -63,6 +63,9 @@ class GpuDispatcherBase : public LowLatencyDispatcher {
   // own tokens from x).
   SendArgs send_inputs(const DispatchInput& in, std::int64_t T, std::int32_t host_status,
                        const std::int32_t* count_row, bool whole) const;
+  // Place's own-token arguments (PlaceArgs::own_x ..., for the whole calls whose send skipped this rank):
+  // `own` is the input of the last dispatch_send, its T last_T_, its routing tables this dispatch's.
+  void place_own_inputs(PlaceArgs& p, const DispatchInput& own) const;
   // The combine kernels' arguments from the last dispatch's tables (the transport adds its destinations,
   // flags and sync).
   ReduceArgs reduce_inputs(const TensorView& expert_out) const;

@@ -158,15 +158,7 @@ class NcclP2pDispatcher final : public comm_detail::GpuDispatcherBase {
     // Without the host's check: every source's static scale against this rank's, on the device.
     if (!sized_on_host_ && context_.format == ActivationFormat::fp8_tensor)
       p.scale_field = g_.status_index() + 2;
-    if (own != nullptr) {
-      p.own_x = own->x.data;
-      p.own_scales = g_.G > 0 ? own->x_scales.as<float>() : nullptr;
-      p.own_ids = own->topk_ids.as<std::int32_t>();
-      p.own_weights = own->topk_weights.as<float>();
-      p.own_T = last_T_;
-      p.bitmaps = bitmaps_.as<std::uint32_t>();
-      p.prefix = prefix_.as<std::int32_t>();
-    }
+    if (own != nullptr) place_own_inputs(p, *own);
     comm_detail::launch_place(g_, p, comm_->stream());
     sent_ = false;
     if (sized_on_host_) {

@@ -229,15 +229,7 @@ class NvlinkLlDispatcher final : public comm_detail::GpuDispatcherBase {
     if (early_)
       p.tagged =
           reinterpret_cast<const std::uint64_t*>(static_cast<const char*>(window_->local()) + tag_off_);
-    if (own != nullptr && own_direct_) {
-      p.own_x = own->x.data;
-      p.own_scales = g_.G > 0 ? own->x_scales.as<float>() : nullptr;
-      p.own_ids = own->topk_ids.as<std::int32_t>();
-      p.own_weights = own->topk_weights.as<float>();
-      p.own_T = last_T_;
-      p.bitmaps = bitmaps_.as<std::uint32_t>();
-      p.prefix = prefix_.as<std::int32_t>();
-    }
+    if (own != nullptr && own_direct_) place_own_inputs(p, *own);
     EPMOE_CHECK(own_direct_ == (own != nullptr),
                 "{}: dispatch_recv must follow dispatch_send (and dispatch() "
                 "runs both)",
