@@ -56,12 +56,12 @@ inline constexpr int kPermuteCopyWarps = kPermuteCopyThreads / 32;
 inline constexpr int kPermuteCopyMinBlocks = 6;
 
 // ---------------------------------------------------------------- 1. count
-__global__ void __launch_bounds__(kPermuteThreads)
-    permute_count_kernel(const std::int32_t* __restrict__ ids, std::uint32_t entries, std::uint32_t experts,
-                         std::int32_t* __restrict__ hist) {
-  __shared__ int counts[kPermuteExpertsMax];
-  ptx::grid_dependency_wait();
-  ptx::launch_dependents();
+// Chunk blockIdx.x's entries (kPermuteChunk of ids, from blockIdx.x * kPermuteChunk) per expert,
+// counted in the block's shared `counts` and written to hist row blockIdx.x. Ids outside
+// [0, experts) count nowhere.
+__device__ __forceinline__ void count_chunk(const std::int32_t* __restrict__ ids, std::uint32_t entries,
+                                            std::uint32_t experts, int (&counts)[kPermuteExpertsMax],
+                                            std::int32_t* __restrict__ hist) {
   for (std::uint32_t e = threadIdx.x; e < experts; e += kPermuteThreads) counts[e] = 0;
   __syncthreads();
   const std::uint32_t begin = blockIdx.x * kPermuteChunk;
@@ -77,6 +77,15 @@ __global__ void __launch_bounds__(kPermuteThreads)
   __syncthreads();
   for (std::uint32_t e = threadIdx.x; e < experts; e += kPermuteThreads)
     hist[static_cast<std::uint64_t>(blockIdx.x) * experts + e] = counts[e];
+}
+
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_count_kernel(const std::int32_t* __restrict__ ids, std::uint32_t entries, std::uint32_t experts,
+                         std::int32_t* __restrict__ hist) {
+  __shared__ int counts[kPermuteExpertsMax];
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
+  count_chunk(ids, entries, experts, counts, hist);
 }
 
 // ---------------------------------------------------------------- 2. scan
@@ -296,21 +305,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
   if constexpr (kCount) {
-    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = 0;
-    __syncthreads();
-    const std::uint32_t begin = blockIdx.x * kPermuteChunk;
-    int id[kPermuteRounds];
-#pragma unroll
-    for (int r = 0; r < kPermuteRounds; ++r) {
-      const std::uint32_t i = begin + r * kPermuteThreads + threadIdx.x;
-      id[r] = i < p.entries ? __ldg(p.ids + i) : -1;
-    }
-#pragma unroll
-    for (int r = 0; r < kPermuteRounds; ++r)
-      if (static_cast<std::uint32_t>(id[r]) < p.experts) atomicAdd(&base[id[r]], 1);
-    __syncthreads();
-    for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads)
-      hist[static_cast<std::uint64_t>(blockIdx.x) * p.experts + e] = base[e];
+    count_chunk(p.ids, p.entries, p.experts, base, hist);
     cooperative_groups::this_grid().sync();
   }
   for (std::uint32_t e = threadIdx.x; e < p.experts; e += kPermuteThreads) base[e] = start[e] = 0;

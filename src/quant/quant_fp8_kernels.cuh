@@ -99,6 +99,18 @@ __global__ void __launch_bounds__(kQuantThreads)
 }
 
 // ---------------------------------------------------------------- per-tensor
+// One step of the per-tensor kernels' grid-stride loop over n / 8 vectors of 8 bf16: vectors base,
+// base + threads, ... (kUnroll of them) loaded before any is used; zeros past `vectors`.
+__device__ __forceinline__ void load_vec8_step(const std::uint16_t* __restrict__ x, std::uint64_t base,
+                                               std::uint64_t threads, std::uint64_t vectors,
+                                               uint4 (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const std::uint64_t i = base + u * threads;
+    v[u] = i < vectors ? ptx::ld_nc_v4(x + i * kVec) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 // q = e4m3(x / scale) over n elements; scale from *scale_ptr when given, else scale_value.
 // Vectors of 8 stride over the grid; the n % 8 tail elements go to the first threads.
 __global__ void __launch_bounds__(kQuantThreads)
@@ -110,11 +122,7 @@ __global__ void __launch_bounds__(kQuantThreads)
   const std::uint64_t vectors = n / kVec;
   for (std::uint64_t base = tid; base < vectors; base += threads * kUnroll) {
     uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const std::uint64_t i = base + u * threads;
-      v[u] = i < vectors ? ptx::ld_nc_v4(x + i * kVec) : make_uint4(0, 0, 0, 0);
-    }
+    load_vec8_step(x, base, threads, vectors, v);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const std::uint64_t i = base + u * threads;
@@ -149,11 +157,7 @@ __global__ void __launch_bounds__(kQuantThreads)
   std::uint32_t m = 0;
   for (std::uint64_t base = tid; base < vectors; base += threads * kUnroll) {
     uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const std::uint64_t i = base + u * threads;
-      v[u] = i < vectors ? ptx::ld_nc_v4(x + i * kVec) : make_uint4(0, 0, 0, 0);
-    }
+    load_vec8_step(x, base, threads, vectors, v);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) m = __vmaxu2(m, abs_max_bits(v[u]));
   }
