@@ -23,6 +23,11 @@ inline constexpr float kMinAmax = 1e-10f;
 // finite and >= 0.
 float fp8_scale_for_amax(float amax, bool power_of_two);
 
+// bf16 (round to nearest even, as bf16::from_float): x [..] f32, out (out) the same shape bf16, e.g.
+// the activations of a bf16 dispatch from f32 data. to_bf16 returns a new tensor of x's shape.
+void convert_to_bf16(TensorView x, TensorView out);
+HostTensor to_bf16(TensorView x);
+
 // Per-token-group FP8 (1 x group along K).
 //   x [T, K] bf16 or f32, q (out) [T, K] fp8, scales (out) [T, K/group] f32. K % group == 0.
 void quantize_per_token_group_fp8(TensorView x, TensorView q, TensorView scales, int group = 128,

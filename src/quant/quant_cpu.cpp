@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -114,6 +115,26 @@ void dequantize_blocks_fp8(const fp8_e4m3* q, const float* scales, float* out, s
 }  // namespace
 
 // ---------------------------------------------------------------- scales
+
+void convert_to_bf16(TensorView x, TensorView out) {
+  expect_dtype(x, DType::f32, "x");
+  expect_host(x, "x");
+  expect_dtype(out, DType::bf16, "out");
+  expect_same_shape(out, x, "out", "x");
+  expect_host(out, "out");
+  expect_disjoint(out, "out", x, "x");
+  expect_finite(x, "x");
+  const float* in = x.as<float>();
+  bf16* o = out.as<bf16>();
+  for (std::int64_t i = 0; i < x.numel(); ++i) o[i] = bf16::from_float(in[i]);
+}
+
+HostTensor to_bf16(TensorView x) {
+  HostTensor out(DType::bf16,
+                 std::span<const std::int64_t>(x.shape.data(), static_cast<std::size_t>(x.rank)));
+  convert_to_bf16(x, out);
+  return out;
+}
 
 float fp8_scale_for_amax(float amax, bool power_of_two) {
   EPMOE_CHECK(std::isfinite(amax) && amax >= 0.0f, "amax must be finite and non-negative, got {}", amax);

@@ -163,9 +163,7 @@ SyntheticWeights::SyntheticWeights(const MoeConfig& config, std::uint64_t seed)
   // Gate rows of norm ~2 give logits of spread ~3 on the synthetic tokens: routing is far from uniform.
   HostTensor gate =
       random_matrix(stream_id(seed, kTagGate, 0), E, H, 2.0f / std::sqrt(static_cast<float>(H)));
-  gate_weight_ = HostTensor(DType::bf16, {E, H});
-  for (std::int64_t i = 0; i < E * H; ++i)
-    gate_weight_.data<bf16>()[i] = bf16::from_float(gate.data<float>()[i]);
+  gate_weight_ = to_bf16(gate);
   correction_bias_ = HostTensor(DType::f32, {E});
   for (std::int64_t e = 0; e < E; ++e)
     correction_bias_.data<float>()[e] =

@@ -51,9 +51,7 @@ std::vector<RankInput> make_inputs(const MoeConfig& c, ActivationFormat format,
     HostTensor xf(DType::f32, {T, c.hidden});
     for (std::int64_t i = 0; i < xf.numel(); ++i) xf.data<float>()[i] = val(rng);
     if (format == ActivationFormat::bf16) {
-      b.x = HostTensor(DType::bf16, {T, c.hidden});
-      for (std::int64_t i = 0; i < xf.numel(); ++i)
-        b.x.data<bf16>()[i] = bf16::from_float(xf.data<float>()[i]);
+      b.x = to_bf16(xf);
     } else if (format == ActivationFormat::fp8_group) {
       b.x = HostTensor(DType::fp8_e4m3, {T, c.hidden});
       b.scales = HostTensor(DType::f32, {T, c.hidden / 128});

@@ -38,9 +38,7 @@ std::vector<RankBatch> make_batches(const MoeConfig& c, const std::vector<std::i
     HostTensor xf(DType::f32, {T, c.hidden});
     for (std::int64_t i = 0; i < xf.numel(); ++i) xf.data<float>()[i] = val(rng);
     if (format == ActivationFormat::bf16) {
-      b.x = HostTensor(DType::bf16, {T, c.hidden});
-      for (std::int64_t i = 0; i < xf.numel(); ++i)
-        b.x.data<bf16>()[i] = bf16::from_float(xf.data<float>()[i]);
+      b.x = to_bf16(xf);
     } else {
       b.x = HostTensor(DType::fp8_e4m3, {T, c.hidden});
       b.scales = HostTensor(DType::f32, {T, c.hidden / 128});

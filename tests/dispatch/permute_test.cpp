@@ -42,8 +42,7 @@ Tokens make_tokens(std::int64_t tokens, std::int64_t hidden, int topk, int exper
     b.scales = HostTensor(DType::f32, {tokens, hidden / 128});
     quantize_per_token_group_fp8(xf, b.x, b.scales);
   } else {
-    b.x = HostTensor(DType::bf16, {tokens, hidden});
-    for (std::int64_t i = 0; i < xf.numel(); ++i) b.x.data<bf16>()[i] = bf16::from_float(xf.data<float>()[i]);
+    b.x = to_bf16(xf);
   }
   b.ids = HostTensor(DType::i32, {tokens, topk});
   std::uniform_int_distribution<int> expert(0, experts - 1);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -31,12 +32,6 @@ HostTensor random_f32(std::initializer_list<std::int64_t> shape, std::uint32_t s
     t.data<float>()[i] = std::exp2(log2_mag(rng)) * ((rng() & 1) ? -1.0f : 1.0f);
   }
   return t;
-}
-
-HostTensor to_bf16(const HostTensor& x) {
-  HostTensor b(DType::bf16, {x.size(0), x.size(1)});
-  for (std::int64_t i = 0; i < x.numel(); ++i) b.data<bf16>()[i] = bf16::from_float(x.data<float>()[i]);
-  return b;
 }
 
 // Largest representable magnitude gap around a dequantized FP8 value: half a step of the e4m3 grid
@@ -131,6 +126,64 @@ TEST(QuantPerTokenGroup, KnownAnswers) {
   const float deq[16] = {448.0f, -1.0f, 0.5f, 3.0f, -896.0f, 2.0f,  2.25f, 0.0f,
                          0.0f,   0.0f,  0.0f, 0.0f, 7.0f,    -3.5f, 0.25f, 1.0f};
   for (int i = 0; i < 16; ++i) EXPECT_EQ(out.data<float>()[i], deq[i]) << "element " << i;
+}
+
+// f32 -> bf16: round to nearest even at bit 16 of the f32 pattern, any rank.
+TEST(QuantBf16, RoundsToNearestEvenAnyRank) {
+  HostTensor x(DType::f32, {2, 3, 4});
+  float* v = x.data<float>();
+  v[0] = 1.0f + 0x1p-8f;       // half way between 1 and 1 + 2^-7: to the even 1
+  v[1] = 1.0f + 3 * 0x1p-8f;   // half way between 1 + 2^-7 and 1 + 2^-6: to the even 1 + 2^-6
+  v[2] = 1.0f + 0x1.2p-8f;     // past half way: up
+  v[3] = -(1.0f + 0x1.2p-8f);  // the same below zero
+  v[4] = 3.0e38f;              // the largest bf16 is 0x1.fep127 (~3.39e38): stays finite
+  v[5] = 0x1p-130f;            // subnormal, kept
+  v[6] = -0.0f;
+  for (int i = 7; i < 24; ++i) v[i] = static_cast<float>(i) * 0.37f - 4.0f;
+  HostTensor b = to_bf16(x);
+  ASSERT_EQ(b.dtype(), DType::bf16);
+  ASSERT_EQ(b.view().rank, 3);
+  EXPECT_EQ(b.size(0), 2);
+  EXPECT_EQ(b.size(1), 3);
+  EXPECT_EQ(b.size(2), 4);
+  const bf16* o = b.data<bf16>();
+  EXPECT_EQ(o[0].to_float(), 1.0f);
+  EXPECT_EQ(o[1].to_float(), 1.0f + 0x1p-6f);
+  EXPECT_EQ(o[2].to_float(), 1.0f + 0x1p-7f);
+  EXPECT_EQ(o[3].to_float(), -(1.0f + 0x1p-7f));
+  EXPECT_TRUE(std::isfinite(o[4].to_float()));
+  EXPECT_EQ(o[5].to_float(), 0x1p-130f);
+  EXPECT_EQ(o[6].bits, 0x8000u);
+  for (int i = 0; i < 24; ++i) {
+    const float r = o[i].to_float();
+    // Within half a bf16 step (2^-8 relative) of the input, and a bf16 value (low 16 bits zero).
+    EXPECT_LE(std::fabs(r - v[i]), std::fabs(v[i]) * 0x1p-8f) << i;
+    EXPECT_EQ(o[i].bits, bf16::from_float(v[i]).bits) << i;
+  }
+
+  HostTensor into(DType::bf16, {2, 3, 4});
+  convert_to_bf16(x, into);
+  EXPECT_EQ(std::memcmp(into.view().data, b.view().data, b.nbytes()), 0);
+}
+
+TEST(QuantBf16, RefusesBadArguments) {
+  HostTensor x = random_f32({2, 8}, 5);
+  HostTensor out(DType::bf16, {2, 8});
+  EXPECT_NO_THROW(convert_to_bf16(x, out));
+  HostTensor xb(DType::bf16, {2, 8});
+  testing::expect_error_mentions([&] { convert_to_bf16(xb, out); }, {"x", "dtype"});
+  HostTensor out_f32(DType::f32, {2, 8});
+  testing::expect_error_mentions([&] { convert_to_bf16(x, out_f32); }, {"out", "dtype"});
+  HostTensor out_shape(DType::bf16, {2, 7});
+  testing::expect_error_mentions([&] { convert_to_bf16(x, out_shape); }, {"out", "shape"});
+  TensorView on_gpu = x.view();
+  on_gpu.device = Device::cuda;
+  testing::expect_error_mentions([&] { (void)to_bf16(on_gpu); }, {"x", "cpu"});
+  // out over x's own bytes.
+  TensorView alias = TensorView::contiguous(x.view().data, DType::bf16, {2, 8});
+  testing::expect_error_mentions([&] { convert_to_bf16(x, alias); }, {"out", "x"});
+  x.data<float>()[3] = std::numeric_limits<float>::quiet_NaN();
+  testing::expect_error_mentions([&] { (void)to_bf16(x); }, {"x"});
 }
 
 TEST(QuantPerTokenGroup, MatchesDefinitionAndRoundTrips) {
