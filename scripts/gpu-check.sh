@@ -4,7 +4,7 @@
 # benchmarks, the layer runs, and a summary table. On one H200 all of it takes ~15 minutes, more
 # than one 10-minute device call: split it with EPMOE_GPU_CHECK_STEPS, e.g. tests in one call, then
 # sanitizers, then bench,layer (a warm machine keeps build-gpu, so the later calls skip the build; on one
-# H100, build + tests took ~350 s and the sanitizers ~240 s: session 71).
+# H100, build + tests took ~265 s and the sanitizers ~240 s: session 71).
 #
 # Usage: scripts/gpu-check.sh OUTDIR      (e.g. scripts/gpu-check.sh "$OUT")
 #        EPMOE_GPU_CHECK_TIME_S=540 scripts/gpu-check.sh "$OUT"   (stop each step in time to pack the logs)
@@ -14,8 +14,9 @@
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
 # memcheck.log, racecheck.log, initcheck.log, asan-{build,gpu-tests}.log, bench.log, gemm-kernel-times.{txt,json}). Every step runs even when an earlier one fails (steps
 # that need the build are skipped without it); the exit status is non-zero when the build, a
-# test, a sanitizer, a benchmark's check or the layer runs failed, or when epmoe sees fewer GPUs than
-# nvidia-smi lists (the GPU tests would then only skip).
+# test, a sanitizer, a benchmark's check or the layer runs failed, when a kernel spills or has a stack
+# frame (the ptxas report), or when epmoe sees fewer GPUs than nvidia-smi lists (the GPU tests would then
+# only skip).
 set -euo pipefail
 out=${1:?usage: scripts/gpu-check.sh OUTDIR}
 mkdir -p "$out"
@@ -127,7 +128,7 @@ else
 fi
 
 # ---------------------------------------------------------------- kernel resources and tests
-# (With the tests group: a call that runs only the sanitizers or the benchmarks saves its minute.)
+# (With the tests group only: a call that runs only the sanitizers or the benchmarks skips it.)
 # The ptxas report recompiles every .cu on the CPU (~50 s on 16 cores): it runs beside the GPU tests,
 # niced, so that it takes the cores `ctest -j 8` leaves idle instead of a minute of its own (session 71:
 # one after the other, 48 s + 243 s).
@@ -139,18 +140,18 @@ if ((built)) && want tests; then
     rc=0
     limited nice -n 19 bash -o pipefail -c \
       "python3 '$root/scripts/ptxas-report.py' build-gpu '$out/ptxas.log' '$out/sass' > '$out/ptxas-summary.txt'" || rc=$?
-    echo "$rc" > "$out/ptxas.rc"
+    echo "$rc $((SECONDS - ptxas_start))" > "$out/ptxas.rc"
   ) &
   ptxas_pid=$!
   step gpu-tests bash -o pipefail -c "ctest --test-dir build-gpu -L gpu --no-tests=error --output-on-failure -j 8 > '$out/gpu-tests.log' 2>&1"
   grep -E "tests passed|tests failed|\(Failed\)|\(Skipped\)" "$out/gpu-tests.log" | tail -n 20 || true
   wait "$ptxas_pid" || true
-  ptxas_rc=$(cat "$out/ptxas.rc" 2>/dev/null || echo none)
+  read -r ptxas_rc ptxas_s < "$out/ptxas.rc" 2>/dev/null || { ptxas_rc=none ptxas_s=$((SECONDS - ptxas_start)); }
   rm -f "$out/ptxas.rc"
   if [[ $ptxas_rc == 0 ]]; then
-    result[ptxas]="ok ($((SECONDS - ptxas_start)) s, beside the tests)"
+    result[ptxas]="ok ($ptxas_s s, beside the tests)"
   else
-    result[ptxas]="FAILED (exit $ptxas_rc, $((SECONDS - ptxas_start)) s, beside the tests)"
+    result[ptxas]="FAILED (exit $ptxas_rc, $ptxas_s s, beside the tests)"
   fi
   echo "== ptxas: ${result[ptxas]}"
 else

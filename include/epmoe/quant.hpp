@@ -24,7 +24,9 @@ inline constexpr float kMinAmax = 1e-10f;
 float fp8_scale_for_amax(float amax, bool power_of_two);
 
 // bf16 (round to nearest even, as bf16::from_float): x [..] f32, out (out) the same shape bf16, e.g.
-// the activations of a bf16 dispatch from f32 data. to_bf16 returns a new tensor of x's shape.
+// the activations of a bf16 dispatch from f32 data. to_bf16 returns a new tensor of x's shape. Not
+// saturating: a finite |x| >= 0x1.ffp127 (half way from bf16's largest, 0x1.fep127, to 2^128) rounds
+// to Inf.
 void convert_to_bf16(TensorView x, TensorView out);
 HostTensor to_bf16(TensorView x);
 

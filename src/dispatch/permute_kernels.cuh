@@ -56,9 +56,10 @@ inline constexpr int kPermuteCopyWarps = kPermuteCopyThreads / 32;
 inline constexpr int kPermuteCopyMinBlocks = 6;
 
 // ---------------------------------------------------------------- 1. count
-// Chunk blockIdx.x's entries (kPermuteChunk of ids, from blockIdx.x * kPermuteChunk) per expert,
-// counted in the block's shared `counts` and written to hist row blockIdx.x. Ids outside
-// [0, experts) count nowhere.
+// Counts chunk blockIdx.x's ids (kPermuteChunk of them, from blockIdx.x * kPermuteChunk) per expert in
+// the block's shared `counts` and writes them to hist row blockIdx.x; ids outside [0, experts) count
+// nowhere. No barrier after the last read of `counts`: a caller that reuses them syncs first (the fused
+// scan's grid sync).
 __device__ __forceinline__ void count_chunk(const std::int32_t* __restrict__ ids, std::uint32_t entries,
                                             std::uint32_t experts, int (&counts)[kPermuteExpertsMax],
                                             std::int32_t* __restrict__ hist) {

@@ -114,7 +114,7 @@ void dequantize_blocks_fp8(const fp8_e4m3* q, const float* scales, float* out, s
 
 }  // namespace
 
-// ---------------------------------------------------------------- scales
+// ---------------------------------------------------------------- bf16
 
 void convert_to_bf16(TensorView x, TensorView out) {
   expect_dtype(x, DType::f32, "x");
@@ -135,6 +135,8 @@ HostTensor to_bf16(TensorView x) {
   convert_to_bf16(x, out);
   return out;
 }
+
+// ---------------------------------------------------------------- scales
 
 float fp8_scale_for_amax(float amax, bool power_of_two) {
   EPMOE_CHECK(std::isfinite(amax) && amax >= 0.0f, "amax must be finite and non-negative, got {}", amax);

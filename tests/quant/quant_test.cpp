@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,7 @@
 
 #include "epmoe/quant.hpp"
 #include "expect_error.hpp"
+#include "test_random.hpp"
 
 namespace epmoe {
 namespace {
@@ -128,6 +130,21 @@ TEST(QuantPerTokenGroup, KnownAnswers) {
   for (int i = 0; i < 16; ++i) EXPECT_EQ(out.data<float>()[i], deq[i]) << "element " << i;
 }
 
+// f32 -> bf16 by its definition, independent of bf16::from_float's carry trick: of the two bf16 values
+// around x (x's bits truncated to the top 16, and the next one away from zero), the nearer, the even one
+// on a tie (finite x).
+std::uint16_t bf16_nearest_even(float x) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(x);
+  const std::uint32_t low = u & 0xffff0000u;
+  const float below = std::bit_cast<float>(low), above = std::bit_cast<float>(low + 0x10000u);
+  // (Past bf16's largest, the next value is 2^128, which f32 holds only as Inf.)
+  const double above_d = std::isinf(above) ? std::copysign(0x1p128, static_cast<double>(x)) : above;
+  const double d_below = std::fabs(static_cast<double>(x) - below);
+  const double d_above = std::fabs(above_d - x);
+  const bool up = d_above < d_below || (d_above == d_below && ((low >> 16) & 1u) != 0);
+  return static_cast<std::uint16_t>((up ? low + 0x10000u : low) >> 16);
+}
+
 // f32 -> bf16: round to nearest even at bit 16 of the f32 pattern, any rank.
 TEST(QuantBf16, RoundsToNearestEvenAnyRank) {
   HostTensor x(DType::f32, {2, 3, 4});
@@ -136,10 +153,15 @@ TEST(QuantBf16, RoundsToNearestEvenAnyRank) {
   v[1] = 1.0f + 3 * 0x1p-8f;   // half way between 1 + 2^-7 and 1 + 2^-6: to the even 1 + 2^-6
   v[2] = 1.0f + 0x1.2p-8f;     // past half way: up
   v[3] = -(1.0f + 0x1.2p-8f);  // the same below zero
-  v[4] = 3.0e38f;              // the largest bf16 is 0x1.fep127 (~3.39e38): stays finite
+  v[4] = 0x1.fep127f;          // bf16's largest: kept
   v[5] = 0x1p-130f;            // subnormal, kept
   v[6] = -0.0f;
-  for (int i = 7; i < 24; ++i) v[i] = static_cast<float>(i) * 0.37f - 4.0f;
+  v[7] = std::numeric_limits<float>::max();  // past half way to 2^128: Inf (not saturating)
+  v[8] = -0x1.ffp127f;                       // the tie there: to the even -2^128, i.e. -Inf
+  v[9] = 0x1.fefffep127f;                    // just below the tie: the largest
+  testing::SeededRng rng;
+  for (int i = 10; i < 24; ++i)
+    v[i] = std::ldexp(std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng), i - 16);
   HostTensor b = to_bf16(x);
   ASSERT_EQ(b.dtype(), DType::bf16);
   ASSERT_EQ(b.view().rank, 3);
@@ -151,19 +173,28 @@ TEST(QuantBf16, RoundsToNearestEvenAnyRank) {
   EXPECT_EQ(o[1].to_float(), 1.0f + 0x1p-6f);
   EXPECT_EQ(o[2].to_float(), 1.0f + 0x1p-7f);
   EXPECT_EQ(o[3].to_float(), -(1.0f + 0x1p-7f));
-  EXPECT_TRUE(std::isfinite(o[4].to_float()));
+  EXPECT_EQ(o[4].to_float(), 0x1.fep127f);
   EXPECT_EQ(o[5].to_float(), 0x1p-130f);
   EXPECT_EQ(o[6].bits, 0x8000u);
-  for (int i = 0; i < 24; ++i) {
-    const float r = o[i].to_float();
-    // Within half a bf16 step (2^-8 relative) of the input, and a bf16 value (low 16 bits zero).
-    EXPECT_LE(std::fabs(r - v[i]), std::fabs(v[i]) * 0x1p-8f) << i;
-    EXPECT_EQ(o[i].bits, bf16::from_float(v[i]).bits) << i;
-  }
+  EXPECT_EQ(o[7].bits, 0x7f80u);
+  EXPECT_EQ(o[8].bits, 0xff80u);
+  EXPECT_EQ(o[9].to_float(), 0x1.fep127f);
+  for (int i = 0; i < 24; ++i) EXPECT_EQ(o[i].bits, bf16_nearest_even(v[i])) << i << ": " << v[i];
 
   HostTensor into(DType::bf16, {2, 3, 4});
   convert_to_bf16(x, into);
   EXPECT_EQ(std::memcmp(into.view().data, b.view().data, b.nbytes()), 0);
+
+  // Rank 1, and an empty tensor.
+  HostTensor x1(DType::f32, {3});
+  x1.data<float>()[0] = 2.5f, x1.data<float>()[1] = -0x1.0101p0f, x1.data<float>()[2] = 0x1p100f;
+  HostTensor b1 = to_bf16(x1);
+  ASSERT_EQ(b1.view().rank, 1);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(b1.data<bf16>()[i].bits, bf16_nearest_even(x1.data<float>()[i])) << i;
+  HostTensor empty(DType::f32, {0, 16});
+  HostTensor b0 = to_bf16(empty);
+  EXPECT_EQ(b0.size(0), 0);
+  EXPECT_EQ(b0.size(1), 16);
 }
 
 TEST(QuantBf16, RefusesBadArguments) {
@@ -181,9 +212,9 @@ TEST(QuantBf16, RefusesBadArguments) {
   testing::expect_error_mentions([&] { (void)to_bf16(on_gpu); }, {"x", "cpu"});
   // out over x's own bytes.
   TensorView alias = TensorView::contiguous(x.view().data, DType::bf16, {2, 8});
-  testing::expect_error_mentions([&] { convert_to_bf16(x, alias); }, {"out", "x"});
+  testing::expect_error_mentions([&] { convert_to_bf16(x, alias); }, {"out", "overlap"});
   x.data<float>()[3] = std::numeric_limits<float>::quiet_NaN();
-  testing::expect_error_mentions([&] { (void)to_bf16(x); }, {"x"});
+  testing::expect_error_mentions([&] { (void)to_bf16(x); }, {"x", "finite", "element 3"});
 }
 
 TEST(QuantPerTokenGroup, MatchesDefinitionAndRoundTrips) {
