@@ -123,13 +123,9 @@ void quantize_matrix(QuantScheme quant, const HostTensor& w, HostTensor& q, Host
                               scale.view().slice_rows(r0, r1));
       });
       break;
-    case QuantScheme::none: {
-      q = HostTensor(DType::bf16, {N, K});
-      const float* src = w.data<float>();
-      bf16* dst = q.data<bf16>();
-      for (std::int64_t i = 0; i < N * K; ++i) dst[i] = bf16::from_float(src[i]);
+    case QuantScheme::none:
+      q = to_bf16(w);
       break;
-    }
   }
 }
 
