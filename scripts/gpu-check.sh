@@ -143,7 +143,14 @@ if ((built)) && want tests; then
     echo "$rc $((SECONDS - ptxas_start))" > "$out/ptxas.rc"
   ) &
   ptxas_pid=$!
+  # The GPUs' memory in use, sampled each second while the tests run side by side (ctest -j 8): the
+  # peak says how much room is left for more of them at once (gpu-memory.csv; the peak in the summary).
+  nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits -lms 1000 \
+    > "$out/gpu-memory.csv" 2> /dev/null &
+  memory_pid=$!
   step gpu-tests bash -o pipefail -c "ctest --test-dir build-gpu -L gpu --no-tests=error --output-on-failure -j 8 > '$out/gpu-tests.log' 2>&1"
+  kill "$memory_pid" 2> /dev/null || true
+  wait "$memory_pid" 2> /dev/null || true
   grep -E "tests passed|tests failed|\(Failed\)|\(Skipped\)" "$out/gpu-tests.log" | tail -n 20 || true
   wait "$ptxas_pid" || true
   read -r ptxas_rc ptxas_s < "$out/ptxas.rc" 2>/dev/null || { ptxas_rc=none ptxas_s=$((SECONDS - ptxas_start)); }
@@ -354,6 +361,14 @@ fi
     echo "tests:     $(grep -E 'tests passed' "$out/gpu-tests.log" | tail -n 1)"
     echo "skipped:   $(grep -c '(Skipped)' "$out/gpu-tests.log" || true)"
     grep -E '\(Failed\)|\(Timeout\)|\(SEGFAULT\)|Exception' "$out/gpu-tests.log" | sed 's/^/  /' | head -n 20 || true
+    # The long poles of the tests' wall time (ctest's "Test #N: NAME ...   Passed   12.34 sec" lines).
+    echo "longest:   $(sed -nE 's/^.*Test +#[0-9]+: ([^ ]+) .* ([0-9]+\.[0-9]+) sec$/\2 s \1/p' "$out/gpu-tests.log" |
+      sort -rn | head -n 5 | paste -sd ';' | sed 's/;/; /g')"
+  fi
+  if [[ -s $out/gpu-memory.csv ]]; then
+    awk -F', *' '$2 + 0 > peak[$1] { peak[$1] = $2 + 0; total[$1] = $3 }
+      END { for (g in peak) printf "gpu memory: GPU %s peak %d of %d MiB during the GPU tests\n", g, peak[g], total[g] }' \
+      "$out/gpu-memory.csv" | sort || true
   fi
   for tool in memcheck racecheck initcheck; do
     if [[ -f $out/$tool.log ]]; then  # (one line per shard)
