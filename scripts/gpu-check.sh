@@ -35,8 +35,11 @@ export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 # Checked before anything runs (a bad value found after the build would leave no summary).
 shards=${EPMOE_SANITIZER_SHARDS:-3}
 [[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "EPMOE_SANITIZER_SHARDS must be a positive integer, got '$shards'" >&2; exit 2; }
-[[ ${EPMOE_LOOPBACK_SHARDS:-1} =~ ^[1-9][0-9]*$ ]] ||
-  { echo "EPMOE_LOOPBACK_SHARDS must be a positive integer, got '$EPMOE_LOOPBACK_SHARDS'" >&2; exit 2; }
+# EPMOE_LOOPBACK_SHARDS=N: the loopback comm suite as N ctest entries (tests/CMakeLists.txt; default 1),
+# passed at every configure so that the cache follows this call's environment.
+loopback_shards=${EPMOE_LOOPBACK_SHARDS:-1}
+[[ $loopback_shards =~ ^[1-9][0-9]*$ ]] ||
+  { echo "EPMOE_LOOPBACK_SHARDS must be a positive integer, got '$loopback_shards'" >&2; exit 2; }
 
 declare -A result
 order=()
@@ -90,9 +93,6 @@ step nvidia-smi bash -o pipefail -c "nvidia-smi 2>&1 | tee '$out/nvidia-smi.txt'
 # shellcheck disable=SC2317  # called through step
 
 # ---------------------------------------------------------------- build
-# EPMOE_LOOPBACK_SHARDS=N: the loopback comm suite as N ctest entries (tests/CMakeLists.txt; default 1),
-# set at every configure so that the cache follows this call's environment.
-loopback_shards=${EPMOE_LOOPBACK_SHARDS:-1}
 step configure bash -o pipefail -c "cmake --preset gpu -DEPMOE_LOOPBACK_SHARDS='$loopback_shards' > '$out/configure.log' 2>&1"
 step build bash -o pipefail -c "cmake --build --preset gpu -j '$jobs' > '$out/build.log' 2>&1"
 built=1

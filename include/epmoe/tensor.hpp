@@ -84,6 +84,8 @@ struct TensorView {
   bool empty_view() const { return data == nullptr && (rank == 0 || numel() == 0); }
   std::int64_t numel() const;
   std::int64_t size(int dim) const;
+  // shape[0 .. rank): e.g. a new tensor of this one's shape.
+  std::span<const std::int64_t> dims() const { return {shape.data(), static_cast<std::size_t>(rank)}; }
   bool is_contiguous() const;
   std::size_t nbytes() const;    // numel() x the dtype's size (throws where that overflows)
   std::string describe() const;  // e.g. "bf16[128, 7168] cpu"

@@ -191,7 +191,7 @@ void copy(TensorView dst, TensorView src, cudaStream_t stream) {
 
 DeviceTensor to_device(TensorView src_host, cudaStream_t stream) {
   expect_device(src_host, Device::cpu, "src");
-  DeviceTensor out(src_host.dtype, std::span<const std::int64_t>(src_host.shape.data(), src_host.rank));
+  DeviceTensor out(src_host.dtype, src_host.dims());
   copy(out.view(), src_host, stream);
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return out;
@@ -199,7 +199,7 @@ DeviceTensor to_device(TensorView src_host, cudaStream_t stream) {
 
 HostTensor to_host(TensorView src_device, cudaStream_t stream) {
   expect_device(src_device, Device::cuda, "src");
-  HostTensor out(src_device.dtype, std::span<const std::int64_t>(src_device.shape.data(), src_device.rank));
+  HostTensor out(src_device.dtype, src_device.dims());
   copy(out.view(), src_device, stream);
   EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return out;

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
-#include <span>
 #include <string_view>
 #include <vector>
 
@@ -130,8 +129,7 @@ void convert_to_bf16(TensorView x, TensorView out) {
 }
 
 HostTensor to_bf16(TensorView x) {
-  HostTensor out(DType::bf16,
-                 std::span<const std::int64_t>(x.shape.data(), static_cast<std::size_t>(x.rank)));
+  HostTensor out(DType::bf16, x.dims());
   convert_to_bf16(x, out);
   return out;
 }
