@@ -9,7 +9,6 @@
 # Usage: scripts/gpu-check.sh OUTDIR      (e.g. scripts/gpu-check.sh "$OUT")
 #        EPMOE_GPU_CHECK_TIME_S=540 scripts/gpu-check.sh "$OUT"   (stop each step in time to pack the logs)
 #        EPMOE_SANITIZER_SHARDS=N: GoogleTest shards per sanitizer, run side by side (default 3)
-#        EPMOE_LOOPBACK_SHARDS=N: the loopback comm suite as N ctest entries (default 1)
 #
 # OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, version.{txt,json}, configure.log,
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
@@ -35,11 +34,6 @@ export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 # Checked before anything runs (a bad value found after the build would leave no summary).
 shards=${EPMOE_SANITIZER_SHARDS:-3}
 [[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "EPMOE_SANITIZER_SHARDS must be a positive integer, got '$shards'" >&2; exit 2; }
-# EPMOE_LOOPBACK_SHARDS=N: the loopback comm suite as N ctest entries (tests/CMakeLists.txt; default 1),
-# passed at every configure so that the cache follows this call's environment.
-loopback_shards=${EPMOE_LOOPBACK_SHARDS:-1}
-[[ $loopback_shards =~ ^[1-9][0-9]*$ ]] ||
-  { echo "EPMOE_LOOPBACK_SHARDS must be a positive integer, got '$loopback_shards'" >&2; exit 2; }
 
 declare -A result
 order=()
@@ -93,7 +87,7 @@ step nvidia-smi bash -o pipefail -c "nvidia-smi 2>&1 | tee '$out/nvidia-smi.txt'
 # shellcheck disable=SC2317  # called through step
 
 # ---------------------------------------------------------------- build
-step configure bash -o pipefail -c "cmake --preset gpu -DEPMOE_LOOPBACK_SHARDS='$loopback_shards' > '$out/configure.log' 2>&1"
+step configure bash -o pipefail -c "cmake --preset gpu > '$out/configure.log' 2>&1"
 step build bash -o pipefail -c "cmake --build --preset gpu -j '$jobs' > '$out/build.log' 2>&1"
 built=1
 if [[ ${result[build]} != ok* ]]; then
