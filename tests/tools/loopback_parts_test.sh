@@ -28,17 +28,18 @@ for part in "$@"; do
   union+="$tests"$'\n'
 done
 union=$(grep . <<< "$union" | sort || true)
+distinct=$(uniq <<< "$union")
 if duplicated=$(uniq -d <<< "$union") && [[ -n $duplicated ]]; then
   echo "in more than one entry:" >&2
   echo "$duplicated" >&2
   status=1
 fi
-if missing=$(comm -23 <(echo "$all") <(uniq <<< "$union")) && [[ -n $missing ]]; then
+if missing=$(comm -23 <(echo "$all") <(echo "$distinct")) && [[ -n $missing ]]; then
   echo "in no entry:" >&2
   echo "$missing" >&2
   status=1
 fi
-if extra=$(comm -13 <(echo "$all") <(uniq <<< "$union")) && [[ -n $extra ]]; then
+if extra=$(comm -13 <(echo "$all") <(echo "$distinct")) && [[ -n $extra ]]; then
   echo "in an entry but not in the suite:" >&2
   echo "$extra" >&2
   status=1
