@@ -9,6 +9,7 @@
 # Usage: scripts/gpu-check.sh OUTDIR      (e.g. scripts/gpu-check.sh "$OUT")
 #        EPMOE_GPU_CHECK_TIME_S=540 scripts/gpu-check.sh "$OUT"   (stop each step in time to pack the logs)
 #        EPMOE_SANITIZER_SHARDS=N: GoogleTest shards per sanitizer, run side by side (default 3)
+#        EPMOE_GPU_TEST_JOBS=N: GPU test entries run side by side (ctest -j; default 8)
 #
 # OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, version.{txt,json}, configure.log,
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
@@ -34,6 +35,8 @@ export EPMOE_COMMIT=${EPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 # Checked before anything runs (a bad value found after the build would leave no summary).
 shards=${EPMOE_SANITIZER_SHARDS:-3}
 [[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "EPMOE_SANITIZER_SHARDS must be a positive integer, got '$shards'" >&2; exit 2; }
+test_jobs=${EPMOE_GPU_TEST_JOBS:-8}
+[[ $test_jobs =~ ^[1-9][0-9]*$ ]] || { echo "EPMOE_GPU_TEST_JOBS must be a positive integer, got '$test_jobs'" >&2; exit 2; }
 
 declare -A result
 order=()
@@ -143,12 +146,12 @@ if ((built)) && want tests; then
     echo "$rc $((SECONDS - ptxas_start))" > "$out/ptxas.rc"
   ) &
   ptxas_pid=$!
-  # The GPUs' memory in use, sampled each second while the tests run side by side (ctest -j 8): the
+  # The GPUs' memory in use, sampled each second while the tests run side by side (ctest -j): the
   # peak says how much room is left for more of them at once (gpu-memory.csv; the peak in the summary).
   nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits -lms 1000 \
     > "$out/gpu-memory.csv" 2> /dev/null &
   memory_pid=$!
-  step gpu-tests bash -o pipefail -c "ctest --test-dir build-gpu -L gpu --no-tests=error --output-on-failure -j 8 > '$out/gpu-tests.log' 2>&1"
+  step gpu-tests bash -o pipefail -c "ctest --test-dir build-gpu -L gpu --no-tests=error --output-on-failure -j $test_jobs > '$out/gpu-tests.log' 2>&1"
   kill "$memory_pid" 2> /dev/null || true
   wait "$memory_pid" 2> /dev/null || true
   grep -E "tests passed|tests failed|\(Failed\)|\(Skipped\)" "$out/gpu-tests.log" | tail -n 20 || true
@@ -367,7 +370,7 @@ fi
   fi
   if [[ -s $out/gpu-memory.csv ]]; then
     awk -F', *' '$2 + 0 > peak[$1] { peak[$1] = $2 + 0; total[$1] = $3 }
-      END { for (g in peak) printf "gpu memory: GPU %s peak %d of %d MiB during the GPU tests\n", g, peak[g], total[g] }' \
+      END { for (g in peak) printf "gpu memory: GPU %s peak %d of %d MiB during the GPU tests (ctest -j '"$test_jobs"')\n", g, peak[g], total[g] }' \
       "$out/gpu-memory.csv" | sort || true
   fi
   for tool in memcheck racecheck initcheck; do
