@@ -9,7 +9,8 @@
 # Usage: scripts/gpu-check.sh OUTDIR      (e.g. scripts/gpu-check.sh "$OUT")
 #        EPMOE_GPU_CHECK_TIME_S=540 scripts/gpu-check.sh "$OUT"   (stop each step in time to pack the logs)
 #        EPMOE_SANITIZER_SHARDS=N: GoogleTest shards per sanitizer, run side by side (default 3)
-#        EPMOE_GPU_TEST_JOBS=N: GPU test entries run side by side (ctest -j; default 8)
+#        EPMOE_GPU_TEST_JOBS=N: GPU test entries run side by side (ctest -j; default 8: 16 was slower on one
+#          H100, session 74, the tests sharing the cores and the GPU)
 #
 # OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, version.{txt,json}, configure.log,
 # build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
@@ -133,7 +134,7 @@ fi
 # ---------------------------------------------------------------- kernel resources and tests
 # (With the tests group only: a call that runs only the sanitizers or the benchmarks skips it.)
 # The ptxas report recompiles every .cu on the CPU (~50 s on 16 cores): it runs beside the GPU tests,
-# niced, so that it takes the cores `ctest -j 8` leaves idle instead of a minute of its own (session 71:
+# niced, so that it takes the cores `ctest -j` leaves idle instead of a minute of its own (session 71:
 # one after the other, 48 s + 243 s).
 gpu_tests=build-gpu/tests/epmoe_gpu_tests
 if ((built)) && want tests; then

@@ -97,8 +97,7 @@ int main(int argc, char** argv) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   }
   ::testing::InitGoogleTest(&argc, argv);
-  // A listing needs no GPU and no ranks: the CPU test of the loopback entries' filters reads it
-  // (tests/tools/loopback_parts_test.sh).
+  // A listing needs no GPU and no ranks (--gtest_list_tests on a machine without one).
   if (GTEST_FLAG_GET(list_tests)) return RUN_ALL_TESTS();
   ::testing::UnitTest::GetInstance()->listeners().Append(new ClearDeviceErrorsAfterAFailure);
   using namespace epmoe;
