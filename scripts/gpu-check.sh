@@ -13,7 +13,7 @@
 #          H100, session 74, the tests sharing the cores and the GPU)
 #
 # OUTDIR receives summary.txt, bench.json, layer.json (scripts/layer-check.sh) and logs.tar.gz (nvidia-smi.txt, version.{txt,json}, configure.log,
-# build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log,
+# build.log, ptxas.log (+ ptxas-summary.txt and sass/ when cuobjdump exists), gpu-tests.log, gpu-tests-full.log,
 # memcheck.log, racecheck.log, initcheck.log, asan-{build,gpu-tests}.log, bench.log, gemm-kernel-times.{txt,json}). Every step runs even when an earlier one fails (steps
 # that need the build are skipped without it); the exit status is non-zero when the build, a
 # test, a sanitizer, a benchmark's check or the layer runs failed, when a kernel spills or has a stack
@@ -155,6 +155,9 @@ if ((built)) && want tests; then
   step gpu-tests bash -o pipefail -c "ctest --test-dir build-gpu -L gpu --no-tests=error --output-on-failure -j $test_jobs > '$out/gpu-tests.log' 2>&1"
   kill "$memory_pid" 2> /dev/null || true
   wait "$memory_pid" 2> /dev/null || true
+  # Every test's own output (ctest keeps it for the passed ones too): the GoogleTest cases' times inside
+  # each ctest entry, e.g. which cases of the loopback suite make it the long pole.
+  cp build-gpu/Testing/Temporary/LastTest.log "$out/gpu-tests-full.log" 2> /dev/null || true
   grep -E "tests passed|tests failed|\(Failed\)|\(Skipped\)" "$out/gpu-tests.log" | tail -n 20 || true
   wait "$ptxas_pid" || true
   read -r ptxas_rc ptxas_s < "$out/ptxas.rc" 2>/dev/null || { ptxas_rc=none ptxas_s=$((SECONDS - ptxas_start)); }
@@ -368,6 +371,10 @@ fi
     # The long poles of the tests' wall time (ctest's "Test #N: NAME ...   Passed   12.34 sec" lines).
     echo "longest:   $(sed -nE 's/^.*Test +#[0-9]+: ([^ ]+) .* ([0-9]+\.[0-9]+) sec$/\2 s \1/p' "$out/gpu-tests.log" |
       sort -rn | head -n 5 | paste -sd ';' | sed 's/;/; /g')"
+    # ... and the longest GoogleTest cases inside them ("[       OK ] Suite.Case (1234 ms)").
+    [[ -f $out/gpu-tests-full.log ]] &&
+      echo "cases:     $(sed -nE 's/^\[ +OK \] ([^ ]+) \(([0-9]+) ms\)$/\2 \1/p' "$out/gpu-tests-full.log" |
+        sort -rn | head -n 5 | awk '{printf "%s%.1f s %s", (NR > 1 ? "; " : ""), $1 / 1000, $2}')"
   fi
   if [[ -s $out/gpu-memory.csv ]]; then
     awk -F', *' '$2 + 0 > peak[$1] { peak[$1] = $2 + 0; total[$1] = $3 }
