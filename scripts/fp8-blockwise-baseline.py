@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """cuBLAS's FP8 GEMM with DeepSeek's block scales (1 x 128 activations, 128 x 128 weights) through
-torch._scaled_mm: a second implementation of the grouped GEMM's math, timed on the same machine
+torch.nn.functional.scaled_mm (and, unscaled, torch._scaled_mm): a second implementation of the grouped GEMM's math, timed on the same machine
 and day as `epmoe bench gemm` (issue 4's yardstick beside DeepGEMM's anchors).
 
 One dense product per shape (M x N x K, one "group"), operands quantized the way DeepGEMM's tests
@@ -57,34 +57,32 @@ def main():
         w, sw = quantize(torch.randn(n, k, device="cuda"), 128, 128)  # sw [N/128, K/128]
         b = w.t()  # [K, N], column-major, as _scaled_mm wants its second operand
         one = torch.ones((), device="cuda")
+
+        def inferred(scale_a, scale_b):
+            """torch._scaled_mm, which infers the scaling from the scales' shapes."""
+            return lambda: torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
+
         tries = {
             # per-tensor scales: cuBLAS's plain FP8 rate on the same bits (no block scaling)
-            "per_tensor": (one, one),
-            # 1 x 128 and 128 x 128 blocks; the scale layouts PyTorch documents for cuBLAS
-            # (the activation scales M-major, i.e. the transpose of a contiguous [K/128, M])
-            "blockwise_mmajor": (sa.t().contiguous().t(), sw.t().contiguous()),
-            "blockwise_kmajor": (sa, sw.t().contiguous()),
-            "blockwise_kmajor_wT": (sa, sw),
+            "per_tensor": inferred(one, one),
+            # 1 x 128 and 128 x 128 blocks in the layouts session 32 tried (each refused by the inference:
+            # "Invalid scaling configuration"; kept to show whether a later PyTorch takes them)
+            "blockwise_mmajor": inferred(sa.t().contiguous().t(), sw.t().contiguous()),
+            "blockwise_kmajor": inferred(sa, sw.t().contiguous()),
+            "blockwise_kmajor_wT": inferred(sa, sw),
         }
-        # The explicit-recipe entry point (torch.nn.functional.scaled_mm, PyTorch >= 2.9): the activation
-        # scales M-major (a transposed view of a contiguous [K/128, M]) and the weight scales as the
-        # transposed view of their [N/128, K/128] storage (session 32's tries above were refused by
-        # _scaled_mm's inference; K/128 and M are multiples of 4 here, as cuBLAS wants them).
-        recipes = {}
-        functional = getattr(torch.nn, "functional")
-        if hasattr(functional, "scaled_mm") and hasattr(functional, "ScalingType"):
-            st = functional.ScalingType
-            recipes["blockwise_recipes"] = (sa.t().contiguous().t(), st.BlockWise1x128, sw.t(), st.BlockWise128x128)
-        tries.update({name: None for name in recipes})
-        for name, scales in tries.items():
+        # The explicit-recipe entry point (PyTorch >= 2.9), which takes them: the activation scales M-major
+        # (a transposed view of a contiguous [K/128, M]), the weight scales as the transposed view of their
+        # [N/128, K/128] storage (K/128 and M multiples of 4, as cuBLAS wants them).
+        F = torch.nn.functional
+        if hasattr(F, "scaled_mm"):
+            sa_m_major = sa.t().contiguous().t()
+            tries["blockwise_recipes"] = lambda: F.scaled_mm(
+                a, b, sa_m_major, F.ScalingType.BlockWise1x128, sw.t(), F.ScalingType.BlockWise128x128,
+                output_dtype=torch.bfloat16)
+        for name, fn in tries.items():
             row = {"shape": shape, "m": m, "n": n, "k": k, "scaling": name}
             try:
-                if scales is None:
-                    sa_r, ra, sw_r, rb = recipes[name]
-                    fn = lambda: functional.scaled_mm(a, b, sa_r, ra, sw_r, rb, output_dtype=torch.bfloat16)  # noqa: E731
-                else:
-                    scale_a, scale_b = scales
-                    fn = lambda: torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)  # noqa: E731
                 out = fn()
                 if name != "per_tensor":  # a spot check of the math against the dequantized operands
                     ref = (a[:64].float().view(64, k // 128, 128) * sa[:64].view(64, k // 128, 1)).view(64, k) @ (
